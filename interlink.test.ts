@@ -9,6 +9,12 @@ import * as os from "node:os";
 import * as path from "node:path";
 import {
   addPeer,
+  Bus,
+  BusQueues,
+  Roster,
+  recvTimeoutMs,
+  RECV_TIMEOUT_MAX_MS,
+  BODY_LIMIT_BYTES,
   b64urlDecode,
   b64urlEncode,
   canonicalBytes,
@@ -590,4 +596,388 @@ describe("identity files and the allowlist", () => {
   });
 });
 
-afterAll(() => {});
+// ----------------------------------------------------------------------------
+// Helpers for processes
+
+export interface Child {
+  proc: ReturnType<typeof Bun.spawn>;
+  stderr: string[];
+  /** Resolves with the first stderr line matching `re`. */
+  waitFor(re: RegExp, ms?: number): Promise<RegExpMatchArray>;
+}
+
+export function spawnChild(argv: string[], env: Record<string, string> = {}): Child {
+  const proc = Bun.spawn(argv, { stdin: "ignore", stdout: "ignore", stderr: "pipe", env: { ...process.env, ...env }, cwd: REPO });
+  const lines: string[] = [];
+  const watchers: { re: RegExp; resolve(m: RegExpMatchArray): void }[] = [];
+  (async () => {
+    const decoder = new TextDecoder();
+    let buf = "";
+    for await (const chunk of proc.stderr as ReadableStream<Uint8Array>) {
+      buf += decoder.decode(chunk);
+      let nl;
+      while ((nl = buf.indexOf("\n")) !== -1) {
+        const line = buf.slice(0, nl);
+        buf = buf.slice(nl + 1);
+        lines.push(line);
+        if (process.env.INTERLINK_TEST_VERBOSE) process.stderr.write(`  [child ${proc.pid}] ${line}\n`);
+        for (const w of watchers.splice(0)) {
+          const m = line.match(w.re);
+          if (m) w.resolve(m);
+          else watchers.push(w);
+        }
+      }
+    }
+  })();
+  return {
+    proc,
+    stderr: lines,
+    waitFor(re, ms = 30_000) {
+      for (const line of lines) {
+        const m = line.match(re);
+        if (m) return Promise.resolve(m);
+      }
+      return new Promise((resolve, reject) => {
+        const timer = setTimeout(() => reject(new Error(`no stderr line matched ${re} within ${ms} ms; got:\n${lines.join("\n")}`)), ms);
+        watchers.push({ re, resolve: (m) => (clearTimeout(timer), resolve(m)) });
+      });
+    },
+  };
+}
+
+export async function startBus(runtime: "bun" | "deno", dataDir: string, extra: string[] = []): Promise<Child & { url: string }> {
+  const child = spawnChild([...runtimeArgv(runtime), "bus", "--port", "0", "--data", dataDir, ...extra]);
+  const m = await Promise.race([
+    child.waitFor(/listening on (http:\/\/\S+)/),
+    child.proc.exited.then((code) => {
+      throw new Error(`bus exited with ${code}:\n${child.stderr.join("\n")}`);
+    }),
+  ]);
+  return { ...child, url: m[1] };
+}
+
+async function stop(child: Child, signal: NodeJS.Signals = "SIGTERM") {
+  child.proc.kill(signal);
+  await child.proc.exited;
+}
+
+// ----------------------------------------------------------------------------
+describe("bus: the HTTP handler", () => {
+  let bus: Bus;
+  let dir: string;
+  const logs: string[] = [];
+  const call = (method: string, path: string, body?: unknown, init: RequestInit = {}) =>
+    bus.handler(new Request(`http://bus${path}`, { method, body: body === undefined ? undefined : typeof body === "string" ? body : JSON.stringify(body), ...init }));
+  const send = (to: string, payload: unknown) => call("POST", "/send", { to, payload });
+  const recv = async (me: string, timeout = 0) => (await call("GET", `/recv?me=${encodeURIComponent(me)}&timeout_ms=${timeout}`)).json();
+  const ack = (me: string, key: string) => call("POST", "/ack", { me, ack: key });
+
+  beforeAll(async () => {
+    dir = tmpDir();
+    bus = await Bus.open(dir, { cap: 3, log: (m) => logs.push(m) });
+  });
+  afterAll(() => bus.close());
+
+  test("send answers 202; recv answers the oldest message with its envelope and an ack key of the recipient", async () => {
+    expect((await send("alice", { hello: 1 })).status).toBe(202);
+    const r = await recv("alice");
+    expect(r.status).toBe("message");
+    expect(r.envelope.payload).toEqual({ hello: 1 });
+    expect(typeof r.envelope.ts).toBe("number");
+    expect(r.ack.startsWith("alice\0")).toBe(true);
+    expect((await ack("alice", r.ack)).status).toBe(200);
+    expect(await recv("alice")).toEqual({ status: "timeout" });
+  });
+
+  test("recv does not remove: the same message is answered until it is acked, then the next in FIFO order", async () => {
+    for (const n of [1, 2, 3]) await send("fifo", { n });
+    const first = await recv("fifo");
+    expect((await recv("fifo")).ack).toBe(first.ack);
+    const order = [];
+    for (let i = 0; i < 3; i++) {
+      const r = await recv("fifo");
+      order.push(r.envelope.payload.n);
+      await ack("fifo", r.ack);
+    }
+    expect(order).toEqual([1, 2, 3]);
+  });
+
+  test("acks are idempotent, but a key of another recipient is 403", async () => {
+    await send("bob", "x");
+    const r = await recv("bob");
+    expect((await ack("eve", r.ack)).status).toBe(403);
+    expect((await recv("bob")).ack).toBe(r.ack); // still there
+    expect((await ack("bob", r.ack)).status).toBe(200);
+    expect((await ack("bob", r.ack)).status).toBe(200);
+    expect((await ack("bob", "bob\u0000999999")).status).toBe(200);
+    expect((await ack("bob", "bob\u0000not-a-number")).status).toBe(200);
+    // "bo" must not ack "bob"'s messages by prefix: the key must start with "bo\0".
+    await send("bob", "y");
+    const y = await recv("bob");
+    expect((await ack("bo", y.ack)).status).toBe(403);
+  });
+
+  test("recipients are isolated, and key#label is just another recipient", async () => {
+    await send("K", "bare");
+    await send("K#work", "labelled");
+    expect((await recv("K#work")).envelope.payload).toBe("labelled");
+    expect((await recv("K")).envelope.payload).toBe("bare");
+    expect(await recv("K#home")).toEqual({ status: "timeout" });
+    const r = await recv("K#work");
+    expect((await ack("K", r.ack)).status).toBe(403);
+  });
+
+  test("past the cap the oldest is dropped, and the drop is logged with the recipient's fingerprint", async () => {
+    const to = "1AnB2ji_KedfVpS_CH-QIRK4wdLdNziJkIgyNroYiYE";
+    for (const n of [1, 2, 3, 4]) await send(to, n);
+    expect((await recv(to)).envelope.payload).toBe(2);
+    expect(logs.some((l) => l.includes("1AnB2ji_") && l.includes("dropped its oldest"))).toBe(true);
+  });
+
+  test("malformed JSON and wrong field types are 400 with a short JSON error", async () => {
+    for (const [body, why] of [
+      ["{not json", "not JSON"],
+      ['"just a string"', "expected"],
+      [{ to: 5, payload: 1 }, '"to"'],
+      [{ to: "", payload: 1 }, '"to"'],
+      [{ to: "a\u0000b", payload: 1 }, "NUL"],
+      [{ to: "x".repeat(600), payload: 1 }, "longer"],
+      [{ to: "a" }, '"payload" is missing'],
+    ] as const) {
+      const r = await call("POST", "/send", body);
+      expect(r.status).toBe(400);
+      expect((await r.json()).error).toContain(why);
+    }
+    expect((await call("POST", "/send")).status).toBe(400);
+    expect((await call("POST", "/ack", { me: "a", ack: 5 })).status).toBe(400);
+    expect((await call("POST", "/ack", { ack: "a\u00001" })).status).toBe(400);
+    expect((await call("GET", "/recv")).status).toBe(400);
+    expect((await call("GET", "/recv?me=a&timeout_ms=soon")).status).toBe(400);
+    expect((await call("GET", "/recv?me=a&timeout_ms=-5")).status).toBe(400);
+    expect((await call("POST", "/announce", { name: "no key" })).status).toBe(400);
+  });
+
+  test("unknown path is 404, wrong method is 405 with Allow", async () => {
+    expect((await call("GET", "/nope")).status).toBe(404);
+    const r = await call("GET", "/send");
+    expect(r.status).toBe(405);
+    expect(r.headers.get("allow")).toBe("POST");
+    expect((await call("POST", "/roster")).status).toBe(405);
+  });
+
+  test("a body over 1 MiB is 413, whether declared or streamed without a length", async () => {
+    const big = JSON.stringify({ to: "a", payload: "x".repeat(BODY_LIMIT_BYTES) });
+    expect((await call("POST", "/send", big)).status).toBe(413);
+    const stream = new ReadableStream({
+      start(c) {
+        for (let i = 0; i < 20; i++) c.enqueue(new Uint8Array(100_000));
+        c.close();
+      },
+    });
+    expect((await call("POST", "/send", undefined, { body: stream })).status).toBe(413);
+    expect(await recv("a")).toEqual({ status: "timeout" }); // nothing half-enqueued
+  });
+
+  test("timeout_ms defaults to 25 s and is clamped to 60 s", () => {
+    expect(recvTimeoutMs(null)).toBe(25_000);
+    expect(recvTimeoutMs("1000")).toBe(1000);
+    expect(recvTimeoutMs("99999999")).toBe(RECV_TIMEOUT_MAX_MS);
+  });
+
+  test("a waiting recv is woken the moment a message for it arrives, not at its timeout", async () => {
+    const t0 = performance.now();
+    const waiting = recv("sleeper", 20_000);
+    await Bun.sleep(50);
+    expect(bus.waiterCount).toBe(1);
+    await send("sleeper", "wake");
+    const r = await waiting;
+    expect(r.envelope.payload).toBe("wake");
+    expect(performance.now() - t0).toBeLessThan(2000);
+    expect(bus.waiterCount).toBe(0);
+  });
+
+  test("a message for someone else does not wake a waiter, and its timeout answers timeout", async () => {
+    const waiting = recv("patient", 300);
+    await send("other", "not yours");
+    expect(await waiting).toEqual({ status: "timeout" });
+  });
+
+  test("a client that disconnects mid-wait leaks no waiter", async () => {
+    const aborts = Array.from({ length: 100 }, () => new AbortController());
+    const pending = aborts.map((c, i) => call("GET", `/recv?me=gone${i}&timeout_ms=30000`, undefined, { signal: c.signal }).catch(() => null));
+    await Bun.sleep(20);
+    expect(bus.waiterCount).toBe(100);
+    for (const c of aborts) c.abort();
+    await Promise.all(pending);
+    expect(bus.waiterCount).toBe(0);
+  });
+
+  test("announce is stored unverified and listed on the roster", async () => {
+    expect((await call("POST", "/announce", { pubkey: "k1", name: "n", ts: 1, sig: "s" })).status).toBe(202);
+    const r = await (await call("GET", "/roster")).json();
+    expect(r.roster).toContainEqual({ pubkey: "k1", name: "n", ts: 1, sig: "s" });
+  });
+
+  test("a second bus on the same data folder is refused with a clear error", async () => {
+    await expect(Bus.open(dir)).rejects.toThrow(/bus\.lock is held by interlink bus \(pid \d+\)/);
+  });
+});
+
+describe("bus: queue and roster logic", () => {
+  test("FIFO per recipient, keep until ack, redelivery of the un-acked head", () => {
+    const q = new BusQueues(10);
+    q.add("a", 1, "1");
+    q.add("a", 2, "2");
+    q.add("b", 3, "3");
+    expect(q.first("a")!.payload).toBe("1");
+    expect(q.first("a")!.payload).toBe("1");
+    expect(q.remove("a", q.first("a")!.seq)).toBe(true);
+    expect(q.first("a")!.payload).toBe("2");
+    expect(q.first("b")!.payload).toBe("3");
+    expect(q.remove("a", 999)).toBe(false);
+  });
+
+  test("an ack may name any entry, not only the head; empty queues are deleted", () => {
+    const q = new BusQueues(10);
+    const seqs = [1, 2, 3].map((n) => q.add("a", n, String(n)).item.seq);
+    expect(q.remove("a", seqs[1])).toBe(true);
+    expect([...q.live()].map(([, m]) => m.payload)).toEqual(["1", "3"]);
+    q.remove("a", seqs[0]);
+    q.remove("a", seqs[2]);
+    expect(q.recipientCount).toBe(0);
+    expect(q.liveCount).toBe(0);
+  });
+
+  test("the cap drops the oldest and reports it", () => {
+    const q = new BusQueues(2);
+    q.add("a", 1, "1");
+    q.add("a", 2, "2");
+    expect(q.add("a", 3, "3").dropped?.payload).toBe("1");
+    expect([...q.live()].map(([, m]) => m.payload)).toEqual(["2", "3"]);
+  });
+
+  test("roster entries expire after 90 s and the roster is capped", () => {
+    const r = new Roster(3, 90_000);
+    r.put("a", '"a"', 0);
+    r.put("b", '"b"', 50_000);
+    expect(r.list(89_999)).toEqual(['"a"', '"b"']);
+    expect(r.list(90_000)).toEqual(['"b"']);
+    for (const k of ["c", "d", "e"]) r.put(k, `"${k}"`, 60_000);
+    expect(r.list(60_000)).toEqual(['"c"', '"d"', '"e"']);
+    r.put("c", '"c2"', 70_000); // re-announcing refreshes and moves to the back
+    expect(r.list(70_000)).toEqual(['"d"', '"e"', '"c2"']);
+  });
+});
+
+describe("bus: durability", () => {
+  test("closing and reopening delivers every un-acked message in order with its original ack key; acked ones never return", async () => {
+    const dir = tmpDir();
+    let bus = await Bus.open(dir);
+    for (let n = 0; n < 10; n++) await bus.send("r", JSON.stringify(n));
+    const keys: number[] = [];
+    for (let n = 0; n < 4; n++) {
+      const m = (await bus.recv("r", 0))!;
+      keys.push(m.seq);
+      bus.ack("r", m.seq);
+    }
+    const head = (await bus.recv("r", 0))!;
+    await bus.close();
+    bus = await Bus.open(dir);
+    expect(bus.recovery.messages).toBe(6);
+    const again = (await bus.recv("r", 0))!;
+    expect(again.seq).toBe(head.seq);
+    const got = [];
+    for (let m = await bus.recv("r", 0); m; m = await bus.recv("r", 0)) {
+      got.push(JSON.parse(m.payload));
+      bus.ack("r", m.seq);
+    }
+    expect(got).toEqual([4, 5, 6, 7, 8, 9]);
+    await bus.close();
+  });
+
+  test("compaction keeps disk use proportional to what is live, and keeps seq numbers unique", async () => {
+    const dir = tmpDir();
+    const file = path.join(dir, "queue.jsonl");
+    let bus = await Bus.open(dir);
+    const payload = JSON.stringify("p".repeat(200));
+    for (let round = 0; round < 12; round++) {
+      await Promise.all(Array.from({ length: 1000 }, () => bus.send("r", payload)));
+      for (let m = await bus.recv("r", 0); m; m = await bus.recv("r", 0)) bus.ack("r", m.seq);
+    }
+    await bus.send("r", '"last"');
+    const last = (await bus.recv("r", 0))!;
+    expect(fs.statSync(file).size).toBeLessThan(12_000 * 300); // far below everything ever sent
+    await bus.close();
+    bus = await Bus.open(dir);
+    expect(bus.recovery.messages).toBe(1);
+    expect((await bus.recv("r", 0))!.seq).toBe(last.seq);
+    await bus.send("r", '"after"');
+    bus.ack("r", last.seq);
+    expect((await bus.recv("r", 0))!.seq).toBeGreaterThan(last.seq);
+    await bus.close();
+  }, 60_000);
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test(`${runtime}: a real bus killed with SIGKILL and restarted delivers every un-acked message exactly as before`, async () => {
+      const dir = tmpDir();
+      let child = await startBus(runtime, dir);
+      const post = (url: string, p: string, body: unknown) => fetch(url + p, { method: "POST", body: JSON.stringify(body) });
+      for (let n = 0; n < 20; n++) expect((await post(child.url, "/send", { to: "me#inbox", payload: { n } })).status).toBe(202);
+      const before: { n: number; ack: string }[] = [];
+      for (let i = 0; i < 20; i++) {
+        const r = await (await fetch(`${child.url}/recv?me=${encodeURIComponent("me#inbox")}&timeout_ms=0`)).json();
+        before.push({ n: r.envelope.payload.n, ack: r.ack });
+        if (i < 5) await post(child.url, "/ack", { me: "me#inbox", ack: r.ack });
+        else break;
+      }
+      await stop(child, "SIGKILL");
+      // Restart under the other runtime too: the data folder is runtime-neutral.
+      child = await startBus(runtime === "bun" ? "deno" : "bun", dir);
+      try {
+        const after: { n: number; ack: string }[] = [];
+        for (;;) {
+          const r = await (await fetch(`${child.url}/recv?me=${encodeURIComponent("me#inbox")}&timeout_ms=0`)).json();
+          if (r.status === "timeout") break;
+          after.push({ n: r.envelope.payload.n, ack: r.ack });
+          expect((await post(child.url, "/ack", { me: "me#inbox", ack: r.ack })).status).toBe(200);
+        }
+        expect(after.map((m) => m.n)).toEqual(Array.from({ length: 15 }, (_, i) => i + 5));
+        expect(after[0].ack).toBe(before[5].ack); // the same ack key names the same message
+      } finally {
+        await stop(child);
+      }
+    }, 60_000);
+  }
+
+  test("a torn final JSONL line after a crash is skipped and the bus starts with everything before it", async () => {
+    const dir = tmpDir();
+    const bus = await Bus.open(dir);
+    await bus.send("r", '"kept"');
+    await bus.close();
+    fs.appendFileSync(path.join(dir, "queue.jsonl"), '{"t":"m","q":"r","n":99,"ts":1,"p":"\\"tor');
+    const child = await startBus("deno", dir);
+    try {
+      await child.waitFor(/skipped 1 unreadable lines/);
+      const r = await (await fetch(`${child.url}/recv?me=r&timeout_ms=0`)).json();
+      expect(r.envelope.payload).toBe("kept");
+      await fetch(`${child.url}/send`, { method: "POST", body: JSON.stringify({ to: "r", payload: "new" }) });
+    } finally {
+      await stop(child);
+    }
+    const reopened = await Bus.open(dir);
+    expect(reopened.recovery.messages).toBe(2);
+    await reopened.close();
+  }, 60_000);
+
+  test("a second bus process on the same folder refuses with a clear error", async () => {
+    const dir = tmpDir();
+    const first = await startBus("bun", dir);
+    try {
+      const second = spawnChild([...runtimeArgv("bun"), "bus", "--port", "0", "--data", dir]);
+      expect(await second.proc.exited).toBe(1);
+      expect(second.stderr.join("\n")).toMatch(/bus\.lock is held by interlink bus \(pid \d+\)/);
+    } finally {
+      await stop(first);
+    }
+  }, 30_000);
+});

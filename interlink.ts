@@ -1114,6 +1114,437 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 }
 
 // ============================================================================
+// The bus
+// ============================================================================
+//
+// A dumb relay (SPEC "Bus HTTP API"): it routes opaque JSON to a recipient
+// string, verifies nothing, holds no keys, and keeps each message until its
+// recipient acks it. Its state is one JSONL file in the data folder:
+//   {"t":"m","q":<recipient>,"n":<seq>,"ts":<ms>,"p":<payload as JSON text>}  accepted
+//   {"t":"a","q":<recipient>,"n":<seq>}                                       acked
+//   {"t":"d","q":<recipient>,"n":<seq>}                                       dropped by the cap
+//   {"t":"h","next":<seq>}                                                    first line after compaction
+// `seq` is global and never reused (compaction keeps the high-water mark), so
+// an ack key handed out before a restart still names the same message after it.
+// Payloads stay JSON text end to end: the bus never parses what it relays.
+
+interface Queued {
+  seq: number;
+  ts: number;
+  payload: string;
+  gone: boolean;
+}
+
+/** One recipient's FIFO, in seq order. Acked entries are marked and skipped; the array is trimmed as the head advances. */
+class RecipientQueue {
+  items: Queued[] = [];
+  head = 0;
+  live = 0;
+
+  first(): Queued | undefined {
+    while (this.head < this.items.length && this.items[this.head].gone) this.head++;
+    if (this.head > 1024 && this.head * 2 > this.items.length) {
+      this.items = this.items.slice(this.head);
+      this.head = 0;
+    }
+    return this.items[this.head];
+  }
+
+  /** Marks `seq` gone; binary search, since acks may name any entry, not only the head. */
+  remove(seq: number): Queued | undefined {
+    let lo = this.head, hi = this.items.length - 1;
+    while (lo <= hi) {
+      const mid = (lo + hi) >> 1;
+      const item = this.items[mid];
+      if (item.seq === seq) {
+        if (item.gone) return undefined;
+        item.gone = true;
+        this.live--;
+        return item;
+      }
+      if (item.seq < seq) lo = mid + 1;
+      else hi = mid - 1;
+    }
+    return undefined;
+  }
+}
+
+/**
+ * The queue logic of the bus, with no I/O: one bounded FIFO per recipient.
+ * Memory is proportional to what is held: a queue is deleted when it empties.
+ */
+export class BusQueues {
+  #queues = new Map<string, RecipientQueue>();
+  nextSeq = 1;
+  liveCount = 0;
+
+  constructor(readonly cap = QUEUE_CAP) {}
+
+  get recipientCount(): number {
+    return this.#queues.size;
+  }
+
+  /** Appends a message; returns the entry dropped to stay within the cap, if any. */
+  add(to: string, ts: number, payload: string, seq = this.nextSeq): { item: Queued; dropped?: Queued } {
+    let q = this.#queues.get(to);
+    if (!q) this.#queues.set(to, (q = new RecipientQueue()));
+    const item = { seq, ts, payload, gone: false };
+    q.items.push(item);
+    q.live++;
+    this.liveCount++;
+    this.nextSeq = Math.max(this.nextSeq, seq + 1);
+    let dropped: Queued | undefined;
+    if (q.live > this.cap) {
+      dropped = q.first()!;
+      this.remove(to, dropped.seq);
+    }
+    return { item, dropped };
+  }
+
+  /** The oldest un-acked message for `to`; it stays there until acked. */
+  first(to: string): Queued | undefined {
+    return this.#queues.get(to)?.first();
+  }
+
+  remove(to: string, seq: number): boolean {
+    const q = this.#queues.get(to);
+    if (!q?.remove(seq)) return false;
+    this.liveCount--;
+    if (q.live === 0) this.#queues.delete(to);
+    return true;
+  }
+
+  /** Every live message, per recipient in seq order (what compaction keeps). */
+  *live(): Generator<[string, Queued]> {
+    for (const [to, q] of this.#queues) {
+      for (let i = q.head; i < q.items.length; i++) if (!q.items[i].gone) yield [to, q.items[i]];
+    }
+  }
+}
+
+/** Presence claims as posted, unverified (clients verify); bounded in count and age. */
+export class Roster {
+  #entries = new Map<string, { json: string; at: number }>();
+
+  constructor(readonly cap = ROSTER_CAP, readonly ttlMs = ROSTER_TTL_MS) {}
+
+  put(pubkey: string, json: string, nowMs: number): void {
+    this.#entries.delete(pubkey); // re-insert at the back: the map's order is freshness order
+    this.#entries.set(pubkey, { json, at: nowMs });
+    while (this.#entries.size > this.cap) this.#entries.delete(this.#entries.keys().next().value!);
+  }
+
+  list(nowMs: number): string[] {
+    for (const [key, e] of this.#entries) {
+      if (nowMs - e.at < this.ttlMs) break;
+      this.#entries.delete(key);
+    }
+    return [...this.#entries.values()].map((e) => e.json);
+  }
+}
+
+class HttpError extends Error {
+  constructor(readonly status: number, message: string) {
+    super(message);
+  }
+}
+
+const jsonResponse = (status: number, body: string, headers: Record<string, string> = {}): Response =>
+  new Response(body, { status, headers: { "content-type": "application/json", ...headers } });
+
+const errorResponse = (status: number, message: string): Response => jsonResponse(status, JSON.stringify({ error: message }));
+
+/** Reads a JSON body of at most BODY_LIMIT_BYTES, counting bytes as they arrive (Content-Length may be absent or lie). */
+async function readJsonBody(req: Request): Promise<unknown> {
+  const declared = Number(req.headers.get("content-length") ?? "0");
+  if (declared > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`);
+  if (!req.body) throw new HttpError(400, "empty body; expected JSON");
+  const reader = req.body.getReader();
+  const chunks: Uint8Array[] = [];
+  let size = 0;
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    size += value.length;
+    if (size > BODY_LIMIT_BYTES) {
+      await reader.cancel().catch(() => {});
+      throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`);
+    }
+    chunks.push(value);
+  }
+  try {
+    return JSON.parse(Buffer.concat(chunks).toString("utf8"));
+  } catch (e) {
+    throw new HttpError(400, `body is not JSON (${(e as Error).message})`);
+  }
+}
+
+function recipientParam(value: unknown, name: string): string {
+  if (typeof value !== "string" || value === "") throw new HttpError(400, `"${name}" must be a non-empty string`);
+  if (value.length > RECIPIENT_MAX_CHARS) throw new HttpError(400, `"${name}" is longer than ${RECIPIENT_MAX_CHARS} characters`);
+  // Ack keys are `recipient + "\0" + seq`; a NUL inside a recipient would let "a" ack the messages of "a\0x".
+  if (value.includes("\0")) throw new HttpError(400, `"${name}" must not contain NUL`);
+  return value;
+}
+
+/** Largest announcement kept: a real one is ~200 bytes, and the roster holds ROSTER_CAP of them. */
+const ANNOUNCEMENT_MAX_BYTES = 4096;
+
+export interface BusOptions {
+  cap?: number;
+  log?: (msg: string) => void;
+  now?: () => number;
+}
+
+/** The durable bus: BusQueues and Roster behind a Request → Response handler, on one JSONL file. */
+export class Bus {
+  readonly roster = new Roster();
+  #waiters = new Map<string, Set<() => void>>();
+  #syncScheduled = false;
+  readonly #log: (msg: string) => void;
+  readonly #now: () => number;
+
+  private constructor(
+    readonly dataDir: string,
+    readonly queues: BusQueues,
+    readonly recovery: RecoveryReport,
+    private writer: JsonlWriter,
+    private lock: PidLock,
+    private dead: number, // records in the file that no longer describe a live message
+    opts: BusOptions,
+  ) {
+    this.#log = opts.log ?? logInfo;
+    this.#now = opts.now ?? Date.now;
+  }
+
+  /** Locks the data folder, replays the queue file and compacts it if it is mostly dead. */
+  static async open(dataDir: string, opts: BusOptions = {}): Promise<Bus> {
+    fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
+    const lock = await PidLock.acquire(path.join(dataDir, "bus.lock"), "interlink bus");
+    try {
+      const file = path.join(dataDir, "queue.jsonl");
+      const started = performance.now();
+      const queues = new BusQueues(opts.cap ?? QUEUE_CAP);
+      let records = 0, skipped = 0, dropped = 0;
+      const { tornBytes } = scanJsonl(file, 0, (r) => {
+        records++;
+        if (r.t === "h" && typeof r.next === "number") queues.nextSeq = Math.max(queues.nextSeq, r.next);
+        else if (typeof r.q !== "string" || typeof r.n !== "number") skipped++;
+        else if (r.t === "m" && typeof r.p === "string" && typeof r.ts === "number") {
+          if (queues.add(r.q, r.ts, r.p, r.n).dropped) dropped++;
+        } else if (r.t === "a" || r.t === "d") queues.remove(r.q, r.n);
+        else skipped++;
+      }, () => skipped++);
+      const recovery = {
+        messages: queues.liveCount,
+        recipients: queues.recipientCount,
+        skippedLines: skipped + (tornBytes ? 1 : 0),
+        droppedByCap: dropped,
+        ms: Math.round(performance.now() - started),
+      };
+      const bus = new Bus(dataDir, queues, recovery, new JsonlWriter(file), lock, records - queues.liveCount, opts);
+      bus.#maybeCompact();
+      return bus;
+    } catch (e) {
+      lock.release();
+      throw e;
+    }
+  }
+
+  /** Open long-polls right now (for tests and `bench`). */
+  get waiterCount(): number {
+    let n = 0;
+    for (const set of this.#waiters.values()) n += set.size;
+    return n;
+  }
+
+  readonly handler = async (req: Request): Promise<Response> => {
+    const url = new URL(req.url);
+    const route = BUS_ROUTES[url.pathname];
+    if (!route) return errorResponse(404, `no route ${url.pathname}; the bus serves ${Object.keys(BUS_ROUTES).join(", ")}`);
+    if (req.method !== route.method) {
+      return new Response(JSON.stringify({ error: `${url.pathname} takes ${route.method}` }), {
+        status: 405,
+        headers: { allow: route.method, "content-type": "application/json" },
+      });
+    }
+    try {
+      return await route.handle(this, req, url);
+    } catch (e) {
+      if (e instanceof HttpError) return errorResponse(e.status, e.message);
+      this.#log(`internal error on ${url.pathname}: ${(e as Error).stack ?? e}`);
+      return errorResponse(500, "internal error; see the bus log");
+    }
+  };
+
+  async send(to: string, payload: string): Promise<void> {
+    const seq = this.queues.nextSeq++;
+    const ts = this.#now();
+    this.writer.append([{ t: "m", q: to, n: seq, ts, p: payload }]);
+    await this.writer.sync(); // 202 means on disk: group commit shares this fsync with concurrent sends
+    const { dropped } = this.queues.add(to, ts, payload, seq);
+    if (dropped) {
+      this.writer.append([{ t: "d", q: to, n: dropped.seq }]);
+      this.dead += 2;
+      this.#log(`queue for ${fingerprint(to)}${to.includes("#") ? to.slice(to.indexOf("#")) : ""} is over its cap of ${this.queues.cap}; dropped its oldest message (seq ${dropped.seq})`);
+    }
+    const waiting = this.#waiters.get(to);
+    if (waiting) for (const wake of waiting) wake();
+    this.#maybeCompact();
+  }
+
+  /** The oldest un-acked message for `me`, waiting up to `timeoutMs` for one to arrive. */
+  async recv(me: string, timeoutMs: number, signal?: AbortSignal): Promise<Queued | undefined> {
+    const ready = this.queues.first(me);
+    if (ready || timeoutMs <= 0 || signal?.aborted) return ready;
+    await new Promise<void>((resolve) => {
+      let set = this.#waiters.get(me);
+      if (!set) this.#waiters.set(me, (set = new Set()));
+      const done = () => {
+        clearTimeout(timer);
+        signal?.removeEventListener("abort", done);
+        set!.delete(done);
+        if (set!.size === 0 && this.#waiters.get(me) === set) this.#waiters.delete(me);
+        resolve();
+      };
+      const timer = setTimeout(done, timeoutMs);
+      signal?.addEventListener("abort", done);
+      set.add(done);
+    });
+    return this.queues.first(me);
+  }
+
+  /** Acks are written before answering (they survive a crash of this process) and fsynced lazily: a lost ack only means a redelivery, which receivers dedupe. */
+  ack(me: string, seq: number): void {
+    if (!this.queues.remove(me, seq)) return;
+    this.writer.append([{ t: "a", q: me, n: seq }]);
+    this.dead += 2;
+    this.#syncSoon();
+    this.#maybeCompact();
+  }
+
+  #syncSoon(): void {
+    if (this.#syncScheduled) return;
+    this.#syncScheduled = true;
+    setTimeout(() => {
+      this.#syncScheduled = false;
+      this.writer.sync().catch((e) => this.#log(`fsync failed: ${(e as Error).message}`));
+    }, 50);
+  }
+
+  /** Rewrites the file to its live messages once dead records dominate, so disk use tracks what is held. */
+  #maybeCompact(): void {
+    if (this.dead < Math.max(COMPACT_MIN_DEAD, this.queues.liveCount)) return;
+    const records: object[] = [{ t: "h", next: this.queues.nextSeq }];
+    for (const [q, m] of this.queues.live()) records.push({ t: "m", q, n: m.seq, ts: m.ts, p: m.payload });
+    this.writer.compact(records);
+    this.dead = 0;
+  }
+
+  async close(): Promise<void> {
+    for (const set of this.#waiters.values()) for (const wake of set) wake();
+    await this.writer.sync().catch(() => {});
+    this.writer.close();
+    this.lock.release();
+  }
+}
+
+export interface RecoveryReport {
+  messages: number;
+  recipients: number;
+  skippedLines: number;
+  droppedByCap: number;
+  ms: number;
+}
+
+const ackKey = (me: string, seq: number) => `${me}\0${seq}`;
+
+/** The long-poll wait a recv asks for: default when absent, clamped to RECV_TIMEOUT_MAX_MS. */
+export function recvTimeoutMs(raw: string | null): number {
+  if (raw === null || raw === "") return RECV_TIMEOUT_MS;
+  const n = Number(raw);
+  if (!Number.isInteger(n) || n < 0) throw new HttpError(400, `timeout_ms must be a non-negative integer, got ${JSON.stringify(raw)}`);
+  return Math.min(n, RECV_TIMEOUT_MAX_MS);
+}
+
+const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request, url: URL): Promise<Response> }> = {
+  "/send": {
+    method: "POST",
+    async handle(bus, req) {
+      const body = await readJsonBody(req);
+      if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
+      const to = recipientParam(body.to, "to");
+      if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
+      await bus.send(to, JSON.stringify(body.payload));
+      return jsonResponse(202, '{"status":"queued"}');
+    },
+  },
+  "/recv": {
+    method: "GET",
+    async handle(bus, req, url) {
+      const me = recipientParam(url.searchParams.get("me"), "me");
+      const m = await bus.recv(me, recvTimeoutMs(url.searchParams.get("timeout_ms")), req.signal);
+      if (!m) return jsonResponse(200, '{"status":"timeout"}');
+      return jsonResponse(200, `{"status":"message","envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${JSON.stringify(ackKey(me, m.seq))}}`);
+    },
+  },
+  "/ack": {
+    method: "POST",
+    async handle(bus, req) {
+      const body = await readJsonBody(req);
+      if (!isObject(body)) throw new HttpError(400, 'expected {"me": <recipient>, "ack": <key>}');
+      const me = recipientParam(body.me, "me");
+      if (typeof body.ack !== "string") throw new HttpError(400, '"ack" must be a string');
+      if (!body.ack.startsWith(me + "\0")) throw new HttpError(403, "that ack key belongs to another recipient");
+      const seq = Number(body.ack.slice(me.length + 1));
+      if (Number.isSafeInteger(seq)) bus.ack(me, seq); // unknown or already acked: still 200, acks are idempotent
+      return jsonResponse(200, '{"status":"acked"}');
+    },
+  },
+  "/announce": {
+    method: "POST",
+    async handle(bus, req) {
+      const body = await readJsonBody(req);
+      if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") throw new HttpError(400, 'an announcement needs a "pubkey"');
+      const json = JSON.stringify(body);
+      if (json.length > ANNOUNCEMENT_MAX_BYTES) throw new HttpError(413, `announcement over ${ANNOUNCEMENT_MAX_BYTES} bytes`);
+      bus.roster.put(body.pubkey, json, Date.now());
+      return jsonResponse(202, '{"status":"announced"}');
+    },
+  },
+  "/roster": {
+    method: "GET",
+    handle(bus) {
+      return Promise.resolve(jsonResponse(200, `{"roster":[${bus.roster.list(Date.now()).join(",")}]}`));
+    },
+  },
+};
+
+export interface Listening {
+  port: number;
+  stop(): Promise<void>;
+}
+
+/** Binds a fetch handler to a TCP port with the host runtime's own server. */
+export function serveHttp(handler: (req: Request) => Promise<Response>, hostname: string, port: number): Promise<Listening> {
+  const { Bun, Deno } = runtimeHost;
+  if (Bun) {
+    // idleTimeout counts while a long-poll waits: keep it above RECV_TIMEOUT_MAX_MS.
+    const server = Bun.serve({ hostname, port, idleTimeout: Math.ceil(RECV_TIMEOUT_MAX_MS / 1000) + 30, fetch: handler });
+    return Promise.resolve({ port: server.port, stop: async () => server.stop(true) });
+  }
+  if (Deno) {
+    return new Promise((resolve) => {
+      const server = Deno.serve({ hostname, port, onListen: () => {} }, handler);
+      resolve({ port: server.addr.port, stop: () => server.shutdown() });
+    });
+  }
+  throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
+}
+
+const isLoopback = (host: string) => host === "localhost" || host === "::1" || /^127\./.test(host);
+
+// ============================================================================
 // CLI
 // ============================================================================
 //
@@ -1229,7 +1660,60 @@ export async function verifyLine(line: string): Promise<string> {
   }
 }
 
+function intOption(value: unknown, flag: string, min: number, max: number): number {
+  const n = Number(value);
+  if (typeof value !== "string" || !/^\d+$/.test(value) || n < min || n > max) {
+    throw new InterlinkError(`--${flag} must be an integer from ${min} to ${max}, got ${JSON.stringify(value)}`);
+  }
+  return n;
+}
+
+/** Resolves with the signal's name on the first SIGINT or SIGTERM. */
+function shutdownSignal(): Promise<string> {
+  return new Promise((resolve) => {
+    for (const sig of ["SIGINT", "SIGTERM"] as const) process.once(sig, () => resolve(sig));
+  });
+}
+
+async function runBus(o: Options): Promise<number> {
+  const host = o.host as string;
+  const port = intOption(o.port, "port", 0, 65535);
+  const cap = intOption(o.cap, "cap", 1, 10_000_000);
+  const dataDir = o.data as string;
+  logComponent = "interlink bus";
+  const bus = await Bus.open(dataDir, { cap });
+  let server: Listening;
+  try {
+    server = await serveHttp(bus.handler, host, port);
+  } catch (e) {
+    await bus.close();
+    throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
+  }
+  const r = bus.recovery;
+  logInfo(`listening on http://${host.includes(":") ? `[${host}]` : host}:${server.port} (data ${dataDir}, cap ${cap} per recipient)`);
+  logInfo(`recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms` + (r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "") + (r.droppedByCap ? `; dropped ${r.droppedByCap} over the cap` : ""));
+  if (!isLoopback(host)) logWarn(`bound to ${host}, not loopback: anything that reaches this port can enqueue and read the roster (messages stay signed, not secret)`);
+  const sig = await shutdownSignal();
+  logInfo(`${sig}: shutting down`);
+  await server.stop();
+  await bus.close();
+  return 0;
+}
+
 const COMMANDS: Record<string, CommandSpec> = {
+  bus: {
+    summary: "run the durable keep-until-ack relay that nodes talk through",
+    about:
+      "Speaks the interlink-bus HTTP API (POST /send, GET /recv, POST /ack, POST /announce,\n" +
+      "GET /roster). A message answered 202 is on disk; it is delivered until its recipient acks it.",
+    options: {
+      host: { type: "string", arg: "HOST", env: "INTERLINK_BUS_HOST", default: "127.0.0.1", help: "address to bind (non-loopback prints a warning)" },
+      port: { type: "string", arg: "PORT", env: "INTERLINK_BUS_PORT", default: String(DEFAULT_BUS_PORT), help: "TCP port; 0 picks a free one" },
+      data: { type: "string", arg: "DIR", env: "INTERLINK_BUS_DATA", default: () => path.join(stateDir(), "interlink", "bus"), help: "folder for the queue file (one bus per folder)" },
+      cap: { type: "string", arg: "N", env: "INTERLINK_QUEUE_CAP", default: String(QUEUE_CAP), help: "messages held per recipient before the oldest is dropped" },
+    },
+    run: runBus,
+  },
   keygen: {
     summary: "create this node's Ed25519 key file",
     options: {
