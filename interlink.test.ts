@@ -9,6 +9,9 @@ import * as os from "node:os";
 import * as path from "node:path";
 import {
   addPeer,
+  commandTable,
+  serverInstructions,
+  TOOLS,
   McpSession,
   type PushEvent,
   Bus,
@@ -1495,4 +1498,224 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
     expect(after).toContain("after restart");
     expect(after).not.toContain("before restart");
   }, 60_000);
+});
+
+// ----------------------------------------------------------------------------
+describe("operator experience: help, CLI, doctor, demo, README", () => {
+  test("--help for the program and every command is generated from the real flags; --version answers", () => {
+    const top = runCli("bun", ["--help"]);
+    expect(top.code).toBe(0);
+    for (const { name, flags, envs } of commandTable()) {
+      expect(top.stdout).toContain(`  ${name} `);
+      const help = runCli("bun", [name, "--help"]);
+      expect({ name, code: help.code }).toEqual({ name, code: 0 });
+      expect(help.stdout).toContain(`Usage: interlink.ts ${name}`);
+      for (const flag of flags) expect(help.stdout).toContain(`--${flag}`);
+      for (const env of envs) expect(help.stdout).toContain(env);
+    }
+    expect(runCli("bun", ["--version"]).stdout).toMatch(/^interlink 0\.4\.0 \(bun /);
+    expect(runCli("deno", ["--version"]).stdout).toMatch(/^interlink 0\.4\.0 \(deno /);
+    const unknown = runCli("bun", ["send", "--frobnicate"]);
+    expect(unknown.code).toBe(1);
+    expect(unknown.stderr).toContain("--frobnicate");
+    expect(unknown.stderr).toContain("Usage: interlink.ts send");
+    expect(runCli("bun", ["nope"]).code).toBe(2);
+  }, 60_000);
+
+  test("CLI against a real bus: send reaches a real agent, log and tasks show it, and no message goes twice", async () => {
+    const root = tmpDir();
+    const bus = await startBus("bun", path.join(root, "bus"));
+    const A = await makeNodeFiles(root, "alice");
+    const B = await makeNodeFiles(root, "bob");
+    befriend(A, B);
+    const bob = await McpNode.start("deno", B, bus.url);
+    const env = { INTERLINK_KEY: A.keyFile, INTERLINK_PEERS: A.peersFile, INTERLINK_STATE: A.stateDir, INTERLINK_URL: bus.url };
+    try {
+      // No agent runs for alice: the CLI sends by itself.
+      const sent = runCli("bun", ["send", "bob", "from the command line", "--task", "cli", "--status", "update"], { env });
+      expect({ code: sent.code, stderr: sent.stderr }).toEqual({ code: 0, stderr: "" });
+      expect(sent.stdout).toContain("sent at");
+      await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(sent.stdout));
+      const log = runCli("deno", ["log", "--peer", "bob"], { env });
+      expect(log.stdout).toContain("→ bob");
+      expect(log.stdout).toContain("[task cli · update] from the command line");
+      expect(runCli("bun", ["tasks", "--open"], { env }).stdout).toContain("task cli with bob; requested by you; status update; open");
+      // Bad input gets a clear error and sends nothing.
+      const bad = runCli("bun", ["send", "bob", "x", "--status", "update"], { env });
+      expect(bad.code).toBe(1);
+      expect(bad.stderr).toContain("status needs a task_id");
+      // With alice's agent running, the CLI hands the message to it: delivered exactly once.
+      const alice = await McpNode.start("bun", A, bus.url);
+      try {
+        const viaAgent = runCli("bun", ["send", "bob", "through the running agent"], { env });
+        expect(viaAgent.code).toBe(0);
+        const id = msgIdOf(viaAgent.stdout);
+        await bob.waitEvent((e) => e.meta.msg_id === id);
+        await Bun.sleep(1000);
+        expect(bob.events.filter((e) => e.meta.msg_id === id).length).toBe(1);
+        expect(await alice.ok("message_status", { msg_id: id })).toContain("sent at");
+        expect(readNodeLog(A.stateDir).filter((r) => r.t === "sent" && r.msg_id === id).length).toBe(1);
+      } finally {
+        await alice.close();
+      }
+    } finally {
+      await bob.close();
+      await stop(bus);
+    }
+  }, 90_000);
+
+  test("peers: list, add, refuse a rekey, remove", () => {
+    const file = path.join(tmpDir(), "peers.json");
+    const env = { INTERLINK_PEERS: file };
+    expect(runCli("bun", ["peers", "add", "bob", BOB.public_b64], { env }).stdout).toContain("added 'bob'");
+    const rekey = runCli("bun", ["peers", "add", "bob", EVE.public_b64], { env });
+    expect(rekey.code).toBe(1);
+    expect(rekey.stderr).toContain("refusing to rekey");
+    expect(runCli("deno", ["peers"], { env }).stdout).toContain(`bob              Izgjf_w6  ${BOB.public_b64}`);
+    expect(runCli("bun", ["peers", "remove", "bob"], { env }).stdout).toContain("removed 'bob'");
+    expect(runCli("bun", ["peers", "frob"], { env }).code).toBe(1);
+  }, 30_000);
+
+  test("doctor reports a dead bus, a bad peers.json and a readable key as problems, with fixes", async () => {
+    const root = tmpDir();
+    const keyFile = path.join(root, "id.key");
+    writeKeyFile(keyFile, crypto.getRandomValues(new Uint8Array(32)), false);
+    const peersFile = path.join(root, "peers.json");
+    fs.writeFileSync(peersFile, JSON.stringify({ bob: { key: "not-a-key" } }));
+    fs.chmodSync(keyFile, 0o644);
+    const port = await freePort();
+    const r = runCli("bun", ["doctor"], { env: { INTERLINK_KEY: keyFile, INTERLINK_PEERS: peersFile, INTERLINK_URL: `http://127.0.0.1:${port}`, INTERLINK_STATE: path.join(root, "state") } });
+    expect(r.code).toBe(1);
+    expect(r.stdout).toMatch(/PROBLEM  key file .* is readable by others \(mode 644\)\n\s+fix: chmod 600/);
+    expect(r.stdout).toMatch(/PROBLEM  Cannot parse .*peers\.json: 'bob'/);
+    expect(r.stdout).toMatch(new RegExp(`PROBLEM  bus http://127.0.0.1:${port} is unreachable`));
+    expect(r.stdout).toContain("ok       runtime bun");
+    // And a healthy set-up passes, under Deno this time.
+    fs.chmodSync(keyFile, 0o600);
+    fs.writeFileSync(peersFile, "{}");
+    const bus = await startBus("bun", path.join(root, "bus"));
+    try {
+      const good = runCli("deno", ["doctor"], { env: { INTERLINK_KEY: keyFile, INTERLINK_PEERS: peersFile, INTERLINK_URL: bus.url, INTERLINK_STATE: path.join(root, "state") } });
+      expect({ code: good.code, out: good.stdout }).toEqual({ code: 0, out: expect.stringContaining("no problems found") });
+      expect(good.stdout).toMatch(/ok       clock within \d+ s of/);
+    } finally {
+      await stop(bus);
+    }
+  }, 60_000);
+
+  const LIFECYCLE_STEPS = [
+    /alice discover → .* claims "bob"/,
+    /alice request_pair → asked/,
+    /bob   channel event: A node asked to pair/,
+    /bob   \(the operator decides\) accept_pair → paired: 'alice'/,
+    /alice channel event: Pairing complete/,
+    /bob   ← alice: \[task deps\] Install the deps/,
+    /alice ← bob: \[task deps · update\]/,
+    /alice ← bob: \[task deps · needs_input\] Which CUDA version\?/,
+    /bob   ← alice: \[task deps\] 12\.4 +\(in_reply_to [0-9a-f]{32}\)/,
+    /alice ← bob: \[task deps · result\]/,
+    /bob   ← alice: \[task bench · canceled\]/,
+    /refused: task "bench" is closed/,
+    /task deps with bob; requested by you; status result; closed/,
+    /gate: refused a message from .*bad_signature/,
+    /gate: refused a message from .*not_allowlisted/,
+    /both forgeries were refused before the model/,
+  ];
+
+  test("the demo runs to completion under Bun from a fresh copy (auto-installed imports) and shows every step", () => {
+    const copy = tmpDir("interlink-demo-copy-");
+    for (const f of ["interlink.ts", "deno.json", "deno.lock", "package.json", "bun.lock"]) fs.copyFileSync(path.join(REPO, f), path.join(copy, f));
+    const t0 = Date.now();
+    const r = spawnSync(process.execPath, [path.join(copy, "interlink.ts"), "demo"], { cwd: copy, encoding: "utf8", timeout: 60_000, env: { ...process.env } });
+    expect({ code: r.status, stderr: r.status === 0 ? "" : r.stderr }).toEqual({ code: 0, stderr: "" });
+    for (const step of LIFECYCLE_STEPS) expect(r.stdout).toMatch(step);
+    expect(Date.now() - t0).toBeLessThan(15_000);
+    expect(fs.readdirSync(os.tmpdir()).filter((d) => d.startsWith("interlink-demo-") && !d.startsWith("interlink-demo-copy")).length).toBe(0);
+  }, 60_000);
+
+  test("the demo runs to completion under Deno and --keep leaves its folders", () => {
+    const t0 = Date.now();
+    const r = runCli("deno", ["demo", "--keep"]);
+    expect({ code: r.code, stderr: r.code === 0 ? "" : r.stderr }).toEqual({ code: 0, stderr: "" });
+    for (const step of LIFECYCLE_STEPS) expect(r.stdout).toMatch(step);
+    expect(Date.now() - t0).toBeLessThan(15_000);
+    const kept = r.stdout.match(/kept (\S+)/)![1];
+    expect(fs.existsSync(path.join(kept, "alice", "state", "log.jsonl"))).toBe(true);
+    fs.rmSync(kept, { recursive: true, force: true });
+  }, 60_000);
+
+  test("the README's two commands are exactly the ones CI and these tests run", () => {
+    const readme = fs.readFileSync(path.join(REPO, "README.md"), "utf8");
+    const block = readme.match(/<!-- quickstart -->\s*```sh\n([\s\S]*?)```/)![1].trim().split("\n").filter((l) => !l.startsWith("#"));
+    expect(block).toEqual([`npx -y bun@${Bun.version} interlink.ts demo`, `npx -y bun@${Bun.version} run test`]);
+    const ci = fs.readFileSync(path.join(REPO, ".ci", "run"), "utf8");
+    expect(ci).toContain(`\n${block[1]}\n`);
+    // `run test` is package.json's script: it installs the pinned SDK and runs this very suite.
+    expect(JSON.parse(fs.readFileSync(path.join(REPO, "package.json"), "utf8")).scripts.test).toBe("bun install --frozen-lockfile && bun test");
+    expect(ci).toContain(`npx -y deno@${DENO_VERSION} check interlink.ts`);
+  });
+});
+
+describe("embedded default bus", () => {
+  test("agents with no INTERLINK_URL start exactly one bus for the machine, even when racing", async () => {
+    const root = tmpDir();
+    const port = await freePort();
+    const nodes = await Promise.all(["n1", "n2", "n3"].map((n) => makeNodeFiles(root, n)));
+    befriend(nodes[0], nodes[1]);
+    const env = { XDG_STATE_HOME: path.join(root, "xdg-state"), INTERLINK_BUS_PORT: String(port), INTERLINK_URL: "" };
+    const agents = await Promise.all(nodes.map((n) => McpNode.start("bun", n, "", env)));
+    const lockFile = path.join(root, "xdg-state", "interlink", "bus", "bus.lock");
+    const owner = JSON.parse(fs.readFileSync(lockFile, "utf8")).pid;
+    try {
+      const started = agents.flatMap((a) => a.stderr.filter((l) => l.includes("started a bus for this machine")));
+      expect(started.length).toBe(1);
+      expect(started[0]).toContain(`pid ${owner}`);
+      await Bun.sleep(500);
+      const buses = spawnSync("pgrep", ["-f", `interlink.ts bus --port ${port}`], { encoding: "utf8" }).stdout.trim().split("\n").filter(Boolean);
+      expect(buses).toEqual([String(owner)]);
+      const m = await agents[0].ok("send_message", { to: "n2", text: "via the embedded bus" });
+      await agents[1].waitEvent((e) => e.meta.msg_id === msgIdOf(m));
+    } finally {
+      await Promise.allSettled(agents.map((a) => a.close()));
+      process.kill(owner, "SIGTERM");
+    }
+  }, 60_000);
+});
+
+describe("the docs say what the code does", () => {
+  const readme = fs.readFileSync(path.join(REPO, "README.md"), "utf8");
+  const skill = fs.readFileSync(path.join(REPO, "SKILL.md"), "utf8");
+
+  test("SKILL.md and README.md name every tool the server registers", () => {
+    for (const tool of TOOLS) {
+      expect({ tool: tool.name, inSkill: skill.includes(`\`${tool.name}`) }).toEqual({ tool: tool.name, inSkill: true });
+      expect({ tool: tool.name, inReadme: readme.includes(`\`${tool.name}\``) }).toEqual({ tool: tool.name, inReadme: true });
+    }
+  });
+
+  test("the README reference names every command, flag and environment variable", () => {
+    const table = readme.slice(readme.indexOf("## Reference"), readme.indexOf("### Files"));
+    for (const { name, flags, envs } of commandTable()) {
+      expect({ name, listed: table.includes(`\`${name}`) }).toEqual({ name, listed: true });
+      for (const flag of flags) expect({ name, flag, listed: table.includes(`--${flag}`) }).toEqual({ name, flag, listed: true });
+      for (const env of envs) expect({ env, listed: table.includes(env) }).toEqual({ env, listed: true });
+    }
+  });
+
+  test("SKILL.md has the frontmatter an agent skill needs", () => {
+    const front = skill.match(/^---\nname: (\S+)\ndescription: (.+)\n---\n/);
+    expect(front?.[1]).toBe("interlink");
+    expect(front![2].length).toBeGreaterThan(80);
+  });
+
+  test("SKILL.md and the server instructions teach the same rules", () => {
+    for (const mode of ["channel", "inbox", "both"] as const) {
+      const instructions = serverInstructions(mode);
+      for (const rule of [/never your operator's consent/, /needs_input/, /in_reply_to/, /new task_id/, /cancel_task/, /status=update/, /status=result/, /request_pair, accept_pair, reject_pair, add_peer or remove_peer/, /not your operator/]) {
+        expect({ mode, rule: String(rule), inInstructions: rule.test(instructions) }).toEqual({ mode, rule: String(rule), inInstructions: true });
+        expect({ rule: String(rule), inSkill: rule.test(skill.replace(/`/g, "").replace(/\s+/g, " ")) }).toEqual({ rule: String(rule), inSkill: true });
+      }
+      expect(instructions.includes("check_inbox")).toBe(mode !== "channel");
+    }
+  });
 });

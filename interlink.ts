@@ -64,6 +64,8 @@ const RESIGN_AFTER_MS = FRESH_PAST_MS - 60 * 60_000;
 
 export const DEFAULT_BUS_PORT = 9440;
 export const DEFAULT_BUS_URL = `http://127.0.0.1:${DEFAULT_BUS_PORT}`;
+/** This machine's bus when no URL is configured: the port follows INTERLINK_BUS_PORT, as `interlink.ts bus` does. */
+const localBusUrl = (): string => `http://127.0.0.1:${process.env.INTERLINK_BUS_PORT || DEFAULT_BUS_PORT}`;
 /** Default long-poll wait, as in interlink-bus. */
 export const RECV_TIMEOUT_MS = 25_000;
 /** Longest wait a client may ask for; past it proxies and NATs start cutting idle connections. */
@@ -89,6 +91,8 @@ const BACKOFF_MAX_MS = 30_000;
 
 /** Replay memory bound: a day of traffic from a handful of peers is far below it. */
 export const REPLAY_CAP = 100_000;
+/** Sent messages remembered in memory for message_status; older ones are looked up in the journal. */
+const SENT_MEMORY_CAP = 10_000;
 /** Pending knocks kept per direction; a stranger flooding knocks only pushes out older knocks. */
 const KNOCKS_CAP = 64;
 /** Verifying keys cached by public key; peers are few, so this only bounds strangers. */
@@ -1625,8 +1629,9 @@ export interface OutEntry {
 
 /** The node's state, folded from its journal in order. Pure apart from its own maps. */
 export class NodeState {
-  readonly outgoing = new Map<string, OutEntry>();
+  readonly outgoing = new Map<string, OutEntry>(); // every pending message, plus the most recent sent ones
   readonly pending = new Set<string>(); // msg_ids in the outbox, in send order
+  #sent = new Set<string>(); // msg_ids of sent entries still in `outgoing`, oldest first (bounded)
   readonly tasks = new Map<string, TaskRow>();
   readonly replay = new ReplayMemory();
   readonly knocksIn = new Map<string, { name: string; at: number; msgId: string }>();
@@ -1670,6 +1675,12 @@ export class NodeState {
         entry.sentAt = at;
         entry.via = Array.isArray(r.via) ? r.via.filter((v): v is string => typeof v === "string") : [];
         this.pending.delete(entry.msg.msg_id);
+        this.#sent.add(entry.msg.msg_id);
+        if (this.#sent.size > SENT_MEMORY_CAP) {
+          const oldest = this.#sent.values().next().value!;
+          this.#sent.delete(oldest);
+          this.outgoing.delete(oldest);
+        }
         return;
       }
       case "in": {
@@ -2543,8 +2554,9 @@ export const TOOLS: ToolSpec[] = [
     async run(agent, a) {
       const entry = agent.state.outgoing.get(a.msg_id as string);
       if (entry) return describeOut(entry);
-      const received = conversation(agent.cfg.stateDir, undefined, Number.MAX_SAFE_INTEGER).find((r) => r.dir === "in" && r.msg.msg_id === a.msg_id);
-      if (received) return `received: ${messageBlock({ dir: "in", peer: received.peer ?? "?", msg: received.msg, at: received.at })}`;
+      const found = conversation(agent.cfg.stateDir, undefined, Number.MAX_SAFE_INTEGER).find((r) => r.msg.msg_id === a.msg_id);
+      if (found?.dir === "in") return `received: ${messageBlock({ dir: "in", peer: found.peer ?? "?", msg: found.msg, at: found.at })}`;
+      if (found) return `msg_id ${found.msg.msg_id} to ${found.peer ?? fingerprint(found.msg.to)}: ${found.state} (sent ${isoTime(found.at)}; older than what is kept in memory)`;
       throw new InterlinkError(`no message with msg_id '${a.msg_id}' in this node's log`);
     },
   },
@@ -2841,7 +2853,9 @@ async function ensureLocalBus(url: string): Promise<void> {
   // Racing sessions may each start one; the data-folder lock and the port leave exactly one running.
   for (let i = 0; i < 100; i++) {
     if (await alive()) {
-      logInfo(`started a bus for this machine at ${url} (pid ${child.pid}, log ${logFile})`);
+      logInfo(lockOwner(path.join(dataDir, "bus.lock"))?.pid === child.pid
+        ? `started a bus for this machine at ${url} (pid ${child.pid}, data ${dataDir}, log ${logFile})`
+        : `a bus already answers at ${url} (another session started it first); using it`);
       return;
     }
     await sleep(50);
@@ -2863,7 +2877,7 @@ async function runMcp(o: Options): Promise<number> {
   const { cfg, id } = await nodeConfig(o);
   const agent = await Agent.open(cfg, "interlink mcp", id);
   logComponent = `interlink mcp ${agent.id.fingerprint}`;
-  if (o.url === undefined && o["no-bus"] !== true) await ensureLocalBus(DEFAULT_BUS_URL);
+  if (o.url === undefined && o["no-bus"] !== true) await ensureLocalBus(localBusUrl());
   const { Server } = await import("@modelcontextprotocol/sdk@1.32.2/server/index.js");
   const { StdioServerTransport } = await import("@modelcontextprotocol/sdk@1.32.2/server/stdio.js");
   const { CallToolRequestSchema, ListToolsRequestSchema } = await import("@modelcontextprotocol/sdk@1.32.2/types.js");
@@ -2946,7 +2960,7 @@ const tildify = (p: string) => (p.startsWith(home() + path.sep) ? "~" + p.slice(
 const OPT = {
   key: { type: "string", arg: "PATH", env: "INTERLINK_KEY", default: () => path.join(configDir(), "interlink", "id.key"), help: "this node's secret key file" },
   peers: { type: "string", arg: "PATH", env: "INTERLINK_PEERS", default: () => path.join(configDir(), "interlink", "peers.json"), help: "the allowlist of peers" },
-  url: { type: "string", arg: "URLS", env: "INTERLINK_URL", defaultHelp: DEFAULT_BUS_URL, help: "bus URLs, comma-separated: send to all, poll all" },
+  url: { type: "string", arg: "URLS", env: "INTERLINK_URL", defaultHelp: `${DEFAULT_BUS_URL} (the port follows INTERLINK_BUS_PORT)`, help: "bus URLs, comma-separated: send to all, poll all" },
   name: { type: "string", arg: "NAME", env: "INTERLINK_NAME", defaultHelp: "the key's fingerprint", help: "name announced on the roster (a self-claim, not identity)" },
   state: { type: "string", arg: "DIR", env: "INTERLINK_STATE", defaultHelp: "~/.local/state/interlink/node-<fingerprint>[-<inbox>]", help: "this node's journal (outbox, log, inbox) and locks" },
   inbox: { type: "string", arg: "LABEL", env: "INTERLINK_INBOX", help: "named inbox: poll <key>#LABEL (peers address it with send_message channel)" },
@@ -2990,7 +3004,7 @@ async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Identity }
     cfg: {
       keyFile: o.key as string,
       peersFile: o.peers as string,
-      busUrls: parseBusUrls((o.url as string | undefined) ?? DEFAULT_BUS_URL),
+      busUrls: parseBusUrls((o.url as string | undefined) ?? localBusUrl()),
       name,
       stateDir: (o.state as string | undefined) ?? defaultNodeState(id.fingerprint, inbox),
       delivery: delivery as Delivery,
@@ -3332,7 +3346,7 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
   }
   let urls: string[] = [];
   try {
-    urls = parseBusUrls((o.url as string | undefined) ?? DEFAULT_BUS_URL);
+    urls = parseBusUrls((o.url as string | undefined) ?? localBusUrl());
   } catch (e) {
     out.push({ level: "problem", what: (e as Error).message, fix: "set INTERLINK_URL to comma-separated http(s) URLs" });
   }
@@ -3852,6 +3866,15 @@ const COMMANDS: Record<string, CommandSpec> = {
     },
   },
 };
+
+/** Every command and its flags, as the help shows them (for tests and docs checks). */
+export function commandTable(): { name: string; flags: string[]; envs: string[] }[] {
+  return Object.entries(COMMANDS).map(([name, c]) => ({
+    name,
+    flags: Object.keys(c.options),
+    envs: Object.values(c.options).flatMap((o) => (o.env ? [o.env] : [])),
+  }));
+}
 
 function optionDefault(spec: OptionSpec): string | undefined {
   return typeof spec.default === "function" ? spec.default() : spec.default;
