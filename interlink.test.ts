@@ -1719,3 +1719,95 @@ describe("the docs say what the code does", () => {
     }
   });
 });
+
+describe("pairing through the real tools, and several buses", () => {
+  test("knock → accept files the peer under the operator's petname; a taken claimed name is never reused; an unsolicited accept is ignored", async () => {
+    const root = tmpDir();
+    const bus = await startBus("bun", path.join(root, "bus"));
+    const A = await makeNodeFiles(root, "alice");
+    const B = await makeNodeFiles(root, "bob");
+    const E = await makeNodeFiles(root, "eve");
+    // bob already has someone else filed as "alice": the claimed name is taken.
+    fs.writeFileSync(B.peersFile, JSON.stringify({ alice: { key: EVE.public_b64 } }));
+    const [alice, bob, eve] = await Promise.all([McpNode.start("bun", A, bus.url), McpNode.start("deno", B, bus.url), McpNode.start("bun", E, bus.url)]);
+    try {
+      let roster = "";
+      for (let i = 0; i < 50 && !roster.includes(B.id.fingerprint); i++) {
+        roster = await alice.ok("discover");
+        await Bun.sleep(100);
+      }
+      expect(roster).toContain(`claims "bob"`);
+      expect((await alice.call("request_pair", { target: "nobody-like-this" })).text).toContain("not on any bus roster");
+      await alice.ok("request_pair", { target: B.id.fingerprint });
+      const knock = await bob.waitEvent((e) => e.meta.kind === "pair_request");
+      expect(knock.meta.fingerprint).toBe(A.id.fingerprint);
+      expect(await bob.ok("list_pair_requests")).toContain(`claims "alice"`);
+      const taken = await bob.call("accept_pair", { fingerprint: A.id.fingerprint });
+      expect(taken.isError).toBe(true);
+      expect(taken.text).toContain("pass petname");
+      expect(JSON.parse(fs.readFileSync(B.peersFile, "utf8")).alice.key).toBe(EVE.public_b64); // never repointed
+      expect(await bob.ok("accept_pair", { fingerprint: A.id.fingerprint, petname: "alice-laptop" })).toContain("'alice-laptop' is now a peer");
+      await alice.waitEvent((e) => e.meta.kind === "pair_accept");
+      // alice filed bob under his claimed name, which was free.
+      expect(JSON.parse(fs.readFileSync(A.peersFile, "utf8")).bob.key).toBe(B.id.publicKey);
+      const hello = await alice.ok("send_message", { to: "bob", text: "paired!" });
+      expect((await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(hello))).meta.sender).toBe("alice-laptop");
+      expect((await alice.call("request_pair", { target: B.id.fingerprint })).text).toContain("already a peer, as 'bob'");
+
+      // Eve sends an accept nobody asked for: ignored, nothing added.
+      await postSend(bus.url, A.id.publicKey, await signMessage(E.id, { to: A.id.publicKey, text: "eve", kind: "pair_accept" }, Date.now()));
+      await alice.waitStderr(/unexpected_kind/);
+      expect(Object.keys(JSON.parse(fs.readFileSync(A.peersFile, "utf8")))).toEqual(["bob"]);
+
+      // And a knock the operator rejects leaves no trace in peers.json.
+      await eve.ok("request_pair", { target: A.id.fingerprint });
+      await alice.waitEvent((e) => e.meta.kind === "pair_request");
+      expect(await alice.ok("reject_pair", { fingerprint: E.id.fingerprint })).toContain("rejected");
+      expect(await alice.ok("list_pair_requests")).toContain("waiting for your operator (0)");
+      expect(Object.keys(JSON.parse(fs.readFileSync(A.peersFile, "utf8")))).toEqual(["bob"]);
+    } finally {
+      await Promise.allSettled([alice.close(), bob.close(), eve.close()]);
+      await stop(bus);
+    }
+  }, 90_000);
+
+  test("with two buses a message goes through both, is pushed once, and still arrives when one bus is down", async () => {
+    const root = tmpDir();
+    const [bus1, bus2] = await Promise.all([startBus("bun", path.join(root, "b1")), startBus("deno", path.join(root, "b2"))]);
+    const A = await makeNodeFiles(root, "alice");
+    const B = await makeNodeFiles(root, "bob");
+    befriend(A, B);
+    const urls = `${bus1.url},${bus2.url}`;
+    const [alice, bob] = await Promise.all([McpNode.start("bun", A, urls), McpNode.start("deno", B, urls)]);
+    try {
+      const m = await alice.ok("send_message", { to: "bob", text: "two roads" });
+      expect(m).toContain(bus1.url);
+      expect(m).toContain(bus2.url);
+      await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(m));
+      await bob.waitStderr(/replay/); // the second copy, dropped by the replay set
+      expect(bob.events.filter((e) => e.meta.msg_id === msgIdOf(m)).length).toBe(1);
+      await stop(bus1, "SIGKILL");
+      const m2 = await alice.ok("send_message", { to: "bob", text: "one road left" });
+      expect(m2).toContain("sent at");
+      await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(m2));
+    } finally {
+      await Promise.allSettled([alice.close(), bob.close()]);
+      await stop(bus2);
+    }
+  }, 90_000);
+
+  test("SIGTERM shuts an agent down cleanly and releases its state folder", async () => {
+    const root = tmpDir();
+    const A = await makeNodeFiles(root, "alice");
+    const port = await freePort();
+    for (const runtime of ["bun", "deno"] as const) {
+      const node = await McpNode.start(runtime, A, `http://127.0.0.1:${port}`);
+      await node.waitStderr(/ready:/);
+      process.kill(node.transport.pid!, "SIGTERM");
+      await node.waitStderr(/SIGTERM: shutting down/);
+      for (let i = 0; i < 100 && fs.existsSync(path.join(A.stateDir, "agent.lock")); i++) await Bun.sleep(20);
+      expect(fs.existsSync(path.join(A.stateDir, "agent.lock"))).toBe(false);
+      await node.close();
+    }
+  }, 60_000);
+});
