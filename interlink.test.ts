@@ -75,6 +75,15 @@ export function denoPath(): string {
   return (denoPathCache = r.stdout.trim().split("\n").at(-1)!);
 }
 
+// Deno fetches the SDK's npm graph on its first run (it prefetches dynamic
+// imports with literal specifiers): ~10 s on a cold cache, and much more when
+// several cold processes race for it. Fetch it once, here, so no test's timing
+// includes a cold cache.
+{
+  const r = spawnSync(denoPath(), ["install", "--quiet", "--entrypoint", SCRIPT], { cwd: REPO, encoding: "utf8", timeout: 300_000 });
+  if (r.status !== 0) throw new Error(`cannot prepare Deno's cache (deno install --entrypoint): ${r.stderr || r.error}`);
+}
+
 /** argv prefix that runs interlink.ts under the named runtime. */
 export function runtimeArgv(runtime: "bun" | "deno"): string[] {
   return runtime === "bun" ? [process.execPath, SCRIPT] : [denoPath(), "run", "-A", "--quiet", SCRIPT];
