@@ -1923,10 +1923,13 @@ export class Agent {
     return this.peers().byKey.get(key);
   }
 
-  /** Starts the outbox sender, one long-poll per bus, presence announcements and the journal follower. */
-  start(): void {
+  /**
+   * Starts what needs no session: the outbox sender, presence announcements,
+   * and following the journal for messages other processes (the CLI) append.
+   */
+  startSending(): void {
     this.#loops.push(this.#sendLoop());
-    for (const url of this.cfg.busUrls) this.#loops.push(this.#recvLoop(url), this.#announceLoop(url));
+    for (const url of this.cfg.busUrls) this.#loops.push(this.#announceLoop(url));
     const follow = () => {
       try {
         const before = this.state.pending.size;
@@ -1944,6 +1947,11 @@ export class Agent {
       // No file watching here: the 1 s poll below still picks up other writers.
     }
     this.#poll = setInterval(follow, 1000);
+  }
+
+  /** Starts one long-poll per bus: only once the session can take what it pushes. */
+  startReceiving(): void {
+    for (const url of this.cfg.busUrls) this.#loops.push(this.#recvLoop(url));
   }
 
   async stop(): Promise<void> {
@@ -2897,11 +2905,12 @@ async function runMcp(o: Options): Promise<number> {
   if (cfg.delivery !== "inbox") {
     agent.push = (event) => server.notification({ method: "notifications/claude/channel", params: { content: event.content, meta: event.meta } });
   }
-  let started = false;
+  agent.startSending();
+  let receiving = false;
   server.oninitialized = () => {
-    if (started) return;
-    started = true;
-    agent.start();
+    if (receiving) return;
+    receiving = true;
+    agent.startReceiving();
     logInfo(`ready: ${agent.me} on ${cfg.busUrls.join(", ")}, state ${cfg.stateDir}, delivery ${cfg.delivery}, ${agent.peers().byName.size} peers`);
   };
   const closed = new Promise<string>((resolve) => {
