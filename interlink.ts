@@ -76,6 +76,7 @@ export const QUEUE_CAP = 1024;
 export const ROSTER_TTL_MS = 90_000;
 /** Roster bound: far above any real deployment, low enough that an announce flood costs a few MB. */
 export const ROSTER_CAP = 4096;
+/** Re-announce at a third of the roster TTL, so one lost announcement never drops a node from the roster. */
 export const ANNOUNCE_EVERY_MS = 30_000;
 /** Largest request body the bus reads; a signed message is a few KB. */
 export const BODY_LIMIT_BYTES = 1 << 20;
@@ -86,6 +87,7 @@ const RECIPIENT_MAX_CHARS = 512;
 
 /** One stalled bus must not wedge delivery to the others. */
 const SEND_TIMEOUT_MS = 5_000;
+/** Retry at once after a blip, doubling while a bus stays down, but never wait longer than half a minute. */
 const BACKOFF_MIN_MS = 250;
 const BACKOFF_MAX_MS = 30_000;
 
@@ -106,7 +108,7 @@ const SHORT_LOCK_WAIT_MS = 5_000;
 const PETNAME_RE = /^[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}$/;
 const INBOX_LABEL_RE = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 
-/** Bun and Deno both expose their version; this names the runtime in logs and `doctor`. */
+/** The host runtime's own globals, for the little node: modules do not cover: serving HTTP, naming the runtime. */
 const runtimeHost = globalThis as unknown as {
   Bun?: BunRuntime;
   Deno?: DenoRuntime;
@@ -1810,9 +1812,7 @@ export function prepareSend(peers: Peers, tasks: ReadonlyMap<string, TaskRow>, i
   return { draft, recipient: input.channel ? `${key}#${input.channel}` : key, peer: input.to };
 }
 
-const DEFAULT_FETCH_TIMEOUT_MS = SEND_TIMEOUT_MS;
-
-async function postJson(url: string, body: unknown, timeoutMs = DEFAULT_FETCH_TIMEOUT_MS, signal?: AbortSignal): Promise<Response> {
+async function postJson(url: string, body: unknown, timeoutMs = SEND_TIMEOUT_MS, signal?: AbortSignal): Promise<Response> {
   const signals = [AbortSignal.timeout(timeoutMs), ...(signal ? [signal] : [])];
   return await fetch(url, {
     method: "POST",
