@@ -10,6 +10,7 @@ import * as path from "node:path";
 import {
   addPeer,
   commandTable,
+  serveHttp,
   serverInstructions,
   TOOLS,
   McpSession,
@@ -1819,5 +1820,86 @@ describe("pairing through the real tools, and several buses", () => {
       expect(fs.existsSync(path.join(A.stateDir, "agent.lock"))).toBe(false);
       await node.close();
     }
+  }, 60_000);
+});
+
+describe("bus: hostile input and real sockets", () => {
+  test("no input, however broken, crashes the bus or corrupts its queue", async () => {
+    const dir = tmpDir();
+    const bus = await Bus.open(dir, { log: () => {} });
+    const rand = (n: number) => crypto.getRandomValues(new Uint8Array(n));
+    const junk = (): BodyInit => {
+      switch (Math.floor(Math.random() * 6)) {
+        case 0: return rand(1 + Math.floor(Math.random() * 200));
+        case 1: return JSON.stringify({ to: Math.random() < 0.5 ? "" : ["x"], payload: null });
+        case 2: return JSON.stringify({ me: "victim", ack: `victim\u0000${Math.random()}` });
+        case 3: return "[".repeat(5000);
+        case 4: return JSON.stringify({ to: "victim", payload: { nested: "\u0000\ud800" } });
+        default: return JSON.stringify(Math.random());
+      }
+    };
+    await bus.send("victim", '"must survive"');
+    const paths = ["/send", "/recv", "/ack", "/announce", "/roster", "/", "/send/..", "/%00"];
+    for (let i = 0; i < 600; i++) {
+      const method = Math.random() < 0.7 ? "POST" : "GET";
+      const p = paths[i % paths.length] + (Math.random() < 0.3 ? "?me=&timeout_ms=" + ["-1", "x", "1e99", "0"][i % 4] : "");
+      const r = await bus.handler(new Request(`http://bus${p}`, { method, body: method === "POST" ? junk() : undefined }));
+      expect({ p, status: r.status < 500 }).toEqual({ p, status: true });
+    }
+    const first = (await bus.recv("victim", 0))!;
+    expect(first.payload).toBe('"must survive"');
+    await bus.close();
+    const reopened = await Bus.open(dir, { log: () => {} });
+    expect(reopened.recovery.skippedLines).toBe(0);
+    expect((await reopened.recv("victim", 0))!.payload).toBe('"must survive"');
+    await reopened.close();
+  }, 30_000);
+
+  test("clients that hang up mid-wait on a real socket leave no waiter behind", async () => {
+    const bus = await Bus.open(tmpDir());
+    const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+    const net = await import("node:net");
+    try {
+      const sockets = await Promise.all(Array.from({ length: 50 }, (_, i) => new Promise<import("node:net").Socket>((resolve) => {
+        const s = net.connect(server.port, "127.0.0.1", () => {
+          s.write(`GET /recv?me=hangup-${i}&timeout_ms=60000 HTTP/1.1\r\nHost: x\r\n\r\n`);
+          resolve(s);
+        });
+      })));
+      for (let i = 0; i < 100 && bus.waiterCount < 50; i++) await Bun.sleep(20);
+      expect(bus.waiterCount).toBe(50);
+      for (const s of sockets) s.destroy();
+      for (let i = 0; i < 100 && bus.waiterCount > 0; i++) await Bun.sleep(20);
+      expect(bus.waiterCount).toBe(0);
+    } finally {
+      await server.stop();
+      await bus.close();
+    }
+  });
+
+  test("log --follow prints records as they are appended, and stops on SIGTERM", async () => {
+    const root = tmpDir();
+    const A = await makeNodeFiles(root, "alice");
+    fs.writeFileSync(A.peersFile, JSON.stringify({ bob: { key: BOB.public_b64 } }));
+    const env = { INTERLINK_KEY: A.keyFile, INTERLINK_PEERS: A.peersFile, INTERLINK_STATE: A.stateDir, INTERLINK_URL: `http://127.0.0.1:${await freePort()}` };
+    expect(runCli("bun", ["send", "bob", "first"], { env }).code).toBe(0); // queued: no bus there
+    const follower = Bun.spawn([...runtimeArgv("deno"), "log", "--follow"], { stdout: "pipe", stderr: "pipe", env: { ...process.env, ...env }, cwd: REPO });
+    const reader = follower.stdout.getReader();
+    let out = "";
+    const readUntil = async (needle: string) => {
+      const deadline = Date.now() + 15_000;
+      while (!out.includes(needle) && Date.now() < deadline) {
+        const { value, done } = await Promise.race([reader.read(), Bun.sleep(500).then(() => ({ value: undefined, done: false }))]);
+        if (done) break;
+        if (value) out += new TextDecoder().decode(value);
+      }
+      return out.includes(needle);
+    };
+    expect(await readUntil("first")).toBe(true);
+    expect(runCli("bun", ["send", "bob", "second \u001b[31mred\u001b[0m"], { env }).code).toBe(0);
+    expect(await readUntil("second")).toBe(true);
+    expect(out).not.toContain("\u001b["); // peer-visible text cannot drive the terminal
+    follower.kill("SIGTERM");
+    expect(await follower.exited).toBe(0);
   }, 60_000);
 });
