@@ -3216,15 +3216,19 @@ async function runSend(o: Options, pos: string[]): Promise<number> {
 
 async function runLog(o: Options): Promise<number> {
   const { cfg } = await nodeConfig(o);
-  const peers = () => loadPeers(cfg.peersFile);
-  const filterKey = o.peer ? peers().byName.get(o.peer as string) ?? (o.peer as string) : undefined;
+  let peers = loadPeers(cfg.peersFile); // re-read before each batch while following: petnames may change
+  const filterKey = o.peer ? peers.byName.get(o.peer as string) ?? (o.peer as string) : undefined;
+  const shown = new Set<string>(); // with --peer, "sent" lines only for that peer's messages
   const show = (r: JsonlRecord) => {
     if (filterKey) {
-      const key = r.t === "out" || r.t === "in" ? (r.msg as SignedMessage | undefined)?.[r.t === "out" ? "to" : "from"] : undefined;
-      if (key !== undefined && !key.startsWith(filterKey)) return;
-      if (key === undefined && r.t !== "sent") return;
+      if (r.t === "sent" ? !shown.has(String(r.msg_id)) : r.t !== "out" && r.t !== "in") return;
+      if (r.t !== "sent") {
+        const msg = r.msg as SignedMessage | undefined;
+        if (!msg || !(r.t === "out" ? msg.to : msg.from)?.startsWith(filterKey)) return;
+        shown.add(msg.msg_id);
+      }
     }
-    const line = logRecordLine(r, (k) => peers().byKey.get(k));
+    const line = logRecordLine(r, (k) => peers.byKey.get(k));
     if (line) print(line);
   };
   const file = path.join(cfg.stateDir, "log.jsonl");
@@ -3236,6 +3240,7 @@ async function runLog(o: Options): Promise<number> {
   void shutdownSignal().then(() => ((stopping = true), wake.wake()));
   while (!stopping) {
     await wake.wait(1000);
+    peers = loadPeers(cfg.peersFile);
     next = scanJsonl(file, next, show).next;
   }
   watcher?.close();
