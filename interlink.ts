@@ -3575,6 +3575,7 @@ async function benchThroughput(root: string, progress: (m: string) => void, samp
     const pairs = 8, perPair = 500;
     progress(`throughput: ${pairs} sender→recipient pairs × ${perPair} messages through send → recv → ack (bus pid ${bus.child.pid})`);
     const payload = { ...sample };
+    const cpu0 = cpuSeconds(bus.child.pid!);
     const t0 = performance.now();
     await Promise.all(Array.from({ length: pairs }, async (_, i) => {
       const to = `bench-${i}`;
@@ -3597,7 +3598,15 @@ async function benchThroughput(root: string, progress: (m: string) => void, samp
       await sender;
     }));
     const seconds = (performance.now() - t0) / 1000;
-    return { pairs, messages: pairs * perPair, seconds: Math.round(seconds * 1000) / 1000, msgs_per_s: Math.round((pairs * perPair) / seconds), bus_rss_mb: rssMb(bus.child.pid!) };
+    const cpu1 = cpuSeconds(bus.child.pid!);
+    return {
+      pairs,
+      messages: pairs * perPair,
+      seconds: Math.round(seconds * 1000) / 1000,
+      msgs_per_s: Math.round((pairs * perPair) / seconds),
+      bus_cpu_percent: cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / seconds) * 100),
+      bus_rss_mb: rssMb(bus.child.pid!),
+    };
   } finally {
     await stopChild(bus.child);
   }
