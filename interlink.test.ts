@@ -9,6 +9,8 @@ import * as os from "node:os";
 import * as path from "node:path";
 import {
   addPeer,
+  Agent,
+  fingerprint,
   commandTable,
   serveHttp,
   serverInstructions,
@@ -1902,4 +1904,31 @@ describe("bus: hostile input and real sockets", () => {
     follower.kill("SIGTERM");
     expect(await follower.exited).toBe(0);
   }, 60_000);
+});
+
+describe("strangers cannot grow a node's state", () => {
+  test("a knock flood is bounded: repeats are not recorded, and at most 64 requests wait for the operator", async () => {
+    const root = tmpDir();
+    const me = await makeNodeFiles(root, "target");
+    const agent = await Agent.open({ keyFile: me.keyFile, peersFile: me.peersFile, busUrls: ["http://127.0.0.1:9"], name: "target", stateDir: me.stateDir, delivery: "both" }, "test");
+    try {
+      const pushed: PushEvent[] = [];
+      agent.push = async (e) => void pushed.push(e);
+      const knock = async (id: Identity) => agent.receive(await signMessage(id, { to: me.id.publicKey, text: "let me in", kind: "pair_request" }, Date.now()));
+      const stranger = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+      for (let i = 0; i < 5; i++) await knock(stranger);
+      expect(readNodeLog(me.stateDir).filter((r) => r.t === "knock").length).toBe(1);
+      for (let i = 0; i < 100; i++) await knock(await identityFromSeed(crypto.getRandomValues(new Uint8Array(32))));
+      expect(agent.state.knocksIn.size).toBe(64);
+      expect(readNodeLog(me.stateDir).filter((r) => r.t === "knock").length).toBe(64);
+      expect(pushed.length).toBe(64);
+      // The operator clears one; the next stranger gets in line.
+      await agent.rejectPair(fingerprint(stranger.publicKey));
+      await knock(await identityFromSeed(crypto.getRandomValues(new Uint8Array(32))));
+      expect(agent.state.knocksIn.size).toBe(64);
+      expect(pushed.length).toBe(65);
+    } finally {
+      await agent.stop();
+    }
+  }, 30_000);
 });
