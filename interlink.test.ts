@@ -1932,3 +1932,59 @@ describe("strangers cannot grow a node's state", () => {
     }
   }, 30_000);
 });
+
+describe("a long outage", () => {
+  test("a message queued for over a day is re-signed with a fresh ts and the same msg_id, so it is accepted, and only once", async () => {
+    const root = tmpDir();
+    const A = await makeNodeFiles(root, "alice");
+    const B = await makeNodeFiles(root, "bob");
+    befriend(A, B);
+    const bus = await Bus.open(path.join(root, "bus"));
+    const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+    // Queued more than a day ago, while the bus was unreachable: as signed then, it is stale now.
+    const old = await signMessage(A.id, { to: B.id.publicKey, text: "from yesterday", task_id: "slow" }, Date.now() - 24.5 * 3600_000);
+    fs.mkdirSync(A.stateDir, { recursive: true });
+    fs.writeFileSync(path.join(A.stateDir, "log.jsonl"), JSON.stringify({ t: "out", at: old.ts, peer: "bob", recipient: B.id.publicKey, msg: old }) + "\n");
+    const agent = await Agent.open({ keyFile: A.keyFile, peersFile: A.peersFile, busUrls: [`http://127.0.0.1:${server.port}`], name: "alice", stateDir: A.stateDir, delivery: "both" }, "test");
+    try {
+      await agent.flushOutbox(Date.now() + 5000);
+      const delivered = JSON.parse((await bus.recv(B.id.publicKey, 0))!.payload);
+      expect(delivered.msg_id).toBe(old.msg_id);
+      expect(Date.now() - delivered.ts).toBeLessThan(10_000);
+      expect(readNodeLog(A.stateDir).map((r) => r.t)).toEqual(["out", "resign", "sent"]);
+      const peers = parsePeers(fs.readFileSync(B.peersFile, "utf8"));
+      const replay = new ReplayMemory();
+      const v = await decide(delivered, B.id.publicKey, peers, Date.now(), replay);
+      expect(v.verdict).toBe("deliver");
+      // The original, had a relay kept a copy, is refused as stale; the fresh one twice is a replay.
+      expect(await decide(old, B.id.publicKey, peers, Date.now(), replay).then((x) => x.verdict === "reject" && x.reason)).toBe("stale");
+      replay.remember(delivered.from, delivered.msg_id, delivered.ts, Date.now());
+      expect(await decide(delivered, B.id.publicKey, peers, Date.now(), replay).then((x) => x.verdict === "reject" && x.reason)).toBe("replay");
+    } finally {
+      await agent.stop();
+      await server.stop();
+      await bus.close();
+    }
+  }, 30_000);
+});
+
+describe("bus: what it says on stderr", () => {
+  test("a non-loopback bind warns; messages themselves are never logged one by one", async () => {
+    const dir = tmpDir();
+    const bus = await startBus("bun", dir, ["--host", "0.0.0.0"]);
+    try {
+      await bus.waitFor(/not loopback: anything that reaches this port can enqueue/);
+      const url = bus.url.replace("0.0.0.0", "127.0.0.1");
+      for (let i = 0; i < 50; i++) await postSend(url, "someone", { n: i });
+      for (let i = 0; i < 50; i++) {
+        const r = await (await fetch(`${url}/recv?me=someone&timeout_ms=0`)).json();
+        await fetch(`${url}/ack`, { method: "POST", body: JSON.stringify({ me: "someone", ack: r.ack }) });
+      }
+      await Bun.sleep(200);
+      expect(bus.stderr.length).toBe(3); // listening, recovered, the loopback warning
+    } finally {
+      await stop(bus);
+    }
+    expect(bus.stderr.at(-1)).toContain("SIGTERM: shutting down");
+  }, 30_000);
+});
