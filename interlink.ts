@@ -471,6 +471,49 @@ export async function signAnnouncement(id: Identity, name: string, nowMs: number
   return { ...unsigned, sig: await id.sign(announcementBytes(unsigned)) };
 }
 
+/** Reads the key file: base64url of the 32-byte seed, surrounding whitespace ignored (the Rust keygen format). */
+export async function readIdentity(file: string): Promise<Identity> {
+  let text: string;
+  try {
+    text = fs.readFileSync(file, "utf8");
+  } catch (e) {
+    const why = (e as NodeJS.ErrnoException).code === "ENOENT" ? "no such file" : (e as Error).message;
+    throw new InterlinkError(`Cannot read key file ${file}: ${why}. Create one with \`interlink.ts keygen --out ${file}\`.`);
+  }
+  let seed: Uint8Array;
+  try {
+    seed = b64urlDecode(text.trim(), 32, "seed");
+  } catch (e) {
+    throw new InterlinkError(`Key file ${file} does not hold a base64url Ed25519 seed: ${(e as Error).message}`);
+  }
+  return await identityFromSeed(seed);
+}
+
+/** Creates a key file with mode 0600 in the same step (no window where it is readable by others). */
+export function writeKeyFile(file: string, seed: Uint8Array, force: boolean): void {
+  fs.mkdirSync(path.dirname(file), { recursive: true, mode: 0o700 });
+  if (!force && fs.existsSync(file)) {
+    throw new InterlinkError(`${file} already exists; refusing to overwrite an identity (pass --force to replace it)`);
+  }
+  const tmp = `${file}.${process.pid}.tmp`;
+  const fd = fs.openSync(tmp, "wx", 0o600);
+  try {
+    fs.writeSync(fd, b64urlEncode(seed) + "\n");
+    fs.fsyncSync(fd);
+  } finally {
+    fs.closeSync(fd);
+  }
+  if (force) fs.renameSync(tmp, file);
+  else {
+    // link() fails if the name appeared meanwhile, so a racing keygen never clobbers an identity.
+    try {
+      fs.linkSync(tmp, file);
+    } finally {
+      fs.unlinkSync(tmp);
+    }
+  }
+}
+
 const isObject = (v: unknown): v is Record<string, unknown> => typeof v === "object" && v !== null && !Array.isArray(v);
 
 function field(o: Record<string, unknown>, name: string): string {
@@ -2858,95 +2901,6 @@ export class McpSession {
   }
 }
 
-/** Starts a detached bus for this machine when none answers at the default URL (`--no-bus` turns this off). */
-async function ensureLocalBus(url: string): Promise<void> {
-  const alive = async () => {
-    try {
-      const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(500) });
-      await r.body?.cancel();
-      return r.ok;
-    } catch {
-      return false;
-    }
-  };
-  if (await alive()) return;
-  const dataDir = path.join(stateDir(), "interlink", "bus");
-  fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
-  const logFile = path.join(dataDir, "bus.log");
-  const out = fs.openSync(logFile, "a", 0o600);
-  const [cmd, ...args] = selfCommand(["bus", "--port", new URL(url).port || String(DEFAULT_BUS_PORT), "--data", dataDir]);
-  const child = spawn(cmd, args, { detached: true, stdio: ["ignore", out, out] });
-  child.unref();
-  fs.closeSync(out);
-  // Racing sessions may each start one; the data-folder lock and the port leave exactly one running.
-  for (let i = 0; i < 100; i++) {
-    if (await alive()) {
-      logInfo(lockOwner(path.join(dataDir, "bus.lock"))?.pid === child.pid
-        ? `started a bus for this machine at ${url} (pid ${child.pid}, data ${dataDir}, log ${logFile})`
-        : `a bus already answers at ${url} (another session started it first); using it`);
-      return;
-    }
-    await sleep(50);
-  }
-  logWarn(`started a bus at ${url} but it does not answer yet; see ${logFile}`);
-}
-
-/** argv that runs this same file under the same runtime (for the embedded bus, `demo` and `bench`). */
-export function selfCommand(args: string[]): string[] {
-  const script = fileURLToPath(import.meta.url);
-  if (runtimeHost.Deno) {
-    const config = path.join(path.dirname(script), "deno.json");
-    return [runtimeHost.Deno.execPath(), "run", "-A", "--quiet", ...(fs.existsSync(config) ? ["--config", config] : []), script, ...args];
-  }
-  return [process.execPath, script, ...args];
-}
-
-async function runMcp(o: Options): Promise<number> {
-  const { cfg, id } = await nodeConfig(o);
-  const agent = await Agent.open(cfg, "interlink mcp", id);
-  logComponent = `interlink mcp ${agent.id.fingerprint}`;
-  if (o.url === undefined && o["no-bus"] !== true) await ensureLocalBus(localBusUrl());
-  const { Server } = await import("@modelcontextprotocol/sdk@1.32.2/server/index.js");
-  const { StdioServerTransport } = await import("@modelcontextprotocol/sdk@1.32.2/server/stdio.js");
-  const { CallToolRequestSchema, ListToolsRequestSchema } = await import("@modelcontextprotocol/sdk@1.32.2/types.js");
-  const server = new Server(
-    { name: "interlink", version: VERSION },
-    { capabilities: { tools: {}, experimental: { "claude/channel": {} } }, instructions: serverInstructions(cfg.delivery) },
-  );
-  server.setRequestHandler(ListToolsRequestSchema, () => ({
-    tools: TOOLS.map((t) => ({
-      name: t.name,
-      description: t.description,
-      inputSchema: { type: "object" as const, properties: t.properties, ...(t.required ? { required: t.required } : {}), additionalProperties: false },
-      annotations: t.annotations,
-    })),
-  }));
-  server.setRequestHandler(CallToolRequestSchema, (req: { params: { name: string; arguments?: Record<string, unknown> } }) => callTool(agent, req.params.name, req.params.arguments));
-  if (cfg.delivery !== "inbox") {
-    agent.push = (event) => server.notification({ method: "notifications/claude/channel", params: { content: event.content, meta: event.meta } });
-  }
-  agent.startSending();
-  let receiving = false;
-  server.oninitialized = () => {
-    if (receiving) return;
-    receiving = true;
-    agent.startReceiving();
-    logInfo(`ready: ${agent.me} on ${cfg.busUrls.join(", ")}, state ${cfg.stateDir}, delivery ${cfg.delivery}, ${agent.peers().byName.size} peers`);
-  };
-  const closed = new Promise<string>((resolve) => {
-    process.stdin.once("end", () => resolve("stdin closed"));
-    process.stdin.once("close", () => resolve("stdin closed"));
-    server.onclose = () => resolve("transport closed");
-    void shutdownSignal().then(resolve);
-  });
-  await server.connect(new StdioServerTransport());
-  const why = await closed;
-  logInfo(`${why}: shutting down`);
-  await agent.stop();
-  await server.close().catch(() => {});
-  return 0;
-}
-
 // ============================================================================
 // CLI
 // ============================================================================
@@ -3077,49 +3031,6 @@ function logRecordLine(r: JsonlRecord, petnameOf: (key: string) => string | unde
   }
 }
 
-/** Reads the key file: base64url of the 32-byte seed, surrounding whitespace ignored (the Rust keygen format). */
-export async function readIdentity(file: string): Promise<Identity> {
-  let text: string;
-  try {
-    text = fs.readFileSync(file, "utf8");
-  } catch (e) {
-    const why = (e as NodeJS.ErrnoException).code === "ENOENT" ? "no such file" : (e as Error).message;
-    throw new InterlinkError(`Cannot read key file ${file}: ${why}. Create one with \`interlink.ts keygen --out ${file}\`.`);
-  }
-  let seed: Uint8Array;
-  try {
-    seed = b64urlDecode(text.trim(), 32, "seed");
-  } catch (e) {
-    throw new InterlinkError(`Key file ${file} does not hold a base64url Ed25519 seed: ${(e as Error).message}`);
-  }
-  return await identityFromSeed(seed);
-}
-
-/** Creates a key file with mode 0600 in the same step (no window where it is readable by others). */
-export function writeKeyFile(file: string, seed: Uint8Array, force: boolean): void {
-  fs.mkdirSync(path.dirname(file), { recursive: true, mode: 0o700 });
-  if (!force && fs.existsSync(file)) {
-    throw new InterlinkError(`${file} already exists; refusing to overwrite an identity (pass --force to replace it)`);
-  }
-  const tmp = `${file}.${process.pid}.tmp`;
-  const fd = fs.openSync(tmp, "wx", 0o600);
-  try {
-    fs.writeSync(fd, b64urlEncode(seed) + "\n");
-    fs.fsyncSync(fd);
-  } finally {
-    fs.closeSync(fd);
-  }
-  if (force) fs.renameSync(tmp, file);
-  else {
-    // link() fails if the name appeared meanwhile, so a racing keygen never clobbers an identity.
-    try {
-      fs.linkSync(tmp, file);
-    } finally {
-      fs.unlinkSync(tmp);
-    }
-  }
-}
-
 function print(text = ""): void {
   process.stdout.write(text + "\n");
 }
@@ -3151,6 +3062,95 @@ export async function verifyLine(line: string): Promise<string> {
   } catch (e) {
     return `invalid: ${(e as Error).message}`;
   }
+}
+
+/** Starts a detached bus for this machine when none answers at the default URL (`--no-bus` turns this off). */
+async function ensureLocalBus(url: string): Promise<void> {
+  const alive = async () => {
+    try {
+      const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(500) });
+      await r.body?.cancel();
+      return r.ok;
+    } catch {
+      return false;
+    }
+  };
+  if (await alive()) return;
+  const dataDir = path.join(stateDir(), "interlink", "bus");
+  fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
+  const logFile = path.join(dataDir, "bus.log");
+  const out = fs.openSync(logFile, "a", 0o600);
+  const [cmd, ...args] = selfCommand(["bus", "--port", new URL(url).port || String(DEFAULT_BUS_PORT), "--data", dataDir]);
+  const child = spawn(cmd, args, { detached: true, stdio: ["ignore", out, out] });
+  child.unref();
+  fs.closeSync(out);
+  // Racing sessions may each start one; the data-folder lock and the port leave exactly one running.
+  for (let i = 0; i < 100; i++) {
+    if (await alive()) {
+      logInfo(lockOwner(path.join(dataDir, "bus.lock"))?.pid === child.pid
+        ? `started a bus for this machine at ${url} (pid ${child.pid}, data ${dataDir}, log ${logFile})`
+        : `a bus already answers at ${url} (another session started it first); using it`);
+      return;
+    }
+    await sleep(50);
+  }
+  logWarn(`started a bus at ${url} but it does not answer yet; see ${logFile}`);
+}
+
+/** argv that runs this same file under the same runtime (for the embedded bus, `demo` and `bench`). */
+export function selfCommand(args: string[]): string[] {
+  const script = fileURLToPath(import.meta.url);
+  if (runtimeHost.Deno) {
+    const config = path.join(path.dirname(script), "deno.json");
+    return [runtimeHost.Deno.execPath(), "run", "-A", "--quiet", ...(fs.existsSync(config) ? ["--config", config] : []), script, ...args];
+  }
+  return [process.execPath, script, ...args];
+}
+
+async function runMcp(o: Options): Promise<number> {
+  const { cfg, id } = await nodeConfig(o);
+  const agent = await Agent.open(cfg, "interlink mcp", id);
+  logComponent = `interlink mcp ${agent.id.fingerprint}`;
+  if (o.url === undefined && o["no-bus"] !== true) await ensureLocalBus(localBusUrl());
+  const { Server } = await import("@modelcontextprotocol/sdk@1.32.2/server/index.js");
+  const { StdioServerTransport } = await import("@modelcontextprotocol/sdk@1.32.2/server/stdio.js");
+  const { CallToolRequestSchema, ListToolsRequestSchema } = await import("@modelcontextprotocol/sdk@1.32.2/types.js");
+  const server = new Server(
+    { name: "interlink", version: VERSION },
+    { capabilities: { tools: {}, experimental: { "claude/channel": {} } }, instructions: serverInstructions(cfg.delivery) },
+  );
+  server.setRequestHandler(ListToolsRequestSchema, () => ({
+    tools: TOOLS.map((t) => ({
+      name: t.name,
+      description: t.description,
+      inputSchema: { type: "object" as const, properties: t.properties, ...(t.required ? { required: t.required } : {}), additionalProperties: false },
+      annotations: t.annotations,
+    })),
+  }));
+  server.setRequestHandler(CallToolRequestSchema, (req: { params: { name: string; arguments?: Record<string, unknown> } }) => callTool(agent, req.params.name, req.params.arguments));
+  if (cfg.delivery !== "inbox") {
+    agent.push = (event) => server.notification({ method: "notifications/claude/channel", params: { content: event.content, meta: event.meta } });
+  }
+  agent.startSending();
+  let receiving = false;
+  server.oninitialized = () => {
+    if (receiving) return;
+    receiving = true;
+    agent.startReceiving();
+    logInfo(`ready: ${agent.me} on ${cfg.busUrls.join(", ")}, state ${cfg.stateDir}, delivery ${cfg.delivery}, ${agent.peers().byName.size} peers`);
+  };
+  const closed = new Promise<string>((resolve) => {
+    process.stdin.once("end", () => resolve("stdin closed"));
+    process.stdin.once("close", () => resolve("stdin closed"));
+    server.onclose = () => resolve("transport closed");
+    void shutdownSignal().then(resolve);
+  });
+  await server.connect(new StdioServerTransport());
+  const why = await closed;
+  logInfo(`${why}: shutting down`);
+  await agent.stop();
+  await server.close().catch(() => {});
+  return 0;
 }
 
 function intOption(value: unknown, flag: string, min: number, max: number): number {
@@ -3764,30 +3764,6 @@ async function runBench(o: Options): Promise<number> {
 }
 
 const COMMANDS: Record<string, CommandSpec> = {
-  bench: {
-    summary: "measure the bus and the agents and print the figures as JSON",
-    about:
-      "throughput: 8 pairs × 500 messages through send → recv → ack on a durable bus; recovery: restart on 100,000\n" +
-      "un-acked messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold\n" +
-      "start to the first tools/list, send → push latency p50/p99 over 200 messages, idle RSS. Progress on stderr.",
-    options: { only: { type: "string", arg: "LIST", help: "comma-separated subset of throughput, recovery, idle, agents" } },
-    run: runBench,
-  },
-  demo: {
-    summary: "run a bus and two agents in temporary folders and walk a delegated task through its lifecycle",
-    about:
-      "Nothing to configure: a real bus and two real agents (alice, bob) on free loopback ports, driven through the\n" +
-      "MCP SDK client. Shows discovery and pairing, request → update → needs_input → answer → result, a cancelled\n" +
-      "task, the task table, and forged messages injected into the bus being refused. Cleans up after itself.",
-    options: { keep: { type: "boolean", help: "leave the temporary folders for inspection" } },
-    run: runDemo,
-  },
-  doctor: {
-    summary: "check this node's set-up and say how to fix what is wrong",
-    about: "Checks the key file and its mode, peers.json, every bus (reachability, round trip, clock skew from its\nDate header, whether this node is on its roster), the runtime, and whether an agent holds the state folder.\nExits 1 if any problem was found.",
-    options: { ...NODE_OPTIONS },
-    run: runDoctor,
-  },
   mcp: {
     summary: "run the MCP stdio server for one Claude Code session",
     about:
@@ -3800,6 +3776,19 @@ const COMMANDS: Record<string, CommandSpec> = {
       "no-bus": { type: "boolean", env: "INTERLINK_AUTOSTART_BUS", envInverted: true, help: `never start a local bus (by default one is started when --url is unset and nothing answers at ${DEFAULT_BUS_URL})` },
     },
     run: runMcp,
+  },
+  bus: {
+    summary: "run the durable keep-until-ack relay that nodes talk through",
+    about:
+      "Speaks the interlink-bus HTTP API (POST /send, GET /recv, POST /ack, POST /announce,\n" +
+      "GET /roster). A message answered 202 is on disk; it is delivered until its recipient acks it.",
+    options: {
+      host: { type: "string", arg: "HOST", env: "INTERLINK_BUS_HOST", default: "127.0.0.1", help: "address to bind (non-loopback prints a warning)" },
+      port: { type: "string", arg: "PORT", env: "INTERLINK_BUS_PORT", default: String(DEFAULT_BUS_PORT), help: "TCP port; 0 picks a free one" },
+      data: { type: "string", arg: "DIR", env: "INTERLINK_BUS_DATA", default: () => path.join(stateDir(), "interlink", "bus"), help: "folder for the queue file (one bus per folder)" },
+      cap: { type: "string", arg: "N", env: "INTERLINK_QUEUE_CAP", default: String(QUEUE_CAP), help: "messages held per recipient before the oldest is dropped" },
+    },
+    run: runBus,
   },
   send: {
     summary: "send a signed message to a peer from the command line",
@@ -3845,18 +3834,20 @@ const COMMANDS: Record<string, CommandSpec> = {
     },
     run: runWait,
   },
-  bus: {
-    summary: "run the durable keep-until-ack relay that nodes talk through",
+  doctor: {
+    summary: "check this node's set-up and say how to fix what is wrong",
+    about: "Checks the key file and its mode, peers.json, every bus (reachability, round trip, clock skew from its\nDate header, whether this node is on its roster), the runtime, and whether an agent holds the state folder.\nExits 1 if any problem was found.",
+    options: { ...NODE_OPTIONS },
+    run: runDoctor,
+  },
+  demo: {
+    summary: "run a bus and two agents in temporary folders and walk a delegated task through its lifecycle",
     about:
-      "Speaks the interlink-bus HTTP API (POST /send, GET /recv, POST /ack, POST /announce,\n" +
-      "GET /roster). A message answered 202 is on disk; it is delivered until its recipient acks it.",
-    options: {
-      host: { type: "string", arg: "HOST", env: "INTERLINK_BUS_HOST", default: "127.0.0.1", help: "address to bind (non-loopback prints a warning)" },
-      port: { type: "string", arg: "PORT", env: "INTERLINK_BUS_PORT", default: String(DEFAULT_BUS_PORT), help: "TCP port; 0 picks a free one" },
-      data: { type: "string", arg: "DIR", env: "INTERLINK_BUS_DATA", default: () => path.join(stateDir(), "interlink", "bus"), help: "folder for the queue file (one bus per folder)" },
-      cap: { type: "string", arg: "N", env: "INTERLINK_QUEUE_CAP", default: String(QUEUE_CAP), help: "messages held per recipient before the oldest is dropped" },
-    },
-    run: runBus,
+      "Nothing to configure: a real bus and two real agents (alice, bob) on free loopback ports, driven through the\n" +
+      "MCP SDK client. Shows discovery and pairing, request → update → needs_input → answer → result, a cancelled\n" +
+      "task, the task table, and forged messages injected into the bus being refused. Cleans up after itself.",
+    options: { keep: { type: "boolean", help: "leave the temporary folders for inspection" } },
+    run: runDemo,
   },
   keygen: {
     summary: "create this node's Ed25519 key file",
@@ -3907,6 +3898,15 @@ const COMMANDS: Record<string, CommandSpec> = {
       }
       return allOk ? 0 : 1;
     },
+  },
+  bench: {
+    summary: "measure the bus and the agents and print the figures as JSON",
+    about:
+      "throughput: 8 pairs × 500 messages through send → recv → ack on a durable bus; recovery: restart on 100,000\n" +
+      "un-acked messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold\n" +
+      "start to the first tools/list, send → push latency p50/p99 over 200 messages, idle RSS. Progress on stderr.",
+    options: { only: { type: "string", arg: "LIST", help: "comma-separated subset of throughput, recovery, idle, agents" } },
+    run: runBench,
   },
 };
 
