@@ -2171,9 +2171,9 @@ export class Agent {
         return v;
       }
       case "deliver": {
-        const pushed = this.cfg.delivery !== "inbox" && this.push !== null;
+        const pushed = this.#canPush();
         await this.journal.append([{ t: "in", peer: v.petname, msg: v.msg, pushed }]);
-        if (pushed) await this.#pushSafely({ content: channelContent(v.msg), meta: channelMeta(v.msg, v.petname) });
+        await this.#pushSafely({ content: channelContent(v.msg), meta: channelMeta(v.msg, v.petname) });
         return v;
       }
       case "pair_request": {
@@ -2210,10 +2210,15 @@ export class Agent {
     }
   }
 
+  /** In inbox mode nothing is pushed; otherwise once a session is attached. */
+  #canPush(): boolean {
+    return this.push !== null && this.cfg.delivery !== "inbox";
+  }
+
   async #pushSafely(event: PushEvent): Promise<void> {
-    if (!this.push || this.cfg.delivery === "inbox") return;
+    if (!this.#canPush()) return;
     try {
-      await this.push(event);
+      await this.push!(event);
     } catch (e) {
       logWarn(`could not push a channel event: ${errorText(e)}`);
     }
