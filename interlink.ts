@@ -1695,6 +1695,8 @@ const ANNOUNCEMENT_MAX_BYTES = 4096;
 
 export interface BusOptions {
   cap?: number;
+  /** Dead records (acked, dropped) that trigger a compaction once they also outnumber the live ones. */
+  compactMinDead?: number;
   log?: (msg: string) => void;
   now?: () => number;
 }
@@ -1705,6 +1707,7 @@ export class Bus {
   #waiters = new Map<string, Set<() => void>>();
   #syncScheduled = false;
   #compactAfter = 0; // after a failed compaction, the time of the next try
+  readonly #compactMinDead: number;
   readonly #log: (msg: string) => void;
   readonly #now: () => number;
 
@@ -1719,6 +1722,7 @@ export class Bus {
   ) {
     this.#log = opts.log ?? logInfo;
     this.#now = opts.now ?? Date.now;
+    this.#compactMinDead = opts.compactMinDead ?? COMPACT_MIN_DEAD;
   }
 
   /**
@@ -1768,7 +1772,7 @@ export class Bus {
       };
       const writer = new JsonlWriter(file, `the bus data folder ${dataDir}`);
       const bus = new Bus(dataDir, queues, recovery, writer, lock, records - queues.liveCount, opts);
-      bus.#maybeCompact();
+      bus.#maybeCompact(true);
       return bus;
     } catch (e) {
       lock.release();
@@ -1906,14 +1910,14 @@ export class Bus {
    * use tracks what is held. If that fails (a full disk), the old file stays in
    * use, whole, and the next try waits COMPACT_RETRY_MS.
    */
-  #maybeCompact(): void {
-    if (this.dead < Math.max(COMPACT_MIN_DEAD, this.queues.liveCount) || this.#now() < this.#compactAfter) return;
+  #maybeCompact(opening = false): void {
+    if (this.dead < Math.max(this.#compactMinDead, this.queues.liveCount) || this.#now() < this.#compactAfter) return;
     const records: object[] = [{ t: "h", next: this.queues.nextSeq }];
     for (const [q, m] of this.queues.live()) records.push({ t: "m", q, n: m.seq, ts: m.ts, p: m.payload });
     try {
       this.writer.compact(records);
       this.dead = 0;
-      failpoint("bus-after-compact");
+      if (!opening) failpoint("bus-after-compact");
     } catch (e) {
       this.#compactAfter = this.#now() + COMPACT_RETRY_MS;
       this.#log(`compaction failed, the queue file stays as it was: ${(e as Error).message}`);
@@ -4191,9 +4195,10 @@ async function runBus(o: Options): Promise<number> {
   const host = o.host as string;
   const port = intOption(o.port, "port", 0, 65535);
   const cap = intOption(o.cap, "cap", 1, 10_000_000);
+  const compactMinDead = intOption(o.compact, "compact", 1, 100_000_000);
   const dataDir = o.data as string;
   logComponent = "interlink bus";
-  const bus = await Bus.open(dataDir, { cap });
+  const bus = await Bus.open(dataDir, { cap, compactMinDead });
   let server: Listening;
   try {
     server = await serveHttp(bus.handler, host, port);
@@ -5009,6 +5014,13 @@ const COMMANDS: Record<string, CommandSpec> = {
         env: "INTERLINK_QUEUE_CAP",
         default: String(QUEUE_CAP),
         help: "messages held per recipient before the oldest is dropped",
+      },
+      compact: {
+        type: "string",
+        arg: "N",
+        env: "INTERLINK_BUS_COMPACT",
+        default: String(COMPACT_MIN_DEAD),
+        help: "rewrite the queue file once this many records are dead (acked or dropped) and they outnumber the live ones",
       },
     },
     run: runBus,
