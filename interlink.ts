@@ -212,9 +212,15 @@ interface DenoRuntime {
 // stderr with a component prefix.
 
 let logComponent = "interlink";
+let logSink = (line: string): void => void process.stderr.write(line);
+
+/** Where log lines go (stderr unless a host, such as the test suite, takes them). */
+export function setLogSink(sink: (line: string) => void): void {
+  logSink = sink;
+}
 
 function logLine(level: string, msg: string): void {
-  process.stderr.write(`${new Date().toISOString()} ${logComponent} ${level}: ${msg}\n`);
+  logSink(`${new Date().toISOString()} ${logComponent} ${level}: ${msg}\n`);
 }
 export const logInfo = (msg: string): void => logLine("info", msg);
 export const logWarn = (msg: string): void => logLine("warn", msg);
@@ -1705,7 +1711,7 @@ export interface BusOptions {
 export class Bus {
   readonly roster = new Roster();
   #waiters = new Map<string, Set<() => void>>();
-  #syncScheduled = false;
+  #syncTimer: ReturnType<typeof setTimeout> | null = null; // the lazy fsync of acks, once scheduled
   #compactAfter = 0; // after a failed compaction, the time of the next try
   readonly #compactMinDead: number;
   readonly #log: (msg: string) => void;
@@ -1897,10 +1903,9 @@ export class Bus {
   }
 
   #syncSoon(): void {
-    if (this.#syncScheduled) return;
-    this.#syncScheduled = true;
-    setTimeout(() => {
-      this.#syncScheduled = false;
+    if (this.#syncTimer) return;
+    this.#syncTimer = setTimeout(() => {
+      this.#syncTimer = null;
       this.writer.sync().catch((e) => this.#log(`fsync failed: ${(e as Error).message}`));
     }, 50);
   }
@@ -1926,6 +1931,8 @@ export class Bus {
 
   async close(): Promise<void> {
     for (const set of this.#waiters.values()) for (const wake of set) wake();
+    if (this.#syncTimer) clearTimeout(this.#syncTimer);
+    this.#syncTimer = null;
     await this.writer.sync().catch(() => {});
     this.writer.close();
     this.lock.release();
