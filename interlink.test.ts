@@ -16,14 +16,12 @@ import {
   BODY_LIMIT_BYTES,
   Bus,
   BusQueues,
-  claimInbox,
-  NodeState,
-  planInbound,
-  waitUntil,
   canonicalBytes,
   channelContent,
+  claimInbox,
   commandTable,
   decide,
+  type Effect,
   escapePeerText,
   fingerprint,
   foldTask,
@@ -32,18 +30,21 @@ import {
   hasSmallOrder,
   type Identity,
   identityFromSeed,
+  type InboundContext,
   JsonlWriter,
   lifecycleError,
   LockedError,
   McpSession,
   messageBlock,
+  type NodeConfig,
+  NodeState,
   parsePeers,
   parseSignedMessage,
   type Peers,
   PidLock,
+  planInbound,
   type PushEvent,
   readJsonl,
-  setLogSink,
   RECV_TIMEOUT_MAX_MS,
   recvTimeoutMs,
   removePeer,
@@ -52,12 +53,14 @@ import {
   scanJsonl,
   serveHttp,
   serverInstructions,
+  setLogSink,
   type SignedMessage,
   signMessage,
   type TaskRow,
   TOOLS,
   verifyAnnouncement,
   verifyMessage,
+  waitUntil,
   writeKeyFile,
 } from "./interlink.ts";
 
@@ -92,8 +95,21 @@ function killGroup(pid: number, signal: NodeJS.Signals = "SIGKILL"): void {
 }
 
 /** Bun.spawn in a process group of its own, registered for the final sweep. */
-function spawnTracked(argv: string[], opts: Parameters<typeof Bun.spawn>[1] = {}) {
-  const proc = Bun.spawn(argv, { cwd: REPO, ...opts, detached: true } as Parameters<typeof Bun.spawn>[1]);
+function spawnTracked(
+  argv: string[],
+  opts: {
+    stdin?: "ignore";
+    stdout?: "pipe" | "ignore";
+    stderr?: "pipe" | "ignore";
+    env?: Record<string, string | undefined>;
+  } = {},
+) {
+  // Typed as piped: callers read only the streams they asked for.
+  const proc = Bun.spawn(argv, { cwd: REPO, ...opts, detached: true } as never) as Bun.Subprocess<
+    "ignore",
+    "pipe",
+    "pipe"
+  >;
   made.pids.add(proc.pid);
   return proc;
 }
@@ -504,7 +520,7 @@ describe("the gate", () => {
 // ----------------------------------------------------------------------------
 describe("task folding and lifecycle", () => {
   const NOW = 1_767_225_600_000;
-  const msg = async (from: Identity, to: Identity, f: Partial<SignedMessage>) =>
+  const msg = (from: Identity, to: Identity, f: Partial<SignedMessage>) =>
     signMessage(from, { to: to.publicKey, text: "x", ...f } as never, NOW);
 
   test("request → update → needs_input → answer → result folds to a closed task, blocked in between", async () => {
@@ -660,14 +676,16 @@ describe("JSONL storage", () => {
   });
 
   for (const runtime of ["bun", "deno"] as const) {
-    test(`lock stress (${runtime} and bun side by side): 6 processes × 150 rounds never hold the lock at once`, async () => {
-      const dir = tmpDir();
-      const counter = path.join(dir, "counter");
-      fs.writeFileSync(counter, "0");
-      const script = path.join(dir, "stress.ts");
-      fs.writeFileSync(
-        script,
-        `import { withFileLock } from ${JSON.stringify(SCRIPT)};
+    test(
+      `lock stress (${runtime} and bun side by side): 6 processes × 150 rounds never hold the lock at once`,
+      async () => {
+        const dir = tmpDir();
+        const counter = path.join(dir, "counter");
+        fs.writeFileSync(counter, "0");
+        const script = path.join(dir, "stress.ts");
+        fs.writeFileSync(
+          script,
+          `import { withFileLock } from ${JSON.stringify(SCRIPT)};
         import * as fs from "node:fs";
         for (let i = 0; i < 150; i++) {
           await withFileLock(${JSON.stringify(counter)}, "stress", async () => {
@@ -676,18 +694,25 @@ describe("JSONL storage", () => {
             fs.writeFileSync(${JSON.stringify(counter)}, String(n + 1));
           });
         }`,
-      );
-      const argv = (rt: "bun" | "deno") =>
-        rt === "bun" ? [process.execPath, script] : [denoPath(), "run", "-A", "--quiet", "--config", path.join(REPO, "deno.json"), script];
-      const procs = Array.from({ length: 6 }, (_, i) => spawnTracked(argv(i % 2 ? runtime : "bun"), { stdout: "ignore", stderr: "pipe" }));
-      try {
-        const codes = await Promise.all(procs.map((p) => p.exited));
-        expect(codes).toEqual([0, 0, 0, 0, 0, 0]);
-        expect(Number(fs.readFileSync(counter, "utf8"))).toBe(900); // a lost update means two holders at once
-      } finally {
-        for (const p of procs) killGroup(p.pid);
-      }
-    }, 120_000);
+        );
+        const argv = (rt: "bun" | "deno") =>
+          rt === "bun"
+            ? [process.execPath, script]
+            : [denoPath(), "run", "-A", "--quiet", "--config", path.join(REPO, "deno.json"), script];
+        const procs = Array.from(
+          { length: 6 },
+          (_, i) => spawnTracked(argv(i % 2 ? runtime : "bun"), { stdout: "ignore", stderr: "pipe" }),
+        );
+        try {
+          const codes = await Promise.all(procs.map((p) => p.exited));
+          expect(codes).toEqual([0, 0, 0, 0, 0, 0]);
+          expect(Number(fs.readFileSync(counter, "utf8"))).toBe(900); // a lost update means two holders at once
+        } finally {
+          for (const p of procs) killGroup(p.pid);
+        }
+      },
+      120_000,
+    );
   }
 
   test("a stale lock left by a dead pid is taken over", async () => {
@@ -770,7 +795,12 @@ export interface Child {
 }
 
 export function spawnChild(argv: string[], env: Record<string, string> = {}): Child {
-  const proc = spawnTracked(argv, { stdin: "ignore", stdout: "ignore", stderr: "pipe", env: { ...process.env, ...env } });
+  const proc = spawnTracked(argv, {
+    stdin: "ignore",
+    stdout: "ignore",
+    stderr: "pipe",
+    env: { ...process.env, ...env },
+  });
   const lines: string[] = [];
   const watchers: { re: RegExp; resolve(m: RegExpMatchArray): void }[] = [];
   (async () => {
@@ -1257,11 +1287,11 @@ function pidAlive(pid: number): boolean {
   }
 }
 
-async function freePort(): Promise<number> {
+function freePort(): Promise<number> {
   const server = Bun.serve({ port: 0, fetch: () => new Response() });
   const port = server.port!;
   server.stop(true);
-  return port;
+  return Promise.resolve(port);
 }
 
 /** True when a bus holds nothing un-acked for `me` (a recv with no wait answers timeout). */
@@ -1403,17 +1433,23 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
     expect(unknown.text).toContain("no task 'never-existed'");
   }, 60_000);
 
-  test("one peer resolver: a fingerprint works wherever a petname does (cancel_task, list_tasks, history)", async () => {
-    const fp = fingerprint(B.id.publicKey);
-    const req = await alice.ok("send_message", { to: fp, text: "by fingerprint", task_id: "fp-task" });
-    await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(req));
-    expect(await alice.ok("list_tasks", { peer: fp })).toContain("task fp-task with bob");
-    expect(await alice.ok("conversation_history", { peer: fp, limit: 1 })).toContain('to="bob"');
-    const cancel = await alice.ok("cancel_task", { to: fp, task_id: "fp-task" });
-    expect((await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(cancel))).content).toBe("[task fp-task · canceled] canceled");
-    const wrong = await alice.call("cancel_task", { to: "zzzz", task_id: "fp-task" });
-    expect(wrong.text).toContain(`no peer 'zzzz'; use a petname, a fingerprint or a key. Peers: bob (${fp})`);
-  }, 60_000);
+  test(
+    "one peer resolver: a fingerprint works wherever a petname does (cancel_task, list_tasks, history)",
+    async () => {
+      const fp = fingerprint(B.id.publicKey);
+      const req = await alice.ok("send_message", { to: fp, text: "by fingerprint", task_id: "fp-task" });
+      await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(req));
+      expect(await alice.ok("list_tasks", { peer: fp })).toContain("task fp-task with bob");
+      expect(await alice.ok("conversation_history", { peer: fp, limit: 1 })).toContain('to="bob"');
+      const cancel = await alice.ok("cancel_task", { to: fp, task_id: "fp-task" });
+      expect((await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(cancel))).content).toBe(
+        "[task fp-task · canceled] canceled",
+      );
+      const wrong = await alice.call("cancel_task", { to: "zzzz", task_id: "fp-task" });
+      expect(wrong.text).toContain(`no peer 'zzzz'; use a petname, a fingerprint or a key. Peers: bob (${fp})`);
+    },
+    60_000,
+  );
 
   test("two tasks with one peer are in flight at once and tracked apart", async () => {
     const one = await alice.ok("send_message", { to: "bob", text: "task one", task_id: "one" });
@@ -1430,7 +1466,11 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
 
   test("bad tool input is an isError result that lists the valid choices", async () => {
     const cases: [string, Record<string, unknown>, string][] = [
-      ["send_message", { to: "carol", text: "hi" }, "no peer 'carol'; use a petname, a fingerprint or a key. Peers: bob ("],
+      [
+        "send_message",
+        { to: "carol", text: "hi" },
+        "no peer 'carol'; use a petname, a fingerprint or a key. Peers: bob (",
+      ],
       [
         "send_message",
         { to: "bob", text: "hi", task_id: "t", status: "done" },
@@ -1444,7 +1484,7 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
       ["message_status", { msg_id: "nope" }, "no message with msg_id 'nope'"],
       ["add_peer", { petname: "bob", key: E.id.publicKey }, "refusing to rekey"],
       ["add_peer", { petname: "x", key: "short" }, "43 base64url characters"],
-      ["no_such_tool", {}, "interlink has: send_message"],
+      ["no_such_tool", {}, "Tool no_such_tool not found"], // the SDK's own answer: tools/list names them
     ];
     for (const [tool, args, why] of cases) {
       const r = await alice.call(tool, args);
@@ -1546,6 +1586,7 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
   });
 });
 
+// deno-lint-ignore no-explicit-any -- journal records of every kind, read back for assertions
 function readNodeLog(stateDir: string): any[] {
   return readJsonl(path.join(stateDir, "log.jsonl"));
 }
@@ -1947,8 +1988,8 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
       },
     });
     expect(r.code).toBe(1);
-    expect(r.stdout).toMatch(/PROBLEM  key file .* is readable by others \(mode 644\)\n\s+fix: chmod 600/);
-    expect(r.stdout).toMatch(/PROBLEM  Cannot parse .*peers\.json: 'bob'/);
+    expect(r.stdout).toMatch(/PROBLEM {2}key file .* is readable by others \(mode 644\)\n\s+fix: chmod 600/);
+    expect(r.stdout).toMatch(/PROBLEM {2}Cannot parse .*peers\.json: 'bob'/);
     expect(r.stdout).toMatch(new RegExp(`PROBLEM  bus http://127.0.0.1:${port} is unreachable`));
     expect(r.stdout).toContain("ok       runtime bun");
     // And a healthy set-up passes, under Deno this time.
@@ -1968,7 +2009,7 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
         code: 0,
         out: expect.stringContaining("no problems found"),
       });
-      expect(good.stdout).toMatch(/ok       clock within \d+ s of/);
+      expect(good.stdout).toMatch(/ok {7}clock within \d+ s of/);
     } finally {
       await stop(bus);
     }
@@ -1977,15 +2018,15 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
   const LIFECYCLE_STEPS = [
     /alice discover → .* claims "bob"/,
     /alice request_pair → asked/,
-    /bob   channel event: A node asked to pair/,
-    /bob   \(the operator decides\) accept_pair → paired: 'alice'/,
+    /bob {3}channel event: A node asked to pair/,
+    /bob {3}\(the operator decides\) accept_pair → paired: 'alice'/,
     /alice channel event: Pairing complete/,
-    /bob   ← alice: \[task deps\] Install the deps/,
+    /bob {3}← alice: \[task deps\] Install the deps/,
     /alice ← bob: \[task deps · update\]/,
     /alice ← bob: \[task deps · needs_input\] Which CUDA version\?/,
-    /bob   ← alice: \[task deps\] 12\.4 +\(in_reply_to [0-9a-f]{32}\)/,
+    /bob {3}← alice: \[task deps\] 12\.4 +\(in_reply_to [0-9a-f]{32}\)/,
     /alice ← bob: \[task deps · result\]/,
-    /bob   ← alice: \[task bench · canceled\]/,
+    /bob {3}← alice: \[task bench · canceled\]/,
     /refused: task "bench" is closed/,
     /task deps with bob; requested by you; status result; closed/,
     /gate: refused a message from .*bad_signature/,
@@ -2360,7 +2401,7 @@ describe("strangers cannot grow a node's state", () => {
       const agent = await Agent.open(nodeConfig(me, ["http://127.0.0.1:9"]), "test");
       try {
         const pushed: PushEvent[] = [];
-        agent.push = async (e) => void pushed.push(e);
+        agent.push = (e) => Promise.resolve(void pushed.push(e));
         const knock = async (id: Identity) =>
           agent.receive(
             await signMessage(id, { to: me.id.publicKey, text: "let me in", kind: "pair_request" }, Date.now()),
@@ -2467,7 +2508,11 @@ function smallDisk(kb: number): { dir: string; unmount(): void } | null {
   const dir = tmpDir("interlink-tmpfs-");
   const r = spawnSync("mount", ["-t", "tmpfs", "-o", `size=${kb}k`, "tmpfs", dir], { encoding: "utf8" });
   if (r.status !== 0) {
-    process.stderr.write(`SKIPPED disk-full checks: cannot mount a tmpfs here (${(r.stderr || r.error?.message || "").trim()}); run the tests as root to include them\n`);
+    process.stderr.write(
+      `SKIPPED disk-full checks: cannot mount a tmpfs here (${
+        (r.stderr || r.error?.message || "").trim()
+      }); run the tests as root to include them\n`,
+    );
     return null;
   }
   made.mounts.add(dir);
@@ -2569,7 +2614,7 @@ describe("durability: a 202 is never lost", () => {
           }
         };
         // A cap far above the load: a drop by the per-recipient cap is documented behaviour, not a loss.
-        const args = ["--port", String(port), "--compact", "300", "--cap", "1000000"];
+        const args = ["--port", String(port), "--compact", "100", "--cap", "1000000"];
         let bus = await startBus(runtime, dir, args, { INTERLINK_FAILPOINT: "bus-after-compact" });
         url = bus.url;
         const load = [...Array.from({ length: 16 }, (_, s) => sender(s)), ...recipients.map(consumer)];
@@ -2586,7 +2631,7 @@ describe("durability: a 202 is never lost", () => {
           await Promise.all(load);
           const lost = [...accepted].filter((id) => !received.has(id)).length;
           expect({ runtime, kills, lost, duplicated }).toEqual({ runtime, kills: 5, lost: 0, duplicated: 0 });
-          expect(accepted.size).toBeGreaterThan(500);
+          expect(accepted.size).toBeGreaterThan(200);
         } finally {
           stopping = true;
           await stop(bus, "SIGKILL");
@@ -2644,7 +2689,10 @@ describe("durability: a full disk", () => {
     try {
       const accepted: number[] = [];
       for (let i = 0; i < 60; i++) {
-        const r = await fetch(`${bus.url}/send`, { method: "POST", body: JSON.stringify({ to: "r", payload: { i, pad: "y".repeat(2000) } }) });
+        const r = await fetch(`${bus.url}/send`, {
+          method: "POST",
+          body: JSON.stringify({ to: "r", payload: { i, pad: "y".repeat(2000) } }),
+        });
         if (r.status === 202) accepted.push(i);
       }
       const filler = fillDisk(disk.dir, 4096);
@@ -2676,38 +2724,42 @@ describe("durability: a full disk", () => {
     }
   }, 60_000);
 
-  test("an agent whose disk is full says so plainly, keeps its journal well-formed, and sends again when space returns", async () => {
-    const disk = smallDisk(512);
-    if (!disk) return;
-    const root = tmpDir();
-    const A = await makeNodeFiles(root, "alice");
-    const B = await makeNodeFiles(root, "bob");
-    befriend(A, B);
-    A.stateDir = path.join(disk.dir, "alice-state");
-    const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-    const server = await serveHttp(bus.handler, "127.0.0.1", 0);
-    const agent = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`]), "test");
-    try {
-      await agent.send({ to: "bob", text: "before" });
-      const filler = fillDisk(disk.dir, 64);
-      let failure = "";
-      for (let i = 0; i < 50 && !failure; i++) {
-        await agent.send({ to: "bob", text: `while full ${i} ${"z".repeat(300)}` }).catch((e) => failure = String(e));
+  test(
+    "an agent whose disk is full says so plainly, keeps its journal well-formed, and sends again when space returns",
+    async () => {
+      const disk = smallDisk(512);
+      if (!disk) return;
+      const root = tmpDir();
+      const A = await makeNodeFiles(root, "alice");
+      const B = await makeNodeFiles(root, "bob");
+      befriend(A, B);
+      A.stateDir = path.join(disk.dir, "alice-state");
+      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
+      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+      const agent = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`]), "test");
+      try {
+        await agent.send({ to: "bob", text: "before" });
+        const filler = fillDisk(disk.dir, 64);
+        let failure = "";
+        for (let i = 0; i < 50 && !failure; i++) {
+          await agent.send({ to: "bob", text: `while full ${i} ${"z".repeat(300)}` }).catch((e) => failure = String(e));
+        }
+        expect(failure).toContain("ENOSPC: the disk of the state folder");
+        fs.rmSync(filler);
+        const after = await agent.send({ to: "bob", text: "after" });
+        expect(agent.state.outgoing.get(after.msg.msg_id)?.msg.text).toBe("after");
+        // Every line of the journal is a whole record: the failed append left nothing behind.
+        const log = fs.readFileSync(path.join(A.stateDir, "log.jsonl"), "utf8").split("\n").filter((l) => l.trim());
+        for (const line of log) expect(() => JSON.parse(line)).not.toThrow();
+      } finally {
+        await agent.stop();
+        await server.stop();
+        await bus.close();
+        disk.unmount();
       }
-      expect(failure).toContain("ENOSPC: the disk of the state folder");
-      fs.rmSync(filler);
-      const after = await agent.send({ to: "bob", text: "after" });
-      expect(agent.state.outgoing.get(after.msg.msg_id)?.msg.text).toBe("after");
-      // Every line of the journal is a whole record: the failed append left nothing behind.
-      const log = fs.readFileSync(path.join(A.stateDir, "log.jsonl"), "utf8").split("\n").filter((l) => l.trim());
-      for (const line of log) expect(() => JSON.parse(line)).not.toThrow();
-    } finally {
-      await agent.stop();
-      await server.stop();
-      await bus.close();
-      disk.unmount();
-    }
-  }, 30_000);
+    },
+    30_000,
+  );
 });
 
 describe("durability: corruption is contained, never silent", () => {
@@ -2721,7 +2773,8 @@ describe("durability: corruption is contained, never silent", () => {
         { t: "m", q: "r", n: "2", ts: 1, p: '"bad seq"' },
         { t: "m", q: "r", n: 2.5, ts: 1, p: '"fractional seq"' },
         { t: "m", q: "r", n: 3, ts: 1, p: '"three"' },
-      ].map((r) => JSON.stringify(r)).join("\n") + "\n{garbage\n" + JSON.stringify({ t: "m", q: "r", n: 4, ts: 1, p: '"four"' }),
+      ].map((r) => JSON.stringify(r)).join("\n") + "\n{garbage\n" +
+        JSON.stringify({ t: "m", q: "r", n: 4, ts: 1, p: '"four"' }),
     );
     const bus = await Bus.open(dir, { log: () => {} });
     try {
@@ -2843,7 +2896,12 @@ describe("the node core: decisions are lists of effects, carried out in order", 
     return names;
   }
 
-  const ctx = (canPush: boolean, state = new NodeState(() => NOW)): InboundContext => ({ state, peers, canPush, nowMs: NOW });
+  const ctx = (canPush: boolean, state = new NodeState(() => NOW)): InboundContext => ({
+    state,
+    peers,
+    canPush,
+    nowMs: NOW,
+  });
 
   test("a peer's message in push mode: journal, remember, push, record shown, sync, then ack", async () => {
     const msg = await signMessage(A.id, { to: B.id.publicKey, text: "hi" }, NOW);
@@ -2873,16 +2931,36 @@ describe("the node core: decisions are lists of effects, carried out in order", 
     const stranger = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
     const knock = await signMessage(stranger, { to: B.id.publicKey, text: "let me in", kind: "pair_request" }, NOW);
     const v = await decide(knock, B.id.publicKey, peers, NOW, state.replay);
-    expect(checkOrdering(planInbound(v, ctx(true, state)))).toEqual(["append", "remember", "log", "push", "sync", "ack"]);
+    expect(checkOrdering(planInbound(v, ctx(true, state)))).toEqual([
+      "append",
+      "remember",
+      "log",
+      "push",
+      "sync",
+      "ack",
+    ]);
     state.apply({ t: "knock", at: NOW, name: "let me in", msg: knock });
-    const again = await decide(await signMessage(stranger, { to: B.id.publicKey, text: "x", kind: "pair_request" }, NOW), B.id.publicKey, peers, NOW, state.replay);
+    const again = await decide(
+      await signMessage(stranger, { to: B.id.publicKey, text: "x", kind: "pair_request" }, NOW),
+      B.id.publicKey,
+      peers,
+      NOW,
+      state.replay,
+    );
     expect(checkOrdering(planInbound(again, ctx(true, state)))).toEqual(["log", "ack"]);
   });
 
   test("an accepted pairing files the peer before it is journaled, under a free petname", async () => {
     const state = new NodeState(() => NOW);
     const carol = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
-    state.apply({ t: "out", at: NOW, peer: null, recipient: carol.publicKey, pair_petname: "alice", msg: await signMessage(B.id, { to: carol.publicKey, text: "bob", kind: "pair_request" }, NOW) });
+    state.apply({
+      t: "out",
+      at: NOW,
+      peer: null,
+      recipient: carol.publicKey,
+      pair_petname: "alice",
+      msg: await signMessage(B.id, { to: carol.publicKey, text: "bob", kind: "pair_request" }, NOW),
+    });
     const accept = await signMessage(carol, { to: B.id.publicKey, text: "carol", kind: "pair_accept" }, NOW);
     const v = await decide(accept, B.id.publicKey, peers, NOW, state.replay, new Set(state.knocksOut.keys()));
     const effects = planInbound(v, ctx(true, state));
@@ -2890,49 +2968,60 @@ describe("the node core: decisions are lists of effects, carried out in order", 
     expect(effects[0]).toEqual({ do: "add_peer", petname: "carol", key: carol.publicKey }); // "alice" is taken
   });
 
-  test("a push that throws, or a journal write that fails, leaves the message on the bus; it is then shown exactly once", async () => {
-    const disk = smallDisk(256);
-    const root = tmpDir();
-    const A2 = await makeNodeFiles(root, "alice");
-    const B2 = await makeNodeFiles(root, "bob");
-    befriend(A2, B2);
-    if (disk) B2.stateDir = path.join(disk.dir, "bob-state");
-    const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-    const server = await serveHttp(bus.handler, "127.0.0.1", 0);
-    const bob = await Agent.open(nodeConfig(B2, [`http://127.0.0.1:${server.port}`]), "test");
-    const pushed: PushEvent[] = [];
-    let failPush = true;
-    bob.push = async (e) => {
-      if (failPush) throw new Error("the session went away");
-      pushed.push(e);
-    };
-    try {
-      const first = await signMessage(A2.id, { to: B2.id.publicKey, text: "push fails first" }, Date.now());
-      await bus.send(B2.id.publicKey, JSON.stringify(first));
-      await expect(bob.receive(first)).rejects.toThrow("the session went away");
-      expect(bus.queues.first(B2.id.publicKey)).toBeDefined(); // not acked: the bus will redeliver
-      failPush = false;
-      if (disk) {
-        const filler = fillDisk(disk.dir, 0);
-        const second = await signMessage(A2.id, { to: B2.id.publicKey, text: "journal fails first " + "j".repeat(9000) }, Date.now());
-        await bus.send(B2.id.publicKey, JSON.stringify(second));
-        await expect(bob.receive(second)).rejects.toThrow(/ENOSPC/);
-        fs.rmSync(filler);
+  test(
+    "a push that throws, or a journal write that fails, leaves the message on the bus; it is then shown exactly once",
+    async () => {
+      const disk = smallDisk(256);
+      const root = tmpDir();
+      const A2 = await makeNodeFiles(root, "alice");
+      const B2 = await makeNodeFiles(root, "bob");
+      befriend(A2, B2);
+      if (disk) B2.stateDir = path.join(disk.dir, "bob-state");
+      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
+      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+      const bob = await Agent.open(nodeConfig(B2, [`http://127.0.0.1:${server.port}`]), "test");
+      const pushed: PushEvent[] = [];
+      let failPush = true;
+      bob.push = (e) => {
+        if (failPush) return Promise.reject(new Error("the session went away"));
+        pushed.push(e);
+        return Promise.resolve();
+      };
+      try {
+        const first = await signMessage(A2.id, { to: B2.id.publicKey, text: "push fails first" }, Date.now());
+        await bus.send(B2.id.publicKey, JSON.stringify(first));
+        await expect(bob.receive(first)).rejects.toThrow("the session went away");
+        expect(bus.queues.first(B2.id.publicKey)).toBeDefined(); // not acked: the bus will redeliver
+        failPush = false;
+        if (disk) {
+          const filler = fillDisk(disk.dir, 0);
+          const second = await signMessage(A2.id, {
+            to: B2.id.publicKey,
+            text: "journal fails first " + "j".repeat(9000),
+          }, Date.now());
+          await bus.send(B2.id.publicKey, JSON.stringify(second));
+          await expect(bob.receive(second)).rejects.toThrow(/ENOSPC/);
+          fs.rmSync(filler);
+        }
+        bob.startReceiving(); // the real redelivery path: recv, gate, effects, ack
+        await waitUntil(() => bus.queues.liveCount === 0, 10_000);
+        expect(bus.queues.liveCount).toBe(0);
+        expect(pushed.map((e) => e.content.slice(0, 19))).toEqual([
+          "push fails first",
+          ...(disk ? ["journal fails first"] : []),
+        ]);
+        const log = readNodeLog(B2.stateDir);
+        expect(log.filter((r) => r.t === "in").length).toBe(disk ? 2 : 1);
+        expect(log.filter((r) => r.t === "shown").length).toBe(disk ? 2 : 1);
+      } finally {
+        await bob.stop();
+        await server.stop();
+        await bus.close();
+        disk?.unmount();
       }
-      bob.startReceiving(); // the real redelivery path: recv, gate, effects, ack
-      await waitUntil(() => bus.queues.liveCount === 0, 10_000);
-      expect(bus.queues.liveCount).toBe(0);
-      expect(pushed.map((e) => e.content.slice(0, 19))).toEqual(["push fails first", ...(disk ? ["journal fails first"] : [])]);
-      const log = readNodeLog(B2.stateDir);
-      expect(log.filter((r) => r.t === "in").length).toBe(disk ? 2 : 1);
-      expect(log.filter((r) => r.t === "shown").length).toBe(disk ? 2 : 1);
-    } finally {
-      await bob.stop();
-      await server.stop();
-      await bus.close();
-      disk?.unmount();
-    }
-  }, 30_000);
+    },
+    30_000,
+  );
 });
 
 describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
@@ -2944,7 +3033,10 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
     const server = await serveHttp(bus.handler, "127.0.0.1", 0);
     const url = `http://127.0.0.1:${server.port}`;
-    let bob = await McpNode.start("bun", B, url, { INTERLINK_DELIVERY: "channel", INTERLINK_FAILPOINT: "agent-after-journal" });
+    let bob = await McpNode.start("bun", B, url, {
+      INTERLINK_DELIVERY: "channel",
+      INTERLINK_FAILPOINT: "agent-after-journal",
+    });
     try {
       const msg = await signMessage(A.id, { to: B.id.publicKey, text: "do not lose me" }, Date.now());
       await bus.send(B.id.publicKey, JSON.stringify(msg));
@@ -2975,7 +3067,10 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     // Queued by an older version that checked only the text's bytes: 400 KB of control characters, 2.4 MB as JSON.
     const huge = await signMessage(A.id, { to: B.id.publicKey, text: "\u0001".repeat(400_000) }, Date.now());
     fs.mkdirSync(A.stateDir, { recursive: true });
-    fs.writeFileSync(path.join(A.stateDir, "log.jsonl"), JSON.stringify({ t: "out", at: Date.now(), peer: "bob", recipient: B.id.publicKey, msg: huge }) + "\n");
+    fs.writeFileSync(
+      path.join(A.stateDir, "log.jsonl"),
+      JSON.stringify({ t: "out", at: Date.now(), peer: "bob", recipient: B.id.publicKey, msg: huge }) + "\n",
+    );
     const alice = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`]), "test");
     try {
       const next = await alice.send({ to: "bob", text: "behind it" });
@@ -2986,7 +3081,9 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
       expect(refused.refused).toContain("answered 413");
       expect(readNodeLog(A.stateDir).find((r) => r.t === "refused")?.msg_id).toBe(huge.msg_id);
       // Sending such a message today is refused at once, with the reason, before anything is queued.
-      await expect(alice.send({ to: "bob", text: "\u0001".repeat(400_000) })).rejects.toThrow(/over the 2 MiB a bus accepts/);
+      await expect(alice.send({ to: "bob", text: "\u0001".repeat(400_000) })).rejects.toThrow(
+        /over the 2 MiB a bus accepts/,
+      );
     } finally {
       await alice.stop();
       await server.stop();
