@@ -2399,7 +2399,7 @@ export function readNodeState(stateDir: string): { state: NodeState; journal: Jo
   return { state, journal };
 }
 
-// -- decisions: pure functions that return effects --------------------------
+// -- decisions: pure functions that return effects ----------------------------
 //
 // What a node does with an inbound payload is decided here, as an ordered
 // list of effects, from the gate's verdict and the node's state; the Agent
@@ -3191,7 +3191,7 @@ function errorText(e: unknown): string {
   return String(e);
 }
 
-// -- presenting peer text ------------------------------------------------------
+// -- presenting peer text -----------------------------------------------------
 //
 // Peer text reaches the model inside a channel event, an inbox block or a tool
 // result. It must never be able to pose as something we generate: a task
@@ -3249,7 +3249,7 @@ export function messageBlock(
   return `<interlink-message ${head}>\n${escapePeerText(m.msg.text)}\n</interlink-message>`;
 }
 
-// -- the inbox (pull delivery) -------------------------------------------------
+// -- the inbox (pull delivery) ------------------------------------------------
 
 /**
  * Takes unread inbox messages (oldest first) and records them as shown, under
@@ -3895,8 +3895,11 @@ interface CommandSpec {
 }
 
 const home = () => os.homedir();
+
 const configDir = () => process.env.XDG_CONFIG_HOME || path.join(home(), ".config");
+
 const stateDir = () => process.env.XDG_STATE_HOME || path.join(home(), ".local", "state");
+
 const tildify = (p: string) => (p.startsWith(home() + path.sep) ? "~" + p.slice(home().length) : p);
 
 const OPT = {
@@ -4006,6 +4009,51 @@ async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Identity }
   };
 }
 
+function intOption(value: unknown, flag: string, min: number, max: number): number {
+  const n = Number(value);
+  if (typeof value !== "string" || !/^\d+$/.test(value) || n < min || n > max) {
+    throw new InterlinkError(`--${flag} must be an integer from ${min} to ${max}, got ${JSON.stringify(value)}`);
+  }
+  return n;
+}
+
+/** Resolves with the signal's name on the first SIGINT or SIGTERM. */
+function shutdownSignal(): Promise<string> {
+  return new Promise((resolve) => {
+    for (const sig of ["SIGINT", "SIGTERM"] as const) process.once(sig, () => resolve(sig));
+  });
+}
+
+/** argv that runs this same file under the same runtime (for the embedded bus, `demo` and `bench`). */
+export function selfCommand(args: string[]): string[] {
+  const script = fileURLToPath(import.meta.url);
+  if (runtimeHost.Deno) {
+    const config = path.join(path.dirname(script), "deno.json");
+    return [
+      runtimeHost.Deno.execPath(),
+      "run",
+      "-A",
+      "--quiet",
+      ...(fs.existsSync(config) ? ["--config", config] : []),
+      script,
+      ...args,
+    ];
+  }
+  return [process.execPath, script, ...args];
+}
+
+// -- terminal output ----------------------------------------------------------
+
+function print(text = ""): void {
+  process.stdout.write(text + "\n");
+}
+
+async function readStdin(): Promise<string> {
+  const chunks: Buffer[] = [];
+  for await (const chunk of process.stdin) chunks.push(Buffer.from(chunk));
+  return Buffer.concat(chunks).toString("utf8");
+}
+
 /** Terminal-safe peer text: control characters (ANSI escapes included) are shown, not obeyed. */
 function terminalSafe(text: string): string {
   return text.replace(
@@ -4058,38 +4106,7 @@ function logRecordLine(r: JsonlRecord, petnameOf: (key: string) => string | unde
   }
 }
 
-function print(text = ""): void {
-  process.stdout.write(text + "\n");
-}
-
-async function readStdin(): Promise<string> {
-  const chunks: Buffer[] = [];
-  for await (const chunk of process.stdin) chunks.push(Buffer.from(chunk));
-  return Buffer.concat(chunks).toString("utf8");
-}
-
-/** One line of `interlink.ts verify` input: a signed message, a bus recv answer, or an announcement. */
-export async function verifyLine(line: string): Promise<string> {
-  let value: unknown;
-  try {
-    value = JSON.parse(line);
-  } catch (e) {
-    return `invalid: not JSON (${(e as Error).message})`;
-  }
-  if (isObject(value) && isObject(value.envelope) && "payload" in value.envelope) value = value.envelope.payload;
-  try {
-    if (isObject(value) && "pubkey" in value && !("from" in value)) {
-      const a = parseAnnouncement(value);
-      const bad = await verifyAnnouncement(a);
-      return bad ? `invalid: ${bad}` : `ok ${a.pubkey}`;
-    }
-    const msg = parseSignedMessage(value);
-    const bad = await verifyMessage(msg);
-    return bad ? `invalid: ${bad}` : `ok ${msg.from}`;
-  } catch (e) {
-    return `invalid: ${(e as Error).message}`;
-  }
-}
+// -- node commands: mcp, send, log, tasks, peers, wait ------------------------
 
 /** Starts a detached bus for this machine when none answers at the default URL (`--no-bus` turns this off). */
 async function ensureLocalBus(url: string): Promise<void> {
@@ -4130,24 +4147,6 @@ async function ensureLocalBus(url: string): Promise<void> {
     await sleep(50);
   }
   logWarn(`started a bus at ${url} but it does not answer yet; see ${logFile}`);
-}
-
-/** argv that runs this same file under the same runtime (for the embedded bus, `demo` and `bench`). */
-export function selfCommand(args: string[]): string[] {
-  const script = fileURLToPath(import.meta.url);
-  if (runtimeHost.Deno) {
-    const config = path.join(path.dirname(script), "deno.json");
-    return [
-      runtimeHost.Deno.execPath(),
-      "run",
-      "-A",
-      "--quiet",
-      ...(fs.existsSync(config) ? ["--config", config] : []),
-      script,
-      ...args,
-    ];
-  }
-  return [process.execPath, script, ...args];
 }
 
 async function runMcp(o: Options): Promise<number> {
@@ -4200,59 +4199,6 @@ async function runMcp(o: Options): Promise<number> {
   logInfo(`${why}: shutting down`);
   await agent.stop();
   await mcp.close().catch(() => {});
-  return 0;
-}
-
-function intOption(value: unknown, flag: string, min: number, max: number): number {
-  const n = Number(value);
-  if (typeof value !== "string" || !/^\d+$/.test(value) || n < min || n > max) {
-    throw new InterlinkError(`--${flag} must be an integer from ${min} to ${max}, got ${JSON.stringify(value)}`);
-  }
-  return n;
-}
-
-/** Resolves with the signal's name on the first SIGINT or SIGTERM. */
-function shutdownSignal(): Promise<string> {
-  return new Promise((resolve) => {
-    for (const sig of ["SIGINT", "SIGTERM"] as const) process.once(sig, () => resolve(sig));
-  });
-}
-
-async function runBus(o: Options): Promise<number> {
-  const host = o.host as string;
-  const port = intOption(o.port, "port", 0, 65535);
-  const cap = intOption(o.cap, "cap", 1, 10_000_000);
-  const compactMinDead = intOption(o.compact, "compact", 1, 100_000_000);
-  const dataDir = o.data as string;
-  logComponent = "interlink bus";
-  const bus = await Bus.open(dataDir, { cap, compactMinDead });
-  let server: Listening;
-  try {
-    server = await serveHttp(bus.handler, host, port);
-  } catch (e) {
-    await bus.close();
-    throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
-  }
-  const r = bus.recovery;
-  logInfo(
-    `listening on http://${
-      host.includes(":") ? `[${host}]` : host
-    }:${server.port} (data ${dataDir}, cap ${cap} per recipient)`,
-  );
-  logInfo(
-    `recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms` +
-      (r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "") +
-      (r.droppedByCap ? `; dropped ${r.droppedByCap} over the cap` : ""),
-  );
-  if (!isLoopback(host)) {
-    logWarn(
-      `bound to ${host}, not loopback: anything that reaches this port can enqueue and read the roster (messages stay signed, not secret)`,
-    );
-  }
-  const sig = await shutdownSignal();
-  logInfo(`${sig}: shutting down`);
-  await server.stop();
-  await bus.close();
   return 0;
 }
 
@@ -4443,6 +4389,48 @@ async function runWait(o: Options): Promise<number> {
   }
 }
 
+// -- bus ----------------------------------------------------------------------
+
+async function runBus(o: Options): Promise<number> {
+  const host = o.host as string;
+  const port = intOption(o.port, "port", 0, 65535);
+  const cap = intOption(o.cap, "cap", 1, 10_000_000);
+  const compactMinDead = intOption(o.compact, "compact", 1, 100_000_000);
+  const dataDir = o.data as string;
+  logComponent = "interlink bus";
+  const bus = await Bus.open(dataDir, { cap, compactMinDead });
+  let server: Listening;
+  try {
+    server = await serveHttp(bus.handler, host, port);
+  } catch (e) {
+    await bus.close();
+    throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
+  }
+  const r = bus.recovery;
+  logInfo(
+    `listening on http://${
+      host.includes(":") ? `[${host}]` : host
+    }:${server.port} (data ${dataDir}, cap ${cap} per recipient)`,
+  );
+  logInfo(
+    `recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms` +
+      (r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "") +
+      (r.droppedByCap ? `; dropped ${r.droppedByCap} over the cap` : ""),
+  );
+  if (!isLoopback(host)) {
+    logWarn(
+      `bound to ${host}, not loopback: anything that reaches this port can enqueue and read the roster (messages stay signed, not secret)`,
+    );
+  }
+  const sig = await shutdownSignal();
+  logInfo(`${sig}: shutting down`);
+  await server.stop();
+  await bus.close();
+  return 0;
+}
+
+// -- doctor -------------------------------------------------------------------
+
 type Finding = { level: "ok" | "info" | "problem"; what: string; fix?: string };
 
 /** Largest clock difference to the bus that `doctor` calls fine: well inside the 60 s future window. */
@@ -4576,6 +4564,67 @@ async function runDoctor(o: Options): Promise<number> {
   print(problems ? `\n${problems} problem(s) found.` : "\nno problems found.");
   return problems ? 1 : 0;
 }
+
+// -- identity: keygen, id, verify ---------------------------------------------
+
+/** One line of `interlink.ts verify` input: a signed message, a bus recv answer, or an announcement. */
+export async function verifyLine(line: string): Promise<string> {
+  let value: unknown;
+  try {
+    value = JSON.parse(line);
+  } catch (e) {
+    return `invalid: not JSON (${(e as Error).message})`;
+  }
+  if (isObject(value) && isObject(value.envelope) && "payload" in value.envelope) value = value.envelope.payload;
+  try {
+    if (isObject(value) && "pubkey" in value && !("from" in value)) {
+      const a = parseAnnouncement(value);
+      const bad = await verifyAnnouncement(a);
+      return bad ? `invalid: ${bad}` : `ok ${a.pubkey}`;
+    }
+    const msg = parseSignedMessage(value);
+    const bad = await verifyMessage(msg);
+    return bad ? `invalid: ${bad}` : `ok ${msg.from}`;
+  } catch (e) {
+    return `invalid: ${(e as Error).message}`;
+  }
+}
+
+async function runKeygen(o: Options): Promise<number> {
+  const file = o.out as string;
+  const seed = crypto.getRandomValues(new Uint8Array(32));
+  writeKeyFile(file, seed, o.force === true);
+  const id = await identityFromSeed(seed);
+  const suggested = os.hostname().replace(/[^A-Za-z0-9._-]/g, "-").replace(/^[^A-Za-z0-9]+/, "") || "my-node";
+  print(`wrote ${file} (mode 0600)`);
+  print(`public key   ${id.publicKey}`);
+  print(`fingerprint  ${id.fingerprint}`);
+  print();
+  print(`Your peers add this entry to their peers.json (the petname is theirs to choose):`);
+  print(JSON.stringify({ [suggested]: { key: id.publicKey } }, null, 2));
+  return 0;
+}
+
+async function runId(o: Options): Promise<number> {
+  const id = await readIdentity(o.key as string);
+  print(`public key   ${id.publicKey}`);
+  print(`fingerprint  ${id.fingerprint}`);
+  return 0;
+}
+
+async function runVerify(): Promise<number> {
+  const lines = (await readStdin()).split("\n");
+  if (lines.at(-1) === "") lines.pop();
+  let allOk = lines.length > 0;
+  for (const line of lines) {
+    const verdict = line.trim() === "" ? "invalid: empty line" : await verifyLine(line);
+    if (!verdict.startsWith("ok ")) allOk = false;
+    print(verdict);
+  }
+  return allOk ? 0 : 1;
+}
+
+// -- demo ---------------------------------------------------------------------
 
 /** Environment for child processes we start: ours, minus any INTERLINK_* that would point them at the user's real node. */
 function childEnv(extra: Record<string, string>): Record<string, string> {
@@ -4761,6 +4810,8 @@ async function runDemo(o: Options): Promise<number> {
     else fs.rmSync(root, { recursive: true, force: true });
   }
 }
+
+// -- bench --------------------------------------------------------------------
 
 /** Resident set size of a process in MB (Linux /proc; null elsewhere). */
 function rssMb(pid: number): number | null {
@@ -5001,6 +5052,8 @@ async function runBench(o: Options): Promise<number> {
   return 0;
 }
 
+// -- the command table, help and parsing --------------------------------------
+
 const COMMANDS: Record<string, CommandSpec> = {
   mcp: {
     summary: "run the MCP stdio server for one Claude Code session",
@@ -5144,30 +5197,12 @@ const COMMANDS: Record<string, CommandSpec> = {
       out: { ...OPT.key, help: "where to write the key (0600)" },
       force: { type: "boolean", help: "replace an existing key file (the old identity is lost)" },
     },
-    async run(o) {
-      const file = o.out as string;
-      const seed = crypto.getRandomValues(new Uint8Array(32));
-      writeKeyFile(file, seed, o.force === true);
-      const id = await identityFromSeed(seed);
-      const suggested = os.hostname().replace(/[^A-Za-z0-9._-]/g, "-").replace(/^[^A-Za-z0-9]+/, "") || "my-node";
-      print(`wrote ${file} (mode 0600)`);
-      print(`public key   ${id.publicKey}`);
-      print(`fingerprint  ${id.fingerprint}`);
-      print();
-      print(`Your peers add this entry to their peers.json (the petname is theirs to choose):`);
-      print(JSON.stringify({ [suggested]: { key: id.publicKey } }, null, 2));
-      return 0;
-    },
+    run: runKeygen,
   },
   id: {
     summary: "print this node's public key and fingerprint",
     options: { key: OPT.key },
-    async run(o) {
-      const id = await readIdentity(o.key as string);
-      print(`public key   ${id.publicKey}`);
-      print(`fingerprint  ${id.fingerprint}`);
-      return 0;
-    },
+    run: runId,
   },
   verify: {
     summary: "check signed messages read from stdin, one JSON object per line",
@@ -5175,17 +5210,7 @@ const COMMANDS: Record<string, CommandSpec> = {
       "messages, bus recv answers (the envelope's payload is checked) and announcements.\n" +
       "Exits 0 only if every line was ok.",
     options: {},
-    async run() {
-      const lines = (await readStdin()).split("\n");
-      if (lines.at(-1) === "") lines.pop();
-      let allOk = lines.length > 0;
-      for (const line of lines) {
-        const verdict = line.trim() === "" ? "invalid: empty line" : await verifyLine(line);
-        if (!verdict.startsWith("ok ")) allOk = false;
-        print(verdict);
-      }
-      return allOk ? 0 : 1;
-    },
+    run: runVerify,
   },
   bench: {
     summary: "measure the bus and the agents and print the figures as JSON",
