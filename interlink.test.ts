@@ -60,7 +60,6 @@ import {
   TOOLS,
   verifyAnnouncement,
   verifyMessage,
-  waitUntil,
   writeKeyFile,
 } from "./interlink.ts";
 
@@ -677,7 +676,7 @@ describe("JSONL storage", () => {
 
   for (const runtime of ["bun", "deno"] as const) {
     test(
-      `lock stress (${runtime} and bun side by side): 6 processes × 150 rounds never hold the lock at once`,
+      `lock stress (${runtime} and bun side by side): 6 processes × 100 rounds never hold the lock at once`,
       async () => {
         const dir = tmpDir();
         const counter = path.join(dir, "counter");
@@ -687,7 +686,7 @@ describe("JSONL storage", () => {
           script,
           `import { withFileLock } from ${JSON.stringify(SCRIPT)};
         import * as fs from "node:fs";
-        for (let i = 0; i < 150; i++) {
+        for (let i = 0; i < 100; i++) {
           await withFileLock(${JSON.stringify(counter)}, "stress", async () => {
             const n = Number(fs.readFileSync(${JSON.stringify(counter)}, "utf8"));
             await new Promise((r) => setTimeout(r, 0)); // give a second holder every chance to interleave
@@ -706,7 +705,7 @@ describe("JSONL storage", () => {
         try {
           const codes = await Promise.all(procs.map((p) => p.exited));
           expect(codes).toEqual([0, 0, 0, 0, 0, 0]);
-          expect(Number(fs.readFileSync(counter, "utf8"))).toBe(900); // a lost update means two holders at once
+          expect(Number(fs.readFileSync(counter, "utf8"))).toBe(600); // a lost update means two holders at once
         } finally {
           for (const p of procs) killGroup(p.pid);
         }
@@ -2581,13 +2580,15 @@ describe("durability: a 202 is never lost", () => {
         let duplicated = 0, url = "", stopping = false;
         const port = await freePort();
         const recipients = ["r0", "r1", "r2", "r3"];
+        // A fixed load (150 accepted per sender), so the drill's work does not grow with how long the kills take.
+        // Every attempt has its own id: a send whose answer was lost in a kill may still have been stored.
         const sender = async (s: number) => {
-          for (let n = 0; !stopping; n++) {
+          for (let n = 0, ok = 0; ok < 150 && !stopping; n++) {
             const id = `${s}-${n}`;
             try {
               const body = JSON.stringify({ to: recipients[s % 4], payload: { id } });
               const r = await fetch(`${url}/send`, { method: "POST", body });
-              if (r.status === 202) accepted.add(id);
+              if (r.status === 202) accepted.add(id), ok++;
               await r.body?.cancel();
             } catch {
               await Bun.sleep(20); // the bus is down for a moment
@@ -2614,7 +2615,7 @@ describe("durability: a 202 is never lost", () => {
           }
         };
         // A cap far above the load: a drop by the per-recipient cap is documented behaviour, not a loss.
-        const args = ["--port", String(port), "--compact", "100", "--cap", "1000000"];
+        const args = ["--port", String(port), "--compact", "200", "--cap", "1000000"];
         let bus = await startBus(runtime, dir, args, { INTERLINK_FAILPOINT: "bus-after-compact" });
         url = bus.url;
         const load = [...Array.from({ length: 16 }, (_, s) => sender(s)), ...recipients.map(consumer)];
@@ -2631,7 +2632,7 @@ describe("durability: a 202 is never lost", () => {
           await Promise.all(load);
           const lost = [...accepted].filter((id) => !received.has(id)).length;
           expect({ runtime, kills, lost, duplicated }).toEqual({ runtime, kills: 5, lost: 0, duplicated: 0 });
-          expect(accepted.size).toBeGreaterThan(200);
+          expect(accepted.size).toBeGreaterThan(1000); // five compactions of 200 dead records each took real traffic
         } finally {
           stopping = true;
           await stop(bus, "SIGKILL");
@@ -3004,7 +3005,7 @@ describe("the node core: decisions are lists of effects, carried out in order", 
           fs.rmSync(filler);
         }
         bob.startReceiving(); // the real redelivery path: recv, gate, effects, ack
-        await waitUntil(() => bus.queues.liveCount === 0, 10_000);
+        await eventually(() => bus.queues.liveCount === 0, "bob acked both messages");
         expect(bus.queues.liveCount).toBe(0);
         expect(pushed.map((e) => e.content.slice(0, 19))).toEqual([
           "push fails first",
@@ -3040,14 +3041,14 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     try {
       const msg = await signMessage(A.id, { to: B.id.publicKey, text: "do not lose me" }, Date.now());
       await bus.send(B.id.publicKey, JSON.stringify(msg));
-      await waitUntil(() => readNodeLog(B.stateDir).some((r) => r.t === "in"), 10_000);
-      await waitUntil(() => bob.transport.pid === null || !pidAlive(bob.pid!), 10_000);
+      await eventually(() => readNodeLog(B.stateDir).some((r) => r.t === "in"), "bob journaled the message");
+      await eventually(() => bob.client.transport === undefined || !pidAlive(bob.pid!), "the failpoint killed bob");
       expect(bob.events).toEqual([]); // it died before the push
       await bob.close().catch(() => {});
       bob = await McpNode.start("bun", B, url, { INTERLINK_DELIVERY: "channel" });
       const e = await bob.waitEvent((ev) => ev.meta.msg_id === msg.msg_id);
       expect(e.content).toBe("do not lose me");
-      await waitUntil(() => bus.queues.liveCount === 0, 10_000);
+      await eventually(() => bus.queues.liveCount === 0, "the restarted bob acked it");
       expect(bob.events.filter((ev) => ev.meta.msg_id === msg.msg_id).length).toBe(1);
       expect(readNodeLog(B.stateDir).filter((r) => r.t === "in").length).toBe(1);
     } finally {
