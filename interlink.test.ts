@@ -10,6 +10,7 @@ import * as path from "node:path";
 import {
   addPeer,
   Agent,
+  type Announcement,
   announcementBytes,
   b64urlDecode,
   b64urlEncode,
@@ -18,6 +19,7 @@ import {
   BusQueues,
   canonicalBytes,
   channelContent,
+  checkAnnouncement,
   claimInbox,
   commandTable,
   decide,
@@ -25,6 +27,7 @@ import {
   escapePeerText,
   fingerprint,
   foldTask,
+  FormatError,
   FRESH_FUTURE_MS,
   FRESH_PAST_MS,
   hasSmallOrder,
@@ -34,12 +37,14 @@ import {
   type InboxItem,
   INSTRUCTIONS_MAX_CHARS,
   JsonlWriter,
+  legacyAnnouncementBytes,
   lifecycleError,
   LockedError,
   McpSession,
   messageBlock,
   type NodeConfig,
   NodeState,
+  parseAnnouncement,
   parsePeers,
   parseSignedMessage,
   type Peers,
@@ -52,15 +57,18 @@ import {
   removePeer,
   ReplayMemory,
   Roster,
+  rosterKey,
   scanJsonl,
   SDK,
   serveHttp,
   serverInstructions,
   setLogSink,
+  signAnnouncement,
   type SignedMessage,
   signMessage,
   type TaskRow,
   TOOLS,
+  unregisterBytes,
   verifyAnnouncement,
   verifyMessage,
   writeKeyFile,
@@ -247,10 +255,10 @@ describe("signing vectors from the independent implementation", () => {
     });
   }
 
-  test("announcement: verifies and reproduces canonical_hex", async () => {
+  test("announcement (0.4 layout): verifies as a legacy node and reproduces canonical_hex", async () => {
     const a = VECTORS.announce[0];
-    expect(await verifyAnnouncement(a)).toBeNull();
-    expect(hex(announcementBytes(a))).toBe(a.canonical_hex);
+    expect(await checkAnnouncement(parseAnnouncement(a))).toEqual({ layout: "0.4" });
+    expect(hex(legacyAnnouncementBytes(a))).toBe(a.canonical_hex);
     expect(await verifyAnnouncement({ ...a, name: "mallory" })).not.toBeNull();
   });
 
@@ -275,6 +283,57 @@ describe("signing vectors from the independent implementation", () => {
       expect(mixed.stdout.trim().split("\n").map((l) => l.split(" ")[0])).toEqual(["ok", "invalid:", "ok"]);
     }
   }, 120_000);
+});
+
+// ----------------------------------------------------------------------------
+describe("announcement vectors of the 0.8 session layout, from the independent implementation", () => {
+  const V08_TEXT = fs.readFileSync(path.join(REPO, "vectors", "announce-v08.json"), "utf8");
+  const V08 = JSON.parse(V08_TEXT);
+
+  test("the repo copy is byte-identical to ../shared when that exists", () => {
+    const shared = path.join(REPO, "..", "shared", "vectors", "announce-v08.json");
+    if (fs.existsSync(shared)) expect(fs.readFileSync(shared, "utf8")).toBe(V08_TEXT);
+    expect(V08.valid.length).toBe(12);
+    expect(V08.invalid.length).toBe(17);
+    expect(V08.cross_version.length).toBe(3);
+  });
+
+  for (const c of V08.valid) {
+    test(`valid: ${c.name}: verifies (0.8), reproduces canonical_hex and its roster key`, async () => {
+      const a = parseAnnouncement(c.announcement);
+      expect(await checkAnnouncement(a)).toEqual({ layout: "0.8" });
+      expect(hex(announcementBytes(a))).toBe(c.canonical_hex);
+      expect(rosterKey(a)).toBe(c.roster_key);
+      expect(a.pubkey).toBe(c.pubkey);
+    });
+  }
+
+  for (const c of V08.invalid) {
+    test(`invalid at ${c.stage}: ${c.name}`, async () => {
+      if (c.stage === "parse") {
+        expect(() => parseAnnouncement(c.announcement)).toThrow(FormatError);
+        return;
+      }
+      let a: Announcement;
+      try {
+        a = parseAnnouncement(c.announcement);
+      } catch {
+        return; // refused even earlier (a short signature is a parse error here)
+      }
+      expect("error" in (await checkAnnouncement(a))).toBe(true);
+    });
+  }
+
+  for (const c of V08.cross_version) {
+    test(`cross-version: ${c.name}`, async () => {
+      const a = parseAnnouncement(c.announcement);
+      const r = await checkAnnouncement(a);
+      const layout = c.verifies_v08 ? "0.8" : c.verifies_v04 ? "0.4" : undefined;
+      expect(r).toEqual(layout ? { layout } : expect.objectContaining({ error: expect.any(String) }));
+      if (c.canonical_hex_v04) expect(hex(legacyAnnouncementBytes(a))).toBe(c.canonical_hex_v04);
+      if (c.canonical_hex_v08) expect(hex(announcementBytes(a))).toBe(c.canonical_hex_v08);
+    });
+  }
 });
 
 // ----------------------------------------------------------------------------
@@ -1041,10 +1100,14 @@ describe("bus: the HTTP handler", () => {
     expect(bus.waiterCount).toBe(0);
   });
 
-  test("announce is stored unverified and listed on the roster", async () => {
-    expect((await call("POST", "/announce", { pubkey: "k1", name: "n", ts: 1, sig: "s" })).status).toBe(202);
+  test("a signed announcement is filed under key#session and listed with an unsigned age_ms", async () => {
+    const session = { session_id: "s-1", cwd: "/w", git_root: "w", summary: "" };
+    const a = await signAnnouncement(alice, "alice", Date.now(), session);
+    expect((await call("POST", "/announce", { ...a, age_ms: 999999999 })).status).toBe(202);
     const r = await (await call("GET", "/roster")).json();
-    expect(r.roster).toContainEqual({ pubkey: "k1", name: "n", ts: 1, sig: "s" });
+    const entry = r.roster.find((e: Announcement) => e.session?.session_id === "s-1");
+    expect({ ...entry, age_ms: undefined }).toEqual({ ...a, age_ms: undefined });
+    expect(entry.age_ms).toBeLessThan(10_000); // the bus's own stamp, never the poster's
   });
 
   test("a second bus on the same data folder is refused with a clear error", async () => {
@@ -1085,16 +1148,44 @@ describe("bus: queue and roster logic", () => {
     expect([...q.live()].map(([, m]) => m.payload)).toEqual(["2", "3"]);
   });
 
-  test("roster entries expire after 90 s and the roster is capped", () => {
-    const r = new Roster(3, 90_000);
-    r.put("a", '"a"', 0);
-    r.put("b", '"b"', 50_000);
-    expect(r.list(89_999)).toEqual(['"a"', '"b"']);
-    expect(r.list(90_000)).toEqual(['"b"']);
-    for (const k of ["c", "d", "e"]) r.put(k, `"${k}"`, 60_000);
-    expect(r.list(60_000)).toEqual(['"c"', '"d"', '"e"']);
-    r.put("c", '"c2"', 70_000); // re-announcing refreshes and moves to the back
-    expect(r.list(70_000)).toEqual(['"d"', '"e"', '"c2"']);
+  test("presence: a session entry is kept 3 days, a sessionless (0.4) one 90 s; age_ms counts from the last refresh", () => {
+    const r = new Roster();
+    const entry = (pubkey: string, session_id?: string, ts = 0): Announcement => ({
+      pubkey,
+      name: "n",
+      ts,
+      sig: "s",
+      ...(session_id ? { session: { session_id, cwd: "", git_root: "", summary: "" } } : {}),
+    });
+    r.put(entry(alice.publicKey, "s1"), "{}", 0);
+    r.put(entry(bob.publicKey), "{}", 0);
+    expect(r.list(89_999)).toEqual(['{"age_ms":89999}', '{"age_ms":89999}']);
+    expect(r.list(90_000)).toEqual(['{"age_ms":90000}']); // the 0.4 entry went; the session is away now, still listed
+    expect(r.list(3 * 86_400_000 - 1).length).toBe(1);
+    expect(r.list(3 * 86_400_000)).toEqual([]); // gone after the retention
+    // An older announcement never replaces a newer one (no replaying a stale claim over a fresh one).
+    expect(r.put(entry(alice.publicKey, "s1", 100), '{"v":2}', 10)).toBe(true);
+    expect(r.put(entry(alice.publicKey, "s1", 50), '{"v":1}', 20)).toBe(false);
+    r.remove(`${alice.publicKey}#s1`, 99); // an unregister signed before the announcement does not remove it
+    expect(r.list(30)).toEqual(['{"v":2,"age_ms":20}']);
+    r.remove(`${alice.publicKey}#s1`, 100);
+    expect(r.list(30)).toEqual([]);
+  });
+
+  test("bounds: at most 64 sessions per key and the cap in all; the stalest entry goes, never the newcomer", () => {
+    const r = new Roster(100, 64);
+    const put = (pubkey: string, i: number, at: number) =>
+      r.put(
+        { pubkey, name: "n", ts: at, sig: "s", session: { session_id: `s${i}`, cwd: "", git_root: "", summary: "" } },
+        `{"i":${i}}`,
+        at,
+      );
+    for (let i = 0; i < 70; i++) put(alice.publicKey, i, i);
+    expect(r.size).toBe(64);
+    expect(r.list(100)[0]).toBe('{"i":6,"age_ms":94}'); // alice's six stalest sessions made room
+    for (let i = 0; i < 40; i++) put(bob.publicKey, i, 200 + i);
+    expect(r.size).toBe(100);
+    expect(r.list(300).at(-1)).toBe('{"i":39,"age_ms":61}'); // bob's newest is in; alice's stalest went
   });
 });
 
@@ -3393,4 +3484,98 @@ describe("the Claude Code plugin, the launcher and the shared configuration", ()
     },
     30_000,
   );
+});
+
+describe("bus: presence, and what it refuses", () => {
+  let now = Date.now();
+  const session = (session_id: string, summary = "") => ({
+    session_id,
+    cwd: "/home/a/eden",
+    git_root: "eden",
+    summary,
+  });
+  const post = (bus: Bus, route: string, body: unknown) =>
+    bus.handler(new Request(`http://bus${route}`, { method: "POST", body: JSON.stringify(body) }));
+  const roster = async (bus: Bus) => (await (await bus.handler(new Request("http://bus/roster"))).json()).roster;
+
+  test("a forged, a future, a stale and an oversized announcement are refused; a real one is listed", async () => {
+    const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now });
+    try {
+      const real = await signAnnouncement(alice, "alice", now, session("s1"));
+      expect((await post(bus, "/announce", { ...real, name: "mallory" })).status).toBe(403); // forged claim
+      expect((await post(bus, "/announce", { ...real, pubkey: bob.publicKey })).status).toBe(403); // someone else's key
+      expect((await post(bus, "/announce", await signAnnouncement(alice, "a", now + 61_000, session("s2")))).status)
+        .toBe(400);
+      const old = await signAnnouncement(alice, "a", now - 3 * 86_400_000, session("s3")); // replaying a dead session
+      expect((await post(bus, "/announce", old)).status).toBe(400);
+      const huge = await signAnnouncement(alice, "a", now, session("s4", "x".repeat(9000)));
+      expect((await post(bus, "/announce", huge)).status).toBe(413);
+      expect((await post(bus, "/announce", real)).status).toBe(202);
+      expect((await roster(bus)).map((e: Announcement) => e.session?.session_id)).toEqual(["s1"]);
+    } finally {
+      await bus.close();
+    }
+  });
+
+  test("unregister: unsigned is refused with a clear 4xx, a signature from another key too; the owner's removes it", async () => {
+    const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now });
+    try {
+      await post(bus, "/announce", await signAnnouncement(alice, "alice", now, session("s1")));
+      // The 0.8 reference client's unsigned body: refused, the entry ages out to away by itself.
+      const unsigned = await post(bus, "/unregister", { pubkey: alice.publicKey, session: session("s1") });
+      expect(unsigned.status).toBe(403);
+      expect((await unsigned.json()).error).toContain("unsigned unregister refused");
+      const u = { pubkey: alice.publicKey, session_id: "s1", ts: now };
+      const byEve = await post(bus, "/unregister", {
+        pubkey: alice.publicKey,
+        session: { session_id: "s1" },
+        ts: now,
+        sig: await eve.sign(unregisterBytes(u)),
+      });
+      expect(byEve.status).toBe(403);
+      const stale = { ...u, ts: now - 10 * 60_000 };
+      const replayed = await post(bus, "/unregister", {
+        pubkey: alice.publicKey,
+        session: { session_id: "s1" },
+        ts: stale.ts,
+        sig: await alice.sign(unregisterBytes(stale)),
+      });
+      expect(replayed.status).toBe(400); // a captured unregister is worth nothing later
+      expect((await roster(bus)).length).toBe(1);
+      const mine = await post(bus, "/unregister", {
+        pubkey: alice.publicKey,
+        session: { session_id: "s1" },
+        ts: now,
+        sig: await alice.sign(unregisterBytes(u)),
+      });
+      expect(mine.status).toBe(202);
+      expect(await roster(bus)).toEqual([]);
+    } finally {
+      await bus.close();
+    }
+  });
+
+  test("a 0.8 node's announcements from the vectors and a 0.4 node's are served side by side, each with age_ms", async () => {
+    // Raw HTTP, exactly as those nodes post: the vectors were signed at 2026-01-01, so the bus's clock is set there.
+    const V08 = JSON.parse(fs.readFileSync(path.join(REPO, "vectors", "announce-v08.json"), "utf8"));
+    const signedAt = V08.valid[0].announcement.ts;
+    let clock = signedAt + 1_000;
+    const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => clock });
+    try {
+      for (const c of V08.valid) {
+        const r = await post(bus, "/announce", c.announcement);
+        expect({ name: c.name, status: r.status }).toEqual({ name: c.name, status: 202 });
+      }
+      expect((await post(bus, "/announce", VECTORS.announce[0])).status).toBe(202); // the 0.4 layout
+      clock += 5_000;
+      const listed = await roster(bus);
+      const keys = new Set(V08.valid.map((c: { roster_key: string }) => c.roster_key));
+      for (const e of listed) {
+        expect(e.age_ms).toBe(5_000);
+        expect(keys.has(rosterKey(e)) || e.pubkey === VECTORS.announce[0].pubkey).toBe(true);
+      }
+    } finally {
+      await bus.close();
+    }
+  });
 });

@@ -76,11 +76,19 @@ export const RECV_TIMEOUT_MS = 25_000;
 export const RECV_TIMEOUT_MAX_MS = 60_000;
 /** Per-recipient queue bound; past it the oldest is dropped (and logged) so one silent inbox cannot fill the disk. */
 export const QUEUE_CAP = 1024;
-/** Roster entries older than this are gone: agents re-announce every ANNOUNCE_EVERY_MS. */
-export const ROSTER_TTL_MS = 90_000;
+/** A session heard from within this long is live; older ones are away (they may be asleep: a laptop lid). */
+export const PRESENCE_LIVE_MS = 90_000;
+/** Away for this long, a session "may be gone" rather than asleep. */
+export const PRESENCE_STALE_MS = 24 * 60 * 60_000;
+/** How long a bus keeps a session's announcement (0.8: a sleeping session can still be found and written to). */
+export const ROSTER_RETENTION_MS = 3 * 24 * 60 * 60_000;
+/** A sessionless (0.4) announcement is served this long, as a 0.4 bus does: 0.4 clients read every entry as live. */
+export const ROSTER_SESSIONLESS_MS = 90_000;
 /** Roster bound: far above any real deployment, low enough that an announce flood costs a few MB. */
 export const ROSTER_CAP = 4096;
-/** Re-announce at a third of the roster TTL, so one lost announcement never drops a node from the roster. */
+/** Sessions one key may hold on a roster: many sessions per machine, but one key cannot fill it. */
+export const ROSTER_PER_KEY_CAP = 64;
+/** Re-announce at a third of PRESENCE_LIVE_MS, so one lost announcement never makes a live session look away. */
 export const ANNOUNCE_EVERY_MS = 30_000;
 /** Largest request body the bus reads: 2 MiB, as the reference bus (axum's default), so its nodes' messages fit. */
 export const BODY_LIMIT_BYTES = 2 << 20;
@@ -153,12 +161,28 @@ export interface SignedMessage {
   sig: string;
 }
 
-/** A self-signed presence claim published on the bus roster. */
+/** One Claude Code session of a node, as its announcement describes it (0.8 layout). */
+export interface SessionInfo {
+  session_id: string;
+  /** The server's working directory, for display. */
+  cwd: string;
+  /** The base name of the git repository around cwd, "" if none. */
+  git_root: string;
+  /** What the session is doing, set by set_summary. */
+  summary: string;
+}
+
+/**
+ * A self-signed presence claim published on the bus roster. `session` is
+ * signed (0.8 layout); `age_ms` is stamped by a bus on GET /roster and is not.
+ */
 export interface Announcement {
   pubkey: string;
   name: string;
+  session?: SessionInfo;
   ts: number;
   sig: string;
+  age_ms?: number;
 }
 
 /** The allowlist: petname → key and its inverse (both unique). */
@@ -385,12 +409,42 @@ export function canonicalBytes(m: Omit<SignedMessage, "sig">): Bytes {
   ]);
 }
 
-export function announcementBytes(a: Omit<Announcement, "sig">): Bytes {
+/**
+ * The bytes an announcement signature covers, in the 0.8 layout (SPEC-sessions
+ * §2): name and the four session fields length-prefixed (an absent session is
+ * four empty fields), then ts. Every field is signed, so a relay cannot move a
+ * session to another key, rename it, or give it another summary.
+ */
+export function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
+  const s = a.session;
+  return concatBytes([
+    utf8.encode(ANNOUNCE_DOMAIN),
+    decodeKey(a.pubkey, "pubkey"),
+    ...[a.name, s?.session_id ?? "", s?.cwd ?? "", s?.git_root ?? "", s?.summary ?? ""].flatMap(lengthPrefixed),
+    u64le(a.ts),
+  ]);
+}
+
+/** The 0.4 layout (name, then ts), which no 0.8 announcement can match: a legacy node's. */
+export function legacyAnnouncementBytes(a: Omit<Announcement, "sig" | "age_ms" | "session">): Bytes {
   return concatBytes([
     utf8.encode(ANNOUNCE_DOMAIN),
     decodeKey(a.pubkey, "pubkey"),
     ...lengthPrefixed(a.name),
     u64le(a.ts),
+  ]);
+}
+
+/** Signs an unregister: only the key that announced a session can take it off a bus's roster. */
+export const UNREGISTER_DOMAIN = "interlink-unregister-v1\0";
+
+/** `"interlink-unregister-v1\0" ‖ pubkey(32) ‖ u32le(len) ‖ session_id ‖ u64le(ts)`: the bytes an unregister signs. */
+export function unregisterBytes(u: { pubkey: string; session_id: string; ts: number }): Bytes {
+  return concatBytes([
+    utf8.encode(UNREGISTER_DOMAIN),
+    decodeKey(u.pubkey, "pubkey"),
+    ...lengthPrefixed(u.session_id),
+    u64le(u.ts),
   ]);
 }
 
@@ -471,8 +525,25 @@ export async function verifyDetached(publicKey: string, signature: string, signe
 export const verifyMessage = (m: SignedMessage): Promise<string | null> =>
   verifyDetached(m.from, m.sig, canonicalBytes(m));
 
-export const verifyAnnouncement = (a: Announcement): Promise<string | null> =>
-  verifyDetached(a.pubkey, a.sig, announcementBytes(a));
+/**
+ * Which layout an announcement verifies under. With a `session` member only
+ * the 0.8 layout is tried; without one, the 0.8 layout with empty fields, then
+ * the 0.4 layout, which marks a legacy node (no sessions; reached at its bare
+ * key). The two layouts can never both match one byte string.
+ */
+export async function checkAnnouncement(a: Announcement): Promise<{ layout: "0.8" | "0.4" } | { error: string }> {
+  const v08 = await verifyDetached(a.pubkey, a.sig, announcementBytes(a));
+  if (v08 === null) return { layout: "0.8" };
+  if (a.session === undefined && (await verifyDetached(a.pubkey, a.sig, legacyAnnouncementBytes(a))) === null) {
+    return { layout: "0.4" };
+  }
+  return { error: v08 };
+}
+
+export const verifyAnnouncement = async (a: Announcement): Promise<string | null> => {
+  const r = await checkAnnouncement(a);
+  return "error" in r ? r.error : null;
+};
 
 /** A node's own key pair. The seed never leaves this object except into the key file. */
 export interface Identity {
@@ -542,8 +613,13 @@ export async function signMessage(id: Identity, draft: Draft, nowMs: number): Pr
   return { ...unsigned, sig: await id.sign(canonicalBytes(unsigned)) };
 }
 
-export async function signAnnouncement(id: Identity, name: string, nowMs: number): Promise<Announcement> {
-  const unsigned = { pubkey: id.publicKey, name, ts: nowMs };
+export async function signAnnouncement(
+  id: Identity,
+  name: string,
+  nowMs: number,
+  session?: SessionInfo,
+): Promise<Announcement> {
+  const unsigned = { pubkey: id.publicKey, name, ...(session ? { session } : {}), ts: nowMs };
   return { ...unsigned, sig: await id.sign(announcementBytes(unsigned)) };
 }
 
@@ -652,9 +728,14 @@ export function parseSignedMessage(value: unknown): SignedMessage {
   return msg;
 }
 
+/**
+ * Parses an announcement as the Rust 0.8 client decodes one: unknown members
+ * are ignored; `session: null` and a session without `session_id` are errors;
+ * its other fields default to ""; `age_ms` is absent, null, or an integer ≥ 0.
+ */
 export function parseAnnouncement(value: unknown): Announcement {
   if (!isObject(value)) throw new FormatError("announcement is not a JSON object");
-  const a = {
+  const a: Announcement = {
     pubkey: field(value, "pubkey"),
     name: field(value, "name"),
     ts: timestamp(value, "ts"),
@@ -662,8 +743,29 @@ export function parseAnnouncement(value: unknown): Announcement {
   };
   decodeKey(a.pubkey, "pubkey");
   b64urlDecode(a.sig, 64, "sig");
+  if ("session" in value) {
+    const s = value.session;
+    if (!isObject(s)) throw new FormatError(`"session" is not an object`);
+    const opt = (k: string) => (s[k] === undefined ? "" : field(s, k));
+    a.session = {
+      session_id: field(s, "session_id"),
+      cwd: opt("cwd"),
+      git_root: opt("git_root"),
+      summary: opt("summary"),
+    };
+  }
+  if (value.age_ms !== undefined && value.age_ms !== null) {
+    if (!Number.isSafeInteger(value.age_ms) || (value.age_ms as number) < 0) {
+      throw new FormatError(`"age_ms" is not a non-negative integer`);
+    }
+    a.age_ms = value.age_ms as number;
+  }
   return a;
 }
+
+/** Where a bus files an announcement: `pubkey#session_id`, or the bare key for a sessionless one. */
+export const rosterKey = (a: Pick<Announcement, "pubkey" | "session">): string =>
+  a.session?.session_id ? `${a.pubkey}#${a.session.session_id}` : a.pubkey;
 
 // ============================================================================
 // The gate
@@ -1667,24 +1769,78 @@ export class BusQueues {
   }
 }
 
-/** Presence claims as posted, unverified (clients verify); bounded in count and age. */
+interface RosterEntry {
+  json: string; // the announcement as posted, without age_ms
+  at: number; // when it was last refreshed here
+  ts: number; // its signed time: an older one never replaces a newer one
+  pubkey: string;
+  sessionless: boolean;
+}
+
+/**
+ * Presence on the bus: verified announcements keyed `pubkey#session_id`
+ * (the bare key for a sessionless one). Session entries are kept
+ * ROSTER_RETENTION_MS, sessionless ones ROSTER_SESSIONLESS_MS. Bounded: at
+ * most ROSTER_PER_KEY_CAP sessions per key and `cap` in all; past either
+ * bound the entry refreshed longest ago goes, never the newcomer (a flood
+ * cannot lock real sessions out for days). The map's order is refresh order.
+ */
 export class Roster {
-  #entries = new Map<string, { json: string; at: number }>();
+  #entries = new Map<string, RosterEntry>();
+  #perKey = new Map<string, number>();
 
-  constructor(readonly cap = ROSTER_CAP, readonly ttlMs = ROSTER_TTL_MS) {}
+  constructor(readonly cap = ROSTER_CAP, readonly perKeyCap = ROSTER_PER_KEY_CAP) {}
 
-  put(pubkey: string, json: string, nowMs: number): void {
-    this.#entries.delete(pubkey); // re-insert at the back: the map's order is freshness order
-    this.#entries.set(pubkey, { json, at: nowMs });
-    while (this.#entries.size > this.cap) this.#entries.delete(this.#entries.keys().next().value!);
+  get size(): number {
+    return this.#entries.size;
   }
 
-  list(nowMs: number): string[] {
-    for (const [key, e] of this.#entries) {
-      if (nowMs - e.at < this.ttlMs) break;
-      this.#entries.delete(key);
+  /** Files an announcement; false if a newer one (by signed ts) is already filed there. */
+  put(a: Announcement, json: string, nowMs: number): boolean {
+    const key = rosterKey(a);
+    const old = this.#entries.get(key);
+    if (old && old.ts > a.ts) return false;
+    if (old) this.#remove(key);
+    else if ((this.#perKey.get(a.pubkey) ?? 0) >= this.perKeyCap) {
+      for (const [k, e] of this.#entries) {
+        if (e.pubkey === a.pubkey) {
+          this.#remove(k);
+          break;
+        }
+      }
     }
-    return [...this.#entries.values()].map((e) => e.json);
+    this.#entries.set(key, { json, at: nowMs, ts: a.ts, pubkey: a.pubkey, sessionless: !a.session?.session_id });
+    this.#perKey.set(a.pubkey, (this.#perKey.get(a.pubkey) ?? 0) + 1);
+    while (this.#entries.size > this.cap) this.#remove(this.#entries.keys().next().value!);
+    return true;
+  }
+
+  /** Removes `key` if no newer announcement (by signed ts) than `ts` was filed there. */
+  remove(key: string, ts: number): void {
+    const e = this.#entries.get(key);
+    if (e && e.ts <= ts) this.#remove(key);
+  }
+
+  #remove(key: string): void {
+    const e = this.#entries.get(key)!;
+    this.#entries.delete(key);
+    const n = (this.#perKey.get(e.pubkey) ?? 1) - 1;
+    if (n) this.#perKey.set(e.pubkey, n);
+    else this.#perKey.delete(e.pubkey);
+  }
+
+  /** What GET /roster serves: each entry with an unsigned `age_ms`, expired ones pruned. */
+  list(nowMs: number): string[] {
+    const out: string[] = [];
+    for (const [key, e] of this.#entries) {
+      const age = nowMs - e.at;
+      if (age >= (e.sessionless ? ROSTER_SESSIONLESS_MS : ROSTER_RETENTION_MS)) {
+        this.#remove(key);
+        continue;
+      }
+      out.push(`${e.json.slice(0, -1)}${e.json.length > 2 ? "," : ""}"age_ms":${age}}`);
+    }
+    return out;
   }
 }
 
@@ -1751,8 +1907,10 @@ function recipientParam(value: unknown, name: string): string {
   return value;
 }
 
-/** Largest announcement kept: a real one is ~200 bytes, and the roster holds ROSTER_CAP of them. */
-const ANNOUNCEMENT_MAX_BYTES = 4096;
+/** Largest announcement kept: a real one is ~300 bytes, and the roster holds ROSTER_CAP of them. */
+export const ANNOUNCEMENT_MAX_BYTES = 8192;
+/** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
+const UNREGISTER_FRESH_MS = 5 * 60_000;
 
 export interface BusOptions {
   cap?: number;
@@ -1770,7 +1928,7 @@ export class Bus {
   #compactAfter = 0; // after a failed compaction, the time of the next try
   readonly #compactMinDead: number;
   readonly #log: (msg: string) => void;
-  readonly #now: () => number;
+  readonly now: () => number;
 
   private constructor(
     readonly dataDir: string,
@@ -1782,7 +1940,7 @@ export class Bus {
     opts: BusOptions,
   ) {
     this.#log = opts.log ?? logInfo;
-    this.#now = opts.now ?? Date.now;
+    this.now = opts.now ?? Date.now;
     this.#compactMinDead = opts.compactMinDead ?? COMPACT_MIN_DEAD;
   }
 
@@ -1881,7 +2039,7 @@ export class Bus {
    */
   async send(to: string, payload: string): Promise<void> {
     const seq = this.queues.nextSeq;
-    const ts = this.#now();
+    const ts = this.now();
     this.#write([{ t: "m", q: to, n: seq, ts, p: payload }]);
     const { dropped } = this.queues.add(to, ts, payload, seq);
     if (dropped) {
@@ -1977,7 +2135,7 @@ export class Bus {
    * use, whole, and the next try waits COMPACT_RETRY_MS.
    */
   #maybeCompact(opening = false): void {
-    if (this.dead < Math.max(this.#compactMinDead, this.queues.liveCount) || this.#now() < this.#compactAfter) return;
+    if (this.dead < Math.max(this.#compactMinDead, this.queues.liveCount) || this.now() < this.#compactAfter) return;
     const records: object[] = [{ t: "h", next: this.queues.nextSeq }];
     for (const [q, m] of this.queues.live()) records.push({ t: "m", q, n: m.seq, ts: m.ts, p: m.payload });
     try {
@@ -1985,7 +2143,7 @@ export class Bus {
       this.dead = 0;
       if (!opening) failpoint("bus-after-compact");
     } catch (e) {
-      this.#compactAfter = this.#now() + COMPACT_RETRY_MS;
+      this.#compactAfter = this.now() + COMPACT_RETRY_MS;
       this.#log(`compaction failed, the queue file stays as it was: ${(e as Error).message}`);
     }
   }
@@ -2009,6 +2167,16 @@ export interface RecoveryReport {
 }
 
 const ackKey = (me: string, seq: number) => `${me}\0${seq}`;
+
+/** Runs a parse, turning a FormatError into a 400 that says what is wrong. */
+function parseOr400<T>(parse: () => T): T {
+  try {
+    return parse();
+  } catch (e) {
+    if (e instanceof FormatError) throw new HttpError(400, e.message);
+    throw e;
+  }
+}
 
 /** The long-poll wait a recv asks for: default when absent, clamped to RECV_TIMEOUT_MAX_MS. */
 export function recvTimeoutMs(raw: string | null): number {
@@ -2066,18 +2234,60 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
       if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
         throw new HttpError(400, 'an announcement needs a "pubkey"');
       }
+      delete body.age_ms; // stamped by the bus, never taken from the poster
       const json = JSON.stringify(body);
-      if (json.length > ANNOUNCEMENT_MAX_BYTES) {
+      if (Buffer.byteLength(json) > ANNOUNCEMENT_MAX_BYTES) {
         throw new HttpError(413, `announcement over ${ANNOUNCEMENT_MAX_BYTES} bytes`);
       }
-      bus.roster.put(body.pubkey, json, Date.now());
+      const a = parseOr400(() => parseAnnouncement(body));
+      const now = bus.now();
+      // Presence must be current: no announcement from the future, none older than the roster keeps.
+      if (a.ts - now > FRESH_FUTURE_MS) throw new HttpError(400, `announcement ts is ${a.ts - now} ms in the future`);
+      if (now - a.ts >= ROSTER_RETENTION_MS) throw new HttpError(400, "announcement is older than the roster keeps");
+      const bad = await verifyAnnouncement(a);
+      if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
+      bus.roster.put(a, json, now);
       return jsonResponse(202, '{"status":"announced"}');
+    },
+  },
+  "/unregister": {
+    method: "POST",
+    async handle(bus, req) {
+      const body = await readJsonBody(req);
+      if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
+        throw new HttpError(400, 'an unregister needs a "pubkey"');
+      }
+      if (body.sig === undefined) {
+        throw new HttpError(
+          403,
+          "unsigned unregister refused: only the key that announced a session may remove it (interlink-unregister-v1); the entry ages out to away by itself",
+        );
+      }
+      const sessionId = isObject(body.session) && typeof body.session.session_id === "string"
+        ? body.session.session_id
+        : "";
+      const u = parseOr400(() => ({
+        pubkey: field(body, "pubkey"),
+        session_id: sessionId,
+        ts: timestamp(body, "ts"),
+        sig: field(body, "sig"),
+      }));
+      const now = bus.now();
+      if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
+        throw new HttpError(400, "unregister ts is outside the freshness window");
+      }
+      const signed = parseOr400(() => unregisterBytes(u));
+      if (await verifyDetached(u.pubkey, u.sig, signed)) {
+        throw new HttpError(403, "unregister signature does not verify");
+      }
+      bus.roster.remove(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts);
+      return jsonResponse(202, '{"status":"unregistered"}');
     },
   },
   "/roster": {
     method: "GET",
     handle(bus) {
-      return Promise.resolve(jsonResponse(200, `{"roster":[${bus.roster.list(Date.now()).join(",")}]}`));
+      return Promise.resolve(jsonResponse(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`));
     },
   },
 };
