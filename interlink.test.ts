@@ -1339,8 +1339,20 @@ export async function makeNodeFiles(root: string, name: string): Promise<NodeFil
 
 /** An in-process node's configuration for these files. */
 export function nodeConfig(f: NodeFiles, busUrls: string[], delivery: NodeConfig["delivery"] = "channel"): NodeConfig {
-  return { keyFile: f.keyFile, peersFile: f.peersFile, busUrls, name: f.name, stateDir: f.stateDir, delivery };
+  return {
+    keyFile: f.keyFile,
+    peersFile: f.peersFile,
+    busUrls,
+    name: f.name,
+    stateDir: f.stateDir,
+    delivery,
+    session: f.name,
+  };
 }
+
+/** The folder of a node's session named after it (tests pin INTERLINK_SESSION to the node's name). */
+const sessionOf = (f: NodeFiles) => path.join(f.stateDir, "sessions", f.name);
+const journalOf = (f: NodeFiles) => path.join(sessionOf(f), "log.jsonl");
 
 export function befriend(a: NodeFiles, b: NodeFiles) {
   for (const [me, other] of [[a, b], [b, a]]) {
@@ -1366,6 +1378,7 @@ export const McpNode = {
       INTERLINK_URL: busUrl,
       INTERLINK_NAME: files.name,
       INTERLINK_DELIVERY: "channel",
+      INTERLINK_SESSION: files.name,
       INTERLINK_CONFIG: path.join(files.dir, "config.json"),
       ...(process.env.DENO_DIR ? { DENO_DIR: process.env.DENO_DIR } : {}),
       ...(process.env.XDG_CACHE_HOME ? { XDG_CACHE_HOME: process.env.XDG_CACHE_HOME } : {}),
@@ -1705,13 +1718,18 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
     expect(node.stderr.some((l) => l.includes("stdin closed: shutting down") || l.includes("transport closed"))).toBe(
       true,
     );
-    expect(fs.existsSync(path.join(E.stateDir, "agent.lock"))).toBe(false);
+    expect(fs.existsSync(path.join(sessionOf(E), "agent.lock"))).toBe(false);
   });
 });
 
 // deno-lint-ignore no-explicit-any -- journal records of every kind, read back for assertions
 function readNodeLog(stateDir: string): any[] {
-  return readJsonl(path.join(stateDir, "log.jsonl"));
+  // Every session's journal (tests run one session per node, named after it).
+  const sessions = path.join(stateDir, "sessions");
+  const files = fs.existsSync(sessions)
+    ? fs.readdirSync(sessions).map((id) => path.join(sessions, id, "log.jsonl"))
+    : [];
+  return files.flatMap((f) => readJsonl(f));
 }
 
 describe("agent: durability of the outbox", () => {
@@ -1744,34 +1762,39 @@ describe("agent: durability of the outbox", () => {
     }
   }, 90_000);
 
-  test("a second agent on the same state folder is refused with a clear error, and nothing is corrupted", async () => {
-    const root = tmpDir();
-    const A = await makeNodeFiles(root, "alice");
-    const port = await freePort();
-    const first = await McpNode.start("bun", A, `http://127.0.0.1:${port}`);
-    try {
-      // The second server still connects (a bare "Failed to connect" would hide the reason in Claude Code's
-      // log); its instructions and every tool say what is wrong and what to do.
-      const second = await serverWith("deno", {
-        INTERLINK_KEY: A.keyFile,
-        INTERLINK_PEERS: A.peersFile,
-        INTERLINK_STATE: A.stateDir,
-        INTERLINK_URL: `http://127.0.0.1:${port}`,
-      });
+  test(
+    "Claude Code restarting the server inside one session: the newer process takes over, the older exits cleanly, nothing is lost",
+    async () => {
+      const root = tmpDir();
+      const A = await makeNodeFiles(root, "alice");
+      const B = await makeNodeFiles(root, "bob");
+      befriend(A, B);
+      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
+      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+      const url = `http://127.0.0.1:${server.port}`;
+      const first = await McpNode.start("bun", A, url, { INTERLINK_DELIVERY: "" });
+      let second: McpSession | undefined;
       try {
-        expect(second.client.getInstructions()).toMatch(
-          /NOT ready: .*agent\.lock is held by interlink mcp \(pid \d+\)/,
+        const task = await signMessage(
+          B.id,
+          { to: A.id.publicKey, text: "please run the tests", task_id: "t1" },
+          Date.now(),
         );
-        const r = await second.call("send_message", { to: "bob", text: "x" });
-        expect(r.isError).toBe(true);
-        expect(r.text).toMatch(/interlink is not ready: .*agent\.lock is held by interlink mcp/);
+        await bus.send(`${A.id.publicKey}#alice`, JSON.stringify(task));
+        await eventually(() => readNodeLog(A.stateDir).some((r) => r.t === "in"), "alice journaled the task");
+        second = await McpNode.start("deno", A, url, { INTERLINK_DELIVERY: "" }); // same INTERLINK_SESSION
+        await eventually(() => !pidAlive(first.pid!), "the older server handed over and exited");
+        expect(first.stderr.join("\n")).toContain("SIGTERM: shutting down"); // cleanly, not killed
+        expect(await second.ok("check_inbox")).toContain("please run the tests"); // its inbox carried on
+        expect(await second.ok("list_tasks")).toContain("task t1 with bob");
       } finally {
-        await second.close();
+        await Promise.allSettled([first.close(), second?.close()]);
+        await server.stop();
+        await bus.close();
       }
-    } finally {
-      await first.close();
-    }
-  }, 60_000);
+    },
+    60_000,
+  );
 
   test(
     "a start-up problem keeps the server up: tools/list answers and every tool names the problem and the fix",
@@ -1914,7 +1937,7 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
   const blocking = (w: { proc: { pid: number } }) =>
     eventually(() => {
       try {
-        return fs.readFileSync(path.join(B.stateDir, "wait.pid"), "utf8").trim() === String(w.proc.pid);
+        return fs.readFileSync(path.join(sessionOf(B), "wait.pid"), "utf8").trim() === String(w.proc.pid);
       } catch {
         return false;
       }
@@ -2173,8 +2196,11 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
     const peersFile = path.join(root, "peers.json");
     fs.writeFileSync(peersFile, JSON.stringify({ bob: { key: "not-a-key" } }));
     fs.chmodSync(keyFile, 0o644);
-    fs.mkdirSync(path.join(root, "state"));
-    fs.writeFileSync(path.join(root, "state", "log.jsonl.corrupt"), '{"offset":0}\n{"offset":90}\n');
+    fs.mkdirSync(path.join(root, "state", "sessions", "main"), { recursive: true });
+    fs.writeFileSync(
+      path.join(root, "state", "sessions", "main", "log.jsonl.corrupt"),
+      '{"offset":0}\n{"offset":90}\n',
+    );
     const port = await freePort();
     const r = runCli("bun", ["doctor"], {
       env: {
@@ -2190,7 +2216,7 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
     expect(r.stdout).toMatch(new RegExp(`PROBLEM  bus http://127.0.0.1:${port} is unreachable`));
     expect(r.stdout).toContain("ok       runtime bun");
     expect(r.stdout).toMatch(/PROBLEM {2}2 unreadable line\(s\) were taken out of .*log\.jsonl/);
-    fs.rmSync(path.join(root, "state", "log.jsonl.corrupt"));
+    fs.rmSync(path.join(root, "state", "sessions", "main", "log.jsonl.corrupt"));
     // And a healthy set-up passes, under Deno this time.
     fs.chmodSync(keyFile, 0o600);
     fs.writeFileSync(peersFile, "{}");
@@ -2295,7 +2321,7 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
     expect({ code: r.code, stderr: r.code === 0 ? "" : r.stderr }).toEqual({ code: 0, stderr: "" });
     for (const step of LIFECYCLE_STEPS) expect(r.stdout).toMatch(step);
     const kept = r.stdout.match(/kept (\S+)/)![1];
-    expect(fs.existsSync(path.join(kept, "alice", "state", "log.jsonl"))).toBe(true);
+    expect(fs.existsSync(path.join(kept, "alice", "state", "sessions", "alice", "log.jsonl"))).toBe(true);
     fs.rmSync(kept, { recursive: true, force: true });
   }, 60_000);
 
@@ -2527,8 +2553,7 @@ describe("pairing through the real tools, and several buses", () => {
       await node.waitStderr(/ready:/);
       process.kill(node.transport.pid!, "SIGTERM");
       await node.waitStderr(/SIGTERM: shutting down/);
-      for (let i = 0; i < 100 && fs.existsSync(path.join(A.stateDir, "agent.lock")); i++) await Bun.sleep(20);
-      expect(fs.existsSync(path.join(A.stateDir, "agent.lock"))).toBe(false);
+      await eventually(() => !fs.existsSync(path.join(sessionOf(A), "agent.lock")), "the session's lock is released");
       await node.close();
     }
   }, 60_000);
@@ -2999,10 +3024,10 @@ describe("durability: a full disk", () => {
         }
         expect(failure).toContain("ENOSPC: the disk of the state folder");
         fs.rmSync(filler);
-        const after = await agent.send({ to: "bob", text: "after" });
+        const { entry: after } = await agent.send({ to: "bob", text: "after" });
         expect(agent.state.outgoing.get(after.msg.msg_id)?.msg.text).toBe("after");
         // Every line of the journal is a whole record: the failed append left nothing behind.
-        const log = fs.readFileSync(path.join(A.stateDir, "log.jsonl"), "utf8").split("\n").filter((l) => l.trim());
+        const log = fs.readFileSync(journalOf(A), "utf8").split("\n").filter((l) => l.trim());
         for (const line of log) expect(() => JSON.parse(line)).not.toThrow();
       } finally {
         await agent.stop();
@@ -3057,9 +3082,9 @@ describe("durability: corruption is contained, never silent", () => {
     const B = await makeNodeFiles(root, "bob");
     befriend(A, B);
     const agent = await Agent.open(nodeConfig(A, ["http://127.0.0.1:9"]), "test");
-    const queued = await agent.send({ to: "bob", text: "will be damaged" });
+    const { entry: queued } = await agent.send({ to: "bob", text: "will be damaged" });
     await agent.stop();
-    const file = path.join(A.stateDir, "log.jsonl");
+    const file = journalOf(A);
     const text = fs.readFileSync(file, "utf8");
     fs.writeFileSync(file, text.replace(`"text":"will be damaged"`, `"text":"will be damaged`)); // one byte gone
     const again = await Agent.open(nodeConfig(A, ["http://127.0.0.1:9"]), "test");
@@ -3083,14 +3108,14 @@ describe("durability: corruption is contained, never silent", () => {
     befriend(A, B);
     const msg = await signMessage(A.id, { to: B.id.publicKey, text: "once only" }, Date.now());
     const bob = await Agent.open(nodeConfig(B, ["http://127.0.0.1:9"], "inbox"), "test");
-    expect((await bob.receive(msg)).verdict).toBe("deliver");
+    expect((await bob.receive(msg))?.verdict).toBe("deliver");
     await bob.stop();
-    const file = path.join(B.stateDir, "log.jsonl");
+    const file = journalOf(B);
     fs.writeFileSync(file, fs.readFileSync(file, "utf8").replace(`"once only"`, `"once only`)); // the `in` line is garbled
     const again = await Agent.open(nodeConfig(B, ["http://127.0.0.1:9"], "inbox"), "test");
     try {
       const v = await again.receive(msg);
-      expect(v.verdict === "reject" && v.reason).toBe("replay"); // replay.jsonl remembers what the journal lost
+      expect(v?.verdict === "reject" && v.reason).toBe("replay"); // the replay files remember what the journal lost
     } finally {
       await again.stop();
     }
@@ -3327,7 +3352,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     );
     const alice = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`]), "test");
     try {
-      const next = await alice.send({ to: "bob", text: "behind it" });
+      const { entry: next } = await alice.send({ to: "bob", text: "behind it" });
       await alice.flushOutbox(Date.now() + 5000);
       expect(alice.state.pending.size).toBe(0);
       expect(JSON.parse(bus.queues.first(B.id.publicKey)!.payload).msg_id).toBe(next.msg.msg_id);

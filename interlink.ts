@@ -115,6 +115,12 @@ const SENT_MEMORY_CAP = 10_000;
 const KNOCKS_CAP = 64;
 /** Refusal summaries waiting for the model at once (one per sender and reason); past it, refusals are only logged. */
 const REFUSAL_NOTICES_CAP = 16;
+/** How long a fetched roster serves sends before it is fetched again. */
+const ROSTER_CACHE_MS = 3_000;
+/** Longest session summary announced (set_summary); a roster entry stays small. */
+const SUMMARY_MAX_CHARS = 200;
+/** A clean exit's unregister and goodbyes together take at most this long. */
+const GOODBYE_MS = 3_000;
 /** After a refusal summary for a sender and reason is shown, the next one waits this long (a flood is one line an hour). */
 const REFUSAL_REPEAT_MS = 60 * 60_000;
 /** Verifying keys cached by public key; peers are few, so this only bounds strangers. */
@@ -128,7 +134,6 @@ const COMPACT_RETRY_MS = 30_000;
 const SHORT_LOCK_WAIT_MS = 5_000;
 
 const PETNAME_RE = /^[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}$/;
-const INBOX_LABEL_RE = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 
 /** The host runtime's own globals, for the little node: modules do not cover: serving HTTP, naming the runtime. */
 const runtimeHost = globalThis as unknown as {
@@ -857,7 +862,8 @@ export async function decide(
   if (msg.to !== me) {
     return { verdict: "reject", reason: "wrong_recipient", detail: `addressed to ${fingerprint(msg.to)}`, msg };
   }
-  const petname = peers.byKey.get(msg.from);
+  // A message signed by this node's own key comes from another of its sessions: admitted as "self".
+  const petname = peers.byKey.get(msg.from) ?? (msg.from === me && msg.kind === "message" ? "self" : undefined);
   if (petname === undefined && msg.kind === "message") {
     return {
       verdict: "reject",
@@ -910,6 +916,19 @@ export interface TaskRow {
   awaiting: { msg_id: string; asked_by: Side }[];
   closed: boolean;
   messages: number;
+  /** The counterpart's session the task lives in (from its reply_to, or where we sent it): replies go there. */
+  peer_session?: string;
+  /** When the counterpart's session said goodbye while the task was open. */
+  peer_closed_at?: number;
+}
+
+/** How a closing session's goodbye starts: the receiver's task table marks the task with it. */
+export const GOODBYE_PREFIX = "[interlink] goodbye:";
+
+/** A route's parts: `key#session`, or a bare key (session ""). Splits at the first `#`, as the reference does. */
+export function parseRoute(route: string): { key: string; session: string } {
+  const i = route.indexOf("#");
+  return i < 0 ? { key: route, session: "" } : { key: route.slice(0, i), session: route.slice(i + 1) };
 }
 
 /** The other end of a message: the recipient of what we sent, the sender of what we received. */
@@ -928,7 +947,13 @@ export const taskKey = (peerKey: string, taskId: string): string => `${peerKey} 
  * A terminal status closes the task; anything after it is counted but cannot
  * reopen it. Pure apart from mutating `tasks`.
  */
-export function foldTask(tasks: Map<string, TaskRow>, dir: "in" | "out", msg: SignedMessage, atMs: number): void {
+export function foldTask(
+  tasks: Map<string, TaskRow>,
+  dir: "in" | "out",
+  msg: SignedMessage,
+  atMs: number,
+  peerSession?: string,
+): void {
   if (msg.kind !== "message" || !msg.task_id) return;
   const peerKey = counterpart(dir, msg);
   const side: Side = dir === "out" ? "me" : "peer";
@@ -951,6 +976,8 @@ export function foldTask(tasks: Map<string, TaskRow>, dir: "in" | "out", msg: Si
   row.messages++;
   row.last_msg_id = msg.msg_id;
   row.last_at = atMs;
+  if (peerSession) row.peer_session = peerSession;
+  if (dir === "in" && msg.text.startsWith(GOODBYE_PREFIX)) row.peer_closed_at = atMs;
   if (row.closed) return;
   if (msg.in_reply_to) {
     row.awaiting = row.awaiting.filter((q) => !(q.msg_id === msg.in_reply_to && q.asked_by !== side));
@@ -2370,8 +2397,37 @@ export interface NodeConfig {
   name: string;
   stateDir: string;
   delivery: Delivery;
-  /** Named inbox: this node polls `<key>#<inbox>` instead of the bare key. */
-  inbox?: string;
+  /**
+   * This session's id: one `interlink.ts mcp` process is one session of the
+   * identity. It names the session's route (`key#session`) and its folder
+   * under `stateDir/sessions/`.
+   */
+  session: string;
+}
+
+/** A session id: used as a file name and after `#` in a route, so no `/`, no `#`. */
+export const SESSION_RE = /^[A-Za-z0-9._-]{1,128}$/;
+
+/** Where one session keeps its journal, locks and description. */
+export const sessionDir = (stateDir: string, session: string): string => path.join(stateDir, "sessions", session);
+
+/** What a session says about itself on the roster (and in `tasks`, `log`): written to sessions/<id>/session.json. */
+export function describeSession(session: string, cwd = process.cwd()): SessionInfo {
+  let gitRoot = "";
+  for (let dir = cwd;; dir = path.dirname(dir)) {
+    if (fs.existsSync(path.join(dir, ".git"))) {
+      gitRoot = path.basename(dir);
+      break;
+    }
+    if (path.dirname(dir) === dir) break;
+  }
+  return { session_id: session, cwd: truncateUtf8(cwd, 1024), git_root: gitRoot, summary: "" };
+}
+
+/** At most `bytes` bytes of UTF-8, cut on a character boundary. */
+function truncateUtf8(text: string, bytes: number): string {
+  const buf = Buffer.from(text);
+  return buf.length <= bytes ? text : buf.subarray(0, bytes).toString("utf8").replace(/\uFFFD$/, "");
 }
 
 export interface OutEntry {
@@ -2442,6 +2498,8 @@ export class NodeState {
    * REFUSAL_NOTICES_CAP, one per sender and reason.
    */
   readonly inbox = new Map<string, InboxItem>();
+  /** Each peer's session that last wrote to us (its reply_to): where a reply goes when nothing says otherwise. */
+  readonly sticky = new BoundedMap<string, string>(1024);
   /** When a refusal summary for a sender and reason was last shown: the next waits REFUSAL_REPEAT_MS. */
   readonly refusalShownAt = new BoundedMap<string, number>(1024);
   readonly knocksIn = new BoundedMap<string, { name: string; at: number; msgId: string }>(KNOCKS_CAP);
@@ -2468,7 +2526,7 @@ export class NodeState {
         this.outgoing.set(msg.msg_id, entry);
         if (refused) return;
         this.pending.add(msg.msg_id);
-        foldTask(this.tasks, "out", msg, at);
+        foldTask(this.tasks, "out", msg, at, parseRoute(entry.recipient).session || undefined);
         if (msg.kind === "pair_request") this.knocksOut.set(msg.to, { petname: entry.pairPetname, at });
         if (msg.kind === "pair_accept") this.knocksIn.delete(msg.to);
         return;
@@ -2499,7 +2557,11 @@ export class NodeState {
       case "in": {
         const msg = parseSignedMessage(r.msg);
         this.replay.remember(msg.from, msg.msg_id, msg.ts, this.now());
-        foldTask(this.tasks, "in", msg, at);
+        const session = typeof r.reply_session === "string" && SESSION_RE.test(r.reply_session)
+          ? r.reply_session
+          : undefined;
+        if (session) this.sticky.set(msg.from, session);
+        foldTask(this.tasks, "in", msg, at, session);
         const id = messageKey(msg.from, msg.msg_id);
         if (r.pushed !== true && !this.inbox.has(id)) {
           this.inbox.set(id, { kind: "message", id, at, peer: typeof r.peer === "string" ? r.peer : "?", msg });
@@ -2661,46 +2723,75 @@ export class Journal {
 }
 
 /**
- * The replay memory's own durable record, replay.jsonl: one
- * {"t":"seen","k":<sender>,"id":<msg_id>,"ts"} per admitted message. The
- * journal implies the same; this second copy means that a journal line lost to
- * a disk fault cannot let a replay of that message in again. Rewritten at
- * start to the entries still inside the freshness window.
+ * The replay memory's own durable record, shared by every session of this
+ * identity on this machine: one {"t":"seen","k":<sender>,"id":<msg_id>,"ts"}
+ * per admitted message, in `replay-<UTC date>.jsonl` beside the sessions. The
+ * journal implies the same; this copy means that a journal line lost to a disk
+ * fault cannot let a replay in, and that a message admitted by one session
+ * (or copied by a relay into another session's route) is refused by the
+ * others. Files are per day and never rewritten (a rewrite could lose another
+ * process's append): those older than the freshness window are deleted.
  */
 export class SeenLog {
-  readonly file: string;
-  #writer: JsonlWriter;
+  #offsets = new Map<string, number>(); // file → bytes already read
+  #writer: JsonlWriter | null = null;
+  #writerDay = "";
 
-  constructor(readonly stateDir: string, replay: ReplayMemory, nowMs: number, owner: boolean) {
-    this.file = path.join(stateDir, "replay.jsonl");
-    let lines = 0;
-    const fresh: object[] = [];
-    scanJsonl(this.file, 0, (r) => {
-      lines++;
-      if (r.t !== "seen" || typeof r.k !== "string" || typeof r.id !== "string" || !Number.isSafeInteger(r.ts)) return;
-      if (nowMs - (r.ts as number) > FRESH_PAST_MS) return;
-      replay.remember(r.k, r.id, r.ts as number, nowMs);
-      fresh.push(r);
-    });
-    if (owner && lines > 2 * fresh.length + 1000) {
-      writeFileAtomic(
-        this.file,
-        fresh.map((r) => JSON.stringify(r) + "\n").join(""),
-      );
+  constructor(readonly dir: string, readonly replay: ReplayMemory, readonly now: () => number) {
+    const today = SeenLog.day(now());
+    for (const f of SeenLog.#files(dir)) {
+      // Keep two days: a message admitted yesterday may be replayed for up to FRESH_PAST_MS.
+      if (f.slice(7, 17) < SeenLog.day(now() - 2 * FRESH_PAST_MS) && f.slice(7, 17) < today) {
+        fs.rmSync(path.join(dir, f), { force: true });
+      }
     }
-    this.#writer = new JsonlWriter(this.file, `the state folder ${stateDir}`);
+    this.catchUp();
+  }
+
+  static day(ms: number): string {
+    return new Date(ms).toISOString().slice(0, 10);
+  }
+
+  static #files(dir: string): string[] {
+    try {
+      return fs.readdirSync(dir).filter((f) => /^replay-\d{4}-\d{2}-\d{2}\.jsonl$/.test(f)).sort();
+    } catch {
+      return [];
+    }
+  }
+
+  /** Remembers what every session appended since the last call. */
+  catchUp(): void {
+    const nowMs = this.now();
+    for (const f of SeenLog.#files(this.dir)) {
+      const file = path.join(this.dir, f);
+      const { next } = scanJsonl(file, this.#offsets.get(file) ?? 0, (r) => {
+        if (r.t !== "seen" || typeof r.k !== "string" || typeof r.id !== "string" || !Number.isSafeInteger(r.ts)) {
+          return;
+        }
+        this.replay.remember(r.k, r.id, r.ts as number, nowMs);
+      });
+      this.#offsets.set(file, next);
+    }
   }
 
   append(msg: SignedMessage): void {
-    this.#writer.append([{ t: "seen", k: msg.from, id: msg.msg_id, ts: msg.ts }]);
+    const day = SeenLog.day(this.now());
+    if (day !== this.#writerDay) {
+      this.#writer?.close();
+      this.#writer = new JsonlWriter(path.join(this.dir, `replay-${day}.jsonl`), `the state folder ${this.dir}`);
+      this.#writerDay = day;
+    }
+    this.#writer!.append([{ t: "seen", k: msg.from, id: msg.msg_id, ts: msg.ts }]);
   }
 
-  sync(): Promise<void> {
-    return this.#writer.sync();
+  async sync(): Promise<void> {
+    await this.#writer?.sync();
   }
 
   close(): void {
-    this.#writer.close();
+    this.#writer?.close();
+    this.#writer = null;
   }
 }
 
@@ -2753,6 +2844,8 @@ export interface InboundContext {
   /** A session is attached and the delivery mode pushes. */
   canPush: boolean;
   nowMs: number;
+  /** The payload's unsigned reply_to (`key#session` of the sender's session): routing only, never trust. */
+  replyTo?: string;
 }
 
 /**
@@ -2786,7 +2879,13 @@ export function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       return [log, ...noticeRefusal(v, ctx), { do: "ack" }];
     }
     case "deliver": {
-      const record: Effect = { do: "append", records: [{ t: "in", peer: v.petname, msg: v.msg }] };
+      // reply_to is unsigned: it only ever names one of the sender's own sessions, and never decides trust.
+      const reply = ctx.replyTo ? parseRoute(ctx.replyTo) : undefined;
+      const session = reply && reply.key === v.msg.from && SESSION_RE.test(reply.session) ? reply.session : undefined;
+      const record: Effect = {
+        do: "append",
+        records: [{ t: "in", peer: v.petname, msg: v.msg, ...(session ? { reply_session: session } : {}) }],
+      };
       const item: InboxItem = {
         kind: "message",
         id: messageKey(v.msg.from, v.msg.msg_id),
@@ -2904,6 +3003,9 @@ export interface SendInput {
   task_id?: string;
   status?: string;
   in_reply_to?: string;
+  /** The recipient's session: an id or a unique start of one (see chooseRoute). */
+  session?: string;
+  /** 0.4's name for `session`. */
   channel?: string;
 }
 
@@ -2916,13 +3018,22 @@ export interface PreparedSend {
 }
 
 /** Checks a send request and turns it into a draft: every error says what is valid instead. */
-export function prepareSend(peers: Peers, tasks: ReadonlyMap<string, TaskRow>, input: SendInput): PreparedSend {
-  const { key, petname } = resolvePeer(peers, input.to);
+export function prepareSend(
+  peers: Peers,
+  tasks: ReadonlyMap<string, TaskRow>,
+  input: SendInput,
+  selfKey?: string,
+): PreparedSend {
+  // `to: "self"` (any case) is this node's own key: another of its sessions, no pairing needed.
+  const { key, petname } = selfKey && input.to.trim().toLowerCase() === "self"
+    ? { key: selfKey, petname: "self" }
+    : resolvePeer(peers, input.to);
   if (input.status !== undefined && !isTaskStatus(input.status)) {
     throw new InterlinkError(`unknown status '${input.status}'; use one of: ${STATUSES.join(", ")}`);
   }
-  if (input.channel !== undefined && !INBOX_LABEL_RE.test(input.channel)) {
-    throw new InterlinkError(`channel '${input.channel}' is not a valid inbox label (letters, digits, . _ -)`);
+  const session = input.session ?? input.channel;
+  if (session !== undefined && !SESSION_RE.test(session.trim())) {
+    throw new InterlinkError(`session '${session}' is not a session id (letters, digits, . _ -, at most 128)`);
   }
   const draft: Draft = {
     to: key,
@@ -2933,12 +3044,17 @@ export function prepareSend(peers: Peers, tasks: ReadonlyMap<string, TaskRow>, i
   };
   const broken = lifecycleError(tasks, draft);
   if (broken) throw new InterlinkError(broken);
-  return { draft, recipient: input.channel ? `${key}#${input.channel}` : key, peer: petname };
+  return { draft, recipient: session ? `${key}#${session.trim()}` : key, peer: petname };
 }
 
-/** The body every bus receives for a message: checked against BODY_LIMIT_BYTES before it is queued. */
-export function sendBody(recipient: string, msg: SignedMessage): string {
-  return JSON.stringify({ to: recipient, payload: msg });
+/**
+ * The body every bus receives for a message: checked against BODY_LIMIT_BYTES
+ * before it is queued. `replyTo` (our `key#session`) rides outside the
+ * signature, as in the reference: it tells the receiver which of our sessions
+ * to answer, and decides nothing about trust.
+ */
+export function sendBody(recipient: string, msg: SignedMessage, replyTo?: string): string {
+  return JSON.stringify({ to: recipient, payload: replyTo ? { ...msg, reply_to: replyTo } : msg });
 }
 
 /**
@@ -2949,7 +3065,7 @@ export function sendBody(recipient: string, msg: SignedMessage): string {
  */
 export async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, nowMs: number): Promise<OutEntry> {
   const msg = await signMessage(id, p.draft, nowMs);
-  const bytes = Buffer.byteLength(sendBody(p.recipient, msg));
+  const bytes = Buffer.byteLength(sendBody(p.recipient, msg, `${id.publicKey}#${"x".repeat(128)}`));
   if (bytes > BODY_LIMIT_BYTES) {
     throw new InterlinkError(
       `this message is ${Math.ceil(bytes / 1024)} KiB as JSON, over the ${
@@ -3039,6 +3155,20 @@ export async function waitUntil(
   return true;
 }
 
+/**
+ * A 0.4.0 journal sat directly in the state folder. The first session to
+ * start after the upgrade carries it on (with its outbox, tasks and unread
+ * inbox): it is moved into that session's folder, once.
+ */
+function adoptLegacyJournal(stateDir: string, dir: string): void {
+  const legacy = path.join(stateDir, "log.jsonl");
+  if (!fs.existsSync(legacy) || fs.existsSync(path.join(dir, "log.jsonl"))) return;
+  for (const f of ["log.jsonl", "log.jsonl.corrupt", "inbox.cursor"]) {
+    if (fs.existsSync(path.join(stateDir, f))) fs.renameSync(path.join(stateDir, f), path.join(dir, f));
+  }
+  logInfo(`moved this node's 0.4 journal into session ${path.basename(dir)}, which carries on its outbox and tasks`);
+}
+
 /** A waitUntil subscription that fires when the journal in `stateDir` changes (fs.watch; the 1 s re-check covers its gaps). */
 export function onJournalChange(stateDir: string): (wake: () => void) => () => void {
   return (wake) => {
@@ -3082,30 +3212,46 @@ export class Agent {
   /** Set by the MCP server: how an admitted message reaches the session. */
   push: ((event: PushEvent) => Promise<void>) | null = null;
 
+  /** This session as announced; its summary changes with set_summary. */
+  readonly info: SessionInfo;
+  #bareLock: PidLock | null = null;
+  #roster: { at: number; sessions: PeerSession[] } | null = null;
+
   private constructor(readonly cfg: NodeConfig, readonly id: Identity, private lock: PidLock, now: () => number) {
     this.now = now;
     this.state = new NodeState(now);
-    this.journal = new Journal(cfg.stateDir, this.state, true, now);
-    this.seen = new SeenLog(cfg.stateDir, this.state.replay, now(), true);
+    this.journal = new Journal(sessionDir(cfg.stateDir, cfg.session), this.state, true, now);
+    this.seen = new SeenLog(cfg.stateDir, this.state.replay, now);
+    this.info = describeSession(cfg.session);
   }
 
   /** Opens a node: identity, allowlist, the state lock (waiting up to `waitMs` for a short-lived holder), and the fold of its journal. */
   static async open(cfg: NodeConfig, role: string, opts: AgentOptions = {}): Promise<Agent> {
     const id = opts.identity ?? (await readIdentity(cfg.keyFile));
     loadPeers(cfg.peersFile); // fail at start-up on a bad allowlist, naming the file
-    fs.mkdirSync(cfg.stateDir, { recursive: true, mode: 0o700 });
-    // A CLI `send` holds the lock for a few seconds at most; another agent holds it for its whole life.
-    const lock = await PidLock.acquire(
-      path.join(cfg.stateDir, "agent.lock"),
-      role,
-      opts.waitMs ?? 10_000,
-      (holder) => holder !== "interlink mcp",
-    );
+    const dir = sessionDir(cfg.stateDir, cfg.session);
+    fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
+    const lockFile = path.join(dir, "agent.lock");
+    // Claude Code restarting the server inside one session starts a second process with the same id:
+    // the newer one takes the session over, and the older one exits cleanly (SIGTERM), losing nothing.
+    const holder = lockOwner(lockFile);
+    if (role === "interlink mcp" && holder?.role === "interlink mcp" && holder.pid !== process.pid) {
+      logInfo(`session ${cfg.session} is held by an older server (pid ${holder.pid}); asking it to hand over`);
+      try {
+        process.kill(holder.pid, "SIGTERM");
+      } catch {
+        // gone already
+      }
+    }
+    // A CLI `send` holds the lock for a few seconds at most; an older server needs a moment to stop.
+    const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== "interlink mcp" || !!holder);
     try {
+      adoptLegacyJournal(cfg.stateDir, dir);
       const agent = new Agent(cfg, id, lock, opts.now ?? Date.now);
       agent.peers();
       agent.journal.catchUp();
       await agent.#adoptLegacyCursor();
+      writeFileAtomic(path.join(dir, "session.json"), JSON.stringify({ ...agent.info, pid: process.pid }) + "\n");
       return agent;
     } catch (e) {
       lock.release();
@@ -3115,7 +3261,7 @@ export class Agent {
 
   /** A 0.4.0 inbox.cursor: the messages before it were read; say so in the journal once, then drop the file. */
   async #adoptLegacyCursor(): Promise<void> {
-    const file = path.join(this.cfg.stateDir, "inbox.cursor");
+    const file = path.join(this.journal.stateDir, "inbox.cursor");
     let offset: number;
     try {
       const raw = JSON.parse(fs.readFileSync(file, "utf8"));
@@ -3137,9 +3283,9 @@ export class Agent {
     fs.rmSync(file, { force: true });
   }
 
-  /** The recipient string this node polls: its key, or `key#label` for a named inbox. */
+  /** This session's route: `key#session`. (The bare key is polled too, by one session of the identity.) */
   get me(): string {
-    return this.cfg.inbox ? `${this.id.publicKey}#${this.cfg.inbox}` : this.id.publicKey;
+    return `${this.id.publicKey}#${this.cfg.session}`;
   }
 
   /** The allowlist, re-read when peers.json changes on disk (the CLI or another tool may edit it). */
@@ -3183,7 +3329,7 @@ export class Agent {
       }
     };
     try {
-      this.#watcher = fs.watch(this.cfg.stateDir, (_event, name) => {
+      this.#watcher = fs.watch(this.journal.stateDir, (_event, name) => {
         if (name === null || String(name) === "log.jsonl") follow();
       });
     } catch {
@@ -3192,20 +3338,50 @@ export class Agent {
     this.#poll = setInterval(follow, 1000);
   }
 
-  /** Starts one long-poll per bus: only once the session can take what it pushes. */
+  /**
+   * Starts one long-poll per bus for this session's route, and, in the one
+   * session of this identity on this machine that holds bare.lock, one for the
+   * bare key too (0.4 peers and messages for the node as a whole): only once
+   * the session can take what it pushes.
+   */
   startReceiving(): void {
-    for (const url of this.cfg.busUrls) this.#loops.push(this.#recvLoop(url));
+    for (const url of this.cfg.busUrls) this.#loops.push(this.#recvLoop(url, this.me));
+    this.#loops.push(this.#bareKeyLoop());
   }
 
-  async stop(): Promise<void> {
+  /** Takes over polling the bare key when no live session of this identity does (checked every ANNOUNCE_EVERY_MS). */
+  async #bareKeyLoop(): Promise<void> {
+    while (!this.#stop.signal.aborted && !this.#bareLock) {
+      try {
+        this.#bareLock = await PidLock.acquire(
+          path.join(this.cfg.stateDir, "bare.lock"),
+          `session ${this.cfg.session}`,
+        );
+        for (const url of this.cfg.busUrls) this.#loops.push(this.#recvLoop(url, this.id.publicKey));
+        return;
+      } catch (e) {
+        if (!(e instanceof LockedError)) logWarn(`cannot take bare.lock: ${(e as Error).message}`);
+      }
+      await pause(ANNOUNCE_EVERY_MS, this.#stop.signal);
+    }
+  }
+
+  /**
+   * Stops. On a clean exit (`goodbye`) the session first takes itself off every
+   * bus's roster (a signed unregister) and tells each peer it has an open task
+   * with that it is closing, all within GOODBYE_MS, so exit stays fast.
+   */
+  async stop(goodbye = false): Promise<void> {
     this.#stop.abort();
     this.#outbox.wake();
     this.#watcher?.close();
     if (this.#poll) clearInterval(this.#poll);
     await Promise.allSettled(this.#loops);
     await this.#receiving.catch(() => {});
+    if (goodbye) await this.#sayGoodbye();
     this.journal.close();
     this.seen.close();
+    this.#bareLock?.release();
     this.lock.release();
   }
 
@@ -3218,8 +3394,30 @@ export class Agent {
     return entry;
   }
 
-  async send(input: SendInput): Promise<OutEntry> {
-    return await this.enqueue(prepareSend(this.peers(), this.state.tasks, input));
+  /** Checks, routes and queues a message; `note` says where it went and what state that session is in. */
+  async send(input: SendInput): Promise<{ entry: OutEntry; note: string }> {
+    const p = prepareSend(this.peers(), this.state.tasks, input, this.id.publicKey);
+    const task = p.draft.task_id ? this.state.tasks.get(taskKey(p.draft.to, p.draft.task_id)) : undefined;
+    let choice: RouteChoice;
+    try {
+      choice = await this.route(p.draft.to, input.session ?? input.channel, task?.peer_session);
+    } catch (e) {
+      if (!(e instanceof InterlinkError) || !e.message.startsWith("no bus answered")) throw e;
+      // No roster to look at: route by what we remember, and say so.
+      choice = chooseRoute({
+        key: p.draft.to,
+        isSelf: p.draft.to === this.id.publicKey,
+        hint: input.session ?? input.channel,
+        taskSession: task?.peer_session,
+        sticky: this.state.sticky.get(p.draft.to),
+        candidates: [],
+        legacy: false,
+        mySession: this.cfg.session,
+      });
+      choice.note += " (no bus answered; it waits in the outbox)";
+    }
+    const entry = await this.enqueue({ ...p, recipient: choice.recipient });
+    return { entry, note: choice.note };
   }
 
   /** Waits up to `ms` until a message is sent or refused, or its first delivery attempt has failed; returns its entry either way. */
@@ -3248,7 +3446,7 @@ export class Agent {
       const msg = await signMessage(this.id, fields, this.now());
       await this.journal.appendDurable([{ t: "resign", msg }]);
     }
-    const body = sendBody(entry.recipient, entry.msg);
+    const body = sendBody(entry.recipient, entry.msg, this.me);
     const results = await Promise.allSettled(
       this.cfg.busUrls.map(async (url) => {
         const r = await postJson(`${url}/send`, body, SEND_TIMEOUT_MS, this.#stop.signal);
@@ -3311,9 +3509,9 @@ export class Agent {
 
   // -- receiving -------------------------------------------------------------
 
-  async #recvLoop(url: string): Promise<void> {
+  async #recvLoop(url: string, route: string): Promise<void> {
     let failures = 0;
-    const recvUrl = `${url}/recv?me=${encodeURIComponent(this.me)}&timeout_ms=${RECV_TIMEOUT_MS}`;
+    const recvUrl = `${url}/recv?me=${encodeURIComponent(route)}&timeout_ms=${RECV_TIMEOUT_MS}`;
     while (!this.#stop.signal.aborted) {
       try {
         const signal = AbortSignal.any([this.#stop.signal, AbortSignal.timeout(RECV_TIMEOUT_MS + 15_000)]);
@@ -3328,12 +3526,7 @@ export class Agent {
         if (!isObject(body) || body.status !== "message") continue;
         const payload = isObject(body.envelope) ? body.envelope.payload : undefined;
         const ack = async () => {
-          const acked = await postJson(
-            `${url}/ack`,
-            { me: this.me, ack: body.ack },
-            SEND_TIMEOUT_MS,
-            this.#stop.signal,
-          );
+          const acked = await postJson(`${url}/ack`, { me: route, ack: body.ack }, SEND_TIMEOUT_MS, this.#stop.signal);
           await acked.body?.cancel();
         };
         // One payload at a time across all buses, so two copies of a message cannot both pass the replay check.
@@ -3353,13 +3546,36 @@ export class Agent {
    * decided, in order, stopping at the first that fails (then nothing is
    * acked, and the bus redelivers). Returns the verdict.
    */
-  async receive(payload: unknown, ack: () => Promise<void> = () => Promise.resolve()): Promise<Verdict> {
-    const knocked = new Set(this.state.knocksOut.keys());
-    const nowMs = this.now();
-    const v = await decide(payload, this.id.publicKey, this.peers(), nowMs, this.state.replay, knocked);
-    this.state.expireKnocks(nowMs);
-    const effects = planInbound(v, { state: this.state, peers: this.peers(), canPush: this.#canPush(), nowMs });
-    await this.carryOut(effects, ack);
+  async receive(payload: unknown, ack: () => Promise<void> = () => Promise.resolve()): Promise<Verdict | null> {
+    const replyTo = isObject(payload) && typeof payload.reply_to === "string" ? payload.reply_to : undefined;
+    if (isObject(payload) && payload.from === this.id.publicKey && replyTo === this.me) {
+      await ack(); // our own message come back (a bare-key copy): not a message to this session
+      return null;
+    }
+    // The check against the replay memory and the record of an admission are one step for every
+    // session of this identity (a relay may copy a message into two sessions' routes): under a lock.
+    const lock = await PidLock.acquire(path.join(this.cfg.stateDir, "replay.lock"), "admission", SHORT_LOCK_WAIT_MS);
+    let v: Verdict, rest: Effect[];
+    try {
+      this.seen.catchUp();
+      const knocked = new Set(this.state.knocksOut.keys());
+      const nowMs = this.now();
+      v = await decide(payload, this.id.publicKey, this.peers(), nowMs, this.state.replay, knocked);
+      this.state.expireKnocks(nowMs);
+      const effects = planInbound(v, {
+        state: this.state,
+        peers: this.peers(),
+        canPush: this.#canPush(),
+        nowMs,
+        ...(replyTo ? { replyTo } : {}),
+      });
+      const admitted = effects.findIndex((e) => e.do === "remember") + 1;
+      await this.carryOut(effects.slice(0, admitted), ack);
+      rest = effects.slice(admitted);
+    } finally {
+      lock.release();
+    }
+    await this.carryOut(rest, ack);
     return v;
   }
 
@@ -3405,15 +3621,30 @@ export class Agent {
 
   async #announceLoop(url: string): Promise<void> {
     while (!this.#stop.signal.aborted) {
-      try {
-        const a = await signAnnouncement(this.id, this.cfg.name, this.now());
-        const r = await postJson(`${url}/announce`, a, SEND_TIMEOUT_MS, this.#stop.signal);
-        await r.body?.cancel();
-      } catch {
-        // The recv loop reports an unreachable bus; presence is best effort.
-      }
+      await this.#announce(url);
       await pause(ANNOUNCE_EVERY_MS, this.#stop.signal);
     }
+  }
+
+  /** Posts this session's signed announcement (0.8 layout) to one bus; presence is best effort. */
+  async #announce(url: string): Promise<void> {
+    try {
+      const a = await signAnnouncement(this.id, this.cfg.name, this.now(), this.info);
+      const r = await postJson(`${url}/announce`, a, SEND_TIMEOUT_MS, this.#stop.signal);
+      await r.body?.cancel();
+    } catch {
+      // The recv loop reports an unreachable bus.
+    }
+  }
+
+  /** Sets this session's summary (what it is doing) and announces it at once. */
+  async setSummary(summary: string): Promise<void> {
+    this.info.summary = summary.trim().slice(0, SUMMARY_MAX_CHARS);
+    writeFileAtomic(
+      path.join(this.journal.stateDir, "session.json"),
+      JSON.stringify({ ...this.info, pid: process.pid }) + "\n",
+    );
+    await Promise.all(this.cfg.busUrls.map((url) => this.#announce(url)));
   }
 
   // -- pairing (operator decisions, exposed as tools) --------------------------
@@ -3503,10 +3734,18 @@ export class Agent {
     return key;
   }
 
-  /** Verified roster entries from every bus, newest claim per key, excluding this node. */
-  async discover(): Promise<(Announcement & { bus: string })[]> {
-    const seen = new Map<string, Announcement & { bus: string }>();
+  /**
+   * Every verified session on the rosters of all buses, the freshest copy of
+   * each (`key#session`, or a legacy node's bare key), with its effective age:
+   * the bus's unsigned age_ms, but never younger than the signed ts allows
+   * (a replayed old announcement cannot pass for a live session). Cached for
+   * ROSTER_CACHE_MS so a burst of sends costs one round.
+   */
+  async roster(fresh = false): Promise<PeerSession[]> {
+    if (!fresh && this.#roster && this.now() - this.#roster.at < ROSTER_CACHE_MS) return this.#roster.sessions;
+    const byRoute = new Map<string, PeerSession>();
     const problems: string[] = [];
+    const nowMs = this.now();
     await Promise.all(
       this.cfg.busUrls.map(async (url) => {
         try {
@@ -3515,11 +3754,22 @@ export class Agent {
           for (const raw of isObject(body) && Array.isArray(body.roster) ? body.roster : []) {
             try {
               const a = parseAnnouncement(raw);
-              if (a.pubkey === this.id.publicKey || (await verifyAnnouncement(a))) continue;
-              const prev = seen.get(a.pubkey);
-              if (!prev || prev.ts < a.ts) seen.set(a.pubkey, { ...a, name: displayName(a.name), bus: url });
+              const check = await checkAnnouncement(a);
+              if ("error" in check) continue; // the bus verifies nothing we rely on: we do
+              const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
+              const s: PeerSession = {
+                key: a.pubkey,
+                name: displayName(a.name),
+                session: check.layout === "0.8" && a.session?.session_id ? a.session : null,
+                legacy: check.layout === "0.4",
+                ageMs,
+                bus: url,
+              };
+              const route = s.session ? `${s.key}#${s.session.session_id}` : s.key;
+              const prev = byRoute.get(route);
+              if (!prev || prev.ageMs > ageMs) byRoute.set(route, s);
             } catch {
-              // an unsigned or malformed entry: the bus verifies nothing, we do
+              // a malformed entry
             }
           }
         } catch (e) {
@@ -3530,8 +3780,183 @@ export class Agent {
     if (problems.length === this.cfg.busUrls.length) {
       throw new InterlinkError(`no bus answered: ${problems.join("; ")}`);
     }
+    const sessions = [...byRoute.values()].filter((s) =>
+      !(s.key === this.id.publicKey && s.session?.session_id === this.cfg.session)
+    );
+    this.#roster = { at: nowMs, sessions };
+    return sessions;
+  }
+
+  /** Verified roster entries of other nodes, one per key (its freshest), for pairing. */
+  async discover(): Promise<(Announcement & { bus: string })[]> {
+    const seen = new Map<string, Announcement & { bus: string }>();
+    for (const s of await this.roster(true)) {
+      if (s.key === this.id.publicKey) continue;
+      const prev = seen.get(s.key);
+      if (!prev) seen.set(s.key, { pubkey: s.key, name: s.name, ts: 0, sig: "", bus: s.bus });
+    }
     return [...seen.values()];
   }
+
+  /**
+   * Where a message for `key` goes (SPEC-sessions §6), and what to tell the
+   * sender about it: an explicit session hint (exact, else a unique prefix);
+   * else the session of the task it belongs to; else the session that last
+   * wrote to us (reply_to), if it is on the roster; else the only live
+   * session; else the only one. Several candidates: an error that lists them.
+   * A legacy (0.4) node, or a key not on any roster, gets its bare key.
+   */
+  async route(key: string, hint: string | undefined, taskSession: string | undefined): Promise<RouteChoice> {
+    const isSelf = key === this.id.publicKey;
+    const candidates = (await this.roster()).filter((s) => s.key === key && s.session);
+    const legacy = (await this.roster()).some((s) => s.key === key && s.legacy);
+    return chooseRoute({
+      key,
+      isSelf,
+      hint,
+      taskSession,
+      sticky: this.state.sticky.get(key),
+      candidates,
+      legacy,
+      mySession: this.cfg.session,
+    });
+  }
+
+  /** On a clean exit: unregister from every bus, and say goodbye on each open task, within GOODBYE_MS. */
+  async #sayGoodbye(): Promise<void> {
+    const deadline = AbortSignal.timeout(GOODBYE_MS);
+    const ts = this.now();
+    const sig = await this.id.sign(unregisterBytes({ pubkey: this.id.publicKey, session_id: this.cfg.session, ts }));
+    const unregister = { pubkey: this.id.publicKey, session: this.info, ts, sig };
+    const goodbyes: Promise<unknown>[] = [];
+    for (const t of this.state.tasks.values()) {
+      if (t.closed) continue;
+      const msg = await signMessage(this.id, {
+        to: t.peer_key,
+        task_id: t.task_id,
+        status: "update",
+        text:
+          `${GOODBYE_PREFIX} session ${this.cfg.session} of ${this.cfg.name} closed; task ${t.task_id} may not finish. Check discover before waiting on it.`,
+      }, this.now());
+      const route = t.peer_session ? `${t.peer_key}#${t.peer_session}` : t.peer_key;
+      for (const url of this.cfg.busUrls) {
+        goodbyes.push(postJson(`${url}/send`, sendBody(route, msg, this.me), GOODBYE_MS, deadline));
+      }
+    }
+    const unregisters = this.cfg.busUrls.map((url) => postJson(`${url}/unregister`, unregister, GOODBYE_MS, deadline));
+    await Promise.allSettled([...unregisters, ...goodbyes].map((p) => p.then((r) => (r as Response).body?.cancel())));
+  }
+}
+
+/** A session on the roster: a node's key, its claimed name, its session (null for a 0.4 node), how long since it was heard. */
+export interface PeerSession {
+  key: string;
+  name: string;
+  session: SessionInfo | null;
+  legacy: boolean;
+  ageMs: number;
+  bus: string;
+}
+
+export type Presence = "live" | "away" | "stale";
+
+/** live under PRESENCE_LIVE_MS, then away; away for PRESENCE_STALE_MS or more, "stale" (may be gone). */
+export function presence(ageMs: number): Presence {
+  return ageMs < PRESENCE_LIVE_MS ? "live" : ageMs < PRESENCE_STALE_MS ? "away" : "stale";
+}
+
+/** "42 s", "17 min", "5 h", "3 days": how long, for a person. */
+export function howLong(ms: number): string {
+  const s = Math.round(ms / 1000);
+  if (s < 90) return `${s} s`;
+  if (s < 90 * 60) return `${Math.round(s / 60)} min`;
+  if (s < 48 * 3600) return `${Math.round(s / 3600)} h`;
+  return `${Math.round(s / 86400)} days`;
+}
+
+/** Where a message goes and what the sender is told about it. */
+export interface RouteChoice {
+  recipient: string;
+  session?: string;
+  note: string;
+}
+
+/** One line per candidate session: id, cwd, git root, summary, presence. */
+export function describeSessions(list: PeerSession[]): string {
+  return list.map((s) => {
+    const info = s.session!;
+    const parts = [
+      info.session_id,
+      info.cwd,
+      info.git_root && `git:${info.git_root}`,
+      info.summary && `"${info.summary}"`,
+    ];
+    const state = presence(s.ageMs);
+    return `  - ${parts.filter(Boolean).join(" · ")} (${state === "live" ? "live" : `away ${howLong(s.ageMs)}`})`;
+  }).join("\n");
+}
+
+/** The routing decision as a pure function of the roster and what the node remembers (see Agent.route). */
+export function chooseRoute(p: {
+  key: string;
+  isSelf: boolean;
+  hint?: string;
+  taskSession?: string;
+  sticky?: string;
+  candidates: PeerSession[];
+  legacy: boolean;
+  mySession: string;
+}): RouteChoice {
+  const { key, candidates } = p;
+  const to = (s: string) => `${key}#${s}`;
+  const find = (id: string) => candidates.find((c) => c.session!.session_id === id);
+  const state = (id: string): string => {
+    const c = find(id);
+    if (!c) return "not on any roster: the message may never be read; check discover";
+    const live = candidates.filter((x) => presence(x.ageMs) === "live" && x !== c);
+    const sibling = live.length ? `; a live sibling exists: session=${live[0].session!.session_id} reaches it now` : "";
+    switch (presence(c.ageMs)) {
+      case "live":
+        return "live: delivering now";
+      case "away":
+        return `away for ${howLong(c.ageMs)} (asleep?): it arrives when that session wakes${sibling}`;
+      case "stale":
+        return `away for ${howLong(c.ageMs)}: that session may be gone rather than asleep; check discover${sibling}`;
+    }
+  };
+  const choose = (id: string): RouteChoice => ({ recipient: to(id), session: id, note: `session ${id}, ${state(id)}` });
+  const hint = p.hint?.trim();
+  if (hint) {
+    if (p.isSelf && hint === p.mySession) throw new InterlinkError("a session cannot message itself");
+    if (find(hint)) return choose(hint);
+    const prefixed = candidates.filter((c) => c.session!.session_id.startsWith(hint));
+    if (prefixed.length === 1) return choose(prefixed[0].session!.session_id);
+    if (prefixed.length > 1) {
+      throw new InterlinkError(
+        `session '${hint}' matches ${prefixed.length} sessions; use more of it:\n${describeSessions(prefixed)}`,
+      );
+    }
+    return choose(hint); // used as given: it may not have announced yet, or be gone
+  }
+  if (p.taskSession && !(p.isSelf && p.taskSession === p.mySession)) return choose(p.taskSession);
+  if (p.sticky && find(p.sticky)) return choose(p.sticky);
+  const live = candidates.filter((c) => presence(c.ageMs) === "live");
+  if (live.length === 1) return choose(live[0].session!.session_id);
+  if (live.length > 1 || candidates.length > 1) {
+    throw new InterlinkError(
+      `${live.length > 1 ? "several live sessions" : "several sessions"}; pick one with session=<id or its start>:\n${
+        describeSessions(candidates)
+      }`,
+    );
+  }
+  if (candidates.length === 1) return choose(candidates[0].session!.session_id);
+  if (p.isSelf) throw new InterlinkError("no other session of this node is on the roster (discover shows them)");
+  if (p.sticky) return choose(p.sticky);
+  if (p.legacy) return { recipient: key, note: "a 0.4 node (no sessions): sent to its key" };
+  return {
+    recipient: key,
+    note: "not on any roster: sent to its key, read by whichever of its sessions polls it; check discover",
+  };
 }
 
 function errorText(e: unknown): string {
@@ -3814,7 +4239,9 @@ export const TOOLS: ToolSpec[] = [
   {
     name: "send_message",
     description:
-      "Send a signed message to a paired peer, by petname. For delegated work put one task_id on every message of the task: " +
+      "Send a signed message to a paired peer (petname, fingerprint or key), or to 'self' (another session of this node). " +
+      "It goes to one session of the peer: the task's, else the one that last wrote to you, else its only live one; pass session= when it has several. " +
+      "For delegated work put one task_id on every message of the task: " +
       "the requester opens it (no status); the executor streams status=update, asks with status=needs_input, and finishes with status=result or status=failed. " +
       "Answer a needs_input by setting in_reply_to to the question's msg_id. A terminal status (result, failed, canceled) closes the task: follow-up work needs a new task_id. " +
       "Returns the msg_id and whether a bus accepted it (sent) or it waits in the durable outbox (queued, retried automatically).",
@@ -3824,19 +4251,23 @@ export const TOOLS: ToolSpec[] = [
       task_id: k.opt("task correlator: the same id on every message of one delegated task"),
       status: k.oneOf(STATUSES, "task status; needs task_id"),
       in_reply_to: k.opt("msg_id this answers (the needs_input question, usually)"),
-      channel: k.opt("named inbox label of the recipient (delivers to <key>#<channel>); omit for the default inbox"),
+      session: k.opt(
+        "the recipient's session (an id, or a unique start of one, from discover); omit to route automatically",
+      ),
+      channel: k.opt("0.4's name for session"),
     }),
     annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: false, openWorldHint: true },
     async run(agent, a) {
-      const entry = await agent.send({
+      const { entry, note } = await agent.send({
         to: a.to as string,
         text: a.text as string,
         task_id: opt(a, "task_id"),
         status: opt(a, "status"),
         in_reply_to: opt(a, "in_reply_to"),
+        session: opt(a, "session"),
         channel: opt(a, "channel"),
       });
-      return describeOut(await agent.settle(entry.msg.msg_id, 2000));
+      return `${describeOut(await agent.settle(entry.msg.msg_id, 2000))} — ${note}`;
     },
   },
   {
@@ -3848,6 +4279,7 @@ export const TOOLS: ToolSpec[] = [
       to: k.str("the peer's petname, fingerprint or key"),
       task_id: k.str("the task to cancel"),
       reason: k.opt("optional short reason, sent as the message text"),
+      session: k.opt("the peer's session; by default the one the task lives in"),
     }),
     annotations: { readOnlyHint: false, destructiveHint: true, idempotentHint: true, openWorldHint: true },
     async run(agent, a) {
@@ -3870,13 +4302,14 @@ export const TOOLS: ToolSpec[] = [
           }`,
         );
       }
-      const entry = await agent.send({
+      const { entry, note } = await agent.send({
         to: a.to as string,
         text: opt(a, "reason") ?? "canceled",
         task_id: a.task_id as string,
         status: "canceled",
+        session: opt(a, "session"),
       });
-      return describeOut(await agent.settle(entry.msg.msg_id, 2000));
+      return `${describeOut(await agent.settle(entry.msg.msg_id, 2000))} — ${note}`;
     },
   },
   {
@@ -3888,7 +4321,7 @@ export const TOOLS: ToolSpec[] = [
     run(agent, a) {
       const entry = agent.state.outgoing.get(a.msg_id as string);
       if (entry) return describeOut(entry);
-      const found = conversation(agent.cfg.stateDir, undefined, Number.MAX_SAFE_INTEGER).find((r) =>
+      const found = conversation(agent.journal.stateDir, undefined, Number.MAX_SAFE_INTEGER).find((r) =>
         r.msg.msg_id === a.msg_id
       );
       if (found?.dir === "in") {
@@ -3913,7 +4346,7 @@ export const TOOLS: ToolSpec[] = [
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent, a) {
       const key = peerKey(agent.peers(), a.peer as string);
-      const rows = conversation(agent.cfg.stateDir, key, (a.limit as number | undefined) ?? 20);
+      const rows = conversation(agent.journal.stateDir, key, (a.limit as number | undefined) ?? 20);
       if (!rows.length) return `no messages with ${a.peer} yet`;
       return rows.map((r) =>
         messageBlock({ dir: r.dir, peer: agent.petnameOf(key) ?? String(a.peer), msg: r.msg, at: r.at, state: r.state })
@@ -3978,19 +4411,54 @@ export const TOOLS: ToolSpec[] = [
   {
     name: "discover",
     description:
-      "Nodes announced on the bus roster (verified self-signed claims): fingerprint, claimed name, key, and whether each is already a peer. Names are self-claims; only the key is identity.",
-    args: () => ({}),
+      "Nodes and their sessions on the bus rosters (verified self-signed claims): per node its fingerprint, claimed name, key and whether it is a peer; " +
+      "per session its id, cwd, git root, summary and state (live, away since when). Names are self-claims; only the key is identity. peer: only this node.",
+    args: (k) => ({ peer: k.opt("a petname, fingerprint, key or claimed name: only that node") }),
     annotations: { readOnlyHint: true, openWorldHint: true },
-    async run(agent) {
-      const entries = await agent.discover();
-      if (!entries.length) return "nobody else is announced on the roster right now";
-      return entries
-        .map((e) =>
-          `- ${fingerprint(e.pubkey)}  claims "${e.name}"  key ${e.pubkey}  ${
-            agent.petnameOf(e.pubkey) ? `peer '${agent.petnameOf(e.pubkey)}'` : "not a peer"
-          }  (seen ${isoTime(e.ts)} on ${e.bus})`
-        )
-        .join("\n");
+    async run(agent, a) {
+      const want = opt(a, "peer");
+      let sessions = await agent.roster(true);
+      if (want !== undefined) {
+        let key: string | undefined;
+        try {
+          key = want.toLowerCase() === "self" ? agent.id.publicKey : resolvePeer(agent.peers(), want).key;
+        } catch {
+          const named = [
+            ...new Set(sessions.filter((s) => s.key.startsWith(want) || s.name === want).map((s) => s.key)),
+          ];
+          if (named.length !== 1) throw new InterlinkError(`'${want}' matches ${named.length} nodes on the roster`);
+          key = named[0];
+        }
+        sessions = sessions.filter((s) => s.key === key);
+      }
+      if (!sessions.length) {
+        return want ? `no session of '${want}' is on the roster` : "nobody else is announced on the roster right now";
+      }
+      const byKey = new Map<string, PeerSession[]>();
+      for (const s of sessions) byKey.set(s.key, [...(byKey.get(s.key) ?? []), s]);
+      return [...byKey].map(([key, list]) => {
+        const petname = key === agent.id.publicKey
+          ? "this node (you)"
+          : agent.petnameOf(key)
+          ? `peer '${agent.petnameOf(key)}'`
+          : "not a peer";
+        const head = `- ${fingerprint(key)}  claims "${list[0].name}"  ${petname}  key ${key}${
+          list.some((s) => s.legacy) ? "  (a 0.4 node: no sessions, reached at its key)" : ""
+        }`;
+        const withSessions = list.filter((s) => s.session);
+        return withSessions.length ? `${head}\n${describeSessions(withSessions)}` : head;
+      }).join("\n");
+    },
+  },
+  {
+    name: "set_summary",
+    description:
+      "Say what this session is working on, in a few words (at most 200 characters): announced at once, so peers choosing which of your sessions to write to see it in discover.",
+    args: (k) => ({ summary: k.str("what this session is doing") }),
+    annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: true, openWorldHint: true },
+    async run(agent, a) {
+      await agent.setSummary(a.summary as string);
+      return `announced session ${agent.cfg.session} as "${agent.info.summary}"`;
     },
   },
   {
@@ -4346,11 +4814,18 @@ const OPT = {
     defaultHelp: "~/.local/state/interlink/node-<fingerprint>[-<inbox>]",
     help: "this node's journal (outbox, log, inbox) and locks",
   },
+  session: {
+    type: "string",
+    arg: "ID",
+    env: "INTERLINK_SESSION",
+    defaultHelp: "CLAUDE_CODE_SESSION_ID, else 8 random hex characters",
+    help: "this session's id (letters, digits, . _ -): its route is <key>#ID, its journal sessions/ID",
+  },
   inbox: {
     type: "string",
-    arg: "LABEL",
+    arg: "ID",
     env: "INTERLINK_INBOX",
-    help: "named inbox: poll <key>#LABEL (peers address it with send_message channel)",
+    help: "deprecated: the same as --session (0.4's named inbox)",
   },
   delivery: {
     type: "string",
@@ -4428,7 +4903,14 @@ function rememberConfig(o: Options, from: OptionSources): void {
 }
 
 /** The options every node command shares, so `send`, `log`, `wait`... find the same files as `mcp`. */
-const NODE_OPTIONS = { key: OPT.key, peers: OPT.peers, url: OPT.url, state: OPT.state, inbox: OPT.inbox };
+const NODE_OPTIONS = {
+  key: OPT.key,
+  peers: OPT.peers,
+  url: OPT.url,
+  state: OPT.state,
+  session: OPT.session,
+  inbox: OPT.inbox,
+};
 
 export function parseBusUrls(text: string): string[] {
   const urls = text.split(",").map((u) => u.trim()).filter(Boolean);
@@ -4447,9 +4929,56 @@ export function parseBusUrls(text: string): string[] {
   });
 }
 
-function defaultNodeState(fp: string, inbox?: string): string {
-  return path.join(stateDir(), "interlink", `node-${fp}${inbox ? `-${inbox}` : ""}`);
+function defaultNodeState(fp: string): string {
+  return path.join(stateDir(), "interlink", `node-${fp}`);
 }
+
+/**
+ * This process's session id: --session / INTERLINK_SESSION (or the deprecated
+ * --inbox) if given, else CLAUDE_CODE_SESSION_ID (Claude Code gives every MCP
+ * server of a session the id its hooks get), else 8 random hex characters.
+ */
+export function chooseSession(pinned: string | undefined): string {
+  const given = pinned?.trim();
+  if (given) {
+    if (!SESSION_RE.test(given)) {
+      throw new InterlinkError(
+        `session id '${given}' must be 1-128 letters, digits, . _ - (INTERLINK_SESSION / --session)`,
+      );
+    }
+    return given;
+  }
+  const claude = process.env.CLAUDE_CODE_SESSION_ID?.trim();
+  if (claude && SESSION_RE.test(claude)) return claude;
+  return Buffer.from(crypto.getRandomValues(new Uint8Array(4))).toString("hex");
+}
+
+/** The sessions this identity has had on this machine: their ids, folders, descriptions, and the live server, if any. */
+export function listSessions(
+  root: string,
+): { id: string; dir: string; info: Partial<SessionInfo>; live: LockOwner | null }[] {
+  let ids: string[] = [];
+  try {
+    ids = fs.readdirSync(path.join(root, "sessions")).filter((id) => SESSION_RE.test(id)).sort();
+  } catch {
+    return [];
+  }
+  return ids.map((id) => {
+    const dir = sessionDir(root, id);
+    let info: Partial<SessionInfo> = {};
+    try {
+      info = JSON.parse(fs.readFileSync(path.join(dir, "session.json"), "utf8"));
+    } catch {
+      // a session from before session.json, or one that never started
+    }
+    const owner = lockOwner(path.join(dir, "agent.lock"));
+    return { id, dir, info, live: owner?.role === "interlink mcp" ? owner : null };
+  });
+}
+
+/** A session as one column: its id's start and where it runs. */
+const sessionLabel = (s: { id: string; info: Partial<SessionInfo> }) =>
+  `${s.id.slice(0, 8)}${s.info.cwd ? ` (${terminalSafe(path.basename(s.info.cwd))})` : ""}`;
 
 /** The delivery mode an option set asks for; "both" (the 0.4 default) is read as channel. */
 function deliveryMode(o: Options): Delivery {
@@ -4466,10 +4995,7 @@ function deliveryMode(o: Options): Delivery {
 /** Validates a node's configuration at start-up; every error names the setting and the fix. */
 async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Identity }> {
   const id = await readIdentity(o.key as string);
-  const inbox = o.inbox as string | undefined;
-  if (inbox !== undefined && !INBOX_LABEL_RE.test(inbox)) {
-    throw new InterlinkError(`inbox label '${inbox}' must be letters, digits, . _ - (INTERLINK_INBOX / --inbox)`);
-  }
+  const session = chooseSession((o.session ?? o.inbox) as string | undefined);
   const delivery = deliveryMode(o);
   const name = (o.name as string | undefined) ?? id.fingerprint;
   if (name.length > 64 || displayName(name) !== name) {
@@ -4483,9 +5009,9 @@ async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Identity }
       peersFile: o.peers as string,
       busUrls: parseBusUrls((o.url as string | undefined) ?? localBusUrl()),
       name,
-      stateDir: (o.state as string | undefined) ?? defaultNodeState(id.fingerprint, inbox),
+      stateDir: (o.state as string | undefined) ?? defaultNodeState(id.fingerprint),
       delivery,
-      ...(inbox ? { inbox } : {}),
+      session,
     },
   };
 }
@@ -4711,7 +5237,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     logInfo(
       `ready: ${agent.me} on ${
         agent.cfg.busUrls.join(", ")
-      }, state ${agent.cfg.stateDir}, delivery ${delivery}, ${agent.peers().byName.size} peers`,
+      }, state ${agent.journal.stateDir}, delivery ${delivery}, ${agent.peers().byName.size} peers`,
     );
   };
   const closed = new Promise<string>((resolve) => {
@@ -4723,7 +5249,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   await mcp.connect(new StdioServerTransport());
   const why = await closed;
   logInfo(`${why}: shutting down`);
-  await agent?.stop();
+  await agent?.stop(true); // a clean exit: unregister, and goodbyes on open tasks
   await mcp.close().catch(() => {});
   return 0;
 }
@@ -4745,9 +5271,18 @@ async function ensureKey(file: string, isDefault: boolean): Promise<void> {
   logInfo(`created this node's key at ${file} (mode 0600): fingerprint ${(await identityFromSeed(seed)).fingerprint}`);
 }
 
-async function runSend(o: Options, pos: string[]): Promise<number> {
+/**
+ * `send`: queued in a session's journal. With --session, that one's; else the
+ * only session whose server runs (it delivers); else a "cli" session that this
+ * command delivers itself. The recipient's session is --channel, or its key.
+ */
+async function runSend(o: Options, pos: string[], from: OptionSources): Promise<number> {
   if (pos.length !== 2) throw new InterlinkError(`send takes <peer> <text>\n\n${commandHelp("send")}`);
   const { cfg, id } = await nodeConfig(o);
+  if (from.session === "default" && from.inbox === "default") {
+    const live = listSessions(cfg.stateDir).filter((s) => s.live);
+    cfg.session = live.length === 1 ? live[0].id : "cli";
+  }
   const input: SendInput = {
     to: pos[0],
     text: pos[1],
@@ -4756,25 +5291,25 @@ async function runSend(o: Options, pos: string[]): Promise<number> {
     in_reply_to: o["in-reply-to"] as string | undefined,
     channel: o.channel as string | undefined,
   };
-  const owner = lockOwner(path.join(cfg.stateDir, "agent.lock"));
+  const dir = sessionDir(cfg.stateDir, cfg.session);
+  const owner = lockOwner(path.join(dir, "agent.lock"));
   if (owner?.role === "interlink mcp") {
-    // A running agent owns delivery on this folder: queue into its journal (one
+    // A running agent owns delivery on this session: queue into its journal (one
     // O_APPEND write, safe beside its own) and let it send, so nothing goes twice.
-    const { state, journal } = readNodeState(cfg.stateDir);
+    const { state, journal } = readNodeState(dir);
     try {
       const entry = await queueMessage(
         journal,
         id,
-        prepareSend(loadPeers(cfg.peersFile), state.tasks, input),
+        prepareSend(loadPeers(cfg.peersFile), state.tasks, input, id.publicKey),
         Date.now(),
       );
-      const id_ = entry.msg.msg_id;
-      await waitUntil(
-        () => (journal.catchUp(), !state.pending.has(id_)),
-        SEND_TIMEOUT_MS,
-        onJournalChange(cfg.stateDir),
+      const msgId = entry.msg.msg_id;
+      await waitUntil(() => (journal.catchUp(), !state.pending.has(msgId)), SEND_TIMEOUT_MS, onJournalChange(dir));
+      print(
+        describeOut(entry) +
+          (entry.sentAt ? "" : ` (by the running server of session ${cfg.session}, pid ${owner.pid})`),
       );
-      print(describeOut(entry) + (entry.sentAt ? "" : ` (by the running agent, pid ${owner.pid})`));
     } finally {
       journal.close();
     }
@@ -4782,13 +5317,11 @@ async function runSend(o: Options, pos: string[]): Promise<number> {
   }
   const agent = await Agent.open(cfg, "interlink send", { identity: id });
   try {
-    const entry = await agent.send(input);
+    const { entry, note } = await agent.send(input);
     await agent.flushOutbox(Date.now() + SEND_TIMEOUT_MS + 1000);
     print(
-      describeOut(entry) +
-        (entry.sentAt || entry.refused
-          ? ""
-          : "; the next `interlink.ts send` or `mcp` on this state folder retries it"),
+      `${describeOut(entry)} — ${note}` +
+        (entry.sentAt || entry.refused ? "" : "; the next `interlink.ts send` or `mcp` on this session retries it"),
     );
     return 0;
   } finally {
@@ -4796,51 +5329,68 @@ async function runSend(o: Options, pos: string[]): Promise<number> {
   }
 }
 
-async function runLog(o: Options): Promise<number> {
+/** `log`: every session's journal of this identity (or --session's), with a session column. */
+async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   const { cfg } = await nodeConfig(o);
   let peers = loadPeers(cfg.peersFile); // re-read before each batch while following: petnames may change
   const filterKey = o.peer ? peerKey(peers, o.peer as string) : undefined;
+  const only = from.session === "default" && from.inbox === "default" ? undefined : cfg.session;
   const shown = new Set<string>(); // with --peer, "sent" lines only for that peer's messages
-  const show = (r: JsonlRecord) => {
-    if (filterKey) {
-      if (r.t === "sent" ? !shown.has(String(r.msg_id)) : r.t !== "out" && r.t !== "in") return;
-      if (r.t !== "sent") {
-        const msg = r.msg as SignedMessage | undefined;
-        if (!msg || counterpart(r.t as "in" | "out", msg) !== filterKey) return;
-        shown.add(msg.msg_id);
-      }
+  const offsets = new Map<string, number>();
+  const batch = () => {
+    const lines: { at: number; text: string }[] = [];
+    for (const sess of listSessions(cfg.stateDir)) {
+      if (only && sess.id !== only) continue;
+      const file = path.join(sess.dir, "log.jsonl");
+      const label = sessionLabel(sess).padEnd(8);
+      offsets.set(
+        file,
+        scanJsonl(file, offsets.get(file) ?? 0, (r) => {
+          if (filterKey) {
+            if (r.t === "sent" ? !shown.has(String(r.msg_id)) : r.t !== "out" && r.t !== "in") return;
+            if (r.t !== "sent") {
+              const msg = r.msg as SignedMessage | undefined;
+              if (!msg || counterpart(r.t as "in" | "out", msg) !== filterKey) return;
+              shown.add(msg.msg_id);
+            }
+          }
+          const line = logRecordLine(r, (k) => peers.byKey.get(k));
+          if (line) lines.push({ at: typeof r.at === "number" ? r.at : 0, text: `${label}  ${line}` });
+        }).next,
+      );
     }
-    const line = logRecordLine(r, (k) => peers.byKey.get(k));
-    if (line) print(line);
+    for (const l of lines.sort((x, y) => x.at - y.at)) print(l.text);
   };
-  const file = path.join(cfg.stateDir, "log.jsonl");
-  let { next } = scanJsonl(file, 0, show);
+  batch();
   if (o.follow !== true) return 0;
-  const wake = new Signal();
-  const watcher = fs.existsSync(cfg.stateDir)
-    ? fs.watch(cfg.stateDir, (_e, name) => String(name) === "log.jsonl" && wake.wake())
-    : null;
   let stopping = false;
-  void shutdownSignal().then(() => ((stopping = true), wake.wake()));
+  void shutdownSignal().then(() => (stopping = true));
   while (!stopping) {
-    await wake.wait(1000);
-    if (fileSize(file) <= next) continue;
+    await waitUntil(() => stopping, 1000, onJournalChange(path.join(cfg.stateDir, "sessions")), 250);
     peers = loadPeers(cfg.peersFile);
-    next = scanJsonl(file, next, show).next;
+    batch();
   }
-  watcher?.close();
   return 0;
 }
 
-async function runTasks(o: Options): Promise<number> {
+/** `tasks`: the task tables of every session of this identity (or --session's), each row with its session. */
+async function runTasks(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   const { cfg } = await nodeConfig(o);
-  const { state } = readNodeState(cfg.stateDir);
   const peers = loadPeers(cfg.peersFile);
+  const only = from.session === "default" && from.inbox === "default" ? undefined : cfg.session;
   const view = { petnameOf: (k: string) => peers.byKey.get(k), peers: () => peers };
-  const rows = taskTable(view, state.tasks.values(), o.peer as string | undefined, o.open === true);
+  const lines: { at: number; text: string }[] = [];
+  for (const sess of listSessions(cfg.stateDir)) {
+    if (only && sess.id !== only) continue;
+    const { state, journal } = readNodeState(sess.dir);
+    journal.close();
+    for (const t of taskTable(view, state.tasks.values(), o.peer as string | undefined, o.open === true)) {
+      lines.push({ at: t.last_at, text: `${sessionLabel(sess)}  ${terminalSafe(describeTask(view, t))}` });
+    }
+  }
   print(
-    rows.length
-      ? rows.map((t) => terminalSafe(describeTask(view, t))).join("\n")
+    lines.length
+      ? lines.sort((x, y) => x.at - y.at).map((l) => l.text).join("\n")
       : o.open
       ? "no open tasks"
       : "no tasks yet",
@@ -4877,16 +5427,39 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
 /** Exit status that makes a Claude Code asyncRewake hook wake the session with our stderr. */
 export const WAKE_EXIT_CODE = 2;
 
+/**
+ * `wait`, the Stop hook: waits on one session's inbox only, so two sessions'
+ * hooks never drain each other's messages. The session is --session /
+ * INTERLINK_SESSION, else the `session_id` of the hook's JSON on stdin (Claude
+ * Code passes it, and it equals the CLAUDE_CODE_SESSION_ID its server uses),
+ * else the node's only session. A usage problem exits 1, never 2 (2 would wake
+ * the model with it).
+ */
 async function runWait(o: Options): Promise<number> {
-  let dir = o.state as string | undefined;
-  if (dir === undefined) {
-    dir = defaultNodeState((await readIdentity(o.key as string)).fingerprint, o.inbox as string | undefined);
+  const root = (o.state as string | undefined) ?? defaultNodeState((await readIdentity(o.key as string)).fingerprint);
+  let session = ((o.session ?? o.inbox) as string | undefined)?.trim();
+  if (!session && !process.stdin.isTTY) {
+    try {
+      const hook = JSON.parse(await readStdin());
+      if (isObject(hook) && typeof hook.session_id === "string") session = hook.session_id.trim();
+    } catch {
+      // no hook JSON on stdin
+    }
   }
-  if (!fs.existsSync(dir)) {
-    throw new InterlinkError(
-      `no node state at ${dir}: run \`interlink.ts mcp\` with this key first, or pass the same --state it uses`,
-    );
+  if (!session) {
+    const all = listSessions(root);
+    if (all.length !== 1) {
+      throw new InterlinkError(
+        `which session? pass --session (or run as a Claude Code hook, which gives it on stdin); sessions here: ${
+          all.map((x) => x.id).join(", ") || "none yet"
+        }`,
+      );
+    }
+    session = all[0].id;
   }
+  if (!SESSION_RE.test(session)) throw new InterlinkError(`session id '${session}' is not valid`);
+  const dir = sessionDir(root, session);
+  fs.mkdirSync(dir, { recursive: true, mode: 0o700 }); // a hook may run before its server's first message
   const timeoutMs = intOption(o.timeout, "timeout", 0, 7 * 24 * 3600) * 1000;
   if (deliveryMode(o) === "channel") return 0; // every message is pushed and shown; nothing waits here
   let peers = EMPTY_PEERS;
@@ -5035,21 +5608,29 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
       fix: `edit ${peersFile}: { "<petname>": { "key": "<43-char public key>" } }, one key per petname`,
     });
   }
-  const state = (o.state as string | undefined) ??
-    (id ? defaultNodeState(id.fingerprint, o.inbox as string | undefined) : undefined);
-  const agent = state ? lockOwner(path.join(state, "agent.lock")) : null;
+  const state = (o.state as string | undefined) ?? (id ? defaultNodeState(id.fingerprint) : undefined);
+  const sessions = state ? listSessions(state) : [];
+  const agent = sessions.find((x) => x.live)?.live ?? null;
   if (state) {
+    const live = sessions.filter((x) => x.live);
     out.push(
-      agent
-        ? { level: "ok", what: `state folder ${state} is in use by a running agent (${agent.role}, pid ${agent.pid})` }
-        : { level: "info", what: `state folder ${state}: no agent running on it` },
+      live.length
+        ? {
+          level: "ok",
+          what: `state folder ${state}: ${live.length} session(s) running: ${
+            live.map((x) => `${sessionLabel(x)} pid ${x.live!.pid}`).join(", ")
+          }`,
+        }
+        : { level: "info", what: `state folder ${state}: no session running (${sessions.length} known)` },
     );
   }
   if (state) {
     const refusals = new Map<string, number>();
-    scanJsonl(path.join(state, "log.jsonl"), 0, (r) => {
-      if (r.t === "refusal") refusals.set(String(r.reason), (refusals.get(String(r.reason)) ?? 0) + 1);
-    });
+    for (const x of sessions) {
+      scanJsonl(path.join(x.dir, "log.jsonl"), 0, (r) => {
+        if (r.t === "refusal") refusals.set(String(r.reason), (refusals.get(String(r.reason)) ?? 0) + 1);
+      });
+    }
     if (refusals.size) {
       const list = [...refusals].map(([why, n]) => `${n} ${why}`).join(", ");
       out.push({
@@ -5061,7 +5642,7 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
   }
   // Lines taken out of a journal as unreadable: never silent.
   const journals = [
-    ...(state ? [path.join(state, "log.jsonl"), path.join(state, "replay.jsonl")] : []),
+    ...sessions.map((x) => path.join(x.dir, "log.jsonl")),
     path.join(stateDir(), "interlink", "bus", "queue.jsonl"),
   ];
   for (const file of journals) {
@@ -5308,6 +5889,7 @@ async function startDemoNode(
     INTERLINK_NAME: name,
     // The demo plays a session launched by `interlink.ts claude`, so events arrive as they happen.
     INTERLINK_DELIVERY: "channel",
+    INTERLINK_SESSION: name,
     INTERLINK_CONFIG: path.join(dir, "config.json"), // never this machine's own settings
   });
   return { session: await McpSession.start(name, selfCommand(["mcp"]), env), id: await identityFromSeed(seed) };
