@@ -20,6 +20,7 @@ import {
   canonicalBytes,
   channelContent,
   checkAnnouncement,
+  chooseRoute,
   claimInbox,
   commandTable,
   decide,
@@ -48,8 +49,10 @@ import {
   parsePeers,
   parseSignedMessage,
   type Peers,
+  type PeerSession,
   PidLock,
   planInbound,
+  presence,
   type PushEvent,
   readJsonl,
   RECV_TIMEOUT_MAX_MS,
@@ -1426,9 +1429,14 @@ function freePort(): Promise<number> {
 }
 
 /** True when a bus holds nothing un-acked for `me` (a recv with no wait answers timeout). */
-async function busDrained(busUrl: string, me: string): Promise<boolean> {
-  const r = await (await fetch(`${busUrl}/recv?me=${encodeURIComponent(me)}&timeout_ms=0`)).json();
-  return r.status === "timeout";
+async function busDrained(busUrl: string, me: string | NodeFiles): Promise<boolean> {
+  // A node's files: its bare key and its session's route (tests name the session after the node).
+  const routes = typeof me === "string" ? [me] : [me.id.publicKey, `${me.id.publicKey}#${me.name}`];
+  for (const route of routes) {
+    const r = await (await fetch(`${busUrl}/recv?me=${encodeURIComponent(route)}&timeout_ms=0`)).json();
+    if (r.status !== "timeout") return false;
+  }
+  return true;
 }
 
 async function postSend(busUrl: string, to: string, payload: unknown) {
@@ -1532,7 +1540,7 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
         "[task deps · result] done: ComfyUI is up",
       );
       expect(await alice.ok("list_tasks", { peer: "bob" })).toMatch(
-        /task deps with bob; requested by you; status result; closed/,
+        /task deps with bob( \(session \S+\))?; requested by you; status result; closed/,
       );
       expect(await alice.ok("message_status", { msg_id: msgIdOf(req) })).toMatch(/\[task deps\]: sent at/);
       const history = await alice.ok("conversation_history", { peer: "bob" });
@@ -1647,8 +1655,10 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
         await signMessage(E.id, { to: B.id.publicKey, text: "hi bob, I'm new" }, Date.now()),
       ); // stranger
       await postSend(bus.url, B.id.publicKey, { garbage: true }); // malformed
-      const sentinel = await alice.ok("send_message", { to: "bob", text: "sentinel" });
-      await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(sentinel));
+      // The sentinel goes the same way (bob's bare key), so it arrives after all of the above.
+      const sentinel = await signMessage(A.id, { to: B.id.publicKey, text: "sentinel" }, Date.now());
+      await postSend(bus.url, B.id.publicKey, sentinel);
+      await bob.waitEvent((e) => e.meta.msg_id === sentinel.msg_id);
       const events = bob.events.slice(before);
       expect(events.filter((e) => e.meta.sender !== "interlink").map((e) => e.content)).toEqual(["sentinel"]);
       // What reached the model about them is our own one-line notice each, never their text.
@@ -1660,7 +1670,7 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
       await bob.waitStderr(/refused a message from \?: malformed/);
       // Nothing stays on the bus to redeliver forever: every rejection was acked. (The sentinel
       // itself is acked just after its push, so give that ack a moment to land.)
-      await eventually(() => busDrained(bus.url, B.id.publicKey), "every payload for bob was acked");
+      await eventually(() => busDrained(bus.url, B), "every payload for bob was acked");
     },
     60_000,
   );
@@ -1706,7 +1716,9 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
     await alice.close();
     alice = await McpNode.start("bun", A, bus.url);
     expect(await alice.ok("list_tasks", { open_only: true })).toContain(
-      `task migrate with bob; requested by you; status needs_input; open; BLOCKED on bob's question ${msgIdOf(q)}`,
+      `task migrate with bob (session bob); requested by you; status needs_input; open; BLOCKED on bob's question ${
+        msgIdOf(q)
+      }`,
     );
   }, 60_000);
 
@@ -1752,7 +1764,7 @@ describe("agent: durability of the outbox", () => {
     const bob = await McpNode.start("deno", B, url);
     try {
       await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(queued), 30_000);
-      await eventually(() => busDrained(url, B.id.publicKey), "bob acked it: no second copy can come");
+      await eventually(() => busDrained(url, B), "bob acked it: no second copy can come");
       expect(bob.events.filter((e) => e.meta.msg_id === msgIdOf(queued)).length).toBe(1);
       expect(await alice.ok("message_status", { msg_id: msgIdOf(queued) })).toContain("sent at");
       expect(await alice.ok("list_pending")).toContain("the outbox is empty");
@@ -1959,7 +1971,7 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
   test("channel mode (0.4's 'both') pushes once, and check_inbox then shows nothing new", async () => {
     const sent = await alice.ok("send_message", { to: "carol", text: "push me" });
     await carol.waitEvent((e) => e.meta.msg_id === msgIdOf(sent));
-    await eventually(() => busDrained(bus.url, C.id.publicKey), "carol acked it");
+    await eventually(() => busDrained(bus.url, C), "carol acked it");
     expect(carol.events.filter((e) => e.meta.msg_id === msgIdOf(sent)).length).toBe(1);
     expect(await carol.ok("check_inbox")).toContain("no unread messages");
   }, 60_000);
@@ -2149,7 +2161,7 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
         expect(log.stdout).toContain("→ bob");
         expect(log.stdout).toContain("[task cli · update] from the command line");
         expect(runCli("bun", ["tasks", "--open"], { env }).stdout).toContain(
-          "task cli with bob; requested by you; status update; open",
+          "task cli with bob (session bob); requested by you; status update; open",
         );
         // Bad input gets a clear error and sends nothing.
         const bad = runCli("bun", ["send", "bob", "x", "--status", "update"], { env });
@@ -2162,7 +2174,7 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
           expect(viaAgent.code).toBe(0);
           const id = msgIdOf(viaAgent.stdout);
           await bob.waitEvent((e) => e.meta.msg_id === id);
-          await eventually(() => busDrained(bus.url, B.id.publicKey), "bob acked it");
+          await eventually(() => busDrained(bus.url, B), "bob acked it");
           expect(bob.events.filter((e) => e.meta.msg_id === id).length).toBe(1);
           expect(await alice.ok("message_status", { msg_id: id })).toContain("sent at");
           expect(readNodeLog(A.stateDir).filter((r) => r.t === "sent" && r.msg_id === id).length).toBe(1);
@@ -2253,7 +2265,7 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
     /alice ← bob: \[task deps · result\]/,
     /bob {3}← alice: \[task bench · canceled\]/,
     /refused: task "bench" is closed/,
-    /task deps with bob; requested by you; status result; closed/,
+    /task deps with bob( \(session \S+\))?; requested by you; status result; closed/,
     /gate: refused a message from .*bad_signature/,
     /gate: refused a message from .*not_allowlisted/,
     /notice for the operator: 1 message from an unknown key \S+ was refused: not in your peers/,
@@ -3602,5 +3614,322 @@ describe("bus: presence, and what it refuses", () => {
     } finally {
       await bus.close();
     }
+  });
+});
+
+describe("sessions: several Claude Code sessions per identity, on Bun and Deno", () => {
+  let root: string, bus: Child & { url: string };
+  let A: NodeFiles, B: NodeFiles;
+  const alice: Record<string, McpSession> = {};
+  let bob: McpSession;
+  const startAlice = (session: string, runtime: "bun" | "deno") =>
+    McpNode.start(runtime, A, bus.url, { INTERLINK_SESSION: session });
+  const sentTo = (receipt: string) => receipt.match(/session (\S+),/)?.[1];
+
+  beforeAll(async () => {
+    root = tmpDir();
+    bus = await startBus("bun", path.join(root, "bus"));
+    A = await makeNodeFiles(root, "alice");
+    B = await makeNodeFiles(root, "bob");
+    befriend(A, B);
+    [alice["work-1"], alice["work-2"], alice.play, bob] = await Promise.all([
+      startAlice("work-1", "bun"),
+      startAlice("work-2", "deno"),
+      startAlice("play", "bun"),
+      McpNode.start("deno", B, bus.url),
+    ]);
+    // Every session is on the roster before the tests route to them.
+    await eventually(
+      async () => (await bob.ok("discover", { peer: "alice" })).split("\n").length === 4,
+      "alice's 3 sessions are listed",
+    );
+  }, 120_000);
+
+  afterAll(async () => {
+    await Promise.allSettled([...Object.values(alice), bob].map((s) => s?.close()));
+    if (bus) await stop(bus);
+  });
+
+  test("a message to each session lands in that session only", async () => {
+    for (const session of ["play", "work-1", "work-2"]) {
+      const r = await bob.ok("send_message", { to: "alice", text: `for ${session}`, session });
+      expect(sentTo(r)).toBe(session);
+      await alice[session].waitEvent((e) => e.meta.msg_id === msgIdOf(r));
+    }
+    for (const [session, s] of Object.entries(alice)) {
+      expect({ session, got: s.events.filter((e) => e.content.startsWith("for ")).map((e) => e.content) }).toEqual({
+        session,
+        got: [`for ${session}`],
+      });
+    }
+  }, 60_000);
+
+  test(
+    "a session hint may be a unique prefix; an ambiguous one, or none with several live, lists the sessions",
+    async () => {
+      expect(sentTo(await bob.ok("send_message", { to: "alice", text: "by prefix", session: "pl" }))).toBe("play");
+      const ambiguous = await bob.call("send_message", { to: "alice", text: "x", session: "work" });
+      expect(ambiguous.isError).toBe(true);
+      expect(ambiguous.text).toContain("session 'work' matches 2 sessions");
+      expect(ambiguous.text).toMatch(/work-1 · .* \(live\)/);
+      const none = await bob.call("send_message", { to: "bob-does-not-exist", text: "x" });
+      expect(none.isError).toBe(true);
+      const several = await bob.call("send_message", { to: "alice", text: "which one?" });
+      expect(several.text).toContain("several live sessions; pick one with session=");
+      for (const s of ["play", "work-1", "work-2"]) expect(several.text).toContain(`  - ${s} · `);
+    },
+    60_000,
+  );
+
+  test("replies follow reply_to (sticky) and a task stays with the session that owns it", async () => {
+    const hello = await alice["work-2"].ok("send_message", { to: "bob", text: "work-2 here" });
+    await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(hello));
+    const reply = await bob.ok("send_message", { to: "alice", text: "back to you" }); // no hint: the sticky session
+    expect(sentTo(reply)).toBe("work-2");
+    await alice["work-2"].waitEvent((e) => e.meta.msg_id === msgIdOf(reply));
+    const task = await bob.ok("send_message", { to: "alice", text: "run it", task_id: "t-w1", session: "work-1" });
+    await alice["work-1"].waitEvent((e) => e.meta.msg_id === msgIdOf(task));
+    const update = await bob.ok("send_message", { to: "alice", text: "any news?", task_id: "t-w1" });
+    expect(sentTo(update)).toBe("work-1"); // the task's session, though work-2 is sticky
+    const answer = await alice["work-1"].ok("send_message", {
+      to: "bob",
+      text: "done",
+      task_id: "t-w1",
+      status: "result",
+    });
+    await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(answer));
+    expect(await bob.ok("list_tasks", { peer: "alice" })).toContain("task t-w1 with alice (session work-1)");
+  }, 60_000);
+
+  test(
+    "sessions of one node reach each other as 'self', without pairing; a session cannot message itself",
+    async () => {
+      const r = await alice.play.ok("send_message", { to: "self", text: "from play", session: "work-1" });
+      const e = await alice["work-1"].waitEvent((ev) => ev.meta.msg_id === msgIdOf(r));
+      expect(e.meta.sender).toBe("self");
+      const loop = await alice.play.call("send_message", { to: "self", text: "x", session: "play" });
+      expect(loop.text).toContain("a session cannot message itself");
+    },
+    60_000,
+  );
+
+  test("set_summary is announced at once, and discover shows each session with its state", async () => {
+    expect(await alice.play.ok("set_summary", { summary: "  refactoring the parser  " })).toContain(
+      '"refactoring the parser"',
+    );
+    await eventually(
+      async () => (await bob.ok("discover", { peer: "alice" })).includes('"refactoring the parser"'),
+      "the summary is on the roster",
+    );
+    const listed = await bob.ok("discover", { peer: "alice" });
+    expect(listed).toMatch(/peer 'alice'/);
+    expect(listed).toMatch(/  - play · \S+ · .*"refactoring the parser" \(live\)/);
+  }, 60_000);
+
+  test("`tasks` and `log` show every session of the identity with a session column; --session picks one", async () => {
+    for (const session of ["work-1", "play"]) {
+      const r = await bob.ok("send_message", { to: "alice", text: "columns", task_id: `t-col-${session}`, session });
+      await alice[session].waitEvent((e) => e.meta.msg_id === msgIdOf(r));
+    }
+    const env = {
+      INTERLINK_KEY: A.keyFile,
+      INTERLINK_PEERS: A.peersFile,
+      INTERLINK_STATE: A.stateDir,
+      INTERLINK_URL: bus.url,
+    };
+    const tasks = runCli("bun", ["tasks"], { env }).stdout;
+    expect(tasks).toMatch(/^work-1 \(\S+\) {2}- task t-col-work-1 with bob/m);
+    expect(tasks).toMatch(/^play \(\S+\) {2}- task t-col-play with bob/m);
+    const log = runCli("bun", ["log"], { env }).stdout;
+    for (const s of ["work-1", "play"]) expect(log).toMatch(new RegExp(`^${s} \\(\\S+\\)  .* ← bob .*columns`, "m"));
+    const one = runCli("bun", ["log", "--session", "play"], { env }).stdout;
+    expect(one.split("\n").filter(Boolean).every((l) => l.startsWith("play"))).toBe(true);
+  }, 30_000);
+
+  test(
+    "kill -9 of one session: the others go on, and the same id restarted gets what was sent to it meanwhile",
+    async () => {
+      killGroup(alice["work-2"].pid!);
+      await eventually(() => !pidAlive(alice["work-2"].pid!), "work-2 is dead");
+      const r1 = await bob.ok("send_message", { to: "alice", text: "still there?", session: "work-1" });
+      await alice["work-1"].waitEvent((e) => e.meta.msg_id === msgIdOf(r1));
+      const r2 = await bob.ok("send_message", { to: "alice", text: "while you were down", session: "work-2" });
+      alice["work-2"] = await startAlice("work-2", "bun");
+      await alice["work-2"].waitEvent((e) => e.meta.msg_id === msgIdOf(r2));
+      expect(await alice["work-2"].ok("conversation_history", { peer: "bob" })).toContain("work-2 here"); // its journal carried on
+    },
+    60_000,
+  );
+
+  test(
+    "a clean close unregisters (signed) and says goodbye on open tasks, which the peer's task table shows",
+    async () => {
+      const t = await bob.ok("send_message", { to: "alice", text: "long job", task_id: "t-play", session: "play" });
+      await alice.play.waitEvent((e) => e.meta.msg_id === msgIdOf(t));
+      await alice.play.ok("send_message", { to: "bob", text: "on it", task_id: "t-play", status: "update" });
+      await alice.play.close();
+      await eventually(
+        async () => (await bob.ok("list_tasks", { peer: "alice" })).includes("alice's session closed"),
+        "bob's table marks the task",
+      );
+      expect(await bob.ok("list_tasks", { open_only: true })).toMatch(
+        /task t-play with alice \(session play\).*alice's session closed at .*; this task may not finish/,
+      );
+      const roster = await (await fetch(`${bus.url}/roster`)).json();
+      expect(roster.roster.some((e: Announcement) => e.session?.session_id === "play")).toBe(false);
+    },
+    60_000,
+  );
+});
+
+describe("sessions: wait per session, and 0.4 and 0.8 nodes driven by raw HTTP", () => {
+  test("two sessions' Stop hooks (wait, session from the hook's stdin) each get only their own messages", async () => {
+    const root = tmpDir();
+    const bus = await startBus("bun", path.join(root, "bus"));
+    const A = await makeNodeFiles(root, "alice");
+    const B = await makeNodeFiles(root, "bob");
+    befriend(A, B);
+    const sessions: McpSession[] = [];
+    try {
+      for (const s of ["w1", "w2"]) {
+        sessions.push(await McpNode.start("bun", A, bus.url, { INTERLINK_SESSION: s, INTERLINK_DELIVERY: "" }));
+      }
+      const bob = await McpNode.start("bun", B, bus.url);
+      sessions.push(bob);
+      const hook = (session: string) =>
+        spawnTracked([...runtimeArgv("bun"), "wait", "--state", A.stateDir, "--timeout", "30"], {
+          stdin: "pipe" as never,
+          stdout: "pipe",
+          stderr: "pipe",
+        });
+      const waits = ["w1", "w2"].map((s) => {
+        const p = hook(s) as unknown as Bun.Subprocess<"pipe", "pipe", "pipe">;
+        p.stdin.write(JSON.stringify({ session_id: s, hook_event_name: "Stop", stop_hook_active: false }));
+        p.stdin.end();
+        return { s, p, out: Promise.all([new Response(p.stderr).text(), p.exited]) };
+      });
+      for (const s of ["w1", "w2"]) await bob.ok("send_message", { to: "alice", text: `only for ${s}`, session: s });
+      for (const w of waits) {
+        const [stderr, code] = await w.out;
+        expect({ s: w.s, code }).toEqual({ s: w.s, code: 2 });
+        expect(stderr).toContain(`only for ${w.s}`);
+        expect(stderr).not.toContain(`only for ${w.s === "w1" ? "w2" : "w1"}`);
+      }
+      // A usage problem is not exit 2 (that would wake the model with it): several sessions, none named.
+      const vague = runCli("bun", ["wait", "--state", A.stateDir, "--timeout", "1"], { input: "" });
+      expect(vague.code).toBe(1);
+      expect(vague.stderr).toContain("which session?");
+    } finally {
+      await Promise.allSettled(sessions.map((s) => s.close()));
+      await stop(bus);
+    }
+  }, 60_000);
+
+  test(
+    "a 0.4 node (bare key, 0.4 announcement) and a 0.8 node (session route, reply_to) both talk to our sessions",
+    async () => {
+      const root = tmpDir();
+      const bus = await startBus("bun", path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice");
+      const old = await makeNodeFiles(root, "old"); // a Rust 0.4 node, driven by raw HTTP
+      const rust = await makeNodeFiles(root, "rust"); // a Rust 0.8 node, likewise
+      befriend(A, old);
+      befriend(A, rust);
+      const alice = await McpNode.start("bun", A, bus.url);
+      try {
+        const post = (route: string, body: unknown) =>
+          fetch(`${bus.url}${route}`, { method: "POST", body: JSON.stringify(body) });
+        const now = Date.now();
+        // The 0.4 node announces in the 0.4 layout, and the 0.8 node with its session.
+        const legacy = { pubkey: old.id.publicKey, name: "old", ts: now };
+        expect((await post("/announce", { ...legacy, sig: await old.id.sign(legacyAnnouncementBytes(legacy)) })).status)
+          .toBe(202);
+        const session = {
+          session_id: "4f1c2a9e-7b3d-4e8a-9c1f-2d5b6a7e8f90",
+          cwd: "/home/r",
+          git_root: "r",
+          summary: "",
+        };
+        expect((await post("/announce", await signAnnouncement(rust.id, "rust", now, session))).status).toBe(202);
+        const listed = await alice.ok("discover");
+        expect(listed).toContain("(a 0.4 node: no sessions, reached at its key)");
+        expect(listed).toContain(`  - ${session.session_id} · /home/r · git:r`);
+        // The 0.4 node writes to alice's bare key; the session holding bare.lock reads it.
+        const fromOld = await signMessage(old.id, { to: A.id.publicKey, text: "hello from 0.4" }, Date.now());
+        expect((await post("/send", { to: A.id.publicKey, payload: fromOld })).status).toBe(202);
+        await alice.waitEvent((e) => e.meta.msg_id === fromOld.msg_id);
+        // Our answer to a 0.4 node goes to its bare key (what it polls).
+        await alice.ok("send_message", { to: "old", text: "hi old" });
+        const atOld = await (await fetch(`${bus.url}/recv?me=${encodeURIComponent(old.id.publicKey)}&timeout_ms=5000`))
+          .json();
+        expect(atOld.envelope.payload.text).toBe("hi old");
+        expect(atOld.envelope.payload.reply_to).toBe(`${A.id.publicKey}#alice`); // unsigned, ignored by a 0.4 node
+        // The 0.8 node writes to alice's session route with its reply_to; alice's answer follows it.
+        const fromRust = await signMessage(rust.id, { to: A.id.publicKey, text: "hello from 0.8" }, Date.now());
+        await post("/send", {
+          to: `${A.id.publicKey}#alice`,
+          payload: { ...fromRust, reply_to: `${rust.id.publicKey}#${session.session_id}` },
+        });
+        await alice.waitEvent((e) => e.meta.msg_id === fromRust.msg_id);
+        expect(await alice.ok("send_message", { to: "rust", text: "hi rust" })).toContain(
+          `session ${session.session_id}, live`,
+        );
+        const atRust = await (await fetch(
+          `${bus.url}/recv?me=${encodeURIComponent(`${rust.id.publicKey}#${session.session_id}`)}&timeout_ms=5000`,
+        )).json();
+        expect(atRust.envelope.payload.text).toBe("hi rust");
+        expect(await verifyMessage(parseSignedMessage(atRust.envelope.payload))).toBeNull(); // reply_to sits outside the signature
+      } finally {
+        await alice.close();
+        await stop(bus);
+      }
+    },
+    60_000,
+  );
+});
+
+describe("presence and routing, as pure decisions (injected ages)", () => {
+  const K = "K".repeat(43);
+  const sess = (id: string, ageMs: number): PeerSession => ({
+    key: K,
+    name: "k",
+    session: { session_id: id, cwd: `/w/${id}`, git_root: "w", summary: "" },
+    legacy: false,
+    ageMs,
+    bus: "b",
+  });
+  const route = (candidates: PeerSession[], extra: Partial<Parameters<typeof chooseRoute>[0]> = {}) =>
+    chooseRoute({ key: K, isSelf: false, candidates, legacy: false, mySession: "me", ...extra });
+
+  test("a session moves live → away → may be gone as its age grows, and off the roster is 'not on any roster'", () => {
+    expect(presence(89_999)).toBe("live");
+    expect(presence(90_000)).toBe("away");
+    expect(presence(86_399_999)).toBe("away");
+    expect(presence(86_400_000)).toBe("stale");
+    expect(route([sess("a", 10_000)]).note).toBe("session a, live: delivering now");
+    expect(route([sess("a", 2 * 3600_000)]).note).toBe(
+      "session a, away for 2 h (asleep?): it arrives when that session wakes",
+    );
+    expect(route([sess("a", 2 * 86_400_000)]).note).toContain(
+      "away for 2 days: that session may be gone rather than asleep",
+    );
+    expect(route([], { hint: "zz" }).note).toBe(
+      "session zz, not on any roster: the message may never be read; check discover",
+    );
+    expect(route([])).toEqual({ recipient: K, note: expect.stringContaining("not on any roster: sent to its key") });
+    expect(route([], { legacy: true })).toEqual({ recipient: K, note: "a 0.4 node (no sessions): sent to its key" });
+  });
+
+  test("an away session with a live sibling says how to reach the sibling now", () => {
+    const r = route([sess("old", 3 * 3600_000), sess("new", 1000)], { sticky: "old" });
+    expect(r.session).toBe("old"); // sticky wins, live or away
+    expect(r.note).toContain("a live sibling exists: session=new reaches it now");
+  });
+
+  test("an exact id wins over a prefix of another; one away candidate is chosen; several away ones are listed", () => {
+    expect(route([sess("ab", 1000), sess("abc", 1000)], { hint: "ab" }).session).toBe("ab");
+    expect(route([sess("x", 5 * 60_000)]).session).toBe("x");
+    expect(() => route([sess("x", 5 * 60_000), sess("y", 6 * 60_000)])).toThrow(/several sessions; pick one/);
+    expect(() => route([], { isSelf: true })).toThrow(/no other session of this node/);
   });
 });

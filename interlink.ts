@@ -977,7 +977,8 @@ export function foldTask(
   row.last_msg_id = msg.msg_id;
   row.last_at = atMs;
   if (peerSession) row.peer_session = peerSession;
-  if (dir === "in" && msg.text.startsWith(GOODBYE_PREFIX)) row.peer_closed_at = atMs;
+  // A goodbye marks the task; anything later from the peer means its session is back (a restart).
+  if (dir === "in") row.peer_closed_at = msg.text.startsWith(GOODBYE_PREFIX) ? atMs : undefined;
   if (row.closed) return;
   if (msg.in_reply_to) {
     row.awaiting = row.awaiting.filter((q) => !(q.msg_id === msg.in_reply_to && q.asked_by !== side));
@@ -3237,6 +3238,8 @@ export class Agent {
     const holder = lockOwner(lockFile);
     if (role === "interlink mcp" && holder?.role === "interlink mcp" && holder.pid !== process.pid) {
       logInfo(`session ${cfg.session} is held by an older server (pid ${holder.pid}); asking it to hand over`);
+      // A handover, not a close: the older one says no goodbye and keeps the roster entry.
+      writeFileAtomic(path.join(dir, "handover"), String(process.pid));
       try {
         process.kill(holder.pid, "SIGTERM");
       } catch {
@@ -3246,6 +3249,7 @@ export class Agent {
     // A CLI `send` holds the lock for a few seconds at most; an older server needs a moment to stop.
     const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== "interlink mcp" || !!holder);
     try {
+      fs.rmSync(path.join(dir, "handover"), { force: true });
       adoptLegacyJournal(cfg.stateDir, dir);
       const agent = new Agent(cfg, id, lock, opts.now ?? Date.now);
       agent.peers();
@@ -3378,7 +3382,7 @@ export class Agent {
     if (this.#poll) clearInterval(this.#poll);
     await Promise.allSettled(this.#loops);
     await this.#receiving.catch(() => {});
-    if (goodbye) await this.#sayGoodbye();
+    if (goodbye && !fs.existsSync(path.join(this.journal.stateDir, "handover"))) await this.#sayGoodbye();
     this.journal.close();
     this.seen.close();
     this.#bareLock?.release();
@@ -4181,11 +4185,16 @@ interface PeerNames {
 function describeTask(names: PeerNames, t: TaskRow): string {
   const peer = names.petnameOf(t.peer_key) ?? fingerprint(t.peer_key);
   const parts = [
-    `task ${showId(t.task_id)} with ${peer}`,
+    `task ${showId(t.task_id)} with ${peer}${
+      t.peer_session ? ` (session ${showId(t.peer_session.slice(0, 12))})` : ""
+    }`,
     `requested by ${t.requested_by === "me" ? "you" : peer}`,
     `status ${t.status ?? "open (no status yet)"}`,
     t.closed ? "closed" : "open",
   ];
+  if (t.peer_closed_at && !t.closed) {
+    parts.push(`${peer}'s session closed at ${isoTime(t.peer_closed_at)}; this task may not finish (check discover)`);
+  }
   for (const q of t.awaiting) {
     parts.push(
       q.asked_by === "peer"
@@ -6237,9 +6246,130 @@ async function benchAgents(root: string, progress: (m: string) => void) {
   }
 }
 
+/**
+ * Sessions: 10 sessions of one key and 10 of another, each paired with one of
+ * the other side, exchange 200 messages each way through the MCP tools; every
+ * session must get exactly its partner's 200, in order: none misrouted, lost
+ * or duplicated.
+ */
+async function benchSessions(root: string, progress: (m: string) => void) {
+  const bus = await startChildBus(path.join(root, "sessions-bus"));
+  const sessions: McpSession[] = [];
+  try {
+    const files = await Promise.all(["a", "b"].map(async (n) => {
+      const dir = path.join(root, `sessions-${n}`);
+      const seed = crypto.getRandomValues(new Uint8Array(32));
+      writeKeyFile(path.join(dir, "id.key"), seed, false);
+      return { n, dir, id: await identityFromSeed(seed) };
+    }));
+    for (const [me, other] of [[files[0], files[1]], [files[1], files[0]]]) {
+      await addPeer(path.join(me.dir, "peers.json"), other.n, other.id.publicKey);
+    }
+    const pairs = 10, perSession = 200;
+    progress(
+      `sessions: ${pairs} sessions of each of two keys, ${perSession} messages from each session to its partner`,
+    );
+    for (const f of files) {
+      for (let i = 0; i < pairs; i++) {
+        sessions.push(
+          await McpSession.start(
+            `${f.n}${i}`,
+            selfCommand(["mcp"]),
+            childEnv({
+              INTERLINK_KEY: path.join(f.dir, "id.key"),
+              INTERLINK_PEERS: path.join(f.dir, "peers.json"),
+              INTERLINK_STATE: path.join(f.dir, "state"),
+              INTERLINK_CONFIG: path.join(f.dir, "config.json"),
+              INTERLINK_URL: bus.url,
+              INTERLINK_SESSION: `s${i}`,
+              INTERLINK_DELIVERY: "channel",
+            }),
+          ),
+        );
+      }
+    }
+    const t0 = performance.now();
+    await Promise.all(sessions.map(async (s, k) => {
+      const other = k < pairs ? "b" : "a";
+      for (let n = 0; n < perSession; n++) {
+        await s.ok("send_message", { to: other, text: `${s.label}:${n}`, session: `s${k % pairs}` });
+      }
+    }));
+    const deadline = Date.now() + 60_000;
+    const expected = (k: number) => `${k < pairs ? "b" : "a"}${k % pairs}`;
+    while (Date.now() < deadline && sessions.some((s) => s.events.length < perSession)) await sleep(100);
+    await sleep(1000); // anything extra (a duplicate, a misrouted message) has a moment to show up
+    let misrouted = 0, duplicated = 0, lost = 0, outOfOrder = 0;
+    sessions.forEach((s, k) => {
+      const texts = s.events.map((e) => e.content);
+      misrouted += texts.filter((t) => !t.startsWith(`${expected(k)}:`)).length;
+      const mine = texts.filter((t) => t.startsWith(`${expected(k)}:`)).map((t) => Number(t.split(":")[1]));
+      duplicated += mine.length - new Set(mine).size;
+      lost += perSession - new Set(mine).size;
+      outOfOrder += mine.filter((n, i) => i > 0 && n < mine[i - 1]).length;
+    });
+    return {
+      sessions: sessions.length,
+      messages: sessions.length * perSession,
+      seconds: Math.round(performance.now() - t0) / 1000,
+      misrouted,
+      lost,
+      duplicated,
+      out_of_order: outOfOrder,
+    };
+  } finally {
+    await Promise.allSettled(sessions.map((s) => s.close()));
+    await stopChild(bus.child);
+  }
+}
+
+/**
+ * Announce flood: 50,000 distinct keys each post a valid signed announcement.
+ * The roster must stay at its cap and the bus's memory bounded; reported as
+ * RSS and as a ratio to the RSS of the same bus idle.
+ */
+async function benchFlood(root: string, progress: (m: string) => void) {
+  const bus = await startChildBus(path.join(root, "flood-bus"));
+  try {
+    const keys = 50_000;
+    const rssIdle = rssMb(bus.child.pid!);
+    progress(`flood: ${keys} distinct keys announce once each (signed, valid)`);
+    const t0 = performance.now();
+    let accepted = 0;
+    for (let done = 0; done < keys;) {
+      const batch = await Promise.all(Array.from({ length: Math.min(200, keys - done) }, async (_, i) => {
+        const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+        const session = { session_id: `flood-${done + i}`, cwd: "/tmp", git_root: "", summary: "x".repeat(100) };
+        const r = await postJson(
+          `${bus.url}/announce`,
+          await signAnnouncement(id, `flood-${done + i}`, Date.now(), session),
+        );
+        await r.body?.cancel();
+        return r.status === 202;
+      }));
+      accepted += batch.filter(Boolean).length;
+      done += batch.length;
+    }
+    const roster = await (await fetch(`${bus.url}/roster`)).json();
+    const rss = rssMb(bus.child.pid!);
+    return {
+      keys,
+      accepted,
+      seconds: Math.round(performance.now() - t0) / 1000,
+      roster_entries: roster.roster.length,
+      roster_cap: ROSTER_CAP,
+      bus_rss_mb: rss,
+      bus_rss_mb_idle: rssIdle,
+      rss_ratio_to_idle: rss && rssIdle ? Math.round((rss / rssIdle) * 100) / 100 : null,
+    };
+  } finally {
+    await stopChild(bus.child);
+  }
+}
+
 async function runBench(o: Options): Promise<number> {
-  const only = String(o.only ?? "throughput,recovery,idle,agents").split(",").map((x) => x.trim());
-  const known = ["throughput", "recovery", "idle", "agents"];
+  const only = String(o.only ?? "throughput,recovery,idle,agents,sessions,flood").split(",").map((x) => x.trim());
+  const known = ["throughput", "recovery", "idle", "agents", "sessions", "flood"];
   for (const x of only) {
     if (!known.includes(x)) throw new InterlinkError(`unknown benchmark '${x}'; choose from ${known.join(", ")}`);
   }
@@ -6263,6 +6393,8 @@ async function runBench(o: Options): Promise<number> {
     if (only.includes("recovery")) report.bus_recovery = await benchRecovery(root, progress, sample);
     if (only.includes("idle")) report.bus_idle_long_poll = await benchIdle(root, progress);
     if (only.includes("agents")) report.agents = await benchAgents(root, progress);
+    if (only.includes("sessions")) report.sessions = await benchSessions(root, progress);
+    if (only.includes("flood")) report.announce_flood = await benchFlood(root, progress);
   } finally {
     fs.rmSync(root, { recursive: true, force: true });
   }
@@ -6455,9 +6587,15 @@ const COMMANDS: Record<string, CommandSpec> = {
     about:
       "throughput: 8 pairs × 500 messages through send → recv → ack on a durable bus; recovery: restart on 100,000\n" +
       "un-acked messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold\n" +
-      "start to the first tools/list, send → push latency p50/p99 over 200 messages, idle RSS. Progress on stderr.",
+      "start to the first tools/list, send → push latency p50/p99 over 200 messages, idle RSS; sessions: 10 sessions of\n" +
+      "each of two keys exchanging 200 messages each (misrouted, lost, duplicated); flood: 50,000 keys announce, roster\n" +
+      "size and bus RSS. Progress on stderr.",
     options: {
-      only: { type: "string", arg: "LIST", help: "comma-separated subset of throughput, recovery, idle, agents" },
+      only: {
+        type: "string",
+        arg: "LIST",
+        help: "comma-separated subset of throughput, recovery, idle, agents, sessions, flood",
+      },
     },
     run: runBench,
   },
