@@ -5191,6 +5191,15 @@ async function ensureLocalBus(url: string): Promise<void> {
  */
 async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   logComponent = "interlink mcp";
+  // The SDK first: if it cannot load, nothing else (a key, a bus) should have been started.
+  const { McpServer } = await importPinned<typeof import("npm:@modelcontextprotocol/sdk@1.32.2/server/mcp.js")>(
+    SDK,
+    "/server/mcp.js",
+  );
+  const { StdioServerTransport } = await importPinned<
+    typeof import("npm:@modelcontextprotocol/sdk@1.32.2/server/stdio.js")
+  >(SDK, "/server/stdio.js");
+  const { z } = await importPinned<typeof import("npm:zod@4.6.7")>(ZOD);
   let agent: Agent | null = null;
   let problem: string | undefined;
   try {
@@ -5207,14 +5216,6 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     logWarn(`not ready: ${problem}`);
   }
   const delivery = agent?.cfg.delivery ?? "inbox";
-  const { McpServer } = await importPinned<typeof import("npm:@modelcontextprotocol/sdk@1.32.2/server/mcp.js")>(
-    SDK,
-    "/server/mcp.js",
-  );
-  const { StdioServerTransport } = await importPinned<
-    typeof import("npm:@modelcontextprotocol/sdk@1.32.2/server/stdio.js")
-  >(SDK, "/server/stdio.js");
-  const { z } = await importPinned<typeof import("npm:zod@4.6.7")>(ZOD);
   const mcp = new McpServer(
     { name: "interlink", version: VERSION },
     { capabilities: { experimental: { "claude/channel": {} } }, instructions: serverInstructions(delivery, problem) },
@@ -5373,9 +5374,17 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
   batch();
   if (o.follow !== true) return 0;
   let stopping = false;
-  void shutdownSignal().then(() => (stopping = true));
+  let wakeNow = () => {};
+  void shutdownSignal().then(() => ((stopping = true), wakeNow()));
+  // Woken by a change in any session's folder (or a new session), with a 1 s re-check for what watching misses.
+  const anySession = (wake: () => void) => {
+    wakeNow = wake;
+    const dirs = [path.join(cfg.stateDir, "sessions"), ...listSessions(cfg.stateDir).map((x) => x.dir)];
+    const off = dirs.map((d) => onJournalChange(d)(wake));
+    return () => off.forEach((f) => f());
+  };
   while (!stopping) {
-    await waitUntil(() => stopping, 1000, onJournalChange(path.join(cfg.stateDir, "sessions")), 250);
+    await waitUntil(() => stopping, 1000, anySession);
     peers = loadPeers(cfg.peersFile);
     batch();
   }
