@@ -3937,3 +3937,68 @@ describe("presence and routing, as pure decisions (injected ages)", () => {
     expect(() => route([], { isSelf: true })).toThrow(/no other session of this node/);
   });
 });
+
+describe("run without cloning: bunx from a package, deno run from a URL", () => {
+  test(
+    "`bunx` of the packed repository and `deno run <url>` each run the same server: tools/list answers and a message goes through a bus",
+    async () => {
+      const root = tmpDir();
+      // The package, exactly as npm would publish it (package.json's `files` and `bin`).
+      const pack = spawnSync("npm", ["pack", "--silent", "--pack-destination", root], { cwd: REPO, encoding: "utf8" });
+      expect({ code: pack.status, err: pack.status === 0 ? "" : pack.stderr }).toEqual({ code: 0, err: "" });
+      const tarball = path.join(root, pack.stdout.trim().split("\n").at(-1)!);
+      const bunx = [process.execPath, "x", "--package", `file:${tarball}`, "interlink"];
+      const version = spawnSync(bunx[0], [...bunx.slice(1), "--version"], {
+        cwd: root,
+        encoding: "utf8",
+        timeout: 120_000,
+      });
+      expect(version.stdout).toMatch(/^interlink \d+\.\d+\.\d+ \(bun /);
+      // interlink.ts served from a loopback web server, as from a raw URL pinned to a tag.
+      const web = Bun.serve({
+        hostname: "127.0.0.1",
+        port: 0,
+        fetch: (req) =>
+          new URL(req.url).pathname === "/v0/interlink.ts"
+            ? new Response(Bun.file(SCRIPT), { headers: { "content-type": "application/typescript" } })
+            : new Response("not found", { status: 404 }),
+      });
+      const bus = await startBus("bun", path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice");
+      const B = await makeNodeFiles(root, "bob");
+      befriend(A, B);
+      const env = (f: NodeFiles) => ({
+        INTERLINK_KEY: f.keyFile,
+        INTERLINK_PEERS: f.peersFile,
+        INTERLINK_STATE: f.stateDir,
+        INTERLINK_URL: bus.url,
+        INTERLINK_SESSION: f.name,
+        INTERLINK_DELIVERY: "channel",
+        INTERLINK_CONFIG: path.join(f.dir, "config.json"),
+        ...(process.env.DENO_DIR ? { DENO_DIR: process.env.DENO_DIR } : {}),
+      });
+      const sessions: McpSession[] = [];
+      try {
+        const alice = await McpSession.start("alice", [...bunx, "mcp"], env(A), { cwd: root });
+        sessions.push(alice);
+        const url = `http://127.0.0.1:${web.port}/v0/interlink.ts`;
+        const bob = await McpSession.start("bob", [denoPath(), "run", "-A", "--quiet", url, "mcp"], env(B), {
+          cwd: root,
+        });
+        sessions.push(bob);
+        for (const s of sessions) {
+          expect((await s.client.listTools()).tools.map((t) => t.name)).toContain("send_message");
+        }
+        const sent = await alice.ok("send_message", { to: "bob", text: "from a package to a URL" });
+        expect((await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(sent))).content).toBe("from a package to a URL");
+        const back = await bob.ok("send_message", { to: "alice", text: "and back" });
+        await alice.waitEvent((e) => e.meta.msg_id === msgIdOf(back));
+      } finally {
+        await Promise.allSettled(sessions.map((s) => s.close()));
+        web.stop(true);
+        await stop(bus);
+      }
+    },
+    180_000,
+  );
+});

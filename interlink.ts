@@ -1,3 +1,4 @@
+#!/usr/bin/env bun
 /**
  * interlink: authenticated, cross-machine chat and task delegation between
  * Claude Code sessions. One file; runs unchanged under Bun and Deno.
@@ -53,7 +54,7 @@ import type { StdioClientTransport as McpClientTransport } from "npm:@modelconte
 // Constants
 // ============================================================================
 
-export const VERSION = "0.4.0";
+export const VERSION = "0.5.0";
 
 /** Prefix of the signed bytes; a v1 signature or an announcement can never pass as a v2 message. */
 export const SIGNING_DOMAIN = "interlink-v2\0";
@@ -272,6 +273,15 @@ export function runtimeName(): string {
 export const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
 
 /**
+ * This file, as a path, or as a URL when Deno runs it straight from one
+ * (`deno run -A https://…/interlink.ts mcp`): the children it starts (the
+ * embedded bus, the demo's nodes) run the same.
+ */
+export function thisScript(): string {
+  return import.meta.url.startsWith("file:") ? fileURLToPath(import.meta.url) : import.meta.url;
+}
+
+/**
  * The npm packages interlink loads, pinned here and nowhere else (package.json
  * and bun.lock follow; a test checks). They are imported only by the commands
  * that speak MCP, so the bus and the CLI start without them.
@@ -290,14 +300,12 @@ export async function importPinned<T>(pkg: { name: string; version: string }, su
   try {
     return await import(spec) as T;
   } catch (e) {
-    const dir = path.dirname(fileURLToPath(import.meta.url));
+    const dir = path.dirname(thisScript());
     throw new InterlinkError(
       runtimeHost.Bun
         ? `cannot load ${pkg.name}@${pkg.version} (${
           (e as Error).message
-        }). A node_modules folder in ${dir} or above it turns off Bun's auto-install: run interlink with \`bun --install=force ${
-          fileURLToPath(import.meta.url)
-        } …\`, or \`bun add ${SDK.name}@${SDK.version} ${ZOD.name}@${ZOD.version}\` in ${dir}.`
+        }). A node_modules folder in ${dir} or above it turns off Bun's auto-install: run interlink with \`bun --install=force ${thisScript()} …\`, or \`bun add ${SDK.name}@${SDK.version} ${ZOD.name}@${ZOD.version}\` in ${dir}.`
         : `cannot load ${spec} (${
           (e as Error).message
         }); Deno fetches it from the npm registry on first use: check the network, or NODE_EXTRA_CA_CERTS behind a TLS-inspecting proxy.`,
@@ -5042,7 +5050,7 @@ function shutdownSignal(): Promise<string> {
 
 /** argv that runs this same file under the same runtime (for the embedded bus, `demo` and `bench`). */
 export function selfCommand(args: string[]): string[] {
-  const script = fileURLToPath(import.meta.url);
+  const script = thisScript();
   if (runtimeHost.Deno) {
     const config = path.join(path.dirname(script), "deno.json");
     return [
