@@ -5,6 +5,7 @@
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { spawnSync } from "node:child_process";
 import * as fs from "node:fs";
+import * as net from "node:net";
 import * as os from "node:os";
 import * as path from "node:path";
 import {
@@ -56,6 +57,7 @@ import {
   type PushEvent,
   readJsonl,
   RECV_TIMEOUT_MAX_MS,
+  recvProofBytes,
   recvTimeoutMs,
   removePeer,
   ReplayMemory,
@@ -1454,7 +1456,10 @@ async function busDrained(busUrl: string, me: string | NodeFiles): Promise<boole
   // A node's files: its bare key and its session's route (tests name the session after the node).
   const routes = typeof me === "string" ? [me] : [me.id.publicKey, `${me.id.publicKey}#${me.name}`];
   for (const route of routes) {
-    const r = await (await fetch(`${busUrl}/recv?me=${encodeURIComponent(route)}&timeout_ms=0`)).json();
+    // A node's own route has proven its key to our bus: reading it takes a proof, as the node's own recv does.
+    const ts = Date.now();
+    const proof = typeof me === "string" ? "" : `&proof=${ts}.${await me.id.sign(recvProofBytes(route, ts))}`;
+    const r = await (await fetch(`${busUrl}/recv?me=${encodeURIComponent(route)}&timeout_ms=0${proof}`)).json();
     if (r.status !== "timeout") return false;
   }
   return true;
@@ -4086,4 +4091,98 @@ describe("run without cloning: bunx from a package, deno run from a URL", () => 
     },
     180_000,
   );
+});
+
+describe("hostile clients on the bus", () => {
+  test(
+    "once a route proved its key, a stolen recv or ack is refused; a route that never proved works as in the reference contract",
+    async () => {
+      const root = tmpDir();
+      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
+      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+      const url = `http://127.0.0.1:${server.port}`;
+      const B = await makeNodeFiles(root, "bob");
+      const A = await makeNodeFiles(root, "alice");
+      befriend(A, B);
+      const bob = await Agent.open(nodeConfig(B, [url]), "test");
+      try {
+        bob.push = () => Promise.resolve();
+        bob.startReceiving(); // its recv loop proves its route as it polls
+        const route = `${B.id.publicKey}#bob`;
+        await eventually(() => bus.owned.has(route), "bob's route proved its owner");
+        const msg = await signMessage(A.id, { to: B.id.publicKey, text: "for bob only" }, Date.now());
+        // Mallory: recv without a proof, with one signed by her own key, and an ack without one.
+        const stolen = await fetch(`${url}/recv?me=${encodeURIComponent(route)}&timeout_ms=0`);
+        expect(stolen.status).toBe(403);
+        const ts = Date.now();
+        const forged = `${ts}.${await eve.sign(recvProofBytes(route, ts))}`;
+        expect((await fetch(`${url}/recv?me=${encodeURIComponent(route)}&timeout_ms=0&proof=${forged}`)).status).toBe(
+          403,
+        );
+        expect(
+          (await fetch(`${url}/ack`, { method: "POST", body: JSON.stringify({ me: route, ack: `${route}\0${1}` }) }))
+            .status,
+        ).toBe(403);
+        // Bob still gets his mail.
+        await bus.send(route, JSON.stringify(msg));
+        await eventually(
+          () => readNodeLog(B.stateDir).some((r) => r.t === "in" && r.msg.msg_id === msg.msg_id),
+          "bob admitted it",
+        );
+        // A route that never proved (a reference node's) is served without a proof.
+        await bus.send("reference-node", '"hi"');
+        expect((await (await fetch(`${url}/recv?me=reference-node&timeout_ms=0`)).json()).envelope.payload).toBe("hi");
+        // Trust on first proof survives a restart of the bus.
+        await bob.stop();
+        await server.stop();
+        await bus.close();
+        const again = await Bus.open(path.join(root, "bus"), { log: () => {} });
+        expect(again.owned.has(route)).toBe(true);
+        await again.close();
+      } finally {
+        await bob.stop().catch(() => {});
+        await server.stop().catch(() => {});
+        await bus.close().catch(() => {});
+      }
+    },
+    30_000,
+  );
+});
+
+describe("hostile clients: bodies and connections", () => {
+  for (const runtime of ["bun", "deno"] as const) {
+    test(
+      `deeply nested JSON and a malformed chunked body are a 4xx, never a freeze or a 500, and say nothing on stderr (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir());
+        try {
+          const nested = await fetch(`${bus.url}/send`, {
+            method: "POST",
+            body: `{"to":"x","payload":${"[".repeat(200_000)}`,
+          });
+          expect(nested.status).toBe(400);
+          expect((await nested.json()).error).toContain("nests deeper than 64 levels"); // refused before any parsing
+          const port = Number(new URL(bus.url).port);
+          const answer = await new Promise<string>((resolve) => {
+            const sock = net.connect(port, "127.0.0.1", () => {
+              sock.write(
+                "POST /send HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nnot a chunk\r\n0\r\n\r\n",
+              );
+            });
+            let got = "";
+            sock.on("data", (d) => (got += d.toString()));
+            sock.on("close", () => resolve(got));
+            sock.on("error", () => resolve(got));
+            setTimeout(() => sock.destroy(), 3000);
+          });
+          expect(answer).toMatch(/^HTTP\/1\.1 4\d\d|^$/); // a 4xx, or the connection refused outright
+          expect(answer).not.toMatch(/^HTTP\/1\.1 5/);
+          expect(bus.stderr.filter((l) => /internal error|error/i.test(l))).toEqual([]);
+        } finally {
+          await stop(bus);
+        }
+      },
+      30_000,
+    );
+  }
 });

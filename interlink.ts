@@ -451,6 +451,19 @@ export function legacyAnnouncementBytes(a: Omit<Announcement, "sig" | "age_ms" |
   ]);
 }
 
+/** Signs a recv or an ack: proof that the caller holds the key of the route it reads. */
+export const RECV_DOMAIN = "interlink-recv-v1\0";
+
+/**
+ * `"interlink-recv-v1\0" ‖ u32le(len route) ‖ route ‖ u64le(ts)`, signed by the
+ * route's key (its part before any `#`): what a node shows a bus to read or ack
+ * its own mail. Binding the route keeps a proof for one session from opening
+ * another's; ts bounds how long a captured proof is worth anything.
+ */
+export function recvProofBytes(route: string, ts: number): Bytes {
+  return concatBytes([utf8.encode(RECV_DOMAIN), ...lengthPrefixed(route), u64le(ts)]);
+}
+
 /** Signs an unregister: only the key that announced a session can take it off a bus's roster. */
 export const UNREGISTER_DOMAIN = "interlink-unregister-v1\0";
 
@@ -1949,29 +1962,52 @@ async function readJsonBody(req: Request): Promise<unknown> {
   if (Number(declared) > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`);
   if (!req.body) throw new HttpError(400, "empty body; expected JSON");
   let text: string;
-  if (declared !== null) {
-    text = await req.text(); // the server holds the body to its declared length
-  } else {
-    const reader = req.body.getReader();
-    const chunks: Uint8Array[] = [];
-    let size = 0;
-    for (;;) {
-      const { done, value } = await reader.read();
-      if (done) break;
-      size += value.length;
-      if (size > BODY_LIMIT_BYTES) {
-        await reader.cancel().catch(() => {});
-        throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`);
+  try {
+    if (declared !== null) {
+      text = await req.text(); // the server holds the body to its declared length
+    } else {
+      const reader = req.body.getReader();
+      const chunks: Uint8Array[] = [];
+      let size = 0;
+      for (;;) {
+        const { done, value } = await reader.read();
+        if (done) break;
+        size += value.length;
+        if (size > BODY_LIMIT_BYTES) {
+          await reader.cancel().catch(() => {});
+          throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`);
+        }
+        chunks.push(value);
       }
-      chunks.push(value);
+      text = Buffer.concat(chunks).toString("utf8");
     }
-    text = Buffer.concat(chunks).toString("utf8");
+  } catch (e) {
+    if (e instanceof HttpError) throw e;
+    // A malformed chunked encoding, a body cut off: the request's fault, never a 500.
+    throw new HttpError(400, `the body could not be read (${(e as Error).message})`);
   }
+  const depth = jsonDepth(text);
+  if (depth > JSON_DEPTH_MAX) throw new HttpError(400, `body nests deeper than ${JSON_DEPTH_MAX} levels`);
   try {
     return JSON.parse(text);
   } catch (e) {
     throw new HttpError(400, `body is not JSON (${(e as Error).message})`);
   }
+}
+
+/** How deep a JSON text nests, counted before parsing (strings skipped): a parser can spend seconds on a deep one. */
+export function jsonDepth(text: string): number {
+  let depth = 0, max = 0, inString = false;
+  for (let i = 0; i < text.length; i++) {
+    const c = text.charCodeAt(i);
+    if (inString) {
+      if (c === 92) i++; // backslash: skip the escaped character
+      else if (c === 34) inString = false;
+    } else if (c === 34) inString = true;
+    else if (c === 123 || c === 91) max = Math.max(max, ++depth);
+    else if (c === 125 || c === 93) depth--;
+  }
+  return max;
 }
 
 function recipientParam(value: unknown, name: string): string {
@@ -1984,6 +2020,8 @@ function recipientParam(value: unknown, name: string): string {
   return value;
 }
 
+/** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
+const JSON_DEPTH_MAX = 64;
 /** Largest announcement kept: a real one is ~300 bytes, and the roster holds ROSTER_CAP of them. */
 export const ANNOUNCEMENT_MAX_BYTES = 8192;
 /** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
@@ -2003,6 +2041,8 @@ export class Bus {
   #waiters = new Map<string, Set<() => void>>();
   #syncTimer: ReturnType<typeof setTimeout> | null = null; // the lazy fsync of acks, once scheduled
   #compactAfter = 0; // after a failed compaction, the time of the next try
+  /** Routes whose key has proven ownership here, with the last proof seen (see checkOwnership); persisted as "o" records. */
+  readonly owned = new BoundedMap<string, string>(OWNED_ROUTES_CAP);
   readonly #compactMinDead: number;
   readonly #log: (msg: string) => void;
   readonly now: () => number;
@@ -2035,6 +2075,7 @@ export class Bus {
       const started = performance.now();
       const queues = new BusQueues(opts.cap ?? QUEUE_CAP);
       const bad: [offset: number, bytes: number, reason: string, line: string][] = [];
+      const owned = new Set<string>(); // routes that proved their owner before the restart
       let records = 0, dropped = 0;
       const seqOf = (v: unknown) => (Number.isSafeInteger(v) && (v as number) > 0 ? (v as number) : undefined);
       const { next, tornBytes } = scanJsonl(file, 0, (r, at, end) => {
@@ -2045,6 +2086,7 @@ export class Bus {
         else if (r.t === "m" && q && n && typeof r.p === "string" && Number.isSafeInteger(r.ts)) {
           if (queues.add(q, r.ts as number, r.p, n).dropped) dropped++;
         } else if ((r.t === "a" || r.t === "d") && q && n) queues.remove(q, n);
+        else if (r.t === "o" && q) owned.add(q);
         else bad.push([at, end - at - 1, `not a valid "${String(r.t).slice(0, 8)}" record`, JSON.stringify(r)]);
       }, (at, why, line, bytes) => bad.push([at, bytes, why, line]));
       for (const [at, bytes, why, line] of bad) quarantineLine(file, at, bytes, why, line);
@@ -2071,6 +2113,7 @@ export class Bus {
       };
       const writer = new JsonlWriter(file, `the bus data folder ${dataDir}`);
       const bus = new Bus(dataDir, queues, recovery, writer, lock, records - queues.liveCount, opts);
+      for (const q of owned) bus.owned.set(q, ""); // owned; the next proof is checked in full
       bus.#maybeCompact(true);
       return bus;
     } catch (e) {
@@ -2101,6 +2144,7 @@ export class Bus {
       return await route.handle(this, req, url);
     } catch (e) {
       if (e instanceof HttpError) return errorResponse(e.status, e.message);
+      if (req.signal.aborted) return errorResponse(499, "client closed the request"); // a hang-up: not an error here
       this.#log(`internal error on ${url.pathname}: ${(e as Error).stack ?? e}`);
       return errorResponse(500, "internal error; see the bus log");
     }
@@ -2140,6 +2184,12 @@ export class Bus {
     } catch (e) {
       throw this.#unavailable(e);
     }
+  }
+
+  /** Records a proven route (the first time only on disk: trust on first proof survives a restart). */
+  touchOwned(route: string, proof: string): void {
+    if (!this.owned.has(route)) this.#write([{ t: "o", q: route }]);
+    this.owned.set(route, proof);
   }
 
   /** Appends, or throws the HTTP answer that says why not: 507 for a full disk. */
@@ -2214,6 +2264,7 @@ export class Bus {
   #maybeCompact(opening = false): void {
     if (this.dead < Math.max(this.#compactMinDead, this.queues.liveCount) || this.now() < this.#compactAfter) return;
     const records: object[] = [{ t: "h", next: this.queues.nextSeq }];
+    for (const q of this.owned.keys()) records.push({ t: "o", q });
     for (const [q, m] of this.queues.live()) records.push({ t: "m", q, n: m.seq, ts: m.ts, p: m.payload });
     try {
       this.writer.compact(records);
@@ -2244,6 +2295,45 @@ export interface RecoveryReport {
 }
 
 const ackKey = (me: string, seq: number) => `${me}\0${seq}`;
+
+/** A recv/ack proof is honoured this long either side of its ts (clients renew theirs every minute). */
+const RECV_PROOF_FRESH_MS = 5 * 60_000;
+/** Routes remembered as owned: bounded, the ones idle longest forgotten first (they re-prove on their next recv). */
+const OWNED_ROUTES_CAP = 100_000;
+
+/**
+ * Recipient ownership, trust on first proof: once a route's key has proven
+ * (a signed recv or ack) that it reads that route, this bus refuses unproven
+ * recv and ack for it, so nobody else can read or delete its mail. Routes that
+ * never proved work as in the reference contract, for reference nodes.
+ * Returns the problem, or null when the caller may go on.
+ */
+async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
+  if (proof === undefined || proof === null || proof === "") {
+    if (bus.owned.has(route)) {
+      throw new HttpError(
+        403,
+        `route ${
+          fingerprint(route)
+        }… has proven its owner to this bus: a recv or ack for it must carry a proof signed by its key`,
+      );
+    }
+    return;
+  }
+  if (typeof proof !== "string" || !/^\d{1,16}\.[A-Za-z0-9_-]{86}$/.test(proof)) {
+    throw new HttpError(400, 'proof must be "<ts>.<signature>"');
+  }
+  if (bus.owned.get(route) === proof) return bus.touchOwned(route, proof); // the same proof as last time: checked then
+  const [tsText, sig] = proof.split(".");
+  const ts = Number(tsText);
+  if (Math.abs(bus.now() - ts) > RECV_PROOF_FRESH_MS) throw new HttpError(403, "proof is outside its freshness window");
+  const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
+  if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
+  bus.touchOwned(route, proof);
+}
+
+/** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
+export const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster`;
 
 /** Runs a parse, turning a FormatError into a 400 that says what is wrong. */
 function parseOr400<T>(parse: () => T): T {
@@ -2281,6 +2371,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     method: "GET",
     async handle(bus, req, url) {
       const me = recipientParam(url.searchParams.get("me"), "me");
+      await checkOwnership(bus, me, url.searchParams.get("proof") ?? undefined);
       const m = await bus.recv(me, recvTimeoutMs(url.searchParams.get("timeout_ms")), req.signal);
       if (!m) return jsonResponse(200, '{"status":"timeout"}');
       return jsonResponse(
@@ -2299,6 +2390,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
       const me = recipientParam(body.me, "me");
       if (typeof body.ack !== "string") throw new HttpError(400, '"ack" must be a string');
       if (!body.ack.startsWith(me + "\0")) throw new HttpError(403, "that ack key belongs to another recipient");
+      await checkOwnership(bus, me, body.proof);
       const seq = Number(body.ack.slice(me.length + 1));
       if (Number.isSafeInteger(seq)) bus.ack(me, seq); // unknown or already acked: still 200, acks are idempotent
       return jsonResponse(200, '{"status":"acked"}');
@@ -2364,7 +2456,9 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
   "/roster": {
     method: "GET",
     handle(bus) {
-      return Promise.resolve(jsonResponse(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`));
+      return Promise.resolve(
+        jsonResponse(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`, { "interlink-bus": BUS_FEATURES }),
+      );
     },
   },
 };
@@ -3320,6 +3414,7 @@ export class Agent {
   readonly info: SessionInfo;
   #bareLock: PidLock | null = null;
   #roster: { at: number; sessions: PeerSession[] } | null = null;
+  #proofs = new Map<string, { ts: number; proof: string }>(); // route → the recv proof in use
 
   private constructor(readonly cfg: NodeConfig, readonly id: Identity, private lock: PidLock, now: () => number) {
     this.now = now;
@@ -3616,13 +3711,24 @@ export class Agent {
 
   // -- receiving -------------------------------------------------------------
 
+  /** A proof that this node reads `route` (see checkOwnership), renewed every minute. */
+  async #proof(route: string): Promise<string> {
+    const held = this.#proofs.get(route);
+    const now = this.now();
+    if (held && now - held.ts < 60_000) return held.proof;
+    const proof = `${now}.${await this.id.sign(recvProofBytes(route, now))}`;
+    this.#proofs.set(route, { ts: now, proof });
+    return proof;
+  }
+
   async #recvLoop(url: string, route: string): Promise<void> {
     let failures = 0;
     const recvUrl = `${url}/recv?me=${encodeURIComponent(route)}&timeout_ms=${RECV_TIMEOUT_MS}`;
     while (!this.#stop.signal.aborted) {
       try {
         const signal = AbortSignal.any([this.#stop.signal, AbortSignal.timeout(RECV_TIMEOUT_MS + 15_000)]);
-        const r = await fetch(recvUrl, { signal });
+        // The proof rides as an extra query parameter, which a reference bus ignores.
+        const r = await fetch(`${recvUrl}&proof=${await this.#proof(route)}`, { signal });
         if (!r.ok) throw new Error(`recv answered ${r.status}`);
         const body = await r.json();
         if (failures) {
@@ -3633,7 +3739,13 @@ export class Agent {
         if (!isObject(body) || body.status !== "message") continue;
         const payload = isObject(body.envelope) ? body.envelope.payload : undefined;
         const ack = async () => {
-          const acked = await postJson(`${url}/ack`, { me: route, ack: body.ack }, SEND_TIMEOUT_MS, this.#stop.signal);
+          const proof = await this.#proof(route);
+          const acked = await postJson(
+            `${url}/ack`,
+            { me: route, ack: body.ack, proof },
+            SEND_TIMEOUT_MS,
+            this.#stop.signal,
+          );
           await acked.body?.cancel();
         };
         // One payload at a time across all buses, so two copies of a message cannot both pass the replay check.
@@ -5794,9 +5906,11 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
     const t0 = Date.now();
     let roster: unknown;
     let date: string | null;
+    let features: string | null;
     try {
       const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(3000) });
       date = r.headers.get("date");
+      features = r.headers.get("interlink-bus");
       roster = await r.json();
       if (!r.ok) throw new Error(`answered ${r.status}`);
     } catch (e) {
@@ -5811,6 +5925,19 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
     }
     const t1 = Date.now();
     out.push({ level: "ok", what: `bus ${url} answers (round trip ${t1 - t0} ms)` });
+    out.push(
+      features?.includes("ownership")
+        ? {
+          level: "ok",
+          what: `bus ${url} enforces recipient ownership: once a route proves its key, nobody else reads or acks it`,
+        }
+        : {
+          level: "info",
+          what:
+            `bus ${url} does not enforce recipient ownership (a reference bus): anyone who reaches it can read or ack any route`,
+          fix: "run `interlink.ts bus` there, or keep the bus on a network only your nodes reach",
+        },
+    );
     if (date) {
       const skew = Date.parse(date) - (t0 + t1) / 2; // the header has 1 s resolution
       out.push(
