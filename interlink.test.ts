@@ -1380,6 +1380,15 @@ export function nodeConfig(f: NodeFiles, busUrls: string[], delivery: NodeConfig
 const sessionOf = (f: NodeFiles) => path.join(f.stateDir, "sessions", f.name);
 const journalOf = (f: NodeFiles) => path.join(sessionOf(f), "log.jsonl");
 
+/** alice and bob, each with a key, peers of each other, in a fresh folder. */
+async function twoPeers(): Promise<{ root: string; A: NodeFiles; B: NodeFiles }> {
+  const root = tmpDir();
+  const A = await makeNodeFiles(root, "alice");
+  const B = await makeNodeFiles(root, "bob");
+  befriend(A, B);
+  return { root, A, B };
+}
+
 export function befriend(a: NodeFiles, b: NodeFiles) {
   for (const [me, other] of [[a, b], [b, a]]) {
     const peers = fs.existsSync(me.peersFile) ? JSON.parse(fs.readFileSync(me.peersFile, "utf8")) : {};
@@ -1772,10 +1781,7 @@ function readNodeLog(stateDir: string): any[] {
 
 describe("agent: durability of the outbox", () => {
   test("bus down → send → agent restarted → bus up → delivered exactly once", async () => {
-    const root = tmpDir();
-    const A = await makeNodeFiles(root, "alice");
-    const B = await makeNodeFiles(root, "bob");
-    befriend(A, B);
+    const { root, A, B } = await twoPeers();
     const port = await freePort();
     const url = `http://127.0.0.1:${port}`;
     let alice = await McpNode.start("bun", A, url);
@@ -1803,10 +1809,7 @@ describe("agent: durability of the outbox", () => {
   test(
     "Claude Code restarting the server inside one session: the newer process takes over, the older exits cleanly, nothing is lost",
     async () => {
-      const root = tmpDir();
-      const A = await makeNodeFiles(root, "alice");
-      const B = await makeNodeFiles(root, "bob");
-      befriend(A, B);
+      const { root, A, B } = await twoPeers();
       const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
       const server = await serveHttp(bus.handler, "127.0.0.1", 0);
       const url = `http://127.0.0.1:${server.port}`;
@@ -2803,10 +2806,7 @@ describe("a long outage", () => {
   test(
     "a message queued for over a day is re-signed with a fresh ts and the same msg_id, so it is accepted, and only once",
     async () => {
-      const root = tmpDir();
-      const A = await makeNodeFiles(root, "alice");
-      const B = await makeNodeFiles(root, "bob");
-      befriend(A, B);
+      const { root, A, B } = await twoPeers();
       const bus = await Bus.open(path.join(root, "bus"));
       const server = await serveHttp(bus.handler, "127.0.0.1", 0);
       // Queued more than a day ago, while the bus was unreachable: as signed then, it is stale now.
@@ -3112,10 +3112,7 @@ describe("durability: a full disk", () => {
     async () => {
       const disk = smallDisk(512);
       if (!disk) return;
-      const root = tmpDir();
-      const A = await makeNodeFiles(root, "alice");
-      const B = await makeNodeFiles(root, "bob");
-      befriend(A, B);
+      const { root, A } = await twoPeers();
       A.stateDir = path.join(disk.dir, "alice-state");
       const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
       const server = await serveHttp(bus.handler, "127.0.0.1", 0);
@@ -3182,10 +3179,7 @@ describe("durability: corruption is contained, never silent", () => {
   });
 
   test("an outbox entry that cannot be read is reported by list_pending as damaged, not dropped in silence", async () => {
-    const root = tmpDir();
-    const A = await makeNodeFiles(root, "alice");
-    const B = await makeNodeFiles(root, "bob");
-    befriend(A, B);
+    const { A } = await twoPeers();
     const agent = await Agent.open(nodeConfig(A, ["http://127.0.0.1:9"]), "test");
     const { entry: queued } = await agent.send({ to: "bob", text: "will be damaged" });
     await agent.stop();
@@ -3207,10 +3201,7 @@ describe("durability: corruption is contained, never silent", () => {
   });
 
   test("a journal that lost an `in` record still refuses the replay of that message", async () => {
-    const root = tmpDir();
-    const A = await makeNodeFiles(root, "alice");
-    const B = await makeNodeFiles(root, "bob");
-    befriend(A, B);
+    const { A, B } = await twoPeers();
     const msg = await signMessage(A.id, { to: B.id.publicKey, text: "once only" }, Date.now());
     const bob = await Agent.open(nodeConfig(B, ["http://127.0.0.1:9"], "inbox"), "test");
     expect((await bob.receive(msg))?.verdict).toBe("deliver");
@@ -3227,10 +3218,7 @@ describe("durability: corruption is contained, never silent", () => {
   });
 
   test("messages read through the inbox are not shown again after a restart, and a 0.4.0 inbox.cursor is honoured once", async () => {
-    const root = tmpDir();
-    const A = await makeNodeFiles(root, "alice");
-    const B = await makeNodeFiles(root, "bob");
-    befriend(A, B);
+    const { A, B } = await twoPeers();
     // A 0.4.0 journal: three unread messages, the first already consumed by the old cursor.
     fs.mkdirSync(B.stateDir, { recursive: true });
     const lines: string[] = [];
@@ -3410,10 +3398,7 @@ describe("the node core: decisions are lists of effects, carried out in order", 
 
 describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
   test("an agent killed between journaling a message and pushing it shows it after the restart, once", async () => {
-    const root = tmpDir();
-    const A = await makeNodeFiles(root, "alice");
-    const B = await makeNodeFiles(root, "bob");
-    befriend(A, B);
+    const { root, A, B } = await twoPeers();
     const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
     const server = await serveHttp(bus.handler, "127.0.0.1", 0);
     const url = `http://127.0.0.1:${server.port}`;
@@ -3442,10 +3427,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
   }, 60_000);
 
   test("a message every bus refuses for good is marked refused with the bus's reason and never holds up the next", async () => {
-    const root = tmpDir();
-    const A = await makeNodeFiles(root, "alice");
-    const B = await makeNodeFiles(root, "bob");
-    befriend(A, B);
+    const { root, A, B } = await twoPeers();
     const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
     const server = await serveHttp(bus.handler, "127.0.0.1", 0);
     // Queued by an older version that checked only the text's bytes: 400 KB of control characters, 2.4 MB as JSON.
