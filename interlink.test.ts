@@ -41,11 +41,13 @@ import {
   JsonlWriter,
   legacyAnnouncementBytes,
   lifecycleError,
+  type Listening,
   LockedError,
   McpSession,
   messageBlock,
   type NodeConfig,
   NodeState,
+  OPAQUE_CAP,
   parseAnnouncement,
   parsePeers,
   parseSignedMessage,
@@ -978,7 +980,7 @@ describe("bus: the HTTP handler", () => {
 
   beforeAll(async () => {
     dir = tmpDir();
-    bus = await Bus.open(dir, { cap: 3, log: (m) => logs.push(m) });
+    bus = await Bus.open(dir, { cap: 3, limits: { opaqueCap: 3 }, log: (m) => logs.push(m) });
   });
   afterAll(() => bus.close());
 
@@ -1035,7 +1037,9 @@ describe("bus: the HTTP handler", () => {
     const to = "1AnB2ji_KedfVpS_CH-QIRK4wdLdNziJkIgyNroYiYE";
     for (const n of [1, 2, 3, 4]) await send(to, n);
     expect((await recv(to)).envelope.payload).toBe(2);
-    expect(logs.some((l) => l.includes("1AnB2ji_") && l.includes("dropped its oldest"))).toBe(true);
+    expect(
+      logs.some((l) => l.includes("1AnB2ji_") && l.includes("dropped the oldest message of the unattributed ones")),
+    ).toBe(true);
   });
 
   test("malformed JSON and wrong field types are 400 with a short JSON error", async () => {
@@ -1166,8 +1170,8 @@ describe("bus: queue and roster logic", () => {
     expect(q.liveCount).toBe(0);
   });
 
-  test("the cap drops the oldest and reports it", () => {
-    const q = new BusQueues(2);
+  test("the cap drops the oldest and reports it (unattributed payloads: their own small cap)", () => {
+    const q = new BusQueues({ cap: 2, opaqueCap: 2 });
     q.add("a", 1, "1");
     q.add("a", 2, "2");
     expect(q.add("a", 3, "3").dropped?.payload).toBe("1");
@@ -1481,13 +1485,18 @@ async function postSend(busUrl: string, to: string, payload: unknown) {
 
 // ----------------------------------------------------------------------------
 describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus", () => {
-  let root: string, bus: Child & { url: string };
+  // The bus runs in this process, so a test can also play a relay that stores whatever it is handed
+  // (a reference bus verifies nothing, and a hostile one forwards anything): relay.send() skips the checks
+  // our bus's HTTP front makes, and only the receiver's gate stands between a forgery and the model.
+  let root: string, bus: { url: string; relay: Bus; server: Listening };
   let A: NodeFiles, B: NodeFiles, E: NodeFiles;
   let alice: McpNode, bob: McpNode;
 
   beforeAll(async () => {
     root = tmpDir();
-    bus = await startBus("bun", path.join(root, "bus"));
+    const relay = await Bus.open(path.join(root, "bus"), { log: () => {} });
+    const server = await serveHttp(relay.handler, "127.0.0.1", 0);
+    bus = { url: `http://127.0.0.1:${server.port}`, relay, server };
     A = await makeNodeFiles(root, "alice");
     B = await makeNodeFiles(root, "bob");
     E = await makeNodeFiles(root, "eve");
@@ -1497,7 +1506,10 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
 
   afterAll(async () => {
     await Promise.allSettled([alice?.close(), bob?.close()]);
-    if (bus) await stop(bus);
+    if (bus) {
+      await bus.server.stop();
+      await bus.relay.close();
+    }
   });
 
   test("declares the channel capability, tools with hints, and instructions that draw the lines", async () => {
@@ -1681,15 +1693,19 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
         task_id: "abuse",
         status: "result",
       }, Date.now());
-      await postSend(bus.url, B.id.publicKey, { ...forged, from: A.id.publicKey }); // Eve signs, claims Alice
-      await postSend(bus.url, B.id.publicKey, captured); // replay
-      await postSend(bus.url, B.id.publicKey, { ...captured, status: "canceled", msg_id: "tampered-1" }); // relay flips a status
-      await postSend(
-        bus.url,
-        B.id.publicKey,
-        await signMessage(E.id, { to: B.id.publicKey, text: "hi bob, I'm new" }, Date.now()),
-      ); // stranger
-      await postSend(bus.url, B.id.publicKey, { garbage: true }); // malformed
+      // Our bus itself refuses a forgery it can see...
+      const refused = await fetch(`${bus.url}/send`, {
+        method: "POST",
+        body: JSON.stringify({ to: B.id.publicKey, payload: { ...forged, from: A.id.publicKey } }),
+      });
+      expect(refused.status).toBe(400);
+      // ...so a relay that verifies nothing hands them over, and bob's gate alone decides.
+      const relayStores = (payload: unknown) => bus.relay.send(B.id.publicKey, JSON.stringify(payload));
+      await relayStores({ ...forged, from: A.id.publicKey }); // Eve signs, claims Alice
+      await relayStores(captured); // replay
+      await relayStores({ ...captured, status: "canceled", msg_id: "tampered-1" }); // relay flips a status
+      await relayStores(await signMessage(E.id, { to: B.id.publicKey, text: "hi bob, I'm new" }, Date.now())); // stranger
+      await relayStores({ garbage: true }); // malformed
       // The sentinel goes the same way (bob's bare key), so it arrives after all of the above.
       const sentinel = await signMessage(A.id, { to: B.id.publicKey, text: "sentinel" }, Date.now());
       await postSend(bus.url, B.id.publicKey, sentinel);
@@ -2351,10 +2367,10 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
     /bob {3}← alice: \[task bench · canceled\]/,
     /refused: task "bench" is closed/,
     /task deps with bob( \(session \S+\))?; requested by you; status result; closed/,
-    /gate: refused a message from .*bad_signature/,
+    /signed with mallory's key → the bus answers 400 .*signature does not verify/,
     /gate: refused a message from .*not_allowlisted/,
     /notice for the operator: 1 message from an unknown key \S+ was refused: not in your peers/,
-    /both forgeries were refused before the model/,
+    /the forgery was refused by the bus, the stranger by bob's gate/,
   ];
 
   test(
@@ -2413,7 +2429,7 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
       cwd: root,
     });
     expect({ code: forced.status, stderr: forced.status === 0 ? "" : forced.stderr }).toEqual({ code: 0, stderr: "" });
-    expect(forced.stdout).toMatch(/both forgeries were refused before the model/);
+    expect(forced.stdout).toMatch(/the forgery was refused by the bus, the stranger by bob's gate/);
   }, 90_000);
 
   test("the demo runs to completion under Deno and --keep leaves its folders", () => {
@@ -2989,7 +3005,7 @@ describe("durability: a 202 is never lost", () => {
           }
         };
         // A cap far above the load: a drop by the per-recipient cap is documented behaviour, not a loss.
-        const args = ["--port", String(port), "--compact", "200", "--cap", "1000000"];
+        const args = ["--port", String(port), "--compact", "200", "--cap", "1000000", "--opaque-cap", "1000000"];
         let bus = await startBus(runtime, dir, args, { INTERLINK_FAILPOINT: "bus-after-compact" });
         url = bus.url;
         const load = [...Array.from({ length: 16 }, (_, s) => sender(s)), ...recipients.map(consumer)];
@@ -3001,7 +3017,7 @@ describe("durability: a 202 is never lost", () => {
             if (++kills === 5) break;
             bus = await startBus(runtime, dir, args, { INTERLINK_FAILPOINT: "bus-after-compact" });
           }
-          bus = await startBus(runtime, dir, ["--port", String(port), "--cap", "1000000"]);
+          bus = await startBus(runtime, dir, ["--port", String(port), "--cap", "1000000", "--opaque-cap", "1000000"]);
           stopping = true;
           await Promise.all(load);
           const lost = [...accepted].filter((id) => !received.has(id)).length;
@@ -4167,4 +4183,66 @@ describe("hostile clients: bodies and connections", () => {
       30_000,
     );
   }
+});
+
+describe("hostile clients: fair room on the bus", () => {
+  test("a flood from one sender fills a recipient's queue at its own cost: the other senders' messages stay", async () => {
+    const bus = await Bus.open(tmpDir(), { cap: 8, log: () => {} });
+    try {
+      const post = (payload: unknown) =>
+        bus.handler(
+          new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to: bob.publicKey, payload }) }),
+        );
+      const real = [];
+      for (let i = 0; i < 3; i++) {
+        const m = await signMessage(alice, { to: bob.publicKey, text: `real ${i}` }, Date.now());
+        real.push(m.msg_id);
+        expect((await post(m)).status).toBe(202);
+      }
+      for (let i = 0; i < 40; i++) {
+        expect((await post(await signMessage(eve, { to: bob.publicKey, text: `junk ${i}` }, Date.now()))).status).toBe(
+          202,
+        );
+      }
+      // Junk that is not even a v2 message lives under its own small budget and cannot push anything out.
+      for (let i = 0; i < 200; i++) expect((await post({ junk: i })).status).toBe(202);
+      const held: string[] = [];
+      for (let m = bus.queues.first(bob.publicKey); m; m = bus.queues.first(bob.publicKey)) {
+        const p = JSON.parse(m.payload);
+        held.push(p.from === alice.publicKey ? `alice ${p.msg_id}` : p.from === eve.publicKey ? "eve" : "opaque");
+        bus.ack(bob.publicKey, m.seq);
+      }
+      expect(held.filter((h) => h.startsWith("alice"))).toEqual(real.map((id) => `alice ${id}`)); // all of them
+      expect(held.filter((h) => h === "eve").length).toBe(5); // eve got what room was left
+      expect(held.filter((h) => h === "opaque").length).toBe(OPAQUE_CAP);
+    } finally {
+      await bus.close();
+    }
+  });
+
+  test("a v2-shaped payload whose signature fails is refused (400); per-signer and global byte budgets answer 429 and 507", async () => {
+    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { senderBytes: 4096, totalBytes: 8192 } });
+    try {
+      const post = (to: string, payload: unknown) =>
+        bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to, payload }) }));
+      const m = await signMessage(alice, { to: bob.publicKey, text: "x" }, Date.now());
+      expect((await post(bob.publicKey, { ...m, text: "tampered" })).status).toBe(400);
+      const big = (id: Identity) => signMessage(id, { to: bob.publicKey, text: "y".repeat(1500) }, Date.now());
+      expect((await post("r1", await big(alice))).status).toBe(202);
+      expect((await post("r2", await big(alice))).status).toBe(202);
+      const third = await post("r3", await big(alice));
+      expect(third.status).toBe(429); // alice holds her 4 KiB
+      expect((await third.json()).error).toContain("this sender already has 4 KiB");
+      expect((await post("r1", await big(eve))).status).toBe(202);
+      expect((await post("r2", await big(eve))).status).toBe(202);
+      const full = await post("r4", { opaque: "z".repeat(3000) });
+      expect(full.status).toBe(507); // the bus holds its 8 KiB in all
+      expect((await full.json()).error).toContain("whole budget of 8 KiB");
+      bus.ack("r1", bus.queues.first("r1")!.seq); // room again once something is read
+      expect((await post("r4", { opaque: "z" })).status).toBe(202);
+      expect(bus.queues.recipientCount).toBe(3); // r1 emptied: forgotten
+    } finally {
+      await bus.close();
+    }
+  });
 });
