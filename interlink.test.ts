@@ -2089,7 +2089,13 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
       }, Date.now());
       await postSend(bus.url, B.id.publicKey, knock);
       const sentinel = await alice.ok("send_message", { to: "bob", text: "after the stranger" });
-      await admitted(B, msgIdOf(sentinel)); // the bus hands bob's payloads over in order
+      await admitted(B, msgIdOf(sentinel));
+      // Eve wrote to bob's bare key, alice to his session: two queues, pulled side by side, so wait for each.
+      // (Eve's refusals came before her knock in the same queue.)
+      await eventually(
+        () => readNodeLog(B.stateDir).some((r) => r.t === "knock" && r.msg_id === knock.msg_id),
+        "bob journaled the knock",
+      );
       const inbox = await bob.ok("check_inbox");
       expect(inbox).toContain(`<interlink-notice kind="refused" fingerprint="${fingerprint(E.id.publicKey)}"`);
       expect(inbox).toContain(
