@@ -4302,6 +4302,17 @@ describe("hostile clients: fair room on the bus", () => {
       const full = await post("r4", { opaque: "z".repeat(3000) });
       expect(full.status).toBe(507); // the bus holds its 8 KiB in all
       expect((await full.json()).error).toContain("whole budget of 8 KiB");
+      // A body declared too big for what room is left is refused unread (this one never ends: reading it would hang).
+      const endless = new ReadableStream({ pull: () => new Promise(() => {}) });
+      const unread = await bus.handler(
+        new Request("http://bus/send", {
+          method: "POST",
+          body: endless,
+          headers: { "content-length": "3000" },
+          duplex: "half",
+        } as RequestInit),
+      );
+      expect(unread.status).toBe(507);
       bus.ack("r1", bus.queues.first("r1")!.seq); // room again once something is read
       expect((await post("r4", { opaque: "z" })).status).toBe(202);
       expect(bus.queues.recipientCount).toBe(3); // r1 emptied: forgotten
