@@ -4214,6 +4214,48 @@ describe("hostile clients on the bus", () => {
 describe("hostile clients: bodies and connections", () => {
   for (const runtime of ["bun", "deno"] as const) {
     test(
+      `a bus out of file descriptors (idle sockets) stays up and serves again once they go (${runtime})`,
+      async () => {
+        // A low descriptor limit stands in for the 20,000 idle sockets of the drill.
+        const argv = [...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir()];
+        const child = spawnChild(["sh", "-c", 'ulimit -n 128 && exec "$@"', "sh", ...argv]);
+        const url = (await child.waitFor(/listening on (http:\/\/\S+)/))[1];
+        const port = Number(new URL(url).port);
+        const sockets: net.Socket[] = [];
+        try {
+          for (let i = 0; i < 200; i++) {
+            const socket = net.connect(port, "127.0.0.1");
+            socket.on("error", () => {});
+            sockets.push(socket);
+          }
+          await Promise.all(
+            sockets.map((s) => new Promise((r) => s.once("connect", r).once("error", r).once("close", r))),
+          );
+          // Deno's listener fails on the first accept past the limit (Bun's keeps waiting for a free descriptor).
+          if (runtime === "deno") {
+            await child.waitFor(/the HTTP listener failed .*Too many open files.*listening again/);
+          }
+          expect(child.proc.exitCode).toBe(null); // still running
+        } finally {
+          for (const s of sockets) s.destroy();
+        }
+        await eventually(async () => {
+          try {
+            const r = await fetch(`${url}/send`, { method: "POST", body: '{"to":"x","payload":1}' });
+            return r.status === 202;
+          } catch {
+            return false;
+          }
+        }, "the bus serves again");
+        expect(child.proc.exitCode).toBe(null);
+        await stop(child);
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test(
       `deeply nested JSON and a malformed chunked body are a 4xx, never a freeze or a 500, and say nothing on stderr (${runtime})`,
       async () => {
         const bus = await startBus(runtime, tmpDir());

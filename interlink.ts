@@ -2623,9 +2623,34 @@ export function serveHttp(
     return Promise.resolve({ port: server.port, stop: () => Promise.resolve(server.stop(true)) });
   }
   if (Deno) {
-    return new Promise((resolve) => {
-      const server = Deno.serve({ hostname, port, onListen: () => {} }, handler);
-      resolve({ port: server.addr.port, stop: () => server.shutdown() });
+    // Deno.serve has no idle timeout, and when the process runs out of file descriptors (say 20,000 idle
+    // sockets) its accept loop fails and would take the process down. Instead it is logged and the server
+    // listens again on the same port a second later, until the flood is over.
+    let server = Deno.serve({ hostname, port, onListen: () => {} }, handler);
+    const bound = server.addr.port;
+    let stopping = false;
+    const watch = (s: typeof server) =>
+      s.finished.catch((e: Error) => {
+        if (stopping) return;
+        logWarn(`the HTTP listener failed (${e.message}); listening again on port ${bound} in 1 s`);
+        setTimeout(function relisten() {
+          if (stopping) return;
+          try {
+            server = Deno.serve({ hostname, port: bound, onListen: () => {} }, handler);
+            watch(server);
+          } catch (e) {
+            logWarn(`cannot listen on port ${bound} yet (${(e as Error).message}); trying again in 1 s`);
+            setTimeout(relisten, 1000);
+          }
+        }, 1000);
+      });
+    watch(server);
+    return Promise.resolve({
+      port: bound,
+      stop: () => {
+        stopping = true;
+        return server.shutdown();
+      },
     });
   }
   throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
