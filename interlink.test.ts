@@ -32,6 +32,7 @@ import {
   FRESH_FUTURE_MS,
   FRESH_PAST_MS,
   hasSmallOrder,
+  humanBytes,
   type Identity,
   identityFromSeed,
   type InboundContext,
@@ -4326,22 +4327,27 @@ describe("hostile clients: fair room on the bus", () => {
     }
   });
 
-  test("a v2-shaped payload whose signature fails is refused (400); per-signer and global byte budgets answer 429 and 507", async () => {
+  test("a v2-shaped payload whose signature fails, or that is addressed to another key, is refused (400); per-signer and global byte budgets answer 429 and 507", async () => {
     const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { senderBytes: 4096, totalBytes: 8192 } });
     try {
       const post = (to: string, payload: unknown) =>
         bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to, payload }) }));
       const m = await signMessage(alice, { to: bob.publicKey, text: "x" }, Date.now());
       expect((await post(bob.publicKey, { ...m, text: "tampered" })).status).toBe(400);
+      // A copy of alice's message to bob, posted to another route, would spend her budget: refused.
+      const elsewhere = await post(eve.publicKey, m);
+      expect(elsewhere.status).toBe(400);
+      expect((await elsewhere.json()).error).toContain("addressed to");
+      const route = (n: number) => `${bob.publicKey}#s${n}`; // bob's sessions: the same key, other queues
       const big = (id: Identity) => signMessage(id, { to: bob.publicKey, text: "y".repeat(1500) }, Date.now());
-      expect((await post("r1", await big(alice))).status).toBe(202);
-      expect((await post("r2", await big(alice))).status).toBe(202);
-      const third = await post("r3", await big(alice));
+      expect((await post(route(1), await big(alice))).status).toBe(202);
+      expect((await post(route(2), await big(alice))).status).toBe(202);
+      const third = await post(route(3), await big(alice));
       expect(third.status).toBe(429); // alice holds her 4 KiB
       expect((await third.json()).error).toContain("this sender already has 4 KiB");
-      expect((await post("r1", await big(eve))).status).toBe(202);
-      expect((await post("r2", await big(eve))).status).toBe(202);
-      const full = await post("r4", { opaque: "z".repeat(3000) });
+      expect((await post(route(1), await big(eve))).status).toBe(202);
+      expect((await post(route(2), await big(eve))).status).toBe(202);
+      const full = await post(route(4), { opaque: "z".repeat(3000) });
       expect(full.status).toBe(507); // the bus holds its 8 KiB in all
       expect((await full.json()).error).toContain("whole budget of 8 KiB");
       // A body declared too big for what room is left is refused unread (this one never ends: reading it would hang).
@@ -4355,11 +4361,49 @@ describe("hostile clients: fair room on the bus", () => {
         } as RequestInit),
       );
       expect(unread.status).toBe(507);
-      bus.ack("r1", bus.queues.first("r1")!.seq); // room again once something is read
-      expect((await post("r4", { opaque: "z" })).status).toBe(202);
-      expect(bus.queues.recipientCount).toBe(3); // r1 emptied: forgotten
+      bus.ack(route(1), bus.queues.first(route(1))!.seq); // room again once something is read
+      expect((await post(route(4), { opaque: "z" })).status).toBe(202);
     } finally {
       await bus.close();
     }
+  });
+
+  test("evictions from the middle of a queue do not pile up: memory follows what is held", () => {
+    const queues = new BusQueues({ cap: 4, opaqueCap: 4 });
+    queues.add("bob", 1, '"real"', undefined, alice.publicKey); // unread, at the front, for ever
+    for (let i = 0; i < 5000; i++) queues.add("bob", 1, `"junk ${i}"`); // each evicts the oldest opaque one
+    expect(queues.liveCount).toBe(5);
+    expect([...queues.live()].length).toBe(5);
+    expect(queues.footprint("bob")).toBeLessThan(100); // not the 5,001 entries ever added
+    expect(queues.first("bob")!.payload).toBe('"real"');
+    expect(queues.bytes).toBe(6 + 4 * '"junk 4999"'.length);
+  });
+
+  test("a queue written before 0.5 (records without a sender) is recovered whole, whatever the caps", async () => {
+    const dir = tmpDir();
+    const lines = [];
+    for (let n = 1; n <= 200; n++) {
+      const m = await signMessage(alice, { to: bob.publicKey, text: `old ${n}` }, Date.now());
+      lines.push(JSON.stringify({ t: "m", q: bob.publicKey, n, ts: Date.now(), p: JSON.stringify(m) }));
+    }
+    for (let n = 201; n <= 300; n++) {
+      lines.push(JSON.stringify({ t: "m", q: "legacy", n, ts: 1, p: `{"opaque":${n}}` }));
+    }
+    fs.writeFileSync(path.join(dir, "queue.jsonl"), lines.join("\n") + "\n");
+    const bus = await Bus.open(dir, { log: () => {}, cap: 64 });
+    try {
+      expect(bus.recovery.droppedByCap).toBe(0);
+      expect([...bus.queues.live()].length).toBe(300);
+    } finally {
+      await bus.close();
+    }
+  });
+
+  test("budgets count UTF-8 bytes, not characters; --max-mb past 2 GiB is a budget, not an overflow", () => {
+    const queues = new BusQueues({ totalBytes: 4096 * 2 ** 20 });
+    queues.add("x", 1, JSON.stringify("é".repeat(1000)));
+    expect(queues.bytes).toBe(2002);
+    expect(queues.admit("", 10)).toBe(null);
+    expect(humanBytes(4096 * 2 ** 20)).toBe("4096 MiB");
   });
 });

@@ -388,10 +388,15 @@ export const decodeKey = (text: unknown, what = "key"): Bytes => b64urlDecode(te
 /** Display-only short form of a key; never used to decide anything. */
 export const fingerprint = (key: string): string => key.slice(0, 8);
 
+/** UTF-8 length of a string, without encoding it. */
+export function utf8Bytes(text: string): number {
+  return Buffer.byteLength(text, "utf8");
+}
+
 /** A byte count as people read it: "8 MiB", "640 KiB", "900 bytes". */
-function humanBytes(bytes: number): string {
-  if (bytes >= 1 << 20 && bytes % (1 << 20) === 0) return `${bytes >> 20} MiB`;
-  if (bytes >= 1 << 10 && bytes % (1 << 10) === 0) return `${bytes >> 10} KiB`;
+export function humanBytes(bytes: number): string {
+  if (bytes >= 2 ** 20 && bytes % 2 ** 20 === 0) return `${bytes / 2 ** 20} MiB`;
+  if (bytes >= 2 ** 10 && bytes % 2 ** 10 === 0) return `${bytes / 2 ** 10} KiB`;
   return `${bytes} bytes`;
 }
 
@@ -1781,8 +1786,10 @@ interface Queued {
   seq: number;
   ts: number;
   payload: string;
-  /** The verified signer of a v2 message; "" for a payload the bus cannot attribute (opaque, or from before 0.5). */
+  /** The verified signer of a v2 message; "" for a payload the bus cannot attribute (opaque). */
   sender: string;
+  /** UTF-8 bytes of the payload: what the budgets count. */
+  size: number;
   gone: boolean;
 }
 
@@ -1825,12 +1832,19 @@ class RecipientQueue {
     return undefined;
   }
 
-  /** Marks `seq` gone. */
+  /**
+   * Marks `seq` gone. An eviction takes entries from the middle, which `first` never trims, so once the gone
+   * entries outnumber the live ones the array is rebuilt: memory follows what is held, whatever the pattern.
+   */
   remove(seq: number): Queued | undefined {
     const item = this.find(seq);
     if (!item) return undefined;
     item.gone = true;
     this.live--;
+    if (this.items.length - this.head > 2 * this.live + 64) {
+      this.items = this.items.filter((x) => !x.gone);
+      this.head = 0;
+    }
     const n = (this.bySender.get(item.sender) ?? 1) - 1;
     if (n) this.bySender.set(item.sender, n);
     else this.bySender.delete(item.sender);
@@ -1892,17 +1906,28 @@ export class BusQueues {
     return null;
   }
 
-  /** Appends a message; returns the entry dropped to stay within the caps, if any. */
-  add(to: string, ts: number, payload: string, seq = this.nextSeq, sender = ""): { item: Queued; dropped?: Queued } {
+  /**
+   * Appends a message; returns the entry dropped to stay within the caps, if any (`enforce` false: none, for
+   * messages a bus before 0.5 accepted under its own rules).
+   */
+  add(
+    to: string,
+    ts: number,
+    payload: string,
+    seq = this.nextSeq,
+    sender = "",
+    enforce = true,
+  ): { item: Queued; dropped?: Queued } {
     let q = this.#queues.get(to);
     if (!q) this.#queues.set(to, q = new RecipientQueue());
-    const item = { seq, ts, payload, sender, gone: false };
+    const item = { seq, ts, payload, sender, size: utf8Bytes(payload), gone: false };
     q.items.push(item);
     q.live++;
     q.bySender.set(sender, (q.bySender.get(sender) ?? 0) + 1);
     this.liveCount++;
-    this.#count(sender, payload.length);
+    this.#count(sender, item.size);
     this.nextSeq = Math.max(this.nextSeq, seq + 1);
+    if (!enforce) return { item };
     let dropped: Queued | undefined;
     const opaque = q.bySender.get("") ?? 0;
     if (sender === "" && opaque > this.limits.opaqueCap) dropped = q.oldestOf("");
@@ -1932,12 +1957,18 @@ export class BusQueues {
     return this.#queues.get(to)?.find(seq) !== undefined;
   }
 
+  /** Entries `to` keeps in memory, removed ones not yet let go included: bounded by about twice the live ones. */
+  footprint(to: string): number {
+    const q = this.#queues.get(to);
+    return q ? q.items.length - q.head : 0;
+  }
+
   remove(to: string, seq: number): boolean {
     const q = this.#queues.get(to);
     const item = q?.remove(seq);
     if (!item) return false;
     this.liveCount--;
-    this.#count(item.sender, -item.payload.length);
+    this.#count(item.sender, -item.size);
     if (q!.live === 0) this.#queues.delete(to);
     return true;
   }
@@ -2177,7 +2208,11 @@ export class Bus {
         const q = typeof r.q === "string" && r.q !== "" && r.q.length <= RECIPIENT_MAX_CHARS ? r.q : undefined;
         if (r.t === "h" && seqOf(r.next)) queues.nextSeq = Math.max(queues.nextSeq, r.next as number);
         else if (r.t === "m" && q && n && typeof r.p === "string" && Number.isSafeInteger(r.ts)) {
-          if (queues.add(q, r.ts as number, r.p, n, typeof r.s === "string" ? r.s : "").dropped) dropped++;
+          // Since 0.5 every record says its sender ("" for opaque). One without (a bus before 0.5 wrote it) is
+          // attributed by the claim in its payload, for fairness only, and kept whatever the caps now say.
+          const legacy = typeof r.s !== "string";
+          const sender = legacy ? claimedSender(r.p) : r.s as string;
+          if (queues.add(q, r.ts as number, r.p, n, sender, !legacy).dropped) dropped++;
         } else if ((r.t === "a" || r.t === "d") && q && n) queues.remove(q, n);
         else if (r.t === "o" && q) owned.add(q);
         else bad.push([at, end - at - 1, `not a valid "${String(r.t).slice(0, 8)}" record`, JSON.stringify(r)]);
@@ -2271,10 +2306,10 @@ export class Bus {
   }
 
   async send(to: string, payload: string, sender = ""): Promise<void> {
-    this.ensureRoom(sender, payload.length);
+    this.ensureRoom(sender, utf8Bytes(payload));
     const seq = this.queues.nextSeq;
     const ts = this.now();
-    this.#write([{ t: "m", q: to, n: seq, ts, p: payload, ...(sender ? { s: sender } : {}) }]);
+    this.#write([{ t: "m", q: to, n: seq, ts, p: payload, s: sender }]);
     const { dropped } = this.queues.add(to, ts, payload, seq, sender);
     if (dropped) {
       this.dead += 2;
@@ -2291,6 +2326,10 @@ export class Bus {
         this.writer.append([{ t: "d", q: to, n: dropped.seq }]);
       } catch {
         // the drop is in memory; the next compaction writes it, a restart before that re-reads the message
+      }
+      // Only when the queue holds `cap` senders with one message each does a newcomer lose to itself: say so.
+      if (dropped.seq === seq) {
+        throw new HttpError(429, "this recipient's queue is full, one message from each of many senders; retry later");
       }
     }
     const waiting = this.#waiters.get(to);
@@ -2383,7 +2422,7 @@ export class Bus {
     const records: object[] = [{ t: "h", next: this.queues.nextSeq }];
     for (const q of this.owned.keys()) records.push({ t: "o", q });
     for (const [q, m] of this.queues.live()) {
-      records.push({ t: "m", q, n: m.seq, ts: m.ts, p: m.payload, ...(m.sender ? { s: m.sender } : {}) });
+      records.push({ t: "m", q, n: m.seq, ts: m.ts, p: m.payload, s: m.sender });
     }
     try {
       this.writer.compact(records);
@@ -2461,12 +2500,28 @@ export const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-ros
  * v2-shaped payload that is malformed or whose signature fails is a 400: the
  * bus never queues a message it knows to be forged.
  */
-async function signerOf(payload: unknown): Promise<string> {
-  if (!isObject(payload) || !["from", "to", "msg_id", "sig"].every((k) => typeof payload[k] === "string")) return "";
+async function signerOf(payload: unknown, route: string): Promise<string> {
+  if (!isV2Shaped(payload)) return "";
   const msg = parseOr400(() => parseSignedMessage(payload));
   const bad = await verifyMessage(msg);
   if (bad) throw new HttpError(400, `the message's signature does not verify (${bad}); not queued`);
+  // Else a copy of one of alice's messages, posted to other routes, would spend her budget and crowd her out.
+  const key = route.split("#")[0];
+  if (msg.to !== key) throw new HttpError(400, `the message is addressed to ${fingerprint(msg.to)}, not to this route`);
   return msg.from;
+}
+
+const isV2Shaped = (p: unknown): p is Record<string, string> =>
+  isObject(p) && ["from", "to", "msg_id", "sig"].every((k) => typeof p[k] === "string");
+
+/** The signer a stored payload claims, unverified ("" if it is not a v2 message): for records from before 0.5. */
+function claimedSender(payload: string): string {
+  try {
+    const p = JSON.parse(payload);
+    return isV2Shaped(p) ? p.from : "";
+  } catch {
+    return "";
+  }
 }
 
 /** Runs a parse, turning a FormatError into a 400 that says what is wrong. */
@@ -2500,7 +2555,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
       if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
       const to = recipientParam(body.to, "to");
       if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
-      await bus.send(to, JSON.stringify(body.payload), await signerOf(body.payload));
+      await bus.send(to, JSON.stringify(body.payload), await signerOf(body.payload, to));
       return jsonResponse(202, '{"status":"queued"}');
     },
   },
@@ -2629,18 +2684,19 @@ export function serveHttp(
     let server = Deno.serve({ hostname, port, onListen: () => {} }, handler);
     const bound = server.addr.port;
     let stopping = false;
+    let retry: ReturnType<typeof setTimeout> | undefined;
     const watch = (s: typeof server) =>
       s.finished.catch((e: Error) => {
         if (stopping) return;
         logWarn(`the HTTP listener failed (${e.message}); listening again on port ${bound} in 1 s`);
-        setTimeout(function relisten() {
+        retry = setTimeout(function relisten() {
           if (stopping) return;
           try {
             server = Deno.serve({ hostname, port: bound, onListen: () => {} }, handler);
             watch(server);
           } catch (e) {
             logWarn(`cannot listen on port ${bound} yet (${(e as Error).message}); trying again in 1 s`);
-            setTimeout(relisten, 1000);
+            retry = setTimeout(relisten, 1000);
           }
         }, 1000);
       });
@@ -2649,6 +2705,7 @@ export function serveHttp(
       port: bound,
       stop: () => {
         stopping = true;
+        clearTimeout(retry);
         return server.shutdown();
       },
     });
@@ -5920,8 +5977,8 @@ async function runBus(o: Options): Promise<number> {
   const cap = intOption(o.cap, "cap", 1, 10_000_000);
   const limits = {
     opaqueCap: intOption(o["opaque-cap"], "opaque-cap", 1, 10_000_000),
-    senderBytes: intOption(o["sender-mb"], "sender-mb", 1, 1_000_000) << 20,
-    totalBytes: intOption(o["max-mb"], "max-mb", 1, 1_000_000) << 20,
+    senderBytes: intOption(o["sender-mb"], "sender-mb", 1, 1_000_000) * 2 ** 20,
+    totalBytes: intOption(o["max-mb"], "max-mb", 1, 1_000_000) * 2 ** 20,
   };
   const compactMinDead = intOption(o.compact, "compact", 1, 100_000_000);
   const dataDir = o.data as string;
