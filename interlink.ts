@@ -2502,7 +2502,14 @@ export const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-ros
  */
 async function signerOf(payload: unknown, route: string): Promise<string> {
   if (!isV2Shaped(payload)) return "";
-  const msg = parseOr400(() => parseSignedMessage(payload));
+  let msg: SignedMessage;
+  try {
+    msg = parseSignedMessage(payload);
+  } catch (e) {
+    // A kind or field this version does not know (a newer node's): relayed as opaque, as the reference contract says.
+    if (e instanceof FormatError) return "";
+    throw e;
+  }
   const bad = await verifyMessage(msg);
   if (bad) throw new HttpError(400, `the message's signature does not verify (${bad}); not queued`);
   // Else a copy of one of alice's messages, posted to other routes, would spend her budget and crowd her out.
