@@ -4135,9 +4135,19 @@ describe("run without cloning: bunx from a package, deno run from a URL", () => 
         const alice = await McpSession.start("alice", [...bunx, "mcp"], env(A), { cwd: root });
         sessions.push(alice);
         const url = `http://127.0.0.1:${web.port}/v0/interlink.ts`;
-        const bob = await McpSession.start("bob", [denoPath(), "run", "-A", "--quiet", url, "mcp"], env(B), {
-          cwd: root,
-        });
+        // The README's narrow permission set, exactly: a missing one fails here rather than for a user.
+        const permissions = fs.readFileSync(path.join(REPO, "README.md"), "utf8")
+          .match(/deno run ((?:--allow-[a-z]+ |\\\n\s*)+)https:/)![1].split(/\s+/).filter((f) =>
+            f.startsWith("--allow-")
+          );
+        const bob = await McpSession.start(
+          "bob",
+          [denoPath(), "run", "--no-prompt", ...permissions, "--quiet", url, "mcp"],
+          env(B),
+          {
+            cwd: root,
+          },
+        );
         sessions.push(bob);
         for (const s of sessions) {
           expect((await s.client.listTools()).tools.map((t) => t.name)).toContain("send_message");
