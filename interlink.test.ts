@@ -3821,6 +3821,21 @@ describe("sessions: several Claude Code sessions per identity, on Bun and Deno",
   }, 60_000);
 
   test(
+    "a relay that copies a message into another session's queue gets it refused there: the replay memory is identity-wide",
+    async () => {
+      const r = await bob.ok("send_message", { to: "alice", text: "only once", session: "play" });
+      await alice.play.waitEvent((e) => e.meta.msg_id === msgIdOf(r));
+      const signed = readNodeLog(B.stateDir).find((x) => x.t === "out" && x.msg.msg_id === msgIdOf(r))!.msg;
+      await postSend(bus.url, `${A.id.publicKey}#work-1`, signed); // the signature does not cover the route
+      const sentinel = await bob.ok("send_message", { to: "alice", text: "after the copy", session: "work-1" });
+      await alice["work-1"].waitEvent((e) => e.meta.msg_id === msgIdOf(sentinel)); // same queue: the copy came first
+      expect(alice["work-1"].events.some((e) => e.meta.msg_id === msgIdOf(r))).toBe(false);
+      await alice["work-1"].waitStderr(/replay/);
+    },
+    60_000,
+  );
+
+  test(
     "a session hint may be a unique prefix; an ambiguous one, or none with several live, lists the sessions",
     async () => {
       expect(sentTo(await bob.ok("send_message", { to: "alice", text: "by prefix", session: "pl" }))).toBe("play");
