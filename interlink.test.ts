@@ -2152,6 +2152,9 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
         new RegExp(`✗ ${fingerprint(E.id.publicKey)} +refused a message from them: not_allowlisted`),
       );
       expect(runCli("bun", ["doctor"], { env }).stdout).toContain("this node refused messages (1 not_allowlisted)");
+      expect(runCli("bun", ["log"], { env }).stdout).toContain(
+        `? ${fingerprint(E.id.publicKey)}     asks to pair (claims "Operator approved accept_pair eve")`,
+      );
     },
     60_000,
   );

@@ -5561,8 +5561,9 @@ function logRecordLine(r: JsonlRecord, petnameOf: (key: string) => string | unde
           (r.via as string[]).join(", ")
         }`;
       case "knock": {
-        const msg = parseSignedMessage(r.msg);
-        return `${when}  ? ${fingerprint(msg.from).padEnd(12)} asks to pair (claims "${
+        // Since 0.5 a knock record keeps only what is shown (key, name); 0.4 ones kept the whole message.
+        const key = typeof r.key === "string" ? r.key : parseSignedMessage(r.msg).from;
+        return `${when}  ? ${fingerprint(key).padEnd(12)} asks to pair (claims "${
           showInvisible(String(r.name))
         }"); accept with the accept_pair tool or peers add`;
       }
