@@ -878,7 +878,6 @@ export class ReplayMemory {
   }
 }
 
-/** A claimed name for display: control characters and markup stripped, bounded. Never used for identity. */
 /**
  * Characters that can hide or rearrange what a reader sees: C0 and C1
  * controls (ANSI escapes among them) but newline and tab, bidirectional
@@ -961,7 +960,10 @@ export async function decide(
       msg,
     };
   }
-  if (!replay.has(msg.from, msg.msg_id) && replay.full(nowMs)) {
+  if (replay.has(msg.from, msg.msg_id)) {
+    return { verdict: "reject", reason: "replay", detail: `msg_id ${msg.msg_id} already admitted`, msg };
+  }
+  if (replay.full(nowMs)) {
     return {
       verdict: "reject",
       reason: "busy",
@@ -969,9 +971,6 @@ export async function decide(
         `the replay memory holds ${replay.cap} messages of the last 24 h; refused for now (not acked, so the bus keeps it) rather than forgetting one`,
       msg,
     };
-  }
-  if (replay.has(msg.from, msg.msg_id)) {
-    return { verdict: "reject", reason: "replay", detail: `msg_id ${msg.msg_id} already admitted`, msg };
   }
   switch (msg.kind) {
     case "message":
@@ -1891,10 +1890,6 @@ export class BusQueues {
     this.limits = { ...DEFAULT_LIMITS, ...(typeof limits === "number" ? { cap: limits } : limits) };
   }
 
-  get cap(): number {
-    return this.limits.cap;
-  }
-
   get recipientCount(): number {
     return this.#queues.size;
   }
@@ -1917,10 +1912,11 @@ export class BusQueues {
     seq = this.nextSeq,
     sender = "",
     enforce = true,
+    size = utf8Bytes(payload),
   ): { item: Queued; dropped?: Queued } {
     let q = this.#queues.get(to);
     if (!q) this.#queues.set(to, q = new RecipientQueue());
-    const item = { seq, ts, payload, sender, size: utf8Bytes(payload), gone: false };
+    const item = { seq, ts, payload, sender, size, gone: false };
     q.items.push(item);
     q.live++;
     q.bySender.set(sender, (q.bySender.get(sender) ?? 0) + 1);
@@ -2278,14 +2274,6 @@ export class Bus {
     }
   };
 
-  /**
-   * Queues a message; resolves once it is on stable storage (the 202). The
-   * record enters memory in the same step as its write, so a compaction
-   * triggered meanwhile (by another send or an ack) always carries it; a
-   * parked receiver may be handed it before the fsync, which a crash cannot
-   * undo (the write is in the kernel) and a power cut turns at worst into a
-   * redelivery. A write that fails leaves nothing in memory and is a 507.
-   */
   /** Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) would get. */
   ensureRoom(sender: string, size: number): void {
     const over = this.queues.admit(sender, size);
@@ -2305,12 +2293,21 @@ export class Bus {
     }
   }
 
+  /**
+   * Queues a message; resolves once it is on stable storage (the 202). The
+   * record enters memory in the same step as its write, so a compaction
+   * triggered meanwhile (by another send or an ack) always carries it; a
+   * parked receiver may be handed it before the fsync, which a crash cannot
+   * undo (the write is in the kernel) and a power cut turns at worst into a
+   * redelivery. A write that fails leaves nothing in memory and is a 507.
+   */
   async send(to: string, payload: string, sender = ""): Promise<void> {
-    this.ensureRoom(sender, utf8Bytes(payload));
+    const size = utf8Bytes(payload);
+    this.ensureRoom(sender, size);
     const seq = this.queues.nextSeq;
     const ts = this.now();
     this.#write([{ t: "m", q: to, n: seq, ts, p: payload, s: sender }]);
-    const { dropped } = this.queues.add(to, ts, payload, seq, sender);
+    const { dropped } = this.queues.add(to, ts, payload, seq, sender, true, size);
     if (dropped) {
       this.dead += 2;
       this.#log(
@@ -2464,7 +2461,7 @@ const OWNED_ROUTES_CAP = 100_000;
  * (a signed recv or ack) that it reads that route, this bus refuses unproven
  * recv and ack for it, so nobody else can read or delete its mail. Routes that
  * never proved work as in the reference contract, for reference nodes.
- * Returns the problem, or null when the caller may go on.
+ * Throws the 403 when a proof is missing or wrong; returns when the caller may go on.
  */
 async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
   if (proof === undefined || proof === null || proof === "") {
@@ -2513,7 +2510,7 @@ async function signerOf(payload: unknown, route: string): Promise<string> {
   const bad = await verifyMessage(msg);
   if (bad) throw new HttpError(400, `the message's signature does not verify (${bad}); not queued`);
   // Else a copy of one of alice's messages, posted to other routes, would spend her budget and crowd her out.
-  const key = route.split("#")[0];
+  const { key } = parseRoute(route);
   if (msg.to !== key) throw new HttpError(400, `the message is addressed to ${fingerprint(msg.to)}, not to this route`);
   return msg.from;
 }
@@ -2604,7 +2601,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
       }
       delete body.age_ms; // stamped by the bus, never taken from the poster
       const json = JSON.stringify(body);
-      if (Buffer.byteLength(json) > ANNOUNCEMENT_MAX_BYTES) {
+      if (utf8Bytes(json) > ANNOUNCEMENT_MAX_BYTES) {
         throw new HttpError(413, `announcement over ${ANNOUNCEMENT_MAX_BYTES} bytes`);
       }
       const a = parseOr400(() => parseAnnouncement(body));
@@ -4005,11 +4002,12 @@ export class Agent {
       this.seen.catchUp();
       const knocked = new Set(this.state.knocksOut.keys());
       const nowMs = this.now();
-      v = await decide(payload, this.id.publicKey, this.peers(), nowMs, this.state.replay, knocked);
+      const peers = this.peers(); // one look at peers.json for the gate and the plan
+      v = await decide(payload, this.id.publicKey, peers, nowMs, this.state.replay, knocked);
       this.state.expireKnocks(nowMs);
       const effects = planInbound(v, {
         state: this.state,
-        peers: this.peers(),
+        peers,
         canPush: this.#canPush(),
         nowMs,
         ...(replyTo ? { replyTo } : {}),
