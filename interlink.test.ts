@@ -24,6 +24,8 @@ import {
   claimInbox,
   commandTable,
   decide,
+  describeTask,
+  type Draft,
   type Effect,
   escapePeerText,
   fingerprint,
@@ -31,6 +33,7 @@ import {
   FormatError,
   FRESH_FUTURE_MS,
   FRESH_PAST_MS,
+  GOODBYE_PREFIX,
   hasSmallOrder,
   humanBytes,
   type Identity,
@@ -51,6 +54,7 @@ import {
   OPAQUE_CAP,
   parseAnnouncement,
   parsePeers,
+  parseReceipt,
   parseSignedMessage,
   type Peers,
   type PeerSession,
@@ -59,6 +63,9 @@ import {
   presence,
   type PushEvent,
   readJsonl,
+  RECEIPT_LINES_MAX,
+  type ReceiptLine,
+  receiptText,
   RECV_TIMEOUT_MAX_MS,
   recvProofBytes,
   recvTimeoutMs,
@@ -75,6 +82,7 @@ import {
   type SignedMessage,
   signMessage,
   type TaskRow,
+  taskTable,
   TOOLS,
   unregisterBytes,
   verifyAnnouncement,
@@ -3480,6 +3488,371 @@ describe("the node core: decisions are lists of effects, carried out in order", 
   );
 });
 
+describe("delivery receipts: what is owed, what a receipt changes", () => {
+  const NOW = Date.now();
+  let A: NodeFiles, B: NodeFiles, E: Identity;
+  let peersOfB: Peers, peersOfA: Peers;
+  beforeAll(async () => {
+    const root = tmpDir();
+    A = await makeNodeFiles(root, "alice");
+    B = await makeNodeFiles(root, "bob");
+    E = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    peersOfB = parsePeers(JSON.stringify({ alice: { key: A.id.publicKey } }));
+    peersOfA = parsePeers(JSON.stringify({ bob: { key: B.id.publicKey } }));
+  });
+  const aliceRoute = () => `${A.id.publicKey}#a1`;
+  const ctx = (state: NodeState, extra: Partial<InboundContext> = {}): InboundContext => ({
+    state,
+    peers: peersOfB,
+    canPush: false,
+    nowMs: NOW,
+    replyTo: aliceRoute(),
+    wantsReceipts: true,
+    selfKey: B.id.publicKey,
+    ...extra,
+  });
+  /** Carries out a plan's journal appends on `state`, as the journal's fold would. */
+  const applyPlan = (state: NodeState, effects: Effect[]) => {
+    for (const e of effects) {
+      if (e.do === "append") {
+        for (const r of e.records) state.apply({ ...r, at: NOW } as never);
+      }
+    }
+  };
+
+  test("the text is one line per report; malformed and surplus lines are skipped", () => {
+    const lines: ReceiptLine[] = [
+      { state: "delivered", msg_id: "m1", at: 5, session: "s1" },
+      { state: "shown", msg_id: "m1", at: 6, session: "s1" },
+      { state: "refused", msg_id: "m2", at: 7, reason: "stale", skew_ms: 125_000 },
+    ];
+    expect(receiptText(lines)).toBe("delivered m1 5 s1\nshown m1 6 s1\nrefused m2 7 stale 125000");
+    expect(parseReceipt(receiptText(lines))).toEqual(lines);
+    const hostile = ["delivered m1 5", "shown <b> 6 s1", "refused m3 7 because", "delivered m4 x s1", "eaten m5 1 s"];
+    expect(parseReceipt(hostile.join("\n"))).toEqual([]);
+    const many = Array.from({ length: RECEIPT_LINES_MAX + 5 }, (_, i) => `delivered m${i} 1 s`).join("\n");
+    expect(parseReceipt(many).length).toBe(RECEIPT_LINES_MAX);
+  });
+
+  test("a message that asks is owed delivered, then shown once it is shown; the receipt that reports them clears both", async () => {
+    const state = new NodeState(() => NOW);
+    const msg = await signMessage(A.id, { to: B.id.publicKey, text: "hi" }, NOW);
+    const v = await decide(msg, B.id.publicKey, peersOfB, NOW, state.replay);
+    applyPlan(state, planInbound(v, ctx(state)));
+    expect(state.owed.get(aliceRoute())).toEqual([{ state: "delivered", msg_id: msg.msg_id, at: NOW }]);
+    state.apply({ t: "shown", at: NOW + 1, item: `${msg.from} ${msg.msg_id}`, via: "inbox" });
+    expect(state.owed.get(aliceRoute())!.map((l) => l.state)).toEqual(["delivered", "shown"]);
+    const reported = state.owed.get(aliceRoute())!.map((l) => ({ ...l, session: "bob" }));
+    const receipt = await signMessage(B.id, {
+      to: A.id.publicKey,
+      kind: "receipt",
+      text: receiptText(reported),
+      in_reply_to: msg.msg_id,
+    }, NOW);
+    state.apply({ t: "out", at: NOW, peer: "alice", recipient: aliceRoute(), msg: receipt });
+    expect(state.owed.size).toBe(0);
+    // No hint (a reference node), or a goodbye: nothing is owed.
+    const quiet = new NodeState(() => NOW);
+    const again = await decide(msg, B.id.publicKey, peersOfB, NOW, quiet.replay);
+    applyPlan(quiet, planInbound(again, ctx(quiet, { wantsReceipts: false })));
+    const bye = await signMessage(A.id, { to: B.id.publicKey, text: `${GOODBYE_PREFIX} closing` }, NOW);
+    applyPlan(quiet, planInbound(await decide(bye, B.id.publicKey, peersOfB, NOW, quiet.replay), ctx(quiet)));
+    expect(quiet.owed.size).toBe(0);
+    // After a goodbye the session's receipts wait (the agent holds them until it is back); a message from it clears that.
+    expect(quiet.closed.get(aliceRoute())).toBe(NOW);
+    const back = await signMessage(A.id, { to: B.id.publicKey, text: "resumed" }, NOW);
+    applyPlan(quiet, planInbound(await decide(back, B.id.publicKey, peersOfB, NOW, quiet.replay), ctx(quiet)));
+    expect(quiet.closed.has(aliceRoute())).toBe(false);
+    expect(quiet.owed.get(aliceRoute())!.map((l) => l.msg_id)).toEqual([back.msg_id]);
+  });
+
+  test("a receipt updates only messages we sent to its signer; unknown ids and repeats change nothing", async () => {
+    const state = new NodeState(() => NOW);
+    const mine = await signMessage(A.id, { to: B.id.publicKey, text: "task", task_id: "t1" }, NOW);
+    state.apply({ t: "out", at: NOW, peer: "bob", recipient: `${B.id.publicKey}#bob`, msg: mine });
+    state.apply({ t: "sent", at: NOW, msg_id: mine.msg_id, via: ["http://bus"] });
+    const receiptOf = (from: Identity, lines: ReceiptLine[]) =>
+      signMessage(
+        from,
+        { to: A.id.publicKey, kind: "receipt", text: receiptText(lines), in_reply_to: lines[0].msg_id },
+        NOW,
+      );
+    const gate = async (m: SignedMessage) => {
+      const v = await decide(m, A.id.publicKey, peersOfA, NOW, state.replay);
+      return { v, effects: planInbound(v, { state, peers: peersOfA, canPush: true, nowMs: NOW }) };
+    };
+    // A stranger's receipt is refused at the gate; one about an unknown msg_id is only acked.
+    const fromEve = await gate(
+      await receiptOf(E, [{ state: "delivered", msg_id: mine.msg_id, at: NOW, session: "x" }]),
+    );
+    expect(fromEve.v.verdict === "reject" && fromEve.v.reason).toBe("not_allowlisted");
+    const unknown = await gate(await receiptOf(B.id, [{ state: "delivered", msg_id: "nope", at: NOW, session: "x" }]));
+    expect(unknown.effects.map((e) => e.do)).toEqual(["remember", "log", "sync", "ack"]);
+    // delivered: recorded, nothing reaches the model.
+    const delivered = await gate(
+      await receiptOf(B.id, [{ state: "delivered", msg_id: mine.msg_id, at: NOW, session: "bob" }]),
+    );
+    expect(delivered.effects.map((e) => e.do)).toEqual(["append", "remember", "sync", "ack"]);
+    applyPlan(state, delivered.effects);
+    expect(state.outgoing.get(mine.msg_id)!.delivered).toEqual({ at: NOW, session: "bob" });
+    expect(describeTaskOf(state)).toContain(`your last message ${mine.msg_id} was delivered to bob's session`);
+    // The same report again (a second copy signed anew): nothing new.
+    const repeat = await gate(
+      await receiptOf(B.id, [{ state: "delivered", msg_id: mine.msg_id, at: NOW, session: "bob" }]),
+    );
+    expect(repeat.effects.map((e) => e.do)).toEqual(["remember", "log", "sync", "ack"]);
+    // refused: one line, pushed once, then kept as a status.
+    const refused = await gate(
+      await receiptOf(B.id, [{ state: "refused", msg_id: mine.msg_id, at: NOW, reason: "stale", skew_ms: 125_000 }]),
+    );
+    expect(refused.effects.map((e) => e.do)).toEqual(["append", "remember", "push", "append", "sync", "ack"]);
+    const push = refused.effects.find((e) => e.do === "push") as Extract<Effect, { do: "push" }>;
+    expect(push.event.meta).toEqual({
+      sender: "interlink",
+      kind: "refused_by_peer",
+      fingerprint: fingerprint(B.id.publicKey),
+    });
+    expect(push.event.content).toBe(
+      `bob refused your message ${mine.msg_id} [task t1]: your clock is ahead of theirs by ~2 min (over a minute is refused); ask your operator to fix the clock (NTP).`,
+    );
+    applyPlan(state, refused.effects);
+    expect(state.inbox.size).toBe(0);
+    expect(state.outgoing.get(mine.msg_id)!.refusedBy?.reason).toBe("stale");
+  });
+
+  /** The task line alice's list_tasks would show for t1. */
+  function describeTaskOf(state: NodeState): string {
+    const names = { petnameOf: (k: string) => peersOfA.byKey.get(k), peers: () => peersOfA };
+    const rows = taskTable(names, state.tasks.values());
+    return rows.map((t) => describeTask(names, t, state.outgoing)).join("\n");
+  }
+
+  test("a stale message is reported to a peer that asks, once per message, 30 an hour; never to a stranger or about a receipt", async () => {
+    const state = new NodeState(() => NOW);
+    const ahead = (from: Identity, extra: Partial<Draft> = {}) =>
+      signMessage(from, { to: B.id.publicKey, text: "from the future", ...extra }, NOW + 150_000);
+    const owes = async (m: SignedMessage, extra: Partial<InboundContext> = {}) => {
+      const v = await decide(m, B.id.publicKey, peersOfB, NOW, state.replay);
+      expect(v.verdict).toBe("reject");
+      const effects = planInbound(v, ctx(state, extra));
+      applyPlan(state, effects);
+      return effects.flatMap((e) => (e.do === "append" ? e.records as Record<string, unknown>[] : [])).filter((r) =>
+        r.t === "owe"
+      );
+    };
+    const first = await ahead(A.id);
+    expect(await owes(first)).toEqual([
+      { t: "owe", route: aliceRoute(), msg_id: first.msg_id, reason: "stale", skew_ms: 150_000 },
+    ]);
+    expect(state.owed.get(aliceRoute())).toEqual([
+      { state: "refused", msg_id: first.msg_id, at: NOW, reason: "stale", skew_ms: 150_000 },
+    ]);
+    expect(await owes(first)).toEqual([]); // the same message again (a relay replaying it)
+    expect(await owes(await ahead(A.id), { wantsReceipts: false })).toEqual([]); // it did not ask
+    expect(await owes(await ahead(E))).toEqual([]); // a stranger (refused as not_allowlisted)
+    expect(await owes(await ahead(A.id, { kind: "receipt", text: `delivered ${first.msg_id} 1 s` }))).toEqual([]);
+    let reported = 1;
+    for (let i = 0; i < 40; i++) reported += (await owes(await ahead(A.id))).length;
+    expect(reported).toBe(30); // the hourly bound per peer
+  });
+});
+
+/** Reads and acks everything waiting for `route` on a bus, as a reference node (no proof) would. */
+async function drainRoute(busUrl: string, route: string): Promise<Record<string, unknown>[]> {
+  const got: Record<string, unknown>[] = [];
+  for (;;) {
+    const r = await (await fetch(`${busUrl}/recv?me=${encodeURIComponent(route)}&timeout_ms=0`)).json();
+    if (r.status !== "message") return got;
+    got.push(r.envelope.payload);
+    const acked = await fetch(`${busUrl}/ack`, { method: "POST", body: JSON.stringify({ me: route, ack: r.ack }) });
+    expect(acked.status).toBe(200);
+  }
+}
+
+describe("delivery receipts end to end: alice on Bun, bob and dave on Deno", () => {
+  // alice pushes (channel), bob waits for check_inbox (inbox), dave's clock runs 125 s ahead; "ref" is a
+  // reference node driven with raw HTTP: it asks for no receipts.
+  let root: string, bus: Child & { url: string };
+  let A: NodeFiles, B: NodeFiles, D: NodeFiles, R: NodeFiles;
+  let alice: McpNode, bob: McpNode, dave: McpNode;
+  const refRoute = () => `${R.id.publicKey}#r1`;
+
+  beforeAll(async () => {
+    root = tmpDir();
+    bus = await startBus("bun", path.join(root, "bus"));
+    [A, B, D, R] = await Promise.all(["alice", "bob", "dave", "ref"].map((n) => makeNodeFiles(root, n)));
+    befriend(A, B);
+    befriend(A, D);
+    befriend(B, R);
+    [alice, bob, dave] = await Promise.all([
+      McpNode.start("bun", A, bus.url),
+      McpNode.start("deno", B, bus.url, { INTERLINK_DELIVERY: "inbox" }),
+      McpNode.start("deno", D, bus.url, { INTERLINK_CLOCK_OFFSET_MS: "125000" }),
+    ]);
+  }, 120_000);
+
+  afterAll(async () => {
+    await Promise.allSettled([alice?.close(), bob?.close(), dave?.close()]);
+    if (bus) await stop(bus);
+  });
+
+  const statusOf = (node: McpNode, sent: string) => node.ok("message_status", { msg_id: msgIdOf(sent) });
+
+  test(
+    "inbox mode: delivered first, shown only after check_inbox; nothing about it reaches alice's model",
+    async () => {
+      const sent = await alice.ok("send_message", { to: "bob", text: "read me", task_id: "rcpt" });
+      let status = "";
+      await eventually(async () => (status = await statusOf(alice, sent)).includes("not yet shown"), "delivered");
+      expect(status).toMatch(/sent at \S+ \(accepted by .*\) → delivered at \S+ \(bob's session bob\) → not yet shown/);
+      expect(await alice.ok("list_tasks")).toContain(
+        `your last message ${msgIdOf(sent)} was delivered to bob's session at`,
+      );
+      expect(await bob.ok("check_inbox")).toContain("read me");
+      await eventually(async () => (status = await statusOf(alice, sent)).includes("shown to its model at"), "shown");
+      expect(status).not.toContain("not yet shown");
+      expect(await alice.ok("list_tasks")).not.toContain("not yet shown");
+      expect(alice.events.filter((e) => e.meta.sender === "interlink")).toEqual([]);
+      expect(bob.events).toEqual([]);
+      const log = runCli("bun", ["log"], {
+        env: { INTERLINK_KEY: A.keyFile, INTERLINK_PEERS: A.peersFile, INTERLINK_STATE: A.stateDir },
+      }).stdout;
+      const id = msgIdOf(sent).slice(0, 12);
+      expect(log).toMatch(new RegExp(`✓ bob +${id} delivered \\(their session bob, `));
+      expect(log).toMatch(new RegExp(`✓ bob +${id} shown \\(their session bob, `));
+      expect(log).not.toContain("(receipt)"); // the receipts alice sends are bookkeeping, not lines of the log
+    },
+    60_000,
+  );
+
+  test("channel mode: shown at the push (bob, on Deno, is told by alice on Bun)", async () => {
+    const sent = await bob.ok("send_message", { to: "alice", text: "pushed to you" });
+    await alice.waitEvent((e) => e.meta.msg_id === msgIdOf(sent));
+    await eventually(async () => (await statusOf(bob, sent)).includes("shown to its model at"), "shown");
+    expect(await statusOf(bob, sent)).toContain("(alice's session alice) → shown to its model at");
+    expect(await bob.ok("check_inbox")).toBe("no unread messages"); // receipts are not inbox items
+  }, 60_000);
+
+  test("refused for clock skew: the reason at the sender, and one line to its model", async () => {
+    const first = await dave.ok("send_message", { to: "alice", text: "from the future" });
+    const line = await dave.waitEvent((e) => e.meta.kind === "refused_by_peer");
+    expect(line.meta.sender).toBe("interlink");
+    expect(line.content).toBe(
+      `alice refused your message ${
+        msgIdOf(first)
+      }: your clock is ahead of theirs by ~2 min (over a minute is refused); ask your operator to fix the clock (NTP).`,
+    );
+    expect(await statusOf(dave, first)).toMatch(/REFUSED by alice at \S+: your clock is ahead of theirs by ~2 min/);
+    await alice.waitEvent((e) => e.meta.kind === "refused" && e.content.includes("freshness window"));
+    // A second message: its own line; the first is never shown again.
+    const second = await dave.ok("send_message", { to: "alice", text: "still ahead" });
+    await dave.waitEvent((e) => e.meta.kind === "refused_by_peer" && e.content.includes(msgIdOf(second)));
+    expect(dave.events.filter((e) => e.meta.kind === "refused_by_peer").length).toBe(2);
+    expect(dave.events.filter((e) => e.meta.sender !== "interlink")).toEqual([]);
+    const log = runCli("deno", ["log"], {
+      env: { INTERLINK_KEY: D.keyFile, INTERLINK_PEERS: D.peersFile, INTERLINK_STATE: D.stateDir },
+    }).stdout;
+    expect(log).toMatch(new RegExp(`✗ alice +${msgIdOf(first).slice(0, 12)} refused by them: your clock is ahead`));
+    // doctor explains it on either side.
+    const doctor = (f: NodeFiles) =>
+      runCli("bun", ["doctor"], {
+        env: {
+          INTERLINK_KEY: f.keyFile,
+          INTERLINK_PEERS: f.peersFile,
+          INTERLINK_STATE: f.stateDir,
+          INTERLINK_URL: bus.url,
+        },
+      }).stdout;
+    expect(doctor(D)).toMatch(
+      /alice refused your messages in the last day .*: your clock is ahead of theirs by ~2 min/,
+    );
+    expect(doctor(A)).toContain("their senders were told by receipt (2)");
+  }, 60_000);
+
+  test("a node whose messages carry no hint (a reference node, raw HTTP) gets no receipts", async () => {
+    const bobRoute = `${B.id.publicKey}#bob`;
+    const quiet = await signMessage(R.id, { to: B.id.publicKey, text: "as 0.8 sends it" }, Date.now());
+    const asks = await signMessage(R.id, { to: B.id.publicKey, text: "with the hint" }, Date.now());
+    await postSend(bus.url, bobRoute, { ...quiet, reply_to: refRoute() });
+    await postSend(bus.url, bobRoute, { ...asks, reply_to: refRoute(), receipts: true });
+    const got: Record<string, unknown>[] = [];
+    const mentions = (id: string) => got.filter((p) => String(p.text).includes(id));
+    await eventually(async () => {
+      got.push(...await drainRoute(bus.url, refRoute()));
+      return mentions(asks.msg_id).length > 0;
+    }, "bob's receipt for the message that asked");
+    expect(got.every((p) => p.kind === "receipt" && p.from === B.id.publicKey && p.receipts === undefined)).toBe(true);
+    expect(mentions(quiet.msg_id)).toEqual([]);
+    // bob's receipt, though it signs as usual, verifies as any message does.
+    expect(await verifyMessage(parseSignedMessage(got[0]))).toBeNull();
+    await bob.ok("check_inbox");
+  }, 60_000);
+
+  test("a receipt about an unknown msg_id is ignored; one about a message bob sent is applied", async () => {
+    const sent = await bob.ok("send_message", { to: "ref", text: "hello, reference" });
+    const bobRoute = `${B.id.publicKey}#bob`;
+    const receipt = (id: string) =>
+      signMessage(R.id, {
+        to: B.id.publicKey,
+        kind: "receipt",
+        text: `delivered ${id} ${Date.now()} r1`,
+        in_reply_to: id,
+      }, Date.now());
+    await postSend(bus.url, bobRoute, await receipt("no-such-message"));
+    await postSend(bus.url, bobRoute, await receipt(msgIdOf(sent)));
+    await eventually(async () => (await statusOf(bob, sent)).includes("(ref's session r1)"), "the known one applied");
+    const records = readNodeLog(B.stateDir).filter((r) => r.t === "receipt" && r.msg.from === R.id.publicKey);
+    expect(records.map((r) => parseReceipt(r.msg.text)[0].msg_id)).toEqual([msgIdOf(sent)]);
+    expect(await bob.ok("check_inbox")).toBe("no unread messages");
+  }, 60_000);
+});
+
+test.concurrent("receipts: restarts of either side in between keep every status right", async () => {
+  const { root, A, B } = await twoPeers();
+  const bus = await startBus("bun", path.join(root, "bus"));
+  const inbox = { INTERLINK_DELIVERY: "inbox" };
+  let alice = await McpNode.start("bun", A, bus.url, inbox);
+  let bob: McpNode | undefined;
+  const journalOfBob = () => readNodeLog(B.stateDir);
+  try {
+    // bob is not running: the message is only sent. alice then closes (and says goodbye: the task is open).
+    const sent = await alice.ok("send_message", { to: "bob", text: "across restarts", task_id: "r", session: "bob" });
+    const id = msgIdOf(sent);
+    const status = () => alice.ok("message_status", { msg_id: id });
+    await eventually(async () => (await status()).includes("sent at"), "sent");
+    await alice.close();
+    // bob admits both while alice is gone: its receipt waits for her session to be back, in bob's journal.
+    bob = await McpNode.start("deno", B, bus.url, inbox);
+    await eventually(() => journalOfBob().filter((r) => r.t === "in").length === 2, "bob admitted both");
+    await bob.close();
+    alice = await McpNode.start("bun", A, bus.url, inbox);
+    bob = await McpNode.start("deno", B, bus.url, inbox);
+    await eventually(async () => (await status()).includes("not yet shown"), "delivered reaches alice");
+    await alice.close();
+    alice = await McpNode.start("bun", A, bus.url, inbox);
+    expect(await status()).toContain("not yet shown"); // from alice's journal
+    expect(await bob.ok("check_inbox")).toContain("across restarts");
+    await eventually(async () => (await status()).includes("shown to its model at"), "shown reaches alice", 30_000);
+    await Promise.all([alice.close(), bob.close()]);
+    [alice, bob] = await Promise.all([
+      McpNode.start("bun", A, bus.url, inbox),
+      McpNode.start("deno", B, bus.url, inbox),
+    ]);
+    expect(await status()).toContain("shown to its model at");
+    const unread = await alice.ok("check_inbox"); // bob's goodbyes, and no receipt among them
+    expect(unread).not.toMatch(/^(delivered|shown) /m);
+    expect(unread).not.toContain("refused_by_peer");
+    // Each state was reported once, whatever restarted.
+    const reports = journalOfBob().filter((r) => r.t === "out" && r.msg.kind === "receipt").flatMap((r) =>
+      parseReceipt(r.msg.text).map((l) => `${l.state} ${l.msg_id}`)
+    );
+    expect(reports).toEqual([`delivered ${id}`, `shown ${id}`]);
+  } finally {
+    await Promise.allSettled([alice.close(), bob?.close()]);
+    await stop(bus);
+  }
+}, 120_000);
+
 describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
   test("an agent killed between journaling a message and pushing it shows it after the restart, once", async () => {
     const { root, A, B } = await twoPeers();
@@ -4363,7 +4736,7 @@ describe("hostile clients: fair room on the bus", () => {
       const m = await signMessage(alice, { to: bob.publicKey, text: "x" }, Date.now());
       expect((await post(bob.publicKey, { ...m, text: "tampered" })).status).toBe(400);
       // A kind this version does not know (a newer node's) is relayed, as an opaque payload.
-      expect((await post(bob.publicKey, { ...m, kind: "receipt" })).status).toBe(202);
+      expect((await post(bob.publicKey, { ...m, kind: "future_kind" })).status).toBe(202);
       bus.ack(bob.publicKey, bus.queues.first(bob.publicKey)!.seq);
       // A copy of alice's message to bob, posted to another route, would spend her budget: refused.
       const elsewhere = await post(eve.publicKey, m);
