@@ -23,6 +23,7 @@ import {
   chooseRoute,
   claimInbox,
   commandTable,
+  conversation,
   decide,
   describeTask,
   type Draft,
@@ -1924,7 +1925,7 @@ describe("agent: durability of the outbox", () => {
         new RegExp(`Cannot parse ${peersFile}: 'bob'`),
       );
       const fine = { INTERLINK_KEY: keyFile, INTERLINK_PEERS: path.join(root, "none.json") };
-      await explain({ ...fine, INTERLINK_URL: "ftp://x" }, /must be http:\/\/ or https:\/\//);
+      await explain({ ...fine, INTERLINK_URL: "ftp://x" }, /must be http:\/\/, https:\/\/, nats:\/\/ or tls:\/\//);
       await explain({ ...fine, INTERLINK_DELIVERY: "carrier-pigeon" }, /not one of inbox, channel/);
       fs.writeFileSync(path.join(root, "config.json"), "{ not json");
       await explain(fine, /cannot read .*config\.json.*Fix or delete it/);
@@ -3569,8 +3570,12 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
   test("a receipt updates only messages we sent to its signer; unknown ids and repeats change nothing", async () => {
     const state = new NodeState(() => NOW);
     const mine = await signMessage(A.id, { to: B.id.publicKey, text: "task", task_id: "t1" }, NOW);
-    state.apply({ t: "out", at: NOW, peer: "bob", recipient: `${B.id.publicKey}#bob`, msg: mine });
-    state.apply({ t: "sent", at: NOW, msg_id: mine.msg_id, via: ["http://bus"] });
+    const second = await signMessage(A.id, { to: B.id.publicKey, text: "later", task_id: "t2" }, NOW);
+    const toEve = await signMessage(A.id, { to: E.publicKey, text: "not bob's" }, NOW);
+    for (const [msg, to] of [[mine, "bob"], [second, "bob"], [toEve, "eve"]] as const) {
+      state.apply({ t: "out", at: NOW, peer: to, recipient: msg.to, msg });
+      state.apply({ t: "sent", at: NOW, msg_id: msg.msg_id, via: ["http://bus"] });
+    }
     const receiptOf = (from: Identity, lines: ReceiptLine[]) =>
       signMessage(
         from,
@@ -3588,6 +3593,11 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
     expect(fromEve.v.verdict === "reject" && fromEve.v.reason).toBe("not_allowlisted");
     const unknown = await gate(await receiptOf(B.id, [{ state: "delivered", msg_id: "nope", at: NOW, session: "x" }]));
     expect(unknown.effects.map((e) => e.do)).toEqual(["remember", "log", "sync", "ack"]);
+    // bob cannot report on a message alice sent to someone else.
+    const notBobs = await gate(
+      await receiptOf(B.id, [{ state: "refused", msg_id: toEve.msg_id, at: NOW, reason: "stale", skew_ms: 1 }]),
+    );
+    expect(notBobs.effects.map((e) => e.do)).toEqual(["remember", "log", "sync", "ack"]);
     // delivered: recorded, nothing reaches the model.
     const delivered = await gate(
       await receiptOf(B.id, [{ state: "delivered", msg_id: mine.msg_id, at: NOW, session: "bob" }]),
@@ -3601,11 +3611,22 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
       await receiptOf(B.id, [{ state: "delivered", msg_id: mine.msg_id, at: NOW, session: "bob" }]),
     );
     expect(repeat.effects.map((e) => e.do)).toEqual(["remember", "log", "sync", "ack"]);
-    // refused: one line, pushed once, then kept as a status.
-    const refused = await gate(
+    // A refusal of a message already delivered is about a copy (a relay replaying it): the message got through.
+    const late = await gate(
       await receiptOf(B.id, [{ state: "refused", msg_id: mine.msg_id, at: NOW, reason: "stale", skew_ms: 125_000 }]),
     );
+    expect(late.effects.map((e) => e.do)).toEqual(["remember", "log", "sync", "ack"]);
+    // refused: one line, pushed once (however often the receipt repeats it), then kept as a status.
+    const refusal: ReceiptLine = {
+      state: "refused",
+      msg_id: second.msg_id,
+      at: NOW,
+      reason: "stale",
+      skew_ms: 125_000,
+    };
+    const refused = await gate(await receiptOf(B.id, [refusal, refusal, refusal]));
     expect(refused.effects.map((e) => e.do)).toEqual(["append", "remember", "push", "append", "sync", "ack"]);
+    expect((refused.effects[0] as { records: { lines: number[] }[] }).records[0].lines).toEqual([0]);
     const push = refused.effects.find((e) => e.do === "push") as Extract<Effect, { do: "push" }>;
     expect(push.event.meta).toEqual({
       sender: "interlink",
@@ -3613,11 +3634,76 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
       fingerprint: fingerprint(B.id.publicKey),
     });
     expect(push.event.content).toBe(
-      `bob refused your message ${mine.msg_id} [task t1]: your clock is ahead of theirs by ~2 min (over a minute is refused); ask your operator to fix the clock (NTP).`,
+      `bob refused your message ${second.msg_id} [task t2]: your clock is ahead of theirs by ~2 min (over a minute is refused); ask your operator to fix the clock (NTP).`,
     );
     applyPlan(state, refused.effects);
     expect(state.inbox.size).toBe(0);
-    expect(state.outgoing.get(mine.msg_id)!.refusedBy?.reason).toBe("stale");
+    expect(state.outgoing.get(second.msg_id)!.refusedBy?.reason).toBe("stale");
+    expect(state.outgoing.get(mine.msg_id)!.refusedBy).toBeUndefined();
+    // A report that was not admitted (bob's line about alice's message to eve) never shows in the history.
+    const dir = tmpDir();
+    fs.writeFileSync(
+      path.join(dir, "log.jsonl"),
+      [
+        { t: "out", at: NOW, peer: "eve", recipient: toEve.to, msg: toEve },
+        { t: "sent", at: NOW, msg_id: toEve.msg_id, via: ["http://bus"] },
+        {
+          t: "receipt",
+          at: NOW,
+          peer: "bob",
+          msg: await receiptOf(B.id, [
+            { state: "refused", msg_id: toEve.msg_id, at: NOW, reason: "stale", skew_ms: 1 },
+            refusal,
+          ]),
+          lines: [1],
+        },
+      ].map((r) => JSON.stringify(r)).join("\n") + "\n",
+    );
+    expect(conversation(dir, E.publicKey, 10).map((r) => r.state)).toEqual(["sent"]);
+  });
+
+  test("the agent sends what is owed: at most 100 reports a receipt and 4 receipts a pass per peer; none to a session that said goodbye, or to a key no longer a peer", async () => {
+    const { root, A: A2, B: B2 } = await twoPeers();
+    const E2 = await makeNodeFiles(root, "eve");
+    // No bus answers: the roster cannot show the closed session back, and the receipts wait in the outbox.
+    const bob = await Agent.open(nodeConfig(B2, ["http://127.0.0.1:9"], "inbox"), "test");
+    try {
+      const from = async (f: NodeFiles, session: string, text = "hi") => ({
+        t: "in",
+        peer: f.name,
+        msg: await signMessage(f.id, { to: B2.id.publicKey, text }, Date.now()),
+        reply_session: session,
+        receipts: true,
+      });
+      const records = [await from(A2, "gone", "before the goodbye"), await from(A2, "gone", `${GOODBYE_PREFIX} bye`)];
+      for (let i = 0; i < 250; i++) records.push(await from(A2, "busy", `n${i}`));
+      for (const s of ["s1", "s2", "s3", "s4", "s5"]) records.push(await from(A2, s));
+      records.push(await from(E2, "x")); // eve was never a peer of bob's (say, removed since)
+      bob.journal.append(records);
+      const sent = () =>
+        readNodeLog(B2.stateDir).filter((r) => r.t === "out" && r.msg.kind === "receipt").map((r) => ({
+          route: r.recipient as string,
+          reports: parseReceipt(r.msg.text).length,
+        }));
+      await bob.sendReceipts();
+      const first = sent();
+      expect(first.length).toBe(4); // one pass: 4 receipts for alice's key, whichever sessions
+      expect(first[0]).toEqual({ route: `${A2.id.publicKey}#busy`, reports: 100 });
+      expect(first.some((r) => r.route.endsWith("#gone") || r.route.startsWith(E2.id.publicKey))).toBe(false);
+      await bob.sendReceipts();
+      await bob.sendReceipts();
+      const routes = sent().map((r) => r.route.split("#")[1]).sort();
+      expect(routes).toEqual(["busy", "busy", "busy", "s1", "s2", "s3", "s4", "s5"]);
+      expect(sent().filter((r) => r.route.endsWith("#busy")).map((r) => r.reports)).toEqual([100, 100, 50]);
+      expect(bob.state.owed.has(`${A2.id.publicKey}#gone`)).toBe(true); // held, not lost
+      expect(bob.state.owed.has(`${E2.id.publicKey}#x`)).toBe(false);
+      // The session writes again: it is back, and gets what it was owed.
+      bob.journal.append([await from(A2, "gone", "back")]);
+      await bob.sendReceipts();
+      expect(sent().filter((r) => r.route.endsWith("#gone")).map((r) => r.reports)).toEqual([2]);
+    } finally {
+      await bob.stop();
+    }
   });
 
   /** The task line alice's list_tasks would show for t1. */
@@ -3648,6 +3734,8 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
       { state: "refused", msg_id: first.msg_id, at: NOW, reason: "stale", skew_ms: 150_000 },
     ]);
     expect(await owes(first)).toEqual([]); // the same message again (a relay replaying it)
+    // Too old is not reported: its sender re-signs before a day, so a relay held or replayed it.
+    expect(await owes(await signMessage(A.id, { to: B.id.publicKey, text: "old" }, NOW - 25 * 3600_000))).toEqual([]);
     expect(await owes(await ahead(A.id), { wantsReceipts: false })).toEqual([]); // it did not ask
     expect(await owes(await ahead(E))).toEqual([]); // a stranger (refused as not_allowlisted)
     expect(await owes(await ahead(A.id, { kind: "receipt", text: `delivered ${first.msg_id} 1 s` }))).toEqual([]);
@@ -3766,7 +3854,7 @@ describe("delivery receipts end to end: alice on Bun, bob and dave on Deno", () 
     expect(doctor(D)).toMatch(
       /alice refused your messages in the last day .*: your clock is ahead of theirs by ~2 min/,
     );
-    expect(doctor(A)).toContain("their senders were told by receipt (2)");
+    expect(doctor(A)).toContain("2 of them are reported to their senders by receipt");
   }, 60_000);
 
   test("a node whose messages carry no hint (a reference node, raw HTTP) gets no receipts", async () => {
@@ -4810,4 +4898,224 @@ describe("hostile clients: fair room on the bus", () => {
     expect(queues.admit("", 10)).toBe(null);
     expect(humanBytes(4096 * 2 ** 20)).toBe("4096 MiB");
   });
+});
+
+// ----------------------------------------------------------------------------
+// NATS JetStream relays: real nats-server processes on loopback ports. They run whenever nats-server is on PATH
+// (CI installs it); without it, the suite says which were skipped and the line that installs it.
+
+const NATS_SERVER = Bun.which("nats-server");
+const NATS_TESTS = [
+  "two agents (Bun and Deno) through one JetStream server run the task lifecycle",
+  "kill -9 of an agent mid-stream loses and duplicates nothing",
+  "a three-node cluster keeps delivering when the agent's server is killed; nothing acknowledged is lost",
+  "a mixed setup (one agent on HTTP and NATS, one only on NATS) delivers exactly once",
+  "doctor checks a NATS relay; a server without JetStream is a problem with a fix",
+];
+if (!NATS_SERVER) {
+  process.stderr.write(
+    `\nSKIPPED ${NATS_TESTS.length} NATS tests (nats-server is not on PATH):\n${
+      NATS_TESTS.map((t) => `  - ${t}\n`).join("")
+    }Install it with: sudo apt-get install -y nats-server\n\n`,
+  );
+}
+const natsTest = NATS_SERVER ? test.concurrent : test.skip;
+
+interface NatsServer {
+  url: string;
+  child: Child;
+  kill(): void;
+}
+
+/** Starts nats-server nodes with JetStream (one, or a cluster when n > 1) and waits until they serve. */
+async function startNats(root: string, n = 1, opts: { jetstream?: boolean } = {}): Promise<NatsServer[]> {
+  const ports = await Promise.all(Array.from({ length: n * 2 }, () => freePort()));
+  const servers = Array.from({ length: n }, (_, i) => {
+    const dir = path.join(root, `nats-${i}`);
+    fs.mkdirSync(dir, { recursive: true });
+    const routes = Array.from({ length: n }, (_, j) => `nats://127.0.0.1:${ports[n + j]}`).filter((_, j) => j !== i);
+    const conf = [
+      `listen: 127.0.0.1:${ports[i]}`,
+      `server_name: n${i}`,
+      "max_payload: 2MB",
+      opts.jetstream === false ? "" : `jetstream { store_dir: "${dir}" }`,
+      n > 1 ? `cluster { name: c, listen: 127.0.0.1:${ports[n + i]}, routes: [${routes.join(", ")}] }` : "",
+    ].join("\n");
+    fs.writeFileSync(path.join(dir, "nats.conf"), conf);
+    const child = spawnChild([NATS_SERVER!, "-c", path.join(dir, "nats.conf")]);
+    return { url: `nats://127.0.0.1:${ports[i]}`, child, kill: () => killGroup(child.proc.pid!) };
+  });
+  await Promise.all(servers.map((s) => s.child.waitFor(/Server is ready/)));
+  if (n > 1) {
+    await Promise.all(
+      servers.map((s) =>
+        s.child.waitFor(/JetStream cluster new metadata leader|Self is new JetStream cluster metadata leader/, 30_000)
+          .catch(() => {})
+      ),
+    );
+  }
+  return servers;
+}
+
+/** An MCP node on these relays, in inbox mode unless told otherwise. */
+const natsNode = (runtime: "bun" | "deno", f: NodeFiles, urls: string[], env: Record<string, string> = {}) =>
+  McpNode.start(runtime, f, urls.join(","), { INTERLINK_DELIVERY: "inbox", INTERLINK_AUTOSTART_BUS: "0", ...env });
+
+/** msg_ids a node admitted, in journal order (duplicates would show twice). */
+const admittedIds = (f: NodeFiles): string[] =>
+  readNodeLog(f.stateDir).filter((r) => r.t === "in").map((r) => r.msg.msg_id);
+
+describe("NATS JetStream as the relay", () => {
+  natsTest(NATS_TESTS[0], async () => {
+    const { root, A, B } = await twoPeers();
+    const [nats] = await startNats(root);
+    const [alice, bob] = await Promise.all([natsNode("bun", A, [nats.url]), natsNode("deno", B, [nats.url])]);
+    try {
+      await eventually(
+        async () => (await alice.ok("discover", { peer: "bob" })).includes("  - bob · "),
+        "bob is on the NATS roster",
+      );
+      const req = await alice.ok("send_message", { to: "bob", text: "count the deps", task_id: "deps" });
+      expect(req).toContain(`sent at`);
+      await eventually(
+        async () => (await bob.ok("check_inbox", { peek: true })).includes("count the deps"),
+        "bob has it",
+      );
+      await bob.ok("check_inbox");
+      const q = await bob.ok("send_message", {
+        to: "alice",
+        text: "which repo?",
+        task_id: "deps",
+        status: "needs_input",
+      });
+      await eventually(
+        async () => (await alice.ok("list_tasks")).includes(`BLOCKED on bob's question ${msgIdOf(q)}`),
+        "asked",
+      );
+      await alice.ok("send_message", { to: "bob", text: "this one", task_id: "deps", in_reply_to: msgIdOf(q) });
+      await eventually(async () => (await bob.ok("check_inbox")).includes("this one"), "answered");
+      await bob.ok("send_message", { to: "alice", text: "12", task_id: "deps", status: "result" });
+      await eventually(async () => (await alice.ok("list_tasks")).includes("status result; closed"), "closed at alice");
+      expect(await bob.ok("list_tasks")).toContain("status result; closed");
+      // Receipts travel over NATS too.
+      await eventually(
+        async () => (await alice.ok("message_status", { msg_id: msgIdOf(req) })).includes("shown to its model"),
+        "receipts",
+      );
+      expect(admittedIds(B).length).toBe(new Set(admittedIds(B)).size);
+    } finally {
+      await Promise.allSettled([alice.close(), bob.close()]);
+      nats.kill();
+    }
+  }, 90_000);
+
+  natsTest(NATS_TESTS[1], async () => {
+    const { root, A, B } = await twoPeers();
+    const [nats] = await startNats(root);
+    const alice = await natsNode("bun", A, [nats.url]);
+    let bob = await natsNode("deno", B, [nats.url]);
+    try {
+      const sent: string[] = [];
+      const sending = (async () => {
+        for (let i = 0; i < 30; i++) {
+          sent.push(msgIdOf(await alice.ok("send_message", { to: "bob", text: `n${i}`, session: "bob" })));
+        }
+      })();
+      await eventually(() => admittedIds(B).length >= 5, "bob is mid-stream");
+      killGroup(bob.pid!);
+      await bob.close().catch(() => {});
+      bob = await natsNode("deno", B, [nats.url]);
+      await sending;
+      await eventually(() => admittedIds(B).length >= 30, "bob has all 30", 40_000);
+      expect(admittedIds(B).sort()).toEqual([...sent].sort());
+      // And the model gets each exactly once.
+      const unread = await bob.ok("check_inbox", { limit: 200 });
+      expect((unread.match(/<interlink-message /g) ?? []).length).toBe(30);
+      for (const id of sent) expect(unread.split(`msg_id="${id}"`).length - 1).toBe(1);
+    } finally {
+      await Promise.allSettled([alice.close(), bob.close()]);
+      nats.kill();
+    }
+  }, 120_000);
+
+  natsTest(NATS_TESTS[2], async () => {
+    const { root, A, B } = await twoPeers();
+    const servers = await startNats(root, 3);
+    const [alice, bob] = await Promise.all([
+      natsNode("bun", A, [servers[0].url], { INTERLINK_NATS_REPLICAS: "3" }),
+      natsNode("deno", B, [servers[1].url], { INTERLINK_NATS_REPLICAS: "3" }),
+    ]);
+    try {
+      const ids: string[] = [];
+      for (let i = 0; i < 10; i++) {
+        ids.push(msgIdOf(await alice.ok("send_message", { to: "bob", text: `before ${i}`, session: "bob" })));
+      }
+      servers[0].kill(); // alice's server
+      for (let i = 0; i < 10; i++) {
+        ids.push(msgIdOf(await alice.ok("send_message", { to: "bob", text: `after ${i}`, session: "bob" })));
+      }
+      // Everything the relay acknowledged to alice (a "sent" record) reaches bob; the rest follows from her outbox.
+      await eventually(
+        async () => (await alice.ok("list_pending")).includes("the outbox is empty"),
+        "alice's outbox drained",
+        60_000,
+      );
+      await eventually(() => admittedIds(B).length >= 20, "bob has all 20", 60_000);
+      expect(admittedIds(B).sort()).toEqual([...ids].sort());
+    } finally {
+      await Promise.allSettled([alice.close(), bob.close()]);
+      for (const s of servers) s.kill();
+    }
+  }, 150_000);
+
+  natsTest(NATS_TESTS[3], async () => {
+    const { root, A, B } = await twoPeers();
+    const [nats] = await startNats(root);
+    const bus = await startBus("bun", path.join(root, "bus"));
+    const [alice, bob] = await Promise.all([
+      natsNode("bun", A, [bus.url, nats.url]),
+      natsNode("deno", B, [nats.url]),
+    ]);
+    try {
+      const toBob = await alice.ok("send_message", { to: "bob", text: "both relays", session: "bob" });
+      expect(toBob).toMatch(/accepted by http:\/\/127\.0\.0\.1:\d+, nats:\/\/127\.0\.0\.1:\d+/);
+      const toAlice = await bob.ok("send_message", { to: "alice", text: "nats only", session: "alice" });
+      await eventually(async () => (await bob.ok("check_inbox", { peek: true })).includes("both relays"), "bob has it");
+      await eventually(
+        async () => (await alice.ok("check_inbox", { peek: true })).includes("nats only"),
+        "alice has it",
+      );
+      // alice's copy on the HTTP bus waits there (bob never reads that bus); on NATS, bob read it once.
+      await eventually(
+        async () => (await alice.ok("message_status", { msg_id: msgIdOf(toBob) })).includes("delivered"),
+        "receipt",
+      );
+      expect(admittedIds(B)).toEqual([msgIdOf(toBob)]);
+      expect(admittedIds(A)).toEqual([msgIdOf(toAlice)]);
+    } finally {
+      await Promise.allSettled([alice.close(), bob.close()]);
+      nats.kill();
+      await stop(bus);
+    }
+  }, 90_000);
+
+  natsTest(NATS_TESTS[4], async () => {
+    const root = tmpDir();
+    const A = await makeNodeFiles(root, "alice");
+    const [js] = await startNats(path.join(root, "js"));
+    const [plain] = await startNats(path.join(root, "plain"), 1, { jetstream: false });
+    try {
+      const env = { INTERLINK_KEY: A.keyFile, INTERLINK_PEERS: A.peersFile, INTERLINK_STATE: A.stateDir };
+      const ok = runCli("deno", ["doctor"], { env: { ...env, INTERLINK_URL: js.url } }).stdout;
+      expect(ok).toMatch(
+        /ok +NATS relay nats:\/\/127\.0\.0\.1:\d+ answers \(round trip \d+ ms; connected with JetStream, stream INTERLINK and bucket interlink-roster ready/,
+      );
+      const bad = runCli("bun", ["doctor"], { env: { ...env, INTERLINK_URL: plain.url } });
+      expect(bad.stdout).toMatch(/PROBLEM +NATS relay .* is not usable: JetStream is not enabled/);
+      expect(bad.stdout).toContain("fix: start nats-server with JetStream");
+    } finally {
+      js.kill();
+      plain.kill();
+    }
+  }, 60_000);
 });

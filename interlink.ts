@@ -320,6 +320,12 @@ export function thisScript(): string {
  */
 export const SDK = { name: "@modelcontextprotocol/sdk", version: "1.32.2" } as const;
 export const ZOD = { name: "zod", version: "4.6.7" } as const;
+/** The official NATS client packages: loaded only when a nats:// or tls:// relay is configured. */
+export const NATS_PKGS = {
+  transport: { name: "@nats-io/transport-node", version: "3.4.0" },
+  jetstream: { name: "@nats-io/jetstream", version: "3.4.0" },
+  kv: { name: "@nats-io/kv", version: "3.4.0" },
+} as const;
 
 /**
  * Imports a pinned package: under Deno as an npm: specifier, so a lone
@@ -332,12 +338,18 @@ export async function importPinned<T>(pkg: { name: string; version: string }, su
   try {
     return await import(spec) as T;
   } catch (e) {
+    // Bun with a node_modules in the way resolves name@version for some packages but not others (a bare
+    // package name, such as the NATS ones): then the copy installed there, if its version is the pinned one.
+    if (runtimeHost.Bun) {
+      const installed = await import(`${pkg.name}/package.json`).then((m) => m.default?.version, () => undefined);
+      if (installed === pkg.version) return await import(`${pkg.name}${subpath}`) as T;
+    }
     const dir = path.dirname(thisScript());
     throw new InterlinkError(
       runtimeHost.Bun
         ? `cannot load ${pkg.name}@${pkg.version} (${
           (e as Error).message
-        }). A node_modules folder in ${dir} or above it turns off Bun's auto-install: run interlink with \`bun --install=force ${thisScript()} …\`, or \`bun add ${SDK.name}@${SDK.version} ${ZOD.name}@${ZOD.version}\` in ${dir}.`
+        }). A node_modules folder in ${dir} or above it turns off Bun's auto-install: run interlink with \`bun --install=force ${thisScript()} …\`, or \`bun add ${pkg.name}@${pkg.version}\` in ${dir}.`
         : `cannot load ${spec} (${
           (e as Error).message
         }); Deno fetches it from the npm registry on first use: check the network, or NODE_EXTRA_CA_CERTS behind a TLS-inspecting proxy.`,
@@ -2752,6 +2764,406 @@ export function serveHttp(
 const isLoopback = (host: string) => host === "localhost" || host === "::1" || /^127\./.test(host);
 
 // ============================================================================
+// Relays
+// ============================================================================
+//
+// What a node sends through and receives from: a bus over HTTP (ours or the
+// reference's), or NATS JetStream for teams. A relay is a dumb
+// store-and-forward hop that can drop or delay but never forge: the
+// receiver's gate alone decides. Either kind keeps a message for a route until
+// that route's reader acks it (after journaling), at most QUEUE_CAP per route.
+
+/** A relay refused or failed a request; `permanent` when retrying cannot help (an HTTP 4xx, a payload too large). */
+export class RelayError extends Error {
+  constructor(message: string, readonly permanent = false) {
+    super(message);
+  }
+}
+
+/** A message a relay handed over, and how to tell the relay it is handled. */
+export interface Handed {
+  payload: unknown;
+  ack(): Promise<void>;
+}
+
+export interface Relay {
+  /** The URL as configured, credentials hidden: names the relay in logs and statuses. */
+  readonly name: string;
+  /** Keeps `payload` (a message with its unsigned hints) for `route`; resolves once the relay has it durably. */
+  send(route: string, payload: object, timeoutMs: number, signal?: AbortSignal): Promise<void>;
+  /** The oldest message for `route` not yet acked, waiting up to RECV_TIMEOUT_MS; null if none came. */
+  recv(route: string, signal: AbortSignal): Promise<Handed | null>;
+  announce(a: Announcement, signal?: AbortSignal): Promise<void>;
+  /** Every announcement it keeps, each with an unsigned `age_ms` (unverified: the reader verifies). */
+  roster(timeoutMs: number): Promise<unknown[]>;
+  unregister(
+    u: { pubkey: string; session: { session_id: string } },
+    timeoutMs: number,
+    signal?: AbortSignal,
+  ): Promise<void>;
+  close(): Promise<void>;
+}
+
+const isNatsUrl = (url: string): boolean => /^(nats|tls):\/\//i.test(url);
+
+/**
+ * The relay for a configured URL. `proof` signs recv and ack requests for a
+ * route (our bus checks them); `sign` names our NATS consumers (see below).
+ */
+export function openRelay(
+  url: string,
+  proof?: (route: string) => Promise<string>,
+  sign?: (data: Bytes) => Promise<string>,
+): Relay {
+  return isNatsUrl(url) ? new NatsRelay(url, sign) : new HttpRelay(url, proof);
+}
+
+/** A URL for display: user, password and token replaced by "***". */
+export function redactUrl(url: string): string {
+  return url.replace(/^([a-z]+:\/\/)[^@/]*@/i, "$1***@");
+}
+
+/** A bus over HTTP (SPEC "Bus HTTP API"), with our ownership proofs as extra fields a reference bus ignores. */
+export class HttpRelay implements Relay {
+  constructor(readonly url: string, readonly proof?: (route: string) => Promise<string>) {}
+
+  get name(): string {
+    return this.url;
+  }
+
+  async send(route: string, payload: object, timeoutMs: number, signal?: AbortSignal): Promise<void> {
+    const r = await postJson(`${this.url}/send`, { to: route, payload }, timeoutMs, signal);
+    if (!r.ok) {
+      const why = `${this.url} answered ${r.status} ${(await r.text()).slice(0, 200)}`;
+      throw new RelayError(why, isPermanentRefusal(r.status));
+    }
+    await r.body?.cancel();
+  }
+
+  async recv(route: string, signal: AbortSignal): Promise<Handed | null> {
+    // The proof rides as an extra query parameter, which a reference bus ignores.
+    const proof = this.proof ? `&proof=${await this.proof(route)}` : "";
+    const r = await fetch(
+      `${this.url}/recv?me=${encodeURIComponent(route)}&timeout_ms=${RECV_TIMEOUT_MS}${proof}`,
+      { signal: AbortSignal.any([signal, AbortSignal.timeout(RECV_TIMEOUT_MS + 15_000)]) },
+    );
+    if (!r.ok) throw new RelayError(`recv answered ${r.status}`);
+    const body = await r.json();
+    if (!isObject(body) || body.status !== "message") return null;
+    return {
+      payload: isObject(body.envelope) ? body.envelope.payload : undefined,
+      ack: async () => {
+        const proof = this.proof ? { proof: await this.proof(route) } : {};
+        const acked = await postJson(
+          `${this.url}/ack`,
+          { me: route, ack: body.ack, ...proof },
+          SEND_TIMEOUT_MS,
+          signal,
+        );
+        await acked.body?.cancel();
+      },
+    };
+  }
+
+  async announce(a: Announcement, signal?: AbortSignal): Promise<void> {
+    const r = await postJson(`${this.url}/announce`, a, SEND_TIMEOUT_MS, signal);
+    await r.body?.cancel();
+  }
+
+  async roster(timeoutMs: number): Promise<unknown[]> {
+    const body = await (await fetch(`${this.url}/roster`, { signal: AbortSignal.timeout(timeoutMs) })).json();
+    return isObject(body) && Array.isArray(body.roster) ? body.roster : [];
+  }
+
+  async unregister(u: object, timeoutMs: number, signal?: AbortSignal): Promise<void> {
+    const r = await postJson(`${this.url}/unregister`, u, timeoutMs, signal);
+    await r.body?.cancel();
+  }
+
+  close(): Promise<void> {
+    return Promise.resolve();
+  }
+}
+
+// -- NATS JetStream -------------------------------------------------------------
+//
+// One stream, INTERLINK (file storage, work-queue retention: a message is
+// deleted once acked), with one subject per route:
+//   interlink.in.<key>                          the bare key
+//   interlink.in.<key>.<base64url(session)>     a session (ids may hold dots)
+// at most QUEUE_CAP messages per subject, the oldest dropped. Each route is
+// read through a durable pull consumer with explicit acks, named "in_" + the
+// first 40 hex digits of SHA-256 of the route key's Ed25519 signature over
+// "interlink-nats-consumer-v1\0" ‖ route (deterministic, so stable; only the
+// key's holder can compute it, so with listing denied the name is a
+// capability: see the README's permission set), forgotten after
+// ROSTER_RETENTION_MS unused. Publishes carry Nats-Msg-Id "<from>.<msg_id>.<route>"
+// (so a copy within the stream's 2-minute window is dropped; the replay memory
+// drops any other). The roster is the key-value bucket "interlink-roster":
+// key "<key>.<base64url(session)>", value the signed announcement, kept
+// ROSTER_RETENTION_MS; an entry's age is the time since it was written.
+
+export const NATS_STREAM = "INTERLINK";
+export const NATS_ROSTER = "interlink-roster";
+/** Unacked this long, a message is handed over again (the agent acks within milliseconds of journaling it). */
+const NATS_ACK_WAIT_MS = 10_000;
+
+/** A route's subject (see above): only a real key and a session id make one, so no route can reach another's. */
+export function natsSubject(route: string): string {
+  const { key, session } = parseRoute(route);
+  if (!/^[A-Za-z0-9_-]{43}$/.test(key) || (session && !SESSION_RE.test(session))) {
+    throw new RelayError(`'${route.slice(0, 80)}' is not a route (key#session)`, true);
+  }
+  return `interlink.in.${key}${session ? `.${b64urlEncode(utf8.encode(session))}` : ""}`;
+}
+
+/** The roster key of a session: "<key>.<base64url(session)>". */
+const natsRosterKey = (key: string, session: string): string => `${key}.${b64urlEncode(utf8.encode(session))}`;
+
+/** A route's durable consumer name (see above); without `sign` (a reader that is not the route's key), of the route alone. */
+export async function natsConsumer(route: string, sign?: (data: Bytes) => Promise<string>): Promise<string> {
+  const secret = sign ? await sign(utf8.encode(`interlink-nats-consumer-v1\0${route}`)) : route;
+  const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", utf8.encode(secret)));
+  return `in_${Buffer.from(digest).toString("hex").slice(0, 40)}`;
+}
+
+/** The few parts of the NATS client packages interlink uses (they load at run time, only for a NATS relay). */
+interface NatsMsg {
+  data: Uint8Array;
+  ackAck(): Promise<boolean>;
+}
+interface NatsLink {
+  nc: { rtt(): Promise<number>; close(): Promise<void> };
+  js: {
+    publish(subject: string, data: string, opts: { msgID?: string; timeout?: number }): Promise<unknown>;
+    consumers: {
+      get(stream: string, name: string): Promise<{ next(o: { expires: number }): Promise<NatsMsg | null> }>;
+    };
+  };
+  jsm: {
+    streams: { info(name: string): Promise<unknown>; add(cfg: object): Promise<unknown> };
+    consumers: { add(stream: string, cfg: object): Promise<unknown> };
+  };
+  kv: {
+    put(key: string, value: string): Promise<unknown>;
+    get(key: string): Promise<{ operation: string; created: Date; string(): string } | null>;
+    delete(key: string): Promise<void>;
+    keys(): Promise<AsyncIterable<string>>;
+  };
+}
+
+/**
+ * Connects to a NATS relay and makes sure the stream and the roster bucket
+ * exist (creating them on first use). Credentials: user and password, or a
+ * token, in the URL; INTERLINK_NATS_CREDS (a .creds file) or
+ * INTERLINK_NATS_NKEY (an nkey seed file); INTERLINK_NATS_CA (a CA file for
+ * TLS); tls:// asks for TLS. INTERLINK_NATS_REPLICAS (default 1) sets the
+ * stream's and bucket's replicas when interlink creates them.
+ */
+export async function connectNats(url: string): Promise<NatsLink> {
+  // The packages' own types are not loaded (they would need their npm install to type-check): NatsLink names
+  // what is used, and these three objects stay loosely typed between here and it.
+  // deno-lint-ignore no-explicit-any -- see above
+  type Loose = Record<string, any>;
+  const [transport, jetstreamPkg, kvPkg] = await Promise.all([
+    importPinned<Loose>(NATS_PKGS.transport),
+    importPinned<Loose>(NATS_PKGS.jetstream),
+    importPinned<Loose>(NATS_PKGS.kv),
+  ]);
+  const u = new URL(url.replace(/^tls:/i, "nats:"));
+  const env = process.env;
+  const auth = u.password
+    ? { user: decodeURIComponent(u.username), pass: decodeURIComponent(u.password) }
+    : u.username
+    ? { token: decodeURIComponent(u.username) }
+    : {};
+  const authenticator = env.INTERLINK_NATS_CREDS
+    ? transport.credsAuthenticator(fs.readFileSync(env.INTERLINK_NATS_CREDS))
+    : env.INTERLINK_NATS_NKEY
+    ? transport.nkeyAuthenticator(utf8.encode(fs.readFileSync(env.INTERLINK_NATS_NKEY, "utf8").trim()))
+    : undefined;
+  const tls = /^tls:/i.test(url) || env.INTERLINK_NATS_CA
+    ? { ...(env.INTERLINK_NATS_CA ? { caFile: env.INTERLINK_NATS_CA } : {}) }
+    : undefined;
+  const nc = await transport.connect({
+    servers: `${u.hostname}:${u.port || 4222}`,
+    name: `interlink ${VERSION}`,
+    maxReconnectAttempts: -1,
+    reconnectTimeWait: 500,
+    ...auth,
+    ...(authenticator ? { authenticator } : {}),
+    ...(tls ? { tls } : {}),
+  });
+  try {
+    const replicas = Number(env.INTERLINK_NATS_REPLICAS ?? 1);
+    const jsm = await jetstreamPkg.jetstreamManager(nc).catch((e: Error) => {
+      throw new InterlinkError(
+        `JetStream is not enabled on ${redactUrl(url)} (${errorText(e)}): start nats-server with -js`,
+      );
+    });
+    await natsNeeds("the stream " + NATS_STREAM, async () => {
+      try {
+        await jsm.streams.info(NATS_STREAM);
+      } catch (e) {
+        if (!/not found/i.test(errorText(e))) throw e;
+        await jsm.streams.add({
+          name: NATS_STREAM,
+          subjects: ["interlink.in.>"],
+          retention: "workqueue",
+          storage: "file",
+          num_replicas: replicas,
+          max_msgs_per_subject: QUEUE_CAP,
+          discard: "old",
+          max_msg_size: BODY_LIMIT_BYTES,
+        });
+      }
+    });
+    const kvm = new kvPkg.Kvm(nc);
+    const kv = await natsNeeds<NatsLink["kv"]>(
+      "the key-value bucket " + NATS_ROSTER,
+      () =>
+        kvm.open(NATS_ROSTER).then(async (b: { status(): Promise<unknown> }) => (await b.status(), b)).catch(
+          () => kvm.create(NATS_ROSTER, { history: 1, ttl: ROSTER_RETENTION_MS, replicas }),
+        ),
+    );
+    return { nc, js: jetstreamPkg.jetstream(nc), jsm, kv };
+  } catch (e) {
+    await nc.close().catch(() => {});
+    throw e;
+  }
+}
+
+/** Runs a setup step; a permission error says what the account must allow. */
+async function natsNeeds<T>(what: string, step: () => Promise<T>): Promise<T> {
+  try {
+    return await step();
+  } catch (e) {
+    if (/permission/i.test(errorText(e))) {
+      throw new InterlinkError(
+        `the NATS account may not use ${what} (${
+          errorText(e)
+        }): see the README's "Teams: NATS" for the permissions interlink needs, or have an admin create it`,
+      );
+    }
+    throw e;
+  }
+}
+
+/** NATS JetStream as a relay (see above). Connects on first use and reconnects by itself. */
+export class NatsRelay implements Relay {
+  #link: Promise<NatsLink> | null = null;
+  #consumers = new Map<string, Promise<{ next(o: { expires: number }): Promise<NatsMsg | null> }>>();
+
+  constructor(readonly url: string, readonly sign?: (data: Bytes) => Promise<string>) {}
+
+  get name(): string {
+    return redactUrl(this.url);
+  }
+
+  link(): Promise<NatsLink> {
+    this.#link ??= connectNats(this.url).catch((e) => {
+      this.#link = null; // the next call tries again
+      throw e;
+    });
+    return this.#link;
+  }
+
+  async send(route: string, payload: object, timeoutMs: number): Promise<void> {
+    const { js } = await this.link();
+    const p = payload as Record<string, unknown>;
+    const msgID = typeof p.msg_id === "string" ? `${p.from}.${p.msg_id}.${route}` : undefined;
+    try {
+      await js.publish(natsSubject(route), JSON.stringify(payload), {
+        ...(msgID ? { msgID } : {}),
+        timeout: timeoutMs,
+      });
+    } catch (e) {
+      if (e instanceof RelayError) throw e;
+      throw new RelayError(
+        `${this.name}: ${errorText(e)}`,
+        /maximum (payload|message size)|max_payload/i.test(errorText(e)),
+      );
+    }
+  }
+
+  async recv(route: string, signal: AbortSignal): Promise<Handed | null> {
+    let consumer = this.#consumers.get(route);
+    if (!consumer) {
+      consumer = this.#openConsumer(route);
+      this.#consumers.set(route, consumer);
+      consumer.catch(() => this.#consumers.delete(route));
+    }
+    const c = await consumer;
+    // A pull cannot be cancelled: on stop, stop waiting for it; what it may still fetch is never acked, so it
+    // comes again after NATS_ACK_WAIT_MS.
+    const stopped = new Promise<null>((resolve) =>
+      signal.addEventListener("abort", () => resolve(null), { once: true })
+    );
+    const m = signal.aborted ? null : await Promise.race([c.next({ expires: RECV_TIMEOUT_MS }), stopped]);
+    if (!m) return null;
+    let payload: unknown;
+    try {
+      payload = JSON.parse(new TextDecoder().decode(m.data));
+    } catch {
+      payload = undefined; // not JSON: the gate calls it malformed, and it is acked
+    }
+    return { payload, ack: async () => void (await m.ackAck()) };
+  }
+
+  async #openConsumer(route: string) {
+    const { js, jsm } = await this.link();
+    const name = await natsConsumer(route, this.sign);
+    await natsNeeds(`a consumer on ${NATS_STREAM}`, async () => {
+      try {
+        await jsm.consumers.add(NATS_STREAM, {
+          durable_name: name,
+          filter_subject: natsSubject(route),
+          ack_policy: "explicit",
+          ack_wait: NATS_ACK_WAIT_MS * 1e6,
+          inactive_threshold: ROSTER_RETENTION_MS * 1e6,
+        });
+      } catch (e) {
+        if (!/already (exists|in use)/i.test(errorText(e))) throw e;
+      }
+    });
+    return await js.consumers.get(NATS_STREAM, name);
+  }
+
+  async announce(a: Announcement): Promise<void> {
+    const { kv } = await this.link();
+    await kv.put(natsRosterKey(a.pubkey, a.session?.session_id ?? ""), JSON.stringify(a));
+  }
+
+  async roster(): Promise<unknown[]> {
+    const { kv } = await this.link();
+    const keys: string[] = [];
+    for await (const k of await kv.keys()) if (keys.push(k) >= ROSTER_CAP) break;
+    const now = Date.now();
+    const entries = await Promise.all(keys.map((k) => kv.get(k).catch(() => null)));
+    return entries.flatMap((e) => {
+      if (!e || e.operation !== "PUT") return [];
+      try {
+        const a = JSON.parse(e.string());
+        return isObject(a) ? [{ ...a, age_ms: Math.max(0, now - e.created.getTime()) }] : [];
+      } catch {
+        return [];
+      }
+    });
+  }
+
+  async unregister(u: { pubkey: string; session: { session_id: string } }): Promise<void> {
+    const { kv } = await this.link();
+    await kv.delete(natsRosterKey(u.pubkey, u.session.session_id));
+  }
+
+  async close(): Promise<void> {
+    const link = this.#link;
+    this.#link = null;
+    await (await link?.catch(() => null))?.nc.close();
+  }
+}
+
+// ============================================================================
 // The agent
 // ============================================================================
 //
@@ -2964,11 +3376,21 @@ export function receiptRoute(msg: SignedMessage, replyTo: string | undefined): s
 
 /** The reports in `receipt` that tell us something new about a message we sent to its signer; the rest change nothing. */
 export function newReports(outgoing: ReadonlyMap<string, OutEntry>, receipt: SignedMessage): ReceiptLine[] {
+  const seen = new Set<string>(); // a line repeated in one receipt counts once
   return parseReceipt(receipt.text).filter((l) => {
     const e = outgoing.get(l.msg_id);
-    if (!e || e.msg.to !== receipt.from || e.msg.kind !== "message") return false;
-    return l.state === "delivered" ? !e.delivered : l.state === "shown" ? !e.shown : !e.refusedBy;
+    if (!e || e.msg.to !== receipt.from || e.msg.kind !== "message" || seen.has(`${l.state} ${l.msg_id}`)) return false;
+    seen.add(`${l.state} ${l.msg_id}`);
+    // A refusal after the message was delivered is about a copy (a relay replaying it): the message got through.
+    if (l.state === "refused") return !e.refusedBy && !e.delivered && !e.shown;
+    return l.state === "delivered" ? !e.delivered && !e.refusedBy : !e.shown && !e.refusedBy;
   });
+}
+
+/** The reports a journaled receipt record was admitted for (its `lines`, indexes into the parsed text). */
+export function recordedReports(r: JsonlRecord): ReceiptLine[] {
+  const all = parseReceipt(parseSignedMessage(r.msg).text);
+  return Array.isArray(r.lines) ? all.filter((_, i) => (r.lines as unknown[]).includes(i)) : all;
 }
 
 /** How a refusal report reads: the reason in our words, never the peer's. */
@@ -3012,7 +3434,7 @@ export class NodeState {
   /** Peer sessions that said goodbye, and when: receipts to them wait until they are back on a roster or write again. */
   readonly closed = new BoundedMap<string, number>(1024);
   /** Refusals reported by receipt (message key → sender key, when), for dedup and the hourly bound per peer. */
-  readonly refusalsReported = new BoundedMap<string, { key: string; at: number }>(1024);
+  readonly refusalsReported = new BoundedMap<string, { key: string; at: number }>(4096);
 
   constructor(readonly now: () => number = Date.now) {}
 
@@ -3056,6 +3478,8 @@ export class NodeState {
           entry.via = Array.isArray(r.via) ? r.via.filter((v): v is string => typeof v === "string") : [];
         } else entry.refused = typeof r.reason === "string" ? r.reason : "refused by every bus";
         this.pending.delete(entry.msg.msg_id);
+        // A receipt we sent is bookkeeping: once out, it must not take the room of our own messages' statuses.
+        if (entry.msg.kind === "receipt") return void this.outgoing.delete(entry.msg.msg_id);
         this.#sent.add(entry.msg.msg_id);
         if (this.#sent.size > SENT_MEMORY_CAP) {
           const oldest = this.#sent.values().next().value!;
@@ -3117,7 +3541,9 @@ export class NodeState {
       case "receipt": {
         const receipt = parseSignedMessage(r.msg);
         this.replay.remember(receipt.from, receipt.msg_id, receipt.ts, this.now());
+        const recorded = new Set(recordedReports(r).map((l) => `${l.state} ${l.msg_id}`));
         for (const report of newReports(this.outgoing, receipt)) {
+          if (!recorded.has(`${report.state} ${report.msg_id}`)) continue;
           const entry = this.outgoing.get(report.msg_id)!;
           const where = { at: report.at, session: report.session ?? "" };
           if (report.state === "refused") {
@@ -3519,8 +3945,10 @@ export function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
           report,
         };
       });
+      const all = parseReceipt(v.msg.text);
+      const lines = news.map((l) => all.findIndex((a) => a.state === l.state && a.msg_id === l.msg_id));
       return [
-        { do: "append", records: [{ t: "receipt", peer: v.petname, msg: v.msg }] },
+        { do: "append", records: [{ t: "receipt", peer: v.petname, msg: v.msg, lines }] },
         { do: "remember", msg: v.msg },
         ...(canPush ? bounced.flatMap((item) => showByPush(item, ctx.peers)) : []),
         { do: "sync" },
@@ -3637,14 +4065,16 @@ function noticeRefusal(v: Extract<Verdict, { verdict: "reject" }>, ctx: InboundC
 }
 
 /**
- * A peer's message refused for freshness is reported to its sender by a
- * receipt, when it asked for receipts: once per message, at most
+ * A peer's message refused for coming from our future (its sender's clock is
+ * ahead) is reported to its sender by a receipt, when it asked for receipts:
+ * once per message, at most
  * RECEIPT_REFUSALS_PER_HOUR per peer (a relay replaying an old message costs
  * one log line), never to a stranger and never about a receipt.
  */
 function reportRefusal(v: Extract<Verdict, { verdict: "reject" }>, ctx: InboundContext): Effect[] {
   const msg = v.msg;
-  if (!msg || v.reason !== "stale" || msg.kind !== "message" || !ctx.wantsReceipts) return [];
+  // Only a message from our future: one too old was held or replayed by a relay (a sender re-signs before a day).
+  if (!msg || v.reason !== "stale" || msg.ts <= ctx.nowMs || msg.kind !== "message" || !ctx.wantsReceipts) return [];
   if (!ctx.peers.byKey.has(msg.from) && msg.from !== ctx.selfKey) return [];
   if (ctx.state.refusalsReported.has(messageKey(msg.from, msg.msg_id))) return [];
   if (ctx.state.refusalsReportedSince(msg.from, ctx.nowMs - 60 * 60_000) >= RECEIPT_REFUSALS_PER_HOUR) return [];
@@ -3653,7 +4083,7 @@ function reportRefusal(v: Extract<Verdict, { verdict: "reject" }>, ctx: InboundC
     route: receiptRoute(msg, ctx.replyTo),
     msg_id: msg.msg_id,
     reason: v.reason,
-    skew_ms: msg.ts - ctx.nowMs,
+    skew_ms: Math.min(Math.round(msg.ts - ctx.nowMs), 1e12),
   };
   return [{ do: "append", records: [owe] }, { do: "sync" }];
 }
@@ -3735,8 +4165,13 @@ export function prepareSend(
  * messages (not on receipts): we read delivery receipts.
  */
 export function sendBody(recipient: string, msg: SignedMessage, replyTo?: string): string {
+  return JSON.stringify({ to: recipient, payload: messagePayload(msg, replyTo) });
+}
+
+/** A message as relays carry it: the signed fields, and our unsigned hints when `replyTo` is given. */
+export function messagePayload(msg: SignedMessage, replyTo?: string): object {
   const hints = replyTo ? { reply_to: replyTo, ...(msg.kind === "message" ? { receipts: true } : {}) } : {};
-  return JSON.stringify({ to: recipient, payload: { ...msg, ...hints } });
+  return { ...msg, ...hints };
 }
 
 /**
@@ -3899,6 +4334,8 @@ export class Agent {
   #bareLock: PidLock | null = null;
   #roster: { at: number; sessions: PeerSession[] } | null = null;
   #proofs = new Map<string, { ts: number; proof: string }>(); // route → the recv proof in use
+  /** One per configured URL, in order: every bus and NATS relay this node sends through and polls. */
+  readonly relays: Relay[];
 
   private constructor(readonly cfg: NodeConfig, readonly id: Identity, private lock: PidLock, now: () => number) {
     this.now = now;
@@ -3906,6 +4343,7 @@ export class Agent {
     this.journal = new Journal(sessionDir(cfg.stateDir, cfg.session), this.state, true, now);
     this.seen = new SeenLog(cfg.stateDir, this.state.replay, now);
     this.info = describeSession(cfg.session);
+    this.relays = cfg.busUrls.map((url) => openRelay(url, (route) => this.#proof(route), (data) => id.sign(data)));
   }
 
   /** Opens a node: identity, allowlist, the state lock (waiting up to `waitMs` for a short-lived holder), and the fold of its journal. */
@@ -4004,7 +4442,7 @@ export class Agent {
    */
   startSending(): void {
     this.#loops.push(this.#sendLoop(), this.#receiptLoop());
-    for (const url of this.cfg.busUrls) this.#loops.push(this.#announceLoop(url));
+    for (const relay of this.relays) this.#loops.push(this.#announceLoop(relay));
     const follow = () => {
       try {
         const before = this.state.pending.size;
@@ -4031,7 +4469,7 @@ export class Agent {
    * the session can take what it pushes.
    */
   startReceiving(): void {
-    for (const url of this.cfg.busUrls) this.#loops.push(this.#recvLoop(url, this.me));
+    for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.me));
     this.#loops.push(this.#bareKeyLoop());
   }
 
@@ -4043,7 +4481,7 @@ export class Agent {
           path.join(this.cfg.stateDir, "bare.lock"),
           `session ${this.cfg.session}`,
         );
-        for (const url of this.cfg.busUrls) this.#loops.push(this.#recvLoop(url, this.id.publicKey));
+        for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.id.publicKey));
         return;
       } catch (e) {
         if (!(e instanceof LockedError)) logWarn(`cannot take bare.lock: ${(e as Error).message}`);
@@ -4065,6 +4503,7 @@ export class Agent {
     await Promise.allSettled(this.#loops);
     await this.#receiving.catch(() => {});
     if (goodbye && !fs.existsSync(path.join(this.journal.stateDir, "handover"))) await this.#sayGoodbye();
+    await Promise.allSettled(this.relays.map((r) => r.close()));
     this.journal.close();
     this.seen.close();
     this.#bareLock?.release();
@@ -4132,16 +4571,11 @@ export class Agent {
       const msg = await signMessage(this.id, fields, this.now());
       await this.journal.appendDurable([{ t: "resign", msg }]);
     }
-    const body = sendBody(entry.recipient, entry.msg, this.me);
+    const payload = messagePayload(entry.msg, this.me);
     const results = await Promise.allSettled(
-      this.cfg.busUrls.map(async (url) => {
-        const r = await postJson(`${url}/send`, body, SEND_TIMEOUT_MS, this.#stop.signal);
-        if (!r.ok) {
-          const why = `${url} answered ${r.status} ${(await r.text()).slice(0, 200)}`;
-          throw Object.assign(new Error(why), { permanent: isPermanentRefusal(r.status) });
-        }
-        await r.body?.cancel();
-        return url;
+      this.relays.map(async (relay) => {
+        await relay.send(entry.recipient, payload, SEND_TIMEOUT_MS, this.#stop.signal);
+        return relay.name;
       }),
     );
     const via = results.flatMap((r) => (r.status === "fulfilled" ? [r.value] : []));
@@ -4151,7 +4585,7 @@ export class Agent {
     }
     const errors = results.map((r) => (r as PromiseRejectedResult).reason);
     entry.lastError = errors.map(errorText).join("; ");
-    if (errors.every((e) => (e as { permanent?: boolean }).permanent === true)) {
+    if (errors.every((e) => e instanceof RelayError && e.permanent)) {
       // Every bus refused the request itself: retrying cannot help, and it must not hold up the messages behind it.
       await this.journal.appendDurable([{ t: "refused", msg_id: entry.msg.msg_id, reason: entry.lastError }]);
       logWarn(
@@ -4220,13 +4654,21 @@ export class Agent {
   async sendReceipts(): Promise<void> {
     const perKey = new Map<string, number>();
     let back: Map<string, number> | undefined; // route → when it last announced, for sessions that said goodbye
+    const peers = this.peers();
+    const oldest = this.now() - FRESH_PAST_MS;
     for (const [route, owed] of [...this.state.owed]) {
+      const { key } = parseRoute(route);
+      // No longer a peer (removed from peers.json), or owed for over a day (a session that never came back):
+      // forgotten here, in memory; the journal still says what happened.
+      if ((!peers.byKey.has(key) && key !== this.id.publicKey) || owed[owed.length - 1].at < oldest) {
+        this.state.owed.delete(route);
+        continue;
+      }
       const closedAt = this.state.closed.get(route);
       if (closedAt !== undefined) {
         back ??= await this.#announcedAt();
         if (!((back.get(route) ?? 0) > closedAt)) continue; // still gone: its receipts wait (in the journal)
       }
-      const { key } = parseRoute(route);
       const n = perKey.get(key) ?? 0;
       if (n >= RECEIPTS_PER_PASS) continue;
       perKey.set(key, n + 1);
@@ -4263,40 +4705,24 @@ export class Agent {
     return proof;
   }
 
-  async #recvLoop(url: string, route: string): Promise<void> {
+  async #recvLoop(relay: Relay, route: string): Promise<void> {
     let failures = 0;
-    const recvUrl = `${url}/recv?me=${encodeURIComponent(route)}&timeout_ms=${RECV_TIMEOUT_MS}`;
     while (!this.#stop.signal.aborted) {
       try {
-        const signal = AbortSignal.any([this.#stop.signal, AbortSignal.timeout(RECV_TIMEOUT_MS + 15_000)]);
-        // The proof rides as an extra query parameter, which a reference bus ignores.
-        const r = await fetch(`${recvUrl}&proof=${await this.#proof(route)}`, { signal });
-        if (!r.ok) throw new Error(`recv answered ${r.status}`);
-        const body = await r.json();
+        const handed = await relay.recv(route, this.#stop.signal);
         if (failures) {
-          logInfo(`${url} is reachable again`);
+          logInfo(`${relay.name} is reachable again`);
           failures = 0;
           this.#outbox.wake();
         }
-        if (!isObject(body) || body.status !== "message") continue;
-        const payload = isObject(body.envelope) ? body.envelope.payload : undefined;
-        const ack = async () => {
-          const proof = await this.#proof(route);
-          const acked = await postJson(
-            `${url}/ack`,
-            { me: route, ack: body.ack, proof },
-            SEND_TIMEOUT_MS,
-            this.#stop.signal,
-          );
-          await acked.body?.cancel();
-        };
-        // One payload at a time across all buses, so two copies of a message cannot both pass the replay check.
-        const done = this.#receiving.then(() => this.receive(payload, ack));
+        if (!handed) continue;
+        // One payload at a time across all relays, so two copies of a message cannot both pass the replay check.
+        const done = this.#receiving.then(() => this.receive(handed.payload, handed.ack));
         this.#receiving = done.catch(() => {});
         await done;
       } catch (e) {
         if (this.#stop.signal.aborted) break;
-        if (failures++ === 0) logWarn(`cannot poll ${url}: ${errorText(e)}; retrying with backoff`);
+        if (failures++ === 0) logWarn(`cannot poll ${relay.name}: ${errorText(e)}; retrying with backoff`);
         await pause(backoffMs(failures), this.#stop.signal);
       }
     }
@@ -4386,21 +4812,19 @@ export class Agent {
     return this.push !== null && this.cfg.delivery === "channel";
   }
 
-  async #announceLoop(url: string): Promise<void> {
+  async #announceLoop(relay: Relay): Promise<void> {
     while (!this.#stop.signal.aborted) {
-      await this.#announce(url);
+      await this.#announce(relay);
       await pause(ANNOUNCE_EVERY_MS, this.#stop.signal);
     }
   }
 
-  /** Posts this session's signed announcement (0.8 layout) to one bus; presence is best effort. */
-  async #announce(url: string): Promise<void> {
+  /** Posts this session's signed announcement (0.8 layout) to one relay; presence is best effort. */
+  async #announce(relay: Relay): Promise<void> {
     try {
-      const a = await signAnnouncement(this.id, this.cfg.name, this.now(), this.info);
-      const r = await postJson(`${url}/announce`, a, SEND_TIMEOUT_MS, this.#stop.signal);
-      await r.body?.cancel();
+      await relay.announce(await signAnnouncement(this.id, this.cfg.name, this.now(), this.info), this.#stop.signal);
     } catch {
-      // The recv loop reports an unreachable bus.
+      // The recv loop reports an unreachable relay.
     }
   }
 
@@ -4411,7 +4835,7 @@ export class Agent {
       path.join(this.journal.stateDir, "session.json"),
       JSON.stringify({ ...this.info, pid: process.pid }) + "\n",
     );
-    await Promise.all(this.cfg.busUrls.map((url) => this.#announce(url)));
+    await Promise.all(this.relays.map((relay) => this.#announce(relay)));
   }
 
   // -- pairing (operator decisions, exposed as tools) --------------------------
@@ -4514,11 +4938,9 @@ export class Agent {
     const problems: string[] = [];
     const nowMs = this.now();
     await Promise.all(
-      this.cfg.busUrls.map(async (url) => {
+      this.relays.map(async (relay) => {
         try {
-          const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(SEND_TIMEOUT_MS) });
-          const body = await r.json();
-          for (const raw of isObject(body) && Array.isArray(body.roster) ? body.roster : []) {
+          for (const raw of await relay.roster(SEND_TIMEOUT_MS)) {
             try {
               const a = parseAnnouncement(raw);
               const check = await checkAnnouncement(a);
@@ -4530,7 +4952,7 @@ export class Agent {
                 session: check.layout === "0.8" && a.session?.session_id ? a.session : null,
                 legacy: check.layout === "0.4",
                 ageMs,
-                bus: url,
+                bus: relay.name,
               };
               const route = s.session ? `${s.key}#${s.session.session_id}` : s.key;
               const prev = byRoute.get(route);
@@ -4540,11 +4962,11 @@ export class Agent {
             }
           }
         } catch (e) {
-          problems.push(`${url}: ${errorText(e)}`);
+          problems.push(`${relay.name}: ${errorText(e)}`);
         }
       }),
     );
-    if (problems.length === this.cfg.busUrls.length) {
+    if (problems.length === this.relays.length) {
       throw new InterlinkError(`no bus answered: ${problems.join("; ")}`);
     }
     const sessions = [...byRoute.values()].filter((s) =>
@@ -4606,12 +5028,12 @@ export class Agent {
           `${GOODBYE_PREFIX} session ${this.cfg.session} of ${this.cfg.name} closed; task ${t.task_id} may not finish. Check discover before waiting on it.`,
       }, this.now());
       const route = t.peer_session ? `${t.peer_key}#${t.peer_session}` : t.peer_key;
-      for (const url of this.cfg.busUrls) {
-        goodbyes.push(postJson(`${url}/send`, sendBody(route, msg, this.me), GOODBYE_MS, deadline));
+      for (const relay of this.relays) {
+        goodbyes.push(relay.send(route, messagePayload(msg, this.me), GOODBYE_MS, deadline));
       }
     }
-    const unregisters = this.cfg.busUrls.map((url) => postJson(`${url}/unregister`, unregister, GOODBYE_MS, deadline));
-    await Promise.allSettled([...unregisters, ...goodbyes].map((p) => p.then((r) => (r as Response).body?.cancel())));
+    const unregisters = this.relays.map((relay) => relay.unregister(unregister, GOODBYE_MS, deadline));
+    await Promise.race([Promise.allSettled([...unregisters, ...goodbyes]), pause(GOODBYE_MS, deadline)]);
   }
 }
 
@@ -5026,9 +5448,12 @@ export function conversation(
   const sent = new Map<string, string>(); // msg_id → "sent" or "refused" (by every bus), then what receipts said
   scanJsonl(path.join(stateDir, "log.jsonl"), 0, (r) => {
     try {
-      if ((r.t === "sent" || r.t === "refused") && typeof r.msg_id === "string") sent.set(r.msg_id, r.t);
+      // A receipt may be journaled before "sent" (several buses): a later "sent" never steps a status back.
+      if ((r.t === "sent" || r.t === "refused") && typeof r.msg_id === "string" && !sent.has(r.msg_id)) {
+        sent.set(r.msg_id, r.t);
+      }
       if (r.t === "receipt") {
-        for (const l of parseReceipt(parseSignedMessage(r.msg).text)) {
+        for (const l of recordedReports(r)) {
           const was = sent.get(l.msg_id);
           if (l.state === "refused") sent.set(l.msg_id, "refused by the recipient");
           else if (was !== "shown" && was !== "refused by the recipient") sent.set(l.msg_id, l.state);
@@ -5192,7 +5617,10 @@ export const TOOLS: ToolSpec[] = [
     args: () => ({}),
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent) {
-      const pending = [...agent.state.pending].map((id) => agent.state.outgoing.get(id)!);
+      // Receipts waiting to go out are bookkeeping, counted in one line, not listed as the model's messages.
+      const all = [...agent.state.pending].map((id) => agent.state.outgoing.get(id)!);
+      const pending = all.filter((e) => e.msg.kind !== "receipt");
+      const receipts = all.length - pending.length;
       const refused = [...agent.state.outgoing.values()].filter((e) => e.refused);
       const lines = [...pending, ...refused].map((e) => describeOut(e));
       for (const d of damagedOutbox(agent.journal.file)) {
@@ -5204,6 +5632,7 @@ export const TOOLS: ToolSpec[] = [
           }; ask your operator, and send it again if it matters.`,
         );
       }
+      if (receipts) lines.push(`and ${receipts} delivery receipt(s) to peers, waiting for a bus like any message`);
       return lines.length ? lines.join("\n") : "the outbox is empty: everything was accepted by a bus";
     },
   },
@@ -5617,7 +6046,8 @@ const OPT = {
     arg: "URLS",
     env: "INTERLINK_URL",
     defaultHelp: `${DEFAULT_BUS_URL} (the port follows INTERLINK_BUS_PORT)`,
-    help: "bus URLs, comma-separated: send to all, poll all",
+    help:
+      "relay URLs, comma-separated, send to all, poll all: http(s):// buses and nats:// or tls:// NATS JetStream servers",
   },
   name: {
     type: "string",
@@ -5741,8 +6171,10 @@ export function parseBusUrls(text: string): string[] {
     } catch {
       throw new InterlinkError(`bus URL '${u}' is not a URL (expected e.g. ${DEFAULT_BUS_URL})`);
     }
+    // A NATS relay keeps its credentials (user:password@ or token@): they are how it logs in.
+    if (url.protocol === "nats:" || url.protocol === "tls:") return u.replace(/\/+$/, "");
     if (url.protocol !== "http:" && url.protocol !== "https:") {
-      throw new InterlinkError(`bus URL '${u}' must be http:// or https://`);
+      throw new InterlinkError(`bus URL '${u}' must be http://, https://, nats:// or tls://`);
     }
     return url.origin + url.pathname.replace(/\/+$/, "");
   });
@@ -5905,7 +6337,7 @@ function logRecordLines(r: JsonlRecord, petnameOf: (key: string) => string | und
     const receipt = parseSignedMessage(r.msg);
     const who = (typeof r.peer === "string" ? r.peer : undefined) ?? petnameOf(receipt.from) ??
       fingerprint(receipt.from);
-    return parseReceipt(receipt.text).map((l) => {
+    return recordedReports(r).map((l) => {
       const what = l.state === "refused"
         ? `✗ ${who.padEnd(12)} ${l.msg_id.slice(0, 12).padEnd(12)} refused by them: ${refusalWords(l)}`
         : `✓ ${who.padEnd(12)} ${l.msg_id.slice(0, 12).padEnd(12)} ${l.state} (their session ${l.session}, ${
@@ -6495,7 +6927,7 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
         if (r.t !== "receipt") return;
         try {
           const receipt = parseSignedMessage(r.msg);
-          for (const l of parseReceipt(receipt.text)) {
+          for (const l of recordedReports(r)) {
             if (l.state === "refused") skewed.ours.set(String(r.peer ?? fingerprint(receipt.from)), l);
           }
         } catch {
@@ -6515,7 +6947,7 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
         level: "problem",
         what:
           `this node refused peers' messages for their time in the last day (a sender's clock off by over a minute, or held over a day)${
-            skewed.reported ? `; their senders were told by receipt (${skewed.reported})` : ""
+            skewed.reported ? `; ${skewed.reported} of them are reported to their senders by receipt` : ""
           }`,
         fix: "`interlink.ts log` names each sender: ask its operator to sync its clock (NTP); check this machine's too",
       });
@@ -6555,6 +6987,10 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
     });
   }
   for (const url of urls) {
+    if (isNatsUrl(url)) {
+      out.push(...await doctorNats(url, id));
+      continue;
+    }
     const t0 = Date.now();
     let roster: unknown;
     let date: string | null;
@@ -6617,6 +7053,48 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
     }
   }
   return out;
+}
+
+/** A NATS relay: it connects, JetStream is on, the stream and roster bucket exist or could be made, its round trip. */
+async function doctorNats(url: string, id: Identity | null): Promise<Finding[]> {
+  const relay = new NatsRelay(url);
+  try {
+    const t0 = Date.now();
+    const link = await Promise.race([
+      relay.link(),
+      sleep(5_000).then(() => Promise.reject(new Error("no answer within 5 s"))),
+    ]);
+    const setupMs = Date.now() - t0;
+    const rtt = await link.nc.rtt();
+    const out: Finding[] = [{
+      level: "ok",
+      what:
+        `NATS relay ${relay.name} answers (round trip ${rtt} ms; connected with JetStream, stream ${NATS_STREAM} and bucket ${NATS_ROSTER} ready, in ${setupMs} ms)`,
+    }, {
+      level: "info",
+      what:
+        `NATS relay ${relay.name}: who may read or ack a route is up to the account's permissions (README, "Teams: NATS"), not to interlink`,
+    }];
+    if (id) {
+      const mine = (await relay.roster()).some((a) => isObject(a) && a.pubkey === id.publicKey);
+      out.push({
+        level: "info",
+        what: `this node is ${mine ? "" : "not "}on the roster of ${relay.name}${
+          mine ? "" : " (no agent running with this key)"
+        }`,
+      });
+    }
+    return out;
+  } catch (e) {
+    return [{
+      level: "problem",
+      what: `NATS relay ${relay.name} is not usable: ${errorText(e)}`,
+      fix:
+        "start nats-server with JetStream (`nats-server -js`), check the URL and credentials (INTERLINK_NATS_CREDS, INTERLINK_NATS_NKEY, INTERLINK_NATS_CA)",
+    }];
+  } finally {
+    await relay.close();
+  }
 }
 
 async function runDoctor(o: Options): Promise<number> {
