@@ -23,6 +23,7 @@ import {
   chooseRoute,
   claimInbox,
   commandTable,
+  connectNats,
   conversation,
   decide,
   describeTask,
@@ -50,6 +51,9 @@ import {
   LockedError,
   McpSession,
   messageBlock,
+  natsConsumer,
+  natsPermissions,
+  natsSubject,
   type NodeConfig,
   NodeState,
   OPAQUE_CAP,
@@ -4911,6 +4915,7 @@ const NATS_TESTS = [
   "a three-node cluster keeps delivering when the agent's server is killed; nothing acknowledged is lost",
   "a mixed setup (one agent on HTTP and NATS, one only on NATS) delivers exactly once",
   "doctor checks a NATS relay; a server without JetStream is a problem with a fix",
+  "with the README's permission set, a node reads only its own routes; one that may not create the stream is told so",
 ];
 if (!NATS_SERVER) {
   process.stderr.write(
@@ -4921,40 +4926,80 @@ if (!NATS_SERVER) {
 }
 const natsTest = NATS_SERVER ? test.concurrent : test.skip;
 
+test("the README's NATS permission set is the one in the code", () => {
+  const readme = fs.readFileSync(path.join(REPO, "README.md"), "utf8");
+  const perms = natsPermissions("<key>");
+  for (const subject of [...perms.publish.allow, ...perms.subscribe.allow]) {
+    expect(readme).toMatch(new RegExp(`^  ${subject.replace(/[.*+?^${}()|[\]\\$]/g, "\\$&")}( |$)`, "m"));
+  }
+});
+
 interface NatsServer {
   url: string;
-  child: Child;
+  log: string;
   kill(): void;
 }
 
-/** Starts nats-server nodes with JetStream (one, or a cluster when n > 1) and waits until they serve. */
-async function startNats(root: string, n = 1, opts: { jetstream?: boolean } = {}): Promise<NatsServer[]> {
+/** True once something accepts TCP connections on the port. */
+const accepting = (port: number) =>
+  new Promise<boolean>((resolve) => {
+    const socket = net.connect(port, "127.0.0.1", () => (socket.destroy(), resolve(true)));
+    socket.on("error", () => resolve(false));
+  });
+
+/**
+ * Starts nats-server nodes with JetStream (one, or a cluster when n > 1) and waits until each accepts
+ * connections (and a cluster has elected its JetStream leader). They log to a file, not a pipe.
+ */
+async function startNats(
+  root: string,
+  n = 1,
+  opts: { jetstream?: boolean; accounts?: object } = {},
+): Promise<NatsServer[]> {
   const ports = await Promise.all(Array.from({ length: n * 2 }, () => freePort()));
   const servers = Array.from({ length: n }, (_, i) => {
     const dir = path.join(root, `nats-${i}`);
     fs.mkdirSync(dir, { recursive: true });
+    const log = path.join(dir, "nats.log");
     const routes = Array.from({ length: n }, (_, j) => `nats://127.0.0.1:${ports[n + j]}`).filter((_, j) => j !== i);
     const conf = [
       `listen: 127.0.0.1:${ports[i]}`,
       `server_name: n${i}`,
+      `log_file: "${log}"`,
       "max_payload: 2MB",
       opts.jetstream === false ? "" : `jetstream { store_dir: "${dir}" }`,
       n > 1 ? `cluster { name: c, listen: 127.0.0.1:${ports[n + i]}, routes: [${routes.join(", ")}] }` : "",
+      opts.accounts ? `accounts: ${JSON.stringify(opts.accounts)}` : "",
     ].join("\n");
     fs.writeFileSync(path.join(dir, "nats.conf"), conf);
-    const child = spawnChild([NATS_SERVER!, "-c", path.join(dir, "nats.conf")]);
-    return { url: `nats://127.0.0.1:${ports[i]}`, child, kill: () => killGroup(child.proc.pid!) };
+    const proc = spawnTracked([NATS_SERVER!, "-c", path.join(dir, "nats.conf")], {
+      stdout: "ignore",
+      stderr: "ignore",
+    });
+    return { url: `nats://127.0.0.1:${ports[i]}`, log, port: ports[i], proc, kill: () => killGroup(proc.pid) };
   });
-  await Promise.all(servers.map((s) => s.child.waitFor(/Server is ready/)));
-  if (n > 1) {
-    await Promise.all(
-      servers.map((s) =>
-        s.child.waitFor(/JetStream cluster new metadata leader|Self is new JetStream cluster metadata leader/, 30_000)
-          .catch(() => {})
-      ),
+  const logOf = (s: { log: string }) => (fs.existsSync(s.log) ? fs.readFileSync(s.log, "utf8") : "");
+  for (const s of servers) {
+    await eventually(
+      async () => {
+        if (s.proc.exitCode !== null) throw new Error(`nats-server exited with ${s.proc.exitCode}:\n${logOf(s)}`);
+        return await accepting(s.port);
+      },
+      `nats-server on port ${s.port} accepts connections`,
+      30_000,
     );
   }
-  return servers;
+  if (n > 1) {
+    await eventually(
+      () =>
+        servers.some((s) =>
+          /JetStream cluster new metadata leader|Self is new JetStream cluster metadata leader/.test(logOf(s))
+        ),
+      "the cluster elected its JetStream leader",
+      30_000,
+    );
+  }
+  return servers.map(({ url, log, kill }) => ({ url, log, kill }));
 }
 
 /** An MCP node on these relays, in inbox mode unless told otherwise. */
@@ -4966,6 +5011,57 @@ const admittedIds = (f: NodeFiles): string[] =>
   readNodeLog(f.stateDir).filter((r) => r.t === "in").map((r) => r.msg.msg_id);
 
 describe("NATS JetStream as the relay", () => {
+  natsTest(NATS_TESTS[5], async () => {
+    const { root, A, B } = await twoPeers();
+    const [nats] = await startNats(root, 1, {
+      accounts: {
+        TEAM: {
+          jetstream: "enabled",
+          users: [
+            { user: "admin", password: "admin" },
+            { user: "alice", password: "a", permissions: natsPermissions(A.id.publicKey) },
+            { user: "bob", password: "b", permissions: natsPermissions(B.id.publicKey) },
+          ],
+        },
+      },
+    });
+    const as = (user: string) => nats.url.replace("nats://", `nats://${user}@`);
+    // A node may not create the stream: it says what it lacks, and where the README says what to grant.
+    await expect(connectNats(as("alice:a"))).rejects.toThrow(
+      /the NATS account may not use the stream INTERLINK \(Permissions Violation .*STREAM\.CREATE\.INTERLINK.*"Teams: NATS"/,
+    );
+    (await connectNats(as("admin:admin"))).nc.close(); // the admin creates the stream and the bucket
+    const [alice, bob] = await Promise.all([natsNode("bun", A, [as("alice:a")]), natsNode("deno", B, [as("bob:b")])]);
+    const evil = await connectNats(as("alice:a")); // alice's own credentials, used against bob's mail
+    try {
+      await eventually(async () => (await alice.ok("discover", { peer: "bob" })).includes("  - bob · "), "roster");
+      const sent = await alice.ok("send_message", { to: "bob", text: "for bob only" });
+      await eventually(async () => (await bob.ok("check_inbox")).includes("for bob only"), "bob reads his route");
+      await eventually(
+        async () => (await alice.ok("message_status", { msg_id: msgIdOf(sent) })).includes("shown"),
+        "receipt",
+      );
+      const bobRoute = `${B.id.publicKey}#bob`;
+      const attempts: [string, () => Promise<unknown>][] = [
+        ["a consumer on bob's subject", () =>
+          evil.jsm.consumers.add("INTERLINK", {
+            durable_name: "evil",
+            filter_subject: natsSubject(bobRoute),
+            ack_policy: "explicit",
+          })],
+        ["bob's roster entry", () => evil.kv.put(`${B.id.publicKey}.Ym9i`, "{}")],
+      ];
+      for (const [what, attempt] of attempts) await expect(attempt(), what).rejects.toThrow(/Permissions Violation/);
+      // Nor can alice find or guess the consumer that reads bob's route: its name comes from bob's signature.
+      await expect(evil.js.consumers.get("INTERLINK", await natsConsumer(bobRoute))).rejects.toThrow(/not found/);
+      expect(await natsConsumer(bobRoute, (d) => B.id.sign(d))).not.toBe(await natsConsumer(bobRoute));
+    } finally {
+      await evil.nc.close();
+      await Promise.allSettled([alice.close(), bob.close()]);
+      nats.kill();
+    }
+  }, 90_000);
+
   natsTest(NATS_TESTS[0], async () => {
     const { root, A, B } = await twoPeers();
     const [nats] = await startNats(root);

@@ -2791,7 +2791,7 @@ export interface Relay {
   readonly name: string;
   /** Keeps `payload` (a message with its unsigned hints) for `route`; resolves once the relay has it durably. */
   send(route: string, payload: object, timeoutMs: number, signal?: AbortSignal): Promise<void>;
-  /** The oldest message for `route` not yet acked, waiting up to RECV_TIMEOUT_MS; null if none came. */
+  /** The oldest message for `route` not yet acked, waiting a while for one (a bus's long-poll); null if none came. */
   recv(route: string, signal: AbortSignal): Promise<Handed | null>;
   announce(a: Announcement, signal?: AbortSignal): Promise<void>;
   /** Every announcement it keeps, each with an unsigned `age_ms` (unverified: the reader verifies). */
@@ -2801,6 +2801,8 @@ export interface Relay {
     timeoutMs: number,
     signal?: AbortSignal,
   ): Promise<void>;
+  /** Calls `back` whenever the relay is reachable again after an outage it noticed (NATS reconnects). */
+  onBack?(back: () => void): void;
   close(): Promise<void>;
 }
 
@@ -2907,6 +2909,11 @@ export const NATS_STREAM = "INTERLINK";
 export const NATS_ROSTER = "interlink-roster";
 /** Unacked this long, a message is handed over again (the agent acks within milliseconds of journaling it). */
 const NATS_ACK_WAIT_MS = 10_000;
+/**
+ * How long one pull waits. Short, unlike a bus's long-poll: a pull that a cluster lost when a node went away (its
+ * consumer's leader moving) is not answered, and the next one, on the new leader, should not wait long.
+ */
+const NATS_PULL_MS = 5_000;
 
 /** A route's subject (see above): only a real key and a session id make one, so no route can reach another's. */
 export function natsSubject(route: string): string {
@@ -2933,7 +2940,7 @@ interface NatsMsg {
   ackAck(): Promise<boolean>;
 }
 interface NatsLink {
-  nc: { rtt(): Promise<number>; close(): Promise<void> };
+  nc: { rtt(): Promise<number>; close(): Promise<void>; status(): AsyncIterable<{ type: string }> };
   js: {
     publish(subject: string, data: string, opts: { msgID?: string; timeout?: number }): Promise<unknown>;
     consumers: {
@@ -3033,6 +3040,41 @@ export async function connectNats(url: string): Promise<NatsLink> {
   }
 }
 
+/**
+ * What one node's NATS user needs, and no more (README, "Teams: NATS"): send
+ * to any route; create consumers only on its own key's subjects; pull and ack
+ * through consumers whose names it knows (ours are computable only by their
+ * key's holder, and listing them is not allowed); write only its own roster
+ * entries, read the others. Not allowed, among the rest: creating, deleting
+ * or purging the stream, listing or deleting consumers, reading a message by
+ * its sequence number. An admin user creates the stream and the bucket.
+ */
+export function natsPermissions(key: string): { publish: { allow: string[] }; subscribe: { allow: string[] } } {
+  const kv = `KV_${NATS_ROSTER}`;
+  return {
+    publish: {
+      allow: [
+        "interlink.in.>",
+        "$JS.API.INFO",
+        `$JS.API.STREAM.INFO.${NATS_STREAM}`,
+        `$JS.API.CONSUMER.CREATE.${NATS_STREAM}.*.interlink.in.${key}`,
+        `$JS.API.CONSUMER.CREATE.${NATS_STREAM}.*.interlink.in.${key}.*`,
+        `$JS.API.CONSUMER.INFO.${NATS_STREAM}.*`,
+        `$JS.API.CONSUMER.MSG.NEXT.${NATS_STREAM}.*`,
+        `$JS.ACK.${NATS_STREAM}.>`,
+        `$KV.${NATS_ROSTER}.${key}.*`,
+        `$JS.API.STREAM.INFO.${kv}`,
+        `$JS.API.STREAM.MSG.GET.${kv}`,
+        `$JS.API.DIRECT.GET.${kv}.>`,
+        `$JS.API.CONSUMER.CREATE.${kv}.>`,
+        `$JS.API.CONSUMER.INFO.${kv}.>`,
+        `$JS.API.CONSUMER.DELETE.${kv}.>`,
+      ],
+    },
+    subscribe: { allow: ["_INBOX.>"] },
+  };
+}
+
 /** Runs a setup step; a permission error says what the account must allow. */
 async function natsNeeds<T>(what: string, step: () => Promise<T>): Promise<T> {
   try {
@@ -3061,11 +3103,25 @@ export class NatsRelay implements Relay {
   }
 
   link(): Promise<NatsLink> {
-    this.#link ??= connectNats(this.url).catch((e) => {
+    this.#link ??= connectNats(this.url).then((link) => {
+      void this.#watch(link);
+      return link;
+    }, (e) => {
       this.#link = null; // the next call tries again
       throw e;
     });
     return this.#link;
+  }
+
+  #back: (() => void)[] = [];
+
+  onBack(back: () => void): void {
+    this.#back.push(back);
+  }
+
+  /** Follows the connection's status: after a reconnect (another server of a cluster, say), calls the onBack hooks. */
+  async #watch(link: NatsLink): Promise<void> {
+    for await (const s of link.nc.status()) if (s.type === "reconnect") { for (const back of this.#back) back(); }
   }
 
   async send(route: string, payload: object, timeoutMs: number): Promise<void> {
@@ -3099,7 +3155,7 @@ export class NatsRelay implements Relay {
     const stopped = new Promise<null>((resolve) =>
       signal.addEventListener("abort", () => resolve(null), { once: true })
     );
-    const m = signal.aborted ? null : await Promise.race([c.next({ expires: RECV_TIMEOUT_MS }), stopped]);
+    const m = signal.aborted ? null : await Promise.race([c.next({ expires: NATS_PULL_MS }), stopped]);
     if (!m) return null;
     let payload: unknown;
     try {
@@ -3139,7 +3195,7 @@ export class NatsRelay implements Relay {
     const keys: string[] = [];
     for await (const k of await kv.keys()) if (keys.push(k) >= ROSTER_CAP) break;
     const now = Date.now();
-    const entries = await Promise.all(keys.map((k) => kv.get(k).catch(() => null)));
+    const entries = await Promise.all(keys.map((k) => kv.get(k)));
     return entries.flatMap((e) => {
       if (!e || e.operation !== "PUT") return [];
       try {
@@ -4336,6 +4392,7 @@ export class Agent {
   #proofs = new Map<string, { ts: number; proof: string }>(); // route → the recv proof in use
   /** One per configured URL, in order: every bus and NATS relay this node sends through and polls. */
   readonly relays: Relay[];
+  #sendFailures = 0; // delivery attempts failed in a row: the back-off, reset when a relay is back
 
   private constructor(readonly cfg: NodeConfig, readonly id: Identity, private lock: PidLock, now: () => number) {
     this.now = now;
@@ -4344,6 +4401,7 @@ export class Agent {
     this.seen = new SeenLog(cfg.stateDir, this.state.replay, now);
     this.info = describeSession(cfg.session);
     this.relays = cfg.busUrls.map((url) => openRelay(url, (route) => this.#proof(route), (data) => id.sign(data)));
+    for (const relay of this.relays) relay.onBack?.(() => this.#relayBack());
   }
 
   /** Opens a node: identity, allowlist, the state lock (waiting up to `waitMs` for a short-lived holder), and the fold of its journal. */
@@ -4604,7 +4662,6 @@ export class Agent {
   }
 
   async #sendLoop(): Promise<void> {
-    let failures = 0;
     while (!this.#stop.signal.aborted) {
       const entry = this.state.firstPending();
       if (!entry) {
@@ -4612,11 +4669,12 @@ export class Agent {
         continue;
       }
       if (await this.deliver(entry).catch((e) => (entry.lastError = errorText(e), false))) {
-        failures = 0;
+        this.#sendFailures = 0;
         continue;
       }
       if (this.#stop.signal.aborted) break;
-      if (failures++ === 0) {
+      const failures = ++this.#sendFailures;
+      if (failures === 1) {
         logWarn(
           `cannot deliver ${entry.msg.msg_id} to ${
             entry.peer ?? fingerprint(entry.msg.to)
@@ -4705,6 +4763,12 @@ export class Agent {
     return proof;
   }
 
+  /** A relay answers again: what waits in the outbox goes now, not after the back-off it had grown to. */
+  #relayBack(): void {
+    this.#sendFailures = 0;
+    this.#outbox.wake();
+  }
+
   async #recvLoop(relay: Relay, route: string): Promise<void> {
     let failures = 0;
     while (!this.#stop.signal.aborted) {
@@ -4713,7 +4777,7 @@ export class Agent {
         if (failures) {
           logInfo(`${relay.name} is reachable again`);
           failures = 0;
-          this.#outbox.wake();
+          this.#relayBack();
         }
         if (!handed) continue;
         // One payload at a time across all relays, so two copies of a message cannot both pass the replay check.
@@ -7786,9 +7850,165 @@ async function benchFlood(root: string, progress: (m: string) => void) {
   return { announce, opaque_bytes: opaqueBytes, signed_bytes: signedBytes, signed_junk: junk };
 }
 
+/** An executable on PATH (or in /usr/sbin, where Debian puts nats-server), or null. */
+function findOnPath(name: string): string | null {
+  const dirs = [...(process.env.PATH ?? "").split(path.delimiter), "/usr/sbin", "/usr/local/sbin"];
+  for (const dir of dirs) {
+    const file = path.join(dir, name);
+    if (dir && fs.existsSync(file)) return file;
+  }
+  return null;
+}
+
+/** A nats-server with JetStream on a free loopback port, for the bench (max_payload as a bus takes). */
+async function startNatsServer(dir: string): Promise<{ url: string; child: ReturnType<typeof spawn> } | null> {
+  const bin = findOnPath("nats-server");
+  if (!bin) return null;
+  const port = await new Promise<number>((resolve) => {
+    const srv = net.createServer().listen(0, "127.0.0.1", () => {
+      const p = (srv.address() as net.AddressInfo).port;
+      srv.close(() => resolve(p));
+    });
+  });
+  fs.mkdirSync(dir, { recursive: true });
+  const conf = path.join(dir, "nats.conf");
+  fs.writeFileSync(conf, `listen: 127.0.0.1:${port}\nmax_payload: 2MB\njetstream { store_dir: "${dir}" }\n`);
+  const child = spawn(bin, ["-c", conf], { stdio: ["ignore", "ignore", "pipe"] });
+  await new Promise<void>((resolve, reject) => {
+    let buf = "";
+    child.stderr!.on("data", (d: Buffer) => {
+      buf += d.toString();
+      if (buf.includes("Server is ready")) resolve();
+    });
+    child.once("exit", (code) => reject(new InterlinkError(`nats-server exited with ${code}: ${buf.slice(-500)}`)));
+  });
+  return { url: `nats://127.0.0.1:${port}`, child };
+}
+
+/**
+ * One relay under the agent's own load, through the agent's own relay client:
+ * `pairs` senders each send `perPair` signed messages to their own route
+ * while its reader receives each, journals it (append + fdatasync) and acks
+ * it, as an agent does; then one message at a time, send → received latency.
+ */
+async function relayLoad(relay: Relay, id: Identity, dir: string, pid: number, pairs: number, perPair: number) {
+  fs.mkdirSync(dir, { recursive: true });
+  const signed = await Promise.all(
+    Array.from(
+      { length: pairs },
+      () =>
+        Promise.all(
+          Array.from({ length: perPair }, (_, n) => signMessage(id, { to: id.publicKey, text: `m${n}` }, Date.now())),
+        ),
+    ),
+  );
+  const stop = new AbortController();
+  const receive = async (route: string, journal: JsonlWriter, expect: SignedMessage[]) => {
+    for (let got = 0; got < expect.length;) {
+      const h = await relay.recv(route, stop.signal);
+      if (!h) continue;
+      if ((h.payload as SignedMessage).msg_id !== expect[got].msg_id) {
+        throw new InterlinkError(`${relay.name}: out of order at ${got}`);
+      }
+      journal.append([{ t: "in", msg: h.payload }]);
+      await journal.sync();
+      await h.ack();
+      got++;
+    }
+  };
+  // Warm up: the connection, the stream and each route's consumer exist before the clock starts.
+  await Promise.all(signed.map(async (list, i) => {
+    const route = `${id.publicKey}#bench-${i}`;
+    const warm = await signMessage(id, { to: id.publicKey, text: "warm" }, Date.now());
+    await relay.send(route, warm, SEND_TIMEOUT_MS);
+    await receive(route, new JsonlWriter(path.join(dir, `warm-${i}.jsonl`)), [warm]);
+    return list;
+  }));
+  const cpu0 = cpuSeconds(pid);
+  const t0 = performance.now();
+  await Promise.all(signed.map(async (list, i) => {
+    const route = `${id.publicKey}#bench-${i}`;
+    const journal = new JsonlWriter(path.join(dir, `in-${i}.jsonl`));
+    const sender = (async () => {
+      for (const m of list) await relay.send(route, m, SEND_TIMEOUT_MS);
+    })();
+    await receive(route, journal, list);
+    await sender;
+    journal.close();
+  }));
+  const seconds = (performance.now() - t0) / 1000;
+  const cpu1 = cpuSeconds(pid);
+  const latencies: number[] = [];
+  const route = `${id.publicKey}#latency`;
+  const journal = new JsonlWriter(path.join(dir, "latency.jsonl"));
+  for (let n = 0; n < 220; n++) {
+    const m = await signMessage(id, { to: id.publicKey, text: `l${n}` }, Date.now());
+    const t = performance.now();
+    const [, received] = await Promise.all([
+      relay.send(route, m, SEND_TIMEOUT_MS),
+      receive(route, journal, [m]).then(() => performance.now()),
+    ]);
+    if (n >= 20) latencies.push(received - t); // the first 20 warm the route
+  }
+  journal.close();
+  stop.abort();
+  latencies.sort((x, y) => x - y);
+  return {
+    relay: relay.name.replace(/:\d+$/, ""),
+    messages: pairs * perPair,
+    msgs_per_s: Math.round((pairs * perPair) / seconds),
+    relay_cpu_percent: cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / seconds) * 100),
+    relay_rss_mb: rssMb(pid),
+    send_to_journaled_ms_p50: Math.round(percentile(latencies, 50) * 100) / 100,
+    send_to_journaled_ms_p99: Math.round(percentile(latencies, 99) * 100) / 100,
+  };
+}
+
+/**
+ * Our bus and NATS JetStream side by side, in one run, under the same load
+ * (relayLoad): 8 pairs × 500 messages, durable at both ends. Without
+ * nats-server on PATH, says so and how to install it.
+ */
+async function benchRelays(root: string, progress: (m: string) => void, id: Identity) {
+  const pairs = 8, perPair = 500;
+  const out: Record<string, unknown> = { load: `${pairs} pairs × ${perPair}, send → recv → journal fdatasync → ack` };
+  const bus = await startChildBus(path.join(root, "relays-bus"));
+  try {
+    progress(`relays: our bus (${runtimeName()}), ${pairs} pairs × ${perPair}`);
+    out.bus = await relayLoad(
+      new HttpRelay(bus.url),
+      id,
+      path.join(root, "relays-bus-in"),
+      bus.child.pid!,
+      pairs,
+      perPair,
+    );
+  } finally {
+    await stopChild(bus.child);
+  }
+  const nats = await startNatsServer(path.join(root, "relays-nats"));
+  if (!nats) {
+    out.nats = "skipped: nats-server is not on PATH (install it with: sudo apt-get install -y nats-server)";
+    return out;
+  }
+  const relay = new NatsRelay(nats.url, (data) => id.sign(data));
+  try {
+    progress(`relays: NATS JetStream (nats-server pid ${nats.child.pid}), the same load`);
+    out.nats = await relayLoad(relay, id, path.join(root, "relays-nats-in"), nats.child.pid!, pairs, perPair);
+  } finally {
+    await relay.close();
+    await stopChild(nats.child);
+  }
+  const b = out.bus as { msgs_per_s: number }, n = out.nats as { msgs_per_s: number };
+  out.nats_over_bus_throughput = Math.round((n.msgs_per_s / b.msgs_per_s) * 100) / 100;
+  return out;
+}
+
 async function runBench(o: Options): Promise<number> {
-  const only = String(o.only ?? "throughput,recovery,idle,agents,sessions,flood").split(",").map((x) => x.trim());
-  const known = ["throughput", "recovery", "idle", "agents", "sessions", "flood"];
+  const only = String(o.only ?? "throughput,recovery,idle,agents,sessions,flood,relays").split(",").map((x) =>
+    x.trim()
+  );
+  const known = ["throughput", "recovery", "idle", "agents", "sessions", "flood", "relays"];
   for (const x of only) {
     if (!known.includes(x)) throw new InterlinkError(`unknown benchmark '${x}'; choose from ${known.join(", ")}`);
   }
@@ -7814,6 +8034,7 @@ async function runBench(o: Options): Promise<number> {
     if (only.includes("agents")) report.agents = await benchAgents(root, progress);
     if (only.includes("sessions")) report.sessions = await benchSessions(root, progress);
     if (only.includes("flood")) report.floods = await benchFlood(root, progress);
+    if (only.includes("relays")) report.relays = await benchRelays(root, progress, id);
   } finally {
     fs.rmSync(root, { recursive: true, force: true });
   }
@@ -8034,7 +8255,8 @@ const COMMANDS: Record<string, CommandSpec> = {
       only: {
         type: "string",
         arg: "LIST",
-        help: "comma-separated subset of throughput, recovery, idle, agents, sessions, flood",
+        help:
+          "comma-separated subset of throughput, recovery, idle, agents, sessions, flood, relays (our bus beside NATS)",
       },
     },
     run: runBench,
