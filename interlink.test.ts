@@ -23,6 +23,8 @@ import {
   chooseRoute,
   claimInbox,
   commandTable,
+  CONN_BODY_MS,
+  CONN_IDLE_MS,
   connectNats,
   conversation,
   decide,
@@ -168,6 +170,9 @@ afterAll(() => {
   for (const dir of made.mounts) spawnSync("umount", ["-l", dir]);
   for (const dir of made.dirs) fs.rmSync(dir, { recursive: true, force: true });
 });
+
+/** Sleeps until a wall-clock time: for tests whose subject is a timeout. */
+const sleepUntil = (ms: number) => new Promise((r) => setTimeout(r, Math.max(0, ms - Date.now())));
 
 /** Waits for `check` to hold, re-checking every 20 ms, and fails with `what` after `ms`: no test orders events by sleeping. */
 async function eventually(check: () => boolean | Promise<boolean>, what: string, ms = 15_000): Promise<void> {
@@ -4706,12 +4711,55 @@ describe("hostile clients on the bus", () => {
 });
 
 describe("hostile clients: bodies and connections", () => {
-  for (const runtime of ["bun", "deno"] as const) {
+  test.concurrent(
+    "Deno idle sockets closed: a guarded Deno bus closes idle and slow connections, and a long-poll still completes",
+    async () => {
+      const child = spawnChild([...runtimeArgv("deno"), "bus", "--port", "0", "--data", tmpDir(), "--guard", "on"]);
+      const url = (await child.waitFor(/listening on (http:\/\/\S+)/))[1];
+      const port = Number(new URL(url).port);
+      const open = (first?: string) => {
+        const socket = net.connect(port, "127.0.0.1");
+        const state = { socket, closedAt: 0 };
+        socket.on("error", () => {});
+        const closed = () => (state.closedAt ||= Date.now()); // the server's FIN ("end"), or a reset
+        socket.on("end", closed).on("close", closed).resume(); // flowing, or "end" never comes
+        if (first) socket.once("connect", () => socket.write(first));
+        return state;
+      };
+      try {
+        const t0 = Date.now();
+        const idle = Array.from({ length: 50 }, () => open());
+        const halfLine = Array.from({ length: 10 }, () => open("GET /rost"));
+        const slowBody = Array.from(
+          { length: 5 },
+          () => open("POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"),
+        );
+        const drip = setInterval(() => slowBody.forEach((s) => s.closedAt || s.socket.write(" ")), 2000);
+        // A long-poll outlives the idle timeout: it is answered when its message comes, 12 s later.
+        const poll = fetch(`${url}/recv?me=late&timeout_ms=30000`).then((r) => r.json());
+        await sleepUntil(t0 + 12_000);
+        await postSend(url, "late", { hello: 1 });
+        expect((await poll).envelope.payload).toEqual({ hello: 1 });
+        await eventually(() => [...idle, ...halfLine, ...slowBody].every((s) => s.closedAt), "all closed", 20_000);
+        clearInterval(drip);
+        const after = (list: { closedAt: number }[]) => Math.max(...list.map((s) => s.closedAt - t0));
+        expect(after(idle)).toBeLessThan(CONN_IDLE_MS + 5_000);
+        expect(after(halfLine)).toBeLessThan(CONN_IDLE_MS + 5_000);
+        expect(after(slowBody)).toBeLessThan(CONN_BODY_MS + 5_000);
+        expect((await fetch(`${url}/roster`)).status).toBe(200); // and it serves on
+      } finally {
+        await stop(child);
+      }
+    },
+    60_000,
+  );
+
+  for (const [runtime, guard] of [["bun", "off"], ["deno", "off"], ["deno", "on"]] as const) {
     test(
-      `a bus out of file descriptors (idle sockets) stays up and serves again once they go (${runtime})`,
+      `a bus out of file descriptors (idle sockets) stays up and serves again once they go (${runtime}, guard ${guard})`,
       async () => {
         // A low descriptor limit stands in for the 20,000 idle sockets of the drill.
-        const argv = [...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir()];
+        const argv = [...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir(), "--guard", guard];
         const child = spawnChild(["sh", "-c", 'ulimit -n 128 && exec "$@"', "sh", ...argv]);
         const url = (await child.waitFor(/listening on (http:\/\/\S+)/))[1];
         const port = Number(new URL(url).port);
@@ -4725,8 +4773,9 @@ describe("hostile clients: bodies and connections", () => {
           await Promise.all(
             sockets.map((s) => new Promise((r) => s.once("connect", r).once("error", r).once("close", r))),
           );
-          // Deno's listener fails on the first accept past the limit (Bun's keeps waiting for a free descriptor).
-          if (runtime === "deno") {
+          // Deno's listener fails on the first accept past the limit (Bun's keeps waiting for a free descriptor;
+          // the guarded one holds fewer connections than the limit, closing the rest at once).
+          if (runtime === "deno" && guard === "off") {
             await child.waitFor(/the HTTP listener failed .*Too many open files.*listening again/);
           }
           expect(child.proc.exitCode).toBe(null); // still running
@@ -4925,6 +4974,55 @@ if (!NATS_SERVER) {
   );
 }
 const natsTest = NATS_SERVER ? test.concurrent : test.skip;
+
+test.concurrent(
+  "without a nats:// URL nothing NATS-related is loaded (Bun without auto-install, Deno offline)",
+  async () => {
+    const root = tmpDir();
+    const lone = path.join(root, "interlink.ts"); // no node_modules anywhere above it
+    fs.copyFileSync(SCRIPT, lone);
+    const bob = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    fs.writeFileSync(path.join(root, "peers.json"), JSON.stringify({ bob: { key: bob.publicKey } }));
+    const port = await freePort(); // nothing listens there
+    const send = (runtime: "bun" | "deno", url: string) => {
+      const argv = runtime === "bun"
+        ? [process.execPath, "--no-install", lone]
+        : [denoPath(), "run", "--cached-only", "-A", "--quiet", lone];
+      const r = spawnSync(argv[0], [
+        ...argv.slice(1),
+        "send",
+        "bob",
+        "hi",
+        "--url",
+        url,
+        "--state",
+        path.join(root, `s-${runtime}-${url.slice(0, 4)}`),
+      ], {
+        encoding: "utf8",
+        cwd: root,
+        env: {
+          ...process.env,
+          INTERLINK_KEY: path.join(root, "id.key"),
+          INTERLINK_PEERS: path.join(root, "peers.json"),
+          INTERLINK_CONFIG: path.join(root, "config.json"),
+          DENO_DIR: path.join(root, "empty-deno-dir"), // no npm package cached, and none may be fetched
+        },
+      });
+      return r.stdout + r.stderr;
+    };
+    runCli("bun", ["keygen", "--out", path.join(root, "id.key")]);
+    for (const runtime of ["bun", "deno"] as const) {
+      const http = send(runtime, `http://127.0.0.1:${port}`);
+      expect(http, runtime).toContain("queued since");
+      expect(http, runtime).not.toMatch(/cannot load|nats/i);
+      // The same command with a NATS relay is the first to reach for the NATS packages (here they cannot load).
+      expect(send(runtime, `nats://127.0.0.1:${port}`), runtime).toMatch(
+        /cannot load (npm:)?@nats-io\/transport-node@3\.4\.0/,
+      );
+    }
+  },
+  60_000,
+);
 
 test("the README's NATS permission set is the one in the code", () => {
   const readme = fs.readFileSync(path.join(REPO, "README.md"), "utf8");

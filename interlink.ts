@@ -36,7 +36,7 @@
  */
 
 import { Buffer } from "node:buffer";
-import { spawn } from "node:child_process";
+import { spawn, spawnSync } from "node:child_process";
 import * as fs from "node:fs";
 import * as net from "node:net";
 import * as os from "node:os";
@@ -2708,13 +2708,20 @@ export interface Listening {
   stop(): Promise<void>;
 }
 
-/** Binds a fetch handler to a TCP port with the host runtime's own server. */
+/**
+ * Binds a fetch handler to a TCP port with the host runtime's own server.
+ * `guard` (Deno only; Bun always closes idle connections): serve with
+ * node:http, whose timeouts Deno honours, so that idle connections and slow
+ * requests are closed (Deno.serve never closes them); it costs throughput.
+ */
 export function serveHttp(
   handler: (req: Request) => Promise<Response>,
   hostname: string,
   port: number,
+  guard = false,
 ): Promise<Listening> {
   const { Bun, Deno } = runtimeHost;
+  if (Deno && guard) return serveGuarded(handler, hostname, port);
   if (Bun) {
     // idleTimeout counts while a long-poll waits: keep it above RECV_TIMEOUT_MAX_MS.
     const server = Bun.serve({
@@ -2762,6 +2769,119 @@ export function serveHttp(
 }
 
 const isLoopback = (host: string) => host === "localhost" || host === "::1" || /^127\./.test(host);
+
+/** A guarded server closes a connection idle this long between requests, or this slow to send its headers. */
+export const CONN_IDLE_MS = 10_000;
+/** ... and one whose request body is not all there this long after its headers (a byte every few seconds). */
+export const CONN_BODY_MS = 15_000;
+/** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
+const CONN_PROBE_MS = 3_000;
+/** Connections a guarded server holds at most; fewer when the file-descriptor limit is lower (see connectionBound). */
+const CONN_MAX = 10_000;
+
+/** CONN_MAX, or the process's file-descriptor limit less some room for the queue file and the like. */
+function connectionBound(): number {
+  const r = spawnSync("sh", ["-c", "ulimit -n"], { encoding: "utf8" });
+  const limit = Number(r.stdout?.trim());
+  return Number.isSafeInteger(limit) && limit > 0 ? Math.max(16, Math.min(CONN_MAX, limit - 64)) : CONN_MAX;
+}
+
+/**
+ * The guarded server (see serveHttp): node:http with keep-alive and header
+ * timeouts, an absolute deadline on the body, a bound on connections, and no
+ * request timeout (a long-poll may wait a minute). A client that goes away
+ * aborts its request's signal, so its long-poll is dropped at once.
+ */
+async function serveGuarded(
+  handler: (req: Request) => Promise<Response>,
+  hostname: string,
+  port: number,
+): Promise<Listening> {
+  const http = await import("node:http");
+  const timeouts = {
+    keepAliveTimeout: CONN_IDLE_MS,
+    headersTimeout: CONN_IDLE_MS,
+    requestTimeout: 0, // under Deno it would cut long-polls too
+    connectionsCheckingInterval: 1_000, // how often headersTimeout is checked (30 s by default)
+  };
+  const server = http.createServer(timeouts, async (req, res) => {
+    const gone = new AbortController();
+    res.on("close", () => res.writableFinished || gone.abort());
+    try {
+      let body: Buffer | undefined;
+      if (
+        req.method !== "GET" && req.method !== "HEAD" && !(Number(req.headers["content-length"]) > BODY_LIMIT_BYTES)
+      ) {
+        const deadline = setTimeout(() => req.socket.destroy(), CONN_BODY_MS);
+        const chunks: Buffer[] = [];
+        let n = 0;
+        try {
+          // One byte past the limit is enough for the handler to answer 413.
+          for await (const c of req) if ((n += c.length, chunks.push(c), n) > BODY_LIMIT_BYTES) break;
+        } finally {
+          clearTimeout(deadline);
+        }
+        body = Buffer.concat(chunks);
+      }
+      const headers = new Headers();
+      for (let i = 0; i + 1 < req.rawHeaders.length; i += 2) headers.append(req.rawHeaders[i], req.rawHeaders[i + 1]);
+      const r = await handler(
+        new Request(`http://${hostname}${req.url ?? "/"}`, {
+          method: req.method,
+          headers,
+          body: body && new Uint8Array(body),
+          signal: gone.signal,
+        }),
+      );
+      const out = Buffer.from(await r.arrayBuffer());
+      res.writeHead(r.status, Object.fromEntries(r.headers));
+      res.end(out);
+    } catch {
+      res.destroy(); // a client that went away, or a body cut off by its deadline: nothing to answer
+    }
+  });
+  Object.assign(server, timeouts); // as properties too: some are read from there
+  // Past the bound a new connection is closed at once, and accepting goes on (node:http's own maxConnections,
+  // under Deno, stops accepting for good once reached).
+  const most = connectionBound();
+  let open = 0;
+  server.on("connection", (socket: net.Socket) => {
+    open++;
+    socket.once("close", () => open--);
+    if (open > most) socket.destroy();
+  });
+  server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
+  await new Promise<void>((resolve, reject) => {
+    server.once("error", reject);
+    server.listen(port, hostname, () => resolve());
+  });
+  const bound = (server.address() as net.AddressInfo).port; // the port, kept when listening anew
+  // A burst of connections past the file-descriptor limit stops node:http's accepting under Deno, silently and for
+  // good. So every few seconds a connection to ourselves checks that one is still accepted; if not, it listens anew.
+  let accepted = 0;
+  server.on("connection", () => accepted++);
+  const watchdog = setInterval(() => {
+    const before = accepted;
+    const probe = net.connect(bound, isLoopback(hostname) ? hostname : "127.0.0.1");
+    probe.on("error", () => {});
+    setTimeout(() => {
+      probe.destroy();
+      if (accepted > before) return;
+      logWarn(`the HTTP listener on port ${bound} stopped accepting (out of file descriptors?); listening again`);
+      server.close();
+      server.listen(bound, hostname);
+    }, CONN_PROBE_MS).unref?.();
+  }, CONN_PROBE_MS * 2);
+  return {
+    port: bound,
+    stop: () =>
+      new Promise<void>((resolve) => {
+        clearInterval(watchdog);
+        server.close(() => resolve());
+        server.closeAllConnections();
+      }),
+  };
+}
 
 // ============================================================================
 // Relays
@@ -3075,6 +3195,19 @@ export function natsPermissions(key: string): { publish: { allow: string[] }; su
   };
 }
 
+/** Runs `step`, failing with a RelayError ("timed out") if it takes longer than `ms`; the step itself goes on. */
+async function withTimeout<T>(ms: number, what: string, step: () => Promise<T>): Promise<T> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const late = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new RelayError(`${what} timed out after ${ms} ms`)), ms);
+  });
+  try {
+    return await Promise.race([step(), late]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
 /** Runs a setup step; a permission error says what the account must allow. */
 async function natsNeeds<T>(what: string, step: () => Promise<T>): Promise<T> {
   try {
@@ -3125,7 +3258,7 @@ export class NatsRelay implements Relay {
   }
 
   async send(route: string, payload: object, timeoutMs: number): Promise<void> {
-    const { js } = await this.link();
+    const { js } = await withTimeout(timeoutMs, `${this.name}: connect`, () => this.link());
     const p = payload as Record<string, unknown>;
     const msgID = typeof p.msg_id === "string" ? `${p.from}.${p.msg_id}.${route}` : undefined;
     try {
@@ -3149,13 +3282,18 @@ export class NatsRelay implements Relay {
       this.#consumers.set(route, consumer);
       consumer.catch(() => this.#consumers.delete(route));
     }
-    const c = await consumer;
+    const c = await withTimeout(SEND_TIMEOUT_MS * 2, `${this.name}: consumer`, () => consumer);
     // A pull cannot be cancelled: on stop, stop waiting for it; what it may still fetch is never acked, so it
     // comes again after NATS_ACK_WAIT_MS.
     const stopped = new Promise<null>((resolve) =>
       signal.addEventListener("abort", () => resolve(null), { once: true })
     );
-    const m = signal.aborted ? null : await Promise.race([c.next({ expires: NATS_PULL_MS }), stopped]);
+    const pull = withTimeout(
+      NATS_PULL_MS + SEND_TIMEOUT_MS,
+      `${this.name}: pull`,
+      () => c.next({ expires: NATS_PULL_MS }),
+    );
+    const m = signal.aborted ? null : await Promise.race([pull, stopped]);
     if (!m) return null;
     let payload: unknown;
     try {
@@ -3185,12 +3323,19 @@ export class NatsRelay implements Relay {
     return await js.consumers.get(NATS_STREAM, name);
   }
 
-  async announce(a: Announcement): Promise<void> {
-    const { kv } = await this.link();
-    await kv.put(natsRosterKey(a.pubkey, a.session?.session_id ?? ""), JSON.stringify(a));
+  announce(a: Announcement): Promise<void> {
+    return withTimeout(SEND_TIMEOUT_MS, `${this.name}: announce`, async () => {
+      const { kv } = await this.link();
+      await kv.put(natsRosterKey(a.pubkey, a.session?.session_id ?? ""), JSON.stringify(a));
+    });
   }
 
-  async roster(): Promise<unknown[]> {
+  /** Every entry of the roster bucket; within `timeoutMs` (a reconnecting client would otherwise wait). */
+  roster(timeoutMs = SEND_TIMEOUT_MS): Promise<unknown[]> {
+    return withTimeout(timeoutMs, `${this.name}: roster`, () => this.#roster());
+  }
+
+  async #roster(): Promise<unknown[]> {
     const { kv } = await this.link();
     const keys: string[] = [];
     for await (const k of await kv.keys()) if (keys.push(k) >= ROSTER_CAP) break;
@@ -3207,9 +3352,11 @@ export class NatsRelay implements Relay {
     });
   }
 
-  async unregister(u: { pubkey: string; session: { session_id: string } }): Promise<void> {
-    const { kv } = await this.link();
-    await kv.delete(natsRosterKey(u.pubkey, u.session.session_id));
+  unregister(u: { pubkey: string; session: { session_id: string } }, timeoutMs: number): Promise<void> {
+    return withTimeout(timeoutMs, `${this.name}: unregister`, async () => {
+      const { kv } = await this.link();
+      await kv.delete(natsRosterKey(u.pubkey, u.session.session_id));
+    });
   }
 
   async close(): Promise<void> {
@@ -6874,12 +7021,16 @@ async function runBus(o: Options): Promise<number> {
     totalBytes: intOption(o["max-mb"], "max-mb", 1, 1_000_000) * 2 ** 20,
   };
   const compactMinDead = intOption(o.compact, "compact", 1, 100_000_000);
+  if (!["auto", "on", "off"].includes(String(o.guard))) {
+    throw new InterlinkError(`--guard must be auto, on or off, not '${o.guard}'`);
+  }
   const dataDir = o.data as string;
   logComponent = "interlink bus";
   const bus = await Bus.open(dataDir, { cap, compactMinDead, limits });
   let server: Listening;
   try {
-    server = await serveHttp(bus.handler, host, port);
+    const guard = o.guard === "on" || (o.guard !== "off" && !isLoopback(host));
+    server = await serveHttp(bus.handler, host, port, guard);
   } catch (e) {
     await bus.close();
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
@@ -8117,6 +8268,15 @@ const COMMANDS: Record<string, CommandSpec> = {
         env: "INTERLINK_BUS_MAX_MB",
         default: String(TOTAL_BYTES_MAX >> 20),
         help: "MiB of messages the bus holds in all (past it: 507)",
+      },
+      guard: {
+        type: "string",
+        arg: "auto|on|off",
+        env: "INTERLINK_BUS_GUARD",
+        default: "auto",
+        help: `under Deno, serve with node:http so that idle (${CONN_IDLE_MS / 1000} s) and slow (${
+          CONN_BODY_MS / 1000
+        } s) connections are closed, at some cost in throughput; auto: when --host is not loopback (Bun always closes them)`,
       },
       compact: {
         type: "string",
