@@ -7021,16 +7021,13 @@ async function runBus(o: Options): Promise<number> {
     totalBytes: intOption(o["max-mb"], "max-mb", 1, 1_000_000) * 2 ** 20,
   };
   const compactMinDead = intOption(o.compact, "compact", 1, 100_000_000);
-  if (!["auto", "on", "off"].includes(String(o.guard))) {
-    throw new InterlinkError(`--guard must be auto, on or off, not '${o.guard}'`);
-  }
+  if (!["on", "off"].includes(String(o.guard))) throw new InterlinkError(`--guard must be on or off, not '${o.guard}'`);
   const dataDir = o.data as string;
   logComponent = "interlink bus";
   const bus = await Bus.open(dataDir, { cap, compactMinDead, limits });
   let server: Listening;
   try {
-    const guard = o.guard === "on" || (o.guard !== "off" && !isLoopback(host));
-    server = await serveHttp(bus.handler, host, port, guard);
+    server = await serveHttp(bus.handler, host, port, o.guard === "on");
   } catch (e) {
     await bus.close();
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
@@ -7442,8 +7439,9 @@ function childEnv(extra: Record<string, string>): Record<string, string> {
 async function startChildBus(
   dataDir: string,
   port = 0,
+  extra: string[] = [],
 ): Promise<{ url: string; child: ReturnType<typeof spawn>; stderr: string[] }> {
-  const [cmd, ...args] = selfCommand(["bus", "--port", String(port), "--data", dataDir]);
+  const [cmd, ...args] = selfCommand(["bus", "--port", String(port), "--data", dataDir, ...extra]);
   const child = spawn(cmd, args, { stdio: ["ignore", "ignore", "pipe"], env: childEnv({}) });
   const stderr: string[] = [];
   const url = await new Promise<string>((resolve, reject) => {
@@ -7653,8 +7651,14 @@ function percentile(sorted: number[], p: number): number {
   return Math.round(sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))] * 10) / 10;
 }
 
-async function benchThroughput(root: string, progress: (m: string) => void, sample: SignedMessage, id: Identity) {
-  const bus = await startChildBus(path.join(root, "throughput"));
+async function benchThroughput(
+  root: string,
+  progress: (m: string) => void,
+  sample: SignedMessage,
+  id: Identity,
+  busArgs: string[] = [],
+) {
+  const bus = await startChildBus(path.join(root, `throughput${busArgs.join("")}`), 0, busArgs);
   try {
     const pairs = 8, perPair = 500;
     progress(
@@ -8179,7 +8183,13 @@ async function runBench(o: Options): Promise<number> {
     load_avg_before: loadAverage(),
   };
   try {
-    if (only.includes("throughput")) report.bus_throughput = await benchThroughput(root, progress, sample, id);
+    if (only.includes("throughput")) {
+      report.bus_throughput = await benchThroughput(root, progress, sample, id);
+      // Under Deno, the same with Deno.serve (--guard off), which never closes idle connections.
+      if (runtimeHost.Deno) {
+        report.bus_throughput_unguarded = await benchThroughput(root, progress, sample, id, ["--guard", "off"]);
+      }
+    }
     if (only.includes("recovery")) report.bus_recovery = await benchRecovery(root, progress, sample);
     if (only.includes("idle")) report.bus_idle_long_poll = await benchIdle(root, progress);
     if (only.includes("agents")) report.agents = await benchAgents(root, progress);
@@ -8271,12 +8281,12 @@ const COMMANDS: Record<string, CommandSpec> = {
       },
       guard: {
         type: "string",
-        arg: "auto|on|off",
+        arg: "on|off",
         env: "INTERLINK_BUS_GUARD",
-        default: "auto",
+        default: "on",
         help: `under Deno, serve with node:http so that idle (${CONN_IDLE_MS / 1000} s) and slow (${
           CONN_BODY_MS / 1000
-        } s) connections are closed, at some cost in throughput; auto: when --host is not loopback (Bun always closes them)`,
+        } s) connections are closed; off: Deno.serve, faster, but it never closes an idle connection (only where no hostile client can connect). Bun always closes them`,
       },
       compact: {
         type: "string",
