@@ -3980,6 +3980,43 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     }
   }, 60_000);
 
+  test(
+    "receipts after a crash between journal and push: delivered and shown are each reported once, after they happened",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
+      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+      const url = `http://127.0.0.1:${server.port}`;
+      const aliceRoute = `${A.id.publicKey}#a1`;
+      let bob = await McpNode.start("bun", B, url, {
+        INTERLINK_DELIVERY: "channel",
+        INTERLINK_FAILPOINT: "agent-after-journal",
+      });
+      try {
+        const msg = await signMessage(A.id, { to: B.id.publicKey, text: "report on me" }, Date.now());
+        await postSend(url, B.id.publicKey, { ...msg, reply_to: aliceRoute, receipts: true });
+        await eventually(() => !pidAlive(bob.pid!), "the failpoint killed bob after journaling, before the push");
+        await bob.close().catch(() => {});
+        expect(await drainRoute(url, aliceRoute)).toEqual([]); // nothing was reported by the process that died
+        bob = await McpNode.start("bun", B, url, { INTERLINK_DELIVERY: "channel" });
+        await bob.waitEvent((e) => e.meta.msg_id === msg.msg_id);
+        const reports: string[] = [];
+        await eventually(async () => {
+          for (const p of await drainRoute(url, aliceRoute)) {
+            reports.push(...parseReceipt(String(p.text)).map((l) => `${l.state} ${l.msg_id}`));
+          }
+          return reports.includes(`shown ${msg.msg_id}`);
+        }, "bob reported it shown");
+        expect(reports).toEqual([`delivered ${msg.msg_id}`, `shown ${msg.msg_id}`]);
+      } finally {
+        await bob.close().catch(() => {});
+        await server.stop();
+        await bus.close();
+      }
+    },
+    60_000,
+  );
+
   test("a message every bus refuses for good is marked refused with the bus's reason and never holds up the next", async () => {
     const { root, A, B } = await twoPeers();
     const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
