@@ -88,6 +88,7 @@ import {
   signAnnouncement,
   type SignedMessage,
   signMessage,
+  splitUrl,
   type TaskRow,
   taskTable,
   TOOLS,
@@ -1115,6 +1116,21 @@ describe("bus: the HTTP handler", () => {
     expect((await call("GET", "/recv?me=a&timeout_ms=soon")).status).toBe(400);
     expect((await call("GET", "/recv?me=a&timeout_ms=-5")).status).toBe(400);
     expect((await call("POST", "/announce", { name: "no key" })).status).toBe(400);
+  });
+
+  test("the path and query are split from the request URL as the URL parser would", () => {
+    for (
+      const u of [
+        "http://h:1/recv?me=a%23b&timeout_ms=5",
+        "http://h/send",
+        "http://h",
+        "http://h/roster#x?y",
+        "http://h/a?b#c",
+      ]
+    ) {
+      const url = new URL(u);
+      expect(splitUrl(u)).toEqual({ pathname: url.pathname, query: url.search.slice(1) });
+    }
   });
 
   test("unknown path is 404, wrong method is 405 with Allow", async () => {

@@ -2122,12 +2122,15 @@ const errorResponse = (status: number, message: string): Response =>
 async function readJsonBody(req: Request): Promise<unknown> {
   const declared = req.headers.get("content-length");
   if (Number(declared) > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`);
-  if (!req.body) throw new HttpError(400, "empty body; expected JSON");
   let text: string;
   try {
     if (declared !== null) {
-      text = await req.text(); // the server holds the body to its declared length
+      // The server holds the body to its declared length. (Not touching req.body first keeps Deno on its fast
+      // path: reading that property builds a stream.)
+      text = await req.text();
+      if (text === "") throw new HttpError(400, "empty body; expected JSON");
     } else {
+      if (!req.body) throw new HttpError(400, "empty body; expected JSON");
       const reader = req.body.getReader();
       const chunks: Uint8Array[] = [];
       let size = 0;
@@ -2298,22 +2301,22 @@ export class Bus {
   }
 
   readonly handler = async (req: Request): Promise<Response> => {
-    const url = new URL(req.url);
-    const route = BUS_ROUTES[url.pathname];
+    const { pathname, query } = splitUrl(req.url);
+    const route = BUS_ROUTES[pathname];
     if (!route) {
-      return errorResponse(404, `no route ${url.pathname}; the bus serves ${Object.keys(BUS_ROUTES).join(", ")}`);
+      return errorResponse(404, `no route ${pathname}; the bus serves ${Object.keys(BUS_ROUTES).join(", ")}`);
     }
     if (req.method !== route.method) {
-      return jsonResponse(405, JSON.stringify({ error: `${url.pathname} takes ${route.method}` }), {
+      return jsonResponse(405, JSON.stringify({ error: `${pathname} takes ${route.method}` }), {
         allow: route.method,
       });
     }
     try {
-      return await route.handle(this, req, url);
+      return await route.handle(this, req, query);
     } catch (e) {
       if (e instanceof HttpError) return errorResponse(e.status, e.message);
       if (req.signal.aborted) return errorResponse(499, "client closed the request"); // a hang-up: not an error here
-      this.#log(`internal error on ${url.pathname}: ${(e as Error).stack ?? e}`);
+      this.#log(`internal error on ${pathname}: ${(e as Error).stack ?? e}`);
       return errorResponse(500, "internal error; see the bus log");
     }
   };
@@ -2411,9 +2414,15 @@ export class Bus {
   }
 
   /** The oldest un-acked message for `me`, waiting up to `timeoutMs` for one to arrive. */
-  async recv(me: string, timeoutMs: number, signal?: AbortSignal): Promise<Queued | undefined> {
+  async recv(
+    me: string,
+    timeoutMs: number,
+    signalOf?: AbortSignal | (() => AbortSignal),
+  ): Promise<Queued | undefined> {
     const ready = this.queues.first(me);
-    if (ready || timeoutMs <= 0 || signal?.aborted) return ready;
+    if (ready || timeoutMs <= 0) return ready;
+    const signal = typeof signalOf === "function" ? signalOf() : signalOf;
+    if (signal?.aborted) return ready;
     await new Promise<void>((resolve) => {
       let set = this.#waiters.get(me);
       if (!set) this.#waiters.set(me, set = new Set());
@@ -2592,116 +2601,135 @@ export function recvTimeoutMs(raw: string | null): number {
   return Math.min(n, RECV_TIMEOUT_MAX_MS);
 }
 
-const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request, url: URL): Promise<Response> }> = {
-  "/send": {
-    method: "POST",
-    async handle(bus, req) {
-      // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
-      const declared = Number(req.headers.get("content-length"));
-      if (declared > 0) bus.ensureRoom("", declared);
-      const body = await readJsonBody(req);
-      if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
-      const to = recipientParam(body.to, "to");
-      if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
-      await bus.send(to, JSON.stringify(body.payload), await signerOf(body.payload, to));
-      return jsonResponse(202, '{"status":"queued"}');
+/**
+ * A request URL's path and query, without building a URL object (the bus
+ * does this for every request; only /recv reads the query).
+ */
+export function splitUrl(url: string): { pathname: string; query: string } {
+  const scheme = url.indexOf("://");
+  const slash = url.indexOf("/", scheme < 0 ? 0 : scheme + 3);
+  if (slash < 0) return { pathname: "/", query: "" };
+  const q = url.indexOf("?", slash);
+  const hash = url.indexOf("#", slash);
+  const end = hash < 0 ? url.length : hash;
+  return q < 0 || q > end
+    ? { pathname: url.slice(slash, end), query: "" }
+    : { pathname: url.slice(slash, q), query: url.slice(q + 1, end) };
+}
+
+const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request, query: string): Promise<Response> }> =
+  {
+    "/send": {
+      method: "POST",
+      async handle(bus, req) {
+        // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
+        const declared = Number(req.headers.get("content-length"));
+        if (declared > 0) bus.ensureRoom("", declared);
+        const body = await readJsonBody(req);
+        if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
+        const to = recipientParam(body.to, "to");
+        if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
+        await bus.send(to, JSON.stringify(body.payload), await signerOf(body.payload, to));
+        return jsonResponse(202, '{"status":"queued"}');
+      },
     },
-  },
-  "/recv": {
-    method: "GET",
-    async handle(bus, req, url) {
-      const me = recipientParam(url.searchParams.get("me"), "me");
-      await checkOwnership(bus, me, url.searchParams.get("proof") ?? undefined);
-      const m = await bus.recv(me, recvTimeoutMs(url.searchParams.get("timeout_ms")), req.signal);
-      if (!m) return jsonResponse(200, '{"status":"timeout"}');
-      return jsonResponse(
-        200,
-        `{"status":"message","envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${
-          JSON.stringify(ackKey(me, m.seq))
-        }}`,
-      );
-    },
-  },
-  "/ack": {
-    method: "POST",
-    async handle(bus, req) {
-      const body = await readJsonBody(req);
-      if (!isObject(body)) throw new HttpError(400, 'expected {"me": <recipient>, "ack": <key>}');
-      const me = recipientParam(body.me, "me");
-      if (typeof body.ack !== "string") throw new HttpError(400, '"ack" must be a string');
-      if (!body.ack.startsWith(me + "\0")) throw new HttpError(403, "that ack key belongs to another recipient");
-      await checkOwnership(bus, me, body.proof);
-      const seq = Number(body.ack.slice(me.length + 1));
-      if (Number.isSafeInteger(seq)) bus.ack(me, seq); // unknown or already acked: still 200, acks are idempotent
-      return jsonResponse(200, '{"status":"acked"}');
-    },
-  },
-  "/announce": {
-    method: "POST",
-    async handle(bus, req) {
-      const body = await readJsonBody(req);
-      if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
-        throw new HttpError(400, 'an announcement needs a "pubkey"');
-      }
-      delete body.age_ms; // stamped by the bus, never taken from the poster
-      const json = JSON.stringify(body);
-      if (utf8Bytes(json) > ANNOUNCEMENT_MAX_BYTES) {
-        throw new HttpError(413, `announcement over ${ANNOUNCEMENT_MAX_BYTES} bytes`);
-      }
-      const a = parseOr400(() => parseAnnouncement(body));
-      const now = bus.now();
-      // Presence must be current: no announcement from the future, none older than the roster keeps.
-      if (a.ts - now > FRESH_FUTURE_MS) throw new HttpError(400, `announcement ts is ${a.ts - now} ms in the future`);
-      if (now - a.ts >= ROSTER_RETENTION_MS) throw new HttpError(400, "announcement is older than the roster keeps");
-      const bad = await verifyAnnouncement(a);
-      if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
-      bus.roster.put(a, json, now);
-      return jsonResponse(202, '{"status":"announced"}');
-    },
-  },
-  "/unregister": {
-    method: "POST",
-    async handle(bus, req) {
-      const body = await readJsonBody(req);
-      if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
-        throw new HttpError(400, 'an unregister needs a "pubkey"');
-      }
-      if (body.sig === undefined) {
-        throw new HttpError(
-          403,
-          "unsigned unregister refused: only the key that announced a session may remove it (interlink-unregister-v1); the entry ages out to away by itself",
+    "/recv": {
+      method: "GET",
+      async handle(bus, req, query) {
+        const params = new URLSearchParams(query);
+        const me = recipientParam(params.get("me"), "me");
+        await checkOwnership(bus, me, params.get("proof") ?? undefined);
+        // The request's signal is read only when the recv has to wait (under Deno, building it costs).
+        const m = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal);
+        if (!m) return jsonResponse(200, '{"status":"timeout"}');
+        return jsonResponse(
+          200,
+          `{"status":"message","envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${
+            JSON.stringify(ackKey(me, m.seq))
+          }}`,
         );
-      }
-      const sessionId = isObject(body.session) && typeof body.session.session_id === "string"
-        ? body.session.session_id
-        : "";
-      const u = parseOr400(() => ({
-        pubkey: field(body, "pubkey"),
-        session_id: sessionId,
-        ts: timestamp(body, "ts"),
-        sig: field(body, "sig"),
-      }));
-      const now = bus.now();
-      if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
-        throw new HttpError(400, "unregister ts is outside the freshness window");
-      }
-      const signed = parseOr400(() => unregisterBytes(u));
-      if (await verifyDetached(u.pubkey, u.sig, signed)) {
-        throw new HttpError(403, "unregister signature does not verify");
-      }
-      bus.roster.remove(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts);
-      return jsonResponse(202, '{"status":"unregistered"}');
+      },
     },
-  },
-  "/roster": {
-    method: "GET",
-    handle(bus) {
-      return Promise.resolve(
-        jsonResponse(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`, { "interlink-bus": BUS_FEATURES }),
-      );
+    "/ack": {
+      method: "POST",
+      async handle(bus, req) {
+        const body = await readJsonBody(req);
+        if (!isObject(body)) throw new HttpError(400, 'expected {"me": <recipient>, "ack": <key>}');
+        const me = recipientParam(body.me, "me");
+        if (typeof body.ack !== "string") throw new HttpError(400, '"ack" must be a string');
+        if (!body.ack.startsWith(me + "\0")) throw new HttpError(403, "that ack key belongs to another recipient");
+        await checkOwnership(bus, me, body.proof);
+        const seq = Number(body.ack.slice(me.length + 1));
+        if (Number.isSafeInteger(seq)) bus.ack(me, seq); // unknown or already acked: still 200, acks are idempotent
+        return jsonResponse(200, '{"status":"acked"}');
+      },
     },
-  },
-};
+    "/announce": {
+      method: "POST",
+      async handle(bus, req) {
+        const body = await readJsonBody(req);
+        if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
+          throw new HttpError(400, 'an announcement needs a "pubkey"');
+        }
+        delete body.age_ms; // stamped by the bus, never taken from the poster
+        const json = JSON.stringify(body);
+        if (utf8Bytes(json) > ANNOUNCEMENT_MAX_BYTES) {
+          throw new HttpError(413, `announcement over ${ANNOUNCEMENT_MAX_BYTES} bytes`);
+        }
+        const a = parseOr400(() => parseAnnouncement(body));
+        const now = bus.now();
+        // Presence must be current: no announcement from the future, none older than the roster keeps.
+        if (a.ts - now > FRESH_FUTURE_MS) throw new HttpError(400, `announcement ts is ${a.ts - now} ms in the future`);
+        if (now - a.ts >= ROSTER_RETENTION_MS) throw new HttpError(400, "announcement is older than the roster keeps");
+        const bad = await verifyAnnouncement(a);
+        if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
+        bus.roster.put(a, json, now);
+        return jsonResponse(202, '{"status":"announced"}');
+      },
+    },
+    "/unregister": {
+      method: "POST",
+      async handle(bus, req) {
+        const body = await readJsonBody(req);
+        if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
+          throw new HttpError(400, 'an unregister needs a "pubkey"');
+        }
+        if (body.sig === undefined) {
+          throw new HttpError(
+            403,
+            "unsigned unregister refused: only the key that announced a session may remove it (interlink-unregister-v1); the entry ages out to away by itself",
+          );
+        }
+        const sessionId = isObject(body.session) && typeof body.session.session_id === "string"
+          ? body.session.session_id
+          : "";
+        const u = parseOr400(() => ({
+          pubkey: field(body, "pubkey"),
+          session_id: sessionId,
+          ts: timestamp(body, "ts"),
+          sig: field(body, "sig"),
+        }));
+        const now = bus.now();
+        if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
+          throw new HttpError(400, "unregister ts is outside the freshness window");
+        }
+        const signed = parseOr400(() => unregisterBytes(u));
+        if (await verifyDetached(u.pubkey, u.sig, signed)) {
+          throw new HttpError(403, "unregister signature does not verify");
+        }
+        bus.roster.remove(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts);
+        return jsonResponse(202, '{"status":"unregistered"}');
+      },
+    },
+    "/roster": {
+      method: "GET",
+      handle(bus) {
+        return Promise.resolve(
+          jsonResponse(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`, { "interlink-bus": BUS_FEATURES }),
+        );
+      },
+    },
+  };
 
 export interface Listening {
   port: number;
