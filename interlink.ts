@@ -6522,8 +6522,20 @@ function shutdownSignal(): Promise<string> {
 }
 
 /** argv that runs this same file under the same runtime (for the embedded bus, `demo` and `bench`). */
-export function selfCommand(args: string[]): string[] {
+export function selfCommand(args: string[], runtime: "bun" | "deno" | "" = ""): string[] {
   const script = thisScript();
+  if (runtime && runtime !== (runtimeHost.Deno ? "deno" : "bun")) {
+    // The other runtime (bench --bus-runtime): from PATH.
+    const exe = findOnPath(runtime);
+    if (!exe) {
+      throw new InterlinkError(
+        `${runtime} is not on PATH (it runs with npx -y ${runtime}@${runtime === "deno" ? "2.9.6" : "1.4.5"})`,
+      );
+    }
+    return runtime === "deno"
+      ? [exe, "run", "-A", "--quiet", ...(args[0] === "bus" ? ["--v8-flags=--optimize-for-size"] : []), script, ...args]
+      : [exe, script, ...args];
+  }
   if (runtimeHost.Deno) {
     const config = path.join(path.dirname(script), "deno.json");
     return [
@@ -7464,12 +7476,21 @@ function childEnv(extra: Record<string, string>): Record<string, string> {
 }
 
 /** Starts `interlink.ts bus` as a child on a free loopback port and resolves once it listens. */
-async function startChildBus(
+function startChildBus(
   dataDir: string,
   port = 0,
-  extra: string[] = [],
 ): Promise<{ url: string; child: ReturnType<typeof spawn>; stderr: string[] }> {
-  const [cmd, ...args] = selfCommand(["bus", "--port", String(port), "--data", dataDir, ...extra]);
+  return startChild(["bus", "--port", String(port), "--data", dataDir]);
+}
+
+/** The runtime bench runs its servers in (--bus-runtime); "" for its own. */
+let benchServers: "bun" | "deno" | "" = "";
+
+/** Starts this file with `args` as a child that says "listening on <url>" on stderr; resolves once it does. */
+async function startChild(
+  argv: string[],
+): Promise<{ url: string; child: ReturnType<typeof spawn>; stderr: string[] }> {
+  const [cmd, ...args] = selfCommand(argv, benchServers);
   const child = spawn(cmd, args, { stdio: ["ignore", "ignore", "pipe"], env: childEnv({}) });
   const stderr: string[] = [];
   const url = await new Promise<string>((resolve, reject) => {
@@ -7482,7 +7503,7 @@ async function startChildBus(
       const m = lines.join("\n").match(/listening on (http:\/\/\S+)/);
       if (m) resolve(m[1]);
     });
-    child.once("exit", (code) => reject(new InterlinkError(`the bus exited with ${code}:\n${stderr.join("\n")}`)));
+    child.once("exit", (code) => reject(new InterlinkError(`${argv[0]} exited with ${code}:\n${stderr.join("\n")}`)));
   });
   return { url, child, stderr };
 }
@@ -7679,66 +7700,140 @@ function percentile(sorted: number[], p: number): number {
   return Math.round(sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))] * 10) / 10;
 }
 
-async function benchThroughput(
-  root: string,
-  progress: (m: string) => void,
-  sample: SignedMessage,
-  id: Identity,
-  busArgs: string[] = [],
-) {
-  const bus = await startChildBus(path.join(root, `throughput${busArgs.join("")}`), 0, busArgs);
-  try {
-    const pairs = 8, perPair = 500;
-    progress(
-      `throughput: ${pairs} sender→recipient pairs × ${perPair} messages through send → recv → ack (bus pid ${bus.child.pid})`,
-    );
-    // Signed ahead of the clock: the bus verifies each one, which is part of what is measured.
-    const signed = await Promise.all(
-      Array.from({ length: pairs }, () =>
-        Promise.all(Array.from({ length: perPair }, () =>
-          signMessage(
-            id,
-            { to: id.publicKey, text: sample.text, task_id: sample.task_id, status: sample.status },
-            Date.now(),
-          )))),
-    );
-    const cpu0 = cpuSeconds(bus.child.pid!);
-    const t0 = performance.now();
-    await Promise.all(Array.from({ length: pairs }, async (_, i) => {
-      const to = `${id.publicKey}#bench-${i}`;
-      const sender = (async () => {
-        for (let n = 0; n < perPair; n++) {
-          const r = await postJson(`${bus.url}/send`, { to, payload: signed[i][n] });
-          if (r.status !== 202) throw new InterlinkError(`send answered ${r.status}`);
-          await r.body?.cancel();
-        }
-      })();
-      let got = 0;
-      while (got < perPair) {
-        const body = await (await fetch(`${bus.url}/recv?me=${encodeURIComponent(to)}&timeout_ms=10000`)).json();
-        if (body.status !== "message") continue;
-        if (body.envelope.payload.msg_id !== signed[i][got].msg_id) {
-          throw new InterlinkError(`out of order: ${body.envelope.payload.msg_id} at ${got}`);
-        }
-        const a = await postJson(`${bus.url}/ack`, { me: to, ack: body.ack });
-        await a.body?.cancel();
-        got++;
+/**
+ * The in-memory floor: the bus's three message routes with no disk, no
+ * signature checks and no budgets, so a throughput figure can be read as a
+ * share of what HTTP alone allows on the same machine, in the same run.
+ */
+export function floorHandler(): (req: Request) => Promise<Response> {
+  const queues = new Map<string, { seq: number; payload: string }[]>();
+  const waiters = new Map<string, Set<() => void>>();
+  let seq = 0;
+  const wait = (me: string, ms: number) =>
+    new Promise<void>((resolve) => {
+      const set = waiters.get(me) ?? new Set();
+      waiters.set(me, set);
+      const done = () => (clearTimeout(timer), set.delete(done), resolve());
+      const timer = setTimeout(done, ms);
+      set.add(done);
+    });
+  return async (req) => {
+    const { pathname, query } = splitUrl(req.url);
+    if (pathname === "/send") {
+      const body = JSON.parse(await req.text());
+      const q = queues.get(body.to) ?? [];
+      q.push({ seq: ++seq, payload: JSON.stringify(body.payload) });
+      queues.set(body.to, q);
+      for (const w of [...(waiters.get(body.to) ?? [])]) w();
+      return jsonResponse(202, '{"status":"queued"}');
+    }
+    if (pathname === "/recv") {
+      const params = new URLSearchParams(query);
+      const me = params.get("me") ?? "";
+      if (!queues.get(me)?.length) await wait(me, Number(params.get("timeout_ms") ?? RECV_TIMEOUT_MS));
+      const m = queues.get(me)?.[0];
+      if (!m) return jsonResponse(200, '{"status":"timeout"}');
+      return jsonResponse(
+        200,
+        `{"status":"message","envelope":{"payload":${m.payload},"ts":0},"ack":${JSON.stringify(`${me}\0${m.seq}`)}}`,
+      );
+    }
+    if (pathname === "/ack") {
+      const body = JSON.parse(await req.text());
+      const q = queues.get(body.me) ?? [];
+      const i = q.findIndex((m) => `${body.me}\0${m.seq}` === body.ack);
+      if (i >= 0) q.splice(i, 1);
+      return jsonResponse(200, '{"status":"acked"}');
+    }
+    return errorResponse(404, "the floor serves /send, /recv and /ack");
+  };
+}
+
+/** One server's share of the throughput bench: `pairs` senders and receivers, send → recv → ack, in order. */
+async function throughputLoad(url: string, pid: number, signed: SignedMessage[][]) {
+  const perPair = signed[0].length;
+  const cpu0 = cpuSeconds(pid);
+  const t0 = performance.now();
+  await Promise.all(signed.map(async (list, i) => {
+    const to = `${list[0].to}#bench-${i}`;
+    const sender = (async () => {
+      for (const payload of list) {
+        const r = await postJson(`${url}/send`, { to, payload });
+        if (r.status !== 202) throw new InterlinkError(`send answered ${r.status}`);
+        await r.body?.cancel();
       }
-      await sender;
-    }));
-    const seconds = (performance.now() - t0) / 1000;
-    const cpu1 = cpuSeconds(bus.child.pid!);
-    return {
-      pairs,
-      messages: pairs * perPair,
-      seconds: Math.round(seconds * 1000) / 1000,
-      msgs_per_s: Math.round((pairs * perPair) / seconds),
-      bus_cpu_percent: cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / seconds) * 100),
-      bus_rss_mb: rssMb(bus.child.pid!),
-    };
-  } finally {
-    await stopChild(bus.child);
+    })();
+    for (let got = 0; got < perPair;) {
+      const body = await (await fetch(`${url}/recv?me=${encodeURIComponent(to)}&timeout_ms=10000`)).json();
+      if (body.status !== "message") continue;
+      if (body.envelope.payload.msg_id !== list[got].msg_id) {
+        throw new InterlinkError(`out of order: ${body.envelope.payload.msg_id} at ${got}`);
+      }
+      const a = await postJson(`${url}/ack`, { me: to, ack: body.ack });
+      await a.body?.cancel();
+      got++;
+    }
+    await sender;
+  }));
+  const seconds = (performance.now() - t0) / 1000;
+  const cpu1 = cpuSeconds(pid);
+  return {
+    msgs_per_s: Math.round((signed.length * perPair) / seconds),
+    seconds: Math.round(seconds * 1000) / 1000,
+    server_cpu_percent: cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / seconds) * 100),
+    server_rss_mb: rssMb(pid),
+  };
+}
+
+/**
+ * 8 pairs × 500 messages through our bus (under Deno: guarded, and with
+ * --guard off) and through the in-memory floor, in one run, each figure also
+ * as a ratio to the floor.
+ */
+async function benchThroughput(root: string, progress: (m: string) => void, sample: SignedMessage, id: Identity) {
+  const pairs = 8, perPair = 500;
+  // Signed ahead of the clock: the bus verifies each one, which is part of what is measured.
+  const signed = await Promise.all(
+    Array.from({ length: pairs }, () =>
+      Promise.all(Array.from({ length: perPair }, () =>
+        signMessage(
+          id,
+          { to: id.publicKey, text: sample.text, task_id: sample.task_id, status: sample.status },
+          Date.now(),
+        )))),
+  );
+  const servers: [string, string[]][] = [
+    ["floor", ["bench", "--serve-floor"]],
+    ["bus", ["bus", "--port", "0", "--data", path.join(root, "throughput")]],
+    ...((benchServers || (runtimeHost.Deno ? "deno" : "bun")) === "deno"
+      ? [["bus_unguarded", ["bus", "--port", "0", "--data", path.join(root, "throughput-off"), "--guard", "off"]]] as [
+        string,
+        string[],
+      ][]
+      : []),
+  ];
+  const out: Record<string, unknown> = {
+    load: `${pairs} pairs × ${perPair}, send → recv → ack`,
+    load_generator: runtimeName(),
+    servers_runtime: benchServers || runtimeName(),
+    ...(runtimeHost.Deno
+      ? { note: "the load generator runs under Deno; the README's figures drive every server from Bun (--bus-runtime)" }
+      : {}),
+  };
+  for (const [name, args] of servers) {
+    const server = await startChild(args);
+    try {
+      progress(`throughput: ${name} (pid ${server.child.pid}), ${pairs} pairs × ${perPair}`);
+      out[name] = await throughputLoad(server.url, server.child.pid!, signed);
+    } finally {
+      await stopChild(server.child);
+    }
   }
+  const floor = (out.floor as { msgs_per_s: number }).msgs_per_s;
+  for (const [name] of servers.slice(1)) {
+    out[`${name}_over_floor`] = Math.round(((out[name] as { msgs_per_s: number }).msgs_per_s / floor) * 100) / 100;
+  }
+  return out;
 }
 
 async function benchRecovery(root: string, progress: (m: string) => void, sample: SignedMessage) {
@@ -8188,6 +8283,14 @@ async function benchRelays(root: string, progress: (m: string) => void, id: Iden
 }
 
 async function runBench(o: Options): Promise<number> {
+  if (o["serve-floor"] === true) {
+    logComponent = "interlink floor";
+    const server = await serveHttp(floorHandler(), "127.0.0.1", 0);
+    logInfo(`listening on http://127.0.0.1:${server.port} (the in-memory floor: no disk, no checks)`);
+    await shutdownSignal();
+    await server.stop();
+    return 0;
+  }
   const only = String(o.only ?? "throughput,recovery,idle,agents,sessions,flood,relays").split(",").map((x) =>
     x.trim()
   );
@@ -8196,6 +8299,12 @@ async function runBench(o: Options): Promise<number> {
     if (!known.includes(x)) throw new InterlinkError(`unknown benchmark '${x}'; choose from ${known.join(", ")}`);
   }
   const progress = (m: string) => process.stderr.write(`bench: ${m}\n`);
+  if (o["bus-runtime"] !== undefined) {
+    if (o["bus-runtime"] !== "bun" && o["bus-runtime"] !== "deno") {
+      throw new InterlinkError("--bus-runtime is bun or deno");
+    }
+    benchServers = o["bus-runtime"];
+  }
   const root = fs.mkdtempSync(path.join(os.tmpdir(), "interlink-bench-"));
   const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
   const sample = await signMessage(id, {
@@ -8211,13 +8320,7 @@ async function runBench(o: Options): Promise<number> {
     load_avg_before: loadAverage(),
   };
   try {
-    if (only.includes("throughput")) {
-      report.bus_throughput = await benchThroughput(root, progress, sample, id);
-      // Under Deno, the same with Deno.serve (--guard off), which never closes idle connections.
-      if (runtimeHost.Deno) {
-        report.bus_throughput_unguarded = await benchThroughput(root, progress, sample, id, ["--guard", "off"]);
-      }
-    }
+    if (only.includes("throughput")) report.throughput = await benchThroughput(root, progress, sample, id);
     if (only.includes("recovery")) report.bus_recovery = await benchRecovery(root, progress, sample);
     if (only.includes("idle")) report.bus_idle_long_poll = await benchIdle(root, progress);
     if (only.includes("agents")) report.agents = await benchAgents(root, progress);
@@ -8455,6 +8558,16 @@ const COMMANDS: Record<string, CommandSpec> = {
         arg: "LIST",
         help:
           "comma-separated subset of throughput, recovery, idle, agents, sessions, flood, relays (our bus beside NATS)",
+      },
+      "bus-runtime": {
+        type: "string",
+        arg: "bun|deno",
+        help:
+          "run the bus and the floor under this runtime (from PATH), the load generator staying where bench runs: Bun, for figures comparable across runtimes",
+      },
+      "serve-floor": {
+        type: "boolean",
+        help: "only serve the in-memory floor the throughput figures are compared with (bench starts it itself)",
       },
     },
     run: runBench,
