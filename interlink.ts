@@ -2851,19 +2851,25 @@ async function serveGuarded(
         }
         body = Buffer.concat(chunks);
       }
-      const headers = new Headers();
-      for (let i = 0; i + 1 < req.rawHeaders.length; i += 2) headers.append(req.rawHeaders[i], req.rawHeaders[i + 1]);
-      const r = await handler(
-        new Request(`http://${hostname}${req.url ?? "/"}`, {
-          method: req.method,
-          headers,
-          body: body && new Uint8Array(body),
-          signal: gone.signal,
-        }),
-      );
-      const out = Buffer.from(await r.arrayBuffer());
+      // The handler reads only these parts of a Request; building a real one (headers, a body stream) costs
+      // more than the rest of the adapter. The body is all here, so its length is known.
+      const lite = {
+        url: `http://${hostname}${req.url ?? "/"}`,
+        method: req.method,
+        headers: {
+          get(name: string): string | null {
+            if (body && name.toLowerCase() === "content-length") return String(body.length);
+            const v = req.headers[name.toLowerCase()];
+            return v === undefined ? null : Array.isArray(v) ? v.join(", ") : v;
+          },
+        },
+        body: null,
+        text: () => Promise.resolve(body ? body.toString("utf8") : ""),
+        signal: gone.signal,
+      };
+      const r = await handler(lite as unknown as Request);
       res.writeHead(r.status, Object.fromEntries(r.headers));
-      res.end(out);
+      res.end(await r.text());
     } catch {
       res.destroy(); // a client that went away, or a body cut off by its deadline: nothing to answer
     }
