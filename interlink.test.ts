@@ -54,6 +54,7 @@ import {
   McpSession,
   messageBlock,
   natsConsumer,
+  natsInbox,
   natsPermissions,
   natsSubject,
   type NodeConfig,
@@ -4787,18 +4788,28 @@ describe("hostile clients: bodies and connections", () => {
           { length: 5 },
           () => open("POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"),
         );
-        const drip = setInterval(() => slowBody.forEach((s) => s.closedAt || s.socket.write(" ")), 2000);
+        // A declared body past the limit, trickled: answered 413 at once and closed, never waited for.
+        const oversized = open("POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n\r\n{");
+        const drip = setInterval(
+          () => [...slowBody, oversized].forEach((s) => s.closedAt || s.socket.write(" ")),
+          2000,
+        );
         // A long-poll outlives the idle timeout: it is answered when its message comes, 12 s later.
         const poll = fetch(`${url}/recv?me=late&timeout_ms=30000`).then((r) => r.json());
         await sleepUntil(t0 + 12_000);
         await postSend(url, "late", { hello: 1 });
         expect((await poll).envelope.payload).toEqual({ hello: 1 });
-        await eventually(() => [...idle, ...halfLine, ...slowBody].every((s) => s.closedAt), "all closed", 20_000);
+        await eventually(
+          () => [...idle, ...halfLine, ...slowBody, oversized].every((s) => s.closedAt),
+          "all closed",
+          20_000,
+        );
         clearInterval(drip);
         const after = (list: { closedAt: number }[]) => Math.max(...list.map((s) => s.closedAt - t0));
         expect(after(idle)).toBeLessThan(CONN_IDLE_MS + 5_000);
         expect(after(halfLine)).toBeLessThan(CONN_IDLE_MS + 5_000);
         expect(after(slowBody)).toBeLessThan(CONN_BODY_MS + 5_000);
+        expect(after([oversized])).toBeLessThan(3_000);
         expect((await fetch(`${url}/roster`)).status).toBe(200); // and it serves on
       } finally {
         await stop(child);
@@ -5178,12 +5189,14 @@ describe("NATS JetStream as the relay", () => {
     });
     const as = (user: string) => nats.url.replace("nats://", `nats://${user}@`);
     // A node may not create the stream: it says what it lacks, and where the README says what to grant.
-    await expect(connectNats(as("alice:a"))).rejects.toThrow(
+    await expect(connectNats(as("alice:a"), A.id.publicKey)).rejects.toThrow(
       /the NATS account may not use the stream INTERLINK \(Permissions Violation .*STREAM\.CREATE\.INTERLINK.*"Teams: NATS"/,
     );
     (await connectNats(as("admin:admin"))).nc.close(); // the admin creates the stream and the bucket
+    // Without its own inbox prefix, a node's user cannot even ask: the replies would come where others could listen.
+    await expect(connectNats(as("alice:a"))).rejects.toThrow(/may not use JetStream .*Subscription to "_INBOX\./);
     const [alice, bob] = await Promise.all([natsNode("bun", A, [as("alice:a")]), natsNode("deno", B, [as("bob:b")])]);
-    const evil = await connectNats(as("alice:a")); // alice's own credentials, used against bob's mail
+    const evil = await connectNats(as("alice:a"), A.id.publicKey); // alice's own credentials, against bob's mail
     try {
       await eventually(async () => (await alice.ok("discover", { peer: "bob" })).includes("  - bob · "), "roster");
       const sent = await alice.ok("send_message", { to: "bob", text: "for bob only" });
@@ -5203,6 +5216,16 @@ describe("NATS JetStream as the relay", () => {
         ["bob's roster entry", () => evil.kv.put(`${B.id.publicKey}.Ym9i`, "{}")],
       ];
       for (const [what, attempt] of attempts) await expect(attempt(), what).rejects.toThrow(/Permissions Violation/);
+      // Nor can she listen in on the replies that carry bob's pulled messages, or on anyone's acks.
+      for (const subject of ["_INBOX.>", `${natsInbox(B.id.publicKey)}.>`, "$JS.ACK.>", ">"]) {
+        const sub = (evil.nc as unknown as { subscribe(s: string): AsyncIterable<unknown> }).subscribe(subject);
+        await expect(
+          (async () => {
+            for await (const _ of sub) return "received something";
+          })(),
+          subject,
+        ).rejects.toThrow(/Permissions Violation/);
+      }
       // Nor can alice find or guess the consumer that reads bob's route: its name comes from bob's signature.
       await expect(evil.js.consumers.get("INTERLINK", await natsConsumer(bobRoute))).rejects.toThrow(/not found/);
       expect(await natsConsumer(bobRoute, (d) => B.id.sign(d))).not.toBe(await natsConsumer(bobRoute));

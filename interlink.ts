@@ -2809,8 +2809,13 @@ const CONN_MAX = 10_000;
 
 /** CONN_MAX, or the process's file-descriptor limit less some room for the queue file and the like. */
 function connectionBound(): number {
-  const r = spawnSync("sh", ["-c", "ulimit -n"], { encoding: "utf8" });
-  const limit = Number(r.stdout?.trim());
+  let limit = NaN;
+  try {
+    // Linux: no process to start (and no permission to ask for under Deno).
+    limit = Number(fs.readFileSync("/proc/self/limits", "utf8").match(/^Max open files\s+(\d+)/m)?.[1]);
+  } catch {
+    limit = Number(spawnSync("sh", ["-c", "ulimit -n"], { encoding: "utf8" }).stdout?.trim());
+  }
   return Number.isSafeInteger(limit) && limit > 0 ? Math.max(16, Math.min(CONN_MAX, limit - 64)) : CONN_MAX;
 }
 
@@ -2835,41 +2840,51 @@ async function serveGuarded(
   const server = http.createServer(timeouts, async (req, res) => {
     const gone = new AbortController();
     res.on("close", () => res.writableFinished || gone.abort());
+    const socket = req.socket; // detached from req once the answer is sent
     try {
+      const declared = req.headers["content-length"];
       let body: Buffer | undefined;
-      if (
-        req.method !== "GET" && req.method !== "HEAD" && !(Number(req.headers["content-length"]) > BODY_LIMIT_BYTES)
-      ) {
-        const deadline = setTimeout(() => req.socket.destroy(), CONN_BODY_MS);
+      let whole = false; // the body was read to its end
+      // Read on demand, so the handler's checks on the declared length (413, the budgets) come first and a body
+      // it refuses is never held; with a deadline, and one byte past the limit at most (enough for a 413).
+      const readBody = async (): Promise<Buffer> => {
+        if (body) return body;
+        const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
         const chunks: Buffer[] = [];
         let n = 0;
         try {
-          // One byte past the limit is enough for the handler to answer 413.
           for await (const c of req) if ((n += c.length, chunks.push(c), n) > BODY_LIMIT_BYTES) break;
+          whole = n <= BODY_LIMIT_BYTES;
         } finally {
           clearTimeout(deadline);
         }
-        body = Buffer.concat(chunks);
-      }
+        return body = Buffer.concat(chunks);
+      };
+      const hasBody = req.method !== "GET" && req.method !== "HEAD";
+      if (hasBody && declared === undefined) await readBody(); // chunked: its length is known only once read
       // The handler reads only these parts of a Request; building a real one (headers, a body stream) costs
-      // more than the rest of the adapter. The body is all here, so its length is known.
+      // more than the rest of the adapter.
       const lite = {
         url: `http://${hostname}${req.url ?? "/"}`,
         method: req.method,
         headers: {
           get(name: string): string | null {
-            if (body && name.toLowerCase() === "content-length") return String(body.length);
+            if (name.toLowerCase() === "content-length") return declared ?? (body ? String(body.length) : null);
             const v = req.headers[name.toLowerCase()];
             return v === undefined ? null : Array.isArray(v) ? v.join(", ") : v;
           },
         },
         body: null,
-        text: () => Promise.resolve(body ? body.toString("utf8") : ""),
+        text: async () => (hasBody ? (await readBody()).toString("utf8") : ""),
         signal: gone.signal,
       };
       const r = await handler(lite as unknown as Request);
-      res.writeHead(r.status, Object.fromEntries(r.headers));
-      res.end(await r.text());
+      const text = await r.text();
+      // A body left unread (refused on its declared length, or past the limit) is not waited for: the
+      // connection closes after the answer instead of trickling on.
+      const unread = (hasBody || Number(declared) > 0) && !whole;
+      res.writeHead(r.status, { ...Object.fromEntries(r.headers), ...(unread ? { connection: "close" } : {}) });
+      res.end(text, () => unread && socket.destroy());
     } catch {
       res.destroy(); // a client that went away, or a body cut off by its deadline: nothing to answer
     }
@@ -2896,7 +2911,9 @@ async function serveGuarded(
   server.on("connection", () => accepted++);
   const watchdog = setInterval(() => {
     const before = accepted;
-    const probe = net.connect(bound, isLoopback(hostname) ? hostname : "127.0.0.1");
+    // The address it listens on; for "every address", the loopback one of that family.
+    const at = hostname === "0.0.0.0" ? "127.0.0.1" : hostname === "::" ? "::1" : hostname;
+    const probe = net.connect(bound, at);
     probe.on("error", () => {});
     setTimeout(() => {
       probe.destroy();
@@ -2970,13 +2987,15 @@ export function openRelay(
   url: string,
   proof?: (route: string) => Promise<string>,
   sign?: (data: Bytes) => Promise<string>,
+  key?: string,
 ): Relay {
-  return isNatsUrl(url) ? new NatsRelay(url, sign) : new HttpRelay(url, proof);
+  return isNatsUrl(url) ? new NatsRelay(url, sign, key) : new HttpRelay(url, proof);
 }
 
 /** A URL for display: user, password and token replaced by "***". */
 export function redactUrl(url: string): string {
-  return url.replace(/^([a-z]+:\/\/)[^@/]*@/i, "$1***@");
+  // Up to the last @ before the host: a password may hold an @ itself.
+  return url.replace(/^([a-z]+:\/\/)[^/]*@/i, "$1***@");
 }
 
 /** A bus over HTTP (SPEC "Bus HTTP API"), with our ownership proofs as extra fields a reference bus ignores. */
@@ -3094,7 +3113,12 @@ interface NatsMsg {
   ackAck(): Promise<boolean>;
 }
 interface NatsLink {
-  nc: { rtt(): Promise<number>; close(): Promise<void>; status(): AsyncIterable<{ type: string }> };
+  nc: {
+    rtt(): Promise<number>;
+    close(): Promise<void>;
+    closed(): Promise<void | Error>;
+    status(): AsyncIterable<{ type: string }>;
+  };
   js: {
     publish(subject: string, data: string, opts: { msgID?: string; timeout?: number }): Promise<unknown>;
     consumers: {
@@ -3121,7 +3145,7 @@ interface NatsLink {
  * TLS); tls:// asks for TLS. INTERLINK_NATS_REPLICAS (default 1) sets the
  * stream's and bucket's replicas when interlink creates them.
  */
-export async function connectNats(url: string): Promise<NatsLink> {
+export async function connectNats(url: string, key?: string): Promise<NatsLink> {
   // The packages' own types are not loaded (they would need their npm install to type-check): NatsLink names
   // what is used, and these three objects stay loosely typed between here and it.
   // deno-lint-ignore no-explicit-any -- see above
@@ -3149,6 +3173,9 @@ export async function connectNats(url: string): Promise<NatsLink> {
   const nc = await transport.connect({
     servers: `${u.hostname}:${u.port || 4222}`,
     name: `interlink ${VERSION}`,
+    // Replies (pulled messages among them) come to inboxes under the node's own prefix, which its permissions
+    // alone may subscribe to: no other node sees them.
+    ...(key ? { inboxPrefix: natsInbox(key) } : {}),
     maxReconnectAttempts: -1,
     reconnectTimeWait: 500,
     ...auth,
@@ -3157,14 +3184,18 @@ export async function connectNats(url: string): Promise<NatsLink> {
   });
   try {
     const replicas = Number(env.INTERLINK_NATS_REPLICAS ?? 1);
-    const jsm = await jetstreamPkg.jetstreamManager(nc).catch((e: Error) => {
-      throw new InterlinkError(
-        `JetStream is not enabled on ${redactUrl(url)} (${errorText(e)}): start nats-server with -js`,
-      );
-    });
+    const jsm = await natsNeeds<NatsLink["jsm"]>("JetStream", () => jetstreamPkg.jetstreamManager(nc)).catch(
+      (e: Error) => {
+        if (e instanceof InterlinkError) throw e; // the account's permissions: said as such
+        throw new InterlinkError(
+          `JetStream is not enabled on ${redactUrl(url)} (${errorText(e)}): start nats-server with -js`,
+        );
+      },
+    );
     await natsNeeds("the stream " + NATS_STREAM, async () => {
+      let info: { config: Record<string, unknown> };
       try {
-        await jsm.streams.info(NATS_STREAM);
+        info = await jsm.streams.info(NATS_STREAM) as typeof info;
       } catch (e) {
         if (!/not found/i.test(errorText(e))) throw e;
         await jsm.streams.add({
@@ -3176,7 +3207,23 @@ export async function connectNats(url: string): Promise<NatsLink> {
           max_msgs_per_subject: QUEUE_CAP,
           discard: "old",
           max_msg_size: BODY_LIMIT_BYTES,
+          max_age: FRESH_PAST_MS * 1e6, // older is refused as stale by any receiver (senders re-sign before)
         });
+        return;
+      }
+      // A stream made by hand (or by a newer version) with other rules could lose mail silently: say so.
+      const c = info.config;
+      const wrong = [
+        c.retention !== "workqueue" && `retention ${c.retention} (needs workqueue)`,
+        !(c.subjects as string[] | undefined)?.includes("interlink.in.>") && `subjects ${JSON.stringify(c.subjects)}`,
+        c.discard !== "old" && `discard ${c.discard} (needs old)`,
+      ].filter(Boolean);
+      if (wrong.length) {
+        throw new InterlinkError(
+          `the stream ${NATS_STREAM} on ${redactUrl(url)} has other settings than interlink needs: ${
+            wrong.join(", ")
+          }; see the README's "Teams: NATS"`,
+        );
       }
     });
     const kvm = new kvPkg.Kvm(nc);
@@ -3184,7 +3231,13 @@ export async function connectNats(url: string): Promise<NatsLink> {
       "the key-value bucket " + NATS_ROSTER,
       () =>
         kvm.open(NATS_ROSTER).then(async (b: { status(): Promise<unknown> }) => (await b.status(), b)).catch(
-          () => kvm.create(NATS_ROSTER, { history: 1, ttl: ROSTER_RETENTION_MS, replicas }),
+          () =>
+            kvm.create(NATS_ROSTER, {
+              history: 1,
+              ttl: ROSTER_RETENTION_MS,
+              replicas,
+              max_value_size: ANNOUNCEMENT_MAX_BYTES,
+            }),
         ),
     );
     return { nc, js: jetstreamPkg.jetstream(nc), jsm, kv };
@@ -3208,7 +3261,8 @@ export function natsPermissions(key: string): { publish: { allow: string[] }; su
   return {
     publish: {
       allow: [
-        "interlink.in.>",
+        "interlink.in.*",
+        "interlink.in.*.*",
         "$JS.API.INFO",
         `$JS.API.STREAM.INFO.${NATS_STREAM}`,
         `$JS.API.CONSUMER.CREATE.${NATS_STREAM}.*.interlink.in.${key}`,
@@ -3225,9 +3279,12 @@ export function natsPermissions(key: string): { publish: { allow: string[] }; su
         `$JS.API.CONSUMER.DELETE.${kv}.>`,
       ],
     },
-    subscribe: { allow: ["_INBOX.>"] },
+    subscribe: { allow: [`${natsInbox(key)}.>`] },
   };
 }
+
+/** A node's reply-inbox prefix: only its own user may subscribe under it (see natsPermissions). */
+export const natsInbox = (key: string): string => `_INBOX_${key}`;
 
 /** Runs `step`, failing with a RelayError ("timed out") if it takes longer than `ms`; the step itself goes on. */
 async function withTimeout<T>(ms: number, what: string, step: () => Promise<T>): Promise<T> {
@@ -3263,21 +3320,29 @@ export class NatsRelay implements Relay {
   #link: Promise<NatsLink> | null = null;
   #consumers = new Map<string, Promise<{ next(o: { expires: number }): Promise<NatsMsg | null> }>>();
 
-  constructor(readonly url: string, readonly sign?: (data: Bytes) => Promise<string>) {}
+  /** `sign` names our consumers; `key` is the node's, for its own reply inboxes (both absent for doctor). */
+  constructor(readonly url: string, readonly sign?: (data: Bytes) => Promise<string>, readonly key?: string) {}
 
   get name(): string {
     return redactUrl(this.url);
   }
 
   link(): Promise<NatsLink> {
-    this.#link ??= connectNats(this.url).then((link) => {
+    if (this.#link) return this.#link;
+    const current: Promise<NatsLink> = connectNats(this.url, this.key).then((link) => {
       void this.#watch(link);
+      // A connection closed for good (not a reconnect): the next call connects anew, and reopens the consumers.
+      void link.nc.closed().then(() => {
+        if (this.#link === current) this.#link = null;
+        this.#consumers.clear();
+      });
       return link;
     }, (e) => {
-      this.#link = null; // the next call tries again
+      if (this.#link === current) this.#link = null; // the next call tries again
       throw e;
     });
-    return this.#link;
+    this.#link = current;
+    return current;
   }
 
   #back: (() => void)[] = [];
@@ -3316,18 +3381,30 @@ export class NatsRelay implements Relay {
       this.#consumers.set(route, consumer);
       consumer.catch(() => this.#consumers.delete(route));
     }
-    const c = await withTimeout(SEND_TIMEOUT_MS * 2, `${this.name}: consumer`, () => consumer);
     // A pull cannot be cancelled: on stop, stop waiting for it; what it may still fetch is never acked, so it
-    // comes again after NATS_ACK_WAIT_MS.
+    // comes again after NATS_ACK_WAIT_MS, at the head of the route (one unacked message at a time).
     const stopped = new Promise<null>((resolve) =>
       signal.addEventListener("abort", () => resolve(null), { once: true })
     );
-    const pull = withTimeout(
-      NATS_PULL_MS + SEND_TIMEOUT_MS,
-      `${this.name}: pull`,
-      () => c.next({ expires: NATS_PULL_MS }),
-    );
-    const m = signal.aborted ? null : await Promise.race([pull, stopped]);
+    let m: NatsMsg | null;
+    try {
+      const c = await Promise.race([
+        withTimeout(SEND_TIMEOUT_MS * 2, `${this.name}: consumer`, () => consumer),
+        stopped,
+      ]);
+      if (!c || signal.aborted) return null;
+      const pull = withTimeout(
+        NATS_PULL_MS + SEND_TIMEOUT_MS,
+        `${this.name}: pull`,
+        () => c.next({ expires: NATS_PULL_MS }),
+      );
+      m = await Promise.race([pull, stopped]);
+    } catch (e) {
+      // The consumer may be gone (unused past inactive_threshold, deleted by an admin, the stream made anew):
+      // the next recv opens it again.
+      if (this.#consumers.get(route) === consumer) this.#consumers.delete(route);
+      throw e;
+    }
     if (!m) return null;
     let payload: unknown;
     try {
@@ -3348,6 +3425,7 @@ export class NatsRelay implements Relay {
           filter_subject: natsSubject(route),
           ack_policy: "explicit",
           ack_wait: NATS_ACK_WAIT_MS * 1e6,
+          max_ack_pending: 1, // in order, as on a bus: an unacked message stays at the head until acked or redelivered
           inactive_threshold: ROSTER_RETENTION_MS * 1e6,
         });
       } catch (e) {
@@ -3369,17 +3447,38 @@ export class NatsRelay implements Relay {
     return withTimeout(timeoutMs, `${this.name}: roster`, () => this.#roster());
   }
 
+  /**
+   * Keys come oldest write first, and live sessions rewrite theirs every
+   * ANNOUNCE_EVERY_MS: the newest ROSTER_CAP are kept, at most
+   * ROSTER_PER_KEY_CAP per node key (a node may write only under its own), so
+   * stale or junk entries cannot push live ones out. An entry filed under
+   * another node's key or session than it announces is dropped.
+   */
   async #roster(): Promise<unknown[]> {
     const { kv } = await this.link();
-    const keys: string[] = [];
-    for await (const k of await kv.keys()) if (keys.push(k) >= ROSTER_CAP) break;
+    let keys: string[] = [];
+    let read = 0;
+    for await (const k of await kv.keys()) {
+      keys.push(k);
+      if (keys.length > 2 * ROSTER_CAP) keys = keys.slice(-ROSTER_CAP);
+      if (++read >= 16 * ROSTER_CAP) break;
+    }
+    const perKey = new Map<string, number>();
+    keys = keys.slice(-ROSTER_CAP).reverse().filter((k) => {
+      const owner = k.split(".")[0];
+      perKey.set(owner, (perKey.get(owner) ?? 0) + 1);
+      return perKey.get(owner)! <= ROSTER_PER_KEY_CAP;
+    });
     const now = Date.now();
-    const entries = await Promise.all(keys.map((k) => kv.get(k)));
-    return entries.flatMap((e) => {
+    const entries = await Promise.all(keys.map(async (k) => [k, await kv.get(k)] as const));
+    return entries.flatMap(([k, e]) => {
       if (!e || e.operation !== "PUT") return [];
       try {
         const a = JSON.parse(e.string());
-        return isObject(a) ? [{ ...a, age_ms: Math.max(0, now - e.created.getTime()) }] : [];
+        if (!isObject(a) || typeof a.pubkey !== "string") return [];
+        const session = isObject(a.session) && typeof a.session.session_id === "string" ? a.session.session_id : "";
+        if (natsRosterKey(a.pubkey, session) !== k) return [];
+        return [{ ...a, age_ms: Math.max(0, now - e.created.getTime()) }];
       } catch {
         return [];
       }
@@ -3396,7 +3495,9 @@ export class NatsRelay implements Relay {
   async close(): Promise<void> {
     const link = this.#link;
     this.#link = null;
-    await (await link?.catch(() => null))?.nc.close();
+    // A connect still in progress, or a server gone: never hold a shutdown up for long.
+    await withTimeout(GOODBYE_MS, `${this.name}: close`, async () => await (await link?.catch(() => null))?.nc.close())
+      .catch(() => {});
   }
 }
 
@@ -4581,7 +4682,9 @@ export class Agent {
     this.journal = new Journal(sessionDir(cfg.stateDir, cfg.session), this.state, true, now);
     this.seen = new SeenLog(cfg.stateDir, this.state.replay, now);
     this.info = describeSession(cfg.session);
-    this.relays = cfg.busUrls.map((url) => openRelay(url, (route) => this.#proof(route), (data) => id.sign(data)));
+    this.relays = cfg.busUrls.map((url) =>
+      openRelay(url, (route) => this.#proof(route), (data) => id.sign(data), id.publicKey)
+    );
     for (const relay of this.relays) relay.onBack?.(() => this.#relayBack());
   }
 
@@ -6414,12 +6517,12 @@ export function parseBusUrls(text: string): string[] {
     try {
       url = new URL(u);
     } catch {
-      throw new InterlinkError(`bus URL '${u}' is not a URL (expected e.g. ${DEFAULT_BUS_URL})`);
+      throw new InterlinkError(`bus URL '${redactUrl(u)}' is not a URL (expected e.g. ${DEFAULT_BUS_URL})`);
     }
     // A NATS relay keeps its credentials (user:password@ or token@): they are how it logs in.
     if (url.protocol === "nats:" || url.protocol === "tls:") return u.replace(/\/+$/, "");
     if (url.protocol !== "http:" && url.protocol !== "https:") {
-      throw new InterlinkError(`bus URL '${u}' must be http://, https://, nats:// or tls://`);
+      throw new InterlinkError(`bus URL '${redactUrl(u)}' must be http://, https://, nats:// or tls://`);
     }
     return url.origin + url.pathname.replace(/\/+$/, "");
   });
@@ -6761,7 +6864,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     agent.startReceiving();
     logInfo(
       `ready: ${agent.me} on ${
-        agent.cfg.busUrls.join(", ")
+        agent.cfg.busUrls.map(redactUrl).join(", ")
       }, state ${agent.journal.stateDir}, delivery ${delivery}, ${agent.peers().byName.size} peers`,
     );
   };
@@ -7241,7 +7344,7 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
     out.push({
       level: "problem",
       what: (e as Error).message,
-      fix: "set INTERLINK_URL to comma-separated http(s) URLs",
+      fix: "set INTERLINK_URL to comma-separated http(s)://, nats:// or tls:// URLs",
     });
   }
   for (const url of urls) {
@@ -7315,7 +7418,7 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
 
 /** A NATS relay: it connects, JetStream is on, the stream and roster bucket exist or could be made, its round trip. */
 async function doctorNats(url: string, id: Identity | null): Promise<Finding[]> {
-  const relay = new NatsRelay(url);
+  const relay = new NatsRelay(url, undefined, id?.publicKey);
   try {
     const t0 = Date.now();
     const link = await Promise.race([
@@ -7323,7 +7426,7 @@ async function doctorNats(url: string, id: Identity | null): Promise<Finding[]> 
       sleep(5_000).then(() => Promise.reject(new Error("no answer within 5 s"))),
     ]);
     const setupMs = Date.now() - t0;
-    const rtt = await link.nc.rtt();
+    const rtt = await withTimeout(5_000, `${relay.name}: ping`, () => link.nc.rtt());
     const out: Finding[] = [{
       level: "ok",
       what:
@@ -8275,7 +8378,7 @@ async function benchRelays(root: string, progress: (m: string) => void, id: Iden
     out.nats = "skipped: nats-server is not on PATH (install it with: sudo apt-get install -y nats-server)";
     return out;
   }
-  const relay = new NatsRelay(nats.url, (data) => id.sign(data));
+  const relay = new NatsRelay(nats.url, (data) => id.sign(data), id.publicKey);
   try {
     progress(`relays: NATS JetStream (nats-server pid ${nats.child.pid}), the same load`);
     out.nats = await relayLoad(relay, id, path.join(root, "relays-nats-in"), nats.child.pid!, pairs, perPair);
