@@ -5273,6 +5273,9 @@ describe("NATS JetStream as the relay", () => {
         "receipts",
       );
       expect(admittedIds(B).length).toBe(new Set(admittedIds(B)).size);
+      // A clean exit unregisters: bob's session leaves the NATS roster at once.
+      await bob.close();
+      expect(await alice.ok("discover", { peer: "bob" })).toBe("no session of 'bob' is on the roster");
     } finally {
       await Promise.allSettled([alice.close(), bob.close()]);
       nats.kill();
