@@ -56,11 +56,13 @@ import {
   natsConsumer,
   natsInbox,
   natsPermissions,
+  NatsRelay,
   natsSubject,
   type NodeConfig,
   NodeState,
   OPAQUE_CAP,
   parseAnnouncement,
+  parseBusUrls,
   parsePeers,
   parseReceipt,
   parseSignedMessage,
@@ -77,9 +79,11 @@ import {
   RECV_TIMEOUT_MAX_MS,
   recvProofBytes,
   recvTimeoutMs,
+  redactUrl,
   removePeer,
   ReplayMemory,
   Roster,
+  ROSTER_CAP,
   rosterKey,
   scanJsonl,
   SDK,
@@ -5029,6 +5033,7 @@ const NATS_TESTS = [
   "a mixed setup (one agent on HTTP and NATS, one only on NATS) delivers exactly once",
   "doctor checks a NATS relay; a server without JetStream is a problem with a fix",
   "with the README's permission set, a node reads only its own routes; one that may not create the stream is told so",
+  "one node's flood of roster entries cannot push another node's session off the NATS roster",
 ];
 if (!NATS_SERVER) {
   process.stderr.write(
@@ -5087,6 +5092,15 @@ test.concurrent(
   },
   60_000,
 );
+
+test("credentials never show: user:password or a token is hidden, with or without a scheme", () => {
+  expect(redactUrl("nats://user:p@ss@host:4222")).toBe("nats://***@host:4222");
+  expect(redactUrl("token@host:4222")).toBe("***@host:4222");
+  expect(redactUrl("alice:secret@host:4222")).not.toContain("secret");
+  expect(redactUrl("http://h:9440/path@x")).toBe("http://h:9440/path@x");
+  expect(() => parseBusUrls("nats:/alice:secret@h:4222")).toThrow(/has no host/);
+  expect(() => parseBusUrls("alice:secret@h:4222")).toThrow(/^bus URL '(?!.*secret)/);
+});
 
 test("the README's NATS permission set is the one in the code", () => {
   const readme = fs.readFileSync(path.join(REPO, "README.md"), "utf8");
@@ -5235,6 +5249,29 @@ describe("NATS JetStream as the relay", () => {
       nats.kill();
     }
   }, 90_000);
+
+  natsTest(NATS_TESTS[6], async () => {
+    const root = tmpDir();
+    const [nats] = await startNats(root);
+    const mallory = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    const alice = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    const flood = new NatsRelay(nats.url, undefined, mallory.publicKey);
+    const reader = new NatsRelay(nats.url);
+    try {
+      const announce = async (who: Identity, session: string) =>
+        await (who === mallory ? flood : reader).announce(
+          await signAnnouncement(who, "x", Date.now(), { session_id: session, cwd: "/", git_root: "", summary: "" }),
+        );
+      await announce(alice, "a1"); // written first: the oldest entry
+      for (let i = 0; i < ROSTER_CAP + 200; i++) await announce(mallory, `junk-${i}`);
+      const listed = (await reader.roster(30_000)) as Announcement[];
+      expect(listed.filter((a) => a.pubkey === alice.publicKey).length).toBe(1);
+      expect(listed.filter((a) => a.pubkey === mallory.publicKey).length).toBe(64); // its newest, no more
+    } finally {
+      await Promise.allSettled([flood.close(), reader.close()]);
+      nats.kill();
+    }
+  }, 120_000);
 
   natsTest(NATS_TESTS[0], async () => {
     const { root, A, B } = await twoPeers();

@@ -2994,8 +2994,8 @@ export function openRelay(
 
 /** A URL for display: user, password and token replaced by "***". */
 export function redactUrl(url: string): string {
-  // Up to the last @ before the host: a password may hold an @ itself.
-  return url.replace(/^([a-z]+:\/\/)[^/]*@/i, "$1***@");
+  // Up to the last @ before the path (a password may hold an @ itself), with or without a scheme.
+  return url.replace(/^([a-z]+:\/*)?[^/\s]*@/i, "$1***@");
 }
 
 /** A bus over HTTP (SPEC "Bus HTTP API"), with our ownership proofs as extra fields a reference bus ignores. */
@@ -3456,19 +3456,18 @@ export class NatsRelay implements Relay {
    */
   async #roster(): Promise<unknown[]> {
     const { kv } = await this.link();
-    let keys: string[] = [];
-    let read = 0;
+    // Keys come oldest write first: per node key keep its newest ROSTER_PER_KEY_CAP (a node writes only under its
+    // own), then the newest ROSTER_CAP of all. So one node's junk or old entries cannot push others out.
+    const byOwner = new Map<string, { k: string; at: number }[]>();
+    let at = 0;
     for await (const k of await kv.keys()) {
-      keys.push(k);
-      if (keys.length > 2 * ROSTER_CAP) keys = keys.slice(-ROSTER_CAP);
-      if (++read >= 16 * ROSTER_CAP) break;
-    }
-    const perKey = new Map<string, number>();
-    keys = keys.slice(-ROSTER_CAP).reverse().filter((k) => {
       const owner = k.split(".")[0];
-      perKey.set(owner, (perKey.get(owner) ?? 0) + 1);
-      return perKey.get(owner)! <= ROSTER_PER_KEY_CAP;
-    });
+      const list = byOwner.get(owner) ?? [];
+      list.push({ k, at: at++ });
+      if (list.length > ROSTER_PER_KEY_CAP) list.shift();
+      byOwner.set(owner, list);
+    }
+    const keys = [...byOwner.values()].flat().sort((a, b) => a.at - b.at).slice(-ROSTER_CAP).map((x) => x.k);
     const now = Date.now();
     const entries = await Promise.all(keys.map(async (k) => [k, await kv.get(k)] as const));
     return entries.flatMap(([k, e]) => {
@@ -6520,7 +6519,10 @@ export function parseBusUrls(text: string): string[] {
       throw new InterlinkError(`bus URL '${redactUrl(u)}' is not a URL (expected e.g. ${DEFAULT_BUS_URL})`);
     }
     // A NATS relay keeps its credentials (user:password@ or token@): they are how it logs in.
-    if (url.protocol === "nats:" || url.protocol === "tls:") return u.replace(/\/+$/, "");
+    if (url.protocol === "nats:" || url.protocol === "tls:") {
+      if (!url.hostname) throw new InterlinkError(`NATS URL '${redactUrl(u)}' has no host (expected nats://host:4222)`);
+      return u.replace(/\/+$/, "");
+    }
     if (url.protocol !== "http:" && url.protocol !== "https:") {
       throw new InterlinkError(`bus URL '${redactUrl(u)}' must be http://, https://, nats:// or tls://`);
     }
@@ -7865,14 +7867,18 @@ async function throughputLoad(url: string, pid: number, signed: SignedMessage[][
   const t0 = performance.now();
   await Promise.all(signed.map(async (list, i) => {
     const to = `${list[0].to}#bench-${i}`;
+    let failed = false; // a send that fails ends the receiving too (it would wait for it forever)
     const sender = (async () => {
       for (const payload of list) {
         const r = await postJson(`${url}/send`, { to, payload });
         if (r.status !== 202) throw new InterlinkError(`send answered ${r.status}`);
         await r.body?.cancel();
       }
-    })();
-    for (let got = 0; got < perPair;) {
+    })().catch((e) => {
+      failed = true;
+      throw e;
+    });
+    for (let got = 0; got < perPair && !failed;) {
       const body = await (await fetch(`${url}/recv?me=${encodeURIComponent(to)}&timeout_ms=10000`)).json();
       if (body.status !== "message") continue;
       if (body.envelope.payload.msg_id !== list[got].msg_id) {
@@ -8292,6 +8298,7 @@ async function relayLoad(relay: Relay, id: Identity, dir: string, pid: number, p
   const stop = new AbortController();
   const receive = async (route: string, journal: JsonlWriter, expect: SignedMessage[]) => {
     for (let got = 0; got < expect.length;) {
+      if (stop.signal.aborted) throw new InterlinkError(`${relay.name}: a send failed; the bench stops`);
       const h = await relay.recv(route, stop.signal);
       if (!h) continue;
       if ((h.payload as SignedMessage).msg_id !== expect[got].msg_id) {
@@ -8318,9 +8325,11 @@ async function relayLoad(relay: Relay, id: Identity, dir: string, pid: number, p
     const journal = new JsonlWriter(path.join(dir, `in-${i}.jsonl`));
     const sender = (async () => {
       for (const m of list) await relay.send(route, m, SEND_TIMEOUT_MS);
-    })();
-    await receive(route, journal, list);
-    await sender;
+    })().catch((e) => {
+      stop.abort(); // the receivers would wait for it forever
+      throw e;
+    });
+    await Promise.all([receive(route, journal, list), sender]);
     journal.close();
   }));
   const seconds = (performance.now() - t0) / 1000;
