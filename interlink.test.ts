@@ -1079,6 +1079,25 @@ describe("bus: the HTTP handler", () => {
     expect((await ack("bo", y.ack)).status).toBe(403);
   });
 
+  test("batched recv (max=N) answers the oldest N in a shape of its own; one POST /ack takes a list of keys", async () => {
+    for (const n of [1, 2, 3]) await send("batch", { n });
+    const single = await recv("batch"); // no max: the reference shape, one message
+    expect(single.status).toBe("message");
+    const many = await (await call("GET", "/recv?me=batch&timeout_ms=0&max=2")).json();
+    expect(many.status).toBe("messages");
+    expect(many.messages.map((m: { envelope: { payload: { n: number } } }) => m.envelope.payload.n)).toEqual([1, 2]);
+    expect(many.messages[0].ack).toBe(single.ack);
+    // A list of keys, all of this recipient's, or none is taken.
+    const keys = many.messages.map((m: { ack: string }) => m.ack);
+    expect((await call("POST", "/ack", { me: "batch", acks: [...keys, "eve\u00001"] })).status).toBe(403);
+    expect((await call("POST", "/ack", { me: "batch", acks: [] })).status).toBe(400);
+    expect((await call("POST", "/ack", { me: "batch", acks: keys })).status).toBe(200);
+    const rest = await (await call("GET", "/recv?me=batch&timeout_ms=0&max=64")).json();
+    expect(rest.messages.map((m: { envelope: { payload: { n: number } } }) => m.envelope.payload.n)).toEqual([3]);
+    expect((await ack("batch", rest.messages[0].ack)).status).toBe(200);
+    expect((await call("GET", "/recv?me=batch&timeout_ms=0&max=8")).status).toBe(200);
+  });
+
   test("recipients are isolated, and key#label is just another recipient", async () => {
     await send("K", "bare");
     await send("K#work", "labelled");
@@ -4000,6 +4019,50 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
       await bus.close();
     }
   }, 60_000);
+
+  for (const kind of ["ours", "reference"] as const) {
+    test(`an agent takes what piled up in one recv from our bus, one by one from a reference bus; each message once (${kind})`, async () => {
+      const { root, A, B } = await twoPeers();
+      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
+      const calls = { recv: 0, ack: 0 };
+      // A reference bus ignores max= and knows only {"me","ack"}: played by ours, with those two rewritten away.
+      const server = await serveHttp(
+        async (req) => {
+          const url = new URL(req.url);
+          if (url.pathname === "/recv") calls.recv++;
+          if (url.pathname === "/ack") calls.ack++;
+          if (kind === "ours") return await bus.handler(req);
+          if (url.pathname === "/ack") {
+            const body = await req.json();
+            if (body.acks) return new Response('{"error":"missing field ack"}', { status: 422 });
+            return await bus.handler(new Request(req.url, { method: "POST", body: JSON.stringify(body) }));
+          }
+          url.searchParams.delete("max");
+          return await bus.handler(new Request(url, req));
+        },
+        "127.0.0.1",
+        0,
+      );
+      const msgs = await Promise.all(
+        Array.from({ length: 12 }, (_, i) => signMessage(A.id, { to: B.id.publicKey, text: `m${i}` }, Date.now())),
+      );
+      for (const m of msgs) await bus.send(`${B.id.publicKey}#bob`, JSON.stringify(m), A.id.publicKey);
+      const bob = await Agent.open(nodeConfig(B, [`http://127.0.0.1:${server.port}`], "inbox"), "test");
+      try {
+        bob.startReceiving();
+        await eventually(() => bus.queues.liveCount === 0, "bob acked all 12");
+        expect(readNodeLog(B.stateDir).filter((r) => r.t === "in").map((r) => r.msg.msg_id)).toEqual(
+          msgs.map((m) => m.msg_id),
+        );
+        if (kind === "ours") expect(calls.ack).toBeLessThan(6); // a few requests for twelve messages
+        else expect(calls.ack).toBeGreaterThanOrEqual(12); // one per message
+      } finally {
+        await bob.stop();
+        await server.stop();
+        await bus.close();
+      }
+    });
+  }
 
   test(
     "receipts after a crash between journal and push: delivered and shown are each reported once, after they happened",

@@ -108,6 +108,10 @@ export const ANNOUNCE_EVERY_MS = 30_000;
 export const BODY_LIMIT_BYTES = 2 << 20;
 /** Longest text an agent will sign: comfortably inside the bus body limit after JSON escaping. */
 export const TEXT_LIMIT_BYTES = 256 * 1024;
+/** Messages one batched recv answers at most (our extension: GET /recv?max=N), and acks one POST /ack takes. */
+export const RECV_BATCH_MAX = 64;
+/** What our agent asks one recv for: several messages that piled up take one round trip, not one each. */
+const RECV_BATCH = 32;
 /** Longest recipient string the bus accepts: a 43-char key plus a label. */
 const RECIPIENT_MAX_CHARS = 512;
 
@@ -1853,6 +1857,16 @@ class RecipientQueue {
     return undefined;
   }
 
+  /** Up to `n` oldest live messages, oldest first. */
+  firstN(n: number): Queued[] {
+    const out: Queued[] = [];
+    if (!this.first()) return out;
+    for (let i = this.head; i < this.items.length && out.length < n; i++) {
+      if (!this.items[i].gone) out.push(this.items[i]);
+    }
+    return out;
+  }
+
   first(): Queued | undefined {
     while (this.head < this.items.length && this.items[this.head].gone) this.head++;
     if (this.head > 1024 && this.head * 2 > this.items.length) {
@@ -1989,6 +2003,11 @@ export class BusQueues {
   }
 
   /** The oldest un-acked message for `to`; it stays there until acked. */
+  /** Up to `n` oldest live messages for `to`. */
+  firstN(to: string, n: number): Queued[] {
+    return this.#queues.get(to)?.firstN(n) ?? [];
+  }
+
   first(to: string): Queued | undefined {
     return this.#queues.get(to)?.first();
   }
@@ -2541,7 +2560,7 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<
 }
 
 /** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
-export const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster`;
+export const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv`;
 
 /**
  * The verified signer of a payload shaped as a v2 message (it has from, to,
@@ -2642,6 +2661,15 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         // The request's signal is read only when the recv has to wait (under Deno, building it costs).
         const m = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal);
         if (!m) return jsonResponse(200, '{"status":"timeout"}');
+        // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that
+        // no client which did not ask can take for one message; a reference bus ignores max and answers one.
+        const max = Math.min(Number(params.get("max")) || 1, RECV_BATCH_MAX);
+        if (max > 1) {
+          const list = bus.queues.firstN(me, max).map((q) =>
+            `{"envelope":{"payload":${q.payload},"ts":${q.ts}},"ack":${JSON.stringify(ackKey(me, q.seq))}}`
+          );
+          return jsonResponse(200, `{"status":"messages","messages":[${list.join(",")}]}`);
+        }
         return jsonResponse(
           200,
           `{"status":"message","envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${
@@ -2656,11 +2684,19 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         const body = await readJsonBody(req);
         if (!isObject(body)) throw new HttpError(400, 'expected {"me": <recipient>, "ack": <key>}');
         const me = recipientParam(body.me, "me");
-        if (typeof body.ack !== "string") throw new HttpError(400, '"ack" must be a string');
-        if (!body.ack.startsWith(me + "\0")) throw new HttpError(403, "that ack key belongs to another recipient");
+        // Our extension: "acks", a list of keys, in place of the reference's single "ack".
+        const keys: unknown[] = Array.isArray(body.acks) ? body.acks : [body.ack];
+        if (!keys.length || keys.length > RECV_BATCH_MAX || !keys.every((k) => typeof k === "string")) {
+          throw new HttpError(400, `"ack" must be a string (or "acks" a list of 1 to ${RECV_BATCH_MAX})`);
+        }
+        if (!keys.every((k) => (k as string).startsWith(me + "\0"))) {
+          throw new HttpError(403, "that ack key belongs to another recipient");
+        }
         await checkOwnership(bus, me, body.proof);
-        const seq = Number(body.ack.slice(me.length + 1));
-        if (Number.isSafeInteger(seq)) bus.ack(me, seq); // unknown or already acked: still 200, acks are idempotent
+        for (const k of keys as string[]) {
+          const seq = Number(k.slice(me.length + 1));
+          if (Number.isSafeInteger(seq)) bus.ack(me, seq); // unknown or already acked: still 200, acks are idempotent
+        }
         return jsonResponse(200, '{"status":"acked"}');
       },
     },
@@ -2957,13 +2993,19 @@ export interface Handed {
   ack(): Promise<void>;
 }
 
+/** What one recv handed over, oldest first (none: nothing came in time), and a way to ack several in one request. */
+export interface Received {
+  items: Handed[];
+  ackMany?(items: Handed[]): Promise<void>;
+}
+
 export interface Relay {
   /** The URL as configured, credentials hidden: names the relay in logs and statuses. */
   readonly name: string;
   /** Keeps `payload` (a message with its unsigned hints) for `route`; resolves once the relay has it durably. */
   send(route: string, payload: object, timeoutMs: number, signal?: AbortSignal): Promise<void>;
   /** The oldest message for `route` not yet acked, waiting a while for one (a bus's long-poll); null if none came. */
-  recv(route: string, signal: AbortSignal): Promise<Handed | null>;
+  recv(route: string, signal: AbortSignal): Promise<Received>;
   announce(a: Announcement, signal?: AbortSignal): Promise<void>;
   /** Every announcement it keeps, each with an unsigned `age_ms` (unverified: the reader verifies). */
   roster(timeoutMs: number): Promise<unknown[]>;
@@ -3015,28 +3057,36 @@ export class HttpRelay implements Relay {
     await r.body?.cancel();
   }
 
-  async recv(route: string, signal: AbortSignal): Promise<Handed | null> {
-    // The proof rides as an extra query parameter, which a reference bus ignores.
+  /**
+   * Asks for up to RECV_BATCH messages (max=, our extension); a reference bus
+   * ignores it and answers one. The proof rides as an extra query parameter,
+   * which a reference bus ignores too.
+   */
+  async recv(route: string, signal: AbortSignal): Promise<Received> {
     const proof = this.proof ? `&proof=${await this.proof(route)}` : "";
     const r = await fetch(
-      `${this.url}/recv?me=${encodeURIComponent(route)}&timeout_ms=${RECV_TIMEOUT_MS}${proof}`,
+      `${this.url}/recv?me=${encodeURIComponent(route)}&timeout_ms=${RECV_TIMEOUT_MS}&max=${RECV_BATCH}${proof}`,
       { signal: AbortSignal.any([signal, AbortSignal.timeout(RECV_TIMEOUT_MS + 15_000)]) },
     );
     if (!r.ok) throw new RelayError(`recv answered ${r.status}`);
     const body = await r.json();
-    if (!isObject(body) || body.status !== "message") return null;
+    const ack = (keys: unknown[]) => async () => {
+      const proof = this.proof ? { proof: await this.proof(route) } : {};
+      const fields = keys.length === 1 ? { ack: keys[0] } : { acks: keys };
+      const acked = await postJson(`${this.url}/ack`, { me: route, ...fields, ...proof }, SEND_TIMEOUT_MS, signal);
+      if (!acked.ok) throw new RelayError(`ack answered ${acked.status}`);
+      await acked.body?.cancel();
+    };
+    const handed = (m: unknown): Handed & { key: unknown } => {
+      const o = isObject(m) ? m : {};
+      return { payload: isObject(o.envelope) ? o.envelope.payload : undefined, key: o.ack, ack: ack([o.ack]) };
+    };
+    if (isObject(body) && body.status === "message") return { items: [handed(body)] };
+    if (!isObject(body) || body.status !== "messages" || !Array.isArray(body.messages)) return { items: [] };
+    // Only our bus answers "messages", and it takes a list of acks.
     return {
-      payload: isObject(body.envelope) ? body.envelope.payload : undefined,
-      ack: async () => {
-        const proof = this.proof ? { proof: await this.proof(route) } : {};
-        const acked = await postJson(
-          `${this.url}/ack`,
-          { me: route, ack: body.ack, ...proof },
-          SEND_TIMEOUT_MS,
-          signal,
-        );
-        await acked.body?.cancel();
-      },
+      items: body.messages.map(handed),
+      ackMany: (items) => ack(items.map((h) => (h as Handed & { key: unknown }).key))(),
     };
   }
 
@@ -3374,7 +3424,20 @@ export class NatsRelay implements Relay {
     }
   }
 
-  async recv(route: string, signal: AbortSignal): Promise<Handed | null> {
+  async recv(route: string, signal: AbortSignal): Promise<Received> {
+    const m = await this.#pull(route, signal);
+    if (!m) return { items: [] };
+    let payload: unknown;
+    try {
+      payload = JSON.parse(new TextDecoder().decode(m.data));
+    } catch {
+      payload = undefined; // not JSON: the gate calls it malformed, and it is acked
+    }
+    return { items: [{ payload, ack: async () => void (await m.ackAck()) }] };
+  }
+
+  /** One message of the route's consumer, or null when none came within NATS_PULL_MS or on stop. */
+  async #pull(route: string, signal: AbortSignal): Promise<NatsMsg | null> {
     let consumer = this.#consumers.get(route);
     if (!consumer) {
       consumer = this.#openConsumer(route);
@@ -3405,14 +3468,7 @@ export class NatsRelay implements Relay {
       if (this.#consumers.get(route) === consumer) this.#consumers.delete(route);
       throw e;
     }
-    if (!m) return null;
-    let payload: unknown;
-    try {
-      payload = JSON.parse(new TextDecoder().decode(m.data));
-    } catch {
-      payload = undefined; // not JSON: the gate calls it malformed, and it is acked
-    }
-    return { payload, ack: async () => void (await m.ackAck()) };
+    return m;
   }
 
   async #openConsumer(route: string) {
@@ -5056,17 +5112,29 @@ export class Agent {
     let failures = 0;
     while (!this.#stop.signal.aborted) {
       try {
-        const handed = await relay.recv(route, this.#stop.signal);
+        const got = await relay.recv(route, this.#stop.signal);
         if (failures) {
           logInfo(`${relay.name} is reachable again`);
           failures = 0;
           this.#relayBack();
         }
-        if (!handed) continue;
-        // One payload at a time across all relays, so two copies of a message cannot both pass the replay check.
-        const done = this.#receiving.then(() => this.receive(handed.payload, handed.ack));
-        this.#receiving = done.catch(() => {});
-        await done;
+        // Each is acked once its effects are durable (its plan's "ack"), in one request for the lot when the
+        // relay takes that; one that fails stops the lot, and what follows it comes again.
+        const handled: Handed[] = [];
+        try {
+          for (const h of got.items) {
+            // One payload at a time across all relays, so two copies of a message cannot both pass the replay check.
+            const done = this.#receiving.then(() =>
+              this.receive(h.payload, () => (handled.push(h), Promise.resolve()))
+            );
+            this.#receiving = done.catch(() => {});
+            await done;
+          }
+        } finally {
+          if (handled.length) {
+            await (got.ackMany ? got.ackMany(handled) : Promise.all(handled.map((h) => h.ack())));
+          }
+        }
       } catch (e) {
         if (this.#stop.signal.aborted) break;
         if (failures++ === 0) logWarn(`cannot poll ${relay.name}: ${errorText(e)}; retrying with backoff`);
@@ -7860,8 +7928,11 @@ export function floorHandler(): (req: Request) => Promise<Response> {
   };
 }
 
-/** One server's share of the throughput bench: `pairs` senders and receivers, send → recv → ack, in order. */
-async function throughputLoad(url: string, pid: number, signed: SignedMessage[][]) {
+/**
+ * One server's share of the throughput bench: `pairs` senders and receivers, send → recv → ack, in order;
+ * with `batch`, each recv asks for up to RECV_BATCH and acks them in one request (our bus's extension).
+ */
+async function throughputLoad(url: string, pid: number, signed: SignedMessage[][], batch = false) {
   const perPair = signed[0].length;
   const cpu0 = cpuSeconds(pid);
   const t0 = performance.now();
@@ -7879,14 +7950,22 @@ async function throughputLoad(url: string, pid: number, signed: SignedMessage[][
       throw e;
     });
     for (let got = 0; got < perPair && !failed;) {
-      const body = await (await fetch(`${url}/recv?me=${encodeURIComponent(to)}&timeout_ms=10000`)).json();
-      if (body.status !== "message") continue;
-      if (body.envelope.payload.msg_id !== list[got].msg_id) {
-        throw new InterlinkError(`out of order: ${body.envelope.payload.msg_id} at ${got}`);
+      const max = batch ? `&max=${RECV_BATCH}` : "";
+      const body = await (await fetch(`${url}/recv?me=${encodeURIComponent(to)}&timeout_ms=10000${max}`)).json();
+      const items: { envelope: { payload: SignedMessage }; ack: string }[] = body.status === "message"
+        ? [body]
+        : body.status === "messages"
+        ? body.messages
+        : [];
+      if (!items.length) continue;
+      for (const m of items) {
+        if (m.envelope.payload.msg_id !== list[got++].msg_id) {
+          throw new InterlinkError(`out of order: ${m.envelope.payload.msg_id} at ${got - 1}`);
+        }
       }
-      const a = await postJson(`${url}/ack`, { me: to, ack: body.ack });
+      const keys = items.map((m) => m.ack);
+      const a = await postJson(`${url}/ack`, { me: to, ...(keys.length === 1 ? { ack: keys[0] } : { acks: keys }) });
       await a.body?.cancel();
-      got++;
     }
     await sender;
   }));
@@ -7940,12 +8019,16 @@ async function benchThroughput(root: string, progress: (m: string) => void, samp
     try {
       progress(`throughput: ${name} (pid ${server.child.pid}), ${pairs} pairs × ${perPair}`);
       out[name] = await throughputLoad(server.url, server.child.pid!, signed);
+      if (name === "bus") {
+        progress(`throughput: bus again, batched recv and ack (as our agents use it)`);
+        out.bus_batched = await throughputLoad(server.url, server.child.pid!, signed, true);
+      }
     } finally {
       await stopChild(server.child);
     }
   }
   const floor = (out.floor as { msgs_per_s: number }).msgs_per_s;
-  for (const [name] of servers.slice(1)) {
+  for (const name of [...servers.slice(1).map(([n]) => n), "bus_batched"]) {
     out[`${name}_over_floor`] = Math.round(((out[name] as { msgs_per_s: number }).msgs_per_s / floor) * 100) / 100;
   }
   return out;
@@ -8299,15 +8382,16 @@ async function relayLoad(relay: Relay, id: Identity, dir: string, pid: number, p
   const receive = async (route: string, journal: JsonlWriter, expect: SignedMessage[]) => {
     for (let got = 0; got < expect.length;) {
       if (stop.signal.aborted) throw new InterlinkError(`${relay.name}: a send failed; the bench stops`);
-      const h = await relay.recv(route, stop.signal);
-      if (!h) continue;
-      if ((h.payload as SignedMessage).msg_id !== expect[got].msg_id) {
-        throw new InterlinkError(`${relay.name}: out of order at ${got}`);
+      const { items, ackMany } = await relay.recv(route, stop.signal);
+      if (!items.length) continue;
+      for (const h of items) {
+        if ((h.payload as SignedMessage).msg_id !== expect[got++].msg_id) {
+          throw new InterlinkError(`${relay.name}: out of order at ${got - 1}`);
+        }
       }
-      journal.append([{ t: "in", msg: h.payload }]);
+      journal.append(items.map((h) => ({ t: "in", msg: h.payload })));
       await journal.sync();
-      await h.ack();
-      got++;
+      await (ackMany ? ackMany(items) : Promise.all(items.map((h) => h.ack())));
     }
   };
   // Warm up: the connection, the stream and each route's consumer exist before the clock starts.
