@@ -4020,6 +4020,38 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     }
   }, 60_000);
 
+  test(
+    "kill -9 in the middle of a batched recv: after the restart every message is shown once, none lost",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
+      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+      const url = `http://127.0.0.1:${server.port}`;
+      const msgs = await Promise.all(
+        Array.from({ length: 8 }, (_, i) => signMessage(A.id, { to: B.id.publicKey, text: `b${i}` }, Date.now())),
+      );
+      for (const m of msgs) await bus.send(`${B.id.publicKey}#bob`, JSON.stringify(m), A.id.publicKey);
+      // The failpoint kills bob right after journaling the first of the batch: the others were handed over, unacked.
+      let bob = await McpNode.start("bun", B, url, { INTERLINK_FAILPOINT: "agent-after-journal" });
+      try {
+        await eventually(() => !pidAlive(bob.pid!), "the failpoint killed bob mid-batch");
+        await bob.close().catch(() => {});
+        expect(bus.queues.liveCount).toBe(8); // nothing acked
+        bob = await McpNode.start("bun", B, url);
+        for (const m of msgs) await bob.waitEvent((e) => e.meta.msg_id === m.msg_id);
+        await eventually(() => bus.queues.liveCount === 0, "all acked");
+        for (const m of msgs) expect(bob.events.filter((e) => e.meta.msg_id === m.msg_id).length).toBe(1);
+        const admitted = readNodeLog(B.stateDir).filter((r) => r.t === "in").map((r) => r.msg.msg_id);
+        expect(admitted).toEqual(msgs.map((m) => m.msg_id));
+      } finally {
+        await bob.close().catch(() => {});
+        await server.stop();
+        await bus.close();
+      }
+    },
+    60_000,
+  );
+
   for (const kind of ["ours", "reference"] as const) {
     test(`an agent takes what piled up in one recv from our bus, one by one from a reference bus; each message once (${kind})`, async () => {
       const { root, A, B } = await twoPeers();
