@@ -3092,6 +3092,9 @@ export class HttpRelay implements Relay {
 
   async announce(a: Announcement, signal?: AbortSignal): Promise<void> {
     const r = await postJson(`${this.url}/announce`, a, SEND_TIMEOUT_MS, signal);
+    if (!r.ok) {
+      throw new RelayError(`${this.url} refused the announcement: ${r.status} ${(await r.text()).slice(0, 200)}`);
+    }
     await r.body?.cancel();
   }
 
@@ -5238,10 +5241,18 @@ export class Agent {
   async #announce(relay: Relay): Promise<void> {
     try {
       await relay.announce(await signAnnouncement(this.id, this.cfg.name, this.now(), this.info), this.#stop.signal);
-    } catch {
-      // The recv loop reports an unreachable relay.
+      this.#announceRefused.delete(relay.name);
+    } catch (e) {
+      // An unreachable relay is reported by the recv loop; a refusal (a clock off, say) is said once, here.
+      const why = errorText(e);
+      if (e instanceof RelayError && this.#announceRefused.get(relay.name) !== why) {
+        logWarn(`this session is not on the roster of ${relay.name}: ${why}`);
+      }
+      this.#announceRefused.set(relay.name, why);
     }
   }
+
+  #announceRefused = new Map<string, string>(); // relay → why it last refused our announcement
 
   /** Sets this session's summary (what it is doing) and announces it at once. */
   async setSummary(summary: string): Promise<void> {
