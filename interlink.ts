@@ -8572,7 +8572,8 @@ const COMMANDS: Record<string, CommandSpec> = {
   bus: {
     summary: "run the durable keep-until-ack relay that nodes talk through",
     about: "Speaks the interlink-bus HTTP API (POST /send, GET /recv, POST /ack, POST /announce,\n" +
-      "GET /roster). A message answered 202 is on disk; it is delivered until its recipient acks it.",
+      "GET /roster, POST /unregister; batched recv and ack as extensions). A message answered 202 is on disk;\n" +
+      "it is delivered until its recipient acks it.",
     options: {
       host: {
         type: "string",
@@ -8759,12 +8760,12 @@ const COMMANDS: Record<string, CommandSpec> = {
   },
   bench: {
     summary: "measure the bus and the agents and print the figures as JSON",
-    about:
-      "throughput: 8 pairs × 500 messages through send → recv → ack on a durable bus; recovery: restart on 100,000\n" +
+    about: "throughput: 8 pairs × 500 messages through send → recv → ack on a durable bus, also batched, beside the\n" +
+      "in-memory floor (same routes, no disk, no checks) in the same run, each as a ratio to it; recovery: restart on 100,000\n" +
       "un-acked messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold\n" +
       "start to the first tools/list, send → push latency p50/p99 over 200 messages, idle RSS; sessions: 10 sessions of\n" +
       "each of two keys exchanging 200 messages each (misrouted, lost, duplicated); flood: 50,000 keys announce, roster\n" +
-      "size and bus RSS. Progress on stderr.",
+      "size and bus RSS; relays: our bus beside a NATS JetStream server (needs nats-server on PATH). Progress on stderr.",
     options: {
       only: {
         type: "string",
