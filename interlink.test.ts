@@ -1098,6 +1098,25 @@ describe("bus: the HTTP handler", () => {
     expect((await call("GET", "/recv?me=batch&timeout_ms=0&max=8")).status).toBe(200);
   });
 
+  test("a batched send queues in order up to the first refusal, which stops the rest; each result says so", async () => {
+    const alice = await identityFromSeed(new Uint8Array(32).fill(7));
+    const good = (text: string) => signMessage(alice, { to: alice.publicKey, text }, Date.now());
+    const forged = { ...(await good("x")), text: "tampered" };
+    const to = `${alice.publicKey}#batch`;
+    const r = await call("POST", "/send", {
+      messages: [{ to, payload: await good("one") }, { to, payload: forged }, { to, payload: await good("three") }],
+    });
+    expect(r.status).toBe(200);
+    const { results } = await r.json();
+    expect(results.map((x: { status: number }) => x.status)).toEqual([202, 400]); // "three" was not tried
+    const got = await (await call("GET", `/recv?me=${encodeURIComponent(to)}&timeout_ms=0&max=8`)).json();
+    expect(got.messages.map((m: { envelope: { payload: { text: string } } }) => m.envelope.payload.text)).toEqual([
+      "one",
+    ]);
+    await call("POST", "/ack", { me: to, acks: got.messages.map((m: { ack: string }) => m.ack) });
+    expect((await call("POST", "/send", { messages: [] })).status).toBe(400);
+  });
+
   test("recipients are isolated, and key#label is just another recipient", async () => {
     await send("K", "bare");
     await send("K#work", "labelled");
@@ -4020,6 +4039,39 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     }
   }, 60_000);
 
+  test("a backlog in the outbox goes to our bus in a few requests, in order, each message once", async () => {
+    const { root, A, B } = await twoPeers();
+    const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
+    let sends = 0, up = false;
+    const server = await serveHttp(
+      async (req) => {
+        if (!up) return new Response('{"error":"down"}', { status: 503 }); // the bus is away for now
+        if (new URL(req.url).pathname === "/send") sends++;
+        return await bus.handler(req);
+      },
+      "127.0.0.1",
+      0,
+    );
+    const alice = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`], "inbox"), "test");
+    try {
+      alice.startSending();
+      alice.startReceiving();
+      const ids: string[] = [];
+      for (let i = 0; i < 20; i++) {
+        ids.push((await alice.send({ to: "bob", text: `q${i}`, session: "bob" })).entry.msg.msg_id);
+      }
+      up = true;
+      await eventually(() => alice.state.pending.size === 0, "the outbox drained", 30_000);
+      const queued = bus.queues.firstN(`${B.id.publicKey}#bob`, 64).map((q) => JSON.parse(q.payload).msg_id);
+      expect(queued).toEqual(ids); // in order, each once
+      expect(sends).toBeLessThan(10); // a few requests for twenty messages
+    } finally {
+      await alice.stop();
+      await server.stop();
+      await bus.close();
+    }
+  });
+
   test(
     "kill -9 in the middle of a batched recv: after the restart every message is shown once, none lost",
     async () => {
@@ -4064,13 +4116,14 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
           if (url.pathname === "/recv") calls.recv++;
           if (url.pathname === "/ack") calls.ack++;
           if (kind === "ours") return await bus.handler(req);
-          if (url.pathname === "/ack") {
+          if (url.pathname === "/ack" || url.pathname === "/send") {
             const body = await req.json();
-            if (body.acks) return new Response('{"error":"missing field ack"}', { status: 422 });
+            if (body.acks || body.messages) return new Response('{"error":"missing field"}', { status: 422 });
             return await bus.handler(new Request(req.url, { method: "POST", body: JSON.stringify(body) }));
           }
           url.searchParams.delete("max");
-          return await bus.handler(new Request(url, req));
+          const r = await bus.handler(new Request(url, req));
+          return new Response(r.body, { status: r.status }); // and none of our bus's headers
         },
         "127.0.0.1",
         0,

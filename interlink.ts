@@ -112,6 +112,8 @@ export const TEXT_LIMIT_BYTES = 256 * 1024;
 export const RECV_BATCH_MAX = 64;
 /** What our agent asks one recv for: several messages that piled up take one round trip, not one each. */
 const RECV_BATCH = 32;
+/** Messages our agent sends in one request, where the bus takes several (POST /send {"messages": [...]}). */
+const SEND_BATCH = 32;
 /** Longest recipient string the bus accepts: a 43-char key plus a label. */
 const RECIPIENT_MAX_CHARS = 512;
 
@@ -2331,7 +2333,11 @@ export class Bus {
       });
     }
     try {
-      return await route.handle(this, req, query);
+      const r = await route.handle(this, req, query);
+      // Every answer names what this bus adds to the reference contract (a reference bus sends no such
+      // header): our client then batches, and doctor reports it.
+      r.headers.set("interlink-bus", BUS_FEATURES);
+      return r;
     } catch (e) {
       if (e instanceof HttpError) return errorResponse(e.status, e.message);
       if (req.signal.aborted) return errorResponse(499, "client closed the request"); // a hang-up: not an error here
@@ -2560,7 +2566,7 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<
 }
 
 /** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
-export const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv`;
+export const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send`;
 
 /**
  * The verified signer of a payload shaped as a v2 message (it has from, to,
@@ -2621,6 +2627,46 @@ export function recvTimeoutMs(raw: string | null): number {
 }
 
 /**
+ * Our extension of POST /send: {"messages": [{"to", "payload"}, ...]}, in
+ * order, each checked as a single send is. The first one refused stops the
+ * rest (none of them is queued), so a sender's order holds. Answered 200,
+ * once every queued one is on disk, with one result per message tried:
+ * {"status": 202} or {"status": <4xx/5xx>, "error"}; those after a refusal
+ * have none. A reference bus refuses the shape (no "to"), and our agent
+ * sends it only to a bus that answered a batched recv.
+ */
+async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
+  if (!items.length || items.length > RECV_BATCH_MAX) {
+    throw new HttpError(400, `"messages" must hold 1 to ${RECV_BATCH_MAX} messages`);
+  }
+  const results: { status: number; error?: string }[] = [];
+  const queued: Promise<void>[] = [];
+  for (const item of items) {
+    try {
+      if (!isObject(item) || item.payload === undefined) throw new HttpError(400, 'each message is {"to", "payload"}');
+      const to = recipientParam(item.to, "to");
+      const payload = JSON.stringify(item.payload);
+      const sender = await signerOf(item.payload, to);
+      bus.ensureRoom(sender, utf8Bytes(payload));
+      queued.push(bus.send(to, payload, sender)); // in the queue now, in order; on disk once awaited
+      results.push({ status: 202 });
+    } catch (e) {
+      results.push(
+        e instanceof HttpError ? { status: e.status, error: e.message } : { status: 500, error: "internal" },
+      );
+      break;
+    }
+  }
+  (await Promise.allSettled(queued)).forEach((r, i) => {
+    if (r.status === "rejected") {
+      const e = r.reason;
+      results[i] = e instanceof HttpError ? { status: e.status, error: e.message } : { status: 500, error: "internal" };
+    }
+  });
+  return jsonResponse(200, JSON.stringify({ status: "queued", results }));
+}
+
+/**
  * A request URL's path and query, without building a URL object (the bus
  * does this for every request; only /recv reads the query).
  */
@@ -2645,6 +2691,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         const declared = Number(req.headers.get("content-length"));
         if (declared > 0) bus.ensureRoom("", declared);
         const body = await readJsonBody(req);
+        if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages);
         if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
         const to = recipientParam(body.to, "to");
         if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
@@ -2761,7 +2808,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
       method: "GET",
       handle(bus) {
         return Promise.resolve(
-          jsonResponse(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`, { "interlink-bus": BUS_FEATURES }),
+          jsonResponse(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`),
         );
       },
     },
@@ -3014,6 +3061,16 @@ export interface Relay {
     timeoutMs: number,
     signal?: AbortSignal,
   ): Promise<void>;
+  /**
+   * Several messages in one request, in order, where the relay takes that (our bus, once it answered a batched
+   * recv): per message true (kept), a RelayError, or null (not tried: one before it was refused). Absent or
+   * returning null: send them one by one.
+   */
+  sendMany?(
+    items: { route: string; payload: object }[],
+    timeoutMs: number,
+    signal?: AbortSignal,
+  ): Promise<(true | RelayError | null)[] | null>;
   /** Calls `back` whenever the relay is reachable again after an outage it noticed (NATS reconnects). */
   onBack?(back: () => void): void;
   close(): Promise<void>;
@@ -3042,7 +3099,33 @@ export function redactUrl(url: string): string {
 
 /** A bus over HTTP (SPEC "Bus HTTP API"), with our ownership proofs as extra fields a reference bus ignores. */
 export class HttpRelay implements Relay {
+  /** The bus answered a batched recv: it is ours, and takes batched acks and sends. */
+  batches = false;
+
   constructor(readonly url: string, readonly proof?: (route: string) => Promise<string>) {}
+
+  async sendMany(
+    items: { route: string; payload: object }[],
+    timeoutMs: number,
+    signal?: AbortSignal,
+  ): Promise<(true | RelayError | null)[] | null> {
+    if (!this.batches) return null;
+    const body = { messages: items.map((i) => ({ to: i.route, payload: i.payload })) };
+    const r = await postJson(`${this.url}/send`, body, timeoutMs, signal);
+    const text = await r.text();
+    // The request as a whole was refused (too big, say): no message is to blame; they go one by one instead.
+    if (!r.ok) return null;
+    const results = (JSON.parse(text) as { results?: { status: number; error?: string }[] }).results ?? [];
+    return items.map((_, i) => {
+      const res = results[i];
+      if (!res) return null;
+      if (res.status === 202) return true;
+      return new RelayError(
+        `${this.url} answered ${res.status} ${String(res.error ?? "").slice(0, 200)}`,
+        isPermanentRefusal(res.status),
+      );
+    });
+  }
 
   get name(): string {
     return this.url;
@@ -3054,7 +3137,13 @@ export class HttpRelay implements Relay {
       const why = `${this.url} answered ${r.status} ${(await r.text()).slice(0, 200)}`;
       throw new RelayError(why, isPermanentRefusal(r.status));
     }
+    this.#learn(r);
     await r.body?.cancel();
+  }
+
+  /** A bus that says it takes batches (our bus's `interlink-bus` header) gets them from now on. */
+  #learn(r: Response): void {
+    if (r.headers.get("interlink-bus")?.includes("batch-send")) this.batches = true;
   }
 
   /**
@@ -3069,6 +3158,7 @@ export class HttpRelay implements Relay {
       { signal: AbortSignal.any([signal, AbortSignal.timeout(RECV_TIMEOUT_MS + 15_000)]) },
     );
     if (!r.ok) throw new RelayError(`recv answered ${r.status}`);
+    this.#learn(r);
     const body = await r.json();
     const ack = (keys: unknown[]) => async () => {
       const proof = this.proof ? { proof: await this.proof(route) } : {};
@@ -3083,6 +3173,7 @@ export class HttpRelay implements Relay {
     };
     if (isObject(body) && body.status === "message") return { items: [handed(body)] };
     if (!isObject(body) || body.status !== "messages" || !Array.isArray(body.messages)) return { items: [] };
+    this.batches = true;
     // Only our bus answers "messages", and it takes a list of acks.
     return {
       items: body.messages.map(handed),
@@ -4042,6 +4133,19 @@ export class NodeState {
     return n;
   }
 
+  /** The oldest pending entries, at most `n` of them and about `bytes` of JSON together (at least one). */
+  pendingHead(n: number, bytes: number): OutEntry[] {
+    const out: OutEntry[] = [];
+    let size = 0;
+    for (const id of this.pending) {
+      const e = this.outgoing.get(id)!;
+      size += utf8Bytes(JSON.stringify(e.msg)) + 512; // the route and the unsigned hints besides
+      if (out.length && (out.length >= n || size > bytes)) break;
+      out.push(e);
+    }
+    return out;
+  }
+
   firstPending(): OutEntry | undefined {
     for (const id of this.pending) return this.outgoing.get(id);
     return undefined;
@@ -4956,50 +5060,86 @@ export class Agent {
   }
 
   /** One delivery attempt to every bus; success when at least one answers 2xx, or when every one refused it for good. */
+  /** One delivery attempt of one message; true when it is settled (sent, or refused for good). */
   async deliver(entry: OutEntry): Promise<boolean> {
-    try {
-      return await this.#attempt(entry);
-    } finally {
-      entry.attempts++;
-      for (const wake of [...this.#attempted]) wake();
-    }
+    return (await this.#attempt([entry])) === 1;
   }
 
-  async #attempt(entry: OutEntry): Promise<boolean> {
-    if (this.now() - entry.msg.ts > RESIGN_AFTER_MS) {
+  /**
+   * One delivery round for `entries` (the oldest pending, in order), to every
+   * relay: in one request where a relay takes several, else one by one until
+   * one fails. Settles them in order (sent: a relay kept it; refused: every
+   * relay refused it for good) and stops at the first that is neither, which
+   * stays pending with the others behind it: a sender's order holds. Returns
+   * how many were settled.
+   */
+  async #attempt(entries: OutEntry[]): Promise<number> {
+    for (const entry of entries) {
+      if (this.now() - entry.msg.ts <= RESIGN_AFTER_MS) continue;
       const { sig: _sig, from: _from, ts: _ts, ...fields } = entry.msg;
       const msg = await signMessage(this.id, fields, this.now());
       await this.journal.appendDurable([{ t: "resign", msg }]);
     }
-    const payload = messagePayload(entry.msg, this.me);
-    const results = await Promise.allSettled(
-      this.relays.map(async (relay) => {
-        await relay.send(entry.recipient, payload, SEND_TIMEOUT_MS, this.#stop.signal);
-        return relay.name;
-      }),
-    );
-    const via = results.flatMap((r) => (r.status === "fulfilled" ? [r.value] : []));
-    if (via.length) {
-      await this.journal.appendDurable([{ t: "sent", msg_id: entry.msg.msg_id, via }]);
-      return true;
+    const items = entries.map((e) => ({ route: e.recipient, payload: messagePayload(e.msg, this.me) }));
+    const signal = this.#stop.signal;
+    // Per relay, per message: true, an error, or null (not tried).
+    const outcomes = await Promise.all(this.relays.map(async (relay) => {
+      const out: (true | RelayError | null)[] = items.map(() => null);
+      for (let i = 0; i < items.length;) {
+        try {
+          // The rest in one request, where the relay takes that (it may learn so from the first answer); else
+          // the next one alone.
+          const many = items.length - i > 1 ? await relay.sendMany?.(items.slice(i), SEND_TIMEOUT_MS, signal) : null;
+          if (many) {
+            many.forEach((r, k) => (out[i + k] = r));
+            break;
+          }
+          await relay.send(items[i].route, items[i].payload, SEND_TIMEOUT_MS, signal);
+          out[i++] = true;
+        } catch (e) {
+          out[i] = e instanceof RelayError ? e : new RelayError(errorText(e));
+          break;
+        }
+      }
+      return out;
+    }));
+    const records: object[] = [];
+    let settled = 0;
+    for (const [i, entry] of entries.entries()) {
+      const results = outcomes.map((o) => o[i]);
+      if (results.every((r) => r === null)) break; // not tried anywhere: the next round
+      entry.attempts++;
+      const via = this.relays.flatMap((relay, k) => (results[k] === true ? [relay.name] : []));
+      if (via.length) {
+        records.push({ t: "sent", msg_id: entry.msg.msg_id, via });
+        settled++;
+        continue;
+      }
+      entry.lastError = results.map((r) => (r === null ? "not tried" : errorText(r))).join("; ");
+      // Every relay refused the request itself: retrying cannot help, and it must not hold up the ones behind it.
+      if (results.every((r) => r instanceof RelayError && r.permanent)) {
+        records.push({ t: "refused", msg_id: entry.msg.msg_id, reason: entry.lastError });
+        logWarn(
+          `every bus refused ${entry.msg.msg_id} for good; it is marked refused and not retried: ${entry.lastError}`,
+        );
+        settled++;
+        continue;
+      }
+      break;
     }
-    const errors = results.map((r) => (r as PromiseRejectedResult).reason);
-    entry.lastError = errors.map(errorText).join("; ");
-    if (errors.every((e) => e instanceof RelayError && e.permanent)) {
-      // Every bus refused the request itself: retrying cannot help, and it must not hold up the messages behind it.
-      await this.journal.appendDurable([{ t: "refused", msg_id: entry.msg.msg_id, reason: entry.lastError }]);
-      logWarn(
-        `every bus refused ${entry.msg.msg_id} for good; it is marked refused and not retried: ${entry.lastError}`,
-      );
-      return true;
+    try {
+      await this.journal.appendDurable(records);
+    } finally {
+      for (const wake of [...this.#attempted]) wake();
     }
-    return false;
+    return settled;
   }
 
   /** Delivers everything in the outbox, oldest first, until it is empty or `deadline` passes. */
   async flushOutbox(deadline: number): Promise<void> {
-    for (let e = this.state.firstPending(); e && Date.now() < deadline; e = this.state.firstPending()) {
-      if (!(await this.deliver(e))) return;
+    while (this.state.firstPending() && Date.now() < deadline) {
+      const batch = this.state.pendingHead(SEND_BATCH, BODY_LIMIT_BYTES);
+      if ((await this.#attempt(batch)) < batch.length) return;
     }
   }
 
@@ -5010,7 +5150,9 @@ export class Agent {
         await this.#outbox.wait(60_000);
         continue;
       }
-      if (await this.deliver(entry).catch((e) => (entry.lastError = errorText(e), false))) {
+      // What piled up goes in one request to a bus that takes several (a backlog after an outage, a burst).
+      const batch = this.state.pendingHead(SEND_BATCH, BODY_LIMIT_BYTES);
+      if (await this.#attempt(batch).catch((e) => (entry.lastError = errorText(e), 0))) {
         this.#sendFailures = 0;
         continue;
       }
