@@ -85,6 +85,7 @@ import {
   Roster,
   ROSTER_CAP,
   rosterKey,
+  runTool,
   scanJsonl,
   SDK,
   serveHttp,
@@ -1758,6 +1759,14 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
     expect(table).toContain("task one with bob");
     expect(table).not.toContain("task two");
   }, 60_000);
+
+  test("a tool call that hangs is answered within its deadline, as an error that says what to check", async () => {
+    const stuck = { ...TOOLS[0], name: "send_message", run: () => new Promise<string>(() => {}) };
+    const r = await runTool({} as Agent, stuck, {}, 50);
+    expect(r.isError).toBe(true);
+    expect(r.content[0].text).toContain("send_message did not finish within 0.05 s");
+    expect(r.content[0].text).toContain("check list_pending and message_status before repeating it");
+  });
 
   test("bad tool input is an isError result that lists the valid choices", async () => {
     const cases: [string, Record<string, unknown>, string][] = [
@@ -5280,6 +5289,21 @@ async function startNats(
   n = 1,
   opts: { jetstream?: boolean; accounts?: object } = {},
 ): Promise<NatsServer[]> {
+  // A port found free can be taken by a neighbouring test before nats-server binds it: then again, other ports.
+  for (let attempt = 1;; attempt++) {
+    try {
+      return await startNatsOnce(path.join(root, `try-${attempt}`), n, opts);
+    } catch (e) {
+      if (attempt === 3 || !/exited with/.test((e as Error).message)) throw e;
+    }
+  }
+}
+
+async function startNatsOnce(
+  root: string,
+  n: number,
+  opts: { jetstream?: boolean; accounts?: object },
+): Promise<NatsServer[]> {
   const ports = await Promise.all(Array.from({ length: n * 2 }, () => freePort()));
   const servers = Array.from({ length: n }, (_, i) => {
     const dir = path.join(root, `nats-${i}`);
@@ -5303,15 +5327,22 @@ async function startNats(
     return { url: `nats://127.0.0.1:${ports[i]}`, log, port: ports[i], proc, kill: () => killGroup(proc.pid) };
   });
   const logOf = (s: { log: string }) => (fs.existsSync(s.log) ? fs.readFileSync(s.log, "utf8") : "");
-  for (const s of servers) {
-    await eventually(
-      async () => {
-        if (s.proc.exitCode !== null) throw new Error(`nats-server exited with ${s.proc.exitCode}:\n${logOf(s)}`);
-        return await accepting(s.port);
-      },
-      `nats-server on port ${s.port} accepts connections`,
-      30_000,
-    );
+  const exited = () => servers.find((s) => s.proc.exitCode !== null);
+  try {
+    for (const s of servers) {
+      await eventually(
+        async () => {
+          if (exited()) throw new Error(`nats-server exited with ${exited()!.proc.exitCode}:\n${logOf(exited()!)}`);
+          // Its own word that it has bound every listener (a port that answers might be another process's).
+          return /Server is ready/.test(logOf(s)) && await accepting(s.port);
+        },
+        `nats-server on port ${s.port} accepts connections`,
+        30_000,
+      );
+    }
+  } catch (e) {
+    for (const s of servers) s.kill();
+    throw e;
   }
   if (n > 1) {
     await eventually(

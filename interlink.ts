@@ -6387,18 +6387,38 @@ export const TOOLS: ToolSpec[] = [
   },
 ];
 
-/** Runs one tool call; a failure is an isError result that says how far it got and what to do. */
+/**
+ * A tool call answers within this long whatever a relay does (every relay call has its own deadline; this is the
+ * net under them): Claude Code gives up on a call after a minute, and a model waiting that long helps nobody.
+ */
+const TOOL_DEADLINE_MS = 30_000;
+
 /** Runs one tool call; a failure is an isError result that says how far it got and what to do. */
 export async function runTool(
   agent: Agent,
   tool: ToolSpec,
   args: Record<string, unknown>,
+  deadlineMs = TOOL_DEADLINE_MS,
 ): Promise<{ content: { type: "text"; text: string }[]; isError?: boolean }> {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const late = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => {
+      const s = deadlineMs / 1000;
+      logWarn(`${tool.name} is still running after ${s} s; answering the session with that`);
+      reject(
+        new InterlinkError(
+          `${tool.name} did not finish within ${s} s (a relay that does not answer?); it may still complete: check list_pending and message_status before repeating it`,
+        ),
+      );
+    }, deadlineMs);
+  });
   try {
-    return { content: [{ type: "text", text: await tool.run(agent, args) }] };
+    return { content: [{ type: "text", text: await Promise.race([tool.run(agent, args), late]) }] };
   } catch (e) {
     if (!(e instanceof InterlinkError)) logWarn(`${tool.name} failed: ${(e as Error).stack ?? e}`);
     return { content: [{ type: "text", text: `${tool.name} failed: ${(e as Error).message}` }], isError: true };
+  } finally {
+    clearTimeout(timer);
   }
 }
 
@@ -6497,7 +6517,15 @@ export class McpSession {
   }
 
   async call(name: string, args: Record<string, unknown> = {}): Promise<{ text: string; isError: boolean }> {
-    const r = await this.client.callTool({ name, arguments: args });
+    let r;
+    try {
+      r = await this.client.callTool({ name, arguments: args });
+    } catch (e) {
+      // A call that got no answer (a timeout, a server gone): what the server last logged says why.
+      throw new InterlinkError(
+        `${this.label}: ${name}: ${(e as Error).message}; its last log lines:\n${this.stderr.slice(-15).join("\n")}`,
+      );
+    }
     return { text: (r.content as { text: string }[]).map((c) => c.text).join("\n"), isError: r.isError === true };
   }
 
