@@ -5210,11 +5210,11 @@ test.concurrent(
     const bob = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
     fs.writeFileSync(path.join(root, "peers.json"), JSON.stringify({ bob: { key: bob.publicKey } }));
     const port = await freePort(); // nothing listens there
-    const send = (runtime: "bun" | "deno", url: string) => {
+    const send = async (runtime: "bun" | "deno", url: string) => {
       const argv = runtime === "bun"
         ? [process.execPath, "--no-install", lone]
         : [denoPath(), "run", "--cached-only", "-A", "--quiet", lone];
-      const r = spawnSync(argv[0], [
+      const r = await spawnAsync(argv[0], [
         ...argv.slice(1),
         "send",
         "bob",
@@ -5224,7 +5224,6 @@ test.concurrent(
         "--state",
         path.join(root, `s-${runtime}-${url.slice(0, 4)}`),
       ], {
-        encoding: "utf8",
         cwd: root,
         env: {
           ...process.env,
@@ -5236,13 +5235,13 @@ test.concurrent(
       });
       return r.stdout + r.stderr;
     };
-    runCli("bun", ["keygen", "--out", path.join(root, "id.key")]);
+    await runCliAsync("bun", ["keygen", "--out", path.join(root, "id.key")]);
     for (const runtime of ["bun", "deno"] as const) {
-      const http = send(runtime, `http://127.0.0.1:${port}`);
+      const http = await send(runtime, `http://127.0.0.1:${port}`);
       expect(http, runtime).toContain("queued since");
       expect(http, runtime).not.toMatch(/cannot load|nats/i);
       // The same command with a NATS relay is the first to reach for the NATS packages (here they cannot load).
-      expect(send(runtime, `nats://127.0.0.1:${port}`), runtime).toMatch(
+      expect(await send(runtime, `nats://127.0.0.1:${port}`), runtime).toMatch(
         /cannot load (npm:)?@nats-io\/transport-node@3\.4\.0/,
       );
     }
@@ -5595,11 +5594,11 @@ describe("NATS JetStream as the relay", () => {
     const [plain] = await startNats(path.join(root, "plain"), 1, { jetstream: false });
     try {
       const env = { INTERLINK_KEY: A.keyFile, INTERLINK_PEERS: A.peersFile, INTERLINK_STATE: A.stateDir };
-      const ok = runCli("deno", ["doctor"], { env: { ...env, INTERLINK_URL: js.url } }).stdout;
+      const ok = (await runCliAsync("deno", ["doctor"], { env: { ...env, INTERLINK_URL: js.url } })).stdout;
       expect(ok).toMatch(
         /ok +NATS relay nats:\/\/127\.0\.0\.1:\d+ answers \(round trip \d+ ms; connected with JetStream, stream INTERLINK and bucket interlink-roster ready/,
       );
-      const bad = runCli("bun", ["doctor"], { env: { ...env, INTERLINK_URL: plain.url } });
+      const bad = await runCliAsync("bun", ["doctor"], { env: { ...env, INTERLINK_URL: plain.url } });
       expect(bad.stdout).toMatch(/PROBLEM +NATS relay .* is not usable: JetStream is not enabled/);
       expect(bad.stdout).toContain("fix: start nats-server with JetStream");
     } finally {
