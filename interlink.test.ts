@@ -5182,7 +5182,8 @@ describe("hostile clients: fair room on the bus", () => {
 // NATS JetStream relays: real nats-server processes on loopback ports. They run whenever nats-server is on PATH
 // (CI installs it); without it, the suite says which were skipped and the line that installs it.
 
-const NATS_SERVER = Bun.which("nats-server");
+// Debian puts it in /usr/sbin, which a user's PATH may lack.
+const NATS_SERVER = Bun.which("nats-server") ?? ["/usr/sbin/nats-server"].find((f) => fs.existsSync(f)) ?? null;
 const NATS_TESTS = [
   "two agents (Bun and Deno) through one JetStream server run the task lifecycle",
   "kill -9 of an agent mid-stream loses and duplicates nothing",
