@@ -3898,41 +3898,45 @@ describe("delivery receipts end to end: alice on Bun, bob and dave on Deno", () 
     expect(await bob.ok("check_inbox")).toBe("no unread messages"); // receipts are not inbox items
   }, 60_000);
 
-  test("refused for clock skew: the reason at the sender, and one line to its model", async () => {
-    const first = await dave.ok("send_message", { to: "alice", text: "from the future" });
-    const line = await dave.waitEvent((e) => e.meta.kind === "refused_by_peer");
-    expect(line.meta.sender).toBe("interlink");
-    expect(line.content).toBe(
-      `alice refused your message ${
-        msgIdOf(first)
-      }: your clock is ahead of theirs by ~2 min (over a minute is refused); ask your operator to fix the clock (NTP).`,
-    );
-    expect(await statusOf(dave, first)).toMatch(/REFUSED by alice at \S+: your clock is ahead of theirs by ~2 min/);
-    await alice.waitEvent((e) => e.meta.kind === "refused" && e.content.includes("freshness window"));
-    // A second message: its own line; the first is never shown again.
-    const second = await dave.ok("send_message", { to: "alice", text: "still ahead" });
-    await dave.waitEvent((e) => e.meta.kind === "refused_by_peer" && e.content.includes(msgIdOf(second)));
-    expect(dave.events.filter((e) => e.meta.kind === "refused_by_peer").length).toBe(2);
-    expect(dave.events.filter((e) => e.meta.sender !== "interlink")).toEqual([]);
-    const log = runCli("deno", ["log"], {
-      env: { INTERLINK_KEY: D.keyFile, INTERLINK_PEERS: D.peersFile, INTERLINK_STATE: D.stateDir },
-    }).stdout;
-    expect(log).toMatch(new RegExp(`✗ alice +${msgIdOf(first).slice(0, 12)} refused by them: your clock is ahead`));
-    // doctor explains it on either side.
-    const doctor = (f: NodeFiles) =>
-      runCli("bun", ["doctor"], {
-        env: {
-          INTERLINK_KEY: f.keyFile,
-          INTERLINK_PEERS: f.peersFile,
-          INTERLINK_STATE: f.stateDir,
-          INTERLINK_URL: bus.url,
-        },
+  test(
+    "skew notice reaches the sender: refused for clock skew, the reason at the sender, and one line to its model",
+    async () => {
+      const first = await dave.ok("send_message", { to: "alice", text: "from the future" });
+      const line = await dave.waitEvent((e) => e.meta.kind === "refused_by_peer");
+      expect(line.meta.sender).toBe("interlink");
+      expect(line.content).toBe(
+        `alice refused your message ${
+          msgIdOf(first)
+        }: your clock is ahead of theirs by ~2 min (over a minute is refused); ask your operator to fix the clock (NTP).`,
+      );
+      expect(await statusOf(dave, first)).toMatch(/REFUSED by alice at \S+: your clock is ahead of theirs by ~2 min/);
+      await alice.waitEvent((e) => e.meta.kind === "refused" && e.content.includes("freshness window"));
+      // A second message: its own line; the first is never shown again.
+      const second = await dave.ok("send_message", { to: "alice", text: "still ahead" });
+      await dave.waitEvent((e) => e.meta.kind === "refused_by_peer" && e.content.includes(msgIdOf(second)));
+      expect(dave.events.filter((e) => e.meta.kind === "refused_by_peer").length).toBe(2);
+      expect(dave.events.filter((e) => e.meta.sender !== "interlink")).toEqual([]);
+      const log = runCli("deno", ["log"], {
+        env: { INTERLINK_KEY: D.keyFile, INTERLINK_PEERS: D.peersFile, INTERLINK_STATE: D.stateDir },
       }).stdout;
-    expect(doctor(D)).toMatch(
-      /alice refused your messages in the last day .*: your clock is ahead of theirs by ~2 min/,
-    );
-    expect(doctor(A)).toContain("2 of them are reported to their senders by receipt");
-  }, 60_000);
+      expect(log).toMatch(new RegExp(`✗ alice +${msgIdOf(first).slice(0, 12)} refused by them: your clock is ahead`));
+      // doctor explains it on either side.
+      const doctor = (f: NodeFiles) =>
+        runCli("bun", ["doctor"], {
+          env: {
+            INTERLINK_KEY: f.keyFile,
+            INTERLINK_PEERS: f.peersFile,
+            INTERLINK_STATE: f.stateDir,
+            INTERLINK_URL: bus.url,
+          },
+        }).stdout;
+      expect(doctor(D)).toMatch(
+        /alice refused your messages in the last day .*: your clock is ahead of theirs by ~2 min/,
+      );
+      expect(doctor(A)).toContain("2 of them are reported to their senders by receipt");
+    },
+    60_000,
+  );
 
   test("a node whose messages carry no hint (a reference node, raw HTTP) gets no receipts", async () => {
     const bobRoute = `${B.id.publicKey}#bob`;
