@@ -1588,6 +1588,13 @@ async function busDrained(busUrl: string, me: string | NodeFiles): Promise<boole
   return true;
 }
 
+/** An in-process bus served on a loopback port; `bus` itself can also play a relay that checks nothing. */
+async function busOnLoopback(dir: string) {
+  const bus = await Bus.open(dir, { log: () => {} });
+  const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+  return { bus, server, url: `http://127.0.0.1:${server.port}` };
+}
+
 async function postSend(busUrl: string, to: string, payload: unknown) {
   const r = await fetch(`${busUrl}/send`, { method: "POST", body: JSON.stringify({ to, payload }) });
   expect(r.status).toBe(202);
@@ -1945,9 +1952,7 @@ describe("agent: durability of the outbox", () => {
     "Claude Code restarting the server inside one session: the newer process takes over, the older exits cleanly, nothing is lost",
     async () => {
       const { root, A, B } = await twoPeers();
-      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
-      const url = `http://127.0.0.1:${server.port}`;
+      const { bus, server, url } = await busOnLoopback(path.join(root, "bus"));
       const first = await McpNode.start("bun", A, url, { INTERLINK_DELIVERY: "" });
       let second: McpSession | undefined;
       try {
@@ -3284,8 +3289,7 @@ describe("durability: a full disk", () => {
       if (!disk) return;
       const { root, A } = await twoPeers();
       A.stateDir = path.join(disk.dir, "alice-state");
-      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+      const { bus, server } = await busOnLoopback(path.join(root, "bus"));
       const agent = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`]), "test");
       try {
         await agent.send({ to: "bob", text: "before" });
@@ -3519,8 +3523,7 @@ describe("the node core: decisions are lists of effects, carried out in order", 
       const B2 = await makeNodeFiles(root, "bob");
       befriend(A2, B2);
       if (disk) B2.stateDir = path.join(disk.dir, "bob-state");
-      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+      const { bus, server } = await busOnLoopback(path.join(root, "bus"));
       const bob = await Agent.open(nodeConfig(B2, [`http://127.0.0.1:${server.port}`]), "test");
       const pushed: PushEvent[] = [];
       let failPush = true;
@@ -4025,9 +4028,7 @@ test.concurrent("receipts: restarts of either side in between keep every status 
 describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
   test("an agent killed between journaling a message and pushing it shows it after the restart, once", async () => {
     const { root, A, B } = await twoPeers();
-    const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-    const server = await serveHttp(bus.handler, "127.0.0.1", 0);
-    const url = `http://127.0.0.1:${server.port}`;
+    const { bus, server, url } = await busOnLoopback(path.join(root, "bus"));
     let bob = await McpNode.start("bun", B, url, {
       INTERLINK_DELIVERY: "channel",
       INTERLINK_FAILPOINT: "agent-after-journal",
@@ -4089,9 +4090,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     "kill -9 in the middle of a batched recv: after the restart every message is shown once, none lost",
     async () => {
       const { root, A, B } = await twoPeers();
-      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
-      const url = `http://127.0.0.1:${server.port}`;
+      const { bus, server, url } = await busOnLoopback(path.join(root, "bus"));
       const msgs = await Promise.all(
         Array.from({ length: 8 }, (_, i) => signMessage(A.id, { to: B.id.publicKey, text: `b${i}` }, Date.now())),
       );
@@ -4166,9 +4165,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     "receipts after a crash between journal and push: delivered and shown are each reported once, after they happened",
     async () => {
       const { root, A, B } = await twoPeers();
-      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
-      const url = `http://127.0.0.1:${server.port}`;
+      const { bus, server, url } = await busOnLoopback(path.join(root, "bus"));
       const aliceRoute = `${A.id.publicKey}#a1`;
       let bob = await McpNode.start("bun", B, url, {
         INTERLINK_DELIVERY: "channel",
@@ -4201,8 +4198,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
 
   test("a message every bus refuses for good is marked refused with the bus's reason and never holds up the next", async () => {
     const { root, A, B } = await twoPeers();
-    const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-    const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+    const { bus, server } = await busOnLoopback(path.join(root, "bus"));
     // Queued by an older version that checked only the text's bytes: 400 KB of control characters, 2.4 MB as JSON.
     const huge = await signMessage(A.id, { to: B.id.publicKey, text: "\u0001".repeat(400_000) }, Date.now());
     fs.mkdirSync(A.stateDir, { recursive: true });
@@ -4878,9 +4874,7 @@ describe("hostile clients on the bus", () => {
     "once a route proved its key, a stolen recv or ack is refused; a route that never proved works as in the reference contract",
     async () => {
       const root = tmpDir();
-      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
-      const url = `http://127.0.0.1:${server.port}`;
+      const { bus, server, url } = await busOnLoopback(path.join(root, "bus"));
       const B = await makeNodeFiles(root, "bob");
       const A = await makeNodeFiles(root, "alice");
       befriend(A, B);

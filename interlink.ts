@@ -2640,6 +2640,8 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
     throw new HttpError(400, `"messages" must hold 1 to ${RECV_BATCH_MAX} messages`);
   }
   const results: { status: number; error?: string }[] = [];
+  const failed = (e: unknown) =>
+    e instanceof HttpError ? { status: e.status, error: e.message } : { status: 500, error: "internal" };
   const queued: Promise<void>[] = [];
   for (const item of items) {
     try {
@@ -2651,17 +2653,12 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
       queued.push(bus.send(to, payload, sender)); // in the queue now, in order; on disk once awaited
       results.push({ status: 202 });
     } catch (e) {
-      results.push(
-        e instanceof HttpError ? { status: e.status, error: e.message } : { status: 500, error: "internal" },
-      );
+      results.push(failed(e));
       break;
     }
   }
   (await Promise.allSettled(queued)).forEach((r, i) => {
-    if (r.status === "rejected") {
-      const e = r.reason;
-      results[i] = e instanceof HttpError ? { status: e.status, error: e.message } : { status: 500, error: "internal" };
-    }
+    if (r.status === "rejected") results[i] = failed(r.reason);
   });
   return jsonResponse(200, JSON.stringify({ status: "queued", results }));
 }
@@ -3099,8 +3096,8 @@ export function redactUrl(url: string): string {
 
 /** A bus over HTTP (SPEC "Bus HTTP API"), with our ownership proofs as extra fields a reference bus ignores. */
 export class HttpRelay implements Relay {
-  /** The bus answered a batched recv: it is ours, and takes batched acks and sends. */
-  batches = false;
+  /** The bus said it is ours (its interlink-bus header): it takes batched sends. */
+  #batches = false;
 
   constructor(readonly url: string, readonly proof?: (route: string) => Promise<string>) {}
 
@@ -3109,7 +3106,7 @@ export class HttpRelay implements Relay {
     timeoutMs: number,
     signal?: AbortSignal,
   ): Promise<(true | RelayError | null)[] | null> {
-    if (!this.batches) return null;
+    if (!this.#batches) return null;
     const body = { messages: items.map((i) => ({ to: i.route, payload: i.payload })) };
     const r = await postJson(`${this.url}/send`, body, timeoutMs, signal);
     const text = await r.text();
@@ -3143,7 +3140,7 @@ export class HttpRelay implements Relay {
 
   /** A bus that says it takes batches (our bus's `interlink-bus` header) gets them from now on. */
   #learn(r: Response): void {
-    if (r.headers.get("interlink-bus")?.includes("batch-send")) this.batches = true;
+    if (r.headers.get("interlink-bus")?.includes("batch-send")) this.#batches = true;
   }
 
   /**
@@ -3173,7 +3170,6 @@ export class HttpRelay implements Relay {
     };
     if (isObject(body) && body.status === "message") return { items: [handed(body)] };
     if (!isObject(body) || body.status !== "messages" || !Array.isArray(body.messages)) return { items: [] };
-    this.batches = true;
     // Only our bus answers "messages", and it takes a list of acks.
     return {
       items: body.messages.map(handed),
@@ -5057,12 +5053,6 @@ export class Agent {
       return () => this.#attempted.delete(wake);
     });
     return entry;
-  }
-
-  /** One delivery attempt to every bus; success when at least one answers 2xx, or when every one refused it for good. */
-  /** One delivery attempt of one message; true when it is settled (sent, or refused for good). */
-  async deliver(entry: OutEntry): Promise<boolean> {
-    return (await this.#attempt([entry])) === 1;
   }
 
   /**
