@@ -1200,15 +1200,16 @@ export type BadLine = (offset: number, reason: string, line: string, bytes: numb
 let scanChunk = Buffer.allocUnsafe(1 << 20);
 
 /**
- * Reads complete lines from `from` to the end, calling `onRecord` for each good
- * record and `onBad` for each complete line that is not one. Streams in 1 MiB
- * chunks, so recovery memory is the records kept, not the file size.
+ * Calls `onLine(buf, start, end, offset)` for each complete line from byte
+ * `from` to the end of `file`: the line is `buf[start, end)` without its
+ * newline, and starts at `offset` in the file. The buffer is reused, so a
+ * caller copies what it keeps. Streams in 1 MiB chunks: memory is the longest
+ * line, not the file size.
  */
-export function scanJsonl(
+export function scanLines(
   file: string,
   from: number,
-  onRecord: (record: JsonlRecord, offset: number, end: number) => void,
-  onBad: BadLine = () => {},
+  onLine: (buf: Buffer, start: number, end: number, offset: number) => void,
 ): ScanResult {
   let fd: number;
   try {
@@ -1230,20 +1231,7 @@ export function scanJsonl(
       const buf: Buffer = carry ? Buffer.concat([carry, chunk.subarray(0, n)]) : chunk.subarray(0, n);
       let start = 0;
       for (let nl = buf.indexOf(10, start); nl !== -1; nl = buf.indexOf(10, start)) {
-        const line = buf.toString("utf8", start, nl);
-        if (line.trim() !== "") {
-          let record: unknown;
-          try {
-            record = JSON.parse(line);
-          } catch (e) {
-            onBad(lineAt, `not JSON (${(e as Error).message})`, line, nl - start);
-          }
-          if (record !== undefined) {
-            if (isObject(record) && typeof record.t === "string") {
-              onRecord(record as JsonlRecord, lineAt, lineAt + nl - start + 1);
-            } else onBad(lineAt, `not a tagged record`, line, nl - start);
-          }
-        }
+        onLine(buf, start, nl, lineAt);
         lineAt += nl - start + 1;
         start = nl + 1;
       }
@@ -1254,6 +1242,31 @@ export function scanJsonl(
     fs.closeSync(fd);
     if (scanChunk.length < chunk.length) scanChunk = chunk;
   }
+}
+
+/**
+ * Reads complete lines from `from` to the end, calling `onRecord` for each good
+ * record and `onBad` for each complete line that is not one (blank lines are
+ * skipped).
+ */
+export function scanJsonl(
+  file: string,
+  from: number,
+  onRecord: (record: JsonlRecord, offset: number, end: number) => void,
+  onBad: BadLine = () => {},
+): ScanResult {
+  return scanLines(file, from, (buf, start, end, at) => {
+    const line = buf.toString("utf8", start, end);
+    if (line.trim() === "") return;
+    let record: unknown;
+    try {
+      record = JSON.parse(line);
+    } catch (e) {
+      return onBad(at, `not JSON (${(e as Error).message})`, line, end - start);
+    }
+    if (isObject(record) && typeof record.t === "string") onRecord(record as JsonlRecord, at, at + end - start + 1);
+    else onBad(at, `not a tagged record`, line, end - start);
+  });
 }
 
 /** The records of a whole file, warning on stderr about skipped and torn lines. */
@@ -1334,6 +1347,8 @@ export class JsonlWriter {
   #syncing = false;
   #retired: number[] = []; // descriptors replaced by compaction, closed once no sync is in flight
   #fence = false; // the last append failed part-way and could not be cut back: start the next with a newline
+  /** Writes made and fsync rounds run, for tests and `bench`. */
+  readonly stats = { writes: 0, rounds: 0 };
 
   /** `folder` names the data or state folder in a disk-full error. */
   constructor(readonly file: string, readonly folder = path.dirname(file)) {
@@ -1358,19 +1373,25 @@ export class JsonlWriter {
    * written is cut back off, or fenced off by a newline before the next record.
    */
   append(records: readonly object[]): void {
-    if (!records.length) return;
-    const text = records.map((r) => JSON.stringify(r) + "\n").join("");
+    if (records.length) this.appendText(records.map((r) => JSON.stringify(r) + "\n").join(""));
+  }
+
+  /** `append` for lines already serialized (each ending in a newline); returns the file offset of the first. */
+  appendText(text: string): number {
     const bytes = Buffer.from(this.#fence ? "\n" + text : text);
     // Where this append starts: Deno's writeSync can throw after writing part of
     // the bytes without saying how many, so the file itself is the record.
     const start = fs.fstatSync(this.#fd).size;
+    this.stats.writes++;
     try {
       writeAll(this.#fd, bytes);
-      this.#fence = false;
     } catch (e) {
       this.#cutBack(start, bytes);
       throw storageError(e, this.folder);
     }
+    const fenced = this.#fence ? 1 : 0;
+    this.#fence = false;
+    return start + fenced;
   }
 
   /**
@@ -1399,6 +1420,18 @@ export class JsonlWriter {
     this.#fence = true;
   }
 
+  /** Whether an fdatasync is running now (appends made meanwhile are covered by the next one). */
+  get syncing(): boolean {
+    return this.#syncing;
+  }
+
+  /**
+   * Called at the start of each fsync round, before its fdatasync: a writer
+   * that holds appends while one runs (the bus) writes them here, so each round
+   * is one write. If it throws, that round's waiters get the error.
+   */
+  beforeSync: () => void = () => {};
+
   /** Resolves when everything appended so far is on stable storage. */
   sync(): Promise<void> {
     return new Promise((resolve, reject) => {
@@ -1416,8 +1449,10 @@ export class JsonlWriter {
     this.#syncing = true;
     while (this.#waiters.length) {
       const batch = this.#waiters.splice(0);
-      const fd = this.#fd;
+      this.stats.rounds++;
       try {
+        this.beforeSync();
+        const fd = this.#fd;
         await new Promise<void>((res, rej) => fs.fdatasync(fd, (e) => (e ? rej(e) : res())));
         for (const w of batch) w.resolve();
       } catch (e) {
@@ -1434,9 +1469,45 @@ export class JsonlWriter {
    * removed and the old file stays in use, whole.
    */
   compact(records: readonly object[]): void {
+    this.rewrite((write) => write(records.map((r) => JSON.stringify(r) + "\n").join("")));
+  }
+
+  /**
+   * `compact` for a file too big to hold as one string: `fill` passes the new
+   * content in order to `write`, which returns the offset each piece starts at
+   * in the new file (written through a 1 MiB buffer).
+   */
+  rewrite(fill: (write: (text: string | Uint8Array) => number) => void): void {
     const tmp = `${this.file}.${process.pid}.tmp`;
     try {
-      writeFileDurably(tmp, records.map((r) => JSON.stringify(r) + "\n").join(""));
+      const fd = fs.openSync(tmp, "w", 0o600);
+      try {
+        const buffer = Buffer.allocUnsafe(1 << 20);
+        let used = 0, offset = 0;
+        const flush = () => {
+          writeAll(fd, buffer.subarray(0, used));
+          used = 0;
+        };
+        fill((piece) => {
+          const bytes = typeof piece === "string"
+            ? Buffer.from(piece)
+            : Buffer.from(piece.buffer, piece.byteOffset, piece.length);
+          const at = offset;
+          offset += bytes.length;
+          if (used + bytes.length > buffer.length) flush();
+          if (bytes.length > buffer.length) writeAll(fd, bytes);
+          else used += bytes.copy(buffer, used);
+          return at;
+        });
+        flush();
+        fs.fsyncSync(fd);
+        const size = fs.fstatSync(fd).size;
+        if (size !== offset) {
+          throw Object.assign(new Error(`${tmp} holds ${size} of ${offset} bytes after writing`), { code: "EIO" });
+        }
+      } finally {
+        fs.closeSync(fd);
+      }
       fs.renameSync(tmp, this.file);
     } catch (e) {
       fs.rmSync(tmp, { force: true });
@@ -1823,18 +1894,30 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 // A dumb relay (SPEC "Bus HTTP API"): it routes opaque JSON to a recipient
 // string, verifies nothing, holds no keys, and keeps each message until its
 // recipient acks it. Its state is one JSONL file in the data folder:
-//   {"t":"m","q":<recipient>,"n":<seq>,"ts":<ms>,"p":<payload as JSON text>}  accepted
-//   {"t":"a","q":<recipient>,"n":<seq>}                                       acked
-//   {"t":"d","q":<recipient>,"n":<seq>}                                       dropped by the cap
-//   {"t":"h","next":<seq>}                                                    first line after compaction
+//   {"t":"m","q":<recipient>,"n":<seq>,"ts":<ms>,"s":<sender>,"z":<bytes>,"p":<payload as JSON text>}  accepted
+//   {"t":"a","q":<recipient>,"n":<seq>}                    acked
+//   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap
+//   {"t":"o","q":<recipient>}                              the route has proven its owner
+//   {"t":"h","next":<seq>}                                 first line after compaction
 // `seq` is global and never reused (compaction keeps the high-water mark), so
 // an ack key handed out before a restart still names the same message after it.
 // Payloads stay JSON text end to end: the bus never parses what it relays.
+//
+// Payloads live in the file, not in memory: a queued message is its offset
+// there, read back when it is delivered. "p" comes last, so a restart parses
+// only the short head of each line and skips the payload (an older bus wrote
+// "p" before "s": such lines are parsed whole and rewritten at the next
+// compaction). Writes are group-committed: while an fdatasync runs, new
+// records wait in memory and go out as one write before the next one.
 
 interface Queued {
   seq: number;
   ts: number;
-  payload: string;
+  /** The payload's JSON text while it is not in the queue file yet; after that it is read back from `at`. */
+  payload: string | undefined;
+  /** Where the payload's JSON string literal starts in the queue file, and its length in bytes. */
+  at: number;
+  len: number;
   /** The verified signer of a v2 message; "" for a payload the bus cannot attribute (opaque). */
   sender: string;
   /** UTF-8 bytes of the payload: what the budgets count. */
@@ -1940,7 +2023,8 @@ export const DEFAULT_LIMITS: QueueLimits = {
  */
 export class BusQueues {
   #queues = new Map<string, RecipientQueue>();
-  #senderBytes = new Map<string, number>();
+  /** Payload bytes held per verified sender, and one copy of its key string that every entry shares. */
+  #senderBytes = new Map<string, { name: string; bytes: number }>();
   nextSeq = 1;
   liveCount = 0;
   bytes = 0;
@@ -1957,7 +2041,7 @@ export class BusQueues {
   /** Why a new payload of `size` bytes from `sender` cannot be taken now ("global" or "sender"), or null. */
   admit(sender: string, size: number): "global" | "sender" | null {
     if (this.bytes + size > this.limits.totalBytes) return "global";
-    if (sender && (this.#senderBytes.get(sender) ?? 0) + size > this.limits.senderBytes) return "sender";
+    if (sender && (this.#senderBytes.get(sender)?.bytes ?? 0) + size > this.limits.senderBytes) return "sender";
     return null;
   }
 
@@ -1968,24 +2052,32 @@ export class BusQueues {
   add(
     to: string,
     ts: number,
-    payload: string,
+    payload: string | undefined,
     seq = this.nextSeq,
     sender = "",
     enforce = true,
-    size = utf8Bytes(payload),
+    size = utf8Bytes(payload!),
   ): { item: Queued; dropped?: Queued } {
     let q = this.#queues.get(to);
     if (!q) this.#queues.set(to, q = new RecipientQueue());
-    const item = { seq, ts, payload, sender, size, gone: false };
+    // One lookup counts the sender's bytes and finds the copy of its key that every entry shares.
+    let held = sender ? this.#senderBytes.get(sender) : undefined;
+    if (sender && !held) this.#senderBytes.set(sender, held = { name: sender, bytes: 0 });
+    if (held) {
+      sender = held.name;
+      held.bytes += size;
+    }
+    this.bytes += size;
+    const item: Queued = { seq, ts, payload, at: -1, len: 0, sender, size, gone: false };
     q.items.push(item);
     q.live++;
-    q.bySender.set(sender, (q.bySender.get(sender) ?? 0) + 1);
+    const mine = (q.bySender.get(sender) ?? 0) + 1;
+    q.bySender.set(sender, mine);
     this.liveCount++;
-    this.#count(sender, item.size);
-    this.nextSeq = Math.max(this.nextSeq, seq + 1);
+    if (seq >= this.nextSeq) this.nextSeq = seq + 1;
     if (!enforce) return { item };
     let dropped: Queued | undefined;
-    const opaque = q.bySender.get("") ?? 0;
+    const opaque = sender === "" ? mine : q.bySender.get("") ?? 0;
     if (sender === "" && opaque > this.limits.opaqueCap) dropped = q.oldestOf("");
     else if (q.live - opaque > this.limits.cap) {
       let heaviest = sender;
@@ -1999,12 +2091,21 @@ export class BusQueues {
   #count(sender: string, delta: number): void {
     this.bytes += delta;
     if (!sender) return;
-    const n = (this.#senderBytes.get(sender) ?? 0) + delta;
-    if (n > 0) this.#senderBytes.set(sender, n);
-    else this.#senderBytes.delete(sender);
+    const entry = this.#senderBytes.get(sender);
+    const n = (entry?.bytes ?? 0) + delta;
+    if (n <= 0) this.#senderBytes.delete(sender);
+    else if (entry) entry.bytes = n;
+    else this.#senderBytes.set(sender, { name: sender, bytes: n });
   }
 
-  /** The oldest un-acked message for `to`; it stays there until acked. */
+  /** Whether one more message from `sender` to `to` would push an older one out (see `add`). */
+  atCap(to: string, sender: string): boolean {
+    const q = this.#queues.get(to);
+    if (!q) return false;
+    const opaque = q.bySender.get("") ?? 0;
+    return sender === "" ? opaque >= this.limits.opaqueCap : q.live - opaque >= this.limits.cap;
+  }
+
   /** Up to `n` oldest live messages for `to`. */
   firstN(to: string, n: number): Queued[] {
     return this.#queues.get(to)?.firstN(n) ?? [];
@@ -2223,12 +2324,84 @@ export interface BusOptions {
   now?: () => number;
 }
 
+/** A record waiting for the next write; for a message, where its payload will lie and the entry that learns it. */
+interface PendingLine {
+  text: string;
+  bytes: number;
+  /** A message only: the route, the bytes before the payload literal, the literal's bytes, and its queue entry. */
+  to?: string;
+  head?: number;
+  len?: number;
+  item?: Queued;
+  /** Where the literal landed, once written. */
+  at?: number;
+  /** Why its write failed: the send that waits on it answers with that, whatever the fsync says. */
+  failed?: unknown;
+}
+
+/** The start of an "m" record, up to `"p":`; the payload as a JSON string literal and `}\n` complete it. */
+export const messageHead = (q: string, n: number, ts: number, s: string, z: number): string =>
+  `{"t":"m","q":${JSON.stringify(q)},"n":${n},"ts":${ts},"s":${JSON.stringify(s)},"z":${z},"p":`;
+
+/**
+ * The head of an "m" record in today's layout, read straight from the bytes
+ * of `buf[start, end)` (no head string, no JSON.parse: a restart reads 300k
+ * of them): null for any other layout (an older bus, escapes in a name, a
+ * hand edit), which the caller reads as plain JSON instead. `p` is where the
+ * payload's string literal starts.
+ */
+function readMessageHead(
+  buf: Buffer,
+  start: number,
+  end: number,
+): { q: string; n: number; ts: number; s: string; z: number; p: number } | null {
+  let i = start;
+  const literal = (text: string) => {
+    for (let k = 0; k < text.length; k++) if (buf[i + k] !== text.charCodeAt(k)) return false;
+    i += text.length;
+    return true;
+  };
+  const int = () => {
+    let v = 0;
+    const from = i;
+    for (let c = buf[i]; c >= 48 && c <= 57 && i - from < 16; c = buf[++i]) v = v * 10 + c - 48;
+    return i > from && Number.isSafeInteger(v) ? v : -1;
+  };
+  const str = () => { // after the opening quote, up to the closing one; none with escapes
+    const from = i;
+    for (let c = buf[i]; c !== 0x22; c = buf[++i]) if (c === 0x5c || i >= end) return null;
+    return buf.toString("utf8", from, i++);
+  };
+  if (buf[end - 1] !== 0x7d || buf[end - 2] !== 0x22 || !literal('{"t":"m","q":"')) return null;
+  const q = str();
+  if (q === null || !literal(',"n":')) return null;
+  const n = int();
+  if (n <= 0 || !literal(',"ts":')) return null;
+  const ts = int();
+  if (ts < 0 || !literal(',"s":"')) return null;
+  const s = str();
+  if (s === null || !literal(',"z":')) return null;
+  const z = int();
+  if (z < 0 || !literal(',"p":"')) return null;
+  return { q, n, ts, s, z, p: i - 1 };
+}
+
+/** A message as handed to its recipient. */
+export interface BusDelivery {
+  seq: number;
+  ts: number;
+  payload: string;
+}
+
 /** The durable bus: BusQueues and Roster behind a Request → Response handler, on one JSONL file. */
 export class Bus {
   readonly roster = new Roster();
   #waiters = new Map<string, Set<() => void>>();
   #syncTimer: ReturnType<typeof setTimeout> | null = null; // the lazy fsync of acks, once scheduled
   #compactAfter = 0; // after a failed compaction, the time of the next try
+  #pending: PendingLine[] = []; // records made while an fdatasync runs: the next round writes them as one
+  #reader: number; // a read descriptor on the queue file, for payloads
+  #readBuf = Buffer.allocUnsafe(64 * 1024);
   /** Routes whose key has proven ownership here, with the last proof seen (see checkOwnership); persisted as "o" records. */
   readonly owned = new BoundedMap<string, string>(OWNED_ROUTES_CAP);
   readonly #compactMinDead: number;
@@ -2247,11 +2420,14 @@ export class Bus {
     this.#log = opts.log ?? logInfo;
     this.now = opts.now ?? Date.now;
     this.#compactMinDead = opts.compactMinDead ?? COMPACT_MIN_DEAD;
+    this.#reader = fs.openSync(writer.file, "r");
+    writer.beforeSync = () => this.#flush();
   }
 
   /**
    * Locks the data folder, replays the queue file and compacts it if it is
-   * mostly dead. A line that is not a valid record (bad JSON, a non-integer
+   * mostly dead (or holds payloads in an older layout, which stay in memory
+   * until then). A line that is not a valid record (bad JSON, a non-integer
    * seq, a missing recipient) is quarantined on its own and never blocks a
    * recipient; a torn last line (a crash mid-write) is moved aside and cut off.
    */
@@ -2264,12 +2440,35 @@ export class Bus {
       const queues = new BusQueues({ ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) });
       const bad: [offset: number, bytes: number, reason: string, line: string][] = [];
       const owned = new Set<string>(); // routes that proved their owner before the restart
-      let records = 0, dropped = 0;
+      let records = 0, dropped = 0, inMemory = 0;
       const seqOf = (v: unknown) => (Number.isSafeInteger(v) && (v as number) > 0 ? (v as number) : undefined);
-      const { next, tornBytes } = scanJsonl(file, 0, (r, at, end) => {
+      const routeOf = (v: unknown) =>
+        typeof v === "string" && v !== "" && v.length <= RECIPIENT_MAX_CHARS ? v : undefined;
+      /** A message record in today's layout, from its head alone: the payload stays on disk. */
+      const fastMessage = (buf: Buffer, start: number, end: number, at: number): boolean => {
+        const h = end - start > 40 ? readMessageHead(buf, start, end) : null;
+        if (!h || !routeOf(h.q)) return false;
+        const { item, dropped: lost } = queues.add(h.q, h.ts, undefined, h.n, h.s, true, h.z);
+        item.at = at + h.p - start;
+        item.len = end - 1 - h.p;
+        if (lost) dropped++;
+        return true;
+      };
+      const { next, tornBytes } = scanLines(file, 0, (buf, start, end, at) => {
+        if (fastMessage(buf, start, end, at)) return void records++;
+        const line = buf.toString("utf8", start, end);
+        if (line.trim() === "") return;
+        let r: Record<string, unknown>;
+        try {
+          r = JSON.parse(line);
+        } catch (e) {
+          return void bad.push([at, end - start, `not JSON (${(e as Error).message})`, line]);
+        }
+        if (!isObject(r) || typeof r.t !== "string") {
+          return void bad.push([at, end - start, "not a tagged record", line]);
+        }
         records++;
-        const n = seqOf(r.n);
-        const q = typeof r.q === "string" && r.q !== "" && r.q.length <= RECIPIENT_MAX_CHARS ? r.q : undefined;
+        const n = seqOf(r.n), q = routeOf(r.q);
         if (r.t === "h" && seqOf(r.next)) queues.nextSeq = Math.max(queues.nextSeq, r.next as number);
         else if (r.t === "m" && q && n && typeof r.p === "string" && Number.isSafeInteger(r.ts)) {
           // Since 0.5 every record says its sender ("" for opaque). One without (a bus before 0.5 wrote it) is
@@ -2277,10 +2476,11 @@ export class Bus {
           const legacy = typeof r.s !== "string";
           const sender = legacy ? claimedSender(r.p) : r.s as string;
           if (queues.add(q, r.ts as number, r.p, n, sender, !legacy).dropped) dropped++;
+          inMemory++;
         } else if ((r.t === "a" || r.t === "d") && q && n) queues.remove(q, n);
         else if (r.t === "o" && q) owned.add(q);
-        else bad.push([at, end - at - 1, `not a valid "${String(r.t).slice(0, 8)}" record`, JSON.stringify(r)]);
-      }, (at, why, line, bytes) => bad.push([at, bytes, why, line]));
+        else bad.push([at, end - start, `not a valid "${String(r.t).slice(0, 8)}" record`, line]);
+      });
       for (const [at, bytes, why, line] of bad) quarantineLine(file, at, bytes, why, line);
       if (tornBytes) {
         const tail = Buffer.alloc(tornBytes);
@@ -2306,12 +2506,17 @@ export class Bus {
       const writer = new JsonlWriter(file, `the bus data folder ${dataDir}`);
       const bus = new Bus(dataDir, queues, recovery, writer, lock, records - queues.liveCount, opts);
       for (const q of owned) bus.owned.set(q, ""); // owned; the next proof is checked in full
-      bus.#maybeCompact(true);
+      bus.#maybeCompact(true, inMemory > 0);
       return bus;
     } catch (e) {
       lock.release();
       throw e;
     }
+  }
+
+  /** Writes made to the queue file and fsync rounds run (for tests and `bench`). */
+  get writeStats(): { writes: number; rounds: number } {
+    return this.writer.stats;
   }
 
   /** Open long-polls right now (for tests and `bench`). */
@@ -2366,20 +2571,29 @@ export class Bus {
   }
 
   /**
-   * Queues a message; resolves once it is on stable storage (the 202). The
-   * record enters memory in the same step as its write, so a compaction
-   * triggered meanwhile (by another send or an ack) always carries it; a
-   * parked receiver may be handed it before the fsync, which a crash cannot
-   * undo (the write is in the kernel) and a power cut turns at worst into a
-   * redelivery. A write that fails leaves nothing in memory and is a 507.
+   * Queues a message; resolves once it is on stable storage (the 202). It
+   * enters memory in the same step as its record enters the write path, so
+   * a compaction triggered meanwhile (by another send or an ack) always
+   * carries it; a parked receiver may be handed it before the fsync, which a
+   * crash cannot undo unless the record was still waiting for its write, and
+   * then the sender was never answered 202 and sends it again: at worst a
+   * redelivery, which the receiver's replay memory drops. A write that fails
+   * leaves nothing in memory and is a 507.
    */
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
     this.ensureRoom(sender, size);
     const seq = this.queues.nextSeq;
     const ts = this.now();
-    this.#write([{ t: "m", q: to, n: seq, ts, p: payload, s: sender }]);
-    const { dropped } = this.queues.add(to, ts, payload, seq, sender, true, size);
+    const head = messageHead(to, seq, ts, sender, size);
+    const literal = JSON.stringify(payload);
+    const headBytes = utf8Bytes(head), len = utf8Bytes(literal);
+    const line: PendingLine = { text: `${head}${literal}}\n`, bytes: headBytes + len + 2, to, head: headBytes, len };
+    // A send that pushes an older message out is written at once: if that write fails, nothing was dropped.
+    this.#write(line, this.queues.atCap(to, sender));
+    const { item, dropped } = this.queues.add(to, ts, payload, seq, sender, true, size);
+    line.item = item;
+    if (line.at !== undefined) this.#stored(item, line.at, len);
     if (dropped) {
       this.dead += 2;
       this.#log(
@@ -2392,7 +2606,7 @@ export class Bus {
         } (seq ${dropped.seq})`,
       );
       try {
-        this.writer.append([{ t: "d", q: to, n: dropped.seq }]);
+        this.#write(recordLine({ t: "d", q: to, n: dropped.seq }));
       } catch {
         // the drop is in memory; the next compaction writes it, a restart before that re-reads the message
       }
@@ -2405,28 +2619,75 @@ export class Bus {
     if (waiting) { for (const wake of waiting) wake(); }
     this.#maybeCompact();
     try {
-      await this.writer.sync(); // group commit: concurrent sends share this fsync
+      await this.writer.sync(); // group commit: concurrent sends share this fsync (and its one write)
     } catch (e) {
       throw this.#unavailable(e);
     }
+    if (line.failed) throw this.#unavailable(line.failed); // held, then written with another record that failed
   }
 
   /** Records a proven route (the first time only on disk: trust on first proof survives a restart). */
   touchOwned(route: string, proof: string): void {
-    if (!this.owned.has(route)) this.#write([{ t: "o", q: route }]);
+    if (!this.owned.has(route)) this.#write(recordLine({ t: "o", q: route }));
     this.owned.set(route, proof);
   }
 
-  /** Appends, or throws the HTTP answer that says why not: 507 for a full disk. */
-  #write(records: object[]): void {
+  /**
+   * Hands a record to the write path: written now if no fdatasync is running,
+   * else held for the next round's single write (a lazy round is scheduled
+   * for records nobody awaits), unless `now`. Throws the HTTP answer when a
+   * write now fails: 507 for a full disk.
+   */
+  #write(line: PendingLine, now = false): void {
+    this.#pending.push(line);
+    if (this.writer.syncing && !now) {
+      if (line.len === undefined) this.#syncSoon();
+      return;
+    }
     try {
-      this.writer.append(records);
+      this.#flush();
     } catch (e) {
       throw this.#unavailable(e);
     }
   }
 
+  /**
+   * Writes every held record as one append. If it fails, the messages among
+   * them leave memory (their senders get no 202 and send again) and the error
+   * is thrown; on success their payloads leave memory for the file.
+   */
+  #flush(): void {
+    const batch = this.#pending;
+    if (!batch.length) return;
+    this.#pending = [];
+    let offset: number;
+    try {
+      offset = this.writer.appendText(batch.length === 1 ? batch[0].text : batch.map((l) => l.text).join(""));
+    } catch (e) {
+      for (const l of batch) {
+        l.failed = e;
+        if (l.item && !l.item.gone) this.queues.remove(l.to!, l.item.seq);
+      }
+      throw e;
+    }
+    for (const l of batch) {
+      if (l.len !== undefined) {
+        l.at = offset + l.head!;
+        if (l.item) this.#stored(l.item, l.at, l.len);
+      }
+      offset += l.bytes;
+    }
+  }
+
+  /** The entry's payload is now in the file at `at`: memory lets go of it. */
+  #stored(item: Queued, at: number, len: number): void {
+    item.at = at;
+    item.len = len;
+    item.payload = undefined;
+  }
+
   #unavailable(e: unknown): HttpError {
+    if (e instanceof HttpError) return e;
     if (e instanceof DiskFullError) {
       this.#log(`refusing writes: ${e.message}`);
       return new HttpError(507, `${e.message}; nothing was stored; retry later`);
@@ -2438,14 +2699,18 @@ export class Bus {
     );
   }
 
-  /** The oldest un-acked message for `me`, waiting up to `timeoutMs` for one to arrive. */
+  /**
+   * Up to `max` oldest un-acked messages for `me`, waiting up to `timeoutMs`
+   * for one to arrive ([] when none did). They stay queued until acked.
+   */
   async recv(
     me: string,
     timeoutMs: number,
     signalOf?: AbortSignal | (() => AbortSignal),
-  ): Promise<Queued | undefined> {
-    const ready = this.queues.first(me);
-    if (ready || timeoutMs <= 0) return ready;
+    max = 1,
+  ): Promise<BusDelivery[]> {
+    const ready = this.take(me, max);
+    if (ready.length || timeoutMs <= 0) return ready;
     const signal = typeof signalOf === "function" ? signalOf() : signalOf;
     if (signal?.aborted) return ready;
     await new Promise<void>((resolve) => {
@@ -2462,17 +2727,70 @@ export class Bus {
       signal?.addEventListener("abort", done);
       set.add(done);
     });
-    return this.queues.first(me);
+    return this.take(me, max);
+  }
+
+  /** Up to `max` oldest messages for `me`, payloads read back; one whose record is damaged is set aside. */
+  take(me: string, max: number): BusDelivery[] {
+    for (;;) {
+      const items = this.queues.firstN(me, max);
+      const out: BusDelivery[] = [];
+      for (const item of items) {
+        const payload = this.#payload(me, item);
+        if (payload !== undefined) out.push({ seq: item.seq, ts: item.ts, payload });
+      }
+      if (out.length || !items.length) return out;
+    }
+  }
+
+  /** A queued entry's payload JSON text (tests and tools; `take` is what delivery uses). */
+  payloadOf(item: Queued): string {
+    return item.payload ?? this.#readPayload(item) ?? "";
+  }
+
+  #readPayload(item: Queued): string | undefined {
+    if (this.#readBuf.length < item.len) this.#readBuf = Buffer.allocUnsafe(item.len);
+    try {
+      const n = fs.readSync(this.#reader, this.#readBuf, 0, item.len, item.at);
+      const text: unknown = JSON.parse(this.#readBuf.toString("utf8", 0, n));
+      return typeof text === "string" ? text : undefined;
+    } catch {
+      return undefined;
+    }
   }
 
   /**
-   * Acks are written before answering (they survive a crash of this process)
-   * and fsynced lazily: a lost ack only means a redelivery, which receivers
-   * dedupe. An ack that cannot be written is refused, and the message stays.
+   * The payload of `item`, or undefined when its bytes on disk no longer parse
+   * (a disk fault, a hand edit): that record is quarantined like any bad line
+   * and the message dropped, so it cannot block the queue behind it.
+   */
+  #payload(me: string, item: Queued): string | undefined {
+    if (item.payload !== undefined) return item.payload;
+    const payload = this.#readPayload(item);
+    if (payload !== undefined) return payload;
+    this.#log(`the queued message seq ${item.seq} for ${fingerprint(me)}… is damaged on disk; set aside in .corrupt`);
+    this.queues.remove(me, item.seq);
+    this.dead += 2;
+    try {
+      const raw = Buffer.alloc(item.len);
+      fs.readSync(this.#reader, raw, 0, item.len, item.at);
+      quarantineLine(this.writer.file, item.at, item.len, "damaged payload", raw.toString());
+      this.#write(recordLine({ t: "d", q: me, n: item.seq }));
+    } catch {
+      // a restart re-reads the record, finds it unreadable and sets it aside again
+    }
+    return undefined;
+  }
+
+  /**
+   * Acks are on their way to disk before the answer (written now, or with the
+   * fsync round in flight) and fsynced lazily: a lost ack only means a
+   * redelivery, which receivers dedupe. An ack that cannot be written is
+   * refused, and the message stays.
    */
   ack(me: string, seq: number): void {
     if (!this.queues.has(me, seq)) return;
-    this.#write([{ t: "a", q: me, n: seq }]);
+    this.#write(recordLine({ t: "a", q: me, n: seq }));
     this.queues.remove(me, seq);
     this.dead += 2;
     this.#syncSoon();
@@ -2488,25 +2806,48 @@ export class Bus {
   }
 
   /**
-   * Rewrites the file to its live messages once dead records dominate, so disk
-   * use tracks what is held. If that fails (a full disk), the old file stays in
-   * use, whole, and the next try waits COMPACT_RETRY_MS.
+   * Rewrites the file to its live messages once dead records dominate (or
+   * `force`), so disk use tracks what is held. Payloads are copied from the
+   * old file to the new one without entering memory. If that fails (a full
+   * disk), the old file stays in use, whole, and the next try waits
+   * COMPACT_RETRY_MS.
    */
-  #maybeCompact(opening = false): void {
-    if (this.dead < Math.max(this.#compactMinDead, this.queues.liveCount) || this.now() < this.#compactAfter) return;
-    const records: object[] = [{ t: "h", next: this.queues.nextSeq }];
-    for (const q of this.owned.keys()) records.push({ t: "o", q });
-    for (const [q, m] of this.queues.live()) {
-      records.push({ t: "m", q, n: m.seq, ts: m.ts, p: m.payload, s: m.sender });
-    }
+  #maybeCompact(opening = false, force = false): void {
+    if (!force && this.dead < Math.max(this.#compactMinDead, this.queues.liveCount)) return;
+    if (this.now() < this.#compactAfter) return;
+    const placed: [Queued, number, number][] = [];
     try {
-      this.writer.compact(records);
-      this.dead = 0;
-      if (!opening) failpoint("bus-after-compact");
+      this.writer.rewrite((write) => {
+        write(recordLine({ t: "h", next: this.queues.nextSeq }).text);
+        for (const q of this.owned.keys()) write(recordLine({ t: "o", q }).text);
+        for (const [q, m] of this.queues.live()) {
+          const head = messageHead(q, m.seq, m.ts, m.sender, m.size);
+          let literal: Uint8Array;
+          if (m.payload !== undefined) literal = Buffer.from(JSON.stringify(m.payload));
+          else {
+            if (this.#readBuf.length < m.len) this.#readBuf = Buffer.allocUnsafe(m.len);
+            const n = fs.readSync(this.#reader, this.#readBuf, 0, m.len, m.at);
+            if (n !== m.len) throw new Error(`the queue file ended inside the payload of seq ${m.seq}`);
+            literal = this.#readBuf.subarray(0, m.len);
+          }
+          const at = write(head) + utf8Bytes(head);
+          write(literal);
+          write("}\n");
+          placed.push([m, at, literal.length]);
+        }
+      });
     } catch (e) {
       this.#compactAfter = this.now() + COMPACT_RETRY_MS;
       this.#log(`compaction failed, the queue file stays as it was: ${(e as Error).message}`);
+      return;
     }
+    // The new file holds every live message and what the held records said: nothing is left to write.
+    this.#pending = [];
+    fs.closeSync(this.#reader);
+    this.#reader = fs.openSync(this.writer.file, "r");
+    for (const [m, at, len] of placed) this.#stored(m, at, len);
+    this.dead = 0;
+    if (!opening) failpoint("bus-after-compact");
   }
 
   async close(): Promise<void> {
@@ -2515,8 +2856,15 @@ export class Bus {
     this.#syncTimer = null;
     await this.writer.sync().catch(() => {});
     this.writer.close();
+    fs.closeSync(this.#reader);
     this.lock.release();
   }
+}
+
+/** A small record as a line for the write path. */
+function recordLine(record: object): PendingLine {
+  const text = JSON.stringify(record) + "\n";
+  return { text, bytes: utf8Bytes(text) };
 }
 
 export interface RecoveryReport {
@@ -2702,24 +3050,16 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         const params = new URLSearchParams(query);
         const me = recipientParam(params.get("me"), "me");
         await checkOwnership(bus, me, params.get("proof") ?? undefined);
-        // The request's signal is read only when the recv has to wait (under Deno, building it costs).
-        const m = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal);
-        if (!m) return jsonResponse(200, '{"status":"timeout"}');
         // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that
         // no client which did not ask can take for one message; a reference bus ignores max and answers one.
         const max = Math.min(Number(params.get("max")) || 1, RECV_BATCH_MAX);
-        if (max > 1) {
-          const list = bus.queues.firstN(me, max).map((q) =>
-            `{"envelope":{"payload":${q.payload},"ts":${q.ts}},"ack":${JSON.stringify(ackKey(me, q.seq))}}`
-          );
-          return jsonResponse(200, `{"status":"messages","messages":[${list.join(",")}]}`);
-        }
-        return jsonResponse(
-          200,
-          `{"status":"message","envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${
-            JSON.stringify(ackKey(me, m.seq))
-          }}`,
-        );
+        // The request's signal is read only when the recv has to wait (under Deno, building it costs).
+        const got = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal, max);
+        if (!got.length) return jsonResponse(200, '{"status":"timeout"}');
+        const entry = (m: BusDelivery) =>
+          `"envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${JSON.stringify(ackKey(me, m.seq))}`;
+        if (max > 1) return jsonResponse(200, `{"status":"messages","messages":[${got.map((m) => `{${entry(m)}}`)}]}`);
+        return jsonResponse(200, `{"status":"message",${entry(got[0])}}`);
       },
     },
     "/ack": {
