@@ -8538,23 +8538,38 @@ async function benchThroughput(root: string, progress: (m: string) => void, samp
       await stopChild(server.child);
     }
   }
-  const floor = (out.floor as { msgs_per_s: number }).msgs_per_s;
-  for (const name of [...servers.slice(1).map(([n]) => n), "bus_batched"]) {
-    out[`${name}_over_floor`] = Math.round(((out[name] as { msgs_per_s: number }).msgs_per_s / floor) * 100) / 100;
+  const redis = await startRedisServer(path.join(root, "redis"));
+  if (!redis) {
+    out.redis = "skipped: redis-server is not on PATH (install it with: sudo apt-get install -y redis-server)";
+  } else {
+    try {
+      progress(`throughput: Redis, appendfsync always (pid ${redis.child.pid}), LPUSH → BLMOVE → LREM, same load`);
+      out.redis = await redisLoad(redis.port, redis.child.pid!, signed);
+    } finally {
+      await stopChild(redis.child);
+    }
   }
+  const rate = (name: string) => (out[name] as { msgs_per_s?: number }).msgs_per_s;
+  const ratio = (a: number, b: number) => Math.round((a / b) * 100) / 100;
+  const compared = [...servers.slice(1).map(([n]) => n), "bus_batched"];
+  for (const name of [...compared, ...(redis ? ["redis"] : [])]) {
+    out[`${name}_over_floor`] = ratio(rate(name)!, rate("floor")!);
+  }
+  if (redis) { for (const name of compared) out[`${name}_over_redis`] = ratio(rate(name)!, rate("redis")!); }
   return out;
 }
 
 async function benchRecovery(root: string, progress: (m: string) => void, sample: SignedMessage) {
   const dir = path.join(root, "recovery");
   fs.mkdirSync(dir, { recursive: true });
-  const total = 100_000, recipients = 100;
+  const total = 300_000, recipients = 100;
   const p = JSON.stringify(sample);
+  const literal = JSON.stringify(p), size = utf8Bytes(p);
   const fd = fs.openSync(path.join(dir, "queue.jsonl"), "w");
   for (let n = 1; n <= total; n += 1000) {
     let chunk = "";
     for (let k = n; k < n + 1000; k++) {
-      chunk += JSON.stringify({ t: "m", q: `r${k % recipients}`, n: k, ts: Date.now(), p, s: sample.from }) + "\n";
+      chunk += `${messageHead(`r${k % recipients}`, k, Date.now(), sample.from, size)}${literal}}\n`;
     }
     fs.writeSync(fd, chunk);
   }
@@ -8847,16 +8862,21 @@ function findOnPath(name: string): string | null {
   return null;
 }
 
-/** A nats-server with JetStream on a free loopback port, for the bench (max_payload as a bus takes). */
-async function startNatsServer(dir: string): Promise<{ url: string; child: ReturnType<typeof spawn> } | null> {
-  const bin = findOnPath("nats-server");
-  if (!bin) return null;
-  const port = await new Promise<number>((resolve) => {
+/** A loopback port free right now, for a server the bench starts. */
+function freeLoopbackPort(): Promise<number> {
+  return new Promise<number>((resolve) => {
     const srv = net.createServer().listen(0, "127.0.0.1", () => {
       const p = (srv.address() as net.AddressInfo).port;
       srv.close(() => resolve(p));
     });
   });
+}
+
+/** A nats-server with JetStream on a free loopback port, for the bench (max_payload as a bus takes). */
+async function startNatsServer(dir: string): Promise<{ url: string; child: ReturnType<typeof spawn> } | null> {
+  const bin = findOnPath("nats-server");
+  if (!bin) return null;
+  const port = await freeLoopbackPort();
   fs.mkdirSync(dir, { recursive: true });
   const conf = path.join(dir, "nats.conf");
   fs.writeFileSync(conf, `listen: 127.0.0.1:${port}\nmax_payload: 2MB\njetstream { store_dir: "${dir}" }\n`);
@@ -8870,6 +8890,121 @@ async function startNatsServer(dir: string): Promise<{ url: string; child: Retur
     child.once("exit", (code) => reject(new InterlinkError(`nats-server exited with ${code}: ${buf.slice(-500)}`)));
   });
   return { url: `nats://127.0.0.1:${port}`, child };
+}
+
+/**
+ * A redis-server that fsyncs every write (`appendfsync always`), on a free
+ * loopback port: the durable queue the throughput bench compares our bus
+ * with. Null when redis-server is not installed (it is not a dependency).
+ */
+async function startRedisServer(dir: string): Promise<{ port: number; child: ReturnType<typeof spawn> } | null> {
+  const bin = findOnPath("redis-server");
+  if (!bin) return null;
+  const port = await freeLoopbackPort();
+  fs.mkdirSync(dir, { recursive: true });
+  const args = ["--port", `${port}`, "--bind", "127.0.0.1", "--dir", dir, "--save", "", "--appendonly", "yes"];
+  const child = spawn(bin, [...args, "--appendfsync", "always"], { stdio: ["ignore", "pipe", "pipe"] });
+  await new Promise<void>((resolve, reject) => {
+    let buf = "";
+    child.stdout!.on("data", (d: Buffer) => {
+      buf += d.toString();
+      if (buf.includes("Ready to accept connections")) resolve();
+    });
+    child.once("exit", (code) => reject(new InterlinkError(`redis-server exited with ${code}: ${buf.slice(-500)}`)));
+  });
+  return { port, child };
+}
+
+/** One Redis connection, one command at a time (what each bench sender or receiver does): its reply. */
+async function redisConnection(port: number): Promise<{ call(...args: string[]): Promise<unknown>; close(): void }> {
+  const socket = net.connect(port, "127.0.0.1");
+  await new Promise<void>((resolve, reject) => socket.once("connect", resolve).once("error", reject));
+  socket.setNoDelay(true);
+  let buf: Buffer = Buffer.alloc(0);
+  const waiting: ((value: unknown) => void)[] = [];
+  socket.on("data", (d: Buffer) => {
+    buf = buf.length ? Buffer.concat([buf, d]) : d;
+    for (let r = parseResp(buf, 0); r; r = parseResp(buf, 0)) {
+      buf = buf.subarray(r.end);
+      waiting.shift()!(r.value);
+    }
+  });
+  return {
+    call: (...args) =>
+      new Promise((resolve) => {
+        waiting.push(resolve);
+        socket.write(`*${args.length}\r\n${args.map((a) => `$${utf8Bytes(a)}\r\n${a}\r\n`).join("")}`);
+      }),
+    close: () => socket.destroy(),
+  };
+}
+
+/** One RESP reply starting at `i`, or null if it has not all arrived. Errors come back as Error values. */
+function parseResp(b: Buffer, i: number): { value: unknown; end: number } | null {
+  const nl = b.indexOf("\r\n", i);
+  if (nl < 0) return null;
+  const type = String.fromCharCode(b[i]), line = b.toString("utf8", i + 1, nl), n = Number(line);
+  if (type === "+") return { value: line, end: nl + 2 };
+  if (type === "-") return { value: new Error(line), end: nl + 2 };
+  if (type === ":") return { value: n, end: nl + 2 };
+  if (n < 0) return { value: null, end: nl + 2 };
+  if (type === "$") {
+    return b.length < nl + 4 + n ? null : { value: b.toString("utf8", nl + 2, nl + 2 + n), end: nl + 4 + n };
+  }
+  const items: unknown[] = [];
+  let at = nl + 2;
+  for (let k = 0; k < n; k++) {
+    const r = parseResp(b, at);
+    if (!r) return null;
+    items.push(r.value);
+    at = r.end;
+  }
+  return { value: items, end: at };
+}
+
+/**
+ * The throughput load through Redis as a reliable queue: LPUSH to send,
+ * BLMOVE to a processing list to receive, LREM from it to ack; same pairs,
+ * same payloads, same order checks as `throughputLoad`.
+ */
+async function redisLoad(port: number, pid: number, signed: SignedMessage[][]) {
+  const perPair = signed[0].length;
+  const cpu0 = cpuSeconds(pid);
+  const t0 = performance.now();
+  await Promise.all(signed.map(async (list, i) => {
+    const [sender, receiver] = await Promise.all([redisConnection(port), redisConnection(port)]);
+    try {
+      const queue = `bench-${i}`, processing = `bench-${i}:processing`;
+      const sending = (async () => {
+        for (const m of list) {
+          const r = await sender.call("LPUSH", queue, JSON.stringify(m));
+          if (r instanceof Error) throw r;
+        }
+      })();
+      for (let got = 0; got < perPair;) {
+        const item = await receiver.call("BLMOVE", queue, processing, "RIGHT", "LEFT", "10");
+        if (item instanceof Error) throw item;
+        if (typeof item !== "string") continue;
+        if (JSON.parse(item).msg_id !== list[got++].msg_id) {
+          throw new InterlinkError(`redis: out of order at ${got - 1}`);
+        }
+        const r = await receiver.call("LREM", processing, "1", item);
+        if (r instanceof Error) throw r;
+      }
+      await sending;
+    } finally {
+      sender.close();
+      receiver.close();
+    }
+  }));
+  const seconds = (performance.now() - t0) / 1000;
+  const cpu1 = cpuSeconds(pid);
+  return {
+    msgs_per_s: Math.round((signed.length * perPair) / seconds),
+    seconds: Math.round(seconds * 1000) / 1000,
+    server_cpu_percent: cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / seconds) * 100),
+    server_rss_mb: rssMb(pid),
+  };
 }
 
 /**
@@ -9261,7 +9396,7 @@ const COMMANDS: Record<string, CommandSpec> = {
   bench: {
     summary: "measure the bus and the agents and print the figures as JSON",
     about: "throughput: 8 pairs × 500 messages through send → recv → ack on a durable bus, also batched, beside the\n" +
-      "in-memory floor (same routes, no disk, no checks) in the same run, each as a ratio to it; recovery: restart on 100,000\n" +
+      "in-memory floor (same routes, no disk, no checks) in the same run, each as a ratio to it; recovery: restart on 300,000\n" +
       "un-acked messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold\n" +
       "start to the first tools/list, send → push latency p50/p99 over 200 messages, idle RSS; sessions: 10 sessions of\n" +
       "each of two keys exchanging 200 messages each (misrouted, lost, duplicated); flood: 50,000 keys announce, roster\n" +
