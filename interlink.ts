@@ -584,11 +584,20 @@ export function hasSmallOrder(encoded: Uint8Array): boolean {
   return Z === 0n || (Y - Z) % P === 0n;
 }
 
+/** Imported verifying keys, by their text: only keys that decoded and passed the small-order check get here. */
 const verifyingKeys = new Map<string, Promise<CryptoKey>>();
 
-function verifyingKey(publicKey: string, raw: Bytes): Promise<CryptoKey> {
+/** The imported key for `publicKey`, or why it cannot verify anything (checked once per key, then cached). */
+function verifyingKey(publicKey: string): Promise<CryptoKey> | string {
   let key = verifyingKeys.get(publicKey);
   if (!key) {
+    let raw: Bytes;
+    try {
+      raw = decodeKey(publicKey, "public key");
+    } catch (e) {
+      return (e as Error).message;
+    }
+    if (hasSmallOrder(raw)) return "public key is a small-order point";
     key = crypto.subtle.importKey("raw", raw, { name: "Ed25519" }, false, ["verify"]);
     verifyingKeys.set(publicKey, key);
     if (verifyingKeys.size > KEY_CACHE_CAP) verifyingKeys.delete(verifyingKeys.keys().next().value!);
@@ -596,23 +605,29 @@ function verifyingKey(publicKey: string, raw: Bytes): Promise<CryptoKey> {
   return key;
 }
 
+/** Whether a signature's S (its last 32 bytes, little-endian) is below L; L's top byte is 0x10. */
+function isReduced(s: Uint8Array): boolean {
+  if (s[31] !== 0x10) return s[31] < 0x10;
+  return littleEndianToBigInt(s) < L;
+}
+
 /**
  * Strict Ed25519 verification, equivalent to ed25519-dalek's verify_strict.
  * Returns null when the signature is good, else the reason it is not.
  */
 export async function verifyDetached(publicKey: string, signature: string, signed: Bytes): Promise<string | null> {
-  let key: Bytes, sig: Bytes;
+  const key = verifyingKey(publicKey);
+  if (typeof key === "string") return key;
+  let sig: Bytes;
   try {
-    key = decodeKey(publicKey, "public key");
     sig = b64urlDecode(signature, 64, "signature");
   } catch (e) {
     return (e as Error).message;
   }
-  if (hasSmallOrder(key)) return "public key is a small-order point";
   if (hasSmallOrder(sig.subarray(0, 32))) return "signature R is a small-order point";
-  if (littleEndianToBigInt(sig.subarray(32)) >= L) return "signature S is not reduced (S >= L)";
+  if (!isReduced(sig.subarray(32))) return "signature S is not reduced (S >= L)";
   try {
-    const ok = await crypto.subtle.verify("Ed25519", await verifyingKey(publicKey, key), sig, signed);
+    const ok = await crypto.subtle.verify("Ed25519", await key, sig, signed);
     return ok ? null : "signature does not match";
   } catch {
     verifyingKeys.delete(publicKey);
