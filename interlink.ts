@@ -8505,22 +8505,25 @@ async function throughputLoad(url: string, pid: number, signed: SignedMessage[][
 }
 
 /**
- * 8 pairs × 500 messages through our bus (under Deno: guarded, and with
- * --guard off) and through the in-memory floor, in one run, each figure also
- * as a ratio to the floor.
+ * 8 pairs × 500 messages, then 64 pairs × 125, through our bus (under Deno:
+ * guarded, and with --guard off), through the in-memory floor and through
+ * Redis with `appendfsync always` when it is installed, in one run, each
+ * figure also as a ratio to the floor and to Redis.
  */
 async function benchThroughput(root: string, progress: (m: string) => void, sample: SignedMessage, id: Identity) {
-  const pairs = 8, perPair = 500;
+  const pairs = 8, perPair = 500, widePairs = 64, widePerPair = 125;
   // Signed ahead of the clock: the bus verifies each one, which is part of what is measured.
-  const signed = await Promise.all(
-    Array.from({ length: pairs }, () =>
-      Promise.all(Array.from({ length: perPair }, () =>
-        signMessage(
-          id,
-          { to: id.publicKey, text: sample.text, task_id: sample.task_id, status: sample.status },
-          Date.now(),
-        )))),
-  );
+  const sign = (n: number, per: number) =>
+    Promise.all(
+      Array.from({ length: n }, () =>
+        Promise.all(Array.from({ length: per }, () =>
+          signMessage(
+            id,
+            { to: id.publicKey, text: sample.text, task_id: sample.task_id, status: sample.status },
+            Date.now(),
+          )))),
+    );
+  const signed = await sign(pairs, perPair), wide = await sign(widePairs, widePerPair);
   const servers: [string, string[]][] = [
     ["floor", ["bench", "--serve-floor"]],
     ["bus", ["bus", "--port", "0", "--data", path.join(root, "throughput")]],
@@ -8532,7 +8535,7 @@ async function benchThroughput(root: string, progress: (m: string) => void, samp
       : []),
   ];
   const out: Record<string, unknown> = {
-    load: `${pairs} pairs × ${perPair}, send → recv → ack`,
+    load: `${pairs} pairs × ${perPair}, send → recv → ack; "_64": ${widePairs} pairs × ${widePerPair}`,
     load_generator: runtimeName(),
     servers_runtime: benchServers || runtimeName(),
     ...(runtimeHost.Deno
@@ -8544,6 +8547,10 @@ async function benchThroughput(root: string, progress: (m: string) => void, samp
     try {
       progress(`throughput: ${name} (pid ${server.child.pid}), ${pairs} pairs × ${perPair}`);
       out[name] = await throughputLoad(server.url, server.child.pid!, signed);
+      if (name !== "bus_unguarded") {
+        progress(`throughput: ${name}, ${widePairs} pairs × ${widePerPair}`);
+        out[`${name}_64`] = await throughputLoad(server.url, server.child.pid!, wide);
+      }
       if (name === "bus") {
         progress(`throughput: bus again, batched recv and ack (as our agents use it)`);
         out.bus_batched = await throughputLoad(server.url, server.child.pid!, signed, true);
@@ -8559,6 +8566,7 @@ async function benchThroughput(root: string, progress: (m: string) => void, samp
     try {
       progress(`throughput: Redis, appendfsync always (pid ${redis.child.pid}), LPUSH → BLMOVE → LREM, same load`);
       out.redis = await redisLoad(redis.port, redis.child.pid!, signed);
+      out.redis_64 = await redisLoad(redis.port, redis.child.pid!, wide);
     } finally {
       await stopChild(redis.child);
     }
@@ -8569,14 +8577,18 @@ async function benchThroughput(root: string, progress: (m: string) => void, samp
   for (const name of [...compared, ...(redis ? ["redis"] : [])]) {
     out[`${name}_over_floor`] = ratio(rate(name)!, rate("floor")!);
   }
-  if (redis) { for (const name of compared) out[`${name}_over_redis`] = ratio(rate(name)!, rate("redis")!); }
+  out.bus_64_over_floor_64 = ratio(rate("bus_64")!, rate("floor_64")!);
+  if (redis) {
+    for (const name of compared) out[`${name}_over_redis`] = ratio(rate(name)!, rate("redis")!);
+    out.bus_64_over_redis_64 = ratio(rate("bus_64")!, rate("redis_64")!);
+  }
   return out;
 }
 
 async function benchRecovery(root: string, progress: (m: string) => void, sample: SignedMessage) {
   const dir = path.join(root, "recovery");
   fs.mkdirSync(dir, { recursive: true });
-  const total = 300_000, recipients = 100;
+  const total = 300_000, recipients = 300; // 1,000 each, under the per-recipient cap: nothing is dropped at open
   const p = JSON.stringify(sample);
   const literal = JSON.stringify(p), size = utf8Bytes(p);
   const fd = fs.openSync(path.join(dir, "queue.jsonl"), "w");
@@ -8601,9 +8613,11 @@ async function benchRecovery(root: string, progress: (m: string) => void, sample
     const ms = Math.round(performance.now() - t0);
     if (first.status !== "message") throw new InterlinkError("the recovered bus had nothing for r1");
     await sleep(500);
+    const said = bus.stderr.join("\n").match(/recovered (\d+) un-acked messages for \d+ recipients in (\d+) ms/);
     return {
-      messages: total,
+      messages: said ? Number(said[1]) : "the bus did not say",
       file_mb: Math.round(bytes / 1e5) / 10,
+      bus_open_ms: said ? Number(said[2]) : null,
       first_recv_ms: ms,
       rss_mb_after: rssMb(bus.child.pid!),
     };
@@ -9409,8 +9423,10 @@ const COMMANDS: Record<string, CommandSpec> = {
   },
   bench: {
     summary: "measure the bus and the agents and print the figures as JSON",
-    about: "throughput: 8 pairs × 500 messages through send → recv → ack on a durable bus, also batched, beside the\n" +
-      "in-memory floor (same routes, no disk, no checks) in the same run, each as a ratio to it; recovery: restart on 300,000\n" +
+    about:
+      "throughput: 8 pairs × 500 messages (then 64 × 125) through send → recv → ack on a durable bus, also batched,\n" +
+      "beside the in-memory floor (same routes, no disk, no checks) and Redis with appendfsync always (if redis-server is\n" +
+      "on PATH) in the same run, each as a ratio to them; recovery: restart on 300,000\n" +
       "un-acked messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold\n" +
       "start to the first tools/list, send → push latency p50/p99 over 200 messages, idle RSS; sessions: 10 sessions of\n" +
       "each of two keys exchanging 200 messages each (misrouted, lost, duplicated); flood: 50,000 keys announce, roster\n" +
