@@ -1404,6 +1404,34 @@ describe("bus: durability", () => {
     }
   });
 
+  test("a restart files every message under its own route and sender: 600 routes, 40 senders, odd names", async () => {
+    const dir = tmpDir();
+    const limits = { opaqueCap: 1000, senderBytes: 2 ** 30, totalBytes: 2 ** 30 };
+    let bus = await Bus.open(dir, { limits });
+    const routes = [
+      ...Array.from({ length: 600 }, (_, i) => `route-${i}#s${i % 7}`),
+      'quote " and back\\slash', // escapes: read as plain JSON
+      "ünï ✓ 🎉", // multi-byte UTF-8: read from the bytes
+    ];
+    const sent = new Map<string, string[]>();
+    const sends: Promise<void>[] = [];
+    for (let k = 0; k < 3000; k++) {
+      const to = routes[(k * 7919) % routes.length];
+      const payload = JSON.stringify({ k, pad: "x".repeat(k % 2000) }); // 3 MB: the restart reads several chunks
+      sends.push(bus.send(to, payload, k % 5 ? "" : `sender-${k % 40}`)); // some attributed, most opaque
+      sent.set(to, [...(sent.get(to) ?? []), payload]);
+    }
+    await Promise.all(sends);
+    await bus.close();
+    bus = await Bus.open(dir, { limits });
+    try {
+      expect(bus.recovery.messages).toBe(3000);
+      for (const [to, payloads] of sent) expect(bus.take(to, 1000).map((m) => m.payload)).toEqual(payloads);
+    } finally {
+      await bus.close();
+    }
+  }, 30_000);
+
   test("concurrent sends share one write per fsync round, and a payload leaves memory once written", async () => {
     const dir = tmpDir();
     const bus = await Bus.open(dir, { limits: { opaqueCap: 1000 } });
