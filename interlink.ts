@@ -2527,7 +2527,8 @@ export class Bus {
           const legacy = typeof r.s !== "string";
           const sender = legacy ? claimedSender(r.p) : r.s as string;
           if (queues.add(q, r.ts as number, r.p, n, sender, !legacy).dropped) dropped++;
-          inMemory++;
+          // An older layout is rewritten at open; today's, read this way (a name with escapes), stays in memory.
+          if (r.z === undefined) inMemory++;
         } else if ((r.t === "a" || r.t === "d") && q && n) queues.remove(q, n);
         else if (r.t === "o" && q) owned.add(q);
         else bad.push([at, end - start, `not a valid "${String(r.t).slice(0, 8)}" record`, line]);
