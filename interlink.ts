@@ -3270,12 +3270,17 @@ export function serveHttp(
 
 const isLoopback = (host: string) => host === "localhost" || host === "::1" || /^127\./.test(host);
 
+/** A duration a test may shorten through the environment (tests only: unset in use). */
+const msFromEnv = (name: string, ms: number): number => {
+  const v = Number(process.env[name]);
+  return Number.isFinite(v) && v > 0 ? v : ms;
+};
 /** A guarded server closes a connection idle this long between requests, or this slow to send its headers. */
-export const CONN_IDLE_MS = 10_000;
+export const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
 /** ... and one whose request body is not all there this long after its headers (a byte every few seconds). */
-export const CONN_BODY_MS = 15_000;
+export const CONN_BODY_MS = msFromEnv("INTERLINK_TEST_CONN_BODY_MS", 15_000);
 /** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
-const CONN_PROBE_MS = 3_000;
+const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
 /** Connections a guarded server holds at most; fewer when the file-descriptor limit is lower (see connectionBound). */
 const CONN_MAX = 10_000;
 
@@ -3613,7 +3618,7 @@ export class HttpRelay implements Relay {
 export const NATS_STREAM = "INTERLINK";
 export const NATS_ROSTER = "interlink-roster";
 /** Unacked this long, a message is handed over again (the agent acks within milliseconds of journaling it). */
-const NATS_ACK_WAIT_MS = 10_000;
+const NATS_ACK_WAIT_MS = msFromEnv("INTERLINK_TEST_NATS_ACK_WAIT_MS", 10_000);
 /**
  * How long one pull waits. Short, unlike a bus's long-poll: a pull that a cluster lost when a node went away (its
  * consumer's leader moving) is not answered, and the next one, on the new leader, should not wait long.
