@@ -1450,7 +1450,7 @@ describe("bus: durability", () => {
     }
   });
 
-  test("a queue file written by a bus before 0.9 (payload before sender) is recovered and rewritten in today's layout", async () => {
+  test("a queue file in the older layout (payload before sender, no size) is recovered and rewritten in today's layout", async () => {
     const dir = tmpDir();
     const file = path.join(dir, "queue.jsonl");
     const lines = [0, 1, 2, 3].map((n) =>
