@@ -1493,10 +1493,14 @@ export class JsonlWriter {
   /**
    * `compact` for a file too big to hold as one string: `fill` passes the new
    * content in order to `write`, which returns the offset each piece starts at
-   * in the new file (written through a 1 MiB buffer).
+   * in the new file (written through a 1 MiB buffer). `beforeRename(tmp)`
+   * opens whatever else must read the new file: every descriptor on it is
+   * open before the rename, so nothing can fail after it (a failure after it
+   * would leave appends going to the old, unlinked file).
    */
-  rewrite(fill: (write: (text: string | Uint8Array) => number) => void): void {
+  rewrite(fill: (write: (text: string | Uint8Array) => number) => void, beforeRename = (_tmp: string) => {}): void {
     const tmp = `${this.file}.${process.pid}.tmp`;
+    let appendFd: number | undefined;
     try {
       const fd = fs.openSync(tmp, "w", 0o600);
       try {
@@ -1526,14 +1530,17 @@ export class JsonlWriter {
       } finally {
         fs.closeSync(fd);
       }
+      appendFd = fs.openSync(tmp, fs.constants.O_WRONLY | fs.constants.O_APPEND, 0o600);
+      beforeRename(tmp);
       fs.renameSync(tmp, this.file);
     } catch (e) {
+      if (appendFd !== undefined) fs.closeSync(appendFd);
       fs.rmSync(tmp, { force: true });
       throw storageError(e, this.folder);
     }
     syncDirectory(path.dirname(this.file));
     const old = this.#fd;
-    this.#fd = fs.openSync(this.file, fs.constants.O_WRONLY | fs.constants.O_APPEND, 0o600);
+    this.#fd = appendFd;
     this.#fence = false;
     if (this.#syncing) this.#retired.push(old);
     else fs.closeSync(old);
@@ -1979,6 +1986,13 @@ class RecipientQueue {
     return this.items[this.head];
   }
 
+  /** Files an entry that arrives after a later one (a restored file), where its seq puts it. */
+  insert(item: Queued): void {
+    let at = this.items.length;
+    while (at > this.head && this.items[at - 1].seq > item.seq) at--;
+    this.items.splice(at, 0, item);
+  }
+
   /** The live entry `seq`; binary search, since acks may name any entry, not only the head. */
   find(seq: number): Queued | undefined {
     let lo = this.head, hi = this.items.length - 1;
@@ -2087,7 +2101,9 @@ export class BusQueues {
     }
     this.bytes += size;
     const item: Queued = { seq, ts, payload, at: -1, len: 0, sender, size, gone: false };
-    q.items.push(item);
+    const last = q.items[q.items.length - 1];
+    if (!last || last.seq < seq) q.items.push(item);
+    else q.insert(item); // a file put back together out of order: the queue stays in seq order all the same
     q.live++;
     const mine = (q.bySender.get(sender) ?? 0) + 1;
     q.bySender.set(sender, mine);
@@ -2472,7 +2488,14 @@ export class Bus {
     this.now = opts.now ?? Date.now;
     this.#compactMinDead = opts.compactMinDead ?? COMPACT_MIN_DEAD;
     this.#reader = fs.openSync(writer.file, "r");
-    writer.beforeSync = () => this.#flush();
+    // A held batch that cannot be written fails its own lines (each send checks its line), not the round.
+    writer.beforeSync = () => {
+      try {
+        this.#flush();
+      } catch (e) {
+        this.#log(`cannot write the queue file: ${(e as Error).message}; the sends held for it are refused`);
+      }
+    };
   }
 
   /**
@@ -2498,7 +2521,8 @@ export class Bus {
       const h = new MessageHeadReader();
       /** A message record in today's layout, from its head alone: the payload stays on disk. */
       const fastMessage = (buf: Buffer, start: number, end: number, at: number): boolean => {
-        if (!h.read(buf, start, end) || !routeOf(h.q)) return false;
+        // A size above the literal's length is damage (escapes only lengthen): the plain JSON path judges it.
+        if (!h.read(buf, start, end) || !routeOf(h.q) || h.z > end - 1 - h.p) return false;
         const { item, dropped: lost } = queues.add(h.q, h.ts, undefined, h.n, h.s, true, h.z);
         item.at = at + h.p - start;
         item.len = end - 1 - h.p;
@@ -2635,7 +2659,7 @@ export class Bus {
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
     this.ensureRoom(sender, size);
-    const seq = this.queues.nextSeq;
+    const seq = this.queues.nextSeq++; // used up even if the write fails: a fenced record can never share it
     const ts = this.now();
     const head = messageHead(to, seq, ts, sender, size);
     const literal = JSON.stringify(payload);
@@ -2658,7 +2682,7 @@ export class Bus {
         } (seq ${dropped.seq})`,
       );
       try {
-        this.#write(recordLine({ t: "d", q: to, n: dropped.seq }));
+        this.#write(recordLine({ t: "d", q: to, n: dropped.seq }), true); // beside its cause, never held apart
       } catch {
         // the drop is in memory; the next compaction writes it, a restart before that re-reads the message
       }
@@ -2680,7 +2704,7 @@ export class Bus {
 
   /** Records a proven route (the first time only on disk: trust on first proof survives a restart). */
   touchOwned(route: string, proof: string): void {
-    if (!this.owned.has(route)) this.#write(recordLine({ t: "o", q: route }));
+    if (!this.owned.has(route)) this.#write(recordLine({ t: "o", q: route }), true); // once per route: not held
     this.owned.set(route, proof);
   }
 
@@ -2800,12 +2824,20 @@ export class Bus {
     return item.payload ?? this.#readPayload(item) ?? "";
   }
 
+  /**
+   * The payload read back from the file; undefined when the bytes there are
+   * damaged (cut short, not a string literal, or a payload that is not JSON).
+   * A read that fails (EIO) throws: the message stays queued.
+   */
   #readPayload(item: Queued): string | undefined {
     if (this.#readBuf.length < item.len) this.#readBuf = Buffer.allocUnsafe(item.len);
+    const n = fs.readSync(this.#reader, this.#readBuf, 0, item.len, item.at);
+    if (n !== item.len) return undefined;
     try {
-      const n = fs.readSync(this.#reader, this.#readBuf, 0, item.len, item.at);
       const text: unknown = JSON.parse(this.#readBuf.toString("utf8", 0, n));
-      return typeof text === "string" ? text : undefined;
+      if (typeof text !== "string") return undefined;
+      JSON.parse(text); // it goes into the answer as JSON: one flipped byte must not break every recv behind it
+      return text;
     } catch {
       return undefined;
     }
@@ -2828,6 +2860,7 @@ export class Bus {
       fs.readSync(this.#reader, raw, 0, item.len, item.at);
       quarantineLine(this.writer.file, item.at, item.len, "damaged payload", raw.toString());
       this.#write(recordLine({ t: "d", q: me, n: item.seq }));
+      this.#syncSoon();
     } catch {
       // a restart re-reads the record, finds it unreadable and sets it aside again
     }
@@ -2868,6 +2901,7 @@ export class Bus {
     if (!force && this.dead < Math.max(this.#compactMinDead, this.queues.liveCount)) return;
     if (this.now() < this.#compactAfter) return;
     const placed: [Queued, number, number][] = [];
+    let reader: number | undefined; // on the new file, opened before it replaces the old one
     try {
       this.writer.rewrite((write) => {
         write(recordLine({ t: "h", next: this.queues.nextSeq }).text);
@@ -2887,8 +2921,9 @@ export class Bus {
           write("}\n");
           placed.push([m, at, literal.length]);
         }
-      });
+      }, (tmp) => reader = fs.openSync(tmp, "r"));
     } catch (e) {
+      if (reader !== undefined) fs.closeSync(reader);
       this.#compactAfter = this.now() + COMPACT_RETRY_MS;
       this.#log(`compaction failed, the queue file stays as it was: ${(e as Error).message}`);
       return;
@@ -2896,7 +2931,7 @@ export class Bus {
     // The new file holds every live message and what the held records said: nothing is left to write.
     this.#pending = [];
     fs.closeSync(this.#reader);
-    this.#reader = fs.openSync(this.writer.file, "r");
+    this.#reader = reader!;
     for (const [m, at, len] of placed) this.#stored(m, at, len);
     this.dead = 0;
     if (!opening) failpoint("bus-after-compact");
