@@ -5829,9 +5829,15 @@ describe("NATS JetStream as the relay", () => {
         ids.push(msgIdOf(await alice.ok("send_message", { to: "bob", text: `before ${i}`, session: "bob" })));
       }
       servers[0].kill(); // alice's server
-      for (let i = 0; i < 10; i++) {
-        ids.push(msgIdOf(await alice.ok("send_message", { to: "bob", text: `after ${i}`, session: "bob" })));
-      }
+      // At once: until alice's client finds another server, each call waits out its 2 s answer deadline.
+      ids.push(
+        ...await Promise.all(
+          Array.from(
+            { length: 10 },
+            (_, i) => alice.ok("send_message", { to: "bob", text: `after ${i}`, session: "bob" }).then(msgIdOf),
+          ),
+        ),
+      );
       // Everything the relay acknowledged to alice (a "sent" record) reaches bob; the rest follows from her outbox.
       await eventually(
         async () => (await alice.ok("list_pending")).includes("the outbox is empty"),
