@@ -5313,6 +5313,11 @@ test.concurrent("receipts: restarts of either side in between keep every status 
 }, 120_000);
 
 describe("hostile clients: bodies and connections", () => {
+  test("the guard's clock in use is the README's: 10 s idle or slow headers, 15 s for a body (test knobs unset)", () => {
+    expect(process.env.INTERLINK_TEST_CONN_IDLE_MS ?? process.env.INTERLINK_TEST_CONN_BODY_MS).toBeUndefined();
+    expect([CONN_IDLE_MS, CONN_BODY_MS]).toEqual([10_000, 15_000]);
+  });
+
   test.concurrent(
     "Deno idle sockets closed: a guarded Deno bus closes idle and slow connections, and a long-poll still completes",
     async () => {
