@@ -9509,14 +9509,13 @@ const COMMANDS: Record<string, CommandSpec> = {
   },
   bench: {
     summary: "measure the bus and the agents and print the figures as JSON",
-    about:
-      "throughput: 8 pairs × 500 messages (then 64 × 125) through send → recv → ack on a durable bus, also batched,\n" +
-      "beside the in-memory floor (same routes, no disk, no checks) and Redis with appendfsync always (if redis-server is\n" +
-      "on PATH) in the same run, each as a ratio to them; recovery: restart on 300,000\n" +
-      "un-acked messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold\n" +
-      "start to the first tools/list, send → push latency p50/p99 over 200 messages, idle RSS; sessions: 10 sessions of\n" +
-      "each of two keys exchanging 200 messages each (misrouted, lost, duplicated); flood: 50,000 keys announce, roster\n" +
-      "size and bus RSS; relays: our bus beside a NATS JetStream server (needs nats-server on PATH). Progress on stderr.",
+    about: "throughput: 8 pairs × 500 messages (then 64 × 125) through send → recv → ack on a durable bus, also\n" +
+      "batched, beside the in-memory floor (same routes, no disk, no checks) and Redis with appendfsync always (if\n" +
+      "redis-server is on PATH) in the same run, each as a ratio to them; recovery: restart on 300,000 un-acked\n" +
+      "messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold start to the\n" +
+      "first tools/list, send → push latency p50/p99 over 200 messages, idle RSS; sessions: 10 sessions of each of two\n" +
+      "keys exchanging 200 messages each (misrouted, lost, duplicated); flood: 50,000 keys announce, roster size and\n" +
+      "bus RSS; relays: our bus beside a NATS JetStream server (needs nats-server on PATH). Progress on stderr.",
     options: {
       only: {
         type: "string",
