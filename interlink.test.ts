@@ -1086,6 +1086,10 @@ describe("bus: the HTTP handler", () => {
     for (const n of [1, 2, 3]) await send("batch", { n });
     const single = await recv("batch"); // no max: the reference shape, one message
     expect(single.status).toBe("message");
+    for (const junk of ["-5", "0", "x", "0.5"]) { // what is not a count of 2 or more gets the reference shape
+      const one = await (await call("GET", `/recv?me=batch&timeout_ms=0&max=${junk}`)).json();
+      expect({ junk, status: one.status, ack: one.ack }).toEqual({ junk, status: "message", ack: single.ack });
+    }
     const many = await (await call("GET", "/recv?me=batch&timeout_ms=0&max=2")).json();
     expect(many.status).toBe("messages");
     expect(many.messages.map((m: { envelope: { payload: { n: number } } }) => m.envelope.payload.n)).toEqual([1, 2]);

@@ -3139,7 +3139,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         await checkOwnership(bus, me, params.get("proof") ?? undefined);
         // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that
         // no client which did not ask can take for one message; a reference bus ignores max and answers one.
-        const max = Math.min(Number(params.get("max")) || 1, RECV_BATCH_MAX);
+        const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
         // The request's signal is read only when the recv has to wait (under Deno, building it costs).
         const got = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal, max);
         if (!got.length) return jsonResponse(200, '{"status":"timeout"}');
