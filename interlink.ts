@@ -3041,6 +3041,15 @@ function claimedSender(payload: string): string {
   }
 }
 
+/** A JSON object body with a non-empty "pubkey" (an announcement, an unregister), or the 400 that says it is not. */
+async function readKeyedBody(req: Request, what: string): Promise<Record<string, unknown> & { pubkey: string }> {
+  const body = await readJsonBody(req);
+  if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
+    throw new HttpError(400, `${what} needs a "pubkey"`);
+  }
+  return body as Record<string, unknown> & { pubkey: string };
+}
+
 /** Runs a parse, turning a FormatError into a 400 that says what is wrong. */
 function parseOr400<T>(parse: () => T): T {
   try {
@@ -3174,10 +3183,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     "/announce": {
       method: "POST",
       async handle(bus, req) {
-        const body = await readJsonBody(req);
-        if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
-          throw new HttpError(400, 'an announcement needs a "pubkey"');
-        }
+        const body = await readKeyedBody(req, "an announcement");
         delete body.age_ms; // stamped by the bus, never taken from the poster
         const json = JSON.stringify(body);
         if (utf8Bytes(json) > ANNOUNCEMENT_MAX_BYTES) {
@@ -3197,10 +3203,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     "/unregister": {
       method: "POST",
       async handle(bus, req) {
-        const body = await readJsonBody(req);
-        if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
-          throw new HttpError(400, 'an unregister needs a "pubkey"');
-        }
+        const body = await readKeyedBody(req, "an unregister");
         if (body.sig === undefined) {
           throw new HttpError(
             403,
@@ -8531,55 +8534,61 @@ export function floorHandler(): (req: Request) => Promise<Response> {
   };
 }
 
+/** Runs `load` against the server `pid`: messages per second, and the server's CPU and RSS meanwhile. */
+async function timedLoad(pid: number, messages: number, load: () => Promise<unknown>) {
+  const cpu0 = cpuSeconds(pid);
+  const t0 = performance.now();
+  await load();
+  const seconds = (performance.now() - t0) / 1000;
+  const cpu1 = cpuSeconds(pid);
+  return {
+    msgs_per_s: Math.round(messages / seconds),
+    seconds: Math.round(seconds * 1000) / 1000,
+    server_cpu_percent: cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / seconds) * 100),
+    server_rss_mb: rssMb(pid),
+  };
+}
+
 /**
  * One server's share of the throughput bench: `pairs` senders and receivers, send → recv → ack, in order;
  * with `batch`, each recv asks for up to RECV_BATCH and acks them in one request (our bus's extension).
  */
 async function throughputLoad(url: string, pid: number, signed: SignedMessage[][], batch = false) {
   const perPair = signed[0].length;
-  const cpu0 = cpuSeconds(pid);
-  const t0 = performance.now();
-  await Promise.all(signed.map(async (list, i) => {
-    const to = `${list[0].to}#bench-${i}`;
-    let failed = false; // a send that fails ends the receiving too (it would wait for it forever)
-    const sender = (async () => {
-      for (const payload of list) {
-        const r = await postJson(`${url}/send`, { to, payload });
-        if (r.status !== 202) throw new InterlinkError(`send answered ${r.status}`);
-        await r.body?.cancel();
-      }
-    })().catch((e) => {
-      failed = true;
-      throw e;
-    });
-    for (let got = 0; got < perPair && !failed;) {
-      const max = batch ? `&max=${RECV_BATCH}` : "";
-      const body = await (await fetch(`${url}/recv?me=${encodeURIComponent(to)}&timeout_ms=10000${max}`)).json();
-      const items: { envelope: { payload: SignedMessage }; ack: string }[] = body.status === "message"
-        ? [body]
-        : body.status === "messages"
-        ? body.messages
-        : [];
-      if (!items.length) continue;
-      for (const m of items) {
-        if (m.envelope.payload.msg_id !== list[got++].msg_id) {
-          throw new InterlinkError(`out of order: ${m.envelope.payload.msg_id} at ${got - 1}`);
+  return await timedLoad(pid, signed.length * perPair, () =>
+    Promise.all(signed.map(async (list, i) => {
+      const to = `${list[0].to}#bench-${i}`;
+      let failed = false; // a send that fails ends the receiving too (it would wait for it forever)
+      const sender = (async () => {
+        for (const payload of list) {
+          const r = await postJson(`${url}/send`, { to, payload });
+          if (r.status !== 202) throw new InterlinkError(`send answered ${r.status}`);
+          await r.body?.cancel();
         }
+      })().catch((e) => {
+        failed = true;
+        throw e;
+      });
+      for (let got = 0; got < perPair && !failed;) {
+        const max = batch ? `&max=${RECV_BATCH}` : "";
+        const body = await (await fetch(`${url}/recv?me=${encodeURIComponent(to)}&timeout_ms=10000${max}`)).json();
+        const items: { envelope: { payload: SignedMessage }; ack: string }[] = body.status === "message"
+          ? [body]
+          : body.status === "messages"
+          ? body.messages
+          : [];
+        if (!items.length) continue;
+        for (const m of items) {
+          if (m.envelope.payload.msg_id !== list[got++].msg_id) {
+            throw new InterlinkError(`out of order: ${m.envelope.payload.msg_id} at ${got - 1}`);
+          }
+        }
+        const keys = items.map((m) => m.ack);
+        const a = await postJson(`${url}/ack`, { me: to, ...(keys.length === 1 ? { ack: keys[0] } : { acks: keys }) });
+        await a.body?.cancel();
       }
-      const keys = items.map((m) => m.ack);
-      const a = await postJson(`${url}/ack`, { me: to, ...(keys.length === 1 ? { ack: keys[0] } : { acks: keys }) });
-      await a.body?.cancel();
-    }
-    await sender;
-  }));
-  const seconds = (performance.now() - t0) / 1000;
-  const cpu1 = cpuSeconds(pid);
-  return {
-    msgs_per_s: Math.round((signed.length * perPair) / seconds),
-    seconds: Math.round(seconds * 1000) / 1000,
-    server_cpu_percent: cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / seconds) * 100),
-    server_rss_mb: rssMb(pid),
-  };
+      await sender;
+    })));
 }
 
 /**
@@ -9083,42 +9092,33 @@ function parseResp(b: Buffer, i: number): { value: unknown; end: number } | null
  */
 async function redisLoad(port: number, pid: number, signed: SignedMessage[][]) {
   const perPair = signed[0].length;
-  const cpu0 = cpuSeconds(pid);
-  const t0 = performance.now();
-  await Promise.all(signed.map(async (list, i) => {
-    const [sender, receiver] = await Promise.all([redisConnection(port), redisConnection(port)]);
-    try {
-      const queue = `bench-${i}`, processing = `bench-${i}:processing`;
-      const sending = (async () => {
-        for (const m of list) {
-          const r = await sender.call("LPUSH", queue, JSON.stringify(m));
+  return await timedLoad(pid, signed.length * perPair, () =>
+    Promise.all(signed.map(async (list, i) => {
+      const [sender, receiver] = await Promise.all([redisConnection(port), redisConnection(port)]);
+      try {
+        const queue = `bench-${i}`, processing = `bench-${i}:processing`;
+        const sending = (async () => {
+          for (const m of list) {
+            const r = await sender.call("LPUSH", queue, JSON.stringify(m));
+            if (r instanceof Error) throw r;
+          }
+        })();
+        for (let got = 0; got < perPair;) {
+          const item = await receiver.call("BLMOVE", queue, processing, "RIGHT", "LEFT", "10");
+          if (item instanceof Error) throw item;
+          if (typeof item !== "string") continue;
+          if (JSON.parse(item).msg_id !== list[got++].msg_id) {
+            throw new InterlinkError(`redis: out of order at ${got - 1}`);
+          }
+          const r = await receiver.call("LREM", processing, "1", item);
           if (r instanceof Error) throw r;
         }
-      })();
-      for (let got = 0; got < perPair;) {
-        const item = await receiver.call("BLMOVE", queue, processing, "RIGHT", "LEFT", "10");
-        if (item instanceof Error) throw item;
-        if (typeof item !== "string") continue;
-        if (JSON.parse(item).msg_id !== list[got++].msg_id) {
-          throw new InterlinkError(`redis: out of order at ${got - 1}`);
-        }
-        const r = await receiver.call("LREM", processing, "1", item);
-        if (r instanceof Error) throw r;
+        await sending;
+      } finally {
+        sender.close();
+        receiver.close();
       }
-      await sending;
-    } finally {
-      sender.close();
-      receiver.close();
-    }
-  }));
-  const seconds = (performance.now() - t0) / 1000;
-  const cpu1 = cpuSeconds(pid);
-  return {
-    msgs_per_s: Math.round((signed.length * perPair) / seconds),
-    seconds: Math.round(seconds * 1000) / 1000,
-    server_cpu_percent: cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / seconds) * 100),
-    server_rss_mb: rssMb(pid),
-  };
+    })));
 }
 
 /**
