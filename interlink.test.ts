@@ -1812,7 +1812,11 @@ async function busDrained(busUrl: string, me: string | NodeFiles): Promise<boole
 async function busOnLoopback(dir: string) {
   const bus = await Bus.open(dir, { log: () => {} });
   const server = await serveHttp(bus.handler, "127.0.0.1", 0);
-  return { bus, server, url: `http://127.0.0.1:${server.port}` };
+  const shutdown = async () => {
+    await server.stop();
+    await bus.close();
+  };
+  return { bus, server, url: `http://127.0.0.1:${server.port}`, shutdown };
 }
 
 async function postSend(busUrl: string, to: string, payload: unknown) {
@@ -2172,7 +2176,7 @@ describe("agent: durability of the outbox", () => {
     "Claude Code restarting the server inside one session: the newer process takes over, the older exits cleanly, nothing is lost",
     async () => {
       const { root, A, B } = await twoPeers();
-      const { bus, server, url } = await busOnLoopback(path.join(root, "bus"));
+      const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
       const first = await McpNode.start("bun", A, url, { INTERLINK_DELIVERY: "" });
       let second: McpSession | undefined;
       try {
@@ -2190,8 +2194,7 @@ describe("agent: durability of the outbox", () => {
         expect(await second.ok("list_tasks")).toContain("task t1 with bob");
       } finally {
         await Promise.allSettled([first.close(), second?.close()]);
-        await server.stop();
-        await bus.close();
+        await shutdown();
       }
     },
     60_000,
@@ -3567,7 +3570,7 @@ describe("durability: a full disk", () => {
       if (!disk) return;
       const { root, A } = await twoPeers();
       A.stateDir = path.join(disk.dir, "alice-state");
-      const { bus, server } = await busOnLoopback(path.join(root, "bus"));
+      const { server, shutdown } = await busOnLoopback(path.join(root, "bus"));
       const agent = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`]), "test");
       try {
         await agent.send({ to: "bob", text: "before" });
@@ -3585,8 +3588,7 @@ describe("durability: a full disk", () => {
         for (const line of log) expect(() => JSON.parse(line)).not.toThrow();
       } finally {
         await agent.stop();
-        await server.stop();
-        await bus.close();
+        await shutdown();
         disk.unmount();
       }
     },
@@ -3801,7 +3803,7 @@ describe("the node core: decisions are lists of effects, carried out in order", 
       const B2 = await makeNodeFiles(root, "bob");
       befriend(A2, B2);
       if (disk) B2.stateDir = path.join(disk.dir, "bob-state");
-      const { bus, server } = await busOnLoopback(path.join(root, "bus"));
+      const { bus, server, shutdown } = await busOnLoopback(path.join(root, "bus"));
       const bob = await Agent.open(nodeConfig(B2, [`http://127.0.0.1:${server.port}`]), "test");
       const pushed: PushEvent[] = [];
       let failPush = true;
@@ -3838,8 +3840,7 @@ describe("the node core: decisions are lists of effects, carried out in order", 
         expect(log.filter((r) => r.t === "shown").length).toBe(disk ? 2 : 1);
       } finally {
         await bob.stop();
-        await server.stop();
-        await bus.close();
+        await shutdown();
         disk?.unmount();
       }
     },
@@ -4260,7 +4261,7 @@ describe("delivery receipts end to end: alice on Bun, bob and dave on Deno", () 
 describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
   test("an agent killed between journaling a message and pushing it shows it after the restart, once", async () => {
     const { root, A, B } = await twoPeers();
-    const { bus, server, url } = await busOnLoopback(path.join(root, "bus"));
+    const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
     let bob = await McpNode.start("bun", B, url, {
       INTERLINK_DELIVERY: "channel",
       INTERLINK_FAILPOINT: "agent-after-journal",
@@ -4280,8 +4281,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
       expect(readNodeLog(B.stateDir).filter((r) => r.t === "in").length).toBe(1);
     } finally {
       await bob.close().catch(() => {});
-      await server.stop();
-      await bus.close();
+      await shutdown();
     }
   }, 60_000);
 
@@ -4322,7 +4322,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     "kill -9 in the middle of a batched recv: after the restart every message is shown once, none lost",
     async () => {
       const { root, A, B } = await twoPeers();
-      const { bus, server, url } = await busOnLoopback(path.join(root, "bus"));
+      const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
       const msgs = await Promise.all(
         Array.from({ length: 8 }, (_, i) => signMessage(A.id, { to: B.id.publicKey, text: `b${i}` }, Date.now())),
       );
@@ -4341,8 +4341,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
         expect(admitted).toEqual(msgs.map((m) => m.msg_id));
       } finally {
         await bob.close().catch(() => {});
-        await server.stop();
-        await bus.close();
+        await shutdown();
       }
     },
     60_000,
@@ -4397,7 +4396,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     "receipts after a crash between journal and push: delivered and shown are each reported once, after they happened",
     async () => {
       const { root, A, B } = await twoPeers();
-      const { bus, server, url } = await busOnLoopback(path.join(root, "bus"));
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
       const aliceRoute = `${A.id.publicKey}#a1`;
       let bob = await McpNode.start("bun", B, url, {
         INTERLINK_DELIVERY: "channel",
@@ -4421,8 +4420,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
         expect(reports).toEqual([`delivered ${msg.msg_id}`, `shown ${msg.msg_id}`]);
       } finally {
         await bob.close().catch(() => {});
-        await server.stop();
-        await bus.close();
+        await shutdown();
       }
     },
     60_000,
@@ -4430,7 +4428,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
 
   test("a message every bus refuses for good is marked refused with the bus's reason and never holds up the next", async () => {
     const { root, A, B } = await twoPeers();
-    const { bus, server } = await busOnLoopback(path.join(root, "bus"));
+    const { bus, server, shutdown } = await busOnLoopback(path.join(root, "bus"));
     // Queued by an older version that checked only the text's bytes: 400 KB of control characters, 2.4 MB as JSON.
     const huge = await signMessage(A.id, { to: B.id.publicKey, text: "\u0001".repeat(400_000) }, Date.now());
     fs.mkdirSync(A.stateDir, { recursive: true });
@@ -4457,8 +4455,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
       );
     } finally {
       await alice.stop();
-      await server.stop();
-      await bus.close();
+      await shutdown();
     }
   });
 });
@@ -5031,7 +5028,7 @@ describe("hostile clients on the bus", () => {
     "once a route proved its key, a stolen recv or ack is refused; a route that never proved works as in the reference contract",
     async () => {
       const root = tmpDir();
-      const { bus, server, url } = await busOnLoopback(path.join(root, "bus"));
+      const { bus, server, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
       const B = await makeNodeFiles(root, "bob");
       const A = await makeNodeFiles(root, "alice");
       befriend(A, B);
@@ -5065,8 +5062,7 @@ describe("hostile clients on the bus", () => {
         expect((await (await fetch(`${url}/recv?me=reference-node&timeout_ms=0`)).json()).envelope.payload).toBe("hi");
         // Trust on first proof survives a restart of the bus.
         await bob.stop();
-        await server.stop();
-        await bus.close();
+        await shutdown();
         const again = await Bus.open(path.join(root, "bus"), { log: () => {} });
         expect(again.owned.has(route)).toBe(true);
         await again.close();
