@@ -2824,17 +2824,22 @@ export class Bus {
     return item.payload ?? this.#readPayload(item) ?? "";
   }
 
+  /** The bytes of `item`'s payload literal in the file (fewer if the file ends first), in a reused buffer. */
+  #literalBytes(item: Queued): Buffer {
+    if (this.#readBuf.length < item.len) this.#readBuf = Buffer.allocUnsafe(item.len);
+    return this.#readBuf.subarray(0, fs.readSync(this.#reader, this.#readBuf, 0, item.len, item.at));
+  }
+
   /**
    * The payload read back from the file; undefined when the bytes there are
    * damaged (cut short, not a string literal, or a payload that is not JSON).
    * A read that fails (EIO) throws: the message stays queued.
    */
   #readPayload(item: Queued): string | undefined {
-    if (this.#readBuf.length < item.len) this.#readBuf = Buffer.allocUnsafe(item.len);
-    const n = fs.readSync(this.#reader, this.#readBuf, 0, item.len, item.at);
-    if (n !== item.len) return undefined;
+    const bytes = this.#literalBytes(item);
+    if (bytes.length !== item.len) return undefined;
     try {
-      const text: unknown = JSON.parse(this.#readBuf.toString("utf8", 0, n));
+      const text: unknown = JSON.parse(bytes.toString("utf8"));
       if (typeof text !== "string") return undefined;
       JSON.parse(text); // it goes into the answer as JSON: one flipped byte must not break every recv behind it
       return text;
@@ -2856,9 +2861,7 @@ export class Bus {
     this.queues.remove(me, item.seq);
     this.dead += 2;
     try {
-      const raw = Buffer.alloc(item.len);
-      fs.readSync(this.#reader, raw, 0, item.len, item.at);
-      quarantineLine(this.writer.file, item.at, item.len, "damaged payload", raw.toString());
+      quarantineLine(this.writer.file, item.at, item.len, "damaged payload", this.#literalBytes(item).toString());
       this.#write(recordLine({ t: "d", q: me, n: item.seq }));
       this.#syncSoon();
     } catch {
@@ -2911,10 +2914,8 @@ export class Bus {
           let literal: Uint8Array;
           if (m.payload !== undefined) literal = Buffer.from(JSON.stringify(m.payload));
           else {
-            if (this.#readBuf.length < m.len) this.#readBuf = Buffer.allocUnsafe(m.len);
-            const n = fs.readSync(this.#reader, this.#readBuf, 0, m.len, m.at);
-            if (n !== m.len) throw new Error(`the queue file ended inside the payload of seq ${m.seq}`);
-            literal = this.#readBuf.subarray(0, m.len);
+            literal = this.#literalBytes(m);
+            if (literal.length !== m.len) throw new Error(`the queue file ended inside the payload of seq ${m.seq}`);
           }
           const at = write(head) + utf8Bytes(head);
           write(literal);
