@@ -1528,6 +1528,32 @@ describe("bus: durability", () => {
     }
   });
 
+  test("an ack answered while an fsync round runs is in the file at once: a crash then does not bring the message back", async () => {
+    const dir = tmpDir();
+    const bus = await Bus.open(dir, { limits: { opaqueCap: 1000 } });
+    try {
+      for (const text of ["a", "b"]) await bus.send("r", JSON.stringify(text));
+      const [a] = bus.take("r", 1);
+      const before = { ...bus.writeStats };
+      const sent = [bus.send("r", '"c"'), bus.send("r", '"d"')]; // c is written and opens a round; d is held for the next
+      expect(bus.writeStats).toMatchObject({ writes: before.writes + 1, rounds: before.rounds + 1 });
+      bus.ack("r", a.seq); // the round still runs: nothing has yielded to its callback
+      expect(bus.writeStats.writes).toBe(before.writes + 2); // d and the ack, as one write
+      // What a kill -9 would leave now is what was written: a copy of the file.
+      const crashed = tmpDir();
+      fs.copyFileSync(path.join(dir, "queue.jsonl"), path.join(crashed, "queue.jsonl"));
+      await Promise.all(sent);
+      const after = await Bus.open(crashed, { log: () => {} });
+      try {
+        expect(after.take("r", 10).map((m) => JSON.parse(m.payload))).toEqual(["b", "c", "d"]);
+      } finally {
+        await after.close();
+      }
+    } finally {
+      await bus.close();
+    }
+  });
+
   test("a queue file in the older layout (payload before sender, no size) is recovered and rewritten in today's layout", async () => {
     const dir = tmpDir();
     const file = path.join(dir, "queue.jsonl");

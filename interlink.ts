@@ -1933,7 +1933,8 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 // only the short head of each line and skips the payload (an older bus wrote
 // "p" before "s": such lines are parsed whole and rewritten at the next
 // compaction). Writes are group-committed: while an fdatasync runs, new
-// records wait in memory and go out as one write before the next one.
+// messages wait in memory and go out as one write before the next one (an
+// ack is answered only once written, and takes what waits along with it).
 
 interface Queued {
   seq: number;
@@ -2871,16 +2872,21 @@ export class Bus {
   }
 
   /**
-   * Acks are on their way to disk before the answer (written now, or with the
-   * fsync round in flight) and fsynced lazily: a lost ack only means a
-   * redelivery, which receivers dedupe. An ack that cannot be written is
-   * refused, and the message stays.
+   * Acks `seqs` of `me` (unknown ones are ignored: acks are idempotent). The
+   * records are written before the answer, in one write with whatever is
+   * held for the next fsync round, so a crash of the bus never brings an
+   * acked message back; they are fsynced lazily, so a power cut can, and
+   * that is a redelivery, which receivers dedupe. Acks that cannot be
+   * written are refused, and the messages stay.
    */
-  ack(me: string, seq: number): void {
-    if (!this.queues.has(me, seq)) return;
-    this.#write(recordLine({ t: "a", q: me, n: seq }));
-    this.queues.remove(me, seq);
-    this.dead += 2;
+  ack(me: string, ...seqs: number[]): void {
+    const known = [...new Set(seqs)].filter((seq) => this.queues.has(me, seq));
+    if (!known.length) return;
+    const lines = known.map((seq) => recordLine({ t: "a", q: me, n: seq }));
+    this.#pending.push(...lines.slice(0, -1));
+    this.#write(lines[lines.length - 1], true); // what is held, then these: one append
+    for (const seq of known) this.queues.remove(me, seq);
+    this.dead += 2 * known.length;
     this.#syncSoon();
     this.#maybeCompact();
   }
@@ -3174,10 +3180,8 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
           throw new HttpError(403, "that ack key belongs to another recipient");
         }
         await checkOwnership(bus, me, body.proof);
-        for (const k of keys as string[]) {
-          const seq = Number(k.slice(me.length + 1));
-          if (Number.isSafeInteger(seq)) bus.ack(me, seq); // unknown or already acked: still 200, acks are idempotent
-        }
+        // Unknown or already acked: still 200, acks are idempotent.
+        bus.ack(me, ...(keys as string[]).map((k) => Number(k.slice(me.length + 1))).filter(Number.isSafeInteger));
         return jsonResponse(200, '{"status":"acked"}');
       },
     },
