@@ -1554,6 +1554,39 @@ describe("bus: durability", () => {
     }
   });
 
+  test("a seq given again after a crash (its first message was handed out unwritten) is not acked by the lost one's key", async () => {
+    const dir = tmpDir();
+    const bus = await Bus.open(dir, { limits: { opaqueCap: 1000 } });
+    const recv = async (b: Bus) => (await b.handler(new Request("http://bus/recv?me=r&timeout_ms=0"))).json();
+    const crashed = tmpDir();
+    let lost: { envelope: { payload: unknown }; ack: string };
+    try {
+      const sent = [bus.send("x", '"opens a round"'), bus.send("r", '"lost"')]; // "lost" waits for the next round
+      lost = await recv(bus); // handed out from memory, unwritten
+      expect(lost.envelope.payload).toBe("lost");
+      // What a kill -9 would leave now is what was written: a copy of the file.
+      fs.copyFileSync(path.join(dir, "queue.jsonl"), path.join(crashed, "queue.jsonl"));
+      expect(fs.readFileSync(path.join(crashed, "queue.jsonl"), "utf8")).not.toContain("lost");
+      await Promise.all(sent);
+    } finally {
+      await bus.close();
+    }
+    const after = await Bus.open(crashed, { log: () => {} });
+    try {
+      await after.send("r", '"new"');
+      const fresh = await recv(after);
+      expect(fresh.ack.split("\0")[1].split(":")[0]).toBe(lost.ack.split("\0")[1].split(":")[0]); // the same seq
+      const ack = (key: string) =>
+        after.handler(new Request("http://bus/ack", { method: "POST", body: JSON.stringify({ me: "r", ack: key }) }));
+      expect((await ack(lost.ack)).status).toBe(200); // the late ack of the lost message...
+      expect(await recv(after)).toMatchObject({ envelope: { payload: "new" } }); // ...leaves the new one queued
+      expect((await ack(fresh.ack.split(":")[0])).status).toBe(200); // a key without ts (an earlier bus's) still acks
+      expect(await recv(after)).toEqual({ status: "timeout" });
+    } finally {
+      await after.close();
+    }
+  });
+
   test("a queue file in the older layout (payload before sender, no size) is recovered and rewritten in today's layout", async () => {
     const dir = tmpDir();
     const file = path.join(dir, "queue.jsonl");

@@ -1924,8 +1924,12 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 //   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap
 //   {"t":"o","q":<recipient>}                              the route has proven its owner
 //   {"t":"h","next":<seq>}                                 first line after compaction
-// `seq` is global and never reused (compaction keeps the high-water mark), so
-// an ack key handed out before a restart still names the same message after it.
+// `seq` is global and not reused (compaction keeps the high-water mark), so an
+// ack key handed out before a restart still names the same message after it.
+// The one exception: a message handed to a parked receiver before its record
+// was written, lost with the process, leaves its seq to the next message after
+// the restart. So an ack key names the ts as well, and a late ack of the lost
+// message leaves the new one alone.
 // Payloads stay JSON text end to end: the bus never parses what it relays.
 //
 // Payloads live in the file, not in memory: a queued message is its offset
@@ -2150,8 +2154,13 @@ export class BusQueues {
     return this.#queues.get(to)?.first();
   }
 
+  /** The entry `seq` of `to`, while it is queued. */
+  get(to: string, seq: number): Queued | undefined {
+    return this.#queues.get(to)?.find(seq);
+  }
+
   has(to: string, seq: number): boolean {
-    return this.#queues.get(to)?.find(seq) !== undefined;
+    return this.get(to, seq) !== undefined;
   }
 
   /** Entries `to` keeps in memory, removed ones not yet let go included: bounded by about twice the live ones. */
@@ -2337,7 +2346,7 @@ function recipientParam(value: unknown, name: string): string {
   if (value.length > RECIPIENT_MAX_CHARS) {
     throw new HttpError(400, `"${name}" is longer than ${RECIPIENT_MAX_CHARS} characters`);
   }
-  // Ack keys are `recipient + "\0" + seq`; a NUL inside a recipient would let "a" ack the messages of "a\0x".
+  // Ack keys are `recipient + "\0" + seq:ts`; a NUL inside a recipient would let "a" ack the messages of "a\0x".
   if (value.includes("\0")) throw new HttpError(400, `"${name}" must not contain NUL`);
   return value;
 }
@@ -2969,7 +2978,18 @@ export interface RecoveryReport {
   ms: number;
 }
 
-const ackKey = (me: string, seq: number) => `${me}\0${seq}`;
+/** `recipient NUL seq:ts`: see "The bus" for why the ts. */
+const ackKey = (me: string, m: { seq: number; ts: number }) => `${me}\0${m.seq}:${m.ts}`;
+
+/**
+ * The seq of the queued message an ack key names, or undefined (already acked, or another message now has that seq).
+ * A key without ":ts" (an earlier bus gave those out) names the seq alone.
+ */
+function ackedSeq(bus: Bus, me: string, key: string): number | undefined {
+  const m = /^(\d{1,16})(?::(\d{1,16}))?$/.exec(key.slice(me.length + 1));
+  const item = m ? bus.queues.get(me, Number(m[1])) : undefined;
+  return item && (m![2] === undefined || item.ts === Number(m![2])) ? item.seq : undefined;
+}
 
 /** A recv/ack proof is honoured this long either side of its ts (clients renew theirs every minute). */
 const RECV_PROOF_FRESH_MS = 5 * 60_000;
@@ -3160,7 +3180,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         const got = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal, max);
         if (!got.length) return jsonResponse(200, '{"status":"timeout"}');
         const entry = (m: BusDelivery) =>
-          `"envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${JSON.stringify(ackKey(me, m.seq))}`;
+          `"envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${JSON.stringify(ackKey(me, m))}`;
         if (max > 1) return jsonResponse(200, `{"status":"messages","messages":[${got.map((m) => `{${entry(m)}}`)}]}`);
         return jsonResponse(200, `{"status":"message",${entry(got[0])}}`);
       },
@@ -3181,7 +3201,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         }
         await checkOwnership(bus, me, body.proof);
         // Unknown or already acked: still 200, acks are idempotent.
-        bus.ack(me, ...(keys as string[]).map((k) => Number(k.slice(me.length + 1))).filter(Number.isSafeInteger));
+        bus.ack(me, ...(keys as string[]).map((k) => ackedSeq(bus, me, k)).filter((seq) => seq !== undefined));
         return jsonResponse(200, '{"status":"acked"}');
       },
     },
