@@ -2520,6 +2520,10 @@ export class Bus {
     const lock = await PidLock.acquire(path.join(dataDir, "bus.lock"), "interlink bus");
     try {
       const file = path.join(dataDir, "queue.jsonl");
+      // A compaction killed midway leaves its temp file, named by its pid: only the bus holding the lock writes here.
+      for (const name of fs.readdirSync(dataDir)) {
+        if (/^queue\.jsonl\.\d+\.tmp$/.test(name)) fs.rmSync(path.join(dataDir, name), { force: true });
+      }
       const started = performance.now();
       const queues = new BusQueues({ ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) });
       const bad: [offset: number, bytes: number, reason: string, line: string][] = [];
@@ -2937,7 +2941,10 @@ export class Bus {
           write("}\n");
           placed.push([m, at, literal.length]);
         }
-      }, (tmp) => reader = fs.openSync(tmp, "r"));
+      }, (tmp) => {
+        reader = fs.openSync(tmp, "r");
+        if (!opening) failpoint("bus-mid-compact"); // the new file written and synced, not yet in place
+      });
     } catch (e) {
       if (reader !== undefined) fs.closeSync(reader);
       this.#compactAfter = this.now() + COMPACT_RETRY_MS;
