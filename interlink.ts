@@ -1310,13 +1310,7 @@ export const corruptFile = (file: string): string => `${file}.corrupt`;
  * never read again. Only the process that owns the file calls this.
  */
 export function quarantineLine(file: string, offset: number, bytes: number, reason: string, line: string): void {
-  const side = fs.openSync(corruptFile(file), "a", 0o600);
-  try {
-    writeAll(side, Buffer.from(JSON.stringify({ offset, reason, line, at: Date.now() }) + "\n"));
-    fs.fsyncSync(side);
-  } finally {
-    fs.closeSync(side);
-  }
+  setAside(file, offset, reason, line);
   const fd = fs.openSync(file, "r+");
   try {
     const blank = Buffer.alloc(bytes, 0x20);
@@ -1324,6 +1318,17 @@ export function quarantineLine(file: string, offset: number, bytes: number, reas
     while (done < bytes) done += fs.writeSync(fd, blank, done, bytes - done, offset + done);
   } finally {
     fs.closeSync(fd);
+  }
+}
+
+/** Appends an entry to `file`'s `.corrupt` side file (0600), synced before the caller goes on to drop what it holds. */
+function setAside(file: string, offset: number, reason: string, line: string): void {
+  const side = fs.openSync(corruptFile(file), "a", 0o600);
+  try {
+    writeAll(side, Buffer.from(JSON.stringify({ offset, reason, line, at: Date.now() }) + "\n"));
+    fs.fsyncSync(side);
+  } finally {
+    fs.closeSync(side);
   }
 }
 
@@ -2580,10 +2585,7 @@ export class Bus {
         } finally {
           fs.closeSync(fd);
         }
-        fs.appendFileSync(
-          corruptFile(file),
-          JSON.stringify({ offset: next, reason: "torn last line", line: tail.toString(), at: Date.now() }) + "\n",
-        );
+        setAside(file, next, "torn last line", tail.toString());
         fs.truncateSync(file, next);
       }
       const recovery = {
@@ -2841,7 +2843,13 @@ export class Bus {
   /** The bytes of `item`'s payload literal in the file (fewer if the file ends first), in a reused buffer. */
   #literalBytes(item: Queued): Buffer {
     if (this.#readBuf.length < item.len) this.#readBuf = Buffer.allocUnsafe(item.len);
-    return this.#readBuf.subarray(0, fs.readSync(this.#reader, this.#readBuf, 0, item.len, item.at));
+    let got = 0;
+    while (got < item.len) { // a read may return less than asked (a network file system) before the end
+      const n = fs.readSync(this.#reader, this.#readBuf, got, item.len - got, item.at + got);
+      if (n === 0) break;
+      got += n;
+    }
+    return this.#readBuf.subarray(0, got);
   }
 
   /**
@@ -2923,6 +2931,7 @@ export class Bus {
     if (!force && this.dead < Math.max(this.#compactMinDead, this.queues.liveCount)) return;
     if (this.now() < this.#compactAfter) return;
     const placed: [Queued, number, number][] = [];
+    const cut: [string, number][] = []; // live messages the file no longer holds whole: left out, set aside
     let reader: number | undefined; // on the new file, opened before it replaces the old one
     try {
       this.writer.rewrite((write) => {
@@ -2934,7 +2943,11 @@ export class Bus {
           if (m.payload !== undefined) literal = Buffer.from(JSON.stringify(m.payload));
           else {
             literal = this.#literalBytes(m);
-            if (literal.length !== m.len) throw new Error(`the queue file ended inside the payload of seq ${m.seq}`);
+            if (literal.length !== m.len) { // the file was cut short from outside: as at delivery, it cannot block
+              setAside(this.writer.file, m.at, "payload cut short", Buffer.from(literal).toString());
+              cut.push([q, m.seq]);
+              continue;
+            }
           }
           const at = write(head) + utf8Bytes(head);
           write(literal);
@@ -2956,6 +2969,10 @@ export class Bus {
     fs.closeSync(this.#reader);
     this.#reader = reader!;
     for (const [m, at, len] of placed) this.#stored(m, at, len);
+    for (const [q, seq] of cut) {
+      this.queues.remove(q, seq);
+      this.#log(`the queued message seq ${seq} for ${fingerprint(q)}… was cut short on disk; set aside in .corrupt`);
+    }
     this.dead = 0;
     if (!opening) failpoint("bus-after-compact");
   }
