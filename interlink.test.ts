@@ -1585,6 +1585,20 @@ describe("bus: durability", () => {
     } finally {
       await after.close();
     }
+    // Any ts a record holds makes a key that acks it, a negative one (a hand edit) too.
+    const edited = tmpDir();
+    fs.writeFileSync(path.join(edited, "queue.jsonl"), `${messageHead("r", 7, -5, "", 3)}"\\"x\\""}\n`);
+    const third = await Bus.open(edited, { log: () => {} });
+    try {
+      const odd = await recv(third);
+      expect(odd).toMatchObject({ envelope: { payload: "x", ts: -5 } });
+      await third.handler(
+        new Request("http://bus/ack", { method: "POST", body: JSON.stringify({ me: "r", ack: odd.ack }) }),
+      );
+      expect(await recv(third)).toEqual({ status: "timeout" });
+    } finally {
+      await third.close();
+    }
   });
 
   test("a queue file in the older layout (payload before sender, no size) is recovered and rewritten in today's layout", async () => {

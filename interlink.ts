@@ -3010,7 +3010,7 @@ const ackKey = (me: string, m: { seq: number; ts: number }) => `${me}\0${m.seq}:
  * A key without ":ts" (an earlier bus gave those out) names the seq alone.
  */
 function ackedSeq(bus: Bus, me: string, key: string): number | undefined {
-  const m = /^(\d{1,16})(?::(\d{1,16}))?$/.exec(key.slice(me.length + 1));
+  const m = /^(\d{1,16})(?::(-?\d{1,16}))?$/.exec(key.slice(me.length + 1)); // a ts is any safe integer on disk
   const item = m ? bus.queues.get(me, Number(m[1])) : undefined;
   return item && (m![2] === undefined || item.ts === Number(m![2])) ? item.seq : undefined;
 }
