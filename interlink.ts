@@ -9053,15 +9053,20 @@ async function startNatsServer(dir: string): Promise<{ url: string; child: Retur
   const conf = path.join(dir, "nats.conf");
   fs.writeFileSync(conf, `listen: 127.0.0.1:${port}\nmax_payload: 2MB\njetstream { store_dir: "${dir}" }\n`);
   const child = spawn(bin, ["-c", conf], { stdio: ["ignore", "ignore", "pipe"] });
-  await new Promise<void>((resolve, reject) => {
-    let buf = "";
-    child.stderr!.on("data", (d: Buffer) => {
-      buf += d.toString();
-      if (buf.includes("Server is ready")) resolve();
-    });
-    child.once("exit", (code) => reject(new InterlinkError(`nats-server exited with ${code}: ${buf.slice(-500)}`)));
-  });
+  await untilSays(child, child.stderr!, "Server is ready", "nats-server");
   return { url: `nats://127.0.0.1:${port}`, child };
+}
+
+/** Resolves once a bench server's `out` says `ready`; rejects, with its last words, if it exits first. */
+function untilSays(child: ReturnType<typeof spawn>, out: NodeJS.ReadableStream, ready: string, name: string) {
+  return new Promise<void>((resolve, reject) => {
+    let buf = "";
+    out.on("data", (d: Buffer) => {
+      buf += d.toString();
+      if (buf.includes(ready)) resolve();
+    });
+    child.once("exit", (code) => reject(new InterlinkError(`${name} exited with ${code}: ${buf.slice(-500)}`)));
+  });
 }
 
 /**
@@ -9076,14 +9081,7 @@ async function startRedisServer(dir: string): Promise<{ port: number; child: Ret
   fs.mkdirSync(dir, { recursive: true });
   const args = ["--port", `${port}`, "--bind", "127.0.0.1", "--dir", dir, "--save", "", "--appendonly", "yes"];
   const child = spawn(bin, [...args, "--appendfsync", "always"], { stdio: ["ignore", "pipe", "pipe"] });
-  await new Promise<void>((resolve, reject) => {
-    let buf = "";
-    child.stdout!.on("data", (d: Buffer) => {
-      buf += d.toString();
-      if (buf.includes("Ready to accept connections")) resolve();
-    });
-    child.once("exit", (code) => reject(new InterlinkError(`redis-server exited with ${code}: ${buf.slice(-500)}`)));
-  });
+  await untilSays(child, child.stdout!, "Ready to accept connections", "redis-server");
   return { port, child };
 }
 
