@@ -2132,14 +2132,13 @@ export class BusQueues {
     return { item, dropped };
   }
 
-  #count(sender: string, delta: number): void {
-    this.bytes += delta;
-    if (!sender) return;
-    const entry = this.#senderBytes.get(sender);
-    const n = (entry?.bytes ?? 0) + delta;
-    if (n <= 0) this.#senderBytes.delete(sender);
-    else if (entry) entry.bytes = n;
-    else this.#senderBytes.set(sender, { name: sender, bytes: n });
+  /** Takes a removed message's bytes off the budgets (`add` counts them on). */
+  #release(sender: string, size: number): void {
+    this.bytes -= size;
+    const held = sender ? this.#senderBytes.get(sender) : undefined;
+    if (!held) return;
+    held.bytes -= size;
+    if (held.bytes <= 0) this.#senderBytes.delete(sender);
   }
 
   /** Whether one more message from `sender` to `to` would push an older one out (see `add`). */
@@ -2179,7 +2178,7 @@ export class BusQueues {
     const item = q?.remove(seq);
     if (!item) return false;
     this.liveCount--;
-    this.#count(item.sender, -item.size);
+    this.#release(item.sender, item.size);
     if (q!.live === 0) this.#queues.delete(to);
     return true;
   }
@@ -2725,15 +2724,16 @@ export class Bus {
   }
 
   /**
-   * Hands a record to the write path: written now if no fdatasync is running,
+   * Hands records to the write path: written now if no fdatasync is running,
    * else held for the next round's single write (a lazy round is scheduled
    * for records nobody awaits), unless `now`. Throws the HTTP answer when a
    * write now fails: 507 for a full disk.
    */
-  #write(line: PendingLine, now = false): void {
-    this.#pending.push(line);
+  #write(lines: PendingLine | PendingLine[], now = false): void {
+    const batch = Array.isArray(lines) ? lines : [lines];
+    this.#pending.push(...batch);
     if (this.writer.syncing && !now) {
-      if (line.len === undefined) this.#syncSoon();
+      if (batch.some((l) => l.len === undefined)) this.#syncSoon();
       return;
     }
     try {
@@ -2903,9 +2903,7 @@ export class Bus {
   ack(me: string, ...seqs: number[]): void {
     const known = [...new Set(seqs)].filter((seq) => this.queues.has(me, seq));
     if (!known.length) return;
-    const lines = known.map((seq) => recordLine({ t: "a", q: me, n: seq }));
-    this.#pending.push(...lines.slice(0, -1));
-    this.#write(lines[lines.length - 1], true); // what is held, then these: one append
+    this.#write(known.map((seq) => recordLine({ t: "a", q: me, n: seq })), true); // with what is held: one append
     for (const seq of known) this.queues.remove(me, seq);
     this.dead += 2 * known.length;
     this.#syncSoon();
