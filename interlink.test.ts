@@ -107,6 +107,7 @@ import {
   writeKeyFile,
   ZOD,
 } from "./interlink.ts";
+import { OPTIONS as BENCH_OPTIONS, PARTS as BENCH_PARTS } from "./bench.ts";
 
 const REPO = import.meta.dir;
 const SCRIPT = path.join(REPO, "interlink.ts");
@@ -2987,6 +2988,12 @@ describe("the docs say what the code does", () => {
       }
       for (const env of envs) expect({ env, listed: table.includes(env) }).toEqual({ env, listed: true });
     }
+    // The benchmark is bench.ts, beside interlink.ts: the reference names how to run it, each flag and each part.
+    expect(table).toContain("`bun bench.ts`");
+    for (const flag of Object.keys(BENCH_OPTIONS)) {
+      expect({ bench: flag, listed: table.includes(`--${flag}`) }).toEqual({ bench: flag, listed: true });
+    }
+    expect(table).toContain(`--only ${BENCH_PARTS.join(",")}`);
   });
 
   test("SKILL.md has the frontmatter an agent skill needs", () => {
