@@ -107,6 +107,7 @@ import {
   writeKeyFile,
   ZOD,
 } from "./interlink.ts";
+import { OPTIONS as BENCH_OPTIONS, PARTS as BENCH_PARTS } from "./bench.ts";
 
 const REPO = import.meta.dir;
 const SCRIPT = path.join(REPO, "interlink.ts");
@@ -2834,6 +2835,25 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
     60_000,
   );
 
+  test.concurrent(
+    "bench.ts --help describes every part and flag; an unknown part is refused by name before anything runs",
+    async () => {
+      const bench = path.join(REPO, "bench.ts");
+      const [help, unknown] = await Promise.all([
+        spawnAsync(process.execPath, [bench, "--help"], { timeout: 10_000 }),
+        spawnAsync(process.execPath, [bench, "--only", "idle,nope"], { timeout: 10_000 }),
+      ]);
+      expect({ code: help.status, stderr: help.stderr }).toEqual({ code: 0, stderr: "" });
+      expect(help.stdout).toContain("Usage: bun bench.ts");
+      for (const part of BENCH_PARTS) expect(help.stdout).toContain(`${part}:`); // each part says what it measures
+      for (const flag of Object.keys(BENCH_OPTIONS)) expect(help.stdout).toContain(`--${flag}`);
+      expect(unknown.status).toBe(1);
+      expect(unknown.stderr).toBe(`bench: unknown benchmark 'nope'; choose from ${BENCH_PARTS.join(", ")}\n`);
+      expect(unknown.stdout).toBe(""); // no report: idle did not run
+    },
+    10_000,
+  );
+
   // The slow child-process tests from here on are independent and overlap (test.concurrent).
   test.concurrent(
     "copy-paste install: interlink.ts alone in a folder runs the demo under Bun (auto-install) and shows every step",
@@ -2987,6 +3007,12 @@ describe("the docs say what the code does", () => {
       }
       for (const env of envs) expect({ env, listed: table.includes(env) }).toEqual({ env, listed: true });
     }
+    // The benchmark is bench.ts, beside interlink.ts: the reference names how to run it, each flag and each part.
+    expect(table).toContain("`bun bench.ts`");
+    for (const flag of Object.keys(BENCH_OPTIONS)) {
+      expect({ bench: flag, listed: table.includes(`--${flag}`) }).toEqual({ bench: flag, listed: true });
+    }
+    expect(table).toContain(`--only ${BENCH_PARTS.join(",")}`);
   });
 
   test("SKILL.md has the frontmatter an agent skill needs", () => {

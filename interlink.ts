@@ -86,7 +86,7 @@ export const OPAQUE_CAP = 64;
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
 export const SENDER_BYTES_MAX = 8 << 20;
 /**
- * Payload bytes a bus holds in all; past it, sends get 507. `bench --only flood` measures the cost: a Bun bus
+ * Payload bytes a bus holds in all; past it, sends get 507. `bun bench.ts --only flood` measures the cost: a Bun bus
  * full of 900 KB floods peaks near 4× this, a Deno bus (run with --optimize-for-size) near 4.3×.
  */
 export const TOTAL_BYTES_MAX = 32 << 20;
@@ -111,14 +111,14 @@ export const TEXT_LIMIT_BYTES = 256 * 1024;
 /** Messages one batched recv answers at most (our extension: GET /recv?max=N), and acks one POST /ack takes. */
 export const RECV_BATCH_MAX = 64;
 /** What our agent asks one recv for: several messages that piled up take one round trip, not one each. */
-const RECV_BATCH = 32;
+export const RECV_BATCH = 32;
 /** Messages our agent sends in one request, where the bus takes several (POST /send {"messages": [...]}). */
 const SEND_BATCH = 32;
 /** Longest recipient string the bus accepts: a 43-char key plus a label. */
 const RECIPIENT_MAX_CHARS = 512;
 
 /** One stalled bus must not wedge delivery to the others. */
-const SEND_TIMEOUT_MS = 5_000;
+export const SEND_TIMEOUT_MS = 5_000;
 /** Retry at once after a blip, doubling while a bus stays down, but never wait longer than half a minute. */
 const BACKOFF_MIN_MS = 250;
 const BACKOFF_MAX_MS = 30_000;
@@ -1370,7 +1370,7 @@ export class JsonlWriter {
   #syncing = false;
   #retired: number[] = []; // descriptors replaced by compaction, closed once no sync is in flight
   #fence = false; // the last append failed part-way and could not be cut back: start the next with a newline
-  /** Writes made and fsync rounds run, for tests and `bench`. */
+  /** Writes made and fsync rounds run, for tests. */
   readonly stats = { writes: 0, rounds: 0 };
 
   /** `folder` names the data or state folder in a disk-full error. */
@@ -2282,10 +2282,10 @@ function currentHttpDate(): string {
 }
 
 /** Every answer carries Date (Bun's server does not add it): `doctor` measures clock skew against it. */
-const jsonResponse = (status: number, body: string, headers: Record<string, string> = {}): Response =>
+export const jsonResponse = (status: number, body: string, headers: Record<string, string> = {}): Response =>
   new Response(body, { status, headers: { "content-type": "application/json", date: currentHttpDate(), ...headers } });
 
-const errorResponse = (status: number, message: string): Response =>
+export const errorResponse = (status: number, message: string): Response =>
   jsonResponse(status, JSON.stringify({ error: message }));
 
 /** Reads a JSON body of at most BODY_LIMIT_BYTES, counting bytes as they arrive (Content-Length may be absent or lie). */
@@ -2605,12 +2605,12 @@ export class Bus {
     }
   }
 
-  /** Writes made to the queue file and fsync rounds run (for tests and `bench`). */
+  /** Writes made to the queue file and fsync rounds run (for tests). */
   get writeStats(): { writes: number; rounds: number } {
     return this.writer.stats;
   }
 
-  /** Open long-polls right now (for tests and `bench`). */
+  /** Open long-polls right now (for tests). */
   get waiterCount(): number {
     let n = 0;
     for (const set of this.#waiters.values()) n += set.size;
@@ -5174,7 +5174,7 @@ export async function queueMessage(journal: Journal, id: Identity, p: PreparedSe
   return entry;
 }
 
-async function postJson(
+export async function postJson(
   url: string,
   body: unknown,
   timeoutMs = SEND_TIMEOUT_MS,
@@ -6930,7 +6930,7 @@ list_tasks shows open tasks and unanswered questions.`;
 
 /**
  * An `interlink.ts mcp` child driven over stdio by the official SDK client,
- * exactly as Claude Code drives it: used by `demo`, `bench` and the tests.
+ * exactly as Claude Code drives it: used by `demo`, bench.ts and the tests.
  * Channel events are collected as they arrive.
  */
 export class McpSession {
@@ -7347,27 +7347,14 @@ function intOption(value: unknown, flag: string, min: number, max: number): numb
 }
 
 /** Resolves with the signal's name on the first SIGINT or SIGTERM. */
-function shutdownSignal(): Promise<string> {
+export function shutdownSignal(): Promise<string> {
   return new Promise((resolve) => {
     for (const sig of ["SIGINT", "SIGTERM"] as const) process.once(sig, () => resolve(sig));
   });
 }
 
-/** argv that runs this same file under the same runtime (for the embedded bus, `demo` and `bench`). */
-export function selfCommand(args: string[], runtime: "bun" | "deno" | "" = ""): string[] {
-  const script = thisScript();
-  if (runtime && runtime !== (runtimeHost.Deno ? "deno" : "bun")) {
-    // The other runtime (bench --bus-runtime): from PATH.
-    const exe = findOnPath(runtime);
-    if (!exe) {
-      throw new InterlinkError(
-        `${runtime} is not on PATH (it runs with npx -y ${runtime}@${runtime === "deno" ? "2.9.6" : "1.4.5"})`,
-      );
-    }
-    return runtime === "deno"
-      ? [exe, "run", "-A", "--quiet", ...(args[0] === "bus" ? ["--v8-flags=--optimize-for-size"] : []), script, ...args]
-      : [exe, script, ...args];
-  }
+/** argv that runs this file (or `script`: bench.ts runs its floor so) under the same runtime: the embedded bus, `demo`. */
+export function selfCommand(args: string[], script: string = thisScript()): string[] {
   if (runtimeHost.Deno) {
     const config = path.join(path.dirname(script), "deno.json");
     return [
@@ -7393,7 +7380,7 @@ export function selfCommand(args: string[], runtime: "bun" | "deno" | "" = ""): 
  * asynchronous in Bun, and the exit that follows a command would cut a long
  * `log` short. (Not used by `mcp`, whose stdout belongs to the SDK transport.)
  */
-function print(text = ""): void {
+export function print(text = ""): void {
   const bytes = Buffer.from(text + "\n");
   for (let done = 0; done < bytes.length;) {
     try {
@@ -8301,7 +8288,7 @@ async function runVerify(): Promise<number> {
 // -- demo ---------------------------------------------------------------------
 
 /** Environment for child processes we start: ours, minus any INTERLINK_* that would point them at the user's real node. */
-function childEnv(extra: Record<string, string>): Record<string, string> {
+export function childEnv(extra: Record<string, string>): Record<string, string> {
   const env: Record<string, string> = {};
   for (const [k, v] of Object.entries(process.env)) if (v !== undefined && !k.startsWith("INTERLINK_")) env[k] = v;
   return { ...env, ...extra };
@@ -8315,14 +8302,15 @@ function startChildBus(
   return startChild(["bus", "--port", String(port), "--data", dataDir]);
 }
 
-/** The runtime bench runs its servers in (--bus-runtime); "" for its own. */
-let benchServers: "bun" | "deno" | "" = "";
-
-/** Starts this file with `args` as a child that says "listening on <url>" on stderr; resolves once it does. */
-async function startChild(
+/**
+ * Starts this file with `argv` as a child that says "listening on <url>" on stderr; resolves once it does. bench.ts
+ * passes its own `command` (its floor, or a bus under the other runtime).
+ */
+export async function startChild(
   argv: string[],
+  command: string[] = selfCommand(argv),
 ): Promise<{ url: string; child: ReturnType<typeof spawn>; stderr: string[] }> {
-  const [cmd, ...args] = selfCommand(argv, benchServers);
+  const [cmd, ...args] = command;
   const child = spawn(cmd, args, { stdio: ["ignore", "ignore", "pipe"], env: childEnv({}) });
   const stderr: string[] = [];
   const url = await new Promise<string>((resolve, reject) => {
@@ -8340,7 +8328,7 @@ async function startChild(
   return { url, child, stderr };
 }
 
-async function stopChild(child: ReturnType<typeof spawn>): Promise<void> {
+export async function stopChild(child: ReturnType<typeof spawn>): Promise<void> {
   if (child.exitCode !== null || child.signalCode !== null) return;
   const exited = new Promise((r) => child.once("exit", r));
   child.kill("SIGTERM");
@@ -8349,7 +8337,7 @@ async function stopChild(child: ReturnType<typeof spawn>): Promise<void> {
 }
 
 /** A demo node: key and peers in a temp folder, an agent started by us and driven through the MCP SDK client. */
-async function startDemoNode(
+export async function startDemoNode(
   root: string,
   name: string,
   busUrl: string,
@@ -8502,844 +8490,6 @@ async function runDemo(o: Options): Promise<number> {
     if (o.keep === true) print(`kept ${root}`);
     else fs.rmSync(root, { recursive: true, force: true });
   }
-}
-
-// -- bench --------------------------------------------------------------------
-
-/** Resident set size of a process in MB (Linux /proc; null elsewhere). */
-function rssMb(pid: number): number | null {
-  try {
-    const kb = Number(fs.readFileSync(`/proc/${pid}/status`, "utf8").match(/VmRSS:\s+(\d+)/)![1]);
-    return Math.round(kb / 102.4) / 10;
-  } catch {
-    return null;
-  }
-}
-
-/** CPU seconds a process has used (user + system; Linux /proc, 100 ticks per second). */
-function cpuSeconds(pid: number): number | null {
-  try {
-    const fields = fs.readFileSync(`/proc/${pid}/stat`, "utf8").split(") ")[1].split(" ");
-    return (Number(fields[11]) + Number(fields[12])) / 100;
-  } catch {
-    return null;
-  }
-}
-
-const loadAverage = () => os.loadavg().map((n) => Math.round(n * 100) / 100);
-
-function percentile(sorted: number[], p: number): number {
-  return Math.round(sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))] * 10) / 10;
-}
-
-/**
- * The in-memory floor: the bus's three message routes with no disk, no
- * signature checks and no budgets, so a throughput figure can be read as a
- * share of what HTTP alone allows on the same machine, in the same run.
- */
-export function floorHandler(): (req: Request) => Promise<Response> {
-  const queues = new Map<string, { seq: number; payload: string }[]>();
-  const waiters = new Map<string, Set<() => void>>();
-  let seq = 0;
-  const wait = (me: string, ms: number) =>
-    new Promise<void>((resolve) => {
-      const set = waiters.get(me) ?? new Set();
-      waiters.set(me, set);
-      const done = () => (clearTimeout(timer), set.delete(done), resolve());
-      const timer = setTimeout(done, ms);
-      set.add(done);
-    });
-  return async (req) => {
-    const { pathname, query } = splitUrl(req.url);
-    if (pathname === "/send") {
-      const body = JSON.parse(await req.text());
-      const q = queues.get(body.to) ?? [];
-      q.push({ seq: ++seq, payload: JSON.stringify(body.payload) });
-      queues.set(body.to, q);
-      for (const w of [...(waiters.get(body.to) ?? [])]) w();
-      return jsonResponse(202, '{"status":"queued"}');
-    }
-    if (pathname === "/recv") {
-      const params = new URLSearchParams(query);
-      const me = params.get("me") ?? "";
-      if (!queues.get(me)?.length) await wait(me, Number(params.get("timeout_ms") ?? RECV_TIMEOUT_MS));
-      const m = queues.get(me)?.[0];
-      if (!m) return jsonResponse(200, '{"status":"timeout"}');
-      return jsonResponse(
-        200,
-        `{"status":"message","envelope":{"payload":${m.payload},"ts":0},"ack":${JSON.stringify(`${me}\0${m.seq}`)}}`,
-      );
-    }
-    if (pathname === "/ack") {
-      const body = JSON.parse(await req.text());
-      const q = queues.get(body.me) ?? [];
-      const i = q.findIndex((m) => `${body.me}\0${m.seq}` === body.ack);
-      if (i >= 0) q.splice(i, 1);
-      return jsonResponse(200, '{"status":"acked"}');
-    }
-    return errorResponse(404, "the floor serves /send, /recv and /ack");
-  };
-}
-
-/** Runs `load` against the server `pid`: messages per second, and the server's CPU and RSS meanwhile. */
-async function timedLoad(pid: number, messages: number, load: () => Promise<unknown>) {
-  const cpu0 = cpuSeconds(pid);
-  const t0 = performance.now();
-  await load();
-  const seconds = (performance.now() - t0) / 1000;
-  const cpu1 = cpuSeconds(pid);
-  return {
-    msgs_per_s: Math.round(messages / seconds),
-    seconds: Math.round(seconds * 1000) / 1000,
-    server_cpu_percent: cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / seconds) * 100),
-    server_rss_mb: rssMb(pid),
-  };
-}
-
-/**
- * One server's share of the throughput bench: `pairs` senders and receivers, send → recv → ack, in order;
- * with `batch`, each recv asks for up to RECV_BATCH and acks them in one request (our bus's extension).
- */
-async function throughputLoad(url: string, pid: number, signed: SignedMessage[][], batch = false) {
-  const perPair = signed[0].length;
-  return await timedLoad(pid, signed.length * perPair, () =>
-    Promise.all(signed.map(async (list, i) => {
-      const to = `${list[0].to}#bench-${i}`;
-      let failed = false; // a send that fails ends the receiving too (it would wait for it forever)
-      const sender = (async () => {
-        for (const payload of list) {
-          const r = await postJson(`${url}/send`, { to, payload });
-          if (r.status !== 202) throw new InterlinkError(`send answered ${r.status}`);
-          await r.body?.cancel();
-        }
-      })().catch((e) => {
-        failed = true;
-        throw e;
-      });
-      for (let got = 0; got < perPair && !failed;) {
-        const max = batch ? `&max=${RECV_BATCH}` : "";
-        const body = await (await fetch(`${url}/recv?me=${encodeURIComponent(to)}&timeout_ms=10000${max}`)).json();
-        const items: { envelope: { payload: SignedMessage }; ack: string }[] = body.status === "message"
-          ? [body]
-          : body.status === "messages"
-          ? body.messages
-          : [];
-        if (!items.length) continue;
-        for (const m of items) {
-          if (m.envelope.payload.msg_id !== list[got++].msg_id) {
-            throw new InterlinkError(`out of order: ${m.envelope.payload.msg_id} at ${got - 1}`);
-          }
-        }
-        const keys = items.map((m) => m.ack);
-        const a = await postJson(`${url}/ack`, { me: to, ...(keys.length === 1 ? { ack: keys[0] } : { acks: keys }) });
-        await a.body?.cancel();
-      }
-      await sender;
-    })));
-}
-
-/**
- * 8 pairs × 500 messages, then 64 pairs × 125, through our bus (under Deno:
- * guarded, and with --guard off), through the in-memory floor and through
- * Redis with `appendfsync always` when it is installed, in one run, each
- * figure also as a ratio to the floor and to Redis.
- */
-async function benchThroughput(root: string, progress: (m: string) => void, sample: SignedMessage, id: Identity) {
-  const pairs = 8, perPair = 500, widePairs = 64, widePerPair = 125;
-  // Signed ahead of the clock: the bus verifies each one, which is part of what is measured.
-  const sign = (n: number, per: number) =>
-    Promise.all(
-      Array.from({ length: n }, () =>
-        Promise.all(Array.from({ length: per }, () =>
-          signMessage(
-            id,
-            { to: id.publicKey, text: sample.text, task_id: sample.task_id, status: sample.status },
-            Date.now(),
-          )))),
-    );
-  const signed = await sign(pairs, perPair), wide = await sign(widePairs, widePerPair);
-  const servers: [string, string[]][] = [
-    ["floor", ["bench", "--serve-floor"]],
-    ["bus", ["bus", "--port", "0", "--data", path.join(root, "throughput")]],
-    ...((benchServers || (runtimeHost.Deno ? "deno" : "bun")) === "deno"
-      ? [["bus_unguarded", ["bus", "--port", "0", "--data", path.join(root, "throughput-off"), "--guard", "off"]]] as [
-        string,
-        string[],
-      ][]
-      : []),
-  ];
-  const out: Record<string, unknown> = {
-    load: `${pairs} pairs × ${perPair}, send → recv → ack; "_64": ${widePairs} pairs × ${widePerPair}`,
-    load_generator: runtimeName(),
-    servers_runtime: benchServers || runtimeName(),
-    ...(runtimeHost.Deno
-      ? { note: "the load generator runs under Deno; the README's figures drive every server from Bun (--bus-runtime)" }
-      : {}),
-  };
-  for (const [name, args] of servers) {
-    const server = await startChild(args);
-    try {
-      progress(`throughput: ${name} (pid ${server.child.pid}), ${pairs} pairs × ${perPair}`);
-      out[name] = await throughputLoad(server.url, server.child.pid!, signed);
-      if (name !== "bus_unguarded") {
-        progress(`throughput: ${name}, ${widePairs} pairs × ${widePerPair}`);
-        out[`${name}_64`] = await throughputLoad(server.url, server.child.pid!, wide);
-      }
-      if (name === "bus") {
-        progress(`throughput: bus again, batched recv and ack (as our agents use it)`);
-        out.bus_batched = await throughputLoad(server.url, server.child.pid!, signed, true);
-      }
-    } finally {
-      await stopChild(server.child);
-    }
-  }
-  const redis = await startRedisServer(path.join(root, "redis"));
-  if (!redis) {
-    out.redis = "skipped: redis-server is not on PATH (install it with: sudo apt-get install -y redis-server)";
-  } else {
-    try {
-      progress(`throughput: Redis, appendfsync always (pid ${redis.child.pid}), LPUSH → BLMOVE → LREM, same load`);
-      out.redis = await redisLoad(redis.port, redis.child.pid!, signed);
-      out.redis_64 = await redisLoad(redis.port, redis.child.pid!, wide);
-    } finally {
-      await stopChild(redis.child);
-    }
-  }
-  const rate = (name: string) => (out[name] as { msgs_per_s?: number }).msgs_per_s;
-  const ratio = (a: number, b: number) => Math.round((a / b) * 100) / 100;
-  const compared = [...servers.slice(1).map(([n]) => n), "bus_batched"];
-  for (const name of [...compared, ...(redis ? ["redis"] : [])]) {
-    out[`${name}_over_floor`] = ratio(rate(name)!, rate("floor")!);
-  }
-  out.bus_64_over_floor_64 = ratio(rate("bus_64")!, rate("floor_64")!);
-  if (redis) {
-    for (const name of compared) out[`${name}_over_redis`] = ratio(rate(name)!, rate("redis")!);
-    out.bus_64_over_redis_64 = ratio(rate("bus_64")!, rate("redis_64")!);
-  }
-  return out;
-}
-
-async function benchRecovery(root: string, progress: (m: string) => void, sample: SignedMessage) {
-  const dir = path.join(root, "recovery");
-  fs.mkdirSync(dir, { recursive: true });
-  const total = 300_000, recipients = 300; // 1,000 each, under the per-recipient cap: nothing is dropped at open
-  const p = JSON.stringify(sample);
-  const literal = JSON.stringify(p), size = utf8Bytes(p);
-  const fd = fs.openSync(path.join(dir, "queue.jsonl"), "w");
-  for (let n = 1; n <= total; n += 1000) {
-    let chunk = "";
-    for (let k = n; k < n + 1000; k++) {
-      chunk += `${messageHead(`r${k % recipients}`, k, Date.now(), sample.from, size)}${literal}}\n`;
-    }
-    fs.writeSync(fd, chunk);
-  }
-  fs.closeSync(fd);
-  const bytes = fs.statSync(path.join(dir, "queue.jsonl")).size;
-  progress(
-    `recovery: ${total} un-acked messages for ${recipients} recipients on disk (${
-      Math.round(bytes / 1e6)
-    } MB); restarting a bus on them`,
-  );
-  const t0 = performance.now();
-  const bus = await startChildBus(dir);
-  try {
-    const first = await (await fetch(`${bus.url}/recv?me=r1&timeout_ms=0`)).json();
-    const ms = Math.round(performance.now() - t0);
-    if (first.status !== "message") throw new InterlinkError("the recovered bus had nothing for r1");
-    await sleep(500);
-    const said = bus.stderr.join("\n").match(/recovered (\d+) un-acked messages for \d+ recipients in (\d+) ms/);
-    return {
-      messages: said ? Number(said[1]) : "the bus did not say",
-      file_mb: Math.round(bytes / 1e5) / 10,
-      bus_open_ms: said ? Number(said[2]) : null,
-      first_recv_ms: ms,
-      rss_mb_after: rssMb(bus.child.pid!),
-    };
-  } finally {
-    await stopChild(bus.child);
-  }
-}
-
-async function benchIdle(root: string, progress: (m: string) => void) {
-  const bus = await startChildBus(path.join(root, "idle"));
-  const waiters = 500;
-  const port = Number(new URL(bus.url).port);
-  const sockets: net.Socket[] = [];
-  try {
-    progress(`idle: ${waiters} concurrent long-polling recvs (raw sockets, so no client pool caps them)`);
-    const rssBefore = rssMb(bus.child.pid!);
-    await Promise.all(Array.from({ length: waiters }, (_, i) =>
-      new Promise<void>((resolve, reject) => {
-        const sock = net.connect(port, "127.0.0.1", () => {
-          sock.write(`GET /recv?me=idle-${i}&timeout_ms=60000 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n`);
-          resolve();
-        });
-        sock.on("error", reject);
-        sockets.push(sock);
-      })));
-    await sleep(1000);
-    const cpu0 = cpuSeconds(bus.child.pid!), wall0 = performance.now();
-    await sleep(5000);
-    const cpu1 = cpuSeconds(bus.child.pid!), wall1 = performance.now();
-    // Prove they are all registered: a message for the last waiter is answered on its socket at once.
-    const answered = new Promise<number>((resolve) => {
-      const t = performance.now();
-      sockets[waiters - 1].once("data", () => resolve(Math.round(performance.now() - t)));
-    });
-    const r = await postJson(`${bus.url}/send`, { to: `idle-${waiters - 1}`, payload: "wake" });
-    await r.body?.cancel();
-    return {
-      waiters,
-      bus_rss_mb_before: rssBefore,
-      bus_rss_mb_idle: rssMb(bus.child.pid!),
-      bus_cpu_percent_idle: cpu0 === null || cpu1 === null
-        ? null
-        : Math.round(((cpu1 - cpu0) / ((wall1 - wall0) / 1000)) * 1000) / 10,
-      wake_ms_for_last_waiter: await answered,
-    };
-  } finally {
-    for (const s of sockets) s.destroy();
-    await stopChild(bus.child);
-  }
-}
-
-async function benchAgents(root: string, progress: (m: string) => void) {
-  const bus = await startChildBus(path.join(root, "agents-bus"));
-  const sessions: McpSession[] = [];
-  try {
-    const coldStarts: number[] = [];
-    for (let i = 0; i < 5; i++) {
-      const t0 = performance.now();
-      const { session } = await startDemoNode(root, `cold-${i}`, bus.url);
-      await session.client.listTools();
-      coldStarts.push(performance.now() - t0);
-      await session.close();
-    }
-    progress(
-      `agents: cold start to first tools/list ${
-        coldStarts.map((n) => Math.round(n)).join(", ")
-      } ms; now 200 messages alice → bob`,
-    );
-    const [a, b] = await Promise.all([startDemoNode(root, "alice", bus.url), startDemoNode(root, "bob", bus.url)]);
-    sessions.push(a.session, b.session);
-    for (const [me, other, name] of [[a, b, "bob"], [b, a, "alice"]] as const) {
-      await addPeer(path.join(root, me.session.label, "peers.json"), name, other.id.publicKey);
-    }
-    // From the send_message call to bob's push, however long the tool itself takes to answer (it answers once the
-    // message is durable on the bus, and its "sent" record too).
-    const latencies: number[] = [], toolTimes: number[] = [];
-    for (let n = 0; n < 220; n++) {
-      const t0 = performance.now();
-      const pushed = b.session.waitEvent((e) => e.content.includes(`#${n}#`), 10_000).then(() => performance.now());
-      await a.session.ok("send_message", {
-        to: "bob",
-        text: `message #${n}#`,
-        task_id: "bench",
-        status: n ? "update" : undefined,
-      });
-      const answered = performance.now();
-      if (n >= 20) { // the first 20 warm the JIT and connections
-        latencies.push((await pushed) - t0);
-        toolTimes.push(answered - t0);
-      }
-      await pushed;
-    }
-    latencies.sort((x, y) => x - y);
-    toolTimes.sort((x, y) => x - y);
-    await sleep(3000);
-    return {
-      cold_start_ms_median: Math.round([...coldStarts].sort((x, y) => x - y)[2]),
-      cold_start_ms: coldStarts.map((n) => Math.round(n)),
-      send_to_push_ms_p50: percentile(latencies, 50),
-      send_to_push_ms_p99: percentile(latencies, 99),
-      send_tool_answer_ms_p50: percentile(toolTimes, 50),
-      messages: latencies.length,
-      idle_agent_rss_mb: rssMb(a.session.pid!),
-    };
-  } finally {
-    await Promise.allSettled(sessions.map((s) => s.close()));
-    await stopChild(bus.child);
-  }
-}
-
-/**
- * Sessions: 10 sessions of one key and 10 of another, each paired with one of
- * the other side, exchange 200 messages each way through the MCP tools; every
- * session must get exactly its partner's 200, in order: none misrouted, lost
- * or duplicated.
- */
-async function benchSessions(root: string, progress: (m: string) => void) {
-  const bus = await startChildBus(path.join(root, "sessions-bus"));
-  const sessions: McpSession[] = [];
-  try {
-    const files = await Promise.all(["a", "b"].map(async (n) => {
-      const dir = path.join(root, `sessions-${n}`);
-      const seed = crypto.getRandomValues(new Uint8Array(32));
-      writeKeyFile(path.join(dir, "id.key"), seed, false);
-      return { n, dir, id: await identityFromSeed(seed) };
-    }));
-    for (const [me, other] of [[files[0], files[1]], [files[1], files[0]]]) {
-      await addPeer(path.join(me.dir, "peers.json"), other.n, other.id.publicKey);
-    }
-    const pairs = 10, perSession = 200;
-    progress(
-      `sessions: ${pairs} sessions of each of two keys, ${perSession} messages from each session to its partner`,
-    );
-    for (const f of files) {
-      for (let i = 0; i < pairs; i++) {
-        sessions.push(
-          await McpSession.start(
-            `${f.n}${i}`,
-            selfCommand(["mcp"]),
-            childEnv({
-              INTERLINK_KEY: path.join(f.dir, "id.key"),
-              INTERLINK_PEERS: path.join(f.dir, "peers.json"),
-              INTERLINK_STATE: path.join(f.dir, "state"),
-              INTERLINK_CONFIG: path.join(f.dir, "config.json"),
-              INTERLINK_URL: bus.url,
-              INTERLINK_SESSION: `s${i}`,
-              INTERLINK_DELIVERY: "channel",
-            }),
-          ),
-        );
-      }
-    }
-    const t0 = performance.now();
-    await Promise.all(sessions.map(async (s, k) => {
-      const other = k < pairs ? "b" : "a";
-      for (let n = 0; n < perSession; n++) {
-        await s.ok("send_message", { to: other, text: `${s.label}:${n}`, session: `s${k % pairs}` });
-      }
-    }));
-    const deadline = Date.now() + 60_000;
-    const expected = (k: number) => `${k < pairs ? "b" : "a"}${k % pairs}`;
-    while (Date.now() < deadline && sessions.some((s) => s.events.length < perSession)) await sleep(100);
-    await sleep(1000); // anything extra (a duplicate, a misrouted message) has a moment to show up
-    let misrouted = 0, duplicated = 0, lost = 0, outOfOrder = 0;
-    sessions.forEach((s, k) => {
-      const texts = s.events.map((e) => e.content);
-      misrouted += texts.filter((t) => !t.startsWith(`${expected(k)}:`)).length;
-      const mine = texts.filter((t) => t.startsWith(`${expected(k)}:`)).map((t) => Number(t.split(":")[1]));
-      duplicated += mine.length - new Set(mine).size;
-      lost += perSession - new Set(mine).size;
-      outOfOrder += mine.filter((n, i) => i > 0 && n < mine[i - 1]).length;
-    });
-    return {
-      sessions: sessions.length,
-      messages: sessions.length * perSession,
-      seconds: Math.round(performance.now() - t0) / 1000,
-      misrouted,
-      lost,
-      duplicated,
-      out_of_order: outOfOrder,
-    };
-  } finally {
-    await Promise.allSettled(sessions.map((s) => s.close()));
-    await stopChild(bus.child);
-  }
-}
-
-/**
- * Floods, each against a fresh bus: 50,000 distinct keys announcing once (the
- * roster must stay at its cap); one client posting 900 KB opaque payloads to
- * 300 recipients (the global byte budget must answer 507); one key posting
- * 250 KB signed messages to 300 recipients (its own budget must answer 429);
- * 2,000 signed junk messages to one recipient (the per-recipient cap). Memory
- * must stay bounded: each reports the bus's RSS and its ratio to the same bus idle.
- */
-async function benchFlood(root: string, progress: (m: string) => void) {
-  const flood = async (name: string, run: (url: string) => Promise<Record<string, unknown>>) => {
-    const bus = await startChildBus(path.join(root, `flood-${name}`));
-    try {
-      const rssIdle = rssMb(bus.child.pid!);
-      let peak = rssIdle ?? 0;
-      const sampler = setInterval(() => peak = Math.max(peak, rssMb(bus.child.pid!) ?? 0), 50);
-      const t0 = performance.now();
-      const result = await run(bus.url).finally(() => clearInterval(sampler));
-      const rss = rssMb(bus.child.pid!);
-      return {
-        ...result,
-        seconds: Math.round(performance.now() - t0) / 1000,
-        bus_rss_mb_peak: peak,
-        bus_rss_mb_after: rss,
-        bus_rss_mb_idle: rssIdle,
-        peak_ratio_to_idle: rssIdle ? Math.round((peak / rssIdle) * 100) / 100 : null,
-      };
-    } finally {
-      await stopChild(bus.child);
-    }
-  };
-  /** Posts `count` bodies, `width` at a time; counts the answers by status. */
-  const post = async (url: string, count: number, width: number, body: (i: number) => Promise<unknown> | unknown) => {
-    const statuses: Record<string, number> = {};
-    for (let done = 0; done < count;) {
-      const batch = await Promise.all(Array.from({ length: Math.min(width, count - done) }, async (_, i) => {
-        const r = await postJson(url, await body(done + i), 60_000);
-        await r.body?.cancel();
-        return r.status;
-      }));
-      for (const status of batch) statuses[status] = (statuses[status] ?? 0) + 1;
-      done += batch.length;
-    }
-    return statuses;
-  };
-  const keys = 50_000;
-  progress(`flood: ${keys} distinct keys announce once each (signed, valid)`);
-  const announce = await flood("announce", async (url) => {
-    const statuses = await post(`${url}/announce`, keys, 200, async (i) => {
-      const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
-      const session = { session_id: `flood-${i}`, cwd: "/tmp", git_root: "", summary: "x".repeat(100) };
-      return await signAnnouncement(id, `flood-${i}`, Date.now(), session);
-    });
-    const roster = await (await fetch(`${url}/roster`)).json();
-    return { keys, statuses, roster_entries: roster.roster.length, roster_cap: ROSTER_CAP };
-  });
-  progress("flood: 300 recipients × 900 KB opaque payloads from one client");
-  const opaque = "z".repeat(900_000);
-  const opaqueBytes = await flood("opaque", async (url) => ({
-    statuses: await post(`${url}/send`, 300, 8, (i) => ({ to: `victim-${i}`, payload: { junk: opaque } })),
-    budget_mb: TOTAL_BYTES_MAX >> 20,
-  }));
-  progress("flood: one key, 300 recipients × 250 KB signed messages");
-  const eve = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
-  const big = "y".repeat(250_000);
-  const signedBytes = await flood("signed", async (url) => ({
-    statuses: await post(`${url}/send`, 300, 8, async (i) => {
-      const to = (await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)))).publicKey;
-      return { to, payload: await signMessage(eve, { to, text: big, task_id: `flood-${i}` }, Date.now()) };
-    }),
-    sender_budget_mb: SENDER_BYTES_MAX >> 20,
-  }));
-  progress("flood: 2,000 signed junk messages to one recipient");
-  const victim = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
-  const junk = await flood("junk", async (url) => {
-    const statuses = await post(`${url}/send`, 2_000, 50, async (i) => ({
-      to: victim.publicKey,
-      payload: await signMessage(eve, { to: victim.publicKey, text: `junk ${i}` }, Date.now()),
-    }));
-    return { statuses, queue_cap: QUEUE_CAP };
-  });
-  return { announce, opaque_bytes: opaqueBytes, signed_bytes: signedBytes, signed_junk: junk };
-}
-
-/** An executable on PATH (or in /usr/sbin, where Debian puts nats-server), or null. */
-function findOnPath(name: string): string | null {
-  const dirs = [...(process.env.PATH ?? "").split(path.delimiter), "/usr/sbin", "/usr/local/sbin"];
-  for (const dir of dirs) {
-    const file = path.join(dir, name);
-    if (dir && fs.existsSync(file)) return file;
-  }
-  return null;
-}
-
-/** A loopback port free right now, for a server the bench starts. */
-function freeLoopbackPort(): Promise<number> {
-  return new Promise<number>((resolve) => {
-    const srv = net.createServer().listen(0, "127.0.0.1", () => {
-      const p = (srv.address() as net.AddressInfo).port;
-      srv.close(() => resolve(p));
-    });
-  });
-}
-
-/** A nats-server with JetStream on a free loopback port, for the bench (max_payload as a bus takes). */
-async function startNatsServer(dir: string): Promise<{ url: string; child: ReturnType<typeof spawn> } | null> {
-  const bin = findOnPath("nats-server");
-  if (!bin) return null;
-  const port = await freeLoopbackPort();
-  fs.mkdirSync(dir, { recursive: true });
-  const conf = path.join(dir, "nats.conf");
-  fs.writeFileSync(conf, `listen: 127.0.0.1:${port}\nmax_payload: 2MB\njetstream { store_dir: "${dir}" }\n`);
-  const child = spawn(bin, ["-c", conf], { stdio: ["ignore", "ignore", "pipe"] });
-  await untilSays(child, child.stderr!, "Server is ready", "nats-server");
-  return { url: `nats://127.0.0.1:${port}`, child };
-}
-
-/** Resolves once a bench server's `out` says `ready`; rejects, with its last words, if it exits first. */
-function untilSays(child: ReturnType<typeof spawn>, out: NodeJS.ReadableStream, ready: string, name: string) {
-  return new Promise<void>((resolve, reject) => {
-    let buf = "";
-    out.on("data", (d: Buffer) => {
-      buf += d.toString();
-      if (buf.includes(ready)) resolve();
-    });
-    child.once("exit", (code) => reject(new InterlinkError(`${name} exited with ${code}: ${buf.slice(-500)}`)));
-  });
-}
-
-/**
- * A redis-server that fsyncs every write (`appendfsync always`), on a free
- * loopback port: the durable queue the throughput bench compares our bus
- * with. Null when redis-server is not installed (it is not a dependency).
- */
-async function startRedisServer(dir: string): Promise<{ port: number; child: ReturnType<typeof spawn> } | null> {
-  const bin = findOnPath("redis-server");
-  if (!bin) return null;
-  const port = await freeLoopbackPort();
-  fs.mkdirSync(dir, { recursive: true });
-  const args = ["--port", `${port}`, "--bind", "127.0.0.1", "--dir", dir, "--save", "", "--appendonly", "yes"];
-  const child = spawn(bin, [...args, "--appendfsync", "always"], { stdio: ["ignore", "pipe", "pipe"] });
-  await untilSays(child, child.stdout!, "Ready to accept connections", "redis-server");
-  return { port, child };
-}
-
-/** One Redis connection, one command at a time (what each bench sender or receiver does): its reply. */
-async function redisConnection(port: number): Promise<{ call(...args: string[]): Promise<unknown>; close(): void }> {
-  const socket = net.connect(port, "127.0.0.1");
-  await new Promise<void>((resolve, reject) => socket.once("connect", resolve).once("error", reject));
-  socket.setNoDelay(true);
-  let buf: Buffer = Buffer.alloc(0);
-  const waiting: ((value: unknown) => void)[] = [];
-  socket.on("data", (d: Buffer) => {
-    buf = buf.length ? Buffer.concat([buf, d]) : d;
-    for (let r = parseResp(buf, 0); r; r = parseResp(buf, 0)) {
-      buf = buf.subarray(r.end);
-      waiting.shift()!(r.value);
-    }
-  });
-  return {
-    call: (...args) =>
-      new Promise((resolve) => {
-        waiting.push(resolve);
-        socket.write(`*${args.length}\r\n${args.map((a) => `$${utf8Bytes(a)}\r\n${a}\r\n`).join("")}`);
-      }),
-    close: () => socket.destroy(),
-  };
-}
-
-/** One RESP reply starting at `i`, or null if it has not all arrived. Errors come back as Error values. */
-function parseResp(b: Buffer, i: number): { value: unknown; end: number } | null {
-  const nl = b.indexOf("\r\n", i);
-  if (nl < 0) return null;
-  const type = String.fromCharCode(b[i]), line = b.toString("utf8", i + 1, nl), n = Number(line);
-  if (type === "+") return { value: line, end: nl + 2 };
-  if (type === "-") return { value: new Error(line), end: nl + 2 };
-  if (type === ":") return { value: n, end: nl + 2 };
-  if (n < 0) return { value: null, end: nl + 2 };
-  if (type === "$") {
-    return b.length < nl + 4 + n ? null : { value: b.toString("utf8", nl + 2, nl + 2 + n), end: nl + 4 + n };
-  }
-  const items: unknown[] = [];
-  let at = nl + 2;
-  for (let k = 0; k < n; k++) {
-    const r = parseResp(b, at);
-    if (!r) return null;
-    items.push(r.value);
-    at = r.end;
-  }
-  return { value: items, end: at };
-}
-
-/**
- * The throughput load through Redis as a reliable queue: LPUSH to send,
- * BLMOVE to a processing list to receive, LREM from it to ack; same pairs,
- * same payloads, same order checks as `throughputLoad`.
- */
-async function redisLoad(port: number, pid: number, signed: SignedMessage[][]) {
-  const perPair = signed[0].length;
-  return await timedLoad(pid, signed.length * perPair, () =>
-    Promise.all(signed.map(async (list, i) => {
-      const [sender, receiver] = await Promise.all([redisConnection(port), redisConnection(port)]);
-      try {
-        const queue = `bench-${i}`, processing = `bench-${i}:processing`;
-        const sending = (async () => {
-          for (const m of list) {
-            const r = await sender.call("LPUSH", queue, JSON.stringify(m));
-            if (r instanceof Error) throw r;
-          }
-        })();
-        for (let got = 0; got < perPair;) {
-          const item = await receiver.call("BLMOVE", queue, processing, "RIGHT", "LEFT", "10");
-          if (item instanceof Error) throw item;
-          if (typeof item !== "string") continue;
-          if (JSON.parse(item).msg_id !== list[got++].msg_id) {
-            throw new InterlinkError(`redis: out of order at ${got - 1}`);
-          }
-          const r = await receiver.call("LREM", processing, "1", item);
-          if (r instanceof Error) throw r;
-        }
-        await sending;
-      } finally {
-        sender.close();
-        receiver.close();
-      }
-    })));
-}
-
-/**
- * One relay under the agent's own load, through the agent's own relay client:
- * `pairs` senders each send `perPair` signed messages to their own route
- * while its reader receives each, journals it (append + fdatasync) and acks
- * it, as an agent does; then one message at a time, send → received latency.
- */
-async function relayLoad(relay: Relay, id: Identity, dir: string, pid: number, pairs: number, perPair: number) {
-  fs.mkdirSync(dir, { recursive: true });
-  const signed = await Promise.all(
-    Array.from(
-      { length: pairs },
-      () =>
-        Promise.all(
-          Array.from({ length: perPair }, (_, n) => signMessage(id, { to: id.publicKey, text: `m${n}` }, Date.now())),
-        ),
-    ),
-  );
-  const stop = new AbortController();
-  const receive = async (route: string, journal: JsonlWriter, expect: SignedMessage[]) => {
-    for (let got = 0; got < expect.length;) {
-      if (stop.signal.aborted) throw new InterlinkError(`${relay.name}: a send failed; the bench stops`);
-      const { items, ackMany } = await relay.recv(route, stop.signal);
-      if (!items.length) continue;
-      for (const h of items) {
-        if ((h.payload as SignedMessage).msg_id !== expect[got++].msg_id) {
-          throw new InterlinkError(`${relay.name}: out of order at ${got - 1}`);
-        }
-      }
-      journal.append(items.map((h) => ({ t: "in", msg: h.payload })));
-      await journal.sync();
-      await (ackMany ? ackMany(items) : Promise.all(items.map((h) => h.ack())));
-    }
-  };
-  // Warm up: the connection, the stream and each route's consumer exist before the clock starts.
-  await Promise.all(signed.map(async (list, i) => {
-    const route = `${id.publicKey}#bench-${i}`;
-    const warm = await signMessage(id, { to: id.publicKey, text: "warm" }, Date.now());
-    await relay.send(route, warm, SEND_TIMEOUT_MS);
-    await receive(route, new JsonlWriter(path.join(dir, `warm-${i}.jsonl`)), [warm]);
-    return list;
-  }));
-  const cpu0 = cpuSeconds(pid);
-  const t0 = performance.now();
-  await Promise.all(signed.map(async (list, i) => {
-    const route = `${id.publicKey}#bench-${i}`;
-    const journal = new JsonlWriter(path.join(dir, `in-${i}.jsonl`));
-    const sender = (async () => {
-      for (const m of list) await relay.send(route, m, SEND_TIMEOUT_MS);
-    })().catch((e) => {
-      stop.abort(); // the receivers would wait for it forever
-      throw e;
-    });
-    await Promise.all([receive(route, journal, list), sender]);
-    journal.close();
-  }));
-  const seconds = (performance.now() - t0) / 1000;
-  const cpu1 = cpuSeconds(pid);
-  const latencies: number[] = [];
-  const route = `${id.publicKey}#latency`;
-  const journal = new JsonlWriter(path.join(dir, "latency.jsonl"));
-  for (let n = 0; n < 220; n++) {
-    const m = await signMessage(id, { to: id.publicKey, text: `l${n}` }, Date.now());
-    const t = performance.now();
-    const [, received] = await Promise.all([
-      relay.send(route, m, SEND_TIMEOUT_MS),
-      receive(route, journal, [m]).then(() => performance.now()),
-    ]);
-    if (n >= 20) latencies.push(received - t); // the first 20 warm the route
-  }
-  journal.close();
-  stop.abort();
-  latencies.sort((x, y) => x - y);
-  return {
-    relay: relay.name.replace(/:\d+$/, ""),
-    messages: pairs * perPair,
-    msgs_per_s: Math.round((pairs * perPair) / seconds),
-    relay_cpu_percent: cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / seconds) * 100),
-    relay_rss_mb: rssMb(pid),
-    send_to_journaled_ms_p50: Math.round(percentile(latencies, 50) * 100) / 100,
-    send_to_journaled_ms_p99: Math.round(percentile(latencies, 99) * 100) / 100,
-  };
-}
-
-/**
- * Our bus and NATS JetStream side by side, in one run, under the same load
- * (relayLoad): 8 pairs × 500 messages, durable at both ends. Without
- * nats-server on PATH, says so and how to install it.
- */
-async function benchRelays(root: string, progress: (m: string) => void, id: Identity) {
-  const pairs = 8, perPair = 500;
-  const out: Record<string, unknown> = { load: `${pairs} pairs × ${perPair}, send → recv → journal fdatasync → ack` };
-  const bus = await startChildBus(path.join(root, "relays-bus"));
-  try {
-    progress(`relays: our bus (${runtimeName()}), ${pairs} pairs × ${perPair}`);
-    out.bus = await relayLoad(
-      new HttpRelay(bus.url),
-      id,
-      path.join(root, "relays-bus-in"),
-      bus.child.pid!,
-      pairs,
-      perPair,
-    );
-  } finally {
-    await stopChild(bus.child);
-  }
-  const nats = await startNatsServer(path.join(root, "relays-nats"));
-  if (!nats) {
-    out.nats = "skipped: nats-server is not on PATH (install it with: sudo apt-get install -y nats-server)";
-    return out;
-  }
-  const relay = new NatsRelay(nats.url, (data) => id.sign(data), id.publicKey);
-  try {
-    progress(`relays: NATS JetStream (nats-server pid ${nats.child.pid}), the same load`);
-    out.nats = await relayLoad(relay, id, path.join(root, "relays-nats-in"), nats.child.pid!, pairs, perPair);
-  } finally {
-    await relay.close();
-    await stopChild(nats.child);
-  }
-  const b = out.bus as { msgs_per_s: number }, n = out.nats as { msgs_per_s: number };
-  out.nats_over_bus_throughput = Math.round((n.msgs_per_s / b.msgs_per_s) * 100) / 100;
-  return out;
-}
-
-async function runBench(o: Options): Promise<number> {
-  if (o["serve-floor"] === true) {
-    logComponent = "interlink floor";
-    const server = await serveHttp(floorHandler(), "127.0.0.1", 0);
-    logInfo(`listening on http://127.0.0.1:${server.port} (the in-memory floor: no disk, no checks)`);
-    await shutdownSignal();
-    await server.stop();
-    return 0;
-  }
-  const only = String(o.only ?? "throughput,recovery,idle,agents,sessions,flood,relays").split(",").map((x) =>
-    x.trim()
-  );
-  const known = ["throughput", "recovery", "idle", "agents", "sessions", "flood", "relays"];
-  for (const x of only) {
-    if (!known.includes(x)) throw new InterlinkError(`unknown benchmark '${x}'; choose from ${known.join(", ")}`);
-  }
-  const progress = (m: string) => process.stderr.write(`bench: ${m}\n`);
-  if (o["bus-runtime"] !== undefined) {
-    if (o["bus-runtime"] !== "bun" && o["bus-runtime"] !== "deno") {
-      throw new InterlinkError("--bus-runtime is bun or deno");
-    }
-    benchServers = o["bus-runtime"];
-  }
-  const root = fs.mkdtempSync(path.join(os.tmpdir(), "interlink-bench-"));
-  const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
-  const sample = await signMessage(id, {
-    to: id.publicKey,
-    text: "Install the deps and restart ComfyUI, then report back with the versions you ended up with.",
-    task_id: "bench",
-    status: "update",
-  }, Date.now());
-  const report: Record<string, unknown> = {
-    runtime: runtimeName(),
-    interlink: VERSION,
-    cpus: os.cpus().length,
-    load_avg_before: loadAverage(),
-  };
-  try {
-    if (only.includes("throughput")) report.throughput = await benchThroughput(root, progress, sample, id);
-    if (only.includes("recovery")) report.bus_recovery = await benchRecovery(root, progress, sample);
-    if (only.includes("idle")) report.bus_idle_long_poll = await benchIdle(root, progress);
-    if (only.includes("agents")) report.agents = await benchAgents(root, progress);
-    if (only.includes("sessions")) report.sessions = await benchSessions(root, progress);
-    if (only.includes("flood")) report.floods = await benchFlood(root, progress);
-    if (only.includes("relays")) report.relays = await benchRelays(root, progress, id);
-  } finally {
-    fs.rmSync(root, { recursive: true, force: true });
-  }
-  report.load_avg_after = loadAverage();
-  print(JSON.stringify(report, null, 2));
-  return 0;
 }
 
 // -- the command table, help and parsing --------------------------------------
@@ -9551,35 +8701,6 @@ const COMMANDS: Record<string, CommandSpec> = {
       "Exits 0 only if every line was ok.",
     options: {},
     run: runVerify,
-  },
-  bench: {
-    summary: "measure the bus and the agents and print the figures as JSON",
-    about: "throughput: 8 pairs × 500 messages (then 64 × 125) through send → recv → ack on a durable bus, also\n" +
-      "batched, beside the in-memory floor (same routes, no disk, no checks) and Redis with appendfsync always (if\n" +
-      "redis-server is on PATH) in the same run, each as a ratio to them; recovery: restart on 300,000 un-acked\n" +
-      "messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold start to the\n" +
-      "first tools/list, send → push latency p50/p99 over 200 messages, idle RSS; sessions: 10 sessions of each of two\n" +
-      "keys exchanging 200 messages each (misrouted, lost, duplicated); flood: 50,000 keys announce, roster size and\n" +
-      "bus RSS; relays: our bus beside a NATS JetStream server (needs nats-server on PATH). Progress on stderr.",
-    options: {
-      only: {
-        type: "string",
-        arg: "LIST",
-        help:
-          "comma-separated subset of throughput, recovery, idle, agents, sessions, flood, relays (our bus beside NATS)",
-      },
-      "bus-runtime": {
-        type: "string",
-        arg: "bun|deno",
-        help:
-          "run the bus and the floor under this runtime (from PATH), the load generator staying where bench runs: Bun, for figures comparable across runtimes",
-      },
-      "serve-floor": {
-        type: "boolean",
-        help: "only serve the in-memory floor the throughput figures are compared with (bench starts it itself)",
-      },
-    },
-    run: runBench,
   },
 };
 
