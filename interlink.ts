@@ -168,7 +168,9 @@ const COMPACT_RETRY_MS = 30_000;
  * A session ended this long ago is adopted by a live sibling (see "Ended sessions"): one resumed sooner keeps its
  * own mail. A new session adopts every ended one at its start, however recent.
  */
-const ADOPT_AFTER_MS = 2 * 60_000;
+const ADOPT_AFTER_MS = msFromEnv("INTERLINK_TEST_ADOPT_AFTER_MS", 2 * 60_000);
+/** How often a running session looks for ended ones to adopt, and drains the routes of those it adopted. */
+const ENDED_EVERY_MS = msFromEnv("INTERLINK_TEST_ENDED_EVERY_MS", ANNOUNCE_EVERY_MS);
 /** How long a short-lived lock (peers edit, inbox claim) is waited for before giving up. */
 const SHORT_LOCK_WAIT_MS = 5_000;
 
@@ -368,6 +370,12 @@ export async function importPinned<T>(pkg: { name: string; version: string }, su
         }); Deno fetches it from the npm registry on first use: check the network, or NODE_EXTRA_CA_CERTS behind a TLS-inspecting proxy.`,
     );
   }
+}
+
+/** A duration a test may shorten through the environment (INTERLINK_TEST_*: unset in use). */
+function msFromEnv(name: string, ms: number): number {
+  const v = Number(process.env[name]);
+  return Number.isFinite(v) && v > 0 ? v : ms;
 }
 
 /**
@@ -3394,11 +3402,6 @@ export function serveHttp(
 
 const isLoopback = (host: string) => host === "localhost" || host === "::1" || /^127\./.test(host);
 
-/** A duration a test may shorten through the environment (tests only: unset in use). */
-const msFromEnv = (name: string, ms: number): number => {
-  const v = Number(process.env[name]);
-  return Number.isFinite(v) && v > 0 ? v : ms;
-};
 /** A guarded server closes a connection idle this long between requests, or this slow to send its headers. */
 export const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
 /** ... and one whose request body is not all there this long after its headers (a byte every few seconds). */
@@ -6191,7 +6194,7 @@ export class Agent {
   // A session whose process is gone (its agent.lock free) has ended: a new
   // `claude` is a new session id, a laptop sleeps, a process is killed. What it
   // still had to do is adopted by a live session of the same key and state
-  // root: at that session's start, and every ANNOUNCE_EVERY_MS while it runs
+  // root: at that session's start, and every ENDED_EVERY_MS while it runs
   // for sessions ended ADOPT_AFTER_MS ago or more (a session resumed within
   // that time keeps its own). Adopting, under adopt.lock (one adopter at a time
   // on this machine), the ended session's agent.lock (it cannot be resumed
@@ -6326,17 +6329,17 @@ export class Agent {
     }
   }
 
-  /** Adopts and drains every ANNOUNCE_EVERY_MS while the session runs (and once at once). */
+  /** Adopts and drains every ENDED_EVERY_MS while the session runs (and once at once). */
   async #endedLoop(): Promise<void> {
     await this.#showWaiting();
     while (!this.#stop.signal.aborted) {
       try {
         await this.drainEnded();
-        await pause(ANNOUNCE_EVERY_MS, this.#stop.signal);
+        await pause(ENDED_EVERY_MS, this.#stop.signal);
         if (!this.#stop.signal.aborted) await this.adoptEnded(false);
       } catch (e) {
-        logWarn(`cannot look after ended sessions: ${errorText(e)}; trying again in ${ANNOUNCE_EVERY_MS / 1000} s`);
-        await pause(ANNOUNCE_EVERY_MS, this.#stop.signal);
+        logWarn(`cannot look after ended sessions: ${errorText(e)}; trying again in ${ENDED_EVERY_MS / 1000} s`);
+        await pause(ENDED_EVERY_MS, this.#stop.signal);
       }
     }
   }
@@ -7070,7 +7073,7 @@ export function chooseRoute(p: {
   candidates: PeerSession[];
   legacy: boolean;
   mySession: string;
-  /** At least one relay answered the roster: a session missing from it is gone. Without one, nothing is judged. */
+  /** At least one relay answered the roster. Without one, only goodbyes are judged. */
   rosterKnown?: boolean;
   /** That session said goodbye and has not been back since. */
   ended?: (session: string) => boolean;
@@ -7083,8 +7086,10 @@ export function chooseRoute(p: {
   const candidates = p.candidates.filter((c) => !ended(c.session!.session_id));
   const to = (s: string) => `${key}#${s}`;
   const find = (id: string) => candidates.find((c) => c.session!.session_id === id);
+  // A session has ended on evidence only: its goodbye, or a roster that listed it and no longer does. One never
+  // listed may simply not have announced itself (yet, or on these relays): what it said of itself stands.
   const gone = (id: string): string | null =>
-    ended(id) ? "said goodbye" : known && !find(id) ? "is no longer on any roster" : null;
+    ended(id) ? "said goodbye" : known && !find(id) && p.seen?.(id) ? "is no longer on any roster" : null;
   const live = candidates.filter((c) => presence(c.ageMs) === "live");
   const liveList = live.length ? `live sessions:\n${describeSessions(live)}` : "none of its sessions is live";
   const state = (id: string): string => {
@@ -7123,9 +7128,7 @@ export function chooseRoute(p: {
         `session '${hint}' matches ${prefixed.length} sessions; use more of it:\n${describeSessions(prefixed)}`,
       );
     }
-    // Named, a session is judged ended only on evidence: its goodbye, or a roster that listed it and no longer does
-    // (one that never did may simply not have announced itself yet).
-    const why = ended(hint) || p.seen?.(hint) ? gone(hint) : null;
+    const why = gone(hint);
     if (why) {
       throw new InterlinkError(
         `session '${hint}' has ended (it ${why}); nothing was sent. ${liveList}${
@@ -9625,6 +9628,7 @@ const COMMANDS: Record<string, CommandSpec> = {
       key: OPT.key,
       peers: OPT.peers,
       state: OPT.state,
+      session: { ...OPT.session, defaultHelp: "the hook's session_id on stdin, else the node's only session" },
       inbox: OPT.inbox,
       delivery: OPT.delivery,
       timeout: {
