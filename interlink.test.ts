@@ -6376,6 +6376,25 @@ describe("sessions end, mail does not", () => {
     120_000,
   );
 
+  test("a state folder shared by two keys: a session never adopts another key's", async () => {
+    const { root, A, B } = await twoPeers();
+    const E = await makeNodeFiles(root, "eve");
+    fs.writeFileSync(E.peersFile, JSON.stringify({ bob: { key: B.id.publicKey } }));
+    const dead = ["http://127.0.0.1:9"];
+    const shared = { ...E, stateDir: A.stateDir };
+    const eve = await Agent.open({ ...nodeConfig(shared, dead), session: "e1" }, "test");
+    await eve.send({ to: "bob", text: "eve's own" });
+    await eve.stop();
+    const alice = await Agent.open({ ...nodeConfig(A, dead), session: "a1" }, "test");
+    try {
+      expect(alice.state.pending.size).toBe(0);
+      expect(sessionLog(A, "e1").some((r) => r.t === "moved")).toBe(false);
+      expect(logged.join("")).toContain("session e1 in");
+    } finally {
+      await alice.stop();
+    }
+  });
+
   test.concurrent("an item admitted but never shown is shown once to the key's next session, attributed", async () => {
     const { root, A, B } = await twoPeers();
     const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));

@@ -5997,6 +5997,8 @@ export class Agent {
   #bareLock: PidLock | null = null;
   #roster: { at: number; sessions: PeerSession[] } | null = null;
   #proofs = new Map<string, { ts: number; proof: string }>(); // route → the recv proof in use
+  /** Ended sessions in our state root that belong to another key (a shared folder): never adopted. */
+  #foreign = new BoundedMap<string, true>(ROUTES_DRAINED_CAP);
   /** Sessions this node has seen on a roster (route → when): one missing since was unregistered or expired. */
   #seenRoutes = new BoundedMap<string, number>(ROSTER_CAP);
   /** One per configured URL, in order: every bus and NATS relay this node sends through and polls. */
@@ -6264,6 +6266,23 @@ export class Agent {
       return await withFileLock(path.join(dir, "inbox"), "adoption", async () => {
         const { state, journal } = readNodeState(dir);
         try {
+          // Only this key's own sessions (a state root set by hand may be shared): its session.json says whose it
+          // is, and an older one without that, what it signed and was sent.
+          let owner: unknown;
+          try {
+            owner = JSON.parse(fs.readFileSync(path.join(dir, "session.json"), "utf8")).pubkey;
+          } catch {
+            // no session.json: judged by its journal
+          }
+          const me = this.id.publicKey;
+          const foreign = (typeof owner === "string" && owner !== me) ||
+            [...state.outgoing.values()].some((e) => e.msg.from !== me) ||
+            [...state.inbox.values()].some((i) => i.kind === "message" && i.msg.to !== me);
+          if (foreign) {
+            if (!this.#foreign.has(id)) logWarn(`session ${id} in ${this.cfg.stateDir} is another key's; left alone`);
+            this.#foreign.set(id, true);
+            return false;
+          }
           const carried = state.carry(nowMs, id, endedAt);
           const busy = carried.out.length || carried.inbox.length || carried.owed.length ||
             carried.tasks.some((t) => !t.closed) || carried.knocks_in.length || carried.knocks_out.length;
@@ -6758,7 +6777,7 @@ export class Agent {
     const ended = endedAt === undefined ? {} : { ended_at: endedAt };
     writeFileAtomic(
       path.join(this.journal.stateDir, "session.json"),
-      JSON.stringify({ ...this.info, pid: process.pid, ...ended }) + "\n",
+      JSON.stringify({ ...this.info, pubkey: this.id.publicKey, pid: process.pid, ...ended }) + "\n",
     );
   }
 
