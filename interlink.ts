@@ -30,6 +30,10 @@
  *     operator, and the server instructions say so. A stolen key file is a
  *     stolen identity.
  *
+ * Versions: "0.4", "0.8", "0.11" name the reference implementation's releases
+ * (the Rust interlink); this program's own are written in full, "interlink.ts
+ * 0.4.0", and its journal shapes by that release (see upgradeRecord).
+ *
  * Sections, in dependency order: constants, types, encoding and signing, the
  * gate, task folding, JSONL storage, the allowlist, the bus, the agent, MCP
  * tools, CLI, main.
@@ -931,11 +935,17 @@ export class ReplayMemory {
   /**
    * True when `cap` entries are still inside the freshness window. Nothing
    * fresh is ever forgotten to make room (that would let its replay in): the
-   * gate refuses new messages instead, unacked, until entries age out.
+   * gate refuses new messages instead, unacked, until entries age out. It only
+   * looks (the gate is pure); `remember` forgets what has aged out.
    */
   full(nowMs: number): boolean {
-    this.forget(nowMs);
-    return this.#seen.size >= this.cap;
+    if (this.#seen.size < this.cap) return false;
+    let stale = 0;
+    for (const ts of this.#seen.values()) {
+      if (ts >= nowMs - FRESH_PAST_MS) break;
+      stale++;
+    }
+    return this.#seen.size - stale >= this.cap;
   }
 
   /** Drops entries older than the freshness window (freshness alone refuses their replays) from the front. */
@@ -1992,6 +2002,51 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 // messages wait in memory and go out as one write before the next one (an
 // ack is answered only once written, and takes what waits along with it).
 
+/**
+ * A queue file record (the layout above). An "m" record is written by
+ * messageHead and read back by MessageHeadReader in today's layout; any other
+ * line goes through decodeBusRecord.
+ */
+type BusRecord =
+  /** `s` and `z` are absent in a file written before 0.5.0's layout (`p` came before them). */
+  | { t: "m"; q: string; n: number; ts: number; s?: string; z?: number; p: string }
+  | { t: "a" | "d"; q: string; n: number }
+  | { t: "o"; q: string }
+  | { t: "h"; next: number };
+
+/** A queue line's record, or why it is not one (the line is then set aside). */
+function decodeBusRecord(r: Record<string, unknown>): BusRecord | string {
+  const seq = (v: unknown) => Number.isSafeInteger(v) && (v as number) > 0;
+  const route = (v: unknown): v is string => typeof v === "string" && v !== "" && v.length <= RECIPIENT_MAX_CHARS;
+  const q = r.q, n = r.n;
+  switch (r.t) {
+    case "m":
+      if (route(q) && seq(n) && typeof r.p === "string" && Number.isSafeInteger(r.ts)) {
+        return {
+          t: "m",
+          q,
+          n: n as number,
+          ts: r.ts as number,
+          p: r.p,
+          ...(typeof r.s === "string" ? { s: r.s } : {}),
+          ...(Number.isSafeInteger(r.z) ? { z: r.z as number } : {}),
+        };
+      }
+      break;
+    case "a":
+    case "d":
+      if (route(q) && seq(n)) return { t: r.t, q, n: n as number };
+      break;
+    case "o":
+      if (route(q)) return { t: "o", q };
+      break;
+    case "h":
+      if (seq(r.next)) return { t: "h", next: r.next as number };
+      break;
+  }
+  return `not a valid "${String(r.t).slice(0, 8)}" record`;
+}
+
 interface Queued {
   seq: number;
   ts: number;
@@ -2580,14 +2635,11 @@ export class Bus {
       const bad: [offset: number, bytes: number, reason: string, line: string][] = [];
       const owned = new Set<string>(); // routes that proved their owner before the restart
       let records = 0, dropped = 0, inMemory = 0;
-      const seqOf = (v: unknown) => (Number.isSafeInteger(v) && (v as number) > 0 ? (v as number) : undefined);
-      const routeOf = (v: unknown) =>
-        typeof v === "string" && v !== "" && v.length <= RECIPIENT_MAX_CHARS ? v : undefined;
       const h = new MessageHeadReader();
       /** A message record in today's layout, from its head alone: the payload stays on disk. */
       const fastMessage = (buf: Buffer, start: number, end: number, at: number): boolean => {
         // A size above the literal's length is damage (escapes only lengthen): the plain JSON path judges it.
-        if (!h.read(buf, start, end) || !routeOf(h.q) || h.z > end - 1 - h.p) return false;
+        if (!h.read(buf, start, end) || !h.q || h.q.length > RECIPIENT_MAX_CHARS || h.z > end - 1 - h.p) return false;
         const { item, dropped: lost } = queues.add(h.q, h.ts, undefined, h.n, h.s, true, h.z);
         item.at = at + h.p - start;
         item.len = end - 1 - h.p;
@@ -2607,20 +2659,29 @@ export class Bus {
         if (!isObject(r) || typeof r.t !== "string") {
           return void bad.push([at, end - start, "not a tagged record", line]);
         }
+        const rec = decodeBusRecord(r);
+        if (typeof rec === "string") return void bad.push([at, end - start, rec, line]);
         records++;
-        const n = seqOf(r.n), q = routeOf(r.q);
-        if (r.t === "h" && seqOf(r.next)) queues.nextSeq = Math.max(queues.nextSeq, r.next as number);
-        else if (r.t === "m" && q && n && typeof r.p === "string" && Number.isSafeInteger(r.ts)) {
-          // Since 0.5 every record says its sender ("" for opaque). One without (a bus before 0.5 wrote it) is
-          // attributed by the claim in its payload, for fairness only, and kept whatever the caps now say.
-          const legacy = typeof r.s !== "string";
-          const sender = legacy ? claimedSender(r.p) : r.s as string;
-          if (queues.add(q, r.ts as number, r.p, n, sender, !legacy).dropped) dropped++;
-          // An older layout is rewritten at open; today's, read this way (a name with escapes), stays in memory.
-          if (r.z === undefined) inMemory++;
-        } else if ((r.t === "a" || r.t === "d") && q && n) queues.remove(q, n);
-        else if (r.t === "o" && q) owned.add(q);
-        else bad.push([at, end - start, `not a valid "${String(r.t).slice(0, 8)}" record`, line]);
+        switch (rec.t) {
+          case "h":
+            queues.nextSeq = Math.max(queues.nextSeq, rec.next);
+            break;
+          case "m": {
+            // Since 0.5.0 every record says its sender ("" for opaque). One without (an earlier bus wrote it) is
+            // attributed by the claim in its payload, for fairness only, and kept whatever the caps now say.
+            const sender = rec.s ?? claimedSender(rec.p);
+            if (queues.add(rec.q, rec.ts, rec.p, rec.n, sender, rec.s !== undefined).dropped) dropped++;
+            // An older layout is rewritten at open; today's, read this way (a name with escapes), stays in memory.
+            if (rec.z === undefined) inMemory++;
+            break;
+          }
+          case "a":
+          case "d":
+            queues.remove(rec.q, rec.n);
+            break;
+          case "o":
+            owned.add(rec.q);
+        }
       });
       for (const [at, bytes, why, line] of bad) quarantineLine(file, at, bytes, why, line);
       if (tornBytes) {
@@ -3034,7 +3095,7 @@ export class Bus {
 }
 
 /** A small record as a line for the write path. */
-function recordLine(record: object): PendingLine {
+function recordLine(record: Exclude<BusRecord, { t: "m" }>): PendingLine {
   const text = JSON.stringify(record) + "\n";
   return { text, bytes: utf8Bytes(text) };
 }
@@ -4206,7 +4267,7 @@ export class NatsRelay implements Relay {
  *   channel  each is pushed as a channel event and marked shown; only a session
  *            launched with the development-channels flag shows those, so this is
  *            opt-in (`interlink.ts claude` launches one that way).
- * "both", the 0.4 default, is read as channel.
+ * "both", the default of interlink.ts 0.4.0, is read as channel.
  */
 export const DELIVERY_MODES = ["inbox", "channel"] as const;
 export type Delivery = (typeof DELIVERY_MODES)[number];
@@ -5771,7 +5832,7 @@ export interface SendInput {
   in_reply_to?: string;
   /** The recipient's session: an id or a unique start of one (see chooseRoute). */
   session?: string;
-  /** 0.4's name for `session`. */
+  /** The reference 0.4's (and interlink.ts 0.4.0's) name for `session`. */
   channel?: string;
 }
 
@@ -5880,8 +5941,8 @@ function backoffMs(failures: number): number {
   return Math.min(BACKOFF_MAX_MS, BACKOFF_MIN_MS * 2 ** Math.min(failures, 10));
 }
 
-/** A wake-up that can be awaited with a timeout; waking with nobody waiting is remembered once. */
-class Signal {
+/** A wake-up that can be awaited with a timeout; waking with nobody waiting is remembered once (a latch). */
+class WakeLatch {
   #waiter: (() => void) | null = null;
   #pending = false;
   wake(): void {
@@ -5944,7 +6005,11 @@ function adoptLegacyJournal(stateDir: string, dir: string): void {
   for (const f of ["log.jsonl", "log.jsonl.corrupt", "inbox.cursor"]) {
     if (fs.existsSync(path.join(stateDir, f))) fs.renameSync(path.join(stateDir, f), path.join(dir, f));
   }
-  logInfo(`moved this node's 0.4 journal into session ${path.basename(dir)}, which carries on its outbox and tasks`);
+  logInfo(
+    `moved this node's interlink.ts 0.4.0 journal into session ${
+      path.basename(dir)
+    }, which carries on its outbox and tasks`,
+  );
 }
 
 /** A waitUntil subscription that fires when the journal in `stateDir` changes (fs.watch; the 1 s re-check covers its gaps). */
@@ -5959,6 +6024,13 @@ export function onJournalChange(stateDir: string): (wake: () => void) => () => v
     return () => watcher?.close();
   };
 }
+
+/**
+ * Who holds a session's agent.lock: its MCP server (a live session, which a newer server of the same session
+ * takes over from), the CLI's `send` for a moment, or a test.
+ */
+export const SERVER_ROLE = "interlink mcp";
+export type AgentRole = typeof SERVER_ROLE | "interlink send" | "test";
 
 export interface AgentOptions {
   identity?: Identity;
@@ -5983,7 +6055,7 @@ export class Agent {
   #peers: Peers = EMPTY_PEERS;
   #peersStamp = "";
   #stop = new AbortController();
-  #outbox = new Signal();
+  #outbox = new WakeLatch();
   #receiving: Promise<unknown> = Promise.resolve();
   #loops: Promise<void>[] = [];
   #attempted = new Set<() => void>(); // woken after every delivery attempt
@@ -6018,7 +6090,7 @@ export class Agent {
   }
 
   /** Opens a node: identity, allowlist, the state lock (waiting up to `waitMs` for a short-lived holder), and the fold of its journal. */
-  static async open(cfg: NodeConfig, role: string, opts: AgentOptions = {}): Promise<Agent> {
+  static async open(cfg: NodeConfig, role: AgentRole, opts: AgentOptions = {}): Promise<Agent> {
     const id = opts.identity ?? (await readIdentity(cfg.keyFile));
     loadPeers(cfg.peersFile); // fail at start-up on a bad allowlist, naming the file
     const dir = sessionDir(cfg.stateDir, cfg.session);
@@ -6027,7 +6099,7 @@ export class Agent {
     // Claude Code restarting the server inside one session starts a second process with the same id:
     // the newer one takes the session over, and the older one exits cleanly (SIGTERM), losing nothing.
     const holder = lockOwner(lockFile);
-    if (role === "interlink mcp" && holder?.role === "interlink mcp" && holder.pid !== process.pid) {
+    if (role === SERVER_ROLE && holder?.role === SERVER_ROLE && holder.pid !== process.pid) {
       logInfo(`session ${cfg.session} is held by an older server (pid ${holder.pid}); asking it to hand over`);
       // A handover, not a close: the older one says no goodbye and keeps the roster entry.
       writeFileAtomic(path.join(dir, "handover"), String(process.pid));
@@ -6038,7 +6110,7 @@ export class Agent {
       }
     }
     // A CLI `send` holds the lock for a few seconds at most; an older server needs a moment to stop.
-    const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== "interlink mcp" || !!holder);
+    const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== SERVER_ROLE || !!holder);
     try {
       fs.rmSync(path.join(dir, "handover"), { force: true });
       adoptLegacyJournal(cfg.stateDir, dir);
@@ -8173,7 +8245,7 @@ const OPT = {
     type: "string",
     arg: "ID",
     env: "INTERLINK_INBOX",
-    help: "deprecated: the same as --session (0.4's named inbox)",
+    help: "deprecated: the same as --session (the named inbox of interlink.ts 0.4.0)",
   },
   delivery: {
     type: "string",
@@ -8319,7 +8391,7 @@ export function listSessions(
       // a session from before session.json, or one that never started
     }
     const owner = lockOwner(path.join(dir, "agent.lock"));
-    return { id, dir, info, live: owner?.role === "interlink mcp" ? owner : null };
+    return { id, dir, info, live: owner?.role === SERVER_ROLE ? owner : null };
   });
 }
 
@@ -8327,7 +8399,7 @@ export function listSessions(
 const sessionLabel = (s: { id: string; info: Partial<SessionInfo> }) =>
   `${s.id.slice(0, 8)}${s.info.cwd ? ` (${showInvisible(path.basename(s.info.cwd))})` : ""}`;
 
-/** The delivery mode an option set asks for; "both" (the 0.4 default) is read as channel. */
+/** The delivery mode an option set asks for; "both" (interlink.ts 0.4.0's default) is read as channel. */
 function deliveryMode(o: Options): Delivery {
   const mode = (o.delivery as string | undefined) ?? "inbox";
   if (mode === "both") return "channel";
@@ -8550,7 +8622,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     if (from.problem) throw new InterlinkError(from.problem);
     await ensureKey(o.key as string, from.key === "default");
     const { cfg, id } = await nodeConfig(o);
-    agent = await Agent.open(cfg, "interlink mcp", { identity: id, now: nodeClock() });
+    agent = await Agent.open(cfg, SERVER_ROLE, { identity: id, now: nodeClock() });
     logComponent = `interlink mcp ${agent.id.fingerprint}`;
     rememberConfig(o, from);
     if (o.url === undefined && o["no-bus"] !== true) await ensureLocalBus(localBusUrl());
@@ -8647,7 +8719,7 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
   };
   const dir = sessionDir(cfg.stateDir, cfg.session);
   const owner = lockOwner(path.join(dir, "agent.lock"));
-  if (owner?.role === "interlink mcp") {
+  if (owner?.role === SERVER_ROLE) {
     // A running agent owns delivery on this session: queue into its journal (one
     // O_APPEND write, safe beside its own) and let it send, so nothing goes twice.
     const { state, journal } = readNodeState(dir);
@@ -8843,7 +8915,7 @@ async function runWait(o: Options): Promise<number> {
   const pidFile = path.join(dir, "wait.pid");
   const mine = String(process.pid);
   writeFileAtomic(pidFile, mine);
-  const wake = new Signal();
+  const wake = new WakeLatch();
   const watcher = fs.watch(
     dir,
     (_e, name) => (name === null || ["log.jsonl", "wait.pid"].includes(String(name))) && wake.wake(),
