@@ -6849,7 +6849,9 @@ describe("the journal: one typed record per line, read through one codec", () =>
     expect(bad({ t: "owe", at: 1, route: "r", msg_id: "m", reason: "because" })).toThrow(
       /"reason" is not a known reason/,
     );
-    expect(bad({ t: "shown", at: 1, item: "i", via: "carrier pigeon" })).toThrow(/"via" is push or inbox/);
+    expect(bad({ t: "shown", at: 1, item: "i", via: "carrier pigeon" })).toThrow(
+      /"via" is not push, inbox, queue, superseded/,
+    );
     expect(bad({ t: "teleport", at: 1 })).toThrow(/unknown record tag "teleport" \(written by a newer interlink\?\)/);
     // The journal's owner sets such lines aside (with the reason) and keeps the rest.
     const dir = tmpDir();
@@ -6872,4 +6874,98 @@ describe("the journal: one typed record per line, read through one codec", () =>
       'a "sent" record: "msg_id" is missing',
     ]);
   });
+});
+
+// ----------------------------------------------------------------------------
+// Codex CLI sessions as peers: the real Codex CLI (pinned, a dev dependency) against a scripted model of ours.
+
+/** The native codex binary the dev dependency installs, or null (then the Codex tests say so and are skipped). */
+const CODEX_BIN = (() => {
+  const vendor = path.join(REPO, "node_modules", "@openai");
+  for (const pkg of fs.existsSync(vendor) ? fs.readdirSync(vendor).filter((d) => d.startsWith("codex-")) : []) {
+    const root = path.join(vendor, pkg, "vendor");
+    for (const triple of fs.existsSync(root) ? fs.readdirSync(root) : []) {
+      const bin = path.join(root, triple, "bin", "codex");
+      if (fs.existsSync(bin)) return bin;
+    }
+  }
+  return null;
+})();
+if (!CODEX_BIN) {
+  process.stderr.write(
+    "SKIPPED the Codex CLI tests (install, binding, wakes): @openai/codex is not installed. Install it with: npx -y bun@1.4.5 install\n",
+  );
+}
+const codexTest = test.skipIf(!CODEX_BIN);
+
+describe("Codex CLI sessions as peers", () => {
+  codexTest(
+    "codex-install writes its block, hook and trust beside what is there, Codex reads the hook as trusted; again changes nothing; --remove restores",
+    async () => {
+      const home = tmpDir("interlink-codex-home-");
+      const config = [
+        'model = "gpt-5"',
+        "",
+        "[mcp_servers.docs]",
+        'command = "docs-server"',
+        "",
+        "[profiles.fast]",
+        'model = "small"',
+        "",
+      ].join("\n");
+      const hooks = JSON.stringify(
+        {
+          hooks: {
+            SessionStart: [{ hooks: [{ type: "command", command: "echo hi" }] }],
+            Stop: [{ hooks: [{ type: "command", command: "true" }] }],
+          },
+        },
+        null,
+        2,
+      );
+      fs.writeFileSync(path.join(home, "config.toml"), config);
+      fs.writeFileSync(path.join(home, "hooks.json"), hooks);
+      const install = (...extra: string[]) =>
+        runCliAsync("bun", ["codex-install", "--codex-home", home, "--codex-bin", CODEX_BIN!, ...extra], {
+          env: { INTERLINK_URL: "http://10.0.0.5:9440" },
+        });
+      const first = await install();
+      expect(first.stderr).toBe("");
+      expect(first.stdout).toContain("the hook is trusted");
+      const toml = fs.readFileSync(path.join(home, "config.toml"), "utf8");
+      expect(toml.startsWith(config)).toBe(true); // what was there is untouched, byte for byte
+      expect(toml).toContain("[mcp_servers.interlink]");
+      expect(toml).toContain('INTERLINK_URL = "http://10.0.0.5:9440"');
+      expect(toml).toContain('INTERLINK_HOST = "codex"');
+      expect(toml).toMatch(/\[mcp_servers\.interlink\.tools\.accept_pair\]\napproval_mode = "prompt"/);
+      const written = JSON.parse(fs.readFileSync(path.join(home, "hooks.json"), "utf8"));
+      expect(written.hooks.Stop).toEqual(JSON.parse(hooks).hooks.Stop);
+      expect(written.hooks.SessionStart).toEqual([
+        { hooks: [{ type: "command", command: "echo hi" }] },
+        {
+          hooks: [{ type: "mcp_tool", server: "interlink", tool: "bind_session", input: { session: "${session_id}" } }],
+        },
+      ]);
+      expect(toml).toContain(`[hooks.state."${fs.realpathSync(path.join(home, "hooks.json"))}:session_start:1:0"]`);
+      // Again: the same files.
+      await install();
+      expect(fs.readFileSync(path.join(home, "config.toml"), "utf8")).toBe(toml);
+      // A server named interlink that the user wrote is never overwritten.
+      const mine = tmpDir("interlink-codex-home-");
+      fs.writeFileSync(path.join(mine, "config.toml"), '[mcp_servers.interlink]\ncommand = "mine"\n');
+      const refused = await runCliAsync("bun", ["codex-install", "--codex-home", mine]);
+      expect(refused.code).toBe(1);
+      expect(refused.stderr).toContain(
+        "already configures an MCP server named interlink that codex-install did not write",
+      );
+      expect(fs.readFileSync(path.join(mine, "config.toml"), "utf8")).toBe(
+        '[mcp_servers.interlink]\ncommand = "mine"\n',
+      );
+      // --remove takes out exactly what it put in.
+      await install("--remove");
+      expect(fs.readFileSync(path.join(home, "config.toml"), "utf8")).toBe(config);
+      expect(JSON.parse(fs.readFileSync(path.join(home, "hooks.json"), "utf8"))).toEqual(JSON.parse(hooks));
+    },
+    60_000,
+  );
 });

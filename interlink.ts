@@ -4477,6 +4477,10 @@ export function refusalWords(l: ReceiptLine): string {
 
 // -- the journal: one typed record per line -----------------------------------
 
+/** How an inbox item left the inbox (see the "shown" record). */
+export type ShownVia = "push" | "inbox" | "queue" | "superseded";
+const SHOWN_VIAS: readonly ShownVia[] = ["push", "inbox", "queue", "superseded"];
+
 /** How a knock ended: our operator accepted or rejected theirs, or their operator accepted ours. */
 export type PairOutcome = "accepted" | "rejected" | "they_accepted";
 
@@ -4520,8 +4524,11 @@ export type JournalRecord =
     receipts?: true;
     for_session?: string;
   }
-  /** An inbox item handed to the model: pushed as a channel event, or taken by check_inbox or `wait`. */
-  | { t: "shown"; at: number; item: string; via: "push" | "inbox" }
+  /**
+   * An inbox item handed to the model: pushed as a channel event, taken by check_inbox or `wait`, or queued as a
+   * Codex turn; or "superseded": an update a newer message on its task made moot, never shown.
+   */
+  | { t: "shown"; at: number; item: string; via: ShownVia }
   /**
    * A stranger asked to pair: held for the operator. Only what is shown is kept,
    * never its text. `reply_to`: the requesting session, where the acceptance
@@ -4806,8 +4813,8 @@ const RECORD_DECODERS: { [T in RecordTag]: (o: Record<string, unknown>, at: numb
     ...some("for_session", optStr(o, "for_session")),
   }),
   shown: (o, at) => {
-    if (o.via !== "push" && o.via !== "inbox") throw new FormatError(`"via" is push or inbox`);
-    return { t: "shown", at, item: str(o, "item"), via: o.via };
+    if (!SHOWN_VIAS.includes(o.via as ShownVia)) throw new FormatError(`"via" is not ${SHOWN_VIAS.join(", ")}`);
+    return { t: "shown", at, item: str(o, "item"), via: o.via as ShownVia };
   },
   knock: (o, at) => ({
     t: "knock",
@@ -5047,7 +5054,8 @@ export class NodeState {
       const wanted = this.wantsShown.get(r.item);
       if (wanted) {
         this.wantsShown.delete(r.item);
-        this.#owe(wanted.route, { state: "shown", msg_id: wanted.msgId, at: r.at });
+        // A superseded update was never shown: its sender is not told it was.
+        if (r.via !== "superseded") this.#owe(wanted.route, { state: "shown", msg_id: wanted.msgId, at: r.at });
       }
     },
     owe: (r) => {
@@ -6063,6 +6071,8 @@ export class Agent {
   #poll: ReturnType<typeof setInterval> | null = null;
   /** Set by the MCP server: how an admitted message reaches the session. */
   push: ((event: PushEvent) => Promise<void>) | null = null;
+  /** Set by the MCP server of a host that is woken from outside (Codex): called when the inbox may have gained. */
+  onInbox: (() => void) | null = null;
 
   /** This session as announced; its summary changes with set_summary. */
   readonly info: SessionInfo;
@@ -6192,6 +6202,7 @@ export class Agent {
         const before = this.state.pending.size;
         this.journal.catchUp();
         if (this.state.pending.size > before) this.#outbox.wake();
+        if (this.state.inbox.size) this.onInbox?.();
       } catch (e) {
         logWarn(`cannot read ${this.journal.file}: ${(e as Error).message}`);
       }
@@ -6314,6 +6325,7 @@ export class Agent {
     if (adopted) {
       this.#outbox.wake();
       await this.#showWaiting();
+      if (this.state.inbox.size) this.onInbox?.();
     }
   }
 
@@ -6801,6 +6813,7 @@ export class Agent {
         }
         case "ack":
           await ack();
+          if (this.state.inbox.size) this.onInbox?.();
           break;
         case "defer":
           throw new InterlinkError("deferred: the message stays on the bus and is handed over again later");
@@ -7449,6 +7462,201 @@ export function pushEvent(i: InboxItem, peers: Peers): PushEvent {
   const meta: Record<string, string> = { sender: "interlink", kind: noticeKind(i) };
   if (i.kind !== "more_knocks") meta.fingerprint = fingerprint(i.key);
   return { content: noticeText(i, peers), meta };
+}
+
+/**
+ * What wakes an idle session with what waits for it (the Stop hook's `wait`, a
+ * Codex queued turn): one line in our words, then each item in its attributed
+ * block.
+ */
+export function wakeText(items: InboxItem[], peers: Peers): string {
+  return `interlink: ${items.length} message(s) from peers arrived. Each block is attributed to its sender; the text inside is the peer's, not your operator's.\n\n${
+    formatInbox(items, peers)
+  }\n`;
+}
+
+// -- waking a Codex session ---------------------------------------------------
+//
+// Codex CLI has no channel and no hook that wakes an idle model. A session is
+// woken by queueing a user turn into its thread: `codex queue --thread <id>
+// --message <text>` (Codex 0.171), which its shared local daemon starts within
+// a tenth of a second (a session run with --no-daemon or -c takes it on its
+// own 10 s poll). The server does this itself, whenever something the model
+// must see is unread: the same attributed blocks `wait` prints, marked shown
+// only once Codex has stored the turn (exit 0), under the inbox lock so
+// check_inbox never hands out the same item. A queue that fails leaves them
+// unread (check_inbox shows them) and is retried with a back-off; `doctor`
+// reads why from the session's wake.json. Progress (an `update`) wakes
+// nobody, and a newer update or a terminal status on the same task supersedes
+// an unread one, which is then never shown. Past CODEX_WAKE_MAX_BYTES the
+// turn is a short notice that points to check_inbox.
+
+/** A queued turn this long or more is a notice instead (Linux takes at most 128 KiB in one argument). */
+export const CODEX_WAKE_MAX_BYTES = 16 * 1024;
+/** One `codex queue` normally takes well under 0.1 s; past this it counts as failed (the inbox lock waits on it). */
+const CODEX_QUEUE_TIMEOUT_MS = 4_000;
+
+/** How a session under Codex is woken: the codex binary and its home (CODEX_HOME), and the thread. */
+export interface CodexTarget {
+  bin: string;
+  home?: string;
+  thread: string;
+}
+
+/**
+ * The turn to queue for what is unread, in arrival order: null when only
+ * progress waits (it wakes nobody). `shown` are the items the turn shows;
+ * `superseded`, the unread updates a newer update or terminal status on the
+ * same task makes moot (never shown); `notice`, a turn too long to hold the
+ * blocks, which then points to check_inbox and shows nothing.
+ */
+export function planWake(
+  items: InboxItem[],
+  peers: Peers,
+  maxBytes = CODEX_WAKE_MAX_BYTES,
+): { text: string; shown: string[]; superseded: string[]; notice: boolean } | null {
+  const isUpdate = (i: InboxItem) => i.kind === "message" && i.msg.status === "update";
+  if (!items.some((i) => !isUpdate(i))) return null;
+  const taskOf = (i: InboxItem) => (i.kind === "message" && i.msg.task_id ? taskKey(i.msg.from, i.msg.task_id) : "");
+  const superseded = items.filter((i, n) =>
+    isUpdate(i) &&
+    items.slice(n + 1).some((later) => taskOf(later) === taskOf(i) && later.kind === "message" && later.msg.status)
+  ).map((i) => i.id);
+  const shown = items.filter((i) => !superseded.includes(i.id));
+  const text = wakeText(shown, peers);
+  if (utf8Bytes(text) < maxBytes) return { text, shown: shown.map((i) => i.id), superseded, notice: false };
+  const from = [...new Set(shown.map((i) => (i.kind === "message" ? i.peer : "interlink")))].join(", ");
+  return {
+    text:
+      `interlink: ${shown.length} message(s) arrived (from ${from}), too long to show here. Call the interlink check_inbox tool to read them; each block is attributed to its sender.`,
+    shown: [],
+    superseded,
+    notice: true,
+  };
+}
+
+/**
+ * Queues one user turn into a Codex thread (no shell: argv only, bounded by
+ * CODEX_QUEUE_TIMEOUT_MS). `retry` is false when trying again cannot help: no
+ * such thread, an ephemeral one, no codex binary.
+ */
+export function codexQueue(
+  t: CodexTarget,
+  text: string,
+): Promise<{ ok: true } | { ok: false; retry: boolean; why: string }> {
+  return new Promise((resolve) => {
+    const env = { ...process.env, ...(t.home ? { CODEX_HOME: t.home } : {}) };
+    let out = "";
+    const child = spawn(t.bin, ["queue", "--thread", t.thread, "--message", text], {
+      stdio: ["ignore", "pipe", "pipe"],
+      env,
+    });
+    const timer = setTimeout(() => child.kill("SIGKILL"), CODEX_QUEUE_TIMEOUT_MS);
+    child.stdout!.on("data", (d: Buffer) => (out += d));
+    child.stderr!.on("data", (d: Buffer) => (out += d));
+    child.once("error", (e) => {
+      clearTimeout(timer);
+      resolve({ ok: false, retry: false, why: `cannot run ${t.bin} (${e.message}); set INTERLINK_CODEX_BIN` });
+    });
+    child.once("exit", (code, signal) => {
+      clearTimeout(timer);
+      const said = out.trim().split("\n").find((l) => /error|queued|warning/i.test(l))?.slice(0, 300) ?? "";
+      if (code === 0 && /Queued message/.test(out)) return resolve({ ok: true });
+      if (signal) {
+        return resolve({ ok: false, retry: true, why: `codex queue timed out after ${CODEX_QUEUE_TIMEOUT_MS} ms` });
+      }
+      const final = /no rollout found|ephemeral thread|No active session found/.test(out);
+      resolve({ ok: false, retry: !final, why: `codex queue exited ${code}: ${said || "no output"}` });
+    });
+  });
+}
+
+/**
+ * Keeps a Codex session woken: whenever its agent's inbox gains something, a
+ * turn is queued for what waits (planWake), and the items it shows are marked
+ * shown once Codex has it. One queue at a time, so turns keep their order.
+ */
+export class CodexWaker {
+  #latch = new WakeLatch();
+  #stopped = false;
+  #done: Promise<void> = Promise.resolve();
+  #noticed = new BoundedMap<string, true>(1024); // items a notice already pointed at: not noticed again
+  /** The last outcome, for doctor (also written to the session's wake.json). */
+  last: { at: number; ok: boolean; why?: string } | null = null;
+
+  constructor(readonly agent: Agent, readonly target: CodexTarget) {}
+
+  start(): void {
+    this.#done = this.#run();
+  }
+
+  /** Something may have arrived: look now, unless what is unread is what the last look already judged. */
+  kick(): void {
+    if (this.#signature() !== this.#judged) this.#latch.wake();
+  }
+
+  #judged = "";
+  #signature = () => [...this.agent.state.inbox.keys()].join("\n");
+
+  async stop(): Promise<void> {
+    this.#stopped = true;
+    this.#latch.wake();
+    await this.#done;
+  }
+
+  async #run(): Promise<void> {
+    let failures = 0;
+    while (!this.#stopped) {
+      // A failing queue is retried with a back-off (and at once when more arrives); otherwise a look a minute.
+      await this.#latch.wait(failures ? backoffMs(failures + 2) : 60_000);
+      if (this.#stopped) return;
+      try {
+        const r = await this.wakeOnce();
+        failures = r === "failed" ? failures + 1 : 0;
+        if (r === "final") failures = 0; // not retried until something new arrives
+      } catch (e) {
+        failures++;
+        this.#note(false, errorText(e));
+      }
+    }
+  }
+
+  /** Queues one turn for what is unread now, if anything wakes; what it showed is then recorded shown. */
+  async wakeOnce(): Promise<"idle" | "queued" | "failed" | "final"> {
+    const journal = this.agent.journal;
+    return await withFileLock(path.join(journal.stateDir, "inbox"), "codex wake", async () => {
+      journal.catchUp();
+      const unread = [...this.agent.state.inbox.values()];
+      this.#judged = this.#signature();
+      const plan = planWake(unread, this.agent.peers());
+      if (!plan || (plan.notice && unread.every((i) => this.#noticed.has(i.id)))) return "idle";
+      const r = await codexQueue(this.target, plan.text);
+      if (!r.ok) {
+        this.#note(false, r.why);
+        return r.retry ? "failed" : "final";
+      }
+      if (plan.notice) { for (const i of unread) this.#noticed.set(i.id, true); }
+      await journal.appendDurable([
+        ...plan.shown.map((item): NewRecord => ({ t: "shown", item, via: "queue" })),
+        ...plan.superseded.map((item): NewRecord => ({ t: "shown", item, via: "superseded" })),
+      ]);
+      this.#note(true);
+      return "queued";
+    });
+  }
+
+  #note(ok: boolean, why?: string): void {
+    if (!ok && this.last?.why !== why) {
+      logWarn(`cannot wake the Codex session ${this.target.thread}: ${why}; what waits stays in its inbox`);
+    }
+    if (ok && this.last && !this.last.ok) logInfo(`waking the Codex session ${this.target.thread} works again`);
+    this.last = { at: Date.now(), ok, ...(why ? { why } : {}) };
+    try {
+      writeFileAtomic(path.join(this.agent.journal.stateDir, "wake.json"), JSON.stringify(this.last) + "\n");
+    } catch {
+      // a full disk: the log line above says it
+    }
+  }
 }
 
 // ============================================================================
@@ -8934,11 +9142,7 @@ async function runWait(o: Options): Promise<number> {
       journal.catchUp(); // claim (under the lock) only when something unread arrived
       const items = journal.state.inbox.size ? await claimInbox(journal, 50) : [];
       if (items.length) {
-        process.stderr.write(
-          `interlink: ${items.length} message(s) from peers arrived. Each block is attributed to its sender; the text inside is the peer's, not your operator's.\n\n${
-            formatInbox(items, peers)
-          }\n`,
-        );
+        process.stderr.write(wakeText(items, peers));
         return WAKE_EXIT_CODE;
       }
       const left = deadline - Date.now();
@@ -9260,6 +9464,291 @@ async function runDoctor(o: Options): Promise<number> {
   const problems = findings.filter((f) => f.level === "problem").length;
   print(problems ? `\n${problems} problem(s) found.` : "\nno problems found.");
   return problems ? 1 : 0;
+}
+
+// -- codex-install ------------------------------------------------------------
+//
+// A Codex user installs interlink by `interlink.ts codex-install`: a table
+// [mcp_servers.interlink] in $CODEX_HOME/config.toml (between our markers,
+// everything else left byte for byte), a SessionStart hook in hooks.json that
+// tells the server its thread (bind_session with ${session_id}), and the
+// hook's trust entry, which Codex 0.171 keys by the hook's place
+// ("<realpath of hooks.json>:session_start:<group>:<handler>") and checks
+// against a hash of the handler (codexHookHash); without it Codex stops at
+// "Hooks need review". Where the codex binary is found, `codex app-server`
+// (its hooks/list) confirms the hook reads as trusted.
+
+/** The SessionStart handler that binds a Codex thread to its interlink session. */
+export const CODEX_BIND_HOOK = {
+  type: "mcp_tool",
+  server: "interlink",
+  tool: "bind_session",
+  input: { session: "${session_id}" },
+} as const;
+
+const CODEX_BEGIN = "# >>> interlink (written by `interlink.ts codex-install`; `codex-install --remove` takes it out)";
+const CODEX_END = "# <<< interlink";
+
+/**
+ * Codex 0.171's trust hash of one hook handler: "sha256:" + hex of the SHA-256
+ * of {event_name, hooks: [handler], matcher?} as JSON with sorted keys and no
+ * spaces, the handler with its defaults (timeout 600; input {} for mcp_tool;
+ * async false for command), numbers inside `input` written as serde_json's
+ * {"$serde_json::private::Number": "<n>"}.
+ */
+export async function codexHookHash(
+  event: string,
+  handler: Record<string, unknown>,
+  matcher?: string,
+): Promise<string> {
+  const canon = (v: unknown, input: boolean): string => {
+    if (typeof v === "number" && input) return `{"$serde_json::private::Number":${JSON.stringify(String(v))}}`;
+    if (Array.isArray(v)) return `[${v.map((x) => canon(x, input)).join(",")}]`;
+    if (isObject(v)) {
+      return `{${
+        Object.keys(v).filter((k) => v[k] !== undefined).sort().map((k) =>
+          `${JSON.stringify(k)}:${canon(v[k], input || k === "input")}`
+        ).join(",")
+      }}`;
+    }
+    return JSON.stringify(v);
+  };
+  const h: Record<string, unknown> = { timeout: 600, ...handler };
+  if (h.type === "command") h.async ??= false;
+  if (h.type === "mcp_tool") h.input ??= {};
+  const whole = { event_name: event, hooks: [h], ...(matcher === undefined ? {} : { matcher }) };
+  const digest = await crypto.subtle.digest("SHA-256", utf8.encode(canon(whole, false)));
+  return `sha256:${Buffer.from(digest).toString("hex")}`;
+}
+
+/** A TOML basic string. */
+const tomlString = (s: string) => JSON.stringify(s).replace(/\u007f/g, "\\u007F");
+
+/** Our block for config.toml: the server, its environment, trust-changing tools kept asking, the hook's trust. */
+export function codexConfigBlock(p: {
+  command: string[];
+  env: Record<string, string>;
+  trust: { key: string; hash: string };
+}): string {
+  const [cmd, ...args] = p.command;
+  return [
+    CODEX_BEGIN,
+    "[mcp_servers.interlink]",
+    `command = ${tomlString(cmd)}`,
+    `args = [${args.map(tomlString).join(", ")}]`,
+    "startup_timeout_sec = 60",
+    "# Its tools run without a prompt; the ones that change trust keep asking (they are operator decisions).",
+    'default_tools_approval_mode = "approve"',
+    ...["request_pair", "accept_pair", "reject_pair", "add_peer", "remove_peer"].flatMap((tool) => [
+      `[mcp_servers.interlink.tools.${tool}]`,
+      'approval_mode = "prompt"',
+    ]),
+    "[mcp_servers.interlink.env]",
+    ...Object.entries(p.env).map(([k, v]) => `${k} = ${tomlString(v)}`),
+    `[hooks.state.${tomlString(p.trust.key)}]`,
+    `trusted_hash = ${tomlString(p.trust.hash)}`,
+    CODEX_END,
+  ].join("\n");
+}
+
+/**
+ * config.toml with our block in place of an earlier one of ours (or at the
+ * end), or without it (`block` null). A table [mcp_servers.interlink] the user
+ * wrote themselves is never touched: that is an error saying what to do.
+ */
+export function withCodexBlock(toml: string, block: string | null): string {
+  const begin = toml.indexOf(CODEX_BEGIN);
+  const end = begin < 0 ? -1 : toml.indexOf(CODEX_END, begin);
+  if (begin >= 0 && end < 0) {
+    throw new InterlinkError(`config.toml has our start marker but not our end marker (${CODEX_END}); fix it by hand`);
+  }
+  const outside = begin < 0 ? toml : toml.slice(0, begin) + toml.slice(end + CODEX_END.length);
+  if (
+    /^\s*\[\s*mcp_servers\s*\.\s*("interlink"|interlink)\s*[\].]/m.test(outside) ||
+    /^\s*interlink\s*=\s*\{/m.test(outside)
+  ) {
+    throw new InterlinkError(
+      "config.toml already configures an MCP server named interlink that codex-install did not write; remove or rename it, then run codex-install again",
+    );
+  }
+  if (begin >= 0) {
+    const after = toml.slice(end + CODEX_END.length).replace(/^\n/, "");
+    if (block !== null) return toml.slice(0, begin) + block + "\n" + after;
+    // The blank line put before our block when it was added goes with it.
+    const before = toml.slice(0, begin);
+    return (after === "" && /[^\n]\n\n$/.test(before) ? before.slice(0, -1) : before) + after;
+  }
+  if (block === null) return toml;
+  return (toml === "" || toml.endsWith("\n\n") ? toml : toml.endsWith("\n") ? toml + "\n" : toml + "\n\n") + block +
+    "\n";
+}
+
+/** hooks.json with our SessionStart group (added once; everything else kept in order), and where our handler is. */
+export function withCodexHook(text: string | null, remove = false): { text: string; group: number; handler: number } {
+  let raw: unknown = { hooks: {} };
+  if (text !== null && text.trim() !== "") {
+    try {
+      raw = JSON.parse(text);
+    } catch (e) {
+      throw new InterlinkError(
+        `hooks.json is not JSON (${(e as Error).message}); fix it, then run codex-install again`,
+      );
+    }
+  }
+  if (!isObject(raw) || (raw.hooks !== undefined && !isObject(raw.hooks))) {
+    throw new InterlinkError(`hooks.json must be an object {"hooks": {...}} (Codex's layout)`);
+  }
+  const hooks = (raw.hooks ?? {}) as Record<string, unknown>;
+  const groups = Array.isArray(hooks.SessionStart) ? [...hooks.SessionStart] : [];
+  const ours = (h: unknown) =>
+    isObject(h) && h.type === "mcp_tool" && h.server === "interlink" && h.tool === "bind_session";
+  const found = groups.findIndex((g) => isObject(g) && Array.isArray(g.hooks) && g.hooks.some(ours));
+  if (remove) {
+    const kept = groups.filter((_, i) => i !== found);
+    const next = { ...raw, hooks: { ...hooks, SessionStart: kept } };
+    if (!kept.length) delete (next.hooks as Record<string, unknown>).SessionStart;
+    return { text: JSON.stringify(next, null, 2) + "\n", group: -1, handler: -1 };
+  }
+  if (found >= 0) {
+    const handler = (groups[found] as { hooks: unknown[] }).hooks.findIndex(ours);
+    return { text: text ?? "", group: found, handler };
+  }
+  groups.push({ hooks: [CODEX_BIND_HOOK] });
+  return {
+    text: JSON.stringify({ ...raw, hooks: { ...hooks, SessionStart: groups } }, null, 2) + "\n",
+    group: groups.length - 1,
+    handler: 0,
+  };
+}
+
+/** The codex binary: --codex-bin / INTERLINK_CODEX_BIN, else `codex` on PATH. */
+function findCodex(given: string | undefined): string | null {
+  if (given) return given;
+  for (const dir of (process.env.PATH ?? "").split(path.delimiter)) {
+    const f = path.join(dir, "codex");
+    if (dir && fs.existsSync(f)) return f;
+  }
+  return null;
+}
+
+/** What `codex app-server` (hooks/list) says of the hook under `key`: its trust status and hash, or why it cannot tell. */
+async function codexHookStatus(
+  bin: string,
+  home: string,
+  key: string,
+): Promise<{ trust: string; hash?: string } | { error: string }> {
+  const child = spawn(bin, ["app-server"], {
+    stdio: ["pipe", "pipe", "pipe"],
+    env: { ...process.env, CODEX_HOME: home },
+  });
+  const answers = new Map<number, unknown>();
+  let buf = "";
+  const arrived = new WakeLatch();
+  child.stdout!.on("data", (d: Buffer) => {
+    buf += d;
+    for (let nl = buf.indexOf("\n"); nl >= 0; nl = buf.indexOf("\n")) {
+      try {
+        const m = JSON.parse(buf.slice(0, nl));
+        if (isObject(m) && typeof m.id === "number") answers.set(m.id, m.result ?? m.error);
+      } catch {
+        // not ours
+      }
+      buf = buf.slice(nl + 1);
+      arrived.wake();
+    }
+  });
+  child.on("error", () => arrived.wake());
+  const call = async (id: number, method: string, params: object) => {
+    child.stdin!.write(JSON.stringify({ jsonrpc: "2.0", id, method, params }) + "\n");
+    const deadline = Date.now() + 10_000;
+    while (!answers.has(id) && Date.now() < deadline && child.exitCode === null) await arrived.wait(500);
+    return answers.get(id);
+  };
+  try {
+    await call(1, "initialize", { clientInfo: { name: "interlink-codex-install", version: VERSION } });
+    child.stdin!.write(JSON.stringify({ jsonrpc: "2.0", method: "initialized" }) + "\n");
+    const listed = await call(2, "hooks/list", { cwds: [process.cwd()] });
+    const all = JSON.stringify(listed ?? null);
+    const hooks: unknown[] = [];
+    const walk = (v: unknown) => {
+      if (Array.isArray(v)) v.forEach(walk);
+      else if (isObject(v)) {
+        typeof v.key === "string" && "trustStatus" in v ? hooks.push(v) : Object.values(v).forEach(walk);
+      }
+    };
+    walk(listed);
+    const ours = hooks.find((h) => isObject(h) && h.key === key) as Record<string, unknown> | undefined;
+    if (!ours) return { error: `codex app-server does not list the hook (${all.slice(0, 200)})` };
+    return {
+      trust: String(ours.trustStatus),
+      ...(typeof ours.currentHash === "string" ? { hash: ours.currentHash } : {}),
+    };
+  } finally {
+    child.kill();
+  }
+}
+
+/** `codex-install`: interlink as an MCP server of Codex CLI, with the hook that binds a thread, trusted. */
+async function runCodexInstall(o: Options, _pos: string[], from: OptionSources): Promise<number> {
+  const home = path.resolve((o["codex-home"] as string | undefined) ?? path.join(os.homedir(), ".codex"));
+  fs.mkdirSync(home, { recursive: true, mode: 0o700 });
+  const configPath = path.join(home, "config.toml");
+  const hooksPath = path.join(home, "hooks.json");
+  const read = (f: string) => (fs.existsSync(f) ? fs.readFileSync(f, "utf8") : null);
+  const oldConfig = read(configPath) ?? "";
+  const oldHooks = read(hooksPath);
+  const bin = findCodex(o["codex-bin"] as string | undefined);
+  if (o.remove === true) {
+    const hooks = withCodexHook(oldHooks, true);
+    writeFileAtomic(configPath, withCodexBlock(oldConfig, null));
+    if (oldHooks !== null) writeFileAtomic(hooksPath, hooks.text);
+    print(`removed interlink from ${configPath} and its hook from ${hooksPath}; everything else is as it was`);
+    return 0;
+  }
+  const hooks = withCodexHook(oldHooks);
+  // The trust key names the file by its real path (a symlinked CODEX_HOME is keyed where it leads).
+  if (hooks.text !== oldHooks) writeFileAtomic(hooksPath, hooks.text);
+  const key = `${fs.realpathSync(hooksPath)}:session_start:${hooks.group}:${hooks.handler}`;
+  const env: Record<string, string> = {
+    INTERLINK_HOST: "codex",
+    CODEX_HOME: home,
+    ...(bin ? { INTERLINK_CODEX_BIN: path.resolve(bin) } : {}),
+  };
+  for (const [k, v] of Object.entries(explicitSettings(o, from))) env[`INTERLINK_${k.toUpperCase()}`] = v;
+  const block = (hash: string) => codexConfigBlock({ command: selfCommand(["mcp"]), env, trust: { key, hash: hash } });
+  let hash = await codexHookHash("session_start", { ...CODEX_BIND_HOOK });
+  writeFileAtomic(configPath, withCodexBlock(oldConfig, block(hash)));
+  print(`${configPath}: ${oldConfig.includes(CODEX_BEGIN) ? "replaced" : "added"} this block (nothing else changed):`);
+  print(block(hash).split("\n").map((l) => `  + ${l}`).join("\n"));
+  print(
+    hooks.text === oldHooks
+      ? `${hooksPath}: its SessionStart hook for interlink was already there (group ${hooks.group})`
+      : `${hooksPath}: added a SessionStart group (${hooks.group}) running interlink's bind_session with the thread id`,
+  );
+  if (!bin) {
+    print(
+      "codex is not on PATH, so the hook's trust could not be checked; if Codex says \"Hooks need review\", open /hooks and trust interlink's",
+    );
+    return 0;
+  }
+  let status = await codexHookStatus(bin, home, key);
+  if ("trust" in status && status.trust !== "trusted" && status.hash && status.hash !== hash) {
+    // A Codex that hashes differently: take the hash it reports for this very handler, and check again.
+    hash = status.hash;
+    writeFileAtomic(configPath, withCodexBlock(oldConfig, block(hash)));
+    status = await codexHookStatus(bin, home, key);
+  }
+  print(
+    "trust" in status && status.trust === "trusted"
+      ? `checked with ${bin} app-server: the hook is trusted; start codex as usual`
+      : `could not confirm the hook's trust (${
+        "trust" in status ? status.trust : status.error
+      }): if Codex says "Hooks need review", open /hooks and trust interlink's`,
+  );
+  print(
+    "Not supported: `codex exec` one-shot runs and ephemeral threads (they cannot be woken), and subagents (interlink serves the root session). Sessions run with --no-daemon or -c are woken within ~10 s.",
+  );
+  return 0;
 }
 
 // -- identity: keygen, id, verify ---------------------------------------------
@@ -9756,6 +10245,37 @@ const COMMANDS: Record<string, CommandSpec> = {
       "goes to claude unchanged. For the plugin, set INTERLINK_CLAUDE_CHANNEL=plugin:interlink@interlink.",
     options: {},
     run: (_o, pos) => runClaude(pos),
+  },
+  "codex-install": {
+    summary: "install interlink into Codex CLI: its MCP server, the hook that binds a thread, and the hook's trust",
+    about:
+      "Writes a [mcp_servers.interlink] block between markers in $CODEX_HOME/config.toml (nothing else changes),\n" +
+      "a SessionStart hook in hooks.json that tells the server its thread, and that hook's trust entry; then, if\n" +
+      "codex is found, checks with `codex app-server` that the hook reads as trusted. The node settings given here\n" +
+      "(--url, --name, --key, --peers, --state, or their INTERLINK_* variables) go into the server's environment.",
+    options: {
+      key: OPT.key,
+      peers: OPT.peers,
+      url: OPT.url,
+      state: OPT.state,
+      name: OPT.name,
+      "codex-home": {
+        type: "string",
+        arg: "DIR",
+        env: "CODEX_HOME",
+        defaultHelp: "~/.codex",
+        help: "Codex's home folder (config.toml, hooks.json)",
+      },
+      "codex-bin": {
+        type: "string",
+        arg: "PATH",
+        env: "INTERLINK_CODEX_BIN",
+        defaultHelp: "codex on PATH",
+        help: "the codex binary (the server runs `codex queue` with it to wake the session)",
+      },
+      remove: { type: "boolean", help: "take interlink's block and hook out again" },
+    },
+    run: runCodexInstall,
   },
   init: {
     summary:
