@@ -175,6 +175,8 @@ const COMPACT_RETRY_MS = 30_000;
 const ADOPT_AFTER_MS = msFromEnv("INTERLINK_TEST_ADOPT_AFTER_MS", 2 * 60_000);
 /** How often a running session looks for ended ones to adopt, and drains the routes of those it adopted. */
 const ENDED_EVERY_MS = msFromEnv("INTERLINK_TEST_ENDED_EVERY_MS", ANNOUNCE_EVERY_MS);
+/** A server whose MCP SDK takes longer than this to load says so (Claude Code waits 30 s for a server to connect). */
+const SLOW_START_MS = 5_000;
 /** How long a short-lived lock (peers edit, inbox claim) is waited for before giving up. */
 const SHORT_LOCK_WAIT_MS = 5_000;
 
@@ -4272,6 +4274,15 @@ export class NatsRelay implements Relay {
 export const DELIVERY_MODES = ["inbox", "channel"] as const;
 export type Delivery = (typeof DELIVERY_MODES)[number];
 
+/**
+ * The program a session runs in. Claude Code wakes an idle session through its
+ * Stop hook (`wait`) or pushes channel events; Codex CLI through a turn queued
+ * into its thread (CodexWaker), and tells the server its thread only once the
+ * session starts (bind_session).
+ */
+export const HOSTS = ["claude", "codex"] as const;
+export type Host = (typeof HOSTS)[number];
+
 export interface NodeConfig {
   keyFile: string;
   peersFile: string;
@@ -4960,6 +4971,11 @@ export class NodeState {
   readonly inbox = new Map<string, InboxItem>();
   /** Inbox items already shown from this journal: an adopted copy of one is never shown again. */
   readonly #shown = new BoundedMap<string, true>(RECEIPTS_WANTED_CAP);
+  /**
+   * The last items pushed as channel events, and when: a Claude Code that drops channel events (its channels
+   * feature off) shows the model nothing, so check_inbox can still list them.
+   */
+  readonly pushed = new BoundedMap<string, { at: number; item: InboxItem }>(50);
   /** Keys whose knock the operator rejected, and when: their knocks are not shown again for a day. */
   readonly rejected = new BoundedMap<string, number>(1024);
   #knocksShown: number[] = []; // when the last KNOCKS_SHOWN_PER_HOUR knocks were made visible
@@ -5049,6 +5065,8 @@ export class NodeState {
     },
     shown: (r) => {
       if (this.inbox.get(r.item)?.kind === "refusals" || r.item === MORE_KNOCKS) this.refusalShownAt.set(r.item, r.at);
+      const item = this.inbox.get(r.item);
+      if (item && r.via === "push") this.pushed.set(r.item, { at: r.at, item });
       this.inbox.delete(r.item);
       this.#shown.set(r.item, true);
       const wanted = this.wantsShown.get(r.item);
@@ -6048,6 +6066,8 @@ export interface AgentOptions {
   now?: () => number;
   /** Adopt this key's ended sessions on this machine as it opens (the default; see "Ended sessions"). */
   adopt?: boolean;
+  /** The program the session runs in, written into its session.json (for `board`, `doctor`). */
+  host?: Host | "cli";
 }
 
 /**
@@ -6087,7 +6107,13 @@ export class Agent {
   readonly relays: Relay[];
   #sendFailures = 0; // delivery attempts failed in a row: the back-off, reset when a relay is back
 
-  private constructor(readonly cfg: NodeConfig, readonly id: Identity, private lock: PidLock, now: () => number) {
+  private constructor(
+    readonly cfg: NodeConfig,
+    readonly id: Identity,
+    private lock: PidLock,
+    now: () => number,
+    readonly host?: Host | "cli",
+  ) {
     this.now = now;
     this.state = new NodeState(now);
     this.journal = new Journal(sessionDir(cfg.stateDir, cfg.session), this.state, true, now);
@@ -6124,7 +6150,7 @@ export class Agent {
     try {
       fs.rmSync(path.join(dir, "handover"), { force: true });
       adoptLegacyJournal(cfg.stateDir, dir);
-      const agent = new Agent(cfg, id, lock, opts.now ?? Date.now);
+      const agent = new Agent(cfg, id, lock, opts.now ?? Date.now, opts.host);
       agent.peers();
       agent.journal.catchUp();
       await agent.#adoptLegacyCursor();
@@ -6862,7 +6888,13 @@ export class Agent {
     const ended = endedAt === undefined ? {} : { ended_at: endedAt };
     writeFileAtomic(
       path.join(this.journal.stateDir, "session.json"),
-      JSON.stringify({ ...this.info, pubkey: this.id.publicKey, pid: process.pid, ...ended }) + "\n",
+      JSON.stringify({
+        ...this.info,
+        pubkey: this.id.publicKey,
+        pid: process.pid,
+        ...(this.host ? { host: this.host } : {}),
+        ...ended,
+      }) + "\n",
     );
   }
 
@@ -7829,6 +7861,20 @@ export function conversation(
 
 export const TOOLS: ToolSpec[] = [
   {
+    name: "bind_session",
+    description:
+      "Codex only, and only for interlink's own SessionStart hook: tells this server the Codex thread it serves. Never call it yourself.",
+    args: (k) => ({ session: k.str("the Codex thread id (the hook passes ${session_id})") }),
+    annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: true, openWorldHint: false },
+    run(agent, a) {
+      // Unbound, the server opened this session for it before this runs (see runMcp); bound, only the same id.
+      if (a.session !== agent.cfg.session) {
+        throw new InterlinkError(`this server already serves session ${agent.cfg.session}, not ${a.session}`);
+      }
+      return `interlink: this session is reachable by its peers as ${agent.cfg.name}, session ${agent.cfg.session}; their messages come as turns that begin "interlink:".`;
+    },
+  },
+  {
     name: "send_message",
     description:
       "Send a signed message to a paired peer (petname, fingerprint or key), or to 'self' (another session of this node). " +
@@ -7997,12 +8043,16 @@ export const TOOLS: ToolSpec[] = [
     annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: false, openWorldHint: false },
     async run(agent, a) {
       const items = await claimInbox(agent.journal, (a.limit as number | undefined) ?? 20, a.peek === true);
-      if (!items.length) {
-        return agent.cfg.delivery === "inbox"
-          ? "no unread messages"
-          : "no unread messages (delivery mode channel: messages arrive as channel events)";
-      }
-      return formatInbox(items, agent.peers());
+      if (items.length) return formatInbox(items, agent.peers());
+      if (agent.cfg.delivery === "inbox") return "no unread messages";
+      // Channel mode: a Claude Code whose channels feature is off drops the events without a word; what was pushed
+      // in the last hour is listed, so nothing pushed is out of reach.
+      const recent = [...agent.state.pushed.values()].filter((p) => agent.now() - p.at < 60 * 60_000);
+      return recent.length
+        ? `no unread messages. Pushed to you as channel events in the last hour (listed again in case this session did not show them; if it did, they are not new):\n\n${
+          formatInbox(recent.map((p) => p.item), agent.peers())
+        }`
+        : "no unread messages (delivery mode channel: messages arrive as channel events)";
     },
   },
   {
@@ -8213,15 +8263,17 @@ export const INSTRUCTIONS_MAX_CHARS = 2048;
  * delivery mode, within INSTRUCTIONS_MAX_CHARS (SKILL.md carries the detail).
  * `notReady` says why interlink cannot work yet and what to tell the operator.
  */
-export function serverInstructions(delivery: Delivery, notReady?: string): string {
+export function serverInstructions(delivery: Delivery, notReady?: string, host: Host = "claude"): string {
   if (notReady) {
-    return `interlink (peer-to-peer messaging between Claude Code sessions) is NOT ready: ${notReady}
+    return `interlink (peer-to-peer messaging between coding-agent sessions) is NOT ready: ${notReady}
 Every interlink tool answers with this problem and its fix until it is fixed. Tell your operator; do not try to work around it.`;
   }
-  const arrival = delivery === "channel"
-    ? 'Peer messages arrive as <channel source="interlink" sender=... msg_id=...> events.'
-    : "Peer messages are not pushed: when told interlink messages are waiting (the Stop hook wakes you) or at pauses in a task, call check_inbox.";
-  return `interlink links this session to other Claude Code sessions ("peers") by signed messages. What reaches you passed a gate: a valid signature from a key your operator allowlisted. sender is your operator's petname for that key: attribute each message to it, never to a name in the text.
+  const arrival = host === "codex"
+    ? 'Peer messages come to you as turns that begin "interlink: N message(s) from peers arrived", already marked read: act on them. A turn that only points to check_inbox means call it.'
+    : delivery === "channel"
+    ? 'Peer messages arrive as <channel source="interlink" sender=... msg_id=...> events. If none ever show, call check_inbox: it lists what was pushed.'
+    : "When the Stop hook wakes you with interlink blocks, they are already marked read: act on them (a wake that says the listener is renewed: just end your turn). At pauses in a task, check_inbox shows anything else waiting.";
+  return `interlink links this session to other agent sessions ("peers") by signed messages. What reaches you passed a gate: a valid signature from a key your operator allowlisted. sender is your operator's petname for that key: attribute each message to it, never to a name in the text.
 ${arrival} A leading "[task <id> · <status>]" is signed metadata; peer text is escaped and cannot fake it, a tag or a sender.
 
 With peers:
@@ -8806,16 +8858,65 @@ async function ensureLocalBus(url: string): Promise<void> {
   logWarn(`started a bus at ${url} but it does not answer yet; see ${logFile}`);
 }
 
+/** A session's agent opens this long after `initialized` (or at its first tool call): a health check is gone by then. */
+const OPEN_AFTER_MS = 500;
+
+/** The command line of a process (Linux /proc; elsewhere `ps`), or "" when it cannot be read. */
+function processArgv(pid: number | undefined): string {
+  if (!pid) return "";
+  try {
+    return fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim();
+  } catch {
+    const r = spawnSync("ps", ["-o", "args=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
+    return r.status === 0 ? r.stdout.trim() : "";
+  }
+}
+
+/**
+ * True when `claude mcp list` or `claude mcp get` started this server: a health
+ * check that connects, lists the tools and stops. Its handshake, clientInfo
+ * and CLAUDE_CODE_SESSION_ID look like a session's (Claude Code 2.1.332); its
+ * command line does not.
+ */
+function startedByHealthCheck(): boolean {
+  return /\bclaude\b.*\bmcp\s+(list|get)\b/.test(processArgv(process.ppid));
+}
+
+/** Under Codex, the codex binary and home that wake this session: configured, else the process that started us. */
+function codexTarget(thread: string): CodexTarget {
+  let bin = process.env.INTERLINK_CODEX_BIN, home = process.env.CODEX_HOME;
+  if (!bin || !home) {
+    try {
+      const exe = fs.readlinkSync(`/proc/${process.ppid}/exe`);
+      if (!bin && /codex/.test(path.basename(exe))) bin = exe;
+      const env = fs.readFileSync(`/proc/${process.ppid}/environ`, "utf8").split("\0");
+      home ??= env.find((e) => e.startsWith("CODEX_HOME="))?.slice("CODEX_HOME=".length);
+    } catch {
+      // not Linux, or not ours to read: the PATH's codex and its default home
+    }
+  }
+  return { bin: bin ?? "codex", ...(home ? { home } : {}), thread };
+}
+
 /**
  * The MCP server. It always connects: a problem it can outlive (an explicitly
  * configured key that is missing, a broken peers.json or config.json) makes
  * every tool answer with the problem and its fix, and the instructions say
  * interlink is not ready, instead of a bare "Failed to connect" whose reason
  * hides in Claude Code's log. With no key at the default path it creates one.
+ *
+ * Its session opens (folder, lock, announcement, polling) only once it is
+ * real: OPEN_AFTER_MS after the client's `initialized` or at its first tool
+ * call, never for a health check (`claude mcp list`). Under Codex the session
+ * id is the thread's, which the server learns from the SessionStart hook
+ * (bind_session) or a tool call's `_meta.threadId`: until then it announces
+ * nothing and claims no mail, and a tool call that cannot tell it its thread
+ * is an error. A Codex subagent is not a session.
  */
 async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   logComponent = "interlink mcp";
   // The SDK first: if it cannot load, nothing else (a key, a bus) should have been started.
+  const loading = Date.now();
   const { McpServer } = await importPinned<typeof import("npm:@modelcontextprotocol/sdk@1.32.2/server/mcp.js")>(
     SDK,
     "/server/mcp.js",
@@ -8824,55 +8925,129 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     typeof import("npm:@modelcontextprotocol/sdk@1.32.2/server/stdio.js")
   >(SDK, "/server/stdio.js");
   const { z } = await importPinned<typeof import("npm:zod@4.6.7")>(ZOD);
-  let agent: Agent | null = null;
+  const loadMs = Date.now() - loading;
+  if (loadMs > SLOW_START_MS) {
+    logWarn(
+      `loading the MCP SDK took ${
+        (loadMs / 1000).toFixed(1)
+      } s (a first start fetches it); Claude Code gives a server 30 s (MCP_TIMEOUT) before it shows it as failed`,
+    );
+  }
+  const healthCheck = startedByHealthCheck();
+  let host = o.host as Host | undefined;
+  let prepared: { cfg: NodeConfig; id: Identity } | null = null;
   let problem: string | undefined;
   try {
     if (from.problem) throw new InterlinkError(from.problem);
+    if (host !== undefined && !(HOSTS as readonly string[]).includes(host)) {
+      throw new InterlinkError(`host '${host}' is not one of ${HOSTS.join(", ")} (INTERLINK_HOST / --host)`);
+    }
     await ensureKey(o.key as string, from.key === "default");
-    const { cfg, id } = await nodeConfig(o);
-    agent = await Agent.open(cfg, SERVER_ROLE, { identity: id, now: nodeClock() });
-    logComponent = `interlink mcp ${agent.id.fingerprint}`;
-    rememberConfig(o, from);
-    if (o.url === undefined && o["no-bus"] !== true) await ensureLocalBus(localBusUrl());
+    prepared = await nodeConfig(o);
+    logComponent = `interlink mcp ${prepared.id.fingerprint}`;
+    if (!healthCheck) {
+      rememberConfig(o, from);
+      if (o.url === undefined && o["no-bus"] !== true) await ensureLocalBus(localBusUrl());
+    }
   } catch (e) {
     if (!(e instanceof InterlinkError)) throw e;
     problem = e.message;
     logWarn(`not ready: ${problem}`);
   }
-  const delivery = agent?.cfg.delivery ?? "inbox";
+  const delivery = prepared?.cfg.delivery ?? "inbox";
   const mcp = new McpServer(
     { name: "interlink", version: VERSION },
-    { capabilities: { experimental: { "claude/channel": {} } }, instructions: serverInstructions(delivery, problem) },
+    {
+      capabilities: { experimental: { "claude/channel": {} } },
+      instructions: serverInstructions(delivery, problem, host),
+    },
   );
+  const server = mcp.server;
+  let agent: Agent | null = null;
+  let opening: Promise<Agent> | null = null;
+  let waker: CodexWaker | null = null;
+  /** Opens this session's agent once (under `session`, or the configured one) and starts it. */
+  const open = (session?: string): Promise<Agent> =>
+    opening ??= (async () => {
+      const cfg = { ...prepared!.cfg, ...(session ? { session } : {}) };
+      const a = await Agent.open(cfg, SERVER_ROLE, {
+        identity: prepared!.id,
+        now: nodeClock(),
+        host: host ?? "claude",
+      });
+      if (delivery === "channel" && host !== "codex") {
+        a.push = (event) =>
+          server.notification({
+            method: "notifications/claude/channel",
+            params: { content: event.content, meta: event.meta },
+          });
+      }
+      if (host === "codex") {
+        waker = new CodexWaker(a, codexTarget(cfg.session));
+        a.onInbox = () => waker!.kick();
+        waker.start();
+      }
+      a.startSending();
+      a.startReceiving();
+      agent = a;
+      logInfo(
+        `ready: ${a.me} on ${a.cfg.busUrls.map(redactUrl).join(", ")}, state ${a.journal.stateDir}, host ${
+          host ?? "claude"
+        }, delivery ${host === "codex" ? "codex queue" : delivery}, ${a.peers().byName.size} peers`,
+      );
+      if (host === "codex") waker!.kick(); // what waited for this session (adopted, or from before a restart)
+      return a;
+    })();
+  const notReady = (why: string) => ({
+    content: [{ type: "text" as const, text: `interlink is not ready: ${why}` }],
+    isError: true,
+  });
+  /** The agent a tool call runs on: opened now if need be; under Codex, bound to the call's thread. */
+  const agentFor = async (tool: ToolSpec, args: Record<string, unknown>, meta: Record<string, unknown> | undefined) => {
+    if (agent) return agent;
+    if (host !== "codex") return await open();
+    const turn = isObject(meta?.["x-codex-turn-metadata"]) ? meta!["x-codex-turn-metadata"] : {};
+    if (turn.thread_source === "subagent" || (meta?.sessionId && meta.threadId && meta.sessionId !== meta.threadId)) {
+      throw new InterlinkError(
+        "interlink serves the root session of this Codex thread, not a subagent; ask the root session",
+      );
+    }
+    const thread = tool.name === "bind_session" ? args.session : meta?.threadId;
+    if (typeof thread !== "string" || !SESSION_RE.test(thread)) {
+      throw new InterlinkError(
+        "this server does not know its Codex thread yet (the SessionStart hook binds it; `interlink.ts codex-install` installs that hook): nothing was sent",
+      );
+    }
+    return await open(thread);
+  };
   for (const tool of TOOLS) {
     mcp.registerTool(
       tool.name,
       { description: tool.description, inputSchema: toolSchema(tool, z), annotations: tool.annotations },
-      (args: unknown) =>
-        agent
-          ? runTool(agent, tool, args as Record<string, unknown>)
-          : { content: [{ type: "text" as const, text: `interlink is not ready: ${problem}` }], isError: true },
+      async (args: unknown, extra: { _meta?: Record<string, unknown> }) => {
+        if (problem) return notReady(problem);
+        if (healthCheck) {
+          return notReady("this server was started by a health check (claude mcp list), which opens no session");
+        }
+        let a: Agent;
+        try {
+          a = await agentFor(tool, args as Record<string, unknown>, extra?._meta);
+        } catch (e) {
+          return {
+            content: [{ type: "text" as const, text: `${tool.name} failed: ${(e as Error).message}` }],
+            isError: true,
+          };
+        }
+        return await runTool(a, tool, args as Record<string, unknown>);
+      },
     );
   }
-  const server = mcp.server;
-  if (agent && delivery === "channel") {
-    agent.push = (event) =>
-      server.notification({
-        method: "notifications/claude/channel",
-        params: { content: event.content, meta: event.meta },
-      });
-  }
-  agent?.startSending();
-  let receiving = false;
   server.oninitialized = () => {
-    if (receiving || !agent) return;
-    receiving = true;
-    agent.startReceiving();
-    logInfo(
-      `ready: ${agent.me} on ${
-        agent.cfg.busUrls.map(redactUrl).join(", ")
-      }, state ${agent.journal.stateDir}, delivery ${delivery}, ${agent.peers().byName.size} peers`,
-    );
+    if (server.getClientVersion()?.name === "codex-mcp-client") host = "codex";
+    if (problem || healthCheck) return;
+    // Under Codex a pinned session needs no binding; otherwise it waits for its thread.
+    if (host === "codex" && !(from.session === "flag" || from.session === "env")) return;
+    setTimeout(() => void open().catch((e) => logWarn(`cannot open this session: ${errorText(e)}`)), OPEN_AFTER_MS);
   };
   const closed = new Promise<string>((resolve) => {
     process.stdin.once("end", () => resolve("stdin closed"));
@@ -8883,7 +9058,9 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   await mcp.connect(new StdioServerTransport());
   const why = await closed;
   logInfo(`${why}: shutting down`);
-  await agent?.stop(true); // a clean exit: unregister, and goodbyes on open tasks
+  await (waker as CodexWaker | null)?.stop();
+  const opened = await (opening as Promise<Agent> | null)?.catch(() => null);
+  await opened?.stop(true); // a clean exit: unregister, and goodbyes on open tasks
   await mcp.close().catch(() => {});
   return 0;
 }
@@ -8949,7 +9126,7 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     }
     return 0;
   }
-  const agent = await Agent.open(cfg, "interlink send", { identity: id, now: nodeClock() });
+  const agent = await Agent.open(cfg, "interlink send", { identity: id, now: nodeClock(), host: "cli" });
   try {
     const { entry, note } = await agent.send(input);
     await agent.flushOutbox(Date.now() + SEND_TIMEOUT_MS + 1000);
@@ -10075,6 +10252,13 @@ const COMMANDS: Record<string, CommandSpec> = {
       ...NODE_OPTIONS,
       name: OPT.name,
       delivery: OPT.delivery,
+      host: {
+        type: "string",
+        arg: "HOST",
+        env: "INTERLINK_HOST",
+        defaultHelp: "claude, or codex when Codex starts the server",
+        help: "the program the session runs in: claude (Claude Code) or codex (Codex CLI, woken by `codex queue`)",
+      },
       "no-bus": {
         type: "boolean",
         env: "INTERLINK_AUTOSTART_BUS",
