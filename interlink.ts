@@ -9254,6 +9254,86 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
 
 /** Exit status that makes a Claude Code asyncRewake hook wake the session with our stderr. */
 export const WAKE_EXIT_CODE = 2;
+/** The shipped Stop hook's timeout, and `wait`'s: a week (Claude Code sets no cap), so a renewal costs one short turn a week. */
+export const WAIT_TIMEOUT_S = 7 * 24 * 3600;
+
+/** What a renewal wakes the model with: one line, so its turn ends at once and the Stop hook runs again. */
+export const RENEW_TEXT =
+  "interlink: no peer messages yet; the listener was renewed. Nothing to do: end your turn now, without a reply.\n";
+
+/**
+ * True when this hook runs under a one-shot `claude -p "…"`: its exit would
+ * wake nothing (the run is over), and Claude Code would wait up to 30 s for it
+ * to end. Hooks get the same stdin and environment in every print mode
+ * (Claude Code 2.1.332); only claude's own command line (CLAUDE_PID) tells a
+ * one-shot from a session fed by stream-json.
+ */
+function underOneShotClaude(): boolean {
+  const argv = processArgv(Number(process.env.CLAUDE_PID) || undefined);
+  return /(^|\s)(-p|--print)(\s|$)/.test(argv) && !/--input-format(=|\s+)stream-json/.test(argv);
+}
+
+/**
+ * True when the session's server has stopped: it started in this run of claude
+ * (its session.json was written since) and no process holds its agent.lock,
+ * and no newer server is taking over (a handover). Claude Code stops its servers first when a session ends,
+ * so a `wait` that outlives its server would only hold Claude Code's exit up
+ * (30 s) and show nothing anyone reads; what waits goes to the next session.
+ */
+function serverGone(dir: string, claude: { pid?: number; startedAt: number | null; servers: Set<number> }): boolean {
+  if (fs.existsSync(path.join(dir, "handover")) || lockOwner(path.join(dir, "agent.lock"))) return false;
+  let ran: number | null = null;
+  try {
+    ran = fs.statSync(path.join(dir, "session.json")).mtimeMs;
+  } catch {
+    // not opened (yet): its process says more
+  }
+  // A server that ran before this claude started (the session resumed) is not this run's: it has yet to open.
+  if (ran !== null && (claude.startedAt === null || ran > claude.startedAt)) return true;
+  // One that never opened its session (it stopped within moments of starting): claude's interlink child is gone.
+  const now = interlinkChildren(claude.pid);
+  const gone = [...claude.servers].some((pid) => !now.includes(pid));
+  for (const pid of now) claude.servers.add(pid);
+  return gone && now.length === 0;
+}
+
+/** The `interlink.ts mcp` processes a process started (Linux /proc; elsewhere none are seen). */
+function interlinkChildren(parent: number | undefined): number[] {
+  if (!parent) return [];
+  try {
+    return fs.readdirSync("/proc").filter((d) => /^\d+$/.test(d)).filter((d) => {
+      try {
+        const stat = fs.readFileSync(`/proc/${d}/stat`, "utf8");
+        if (Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1]) !== parent) return false;
+        return /interlink\S*\s(.*\s)?mcp(\s|$)/.test(processArgv(Number(d)));
+      } catch {
+        return false;
+      }
+    }).map(Number);
+  } catch {
+    return [];
+  }
+}
+
+/**
+ * When a process started (unix ms): from /proc to a hundredth of a second
+ * (its start in clock ticks against the uptime), else from `ps` (whole
+ * seconds: the latest it can have been); null when that cannot be told.
+ */
+function processStartedAt(pid: number | undefined): number | null {
+  if (!pid) return null;
+  try {
+    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8");
+    const ticks = Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[19]); // field 22: starttime
+    const uptime = Number(fs.readFileSync("/proc/uptime", "utf8").split(" ")[0]);
+    if (Number.isFinite(ticks) && Number.isFinite(uptime)) return Date.now() - (uptime - ticks / 100) * 1000;
+  } catch {
+    // no /proc: ps
+  }
+  const r = spawnSync("ps", ["-o", "etimes=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
+  const s = Number(r.stdout?.trim());
+  return r.status === 0 && r.stdout.trim() !== "" && Number.isFinite(s) ? Date.now() - s * 1000 : null;
+}
 
 /**
  * `wait`, the Stop hook: waits on one session's inbox only, so two sessions'
@@ -9262,6 +9342,13 @@ export const WAKE_EXIT_CODE = 2;
  * Code passes it, and it equals the CLAUDE_CODE_SESSION_ID its server uses),
  * else the node's only session. A usage problem exits 1, never 2 (2 would wake
  * the model with it).
+ *
+ * It never goes deaf: Claude Code kills a hook at its `timeout` and re-arms it
+ * only when a turn ends, so shortly before its own --timeout (the shipped hook
+ * gives both 7 days) `wait` renews itself: it exits 2 with RENEW_TEXT, the
+ * model ends that turn at once, and the hook runs again (one short turn per
+ * timeout). It exits 0 at once under a one-shot `claude -p`, and as soon as
+ * its session's server has stopped.
  */
 async function runWait(o: Options): Promise<number> {
   const root = (o.state as string | undefined) ?? defaultNodeState((await readIdentity(o.key as string)).fingerprint);
@@ -9288,8 +9375,11 @@ async function runWait(o: Options): Promise<number> {
   if (!SESSION_RE.test(session)) throw new InterlinkError(`session id '${session}' is not valid`);
   const dir = sessionDir(root, session);
   fs.mkdirSync(dir, { recursive: true, mode: 0o700 }); // a hook may run before its server's first message
-  const timeoutMs = intOption(o.timeout, "timeout", 0, 7 * 24 * 3600) * 1000;
+  const timeoutMs = intOption(o.timeout, "timeout", 1, 7 * 24 * 3600) * 1000;
   if (deliveryMode(o) === "channel") return 0; // every message is pushed and shown; nothing waits here
+  const claudePid = Number(process.env.CLAUDE_PID) || undefined;
+  const claude = { pid: claudePid, startedAt: processStartedAt(claudePid), servers: new Set<number>() };
+  if (underOneShotClaude() || serverGone(dir, claude)) return 0;
   let peers = EMPTY_PEERS;
   try {
     peers = loadPeers(o.peers as string);
@@ -9305,7 +9395,9 @@ async function runWait(o: Options): Promise<number> {
     dir,
     (_e, name) => (name === null || ["log.jsonl", "wait.pid"].includes(String(name))) && wake.wake(),
   );
-  const deadline = Date.now() + timeoutMs;
+  // Renew before Claude Code's own timeout kills the hook, counting from the hook's start (ours came later: a
+  // runtime's start on a busy machine): a minute early, or two seconds, or half of a very short timeout.
+  const deadline = Date.now() + timeoutMs - Math.min(60_000, Math.max(2_000, timeoutMs / 10), timeoutMs / 2);
   const journal = new Journal(dir, new NodeState());
   try {
     for (;;) {
@@ -9315,7 +9407,7 @@ async function runWait(o: Options): Promise<number> {
       } catch {
         // removed: keep waiting
       }
-      if (current !== mine) return 0;
+      if (current !== mine || serverGone(dir, claude)) return 0;
       journal.catchUp(); // claim (under the lock) only when something unread arrived
       const items = journal.state.inbox.size ? await claimInbox(journal, 50) : [];
       if (items.length) {
@@ -9323,7 +9415,10 @@ async function runWait(o: Options): Promise<number> {
         return WAKE_EXIT_CODE;
       }
       const left = deadline - Date.now();
-      if (left <= 0) return 0;
+      if (left <= 0) {
+        process.stderr.write(RENEW_TEXT);
+        return WAKE_EXIT_CODE;
+      }
       await wake.wait(Math.min(left, 1000));
     }
   } finally {
@@ -10386,8 +10481,10 @@ const COMMANDS: Record<string, CommandSpec> = {
   wait: {
     summary: "block until the inbox has unread messages, print them, and exit 2 (for a Claude Code Stop hook)",
     about: "Prints the unread messages to stderr as attributed blocks, marks them read and exits 2, which makes a\n" +
-      'hook with "asyncRewake": true wake the session with them. Exits 0 quietly on timeout, or when a newer\n' +
-      "wait starts on the same folder. Only one wait ever prints a given message.",
+      'hook with "asyncRewake": true wake the session with them. Shortly before --timeout it renews itself: exit 2\n' +
+      "with one line that tells the model to end its turn, so the hook runs again. Exits 0 quietly when a newer wait\n" +
+      "starts on the same folder, when the session's server has stopped, and at once under a one-shot `claude -p`.\n" +
+      "Only one wait ever prints a given message.",
     options: {
       key: OPT.key,
       peers: OPT.peers,
@@ -10399,8 +10496,9 @@ const COMMANDS: Record<string, CommandSpec> = {
         type: "string",
         arg: "SECONDS",
         env: "INTERLINK_WAIT_TIMEOUT",
-        default: "3600",
-        help: "give up after this long",
+        default: String(WAIT_TIMEOUT_S),
+        help:
+          "the hook's own timeout (set both alike): shortly before it, wait renews itself (exit 2, one line: the model ends that turn and the hook runs again)",
       },
     },
     run: runWait,
