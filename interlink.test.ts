@@ -7762,3 +7762,630 @@ describe("real hosts: Claude Code sessions through interlink", () => {
     120_000,
   );
 });
+
+// Codex CLI 0.171, as these tests rely on it: a custom model provider (`wire_api = "responses"`) makes it post
+// only to <base_url>/responses (SSE), and keeps the base URL's path, so one fake serves every home (/h/<name>/v1);
+// MCP tools reach the model namespaced (`namespace: "mcp__interlink"`, `name: <tool>`), every tools/call carries
+// `_meta.threadId`, and `default_tools_approval_mode = "approve"` lets them run; a trusted SessionStart mcp_tool
+// hook runs at a thread's first turn; a thread started on the shared daemon's control socket (JSON-RPC over a
+// WebSocket on a Unix socket, what the terminal UI speaks) takes `codex queue` turns within a tenth of a second.
+
+interface CodexRequest {
+  home: string;
+  thread: string;
+  // deno-lint-ignore no-explicit-any -- the request body as sent
+  body: any;
+  /** The text of the newest input item (a user turn, a queued one, or a tool's output). */
+  latest: string;
+  /** Every user message's text, in order: what was put in front of the model. */
+  users: string[];
+}
+
+type CodexReply = { text: string } | { tool: string; args: unknown } | ((r: CodexRequest) => CodexReply);
+
+/** A scripted OpenAI Responses API for Codex: per home, rules tried in order against the newest input item. */
+class FakeResponses {
+  readonly requests: CodexRequest[] = [];
+  readonly url: string;
+  #rules = new Map<string, { match: string | RegExp; reply: CodexReply; used: boolean }[]>();
+  #waiters: { pred: (r: CodexRequest) => boolean; resolve(r: CodexRequest): void }[] = [];
+  #server: ReturnType<typeof Bun.serve>;
+
+  constructor() {
+    this.#server = Bun.serve({ hostname: "127.0.0.1", port: 0, idleTimeout: 0, fetch: (req) => this.#handle(req) });
+    this.url = `http://127.0.0.1:${this.#server.port}`;
+  }
+
+  baseUrl = (home: string) => `${this.url}/h/${home}/v1`;
+
+  on(home: string, match: string | RegExp, reply: CodexReply): this {
+    this.#rules.set(home, [...this.#rules.get(home) ?? [], { match, reply, used: false }]);
+    return this;
+  }
+
+  of = (home: string) => this.requests.filter((r) => r.home === home);
+
+  waitFor(pred: (r: CodexRequest) => boolean, what: string, ms = 30_000): Promise<CodexRequest> {
+    const hit = this.requests.find(pred);
+    if (hit) return Promise.resolve(hit);
+    return new Promise((resolve, reject) => {
+      const seen = () =>
+        this.requests.map((r) => `  [${r.home}] ${r.latest.replace(/\s+/g, " ").slice(-200)}`).join("\n");
+      const timer = setTimeout(
+        () => reject(new Error(`the fake saw no request where ${what} within ${ms} ms:\n${seen()}`)),
+        ms,
+      );
+      this.#waiters.push({ pred, resolve: (r) => (clearTimeout(timer), resolve(r)) });
+    });
+  }
+
+  stop = () => this.#server.stop(true);
+
+  async #handle(req: Request): Promise<Response> {
+    const m = new URL(req.url).pathname.match(/^\/h\/([^/]+)\/v1\/responses$/);
+    if (!m) return Response.json({ error: { message: "fake: no such route" } }, { status: 404 });
+    const body = await req.json();
+    // deno-lint-ignore no-explicit-any -- input items
+    const text = (it: any): string =>
+      typeof it?.output === "string"
+        ? it.output
+        : Array.isArray(it?.output ?? it?.content)
+        ? (it.output ?? it.content).map((c: { text?: string }) => c?.text ?? "").join("")
+        : "";
+    // deno-lint-ignore no-explicit-any -- input items
+    const input: any[] = body.input ?? [];
+    const r: CodexRequest = {
+      home: m[1],
+      thread: req.headers.get("thread-id") ?? "",
+      body,
+      latest: text(input.at(-1)),
+      users: input.filter((i) => (i.type ?? "message") === "message" && i.role === "user").map(text),
+    };
+    // A title request (a thread of its own, no tools, a JSON schema for {title}) is not a session's turn.
+    const title = body.text?.format?.schema?.properties?.title !== undefined;
+    const rule = title
+      ? undefined
+      : this.#rules.get(r.home)?.find((x) =>
+        !x.used && (typeof x.match === "string" ? r.latest.includes(x.match) : x.match.test(r.latest))
+      );
+    if (rule) rule.used = true;
+    let reply: CodexReply = rule?.reply ?? { text: title ? JSON.stringify({ title: "fake" }) : "ok" };
+    while (typeof reply === "function") reply = reply(r);
+    if (!title) {
+      this.requests.push(r);
+      for (const w of [...this.#waiters]) {
+        if (w.pred(r)) (this.#waiters.splice(this.#waiters.indexOf(w), 1), w.resolve(r));
+      }
+    }
+    const ev = (type: string, data: object) => `event: ${type}\ndata: ${JSON.stringify({ type, ...data })}\n\n`;
+    const base = { id: `resp_${this.requests.length}`, object: "response", created_at: 1, model: body.model };
+    const item = "tool" in reply
+      ? {
+        id: `fc_${this.requests.length}`,
+        type: "function_call",
+        status: "completed",
+        call_id: `call_${this.requests.length}`,
+        name: reply.tool,
+        namespace: "mcp__interlink",
+        arguments: JSON.stringify(reply.args),
+      }
+      : {
+        id: `msg_${this.requests.length}`,
+        type: "message",
+        role: "assistant",
+        status: "completed",
+        content: [{ type: "output_text", text: reply.text, annotations: [] }],
+      };
+    const usage = {
+      input_tokens: 10,
+      input_tokens_details: { cached_tokens: 0 },
+      output_tokens: 5,
+      output_tokens_details: { reasoning_tokens: 0 },
+      total_tokens: 15,
+    };
+    // The events the API streams, in its order (Codex reads a function call's arguments from their deltas).
+    let n = 0;
+    const at = () => ({ sequence_number: n++, output_index: 0 });
+    let sse = ev("response.created", {
+      sequence_number: n++,
+      response: { ...base, status: "in_progress", output: [] },
+    });
+    if (item.type === "function_call") {
+      sse += ev("response.output_item.added", { ...at(), item: { ...item, status: "in_progress", arguments: "" } });
+      sse += ev("response.function_call_arguments.delta", { ...at(), item_id: item.id, delta: item.arguments });
+      sse += ev("response.function_call_arguments.done", { ...at(), item_id: item.id, arguments: item.arguments });
+    } else {
+      const part = (item as { content: object[] }).content[0];
+      sse += ev("response.output_item.added", { ...at(), item: { ...item, status: "in_progress", content: [] } });
+      sse += ev("response.content_part.added", {
+        ...at(),
+        item_id: item.id,
+        content_index: 0,
+        part: { ...part, text: "" },
+      });
+      sse += ev("response.output_text.delta", {
+        ...at(),
+        item_id: item.id,
+        content_index: 0,
+        delta: (part as { text: string }).text,
+      });
+      sse += ev("response.content_part.done", { ...at(), item_id: item.id, content_index: 0, part });
+    }
+    sse += ev("response.output_item.done", { ...at(), item });
+    sse += ev("response.completed", {
+      sequence_number: n++,
+      response: { ...base, status: "completed", output: [item], usage },
+    });
+    return new Response(sse, { headers: { "content-type": "text/event-stream" } });
+  }
+}
+
+/** JSON-RPC to a Codex home's shared daemon over its control socket: a WebSocket on a Unix socket. */
+class CodexDaemonClient {
+  #next = 1;
+  #pending = new Map<number, (m: { result?: unknown; error?: unknown }) => void>();
+  // deno-lint-ignore no-explicit-any -- Bun's socket
+  #sock: any;
+
+  static async connect(home: string): Promise<CodexDaemonClient> {
+    const c = new CodexDaemonClient();
+    const unix = fs.realpathSync(path.join(home, "app-server-control", "app-server-control.sock"));
+    let buf = new Uint8Array(0), upgraded = false, frag: number[] = [];
+    let opened!: () => void;
+    const ready = new Promise<void>((r) => (opened = r));
+    c.#sock = await Bun.connect({
+      unix,
+      socket: {
+        open(s) {
+          const key = Buffer.from(crypto.getRandomValues(new Uint8Array(16))).toString("base64");
+          s.write(
+            `GET / HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: ${key}\r\nSec-WebSocket-Version: 13\r\n\r\n`,
+          );
+        },
+        data(s, chunk) {
+          const joined = new Uint8Array(buf.length + chunk.length);
+          joined.set(buf);
+          joined.set(chunk, buf.length);
+          buf = joined;
+          if (!upgraded) {
+            const end = Buffer.from(buf).indexOf("\r\n\r\n");
+            if (end < 0) return;
+            upgraded = true;
+            buf = buf.slice(end + 4);
+            opened();
+          }
+          for (;;) {
+            if (buf.length < 2) return;
+            let len = buf[1] & 127, off = 2;
+            if (len === 126) [len, off] = [(buf[2] << 8) | buf[3], 4];
+            else if (len === 127) {
+              [len, off] = [Number(new DataView(buf.buffer, buf.byteOffset + 2, 8).getBigUint64(0)), 10];
+            }
+            if (buf.length < off + len) return;
+            const [fin, op, payload] = [buf[0] & 0x80, buf[0] & 15, buf.slice(off, off + len)];
+            buf = buf.slice(off + len);
+            if (op === 9) s.write(c.#frame(10, payload));
+            else if (op <= 2) {
+              frag.push(...payload);
+              if (!fin) continue;
+              const m = JSON.parse(Buffer.from(frag).toString("utf8"));
+              frag = [];
+              if (typeof m.id === "number" && m.method === undefined) c.#pending.get(m.id)?.(m);
+            }
+          }
+        },
+      },
+    });
+    await ready;
+    await c.call("initialize", {
+      clientInfo: { name: "interlink-tests", version: "1" },
+      capabilities: { experimentalApi: true },
+    });
+    c.#send({ jsonrpc: "2.0", method: "initialized" });
+    return c;
+  }
+
+  #frame(op: number, payload: Uint8Array): Uint8Array {
+    const mask = crypto.getRandomValues(new Uint8Array(4));
+    const n = payload.length;
+    const head = n < 126 ? [0x80 | op, 0x80 | n] : [0x80 | op, 0x80 | 126, n >> 8, n & 255];
+    const out = new Uint8Array(head.length + 4 + n);
+    out.set(head);
+    out.set(mask, head.length);
+    for (let i = 0; i < n; i++) out[head.length + 4 + i] = payload[i] ^ mask[i & 3];
+    return out;
+  }
+
+  #send(o: object): void {
+    this.#sock.write(this.#frame(1, new TextEncoder().encode(JSON.stringify(o))));
+  }
+
+  // deno-lint-ignore no-explicit-any -- JSON-RPC results
+  call(method: string, params: object): Promise<any> {
+    const id = this.#next++;
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => reject(new Error(`codex daemon: ${method} timed out`)), 30_000);
+      this.#pending.set(id, (m) => {
+        clearTimeout(timer);
+        this.#pending.delete(id);
+        if (m.error) reject(new Error(`codex daemon: ${method}: ${JSON.stringify(m.error)}`));
+        else resolve(m.result);
+      });
+      this.#send({ jsonrpc: "2.0", id, method, params });
+    });
+  }
+
+  close(): void {
+    this.#sock?.end();
+  }
+}
+
+describe("Codex CLI sessions as peers, with real Codex", () => {
+  let fake: FakeResponses, model: FakeModel, bus: Child & { url: string }, root: string, template: string;
+  const daemons: string[] = [];
+  const codexEnv = (home: string, _n: NodeFiles) => ({
+    PATH: `${path.dirname(process.execPath)}${path.delimiter}${process.env.PATH}`,
+    HOME: process.env.HOME!, // Deno's and Bun's package caches; INTERLINK_CONFIG keeps this machine's config out
+    LANG: "C.UTF-8",
+    CODEX_HOME: home,
+    FAKE_OPENAI_KEY: "sk-test",
+  });
+
+  beforeAll(async () => {
+    if (!CODEX_BIN) return;
+    // Not under /tmp: Codex refuses to put its helper links there (and warns about it).
+    root = fs.mkdtempSync(path.join(REPO, ".codex-test-"));
+    made.dirs.add(root);
+    fake = new FakeResponses();
+    model = new FakeModel();
+    bus = await startBus("bun", path.join(root, "bus"));
+    // The daemon copies its 400 MB package into a home at its first start: once here, hard links after that.
+    template = path.join(root, "template");
+    fs.mkdirSync(template, { recursive: true });
+    const env = { PATH: process.env.PATH!, HOME: root, CODEX_HOME: template };
+    const started = spawnSync(CODEX_BIN, ["app-server", "daemon", "start"], { env, encoding: "utf8", timeout: 60_000 });
+    if (started.status !== 0) throw new Error(`codex app-server daemon start: ${started.stderr}`);
+    stopDaemon(template);
+  }, 120_000);
+
+  afterAll(async () => {
+    for (const home of daemons) stopDaemon(home);
+    await fake?.stop();
+    await model?.stop();
+    if (bus) await stop(bus);
+  }, 60_000);
+
+  /** Stops a home's daemon, and the updater that `daemon stop` leaves running. */
+  function stopDaemon(home: string): void {
+    spawnSync(CODEX_BIN!, ["app-server", "daemon", "stop"], {
+      env: { PATH: process.env.PATH!, CODEX_HOME: home },
+      timeout: 20_000,
+    });
+    try {
+      killGroup(
+        JSON.parse(fs.readFileSync(path.join(home, "app-server-daemon", "daemon-updater.pid"), "utf8")).pid,
+        "SIGTERM",
+      );
+    } catch {
+      // none
+    }
+  }
+
+  /**
+   * A Codex home for a node: interlink installed by `codex-install` (its server under `runtime`, the bind hook
+   * and its trust), the fake as its model, the daemon's package linked from the template, the daemon started.
+   */
+  async function codexHome(n: NodeFiles, runtime: "bun" | "deno", opts: { hook?: boolean } = {}): Promise<string> {
+    const home = path.join(n.dir, "codex-home");
+    const ws = path.join(n.dir, "ws");
+    fs.mkdirSync(ws, { recursive: true });
+    fs.mkdirSync(home, { recursive: true });
+    fs.writeFileSync(
+      path.join(home, "config.toml"),
+      [
+        'model = "fake-model"',
+        'model_provider = "fake"',
+        'approval_policy = "never"',
+        'sandbox_mode = "read-only"',
+        "check_for_update_on_startup = false",
+        "",
+        "[model_providers.fake]",
+        'name = "fake"',
+        `base_url = "${fake.baseUrl(n.name)}"`,
+        'wire_api = "responses"',
+        'env_key = "FAKE_OPENAI_KEY"',
+        "",
+        `[projects.${JSON.stringify(ws)}]`,
+        'trust_level = "trusted"',
+        "",
+      ].join("\n"),
+    );
+    const install = await runCliAsync(runtime, [
+      "codex-install",
+      "--codex-home",
+      home,
+      "--codex-bin",
+      CODEX_BIN!,
+      "--url",
+      bus.url,
+      "--key",
+      n.keyFile,
+      "--peers",
+      n.peersFile,
+      "--state",
+      n.stateDir,
+      "--name",
+      n.name,
+    ], { env: { INTERLINK_CONFIG: path.join(n.dir, "config.json") } });
+    expect(install.stdout).toContain("the hook is trusted");
+    if (opts.hook === false) fs.writeFileSync(path.join(home, "hooks.json"), '{"hooks":{}}\n');
+    const release = fs.readlinkSync(path.join(template, "packages", "app-server-daemon", "current")).split("/").pop()!;
+    spawnSync("cp", ["-al", path.join(template, "packages"), path.join(home, "packages")]);
+    fs.rmSync(path.join(home, "packages", "app-server-daemon", "current"));
+    fs.symlinkSync(
+      path.join(home, "packages", "app-server-daemon", "releases", release),
+      path.join(home, "packages", "app-server-daemon", "current"),
+    );
+    const started = spawnSync(CODEX_BIN!, ["app-server", "daemon", "start"], {
+      env: codexEnv(home, n),
+      encoding: "utf8",
+      timeout: 60_000,
+    });
+    expect({ status: started.status, err: started.status ? started.stderr : "" }).toEqual({ status: 0, err: "" });
+    daemons.push(home);
+    return home;
+  }
+
+  /** A Codex session: a thread on the home's daemon, as the terminal UI starts one. */
+  async function codexSession(n: NodeFiles, home: string) {
+    const client = await CodexDaemonClient.connect(home);
+    const { thread } = await client.call("thread/start", {
+      cwd: path.join(n.dir, "ws"),
+      approvalPolicy: "never",
+      sandbox: "read-only",
+    });
+    const turn = (text: string) =>
+      client.call("turn/start", { threadId: thread.id, input: [{ type: "text", text, text_elements: [] }] });
+    return { thread: thread.id as string, turn, close: () => client.close() };
+  }
+
+  /** A peer message shown to a Codex model: in a queued turn, once. */
+  const shownOnce = (home: string, needle: string) => {
+    const last = fake.of(home).at(-1);
+    return (last?.users ?? []).filter((t) => t.includes(needle)).length;
+  };
+
+  codexTest(
+    "a Codex session binds to its thread through the SessionStart hook, and through a tool call's _meta without it; unbound it announces nothing",
+    async () => {
+      const A = await makeNodeFiles(root, "cx-hook");
+      const B = await makeNodeFiles(root, "cx-meta");
+      const [ha, hb] = await Promise.all([codexHome(A, "bun"), codexHome(B, "deno", { hook: false })]);
+      const [a, b] = await Promise.all([codexSession(A, ha), codexSession(B, hb)]);
+      try {
+        // Started, not yet bound: the server runs but neither announces nor claims a session.
+        await Bun.sleep(800); // (an absence: nothing may appear in this window)
+        expect(await onRoster(bus.url, A)).toBe(false);
+        expect(sessionIds(A.stateDir)).toEqual([]);
+        fake.on("cx-meta", "who are my peers", { tool: "list_peers", args: {} });
+        await Promise.all([a.turn("hello"), b.turn("who are my peers?")]);
+        // The hook bound A at its first turn; its answer is what the model is told (a developer message).
+        const first = await fake.waitFor((r) => r.home === "cx-hook", "A's first turn");
+        expect(JSON.stringify(first.body.input)).toContain(
+          `interlink: this session is reachable by its peers as cx-hook, session ${a.thread}`,
+        );
+        await eventually(() => onRoster(bus.url, A), "A is announced");
+        expect(sessionIds(A.stateDir)).toEqual([a.thread]);
+        // B has no hook: its first interlink tool call bound it to that call's thread.
+        await fake.waitFor((r) => r.home === "cx-meta" && r.latest.includes("no peers yet"), "B's tool answered");
+        expect(sessionIds(B.stateDir)).toEqual([b.thread]);
+        const { roster } = await (await fetch(`${bus.url}/roster`)).json();
+        expect(roster.find((x: Announcement) => x.pubkey === B.id.publicKey)?.session?.session_id).toBe(b.thread);
+      } finally {
+        a.close();
+        b.close();
+      }
+    },
+    120_000,
+  );
+
+  codexTest("Codex ↔ Codex: a task with wakes both ways, each message shown to each model once", async () => {
+    const A = await makeNodeFiles(root, "cx-alice");
+    const B = await makeNodeFiles(root, "cx-bob");
+    befriend(A, B);
+    const [ha, hb] = await Promise.all([codexHome(A, "bun"), codexHome(B, "deno")]);
+    const [a, b] = await Promise.all([codexSession(A, ha), codexSession(B, hb)]);
+    try {
+      await Promise.all([a.turn("stand by"), b.turn("stand by")]);
+      await eventually(async () => (await onRoster(bus.url, A)) && (await onRoster(bus.url, B)), "both announced");
+      fake.on("cx-alice", "delegate", {
+        tool: "send_message",
+        args: { to: "cx-bob", text: "compute 6*7", task_id: "cx1" },
+      });
+      fake.on("cx-bob", "compute 6*7", {
+        tool: "send_message",
+        args: { to: "cx-alice", text: "working", task_id: "cx1", status: "update" },
+      });
+      fake.on("cx-bob", "[task cx1 · update]: sent", {
+        tool: "send_message",
+        args: { to: "cx-alice", text: "42", task_id: "cx1", status: "result" },
+      });
+      await a.turn("delegate it to bob");
+      const woken = await fake.waitFor(
+        (r) => r.home === "cx-bob" && r.latest.includes("compute 6*7"),
+        "bob is woken with the task",
+      );
+      expect(woken.latest).toMatch(/^interlink: 1 message\(s\) from peers arrived/);
+      const done = await fake.waitFor(
+        (r) => r.home === "cx-alice" && r.latest.includes('status="result"'),
+        "alice is woken with the result",
+      );
+      // The update was superseded by the result before alice was woken: she is shown the result alone.
+      expect(done.latest).not.toContain("working");
+      expect(shownOnce("cx-bob", "compute 6*7")).toBe(1);
+      expect(shownOnce("cx-alice", ">\n42\n<")).toBe(1);
+    } finally {
+      a.close();
+      b.close();
+    }
+  }, 120_000);
+
+  codexTest(
+    "Codex ↔ a Claude Code-style peer (SDK-driven): request → update → needs_input → answer → result, and cancel, both ways",
+    async () => {
+      const X = await makeNodeFiles(root, "cx-exec");
+      const P = await makeNodeFiles(root, "sdk-peer");
+      befriend(X, P);
+      const hx = await codexHome(X, "bun");
+      const x = await codexSession(X, hx);
+      const peer = await McpNode.start("deno", P, bus.url, { INTERLINK_DELIVERY: "inbox" });
+      try {
+        await x.turn("stand by");
+        await eventually(async () => (await onRoster(bus.url, X)) && (await onRoster(bus.url, P)), "both announced");
+        // The SDK peer delegates to Codex; Codex asks a question, gets the answer, finishes.
+        fake.on("cx-exec", "build the docs", {
+          tool: "send_message",
+          args: { to: "sdk-peer", text: "on it", task_id: "d1", status: "update" },
+        });
+        fake.on("cx-exec", "[task d1 · update]: sent", {
+          tool: "send_message",
+          args: { to: "sdk-peer", text: "html or pdf?", task_id: "d1", status: "needs_input" },
+        });
+        fake.on("cx-exec", "pdf please", {
+          tool: "send_message",
+          args: { to: "sdk-peer", text: "docs.pdf built", task_id: "d1", status: "result" },
+        });
+        await peer.ok("send_message", { to: "cx-exec", text: "build the docs", task_id: "d1" });
+        await eventually(
+          async () => (await peer.ok("list_tasks")).includes("BLOCKED on cx-exec's question"),
+          "the question reaches the requester",
+        );
+        const question =
+          (await peer.ok("check_inbox")).match(/msg_id="([0-9a-f]{32})" task_id="d1" status="needs_input"/)![1];
+        await peer.ok("send_message", { to: "cx-exec", text: "pdf please", task_id: "d1", in_reply_to: question });
+        await eventually(
+          async () => (await peer.ok("list_tasks")).includes("status result; closed"),
+          "the result closes the task",
+        );
+        // The other way: Codex delegates to the SDK peer, and then cancels it.
+        fake.on("cx-exec", "delegate a lint", {
+          tool: "send_message",
+          args: { to: "sdk-peer", text: "lint it", task_id: "l1" },
+        });
+        fake.on("cx-exec", "call it off", {
+          tool: "cancel_task",
+          args: { to: "sdk-peer", task_id: "l1", reason: "not needed" },
+        });
+        await x.turn("delegate a lint to the peer");
+        await eventually(
+          async () => (await peer.ok("check_inbox", { peek: true })).includes("lint it"),
+          "the peer has the task",
+        );
+        await peer.ok("send_message", { to: "cx-exec", text: "linting", task_id: "l1", status: "update" });
+        await x.turn("call it off");
+        await eventually(
+          async () => (await peer.ok("list_tasks")).match(/task l1 with cx-exec.*status canceled; closed/) !== null,
+          "canceled at the peer",
+        );
+        // What the Codex model was shown: the task, the answer, each once; progress woke it for nothing.
+        expect(shownOnce("cx-exec", "build the docs")).toBe(1);
+        expect(shownOnce("cx-exec", "pdf please")).toBe(1);
+        expect(fake.of("cx-exec").some((r) => r.latest.includes("linting"))).toBe(false);
+      } finally {
+        x.close();
+        await peer.close();
+      }
+    },
+    120_000,
+  );
+
+  codexTest(
+    "a wake that fails (no Codex to queue into) leaves the message for check_inbox; doctor says why",
+    async () => {
+      const Y = await makeNodeFiles(root, "cx-nowake");
+      const Z = await makeNodeFiles(root, "cx-sender");
+      befriend(Y, Z);
+      // A server told it runs under Codex, bound to a thread no Codex has: every `codex queue` is refused.
+      const home = path.join(Y.dir, "no-daemon-home");
+      fs.mkdirSync(home, { recursive: true });
+      const thread = crypto.randomUUID();
+      const y = await McpNode.start("bun", Y, bus.url, {
+        INTERLINK_HOST: "codex",
+        INTERLINK_SESSION: "",
+        INTERLINK_CODEX_BIN: CODEX_BIN!,
+        CODEX_HOME: home,
+      });
+      const z = await McpNode.start("deno", Z, bus.url);
+      try {
+        expect(await y.ok("bind_session", { session: thread })).toContain(`session ${thread}`);
+        await eventually(() => onRoster(bus.url, Y), "bound and announced");
+        const sent = await z.ok("send_message", { to: "cx-nowake", text: "can you hear me?" });
+        await y.waitStderr(/cannot wake the Codex session .*no rollout found/, 30_000);
+        const doctor = await runCliAsync("bun", ["doctor"], {
+          env: {
+            INTERLINK_KEY: Y.keyFile,
+            INTERLINK_PEERS: Y.peersFile,
+            INTERLINK_STATE: Y.stateDir,
+            INTERLINK_URL: bus.url,
+          },
+        });
+        expect(doctor.stdout).toMatch(/PROBLEM {2}the Codex session .* cannot be woken: codex queue exited 1/);
+        const inbox = await y.ok("check_inbox");
+        expect(inbox).toContain(`msg_id="${msgIdOf(sent)}"`);
+        expect(inbox).toContain("can you hear me?");
+        expect(await y.ok("check_inbox")).toBe("no unread messages");
+      } finally {
+        await Promise.all([y.close(), z.close()]);
+      }
+    },
+    90_000,
+  );
+
+  if (CLAUDE_BIN) {
+    codexTest("a real Claude Code session and a real Codex session run a task together", async () => {
+      const C = await makeNodeFiles(root, "cc-side");
+      const X = await makeNodeFiles(root, "cx-side");
+      befriend(C, X);
+      const hx = await codexHome(X, "deno");
+      const x = await codexSession(X, hx);
+      const c = await hostNode(root, "cc-node", bus.url, model);
+      Object.assign(c, { keyFile: C.keyFile, peersFile: C.peersFile, stateDir: C.stateDir, id: C.id });
+      Object.assign(c.env, {
+        INTERLINK_KEY: C.keyFile,
+        INTERLINK_PEERS: C.peersFile,
+        INTERLINK_STATE: C.stateDir,
+        INTERLINK_NAME: "cc-side",
+      });
+      installStopHook(c);
+      model.on("cc-node", "hand it to codex", {
+        tool: "mcp__interlink__send_message",
+        input: { to: "cx-side", text: "rename the module", task_id: "r1" },
+      });
+      fake.on("cx-side", "rename the module", {
+        tool: "send_message",
+        args: { to: "cc-side", text: "renamed to core", task_id: "r1", status: "result" },
+      });
+      await x.turn("stand by");
+      const claude = await claudeSession(c);
+      try {
+        await eventually(async () => (await onRoster(bus.url, X)) && (await onRoster(bus.url, C)), "both announced");
+        claude.send("hand it to codex");
+        const woken = await fake.waitFor(
+          (r) => r.home === "cx-side" && r.latest.includes("rename the module"),
+          "Codex is woken with the task",
+        );
+        expect(woken.latest).toContain('from="cc-side"');
+        const back = await model.waitFor(
+          (r) => r.session === "cc-node" && r.latest.includes("renamed to core"),
+          "Claude Code is woken with the result",
+        );
+        expect(back.latest).toContain('task_id="r1" status="result"');
+        expect(shownOnce("cx-side", "rename the module")).toBe(1);
+        expect(timesShown(model, "cc-node", "renamed to core")).toBe(1);
+      } finally {
+        x.close();
+        await claude.stop();
+      }
+    }, 120_000);
+  }
+});

@@ -8969,7 +8969,12 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   /** Opens this session's agent once (under `session`, or the configured one) and starts it. */
   const open = (session?: string): Promise<Agent> =>
     opening ??= (async () => {
-      const cfg = { ...prepared!.cfg, ...(session ? { session } : {}) };
+      // Codex has no channel: its sessions are woken by queued turns, and read the rest with check_inbox.
+      const cfg = {
+        ...prepared!.cfg,
+        ...(session ? { session } : {}),
+        ...(host === "codex" ? { delivery: "inbox" as const } : {}),
+      };
       const a = await Agent.open(cfg, SERVER_ROLE, {
         identity: prepared!.id,
         now: nodeClock(),
@@ -9488,6 +9493,7 @@ const SKEW_WARN_MS = 10_000;
 /** Checks a node's set-up, one finding per line: ok, info, or a problem with how to fix it. */
 export async function doctorFindings(o: Options): Promise<Finding[]> {
   const out: Finding[] = [{ level: "ok", what: `runtime ${runtimeName()}, interlink ${VERSION}, ${process.platform}` }];
+  out.push(await sdkLoadFinding());
   const keyFile = o.key as string;
   let id: Identity | null = null;
   try {
@@ -9548,6 +9554,22 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
         }
         : { level: "info", what: `state folder ${state}: no session running (${sessions.length} known)` },
     );
+  }
+  for (const x of sessions) {
+    // A Codex session's last wake: a queue that failed says why (what waits stays for check_inbox).
+    try {
+      const wake = JSON.parse(fs.readFileSync(path.join(x.dir, "wake.json"), "utf8"));
+      if (x.live && isObject(wake) && wake.ok === false) {
+        out.push({
+          level: "problem",
+          what: `the Codex session ${sessionLabel(x)} cannot be woken: ${showInvisible(String(wake.why))}`,
+          fix:
+            "check that codex runs (INTERLINK_CODEX_BIN) and that the session is a normal one (not codex exec or ephemeral); its messages wait for check_inbox",
+        });
+      }
+    } catch {
+      // not a Codex session, or never woken
+    }
   }
   if (state) {
     const refusals = new Map<string, number>();
@@ -9683,6 +9705,32 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
     }
   }
   return out;
+}
+
+/**
+ * How long `mcp` takes to load the MCP SDK here: a first start fetches it (Deno: from npm), and Claude Code
+ * gives a server 30 s (MCP_TIMEOUT) before it shows it as failed, with no tools and no word in the session.
+ * Loading it here also fetches it, so the next start is quick.
+ */
+async function sdkLoadFinding(): Promise<Finding> {
+  const t0 = Date.now();
+  try {
+    await importPinned(SDK, "/server/mcp.js");
+    await importPinned(ZOD);
+  } catch (e) {
+    return { level: "problem", what: (e as Error).message, fix: "see the error: the server cannot start without it" };
+  }
+  const ms = Date.now() - t0;
+  return ms > SLOW_START_MS
+    ? {
+      level: "problem",
+      what: `loading the MCP SDK took ${
+        (ms / 1000).toFixed(1)
+      } s (a first start fetching it?); Claude Code shows a server that takes over 30 s as failed, with no interlink tools`,
+      fix:
+        "run `interlink.ts doctor` again (the SDK is cached now) and restart the session; on a slow machine set MCP_TIMEOUT=60000 for claude",
+    }
+    : { level: "ok", what: `the MCP SDK loads in ${ms} ms (Claude Code waits 30 s for a server)` };
 }
 
 /** A NATS relay: it connects, JetStream is on, the stream and roster bucket exist or could be made, its round trip. */
@@ -9987,6 +10035,8 @@ async function runCodexInstall(o: Options, _pos: string[], from: OptionSources):
     ...(bin ? { INTERLINK_CODEX_BIN: path.resolve(bin) } : {}),
   };
   for (const [k, v] of Object.entries(explicitSettings(o, from))) env[`INTERLINK_${k.toUpperCase()}`] = v;
+  // Codex passes its servers only the variables it is told of: the config.json this very command used, too.
+  if (process.env.INTERLINK_CONFIG) env.INTERLINK_CONFIG = process.env.INTERLINK_CONFIG;
   const block = (hash: string) => codexConfigBlock({ command: selfCommand(["mcp"]), env, trust: { key, hash: hash } });
   let hash = await codexHookHash("session_start", { ...CODEX_BIND_HOOK });
   writeFileAtomic(configPath, withCodexBlock(oldConfig, block(hash)));
