@@ -8317,6 +8317,10 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
       });
       const z = await McpNode.start("deno", Z, bus.url);
       try {
+        // Before it knows its thread, a send is an error, never a message from a made-up session.
+        const early = await y.call("send_message", { to: "cx-sender", text: "too soon" });
+        expect(early).toEqual({ isError: true, text: expect.stringContaining("does not know its Codex thread yet") });
+        expect(sessionIds(Y.stateDir)).toEqual([]);
         expect(await y.ok("bind_session", { session: thread })).toContain(`session ${thread}`);
         await eventually(() => onRoster(bus.url, Y), "bound and announced");
         const sent = await z.ok("send_message", { to: "cx-nowake", text: "can you hear me?" });
@@ -8336,6 +8340,39 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
         expect(await y.ok("check_inbox")).toBe("no unread messages");
       } finally {
         await Promise.all([y.close(), z.close()]);
+      }
+    },
+    90_000,
+  );
+
+  codexTest(
+    "a Codex session and a Claude Code-style session of one key are siblings: to self reaches the other",
+    async () => {
+      const S = await makeNodeFiles(root, "cx-self");
+      const hs = await codexHome(S, "bun");
+      const x = await codexSession(S, hs);
+      const sibling = await McpNode.start("deno", S, bus.url, {
+        INTERLINK_SESSION: "cc-sibling",
+        INTERLINK_DELIVERY: "inbox",
+      });
+      try {
+        await x.turn("stand by");
+        await eventually(() => onRoster(bus.url, S), "the Codex session is announced");
+        expect(await sibling.ok("discover", { peer: "self" })).toContain(x.thread);
+        const sent = await sibling.ok("send_message", {
+          to: "self",
+          text: "note from my other session",
+          session: x.thread.slice(0, 8),
+        });
+        expect(sent).toContain(`session ${x.thread}, live`);
+        const woken = await fake.waitFor(
+          (r) => r.home === "cx-self" && r.latest.includes("note from my other session"),
+          "the Codex session is woken",
+        );
+        expect(woken.latest).toContain('from="self"');
+      } finally {
+        x.close();
+        await sibling.close();
       }
     },
     90_000,

@@ -7525,6 +7525,8 @@ export function wakeText(items: InboxItem[], peers: Peers): string {
 
 /** A queued turn this long or more is a notice instead (Linux takes at most 128 KiB in one argument). */
 export const CODEX_WAKE_MAX_BYTES = 16 * 1024;
+/** Attempts at one wake before it waits for something new to arrive (a failing queue costs a process each). */
+const CODEX_WAKE_TRIES = 5;
 /** One `codex queue` normally takes well under 0.1 s; past this it counts as failed (the inbox lock waits on it). */
 const CODEX_QUEUE_TIMEOUT_MS = 4_000;
 
@@ -7639,13 +7641,13 @@ export class CodexWaker {
   async #run(): Promise<void> {
     let failures = 0;
     while (!this.#stopped) {
-      // A failing queue is retried with a back-off (and at once when more arrives); otherwise a look a minute.
-      await this.#latch.wait(failures ? backoffMs(failures + 2) : 60_000);
+      // A failing queue is retried with a back-off, CODEX_WAKE_TRIES times, then only when more arrives (or
+      // every ten minutes); otherwise a look a minute.
+      await this.#latch.wait(failures >= CODEX_WAKE_TRIES ? 10 * 60_000 : failures ? backoffMs(failures + 2) : 60_000);
       if (this.#stopped) return;
       try {
         const r = await this.wakeOnce();
-        failures = r === "failed" ? failures + 1 : 0;
-        if (r === "final") failures = 0; // not retried until something new arrives
+        failures = r === "failed" ? failures + 1 : r === "final" ? CODEX_WAKE_TRIES : 0; // "final": not retried
       } catch (e) {
         failures++;
         this.#note(false, errorText(e));
