@@ -19,6 +19,7 @@ import {
   Bus,
   BusQueues,
   canonicalBytes,
+  type Carried,
   channelMeta,
   checkAnnouncement,
   chooseRoute,
@@ -52,6 +53,7 @@ import {
   INSTRUCTIONS_MAX_CHARS,
   INVISIBLE_RE,
   Journal,
+  journalFiles,
   type JournalRecord,
   JsonlWriter,
   legacyAnnouncementBytes,
@@ -92,6 +94,7 @@ import {
   recvProofBytes,
   recvTimeoutMs,
   redactUrl,
+  type Remembered,
   removePeer,
   RENEW_TEXT,
   ReplayMemory,
@@ -6826,6 +6829,110 @@ describe("the journal: one typed record per line, read through one codec", () =>
     });
   }
 
+  test("a journal rolled over folds as it did from its checkpoint, and its history stays whole (every 0.5.0 fixture)", () => {
+    for (const node of nodes.filter((n) => n.release === "journal-0.5.0").map((n) => n.node)) {
+      const src = path.join(FIXTURES, "journal-0.5.0", node);
+      const expected = JSON.parse(fs.readFileSync(path.join(src, "expected.json"), "utf8"));
+      const now = () => expected.fixedNow;
+      const dir = tmpDir();
+      fs.copyFileSync(path.join(src, expected.journal), path.join(dir, "log.jsonl"));
+      // Records that change nothing, so the checkpoint is worth writing.
+      const pad = Array.from(
+        { length: 2000 },
+        (_, i) => JSON.stringify({ t: "sent", at: 1, msg_id: `pad${i}`, via: [] }),
+      );
+      fs.appendFileSync(path.join(dir, "log.jsonl"), pad.join("\n") + "\n");
+      const whole = fs.readFileSync(path.join(dir, "log.jsonl"));
+      const before = new NodeState(now);
+      new Journal(dir, before, true, now).catchUp();
+      const history = conversation(dir, undefined, 1e6);
+      const owner = new Journal(dir, new NodeState(now), true, now);
+      expect(owner.roll()).toBe(true);
+      owner.close();
+      // The old records are an archive, byte for byte; log.jsonl is one checkpoint.
+      const [archive, current] = journalFiles(dir);
+      expect(path.basename(archive)).toBe(`log-${expected.fixedNow}.jsonl`);
+      expect(fs.readFileSync(archive).equals(whole)).toBe(true);
+      expect(readJsonl(current).map((r) => r.t)).toEqual(["checkpoint"]);
+      const after = new NodeState(now);
+      new Journal(dir, after, false, now).catchUp();
+      // The same state, but for what a checkpoint does not carry: sent messages that need nothing more (shown,
+      // refused, a knock or a receipt, or older than a day), which message_status finds in the history instead.
+      const kept = (s: NodeState) =>
+        [...s.outgoing.values()].filter((e) =>
+          s.pending.has(e.msg.msg_id) ||
+          (e.msg.kind === "message" && e.sentAt! >= expected.fixedNow - FRESH_PAST_MS && !e.shown && !e.refusedBy)
+        ).map((e) => e.msg.msg_id);
+      const summary = summarize(before, expected.fixedNow);
+      for (const id of Object.keys(summary.outgoing)) if (!kept(before).includes(id)) delete summary.outgoing[id];
+      expect({ node, diff: differences(summary, summarize(after, expected.fixedNow)) }).toEqual({ node, diff: [] });
+      expect(kept(after).sort()).toEqual(kept(before).sort());
+      expect(conversation(dir, undefined, 1e6)).toEqual(history);
+      // A replay of anything admitted before the roll is still known.
+      for (const id of [...before.inbox.keys()]) expect(after.inbox.has(id)).toBe(true);
+      expect(after.replay.size).toBe(before.replay.size);
+    }
+  });
+
+  test.concurrent(
+    "a running session rolls its journal over while CLI sends queue into it and its wait hook follows: nothing is lost, sent twice, or logged twice",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const small = { INTERLINK_TEST_ROLL_BYTES: "6000", INTERLINK_TEST_ENDED_EVERY_MS: "150" };
+      const bob = await McpNode.start("bun", B, url, { ...small, INTERLINK_DELIVERY: "inbox" });
+      const alice = await McpNode.start("deno", A, url);
+      const env = { INTERLINK_KEY: B.keyFile, INTERLINK_PEERS: B.peersFile, INTERLINK_STATE: B.stateDir };
+      try {
+        expect(await bob.ok("check_inbox")).toBe("no unread messages"); // its session is open: sends queue into it
+        // bob's Stop hook, waiting from before the first roll-over.
+        const wait = spawnTracked([...runtimeArgv("deno"), "wait", "--state", B.stateDir, "--timeout", "120"], {
+          stdin: "pipe" as never,
+          stdout: "pipe",
+          stderr: "pipe",
+          env: { ...process.env, ...env },
+        }) as unknown as Bun.Subprocess<"pipe", "pipe", "pipe">;
+        wait.stdin.write(JSON.stringify({ session_id: "bob", hook_event_name: "Stop", stop_hook_active: false }));
+        wait.stdin.end();
+        const woke = Promise.all([new Response(wait.stderr).text(), wait.exited]);
+        const texts = Array.from({ length: 16 }, (_, i) => `note ${i} ${"·".repeat(400)}`);
+        for (let i = 0; i < texts.length; i += 2) {
+          const two = [0, 1].map((j) =>
+            runCliAsync(j ? "deno" : "bun", ["send", "alice", texts[i + j], "--session", "bob"], { env })
+          );
+          for (const r of await Promise.all(two)) expect(r.stderr).not.toContain("error");
+        }
+        await eventually(() => journalFiles(sessionOf(B)).length > 2, "bob's journal rolled over more than once");
+        for (const text of texts) await alice.waitEvent((e) => e.content === text, 30_000);
+        await eventually(() => busDrained(url, A), "alice acked everything");
+        expect(alice.events.filter((e) => texts.includes(e.content)).length).toBe(texts.length);
+        // The hook, started before the roll-overs, still sees what arrives after them, once.
+        await alice.ok("send_message", { to: "bob", text: "after the roll-overs" });
+        const [stderr, code] = await woke;
+        expect({ code, woke: stderr.includes("after the roll-overs") }).toEqual({ code: 2, woke: true });
+        expect(await bob.ok("check_inbox")).toBe("no unread messages");
+        // Everything bob sent is in its log and history exactly once, across the archives.
+        const log = runCli("bun", ["log", "--session", "bob"], { env });
+        for (const text of texts) expect(log.stdout.split(text).length - 1).toBe(1);
+        const history = await bob.ok("conversation_history", { peer: "alice", limit: 500 });
+        for (const text of texts) expect(history.split(text).length - 1).toBe(1);
+        // bob restarts on the rolled journal: nothing to send again, nothing unread.
+        await bob.close();
+        const again = await McpNode.start("deno", B, url, { INTERLINK_DELIVERY: "inbox" });
+        try {
+          expect(await again.ok("list_pending")).toContain("the outbox is empty");
+          expect(await again.ok("check_inbox")).toBe("no unread messages");
+        } finally {
+          await again.close();
+        }
+      } finally {
+        await Promise.allSettled([bob.close(), alice.close()]);
+        await shutdown();
+      }
+    },
+    180_000,
+  );
+
   test("every tag round-trips through the codec; a bad field or an unknown tag is refused with the reason, and set aside", async () => {
     const m = await signMessage(alice, { to: bob.publicKey, text: "x", task_id: "t-ünï", status: "update" }, 5);
     const line: ReceiptLine = { state: "refused", msg_id: m.msg_id, at: 3, reason: "stale", skew_ms: 9 };
@@ -6840,6 +6947,41 @@ describe("the journal: one typed record per line, read through one codec", () =>
       closed: false,
       messages: 2,
       peer_session: "b1",
+    };
+    const carried: Carried = {
+      out: [{
+        msg: m,
+        peer: "bob",
+        recipient: bob.publicKey,
+        at: 1,
+        sent_at: 2,
+        via: ["x"],
+        delivered: { at: 3, session: "b" },
+      }],
+      inbox: [
+        { kind: "message", id: "i", at: 1, peer: "alice", msg: m, forSession: "older" },
+        { kind: "knock", id: "k", at: 1, key: alice.publicKey, name: "alice" },
+        { kind: "more_knocks", id: "knocks more", at: 1, count: 3 },
+        { kind: "refusals", id: "r", at: 1, key: eve.publicKey, reason: "stale", count: 2 },
+        { kind: "bounced", id: "b", at: 1, key: bob.publicKey, msg: m, report: line },
+      ],
+      tasks: [task],
+      owed: [[alice.publicKey, [line]]],
+      wants_shown: [["i", { route: alice.publicKey, msgId: m.msg_id }]],
+      knocks_in: [[alice.publicKey, { name: "alice", at: 1, msgId: "k", replyTo: `${alice.publicKey}#a` }]],
+      knocks_out: [[bob.publicKey, { petname: "bob", at: 1, msgId: "k2" }]],
+      sticky: [[alice.publicKey, "a1"]],
+      closed: [[`${alice.publicKey}#a0`, 4]],
+      rejected: [[eve.publicKey, 4]],
+      routes: [["old", 4], ["older", 2]],
+    };
+    const remembered: Remembered = {
+      replay: [[`${alice.publicKey} ${m.msg_id}`, 5]],
+      shown: ["i0"],
+      refusal_shown: [["r", 2]],
+      refusals_reported: [[`${alice.publicKey} m`, { key: alice.publicKey, at: 2 }]],
+      knocks_shown: [1, 2],
+      pushed: [["i", { at: 2, item: { kind: "knock", id: "k", at: 1, key: alice.publicKey, name: "alice" } }]],
     };
     const all: JournalRecord[] = [
       { t: "out", at: 1, peer: "bob", recipient: `${bob.publicKey}#b1`, msg: m, pair_petname: "bob", again: true },
@@ -6863,41 +7005,11 @@ describe("the journal: one typed record per line, read through one codec", () =>
       { t: "owe", at: 1, route: alice.publicKey, msg_id: "m", reason: "stale", skew_ms: -4 },
       { t: "receipt", at: 1, peer: "bob", msg: m, lines: [0, 2] },
       { t: "moved", at: 1, to: "next" },
-      {
-        t: "adopted",
-        at: 1,
-        session: "old",
-        carried: {
-          out: [{
-            msg: m,
-            peer: "bob",
-            recipient: bob.publicKey,
-            at: 1,
-            sent_at: 2,
-            via: ["x"],
-            delivered: { at: 3, session: "b" },
-          }],
-          inbox: [
-            { kind: "message", id: "i", at: 1, peer: "alice", msg: m, forSession: "older" },
-            { kind: "knock", id: "k", at: 1, key: alice.publicKey, name: "alice" },
-            { kind: "more_knocks", id: "knocks more", at: 1, count: 3 },
-            { kind: "refusals", id: "r", at: 1, key: eve.publicKey, reason: "stale", count: 2 },
-            { kind: "bounced", id: "b", at: 1, key: bob.publicKey, msg: m, report: line },
-          ],
-          tasks: [task],
-          owed: [[alice.publicKey, [line]]],
-          wants_shown: [["i", { route: alice.publicKey, msgId: m.msg_id }]],
-          knocks_in: [[alice.publicKey, { name: "alice", at: 1, msgId: "k", replyTo: `${alice.publicKey}#a` }]],
-          knocks_out: [[bob.publicKey, { petname: "bob", at: 1, msgId: "k2" }]],
-          sticky: [[alice.publicKey, "a1"]],
-          closed: [[`${alice.publicKey}#a0`, 4]],
-          rejected: [[eve.publicKey, 4]],
-          routes: [["old", 4], ["older", 2]],
-        },
-      },
+      { t: "adopted", at: 1, session: "old", carried },
+      { t: "checkpoint", at: 1, archived: "log-1.jsonl", carried, remembered },
     ];
     const tags = new Set(all.map((r) => r.t));
-    expect(tags.size).toBe(13); // every tag of the union (the compiler checks the list is the union's)
+    expect(tags.size).toBe(14); // every tag of the union (the compiler checks the list is the union's)
     for (const r of all) expect(decodeRecord(JSON.parse(encodeRecord(r)))).toEqual([r]);
     // A bad field is named; an unknown tag (a newer version's) is refused as such.
     const bad = (o: object) => () => decodeRecord(o as Record<string, unknown>);

@@ -175,6 +175,13 @@ const COMPACT_RETRY_MS = 30_000;
 const ADOPT_AFTER_MS = msFromEnv("INTERLINK_TEST_ADOPT_AFTER_MS", 2 * 60_000);
 /** How often a running session looks for ended ones to adopt, and drains the routes of those it adopted. */
 const ENDED_EVERY_MS = msFromEnv("INTERLINK_TEST_ENDED_EVERY_MS", ANNOUNCE_EVERY_MS);
+/**
+ * A session's journal past this size is rolled over at the session's start and as it runs (see Journal.roll): a
+ * start folds a checkpoint and what came after, not the session's whole life (about 2,000 messages a MiB).
+ */
+const JOURNAL_ROLL_BYTES = msFromEnv("INTERLINK_TEST_ROLL_BYTES", 1 << 20);
+/** A task closed longer ago than this is not carried over a roll-over (the archives keep its messages). */
+const CLOSED_TASKS_KEPT_MS = 30 * 24 * 60 * 60_000;
 /** A server whose MCP SDK takes longer than this to load says so (Claude Code waits 30 s for a server to connect). */
 const SLOW_START_MS = 5_000;
 /** How long a short-lived lock (peers edit, inbox claim) is waited for before giving up. */
@@ -950,6 +957,16 @@ export class ReplayMemory {
     return this.#seen.size - stale >= this.cap;
   }
 
+  /** What it holds, oldest first ("<sender> <msg_id>", message ts): a checkpoint keeps it (see restore). */
+  entries(): [string, number][] {
+    return [...this.#seen];
+  }
+
+  /** Takes back what entries() gave, before anything newer is remembered. */
+  restore(entries: [string, number][]): void {
+    for (const [key, ts] of entries) if (!this.#seen.has(key)) this.#seen.set(key, ts);
+  }
+
   /** Drops entries older than the freshness window (freshness alone refuses their replays) from the front. */
   forget(nowMs: number): void {
     for (const [key, ts] of this.#seen) {
@@ -1659,6 +1676,15 @@ function syncDirectory(dir: string): void {
 export function fileSize(file: string): number {
   try {
     return fs.statSync(file).size;
+  } catch {
+    return 0;
+  }
+}
+
+/** A file's inode number, 0 if it does not exist: tells a file replaced by a rename from the one read before. */
+export function inodeOf(file: string): number {
+  try {
+    return fs.statSync(file).ino;
   } catch {
     return 0;
   }
@@ -4557,7 +4583,12 @@ export type JournalRecord =
   /** In an ended session's journal: everything it still had to do now belongs to session `to`. */
   | { t: "moved"; at: number; to: string }
   /** An ended session's unfinished state, taken over by this session (it wrote "moved" there next). */
-  | { t: "adopted"; at: number; session: string; carried: Carried };
+  | { t: "adopted"; at: number; session: string; carried: Carried }
+  /**
+   * The first record of a journal that was rolled over (see Journal.roll): this session's own state when the
+   * earlier records went to the archive `archived` (log-<ms>.jsonl beside it), which history readers go on to read.
+   */
+  | { t: "checkpoint"; at: number; archived: string; carried: Carried; remembered: Remembered };
 
 export type RecordTag = JournalRecord["t"];
 /** The record of one tag. */
@@ -4599,6 +4630,22 @@ export interface Carried {
   closed: [string, number][];
   rejected: [string, number][];
   routes: [string, number][];
+}
+
+/**
+ * What a checkpoint keeps beside what it carries: what only this session's
+ * own journal knew. The messages admitted in the freshness window (their
+ * replays stay refused), the items already shown (never shown again), when
+ * refusal summaries and knocks were last shown (their pacing), the refusals
+ * already reported by receipt, and the events last pushed to a channel.
+ */
+export interface Remembered {
+  replay: [string, number][];
+  shown: string[];
+  refusal_shown: [string, number][];
+  refusals_reported: [string, { key: string; at: number }][];
+  knocks_shown: number[];
+  pushed: [string, { at: number; item: InboxItem }][];
 }
 
 /** An outbox entry (sent_at absent) or a sent message awaiting receipts, as carried. */
@@ -4793,6 +4840,28 @@ function decodeCarried(v: unknown): Carried {
   };
 }
 
+function decodeRemembered(v: unknown): Remembered {
+  const o = obj(v, `"remembered"`);
+  const entries = (k: string) => (o[k] === undefined ? [] : list(o, k));
+  return {
+    replay: pairs(o, "replay", num),
+    shown: entries("shown").map((id) => {
+      if (typeof id !== "string") throw new FormatError(`"shown" holds a bad item`);
+      return id;
+    }),
+    refusal_shown: pairs(o, "refusal_shown", num),
+    refusals_reported: pairs(o, "refusals_reported", (r) => {
+      const x = obj(r, "a reported refusal");
+      return { key: str(x, "key"), at: int(x, "at") };
+    }),
+    knocks_shown: entries("knocks_shown").map((at) => num(at)),
+    pushed: pairs(o, "pushed", (p) => {
+      const x = obj(p, "a pushed event");
+      return { at: int(x, "at"), item: decodeInboxItem(x.item) };
+    }),
+  };
+}
+
 const PAIR_OUTCOMES: readonly PairOutcome[] = ["accepted", "rejected", "they_accepted"];
 
 /** One decoder per tag: today's shape, checked field by field. */
@@ -4874,6 +4943,13 @@ const RECORD_DECODERS: { [T in RecordTag]: (o: Record<string, unknown>, at: numb
   }),
   moved: (o, at) => ({ t: "moved", at, to: str(o, "to") }),
   adopted: (o, at) => ({ t: "adopted", at, session: str(o, "session"), carried: decodeCarried(o.carried) }),
+  checkpoint: (o, at) => ({
+    t: "checkpoint",
+    at,
+    archived: str(o, "archived"),
+    carried: decodeCarried(o.carried),
+    remembered: decodeRemembered(o.remembered),
+  }),
 };
 
 /**
@@ -5146,6 +5222,16 @@ export class NodeState {
       this.drains.clear();
     },
     adopted: (r) => this.#take(r.session, r.at, r.carried),
+    checkpoint: (r) => {
+      this.#take(null, r.at, r.carried); // first: an id reused once shown ("knocks more") is in both
+      const m = r.remembered;
+      this.replay.restore(m.replay);
+      for (const id of m.shown) this.#shown.set(id, true);
+      for (const [id, at] of m.refusal_shown) this.refusalShownAt.set(id, at);
+      for (const [id, x] of m.refusals_reported) this.refusalsReported.set(id, x);
+      this.#knocksShown = [...m.knocks_shown];
+      for (const [id, x] of m.pushed) this.pushed.set(id, x);
+    },
   };
 
   /** A message leaves the outbox: sent (a relay kept it) or refused for good. */
@@ -5170,11 +5256,12 @@ export class NodeState {
   }
 
   /**
-   * Takes over what an ended session carried. Whatever this journal already
-   * holds wins (a copy adopted twice after a crash between the two writes of an
-   * adoption changes nothing), and an item already shown here is never shown again.
+   * Takes over what an ended session carried (`session`), or this session's
+   * own state at a checkpoint (null). Whatever this journal already holds wins
+   * (a copy adopted twice after a crash between the two writes of an adoption
+   * changes nothing), and an item already shown here is never shown again.
    */
-  #take(session: string, at: number, c: Carried): void {
+  #take(session: string | null, at: number, c: Carried): void {
     for (const o of c.out) {
       if (this.outgoing.has(o.msg.msg_id)) continue;
       const entry: OutEntry = {
@@ -5183,7 +5270,7 @@ export class NodeState {
         recipient: o.recipient,
         at: o.at,
         attempts: 0,
-        adoptedFrom: session,
+        ...some("adoptedFrom", session ?? undefined),
         ...some("pairPetname", o.pair_petname),
         ...some("sentAt", o.sent_at),
         ...some("via", o.via),
@@ -5196,7 +5283,8 @@ export class NodeState {
     }
     for (const item of c.inbox) {
       if (this.inbox.has(item.id) || this.#shown.has(item.id)) continue;
-      this.inbox.set(item.id, item.kind === "message" ? { ...item, forSession: item.forSession ?? session } : item);
+      const forSession = item.kind === "message" ? item.forSession ?? session ?? undefined : undefined;
+      this.inbox.set(item.id, item.kind === "message" && forSession ? { ...item, forSession } : item);
     }
     for (const t of c.tasks) {
       const key = taskKey(t.peer_key, t.task_id);
@@ -5214,17 +5302,19 @@ export class NodeState {
     fill(this.closed, c.closed);
     fill(this.rejected, c.rejected);
     fill(this.drains, c.routes);
-    this.drains.set(session, this.drains.get(session) ?? at);
+    if (session !== null) this.drains.set(session, this.drains.get(session) ?? at);
   }
 
   /**
    * What this (ended) session still has to do, for the session that adopts it:
    * its outbox, its sent messages of the last day not yet shown (their receipts
    * may come), its unread inbox with what its receipts need, its open tasks and
-   * those closed in the last day (a late message on one is still refused), and
-   * the rest of what it knew of its peers. `endedAt` is when it ended.
+   * those closed in the last day (a late message on one is still refused; at
+   * its own checkpoint, the last CLOSED_TASKS_KEPT_MS), and the rest of what
+   * it knew of its peers. `ended`: the session and when it
+   * ended, when it is carried to another session (not at its own checkpoint).
    */
-  carry(nowMs: number, session: string, endedAt: number): Carried {
+  carry(nowMs: number, ended?: { session: string; at: number }): Carried {
     const since = nowMs - FRESH_PAST_MS;
     const out: CarriedOut[] = [];
     for (const e of this.outgoing.values()) {
@@ -5252,7 +5342,9 @@ export class NodeState {
     return {
       out,
       inbox,
-      tasks: [...this.tasks.values()].filter((t) => !t.moved_to && (!t.closed || t.last_at >= since)),
+      tasks: [...this.tasks.values()].filter((t) =>
+        !t.moved_to && (!t.closed || t.last_at >= (ended ? since : nowMs - CLOSED_TASKS_KEPT_MS))
+      ),
       owed: [...this.owed],
       wants_shown: [...this.wantsShown].filter(([id]) => this.inbox.has(id)),
       knocks_in: [...this.knocksIn],
@@ -5260,7 +5352,20 @@ export class NodeState {
       sticky: [...this.sticky],
       closed: [...this.closed],
       rejected: [...this.rejected],
-      routes: [...this.drains, [session, endedAt]],
+      routes: [...this.drains, ...(ended ? [[ended.session, ended.at] as [string, number]] : [])],
+    };
+  }
+
+  /** What a checkpoint keeps beside carry(): see Remembered. */
+  remembered(nowMs: number): Remembered {
+    this.replay.forget(nowMs);
+    return {
+      replay: this.replay.entries(),
+      shown: [...this.#shown.keys()],
+      refusal_shown: [...this.refusalShownAt],
+      refusals_reported: [...this.refusalsReported],
+      knocks_shown: [...this.#knocksShown],
+      pushed: [...this.pushed],
     };
   }
 
@@ -5351,21 +5456,43 @@ export class NodeState {
  */
 export class Journal {
   readonly file: string;
+  #state: NodeState;
   #writer: JsonlWriter | null = null;
   #offset = 0;
+  #ino = 0; // the file a reader beside the owner has read so far (see #followRoll)
   #warned = new Set<number>(); // offsets of bad lines a reader has already warned about
 
   constructor(
     readonly stateDir: string,
-    readonly state: NodeState,
+    state: NodeState,
     readonly owner = false,
     readonly now: () => number = state.now,
   ) {
     this.file = path.join(stateDir, "log.jsonl");
+    this.#state = state;
+  }
+
+  /** The state folded from the journal (a reader's is replaced when the owner rolls the file over). */
+  get state(): NodeState {
+    return this.#state;
+  }
+
+  /** A reader beside the owner, once the owner has rolled the file over: starts again, from its checkpoint. */
+  #followRoll(): void {
+    if (this.owner) return;
+    const ino = inodeOf(this.file);
+    if (this.#ino !== 0 && ino !== this.#ino) {
+      this.#state = new NodeState(this.#state.now);
+      this.#offset = 0;
+      this.#writer?.close();
+      this.#writer = null;
+    }
+    this.#ino = ino;
   }
 
   /** Applies every complete record appended since the last call. */
   catchUp(): void {
+    this.#followRoll();
     const first = this.#offset === 0;
     const bad: [number, number, string, string][] = [];
     const { next, tornBytes } = scanJournal(
@@ -5397,6 +5524,7 @@ export class Journal {
 
   /** Appends (in the kernel when this returns: safe from a process kill) and folds what was appended. */
   append(records: NewRecord[]): void {
+    this.#followRoll();
     this.#writer ??= new JsonlWriter(this.file, `the state folder ${this.stateDir}`);
     const at = this.now();
     this.#writer.append(records.map((r) => ({ ...r, at })));
@@ -5406,6 +5534,34 @@ export class Journal {
   /** Resolves once everything appended so far is on stable storage. */
   async sync(): Promise<void> {
     await this.#writer?.sync();
+  }
+
+  /**
+   * Rolls the journal over, so a session's start and memory stay bounded
+   * however long it lives: the file is hard-linked to an archive,
+   * log-<ms>.jsonl (history readers read on through journalFiles), and
+   * replaced whole by one that starts with a checkpoint of the state folded
+   * so far. Only its owner rolls, holding the inbox lock that every other
+   * writer holds to append (so nothing lands in the archive after it), and
+   * only when the checkpoint is under half of what it replaces (false if not).
+   */
+  roll(): boolean {
+    this.catchUp();
+    const at = this.now();
+    const archived = `log-${at}.jsonl`;
+    const carried = this.state.carry(at);
+    const line = encodeRecord({ t: "checkpoint", at, archived, carried, remembered: this.state.remembered(at) }) + "\n";
+    if (Buffer.byteLength(line) * 2 > fileSize(this.file)) return false;
+    const archive = path.join(this.stateDir, archived);
+    this.#writer ??= new JsonlWriter(this.file, `the state folder ${this.stateDir}`);
+    try {
+      this.#writer.rewrite((write) => write(line), () => fs.linkSync(this.file, archive));
+    } catch (e) {
+      if (inodeOf(archive) === inodeOf(this.file)) fs.rmSync(archive, { force: true }); // linked, not renamed
+      throw e;
+    }
+    this.#offset = Buffer.byteLength(line); // the checkpoint is what the state already holds
+    return true;
   }
 
   async appendDurable(records: NewRecord[]): Promise<void> {
@@ -5532,6 +5688,22 @@ export function sessionEndedAt(dir: string): number {
     }
   }
   return Math.round(at);
+}
+
+/** A rolled journal archive's name: log-<unix ms>.jsonl, in order of age. */
+const ARCHIVE_RE = /^log-\d+\.jsonl$/;
+
+/** A session's journals, oldest first: its archives (see Journal.roll), then log.jsonl. */
+export function journalFiles(dir: string): string[] {
+  let archives: string[] = [];
+  try {
+    archives = fs.readdirSync(dir).filter((f) => ARCHIVE_RE.test(f)).sort((a, b) =>
+      a.length - b.length || (a < b ? -1 : 1)
+    );
+  } catch {
+    // no folder yet
+  }
+  return [...archives, "log.jsonl"].map((f) => path.join(dir, f));
 }
 
 /** A node's state read from its folder by a process that does not own it (the CLI, `wait`). */
@@ -6153,6 +6325,7 @@ export class Agent {
       const agent = new Agent(cfg, id, lock, opts.now ?? Date.now, opts.host);
       agent.peers();
       agent.journal.catchUp();
+      await agent.#rollJournal();
       await agent.#adoptLegacyCursor();
       agent.#writeSessionFile();
       // Resumed, this session is live again: nothing it writes from now on has been looked at by an adopter.
@@ -6393,7 +6566,7 @@ export class Agent {
             this.#foreign.set(id, true);
             return false;
           }
-          const carried = state.carry(nowMs, id, endedAt);
+          const carried = state.carry(nowMs, { session: id, at: endedAt });
           const busy = carried.out.length || carried.inbox.length || carried.owed.length ||
             carried.tasks.some((t) => !t.closed) || carried.knocks_in.length || carried.knocks_out.length;
           // Nothing to carry and too long ago for mail to still come to its route: only remember it was looked at.
@@ -6459,11 +6632,23 @@ export class Agent {
   }
 
   /** Adopts and drains every ENDED_EVERY_MS while the session runs (and once at once). */
+  /** Rolls the journal over once it is past JOURNAL_ROLL_BYTES, under the lock every other writer holds. */
+  async #rollJournal(): Promise<void> {
+    if (fileSize(this.journal.file) < JOURNAL_ROLL_BYTES) return;
+    const rolled = await withFileLock(
+      path.join(this.journal.stateDir, "inbox"),
+      "journal roll",
+      () => this.journal.roll(),
+    );
+    if (rolled) logInfo(`rolled ${this.journal.file} over: the records before it are kept beside it, in log-*.jsonl`);
+  }
+
   async #endedLoop(): Promise<void> {
     await this.#showWaiting();
     while (!this.#stop.signal.aborted) {
       try {
         await this.drainEnded();
+        await this.#rollJournal();
         await pause(ENDED_EVERY_MS, this.#stop.signal);
         if (!this.#stop.signal.aborted) await this.adoptEnded(false);
       } catch (e) {
@@ -7842,21 +8027,24 @@ export function conversation(
 ): { dir: "in" | "out"; msg: SignedMessage; at: number; peer: string | null; state?: string }[] {
   const rows: { dir: "in" | "out"; msg: SignedMessage; at: number; peer: string | null; state?: string }[] = [];
   const sent = new Map<string, string>(); // msg_id → "sent" or "refused" (by every bus), then what receipts said
-  // Damaged records are reported by the fold; history just skips them.
-  scanJournal(path.join(stateDir, "log.jsonl"), 0, (r) => {
-    // A receipt may be journaled before "sent" (several buses): a later "sent" never steps a status back.
-    if ((r.t === "sent" || r.t === "refused") && !sent.has(r.msg_id)) sent.set(r.msg_id, r.t);
-    if (r.t === "receipt") {
-      for (const l of recordedReports(r)) {
-        const was = sent.get(l.msg_id);
-        if (l.state === "refused") sent.set(l.msg_id, "refused by the recipient");
-        else if (was !== "shown" && was !== "refused by the recipient") sent.set(l.msg_id, l.state);
+  // Damaged records are reported by the fold; history just skips them. A checkpoint holds no history: the
+  // archives before it do.
+  for (const file of journalFiles(stateDir)) {
+    scanJournal(file, 0, (r) => {
+      // A receipt may be journaled before "sent" (several buses): a later "sent" never steps a status back.
+      if ((r.t === "sent" || r.t === "refused") && !sent.has(r.msg_id)) sent.set(r.msg_id, r.t);
+      if (r.t === "receipt") {
+        for (const l of recordedReports(r)) {
+          const was = sent.get(l.msg_id);
+          if (l.state === "refused") sent.set(l.msg_id, "refused by the recipient");
+          else if (was !== "shown" && was !== "refused by the recipient") sent.set(l.msg_id, l.state);
+        }
       }
-    }
-    if ((r.t !== "in" && r.t !== "out") || r.msg.kind !== "message") return;
-    if (peerKey && counterpart(r.t, r.msg) !== peerKey) return;
-    rows.push({ dir: r.t, msg: r.msg, at: r.at, peer: r.peer });
-  });
+      if ((r.t !== "in" && r.t !== "out") || r.msg.kind !== "message") return;
+      if (peerKey && counterpart(r.t, r.msg) !== peerKey) return;
+      rows.push({ dir: r.t, msg: r.msg, at: r.at, peer: r.peer });
+    });
+  }
   for (const row of rows) if (row.dir === "out") row.state = sent.get(row.msg.msg_id) ?? "queued";
   return rows.slice(-limit);
 }
@@ -9113,17 +9301,20 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
   const owner = lockOwner(path.join(dir, "agent.lock"));
   if (owner?.role === SERVER_ROLE) {
     // A running agent owns delivery on this session: queue into its journal (one
-    // O_APPEND write, safe beside its own) and let it send, so nothing goes twice.
-    const { state, journal } = readNodeState(dir);
+    // O_APPEND write, safe beside its own, under the lock its roll-over takes) and let it send, so nothing goes twice.
+    const journal = new Journal(dir, new NodeState());
     try {
-      const entry = await queueMessage(
-        journal,
-        id,
-        prepareSend(loadPeers(cfg.peersFile), state.tasks, input, id.publicKey),
-        Date.now(),
-      );
+      const entry = await withFileLock(path.join(dir, "inbox"), "interlink send", () => {
+        journal.catchUp();
+        const p = prepareSend(loadPeers(cfg.peersFile), journal.state.tasks, input, id.publicKey);
+        return queueMessage(journal, id, p, Date.now());
+      });
       const msgId = entry.msg.msg_id;
-      await waitUntil(() => (journal.catchUp(), !state.pending.has(msgId)), SEND_TIMEOUT_MS, onJournalChange(dir));
+      await waitUntil(
+        () => (journal.catchUp(), !journal.state.pending.has(msgId)),
+        SEND_TIMEOUT_MS,
+        onJournalChange(dir),
+      );
       print(
         describeOut(entry) +
           (entry.sentAt ? "" : ` (by the running server of session ${cfg.session}, pid ${owner.pid})`),
@@ -9155,33 +9346,36 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
   const only = from.session === "default" && from.inbox === "default" ? undefined : cfg.session;
   const shown = new Set<string>(); // with --peer, "sent" lines only for that peer's messages
   const receipts = new Set<string>(); // msg_ids of our receipts not yet sent: their "sent" line is skipped too
-  const offsets = new Map<string, number>();
+  // By inode: a journal rolled over lives on as an archive (the same file, read on), log.jsonl starts anew.
+  const offsets = new Map<number, number>();
   const batch = () => {
     const lines: { at: number; text: string }[] = [];
     for (const sess of listSessions(cfg.stateDir)) {
       if (only && sess.id !== only) continue;
-      const file = path.join(sess.dir, "log.jsonl");
       const label = sessionLabel(sess).padEnd(8);
-      offsets.set(
-        file,
-        scanJournal(file, offsets.get(file) ?? 0, (r) => {
-          // The receipts we send (and their "sent") are bookkeeping, not conversation: the ones we get are shown.
-          if (r.t === "out" && r.msg.kind === "receipt") return void receipts.add(r.msg.msg_id);
-          if ((r.t === "sent" || r.t === "refused") && receipts.delete(r.msg_id)) return;
-          if (filterKey) {
-            if (r.t === "sent") {
-              if (!shown.has(r.msg_id)) return;
-            } else if (r.t === "out" || r.t === "in" || r.t === "receipt") {
-              const peer = r.t === "receipt" ? r.msg.from : counterpart(r.t, r.msg);
-              if (peer !== filterKey) return;
-              shown.add(r.msg.msg_id);
-            } else return;
-          }
-          for (const line of logRecordLines(r, (k) => peers.byKey.get(k))) {
-            lines.push({ at: r.at, text: `${label}  ${line}` });
-          }
-        }).next,
-      );
+      for (const file of journalFiles(sess.dir)) {
+        const ino = inodeOf(file);
+        offsets.set(
+          ino,
+          scanJournal(file, offsets.get(ino) ?? 0, (r) => {
+            // The receipts we send (and their "sent") are bookkeeping, not conversation: the ones we get are shown.
+            if (r.t === "out" && r.msg.kind === "receipt") return void receipts.add(r.msg.msg_id);
+            if ((r.t === "sent" || r.t === "refused") && receipts.delete(r.msg_id)) return;
+            if (filterKey) {
+              if (r.t === "sent") {
+                if (!shown.has(r.msg_id)) return;
+              } else if (r.t === "out" || r.t === "in" || r.t === "receipt") {
+                const peer = r.t === "receipt" ? r.msg.from : counterpart(r.t, r.msg);
+                if (peer !== filterKey) return;
+                shown.add(r.msg.msg_id);
+              } else return;
+            }
+            for (const line of logRecordLines(r, (k) => peers.byKey.get(k))) {
+              lines.push({ at: r.at, text: `${label}  ${line}` });
+            }
+          }).next,
+        );
+      }
     }
     for (const l of lines.sort((x, y) => x.at - y.at)) print(l.text);
   };
@@ -9577,8 +9771,8 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
     const refusals = new Map<string, number>();
     const skewed = { theirs: 0, reported: 0, ours: new Map<string, ReceiptLine>() }; // the last day's clock refusals
     const since = Date.now() - FRESH_PAST_MS;
-    for (const x of sessions) {
-      scanJournal(path.join(x.dir, "log.jsonl"), 0, (r) => {
+    for (const file of sessions.flatMap((x) => journalFiles(x.dir))) {
+      scanJournal(file, 0, (r) => {
         if (r.t === "refusal") refusals.set(r.reason, (refusals.get(r.reason) ?? 0) + 1);
         if (r.at < since) return;
         if (r.t === "refusal" && r.reason === "stale") skewed.theirs++;
