@@ -7019,47 +7019,13 @@ export class Agent {
   }
 
   /**
-   * Every verified session on the rosters of all buses, the freshest copy of
-   * each (`key#session`, or a legacy node's bare key), with its effective age:
-   * the bus's unsigned age_ms, but never younger than the signed ts allows
-   * (a replayed old announcement cannot pass for a live session). Cached for
-   * ROSTER_CACHE_MS so a burst of sends costs one round.
+   * Every other session on the rosters of all buses (see readRoster), cached
+   * for ROSTER_CACHE_MS so a burst of sends costs one round.
    */
   async roster(fresh = false): Promise<PeerSession[]> {
     if (!fresh && this.#roster && this.now() - this.#roster.at < ROSTER_CACHE_MS) return this.#roster.sessions;
-    const byRoute = new Map<string, PeerSession>();
-    const problems: string[] = [];
     const nowMs = this.now();
-    await Promise.all(
-      this.relays.map(async (relay) => {
-        try {
-          for (const raw of await relay.roster(SEND_TIMEOUT_MS)) {
-            try {
-              const a = parseAnnouncement(raw);
-              const check = await checkAnnouncement(a);
-              if ("error" in check) continue; // the bus verifies nothing we rely on: we do
-              const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
-              const s: PeerSession = {
-                key: a.pubkey,
-                name: displayName(a.name),
-                session: check.layout === "0.8" && a.session?.session_id ? a.session : null,
-                legacy: check.layout === "0.4",
-                ageMs,
-                bus: relay.name,
-              };
-              const route = s.session ? `${s.key}#${s.session.session_id}` : s.key;
-              const prev = byRoute.get(route);
-              if (!prev || prev.ageMs > ageMs) byRoute.set(route, s);
-            } catch {
-              // a malformed entry
-            }
-          }
-        } catch (e) {
-          problems.push(`${relay.name}: ${errorText(e)}`);
-        }
-      }),
-    );
-    if (problems.length === this.relays.length) throw new NoRelayAnswered(`no bus answered: ${problems.join("; ")}`);
+    const { byRoute } = await readRoster(this.relays, nowMs);
     const sessions = [...byRoute.values()].filter((s) =>
       !(s.key === this.id.publicKey && s.session?.session_id === this.cfg.session)
     );
@@ -7143,6 +7109,53 @@ export class Agent {
     const unregisters = this.relays.map((relay) => relay.unregister(unregister, GOODBYE_MS, deadline));
     await Promise.race([Promise.allSettled([...unregisters, ...goodbyes]), pause(GOODBYE_MS, deadline)]);
   }
+}
+
+/**
+ * Every verified session on the rosters of `relays`, the freshest copy of each
+ * (`key#session`, or a legacy node's bare key), with its effective age: the
+ * bus's unsigned age_ms, but never younger than the signed ts allows (a
+ * replayed old announcement cannot pass for a live session). `problems`: the
+ * relays that did not answer; none answering is a NoRelayAnswered. Only reads:
+ * the agent routes by it, the board shows it.
+ */
+export async function readRoster(
+  relays: Relay[],
+  nowMs: number,
+): Promise<{ byRoute: Map<string, PeerSession>; problems: string[] }> {
+  const byRoute = new Map<string, PeerSession>();
+  const problems: string[] = [];
+  await Promise.all(
+    relays.map(async (relay) => {
+      try {
+        for (const raw of await relay.roster(SEND_TIMEOUT_MS)) {
+          try {
+            const a = parseAnnouncement(raw);
+            const check = await checkAnnouncement(a);
+            if ("error" in check) continue; // the bus verifies nothing we rely on: we do
+            const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
+            const s: PeerSession = {
+              key: a.pubkey,
+              name: displayName(a.name),
+              session: check.layout === "0.8" && a.session?.session_id ? a.session : null,
+              legacy: check.layout === "0.4",
+              ageMs,
+              bus: relay.name,
+            };
+            const route = s.session ? `${s.key}#${s.session.session_id}` : s.key;
+            const prev = byRoute.get(route);
+            if (!prev || prev.ageMs > ageMs) byRoute.set(route, s);
+          } catch {
+            // a malformed entry
+          }
+        }
+      } catch (e) {
+        problems.push(`${relay.name}: ${errorText(e)}`);
+      }
+    }),
+  );
+  if (problems.length === relays.length) throw new NoRelayAnswered(`no bus answered: ${problems.join("; ")}`);
+  return { byRoute, problems };
 }
 
 /** A session on the roster: a node's key, its claimed name, its session (null for a 0.4 node), how long since it was heard. */
