@@ -11379,6 +11379,26 @@ async function runDemo(o: Options): Promise<number> {
         : "bob's session saw only the real message: the forgery was refused by the bus, the stranger by bob's gate, and the model was told in a line",
     );
     say("demo", `done in ${((Date.now() - t0) / 1000).toFixed(1)} s`);
+    if (o.board === true) {
+      // -- for the board: one more task, left open on a question for alice's operator
+      await relay(alice, bob, { to: "bob", text: "Render the demo reel", task_id: "reel" });
+      await relay(bob, alice, { to: "alice", text: "3 of 10 scenes rendered", task_id: "reel", status: "update" });
+      await relay(bob, alice, {
+        to: "alice",
+        text: "1080p or 4K for the final cut?",
+        task_id: "reel",
+        status: "needs_input",
+      });
+      const stopped = shutdownSignal();
+      const files = { stateDir: path.join(root, "alice", "state"), peersFile: path.join(root, "alice", "peers.json") };
+      const board = await openBoard({ ...files, busUrls: [bus.url], selfKey: a.id.publicKey }, 0, {
+        cli: { key: path.join(root, "alice", "id.key"), peers: files.peersFile, state: files.stateDir, url: bus.url },
+      });
+      say("board", `alice's board: ${board.url}`);
+      say("demo", "the bus, both agents and alice's board stay up for you to look at; Ctrl-C ends the demo");
+      await stopped;
+      await board.close();
+    }
     return leaked.length ? 1 : 0;
   } finally {
     await Promise.allSettled(sessions.map((s) => s.close()));
@@ -11585,7 +11605,14 @@ const COMMANDS: Record<string, CommandSpec> = {
       "Nothing to configure: a real bus and two real agents (alice, bob) on free loopback ports, driven through the\n" +
       "MCP SDK client. Shows discovery and pairing, request → update → needs_input → answer → result, a cancelled\n" +
       "task, the task table, and forged messages injected into the bus being refused. Cleans up after itself.",
-    options: { keep: { type: "boolean", help: "leave the temporary folders for inspection" } },
+    options: {
+      keep: { type: "boolean", help: "leave the temporary folders for inspection" },
+      board: {
+        type: "boolean",
+        help:
+          "then leave a task with a question open, keep the bus and both agents up with a board on alice's node, print its URL, and wait for Ctrl-C",
+      },
+    },
     run: runDemo,
   },
   claude: {
