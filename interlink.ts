@@ -7023,7 +7023,11 @@ export class Agent {
    * for ROSTER_CACHE_MS so a burst of sends costs one round.
    */
   async roster(fresh = false): Promise<PeerSession[]> {
-    if (!fresh && this.#roster && this.now() - this.#roster.at < ROSTER_CACHE_MS) return this.#roster.sessions;
+    const cached = this.#roster;
+    // A cached entry has aged since it was read: judged as fresh, a session that said goodbye meanwhile looks resumed.
+    if (!fresh && cached && this.now() - cached.at < ROSTER_CACHE_MS) {
+      return cached.sessions.map((s) => ({ ...s, ageMs: s.ageMs + this.now() - cached.at }));
+    }
     const nowMs = this.now();
     const { byRoute } = await readRoster(this.relays, nowMs);
     const sessions = [...byRoute.values()].filter((s) =>
