@@ -8649,9 +8649,9 @@ describe("the board: a live page for the operator, read-only, for the token's ho
   afterAll(async () => {
     page?.close();
     if (board) killGroup(board.proc.pid, "SIGTERM");
-    await Promise.allSettled([alice?.close(), bob?.close()]);
+    await Promise.allSettled([alice?.close(), bob?.close(), board?.proc.exited]); // goodbyes on their open tasks
     await bus?.shutdown();
-  });
+  }, 30_000);
 
   /** The text of the task card for `task`, or "" while there is none. */
   const card = (task: string) =>
