@@ -8999,7 +8999,7 @@ describe("the board: a live page for the operator, read-only, for the token's ho
     expect(fold.catchUp()).toBe(false); // nothing new: nothing read
     expect(fold.records).toBe(1000);
     // The session ends and another adopts it: the task is listed once, in the new session, with its whole story.
-    const carried = fold.sessions.get("old")!.state.carry(2000, "old", 2000);
+    const carried = fold.sessions.get("old")!.state.carry(2000, { session: "old", at: 2000 });
     write("new", [{ t: "adopted", at: 2000, session: "old", carried }, {
       t: "in",
       at: 2001,
@@ -9023,6 +9023,24 @@ describe("the board: a live page for the operator, read-only, for the token's ho
       "n1",
     ]);
     expect(view.sessions.find((s) => s.session === "old")?.note).toBe("ended; session new took over its work");
+    // The new session's journal rolls over (see Journal.roll) and goes on: the archive is read on where the fold
+    // left it, the new log.jsonl from its checkpoint, and the timeline gains only what is new; a board opened
+    // afterwards reads the archives and shows the same.
+    write("new", Array.from({ length: 15_000 }, (_, i) => ({ t: "sent", at: 2002, msg_id: `pad${i}`, via: [] })));
+    expect(fold.catchUp()).toBe(true);
+    const owner = new Journal(path.join(dir, "sessions", "new"), new NodeState(() => 1e12), true, () => 1e12);
+    expect(owner.roll()).toBe(true);
+    owner.close();
+    write("new", [{ t: "in", at: 2003, peer: "bob", msg: msg("n2") }]);
+    const folded = fold.records;
+    expect(fold.catchUp()).toBe(true);
+    expect(fold.records).toBe(folded + 2); // the checkpoint and n2
+    const timeline = (f: BoardFold) =>
+      boardView(f, { now: 1e12, peers, roster: [], problems: [], relays: [] }).tasks[0].timeline.map((i) => i.msg_id);
+    expect(timeline(fold)).toEqual(["m0", "m995", "m996", "m997", "m998", "m999", "n1", "n2"]);
+    const fresh = new BoardFold(dir, A.id.publicKey, () => 1e12);
+    fresh.catchUp();
+    expect(timeline(fresh)).toEqual(timeline(fold));
   });
 
   browserTest(BOARD_BROWSER_TESTS[3], async () => {

@@ -8628,11 +8628,12 @@ export class McpSession {
 // stays with the operator's own tools (accept_pair, `peers add`).
 //
 // Three parts, as with the bus: BoardFold folds the journals incrementally (a
-// byte offset per file: journals are append-only), boardView turns the fold
-// into a bounded, plain-JSON view model, and Board is the shell, a `Request →
-// Response` handler serving the page (/) and server-sent events carrying a
-// fresh view (/events) whenever a journal changes (fs.watch, and a re-check
-// for what watching misses) and every BOARD_TICK_MS (presence ages move).
+// byte offset per file: journals are append-only, and one rolled over is read
+// on as its archive), boardView turns the fold into a bounded, plain-JSON view
+// model, and Board is the shell, a `Request → Response` handler serving the
+// page (/) and server-sent events carrying a fresh view (/events) whenever a
+// journal changes (fs.watch, and a re-check for what watching misses) and
+// every BOARD_TICK_MS (presence ages move).
 //
 // Who may read it: the board binds 127.0.0.1 and answers only requests that
 // carry its token (32 random bytes, in the URL it prints), whose Host is
@@ -8785,7 +8786,8 @@ interface FoldedSession {
   id: string;
   dir: string;
   state: NodeState;
-  offset: number;
+  /** How far each journal file is folded, by inode: a journal rolled over is read on as the archive it became. */
+  offsets: Map<number, number>;
   /** Its agent.lock is held by a running server. */
   live: boolean;
   /** Its last write (see sessionEndedAt). */
@@ -8851,11 +8853,17 @@ export class BoardFold {
       if (live !== s.live || f.activeAt !== s.activeAt) changed = true;
       Object.assign(s, { live, activeAt: f.activeAt });
       if (this.foreign(s)) continue;
-      const file = path.join(f.dir, "log.jsonl");
-      if (fileSize(file) < s.offset) Object.assign(s, { state: new NodeState(this.now), offset: 0 }); // cut back
-      const { next } = scanJournal(file, s.offset, (r) => this.apply(f.id, r));
-      if (next !== s.offset) changed = true;
-      s.offset = next;
+      for (const file of journalFiles(f.dir)) {
+        const ino = inodeOf(file);
+        const from = s.offsets.get(ino) ?? 0;
+        if (fileSize(file) < from) { // cut back: folded again from the start at the next look
+          Object.assign(s, { state: new NodeState(this.now), offsets: new Map() });
+          break;
+        }
+        const { next } = scanJournal(file, from, (r) => this.apply(f.id, r));
+        if (next !== from) changed = true;
+        s.offsets.set(ino, next);
+      }
     }
     return changed;
   }
@@ -8869,7 +8877,16 @@ export class BoardFold {
     let s = this.sessions.get(id);
     if (!s) {
       const dir = sessionDir(this.root, id);
-      s = { id, dir, state: new NodeState(this.now), offset: 0, live: false, activeAt: 0, info: {}, infoAt: -1 };
+      s = {
+        id,
+        dir,
+        state: new NodeState(this.now),
+        offsets: new Map(),
+        live: false,
+        activeAt: 0,
+        info: {},
+        infoAt: -1,
+      };
       this.sessions.set(id, s);
     }
     return s;
