@@ -145,6 +145,10 @@ const SENT_MEMORY_CAP = 10_000;
 const KNOCKS_CAP = 64;
 /** Knocks that reach the model one by one in an hour; more are counted in one line (they all wait for the operator). */
 const KNOCKS_SHOWN_PER_HOUR = 3;
+/** How long an invite is valid unless `invite --ttl` says otherwise: time to copy a code to the other machine. */
+export const INVITE_TTL_DEFAULT = "10m";
+/** The longest an invite may be valid: its code is a bearer secret for that long. */
+const INVITE_TTL_MAX_MS = 24 * 60 * 60_000;
 /** Invites pending at once on a node: a few machines joining; more is a mistake, or codes nobody uses. */
 const INVITES_PENDING_CAP = 32;
 /**
@@ -153,6 +157,8 @@ const INVITES_PENDING_CAP = 32;
  */
 const INVITE_KEPT_MS = 7 * 24 * 60 * 60_000;
 const INVITES_SPENT_CAP = 256;
+/** How long `join` waits for the inviting node's answer: its `invite` command, or a session of it, answers in ms. */
+const JOIN_WAIT_S = 120;
 /** Refusal summaries waiting for the model at once (one per sender and reason); past it, refusals are only logged. */
 const REFUSAL_NOTICES_CAP = 16;
 /** How long a fetched roster serves sends before it is fetched again. */
@@ -9309,8 +9315,11 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
 
 // -- node commands: mcp, send, log, tasks, peers, wait ------------------------
 
-/** Starts a detached bus for this machine when none answers at the default URL (`--no-bus` turns this off). */
-async function ensureLocalBus(url: string): Promise<void> {
+/**
+ * Starts a detached bus for this machine when none answers at the default URL (`--no-bus` turns this off), bound
+ * to loopback, or to `host` (`invite --lan`: every address, so another machine can reach it).
+ */
+async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
   const alive = async () => {
     try {
       const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(500) });
@@ -9331,6 +9340,7 @@ async function ensureLocalBus(url: string): Promise<void> {
     new URL(url).port || String(DEFAULT_BUS_PORT),
     "--data",
     dataDir,
+    ...(host === "127.0.0.1" ? [] : ["--host", host]),
   ]);
   const child = spawn(cmd, args, { detached: true, stdio: ["ignore", out, out] });
   child.unref();
@@ -9929,6 +9939,647 @@ async function runWait(o: Options): Promise<number> {
   }
 }
 
+// -- pairing by invite: invite, join ------------------------------------------
+//
+// Two machines paired in two commands. `invite` (on A) files an invite (see "invites" in the agent), prints the
+// command to run on B with a code in it, and answers the join itself while it waits: an agent on the invite's own
+// session reads the route the code names (after it exits, a running session of the node does). `join <code>` (on
+// B) checks the code, the relay and the clocks before anything is written, pins A's key under a petname, knocks
+// with the proof and waits for A's answer: its acceptance, or a signed receipt that says why it refused.
+
+/**
+ * What an invite code carries to the joining machine: the invite's id, the inviter's key (pinned by the joiner:
+ * no trust on first use), the one-time secret, when it expires, the route to knock at (`key#session`), the relay
+ * URLs to use, and the inviter's claimed name (a hint for the joiner's petname, "" if none).
+ */
+export interface InviteCode {
+  id: string;
+  key: string;
+  secret: Bytes;
+  /** Unix ms, whole seconds (the code carries seconds). */
+  expiresMs: number;
+  session: string;
+  urls: string[];
+  name: string;
+}
+
+/** Every invite code starts so: "il" and the layout's version. */
+export const INVITE_CODE_PREFIX = "il1.";
+const INVITE_CHECK_BYTES = 4;
+
+/**
+ * `il1.` and base64url (one word, no spaces, so a terminal copy keeps it whole) of: id(8) ‖ key(32) ‖ secret(16) ‖
+ * u32le(expiry, unix s) ‖ u8 len ‖ session ‖ u16le len ‖ URLs joined by "," ‖ u8 len ‖ name ‖ the first 4 bytes of
+ * SHA-256 of all that. The checksum makes a typo or a cut copy read as a damaged code, not as a wrong secret; it is
+ * no defence against someone who can change the code (the channel it travels by must be trusted).
+ */
+export async function encodeInviteCode(c: InviteCode): Promise<string> {
+  const session = utf8.encode(c.session);
+  const urls = utf8.encode(c.urls.join(","));
+  const name = utf8.encode(c.name);
+  if (session.length > 255 || name.length > 255 || urls.length > 65535) {
+    throw new InterlinkError("an invite's session, name or relay URLs are too long for a code");
+  }
+  const expiry = new Uint8Array(4);
+  new DataView(expiry.buffer).setUint32(0, Math.floor(c.expiresMs / 1000), true);
+  const body = concatBytes([
+    Buffer.from(c.id, "hex"),
+    decodeKey(c.key),
+    c.secret,
+    expiry,
+    Uint8Array.of(session.length),
+    session,
+    Uint8Array.of(urls.length & 0xff, urls.length >> 8),
+    urls,
+    Uint8Array.of(name.length),
+    name,
+  ]);
+  const check = new Uint8Array(await crypto.subtle.digest("SHA-256", body)).subarray(0, INVITE_CHECK_BYTES);
+  return INVITE_CODE_PREFIX + b64urlEncode(concatBytes([body, check]));
+}
+
+/** Reads an invite code (whitespace anywhere in it ignored: a terminal may wrap it), or says why it cannot. */
+export async function parseInviteCode(text: string): Promise<InviteCode> {
+  const code = text.replace(/\s+/g, "");
+  if (!code.startsWith(INVITE_CODE_PREFIX)) {
+    throw new FormatError(
+      /^il\d+\./.test(code)
+        ? `this invite code is of a newer layout (${code.split(".")[0]}.): update interlink.ts on this machine`
+        : `that is not an invite code (one starts with "${INVITE_CODE_PREFIX}"; \`interlink.ts invite\` prints it on the other machine)`,
+    );
+  }
+  const damaged = new FormatError(
+    "the invite code is damaged or was changed (its checksum does not match): copy it again, whole, from the machine that made it",
+  );
+  const b64 = code.slice(INVITE_CODE_PREFIX.length);
+  if (!/^[A-Za-z0-9_-]+$/.test(b64)) throw damaged;
+  const raw = new Uint8Array(Buffer.from(b64, "base64url"));
+  const fixed = 8 + 32 + INVITE_SECRET_BYTES + 4;
+  if (b64urlEncode(raw) !== b64 || raw.length < fixed + 1 + 2 + 1 + INVITE_CHECK_BYTES) throw damaged;
+  const body = raw.subarray(0, raw.length - INVITE_CHECK_BYTES);
+  const check = new Uint8Array(await crypto.subtle.digest("SHA-256", body)).subarray(0, INVITE_CHECK_BYTES);
+  if (b64urlEncode(check) !== b64urlEncode(raw.subarray(body.length))) throw damaged;
+  try {
+    const view = new DataView(body.buffer, body.byteOffset, body.byteLength);
+    let at = fixed;
+    const take = (n: number) => {
+      if (at + n > body.length) throw new FormatError("a field runs past the end");
+      return new TextDecoder("utf-8", { fatal: true }).decode(body.subarray(at, at += n));
+    };
+    const session = take(body[at++]);
+    const urlsLength = view.getUint16(at, true);
+    at += 2;
+    const urls = take(urlsLength);
+    const name = take(body[at++]);
+    if (at !== body.length) throw new FormatError("bytes left over");
+    const key = checkPeerKey(b64urlEncode(body.subarray(8, 40)), "the inviter's key");
+    if (!SESSION_RE.test(session)) throw new FormatError(`"${session.slice(0, 40)}" is not a session id`);
+    return {
+      id: Buffer.from(body.subarray(0, 8)).toString("hex"),
+      key,
+      secret: new Uint8Array(body.subarray(40, 40 + INVITE_SECRET_BYTES)),
+      expiresMs: view.getUint32(40 + INVITE_SECRET_BYTES, true) * 1000,
+      session,
+      urls: parseBusUrls(urls),
+      name: name && displayName(name),
+    };
+  } catch (e) {
+    throw new FormatError(`the invite code is malformed (${(e as Error).message}) although its checksum matches`);
+  }
+}
+
+/** What another machine can reach this one's bus through, when it is bound beyond loopback. */
+const BUS_EXPOSURE =
+  "anything that reaches this port can enqueue and read the roster (messages stay signed, not secret)";
+
+/** A duration as a person writes it: "90s", "10m", "2h", "1d", or plain seconds. */
+export function parseDuration(text: string, flag: string): number {
+  const m = text.trim().match(/^(\d+)(s|m|h|d)?$/);
+  if (!m) throw new InterlinkError(`--${flag} must be a duration such as 90s, 10m or 2h, got ${JSON.stringify(text)}`);
+  return Number(m[1]) * { s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 }[m[2] ?? "s"]!;
+}
+
+/** Interface names of bridges and virtual links (containers, VMs): their addresses are rarely the one to share. */
+const VIRTUAL_IFACE_RE = /^(docker|br-|veth|virbr|vmnet|vboxnet|cni|flannel|podman|lxc|lxd)/;
+
+/**
+ * The addresses another machine may reach this one at, best first: private IPv4 (10/8, 172.16/12, 192.168/16),
+ * then the shared range VPNs use (100.64/10: Tailscale, a carrier's NAT), then any other, each on an interface
+ * that is not internal (loopback), those of bridges and virtual links last. IPv6 is left out: its link-local
+ * addresses need a zone, and a global one is rarely what two machines on one desk share.
+ */
+export function lanAddresses(
+  ifaces: NodeJS.Dict<os.NetworkInterfaceInfo[]> = os.networkInterfaces(),
+): { address: string; iface: string; kind: string }[] {
+  const found: { address: string; iface: string; kind: string; rank: number }[] = [];
+  for (const [iface, addrs] of Object.entries(ifaces)) {
+    for (const a of addrs ?? []) {
+      if (a.internal || a.family !== "IPv4" || /^(127\.|169\.254\.)/.test(a.address)) continue;
+      const [x, y] = a.address.split(".").map(Number);
+      const kinds = ["a private address", "a VPN or shared address (100.64/10)", "not a private address"];
+      const rank = x === 10 || (x === 172 && y >= 16 && y < 32) || (x === 192 && y === 168)
+        ? 0
+        : x === 100 && y >= 64 && y < 128
+        ? 1
+        : 2;
+      const kind = kinds[rank];
+      found.push({ address: a.address, iface, kind, rank: rank + (VIRTUAL_IFACE_RE.test(iface) ? 10 : 0) });
+      continue;
+    }
+  }
+  return found.sort((a, b) => a.rank - b.rank).map(({ address, iface, kind }) => ({ address, iface, kind }));
+}
+
+const isLoopbackUrl = (url: string): boolean => {
+  const host = new URL(url.replace(/^(nats|tls):/i, "http:")).hostname.replace(/^\[|\]$/g, "");
+  return isLoopback(host) || host === "0.0.0.0";
+};
+
+/** `url` with its host replaced by `address` (credentials dropped: the other machine brings its own). */
+function withHost(url: string, address: string): string {
+  const u = new URL(url.replace(/^(nats|tls):/i, "http:"));
+  const scheme = url.slice(0, url.indexOf(":"));
+  return `${scheme}://${address}${u.port ? `:${u.port}` : ""}${u.pathname === "/" ? "" : u.pathname}`;
+}
+
+/** What trying a relay found: its round trip and its clock (a bus's Date header), or why it cannot be reached. */
+export type Reach = { ok: true; ms: number; skewMs?: number } | { ok: false; why: string };
+
+/**
+ * Tries a relay as the joining machine does: for a bus, a TCP connection first (so the failure is named: refused,
+ * no route, no answer), then GET /roster, whose Date header gives the bus's clock against `now`; for NATS, a
+ * connection with JetStream ready.
+ */
+export async function reachRelay(url: string, timeoutMs: number, now: () => number = Date.now): Promise<Reach> {
+  if (isNatsUrl(url)) {
+    const relay = new NatsRelay(url);
+    const t0 = Date.now();
+    try {
+      await withTimeout(timeoutMs, `${relay.name}: connect`, () => relay.link());
+      return { ok: true, ms: Date.now() - t0 };
+    } catch (e) {
+      return { ok: false, why: errorText(e) };
+    } finally {
+      await relay.close();
+    }
+  }
+  const u = new URL(url);
+  const host = u.hostname.replace(/^\[|\]$/g, "");
+  const port = Number(u.port || (u.protocol === "https:" ? 443 : 80));
+  const s = Math.round(timeoutMs / 1000);
+  const connected = await new Promise<string | null>((resolve) => {
+    const socket = net.connect({ host, port });
+    const timer = setTimeout(() => (socket.destroy(), resolve(`no answer within ${s} s`)), timeoutMs);
+    socket.once("connect", () => (clearTimeout(timer), socket.destroy(), resolve(null)));
+    socket.once("error", (e: NodeJS.ErrnoException) => {
+      clearTimeout(timer);
+      resolve(e.code ?? e.message);
+    });
+  });
+  if (connected !== null) {
+    const why: Record<string, string> = {
+      ECONNREFUSED:
+        `connection refused: nothing listens on ${host}:${port} (no bus runs there, it runs on another port, or it listens only on loopback)${
+          // Bun 1.4 reports a network it has no route to (ENETUNREACH) as a refused connection.
+          runtimeHost.Bun ? ", or no route leads there from this network" : ""}`,
+      EHOSTUNREACH: `${host} is not reachable from this network (no route to it: another network, or a VPN needed)`,
+      ENETUNREACH: `${host} is not reachable from this network (no route to it: another network, or a VPN needed)`,
+      ENOTFOUND: `${host} does not resolve (DNS)`,
+      EAI_AGAIN: `${host} does not resolve (DNS)`,
+    };
+    const timedOut = connected.startsWith("no answer");
+    return {
+      ok: false,
+      why: why[connected] ??
+        (timedOut
+          ? `${connected} from ${host}:${port} (a firewall drops the packets, or no machine has that address)`
+          : connected),
+    };
+  }
+  const t0 = now();
+  try {
+    const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(timeoutMs) });
+    const t1 = now();
+    const body = await r.json().catch(() => null);
+    if (!r.ok || !isObject(body) || !Array.isArray(body.roster)) {
+      return { ok: false, why: `${url} answers (HTTP ${r.status}), but not as an interlink bus` };
+    }
+    const date = Date.parse(r.headers.get("date") ?? "");
+    return { ok: true, ms: t1 - t0, ...(Number.isFinite(date) ? { skewMs: date - (t0 + t1) / 2 } : {}) };
+  } catch (e) {
+    return { ok: false, why: `${url}: ${errorText(e)}` };
+  }
+}
+
+/** The command to run this file with `args` on another machine: the same runtime, by its usual name, in the folder holding interlink.ts. */
+export function otherMachineCommand(args: string[]): string {
+  const script = thisScript();
+  const file = /^https?:/.test(script) ? script : path.basename(script);
+  const npx = process.execPath.includes(`${path.sep}_npx${path.sep}`);
+  const { Bun, Deno } = runtimeHost;
+  const runner = Deno
+    ? `${npx ? `npx -y deno@${Deno.version.deno}` : "deno"} run -A`
+    : Bun
+    ? (npx ? `npx -y bun@${Bun.version}` : "bun")
+    : "node";
+  return [runner, file, ...args].join(" ");
+}
+
+/** The relays an invite names for the other machine, each with how it was chosen (shown to the operator). */
+interface SharedRelay {
+  url: string;
+  note: string;
+}
+
+/**
+ * The relays the other machine should use, from the ones this node uses: as given, when `--url` (or
+ * INTERLINK_URL) names them; else a loopback URL becomes this machine's LAN address (lanAddresses), and its bus
+ * must be reachable there: when it listens only on loopback this says so and how to run it reachable, or, with
+ * `lan`, runs it so (this machine's own bus, restarted on every address, same port and data).
+ */
+async function shareRelays(urls: string[], given: boolean, lan: boolean): Promise<SharedRelay[]> {
+  const shared: SharedRelay[] = [];
+  for (const url of urls) {
+    if (given || !isLoopbackUrl(url)) {
+      const note = given && isLoopbackUrl(url)
+        ? "as given: a loopback address, which only this machine reaches"
+        : given
+        ? "as given"
+        : "as configured";
+      if (!isNatsUrl(url)) {
+        const reach = await reachRelay(url, 3000);
+        if (!reach.ok) throw new InterlinkError(`this node cannot reach its own relay ${url}: ${reach.why}`);
+      }
+      // A relay's credentials (nats://user:pass@, token@) are this node's: the code never carries them.
+      const bare = url.replace(/^([a-z]+:\/\/)[^/\s]*@/i, "$1");
+      const own = bare === url ? "" : "; without this node's credentials: the other machine brings its own";
+      shared.push({ url: bare, note: note + own });
+      continue;
+    }
+    const [best, ...others] = lanAddresses();
+    if (!best) {
+      throw new InterlinkError(
+        `this machine has no address but loopback for ${url}: connect it to the network the other machine is on, or pass --url with an address it reaches`,
+      );
+    }
+    const outside = withHost(url, best.address);
+    const also = others.length ? `; others: ${others.map((a) => `${a.address} (${a.iface})`).join(", ")}` : "";
+    const note = `this machine's address on ${best.iface}, ${best.kind}${also}; --url names another`;
+    if (!isNatsUrl(url)) await ensureReachable(url, outside, lan);
+    shared.push({ url: outside, note });
+  }
+  return shared;
+}
+
+/** Makes sure this machine's bus at `url` (loopback) also answers at `outside`, starting or restarting it with `lan`. */
+async function ensureReachable(url: string, outside: string, lan: boolean): Promise<void> {
+  if ((await reachRelay(outside, 1500)).ok) return;
+  const port = new URL(url).port || String(DEFAULT_BUS_PORT);
+  const reachableCommand = `interlink.ts bus --host 0.0.0.0 --port ${port}`;
+  const local = await reachRelay(url, 1500);
+  const lockFile = path.join(stateDir(), "interlink", "bus", "bus.lock");
+  const owner = lockOwner(lockFile);
+  if (!lan) {
+    const stop = owner ? `stop that bus (pid ${owner.pid}) and ` : "stop that bus and ";
+    throw new InterlinkError(
+      (local.ok
+        ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.\n` +
+          `Either run \`interlink.ts invite --lan\`, which restarts this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n`
+        : `no bus answers at ${url}, so none the other machine could reach at ${outside}.\n` +
+          `Either run \`interlink.ts invite --lan\`, which starts this machine's bus on every address, or run \`${reachableCommand}\`.\n`) +
+        `Either way ${BUS_EXPOSURE}; a VPN, or a firewall rule that lets in only the other machine, keeps it private.`,
+    );
+  }
+  if (local.ok) {
+    // A loopback-only bus: this machine's own (the one a session starts), restarted on every address.
+    if (!owner) {
+      throw new InterlinkError(
+        `the bus at ${url} listens only on loopback, and it is not this machine's own (${lockFile} names none): stop it and run \`${reachableCommand}\``,
+      );
+    }
+    process.kill(owner.pid, "SIGTERM");
+    if (!(await waitUntil(() => lockOwner(lockFile) === null, 5000, undefined, 50))) {
+      throw new InterlinkError(
+        `the bus at ${url} (pid ${owner.pid}) did not stop; stop it and run \`${reachableCommand}\``,
+      );
+    }
+    if ((await reachRelay(url, 500)).ok) {
+      throw new InterlinkError(`another bus still answers at ${url}: stop it and run \`${reachableCommand}\``);
+    }
+  }
+  await ensureLocalBus(url, "0.0.0.0");
+  if (!(await reachRelay(outside, 3000)).ok) {
+    throw new InterlinkError(`started a bus on every address, but it does not answer at ${outside}; see its bus.log`);
+  }
+  print(`bus      ${local.ok ? "restarted" : "started"} on every address, port ${port}: ${BUS_EXPOSURE}`);
+}
+
+/** `invite`: files an invite, prints the command for the other machine, and answers the join while it waits. */
+async function runInvite(o: Options, _pos: string[], from: OptionSources): Promise<number> {
+  logComponent = "interlink invite";
+  await ensureKey(o.key as string, from.key === "default");
+  const { cfg, id } = await nodeConfig(o);
+  const now = nodeClock();
+  if (o.list === true) return listInvites(cfg.stateDir, id, now());
+  if (o.revoke !== undefined) {
+    const revoked = await revokeInvite(cfg.stateDir, now(), o.revoke as string);
+    print(`revoked invite ${revoked.id}${revoked.for ? ` (for '${revoked.for}')` : ""}: a join through it is refused`);
+    return 0;
+  }
+  const ttlMs = parseDuration(o.ttl as string, "ttl");
+  if (ttlMs < 1000 || ttlMs > INVITE_TTL_MAX_MS) throw new InterlinkError("--ttl must be from 1s to 24h");
+  const forName = o.for === undefined ? undefined : checkPetname(o.for);
+  const taken = forName && loadPeers(cfg.peersFile).byName.get(forName);
+  if (taken) {
+    throw new InterlinkError(`'${forName}' is already a petname (key ${fingerprint(taken)}…); choose another --for`);
+  }
+  const relays = await shareRelays(cfg.busUrls, from.url === "flag" || from.url === "env", o.lan === true);
+  rememberConfig(o, from);
+  const invite = await createInvite(cfg.stateDir, now(), {
+    ...some("for", forName),
+    ttlMs,
+    urls: relays.map((r) => r.url),
+  });
+  const code = await encodeInviteCode({
+    id: invite.id,
+    key: id.publicKey,
+    secret: b64urlDecode(invite.secret, INVITE_SECRET_BYTES, "secret"),
+    expiresMs: invite.expires,
+    session: invite.session,
+    urls: invite.urls,
+    name: cfg.name === id.fingerprint ? "" : cfg.name,
+  });
+  print(
+    `invite   ${invite.id}${forName ? ` for '${forName}'` : ""}, one use, until ${isoTime(invite.expires)} (${
+      howLong(ttlMs)
+    })`,
+  );
+  for (const r of relays) print(`relay    ${r.url} (${r.note})`);
+  print();
+  print("On the other machine, in the folder that holds interlink.ts, run:");
+  print();
+  print(`  ${otherMachineCommand(["join", code])}`);
+  print();
+  print(
+    `The code carries this node's key (${id.fingerprint}…, which the other machine pins) and a one-time secret: whoever holds it can pair with this node until it is used or expires. Send it over a channel you trust.`,
+  );
+  // Answer it: an agent of our own on the invite's session, reading the route the code names.
+  const agent = await Agent.open({ ...cfg, session: invite.session }, "interlink invite", {
+    identity: id,
+    now,
+    adopt: false,
+  });
+  let signalled = "";
+  let wake = () => {};
+  void shutdownSignal().then((sig) => ((signalled = sig), wake()));
+  try {
+    agent.startSending({ announce: false });
+    agent.startReceiving({ ownRouteOnly: true });
+    print(
+      `waiting for the join (Ctrl-C stops waiting; the invite stays valid, and a running session of this node admits it)`,
+    );
+    let current = invite as Invite;
+    const watch = (w: () => void) => {
+      wake = w;
+      let watcher: fs.FSWatcher | null = null;
+      try {
+        watcher = fs.watch(cfg.stateDir, (_e, name) => (name === null || String(name) === "invites.json") && w());
+      } catch {
+        // the periodic re-check still runs
+      }
+      return () => watcher?.close();
+    };
+    await waitUntil(
+      () => {
+        current = readInvites(cfg.stateDir).find((i) => i.id === invite.id) ?? current;
+        return signalled !== "" || inviteState(current, now()) !== "pending";
+      },
+      Math.max(0, invite.expires - now()) + 1000,
+      watch,
+      500,
+    );
+    const state = inviteState(current, now());
+    if (state === "used") {
+      // Admitted here: the answer goes out before this command exits (else the next session of this node sends it).
+      const who = current.used_by ?? "";
+      const here = current.used_in === invite.session;
+      const answered = () =>
+        [...agent.state.outgoing.values()].some((e) =>
+          e.msg.kind === "pair_accept" && e.msg.to === who && e.sentAt !== undefined
+        );
+      if (here) await waitUntil(answered, 2 * SEND_TIMEOUT_MS, onJournalChange(agent.journal.stateDir), 100);
+      const sent = !here
+        ? `session ${current.used_in} of this node admitted it, and answers`
+        : answered()
+        ? "its answer is sent"
+        : `its answer waits in the outbox of session ${invite.session}, and the next session of this node sends it`;
+      print(
+        `joined   ${fingerprint(who)}… is now the peer '${current.used_as}' (${tildify(cfg.peersFile)}), ${
+          howLong((current.ended ?? now()) - invite.created)
+        } after the invite; ${sent}`,
+      );
+      return 0;
+    }
+    if (state === "pending") {
+      print(
+        `stopped waiting (${signalled}): invite ${invite.id} stays valid until ${
+          isoTime(invite.expires)
+        }, and a running session of this node admits a join through it (\`interlink.ts invite --list\` shows it, \`--revoke ${invite.id}\` withdraws it)`,
+      );
+      return 0;
+    }
+    print(`${state === "revoked" ? "revoked" : "expired"}  invite ${invite.id}, unused`);
+    return 1;
+  } finally {
+    await agent.stop();
+  }
+}
+
+/** `invite --list`: the pending invites, then the spent ones still remembered. */
+function listInvites(stateDir: string, id: Identity, nowMs: number): number {
+  const invites = readInvites(stateDir);
+  const pending = invites.filter((i) => inviteState(i, nowMs) === "pending");
+  print(`${pending.length} pending invite(s) of ${id.fingerprint}…${pending.length ? ":" : ""}`);
+  for (const i of pending) {
+    print(
+      `  ${i.id}  ${i.for ? `for '${i.for}'` : "for anyone"}  until ${isoTime(i.expires)} (in ${
+        howLong(i.expires - nowMs)
+      })  route ${id.fingerprint}…#${i.session}  relays ${i.urls.join(", ")}`,
+    );
+  }
+  const spent = invites.filter((i) => inviteState(i, nowMs) !== "pending");
+  if (spent.length) print(`spent (kept ${howLong(INVITE_KEPT_MS)}):`);
+  for (const i of spent) {
+    const state = inviteState(i, nowMs);
+    const how = state === "used"
+      ? `used by ${fingerprint(i.used_by ?? "")}… as '${i.used_as}' at ${isoTime(i.ended ?? 0)}`
+      : state === "revoked"
+      ? `revoked at ${isoTime(i.ended ?? 0)}`
+      : `expired at ${isoTime(i.expires)}`;
+    print(`  ${i.id}  ${i.for ? `for '${i.for}'  ` : ""}${how}`);
+  }
+  return 0;
+}
+
+/**
+ * `join <code>`: pairs this machine with the one that printed the code. The code, the relay and the clocks are
+ * checked before anything is written; then the key is made if missing, the inviter pinned under a petname and
+ * the knock sent with its proof; the answer is waited for (--wait). Paired: config.json names the relay. Refused:
+ * the pin is taken back, and nothing else was written. No answer: what was written stays, so that a late answer
+ * completes the pairing when a session of this node runs, and this says how to undo it.
+ */
+async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<number> {
+  logComponent = "interlink join";
+  if (!pos.length) {
+    throw new InterlinkError(`join takes the code \`interlink.ts invite\` printed\n\n${commandHelp("join")}`);
+  }
+  const now = nodeClock();
+  const code = await parseInviteCode(pos.join(""));
+  const them = code.name || fingerprint(code.key);
+  if (now() > code.expiresMs) {
+    throw new InterlinkError(
+      `the invite expired at ${isoTime(code.expiresMs)}, ${
+        howLong(now() - code.expiresMs)
+      } ago by this machine's clock: ask for a new one (\`interlink.ts invite\` on the other machine)`,
+    );
+  }
+  const waitS = intOption(o.wait, "wait", 1, 24 * 3600);
+  const urls = from.url === "flag" || from.url === "env" ? parseBusUrls(o.url as string) : code.urls;
+  print(`invite   ${code.id} from ${them} (${fingerprint(code.key)}…), valid until ${isoTime(code.expiresMs)}`);
+  // Reach the relay, and compare clocks, before anything is written.
+  const reached = await Promise.all(urls.map((url) => reachRelay(url, 5000, now)));
+  for (const [i, r] of reached.entries()) {
+    print(r.ok ? `relay    ${urls[i]} answers (${r.ms} ms)` : `relay    ${urls[i]}: ${r.why}`);
+  }
+  if (!reached.some((r) => r.ok)) {
+    throw new InterlinkError(
+      `cannot reach ${them}'s relay: tried ${
+        urls.map((u, i) => `${u} (${(reached[i] as { why: string }).why})`).join("; ")
+      }.\nOn ${them}'s machine: is a bus running that other machines reach (\`interlink.ts invite --lan\` runs one, or \`interlink.ts bus --host 0.0.0.0\`), and does a firewall let this machine in? \`--url\` names another address of it`,
+    );
+  }
+  const skew = reached.find((r): r is Extract<Reach, { ok: true }> => r.ok && r.skewMs !== undefined)?.skewMs;
+  if (skew !== undefined) {
+    const off = Math.round(Math.abs(skew) / 1000);
+    if (Math.abs(skew) > FRESH_FUTURE_MS) {
+      throw new InterlinkError(
+        `this machine's clock is ${off} s ${
+          skew < 0 ? "ahead of" : "behind"
+        } ${them}'s relay: nodes refuse what comes from over a minute in their future, so neither would take the other's messages. Sync the clock (NTP: \`timedatectl set-ntp true\`), then join again`,
+      );
+    }
+    print(`clock    within ${Math.max(1, off)} s of the relay`);
+  }
+  // Now this node: its key, and the inviter pinned (its receipts must pass the gate; taken back on a refusal).
+  const keyExisted = fs.existsSync(o.key as string);
+  await ensureKey(o.key as string, from.key === "default");
+  const { cfg, id } = await nodeConfig(o);
+  if (id.publicKey === code.key) {
+    throw new InterlinkError("that invite is this node's own: run join on the other machine");
+  }
+  const peers = loadPeers(cfg.peersFile);
+  const existing = peers.byKey.get(code.key);
+  const petname = existing ??
+    (o.petname !== undefined ? checkPetname(o.petname) : newPeerName(peers, code.key, undefined, code.name));
+  const held = peers.byName.get(petname);
+  if (!existing && held) {
+    throw new InterlinkError(`'${petname}' is already a petname (key ${fingerprint(held)}…); pass --petname`);
+  }
+  const pinned = !existing && (await addPeer(cfg.peersFile, petname, code.key)) === "added";
+  const agent = await Agent.open({ ...cfg, busUrls: urls, session: `join-${code.id}` }, "interlink join", {
+    identity: id,
+    now,
+    adopt: false,
+  });
+  let signalled = "";
+  let wake = () => {};
+  void shutdownSignal().then((sig) => ((signalled = sig), wake()));
+  let outcome: "paired" | "refused" | "waiting" = "waiting";
+  try {
+    const msgId = newMsgId();
+    const mac = await inviteMac(
+      code.secret,
+      inviteProofBytes(Buffer.from(code.id, "hex"), code.key, id.publicKey, msgId),
+    );
+    const entry = await agent.enqueue({
+      draft: {
+        to: code.key,
+        text: cfg.name,
+        kind: "pair_request",
+        msg_id: msgId,
+        in_reply_to: `invite:${code.id}:${b64urlEncode(mac)}`,
+      },
+      recipient: `${code.key}#${code.session}`,
+      peer: null,
+      extra: { pair_petname: petname },
+    });
+    agent.startSending({ announce: false });
+    agent.startReceiving({ ownRouteOnly: true });
+    print(`knocked  at ${them}'s invite (request ${msgId}); waiting up to ${howLong(waitS * 1000)} for the answer`);
+    const changes = onJournalChange(agent.journal.stateDir);
+    await waitUntil(
+      () => signalled !== "" || !agent.state.knocksOut.has(code.key) || !!entry.refusedBy || !!entry.refused,
+      waitS * 1000,
+      (w) => ((wake = w), changes(w)),
+      250,
+    );
+    if (!agent.state.knocksOut.has(code.key)) {
+      outcome = "paired";
+      let accept: SignedMessage | undefined, at = now();
+      scanJournal(agent.journal.file, 0, (r) => {
+        if (r.t === "paired" && r.key === code.key && r.msg) [accept, at] = [r.msg, r.at];
+      });
+      const t0 = entry.msg.ts;
+      const bound = accept ? Math.max(Math.abs(accept.ts - at), Math.abs(accept.ts - t0)) : 0;
+      const clocks = accept ? `; clocks agree within ${Math.max(1, Math.ceil(bound / 1000))} s` : "";
+      print(`paired with ${petname} (${fingerprint(code.key)}…); round trip ${at - t0} ms${clocks}`);
+    } else if (entry.refusedBy || entry.refused) {
+      outcome = "refused";
+      // The operator reads it here: not a notice for this node's model later.
+      if (entry.refusedBy) {
+        await agent.journal.appendDurable([{ t: "shown", item: `bounced ${msgId}`, via: "inbox" }]);
+      }
+      if (pinned) await removePeer(cfg.peersFile, petname);
+      const why = entry.refusedBy ? refusalWords(entry.refusedBy) : `no relay took the request (${entry.refused})`;
+      throw new InterlinkError(
+        `${them} refused: ${why}.${pinned ? ` Nothing was kept${keyExisted ? "" : " but this node's new key"}.` : ""}`,
+      );
+    }
+  } finally {
+    await agent.stop();
+  }
+  // Paired, or waiting: the node's settings name the relay (a late answer arrives there).
+  const configured = from.url === "config" ? parseBusUrls(o.url as string) : [];
+  const url = [...configured, ...urls.filter((u) => !configured.includes(u))].join(",");
+  const file = writeConfig({ ...explicitSettings(o, from), url });
+  const wrote = [
+    `config   ${tildify(file)}: url ${url}`,
+    `peers    ${tildify(cfg.peersFile)}: '${petname}' is ${fingerprint(code.key)}… (${
+      pinned ? "added" : "already there"
+    })`,
+    `key      ${tildify(cfg.keyFile)} (${keyExisted ? "this node's" : "created now"}), fingerprint ${id.fingerprint}`,
+  ];
+  if (outcome === "waiting") {
+    throw new InterlinkError(
+      `${
+        signalled ? `stopped waiting (${signalled})` : `no answer from ${them} within ${howLong(waitS * 1000)}`
+      }. Likely: ${them}'s \`interlink.ts invite\` no longer runs and no interlink session runs there (one admits the join until ${
+        isoTime(code.expiresMs)
+      }), or its relay lost the request. Kept, so that a late answer completes the pairing when an interlink session runs here:\n${
+        wrote.join("\n")
+      }\n(\`interlink.ts peers remove ${petname}\` undoes the pairing.)`,
+    );
+  }
+  for (const line of wrote) print(line);
+  print();
+  printClaudeSetup(
+    `Next: start Claude Code here; its interlink server reads ${
+      tildify(file)
+    } and is told of the pairing at its first turn. If interlink is not in Claude Code yet, add it:`,
+  );
+  return 0;
+}
+
 // -- bus ----------------------------------------------------------------------
 
 async function runBus(o: Options): Promise<number> {
@@ -9965,7 +10616,7 @@ async function runBus(o: Options): Promise<number> {
   );
   if (!isLoopback(host)) {
     logWarn(
-      `bound to ${host}, not loopback: anything that reaches this port can enqueue and read the roster (messages stay signed, not secret)`,
+      `bound to ${host}, not loopback: ${BUS_EXPOSURE}`,
     );
   }
   const sig = await shutdownSignal();
@@ -10627,14 +11278,19 @@ async function runInit(o: Options, _pos: string[], from: OptionSources): Promise
   print(`config   ${file}`);
   for (const [k, v] of Object.entries(readConfig().values)) print(`  ${k.padEnd(8)} ${v}`);
   print();
-  print("Next: add the server to Claude Code (it reads the same config.json):");
+  printClaudeSetup("Next: add the server to Claude Code (it reads the same config.json):");
+  return 0;
+}
+
+/** `lead`, then how to add this server to Claude Code and its Stop hook. */
+function printClaudeSetup(lead: string): void {
+  print(lead);
   print(
     `  claude mcp add --scope user interlink -- ${
       selfCommand(["mcp"]).map((a) => (/\s/.test(a) ? JSON.stringify(a) : a)).join(" ")
     }`,
   );
   print('and the Stop hook that wakes an idle session (README: "Delivery: the inbox and the Stop hook").');
-  return 0;
 }
 
 async function runKeygen(o: Options): Promise<number> {
@@ -11108,6 +11764,78 @@ const COMMANDS: Record<string, CommandSpec> = {
       "~/.config/interlink/config.json), over what it held. Every node command reads it; flags and variables override it.",
     options: { ...NODE_OPTIONS, name: OPT.name, delivery: OPT.delivery },
     run: runInit,
+  },
+  invite: {
+    summary: "invite another machine to pair: print the command (with a one-time code) to run there, and admit it",
+    about:
+      "The code carries this node's key, a one-time secret, its expiry and the relay the other machine should use:\n" +
+      "this machine's LAN address in place of a loopback URL (--url names the relay itself). Waits for the join and\n" +
+      "admits it (after Ctrl-C, a running session of this node does); one use, until it expires. --lan runs this\n" +
+      "machine's bus on every address when it listens only on loopback.",
+    options: {
+      key: OPT.key,
+      peers: OPT.peers,
+      url: OPT.url,
+      state: OPT.state,
+      name: OPT.name,
+      for: {
+        type: "string",
+        arg: "PETNAME",
+        help: "the petname the joining node is filed under (default: its claimed name, if free)",
+      },
+      ttl: {
+        type: "string",
+        arg: "DURATION",
+        env: "INTERLINK_INVITE_TTL",
+        default: INVITE_TTL_DEFAULT,
+        help: "how long the invite is valid (90s, 10m, 2h; at most 24h)",
+      },
+      lan: {
+        type: "boolean",
+        help: `run this machine's bus on every address when it listens only on loopback; then ${BUS_EXPOSURE}`,
+      },
+      list: { type: "boolean", help: "list the pending invites (and the spent ones still remembered), and exit" },
+      revoke: {
+        type: "string",
+        arg: "ID",
+        help: "revoke a pending invite (its id, or a unique start of it), and exit",
+      },
+    },
+    run: runInvite,
+  },
+  join: {
+    summary:
+      "pair with the machine that printed an invite code: pin its key, knock with the proof, wait for its answer",
+    args: "<code>",
+    about:
+      "Checks the code, reaches the relay it names and compares clocks before writing anything; then creates the\n" +
+      "key if missing, files the inviter in peers.json, and, once it is answered, writes the relay into config.json.\n" +
+      "A refusal (expired, used, revoked, a bad proof) says why and takes the peers.json entry back.",
+    options: {
+      key: OPT.key,
+      peers: OPT.peers,
+      url: {
+        ...OPT.url,
+        defaultHelp: "the relays the code names",
+        help: "use these relays instead (another address of the same bus, say)",
+      },
+      state: OPT.state,
+      name: OPT.name,
+      petname: {
+        type: "string",
+        arg: "PETNAME",
+        help:
+          "the petname the inviter is filed under (default: the name in the code, if free, else peer-<fingerprint>)",
+      },
+      wait: {
+        type: "string",
+        arg: "SECONDS",
+        env: "INTERLINK_JOIN_WAIT",
+        default: String(JOIN_WAIT_S),
+        help: "how long to wait for the inviter's answer",
+      },
+    },
+    run: runJoin,
   },
   keygen: {
     summary: "create this node's Ed25519 key file",
