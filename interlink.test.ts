@@ -44,6 +44,7 @@ import {
   describeTask,
   type Draft,
   type Effect,
+  encodeInviteCode,
   encodeRecord,
   escapePeerText,
   fingerprint,
@@ -60,10 +61,18 @@ import {
   type InboxItem,
   INSTRUCTIONS_MAX_CHARS,
   INVISIBLE_RE,
+  type Invite,
+  type InviteCode,
+  inviteMac,
+  inviteProofBytes,
+  invitesFile,
   Journal,
   journalFiles,
   type JournalRecord,
   JsonlWriter,
+  jsonResponse,
+  judgeInvite,
+  lanAddresses,
   legacyAnnouncementBytes,
   lifecycleError,
   type Listening,
@@ -83,6 +92,7 @@ import {
   OPAQUE_CAP,
   parseAnnouncement,
   parseBusUrls,
+  parseInviteCode,
   parsePeers,
   parseReceipt,
   parseSignedMessage,
@@ -94,6 +104,7 @@ import {
   type PushEvent,
   readId,
   readIdentity,
+  readInvites,
   readJsonl,
   RECEIPT_LINES_MAX,
   type ReceiptLine,
@@ -9064,4 +9075,846 @@ describe("the board: a live page for the operator, read-only, for the token's ho
     expect(await demo.exited).toBe(0);
     expect((await fetch(url).catch(() => null))?.status).toBeUndefined();
   }, 90_000);
+});
+
+// ----------------------------------------------------------------------------
+// Pairing by invite.
+
+describe("pairing by invite: two machines in two commands", () => {
+  // Two machines are two HOMEs, each with its own key, peers.json, config.json and state. Where this runs as root
+  // and `ip netns` works, they are also two network namespaces joined by a veth pair, each with its own address:
+  // A's bus listens in A's namespace, the invite must name A's address there (not the Docker-like bridge beside
+  // it), and B's commands run in B's namespace, which reaches only that. Otherwise both share loopback.
+  const ns = { a: `ilinv-a-${process.pid}`, b: `ilinv-b-${process.pid}` };
+  const ADDR_A = "10.66.0.1";
+  const ip = (...args: string[]) => spawnSync("ip", args, { encoding: "utf8" });
+  /** Whether the machines have namespaces of their own: made in beforeAll, so a run filtered past them makes none. */
+  let NETNS = false;
+  /** Buses the invites started (detached, as a session's own bus is): stopped before the namespaces go. */
+  const buses = new Set<number>();
+  beforeAll(() => {
+    const shared =
+      "the two machines share loopback, so the invite's choice of a LAN address is tested only as a pure function";
+    // (INTERLINK_TEST_NO_NETNS=1 runs the loopback variant where namespaces would work.)
+    if (process.getuid?.() !== 0 || process.env.INTERLINK_TEST_NO_NETNS || ip("netns", "add", ns.a).status !== 0) {
+      process.stderr.write(`pairing by invite: not root, or no \`ip netns\`: ${shared}\n`);
+      return;
+    }
+    const veth = `ilv${process.pid % 100_000}`;
+    const steps = [
+      ["netns", "add", ns.b],
+      ["link", "add", `${veth}a`, "type", "veth", "peer", "name", `${veth}b`],
+      ["link", "set", `${veth}a`, "netns", ns.a],
+      ["link", "set", `${veth}b`, "netns", ns.b],
+      ["-n", ns.a, "link", "set", `${veth}a`, "name", "eth0"],
+      ["-n", ns.b, "link", "set", `${veth}b`, "name", "eth0"],
+      ["-n", ns.a, "addr", "add", `${ADDR_A}/24`, "dev", "eth0"],
+      ["-n", ns.b, "addr", "add", "10.66.0.2/24", "dev", "eth0"],
+      // A bridge with a private address, as Docker makes one: listed by the invite, never the one it names.
+      ["-n", ns.a, "link", "add", "docker0", "type", "bridge"],
+      ["-n", ns.a, "addr", "add", "172.17.0.1/16", "dev", "docker0"],
+      ["-n", ns.a, "link", "set", "docker0", "up"],
+      ...[ns.a, ns.b].flatMap((n) => [["-n", n, "link", "set", "lo", "up"], ["-n", n, "link", "set", "eth0", "up"]]),
+    ];
+    for (const step of steps) {
+      const r = ip(...step);
+      if (r.status !== 0) {
+        process.stderr.write(`pairing by invite: \`ip ${step.join(" ")}\` failed (${r.stderr.trim()}): ${shared}\n`);
+        for (const n of [ns.a, ns.b]) ip("netns", "del", n);
+        return;
+      }
+    }
+    NETNS = true;
+  });
+  afterAll(() => {
+    for (const pid of buses) killGroup(pid);
+    if (NETNS) { for (const n of [ns.a, ns.b]) ip("netns", "del", n); }
+  });
+
+  /** Deno keeps its cache under HOME: every machine uses the suite's, prefetched above. */
+  const denoDir = process.env.DENO_DIR ||
+    path.join(process.env.XDG_CACHE_HOME || path.join(os.homedir(), ".cache"), "deno");
+
+  interface Machine {
+    name: string;
+    home: string;
+    ns?: string;
+    env: Record<string, string>;
+  }
+
+  /** A machine: a fresh HOME (nothing of this suite's INTERLINK_* or XDG_* settings), in a namespace or not. */
+  function machine(name: string, netns?: string): Machine {
+    const home = path.join(tmpDir(), name);
+    fs.mkdirSync(home);
+    const env: Record<string, string> = {};
+    for (const [k, v] of Object.entries(process.env)) {
+      if (v !== undefined && !k.startsWith("INTERLINK_") && !/^XDG_(CONFIG|STATE)_HOME$/.test(k)) env[k] = v;
+    }
+    return { name, home, ...(netns ? { ns: netns } : {}), env: { ...env, HOME: home, DENO_DIR: denoDir } };
+  }
+
+  const onMachine = (m: Machine, argv: string[]) => [...(m.ns ? ["ip", "netns", "exec", m.ns] : []), ...argv];
+  const files = (m: Machine) => {
+    const dir = path.join(m.home, ".config", "interlink");
+    return {
+      key: path.join(dir, "id.key"),
+      peers: path.join(dir, "peers.json"),
+      config: path.join(dir, "config.json"),
+    };
+  };
+  const peersOf = (m: Machine) =>
+    fs.existsSync(files(m).peers) ? JSON.parse(fs.readFileSync(files(m).peers, "utf8")) : {};
+  const configOf = (m: Machine) =>
+    fs.existsSync(files(m).config) ? JSON.parse(fs.readFileSync(files(m).config, "utf8")) : null;
+  const keyOf = async (m: Machine) => (await readIdentity(files(m).key)).publicKey;
+  const stateOf = async (m: Machine) =>
+    path.join(m.home, ".local", "state", "interlink", `node-${fingerprint(await keyOf(m))}`);
+  /** Gives a machine its key before its first command (so a relay can be told whose knock to hold). */
+  async function withKey(m: Machine): Promise<Identity> {
+    const seed = crypto.getRandomValues(new Uint8Array(32));
+    writeKeyFile(files(m).key, seed, false);
+    return await identityFromSeed(seed);
+  }
+
+  /** Runs an interlink command on a machine to its end. */
+  async function run(m: Machine, runtime: "bun" | "deno", args: string[], env: Record<string, string> = {}) {
+    const [cmd, ...rest] = onMachine(m, [...runtimeArgv(runtime), ...args]);
+    return await spawnAsync(cmd, rest, { env: { ...m.env, ...env }, timeout: 150_000 });
+  }
+
+  interface Running {
+    stdout: string[];
+    stderr: string[];
+    /** The first stdout line matching `re` (already printed, or to come). */
+    line(re: RegExp, ms?: number): Promise<RegExpMatchArray>;
+    exited: Promise<number | null>;
+    pid: number;
+  }
+
+  /** Starts a long-running interlink command (`invite` waits for its join) on a machine. */
+  function start(m: Machine, runtime: "bun" | "deno", args: string[], env: Record<string, string> = {}): Running {
+    const [cmd, ...rest] = onMachine(m, [...runtimeArgv(runtime), ...args]);
+    const child = spawn(cmd, rest, { cwd: REPO, env: { ...m.env, ...env }, detached: true, stdio: "pipe" });
+    made.pids.add(child.pid!);
+    const out: string[] = [], err: string[] = [];
+    const waiters: (() => void)[] = [];
+    const follow = (into: string[], stream: NodeJS.ReadableStream) => {
+      let buf = "";
+      stream.setEncoding("utf8");
+      stream.on("data", (d: string) => {
+        const lines = (buf + d).split("\n");
+        buf = lines.pop()!;
+        into.push(...lines);
+        if (process.env.INTERLINK_TEST_VERBOSE) { for (const l of lines) process.stderr.write(`  [${m.name}] ${l}\n`); }
+        for (const w of waiters.splice(0)) w();
+      });
+    };
+    follow(out, child.stdout!);
+    follow(err, child.stderr!);
+    child.stdin!.end();
+    const exited = new Promise<number | null>((resolve) => child.on("close", (code) => resolve(code)));
+    return {
+      stdout: out,
+      stderr: err,
+      exited,
+      pid: child.pid!,
+      async line(re, ms = 30_000) {
+        const deadline = Date.now() + ms;
+        for (;;) {
+          const hit = out.map((l) => l.match(re)).find(Boolean);
+          if (hit) return hit;
+          if (Date.now() > deadline) {
+            throw new Error(`no stdout line matched ${re} within ${ms} ms:\n${out.join("\n")}\n${err.join("\n")}`);
+          }
+          await Promise.race([new Promise<void>((r) => waiters.push(r)), exited, Bun.sleep(200)]);
+        }
+      },
+    };
+  }
+
+  const codeOf = async (invite: Running) => (await invite.line(/ join (il1\.[A-Za-z0-9_-]+)$/))[1];
+
+  /** An interlink session (`mcp`) on a machine, channel delivery, driven by the SDK client. */
+  async function sessionOn(m: Machine, runtime: "bun" | "deno", id: string, env: Record<string, string> = {}) {
+    const s = await McpSession.start(`${m.name}:${id}`, onMachine(m, [...runtimeArgv(runtime), "mcp"]), {
+      ...m.env,
+      INTERLINK_SESSION: id,
+      INTERLINK_DELIVERY: "channel",
+      INTERLINK_AUTOSTART_BUS: "0",
+      // Ended sessions (an invite's, a join's) are looked after at once, not after minutes.
+      INTERLINK_TEST_ENDED_EVERY_MS: "200",
+      INTERLINK_TEST_ADOPT_AFTER_MS: "100",
+      ...env,
+    }, {
+      cwd: REPO,
+      onStderr: (l) => process.env.INTERLINK_TEST_VERBOSE && process.stderr.write(`  [${m.name}:${id}] ${l}\n`),
+    });
+    if (s.pid) made.pids.add(s.pid);
+    return s;
+  }
+
+  /** POSTs from inside a machine (its namespace: the test process is not on the veth link). */
+  async function postOn(m: Machine, url: string, body: unknown): Promise<number> {
+    if (!m.ns) return (await fetch(url, { method: "POST", body: JSON.stringify(body) })).status;
+    const js = `const r = await fetch(${JSON.stringify(url)}, { method: "POST", body: ${
+      JSON.stringify(JSON.stringify(body))
+    } }); console.log(r.status);`;
+    const r = await spawnAsync("ip", ["netns", "exec", m.ns, process.execPath, "-e", js]);
+    return Number(r.stdout.trim());
+  }
+
+  /** The payloads a bus's queue file holds for `route` (acked ones too, until a compaction). */
+  function queuedFor(queueFile: string, route: string): Record<string, unknown>[] {
+    return readJsonl(queueFile, () => {}).filter((r) => r.t === "m" && r.q === route).map((r) =>
+      JSON.parse(r.p as string)
+    );
+  }
+
+  test.concurrent(
+    "invite → join pairs two machines (in network namespaces of their own where the suite can make them: the invite names A's address, B reaches only that); both models are told; a message goes each way; a stolen code and a replayed request are refused",
+    async () => {
+      const A = machine("alice", NETNS ? ns.a : undefined), B = machine("bob", NETNS ? ns.b : undefined);
+      // In A's namespace the port is A's own; on a shared loopback, a free one.
+      const port = NETNS ? 9440 : await freePort();
+      A.env.INTERLINK_BUS_PORT = String(port);
+      let relayBus: (Child & { url: string }) | undefined;
+      let args = ["invite", "--for", "bob", "--name", "alice"];
+      let queueFile = path.join(A.home, ".local", "state", "interlink", "bus", "queue.jsonl");
+      if (NETNS) {
+        // A's bus as a session starts it: on loopback only. The invite says so and how to run it reachable.
+        const lone = start(A, "bun", ["bus", "--port", String(port)]);
+        await eventually(() => lone.stderr.some((l) => l.includes("listening on")), "A's loopback bus listens");
+        const refused = await run(A, "bun", args);
+        expect(refused.status).toBe(1);
+        expect(refused.stderr).toContain(
+          `the bus at http://127.0.0.1:${port} listens only on loopback: the other machine cannot reach it at http://${ADDR_A}:${port}`,
+        );
+        expect(refused.stderr).toContain(`\`interlink.ts bus --host 0.0.0.0 --port ${port}\``);
+        expect(refused.stderr).toContain("anything that reaches this port can enqueue and read the roster");
+        expect(readInvites(await stateOf(A))).toEqual([]); // nothing filed: nobody could have used it
+        args = [...args, "--lan"];
+      } else {
+        relayBus = await startBus("bun", path.join(A.home, "bus"));
+        queueFile = path.join(A.home, "bus", "queue.jsonl");
+        args = [...args, "--url", relayBus.url];
+      }
+      try {
+        const t0 = Date.now();
+        const invite = start(A, "bun", args);
+        const code = await codeOf(invite);
+        const sent = await parseInviteCode(code);
+        const shared = NETNS ? `http://${ADDR_A}:${port}` : relayBus!.url;
+        expect(sent).toMatchObject({
+          key: await keyOf(A),
+          name: "alice",
+          urls: [shared],
+          session: `invite-${sent.id}`,
+        });
+        if (NETNS) {
+          // --lan restarted A's own bus on every address; the code names eth0's address, the bridge's is listed.
+          expect(invite.stdout.join("\n")).toContain(`bus      restarted on every address, port ${port}`);
+          expect(invite.stdout.join("\n")).toContain(
+            `relay    ${shared} (this machine's address on eth0, a private address; others: 172.17.0.1 (docker0); --url names another)`,
+          );
+          const owner = JSON.parse(fs.readFileSync(path.join(path.dirname(queueFile), "bus.lock"), "utf8")).pid;
+          buses.add(owner);
+          made.pids.add(owner);
+        }
+        // The line to copy: how this file is run, and the code as one word.
+        expect(invite.stdout.some((l) => /^ {2}\S.* interlink\.ts join il1\.\S+$/.test(l))).toBe(true);
+        const invitesJson = invitesFile(await stateOf(A));
+        expect(fs.statSync(invitesJson).mode & 0o777).toBe(0o600); // a pending invite's secret is as a key
+
+        const join = await run(B, "bun", ["join", code, "--name", "bob"]);
+        const took = Date.now() - t0;
+        expect({ status: join.status, stderr: join.stderr }).toEqual({ status: 0, stderr: expect.any(String) });
+        expect(join.stdout).toMatch(/^paired with alice \(\S{8}…\); round trip \d+ ms; clocks agree within 1 s$/m);
+        expect(join.stdout).toContain(`relay    ${shared} answers`);
+        expect(await invite.exited).toBe(0);
+        expect(invite.stdout.join("\n")).toMatch(/^joined +\S{8}… is now the peer 'bob' .*; its answer is sent$/m);
+        if (process.env.INTERLINK_TEST_VERBOSE) process.stderr.write(`invite → paired in ${took} ms\n`);
+        // Each files the other (A under --for, B under the name in the code); B's settings name A's relay.
+        const [keyA, keyB] = [await keyOf(A), await keyOf(B)];
+        expect(peersOf(A)).toEqual({ bob: { key: keyB } });
+        expect(peersOf(B)).toEqual({ alice: { key: keyA } });
+        expect(configOf(B)).toEqual({ name: "bob", url: shared });
+        // Spent: its secret is gone from A's file.
+        const [spent] = readInvites(await stateOf(A));
+        expect(spent).toMatchObject({ status: "used", used_by: keyB, used_as: "bob", used_in: sent.session });
+        expect(spent.secret).toBeUndefined();
+        // Both logs record it.
+        expect((await run(A, "bun", ["log"])).stdout).toContain(`joined through our invite ${sent.id} as 'bob'`);
+        expect((await run(B, "bun", ["log"])).stdout).toContain(
+          `accepted our join through their invite ${sent.id} as 'alice'`,
+        );
+
+        // Sessions start on both machines: each model is told at its first turn, and a message goes each way.
+        const [a1, b1] = await Promise.all([sessionOn(A, "bun", "a1"), sessionOn(B, "bun", "b1")]);
+        try {
+          const toldA = await a1.waitEvent((e) => e.meta.kind === "paired");
+          expect(toldA.content).toContain(`joined through your operator's invite ${sent.id} and is now the peer 'bob'`);
+          const toldB = await b1.waitEvent((e) => e.meta.kind === "paired");
+          expect(toldB.content).toContain("Paired with 'alice'");
+          await eventually(async () => (await a1.ok("discover", { peer: "bob" })).includes("b1"), "b1 is announced");
+          const there = await a1.ok("send_message", { to: "bob", text: "hello from A" });
+          expect((await b1.waitEvent((e) => e.meta.msg_id === msgIdOf(there))).meta.sender).toBe("alice");
+          await eventually(async () => (await b1.ok("discover", { peer: "alice" })).includes("a1"), "a1 is announced");
+          const back = await b1.ok("send_message", { to: "alice", text: "hello from B" });
+          expect((await a1.waitEvent((e) => e.meta.msg_id === msgIdOf(back))).meta.sender).toBe("bob");
+
+          // A stolen code used after the real join: refused (A's session reads the ended invite's route), and
+          // the thief, on B's network, is told why and keeps nothing but the key it made.
+          const C = machine("carol", B.ns);
+          const stolen = await run(C, "bun", ["join", code, "--wait", "30"]);
+          expect(stolen.status).toBe(1);
+          expect(stolen.stderr).toContain("alice refused: the invite was used already, by another key");
+          expect(stolen.stderr).toContain("Nothing was kept but this node's new key.");
+          expect([peersOf(C), configOf(C)]).toEqual([{}, null]);
+          expect(peersOf(A)).toEqual({ bob: { key: keyB } });
+          await a1.waitStderr(/invite_used: invite \S+ was used by/);
+
+          // B's own request, as a relay kept it, sent again: a replay, refused; nothing changes.
+          const [knock] = queuedFor(queueFile, `${keyA}#${sent.session}`).filter((p) => p.from === keyB);
+          expect(knock.in_reply_to).toMatch(new RegExp(`^invite:${sent.id}:[A-Za-z0-9_-]{43}$`));
+          expect(await postOn(B, `${shared}/send`, { to: `${keyA}#${sent.session}`, payload: knock })).toBe(202);
+          await a1.waitStderr(new RegExp(`replay: msg_id ${knock.msg_id} already admitted`));
+          expect(peersOf(A)).toEqual({ bob: { key: keyB } });
+        } finally {
+          await Promise.allSettled([a1.close(), b1.close()]);
+        }
+      } finally {
+        if (relayBus) await stop(relayBus);
+      }
+    },
+    120_000,
+  );
+  test.concurrent(
+    "refused before anything is written: a malformed, a newer, a cut and a one-character-changed code, an expired one, a relay B cannot reach, and clocks too far apart",
+    async () => {
+      const inviter = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+      const relay = await busOnLoopback(tmpDir());
+      const closed = await freePort();
+      try {
+        const make = (over: Partial<InviteCode> = {}) =>
+          encodeInviteCode({
+            id: "0123456789abcdef",
+            key: inviter.publicKey,
+            secret: crypto.getRandomValues(new Uint8Array(16)),
+            expiresMs: (Math.floor(Date.now() / 1000) + 600) * 1000,
+            session: "invite-0123456789abcdef",
+            urls: [relay.url],
+            name: "alice",
+            ...over,
+          });
+        const good = await make();
+        const mid = Math.floor(good.length / 2);
+        const changed = good.slice(0, mid) + (good[mid] === "A" ? "B" : "A") + good.slice(mid + 1);
+        const cases: {
+          what: string;
+          args: string[];
+          says: RegExp;
+          env?: Record<string, string>;
+          ns?: string;
+          runtime?: "deno";
+        }[] = [
+          { what: "not a code", args: ["hello"], says: /that is not an invite code \(one starts with "il1\."/ },
+          { what: "a newer layout", args: ["il2.AAAA"], says: /of a newer layout \(il2\.\): update interlink\.ts/ },
+          {
+            what: "cut short",
+            args: [good.slice(0, -3)],
+            says: /damaged or was changed \(its checksum does not match\)/,
+          },
+          { what: "one character changed", args: [changed], says: /damaged or was changed/ },
+          {
+            what: "expired",
+            args: [await make({ expiresMs: (Math.floor(Date.now() / 1000) - 90) * 1000 })],
+            says: /the invite expired at \S+, \d+ (s|min) ago by this machine's clock: ask for a new one/,
+          },
+          {
+            what: "expired by this machine's clock",
+            args: [good],
+            says: /the invite expired at .* by this machine's clock/,
+            env: { INTERLINK_CLOCK_OFFSET_MS: String(20 * 60_000) },
+          },
+          {
+            what: "nothing listens there",
+            args: [await make({ urls: [`http://127.0.0.1:${closed}`] })],
+            says:
+              /cannot reach alice's relay: tried http:\/\/127\.0\.0\.1:\d+ \(connection refused: nothing listens on 127\.0\.0\.1:\d+ \(no bus runs there, it runs on another port, or it listens only on loopback\)(, or no route leads there from this network)?\)\.\nOn alice's machine: is a bus running that other machines reach \(`interlink\.ts invite --lan` runs one/,
+          },
+          {
+            what: "this clock ahead",
+            args: [good],
+            says:
+              /this machine's clock is (299|300|301) s ahead of alice's relay: nodes refuse what comes from over a minute in their future/,
+            env: { INTERLINK_CLOCK_OFFSET_MS: "300000" },
+          },
+          {
+            // (A code a terminal wrapped into two words still reads: this one gets as far as the clocks.)
+            what: "this clock behind",
+            args: [good.slice(0, 40), good.slice(40)],
+            says: /this machine's clock is (299|300|301) s behind alice's relay/,
+            env: { INTERLINK_CLOCK_OFFSET_MS: "-300000" },
+          },
+          ...(NETNS
+            ? [{
+              what: "no route from B's network",
+              args: [await make({ urls: ["http://192.0.2.77:9440"] })],
+              says: /192\.0\.2\.77 is not reachable from this network \(no route to it/,
+              ns: ns.b,
+              runtime: "deno" as const, // Bun 1.4 reports no route as a refused connection
+            }]
+            : []),
+        ];
+        const results = await Promise.all(cases.map(async (c) => {
+          const m = machine("bob", c.ns);
+          return { ...c, m, r: await run(m, c.runtime ?? "bun", ["join", ...c.args], c.env) };
+        }));
+        for (const { what, says, m, r } of results) {
+          expect({ what, status: r.status, says: says.test(r.stderr) || r.stderr }).toEqual({
+            what,
+            status: 1,
+            says: true,
+          });
+          // Nothing written: no key, no peers.json, no config.json.
+          expect({ what, written: fs.existsSync(path.join(m.home, ".config")) }).toEqual({ what, written: false });
+        }
+      } finally {
+        await relay.shutdown();
+      }
+    },
+    60_000,
+  );
+
+  test.concurrent(
+    "a relay that sees the proof cannot pair a third key with it, nor can a proof made for another key; a join after `invite` stopped waiting is admitted by a running session",
+    async () => {
+      // The relay is this process: it hands everything to a real bus, except bob's knock, which it holds back
+      // while carol (who runs the relay) tries to use what she saw.
+      const bus = await Bus.open(tmpDir(), { log: () => {} });
+      let holdFrom = "";
+      const held: string[] = [];
+      const server = await serveHttp(
+        async (req) => {
+          if (req.method === "POST" && new URL(req.url).pathname === "/send") {
+            const text = await req.text();
+            const body = JSON.parse(text);
+            if (holdFrom && body.payload?.from === holdFrom && body.payload?.kind === "pair_request") {
+              held.push(text);
+              return jsonResponse(202, '{"status":"queued"}');
+            }
+            return await bus.handler(new Request(req.url, { method: "POST", body: text }));
+          }
+          return await bus.handler(req);
+        },
+        "127.0.0.1",
+        0,
+      );
+      const url = `http://127.0.0.1:${server.port}`;
+      const A = machine("alice"), B = machine("bob"), B2 = machine("dave");
+      const bob = await withKey(B);
+      const carol = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+      let a1: McpSession | undefined;
+      try {
+        const invite = start(A, "bun", ["invite", "--for", "bob", "--name", "alice", "--url", url]);
+        const code = await codeOf(invite);
+        const sent = await parseInviteCode(code);
+        const route = `${sent.key}#${sent.session}`;
+        holdFrom = bob.publicKey;
+        const join = start(B, "bun", ["join", code, "--name", "bob"]);
+        await eventually(() => held.length === 1, "the relay holds bob's knock");
+        const knock = JSON.parse(held[0]).payload as SignedMessage & { reply_to: string };
+        expect(knock.in_reply_to).toMatch(/^invite:[0-9a-f]{16}:[A-Za-z0-9_-]{43}$/);
+
+        /** carol's knock through the relay, and what alice's receipt to her says of it. */
+        const attempt = async (draft: Draft, session: string) => {
+          const msg = await signMessage(carol, draft, Date.now());
+          const payload = { ...msg, reply_to: `${carol.publicKey}#${session}`, receipts: true };
+          expect((await fetch(`${url}/send`, { method: "POST", body: JSON.stringify({ to: route, payload }) })).status)
+            .toBe(202);
+          const receipt = parseSignedMessage(await takeRaw(url, `${carol.publicKey}#${session}`));
+          expect([receipt.kind, receipt.from, await verifyMessage(receipt)]).toEqual(["receipt", sent.key, null]);
+          return parseReceipt(receipt.text).map((l) => [l.msg_id, l.reason]);
+        };
+        // 1. bob's request re-signed by carol, every field as bob sent it.
+        const { sig: _s, from: _f, ts: _t, reply_to: _r, ...fields } = knock as unknown as Record<string, string>;
+        expect(await attempt(fields as unknown as Draft, "c1")).toEqual([[knock.msg_id, "invite_bad_proof"]]);
+        // 2. carol's own knock carrying bob's proof.
+        const own = { to: sent.key, text: "carol", kind: "pair_request" as const, in_reply_to: knock.in_reply_to };
+        const mine = await attempt({ ...own, msg_id: "c2-request" }, "c2");
+        expect(mine).toEqual([["c2-request", "invite_bad_proof"]]);
+        // 3. a proof made with the secret, for bob's key, sent by carol: bound to bob, useless to anyone else.
+        const idBytes = Buffer.from(sent.id, "hex");
+        const forBob = await inviteMac(sent.secret, inviteProofBytes(idBytes, sent.key, bob.publicKey, "c3-request"));
+        const proof = `invite:${sent.id}:${b64urlEncode(forBob)}`;
+        expect(await attempt({ ...own, msg_id: "c3-request", in_reply_to: proof }, "c3")).toEqual([
+          ["c3-request", "invite_bad_proof"],
+        ]);
+        expect(readInvites(await stateOf(A))[0].status).toBe("pending"); // none of it spent the invite
+        expect(invite.stderr.filter((l) => l.includes("invite_bad_proof")).length).toBe(3);
+
+        // The relay lets bob's request through at last: bob pairs, carol never did.
+        holdFrom = "";
+        expect((await bus.handler(new Request(`${url}/send`, { method: "POST", body: held[0] }))).status).toBe(202);
+        expect(await join.exited).toBe(0);
+        expect(join.stdout.join("\n")).toMatch(/paired with alice/);
+        expect(await invite.exited).toBe(0);
+        expect(peersOf(A)).toEqual({ bob: { key: bob.publicKey } });
+
+        // A second invite, and its command stopped (Ctrl-C): the invite stays valid, and the node's running session
+        // reads its route and admits the join, filed under the claimed name; that session's model is told.
+        a1 = await sessionOn(A, "bun", "a1", { INTERLINK_URL: url });
+        const second = start(A, "bun", ["invite", "--url", url]);
+        const code2 = await codeOf(second);
+        await second.line(/^waiting for the join/);
+        process.kill(second.pid, "SIGINT");
+        expect(await second.exited).toBe(0);
+        expect(second.stdout.join("\n")).toMatch(/stopped waiting \(SIGINT\): invite \S+ stays valid until/);
+        const late = await run(B2, "bun", ["join", code2, "--name", "dave", "--wait", "30"]);
+        expect({ status: late.status, stderr: late.status ? late.stderr : "" }).toEqual({ status: 0, stderr: "" });
+        expect(late.stdout).toMatch(/paired with alice/);
+        const told = await a1.waitEvent((e) => e.meta.kind === "paired" && e.content.includes("'dave'"));
+        expect(told.content).toContain("joined through your operator's invite");
+        expect(peersOf(A).dave.key).toBe(await keyOf(B2));
+        const id2 = (await parseInviteCode(code2)).id;
+        const spent = readInvites(await stateOf(A)).find((i) => i.id === id2)!;
+        expect(spent).toMatchObject({ status: "used", used_as: "dave", used_in: "a1" });
+      } finally {
+        await a1?.close();
+        await server.stop();
+        await bus.close();
+      }
+    },
+    90_000,
+  );
+
+  test.concurrent(
+    "invite --list shows what is pending; a revoked invite and an expired one are refused by the inviting node, and the joiner is told why and keeps nothing",
+    async () => {
+      const relay = await busOnLoopback(tmpDir());
+      const A = machine("alice");
+      let a1: McpSession | undefined;
+      try {
+        const revoked = start(A, "bun", ["invite", "--for", "erin", "--name", "alice", "--url", relay.url]);
+        const code = await parseInviteCode(await codeOf(revoked));
+        // A session of A's runs: it looks after the invites' sessions once their commands have exited.
+        a1 = await sessionOn(A, "bun", "a1", { INTERLINK_URL: relay.url });
+        const fp = fingerprint(code.key);
+        const listed = await run(A, "bun", ["invite", "--list"]);
+        expect(listed.stdout).toContain(`1 pending invite(s) of ${fp}…:`);
+        expect(listed.stdout).toMatch(
+          new RegExp(
+            `^  ${code.id}  for 'erin'  until \\S+ \\(in \\d+ (s|min)\\)  route ${fp}…#invite-${code.id}  relays ${relay.url}$`,
+            "m",
+          ),
+        );
+        expect((await run(A, "bun", ["invite", "--revoke", code.id.slice(0, 6)])).stdout).toContain(
+          `revoked invite ${code.id} (for 'erin'): a join through it is refused`,
+        );
+        expect(await revoked.exited).toBe(1);
+        expect(revoked.stdout.join("\n")).toContain(`revoked  invite ${code.id}, unused`);
+        const after = (await run(A, "bun", ["invite", "--list"])).stdout;
+        expect(after).toContain("0 pending invite(s)");
+        expect(after).toMatch(new RegExp(`^  ${code.id}  for 'erin'  revoked at `, "m"));
+        expect((await run(A, "bun", ["invite", "--revoke", code.id])).stderr).toContain(`is revoked already`);
+
+        const expiring = start(A, "bun", ["invite", "--ttl", "2s", "--url", relay.url]);
+        const code2 = await codeOf(expiring);
+        expect(await expiring.exited).toBe(1);
+        expect(expiring.stdout.join("\n")).toMatch(/^expired +invite \S+, unused$/m);
+
+        const [E, F] = [machine("erin"), machine("frank")];
+        const [r1, r2] = await Promise.all([
+          run(E, "bun", ["join", await codeOf(revoked), "--wait", "30"]),
+          // frank's clock is 20 s behind: by it, the invite is still valid (and 20 s is within what nodes accept).
+          run(F, "bun", ["join", code2, "--wait", "30"], { INTERLINK_CLOCK_OFFSET_MS: "-20000" }),
+        ]);
+        expect([r1.status, r1.stderr]).toEqual([
+          1,
+          expect.stringContaining("alice refused: the invite was revoked on their machine."),
+        ]);
+        expect([r2.status, r2.stderr]).toEqual([
+          1,
+          expect.stringContaining("refused: the invite had expired; ask for a new one"),
+        ]);
+        for (const m of [E, F]) {
+          expect([peersOf(m), configOf(m)]).toEqual([{}, null]); // the pin taken back, no settings written
+        }
+        expect(peersOf(A)).toEqual({});
+        // The operator's session is told of the refusals, in interlink's words (someone tried a spent invite).
+        await a1.waitEvent((e) => e.meta.kind === "refused" && e.content.includes("an invite your operator revoked"));
+        await a1.waitEvent((e) => e.meta.kind === "refused" && e.content.includes("an invite that had expired"));
+        // A relay's credentials are this node's own: the code names the relay without them.
+        const nats = await run(A, "bun", ["invite", "--ttl", "1s", "--url", "nats://alice:s3cret@127.0.0.1:1"]);
+        const withCreds = await parseInviteCode(nats.stdout.match(/ join (il1\.\S+)$/m)![1]);
+        expect(withCreds.urls).toEqual(["nats://127.0.0.1:1"]);
+        expect(nats.stdout).toContain("without this node's credentials: the other machine brings its own");
+      } finally {
+        await a1?.close();
+        await relay.shutdown();
+      }
+    },
+    90_000,
+  );
+
+  test.concurrent("the same under Deno: invite → join, both told, a message each way", async () => {
+    const relay = await startBus("deno", tmpDir());
+    const A = machine("alice"), B = machine("bob");
+    try {
+      const invite = start(A, "deno", ["invite", "--for", "bob", "--name", "alice", "--url", relay.url]);
+      const code = await codeOf(invite);
+      expect(invite.stdout.some((l) => /run -A interlink\.ts join il1\./.test(l))).toBe(true);
+      const join = await run(B, "deno", ["join", code, "--name", "bob"]);
+      expect({ status: join.status, stderr: join.status ? join.stderr : "" }).toEqual({ status: 0, stderr: "" });
+      expect(join.stdout).toMatch(/^paired with alice \(\S{8}…\); round trip \d+ ms; clocks agree within 1 s$/m);
+      expect(await invite.exited).toBe(0);
+      expect(configOf(B).url).toBe(relay.url);
+      const [a1, b1] = await Promise.all([sessionOn(A, "deno", "a1"), sessionOn(B, "deno", "b1")]);
+      try {
+        await Promise.all([
+          a1.waitEvent((e) => e.meta.kind === "paired"),
+          b1.waitEvent((e) => e.meta.kind === "paired"),
+        ]);
+        await eventually(async () => (await a1.ok("discover", { peer: "bob" })).includes("b1"), "b1 is announced");
+        const there = await a1.ok("send_message", { to: "bob", text: "hello from A" });
+        expect((await b1.waitEvent((e) => e.meta.msg_id === msgIdOf(there))).meta.sender).toBe("alice");
+        await eventually(async () => (await b1.ok("discover", { peer: "alice" })).includes("a1"), "a1 is announced");
+        const back = await b1.ok("send_message", { to: "alice", text: "hello from B" });
+        expect((await a1.waitEvent((e) => e.meta.msg_id === msgIdOf(back))).meta.sender).toBe("bob");
+      } finally {
+        await Promise.allSettled([a1.close(), b1.close()]);
+      }
+    } finally {
+      await stop(relay);
+    }
+  }, 120_000);
+
+  test.concurrent(
+    "to a reference node the join is an ordinary knock, and its ordinary acceptance completes the join",
+    async () => {
+      const relay = await busOnLoopback(tmpDir());
+      const ref = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+      const B = machine("bob");
+      try {
+        // A code for a reference node (the Rust interlink 0.11) is one an operator could make by hand: its key,
+        // a session of it, the relay. It knows nothing of invites.
+        const code = await encodeInviteCode({
+          id: "00112233aabbccdd",
+          key: ref.publicKey,
+          secret: crypto.getRandomValues(new Uint8Array(16)),
+          expiresMs: Date.now() + 600_000,
+          session: "s11",
+          urls: [relay.url],
+          name: "r11",
+        });
+        const join = start(B, "bun", ["join", code, "--name", "bob"]);
+        const knock = await takeRaw(relay.url, `${ref.publicKey}#s11`);
+        // What the reference reads: a signed pair_request whose text is the name; in_reply_to is any string to it.
+        const msg = parseSignedMessage(knock);
+        expect(await verifyMessage(msg)).toBeNull();
+        const verdict = await decide(
+          knock,
+          ref.publicKey,
+          { byName: new Map(), byKey: new Map() },
+          Date.now(),
+          new ReplayMemory(),
+        );
+        expect([verdict.verdict, msg.text, typeof msg.in_reply_to]).toEqual(["pair_request", "bob", "string"]);
+        expect(knock.reply_to).toBe(`${msg.from}#join-00112233aabbccdd`);
+        // Its operator accepts, as 0.9-0.11 answer: to the requesting session, naming the request.
+        const accept = await signMessage(ref, {
+          to: msg.from,
+          text: "r11",
+          kind: "pair_accept",
+          in_reply_to: msg.msg_id,
+        }, Date.now());
+        await postSend(relay.url, knock.reply_to as string, accept);
+        expect(await join.exited).toBe(0);
+        expect(join.stdout.join("\n")).toMatch(/paired with r11 \(\S{8}…\); round trip \d+ ms/);
+        expect(peersOf(B)).toEqual({ r11: { key: ref.publicKey } });
+      } finally {
+        await relay.shutdown();
+      }
+    },
+    60_000,
+  );
+
+  test("the pure parts: a typo anywhere in a code is caught; the proof binds key and request; consumption comes first; the address choice; the new records round-trip", async () => {
+    // A code survives its own round trip, and whitespace a terminal adds; any one character changed is caught.
+    const code: InviteCode = {
+      id: "0011223344556677",
+      key: bob.publicKey,
+      secret: crypto.getRandomValues(new Uint8Array(16)),
+      expiresMs: 1_800_000_000_000,
+      session: "invite-0011223344556677",
+      urls: ["http://10.0.0.5:9440", "nats://10.0.0.5:4222"],
+      name: "bob",
+    };
+    const text = await encodeInviteCode(code);
+    expect(text).toMatch(/^il1\.[A-Za-z0-9_-]+$/);
+    expect(await parseInviteCode(`  ${text.slice(0, 30)}\n${text.slice(30)} `)).toEqual(code);
+    const alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    const missed: number[] = [];
+    for (let i = 4; i < text.length; i++) {
+      const other = alphabet[(alphabet.indexOf(text[i]) + 7) % 64];
+      const typo = text.slice(0, i) + other + text.slice(i + 1);
+      if (await parseInviteCode(typo).then(() => true, (e) => !(e instanceof FormatError))) missed.push(i);
+    }
+    expect(missed).toEqual([]);
+
+    // The invite check on alice's node: bob's proof passes for bob's signed request, and for nobody else.
+    const T = 1_800_000_000_000;
+    const secret = crypto.getRandomValues(new Uint8Array(16));
+    const invite: Invite = {
+      id: "8899aabbccddeeff",
+      secret: b64urlEncode(secret),
+      for: "bobby",
+      created: T - 1000,
+      expires: T + 600_000,
+      session: "invite-8899aabbccddeeff",
+      urls: [],
+      status: "pending",
+    };
+    const knock = async (signer: Identity, proofFor: string, msgId: string) => {
+      const mac = await inviteMac(
+        secret,
+        inviteProofBytes(Buffer.from(invite.id, "hex"), alice.publicKey, proofFor, msgId),
+      );
+      return await signMessage(signer, {
+        to: alice.publicKey,
+        text: "bob",
+        kind: "pair_request",
+        msg_id: msgId,
+        in_reply_to: `invite:${invite.id}:${b64urlEncode(mac)}`,
+      }, T);
+    };
+    const mine = await knock(bob, bob.publicKey, "m1");
+    const judge = (msg: SignedMessage, i: Invite = invite, isPeer = false, now = T) =>
+      judgeInvite([i], msg, alice.publicKey, isPeer, now);
+    expect(await judge(mine)).toEqual({ ok: true, invite });
+    const reasons = async (...checks: Promise<Awaited<ReturnType<typeof judgeInvite>>>[]) =>
+      (await Promise.all(checks)).map((c) => (c.ok ? "ok" : c.reason));
+    const used: Invite = { ...invite, status: "used", used_by: bob.publicKey, used_msg: "m1", secret: undefined };
+    expect(
+      await reasons(
+        judge(await knock(eve, bob.publicKey, "m1")), // bob's proof, eve's signature
+        judge(await knock(eve, eve.publicKey, "m2"), { ...invite, secret: b64urlEncode(new Uint8Array(16)) }), // wrong secret
+        judge(mine, invite, false, T + 600_001), // past its expiry
+        judge(mine, { ...invite, status: "revoked", ended: 3 }),
+        judge(await knock(eve, eve.publicKey, "m3"), used), // a second use, even with a valid proof
+        judge(mine, used), // the same request again (its answer lost): no second use
+        judge(await knock(bob, bob.publicKey, "m4"), used, true), // bob, a peer now, joining again
+        judge(await knock(bob, bob.publicKey, "m5"), used, false), // ...but not once alice's operator removed him
+        judgeInvite([], mine, alice.publicKey, false, T),
+        judge(
+          await signMessage(bob, { to: alice.publicKey, text: "b", kind: "pair_request", in_reply_to: "invite:x" }, 1),
+        ),
+      ),
+    ).toEqual([
+      "invite_bad_proof",
+      "invite_bad_proof",
+      "invite_expired",
+      "invite_revoked",
+      "invite_used",
+      "ok",
+      "ok",
+      "invite_used",
+      "invite_unknown",
+      "invite_bad_proof",
+    ]);
+    // The gate is as it was: to it (and to a reference node) this is an ordinary knock.
+    const replay = new ReplayMemory();
+    const v = await decide(mine, alice.publicKey, { byName: new Map(), byKey: new Map() }, T, replay);
+    expect(v.verdict).toBe("pair_request");
+
+    // Admitted: the invite is spent first (one step: a second use cannot slip in), then bob is filed under --for,
+    // the pairing recorded, our answer queued to his session; the ack comes last, after the sync.
+    const ctx: InboundContext = {
+      state: new NodeState(() => T),
+      peers: { byName: new Map(), byKey: new Map() },
+      canPush: false,
+      nowMs: T,
+      replyTo: `${bob.publicKey}#join-8899aabbccddeeff`,
+      wantsReceipts: true,
+      selfKey: alice.publicKey,
+      invite: { ok: true, invite },
+    };
+    const admitted = planInbound(v, ctx);
+    expect(admitted.map((e) => e.do)).toEqual([
+      "consume_invite",
+      "add_peer",
+      "append",
+      "remember",
+      "log",
+      "confirm_pair",
+      "sync",
+      "ack",
+    ]);
+    expect(admitted[1]).toEqual({ do: "add_peer", petname: "bobby", key: bob.publicKey });
+    expect(admitted[2]).toEqual({
+      do: "append",
+      records: [{ t: "paired", key: bob.publicKey, how: "invited", petname: "bobby", invite: invite.id }],
+    });
+    expect(admitted[5]).toMatchObject({ recipient: ctx.replyTo, msgId: "m1" });
+    // Refused: nothing filed, nothing queued but a receipt owed to the requesting session, which says why.
+    const refused = planInbound(v, { ...ctx, invite: { ok: false, reason: "invite_used", detail: "d" } });
+    expect(refused.map((e) => e.do)).toEqual(["log", "append", "sync", "append", "sync", "ack"]);
+    expect(refused[3]).toEqual({
+      do: "append",
+      records: [{ t: "owe", route: ctx.replyTo!, msg_id: "m1", reason: "invite_used" }],
+    });
+
+    // The address to share: a private one on a real interface; a bridge's, loopback and link-local come after or not at all.
+    const iface = (address: string, internal = false) =>
+      ({ address, internal, family: "IPv4", netmask: "", mac: "", cidr: null }) as os.NetworkInterfaceInfo;
+    expect(
+      lanAddresses({
+        lo: [iface("127.0.0.1", true)],
+        docker0: [iface("172.17.0.1")],
+        wlan0: [iface("169.254.3.4"), iface("192.168.1.20")],
+        tailscale0: [iface("100.101.1.2")],
+        eth1: [iface("203.0.113.7")],
+      }).map((a) => `${a.iface} ${a.address}`),
+    ).toEqual([
+      "wlan0 192.168.1.20",
+      "tailscale0 100.101.1.2",
+      "eth1 203.0.113.7",
+      "docker0 172.17.0.1",
+    ]);
+
+    // The new shapes round-trip through the journal's codec, and fold into a notice for the model.
+    const records: JournalRecord[] = [
+      { t: "paired", at: 1, key: bob.publicKey, how: "invited", petname: "bobby", invite: invite.id },
+      {
+        t: "adopted",
+        at: 2,
+        session: "invite-8899aabbccddeeff",
+        carried: {
+          out: [],
+          inbox: [{
+            kind: "paired",
+            id: `paired ${bob.publicKey} ${invite.id}`,
+            at: 1,
+            key: bob.publicKey,
+            petname: "bobby",
+            invite: invite.id,
+            side: "invited",
+          }],
+          tasks: [],
+          owed: [],
+          wants_shown: [],
+          knocks_in: [],
+          knocks_out: [[bob.publicKey, { petname: "b", at: 1, msgId: "k", invite: invite.id }]],
+          sticky: [],
+          closed: [],
+          rejected: [],
+          routes: [],
+        },
+      },
+    ];
+    for (const r of records) expect(decodeRecord(JSON.parse(encodeRecord(r)))).toEqual([r]);
+    const folded = new NodeState();
+    folded.apply(records[0]);
+    expect([...folded.inbox.values()]).toEqual([(records[1] as { carried: { inbox: InboxItem[] } }).carried.inbox[0]]);
+  });
 });
