@@ -91,6 +91,12 @@ export const RECV_TIMEOUT_MAX_MS = 60_000;
  * disk and one sender cannot push out another's mail.
  */
 export const QUEUE_CAP = 1024;
+/**
+ * How many of our messages one route may hold unconfirmed (sent, no receipt yet) before the rest wait in our
+ * outbox: a relay keeps at most QUEUE_CAP per route and drops the oldest past it, so one sender stays well below
+ * that. Only for keys that send receipts (ours); a reference node's routes are never held.
+ */
+export const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
 /** Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages): kept apart, small. */
 export const OPAQUE_CAP = 64;
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
@@ -4756,7 +4762,8 @@ export interface Carried {
  * own journal knew. The messages admitted in the freshness window (their
  * replays stay refused), the items already shown (never shown again), when
  * refusal summaries and knocks were last shown (their pacing), the refusals
- * already reported by receipt, and the events last pushed to a channel.
+ * already reported by receipt, the events last pushed to a channel, and the
+ * keys that send receipts (see SEND_WINDOW).
  */
 export interface Remembered {
   replay: [string, number][];
@@ -4765,6 +4772,7 @@ export interface Remembered {
   refusals_reported: [string, { key: string; at: number }][];
   knocks_shown: number[];
   pushed: [string, { at: number; item: InboxItem }][];
+  confirming: string[];
 }
 
 /** An outbox entry (sent_at absent) or a sent message awaiting receipts, as carried. */
@@ -4993,6 +5001,10 @@ function decodeRemembered(v: unknown): Remembered {
       const x = obj(p, "a pushed event");
       return { at: int(x, "at"), item: decodeInboxItem(x.item) };
     }),
+    confirming: entries("confirming").map((k) => {
+      if (typeof k !== "string") throw new FormatError(`"confirming" holds a bad key`);
+      return k;
+    }),
   };
 }
 
@@ -5206,6 +5218,10 @@ export class NodeState {
   readonly refusalsReported = new BoundedMap<string, { key: string; at: number }>(4096);
   /** Earlier sessions of ours this one adopted, and when each ended: their relay routes are drained here. */
   readonly drains = new BoundedMap<string, number>(ROUTES_DRAINED_CAP);
+  /** Our messages sent to each route that no receipt has confirmed yet (see SEND_WINDOW). */
+  readonly unconfirmed = new Map<string, Set<string>>();
+  /** Keys that have sent us receipts: their routes are held at SEND_WINDOW unconfirmed messages. */
+  readonly confirming = new BoundedMap<string, true>(1024);
   /** Set by a "moved" record: the session that took over everything this one still had to do. */
   movedTo: string | undefined;
 
@@ -5308,9 +5324,11 @@ export class NodeState {
       const receipt = r.msg;
       this.replay.remember(receipt.from, receipt.msg_id, receipt.ts, this.now());
       const recorded = new Set(recordedReports(r).map((l) => `${l.state} ${l.msg_id}`));
+      this.confirming.set(receipt.from, true);
       for (const report of newReports(this.outgoing, receipt)) {
         if (!recorded.has(`${report.state} ${report.msg_id}`)) continue;
         const entry = this.outgoing.get(report.msg_id)!;
+        this.#unconfirmed(entry.recipient, report.msg_id, false);
         const where = { at: report.at, session: report.session ?? "" };
         if (report.state === "refused") {
           entry.refusedBy = report;
@@ -5367,6 +5385,7 @@ export class NodeState {
       this.knocksIn.clear();
       this.knocksOut.clear();
       this.drains.clear();
+      this.unconfirmed.clear();
     },
     adopted: (r) => this.#take(r.session, r.at, r.carried),
     checkpoint: (r) => {
@@ -5378,6 +5397,7 @@ export class NodeState {
       for (const [id, x] of m.refusals_reported) this.refusalsReported.set(id, x);
       this.#knocksShown = [...m.knocks_shown];
       for (const [id, x] of m.pushed) this.pushed.set(id, x);
+      for (const key of m.confirming) this.confirming.set(key, true);
     },
   };
 
@@ -5387,6 +5407,7 @@ export class NodeState {
     if (!entry || !this.pending.has(msgId)) return;
     settle(entry);
     this.pending.delete(msgId);
+    if (entry.sentAt !== undefined && entry.msg.kind === "message") this.#unconfirmed(entry.recipient, msgId, true);
     // A receipt we sent is bookkeeping: once out, it must not take the room of our own messages' statuses.
     if (entry.msg.kind === "receipt") return void this.outgoing.delete(msgId);
     this.#remember(msgId);
@@ -5398,8 +5419,17 @@ export class NodeState {
     if (this.#sent.size > SENT_MEMORY_CAP) {
       const oldest = this.#sent.values().next().value!;
       this.#sent.delete(oldest);
+      const e = this.outgoing.get(oldest);
+      if (e) this.#unconfirmed(e.recipient, oldest, false);
       this.outgoing.delete(oldest);
     }
+  }
+
+  /** Counts a message sent to `route` as unconfirmed, or no longer (a receipt reported it). */
+  #unconfirmed(route: string, msgId: string, add: boolean): void {
+    const ids = this.unconfirmed.get(route);
+    if (add) this.unconfirmed.set(route, (ids ?? new Set()).add(msgId));
+    else if (ids?.delete(msgId) && !ids.size) this.unconfirmed.delete(route);
   }
 
   /**
@@ -5427,6 +5457,9 @@ export class NodeState {
       this.outgoing.set(o.msg.msg_id, entry);
       if (o.sent_at === undefined) this.pending.add(o.msg.msg_id);
       else this.#remember(o.msg.msg_id);
+      if (o.sent_at !== undefined && !o.delivered && o.msg.kind === "message") {
+        this.#unconfirmed(o.recipient, o.msg.msg_id, true);
+      }
     }
     for (const item of c.inbox) {
       if (this.inbox.has(item.id) || this.#shown.has(item.id)) continue;
@@ -5513,6 +5546,7 @@ export class NodeState {
       refusals_reported: [...this.refusalsReported],
       knocks_shown: [...this.#knocksShown],
       pushed: [...this.pushed],
+      confirming: [...this.confirming.keys()],
     };
   }
 
@@ -5574,8 +5608,14 @@ export class NodeState {
   pendingHead(n: number, bytes: number): OutEntry[] {
     const out: OutEntry[] = [];
     let size = 0;
+    const room = new Map<string, number>(); // what each held route may still take in this batch
     for (const id of this.pending) {
       const e = this.outgoing.get(id)!;
+      if (e.msg.kind === "message" && this.confirming.has(parseRoute(e.recipient).key)) {
+        const left = room.get(e.recipient) ?? SEND_WINDOW - (this.unconfirmed.get(e.recipient)?.size ?? 0);
+        if (left <= 0) continue; // held until receipts confirm earlier ones; later routes go meanwhile
+        room.set(e.recipient, left - 1);
+      }
       size += utf8Bytes(JSON.stringify(e.msg)) + 512; // the route and the unsigned hints besides
       if (out.length && (out.length >= n || size > bytes)) break;
       out.push(e);
@@ -5583,9 +5623,25 @@ export class NodeState {
     return out;
   }
 
+  /** The first message the outbox may send now (one held by SEND_WINDOW is not). */
   firstPending(): OutEntry | undefined {
-    for (const id of this.pending) return this.outgoing.get(id);
-    return undefined;
+    return this.pendingHead(1, Infinity)[0];
+  }
+
+  /** Routes holding SEND_WINDOW unconfirmed messages of ours, with how many of ours wait behind each. */
+  heldRoutes(): Map<string, number> {
+    const held = new Map<string, number>();
+    for (const id of this.pending) {
+      const e = this.outgoing.get(id)!;
+      if (this.held(e)) held.set(e.recipient, (held.get(e.recipient) ?? 0) + 1);
+    }
+    return held;
+  }
+
+  /** True when a queued message waits for its route's receipts (SEND_WINDOW of ours there are unconfirmed). */
+  held(e: OutEntry): boolean {
+    return this.pending.has(e.msg.msg_id) && e.msg.kind === "message" &&
+      this.confirming.has(parseRoute(e.recipient).key) && (this.unconfirmed.get(e.recipient)?.size ?? 0) >= SEND_WINDOW;
   }
 
   /** True when the inbox item `id` was shown from this journal (it is not shown again). */
@@ -7153,10 +7209,14 @@ export class Agent {
   /** Waits up to `ms` until a message is sent or refused, or its first delivery attempt has failed; returns its entry either way. */
   async settle(msgId: string, ms: number): Promise<OutEntry> {
     const entry = this.state.outgoing.get(msgId)!;
-    await waitUntil(() => !this.state.pending.has(msgId) || entry.attempts > 0, ms, (wake) => {
-      this.#attempted.add(wake);
-      return () => this.#attempted.delete(wake);
-    });
+    await waitUntil(
+      () => !this.state.pending.has(msgId) || entry.attempts > 0 || this.state.held(entry),
+      ms,
+      (wake) => {
+        this.#attempted.add(wake);
+        return () => this.#attempted.delete(wake);
+      },
+    );
     return entry;
   }
 
@@ -7464,6 +7524,7 @@ export class Agent {
         case "append":
           this.journal.append(e.records);
           failpoint("agent-after-journal");
+          if (e.records.some((r) => r.t === "receipt")) this.#outbox.wake(); // a held route may have room now
           break;
         case "remember":
           this.seen.append(e.msg);
@@ -8450,6 +8511,14 @@ const opt = (
   key: string,
 ): string | undefined => (typeof args[key] === "string" && args[key] !== "" ? (args[key] as string) : undefined);
 
+/** describeOut for a message just sent, saying why it waits if its route is held (see SEND_WINDOW). */
+function describeSettled(agent: Agent, e: OutEntry): string {
+  if (!agent.state.held(e)) return describeOut(e);
+  return `${describeOut(e)}; it waits in the outbox until ${
+    e.peer ?? fingerprint(e.msg.to)
+  } confirms the ${SEND_WINDOW} sent before it (a relay keeps at most ${QUEUE_CAP} per session, and would drop the oldest)`;
+}
+
 function describeOut(e: OutEntry): string {
   const task = e.msg.task_id ? ` ${taskTag(e.msg)}` : "";
   const to = e.peer ?? fingerprint(e.msg.to);
@@ -8604,7 +8673,7 @@ export const TOOLS: ToolSpec[] = [
         session: opt(a, "session"),
         channel: opt(a, "channel"),
       });
-      return `${describeOut(await agent.settle(entry.msg.msg_id, 2000))} — ${note}`;
+      return `${describeSettled(agent, await agent.settle(entry.msg.msg_id, 2000))} — ${note}`;
     },
   },
   {
@@ -8646,7 +8715,7 @@ export const TOOLS: ToolSpec[] = [
         status: "canceled",
         session: opt(a, "session"),
       });
-      return `${describeOut(await agent.settle(entry.msg.msg_id, 2000))} — ${note}`;
+      return `${describeSettled(agent, await agent.settle(entry.msg.msg_id, 2000))} — ${note}`;
     },
   },
   {
@@ -8724,6 +8793,14 @@ export const TOOLS: ToolSpec[] = [
           } could not be read (${d.reason}); it cannot be sent. Its text is kept in ${
             corruptFile(agent.journal.file)
           }; ask your operator, and send it again if it matters.`,
+        );
+      }
+      for (const [route, n] of agent.state.heldRoutes()) {
+        const { key, session } = parseRoute(route);
+        lines.push(
+          `${n} of these to ${agent.petnameOf(key) ?? fingerprint(key)}${
+            session ? ` (session ${showId(session)})` : ""
+          } wait: it has not confirmed the ${SEND_WINDOW} sent before them yet (a relay keeps at most ${QUEUE_CAP} per session, and would drop the oldest); they go as its receipts come`,
         );
       }
       if (receipts) lines.push(`and ${receipts} delivery receipt(s) to peers, waiting for a bus like any message`);
