@@ -3017,41 +3017,94 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
   );
 
   test.concurrent(
-    "under Bun with a node_modules above it: the error says exactly what to run, and that works",
+    "wait and mcp import nothing from npm (no MCP SDK, zod or NATS): they run where npm packages cannot load at all",
+    async () => {
+      // A folder with interlink.ts alone, run with npm turned off: Bun without auto-install, Deno with --no-npm.
+      const dir = tmpDir("interlink-no-npm-");
+      const script = path.join(dir, "interlink.ts");
+      fs.copyFileSync(SCRIPT, script);
+      const env = {
+        ...process.env,
+        HOME: dir,
+        XDG_CONFIG_HOME: path.join(dir, "config"),
+        INTERLINK_AUTOSTART_BUS: "0",
+      };
+      const key = path.join(dir, "id.key");
+      writeKeyFile(key, new Uint8Array(32).fill(7), false);
+      const argv = {
+        bun: [process.execPath, "--no-install", script],
+        deno: [denoPath(), "run", "-A", "--no-npm", script],
+      };
+      const initialize = JSON.stringify({
+        jsonrpc: "2.0",
+        id: 1,
+        method: "initialize",
+        params: { protocolVersion: "2025-06-18", capabilities: {}, clientInfo: { name: "test", version: "1" } },
+      });
+      for (const runtime of ["bun", "deno"] as const) {
+        const [cmd, ...pre] = argv[runtime];
+        const run = (args: string[], input = "") => spawnAsync(cmd, [...pre, ...args], { env, input, cwd: dir });
+        const state = path.join(dir, `state-${runtime}`);
+        const hook = JSON.stringify({ session_id: "s1", hook_event_name: "Stop", stop_hook_active: false });
+        const wait = await run(["wait", "--key", key, "--state", state, "--timeout", "1"], hook);
+        expect({ runtime, code: wait.status, stderr: wait.stderr }).toEqual({ runtime, code: 2, stderr: RENEW_TEXT });
+        const mcp = await run(
+          ["mcp", "--key", key, "--state", state, "--url", "http://127.0.0.1:9"],
+          initialize + "\n",
+        );
+        expect({ runtime, code: mcp.status }).toEqual({ runtime, code: 0 });
+        expect(JSON.parse(mcp.stdout.split("\n")[0]).result.serverInfo.name).toBe("interlink");
+        // The control: here an npm package cannot load (the NATS client, for a nats:// relay), and says so.
+        const nats = await run(["doctor", "--key", key, "--state", state, "--url", "nats://127.0.0.1:1"]);
+        expect({ runtime, refused: nats.stdout.includes("cannot load") }).toEqual({ runtime, refused: true });
+      }
+    },
+    60_000,
+  );
+
+  test.concurrent(
+    "under Bun with a node_modules above it: mcp needs nothing from npm; what does (NATS) says exactly what to run, and that works",
     async () => {
       const root = tmpDir("interlink-nm-above-");
       fs.mkdirSync(path.join(root, "node_modules"));
       fs.mkdirSync(path.join(root, "app"));
       const script = path.join(root, "app", "interlink.ts");
       fs.copyFileSync(SCRIPT, script);
-      // Nothing of this machine's own is touched: no embedded bus, state in the temporary folder.
-      const env = { ...process.env, INTERLINK_AUTOSTART_BUS: "0", XDG_STATE_HOME: path.join(root, "state") };
-      const plain = await spawnAsync(process.execPath, [script, "mcp"], {
-        input: "",
-        timeout: 30_000,
-        cwd: root,
-        env,
-      });
-      expect(plain.status).toBe(1);
-      expect(plain.stderr).toContain("turns off Bun's auto-install");
-      expect(plain.stderr).toContain(`bun --install=force ${script}`);
-      // The same server with the flag loads the SDK and answers an MCP client's first request.
+      // Nothing of this machine's own is touched: no embedded bus, key and state in the temporary folder.
+      const env = {
+        ...process.env,
+        INTERLINK_AUTOSTART_BUS: "0",
+        XDG_STATE_HOME: path.join(root, "state"),
+        XDG_CONFIG_HOME: path.join(root, "config"),
+      };
       const initialize = {
         jsonrpc: "2.0",
         id: 1,
         method: "initialize",
         params: { protocolVersion: "2025-06-18", capabilities: {}, clientInfo: { name: "test", version: "1" } },
       };
-      const forced = await spawnAsync(process.execPath, ["--install=force", script, "mcp"], {
+      const mcp = await spawnAsync(process.execPath, [script, "mcp"], {
         input: JSON.stringify(initialize) + "\n",
-        timeout: 60_000,
+        timeout: 30_000,
         cwd: root,
         env,
       });
-      expect(forced.status).toBe(0);
-      expect(JSON.parse(forced.stdout.split("\n")[0]).result.serverInfo.name).toBe("interlink");
+      expect(mcp.status).toBe(0);
+      expect(JSON.parse(mcp.stdout.split("\n")[0]).result.serverInfo.name).toBe("interlink");
+      const doctor = (pre: string[]) =>
+        spawnAsync(process.execPath, [...pre, script, "doctor", "--url", "nats://127.0.0.1:1"], {
+          timeout: 60_000,
+          cwd: root,
+          env,
+        });
+      const plain = await doctor([]);
+      expect(plain.stdout).toContain("turns off Bun's auto-install");
+      expect(plain.stdout).toContain(`bun --install=force ${script}`);
+      const forced = await doctor(["--install=force"]);
+      expect(forced.stdout).not.toContain("cannot load");
+      expect(forced.stdout).toMatch(/NATS relay nats:\/\/127\.0\.0\.1:1 is not usable/); // loaded, and nothing listens
     },
-    90_000,
+    120_000,
   );
 
   test("the README's two commands are exactly the ones CI and these tests run", () => {
@@ -7780,7 +7833,12 @@ describe("real hosts: Claude Code sessions through interlink", () => {
           (r) => r.session === "restart-bob" && r.latest.includes("still there?"),
           "the new session is shown it",
         );
-        expect(shown.latest).toContain(`arrived_for="your earlier session ${id1}"`);
+        // Sent to the killed session's route (alice's roster still listed it), it came by adoption, and says so;
+        // sent once alice saw it gone, it went to bob's key, which the new session reads.
+        const out = readNodeLog(a.stateDir).find((r) => r.t === "out" && r.msg.text === "still there?");
+        if (out.recipient.endsWith(`#${id1}`)) {
+          expect(shown.latest).toContain(`arrived_for="your earlier session ${id1}"`);
+        } else expect(out.recipient).toBe(b.id.publicKey);
         for (const text of ["build it", "status please", "still there?"]) {
           expect({ text, times: fake.of("restart-bob").filter((r) => r.latest.includes(text)).length }).toEqual({
             text,
@@ -8832,7 +8890,7 @@ describe("the board: a live page for the operator, read-only, for the token's ho
     const refused = [
       await fetch(`http://127.0.0.1:${port}/`),
       await fetch(`http://127.0.0.1:${port}/events`),
-      await fetch(`http://127.0.0.1:${port}/events?t=${token.slice(0, -1)}A`),
+      await fetch(`http://127.0.0.1:${port}/events?t=${token.slice(0, -1)}${token.endsWith("A") ? "B" : "A"}`), // one character off
       await fetch(`http://127.0.0.1:${port}/?t=`),
     ];
     for (const r of refused) {
