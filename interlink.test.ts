@@ -3153,7 +3153,8 @@ describe("embedded default bus", () => {
 });
 
 describe("the docs say what the code does", () => {
-  const readme = fs.readFileSync(path.join(REPO, "README.md"), "utf8");
+  const read = (file: string) => fs.readFileSync(path.join(REPO, file), "utf8");
+  const readme = read("README.md");
   const skill = fs.readFileSync(path.join(REPO, "SKILL.md"), "utf8");
 
   test("SKILL.md and README.md name every tool the server registers", () => {
@@ -3169,8 +3170,9 @@ describe("the docs say what the code does", () => {
     }
   });
 
-  test("the README reference names every command, flag and environment variable", () => {
-    const table = readme.slice(readme.indexOf("## Reference"), readme.indexOf("### Files"));
+  test("docs/reference.md names every command, flag and environment variable", () => {
+    const reference = fs.readFileSync(path.join(REPO, "docs", "reference.md"), "utf8");
+    const table = reference.slice(reference.indexOf("## Commands"), reference.indexOf("## Files"));
     for (const { name, flags, envs } of commandTable()) {
       expect({ name, listed: table.includes(`\`${name}`) }).toEqual({ name, listed: true });
       for (const flag of flags) {
@@ -3184,6 +3186,19 @@ describe("the docs say what the code does", () => {
       expect({ bench: flag, listed: table.includes(`--${flag}`) }).toEqual({ bench: flag, listed: true });
     }
     expect(table).toContain(`--only ${BENCH_PARTS.join(",")}`);
+  });
+
+  test("the README stays short and links every file in docs/, and every link in them leads to a file", () => {
+    expect(readme.split("\n").length).toBeLessThanOrEqual(210);
+    const docs = fs.readdirSync(path.join(REPO, "docs")).filter((f) => f.endsWith(".md"));
+    for (const f of docs) expect({ f, linked: readme.includes(`(docs/${f})`) }).toEqual({ f, linked: true });
+    for (const [file, text] of [["README.md", readme], ...docs.map((f) => [`docs/${f}`, read(`docs/${f}`)])]) {
+      for (const [, target] of text.matchAll(/\]\(([^)#\s]+)(?:#[^)]*)?\)/g)) {
+        if (/^https?:/.test(target)) continue;
+        const to = path.join(REPO, path.dirname(file), target);
+        expect({ file, target, exists: fs.existsSync(to) }).toEqual({ file, target, exists: true });
+      }
+    }
   });
 
   test("SKILL.md has the frontmatter an agent skill needs", () => {
@@ -5853,7 +5868,7 @@ const NATS_TESTS = [
   "a three-node cluster keeps delivering when the agent's server is killed; nothing acknowledged is lost",
   "a mixed setup (one agent on HTTP and NATS, one only on NATS) delivers exactly once",
   "doctor checks a NATS relay; a server without JetStream is a problem with a fix",
-  "with the README's permission set, a node reads only its own routes; one that may not create the stream is told so",
+  "with the documented permission set, a node reads only its own routes; one that may not create the stream is told so",
   "one node's flood of roster entries cannot push another node's session off the NATS roster",
 ];
 if (!NATS_SERVER) {
@@ -5926,8 +5941,8 @@ test("credentials never show: user:password or a token is hidden, with or withou
   expect(() => parseBusUrls("alice:secret@h:4222")).toThrow(/^bus URL '(?!.*secret)/);
 });
 
-test("the README's NATS permission set is the one in the code", () => {
-  const readme = fs.readFileSync(path.join(REPO, "README.md"), "utf8");
+test("docs/nats.md's permission set is the one in the code", () => {
+  const readme = fs.readFileSync(path.join(REPO, "docs", "nats.md"), "utf8");
   const perms = natsPermissions("<key>");
   for (const subject of [...perms.publish.allow, ...perms.subscribe.allow]) {
     expect(readme).toMatch(new RegExp(`^  ${subject.replace(/[.*+?^${}()|[\]\\$]/g, "\\$&")}( |$)`, "m"));
@@ -6053,9 +6068,9 @@ describe("NATS JetStream as the relay", () => {
       },
     });
     const as = (user: string) => nats.url.replace("nats://", `nats://${user}@`);
-    // A node may not create the stream: it says what it lacks, and where the README says what to grant.
+    // A node may not create the stream: it says what it lacks, and where the docs say what to grant.
     await expect(connectNats(as("alice:a"), A.id.publicKey)).rejects.toThrow(
-      /the NATS account may not use the stream INTERLINK \(Permissions Violation .*STREAM\.CREATE\.INTERLINK.*"Teams: NATS"/,
+      /the NATS account may not use the stream INTERLINK \(Permissions Violation .*STREAM\.CREATE\.INTERLINK.*docs\/nats\.md, "Who may read a route"/,
     );
     (await connectNats(as("admin:admin"))).nc.close(); // the admin creates the stream and the bucket
     // Without its own inbox prefix, a node's user cannot even ask: the replies would come where others could listen.

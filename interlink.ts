@@ -3915,7 +3915,7 @@ export class HttpRelay implements Relay {
 // first 40 hex digits of SHA-256 of the route key's Ed25519 signature over
 // "interlink-nats-consumer-v1\0" ‖ route (deterministic, so stable; only the
 // key's holder can compute it, so with listing denied the name is a
-// capability: see the README's permission set), forgotten after
+// capability: see docs/nats.md, "Who may read a route"), forgotten after
 // ROSTER_RETENTION_MS unused. Publishes carry Nats-Msg-Id "<from>.<msg_id>.<route>"
 // (so a copy within the stream's 2-minute window is dropped; the replay memory
 // drops any other). The roster is the key-value bucket "interlink-roster":
@@ -4066,7 +4066,7 @@ export async function connectNats(url: string, key?: string): Promise<NatsLink> 
         throw new InterlinkError(
           `the stream ${NATS_STREAM} on ${redactUrl(url)} has other settings than interlink needs: ${
             wrong.join(", ")
-          }; see the README's "Teams: NATS"`,
+          }; see docs/nats.md, "Mapping"`,
         );
       }
     });
@@ -4092,7 +4092,7 @@ export async function connectNats(url: string, key?: string): Promise<NatsLink> 
 }
 
 /**
- * What one node's NATS user needs, and no more (README, "Teams: NATS"): send
+ * What one node's NATS user needs, and no more (docs/nats.md, "Who may read a route"): send
  * to any route; create consumers only on its own key's subjects; pull and ack
  * through consumers whose names it knows (ours are computable only by their
  * key's holder, and listing them is not allowed); write only its own roster
@@ -4152,7 +4152,7 @@ async function natsNeeds<T>(what: string, step: () => Promise<T>): Promise<T> {
       throw new InterlinkError(
         `the NATS account may not use ${what} (${
           errorText(e)
-        }): see the README's "Teams: NATS" for the permissions interlink needs, or have an admin create it`,
+        }): see docs/nats.md, "Who may read a route", for the permissions interlink needs, or have an admin create it`,
       );
     }
     throw e;
@@ -9123,8 +9123,8 @@ type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean
  * methods) cost every session about 60 ms and 20 MB at its start, and a first
  * start under Deno a fetch from npm. Requests run concurrently, as the SDK
  * runs them; answers and notifications are written whole, in order. The
- * clients it is tested with are the real ones: Claude Code, Codex, the MCP
- * Inspector and the SDK's own client.
+ * clients it is tested with are the real ones: Claude Code, Codex and the
+ * SDK's own client.
  */
 export class McpStdioServer {
   /** The client's name and version, once it has initialized (Codex says "codex-mcp-client"). */
@@ -10650,7 +10650,7 @@ export function selfCommand(args: string[], script: string = thisScript()): stri
 /**
  * Command output, written synchronously: process.stdout on a pipe is
  * asynchronous in Bun, and the exit that follows a command would cut a long
- * `log` short. (Not used by `mcp`, whose stdout belongs to the SDK transport.)
+ * `log` short. (Not used by `mcp`, whose stdout belongs to MCP.)
  */
 export function print(text = ""): void {
   const bytes = Buffer.from(text + "\n");
@@ -12300,7 +12300,7 @@ async function doctorNats(url: string, id: Identity | null): Promise<Finding[]> 
     }, {
       level: "info",
       what:
-        `NATS relay ${relay.name}: who may read or ack a route is up to the account's permissions (README, "Teams: NATS"), not to interlink`,
+        `NATS relay ${relay.name}: who may read or ack a route is up to the account's permissions (docs/nats.md, "Who may read a route"), not to interlink`,
     }];
     if (id) {
       const mine = (await relay.roster()).some((a) => isObject(a) && a.pubkey === id.publicKey);
@@ -12696,7 +12696,7 @@ function printClaudeSetup(lead: string): void {
       selfCommand(["mcp"]).map((a) => (/\s/.test(a) ? JSON.stringify(a) : a)).join(" ")
     }`,
   );
-  print('and the Stop hook that wakes an idle session (README: "Delivery: the inbox and the Stop hook").');
+  print('and the Stop hook that wakes an idle session (README: "Install into Claude Code", the Stop hook).');
 }
 
 async function runKeygen(o: Options): Promise<number> {
