@@ -260,6 +260,22 @@ export function denoPath(): string {
   }
 }
 
+/**
+ * A system tool some tests need (a Debian package, which CI installs): its path, on PATH or where Debian puts it, or
+ * null, after saying which tests are skipped and the line that installs it.
+ */
+function systemTool(name: string, debianPath: string, group: string, tests: string[]): string | null {
+  const found = Bun.which(name) ?? (fs.existsSync(debianPath) ? debianPath : null);
+  if (!found) {
+    process.stderr.write(
+      `\nSKIPPED ${tests.length} ${group} tests (${name} is not on PATH):\n${
+        tests.map((t) => `  - ${t}\n`).join("")
+      }Install it with: sudo apt-get install -y ${name}\n\n`,
+    );
+  }
+  return found;
+}
+
 /** argv prefix that runs interlink.ts under the named runtime. */
 export function runtimeArgv(runtime: "bun" | "deno"): string[] {
   return runtime === "bun" ? [process.execPath, SCRIPT] : [denoPath(), "run", "-A", "--quiet", SCRIPT];
@@ -5861,7 +5877,6 @@ describe("hostile clients: bodies and connections", () => {
 // (CI installs it); without it, the suite says which were skipped and the line that installs it.
 
 // Debian puts it in /usr/sbin, which a user's PATH may lack.
-const NATS_SERVER = Bun.which("nats-server") ?? ["/usr/sbin/nats-server"].find((f) => fs.existsSync(f)) ?? null;
 const NATS_TESTS = [
   "two agents (Bun and Deno) through one JetStream server run the task lifecycle",
   "kill -9 of an agent mid-stream loses and duplicates nothing",
@@ -5871,13 +5886,7 @@ const NATS_TESTS = [
   "with the documented permission set, a node reads only its own routes; one that may not create the stream is told so",
   "one node's flood of roster entries cannot push another node's session off the NATS roster",
 ];
-if (!NATS_SERVER) {
-  process.stderr.write(
-    `\nSKIPPED ${NATS_TESTS.length} NATS tests (nats-server is not on PATH):\n${
-      NATS_TESTS.map((t) => `  - ${t}\n`).join("")
-    }Install it with: sudo apt-get install -y nats-server\n\n`,
-  );
-}
+const NATS_SERVER = systemTool("nats-server", "/usr/sbin/nats-server", "NATS", NATS_TESTS);
 // One at a time: each starts a few servers and two agents, and with many children at once Bun's test process was
 // seen to stop reading some children's pipes (a nats-server's "ready" line, an agent's answer) for a minute.
 const natsTest = NATS_SERVER ? test : test.skip;
@@ -8668,20 +8677,13 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
 // protocol on its own WebSocket, with no npm browser driver. Without chromium the browser tests are skipped, and
 // the suite says which and the line that installs it.
 
-const CHROMIUM = Bun.which("chromium") ?? ["/usr/bin/chromium"].find((f) => fs.existsSync(f)) ?? null;
 const BOARD_BROWSER_TESTS = [
   "rows appear and change live, without a reload, as two real agents run a task; a question waits on you until answered",
   "markup, scripts and bidi characters in a peer's message and task id render as text",
   "the page fits a 400 px window: one column, nothing wider than the screen",
   "demo --board keeps alice's board up; a screenshot of it is saved",
 ];
-if (!CHROMIUM) {
-  process.stderr.write(
-    `\nSKIPPED ${BOARD_BROWSER_TESTS.length} board tests (chromium is not on PATH):\n${
-      BOARD_BROWSER_TESTS.map((t) => `  - ${t}\n`).join("")
-    }Install it with: sudo apt-get install -y chromium\n\n`,
-  );
-}
+const CHROMIUM = systemTool("chromium", "/usr/bin/chromium", "board", BOARD_BROWSER_TESTS);
 const browserTest = test.skipIf(!CHROMIUM);
 
 // deno-lint-ignore no-explicit-any -- a DevTools protocol result, read for the fields its method returns
