@@ -211,6 +211,8 @@ const JOURNAL_ROLL_BYTES = msFromEnv("INTERLINK_TEST_ROLL_BYTES", 1 << 20);
 const CLOSED_TASKS_KEPT_MS = 30 * 24 * 60 * 60_000;
 /** How long a short-lived lock (peers edit, inbox claim) is waited for before giving up. */
 const SHORT_LOCK_WAIT_MS = 5_000;
+/** How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). */
+const FOLLOW_RECHECK_MS = 5_000;
 
 const PETNAME_RE = /^[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}$/;
 
@@ -6765,6 +6767,8 @@ export class Agent {
   #peersStamp = "";
   #stop = new AbortController();
   #outbox = new WakeLatch();
+  /** Woken when receipts may have come to be owed (see #receiptLoop). */
+  #owed = new WakeLatch();
   #receiving: Promise<unknown> = Promise.resolve();
   #loops: Promise<void>[] = [];
   #attempted = new Set<() => void>(); // woken after every delivery attempt
@@ -6911,6 +6915,7 @@ export class Agent {
         const before = this.state.pending.size;
         this.journal.catchUp();
         if (this.state.pending.size > before) this.#outbox.wake();
+        if (this.state.owed.size) this.#owed.wake();
         if (this.state.inbox.size) this.onInbox?.();
       } catch (e) {
         logWarn(`cannot read ${this.journal.file}: ${(e as Error).message}`);
@@ -6921,9 +6926,10 @@ export class Agent {
         if (name === null || String(name) === "log.jsonl") follow();
       });
     } catch {
-      // No file watching here: the 1 s poll below still picks up other writers.
+      // No file watching here: the poll below still picks up other writers, every second.
     }
-    this.#poll = setInterval(follow, 1000);
+    // fs.watch can miss a change (an editor's rename, some network filesystems): a slow re-check behind it.
+    this.#poll = setInterval(follow, this.#watcher ? FOLLOW_RECHECK_MS : 1000);
   }
 
   /**
@@ -6963,6 +6969,7 @@ export class Agent {
   async stop(goodbye = false): Promise<void> {
     this.#stop.abort();
     this.#outbox.wake();
+    this.#owed.wake();
     this.#watcher?.close();
     if (this.#poll) clearInterval(this.#poll);
     await Promise.allSettled(this.#loops);
@@ -7326,21 +7333,27 @@ export class Agent {
   }
 
   /**
-   * Once a second, signs and queues the receipts the journal says are owed
-   * (by this process or by another writer: a `wait` that showed messages).
+   * Signs and queues the receipts the journal says are owed (by this process
+   * or by another writer: a `wait` that showed messages), at most once a
+   * second. Idle, it sleeps until receipts come to be owed; those that wait
+   * (for a session that said goodbye to come back) are looked at again every
+   * ANNOUNCE_EVERY_MS, not every second.
    */
   async #receiptLoop(): Promise<void> {
     let failing = false;
     while (!this.#stop.signal.aborted) {
-      await pause(RECEIPT_EVERY_MS, this.#stop.signal);
+      if (!this.state.owed.size) await this.#owed.wait(ANNOUNCE_EVERY_MS);
+      await pause(RECEIPT_EVERY_MS, this.#stop.signal); // what piles up meanwhile travels together
       if (!this.state.owed.size || this.#stop.signal.aborted) continue;
+      let queued = 0;
       try {
-        await this.sendReceipts();
+        queued = await this.sendReceipts();
         failing = false;
       } catch (e) {
         if (!failing) logWarn(`cannot queue delivery receipts: ${errorText(e)}; they stay owed and are retried`);
         failing = true;
       }
+      if (!queued) await this.#owed.wait(ANNOUNCE_EVERY_MS);
     }
   }
 
@@ -7349,8 +7362,9 @@ export class Agent {
    * is owed any, at most RECEIPTS_PER_PASS per peer key: a peer with many
    * sessions, or a flood, waits for the next pass.
    */
-  async sendReceipts(): Promise<void> {
+  async sendReceipts(): Promise<number> {
     const perKey = new Map<string, number>();
+    let queued = 0;
     let back: Map<string, number> | undefined; // route → when it last announced, for sessions that said goodbye
     const peers = this.peers();
     const oldest = this.now() - FRESH_PAST_MS;
@@ -7386,7 +7400,9 @@ export class Agent {
       const draft: Draft = { to: key, kind: "receipt", text: receiptText(lines), in_reply_to: lines[0].msg_id };
       const petname = key === this.id.publicKey ? "self" : this.petnameOf(key) ?? null;
       await this.enqueue({ draft, recipient: route, peer: petname });
+      queued++;
     }
+    return queued;
   }
 
   /** When each live session on the rosters announced itself (the roster is fetched at most every few seconds). */
@@ -7526,6 +7542,7 @@ export class Agent {
           this.journal.append(e.records);
           failpoint("agent-after-journal");
           if (e.records.some((r) => r.t === "receipt")) this.#outbox.wake(); // a held route may have room now
+          if (this.state.owed.size) this.#owed.wake();
           break;
         case "remember":
           this.seen.append(e.msg);
@@ -11333,7 +11350,9 @@ async function runWait(o: Options): Promise<number> {
   const wake = new WakeLatch();
   const watcher = fs.watch(
     dir,
-    (_e, name) => (name === null || ["log.jsonl", "wait.pid"].includes(String(name))) && wake.wake(),
+    // What it waits for: mail (log.jsonl), a newer wait (wait.pid), its server stopping (agent.lock, session.json).
+    (_e, name) =>
+      (name === null || ["log.jsonl", "wait.pid", "agent.lock", "session.json"].includes(String(name))) && wake.wake(),
   );
   // Renew before Claude Code's own timeout kills the hook, counting from the hook's start (ours came later: a
   // runtime's start on a busy machine): a minute early, or two seconds, or half of a very short timeout.
@@ -11359,7 +11378,7 @@ async function runWait(o: Options): Promise<number> {
         process.stderr.write(RENEW_TEXT);
         return WAKE_EXIT_CODE;
       }
-      await wake.wait(Math.min(left, 1000));
+      await wake.wait(Math.min(left, FOLLOW_RECHECK_MS));
     }
   } finally {
     watcher.close();
