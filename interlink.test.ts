@@ -8278,6 +8278,17 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
 
   beforeAll(async () => {
     if (!CODEX_BIN) return;
+    // A run that was killed (a timeout, Ctrl-C) could not stop its daemons: those whose folder is gone go now.
+    for (const pid of fs.readdirSync("/proc").filter((d) => /^\d+$/.test(d))) {
+      let argv = "";
+      try {
+        argv = fs.readFileSync(`/proc/${pid}/cmdline`, "utf8");
+      } catch {
+        continue;
+      }
+      const dir = argv.match(new RegExp(`^(${REPO.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")}/\\.codex-test-[^/]+)/`))?.[1];
+      if (dir && !fs.existsSync(dir)) killGroup(Number(pid), "SIGTERM");
+    }
     // Not under /tmp: Codex refuses to put its helper links there (and warns about it).
     root = fs.mkdtempSync(path.join(REPO, ".codex-test-"));
     made.dirs.add(root);
