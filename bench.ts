@@ -5,21 +5,24 @@
  * interlink.ts in the repository and imports it; nobody who copies
  * interlink.ts gets it, or needs it.
  *
- *   bun bench.ts [--only LIST] [--bus-runtime bun|deno]
- *   deno run -A bench.ts [--only LIST] [--bus-runtime bun|deno]
+ *   bun bench.ts [--only LIST] [--bus-runtime bun|deno] [--messages N]
+ *   deno run -A bench.ts [--only LIST] [--bus-runtime bun|deno] [--messages N]
  *
  * Every server measured (our bus, the in-memory floor, redis-server,
  * nats-server) is a child process on a loopback port, so the CPU and RSS
  * figures are its own; the load and the agents run in this process's
  * runtime. redis-server and nats-server are optional: without them, their
- * legs say "skipped" and how to install them.
+ * legs say "skipped" and how to install them. The footprint part runs
+ * `mcp` and `wait` under both runtimes (the other one from PATH, else the
+ * pinned npm package through npx), and claude-peers-mcp beside them when
+ * CLAUDE_PEERS_DIR names a checkout of it.
  *
  * Sections: options and usage, reading a process, the servers, the loads, the
  * parts of a run, main.
  */
 
 import { Buffer } from "node:buffer";
-import { spawn } from "node:child_process";
+import { spawn, spawnSync } from "node:child_process";
 import * as fs from "node:fs";
 import * as net from "node:net";
 import * as os from "node:os";
@@ -28,6 +31,7 @@ import { fileURLToPath } from "node:url";
 import { parseArgs } from "node:util";
 import {
   addPeer,
+  ANNOUNCE_EVERY_MS,
   childEnv,
   errorResponse,
   HttpRelay,
@@ -72,9 +76,11 @@ import {
 // ============================================================================
 
 /** The parts of a run, in the order they run; `--only` picks some. */
-export const PARTS = ["throughput", "recovery", "idle", "agents", "sessions", "flood", "relays"] as const;
+export const PARTS = ["throughput", "recovery", "idle", "agents", "sessions", "flood", "relays", "footprint"] as const;
 type Part = (typeof PARTS)[number];
 type Runtime = "bun" | "deno";
+/** The footprint part's day of use: messages from one agent to another (--messages). */
+const DAY_MESSAGES = 10_000;
 
 /** bench.ts's flags, for node:util parseArgs and for the usage text (which lists every one). */
 export const OPTIONS: Record<string, { type: "string" | "boolean"; short?: string; arg?: string; help: string }> = {
@@ -88,6 +94,11 @@ export const OPTIONS: Record<string, { type: "string" | "boolean"; short?: strin
     arg: "bun|deno",
     help:
       "run the bus and the floor under this runtime (from PATH), the load generator staying where bench.ts runs: Bun, for figures comparable across runtimes",
+  },
+  messages: {
+    type: "string",
+    arg: "N",
+    help: "messages in the footprint part's day of use (default 10000)",
   },
   "serve-floor": {
     type: "boolean",
@@ -108,7 +119,10 @@ const USAGE = [
   "messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold start to the",
   "first tools/list, send → push latency p50/p99 over 200 messages, idle RSS; sessions: 10 sessions of each of two",
   "keys exchanging 200 messages each (misrouted, lost, duplicated); flood: 50,000 keys announce, roster size and",
-  "bus RSS; relays: our bus beside a NATS JetStream server (needs nats-server on PATH).",
+  "bus RSS; relays: our bus beside a NATS JetStream server (needs nats-server on PATH); footprint: bare Bun and",
+  "Deno, then `mcp` and `wait` under each (spawn to first tools/list or to blocking, RSS, idle CPU, as ratios to the",
+  "bare runtime), wait's wake latency beside channel push, claude-peers-mcp (if CLAUDE_PEERS_DIR names a checkout),",
+  "and a day of use: --messages between two agents, their RSS after, the receiver's restart on its journal.",
   "",
   "Options:",
   ...(() => {
@@ -127,6 +141,8 @@ interface BenchOptions {
   parts: Part[];
   /** The runtime the bus and the floor run under (--bus-runtime); undefined: this one. */
   servers: Runtime | undefined;
+  /** Messages in the footprint part's day of use (--messages). */
+  messages: number;
 }
 
 /** argv as BenchOptions; an unknown flag or part, or a runtime other than bun and deno, is an InterlinkError. */
@@ -154,7 +170,15 @@ export function parseOptions(argv: string[]): BenchOptions {
   if (servers !== undefined && servers !== "bun" && servers !== "deno") {
     throw new InterlinkError("--bus-runtime is bun or deno");
   }
-  return { help: values.help === true, serveFloor: values["serve-floor"] === true, parts: parts as Part[], servers };
+  const messages = values.messages === undefined ? DAY_MESSAGES : Number(values.messages);
+  if (!Number.isSafeInteger(messages) || messages < 1) throw new InterlinkError("--messages is a whole number above 0");
+  return {
+    help: values.help === true,
+    serveFloor: values["serve-floor"] === true,
+    parts: parts as Part[],
+    servers,
+    messages,
+  };
 }
 
 // ============================================================================
@@ -179,6 +203,34 @@ function cpuSeconds(pid: number): number | null {
   } catch {
     return null;
   }
+}
+
+/**
+ * CPU time of a process's main thread in ns (Linux /proc schedstat; null elsewhere): finer than cpuSeconds's
+ * 10 ms ticks, to tell when a process has stopped running.
+ */
+function mainThreadCpuNs(pid: number): number | null {
+  try {
+    return Number(fs.readFileSync(`/proc/${pid}/task/${pid}/schedstat`, "utf8").split(" ")[0]);
+  } catch {
+    return null;
+  }
+}
+
+/** CPU percent of a process over `ms`, from two cpuSeconds readings; null without /proc. */
+function cpuPercent(cpu0: number | null, cpu1: number | null, ms: number): number | null {
+  return cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / (ms / 1000)) * 1000) / 10;
+}
+
+/** The middle value (of 3: the second smallest); nulls (no /proc) left out. */
+function median(values: (number | null)[]): number | null {
+  const sorted = values.filter((v): v is number => v !== null).sort((x, y) => x - y);
+  return sorted.length ? sorted[Math.floor(sorted.length / 2)] : null;
+}
+
+/** a / b to two decimals; null when either is unknown. */
+function ratio(a: number | null, b: number | null): number | null {
+  return a === null || b === null || b === 0 ? null : Math.round((a / b) * 100) / 100;
 }
 
 const loadAverage = () => os.loadavg().map((n) => Math.round(n * 100) / 100);
@@ -214,6 +266,35 @@ function serverCommand(runtime: Runtime | undefined, script: string, args: strin
   return runtime === "deno"
     ? [exe, "run", "-A", "--quiet", ...(args[0] === "bus" ? ["--v8-flags=--optimize-for-size"] : []), script, ...args]
     : [exe, script, ...args];
+}
+
+/** The versions the README and CI run, which npx fetches when a runtime is not on PATH. */
+const PINNED: Record<Runtime, string> = { bun: "1.4.5", deno: "2.9.6" };
+const binaries = new Map<Runtime, string>();
+
+/**
+ * The executable of `runtime`: this process's own, else one on PATH, else the pinned npm package's through npx (as
+ * interlink.test.ts finds Deno), so the footprint part measures both runtimes where only one is installed.
+ */
+function runtimeBinary(runtime: Runtime): string {
+  let exe = binaries.get(runtime) ?? (runtime === OWN_RUNTIME ? process.execPath : findOnPath(runtime));
+  if (!exe) {
+    const ask = runtime === "deno" ? ["eval", "console.log(Deno.execPath())"] : ["-e", "console.log(process.execPath)"];
+    const r = spawnSync("npx", ["-y", `${runtime}@${PINNED[runtime]}`, ...ask], { encoding: "utf8" });
+    if (r.status !== 0) {
+      throw new InterlinkError(
+        `${runtime} is not on PATH, and npx -y ${runtime}@${PINNED[runtime]} failed: ${r.stderr}`,
+      );
+    }
+    exe = r.stdout.trim().split("\n").at(-1)!;
+  }
+  binaries.set(runtime, exe);
+  return exe;
+}
+
+/** argv that runs `script` under `runtime` as the README has users register `mcp`: `bun X`, `deno run -A --quiet X`. */
+function scriptArgv(runtime: Runtime, script: string): string[] {
+  return runtime === "deno" ? [runtimeBinary("deno"), "run", "-A", "--quiet", script] : [runtimeBinary("bun"), script];
 }
 
 /** `interlink.ts bus` on a free loopback port under `runtime`, with `more` flags; resolves once it listens. */
@@ -1014,6 +1095,609 @@ async function benchRelays(root: string, progress: (m: string) => void, id: Iden
   return out;
 }
 
+// -- footprint ----------------------------------------------------------------
+
+/** Runs of each footprint figure; the report gives their median. */
+const FOOTPRINT_RUNS = 3;
+/** How long an `mcp` session idles before its RSS and idle CPU are read. */
+const IDLE_MS = 10_000;
+/** What Claude Code's Stop hook hands `wait` on stdin. */
+const HOOK_JSON = JSON.stringify({ session_id: "s1", hook_event_name: "Stop", stop_hook_active: false });
+/** A line of ordinary chat, for the day of use (the journals grow by what real messages would add). */
+const CHAT_TEXT = "a line of ordinary chat text, ".repeat(3);
+
+/**
+ * The timers a live, idle `mcp` session runs, with their periods, as read from interlink.ts (at c4a6404): runMcp,
+ * and the loops that Agent.startSending and Agent.startReceiving start (one of each per configured bus). Kept by
+ * hand: a change there needs one here. The runtime's own timers and HTTP keep-alive are not ours and not listed.
+ */
+const MCP_TIMERS = [
+  {
+    timer: "runMcp: setTimeout(open, OPEN_AFTER_MS)",
+    every_ms: null,
+    once_after_ms: 500,
+    why: "opens the session once, half a second after `initialized`; not while idle",
+  },
+  {
+    timer: "Agent.startSending: setInterval(follow, FOLLOW_RECHECK_MS)",
+    every_ms: 5_000,
+    why: "re-reads log.jsonl behind fs.watch, which can miss a change (every 1 s where fs.watch cannot be had)",
+  },
+  {
+    timer: "Agent.#receiptLoop: #owed.wait(ANNOUNCE_EVERY_MS)",
+    every_ms: ANNOUNCE_EVERY_MS,
+    why: "idle, sleeps until receipts are owed; then a pass a second (RECEIPT_EVERY_MS) while any are owed",
+  },
+  {
+    timer: "Agent.#recvLoop, own route: HttpRelay.recv",
+    every_ms: RECV_TIMEOUT_MS,
+    why: "a long-poll the bus holds up to RECV_TIMEOUT_MS and answers at once when a message comes (abort timer +15 s)",
+  },
+  {
+    timer: "Agent.#recvLoop, bare key (#bareKeyLoop)",
+    every_ms: RECV_TIMEOUT_MS,
+    why: "the same for the key itself, in the one session that holds bare.lock; any other retries the lock every 30 s",
+  },
+  {
+    timer: "Agent.#announceLoop: pause(ANNOUNCE_EVERY_MS)",
+    every_ms: ANNOUNCE_EVERY_MS,
+    why: "signed presence on the bus's roster (a session is live for 90 s after one)",
+  },
+  {
+    timer: "Agent.#endedLoop: pause(ENDED_EVERY_MS)",
+    every_ms: 30_000,
+    why: "drains and adopts this key's ended sessions, and rolls the journal over once it is past 1 MiB",
+  },
+  {
+    timer: "Agent.#sendLoop: #outbox.wait(60_000)",
+    every_ms: 60_000,
+    why: "an empty outbox sleeps until a send wakes it; 60 s is a re-check (a failing bus: back-off instead)",
+  },
+];
+
+/** The same for a blocked `wait` (runWait). */
+const WAIT_TIMERS = [
+  {
+    timer: "runWait: wake.wait(Math.min(left, FOLLOW_RECHECK_MS))",
+    every_ms: 5_000,
+    why:
+      "re-reads wait.pid, checks its server is there, catches up on log.jsonl; fs.watch on the folder wakes it sooner",
+  },
+];
+
+/** A node of the footprint part: a fresh key, peers.json, state root and config.json under `root/name`. */
+interface FootNode {
+  name: string;
+  key: string;
+  peers: string;
+  state: string;
+  config: string;
+  id: Identity;
+}
+
+async function footNode(root: string, name: string): Promise<FootNode> {
+  const dir = path.join(root, name);
+  const seed = crypto.getRandomValues(new Uint8Array(32));
+  writeKeyFile(path.join(dir, "id.key"), seed, false);
+  return {
+    name,
+    key: path.join(dir, "id.key"),
+    peers: path.join(dir, "peers.json"),
+    state: path.join(dir, "state"),
+    config: path.join(dir, "config.json"), // never this machine's own settings
+    id: await identityFromSeed(seed),
+  };
+}
+
+/** Two nodes that know each other by the petnames `aName` and `bName`. */
+async function pairNodes(a: FootNode, aName: string, b: FootNode, bName: string): Promise<void> {
+  await addPeer(a.peers, bName, b.id.publicKey);
+  await addPeer(b.peers, aName, a.id.publicKey);
+}
+
+/**
+ * `interlink.ts mcp` of `node` (session s1) under `runtime`, driven by the SDK client: the time from spawn to the
+ * answer of the first tools/list, and to its "ready" line (the session open: its journal folded, announced,
+ * polling), which comes at least OPEN_AFTER_MS (500 ms) after `initialized`.
+ */
+async function startFootSession(cwd: string, node: FootNode, runtime: Runtime, busUrl: string, channel = false) {
+  let openedAt = 0;
+  const env = childEnv({
+    INTERLINK_KEY: node.key,
+    INTERLINK_PEERS: node.peers,
+    INTERLINK_STATE: node.state,
+    INTERLINK_CONFIG: node.config,
+    INTERLINK_URL: busUrl,
+    INTERLINK_NAME: node.name,
+    INTERLINK_SESSION: "s1",
+    ...(channel ? { INTERLINK_DELIVERY: "channel" } : {}), // else the plugin's default, inbox
+  });
+  const t0 = performance.now();
+  const session = await McpSession.start(node.name, [...scriptArgv(runtime, INTERLINK), "mcp"], env, {
+    cwd,
+    onStderr: (line) => {
+      if (!openedAt && / info: ready: /.test(line)) openedAt = performance.now();
+    },
+  });
+  await session.client.listTools();
+  const listMs = performance.now() - t0;
+  await session.waitStderr(/ info: ready: /, 30_000);
+  return { session, listMs: Math.round(listMs), openMs: Math.round(openedAt - t0) };
+}
+
+/** SIGTERM to a session's server, as when Claude Code restarts it; resolves once the process is gone. */
+async function killSession(session: McpSession): Promise<void> {
+  const pid = session.pid!;
+  process.kill(pid, "SIGTERM");
+  for (const deadline = Date.now() + 10_000; Date.now() < deadline; await sleep(10)) {
+    try {
+      process.kill(pid, 0);
+    } catch {
+      break; // gone
+    }
+  }
+  await session.close();
+}
+
+/** A bare runtime idling, `bun -e` or `deno eval` (which print one line first): spawn → that line, and RSS after 2 s. */
+async function bareRuntime(runtime: Runtime, cwd: string) {
+  const code = "console.log('up');setInterval(()=>{},1e9)";
+  const t0 = performance.now();
+  const child = spawn(runtimeBinary(runtime), runtime === "deno" ? ["eval", code] : ["-e", code], {
+    stdio: ["ignore", "pipe", "ignore"],
+    cwd,
+    env: childEnv({}),
+  });
+  try {
+    await untilSays(child, child.stdout!, "up", `bare ${runtime}`);
+    const startMs = Math.round(performance.now() - t0);
+    await sleep(2000);
+    return { start_ms: startMs, rss_mb: rssMb(child.pid!) };
+  } finally {
+    await stopChild(child);
+  }
+}
+
+/**
+ * `interlink.ts wait` as the Stop hook runs it, the hook's JSON on stdin, on session s1 of `node`, under `runtime`.
+ * Resolves once it has written wait.pid (it does so just before it starts waiting: `pidFileMs`) and its main thread
+ * has then been still for 30 ms (`quietMs`: it reads the journal after writing wait.pid, which on a long journal is
+ * the larger part); `exited` resolves with its exit code, stderr and when it exited. `more`: flags added.
+ */
+async function startWait(runtime: Runtime, node: FootNode, cwd: string, more: string[] = []) {
+  const pidFile = path.join(node.state, "sessions", "s1", "wait.pid");
+  fs.rmSync(pidFile, { force: true });
+  const env = childEnv({ INTERLINK_CONFIG: node.config });
+  delete env.CLAUDE_PID; // under a one-shot `claude -p` (this bench may run in one), wait exits at once
+  const [cmd, ...pre] = scriptArgv(runtime, INTERLINK);
+  const flags = ["--state", node.state, "--key", node.key, "--peers", node.peers, "--timeout", "600", ...more];
+  const args = [...pre, "wait", ...flags];
+  const t0 = performance.now();
+  const child = spawn(cmd, args, { stdio: ["pipe", "ignore", "pipe"], cwd, env });
+  child.stdin!.end(HOOK_JSON);
+  let stderr = "";
+  child.stderr!.on("data", (d: Buffer) => stderr += d.toString());
+  let exitedAt = 0;
+  child.once("exit", () => exitedAt = performance.now());
+  const exited = new Promise<{ code: number | null; at: number; stderr: string }>((resolve) =>
+    child.once("close", (code: number | null) => resolve({ code, at: exitedAt || performance.now(), stderr }))
+  );
+  while (!fs.existsSync(pidFile)) {
+    if (child.exitCode !== null || performance.now() - t0 > 30_000) {
+      await stopChild(child);
+      throw new InterlinkError(`wait (${runtime}) did not start waiting (exit ${child.exitCode}): ${stderr}`);
+    }
+    await sleep(1);
+  }
+  const pidFileMs = performance.now() - t0;
+  let cpu = mainThreadCpuNs(child.pid!), changed = performance.now();
+  while (cpu !== null && performance.now() - changed < 30) {
+    await sleep(2);
+    const now = mainThreadCpuNs(child.pid!);
+    if (now !== cpu) [cpu, changed] = [now, performance.now()];
+  }
+  return {
+    child,
+    exited,
+    pidFileMs: Math.round(pidFileMs),
+    quietMs: cpu === null ? null : Math.round(Math.max(changed, t0 + pidFileMs) - t0),
+  };
+}
+
+/**
+ * claude-peers-mcp measured as `mcp` is, when CLAUDE_PEERS_DIR names a checkout of it (with server.ts and broker.ts,
+ * after `bun install` there): its broker started here, on a free port with its own database and HOME, so no daemon
+ * of the machine's is used or left behind; then its server.ts, under Bun (it needs Bun), against it.
+ */
+async function benchClaudePeers(cwd: string, progress: (m: string) => void, bare: { start: number; rss: number }) {
+  const dir = process.env.CLAUDE_PEERS_DIR;
+  if (!dir || !fs.existsSync(path.join(dir, "server.ts"))) {
+    return `skipped: ${
+      dir ? `${dir} has no server.ts` : "CLAUDE_PEERS_DIR is not set"
+    } (set it to a checkout of claude-peers-mcp after \`bun install\` in it: CLAUDE_PEERS_DIR=~/claude-peers-mcp bun bench.ts --only footprint)`;
+  }
+  const home = path.join(cwd, "claude-peers-home");
+  fs.mkdirSync(home, { recursive: true });
+  const port = await freeLoopbackPort();
+  const env = childEnv({ CLAUDE_PEERS_PORT: String(port), CLAUDE_PEERS_DB: path.join(home, "peers.db"), HOME: home });
+  delete env.OPENAI_API_KEY; // its summaries would call out to the network
+  const broker = spawn(runtimeBinary("bun"), [path.join(dir, "broker.ts")], {
+    stdio: ["ignore", "ignore", "pipe"],
+    cwd: dir,
+    env,
+  });
+  try {
+    for (let up = false, deadline = Date.now() + 15_000; !up; await sleep(100)) {
+      if (broker.exitCode !== null || Date.now() > deadline) {
+        throw new InterlinkError(`claude-peers broker.ts did not answer /health on port ${port}`);
+      }
+      up = await fetch(`http://127.0.0.1:${port}/health`).then((r) => r.ok, () => false);
+    }
+    progress(`footprint: claude-peers-mcp (${dir}), its server.ts ${FOOTPRINT_RUNS} runs after a warm-up`);
+    const runs = [];
+    for (let i = 0; i <= FOOTPRINT_RUNS; i++) {
+      const t0 = performance.now();
+      const session = await McpSession.start(
+        `claude-peers-${i}`,
+        [runtimeBinary("bun"), path.join(dir, "server.ts")],
+        env,
+        {
+          cwd,
+        },
+      );
+      try {
+        await session.client.listTools();
+        const listMs = Math.round(performance.now() - t0);
+        if (i === 0) continue; // the warm-up
+        const pid = session.pid!, cpu0 = cpuSeconds(pid), t = performance.now();
+        await sleep(IDLE_MS);
+        runs.push({
+          first_tools_list_ms: listMs,
+          rss_mb: rssMb(pid),
+          idle_cpu_percent: cpuPercent(cpu0, cpuSeconds(pid), performance.now() - t),
+        });
+      } finally {
+        await session.close();
+      }
+    }
+    const list = median(runs.map((r) => r.first_tools_list_ms)), rss = median(runs.map((r) => r.rss_mb));
+    return {
+      first_tools_list_ms: list,
+      first_tools_list_over_bare_start: ratio(list, bare.start),
+      rss_mb: rss,
+      rss_over_bare: ratio(rss, bare.rss),
+      idle_cpu_percent: median(runs.map((r) => r.idle_cpu_percent)),
+      broker_rss_mb: rssMb(broker.pid!),
+      runs,
+    };
+  } finally {
+    await stopChild(broker);
+  }
+}
+
+/**
+ * Footprint, in one run against one bus: the bare runtimes; `mcp` and `wait` under Bun and Deno (start, RSS, idle
+ * CPU: medians of FOOTPRINT_RUNS, as ratios to the bare runtime); wait's wake latency beside channel push;
+ * claude-peers-mcp when installed; a day of use (`messages` from one agent to another, the receiver in channel
+ * mode: RSS after, as a ratio to the same sessions fresh, every message once, the journals' roll-overs, and the
+ * receiver's restart on its journal beside a fresh start); and the timers an idle session runs.
+ */
+async function benchFootprint(
+  root: string,
+  progress: (m: string) => void,
+  servers: Runtime | undefined,
+  messages: number,
+) {
+  const runtimes: Runtime[] = ["bun", "deno"];
+  const cwd = path.join(root, "footprint");
+  fs.mkdirSync(cwd, { recursive: true });
+  const out: Record<string, unknown> = {
+    load_avg_before: loadAverage(),
+    binaries: Object.fromEntries(runtimes.map((r) => [r, runtimeBinary(r)])),
+  };
+  const bus = await startBus(servers, path.join(root, "footprint-bus"));
+  const sessions: McpSession[] = [];
+  try {
+    // -- the bare runtimes, round-robin so the machine's noise falls on both
+    progress(`footprint: bare Bun and Deno, ${FOOTPRINT_RUNS} runs each: spawn → first line, RSS after 2 s`);
+    const bareRuns: Record<Runtime, { start_ms: number; rss_mb: number | null }[]> = { bun: [], deno: [] };
+    for (let i = 0; i < FOOTPRINT_RUNS; i++) for (const r of runtimes) bareRuns[r].push(await bareRuntime(r, cwd));
+    const bare = Object.fromEntries(runtimes.map((r) => [r, {
+      start: median(bareRuns[r].map((x) => x.start_ms))!,
+      rss: median(bareRuns[r].map((x) => x.rss_mb))!,
+    }])) as Record<Runtime, { start: number; rss: number }>;
+    out.bare = Object.fromEntries(
+      runtimes.map((r) => [r, { start_ms: bare[r].start, rss_mb: bare[r].rss, runs: bareRuns[r] }]),
+    );
+
+    // -- mcp: spawn → first tools/list, then a live idle session
+    progress(
+      `footprint: mcp under Bun and Deno, ${FOOTPRINT_RUNS} runs each after a warm-up: spawn → first tools/list, ${
+        IDLE_MS / 1000
+      } s idle once open`,
+    );
+    const mcpRuns: Record<Runtime, Record<string, number | null>[]> = { bun: [], deno: [] };
+    for (let i = 0; i <= FOOTPRINT_RUNS; i++) {
+      for (const r of runtimes) {
+        const s = await startFootSession(cwd, await footNode(cwd, `mcp-${r}-${i}`), r, bus.url);
+        try {
+          if (i === 0) continue; // the warm-up: Deno's module cache, the SDK client's import
+          const pid = s.session.pid!, cpu0 = cpuSeconds(pid), t = performance.now();
+          await sleep(IDLE_MS);
+          mcpRuns[r].push({
+            first_tools_list_ms: s.listMs,
+            session_open_ms: s.openMs,
+            rss_mb: rssMb(pid),
+            idle_cpu_percent: cpuPercent(cpu0, cpuSeconds(pid), performance.now() - t),
+          });
+        } finally {
+          await s.session.close();
+        }
+      }
+    }
+    const mcp = (r: Runtime, k: string) => median(mcpRuns[r].map((x) => x[k]));
+    out.mcp = Object.fromEntries(runtimes.map((r) => [r, {
+      first_tools_list_ms: mcp(r, "first_tools_list_ms"),
+      first_tools_list_over_bare_start: ratio(mcp(r, "first_tools_list_ms"), bare[r].start),
+      session_open_ms: mcp(r, "session_open_ms"),
+      rss_mb: mcp(r, "rss_mb"),
+      rss_over_bare: ratio(mcp(r, "rss_mb"), bare[r].rss),
+      idle_cpu_percent: mcp(r, "idle_cpu_percent"),
+      runs: mcpRuns[r],
+    }]));
+
+    // -- wait, as the Stop hook runs it, on a session folder its server made
+    progress(`footprint: wait under Bun and Deno, ${FOOTPRINT_RUNS} runs each: spawn → blocked, RSS, idle CPU`);
+    const waitRuns: Record<Runtime, Record<string, number | null>[]> = { bun: [], deno: [] };
+    for (let i = 0; i < FOOTPRINT_RUNS; i++) {
+      for (const r of runtimes) {
+        const node = await footNode(cwd, `wait-${r}-${i}`);
+        fs.mkdirSync(path.join(node.state, "sessions", "s1"), { recursive: true });
+        const w = await startWait(r, node, cwd);
+        try {
+          await sleep(2000);
+          const pid = w.child.pid!, rss = rssMb(pid), cpu0 = cpuSeconds(pid), t = performance.now();
+          await sleep(5000);
+          const cpu = cpuPercent(cpu0, cpuSeconds(pid), performance.now() - t);
+          if (w.child.exitCode !== null) throw new InterlinkError(`wait (${r}) stopped waiting: ${w.child.exitCode}`);
+          waitRuns[r].push({ wait_pid_ms: w.pidFileMs, quiet_ms: w.quietMs, rss_mb: rss, idle_cpu_percent: cpu });
+        } finally {
+          await stopChild(w.child);
+        }
+      }
+    }
+    const wait = (r: Runtime, k: string) => median(waitRuns[r].map((x) => x[k]));
+    out.wait = Object.fromEntries(runtimes.map((r) => [r, {
+      wait_pid_ms: wait(r, "wait_pid_ms"),
+      wait_pid_over_bare_start: ratio(wait(r, "wait_pid_ms"), bare[r].start),
+      quiet_ms: wait(r, "quiet_ms"),
+      rss_mb: wait(r, "rss_mb"),
+      rss_over_bare: ratio(wait(r, "rss_mb"), bare[r].rss),
+      idle_cpu_percent: wait(r, "idle_cpu_percent"),
+      runs: waitRuns[r],
+    }]));
+
+    out.claude_peers = await benchClaudePeers(cwd, progress, bare.bun);
+
+    // -- wake: a peer's message until `wait` exits 2, beside send → channel push, interleaved
+    const warm = 3, count = 20;
+    progress(
+      `footprint: ${count} messages (after ${warm} to warm up) each: send → push, send → wait exits 2 (Bun, Deno)`,
+    );
+    const [alice, bob, carol] = await Promise.all(["alice", "bob", "carol"].map((n) => footNode(cwd, n)));
+    await pairNodes(alice, "alice", bob, "bob");
+    await pairNodes(alice, "alice", carol, "carol");
+    const [a, b, c] = await Promise.all([
+      startFootSession(cwd, alice, OWN_RUNTIME, bus.url),
+      startFootSession(cwd, bob, OWN_RUNTIME, bus.url), // inbox, as the plugin ships: its wait shows the messages
+      startFootSession(cwd, carol, OWN_RUNTIME, bus.url, true),
+    ]);
+    sessions.push(a.session, b.session, c.session);
+    const push: number[] = [], wakes: Record<Runtime, number[]> = { bun: [], deno: [] };
+    for (let n = 0; n < warm + count; n++) {
+      const t0 = performance.now();
+      const pushed = c.session.waitEvent((e) => e.content.includes(`#${n}#`), 20_000).then(() => performance.now());
+      await a.session.ok("send_message", { to: "carol", text: `push #${n}#` });
+      if (n >= warm) push.push((await pushed) - t0);
+      await pushed;
+      for (const r of runtimes) {
+        const w = await startWait(r, bob, cwd);
+        const t1 = performance.now();
+        await a.session.ok("send_message", { to: "bob", text: `wake ${r} #${n}#` });
+        const done = await Promise.race([w.exited, sleep(30_000).then(() => null)]);
+        if (!done || done.code !== 2 || !done.stderr.includes(`#${n}#`)) {
+          await stopChild(w.child);
+          throw new InterlinkError(`wait (${r}) did not wake with message ${n}: ${JSON.stringify(done)}`);
+        }
+        if (n >= warm) wakes[r].push(done.at - t1);
+      }
+    }
+    for (const list of [push, wakes.bun, wakes.deno]) list.sort((x, y) => x - y);
+    const pushP50 = percentile(push, 50);
+    out.wake = {
+      messages: count,
+      channel_push_ms_p50: pushP50,
+      ...Object.fromEntries(runtimes.flatMap((r) => [
+        [`wait_${r}_wake_ms_p50`, percentile(wakes[r], 50)],
+        [`wait_${r}_wake_ms_max`, percentile(wakes[r], 100)],
+        [`wait_${r}_wake_over_push`, ratio(percentile(wakes[r], 50), pushP50)],
+      ])),
+      note: `mcp sessions under ${runtimeName()}; a wait is started and blocked before each message is sent`,
+    };
+    await Promise.allSettled(sessions.splice(0).map((s) => s.close()));
+
+    out.day = await dayOfUse(cwd, progress, bus, messages, median(mcpRuns[OWN_RUNTIME].map((x) => x.rss_mb)), sessions);
+    out.mcp_timers = MCP_TIMERS;
+    out.wait_timers = WAIT_TIMERS;
+    out.timers_under_5_s = [...MCP_TIMERS, ...WAIT_TIMERS]
+      .filter((t) => t.every_ms !== null && t.every_ms < 5000)
+      .map((t) => `${t.timer}: every ${t.every_ms} ms`);
+    out.load_avg_after = loadAverage();
+    return out;
+  } finally {
+    await Promise.allSettled(sessions.map((s) => s.close()));
+    await stopChild(bus.child);
+  }
+}
+
+/**
+ * A day of use: a sender and a receiver (channel mode), fresh and paired, under this runtime; the sender calls
+ * send_message `messages` times, awaiting each (the product's flow control paces it: past SEND_WINDOW unconfirmed
+ * the rest wait in its outbox). Every message must arrive once (counted by content). Then both RSS against the same
+ * sessions fresh, the journals' roll-overs, the receiver killed and restarted on its journal FOOTPRINT_RUNS times
+ * beside as many fresh starts, and wait blocking on that journal.
+ */
+async function dayOfUse(
+  cwd: string,
+  progress: (m: string) => void,
+  bus: { url: string; child: ReturnType<typeof spawn> },
+  messages: number,
+  freshMcpRss: number | null,
+  sessions: McpSession[],
+) {
+  const [sender, receiver] = await Promise.all([footNode(cwd, "day-sender"), footNode(cwd, "day-receiver")]);
+  await pairNodes(sender, "sender", receiver, "receiver");
+  const [s, r0] = await Promise.all([
+    startFootSession(cwd, sender, OWN_RUNTIME, bus.url),
+    startFootSession(cwd, receiver, OWN_RUNTIME, bus.url, true),
+  ]);
+  sessions.push(s.session, r0.session);
+  let r = r0;
+  await sleep(IDLE_MS);
+  const before = { sender: rssMb(s.session.pid!), receiver: rssMb(r.session.pid!), bus: rssMb(bus.child.pid!) };
+  progress(`footprint: a day of use, ${messages} messages sender → receiver (channel), each send_message awaited`);
+  const arrived = new Map<number, number>(); // message number → times pushed
+  const count = (events: { content: string }[], from: number) => {
+    for (let i = from; i < events.length; i++) {
+      const m = events[i].content.match(/^day #(\d+)#/);
+      if (m) arrived.set(Number(m[1]), (arrived.get(Number(m[1])) ?? 0) + 1);
+    }
+    return events.length;
+  };
+  const t0 = performance.now();
+  for (let n = 0; n < messages; n++) {
+    await s.session.ok("send_message", { to: "receiver", text: `day #${n}# ${CHAT_TEXT}` });
+    if ((n + 1) % 1000 === 0) progress(`footprint: ${n + 1} sent, ${r.session.events.length} pushed`);
+  }
+  const sentS = (performance.now() - t0) / 1000;
+  let seen = 0, lastGain = Date.now(), said = Date.now();
+  for (let had = -1; Date.now() - lastGain < 60_000;) { // stalled a minute: the rest is counted lost
+    seen = count(r.session.events, seen);
+    if (arrived.size >= messages) break;
+    if (arrived.size !== had) [had, lastGain] = [arrived.size, Date.now()];
+    if (Date.now() - said > 10_000) {
+      progress(`footprint: ${arrived.size} of ${messages} pushed`);
+      said = Date.now();
+    }
+    await sleep(200);
+  }
+  const allS = (performance.now() - t0) / 1000;
+  await sleep(2000); // a duplicate has a moment to show up
+  seen = count(r.session.events, seen);
+  await sleep(IDLE_MS);
+  const after = { sender: rssMb(s.session.pid!), receiver: rssMb(r.session.pid!), bus: rssMb(bus.child.pid!) };
+  // A journal rolls only when its checkpoint (what the state carries and remembers) is under half of the file:
+  // the checkpoint's size and its longest lists tell why one did not.
+  const journals = (node: FootNode) => {
+    const dir = path.join(node.state, "sessions", "s1");
+    const files = fs.readdirSync(dir);
+    const log = fs.readFileSync(path.join(dir, "log.jsonl"), "utf8");
+    const first = log.slice(0, log.indexOf("\n") + 1);
+    let checkpoint: Record<string, number> | null = null;
+    if (/^\{"t":"checkpoint"/.test(first)) {
+      const c = JSON.parse(first) as Record<string, Record<string, unknown>>;
+      checkpoint = { kb: Math.round(Buffer.byteLength(first) / 1024) };
+      for (const group of ["carried", "remembered"]) {
+        for (const [k, v] of Object.entries(c[group] ?? {})) {
+          if (Array.isArray(v) && v.length) checkpoint[`${group}.${k}`] = v.length;
+        }
+      }
+    }
+    return {
+      archives: files.filter((f) => /^log-\d+\.jsonl$/.test(f)).length,
+      log_jsonl_kb: Math.round(Buffer.byteLength(log) / 1024),
+      checkpoint,
+      total_mb: Math.round(
+        files.filter((f) => /^log(-\d+)?\.jsonl$/.test(f))
+          .reduce((n, f) => n + fs.statSync(path.join(dir, f)).size, 0) / 1e5,
+      ) / 10,
+    };
+  };
+  const journalsAfter = { sender: journals(sender), receiver: journals(receiver) };
+
+  progress(`footprint: the receiver killed (SIGTERM) and restarted on its journal, beside fresh starts`);
+  const restarts: { first_tools_list_ms: number; session_open_ms: number }[] = [];
+  const fresh: { first_tools_list_ms: number; session_open_ms: number }[] = [];
+  let repushed = 0;
+  for (let i = 0; i < FOOTPRINT_RUNS; i++) {
+    await killSession(r.session);
+    sessions.splice(sessions.indexOf(r.session), 1);
+    r = await startFootSession(cwd, receiver, OWN_RUNTIME, bus.url, true);
+    sessions.push(r.session);
+    restarts.push({ first_tools_list_ms: r.listMs, session_open_ms: r.openMs });
+    const f = await startFootSession(cwd, await footNode(cwd, `day-fresh-${i}`), OWN_RUNTIME, bus.url, true);
+    fresh.push({ first_tools_list_ms: f.listMs, session_open_ms: f.openMs });
+    await f.session.close();
+    await sleep(1000); // anything it wrongly pushes again shows up
+    repushed += r.session.events.filter((e) => /^day #\d+#/.test(e.content)).length;
+  }
+  await sleep(IDLE_MS);
+  const restartedRss = rssMb(r.session.pid!);
+  progress(`footprint: wait blocking on the day's journal (receiver's session, live), ${FOOTPRINT_RUNS} runs each`);
+  const waitOnDay: Record<Runtime, { wait_pid_ms: number; quiet_ms: number | null; rss_mb: number | null }[]> = {
+    bun: [],
+    deno: [],
+  };
+  for (let i = 0; i < FOOTPRINT_RUNS; i++) {
+    for (const rt of ["bun", "deno"] as const) {
+      // --delivery inbox: the receiver's config.json says channel (its mcp wrote it), where wait has nothing to do.
+      const w = await startWait(rt, receiver, cwd, ["--delivery", "inbox"]);
+      await sleep(2000);
+      waitOnDay[rt].push({ wait_pid_ms: w.pidFileMs, quiet_ms: w.quietMs, rss_mb: rssMb(w.child.pid!) });
+      await stopChild(w.child);
+    }
+  }
+  const med = <T>(list: T[], k: keyof T) => median(list.map((x) => x[k] as number | null));
+  const dupes = [...arrived.values()].reduce((n, k) => n + k - 1, 0);
+  return {
+    runtime: runtimeName(),
+    messages,
+    arrived: arrived.size,
+    lost: messages - arrived.size,
+    duplicated: dupes,
+    send_loop_s: Math.round(sentS * 10) / 10,
+    all_arrived_s: Math.round(allS * 10) / 10,
+    msgs_per_s: Math.round(arrived.size / allS),
+    rss_mb_fresh: before,
+    rss_mb_after: after,
+    sender_rss_over_fresh: ratio(after.sender, before.sender),
+    receiver_rss_over_fresh: ratio(after.receiver, before.receiver),
+    bus_rss_over_fresh: ratio(after.bus, before.bus),
+    fresh_mcp_rss_mb: freshMcpRss,
+    journals_after: journalsAfter,
+    journals_after_restarts: { sender: journals(sender), receiver: journals(receiver) },
+    receiver_restart: {
+      first_tools_list_ms: med(restarts, "first_tools_list_ms"),
+      session_open_ms: med(restarts, "session_open_ms"),
+      fresh_first_tools_list_ms: med(fresh, "first_tools_list_ms"),
+      fresh_session_open_ms: med(fresh, "session_open_ms"),
+      first_tools_list_over_fresh: ratio(med(restarts, "first_tools_list_ms"), med(fresh, "first_tools_list_ms")),
+      session_open_over_fresh: ratio(med(restarts, "session_open_ms"), med(fresh, "session_open_ms")),
+      rss_mb_after_restart: restartedRss,
+      rss_after_restart_over_fresh: ratio(restartedRss, before.receiver),
+      day_messages_pushed_again: repushed,
+      restarts,
+      fresh,
+    },
+    wait_on_days_journal: Object.fromEntries((["bun", "deno"] as const).map((rt) => [rt, {
+      wait_pid_ms: med(waitOnDay[rt], "wait_pid_ms"),
+      quiet_ms: med(waitOnDay[rt], "quiet_ms"),
+      rss_mb: med(waitOnDay[rt], "rss_mb"),
+      runs: waitOnDay[rt],
+    }])),
+  };
+}
+
 // ============================================================================
 // main
 // ============================================================================
@@ -1043,6 +1727,7 @@ async function runBench(o: BenchOptions): Promise<number> {
     if (only.includes("sessions")) report.sessions = await benchSessions(root, progress, servers);
     if (only.includes("flood")) report.floods = await benchFlood(root, progress, servers);
     if (only.includes("relays")) report.relays = await benchRelays(root, progress, id, servers);
+    if (only.includes("footprint")) report.footprint = await benchFootprint(root, progress, servers, o.messages);
   } finally {
     fs.rmSync(root, { recursive: true, force: true });
   }
