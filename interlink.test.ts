@@ -2918,6 +2918,39 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
     }
   }, 60_000);
 
+  test("a slow server start is said on stderr, which Claude Code logs, and by doctor; a quick one is ok", async () => {
+    const root = tmpDir();
+    const env = {
+      ...process.env,
+      INTERLINK_KEY: path.join(root, "id.key"),
+      INTERLINK_PEERS: path.join(root, "peers.json"),
+      INTERLINK_STATE: path.join(root, "state"),
+      INTERLINK_CONFIG: path.join(root, "config.json"),
+      INTERLINK_URL: "http://127.0.0.1:9",
+    };
+    const initialize = JSON.stringify({
+      jsonrpc: "2.0",
+      id: 1,
+      method: "initialize",
+      params: { protocolVersion: "2025-06-18", capabilities: {}, clientInfo: { name: "test", version: "1" } },
+    });
+    const start = (more: Record<string, string>) =>
+      spawnAsync(process.execPath, [SCRIPT, "mcp"], { env: { ...env, ...more }, input: initialize + "\n", cwd: root });
+    writeKeyFile(env.INTERLINK_KEY, crypto.getRandomValues(new Uint8Array(32)), false);
+    const doctor = (more: Record<string, string> = {}) => runCli("bun", ["doctor"], { env: { ...env, ...more } });
+    expect(doctor().stdout).not.toContain("the last server start"); // none yet
+    const quick = await start({});
+    expect({ code: quick.status, warned: quick.stderr.includes("before the server could answer") })
+      .toEqual({ code: 0, warned: false });
+    expect(doctor().stdout).toMatch(/ok {7}the last server start \(bun [^)]*\) answered after \d+\.\d s/);
+    // Any start counts as slow past 1 ms.
+    const slow = await start({ INTERLINK_TEST_SLOW_START_MS: "1" });
+    expect(slow.status).toBe(0);
+    expect(slow.stderr).toMatch(/this start took \d+\.\d s before the server could answer; .*MCP_TIMEOUT/);
+    const said = doctor({ INTERLINK_TEST_SLOW_START_MS: "1" }).stdout;
+    expect(said).toMatch(/PROBLEM {2}the last server start .* answered after [\d.]+ s;.*\n\s+fix: .*MCP_TIMEOUT=60000/);
+  }, 60_000);
+
   const LIFECYCLE_STEPS = [
     /alice discover → .* claims "bob"/,
     /alice request_pair → asked/,

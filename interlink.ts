@@ -10805,6 +10805,59 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
 /** A session's agent opens this long after `initialized` (or at its first tool call): a health check is gone by then. */
 const OPEN_AFTER_MS = 500;
 
+/**
+ * A server start slower than this is reported (stderr, which Claude Code logs, and `doctor`): Claude Code 2.1.332
+ * shows a server that has not answered in 30 s (MCP_TIMEOUT) as failed, with no interlink tools and no word in the
+ * session. The file itself loads in well under a second; what can be slow is fetching it (`deno run https://…`),
+ * a cold disk, or a machine's first bus start.
+ */
+const SLOW_START_MS = msFromEnv("INTERLINK_TEST_SLOW_START_MS", 5_000);
+
+/** Where `mcp` records how long its last start took, for `doctor`. */
+const lastStartFile = (stateDir: string) => path.join(stateDir, "last-start.json");
+
+/**
+ * Records how long this process took from its start (the runtime's time origin: fetching and loading the file
+ * included) until its MCP server could answer, and warns when that is past SLOW_START_MS.
+ */
+function recordStart(stateDir: string): void {
+  const ms = Math.round(performance.now());
+  if (ms > SLOW_START_MS) {
+    logWarn(
+      `this start took ${(ms / 1000).toFixed(1)} s before the server could answer; Claude Code gives a server 30 s ` +
+        "(MCP_TIMEOUT) before it shows it as failed",
+    );
+  }
+  try {
+    fs.mkdirSync(stateDir, { recursive: true });
+    writeFileAtomic(lastStartFile(stateDir), JSON.stringify({ ms, at: Date.now(), runtime: runtimeName() }) + "\n");
+  } catch (e) {
+    logWarn(`cannot record this start in ${lastStartFile(stateDir)}: ${errorText(e)}`);
+  }
+}
+
+/** doctor's word on the last `mcp` start here, when one is recorded. */
+function lastStartFinding(stateDir: string): Finding | null {
+  let last: { ms?: unknown; at?: unknown; runtime?: unknown };
+  try {
+    last = JSON.parse(fs.readFileSync(lastStartFile(stateDir), "utf8"));
+  } catch {
+    return null; // no server has started here yet (or the record is unreadable: it is only a report)
+  }
+  if (typeof last.ms !== "number" || typeof last.at !== "number") return null;
+  const what = `the last server start (${String(last.runtime)}, ${new Date(last.at).toISOString()}) answered after ${
+    (last.ms / 1000).toFixed(1)
+  } s; Claude Code waits 30 s (MCP_TIMEOUT)`;
+  return last.ms > SLOW_START_MS
+    ? {
+      level: "problem",
+      what,
+      fix:
+        "use a local copy of interlink.ts (not a URL) and restart the session; on a slow machine start claude with MCP_TIMEOUT=60000",
+    }
+    : { level: "ok", what };
+}
+
 /** The command line of a process (Linux /proc; elsewhere `ps`), or "" when it cannot be read. */
 function processArgv(pid: number | undefined): string {
   if (!pid) return "";
@@ -10874,6 +10927,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     if (!healthCheck) {
       rememberConfig(o, from);
       if (o.url === undefined && o["no-bus"] !== true) await ensureLocalBus(localBusUrl());
+      recordStart(prepared.cfg.stateDir);
     }
   } catch (e) {
     if (!(e instanceof InterlinkError)) throw e;
@@ -12134,6 +12188,8 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
     });
   }
   const state = (o.state as string | undefined) ?? (id ? defaultNodeState(id.fingerprint) : undefined);
+  const lastStart = state ? lastStartFinding(state) : null;
+  if (lastStart) out.push(lastStart);
   const sessions = state ? listSessions(state) : [];
   const agent = sessions.find((x) => x.live)?.live ?? null;
   if (state) {
