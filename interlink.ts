@@ -7358,9 +7358,12 @@ export class Agent {
   }
 
   /**
-   * Queues one receipt (up to RECEIPT_LINES_MAX reports) per peer session that
-   * is owed any, at most RECEIPTS_PER_PASS per peer key: a peer with many
-   * sessions, or a flood, waits for the next pass.
+   * Queues receipts (up to RECEIPT_LINES_MAX reports each) to the peer
+   * sessions owed any, at most RECEIPTS_PER_PASS per peer key: one to each
+   * such session, then, while its key has some left, more to a session still
+   * owed more (a burst; in channel mode each message owes two lines, delivered
+   * and shown): one receipt a second would pace its sender, past SEND_WINDOW,
+   * to RECEIPT_LINES_MAX lines a second. A flood waits for the next pass.
    */
   async sendReceipts(): Promise<number> {
     const perKey = new Map<string, number>();
@@ -7368,7 +7371,10 @@ export class Agent {
     let back: Map<string, number> | undefined; // route → when it last announced, for sessions that said goodbye
     const peers = this.peers();
     const oldest = this.now() - FRESH_PAST_MS;
-    for (const [route, owed] of [...this.state.owed]) {
+    const routes = [...this.state.owed.keys()]; // one that got a receipt goes again at the end, if still owed
+    for (const route of routes) {
+      const owed = this.state.owed.get(route);
+      if (!owed) continue;
       const { key } = parseRoute(route);
       // Not a peer (removed from peers.json, or never one: only that we refused its messages may go there), or
       // owed for over a day (a session that never came back): forgotten here, in memory; the journal still says
@@ -7399,8 +7405,9 @@ export class Agent {
       }
       const draft: Draft = { to: key, kind: "receipt", text: receiptText(lines), in_reply_to: lines[0].msg_id };
       const petname = key === this.id.publicKey ? "self" : this.petnameOf(key) ?? null;
-      await this.enqueue({ draft, recipient: route, peer: petname });
+      await this.enqueue({ draft, recipient: route, peer: petname }); // its "out" record clears what it reports
       queued++;
+      routes.push(route);
     }
     return queued;
   }
