@@ -1225,6 +1225,28 @@ async function startFootSession(cwd: string, node: FootNode, runtime: Runtime, b
   return { session, listMs: Math.round(listMs), openMs: Math.round(openedAt - t0) };
 }
 
+/**
+ * The medians of a process's runs: its start (`${start}_ms`, and as a ratio to the bare runtime's), `also`, its RSS
+ * (and as a ratio to the bare runtime's) and idle CPU; the runs themselves beside them.
+ */
+function footSummary(
+  runs: Record<string, number | null>[],
+  bare: { start: number; rss: number },
+  start: string,
+  also: string,
+) {
+  const m = (k: string) => median(runs.map((x) => x[k]));
+  return {
+    [`${start}_ms`]: m(`${start}_ms`),
+    [`${start}_over_bare_start`]: ratio(m(`${start}_ms`), bare.start),
+    [also]: m(also),
+    rss_mb: m("rss_mb"),
+    rss_over_bare: ratio(m("rss_mb"), bare.rss),
+    idle_cpu_percent: m("idle_cpu_percent"),
+    runs,
+  };
+}
+
 /** SIGTERM to a session's server, as when Claude Code restarts it; resolves once the process is gone. */
 async function killSession(session: McpSession): Promise<void> {
   const pid = session.pid!;
@@ -1435,16 +1457,9 @@ async function benchFootprint(
         }
       }
     }
-    const mcp = (r: Runtime, k: string) => median(mcpRuns[r].map((x) => x[k]));
-    out.mcp = Object.fromEntries(runtimes.map((r) => [r, {
-      first_tools_list_ms: mcp(r, "first_tools_list_ms"),
-      first_tools_list_over_bare_start: ratio(mcp(r, "first_tools_list_ms"), bare[r].start),
-      session_open_ms: mcp(r, "session_open_ms"),
-      rss_mb: mcp(r, "rss_mb"),
-      rss_over_bare: ratio(mcp(r, "rss_mb"), bare[r].rss),
-      idle_cpu_percent: mcp(r, "idle_cpu_percent"),
-      runs: mcpRuns[r],
-    }]));
+    out.mcp = Object.fromEntries(
+      runtimes.map((r) => [r, footSummary(mcpRuns[r], bare[r], "first_tools_list", "session_open_ms")]),
+    );
 
     // -- wait, as the Stop hook runs it, on a session folder its server made
     progress(`footprint: wait under Bun and Deno, ${FOOTPRINT_RUNS} runs each: spawn → blocked, RSS, idle CPU`);
@@ -1466,16 +1481,7 @@ async function benchFootprint(
         }
       }
     }
-    const wait = (r: Runtime, k: string) => median(waitRuns[r].map((x) => x[k]));
-    out.wait = Object.fromEntries(runtimes.map((r) => [r, {
-      wait_pid_ms: wait(r, "wait_pid_ms"),
-      wait_pid_over_bare_start: ratio(wait(r, "wait_pid_ms"), bare[r].start),
-      quiet_ms: wait(r, "quiet_ms"),
-      rss_mb: wait(r, "rss_mb"),
-      rss_over_bare: ratio(wait(r, "rss_mb"), bare[r].rss),
-      idle_cpu_percent: wait(r, "idle_cpu_percent"),
-      runs: waitRuns[r],
-    }]));
+    out.wait = Object.fromEntries(runtimes.map((r) => [r, footSummary(waitRuns[r], bare[r], "wait_pid", "quiet_ms")]));
 
     out.claude_peers = await benchClaudePeers(cwd, progress, bare.bun);
 

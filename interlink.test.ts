@@ -9421,6 +9421,16 @@ describe("pairing by invite: two machines in two commands", () => {
     return s;
   }
 
+  /** Once paired, each session sees the other announced, and a message each way arrives from the right petname. */
+  async function helloBothWays(a1: McpSession, b1: McpSession): Promise<void> {
+    await eventually(async () => (await a1.ok("discover", { peer: "bob" })).includes("b1"), "b1 is announced");
+    const there = await a1.ok("send_message", { to: "bob", text: "hello from A" });
+    expect((await b1.waitEvent((e) => e.meta.msg_id === msgIdOf(there))).meta.sender).toBe("alice");
+    await eventually(async () => (await b1.ok("discover", { peer: "alice" })).includes("a1"), "a1 is announced");
+    const back = await b1.ok("send_message", { to: "alice", text: "hello from B" });
+    expect((await a1.waitEvent((e) => e.meta.msg_id === msgIdOf(back))).meta.sender).toBe("bob");
+  }
+
   /** POSTs from inside a machine (its namespace: the test process is not on the veth link). */
   async function postOn(m: Machine, url: string, body: unknown): Promise<number> {
     if (!m.ns) return (await fetch(url, { method: "POST", body: JSON.stringify(body) })).status;
@@ -9523,12 +9533,7 @@ describe("pairing by invite: two machines in two commands", () => {
           expect(toldA.content).toContain(`joined through your operator's invite ${sent.id} and is now the peer 'bob'`);
           const toldB = await b1.waitEvent((e) => e.meta.kind === "paired");
           expect(toldB.content).toContain("Paired with 'alice'");
-          await eventually(async () => (await a1.ok("discover", { peer: "bob" })).includes("b1"), "b1 is announced");
-          const there = await a1.ok("send_message", { to: "bob", text: "hello from A" });
-          expect((await b1.waitEvent((e) => e.meta.msg_id === msgIdOf(there))).meta.sender).toBe("alice");
-          await eventually(async () => (await b1.ok("discover", { peer: "alice" })).includes("a1"), "a1 is announced");
-          const back = await b1.ok("send_message", { to: "alice", text: "hello from B" });
-          expect((await a1.waitEvent((e) => e.meta.msg_id === msgIdOf(back))).meta.sender).toBe("bob");
+          await helloBothWays(a1, b1);
 
           // A stolen code used after the real join: refused (A's session reads the ended invite's route), and
           // the thief, on B's network, is told why and keeps nothing but the key it made.
@@ -9843,12 +9848,7 @@ describe("pairing by invite: two machines in two commands", () => {
           a1.waitEvent((e) => e.meta.kind === "paired"),
           b1.waitEvent((e) => e.meta.kind === "paired"),
         ]);
-        await eventually(async () => (await a1.ok("discover", { peer: "bob" })).includes("b1"), "b1 is announced");
-        const there = await a1.ok("send_message", { to: "bob", text: "hello from A" });
-        expect((await b1.waitEvent((e) => e.meta.msg_id === msgIdOf(there))).meta.sender).toBe("alice");
-        await eventually(async () => (await b1.ok("discover", { peer: "alice" })).includes("a1"), "a1 is announced");
-        const back = await b1.ok("send_message", { to: "alice", text: "hello from B" });
-        expect((await a1.waitEvent((e) => e.meta.msg_id === msgIdOf(back))).meta.sender).toBe("bob");
+        await helloBothWays(a1, b1);
       } finally {
         await Promise.allSettled([a1.close(), b1.close()]);
       }

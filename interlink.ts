@@ -180,7 +180,7 @@ const REFUSAL_REPEAT_MS = 60 * 60_000;
 const RECEIPT_EVERY_MS = 1_000;
 /** Reports in one receipt message (a few KB); more wait for the next. */
 export const RECEIPT_LINES_MAX = 100;
-/** Receipt messages one peer key gets per pass (one per second), each to one of its sessions. */
+/** Receipt messages one peer key gets per pass (one a second): one to each of its sessions owed any, then more to one owed more. */
 const RECEIPTS_PER_PASS = 4;
 /** Refusals reported to one peer in an hour; past it they are only logged (a replayed stale message costs nothing). */
 const RECEIPT_REFUSALS_PER_HOUR = 30;
