@@ -1580,10 +1580,12 @@ async function dayOfUse(
     }
     return events.length;
   };
+  // Their RSS as the day goes, in the progress lines: whether it levels off shows what is bounded.
+  const rssNow = () => `RSS sender ${rssMb(s.session.pid!)} MB, receiver ${rssMb(r.session.pid!)} MB`;
   const t0 = performance.now();
   for (let n = 0; n < messages; n++) {
     await s.session.ok("send_message", { to: "receiver", text: `day #${n}# ${CHAT_TEXT}` });
-    if ((n + 1) % 1000 === 0) progress(`footprint: ${n + 1} sent, ${r.session.events.length} pushed`);
+    if ((n + 1) % 1000 === 0) progress(`footprint: ${n + 1} sent, ${r.session.events.length} pushed; ${rssNow()}`);
   }
   const sentS = (performance.now() - t0) / 1000;
   let seen = 0, lastGain = Date.now(), said = Date.now();
@@ -1592,7 +1594,7 @@ async function dayOfUse(
     if (arrived.size >= messages) break;
     if (arrived.size !== had) [had, lastGain] = [arrived.size, Date.now()];
     if (Date.now() - said > 10_000) {
-      progress(`footprint: ${arrived.size} of ${messages} pushed`);
+      progress(`footprint: ${arrived.size} of ${messages} pushed; ${rssNow()}`);
       said = Date.now();
     }
     await sleep(200);
