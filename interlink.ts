@@ -8374,7 +8374,10 @@ export function codexQueue(
     });
     child.once("exit", (code, signal) => {
       clearTimeout(timer);
-      const said = out.trim().split("\n").find((l) => /error|queued|warning/i.test(l))?.slice(0, 300) ?? "";
+      // The line that says why: an error before a warning (Codex warns first when its home is under /tmp).
+      const lines = out.trim().split("\n");
+      const said = (lines.find((l) => /error|no rollout|queued/i.test(l)) ?? lines.find((l) => /warning/i.test(l)))
+        ?.slice(0, 300) ?? "";
       if (code === 0 && /Queued message/.test(out)) return resolve({ ok: true });
       if (signal) {
         return resolve({ ok: false, retry: true, why: `codex queue timed out after ${CODEX_QUEUE_TIMEOUT_MS} ms` });
