@@ -10839,8 +10839,11 @@ function recordStart(stateDir: string): void {
     );
   }
   try {
+    // Only a report: a plain write, no fsync on the start path (a torn one reads as none).
     fs.mkdirSync(stateDir, { recursive: true });
-    writeFileAtomic(lastStartFile(stateDir), JSON.stringify({ ms, at: Date.now(), runtime: runtimeName() }) + "\n");
+    fs.writeFileSync(lastStartFile(stateDir), JSON.stringify({ ms, at: Date.now(), runtime: runtimeName() }) + "\n", {
+      mode: 0o600,
+    });
   } catch (e) {
     logWarn(`cannot record this start in ${lastStartFile(stateDir)}: ${errorText(e)}`);
   }
