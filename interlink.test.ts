@@ -8,10 +8,12 @@ import * as fs from "node:fs";
 import * as net from "node:net";
 import * as os from "node:os";
 import * as path from "node:path";
+import { pathToFileURL } from "node:url";
 import {
   addPeer,
   Agent,
   type Announcement,
+  ANNOUNCEMENT_MAX_BYTES,
   announcementBytes,
   b64urlDecode,
   b64urlEncode,
@@ -8905,6 +8907,108 @@ function rawGet(port: number, target: string, headers: Record<string, string>): 
     socket.write(`GET ${target} HTTP/1.1\r\n${head}\r\n`);
   });
 }
+
+describe("malformed requests and failing handlers: never a runtime's error page", () => {
+  /** What must never be in an answer to a stranger: where this runs, the source, the board's token. */
+  const leaks = (answer: string, token: string) =>
+    [REPO, "interlink.ts", "node_modules", token, "at "].filter((s) => answer.includes(s));
+
+  test.concurrent(
+    "the board answers a Host or target it cannot parse with a short 4xx, under Bun and Deno",
+    async () => {
+      const { root, A } = await twoPeers();
+      const bus = await busOnLoopback(path.join(root, "bus"));
+      try {
+        for (const runtime of ["bun", "deno"] as const) {
+          const board = await startBoardChild(runtime, A, bus.url);
+          try {
+            const { port, searchParams } = new URL(board.url);
+            const token = searchParams.get("t")!;
+            // Each with the token: only the Host or the target is wrong. The absolute form (a proxy's, never a
+            // browser's) is parsed by Bun, which takes the Host header's authority; Deno takes the target's, and
+            // then cannot parse it: either way no error page.
+            const cases: [string, string, RegExp][] = [
+              [`/?t=${token}`, "[[[", /^4/],
+              [`/?t=${token}`, `x@127.0.0.1:${port}`, /^4/],
+              [`/?t=${token}`, "127.0.0.1:99999", /^4/],
+              [`/?t=${token}`, "", /^4/],
+              [`/events?t=${token}`, `127.0.0.1:${port}]`, /^4/],
+              [`http://[[[/?t=${token}`, `127.0.0.1:${port}`, /^[24]/],
+              [`http://x@127.0.0.1:${port}/?t=${token}`, `127.0.0.1:${port}`, /^[24]/],
+            ];
+            for (const [target, host, want] of cases) {
+              const answer = await rawGet(+port, target, { host });
+              const status = answer.split("\r\n")[0].split(" ")[1] ?? "none";
+              expect({ runtime, target, host, status: want.test(status) ? "as wanted" : status }).toEqual({
+                runtime,
+                target,
+                host,
+                status: "as wanted",
+              });
+              if (status === "200") continue; // the page itself, to the token's holder
+              expect({ runtime, host, leaks: leaks(answer, token), short: answer.length < 600 }).toEqual({
+                runtime,
+                host,
+                leaks: [],
+                short: true,
+              });
+            }
+            // And the real thing still works.
+            expect((await rawGet(+port, `/?t=${token}`, { host: `127.0.0.1:${port}` })).split("\r\n")[0]).toBe(
+              "HTTP/1.1 200 OK",
+            );
+          } finally {
+            killGroup(board.proc.pid, "SIGTERM");
+            await board.proc.exited;
+          }
+        }
+      } finally {
+        await bus.shutdown();
+      }
+    },
+    90_000,
+  );
+
+  test.concurrent(
+    "a handler that throws gets a short generic 500 from serveHttp, under Bun, Deno and the guarded server",
+    async () => {
+      const secret = `secret detail ${REPO}`;
+      const check = async (label: string, port: number) => {
+        const answer = await rawGet(port, "/anything", { host: `127.0.0.1:${port}` });
+        expect({ label, status: answer.split("\r\n")[0] }).toEqual({
+          label,
+          status: "HTTP/1.1 500 Internal Server Error",
+        });
+        expect({ label, leaks: leaks(answer, "secret detail"), short: answer.length < 600 }).toEqual({
+          label,
+          leaks: [],
+          short: true,
+        });
+      };
+      const server = await serveHttp(() => Promise.reject(new Error(secret)), "127.0.0.1", 0);
+      try {
+        await check("bun", server.port);
+        expect(logged.join("")).toContain(secret); // the operator's log has it
+      } finally {
+        await server.stop();
+      }
+      for (const guard of [false, true]) {
+        const code = `import { serveHttp } from ${JSON.stringify(pathToFileURL(SCRIPT).href)};
+        const s = await serveHttp(() => Promise.reject(new Error(${JSON.stringify(secret)})), "127.0.0.1", 0, ${guard});
+        console.log("port " + s.port);`;
+        const proc = spawnTracked([denoPath(), "eval", "--quiet", code], { stdout: "pipe", stderr: "pipe" });
+        try {
+          const port = Number(await untilLine(proc.stdout, /^port (\d+)$/, 30_000));
+          await check(guard ? "deno, guarded" : "deno", port);
+        } finally {
+          killGroup(proc.pid, "SIGKILL");
+          await proc.exited;
+        }
+      }
+    },
+    90_000,
+  );
+});
 
 describe("the board: a live page for the operator, read-only, for the token's holder only", () => {
   let root: string, bus: Awaited<ReturnType<typeof busOnLoopback>>;

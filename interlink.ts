@@ -323,14 +323,21 @@ interface BunRuntime {
     hostname: string;
     port: number;
     idleTimeout?: number;
+    development?: boolean;
     fetch(req: Request): Response | Promise<Response>;
+    error?(e: Error): Response;
   }): BunServer;
 }
 interface DenoRuntime {
   version: { deno: string };
   execPath(): string;
   serve(
-    options: { hostname: string; port: number; onListen?: (addr: { port: number }) => void },
+    options: {
+      hostname: string;
+      port: number;
+      onListen?: (addr: { port: number }) => void;
+      onError?: (e: unknown) => Response;
+    },
     handler: (req: Request) => Response | Promise<Response>,
   ): { finished: Promise<void>; shutdown(): Promise<void>; addr: { port: number } };
 }
@@ -3536,7 +3543,9 @@ export function serveHttp(
       hostname,
       port,
       idleTimeout: Math.ceil(RECV_TIMEOUT_MAX_MS / 1000) + 30,
+      development: false, // else a handler that throws answers with Bun's page of source lines and paths
       fetch: handler,
+      error: serverError,
     });
     return Promise.resolve({ port: server.port, stop: () => Promise.resolve(server.stop(true)) });
   }
@@ -3544,7 +3553,7 @@ export function serveHttp(
     // Deno.serve has no idle timeout, and when the process runs out of file descriptors (say 20,000 idle
     // sockets) its accept loop fails and would take the process down. Instead it is logged and the server
     // listens again on the same port a second later, until the flood is over.
-    let server = Deno.serve({ hostname, port, onListen: () => {} }, handler);
+    let server = Deno.serve({ hostname, port, onListen: () => {}, onError: serverError }, handler);
     const bound = server.addr.port;
     let stopping = false;
     let retry: ReturnType<typeof setTimeout> | undefined;
@@ -3555,7 +3564,7 @@ export function serveHttp(
         retry = setTimeout(function relisten() {
           if (stopping) return;
           try {
-            server = Deno.serve({ hostname, port: bound, onListen: () => {} }, handler);
+            server = Deno.serve({ hostname, port: bound, onListen: () => {}, onError: serverError }, handler);
             watch(server);
           } catch (e) {
             logWarn(`cannot listen on port ${bound} yet (${(e as Error).message}); trying again in 1 s`);
@@ -3574,6 +3583,16 @@ export function serveHttp(
     });
   }
   throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
+}
+
+/**
+ * What a server of ours answers when its handler throws: a short generic 500, and the error in the log. Never a
+ * runtime's own error page: Bun's development page shows whoever asked the working folder, this file's path and
+ * its source lines.
+ */
+function serverError(e: unknown): Response {
+  logWarn(`a request failed inside the server: ${(e as Error)?.stack ?? e}`);
+  return new Response("internal error\n", { status: 500, headers: { "content-type": "text/plain; charset=utf-8" } });
 }
 
 const isLoopback = (host: string) => host === "localhost" || host === "::1" || /^127\./.test(host);
@@ -3658,7 +3677,10 @@ async function serveGuarded(
         text: async () => (hasBody ? (await readBody()).toString("utf8") : ""),
         signal: gone.signal,
       };
-      const r = await handler(lite as unknown as Request);
+      // A handler that throws while the client is still there gets the generic 500; one that is gone, nothing.
+      const r = await handler(lite as unknown as Request).catch((e) =>
+        gone.signal.aborted ? Promise.reject(e) : serverError(e)
+      );
       const text = await r.text();
       // A body left unread (refused on its declared length, or past the limit) is not waited for: the
       // connection closes after the answer instead of trickling on.
@@ -10094,13 +10116,24 @@ export class Board {
     this.#debounce = setTimeout(() => this.refresh(), BOARD_DEBOUNCE_MS);
   }
 
-  /** The HTTP handler: GET / (the page) and GET /events (the snapshots), for the token's holder only. */
+  /**
+   * The HTTP handler: GET / (the page) and GET /events (the snapshots), for the token's holder only. The Host is
+   * compared as a string before anything is parsed, and a request whose URL does not parse is a 400: nothing a
+   * client sends reaches a runtime's error page.
+   */
   handle(req: Request): Response {
-    const url = new URL(req.url);
     const hosts = [`127.0.0.1:${this.port}`, `localhost:${this.port}`];
+    if (!hosts.includes(req.headers.get("host") ?? "")) {
+      return new Response("forbidden\n", { status: 403, headers: BOARD_HEADERS });
+    }
+    let url: URL;
+    try {
+      url = new URL(req.url);
+    } catch {
+      return new Response("bad request\n", { status: 400, headers: BOARD_HEADERS });
+    }
     const origin = req.headers.get("origin");
-    const allowed = hosts.includes(req.headers.get("host") ?? "") &&
-      (origin === null || hosts.some((h) => origin === `http://${h}`)) &&
+    const allowed = (origin === null || hosts.some((h) => origin === `http://${h}`)) &&
       sameSecret(url.searchParams.get("t") ?? "", this.token);
     if (!allowed) return new Response("forbidden\n", { status: 403, headers: BOARD_HEADERS });
     if (req.method !== "GET") return new Response("only GET\n", { status: 405, headers: BOARD_HEADERS });
