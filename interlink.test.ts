@@ -107,6 +107,7 @@ import {
   postJson,
   presence,
   type PushEvent,
+  readAnswer,
   readId,
   readIdentity,
   readInvites,
@@ -114,6 +115,8 @@ import {
   RECEIPT_LINES_MAX,
   type ReceiptLine,
   receiptText,
+  RECV_ANSWER_MAX_BYTES,
+  RECV_BATCH,
   RECV_TIMEOUT_MAX_MS,
   recvProofBytes,
   recvTimeoutMs,
@@ -123,6 +126,7 @@ import {
   RENEW_TEXT,
   ReplayMemory,
   Roster,
+  ROSTER_ANSWER_MAX_BYTES,
   ROSTER_CAP,
   rosterKey,
   runTool,
@@ -3790,6 +3794,144 @@ describe("pairing through the real tools, and several buses", () => {
       await node.close();
     }
   }, 60_000);
+});
+
+// ----------------------------------------------------------------------------
+/** A peak and current resident size of a process, in bytes (Linux /proc). */
+function memoryOf(pid: number): { rss: number; peak: number } {
+  const status = fs.readFileSync(`/proc/${pid}/status`, "utf8");
+  const kb = (name: string) => Number(status.match(new RegExp(`${name}:\\s+(\\d+)`))![1]) * 1024;
+  return { rss: kb("VmRSS"), peak: kb("VmHWM") };
+}
+
+/**
+ * A relay that answers /roster and /recv like an empty bus until armed, then with a body of `bytes` that never
+ * becomes a real answer, made as it is read (so it costs this process nothing) and streamed without a length.
+ * Everything else (announce, unregister, send) is accepted. `streamed` counts what clients took of it.
+ */
+function hostileRelay(bytes: number) {
+  const state = { armed: false, streamed: 0, roster: 0, recv: 0 };
+  const filler = new TextEncoder().encode("a".repeat(64 * 1024));
+  const server = Bun.serve({
+    hostname: "127.0.0.1",
+    port: 0,
+    idleTimeout: 0,
+    fetch(req) {
+      const { pathname } = new URL(req.url);
+      if (pathname !== "/roster" && pathname !== "/recv") return new Response('{"status":"queued"}', { status: 202 });
+      if (!state.armed) {
+        return Response.json(pathname === "/roster" ? { roster: [] } : { status: "timeout" });
+      }
+      if (pathname === "/roster") state.roster++;
+      else state.recv++;
+      let left = bytes;
+      const body = new ReadableStream<Uint8Array>({
+        start(c) {
+          c.enqueue(
+            new TextEncoder().encode(pathname === "/roster" ? '{"roster":["' : '{"status":"messages","messages":["'),
+          );
+        },
+        pull(c) {
+          if (left <= 0) return c.close();
+          const chunk = filler.subarray(0, Math.min(filler.length, left));
+          left -= chunk.length;
+          state.streamed += chunk.length;
+          c.enqueue(chunk);
+        },
+      }, { highWaterMark: 0 });
+      return new Response(body, { headers: { "content-type": "application/json" } });
+    },
+  });
+  return { url: `http://127.0.0.1:${server.port}`, state, stop: () => server.stop(true) };
+}
+
+describe("a hostile relay", () => {
+  test("an answer is read as it streams and stops at its cap: declared, streamed, or kept up to it when only quoted", async () => {
+    const endless = () => {
+      let pulls = 0;
+      const stream = new ReadableStream<Uint8Array>({
+        pull: (c) => void (pulls++, c.enqueue(new Uint8Array(1024).fill(0x61))),
+      }, { highWaterMark: 0 });
+      return { stream, pulls: () => pulls };
+    };
+    const streamed = endless();
+    await expect(readAnswer(new Response(streamed.stream), 10_000, "roster")).rejects.toThrow(
+      "roster: the answer is over 10000 bytes, more than a real one can be; not read further",
+    );
+    await Bun.sleep(10);
+    expect(streamed.pulls()).toBeLessThan(15); // it stopped: the stream is not drained
+    const declared = endless();
+    const big = new Response(declared.stream, { headers: { "content-length": "300000000" } });
+    await expect(readAnswer(big, 10_000, "recv")).rejects.toThrow("recv: the answer is over 10000 bytes");
+    expect(declared.pulls()).toBe(0); // refused on its declared length, unread
+    const quoted = endless();
+    expect(await readAnswer(new Response(quoted.stream), 3000, "", true)).toBe("a".repeat(3000));
+    expect(await readAnswer(new Response('{"roster":[]}'), ROSTER_ANSWER_MAX_BYTES, "roster")).toBe('{"roster":[]}');
+    // The caps are what a real answer can be: a full roster, a full batch.
+    expect(ROSTER_ANSWER_MAX_BYTES).toBeGreaterThan(ROSTER_CAP * ANNOUNCEMENT_MAX_BYTES);
+    expect(RECV_ANSWER_MAX_BYTES).toBeGreaterThan(RECV_BATCH * BODY_LIMIT_BYTES);
+  });
+
+  test(
+    "a relay answering /roster and /recv with 300 MB costs a session at most what a real answer can be, and discover answers from the other relay",
+    async () => {
+      const HOSTILE_BYTES = 300 * 2 ** 20;
+      const root = tmpDir();
+      const good = await startBus("bun", path.join(root, "bus"));
+      const evil = hostileRelay(HOSTILE_BYTES);
+      const A = await makeNodeFiles(root, "alice");
+      const B = await makeNodeFiles(root, "bob");
+      befriend(A, B);
+      // bob is on the good relay's roster.
+      const info = { session_id: "bob", cwd: "/home/bob/app", git_root: "app", summary: "tests" };
+      const announce = await postJson(`${good.url}/announce`, await signAnnouncement(B.id, "bob", Date.now(), info));
+      expect(announce.status).toBe(202);
+      try {
+        for (const runtime of ["bun", "deno"] as const) {
+          evil.state.armed = false;
+          const alice = await McpNode.start(runtime, A, `${good.url},${evil.url}`);
+          try {
+            expect(await alice.ok("discover")).toContain(`claims "bob"`);
+            const pid = alice.pid!;
+            const before = memoryOf(pid);
+            evil.state.armed = true;
+            const asked = { roster: evil.state.roster, recv: evil.state.recv };
+            const found = await alice.call("discover");
+            // The good relay answers in time (the tool's own deadline is 30 s), whatever the other one does.
+            expect(found.isError).toBe(false);
+            expect(found.text).toContain(`claims "bob"`);
+            expect(found.text).toContain("/home/bob/app");
+            // Its receive loop has met the hostile answer too, twice (once, then again after its back-off).
+            await eventually(
+              () => evil.state.recv >= asked.recv + 2,
+              "the session asked the hostile relay again",
+              60_000,
+            );
+            expect(evil.state.roster).toBeGreaterThan(asked.roster);
+            const after = memoryOf(pid);
+            const grew = after.peak - before.rss;
+            process.stderr.write(
+              `  [${runtime}] hostile relay: RSS ${(before.rss / 2 ** 20).toFixed(0)} MiB before, peak ${
+                (after.peak / 2 ** 20).toFixed(0)
+              } MiB after (${(after.peak / before.rss).toFixed(2)}x); it streamed ${
+                (evil.state.streamed / 2 ** 20).toFixed(0)
+              } MiB over ${evil.state.roster + evil.state.recv} answers\n`,
+            );
+            // Read whole, one such answer alone is 300 MB in memory: a session that stops at a real answer's
+            // size never grows by that much.
+            expect(grew).toBeLessThan(HOSTILE_BYTES);
+            expect((await alice.call("list_peers")).isError).toBe(false); // and it still serves
+          } finally {
+            await alice.close();
+          }
+        }
+      } finally {
+        evil.stop();
+        await stop(good);
+      }
+    },
+    240_000,
+  );
 });
 
 describe("bus: hostile input and real sockets", () => {

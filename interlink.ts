@@ -3850,6 +3850,81 @@ export function openRelay(
   return isNatsUrl(url) ? new NatsRelay(url, sign, key) : new HttpRelay(url, proof);
 }
 
+// -- what is read from a relay ------------------------------------------------
+//
+// A relay's answer is read as it streams and never past a cap: the most a real
+// answer can be, from the bounds our bus keeps (a reference bus's answers are
+// far smaller). A relay that answers more, or without end, gets a RelayError;
+// a session spends the cap at most, and its other relays go on.
+
+/** Bytes a roster entry adds to the announcement it holds: `,"age_ms":<n>` and a comma, with room. */
+const ROSTER_ENTRY_EXTRA_BYTES = 64;
+/** A GET /roster answer: ROSTER_CAP announcements of ANNOUNCEMENT_MAX_BYTES, each with its age (about 32 MiB). */
+export const ROSTER_ANSWER_MAX_BYTES = ROSTER_CAP * (ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) + 1024;
+/** Bytes a recv entry adds to its payload: the envelope, the ts and an ack key naming a route (512 characters at most). */
+const RECV_ENTRY_EXTRA_BYTES = 1024;
+/** A GET /recv answer: RECV_BATCH payloads, each smaller than the BODY_LIMIT_BYTES that carried it (about 64 MiB). */
+export const RECV_ANSWER_MAX_BYTES = RECV_BATCH * (BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES) + 1024;
+/** A batched POST /send answer: SEND_BATCH results, each a status and at most a sentence of why. */
+const SEND_ANSWER_MAX_BYTES = SEND_BATCH * 1024 + 1024;
+/** Of a refusal's body we quote 200 characters (RELAY_QUOTE_CHARS); reading more than this is waste. */
+const REFUSAL_READ_BYTES = 4096;
+/** How much of a relay's refusal an error quotes: enough for its sentence, too little to carry a document. */
+const RELAY_QUOTE_CHARS = 200;
+
+/**
+ * A relay's answer body, read as it streams: past `capBytes` (declared, or as it comes) the read stops and a
+ * RelayError says so; with `truncate` what came up to the cap is kept instead (a refusal is only quoted). A
+ * timeout on the request stops the read as well.
+ */
+export async function readAnswer(r: Response, capBytes: number, what: string, truncate = false): Promise<string> {
+  const over = () =>
+    new RelayError(
+      `${what}: the answer is over ${humanBytes(capBytes)}, more than a real one can be; not read further`,
+    );
+  if (!truncate && Number(r.headers.get("content-length")) > capBytes) {
+    await r.body?.cancel().catch(() => {});
+    throw over();
+  }
+  if (!r.body) return "";
+  const reader = r.body.getReader();
+  const chunks: Uint8Array[] = [];
+  let size = 0;
+  try {
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) break;
+      if (size + value.length > capBytes) {
+        if (!truncate) throw over();
+        chunks.push(value.subarray(0, capBytes - size));
+        size = capBytes;
+        break;
+      }
+      chunks.push(value);
+      size += value.length;
+    }
+  } finally {
+    reader.cancel().catch(() => {}); // the rest is never read: the connection closes (done: a no-op)
+  }
+  return new TextDecoder().decode(Buffer.concat(chunks, size));
+}
+
+/** A relay's answer as JSON (see readAnswer); one that is not JSON is a RelayError that quotes none of it. */
+async function readJsonAnswer(r: Response, capBytes: number, what: string): Promise<unknown> {
+  const text = await readAnswer(r, capBytes, what);
+  try {
+    return JSON.parse(text);
+  } catch {
+    throw new RelayError(`${what}: the answer (${humanBytes(utf8Bytes(text))}) is not JSON`);
+  }
+}
+
+/** "<status> <its words>" of a refusal, as an error quotes it: RELAY_QUOTE_CHARS at most, escaped (escapePeerText). */
+async function refusalOf(r: Response): Promise<string> {
+  const text = await readAnswer(r, REFUSAL_READ_BYTES, "", true).catch(() => "");
+  return `${r.status} ${escapePeerText(text.slice(0, RELAY_QUOTE_CHARS), true)}`.trimEnd();
+}
+
 /** A URL for display: user, password and token replaced by "***". */
 export function redactUrl(url: string): string {
   // Up to the last @ before the path (a password may hold an @ itself), with or without a scheme.
@@ -3871,18 +3946,20 @@ export class HttpRelay implements Relay {
     if (!this.#batches) return null;
     const body = { messages: items.map((i) => ({ to: i.route, payload: i.payload })) };
     const r = await postJson(`${this.url}/send`, body, timeoutMs, signal);
-    const text = await r.text();
     // The request as a whole was refused (too big, say): no message is to blame; they go one by one instead.
-    if (!r.ok) return null;
-    const results = (JSON.parse(text) as { results?: { status: number; error?: string }[] }).results ?? [];
+    if (!r.ok) {
+      await r.body?.cancel().catch(() => {});
+      return null;
+    }
+    const answer = await readJsonAnswer(r, SEND_ANSWER_MAX_BYTES, `${this.url}: send`);
+    const results = isObject(answer) && Array.isArray(answer.results) ? answer.results : [];
     return items.map((_, i) => {
-      const res = results[i];
+      const res = isObject(results[i]) ? results[i] as { status?: unknown; error?: unknown } : undefined;
       if (!res) return null;
       if (res.status === 202) return true;
-      return new RelayError(
-        `${this.url} answered ${res.status} ${String(res.error ?? "").slice(0, 200)}`,
-        isPermanentRefusal(res.status),
-      );
+      const status = Number(res.status);
+      const why = escapePeerText(String(res.error ?? "").slice(0, RELAY_QUOTE_CHARS), true);
+      return new RelayError(`${this.url} answered ${showId(String(res.status))} ${why}`, isPermanentRefusal(status));
     });
   }
 
@@ -3892,10 +3969,7 @@ export class HttpRelay implements Relay {
 
   async send(route: string, payload: object, timeoutMs: number, signal?: AbortSignal): Promise<void> {
     const r = await postJson(`${this.url}/send`, { to: route, payload }, timeoutMs, signal);
-    if (!r.ok) {
-      const why = `${this.url} answered ${r.status} ${(await r.text()).slice(0, 200)}`;
-      throw new RelayError(why, isPermanentRefusal(r.status));
-    }
+    if (!r.ok) throw new RelayError(`${this.url} answered ${await refusalOf(r)}`, isPermanentRefusal(r.status));
     this.#learn(r);
     await r.body?.cancel();
   }
@@ -3916,15 +3990,18 @@ export class HttpRelay implements Relay {
       `${this.url}/recv?me=${encodeURIComponent(route)}&timeout_ms=${waitMs}&max=${RECV_BATCH}${proof}`,
       { signal: AbortSignal.any([signal, AbortSignal.timeout(waitMs + 15_000)]) },
     );
-    if (!r.ok) throw new RelayError(`recv answered ${r.status}`);
+    if (!r.ok) {
+      await r.body?.cancel().catch(() => {});
+      throw new RelayError(`recv answered ${r.status}`);
+    }
     this.#learn(r);
-    const body = await r.json();
+    const body = await readJsonAnswer(r, RECV_ANSWER_MAX_BYTES, `${this.url}: recv`);
     const ack = (keys: unknown[]) => async () => {
       const proof = this.proof ? { proof: await this.proof(route) } : {};
       const fields = keys.length === 1 ? { ack: keys[0] } : { acks: keys };
       const acked = await postJson(`${this.url}/ack`, { me: route, ...fields, ...proof }, SEND_TIMEOUT_MS, signal);
+      await acked.body?.cancel().catch(() => {});
       if (!acked.ok) throw new RelayError(`ack answered ${acked.status}`);
-      await acked.body?.cancel();
     };
     const handed = (m: unknown): Handed & { key: unknown } => {
       const o = isObject(m) ? m : {};
@@ -3941,14 +4018,13 @@ export class HttpRelay implements Relay {
 
   async announce(a: Announcement, signal?: AbortSignal): Promise<void> {
     const r = await postJson(`${this.url}/announce`, a, SEND_TIMEOUT_MS, signal);
-    if (!r.ok) {
-      throw new RelayError(`${this.url} refused the announcement: ${r.status} ${(await r.text()).slice(0, 200)}`);
-    }
+    if (!r.ok) throw new RelayError(`${this.url} refused the announcement: ${await refusalOf(r)}`);
     await r.body?.cancel();
   }
 
   async roster(timeoutMs: number): Promise<unknown[]> {
-    const body = await (await fetch(`${this.url}/roster`, { signal: AbortSignal.timeout(timeoutMs) })).json();
+    const r = await fetch(`${this.url}/roster`, { signal: AbortSignal.timeout(timeoutMs) });
+    const body = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, `${this.url}: roster`);
     return isObject(body) && Array.isArray(body.roster) ? body.roster : [];
   }
 
@@ -11782,7 +11858,7 @@ export async function reachRelay(url: string, timeoutMs: number, now: () => numb
   try {
     const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(timeoutMs) });
     const t1 = now();
-    const body = await r.json().catch(() => null);
+    const body = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, url).catch(() => null);
     if (!r.ok || !isObject(body) || !Array.isArray(body.roster)) {
       return { ok: false, why: `${url} answers (HTTP ${r.status}), but not as an interlink bus` };
     }
@@ -12417,7 +12493,7 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
       const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(3000) });
       date = r.headers.get("date");
       features = r.headers.get("interlink-bus");
-      roster = await r.json();
+      roster = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, "its roster");
       if (!r.ok) throw new Error(`answered ${r.status}`);
     } catch (e) {
       out.push({
