@@ -3873,6 +3873,40 @@ describe("a hostile relay", () => {
   });
 
   test(
+    "a roster entry larger than our bus keeps is not read, whoever signed it: one entry cannot fill discover",
+    async () => {
+      const root = tmpDir();
+      const A = await makeNodeFiles(root, "alice");
+      const big = await makeNodeFiles(root, "big");
+      const small = await makeNodeFiles(root, "small");
+      const info = (cwd: string) => ({ session_id: "s1", cwd, git_root: "", summary: "" });
+      const roster = [
+        await signAnnouncement(big.id, "big", Date.now(), info("/x".repeat(50_000))),
+        await signAnnouncement(small.id, "small", Date.now(), info("/home/small")),
+      ];
+      const relay = Bun.serve({
+        hostname: "127.0.0.1",
+        port: 0,
+        fetch: (req) =>
+          new URL(req.url).pathname === "/roster"
+            ? Response.json({ roster })
+            : Response.json({ status: "timeout" }, { status: new URL(req.url).pathname === "/recv" ? 200 : 202 }),
+      });
+      const alice = await McpNode.start("bun", A, `http://127.0.0.1:${relay.port}`);
+      try {
+        const found = await alice.ok("discover");
+        expect(found).toContain(small.id.fingerprint);
+        expect(found).not.toContain(big.id.fingerprint);
+        expect(found.length).toBeLessThan(1000);
+      } finally {
+        await alice.close();
+        relay.stop(true);
+      }
+    },
+    60_000,
+  );
+
+  test(
     "a relay answering /roster and /recv with 300 MB costs a session at most what a real answer can be, and discover answers from the other relay",
     async () => {
       const HOSTILE_BYTES = 300 * 2 ** 20;

@@ -8010,6 +8010,8 @@ export async function readRoster(
       try {
         for (const raw of await relay.roster(SEND_TIMEOUT_MS)) {
           try {
+            // Larger than our bus keeps (a hostile relay's, say): not read, so no one entry can fill what is shown.
+            if (utf8Bytes(JSON.stringify(raw)) > ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) continue;
             const a = parseAnnouncement(raw);
             const check = await checkAnnouncement(a);
             if ("error" in check) continue; // the bus verifies nothing we rely on: we do
@@ -12238,7 +12240,9 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
         await agent.journal.appendDurable([{ t: "shown", item: `bounced ${msgId}`, via: "inbox" }]);
       }
       if (pinned) await removePeer(cfg.peersFile, petname);
-      const why = entry.refusedBy ? refusalWords(entry.refusedBy) : `no relay took the request (${entry.refused})`;
+      const why = entry.refusedBy
+        ? refusalWords(entry.refusedBy)
+        : `no relay took the request (${escapePeerText(entry.refused!, true)})`;
       throw new InterlinkError(
         `${them} refused: ${why}.${pinned ? ` Nothing was kept${keyExisted ? "" : " but this node's new key"}.` : ""}`,
       );
@@ -13168,7 +13172,7 @@ async function runDemo(o: Options): Promise<number> {
     const mallory = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
     const inject = async (payload: unknown) => {
       const r = await postJson(`${bus!.url}/send`, { to: b.id.publicKey, payload });
-      return `${r.status} ${(await r.text()).slice(0, 80)}`;
+      return await refusalOf(r);
     };
     const forged = await signMessage(mallory, {
       to: b.id.publicKey,
