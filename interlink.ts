@@ -1093,8 +1093,9 @@ export const INVISIBLE_RE = new RegExp(`(?![\\n\\t])${INVISIBLE_CLASS}`, "gu");
 
 /**
  * INVISIBLE_RE with newline and tab, but for U+FE0F right after an emoji: the emoji presentation selector, as in
- * ⚠️ and ❤️, which models write often. It changes how the emoji before it is drawn and says no more than whether it is there
- * (one bit per emoji); a second one, or one after anything else, is shown.
+ * ⚠️ and ❤️, which models write often. It changes how the emoji before it is drawn and says no more than whether
+ * it is there (one bit per emoji); a second one, or one after anything else, is shown. Which code points are
+ * emoji follows the runtime's Unicode version: this changes only what is shown, never what an id may hold.
  */
 const SHOWN_RE = new RegExp(`\\p{Emoji}\\uFE0F|${INVISIBLE_CLASS}`, "gu");
 
@@ -1120,10 +1121,8 @@ export const hasInvisible = (text: string): boolean => text.search(INVISIBLE_RE)
  * the rest as a space.
  */
 export function displayName(claimed: string): string {
-  const clean = showInvisible(claimed, true).replace(/[^A-Za-z0-9 ._@+-]+/g, " ").replace(/\s+/g, " ").trim().slice(
-    0,
-    64,
-  ).trim();
+  const named = showInvisible(claimed); // newline and tab are blanks here, like a space
+  const clean = named.replace(/[^A-Za-z0-9 ._@+-]+/g, " ").replace(/\s+/g, " ").trim().slice(0, 64).trim();
   return clean || "(no name)";
 }
 
