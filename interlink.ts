@@ -87,18 +87,26 @@ export const RECV_TIMEOUT_MS = 25_000;
 /** Longest wait a client may ask for; past it proxies and NATs start cutting idle connections. */
 export const RECV_TIMEOUT_MAX_MS = 60_000;
 /**
- * Per-recipient queue bound; past it the oldest message of the sender holding
- * the most there is dropped (and logged), so one silent inbox cannot fill the
- * disk and one sender cannot push out another's mail.
+ * Messages one signer may have queued for one recipient on our bus; past it that signer's next one is refused
+ * (429, ROUTE_FULL), never an older one dropped: a message a relay accepted is never lost. Per signer, so one
+ * sender's flood is refused at its own cap and never locks another sender out; a silent inbox cannot fill the disk
+ * (the byte budgets bound it all). A reference bus keeps 1,024 per recipient and drops the oldest past it, as did
+ * our bus and NATS streams of earlier releases.
  */
 export const QUEUE_CAP = 1024;
+/** How a relay's refusal for a full route begins (our bus's 429 error): the sender holds that route, not the others. */
+export const ROUTE_FULL = "route full";
 /**
  * How many of our messages one route may hold unconfirmed (sent, no receipt yet) before the rest wait in our
  * outbox: a relay keeps at most QUEUE_CAP per route and drops the oldest past it, so one sender stays well below
  * that. Only for keys that send receipts (ours); a reference node's routes are never held.
  */
 export const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
-/** Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages): kept apart, small. */
+/**
+ * Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages): kept apart, small, and
+ * refused past it like a full route (accepted, a payload is never dropped). Anyone can fill it, since nothing names
+ * its sender; the signed messages beside it are never refused for it.
+ */
 export const OPAQUE_CAP = 64;
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
 export const SENDER_BYTES_MAX = 8 << 20;
@@ -2098,7 +2106,7 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 // recipient acks it. Its state is one JSONL file in the data folder:
 //   {"t":"m","q":<recipient>,"n":<seq>,"ts":<ms>,"s":<sender>,"z":<bytes>,"p":<payload as JSON text>}  accepted
 //   {"t":"a","q":<recipient>,"n":<seq>}                    acked
-//   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap
+//   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap (earlier releases; read, not written)
 //   {"t":"o","q":<recipient>}                              the route has proven its owner
 //   {"t":"h","next":<seq>}                                 first line after compaction
 // `seq` is global and not reused (compaction keeps the high-water mark), so an
@@ -2182,17 +2190,8 @@ class RecipientQueue {
   items: Queued[] = [];
   head = 0;
   live = 0;
-  /** Live messages per sender ("" for unattributed ones): who a full queue takes room from. */
+  /** Live messages per sender ("" for unattributed ones): whose cap a new message counts against. */
   bySender = new Map<string, number>();
-
-  /** The oldest live message of `sender`. */
-  oldestOf(sender: string): Queued | undefined {
-    for (let i = this.head; i < this.items.length; i++) {
-      const item = this.items[i];
-      if (!item.gone && item.sender === sender) return item;
-    }
-    return undefined;
-  }
 
   /** Up to `n` oldest live messages, oldest first. */
   firstN(n: number): Queued[] {
@@ -2234,7 +2233,7 @@ class RecipientQueue {
   }
 
   /**
-   * Marks `seq` gone. An eviction takes entries from the middle, which `first` never trims, so once the gone
+   * Marks `seq` gone. An ack may take entries from the middle, which `first` never trims, so once the gone
    * entries outnumber the live ones the array is rebuilt: memory follows what is held, whatever the pattern.
    */
   remove(seq: number): Queued | undefined {
@@ -2255,7 +2254,7 @@ class RecipientQueue {
 
 /** What a BusQueues holds at most. */
 export interface QueueLimits {
-  /** Verified messages per recipient. */
+  /** Verified messages one signer may have queued per recipient. */
   cap: number;
   /** Unattributed (opaque) messages per recipient: their own small budget, never at a verified message's cost. */
   opaqueCap: number;
@@ -2273,12 +2272,13 @@ export const DEFAULT_LIMITS: QueueLimits = {
 };
 
 /**
- * The queue logic of the bus, with no I/O: one bounded FIFO per recipient,
- * fair between senders. A full queue makes room by dropping the oldest
- * message of the sender that holds the most there, so a flood from one sender
- * only ever costs that sender; unattributed payloads live under their own
- * small budget. Bytes are budgeted per sender and in all (`admit` says no).
- * Memory is proportional to what is held: a queue is deleted when it empties.
+ * The queue logic of the bus, with no I/O: one FIFO per recipient, fair
+ * between senders. Nothing accepted is ever dropped: a signer that holds
+ * `cap` messages for a recipient is refused the next (`full` says so), so a
+ * flood from one sender only ever costs that sender; unattributed payloads
+ * live under their own small budget, refused past it. Bytes are budgeted per
+ * sender and in all (`admit` says no). Memory is proportional to what is
+ * held: a queue is deleted when it empties.
  */
 export class BusQueues {
   #queues = new Map<string, RecipientQueue>();
@@ -2305,8 +2305,8 @@ export class BusQueues {
   }
 
   /**
-   * Appends a message; returns the entry dropped to stay within the caps, if any (`enforce` false: none, for
-   * messages a bus before 0.5 accepted under its own rules).
+   * Appends a message, whatever the caps (`full` is asked first: a restart files every message that was
+   * accepted, even past a cap that was lowered since).
    */
   add(
     to: string,
@@ -2314,9 +2314,8 @@ export class BusQueues {
     payload: string | undefined,
     seq = this.nextSeq,
     sender = "",
-    enforce = true,
     size = utf8Bytes(payload!),
-  ): { item: Queued; dropped?: Queued } {
+  ): Queued {
     let q = this.#queues.get(to);
     if (!q) this.#queues.set(to, q = new RecipientQueue());
     // One lookup counts the sender's bytes and finds the copy of its key that every entry shares.
@@ -2332,21 +2331,10 @@ export class BusQueues {
     if (!last || last.seq < seq) q.items.push(item);
     else q.insert(item); // a file put back together out of order: the queue stays in seq order all the same
     q.live++;
-    const mine = (q.bySender.get(sender) ?? 0) + 1;
-    q.bySender.set(sender, mine);
+    q.bySender.set(sender, (q.bySender.get(sender) ?? 0) + 1);
     this.liveCount++;
     if (seq >= this.nextSeq) this.nextSeq = seq + 1;
-    if (!enforce) return { item };
-    let dropped: Queued | undefined;
-    const opaque = sender === "" ? mine : q.bySender.get("") ?? 0;
-    if (sender === "" && opaque > this.limits.opaqueCap) dropped = q.oldestOf("");
-    else if (q.live - opaque > this.limits.cap) {
-      let heaviest = sender;
-      for (const [s, n] of q.bySender) if (s && n > (q.bySender.get(heaviest) ?? 0)) heaviest = s;
-      dropped = q.oldestOf(heaviest);
-    }
-    if (dropped) this.remove(to, dropped.seq);
-    return { item, dropped };
+    return item;
   }
 
   /** Takes a removed message's bytes off the budgets (`add` counts them on). */
@@ -2358,12 +2346,10 @@ export class BusQueues {
     if (held.bytes <= 0) this.#senderBytes.delete(sender);
   }
 
-  /** Whether one more message from `sender` to `to` would push an older one out (see `add`). */
-  atCap(to: string, sender: string): boolean {
-    const q = this.#queues.get(to);
-    if (!q) return false;
-    const opaque = q.bySender.get("") ?? 0;
-    return sender === "" ? opaque >= this.limits.opaqueCap : q.live - opaque >= this.limits.cap;
+  /** How many `sender` ("" for unattributed ones) holds for `to` when that is its cap or more (the next is refused). */
+  full(to: string, sender: string): number | null {
+    const held = this.#queues.get(to)?.bySender.get(sender) ?? 0;
+    return held >= (sender === "" ? this.limits.opaqueCap : this.limits.cap) ? held : null;
   }
 
   /** Up to `n` oldest live messages for `to`. */
@@ -2749,16 +2735,15 @@ export class Bus {
       const queues = new BusQueues({ ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) });
       const bad: [offset: number, bytes: number, reason: string, line: string][] = [];
       const owned = new Set<string>(); // routes that proved their owner before the restart
-      let records = 0, dropped = 0, inMemory = 0;
+      let records = 0, inMemory = 0;
       const h = new MessageHeadReader();
       /** A message record in today's layout, from its head alone: the payload stays on disk. */
       const fastMessage = (buf: Buffer, start: number, end: number, at: number): boolean => {
         // A size above the literal's length is damage (escapes only lengthen): the plain JSON path judges it.
         if (!h.read(buf, start, end) || !h.q || h.q.length > RECIPIENT_MAX_CHARS || h.z > end - 1 - h.p) return false;
-        const { item, dropped: lost } = queues.add(h.q, h.ts, undefined, h.n, h.s, true, h.z);
+        const item = queues.add(h.q, h.ts, undefined, h.n, h.s, h.z);
         item.at = at + h.p - start;
         item.len = end - 1 - h.p;
-        if (lost) dropped++;
         return true;
       };
       const { next, tornBytes } = scanLines(file, 0, (buf, start, end, at) => {
@@ -2783,9 +2768,8 @@ export class Bus {
             break;
           case "m": {
             // Since 0.5.0 every record says its sender ("" for opaque). One without (an earlier bus wrote it) is
-            // attributed by the claim in its payload, for fairness only, and kept whatever the caps now say.
-            const sender = rec.s ?? claimedSender(rec.p);
-            if (queues.add(rec.q, rec.ts, rec.p, rec.n, sender, rec.s !== undefined).dropped) dropped++;
+            // attributed by the claim in its payload, for fairness only. Accepted, each is kept whatever the caps.
+            queues.add(rec.q, rec.ts, rec.p, rec.n, rec.s ?? claimedSender(rec.p));
             // An older layout is rewritten at open; today's, read this way (a name with escapes), stays in memory.
             if (rec.z === undefined) inMemory++;
             break;
@@ -2814,7 +2798,6 @@ export class Bus {
         messages: queues.liveCount,
         recipients: queues.recipientCount,
         skippedLines: bad.length + (tornBytes ? 1 : 0),
-        droppedByCap: dropped,
         ms: Math.round(performance.now() - started),
       };
       const writer = new JsonlWriter(file, `the bus data folder ${dataDir}`);
@@ -2885,6 +2868,22 @@ export class Bus {
   }
 
   /**
+   * Throws the 429 that refuses one more message from `sender` ("" when unknown) for `to` once it holds its cap
+   * there: the sender keeps it and tries again later; nothing already accepted makes room (see QUEUE_CAP).
+   */
+  ensureRouteRoom(to: string, sender: string): void {
+    const held = this.queues.full(to, sender);
+    if (held === null) return;
+    const route = `${fingerprint(to)}${to.includes("#") ? to.slice(to.indexOf("#")) : ""}`;
+    throw new HttpError(
+      429,
+      `${ROUTE_FULL}: ${route} holds ${held} ${
+        sender ? "messages from this sender" : "unattributed payloads"
+      } not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`,
+    );
+  }
+
+  /**
    * Queues a message; resolves once it is on stable storage (the 202). It
    * enters memory in the same step as its record enters the write path, so
    * a compaction triggered meanwhile (by another send or an ack) always
@@ -2897,38 +2896,17 @@ export class Bus {
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
     this.ensureRoom(sender, size);
+    this.ensureRouteRoom(to, sender);
     const seq = this.queues.nextSeq++; // used up even if the write fails: a fenced record can never share it
     const ts = this.now();
     const head = messageHead(to, seq, ts, sender, size);
     const literal = JSON.stringify(payload);
     const headBytes = utf8Bytes(head), len = utf8Bytes(literal);
     const line: PendingLine = { text: `${head}${literal}}\n`, bytes: headBytes + len + 2, to, head: headBytes, len };
-    // A send that pushes an older message out is written at once: if that write fails, nothing was dropped.
-    this.#write(line, this.queues.atCap(to, sender));
-    const { item, dropped } = this.queues.add(to, ts, payload, seq, sender, true, size);
+    this.#write(line);
+    const item = this.queues.add(to, ts, payload, seq, sender, size);
     line.item = item;
     if (line.at !== undefined) this.#stored(item, line.at, len);
-    if (dropped) {
-      this.dead += 2;
-      this.#log(
-        `queue for ${fingerprint(to)}${
-          to.includes("#") ? to.slice(to.indexOf("#")) : ""
-        } is full; dropped the oldest message of ${
-          dropped.sender
-            ? `the sender holding the most there (${fingerprint(dropped.sender)})`
-            : "the unattributed ones"
-        } (seq ${dropped.seq})`,
-      );
-      try {
-        this.#write(recordLine({ t: "d", q: to, n: dropped.seq }), true); // beside its cause, never held apart
-      } catch {
-        // the drop is in memory; the next compaction writes it, a restart before that re-reads the message
-      }
-      // Only when the queue holds `cap` senders with one message each does a newcomer lose to itself: say so.
-      if (dropped.seq === seq) {
-        throw new HttpError(429, "this recipient's queue is full, one message from each of many senders; retry later");
-      }
-    }
     const waiting = this.#waiters.get(to);
     if (waiting) { for (const wake of waiting) wake(); }
     this.#maybeCompact();
@@ -3219,7 +3197,6 @@ export interface RecoveryReport {
   messages: number;
   recipients: number;
   skippedLines: number;
-  droppedByCap: number;
   ms: number;
 }
 
@@ -3273,7 +3250,7 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<
 }
 
 /** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
-export const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send`;
+export const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send full-refused`;
 
 /**
  * The verified signer of a payload shaped as a v2 message (it has from, to,
@@ -3366,6 +3343,7 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
       const payload = JSON.stringify(item.payload);
       const sender = await signerOf(item.payload, to);
       bus.ensureRoom(sender, utf8Bytes(payload));
+      bus.ensureRouteRoom(to, sender); // a full route stops the batch here, as any refusal does
       queued.push(bus.send(to, payload, sender)); // in the queue now, in order; on disk once awaited
       results.push({ status: 202 });
     } catch (e) {
@@ -12126,12 +12104,11 @@ async function runBus(o: Options): Promise<number> {
   logInfo(
     `listening on http://${
       host.includes(":") ? `[${host}]` : host
-    }:${server.port} (data ${dataDir}, cap ${cap} per recipient)`,
+    }:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient)`,
   );
   logInfo(
     `recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms` +
-      (r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "") +
-      (r.droppedByCap ? `; dropped ${r.droppedByCap} over the cap` : ""),
+      (r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : ""),
   );
   if (!isLoopback(host)) {
     logWarn(
@@ -13108,14 +13085,14 @@ const COMMANDS: Record<string, CommandSpec> = {
         arg: "N",
         env: "INTERLINK_QUEUE_CAP",
         default: String(QUEUE_CAP),
-        help: "messages held per recipient before the oldest is dropped",
+        help: "messages one signer may have queued per recipient; past it the next is refused (429), none dropped",
       },
       "opaque-cap": {
         type: "string",
         arg: "N",
         env: "INTERLINK_BUS_OPAQUE_CAP",
         default: String(OPAQUE_CAP),
-        help: "payloads that are not signed v2 messages held per recipient (apart from the cap, never at its cost)",
+        help: "payloads that are not signed v2 messages held per recipient (apart from the cap; past it: 429)",
       },
       "sender-mb": {
         type: "string",
