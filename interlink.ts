@@ -3705,9 +3705,12 @@ async function serveGuarded(
 /** Not one relay answered (a roster, say): whatever needed them is judged on what the node remembers. */
 export class NoRelayAnswered extends InterlinkError {}
 
-/** A relay refused or failed a request; `permanent` when retrying cannot help (an HTTP 4xx, a payload too large). */
+/**
+ * A relay refused or failed a request; `permanent` when retrying cannot help (an HTTP 4xx, a payload too large);
+ * `full` when it keeps no more for that route until its reader reads some (the sender holds that route alone).
+ */
 export class RelayError extends Error {
-  constructor(message: string, readonly permanent = false) {
+  constructor(message: string, readonly permanent = false, readonly full = false) {
     super(message);
   }
 }
@@ -3754,6 +3757,11 @@ export interface Relay {
   ): Promise<(true | RelayError | null)[] | null>;
   /** Calls `back` whenever the relay is reachable again after an outage it noticed (NATS reconnects). */
   onBack?(back: () => void): void;
+  /**
+   * True once the relay is known to refuse a message for a full route (RelayError.full) rather than accept it and
+   * drop an older one: our bus, a NATS stream that discards new messages per subject. Unknown or false: it may drop.
+   */
+  refusesWhenFull?(): boolean;
   close(): Promise<void>;
 }
 
@@ -3890,7 +3898,9 @@ export class HttpRelay implements Relay {
 // deleted once acked), with one subject per route:
 //   interlink.in.<key>                          the bare key
 //   interlink.in.<key>.<base64url(session)>     a session (ids may hold dots)
-// at most QUEUE_CAP messages per subject, the oldest dropped. Each route is
+// at most QUEUE_CAP messages per subject, a new one refused past that (discard
+// new, per subject; a stream made by an earlier release drops the oldest
+// instead, and is used as it is: see NatsLink.refuses). Each route is
 // read through a durable pull consumer with explicit acks, named "in_" + the
 // first 40 hex digits of SHA-256 of the route key's Ed25519 signature over
 // "interlink-nats-consumer-v1\0" ‖ route (deterministic, so stable; only the
@@ -3906,6 +3916,8 @@ export const NATS_STREAM = "INTERLINK";
 export const NATS_ROSTER = "interlink-roster";
 /** Unacked this long, a message is handed over again (the agent acks within milliseconds of journaling it). */
 const NATS_ACK_WAIT_MS = msFromEnv("INTERLINK_TEST_NATS_ACK_WAIT_MS", 10_000);
+/** A new stream's bound per subject (route), as our bus's QUEUE_CAP; a test lowers it (a new stream only). */
+const NATS_SUBJECT_CAP = msFromEnv("INTERLINK_TEST_NATS_SUBJECT_CAP", QUEUE_CAP);
 /**
  * How long one pull waits. Short, unlike a bus's long-poll: a pull that a cluster lost when a node went away (its
  * consumer's leader moving) is not answered, and the next one, on the new leader, should not wait long.
@@ -3959,6 +3971,8 @@ interface NatsLink {
     delete(key: string): Promise<void>;
     keys(): Promise<AsyncIterable<string>>;
   };
+  /** The stream refuses a publish to a full subject (discard new, per subject); false: it drops the oldest there. */
+  refuses: boolean;
 }
 
 /**
@@ -4016,31 +4030,37 @@ export async function connectNats(url: string, key?: string): Promise<NatsLink> 
         );
       },
     );
-    await natsNeeds("the stream " + NATS_STREAM, async () => {
+    const refuses = await natsNeeds("the stream " + NATS_STREAM, async () => {
       let info: { config: Record<string, unknown> };
       try {
         info = await jsm.streams.info(NATS_STREAM) as typeof info;
       } catch (e) {
         if (!/not found/i.test(errorText(e))) throw e;
-        await jsm.streams.add({
+        // A full subject refuses the next publish (the sender keeps it and retries) rather than drop the oldest
+        // message there, which a publish was acknowledged for. An earlier release's nodes call such a stream wrong
+        // ("needs old"): docs/nats.md says so.
+        info = await jsm.streams.add({
           name: NATS_STREAM,
           subjects: ["interlink.in.>"],
           retention: "workqueue",
           storage: "file",
           num_replicas: replicas,
-          max_msgs_per_subject: QUEUE_CAP,
-          discard: "old",
+          max_msgs_per_subject: NATS_SUBJECT_CAP,
+          discard: "new",
+          discard_new_per_subject: true,
           max_msg_size: BODY_LIMIT_BYTES,
           max_age: FRESH_PAST_MS * 1e6, // older is refused as stale by any receiver (senders re-sign before)
-        });
-        return;
+        }) as typeof info;
       }
-      // A stream made by hand (or by a newer version) with other rules could lose mail silently: say so.
+      // A stream made by hand (or by a newer version) with other rules could lose mail silently: say so. One made
+      // by an earlier release (discard old) is used as it is: it drops the oldest of a full subject, so our senders
+      // hold their routes by receipts there (SEND_WINDOW); it is never changed here, since those releases' nodes
+      // refuse any other discard policy.
       const c = info.config;
       const wrong = [
         c.retention !== "workqueue" && `retention ${c.retention} (needs workqueue)`,
         !(c.subjects as string[] | undefined)?.includes("interlink.in.>") && `subjects ${JSON.stringify(c.subjects)}`,
-        c.discard !== "old" && `discard ${c.discard} (needs old)`,
+        c.discard !== "old" && c.discard !== "new" && `discard ${c.discard} (needs new, or old)`,
       ].filter(Boolean);
       if (wrong.length) {
         throw new InterlinkError(
@@ -4049,6 +4069,7 @@ export async function connectNats(url: string, key?: string): Promise<NatsLink> 
           }; see docs/nats.md, "Mapping"`,
         );
       }
+      return c.discard === "new" && c.discard_new_per_subject === true;
     });
     const kvm = new kvPkg.Kvm(nc);
     const kv = await natsNeeds<NatsLink["kv"]>(
@@ -4064,7 +4085,7 @@ export async function connectNats(url: string, key?: string): Promise<NatsLink> 
             }),
         ),
     );
-    return { nc, js: jetstreamPkg.jetstream(nc), jsm, kv };
+    return { nc, js: jetstreamPkg.jetstream(nc), jsm, kv, refuses };
   } catch (e) {
     await nc.close().catch(() => {});
     throw e;
@@ -4142,6 +4163,8 @@ async function natsNeeds<T>(what: string, step: () => Promise<T>): Promise<T> {
 /** NATS JetStream as a relay (see above). Connects on first use and reconnects by itself. */
 export class NatsRelay implements Relay {
   #link: Promise<NatsLink> | null = null;
+  /** The stream refuses a publish to a full subject (learned at connect: see NatsLink.refuses). */
+  #refuses = false;
   #consumers = new Map<string, Promise<{ next(o: { expires: number }): Promise<NatsMsg | null> }>>();
 
   /** `sign` names our consumers; `key` is the node's, for its own reply inboxes (both absent for doctor). */
@@ -4154,6 +4177,7 @@ export class NatsRelay implements Relay {
   link(): Promise<NatsLink> {
     if (this.#link) return this.#link;
     const current: Promise<NatsLink> = connectNats(this.url, this.key).then((link) => {
+      this.#refuses = link.refuses;
       void this.#watch(link);
       // A connection closed for good (not a reconnect): the next call connects anew, and reopens the consumers.
       void link.nc.closed().then(() => {
@@ -4175,6 +4199,10 @@ export class NatsRelay implements Relay {
     this.#back.push(back);
   }
 
+  refusesWhenFull(): boolean {
+    return this.#refuses;
+  }
+
   /** Follows the connection's status: after a reconnect (another server of a cluster, say), calls the onBack hooks. */
   async #watch(link: NatsLink): Promise<void> {
     for await (const s of link.nc.status()) if (s.type === "reconnect") { for (const back of this.#back) back(); }
@@ -4191,9 +4219,11 @@ export class NatsRelay implements Relay {
       });
     } catch (e) {
       if (e instanceof RelayError) throw e;
+      const why = errorText(e);
       throw new RelayError(
-        `${this.name}: ${errorText(e)}`,
-        /maximum (payload|message size)|max_payload/i.test(errorText(e)),
+        `${this.name}: ${/maximum messages per subject/i.test(why) ? `${ROUTE_FULL}: ${why}` : why}`,
+        /maximum (payload|message size)|max_payload/i.test(why),
+        /maximum messages per subject/i.test(why), // a full subject of a stream that refuses rather than drops
       );
     }
   }
