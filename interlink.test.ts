@@ -126,6 +126,7 @@ import {
   scanJournal,
   scanJsonl,
   SDK,
+  SEND_WINDOW,
   serveHttp,
   serverInstructions,
   sessionIds,
@@ -4521,15 +4522,12 @@ describe("flow control: a relay that drops past its cap never loses a message of
   test.concurrent(
     "a peer that is away: the relay keeps at most 8, alice holds the rest until bob's receipts confirm the earlier ones",
     async () => {
-      const { root, A, B } = await twoPeers();
-      const dropped: string[] = [];
-      const bus = await Bus.open(path.join(root, "bus"), { cap: 8, log: (l) => l.includes("drop") && dropped.push(l) });
-      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
-      const url = `http://127.0.0.1:${server.port}`;
-      const alice = await McpNode.start("bun", A, url, { INTERLINK_TEST_SEND_WINDOW: "6" });
-      let bob = await McpNode.start("deno", B, url);
+      const { A, B } = await twoPeers();
+      const bus = await referenceBus(8); // a reference bus: 202 for everything, the oldest dropped past 8
+      const alice = await McpNode.start("bun", A, bus.url, { INTERLINK_TEST_SEND_WINDOW: "6" });
+      let bob = await McpNode.start("deno", B, bus.url);
       try {
-        // bob sends receipts (a node of ours): from the first one on, alice holds its routes at the window.
+        // bob sends receipts (a node of ours): alice holds his routes at the window, and his receipts free it.
         const first = await alice.ok("send_message", { to: "bob", text: "hello" });
         await eventually(
           async () => (await alice.ok("message_status", { msg_id: msgIdOf(first) })).includes("shown to its model"),
@@ -4539,22 +4537,21 @@ describe("flow control: a relay that drops past its cap never loses a message of
         const texts = Array.from({ length: 24 }, (_, i) => `while away ${i}`);
         const answers = [];
         for (const text of texts) answers.push(await alice.ok("send_message", { to: "bob", text }));
-        expect(answers.at(-1)).toContain("it waits in the outbox until bob confirms the 6 sent before it");
+        expect(answers.at(-1)).toContain("it waits in the outbox: bob has not confirmed the 6 sent before it yet");
         let pending = "";
         await eventually(
           async () => (pending = await alice.ok("list_pending")).includes("18 of these to bob"),
           "alice holds what bob has not confirmed",
         );
-        expect(pending).toContain("has not confirmed the 6 sent before them yet");
-        bob = await McpNode.start("deno", B, url);
+        expect(pending).toContain("wait in the outbox: bob has not confirmed the 6 sent before it yet");
+        bob = await McpNode.start("deno", B, bus.url);
         for (const text of texts) await bob.waitEvent((e) => e.content === text, 60_000);
         expect(bob.events.filter((e) => texts.includes(e.content)).map((e) => e.content)).toEqual(texts); // in order
         await eventually(async () => (await alice.ok("list_pending")).includes("the outbox is empty"), "all sent");
-        expect(dropped).toEqual([]);
+        expect(bus.dropped()).toBe(0);
       } finally {
         await Promise.allSettled([alice.close(), bob.close()]);
-        await server.stop();
-        await bus.close();
+        await bus.stop();
       }
     },
     120_000,
@@ -6358,7 +6355,12 @@ describe("NATS JetStream as the relay", () => {
 // Sessions end all day (a new `claude` is a new session id); mail does not.
 
 /** A relay that can go down and come back on the same address: our bus (a child), or a nats-server with JetStream. */
-async function restartableRelay(kind: "bus" | "nats", root: string, runtime: "bun" | "deno" = "bun") {
+async function restartableRelay(
+  kind: "bus" | "nats",
+  root: string,
+  runtime: "bun" | "deno" = "bun",
+  busArgs: string[] = [],
+) {
   const port = await freePort();
   const dir = path.join(root, `${kind}-data`);
   fs.mkdirSync(dir, { recursive: true });
@@ -6374,7 +6376,7 @@ async function restartableRelay(kind: "bus" | "nats", root: string, runtime: "bu
     url: kind === "bus" ? `http://127.0.0.1:${port}` : `nats://127.0.0.1:${port}`,
     async up() {
       if (kind === "bus") {
-        child = spawnChild([...runtimeArgv(runtime), "bus", "--port", String(port), "--data", dir]);
+        child = spawnChild([...runtimeArgv(runtime), "bus", "--port", String(port), "--data", dir, ...busArgs]);
         await child.waitFor(/listening on/);
         return;
       }
@@ -6864,6 +6866,291 @@ describe("sessions end, mail does not", () => {
 });
 
 // ----------------------------------------------------------------------------
+describe("nothing lost while a peer is away", () => {
+  for (const kind of RELAY_KINDS) {
+    // Over our bus alice runs on Bun and bob on Deno; over NATS the other way round.
+    const [ra, rb] = kind === "bus" ? (["bun", "deno"] as const) : (["deno", "bun"] as const);
+    test.concurrent(
+      `${kind}: alice sends 1,700 to bob, whose machine sleeps (no session of his since the pairing); bob starts and is given all 1,700, in order, once`,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        // The relay keeps 64 of alice's for bob (our bus's cap, and a new NATS stream's per subject, lowered so that
+        // 1,700 is many times past it, as 1,700 is past 1,024): past it, it refuses, and alice keeps the rest.
+        const relay = await restartableRelay(kind, root, "bun", ["--cap", "64"]);
+        await relay.up();
+        const env = { INTERLINK_DELIVERY: "inbox", INTERLINK_TEST_NATS_SUBJECT_CAP: "64" };
+        const alice = await McpNode.start(ra, A, relay.url, env);
+        let bob: McpSession | undefined;
+        try {
+          const texts = Array.from({ length: 1700 }, (_, i) => `progress ${i}`);
+          const answers: string[] = [];
+          for (const text of texts) answers.push(await alice.ok("send_message", { to: "bob", text }));
+          expect(answers[0]).toContain("sent at");
+          // Where each waits, truthfully: not "accepted" by a relay that could not keep it.
+          const last = answers.at(-1)!;
+          expect(last).not.toContain("sent at");
+          expect(last).toMatch(
+            /^msg_id \S+ to bob: queued since \S+; it waits in the outbox: the route to bob is full \(\S+ keeps no more of ours for that route until it is read\); it goes, in order, as bob reads/,
+          );
+          const pending = await alice.ok("list_pending");
+          expect(pending).toContain(
+            "1636 of these to bob (the first 10 listed above) wait in the outbox: the route to bob is full",
+          );
+          expect(pending.split("\n").filter((l) => l.startsWith("msg_id")).length).toBe(10);
+          expect(await alice.ok("message_status", { msg_id: msgIdOf(last) })).toContain("the route to bob is full");
+          bob = await McpNode.start(rb, B, relay.url, env);
+          await eventually(() => admittedIds(B).length >= texts.length, "bob took all 1,700", 400_000);
+          await eventually(
+            async () => (await alice.ok("list_pending")).includes("the outbox is empty"),
+            "alice's outbox is empty",
+            60_000,
+          );
+          const got = readNodeLog(B.stateDir).filter((r) => r.t === "in").map((r) => r.msg.text);
+          expect(got.length).toBe(texts.length); // each once
+          expect(got).toEqual(texts); // every one, in order
+          await eventually(
+            async () => (await alice.ok("message_status", { msg_id: msgIdOf(last) })).includes("delivered at"),
+            "bob's receipts reach alice",
+          );
+        } finally {
+          await Promise.allSettled([alice.close(), bob?.close()]);
+          await relay.down();
+        }
+      },
+      600_000,
+    );
+  }
+});
+
+/**
+ * A reference bus (interlink-bus 0.11) in memory: every send answered 202, past `cap` per recipient the oldest
+ * dropped (counted here), none of our bus's headers or extensions.
+ */
+async function referenceBus(cap: number) {
+  const queues = new Map<string, { key: number; payload: unknown; ts: number }[]>();
+  const roster = new Map<string, unknown>();
+  const waiters = new Set<() => void>();
+  let next = 1, dropped = 0;
+  const server = await serveHttp(
+    async (req) => {
+      const url = new URL(req.url);
+      const body = req.method === "POST" ? await req.json() : null;
+      switch (url.pathname) {
+        case "/send": {
+          if (typeof body?.to !== "string" || body.payload === undefined) {
+            return new Response("missing field", {
+              status: 422,
+            });
+          }
+          const q = queues.get(body.to) ?? [];
+          queues.set(body.to, q);
+          q.push({ key: next++, payload: body.payload, ts: Date.now() });
+          while (q.length > cap) q.shift(), dropped++;
+          for (const wake of [...waiters]) wake();
+          return new Response(null, { status: 202 });
+        }
+        case "/recv": {
+          const me = url.searchParams.get("me") ?? "";
+          const deadline = Date.now() + Number(url.searchParams.get("timeout_ms") ?? 25_000);
+          for (;;) {
+            const head = queues.get(me)?.[0];
+            if (head) {
+              return Response.json({
+                status: "message",
+                envelope: { payload: head.payload, ts: head.ts },
+                ack: `${me}\0${head.key}`,
+              });
+            }
+            if (Date.now() >= deadline || req.signal.aborted) return Response.json({ status: "timeout" });
+            await new Promise<void>((resolve) => {
+              const done = () => (clearTimeout(timer), waiters.delete(done), resolve());
+              const timer = setTimeout(done, Math.max(1, Math.min(deadline - Date.now(), 500)));
+              waiters.add(done);
+            });
+          }
+        }
+        case "/ack": {
+          if (!String(body.ack).startsWith(`${body.me}\0`)) return new Response(null, { status: 403 });
+          const q = queues.get(body.me) ?? [];
+          const at = q.findIndex((m) => `${body.me}\0${m.key}` === body.ack);
+          if (at >= 0) q.splice(at, 1);
+          return new Response(null, { status: 200 });
+        }
+        case "/announce":
+          roster.set(`${body.pubkey}#${body.session?.session_id ?? ""}`, body);
+          return new Response(null, { status: 202 });
+        case "/unregister":
+          roster.delete(`${body.pubkey}#${body.session?.session_id ?? ""}`);
+          return new Response(null, { status: 200 });
+        case "/roster":
+          return Response.json({ roster: [...roster.values()] });
+      }
+      return new Response(null, { status: 404 });
+    },
+    "127.0.0.1",
+    0,
+  );
+  return { url: `http://127.0.0.1:${server.port}`, dropped: () => dropped, stop: () => server.stop() };
+}
+
+describe("flow control over a relay that drops: a peer never heard from, a reference node, an earlier release's NATS stream", () => {
+  test.concurrent(
+    "a reference bus that keeps 8: alice holds bob's mail past the window until his receipts come, though bob has never been heard from",
+    async () => {
+      const { A, B } = await twoPeers();
+      const bus = await referenceBus(8);
+      const alice = await McpNode.start("bun", A, bus.url, { INTERLINK_TEST_SEND_WINDOW: "6" });
+      let bob: McpSession | undefined;
+      try {
+        const texts = Array.from({ length: 40 }, (_, i) => `while asleep ${i}`);
+        const answers = [];
+        for (const text of texts) answers.push(await alice.ok("send_message", { to: "bob", text }));
+        expect(answers.at(-1)).toContain(
+          "it waits in the outbox: bob has confirmed none of the 6 sent before it (a node of ours does as it reads",
+        );
+        expect(await alice.ok("list_pending")).toContain("34 of these to bob (the first 10 listed above) wait");
+        bob = await McpNode.start("deno", B, bus.url);
+        for (const text of texts) await bob.waitEvent((e) => e.content === text, 60_000);
+        expect(bob.events.filter((e) => texts.includes(e.content)).map((e) => e.content)).toEqual(texts); // in order
+        await eventually(async () => (await alice.ok("list_pending")).includes("the outbox is empty"), "all sent");
+        expect(bus.dropped()).toBe(0);
+      } finally {
+        await Promise.allSettled([alice.close(), bob?.close()]);
+        await bus.stop();
+      }
+    },
+    120_000,
+  );
+
+  test.concurrent(
+    "a reference node (its messages ask for no receipts) is never held for receipts it would never send",
+    async () => {
+      const { root, A } = await twoPeers();
+      const R = await makeNodeFiles(root, "ref");
+      befriend(A, R);
+      const bus = await referenceBus(1024);
+      const alice = await McpNode.start("deno", A, bus.url, { INTERLINK_TEST_SEND_WINDOW: "6" });
+      try {
+        // The reference node writes first, as a reference node does: no receipts hint.
+        const hello = await signMessage(R.id, { to: A.id.publicKey, text: "hello from a reference node" }, Date.now());
+        await fetch(`${bus.url}/send`, {
+          method: "POST",
+          body: JSON.stringify({
+            to: `${A.id.publicKey}#alice`,
+            payload: { ...hello, reply_to: `${R.id.publicKey}#r1` },
+          }),
+        });
+        await alice.waitEvent((e) => e.content === "hello from a reference node");
+        const answers = [];
+        for (let i = 0; i < 12; i++) answers.push(await alice.ok("send_message", { to: "ref", text: `r${i}` }));
+        for (const a of answers) expect(a).toContain("sent at"); // past the window of 6: none waits
+      } finally {
+        await alice.close();
+        await bus.stop();
+      }
+    },
+    60_000,
+  );
+
+  natsTest(
+    "a NATS stream made by an earlier release (it drops the oldest per subject): used as it is, and alice holds bob's mail until his receipts come",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const [nats] = await startNats(root);
+      // The stream as an earlier release made it: discard old, 8 per subject here.
+      const { connect } = await import("@nats-io/transport-node");
+      const { jetstreamManager } = await import("@nats-io/jetstream");
+      const nc = await connect({ servers: nats.url.replace("nats://", "") });
+      const jsm = await jetstreamManager(nc);
+      await jsm.streams.add(
+        {
+          name: NATS_STREAM,
+          subjects: ["interlink.in.>"],
+          retention: "workqueue",
+          storage: "file",
+          max_msgs_per_subject: 8,
+          discard: "old",
+        } as Parameters<typeof jsm.streams.add>[0],
+      );
+      const alice = await natsNode("bun", A, [nats.url], { INTERLINK_TEST_SEND_WINDOW: "6" });
+      let bob: McpSession | undefined;
+      try {
+        const texts = Array.from({ length: 30 }, (_, i) => `while asleep ${i}`);
+        const answers = [];
+        for (const text of texts) answers.push(await alice.ok("send_message", { to: "bob", text }));
+        expect(answers.at(-1)).toContain("it waits in the outbox: bob has confirmed none of the 6 sent before it");
+        bob = await natsNode("deno", B, [nats.url]);
+        await eventually(() => admittedIds(B).length >= texts.length, "bob took all 30", 60_000);
+        expect(readNodeLog(B.stateDir).filter((r) => r.t === "in").map((r) => r.msg.text)).toEqual(texts);
+        const config = (await jsm.streams.info(NATS_STREAM)).config;
+        expect([config.discard, config.max_msgs_per_subject]).toEqual(["old", 8]); // never changed by a node
+      } finally {
+        await Promise.allSettled([alice.close(), bob?.close(), nc.close()]);
+        nats.kill();
+      }
+    },
+    120_000,
+  );
+});
+
+describe("the outbox: what waits, and why (pure decisions on NodeState)", () => {
+  const mk = async (to: Identity, text: string) => await signMessage(alice, { to: to.publicKey, text }, 1_000);
+
+  test("a route a relay called full waits out its back-off, in order, while other routes go; its key's receipt retries it at once", async () => {
+    let now = 10_000;
+    const state = new NodeState(() => now);
+    state.mayDrop = () => false; // every relay refuses a full route: no receipt window
+    const toBob = await Promise.all([0, 1, 2].map((i) => mk(bob, `bob ${i}`)));
+    const toEve = await mk(eve, "eve 0");
+    for (const [msg, peer] of [[toBob[0], "bob"], [toBob[1], "bob"], [toEve, "eve"], [toBob[2], "bob"]] as const) {
+      state.apply({ t: "out", at: now, peer, recipient: msg.to, msg });
+    }
+    const texts = () => state.pendingHead(32, Infinity).map((e) => e.msg.text);
+    expect(texts()).toEqual(["bob 0", "bob 1", "eve 0", "bob 2"]);
+    state.full.set(bob.publicKey, { until: now + 500, failures: 1, why: "the bus keeps no more" });
+    expect(texts()).toEqual(["eve 0"]); // bob's wait, all of them: his order holds; eve's goes
+    expect(state.waitsFor(state.outgoing.get(toBob[2].msg_id)!)).toBe("full");
+    expect(state.nextFullRetry()).toBe(now + 500);
+    now += 501;
+    expect(texts()).toEqual(["bob 0", "bob 1", "eve 0", "bob 2"]); // its back-off is over: tried again, from its first
+    state.full.get(bob.publicKey)!.until = now + 30_000;
+    const receipt = await signMessage(bob, { to: alice.publicKey, kind: "receipt", text: "", in_reply_to: "x" }, now);
+    state.apply({ t: "receipt", at: now, peer: "bob", msg: receipt });
+    expect(texts()[0]).toBe("bob 0"); // bob reads: room is likely, so his route goes now
+  });
+
+  test("while a relay may drop: a key not heard from is held at SEND_WINDOW, one whose messages ask for no receipts never is", async () => {
+    const state = new NodeState(() => 5_000);
+    const sendMany = async (to: Identity, peer: string, n: number) => {
+      const base = await mk(to, "m");
+      for (let i = 0; i < n; i++) {
+        const msg = { ...base, msg_id: `${peer}-${i}`, text: `${peer} ${i}` };
+        state.apply({ t: "out", at: 1, peer, recipient: to.publicKey, msg });
+        if (i < SEND_WINDOW) state.apply({ t: "sent", at: 2, msg_id: msg.msg_id, via: ["r"] });
+      }
+    };
+    await sendMany(bob, "bob", SEND_WINDOW + 2); // SEND_WINDOW sent and unconfirmed, two queued behind them
+    await sendMany(eve, "eve", SEND_WINDOW + 2);
+    const eveSays = await signMessage(eve, { to: alice.publicKey, text: "from a reference node" }, 3_000);
+    state.apply({ t: "in", at: 3, peer: "eve", msg: eveSays }); // no "receipts": it reads none, sends none
+    const queued = () => state.pendingHead(32, Infinity).map((e) => e.msg.text);
+    expect(queued()).toEqual([`eve ${SEND_WINDOW}`, `eve ${SEND_WINDOW + 1}`]);
+    expect(state.waitsFor(state.outgoing.get(`bob-${SEND_WINDOW}`)!)).toBe("window");
+    expect([...state.heldRoutes()]).toEqual([[bob.publicKey, { why: "window", n: 2 }]]);
+    state.mayDrop = () => false; // every relay refuses a full route instead: receipts hold nothing
+    expect(queued()).toEqual([
+      `bob ${SEND_WINDOW}`,
+      `bob ${SEND_WINDOW + 1}`,
+      `eve ${SEND_WINDOW}`,
+      `eve ${SEND_WINDOW + 1}`,
+    ]);
+    // A key that asked for receipts after all (a node of ours) is held again where a relay may drop.
+    state.mayDrop = () => true;
+    state.apply({ t: "in", at: 4, peer: "eve", msg: { ...eveSays, msg_id: "again" }, receipts: true });
+    expect(queued()).toEqual([]);
+  });
+});
+
 describe("the journal: one typed record per line, read through one codec", () => {
   /** A node's state as a plain, canonical object (sorted keys), for comparing folds across releases. */
   // deno-lint-ignore no-explicit-any -- a fold of any release, compared field by field
@@ -7168,6 +7455,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
       knocks_shown: [1, 2],
       pushed: [["i", { at: 2, item: { kind: "knock", id: "k", at: 1, key: alice.publicKey, name: "alice" } }]],
       confirming: [bob.publicKey],
+      silent: [eve.publicKey],
     };
     const all: JournalRecord[] = [
       { t: "out", at: 1, peer: "bob", recipient: `${bob.publicKey}#b1`, msg: m, pair_petname: "bob", again: true },

@@ -98,8 +98,10 @@ export const QUEUE_CAP = 1024;
 export const ROUTE_FULL = "route full";
 /**
  * How many of our messages one route may hold unconfirmed (sent, no receipt yet) before the rest wait in our
- * outbox: a relay keeps at most QUEUE_CAP per route and drops the oldest past it, so one sender stays well below
- * that. Only for keys that send receipts (ours); a reference node's routes are never held.
+ * outbox, while any relay we send through may drop past its cap (a reference bus, or an older one of ours, keeps
+ * QUEUE_CAP per route and drops the oldest; so does a NATS stream made by an earlier release): one sender stays below
+ * that. Not for a key known to send no receipts (a reference node: it would be held for ever), and not at all when
+ * every relay refuses a full route instead (ours): the refusal holds the route.
  */
 export const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
 /**
@@ -3790,6 +3792,8 @@ export function redactUrl(url: string): string {
 export class HttpRelay implements Relay {
   /** The bus said it is ours (its interlink-bus header): it takes batched sends. */
   #batches = false;
+  /** The bus said it refuses a full route (full-refused) rather than drop the oldest there, as a reference bus does. */
+  #refuses = false;
 
   constructor(readonly url: string, readonly proof?: (route: string) => Promise<string>) {}
 
@@ -3809,11 +3813,17 @@ export class HttpRelay implements Relay {
       const res = results[i];
       if (!res) return null;
       if (res.status === 202) return true;
+      const error = String(res.error ?? "");
       return new RelayError(
-        `${this.url} answered ${res.status} ${String(res.error ?? "").slice(0, 200)}`,
+        `${this.url} answered ${res.status} ${error.slice(0, 200)}`,
         isPermanentRefusal(res.status),
+        res.status === 429 && error.startsWith(ROUTE_FULL),
       );
     });
+  }
+
+  refusesWhenFull(): boolean {
+    return this.#refuses;
   }
 
   get name(): string {
@@ -3822,17 +3832,34 @@ export class HttpRelay implements Relay {
 
   async send(route: string, payload: object, timeoutMs: number, signal?: AbortSignal): Promise<void> {
     const r = await postJson(`${this.url}/send`, { to: route, payload }, timeoutMs, signal);
-    if (!r.ok) {
-      const why = `${this.url} answered ${r.status} ${(await r.text()).slice(0, 200)}`;
-      throw new RelayError(why, isPermanentRefusal(r.status));
-    }
     this.#learn(r);
+    if (!r.ok) {
+      const text = await r.text();
+      let error: unknown;
+      try {
+        error = JSON.parse(text).error;
+      } catch {
+        // not our bus's JSON error: its text says why
+      }
+      const full = r.status === 429 && typeof error === "string" && error.startsWith(ROUTE_FULL);
+      throw new RelayError(
+        `${this.url} answered ${r.status} ${text.slice(0, 200)}`,
+        isPermanentRefusal(r.status),
+        full,
+      );
+    }
     await r.body?.cancel();
   }
 
-  /** A bus that says it takes batches (our bus's `interlink-bus` header) gets them from now on. */
+  /**
+   * What our bus says of itself in its `interlink-bus` header: it takes batches, it refuses a full route. An answer
+   * without it (a reference bus, or another bus now at this URL) takes both back.
+   */
   #learn(r: Response): void {
-    if (r.headers.get("interlink-bus")?.includes("batch-send")) this.#batches = true;
+    const features = r.headers.get("interlink-bus");
+    if (features === null && !r.ok) return; // an error page from something in between says nothing of the bus
+    this.#batches = features?.includes("batch-send") ?? false;
+    this.#refuses = features?.includes("full-refused") ?? false;
   }
 
   /**
@@ -3871,6 +3898,7 @@ export class HttpRelay implements Relay {
 
   async announce(a: Announcement, signal?: AbortSignal): Promise<void> {
     const r = await postJson(`${this.url}/announce`, a, SEND_TIMEOUT_MS, signal);
+    this.#learn(r); // at a session's start, before its first send
     if (!r.ok) {
       throw new RelayError(`${this.url} refused the announcement: ${r.status} ${(await r.text()).slice(0, 200)}`);
     }
@@ -3878,7 +3906,9 @@ export class HttpRelay implements Relay {
   }
 
   async roster(timeoutMs: number): Promise<unknown[]> {
-    const body = await (await fetch(`${this.url}/roster`, { signal: AbortSignal.timeout(timeoutMs) })).json();
+    const r = await fetch(`${this.url}/roster`, { signal: AbortSignal.timeout(timeoutMs) });
+    this.#learn(r); // every send is routed by the roster first: its outbox knows what this bus does at a full route
+    const body = await r.json();
     return isObject(body) && Array.isArray(body.roster) ? body.roster : [];
   }
 
@@ -4773,8 +4803,8 @@ export interface Carried {
  * own journal knew. The messages admitted in the freshness window (their
  * replays stay refused), the items already shown (never shown again), when
  * refusal summaries and knocks were last shown (their pacing), the refusals
- * already reported by receipt, the events last pushed to a channel, and the
- * keys that send receipts (see SEND_WINDOW).
+ * already reported by receipt, the events last pushed to a channel, the keys
+ * that send receipts, and those whose messages ask for none (see SEND_WINDOW).
  */
 export interface Remembered {
   replay: [string, number][];
@@ -4784,6 +4814,8 @@ export interface Remembered {
   knocks_shown: number[];
   pushed: [string, { at: number; item: InboxItem }][];
   confirming: string[];
+  /** Absent in a checkpoint written by an earlier release. */
+  silent?: string[];
 }
 
 /** An outbox entry (sent_at absent) or a sent message awaiting receipts, as carried. */
@@ -5016,6 +5048,10 @@ function decodeRemembered(v: unknown): Remembered {
       if (typeof k !== "string") throw new FormatError(`"confirming" holds a bad key`);
       return k;
     }),
+    silent: entries("silent").map((k) => {
+      if (typeof k !== "string") throw new FormatError(`"silent" holds a bad key`);
+      return k;
+    }),
   };
 }
 
@@ -5231,8 +5267,21 @@ export class NodeState {
   readonly drains = new BoundedMap<string, number>(ROUTES_DRAINED_CAP);
   /** Our messages sent to each route that no receipt has confirmed yet (see SEND_WINDOW). */
   readonly unconfirmed = new Map<string, Set<string>>();
-  /** Keys that have sent us receipts: their routes are held at SEND_WINDOW unconfirmed messages. */
+  /** Keys that have sent us receipts (nodes of ours): as they read, their receipts free room in SEND_WINDOW. */
   readonly confirming = new BoundedMap<string, true>(1024);
+  /**
+   * Keys whose last message to us asked for no receipts (a reference node, or one of ours from before receipts):
+   * their routes are never held at SEND_WINDOW, which no receipt of theirs would ever free. Bounded like the peers.
+   */
+  readonly silent = new BoundedMap<string, true>(1024);
+  /**
+   * Routes a relay refused as full (not in the journal: what the relays said in this process), while messages of
+   * ours wait for them: when to try again, refusals in a row (the back-off), and what the relays said. At most one
+   * per route with something pending; cleared by the route's next accepted message.
+   */
+  readonly full = new Map<string, { until: number; failures: number; why: string }>();
+  /** Whether a relay the outbox sends through may drop past its cap (set by the agent; unknown: it may). */
+  mayDrop: () => boolean = () => true;
   /** Set by a "moved" record: the session that took over everything this one still had to do. */
   movedTo: string | undefined;
 
@@ -5290,6 +5339,8 @@ export class NodeState {
     in: (r) => {
       const { msg } = r;
       this.replay.remember(msg.from, msg.msg_id, msg.ts, this.now());
+      if (msg.kind === "message" && r.receipts) this.silent.delete(msg.from);
+      else if (msg.kind === "message") this.silent.set(msg.from, true);
       const session = r.reply_session && SESSION_RE.test(r.reply_session) ? r.reply_session : undefined;
       if (session) this.sticky.set(msg.from, session);
       foldTask(this.tasks, "in", msg, r.at, session);
@@ -5336,6 +5387,9 @@ export class NodeState {
       this.replay.remember(receipt.from, receipt.msg_id, receipt.ts, this.now());
       const recorded = new Set(recordedReports(r).map((l) => `${l.state} ${l.msg_id}`));
       this.confirming.set(receipt.from, true);
+      this.silent.delete(receipt.from);
+      // Its reader reads: a route of that key a relay called full is tried again now, not at its back-off.
+      for (const [route, f] of this.full) if (parseRoute(route).key === receipt.from) f.until = 0;
       for (const report of newReports(this.outgoing, receipt)) {
         if (!recorded.has(`${report.state} ${report.msg_id}`)) continue;
         const entry = this.outgoing.get(report.msg_id)!;
@@ -5409,6 +5463,7 @@ export class NodeState {
       this.#knocksShown = [...m.knocks_shown];
       for (const [id, x] of m.pushed) this.pushed.set(id, x);
       for (const key of m.confirming) this.confirming.set(key, true);
+      for (const key of m.silent ?? []) this.silent.set(key, true);
     },
   };
 
@@ -5558,6 +5613,7 @@ export class NodeState {
       knocks_shown: [...this.#knocksShown],
       pushed: [...this.pushed],
       confirming: [...this.confirming.keys()],
+      silent: [...this.silent.keys()],
     };
   }
 
@@ -5615,16 +5671,22 @@ export class NodeState {
     return n;
   }
 
-  /** The oldest pending entries, at most `n` of them and about `bytes` of JSON together (at least one). */
+  /**
+   * The oldest pending entries the outbox may send now, at most `n` of them and about `bytes` of JSON together (at
+   * least one): a route a relay called full waits out its back-off, and one held by SEND_WINDOW its receipts, in
+   * order behind its first; later routes go meanwhile.
+   */
   pendingHead(n: number, bytes: number): OutEntry[] {
     const out: OutEntry[] = [];
     let size = 0;
-    const room = new Map<string, number>(); // what each held route may still take in this batch
+    const nowMs = this.now();
+    const room = new Map<string, number>(); // what each windowed route may still take in this batch
     for (const id of this.pending) {
       const e = this.outgoing.get(id)!;
-      if (e.msg.kind === "message" && this.confirming.has(parseRoute(e.recipient).key)) {
+      if ((this.full.get(e.recipient)?.until ?? 0) > nowMs) continue;
+      if (this.#windowed(e)) {
         const left = room.get(e.recipient) ?? SEND_WINDOW - (this.unconfirmed.get(e.recipient)?.size ?? 0);
-        if (left <= 0) continue; // held until receipts confirm earlier ones; later routes go meanwhile
+        if (left <= 0) continue;
         room.set(e.recipient, left - 1);
       }
       size += utf8Bytes(JSON.stringify(e.msg)) + 512; // the route and the unsigned hints besides
@@ -5634,25 +5696,58 @@ export class NodeState {
     return out;
   }
 
-  /** The first message the outbox may send now (one held by SEND_WINDOW is not). */
+  /** The first message the outbox may send now (one whose route is full or held by SEND_WINDOW is not). */
   firstPending(): OutEntry | undefined {
     return this.pendingHead(1, Infinity)[0];
   }
 
-  /** Routes holding SEND_WINDOW unconfirmed messages of ours, with how many of ours wait behind each. */
-  heldRoutes(): Map<string, number> {
-    const held = new Map<string, number>();
+  /** When the first route a relay called full is tried again (Infinity: none is); forgets those with nothing left. */
+  nextFullRetry(): number {
+    if (!this.full.size) return Infinity;
+    const waiting = new Set<string>();
+    for (const id of this.pending) waiting.add(this.outgoing.get(id)!.recipient);
+    let next = Infinity;
+    for (const [route, f] of this.full) {
+      if (!waiting.has(route)) this.full.delete(route); // sent elsewhere, adopted away: nothing waits there now
+      else next = Math.min(next, f.until);
+    }
+    return next;
+  }
+
+  /** Routes where our messages wait (see waitsFor), with why and how many of ours wait there. */
+  heldRoutes(): Map<string, { why: "full" | "window"; n: number }> {
+    const held = new Map<string, { why: "full" | "window"; n: number }>();
     for (const id of this.pending) {
       const e = this.outgoing.get(id)!;
-      if (this.held(e)) held.set(e.recipient, (held.get(e.recipient) ?? 0) + 1);
+      const why = this.waitsFor(e);
+      if (why) held.set(e.recipient, { why, n: (held.get(e.recipient)?.n ?? 0) + 1 });
     }
     return held;
   }
 
-  /** True when a queued message waits for its route's receipts (SEND_WINDOW of ours there are unconfirmed). */
+  /**
+   * Why a queued message waits in the outbox beyond the usual retries: "full", a relay refused its route as full
+   * (it keeps no more of ours there until the recipient reads); "window", SEND_WINDOW of ours on its route are
+   * unconfirmed while a relay may drop; null, it goes as soon as a relay takes it.
+   */
+  waitsFor(e: OutEntry): "full" | "window" | null {
+    if (!this.pending.has(e.msg.msg_id)) return null;
+    if (this.full.has(e.recipient)) return "full";
+    return this.#windowed(e) && (this.unconfirmed.get(e.recipient)?.size ?? 0) >= SEND_WINDOW ? "window" : null;
+  }
+
+  /** True when a queued message waits for its route (see waitsFor). */
   held(e: OutEntry): boolean {
-    return this.pending.has(e.msg.msg_id) && e.msg.kind === "message" &&
-      this.confirming.has(parseRoute(e.recipient).key) && (this.unconfirmed.get(e.recipient)?.size ?? 0) >= SEND_WINDOW;
+    return this.waitsFor(e) !== null;
+  }
+
+  /**
+   * Whether SEND_WINDOW holds this message's route: our messages, while a relay may drop past its cap, to any key
+   * but one known to send no receipts (a peer not heard from yet may be a node of ours, asleep: its receipts free
+   * the room as it reads; a reference node's first message to us releases its routes).
+   */
+  #windowed(e: OutEntry): boolean {
+    return e.msg.kind === "message" && !this.silent.has(parseRoute(e.recipient).key) && this.mayDrop();
   }
 
   /** True when the inbox item `id` was shown from this journal (it is not shown again). */
@@ -6816,6 +6911,8 @@ export class Agent {
       openRelay(url, (route) => this.#proof(route), (data) => id.sign(data), id.publicKey)
     );
     for (const relay of this.relays) relay.onBack?.(() => this.#relayBack());
+    // A message one relay kept is sent; so unless every relay refuses a full route, one may have dropped it.
+    this.state.mayDrop = () => !this.relays.every((r) => r.refusesWhenFull?.() === true);
   }
 
   /** Opens a node: identity, allowlist, the state lock (waiting up to `waitMs` for a short-lived holder), and the fold of its journal. */
@@ -7241,10 +7338,13 @@ export class Agent {
    * relay: in one request where a relay takes several, else one by one until
    * one fails. Settles them in order (sent: a relay kept it; refused: every
    * relay refused it for good) and stops at the first that is neither, which
-   * stays pending with the others behind it: a sender's order holds. Returns
-   * how many were settled.
+   * stays pending with the others behind it: a sender's order holds. One that a
+   * relay refused as full marks its route full (state.full): that route waits
+   * out its own back-off, and the others go meanwhile. Returns how many were
+   * settled, and whether a full route stopped the round (not a failure of the
+   * relays: the next round goes on at once without it).
    */
-  async #attempt(entries: OutEntry[]): Promise<number> {
+  async #attempt(entries: OutEntry[]): Promise<{ settled: number; full: boolean }> {
     for (const entry of entries) {
       if (this.now() - entry.msg.ts <= RESIGN_AFTER_MS) continue;
       const { sig: _sig, from: _from, ts: _ts, ...fields } = entry.msg;
@@ -7275,7 +7375,7 @@ export class Agent {
       return out;
     }));
     const records: NewRecord[] = [];
-    let settled = 0;
+    let settled = 0, full = false;
     for (const [i, entry] of entries.entries()) {
       const results = outcomes.map((o) => o[i]);
       if (results.every((r) => r === null)) break; // not tried anywhere: the next round
@@ -7283,10 +7383,28 @@ export class Agent {
       const via = this.relays.flatMap((relay, k) => (results[k] === true ? [relay.name] : []));
       if (via.length) {
         records.push({ t: "sent", msg_id: entry.msg.msg_id, via });
+        this.state.full.delete(entry.recipient);
         settled++;
         continue;
       }
       entry.lastError = results.map((r) => (r === null ? "not tried" : errorText(r))).join("; ");
+      const fullBy = this.relays.filter((_, k) => (results[k] as RelayError | null)?.full);
+      if (fullBy.length) {
+        // Kept by no relay, and refused as full by one: it and the rest of its route wait in the outbox, in order.
+        const was = this.state.full.get(entry.recipient);
+        const failures = (was?.failures ?? 0) + 1;
+        const why = `${fullBy.map((r) => r.name).join(", ")} keeps no more of ours for that route until it is read`;
+        this.state.full.set(entry.recipient, { until: this.now() + backoffMs(failures), failures, why });
+        if (!was) {
+          logInfo(
+            `the route to ${
+              entry.peer ?? fingerprint(entry.msg.to)
+            } (${entry.recipient}) is full: ${why}; ${entry.msg.msg_id} and what follows it there wait in the outbox, retried as it is read`,
+          );
+        }
+        full = true;
+        break;
+      }
       // Every relay refused the request itself: retrying cannot help, and it must not hold up the ones behind it.
       if (results.every((r) => r instanceof RelayError && r.permanent)) {
         records.push({ t: "refused", msg_id: entry.msg.msg_id, reason: entry.lastError });
@@ -7303,14 +7421,15 @@ export class Agent {
     } finally {
       for (const wake of [...this.#attempted]) wake();
     }
-    return settled;
+    return { settled, full };
   }
 
   /** Delivers everything in the outbox, oldest first, until it is empty or `deadline` passes. */
   async flushOutbox(deadline: number): Promise<void> {
     while (this.state.firstPending() && Date.now() < deadline) {
       const batch = this.state.pendingHead(SEND_BATCH, BODY_LIMIT_BYTES);
-      if ((await this.#attempt(batch)) < batch.length) return;
+      const { settled, full } = await this.#attempt(batch);
+      if (settled < batch.length && !full) return;
     }
   }
 
@@ -7318,15 +7437,20 @@ export class Agent {
     while (!this.#stop.signal.aborted) {
       const entry = this.state.firstPending();
       if (!entry) {
-        await this.#outbox.wait(60_000);
+        // Idle, or every route with mail waits: for receipts (a wake), or for a full one's next try.
+        await this.#outbox.wait(Math.max(0, Math.min(60_000, this.state.nextFullRetry() - this.now())));
         continue;
       }
       // What piled up goes in one request to a bus that takes several (a backlog after an outage, a burst).
       const batch = this.state.pendingHead(SEND_BATCH, BODY_LIMIT_BYTES);
-      if (await this.#attempt(batch).catch((e) => (entry.lastError = errorText(e), 0))) {
-        this.#sendFailures = 0;
-        continue;
+      let round = { settled: 0, full: false };
+      try {
+        round = await this.#attempt(batch);
+      } catch (e) {
+        entry.lastError = errorText(e);
       }
+      if (round.settled) this.#sendFailures = 0;
+      if (round.settled || round.full) continue; // a full route is held apart (state.full): the rest go now
       if (this.#stop.signal.aborted) break;
       const failures = ++this.#sendFailures;
       if (failures === 1) {
@@ -7447,6 +7571,7 @@ export class Agent {
   /** A relay answers again: what waits in the outbox goes now, not after the back-off it had grown to. */
   #relayBack(): void {
     this.#sendFailures = 0;
+    for (const f of this.state.full.values()) f.until = 0;
     this.#outbox.wake();
   }
 
@@ -8590,15 +8715,36 @@ const opt = (
   key: string,
 ): string | undefined => (typeof args[key] === "string" && args[key] !== "" ? (args[key] as string) : undefined);
 
-/** describeOut for a message just sent, saying why it waits if its route is held (see SEND_WINDOW). */
+/** describeOut, and why it waits if its route is held (see NodeState.waitsFor). */
 function describeSettled(agent: Agent, e: OutEntry): string {
-  if (!agent.state.held(e)) return describeOut(e);
-  return `${describeOut(e)}; it waits in the outbox until ${
-    e.peer ?? fingerprint(e.msg.to)
-  } confirms the ${SEND_WINDOW} sent before it (a relay keeps at most ${QUEUE_CAP} per session, and would drop the oldest)`;
+  return describeOut(e, waitWords(agent, e));
 }
 
-function describeOut(e: OutEntry): string {
+/** Why a queued message to `e`'s route waits (see NodeState.waitsFor), for the model; null if it does not. */
+function waitWords(agent: Agent, e: OutEntry): string | null {
+  const to = e.peer ?? fingerprint(e.msg.to);
+  switch (agent.state.waitsFor(e)) {
+    case "full":
+      return `the route to ${to} is full (${
+        agent.state.full.get(e.recipient)!.why
+      }); it goes, in order, as ${to} reads: nothing is lost, do not send it again`;
+    case "window": {
+      const { key } = parseRoute(e.recipient);
+      const heard = agent.state.confirming.has(key)
+        ? `${to} has not confirmed the ${SEND_WINDOW} sent before it yet`
+        : `${to} has confirmed none of the ${SEND_WINDOW} sent before it (a node of ours does as it reads; a reference node never does, and its messages go once it has written to us)`;
+      return `${heard}, and a relay it goes through drops the oldest past its cap (${QUEUE_CAP} per session); it goes as ${to}'s receipts come: do not send it again`;
+    }
+    default:
+      return null;
+  }
+}
+
+/** Messages list_pending shows one by one for a route that waits; the rest are counted, behind them in order. */
+const HELD_LISTED = 10;
+
+/** Where a message of ours stands; `waits`: why its route holds it in the outbox (see waitWords). */
+function describeOut(e: OutEntry, waits?: string | null): string {
   const task = e.msg.task_id ? ` ${taskTag(e.msg)}` : "";
   const to = e.peer ?? fingerprint(e.msg.to);
   if (e.refused) return `msg_id ${e.msg.msg_id} to ${to}${task}: refused (${e.refused})`;
@@ -8606,6 +8752,9 @@ function describeOut(e: OutEntry): string {
     return `msg_id ${e.msg.msg_id} to ${to}${task}: this session had ended, and session ${e.movedTo} took it over (ask there)`;
   }
   if (e.sentAt || e.delivered || e.refusedBy) return `msg_id ${e.msg.msg_id} to ${to}${task}: ${deliveryTrail(e, to)}`;
+  if (waits) {
+    return `msg_id ${e.msg.msg_id} to ${to}${task}: queued since ${isoTime(e.at)}; it waits in the outbox: ${waits}`;
+  }
   const why = e.lastError ? `; last attempt: ${e.lastError}` : "";
   return `msg_id ${e.msg.msg_id} to ${to}${task}: queued since ${
     isoTime(e.at)
@@ -8806,7 +8955,7 @@ export const TOOLS: ToolSpec[] = [
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent, a) {
       const entry = agent.state.outgoing.get(a.msg_id as string);
-      if (entry) return describeOut(entry);
+      if (entry) return describeSettled(agent, entry);
       const found = conversation(agent.journal.stateDir, undefined, Number.MAX_SAFE_INTEGER).find((r) =>
         r.msg.msg_id === a.msg_id
       );
@@ -8855,7 +9004,7 @@ export const TOOLS: ToolSpec[] = [
   {
     name: "list_pending",
     description:
-      "Messages still in the durable outbox (no bus has accepted them yet), oldest first, with the last delivery error.",
+      "Messages still in the durable outbox (no bus has accepted them yet), oldest first, with the last delivery error, and why a route waits (a relay keeps no more for it until it is read, or it waits for the recipient's receipts). They go by themselves, in order: never send them again.",
     args: () => ({}),
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent) {
@@ -8864,7 +9013,15 @@ export const TOOLS: ToolSpec[] = [
       const pending = all.filter((e) => e.msg.kind !== "receipt");
       const receipts = all.length - pending.length;
       const refused = [...agent.state.outgoing.values()].filter((e) => e.refused);
-      const lines = [...pending, ...refused].map((e) => describeOut(e));
+      const held = agent.state.heldRoutes();
+      // A held route lists its first few: the rest wait behind them, in order, and are counted below.
+      const listed = new Map<string, number>();
+      const lines = [...pending, ...refused].flatMap((e) => {
+        if (!held.has(e.recipient)) return [describeOut(e)];
+        const n = (listed.get(e.recipient) ?? 0) + 1;
+        listed.set(e.recipient, n);
+        return n <= HELD_LISTED ? [describeOut(e)] : [];
+      });
       for (const d of damagedOutbox(agent.journal.file)) {
         lines.push(
           `DAMAGED: a journal line at byte ${d.offset} that looks like a queued message${
@@ -8874,12 +9031,15 @@ export const TOOLS: ToolSpec[] = [
           }; ask your operator, and send it again if it matters.`,
         );
       }
-      for (const [route, n] of agent.state.heldRoutes()) {
+      for (const [route, { n }] of held) {
         const { key, session } = parseRoute(route);
+        const first = all.find((e) => e.recipient === route)!;
         lines.push(
           `${n} of these to ${agent.petnameOf(key) ?? fingerprint(key)}${
             session ? ` (session ${showId(session)})` : ""
-          } wait: it has not confirmed the ${SEND_WINDOW} sent before them yet (a relay keeps at most ${QUEUE_CAP} per session, and would drop the oldest); they go as its receipts come`,
+          }${n > HELD_LISTED ? ` (the first ${HELD_LISTED} listed above)` : ""} wait in the outbox: ${
+            waitWords(agent, first)
+          }`,
         );
       }
       if (receipts) lines.push(`and ${receipts} delivery receipt(s) to peers, waiting for a bus like any message`);
@@ -11134,7 +11294,7 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     const { entry, note } = await agent.send(input);
     await agent.flushOutbox(Date.now() + SEND_TIMEOUT_MS + 1000);
     print(
-      `${describeOut(entry)} — ${note}` +
+      `${describeSettled(agent, entry)} — ${note}` +
         (entry.sentAt || entry.refused ? "" : "; the next `interlink.ts send` or `mcp` on this session retries it"),
     );
     return 0;
@@ -12348,6 +12508,13 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
           fix: "run `interlink.ts bus` there, or keep the bus on a network only your nodes reach",
         },
     );
+    out.push(fullFinding(
+      `bus ${url}`,
+      features?.includes("full-refused") === true,
+      "its cap per recipient",
+      "a reference bus, or ours of an earlier release",
+      "run `interlink.ts bus` of this release there",
+    ));
     if (date) {
       const skew = Date.parse(date) - (t0 + t1) / 2; // the header has 1 s resolution
       out.push(
@@ -12377,6 +12544,21 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
   return out;
 }
 
+/**
+ * What a relay does at a route's cap (see QUEUE_CAP): refuse the next, so nothing accepted is lost; or drop the
+ * oldest (`which` relay that is, and the `fix`), so our senders hold back by receipts.
+ */
+function fullFinding(relay: string, refuses: boolean, cap: string, which: string, fix: string): Finding {
+  return refuses
+    ? { level: "ok", what: `${relay} refuses a message past ${cap} (the sender keeps it): nothing accepted is dropped` }
+    : {
+      level: "info",
+      what:
+        `${relay} drops the oldest message past ${cap} (${which}): our senders hold each route at ${SEND_WINDOW} unconfirmed, freed by receipts; a reference node, which sends none, is not held and can lose mail there`,
+      fix,
+    };
+}
+
 /** A NATS relay: it connects, JetStream is on, the stream and roster bucket exist or could be made, its round trip. */
 async function doctorNats(url: string, id: Identity | null): Promise<Finding[]> {
   const relay = new NatsRelay(url, undefined, id?.publicKey);
@@ -12388,15 +12570,25 @@ async function doctorNats(url: string, id: Identity | null): Promise<Finding[]> 
     ]);
     const setupMs = Date.now() - t0;
     const rtt = await withTimeout(5_000, `${relay.name}: ping`, () => link.nc.rtt());
-    const out: Finding[] = [{
-      level: "ok",
-      what:
-        `NATS relay ${relay.name} answers (round trip ${rtt} ms; connected with JetStream, stream ${NATS_STREAM} and bucket ${NATS_ROSTER} ready, in ${setupMs} ms)`,
-    }, {
-      level: "info",
-      what:
-        `NATS relay ${relay.name}: who may read or ack a route is up to the account's permissions (docs/nats.md, "Who may read a route"), not to interlink`,
-    }];
+    const out: Finding[] = [
+      {
+        level: "ok",
+        what:
+          `NATS relay ${relay.name} answers (round trip ${rtt} ms; connected with JetStream, stream ${NATS_STREAM} and bucket ${NATS_ROSTER} ready, in ${setupMs} ms)`,
+      },
+      {
+        level: "info",
+        what:
+          `NATS relay ${relay.name}: who may read or ack a route is up to the account's permissions (docs/nats.md, "Who may read a route"), not to interlink`,
+      },
+      fullFinding(
+        `NATS relay ${relay.name}`,
+        link.refuses,
+        "its per-subject limit",
+        "a stream made by an earlier release",
+        'once no node of an earlier release uses it: `nats stream edit INTERLINK --discard new --discard-per-subject` (docs/nats.md, "Mapping")',
+      ),
+    ];
     if (id) {
       const mine = (await relay.roster()).some((a) => isObject(a) && a.pubkey === id.publicKey);
       out.push({
