@@ -5457,6 +5457,25 @@ describe("presence and routing, as pure decisions (injected ages)", () => {
     expect(r.note).toContain("a live sibling exists: session=new reaches it now");
   });
 
+  test("a remembered session on no roster has ended, listed there before or not: the reply goes to the one live session, else the key", () => {
+    expect(route([], { sticky: "b1" })).toEqual({
+      recipient: K,
+      note:
+        "their session b1 is on no roster (it ended); no session of theirs is live: sent to their key, which their next session reads",
+    });
+    expect(route([sess("b2", 1000)], { sticky: "b1" })).toMatchObject({
+      session: "b2",
+      note: "their session b1 is on no roster (it ended); sent to their live session b2, live: delivering now",
+    });
+    expect(route([], { taskSession: "t1" }).recipient).toBe(K);
+    // With no roster to judge by, what the node remembers stands (only a goodbye is evidence then).
+    expect(route([], { sticky: "b1", rosterKnown: false }).session).toBe("b1");
+    // A hint never listed is taken as given: that session may not have announced itself yet.
+    expect(route([], { hint: "new" }).session).toBe("new");
+    // A reference node's sessions read only their own routes (never the key): its remembered one stands.
+    expect(route([], { sticky: "r1", keyRead: false }).session).toBe("r1");
+  });
+
   test("an exact id wins over a prefix of another; one away candidate is chosen; several away ones are listed", () => {
     expect(route([sess("ab", 1000), sess("abc", 1000)], { hint: "ab" }).session).toBe("ab");
     expect(route([sess("x", 5 * 60_000)]).session).toBe("x");
@@ -6464,6 +6483,36 @@ describe("sessions end, mail does not", () => {
           expect(sessionLog(B, "bob").filter((r) => r.t === "in" && r.msg.msg_id === msgIdOf(queued)).length).toBe(1);
         } finally {
           await Promise.allSettled([a2.close(), bob?.close()]);
+          await relay.down();
+        }
+      },
+      120_000,
+    );
+
+    test.concurrent(
+      `${kind}: a reply to a session that just closed goes to the peer's key, never to the ended session; bob's next session shows it as its own`,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        const relay = await restartableRelay(kind, root);
+        await relay.up();
+        const alice = await McpNode.start(ra, A, relay.url);
+        let b2: McpSession | undefined;
+        const b1 = await McpNode.start(rb, B, relay.url, { INTERLINK_SESSION: "b1" });
+        try {
+          // bob writes first: alice remembers his session b1 (its reply_to); she never read a roster that listed it.
+          const hello = await b1.ok("send_message", { to: "alice", text: "hello from b1" });
+          await alice.waitEvent((e) => e.meta.msg_id === msgIdOf(hello));
+          await b1.close(); // a clean exit: b1 takes itself off the roster (no open task: no goodbye message)
+          b2 = await McpNode.start(rb, B, relay.url, { INTERLINK_SESSION: "b2" });
+          const reply = await alice.ok("send_message", { to: "bob", text: "a reply after bob's restart" });
+          expect(reply).not.toContain("session b1,");
+          expect(reply).toMatch(
+            /their session b1 is on no roster \(it ended\); (sent to their live session b2|no session of theirs is live: sent to their key)/,
+          );
+          const shown = await b2.waitEvent((e) => e.meta.msg_id === msgIdOf(reply));
+          expect(shown.meta.arrived_for).toBeUndefined(); // b2's own mail, not drained late from b1's route
+        } finally {
+          await Promise.allSettled([alice.close(), b1.close(), b2?.close()]);
           await relay.down();
         }
       },

@@ -7939,6 +7939,12 @@ export class Agent {
     let rosterKnown = true;
     try {
       sessions = (await this.roster()).filter((s) => s.key === key);
+      // A remembered session missing from a roster read a moment ago may have announced itself since: read again
+      // before calling it ended.
+      const remembered = [taskSession, this.state.sticky.get(key)].filter((id) => id !== undefined);
+      if (!this.state.silent.has(key) && remembered.some((id) => !sessions.some((s) => s.session?.session_id === id))) {
+        sessions = (await this.roster(true)).filter((s) => s.key === key);
+      }
     } catch (e) {
       if (!(e instanceof NoRelayAnswered)) throw e;
       rosterKnown = false; // no roster to look at: route by what we remember, and say so
@@ -7954,6 +7960,7 @@ export class Agent {
       legacy: sessions.some((s) => s.legacy),
       mySession: this.cfg.session,
       rosterKnown,
+      keyRead: !this.state.silent.has(key),
       seen: (id) => this.#seenRoutes.has(`${key}#${id}`),
       // A goodbye counts until that session announces itself again (a resumed session).
       ended: (id) => {
@@ -8090,9 +8097,15 @@ export function describeSessions(list: PeerSession[]): string {
 /**
  * The routing decision as a pure function of the roster and what the node
  * remembers (see Agent.route). A session that said goodbye, or that is no
- * longer on a roster that answered, has ended: nothing is routed there. Then a
- * reply goes to the peer's one live session, else to its key, which the
- * peer's next session reads (and drains the ended session's route besides).
+ * longer on a roster that answered, has ended: nothing is routed there. So is
+ * a remembered one (the task's, the last to write to us) on no roster at all:
+ * it wrote to us, so it ran; gone from every roster, it unregistered (a clean
+ * exit), was taken off by its successor, or never announced itself (a one-off
+ * CLI send): its route is read late, by an adopter, if ever, and its key at
+ * once by the peer's next session (not a reference node's: its sessions read
+ * only their own routes, so there a remembered session stands). Then a reply
+ * goes to the peer's one live session, else to its key, which the peer's next
+ * session reads (and drains the ended session's route besides).
  */
 export function chooseRoute(p: {
   key: string;
@@ -8105,6 +8118,11 @@ export function chooseRoute(p: {
   mySession: string;
   /** At least one relay answered the roster. Without one, only goodbyes are judged. */
   rosterKnown?: boolean;
+  /**
+   * The key's bare route is read by its next session (a node of ours; unknown: assumed). A reference node's
+   * sessions read only their own routes, so a remembered one of theirs stands unless it is known to have ended.
+   */
+  keyRead?: boolean;
   /** That session said goodbye and has not been back since. */
   ended?: (session: string) => boolean;
   /** That session was on a roster before: missing now, it was unregistered or expired (not just new). */
@@ -8116,10 +8134,17 @@ export function chooseRoute(p: {
   const candidates = p.candidates.filter((c) => !ended(c.session!.session_id));
   const to = (s: string) => `${key}#${s}`;
   const find = (id: string) => candidates.find((c) => c.session!.session_id === id);
-  // A session has ended on evidence only: its goodbye, or a roster that listed it and no longer does. One never
-  // listed may simply not have announced itself (yet, or on these relays): what it said of itself stands.
-  const gone = (id: string): string | null =>
-    ended(id) ? "said goodbye" : known && !find(id) && p.seen?.(id) ? "is no longer on any roster" : null;
+  // A session has ended on evidence only: its goodbye, or a roster that listed it and no longer does. A hint never
+  // listed may simply not have announced itself (yet, or on these relays): what it says of itself stands. A
+  // remembered session wrote to us: missing from every roster (read afresh), it is gone or never announced.
+  const gone = (id: string, remembered = false): string | null =>
+    ended(id)
+      ? "said goodbye"
+      : known && !find(id) && p.seen?.(id)
+      ? "is no longer on any roster"
+      : known && !find(id) && remembered && p.keyRead !== false
+      ? "is on no roster (it ended)"
+      : null;
   const live = candidates.filter((c) => presence(c.ageMs) === "live");
   const liveList = live.length ? `live sessions:\n${describeSessions(live)}` : "none of its sessions is live";
   const state = (id: string): string => {
@@ -8172,7 +8197,7 @@ export function chooseRoute(p: {
   let endedNote = "";
   for (const remembered of [p.taskSession, p.sticky]) {
     if (!remembered || (p.isSelf && remembered === p.mySession)) continue;
-    const why = gone(remembered);
+    const why = gone(remembered, true);
     if (!why) return choose(remembered);
     endedNote ||= `their session ${remembered} ${why}; `;
   }
