@@ -53,6 +53,7 @@ import {
   FRESH_FUTURE_MS,
   FRESH_PAST_MS,
   GOODBYE_PREFIX,
+  type Handed,
   hasSmallOrder,
   humanBytes,
   type Identity,
@@ -81,6 +82,7 @@ import {
   McpSession,
   messageBlock,
   messageHead,
+  messagePayload,
   NATS_STREAM,
   natsConsumer,
   natsInbox,
@@ -91,6 +93,7 @@ import {
   type NodeConfig,
   NodeState,
   OPAQUE_CAP,
+  openRelay,
   parseAnnouncement,
   parseBusUrls,
   parseInviteCode,
@@ -5944,6 +5947,7 @@ const NATS_TESTS = [
   "doctor checks a NATS relay; a server without JetStream is a problem with a fix",
   "with the documented permission set, a node reads only its own routes; one that may not create the stream is told so",
   "one node's flood of roster entries cannot push another node's session off the NATS roster",
+  "what a stopping session's last pull still gets is handed straight back: the route's next reader has it at once",
 ];
 const NATS_SERVER = systemTool("nats-server", "/usr/sbin/nats-server", "NATS", NATS_TESTS);
 // One at a time: each starts a few servers and two agents, and with many children at once Bun's test process was
@@ -6180,6 +6184,42 @@ describe("NATS JetStream as the relay", () => {
     } finally {
       await evil.nc.close();
       await Promise.allSettled([alice.close(), bob.close()]);
+      nats.kill();
+    }
+  }, 90_000);
+
+  natsTest(NATS_TESTS[7], async () => {
+    const root = tmpDir();
+    const [nats] = await startNats(root);
+    const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    const sign = (data: Parameters<Identity["sign"]>[0]) => id.sign(data);
+    const route = id.publicKey; // the bare key: read by whichever session of the node holds it
+    const relay = new NatsRelay(nats.url, sign, id.publicKey);
+    const { connect } = await import("@nats-io/transport-node");
+    const { jetstreamManager } = await import("@nats-io/jetstream");
+    const nc = await connect({ servers: nats.url.replace("nats://", "") });
+    try {
+      expect((await relay.recv(route, new AbortController().signal, 1_000)).items).toEqual([]); // opens the consumer
+      // An ack wait of a minute: a message its reader leaves unacked would block the route that long.
+      const jsm = await jetstreamManager(nc);
+      const name = await natsConsumer(route, sign);
+      const { config } = await jsm.consumers.info(NATS_STREAM, name);
+      await jsm.consumers.update(NATS_STREAM, name, { ...config, ack_wait: 60_000 * 1e6 });
+      const stopping = new AbortController();
+      const abandoned = relay.recv(route, stopping.signal, 5_000);
+      await eventually(async () => (await jsm.consumers.info(NATS_STREAM, name)).num_waiting > 0, "the pull waits");
+      stopping.abort(); // the session stops; its connection stays open a moment longer (its goodbyes)
+      expect((await abandoned).items).toEqual([]);
+      const msg = await signMessage(id, { to: id.publicKey, text: "to the key" }, Date.now());
+      await relay.send(route, msg, 5_000); // handed to the abandoned pull, the only one waiting
+      // The next reader of the route (another session: another pull on the same consumer) has it at once.
+      const reading = new AbortController();
+      let got: Handed[] = [];
+      await eventually(async () => (got = (await relay.recv(route, reading.signal, 1_000)).items).length > 0, "read");
+      expect((got[0].payload as SignedMessage).msg_id).toBe(msg.msg_id);
+      await got[0].ack();
+    } finally {
+      await Promise.allSettled([relay.close(), nc.close()]);
       nats.kill();
     }
   }, 90_000);
@@ -6513,6 +6553,39 @@ describe("sessions end, mail does not", () => {
           expect(shown.meta.arrived_for).toBeUndefined(); // b2's own mail, not drained late from b1's route
         } finally {
           await Promise.allSettled([alice.close(), b1.close(), b2?.close()]);
+          await relay.down();
+        }
+      },
+      120_000,
+    );
+
+    test.concurrent(
+      `${kind}: a session started while its predecessor is still exiting reads its key's mail from its first moments`,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        const relay = await restartableRelay(kind, root);
+        await relay.up();
+        // A second relay that takes connections and never answers: b1's exit (its unregister there) takes GOODBYE_MS.
+        const mute = net.createServer(() => {}).listen(0, "127.0.0.1");
+        await new Promise((resolve) => mute.once("listening", resolve));
+        const mutePort = (mute.address() as net.AddressInfo).port;
+        const b1 = await McpNode.start(rb, B, `${relay.url},http://127.0.0.1:${mutePort}`, { INTERLINK_SESSION: "b1" });
+        let b2: McpSession | undefined;
+        const sender = openRelay(relay.url);
+        try {
+          await b1.ok("list_pending"); // open: b1 reads bob's key
+          const closing = b1.close(); // the user quits; a new claude starts at once
+          b2 = await McpNode.start(rb, B, relay.url, { INTERLINK_SESSION: "b2" });
+          // Right after b2 answered initialize, alice's node writes to bob's key (no session of his on any roster).
+          const msg = await signMessage(A.id, { to: B.id.publicKey, text: "first to the new session" }, Date.now());
+          await sender.send(B.id.publicKey, messagePayload(msg, `${A.id.publicKey}#alice`), 5_000);
+          const shown = await b2.waitEvent((e) => e.meta.msg_id === msg.msg_id);
+          expect(shown.meta.arrived_for).toBeUndefined();
+          await closing;
+          expect(sessionLog(B, "b1").some((r) => r.t === "in" && r.msg.msg_id === msg.msg_id)).toBe(false);
+        } finally {
+          await Promise.allSettled([b1.close(), b2?.close(), sender.close()]);
+          mute.close();
           await relay.down();
         }
       },

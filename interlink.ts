@@ -3977,6 +3977,7 @@ export async function natsConsumer(route: string, sign?: (data: Bytes) => Promis
 interface NatsMsg {
   data: Uint8Array;
   ackAck(): Promise<boolean>;
+  nak(): void;
 }
 interface NatsLink {
   nc: {
@@ -4279,8 +4280,9 @@ export class NatsRelay implements Relay {
       this.#consumers.set(route, consumer);
       consumer.catch(() => this.#consumers.delete(route));
     }
-    // A pull cannot be cancelled: on stop, stop waiting for it; what it may still fetch is never acked, so it
-    // comes again after NATS_ACK_WAIT_MS, at the head of the route (one unacked message at a time).
+    // A pull cannot be cancelled: on stop, stop waiting for it. What it may still fetch (until the connection
+    // closes, after the goodbyes) is handed back at once (nak), for the session that reads the route next: left
+    // unacked it would block the route (one unacked message at a time) for NATS_ACK_WAIT_MS.
     const stopped = new Promise<null>((resolve) =>
       signal.addEventListener("abort", () => resolve(null), { once: true })
     );
@@ -4291,8 +4293,15 @@ export class NatsRelay implements Relay {
         stopped,
       ]);
       if (!c || signal.aborted) return null;
-      const pull = withTimeout(expires + SEND_TIMEOUT_MS, `${this.name}: pull`, () => c.next({ expires }));
-      m = await Promise.race([pull, stopped]);
+      const next = c.next({ expires });
+      const handBack = () => void next.then((late) => late?.nak(), () => {});
+      try {
+        m = await Promise.race([withTimeout(expires + SEND_TIMEOUT_MS, `${this.name}: pull`, () => next), stopped]);
+      } catch (e) {
+        handBack(); // timed out: it may still come
+        throw e;
+      }
+      if (m === null && signal.aborted) handBack();
     } catch (e) {
       // The consumer may be gone (unused past inactive_threshold, deleted by an admin, the stream made anew):
       // the next recv opens it again.
@@ -7049,20 +7058,39 @@ export class Agent {
     if (!opts.ownRouteOnly) this.#loops.push(this.#bareKeyLoop(), this.#endedLoop());
   }
 
-  /** Takes over polling the bare key when no live session of this identity does (checked every ANNOUNCE_EVERY_MS). */
+  /**
+   * Takes over polling the bare key when no live session of this identity does: at once when the session that
+   * reads it lets go (fs.watch on bare.lock, which a stopping session releases first of all), else when it is
+   * found dead (looked at every FOLLOW_RECHECK_MS), so a session started while its predecessor still exits reads
+   * its key's mail within moments, not a poll period later.
+   */
   async #bareKeyLoop(): Promise<void> {
-    while (!this.#stop.signal.aborted && !this.#bareLock) {
-      try {
-        this.#bareLock = await PidLock.acquire(
-          path.join(this.cfg.stateDir, "bare.lock"),
-          `session ${this.cfg.session}`,
-        );
-        for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.id.publicKey));
-        return;
-      } catch (e) {
-        if (!(e instanceof LockedError)) logWarn(`cannot take bare.lock: ${(e as Error).message}`);
+    const file = path.join(this.cfg.stateDir, "bare.lock");
+    const freed = new WakeLatch();
+    let watcher: fs.FSWatcher | null = null;
+    try {
+      while (!this.#stop.signal.aborted && !this.#bareLock) {
+        try {
+          this.#bareLock = await PidLock.acquire(file, `session ${this.cfg.session}`);
+          for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.id.publicKey));
+          return;
+        } catch (e) {
+          if (!(e instanceof LockedError)) logWarn(`cannot take bare.lock: ${(e as Error).message}`);
+        }
+        try {
+          watcher ??= fs.watch(this.cfg.stateDir, (_event, name) => {
+            if (name === null || String(name) === "bare.lock") freed.wake();
+          });
+        } catch {
+          // no file watching here: the re-check below still finds the lock free
+        }
+        const stopped = () => freed.wake();
+        this.#stop.signal.addEventListener("abort", stopped, { once: true });
+        await freed.wait(FOLLOW_RECHECK_MS);
+        this.#stop.signal.removeEventListener("abort", stopped);
       }
-      await pause(ANNOUNCE_EVERY_MS, this.#stop.signal);
+    } finally {
+      watcher?.close();
     }
   }
 
@@ -7079,6 +7107,10 @@ export class Agent {
     if (this.#poll) clearInterval(this.#poll);
     await Promise.allSettled(this.#loops);
     await this.#receiving.catch(() => {});
+    // Nothing here reads the key's mail any more: a session starting meanwhile takes it over now, not after the
+    // goodbyes (which wait on every relay, up to GOODBYE_MS).
+    this.#bareLock?.release();
+    this.#bareLock = null;
     const handover = fs.existsSync(path.join(this.journal.stateDir, "handover"));
     if (goodbye && !handover) await this.#sayGoodbye();
     await Promise.allSettled(this.relays.map((r) => r.close()));
@@ -7092,7 +7124,6 @@ export class Agent {
     }
     this.journal.close();
     this.seen.close();
-    this.#bareLock?.release();
     this.lock.release();
   }
 
