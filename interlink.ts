@@ -8930,11 +8930,11 @@ export const TOOLS: ToolSpec[] = [
     name: "send_message",
     description:
       "Send a signed message to a paired peer (petname, fingerprint or key), or to 'self' (another session of this node). " +
-      "It goes to one session of the peer: the task's, else the one that last wrote to you, else its only live one; pass session= when it has several. " +
+      "It goes to one session of the peer: the task's, else the one that last wrote to you (unless it has ended), else its only live one, else its key (read by its next session); pass session= when it has several. " +
       "For delegated work put one task_id on every message of the task: " +
       "the requester opens it (no status); the executor streams status=update, asks with status=needs_input, and finishes with status=result or status=failed. " +
       "Answer a needs_input by setting in_reply_to to the question's msg_id. A terminal status (result, failed, canceled) closes the task: follow-up work needs a new task_id. " +
-      "Returns the msg_id and whether a bus accepted it (sent) or it waits in the durable outbox (queued, retried automatically).",
+      "Returns the msg_id and whether a bus accepted it (sent) or it waits in the durable outbox (queued: a relay is unreachable, or the peer's route is full until it reads; it goes by itself, in order: never send it again).",
     args: (k) => ({
       to: k.str("the peer's petname, fingerprint or key (see list_peers)"),
       text: k.str("the message; signed, not encrypted: never include secrets"),
