@@ -56,6 +56,7 @@ import {
   FRESH_FUTURE_MS,
   FRESH_PAST_MS,
   GOODBYE_PREFIX,
+  type Handed,
   hasSmallOrder,
   humanBytes,
   type Identity,
@@ -85,6 +86,8 @@ import {
   McpSession,
   messageBlock,
   messageHead,
+  messagePayload,
+  NATS_STREAM,
   natsConsumer,
   natsInbox,
   natsPermissions,
@@ -94,6 +97,7 @@ import {
   type NodeConfig,
   NodeState,
   OPAQUE_CAP,
+  openRelay,
   parseAnnouncement,
   parseBusUrls,
   parseInviteCode,
@@ -129,10 +133,12 @@ import {
   ROSTER_ANSWER_MAX_BYTES,
   ROSTER_CAP,
   rosterKey,
+  ROUTE_FULL,
   runTool,
   scanJournal,
   scanJsonl,
   SDK,
+  SEND_WINDOW,
   serveHttp,
   serverInstructions,
   sessionIds,
@@ -1207,13 +1213,25 @@ describe("bus: the HTTP handler", () => {
     expect((await ack("K", r.ack)).status).toBe(403);
   });
 
-  test("past the cap the oldest is dropped, and the drop is logged with the recipient's fingerprint", async () => {
-    const to = "1AnB2ji_KedfVpS_CH-QIRK4wdLdNziJkIgyNroYiYE";
-    for (const n of [1, 2, 3, 4]) await send(to, n);
-    expect((await recv(to)).envelope.payload).toBe(2);
-    expect(
-      logs.some((l) => l.includes("1AnB2ji_") && l.includes("dropped the oldest message of the unattributed ones")),
-    ).toBe(true);
+  test("at the cap the next message is refused (429, route full, naming the recipient); none accepted is dropped", async () => {
+    const to = "1AnB2ji_KedfVpS_CH-QIRK4wdLdNziJkIgyNroYiYE#s1";
+    for (const n of [1, 2, 3]) expect((await send(to, n)).status).toBe(202);
+    const refused = await send(to, 4);
+    expect(refused.status).toBe(429);
+    const { error } = await refused.json();
+    // A sender of ours tells a full route from its own byte budget (which holds every route) by these words.
+    expect(error).toMatch(new RegExp(`^${ROUTE_FULL}: 1AnB2ji_#s1 holds 3 unattributed payloads not yet read`));
+    expect(error).toContain("nothing queued before was dropped");
+    const r = await recv(to);
+    expect(r.envelope.payload).toBe(1); // the oldest is still there
+    await ack(to, r.ack);
+    expect((await send(to, 4)).status).toBe(202); // read one, room for one
+    const rest = [];
+    for (let m = await recv(to); m.status === "message"; m = await recv(to)) {
+      rest.push(m.envelope.payload), await ack(to, m.ack);
+    }
+    expect(rest).toEqual([2, 3, 4]);
+    expect(logs.join("\n")).not.toMatch(/dropped/);
   });
 
   test("malformed JSON and wrong field types are 400 with a short JSON error", async () => {
@@ -1350,7 +1368,7 @@ describe("bus: queue and roster logic", () => {
 
   test("an ack may name any entry, not only the head; empty queues are deleted", () => {
     const q = new BusQueues(10);
-    const seqs = [1, 2, 3].map((n) => q.add("a", n, String(n)).item.seq);
+    const seqs = [1, 2, 3].map((n) => q.add("a", n, String(n)).seq);
     expect(q.remove("a", seqs[1])).toBe(true);
     expect([...q.live()].map(([, m]) => m.payload)).toEqual(["1", "3"]);
     q.remove("a", seqs[0]);
@@ -1359,12 +1377,23 @@ describe("bus: queue and roster logic", () => {
     expect(q.liveCount).toBe(0);
   });
 
-  test("the cap drops the oldest and reports it (unattributed payloads: their own small cap)", () => {
-    const q = new BusQueues({ cap: 2, opaqueCap: 2 });
-    q.add("a", 1, "1");
-    q.add("a", 2, "2");
-    expect(q.add("a", 3, "3").dropped?.payload).toBe("1");
-    expect([...q.live()].map(([, m]) => m.payload)).toEqual(["2", "3"]);
+  test("a cap is per signer and recipient, unattributed payloads have their own; at it the queue says full and drops nothing", () => {
+    const q = new BusQueues({ cap: 2, opaqueCap: 1 });
+    q.add("a", 1, "1", undefined, alice.publicKey);
+    expect(q.full("a", alice.publicKey)).toBe(null);
+    q.add("a", 2, "2", undefined, alice.publicKey);
+    expect(q.full("a", alice.publicKey)).toBe(2); // alice's next is refused...
+    expect(q.full("a", bob.publicKey)).toBe(null); // ...bob's is not: her flood never locks him out
+    expect(q.full("b", alice.publicKey)).toBe(null); // nor her mail to anyone else
+    expect(q.full("a", "")).toBe(null);
+    q.add("a", 3, "3");
+    expect(q.full("a", "")).toBe(1);
+    q.add("a", 4, "4", undefined, alice.publicKey); // what a restart files past a lowered cap: kept, never dropped
+    expect([...q.live()].map(([, m]) => m.payload)).toEqual(["1", "2", "3", "4"]);
+    q.remove("a", 1);
+    expect(q.full("a", alice.publicKey)).toBe(2);
+    q.remove("a", 2);
+    expect(q.full("a", alice.publicKey)).toBe(null);
   });
 
   test("presence: a session entry is kept 3 days, a sessionless (0.4) one 90 s; age_ms counts from the last refresh", () => {
@@ -1437,7 +1466,7 @@ describe("bus: durability", () => {
   test("compaction keeps disk use proportional to what is live, and keeps seq numbers unique", async () => {
     const dir = tmpDir();
     const file = path.join(dir, "queue.jsonl");
-    let bus = await Bus.open(dir);
+    let bus = await Bus.open(dir, { limits: { opaqueCap: 1000 } }); // room for each round's thousand
     const payload = JSON.stringify("p".repeat(200));
     for (let round = 0; round < 12; round++) {
       await Promise.all(Array.from({ length: 1000 }, () => bus.send("r", payload)));
@@ -4387,7 +4416,7 @@ describe("durability: a full disk", () => {
       async () => {
         const disk = smallDisk(512)!;
         try {
-          // Under a cap of 50, most sends push an older message out: those are written at once, never held.
+          // Under a cap of 50, most sends find the route full: refused (429) before anything is written.
           const bus = await Bus.open(path.join(disk.dir, "bus"), { log: () => {}, limits: { opaqueCap } });
           const call = (body: unknown) =>
             bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify(body) }));
@@ -4398,15 +4427,17 @@ describe("durability: a full disk", () => {
             Array.from({ length: 100 }, (_, k) => call({ to: "r", payload: { i: 5 + k, pad: "x".repeat(500) } })),
           );
           answers.forEach((r, k) => r.status === 202 && accepted.push(5 + k));
-          // Held, the batch did not fit in one write; written one by one (at the cap), some still did.
+          // Held, the batch did not fit in one write; past the cap, the route refused the rest.
           expect(answers.filter((r) => r.status === 507).length).toBeGreaterThan(opaqueCap > 100 ? 50 : 0);
+          expect(answers.every((r) => [202, 507, 429].includes(r.status))).toBe(true);
+          if (opaqueCap < 100) expect(answers.filter((r) => r.status === 429).length).toBeGreaterThan(0);
           const queued = () => [...bus.queues.live()].map(([, m]) => JSON.parse(bus.payloadOf(m)).i);
-          // Nothing refused is left in memory; nothing accepted is missing but what the cap pushed out, oldest first.
-          expect(queued()).toEqual(accepted.slice(-opaqueCap));
+          // Nothing refused is left in memory; nothing accepted is missing.
+          expect(queued()).toEqual(accepted);
           fs.rmSync(filler);
           await bus.close();
           const reopened = await Bus.open(path.join(disk.dir, "bus"), { log: () => {}, limits: { opaqueCap } });
-          expect(reopened.take("r", 200).map((m) => JSON.parse(m.payload).i)).toEqual(accepted.slice(-opaqueCap));
+          expect(reopened.take("r", 200).map((m) => JSON.parse(m.payload).i)).toEqual(accepted);
           expect(reopened.recovery.skippedLines).toBe(0);
           await reopened.close();
         } finally {
@@ -4415,33 +4446,6 @@ describe("durability: a full disk", () => {
       },
     );
   }
-
-  diskTest(
-    "a send written at once during a round (it pushed an older message out) is not refused with the held batch behind it",
-    async () => {
-      const disk = smallDisk(512)!;
-      try {
-        const opts = { log: () => {}, limits: { opaqueCap: 3 } };
-        const bus = await Bus.open(path.join(disk.dir, "bus"), opts);
-        for (let i = 0; i < 3; i++) await bus.send("r", JSON.stringify(`old${i}`));
-        const filler = fillDisk(disk.dir, 8192);
-        const a = bus.send("x", '"a"'); // written at once; its fdatasync starts a round
-        const atCap = bus.send("r", '"at cap"'); // pushes old0 out: written at once, during that round
-        const held = bus.send("y", JSON.stringify("h".repeat(64 * 1024))); // held for the next round; it does not fit
-        const [ra, rc, rh] = await Promise.allSettled([a, atCap, held]);
-        expect([ra.status, rc.status, rh.status]).toEqual(["fulfilled", "fulfilled", "rejected"]);
-        expect(bus.take("r", 10).map((m) => m.payload)).toEqual(['"old1"', '"old2"', '"at cap"']);
-        fs.rmSync(filler);
-        await bus.close();
-        const reopened = await Bus.open(path.join(disk.dir, "bus"), opts);
-        expect(reopened.take("r", 10).map((m) => m.payload)).toEqual(['"old1"', '"old2"', '"at cap"']);
-        expect(reopened.take("y", 10)).toEqual([]);
-        await reopened.close();
-      } finally {
-        disk.unmount();
-      }
-    },
-  );
 
   diskTest(
     "a compaction that cannot be written keeps the old file and leaves no temp file behind (Deno bus)",
@@ -5068,15 +5072,12 @@ describe("flow control: a relay that drops past its cap never loses a message of
   test.concurrent(
     "a peer that is away: the relay keeps at most 8, alice holds the rest until bob's receipts confirm the earlier ones",
     async () => {
-      const { root, A, B } = await twoPeers();
-      const dropped: string[] = [];
-      const bus = await Bus.open(path.join(root, "bus"), { cap: 8, log: (l) => l.includes("drop") && dropped.push(l) });
-      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
-      const url = `http://127.0.0.1:${server.port}`;
-      const alice = await McpNode.start("bun", A, url, { INTERLINK_TEST_SEND_WINDOW: "6" });
-      let bob = await McpNode.start("deno", B, url);
+      const { A, B } = await twoPeers();
+      const bus = await referenceBus(8); // a reference bus: 202 for everything, the oldest dropped past 8
+      const alice = await McpNode.start("bun", A, bus.url, { INTERLINK_TEST_SEND_WINDOW: "6" });
+      let bob = await McpNode.start("deno", B, bus.url);
       try {
-        // bob sends receipts (a node of ours): from the first one on, alice holds its routes at the window.
+        // bob sends receipts (a node of ours): alice holds his routes at the window, and his receipts free it.
         const first = await alice.ok("send_message", { to: "bob", text: "hello" });
         await eventually(
           async () => (await alice.ok("message_status", { msg_id: msgIdOf(first) })).includes("shown to its model"),
@@ -5086,22 +5087,21 @@ describe("flow control: a relay that drops past its cap never loses a message of
         const texts = Array.from({ length: 24 }, (_, i) => `while away ${i}`);
         const answers = [];
         for (const text of texts) answers.push(await alice.ok("send_message", { to: "bob", text }));
-        expect(answers.at(-1)).toContain("it waits in the outbox until bob confirms the 6 sent before it");
+        expect(answers.at(-1)).toContain("it waits in the outbox: bob has not confirmed the 6 sent before it yet");
         let pending = "";
         await eventually(
           async () => (pending = await alice.ok("list_pending")).includes("18 of these to bob"),
           "alice holds what bob has not confirmed",
         );
-        expect(pending).toContain("has not confirmed the 6 sent before them yet");
-        bob = await McpNode.start("deno", B, url);
+        expect(pending).toContain("wait in the outbox: bob has not confirmed the 6 sent before it yet");
+        bob = await McpNode.start("deno", B, bus.url);
         for (const text of texts) await bob.waitEvent((e) => e.content === text, 60_000);
         expect(bob.events.filter((e) => texts.includes(e.content)).map((e) => e.content)).toEqual(texts); // in order
         await eventually(async () => (await alice.ok("list_pending")).includes("the outbox is empty"), "all sent");
-        expect(dropped).toEqual([]);
+        expect(bus.dropped()).toBe(0);
       } finally {
         await Promise.allSettled([alice.close(), bob.close()]);
-        await server.stop();
-        await bus.close();
+        await bus.stop();
       }
     },
     120_000,
@@ -6007,6 +6007,25 @@ describe("presence and routing, as pure decisions (injected ages)", () => {
     expect(r.note).toContain("a live sibling exists: session=new reaches it now");
   });
 
+  test("a remembered session on no roster has ended, listed there before or not: the reply goes to the one live session, else the key", () => {
+    expect(route([], { sticky: "b1" })).toEqual({
+      recipient: K,
+      note:
+        "their session b1 is on no roster (it ended); no session of theirs is live: sent to their key, which their next session reads",
+    });
+    expect(route([sess("b2", 1000)], { sticky: "b1" })).toMatchObject({
+      session: "b2",
+      note: "their session b1 is on no roster (it ended); sent to their live session b2, live: delivering now",
+    });
+    expect(route([], { taskSession: "t1" }).recipient).toBe(K);
+    // With no roster to judge by, what the node remembers stands (only a goodbye is evidence then).
+    expect(route([], { sticky: "b1", rosterKnown: false }).session).toBe("b1");
+    // A hint never listed is taken as given: that session may not have announced itself yet.
+    expect(route([], { hint: "new" }).session).toBe("new");
+    // A reference node's sessions read only their own routes (never the key): its remembered one stands.
+    expect(route([], { sticky: "r1", keyRead: false }).session).toBe("r1");
+  });
+
   test("an exact id wins over a prefix of another; one away candidate is chosen; several away ones are listed", () => {
     expect(route([sess("ab", 1000), sess("abc", 1000)], { hint: "ab" }).session).toBe("ab");
     expect(route([sess("x", 5 * 60_000)]).session).toBe("x");
@@ -6069,7 +6088,7 @@ describe("hostile clients on the bus", () => {
 });
 
 describe("hostile clients: fair room on the bus", () => {
-  test("a flood from one sender fills a recipient's queue at its own cost: the other senders' messages stay", async () => {
+  test("a flood from one sender is refused at its own cap: the other senders' messages stay, and still get in", async () => {
     const bus = await Bus.open(tmpDir(), { cap: 8, log: () => {} });
     try {
       const post = (payload: unknown) =>
@@ -6082,13 +6101,18 @@ describe("hostile clients: fair room on the bus", () => {
         real.push(m.msg_id);
         expect((await post(m)).status).toBe(202);
       }
+      const eves = [];
       for (let i = 0; i < 40; i++) {
-        expect((await post(await signMessage(eve, { to: bob.publicKey, text: `junk ${i}` }, Date.now()))).status).toBe(
-          202,
-        );
+        eves.push((await post(await signMessage(eve, { to: bob.publicKey, text: `junk ${i}` }, Date.now()))).status);
       }
-      // Junk that is not even a v2 message lives under its own small budget and cannot push anything out.
-      for (let i = 0; i < 200; i++) expect((await post({ junk: i })).status).toBe(202);
+      expect(eves).toEqual([...Array(8).fill(202), ...Array(32).fill(429)]); // eve's own cap of 8, then refused
+      // Junk that is not even a v2 message lives under its own small budget, refused past it, and takes no one's room.
+      const junk = [];
+      for (let i = 0; i < 200; i++) junk.push((await post({ junk: i })).status);
+      expect(junk).toEqual([...Array(OPAQUE_CAP).fill(202), ...Array(200 - OPAQUE_CAP).fill(429)]);
+      const late = await signMessage(alice, { to: bob.publicKey, text: "after the flood" }, Date.now());
+      expect((await post(late)).status).toBe(202); // the flood never locks alice out
+      real.push(late.msg_id);
       const held: string[] = [];
       for (let m = bus.queues.first(bob.publicKey); m; m = bus.queues.first(bob.publicKey)) {
         const p = JSON.parse(bus.payloadOf(m));
@@ -6096,7 +6120,7 @@ describe("hostile clients: fair room on the bus", () => {
         bus.ack(bob.publicKey, m.seq);
       }
       expect(held.filter((h) => h.startsWith("alice"))).toEqual(real.map((id) => `alice ${id}`)); // all of them
-      expect(held.filter((h) => h === "eve").length).toBe(5); // eve got what room was left
+      expect(held.filter((h) => h === "eve").length).toBe(8); // all eve's accepted ones: none was dropped
       expect(held.filter((h) => h === "opaque").length).toBe(OPAQUE_CAP);
     } finally {
       await bus.close();
@@ -6147,10 +6171,13 @@ describe("hostile clients: fair room on the bus", () => {
     }
   });
 
-  test("evictions from the middle of a queue do not pile up: memory follows what is held", () => {
+  test("acks from the middle of a queue do not pile up: memory follows what is held", () => {
     const queues = new BusQueues({ cap: 4, opaqueCap: 4 });
     queues.add("bob", 1, '"real"', undefined, alice.publicKey); // unread, at the front, for ever
-    for (let i = 0; i < 5000; i++) queues.add("bob", 1, `"junk ${i}"`); // each evicts the oldest opaque one
+    for (let i = 0; i < 5000; i++) {
+      queues.add("bob", 1, `"junk ${i}"`);
+      if (i >= 4) queues.remove("bob", queues.firstN("bob", 2)[1].seq); // acked behind the unread head
+    }
     expect(queues.liveCount).toBe(5);
     expect([...queues.live()].length).toBe(5);
     expect(queues.footprint("bob")).toBeLessThan(100); // not the 5,001 entries ever added
@@ -6171,7 +6198,6 @@ describe("hostile clients: fair room on the bus", () => {
     fs.writeFileSync(path.join(dir, "queue.jsonl"), lines.join("\n") + "\n");
     const bus = await Bus.open(dir, { log: () => {}, cap: 64 });
     try {
-      expect(bus.recovery.droppedByCap).toBe(0);
       expect([...bus.queues.live()].length).toBe(300);
     } finally {
       await bus.close();
@@ -6468,6 +6494,7 @@ const NATS_TESTS = [
   "doctor checks a NATS relay; a server without JetStream is a problem with a fix",
   "with the documented permission set, a node reads only its own routes; one that may not create the stream is told so",
   "one node's flood of roster entries cannot push another node's session off the NATS roster",
+  "what a stopping session's last pull still gets is handed straight back: the route's next reader has it at once",
 ];
 const NATS_SERVER = systemTool("nats-server", "/usr/sbin/nats-server", "NATS", NATS_TESTS);
 // One at a time: each starts a few servers and two agents, and with many children at once Bun's test process was
@@ -6708,6 +6735,42 @@ describe("NATS JetStream as the relay", () => {
     }
   }, 90_000);
 
+  natsTest(NATS_TESTS[7], async () => {
+    const root = tmpDir();
+    const [nats] = await startNats(root);
+    const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    const sign = (data: Parameters<Identity["sign"]>[0]) => id.sign(data);
+    const route = id.publicKey; // the bare key: read by whichever session of the node holds it
+    const relay = new NatsRelay(nats.url, sign, id.publicKey);
+    const { connect } = await import("@nats-io/transport-node");
+    const { jetstreamManager } = await import("@nats-io/jetstream");
+    const nc = await connect({ servers: nats.url.replace("nats://", "") });
+    try {
+      expect((await relay.recv(route, new AbortController().signal, 1_000)).items).toEqual([]); // opens the consumer
+      // An ack wait of a minute: a message its reader leaves unacked would block the route that long.
+      const jsm = await jetstreamManager(nc);
+      const name = await natsConsumer(route, sign);
+      const { config } = await jsm.consumers.info(NATS_STREAM, name);
+      await jsm.consumers.update(NATS_STREAM, name, { ...config, ack_wait: 60_000 * 1e6 });
+      const stopping = new AbortController();
+      const abandoned = relay.recv(route, stopping.signal, 5_000);
+      await eventually(async () => (await jsm.consumers.info(NATS_STREAM, name)).num_waiting > 0, "the pull waits");
+      stopping.abort(); // the session stops; its connection stays open a moment longer (its goodbyes)
+      expect((await abandoned).items).toEqual([]);
+      const msg = await signMessage(id, { to: id.publicKey, text: "to the key" }, Date.now());
+      await relay.send(route, msg, 5_000); // handed to the abandoned pull, the only one waiting
+      // The next reader of the route (another session: another pull on the same consumer) has it at once.
+      const reading = new AbortController();
+      let got: Handed[] = [];
+      await eventually(async () => (got = (await relay.recv(route, reading.signal, 1_000)).items).length > 0, "read");
+      expect((got[0].payload as SignedMessage).msg_id).toBe(msg.msg_id);
+      await got[0].ack();
+    } finally {
+      await Promise.allSettled([relay.close(), nc.close()]);
+      nats.kill();
+    }
+  }, 90_000);
+
   natsTest(NATS_TESTS[6], async () => {
     const root = tmpDir();
     const [nats] = await startNats(root);
@@ -6898,7 +6961,12 @@ describe("NATS JetStream as the relay", () => {
 // Sessions end all day (a new `claude` is a new session id); mail does not.
 
 /** A relay that can go down and come back on the same address: our bus (a child), or a nats-server with JetStream. */
-async function restartableRelay(kind: "bus" | "nats", root: string, runtime: "bun" | "deno" = "bun") {
+async function restartableRelay(
+  kind: "bus" | "nats",
+  root: string,
+  runtime: "bun" | "deno" = "bun",
+  busArgs: string[] = [],
+) {
   const port = await freePort();
   const dir = path.join(root, `${kind}-data`);
   fs.mkdirSync(dir, { recursive: true });
@@ -6914,7 +6982,7 @@ async function restartableRelay(kind: "bus" | "nats", root: string, runtime: "bu
     url: kind === "bus" ? `http://127.0.0.1:${port}` : `nats://127.0.0.1:${port}`,
     async up() {
       if (kind === "bus") {
-        child = spawnChild([...runtimeArgv(runtime), "bus", "--port", String(port), "--data", dir]);
+        child = spawnChild([...runtimeArgv(runtime), "bus", "--port", String(port), "--data", dir, ...busArgs]);
         await child.waitFor(/listening on/);
         return;
       }
@@ -7002,6 +7070,69 @@ describe("sessions end, mail does not", () => {
           expect(sessionLog(B, "bob").filter((r) => r.t === "in" && r.msg.msg_id === msgIdOf(queued)).length).toBe(1);
         } finally {
           await Promise.allSettled([a2.close(), bob?.close()]);
+          await relay.down();
+        }
+      },
+      120_000,
+    );
+
+    test.concurrent(
+      `${kind}: a reply to a session that just closed goes to the peer's key, never to the ended session; bob's next session shows it as its own`,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        const relay = await restartableRelay(kind, root);
+        await relay.up();
+        const alice = await McpNode.start(ra, A, relay.url);
+        let b2: McpSession | undefined;
+        const b1 = await McpNode.start(rb, B, relay.url, { INTERLINK_SESSION: "b1" });
+        try {
+          // bob writes first: alice remembers his session b1 (its reply_to); she never read a roster that listed it.
+          const hello = await b1.ok("send_message", { to: "alice", text: "hello from b1" });
+          await alice.waitEvent((e) => e.meta.msg_id === msgIdOf(hello));
+          await b1.close(); // a clean exit: b1 takes itself off the roster (no open task: no goodbye message)
+          b2 = await McpNode.start(rb, B, relay.url, { INTERLINK_SESSION: "b2" });
+          const reply = await alice.ok("send_message", { to: "bob", text: "a reply after bob's restart" });
+          expect(reply).not.toContain("session b1,");
+          expect(reply).toMatch(
+            /their session b1 is on no roster \(it ended\); (sent to their live session b2|no session of theirs is live: sent to their key)/,
+          );
+          const shown = await b2.waitEvent((e) => e.meta.msg_id === msgIdOf(reply));
+          expect(shown.meta.arrived_for).toBeUndefined(); // b2's own mail, not drained late from b1's route
+        } finally {
+          await Promise.allSettled([alice.close(), b1.close(), b2?.close()]);
+          await relay.down();
+        }
+      },
+      120_000,
+    );
+
+    test.concurrent(
+      `${kind}: a session started while its predecessor is still exiting reads its key's mail from its first moments`,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        const relay = await restartableRelay(kind, root);
+        await relay.up();
+        // A second relay that takes connections and never answers: b1's exit (its unregister there) takes GOODBYE_MS.
+        const mute = net.createServer(() => {}).listen(0, "127.0.0.1");
+        await new Promise((resolve) => mute.once("listening", resolve));
+        const mutePort = (mute.address() as net.AddressInfo).port;
+        const b1 = await McpNode.start(rb, B, `${relay.url},http://127.0.0.1:${mutePort}`, { INTERLINK_SESSION: "b1" });
+        let b2: McpSession | undefined;
+        const sender = openRelay(relay.url);
+        try {
+          await b1.ok("list_pending"); // open: b1 reads bob's key
+          const closing = b1.close(); // the user quits; a new claude starts at once
+          b2 = await McpNode.start(rb, B, relay.url, { INTERLINK_SESSION: "b2" });
+          // Right after b2 answered initialize, alice's node writes to bob's key (no session of his on any roster).
+          const msg = await signMessage(A.id, { to: B.id.publicKey, text: "first to the new session" }, Date.now());
+          await sender.send(B.id.publicKey, messagePayload(msg, `${A.id.publicKey}#alice`), 5_000);
+          const shown = await b2.waitEvent((e) => e.meta.msg_id === msg.msg_id);
+          expect(shown.meta.arrived_for).toBeUndefined();
+          await closing;
+          expect(sessionLog(B, "b1").some((r) => r.t === "in" && r.msg.msg_id === msg.msg_id)).toBe(false);
+        } finally {
+          await Promise.allSettled([b1.close(), b2?.close(), sender.close()]);
+          mute.close();
           await relay.down();
         }
       },
@@ -7404,6 +7535,291 @@ describe("sessions end, mail does not", () => {
 });
 
 // ----------------------------------------------------------------------------
+describe("nothing lost while a peer is away", () => {
+  for (const kind of RELAY_KINDS) {
+    // Over our bus alice runs on Bun and bob on Deno; over NATS the other way round.
+    const [ra, rb] = kind === "bus" ? (["bun", "deno"] as const) : (["deno", "bun"] as const);
+    test.concurrent(
+      `${kind}: alice sends 1,700 to bob, whose machine sleeps (no session of his since the pairing); bob starts and is given all 1,700, in order, once`,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        // The relay keeps 64 of alice's for bob (our bus's cap, and a new NATS stream's per subject, lowered so that
+        // 1,700 is many times past it, as 1,700 is past 1,024): past it, it refuses, and alice keeps the rest.
+        const relay = await restartableRelay(kind, root, "bun", ["--cap", "64"]);
+        await relay.up();
+        const env = { INTERLINK_DELIVERY: "inbox", INTERLINK_TEST_NATS_SUBJECT_CAP: "64" };
+        const alice = await McpNode.start(ra, A, relay.url, env);
+        let bob: McpSession | undefined;
+        try {
+          const texts = Array.from({ length: 1700 }, (_, i) => `progress ${i}`);
+          const answers: string[] = [];
+          for (const text of texts) answers.push(await alice.ok("send_message", { to: "bob", text }));
+          expect(answers[0]).toContain("sent at");
+          // Where each waits, truthfully: not "accepted" by a relay that could not keep it.
+          const last = answers.at(-1)!;
+          expect(last).not.toContain("sent at");
+          expect(last).toMatch(
+            /^msg_id \S+ to bob: queued since \S+; it waits in the outbox: the route to bob is full \(\S+ keeps no more of ours for that route until it is read\); it goes, in order, as bob reads/,
+          );
+          const pending = await alice.ok("list_pending");
+          expect(pending).toContain(
+            "1636 of these to bob (the first 10 listed above) wait in the outbox: the route to bob is full",
+          );
+          expect(pending.split("\n").filter((l) => l.startsWith("msg_id")).length).toBe(10);
+          expect(await alice.ok("message_status", { msg_id: msgIdOf(last) })).toContain("the route to bob is full");
+          bob = await McpNode.start(rb, B, relay.url, env);
+          await eventually(() => admittedIds(B).length >= texts.length, "bob took all 1,700", 400_000);
+          await eventually(
+            async () => (await alice.ok("list_pending")).includes("the outbox is empty"),
+            "alice's outbox is empty",
+            60_000,
+          );
+          const got = readNodeLog(B.stateDir).filter((r) => r.t === "in").map((r) => r.msg.text);
+          expect(got.length).toBe(texts.length); // each once
+          expect(got).toEqual(texts); // every one, in order
+          await eventually(
+            async () => (await alice.ok("message_status", { msg_id: msgIdOf(last) })).includes("delivered at"),
+            "bob's receipts reach alice",
+          );
+        } finally {
+          await Promise.allSettled([alice.close(), bob?.close()]);
+          await relay.down();
+        }
+      },
+      600_000,
+    );
+  }
+});
+
+/**
+ * A reference bus (interlink-bus 0.11) in memory: every send answered 202, past `cap` per recipient the oldest
+ * dropped (counted here), none of our bus's headers or extensions.
+ */
+async function referenceBus(cap: number) {
+  const queues = new Map<string, { key: number; payload: unknown; ts: number }[]>();
+  const roster = new Map<string, unknown>();
+  const waiters = new Set<() => void>();
+  let next = 1, dropped = 0;
+  const server = await serveHttp(
+    async (req) => {
+      const url = new URL(req.url);
+      const body = req.method === "POST" ? await req.json() : null;
+      switch (url.pathname) {
+        case "/send": {
+          if (typeof body?.to !== "string" || body.payload === undefined) {
+            return new Response("missing field", {
+              status: 422,
+            });
+          }
+          const q = queues.get(body.to) ?? [];
+          queues.set(body.to, q);
+          q.push({ key: next++, payload: body.payload, ts: Date.now() });
+          while (q.length > cap) q.shift(), dropped++;
+          for (const wake of [...waiters]) wake();
+          return new Response(null, { status: 202 });
+        }
+        case "/recv": {
+          const me = url.searchParams.get("me") ?? "";
+          const deadline = Date.now() + Number(url.searchParams.get("timeout_ms") ?? 25_000);
+          for (;;) {
+            const head = queues.get(me)?.[0];
+            if (head) {
+              return Response.json({
+                status: "message",
+                envelope: { payload: head.payload, ts: head.ts },
+                ack: `${me}\0${head.key}`,
+              });
+            }
+            if (Date.now() >= deadline || req.signal.aborted) return Response.json({ status: "timeout" });
+            await new Promise<void>((resolve) => {
+              const done = () => (clearTimeout(timer), waiters.delete(done), resolve());
+              const timer = setTimeout(done, Math.max(1, Math.min(deadline - Date.now(), 500)));
+              waiters.add(done);
+            });
+          }
+        }
+        case "/ack": {
+          if (!String(body.ack).startsWith(`${body.me}\0`)) return new Response(null, { status: 403 });
+          const q = queues.get(body.me) ?? [];
+          const at = q.findIndex((m) => `${body.me}\0${m.key}` === body.ack);
+          if (at >= 0) q.splice(at, 1);
+          return new Response(null, { status: 200 });
+        }
+        case "/announce":
+          roster.set(`${body.pubkey}#${body.session?.session_id ?? ""}`, body);
+          return new Response(null, { status: 202 });
+        case "/unregister":
+          roster.delete(`${body.pubkey}#${body.session?.session_id ?? ""}`);
+          return new Response(null, { status: 200 });
+        case "/roster":
+          return Response.json({ roster: [...roster.values()] });
+      }
+      return new Response(null, { status: 404 });
+    },
+    "127.0.0.1",
+    0,
+  );
+  return { url: `http://127.0.0.1:${server.port}`, dropped: () => dropped, stop: () => server.stop() };
+}
+
+describe("flow control over a relay that drops: a peer never heard from, a reference node, an earlier release's NATS stream", () => {
+  test.concurrent(
+    "a reference bus that keeps 8: alice holds bob's mail past the window until his receipts come, though bob has never been heard from",
+    async () => {
+      const { A, B } = await twoPeers();
+      const bus = await referenceBus(8);
+      const alice = await McpNode.start("bun", A, bus.url, { INTERLINK_TEST_SEND_WINDOW: "6" });
+      let bob: McpSession | undefined;
+      try {
+        const texts = Array.from({ length: 40 }, (_, i) => `while asleep ${i}`);
+        const answers = [];
+        for (const text of texts) answers.push(await alice.ok("send_message", { to: "bob", text }));
+        expect(answers.at(-1)).toContain(
+          "it waits in the outbox: bob has confirmed none of the 6 sent before it (a node of ours does as it reads",
+        );
+        expect(await alice.ok("list_pending")).toContain("34 of these to bob (the first 10 listed above) wait");
+        bob = await McpNode.start("deno", B, bus.url);
+        for (const text of texts) await bob.waitEvent((e) => e.content === text, 60_000);
+        expect(bob.events.filter((e) => texts.includes(e.content)).map((e) => e.content)).toEqual(texts); // in order
+        await eventually(async () => (await alice.ok("list_pending")).includes("the outbox is empty"), "all sent");
+        expect(bus.dropped()).toBe(0);
+      } finally {
+        await Promise.allSettled([alice.close(), bob?.close()]);
+        await bus.stop();
+      }
+    },
+    120_000,
+  );
+
+  test.concurrent(
+    "a reference node (its messages ask for no receipts) is never held for receipts it would never send",
+    async () => {
+      const { root, A } = await twoPeers();
+      const R = await makeNodeFiles(root, "ref");
+      befriend(A, R);
+      const bus = await referenceBus(1024);
+      const alice = await McpNode.start("deno", A, bus.url, { INTERLINK_TEST_SEND_WINDOW: "6" });
+      try {
+        // The reference node writes first, as a reference node does: no receipts hint.
+        const hello = await signMessage(R.id, { to: A.id.publicKey, text: "hello from a reference node" }, Date.now());
+        await fetch(`${bus.url}/send`, {
+          method: "POST",
+          body: JSON.stringify({
+            to: `${A.id.publicKey}#alice`,
+            payload: { ...hello, reply_to: `${R.id.publicKey}#r1` },
+          }),
+        });
+        await alice.waitEvent((e) => e.content === "hello from a reference node");
+        const answers = [];
+        for (let i = 0; i < 12; i++) answers.push(await alice.ok("send_message", { to: "ref", text: `r${i}` }));
+        for (const a of answers) expect(a).toContain("sent at"); // past the window of 6: none waits
+      } finally {
+        await alice.close();
+        await bus.stop();
+      }
+    },
+    60_000,
+  );
+
+  natsTest(
+    "a NATS stream made by an earlier release (it drops the oldest per subject): used as it is, and alice holds bob's mail until his receipts come",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const [nats] = await startNats(root);
+      // The stream as an earlier release made it: discard old, 8 per subject here.
+      const { connect } = await import("@nats-io/transport-node");
+      const { jetstreamManager } = await import("@nats-io/jetstream");
+      const nc = await connect({ servers: nats.url.replace("nats://", "") });
+      const jsm = await jetstreamManager(nc);
+      await jsm.streams.add(
+        {
+          name: NATS_STREAM,
+          subjects: ["interlink.in.>"],
+          retention: "workqueue",
+          storage: "file",
+          max_msgs_per_subject: 8,
+          discard: "old",
+        } as Parameters<typeof jsm.streams.add>[0],
+      );
+      const alice = await natsNode("bun", A, [nats.url], { INTERLINK_TEST_SEND_WINDOW: "6" });
+      let bob: McpSession | undefined;
+      try {
+        const texts = Array.from({ length: 30 }, (_, i) => `while asleep ${i}`);
+        const answers = [];
+        for (const text of texts) answers.push(await alice.ok("send_message", { to: "bob", text }));
+        expect(answers.at(-1)).toContain("it waits in the outbox: bob has confirmed none of the 6 sent before it");
+        bob = await natsNode("deno", B, [nats.url]);
+        await eventually(() => admittedIds(B).length >= texts.length, "bob took all 30", 60_000);
+        expect(readNodeLog(B.stateDir).filter((r) => r.t === "in").map((r) => r.msg.text)).toEqual(texts);
+        const config = (await jsm.streams.info(NATS_STREAM)).config;
+        expect([config.discard, config.max_msgs_per_subject]).toEqual(["old", 8]); // never changed by a node
+      } finally {
+        await Promise.allSettled([alice.close(), bob?.close(), nc.close()]);
+        nats.kill();
+      }
+    },
+    120_000,
+  );
+});
+
+describe("the outbox: what waits, and why (pure decisions on NodeState)", () => {
+  const mk = async (to: Identity, text: string) => await signMessage(alice, { to: to.publicKey, text }, 1_000);
+
+  test("a route a relay called full waits out its back-off, in order, while other routes go; its key's receipt retries it at once", async () => {
+    let now = 10_000;
+    const state = new NodeState(() => now);
+    state.mayDrop = () => false; // every relay refuses a full route: no receipt window
+    const toBob = await Promise.all([0, 1, 2].map((i) => mk(bob, `bob ${i}`)));
+    const toEve = await mk(eve, "eve 0");
+    for (const [msg, peer] of [[toBob[0], "bob"], [toBob[1], "bob"], [toEve, "eve"], [toBob[2], "bob"]] as const) {
+      state.apply({ t: "out", at: now, peer, recipient: msg.to, msg });
+    }
+    const texts = () => state.pendingHead(32, Infinity).map((e) => e.msg.text);
+    expect(texts()).toEqual(["bob 0", "bob 1", "eve 0", "bob 2"]);
+    state.full.set(bob.publicKey, { until: now + 500, failures: 1, why: "the bus keeps no more" });
+    expect(texts()).toEqual(["eve 0"]); // bob's wait, all of them: his order holds; eve's goes
+    expect(state.waitsFor(state.outgoing.get(toBob[2].msg_id)!)).toBe("full");
+    expect(state.nextFullRetry()).toBe(now + 500);
+    now += 501;
+    expect(texts()).toEqual(["bob 0", "bob 1", "eve 0", "bob 2"]); // its back-off is over: tried again, from its first
+    state.full.get(bob.publicKey)!.until = now + 30_000;
+    const receipt = await signMessage(bob, { to: alice.publicKey, kind: "receipt", text: "", in_reply_to: "x" }, now);
+    state.apply({ t: "receipt", at: now, peer: "bob", msg: receipt });
+    expect(texts()[0]).toBe("bob 0"); // bob reads: room is likely, so his route goes now
+  });
+
+  test("while a relay may drop: a key not heard from is held at SEND_WINDOW, one whose messages ask for no receipts never is", async () => {
+    const state = new NodeState(() => 5_000);
+    const sendMany = async (to: Identity, peer: string, n: number) => {
+      const base = await mk(to, "m");
+      for (let i = 0; i < n; i++) {
+        const msg = { ...base, msg_id: `${peer}-${i}`, text: `${peer} ${i}` };
+        state.apply({ t: "out", at: 1, peer, recipient: to.publicKey, msg });
+        if (i < SEND_WINDOW) state.apply({ t: "sent", at: 2, msg_id: msg.msg_id, via: ["r"] });
+      }
+    };
+    await sendMany(bob, "bob", SEND_WINDOW + 2); // SEND_WINDOW sent and unconfirmed, two queued behind them
+    await sendMany(eve, "eve", SEND_WINDOW + 2);
+    const eveSays = await signMessage(eve, { to: alice.publicKey, text: "from a reference node" }, 3_000);
+    state.apply({ t: "in", at: 3, peer: "eve", msg: eveSays }); // no "receipts": it reads none, sends none
+    const queued = () => state.pendingHead(32, Infinity).map((e) => e.msg.text);
+    expect(queued()).toEqual([`eve ${SEND_WINDOW}`, `eve ${SEND_WINDOW + 1}`]);
+    expect(state.waitsFor(state.outgoing.get(`bob-${SEND_WINDOW}`)!)).toBe("window");
+    expect([...state.heldRoutes()]).toEqual([[bob.publicKey, { why: "window", n: 2 }]]);
+    state.mayDrop = () => false; // every relay refuses a full route instead: receipts hold nothing
+    expect(queued()).toEqual([
+      `bob ${SEND_WINDOW}`,
+      `bob ${SEND_WINDOW + 1}`,
+      `eve ${SEND_WINDOW}`,
+      `eve ${SEND_WINDOW + 1}`,
+    ]);
+    // A key that asked for receipts after all (a node of ours) is held again where a relay may drop.
+    state.mayDrop = () => true;
+    state.apply({ t: "in", at: 4, peer: "eve", msg: { ...eveSays, msg_id: "again" }, receipts: true });
+    expect(queued()).toEqual([]);
+  });
+});
+
 describe("the journal: one typed record per line, read through one codec", () => {
   /** A node's state as a plain, canonical object (sorted keys), for comparing folds across releases. */
   // deno-lint-ignore no-explicit-any -- a fold of any release, compared field by field
@@ -7708,6 +8124,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
       knocks_shown: [1, 2],
       pushed: [["i", { at: 2, item: { kind: "knock", id: "k", at: 1, key: alice.publicKey, name: "alice" } }]],
       confirming: [bob.publicKey],
+      silent: [eve.publicKey],
     };
     const all: JournalRecord[] = [
       { t: "out", at: 1, peer: "bob", recipient: `${bob.publicKey}#b1`, msg: m, pair_petname: "bob", again: true },

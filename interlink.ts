@@ -87,18 +87,28 @@ export const RECV_TIMEOUT_MS = 25_000;
 /** Longest wait a client may ask for; past it proxies and NATs start cutting idle connections. */
 export const RECV_TIMEOUT_MAX_MS = 60_000;
 /**
- * Per-recipient queue bound; past it the oldest message of the sender holding
- * the most there is dropped (and logged), so one silent inbox cannot fill the
- * disk and one sender cannot push out another's mail.
+ * Messages one signer may have queued for one recipient on our bus; past it that signer's next one is refused
+ * (429, ROUTE_FULL), never an older one dropped: a message a relay accepted is never lost. Per signer, so one
+ * sender's flood is refused at its own cap and never locks another sender out; a silent inbox cannot fill the disk
+ * (the byte budgets bound it all). A reference bus keeps 1,024 per recipient and drops the oldest past it, as did
+ * our bus and NATS streams of earlier releases.
  */
 export const QUEUE_CAP = 1024;
+/** How a relay's refusal for a full route begins (our bus's 429 error): the sender holds that route, not the others. */
+export const ROUTE_FULL = "route full";
 /**
  * How many of our messages one route may hold unconfirmed (sent, no receipt yet) before the rest wait in our
- * outbox: a relay keeps at most QUEUE_CAP per route and drops the oldest past it, so one sender stays well below
- * that. Only for keys that send receipts (ours); a reference node's routes are never held.
+ * outbox, while any relay we send through may drop past its cap (a reference bus, or an older one of ours, keeps
+ * QUEUE_CAP per route and drops the oldest; so does a NATS stream made by an earlier release): one sender stays below
+ * that. Not for a key known to send no receipts (a reference node: it would be held for ever), and not at all when
+ * every relay refuses a full route instead (ours): the refusal holds the route.
  */
 export const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
-/** Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages): kept apart, small. */
+/**
+ * Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages): kept apart, small, and
+ * refused past it like a full route (accepted, a payload is never dropped). Anyone can fill it, since nothing names
+ * its sender; the signed messages beside it are never refused for it.
+ */
 export const OPAQUE_CAP = 64;
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
 export const SENDER_BYTES_MAX = 8 << 20;
@@ -2138,7 +2148,7 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 // recipient acks it. Its state is one JSONL file in the data folder:
 //   {"t":"m","q":<recipient>,"n":<seq>,"ts":<ms>,"s":<sender>,"z":<bytes>,"p":<payload as JSON text>}  accepted
 //   {"t":"a","q":<recipient>,"n":<seq>}                    acked
-//   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap
+//   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap (earlier releases; read, not written)
 //   {"t":"o","q":<recipient>}                              the route has proven its owner
 //   {"t":"h","next":<seq>}                                 first line after compaction
 // `seq` is global and not reused (compaction keeps the high-water mark), so an
@@ -2222,17 +2232,8 @@ class RecipientQueue {
   items: Queued[] = [];
   head = 0;
   live = 0;
-  /** Live messages per sender ("" for unattributed ones): who a full queue takes room from. */
+  /** Live messages per sender ("" for unattributed ones): whose cap a new message counts against. */
   bySender = new Map<string, number>();
-
-  /** The oldest live message of `sender`. */
-  oldestOf(sender: string): Queued | undefined {
-    for (let i = this.head; i < this.items.length; i++) {
-      const item = this.items[i];
-      if (!item.gone && item.sender === sender) return item;
-    }
-    return undefined;
-  }
 
   /** Up to `n` oldest live messages, oldest first. */
   firstN(n: number): Queued[] {
@@ -2274,7 +2275,7 @@ class RecipientQueue {
   }
 
   /**
-   * Marks `seq` gone. An eviction takes entries from the middle, which `first` never trims, so once the gone
+   * Marks `seq` gone. An ack may take entries from the middle, which `first` never trims, so once the gone
    * entries outnumber the live ones the array is rebuilt: memory follows what is held, whatever the pattern.
    */
   remove(seq: number): Queued | undefined {
@@ -2295,7 +2296,7 @@ class RecipientQueue {
 
 /** What a BusQueues holds at most. */
 export interface QueueLimits {
-  /** Verified messages per recipient. */
+  /** Verified messages one signer may have queued per recipient. */
   cap: number;
   /** Unattributed (opaque) messages per recipient: their own small budget, never at a verified message's cost. */
   opaqueCap: number;
@@ -2313,12 +2314,13 @@ export const DEFAULT_LIMITS: QueueLimits = {
 };
 
 /**
- * The queue logic of the bus, with no I/O: one bounded FIFO per recipient,
- * fair between senders. A full queue makes room by dropping the oldest
- * message of the sender that holds the most there, so a flood from one sender
- * only ever costs that sender; unattributed payloads live under their own
- * small budget. Bytes are budgeted per sender and in all (`admit` says no).
- * Memory is proportional to what is held: a queue is deleted when it empties.
+ * The queue logic of the bus, with no I/O: one FIFO per recipient, fair
+ * between senders. Nothing accepted is ever dropped: a signer that holds
+ * `cap` messages for a recipient is refused the next (`full` says so), so a
+ * flood from one sender only ever costs that sender; unattributed payloads
+ * live under their own small budget, refused past it. Bytes are budgeted per
+ * sender and in all (`admit` says no). Memory is proportional to what is
+ * held: a queue is deleted when it empties.
  */
 export class BusQueues {
   #queues = new Map<string, RecipientQueue>();
@@ -2345,8 +2347,8 @@ export class BusQueues {
   }
 
   /**
-   * Appends a message; returns the entry dropped to stay within the caps, if any (`enforce` false: none, for
-   * messages a bus before 0.5 accepted under its own rules).
+   * Appends a message, whatever the caps (`full` is asked first: a restart files every message that was
+   * accepted, even past a cap that was lowered since).
    */
   add(
     to: string,
@@ -2354,9 +2356,8 @@ export class BusQueues {
     payload: string | undefined,
     seq = this.nextSeq,
     sender = "",
-    enforce = true,
     size = utf8Bytes(payload!),
-  ): { item: Queued; dropped?: Queued } {
+  ): Queued {
     let q = this.#queues.get(to);
     if (!q) this.#queues.set(to, q = new RecipientQueue());
     // One lookup counts the sender's bytes and finds the copy of its key that every entry shares.
@@ -2372,21 +2373,10 @@ export class BusQueues {
     if (!last || last.seq < seq) q.items.push(item);
     else q.insert(item); // a file put back together out of order: the queue stays in seq order all the same
     q.live++;
-    const mine = (q.bySender.get(sender) ?? 0) + 1;
-    q.bySender.set(sender, mine);
+    q.bySender.set(sender, (q.bySender.get(sender) ?? 0) + 1);
     this.liveCount++;
     if (seq >= this.nextSeq) this.nextSeq = seq + 1;
-    if (!enforce) return { item };
-    let dropped: Queued | undefined;
-    const opaque = sender === "" ? mine : q.bySender.get("") ?? 0;
-    if (sender === "" && opaque > this.limits.opaqueCap) dropped = q.oldestOf("");
-    else if (q.live - opaque > this.limits.cap) {
-      let heaviest = sender;
-      for (const [s, n] of q.bySender) if (s && n > (q.bySender.get(heaviest) ?? 0)) heaviest = s;
-      dropped = q.oldestOf(heaviest);
-    }
-    if (dropped) this.remove(to, dropped.seq);
-    return { item, dropped };
+    return item;
   }
 
   /** Takes a removed message's bytes off the budgets (`add` counts them on). */
@@ -2398,12 +2388,10 @@ export class BusQueues {
     if (held.bytes <= 0) this.#senderBytes.delete(sender);
   }
 
-  /** Whether one more message from `sender` to `to` would push an older one out (see `add`). */
-  atCap(to: string, sender: string): boolean {
-    const q = this.#queues.get(to);
-    if (!q) return false;
-    const opaque = q.bySender.get("") ?? 0;
-    return sender === "" ? opaque >= this.limits.opaqueCap : q.live - opaque >= this.limits.cap;
+  /** How many `sender` ("" for unattributed ones) holds for `to` when that is its cap or more (the next is refused). */
+  full(to: string, sender: string): number | null {
+    const held = this.#queues.get(to)?.bySender.get(sender) ?? 0;
+    return held >= (sender === "" ? this.limits.opaqueCap : this.limits.cap) ? held : null;
   }
 
   /** Up to `n` oldest live messages for `to`. */
@@ -2789,16 +2777,15 @@ export class Bus {
       const queues = new BusQueues({ ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) });
       const bad: [offset: number, bytes: number, reason: string, line: string][] = [];
       const owned = new Set<string>(); // routes that proved their owner before the restart
-      let records = 0, dropped = 0, inMemory = 0;
+      let records = 0, inMemory = 0;
       const h = new MessageHeadReader();
       /** A message record in today's layout, from its head alone: the payload stays on disk. */
       const fastMessage = (buf: Buffer, start: number, end: number, at: number): boolean => {
         // A size above the literal's length is damage (escapes only lengthen): the plain JSON path judges it.
         if (!h.read(buf, start, end) || !h.q || h.q.length > RECIPIENT_MAX_CHARS || h.z > end - 1 - h.p) return false;
-        const { item, dropped: lost } = queues.add(h.q, h.ts, undefined, h.n, h.s, true, h.z);
+        const item = queues.add(h.q, h.ts, undefined, h.n, h.s, h.z);
         item.at = at + h.p - start;
         item.len = end - 1 - h.p;
-        if (lost) dropped++;
         return true;
       };
       const { next, tornBytes } = scanLines(file, 0, (buf, start, end, at) => {
@@ -2823,9 +2810,8 @@ export class Bus {
             break;
           case "m": {
             // Since 0.5.0 every record says its sender ("" for opaque). One without (an earlier bus wrote it) is
-            // attributed by the claim in its payload, for fairness only, and kept whatever the caps now say.
-            const sender = rec.s ?? claimedSender(rec.p);
-            if (queues.add(rec.q, rec.ts, rec.p, rec.n, sender, rec.s !== undefined).dropped) dropped++;
+            // attributed by the claim in its payload, for fairness only. Accepted, each is kept whatever the caps.
+            queues.add(rec.q, rec.ts, rec.p, rec.n, rec.s ?? claimedSender(rec.p));
             // An older layout is rewritten at open; today's, read this way (a name with escapes), stays in memory.
             if (rec.z === undefined) inMemory++;
             break;
@@ -2854,7 +2840,6 @@ export class Bus {
         messages: queues.liveCount,
         recipients: queues.recipientCount,
         skippedLines: bad.length + (tornBytes ? 1 : 0),
-        droppedByCap: dropped,
         ms: Math.round(performance.now() - started),
       };
       const writer = new JsonlWriter(file, `the bus data folder ${dataDir}`);
@@ -2925,6 +2910,22 @@ export class Bus {
   }
 
   /**
+   * Throws the 429 that refuses one more message from `sender` ("" when unknown) for `to` once it holds its cap
+   * there: the sender keeps it and tries again later; nothing already accepted makes room (see QUEUE_CAP).
+   */
+  ensureRouteRoom(to: string, sender: string): void {
+    const held = this.queues.full(to, sender);
+    if (held === null) return;
+    const route = `${fingerprint(to)}${to.includes("#") ? to.slice(to.indexOf("#")) : ""}`;
+    throw new HttpError(
+      429,
+      `${ROUTE_FULL}: ${route} holds ${held} ${
+        sender ? "messages from this sender" : "unattributed payloads"
+      } not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`,
+    );
+  }
+
+  /**
    * Queues a message; resolves once it is on stable storage (the 202). It
    * enters memory in the same step as its record enters the write path, so
    * a compaction triggered meanwhile (by another send or an ack) always
@@ -2937,38 +2938,17 @@ export class Bus {
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
     this.ensureRoom(sender, size);
+    this.ensureRouteRoom(to, sender);
     const seq = this.queues.nextSeq++; // used up even if the write fails: a fenced record can never share it
     const ts = this.now();
     const head = messageHead(to, seq, ts, sender, size);
     const literal = JSON.stringify(payload);
     const headBytes = utf8Bytes(head), len = utf8Bytes(literal);
     const line: PendingLine = { text: `${head}${literal}}\n`, bytes: headBytes + len + 2, to, head: headBytes, len };
-    // A send that pushes an older message out is written at once: if that write fails, nothing was dropped.
-    this.#write(line, this.queues.atCap(to, sender));
-    const { item, dropped } = this.queues.add(to, ts, payload, seq, sender, true, size);
+    this.#write(line);
+    const item = this.queues.add(to, ts, payload, seq, sender, size);
     line.item = item;
     if (line.at !== undefined) this.#stored(item, line.at, len);
-    if (dropped) {
-      this.dead += 2;
-      this.#log(
-        `queue for ${fingerprint(to)}${
-          to.includes("#") ? to.slice(to.indexOf("#")) : ""
-        } is full; dropped the oldest message of ${
-          dropped.sender
-            ? `the sender holding the most there (${fingerprint(dropped.sender)})`
-            : "the unattributed ones"
-        } (seq ${dropped.seq})`,
-      );
-      try {
-        this.#write(recordLine({ t: "d", q: to, n: dropped.seq }), true); // beside its cause, never held apart
-      } catch {
-        // the drop is in memory; the next compaction writes it, a restart before that re-reads the message
-      }
-      // Only when the queue holds `cap` senders with one message each does a newcomer lose to itself: say so.
-      if (dropped.seq === seq) {
-        throw new HttpError(429, "this recipient's queue is full, one message from each of many senders; retry later");
-      }
-    }
     const waiting = this.#waiters.get(to);
     if (waiting) { for (const wake of waiting) wake(); }
     this.#maybeCompact();
@@ -3259,7 +3239,6 @@ export interface RecoveryReport {
   messages: number;
   recipients: number;
   skippedLines: number;
-  droppedByCap: number;
   ms: number;
 }
 
@@ -3313,7 +3292,7 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<
 }
 
 /** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
-export const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send`;
+export const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send full-refused`;
 
 /**
  * The verified signer of a payload shaped as a v2 message (it has from, to,
@@ -3406,6 +3385,7 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
       const payload = JSON.stringify(item.payload);
       const sender = await signerOf(item.payload, to);
       bus.ensureRoom(sender, utf8Bytes(payload));
+      bus.ensureRouteRoom(to, sender); // a full route stops the batch here, as any refusal does
       queued.push(bus.send(to, payload, sender)); // in the queue now, in order; on disk once awaited
       results.push({ status: 202 });
     } catch (e) {
@@ -3782,9 +3762,12 @@ async function serveGuarded(
 /** Not one relay answered (a roster, say): whatever needed them is judged on what the node remembers. */
 export class NoRelayAnswered extends InterlinkError {}
 
-/** A relay refused or failed a request; `permanent` when retrying cannot help (an HTTP 4xx, a payload too large). */
+/**
+ * A relay refused or failed a request; `permanent` when retrying cannot help (an HTTP 4xx, a payload too large);
+ * `full` when it keeps no more for that route until its reader reads some (the sender holds that route alone).
+ */
 export class RelayError extends Error {
-  constructor(message: string, readonly permanent = false) {
+  constructor(message: string, readonly permanent = false, readonly full = false) {
     super(message);
   }
 }
@@ -3831,6 +3814,11 @@ export interface Relay {
   ): Promise<(true | RelayError | null)[] | null>;
   /** Calls `back` whenever the relay is reachable again after an outage it noticed (NATS reconnects). */
   onBack?(back: () => void): void;
+  /**
+   * True once the relay is known to refuse a message for a full route (RelayError.full) rather than accept it and
+   * drop an older one: our bus, a NATS stream that discards new messages per subject. Unknown or false: it may drop.
+   */
+  refusesWhenFull?(): boolean;
   close(): Promise<void>;
 }
 
@@ -3934,6 +3922,8 @@ export function redactUrl(url: string): string {
 export class HttpRelay implements Relay {
   /** The bus said it is ours (its interlink-bus header): it takes batched sends. */
   #batches = false;
+  /** The bus said it refuses a full route (full-refused) rather than drop the oldest there, as a reference bus does. */
+  #refuses = false;
 
   constructor(readonly url: string, readonly proof?: (route: string) => Promise<string>) {}
 
@@ -3957,9 +3947,18 @@ export class HttpRelay implements Relay {
       if (!res) return null;
       if (res.status === 202) return true;
       const status = Number(res.status);
-      const why = escapePeerText(String(res.error ?? "").slice(0, RELAY_QUOTE_CHARS), true);
-      return new RelayError(`${this.url} answered ${showId(String(res.status))} ${why}`, isPermanentRefusal(status));
+      const error = String(res.error ?? "");
+      const why = escapePeerText(error.slice(0, RELAY_QUOTE_CHARS), true);
+      return new RelayError(
+        `${this.url} answered ${showId(String(res.status))} ${why}`,
+        isPermanentRefusal(status),
+        status === 429 && error.startsWith(ROUTE_FULL),
+      );
     });
+  }
+
+  refusesWhenFull(): boolean {
+    return this.#refuses;
   }
 
   get name(): string {
@@ -3968,14 +3967,25 @@ export class HttpRelay implements Relay {
 
   async send(route: string, payload: object, timeoutMs: number, signal?: AbortSignal): Promise<void> {
     const r = await postJson(`${this.url}/send`, { to: route, payload }, timeoutMs, signal);
-    if (!r.ok) throw new RelayError(`${this.url} answered ${await refusalOf(r)}`, isPermanentRefusal(r.status));
     this.#learn(r);
+    if (!r.ok) {
+      // Our bus's JSON error names a full route: {"error":"route full: …"}.
+      const why = await refusalOf(r);
+      const full = r.status === 429 && why.includes(`{"error":"${ROUTE_FULL}`);
+      throw new RelayError(`${this.url} answered ${why}`, isPermanentRefusal(r.status), full);
+    }
     await r.body?.cancel();
   }
 
-  /** A bus that says it takes batches (our bus's `interlink-bus` header) gets them from now on. */
+  /**
+   * What our bus says of itself in its `interlink-bus` header: it takes batches, it refuses a full route. An answer
+   * without it (a reference bus, or another bus now at this URL) takes both back.
+   */
   #learn(r: Response): void {
-    if (r.headers.get("interlink-bus")?.includes("batch-send")) this.#batches = true;
+    const features = r.headers.get("interlink-bus");
+    if (features === null && !r.ok) return; // an error page from something in between says nothing of the bus
+    this.#batches = features?.includes("batch-send") ?? false;
+    this.#refuses = features?.includes("full-refused") ?? false;
   }
 
   /**
@@ -4017,12 +4027,14 @@ export class HttpRelay implements Relay {
 
   async announce(a: Announcement, signal?: AbortSignal): Promise<void> {
     const r = await postJson(`${this.url}/announce`, a, SEND_TIMEOUT_MS, signal);
+    this.#learn(r); // at a session's start, before its first send
     if (!r.ok) throw new RelayError(`${this.url} refused the announcement: ${await refusalOf(r)}`);
     await r.body?.cancel();
   }
 
   async roster(timeoutMs: number): Promise<unknown[]> {
     const r = await fetch(`${this.url}/roster`, { signal: AbortSignal.timeout(timeoutMs) });
+    this.#learn(r); // every send is routed by the roster first: its outbox knows what this bus does at a full route
     const body = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, `${this.url}: roster`);
     return isObject(body) && Array.isArray(body.roster) ? body.roster : [];
   }
@@ -4043,7 +4055,9 @@ export class HttpRelay implements Relay {
 // deleted once acked), with one subject per route:
 //   interlink.in.<key>                          the bare key
 //   interlink.in.<key>.<base64url(session)>     a session (ids may hold dots)
-// at most QUEUE_CAP messages per subject, the oldest dropped. Each route is
+// at most QUEUE_CAP messages per subject, a new one refused past that (discard
+// new, per subject; a stream made by an earlier release drops the oldest
+// instead, and is used as it is: see NatsLink.refuses). Each route is
 // read through a durable pull consumer with explicit acks, named "in_" + the
 // first 40 hex digits of SHA-256 of the route key's Ed25519 signature over
 // "interlink-nats-consumer-v1\0" ‖ route (deterministic, so stable; only the
@@ -4059,6 +4073,8 @@ export const NATS_STREAM = "INTERLINK";
 export const NATS_ROSTER = "interlink-roster";
 /** Unacked this long, a message is handed over again (the agent acks within milliseconds of journaling it). */
 const NATS_ACK_WAIT_MS = msFromEnv("INTERLINK_TEST_NATS_ACK_WAIT_MS", 10_000);
+/** A new stream's bound per subject (route), as our bus's QUEUE_CAP; a test lowers it (a new stream only). */
+const NATS_SUBJECT_CAP = msFromEnv("INTERLINK_TEST_NATS_SUBJECT_CAP", QUEUE_CAP);
 /**
  * How long one pull waits. Short, unlike a bus's long-poll: a pull that a cluster lost when a node went away (its
  * consumer's leader moving) is not answered, and the next one, on the new leader, should not wait long.
@@ -4088,6 +4104,7 @@ export async function natsConsumer(route: string, sign?: (data: Bytes) => Promis
 interface NatsMsg {
   data: Uint8Array;
   ackAck(): Promise<boolean>;
+  nak(): void;
 }
 interface NatsLink {
   nc: {
@@ -4112,6 +4129,8 @@ interface NatsLink {
     delete(key: string): Promise<void>;
     keys(): Promise<AsyncIterable<string>>;
   };
+  /** The stream refuses a publish to a full subject (discard new, per subject); false: it drops the oldest there. */
+  refuses: boolean;
 }
 
 /**
@@ -4169,31 +4188,37 @@ export async function connectNats(url: string, key?: string): Promise<NatsLink> 
         );
       },
     );
-    await natsNeeds("the stream " + NATS_STREAM, async () => {
+    const refuses = await natsNeeds("the stream " + NATS_STREAM, async () => {
       let info: { config: Record<string, unknown> };
       try {
         info = await jsm.streams.info(NATS_STREAM) as typeof info;
       } catch (e) {
         if (!/not found/i.test(errorText(e))) throw e;
-        await jsm.streams.add({
+        // A full subject refuses the next publish (the sender keeps it and retries) rather than drop the oldest
+        // message there, which a publish was acknowledged for. An earlier release's nodes call such a stream wrong
+        // ("needs old"): docs/nats.md says so.
+        info = await jsm.streams.add({
           name: NATS_STREAM,
           subjects: ["interlink.in.>"],
           retention: "workqueue",
           storage: "file",
           num_replicas: replicas,
-          max_msgs_per_subject: QUEUE_CAP,
-          discard: "old",
+          max_msgs_per_subject: NATS_SUBJECT_CAP,
+          discard: "new",
+          discard_new_per_subject: true,
           max_msg_size: BODY_LIMIT_BYTES,
           max_age: FRESH_PAST_MS * 1e6, // older is refused as stale by any receiver (senders re-sign before)
-        });
-        return;
+        }) as typeof info;
       }
-      // A stream made by hand (or by a newer version) with other rules could lose mail silently: say so.
+      // A stream made by hand (or by a newer version) with other rules could lose mail silently: say so. One made
+      // by an earlier release (discard old) is used as it is: it drops the oldest of a full subject, so our senders
+      // hold their routes by receipts there (SEND_WINDOW); it is never changed here, since those releases' nodes
+      // refuse any other discard policy.
       const c = info.config;
       const wrong = [
         c.retention !== "workqueue" && `retention ${c.retention} (needs workqueue)`,
         !(c.subjects as string[] | undefined)?.includes("interlink.in.>") && `subjects ${JSON.stringify(c.subjects)}`,
-        c.discard !== "old" && `discard ${c.discard} (needs old)`,
+        c.discard !== "old" && c.discard !== "new" && `discard ${c.discard} (needs new, or old)`,
       ].filter(Boolean);
       if (wrong.length) {
         throw new InterlinkError(
@@ -4202,6 +4227,7 @@ export async function connectNats(url: string, key?: string): Promise<NatsLink> 
           }; see docs/nats.md, "Mapping"`,
         );
       }
+      return c.discard === "new" && c.discard_new_per_subject === true;
     });
     const kvm = new kvPkg.Kvm(nc);
     const kv = await natsNeeds<NatsLink["kv"]>(
@@ -4217,7 +4243,7 @@ export async function connectNats(url: string, key?: string): Promise<NatsLink> 
             }),
         ),
     );
-    return { nc, js: jetstreamPkg.jetstream(nc), jsm, kv };
+    return { nc, js: jetstreamPkg.jetstream(nc), jsm, kv, refuses };
   } catch (e) {
     await nc.close().catch(() => {});
     throw e;
@@ -4295,6 +4321,8 @@ async function natsNeeds<T>(what: string, step: () => Promise<T>): Promise<T> {
 /** NATS JetStream as a relay (see above). Connects on first use and reconnects by itself. */
 export class NatsRelay implements Relay {
   #link: Promise<NatsLink> | null = null;
+  /** The stream refuses a publish to a full subject (learned at connect: see NatsLink.refuses). */
+  #refuses = false;
   #consumers = new Map<string, Promise<{ next(o: { expires: number }): Promise<NatsMsg | null> }>>();
 
   /** `sign` names our consumers; `key` is the node's, for its own reply inboxes (both absent for doctor). */
@@ -4307,6 +4335,7 @@ export class NatsRelay implements Relay {
   link(): Promise<NatsLink> {
     if (this.#link) return this.#link;
     const current: Promise<NatsLink> = connectNats(this.url, this.key).then((link) => {
+      this.#refuses = link.refuses;
       void this.#watch(link);
       // A connection closed for good (not a reconnect): the next call connects anew, and reopens the consumers.
       void link.nc.closed().then(() => {
@@ -4328,6 +4357,10 @@ export class NatsRelay implements Relay {
     this.#back.push(back);
   }
 
+  refusesWhenFull(): boolean {
+    return this.#refuses;
+  }
+
   /** Follows the connection's status: after a reconnect (another server of a cluster, say), calls the onBack hooks. */
   async #watch(link: NatsLink): Promise<void> {
     for await (const s of link.nc.status()) if (s.type === "reconnect") { for (const back of this.#back) back(); }
@@ -4344,9 +4377,11 @@ export class NatsRelay implements Relay {
       });
     } catch (e) {
       if (e instanceof RelayError) throw e;
+      const why = errorText(e);
       throw new RelayError(
-        `${this.name}: ${errorText(e)}`,
-        /maximum (payload|message size)|max_payload/i.test(errorText(e)),
+        `${this.name}: ${/maximum messages per subject/i.test(why) ? `${ROUTE_FULL}: ${why}` : why}`,
+        /maximum (payload|message size)|max_payload/i.test(why),
+        /maximum messages per subject/i.test(why), // a full subject of a stream that refuses rather than drops
       );
     }
   }
@@ -4372,8 +4407,9 @@ export class NatsRelay implements Relay {
       this.#consumers.set(route, consumer);
       consumer.catch(() => this.#consumers.delete(route));
     }
-    // A pull cannot be cancelled: on stop, stop waiting for it; what it may still fetch is never acked, so it
-    // comes again after NATS_ACK_WAIT_MS, at the head of the route (one unacked message at a time).
+    // A pull cannot be cancelled: on stop, stop waiting for it. What it may still fetch (until the connection
+    // closes, after the goodbyes) is handed back at once (nak), for the session that reads the route next: left
+    // unacked it would block the route (one unacked message at a time) for NATS_ACK_WAIT_MS.
     const stopped = new Promise<null>((resolve) =>
       signal.addEventListener("abort", () => resolve(null), { once: true })
     );
@@ -4384,8 +4420,15 @@ export class NatsRelay implements Relay {
         stopped,
       ]);
       if (!c || signal.aborted) return null;
-      const pull = withTimeout(expires + SEND_TIMEOUT_MS, `${this.name}: pull`, () => c.next({ expires }));
-      m = await Promise.race([pull, stopped]);
+      const next = c.next({ expires });
+      const handBack = () => void next.then((late) => late?.nak(), () => {});
+      try {
+        m = await Promise.race([withTimeout(expires + SEND_TIMEOUT_MS, `${this.name}: pull`, () => next), stopped]);
+      } catch (e) {
+        handBack(); // timed out: it may still come
+        throw e;
+      }
+      if (m === null && signal.aborted) handBack();
     } catch (e) {
       // The consumer may be gone (unused past inactive_threshold, deleted by an admin, the stream made anew):
       // the next recv opens it again.
@@ -4896,8 +4939,8 @@ export interface Carried {
  * own journal knew. The messages admitted in the freshness window (their
  * replays stay refused), the items already shown (never shown again), when
  * refusal summaries and knocks were last shown (their pacing), the refusals
- * already reported by receipt, the events last pushed to a channel, and the
- * keys that send receipts (see SEND_WINDOW).
+ * already reported by receipt, the events last pushed to a channel, the keys
+ * that send receipts, and those whose messages ask for none (see SEND_WINDOW).
  */
 export interface Remembered {
   replay: [string, number][];
@@ -4907,6 +4950,8 @@ export interface Remembered {
   knocks_shown: number[];
   pushed: [string, { at: number; item: InboxItem }][];
   confirming: string[];
+  /** Absent in a checkpoint written by an earlier release. */
+  silent?: string[];
 }
 
 /** An outbox entry (sent_at absent) or a sent message awaiting receipts, as carried. */
@@ -5139,6 +5184,10 @@ function decodeRemembered(v: unknown): Remembered {
       if (typeof k !== "string") throw new FormatError(`"confirming" holds a bad key`);
       return k;
     }),
+    silent: entries("silent").map((k) => {
+      if (typeof k !== "string") throw new FormatError(`"silent" holds a bad key`);
+      return k;
+    }),
   };
 }
 
@@ -5354,8 +5403,21 @@ export class NodeState {
   readonly drains = new BoundedMap<string, number>(ROUTES_DRAINED_CAP);
   /** Our messages sent to each route that no receipt has confirmed yet (see SEND_WINDOW). */
   readonly unconfirmed = new Map<string, Set<string>>();
-  /** Keys that have sent us receipts: their routes are held at SEND_WINDOW unconfirmed messages. */
+  /** Keys that have sent us receipts (nodes of ours): as they read, their receipts free room in SEND_WINDOW. */
   readonly confirming = new BoundedMap<string, true>(1024);
+  /**
+   * Keys whose last message to us asked for no receipts (a reference node, or one of ours from before receipts):
+   * their routes are never held at SEND_WINDOW, which no receipt of theirs would ever free. Bounded like the peers.
+   */
+  readonly silent = new BoundedMap<string, true>(1024);
+  /**
+   * Routes a relay refused as full (not in the journal: what the relays said in this process), while messages of
+   * ours wait for them: when to try again, refusals in a row (the back-off), and what the relays said. At most one
+   * per route with something pending; cleared by the route's next accepted message.
+   */
+  readonly full = new Map<string, { until: number; failures: number; why: string }>();
+  /** Whether a relay the outbox sends through may drop past its cap (set by the agent; unknown: it may). */
+  mayDrop: () => boolean = () => true;
   /** Set by a "moved" record: the session that took over everything this one still had to do. */
   movedTo: string | undefined;
 
@@ -5413,6 +5475,8 @@ export class NodeState {
     in: (r) => {
       const { msg } = r;
       this.replay.remember(msg.from, msg.msg_id, msg.ts, this.now());
+      if (msg.kind === "message" && r.receipts) this.silent.delete(msg.from);
+      else if (msg.kind === "message") this.silent.set(msg.from, true);
       const session = r.reply_session && SESSION_RE.test(r.reply_session) ? r.reply_session : undefined;
       if (session) this.sticky.set(msg.from, session);
       foldTask(this.tasks, "in", msg, r.at, session);
@@ -5459,6 +5523,9 @@ export class NodeState {
       this.replay.remember(receipt.from, receipt.msg_id, receipt.ts, this.now());
       const recorded = new Set(recordedReports(r).map((l) => `${l.state} ${l.msg_id}`));
       this.confirming.set(receipt.from, true);
+      this.silent.delete(receipt.from);
+      // Its reader reads: a route of that key a relay called full is tried again now, not at its back-off.
+      for (const [route, f] of this.full) if (parseRoute(route).key === receipt.from) f.until = 0;
       for (const report of newReports(this.outgoing, receipt)) {
         if (!recorded.has(`${report.state} ${report.msg_id}`)) continue;
         const entry = this.outgoing.get(report.msg_id)!;
@@ -5532,6 +5599,7 @@ export class NodeState {
       this.#knocksShown = [...m.knocks_shown];
       for (const [id, x] of m.pushed) this.pushed.set(id, x);
       for (const key of m.confirming) this.confirming.set(key, true);
+      for (const key of m.silent ?? []) this.silent.set(key, true);
     },
   };
 
@@ -5681,6 +5749,7 @@ export class NodeState {
       knocks_shown: [...this.#knocksShown],
       pushed: [...this.pushed],
       confirming: [...this.confirming.keys()],
+      silent: [...this.silent.keys()],
     };
   }
 
@@ -5738,16 +5807,22 @@ export class NodeState {
     return n;
   }
 
-  /** The oldest pending entries, at most `n` of them and about `bytes` of JSON together (at least one). */
+  /**
+   * The oldest pending entries the outbox may send now, at most `n` of them and about `bytes` of JSON together (at
+   * least one): a route a relay called full waits out its back-off, and one held by SEND_WINDOW its receipts, in
+   * order behind its first; later routes go meanwhile.
+   */
   pendingHead(n: number, bytes: number): OutEntry[] {
     const out: OutEntry[] = [];
     let size = 0;
-    const room = new Map<string, number>(); // what each held route may still take in this batch
+    const nowMs = this.now();
+    const room = new Map<string, number>(); // what each windowed route may still take in this batch
     for (const id of this.pending) {
       const e = this.outgoing.get(id)!;
-      if (e.msg.kind === "message" && this.confirming.has(parseRoute(e.recipient).key)) {
+      if ((this.full.get(e.recipient)?.until ?? 0) > nowMs) continue;
+      if (this.#windowed(e)) {
         const left = room.get(e.recipient) ?? SEND_WINDOW - (this.unconfirmed.get(e.recipient)?.size ?? 0);
-        if (left <= 0) continue; // held until receipts confirm earlier ones; later routes go meanwhile
+        if (left <= 0) continue;
         room.set(e.recipient, left - 1);
       }
       size += utf8Bytes(JSON.stringify(e.msg)) + 512; // the route and the unsigned hints besides
@@ -5757,25 +5832,58 @@ export class NodeState {
     return out;
   }
 
-  /** The first message the outbox may send now (one held by SEND_WINDOW is not). */
+  /** The first message the outbox may send now (one whose route is full or held by SEND_WINDOW is not). */
   firstPending(): OutEntry | undefined {
     return this.pendingHead(1, Infinity)[0];
   }
 
-  /** Routes holding SEND_WINDOW unconfirmed messages of ours, with how many of ours wait behind each. */
-  heldRoutes(): Map<string, number> {
-    const held = new Map<string, number>();
+  /** When the first route a relay called full is tried again (Infinity: none is); forgets those with nothing left. */
+  nextFullRetry(): number {
+    if (!this.full.size) return Infinity;
+    const waiting = new Set<string>();
+    for (const id of this.pending) waiting.add(this.outgoing.get(id)!.recipient);
+    let next = Infinity;
+    for (const [route, f] of this.full) {
+      if (!waiting.has(route)) this.full.delete(route); // sent elsewhere, adopted away: nothing waits there now
+      else next = Math.min(next, f.until);
+    }
+    return next;
+  }
+
+  /** Routes where our messages wait (see waitsFor), with why and how many of ours wait there. */
+  heldRoutes(): Map<string, { why: "full" | "window"; n: number }> {
+    const held = new Map<string, { why: "full" | "window"; n: number }>();
     for (const id of this.pending) {
       const e = this.outgoing.get(id)!;
-      if (this.held(e)) held.set(e.recipient, (held.get(e.recipient) ?? 0) + 1);
+      const why = this.waitsFor(e);
+      if (why) held.set(e.recipient, { why, n: (held.get(e.recipient)?.n ?? 0) + 1 });
     }
     return held;
   }
 
-  /** True when a queued message waits for its route's receipts (SEND_WINDOW of ours there are unconfirmed). */
+  /**
+   * Why a queued message waits in the outbox beyond the usual retries: "full", a relay refused its route as full
+   * (it keeps no more of ours there until the recipient reads); "window", SEND_WINDOW of ours on its route are
+   * unconfirmed while a relay may drop; null, it goes as soon as a relay takes it.
+   */
+  waitsFor(e: OutEntry): "full" | "window" | null {
+    if (!this.pending.has(e.msg.msg_id)) return null;
+    if (this.full.has(e.recipient)) return "full";
+    return this.#windowed(e) && (this.unconfirmed.get(e.recipient)?.size ?? 0) >= SEND_WINDOW ? "window" : null;
+  }
+
+  /** True when a queued message waits for its route (see waitsFor). */
   held(e: OutEntry): boolean {
-    return this.pending.has(e.msg.msg_id) && e.msg.kind === "message" &&
-      this.confirming.has(parseRoute(e.recipient).key) && (this.unconfirmed.get(e.recipient)?.size ?? 0) >= SEND_WINDOW;
+    return this.waitsFor(e) !== null;
+  }
+
+  /**
+   * Whether SEND_WINDOW holds this message's route: our messages, while a relay may drop past its cap, to any key
+   * but one known to send no receipts (a peer not heard from yet may be a node of ours, asleep: its receipts free
+   * the room as it reads; a reference node's first message to us releases its routes).
+   */
+  #windowed(e: OutEntry): boolean {
+    return e.msg.kind === "message" && !this.silent.has(parseRoute(e.recipient).key) && this.mayDrop();
   }
 
   /** True when the inbox item `id` was shown from this journal (it is not shown again). */
@@ -6939,6 +7047,8 @@ export class Agent {
       openRelay(url, (route) => this.#proof(route), (data) => id.sign(data), id.publicKey)
     );
     for (const relay of this.relays) relay.onBack?.(() => this.#relayBack());
+    // A message one relay kept is sent; so unless every relay refuses a full route, one may have dropped it.
+    this.state.mayDrop = () => !this.relays.every((r) => r.refusesWhenFull?.() === true);
   }
 
   /** Opens a node: identity, allowlist, the state lock (waiting up to `waitMs` for a short-lived holder), and the fold of its journal. */
@@ -7075,20 +7185,39 @@ export class Agent {
     if (!opts.ownRouteOnly) this.#loops.push(this.#bareKeyLoop(), this.#endedLoop());
   }
 
-  /** Takes over polling the bare key when no live session of this identity does (checked every ANNOUNCE_EVERY_MS). */
+  /**
+   * Takes over polling the bare key when no live session of this identity does: at once when the session that
+   * reads it lets go (fs.watch on bare.lock, which a stopping session releases first of all), else when it is
+   * found dead (looked at every FOLLOW_RECHECK_MS), so a session started while its predecessor still exits reads
+   * its key's mail within moments, not a poll period later.
+   */
   async #bareKeyLoop(): Promise<void> {
-    while (!this.#stop.signal.aborted && !this.#bareLock) {
-      try {
-        this.#bareLock = await PidLock.acquire(
-          path.join(this.cfg.stateDir, "bare.lock"),
-          `session ${this.cfg.session}`,
-        );
-        for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.id.publicKey));
-        return;
-      } catch (e) {
-        if (!(e instanceof LockedError)) logWarn(`cannot take bare.lock: ${(e as Error).message}`);
+    const file = path.join(this.cfg.stateDir, "bare.lock");
+    const freed = new WakeLatch();
+    let watcher: fs.FSWatcher | null = null;
+    try {
+      while (!this.#stop.signal.aborted && !this.#bareLock) {
+        try {
+          this.#bareLock = await PidLock.acquire(file, `session ${this.cfg.session}`);
+          for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.id.publicKey));
+          return;
+        } catch (e) {
+          if (!(e instanceof LockedError)) logWarn(`cannot take bare.lock: ${(e as Error).message}`);
+        }
+        try {
+          watcher ??= fs.watch(this.cfg.stateDir, (_event, name) => {
+            if (name === null || String(name) === "bare.lock") freed.wake();
+          });
+        } catch {
+          // no file watching here: the re-check below still finds the lock free
+        }
+        const stopped = () => freed.wake();
+        this.#stop.signal.addEventListener("abort", stopped, { once: true });
+        await freed.wait(FOLLOW_RECHECK_MS);
+        this.#stop.signal.removeEventListener("abort", stopped);
       }
-      await pause(ANNOUNCE_EVERY_MS, this.#stop.signal);
+    } finally {
+      watcher?.close();
     }
   }
 
@@ -7105,6 +7234,10 @@ export class Agent {
     if (this.#poll) clearInterval(this.#poll);
     await Promise.allSettled(this.#loops);
     await this.#receiving.catch(() => {});
+    // Nothing here reads the key's mail any more: a session starting meanwhile takes it over now, not after the
+    // goodbyes (which wait on every relay, up to GOODBYE_MS).
+    this.#bareLock?.release();
+    this.#bareLock = null;
     const handover = fs.existsSync(path.join(this.journal.stateDir, "handover"));
     if (goodbye && !handover) await this.#sayGoodbye();
     await Promise.allSettled(this.relays.map((r) => r.close()));
@@ -7118,7 +7251,6 @@ export class Agent {
     }
     this.journal.close();
     this.seen.close();
-    this.#bareLock?.release();
     this.lock.release();
   }
 
@@ -7364,10 +7496,13 @@ export class Agent {
    * relay: in one request where a relay takes several, else one by one until
    * one fails. Settles them in order (sent: a relay kept it; refused: every
    * relay refused it for good) and stops at the first that is neither, which
-   * stays pending with the others behind it: a sender's order holds. Returns
-   * how many were settled.
+   * stays pending with the others behind it: a sender's order holds. One that a
+   * relay refused as full marks its route full (state.full): that route waits
+   * out its own back-off, and the others go meanwhile. Returns how many were
+   * settled, and whether a full route stopped the round (not a failure of the
+   * relays: the next round goes on at once without it).
    */
-  async #attempt(entries: OutEntry[]): Promise<number> {
+  async #attempt(entries: OutEntry[]): Promise<{ settled: number; full: boolean }> {
     for (const entry of entries) {
       if (this.now() - entry.msg.ts <= RESIGN_AFTER_MS) continue;
       const { sig: _sig, from: _from, ts: _ts, ...fields } = entry.msg;
@@ -7398,7 +7533,7 @@ export class Agent {
       return out;
     }));
     const records: NewRecord[] = [];
-    let settled = 0;
+    let settled = 0, full = false;
     for (const [i, entry] of entries.entries()) {
       const results = outcomes.map((o) => o[i]);
       if (results.every((r) => r === null)) break; // not tried anywhere: the next round
@@ -7406,10 +7541,28 @@ export class Agent {
       const via = this.relays.flatMap((relay, k) => (results[k] === true ? [relay.name] : []));
       if (via.length) {
         records.push({ t: "sent", msg_id: entry.msg.msg_id, via });
+        this.state.full.delete(entry.recipient);
         settled++;
         continue;
       }
       entry.lastError = results.map((r) => (r === null ? "not tried" : errorText(r))).join("; ");
+      const fullBy = this.relays.filter((_, k) => (results[k] as RelayError | null)?.full);
+      if (fullBy.length) {
+        // Kept by no relay, and refused as full by one: it and the rest of its route wait in the outbox, in order.
+        const was = this.state.full.get(entry.recipient);
+        const failures = (was?.failures ?? 0) + 1;
+        const why = `${fullBy.map((r) => r.name).join(", ")} keeps no more of ours for that route until it is read`;
+        this.state.full.set(entry.recipient, { until: this.now() + backoffMs(failures), failures, why });
+        if (!was) {
+          logInfo(
+            `the route to ${
+              entry.peer ?? fingerprint(entry.msg.to)
+            } (${entry.recipient}) is full: ${why}; ${entry.msg.msg_id} and what follows it there wait in the outbox, retried as it is read`,
+          );
+        }
+        full = true;
+        break;
+      }
       // Every relay refused the request itself: retrying cannot help, and it must not hold up the ones behind it.
       if (results.every((r) => r instanceof RelayError && r.permanent)) {
         records.push({ t: "refused", msg_id: entry.msg.msg_id, reason: entry.lastError });
@@ -7426,14 +7579,15 @@ export class Agent {
     } finally {
       for (const wake of [...this.#attempted]) wake();
     }
-    return settled;
+    return { settled, full };
   }
 
   /** Delivers everything in the outbox, oldest first, until it is empty or `deadline` passes. */
   async flushOutbox(deadline: number): Promise<void> {
     while (this.state.firstPending() && Date.now() < deadline) {
       const batch = this.state.pendingHead(SEND_BATCH, BODY_LIMIT_BYTES);
-      if ((await this.#attempt(batch)) < batch.length) return;
+      const { settled, full } = await this.#attempt(batch);
+      if (settled < batch.length && !full) return;
     }
   }
 
@@ -7441,15 +7595,20 @@ export class Agent {
     while (!this.#stop.signal.aborted) {
       const entry = this.state.firstPending();
       if (!entry) {
-        await this.#outbox.wait(60_000);
+        // Idle, or every route with mail waits: for receipts (a wake), or for a full one's next try.
+        await this.#outbox.wait(Math.max(0, Math.min(60_000, this.state.nextFullRetry() - this.now())));
         continue;
       }
       // What piled up goes in one request to a bus that takes several (a backlog after an outage, a burst).
       const batch = this.state.pendingHead(SEND_BATCH, BODY_LIMIT_BYTES);
-      if (await this.#attempt(batch).catch((e) => (entry.lastError = errorText(e), 0))) {
-        this.#sendFailures = 0;
-        continue;
+      let round = { settled: 0, full: false };
+      try {
+        round = await this.#attempt(batch);
+      } catch (e) {
+        entry.lastError = errorText(e);
       }
+      if (round.settled) this.#sendFailures = 0;
+      if (round.settled || round.full) continue; // a full route is held apart (state.full): the rest go now
       if (this.#stop.signal.aborted) break;
       const failures = ++this.#sendFailures;
       if (failures === 1) {
@@ -7570,6 +7729,7 @@ export class Agent {
   /** A relay answers again: what waits in the outbox goes now, not after the back-off it had grown to. */
   #relayBack(): void {
     this.#sendFailures = 0;
+    for (const f of this.state.full.values()) f.until = 0;
     this.#outbox.wake();
   }
 
@@ -7937,6 +8097,12 @@ export class Agent {
     let rosterKnown = true;
     try {
       sessions = (await this.roster()).filter((s) => s.key === key);
+      // A remembered session missing from a roster read a moment ago may have announced itself since: read again
+      // before calling it ended.
+      const remembered = [taskSession, this.state.sticky.get(key)].filter((id) => id !== undefined);
+      if (!this.state.silent.has(key) && remembered.some((id) => !sessions.some((s) => s.session?.session_id === id))) {
+        sessions = (await this.roster(true)).filter((s) => s.key === key);
+      }
     } catch (e) {
       if (!(e instanceof NoRelayAnswered)) throw e;
       rosterKnown = false; // no roster to look at: route by what we remember, and say so
@@ -7952,6 +8118,7 @@ export class Agent {
       legacy: sessions.some((s) => s.legacy),
       mySession: this.cfg.session,
       rosterKnown,
+      keyRead: !this.state.silent.has(key),
       seen: (id) => this.#seenRoutes.has(`${key}#${id}`),
       // A goodbye counts until that session announces itself again (a resumed session).
       ended: (id) => {
@@ -8090,9 +8257,15 @@ export function describeSessions(list: PeerSession[]): string {
 /**
  * The routing decision as a pure function of the roster and what the node
  * remembers (see Agent.route). A session that said goodbye, or that is no
- * longer on a roster that answered, has ended: nothing is routed there. Then a
- * reply goes to the peer's one live session, else to its key, which the
- * peer's next session reads (and drains the ended session's route besides).
+ * longer on a roster that answered, has ended: nothing is routed there. So is
+ * a remembered one (the task's, the last to write to us) on no roster at all:
+ * it wrote to us, so it ran; gone from every roster, it unregistered (a clean
+ * exit), was taken off by its successor, or never announced itself (a one-off
+ * CLI send): its route is read late, by an adopter, if ever, and its key at
+ * once by the peer's next session (not a reference node's: its sessions read
+ * only their own routes, so there a remembered session stands). Then a reply
+ * goes to the peer's one live session, else to its key, which the peer's next
+ * session reads (and drains the ended session's route besides).
  */
 export function chooseRoute(p: {
   key: string;
@@ -8105,6 +8278,11 @@ export function chooseRoute(p: {
   mySession: string;
   /** At least one relay answered the roster. Without one, only goodbyes are judged. */
   rosterKnown?: boolean;
+  /**
+   * The key's bare route is read by its next session (a node of ours; unknown: assumed). A reference node's
+   * sessions read only their own routes, so a remembered one of theirs stands unless it is known to have ended.
+   */
+  keyRead?: boolean;
   /** That session said goodbye and has not been back since. */
   ended?: (session: string) => boolean;
   /** That session was on a roster before: missing now, it was unregistered or expired (not just new). */
@@ -8116,10 +8294,17 @@ export function chooseRoute(p: {
   const candidates = p.candidates.filter((c) => !ended(c.session!.session_id));
   const to = (s: string) => `${key}#${s}`;
   const find = (id: string) => candidates.find((c) => c.session!.session_id === id);
-  // A session has ended on evidence only: its goodbye, or a roster that listed it and no longer does. One never
-  // listed may simply not have announced itself (yet, or on these relays): what it said of itself stands.
-  const gone = (id: string): string | null =>
-    ended(id) ? "said goodbye" : known && !find(id) && p.seen?.(id) ? "is no longer on any roster" : null;
+  // A session has ended on evidence only: its goodbye, or a roster that listed it and no longer does. A hint never
+  // listed may simply not have announced itself (yet, or on these relays): what it says of itself stands. A
+  // remembered session wrote to us: missing from every roster (read afresh), it is gone or never announced.
+  const gone = (id: string, remembered = false): string | null =>
+    ended(id)
+      ? "said goodbye"
+      : known && !find(id) && p.seen?.(id)
+      ? "is no longer on any roster"
+      : known && !find(id) && remembered && p.keyRead !== false
+      ? "is on no roster (it ended)"
+      : null;
   const live = candidates.filter((c) => presence(c.ageMs) === "live");
   const liveList = live.length ? `live sessions:\n${describeSessions(live)}` : "none of its sessions is live";
   const state = (id: string): string => {
@@ -8172,7 +8357,7 @@ export function chooseRoute(p: {
   let endedNote = "";
   for (const remembered of [p.taskSession, p.sticky]) {
     if (!remembered || (p.isSelf && remembered === p.mySession)) continue;
-    const why = gone(remembered);
+    const why = gone(remembered, true);
     if (!why) return choose(remembered);
     endedNote ||= `their session ${showId(remembered)} ${why}; `;
   }
@@ -8738,15 +8923,36 @@ const opt = (
   key: string,
 ): string | undefined => (typeof args[key] === "string" && args[key] !== "" ? (args[key] as string) : undefined);
 
-/** describeOut for a message just sent, saying why it waits if its route is held (see SEND_WINDOW). */
+/** describeOut, and why it waits if its route is held (see NodeState.waitsFor). */
 function describeSettled(agent: Agent, e: OutEntry): string {
-  if (!agent.state.held(e)) return describeOut(e);
-  return `${describeOut(e)}; it waits in the outbox until ${
-    e.peer ?? fingerprint(e.msg.to)
-  } confirms the ${SEND_WINDOW} sent before it (a relay keeps at most ${QUEUE_CAP} per session, and would drop the oldest)`;
+  return describeOut(e, waitWords(agent, e));
 }
 
-function describeOut(e: OutEntry): string {
+/** Why a queued message to `e`'s route waits (see NodeState.waitsFor), for the model; null if it does not. */
+function waitWords(agent: Agent, e: OutEntry): string | null {
+  const to = e.peer ?? fingerprint(e.msg.to);
+  switch (agent.state.waitsFor(e)) {
+    case "full":
+      return `the route to ${to} is full (${
+        agent.state.full.get(e.recipient)!.why
+      }); it goes, in order, as ${to} reads: nothing is lost, do not send it again`;
+    case "window": {
+      const { key } = parseRoute(e.recipient);
+      const heard = agent.state.confirming.has(key)
+        ? `${to} has not confirmed the ${SEND_WINDOW} sent before it yet`
+        : `${to} has confirmed none of the ${SEND_WINDOW} sent before it (a node of ours does as it reads; a reference node never does, and its messages go once it has written to us)`;
+      return `${heard}, and a relay it goes through drops the oldest past its cap (${QUEUE_CAP} per session); it goes as ${to}'s receipts come: do not send it again`;
+    }
+    default:
+      return null;
+  }
+}
+
+/** Messages list_pending shows one by one for a route that waits; the rest are counted, behind them in order. */
+const HELD_LISTED = 10;
+
+/** Where a message of ours stands; `waits`: why its route holds it in the outbox (see waitWords). */
+function describeOut(e: OutEntry, waits?: string | null): string {
   const task = e.msg.task_id ? ` ${taskTag(e.msg)}` : "";
   const to = e.peer ?? fingerprint(e.msg.to);
   if (e.refused) return `msg_id ${e.msg.msg_id} to ${to}${task}: refused (${escapePeerText(e.refused, true)})`;
@@ -8754,6 +8960,9 @@ function describeOut(e: OutEntry): string {
     return `msg_id ${e.msg.msg_id} to ${to}${task}: this session had ended, and session ${e.movedTo} took it over (ask there)`;
   }
   if (e.sentAt || e.delivered || e.refusedBy) return `msg_id ${e.msg.msg_id} to ${to}${task}: ${deliveryTrail(e, to)}`;
+  if (waits) {
+    return `msg_id ${e.msg.msg_id} to ${to}${task}: queued since ${isoTime(e.at)}; it waits in the outbox: ${waits}`;
+  }
   const why = e.lastError ? `; last attempt: ${escapePeerText(e.lastError, true)}` : "";
   return `msg_id ${e.msg.msg_id} to ${to}${task}: queued since ${
     isoTime(e.at)
@@ -8875,11 +9084,11 @@ export const TOOLS: ToolSpec[] = [
     name: "send_message",
     description:
       "Send a signed message to a paired peer (petname, fingerprint or key), or to 'self' (another session of this node). " +
-      "It goes to one session of the peer: the task's, else the one that last wrote to you, else its only live one; pass session= when it has several. " +
+      "It goes to one session of the peer: the task's, else the one that last wrote to you (unless it has ended), else its only live one, else its key (read by its next session); pass session= when it has several. " +
       "For delegated work put one task_id on every message of the task: " +
       "the requester opens it (no status); the executor streams status=update, asks with status=needs_input, and finishes with status=result or status=failed. " +
       "Answer a needs_input by setting in_reply_to to the question's msg_id. A terminal status (result, failed, canceled) closes the task: follow-up work needs a new task_id. " +
-      "Returns the msg_id and whether a bus accepted it (sent) or it waits in the durable outbox (queued, retried automatically).",
+      "Returns the msg_id and whether a bus accepted it (sent) or it waits in the durable outbox (queued: a relay is unreachable, or the peer's route is full until it reads; it goes by itself, in order: never send it again).",
     args: (k) => ({
       to: k.str("the peer's petname, fingerprint or key (see list_peers)"),
       text: k.str("the message; signed, not encrypted: never include secrets"),
@@ -8956,7 +9165,7 @@ export const TOOLS: ToolSpec[] = [
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent, a) {
       const entry = agent.state.outgoing.get(a.msg_id as string);
-      if (entry) return describeOut(entry);
+      if (entry) return describeSettled(agent, entry);
       const found = conversation(agent.journal.stateDir, undefined, Number.MAX_SAFE_INTEGER).find((r) =>
         r.msg.msg_id === a.msg_id
       );
@@ -9005,7 +9214,7 @@ export const TOOLS: ToolSpec[] = [
   {
     name: "list_pending",
     description:
-      "Messages still in the durable outbox (no bus has accepted them yet), oldest first, with the last delivery error.",
+      "Messages still in the durable outbox (no bus has accepted them yet), oldest first, with the last delivery error, and why a route waits (a relay keeps no more for it until it is read, or it waits for the recipient's receipts). They go by themselves, in order: never send them again.",
     args: () => ({}),
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent) {
@@ -9014,7 +9223,15 @@ export const TOOLS: ToolSpec[] = [
       const pending = all.filter((e) => e.msg.kind !== "receipt");
       const receipts = all.length - pending.length;
       const refused = [...agent.state.outgoing.values()].filter((e) => e.refused);
-      const lines = [...pending, ...refused].map((e) => describeOut(e));
+      const held = agent.state.heldRoutes();
+      // A held route lists its first few: the rest wait behind them, in order, and are counted below.
+      const listed = new Map<string, number>();
+      const lines = [...pending, ...refused].flatMap((e) => {
+        if (!held.has(e.recipient)) return [describeOut(e)];
+        const n = (listed.get(e.recipient) ?? 0) + 1;
+        listed.set(e.recipient, n);
+        return n <= HELD_LISTED ? [describeOut(e)] : [];
+      });
       for (const d of damagedOutbox(agent.journal.file)) {
         lines.push(
           `DAMAGED: a journal line at byte ${d.offset} that looks like a queued message${
@@ -9024,12 +9241,15 @@ export const TOOLS: ToolSpec[] = [
           }; ask your operator, and send it again if it matters.`,
         );
       }
-      for (const [route, n] of agent.state.heldRoutes()) {
+      for (const [route, { n }] of held) {
         const { key, session } = parseRoute(route);
+        const first = all.find((e) => e.recipient === route)!;
         lines.push(
           `${n} of these to ${agent.petnameOf(key) ?? fingerprint(key)}${
             session ? ` (session ${showId(session)})` : ""
-          } wait: it has not confirmed the ${SEND_WINDOW} sent before them yet (a relay keeps at most ${QUEUE_CAP} per session, and would drop the oldest); they go as its receipts come`,
+          }${n > HELD_LISTED ? ` (the first ${HELD_LISTED} listed above)` : ""} wait in the outbox: ${
+            waitWords(agent, first)
+          }`,
         );
       }
       if (receipts) lines.push(`and ${receipts} delivery receipt(s) to peers, waiting for a bus like any message`);
@@ -11306,7 +11526,7 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     const { entry, note } = await agent.send(input);
     await agent.flushOutbox(Date.now() + SEND_TIMEOUT_MS + 1000);
     print(
-      `${describeOut(entry)} — ${note}` +
+      `${describeSettled(agent, entry)} — ${note}` +
         (entry.sentAt || entry.refused ? "" : "; the next `interlink.ts send` or `mcp` on this session retries it"),
     );
     return 0;
@@ -12308,12 +12528,11 @@ async function runBus(o: Options): Promise<number> {
   logInfo(
     `listening on http://${
       host.includes(":") ? `[${host}]` : host
-    }:${server.port} (data ${dataDir}, cap ${cap} per recipient)`,
+    }:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient)`,
   );
   logInfo(
     `recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms` +
-      (r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "") +
-      (r.droppedByCap ? `; dropped ${r.droppedByCap} over the cap` : ""),
+      (r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : ""),
   );
   if (!isLoopback(host)) {
     logWarn(
@@ -12523,6 +12742,13 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
           fix: "run `interlink.ts bus` there, or keep the bus on a network only your nodes reach",
         },
     );
+    out.push(fullFinding(
+      `bus ${url}`,
+      features?.includes("full-refused") === true,
+      "its cap per recipient",
+      "a reference bus, or ours of an earlier release",
+      "run `interlink.ts bus` of this release there",
+    ));
     if (date) {
       const skew = Date.parse(date) - (t0 + t1) / 2; // the header has 1 s resolution
       out.push(
@@ -12552,6 +12778,21 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
   return out;
 }
 
+/**
+ * What a relay does at a route's cap (see QUEUE_CAP): refuse the next, so nothing accepted is lost; or drop the
+ * oldest (`which` relay that is, and the `fix`), so our senders hold back by receipts.
+ */
+function fullFinding(relay: string, refuses: boolean, cap: string, which: string, fix: string): Finding {
+  return refuses
+    ? { level: "ok", what: `${relay} refuses a message past ${cap} (the sender keeps it): nothing accepted is dropped` }
+    : {
+      level: "info",
+      what:
+        `${relay} drops the oldest message past ${cap} (${which}): our senders hold each route at ${SEND_WINDOW} unconfirmed, freed by receipts; a reference node, which sends none, is not held and can lose mail there`,
+      fix,
+    };
+}
+
 /** A NATS relay: it connects, JetStream is on, the stream and roster bucket exist or could be made, its round trip. */
 async function doctorNats(url: string, id: Identity | null): Promise<Finding[]> {
   const relay = new NatsRelay(url, undefined, id?.publicKey);
@@ -12563,15 +12804,25 @@ async function doctorNats(url: string, id: Identity | null): Promise<Finding[]> 
     ]);
     const setupMs = Date.now() - t0;
     const rtt = await withTimeout(5_000, `${relay.name}: ping`, () => link.nc.rtt());
-    const out: Finding[] = [{
-      level: "ok",
-      what:
-        `NATS relay ${relay.name} answers (round trip ${rtt} ms; connected with JetStream, stream ${NATS_STREAM} and bucket ${NATS_ROSTER} ready, in ${setupMs} ms)`,
-    }, {
-      level: "info",
-      what:
-        `NATS relay ${relay.name}: who may read or ack a route is up to the account's permissions (docs/nats.md, "Who may read a route"), not to interlink`,
-    }];
+    const out: Finding[] = [
+      {
+        level: "ok",
+        what:
+          `NATS relay ${relay.name} answers (round trip ${rtt} ms; connected with JetStream, stream ${NATS_STREAM} and bucket ${NATS_ROSTER} ready, in ${setupMs} ms)`,
+      },
+      {
+        level: "info",
+        what:
+          `NATS relay ${relay.name}: who may read or ack a route is up to the account's permissions (docs/nats.md, "Who may read a route"), not to interlink`,
+      },
+      fullFinding(
+        `NATS relay ${relay.name}`,
+        link.refuses,
+        "its per-subject limit",
+        "a stream made by an earlier release",
+        'once no node of an earlier release uses it: `nats stream edit INTERLINK --discard new --discard-per-subject` (docs/nats.md, "Mapping")',
+      ),
+    ];
     if (id) {
       const mine = (await relay.roster()).some((a) => isObject(a) && a.pubkey === id.publicKey);
       out.push({
@@ -13290,14 +13541,14 @@ const COMMANDS: Record<string, CommandSpec> = {
         arg: "N",
         env: "INTERLINK_QUEUE_CAP",
         default: String(QUEUE_CAP),
-        help: "messages held per recipient before the oldest is dropped",
+        help: "messages one signer may have queued per recipient; past it the next is refused (429), none dropped",
       },
       "opaque-cap": {
         type: "string",
         arg: "N",
         env: "INTERLINK_BUS_OPAQUE_CAP",
         default: String(OPAQUE_CAP),
-        help: "payloads that are not signed v2 messages held per recipient (apart from the cap, never at its cost)",
+        help: "payloads that are not signed v2 messages held per recipient (apart from the cap; past it: 429)",
       },
       "sender-mb": {
         type: "string",
