@@ -1968,9 +1968,9 @@ async function busDrained(busUrl: string, me: string | NodeFiles): Promise<boole
 }
 
 /** An in-process bus served on a loopback port; `bus` itself can also play a relay that checks nothing. */
-async function busOnLoopback(dir: string) {
+async function busOnLoopback(dir: string, port = 0) {
   const bus = await Bus.open(dir, { log: () => {} });
-  const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+  const server = await serveHttp(bus.handler, "127.0.0.1", port);
   const shutdown = async () => {
     await server.stop();
     await bus.close();
@@ -5756,6 +5756,63 @@ test.concurrent("receipts: restarts of either side in between keep every status 
     await stop(bus);
   }
 }, 120_000);
+
+describe("sending while the relay does not answer", () => {
+  // The relay is a TCP listener that accepts and never answers: every request to it hangs until the node gives
+  // up on it (SEND_TIMEOUT_MS for a send). A send_message that waited for a delivery attempt (or for a roster read)
+  // could only answer once such a request gave up; one that answers at once does so while they are still open.
+  for (const [runtime, other] of [["bun", "deno"], ["deno", "bun"]] as const) {
+    test.concurrent(
+      `on ${runtime}: twenty send_messages while the relay hangs each answer "queued" at once, and all arrive in order once a bus answers there`,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        const port = await freePort();
+        const url = `http://127.0.0.1:${port}`;
+        const conns: { first: string; open: boolean; socket: net.Socket }[] = [];
+        const hang = net.createServer((socket) => {
+          const c = { first: "", open: true, socket };
+          conns.push(c);
+          socket.on("data", (d) => (c.first ||= d.toString("latin1").split("\r\n")[0]));
+          socket.on("close", () => (c.open = false)).on("error", () => {});
+        });
+        await new Promise<void>((r) => hang.listen(port, "127.0.0.1", r));
+        const alice = await McpNode.start(runtime, A, url, { INTERLINK_AUTOSTART_BUS: "0" });
+        let bob: McpNode | undefined;
+        let bus: Awaited<ReturnType<typeof busOnLoopback>> | undefined;
+        try {
+          // The first send waits for the roster once (the relay has not failed yet): it gives up, and says so.
+          const first = await alice.ok("send_message", { to: "bob", text: "m1" });
+          expect(first).toMatch(/^msg_id \S+ to bob: queued since /);
+          expect(first).toContain("no bus answered; it waits in the outbox");
+          await eventually(() => conns.some((c) => c.first.startsWith("POST /send")), "m1's delivery attempt");
+          const attempt = conns.find((c) => c.first.startsWith("POST /send"))!;
+          const answers = [first];
+          for (let i = 2; i <= 20; i++) {
+            answers.push(await alice.ok("send_message", { to: "bob", text: `m${i}` }));
+            // Answered while m1's attempt still hangs: this send waited for no request to the relay.
+            expect({ i, attemptOpen: attempt.open }).toEqual({ i, attemptOpen: true });
+          }
+          for (const a of answers) expect(a).toMatch(/^msg_id \S+ to bob: queued since .*retried automatically/);
+          // A bus answers on that port now: the outbox delivers all twenty, in order, and bob is shown them so.
+          hang.close();
+          for (const c of conns) c.socket.destroy();
+          bus = await busOnLoopback(path.join(root, "bus"), port);
+          bob = await McpNode.start(other, B, url, { INTERLINK_AUTOSTART_BUS: "0" });
+          const texts = () => bob!.events.filter((e) => e.meta.sender === "alice").map((e) => e.content);
+          await eventually(() => texts().length === 20, "bob is shown all twenty", 60_000);
+          expect(texts().map((t) => t.match(/m\d+/)![0])).toEqual(Array.from({ length: 20 }, (_, i) => `m${i + 1}`));
+          expect(await alice.ok("list_pending")).toContain("the outbox is empty");
+        } finally {
+          hang.close();
+          for (const c of conns) c.socket.destroy();
+          await Promise.allSettled([alice.close(), bob?.close()]);
+          await bus?.shutdown();
+        }
+      },
+      90_000,
+    );
+  }
+});
 
 describe("hostile clients: bodies and connections", () => {
   test("the guard's clock in use is the README's: 10 s idle or slow headers, 15 s for a body (test knobs unset)", () => {

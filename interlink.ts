@@ -6771,7 +6771,14 @@ export class Agent {
   #owed = new WakeLatch();
   #receiving: Promise<unknown> = Promise.resolve();
   #loops: Promise<void>[] = [];
-  #attempted = new Set<() => void>(); // woken after every delivery attempt
+  #attempted = new Set<() => void>(); // woken after every delivery attempt, and when one starts
+  /** The msg_ids of the delivery rounds under way (at most SEND_BATCH a round: the loop and a CLI flush). */
+  #inFlight = new Set<string>();
+  /**
+   * No relay answered the last roster read, and none has answered anything since: a send routes by what this
+   * session remembers rather than wait SEND_TIMEOUT_MS again for a relay that hangs (cleared by any answer).
+   */
+  #unanswered = false;
   #watcher: fs.FSWatcher | null = null;
   #poll: ReturnType<typeof setInterval> | null = null;
   /** Set by the MCP server: how an admitted message reaches the session. */
@@ -7214,11 +7221,17 @@ export class Agent {
     return { entry, note: choice.note };
   }
 
-  /** Waits up to `ms` until a message is sent or refused, or its first delivery attempt has failed; returns its entry either way. */
+  /**
+   * Waits up to `ms` until a message is sent or refused, or its first delivery attempt has failed; returns its entry
+   * either way. It waits for nothing that cannot settle it at once: while the relays fail or do not answer (the
+   * outbox retries on its own), or while a round that does not carry it is under way (it goes in a later one).
+   */
   async settle(msgId: string, ms: number): Promise<OutEntry> {
     const entry = this.state.outgoing.get(msgId)!;
+    const behind = () =>
+      this.#sendFailures > 0 || this.#unanswered || (this.#inFlight.size > 0 && !this.#inFlight.has(msgId));
     await waitUntil(
-      () => !this.state.pending.has(msgId) || entry.attempts > 0 || this.state.held(entry),
+      () => !this.state.pending.has(msgId) || entry.attempts > 0 || this.state.held(entry) || behind(),
       ms,
       (wake) => {
         this.#attempted.add(wake);
@@ -7245,6 +7258,22 @@ export class Agent {
     }
     const items = entries.map((e) => ({ route: e.recipient, payload: messagePayload(e.msg, this.me) }));
     const signal = this.#stop.signal;
+    for (const e of entries) this.#inFlight.add(e.msg.msg_id);
+    for (const wake of [...this.#attempted]) wake();
+    try {
+      return await this.#deliver(entries, items, signal);
+    } finally {
+      for (const e of entries) this.#inFlight.delete(e.msg.msg_id);
+      for (const wake of [...this.#attempted]) wake();
+    }
+  }
+
+  /** #attempt's round itself: the requests, then the records of what they settled. */
+  async #deliver(
+    entries: OutEntry[],
+    items: { route: string; payload: object }[],
+    signal: AbortSignal,
+  ): Promise<number> {
     // Per relay, per message: true, an error, or null (not tried).
     const outcomes = await Promise.all(this.relays.map(async (relay) => {
       const out: (true | RelayError | null)[] = items.map(() => null);
@@ -7274,6 +7303,7 @@ export class Agent {
       entry.attempts++;
       const via = this.relays.flatMap((relay, k) => (results[k] === true ? [relay.name] : []));
       if (via.length) {
+        this.#unanswered = false;
         records.push({ t: "sent", msg_id: entry.msg.msg_id, via });
         settled++;
         continue;
@@ -7290,11 +7320,7 @@ export class Agent {
       }
       break;
     }
-    try {
-      await this.journal.appendDurable(records);
-    } finally {
-      for (const wake of [...this.#attempted]) wake();
-    }
+    await this.journal.appendDurable(records);
     return settled;
   }
 
@@ -7439,6 +7465,7 @@ export class Agent {
   /** A relay answers again: what waits in the outbox goes now, not after the back-off it had grown to. */
   #relayBack(): void {
     this.#sendFailures = 0;
+    this.#unanswered = false;
     this.#outbox.wake();
   }
 
@@ -7447,6 +7474,7 @@ export class Agent {
     while (!this.#stop.signal.aborted) {
       try {
         const got = await relay.recv(route, this.#stop.signal);
+        this.#unanswered = false;
         if (failures) {
           logInfo(`${relay.name} is reachable again`);
           failures = 0;
@@ -7772,8 +7800,23 @@ export class Agent {
     if (!fresh && cached && this.now() - cached.at < ROSTER_CACHE_MS) {
       return cached.sessions.map((s) => ({ ...s, ageMs: s.ageMs + this.now() - cached.at }));
     }
+    // One read at a time: callers meanwhile share it (a burst of sends, or sends while relays hang).
+    this.#rosterRead ??= this.#readRoster().finally(() => (this.#rosterRead = null));
+    return await this.#rosterRead;
+  }
+
+  #rosterRead: Promise<PeerSession[]> | null = null;
+
+  async #readRoster(): Promise<PeerSession[]> {
     const nowMs = this.now();
-    const { byRoute } = await readRoster(this.relays, nowMs);
+    let byRoute: Map<string, PeerSession>;
+    try {
+      ({ byRoute } = await readRoster(this.relays, nowMs));
+      this.#unanswered = false;
+    } catch (e) {
+      if (e instanceof NoRelayAnswered) this.#unanswered = true;
+      throw e;
+    }
     const sessions = [...byRoute.values()].filter((s) =>
       !(s.key === this.id.publicKey && s.session?.session_id === this.cfg.session)
     );
@@ -7805,7 +7848,11 @@ export class Agent {
     let sessions: PeerSession[] = [];
     let rosterKnown = true;
     try {
-      sessions = (await this.roster()).filter((s) => s.key === key);
+      if (this.#unanswered) {
+        // No relay answered lately: this send does not wait on them; a read behind it notices one back.
+        void this.roster().catch(() => {});
+        rosterKnown = false;
+      } else sessions = (await this.roster()).filter((s) => s.key === key);
     } catch (e) {
       if (!(e instanceof NoRelayAnswered)) throw e;
       rosterKnown = false; // no roster to look at: route by what we remember, and say so
