@@ -78,6 +78,7 @@ import {
   type Listening,
   LockedError,
   lockOwner,
+  MCP_LINE_MAX_CHARS,
   McpSession,
   messageBlock,
   messageHead,
@@ -5756,6 +5757,247 @@ test.concurrent("receipts: restarts of either side in between keep every status 
     await stop(bus);
   }
 }, 120_000);
+
+describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () => {
+  /** `interlink.ts mcp` driven by raw lines: what it writes back, line by line, and its stderr. */
+  class RawMcp {
+    readonly lines: string[] = [];
+    readonly stderr: string[] = [];
+    #child: ReturnType<typeof spawn>;
+    #waiters: (() => void)[] = [];
+    constructor(runtime: "bun" | "deno", env: Record<string, string>) {
+      const [cmd, ...args] = [...runtimeArgv(runtime), "mcp"];
+      this.#child = spawn(cmd, args, { cwd: REPO, env: { ...process.env, ...env }, detached: true });
+      made.pids.add(this.#child.pid!);
+      for (const [stream, into] of [[this.#child.stdout!, this.lines], [this.#child.stderr!, this.stderr]] as const) {
+        let buf = "";
+        stream.setEncoding("utf8").on("data", (d: string) => {
+          const parts = (buf + d).split("\n");
+          buf = parts.pop()!;
+          into.push(...parts);
+          for (const w of this.#waiters.splice(0)) w();
+        });
+      }
+    }
+    send(...lines: (string | object)[]): void {
+      for (const l of lines) this.#child.stdin!.write((typeof l === "string" ? l : JSON.stringify(l)) + "\n");
+    }
+    /** Waits for the answer to request `id` (its raw text in the line), and returns every line written up to it. */
+    async until(idText: string, ms = 30_000): Promise<string[]> {
+      const deadline = Date.now() + ms;
+      for (;;) {
+        const at = this.lines.findIndex((l) => l.startsWith(`{"jsonrpc":"2.0","id":${idText},`));
+        if (at !== -1) return this.lines.splice(0, at + 1);
+        if (Date.now() > deadline) {
+          throw new Error(`no answer to ${idText}:\n${this.lines.join("\n")}\n${this.stderr.join("\n")}`);
+        }
+        await new Promise<void>((r) => (this.#waiters.push(r), setTimeout(r, 200)));
+      }
+    }
+    async stderrLine(re: RegExp): Promise<string> {
+      await eventually(() => this.stderr.some((l) => re.test(l)), `stderr ${re}`, 30_000);
+      return this.stderr.find((l) => re.test(l))!;
+    }
+    close(): void {
+      this.#child.stdin!.end();
+      killGroup(this.#child.pid!);
+    }
+  }
+
+  /** A node whose relay accepts connections and never answers: a roster read (discover) hangs SEND_TIMEOUT_MS. */
+  async function nodeEnv(): Promise<{ env: Record<string, string>; close(): void }> {
+    const root = tmpDir();
+    const f = await makeNodeFiles(root, "solo");
+    const sockets: net.Socket[] = [];
+    const hang = net.createServer((c) => (sockets.push(c), c.on("error", () => {})));
+    await new Promise<void>((r) => hang.listen(0, "127.0.0.1", r));
+    const env = {
+      INTERLINK_KEY: f.keyFile,
+      INTERLINK_PEERS: f.peersFile,
+      INTERLINK_STATE: f.stateDir,
+      INTERLINK_CONFIG: path.join(root, "config.json"),
+      INTERLINK_URL: `http://127.0.0.1:${(hang.address() as net.AddressInfo).port}`,
+      INTERLINK_AUTOSTART_BUS: "0",
+      INTERLINK_SESSION: "solo",
+    };
+    return { env, close: () => (hang.close(), sockets.forEach((c) => c.destroy())) };
+  }
+
+  const parse = (lines: string[]) => lines.map((l) => JSON.parse(l));
+  const initialize = {
+    jsonrpc: "2.0",
+    id: "init",
+    method: "initialize",
+    params: { protocolVersion: "2025-11-25", capabilities: {}, clientInfo: { name: "raw", version: "1" } },
+  };
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `on ${runtime}: Claude Code 2.1.332's start is replayed: its server/discover probe is answered -32601, and it falls back to initialize 2025-11-25`,
+      async () => {
+        const node = await nodeEnv();
+        const mcp = new RawMcp(runtime, node.env);
+        try {
+          const recorded = fs.readFileSync(
+            path.join(REPO, "fixtures", "mcp", "claude-code-2.1.332-start.jsonl"),
+            "utf8",
+          )
+            .trim().split("\n");
+          expect(JSON.parse(recorded[0])).toMatchObject({
+            method: "server/discover",
+            params: { _meta: { "io.modelcontextprotocol/protocolVersion": "2026-07-28" } },
+          });
+          mcp.send(recorded[0]);
+          const [probe] = parse(await mcp.until('"server-discover-probe-1"'));
+          expect(probe).toEqual({
+            jsonrpc: "2.0",
+            id: "server-discover-probe-1",
+            error: { code: -32601, message: "Method not found: server/discover" },
+          });
+          // On -32601 Claude Code falls back, on the same process: initialize, initialized, tools/list.
+          mcp.send(...recorded.slice(1));
+          const answers = parse(await mcp.until("1"));
+          expect(answers.map((a) => a.id)).toEqual([0, 1]); // the notification is not answered
+          expect(answers[0].result).toMatchObject({ protocolVersion: "2025-11-25", serverInfo: { name: "interlink" } });
+          expect(answers[1].result.tools.map((t: { name: string }) => t.name)).toContain("send_message");
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `on ${runtime}: an invalid envelope is answered -32600, bad params -32602, a notification or a stray answer never; ids past 2^53 come back exact`,
+      async () => {
+        const node = await nodeEnv();
+        const mcp = new RawMcp(runtime, node.env);
+        try {
+          mcp.send(initialize);
+          await mcp.until('"init"');
+          mcp.send(
+            "not json",
+            '[{"jsonrpc":"2.0","id":1,"method":"ping"}]',
+            '"a string"',
+            { id: 2, method: "ping" },
+            { jsonrpc: "1.0", id: 3, method: "ping" },
+            { jsonrpc: "2.0", id: null, method: "ping" },
+            '{"jsonrpc":"2.0","id":4.5,"method":"ping"}',
+            { jsonrpc: "2.0", id: { a: 1 }, method: "ping" },
+            { jsonrpc: "2.0", id: 5 },
+            { jsonrpc: "2.0", id: 6, method: "tools/call", params: { arguments: {} } },
+            { jsonrpc: "2.0", id: 7, method: "tools/call", params: { name: "list_peers", arguments: [1] } },
+            { jsonrpc: "2.0", id: 8, method: "tools/call", params: { name: "list_peers", arguments: "x" } },
+            { jsonrpc: "2.0", id: 9, method: "initialize", params: { capabilities: {} } },
+            { jsonrpc: "2.0", id: 10, method: "ping", params: "x" },
+            { jsonrpc: "2.0", id: 11, method: "no/such" },
+            // Never answered: notifications (known, unknown, malformed) and an answer to nothing the server asked.
+            { jsonrpc: "2.0", method: "notifications/unknown" },
+            { jsonrpc: "2.0", method: "notifications/cancelled", params: { requestId: 999 } },
+            { method: "notifications/initialized" },
+            { jsonrpc: "2.0", id: 77, result: {} },
+            { jsonrpc: "2.0", id: 78, error: { code: 1, message: "x" } },
+            // Ids as the client wrote them: past 2^53 (JSON.parse would round it to ...992), and a string.
+            '{"jsonrpc":"2.0","id":9007199254740993,"method":"ping"}',
+            { jsonrpc: "2.0", id: "s-1", method: "ping" },
+            { jsonrpc: "2.0", id: "last", method: "ping" },
+          );
+          const lines = await mcp.until('"last"');
+          expect(lines).toContain('{"jsonrpc":"2.0","id":9007199254740993,"result":{}}');
+          const got = parse(lines).map((a) => [a.id, a.error?.code ?? "ok"]);
+          const sort = (x: unknown[][]) => x.map((a) => JSON.stringify(a)).sort();
+          expect(sort(got)).toEqual(sort([
+            [null, -32700],
+            [null, -32600], // a batch
+            [null, -32600], // not an object
+            [2, -32600], // no "jsonrpc"
+            [3, -32600], // "jsonrpc" 1.0
+            [null, -32600], // a null id
+            [null, -32600], // a fractional id
+            [null, -32600], // an object id
+            [5, -32600], // no method
+            [6, -32602], // tools/call without a name
+            [7, -32602], // arguments an array
+            [8, -32602], // arguments a string
+            [9, -32602], // initialize without protocolVersion
+            [10, -32600], // params not structured
+            [11, -32601],
+            [9007199254740992, "ok"], // (as JSON.parse reads the exact text checked above)
+            ["s-1", "ok"],
+            ["last", "ok"],
+          ]));
+          const messages = parse(lines).filter((a) => a.error).map((a) => a.error.message).join("\n");
+          expect(messages).toContain("batches are not supported");
+          expect(messages).toContain("initialize needs a protocolVersion");
+          expect(messages).toContain("tools/call needs a tool name");
+          // The server serves on.
+          mcp.send({ jsonrpc: "2.0", id: "after", method: "tools/list" });
+          expect(parse(await mcp.until('"after"'))[0].result.tools.length).toBeGreaterThan(5);
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `on ${runtime}: a request the client cancels is not answered; another one beside it, whose id differs only past 2^53, is`,
+      async () => {
+        const node = await nodeEnv();
+        const mcp = new RawMcp(runtime, node.env);
+        try {
+          mcp.send(initialize, { jsonrpc: "2.0", method: "notifications/initialized" });
+          await mcp.until('"init"');
+          // discover reads the roster from a relay that never answers: both calls wait on it.
+          const call = (id: string) =>
+            `{"jsonrpc":"2.0","id":${id},"method":"tools/call","params":{"name":"discover","arguments":{}}}`;
+          mcp.send(call("9007199254740993"), call("9007199254740992"));
+          mcp.send('{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":9007199254740993}}');
+          // The kept one is answered once the relay gives up. Both wait on one roster read, so by then the cancelled
+          // one has finished too: unanswered.
+          const lines = await mcp.until("9007199254740992", 45_000);
+          mcp.send({ jsonrpc: "2.0", id: "last", method: "ping" });
+          lines.push(...await mcp.until('"last"'));
+          expect(lines.filter((l) => l.includes("9007199254740993"))).toEqual([]);
+          expect(lines.filter((l) => l.startsWith('{"jsonrpc":"2.0","id":9007199254740992,"result"')).length).toBe(1);
+          await mcp.stderrLine(/request 9007199254740993 \(tools\/call\) finished after the client cancelled it/);
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `on ${runtime}: a line past MCP_LINE_MAX_CHARS is not kept: answered -32600 under its id, found even at its end; the server serves on`,
+      async () => {
+        const node = await nodeEnv();
+        const mcp = new RawMcp(runtime, node.env);
+        try {
+          mcp.send(initialize);
+          await mcp.until('"init"');
+          // As the SDK writes a request: the id last, after the text.
+          const text = "x".repeat(MCP_LINE_MAX_CHARS + 10);
+          mcp.send(
+            `{"method":"tools/call","params":{"name":"send_message","arguments":{"to":"bob","text":"${text}"}},"jsonrpc":"2.0","id":42}`,
+          );
+          const [big] = parse(await mcp.until("42"));
+          expect(big.error.code).toBe(-32600);
+          expect(big.error.message).toContain(`over ${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters is not read`);
+          mcp.send({ jsonrpc: "2.0", id: "after", method: "ping" });
+          expect(parse(await mcp.until('"after"'))).toEqual([{ jsonrpc: "2.0", id: "after", result: {} }]);
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+  }
+});
 
 describe("sending while the relay does not answer", () => {
   // The relay is a TCP listener that accepts and never answers: every request to it hangs until the node gives

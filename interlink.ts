@@ -9188,7 +9188,93 @@ list_tasks shows open tasks and unanswered questions.`;
 /** The MCP protocol versions this server speaks, newest first (the SDK 1.32 list: the hosts we test send these). */
 export const MCP_PROTOCOL_VERSIONS = ["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05", "2024-10-07"] as const;
 
+/**
+ * The longest line the server reads, in UTF-16 code units: a send_message at TEXT_LIMIT_BYTES with every character
+ * escaped as \uXXXX (6 each) fits with room to spare. A longer line is read to its end but not kept (see serve).
+ */
+export const MCP_LINE_MAX_CHARS = 4 * 2 ** 20;
+/** A request id's text kept from an over-long line, to answer it: ids are short; a longer one is answered with null. */
+const MCP_ID_MAX_CHARS = 1024;
+
 type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean };
+
+/** A request whose params are wrong for its method: answered -32602 (Invalid params) with this message. */
+class McpParamsError extends Error {}
+
+/**
+ * Finds the text of the top-level "id" member of a JSON object read in pieces (an over-long line, never held
+ * whole): the id is then known even when it comes last, as the SDK writes it. Pure, linear, constant memory.
+ */
+export class JsonIdScanner {
+  #depth = 0;
+  #inString = false;
+  #escaped = false;
+  #key: string | null = null; // a top-level key being read (its first characters: enough to tell "id")
+  #lastKey = "";
+  #expectValue = false;
+  #capture: string | null = null; // the id's text so far, while it is read
+  /** The raw text of the top-level "id" (a string with its quotes, or a number); undefined if none or not scalar. */
+  id: string | undefined;
+
+  feed(text: string): void {
+    for (const ch of text) {
+      if (this.#inString) {
+        if (this.#capture !== null) this.#take(ch);
+        if (this.#escaped) this.#escaped = false;
+        else if (ch === "\\") this.#escaped = true;
+        else if (ch === '"') {
+          this.#inString = false;
+          if (this.#key !== null) [this.#lastKey, this.#key] = [this.#key, null];
+          if (this.#capture !== null) this.#finish();
+          continue;
+        }
+        if (this.#key !== null && this.#key.length < 3) this.#key += ch;
+        continue;
+      }
+      if (this.#capture !== null) { // a number (or a literal) ends at a delimiter
+        if (!/[\s,}\]]/.test(ch)) {
+          this.#take(ch);
+          continue;
+        }
+        this.#finish();
+      }
+      if (/\s/.test(ch)) continue;
+      const value = this.#depth === 1 && this.#expectValue;
+      this.#expectValue = false;
+      if (value && this.#lastKey === "id") {
+        this.id = undefined; // an object or an array is no id; a scalar is read on
+        if (ch !== "{" && ch !== "[") {
+          this.#capture = ch;
+          this.#inString = ch === '"';
+          continue;
+        }
+      }
+      if (ch === '"') {
+        this.#inString = true;
+        this.#key = this.#depth === 1 && !value ? "" : null;
+      } else if (ch === "{" || ch === "[") this.#depth++;
+      else if (ch === "}" || ch === "]") this.#depth--;
+      else if (ch === ":" && this.#depth === 1) this.#expectValue = true;
+    }
+  }
+
+  #take(ch: string): void {
+    this.#capture = this.#capture!.length < MCP_ID_MAX_CHARS ? this.#capture + ch : "\0"; // too long: no id of ours
+  }
+
+  #finish(): void {
+    this.id = this.#capture!.startsWith("\0") ? undefined : this.#capture!;
+    this.#capture = null;
+  }
+}
+
+/** A request id as it is echoed: a string's JSON, an integer's own text (exact beyond 2^53); undefined if not valid. */
+function requestIdText(value: unknown, raw: string | undefined): string | undefined {
+  if (typeof value === "string") return JSON.stringify(value);
+  if (typeof value !== "number" || !Number.isFinite(value)) return undefined;
+  const text = raw ?? String(value);
+  return /^-?\d+$/.test(text) ? text : undefined;
+}
 
 /**
  * The server side of MCP over stdio, by hand: JSON-RPC 2.0, one message per
@@ -9199,6 +9285,13 @@ type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean
  * runs them; answers and notifications are written whole, in order. The
  * clients it is tested with are the real ones: Claude Code, Codex and the
  * SDK's own client.
+ *
+ * The envelope is checked as JSON-RPC 2.0 and MCP say: a line that is not JSON is answered -32700 (id null); a
+ * batch, a request with no method, a "jsonrpc" other than "2.0", or an id that is not a string or an integer
+ * -32600 (id null when the id itself is bad); wrong params -32602; an unknown method -32601 (a 2026 client's
+ * server/discover probe among them: it then falls back to initialize). A notification is never answered, not even
+ * with an error; an answer from the client to nothing we asked is dropped. A request the client cancels before it
+ * finishes gets no answer. Ids are echoed as their text, so an integer past 2^53 comes back exact.
  */
 export class McpStdioServer {
   /** The client's name and version, once it has initialized (Codex says "codex-mcp-client"). */
@@ -9208,6 +9301,8 @@ export class McpStdioServer {
   #closed!: (why: string) => void;
   /** Resolves, with why, when the client is gone (stdin ended, stdout broken). */
   readonly closed = new Promise<string>((resolve) => (this.#closed = resolve));
+  /** Requests being answered, by id text → cancelled by the client? (bounded by what the client has in flight). */
+  #running = new Map<string, { cancelled: boolean }>();
 
   constructor(
     readonly info: { name: string; version: string },
@@ -9221,16 +9316,38 @@ export class McpStdioServer {
     readonly output: NodeJS.WritableStream = process.stdout,
   ) {}
 
-  /** Reads requests until the client goes away. */
+  /**
+   * Reads requests until the client goes away. A line past MCP_LINE_MAX_CHARS is read to its end without being
+   * kept (only its top-level id is looked for on the way) and answered -32600, so a client that never sends a
+   * newline cannot grow this process.
+   */
   serve(): void {
     let buffered = "";
+    let skipping: JsonIdScanner | null = null; // reading past an over-long line's cap, to its end
     this.input.setEncoding?.("utf8");
     this.input.on("data", (chunk: string) => {
+      if (skipping) {
+        const nl = chunk.indexOf("\n");
+        skipping.feed(nl === -1 ? chunk : chunk.slice(0, nl));
+        if (nl === -1) return;
+        this.#tooLong(skipping.id);
+        skipping = null;
+        chunk = chunk.slice(nl + 1);
+      }
       buffered += chunk;
       for (let nl = buffered.indexOf("\n"); nl !== -1; nl = buffered.indexOf("\n")) {
-        const line = buffered.slice(0, nl).trim();
+        const line = buffered.slice(0, nl);
         buffered = buffered.slice(nl + 1);
-        if (line) void this.#receive(line);
+        if (line.length > MCP_LINE_MAX_CHARS) {
+          const scanner = new JsonIdScanner();
+          scanner.feed(line);
+          this.#tooLong(scanner.id);
+        } else if (line.trim()) void this.#receive(line.trim());
+      }
+      if (buffered.length > MCP_LINE_MAX_CHARS) {
+        skipping = new JsonIdScanner();
+        skipping.feed(buffered);
+        buffered = "";
       }
     });
     this.input.once("end", () => this.#closed("stdin closed"));
@@ -9240,45 +9357,110 @@ export class McpStdioServer {
 
   /** Sends a notification (a channel event); resolves once it is written. */
   notify(method: string, params: Record<string, unknown>): Promise<void> {
-    return this.#write({ jsonrpc: "2.0", method, params });
+    return this.#write(JSON.stringify({ jsonrpc: "2.0", method, params }));
   }
 
-  #write(message: object): Promise<void> {
-    const text = JSON.stringify(message) + "\n";
+  #write(text: string): Promise<void> {
     this.#out = this.#out.then(() =>
-      new Promise<void>((resolve, reject) => this.output.write(text, (e) => (e ? reject(e) : resolve())))
+      new Promise<void>((resolve, reject) => this.output.write(text + "\n", (e) => (e ? reject(e) : resolve())))
     );
     return this.#out;
   }
 
+  /** Answers the request whose id's text is `id` (null: its id could not be told) with a result or an error. */
+  #reply(id: string | null, body: { result: object } | { error: { code: number; message: string } }): Promise<void> {
+    return this.#write(`{"jsonrpc":"2.0","id":${id ?? "null"},${JSON.stringify(body).slice(1)}`);
+  }
+
+  #fail(id: string | null, code: number, message: string): Promise<void> {
+    return this.#reply(id, { error: { code, message } });
+  }
+
+  #tooLong(id: string | undefined): void {
+    const limit = `${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters`;
+    logWarn(`a message from the client was over ${limit}: not read, answered -32600`);
+    let valid: string | undefined;
+    try {
+      valid = id === undefined ? undefined : requestIdText(JSON.parse(id), id);
+    } catch {
+      // not a value: answered with id null
+    }
+    void this.#fail(
+      valid ?? null,
+      -32600,
+      `Invalid Request: a message over ${limit} is not read (a tool's text is at most ${TEXT_LIMIT_BYTES / 1024} KiB)`,
+    ).catch(() => {});
+  }
+
   async #receive(line: string): Promise<void> {
+    // The text of each "id" and "requestId" as the client wrote it (JSON.parse rounds integers past 2^53).
+    const raws = new WeakMap<object, Record<string, string>>();
     let m: unknown;
     try {
-      m = JSON.parse(line);
+      m = JSON.parse(line, function (this: object, key: string, value: unknown, ctx?: { source?: string }) {
+        if ((key === "id" || key === "requestId") && ctx?.source !== undefined) {
+          raws.set(this, { ...raws.get(this), [key]: ctx.source });
+        }
+        return value;
+      });
     } catch {
-      return void this.#write({ jsonrpc: "2.0", id: null, error: { code: -32700, message: "Parse error" } });
+      return void this.#fail(null, -32700, "Parse error: not JSON").catch(() => {});
     }
-    if (!isObject(m) || typeof m.method !== "string") return; // an answer to nothing we asked, or junk
-    const id = m.id;
-    const params = isObject(m.params) ? m.params : {};
-    if (id === undefined || id === null) {
-      if (m.method === "notifications/initialized") this.oninitialized();
-      return; // notifications/cancelled and the rest: nothing to do
+    const invalid = (id: string | null, why: string) =>
+      void this.#fail(id, -32600, `Invalid Request: ${why}`).catch(() => {});
+    if (Array.isArray(m)) return invalid(null, "batches are not supported (MCP has none since 2025-06-18)");
+    if (!isObject(m)) return invalid(null, "a message is a JSON object");
+    if (!("method" in m) && ("result" in m || "error" in m)) return; // an answer to nothing we asked
+    if (!("id" in m)) {
+      // A notification: never answered, not even with an error; a malformed one is only dropped.
+      if (m.jsonrpc === "2.0" && typeof m.method === "string") this.#notified(m.method, m.params, raws);
+      return;
     }
+    const id = requestIdText(m.id, raws.get(m)?.id);
+    if (id === undefined) return invalid(null, `an id is a string or an integer, not ${JSON.stringify(m.id)}`);
+    if (m.jsonrpc !== "2.0") return invalid(id, `"jsonrpc" must be "2.0"`);
+    if (typeof m.method !== "string") return invalid(id, "no method");
+    if (m.params !== undefined && typeof m.params !== "object") return invalid(id, "params must be an object");
+    const method = m.method;
+    const running = { cancelled: false };
+    this.#running.set(id, running);
     try {
-      const result = await this.#answer(m.method, params);
-      if (result === null) {
-        await this.#write({ jsonrpc: "2.0", id, error: { code: -32601, message: `Method not found: ${m.method}` } });
-      } else await this.#write({ jsonrpc: "2.0", id, result });
+      if (m.params !== undefined && !isObject(m.params)) throw new McpParamsError("params must be an object");
+      const result = await this.#answer(method, (m.params ?? {}) as Record<string, unknown>);
+      if (running.cancelled) {
+        return logInfo(`request ${id} (${method}) finished after the client cancelled it: not answered`);
+      }
+      if (result === null) await this.#fail(id, -32601, `Method not found: ${method}`);
+      else await this.#reply(id, { result });
     } catch (e) {
-      logWarn(`${m.method} failed: ${(e as Error).stack ?? e}`);
-      await this.#write({ jsonrpc: "2.0", id, error: { code: -32603, message: (e as Error).message } }).catch(() => {});
+      if (running.cancelled) {
+        return logInfo(`request ${id} (${method}) failed after the client cancelled it: not answered`);
+      }
+      if (e instanceof McpParamsError) return void (await this.#fail(id, -32602, `Invalid params: ${e.message}`));
+      logWarn(`${method} failed: ${(e as Error).stack ?? e}`);
+      await this.#fail(id, -32603, (e as Error).message).catch(() => {});
+    } finally {
+      if (this.#running.get(id) === running) this.#running.delete(id);
+    }
+  }
+
+  /** A notification from the client. */
+  #notified(method: string, params: unknown, raws: WeakMap<object, Record<string, string>>): void {
+    if (method === "notifications/initialized") this.oninitialized();
+    if (method === "notifications/cancelled" && isObject(params)) {
+      // Its answer is not sent; what the request did so far stands (a message sent is sent).
+      const id = requestIdText(params.requestId, raws.get(params)?.requestId);
+      const running = id === undefined ? undefined : this.#running.get(id);
+      if (running) running.cancelled = true;
     }
   }
 
   async #answer(method: string, params: Record<string, unknown>): Promise<object | null> {
     switch (method) {
       case "initialize": {
+        if (typeof params.protocolVersion !== "string") {
+          throw new McpParamsError("initialize needs a protocolVersion (a string)");
+        }
         if (isObject(params.clientInfo)) this.client = params.clientInfo as typeof this.client;
         const asked = params.protocolVersion as (typeof MCP_PROTOCOL_VERSIONS)[number];
         return {
@@ -9293,8 +9475,12 @@ export class McpStdioServer {
       case "tools/list":
         return { tools: this.tools.list };
       case "tools/call": {
+        if (typeof params.name !== "string") throw new McpParamsError("tools/call needs a tool name (a string)");
+        if (params.arguments !== undefined && !isObject(params.arguments)) {
+          throw new McpParamsError("a tool's arguments are an object");
+        }
         const meta = isObject(params._meta) ? params._meta : undefined;
-        return await this.tools.call(String(params.name), params.arguments, meta);
+        return await this.tools.call(params.name, params.arguments, meta);
       }
       default:
         return null;
