@@ -126,6 +126,7 @@ import {
   scanJsonl,
   SDK,
   serveHttp,
+  SERVER_ROLE,
   serverInstructions,
   sessionIds,
   setLogSink,
@@ -2365,6 +2366,48 @@ describe("agent: durability of the outbox", () => {
     },
     60_000,
   );
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `on ${runtime}: a stale agent.lock whose pid now runs an unrelated process is taken over at once, and that process is never signalled`,
+      async () => {
+        const { root, A } = await twoPeers();
+        const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+        // The pids of servers killed with -9, since given to other programs: sleep stands for them.
+        const others = [spawnTracked(["sleep", "600"]), spawnTracked(["sleep", "600"])];
+        const locks = {
+          // This version's lock: it names which process wrote it (its start), and sleep is not that one.
+          current: { pid: others[0].pid, role: SERVER_ROLE, since: Date.now() - 60_000, start: "0:1" },
+          // An earlier version's: no start; its pid runs no interlink at all.
+          earlier: { pid: others[1].pid, role: SERVER_ROLE, since: Date.now() - 60_000 },
+        };
+        const servers: McpNode[] = [];
+        try {
+          for (const [session, lock] of Object.entries(locks)) {
+            const dir = path.join(A.stateDir, "sessions", session);
+            fs.mkdirSync(dir, { recursive: true });
+            fs.writeFileSync(path.join(dir, "agent.lock"), JSON.stringify(lock));
+            const server = await McpNode.start(runtime, A, url, { INTERLINK_SESSION: session });
+            servers.push(server);
+            await server.ok("list_peers"); // the session is open: its lock taken
+            expect(lockOwner(path.join(dir, "agent.lock"))?.pid).toBe(server.pid!);
+            const said = server.stderr.join("\n");
+            expect(said).toContain(
+              `took over ${path.join(dir, "agent.lock")} from pid ${lock.pid}, which is not the process that wrote it`,
+            );
+            expect(said).not.toContain("asking it to hand over");
+          }
+          // Neither was signalled: a SIGTERM would have ended it.
+          for (const p of others) expect({ pid: p.pid, alive: pidAlive(p.pid) }).toEqual({ pid: p.pid, alive: true });
+        } finally {
+          for (const p of others) killGroup(p.pid);
+          await Promise.allSettled(servers.map((s) => s.close()));
+          await shutdown();
+        }
+      },
+      60_000,
+    );
+  }
 
   test.concurrent(
     "a start-up problem keeps the server up: tools/list answers and every tool names the problem and the fix",

@@ -1800,6 +1800,8 @@ interface LockOwner {
   pid: number;
   role: string;
   since: number;
+  /** Which process that pid was when it wrote the lock (see processStart); absent from locks of earlier versions. */
+  start?: string;
 }
 
 /** A lock file that cannot be read is held this long from its last change before it counts as abandoned. */
@@ -1814,6 +1816,87 @@ function pidAlive(pid: number): boolean {
   }
 }
 
+/** The command line of a process (Linux /proc; elsewhere `ps`), or "" when it cannot be read. */
+function processArgv(pid: number | undefined): string {
+  if (!pid) return "";
+  try {
+    return fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim();
+  } catch {
+    const r = spawnSync("ps", ["-o", "args=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
+    return r.status === 0 ? r.stdout.trim() : "";
+  }
+}
+
+/** How long a start read from `ps` (no /proc) is reused: lock checks come in bursts, and each `ps` is a process. */
+const PS_START_REUSE_MS = 2_000;
+const psStarts = new Map<number, { at: number; start: string | null }>(); // cleared past 64: a few holders at a time
+let bootId: string | undefined;
+
+/**
+ * Which process a pid is, beyond the pid (the system hands a dead one's pid to a new process): when it started, as
+ * the kernel keeps it, exact. Linux: this boot's id and the start in clock ticks since boot (/proc/<pid>/stat);
+ * elsewhere (macOS): `ps`'s start time, to the second, in UTC and the C locale so that every reader prints it the
+ * same. Null when it cannot be told (the process is gone, or no `ps`).
+ */
+function processStart(pid: number): string | null {
+  try {
+    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8");
+    bootId ??= (() => {
+      try {
+        return fs.readFileSync("/proc/sys/kernel/random/boot_id", "utf8").trim();
+      } catch {
+        return ""; // the ticks alone: a reboot is when a pid could come back with the same ones
+      }
+    })();
+    return `${bootId}:${stat.slice(stat.lastIndexOf(")") + 2).split(" ")[19]}`; // field 22: starttime
+  } catch {
+    if (fs.existsSync("/proc/self/stat")) return null; // a /proc without this pid: it is gone
+  }
+  const known = psStarts.get(pid);
+  if (known && Date.now() - known.at < PS_START_REUSE_MS) return known.start;
+  const r = spawnSync("ps", ["-o", "lstart=", "-p", String(pid)], {
+    encoding: "utf8",
+    timeout: 2000,
+    env: { ...process.env, LC_ALL: "C", TZ: "UTC" },
+  });
+  const start = (r.status === 0 && r.stdout.trim().replace(/\s+/g, " ")) || null;
+  if (psStarts.size >= 64) psStarts.clear();
+  psStarts.set(pid, { at: Date.now(), start });
+  return start;
+}
+
+let ownStart: string | null | undefined;
+
+/**
+ * Whether a lock's owner still runs: its pid is alive and is the process that wrote the lock, by the start it
+ * recorded (a lock whose start cannot be checked now counts as held: a lock is never taken on a guess). A lock of an
+ * earlier version, without a start, is held while its pid runs anything of interlink's, by its command line.
+ */
+function ownerRuns(owner: LockOwner): boolean {
+  if (!pidAlive(owner.pid)) return false;
+  if (owner.start !== undefined) {
+    const now = processStart(owner.pid);
+    return now === null || now === owner.start;
+  }
+  const argv = processArgv(owner.pid);
+  return argv === "" || /interlink/i.test(argv);
+}
+
+/**
+ * Whether a live lock holder is known to be an interlink server (`mcp`): it wrote the lock and is still that
+ * process (its start matches), or, for a lock of an earlier version, its command line runs interlink's `mcp`. Only
+ * such a process is ever asked to hand over (SIGTERM).
+ */
+function knownServer(owner: LockOwner): boolean {
+  if (owner.role !== SERVER_ROLE) return false;
+  return owner.start !== undefined
+    ? processStart(owner.pid) === owner.start
+    : SERVER_ARGV_RE.test(processArgv(owner.pid));
+}
+
+/** The command line of an interlink server: its script or package, then `mcp` among its arguments. */
+const SERVER_ARGV_RE = /interlink\S*\s(.*\s)?mcp(\s|$)/;
+
 /** The lock file's text and owner; owner null when the text is not a lock (damaged by hand or by a disk fault). */
 function readLockFile(file: string): { text: string; owner: LockOwner | null; mtimeMs: number } | null {
   let text: string, mtimeMs: number;
@@ -1826,6 +1909,7 @@ function readLockFile(file: string): { text: string; owner: LockOwner | null; mt
   try {
     const owner = JSON.parse(text);
     if (isObject(owner) && Number.isSafeInteger(owner.pid) && (owner.pid as number) > 0) {
+      if (typeof owner.start !== "string") delete owner.start; // as a lock of an earlier version
       return { text, owner: owner as unknown as LockOwner, mtimeMs };
     }
   } catch {
@@ -1837,7 +1921,7 @@ function readLockFile(file: string): { text: string; owner: LockOwner | null; mt
 /** The live process holding a lock file, or null if it is free or its owner is dead. */
 export function lockOwner(file: string): LockOwner | null {
   const held = readLockFile(file);
-  return held?.owner && pidAlive(held.owner.pid) ? held.owner : null;
+  return held?.owner && ownerRuns(held.owner) ? held.owner : null;
 }
 
 /**
@@ -1860,13 +1944,19 @@ export class PidLock {
     waitMs = 0,
     waitFor: (holder: string) => boolean = () => true,
   ): Promise<PidLock> {
-    const content = JSON.stringify({ pid: process.pid, role, since: Date.now() });
+    ownStart ??= processStart(process.pid);
+    const content = JSON.stringify({
+      pid: process.pid,
+      role,
+      since: Date.now(),
+      ...some("start", ownStart ?? undefined),
+    });
     const deadline = Date.now() + waitMs;
     for (;;) {
       if (PidLock.#tryCreate(file, content)) return new PidLock(file, content);
       const held = readLockFile(file);
       if (held === null) continue; // released between our link and our read
-      const alive = held.owner ? pidAlive(held.owner.pid) : Date.now() - held.mtimeMs < LOCK_GRACE_MS;
+      const alive = held.owner ? ownerRuns(held.owner) : Date.now() - held.mtimeMs < LOCK_GRACE_MS;
       if (alive) {
         const holder = held.owner?.role ?? "an unreadable lock";
         if (Date.now() < deadline && waitFor(holder)) {
@@ -1884,7 +1974,12 @@ export class PidLock {
       if (readLockFile(file)?.text === held.text) {
         try {
           fs.unlinkSync(file);
-          logInfo(`took over ${file} from ${held.owner ? `dead pid ${held.owner.pid}` : "an unreadable lock"}`);
+          const from = !held.owner
+            ? "an unreadable lock"
+            : pidAlive(held.owner.pid)
+            ? `pid ${held.owner.pid}, which is not the process that wrote it (its pid was reused), left alone`
+            : `dead pid ${held.owner.pid}`;
+          logInfo(`took over ${file} from ${from}`);
         } catch {
           // someone else removed it first; retry the create
         }
@@ -6826,8 +6921,9 @@ export class Agent {
     const lockFile = path.join(dir, "agent.lock");
     // Claude Code restarting the server inside one session starts a second process with the same id:
     // the newer one takes the session over, and the older one exits cleanly (SIGTERM), losing nothing.
+    // Only a process known to be a server of this session is asked: a pid in a stale lock may be anyone's now.
     const holder = lockOwner(lockFile);
-    if (role === SERVER_ROLE && holder?.role === SERVER_ROLE && holder.pid !== process.pid) {
+    if (role === SERVER_ROLE && holder && holder.pid !== process.pid && knownServer(holder)) {
       logInfo(`session ${cfg.session} is held by an older server (pid ${holder.pid}); asking it to hand over`);
       // A handover, not a close: the older one says no goodbye and keeps the roster entry.
       writeFileAtomic(path.join(dir, "handover"), String(process.pid));
@@ -11102,17 +11198,6 @@ function lastStartFinding(stateDir: string): Finding | null {
         "use a local copy of interlink.ts (not a URL) and restart the session; on a slow machine start claude with MCP_TIMEOUT=60000",
     }
     : { level: "ok", what };
-}
-
-/** The command line of a process (Linux /proc; elsewhere `ps`), or "" when it cannot be read. */
-function processArgv(pid: number | undefined): string {
-  if (!pid) return "";
-  try {
-    return fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim();
-  } catch {
-    const r = spawnSync("ps", ["-o", "args=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
-    return r.status === 0 ? r.stdout.trim() : "";
-  }
 }
 
 /**
