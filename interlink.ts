@@ -164,7 +164,7 @@ const INVITES_PENDING_CAP = 32;
  */
 const INVITE_KEPT_MS = 7 * 24 * 60 * 60_000;
 const INVITES_SPENT_CAP = 256;
-/** How long `join` waits for the inviting node's answer: its `invite` command, or a session of it, answers in ms. */
+/** How long `join` waits for the inviting node's answer: whatever of it runs (`invite`, a session) answers in seconds. */
 const JOIN_WAIT_S = 120;
 /** Refusal summaries waiting for the model at once (one per sender and reason); past it, refusals are only logged. */
 const REFUSAL_NOTICES_CAP = 16;
@@ -6028,6 +6028,12 @@ export function readNodeState(stateDir: string): { state: NodeState; journal: Jo
 // knock admits it; it is replaced whole under its lock, 0600: a pending invite's secret is as sensitive as a key
 // for its lifetime. An invite is pending until it is used (one step under that lock: the first valid use wins),
 // revoked or expired; its secret is then dropped, and the rest kept INVITE_KEPT_MS so a late request is told why.
+//
+// Every code names the node's door: one route for all its invites (`key#door-<random>`, the random part made once
+// per state root, so the same key on another machine has another door). One process of the node reads it at a
+// time, whichever holds door.lock: a session, or an `invite` command; the others take over within moments of it
+// ending. So a knock through any invite, pending or spent, is answered as soon as anything of the node runs.
+// (Codes of earlier versions named a route per invite, `invite-<id>`: a session still drains those while pending.)
 
 export type InviteStatus = "pending" | "used" | "revoked";
 
@@ -6039,7 +6045,7 @@ export interface Invite {
   for?: string;
   created: number;
   expires: number;
-  /** The session whose route the code names (`key#session`): the `invite` command reads it while it waits. */
+  /** The session whose route the code names (`key#session`): the node's door (earlier: `invite-<id>`, its own). */
   session: string;
   /** The relays the code names. */
   urls: string[];
@@ -6079,6 +6085,40 @@ function decodeInvite(v: unknown): Invite {
     ...some("used_in", optStr(o, "used_in")),
     ...some("ended", optInt(o, "ended")),
   };
+}
+
+const DOOR_PREFIX = "door-";
+
+/**
+ * The node's door (see above): the session id its invite codes name, made on first use and never changed (a code
+ * in someone's hands names it). It appears whole or not at all: written beside, then linked into place.
+ */
+export function doorSession(stateDir: string): string {
+  const file = path.join(stateDir, "door");
+  fs.mkdirSync(stateDir, { recursive: true, mode: 0o700 });
+  const made = DOOR_PREFIX + Buffer.from(crypto.getRandomValues(new Uint8Array(8))).toString("hex");
+  const tmp = tempName(file);
+  try {
+    writeFileDurably(tmp, made);
+    fs.linkSync(tmp, file);
+    syncDirectory(stateDir);
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code !== "EEXIST") throw storageError(e, stateDir);
+  } finally {
+    fs.rmSync(tmp, { force: true });
+  }
+  return readDoor(stateDir)!;
+}
+
+/** The node's door, if it has one (it has made an invite since doors exist); null otherwise, or if damaged. */
+export function readDoor(stateDir: string): string | null {
+  try {
+    const door = fs.readFileSync(path.join(stateDir, "door"), "utf8").trim();
+    if (door.startsWith(DOOR_PREFIX) && SESSION_RE.test(door)) return door;
+  } catch {
+    // none yet
+  }
+  return null;
 }
 
 /** The invites of a node (none if it has made none). A damaged file is an error that names it: nothing is guessed. */
@@ -6133,7 +6173,7 @@ export async function createInvite(
     ...some("for", fields.for),
     created: nowMs,
     expires: Math.floor((nowMs + fields.ttlMs) / 1000) * 1000, // the code carries whole seconds
-    session: `invite-${id}`,
+    session: doorSession(stateDir),
     urls: fields.urls,
     status: "pending" as const,
   };
@@ -6248,10 +6288,16 @@ export async function judgeInvite(
   return { ok: false, reason: "invite_expired", detail: `invite ${invite.id} expired at ${when}` };
 }
 
-/** The sessions named by this node's pending invites: a running session drains their routes (see drainEnded). */
+/**
+ * The routes of this node's pending invites of an earlier version (`invite-<id>`, one each): a running session
+ * drains them (see drainEnded). The door is read by whoever holds door.lock.
+ */
 export function pendingInviteSessions(stateDir: string, nowMs: number): string[] {
   try {
-    return readInvites(stateDir).filter((i) => inviteState(i, nowMs) === "pending").map((i) => i.session);
+    return readInvites(stateDir).filter((i) =>
+      inviteState(i, nowMs) === "pending" && !i.session.startsWith(DOOR_PREFIX)
+    )
+      .map((i) => i.session);
   } catch (e) {
     logWarn((e as Error).message);
     return [];
@@ -6884,6 +6930,8 @@ export class Agent {
   /** This session as announced; its summary changes with set_summary. */
   readonly info: SessionInfo;
   #bareLock: PidLock | null = null;
+  /** Held while this process reads the node's door (see "invites"). */
+  #doorLock: PidLock | null = null;
   #roster: { at: number; sessions: PeerSession[] } | null = null;
   #proofs = new Map<string, { ts: number; proof: string }>(); // route → the recv proof in use
   /** Ended sessions in our state root that belong to another key (a shared folder): never adopted. */
@@ -7039,12 +7087,57 @@ export class Agent {
    * Starts one long-poll per bus for this session's route, and, in the one
    * session of this identity on this machine that holds bare.lock, one for the
    * bare key too (0.4 peers and messages for the node as a whole): only once
-   * the session can take what it pushes. `ownRouteOnly` (`invite`, `join`):
-   * this session's route alone, and no ended session is looked after.
+   * the session can take what it pushes; and the node's door, in whichever
+   * process holds door.lock. `ownRouteOnly` (`invite`, `join`): this
+   * session's route alone (and the door, with `door`: `invite`), and no ended
+   * session is looked after.
    */
-  startReceiving(opts: { ownRouteOnly?: boolean } = {}): void {
+  startReceiving(opts: { ownRouteOnly?: boolean; door?: boolean } = {}): void {
     for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.me));
     if (!opts.ownRouteOnly) this.#loops.push(this.#bareKeyLoop(), this.#endedLoop());
+    if (!opts.ownRouteOnly || opts.door) this.#loops.push(this.#doorLoop());
+  }
+
+  /**
+   * Reads the node's door (see "invites") on every relay once this process holds door.lock. Until then it waits for
+   * the lock to come free and for a door to exist (the node's first invite makes one), watching the state root,
+   * with a re-check every FOLLOW_RECHECK_MS behind the watch: a knock waits moments, not a pass over ended sessions.
+   */
+  async #doorLoop(): Promise<void> {
+    const root = this.cfg.stateDir;
+    const wake = new WakeLatch();
+    const stopped = () => wake.wake();
+    this.#stop.signal.addEventListener("abort", stopped, { once: true });
+    let watcher: fs.FSWatcher | null = null;
+    try {
+      watcher = fs.watch(
+        root,
+        (_e, name) => (name === null || ["door", "door.lock"].includes(String(name))) && wake.wake(),
+      );
+    } catch {
+      // the re-check below still runs
+    }
+    try {
+      while (!this.#stop.signal.aborted) {
+        const door = readDoor(root);
+        if (door) {
+          try {
+            this.#doorLock = await PidLock.acquire(path.join(root, "door.lock"), `session ${this.cfg.session}`);
+            watcher?.close();
+            watcher = null;
+            const route = `${this.id.publicKey}#${door}`;
+            await Promise.all(this.relays.map((relay) => this.#recvLoop(relay, route)));
+            return;
+          } catch (e) {
+            if (!(e instanceof LockedError)) logWarn(`cannot take door.lock: ${errorText(e)}; trying again`);
+          }
+        }
+        await wake.wait(FOLLOW_RECHECK_MS);
+      }
+    } finally {
+      watcher?.close();
+      this.#stop.signal.removeEventListener("abort", stopped);
+    }
   }
 
   /** Takes over polling the bare key when no live session of this identity does (checked every ANNOUNCE_EVERY_MS). */
@@ -7091,6 +7184,7 @@ export class Agent {
     this.journal.close();
     this.seen.close();
     this.#bareLock?.release();
+    this.#doorLock?.release();
     this.lock.release();
   }
 
@@ -11779,10 +11873,11 @@ async function runWait(o: Options): Promise<number> {
 // -- pairing by invite: invite, join ------------------------------------------
 //
 // Two machines paired in two commands. `invite` (on A) files an invite (see "invites" in the agent), prints the
-// command to run on B with a code in it, and answers the join itself while it waits: an agent on the invite's own
-// session reads the route the code names (after it exits, a running session of the node does). `join <code>` (on
-// B) checks the code, the relay and the clocks before anything is written, pins A's key under a petname, knocks
-// with the proof and waits for A's answer: its acceptance, or a signed receipt that says why it refused.
+// command to run on B with a code in it, and answers the join itself while it waits: an agent on a session of its
+// own reads the node's door, the route the code names, unless a session of the node reads it already (and after it
+// exits, a running session does). `join <code>` (on B) checks the code, the relay and the clocks before anything is
+// written, pins A's key under a petname, knocks with the proof and waits for A's answer: its acceptance, or a signed
+// receipt that says why it refused. No answer: nothing of A runs, and B keeps nothing of the attempt.
 
 /**
  * What an invite code carries to the joining machine: the invite's id, the inviter's key (pinned by the joiner:
@@ -12160,8 +12255,10 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   print(
     `The code carries this node's key (${id.fingerprint}…, which the other machine pins) and a one-time secret: whoever holds it can pair with this node until it is used or expires. Send it over a channel you trust.`,
   );
-  // Answer it: an agent of our own on the invite's session, reading the route the code names.
-  const agent = await Agent.open({ ...cfg, session: invite.session }, "interlink invite", {
+  // Answer it: an agent of our own, on a session of its own, reading the node's door (the route the code names)
+  // unless a session of the node reads it already.
+  const own = `invite-${invite.id}`;
+  const agent = await Agent.open({ ...cfg, session: own }, "interlink invite", {
     identity: id,
     now,
     adopt: false,
@@ -12171,7 +12268,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
   try {
     agent.startSending({ announce: false });
-    agent.startReceiving({ ownRouteOnly: true });
+    agent.startReceiving({ ownRouteOnly: true, door: true });
     print(
       `waiting for the join (Ctrl-C stops waiting; the invite stays valid, and a running session of this node admits it)`,
     );
@@ -12199,7 +12296,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     if (state === "used") {
       // Admitted here: the answer goes out before this command exits (else the next session of this node sends it).
       const who = current.used_by ?? "";
-      const here = current.used_in === invite.session;
+      const here = current.used_in === own;
       const answered = () =>
         [...agent.state.outgoing.values()].some((e) =>
           e.msg.kind === "pair_accept" && e.msg.to === who && e.sentAt !== undefined
@@ -12209,7 +12306,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
         ? `session ${current.used_in} of this node admitted it, and answers`
         : answered()
         ? "its answer is sent"
-        : `its answer waits in the outbox of session ${invite.session}, and the next session of this node sends it`;
+        : `its answer waits in the outbox of session ${own}, and the next session of this node sends it`;
       print(
         `joined   ${fingerprint(who)}… is now the peer '${current.used_as}' (${tildify(cfg.peersFile)}), ${
           howLong((current.ended ?? now()) - invite.created)
@@ -12258,12 +12355,25 @@ function listInvites(stateDir: string, id: Identity, nowMs: number): number {
   return 0;
 }
 
+/** Removes an ended session's folder, under its agent.lock (no adopter takes it meanwhile); gone already: nothing. */
+async function forgetSession(stateDir: string, session: string): Promise<void> {
+  const dir = sessionDir(stateDir, session);
+  if (!fs.existsSync(dir)) return;
+  const lock = await PidLock.acquire(path.join(dir, "agent.lock"), "join, forgetting its session", SHORT_LOCK_WAIT_MS);
+  try {
+    fs.rmSync(dir, { recursive: true, force: true });
+  } finally {
+    lock.release();
+  }
+}
+
 /**
  * `join <code>`: pairs this machine with the one that printed the code. The code, the relay and the clocks are
- * checked before anything is written; then the key is made if missing, the inviter pinned under a petname and
- * the knock sent with its proof; the answer is waited for (--wait). Paired: config.json names the relay. Refused:
- * the pin is taken back, and nothing else was written. No answer: what was written stays, so that a late answer
- * completes the pairing when a session of this node runs, and this says how to undo it.
+ * checked before anything is written (the expiry by the relay's clock too: this machine's may be behind); then
+ * the key is made if missing, the inviter pinned under a petname (its signed refusal must pass the gate) and the
+ * knock sent with its proof; the answer is waited for (--wait). Paired: config.json names the relay. Refused, or
+ * no answer: the pin is taken back and config.json is not written; with no answer, this join's session is removed
+ * too, so a late answer completes nothing behind the operator's back (joining again with the same code does).
  */
 async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<number> {
   logComponent = "interlink join";
@@ -12306,6 +12416,17 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
       );
     }
     print(`clock    within ${Math.max(1, off)} s of the relay`);
+    // Expired by the relay's clock, which the inviter's is near (a second's margin: the Date header's resolution).
+    const relayNow = now() + skew;
+    if (relayNow - code.expiresMs > 1000) {
+      throw new InterlinkError(
+        `the invite expired at ${isoTime(code.expiresMs)}, ${
+          howLong(relayNow - code.expiresMs)
+        } ago by ${them}'s relay's clock (this machine's is ${off} s ${
+          skew > 0 ? "behind" : "ahead of"
+        } it): ask for a new one (\`interlink.ts invite\` on the other machine), and sync this clock (NTP)`,
+      );
+    }
   }
   // Now this node: its key, and the inviter pinned (its receipts must pass the gate; taken back on a refusal).
   const keyExisted = fs.existsSync(o.key as string);
@@ -12332,6 +12453,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   let wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
   let outcome: "paired" | "refused" | "waiting" = "waiting";
+  const expiresBy = (at: number) => at + (skew ?? 0) > code.expiresMs; // by the relay's clock, when known
   try {
     const msgId = newMsgId();
     const mac = await inviteMac(
@@ -12385,7 +12507,27 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   } finally {
     await agent.stop();
   }
-  // Paired, or waiting: the node's settings name the relay (a late answer arrives there).
+  if (outcome === "waiting") {
+    // Nothing of this join is kept: the pin goes, config.json was not written, and this join's session goes (a
+    // late acceptance there would otherwise pair this node, when a session adopts it, without anyone here asking).
+    if (pinned) await removePeer(cfg.peersFile, petname);
+    await forgetSession(cfg.stateDir, `join-${code.id}`);
+    const expired = expiresBy(now());
+    throw new InterlinkError(
+      `${
+        signalled ? `stopped waiting (${signalled})` : `no answer from ${them} within ${howLong(waitS * 1000)}`
+      }: nothing of ${them}'s node read the request (a session of it, or its \`interlink.ts invite\`, answers within seconds), or ${them}'s relay lost it. ${
+        expired
+          ? `The invite has expired meanwhile (${isoTime(code.expiresMs)}): ask ${them} for a new one.`
+          : `The invite stays valid until ${
+            isoTime(code.expiresMs)
+          }: join again once ${them} runs \`interlink.ts invite\` or a session there.`
+      } Nothing was kept here${
+        keyExisted ? "" : " but this node's new key"
+      }. If ${them}'s node admits the request later, it lists this node as a peer while this one does not list it: joining again with the same code completes that.`,
+    );
+  }
+  // Paired: the node's settings name the relay.
   const configured = from.url === "config" ? parseBusUrls(o.url as string) : [];
   const url = [...configured, ...urls.filter((u) => !configured.includes(u))].join(",");
   const file = writeConfig({ ...explicitSettings(o, from), url });
@@ -12396,17 +12538,6 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     })`,
     `key      ${tildify(cfg.keyFile)} (${keyExisted ? "this node's" : "created now"}), fingerprint ${id.fingerprint}`,
   ];
-  if (outcome === "waiting") {
-    throw new InterlinkError(
-      `${
-        signalled ? `stopped waiting (${signalled})` : `no answer from ${them} within ${howLong(waitS * 1000)}`
-      }. Likely: ${them}'s \`interlink.ts invite\` no longer runs and no interlink session runs there (one admits the join until ${
-        isoTime(code.expiresMs)
-      }), or its relay lost the request. Kept, so that a late answer completes the pairing when an interlink session runs here:\n${
-        wrote.join("\n")
-      }\n(\`interlink.ts peers remove ${petname}\` undoes the pairing.)`,
-    );
-  }
   for (const line of wrote) print(line);
   print();
   printClaudeSetup(
