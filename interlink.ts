@@ -211,8 +211,11 @@ const JOURNAL_ROLL_BYTES = msFromEnv("INTERLINK_TEST_ROLL_BYTES", 1 << 20);
 const CLOSED_TASKS_KEPT_MS = 30 * 24 * 60 * 60_000;
 /** How long a short-lived lock (peers edit, inbox claim) is waited for before giving up. */
 const SHORT_LOCK_WAIT_MS = 5_000;
-/** How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). */
-const FOLLOW_RECHECK_MS = 5_000;
+/**
+ * How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). Tests
+ * set it past their own length, so that what they see can only have come from the watch.
+ */
+const FOLLOW_RECHECK_MS = msFromEnv("INTERLINK_TEST_FOLLOW_RECHECK_MS", 5_000);
 
 const PETNAME_RE = /^[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}$/;
 
