@@ -6270,6 +6270,7 @@ const NATS_TESTS = [
   "doctor checks a NATS relay; a server without JetStream is a problem with a fix",
   "with the documented permission set, a node reads only its own routes; one that may not create the stream is told so",
   "one node's flood of roster entries cannot push another node's session off the NATS roster",
+  "over NATS: a used code is refused in seconds whenever anything of A runs (A on Bun, joiners on Deno), and the joiner keeps nothing",
 ];
 const NATS_SERVER = systemTool("nats-server", "/usr/sbin/nats-server", "NATS", NATS_TESTS);
 // One at a time: each starts a few servers and two agents, and with many children at once Bun's test process was
@@ -10198,48 +10199,60 @@ describe("pairing by invite: two machines in two commands", () => {
     90_000,
   );
 
+  /**
+   * A used code is refused in seconds whenever anything of A runs: a session whose pass over ended sessions never
+   * comes, and later, with no session, only the command of another invite. (Before the door, the first waited for
+   * that pass, every 30 s, and the second never answered.)
+   */
+  async function usedCodeRefused(runtime: "bun" | "deno", other: "bun" | "deno", url: string): Promise<void> {
+    const A = machine("alice"), B = machine("bob");
+    let a1: McpSession | undefined;
+    let second: Running | undefined;
+    try {
+      const first = start(A, runtime, ["invite", "--for", "bob", "--name", "alice", "--url", url]);
+      const code = await codeOf(first);
+      expect((await run(B, other, ["join", code, "--name", "bob"])).status).toBe(0);
+      expect(await first.exited).toBe(0);
+      // A session of A: it looks after ended sessions once at its start, then not for an hour.
+      a1 = await sessionOn(A, runtime, "a1", {
+        INTERLINK_URL: url,
+        INTERLINK_TEST_ENDED_EVERY_MS: String(3_600_000),
+      });
+      await a1.ok("list_peers");
+      const thief = async (name: string) => {
+        const m = machine(name);
+        const r = await run(m, other, ["join", code, "--wait", "60"]);
+        expect({ name, status: r.status, said: r.stderr }).toEqual({
+          name,
+          status: 1,
+          said: expect.stringContaining("alice refused: the invite was used already, by another key"),
+        });
+        expect(r.stderr).toContain("Nothing was kept but this node's new key.");
+        expect([peersOf(m), configOf(m)]).toEqual([{}, null]);
+      };
+      await thief("carol");
+      await a1.waitStderr(/invite_used: invite \S+ was used by/);
+      // No session now; only `invite` runs, for another invite: it answers for the spent one too.
+      await a1.close();
+      a1 = undefined;
+      second = start(A, runtime, ["invite", "--for", "erin", "--url", url]);
+      await codeOf(second);
+      await thief("dan");
+      expect(peersOf(A)).toEqual({ bob: { key: await keyOf(B) } });
+    } finally {
+      if (second) killGroup(second.pid);
+      await a1?.close();
+    }
+  }
+
   for (const [runtime, other] of [["bun", "deno"], ["deno", "bun"]] as const) {
     test.concurrent(
       `A on ${runtime}, joiners on ${other}: a used code is refused in seconds whenever anything of A runs (a session whose pass over ended sessions never comes; later only another invite's command), and the joiner keeps nothing`,
       async () => {
         const relay = await busOnLoopback(tmpDir());
-        const A = machine("alice"), B = machine("bob");
-        let a1: McpSession | undefined;
-        let second: Running | undefined;
         try {
-          const first = start(A, runtime, ["invite", "--for", "bob", "--name", "alice", "--url", relay.url]);
-          const code = await codeOf(first);
-          expect((await run(B, other, ["join", code, "--name", "bob"])).status).toBe(0);
-          expect(await first.exited).toBe(0);
-          // A session of A: it looks after ended sessions once at its start, then not for an hour.
-          a1 = await sessionOn(A, runtime, "a1", {
-            INTERLINK_URL: relay.url,
-            INTERLINK_TEST_ENDED_EVERY_MS: String(3_600_000),
-          });
-          await a1.ok("list_peers");
-          const thief = async (name: string) => {
-            const m = machine(name);
-            const r = await run(m, other, ["join", code, "--wait", "60"]);
-            expect({ name, status: r.status, said: r.stderr }).toEqual({
-              name,
-              status: 1,
-              said: expect.stringContaining("alice refused: the invite was used already, by another key"),
-            });
-            expect(r.stderr).toContain("Nothing was kept but this node's new key.");
-            expect([peersOf(m), configOf(m)]).toEqual([{}, null]);
-          };
-          await thief("carol");
-          await a1.waitStderr(/invite_used: invite \S+ was used by/);
-          // No session now; only `invite` runs, for another invite: it answers for the spent one too.
-          await a1.close();
-          a1 = undefined;
-          second = start(A, runtime, ["invite", "--for", "erin", "--url", relay.url]);
-          await codeOf(second);
-          await thief("dan");
-          expect(peersOf(A)).toEqual({ bob: { key: await keyOf(B) } });
+          await usedCodeRefused(runtime, other, relay.url);
         } finally {
-          if (second) killGroup(second.pid);
-          await a1?.close();
           await relay.shutdown();
         }
       },
@@ -10285,6 +10298,20 @@ describe("pairing by invite: two machines in two commands", () => {
       120_000,
     );
   }
+
+  // (One NATS test at a time, as in the NATS group: see natsTest.)
+  natsTest(
+    NATS_TESTS[7],
+    async () => {
+      const [nats] = await startNats(tmpDir());
+      try {
+        await usedCodeRefused("bun", "deno", nats.url);
+      } finally {
+        nats.kill();
+      }
+    },
+    180_000,
+  );
 
   test.concurrent("the same under Deno: invite → join, both told, a message each way", async () => {
     const relay = await startBus("deno", tmpDir());
