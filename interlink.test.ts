@@ -6048,63 +6048,6 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
   }
 });
 
-describe("sending while the relay does not answer", () => {
-  // The relay is a TCP listener that accepts and never answers: every request to it hangs until the node gives
-  // up on it (SEND_TIMEOUT_MS for a send). A send_message that waited for a delivery attempt (or for a roster read)
-  // could only answer once such a request gave up; one that answers at once does so while they are still open.
-  for (const [runtime, other] of [["bun", "deno"], ["deno", "bun"]] as const) {
-    test.concurrent(
-      `on ${runtime}: twenty send_messages while the relay hangs each answer "queued" at once, and all arrive in order once a bus answers there`,
-      async () => {
-        const { root, A, B } = await twoPeers();
-        const port = await freePort();
-        const url = `http://127.0.0.1:${port}`;
-        const conns: { first: string; open: boolean; socket: net.Socket }[] = [];
-        const hang = net.createServer((socket) => {
-          const c = { first: "", open: true, socket };
-          conns.push(c);
-          socket.on("data", (d) => (c.first ||= d.toString("latin1").split("\r\n")[0]));
-          socket.on("close", () => (c.open = false)).on("error", () => {});
-        });
-        await new Promise<void>((r) => hang.listen(port, "127.0.0.1", r));
-        const alice = await McpNode.start(runtime, A, url, { INTERLINK_AUTOSTART_BUS: "0" });
-        let bob: McpNode | undefined;
-        let bus: Awaited<ReturnType<typeof busOnLoopback>> | undefined;
-        try {
-          // The first send waits for the roster once (the relay has not failed yet): it gives up, and says so.
-          const first = await alice.ok("send_message", { to: "bob", text: "m1" });
-          expect(first).toMatch(/^msg_id \S+ to bob: queued since /);
-          expect(first).toContain("no bus answered; it waits in the outbox");
-          await eventually(() => conns.some((c) => c.first.startsWith("POST /send")), "m1's delivery attempt");
-          const attempt = conns.find((c) => c.first.startsWith("POST /send"))!;
-          const answers = [first];
-          for (let i = 2; i <= 20; i++) {
-            answers.push(await alice.ok("send_message", { to: "bob", text: `m${i}` }));
-            // Answered while m1's attempt still hangs: this send waited for no request to the relay.
-            expect({ i, attemptOpen: attempt.open }).toEqual({ i, attemptOpen: true });
-          }
-          for (const a of answers) expect(a).toMatch(/^msg_id \S+ to bob: queued since .*retried automatically/);
-          // A bus answers on that port now: the outbox delivers all twenty, in order, and bob is shown them so.
-          hang.close();
-          for (const c of conns) c.socket.destroy();
-          bus = await busOnLoopback(path.join(root, "bus"), port);
-          bob = await McpNode.start(other, B, url, { INTERLINK_AUTOSTART_BUS: "0" });
-          const texts = () => bob!.events.filter((e) => e.meta.sender === "alice").map((e) => e.content);
-          await eventually(() => texts().length === 20, "bob is shown all twenty", 60_000);
-          expect(texts().map((t) => t.match(/m\d+/)![0])).toEqual(Array.from({ length: 20 }, (_, i) => `m${i + 1}`));
-          expect(await alice.ok("list_pending")).toContain("the outbox is empty");
-        } finally {
-          hang.close();
-          for (const c of conns) c.socket.destroy();
-          await Promise.allSettled([alice.close(), bob?.close()]);
-          await bus?.shutdown();
-        }
-      },
-      90_000,
-    );
-  }
-});
-
 describe("hostile clients: bodies and connections", () => {
   test("the guard's clock in use is the README's: 10 s idle or slow headers, 15 s for a body (test knobs unset)", () => {
     expect(process.env.INTERLINK_TEST_CONN_IDLE_MS ?? process.env.INTERLINK_TEST_CONN_BODY_MS).toBeUndefined();
@@ -6271,6 +6214,7 @@ const NATS_TESTS = [
   "with the documented permission set, a node reads only its own routes; one that may not create the stream is told so",
   "one node's flood of roster entries cannot push another node's session off the NATS roster",
   "over NATS: a used code is refused in seconds whenever anything of A runs (A on Bun, joiners on Deno), and the joiner keeps nothing",
+  'over NATS, on bun: twenty send_messages while the relay hangs each answer "queued" at once, and all arrive in order once a relay answers there',
 ];
 const NATS_SERVER = systemTool("nats-server", "/usr/sbin/nats-server", "NATS", NATS_TESTS);
 // One at a time: each starts a few servers and two agents, and with many children at once Bun's test process was
@@ -6364,7 +6308,7 @@ const accepting = (port: number) =>
 async function startNats(
   root: string,
   n = 1,
-  opts: { jetstream?: boolean; accounts?: object } = {},
+  opts: { jetstream?: boolean; accounts?: object; port?: number } = {},
 ): Promise<NatsServer[]> {
   // A port found free can be taken by a neighbouring test before nats-server binds it: then again, other ports.
   for (let attempt = 1;; attempt++) {
@@ -6379,9 +6323,10 @@ async function startNats(
 async function startNatsOnce(
   root: string,
   n: number,
-  opts: { jetstream?: boolean; accounts?: object },
+  opts: { jetstream?: boolean; accounts?: object; port?: number },
 ): Promise<NatsServer[]> {
   const ports = await Promise.all(Array.from({ length: n * 2 }, () => freePort()));
+  if (opts.port) ports[0] = opts.port; // a port the test chose (one a node is already told to use)
   const servers = Array.from({ length: n }, (_, i) => {
     const dir = path.join(root, `nats-${i}`);
     fs.mkdirSync(dir, { recursive: true });
@@ -6763,6 +6708,100 @@ if (!NATS_SERVER) {
       "nats-server is not on PATH. Install it with: sudo apt-get install -y nats-server\n",
   );
 }
+
+describe("sending while the relay does not answer", () => {
+  // The relay is a TCP listener that accepts and never answers: every request to it hangs until the node gives
+  // up on it (SEND_TIMEOUT_MS for a send over our bus; a NATS client's connect, longer). A send_message that waited
+  // for a delivery attempt (or for a roster read) could only answer once such a request gave up; one that answers
+  // at once does so while they are still open.
+  const cases = [["bun", "deno", "bus"], ["deno", "bun", "bus"], ["bun", "deno", "nats"]] as const;
+  for (const [runtime, other, kind] of cases) {
+    const name = kind === "nats"
+      ? NATS_TESTS[8]
+      : `on ${runtime}: twenty send_messages while the relay hangs each answer "queued" at once, and all arrive in order once a relay answers there`;
+    (kind === "nats" ? natsTest : test.concurrent)(
+      name,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        const port = await freePort();
+        const url = `${kind === "nats" ? "nats" : "http"}://127.0.0.1:${port}`;
+        const conns: { first: string; open: boolean; socket: net.Socket }[] = [];
+        const hang = net.createServer((socket) => {
+          const c = { first: "", open: true, socket };
+          conns.push(c);
+          socket.on("data", (d) => (c.first ||= d.toString("latin1").split("\r\n")[0]));
+          socket.on("close", () => (c.open = false)).on("error", () => {});
+        });
+        await new Promise<void>((r) => hang.listen(port, "127.0.0.1", r));
+        const alice = await McpNode.start(runtime, A, url, { INTERLINK_AUTOSTART_BUS: "0" });
+        let bob: McpNode | undefined;
+        let bus: Awaited<ReturnType<typeof busOnLoopback>> | undefined;
+        let nats: NatsServer | undefined;
+        try {
+          // The first send waits for the roster once (the relay has not failed yet): it gives up, and says so.
+          const first = await alice.ok("send_message", { to: "bob", text: "m1" });
+          expect(first).toMatch(/^msg_id \S+ to bob: queued since /);
+          expect(first).toContain("no bus answered; it waits in the outbox");
+          // What hangs: over our bus, m1's delivery attempt (a POST /send); over NATS, the client's one connect.
+          await eventually(
+            () => conns.some((c) => kind === "nats" || c.first.startsWith("POST /send")),
+            "a request to the relay",
+          );
+          const attempt = conns.find((c) => kind === "nats" || c.first.startsWith("POST /send"))!;
+          const answers = [first];
+          for (let i = 2; i <= 20; i++) {
+            answers.push(await alice.ok("send_message", { to: "bob", text: `m${i}` }));
+            // Answered while that request still hangs: this send waited for no request to the relay.
+            expect({ i, attemptOpen: attempt.open }).toEqual({ i, attemptOpen: true });
+          }
+          for (const a of answers) expect(a).toMatch(/^msg_id \S+ to bob: queued since .*retried automatically/);
+          // A relay answers on that port now: the outbox delivers all twenty, in order.
+          hang.close();
+          for (const c of conns) c.socket.destroy();
+          const texts: string[] = [];
+          if (kind === "bus") {
+            bus = await busOnLoopback(path.join(root, "bus"), port);
+            bob = await McpNode.start(other, B, url, { INTERLINK_AUTOSTART_BUS: "0" });
+            const shown = () => bob!.events.filter((e) => e.meta.sender === "alice").map((e) => e.content);
+            await eventually(() => shown().length === 20, "bob is shown all twenty", 60_000);
+            texts.push(...shown());
+          } else {
+            [nats] = await startNats(root, 1, { port });
+            // bob's mail, read as his node reads it (his key's consumer), one by one, each acked.
+            const reader = new NatsRelay(url, (d) => B.id.sign(d), B.id.publicKey);
+            const stop = new AbortController();
+            try {
+              await eventually(
+                async () => {
+                  const got = await reader.recv(B.id.publicKey, stop.signal, 1000).catch(() => ({ items: [] }));
+                  for (const item of got.items) {
+                    texts.push((item.payload as SignedMessage).text);
+                    await item.ack();
+                  }
+                  return texts.length >= 20;
+                },
+                "all twenty reach the relay",
+                60_000,
+              );
+            } finally {
+              stop.abort();
+              await reader.close();
+            }
+          }
+          expect(texts.map((t) => t.match(/m\d+/)![0])).toEqual(Array.from({ length: 20 }, (_, i) => `m${i + 1}`));
+          await eventually(async () => (await alice.ok("list_pending")).includes("the outbox is empty"), "sent");
+        } finally {
+          hang.close();
+          for (const c of conns) c.socket.destroy();
+          await Promise.allSettled([alice.close(), bob?.close()]);
+          await bus?.shutdown();
+          nats?.kill();
+        }
+      },
+      120_000,
+    );
+  }
+});
 
 describe("sessions end, mail does not", () => {
   for (const kind of RELAY_KINDS) {
