@@ -6984,6 +6984,7 @@ describe("sessions end, mail does not", () => {
         // A session that ends and comes back within ADOPT_AFTER_MS (2 min by default) keeps its own outbox: a
         // sibling running all along leaves it alone (a session that starts meanwhile would take it: it is next).
         const a4 = await McpNode.start("deno", A, relay.url, { INTERLINK_SESSION: "a4", ...a4env });
+        await a4.ok("list_peers"); // open (running all along) before a3 starts: not a session that starts after it ends
         a3 = await McpNode.start("bun", A, relay.url, { INTERLINK_SESSION: "a3" });
         const kept = msgIdOf(await a3.ok("send_message", { to: "bob", text: "kept" }));
         await a3.close();

@@ -1825,23 +1825,33 @@ function processArgv(pid: number | undefined): string {
   try {
     return fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim();
   } catch {
-    const r = spawnSync("ps", ["-o", "args=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
-    return r.status === 0 ? r.stdout.trim() : "";
+    try {
+      const r = spawnSync("ps", ["-o", "args=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
+      return r.status === 0 ? r.stdout.trim() : "";
+    } catch {
+      return ""; // no ps, or not allowed to run it
+    }
   }
 }
 
-/** How long a start read from `ps` (no /proc) is reused: lock checks come in bursts, and each `ps` is a process. */
+/** How long a start read from `ps` is reused: lock checks come in bursts, and each `ps` is a process. */
 const PS_START_REUSE_MS = 2_000;
 const psStarts = new Map<number, { at: number; start: string | null }>(); // cleared past 64: a few holders at a time
 let bootId: string | undefined;
+/** A start as /proc gives it: this boot's id, then the start in clock ticks since boot. */
+const PROC_START_RE = /^[0-9a-f-]*:\d+$/;
 
 /**
  * Which process a pid is, beyond the pid (the system hands a dead one's pid to a new process): when it started, as
- * the kernel keeps it, exact. Linux: this boot's id and the start in clock ticks since boot (/proc/<pid>/stat);
- * elsewhere (macOS): `ps`'s start time, to the second, in UTC and the C locale so that every reader prints it the
- * same. Null when it cannot be told (the process is gone, or no `ps`).
+ * the kernel keeps it. From /proc where it can be read (Linux; not Deno without --allow-all): this boot's id and the
+ * start in clock ticks, exact. Else from `ps` (macOS, and that Deno): the start to the second, in UTC and the C
+ * locale so every reader prints it alike. Null when neither can tell (the process is gone, or no `ps`).
  */
 function processStart(pid: number): string | null {
+  return procStart(pid) ?? psStart(pid);
+}
+
+function procStart(pid: number): string | null {
   try {
     const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8");
     bootId ??= (() => {
@@ -1853,16 +1863,24 @@ function processStart(pid: number): string | null {
     })();
     return `${bootId}:${stat.slice(stat.lastIndexOf(")") + 2).split(" ")[19]}`; // field 22: starttime
   } catch {
-    if (fs.existsSync("/proc/self/stat")) return null; // a /proc without this pid: it is gone
+    return null; // no /proc, not this pid, or not allowed (Deno reads /proc only with --allow-all)
   }
+}
+
+function psStart(pid: number): string | null {
   const known = psStarts.get(pid);
   if (known && Date.now() - known.at < PS_START_REUSE_MS) return known.start;
-  const r = spawnSync("ps", ["-o", "lstart=", "-p", String(pid)], {
-    encoding: "utf8",
-    timeout: 2000,
-    env: { ...process.env, LC_ALL: "C", TZ: "UTC" },
-  });
-  const start = (r.status === 0 && r.stdout.trim().replace(/\s+/g, " ")) || null;
+  let start: string | null = null;
+  try {
+    const r = spawnSync("ps", ["-o", "lstart=", "-p", String(pid)], {
+      encoding: "utf8",
+      timeout: 2000,
+      env: { ...process.env, LC_ALL: "C", TZ: "UTC" },
+    });
+    start = (r.status === 0 && r.stdout.trim().replace(/\s+/g, " ")) || null;
+  } catch {
+    // no ps, or not allowed to run it
+  }
   if (psStarts.size >= 64) psStarts.clear();
   psStarts.set(pid, { at: Date.now(), start });
   return start;
@@ -1872,29 +1890,32 @@ let ownStart: string | null | undefined;
 
 /**
  * Whether a lock's owner still runs: its pid is alive and is the process that wrote the lock, by the start it
- * recorded (a lock whose start cannot be checked now counts as held: a lock is never taken on a guess). A lock of an
- * earlier version, without a start, is held while its pid runs anything of interlink's, by its command line.
+ * recorded, read again the same way (/proc or `ps`). One that cannot be read again counts as held: a lock is never
+ * taken on a guess. From /proc the start is exact; from `ps` on Linux it moves if the clock was set meanwhile, so
+ * there a mismatch counts only if the pid runs no interlink now. A lock of an earlier version, without a start, is
+ * held while its pid runs anything of interlink's, by its command line.
  */
 function ownerRuns(owner: LockOwner): boolean {
   if (!pidAlive(owner.pid)) return false;
-  if (owner.start !== undefined) {
-    const now = processStart(owner.pid);
-    return now === null || now === owner.start;
-  }
-  const argv = processArgv(owner.pid);
-  return argv === "" || /interlink/i.test(argv);
+  const looksOurs = () => {
+    const argv = processArgv(owner.pid);
+    return argv === "" || /interlink/i.test(argv);
+  };
+  if (owner.start === undefined) return looksOurs();
+  const exact = PROC_START_RE.test(owner.start);
+  const now = exact ? procStart(owner.pid) : psStart(owner.pid);
+  return now === null || now === owner.start || (!exact && looksOurs());
 }
 
 /**
  * Whether a live lock holder is known to be an interlink server (`mcp`): it wrote the lock and is still that
- * process (its start matches), or, for a lock of an earlier version, its command line runs interlink's `mcp`. Only
- * such a process is ever asked to hand over (SIGTERM).
+ * process (its start, read again the same way, matches), or, for a lock of an earlier version, its command line runs
+ * interlink's `mcp`. Only such a process is ever asked to hand over (SIGTERM).
  */
 function knownServer(owner: LockOwner): boolean {
   if (owner.role !== SERVER_ROLE) return false;
-  return owner.start !== undefined
-    ? processStart(owner.pid) === owner.start
-    : SERVER_ARGV_RE.test(processArgv(owner.pid));
+  if (owner.start === undefined) return SERVER_ARGV_RE.test(processArgv(owner.pid));
+  return (PROC_START_RE.test(owner.start) ? procStart(owner.pid) : psStart(owner.pid)) === owner.start;
 }
 
 /** The command line of an interlink server: its script or package, then `mcp` among its arguments. */
@@ -6110,7 +6131,11 @@ export function doorSession(stateDir: string): string {
   } finally {
     fs.rmSync(tmp, { force: true });
   }
-  return readDoor(stateDir)!;
+  const door = readDoor(stateDir);
+  if (door) return door;
+  throw new InterlinkError(
+    `${file} does not name a door (${DOOR_PREFIX}<16 hex>): remove it to make a new one (codes given out before name the old one, and are then not answered)`,
+  );
 }
 
 /** The node's door, if it has one (it has made an invite since doors exist); null otherwise, or if damaged. */
@@ -6974,7 +6999,8 @@ export class Agent {
     // the newer one takes the session over, and the older one exits cleanly (SIGTERM), losing nothing.
     // Only a process known to be a server of this session is asked: a pid in a stale lock may be anyone's now.
     const holder = lockOwner(lockFile);
-    if (role === SERVER_ROLE && holder && holder.pid !== process.pid && knownServer(holder)) {
+    const asked = role === SERVER_ROLE && holder !== null && holder.pid !== process.pid && knownServer(holder);
+    if (asked) {
       logInfo(`session ${cfg.session} is held by an older server (pid ${holder.pid}); asking it to hand over`);
       // A handover, not a close: the older one says no goodbye and keeps the roster entry.
       writeFileAtomic(path.join(dir, "handover"), String(process.pid));
@@ -6984,8 +7010,9 @@ export class Agent {
         // gone already
       }
     }
-    // A CLI `send` holds the lock for a few seconds at most; an older server needs a moment to stop.
-    const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== SERVER_ROLE || !!holder);
+    // A CLI `send` holds the lock for a few seconds at most; an older server needs a moment to stop (only one asked
+    // to: another server is not waited for).
+    const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== SERVER_ROLE || asked);
     try {
       fs.rmSync(path.join(dir, "handover"), { force: true });
       adoptLegacyJournal(cfg.stateDir, dir);
