@@ -216,11 +216,13 @@ setLogSink((line) => {
   if (logged.length > 2000) logged.splice(0, 1000);
 });
 
+// Every folder the suite made, removed at its end: a few hundred, which on a loaded disk take longer than a hook's
+// default 5 s (the run then failed as "(unnamed)" although every test passed).
 afterAll(() => {
   for (const pid of made.pids) killGroup(pid);
   for (const dir of made.mounts) spawnSync("umount", ["-l", dir]);
   for (const dir of made.dirs) fs.rmSync(dir, { recursive: true, force: true });
-});
+}, 120_000);
 
 /** Sleeps until a wall-clock time: for tests whose subject is a timeout. */
 const sleepUntil = (ms: number) => new Promise((r) => setTimeout(r, Math.max(0, ms - Date.now())));
