@@ -83,6 +83,7 @@ import {
   type Listening,
   LockedError,
   lockOwner,
+  MCP_LINE_MAX_CHARS,
   McpSession,
   messageBlock,
   messageHead,
@@ -140,6 +141,7 @@ import {
   SDK,
   SEND_WINDOW,
   serveHttp,
+  SERVER_ROLE,
   serverInstructions,
   sessionIds,
   setLogSink,
@@ -230,11 +232,13 @@ setLogSink((line) => {
   if (logged.length > 2000) logged.splice(0, 1000);
 });
 
+// Every folder the suite made, removed at its end: a few hundred, which on a loaded disk take longer than a hook's
+// default 5 s (the run then failed as "(unnamed)" although every test passed).
 afterAll(() => {
   for (const pid of made.pids) killGroup(pid);
   for (const dir of made.mounts) spawnSync("umount", ["-l", dir]);
   for (const dir of made.dirs) fs.rmSync(dir, { recursive: true, force: true });
-});
+}, 120_000);
 
 /** Sleeps until a wall-clock time: for tests whose subject is a timeout. */
 const sleepUntil = (ms: number) => new Promise((r) => setTimeout(r, Math.max(0, ms - Date.now())));
@@ -1307,23 +1311,20 @@ describe("bus: the HTTP handler", () => {
   });
 
   test("a waiting recv is woken the moment a message for it arrives, not at its timeout", async () => {
-    const t0 = performance.now();
     const waiting = recv("sleeper", 20_000);
     await eventually(() => bus.waiterCount === 1, "the recv is parked");
     await send("sleeper", "wake");
+    expect(bus.waiterCount).toBe(0); // released by the send itself, before it was answered: not by its timeout
     const r = await waiting;
     expect(r.envelope.payload).toBe("wake");
-    expect(performance.now() - t0).toBeLessThan(2000);
-    expect(bus.waiterCount).toBe(0);
   });
 
   test("a message for someone else does not wake a waiter, and its timeout answers timeout", async () => {
-    const t0 = Date.now();
     const waiting = recv("patient", 300);
+    await eventually(() => bus.waiterCount === 1, "the recv is parked");
     await send("other", "not yours");
+    expect(bus.waiterCount).toBe(1); // still parked after another recipient's send: it was not woken by it
     expect(await waiting).toEqual({ status: "timeout" });
-    // Woken by another recipient's send, it would answer "timeout" at once instead of after its wait.
-    expect(Date.now() - t0).toBeGreaterThanOrEqual(290);
   });
 
   test("a client that disconnects mid-wait leaks no waiter", async () => {
@@ -1340,11 +1341,13 @@ describe("bus: the HTTP handler", () => {
   test("a signed announcement is filed under key#session and listed with an unsigned age_ms", async () => {
     const session = { session_id: "s-1", cwd: "/w", git_root: "w", summary: "" };
     const a = await signAnnouncement(alice, "alice", Date.now(), session);
+    const posted = Date.now();
     expect((await call("POST", "/announce", { ...a, age_ms: 999999999 })).status).toBe(202);
     const r = await (await call("GET", "/roster")).json();
     const entry = r.roster.find((e: Announcement) => e.session?.session_id === "s-1");
     expect({ ...entry, age_ms: undefined }).toEqual({ ...a, age_ms: undefined });
-    expect(entry.age_ms).toBeLessThan(10_000); // the bus's own stamp, never the poster's
+    // The bus's own stamp, never the poster's: no older than the time since it was posted.
+    expect(entry.age_ms).toBeLessThanOrEqual(Date.now() - posted);
   });
 
   test("a second bus on the same data folder is refused with a clear error", async () => {
@@ -2007,9 +2010,9 @@ async function busDrained(busUrl: string, me: string | NodeFiles): Promise<boole
 }
 
 /** An in-process bus served on a loopback port; `bus` itself can also play a relay that checks nothing. */
-async function busOnLoopback(dir: string) {
+async function busOnLoopback(dir: string, port = 0) {
   const bus = await Bus.open(dir, { log: () => {} });
-  const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+  const server = await serveHttp(bus.handler, "127.0.0.1", port);
   const shutdown = async () => {
     await server.stop();
     await bus.close();
@@ -2403,6 +2406,48 @@ describe("agent: durability of the outbox", () => {
     },
     60_000,
   );
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `on ${runtime}: a stale agent.lock whose pid now runs an unrelated process is taken over at once, and that process is never signalled`,
+      async () => {
+        const { root, A } = await twoPeers();
+        const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+        // The pids of servers killed with -9, since given to other programs: sleep stands for them.
+        const others = [spawnTracked(["sleep", "600"]), spawnTracked(["sleep", "600"])];
+        const locks = {
+          // This version's lock: it names which process wrote it (its start), and sleep is not that one.
+          current: { pid: others[0].pid, role: SERVER_ROLE, since: Date.now() - 60_000, start: "0:1" },
+          // An earlier version's: no start; its pid runs no interlink at all.
+          earlier: { pid: others[1].pid, role: SERVER_ROLE, since: Date.now() - 60_000 },
+        };
+        const servers: McpNode[] = [];
+        try {
+          for (const [session, lock] of Object.entries(locks)) {
+            const dir = path.join(A.stateDir, "sessions", session);
+            fs.mkdirSync(dir, { recursive: true });
+            fs.writeFileSync(path.join(dir, "agent.lock"), JSON.stringify(lock));
+            const server = await McpNode.start(runtime, A, url, { INTERLINK_SESSION: session });
+            servers.push(server);
+            await server.ok("list_peers"); // the session is open: its lock taken
+            expect(lockOwner(path.join(dir, "agent.lock"))?.pid).toBe(server.pid!);
+            const said = server.stderr.join("\n");
+            expect(said).toContain(
+              `took over ${path.join(dir, "agent.lock")} from pid ${lock.pid}, which is not the process that wrote it`,
+            );
+            expect(said).not.toContain("asking it to hand over");
+          }
+          // Neither was signalled: a SIGTERM would have ended it.
+          for (const p of others) expect({ pid: p.pid, alive: pidAlive(p.pid) }).toEqual({ pid: p.pid, alive: true });
+        } finally {
+          for (const p of others) killGroup(p.pid);
+          await Promise.allSettled(servers.map((s) => s.close()));
+          await shutdown();
+        }
+      },
+      60_000,
+    );
+  }
 
   test.concurrent(
     "a start-up problem keeps the server up: tools/list answers and every tool names the problem and the fix",
@@ -2895,10 +2940,11 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
     return find().at;
   }
 
-  function startWait(runtime: "bun" | "deno", files: NodeFiles, timeoutS: number) {
+  /** `wait` on a node's session; `env` adds to this process's environment (a test knob). */
+  function startWait(runtime: "bun" | "deno", files: NodeFiles, timeoutS: number, env: Record<string, string> = {}) {
     const proc = spawnTracked(
       [...runtimeArgv(runtime), "wait", "--state", files.stateDir, "--timeout", String(timeoutS)],
-      { stdout: "pipe", stderr: "pipe" },
+      { stdout: "pipe", stderr: "pipe", env: { ...process.env, ...env } },
     );
     const result = (async () => {
       const [stdout, stderr, code] = await Promise.all([
@@ -3071,19 +3117,19 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
   );
 
   test(
-    "wait returns as soon as a message lands (under 500 ms after admission), with exit code 2 and the block on stderr",
+    "wait returns as soon as a message lands (woken by it: its re-check is an hour away), with exit code 2 and the block on stderr",
     async () => {
       for (const runtime of ["bun", "deno"] as const) {
-        const w = startWait(runtime, B, 60);
+        // Its only timer is an hour away (and its renewal near the hour): an answer now can only be the message's.
+        const w = startWait(runtime, B, 3600, { INTERLINK_TEST_FOLLOW_RECHECK_MS: String(3_600_000) });
         await blocking(w);
         const sent = await alice.ok("send_message", { to: "bob", text: `wake up (${runtime})` });
-        const at = await admitted(B, msgIdOf(sent));
+        await admitted(B, msgIdOf(sent));
         const r = await w.result;
         expect(r.code).toBe(2);
         expect(r.stdout).toBe("");
         expect(r.stderr).toContain(`msg_id="${msgIdOf(sent)}"`);
         expect(r.stderr).toContain(`wake up (${runtime})`);
-        expect(r.endedAt - at).toBeLessThan(500);
       }
       expect(await bob.ok("check_inbox")).toBe("no unread messages"); // wait marked it read
     },
@@ -3093,11 +3139,19 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
   test(
     "wait renews itself shortly before its timeout: exit 2 with one line that ends the turn, so the hook runs again",
     async () => {
+      // As Claude Code runs the hook: killed at its timeout, counted from before the runtime started. The renewal
+      // comes first (exit 2), never the kill (124).
       const t0 = Date.now();
-      const r = await startWait("bun", B, 2).result;
-      expect({ code: r.code, stdout: r.stdout, stderr: r.stderr }).toEqual({ code: 2, stdout: "", stderr: RENEW_TEXT });
-      expect(Date.now() - t0).toBeGreaterThanOrEqual(1000); // half of a very short timeout early (a minute of a long one)
-      expect(Date.now() - t0).toBeLessThan(2000 + 1500);
+      const [cmd, ...pre] = runtimeArgv("bun");
+      const r = await spawnAsync("timeout", ["4", cmd, ...pre, "wait", "--state", B.stateDir, "--timeout", "4"]);
+      expect({ code: r.status, stdout: r.stdout, stderr: r.stderr }).toEqual({
+        code: 2,
+        stdout: "",
+        stderr: RENEW_TEXT,
+      });
+      // Not at once either (a hook that renewed at once would spin): half of a very short timeout early, a lower
+      // bound that load can only lengthen.
+      expect(Date.now() - t0).toBeGreaterThanOrEqual(2000);
     },
     30_000,
   );
@@ -3110,22 +3164,19 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
       const oneShot = claude("-p say hi");
       const fed = claude("-p --input-format stream-json --output-format stream-json");
       try {
-        const run = (pid: number, session = "bob", state = B.stateDir, timeout = "20") =>
+        // Its re-check an hour away and its renewal near the hour: an exit 0 is the check it makes at once.
+        const run = (pid: number, session = "bob", state = B.stateDir, timeout = "3600") =>
           runCliAsync("bun", ["wait", "--state", state, "--session", session, "--timeout", timeout], {
-            env: { CLAUDE_PID: String(pid) },
+            env: { CLAUDE_PID: String(pid), INTERLINK_TEST_FOLLOW_RECHECK_MS: String(3_600_000) },
           });
-        const t0 = Date.now();
         expect(await run(oneShot.pid)).toMatchObject({ code: 0, stderr: "" });
-        expect(Date.now() - t0).toBeLessThan(5000); // not a renewal 18 s later: at once
         expect((await run(fed.pid, "bob", B.stateDir, "3")).code).toBe(2); // fed by stream-json, it listens (and renews)
         // A session whose server ran and stopped: its hook has nothing to wait for.
         const elsewhere = tmpDir();
         const ended = path.join(elsewhere, "sessions", "ended-one");
         fs.mkdirSync(ended, { recursive: true });
         fs.writeFileSync(path.join(ended, "session.json"), JSON.stringify({ session_id: "ended-one", ended_at: 1 }));
-        const t1 = Date.now();
         expect(await run(fed.pid, "ended-one", elsewhere)).toMatchObject({ code: 0, stderr: "" });
-        expect(Date.now() - t1).toBeLessThan(5000);
       } finally {
         killGroup(oneShot.pid);
         killGroup(fed.pid);
@@ -4160,10 +4211,11 @@ describe("a long outage", () => {
       );
       const agent = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`]), "test");
       try {
+        const flushed = Date.now();
         await agent.flushOutbox(Date.now() + 5000);
         const delivered = JSON.parse((await bus.recv(B.id.publicKey, 0))[0].payload);
         expect(delivered.msg_id).toBe(old.msg_id);
-        expect(Date.now() - delivered.ts).toBeLessThan(10_000);
+        expect(delivered.ts).toBeGreaterThanOrEqual(flushed); // signed anew as it went, not a day ago
         expect(readNodeLog(A.stateDir).map((r) => r.t)).toEqual(["out", "resign", "sent"]);
         const peers = parsePeers(fs.readFileSync(B.peersFile, "utf8"));
         const replay = new ReplayMemory();
@@ -6330,6 +6382,247 @@ test.concurrent("receipts: restarts of either side in between keep every status 
   }
 }, 120_000);
 
+describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () => {
+  /** `interlink.ts mcp` driven by raw lines: what it writes back, line by line, and its stderr. */
+  class RawMcp {
+    readonly lines: string[] = [];
+    readonly stderr: string[] = [];
+    #child: ReturnType<typeof spawn>;
+    #waiters: (() => void)[] = [];
+    constructor(runtime: "bun" | "deno", env: Record<string, string>) {
+      const [cmd, ...args] = [...runtimeArgv(runtime), "mcp"];
+      this.#child = spawn(cmd, args, { cwd: REPO, env: { ...process.env, ...env }, detached: true });
+      made.pids.add(this.#child.pid!);
+      for (const [stream, into] of [[this.#child.stdout!, this.lines], [this.#child.stderr!, this.stderr]] as const) {
+        let buf = "";
+        stream.setEncoding("utf8").on("data", (d: string) => {
+          const parts = (buf + d).split("\n");
+          buf = parts.pop()!;
+          into.push(...parts);
+          for (const w of this.#waiters.splice(0)) w();
+        });
+      }
+    }
+    send(...lines: (string | object)[]): void {
+      for (const l of lines) this.#child.stdin!.write((typeof l === "string" ? l : JSON.stringify(l)) + "\n");
+    }
+    /** Waits for the answer to request `id` (its raw text in the line), and returns every line written up to it. */
+    async until(idText: string, ms = 30_000): Promise<string[]> {
+      const deadline = Date.now() + ms;
+      for (;;) {
+        const at = this.lines.findIndex((l) => l.startsWith(`{"jsonrpc":"2.0","id":${idText},`));
+        if (at !== -1) return this.lines.splice(0, at + 1);
+        if (Date.now() > deadline) {
+          throw new Error(`no answer to ${idText}:\n${this.lines.join("\n")}\n${this.stderr.join("\n")}`);
+        }
+        await new Promise<void>((r) => (this.#waiters.push(r), setTimeout(r, 200)));
+      }
+    }
+    async stderrLine(re: RegExp): Promise<string> {
+      await eventually(() => this.stderr.some((l) => re.test(l)), `stderr ${re}`, 30_000);
+      return this.stderr.find((l) => re.test(l))!;
+    }
+    close(): void {
+      this.#child.stdin!.end();
+      killGroup(this.#child.pid!);
+    }
+  }
+
+  /** A node whose relay accepts connections and never answers: a roster read (discover) hangs SEND_TIMEOUT_MS. */
+  async function nodeEnv(): Promise<{ env: Record<string, string>; close(): void }> {
+    const root = tmpDir();
+    const f = await makeNodeFiles(root, "solo");
+    const sockets: net.Socket[] = [];
+    const hang = net.createServer((c) => (sockets.push(c), c.on("error", () => {})));
+    await new Promise<void>((r) => hang.listen(0, "127.0.0.1", r));
+    const env = {
+      INTERLINK_KEY: f.keyFile,
+      INTERLINK_PEERS: f.peersFile,
+      INTERLINK_STATE: f.stateDir,
+      INTERLINK_CONFIG: path.join(root, "config.json"),
+      INTERLINK_URL: `http://127.0.0.1:${(hang.address() as net.AddressInfo).port}`,
+      INTERLINK_AUTOSTART_BUS: "0",
+      INTERLINK_SESSION: "solo",
+    };
+    return { env, close: () => (hang.close(), sockets.forEach((c) => c.destroy())) };
+  }
+
+  const parse = (lines: string[]) => lines.map((l) => JSON.parse(l));
+  const initialize = {
+    jsonrpc: "2.0",
+    id: "init",
+    method: "initialize",
+    params: { protocolVersion: "2025-11-25", capabilities: {}, clientInfo: { name: "raw", version: "1" } },
+  };
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `on ${runtime}: Claude Code 2.1.332's start is replayed: its server/discover probe is answered -32601, and it falls back to initialize 2025-11-25`,
+      async () => {
+        const node = await nodeEnv();
+        const mcp = new RawMcp(runtime, node.env);
+        try {
+          const recorded = fs.readFileSync(
+            path.join(REPO, "fixtures", "mcp", "claude-code-2.1.332-start.jsonl"),
+            "utf8",
+          )
+            .trim().split("\n");
+          expect(JSON.parse(recorded[0])).toMatchObject({
+            method: "server/discover",
+            params: { _meta: { "io.modelcontextprotocol/protocolVersion": "2026-07-28" } },
+          });
+          mcp.send(recorded[0]);
+          const [probe] = parse(await mcp.until('"server-discover-probe-1"'));
+          expect(probe).toEqual({
+            jsonrpc: "2.0",
+            id: "server-discover-probe-1",
+            error: { code: -32601, message: "Method not found: server/discover" },
+          });
+          // On -32601 Claude Code falls back, on the same process: initialize, initialized, tools/list.
+          mcp.send(...recorded.slice(1));
+          const answers = parse(await mcp.until("1"));
+          expect(answers.map((a) => a.id)).toEqual([0, 1]); // the notification is not answered
+          expect(answers[0].result).toMatchObject({ protocolVersion: "2025-11-25", serverInfo: { name: "interlink" } });
+          expect(answers[1].result.tools.map((t: { name: string }) => t.name)).toContain("send_message");
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `on ${runtime}: an invalid envelope is answered -32600, bad params -32602, a notification or a stray answer never; ids past 2^53 come back exact`,
+      async () => {
+        const node = await nodeEnv();
+        const mcp = new RawMcp(runtime, node.env);
+        try {
+          mcp.send(initialize);
+          await mcp.until('"init"');
+          mcp.send(
+            "not json",
+            '[{"jsonrpc":"2.0","id":1,"method":"ping"}]',
+            '"a string"',
+            { id: 2, method: "ping" },
+            { jsonrpc: "1.0", id: 3, method: "ping" },
+            { jsonrpc: "2.0", id: null, method: "ping" },
+            '{"jsonrpc":"2.0","id":4.5,"method":"ping"}',
+            { jsonrpc: "2.0", id: { a: 1 }, method: "ping" },
+            { jsonrpc: "2.0", id: 5 },
+            { jsonrpc: "2.0", id: 6, method: "tools/call", params: { arguments: {} } },
+            { jsonrpc: "2.0", id: 7, method: "tools/call", params: { name: "list_peers", arguments: [1] } },
+            { jsonrpc: "2.0", id: 8, method: "tools/call", params: { name: "list_peers", arguments: "x" } },
+            { jsonrpc: "2.0", id: 9, method: "initialize", params: { capabilities: {} } },
+            { jsonrpc: "2.0", id: 10, method: "ping", params: "x" },
+            { jsonrpc: "2.0", id: 11, method: "no/such" },
+            // Never answered: notifications (known, unknown, malformed) and an answer to nothing the server asked.
+            { jsonrpc: "2.0", method: "notifications/unknown" },
+            { jsonrpc: "2.0", method: "notifications/cancelled", params: { requestId: 999 } },
+            { method: "notifications/initialized" },
+            { jsonrpc: "2.0", id: 77, result: {} },
+            { jsonrpc: "2.0", id: 78, error: { code: 1, message: "x" } },
+            // Ids as the client wrote them: past 2^53 (JSON.parse would round it to ...992), and a string.
+            '{"jsonrpc":"2.0","id":9007199254740993,"method":"ping"}',
+            { jsonrpc: "2.0", id: "s-1", method: "ping" },
+            { jsonrpc: "2.0", id: "last", method: "ping" },
+          );
+          const lines = await mcp.until('"last"');
+          expect(lines).toContain('{"jsonrpc":"2.0","id":9007199254740993,"result":{}}');
+          const got = parse(lines).map((a) => [a.id, a.error?.code ?? "ok"]);
+          const sort = (x: unknown[][]) => x.map((a) => JSON.stringify(a)).sort();
+          expect(sort(got)).toEqual(sort([
+            [null, -32700],
+            [null, -32600], // a batch
+            [null, -32600], // not an object
+            [2, -32600], // no "jsonrpc"
+            [3, -32600], // "jsonrpc" 1.0
+            [null, -32600], // a null id
+            [null, -32600], // a fractional id
+            [null, -32600], // an object id
+            [5, -32600], // no method
+            [6, -32602], // tools/call without a name
+            [7, -32602], // arguments an array
+            [8, -32602], // arguments a string
+            [9, -32602], // initialize without protocolVersion
+            [10, -32600], // params not structured
+            [11, -32601],
+            [9007199254740992, "ok"], // (as JSON.parse reads the exact text checked above)
+            ["s-1", "ok"],
+            ["last", "ok"],
+          ]));
+          const messages = parse(lines).filter((a) => a.error).map((a) => a.error.message).join("\n");
+          expect(messages).toContain("batches are not supported");
+          expect(messages).toContain("initialize needs a protocolVersion");
+          expect(messages).toContain("tools/call needs a tool name");
+          // The server serves on.
+          mcp.send({ jsonrpc: "2.0", id: "after", method: "tools/list" });
+          expect(parse(await mcp.until('"after"'))[0].result.tools.length).toBeGreaterThan(5);
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `on ${runtime}: a request the client cancels is not answered; another one beside it, whose id differs only past 2^53, is`,
+      async () => {
+        const node = await nodeEnv();
+        const mcp = new RawMcp(runtime, node.env);
+        try {
+          mcp.send(initialize, { jsonrpc: "2.0", method: "notifications/initialized" });
+          await mcp.until('"init"');
+          // discover reads the roster from a relay that never answers: both calls wait on it.
+          const call = (id: string) =>
+            `{"jsonrpc":"2.0","id":${id},"method":"tools/call","params":{"name":"discover","arguments":{}}}`;
+          mcp.send(call("9007199254740993"), call("9007199254740992"));
+          mcp.send('{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":9007199254740993}}');
+          // The kept one is answered once the relay gives up. Both wait on one roster read, so by then the cancelled
+          // one has finished too: unanswered.
+          const lines = await mcp.until("9007199254740992", 45_000);
+          mcp.send({ jsonrpc: "2.0", id: "last", method: "ping" });
+          lines.push(...await mcp.until('"last"'));
+          expect(lines.filter((l) => l.includes("9007199254740993"))).toEqual([]);
+          expect(lines.filter((l) => l.startsWith('{"jsonrpc":"2.0","id":9007199254740992,"result"')).length).toBe(1);
+          await mcp.stderrLine(/request 9007199254740993 \(tools\/call\) finished after the client cancelled it/);
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `on ${runtime}: a line past MCP_LINE_MAX_CHARS is not kept: answered -32600 under its id, found even at its end; the server serves on`,
+      async () => {
+        const node = await nodeEnv();
+        const mcp = new RawMcp(runtime, node.env);
+        try {
+          mcp.send(initialize);
+          await mcp.until('"init"');
+          // As the SDK writes a request: the id last, after the text.
+          const text = "x".repeat(MCP_LINE_MAX_CHARS + 10);
+          mcp.send(
+            `{"method":"tools/call","params":{"name":"send_message","arguments":{"to":"bob","text":"${text}"}},"jsonrpc":"2.0","id":42}`,
+          );
+          const [big] = parse(await mcp.until("42"));
+          expect(big.error.code).toBe(-32600);
+          expect(big.error.message).toContain(`over ${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters is not read`);
+          mcp.send({ jsonrpc: "2.0", id: "after", method: "ping" });
+          expect(parse(await mcp.until('"after"'))).toEqual([{ jsonrpc: "2.0", id: "after", result: {} }]);
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+  }
+});
+
 describe("hostile clients: bodies and connections", () => {
   test("the guard's clock in use is the README's: 10 s idle or slow headers, 15 s for a body (test knobs unset)", () => {
     expect(process.env.INTERLINK_TEST_CONN_IDLE_MS ?? process.env.INTERLINK_TEST_CONN_BODY_MS).toBeUndefined();
@@ -6339,8 +6632,9 @@ describe("hostile clients: bodies and connections", () => {
   test.concurrent(
     "Deno idle sockets closed: a guarded Deno bus closes idle and slow connections, and a long-poll still completes",
     async () => {
-      // The guard's timeouts, shortened for the test (the defaults are CONN_IDLE_MS and CONN_BODY_MS).
-      const IDLE = 2_000, BODY = 3_000;
+      // The guard's timeouts, shortened for the test (the defaults are CONN_IDLE_MS and CONN_BODY_MS), and far
+      // enough apart that which closed first tells which timeout closed it.
+      const IDLE = 2_000, BODY = 6_000;
       const child = spawnChild([...runtimeArgv("deno"), "bus", "--port", "0", "--data", tmpDir()], {
         INTERLINK_TEST_CONN_IDLE_MS: String(IDLE),
         INTERLINK_TEST_CONN_BODY_MS: String(BODY),
@@ -6384,13 +6678,13 @@ describe("hostile clients: bodies and connections", () => {
         clearInterval(drip);
         const after = (list: { closedAt: number }[]) => Math.max(...list.map((s) => s.closedAt - t0));
         const before = (list: { closedAt: number }[]) => Math.min(...list.map((s) => s.closedAt - t0));
-        expect(before(idle)).toBeGreaterThanOrEqual(IDLE - 200); // not before their time either
-        // The header timeout is checked once a second (connectionsCheckingInterval): up to a second late by design.
-        expect(after(idle)).toBeLessThan(IDLE + 1_000 + 2_500);
-        expect(after(halfLine)).toBeLessThan(IDLE + 1_000 + 2_500);
+        // Not before their time (lower bounds, which load can only lengthen) ...
+        expect(before(idle)).toBeGreaterThanOrEqual(IDLE - 200);
         expect(before(slowBody)).toBeGreaterThanOrEqual(BODY - 200);
-        expect(after(slowBody)).toBeLessThan(BODY + 2_500);
-        expect(after([oversized])).toBeLessThan(3_000);
+        // ... and each by its own timeout, told by the order they closed in: the oversized body at once, before any
+        // idle one; every idle or half-sent one by the idle timeout, before any slow body met the body timeout.
+        expect(after([oversized])).toBeLessThan(before([...idle, ...halfLine]));
+        expect(after([...idle, ...halfLine])).toBeLessThan(before(slowBody));
         expect((await fetch(`${url}/roster`)).status).toBe(200); // and it serves on
       } finally {
         await stop(child);
@@ -6495,6 +6789,8 @@ const NATS_TESTS = [
   "with the documented permission set, a node reads only its own routes; one that may not create the stream is told so",
   "one node's flood of roster entries cannot push another node's session off the NATS roster",
   "what a stopping session's last pull still gets is handed straight back: the route's next reader has it at once",
+  "over NATS: a used code is refused in seconds whenever anything of A runs (A on Bun, joiners on Deno), and the joiner keeps nothing",
+  'over NATS, on bun: twenty send_messages while the relay hangs each answer "queued" at once, and all arrive in order once a relay answers there',
 ];
 const NATS_SERVER = systemTool("nats-server", "/usr/sbin/nats-server", "NATS", NATS_TESTS);
 // One at a time: each starts a few servers and two agents, and with many children at once Bun's test process was
@@ -6588,7 +6884,7 @@ const accepting = (port: number) =>
 async function startNats(
   root: string,
   n = 1,
-  opts: { jetstream?: boolean; accounts?: object } = {},
+  opts: { jetstream?: boolean; accounts?: object; port?: number } = {},
 ): Promise<NatsServer[]> {
   // A port found free can be taken by a neighbouring test before nats-server binds it: then again, other ports.
   for (let attempt = 1;; attempt++) {
@@ -6603,9 +6899,10 @@ async function startNats(
 async function startNatsOnce(
   root: string,
   n: number,
-  opts: { jetstream?: boolean; accounts?: object },
+  opts: { jetstream?: boolean; accounts?: object; port?: number },
 ): Promise<NatsServer[]> {
   const ports = await Promise.all(Array.from({ length: n * 2 }, () => freePort()));
+  if (opts.port) ports[0] = opts.port; // a port the test chose (one a node is already told to use)
   const servers = Array.from({ length: n }, (_, i) => {
     const dir = path.join(root, `nats-${i}`);
     fs.mkdirSync(dir, { recursive: true });
@@ -7029,6 +7326,100 @@ if (!NATS_SERVER) {
   );
 }
 
+describe("sending while the relay does not answer", () => {
+  // The relay is a TCP listener that accepts and never answers: every request to it hangs until the node gives
+  // up on it (SEND_TIMEOUT_MS for a send over our bus; a NATS client's connect, longer). A send_message that waited
+  // for a delivery attempt (or for a roster read) could only answer once such a request gave up; one that answers
+  // at once does so while they are still open.
+  const cases = [["bun", "deno", "bus"], ["deno", "bun", "bus"], ["bun", "deno", "nats"]] as const;
+  for (const [runtime, other, kind] of cases) {
+    const name = kind === "nats"
+      ? NATS_TESTS[8]
+      : `on ${runtime}: twenty send_messages while the relay hangs each answer "queued" at once, and all arrive in order once a relay answers there`;
+    (kind === "nats" ? natsTest : test.concurrent)(
+      name,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        const port = await freePort();
+        const url = `${kind === "nats" ? "nats" : "http"}://127.0.0.1:${port}`;
+        const conns: { first: string; open: boolean; socket: net.Socket }[] = [];
+        const hang = net.createServer((socket) => {
+          const c = { first: "", open: true, socket };
+          conns.push(c);
+          socket.on("data", (d) => (c.first ||= d.toString("latin1").split("\r\n")[0]));
+          socket.on("close", () => (c.open = false)).on("error", () => {});
+        });
+        await new Promise<void>((r) => hang.listen(port, "127.0.0.1", r));
+        const alice = await McpNode.start(runtime, A, url, { INTERLINK_AUTOSTART_BUS: "0" });
+        let bob: McpNode | undefined;
+        let bus: Awaited<ReturnType<typeof busOnLoopback>> | undefined;
+        let nats: NatsServer | undefined;
+        try {
+          // The first send waits for the roster once (the relay has not failed yet): it gives up, and says so.
+          const first = await alice.ok("send_message", { to: "bob", text: "m1" });
+          expect(first).toMatch(/^msg_id \S+ to bob: queued since /);
+          expect(first).toContain("no bus answered; it waits in the outbox");
+          // What hangs: over our bus, m1's delivery attempt (a POST /send); over NATS, the client's one connect.
+          await eventually(
+            () => conns.some((c) => kind === "nats" || c.first.startsWith("POST /send")),
+            "a request to the relay",
+          );
+          const attempt = conns.find((c) => kind === "nats" || c.first.startsWith("POST /send"))!;
+          const answers = [first];
+          for (let i = 2; i <= 20; i++) {
+            answers.push(await alice.ok("send_message", { to: "bob", text: `m${i}` }));
+            // Answered while that request still hangs: this send waited for no request to the relay.
+            expect({ i, attemptOpen: attempt.open }).toEqual({ i, attemptOpen: true });
+          }
+          for (const a of answers) expect(a).toMatch(/^msg_id \S+ to bob: queued since .*retried automatically/);
+          // A relay answers on that port now: the outbox delivers all twenty, in order.
+          hang.close();
+          for (const c of conns) c.socket.destroy();
+          const texts: string[] = [];
+          if (kind === "bus") {
+            bus = await busOnLoopback(path.join(root, "bus"), port);
+            bob = await McpNode.start(other, B, url, { INTERLINK_AUTOSTART_BUS: "0" });
+            const shown = () => bob!.events.filter((e) => e.meta.sender === "alice").map((e) => e.content);
+            await eventually(() => shown().length === 20, "bob is shown all twenty", 60_000);
+            texts.push(...shown());
+          } else {
+            [nats] = await startNats(root, 1, { port });
+            // bob's mail, read as his node reads it (his key's consumer), one by one, each acked.
+            const reader = new NatsRelay(url, (d) => B.id.sign(d), B.id.publicKey);
+            const stop = new AbortController();
+            try {
+              await eventually(
+                async () => {
+                  const got = await reader.recv(B.id.publicKey, stop.signal, 1000).catch(() => ({ items: [] }));
+                  for (const item of got.items) {
+                    texts.push((item.payload as SignedMessage).text);
+                    await item.ack();
+                  }
+                  return texts.length >= 20;
+                },
+                "all twenty reach the relay",
+                60_000,
+              );
+            } finally {
+              stop.abort();
+              await reader.close();
+            }
+          }
+          expect(texts.map((t) => t.match(/m\d+/)![0])).toEqual(Array.from({ length: 20 }, (_, i) => `m${i + 1}`));
+          await eventually(async () => (await alice.ok("list_pending")).includes("the outbox is empty"), "sent");
+        } finally {
+          hang.close();
+          for (const c of conns) c.socket.destroy();
+          await Promise.allSettled([alice.close(), bob?.close()]);
+          await bus?.shutdown();
+          nats?.kill();
+        }
+      },
+      120_000,
+    );
+  }
+});
+
 describe("sessions end, mail does not", () => {
   for (const kind of RELAY_KINDS) {
     // Over our bus alice runs on Bun and bob on Deno; over NATS the other way round.
@@ -7273,6 +7664,7 @@ describe("sessions end, mail does not", () => {
         // A session that ends and comes back within ADOPT_AFTER_MS (2 min by default) keeps its own outbox: a
         // sibling running all along leaves it alone (a session that starts meanwhile would take it: it is next).
         const a4 = await McpNode.start("deno", A, relay.url, { INTERLINK_SESSION: "a4", ...a4env });
+        await a4.ok("list_peers"); // open (running all along) before a3 starts: not a session that starts after it ends
         a3 = await McpNode.start("bun", A, relay.url, { INTERLINK_SESSION: "a3" });
         const kept = msgIdOf(await a3.ok("send_message", { to: "bob", text: "kept" }));
         await a3.close();
@@ -8537,9 +8929,13 @@ async function hostNode(root: string, name: string, busUrl: string, fake: FakeMo
   return { ...f, home, env };
 }
 
-/** The README's Stop hook, in the node's HOME (this Bun, this checkout); `timeout` the hook's and wait's. */
-function installStopHook(n: HostNode, timeout = WAIT_TIMEOUT_S): void {
-  const command = `"${process.execPath}" "${SCRIPT}" wait --timeout ${timeout}`;
+/**
+ * The README's Stop hook, in the node's HOME (this Bun, this checkout); `timeout` the hook's and wait's. With
+ * `record`, each run of `wait` that ends by itself appends its exit code there (one killed appends nothing).
+ */
+function installStopHook(n: HostNode, timeout = WAIT_TIMEOUT_S, record?: string): void {
+  const wait = `"${process.execPath}" "${SCRIPT}" wait --timeout ${timeout}`;
+  const command = record ? `${wait}; echo "exit $?" >> "${record}"` : wait;
   const settings = {
     hooks: { Stop: [{ hooks: [{ type: "command", command, async: true, asyncRewake: true, timeout }] }] },
   };
@@ -8908,28 +9304,32 @@ describe("real hosts: Claude Code sessions through interlink", () => {
     'with the Stop hook installed, `claude -p "hi"` is not held up, a closing session is quick, and a health check leaves no session behind',
     async () => {
       const n = await hostNode(root, "quick", bus.url, fake);
-      installStopHook(n);
+      // What separates quick from held up is how `wait` ended: by itself at once, exit 0 (else Claude Code waits
+      // 30 s for the hook and then kills it, which records nothing).
+      const record = path.join(n.dir, "wait-exits");
+      const exits = () => (fs.existsSync(record) ? fs.readFileSync(record, "utf8").trim().split("\n") : []);
+      installStopHook(n, WAIT_TIMEOUT_S, record);
       const mcp = path.join(n.dir, "mcp.json");
       fs.writeFileSync(
         mcp,
         JSON.stringify({ mcpServers: { interlink: { command: process.execPath, args: [SCRIPT, "mcp"] } } }),
       );
-      const t0 = Date.now();
       const oneShot = await spawnAsync(CLAUDE_BIN!, ["-p", "hi", "--mcp-config", mcp, "--strict-mcp-config"], {
         cwd: n.dir,
         env: n.env,
         timeout: 60_000,
       });
       expect(oneShot.status).toBe(0);
-      expect(Date.now() - t0).toBeLessThan(10_000); // it was 32 s: Claude Code waits 30 s for a pending hook
+      // Ended by itself before claude exited (it was 32 s: claude waited out a `wait` that listened on).
+      expect(exits()).toEqual(["exit 0"]);
       // A session fed by stream-json that closes its stdin: its hook ends with its server.
       const s = await claudeSession(n);
       await serving(n); // a session that lived (its server opened it), as any a person closes
-      const t1 = Date.now();
       const exited = new Promise((r) => s.proc.once("exit", r));
       s.proc.stdin!.end();
       await exited;
-      expect(Date.now() - t1).toBeLessThan(10_000); // it was 31.6 s
+      // Its hook's `wait` saw its server stop and ended by itself, before claude exited (it was 31.6 s, then killed).
+      expect(exits()).toEqual(["exit 0", "exit 0"]);
       // `claude mcp list` starts the server as a session would: it opens no session (no folder, no announcement).
       const h = await hostNode(root, "health", bus.url, fake);
       await spawnAsync(CLAUDE_BIN!, [
@@ -10552,8 +10952,8 @@ describe("pairing by invite: two machines in two commands", () => {
           key: await keyOf(A),
           name: "alice",
           urls: [shared],
-          session: `invite-${sent.id}`,
         });
+        expect(sent.session).toMatch(/^door-[0-9a-f]{16}$/); // the node's door: one route for all its invites
         if (NETNS) {
           // --lan restarted A's own bus on every address; the code names eth0's address, the bridge's is listed.
           expect(invite.stdout.join("\n")).toContain(`bus      restarted on every address, port ${port}`);
@@ -10584,7 +10984,7 @@ describe("pairing by invite: two machines in two commands", () => {
         expect(configOf(B)).toEqual({ name: "bob", url: shared });
         // Spent: its secret is gone from A's file.
         const [spent] = readInvites(await stateOf(A));
-        expect(spent).toMatchObject({ status: "used", used_by: keyB, used_as: "bob", used_in: sent.session });
+        expect(spent).toMatchObject({ status: "used", used_by: keyB, used_as: "bob", used_in: `invite-${sent.id}` });
         expect(spent.secret).toBeUndefined();
         // Both logs record it.
         expect((await run(A, "bun", ["log"])).stdout).toContain(`joined through our invite ${sent.id} as 'bob'`);
@@ -10601,7 +11001,7 @@ describe("pairing by invite: two machines in two commands", () => {
           expect(toldB.content).toContain("Paired with 'alice'");
           await helloBothWays(a1, b1);
 
-          // A stolen code used after the real join: refused (A's session reads the ended invite's route), and
+          // A stolen code used after the real join: refused (A's session reads the node's door), and
           // the thief, on B's network, is told why and keeps nothing but the key it made.
           const C = machine("carol", B.ns);
           const stolen = await run(C, "bun", ["join", code, "--wait", "30"]);
@@ -10687,6 +11087,14 @@ describe("pairing by invite: two machines in two commands", () => {
             says:
               /this machine's clock is (299|300|301) s ahead of alice's relay: nodes refuse what comes from over a minute in their future/,
             env: { INTERLINK_CLOCK_OFFSET_MS: "300000" },
+          },
+          {
+            // Within what nodes accept (30 s), this clock is behind: by it the code is valid, by the relay's it expired.
+            what: "expired by the relay's clock, not yet by this machine's",
+            args: [await make({ expiresMs: (Math.floor(Date.now() / 1000) - 10) * 1000 }), "--wait", "5"],
+            says:
+              /the invite expired at \S+, \d+ s ago by alice's relay's clock \(this machine's is (29|30|31) s behind it\): ask for a new one .* sync this clock \(NTP\)/,
+            env: { INTERLINK_CLOCK_OFFSET_MS: "-30000" },
           },
           {
             // (A code a terminal wrapped into two words still reads: this one gets as far as the clocks.)
@@ -10843,7 +11251,7 @@ describe("pairing by invite: two machines in two commands", () => {
         expect(listed.stdout).toContain(`1 pending invite(s) of ${fp}…:`);
         expect(listed.stdout).toMatch(
           new RegExp(
-            `^  ${code.id}  for 'erin'  until \\S+ \\(in \\d+ (s|min)\\)  route ${fp}…#invite-${code.id}  relays ${relay.url}$`,
+            `^  ${code.id}  for 'erin'  until \\S+ \\(in \\d+ (s|min)\\)  route ${fp}…#${code.session}  relays ${relay.url}$`,
             "m",
           ),
         );
@@ -10866,6 +11274,8 @@ describe("pairing by invite: two machines in two commands", () => {
         const [r1, r2] = await Promise.all([
           run(E, "bun", ["join", await codeOf(revoked), "--wait", "30"]),
           // frank's clock is 20 s behind: by it, the invite is still valid (and 20 s is within what nodes accept).
+          // By the relay's it expired a second or two ago: A refuses it, or, past the Date header's second of
+          // margin, his join says so before knocking (the table above has the clear case).
           run(F, "bun", ["join", code2, "--wait", "30"], { INTERLINK_CLOCK_OFFSET_MS: "-20000" }),
         ]);
         expect([r1.status, r1.stderr]).toEqual([
@@ -10874,7 +11284,9 @@ describe("pairing by invite: two machines in two commands", () => {
         ]);
         expect([r2.status, r2.stderr]).toEqual([
           1,
-          expect.stringContaining("refused: the invite had expired; ask for a new one"),
+          expect.stringMatching(
+            /refused: the invite had expired; ask for a new one|the invite expired at \S+, \d+ s ago by alice's relay's clock \(this machine's is (19|20|21) s behind it\)/,
+          ),
         ]);
         for (const m of [E, F]) {
           expect([peersOf(m), configOf(m)]).toEqual([{}, null]); // the pin taken back, no settings written
@@ -10882,7 +11294,6 @@ describe("pairing by invite: two machines in two commands", () => {
         expect(peersOf(A)).toEqual({});
         // The operator's session is told of the refusals, in interlink's words (someone tried a spent invite).
         await a1.waitEvent((e) => e.meta.kind === "refused" && e.content.includes("an invite your operator revoked"));
-        await a1.waitEvent((e) => e.meta.kind === "refused" && e.content.includes("an invite that had expired"));
         // A relay's credentials are this node's own: the code names the relay without them.
         const nats = await run(A, "bun", ["invite", "--ttl", "1s", "--url", "nats://alice:s3cret@127.0.0.1:1"]);
         const withCreds = await parseInviteCode(nats.stdout.match(/ join (il1\.\S+)$/m)![1]);
@@ -10894,6 +11305,120 @@ describe("pairing by invite: two machines in two commands", () => {
       }
     },
     90_000,
+  );
+
+  /**
+   * A used code is refused in seconds whenever anything of A runs: a session whose pass over ended sessions never
+   * comes, and later, with no session, only the command of another invite. (Before the door, the first waited for
+   * that pass, every 30 s, and the second never answered.)
+   */
+  async function usedCodeRefused(runtime: "bun" | "deno", other: "bun" | "deno", url: string): Promise<void> {
+    const A = machine("alice"), B = machine("bob");
+    let a1: McpSession | undefined;
+    let second: Running | undefined;
+    try {
+      const first = start(A, runtime, ["invite", "--for", "bob", "--name", "alice", "--url", url]);
+      const code = await codeOf(first);
+      expect((await run(B, other, ["join", code, "--name", "bob"])).status).toBe(0);
+      expect(await first.exited).toBe(0);
+      // A session of A: it looks after ended sessions once at its start, then not for an hour.
+      a1 = await sessionOn(A, runtime, "a1", {
+        INTERLINK_URL: url,
+        INTERLINK_TEST_ENDED_EVERY_MS: String(3_600_000),
+      });
+      await a1.ok("list_peers");
+      const thief = async (name: string) => {
+        const m = machine(name);
+        const r = await run(m, other, ["join", code, "--wait", "60"]);
+        expect({ name, status: r.status, said: r.stderr }).toEqual({
+          name,
+          status: 1,
+          said: expect.stringContaining("alice refused: the invite was used already, by another key"),
+        });
+        expect(r.stderr).toContain("Nothing was kept but this node's new key.");
+        expect([peersOf(m), configOf(m)]).toEqual([{}, null]);
+      };
+      await thief("carol");
+      await a1.waitStderr(/invite_used: invite \S+ was used by/);
+      // No session now; only `invite` runs, for another invite: it answers for the spent one too.
+      await a1.close();
+      a1 = undefined;
+      second = start(A, runtime, ["invite", "--for", "erin", "--url", url]);
+      await codeOf(second);
+      await thief("dan");
+      expect(peersOf(A)).toEqual({ bob: { key: await keyOf(B) } });
+    } finally {
+      if (second) killGroup(second.pid);
+      await a1?.close();
+    }
+  }
+
+  for (const [runtime, other] of [["bun", "deno"], ["deno", "bun"]] as const) {
+    test.concurrent(
+      `A on ${runtime}, joiners on ${other}: a used code is refused in seconds whenever anything of A runs (a session whose pass over ended sessions never comes; later only another invite's command), and the joiner keeps nothing`,
+      async () => {
+        const relay = await busOnLoopback(tmpDir());
+        try {
+          await usedCodeRefused(runtime, other, relay.url);
+        } finally {
+          await relay.shutdown();
+        }
+      },
+      120_000,
+    );
+
+    test.concurrent(
+      `A on ${runtime}, B on ${other}: with nothing of A running, join says plainly nobody answered and keeps nothing; joined again once a session of A runs, they pair`,
+      async () => {
+        const relay = await busOnLoopback(tmpDir());
+        const A = machine("alice"), B = machine("bob");
+        let a1: McpSession | undefined;
+        try {
+          const invite = start(A, runtime, ["invite", "--for", "bob", "--name", "alice", "--url", relay.url]);
+          const code = await codeOf(invite);
+          killGroup(invite.pid); // A's machine goes to sleep: nothing of A runs
+          await invite.exited;
+          const lone = await run(B, other, ["join", code, "--name", "bob", "--wait", "3"]);
+          expect(lone.status).toBe(1);
+          expect(lone.stderr).toContain(
+            "no answer from alice within 3 s: nothing of alice's node read the request (a session of it, or its `interlink.ts invite`, answers within seconds), or alice's relay lost it.",
+          );
+          expect(lone.stderr).toMatch(/The invite stays valid until \S+: join again once alice runs/);
+          expect(lone.stderr).toContain("Nothing was kept here but this node's new key.");
+          // Nothing kept: no pin, no settings, no session of this join that a later answer could complete.
+          expect([peersOf(B), configOf(B)]).toEqual([{}, null]);
+          const joins = path.join(await stateOf(B), "sessions");
+          expect(fs.existsSync(joins) ? fs.readdirSync(joins).filter((d) => d.startsWith("join-")) : []).toEqual([]);
+          // A session of A starts: it admits the request still waiting at its door (A now lists bob) ...
+          a1 = await sessionOn(A, runtime, "a1", { INTERLINK_URL: relay.url });
+          await eventually(() => peersOf(A).bob !== undefined, "A admits the waiting request");
+          expect(peersOf(B)).toEqual({}); // ... and B did not pair behind its operator's back
+          // Joining again with the same code completes it.
+          const again = await run(B, other, ["join", code, "--name", "bob"]);
+          expect({ status: again.status, stderr: again.status ? again.stderr : "" }).toEqual({ status: 0, stderr: "" });
+          expect(again.stdout).toMatch(/^paired with alice /m);
+          expect([peersOf(B), configOf(B)?.url]).toEqual([{ alice: { key: await keyOf(A) } }, relay.url]);
+        } finally {
+          await a1?.close();
+          await relay.shutdown();
+        }
+      },
+      120_000,
+    );
+  }
+
+  // (One NATS test at a time, as in the NATS group: see natsTest.)
+  natsTest(
+    NATS_TESTS[7],
+    async () => {
+      const [nats] = await startNats(tmpDir());
+      try {
+        await usedCodeRefused("bun", "deno", nats.url);
+      } finally {
+        nats.kill();
+      }
+    },
+    180_000,
   );
 
   test.concurrent("the same under Deno: invite → join, both told, a message each way", async () => {

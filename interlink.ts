@@ -174,7 +174,7 @@ const INVITES_PENDING_CAP = 32;
  */
 const INVITE_KEPT_MS = 7 * 24 * 60 * 60_000;
 const INVITES_SPENT_CAP = 256;
-/** How long `join` waits for the inviting node's answer: its `invite` command, or a session of it, answers in ms. */
+/** How long `join` waits for the inviting node's answer: whatever of it runs (`invite`, a session) answers in seconds. */
 const JOIN_WAIT_S = 120;
 /** Refusal summaries waiting for the model at once (one per sender and reason); past it, refusals are only logged. */
 const REFUSAL_NOTICES_CAP = 16;
@@ -221,8 +221,11 @@ const JOURNAL_ROLL_BYTES = msFromEnv("INTERLINK_TEST_ROLL_BYTES", 1 << 20);
 const CLOSED_TASKS_KEPT_MS = 30 * 24 * 60 * 60_000;
 /** How long a short-lived lock (peers edit, inbox claim) is waited for before giving up. */
 const SHORT_LOCK_WAIT_MS = 5_000;
-/** How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). */
-const FOLLOW_RECHECK_MS = 5_000;
+/**
+ * How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). Tests
+ * set it past their own length, so that what they see can only have come from the watch.
+ */
+const FOLLOW_RECHECK_MS = msFromEnv("INTERLINK_TEST_FOLLOW_RECHECK_MS", 5_000);
 
 const PETNAME_RE = /^[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}$/;
 
@@ -1850,6 +1853,8 @@ interface LockOwner {
   pid: number;
   role: string;
   since: number;
+  /** Which process that pid was when it wrote the lock (see processStart); absent from locks of earlier versions. */
+  start?: string;
 }
 
 /** A lock file that cannot be read is held this long from its last change before it counts as abandoned. */
@@ -1864,6 +1869,108 @@ function pidAlive(pid: number): boolean {
   }
 }
 
+/** The command line of a process (Linux /proc; elsewhere `ps`), or "" when it cannot be read. */
+function processArgv(pid: number | undefined): string {
+  if (!pid) return "";
+  try {
+    return fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim();
+  } catch {
+    try {
+      const r = spawnSync("ps", ["-o", "args=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
+      return r.status === 0 ? r.stdout.trim() : "";
+    } catch {
+      return ""; // no ps, or not allowed to run it
+    }
+  }
+}
+
+/** How long a start read from `ps` is reused: lock checks come in bursts, and each `ps` is a process. */
+const PS_START_REUSE_MS = 2_000;
+const psStarts = new Map<number, { at: number; start: string | null }>(); // cleared past 64: a few holders at a time
+let bootId: string | undefined;
+/** A start as /proc gives it: this boot's id, then the start in clock ticks since boot. */
+const PROC_START_RE = /^[0-9a-f-]*:\d+$/;
+
+/**
+ * Which process a pid is, beyond the pid (the system hands a dead one's pid to a new process): when it started, as
+ * the kernel keeps it. From /proc where it can be read (Linux; not Deno without --allow-all): this boot's id and the
+ * start in clock ticks, exact. Else from `ps` (macOS, and that Deno): the start to the second, in UTC and the C
+ * locale so every reader prints it alike. Null when neither can tell (the process is gone, or no `ps`).
+ */
+function processStart(pid: number): string | null {
+  return procStart(pid) ?? psStart(pid);
+}
+
+function procStart(pid: number): string | null {
+  try {
+    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8");
+    bootId ??= (() => {
+      try {
+        return fs.readFileSync("/proc/sys/kernel/random/boot_id", "utf8").trim();
+      } catch {
+        return ""; // the ticks alone: a reboot is when a pid could come back with the same ones
+      }
+    })();
+    return `${bootId}:${stat.slice(stat.lastIndexOf(")") + 2).split(" ")[19]}`; // field 22: starttime
+  } catch {
+    return null; // no /proc, not this pid, or not allowed (Deno reads /proc only with --allow-all)
+  }
+}
+
+function psStart(pid: number): string | null {
+  const known = psStarts.get(pid);
+  if (known && Date.now() - known.at < PS_START_REUSE_MS) return known.start;
+  let start: string | null = null;
+  try {
+    const r = spawnSync("ps", ["-o", "lstart=", "-p", String(pid)], {
+      encoding: "utf8",
+      timeout: 2000,
+      env: { ...process.env, LC_ALL: "C", TZ: "UTC" },
+    });
+    start = (r.status === 0 && r.stdout.trim().replace(/\s+/g, " ")) || null;
+  } catch {
+    // no ps, or not allowed to run it
+  }
+  if (psStarts.size >= 64) psStarts.clear();
+  psStarts.set(pid, { at: Date.now(), start });
+  return start;
+}
+
+let ownStart: string | null | undefined;
+
+/**
+ * Whether a lock's owner still runs: its pid is alive and is the process that wrote the lock, by the start it
+ * recorded, read again the same way (/proc or `ps`). One that cannot be read again counts as held: a lock is never
+ * taken on a guess. From /proc the start is exact; from `ps` on Linux it moves if the clock was set meanwhile, so
+ * there a mismatch counts only if the pid runs no interlink now. A lock of an earlier version, without a start, is
+ * held while its pid runs anything of interlink's, by its command line.
+ */
+function ownerRuns(owner: LockOwner): boolean {
+  if (!pidAlive(owner.pid)) return false;
+  const looksOurs = () => {
+    const argv = processArgv(owner.pid);
+    return argv === "" || /interlink/i.test(argv);
+  };
+  if (owner.start === undefined) return looksOurs();
+  const exact = PROC_START_RE.test(owner.start);
+  const now = exact ? procStart(owner.pid) : psStart(owner.pid);
+  return now === null || now === owner.start || (!exact && looksOurs());
+}
+
+/**
+ * Whether a live lock holder is known to be an interlink server (`mcp`): it wrote the lock and is still that
+ * process (its start, read again the same way, matches), or, for a lock of an earlier version, its command line runs
+ * interlink's `mcp`. Only such a process is ever asked to hand over (SIGTERM).
+ */
+function knownServer(owner: LockOwner): boolean {
+  if (owner.role !== SERVER_ROLE) return false;
+  if (owner.start === undefined) return SERVER_ARGV_RE.test(processArgv(owner.pid));
+  return (PROC_START_RE.test(owner.start) ? procStart(owner.pid) : psStart(owner.pid)) === owner.start;
+}
+
+/** The command line of an interlink server: its script or package, then `mcp` among its arguments. */
+const SERVER_ARGV_RE = /interlink\S*\s(.*\s)?mcp(\s|$)/;
+
 /** The lock file's text and owner; owner null when the text is not a lock (damaged by hand or by a disk fault). */
 function readLockFile(file: string): { text: string; owner: LockOwner | null; mtimeMs: number } | null {
   let text: string, mtimeMs: number;
@@ -1876,6 +1983,7 @@ function readLockFile(file: string): { text: string; owner: LockOwner | null; mt
   try {
     const owner = JSON.parse(text);
     if (isObject(owner) && Number.isSafeInteger(owner.pid) && (owner.pid as number) > 0) {
+      if (typeof owner.start !== "string") delete owner.start; // as a lock of an earlier version
       return { text, owner: owner as unknown as LockOwner, mtimeMs };
     }
   } catch {
@@ -1887,7 +1995,7 @@ function readLockFile(file: string): { text: string; owner: LockOwner | null; mt
 /** The live process holding a lock file, or null if it is free or its owner is dead. */
 export function lockOwner(file: string): LockOwner | null {
   const held = readLockFile(file);
-  return held?.owner && pidAlive(held.owner.pid) ? held.owner : null;
+  return held?.owner && ownerRuns(held.owner) ? held.owner : null;
 }
 
 /**
@@ -1910,13 +2018,19 @@ export class PidLock {
     waitMs = 0,
     waitFor: (holder: string) => boolean = () => true,
   ): Promise<PidLock> {
-    const content = JSON.stringify({ pid: process.pid, role, since: Date.now() });
+    ownStart ??= processStart(process.pid);
+    const content = JSON.stringify({
+      pid: process.pid,
+      role,
+      since: Date.now(),
+      ...some("start", ownStart ?? undefined),
+    });
     const deadline = Date.now() + waitMs;
     for (;;) {
       if (PidLock.#tryCreate(file, content)) return new PidLock(file, content);
       const held = readLockFile(file);
       if (held === null) continue; // released between our link and our read
-      const alive = held.owner ? pidAlive(held.owner.pid) : Date.now() - held.mtimeMs < LOCK_GRACE_MS;
+      const alive = held.owner ? ownerRuns(held.owner) : Date.now() - held.mtimeMs < LOCK_GRACE_MS;
       if (alive) {
         const holder = held.owner?.role ?? "an unreadable lock";
         if (Date.now() < deadline && waitFor(holder)) {
@@ -1934,7 +2048,12 @@ export class PidLock {
       if (readLockFile(file)?.text === held.text) {
         try {
           fs.unlinkSync(file);
-          logInfo(`took over ${file} from ${held.owner ? `dead pid ${held.owner.pid}` : "an unreadable lock"}`);
+          const from = !held.owner
+            ? "an unreadable lock"
+            : pidAlive(held.owner.pid)
+            ? `pid ${held.owner.pid}, which is not the process that wrote it (its pid was reused), left alone`
+            : `dead pid ${held.owner.pid}`;
+          logInfo(`took over ${file} from ${from}`);
         } catch {
           // someone else removed it first; retry the create
         }
@@ -6172,6 +6291,12 @@ export function readNodeState(stateDir: string): { state: NodeState; journal: Jo
 // knock admits it; it is replaced whole under its lock, 0600: a pending invite's secret is as sensitive as a key
 // for its lifetime. An invite is pending until it is used (one step under that lock: the first valid use wins),
 // revoked or expired; its secret is then dropped, and the rest kept INVITE_KEPT_MS so a late request is told why.
+//
+// Every code names the node's door: one route for all its invites (`key#door-<random>`, the random part made once
+// per state root, so the same key on another machine has another door). One process of the node reads it at a
+// time, whichever holds door.lock: a session, or an `invite` command; the others take over within moments of it
+// ending. So a knock through any invite, pending or spent, is answered as soon as anything of the node runs.
+// (Codes of earlier versions named a route per invite, `invite-<id>`: a session still drains those while pending.)
 
 export type InviteStatus = "pending" | "used" | "revoked";
 
@@ -6183,7 +6308,7 @@ export interface Invite {
   for?: string;
   created: number;
   expires: number;
-  /** The session whose route the code names (`key#session`): the `invite` command reads it while it waits. */
+  /** The session whose route the code names (`key#session`): the node's door (earlier: `invite-<id>`, its own). */
   session: string;
   /** The relays the code names. */
   urls: string[];
@@ -6223,6 +6348,44 @@ function decodeInvite(v: unknown): Invite {
     ...some("used_in", optStr(o, "used_in")),
     ...some("ended", optInt(o, "ended")),
   };
+}
+
+const DOOR_PREFIX = "door-";
+
+/**
+ * The node's door (see above): the session id its invite codes name, made on first use and never changed (a code
+ * in someone's hands names it). It appears whole or not at all: written beside, then linked into place.
+ */
+export function doorSession(stateDir: string): string {
+  const file = path.join(stateDir, "door");
+  fs.mkdirSync(stateDir, { recursive: true, mode: 0o700 });
+  const made = DOOR_PREFIX + Buffer.from(crypto.getRandomValues(new Uint8Array(8))).toString("hex");
+  const tmp = tempName(file);
+  try {
+    writeFileDurably(tmp, made);
+    fs.linkSync(tmp, file);
+    syncDirectory(stateDir);
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code !== "EEXIST") throw storageError(e, stateDir);
+  } finally {
+    fs.rmSync(tmp, { force: true });
+  }
+  const door = readDoor(stateDir);
+  if (door) return door;
+  throw new InterlinkError(
+    `${file} does not name a door (${DOOR_PREFIX}<16 hex>): remove it to make a new one (codes given out before name the old one, and are then not answered)`,
+  );
+}
+
+/** The node's door, if it has one (it has made an invite since doors exist); null otherwise, or if damaged. */
+export function readDoor(stateDir: string): string | null {
+  try {
+    const door = fs.readFileSync(path.join(stateDir, "door"), "utf8").trim();
+    if (door.startsWith(DOOR_PREFIX) && SESSION_RE.test(door)) return door;
+  } catch {
+    // none yet
+  }
+  return null;
 }
 
 /** The invites of a node (none if it has made none). A damaged file is an error that names it: nothing is guessed. */
@@ -6277,7 +6440,7 @@ export async function createInvite(
     ...some("for", fields.for),
     created: nowMs,
     expires: Math.floor((nowMs + fields.ttlMs) / 1000) * 1000, // the code carries whole seconds
-    session: `invite-${id}`,
+    session: doorSession(stateDir),
     urls: fields.urls,
     status: "pending" as const,
   };
@@ -6392,10 +6555,16 @@ export async function judgeInvite(
   return { ok: false, reason: "invite_expired", detail: `invite ${invite.id} expired at ${when}` };
 }
 
-/** The sessions named by this node's pending invites: a running session drains their routes (see drainEnded). */
+/**
+ * The routes of this node's pending invites of an earlier version (`invite-<id>`, one each): a running session
+ * drains them (see drainEnded). The door is read by whoever holds door.lock.
+ */
 export function pendingInviteSessions(stateDir: string, nowMs: number): string[] {
   try {
-    return readInvites(stateDir).filter((i) => inviteState(i, nowMs) === "pending").map((i) => i.session);
+    return readInvites(stateDir).filter((i) =>
+      inviteState(i, nowMs) === "pending" && !i.session.startsWith(DOOR_PREFIX)
+    )
+      .map((i) => i.session);
   } catch (e) {
     logWarn((e as Error).message);
     return [];
@@ -7010,7 +7179,14 @@ export class Agent {
   #owed = new WakeLatch();
   #receiving: Promise<unknown> = Promise.resolve();
   #loops: Promise<void>[] = [];
-  #attempted = new Set<() => void>(); // woken after every delivery attempt
+  #attempted = new Set<() => void>(); // woken after every delivery attempt, and when one starts
+  /** The msg_ids of the delivery rounds under way (at most SEND_BATCH a round: the loop and a CLI flush). */
+  #inFlight = new Set<string>();
+  /**
+   * No relay answered the last roster read, and none has answered anything since: a send routes by what this
+   * session remembers rather than wait SEND_TIMEOUT_MS again for a relay that hangs (cleared by any answer).
+   */
+  #unanswered = false;
   #watcher: fs.FSWatcher | null = null;
   #poll: ReturnType<typeof setInterval> | null = null;
   /** Set by the MCP server: how an admitted message reaches the session. */
@@ -7021,6 +7197,8 @@ export class Agent {
   /** This session as announced; its summary changes with set_summary. */
   readonly info: SessionInfo;
   #bareLock: PidLock | null = null;
+  /** Held while this process reads the node's door (see "invites"). */
+  #doorLock: PidLock | null = null;
   #roster: { at: number; sessions: PeerSession[] } | null = null;
   #proofs = new Map<string, { ts: number; proof: string }>(); // route → the recv proof in use
   /** Ended sessions in our state root that belong to another key (a shared folder): never adopted. */
@@ -7060,8 +7238,10 @@ export class Agent {
     const lockFile = path.join(dir, "agent.lock");
     // Claude Code restarting the server inside one session starts a second process with the same id:
     // the newer one takes the session over, and the older one exits cleanly (SIGTERM), losing nothing.
+    // Only a process known to be a server of this session is asked: a pid in a stale lock may be anyone's now.
     const holder = lockOwner(lockFile);
-    if (role === SERVER_ROLE && holder?.role === SERVER_ROLE && holder.pid !== process.pid) {
+    const asked = role === SERVER_ROLE && holder !== null && holder.pid !== process.pid && knownServer(holder);
+    if (asked) {
       logInfo(`session ${cfg.session} is held by an older server (pid ${holder.pid}); asking it to hand over`);
       // A handover, not a close: the older one says no goodbye and keeps the roster entry.
       writeFileAtomic(path.join(dir, "handover"), String(process.pid));
@@ -7071,8 +7251,9 @@ export class Agent {
         // gone already
       }
     }
-    // A CLI `send` holds the lock for a few seconds at most; an older server needs a moment to stop.
-    const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== SERVER_ROLE || !!holder);
+    // A CLI `send` holds the lock for a few seconds at most; an older server needs a moment to stop (only one asked
+    // to: another server is not waited for).
+    const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== SERVER_ROLE || asked);
     try {
       fs.rmSync(path.join(dir, "handover"), { force: true });
       adoptLegacyJournal(cfg.stateDir, dir);
@@ -7177,12 +7358,57 @@ export class Agent {
    * Starts one long-poll per bus for this session's route, and, in the one
    * session of this identity on this machine that holds bare.lock, one for the
    * bare key too (0.4 peers and messages for the node as a whole): only once
-   * the session can take what it pushes. `ownRouteOnly` (`invite`, `join`):
-   * this session's route alone, and no ended session is looked after.
+   * the session can take what it pushes; and the node's door, in whichever
+   * process holds door.lock. `ownRouteOnly` (`invite`, `join`): this
+   * session's route alone (and the door, with `door`: `invite`), and no ended
+   * session is looked after.
    */
-  startReceiving(opts: { ownRouteOnly?: boolean } = {}): void {
+  startReceiving(opts: { ownRouteOnly?: boolean; door?: boolean } = {}): void {
     for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.me));
     if (!opts.ownRouteOnly) this.#loops.push(this.#bareKeyLoop(), this.#endedLoop());
+    if (!opts.ownRouteOnly || opts.door) this.#loops.push(this.#doorLoop());
+  }
+
+  /**
+   * Reads the node's door (see "invites") on every relay once this process holds door.lock. Until then it waits for
+   * the lock to come free and for a door to exist (the node's first invite makes one), watching the state root,
+   * with a re-check every FOLLOW_RECHECK_MS behind the watch: a knock waits moments, not a pass over ended sessions.
+   */
+  async #doorLoop(): Promise<void> {
+    const root = this.cfg.stateDir;
+    const wake = new WakeLatch();
+    const stopped = () => wake.wake();
+    this.#stop.signal.addEventListener("abort", stopped, { once: true });
+    let watcher: fs.FSWatcher | null = null;
+    try {
+      watcher = fs.watch(
+        root,
+        (_e, name) => (name === null || ["door", "door.lock"].includes(String(name))) && wake.wake(),
+      );
+    } catch {
+      // the re-check below still runs
+    }
+    try {
+      while (!this.#stop.signal.aborted) {
+        const door = readDoor(root);
+        if (door) {
+          try {
+            this.#doorLock = await PidLock.acquire(path.join(root, "door.lock"), `session ${this.cfg.session}`);
+            watcher?.close();
+            watcher = null;
+            const route = `${this.id.publicKey}#${door}`;
+            await Promise.all(this.relays.map((relay) => this.#recvLoop(relay, route)));
+            return;
+          } catch (e) {
+            if (!(e instanceof LockedError)) logWarn(`cannot take door.lock: ${errorText(e)}; trying again`);
+          }
+        }
+        await wake.wait(FOLLOW_RECHECK_MS);
+      }
+    } finally {
+      watcher?.close();
+      this.#stop.signal.removeEventListener("abort", stopped);
+    }
   }
 
   /**
@@ -7251,6 +7477,7 @@ export class Agent {
     }
     this.journal.close();
     this.seen.close();
+    this.#doorLock?.release();
     this.lock.release();
   }
 
@@ -7477,11 +7704,17 @@ export class Agent {
     return { entry, note: choice.note };
   }
 
-  /** Waits up to `ms` until a message is sent or refused, or its first delivery attempt has failed; returns its entry either way. */
+  /**
+   * Waits up to `ms` until a message is sent or refused, or its first delivery attempt has failed; returns its entry
+   * either way. It waits for nothing that cannot settle it at once: while the relays fail or do not answer (the
+   * outbox retries on its own), or while a round that does not carry it is under way (it goes in a later one).
+   */
   async settle(msgId: string, ms: number): Promise<OutEntry> {
     const entry = this.state.outgoing.get(msgId)!;
+    const behind = () =>
+      this.#sendFailures > 0 || this.#unanswered || (this.#inFlight.size > 0 && !this.#inFlight.has(msgId));
     await waitUntil(
-      () => !this.state.pending.has(msgId) || entry.attempts > 0 || this.state.held(entry),
+      () => !this.state.pending.has(msgId) || entry.attempts > 0 || this.state.held(entry) || behind(),
       ms,
       (wake) => {
         this.#attempted.add(wake);
@@ -7511,6 +7744,22 @@ export class Agent {
     }
     const items = entries.map((e) => ({ route: e.recipient, payload: messagePayload(e.msg, this.me) }));
     const signal = this.#stop.signal;
+    for (const e of entries) this.#inFlight.add(e.msg.msg_id);
+    for (const wake of [...this.#attempted]) wake();
+    try {
+      return await this.#deliver(entries, items, signal);
+    } finally {
+      for (const e of entries) this.#inFlight.delete(e.msg.msg_id);
+      for (const wake of [...this.#attempted]) wake();
+    }
+  }
+
+  /** #attempt's round itself: the requests, then the records of what they settled. */
+  async #deliver(
+    entries: OutEntry[],
+    items: { route: string; payload: object }[],
+    signal: AbortSignal,
+  ): Promise<{ settled: number; full: boolean }> {
     // Per relay, per message: true, an error, or null (not tried).
     const outcomes = await Promise.all(this.relays.map(async (relay) => {
       const out: (true | RelayError | null)[] = items.map(() => null);
@@ -7540,6 +7789,7 @@ export class Agent {
       entry.attempts++;
       const via = this.relays.flatMap((relay, k) => (results[k] === true ? [relay.name] : []));
       if (via.length) {
+        this.#unanswered = false;
         records.push({ t: "sent", msg_id: entry.msg.msg_id, via });
         this.state.full.delete(entry.recipient);
         settled++;
@@ -7574,11 +7824,7 @@ export class Agent {
       }
       break;
     }
-    try {
-      await this.journal.appendDurable(records);
-    } finally {
-      for (const wake of [...this.#attempted]) wake();
-    }
+    await this.journal.appendDurable(records);
     return { settled, full };
   }
 
@@ -7729,6 +7975,7 @@ export class Agent {
   /** A relay answers again: what waits in the outbox goes now, not after the back-off it had grown to. */
   #relayBack(): void {
     this.#sendFailures = 0;
+    this.#unanswered = false;
     for (const f of this.state.full.values()) f.until = 0;
     this.#outbox.wake();
   }
@@ -7738,6 +7985,7 @@ export class Agent {
     while (!this.#stop.signal.aborted) {
       try {
         const got = await relay.recv(route, this.#stop.signal);
+        this.#unanswered = false;
         if (failures) {
           logInfo(`${relay.name} is reachable again`);
           failures = 0;
@@ -8063,8 +8311,23 @@ export class Agent {
     if (!fresh && cached && this.now() - cached.at < ROSTER_CACHE_MS) {
       return cached.sessions.map((s) => ({ ...s, ageMs: s.ageMs + this.now() - cached.at }));
     }
+    // One read at a time: callers meanwhile share it (a burst of sends, or sends while relays hang).
+    this.#rosterRead ??= this.#readRoster().finally(() => (this.#rosterRead = null));
+    return await this.#rosterRead;
+  }
+
+  #rosterRead: Promise<PeerSession[]> | null = null;
+
+  async #readRoster(): Promise<PeerSession[]> {
     const nowMs = this.now();
-    const { byRoute } = await readRoster(this.relays, nowMs);
+    let byRoute: Map<string, PeerSession>;
+    try {
+      ({ byRoute } = await readRoster(this.relays, nowMs));
+      this.#unanswered = false;
+    } catch (e) {
+      if (e instanceof NoRelayAnswered) this.#unanswered = true;
+      throw e;
+    }
     const sessions = [...byRoute.values()].filter((s) =>
       !(s.key === this.id.publicKey && s.session?.session_id === this.cfg.session)
     );
@@ -8096,12 +8359,17 @@ export class Agent {
     let sessions: PeerSession[] = [];
     let rosterKnown = true;
     try {
-      sessions = (await this.roster()).filter((s) => s.key === key);
-      // A remembered session missing from a roster read a moment ago may have announced itself since: read again
-      // before calling it ended.
-      const remembered = [taskSession, this.state.sticky.get(key)].filter((id) => id !== undefined);
-      if (!this.state.silent.has(key) && remembered.some((id) => !sessions.some((s) => s.session?.session_id === id))) {
-        sessions = (await this.roster(true)).filter((s) => s.key === key);
+      if (this.#unanswered) {
+        // No relay answered lately: this send does not wait on them; a read behind it notices one back.
+        void this.roster().catch(() => {});
+        rosterKnown = false;
+      } else {
+        sessions = (await this.roster()).filter((s) => s.key === key);
+        // A remembered session missing from a roster read a moment ago may have announced itself since: read
+        // again before calling it ended.
+        const remembered = [taskSession, this.state.sticky.get(key)].filter((id) => id !== undefined);
+        const missing = remembered.some((id) => !sessions.some((s) => s.session?.session_id === id));
+        if (!this.state.silent.has(key) && missing) sessions = (await this.roster(true)).filter((s) => s.key === key);
       }
     } catch (e) {
       if (!(e instanceof NoRelayAnswered)) throw e;
@@ -9519,7 +9787,100 @@ list_tasks shows open tasks and unanswered questions.`;
 /** The MCP protocol versions this server speaks, newest first (the SDK 1.32 list: the hosts we test send these). */
 export const MCP_PROTOCOL_VERSIONS = ["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05", "2024-10-07"] as const;
 
+/**
+ * The longest line the server reads, in UTF-16 code units: a send_message at TEXT_LIMIT_BYTES with every character
+ * escaped as \uXXXX (6 each) fits with room to spare. A longer line is read to its end but not kept (see serve).
+ */
+export const MCP_LINE_MAX_CHARS = 4 * 2 ** 20;
+/** A request id's text kept from an over-long line, to answer it: ids are short; a longer one is answered with null. */
+const MCP_ID_MAX_CHARS = 1024;
+
 type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean };
+
+/** A request whose params are wrong for its method: answered -32602 (Invalid params) with this message. */
+class McpParamsError extends Error {}
+
+/**
+ * Finds the text of the top-level "id" member of a JSON object read in pieces (an over-long line, never held
+ * whole): the id is then known even when it comes last, as the SDK writes it. Pure, linear, constant memory.
+ */
+export class JsonIdScanner {
+  #depth = 0;
+  #inString = false;
+  #escaped = false;
+  #key: string | null = null; // a top-level key being read (its first characters: enough to tell "id")
+  #lastKey = "";
+  #expectValue = false;
+  #capture: string | null = null; // the id's text so far, while it is read
+  /** The raw text of the top-level "id" (a string with its quotes, or a number); undefined if none or not scalar. */
+  id: string | undefined;
+
+  feed(text: string): void {
+    for (const ch of text) {
+      if (this.#inString) {
+        if (this.#capture !== null) this.#take(ch);
+        if (this.#escaped) this.#escaped = false;
+        else if (ch === "\\") this.#escaped = true;
+        else if (ch === '"') {
+          this.#inString = false;
+          if (this.#key !== null) [this.#lastKey, this.#key] = [this.#key, null];
+          if (this.#capture !== null) this.#finish();
+          continue;
+        }
+        if (this.#key !== null && this.#key.length < 3) this.#key += ch;
+        continue;
+      }
+      if (this.#capture !== null) { // a number (or a literal) ends at a delimiter
+        if (!/[\s,}\]]/.test(ch)) {
+          this.#take(ch);
+          continue;
+        }
+        this.#finish();
+      }
+      if (/\s/.test(ch)) continue;
+      const value = this.#depth === 1 && this.#expectValue;
+      this.#expectValue = false;
+      if (value && this.#lastKey === "id") {
+        this.id = undefined; // an object or an array is no id; a scalar is read on
+        if (ch !== "{" && ch !== "[") {
+          this.#capture = ch;
+          this.#inString = ch === '"';
+          continue;
+        }
+      }
+      if (ch === '"') {
+        this.#inString = true;
+        this.#key = this.#depth === 1 && !value ? "" : null;
+      } else if (ch === "{" || ch === "[") this.#depth++;
+      else if (ch === "}" || ch === "]") this.#depth--;
+      else if (ch === ":" && this.#depth === 1) this.#expectValue = true;
+    }
+  }
+
+  #take(ch: string): void {
+    this.#capture = this.#capture!.length < MCP_ID_MAX_CHARS ? this.#capture + ch : "\0"; // too long: no id of ours
+  }
+
+  #finish(): void {
+    this.id = this.#capture!.startsWith("\0") ? undefined : this.#capture!;
+    this.#capture = null;
+  }
+}
+
+/** A request id as it is echoed: a string's JSON, an integer's own text (exact beyond 2^53); undefined if not valid. */
+function requestIdText(value: unknown, raw: string | undefined): string | undefined {
+  if (typeof value === "string") return JSON.stringify(value);
+  if (typeof value !== "number" || !Number.isFinite(value)) return undefined;
+  const text = raw ?? String(value);
+  return /^-?\d+$/.test(text) ? text : undefined;
+}
+
+/**
+ * JSON text of a message to the client, every string in it through showInvisible first: whatever a tool quotes, no
+ * hidden character reaches the model (see escapePeerText).
+ */
+const mcpJson = (message: object): string =>
+  JSON.stringify(message, (_k, v) => (typeof v === "string" ? showInvisible(v) : v));
 
 /**
  * The server side of MCP over stdio, by hand: JSON-RPC 2.0, one message per
@@ -9530,6 +9891,13 @@ type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean
  * runs them; answers and notifications are written whole, in order. The
  * clients it is tested with are the real ones: Claude Code, Codex and the
  * SDK's own client.
+ *
+ * The envelope is checked as JSON-RPC 2.0 and MCP say: a line that is not JSON is answered -32700 (id null); a
+ * batch, a request with no method, a "jsonrpc" other than "2.0", or an id that is not a string or an integer
+ * -32600 (id null when the id itself is bad); wrong params -32602; an unknown method -32601 (a 2026 client's
+ * server/discover probe among them: it then falls back to initialize). A notification is never answered, not even
+ * with an error; an answer from the client to nothing we asked is dropped. A request the client cancels before it
+ * finishes gets no answer. Ids are echoed as their text, so an integer past 2^53 comes back exact.
  */
 export class McpStdioServer {
   /** The client's name and version, once it has initialized (Codex says "codex-mcp-client"). */
@@ -9539,6 +9907,8 @@ export class McpStdioServer {
   #closed!: (why: string) => void;
   /** Resolves, with why, when the client is gone (stdin ended, stdout broken). */
   readonly closed = new Promise<string>((resolve) => (this.#closed = resolve));
+  /** Requests being answered, by id text → cancelled by the client? (bounded by what the client has in flight). */
+  #running = new Map<string, { cancelled: boolean }>();
 
   constructor(
     readonly info: { name: string; version: string },
@@ -9552,16 +9922,38 @@ export class McpStdioServer {
     readonly output: NodeJS.WritableStream = process.stdout,
   ) {}
 
-  /** Reads requests until the client goes away. */
+  /**
+   * Reads requests until the client goes away. A line past MCP_LINE_MAX_CHARS is read to its end without being
+   * kept (only its top-level id is looked for on the way) and answered -32600, so a client that never sends a
+   * newline cannot grow this process.
+   */
   serve(): void {
     let buffered = "";
+    let skipping: JsonIdScanner | null = null; // reading past an over-long line's cap, to its end
     this.input.setEncoding?.("utf8");
     this.input.on("data", (chunk: string) => {
+      if (skipping) {
+        const nl = chunk.indexOf("\n");
+        skipping.feed(nl === -1 ? chunk : chunk.slice(0, nl));
+        if (nl === -1) return;
+        this.#tooLong(skipping.id);
+        skipping = null;
+        chunk = chunk.slice(nl + 1);
+      }
       buffered += chunk;
       for (let nl = buffered.indexOf("\n"); nl !== -1; nl = buffered.indexOf("\n")) {
-        const line = buffered.slice(0, nl).trim();
+        const line = buffered.slice(0, nl);
         buffered = buffered.slice(nl + 1);
-        if (line) void this.#receive(line);
+        if (line.length > MCP_LINE_MAX_CHARS) {
+          const scanner = new JsonIdScanner();
+          scanner.feed(line);
+          this.#tooLong(scanner.id);
+        } else if (line.trim()) void this.#receive(line.trim());
+      }
+      if (buffered.length > MCP_LINE_MAX_CHARS) {
+        skipping = new JsonIdScanner();
+        skipping.feed(buffered);
+        buffered = "";
       }
     });
     this.input.once("end", () => this.#closed("stdin closed"));
@@ -9571,49 +9963,111 @@ export class McpStdioServer {
 
   /** Sends a notification (a channel event); resolves once it is written. */
   notify(method: string, params: Record<string, unknown>): Promise<void> {
-    return this.#write({ jsonrpc: "2.0", method, params });
+    return this.#write(mcpJson({ jsonrpc: "2.0", method, params }));
   }
 
-  /**
-   * Writes one JSON-RPC message. Every string in it but the request's id (the client's own) goes through
-   * showInvisible first: whatever a tool quotes, no hidden character reaches the model (see escapePeerText).
-   */
-  #write(message: object): Promise<void> {
-    const text = JSON.stringify(message, (k, v) => (typeof v === "string" && k !== "id" ? showInvisible(v) : v)) + "\n";
+  /** Writes one JSON-RPC message, built by mcpJson (the request's id, the client's own, is spliced in as written). */
+  #write(text: string): Promise<void> {
     this.#out = this.#out.then(() =>
-      new Promise<void>((resolve, reject) => this.output.write(text, (e) => (e ? reject(e) : resolve())))
+      new Promise<void>((resolve, reject) => this.output.write(text + "\n", (e) => (e ? reject(e) : resolve())))
     );
     return this.#out;
   }
 
+  /** Answers the request whose id's text is `id` (null: its id could not be told) with a result or an error. */
+  #reply(id: string | null, body: { result: object } | { error: { code: number; message: string } }): Promise<void> {
+    return this.#write(`{"jsonrpc":"2.0","id":${id ?? "null"},${mcpJson(body).slice(1)}`);
+  }
+
+  #fail(id: string | null, code: number, message: string): Promise<void> {
+    return this.#reply(id, { error: { code, message } });
+  }
+
+  #tooLong(id: string | undefined): void {
+    const limit = `${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters`;
+    logWarn(`a message from the client was over ${limit}: not read, answered -32600`);
+    let valid: string | undefined;
+    try {
+      valid = id === undefined ? undefined : requestIdText(JSON.parse(id), id);
+    } catch {
+      // not a value: answered with id null
+    }
+    void this.#fail(
+      valid ?? null,
+      -32600,
+      `Invalid Request: a message over ${limit} is not read (a tool's text is at most ${TEXT_LIMIT_BYTES / 1024} KiB)`,
+    ).catch(() => {});
+  }
+
   async #receive(line: string): Promise<void> {
+    // The text of each "id" and "requestId" as the client wrote it (JSON.parse rounds integers past 2^53).
+    const raws = new WeakMap<object, Record<string, string>>();
     let m: unknown;
     try {
-      m = JSON.parse(line);
+      m = JSON.parse(line, function (this: object, key: string, value: unknown, ctx?: { source?: string }) {
+        if ((key === "id" || key === "requestId") && ctx?.source !== undefined) {
+          raws.set(this, { ...raws.get(this), [key]: ctx.source });
+        }
+        return value;
+      });
     } catch {
-      return void this.#write({ jsonrpc: "2.0", id: null, error: { code: -32700, message: "Parse error" } });
+      return void this.#fail(null, -32700, "Parse error: not JSON").catch(() => {});
     }
-    if (!isObject(m) || typeof m.method !== "string") return; // an answer to nothing we asked, or junk
-    const id = m.id;
-    const params = isObject(m.params) ? m.params : {};
-    if (id === undefined || id === null) {
-      if (m.method === "notifications/initialized") this.oninitialized();
-      return; // notifications/cancelled and the rest: nothing to do
+    const invalid = (id: string | null, why: string) =>
+      void this.#fail(id, -32600, `Invalid Request: ${why}`).catch(() => {});
+    if (Array.isArray(m)) return invalid(null, "batches are not supported (MCP has none since 2025-06-18)");
+    if (!isObject(m)) return invalid(null, "a message is a JSON object");
+    if (!("method" in m) && ("result" in m || "error" in m)) return; // an answer to nothing we asked
+    if (!("id" in m)) {
+      // A notification: never answered, not even with an error; a malformed one is only dropped.
+      if (m.jsonrpc === "2.0" && typeof m.method === "string") this.#notified(m.method, m.params, raws);
+      return;
     }
+    const id = requestIdText(m.id, raws.get(m)?.id);
+    if (id === undefined) return invalid(null, `an id is a string or an integer, not ${JSON.stringify(m.id)}`);
+    if (m.jsonrpc !== "2.0") return invalid(id, `"jsonrpc" must be "2.0"`);
+    if (typeof m.method !== "string") return invalid(id, "no method");
+    if (m.params !== undefined && typeof m.params !== "object") return invalid(id, "params must be an object");
+    const method = m.method;
+    const running = { cancelled: false };
+    this.#running.set(id, running);
     try {
-      const result = await this.#answer(m.method, params);
-      if (result === null) {
-        await this.#write({ jsonrpc: "2.0", id, error: { code: -32601, message: `Method not found: ${m.method}` } });
-      } else await this.#write({ jsonrpc: "2.0", id, result });
+      if (m.params !== undefined && !isObject(m.params)) throw new McpParamsError("params must be an object");
+      const result = await this.#answer(method, (m.params ?? {}) as Record<string, unknown>);
+      if (running.cancelled) {
+        return logInfo(`request ${id} (${method}) finished after the client cancelled it: not answered`);
+      }
+      if (result === null) await this.#fail(id, -32601, `Method not found: ${method}`);
+      else await this.#reply(id, { result });
     } catch (e) {
-      logWarn(`${m.method} failed: ${(e as Error).stack ?? e}`);
-      await this.#write({ jsonrpc: "2.0", id, error: { code: -32603, message: (e as Error).message } }).catch(() => {});
+      if (running.cancelled) {
+        return logInfo(`request ${id} (${method}) failed after the client cancelled it: not answered`);
+      }
+      if (e instanceof McpParamsError) return void (await this.#fail(id, -32602, `Invalid params: ${e.message}`));
+      logWarn(`${method} failed: ${(e as Error).stack ?? e}`);
+      await this.#fail(id, -32603, (e as Error).message).catch(() => {});
+    } finally {
+      if (this.#running.get(id) === running) this.#running.delete(id);
+    }
+  }
+
+  /** A notification from the client. */
+  #notified(method: string, params: unknown, raws: WeakMap<object, Record<string, string>>): void {
+    if (method === "notifications/initialized") this.oninitialized();
+    if (method === "notifications/cancelled" && isObject(params)) {
+      // Its answer is not sent; what the request did so far stands (a message sent is sent).
+      const id = requestIdText(params.requestId, raws.get(params)?.requestId);
+      const running = id === undefined ? undefined : this.#running.get(id);
+      if (running) running.cancelled = true;
     }
   }
 
   async #answer(method: string, params: Record<string, unknown>): Promise<object | null> {
     switch (method) {
       case "initialize": {
+        if (typeof params.protocolVersion !== "string") {
+          throw new McpParamsError("initialize needs a protocolVersion (a string)");
+        }
         if (isObject(params.clientInfo)) this.client = params.clientInfo as typeof this.client;
         const asked = params.protocolVersion as (typeof MCP_PROTOCOL_VERSIONS)[number];
         return {
@@ -9628,8 +10082,12 @@ export class McpStdioServer {
       case "tools/list":
         return { tools: this.tools.list };
       case "tools/call": {
+        if (typeof params.name !== "string") throw new McpParamsError("tools/call needs a tool name (a string)");
+        if (params.arguments !== undefined && !isObject(params.arguments)) {
+          throw new McpParamsError("a tool's arguments are an object");
+        }
         const meta = isObject(params._meta) ? params._meta : undefined;
-        return await this.tools.call(String(params.name), params.arguments, meta);
+        return await this.tools.call(params.name, params.arguments, meta);
       }
       default:
         return null;
@@ -11271,17 +11729,6 @@ function lastStartFinding(stateDir: string): Finding | null {
     : { level: "ok", what };
 }
 
-/** The command line of a process (Linux /proc; elsewhere `ps`), or "" when it cannot be read. */
-function processArgv(pid: number | undefined): string {
-  if (!pid) return "";
-  try {
-    return fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim();
-  } catch {
-    const r = spawnSync("ps", ["-o", "args=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
-    return r.status === 0 ? r.stdout.trim() : "";
-  }
-}
-
 /**
  * True when `claude mcp list` or `claude mcp get` started this server: a health
  * check that connects, lists the tools and stops. Its handshake, clientInfo
@@ -11861,10 +12308,11 @@ async function runWait(o: Options): Promise<number> {
 // -- pairing by invite: invite, join ------------------------------------------
 //
 // Two machines paired in two commands. `invite` (on A) files an invite (see "invites" in the agent), prints the
-// command to run on B with a code in it, and answers the join itself while it waits: an agent on the invite's own
-// session reads the route the code names (after it exits, a running session of the node does). `join <code>` (on
-// B) checks the code, the relay and the clocks before anything is written, pins A's key under a petname, knocks
-// with the proof and waits for A's answer: its acceptance, or a signed receipt that says why it refused.
+// command to run on B with a code in it, and answers the join itself while it waits: an agent on a session of its
+// own reads the node's door, the route the code names, unless a session of the node reads it already (and after it
+// exits, a running session does). `join <code>` (on B) checks the code, the relay and the clocks before anything is
+// written, pins A's key under a petname, knocks with the proof and waits for A's answer: its acceptance, or a signed
+// receipt that says why it refused. No answer: nothing of A runs, and B keeps nothing of the attempt.
 
 /**
  * What an invite code carries to the joining machine: the invite's id, the inviter's key (pinned by the joiner:
@@ -12242,8 +12690,10 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   print(
     `The code carries this node's key (${id.fingerprint}…, which the other machine pins) and a one-time secret: whoever holds it can pair with this node until it is used or expires. Send it over a channel you trust.`,
   );
-  // Answer it: an agent of our own on the invite's session, reading the route the code names.
-  const agent = await Agent.open({ ...cfg, session: invite.session }, "interlink invite", {
+  // Answer it: an agent of our own, on a session of its own, reading the node's door (the route the code names)
+  // unless a session of the node reads it already.
+  const own = `invite-${invite.id}`;
+  const agent = await Agent.open({ ...cfg, session: own }, "interlink invite", {
     identity: id,
     now,
     adopt: false,
@@ -12253,7 +12703,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
   try {
     agent.startSending({ announce: false });
-    agent.startReceiving({ ownRouteOnly: true });
+    agent.startReceiving({ ownRouteOnly: true, door: true });
     print(
       `waiting for the join (Ctrl-C stops waiting; the invite stays valid, and a running session of this node admits it)`,
     );
@@ -12281,7 +12731,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     if (state === "used") {
       // Admitted here: the answer goes out before this command exits (else the next session of this node sends it).
       const who = current.used_by ?? "";
-      const here = current.used_in === invite.session;
+      const here = current.used_in === own;
       const answered = () =>
         [...agent.state.outgoing.values()].some((e) =>
           e.msg.kind === "pair_accept" && e.msg.to === who && e.sentAt !== undefined
@@ -12291,7 +12741,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
         ? `session ${current.used_in} of this node admitted it, and answers`
         : answered()
         ? "its answer is sent"
-        : `its answer waits in the outbox of session ${invite.session}, and the next session of this node sends it`;
+        : `its answer waits in the outbox of session ${own}, and the next session of this node sends it`;
       print(
         `joined   ${fingerprint(who)}… is now the peer '${current.used_as}' (${tildify(cfg.peersFile)}), ${
           howLong((current.ended ?? now()) - invite.created)
@@ -12340,12 +12790,25 @@ function listInvites(stateDir: string, id: Identity, nowMs: number): number {
   return 0;
 }
 
+/** Removes an ended session's folder, under its agent.lock (no adopter takes it meanwhile); gone already: nothing. */
+async function forgetSession(stateDir: string, session: string): Promise<void> {
+  const dir = sessionDir(stateDir, session);
+  if (!fs.existsSync(dir)) return;
+  const lock = await PidLock.acquire(path.join(dir, "agent.lock"), "join, forgetting its session", SHORT_LOCK_WAIT_MS);
+  try {
+    fs.rmSync(dir, { recursive: true, force: true });
+  } finally {
+    lock.release();
+  }
+}
+
 /**
  * `join <code>`: pairs this machine with the one that printed the code. The code, the relay and the clocks are
- * checked before anything is written; then the key is made if missing, the inviter pinned under a petname and
- * the knock sent with its proof; the answer is waited for (--wait). Paired: config.json names the relay. Refused:
- * the pin is taken back, and nothing else was written. No answer: what was written stays, so that a late answer
- * completes the pairing when a session of this node runs, and this says how to undo it.
+ * checked before anything is written (the expiry by the relay's clock too: this machine's may be behind); then
+ * the key is made if missing, the inviter pinned under a petname (its signed refusal must pass the gate) and the
+ * knock sent with its proof; the answer is waited for (--wait). Paired: config.json names the relay. Refused, or
+ * no answer: the pin is taken back and config.json is not written; with no answer, this join's session is removed
+ * too, so a late answer completes nothing behind the operator's back (joining again with the same code does).
  */
 async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<number> {
   logComponent = "interlink join";
@@ -12388,6 +12851,17 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
       );
     }
     print(`clock    within ${Math.max(1, off)} s of the relay`);
+    // Expired by the relay's clock, which the inviter's is near (a second's margin: the Date header's resolution).
+    const relayNow = now() + skew;
+    if (relayNow - code.expiresMs > 1000) {
+      throw new InterlinkError(
+        `the invite expired at ${isoTime(code.expiresMs)}, ${
+          howLong(relayNow - code.expiresMs)
+        } ago by ${them}'s relay's clock (this machine's is ${off} s ${
+          skew > 0 ? "behind" : "ahead of"
+        } it): ask for a new one (\`interlink.ts invite\` on the other machine), and sync this clock (NTP)`,
+      );
+    }
   }
   // Now this node: its key, and the inviter pinned (its receipts must pass the gate; taken back on a refusal).
   const keyExisted = fs.existsSync(o.key as string);
@@ -12414,6 +12888,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   let wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
   let outcome: "paired" | "refused" | "waiting" = "waiting";
+  const expiresBy = (at: number) => at + (skew ?? 0) > code.expiresMs; // by the relay's clock, when known
   try {
     const msgId = newMsgId();
     const mac = await inviteMac(
@@ -12469,7 +12944,27 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   } finally {
     await agent.stop();
   }
-  // Paired, or waiting: the node's settings name the relay (a late answer arrives there).
+  if (outcome === "waiting") {
+    // Nothing of this join is kept: the pin goes, config.json was not written, and this join's session goes (a
+    // late acceptance there would otherwise pair this node, when a session adopts it, without anyone here asking).
+    if (pinned) await removePeer(cfg.peersFile, petname);
+    await forgetSession(cfg.stateDir, `join-${code.id}`);
+    const expired = expiresBy(now());
+    throw new InterlinkError(
+      `${
+        signalled ? `stopped waiting (${signalled})` : `no answer from ${them} within ${howLong(waitS * 1000)}`
+      }: nothing of ${them}'s node read the request (a session of it, or its \`interlink.ts invite\`, answers within seconds), or ${them}'s relay lost it. ${
+        expired
+          ? `The invite has expired meanwhile (${isoTime(code.expiresMs)}): ask ${them} for a new one.`
+          : `The invite stays valid until ${
+            isoTime(code.expiresMs)
+          }: join again once ${them} runs \`interlink.ts invite\` or a session there.`
+      } Nothing was kept here${
+        keyExisted ? "" : " but this node's new key"
+      }. If ${them}'s node admits the request later, it lists this node as a peer while this one does not list it: joining again with the same code completes that.`,
+    );
+  }
+  // Paired: the node's settings name the relay.
   const configured = from.url === "config" ? parseBusUrls(o.url as string) : [];
   const url = [...configured, ...urls.filter((u) => !configured.includes(u))].join(",");
   const file = writeConfig({ ...explicitSettings(o, from), url });
@@ -12480,17 +12975,6 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     })`,
     `key      ${tildify(cfg.keyFile)} (${keyExisted ? "this node's" : "created now"}), fingerprint ${id.fingerprint}`,
   ];
-  if (outcome === "waiting") {
-    throw new InterlinkError(
-      `${
-        signalled ? `stopped waiting (${signalled})` : `no answer from ${them} within ${howLong(waitS * 1000)}`
-      }. Likely: ${them}'s \`interlink.ts invite\` no longer runs and no interlink session runs there (one admits the join until ${
-        isoTime(code.expiresMs)
-      }), or its relay lost the request. Kept, so that a late answer completes the pairing when an interlink session runs here:\n${
-        wrote.join("\n")
-      }\n(\`interlink.ts peers remove ${petname}\` undoes the pairing.)`,
-    );
-  }
   for (const line of wrote) print(line);
   print();
   printClaudeSetup(
