@@ -17,14 +17,6 @@ import {
   announcementBytes,
   b64urlDecode,
   b64urlEncode,
-  BOARD_LIST_MAX,
-  BOARD_TASKS_MAX,
-  BOARD_TEXT_MAX,
-  BOARD_TIMELINE_MAX,
-  BOARD_TIMELINES_CAP,
-  BoardFold,
-  type BoardView,
-  boardView,
   BODY_LIMIT_BYTES,
   Bus,
   BusQueues,
@@ -84,7 +76,6 @@ import {
   LockedError,
   lockOwner,
   MCP_LINE_MAX_CHARS,
-  McpSession,
   messageBlock,
   messageHead,
   messagePayload,
@@ -138,7 +129,6 @@ import {
   runTool,
   scanJournal,
   scanJsonl,
-  SDK,
   SEND_WINDOW,
   serveHttp,
   SERVER_ROLE,
@@ -162,11 +152,27 @@ import {
   VERSION,
   WAIT_TIMEOUT_S,
   writeKeyFile,
-  ZOD,
 } from "./interlink.ts";
-import { OPTIONS as BENCH_OPTIONS, PARTS as BENCH_PARTS } from "./bench.ts";
+import { McpSession, SDK, ZOD } from "./dev/harness.ts";
+import {
+  BOARD_LIST_MAX,
+  BOARD_TASKS_MAX,
+  BOARD_TEXT_MAX,
+  BOARD_TIMELINE_MAX,
+  BOARD_TIMELINES_CAP,
+  BoardFold,
+  type BoardView,
+  boardView,
+  command as boardCommand,
+} from "./extras/board.ts";
+import { OPTIONS as BENCH_OPTIONS, PARTS as BENCH_PARTS } from "./dev/bench.ts";
+import { command as demoCommand } from "./dev/demo.ts";
+import { command as codexCommand } from "./extras/codex.ts";
+import { command as verifyCommand } from "./extras/verify.ts";
 
 const REPO = import.meta.dir;
+/** The extras' commands (files beside interlink.ts that `interlink.ts <name>` runs), as the core's table lists its own. */
+const EXTRA_COMMANDS = { board: boardCommand, "codex-install": codexCommand, demo: demoCommand, verify: verifyCommand };
 const SCRIPT = path.join(REPO, "interlink.ts");
 export const DENO_VERSION = "2.9.6";
 
@@ -270,7 +276,7 @@ export function denoPath(): string {
 // several cold processes race for it. Fetch it once, here, so no test's timing
 // includes a cold cache.
 {
-  const r = spawnSync(denoPath(), ["install", "--quiet", "--entrypoint", SCRIPT], {
+  const r = spawnSync(denoPath(), ["install", "--quiet", "--entrypoint", SCRIPT, path.join(REPO, "dev", "demo.ts")], {
     cwd: REPO,
     encoding: "utf8",
     timeout: 300_000,
@@ -296,9 +302,17 @@ function systemTool(name: string, debianPath: string, group: string, tests: stri
   return found;
 }
 
+/** A folder holding what a clone of the repository runs from (interlink.ts, extras/, dev/), and no node_modules. */
+function cloneLike(prefix: string): string {
+  const dir = tmpDir(prefix);
+  fs.copyFileSync(SCRIPT, path.join(dir, "interlink.ts"));
+  for (const sub of ["extras", "dev"]) fs.cpSync(path.join(REPO, sub), path.join(dir, sub), { recursive: true });
+  return dir;
+}
+
 /** argv prefix that runs interlink.ts under the named runtime. */
-export function runtimeArgv(runtime: "bun" | "deno"): string[] {
-  return runtime === "bun" ? [process.execPath, SCRIPT] : [denoPath(), "run", "-A", "--quiet", SCRIPT];
+export function runtimeArgv(runtime: "bun" | "deno", script = SCRIPT): string[] {
+  return runtime === "bun" ? [process.execPath, script] : [denoPath(), "run", "-A", "--quiet", script];
 }
 
 function runCli(runtime: "bun" | "deno", args: string[], opts: { input?: string; env?: Record<string, string> } = {}) {
@@ -3460,13 +3474,13 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
   test.concurrent(
     "bench.ts --help describes every part and flag; an unknown part is refused by name before anything runs",
     async () => {
-      const bench = path.join(REPO, "bench.ts");
+      const bench = path.join(REPO, "dev", "bench.ts");
       const [help, unknown] = await Promise.all([
         spawnAsync(process.execPath, [bench, "--help"], { timeout: 10_000 }),
         spawnAsync(process.execPath, [bench, "--only", "idle,nope"], { timeout: 10_000 }),
       ]);
       expect({ code: help.status, stderr: help.stderr }).toEqual({ code: 0, stderr: "" });
-      expect(help.stdout).toContain("Usage: bun bench.ts");
+      expect(help.stdout).toContain("Usage: bun dev/bench.ts");
       for (const part of BENCH_PARTS) expect(help.stdout).toContain(`${part}:`); // each part says what it measures
       for (const flag of Object.keys(BENCH_OPTIONS)) expect(help.stdout).toContain(`--${flag}`);
       expect(unknown.status).toBe(1);
@@ -3478,10 +3492,9 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
 
   // The slow child-process tests from here on are independent and overlap (test.concurrent).
   test.concurrent(
-    "copy-paste install: interlink.ts alone in a folder runs the demo under Bun (auto-install) and shows every step",
+    "a clone without node_modules runs the demo under Bun (auto-installing the SDK client) and shows every step",
     async () => {
-      const copy = tmpDir("interlink-demo-copy-");
-      fs.copyFileSync(SCRIPT, path.join(copy, "interlink.ts"));
+      const copy = cloneLike("interlink-demo-copy-");
       const r = await spawnAsync(process.execPath, [path.join(copy, "interlink.ts"), "demo"], {
         cwd: copy,
         timeout: 60_000,
@@ -3496,10 +3509,9 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
   );
 
   test.concurrent(
-    "copy-paste install under Deno: interlink.ts alone, with no deno.json, runs the demo; --keep leaves its folders",
+    "a clone under Deno, with no deno.json, runs the demo; --keep leaves its folders",
     async () => {
-      const copy = tmpDir("interlink-deno-copy-");
-      fs.copyFileSync(SCRIPT, path.join(copy, "interlink.ts"));
+      const copy = cloneLike("interlink-deno-copy-");
       const r = await spawnAsync(denoPath(), [
         "run",
         "-A",
@@ -3677,15 +3689,15 @@ describe("the docs say what the code does", () => {
   test("docs/reference.md names every command, flag and environment variable", () => {
     const reference = fs.readFileSync(path.join(REPO, "docs", "reference.md"), "utf8");
     const table = reference.slice(reference.indexOf("## Commands"), reference.indexOf("## Files"));
-    for (const { name, flags, envs } of commandTable()) {
+    for (const { name, flags, envs } of commandTable(EXTRA_COMMANDS)) {
       expect({ name, listed: table.includes(`\`${name}`) }).toEqual({ name, listed: true });
       for (const flag of flags) {
         expect({ name, flag, listed: table.includes(`--${flag}`) }).toEqual({ name, flag, listed: true });
       }
       for (const env of envs) expect({ env, listed: table.includes(env) }).toEqual({ env, listed: true });
     }
-    // The benchmark is bench.ts, beside interlink.ts: the reference names how to run it, each flag and each part.
-    expect(table).toContain("`bun bench.ts`");
+    // The benchmark is dev/bench.ts, beside interlink.ts: the reference names how to run it, each flag and each part.
+    expect(table).toContain("`bun dev/bench.ts`");
     for (const flag of Object.keys(BENCH_OPTIONS)) {
       expect({ bench: flag, listed: table.includes(`--${flag}`) }).toEqual({ bench: flag, listed: true });
     }
@@ -10774,17 +10786,25 @@ describe("pairing by invite: two machines in two commands", () => {
     home: string;
     ns?: string;
     env: Record<string, string>;
+    /** The interlink.ts it runs: the repository's, or a copy alone in a folder. */
+    script?: string;
   }
 
   /** A machine: a fresh HOME (nothing of this suite's INTERLINK_* or XDG_* settings), in a namespace or not. */
-  function machine(name: string, netns?: string): Machine {
+  function machine(name: string, netns?: string, script?: string): Machine {
     const home = path.join(tmpDir(), name);
     fs.mkdirSync(home);
     const env: Record<string, string> = {};
     for (const [k, v] of Object.entries(process.env)) {
       if (v !== undefined && !k.startsWith("INTERLINK_") && !/^XDG_(CONFIG|STATE)_HOME$/.test(k)) env[k] = v;
     }
-    return { name, home, ...(netns ? { ns: netns } : {}), env: { ...env, HOME: home, DENO_DIR: denoDir } };
+    return {
+      name,
+      home,
+      ...(netns ? { ns: netns } : {}),
+      ...(script ? { script } : {}),
+      env: { ...env, HOME: home, DENO_DIR: denoDir },
+    };
   }
 
   const onMachine = (m: Machine, argv: string[]) => [...(m.ns ? ["ip", "netns", "exec", m.ns] : []), ...argv];
@@ -10812,8 +10832,9 @@ describe("pairing by invite: two machines in two commands", () => {
 
   /** Runs an interlink command on a machine to its end. */
   async function run(m: Machine, runtime: "bun" | "deno", args: string[], env: Record<string, string> = {}) {
-    const [cmd, ...rest] = onMachine(m, [...runtimeArgv(runtime), ...args]);
-    return await spawnAsync(cmd, rest, { env: { ...m.env, ...env }, timeout: 150_000 });
+    const [cmd, ...rest] = onMachine(m, [...runtimeArgv(runtime, m.script), ...args]);
+    const cwd = m.script ? path.dirname(m.script) : REPO;
+    return await spawnAsync(cmd, rest, { cwd, env: { ...m.env, ...env }, timeout: 150_000 });
   }
 
   interface Running {
@@ -10827,8 +10848,9 @@ describe("pairing by invite: two machines in two commands", () => {
 
   /** Starts a long-running interlink command (`invite` waits for its join) on a machine. */
   function start(m: Machine, runtime: "bun" | "deno", args: string[], env: Record<string, string> = {}): Running {
-    const [cmd, ...rest] = onMachine(m, [...runtimeArgv(runtime), ...args]);
-    const child = spawn(cmd, rest, { cwd: REPO, env: { ...m.env, ...env }, detached: true, stdio: "pipe" });
+    const [cmd, ...rest] = onMachine(m, [...runtimeArgv(runtime, m.script), ...args]);
+    const cwd = m.script ? path.dirname(m.script) : REPO;
+    const child = spawn(cmd, rest, { cwd, env: { ...m.env, ...env }, detached: true, stdio: "pipe" });
     made.pids.add(child.pid!);
     const out: string[] = [], err: string[] = [];
     const waiters: (() => void)[] = [];
@@ -10870,7 +10892,7 @@ describe("pairing by invite: two machines in two commands", () => {
 
   /** An interlink session (`mcp`) on a machine, channel delivery, driven by the SDK client. */
   async function sessionOn(m: Machine, runtime: "bun" | "deno", id: string, env: Record<string, string> = {}) {
-    const s = await McpSession.start(`${m.name}:${id}`, onMachine(m, [...runtimeArgv(runtime), "mcp"]), {
+    const s = await McpSession.start(`${m.name}:${id}`, onMachine(m, [...runtimeArgv(runtime, m.script), "mcp"]), {
       ...m.env,
       INTERLINK_SESSION: id,
       INTERLINK_DELIVERY: "channel",
@@ -10880,7 +10902,7 @@ describe("pairing by invite: two machines in two commands", () => {
       INTERLINK_TEST_ADOPT_AFTER_MS: "100",
       ...env,
     }, {
-      cwd: REPO,
+      cwd: m.script ? path.dirname(m.script) : REPO,
       onStderr: (l) => process.env.INTERLINK_TEST_VERBOSE && process.stderr.write(`  [${m.name}:${id}] ${l}\n`),
     });
     if (s.pid) made.pids.add(s.pid);
@@ -10913,6 +10935,66 @@ describe("pairing by invite: two machines in two commands", () => {
       JSON.parse(r.p as string)
     );
   }
+
+  test.concurrent(
+    "interlink.ts copied alone into an empty folder is all a two-machine trial needs: its bus, invite → join, a message each way, every MCP tool; `demo` there says it is an extra and what to fetch (A on Bun, B on Deno)",
+    async () => {
+      const lone = tmpDir("interlink-lone-");
+      const script = path.join(lone, "interlink.ts");
+      fs.copyFileSync(SCRIPT, script);
+      const A = machine("alice", undefined, script), B = machine("bob", undefined, script);
+      const bus = start(A, "bun", ["bus", "--port", "0", "--data", path.join(A.home, "bus")]);
+      await eventually(() => bus.stderr.some((l) => /listening on http:/.test(l)), "the lone copy's bus listens");
+      const url = bus.stderr.join("\n").match(/listening on (http:\/\/\S+)/)![1];
+      const invite = start(A, "bun", ["invite", "--for", "bob", "--name", "alice", "--url", url]);
+      const joined = await run(B, "deno", ["join", await codeOf(invite), "--name", "bob"]);
+      expect({ code: joined.status, stderr: joined.status === 0 ? "" : joined.stderr }).toEqual({
+        code: 0,
+        stderr: "",
+      });
+      expect(joined.stdout).toContain("paired with alice");
+      expect(await invite.exited).toBe(0);
+      const a1 = await sessionOn(A, "bun", "a1"), b1 = await sessionOn(B, "deno", "b1");
+      try {
+        await helloBothWays(a1, b1);
+        // Every tool the server registers answers from the lone copy (a few refuse what they are given, in words).
+        const opened = await a1.ok("send_message", { to: "bob", text: "a task", task_id: "lone-1" });
+        const calls: Record<string, Record<string, unknown>> = {
+          bind_session: { session: "thread-1" },
+          send_message: { to: "bob", text: "again" },
+          cancel_task: { to: "bob", task_id: "lone-1" },
+          message_status: { msg_id: msgIdOf(opened) },
+          conversation_history: { peer: "bob" },
+          list_tasks: {},
+          list_pending: {},
+          check_inbox: {},
+          discover: {},
+          set_summary: { summary: "trying interlink" },
+          request_pair: { target: "bob" },
+          list_pair_requests: {},
+          accept_pair: { fingerprint: "AAAAAAAA" },
+          reject_pair: { fingerprint: "AAAAAAAA" },
+          list_peers: {},
+          add_peer: { petname: "carol", key: "A".repeat(42) + "E" },
+          remove_peer: { petname: "carol" },
+        };
+        expect(Object.keys(calls).sort()).toEqual(TOOLS.map((t) => t.name).sort());
+        for (const [name, args] of Object.entries(calls)) {
+          const r = await a1.call(name, args);
+          expect({ name, text: r.text.length > 0, crashed: /not ready|internal error|TypeError/i.test(r.text) })
+            .toEqual({ name, text: true, crashed: false });
+        }
+        expect(await a1.ok("list_peers")).toContain("bob");
+      } finally {
+        await Promise.all([a1.close(), b1.close()]);
+      }
+      const demo = await run(A, "bun", ["demo"]);
+      expect(demo.status).toBe(1);
+      expect(demo.stderr).toContain("`demo` is an extra, not part of interlink.ts: it is dev/demo.ts");
+      expect(fs.readdirSync(lone)).toEqual(["interlink.ts"]); // nothing fetched, nothing written beside it
+    },
+    150_000,
+  );
 
   test.concurrent(
     "invite → join pairs two machines (in network namespaces of their own where the suite can make them: the invite names A's address, B reaches only that); both models are told; a message goes each way; a stolen code and a replayed request are refused",

@@ -1,12 +1,12 @@
 #!/usr/bin/env bun
 /**
- * bench.ts: measures interlink's bus and agents and prints the figures as one
- * JSON object on stdout, progress on stderr. Dev only: it lives beside
- * interlink.ts in the repository and imports it; nobody who copies
+ * dev/bench.ts: measures interlink's bus and agents and prints the figures as
+ * one JSON object on stdout, progress on stderr. Dev only: it lives in the
+ * repository beside interlink.ts and imports it; nobody who copies
  * interlink.ts gets it, or needs it.
  *
- *   bun bench.ts [--only LIST] [--bus-runtime bun|deno] [--messages N]
- *   deno run -A bench.ts [--only LIST] [--bus-runtime bun|deno] [--messages N]
+ *   bun dev/bench.ts [--only LIST] [--bus-runtime bun|deno] [--messages N]
+ *   deno run -A dev/bench.ts [--only LIST] [--bus-runtime bun|deno] [--messages N]
  *
  * Every server measured (our bus, the in-memory floor, redis-server,
  * nats-server) is a child process on a loopback port, so the CPU and RSS
@@ -32,7 +32,6 @@ import { parseArgs } from "node:util";
 import {
   addPeer,
   ANNOUNCE_EVERY_MS,
-  childEnv,
   errorResponse,
   HttpRelay,
   type Identity,
@@ -40,7 +39,6 @@ import {
   InterlinkError,
   JsonlWriter,
   jsonResponse,
-  McpSession,
   messageHead,
   NatsRelay,
   postJson,
@@ -61,15 +59,13 @@ import {
   signMessage,
   sleep,
   splitUrl,
-  startChild,
-  startDemoNode,
-  stopChild,
   thisScript,
   TOTAL_BYTES_MAX,
   utf8Bytes,
   VERSION,
   writeKeyFile,
-} from "./interlink.ts";
+} from "../interlink.ts";
+import { childEnv, McpSession, startChild, startDemoNode, stopChild } from "./harness.ts";
 
 // ============================================================================
 // Options and usage
@@ -108,8 +104,8 @@ export const OPTIONS: Record<string, { type: "string" | "boolean"; short?: strin
 };
 
 const USAGE = [
-  "Usage: bun bench.ts [options]",
-  "       deno run -A bench.ts [options]",
+  "Usage: bun dev/bench.ts [options]",
+  "       deno run -A dev/bench.ts [options]",
   "",
   "Measure the bus and the agents and print the figures as JSON (progress on stderr).",
   "",
@@ -1336,7 +1332,7 @@ async function benchClaudePeers(cwd: string, progress: (m: string) => void, bare
   if (!dir || !fs.existsSync(path.join(dir, "server.ts"))) {
     return `skipped: ${
       dir ? `${dir} has no server.ts` : "CLAUDE_PEERS_DIR is not set"
-    } (set it to a checkout of claude-peers-mcp after \`bun install\` in it: CLAUDE_PEERS_DIR=~/claude-peers-mcp bun bench.ts --only footprint)`;
+    } (set it to a checkout of claude-peers-mcp after \`bun install\` in it: CLAUDE_PEERS_DIR=~/claude-peers-mcp bun dev/bench.ts --only footprint)`;
   }
   const home = path.join(cwd, "claude-peers-home");
   fs.mkdirSync(home, { recursive: true });
