@@ -35,6 +35,7 @@ import {
   corruptFile,
   decide,
   decodeRecord,
+  DELIVERY_MODES,
   describeTask,
   displayName,
   type Draft,
@@ -145,7 +146,9 @@ import {
   type TaskStatus,
   taskTable,
   taskTag,
+  toolListing,
   TOOLS,
+  trustTools,
   unregisterBytes,
   verifyAnnouncement,
   verifyMessage,
@@ -5565,22 +5568,35 @@ describe("the Claude Code plugin, the launcher and the shared configuration", ()
     });
   });
 
-  test("every trust-changing tool the docs name carries the destructive hint", () => {
+  test("the trust-changing tools are flagged on their specs, and everything that names them follows the flag", () => {
+    const trust = trustTools();
+    expect(trust).toEqual(["request_pair", "accept_pair", "reject_pair", "add_peer", "remove_peer"]);
     const readme = fs.readFileSync(path.join(REPO, "README.md"), "utf8");
     const named = readme.match(/The\s+trust-changing ones \(([^)]+)\)/)![1].match(/`([a-z_]+)`/g)!.map((t) =>
       t.slice(1, -1)
     );
-    expect(named).toEqual(["request_pair", "accept_pair", "reject_pair", "add_peer", "remove_peer"]);
+    expect(named).toEqual(trust);
     const skill = fs.readFileSync(path.join(REPO, "SKILL.md"), "utf8");
     const operatorOnly = [...skill.matchAll(/- `([a-z_]+) [^`]*`: operator decision only/g)].map((m) => m[1]);
-    expect(operatorOnly.sort()).toEqual([...named].sort());
+    expect(operatorOnly.sort()).toEqual([...trust].sort());
     for (const tool of TOOLS) {
-      const trust = named.includes(tool.name);
-      expect({ tool: tool.name, destructive: tool.annotations.destructiveHint === true || !trust }).toEqual({
+      const listed = toolListing(tool) as { description: string; annotations: { destructiveHint?: boolean } };
+      const changes = trust.includes(tool.name);
+      expect({ tool: tool.name, operatorOnly: listed.description.startsWith("OPERATOR DECISION ONLY: ") }).toEqual({
         tool: tool.name,
-        destructive: true,
+        operatorOnly: changes,
       });
-      if (trust) expect(tool.description).toStartWith("OPERATOR DECISION ONLY");
+      if (changes) {
+        expect({ tool: tool.name, destructive: listed.annotations.destructiveHint }).toEqual({
+          tool: tool.name,
+          destructive: true,
+        });
+      }
+    }
+    for (const delivery of DELIVERY_MODES) {
+      expect(serverInstructions(delivery)).toContain(
+        "request_pair, accept_pair, reject_pair, add_peer and remove_peer only when your operator asks",
+      );
     }
   });
 

@@ -22,6 +22,7 @@ import {
   print,
   runExtra,
   selfCommand,
+  trustTools,
   utf8,
   VERSION,
   WakeLatch,
@@ -90,7 +91,7 @@ export function codexConfigBlock(p: {
     "startup_timeout_sec = 60",
     "# Its tools run without a prompt; the ones that change trust keep asking (they are operator decisions).",
     'default_tools_approval_mode = "approve"',
-    ...["request_pair", "accept_pair", "reject_pair", "add_peer", "remove_peer"].flatMap((tool) => [
+    ...trustTools().flatMap((tool) => [
       `[mcp_servers.interlink.tools.${tool}]`,
       'approval_mode = "prompt"',
     ]),
