@@ -289,6 +289,7 @@ export interface Peers {
   byKey: ReadonlyMap<string, string>;
 }
 
+/** Why the gate refuses a payload (decide): its closed set. */
 export const REJECT_REASONS = [
   "malformed",
   "bad_signature",
@@ -298,14 +299,21 @@ export const REJECT_REASONS = [
   "replay",
   "unexpected_kind",
   "busy",
-  // Not the gate's: why a knock through an invite (in_reply_to "invite:…") was refused (see judgeInvite).
+] as const;
+export type RejectReason = (typeof REJECT_REASONS)[number];
+
+/** Why a knock through an invite (in_reply_to "invite:…") that passed the gate was refused (see judgeInvite). */
+export const INVITE_REFUSALS = [
   "invite_unknown",
   "invite_expired",
   "invite_used",
   "invite_revoked",
   "invite_bad_proof",
 ] as const;
-export type RejectReason = (typeof REJECT_REASONS)[number];
+export type InviteRefusal = (typeof INVITE_REFUSALS)[number];
+
+/** Every reason a node refuses a message for: the gate's, or an invite's. Reported by receipt, shown as a notice. */
+export type Refusal = RejectReason | InviteRefusal;
 
 /** What the gate decided about one payload drained from a bus. */
 export type Verdict =
@@ -4756,7 +4764,7 @@ export type InboxItem =
   | { kind: "message"; id: string; at: number; peer: string; msg: SignedMessage; forSession?: string }
   | { kind: "knock"; id: string; at: number; key: string; name: string }
   | { kind: "more_knocks"; id: string; at: number; count: number }
-  | { kind: "refusals"; id: string; at: number; key: string; reason: RejectReason; count: number }
+  | { kind: "refusals"; id: string; at: number; key: string; reason: Refusal; count: number }
   /** A receipt said a message we sent was refused: shown once, as one line. */
   | { kind: "bounced"; id: string; at: number; key: string; msg: SignedMessage; report: ReceiptLine }
   /** A pairing through an invite: `invited`, a key joined through ours; `joined`, we joined through theirs. */
@@ -4779,7 +4787,7 @@ const pairedItem = (key: string, invite: string): string => `paired ${key} ${inv
 const MORE_KNOCKS = "knocks more";
 
 /** Refusals worth the operator's attention: a key they might expect, or a clock to fix. Malformed and replays are routine. */
-const REFUSALS_SHOWN: ReadonlySet<RejectReason> = new Set([
+const REFUSALS_SHOWN: ReadonlySet<Refusal> = new Set<Refusal>([
   "not_allowlisted",
   "stale",
   "bad_signature",
@@ -4835,7 +4843,7 @@ export interface ReceiptLine {
   /** delivered, shown: the receiving session (filled in when the receipt is signed). */
   session?: string;
   /** refused: the gate's reason. */
-  reason?: RejectReason;
+  reason?: Refusal;
   /** refused as stale: how far the message's ts was ahead of the receiver's clock (negative: behind). */
   skew_ms?: number;
 }
@@ -4855,15 +4863,17 @@ export function parseReceipt(text: string): ReceiptLine[] {
     if (more.length || !PLAIN_ID_RE.test(msg_id) || !/^\d{1,15}$/.test(at)) continue;
     if ((state === "delivered" || state === "shown") && SESSION_RE.test(a) && b === undefined) {
       lines.push({ state, msg_id, at: Number(at), session: a });
-    } else if (state === "refused" && isRejectReason(a) && (b === undefined || /^-?\d{1,15}$/.test(b))) {
+    } else if (state === "refused" && isRefusal(a) && (b === undefined || /^-?\d{1,15}$/.test(b))) {
       lines.push({ state, msg_id, at: Number(at), reason: a, ...(b === undefined ? {} : { skew_ms: Number(b) }) });
     }
   }
   return lines;
 }
 
-const isRejectReason = (r: unknown): r is RejectReason => (REJECT_REASONS as readonly unknown[]).includes(r);
-const isInviteRefusal = (r: RejectReason | undefined): boolean => r?.startsWith("invite_") === true;
+const isRefusal = (r: unknown): r is Refusal =>
+  (REJECT_REASONS as readonly unknown[]).includes(r) || (INVITE_REFUSALS as readonly unknown[]).includes(r);
+const isInviteRefusal = (r: Refusal | undefined): r is InviteRefusal =>
+  (INVITE_REFUSALS as readonly unknown[]).includes(r);
 
 /** Where receipts for `msg` go: the sender's session its unsigned reply_to names (its own key only), else its key. */
 export function receiptRoute(msg: SignedMessage, replyTo: string | undefined): string {
@@ -4887,7 +4897,7 @@ export function newReports(outgoing: ReadonlyMap<string, OutEntry>, receipt: Sig
 }
 
 /** Why a knock through an invite was refused, as its sender's `join` says it. */
-const INVITE_REFUSAL_WORDS: Partial<Record<RejectReason, string>> = {
+const INVITE_REFUSAL_WORDS: Record<InviteRefusal, string> = {
   invite_unknown:
     "their node knows no such invite (made by another node, or forgotten long after it expired); ask for a new one",
   invite_expired: "the invite had expired; ask for a new one (`interlink.ts invite` on their machine)",
@@ -4910,7 +4920,7 @@ export function refusalWords(l: ReceiptLine): string {
   if (l.reason === "not_allowlisted") {
     return "they do not have you in their peers (you have them: a one-sided pairing); ask your operator whether to request_pair them again, which asks them to add you";
   }
-  return INVITE_REFUSAL_WORDS[l.reason!] ?? `refused (${l.reason})`;
+  return isInviteRefusal(l.reason) ? INVITE_REFUSAL_WORDS[l.reason] : `refused (${l.reason})`;
 }
 
 // -- the journal: one typed record per line -----------------------------------
@@ -4977,14 +4987,14 @@ export type JournalRecord =
    */
   | { t: "knock"; at: number; key: string; name: string; msg_id: string; ts: number; reply_to?: string; quiet?: true }
   /** The first refusal of a sender's messages for a reason worth the operator's attention (repeats are counted in memory). */
-  | { t: "refusal"; at: number; key: string; reason: RejectReason; detail: string }
+  | { t: "refusal"; at: number; key: string; reason: Refusal; detail: string }
   /**
    * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
    * `how` is "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
    */
   | { t: "paired"; at: number; key: string; how: PairOutcome; petname?: string; msg?: SignedMessage; invite?: string }
   /** A message refused by the gate, reported to its sender by a receipt (to `route`) that is still owed. */
-  | { t: "owe"; at: number; route: string; msg_id: string; reason: RejectReason; skew_ms?: number }
+  | { t: "owe"; at: number; route: string; msg_id: string; reason: Refusal; skew_ms?: number }
   /** A peer's receipt that told us something new; `lines`: which reports of its text (indexes) were new. */
   | { t: "receipt"; at: number; peer: string; msg: SignedMessage; lines?: number[] }
   /** In an ended session's journal: everything it still had to do now belongs to session `to`. */
@@ -5109,9 +5119,9 @@ const obj = (v: unknown, what: string): Record<string, unknown> => {
   if (!isObject(v)) throw new FormatError(`${what} is not an object`);
   return v;
 };
-function reason(o: Record<string, unknown>, k: string): RejectReason {
+function reason(o: Record<string, unknown>, k: string): Refusal {
   const v = o[k];
-  if (!isRejectReason(v)) throw new FormatError(`"${k}" is not a known reason`);
+  if (!isRefusal(v)) throw new FormatError(`"${k}" is not a known reason`);
   return v;
 }
 const where = (v: unknown, what: string): { at: number; session: string } | undefined => {
@@ -6496,7 +6506,7 @@ export async function consumeInvite(
 /** What the invite check says about a knock through an invite: admit it (through that invite), or refuse, and why. */
 export type InviteCheck =
   | { ok: true; invite: Invite }
-  | { ok: false; reason: Extract<RejectReason, `invite_${string}`>; detail: string };
+  | { ok: false; reason: InviteRefusal; detail: string };
 
 /**
  * Judges a knock whose in_reply_to names an invite, against this node's invites: its proof must be the HMAC of
@@ -6635,22 +6645,9 @@ export function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
           state.inbox.get(knockItem(v.msg.from, v.msg.msg_id))!;
         return [...showByPush(item, ctx.peers), { do: "sync" }, { do: "ack" }];
       }
-      // Before the signature checks out, `from` is only a claim.
-      const who = !v.msg
-        ? "?"
-        : v.reason === "malformed" || v.reason === "bad_signature"
-        ? `${fingerprint(v.msg.from)} (claimed, unverified)`
-        : fingerprint(v.msg.from);
-      const id = v.msg ? ` (msg_id ${JSON.stringify(v.msg.msg_id.slice(0, 64))})` : "";
-      // A copy from a second bus is routine, not an alarm.
-      const log: Effect = {
-        do: "log",
-        level: v.reason === "replay" ? "info" : "warn",
-        line: `refused a message from ${who}${id}: ${v.reason}: ${v.detail}`,
-      };
       // Refused for now, not for good: unacked, so the bus keeps it and hands it over again later.
-      if (v.reason === "busy") return [log, { do: "defer" }];
-      return [log, ...noticeRefusal(v, ctx), ...reportRefusal(v, ctx), { do: "ack" }];
+      if (v.reason === "busy") return [refusalLog(v), { do: "defer" }];
+      return refuse(v, ctx);
     }
     case "deliver": {
       // reply_to is unsigned: it only ever names one of the sender's own sessions, and never decides trust.
@@ -6709,15 +6706,7 @@ export function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
     case "pair_request": {
       // Through an invite, our operator decided in advance (by running `interlink.ts invite`): nothing is held.
       if (ctx.invite?.ok) return admitInvited(v, ctx.invite.invite, ctx);
-      if (ctx.invite) {
-        const refused: Verdict = {
-          verdict: "reject",
-          reason: ctx.invite.reason,
-          detail: ctx.invite.detail,
-          msg: v.msg,
-        };
-        return planInbound(refused, { ...ctx, invite: undefined });
-      }
+      if (ctx.invite) return refuse({ reason: ctx.invite.reason, detail: ctx.invite.detail, msg: v.msg }, ctx);
       const fp = fingerprint(v.msg.from);
       if (state.knocksIn.has(v.msg.from)) {
         return [{
@@ -6861,7 +6850,35 @@ function showByPush(item: InboxItem, peers: Peers): Effect[] {
  * REFUSAL_NOTICES_CAP wait at once. So a flood costs one journal line per
  * sender and hour, and the model one line.
  */
-function noticeRefusal(v: Extract<Verdict, { verdict: "reject" }>, ctx: InboundContext): Effect[] {
+/** A payload refused, by the gate or (a knock) by its invite: why, and the message when it could be read. */
+interface Refused {
+  reason: Refusal;
+  detail: string;
+  msg?: SignedMessage;
+}
+
+/** The log line of a refusal. Before the signature checks out, `from` is only a claim. */
+function refusalLog(v: Refused): Effect {
+  const who = !v.msg
+    ? "?"
+    : v.reason === "malformed" || v.reason === "bad_signature"
+    ? `${fingerprint(v.msg.from)} (claimed, unverified)`
+    : fingerprint(v.msg.from);
+  const id = v.msg ? ` (msg_id ${JSON.stringify(v.msg.msg_id.slice(0, 64))})` : "";
+  // A copy from a second bus is routine, not an alarm.
+  return {
+    do: "log",
+    level: v.reason === "replay" ? "info" : "warn",
+    line: `refused a message from ${who}${id}: ${v.reason}: ${v.detail}`,
+  };
+}
+
+/** Refusing a payload for good: the log line, the operator's notice, the sender's receipt, then the ack. */
+function refuse(v: Refused, ctx: InboundContext): Effect[] {
+  return [refusalLog(v), ...noticeRefusal(v, ctx), ...reportRefusal(v, ctx), { do: "ack" }];
+}
+
+function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (!v.msg || !REFUSALS_SHOWN.has(v.reason)) return [];
   const id = refusalItem(v.msg.from, v.reason);
   const waiting = ctx.state.inbox.get(id);
@@ -6885,7 +6902,7 @@ function noticeRefusal(v: Extract<Verdict, { verdict: "reject" }>, ctx: InboundC
  * one log line), never about a receipt. A stranger is told only that we do not
  * list it, or why its knock through an invite was refused (`join` waits for that).
  */
-function reportRefusal(v: Extract<Verdict, { verdict: "reject" }>, ctx: InboundContext): Effect[] {
+function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const msg = v.msg;
   const joining = msg?.kind === "pair_request" && parseInviteProof(msg.in_reply_to) !== null;
   if (!msg || (msg.kind !== "message" && !joining) || !ctx.wantsReceipts) return [];
@@ -6899,7 +6916,7 @@ function reportRefusal(v: Extract<Verdict, { verdict: "reject" }>, ctx: InboundC
     ctx.state.strangerRefusalsSince(ctx.peers, ctx.selfKey ?? "", hourAgo) < RECEIPT_REFUSALS_PER_HOUR;
   const stale = v.reason === "stale" && (joining ? peer || strangersLeft : msg.ts > ctx.nowMs && peer);
   const unpaired = !joining && v.reason === "not_allowlisted" && !peer && strangersLeft;
-  const invite = joining && v.reason.startsWith("invite_") && (peer || strangersLeft);
+  const invite = joining && isInviteRefusal(v.reason) && (peer || strangersLeft);
   if (!stale && !unpaired && !invite) return [];
   if (ctx.state.refusalsReported.has(messageKey(msg.from, msg.msg_id))) return [];
   if (ctx.state.refusalsReportedSince(msg.from, hourAgo) >= RECEIPT_REFUSALS_PER_HOUR) return [];
@@ -8840,7 +8857,7 @@ export function noticeText(i: Exclude<InboxItem, { kind: "message" }>, peers: Pe
   const from = peer ? `your peer '${peer}' (${fp})` : `an unknown key ${fp}`;
   const n = i.count === 1 ? "1 message" : `${i.count} messages`;
   const was = i.count === 1 ? "was" : "were";
-  const why: Record<RejectReason, string> = {
+  const why: Record<Refusal, string> = {
     not_allowlisted: `${n} from ${from} ${was} refused: not in your peers`,
     stale:
       `${n} from ${from} ${was} refused: their time is outside the freshness window (a clock off by over a minute, or held over a day); ask your operator to check the clocks`,
