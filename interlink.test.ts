@@ -5826,6 +5826,61 @@ describe("hostile clients: bodies and connections", () => {
     60_000,
   );
 
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `bodies in flight are budgeted: 300 connections each sending most of a 2 MB /send and dripping the rest are refused past 8 MiB from one address or cut off when late, and the memory goes back (${runtime})`,
+      async () => {
+        const LATE = 3_000; // CONN_BODY_MS, shortened
+        const child = spawnChild([...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir()], {
+          INTERLINK_TEST_CONN_BODY_MS: String(LATE),
+        });
+        const url = (await child.waitFor(/listening on (http:\/\/\S+)/))[1];
+        const pid = child.proc.pid!;
+        const rss = () => Number(/VmRSS:\s+(\d+)/.exec(fs.readFileSync(`/proc/${pid}/status`, "utf8"))![1]) * 1024;
+        await new Promise((r) => setTimeout(r, 300));
+        const idle = rss();
+        let peak = idle;
+        const sampler = setInterval(() => (peak = Math.max(peak, rss())), 50);
+        const size = 2_000_000;
+        const head = `POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: ${size}\r\n\r\n`;
+        const most = Buffer.alloc(size - 1_000, 0x20);
+        most.write('{"to":"x","payload":"');
+        const conns = Array.from({ length: 300 }, () => {
+          const c = { socket: net.connect(Number(new URL(url).port), "127.0.0.1"), answer: "", closed: false };
+          c.socket.on("data", (d) => (c.answer ||= d.toString().slice(0, 12)));
+          c.socket.on("close", () => (c.closed = true)).on("error", () => {});
+          c.socket.write(head);
+          c.socket.write(most);
+          return c;
+        });
+        const drip = setInterval(() => conns.forEach((c) => c.closed || c.socket.write(" ")), 500);
+        try {
+          // Every one is closed by the bus: at once past the budget, at the deadline if it was being read.
+          await eventually(() => conns.every((c) => c.closed), "the bus closed every connection", 30_000);
+          const answers: Record<string, number> = {};
+          for (const c of conns) answers[c.answer] = (answers[c.answer] ?? 0) + 1;
+          // 8 MiB from one address: 4 bodies read at once (another as each is cut off), the rest refused unread
+          // (429; or reset before the answer was read, since the bus closes with their bytes still coming).
+          expect(Object.keys(answers).every((a) => /^HTTP\/1\.1 (429|408)$|^$/.test(a))).toBe(true);
+          expect(answers["HTTP/1.1 429"]).toBeGreaterThan(0);
+          expect(answers["HTTP/1.1 408"] ?? 0).toBeLessThanOrEqual(50);
+          // 300 × 2 MB held would be 600 MB more; the budget holds it to a few bodies.
+          expect(peak - idle).toBeLessThan(150 * 2 ** 20);
+          clearInterval(sampler);
+          await new Promise((r) => setTimeout(r, 2_000));
+          expect(rss() - idle).toBeLessThan(100 * 2 ** 20); // and it is let go of
+          await postSend(url, "after", { ok: 1 }); // the budget is whole again
+        } finally {
+          clearInterval(drip);
+          clearInterval(sampler);
+          for (const c of conns) c.socket.destroy();
+          await stop(child);
+        }
+      },
+      60_000,
+    );
+  }
+
   for (const [runtime, guard] of [["bun", "on"], ["deno", "off"], ["deno", "on"]] as const) {
     test.concurrent(
       `a bus out of file descriptors (idle sockets) stays up and serves again once they go (${runtime}, guard ${guard})`,

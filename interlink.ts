@@ -123,6 +123,13 @@ export const ROSTER_PER_KEY_CAP = 64;
 export const ANNOUNCE_EVERY_MS = 30_000;
 /** Largest request body the bus reads: 2 MiB, as the reference bus (axum's default), so its nodes' messages fit. */
 export const BODY_LIMIT_BYTES = 2 << 20;
+/**
+ * Request body bytes a bus reads at once, in all: sixteen of the largest, far above what sessions send (a few KB
+ * a message). Past it a body is refused unread (503): stalled uploads cost at most this, however many they are.
+ */
+export const BODIES_IN_FLIGHT_MAX = 32 << 20;
+/** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
+export const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
 /** Longest text an agent will sign: comfortably inside the bus body limit after JSON escaping. */
 export const TEXT_LIMIT_BYTES = 256 * 1024;
 /** Messages one batched recv answers at most (our extension: GET /recv?max=N), and acks one POST /ack takes. */
@@ -316,6 +323,8 @@ export class FormatError extends InterlinkError {}
 interface BunServer {
   port: number;
   stop(force?: boolean): void;
+  /** The address a request came from (null for one that is not from a socket). */
+  requestIP(req: Request): { address: string } | null;
 }
 interface BunRuntime {
   version: string;
@@ -323,7 +332,7 @@ interface BunRuntime {
     hostname: string;
     port: number;
     idleTimeout?: number;
-    fetch(req: Request): Response | Promise<Response>;
+    fetch(req: Request, server: BunServer): Response | Promise<Response>;
   }): BunServer;
 }
 interface DenoRuntime {
@@ -331,7 +340,7 @@ interface DenoRuntime {
   execPath(): string;
   serve(
     options: { hostname: string; port: number; onListen?: (addr: { port: number }) => void },
-    handler: (req: Request) => Response | Promise<Response>,
+    handler: (req: Request, info: { remoteAddr: { hostname: string } }) => Response | Promise<Response>,
   ): { finished: Promise<void>; shutdown(): Promise<void>; addr: { port: number } };
 }
 
@@ -2484,9 +2493,82 @@ export class Roster {
 }
 
 class HttpError extends Error {
-  constructor(readonly status: number, message: string) {
+  /** `close`: the request's body was left unread (refused on its length, cut off), so the answer ends the connection. */
+  constructor(readonly status: number, message: string, readonly close = false) {
     super(message);
   }
+}
+
+/**
+ * The source a per-address budget counts against: an IPv4 address, or the /64 of an IPv6 one (what one host
+ * usually holds; counting whole addresses there would give a host 2^64 budgets). "" for a request that did not
+ * come over a socket (a test calling the handler). A bus behind a proxy sees every client as the proxy.
+ */
+export function addressBucket(address: string): string {
+  const v4 = /^(?:::ffff:)?(\d{1,3}(?:\.\d{1,3}){3})$/i.exec(address);
+  if (v4) return v4[1];
+  if (!address.includes(":")) return address;
+  const [left, right] = address.split("%")[0].split("::");
+  const head = left ? left.split(":") : [];
+  const tail = right === undefined ? [] : right ? right.split(":") : [];
+  const groups = right === undefined
+    ? head
+    : [...head, ...Array(Math.max(0, 8 - head.length - tail.length)).fill("0"), ...tail];
+  return `${groups.slice(0, 4).map((g) => (parseInt(g, 16) || 0).toString(16)).join(":")}::/64`;
+}
+
+/**
+ * Bytes of request bodies being read right now, in all and per source
+ * address: a body reserves its declared length before a byte of it is read (a
+ * chunked one, each chunk as it comes) and gives it back once the runtime has
+ * let go of it. Past either budget a request is refused unread and its
+ * connection closed, so a thousand connections that each send most of a 2 MiB
+ * body and stall hold at most the budget, not 2 GB.
+ */
+export class BodiesInFlight {
+  bytes = 0;
+  #byAddress = new Map<string, number>(); // bounded: an entry lives only while its address has a body being read
+
+  constructor(readonly max = BODIES_IN_FLIGHT_MAX, readonly perAddress = BODIES_IN_FLIGHT_PER_ADDRESS) {}
+
+  /** Reserves `n` bytes for address bucket `from`; throws the 429 or 503 that refuses the body unread. */
+  take(from: string, n: number): void {
+    if (n <= 0) return;
+    const mine = this.#byAddress.get(from) ?? 0;
+    if (mine + n > this.perAddress) {
+      throw new HttpError(
+        429,
+        `your address already has ${humanBytes(mine)} of request bodies being read by this bus (at most ${
+          humanBytes(this.perAddress)
+        } at once); retry once they are in`,
+        true,
+      );
+    }
+    if (this.bytes + n > this.max) {
+      throw new HttpError(
+        503,
+        `this bus is reading ${humanBytes(this.bytes)} of request bodies already (at most ${
+          humanBytes(this.max)
+        } at once); retry in a moment`,
+        true,
+      );
+    }
+    this.#byAddress.set(from, mine + n);
+    this.bytes += n;
+  }
+
+  give(from: string, n: number): void {
+    this.bytes -= n;
+    const left = (this.#byAddress.get(from) ?? n) - n;
+    if (left > 0) this.#byAddress.set(from, left);
+    else this.#byAddress.delete(from);
+  }
+}
+
+/** Where a request's body is counted: the bus's budget and the request's address bucket. */
+interface BodyBudget {
+  inFlight: BodiesInFlight;
+  from: string;
 }
 
 let httpDate = { second: 0, text: "" };
@@ -2505,38 +2587,67 @@ export const jsonResponse = (status: number, body: string, headers: Record<strin
 export const errorResponse = (status: number, message: string): Response =>
   jsonResponse(status, JSON.stringify({ error: message }));
 
-/** Reads a JSON body of at most BODY_LIMIT_BYTES, counting bytes as they arrive (Content-Length may be absent or lie). */
-async function readJsonBody(req: Request): Promise<unknown> {
+/**
+ * Reads a JSON body of at most BODY_LIMIT_BYTES, counting bytes as they arrive (Content-Length may be absent or
+ * lie), within CONN_BODY_MS of starting (a body dripped a byte at a time is cut off: 408), and against `budget`'s
+ * bytes in flight: reserved before reading, held until the runtime's read of it has ended.
+ */
+async function readJsonBody(req: Request, budget?: BodyBudget): Promise<unknown> {
   const declared = req.headers.get("content-length");
-  if (Number(declared) > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`);
+  if (Number(declared) > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
+  let reserved = 0;
+  const reserve = (n: number) => {
+    budget?.inFlight.take(budget.from, n);
+    reserved += n;
+  };
+  let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long as it does
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const deadline = new Promise<never>((_, reject) => {
+    timer = setTimeout(
+      () => reject(new HttpError(408, `the body was not all there ${CONN_BODY_MS / 1000} s after its headers`, true)),
+      CONN_BODY_MS,
+    );
+  });
   let text: string;
   try {
     if (declared !== null) {
+      reserve(Number(declared) || 0);
       // The server holds the body to its declared length. (Not touching req.body first keeps Deno on its fast
       // path: reading that property builds a stream.)
-      text = await req.text();
+      const whole = req.text();
+      reading = whole;
+      text = await Promise.race([whole, deadline]);
       if (text === "") throw new HttpError(400, "empty body; expected JSON");
     } else {
       if (!req.body) throw new HttpError(400, "empty body; expected JSON");
       const reader = req.body.getReader();
       const chunks: Uint8Array[] = [];
       let size = 0;
-      for (;;) {
-        const { done, value } = await reader.read();
-        if (done) break;
-        size += value.length;
-        if (size > BODY_LIMIT_BYTES) {
-          await reader.cancel().catch(() => {});
-          throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`);
+      try {
+        for (;;) {
+          const { done, value } = await Promise.race([reader.read(), deadline]);
+          if (done) break;
+          size += value.length;
+          if (size > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
+          reserve(value.length);
+          chunks.push(value);
         }
-        chunks.push(value);
+      } catch (e) {
+        reading = reader.cancel().catch(() => {});
+        throw e;
       }
       text = Buffer.concat(chunks).toString("utf8");
     }
   } catch (e) {
     if (e instanceof HttpError) throw e;
     // A malformed chunked encoding, a body cut off: the request's fault, never a 500.
-    throw new HttpError(400, `the body could not be read (${(e as Error).message})`);
+    throw new HttpError(400, `the body could not be read (${(e as Error).message})`, true);
+  } finally {
+    clearTimeout(timer);
+    if (reserved) {
+      const give = () => budget!.inFlight.give(budget!.from, reserved);
+      reading.then(give, give);
+    }
   }
   const depth = jsonDepth(text);
   if (depth > JSON_DEPTH_MAX) throw new HttpError(400, `body nests deeper than ${JSON_DEPTH_MAX} levels`);
@@ -2694,6 +2805,7 @@ export interface BusDelivery {
 /** The durable bus: BusQueues and Roster behind a Request → Response handler, on one JSONL file. */
 export class Bus {
   readonly roster = new Roster();
+  readonly inFlight = new BodiesInFlight();
   #waiters = new Map<string, Set<() => void>>();
   #syncTimer: ReturnType<typeof setTimeout> | null = null; // the lazy fsync of acks, once scheduled
   #compactAfter = 0; // after a failed compaction, the time of the next try
@@ -2840,7 +2952,8 @@ export class Bus {
     return n;
   }
 
-  readonly handler = async (req: Request): Promise<Response> => {
+  /** `from`: the address the request came from (serveHttp says), for the per-address budgets; "" when unknown. */
+  readonly handler = async (req: Request, from = ""): Promise<Response> => {
     const { pathname, query } = splitUrl(req.url);
     const route = BUS_ROUTES[pathname];
     if (!route) {
@@ -2852,26 +2965,31 @@ export class Bus {
       });
     }
     try {
-      const r = await route.handle(this, req, query);
+      const r = await route.handle(this, req, { query, from: addressBucket(from) });
       // Every answer names what this bus adds to the reference contract (a reference bus sends no such
       // header): our client then batches, and doctor reports it.
       r.headers.set("interlink-bus", BUS_FEATURES);
       return r;
     } catch (e) {
-      if (e instanceof HttpError) return errorResponse(e.status, e.message);
+      if (e instanceof HttpError) {
+        // A body left unread must not keep its connection (Bun then closes it; node:http does on its own).
+        const close: Record<string, string> = e.close ? { connection: "close" } : {};
+        return jsonResponse(e.status, JSON.stringify({ error: e.message }), close);
+      }
       if (req.signal.aborted) return errorResponse(499, "client closed the request"); // a hang-up: not an error here
       this.#log(`internal error on ${pathname}: ${(e as Error).stack ?? e}`);
       return errorResponse(500, "internal error; see the bus log");
     }
   };
 
-  /** Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) would get. */
-  ensureRoom(sender: string, size: number): void {
+  /** Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) would get; `close`: its body is unread. */
+  ensureRoom(sender: string, size: number, close = false): void {
     const over = this.queues.admit(sender, size);
     if (over === "global") {
       throw new HttpError(
         507,
         `this bus holds its whole budget of ${humanBytes(this.queues.limits.totalBytes)} of messages; retry later`,
+        close,
       );
     }
     if (over === "sender") {
@@ -2880,6 +2998,7 @@ export class Bus {
         `this sender already has ${
           humanBytes(this.queues.limits.senderBytes)
         } queued on this bus; retry once some is read`,
+        close,
       );
     }
   }
@@ -3314,8 +3433,12 @@ function claimedSender(payload: string): string {
 }
 
 /** A JSON object body with a non-empty "pubkey" (an announcement, an unregister), or the 400 that says it is not. */
-async function readKeyedBody(req: Request, what: string): Promise<Record<string, unknown> & { pubkey: string }> {
-  const body = await readJsonBody(req);
+async function readKeyedBody(
+  req: Request,
+  what: string,
+  budget?: BodyBudget,
+): Promise<Record<string, unknown> & { pubkey: string }> {
+  const body = await readJsonBody(req, budget);
   if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
     throw new HttpError(400, `${what} needs a "pubkey"`);
   }
@@ -3395,15 +3518,21 @@ export function splitUrl(url: string): { pathname: string; query: string } {
     : { pathname: url.slice(slash, q), query: url.slice(q + 1, end) };
 }
 
-const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request, query: string): Promise<Response> }> =
+/** What a bus route reads of a request besides the Request: its query string, and its address bucket (see addressBucket). */
+interface BusCall {
+  query: string;
+  from: string;
+}
+
+const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request, call: BusCall): Promise<Response> }> =
   {
     "/send": {
       method: "POST",
-      async handle(bus, req) {
+      async handle(bus, req, { from }) {
         // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
         const declared = Number(req.headers.get("content-length"));
-        if (declared > 0) bus.ensureRoom("", declared);
-        const body = await readJsonBody(req);
+        if (declared > 0) bus.ensureRoom("", declared, true);
+        const body = await readJsonBody(req, { inFlight: bus.inFlight, from });
         if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages);
         if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
         const to = recipientParam(body.to, "to");
@@ -3414,7 +3543,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     },
     "/recv": {
       method: "GET",
-      async handle(bus, req, query) {
+      async handle(bus, req, { query }) {
         const params = new URLSearchParams(query);
         const me = recipientParam(params.get("me"), "me");
         await checkOwnership(bus, me, params.get("proof") ?? undefined);
@@ -3432,8 +3561,8 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     },
     "/ack": {
       method: "POST",
-      async handle(bus, req) {
-        const body = await readJsonBody(req);
+      async handle(bus, req, { from }) {
+        const body = await readJsonBody(req, { inFlight: bus.inFlight, from });
         if (!isObject(body)) throw new HttpError(400, 'expected {"me": <recipient>, "ack": <key>}');
         const me = recipientParam(body.me, "me");
         // Our extension: "acks", a list of keys, in place of the reference's single "ack".
@@ -3452,8 +3581,8 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     },
     "/announce": {
       method: "POST",
-      async handle(bus, req) {
-        const body = await readKeyedBody(req, "an announcement");
+      async handle(bus, req, { from }) {
+        const body = await readKeyedBody(req, "an announcement", { inFlight: bus.inFlight, from });
         delete body.age_ms; // stamped by the bus, never taken from the poster
         const json = JSON.stringify(body);
         if (utf8Bytes(json) > ANNOUNCEMENT_MAX_BYTES) {
@@ -3472,8 +3601,8 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     },
     "/unregister": {
       method: "POST",
-      async handle(bus, req) {
-        const body = await readKeyedBody(req, "an unregister");
+      async handle(bus, req, { from }) {
+        const body = await readKeyedBody(req, "an unregister", { inFlight: bus.inFlight, from });
         if (body.sig === undefined) {
           throw new HttpError(
             403,
@@ -3517,13 +3646,15 @@ export interface Listening {
 }
 
 /**
- * Binds a fetch handler to a TCP port with the host runtime's own server.
- * `guard` (Deno only; Bun always closes idle connections): serve with
- * node:http, whose timeouts Deno honours, so that idle connections and slow
- * requests are closed (Deno.serve never closes them); it costs throughput.
+ * Binds a fetch handler to a TCP port with the host runtime's own server; the
+ * handler is told the address each request came from (the bus's per-address
+ * budgets count by it). `guard` (Deno only; Bun always closes idle
+ * connections): serve with node:http, whose timeouts Deno honours, so that
+ * idle connections and slow requests are closed (Deno.serve never closes
+ * them); it costs throughput.
  */
 export function serveHttp(
-  handler: (req: Request) => Promise<Response>,
+  handler: (req: Request, from: string) => Promise<Response>,
   hostname: string,
   port: number,
   guard = false,
@@ -3536,7 +3667,7 @@ export function serveHttp(
       hostname,
       port,
       idleTimeout: Math.ceil(RECV_TIMEOUT_MAX_MS / 1000) + 30,
-      fetch: handler,
+      fetch: (req, server) => handler(req, server.requestIP(req)?.address ?? ""),
     });
     return Promise.resolve({ port: server.port, stop: () => Promise.resolve(server.stop(true)) });
   }
@@ -3544,7 +3675,9 @@ export function serveHttp(
     // Deno.serve has no idle timeout, and when the process runs out of file descriptors (say 20,000 idle
     // sockets) its accept loop fails and would take the process down. Instead it is logged and the server
     // listens again on the same port a second later, until the flood is over.
-    let server = Deno.serve({ hostname, port, onListen: () => {} }, handler);
+    const serve = (req: Request, info: { remoteAddr: { hostname: string } }) =>
+      handler(req, info.remoteAddr?.hostname ?? "");
+    let server = Deno.serve({ hostname, port, onListen: () => {} }, serve);
     const bound = server.addr.port;
     let stopping = false;
     let retry: ReturnType<typeof setTimeout> | undefined;
@@ -3555,7 +3688,7 @@ export function serveHttp(
         retry = setTimeout(function relisten() {
           if (stopping) return;
           try {
-            server = Deno.serve({ hostname, port: bound, onListen: () => {} }, handler);
+            server = Deno.serve({ hostname, port: bound, onListen: () => {} }, serve);
             watch(server);
           } catch (e) {
             logWarn(`cannot listen on port ${bound} yet (${(e as Error).message}); trying again in 1 s`);
@@ -3606,7 +3739,7 @@ function connectionBound(): number {
  * aborts its request's signal, so its long-poll is dropped at once.
  */
 async function serveGuarded(
-  handler: (req: Request) => Promise<Response>,
+  handler: (req: Request, from: string) => Promise<Response>,
   hostname: string,
   port: number,
 ): Promise<Listening> {
@@ -3641,7 +3774,29 @@ async function serveGuarded(
         return body = Buffer.concat(chunks);
       };
       const hasBody = req.method !== "GET" && req.method !== "HEAD";
-      if (hasBody && declared === undefined) await readBody(); // chunked: its length is known only once read
+      // A chunked body (no declared length) is handed over as it comes, so the handler counts each chunk against
+      // its budgets before the next is read (read whole here first, a thousand of them held 2 MB each).
+      const chunked = hasBody && declared === undefined
+        ? {
+          getReader() {
+            const chunks = req[Symbol.asyncIterator]();
+            const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
+            return {
+              async read(): Promise<IteratorResult<Uint8Array>> {
+                try {
+                  const r = await chunks.next();
+                  if (r.done) (whole = true, clearTimeout(deadline));
+                  return r;
+                } catch (e) {
+                  clearTimeout(deadline);
+                  throw e;
+                }
+              },
+              cancel: () => Promise.resolve(clearTimeout(deadline)),
+            };
+          },
+        }
+        : null;
       // The handler reads only these parts of a Request; building a real one (headers, a body stream) costs
       // more than the rest of the adapter.
       const lite = {
@@ -3649,16 +3804,16 @@ async function serveGuarded(
         method: req.method,
         headers: {
           get(name: string): string | null {
-            if (name.toLowerCase() === "content-length") return declared ?? (body ? String(body.length) : null);
+            if (name.toLowerCase() === "content-length") return declared ?? null;
             const v = req.headers[name.toLowerCase()];
             return v === undefined ? null : Array.isArray(v) ? v.join(", ") : v;
           },
         },
-        body: null,
+        body: chunked,
         text: async () => (hasBody ? (await readBody()).toString("utf8") : ""),
         signal: gone.signal,
       };
-      const r = await handler(lite as unknown as Request);
+      const r = await handler(lite as unknown as Request, socket.remoteAddress ?? "");
       const text = await r.text();
       // A body left unread (refused on its declared length, or past the limit) is not waited for: the
       // connection closes after the answer instead of trickling on.
@@ -13122,7 +13277,8 @@ const COMMANDS: Record<string, CommandSpec> = {
         arg: "MB",
         env: "INTERLINK_BUS_SENDER_MB",
         default: String(SENDER_BYTES_MAX >> 20),
-        help: "MiB of messages one signer may have queued, all recipients together (past it: 429)",
+        help:
+          "MiB of messages one signer may have queued, all recipients together, each counting 256 bytes more (past it: 429)",
       },
       "max-mb": {
         type: "string",
