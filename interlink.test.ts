@@ -5482,7 +5482,7 @@ describe("hostile clients on the bus", () => {
         bob.push = () => Promise.resolve();
         bob.startReceiving(); // its recv loop proves its route as it polls
         const route = `${B.id.publicKey}#bob`;
-        await eventually(() => bus.owned.has(route), "bob's route proved its owner");
+        await eventually(() => bus.isOwned(route), "bob's route proved its owner");
         const msg = await signMessage(A.id, { to: B.id.publicKey, text: "for bob only" }, Date.now());
         // Mallory: recv without a proof, with one signed by her own key, and an ack without one.
         const stolen = await fetch(`${url}/recv?me=${encodeURIComponent(route)}&timeout_ms=0`);
@@ -5509,7 +5509,7 @@ describe("hostile clients on the bus", () => {
         await bob.stop();
         await shutdown();
         const again = await Bus.open(path.join(root, "bus"), { log: () => {} });
-        expect(again.owned.has(route)).toBe(true);
+        expect(again.isOwned(route)).toBe(true);
         await again.close();
       } finally {
         await bob.stop().catch(() => {});
@@ -5519,6 +5519,123 @@ describe("hostile clients on the bus", () => {
     },
     30_000,
   );
+});
+
+describe("hostile clients: ownership that a flood cannot evict", () => {
+  /** A signed recv of `route` by `id`, with no wait, from address `from`: its status. */
+  const provenRecv = async (bus: Bus, id: Identity, route: string, from = "") => {
+    const ts = bus.now();
+    const proof = `${ts}.${await id.sign(recvProofBytes(route, ts))}`;
+    const url = `http://bus/recv?me=${encodeURIComponent(route)}&timeout_ms=0&proof=${proof}`;
+    const r = await bus.handler(new Request(url), from);
+    await r.body?.cancel();
+    return r.status;
+  };
+  const stolenRecv = (bus: Bus, route: string) =>
+    bus.handler(new Request(`http://bus/recv?me=${encodeURIComponent(route)}&timeout_ms=0`));
+
+  test(
+    "Eve proves 100,001 routes of her own, then floods self-made keys from one address and from many: bob's route stays owned, before and after a restart, and the queue file holds one record per key",
+    async () => {
+      const dir = tmpDir();
+      let bus = await Bus.open(dir, { log: () => {}, owners: 1_100 });
+      try {
+        const victim = `${bob.publicKey}#victim`;
+        expect(await provenRecv(bus, bob, victim)).toBe(200);
+        await bus.send(victim, '{"for":"bob only"}');
+        // What pushed bob's route out of a least-recently-used memory of 100,000 routes.
+        for (let i = 0; i <= 100_000; i += 1000) {
+          const batch = Array.from({ length: Math.min(1000, 100_001 - i) }, (_, k) => `${eve.publicKey}#${i + k}`);
+          const got = await Promise.all(batch.map((route) => provenRecv(bus, eve, route)));
+          expect(got.every((s) => s === 200)).toBe(true); // her own routes: she may
+        }
+        expect((await stolenRecv(bus, victim)).status).toBe(403);
+        expect((await stolenRecv(bus, bob.publicKey)).status).toBe(403); // every route of a key that proved
+        expect(bus.ownerCount).toBe(2); // one record per key, not per route
+        // Self-made keys from one address: a day's NEW_OWNERS_PER_ADDRESS_PER_DAY, then 429.
+        const fresh = () => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+        const fromOne: number[] = [];
+        for (let i = 0; i < 1_001; i++) {
+          const id = await fresh();
+          fromOne.push(await provenRecv(bus, id, id.publicKey, "192.0.2.7"));
+        }
+        expect(fromOne.slice(0, 1_000).every((s) => s === 200)).toBe(true);
+        expect(fromOne[1_000]).toBe(429);
+        // From many addresses, up to the bus's --owners; then each new key is refused, none forgotten.
+        const fromMany: number[] = [];
+        for (let i = 0; i < 120; i++) {
+          const id = await fresh();
+          fromMany.push(await provenRecv(bus, id, `${id.publicKey}#s`, `198.51.100.${i}`));
+        }
+        expect(fromMany.filter((s) => s === 200).length).toBe(1_100 - 1_002);
+        const refused = await (async () => {
+          const id = await fresh();
+          const ts = bus.now();
+          const proof = `${ts}.${await id.sign(recvProofBytes(id.publicKey, ts))}`;
+          return await bus.handler(new Request(`http://bus/recv?me=${id.publicKey}&timeout_ms=0&proof=${proof}`));
+        })();
+        expect(refused.status).toBe(507);
+        expect((await refused.json()).error).toContain("the most it keeps");
+        expect((await stolenRecv(bus, victim)).status).toBe(403);
+        await bus.close();
+        // A restart reads the same owners back, bob among them, whatever their order in the file.
+        bus = await Bus.open(dir, { log: () => {}, owners: 1_100, compactMinDead: 1 });
+        expect(bus.ownerCount).toBe(1_100);
+        expect((await stolenRecv(bus, victim)).status).toBe(403);
+        expect(await provenRecv(bus, bob, victim)).toBe(200); // and bob reads his mail
+        const lines = fs.readFileSync(path.join(dir, "queue.jsonl"), "utf8").split("\n");
+        expect(lines.filter((l) => l.startsWith('{"t":"o"')).length).toBe(1_100);
+      } finally {
+        await bus.close();
+      }
+    },
+    120_000,
+  );
+
+  test("a proof captured off the wire is refused once it is 5 minutes old, even when it is the last one the bus saw for its route", async () => {
+    let clock = Date.now();
+    const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => clock });
+    try {
+      const route = `${bob.publicKey}#s1`;
+      const proof = `${clock}.${await bob.sign(recvProofBytes(route, clock))}`;
+      const recv = () =>
+        bus.handler(new Request(`http://bus/recv?me=${encodeURIComponent(route)}&timeout_ms=0&proof=${proof}`));
+      expect((await recv()).status).toBe(200); // bob, polling
+      await bus.send(route, '"for bob"');
+      clock += 4 * 60_000;
+      expect((await recv()).status).toBe(200); // the same proof again, within its window (docs/wire.md: a replay)
+      clock += 61_000;
+      const stale = await recv(); // Mallory, who sniffed it on a plain-HTTP LAN
+      expect(stale.status).toBe(403);
+      expect((await stale.json()).error).toContain("freshness window");
+      const key = `${route}\0${bus.queues.first(route)!.seq}:${bus.queues.first(route)!.ts}`;
+      const ack = await bus.handler(
+        new Request("http://bus/ack", { method: "POST", body: JSON.stringify({ me: route, ack: key, proof }) }),
+      );
+      expect(ack.status).toBe(403);
+      expect(bus.queues.first(route)).toBeDefined(); // bob's message stays
+    } finally {
+      await bus.close();
+    }
+  });
+
+  test("an older bus's owner records (one per route) are read as their keys, and the duplicates go at the next compaction", async () => {
+    const dir = tmpDir();
+    const lines = Array.from({ length: 50 }, (_, i) => JSON.stringify({ t: "o", q: `${bob.publicKey}#s${i}` }));
+    fs.writeFileSync(
+      path.join(dir, "queue.jsonl"),
+      [...lines, JSON.stringify({ t: "o", q: alice.publicKey })].join("\n") + "\n",
+    );
+    const bus = await Bus.open(dir, { log: () => {}, compactMinDead: 10 });
+    try {
+      expect(bus.ownerCount).toBe(2);
+      expect(bus.isOwned(`${bob.publicKey}#a-session-never-seen`)).toBe(true);
+      const file = fs.readFileSync(path.join(dir, "queue.jsonl"), "utf8");
+      expect(file.split("\n").filter((l) => l.startsWith('{"t":"o"')).length).toBe(2);
+    } finally {
+      await bus.close();
+    }
+  });
 });
 
 describe("hostile clients: fair room on the bus", () => {

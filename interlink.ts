@@ -2108,7 +2108,7 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 //   {"t":"m","q":<recipient>,"n":<seq>,"ts":<ms>,"s":<sender>,"z":<bytes>,"p":<payload as JSON text>}  accepted
 //   {"t":"a","q":<recipient>,"n":<seq>}                    acked
 //   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap
-//   {"t":"o","q":<recipient>}                              the route has proven its owner
+//   {"t":"o","q":<key>}                                    the key has proven it owns its routes (an older bus: one a route)
 //   {"t":"h","next":<seq>}                                 first line after compaction
 // `seq` is global and not reused (compaction keeps the high-water mark), so an
 // ack key handed out before a restart still names the same message after it.
@@ -2694,6 +2694,8 @@ export interface BusOptions {
   cap?: number;
   /** The rest of the queue limits (see QueueLimits); `cap` above is the per-recipient one. */
   limits?: Partial<QueueLimits>;
+  /** Keys whose routes the bus protects at most (see checkOwnership); OWNERS_MAX by default. */
+  owners?: number;
   /** Dead records (acked, dropped) that trigger a compaction once they also outnumber the live ones. */
   compactMinDead?: number;
   log?: (msg: string) => void;
@@ -2812,8 +2814,17 @@ export class Bus {
   #pending: PendingLine[] = []; // records made while an fdatasync runs: the next round writes them as one
   #reader: number; // a read descriptor on the queue file, for payloads
   #readBuf = Buffer.allocUnsafe(64 * 1024);
-  /** Routes whose key has proven ownership here, with the last proof seen (see checkOwnership); persisted as "o" records. */
-  readonly owned = new BoundedMap<string, string>(OWNED_ROUTES_CAP);
+  /**
+   * Keys that have proven they read their routes here (see checkOwnership), persisted as "o" records and never
+   * forgotten, whatever others prove. Bounded by `ownersMax`: past it a new key is refused, no owner is dropped.
+   */
+  readonly #owners = new Set<string>();
+  #ownerBytes = 0; // their records' bytes: what a compaction writes for them
+  /** New owners per address bucket in the current day (bounded: OWNER_ADDRESSES_TRACKED, the least recent go). */
+  #newOwners = new Map<string, { n: number; since: number }>();
+  /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
+  readonly #verified = new BoundedMap<string, string>(PROOFS_REMEMBERED); // bounded: forgetting costs one check
+  readonly ownersMax: number;
   readonly #compactMinDead: number;
   readonly #log: (msg: string) => void;
   readonly now: () => number;
@@ -2830,6 +2841,7 @@ export class Bus {
     this.#log = opts.log ?? logInfo;
     this.now = opts.now ?? Date.now;
     this.#compactMinDead = opts.compactMinDead ?? COMPACT_MIN_DEAD;
+    this.ownersMax = opts.owners ?? OWNERS_MAX;
     this.#reader = fs.openSync(writer.file, "r");
     // A held batch that cannot be written fails its own lines (each send checks its line), not the round.
     writer.beforeSync = () => {
@@ -2860,7 +2872,7 @@ export class Bus {
       const started = performance.now();
       const queues = new BusQueues({ ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) });
       const bad: [offset: number, bytes: number, reason: string, line: string][] = [];
-      const owned = new Set<string>(); // routes that proved their owner before the restart
+      const owners = new Set<string>(); // keys that proved they own their routes before the restart
       let records = 0, dropped = 0, inMemory = 0;
       const h = new MessageHeadReader();
       /** A message record in today's layout, from its head alone: the payload stays on disk. */
@@ -2907,7 +2919,7 @@ export class Bus {
             queues.remove(rec.q, rec.n);
             break;
           case "o":
-            owned.add(rec.q);
+            owners.add(parseRoute(rec.q).key); // an older bus wrote one per route
         }
       });
       for (const [at, bytes, why, line] of bad) quarantineLine(file, at, bytes, why, line);
@@ -2930,8 +2942,8 @@ export class Bus {
         ms: Math.round(performance.now() - started),
       };
       const writer = new JsonlWriter(file, `the bus data folder ${dataDir}`);
-      const bus = new Bus(dataDir, queues, recovery, writer, lock, records - queues.liveCount, opts);
-      for (const q of owned) bus.owned.set(q, ""); // owned; the next proof is checked in full
+      const bus = new Bus(dataDir, queues, recovery, writer, lock, records - queues.liveCount - owners.size, opts);
+      for (const key of owners) bus.#addOwner(key);
       bus.#maybeCompact(true, inMemory > 0);
       return bus;
     } catch (e) {
@@ -3059,10 +3071,60 @@ export class Bus {
     if (line.failed) throw this.#unavailable(line.failed); // held, then written with another record that failed
   }
 
-  /** Records a proven route (the first time only on disk: trust on first proof survives a restart). */
-  touchOwned(route: string, proof: string): void {
-    if (!this.owned.has(route)) this.#write(recordLine({ t: "o", q: route }), true); // once per route: not held
-    this.owned.set(route, proof);
+  /** Whether `route`'s key has proven it reads its routes here: then a recv or ack of any route of that key needs a proof. */
+  isOwned(route: string): boolean {
+    return this.#owners.has(parseRoute(route).key);
+  }
+
+  /** Keys that have proven their ownership here. */
+  get ownerCount(): number {
+    return this.#owners.size;
+  }
+
+  /** Whether `proof` is the one last verified for `route` (its signature then need not be checked again). */
+  verifiedBefore(route: string, proof: string): boolean {
+    return this.#verified.get(route) === proof;
+  }
+
+  #addOwner(key: string): void {
+    this.#owners.add(key);
+    this.#ownerBytes += recordLine({ t: "o", q: key }).bytes;
+  }
+
+  /**
+   * Records that `route`'s key proved with `proof` (verified and fresh) that it reads it. A key proving for the
+   * first time becomes an owner, on disk before the answer (trust on first proof survives a restart), unless the
+   * bus holds its `ownersMax` (507) or address bucket `from` made NEW_OWNERS_PER_ADDRESS_PER_DAY today (429):
+   * then the recv or ack is refused, never served unprotected.
+   */
+  touchOwned(route: string, proof: string, from = ""): void {
+    this.#verified.set(route, proof);
+    const key = parseRoute(route).key;
+    if (this.#owners.has(key)) return;
+    if (this.#owners.size >= this.ownersMax) {
+      throw new HttpError(
+        507,
+        `this bus protects the routes of ${this.ownersMax} keys, the most it keeps, and never forgets one; it cannot protect this key's, so it does not serve them (its operator can raise --owners)`,
+      );
+    }
+    const now = this.now();
+    const day = this.#newOwners.get(from);
+    const made = day && now - day.since < 24 * 60 * 60_000 ? day.n : 0;
+    if (made >= NEW_OWNERS_PER_ADDRESS_PER_DAY) {
+      throw new HttpError(
+        429,
+        `${made} keys proved their routes to this bus from your address in the last day, the most it takes from one; this key's routes are not served until then`,
+      );
+    }
+    const line = recordLine({ t: "o", q: key });
+    this.#write(line, true); // once per key, never held: the answer waits for it
+    this.#addOwner(key);
+    if (this.#owners.size === this.ownersMax) {
+      this.#log(`this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): new keys are refused`);
+    }
+    this.#newOwners.delete(from); // to the back: the least recent address goes first
+    this.#newOwners.set(from, { n: made + 1, since: made ? day!.since : now });
+    if (this.#newOwners.size > OWNER_ADDRESSES_TRACKED) this.#newOwners.delete(this.#newOwners.keys().next().value!);
   }
 
   /**
@@ -3276,7 +3338,7 @@ export class Bus {
     try {
       this.writer.rewrite((write) => {
         write(recordLine({ t: "h", next: this.queues.nextSeq }).text);
-        for (const q of this.owned.keys()) write(recordLine({ t: "o", q }).text);
+        for (const q of this.#owners) write(recordLine({ t: "o", q }).text);
         for (const [q, m] of this.queues.live()) {
           const head = messageHead(q, m.seq, m.ts, m.sender, m.size);
           let literal: Uint8Array;
@@ -3357,24 +3419,37 @@ function ackedSeq(bus: Bus, me: string, key: string): number | undefined {
 
 /** A recv/ack proof is honoured this long either side of its ts (clients renew theirs every minute). */
 const RECV_PROOF_FRESH_MS = 5 * 60_000;
-/** Routes remembered as owned: bounded, the ones idle longest forgotten first (they re-prove on their next recv). */
-const OWNED_ROUTES_CAP = 100_000;
+/**
+ * Keys whose routes a bus protects at most (`--owners`). Each is a node's identity, so this is far above any real
+ * deployment; held, it is about 6 MB of queue file and 10 MB of memory. Past it new keys are refused, never an
+ * owner forgotten: keys cost nothing, so forgetting any would let a flood of them open another's mail.
+ */
+export const OWNERS_MAX = 100_000;
+/** New owner keys the bus takes from one address bucket in a day: a machine has a few identities, a flood thousands. */
+export const NEW_OWNERS_PER_ADDRESS_PER_DAY = 1_000;
+/** Addresses whose day of new owners is remembered; past it the least recent is forgotten (it may then start a new day). */
+const OWNER_ADDRESSES_TRACKED = 10_000;
+/** Routes whose last verified proof is remembered, so a client's repeats skip the signature check (a minute each). */
+const PROOFS_REMEMBERED = 4096;
 
 /**
- * Recipient ownership, trust on first proof: once a route's key has proven
- * (a signed recv or ack) that it reads that route, this bus refuses unproven
- * recv and ack for it, so nobody else can read or delete its mail. Routes that
- * never proved work as in the reference contract, for reference nodes.
- * Throws the 403 when a proof is missing or wrong; returns when the caller may go on.
+ * Recipient ownership, trust on first proof: once a key has proven (a signed
+ * recv or ack) that it reads one of its routes, this bus refuses unproven
+ * recv and ack for every route of that key (`<key>` and `<key>#<session>`),
+ * so nobody else can read or delete its mail, for good (see Bus.touchOwned).
+ * Keys that never proved work as in the reference contract, for reference
+ * nodes. Every proof must be fresh, a repeat too: one captured off the wire is
+ * worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403 when a proof
+ * is missing, stale or wrong; returns when the caller may go on.
  */
-async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
+async function checkOwnership(bus: Bus, route: string, proof: unknown, from = ""): Promise<void> {
   if (proof === undefined || proof === null || proof === "") {
-    if (bus.owned.has(route)) {
+    if (bus.isOwned(route)) {
       throw new HttpError(
         403,
         `route ${
           fingerprint(route)
-        }… has proven its owner to this bus: a recv or ack for it must carry a proof signed by its key`,
+        }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`,
       );
     }
     return;
@@ -3382,13 +3457,19 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<
   if (typeof proof !== "string" || !/^\d{1,16}\.[A-Za-z0-9_-]{86}$/.test(proof)) {
     throw new HttpError(400, 'proof must be "<ts>.<signature>"');
   }
-  if (bus.owned.get(route) === proof) return bus.touchOwned(route, proof); // the same proof as last time: checked then
   const [tsText, sig] = proof.split(".");
   const ts = Number(tsText);
-  if (Math.abs(bus.now() - ts) > RECV_PROOF_FRESH_MS) throw new HttpError(403, "proof is outside its freshness window");
-  const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
-  if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
-  bus.touchOwned(route, proof);
+  if (Math.abs(bus.now() - ts) > RECV_PROOF_FRESH_MS) {
+    throw new HttpError(
+      403,
+      `proof is outside its freshness window (${RECV_PROOF_FRESH_MS / 60_000} min either side of this bus's clock)`,
+    );
+  }
+  if (!bus.verifiedBefore(route, proof)) {
+    const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
+    if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
+  }
+  bus.touchOwned(route, proof, from);
 }
 
 /** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
@@ -3543,10 +3624,10 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     },
     "/recv": {
       method: "GET",
-      async handle(bus, req, { query }) {
+      async handle(bus, req, { query, from }) {
         const params = new URLSearchParams(query);
         const me = recipientParam(params.get("me"), "me");
-        await checkOwnership(bus, me, params.get("proof") ?? undefined);
+        await checkOwnership(bus, me, params.get("proof") ?? undefined, from);
         // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that
         // no client which did not ask can take for one message; a reference bus ignores max and answers one.
         const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
@@ -3573,7 +3654,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         if (!keys.every((k) => (k as string).startsWith(me + "\0"))) {
           throw new HttpError(403, "that ack key belongs to another recipient");
         }
-        await checkOwnership(bus, me, body.proof);
+        await checkOwnership(bus, me, body.proof, from);
         // Unknown or already acked: still 200, acks are idempotent.
         bus.ack(me, ...(keys as string[]).map((k) => ackedSeq(bus, me, k)).filter((seq) => seq !== undefined));
         return jsonResponse(200, '{"status":"acked"}');
@@ -12266,10 +12347,11 @@ async function runBus(o: Options): Promise<number> {
     totalBytes: intOption(o["max-mb"], "max-mb", 1, 1_000_000) * 2 ** 20,
   };
   const compactMinDead = intOption(o.compact, "compact", 1, 100_000_000);
+  const owners = intOption(o.owners, "owners", 1, 100_000_000);
   if (!["on", "off"].includes(String(o.guard))) throw new InterlinkError(`--guard must be on or off, not '${o.guard}'`);
   const dataDir = o.data as string;
   logComponent = "interlink bus";
-  const bus = await Bus.open(dataDir, { cap, compactMinDead, limits });
+  const bus = await Bus.open(dataDir, { cap, compactMinDead, limits, owners });
   let server: Listening;
   try {
     server = await serveHttp(bus.handler, host, port, o.guard === "on");
@@ -13286,6 +13368,14 @@ const COMMANDS: Record<string, CommandSpec> = {
         env: "INTERLINK_BUS_MAX_MB",
         default: String(TOTAL_BYTES_MAX >> 20),
         help: "MiB of messages the bus holds in all (past it: 507)",
+      },
+      owners: {
+        type: "string",
+        arg: "N",
+        env: "INTERLINK_BUS_OWNERS",
+        default: String(OWNERS_MAX),
+        help:
+          "keys whose routes the bus protects (recipient ownership), never forgotten; past it a new key's recv and ack are refused (507)",
       },
       guard: {
         type: "string",
