@@ -79,6 +79,7 @@ import {
   LockedError,
   lockOwner,
   McpSession,
+  MESSAGE_OVERHEAD_BYTES,
   messageBlock,
   messageHead,
   natsConsumer,
@@ -120,6 +121,7 @@ import {
   Roster,
   ROSTER_CAP,
   rosterKey,
+  ROUTE_OVERHEAD_BYTES,
   runTool,
   scanJournal,
   scanJsonl,
@@ -139,6 +141,7 @@ import {
   taskTag,
   TOOLS,
   unregisterBytes,
+  utf8Bytes,
   verifyAnnouncement,
   verifyMessage,
   VERSION,
@@ -5638,6 +5641,48 @@ describe("hostile clients: ownership that a flood cannot evict", () => {
   });
 });
 
+describe("hostile clients: tiny messages count", () => {
+  test("a flood of one-byte payloads is bounded by count too: each message counts 256 bytes beside its payload, per signer and in all, and each route 512", async () => {
+    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { totalBytes: 64 << 10 } });
+    try {
+      const statuses: number[] = [];
+      for (let i = 0; i < 40; i++) {
+        const messages = Array.from({ length: 64 }, (_, k) => ({ to: `r${(i * 64 + k) % 10}`, payload: 1 }));
+        const r = await bus.handler(
+          new Request("http://bus/send", { method: "POST", body: JSON.stringify({ messages }) }),
+        );
+        statuses.push(...((await r.json()).results as { status: number }[]).map((x) => x.status));
+      }
+      // 2,560 bytes of payload, far inside 64 KiB; 10 routes of 512 bytes and 235 messages of (1 + 256) fill it.
+      const room = (64 << 10) - 10 * ROUTE_OVERHEAD_BYTES;
+      expect(statuses.filter((s) => s === 202).length).toBe(Math.floor(room / (1 + MESSAGE_OVERHEAD_BYTES)));
+      expect(statuses).toContain(507);
+      expect(bus.queues.charged).toBeLessThanOrEqual(64 << 10);
+    } finally {
+      await bus.close();
+    }
+    const one = await Bus.open(tmpDir(), { log: () => {}, limits: { senderBytes: 32 << 10 } });
+    try {
+      let taken = 0, size = 0;
+      for (let i = 0; i < 200; i++) {
+        const m = await signMessage(eve, { to: bob.publicKey, text: "." }, Date.now());
+        size = utf8Bytes(JSON.stringify(m));
+        const r = await one.handler(
+          new Request("http://bus/send", {
+            method: "POST",
+            body: JSON.stringify({ to: `${bob.publicKey}#s${i}`, payload: m }),
+          }),
+        );
+        if (r.status === 202) taken++;
+        else expect(r.status).toBe(429);
+      }
+      expect(taken).toBe(Math.floor((32 << 10) / (size + MESSAGE_OVERHEAD_BYTES)));
+    } finally {
+      await one.close();
+    }
+  });
+});
+
 describe("hostile clients: fair room on the bus", () => {
   test("a flood from one sender fills a recipient's queue at its own cost: the other senders' messages stay", async () => {
     const bus = await Bus.open(tmpDir(), { cap: 8, log: () => {} });
@@ -5674,7 +5719,8 @@ describe("hostile clients: fair room on the bus", () => {
   });
 
   test("a v2-shaped payload whose signature fails, or that is addressed to another key, is refused (400); per-signer and global byte budgets answer 429 and 507", async () => {
-    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { senderBytes: 4096, totalBytes: 8192 } });
+    // 8 KiB of messages in all, and the four routes they go to (ROUTE_OVERHEAD_BYTES each).
+    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { senderBytes: 4096, totalBytes: 10 << 10 } });
     try {
       const post = (to: string, payload: unknown) =>
         bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to, payload }) }));
@@ -5697,8 +5743,8 @@ describe("hostile clients: fair room on the bus", () => {
       expect((await post(route(1), await big(eve))).status).toBe(202);
       expect((await post(route(2), await big(eve))).status).toBe(202);
       const full = await post(route(4), { opaque: "z".repeat(3000) });
-      expect(full.status).toBe(507); // the bus holds its 8 KiB in all
-      expect((await full.json()).error).toContain("whole budget of 8 KiB");
+      expect(full.status).toBe(507); // the bus holds its 10 KiB in all
+      expect((await full.json()).error).toContain("whole budget of 10 KiB");
       // A body declared too big for what room is left is refused unread (this one never ends: reading it would hang).
       const endless = new ReadableStream({ pull: () => new Promise(() => {}) });
       const unread = await bus.handler(

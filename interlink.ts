@@ -2268,11 +2268,24 @@ export interface QueueLimits {
   cap: number;
   /** Unattributed (opaque) messages per recipient: their own small budget, never at a verified message's cost. */
   opaqueCap: number;
-  /** Payload bytes one verified sender may have queued here, across all recipients. */
+  /** Bytes one verified sender may have queued here, across all recipients (payloads plus MESSAGE_OVERHEAD_BYTES each). */
   senderBytes: number;
-  /** Payload bytes in all. */
+  /** Bytes in all, counted the same way, and ROUTE_OVERHEAD_BYTES for each route holding messages. */
   totalBytes: number;
 }
+
+/**
+ * What each queued message counts against the byte budgets beside its payload: its entry in memory (about 100
+ * to 200 bytes, measured) and its record's head on disk (about 150 for a session's route). So one-byte payloads
+ * are bounded in count too: 32 MiB holds about 130,000 of them, 8 MiB of one signer's 32,640.
+ */
+export const MESSAGE_OVERHEAD_BYTES = 256;
+/**
+ * ... and what each route holding messages counts against the bus's budget in all: its queue in memory (about
+ * 500 bytes with its name). So a flood of one message to each of many routes is bounded as well (at most
+ * 43,633 routes in 32 MiB).
+ */
+export const ROUTE_OVERHEAD_BYTES = 512;
 
 export const DEFAULT_LIMITS: QueueLimits = {
   cap: QUEUE_CAP,
@@ -2286,13 +2299,15 @@ export const DEFAULT_LIMITS: QueueLimits = {
  * fair between senders. A full queue makes room by dropping the oldest
  * message of the sender that holds the most there, so a flood from one sender
  * only ever costs that sender; unattributed payloads live under their own
- * small budget. Bytes are budgeted per sender and in all (`admit` says no).
- * Memory is proportional to what is held: a queue is deleted when it empties.
+ * small budget. Bytes are budgeted per sender and in all (`admit` says no),
+ * each message counted with MESSAGE_OVERHEAD_BYTES and, in all, each route
+ * with ROUTE_OVERHEAD_BYTES. Memory is proportional to what is held: a queue
+ * is deleted when it empties.
  */
 export class BusQueues {
   #queues = new Map<string, RecipientQueue>();
-  /** Payload bytes held per verified sender, and one copy of its key string that every entry shares. */
-  #senderBytes = new Map<string, { name: string; bytes: number }>();
+  /** Payload bytes and messages held per verified sender, and one copy of its key string that every entry shares. */
+  #senderBytes = new Map<string, { name: string; bytes: number; count: number }>();
   nextSeq = 1;
   liveCount = 0;
   bytes = 0;
@@ -2306,10 +2321,22 @@ export class BusQueues {
     return this.#queues.size;
   }
 
-  /** Why a new payload of `size` bytes from `sender` cannot be taken now ("global" or "sender"), or null. */
-  admit(sender: string, size: number): "global" | "sender" | null {
-    if (this.bytes + size > this.limits.totalBytes) return "global";
-    if (sender && (this.#senderBytes.get(sender)?.bytes ?? 0) + size > this.limits.senderBytes) return "sender";
+  /** What the budget in all counts as held: payload bytes, MESSAGE_OVERHEAD_BYTES a message, ROUTE_OVERHEAD_BYTES a route. */
+  get charged(): number {
+    return this.bytes + this.liveCount * MESSAGE_OVERHEAD_BYTES + this.#queues.size * ROUTE_OVERHEAD_BYTES;
+  }
+
+  /**
+   * Why a new payload of `size` bytes from `sender` to `to` ("": a route not known yet) cannot be taken now
+   * ("global" or "sender"), or null.
+   */
+  admit(sender: string, size: number, to = ""): "global" | "sender" | null {
+    const cost = size + MESSAGE_OVERHEAD_BYTES;
+    const route = this.#queues.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
+    if (this.charged + cost + route > this.limits.totalBytes) return "global";
+    const held = sender ? this.#senderBytes.get(sender) : undefined;
+    const charged = held ? held.bytes + held.count * MESSAGE_OVERHEAD_BYTES : 0;
+    if (sender && charged + cost > this.limits.senderBytes) return "sender";
     return null;
   }
 
@@ -2330,10 +2357,11 @@ export class BusQueues {
     if (!q) this.#queues.set(to, q = new RecipientQueue());
     // One lookup counts the sender's bytes and finds the copy of its key that every entry shares.
     let held = sender ? this.#senderBytes.get(sender) : undefined;
-    if (sender && !held) this.#senderBytes.set(sender, held = { name: sender, bytes: 0 });
+    if (sender && !held) this.#senderBytes.set(sender, held = { name: sender, bytes: 0, count: 0 });
     if (held) {
       sender = held.name;
       held.bytes += size;
+      held.count++;
     }
     this.bytes += size;
     const item: Queued = { seq, ts, payload, at: -1, len: 0, sender, size, gone: false };
@@ -2364,7 +2392,7 @@ export class BusQueues {
     const held = sender ? this.#senderBytes.get(sender) : undefined;
     if (!held) return;
     held.bytes -= size;
-    if (held.bytes <= 0) this.#senderBytes.delete(sender);
+    if (--held.count <= 0) this.#senderBytes.delete(sender);
   }
 
   /** Whether one more message from `sender` to `to` would push an older one out (see `add`). */
@@ -2994,13 +3022,19 @@ export class Bus {
     }
   };
 
-  /** Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) would get; `close`: its body is unread. */
-  ensureRoom(sender: string, size: number, close = false): void {
-    const over = this.queues.admit(sender, size);
+  /**
+   * Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) to `to` ("": not known yet)
+   * would get. `close`: the body is unread (see HttpError).
+   */
+  ensureRoom(sender: string, size: number, to = "", close = false): void {
+    const over = this.queues.admit(sender, size, to);
+    const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
     if (over === "global") {
       throw new HttpError(
         507,
-        `this bus holds its whole budget of ${humanBytes(this.queues.limits.totalBytes)} of messages; retry later`,
+        `this bus holds its whole budget of ${
+          humanBytes(this.queues.limits.totalBytes)
+        } of messages (${counted}); retry later`,
         close,
       );
     }
@@ -3009,7 +3043,7 @@ export class Bus {
         429,
         `this sender already has ${
           humanBytes(this.queues.limits.senderBytes)
-        } queued on this bus; retry once some is read`,
+        } queued on this bus (${counted}); retry once some is read`,
         close,
       );
     }
@@ -3027,7 +3061,7 @@ export class Bus {
    */
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
-    this.ensureRoom(sender, size);
+    this.ensureRoom(sender, size, to);
     const seq = this.queues.nextSeq++; // used up even if the write fails: a fenced record can never share it
     const ts = this.now();
     const head = messageHead(to, seq, ts, sender, size);
@@ -3569,7 +3603,7 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
       const to = recipientParam(item.to, "to");
       const payload = JSON.stringify(item.payload);
       const sender = await signerOf(item.payload, to);
-      bus.ensureRoom(sender, utf8Bytes(payload));
+      bus.ensureRoom(sender, utf8Bytes(payload), to);
       queued.push(bus.send(to, payload, sender)); // in the queue now, in order; on disk once awaited
       results.push({ status: 202 });
     } catch (e) {
@@ -3612,7 +3646,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
       async handle(bus, req, { from }) {
         // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
         const declared = Number(req.headers.get("content-length"));
-        if (declared > 0) bus.ensureRoom("", declared, true);
+        if (declared > 0) bus.ensureRoom("", declared, "", true);
         const body = await readJsonBody(req, { inFlight: bus.inFlight, from });
         if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages);
         if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
