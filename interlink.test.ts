@@ -3802,7 +3802,8 @@ describe("durability: a full disk", () => {
     async () => {
       const disk = smallDisk(512)!;
       try {
-        const bus = await Bus.open(path.join(disk.dir, "bus"), { log: () => {} });
+        // No room kept free (diskReserve): the writes themselves meet the full disk.
+        const bus = await Bus.open(path.join(disk.dir, "bus"), { log: () => {}, diskReserve: -Infinity });
         const call = (body: unknown) =>
           bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify(body) }));
         const accepted: number[] = [];
@@ -3844,7 +3845,8 @@ describe("durability: a full disk", () => {
         const disk = smallDisk(512)!;
         try {
           // Under a cap of 50, most sends push an older message out: those are written at once, never held.
-          const bus = await Bus.open(path.join(disk.dir, "bus"), { log: () => {}, limits: { opaqueCap } });
+          const opts = { log: () => {}, limits: { opaqueCap }, diskReserve: -Infinity }; // the write meets the full disk
+          const bus = await Bus.open(path.join(disk.dir, "bus"), opts);
           const call = (body: unknown) =>
             bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify(body) }));
           const accepted: number[] = [];
@@ -3861,7 +3863,7 @@ describe("durability: a full disk", () => {
           expect(queued()).toEqual(accepted.slice(-opaqueCap));
           fs.rmSync(filler);
           await bus.close();
-          const reopened = await Bus.open(path.join(disk.dir, "bus"), { log: () => {}, limits: { opaqueCap } });
+          const reopened = await Bus.open(path.join(disk.dir, "bus"), opts);
           expect(reopened.take("r", 200).map((m) => JSON.parse(m.payload).i)).toEqual(accepted.slice(-opaqueCap));
           expect(reopened.recovery.skippedLines).toBe(0);
           await reopened.close();
@@ -3877,7 +3879,7 @@ describe("durability: a full disk", () => {
     async () => {
       const disk = smallDisk(512)!;
       try {
-        const opts = { log: () => {}, limits: { opaqueCap: 3 } };
+        const opts = { log: () => {}, limits: { opaqueCap: 3 }, diskReserve: -Infinity }; // the writes meet the full disk
         const bus = await Bus.open(path.join(disk.dir, "bus"), opts);
         for (let i = 0; i < 3; i++) await bus.send("r", JSON.stringify(`old${i}`));
         const filler = fillDisk(disk.dir, 8192);
@@ -3951,6 +3953,52 @@ describe("durability: a full disk", () => {
       }
     },
     60_000,
+  );
+
+  diskTest(
+    "a disk the bus's own accepted messages filled: every ack is still taken, and once receivers have read them the bus takes sends again, with no operator",
+    async () => {
+      const disk = smallDisk(512)!;
+      try {
+        const dir = path.join(disk.dir, "bus");
+        const opts = { log: () => {}, limits: { opaqueCap: 10_000 } }; // one route holds all of them
+        const bus = await Bus.open(dir, opts);
+        const call = (url: string, body?: unknown) =>
+          bus.handler(
+            new Request(`http://bus${url}`, body === undefined ? {} : { method: "POST", body: JSON.stringify(body) }),
+          );
+        const accepted: number[] = [];
+        for (let i = 0; i < 1_000; i++) {
+          const r = await call("/send", { to: "r", payload: { i, pad: "x".repeat(2_000) } });
+          if (r.status === 202) accepted.push(i);
+          else {
+            expect(r.status).toBe(507);
+            expect((await r.json()).error).toContain("is full");
+            break;
+          }
+        }
+        expect(accepted.length).toBeGreaterThan(100);
+        // Every receiver drains: an ack needs no room on the disk.
+        const acks: number[] = [], read: number[] = [];
+        while (!acks.some((s) => s !== 200)) { // an ack refused would hand the same message over again
+          const m = await (await call("/recv?me=r&timeout_ms=0")).json();
+          if (m.status !== "message") break;
+          read.push(m.envelope.payload.i);
+          acks.push((await call("/ack", { me: "r", ack: m.ack })).status);
+        }
+        expect(read).toEqual(accepted);
+        expect(acks.every((s) => s === 200)).toBe(true);
+        // The room they took comes back: the queue file was compacted, and sends are taken again.
+        expect(fs.statSync(path.join(dir, "queue.jsonl")).size).toBeLessThan(64 << 10);
+        expect((await call("/send", { to: "r", payload: { i: -1 } })).status).toBe(202);
+        await bus.close();
+        const reopened = await Bus.open(dir, opts);
+        expect(reopened.take("r", 10).map((m) => JSON.parse(m.payload).i)).toEqual([-1]);
+        await reopened.close();
+      } finally {
+        disk.unmount();
+      }
+    },
   );
 
   diskTest(
@@ -9661,7 +9709,8 @@ describe("pairing by invite: two machines in two commands", () => {
 
   /** The payloads a bus's queue file holds for `route` (acked ones too, until a compaction). */
   function queuedFor(queueFile: string, route: string): Record<string, unknown>[] {
-    return readJsonl(queueFile, () => {}).filter((r) => r.t === "m" && r.q === route).map((r) =>
+    // Acked ones too: an ack marks its message's record in place ("t" becomes "a"), payload and all.
+    return readJsonl(queueFile, () => {}).filter((r) => typeof r.p === "string" && r.q === route).map((r) =>
       JSON.parse(r.p as string)
     );
   }

@@ -203,6 +203,15 @@ const COMPACT_MIN_DEAD = 10_000;
 /** After a compaction fails (a full disk), wait this long before trying again rather than on every request. */
 const COMPACT_RETRY_MS = 30_000;
 /**
+ * Room a bus leaves free on its disk (a sixteenth of a smaller disk), beside its owners' records: sends past it
+ * are refused (507), so its own messages never take the room a compaction needs once receivers have read them.
+ */
+const DISK_RESERVE_BYTES = 1 << 20;
+/** On a disk that short of room, compact as soon as this much of the queue file is dead (and the new file fits). */
+const DISK_RECLAIM_BYTES = 64 << 10;
+/** How long a bus trusts its last look at the disk's free space (statfs), less what it wrote since. */
+const DISK_LOOK_MS = 100;
+/**
  * A session ended this long ago is adopted by a live sibling (see "Ended sessions"): one resumed sooner keeps its
  * own mail. A new session adopts every ended one at its start, however recent.
  */
@@ -2106,7 +2115,7 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 // string, verifies nothing, holds no keys, and keeps each message until its
 // recipient acks it. Its state is one JSONL file in the data folder:
 //   {"t":"m","q":<recipient>,"n":<seq>,"ts":<ms>,"s":<sender>,"z":<bytes>,"p":<payload as JSON text>}  accepted
-//   {"t":"a","q":<recipient>,"n":<seq>}                    acked
+//   {"t":"a","q":<recipient>,"n":<seq>,…}                  acked: an "m" record marked in place (older buses appended these)
 //   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap
 //   {"t":"o","q":<key>}                                    the key has proven it owns its routes (an older bus: one a route)
 //   {"t":"h","next":<seq>}                                 first line after compaction
@@ -2124,7 +2133,7 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 // "p" before "s": such lines are parsed whole and rewritten at the next
 // compaction). Writes are group-committed: while an fdatasync runs, new
 // messages wait in memory and go out as one write before the next one (an
-// ack is answered only once written, and takes what waits along with it).
+// ack writes what waits, then marks its record, before it is answered).
 
 /**
  * A queue file record (the layout above). An "m" record is written by
@@ -2724,6 +2733,8 @@ export interface BusOptions {
   limits?: Partial<QueueLimits>;
   /** Keys whose routes the bus protects at most (see checkOwnership); OWNERS_MAX by default. */
   owners?: number;
+  /** Bytes kept free on the data folder's disk (see diskReserve); the default follows the disk's size. */
+  diskReserve?: number;
   /** Dead records (acked, dropped) that trigger a compaction once they also outnumber the live ones. */
   compactMinDead?: number;
   log?: (msg: string) => void;
@@ -2745,6 +2756,10 @@ interface PendingLine {
   failed?: unknown;
 }
 
+/** What an ack in place writes over a message record's tag, and where (see Bus.ack): `{"t":"m"` becomes `{"t":"a"`. */
+const ACKED_TAG = Buffer.from("a");
+const ACKED_TAG_AT = '{"t":"'.length;
+
 /** The start of an "m" record, up to `"p":`; the payload as a JSON string literal and `}\n` complete it. */
 export const messageHead = (q: string, n: number, ts: number, s: string, z: number): string =>
   `{"t":"m","q":${JSON.stringify(q)},"n":${n},"ts":${ts},"s":${JSON.stringify(s)},"z":${z},"p":`;
@@ -2753,11 +2768,13 @@ export const messageHead = (q: string, n: number, ts: number, s: string, z: numb
  * Reads the head of an "m" record in today's layout straight from the bytes
  * (no head string, no JSON.parse: a restart reads 300k of them) into its
  * fields; false for any other layout (an older bus, escapes in a name, a hand
- * edit), which the caller then reads as plain JSON. `p` is where the payload's
- * string literal starts. A name read before (a route, a sender) comes back as
- * the same string, so a restart allocates one string per name, not per line.
+ * edit), which the caller then reads as plain JSON. `t` is "a" for a message
+ * acked in place (see Bus.ack). `p` is where the payload's string literal
+ * starts. A name read before (a route, a sender) comes back as the same
+ * string, so a restart allocates one string per name, not per line.
  */
 class MessageHeadReader {
+  t: "m" | "a" = "m";
   q = "";
   n = 0;
   ts = 0;
@@ -2775,7 +2792,11 @@ class MessageHeadReader {
     this.#end = end;
     if (end - start < 40 || buf[end - 1] !== 0x7d || buf[end - 2] !== 0x22) return false;
     let name: string | null;
-    if (!this.#literal('{"t":"m","q":"') || (name = this.#string()) === null) return false;
+    if (!this.#literal('{"t":"')) return false;
+    const tag = buf[this.#i++];
+    if (tag !== 0x6d && tag !== 0x61) return false; // "m", or "a": acked in place
+    this.t = tag === 0x6d ? "m" : "a";
+    if (!this.#literal('","q":"') || (name = this.#string()) === null) return false;
     this.q = name;
     if (!this.#literal(',"n":') || (this.n = this.#int()) <= 0) return false;
     if (!this.#literal(',"ts":') || (this.ts = this.#int()) < 0) return false;
@@ -2853,6 +2874,10 @@ export class Bus {
   /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
   readonly #verified = new BoundedMap<string, string>(PROOFS_REMEMBERED); // bounded: forgetting costs one check
   readonly ownersMax: number;
+  /** The data folder's disk as last looked at: free bytes (less what was written since), size, when. */
+  #disk = { free: Infinity, size: Infinity, at: -Infinity };
+  readonly #diskReserve: number | undefined;
+  #deadBytes = 0; // bytes of the queue file that no longer hold a live record: what a compaction gives back
   readonly #compactMinDead: number;
   readonly #log: (msg: string) => void;
   readonly now: () => number;
@@ -2870,7 +2895,9 @@ export class Bus {
     this.now = opts.now ?? Date.now;
     this.#compactMinDead = opts.compactMinDead ?? COMPACT_MIN_DEAD;
     this.ownersMax = opts.owners ?? OWNERS_MAX;
-    this.#reader = fs.openSync(writer.file, "r");
+    this.#diskReserve = opts.diskReserve;
+    // Read and write: payloads are read back through it, and acks mark records in place.
+    this.#reader = fs.openSync(writer.file, "r+");
     // A held batch that cannot be written fails its own lines (each send checks its line), not the round.
     writer.beforeSync = () => {
       try {
@@ -2907,6 +2934,10 @@ export class Bus {
       const fastMessage = (buf: Buffer, start: number, end: number, at: number): boolean => {
         // A size above the literal's length is damage (escapes only lengthen): the plain JSON path judges it.
         if (!h.read(buf, start, end) || !h.q || h.q.length > RECIPIENT_MAX_CHARS || h.z > end - 1 - h.p) return false;
+        if (h.t === "a") { // acked in place: a dead record, whose seq stays used
+          queues.nextSeq = Math.max(queues.nextSeq, h.n + 1);
+          return true;
+        }
         const { item, dropped: lost } = queues.add(h.q, h.ts, undefined, h.n, h.s, true, h.z);
         item.at = at + h.p - start;
         item.len = end - 1 - h.p;
@@ -2945,6 +2976,7 @@ export class Bus {
           case "a":
           case "d":
             queues.remove(rec.q, rec.n);
+            queues.nextSeq = Math.max(queues.nextSeq, rec.n + 1); // an "a" may be its message's record, acked in place
             break;
           case "o":
             owners.add(parseRoute(rec.q).key); // an older bus wrote one per route
@@ -2972,6 +3004,7 @@ export class Bus {
       const writer = new JsonlWriter(file, `the bus data folder ${dataDir}`);
       const bus = new Bus(dataDir, queues, recovery, writer, lock, records - queues.liveCount - owners.size, opts);
       for (const key of owners) bus.#addOwner(key);
+      bus.#deadBytes = Math.max(0, fs.statSync(file).size - bus.#ownerBytes - queues.charged);
       bus.#maybeCompact(true, inMemory > 0);
       return bus;
     } catch (e) {
@@ -3024,7 +3057,7 @@ export class Bus {
 
   /**
    * Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) to `to` ("": not known yet)
-   * would get. `close`: the body is unread (see HttpError).
+   * would get: the byte budgets, then the room kept free on the disk. `close`: the body is unread (see HttpError).
    */
   ensureRoom(sender: string, size: number, to = "", close = false): void {
     const over = this.queues.admit(sender, size, to);
@@ -3047,6 +3080,44 @@ export class Bus {
         close,
       );
     }
+    this.#ensureDisk(2 * size + MESSAGE_OVERHEAD_BYTES, close); // a record: at most twice the payload (escapes), and its head
+  }
+
+  /** Free bytes on the data folder's disk: looked up (statfs) at most every DISK_LOOK_MS, or `now`; writes since are taken off. */
+  #diskFree(now = false): number {
+    const t = performance.now();
+    if (now || t - this.#disk.at >= DISK_LOOK_MS) {
+      try {
+        const st = fs.statfsSync(this.dataDir);
+        this.#disk = { free: st.bavail * st.bsize, size: st.blocks * st.bsize, at: t };
+      } catch {
+        this.#disk = { free: Infinity, size: Infinity, at: t }; // cannot tell: a write that fails says so
+      }
+    }
+    return this.#disk.free;
+  }
+
+  /**
+   * Bytes the bus leaves free on its disk for what must always be written: the records that compact the queue
+   * file (its owners, and the live messages once receivers have read most) and the odd small record. Acks need
+   * none (see ack). DISK_RESERVE_BYTES, or a sixteenth of a small disk, plus the owners' records.
+   */
+  diskReserve(): number {
+    return (this.#diskReserve ?? Math.min(DISK_RESERVE_BYTES, Math.floor(this.#disk.size / 16))) + this.#ownerBytes;
+  }
+
+  /** Throws the 507 a write of `bytes` gets when it would eat into the reserve (looked at afresh before refusing). */
+  #ensureDisk(bytes: number, close = false): void {
+    if (this.#diskFree() - bytes >= this.diskReserve()) return;
+    const free = this.#diskFree(true);
+    if (free - bytes >= this.diskReserve()) return;
+    throw new HttpError(
+      507,
+      `the disk of the bus's data folder is full: ${
+        humanBytes(Math.max(0, free))
+      } free, which the bus keeps for compacting its queue file; nothing was stored; retry once receivers have read their mail`,
+      close,
+    );
   }
 
   /**
@@ -3128,8 +3199,8 @@ export class Bus {
   /**
    * Records that `route`'s key proved with `proof` (verified and fresh) that it reads it. A key proving for the
    * first time becomes an owner, on disk before the answer (trust on first proof survives a restart), unless the
-   * bus holds its `ownersMax` (507) or address bucket `from` made NEW_OWNERS_PER_ADDRESS_PER_DAY today (429):
-   * then the recv or ack is refused, never served unprotected.
+   * bus holds its `ownersMax` (507), address bucket `from` made NEW_OWNERS_PER_ADDRESS_PER_DAY today (429), or
+   * the disk has no room for the record (507): then the recv or ack is refused, never served unprotected.
    */
   touchOwned(route: string, proof: string, from = ""): void {
     this.#verified.set(route, proof);
@@ -3151,6 +3222,7 @@ export class Bus {
       );
     }
     const line = recordLine({ t: "o", q: key });
+    this.#ensureDisk(line.bytes);
     this.#write(line, true); // once per key, never held: the answer waits for it
     this.#addOwner(key);
     if (this.#owners.size === this.ownersMax) {
@@ -3193,6 +3265,7 @@ export class Bus {
     let offset: number;
     try {
       offset = this.writer.appendText(batch.length === 1 ? batch[0].text : batch.map((l) => l.text).join(""));
+      for (const l of batch) this.#disk.free -= l.bytes;
     } catch (e) {
       for (const l of batch) {
         l.failed = e;
@@ -3331,21 +3404,69 @@ export class Bus {
   }
 
   /**
-   * Acks `seqs` of `me` (unknown ones are ignored: acks are idempotent). The
-   * records are written before the answer, in one write with whatever is
-   * held for the next fsync round, so a crash of the bus never brings an
-   * acked message back; they are fsynced lazily, so a power cut can, and
-   * that is a redelivery, which receivers dedupe. Acks that cannot be
-   * written are refused, and the messages stay.
+   * Acks `seqs` of `me` (unknown ones are ignored: acks are idempotent). Each
+   * is written in place before the answer: its message's record becomes an
+   * ack record (see #markAcked), which takes no room on the disk, so a full
+   * disk never stops receivers from draining it, and a crash of the bus never
+   * brings an acked message back. They are fsynced lazily, so a power cut
+   * can, and that is a redelivery, which receivers dedupe. A record not where
+   * its entry says (an older layout) gets an appended "a" record instead;
+   * those that cannot be written are refused, and their messages stay.
    */
   ack(me: string, ...seqs: number[]): void {
-    const known = [...new Set(seqs)].filter((seq) => this.queues.has(me, seq));
-    if (!known.length) return;
-    this.#write(known.map((seq) => recordLine({ t: "a", q: me, n: seq })), true); // with what is held: one append
-    for (const seq of known) this.queues.remove(me, seq);
-    this.dead += 2 * known.length;
-    this.#syncSoon();
-    this.#maybeCompact();
+    if (!seqs.some((seq) => this.queues.has(me, seq))) return;
+    try {
+      this.#flush(); // a message still held for the next write gets its record, to be marked
+    } catch {
+      // those held messages left memory and their senders are answered 507: nothing of them to ack
+    }
+    const appended: number[] = [];
+    try {
+      for (const seq of new Set(seqs)) {
+        const item = this.queues.get(me, seq);
+        if (!item) continue;
+        const bytes = this.#markAcked(me, item);
+        if (!bytes) {
+          appended.push(seq);
+          continue;
+        }
+        this.queues.remove(me, seq);
+        this.dead += 2; // as a message and its ack record weigh: compaction comes as often as before
+        this.#deadBytes += bytes;
+      }
+      if (!appended.length) return;
+      const lines = appended.map((seq) => recordLine({ t: "a", q: me, n: seq }));
+      this.#write(lines, true);
+      for (const seq of appended) this.queues.remove(me, seq);
+      this.dead += 2 * appended.length;
+      this.#deadBytes += lines.reduce((n, l) => n + l.bytes, 0);
+    } finally {
+      this.#syncSoon();
+      this.#maybeCompact();
+    }
+  }
+
+  /**
+   * Acks `item` in place: the "m" of its record's tag becomes "a", an ack
+   * record naming the same route and seq (every reader of the file, an older
+   * bus's too, takes it so). One byte over one that is there needs no new room
+   * on the disk. Returns the record's bytes, or 0 when the record is not on
+   * disk in today's layout exactly where its entry says (held still, an older
+   * layout, or a read or write that fails).
+   */
+  #markAcked(me: string, item: Queued): number {
+    if (item.at < 0 || item.payload !== undefined) return 0;
+    const head = Buffer.from(messageHead(me, item.seq, item.ts, item.sender, item.size));
+    const start = item.at - head.length;
+    if (start < 0) return 0;
+    try {
+      const found = Buffer.alloc(head.length);
+      if (fs.readSync(this.#reader, found, 0, head.length, start) !== head.length || !found.equals(head)) return 0;
+      if (fs.writeSync(this.#reader, ACKED_TAG, 0, 1, start + ACKED_TAG_AT) !== 1) return 0;
+    } catch {
+      return 0;
+    }
+    return head.length + item.len + 2;
   }
 
   #syncSoon(): void {
@@ -3364,7 +3485,8 @@ export class Bus {
    * COMPACT_RETRY_MS.
    */
   #maybeCompact(opening = false, force = false): void {
-    if (!force && this.dead < Math.max(this.#compactMinDead, this.queues.liveCount)) return;
+    const due = this.dead >= Math.max(this.#compactMinDead, this.queues.liveCount);
+    if (!force && !due && !this.#spaceToReclaim()) return;
     if (this.now() < this.#compactAfter) return;
     const placed: [Queued, number, number][] = [];
     const cut: [string, number][] = []; // live messages the file no longer holds whole: left out, set aside
@@ -3391,7 +3513,7 @@ export class Bus {
           placed.push([m, at, literal.length]);
         }
       }, (tmp) => {
-        reader = fs.openSync(tmp, "r");
+        reader = fs.openSync(tmp, "r+");
         if (!opening) failpoint("bus-mid-compact"); // the new file written and synced, not yet in place
       });
     } catch (e) {
@@ -3410,7 +3532,22 @@ export class Bus {
       this.#log(`the queued message seq ${seq} for ${fingerprint(q)}… was cut short on disk; set aside in .corrupt`);
     }
     this.dead = 0;
+    this.#deadBytes = 0;
+    this.#diskFree(true);
     if (!opening) failpoint("bus-after-compact");
+  }
+
+  /**
+   * Whether a compaction should run before dead records dominate: when the
+   * disk is short of room (less than twice the reserve free), DISK_RECLAIM_BYTES
+   * or more of the file is dead, and the new file (the owners and the live
+   * messages) fits in what is free. So a disk our own messages filled gets its
+   * room back once receivers have read them.
+   */
+  #spaceToReclaim(): boolean {
+    if (this.#deadBytes < DISK_RECLAIM_BYTES) return false;
+    const free = this.#diskFree();
+    return free < 2 * this.diskReserve() && this.#ownerBytes + this.queues.charged < free;
   }
 
   async close(): Promise<void> {
