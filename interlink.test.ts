@@ -1377,27 +1377,48 @@ describe("bus: queue and roster logic", () => {
     expect(r.list(3 * 86_400_000)).toEqual([]); // gone after the retention
     // An older announcement never replaces a newer one (no replaying a stale claim over a fresh one).
     expect(r.put(entry(alice.publicKey, "s1", 100), '{"v":2}', 10)).toBe(true);
-    expect(r.put(entry(alice.publicKey, "s1", 50), '{"v":1}', 20)).toBe(false);
+    expect(r.put(entry(alice.publicKey, "s1", 50), '{"v":1}', 20)).toBe("older");
     r.remove(`${alice.publicKey}#s1`, 99); // an unregister signed before the announcement does not remove it
     expect(r.list(30)).toEqual(['{"v":2,"age_ms":20}']);
     r.remove(`${alice.publicKey}#s1`, 100);
     expect(r.list(30)).toEqual([]);
   });
 
-  test("bounds: at most 64 sessions per key and the cap in all; the stalest entry goes, never the newcomer", () => {
-    const r = new Roster(100, 64);
-    const put = (pubkey: string, i: number, at: number) =>
+  test("bounds: a key's stalest sessions make room for its newest; past an address's or the roster's bound only an away entry gives way, never a live one, else the newcomer is refused", () => {
+    const r = new Roster(100, 64, 80);
+    const carol = "carol-key", dave = "dave-key"; // the roster trusts the verified key it is given: any string here
+    const put = (pubkey: string, i: number, at: number, from: string, pad = 0) =>
       r.put(
         { pubkey, name: "n", ts: at, sig: "s", session: { session_id: `s${i}`, cwd: "", git_root: "", summary: "" } },
-        `{"i":${i}}`,
+        JSON.stringify({ i, ...(pad ? { pad: "x".repeat(pad) } : {}) }),
         at,
+        from,
       );
-    for (let i = 0; i < 70; i++) put(alice.publicKey, i, i);
+    for (let i = 0; i < 70; i++) expect(put(alice.publicKey, i, i, "A")).toBe(true);
     expect(r.size).toBe(64);
-    expect(r.list(100)[0]).toBe('{"i":6,"age_ms":94}'); // alice's six stalest sessions made room
-    for (let i = 0; i < 40; i++) put(bob.publicKey, i, 200 + i);
-    expect(r.size).toBe(100);
-    expect(r.list(300).at(-1)).toBe('{"i":39,"age_ms":61}'); // bob's newest is in; alice's stalest went
+    expect(JSON.parse(r.list(100)[0]).i).toBe(6); // alice's six stalest sessions made room for her newest
+    // Address A holds 64 of its 80: bob there gets 16, then is refused while all of A's entries are live.
+    const bobs = Array.from({ length: 20 }, (_, i) => put(bob.publicKey, i, 1000, "A"));
+    expect(bobs.filter((x) => x === true).length).toBe(16);
+    expect(bobs.slice(16)).toEqual(["address", "address", "address", "address"]);
+    // From B, up to the roster's 100, then refused: every entry is live. A 7 KiB announcement counts 8.
+    expect(put(carol, 0, 1000, "B", 7200)).toBe(true);
+    const carols = Array.from({ length: 20 }, (_, i) => put(carol, i + 1, 1000, "B"));
+    expect(carols.filter((x) => x === true).length).toBe(12);
+    expect(carols.at(-1)).toBe("full");
+    expect(r.units).toBe(100);
+    // A refresh keeps its place, the roster full or not, growing too (within its key's and its address's bounds).
+    expect(put(carol, 1, 2000, "B", 1500)).toBe(true);
+    expect(r.units).toBe(101);
+    // 90 s on, bob and carol have refreshed, alice has not: newcomers take alice's places, stalest first.
+    for (let i = 0; i < 16; i++) expect(put(bob.publicKey, i, 90_000, "A")).toBe(true);
+    for (let i = 0; i <= 12; i++) expect(put(carol, i, 90_000, "B", i === 0 ? 7200 : 0)).toBe(true);
+    expect(put(dave, 0, 90_000, "C")).toBe("full"); // alice's are not away yet
+    const daves = Array.from({ length: 10 }, (_, i) => put(dave, i, 95_000, "C"));
+    expect(daves.every((x) => x === true)).toBe(true);
+    const keys = r.list(95_001).map((j) => JSON.parse(j));
+    expect(keys.length).toBe(54 + 16 + 13 + 10); // ten of alice's gave way; every live entry stayed
+    expect(JSON.parse(r.list(95_001)[0]).i).toBe(16); // alice's stalest went first
   });
 });
 
@@ -5122,6 +5143,78 @@ describe("bus: presence, and what it refuses", () => {
       await bus.close();
     }
   });
+
+  test(
+    "a live session keeps its place through a flood of 64 self-made keys × 64 sessions of 8 KB and one of 5,000 keys with small ones, from one address and from many; the roster stays within 4 MiB",
+    async () => {
+      let clock = now;
+      const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => clock });
+      try {
+        const announce = async (a: unknown, from: string) => {
+          const r = await bus.handler(
+            new Request("http://bus/announce", { method: "POST", body: JSON.stringify(a) }),
+            from,
+          );
+          return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+        };
+        const fresh = () => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+        const live = async () =>
+          (await announce(await signAnnouncement(alice, "alice", clock, session("live")), "10.1.1.1")).status;
+        expect(await live()).toBe(202);
+        const listed = async () =>
+          (await roster(bus)).some((e: Announcement) =>
+            e.pubkey === alice.publicKey && e.session?.session_id === "live"
+          );
+        // 64 keys × 64 sessions of about 8 KB: from one address, then each key from an address of its own.
+        const pad = "x".repeat(7_600);
+        const statuses: Record<string, number> = {};
+        for (const spread of [false, true]) {
+          for (let k = 0; k < 64; k++) {
+            const id = await fresh();
+            for (let i = 0; i < 64; i++) {
+              const a = await signAnnouncement(id, `k${k}`, clock, { ...session(`s${i}`), cwd: pad });
+              const { status } = await announce(a, spread ? `10.66.0.${k}` : "10.66.1.1");
+              statuses[status] = (statuses[status] ?? 0) + 1;
+            }
+          }
+          clock += 1_000;
+          expect(await listed()).toBe(true); // live when the flood came: it kept its place
+          expect(await live()).toBe(202); // and its refresh is taken, the roster full or not
+        }
+        expect(statuses[429]).toBeGreaterThan(0); // one address's share
+        expect(statuses[507]).toBeGreaterThan(0); // the roster's
+        // 5,000 keys with small announcements, from 50 addresses: no room is made while every entry is live.
+        const small: Record<string, number> = {};
+        let said = "";
+        for (let i = 0; i < 5_000; i++) {
+          const id = await fresh();
+          const { status, error } = await announce(
+            await signAnnouncement(id, `n${i}`, clock, session("s")),
+            `10.77.0.${i % 50}`,
+          );
+          small[status] = (small[status] ?? 0) + 1;
+          said ||= error;
+        }
+        expect(small[202] ?? 0).toBeLessThan(8); // what room the 8 KB ones had left
+        expect(bus.roster.units).toBeLessThanOrEqual(ROSTER_CAP);
+        expect(said).toContain("this one is not listed now");
+        expect(await listed()).toBe(true);
+        const text = await (await bus.handler(new Request("http://bus/roster"))).text();
+        expect(text.length).toBeLessThan(4.2 * 2 ** 20); // 4 MiB of announcements and their age_ms
+        // The flood stops refreshing; 90 s on, a newcomer takes the place of an entry that went away.
+        clock += 91_000;
+        expect(await live()).toBe(202);
+        const carol = await fresh();
+        expect((await announce(await signAnnouncement(carol, "carol", clock, session("c")), "10.1.1.2")).status).toBe(
+          202,
+        );
+        expect(await listed()).toBe(true);
+      } finally {
+        await bus.close();
+      }
+    },
+    120_000,
+  );
 
   test("unregister: unsigned is refused with a clear 4xx, a signature from another key too; the owner's removes it", async () => {
     const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now });

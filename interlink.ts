@@ -119,6 +119,16 @@ export const ROSTER_SESSIONLESS_MS = 90_000;
 export const ROSTER_CAP = 4096;
 /** Sessions one key may hold on a roster: many sessions per machine, but one key cannot fill it. */
 export const ROSTER_PER_KEY_CAP = 64;
+/**
+ * Roster entries from one source address (an IPv6 /64): one machine's sessions, or a small office behind one NAT.
+ * Keys cost nothing, so this, not the per-key bound, is what keeps one host from filling a LAN bus's roster.
+ */
+export const ROSTER_PER_ADDRESS_CAP = 256;
+/**
+ * A roster entry counts one per this many bytes begun against the bounds above (a real announcement, 300 to 900
+ * bytes, counts one): so each bound holds in bytes as well as in entries (the roster at most 4 MiB).
+ */
+export const ROSTER_UNIT_BYTES = 1024;
 /** Re-announce at a third of PRESENCE_LIVE_MS, so one lost announcement never makes a live session look away. */
 export const ANNOUNCE_EVERY_MS = 30_000;
 /** Largest request body the bus reads: 2 MiB, as the reference bus (axum's default), so its nodes' messages fit. */
@@ -2460,43 +2470,88 @@ interface RosterEntry {
   ts: number; // its signed time: an older one never replaces a newer one
   pubkey: string;
   sessionless: boolean;
+  from: string; // the address bucket that last posted it (see addressBucket)
+  units: number; // what it counts against the bounds: one per KiB begun (ROSTER_UNIT_BYTES)
 }
+
+/** Why a roster did not file an announcement: a newer one is filed there, or a bound it would pass with no room to make. */
+export type RosterRefusal = "older" | "full" | "address";
 
 /**
  * Presence on the bus: verified announcements keyed `pubkey#session_id`
  * (the bare key for a sessionless one). Session entries are kept
- * ROSTER_RETENTION_MS, sessionless ones ROSTER_SESSIONLESS_MS. Bounded: at
- * most ROSTER_PER_KEY_CAP sessions per key and `cap` in all; past either
- * bound the entry refreshed longest ago goes, never the newcomer (a flood
- * cannot lock real sessions out for days). The map's order is refresh order.
+ * ROSTER_RETENTION_MS, sessionless ones ROSTER_SESSIONLESS_MS. Each entry
+ * counts one unit per KiB begun (a real one is one), so every bound holds in
+ * count and in bytes: `cap` units in all, `perKeyCap` per key, `perAddressCap`
+ * per source address. Keys cost nothing, so room is made without letting a
+ * flood push out a session that is live: past its key's bound a key's own
+ * stalest sessions go (only that key can have posted them); past the
+ * address's or the roster's bound only entries away for PRESENCE_LIVE_MS or
+ * more give way, stalest first, and when none is, the newcomer is refused. A
+ * refresh of an entry keeps its place, past the roster's bound too (a growing
+ * one still within its key's and its address's). The map's order is refresh
+ * order.
  */
 export class Roster {
-  #entries = new Map<string, RosterEntry>();
-  #perKey = new Map<string, number>();
+  #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
+  #perKey = new Map<string, number>(); // units per key: bounded by the entries
+  #perAddress = new Map<string, number>(); // units per address bucket: bounded by the entries
+  #units = 0;
 
-  constructor(readonly cap = ROSTER_CAP, readonly perKeyCap = ROSTER_PER_KEY_CAP) {}
+  constructor(
+    readonly cap = ROSTER_CAP,
+    readonly perKeyCap = ROSTER_PER_KEY_CAP,
+    readonly perAddressCap = ROSTER_PER_ADDRESS_CAP,
+  ) {}
 
   get size(): number {
     return this.#entries.size;
   }
 
-  /** Files an announcement; false if a newer one (by signed ts) is already filed there. */
-  put(a: Announcement, json: string, nowMs: number): boolean {
-    const key = rosterKey(a);
-    const old = this.#entries.get(key);
-    if (old && old.ts > a.ts) return false;
-    if (old) this.#remove(key);
-    else if ((this.#perKey.get(a.pubkey) ?? 0) >= this.perKeyCap) {
+  /** Units held in all (each entry one per KiB begun). */
+  get units(): number {
+    return this.#units;
+  }
+
+  /** Files an announcement posted from address bucket `from`: true, or why not (see RosterRefusal). */
+  put(a: Announcement, json: string, nowMs: number, from = ""): true | RosterRefusal {
+    const id = rosterKey(a);
+    const old = this.#entries.get(id);
+    if (old && old.ts > a.ts) return "older";
+    const units = Math.max(1, Math.ceil(utf8Bytes(json) / ROSTER_UNIT_BYTES));
+    // Entries that give way, and the units that frees where this one counts.
+    const going: string[] = [];
+    const freed = { all: 0, key: 0, address: 0 };
+    const drop = (k: string, e: RosterEntry) => {
+      going.push(k);
+      freed.all += e.units;
+      if (e.pubkey === a.pubkey) freed.key += e.units;
+      if (e.from === from) freed.address += e.units;
+    };
+    if (old) drop(id, old);
+    const over = {
+      key: () => (this.#perKey.get(a.pubkey) ?? 0) - freed.key + units > this.perKeyCap,
+      address: () => (this.#perAddress.get(from) ?? 0) - freed.address + units > this.perAddressCap,
+      all: () => this.#units - freed.all + units > this.cap,
+    };
+    /** Stalest first, entries `which` allows until `bound` is met; false if it cannot be. */
+    const makeRoom = (bound: () => boolean, which: (e: RosterEntry) => boolean, liveToo = false): boolean => {
       for (const [k, e] of this.#entries) {
-        if (e.pubkey === a.pubkey) {
-          this.#remove(k);
-          break;
-        }
+        if (!bound()) return true;
+        if (!liveToo && nowMs - e.at < PRESENCE_LIVE_MS) return false; // refresh order: the rest are live too
+        if (k !== id && which(e)) drop(k, e);
       }
-    }
-    this.#entries.set(key, { json, at: nowMs, ts: a.ts, pubkey: a.pubkey, sessionless: !a.session?.session_id });
-    this.#perKey.set(a.pubkey, (this.#perKey.get(a.pubkey) ?? 0) + 1);
-    while (this.#entries.size > this.cap) this.#remove(this.#entries.keys().next().value!);
+      return !bound();
+    };
+    makeRoom(over.key, (e) => e.pubkey === a.pubkey, true);
+    if (!makeRoom(over.address, (e) => e.from === from)) return "address";
+    if (!old && !makeRoom(over.all, () => true)) return "full";
+    for (const k of going) this.#remove(k);
+    const sessionless = !a.session?.session_id;
+    this.#entries.set(id, { json, at: nowMs, ts: a.ts, pubkey: a.pubkey, sessionless, from, units });
+    this.#perKey.set(a.pubkey, (this.#perKey.get(a.pubkey) ?? 0) + units);
+    this.#perAddress.set(from, (this.#perAddress.get(from) ?? 0) + units);
+    this.#units += units;
     return true;
   }
 
@@ -2509,9 +2564,14 @@ export class Roster {
   #remove(key: string): void {
     const e = this.#entries.get(key)!;
     this.#entries.delete(key);
-    const n = (this.#perKey.get(e.pubkey) ?? 1) - 1;
-    if (n) this.#perKey.set(e.pubkey, n);
-    else this.#perKey.delete(e.pubkey);
+    this.#units -= e.units;
+    const less = (m: Map<string, number>, k: string) => {
+      const n = (m.get(k) ?? e.units) - e.units;
+      if (n > 0) m.set(k, n);
+      else m.delete(k);
+    };
+    less(this.#perKey, e.pubkey);
+    less(this.#perAddress, e.from);
   }
 
   /** What GET /roster serves: each entry with an unsigned `age_ms`, expired ones pruned. */
@@ -3847,7 +3907,23 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         if (now - a.ts >= ROSTER_RETENTION_MS) throw new HttpError(400, "announcement is older than the roster keeps");
         const bad = await verifyAnnouncement(a);
         if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
-        bus.roster.put(a, json, now);
+        const filed = bus.roster.put(a, json, now, from);
+        if (filed === "full") {
+          throw new HttpError(
+            507,
+            `this bus's roster is full of sessions heard from in the last ${
+              PRESENCE_LIVE_MS / 1000
+            } s (${bus.roster.cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
+          );
+        }
+        if (filed === "address") {
+          throw new HttpError(
+            429,
+            `announcements from your address take ${bus.roster.perAddressCap} KiB of this bus's roster already, all of them heard from in the last ${
+              PRESENCE_LIVE_MS / 1000
+            } s; this one is not listed now`,
+          );
+        }
         return jsonResponse(202, '{"status":"announced"}');
       },
     },
