@@ -77,6 +77,7 @@ import {
   LockedError,
   lockOwner,
   MCP_LINE_MAX_CHARS,
+  MESSAGE_OVERHEAD_BYTES,
   messageBlock,
   messageHead,
   messagePayload,
@@ -127,6 +128,7 @@ import {
   ROSTER_CAP,
   rosterKey,
   ROUTE_FULL,
+  ROUTE_OVERHEAD_BYTES,
   runTool,
   scanJournal,
   scanJsonl,
@@ -150,6 +152,7 @@ import {
   TOOLS,
   trustTools,
   unregisterBytes,
+  utf8Bytes,
   verifyAnnouncement,
   verifyMessage,
   VERSION,
@@ -1433,27 +1436,48 @@ describe("bus: queue and roster logic", () => {
     expect(r.list(3 * 86_400_000)).toEqual([]); // gone after the retention
     // An older announcement never replaces a newer one (no replaying a stale claim over a fresh one).
     expect(r.put(entry(alice.publicKey, "s1", 100), '{"v":2}', 10)).toBe(true);
-    expect(r.put(entry(alice.publicKey, "s1", 50), '{"v":1}', 20)).toBe(false);
+    expect(r.put(entry(alice.publicKey, "s1", 50), '{"v":1}', 20)).toBe("older");
     r.remove(`${alice.publicKey}#s1`, 99); // an unregister signed before the announcement does not remove it
     expect(r.list(30)).toEqual(['{"v":2,"age_ms":20}']);
     r.remove(`${alice.publicKey}#s1`, 100);
     expect(r.list(30)).toEqual([]);
   });
 
-  test("bounds: at most 64 sessions per key and the cap in all; the stalest entry goes, never the newcomer", () => {
-    const r = new Roster(100, 64);
-    const put = (pubkey: string, i: number, at: number) =>
+  test("bounds: a key's stalest sessions make room for its newest; past an address's or the roster's bound only an away entry gives way, never a live one, else the newcomer is refused", () => {
+    const r = new Roster(100, 64, 80);
+    const carol = "carol-key", dave = "dave-key"; // the roster trusts the verified key it is given: any string here
+    const put = (pubkey: string, i: number, at: number, from: string, pad = 0) =>
       r.put(
         { pubkey, name: "n", ts: at, sig: "s", session: { session_id: `s${i}`, cwd: "", git_root: "", summary: "" } },
-        `{"i":${i}}`,
+        JSON.stringify({ i, ...(pad ? { pad: "x".repeat(pad) } : {}) }),
         at,
+        from,
       );
-    for (let i = 0; i < 70; i++) put(alice.publicKey, i, i);
+    for (let i = 0; i < 70; i++) expect(put(alice.publicKey, i, i, "A")).toBe(true);
     expect(r.size).toBe(64);
-    expect(r.list(100)[0]).toBe('{"i":6,"age_ms":94}'); // alice's six stalest sessions made room
-    for (let i = 0; i < 40; i++) put(bob.publicKey, i, 200 + i);
-    expect(r.size).toBe(100);
-    expect(r.list(300).at(-1)).toBe('{"i":39,"age_ms":61}'); // bob's newest is in; alice's stalest went
+    expect(JSON.parse(r.list(100)[0]).i).toBe(6); // alice's six stalest sessions made room for her newest
+    // Address A holds 64 of its 80: bob there gets 16, then is refused while all of A's entries are live.
+    const bobs = Array.from({ length: 20 }, (_, i) => put(bob.publicKey, i, 1000, "A"));
+    expect(bobs.filter((x) => x === true).length).toBe(16);
+    expect(bobs.slice(16)).toEqual(["address", "address", "address", "address"]);
+    // From B, up to the roster's 100, then refused: every entry is live. A 7 KiB announcement counts 8.
+    expect(put(carol, 0, 1000, "B", 7200)).toBe(true);
+    const carols = Array.from({ length: 20 }, (_, i) => put(carol, i + 1, 1000, "B"));
+    expect(carols.filter((x) => x === true).length).toBe(12);
+    expect(carols.at(-1)).toBe("full");
+    expect(r.units).toBe(100);
+    // A refresh keeps its place, the roster full or not, growing too (within its key's and its address's bounds).
+    expect(put(carol, 1, 2000, "B", 1500)).toBe(true);
+    expect(r.units).toBe(101);
+    // 90 s on, bob and carol have refreshed, alice has not: newcomers take alice's places, stalest first.
+    for (let i = 0; i < 16; i++) expect(put(bob.publicKey, i, 90_000, "A")).toBe(true);
+    for (let i = 0; i <= 12; i++) expect(put(carol, i, 90_000, "B", i === 0 ? 7200 : 0)).toBe(true);
+    expect(put(dave, 0, 90_000, "C")).toBe("full"); // alice's are not away yet
+    const daves = Array.from({ length: 10 }, (_, i) => put(dave, i, 95_000, "C"));
+    expect(daves.every((x) => x === true)).toBe(true);
+    const keys = r.list(95_001).map((j) => JSON.parse(j));
+    expect(keys.length).toBe(54 + 16 + 13 + 10); // ten of alice's gave way; every live entry stayed
+    expect(JSON.parse(r.list(95_001)[0]).i).toBe(16); // alice's stalest went first
   });
 });
 
@@ -4442,7 +4466,8 @@ describe("durability: a full disk", () => {
     async () => {
       const disk = smallDisk(512)!;
       try {
-        const bus = await Bus.open(path.join(disk.dir, "bus"), { log: () => {} });
+        // No room kept free (diskReserve): the writes themselves meet the full disk.
+        const bus = await Bus.open(path.join(disk.dir, "bus"), { log: () => {}, diskReserve: -Infinity });
         const call = (body: unknown) =>
           bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify(body) }));
         const accepted: number[] = [];
@@ -4484,7 +4509,8 @@ describe("durability: a full disk", () => {
         const disk = smallDisk(512)!;
         try {
           // Under a cap of 50, most sends find the route full: refused (429) before anything is written.
-          const bus = await Bus.open(path.join(disk.dir, "bus"), { log: () => {}, limits: { opaqueCap } });
+          const opts = { log: () => {}, limits: { opaqueCap }, diskReserve: -Infinity }; // the write meets the full disk
+          const bus = await Bus.open(path.join(disk.dir, "bus"), opts);
           const call = (body: unknown) =>
             bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify(body) }));
           const accepted: number[] = [];
@@ -4503,7 +4529,7 @@ describe("durability: a full disk", () => {
           expect(queued()).toEqual(accepted);
           fs.rmSync(filler);
           await bus.close();
-          const reopened = await Bus.open(path.join(disk.dir, "bus"), { log: () => {}, limits: { opaqueCap } });
+          const reopened = await Bus.open(path.join(disk.dir, "bus"), opts);
           expect(reopened.take("r", 200).map((m) => JSON.parse(m.payload).i)).toEqual(accepted);
           expect(reopened.recovery.skippedLines).toBe(0);
           await reopened.close();
@@ -4566,6 +4592,52 @@ describe("durability: a full disk", () => {
       }
     },
     60_000,
+  );
+
+  diskTest(
+    "a disk the bus's own accepted messages filled: every ack is still taken, and once receivers have read them the bus takes sends again, with no operator",
+    async () => {
+      const disk = smallDisk(512)!;
+      try {
+        const dir = path.join(disk.dir, "bus");
+        const opts = { log: () => {}, limits: { opaqueCap: 10_000 } }; // one route holds all of them
+        const bus = await Bus.open(dir, opts);
+        const call = (url: string, body?: unknown) =>
+          bus.handler(
+            new Request(`http://bus${url}`, body === undefined ? {} : { method: "POST", body: JSON.stringify(body) }),
+          );
+        const accepted: number[] = [];
+        for (let i = 0; i < 1_000; i++) {
+          const r = await call("/send", { to: "r", payload: { i, pad: "x".repeat(2_000) } });
+          if (r.status === 202) accepted.push(i);
+          else {
+            expect(r.status).toBe(507);
+            expect((await r.json()).error).toContain("is full");
+            break;
+          }
+        }
+        expect(accepted.length).toBeGreaterThan(100);
+        // Every receiver drains: an ack needs no room on the disk.
+        const acks: number[] = [], read: number[] = [];
+        while (!acks.some((s) => s !== 200)) { // an ack refused would hand the same message over again
+          const m = await (await call("/recv?me=r&timeout_ms=0")).json();
+          if (m.status !== "message") break;
+          read.push(m.envelope.payload.i);
+          acks.push((await call("/ack", { me: "r", ack: m.ack })).status);
+        }
+        expect(read).toEqual(accepted);
+        expect(acks.every((s) => s === 200)).toBe(true);
+        // The room they took comes back: the queue file was compacted, and sends are taken again.
+        expect(fs.statSync(path.join(dir, "queue.jsonl")).size).toBeLessThan(64 << 10);
+        expect((await call("/send", { to: "r", payload: { i: -1 } })).status).toBe(202);
+        await bus.close();
+        const reopened = await Bus.open(dir, opts);
+        expect(reopened.take("r", 10).map((m) => JSON.parse(m.payload).i)).toEqual([-1]);
+        await reopened.close();
+      } finally {
+        disk.unmount();
+      }
+    },
   );
 
   diskTest(
@@ -5600,7 +5672,7 @@ describe("the Claude Code plugin, the launcher and the shared configuration", ()
     }
   });
 
-  test("the SDK and zod are pinned in one place: package.json and bun.lock follow interlink.ts", () => {
+  test("the SDK and zod are pinned in one place, the harness (dev/harness.ts): package.json and bun.lock follow it", () => {
     const pkg = json("package.json");
     expect(pkg.dependencies[SDK.name]).toBe(SDK.version);
     expect(pkg.dependencies[ZOD.name]).toBe(ZOD.version);
@@ -5608,9 +5680,9 @@ describe("the Claude Code plugin, the launcher and the shared configuration", ()
     expect(lock).toContain(`"${SDK.name}@${SDK.version}"`);
     expect(lock).toContain(`"${ZOD.name}@${ZOD.version}"`);
     expect(
-      fs.readFileSync(SCRIPT, "utf8").match(/@modelcontextprotocol\/sdk@(\d+\.\d+\.\d+)/g)!.every((m) =>
-        m.endsWith(SDK.version)
-      ),
+      fs.readFileSync(path.join(REPO, "dev", "harness.ts"), "utf8").match(
+        /@modelcontextprotocol\/sdk@(\d+\.\d+\.\d+)/g,
+      )!.every((m) => m.endsWith(SDK.version)),
     )
       .toBe(true);
   });
@@ -5698,6 +5770,78 @@ describe("bus: presence, and what it refuses", () => {
       await bus.close();
     }
   });
+
+  test(
+    "a live session keeps its place through a flood of 64 self-made keys × 64 sessions of 8 KB and one of 5,000 keys with small ones, from one address and from many; the roster stays within 4 MiB",
+    async () => {
+      let clock = now;
+      const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => clock });
+      try {
+        const announce = async (a: unknown, from: string) => {
+          const r = await bus.handler(
+            new Request("http://bus/announce", { method: "POST", body: JSON.stringify(a) }),
+            from,
+          );
+          return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+        };
+        const fresh = () => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+        const live = async () =>
+          (await announce(await signAnnouncement(alice, "alice", clock, session("live")), "10.1.1.1")).status;
+        expect(await live()).toBe(202);
+        const listed = async () =>
+          (await roster(bus)).some((e: Announcement) =>
+            e.pubkey === alice.publicKey && e.session?.session_id === "live"
+          );
+        // 64 keys × 64 sessions of about 8 KB: from one address, then each key from an address of its own.
+        const pad = "x".repeat(7_600);
+        const statuses: Record<string, number> = {};
+        for (const spread of [false, true]) {
+          for (let k = 0; k < 64; k++) {
+            const id = await fresh();
+            for (let i = 0; i < 64; i++) {
+              const a = await signAnnouncement(id, `k${k}`, clock, { ...session(`s${i}`), cwd: pad });
+              const { status } = await announce(a, spread ? `10.66.0.${k}` : "10.66.1.1");
+              statuses[status] = (statuses[status] ?? 0) + 1;
+            }
+          }
+          clock += 1_000;
+          expect(await listed()).toBe(true); // live when the flood came: it kept its place
+          expect(await live()).toBe(202); // and its refresh is taken, the roster full or not
+        }
+        expect(statuses[429]).toBeGreaterThan(0); // one address's share
+        expect(statuses[507]).toBeGreaterThan(0); // the roster's
+        // 5,000 keys with small announcements, from 50 addresses: no room is made while every entry is live.
+        const small: Record<string, number> = {};
+        let said = "";
+        for (let i = 0; i < 5_000; i++) {
+          const id = await fresh();
+          const { status, error } = await announce(
+            await signAnnouncement(id, `n${i}`, clock, session("s")),
+            `10.77.0.${i % 50}`,
+          );
+          small[status] = (small[status] ?? 0) + 1;
+          said ||= error;
+        }
+        expect(small[202] ?? 0).toBeLessThan(8); // what room the 8 KB ones had left
+        expect(bus.roster.units).toBeLessThanOrEqual(ROSTER_CAP);
+        expect(said).toContain("this one is not listed now");
+        expect(await listed()).toBe(true);
+        const text = await (await bus.handler(new Request("http://bus/roster"))).text();
+        expect(text.length).toBeLessThan(4.2 * 2 ** 20); // 4 MiB of announcements and their age_ms
+        // The flood stops refreshing; 90 s on, a newcomer takes the place of an entry that went away.
+        clock += 91_000;
+        expect(await live()).toBe(202);
+        const carol = await fresh();
+        expect((await announce(await signAnnouncement(carol, "carol", clock, session("c")), "10.1.1.2")).status).toBe(
+          202,
+        );
+        expect(await listed()).toBe(true);
+      } finally {
+        await bus.close();
+      }
+    },
+    120_000,
+  );
 
   test("unregister: unsigned is refused with a clear 4xx, a signature from another key too; the owner's removes it", async () => {
     const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now });
@@ -6128,7 +6272,7 @@ describe("hostile clients on the bus", () => {
         bob.push = () => Promise.resolve();
         bob.startReceiving(); // its recv loop proves its route as it polls
         const route = `${B.id.publicKey}#bob`;
-        await eventually(() => bus.owned.has(route), "bob's route proved its owner");
+        await eventually(() => bus.isOwned(route), "bob's route proved its owner");
         const msg = await signMessage(A.id, { to: B.id.publicKey, text: "for bob only" }, Date.now());
         // Mallory: recv without a proof, with one signed by her own key, and an ack without one.
         const stolen = await fetch(`${url}/recv?me=${encodeURIComponent(route)}&timeout_ms=0`);
@@ -6155,7 +6299,7 @@ describe("hostile clients on the bus", () => {
         await bob.stop();
         await shutdown();
         const again = await Bus.open(path.join(root, "bus"), { log: () => {} });
-        expect(again.owned.has(route)).toBe(true);
+        expect(again.isOwned(route)).toBe(true);
         await again.close();
       } finally {
         await bob.stop().catch(() => {});
@@ -6165,6 +6309,165 @@ describe("hostile clients on the bus", () => {
     },
     30_000,
   );
+});
+
+describe("hostile clients: ownership that a flood cannot evict", () => {
+  /** A signed recv of `route` by `id`, with no wait, from address `from`: its status. */
+  const provenRecv = async (bus: Bus, id: Identity, route: string, from = "") => {
+    const ts = bus.now();
+    const proof = `${ts}.${await id.sign(recvProofBytes(route, ts))}`;
+    const url = `http://bus/recv?me=${encodeURIComponent(route)}&timeout_ms=0&proof=${proof}`;
+    const r = await bus.handler(new Request(url), from);
+    await r.body?.cancel();
+    return r.status;
+  };
+  const stolenRecv = (bus: Bus, route: string) =>
+    bus.handler(new Request(`http://bus/recv?me=${encodeURIComponent(route)}&timeout_ms=0`));
+
+  test(
+    "Eve proves 100,001 routes of her own, then floods self-made keys from one address and from many: bob's route stays owned, before and after a restart, and the queue file holds one record per key",
+    async () => {
+      const dir = tmpDir();
+      let bus = await Bus.open(dir, { log: () => {}, owners: 1_100 });
+      try {
+        const victim = `${bob.publicKey}#victim`;
+        expect(await provenRecv(bus, bob, victim)).toBe(200);
+        await bus.send(victim, '{"for":"bob only"}');
+        // What pushed bob's route out of a least-recently-used memory of 100,000 routes.
+        for (let i = 0; i <= 100_000; i += 1000) {
+          const batch = Array.from({ length: Math.min(1000, 100_001 - i) }, (_, k) => `${eve.publicKey}#${i + k}`);
+          const got = await Promise.all(batch.map((route) => provenRecv(bus, eve, route)));
+          expect(got.every((s) => s === 200)).toBe(true); // her own routes: she may
+        }
+        expect((await stolenRecv(bus, victim)).status).toBe(403);
+        expect((await stolenRecv(bus, bob.publicKey)).status).toBe(403); // every route of a key that proved
+        expect(bus.ownerCount).toBe(2); // one record per key, not per route
+        // Self-made keys from one address: a day's NEW_OWNERS_PER_ADDRESS_PER_DAY, then 429.
+        const fresh = () => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+        const fromOne: number[] = [];
+        for (let i = 0; i < 1_001; i++) {
+          const id = await fresh();
+          fromOne.push(await provenRecv(bus, id, id.publicKey, "192.0.2.7"));
+        }
+        expect(fromOne.slice(0, 1_000).every((s) => s === 200)).toBe(true);
+        expect(fromOne[1_000]).toBe(429);
+        // From many addresses, up to the bus's --owners; then each new key is refused, none forgotten.
+        const fromMany: number[] = [];
+        for (let i = 0; i < 120; i++) {
+          const id = await fresh();
+          fromMany.push(await provenRecv(bus, id, `${id.publicKey}#s`, `198.51.100.${i}`));
+        }
+        expect(fromMany.filter((s) => s === 200).length).toBe(1_100 - 1_002);
+        const refused = await (async () => {
+          const id = await fresh();
+          const ts = bus.now();
+          const proof = `${ts}.${await id.sign(recvProofBytes(id.publicKey, ts))}`;
+          return await bus.handler(new Request(`http://bus/recv?me=${id.publicKey}&timeout_ms=0&proof=${proof}`));
+        })();
+        expect(refused.status).toBe(507);
+        expect((await refused.json()).error).toContain("the most it keeps");
+        expect((await stolenRecv(bus, victim)).status).toBe(403);
+        await bus.close();
+        // A restart reads the same owners back, bob among them, whatever their order in the file.
+        bus = await Bus.open(dir, { log: () => {}, owners: 1_100, compactMinDead: 1 });
+        expect(bus.ownerCount).toBe(1_100);
+        expect((await stolenRecv(bus, victim)).status).toBe(403);
+        expect(await provenRecv(bus, bob, victim)).toBe(200); // and bob reads his mail
+        const lines = fs.readFileSync(path.join(dir, "queue.jsonl"), "utf8").split("\n");
+        expect(lines.filter((l) => l.startsWith('{"t":"o"')).length).toBe(1_100);
+      } finally {
+        await bus.close();
+      }
+    },
+    120_000,
+  );
+
+  test("a proof captured off the wire is refused once it is 5 minutes old, even when it is the last one the bus saw for its route", async () => {
+    let clock = Date.now();
+    const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => clock });
+    try {
+      const route = `${bob.publicKey}#s1`;
+      const proof = `${clock}.${await bob.sign(recvProofBytes(route, clock))}`;
+      const recv = () =>
+        bus.handler(new Request(`http://bus/recv?me=${encodeURIComponent(route)}&timeout_ms=0&proof=${proof}`));
+      expect((await recv()).status).toBe(200); // bob, polling
+      await bus.send(route, '"for bob"');
+      clock += 4 * 60_000;
+      expect((await recv()).status).toBe(200); // the same proof again, within its window (docs/wire.md: a replay)
+      clock += 61_000;
+      const stale = await recv(); // Mallory, who sniffed it on a plain-HTTP LAN
+      expect(stale.status).toBe(403);
+      expect((await stale.json()).error).toContain("freshness window");
+      const key = `${route}\0${bus.queues.first(route)!.seq}:${bus.queues.first(route)!.ts}`;
+      const ack = await bus.handler(
+        new Request("http://bus/ack", { method: "POST", body: JSON.stringify({ me: route, ack: key, proof }) }),
+      );
+      expect(ack.status).toBe(403);
+      expect(bus.queues.first(route)).toBeDefined(); // bob's message stays
+    } finally {
+      await bus.close();
+    }
+  });
+
+  test("an older bus's owner records (one per route) are read as their keys, and the duplicates go at the next compaction", async () => {
+    const dir = tmpDir();
+    const lines = Array.from({ length: 50 }, (_, i) => JSON.stringify({ t: "o", q: `${bob.publicKey}#s${i}` }));
+    fs.writeFileSync(
+      path.join(dir, "queue.jsonl"),
+      [...lines, JSON.stringify({ t: "o", q: alice.publicKey })].join("\n") + "\n",
+    );
+    const bus = await Bus.open(dir, { log: () => {}, compactMinDead: 10 });
+    try {
+      expect(bus.ownerCount).toBe(2);
+      expect(bus.isOwned(`${bob.publicKey}#a-session-never-seen`)).toBe(true);
+      const file = fs.readFileSync(path.join(dir, "queue.jsonl"), "utf8");
+      expect(file.split("\n").filter((l) => l.startsWith('{"t":"o"')).length).toBe(2);
+    } finally {
+      await bus.close();
+    }
+  });
+});
+
+describe("hostile clients: tiny messages count", () => {
+  test("a flood of one-byte payloads is bounded by count too: each message counts 256 bytes beside its payload, per signer and in all, and each route 512", async () => {
+    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { totalBytes: 64 << 10 } });
+    try {
+      const statuses: number[] = [];
+      for (let i = 0; i < 40; i++) {
+        const messages = Array.from({ length: 64 }, (_, k) => ({ to: `r${(i * 64 + k) % 10}`, payload: 1 }));
+        const r = await bus.handler(
+          new Request("http://bus/send", { method: "POST", body: JSON.stringify({ messages }) }),
+        );
+        statuses.push(...((await r.json()).results as { status: number }[]).map((x) => x.status));
+      }
+      // 2,560 bytes of payload, far inside 64 KiB; 10 routes of 512 bytes and 235 messages of (1 + 256) fill it.
+      const room = (64 << 10) - 10 * ROUTE_OVERHEAD_BYTES;
+      expect(statuses.filter((s) => s === 202).length).toBe(Math.floor(room / (1 + MESSAGE_OVERHEAD_BYTES)));
+      expect(statuses).toContain(507);
+      expect(bus.queues.charged).toBeLessThanOrEqual(64 << 10);
+    } finally {
+      await bus.close();
+    }
+    const one = await Bus.open(tmpDir(), { log: () => {}, limits: { senderBytes: 32 << 10 } });
+    try {
+      let taken = 0, size = 0;
+      for (let i = 0; i < 200; i++) {
+        const m = await signMessage(eve, { to: bob.publicKey, text: "." }, Date.now());
+        size = utf8Bytes(JSON.stringify(m));
+        const r = await one.handler(
+          new Request("http://bus/send", {
+            method: "POST",
+            body: JSON.stringify({ to: `${bob.publicKey}#s${i}`, payload: m }),
+          }),
+        );
+        if (r.status === 202) taken++;
+        else expect(r.status).toBe(429);
+      }
+      expect(taken).toBe(Math.floor((32 << 10) / (size + MESSAGE_OVERHEAD_BYTES)));
+    } finally {
+      await one.close();
+    }
+  });
 });
 
 describe("hostile clients: fair room on the bus", () => {
@@ -6208,7 +6511,8 @@ describe("hostile clients: fair room on the bus", () => {
   });
 
   test("a v2-shaped payload whose signature fails, or that is addressed to another key, is refused (400); per-signer and global byte budgets answer 429 and 507", async () => {
-    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { senderBytes: 4096, totalBytes: 8192 } });
+    // 8 KiB of messages in all, and the four routes they go to (ROUTE_OVERHEAD_BYTES each).
+    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { senderBytes: 4096, totalBytes: 10 << 10 } });
     try {
       const post = (to: string, payload: unknown) =>
         bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to, payload }) }));
@@ -6231,8 +6535,8 @@ describe("hostile clients: fair room on the bus", () => {
       expect((await post(route(1), await big(eve))).status).toBe(202);
       expect((await post(route(2), await big(eve))).status).toBe(202);
       const full = await post(route(4), { opaque: "z".repeat(3000) });
-      expect(full.status).toBe(507); // the bus holds its 8 KiB in all
-      expect((await full.json()).error).toContain("whole budget of 8 KiB");
+      expect(full.status).toBe(507); // the bus holds its 10 KiB in all
+      expect((await full.json()).error).toContain("whole budget of 10 KiB");
       // A body declared too big for what room is left is refused unread (this one never ends: reading it would hang).
       const endless = new ReadableStream({ pull: () => new Promise(() => {}) });
       const unread = await bus.handler(
@@ -6720,6 +7024,61 @@ describe("hostile clients: bodies and connections", () => {
     },
     60_000,
   );
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `bodies in flight are budgeted: 300 connections each sending most of a 2 MB /send and dripping the rest are refused past 8 MiB from one address or cut off when late, and the memory goes back (${runtime})`,
+      async () => {
+        const LATE = 3_000; // CONN_BODY_MS, shortened
+        const child = spawnChild([...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir()], {
+          INTERLINK_TEST_CONN_BODY_MS: String(LATE),
+        });
+        const url = (await child.waitFor(/listening on (http:\/\/\S+)/))[1];
+        const pid = child.proc.pid!;
+        const rss = () => Number(/VmRSS:\s+(\d+)/.exec(fs.readFileSync(`/proc/${pid}/status`, "utf8"))![1]) * 1024;
+        await new Promise((r) => setTimeout(r, 300));
+        const idle = rss();
+        let peak = idle;
+        const sampler = setInterval(() => (peak = Math.max(peak, rss())), 50);
+        const size = 2_000_000;
+        const head = `POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: ${size}\r\n\r\n`;
+        const most = Buffer.alloc(size - 1_000, 0x20);
+        most.write('{"to":"x","payload":"');
+        const conns = Array.from({ length: 300 }, () => {
+          const c = { socket: net.connect(Number(new URL(url).port), "127.0.0.1"), answer: "", closed: false };
+          c.socket.on("data", (d) => (c.answer ||= d.toString().slice(0, 12)));
+          c.socket.on("close", () => (c.closed = true)).on("error", () => {});
+          c.socket.write(head);
+          c.socket.write(most);
+          return c;
+        });
+        const drip = setInterval(() => conns.forEach((c) => c.closed || c.socket.write(" ")), 500);
+        try {
+          // Every one is closed by the bus: at once past the budget, at the deadline if it was being read.
+          await eventually(() => conns.every((c) => c.closed), "the bus closed every connection", 30_000);
+          const answers: Record<string, number> = {};
+          for (const c of conns) answers[c.answer] = (answers[c.answer] ?? 0) + 1;
+          // 8 MiB from one address: 4 bodies read at once (another as each is cut off), the rest refused unread
+          // (429; or reset before the answer was read, since the bus closes with their bytes still coming).
+          expect(Object.keys(answers).every((a) => /^HTTP\/1\.1 (429|408)$|^$/.test(a))).toBe(true);
+          expect(answers["HTTP/1.1 429"]).toBeGreaterThan(0);
+          expect(answers["HTTP/1.1 408"] ?? 0).toBeLessThanOrEqual(50);
+          // 300 × 2 MB held would be 600 MB more; the budget holds it to a few bodies.
+          expect(peak - idle).toBeLessThan(150 * 2 ** 20);
+          clearInterval(sampler);
+          await new Promise((r) => setTimeout(r, 2_000));
+          expect(rss() - idle).toBeLessThan(100 * 2 ** 20); // and it is let go of
+          await postSend(url, "after", { ok: 1 }); // the budget is whole again
+        } finally {
+          clearInterval(drip);
+          clearInterval(sampler);
+          for (const c of conns) c.socket.destroy();
+          await stop(child);
+        }
+      },
+      60_000,
+    );
+  }
 
   for (const [runtime, guard] of [["bun", "on"], ["deno", "off"], ["deno", "on"]] as const) {
     test.concurrent(
@@ -10947,7 +11306,8 @@ describe("pairing by invite: two machines in two commands", () => {
 
   /** The payloads a bus's queue file holds for `route` (acked ones too, until a compaction). */
   function queuedFor(queueFile: string, route: string): Record<string, unknown>[] {
-    return readJsonl(queueFile, () => {}).filter((r) => r.t === "m" && r.q === route).map((r) =>
+    // Acked ones too: an ack marks its message's record in place ("t" becomes "a"), payload and all.
+    return readJsonl(queueFile, () => {}).filter((r) => typeof r.p === "string" && r.q === route).map((r) =>
       JSON.parse(r.p as string)
     );
   }

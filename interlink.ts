@@ -123,10 +123,27 @@ export const ROSTER_SESSIONLESS_MS = 90_000;
 export const ROSTER_CAP = 4096;
 /** Sessions one key may hold on a roster: many sessions per machine, but one key cannot fill it. */
 export const ROSTER_PER_KEY_CAP = 64;
+/**
+ * Roster entries from one source address (an IPv6 /64): one machine's sessions, or a small office behind one NAT.
+ * Keys cost nothing, so this, not the per-key bound, is what keeps one host from filling a LAN bus's roster.
+ */
+export const ROSTER_PER_ADDRESS_CAP = 256;
+/**
+ * A roster entry counts one per this many bytes begun against the bounds above (a real announcement, 300 to 900
+ * bytes, counts one): so each bound holds in bytes as well as in entries (the roster at most 4 MiB).
+ */
+export const ROSTER_UNIT_BYTES = 1024;
 /** Re-announce at a third of PRESENCE_LIVE_MS, so one lost announcement never makes a live session look away. */
 export const ANNOUNCE_EVERY_MS = 30_000;
 /** Largest request body the bus reads: 2 MiB, as the reference bus (axum's default), so its nodes' messages fit. */
 export const BODY_LIMIT_BYTES = 2 << 20;
+/**
+ * Request body bytes a bus reads at once, in all: sixteen of the largest, far above what sessions send (a few KB
+ * a message). Past it a body is refused unread (503): stalled uploads cost at most this, however many they are.
+ */
+export const BODIES_IN_FLIGHT_MAX = 32 << 20;
+/** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
+export const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
 /** Longest text an agent will sign: comfortably inside the bus body limit after JSON escaping. */
 export const TEXT_LIMIT_BYTES = 256 * 1024;
 /** Messages one batched recv answers at most (our extension: GET /recv?max=N), and acks one POST /ack takes. */
@@ -199,6 +216,15 @@ const KEY_CACHE_CAP = 1024;
 const COMPACT_MIN_DEAD = 10_000;
 /** After a compaction fails (a full disk), wait this long before trying again rather than on every request. */
 const COMPACT_RETRY_MS = 30_000;
+/**
+ * Room a bus leaves free on its disk (a sixteenth of a smaller disk), beside its owners' records: sends past it
+ * are refused (507), so its own messages never take the room a compaction needs once receivers have read them.
+ */
+const DISK_RESERVE_BYTES = 1 << 20;
+/** On a disk that short of room, compact as soon as this much of the queue file is dead (and the new file fits). */
+const DISK_RECLAIM_BYTES = 64 << 10;
+/** How long a bus trusts its last look at the disk's free space (statfs), less what it wrote since. */
+const DISK_LOOK_MS = 100;
 /**
  * A session ended this long ago is adopted by a live sibling (see "Ended sessions"): one resumed sooner keeps its
  * own mail. A new session adopts every ended one at its start, however recent.
@@ -331,6 +357,8 @@ export class FormatError extends InterlinkError {}
 interface BunServer {
   port: number;
   stop(force?: boolean): void;
+  /** The address a request came from (null for one that is not from a socket). */
+  requestIP(req: Request): { address: string } | null;
 }
 interface BunRuntime {
   version: string;
@@ -339,7 +367,7 @@ interface BunRuntime {
     port: number;
     idleTimeout?: number;
     development?: boolean;
-    fetch(req: Request): Response | Promise<Response>;
+    fetch(req: Request, server: BunServer): Response | Promise<Response>;
     error?(e: Error): Response;
   }): BunServer;
 }
@@ -353,7 +381,7 @@ interface DenoRuntime {
       onListen?: (addr: { port: number }) => void;
       onError?: (e: unknown) => Response;
     },
-    handler: (req: Request) => Response | Promise<Response>,
+    handler: (req: Request, info: { remoteAddr: { hostname: string } }) => Response | Promise<Response>,
   ): { finished: Promise<void>; shutdown(): Promise<void>; addr: { port: number } };
 }
 
@@ -2264,9 +2292,9 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 // string, verifies nothing, holds no keys, and keeps each message until its
 // recipient acks it. Its state is one JSONL file in the data folder:
 //   {"t":"m","q":<recipient>,"n":<seq>,"ts":<ms>,"s":<sender>,"z":<bytes>,"p":<payload as JSON text>}  accepted
-//   {"t":"a","q":<recipient>,"n":<seq>}                    acked
+//   {"t":"a","q":<recipient>,"n":<seq>,…}                  acked: an "m" record marked in place (older buses appended these)
 //   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap (earlier releases; read, not written)
-//   {"t":"o","q":<recipient>}                              the route has proven its owner
+//   {"t":"o","q":<key>}                                    the key has proven it owns its routes (an older bus: one a route)
 //   {"t":"h","next":<seq>}                                 first line after compaction
 // `seq` is global and not reused (compaction keeps the high-water mark), so an
 // ack key handed out before a restart still names the same message after it.
@@ -2282,7 +2310,7 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 // "p" before "s": such lines are parsed whole and rewritten at the next
 // compaction). Writes are group-committed: while an fdatasync runs, new
 // messages wait in memory and go out as one write before the next one (an
-// ack is answered only once written, and takes what waits along with it).
+// ack writes what waits, then marks its record, before it is answered).
 
 /**
  * A queue file record (the layout above). An "m" record is written by
@@ -2417,11 +2445,24 @@ export interface QueueLimits {
   cap: number;
   /** Unattributed (opaque) messages per recipient: their own small budget, never at a verified message's cost. */
   opaqueCap: number;
-  /** Payload bytes one verified sender may have queued here, across all recipients. */
+  /** Bytes one verified sender may have queued here, across all recipients (payloads plus MESSAGE_OVERHEAD_BYTES each). */
   senderBytes: number;
-  /** Payload bytes in all. */
+  /** Bytes in all, counted the same way, and ROUTE_OVERHEAD_BYTES for each route holding messages. */
   totalBytes: number;
 }
+
+/**
+ * What each queued message counts against the byte budgets beside its payload: its entry in memory (about 100
+ * to 200 bytes, measured) and its record's head on disk (about 150 for a session's route). So one-byte payloads
+ * are bounded in count too: 32 MiB holds about 130,000 of them, 8 MiB of one signer's 32,640.
+ */
+export const MESSAGE_OVERHEAD_BYTES = 256;
+/**
+ * ... and what each route holding messages counts against the bus's budget in all: its queue in memory (about
+ * 500 bytes with its name). So a flood of one message to each of many routes is bounded as well (at most
+ * 43,633 routes in 32 MiB).
+ */
+export const ROUTE_OVERHEAD_BYTES = 512;
 
 export const DEFAULT_LIMITS: QueueLimits = {
   cap: QUEUE_CAP,
@@ -2436,13 +2477,14 @@ export const DEFAULT_LIMITS: QueueLimits = {
  * `cap` messages for a recipient is refused the next (`full` says so), so a
  * flood from one sender only ever costs that sender; unattributed payloads
  * live under their own small budget, refused past it. Bytes are budgeted per
- * sender and in all (`admit` says no). Memory is proportional to what is
- * held: a queue is deleted when it empties.
+ * sender and in all (`admit` says no), each message counted with
+ * MESSAGE_OVERHEAD_BYTES and, in all, each route with ROUTE_OVERHEAD_BYTES.
+ * Memory is proportional to what is held: a queue is deleted when it empties.
  */
 export class BusQueues {
   #queues = new Map<string, RecipientQueue>();
-  /** Payload bytes held per verified sender, and one copy of its key string that every entry shares. */
-  #senderBytes = new Map<string, { name: string; bytes: number }>();
+  /** Payload bytes and messages held per verified sender, and one copy of its key string that every entry shares. */
+  #senderBytes = new Map<string, { name: string; bytes: number; count: number }>();
   nextSeq = 1;
   liveCount = 0;
   bytes = 0;
@@ -2456,10 +2498,22 @@ export class BusQueues {
     return this.#queues.size;
   }
 
-  /** Why a new payload of `size` bytes from `sender` cannot be taken now ("global" or "sender"), or null. */
-  admit(sender: string, size: number): "global" | "sender" | null {
-    if (this.bytes + size > this.limits.totalBytes) return "global";
-    if (sender && (this.#senderBytes.get(sender)?.bytes ?? 0) + size > this.limits.senderBytes) return "sender";
+  /** What the budget in all counts as held: payload bytes, MESSAGE_OVERHEAD_BYTES a message, ROUTE_OVERHEAD_BYTES a route. */
+  get charged(): number {
+    return this.bytes + this.liveCount * MESSAGE_OVERHEAD_BYTES + this.#queues.size * ROUTE_OVERHEAD_BYTES;
+  }
+
+  /**
+   * Why a new payload of `size` bytes from `sender` to `to` ("": a route not known yet) cannot be taken now
+   * ("global" or "sender"), or null.
+   */
+  admit(sender: string, size: number, to = ""): "global" | "sender" | null {
+    const cost = size + MESSAGE_OVERHEAD_BYTES;
+    const route = this.#queues.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
+    if (this.charged + cost + route > this.limits.totalBytes) return "global";
+    const held = sender ? this.#senderBytes.get(sender) : undefined;
+    const charged = held ? held.bytes + held.count * MESSAGE_OVERHEAD_BYTES : 0;
+    if (sender && charged + cost > this.limits.senderBytes) return "sender";
     return null;
   }
 
@@ -2479,10 +2533,11 @@ export class BusQueues {
     if (!q) this.#queues.set(to, q = new RecipientQueue());
     // One lookup counts the sender's bytes and finds the copy of its key that every entry shares.
     let held = sender ? this.#senderBytes.get(sender) : undefined;
-    if (sender && !held) this.#senderBytes.set(sender, held = { name: sender, bytes: 0 });
+    if (sender && !held) this.#senderBytes.set(sender, held = { name: sender, bytes: 0, count: 0 });
     if (held) {
       sender = held.name;
       held.bytes += size;
+      held.count++;
     }
     this.bytes += size;
     const item: Queued = { seq, ts, payload, at: -1, len: 0, sender, size, gone: false };
@@ -2502,7 +2557,7 @@ export class BusQueues {
     const held = sender ? this.#senderBytes.get(sender) : undefined;
     if (!held) return;
     held.bytes -= size;
-    if (held.bytes <= 0) this.#senderBytes.delete(sender);
+    if (--held.count <= 0) this.#senderBytes.delete(sender);
   }
 
   /** How many `sender` ("" for unattributed ones) holds for `to` when that is its cap or more (the next is refused). */
@@ -2559,43 +2614,88 @@ interface RosterEntry {
   ts: number; // its signed time: an older one never replaces a newer one
   pubkey: string;
   sessionless: boolean;
+  from: string; // the address bucket that last posted it (see addressBucket)
+  units: number; // what it counts against the bounds: one per KiB begun (ROSTER_UNIT_BYTES)
 }
+
+/** Why a roster did not file an announcement: a newer one is filed there, or a bound it would pass with no room to make. */
+export type RosterRefusal = "older" | "full" | "address";
 
 /**
  * Presence on the bus: verified announcements keyed `pubkey#session_id`
  * (the bare key for a sessionless one). Session entries are kept
- * ROSTER_RETENTION_MS, sessionless ones ROSTER_SESSIONLESS_MS. Bounded: at
- * most ROSTER_PER_KEY_CAP sessions per key and `cap` in all; past either
- * bound the entry refreshed longest ago goes, never the newcomer (a flood
- * cannot lock real sessions out for days). The map's order is refresh order.
+ * ROSTER_RETENTION_MS, sessionless ones ROSTER_SESSIONLESS_MS. Each entry
+ * counts one unit per KiB begun (a real one is one), so every bound holds in
+ * count and in bytes: `cap` units in all, `perKeyCap` per key, `perAddressCap`
+ * per source address. Keys cost nothing, so room is made without letting a
+ * flood push out a session that is live: past its key's bound a key's own
+ * stalest sessions go (only that key can have posted them); past the
+ * address's or the roster's bound only entries away for PRESENCE_LIVE_MS or
+ * more give way, stalest first, and when none is, the newcomer is refused. A
+ * refresh of an entry keeps its place, past the roster's bound too (a growing
+ * one still within its key's and its address's). The map's order is refresh
+ * order.
  */
 export class Roster {
-  #entries = new Map<string, RosterEntry>();
-  #perKey = new Map<string, number>();
+  #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
+  #perKey = new Map<string, number>(); // units per key: bounded by the entries
+  #perAddress = new Map<string, number>(); // units per address bucket: bounded by the entries
+  #units = 0;
 
-  constructor(readonly cap = ROSTER_CAP, readonly perKeyCap = ROSTER_PER_KEY_CAP) {}
+  constructor(
+    readonly cap = ROSTER_CAP,
+    readonly perKeyCap = ROSTER_PER_KEY_CAP,
+    readonly perAddressCap = ROSTER_PER_ADDRESS_CAP,
+  ) {}
 
   get size(): number {
     return this.#entries.size;
   }
 
-  /** Files an announcement; false if a newer one (by signed ts) is already filed there. */
-  put(a: Announcement, json: string, nowMs: number): boolean {
-    const key = rosterKey(a);
-    const old = this.#entries.get(key);
-    if (old && old.ts > a.ts) return false;
-    if (old) this.#remove(key);
-    else if ((this.#perKey.get(a.pubkey) ?? 0) >= this.perKeyCap) {
+  /** Units held in all (each entry one per KiB begun). */
+  get units(): number {
+    return this.#units;
+  }
+
+  /** Files an announcement posted from address bucket `from`: true, or why not (see RosterRefusal). */
+  put(a: Announcement, json: string, nowMs: number, from = ""): true | RosterRefusal {
+    const id = rosterKey(a);
+    const old = this.#entries.get(id);
+    if (old && old.ts > a.ts) return "older";
+    const units = Math.max(1, Math.ceil(utf8Bytes(json) / ROSTER_UNIT_BYTES));
+    // Entries that give way, and the units that frees where this one counts.
+    const going: string[] = [];
+    const freed = { all: 0, key: 0, address: 0 };
+    const drop = (k: string, e: RosterEntry) => {
+      going.push(k);
+      freed.all += e.units;
+      if (e.pubkey === a.pubkey) freed.key += e.units;
+      if (e.from === from) freed.address += e.units;
+    };
+    if (old) drop(id, old);
+    const over = {
+      key: () => (this.#perKey.get(a.pubkey) ?? 0) - freed.key + units > this.perKeyCap,
+      address: () => (this.#perAddress.get(from) ?? 0) - freed.address + units > this.perAddressCap,
+      all: () => this.#units - freed.all + units > this.cap,
+    };
+    /** Stalest first, entries `which` allows until `bound` is met; false if it cannot be. */
+    const makeRoom = (bound: () => boolean, which: (e: RosterEntry) => boolean, liveToo = false): boolean => {
       for (const [k, e] of this.#entries) {
-        if (e.pubkey === a.pubkey) {
-          this.#remove(k);
-          break;
-        }
+        if (!bound()) return true;
+        if (!liveToo && nowMs - e.at < PRESENCE_LIVE_MS) return false; // refresh order: the rest are live too
+        if (k !== id && which(e)) drop(k, e);
       }
-    }
-    this.#entries.set(key, { json, at: nowMs, ts: a.ts, pubkey: a.pubkey, sessionless: !a.session?.session_id });
-    this.#perKey.set(a.pubkey, (this.#perKey.get(a.pubkey) ?? 0) + 1);
-    while (this.#entries.size > this.cap) this.#remove(this.#entries.keys().next().value!);
+      return !bound();
+    };
+    makeRoom(over.key, (e) => e.pubkey === a.pubkey, true);
+    if (!makeRoom(over.address, (e) => e.from === from)) return "address";
+    if (!old && !makeRoom(over.all, () => true)) return "full";
+    for (const k of going) this.#remove(k);
+    const sessionless = !a.session?.session_id;
+    this.#entries.set(id, { json, at: nowMs, ts: a.ts, pubkey: a.pubkey, sessionless, from, units });
+    this.#perKey.set(a.pubkey, (this.#perKey.get(a.pubkey) ?? 0) + units);
+    this.#perAddress.set(from, (this.#perAddress.get(from) ?? 0) + units);
+    this.#units += units;
     return true;
   }
 
@@ -2608,9 +2708,14 @@ export class Roster {
   #remove(key: string): void {
     const e = this.#entries.get(key)!;
     this.#entries.delete(key);
-    const n = (this.#perKey.get(e.pubkey) ?? 1) - 1;
-    if (n) this.#perKey.set(e.pubkey, n);
-    else this.#perKey.delete(e.pubkey);
+    this.#units -= e.units;
+    const less = (m: Map<string, number>, k: string) => {
+      const n = (m.get(k) ?? e.units) - e.units;
+      if (n > 0) m.set(k, n);
+      else m.delete(k);
+    };
+    less(this.#perKey, e.pubkey);
+    less(this.#perAddress, e.from);
   }
 
   /** What GET /roster serves: each entry with an unsigned `age_ms`, expired ones pruned. */
@@ -2629,9 +2734,82 @@ export class Roster {
 }
 
 class HttpError extends Error {
-  constructor(readonly status: number, message: string) {
+  /** `close`: the request's body was left unread (refused on its length, cut off), so the answer ends the connection. */
+  constructor(readonly status: number, message: string, readonly close = false) {
     super(message);
   }
+}
+
+/**
+ * The source a per-address budget counts against: an IPv4 address, or the /64 of an IPv6 one (what one host
+ * usually holds; counting whole addresses there would give a host 2^64 budgets). "" for a request that did not
+ * come over a socket (a test calling the handler). A bus behind a proxy sees every client as the proxy.
+ */
+export function addressBucket(address: string): string {
+  const v4 = /^(?:::ffff:)?(\d{1,3}(?:\.\d{1,3}){3})$/i.exec(address);
+  if (v4) return v4[1];
+  if (!address.includes(":")) return address;
+  const [left, right] = address.split("%")[0].split("::");
+  const head = left ? left.split(":") : [];
+  const tail = right === undefined ? [] : right ? right.split(":") : [];
+  const groups = right === undefined
+    ? head
+    : [...head, ...Array(Math.max(0, 8 - head.length - tail.length)).fill("0"), ...tail];
+  return `${groups.slice(0, 4).map((g) => (parseInt(g, 16) || 0).toString(16)).join(":")}::/64`;
+}
+
+/**
+ * Bytes of request bodies being read right now, in all and per source
+ * address: a body reserves its declared length before a byte of it is read (a
+ * chunked one, each chunk as it comes) and gives it back once the runtime has
+ * let go of it. Past either budget a request is refused unread and its
+ * connection closed, so a thousand connections that each send most of a 2 MiB
+ * body and stall hold at most the budget, not 2 GB.
+ */
+export class BodiesInFlight {
+  bytes = 0;
+  #byAddress = new Map<string, number>(); // bounded: an entry lives only while its address has a body being read
+
+  constructor(readonly max = BODIES_IN_FLIGHT_MAX, readonly perAddress = BODIES_IN_FLIGHT_PER_ADDRESS) {}
+
+  /** Reserves `n` bytes for address bucket `from`; throws the 429 or 503 that refuses the body unread. */
+  take(from: string, n: number): void {
+    if (n <= 0) return;
+    const mine = this.#byAddress.get(from) ?? 0;
+    if (mine + n > this.perAddress) {
+      throw new HttpError(
+        429,
+        `your address already has ${humanBytes(mine)} of request bodies being read by this bus (at most ${
+          humanBytes(this.perAddress)
+        } at once); retry once they are in`,
+        true,
+      );
+    }
+    if (this.bytes + n > this.max) {
+      throw new HttpError(
+        503,
+        `this bus is reading ${humanBytes(this.bytes)} of request bodies already (at most ${
+          humanBytes(this.max)
+        } at once); retry in a moment`,
+        true,
+      );
+    }
+    this.#byAddress.set(from, mine + n);
+    this.bytes += n;
+  }
+
+  give(from: string, n: number): void {
+    this.bytes -= n;
+    const left = (this.#byAddress.get(from) ?? n) - n;
+    if (left > 0) this.#byAddress.set(from, left);
+    else this.#byAddress.delete(from);
+  }
+}
+
+/** Where a request's body is counted: the bus's budget and the request's address bucket. */
+interface BodyBudget {
+  inFlight: BodiesInFlight;
+  from: string;
 }
 
 let httpDate = { second: 0, text: "" };
@@ -2650,38 +2828,67 @@ export const jsonResponse = (status: number, body: string, headers: Record<strin
 export const errorResponse = (status: number, message: string): Response =>
   jsonResponse(status, JSON.stringify({ error: message }));
 
-/** Reads a JSON body of at most BODY_LIMIT_BYTES, counting bytes as they arrive (Content-Length may be absent or lie). */
-async function readJsonBody(req: Request): Promise<unknown> {
+/**
+ * Reads a JSON body of at most BODY_LIMIT_BYTES, counting bytes as they arrive (Content-Length may be absent or
+ * lie), within CONN_BODY_MS of starting (a body dripped a byte at a time is cut off: 408), and against `budget`'s
+ * bytes in flight: reserved before reading, held until the runtime's read of it has ended.
+ */
+async function readJsonBody(req: Request, budget?: BodyBudget): Promise<unknown> {
   const declared = req.headers.get("content-length");
-  if (Number(declared) > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`);
+  if (Number(declared) > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
+  let reserved = 0;
+  const reserve = (n: number) => {
+    budget?.inFlight.take(budget.from, n);
+    reserved += n;
+  };
+  let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long as it does
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const deadline = new Promise<never>((_, reject) => {
+    timer = setTimeout(
+      () => reject(new HttpError(408, `the body was not all there ${CONN_BODY_MS / 1000} s after its headers`, true)),
+      CONN_BODY_MS,
+    );
+  });
   let text: string;
   try {
     if (declared !== null) {
+      reserve(Number(declared) || 0);
       // The server holds the body to its declared length. (Not touching req.body first keeps Deno on its fast
       // path: reading that property builds a stream.)
-      text = await req.text();
+      const whole = req.text();
+      reading = whole;
+      text = await Promise.race([whole, deadline]);
       if (text === "") throw new HttpError(400, "empty body; expected JSON");
     } else {
       if (!req.body) throw new HttpError(400, "empty body; expected JSON");
       const reader = req.body.getReader();
       const chunks: Uint8Array[] = [];
       let size = 0;
-      for (;;) {
-        const { done, value } = await reader.read();
-        if (done) break;
-        size += value.length;
-        if (size > BODY_LIMIT_BYTES) {
-          await reader.cancel().catch(() => {});
-          throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`);
+      try {
+        for (;;) {
+          const { done, value } = await Promise.race([reader.read(), deadline]);
+          if (done) break;
+          size += value.length;
+          if (size > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
+          reserve(value.length);
+          chunks.push(value);
         }
-        chunks.push(value);
+      } catch (e) {
+        reading = reader.cancel().catch(() => {});
+        throw e;
       }
       text = Buffer.concat(chunks).toString("utf8");
     }
   } catch (e) {
     if (e instanceof HttpError) throw e;
     // A malformed chunked encoding, a body cut off: the request's fault, never a 500.
-    throw new HttpError(400, `the body could not be read (${(e as Error).message})`);
+    throw new HttpError(400, `the body could not be read (${(e as Error).message})`, true);
+  } finally {
+    clearTimeout(timer);
+    if (reserved) {
+      const give = () => budget!.inFlight.give(budget!.from, reserved);
+      reading.then(give, give);
+    }
   }
   const depth = jsonDepth(text);
   if (depth > JSON_DEPTH_MAX) throw new HttpError(400, `body nests deeper than ${JSON_DEPTH_MAX} levels`);
@@ -2728,6 +2935,10 @@ export interface BusOptions {
   cap?: number;
   /** The rest of the queue limits (see QueueLimits); `cap` above is the per-recipient one. */
   limits?: Partial<QueueLimits>;
+  /** Keys whose routes the bus protects at most (see checkOwnership); OWNERS_MAX by default. */
+  owners?: number;
+  /** Bytes kept free on the data folder's disk (see diskReserve); the default follows the disk's size. */
+  diskReserve?: number;
   /** Dead records (acked, dropped) that trigger a compaction once they also outnumber the live ones. */
   compactMinDead?: number;
   log?: (msg: string) => void;
@@ -2749,6 +2960,10 @@ interface PendingLine {
   failed?: unknown;
 }
 
+/** What an ack in place writes over a message record's tag, and where (see Bus.ack): `{"t":"m"` becomes `{"t":"a"`. */
+const ACKED_TAG = Buffer.from("a");
+const ACKED_TAG_AT = '{"t":"'.length;
+
 /** The start of an "m" record, up to `"p":`; the payload as a JSON string literal and `}\n` complete it. */
 export const messageHead = (q: string, n: number, ts: number, s: string, z: number): string =>
   `{"t":"m","q":${JSON.stringify(q)},"n":${n},"ts":${ts},"s":${JSON.stringify(s)},"z":${z},"p":`;
@@ -2757,11 +2972,13 @@ export const messageHead = (q: string, n: number, ts: number, s: string, z: numb
  * Reads the head of an "m" record in today's layout straight from the bytes
  * (no head string, no JSON.parse: a restart reads 300k of them) into its
  * fields; false for any other layout (an older bus, escapes in a name, a hand
- * edit), which the caller then reads as plain JSON. `p` is where the payload's
- * string literal starts. A name read before (a route, a sender) comes back as
- * the same string, so a restart allocates one string per name, not per line.
+ * edit), which the caller then reads as plain JSON. `t` is "a" for a message
+ * acked in place (see Bus.ack). `p` is where the payload's string literal
+ * starts. A name read before (a route, a sender) comes back as the same
+ * string, so a restart allocates one string per name, not per line.
  */
 class MessageHeadReader {
+  t: "m" | "a" = "m";
   q = "";
   n = 0;
   ts = 0;
@@ -2779,7 +2996,11 @@ class MessageHeadReader {
     this.#end = end;
     if (end - start < 40 || buf[end - 1] !== 0x7d || buf[end - 2] !== 0x22) return false;
     let name: string | null;
-    if (!this.#literal('{"t":"m","q":"') || (name = this.#string()) === null) return false;
+    if (!this.#literal('{"t":"')) return false;
+    const tag = buf[this.#i++];
+    if (tag !== 0x6d && tag !== 0x61) return false; // "m", or "a": acked in place
+    this.t = tag === 0x6d ? "m" : "a";
+    if (!this.#literal('","q":"') || (name = this.#string()) === null) return false;
     this.q = name;
     if (!this.#literal(',"n":') || (this.n = this.#int()) <= 0) return false;
     if (!this.#literal(',"ts":') || (this.ts = this.#int()) < 0) return false;
@@ -2839,14 +3060,28 @@ export interface BusDelivery {
 /** The durable bus: BusQueues and Roster behind a Request → Response handler, on one JSONL file. */
 export class Bus {
   readonly roster = new Roster();
+  readonly inFlight = new BodiesInFlight();
   #waiters = new Map<string, Set<() => void>>();
   #syncTimer: ReturnType<typeof setTimeout> | null = null; // the lazy fsync of acks, once scheduled
   #compactAfter = 0; // after a failed compaction, the time of the next try
   #pending: PendingLine[] = []; // records made while an fdatasync runs: the next round writes them as one
   #reader: number; // a read descriptor on the queue file, for payloads
   #readBuf = Buffer.allocUnsafe(64 * 1024);
-  /** Routes whose key has proven ownership here, with the last proof seen (see checkOwnership); persisted as "o" records. */
-  readonly owned = new BoundedMap<string, string>(OWNED_ROUTES_CAP);
+  /**
+   * Keys that have proven they read their routes here (see checkOwnership), persisted as "o" records and never
+   * forgotten, whatever others prove. Bounded by `ownersMax`: past it a new key is refused, no owner is dropped.
+   */
+  readonly #owners = new Set<string>();
+  #ownerBytes = 0; // their records' bytes: what a compaction writes for them
+  /** New owners per address bucket in the current day (bounded: OWNER_ADDRESSES_TRACKED, the least recent go). */
+  #newOwners = new Map<string, { n: number; since: number }>();
+  /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
+  readonly #verified = new BoundedMap<string, string>(PROOFS_REMEMBERED); // bounded: forgetting costs one check
+  readonly ownersMax: number;
+  /** The data folder's disk as last looked at: free bytes (less what was written since), size, when. */
+  #disk = { free: Infinity, size: Infinity, at: -Infinity };
+  readonly #diskReserve: number | undefined;
+  #deadBytes = 0; // bytes of the queue file that no longer hold a live record: what a compaction gives back
   readonly #compactMinDead: number;
   readonly #log: (msg: string) => void;
   readonly now: () => number;
@@ -2863,7 +3098,10 @@ export class Bus {
     this.#log = opts.log ?? logInfo;
     this.now = opts.now ?? Date.now;
     this.#compactMinDead = opts.compactMinDead ?? COMPACT_MIN_DEAD;
-    this.#reader = fs.openSync(writer.file, "r");
+    this.ownersMax = opts.owners ?? OWNERS_MAX;
+    this.#diskReserve = opts.diskReserve;
+    // Read and write: payloads are read back through it, and acks mark records in place.
+    this.#reader = fs.openSync(writer.file, "r+");
     // A held batch that cannot be written fails its own lines (each send checks its line), not the round.
     writer.beforeSync = () => {
       try {
@@ -2893,13 +3131,17 @@ export class Bus {
       const started = performance.now();
       const queues = new BusQueues({ ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) });
       const bad: [offset: number, bytes: number, reason: string, line: string][] = [];
-      const owned = new Set<string>(); // routes that proved their owner before the restart
+      const owners = new Set<string>(); // keys that proved they own their routes before the restart
       let records = 0, inMemory = 0;
       const h = new MessageHeadReader();
       /** A message record in today's layout, from its head alone: the payload stays on disk. */
       const fastMessage = (buf: Buffer, start: number, end: number, at: number): boolean => {
         // A size above the literal's length is damage (escapes only lengthen): the plain JSON path judges it.
         if (!h.read(buf, start, end) || !h.q || h.q.length > RECIPIENT_MAX_CHARS || h.z > end - 1 - h.p) return false;
+        if (h.t === "a") { // acked in place: a dead record, whose seq stays used
+          queues.nextSeq = Math.max(queues.nextSeq, h.n + 1);
+          return true;
+        }
         const item = queues.add(h.q, h.ts, undefined, h.n, h.s, h.z);
         item.at = at + h.p - start;
         item.len = end - 1 - h.p;
@@ -2936,9 +3178,10 @@ export class Bus {
           case "a":
           case "d":
             queues.remove(rec.q, rec.n);
+            queues.nextSeq = Math.max(queues.nextSeq, rec.n + 1); // an "a" may be its message's record, acked in place
             break;
           case "o":
-            owned.add(rec.q);
+            owners.add(parseRoute(rec.q).key); // an older bus wrote one per route
         }
       });
       for (const [at, bytes, why, line] of bad) quarantineLine(file, at, bytes, why, line);
@@ -2960,8 +3203,9 @@ export class Bus {
         ms: Math.round(performance.now() - started),
       };
       const writer = new JsonlWriter(file, `the bus data folder ${dataDir}`);
-      const bus = new Bus(dataDir, queues, recovery, writer, lock, records - queues.liveCount, opts);
-      for (const q of owned) bus.owned.set(q, ""); // owned; the next proof is checked in full
+      const bus = new Bus(dataDir, queues, recovery, writer, lock, records - queues.liveCount - owners.size, opts);
+      for (const key of owners) bus.#addOwner(key);
+      bus.#deadBytes = Math.max(0, fs.statSync(file).size - bus.#ownerBytes - queues.charged);
       bus.#maybeCompact(true, inMemory > 0);
       return bus;
     } catch (e) {
@@ -2982,7 +3226,8 @@ export class Bus {
     return n;
   }
 
-  readonly handler = async (req: Request): Promise<Response> => {
+  /** `from`: the address the request came from (serveHttp says), for the per-address budgets; "" when unknown. */
+  readonly handler = async (req: Request, from = ""): Promise<Response> => {
     const { pathname, query } = splitUrl(req.url);
     const route = BUS_ROUTES[pathname];
     if (!route) {
@@ -2994,26 +3239,37 @@ export class Bus {
       });
     }
     try {
-      const r = await route.handle(this, req, query);
+      const r = await route.handle(this, req, { query, from: addressBucket(from) });
       // Every answer names what this bus adds to the reference contract (a reference bus sends no such
       // header): our client then batches, and doctor reports it.
       r.headers.set("interlink-bus", BUS_FEATURES);
       return r;
     } catch (e) {
-      if (e instanceof HttpError) return errorResponse(e.status, e.message);
+      if (e instanceof HttpError) {
+        // A body left unread must not keep its connection (Bun then closes it; node:http does on its own).
+        const close: Record<string, string> = e.close ? { connection: "close" } : {};
+        return jsonResponse(e.status, JSON.stringify({ error: e.message }), close);
+      }
       if (req.signal.aborted) return errorResponse(499, "client closed the request"); // a hang-up: not an error here
       this.#log(`internal error on ${pathname}: ${(e as Error).stack ?? e}`);
       return errorResponse(500, "internal error; see the bus log");
     }
   };
 
-  /** Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) would get. */
-  ensureRoom(sender: string, size: number): void {
-    const over = this.queues.admit(sender, size);
+  /**
+   * Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) to `to` ("": not known yet)
+   * would get: the byte budgets, then the room kept free on the disk. `close`: the body is unread (see HttpError).
+   */
+  ensureRoom(sender: string, size: number, to = "", close = false): void {
+    const over = this.queues.admit(sender, size, to);
+    const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
     if (over === "global") {
       throw new HttpError(
         507,
-        `this bus holds its whole budget of ${humanBytes(this.queues.limits.totalBytes)} of messages; retry later`,
+        `this bus holds its whole budget of ${
+          humanBytes(this.queues.limits.totalBytes)
+        } of messages (${counted}); retry later`,
+        close,
       );
     }
     if (over === "sender") {
@@ -3021,9 +3277,48 @@ export class Bus {
         429,
         `this sender already has ${
           humanBytes(this.queues.limits.senderBytes)
-        } queued on this bus; retry once some is read`,
+        } queued on this bus (${counted}); retry once some is read`,
+        close,
       );
     }
+    this.#ensureDisk(2 * size + MESSAGE_OVERHEAD_BYTES, close); // a record: at most twice the payload (escapes), and its head
+  }
+
+  /** Free bytes on the data folder's disk: looked up (statfs) at most every DISK_LOOK_MS, or `now`; writes since are taken off. */
+  #diskFree(now = false): number {
+    const t = performance.now();
+    if (now || t - this.#disk.at >= DISK_LOOK_MS) {
+      try {
+        const st = fs.statfsSync(this.dataDir);
+        this.#disk = { free: st.bavail * st.bsize, size: st.blocks * st.bsize, at: t };
+      } catch {
+        this.#disk = { free: Infinity, size: Infinity, at: t }; // cannot tell: a write that fails says so
+      }
+    }
+    return this.#disk.free;
+  }
+
+  /**
+   * Bytes the bus leaves free on its disk for what must always be written: the records that compact the queue
+   * file (its owners, and the live messages once receivers have read most) and the odd small record. Acks need
+   * none (see ack). DISK_RESERVE_BYTES, or a sixteenth of a small disk, plus the owners' records.
+   */
+  diskReserve(): number {
+    return (this.#diskReserve ?? Math.min(DISK_RESERVE_BYTES, Math.floor(this.#disk.size / 16))) + this.#ownerBytes;
+  }
+
+  /** Throws the 507 a write of `bytes` gets when it would eat into the reserve (looked at afresh before refusing). */
+  #ensureDisk(bytes: number, close = false): void {
+    if (this.#diskFree() - bytes >= this.diskReserve()) return;
+    const free = this.#diskFree(true);
+    if (free - bytes >= this.diskReserve()) return;
+    throw new HttpError(
+      507,
+      `the disk of the bus's data folder is full: ${
+        humanBytes(Math.max(0, free))
+      } free, which the bus keeps for compacting its queue file; nothing was stored; retry once receivers have read their mail`,
+      close,
+    );
   }
 
   /**
@@ -3054,7 +3349,7 @@ export class Bus {
    */
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
-    this.ensureRoom(sender, size);
+    this.ensureRoom(sender, size, to);
     this.ensureRouteRoom(to, sender);
     const seq = this.queues.nextSeq++; // used up even if the write fails: a fenced record can never share it
     const ts = this.now();
@@ -3077,10 +3372,61 @@ export class Bus {
     if (line.failed) throw this.#unavailable(line.failed); // held, then written with another record that failed
   }
 
-  /** Records a proven route (the first time only on disk: trust on first proof survives a restart). */
-  touchOwned(route: string, proof: string): void {
-    if (!this.owned.has(route)) this.#write(recordLine({ t: "o", q: route }), true); // once per route: not held
-    this.owned.set(route, proof);
+  /** Whether `route`'s key has proven it reads its routes here: then a recv or ack of any route of that key needs a proof. */
+  isOwned(route: string): boolean {
+    return this.#owners.has(parseRoute(route).key);
+  }
+
+  /** Keys that have proven their ownership here. */
+  get ownerCount(): number {
+    return this.#owners.size;
+  }
+
+  /** Whether `proof` is the one last verified for `route` (its signature then need not be checked again). */
+  verifiedBefore(route: string, proof: string): boolean {
+    return this.#verified.get(route) === proof;
+  }
+
+  #addOwner(key: string): void {
+    this.#owners.add(key);
+    this.#ownerBytes += recordLine({ t: "o", q: key }).bytes;
+  }
+
+  /**
+   * Records that `route`'s key proved with `proof` (verified and fresh) that it reads it. A key proving for the
+   * first time becomes an owner, on disk before the answer (trust on first proof survives a restart), unless the
+   * bus holds its `ownersMax` (507), address bucket `from` made NEW_OWNERS_PER_ADDRESS_PER_DAY today (429), or
+   * the disk has no room for the record (507): then the recv or ack is refused, never served unprotected.
+   */
+  touchOwned(route: string, proof: string, from = ""): void {
+    this.#verified.set(route, proof);
+    const key = parseRoute(route).key;
+    if (this.#owners.has(key)) return;
+    if (this.#owners.size >= this.ownersMax) {
+      throw new HttpError(
+        507,
+        `this bus protects the routes of ${this.ownersMax} keys, the most it keeps, and never forgets one; it cannot protect this key's, so it does not serve them (its operator can raise --owners)`,
+      );
+    }
+    const now = this.now();
+    const day = this.#newOwners.get(from);
+    const made = day && now - day.since < 24 * 60 * 60_000 ? day.n : 0;
+    if (made >= NEW_OWNERS_PER_ADDRESS_PER_DAY) {
+      throw new HttpError(
+        429,
+        `${made} keys proved their routes to this bus from your address in the last day, the most it takes from one; this key's routes are not served until then`,
+      );
+    }
+    const line = recordLine({ t: "o", q: key });
+    this.#ensureDisk(line.bytes);
+    this.#write(line, true); // once per key, never held: the answer waits for it
+    this.#addOwner(key);
+    if (this.#owners.size === this.ownersMax) {
+      this.#log(`this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): new keys are refused`);
+    }
+    this.#newOwners.delete(from); // to the back: the least recent address goes first
+    this.#newOwners.set(from, { n: made + 1, since: made ? day!.since : now });
+    if (this.#newOwners.size > OWNER_ADDRESSES_TRACKED) this.#newOwners.delete(this.#newOwners.keys().next().value!);
   }
 
   /**
@@ -3115,6 +3461,7 @@ export class Bus {
     let offset: number;
     try {
       offset = this.writer.appendText(batch.length === 1 ? batch[0].text : batch.map((l) => l.text).join(""));
+      for (const l of batch) this.#disk.free -= l.bytes;
     } catch (e) {
       for (const l of batch) {
         l.failed = e;
@@ -3253,21 +3600,69 @@ export class Bus {
   }
 
   /**
-   * Acks `seqs` of `me` (unknown ones are ignored: acks are idempotent). The
-   * records are written before the answer, in one write with whatever is
-   * held for the next fsync round, so a crash of the bus never brings an
-   * acked message back; they are fsynced lazily, so a power cut can, and
-   * that is a redelivery, which receivers dedupe. Acks that cannot be
-   * written are refused, and the messages stay.
+   * Acks `seqs` of `me` (unknown ones are ignored: acks are idempotent). Each
+   * is written in place before the answer: its message's record becomes an
+   * ack record (see #markAcked), which takes no room on the disk, so a full
+   * disk never stops receivers from draining it, and a crash of the bus never
+   * brings an acked message back. They are fsynced lazily, so a power cut
+   * can, and that is a redelivery, which receivers dedupe. A record not where
+   * its entry says (an older layout) gets an appended "a" record instead;
+   * those that cannot be written are refused, and their messages stay.
    */
   ack(me: string, ...seqs: number[]): void {
-    const known = [...new Set(seqs)].filter((seq) => this.queues.has(me, seq));
-    if (!known.length) return;
-    this.#write(known.map((seq) => recordLine({ t: "a", q: me, n: seq })), true); // with what is held: one append
-    for (const seq of known) this.queues.remove(me, seq);
-    this.dead += 2 * known.length;
-    this.#syncSoon();
-    this.#maybeCompact();
+    if (!seqs.some((seq) => this.queues.has(me, seq))) return;
+    try {
+      this.#flush(); // a message still held for the next write gets its record, to be marked
+    } catch {
+      // those held messages left memory and their senders are answered 507: nothing of them to ack
+    }
+    const appended: number[] = [];
+    try {
+      for (const seq of new Set(seqs)) {
+        const item = this.queues.get(me, seq);
+        if (!item) continue;
+        const bytes = this.#markAcked(me, item);
+        if (!bytes) {
+          appended.push(seq);
+          continue;
+        }
+        this.queues.remove(me, seq);
+        this.dead += 2; // as a message and its ack record weigh: compaction comes as often as before
+        this.#deadBytes += bytes;
+      }
+      if (!appended.length) return;
+      const lines = appended.map((seq) => recordLine({ t: "a", q: me, n: seq }));
+      this.#write(lines, true);
+      for (const seq of appended) this.queues.remove(me, seq);
+      this.dead += 2 * appended.length;
+      this.#deadBytes += lines.reduce((n, l) => n + l.bytes, 0);
+    } finally {
+      this.#syncSoon();
+      this.#maybeCompact();
+    }
+  }
+
+  /**
+   * Acks `item` in place: the "m" of its record's tag becomes "a", an ack
+   * record naming the same route and seq (every reader of the file, an older
+   * bus's too, takes it so). One byte over one that is there needs no new room
+   * on the disk. Returns the record's bytes, or 0 when the record is not on
+   * disk in today's layout exactly where its entry says (held still, an older
+   * layout, or a read or write that fails).
+   */
+  #markAcked(me: string, item: Queued): number {
+    if (item.at < 0 || item.payload !== undefined) return 0;
+    const head = Buffer.from(messageHead(me, item.seq, item.ts, item.sender, item.size));
+    const start = item.at - head.length;
+    if (start < 0) return 0;
+    try {
+      const found = Buffer.alloc(head.length);
+      if (fs.readSync(this.#reader, found, 0, head.length, start) !== head.length || !found.equals(head)) return 0;
+      if (fs.writeSync(this.#reader, ACKED_TAG, 0, 1, start + ACKED_TAG_AT) !== 1) return 0;
+    } catch {
+      return 0;
+    }
+    return head.length + item.len + 2;
   }
 
   #syncSoon(): void {
@@ -3286,7 +3681,8 @@ export class Bus {
    * COMPACT_RETRY_MS.
    */
   #maybeCompact(opening = false, force = false): void {
-    if (!force && this.dead < Math.max(this.#compactMinDead, this.queues.liveCount)) return;
+    const due = this.dead >= Math.max(this.#compactMinDead, this.queues.liveCount);
+    if (!force && !due && !this.#spaceToReclaim()) return;
     if (this.now() < this.#compactAfter) return;
     const placed: [Queued, number, number][] = [];
     const cut: [string, number][] = []; // live messages the file no longer holds whole: left out, set aside
@@ -3294,7 +3690,7 @@ export class Bus {
     try {
       this.writer.rewrite((write) => {
         write(recordLine({ t: "h", next: this.queues.nextSeq }).text);
-        for (const q of this.owned.keys()) write(recordLine({ t: "o", q }).text);
+        for (const q of this.#owners) write(recordLine({ t: "o", q }).text);
         for (const [q, m] of this.queues.live()) {
           const head = messageHead(q, m.seq, m.ts, m.sender, m.size);
           let literal: Uint8Array;
@@ -3313,7 +3709,7 @@ export class Bus {
           placed.push([m, at, literal.length]);
         }
       }, (tmp) => {
-        reader = fs.openSync(tmp, "r");
+        reader = fs.openSync(tmp, "r+");
         if (!opening) failpoint("bus-mid-compact"); // the new file written and synced, not yet in place
       });
     } catch (e) {
@@ -3332,7 +3728,22 @@ export class Bus {
       this.#log(`the queued message seq ${seq} for ${fingerprint(q)}… was cut short on disk; set aside in .corrupt`);
     }
     this.dead = 0;
+    this.#deadBytes = 0;
+    this.#diskFree(true);
     if (!opening) failpoint("bus-after-compact");
+  }
+
+  /**
+   * Whether a compaction should run before dead records dominate: when the
+   * disk is short of room (less than twice the reserve free), DISK_RECLAIM_BYTES
+   * or more of the file is dead, and the new file (the owners and the live
+   * messages) fits in what is free. So a disk our own messages filled gets its
+   * room back once receivers have read them.
+   */
+  #spaceToReclaim(): boolean {
+    if (this.#deadBytes < DISK_RECLAIM_BYTES) return false;
+    const free = this.#diskFree();
+    return free < 2 * this.diskReserve() && this.#ownerBytes + this.queues.charged < free;
   }
 
   async close(): Promise<void> {
@@ -3374,24 +3785,37 @@ function ackedSeq(bus: Bus, me: string, key: string): number | undefined {
 
 /** A recv/ack proof is honoured this long either side of its ts (clients renew theirs every minute). */
 const RECV_PROOF_FRESH_MS = 5 * 60_000;
-/** Routes remembered as owned: bounded, the ones idle longest forgotten first (they re-prove on their next recv). */
-const OWNED_ROUTES_CAP = 100_000;
+/**
+ * Keys whose routes a bus protects at most (`--owners`). Each is a node's identity, so this is far above any real
+ * deployment; held, it is about 6 MB of queue file and 10 MB of memory. Past it new keys are refused, never an
+ * owner forgotten: keys cost nothing, so forgetting any would let a flood of them open another's mail.
+ */
+export const OWNERS_MAX = 100_000;
+/** New owner keys the bus takes from one address bucket in a day: a machine has a few identities, a flood thousands. */
+export const NEW_OWNERS_PER_ADDRESS_PER_DAY = 1_000;
+/** Addresses whose day of new owners is remembered; past it the least recent is forgotten (it may then start a new day). */
+const OWNER_ADDRESSES_TRACKED = 10_000;
+/** Routes whose last verified proof is remembered, so a client's repeats skip the signature check (a minute each). */
+const PROOFS_REMEMBERED = 4096;
 
 /**
- * Recipient ownership, trust on first proof: once a route's key has proven
- * (a signed recv or ack) that it reads that route, this bus refuses unproven
- * recv and ack for it, so nobody else can read or delete its mail. Routes that
- * never proved work as in the reference contract, for reference nodes.
- * Throws the 403 when a proof is missing or wrong; returns when the caller may go on.
+ * Recipient ownership, trust on first proof: once a key has proven (a signed
+ * recv or ack) that it reads one of its routes, this bus refuses unproven
+ * recv and ack for every route of that key (`<key>` and `<key>#<session>`),
+ * so nobody else can read or delete its mail, for good (see Bus.touchOwned).
+ * Keys that never proved work as in the reference contract, for reference
+ * nodes. Every proof must be fresh, a repeat too: one captured off the wire is
+ * worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403 when a proof
+ * is missing, stale or wrong; returns when the caller may go on.
  */
-async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
+async function checkOwnership(bus: Bus, route: string, proof: unknown, from = ""): Promise<void> {
   if (proof === undefined || proof === null || proof === "") {
-    if (bus.owned.has(route)) {
+    if (bus.isOwned(route)) {
       throw new HttpError(
         403,
         `route ${
           fingerprint(route)
-        }… has proven its owner to this bus: a recv or ack for it must carry a proof signed by its key`,
+        }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`,
       );
     }
     return;
@@ -3399,13 +3823,19 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<
   if (typeof proof !== "string" || !/^\d{1,16}\.[A-Za-z0-9_-]{86}$/.test(proof)) {
     throw new HttpError(400, 'proof must be "<ts>.<signature>"');
   }
-  if (bus.owned.get(route) === proof) return bus.touchOwned(route, proof); // the same proof as last time: checked then
   const [tsText, sig] = proof.split(".");
   const ts = Number(tsText);
-  if (Math.abs(bus.now() - ts) > RECV_PROOF_FRESH_MS) throw new HttpError(403, "proof is outside its freshness window");
-  const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
-  if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
-  bus.touchOwned(route, proof);
+  if (Math.abs(bus.now() - ts) > RECV_PROOF_FRESH_MS) {
+    throw new HttpError(
+      403,
+      `proof is outside its freshness window (${RECV_PROOF_FRESH_MS / 60_000} min either side of this bus's clock)`,
+    );
+  }
+  if (!bus.verifiedBefore(route, proof)) {
+    const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
+    if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
+  }
+  bus.touchOwned(route, proof, from);
 }
 
 /** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
@@ -3450,8 +3880,12 @@ function claimedSender(payload: string): string {
 }
 
 /** A JSON object body with a non-empty "pubkey" (an announcement, an unregister), or the 400 that says it is not. */
-async function readKeyedBody(req: Request, what: string): Promise<Record<string, unknown> & { pubkey: string }> {
-  const body = await readJsonBody(req);
+async function readKeyedBody(
+  req: Request,
+  what: string,
+  budget?: BodyBudget,
+): Promise<Record<string, unknown> & { pubkey: string }> {
+  const body = await readJsonBody(req, budget);
   if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
     throw new HttpError(400, `${what} needs a "pubkey"`);
   }
@@ -3501,7 +3935,7 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
       const to = recipientParam(item.to, "to");
       const payload = JSON.stringify(item.payload);
       const sender = await signerOf(item.payload, to);
-      bus.ensureRoom(sender, utf8Bytes(payload));
+      bus.ensureRoom(sender, utf8Bytes(payload), to);
       bus.ensureRouteRoom(to, sender); // a full route stops the batch here, as any refusal does
       queued.push(bus.send(to, payload, sender)); // in the queue now, in order; on disk once awaited
       results.push({ status: 202 });
@@ -3532,15 +3966,21 @@ export function splitUrl(url: string): { pathname: string; query: string } {
     : { pathname: url.slice(slash, q), query: url.slice(q + 1, end) };
 }
 
-const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request, query: string): Promise<Response> }> =
+/** What a bus route reads of a request besides the Request: its query string, and its address bucket (see addressBucket). */
+interface BusCall {
+  query: string;
+  from: string;
+}
+
+const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request, call: BusCall): Promise<Response> }> =
   {
     "/send": {
       method: "POST",
-      async handle(bus, req) {
+      async handle(bus, req, { from }) {
         // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
         const declared = Number(req.headers.get("content-length"));
-        if (declared > 0) bus.ensureRoom("", declared);
-        const body = await readJsonBody(req);
+        if (declared > 0) bus.ensureRoom("", declared, "", true);
+        const body = await readJsonBody(req, { inFlight: bus.inFlight, from });
         if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages);
         if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
         const to = recipientParam(body.to, "to");
@@ -3551,10 +3991,10 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     },
     "/recv": {
       method: "GET",
-      async handle(bus, req, query) {
+      async handle(bus, req, { query, from }) {
         const params = new URLSearchParams(query);
         const me = recipientParam(params.get("me"), "me");
-        await checkOwnership(bus, me, params.get("proof") ?? undefined);
+        await checkOwnership(bus, me, params.get("proof") ?? undefined, from);
         // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that
         // no client which did not ask can take for one message; a reference bus ignores max and answers one.
         const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
@@ -3569,8 +4009,8 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     },
     "/ack": {
       method: "POST",
-      async handle(bus, req) {
-        const body = await readJsonBody(req);
+      async handle(bus, req, { from }) {
+        const body = await readJsonBody(req, { inFlight: bus.inFlight, from });
         if (!isObject(body)) throw new HttpError(400, 'expected {"me": <recipient>, "ack": <key>}');
         const me = recipientParam(body.me, "me");
         // Our extension: "acks", a list of keys, in place of the reference's single "ack".
@@ -3581,7 +4021,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         if (!keys.every((k) => (k as string).startsWith(me + "\0"))) {
           throw new HttpError(403, "that ack key belongs to another recipient");
         }
-        await checkOwnership(bus, me, body.proof);
+        await checkOwnership(bus, me, body.proof, from);
         // Unknown or already acked: still 200, acks are idempotent.
         bus.ack(me, ...(keys as string[]).map((k) => ackedSeq(bus, me, k)).filter((seq) => seq !== undefined));
         return jsonResponse(200, '{"status":"acked"}');
@@ -3589,8 +4029,8 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     },
     "/announce": {
       method: "POST",
-      async handle(bus, req) {
-        const body = await readKeyedBody(req, "an announcement");
+      async handle(bus, req, { from }) {
+        const body = await readKeyedBody(req, "an announcement", { inFlight: bus.inFlight, from });
         delete body.age_ms; // stamped by the bus, never taken from the poster
         const json = JSON.stringify(body);
         if (utf8Bytes(json) > ANNOUNCEMENT_MAX_BYTES) {
@@ -3603,14 +4043,30 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         if (now - a.ts >= ROSTER_RETENTION_MS) throw new HttpError(400, "announcement is older than the roster keeps");
         const bad = await verifyAnnouncement(a);
         if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
-        bus.roster.put(a, json, now);
+        const filed = bus.roster.put(a, json, now, from);
+        if (filed === "full") {
+          throw new HttpError(
+            507,
+            `this bus's roster is full of sessions heard from in the last ${
+              PRESENCE_LIVE_MS / 1000
+            } s (${bus.roster.cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
+          );
+        }
+        if (filed === "address") {
+          throw new HttpError(
+            429,
+            `announcements from your address take ${bus.roster.perAddressCap} KiB of this bus's roster already, all of them heard from in the last ${
+              PRESENCE_LIVE_MS / 1000
+            } s; this one is not listed now`,
+          );
+        }
         return jsonResponse(202, '{"status":"announced"}');
       },
     },
     "/unregister": {
       method: "POST",
-      async handle(bus, req) {
-        const body = await readKeyedBody(req, "an unregister");
+      async handle(bus, req, { from }) {
+        const body = await readKeyedBody(req, "an unregister", { inFlight: bus.inFlight, from });
         if (body.sig === undefined) {
           throw new HttpError(
             403,
@@ -3654,13 +4110,15 @@ export interface Listening {
 }
 
 /**
- * Binds a fetch handler to a TCP port with the host runtime's own server.
- * `guard` (Deno only; Bun always closes idle connections): serve with
- * node:http, whose timeouts Deno honours, so that idle connections and slow
- * requests are closed (Deno.serve never closes them); it costs throughput.
+ * Binds a fetch handler to a TCP port with the host runtime's own server; the
+ * handler is told the address each request came from (the bus's per-address
+ * budgets count by it). `guard` (Deno only; Bun always closes idle
+ * connections): serve with node:http, whose timeouts Deno honours, so that
+ * idle connections and slow requests are closed (Deno.serve never closes
+ * them); it costs throughput.
  */
 export function serveHttp(
-  handler: (req: Request) => Promise<Response>,
+  handler: (req: Request, from: string) => Promise<Response>,
   hostname: string,
   port: number,
   guard = false,
@@ -3674,7 +4132,7 @@ export function serveHttp(
       port,
       idleTimeout: Math.ceil(RECV_TIMEOUT_MAX_MS / 1000) + 30,
       development: false, // else a handler that throws answers with Bun's page of source lines and paths
-      fetch: handler,
+      fetch: (req, server) => handler(req, server.requestIP(req)?.address ?? ""),
       error: serverError,
     });
     return Promise.resolve({ port: server.port, stop: () => Promise.resolve(server.stop(true)) });
@@ -3683,7 +4141,9 @@ export function serveHttp(
     // Deno.serve has no idle timeout, and when the process runs out of file descriptors (say 20,000 idle
     // sockets) its accept loop fails and would take the process down. Instead it is logged and the server
     // listens again on the same port a second later, until the flood is over.
-    let server = Deno.serve({ hostname, port, onListen: () => {}, onError: serverError }, handler);
+    const serve = (req: Request, info: { remoteAddr: { hostname: string } }) =>
+      handler(req, info.remoteAddr?.hostname ?? "");
+    let server = Deno.serve({ hostname, port, onListen: () => {}, onError: serverError }, serve);
     const bound = server.addr.port;
     let stopping = false;
     let retry: ReturnType<typeof setTimeout> | undefined;
@@ -3694,7 +4154,7 @@ export function serveHttp(
         retry = setTimeout(function relisten() {
           if (stopping) return;
           try {
-            server = Deno.serve({ hostname, port: bound, onListen: () => {}, onError: serverError }, handler);
+            server = Deno.serve({ hostname, port: bound, onListen: () => {}, onError: serverError }, serve);
             watch(server);
           } catch (e) {
             logWarn(`cannot listen on port ${bound} yet (${(e as Error).message}); trying again in 1 s`);
@@ -3755,7 +4215,7 @@ function connectionBound(): number {
  * aborts its request's signal, so its long-poll is dropped at once.
  */
 async function serveGuarded(
-  handler: (req: Request) => Promise<Response>,
+  handler: (req: Request, from: string) => Promise<Response>,
   hostname: string,
   port: number,
 ): Promise<Listening> {
@@ -3790,7 +4250,29 @@ async function serveGuarded(
         return body = Buffer.concat(chunks);
       };
       const hasBody = req.method !== "GET" && req.method !== "HEAD";
-      if (hasBody && declared === undefined) await readBody(); // chunked: its length is known only once read
+      // A chunked body (no declared length) is handed over as it comes, so the handler counts each chunk against
+      // its budgets before the next is read (read whole here first, a thousand of them held 2 MB each).
+      const chunked = hasBody && declared === undefined
+        ? {
+          getReader() {
+            const chunks = req[Symbol.asyncIterator]();
+            const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
+            return {
+              async read(): Promise<IteratorResult<Uint8Array>> {
+                try {
+                  const r = await chunks.next();
+                  if (r.done) (whole = true, clearTimeout(deadline));
+                  return r;
+                } catch (e) {
+                  clearTimeout(deadline);
+                  throw e;
+                }
+              },
+              cancel: () => Promise.resolve(clearTimeout(deadline)),
+            };
+          },
+        }
+        : null;
       // The handler reads only these parts of a Request; building a real one (headers, a body stream) costs
       // more than the rest of the adapter.
       const lite = {
@@ -3798,17 +4280,17 @@ async function serveGuarded(
         method: req.method,
         headers: {
           get(name: string): string | null {
-            if (name.toLowerCase() === "content-length") return declared ?? (body ? String(body.length) : null);
+            if (name.toLowerCase() === "content-length") return declared ?? null;
             const v = req.headers[name.toLowerCase()];
             return v === undefined ? null : Array.isArray(v) ? v.join(", ") : v;
           },
         },
-        body: null,
+        body: chunked,
         text: async () => (hasBody ? (await readBody()).toString("utf8") : ""),
         signal: gone.signal,
       };
       // A handler that throws while the client is still there gets the generic 500; one that is gone, nothing.
-      const r = await handler(lite as unknown as Request).catch((e) =>
+      const r = await handler(lite as unknown as Request, socket.remoteAddress ?? "").catch((e) =>
         gone.signal.aborted ? Promise.reject(e) : serverError(e)
       );
       const text = await r.text();
@@ -11890,10 +12372,11 @@ async function runBus(o: Options): Promise<number> {
     totalBytes: intOption(o["max-mb"], "max-mb", 1, 1_000_000) * 2 ** 20,
   };
   const compactMinDead = intOption(o.compact, "compact", 1, 100_000_000);
+  const owners = intOption(o.owners, "owners", 1, 100_000_000);
   if (!["on", "off"].includes(String(o.guard))) throw new InterlinkError(`--guard must be on or off, not '${o.guard}'`);
   const dataDir = o.data as string;
   setLogComponent("interlink bus");
-  const bus = await Bus.open(dataDir, { cap, compactMinDead, limits });
+  const bus = await Bus.open(dataDir, { cap, compactMinDead, limits, owners });
   let server: Listening;
   try {
     server = await serveHttp(bus.handler, host, port, o.guard === "on");
@@ -12397,7 +12880,8 @@ const COMMANDS: Record<string, CommandSpec> = {
         arg: "MB",
         env: "INTERLINK_BUS_SENDER_MB",
         default: String(SENDER_BYTES_MAX >> 20),
-        help: "MiB of messages one signer may have queued, all recipients together (past it: 429)",
+        help:
+          "MiB of messages one signer may have queued, all recipients together, each counting 256 bytes more (past it: 429)",
       },
       "max-mb": {
         type: "string",
@@ -12405,6 +12889,14 @@ const COMMANDS: Record<string, CommandSpec> = {
         env: "INTERLINK_BUS_MAX_MB",
         default: String(TOTAL_BYTES_MAX >> 20),
         help: "MiB of messages the bus holds in all (past it: 507)",
+      },
+      owners: {
+        type: "string",
+        arg: "N",
+        env: "INTERLINK_BUS_OWNERS",
+        default: String(OWNERS_MAX),
+        help:
+          "keys whose routes the bus protects (recipient ownership), never forgotten; past it a new key's recv and ack are refused (507)",
       },
       guard: {
         type: "string",

@@ -44,8 +44,10 @@ import {
   postJson,
   print,
   QUEUE_CAP,
+  readRoster,
   RECV_BATCH,
   RECV_TIMEOUT_MS,
+  recvProofBytes,
   type Relay,
   ROSTER_CAP,
   runtimeName,
@@ -977,7 +979,8 @@ async function benchSessions(root: string, progress: (m: string) => void, server
  * must stay bounded: each reports the bus's RSS and its ratio to the same bus idle.
  */
 async function benchFlood(root: string, progress: (m: string) => void, servers: Runtime | undefined) {
-  const flood = async (name: string, run: (url: string) => Promise<Record<string, unknown>>) => {
+  /** `rest`: also the bus's RSS 5 s after the flood's clients went away. */
+  const flood = async (name: string, run: (url: string) => Promise<Record<string, unknown>>, rest = false) => {
     const bus = await startBus(servers, path.join(root, `flood-${name}`));
     try {
       const rssIdle = rssMb(bus.child.pid!);
@@ -985,14 +988,22 @@ async function benchFlood(root: string, progress: (m: string) => void, servers: 
       const sampler = setInterval(() => peak = Math.max(peak, rssMb(bus.child.pid!) ?? 0), 50);
       const t0 = performance.now();
       const result = await run(bus.url).finally(() => clearInterval(sampler));
+      const seconds = Math.round(performance.now() - t0) / 1000;
       const rss = rssMb(bus.child.pid!);
+      const rested = rest ? await rssAfterRest(bus.child.pid!) : undefined;
       return {
         ...result,
-        seconds: Math.round(performance.now() - t0) / 1000,
+        seconds,
         bus_rss_mb_peak: peak,
         bus_rss_mb_after: rss,
         bus_rss_mb_idle: rssIdle,
         peak_ratio_to_idle: rssIdle ? Math.round((peak / rssIdle) * 100) / 100 : null,
+        ...(rested !== undefined
+          ? {
+            bus_rss_mb_rested: rested,
+            rested_ratio_to_idle: rssIdle && rested ? Math.round((rested / rssIdle) * 100) / 100 : null,
+          }
+          : {}),
       };
     } finally {
       await stopChild(bus.child);
@@ -1048,7 +1059,225 @@ async function benchFlood(root: string, progress: (m: string) => void, servers: 
     }));
     return { statuses, queue_cap: QUEUE_CAP };
   });
-  return { announce, opaque_bytes: opaqueBytes, signed_bytes: signedBytes, signed_junk: junk };
+  progress("flood: one key proves 100,001 routes of its own; then 2,000 keys prove one each");
+  const owners = await flood("owners", (url) => ownersFlood(url, root));
+  progress("flood: 1,000 connections each send all but the last 100 bytes of a 2 MB /send, and drip");
+  const bodies = await flood("bodies", (url) => bodiesFlood(url), true);
+  progress("flood: 3,000,000 tiny opaque payloads to 100,000 routes, 64 to a request");
+  const tiny: Record<string, unknown> = await flood("tiny", (url) => tinyFlood(url));
+  tiny.queue_file_mb = queueFileMb(path.join(root, "flood-tiny"));
+  tiny.restart = await restartOn(servers, path.join(root, "flood-tiny"));
+  progress("flood: 64 keys × 64 sessions of 8 KB announcements, then 5,000 keys of small ones, beside a live session");
+  const roster = await flood("roster", (url) => rosterFlood(url));
+  return {
+    announce,
+    opaque_bytes: opaqueBytes,
+    signed_bytes: signedBytes,
+    signed_junk: junk,
+    owners,
+    bodies_in_flight: bodies,
+    tiny_messages: tiny,
+    roster,
+  };
+}
+
+/** Bytes of a bus's queue file (its data folder's queue.jsonl), in MB. */
+const queueFileMb = (dataDir: string) => Math.round(fs.statSync(path.join(dataDir, "queue.jsonl")).size / 1e5) / 10;
+
+/** A signed recv of `route` by `id` with no wait: its status. */
+async function provenRecv(url: string, id: Identity, route: string): Promise<number> {
+  const ts = Date.now();
+  const proof = `${ts}.${await id.sign(recvProofBytes(route, ts))}`;
+  const r = await fetch(`${url}/recv?me=${encodeURIComponent(route)}&timeout_ms=0&proof=${proof}`);
+  await r.body?.cancel();
+  return r.status;
+}
+
+/**
+ * Issue 34's ownership attack: the victim proves its route and has a message queued; one stranger's key proves
+ * 100,001 routes of its own (`<key>#<i>`), then 2,000 fresh keys prove one route each. Whether an unproven recv
+ * of the victim's route then gets its mail, the queue file's growth, and the same after a restart.
+ */
+async function ownersFlood(url: string, root: string): Promise<Record<string, unknown>> {
+  const victim = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+  const route = `${victim.publicKey}#victim`;
+  await provenRecv(url, victim, route);
+  await postJson(`${url}/send`, { to: route, payload: { for: "the victim only" } });
+  const dataDir = path.join(root, "flood-owners");
+  const before = queueFileMb(dataDir);
+  const eve = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+  const routes: Record<string, number> = {};
+  const t0 = performance.now();
+  for (let i = 0; i < 100_001; i += 100) {
+    const got = await Promise.all(
+      Array.from({ length: Math.min(100, 100_001 - i) }, (_, k) => provenRecv(url, eve, `${eve.publicKey}#${i + k}`)),
+    );
+    for (const s of got) routes[s] = (routes[s] ?? 0) + 1;
+  }
+  const routesSeconds = Math.round(performance.now() - t0) / 1000;
+  const keys: Record<string, number> = {};
+  for (let i = 0; i < 2_000; i += 50) {
+    const got = await Promise.all(Array.from({ length: 50 }, async () => {
+      const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+      return await provenRecv(url, id, id.publicKey);
+    }));
+    for (const s of got) keys[s] = (keys[s] ?? 0) + 1;
+  }
+  const stolen = await fetch(`${url}/recv?me=${encodeURIComponent(route)}&timeout_ms=0`);
+  await stolen.body?.cancel();
+  return {
+    one_key_routes: routes,
+    one_key_routes_seconds: routesSeconds,
+    fresh_keys: keys,
+    unproven_recv_of_the_victim: stolen.status,
+    queue_file_mb_before: before,
+    queue_file_mb_after: queueFileMb(dataDir),
+  };
+}
+
+/**
+ * Issue 34's bodies in flight: 1,000 connections each send the headers of a 2 MB /send and all of its body but
+ * the last 100 bytes, then drip a space every 2 s for 20 s (past the idle and body timeouts). Answers before the
+ * body ended, connections the bus closed, and the bus's RSS while they hold and 5 s after they close.
+ */
+async function bodiesFlood(url: string): Promise<Record<string, unknown>> {
+  const { port } = new URL(url);
+  const size = 2_000_000;
+  const body = Buffer.alloc(size - 100, 0x20); // the rest comes a byte every 2 s
+  body.write('{"to":"x","payload":"');
+  let answered = 0, closed = 0;
+  const sockets: net.Socket[] = [];
+  await Promise.all(Array.from({ length: 1_000 }, () =>
+    new Promise<void>((resolve) => {
+      const s = net.connect(Number(port), "127.0.0.1", () => {
+        s.write(`POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: ${size}\r\n\r\n`);
+        s.write(body, () => resolve());
+      });
+      let first = true;
+      s.on("data", () => first && (first = false, answered++));
+      s.on("error", () => resolve());
+      s.on("close", () => (closed++, resolve()));
+      sockets.push(s);
+    })));
+  const drip = setInterval(() => sockets.forEach((s) => s.destroyed || s.write(" ")), 2_000);
+  await sleep(20_000);
+  clearInterval(drip);
+  const stillOpen = sockets.filter((s) => !s.destroyed).length;
+  for (const s of sockets) s.destroy();
+  return { connections: 1_000, body_bytes: size, answered, closed_by_the_bus: closed, open_after_20_s: stillOpen };
+}
+
+/** RSS of a bus 5 s after a flood's clients went away (what it let go of). */
+async function rssAfterRest(pid: number): Promise<number | null> {
+  await sleep(5_000);
+  return rssMb(pid);
+}
+
+/**
+ * Issue 34's tiny messages: 3,000,000 one-byte opaque payloads to 100,000 routes, 64 to a batched /send, 8
+ * requests at a time. How many were taken, and the queue file's size.
+ */
+async function tinyFlood(url: string): Promise<Record<string, unknown>> {
+  const statuses: Record<string, number> = {};
+  let n = 0;
+  const total = 3_000_000, batch = 64;
+  let stopAt = Infinity; // once every message of 200 requests in a row is refused, the rest would be too
+  let refusedRuns = 0;
+  while (n < total && refusedRuns < stopAt) {
+    const got = await Promise.all(Array.from({ length: 8 }, async () => {
+      const messages = Array.from(
+        { length: Math.min(batch, total - n) },
+        () => ({ to: `r${n++ % 100_000}`, payload: 1 }),
+      );
+      if (!messages.length) return [];
+      const r = await postJson(`${url}/send`, { messages }, 60_000);
+      const body = await r.json() as { results?: { status: number }[] };
+      return body.results?.map((x) => x.status) ?? [r.status];
+    }));
+    let taken = 0;
+    for (const list of got) {
+      for (const s of list) statuses[s] = (statuses[s] ?? 0) + 1;
+      taken += list.filter((s) => s === 202).length;
+    }
+    refusedRuns = taken ? 0 : refusedRuns + 8;
+    stopAt = 200;
+  }
+  return { tried: n, results: statuses, not_tried: total - n };
+}
+
+/** A bus restarted on the folder a flood left: its recovery line and how long to listening. */
+async function restartOn(servers: Runtime | undefined, dataDir: string): Promise<Record<string, unknown>> {
+  const t0 = performance.now();
+  const bus = await startBus(servers, dataDir);
+  try {
+    const ms = Math.round(performance.now() - t0);
+    await sleep(500); // the recovery line follows the listening one
+    return {
+      to_listening_ms: ms,
+      recovered: bus.stderr.find((l) => l.includes("recovered")),
+      rss_mb: rssMb(bus.child.pid!),
+      queue_file_mb: queueFileMb(dataDir),
+    };
+  } finally {
+    await stopChild(bus.child);
+  }
+}
+
+/**
+ * Issue 34's roster flood: a live session that announces every 5 s; 64 fresh keys × 64 sessions of about 8 KB
+ * announcements; then 5,000 keys with one small announcement each. After each, whether the live session is
+ * listed, the roster's size, and what one client's read of it costs (readRoster: fetch and verify).
+ */
+async function rosterFlood(url: string): Promise<Record<string, unknown>> {
+  const real = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+  const session = (id: string, summary = "") => ({ session_id: id, cwd: "/home/real/project", git_root: "", summary });
+  const announceReal = async () => {
+    const r = await postJson(`${url}/announce`, await signAnnouncement(real, "real", Date.now(), session("live")));
+    await r.body?.cancel();
+  };
+  await announceReal();
+  const refresh = setInterval(() => void announceReal().catch(() => {}), 5_000);
+  const snapshot = async () => {
+    const text = await (await fetch(`${url}/roster`)).text();
+    const cpu0 = process.cpuUsage();
+    const { byRoute } = await readRoster([new HttpRelay(url)], Date.now());
+    const cpu = process.cpuUsage(cpu0);
+    return {
+      live_session_listed: byRoute.has(`${real.publicKey}#live`),
+      entries: (JSON.parse(text).roster as unknown[]).length,
+      roster_bytes: text.length,
+      client_cpu_ms_per_read: Math.round((cpu.user + cpu.system) / 1000),
+    };
+  };
+  try {
+    const big: Record<string, number> = {};
+    const pad = "x".repeat(7_600);
+    for (let k = 0; k < 64; k++) {
+      const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+      const got = await Promise.all(Array.from({ length: 64 }, async (_, i) => {
+        const a = await signAnnouncement(id, `k${k}`, Date.now(), { ...session(`s${i}`), cwd: pad });
+        const r = await postJson(`${url}/announce`, a);
+        await r.body?.cancel();
+        return r.status;
+      }));
+      for (const s of got) big[s] = (big[s] ?? 0) + 1;
+    }
+    const afterBig = await snapshot();
+    const small: Record<string, number> = {};
+    for (let i = 0; i < 5_000; i += 100) {
+      const got = await Promise.all(Array.from({ length: 100 }, async (_, j) => {
+        const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+        const r = await postJson(`${url}/announce`, await signAnnouncement(id, `n${i + j}`, Date.now(), session("s")));
+        await r.body?.cancel();
+        return r.status;
+      }));
+      for (const s of got) small[s] = (small[s] ?? 0) + 1;
+    }
+    const afterSmall = await snapshot();
+    return { big_announcements: big, after_big: afterBig, small_announcements: small, after_small: afterSmall };
+  } finally {
+    clearInterval(refresh);
+  }
 }
 
 /**
