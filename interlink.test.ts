@@ -22,6 +22,9 @@ import {
   BusQueues,
   canonicalBytes,
   type Carried,
+  type Chain,
+  CHAIN_DOMAIN,
+  chainBytes,
   channelMeta,
   checkAnnouncement,
   chooseRoute,
@@ -35,6 +38,7 @@ import {
   corruptFile,
   decide,
   decodeRecord,
+  DEFAULT_MAX_DEPTH,
   DELIVERY_MODES,
   describeTask,
   displayName,
@@ -46,6 +50,7 @@ import {
   fingerprint,
   foldTask,
   FormatError,
+  formatInbox,
   FRESH_FUTURE_MS,
   FRESH_PAST_MS,
   GOODBYE_PREFIX,
@@ -69,6 +74,7 @@ import {
   type JournalRecord,
   JsonlWriter,
   jsonResponse,
+  judgeChain,
   judgeInvite,
   lanAddresses,
   legacyAnnouncementBytes,
@@ -102,8 +108,10 @@ import {
   PidLock,
   planInbound,
   postJson,
+  prepareSend,
   presence,
   type PushEvent,
+  pushEvent,
   readAnswer,
   readId,
   readIdentity,
@@ -172,6 +180,7 @@ import { OPTIONS as BENCH_OPTIONS, PARTS as BENCH_PARTS } from "./dev/bench.ts";
 import { command as demoCommand } from "./dev/demo.ts";
 import { command as codexCommand } from "./extras/codex.ts";
 import { command as verifyCommand } from "./extras/verify.ts";
+import { chainVectorsText } from "./dev/vectors.ts";
 
 const REPO = import.meta.dir;
 /** The extras' commands (files beside interlink.ts that `interlink.ts <name>` runs), as the core's table lists its own. */
@@ -788,7 +797,7 @@ describe("task folding and lifecycle", () => {
     foldTask(tasks, "in", q, 3);
     const row = [...tasks.values()][0];
     expect(row.requested_by).toBe("me");
-    expect(row.awaiting).toEqual([{ msg_id: "q1", asked_by: "peer" }]);
+    expect(row.awaiting).toEqual([{ msg_id: "q1", asked_by: "peer", at: 3, text: "x" }]); // blocked since, on what
     foldTask(tasks, "out", await msg(alice, bob, { task_id: "t", in_reply_to: "q1" }), 4);
     expect(row.awaiting).toEqual([]);
     expect(row.closed).toBe(false);
@@ -4859,6 +4868,350 @@ describe("the node core: decisions are lists of effects, carried out in order", 
   );
 });
 
+describe("delegation across hops: the chain, and what each node decides (pure)", () => {
+  const NOW = Date.now();
+  const CHAIN_VECTORS_TEXT = fs.readFileSync(path.join(REPO, "vectors", "chain-v1.json"), "utf8");
+  const CV = JSON.parse(CHAIN_VECTORS_TEXT);
+  let carol: Identity;
+  let bobsPeers: Peers, carolsPeers: Peers;
+  beforeAll(async () => {
+    carol = await identityFromSeed(b64urlDecode(CV.keys.carol.secret_b64, 32, "seed"));
+    bobsPeers = parsePeers(JSON.stringify({ alice: { key: alice.publicKey }, carol: { key: carol.publicKey } }));
+    carolsPeers = parsePeers(JSON.stringify({ bob: { key: bob.publicKey } }));
+  });
+
+  /** The ordering promises of every inbound plan (see checkOrdering above), with messages sent only after the sync. */
+  function ordered(effects: Effect[]): string[] {
+    const names = effects.map((e) => e.do);
+    expect(names.at(-1)).toBe("ack");
+    const lastWrite = Math.max(names.lastIndexOf("append"), names.lastIndexOf("remember"));
+    expect(names.indexOf("sync", lastWrite)).toBeGreaterThan(lastWrite); // durable before anything is sent on
+    if (names.includes("send")) expect(names.indexOf("send")).toBeGreaterThan(names.lastIndexOf("sync"));
+    return names;
+  }
+  const sends = (effects: Effect[]) => effects.flatMap((e) => (e.do === "send" ? [e] : []));
+  const records = (effects: Effect[]) => effects.flatMap((e) => (e.do === "append" ? e.records : []));
+
+  /** bob's node: alice asked it for "site" (a root task), and it handed "logo" to carol as a sub-task of it. */
+  async function bobsNode() {
+    const state = new NodeState(() => NOW);
+    const request = await signMessage(alice, { to: bob.publicKey, text: "build the site", task_id: "site" }, NOW);
+    state.apply({ t: "in", at: NOW, peer: "alice", msg: request });
+    const p = prepareSend(
+      bobsPeers,
+      state.tasks,
+      {
+        to: "carol",
+        text: "render the logo",
+        task_id: "logo",
+        parent_task_id: "site",
+      },
+      bob.publicKey,
+      { selfName: "bob" },
+    );
+    const msg = await signMessage(bob, p.draft, NOW);
+    const chain = await signChainOf(bob, msg, p.chain!);
+    state.apply({ t: "out", at: NOW, peer: "carol", recipient: carol.publicKey, msg, chain });
+    return { state, request, toCarol: msg, chain };
+  }
+  const signChainOf = async (by: Identity, msg: SignedMessage, c: Omit<Chain, "sig">): Promise<Chain> => ({
+    ...c,
+    sig: await by.sign(chainBytes({ ...msg, task_id: msg.task_id! }, c)),
+  });
+  const bobsCtx = (state: NodeState, extra: Partial<InboundContext> = {}): InboundContext => ({
+    state,
+    peers: bobsPeers,
+    canPush: true,
+    nowMs: NOW,
+    selfKey: bob.publicKey,
+    selfName: "bob",
+    ...extra,
+  });
+  const carolsCtx = (state: NodeState, extra: Partial<InboundContext> = {}): InboundContext => ({
+    state,
+    peers: carolsPeers,
+    canPush: true,
+    nowMs: NOW,
+    selfKey: carol.publicKey,
+    selfName: "carol",
+    ...extra,
+  });
+
+  test("vectors/chain-v1.json is what the code makes, and every vector gets its verdict", async () => {
+    expect(CHAIN_VECTORS_TEXT).toBe(await chainVectorsText()); // regenerate with `bun dev/vectors.ts`
+    expect(CV.domain).toBe(CHAIN_DOMAIN);
+    const signers = new Map<string, Identity>();
+    for (const k of Object.values(CV.keys) as { secret_b64: string; public_b64: string }[]) {
+      const id = await identityFromSeed(b64urlDecode(k.secret_b64, 32, "seed"));
+      expect(id.publicKey).toBe(k.public_b64);
+      signers.set(id.publicKey, id);
+    }
+    for (const v of CV.valid) {
+      const msg = parseSignedMessage(v.payload);
+      expect({ v: v.name, sig: await verifyMessage(msg) }).toEqual({ v: v.name, sig: null }); // as a reference node reads it
+      const check = await judgeChain(v.payload.chain, msg);
+      expect({ v: v.name, ok: check?.ok }).toEqual({ v: v.name, ok: true });
+      const { sig, ...fields } = v.payload.chain;
+      expect(hex(chainBytes({ ...msg, task_id: msg.task_id! }, fields))).toBe(v.canonical_hex);
+      expect(await signers.get(msg.from)!.sign(chainBytes({ ...msg, task_id: msg.task_id! }, fields))).toBe(sig);
+    }
+    expect(CV.invalid.length).toBe(8);
+    for (const v of CV.invalid) {
+      const msg = parseSignedMessage(v.payload);
+      expect({ v: v.name, sig: await verifyMessage(msg) }).toEqual({ v: v.name, sig: null });
+      expect({ v: v.name, ok: (await judgeChain(v.payload.chain, msg))?.ok }).toEqual({ v: v.name, ok: false });
+    }
+  });
+
+  test("send: a sub-task's chain comes from its parent's record; a loop, a depth past the limit, an unknown or closed parent and another session of this node are refused with the chain in words", async () => {
+    const { state, chain } = await bobsNode();
+    expect(chain).toMatchObject({
+      parent: "site",
+      requester: alice.publicKey,
+      owner: alice.publicKey,
+      depth: 2,
+      keys: [alice.publicKey, bob.publicKey],
+    });
+    const row = state.tasks.get(`${carol.publicKey} logo`)!;
+    expect(row).toMatchObject({ parent: { task_id: "site", requester: alice.publicKey }, owner: alice.publicKey });
+    const send = (input: Partial<Parameters<typeof prepareSend>[2]>, maxDepth?: number) => () =>
+      prepareSend(
+        bobsPeers,
+        state.tasks,
+        { to: "carol", text: "x", task_id: "more", parent_task_id: "site", ...input },
+        bob.publicKey,
+        {
+          selfName: "bob",
+          ...(maxDepth ? { maxDepth } : {}),
+        },
+      );
+    expect(send({ to: "alice" })).toThrow(
+      "delegation loop: alice → bob → alice; alice is in this task's chain already",
+    );
+    expect(send({}, 1)).toThrow("delegation too deep: alice → bob → carol, limit 1 (--max-depth)");
+    expect(send({ parent_task_id: "nope" })).toThrow("no task 'nope' that a peer asked of you");
+    expect(send({ to: "self" })).toThrow("not a hop");
+    expect(send({ status: "update", task_id: "logo" })).toThrow("a new task_id and no status");
+    expect(send({ task_id: "logo" })()).toMatchObject({ draft: { task_id: "logo" } }); // a follow-up: no new chain
+    expect(send({ task_id: "logo" })().chain).toBeUndefined();
+    expect(send({}, DEFAULT_MAX_DEPTH)().chain?.depth).toBe(2);
+    state.apply({
+      t: "out",
+      at: NOW,
+      peer: "alice",
+      recipient: alice.publicKey,
+      msg: await signMessage(bob, { to: alice.publicKey, text: "done", task_id: "site", status: "result" }, NOW),
+    });
+    expect(send({})).toThrow("task site from alice is closed (result)");
+  });
+
+  test("receipt: a request past the limit, or back to a node in its chain, is answered failed and shown to no model", async () => {
+    const { toCarol, chain } = await bobsNode();
+    const v = await decide(toCarol, carol.publicKey, carolsPeers, NOW, new ReplayMemory());
+    const chainCheck = await judgeChain(chain, toCarol);
+    expect(chainCheck?.ok).toBe(true);
+    // Within the limit: admitted as work, the chain recorded on its row.
+    const within = planInbound(v, carolsCtx(new NodeState(() => NOW), { chain: chainCheck, maxDepth: 2 }));
+    expect(ordered(within)).toEqual(["append", "remember", "push", "append", "sync", "ack"]);
+    // Past it: the chain in words, answered failed to bob, nothing pushed.
+    const state = new NodeState(() => NOW);
+    const deep = planInbound(v, carolsCtx(state, { chain: chainCheck, maxDepth: 1, wantsReceipts: true }));
+    expect(ordered(deep)).toEqual(["append", "remember", "log", "sync", "send", "ack"]);
+    const why = `delegation too deep: ${fingerprint(alice.publicKey)} → bob → carol, limit 1`;
+    expect(records(deep)[0]).toMatchObject({ t: "in", declined: why, chain });
+    expect(sends(deep)[0].draft).toEqual({ to: bob.publicKey, task_id: "logo", status: "failed", text: why });
+    for (const r of records(deep)) state.apply({ ...r, at: NOW } as JournalRecord);
+    expect(state.inbox.size).toBe(0); // no model sees it as work
+    expect(state.owed.get(bob.publicKey)?.map((l) => l.state)).toEqual(["delivered"]); // never "shown"
+    // A chain that already holds carol: a loop.
+    const back = await signMessage(bob, { to: carol.publicKey, text: "again", task_id: "loop" }, NOW);
+    const looped = await signChainOf(bob, back, {
+      parent: "x",
+      requester: carol.publicKey,
+      owner: carol.publicKey,
+      depth: 2,
+      keys: [carol.publicKey, bob.publicKey],
+    });
+    const loop = planInbound(
+      await decide(back, carol.publicKey, carolsPeers, NOW, new ReplayMemory()),
+      carolsCtx(new NodeState(() => NOW), { chain: await judgeChain(looped, back) }),
+    );
+    expect(sends(loop)[0].draft.text).toBe("delegation loop: carol → bob → carol");
+    expect(loop.some((e) => e.do === "push")).toBe(false);
+  });
+
+  test("receipt: a chain that does not hold (lifted from another message) is treated as stripped: a root task, logged", async () => {
+    const { toCarol, chain } = await bobsNode();
+    const other = await signMessage(bob, { to: carol.publicKey, text: "favicon", task_id: "favicon" }, NOW);
+    const check = await judgeChain(chain, other);
+    expect(check).toEqual({ ok: false, why: "chain: signature does not match" });
+    const state = new NodeState(() => NOW);
+    const effects = planInbound(
+      await decide(other, carol.publicKey, carolsPeers, NOW, new ReplayMemory()),
+      carolsCtx(state, { chain: check, maxDepth: 1 }),
+    );
+    expect(ordered(effects)).toEqual(["append", "remember", "log", "push", "append", "sync", "ack"]);
+    expect(effects.find((e) => e.do === "log")).toMatchObject({ level: "warn" });
+    for (const r of records(effects)) state.apply({ ...r, at: NOW } as JournalRecord);
+    expect(state.tasks.get(`${bob.publicKey} favicon`)?.parent).toBeUndefined();
+    expect(toCarol.task_id).toBe("logo");
+  });
+
+  test("a question on a sub-task goes up to the owner's side, its answer comes back down, each shown to bob as information; a crash before either is sent is made good once", async () => {
+    const { state } = await bobsNode();
+    const q = await signMessage(carol, {
+      to: bob.publicKey,
+      text: "which sizes?",
+      task_id: "logo",
+      status: "needs_input",
+    }, NOW);
+    const up = planInbound(await decide(q, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state));
+    expect(ordered(up)).toEqual(["append", "remember", "push", "append", "sync", "send", "ack"]);
+    expect(records(up)[0]).toMatchObject({ t: "in", relay: { dir: "up", to: alice.publicKey, task_id: "site" } });
+    const [forward] = sends(up);
+    expect(forward.draft).toEqual({
+      to: alice.publicKey,
+      task_id: "site",
+      status: "needs_input",
+      text: `carol (${fingerprint(carol.publicKey)}) asks, via bob: which sizes?`,
+    });
+    expect(forward.forward).toEqual({ peer: carol.publicKey, task_id: "logo", question: q.msg_id });
+    const pushed = up.find((e) => e.do === "push") as Extract<Effect, { do: "push" }>;
+    expect(pushed.event.meta.relayed).toContain(`forwarded by interlink to alice (${fingerprint(alice.publicKey)})`);
+    expect(pushed.event.meta.relayed).toContain("nothing for you or your operator to answer");
+    state.apply({ ...records(up)[0], at: NOW } as JournalRecord);
+    // The record is durable but the forward was never queued (a crash): the copy the relay hands over again sends it.
+    const replayed = await decide(q, bob.publicKey, bobsPeers, NOW, state.replay);
+    expect(sends(planInbound(replayed, bobsCtx(state, { canPush: false })))).toHaveLength(1);
+    const f = await signMessage(bob, forward.draft, NOW);
+    state.apply({ t: "out", at: NOW, peer: "alice", recipient: alice.publicKey, msg: f, forward: forward.forward });
+    expect(state.tasks.get(`${carol.publicKey} logo`)!.awaiting[0].forwarded).toEqual({
+      as: f.msg_id,
+      to: alice.publicKey,
+      task_id: "site",
+    });
+    expect(sends(planInbound(replayed, bobsCtx(state, { canPush: false })))).toEqual([]); // sent once
+    const names = { petnameOf: (k: string) => bobsPeers.byKey.get(k), peers: () => bobsPeers };
+    const listed = [...state.tasks.values()].map((t) => describeTask(names, t, state.outgoing, bob.publicKey));
+    expect(listed.join("\n")).toContain(
+      `carol's question ${q.msg_id} since ${
+        new Date(NOW).toISOString().replace(/\.\d{3}Z$/, "Z")
+      } is forwarded to alice on task site (as ${f.msg_id}), for alice's operator`,
+    );
+    expect(listed.join("\n")).toContain(
+      "a sub-task of site, which alice asked of you (the work is alice's operator's; depth 2: alice → you → carol)",
+    );
+    // alice's operator answers the forwarded question: it goes down to carol, in reply to her question.
+    const a = await signMessage(alice, {
+      to: bob.publicKey,
+      text: "16, 32, 64",
+      task_id: "site",
+      in_reply_to: f.msg_id,
+    }, NOW);
+    const down = planInbound(await decide(a, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state));
+    expect(ordered(down)).toEqual(["append", "remember", "push", "append", "sync", "send", "ack"]);
+    expect(sends(down)[0].draft).toEqual({
+      to: carol.publicKey,
+      task_id: "logo",
+      in_reply_to: q.msg_id,
+      text: `alice (${fingerprint(alice.publicKey)}) answers, via bob: 16, 32, 64`,
+    });
+    expect((down.find((e) => e.do === "push") as Extract<Effect, { do: "push" }>).event.meta.relayed).toContain(
+      "sent on to them on task logo",
+    );
+  });
+
+  test("a task bob executes closes (alice cancels it, or bob finishes it): the sub-tasks bob opened for it are canceled", async () => {
+    const { state } = await bobsNode();
+    const cancel = await signMessage(alice, {
+      to: bob.publicKey,
+      text: "no longer needed",
+      task_id: "site",
+      status: "canceled",
+    }, NOW);
+    const effects = planInbound(await decide(cancel, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state));
+    expect(ordered(effects)).toEqual(["append", "remember", "push", "append", "sync", "send", "ack"]);
+    expect(sends(effects).map((e) => e.draft)).toEqual([{
+      to: carol.publicKey,
+      task_id: "logo",
+      status: "canceled",
+      text: `canceled: alice (${
+        fingerprint(alice.publicKey)
+      }) canceled task site, which this sub-task served: no longer needed`,
+    }]);
+  });
+
+  test("a blocked question survives its session: the next one shows the answer with what was asked, for whom; the requester's next session is shown a question still waiting", async () => {
+    // carol's first session asked; it ended; her next session took its work over, and then the answer came.
+    const { toCarol, chain } = await bobsNode();
+    const s1 = new NodeState(() => NOW);
+    s1.apply({ t: "in", at: NOW, peer: "bob", msg: toCarol, chain });
+    const q = await signMessage(carol, {
+      to: bob.publicKey,
+      text: "which sizes?",
+      task_id: "logo",
+      status: "needs_input",
+    }, NOW);
+    s1.apply({ t: "out", at: NOW + 1, peer: "bob", recipient: bob.publicKey, msg: q });
+    s1.apply({ t: "shown", at: NOW, item: `${bob.publicKey} ${toCarol.msg_id}`, via: "inbox" });
+    const carried = decodeRecord(
+      JSON.parse(
+        encodeRecord({ t: "adopted", at: NOW, session: "c1", carried: s1.carry(NOW, { session: "c1", at: NOW }) }),
+      ),
+    );
+    const s2 = new NodeState(() => NOW);
+    s2.apply(carried[0]);
+    expect(s2.tasks.get(`${bob.publicKey} logo`)!.awaiting).toEqual([
+      { msg_id: q.msg_id, asked_by: "me", at: NOW + 1, text: "which sizes?", earlier: "c1" },
+    ]);
+    const answer = await signMessage(bob, {
+      to: carol.publicKey,
+      text: `alice (${fingerprint(alice.publicKey)}) answers, via bob: 16, 32, 64`,
+      task_id: "logo",
+      in_reply_to: q.msg_id,
+    }, NOW);
+    s2.apply({ t: "in", at: NOW + 2, peer: "bob", msg: answer });
+    const shown = formatInbox([...s2.inbox.values()], carolsPeers);
+    expect(shown).toContain(
+      `answers="your earlier session c1 asked, for ${fingerprint(alice.publicKey)}'s operator: which sizes?"`,
+    );
+    expect(shown).toContain("answers, via bob: 16, 32, 64");
+    expect(s2.tasks.get(`${bob.publicKey} logo`)!.awaiting).toEqual([]);
+    // alice's side: her first session was shown bob's (forwarded) question and ended before her operator answered.
+    const a1 = new NodeState(() => NOW);
+    const req = await signMessage(alice, { to: bob.publicKey, text: "build the site", task_id: "site" }, NOW);
+    a1.apply({ t: "out", at: NOW, peer: "bob", recipient: bob.publicKey, msg: req });
+    const fq = await signMessage(bob, {
+      to: alice.publicKey,
+      text: "carol asks, via bob: which sizes?",
+      task_id: "site",
+      status: "needs_input",
+    }, NOW);
+    a1.apply({ t: "in", at: NOW + 3, peer: "bob", msg: fq });
+    a1.apply({ t: "shown", at: NOW + 4, item: `${bob.publicKey} ${fq.msg_id}`, via: "push" });
+    const a2 = new NodeState(() => NOW);
+    a2.apply({ t: "adopted", at: NOW + 5, session: "a1", carried: a1.carry(NOW, { session: "a1", at: NOW }) });
+    const waiting = [...a2.inbox.values()];
+    expect(waiting.map((i) => i.kind)).toEqual(["waiting"]);
+    const alicesPeers = parsePeers(JSON.stringify({ bob: { key: bob.publicKey } }));
+    const block = formatInbox(waiting, alicesPeers);
+    expect(block).toContain(
+      `<interlink-message from="bob" fingerprint="${
+        fingerprint(bob.publicKey)
+      }" msg_id="${fq.msg_id}" task_id="site" status="needs_input"`,
+    );
+    expect(block).toContain(
+      `still_open="asked of your earlier session a1, which ended; not answered yet: show it to your operator and answer with in_reply_to=${fq.msg_id}"`,
+    );
+    expect(block).toContain("carol asks, via bob: which sizes?");
+    expect(pushEvent(waiting[0], alicesPeers).meta.still_open).toContain("your earlier session a1");
+    // Shown once: a later adoption of the same journal adds it again only if this one has not shown it.
+    a2.apply({ t: "shown", at: NOW + 6, item: waiting[0].id, via: "inbox" });
+    a2.apply({ t: "adopted", at: NOW + 7, session: "a1", carried: a1.carry(NOW, { session: "a1", at: NOW }) });
+    expect(a2.inbox.size).toBe(0);
+  });
+});
+
 describe("delivery receipts: what is owed, what a receipt changes", () => {
   const NOW = Date.now();
   let A: NodeFiles, B: NodeFiles, E: Identity;
@@ -8497,6 +8850,14 @@ describe("the journal: one typed record per line, read through one codec", () =>
   test("every tag round-trips through the codec; a bad field or an unknown tag is refused with the reason, and set aside", async () => {
     const m = await signMessage(alice, { to: bob.publicKey, text: "x", task_id: "t-ünï", status: "update" }, 5);
     const line: ReceiptLine = { state: "refused", msg_id: m.msg_id, at: 3, reason: "stale", skew_ms: 9 };
+    const chain: Chain = {
+      parent: "p-ünï",
+      requester: alice.publicKey,
+      owner: alice.publicKey,
+      depth: 2,
+      keys: [alice.publicKey, bob.publicKey],
+      sig: m.sig,
+    };
     const task: TaskRow = {
       task_id: "t-ünï",
       peer_key: bob.publicKey,
@@ -8504,7 +8865,20 @@ describe("the journal: one typed record per line, read through one codec", () =>
       status: "update",
       last_msg_id: m.msg_id,
       last_at: 5,
-      awaiting: [{ msg_id: "q", asked_by: "peer" }],
+      awaiting: [
+        {
+          msg_id: "q",
+          asked_by: "peer",
+          at: 4,
+          text: "which?",
+          forwarded: { as: "f", to: eve.publicKey, task_id: "p" },
+        },
+        { msg_id: "q2", asked_by: "me", at: 4, text: "and?", earlier: "s0" },
+      ],
+      parent: { task_id: "p-ünï", requester: alice.publicKey },
+      owner: alice.publicKey,
+      depth: 2,
+      chain: [alice.publicKey, bob.publicKey],
       closed: false,
       messages: 2,
       peer_session: "b1",
@@ -8518,9 +8892,30 @@ describe("the journal: one typed record per line, read through one codec", () =>
         sent_at: 2,
         via: ["x"],
         delivered: { at: 3, session: "b" },
+        chain,
       }],
       inbox: [
         { kind: "message", id: "i", at: 1, peer: "alice", msg: m, forSession: "older" },
+        {
+          kind: "message",
+          id: "i2",
+          at: 1,
+          peer: "alice",
+          msg: m,
+          relay: { dir: "up", to: eve.publicKey, task_id: "p" },
+          asked: { text: "which?", owner: eve.publicKey, session: "s0" },
+        },
+        {
+          kind: "waiting",
+          id: "w",
+          at: 1,
+          key: bob.publicKey,
+          task_id: "t",
+          msg_id: "q",
+          text: "which?",
+          asked_at: 0,
+          session: "s0",
+        },
         { kind: "knock", id: "k", at: 1, key: alice.publicKey, name: "alice" },
         { kind: "more_knocks", id: "knocks more", at: 1, count: 3 },
         { kind: "refusals", id: "r", at: 1, key: eve.publicKey, reason: "stale", count: 2 },
@@ -8547,11 +8942,32 @@ describe("the journal: one typed record per line, read through one codec", () =>
       silent: [eve.publicKey],
     };
     const all: JournalRecord[] = [
-      { t: "out", at: 1, peer: "bob", recipient: `${bob.publicKey}#b1`, msg: m, pair_petname: "bob", again: true },
+      {
+        t: "out",
+        at: 1,
+        peer: "bob",
+        recipient: `${bob.publicKey}#b1`,
+        msg: m,
+        pair_petname: "bob",
+        again: true,
+        chain,
+        forward: { peer: eve.publicKey, task_id: "t", question: "q" },
+      },
       { t: "sent", at: 1, msg_id: m.msg_id, via: ["http://b"] },
       { t: "refused", at: 1, msg_id: m.msg_id, reason: "413" },
       { t: "resign", at: 1, msg: m },
-      { t: "in", at: 1, peer: "alice", msg: m, reply_session: "a1", receipts: true, for_session: "old" },
+      {
+        t: "in",
+        at: 1,
+        peer: "alice",
+        msg: m,
+        reply_session: "a1",
+        receipts: true,
+        for_session: "old",
+        chain,
+        declined: "delegation loop: a → b → a",
+        relay: { dir: "down", to: eve.publicKey, task_id: "t" },
+      },
       { t: "shown", at: 1, item: `${m.from} ${m.msg_id}`, via: "inbox" },
       {
         t: "knock",
