@@ -7172,6 +7172,7 @@ const NATS_TESTS = [
   "what a stopping session's last pull still gets is handed straight back: the route's next reader has it at once",
   "over NATS: a used code is refused in seconds whenever anything of A runs (A on Bun, joiners on Deno), and the joiner keeps nothing",
   'over NATS, on bun: twenty send_messages while the relay hangs each answer "queued" at once, and all arrive in order once a relay answers there',
+  "alice → bob → carol over NATS: carol's question reaches alice via bob, the answer comes back once, alice's cancel reaches carol",
 ];
 const NATS_SERVER = systemTool("nats-server", "/usr/sbin/nats-server", "NATS", NATS_TESTS);
 // One at a time: each starts a few servers and two agents, and with many children at once Bun's test process was
@@ -9024,6 +9025,515 @@ describe("the journal: one typed record per line, read through one codec", () =>
 });
 
 // ----------------------------------------------------------------------------
+// Delegation across hops with real nodes: the chain on the wire, questions that reach the owner's human, limits.
+
+/**
+ * A relay in front of a bus: it passes every request on, and while `strip` is on it removes the chain from what it
+ * is sent (a relay may: the chain is outside the signature), counting what it removed.
+ */
+function strippingRelay(busUrl: string) {
+  const state = { strip: false, stripped: 0 };
+  const server = Bun.serve({
+    hostname: "127.0.0.1",
+    port: 0,
+    idleTimeout: 0, // long polls pass through
+    async fetch(req) {
+      const url = new URL(req.url);
+      let body = req.method === "GET" ? undefined : await req.text();
+      if (state.strip && url.pathname === "/send" && body) {
+        const sent = JSON.parse(body);
+        for (const m of sent.messages ?? [sent]) if (m.payload?.chain && delete m.payload.chain) state.stripped++;
+        body = JSON.stringify(sent);
+      }
+      const headers = new Headers(req.headers);
+      for (const h of ["host", "content-length"]) headers.delete(h);
+      const r = await fetch(busUrl + url.pathname + url.search, { method: req.method, headers, body });
+      const answer = new Headers(r.headers);
+      answer.delete("content-length");
+      return new Response(await r.arrayBuffer(), { status: r.status, headers: answer });
+    },
+  });
+  return { url: `http://127.0.0.1:${server.port}`, state, stop: () => server.stop(true) };
+}
+
+/** A chain signed by `by` for `msg`, as a node of ours signs one (for the hand-made requests of the gate tests). */
+async function handChain(by: Identity, msg: SignedMessage, keys: string[], parent = "p"): Promise<Chain> {
+  const c = { parent, requester: keys.at(-2)!, owner: keys[0], depth: keys.length, keys };
+  return { ...c, sig: await by.sign(chainBytes({ ...msg, task_id: msg.task_id! }, c)) };
+}
+
+/** A channel event's content as the model reads it: `[task <id> · <status>] ` and the text. */
+const eventOn = (node: McpNode, pred: (e: PushEvent) => boolean) => node.waitEvent(pred, 30_000);
+
+describe("delegation across hops: alice and carol on Bun, bob and dave on Deno, through our bus", () => {
+  // A relay in front of the bus carries bob's traffic (so a test can have it strip the chain); "tk" and "ref" are
+  // nodes driven by raw HTTP: a test key signing requests by hand, and a reference-style node (0.11 shapes, no
+  // chain, no receipts). erin is only a key: dave's sends to her are refused before anything goes.
+  let root: string, bus: Child & { url: string }, relay: ReturnType<typeof strippingRelay>;
+  let A: NodeFiles, B: NodeFiles, C: NodeFiles, D: NodeFiles, E: NodeFiles, T: NodeFiles, R: NodeFiles;
+  let alice: McpNode, bob: McpNode, carol: McpNode, dave: McpNode;
+  const fp = (f: NodeFiles) => fingerprint(f.id.publicKey);
+
+  beforeAll(async () => {
+    root = tmpDir();
+    bus = await startBus("bun", path.join(root, "bus"));
+    relay = strippingRelay(bus.url);
+    [A, B, C, D, E, T, R] = await Promise.all(
+      ["alice", "bob", "carol", "dave", "erin", "tk", "ref"].map((n) => makeNodeFiles(root, n)),
+    );
+    for (const [x, y] of [[A, B], [B, C], [C, D], [D, E], [C, T], [A, R], [R, C], [B, R]]) befriend(x, y);
+    [alice, bob, carol, dave] = await Promise.all([
+      McpNode.start("bun", A, bus.url),
+      McpNode.start("deno", B, relay.url),
+      McpNode.start("bun", C, bus.url, { INTERLINK_MAX_DEPTH: "3" }),
+      McpNode.start("deno", D, bus.url, { INTERLINK_MAX_DEPTH: "3" }),
+    ]);
+    await eventually(
+      async () => (await Promise.all([A, B, C, D].map((f) => onRoster(bus.url, f)))).every(Boolean),
+      "all four announced",
+    );
+  }, 120_000);
+
+  afterAll(async () => {
+    await Promise.allSettled([alice?.close(), bob?.close(), carol?.close(), dave?.close()]);
+    relay?.stop();
+    if (bus) await stop(bus);
+  });
+
+  /** alice asks bob for `site`, bob hands `logo` to carol as a sub-task of it; carol has it. */
+  async function handedOn(site: string, logo: string): Promise<string> {
+    const req = await alice.ok("send_message", { to: "bob", text: `build ${site}`, task_id: site });
+    await eventOn(bob, (e) => e.meta.msg_id === msgIdOf(req));
+    const sub = await bob.ok("send_message", {
+      to: "carol",
+      text: `draw ${logo}`,
+      task_id: logo,
+      parent_task_id: site,
+    });
+    await eventOn(carol, (e) => e.meta.msg_id === msgIdOf(sub));
+    return sub;
+  }
+
+  /** In a node's journals: its "in" or "out" records of messages that answer `msgId`. */
+  const answersTo = (f: NodeFiles, t: "in" | "out", msgId: string) =>
+    readNodeLog(f.stateDir).filter((r) => r.t === t && r.msg.in_reply_to === msgId);
+
+  test(
+    "alice → bob → carol: carol asks, alice is shown the question as carol's via bob, alice answers, and carol's session gets the answer once",
+    async () => {
+      const sub = await handedOn("site1", "logo1");
+      expect(sub).toContain("opens a sub-task of site1, depth 2 of at most 4 here: alice → you → carol");
+      expect(await carol.ok("list_tasks")).toContain(
+        `bob's node says it serves its task site1 for ${fp(A)} (the work is ${fp(A)}'s operator's; depth 2: ${
+          fp(A)
+        } → bob → you)`,
+      );
+      const q = await carol.ok("send_message", {
+        to: "bob",
+        text: "which sizes?",
+        task_id: "logo1",
+        status: "needs_input",
+      });
+      const asked = await eventOn(alice, (e) => e.meta.task_id === "site1" && e.meta.status === "needs_input");
+      expect(asked.meta.sender).toBe("bob");
+      expect(asked.content).toBe(`[task site1 · needs_input] carol (${fp(C)}) asks, via bob: which sizes?`);
+      // bob's model is told, as information: nothing for it or its operator to answer.
+      const middle = await eventOn(bob, (e) => e.meta.msg_id === msgIdOf(q));
+      expect(middle.meta.relayed).toContain(
+        `forwarded by interlink to alice (${fp(A)}) as a needs_input on task site1`,
+      );
+      await eventually(
+        async () => (await bob.ok("list_tasks")).includes(`carol's question ${msgIdOf(q)} since`),
+        "bob's list_tasks shows carol's question as forwarded",
+      );
+      expect(await bob.ok("list_tasks")).toMatch(
+        /is forwarded to alice on task site1 \(as [0-9a-f]{32}\), for alice's operator/,
+      );
+      expect(await alice.ok("list_tasks")).toContain(`BLOCKED on bob's question ${asked.meta.msg_id} since`);
+      await alice.ok("send_message", {
+        to: "bob",
+        text: "16, 32 and 64 px",
+        task_id: "site1",
+        in_reply_to: asked.meta.msg_id,
+      });
+      const answer = await eventOn(carol, (e) => e.meta.in_reply_to === msgIdOf(q));
+      expect(answer.content).toBe(`[task logo1] alice (${fp(A)}) answers, via bob: 16, 32 and 64 px`);
+      expect(answer.meta.sender).toBe("bob");
+      expect((await eventOn(bob, (e) => e.meta.in_reply_to === asked.meta.msg_id)).meta.relayed).toContain(
+        "sent on to them on task logo1",
+      );
+      // Once: one answer queued by bob, one admitted by carol, one shown to her model; nobody's question waits.
+      expect(answersTo(B, "out", msgIdOf(q)).length).toBe(1);
+      expect(answersTo(C, "in", msgIdOf(q)).length).toBe(1);
+      expect(carol.events.filter((e) => e.meta.in_reply_to === msgIdOf(q)).length).toBe(1);
+      expect(await alice.ok("list_tasks", { open_only: true })).not.toContain("BLOCKED");
+      expect(await carol.ok("list_tasks", { open_only: true })).not.toContain("waiting for bob");
+    },
+    90_000,
+  );
+
+  test(
+    "`interlink.ts send --parent` opens a sub-task from the command line, through bob's running server; a bad --max-depth is refused",
+    async () => {
+      const env = {
+        INTERLINK_KEY: B.keyFile,
+        INTERLINK_PEERS: B.peersFile,
+        INTERLINK_STATE: B.stateDir,
+        INTERLINK_URL: relay.url,
+      };
+      const sent = await runCliAsync("bun", [
+        "send",
+        "carol",
+        "and the favicon",
+        "--task",
+        "favicon1",
+        "--parent",
+        "site1",
+      ], {
+        env,
+      });
+      expect({ code: sent.code, err: sent.stderr }).toEqual({ code: 0, err: "" });
+      const got = await eventOn(carol, (e) => e.meta.task_id === "favicon1");
+      expect(got.content).toBe("[task favicon1] and the favicon");
+      const opened = readNodeLog(C.stateDir).find((r) => r.t === "in" && r.msg.task_id === "favicon1");
+      expect(opened.chain).toMatchObject({ parent: "site1", depth: 2, keys: [A.id.publicKey, B.id.publicKey] });
+      const bad = await runCliAsync("bun", ["send", "carol", "x", "--task", "t", "--max-depth", "0"], { env });
+      expect(bad.code).toBe(1);
+      expect(bad.stderr).toContain(
+        'max-depth "0" is not a whole number of hops from 1 to 32 (INTERLINK_MAX_DEPTH / --max-depth / config.json)',
+      );
+    },
+    60_000,
+  );
+
+  test(
+    "two levels up: dave's question reaches alice through carol and bob, and her answer comes down to dave once",
+    async () => {
+      const sub = await carol.ok("send_message", {
+        to: "dave",
+        text: "vectorise the logo",
+        task_id: "svg1",
+        parent_task_id: "logo1",
+      });
+      expect(sub).toContain(`depth 3 of at most 3 here: ${fp(A)} → bob → you → dave`);
+      await eventOn(dave, (e) => e.meta.msg_id === msgIdOf(sub));
+      const q = await dave.ok("send_message", {
+        to: "carol",
+        text: "which colour?",
+        task_id: "svg1",
+        status: "needs_input",
+      });
+      const asked = await eventOn(alice, (e) => e.meta.task_id === "site1" && e.content.includes("which colour?"));
+      expect(asked.content).toBe(
+        `[task site1 · needs_input] carol (${fp(C)}) asks, via bob: dave (${fp(D)}) asks, via carol: which colour?`,
+      );
+      await alice.ok("send_message", { to: "bob", text: "teal", task_id: "site1", in_reply_to: asked.meta.msg_id });
+      const answer = await eventOn(dave, (e) => e.meta.in_reply_to === msgIdOf(q));
+      expect(answer.content).toBe(
+        `[task svg1] bob (${fp(B)}) answers, via carol: alice (${fp(A)}) answers, via bob: teal`,
+      );
+      expect(answersTo(D, "in", msgIdOf(q)).length).toBe(1);
+      expect(dave.events.filter((e) => e.meta.in_reply_to === msgIdOf(q)).length).toBe(1);
+    },
+    90_000,
+  );
+
+  /** What came back to the test key tk on its session route: carol's answers. */
+  async function backToTk(taskId: string): Promise<Record<string, unknown>> {
+    let got: Record<string, unknown> | undefined;
+    await eventually(async () => {
+      got ??= (await drainRoute(bus.url, `${T.id.publicKey}#t1`)).find((p) => p.task_id === taskId);
+      return got !== undefined;
+    }, `carol's answer on ${taskId} reached tk`);
+    return got!;
+  }
+
+  /** A request from tk to carol with a chain of `keys` (tk last), hand-signed, as a node of 0.11 shapes sends it. */
+  async function tkAsks(taskId: string, keys: string[]): Promise<SignedMessage> {
+    const msg = await signMessage(
+      T.id,
+      { to: C.id.publicKey, text: `work for ${taskId}`, task_id: taskId },
+      Date.now(),
+    );
+    const chain = await handChain(T.id, msg, keys);
+    await postSend(bus.url, `${C.id.publicKey}#carol`, { ...msg, reply_to: `${T.id.publicKey}#t1`, chain });
+    return msg;
+  }
+
+  test(
+    "the depth limit at send (a tool error with the chain) and at receipt (answered failed, shown to no model)",
+    async () => {
+      // dave is 3 hops from alice on svg1; his limit is 3, so handing on to erin would be a 4th.
+      const refused = await dave.call("send_message", {
+        to: "erin",
+        text: "x",
+        task_id: "deep",
+        parent_task_id: "svg1",
+      });
+      expect(refused).toEqual({
+        isError: true,
+        text: `send_message failed: delegation too deep: ${fp(A)} → ${
+          fp(B)
+        } → carol → dave → erin, limit 3 (--max-depth); do this part yourself, or tell carol it needs another way`,
+      });
+      expect(readNodeLog(D.stateDir).some((r) => r.t === "out" && r.msg.task_id === "deep")).toBe(false); // nothing queued
+      // At receipt: a request 4 hops from its owner reaches carol (limit 3); one 3 hops away is work.
+      const [x, y] = await Promise.all([0, 1].map(() => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)))));
+      const deep = await tkAsks("deep4", [x.publicKey, y.publicKey, B.id.publicKey, T.id.publicKey]);
+      const fine = await tkAsks("fine3", [y.publicKey, B.id.publicKey, T.id.publicKey]);
+      await eventOn(carol, (e) => e.meta.msg_id === fine.msg_id);
+      const failed = await backToTk("deep4");
+      expect(failed).toMatchObject({
+        from: C.id.publicKey,
+        status: "failed",
+        text: `delegation too deep: ${fingerprint(x.publicKey)} → ${
+          fingerprint(y.publicKey)
+        } → bob → tk → carol, limit 3`,
+      });
+      expect(await verifyMessage(parseSignedMessage(failed))).toBeNull();
+      expect(carol.events.some((e) => e.meta.msg_id === deep.msg_id)).toBe(false); // no model saw it as work
+      expect(await carol.ok("list_tasks", { peer: "tk" })).toMatch(
+        /task deep4 with tk \(session t1\); requested by tk; status failed; closed/,
+      );
+    },
+    90_000,
+  );
+
+  test("a loop at send (a tool error with the chain) and at receipt (answered failed, shown to no model)", async () => {
+    const refused = await bob.call("send_message", {
+      to: "alice",
+      text: "you do it",
+      task_id: "back",
+      parent_task_id: "site1",
+    });
+    expect(refused).toEqual({
+      isError: true,
+      text: "send_message failed: delegation loop: alice → bob → alice; alice is in this task's chain already",
+    });
+    const looped = await tkAsks("loop1", [C.id.publicKey, T.id.publicKey]);
+    const failed = await backToTk("loop1");
+    expect(failed).toMatchObject({
+      from: C.id.publicKey,
+      status: "failed",
+      text: "delegation loop: carol → tk → carol",
+    });
+    expect(carol.events.some((e) => e.meta.msg_id === looped.msg_id)).toBe(false);
+    // A message on a task that exists already is never judged as a loop, whatever chain rides with it.
+    const followUp = await tkAsks("fine3", [C.id.publicKey, T.id.publicKey]);
+    await eventOn(carol, (e) => e.meta.msg_id === followUp.msg_id);
+  }, 90_000);
+
+  test(
+    "a relay that strips the chain: carol takes the request as a root task, and nothing else breaks (bob still forwards her question)",
+    async () => {
+      relay.state.strip = true;
+      try {
+        await handedOn("site2", "logo2");
+      } finally {
+        relay.state.strip = false;
+      }
+      expect(relay.state.stripped).toBe(1);
+      const received = readNodeLog(C.stateDir).find((r) => r.t === "in" && r.msg.task_id === "logo2");
+      expect(received.chain).toBeUndefined();
+      expect(await carol.ok("list_tasks", { peer: "bob" })).not.toContain("serves its task site2");
+      // bob opened it as a sub-task of site2 (his own record says so): carol's question still reaches alice.
+      const q = await carol.ok("send_message", {
+        to: "bob",
+        text: "png or svg?",
+        task_id: "logo2",
+        status: "needs_input",
+      });
+      const asked = await eventOn(alice, (e) => e.meta.task_id === "site2" && e.meta.status === "needs_input");
+      expect(asked.content).toBe(`[task site2 · needs_input] carol (${fp(C)}) asks, via bob: png or svg?`);
+      await alice.ok("send_message", { to: "bob", text: "svg", task_id: "site2", in_reply_to: asked.meta.msg_id });
+      expect((await eventOn(carol, (e) => e.meta.in_reply_to === msgIdOf(q))).content).toBe(
+        `[task logo2] alice (${fp(A)}) answers, via bob: svg`,
+      );
+    },
+    90_000,
+  );
+
+  test(
+    "a reference-style node (raw HTTP, 0.11 shapes, no chain, no receipts) in the middle, and as a sub-task's executor: nothing breaks, nothing is claimed",
+    async () => {
+      const ref = `${R.id.publicKey}#r1`;
+      // alice → ref: an ordinary task; ref reads it as any 0.11 message.
+      const req = await alice.ok("send_message", { to: "ref", text: "sort the assets", task_id: "r1" });
+      let got: Record<string, unknown>[] = [];
+      await eventually(async () => {
+        got = [...got, ...await drainRoute(bus.url, R.id.publicKey)];
+        return got.some((p) => p.msg_id === msgIdOf(req));
+      }, "ref has alice's request");
+      expect(got.find((p) => p.msg_id === msgIdOf(req))!.chain).toBeUndefined(); // a root task carries none
+      // ref hands part of it to carol as 0.11 does: a plain request with its reply_to, no chain.
+      const sub = await signMessage(
+        R.id,
+        { to: C.id.publicKey, text: "resize the icons", task_id: "r1-icons" },
+        Date.now(),
+      );
+      await postSend(bus.url, `${C.id.publicKey}#carol`, { ...sub, reply_to: ref });
+      await eventOn(carol, (e) => e.meta.msg_id === sub.msg_id);
+      const q = await carol.ok("send_message", {
+        to: "ref",
+        text: "how small?",
+        task_id: "r1-icons",
+        status: "needs_input",
+      });
+      let question: Record<string, unknown> | undefined;
+      await eventually(async () => {
+        question ??= (await drainRoute(bus.url, ref)).find((p) => p.msg_id === msgIdOf(q));
+        return question !== undefined;
+      }, "carol's question reached ref's session");
+      expect(await verifyMessage(parseSignedMessage(question))).toBeNull();
+      const reply = await signMessage(R.id, {
+        to: C.id.publicKey,
+        text: "32 px",
+        task_id: "r1-icons",
+        in_reply_to: msgIdOf(q),
+      }, Date.now());
+      await postSend(bus.url, `${C.id.publicKey}#carol`, { ...reply, reply_to: ref });
+      const answer = await eventOn(carol, (e) => e.meta.msg_id === reply.msg_id);
+      expect(answer.content).toBe("[task r1-icons] 32 px");
+      expect(answer.meta.relayed).toBeUndefined();
+      expect(alice.events.some((e) => e.content.includes("how small?"))).toBe(false); // no forwarding is claimed
+      // ref as the executor of bob's sub-task: it gets the chain, ignores it, and its question still goes up.
+      const req2 = await alice.ok("send_message", { to: "bob", text: "ship it", task_id: "site3" });
+      await eventOn(bob, (e) => e.meta.msg_id === msgIdOf(req2));
+      const handed = await bob.ok("send_message", {
+        to: "ref",
+        text: "package it",
+        task_id: "pkg",
+        parent_task_id: "site3",
+      });
+      let request: Record<string, unknown> | undefined;
+      await eventually(async () => {
+        request ??= [...await drainRoute(bus.url, R.id.publicKey), ...await drainRoute(bus.url, ref)].find((p) =>
+          p.msg_id === msgIdOf(handed)
+        );
+        return request !== undefined;
+      }, "bob's sub-task reached ref");
+      expect((request!.chain as Chain).keys).toEqual([A.id.publicKey, B.id.publicKey]);
+      expect(await verifyMessage(parseSignedMessage(request))).toBeNull(); // the signed fields verify as they did
+      const refAsks = await signMessage(R.id, {
+        to: B.id.publicKey,
+        text: "zip or tar?",
+        task_id: "pkg",
+        status: "needs_input",
+      }, Date.now());
+      await postSend(bus.url, B.id.publicKey, { ...refAsks, reply_to: ref });
+      const up = await eventOn(alice, (e) => e.meta.task_id === "site3" && e.meta.status === "needs_input");
+      expect(up.content).toBe(`[task site3 · needs_input] ref (${fp(R)}) asks, via bob: zip or tar?`);
+    },
+    90_000,
+  );
+
+  test("carol's session ends while blocked; the answer reaches her next session with its question, once", async () => {
+    await handedOn("site4", "logo4");
+    const q = await carol.ok("send_message", {
+      to: "bob",
+      text: "which font?",
+      task_id: "logo4",
+      status: "needs_input",
+    });
+    const asked = await eventOn(alice, (e) => e.meta.task_id === "site4" && e.meta.status === "needs_input");
+    await carol.close(); // a clean exit: its goodbye tells bob its session closed
+    await eventually(
+      async () => (await bob.ok("list_tasks", { peer: "carol" })).includes("session closed"),
+      "bob heard",
+    );
+    await alice.ok("send_message", {
+      to: "bob",
+      text: "the house font",
+      task_id: "site4",
+      in_reply_to: asked.meta.msg_id,
+    });
+    await eventually(() => answersTo(B, "out", msgIdOf(q)).length === 1, "bob sent the answer on");
+    carol = await McpNode.start("bun", C, bus.url, { INTERLINK_SESSION: "carol-2", INTERLINK_MAX_DEPTH: "3" });
+    const answer = await eventOn(carol, (e) => e.meta.in_reply_to === msgIdOf(q));
+    expect(answer.content).toBe(`[task logo4] alice (${fp(A)}) answers, via bob: the house font`);
+    expect(answer.meta.answers).toBe(`your earlier session carol asked, for ${fp(A)}'s operator: which font?`);
+    expect(await carol.ok("check_inbox")).toMatch(/^no unread messages/); // shown by the push, not again
+    expect(carol.events.filter((e) => e.meta.in_reply_to === msgIdOf(q)).length).toBe(1);
+    expect(await carol.ok("list_tasks", { peer: "bob" })).not.toContain(`your question ${msgIdOf(q)}`);
+  }, 90_000);
+
+  test(
+    "cancel at alice reaches carol, and dave through carol; cancel_task at bob names the sub-tasks it canceled",
+    async () => {
+      const canceled = await alice.ok("cancel_task", { to: "bob", task_id: "site1", reason: "the client left" });
+      expect(canceled).toContain("bob's node cancels the sub-tasks it opened for it");
+      const atCarol = await eventOn(carol, (e) => e.meta.task_id === "logo1" && e.meta.status === "canceled");
+      expect(atCarol.content).toBe(
+        `[task logo1 · canceled] canceled: alice (${
+          fp(A)
+        }) canceled task site1, which this sub-task served: the client left`,
+      );
+      const atDave = await eventOn(dave, (e) => e.meta.task_id === "svg1" && e.meta.status === "canceled");
+      expect(atDave.content).toStartWith(`[task svg1 · canceled] canceled: bob (${fp(B)}) canceled task logo1`);
+      // bob cancels a task alice asked of him: his sub-task of it goes too, and the tool says so.
+      await handedOn("site5", "logo5");
+      const own = await bob.ok("cancel_task", { to: "alice", task_id: "site5", reason: "cannot do it" });
+      expect(own).toContain("also canceled the sub-task you opened for it: logo5 with carol");
+      expect((await eventOn(carol, (e) => e.meta.task_id === "logo5" && e.meta.status === "canceled")).content).toBe(
+        `[task logo5 · canceled] canceled: bob (${
+          fp(B)
+        }) canceled task site5, which this sub-task served: cannot do it`,
+      );
+    },
+    90_000,
+  );
+});
+
+describe("delegation across hops over NATS JetStream: alice on Bun, bob on Deno, carol on Bun", () => {
+  natsTest(NATS_TESTS[10], async () => {
+    const root = tmpDir();
+    const [server] = await startNats(root);
+    const [A, B, C] = await Promise.all(["alice", "bob", "carol"].map((n) => makeNodeFiles(root, n)));
+    befriend(A, B);
+    befriend(B, C);
+    const channel = { INTERLINK_DELIVERY: "channel" };
+    const [alice, bob, carol] = await Promise.all([
+      natsNode("bun", A, [server.url], channel),
+      natsNode("deno", B, [server.url], channel),
+      natsNode("bun", C, [server.url], channel),
+    ]);
+    const fp = (f: NodeFiles) => fingerprint(f.id.publicKey);
+    try {
+      const req = await alice.ok("send_message", { to: "bob", text: "build the site", task_id: "n-site" });
+      await eventOn(bob, (e) => e.meta.msg_id === msgIdOf(req));
+      const sub = await bob.ok("send_message", {
+        to: "carol",
+        text: "draw the logo",
+        task_id: "n-logo",
+        parent_task_id: "n-site",
+      });
+      await eventOn(carol, (e) => e.meta.msg_id === msgIdOf(sub));
+      const q = await carol.ok("send_message", {
+        to: "bob",
+        text: "which sizes?",
+        task_id: "n-logo",
+        status: "needs_input",
+      });
+      const asked = await eventOn(alice, (e) => e.meta.task_id === "n-site" && e.meta.status === "needs_input");
+      expect(asked.content).toBe(`[task n-site · needs_input] carol (${fp(C)}) asks, via bob: which sizes?`);
+      await alice.ok("send_message", { to: "bob", text: "64 px", task_id: "n-site", in_reply_to: asked.meta.msg_id });
+      const answer = await eventOn(carol, (e) => e.meta.in_reply_to === msgIdOf(q));
+      expect(answer.content).toBe(`[task n-logo] alice (${fp(A)}) answers, via bob: 64 px`);
+      // The chain crossed the relay whole: carol's record of the request holds it, verified.
+      const opened = readNodeLog(C.stateDir).find((r) => r.t === "in" && r.msg.task_id === "n-logo");
+      expect(opened.chain.keys).toEqual([A.id.publicKey, B.id.publicKey]);
+      await alice.ok("cancel_task", { to: "bob", task_id: "n-site" });
+      expect((await eventOn(carol, (e) => e.meta.task_id === "n-logo" && e.meta.status === "canceled")).content)
+        .toStartWith(`[task n-logo · canceled] canceled: alice (${fp(A)}) canceled task n-site`);
+      expect(carol.events.filter((e) => e.meta.in_reply_to === msgIdOf(q)).length).toBe(1);
+    } finally {
+      await Promise.allSettled([alice.close(), bob.close(), carol.close()]);
+      server.kill();
+    }
+  }, 120_000);
+});
+
+// ----------------------------------------------------------------------------
 // Codex CLI sessions as peers: the real Codex CLI (pinned, a dev dependency) against a scripted model of ours.
 
 /** The native codex binary the dev dependency installs, or null (then the Codex tests say so and are skipped). */
@@ -10524,6 +11034,85 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
         await claude.stop();
       }
     }, 120_000);
+
+    codexTest(
+      "a question travels Claude Code → Codex → Claude Code: carol's reaches alice's operator through bob's Codex, shown there only as information, and alice's answer reaches carol once",
+      async () => {
+        const a = await hostNode(root, "hop-alice", bus.url, model);
+        const c = await hostNode(root, "hop-carol", bus.url, model);
+        const B = await makeNodeFiles(root, "hop-bob");
+        fs.writeFileSync(a.peersFile, JSON.stringify({ bob: { key: B.id.publicKey } }));
+        fs.writeFileSync(c.peersFile, JSON.stringify({ bob: { key: B.id.publicKey } }));
+        fs.writeFileSync(
+          B.peersFile,
+          JSON.stringify({ alice: { key: a.id.publicKey }, carol: { key: c.id.publicKey } }),
+        );
+        installStopHook(a);
+        installStopHook(c);
+        const hb = await codexHome(B, "deno");
+        const x = await codexSession(B, hb);
+        const QUESTION = "which colour?";
+        model.on("hop-alice", "hand the site to bob", {
+          tool: "mcp__interlink__send_message",
+          input: { to: "bob", text: "build the site", task_id: "h-site" },
+        });
+        fake.on("hop-bob", "build the site", {
+          tool: "send_message",
+          args: { to: "carol", text: "draw the logo", task_id: "h-logo", parent_task_id: "h-site" },
+        });
+        model.on("hop-carol", "draw the logo", {
+          tool: "mcp__interlink__send_message",
+          input: { to: "bob", text: QUESTION, task_id: "h-logo", status: "needs_input" },
+        });
+        // alice's operator answers the question her session is shown, in reply to the message that carried it.
+        model.on("hop-alice", `asks, via hop-bob: ${QUESTION}`, (r) => ({
+          tool: "mcp__interlink__send_message",
+          input: {
+            to: "bob",
+            text: "teal",
+            task_id: "h-site",
+            in_reply_to: r.latest.match(/msg_id="([0-9a-f]{32})" task_id="h-site" status="needs_input"/)![1],
+          },
+        }));
+        await x.turn("stand by");
+        const [alice, carol] = await Promise.all([claudeSession(a), claudeSession(c)]);
+        try {
+          await eventually(
+            async () => (await Promise.all([a, B, c].map((f) => onRoster(bus.url, f)))).every(Boolean),
+            "all three announced",
+          );
+          alice.send("hand the site to bob");
+          const asked = await model.waitFor(
+            (r) => r.session === "hop-alice" && r.latest.includes(QUESTION),
+            "alice's Claude Code is woken with carol's question",
+            90_000,
+          );
+          expect(asked.latest).toMatch(
+            /<interlink-message from="bob" fingerprint="[^"]+" msg_id="[0-9a-f]{32}" task_id="h-site" status="needs_input"/,
+          );
+          expect(asked.latest).toContain(`carol (${fingerprint(c.id.publicKey)}) asks, via hop-bob: ${QUESTION}`);
+          // bob's Codex was shown it as information, not as a question for it or its operator.
+          const middle = await fake.waitFor(
+            (r) => r.home === "hop-bob" && r.latest.includes(QUESTION),
+            "bob's Codex is told the question went on",
+          );
+          expect(middle.latest).toContain(`relayed="forwarded by interlink to alice (${fingerprint(a.id.publicKey)})`);
+          const answered = await model.waitFor(
+            (r) => r.session === "hop-carol" && r.latest.includes("answers, via hop-bob: teal"),
+            "carol's Claude Code is woken with alice's answer",
+            90_000,
+          );
+          expect(answered.latest).toContain('task_id="h-logo"');
+          expect(answered.latest).toContain(`alice (${fingerprint(a.id.publicKey)}) answers, via hop-bob: teal`);
+          expect(timesShown(model, "hop-carol", "answers, via hop-bob: teal")).toBe(1);
+          expect(timesShown(model, "hop-alice", `asks, via hop-bob: ${QUESTION}`)).toBe(1);
+        } finally {
+          x.close();
+          await Promise.all([alice.stop(), carol.stop()]);
+        }
+      },
+      180_000,
+    );
   }
 });
 
@@ -11046,6 +11635,83 @@ describe("the board: a live page for the operator, read-only, for the token's ho
     expect(view.waiting.length).toBe(BOARD_LIST_MAX); // questions and knocks together
     expect(view.totals.waiting).toBe(980 + 20 * 29 + 64); // a question on each even task (29 on the long ones); knocks
     expect(JSON.stringify(view).length).toBeLessThan(1_000_000); // one snapshot stays well under a megabyte
+  });
+
+  test("a sub-task's question forwarded up the chain waits on its owner's human, not on the middle node's", () => {
+    // B's board: A asked B for "site", B handed "logo" to eve as a sub-task of it, eve asked, B's node forwarded.
+    const fold = new BoardFold(tmpDir(), B.id.publicKey, () => 1e12);
+    const msg = (from: string, to: string, f: Partial<SignedMessage>): SignedMessage => ({
+      from,
+      to,
+      text: "x",
+      ts: 1e12,
+      msg_id: f.msg_id ?? "m",
+      kind: "message",
+      sig: b64urlEncode(new Uint8Array(64)), // never checked: the journal holds what the gate admitted
+      ...f,
+    });
+    const chain: Chain = {
+      parent: "site",
+      requester: A.id.publicKey,
+      owner: A.id.publicKey,
+      depth: 2,
+      keys: [A.id.publicKey, B.id.publicKey],
+      sig: b64urlEncode(new Uint8Array(64)),
+    };
+    const a = A.id.publicKey, b = B.id.publicKey, e = eve.publicKey;
+    fold.apply("s1", { t: "in", at: 1, peer: "alice", msg: msg(a, b, { msg_id: "r", task_id: "site" }) });
+    fold.apply("s1", {
+      t: "out",
+      at: 2,
+      peer: "eve",
+      recipient: e,
+      msg: msg(b, e, { msg_id: "s", task_id: "logo" }),
+      chain,
+    });
+    const q = msg(e, b, { msg_id: "q", task_id: "logo", status: "needs_input", text: "which sizes?" });
+    fold.apply("s1", { t: "in", at: 3, peer: "eve", msg: q, relay: { dir: "up", to: a, task_id: "site" } });
+    const f = msg(b, a, {
+      msg_id: "f",
+      task_id: "site",
+      status: "needs_input",
+      text: "eve asks, via bob: which sizes?",
+    });
+    const forward = { peer: e, task_id: "logo", question: "q" };
+    fold.apply("s1", { t: "out", at: 4, peer: "alice", recipient: a, msg: f, forward });
+    const peers = parsePeers(JSON.stringify({ alice: { key: a }, eve: { key: e } }));
+    const view = boardView(fold, { now: 1e12, peers, roster: [], problems: [], relays: [] });
+    expect(view.waiting).toEqual([]); // not B's operator's to answer
+    const logo = view.tasks.find((t) => t.task_id === "logo")!;
+    expect(logo.parent).toEqual({ task_id: "site", requester: "alice", owner: "alice" });
+    expect(logo.blocked_on).toEqual({ who: "alice", why: "eve's question, forwarded to alice" });
+    expect(view.tasks.find((t) => t.task_id === "site")!.blocked_on).toEqual({
+      who: "alice",
+      why: "your question waits for their answer",
+    });
+    // A's board: the forwarded question waits on A's operator, who owns the work.
+    const theirs = new BoardFold(tmpDir(), a, () => 1e12);
+    theirs.apply("s1", {
+      t: "out",
+      at: 1,
+      peer: "bob",
+      recipient: b,
+      msg: msg(a, b, { msg_id: "r", task_id: "site" }),
+    });
+    theirs.apply("s1", { t: "in", at: 4, peer: "bob", msg: f });
+    const asks = boardView(theirs, {
+      now: 1e12,
+      peers: parsePeers(JSON.stringify({ bob: { key: b } })),
+      roster: [],
+      problems: [],
+      relays: [],
+    }).waiting;
+    expect(asks).toMatchObject([{
+      kind: "question",
+      peer: "bob",
+      msg_id: "f",
+      owner: "you",
+      text: "eve asks, via bob: which sizes?",
+    }]);
   });
 
   test("the fold reads only what a journal gained, and lists a moved session's task once, where it went", () => {
