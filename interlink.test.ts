@@ -51,6 +51,7 @@ import {
   foldTask,
   FormatError,
   formatInbox,
+  FORWARDS_OPEN_CAP,
   FRESH_FUTURE_MS,
   FRESH_PAST_MS,
   GOODBYE_PREFIX,
@@ -5121,6 +5122,38 @@ describe("delegation across hops: the chain, and what each node decides (pure)",
     );
   });
 
+  test("an executor cannot flood the owner's side through bob: past FORWARDS_OPEN_CAP open forwarded questions, the next is bob's own", async () => {
+    const { state } = await bobsNode();
+    for (let i = 0; i <= FORWARDS_OPEN_CAP; i++) {
+      const q = await signMessage(
+        carol,
+        { to: bob.publicKey, text: `q${i}`, task_id: "logo", status: "needs_input" },
+        NOW,
+      );
+      const effects = planInbound(await decide(q, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state));
+      const forward = sends(effects)[0];
+      expect({ i, forwarded: forward !== undefined }).toEqual({ i, forwarded: i < FORWARDS_OPEN_CAP });
+      for (const r of records(effects)) state.apply({ ...r, at: NOW } as JournalRecord);
+      if (!forward) {
+        expect(records(effects)[0]).not.toHaveProperty("relay"); // shown to bob's model as itself
+        continue;
+      }
+      const f = await signMessage(bob, forward.draft, NOW);
+      state.apply({ t: "out", at: NOW, peer: "alice", recipient: alice.publicKey, msg: f, forward: forward.forward });
+    }
+    // A task that came from another session of this node is not a hop: no chain to give a sub-task of it.
+    const self = await signMessage(bob, { to: bob.publicKey, text: "from my other session", task_id: "mine" }, NOW);
+    state.apply({ t: "in", at: NOW, peer: "self", msg: self });
+    expect(() =>
+      prepareSend(
+        bobsPeers,
+        state.tasks,
+        { to: "carol", text: "x", task_id: "y", parent_task_id: "mine" },
+        bob.publicKey,
+      )
+    ).toThrow("came from another session of this node, not a peer");
+  });
+
   test("a task bob executes closes (alice cancels it, or bob finishes it): the sub-tasks bob opened for it are canceled", async () => {
     const { state } = await bobsNode();
     const cancel = await signMessage(alice, {
@@ -9478,6 +9511,21 @@ describe("delegation across hops: alice and carol on Bun, bob and dave on Deno, 
         `[task logo5 · canceled] canceled: bob (${
           fp(B)
         }) canceled task site5, which this sub-task served: cannot do it`,
+      );
+      // bob finishes a task from the command line (his server running): the sub-task he opened for it goes too.
+      await handedOn("site6", "logo6");
+      const env = {
+        INTERLINK_KEY: B.keyFile,
+        INTERLINK_PEERS: B.peersFile,
+        INTERLINK_STATE: B.stateDir,
+        INTERLINK_URL: relay.url,
+      };
+      const done = await runCliAsync("bun", ["send", "alice", "built", "--task", "site6", "--status", "result"], {
+        env,
+      });
+      expect({ code: done.code, err: done.stderr }).toEqual({ code: 0, err: "" });
+      expect((await eventOn(carol, (e) => e.meta.task_id === "logo6" && e.meta.status === "canceled")).content).toBe(
+        `[task logo6 · canceled] canceled: ${fp(B)} closed (result) task site6, which this sub-task served`,
       );
     },
     90_000,

@@ -204,6 +204,11 @@ export const DEFAULT_MAX_DEPTH = 4;
 export const CHAIN_KEYS_MAX = 32;
 /** Characters of a question its task row keeps (shown again with a late answer): enough to say what was asked. */
 export const QUESTION_KEPT_CHARS = 500;
+/**
+ * Questions of one sub-task forwarded up the chain and not yet answered: a few at once is a conversation; past it,
+ * an executor would flood its requester's requester through us, so the next is shown to our model as usual.
+ */
+export const FORWARDS_OPEN_CAP = 8;
 
 /** Compact the bus queue file once dead records outnumber live ones and this floor. */
 const COMPACT_MIN_DEAD = 10_000;
@@ -7231,6 +7236,9 @@ interface Hops {
   sends: Effect[];
 }
 
+/** "bob (Izgjf_w6)", or the fingerprint alone when that is the name (the CLI's, unless it was given one). */
+const nameAndFingerprint = (name: string, fp: string): string => (name === fp ? fp : `${name} (${fp})`);
+
 /** "carol (1AnB2ji_)", or the fingerprint alone for a key with no petname here. */
 function whoIs(peers: Peers, key: string): string {
   const petname = peers.byKey.get(key);
@@ -7316,9 +7324,13 @@ function declineWhy(keys: readonly string[], me: string, ctx: InboundContext): s
   return keys.length > limit ? `delegation too deep: ${words}, limit ${limit}` : null;
 }
 
-/** A needs_input on `row`, a sub-task we opened: the open parent task it goes up to (we execute it for a peer). */
+/**
+ * A needs_input on `row`, a sub-task we opened: the open parent task it goes up to (we execute it for a peer), unless
+ * FORWARDS_OPEN_CAP of its questions wait up there already.
+ */
 function forwardTarget(tasks: ReadonlyMap<string, TaskRow>, row: TaskRow, msg: SignedMessage): TaskRow | null {
   if (msg.status !== "needs_input" || row.requested_by !== "me" || !row.parent) return null;
+  if (row.awaiting.filter((q) => q.forwarded).length >= FORWARDS_OPEN_CAP) return null;
   const parent = tasks.get(taskKey(row.parent.requester, row.parent.task_id));
   return parent && !parent.closed && parent.requested_by === "peer" ? parent : null;
 }
@@ -7631,6 +7643,13 @@ export function subTaskChain(
   if (parent.closed) {
     throw new InterlinkError(
       `task ${showId(parentId)} from ${name(parent.peer_key)} is closed (${parent.status}): nothing to hand on for it`,
+    );
+  }
+  if (parent.peer_key === me) {
+    throw new InterlinkError(
+      `task ${
+        showId(parentId)
+      } came from another session of this node, not a peer: send without parent_task_id (its questions come to you)`,
     );
   }
   if (candidates.filter((t) => !t.closed).length > 1) {
@@ -8393,7 +8412,7 @@ export class Agent {
     const choice = await this.route(p.draft.to, input.session ?? input.channel, task?.peer_session);
     const children = task ? subTasks(this.state.tasks.values(), task) : [];
     const entry = await this.enqueue({ ...p, recipient: choice.recipient });
-    const by = `${this.cfg.name} (${this.id.fingerprint})`;
+    const by = nameAndFingerprint(this.cfg.name, this.id.fingerprint);
     const cancels = task ? cascade(this.state.tasks, task, entry.msg, by, peers) : [];
     for (const e of cancels) if (e.do === "send") await this.#sendOnItsOwn(e);
     return { entry, note: choice.note, canceled: cancels.length ? children : [] };
@@ -11764,13 +11783,23 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     // O_APPEND write, safe beside its own, under the lock its roll-over takes) and let it send, so nothing goes twice.
     const journal = new Journal(dir, new NodeState());
     try {
-      const entry = await withFileLock(path.join(dir, "inbox"), "interlink send", () => {
+      const entry = await withFileLock(path.join(dir, "inbox"), "interlink send", async () => {
         journal.catchUp();
-        const p = prepareSend(loadPeers(cfg.peersFile), journal.state.tasks, input, id.publicKey, {
+        const peers = loadPeers(cfg.peersFile);
+        const p = prepareSend(peers, journal.state.tasks, input, id.publicKey, {
           ...some("maxDepth", cfg.maxDepth),
           selfName: cfg.name,
         });
-        return queueMessage(journal, id, p, Date.now());
+        const task = p.draft.task_id ? journal.state.tasks.get(taskKey(p.draft.to, p.draft.task_id)) : undefined;
+        const queued = await queueMessage(journal, id, p, Date.now());
+        // Closing a task this node executes cancels its sub-tasks, as the server's send does (to their sessions).
+        const by = nameAndFingerprint(cfg.name, id.fingerprint);
+        for (const e of task ? cascade(journal.state.tasks, task, queued.msg, by, peers) : []) {
+          if (e.do !== "send") continue;
+          const recipient = e.session ? `${e.draft.to}#${e.session}` : e.draft.to;
+          await queueMessage(journal, id, { draft: e.draft, recipient, peer: e.peer }, Date.now());
+        }
+        return queued;
       });
       const msgId = entry.msg.msg_id;
       await waitUntil(
