@@ -5100,7 +5100,7 @@ describe("delegation across hops: the chain, and what each node decides (pure)",
       } is forwarded to alice on task site (as ${f.msg_id}), for alice's operator`,
     );
     expect(listed.join("\n")).toContain(
-      "a sub-task of site, which alice asked of you (the work is alice's operator's; depth 2: alice → you → carol)",
+      "a sub-task of site, which alice asked of you (owned by alice's operator; depth 2: alice → you → carol)",
     );
     // alice's operator answers the forwarded question: it goes down to carol, in reply to her question.
     const a = await signMessage(alice, {
@@ -9157,7 +9157,7 @@ describe("delegation across hops: alice and carol on Bun, bob and dave on Deno, 
       const sub = await handedOn("site1", "logo1");
       expect(sub).toContain("opens a sub-task of site1, depth 2 of at most 4 here: alice → you → carol");
       expect(await carol.ok("list_tasks")).toContain(
-        `bob's node says it serves its task site1 for ${fp(A)} (the work is ${fp(A)}'s operator's; depth 2: ${
+        `bob's node says it serves its task site1 for ${fp(A)} (owned by ${fp(A)}'s operator; depth 2: ${
           fp(A)
         } → bob → you)`,
       );

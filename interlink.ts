@@ -1403,16 +1403,16 @@ export type Side = "me" | "peer";
 export interface Question {
   msg_id: string;
   asked_by: Side;
-  /** When it was asked (by the journal's clock), and its text (at most QUESTION_KEPT_CHARS): blocked since when, on what. */
+  /** When it was asked (by the journal's clock) and its text (QUESTION_KEPT_CHARS at most): blocked since when, on what. */
   at?: number;
   text?: string;
-  /** A peer's question this node forwarded up the chain to the task's owner: as which message, to whom, on which task. */
+  /** A peer's question this node forwarded up the chain to the owner's side: as which message, to whom, on which task. */
   forwarded?: { as: string; to: string; task_id: string };
   /** Ours, asked in that earlier session of ours, which ended before the answer came (set when it is adopted). */
   earlier?: string;
 }
 
-/** On an "out" record: this needs_input forwards `question`, which `peer` asked on its task `task_id` (see "Delegation across hops"). */
+/** On an "out" record: this needs_input forwards `question`, which `peer` asked on its task `task_id` (see planHops). */
 export interface Forward {
   peer: string;
   task_id: string;
@@ -4955,7 +4955,7 @@ export interface OutEntry {
 /**
  * On an admitted message this node passed along the chain instead of showing it as itself: `up`, a question
  * forwarded to the owner's side (as a needs_input on `task_id`, to `to`); `down`, an answer sent on to the one who
- * asked (on `task_id`, to `to`). The model sees it as information (relayText), never as a question for its operator.
+ * asked (on `task_id`, to `to`). The model sees it as information (itemNotes), never as a question for its operator.
  */
 export interface Relayed {
   dir: "up" | "down";
@@ -6319,7 +6319,8 @@ export class NodeState {
         if (left <= 0) continue;
         room.set(e.recipient, left - 1);
       }
-      size += utf8Bytes(JSON.stringify(e.msg)) + 512 + (e.chain ? utf8Bytes(JSON.stringify(e.chain)) : 0); // route, hints
+      // The route and the unsigned hints besides, and a sub-task's chain.
+      size += utf8Bytes(JSON.stringify(e.msg)) + 512 + (e.chain ? utf8Bytes(JSON.stringify(e.chain)) : 0);
       if (out.length && (out.length >= n || size > bytes)) break;
       out.push(e);
     }
@@ -7223,7 +7224,7 @@ export function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
 //     comes back down to whoever asked ("alice answers, via bob: …"), and the model in the middle is shown both as
 //     information, never as a question for its operator;
 //   - a task we execute that closes (canceled, failed, result, either way) cancels the sub-tasks we opened for it.
-// The chain is the sender's claim: it limits depth, catches loops and says whose the work is; routing never
+// The chain is the sender's claim: it limits depth, catches loops and says whose work it is; routing never
 // follows it (questions go to a task's requester, forwarded by each node from its own records), so a node that
 // lies in its chain can only get its own requests refused.
 
@@ -10142,10 +10143,10 @@ export function describeTask(
       t.requested_by === "me"
         ? `a sub-task of ${showId(t.parent.task_id)}, which ${
           name(t.parent.requester)
-        } asked of you (the work is ${owner}'s${chain})`
+        } asked of you (owned by ${owner}${chain})`
         : `${peer}'s node says it serves its task ${showId(t.parent.task_id)} for ${
           name(t.parent.requester)
-        } (the work is ${owner}'s${chain})`,
+        } (owned by ${owner}${chain})`,
     );
   }
   if (t.peer_closed_at && !t.closed) {
