@@ -22,6 +22,9 @@ import {
   BusQueues,
   canonicalBytes,
   type Carried,
+  type Chain,
+  CHAIN_DOMAIN,
+  chainBytes,
   channelMeta,
   checkAnnouncement,
   chooseRoute,
@@ -35,6 +38,7 @@ import {
   corruptFile,
   decide,
   decodeRecord,
+  DEFAULT_MAX_DEPTH,
   DELIVERY_MODES,
   describeTask,
   displayName,
@@ -46,6 +50,8 @@ import {
   fingerprint,
   foldTask,
   FormatError,
+  formatInbox,
+  FORWARDS_OPEN_CAP,
   FRESH_FUTURE_MS,
   FRESH_PAST_MS,
   GOODBYE_PREFIX,
@@ -69,6 +75,7 @@ import {
   type JournalRecord,
   JsonlWriter,
   jsonResponse,
+  judgeChain,
   judgeInvite,
   lanAddresses,
   legacyAnnouncementBytes,
@@ -103,8 +110,10 @@ import {
   PidLock,
   planInbound,
   postJson,
+  prepareSend,
   presence,
   type PushEvent,
+  pushEvent,
   readAnswer,
   readId,
   readIdentity,
@@ -175,6 +184,7 @@ import { OPTIONS as BENCH_OPTIONS, PARTS as BENCH_PARTS } from "./dev/bench.ts";
 import { command as demoCommand } from "./dev/demo.ts";
 import { command as codexCommand } from "./extras/codex.ts";
 import { command as verifyCommand } from "./extras/verify.ts";
+import { chainVectorsText } from "./dev/vectors.ts";
 
 const REPO = import.meta.dir;
 /** The extras' commands (files beside interlink.ts that `interlink.ts <name>` runs), as the core's table lists its own. */
@@ -791,7 +801,7 @@ describe("task folding and lifecycle", () => {
     foldTask(tasks, "in", q, 3);
     const row = [...tasks.values()][0];
     expect(row.requested_by).toBe("me");
-    expect(row.awaiting).toEqual([{ msg_id: "q1", asked_by: "peer" }]);
+    expect(row.awaiting).toEqual([{ msg_id: "q1", asked_by: "peer", at: 3, text: "x" }]); // blocked since, on what
     foldTask(tasks, "out", await msg(alice, bob, { task_id: "t", in_reply_to: "q1" }), 4);
     expect(row.awaiting).toEqual([]);
     expect(row.closed).toBe(false);
@@ -4931,6 +4941,382 @@ describe("the node core: decisions are lists of effects, carried out in order", 
   );
 });
 
+describe("delegation across hops: the chain, and what each node decides (pure)", () => {
+  const NOW = Date.now();
+  const CHAIN_VECTORS_TEXT = fs.readFileSync(path.join(REPO, "vectors", "chain-v1.json"), "utf8");
+  const CV = JSON.parse(CHAIN_VECTORS_TEXT);
+  let carol: Identity;
+  let bobsPeers: Peers, carolsPeers: Peers;
+  beforeAll(async () => {
+    carol = await identityFromSeed(b64urlDecode(CV.keys.carol.secret_b64, 32, "seed"));
+    bobsPeers = parsePeers(JSON.stringify({ alice: { key: alice.publicKey }, carol: { key: carol.publicKey } }));
+    carolsPeers = parsePeers(JSON.stringify({ bob: { key: bob.publicKey } }));
+  });
+
+  /** The ordering promises of every inbound plan (see checkOrdering above), with messages sent only after the sync. */
+  function ordered(effects: Effect[]): string[] {
+    const names = effects.map((e) => e.do);
+    expect(names.at(-1)).toBe("ack");
+    const lastWrite = Math.max(names.lastIndexOf("append"), names.lastIndexOf("remember"));
+    expect(names.indexOf("sync", lastWrite)).toBeGreaterThan(lastWrite); // durable before anything is sent on
+    if (names.includes("send")) expect(names.indexOf("send")).toBeGreaterThan(names.lastIndexOf("sync"));
+    return names;
+  }
+  const sends = (effects: Effect[]) => effects.flatMap((e) => (e.do === "send" ? [e] : []));
+  const records = (effects: Effect[]) => effects.flatMap((e) => (e.do === "append" ? e.records : []));
+
+  /** bob's node: alice asked it for "site" (a root task), and it handed "logo" to carol as a sub-task of it. */
+  async function bobsNode() {
+    const state = new NodeState(() => NOW);
+    const request = await signMessage(alice, { to: bob.publicKey, text: "build the site", task_id: "site" }, NOW);
+    state.apply({ t: "in", at: NOW, peer: "alice", msg: request });
+    const p = prepareSend(
+      bobsPeers,
+      state.tasks,
+      {
+        to: "carol",
+        text: "render the logo",
+        task_id: "logo",
+        parent_task_id: "site",
+      },
+      bob.publicKey,
+      { selfName: "bob" },
+    );
+    const msg = await signMessage(bob, p.draft, NOW);
+    const chain = await signChainOf(bob, msg, p.chain!);
+    state.apply({ t: "out", at: NOW, peer: "carol", recipient: carol.publicKey, msg, chain });
+    return { state, request, toCarol: msg, chain };
+  }
+  const signChainOf = async (by: Identity, msg: SignedMessage, c: Omit<Chain, "sig">): Promise<Chain> => ({
+    ...c,
+    sig: await by.sign(chainBytes({ ...msg, task_id: msg.task_id! }, c)),
+  });
+  const bobsCtx = (state: NodeState, extra: Partial<InboundContext> = {}): InboundContext => ({
+    state,
+    peers: bobsPeers,
+    canPush: true,
+    nowMs: NOW,
+    selfKey: bob.publicKey,
+    selfName: "bob",
+    ...extra,
+  });
+  const carolsCtx = (state: NodeState, extra: Partial<InboundContext> = {}): InboundContext => ({
+    state,
+    peers: carolsPeers,
+    canPush: true,
+    nowMs: NOW,
+    selfKey: carol.publicKey,
+    selfName: "carol",
+    ...extra,
+  });
+
+  test("vectors/chain-v1.json is what the code makes, and every vector gets its verdict", async () => {
+    expect(CHAIN_VECTORS_TEXT).toBe(await chainVectorsText()); // regenerate with `bun dev/vectors.ts`
+    expect(CV.domain).toBe(CHAIN_DOMAIN);
+    const signers = new Map<string, Identity>();
+    for (const k of Object.values(CV.keys) as { secret_b64: string; public_b64: string }[]) {
+      const id = await identityFromSeed(b64urlDecode(k.secret_b64, 32, "seed"));
+      expect(id.publicKey).toBe(k.public_b64);
+      signers.set(id.publicKey, id);
+    }
+    for (const v of CV.valid) {
+      const msg = parseSignedMessage(v.payload);
+      expect({ v: v.name, sig: await verifyMessage(msg) }).toEqual({ v: v.name, sig: null }); // as a reference node reads it
+      const check = await judgeChain(v.payload.chain, msg);
+      expect({ v: v.name, ok: check?.ok }).toEqual({ v: v.name, ok: true });
+      const { sig, ...fields } = v.payload.chain;
+      expect(hex(chainBytes({ ...msg, task_id: msg.task_id! }, fields))).toBe(v.canonical_hex);
+      expect(await signers.get(msg.from)!.sign(chainBytes({ ...msg, task_id: msg.task_id! }, fields))).toBe(sig);
+    }
+    expect(CV.invalid.length).toBe(8);
+    for (const v of CV.invalid) {
+      const msg = parseSignedMessage(v.payload);
+      expect({ v: v.name, sig: await verifyMessage(msg) }).toEqual({ v: v.name, sig: null });
+      expect({ v: v.name, ok: (await judgeChain(v.payload.chain, msg))?.ok }).toEqual({ v: v.name, ok: false });
+    }
+  });
+
+  test("send: a sub-task's chain comes from its parent's record; a loop, a depth past the limit, an unknown or closed parent and another session of this node are refused with the chain in words", async () => {
+    const { state, chain } = await bobsNode();
+    expect(chain).toMatchObject({
+      parent: "site",
+      requester: alice.publicKey,
+      owner: alice.publicKey,
+      depth: 2,
+      keys: [alice.publicKey, bob.publicKey],
+    });
+    const row = state.tasks.get(`${carol.publicKey} logo`)!;
+    expect(row).toMatchObject({ parent: { task_id: "site", requester: alice.publicKey }, owner: alice.publicKey });
+    const send = (input: Partial<Parameters<typeof prepareSend>[2]>, maxDepth?: number) => () =>
+      prepareSend(
+        bobsPeers,
+        state.tasks,
+        { to: "carol", text: "x", task_id: "more", parent_task_id: "site", ...input },
+        bob.publicKey,
+        {
+          selfName: "bob",
+          ...(maxDepth ? { maxDepth } : {}),
+        },
+      );
+    expect(send({ to: "alice" })).toThrow(
+      "delegation loop: alice → bob → alice; alice is in this task's chain already",
+    );
+    expect(send({}, 1)).toThrow("delegation too deep: alice → bob → carol, limit 1 (--max-depth)");
+    expect(send({ parent_task_id: "nope" })).toThrow("no task 'nope' that a peer asked of you");
+    expect(send({ to: "self" })).toThrow("not a hop");
+    expect(send({ status: "update", task_id: "logo" })).toThrow("a new task_id and no status");
+    expect(send({ task_id: "logo" })()).toMatchObject({ draft: { task_id: "logo" } }); // a follow-up: no new chain
+    expect(send({ task_id: "logo" })().chain).toBeUndefined();
+    expect(send({}, DEFAULT_MAX_DEPTH)().chain?.depth).toBe(2);
+    state.apply({
+      t: "out",
+      at: NOW,
+      peer: "alice",
+      recipient: alice.publicKey,
+      msg: await signMessage(bob, { to: alice.publicKey, text: "done", task_id: "site", status: "result" }, NOW),
+    });
+    expect(send({})).toThrow("task site from alice is closed (result)");
+  });
+
+  test("receipt: a request past the limit, or back to a node in its chain, is answered failed and shown to no model", async () => {
+    const { toCarol, chain } = await bobsNode();
+    const v = await decide(toCarol, carol.publicKey, carolsPeers, NOW, new ReplayMemory());
+    const chainCheck = await judgeChain(chain, toCarol);
+    expect(chainCheck?.ok).toBe(true);
+    // Within the limit: admitted as work, the chain recorded on its row.
+    const within = planInbound(v, carolsCtx(new NodeState(() => NOW), { chain: chainCheck, maxDepth: 2 }));
+    expect(ordered(within)).toEqual(["append", "remember", "push", "append", "sync", "ack"]);
+    // Past it: the chain in words, answered failed to bob, nothing pushed.
+    const state = new NodeState(() => NOW);
+    const deep = planInbound(v, carolsCtx(state, { chain: chainCheck, maxDepth: 1, wantsReceipts: true }));
+    expect(ordered(deep)).toEqual(["append", "remember", "log", "sync", "send", "ack"]);
+    const why = `delegation too deep: ${fingerprint(alice.publicKey)} → bob → carol, limit 1`;
+    expect(records(deep)[0]).toMatchObject({ t: "in", declined: why, chain });
+    expect(sends(deep)[0].draft).toEqual({ to: bob.publicKey, task_id: "logo", status: "failed", text: why });
+    for (const r of records(deep)) state.apply({ ...r, at: NOW } as JournalRecord);
+    expect(state.inbox.size).toBe(0); // no model sees it as work
+    expect(state.owed.get(bob.publicKey)?.map((l) => l.state)).toEqual(["delivered"]); // never "shown"
+    // A chain that already holds carol: a loop.
+    const back = await signMessage(bob, { to: carol.publicKey, text: "again", task_id: "loop" }, NOW);
+    const looped = await signChainOf(bob, back, {
+      parent: "x",
+      requester: carol.publicKey,
+      owner: carol.publicKey,
+      depth: 2,
+      keys: [carol.publicKey, bob.publicKey],
+    });
+    const loop = planInbound(
+      await decide(back, carol.publicKey, carolsPeers, NOW, new ReplayMemory()),
+      carolsCtx(new NodeState(() => NOW), { chain: await judgeChain(looped, back) }),
+    );
+    expect(sends(loop)[0].draft.text).toBe("delegation loop: carol → bob → carol");
+    expect(loop.some((e) => e.do === "push")).toBe(false);
+  });
+
+  test("receipt: a chain that does not hold (lifted from another message) is treated as stripped: a root task, logged", async () => {
+    const { toCarol, chain } = await bobsNode();
+    const other = await signMessage(bob, { to: carol.publicKey, text: "favicon", task_id: "favicon" }, NOW);
+    const check = await judgeChain(chain, other);
+    expect(check).toEqual({ ok: false, why: "chain: signature does not match" });
+    const state = new NodeState(() => NOW);
+    const effects = planInbound(
+      await decide(other, carol.publicKey, carolsPeers, NOW, new ReplayMemory()),
+      carolsCtx(state, { chain: check, maxDepth: 1 }),
+    );
+    expect(ordered(effects)).toEqual(["append", "remember", "log", "push", "append", "sync", "ack"]);
+    expect(effects.find((e) => e.do === "log")).toMatchObject({ level: "warn" });
+    for (const r of records(effects)) state.apply({ ...r, at: NOW } as JournalRecord);
+    expect(state.tasks.get(`${bob.publicKey} favicon`)?.parent).toBeUndefined();
+    expect(toCarol.task_id).toBe("logo");
+  });
+
+  test("a question on a sub-task goes up to the owner's side, its answer comes back down, each shown to bob as information; a crash before either is sent is made good once", async () => {
+    const { state } = await bobsNode();
+    const q = await signMessage(carol, {
+      to: bob.publicKey,
+      text: "which sizes?",
+      task_id: "logo",
+      status: "needs_input",
+    }, NOW);
+    const up = planInbound(await decide(q, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state));
+    expect(ordered(up)).toEqual(["append", "remember", "push", "append", "sync", "send", "ack"]);
+    expect(records(up)[0]).toMatchObject({ t: "in", relay: { dir: "up", to: alice.publicKey, task_id: "site" } });
+    const [forward] = sends(up);
+    expect(forward.draft).toEqual({
+      to: alice.publicKey,
+      task_id: "site",
+      status: "needs_input",
+      text: `carol (${fingerprint(carol.publicKey)}) asks, via bob: which sizes?`,
+    });
+    expect(forward.forward).toEqual({ peer: carol.publicKey, task_id: "logo", question: q.msg_id });
+    const pushed = up.find((e) => e.do === "push") as Extract<Effect, { do: "push" }>;
+    expect(pushed.event.meta.relayed).toContain(`forwarded by interlink to alice (${fingerprint(alice.publicKey)})`);
+    expect(pushed.event.meta.relayed).toContain("nothing for you or your operator to answer");
+    state.apply({ ...records(up)[0], at: NOW } as JournalRecord);
+    // The record is durable but the forward was never queued (a crash): the copy the relay hands over again sends it.
+    const replayed = await decide(q, bob.publicKey, bobsPeers, NOW, state.replay);
+    expect(sends(planInbound(replayed, bobsCtx(state, { canPush: false })))).toHaveLength(1);
+    const f = await signMessage(bob, forward.draft, NOW);
+    state.apply({ t: "out", at: NOW, peer: "alice", recipient: alice.publicKey, msg: f, forward: forward.forward });
+    expect(state.tasks.get(`${carol.publicKey} logo`)!.awaiting[0].forwarded).toEqual({
+      as: f.msg_id,
+      to: alice.publicKey,
+      task_id: "site",
+    });
+    expect(sends(planInbound(replayed, bobsCtx(state, { canPush: false })))).toEqual([]); // sent once
+    const names = { petnameOf: (k: string) => bobsPeers.byKey.get(k), peers: () => bobsPeers };
+    const listed = [...state.tasks.values()].map((t) => describeTask(names, t, state.outgoing, bob.publicKey));
+    expect(listed.join("\n")).toContain(
+      `carol's question ${q.msg_id} since ${
+        new Date(NOW).toISOString().replace(/\.\d{3}Z$/, "Z")
+      } is forwarded to alice on task site (as ${f.msg_id}), for alice's operator`,
+    );
+    expect(listed.join("\n")).toContain(
+      "a sub-task of site, which alice asked of you (owned by alice's operator; depth 2: alice → you → carol)",
+    );
+    // alice's operator answers the forwarded question: it goes down to carol, in reply to her question.
+    const a = await signMessage(alice, {
+      to: bob.publicKey,
+      text: "16, 32, 64",
+      task_id: "site",
+      in_reply_to: f.msg_id,
+    }, NOW);
+    const down = planInbound(await decide(a, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state));
+    expect(ordered(down)).toEqual(["append", "remember", "push", "append", "sync", "send", "ack"]);
+    expect(sends(down)[0].draft).toEqual({
+      to: carol.publicKey,
+      task_id: "logo",
+      in_reply_to: q.msg_id,
+      text: `alice (${fingerprint(alice.publicKey)}) answers, via bob: 16, 32, 64`,
+    });
+    expect((down.find((e) => e.do === "push") as Extract<Effect, { do: "push" }>).event.meta.relayed).toContain(
+      "sent on to them on task logo",
+    );
+  });
+
+  test("an executor cannot flood the owner's side through bob: past FORWARDS_OPEN_CAP open forwarded questions, the next is bob's own", async () => {
+    const { state } = await bobsNode();
+    for (let i = 0; i <= FORWARDS_OPEN_CAP; i++) {
+      const q = await signMessage(
+        carol,
+        { to: bob.publicKey, text: `q${i}`, task_id: "logo", status: "needs_input" },
+        NOW,
+      );
+      const effects = planInbound(await decide(q, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state));
+      const forward = sends(effects)[0];
+      expect({ i, forwarded: forward !== undefined }).toEqual({ i, forwarded: i < FORWARDS_OPEN_CAP });
+      for (const r of records(effects)) state.apply({ ...r, at: NOW } as JournalRecord);
+      if (!forward) {
+        expect(records(effects)[0]).not.toHaveProperty("relay"); // shown to bob's model as itself
+        continue;
+      }
+      const f = await signMessage(bob, forward.draft, NOW);
+      state.apply({ t: "out", at: NOW, peer: "alice", recipient: alice.publicKey, msg: f, forward: forward.forward });
+    }
+    // A task that came from another session of this node is not a hop: no chain to give a sub-task of it.
+    const self = await signMessage(bob, { to: bob.publicKey, text: "from my other session", task_id: "mine" }, NOW);
+    state.apply({ t: "in", at: NOW, peer: "self", msg: self });
+    expect(() =>
+      prepareSend(
+        bobsPeers,
+        state.tasks,
+        { to: "carol", text: "x", task_id: "y", parent_task_id: "mine" },
+        bob.publicKey,
+      )
+    ).toThrow("came from another session of this node, not a peer");
+  });
+
+  test("a task bob executes closes (alice cancels it, or bob finishes it): the sub-tasks bob opened for it are canceled", async () => {
+    const { state } = await bobsNode();
+    const cancel = await signMessage(alice, {
+      to: bob.publicKey,
+      text: "no longer needed",
+      task_id: "site",
+      status: "canceled",
+    }, NOW);
+    const effects = planInbound(await decide(cancel, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state));
+    expect(ordered(effects)).toEqual(["append", "remember", "push", "append", "sync", "send", "ack"]);
+    expect(sends(effects).map((e) => e.draft)).toEqual([{
+      to: carol.publicKey,
+      task_id: "logo",
+      status: "canceled",
+      text: `canceled: alice (${
+        fingerprint(alice.publicKey)
+      }) canceled task site, which this sub-task served: no longer needed`,
+    }]);
+  });
+
+  test("a blocked question survives its session: the next one shows the answer with what was asked, for whom; the requester's next session is shown a question still waiting", async () => {
+    // carol's first session asked; it ended; her next session took its work over, and then the answer came.
+    const { toCarol, chain } = await bobsNode();
+    const s1 = new NodeState(() => NOW);
+    s1.apply({ t: "in", at: NOW, peer: "bob", msg: toCarol, chain });
+    const q = await signMessage(carol, {
+      to: bob.publicKey,
+      text: "which sizes?",
+      task_id: "logo",
+      status: "needs_input",
+    }, NOW);
+    s1.apply({ t: "out", at: NOW + 1, peer: "bob", recipient: bob.publicKey, msg: q });
+    s1.apply({ t: "shown", at: NOW, item: `${bob.publicKey} ${toCarol.msg_id}`, via: "inbox" });
+    const carried = decodeRecord(
+      JSON.parse(
+        encodeRecord({ t: "adopted", at: NOW, session: "c1", carried: s1.carry(NOW, { session: "c1", at: NOW }) }),
+      ),
+    );
+    const s2 = new NodeState(() => NOW);
+    s2.apply(carried[0]);
+    expect(s2.tasks.get(`${bob.publicKey} logo`)!.awaiting).toEqual([
+      { msg_id: q.msg_id, asked_by: "me", at: NOW + 1, text: "which sizes?", earlier: "c1" },
+    ]);
+    const answer = await signMessage(bob, {
+      to: carol.publicKey,
+      text: `alice (${fingerprint(alice.publicKey)}) answers, via bob: 16, 32, 64`,
+      task_id: "logo",
+      in_reply_to: q.msg_id,
+    }, NOW);
+    s2.apply({ t: "in", at: NOW + 2, peer: "bob", msg: answer });
+    const shown = formatInbox([...s2.inbox.values()], carolsPeers);
+    expect(shown).toContain(
+      `answers="your earlier session c1 asked, for ${fingerprint(alice.publicKey)}'s operator: which sizes?"`,
+    );
+    expect(shown).toContain("answers, via bob: 16, 32, 64");
+    expect(s2.tasks.get(`${bob.publicKey} logo`)!.awaiting).toEqual([]);
+    // alice's side: her first session was shown bob's (forwarded) question and ended before her operator answered.
+    const a1 = new NodeState(() => NOW);
+    const req = await signMessage(alice, { to: bob.publicKey, text: "build the site", task_id: "site" }, NOW);
+    a1.apply({ t: "out", at: NOW, peer: "bob", recipient: bob.publicKey, msg: req });
+    const fq = await signMessage(bob, {
+      to: alice.publicKey,
+      text: "carol asks, via bob: which sizes?",
+      task_id: "site",
+      status: "needs_input",
+    }, NOW);
+    a1.apply({ t: "in", at: NOW + 3, peer: "bob", msg: fq });
+    a1.apply({ t: "shown", at: NOW + 4, item: `${bob.publicKey} ${fq.msg_id}`, via: "push" });
+    const a2 = new NodeState(() => NOW);
+    a2.apply({ t: "adopted", at: NOW + 5, session: "a1", carried: a1.carry(NOW, { session: "a1", at: NOW }) });
+    const waiting = [...a2.inbox.values()];
+    expect(waiting.map((i) => i.kind)).toEqual(["waiting"]);
+    const alicesPeers = parsePeers(JSON.stringify({ bob: { key: bob.publicKey } }));
+    const block = formatInbox(waiting, alicesPeers);
+    expect(block).toContain(
+      `<interlink-message from="bob" fingerprint="${
+        fingerprint(bob.publicKey)
+      }" msg_id="${fq.msg_id}" task_id="site" status="needs_input"`,
+    );
+    expect(block).toContain(
+      `still_open="asked of your earlier session a1, which ended; not answered yet: show it to your operator and answer with in_reply_to=${fq.msg_id}"`,
+    );
+    expect(block).toContain("carol asks, via bob: which sizes?");
+    expect(pushEvent(waiting[0], alicesPeers).meta.still_open).toContain("your earlier session a1");
+    // Shown once: a later adoption of the same journal adds it again only if this one has not shown it.
+    a2.apply({ t: "shown", at: NOW + 6, item: waiting[0].id, via: "inbox" });
+    a2.apply({ t: "adopted", at: NOW + 7, session: "a1", carried: a1.carry(NOW, { session: "a1", at: NOW }) });
+    expect(a2.inbox.size).toBe(0);
+  });
+});
+
 describe("delivery receipts: what is owed, what a receipt changes", () => {
   const NOW = Date.now();
   let A: NodeFiles, B: NodeFiles, E: Identity;
@@ -7178,6 +7564,7 @@ const NATS_TESTS = [
   "what a stopping session's last pull still gets is handed straight back: the route's next reader has it at once",
   "over NATS: a used code is refused in seconds whenever anything of A runs (A on Bun, joiners on Deno), and the joiner keeps nothing",
   'over NATS, on bun: twenty send_messages while the relay hangs each answer "queued" at once, and all arrive in order once a relay answers there',
+  "alice → bob → carol over NATS: carol's question reaches alice via bob, the answer comes back once, alice's cancel reaches carol",
 ];
 const NATS_SERVER = systemTool("nats-server", "/usr/sbin/nats-server", "NATS", NATS_TESTS);
 // One at a time: each starts a few servers and two agents, and with many children at once Bun's test process was
@@ -8856,6 +9243,14 @@ describe("the journal: one typed record per line, read through one codec", () =>
   test("every tag round-trips through the codec; a bad field or an unknown tag is refused with the reason, and set aside", async () => {
     const m = await signMessage(alice, { to: bob.publicKey, text: "x", task_id: "t-ünï", status: "update" }, 5);
     const line: ReceiptLine = { state: "refused", msg_id: m.msg_id, at: 3, reason: "stale", skew_ms: 9 };
+    const chain: Chain = {
+      parent: "p-ünï",
+      requester: alice.publicKey,
+      owner: alice.publicKey,
+      depth: 2,
+      keys: [alice.publicKey, bob.publicKey],
+      sig: m.sig,
+    };
     const task: TaskRow = {
       task_id: "t-ünï",
       peer_key: bob.publicKey,
@@ -8863,7 +9258,20 @@ describe("the journal: one typed record per line, read through one codec", () =>
       status: "update",
       last_msg_id: m.msg_id,
       last_at: 5,
-      awaiting: [{ msg_id: "q", asked_by: "peer" }],
+      awaiting: [
+        {
+          msg_id: "q",
+          asked_by: "peer",
+          at: 4,
+          text: "which?",
+          forwarded: { as: "f", to: eve.publicKey, task_id: "p" },
+        },
+        { msg_id: "q2", asked_by: "me", at: 4, text: "and?", earlier: "s0" },
+      ],
+      parent: { task_id: "p-ünï", requester: alice.publicKey },
+      owner: alice.publicKey,
+      depth: 2,
+      chain: [alice.publicKey, bob.publicKey],
       closed: false,
       messages: 2,
       peer_session: "b1",
@@ -8877,9 +9285,30 @@ describe("the journal: one typed record per line, read through one codec", () =>
         sent_at: 2,
         via: ["x"],
         delivered: { at: 3, session: "b" },
+        chain,
       }],
       inbox: [
         { kind: "message", id: "i", at: 1, peer: "alice", msg: m, forSession: "older" },
+        {
+          kind: "message",
+          id: "i2",
+          at: 1,
+          peer: "alice",
+          msg: m,
+          relay: { dir: "up", to: eve.publicKey, task_id: "p" },
+          asked: { text: "which?", owner: eve.publicKey, session: "s0" },
+        },
+        {
+          kind: "waiting",
+          id: "w",
+          at: 1,
+          key: bob.publicKey,
+          task_id: "t",
+          msg_id: "q",
+          text: "which?",
+          asked_at: 0,
+          session: "s0",
+        },
         { kind: "knock", id: "k", at: 1, key: alice.publicKey, name: "alice" },
         { kind: "more_knocks", id: "knocks more", at: 1, count: 3 },
         { kind: "refusals", id: "r", at: 1, key: eve.publicKey, reason: "stale", count: 2 },
@@ -8906,11 +9335,32 @@ describe("the journal: one typed record per line, read through one codec", () =>
       silent: [eve.publicKey],
     };
     const all: JournalRecord[] = [
-      { t: "out", at: 1, peer: "bob", recipient: `${bob.publicKey}#b1`, msg: m, pair_petname: "bob", again: true },
+      {
+        t: "out",
+        at: 1,
+        peer: "bob",
+        recipient: `${bob.publicKey}#b1`,
+        msg: m,
+        pair_petname: "bob",
+        again: true,
+        chain,
+        forward: { peer: eve.publicKey, task_id: "t", question: "q" },
+      },
       { t: "sent", at: 1, msg_id: m.msg_id, via: ["http://b"] },
       { t: "refused", at: 1, msg_id: m.msg_id, reason: "413" },
       { t: "resign", at: 1, msg: m },
-      { t: "in", at: 1, peer: "alice", msg: m, reply_session: "a1", receipts: true, for_session: "old" },
+      {
+        t: "in",
+        at: 1,
+        peer: "alice",
+        msg: m,
+        reply_session: "a1",
+        receipts: true,
+        for_session: "old",
+        chain,
+        declined: "delegation loop: a → b → a",
+        relay: { dir: "down", to: eve.publicKey, task_id: "t" },
+      },
       { t: "shown", at: 1, item: `${m.from} ${m.msg_id}`, via: "inbox" },
       {
         t: "knock",
@@ -8964,6 +9414,530 @@ describe("the journal: one typed record per line, read through one codec", () =>
       'a "sent" record: "msg_id" is missing',
     ]);
   });
+});
+
+// ----------------------------------------------------------------------------
+// Delegation across hops with real nodes: the chain on the wire, questions that reach the owner's human, limits.
+
+/**
+ * A relay in front of a bus: it passes every request on, and while `strip` is on it removes the chain from what it
+ * is sent (a relay may: the chain is outside the signature), counting what it removed.
+ */
+function strippingRelay(busUrl: string) {
+  const state = { strip: false, stripped: 0 };
+  const server = Bun.serve({
+    hostname: "127.0.0.1",
+    port: 0,
+    idleTimeout: 0, // long polls pass through
+    async fetch(req) {
+      const url = new URL(req.url);
+      let body = req.method === "GET" ? undefined : await req.text();
+      if (state.strip && url.pathname === "/send" && body) {
+        const sent = JSON.parse(body);
+        for (const m of sent.messages ?? [sent]) if (m.payload?.chain && delete m.payload.chain) state.stripped++;
+        body = JSON.stringify(sent);
+      }
+      const headers = new Headers(req.headers);
+      for (const h of ["host", "content-length"]) headers.delete(h);
+      const r = await fetch(busUrl + url.pathname + url.search, { method: req.method, headers, body });
+      const answer = new Headers(r.headers);
+      answer.delete("content-length");
+      return new Response(await r.arrayBuffer(), { status: r.status, headers: answer });
+    },
+  });
+  return { url: `http://127.0.0.1:${server.port}`, state, stop: () => server.stop(true) };
+}
+
+/** A chain signed by `by` for `msg`, as a node of ours signs one (for the hand-made requests of the gate tests). */
+async function handChain(by: Identity, msg: SignedMessage, keys: string[], parent = "p"): Promise<Chain> {
+  const c = { parent, requester: keys.at(-2)!, owner: keys[0], depth: keys.length, keys };
+  return { ...c, sig: await by.sign(chainBytes({ ...msg, task_id: msg.task_id! }, c)) };
+}
+
+/** A channel event's content as the model reads it: `[task <id> · <status>] ` and the text. */
+const eventOn = (node: McpNode, pred: (e: PushEvent) => boolean) => node.waitEvent(pred, 30_000);
+
+describe("delegation across hops: alice and carol on Bun, bob and dave on Deno, through our bus", () => {
+  // A relay in front of the bus carries bob's traffic (so a test can have it strip the chain); "tk" and "ref" are
+  // nodes driven by raw HTTP: a test key signing requests by hand, and a reference-style node (0.11 shapes, no
+  // chain, no receipts). erin is only a key: dave's sends to her are refused before anything goes.
+  let root: string, bus: Child & { url: string }, relay: ReturnType<typeof strippingRelay>;
+  let A: NodeFiles, B: NodeFiles, C: NodeFiles, D: NodeFiles, E: NodeFiles, T: NodeFiles, R: NodeFiles;
+  let alice: McpNode, bob: McpNode, carol: McpNode, dave: McpNode;
+  const fp = (f: NodeFiles) => fingerprint(f.id.publicKey);
+
+  beforeAll(async () => {
+    root = tmpDir();
+    bus = await startBus("bun", path.join(root, "bus"));
+    relay = strippingRelay(bus.url);
+    [A, B, C, D, E, T, R] = await Promise.all(
+      ["alice", "bob", "carol", "dave", "erin", "tk", "ref"].map((n) => makeNodeFiles(root, n)),
+    );
+    for (const [x, y] of [[A, B], [B, C], [C, D], [D, E], [C, T], [A, R], [R, C], [B, R]]) befriend(x, y);
+    [alice, bob, carol, dave] = await Promise.all([
+      McpNode.start("bun", A, bus.url),
+      McpNode.start("deno", B, relay.url),
+      McpNode.start("bun", C, bus.url, { INTERLINK_MAX_DEPTH: "3" }),
+      McpNode.start("deno", D, bus.url, { INTERLINK_MAX_DEPTH: "3" }),
+    ]);
+    await eventually(
+      async () => (await Promise.all([A, B, C, D].map((f) => onRoster(bus.url, f)))).every(Boolean),
+      "all four announced",
+    );
+  }, 120_000);
+
+  afterAll(async () => {
+    await Promise.allSettled([alice?.close(), bob?.close(), carol?.close(), dave?.close()]);
+    relay?.stop();
+    if (bus) await stop(bus);
+  });
+
+  /** alice asks bob for `site`, bob hands `logo` to carol as a sub-task of it; carol has it. */
+  async function handedOn(site: string, logo: string): Promise<string> {
+    const req = await alice.ok("send_message", { to: "bob", text: `build ${site}`, task_id: site });
+    await eventOn(bob, (e) => e.meta.msg_id === msgIdOf(req));
+    const sub = await bob.ok("send_message", {
+      to: "carol",
+      text: `draw ${logo}`,
+      task_id: logo,
+      parent_task_id: site,
+    });
+    await eventOn(carol, (e) => e.meta.msg_id === msgIdOf(sub));
+    return sub;
+  }
+
+  /** In a node's journals: its "in" or "out" records of messages that answer `msgId`. */
+  const answersTo = (f: NodeFiles, t: "in" | "out", msgId: string) =>
+    readNodeLog(f.stateDir).filter((r) => r.t === t && r.msg.in_reply_to === msgId);
+
+  test(
+    "alice → bob → carol: carol asks, alice is shown the question as carol's via bob, alice answers, and carol's session gets the answer once",
+    async () => {
+      const sub = await handedOn("site1", "logo1");
+      expect(sub).toContain("opens a sub-task of site1, depth 2 of at most 4 here: alice → you → carol");
+      expect(await carol.ok("list_tasks")).toContain(
+        `bob's node says it serves its task site1 for ${fp(A)} (owned by ${fp(A)}'s operator; depth 2: ${
+          fp(A)
+        } → bob → you)`,
+      );
+      const q = await carol.ok("send_message", {
+        to: "bob",
+        text: "which sizes?",
+        task_id: "logo1",
+        status: "needs_input",
+      });
+      const asked = await eventOn(alice, (e) => e.meta.task_id === "site1" && e.meta.status === "needs_input");
+      expect(asked.meta.sender).toBe("bob");
+      expect(asked.content).toBe(`[task site1 · needs_input] carol (${fp(C)}) asks, via bob: which sizes?`);
+      // bob's model is told, as information: nothing for it or its operator to answer.
+      const middle = await eventOn(bob, (e) => e.meta.msg_id === msgIdOf(q));
+      expect(middle.meta.relayed).toContain(
+        `forwarded by interlink to alice (${fp(A)}) as a needs_input on task site1`,
+      );
+      await eventually(
+        async () => (await bob.ok("list_tasks")).includes(`carol's question ${msgIdOf(q)} since`),
+        "bob's list_tasks shows carol's question as forwarded",
+      );
+      expect(await bob.ok("list_tasks")).toMatch(
+        /is forwarded to alice on task site1 \(as [0-9a-f]{32}\), for alice's operator/,
+      );
+      expect(await alice.ok("list_tasks")).toContain(`BLOCKED on bob's question ${asked.meta.msg_id} since`);
+      await alice.ok("send_message", {
+        to: "bob",
+        text: "16, 32 and 64 px",
+        task_id: "site1",
+        in_reply_to: asked.meta.msg_id,
+      });
+      const answer = await eventOn(carol, (e) => e.meta.in_reply_to === msgIdOf(q));
+      expect(answer.content).toBe(`[task logo1] alice (${fp(A)}) answers, via bob: 16, 32 and 64 px`);
+      expect(answer.meta.sender).toBe("bob");
+      expect((await eventOn(bob, (e) => e.meta.in_reply_to === asked.meta.msg_id)).meta.relayed).toContain(
+        "sent on to them on task logo1",
+      );
+      // Once: one answer queued by bob, one admitted by carol, one shown to her model; nobody's question waits.
+      expect(answersTo(B, "out", msgIdOf(q)).length).toBe(1);
+      expect(answersTo(C, "in", msgIdOf(q)).length).toBe(1);
+      expect(carol.events.filter((e) => e.meta.in_reply_to === msgIdOf(q)).length).toBe(1);
+      expect(await alice.ok("list_tasks", { open_only: true })).not.toContain("BLOCKED");
+      expect(await carol.ok("list_tasks", { open_only: true })).not.toContain("waiting for bob");
+    },
+    90_000,
+  );
+
+  test(
+    "`interlink.ts send --parent` opens a sub-task from the command line, through bob's running server; a bad --max-depth is refused",
+    async () => {
+      const env = {
+        INTERLINK_KEY: B.keyFile,
+        INTERLINK_PEERS: B.peersFile,
+        INTERLINK_STATE: B.stateDir,
+        INTERLINK_URL: relay.url,
+      };
+      const sent = await runCliAsync("bun", [
+        "send",
+        "carol",
+        "and the favicon",
+        "--task",
+        "favicon1",
+        "--parent",
+        "site1",
+      ], {
+        env,
+      });
+      expect({ code: sent.code, err: sent.stderr }).toEqual({ code: 0, err: "" });
+      const got = await eventOn(carol, (e) => e.meta.task_id === "favicon1");
+      expect(got.content).toBe("[task favicon1] and the favicon");
+      const opened = readNodeLog(C.stateDir).find((r) => r.t === "in" && r.msg.task_id === "favicon1");
+      expect(opened.chain).toMatchObject({ parent: "site1", depth: 2, keys: [A.id.publicKey, B.id.publicKey] });
+      const bad = await runCliAsync("bun", ["send", "carol", "x", "--task", "t", "--max-depth", "0"], { env });
+      expect(bad.code).toBe(1);
+      expect(bad.stderr).toContain(
+        'max-depth "0" is not a whole number of hops from 1 to 32 (INTERLINK_MAX_DEPTH / --max-depth / config.json)',
+      );
+    },
+    60_000,
+  );
+
+  test(
+    "two levels up: dave's question reaches alice through carol and bob, and her answer comes down to dave once",
+    async () => {
+      const sub = await carol.ok("send_message", {
+        to: "dave",
+        text: "vectorise the logo",
+        task_id: "svg1",
+        parent_task_id: "logo1",
+      });
+      expect(sub).toContain(`depth 3 of at most 3 here: ${fp(A)} → bob → you → dave`);
+      await eventOn(dave, (e) => e.meta.msg_id === msgIdOf(sub));
+      const q = await dave.ok("send_message", {
+        to: "carol",
+        text: "which colour?",
+        task_id: "svg1",
+        status: "needs_input",
+      });
+      const asked = await eventOn(alice, (e) => e.meta.task_id === "site1" && e.content.includes("which colour?"));
+      expect(asked.content).toBe(
+        `[task site1 · needs_input] carol (${fp(C)}) asks, via bob: dave (${fp(D)}) asks, via carol: which colour?`,
+      );
+      await alice.ok("send_message", { to: "bob", text: "teal", task_id: "site1", in_reply_to: asked.meta.msg_id });
+      const answer = await eventOn(dave, (e) => e.meta.in_reply_to === msgIdOf(q));
+      expect(answer.content).toBe(
+        `[task svg1] bob (${fp(B)}) answers, via carol: alice (${fp(A)}) answers, via bob: teal`,
+      );
+      expect(answersTo(D, "in", msgIdOf(q)).length).toBe(1);
+      expect(dave.events.filter((e) => e.meta.in_reply_to === msgIdOf(q)).length).toBe(1);
+    },
+    90_000,
+  );
+
+  /** What came back to the test key tk on its session route: carol's answers. */
+  async function backToTk(taskId: string): Promise<Record<string, unknown>> {
+    let got: Record<string, unknown> | undefined;
+    await eventually(async () => {
+      got ??= (await drainRoute(bus.url, `${T.id.publicKey}#t1`)).find((p) => p.task_id === taskId);
+      return got !== undefined;
+    }, `carol's answer on ${taskId} reached tk`);
+    return got!;
+  }
+
+  /** A request from tk to carol with a chain of `keys` (tk last), hand-signed, as a node of 0.11 shapes sends it. */
+  async function tkAsks(taskId: string, keys: string[]): Promise<SignedMessage> {
+    const msg = await signMessage(
+      T.id,
+      { to: C.id.publicKey, text: `work for ${taskId}`, task_id: taskId },
+      Date.now(),
+    );
+    const chain = await handChain(T.id, msg, keys);
+    await postSend(bus.url, `${C.id.publicKey}#carol`, { ...msg, reply_to: `${T.id.publicKey}#t1`, chain });
+    return msg;
+  }
+
+  test(
+    "the depth limit at send (a tool error with the chain) and at receipt (answered failed, shown to no model)",
+    async () => {
+      // dave is 3 hops from alice on svg1; his limit is 3, so handing on to erin would be a 4th.
+      const refused = await dave.call("send_message", {
+        to: "erin",
+        text: "x",
+        task_id: "deep",
+        parent_task_id: "svg1",
+      });
+      expect(refused).toEqual({
+        isError: true,
+        text: `send_message failed: delegation too deep: ${fp(A)} → ${
+          fp(B)
+        } → carol → dave → erin, limit 3 (--max-depth); do this part yourself, or tell carol it needs another way`,
+      });
+      expect(readNodeLog(D.stateDir).some((r) => r.t === "out" && r.msg.task_id === "deep")).toBe(false); // nothing queued
+      // At receipt: a request 4 hops from its owner reaches carol (limit 3); one 3 hops away is work.
+      const [x, y] = await Promise.all([0, 1].map(() => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)))));
+      const deep = await tkAsks("deep4", [x.publicKey, y.publicKey, B.id.publicKey, T.id.publicKey]);
+      const fine = await tkAsks("fine3", [y.publicKey, B.id.publicKey, T.id.publicKey]);
+      await eventOn(carol, (e) => e.meta.msg_id === fine.msg_id);
+      const failed = await backToTk("deep4");
+      expect(failed).toMatchObject({
+        from: C.id.publicKey,
+        status: "failed",
+        text: `delegation too deep: ${fingerprint(x.publicKey)} → ${
+          fingerprint(y.publicKey)
+        } → bob → tk → carol, limit 3`,
+      });
+      expect(await verifyMessage(parseSignedMessage(failed))).toBeNull();
+      expect(carol.events.some((e) => e.meta.msg_id === deep.msg_id)).toBe(false); // no model saw it as work
+      expect(await carol.ok("list_tasks", { peer: "tk" })).toMatch(
+        /task deep4 with tk \(session t1\); requested by tk; status failed; closed/,
+      );
+    },
+    90_000,
+  );
+
+  test("a loop at send (a tool error with the chain) and at receipt (answered failed, shown to no model)", async () => {
+    const refused = await bob.call("send_message", {
+      to: "alice",
+      text: "you do it",
+      task_id: "back",
+      parent_task_id: "site1",
+    });
+    expect(refused).toEqual({
+      isError: true,
+      text: "send_message failed: delegation loop: alice → bob → alice; alice is in this task's chain already",
+    });
+    const looped = await tkAsks("loop1", [C.id.publicKey, T.id.publicKey]);
+    const failed = await backToTk("loop1");
+    expect(failed).toMatchObject({
+      from: C.id.publicKey,
+      status: "failed",
+      text: "delegation loop: carol → tk → carol",
+    });
+    expect(carol.events.some((e) => e.meta.msg_id === looped.msg_id)).toBe(false);
+    // A message on a task that exists already is never judged as a loop, whatever chain rides with it.
+    const followUp = await tkAsks("fine3", [C.id.publicKey, T.id.publicKey]);
+    await eventOn(carol, (e) => e.meta.msg_id === followUp.msg_id);
+  }, 90_000);
+
+  test(
+    "a relay that strips the chain: carol takes the request as a root task, and nothing else breaks (bob still forwards her question)",
+    async () => {
+      relay.state.strip = true;
+      try {
+        await handedOn("site2", "logo2");
+      } finally {
+        relay.state.strip = false;
+      }
+      expect(relay.state.stripped).toBe(1);
+      const received = readNodeLog(C.stateDir).find((r) => r.t === "in" && r.msg.task_id === "logo2");
+      expect(received.chain).toBeUndefined();
+      expect(await carol.ok("list_tasks", { peer: "bob" })).not.toContain("serves its task site2");
+      // bob opened it as a sub-task of site2 (his own record says so): carol's question still reaches alice.
+      const q = await carol.ok("send_message", {
+        to: "bob",
+        text: "png or svg?",
+        task_id: "logo2",
+        status: "needs_input",
+      });
+      const asked = await eventOn(alice, (e) => e.meta.task_id === "site2" && e.meta.status === "needs_input");
+      expect(asked.content).toBe(`[task site2 · needs_input] carol (${fp(C)}) asks, via bob: png or svg?`);
+      await alice.ok("send_message", { to: "bob", text: "svg", task_id: "site2", in_reply_to: asked.meta.msg_id });
+      expect((await eventOn(carol, (e) => e.meta.in_reply_to === msgIdOf(q))).content).toBe(
+        `[task logo2] alice (${fp(A)}) answers, via bob: svg`,
+      );
+    },
+    90_000,
+  );
+
+  test(
+    "a reference-style node (raw HTTP, 0.11 shapes, no chain, no receipts) in the middle, and as a sub-task's executor: nothing breaks, nothing is claimed",
+    async () => {
+      const ref = `${R.id.publicKey}#r1`;
+      // alice → ref: an ordinary task; ref reads it as any 0.11 message.
+      const req = await alice.ok("send_message", { to: "ref", text: "sort the assets", task_id: "r1" });
+      let got: Record<string, unknown>[] = [];
+      await eventually(async () => {
+        got = [...got, ...await drainRoute(bus.url, R.id.publicKey)];
+        return got.some((p) => p.msg_id === msgIdOf(req));
+      }, "ref has alice's request");
+      expect(got.find((p) => p.msg_id === msgIdOf(req))!.chain).toBeUndefined(); // a root task carries none
+      // ref hands part of it to carol as 0.11 does: a plain request with its reply_to, no chain.
+      const sub = await signMessage(
+        R.id,
+        { to: C.id.publicKey, text: "resize the icons", task_id: "r1-icons" },
+        Date.now(),
+      );
+      await postSend(bus.url, `${C.id.publicKey}#carol`, { ...sub, reply_to: ref });
+      await eventOn(carol, (e) => e.meta.msg_id === sub.msg_id);
+      const q = await carol.ok("send_message", {
+        to: "ref",
+        text: "how small?",
+        task_id: "r1-icons",
+        status: "needs_input",
+      });
+      let question: Record<string, unknown> | undefined;
+      await eventually(async () => {
+        question ??= (await drainRoute(bus.url, ref)).find((p) => p.msg_id === msgIdOf(q));
+        return question !== undefined;
+      }, "carol's question reached ref's session");
+      expect(await verifyMessage(parseSignedMessage(question))).toBeNull();
+      const reply = await signMessage(R.id, {
+        to: C.id.publicKey,
+        text: "32 px",
+        task_id: "r1-icons",
+        in_reply_to: msgIdOf(q),
+      }, Date.now());
+      await postSend(bus.url, `${C.id.publicKey}#carol`, { ...reply, reply_to: ref });
+      const answer = await eventOn(carol, (e) => e.meta.msg_id === reply.msg_id);
+      expect(answer.content).toBe("[task r1-icons] 32 px");
+      expect(answer.meta.relayed).toBeUndefined();
+      expect(alice.events.some((e) => e.content.includes("how small?"))).toBe(false); // no forwarding is claimed
+      // ref as the executor of bob's sub-task: it gets the chain, ignores it, and its question still goes up.
+      const req2 = await alice.ok("send_message", { to: "bob", text: "ship it", task_id: "site3" });
+      await eventOn(bob, (e) => e.meta.msg_id === msgIdOf(req2));
+      const handed = await bob.ok("send_message", {
+        to: "ref",
+        text: "package it",
+        task_id: "pkg",
+        parent_task_id: "site3",
+      });
+      let request: Record<string, unknown> | undefined;
+      await eventually(async () => {
+        request ??= [...await drainRoute(bus.url, R.id.publicKey), ...await drainRoute(bus.url, ref)].find((p) =>
+          p.msg_id === msgIdOf(handed)
+        );
+        return request !== undefined;
+      }, "bob's sub-task reached ref");
+      expect((request!.chain as Chain).keys).toEqual([A.id.publicKey, B.id.publicKey]);
+      expect(await verifyMessage(parseSignedMessage(request))).toBeNull(); // the signed fields verify as they did
+      const refAsks = await signMessage(R.id, {
+        to: B.id.publicKey,
+        text: "zip or tar?",
+        task_id: "pkg",
+        status: "needs_input",
+      }, Date.now());
+      await postSend(bus.url, B.id.publicKey, { ...refAsks, reply_to: ref });
+      const up = await eventOn(alice, (e) => e.meta.task_id === "site3" && e.meta.status === "needs_input");
+      expect(up.content).toBe(`[task site3 · needs_input] ref (${fp(R)}) asks, via bob: zip or tar?`);
+    },
+    90_000,
+  );
+
+  test("carol's session ends while blocked; the answer reaches her next session with its question, once", async () => {
+    await handedOn("site4", "logo4");
+    const q = await carol.ok("send_message", {
+      to: "bob",
+      text: "which font?",
+      task_id: "logo4",
+      status: "needs_input",
+    });
+    const asked = await eventOn(alice, (e) => e.meta.task_id === "site4" && e.meta.status === "needs_input");
+    await carol.close(); // a clean exit: its goodbye tells bob its session closed
+    await eventually(
+      async () => (await bob.ok("list_tasks", { peer: "carol" })).includes("session closed"),
+      "bob heard",
+    );
+    await alice.ok("send_message", {
+      to: "bob",
+      text: "the house font",
+      task_id: "site4",
+      in_reply_to: asked.meta.msg_id,
+    });
+    await eventually(() => answersTo(B, "out", msgIdOf(q)).length === 1, "bob sent the answer on");
+    carol = await McpNode.start("bun", C, bus.url, { INTERLINK_SESSION: "carol-2", INTERLINK_MAX_DEPTH: "3" });
+    const answer = await eventOn(carol, (e) => e.meta.in_reply_to === msgIdOf(q));
+    expect(answer.content).toBe(`[task logo4] alice (${fp(A)}) answers, via bob: the house font`);
+    expect(answer.meta.answers).toBe(`your earlier session carol asked, for ${fp(A)}'s operator: which font?`);
+    expect(await carol.ok("check_inbox")).toMatch(/^no unread messages/); // shown by the push, not again
+    expect(carol.events.filter((e) => e.meta.in_reply_to === msgIdOf(q)).length).toBe(1);
+    expect(await carol.ok("list_tasks", { peer: "bob" })).not.toContain(`your question ${msgIdOf(q)}`);
+  }, 90_000);
+
+  test(
+    "cancel at alice reaches carol, and dave through carol; cancel_task at bob names the sub-tasks it canceled",
+    async () => {
+      const canceled = await alice.ok("cancel_task", { to: "bob", task_id: "site1", reason: "the client left" });
+      expect(canceled).toContain("bob's node cancels the sub-tasks it opened for it");
+      const atCarol = await eventOn(carol, (e) => e.meta.task_id === "logo1" && e.meta.status === "canceled");
+      expect(atCarol.content).toBe(
+        `[task logo1 · canceled] canceled: alice (${
+          fp(A)
+        }) canceled task site1, which this sub-task served: the client left`,
+      );
+      const atDave = await eventOn(dave, (e) => e.meta.task_id === "svg1" && e.meta.status === "canceled");
+      expect(atDave.content).toStartWith(`[task svg1 · canceled] canceled: bob (${fp(B)}) canceled task logo1`);
+      // bob cancels a task alice asked of him: his sub-task of it goes too, and the tool says so.
+      await handedOn("site5", "logo5");
+      const own = await bob.ok("cancel_task", { to: "alice", task_id: "site5", reason: "cannot do it" });
+      expect(own).toContain("also canceled the sub-task you opened for it: logo5 with carol");
+      expect((await eventOn(carol, (e) => e.meta.task_id === "logo5" && e.meta.status === "canceled")).content).toBe(
+        `[task logo5 · canceled] canceled: bob (${
+          fp(B)
+        }) canceled task site5, which this sub-task served: cannot do it`,
+      );
+      // bob finishes a task from the command line (his server running): the sub-task he opened for it goes too.
+      await handedOn("site6", "logo6");
+      const env = {
+        INTERLINK_KEY: B.keyFile,
+        INTERLINK_PEERS: B.peersFile,
+        INTERLINK_STATE: B.stateDir,
+        INTERLINK_URL: relay.url,
+      };
+      const done = await runCliAsync("bun", ["send", "alice", "built", "--task", "site6", "--status", "result"], {
+        env,
+      });
+      expect({ code: done.code, err: done.stderr }).toEqual({ code: 0, err: "" });
+      expect((await eventOn(carol, (e) => e.meta.task_id === "logo6" && e.meta.status === "canceled")).content).toBe(
+        `[task logo6 · canceled] canceled: ${fp(B)} closed (result) task site6, which this sub-task served`,
+      );
+    },
+    90_000,
+  );
+});
+
+describe("delegation across hops over NATS JetStream: alice on Bun, bob on Deno, carol on Bun", () => {
+  natsTest(NATS_TESTS[10], async () => {
+    const root = tmpDir();
+    const [server] = await startNats(root);
+    const [A, B, C] = await Promise.all(["alice", "bob", "carol"].map((n) => makeNodeFiles(root, n)));
+    befriend(A, B);
+    befriend(B, C);
+    const channel = { INTERLINK_DELIVERY: "channel" };
+    const [alice, bob, carol] = await Promise.all([
+      natsNode("bun", A, [server.url], channel),
+      natsNode("deno", B, [server.url], channel),
+      natsNode("bun", C, [server.url], channel),
+    ]);
+    const fp = (f: NodeFiles) => fingerprint(f.id.publicKey);
+    try {
+      const req = await alice.ok("send_message", { to: "bob", text: "build the site", task_id: "n-site" });
+      await eventOn(bob, (e) => e.meta.msg_id === msgIdOf(req));
+      const sub = await bob.ok("send_message", {
+        to: "carol",
+        text: "draw the logo",
+        task_id: "n-logo",
+        parent_task_id: "n-site",
+      });
+      await eventOn(carol, (e) => e.meta.msg_id === msgIdOf(sub));
+      const q = await carol.ok("send_message", {
+        to: "bob",
+        text: "which sizes?",
+        task_id: "n-logo",
+        status: "needs_input",
+      });
+      const asked = await eventOn(alice, (e) => e.meta.task_id === "n-site" && e.meta.status === "needs_input");
+      expect(asked.content).toBe(`[task n-site · needs_input] carol (${fp(C)}) asks, via bob: which sizes?`);
+      await alice.ok("send_message", { to: "bob", text: "64 px", task_id: "n-site", in_reply_to: asked.meta.msg_id });
+      const answer = await eventOn(carol, (e) => e.meta.in_reply_to === msgIdOf(q));
+      expect(answer.content).toBe(`[task n-logo] alice (${fp(A)}) answers, via bob: 64 px`);
+      // The chain crossed the relay whole: carol's record of the request holds it, verified.
+      const opened = readNodeLog(C.stateDir).find((r) => r.t === "in" && r.msg.task_id === "n-logo");
+      expect(opened.chain.keys).toEqual([A.id.publicKey, B.id.publicKey]);
+      await alice.ok("cancel_task", { to: "bob", task_id: "n-site" });
+      expect((await eventOn(carol, (e) => e.meta.task_id === "n-logo" && e.meta.status === "canceled")).content)
+        .toStartWith(`[task n-logo · canceled] canceled: alice (${fp(A)}) canceled task n-site`);
+      expect(carol.events.filter((e) => e.meta.in_reply_to === msgIdOf(q)).length).toBe(1);
+    } finally {
+      await Promise.allSettled([alice.close(), bob.close(), carol.close()]);
+      server.kill();
+    }
+  }, 120_000);
 });
 
 // ----------------------------------------------------------------------------
@@ -10467,6 +11441,85 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
         await claude.stop();
       }
     }, 120_000);
+
+    codexTest(
+      "a question travels Claude Code → Codex → Claude Code: carol's reaches alice's operator through bob's Codex, shown there only as information, and alice's answer reaches carol once",
+      async () => {
+        const a = await hostNode(root, "hop-alice", bus.url, model);
+        const c = await hostNode(root, "hop-carol", bus.url, model);
+        const B = await makeNodeFiles(root, "hop-bob");
+        fs.writeFileSync(a.peersFile, JSON.stringify({ bob: { key: B.id.publicKey } }));
+        fs.writeFileSync(c.peersFile, JSON.stringify({ bob: { key: B.id.publicKey } }));
+        fs.writeFileSync(
+          B.peersFile,
+          JSON.stringify({ alice: { key: a.id.publicKey }, carol: { key: c.id.publicKey } }),
+        );
+        installStopHook(a);
+        installStopHook(c);
+        const hb = await codexHome(B, "deno");
+        const x = await codexSession(B, hb);
+        const QUESTION = "which colour?";
+        model.on("hop-alice", "hand the site to bob", {
+          tool: "mcp__interlink__send_message",
+          input: { to: "bob", text: "build the site", task_id: "h-site" },
+        });
+        fake.on("hop-bob", "build the site", {
+          tool: "send_message",
+          args: { to: "carol", text: "draw the logo", task_id: "h-logo", parent_task_id: "h-site" },
+        });
+        model.on("hop-carol", "draw the logo", {
+          tool: "mcp__interlink__send_message",
+          input: { to: "bob", text: QUESTION, task_id: "h-logo", status: "needs_input" },
+        });
+        // alice's operator answers the question her session is shown, in reply to the message that carried it.
+        model.on("hop-alice", `asks, via hop-bob: ${QUESTION}`, (r) => ({
+          tool: "mcp__interlink__send_message",
+          input: {
+            to: "bob",
+            text: "teal",
+            task_id: "h-site",
+            in_reply_to: r.latest.match(/msg_id="([0-9a-f]{32})" task_id="h-site" status="needs_input"/)![1],
+          },
+        }));
+        await x.turn("stand by");
+        const [alice, carol] = await Promise.all([claudeSession(a), claudeSession(c)]);
+        try {
+          await eventually(
+            async () => (await Promise.all([a, B, c].map((f) => onRoster(bus.url, f)))).every(Boolean),
+            "all three announced",
+          );
+          alice.send("hand the site to bob");
+          const asked = await model.waitFor(
+            (r) => r.session === "hop-alice" && r.latest.includes(QUESTION),
+            "alice's Claude Code is woken with carol's question",
+            90_000,
+          );
+          expect(asked.latest).toMatch(
+            /<interlink-message from="bob" fingerprint="[^"]+" msg_id="[0-9a-f]{32}" task_id="h-site" status="needs_input"/,
+          );
+          expect(asked.latest).toContain(`carol (${fingerprint(c.id.publicKey)}) asks, via hop-bob: ${QUESTION}`);
+          // bob's Codex was shown it as information, not as a question for it or its operator.
+          const middle = await fake.waitFor(
+            (r) => r.home === "hop-bob" && r.latest.includes(QUESTION),
+            "bob's Codex is told the question went on",
+          );
+          expect(middle.latest).toContain(`relayed="forwarded by interlink to alice (${fingerprint(a.id.publicKey)})`);
+          const answered = await model.waitFor(
+            (r) => r.session === "hop-carol" && r.latest.includes("answers, via hop-bob: teal"),
+            "carol's Claude Code is woken with alice's answer",
+            90_000,
+          );
+          expect(answered.latest).toContain('task_id="h-logo"');
+          expect(answered.latest).toContain(`alice (${fingerprint(a.id.publicKey)}) answers, via hop-bob: teal`);
+          expect(timesShown(model, "hop-carol", "answers, via hop-bob: teal")).toBe(1);
+          expect(timesShown(model, "hop-alice", `asks, via hop-bob: ${QUESTION}`)).toBe(1);
+        } finally {
+          x.close();
+          await Promise.all([alice.stop(), carol.stop()]);
+        }
+      },
+      180_000,
+    );
   }
 });
 
@@ -10989,6 +12042,83 @@ describe("the board: a live page for the operator, read-only, for the token's ho
     expect(view.waiting.length).toBe(BOARD_LIST_MAX); // questions and knocks together
     expect(view.totals.waiting).toBe(980 + 20 * 29 + 64); // a question on each even task (29 on the long ones); knocks
     expect(JSON.stringify(view).length).toBeLessThan(1_000_000); // one snapshot stays well under a megabyte
+  });
+
+  test("a sub-task's question forwarded up the chain waits on its owner's human, not on the middle node's", () => {
+    // B's board: A asked B for "site", B handed "logo" to eve as a sub-task of it, eve asked, B's node forwarded.
+    const fold = new BoardFold(tmpDir(), B.id.publicKey, () => 1e12);
+    const msg = (from: string, to: string, f: Partial<SignedMessage>): SignedMessage => ({
+      from,
+      to,
+      text: "x",
+      ts: 1e12,
+      msg_id: f.msg_id ?? "m",
+      kind: "message",
+      sig: b64urlEncode(new Uint8Array(64)), // never checked: the journal holds what the gate admitted
+      ...f,
+    });
+    const chain: Chain = {
+      parent: "site",
+      requester: A.id.publicKey,
+      owner: A.id.publicKey,
+      depth: 2,
+      keys: [A.id.publicKey, B.id.publicKey],
+      sig: b64urlEncode(new Uint8Array(64)),
+    };
+    const a = A.id.publicKey, b = B.id.publicKey, e = eve.publicKey;
+    fold.apply("s1", { t: "in", at: 1, peer: "alice", msg: msg(a, b, { msg_id: "r", task_id: "site" }) });
+    fold.apply("s1", {
+      t: "out",
+      at: 2,
+      peer: "eve",
+      recipient: e,
+      msg: msg(b, e, { msg_id: "s", task_id: "logo" }),
+      chain,
+    });
+    const q = msg(e, b, { msg_id: "q", task_id: "logo", status: "needs_input", text: "which sizes?" });
+    fold.apply("s1", { t: "in", at: 3, peer: "eve", msg: q, relay: { dir: "up", to: a, task_id: "site" } });
+    const f = msg(b, a, {
+      msg_id: "f",
+      task_id: "site",
+      status: "needs_input",
+      text: "eve asks, via bob: which sizes?",
+    });
+    const forward = { peer: e, task_id: "logo", question: "q" };
+    fold.apply("s1", { t: "out", at: 4, peer: "alice", recipient: a, msg: f, forward });
+    const peers = parsePeers(JSON.stringify({ alice: { key: a }, eve: { key: e } }));
+    const view = boardView(fold, { now: 1e12, peers, roster: [], problems: [], relays: [] });
+    expect(view.waiting).toEqual([]); // not B's operator's to answer
+    const logo = view.tasks.find((t) => t.task_id === "logo")!;
+    expect(logo.parent).toEqual({ task_id: "site", requester: "alice", owner: "alice" });
+    expect(logo.blocked_on).toEqual({ who: "alice", why: "eve's question, forwarded to alice" });
+    expect(view.tasks.find((t) => t.task_id === "site")!.blocked_on).toEqual({
+      who: "alice",
+      why: "your question waits for their answer",
+    });
+    // A's board: the forwarded question waits on A's operator, who owns the work.
+    const theirs = new BoardFold(tmpDir(), a, () => 1e12);
+    theirs.apply("s1", {
+      t: "out",
+      at: 1,
+      peer: "bob",
+      recipient: b,
+      msg: msg(a, b, { msg_id: "r", task_id: "site" }),
+    });
+    theirs.apply("s1", { t: "in", at: 4, peer: "bob", msg: f });
+    const asks = boardView(theirs, {
+      now: 1e12,
+      peers: parsePeers(JSON.stringify({ bob: { key: b } })),
+      roster: [],
+      problems: [],
+      relays: [],
+    }).waiting;
+    expect(asks).toMatchObject([{
+      kind: "question",
+      peer: "bob",
+      msg_id: "f",
+      owner: "you",
+      text: "eve asks, via bob: which sizes?",
+    }]);
   });
 
   test("the fold reads only what a journal gained, and lists a moved session's task once, where it went", () => {

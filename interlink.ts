@@ -211,6 +211,21 @@ const RECEIPTS_WANTED_CAP = 10_000;
 const ROUTES_DRAINED_CAP = 256;
 /** Verifying keys cached by public key; peers are few, so this only bounds strangers. */
 const KEY_CACHE_CAP = 1024;
+/**
+ * Hops a request may be from its task's owner (alice → bob is 1, bob → carol 2) unless --max-depth says otherwise:
+ * agent frameworks cap delegation at a handful of levels, and past four a chain of models handing work on is more
+ * likely a loop or a runaway than a plan.
+ */
+export const DEFAULT_MAX_DEPTH = 4;
+/** The longest chain read or allowed (--max-depth's top): 32 keys are 1.5 KB of JSON, and nothing real is deeper. */
+export const CHAIN_KEYS_MAX = 32;
+/** Characters of a question its task row keeps (shown again with a late answer): enough to say what was asked. */
+export const QUESTION_KEPT_CHARS = 500;
+/**
+ * Questions of one sub-task forwarded up the chain and not yet answered: a few at once is a conversation; past it,
+ * an executor would flood its requester's requester through us, so the next is shown to our model as usual.
+ */
+export const FORWARDS_OPEN_CAP = 8;
 
 /** Compact the bus queue file once dead records outnumber live ones and this floor. */
 const COMPACT_MIN_DEAD = 10_000;
@@ -282,6 +297,22 @@ export interface SignedMessage {
   task_id?: string;
   status?: TaskStatus;
   in_reply_to?: string;
+  sig: string;
+}
+
+/**
+ * A sub-task's lineage (see "Delegation across hops" in the agent): the parent task it serves (its task_id and
+ * requester, at the sender's node), the owner (the key whose operator owns the root task), the depth (hops from the
+ * owner to the recipient) and the keys the work passed through, the owner first and the sender last. It rides in
+ * the relay payload beside the signed fields, signed on its own by the sender (chainBytes): a reference node ignores
+ * it, a relay can strip it (the request is then a root task) but not forge or move it.
+ */
+export interface Chain {
+  parent: string;
+  requester: string;
+  owner: string;
+  depth: number;
+  keys: string[];
   sig: string;
 }
 
@@ -705,6 +736,42 @@ export function parseInviteProof(inReplyTo: string | undefined): { id: string; m
   } catch {
     return "malformed";
   }
+}
+
+/** Domain of a chain signature: a message's or an announcement's signature never passes as one, nor one as them. */
+export const CHAIN_DOMAIN = "interlink-chain-v1\0";
+
+/**
+ * The bytes a chain signature covers, signed by the message's sender (`from`):
+ * `"interlink-chain-v1\0" ‖ from(32) ‖ to(32) ‖ lp(msg_id) ‖ lp(task_id) ‖ lp(parent) ‖ requester(32) ‖ owner(32) ‖
+ * u32le(depth) ‖ u32le(n) ‖ keys(32 each)`, lp = u32le(length) ‖ UTF-8. Each part blocks an attack:
+ *   - from, to: a chain lifted onto another sender's message, or re-addressed to another recipient;
+ *   - msg_id, task_id: a chain lifted onto another message or task of the same sender (a relay that saw one);
+ *   - parent, requester, owner, depth, keys: a relay rewriting the lineage (a shorter chain to slip under a limit, a
+ *     longer one or the recipient's own key to have a request refused in the recipient's name, another owner).
+ * A relay can still strip the chain, as it can drop the message: the request is then a root task.
+ */
+export function chainBytes(
+  m: Pick<SignedMessage, "from" | "to" | "msg_id"> & { task_id: string },
+  c: Omit<Chain, "sig">,
+): Bytes {
+  return concatBytes([
+    utf8.encode(CHAIN_DOMAIN),
+    decodeKey(m.from, "from"),
+    decodeKey(m.to, "to"),
+    ...[m.msg_id, m.task_id, c.parent].flatMap(lengthPrefixed),
+    decodeKey(c.requester, "requester"),
+    decodeKey(c.owner, "owner"),
+    u32le(c.depth),
+    u32le(c.keys.length),
+    ...c.keys.map((k) => decodeKey(k, "a chain key")),
+  ]);
+}
+
+/** Signs a chain for a message `id` signed (the message's msg_id and task_id are bound into it). */
+export async function signChain(id: Identity, msg: SignedMessage, c: Omit<Chain, "sig">): Promise<Chain> {
+  if (!msg.task_id) throw new InterlinkError("a chain belongs on a message that opens a task (it has no task_id)");
+  return { ...c, sig: await id.sign(chainBytes({ ...msg, task_id: msg.task_id }, c)) };
 }
 
 // Curve constants (RFC 8032 §5.1) for the small-order test below.
@@ -1285,11 +1352,100 @@ export async function decide(
   }
 }
 
+/** What a request's chain (its payload's unsigned `chain` member) turned out to be, when it has one. */
+export type ChainCheck = { ok: true; chain: Chain } | { ok: false; why: string };
+
+/** A chain as JSON says it, or a FormatError naming the first problem (unknown members are ignored). */
+export function parseChain(value: unknown): Chain {
+  if (!isObject(value)) throw new FormatError("chain is not a JSON object");
+  const parent = field(value, "parent");
+  const bad = idProblem(parent);
+  if (bad) throw new FormatError(`"parent" ${bad}`);
+  const depth = value.depth;
+  if (typeof depth !== "number" || !Number.isSafeInteger(depth) || depth < 2 || depth > CHAIN_KEYS_MAX) {
+    throw new FormatError(`"depth" is not an integer from 2 to ${CHAIN_KEYS_MAX}`);
+  }
+  if (!Array.isArray(value.keys) || value.keys.length !== depth) {
+    throw new FormatError(`"keys" is not a list of ${depth} keys (the depth)`);
+  }
+  const chain: Chain = {
+    parent,
+    requester: field(value, "requester"),
+    owner: field(value, "owner"),
+    depth,
+    keys: value.keys.map((k) => {
+      decodeKey(k, "a chain key");
+      return k as string;
+    }),
+    sig: field(value, "sig"),
+  };
+  decodeKey(chain.requester, "requester");
+  decodeKey(chain.owner, "owner");
+  b64urlDecode(chain.sig, 64, "chain sig");
+  return chain;
+}
+
+/**
+ * Judges the chain a payload carries beside `msg`, a message the gate admitted: null when it has none. It counts
+ * only on a message that opens a task (a task_id, no status), and only when it holds together (the owner first,
+ * the sender last, the requester just before it, no key twice) and its signature is the sender's over chainBytes.
+ * A chain that does not is treated as stripped (a relay can strip one, so it can garble one): never a reason to
+ * refuse the message. Pure but for WebCrypto's verify, which is asynchronous, so the agent runs it before
+ * planInbound.
+ */
+export async function judgeChain(raw: unknown, msg: SignedMessage): Promise<ChainCheck | null> {
+  if (raw === undefined || raw === null) return null;
+  if (msg.kind !== "message" || !msg.task_id || msg.status) {
+    return { ok: false, why: "a chain on a message that opens no task (it needs a task_id and no status)" };
+  }
+  let c: Chain;
+  try {
+    c = parseChain(raw);
+  } catch (e) {
+    return { ok: false, why: (e as Error).message };
+  }
+  const why = c.keys[0] !== c.owner
+    ? "its first key is not the owner"
+    : c.keys[c.keys.length - 1] !== msg.from
+    ? "its last key is not the sender's"
+    : c.keys[c.keys.length - 2] !== c.requester
+    ? "the key before the sender's is not the parent task's requester"
+    : new Set(c.keys).size !== c.keys.length
+    ? "it holds a key twice"
+    : await verifyDetached(msg.from, c.sig, chainBytes({ ...msg, task_id: msg.task_id }, c));
+  return why ? { ok: false, why: `chain: ${why}` } : { ok: true, chain: c };
+}
+
+/** A chain of keys as a person reads it, "alice → bob → carol": petnames where known, else fingerprints. */
+export function chainWords(keys: readonly string[], name: (key: string) => string): string {
+  return keys.map(name).join(" → ");
+}
+
 // ============================================================================
 // Task folding
 // ============================================================================
 
 export type Side = "me" | "peer";
+
+/** A needs_input question not yet answered with in_reply_to, and who asked it. */
+export interface Question {
+  msg_id: string;
+  asked_by: Side;
+  /** When it was asked (by the journal's clock) and its text (QUESTION_KEPT_CHARS at most): blocked since when, on what. */
+  at?: number;
+  text?: string;
+  /** A peer's question this node forwarded up the chain to the owner's side: as which message, to whom, on which task. */
+  forwarded?: { as: string; to: string; task_id: string };
+  /** Ours, asked in that earlier session of ours, which ended before the answer came (set when it is adopted). */
+  earlier?: string;
+}
+
+/** On an "out" record: this needs_input forwards `question`, which `peer` asked on its task `task_id` (see planHops). */
+export interface Forward {
+  peer: string;
+  task_id: string;
+  question: string;
+}
 
 /** One delegated task as both ends see it, folded from the messages that carry its task_id. */
 export interface TaskRow {
@@ -1300,7 +1456,15 @@ export interface TaskRow {
   last_msg_id: string;
   last_at: number;
   /** needs_input questions not yet answered with in_reply_to, and who asked them. */
-  awaiting: { msg_id: string; asked_by: Side }[];
+  awaiting: Question[];
+  /**
+   * A sub-task (its opening message carried a chain): the task it serves, at its requester's node, the owner, the
+   * depth, and the keys from the owner to this task's requester. Absent: a root task, owned by its requester.
+   */
+  parent?: { task_id: string; requester: string };
+  owner?: string;
+  depth?: number;
+  chain?: string[];
   closed: boolean;
   messages: number;
   /** The counterpart's session the task lives in (from its reply_to, or where we sent it): replies go there. */
@@ -1344,6 +1508,7 @@ export function foldTask(
   msg: SignedMessage,
   atMs: number,
   peerSession?: string,
+  hops: { chain?: Chain; forward?: Forward } = {},
 ): void {
   if (msg.kind !== "message" || !msg.task_id) return;
   const peerKey = counterpart(dir, msg);
@@ -1351,6 +1516,7 @@ export function foldTask(
   const key = taskKey(peerKey, msg.task_id);
   let row = tasks.get(key);
   if (!row) {
+    const c = hops.chain;
     row = {
       task_id: msg.task_id,
       peer_key: peerKey,
@@ -1359,6 +1525,8 @@ export function foldTask(
       last_msg_id: "",
       last_at: 0,
       awaiting: [],
+      ...(c ? { parent: { task_id: c.parent, requester: c.requester }, owner: c.owner, depth: c.depth } : {}),
+      ...(c ? { chain: [...c.keys] } : {}),
       closed: false,
       messages: 0,
     };
@@ -1376,11 +1544,37 @@ export function foldTask(
     row.awaiting = row.awaiting.filter((q) => !(q.msg_id === msg.in_reply_to && q.asked_by !== side));
   }
   if (msg.status) row.status = msg.status;
-  if (msg.status === "needs_input") row.awaiting.push({ msg_id: msg.msg_id, asked_by: side });
+  if (msg.status === "needs_input") {
+    row.awaiting.push({ msg_id: msg.msg_id, asked_by: side, at: atMs, text: keptText(msg.text, QUESTION_KEPT_CHARS) });
+  }
   if (msg.status && TERMINAL_STATUSES.has(msg.status)) {
     row.closed = true;
     row.awaiting = [];
   }
+  // Our needs_input forwarding a peer's question up the chain: that question now waits on the owner's human.
+  const f = dir === "out" ? hops.forward : undefined;
+  const asked = f &&
+    tasks.get(taskKey(f.peer, f.task_id))?.awaiting.find((q) => q.msg_id === f.question && q.asked_by === "peer");
+  if (asked) asked.forwarded = { as: msg.msg_id, to: msg.to, task_id: msg.task_id };
+}
+
+/** At most `chars` characters of `text` (a cut one ends in "…"). */
+export function keptText(text: string, chars: number): string {
+  if (text.length <= chars) return text;
+  const points = Array.from(text.slice(0, 2 * chars + 2)); // a code point is at most two units
+  return points.length <= chars ? text : points.slice(0, chars).join("") + "…";
+}
+
+/** The owner of a task: whose operator the work is for (a root task's requester; a sub-task's chain says). */
+export const taskOwner = (t: TaskRow, selfKey: string): string =>
+  t.owner ?? (t.requested_by === "peer" ? t.peer_key : selfKey);
+
+/** The open tasks this node opened as sub-tasks of `parent`, a task it executes (see "Delegation across hops"). */
+export function subTasks(tasks: Iterable<TaskRow>, parent: TaskRow): TaskRow[] {
+  return [...tasks].filter((t) =>
+    !t.closed && t.requested_by === "me" && t.parent?.task_id === parent.task_id &&
+    t.parent.requester === parent.peer_key && !t.moved_to
+  );
 }
 
 /** Why sending `draft` would break a task's lifecycle, or null if it may be sent. */
@@ -5183,6 +5377,8 @@ export interface NodeConfig {
    * under `stateDir/sessions/`.
    */
   session: string;
+  /** How many hops from its owner a task may be handed on to (--max-depth; DEFAULT_MAX_DEPTH when absent). */
+  maxDepth?: number;
 }
 
 /** A session id: used as a file name and after `#` in a route, so no `/`, no `#`. */
@@ -5234,6 +5430,19 @@ export interface OutEntry {
   adoptedFrom?: string;
   /** This (ended) session's outbox went to that session, which delivers it. */
   movedTo?: string;
+  /** It opens a sub-task: the signed chain that rides beside it (see "Delegation across hops"). */
+  chain?: Chain;
+}
+
+/**
+ * On an admitted message this node passed along the chain instead of showing it as itself: `up`, a question
+ * forwarded to the owner's side (as a needs_input on `task_id`, to `to`); `down`, an answer sent on to the one who
+ * asked (on `task_id`, to `to`). The model sees it as information (itemNotes), never as a question for its operator.
+ */
+export interface Relayed {
+  dir: "up" | "down";
+  to: string;
+  task_id: string;
 }
 
 /**
@@ -5242,8 +5451,36 @@ export interface OutEntry {
  * messages (for the operator). `id` names it in the "shown" record.
  */
 export type InboxItem =
-  /** `forSession`: it arrived for an earlier session of ours, which ended before showing it. */
-  | { kind: "message"; id: string; at: number; peer: string; msg: SignedMessage; forSession?: string }
+  /**
+   * `forSession`: it arrived for an earlier session of ours, which ended before showing it. `relay`: passed along
+   * the chain (shown as information). `asked`: it answers a question of ours (its text, for whose operator, and the
+   * earlier session that asked it, if that one ended first).
+   */
+  | {
+    kind: "message";
+    id: string;
+    at: number;
+    peer: string;
+    msg: SignedMessage;
+    forSession?: string;
+    relay?: Relayed;
+    asked?: { text: string; owner?: string; session?: string };
+  }
+  /**
+   * A peer's question to us that an earlier session of ours was shown and that still waits for our operator's
+   * answer: shown again at the start of the session that took that one over.
+   */
+  | {
+    kind: "waiting";
+    id: string;
+    at: number;
+    key: string;
+    task_id: string;
+    msg_id: string;
+    text: string;
+    asked_at: number;
+    session: string;
+  }
   | { kind: "knock"; id: string; at: number; key: string; name: string }
   | { kind: "more_knocks"; id: string; at: number; count: number }
   | { kind: "refusals"; id: string; at: number; key: string; reason: Refusal; count: number }
@@ -5435,6 +5672,9 @@ export type JournalRecord =
     msg: SignedMessage;
     pair_petname?: string;
     again?: true;
+    /** It opens a sub-task: the chain we signed for it. `forward`: it forwards a peer's question up the chain. */
+    chain?: Chain;
+    forward?: Forward;
   }
   /** At least one relay kept it; `via` names them. */
   | { t: "sent"; at: number; msg_id: string; via: string[] }
@@ -5447,6 +5687,9 @@ export type JournalRecord =
    * `reply_session`: the sender's session its unsigned reply_to named (routing
    * only); `receipts`: its sender reads delivery receipts; `for_session`: it
    * came for an earlier session of ours (drained from that session's route).
+   * `chain`: the verified chain of a request that opens a sub-task; `declined`:
+   * why such a request was answered failed and never shown (too deep, a loop);
+   * `relay`: passed along the chain, shown only as information.
    */
   | {
     t: "in";
@@ -5456,6 +5699,9 @@ export type JournalRecord =
     reply_session?: string;
     receipts?: true;
     for_session?: string;
+    chain?: Chain;
+    declined?: string;
+    relay?: Relayed;
   }
   /**
    * An inbox item handed to the model: pushed as a channel event, taken by check_inbox or `wait`, or queued as a
@@ -5566,6 +5812,7 @@ export interface CarriedOut {
   via?: string[];
   delivered?: { at: number; session: string };
   shown?: { at: number; session: string };
+  chain?: Chain;
 }
 
 // The codec. Records come from disk: a hand edit, a disk fault or a newer
@@ -5638,17 +5885,49 @@ function decodeReceiptLine(v: unknown): ReceiptLine {
   };
 }
 
+function decodeRelayed(v: unknown): Relayed | undefined {
+  if (v === undefined) return undefined;
+  const o = obj(v, `"relay"`);
+  if (o.dir !== "up" && o.dir !== "down") throw new FormatError(`"relay.dir" is up or down`);
+  return { dir: o.dir, to: str(o, "to"), task_id: str(o, "task_id") };
+}
+
+const optChain = (v: unknown): Chain | undefined => (v === undefined ? undefined : parseChain(v));
+
 function decodeInboxItem(v: unknown): InboxItem {
   const o = obj(v, "an inbox item");
   const base = { id: str(o, "id"), at: int(o, "at") };
   switch (o.kind) {
-    case "message":
+    case "message": {
+      const asked = o.asked === undefined ? undefined : obj(o.asked, `"asked"`);
       return {
         kind: "message",
         ...base,
         peer: str(o, "peer"),
         msg: parseSignedMessage(o.msg),
         ...some("forSession", optStr(o, "forSession")),
+        ...some("relay", decodeRelayed(o.relay)),
+        ...(asked
+          ? {
+            asked: {
+              text: str(asked, "text"),
+              ...some("owner", optStr(asked, "owner")),
+              ...some("session", optStr(asked, "session")),
+            },
+          }
+          : {}),
+      };
+    }
+    case "waiting":
+      return {
+        kind: "waiting",
+        ...base,
+        key: str(o, "key"),
+        task_id: str(o, "task_id"),
+        msg_id: str(o, "msg_id"),
+        text: str(o, "text"),
+        asked_at: int(o, "asked_at"),
+        session: str(o, "session"),
       };
     case "knock":
       return { kind: "knock", ...base, key: str(o, "key"), name: displayName(str(o, "name")) };
@@ -5694,10 +5973,27 @@ function decodeTaskRow(v: unknown): TaskRow {
     status,
     last_msg_id: str(o, "last_msg_id"),
     last_at: int(o, "last_at"),
-    awaiting: list(o, "awaiting").map((q) => {
+    awaiting: list(o, "awaiting").map((q): Question => {
       const a = obj(q, "a question");
-      return { msg_id: str(a, "msg_id"), asked_by: side(a.asked_by) };
+      const f = a.forwarded === undefined ? undefined : obj(a.forwarded, `"forwarded"`);
+      return {
+        msg_id: str(a, "msg_id"),
+        asked_by: side(a.asked_by),
+        ...some("at", optInt(a, "at")),
+        ...some("text", optStr(a, "text")),
+        ...(f ? { forwarded: { as: str(f, "as"), to: str(f, "to"), task_id: str(f, "task_id") } } : {}),
+        ...some("earlier", optStr(a, "earlier")),
+      };
     }),
+    ...(o.parent === undefined ? {} : {
+      parent: {
+        task_id: str(obj(o.parent, `"parent"`), "task_id"),
+        requester: str(obj(o.parent, `"parent"`), "requester"),
+      },
+    }),
+    ...some("owner", optStr(o, "owner")),
+    ...some("depth", optInt(o, "depth")),
+    ...(o.chain === undefined ? {} : { chain: list(o, "chain").map(String) }),
     closed: o.closed === true,
     messages: int(o, "messages"),
     ...some("peer_session", optStr(o, "peer_session")),
@@ -5722,6 +6018,7 @@ function decodeCarried(v: unknown): Carried {
         ...(x.via === undefined ? {} : { via: list(x, "via").map(String) }),
         ...some("delivered", where(x.delivered, `"delivered"`)),
         ...some("shown", where(x.shown, `"shown"`)),
+        ...some("chain", optChain(x.chain)),
       };
     }),
     inbox: entries("inbox").map(decodeInboxItem),
@@ -5804,6 +6101,14 @@ const RECORD_DECODERS: { [T in RecordTag]: (o: Record<string, unknown>, at: numb
     msg: parseSignedMessage(o.msg),
     ...some("pair_petname", optStr(o, "pair_petname")),
     ...flag(o, "again"),
+    ...some("chain", optChain(o.chain)),
+    ...(o.forward === undefined ? {} : {
+      forward: {
+        peer: str(obj(o.forward, `"forward"`), "peer"),
+        task_id: str(obj(o.forward, `"forward"`), "task_id"),
+        question: str(obj(o.forward, `"forward"`), "question"),
+      },
+    }),
   }),
   sent: (o, at) => ({ t: "sent", at, msg_id: str(o, "msg_id"), via: list(o, "via").map(String) }),
   refused: (o, at) => ({
@@ -5821,6 +6126,9 @@ const RECORD_DECODERS: { [T in RecordTag]: (o: Record<string, unknown>, at: numb
     ...some("reply_session", optStr(o, "reply_session")),
     ...flag(o, "receipts"),
     ...some("for_session", optStr(o, "for_session")),
+    ...some("chain", optChain(o.chain)),
+    ...some("declined", optStr(o, "declined")),
+    ...some("relay", decodeRelayed(o.relay)),
   }),
   shown: (o, at) => {
     if (!SHOWN_VIAS.includes(o.via as ShownVia)) throw new FormatError(`"via" is not ${SHOWN_VIAS.join(", ")}`);
@@ -5963,6 +6271,22 @@ export function recordedReports(r: RecordOf<"receipt">): ReceiptLine[] {
   return r.lines ? all.filter((_, i) => r.lines!.includes(i)) : all;
 }
 
+/**
+ * The question of ours that `msg` answers (its in_reply_to), if its task still waits on it: what was asked, for
+ * whose operator (absent: ours), and the earlier session that asked it, if that one ended before the answer came.
+ */
+function answeredQuestion(
+  tasks: ReadonlyMap<string, TaskRow>,
+  msg: SignedMessage,
+): { text: string; owner?: string; session?: string } | undefined {
+  if (msg.kind !== "message" || !msg.in_reply_to || !msg.task_id) return undefined;
+  const row = tasks.get(taskKey(msg.from, msg.task_id));
+  const q = row?.awaiting.find((q) => q.msg_id === msg.in_reply_to && q.asked_by === "me");
+  if (!row || q?.text === undefined) return undefined;
+  const owner = row.owner ?? (row.requested_by === "peer" ? row.peer_key : undefined);
+  return { text: q.text, ...some("owner", owner), ...some("session", q.earlier) };
+}
+
 /** The node's state, folded from its journal in order: one handler per record tag. Pure apart from its own maps. */
 export class NodeState {
   readonly outgoing = new Map<string, OutEntry>(); // every pending message, plus the most recent sent ones
@@ -6048,6 +6372,7 @@ export class NodeState {
         at: r.at,
         attempts: 0,
         ...some("pairPetname", r.pair_petname),
+        ...some("chain", r.chain),
       };
       const refused = lifecycleError(this.tasks, r.msg);
       if (refused) entry.refused = refused;
@@ -6055,7 +6380,10 @@ export class NodeState {
       if (refused) return;
       this.pending.add(r.msg.msg_id);
       if (r.msg.kind === "receipt") this.#reported(r.recipient, parseReceipt(r.msg.text));
-      foldTask(this.tasks, "out", r.msg, r.at, parseRoute(r.recipient).session || undefined);
+      foldTask(this.tasks, "out", r.msg, r.at, parseRoute(r.recipient).session || undefined, {
+        ...some("chain", r.chain),
+        ...some("forward", r.forward),
+      });
       if (r.msg.kind === "pair_request") {
         const proof = parseInviteProof(r.msg.in_reply_to);
         this.knocksOut.set(r.msg.to, {
@@ -6080,10 +6408,21 @@ export class NodeState {
       else if (msg.kind === "message") this.silent.set(msg.from, true);
       const session = r.reply_session && SESSION_RE.test(r.reply_session) ? r.reply_session : undefined;
       if (session) this.sticky.set(msg.from, session);
-      foldTask(this.tasks, "in", msg, r.at, session);
+      const asked = answeredQuestion(this.tasks, msg);
+      foldTask(this.tasks, "in", msg, r.at, session, some("chain", r.chain));
       const id = messageKey(msg.from, msg.msg_id);
-      if (!this.inbox.has(id) && !this.#shown.has(id)) {
-        this.inbox.set(id, { kind: "message", id, at: r.at, peer: r.peer, msg, ...some("forSession", r.for_session) });
+      // A declined request (too deep, a loop) was answered failed: no model is shown it as work.
+      if (!r.declined && !this.inbox.has(id) && !this.#shown.has(id)) {
+        this.inbox.set(id, {
+          kind: "message",
+          id,
+          at: r.at,
+          peer: r.peer,
+          msg,
+          ...some("forSession", r.for_session),
+          ...some("relay", r.relay),
+          ...some("asked", asked),
+        });
       }
       const route = session ? `${msg.from}#${session}` : msg.from;
       // A goodbye holds back the receipts owed to that session until it is back (a session can be resumed).
@@ -6093,7 +6432,7 @@ export class NodeState {
       if (!r.receipts || goodbye) return;
       this.#owe(route, { state: "delivered", msg_id: msg.msg_id, at: r.at });
       if (this.inbox.has(id)) this.wantsShown.set(id, { route, msgId: msg.msg_id });
-      else this.#owe(route, { state: "shown", msg_id: msg.msg_id, at: r.at });
+      else if (!r.declined) this.#owe(route, { state: "shown", msg_id: msg.msg_id, at: r.at });
     },
     shown: (r) => {
       if (this.inbox.get(r.item)?.kind === "refusals" || r.item === MORE_KNOCKS) this.refusalShownAt.set(r.item, r.at);
@@ -6250,6 +6589,7 @@ export class NodeState {
         recipient: o.recipient,
         at: o.at,
         attempts: 0,
+        ...some("chain", o.chain),
         ...some("adoptedFrom", session ?? undefined),
         ...some("pairPetname", o.pair_petname),
         ...some("sentAt", o.sent_at),
@@ -6272,8 +6612,14 @@ export class NodeState {
     for (const t of c.tasks) {
       const key = taskKey(t.peer_key, t.task_id);
       const mine = this.tasks.get(key);
-      if (!mine || mine.last_at < t.last_at) this.tasks.set(key, { ...t });
+      if (mine && mine.last_at >= t.last_at) continue;
+      // A question of ours an ended session asked: its answer, when it comes, is shown with what was asked.
+      const awaiting = session === null
+        ? t.awaiting
+        : t.awaiting.map((q) => (q.asked_by === "me" ? { ...q, earlier: q.earlier ?? session } : q));
+      this.tasks.set(key, { ...t, awaiting });
     }
+    if (session !== null) this.#stillWaiting(c, session, at);
     for (const [route, lines] of c.owed) for (const l of lines) this.#owe(route, l);
     const fill = <V>(into: Map<string, V>, from: [string, V][]) => {
       for (const [k, v] of from) if (!into.has(k)) into.set(k, v);
@@ -6286,6 +6632,34 @@ export class NodeState {
     fill(this.rejected, c.rejected);
     fill(this.drains, c.routes);
     if (session !== null) this.drains.set(session, this.drains.get(session) ?? at);
+  }
+
+  /**
+   * The questions peers asked of the ended session `session` that it was shown and that still wait for our
+   * operator's answer: each becomes an inbox item of this session, shown once (a question never shown there comes
+   * as itself, with the inbox it carried).
+   */
+  #stillWaiting(c: Carried, session: string, at: number): void {
+    for (const carried of c.tasks) {
+      const t = this.tasks.get(taskKey(carried.peer_key, carried.task_id));
+      if (!t || t.closed) continue;
+      for (const q of t.awaiting) {
+        const id = `waiting ${t.peer_key} ${q.msg_id}`;
+        if (q.asked_by !== "peer" || q.forwarded || this.inbox.has(messageKey(t.peer_key, q.msg_id))) continue;
+        if (this.inbox.has(id) || this.#shown.has(id)) continue;
+        this.inbox.set(id, {
+          kind: "waiting",
+          id,
+          at,
+          key: t.peer_key,
+          task_id: t.task_id,
+          msg_id: q.msg_id,
+          text: q.text ?? "",
+          asked_at: q.at ?? t.last_at,
+          session,
+        });
+      }
+    }
   }
 
   /**
@@ -6313,6 +6687,7 @@ export class NodeState {
         ...some("pair_petname", e.pairPetname),
         ...(pending ? {} : { sent_at: e.sentAt, via: e.via ?? [] }),
         ...some("delivered", e.delivered),
+        ...some("chain", e.chain),
       });
     }
     // The outbox in its send order (the map holds them in the order first seen, which a re-send changes).
@@ -6426,7 +6801,8 @@ export class NodeState {
         if (left <= 0) continue;
         room.set(e.recipient, left - 1);
       }
-      size += utf8Bytes(JSON.stringify(e.msg)) + 512; // the route and the unsigned hints besides
+      // The route and the unsigned hints besides, and a sub-task's chain.
+      size += utf8Bytes(JSON.stringify(e.msg)) + 512 + (e.chain ? utf8Bytes(JSON.stringify(e.chain)) : 0);
       if (out.length && (out.length >= n || size > bytes)) break;
       out.push(e);
     }
@@ -7083,6 +7459,11 @@ export type Effect =
   | { do: "log"; level: "info" | "warn"; line: string }
   /** Count one more refusal in a summary that is already waiting (memory only: a flood must not grow the journal). */
   | { do: "count"; id: string }
+  /**
+   * Sign and queue a message the node sends by itself (see "Delegation across hops"): to the session `session` of
+   * the task when it still runs, else where routing sends it; `forward` is journaled with it (a question forwarded).
+   */
+  | { do: "send"; draft: Draft; peer: string | null; session?: string; forward?: Forward }
   /** Tell the bus the payload is handled. */
   | { do: "ack" }
   /** Leave it with the bus for now: stop here, and poll again after a back-off. */
@@ -7110,6 +7491,12 @@ export interface InboundContext {
   forSession?: string;
   /** A knock through one of our invites (its in_reply_to names it): what judgeInvite said of it. */
   invite?: InviteCheck;
+  /** The chain the payload carried beside the message, as judgeChain found it (absent or null: none). */
+  chain?: ChainCheck | null;
+  /** How deep a request this node takes (--max-depth; DEFAULT_MAX_DEPTH if absent). */
+  maxDepth?: number;
+  /** This node's roster name, for what it writes in passing a message along ("carol asks, via bob: …"). */
+  selfName?: string;
 }
 
 /**
@@ -7121,19 +7508,23 @@ export function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
   const { state, canPush } = ctx;
   switch (v.verdict) {
     case "reject": {
+      // A message admitted before whose passing along was cut short (a crash before its ack): done now.
+      const repair = v.reason === "replay" && v.msg ? repairHops(v.msg, ctx) : [];
       if (v.reason === "replay" && v.msg && canPush && state.unshown(v.msg)) {
         // Journaled but never shown (a crash between the record and the push): show it now, once.
         const item = state.inbox.get(messageKey(v.msg.from, v.msg.msg_id)) ??
           state.inbox.get(knockItem(v.msg.from, v.msg.msg_id))!;
-        return [...showByPush(item, ctx.peers), { do: "sync" }, { do: "ack" }];
+        return [...showByPush(item, ctx.peers), { do: "sync" }, ...repair, { do: "ack" }];
       }
       // Refused for now, not for good: unacked, so the bus keeps it and hands it over again later.
       if (v.reason === "busy") return [refusalLog(v), { do: "defer" }];
-      return refuse(v, ctx);
+      const refused = refuse(v, ctx);
+      return [...refused.slice(0, -1), ...repair, ...refused.slice(-1)];
     }
     case "deliver": {
       // reply_to is unsigned: it only ever names one of the sender's own sessions, and never decides trust.
       const session = parseRoute(receiptRoute(v.msg, ctx.replyTo)).session || undefined;
+      const hops = planHops(v.msg, v.petname, ctx, session);
       const record: Effect = {
         do: "append",
         records: [{
@@ -7143,6 +7534,9 @@ export function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
           ...(session ? { reply_session: session } : {}),
           ...(ctx.wantsReceipts ? { receipts: true } : {}),
           ...some("for_session", ctx.forSession),
+          ...some("chain", hops.chain),
+          ...some("declined", hops.declined),
+          ...some("relay", hops.relay),
         }],
       };
       const item: InboxItem = {
@@ -7152,9 +7546,19 @@ export function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
         peer: v.petname,
         msg: v.msg,
         ...some("forSession", ctx.forSession),
+        ...some("relay", hops.relay),
+        ...some("asked", answeredQuestion(state.tasks, v.msg)),
       };
-      const shown = canPush ? showByPush(item, ctx.peers) : [];
-      return [record, { do: "remember", msg: v.msg }, ...shown, { do: "sync" }, { do: "ack" }];
+      const shown = canPush && !hops.declined ? showByPush(item, ctx.peers) : [];
+      return [
+        record,
+        { do: "remember", msg: v.msg },
+        ...hops.logs,
+        ...shown,
+        { do: "sync" },
+        ...hops.sends,
+        { do: "ack" },
+      ];
     }
     case "receipt": {
       const news = newReports(state.outgoing, v.msg);
@@ -7287,6 +7691,196 @@ export function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       ];
     }
   }
+}
+
+// -- delegation across hops --------------------------------------------------
+//
+// A task a peer asked of us may be handed on: send_message with parent_task_id opens a sub-task whose opening
+// message carries a chain (its parent task, the owner whose operator owns the root task, the depth, the keys so
+// far), signed by us (chainBytes) beside the signed fields; a reference node ignores it, a relay can strip it. What
+// a node decides about it happens here, in planHops, from its own task table:
+//   - a request past this node's --max-depth, or whose chain already holds this node (a loop), is answered failed
+//     with the chain in words and shown to no model (an answer, a question or an update on a task is never judged);
+//   - a needs_input on a sub-task we opened goes up: sent as needs_input on the parent task to its requester
+//     ("carol asks, via bob: …"), and the pairing is kept on the question (Question.forwarded); the answer to that
+//     comes back down to whoever asked ("alice answers, via bob: …"), and the model in the middle is shown both as
+//     information, never as a question for its operator;
+//   - a task we execute that closes (canceled, failed, result, either way) cancels the sub-tasks we opened for it.
+// The chain is the sender's claim: it limits depth, catches loops and says whose work it is; routing never
+// follows it (questions go to a task's requester, forwarded by each node from its own records), so a node that
+// lies in its chain can only get its own requests refused.
+
+/** What planHops decided: fields of the "in" record, lines to log, and messages to send before the ack. */
+interface Hops {
+  chain?: Chain;
+  declined?: string;
+  relay?: Relayed;
+  logs: Effect[];
+  sends: Effect[];
+}
+
+/** "bob (Izgjf_w6)", or the fingerprint alone when that is the name (the CLI's, unless it was given one). */
+const nameAndFingerprint = (name: string, fp: string): string => (name === fp ? fp : `${name} (${fp})`);
+
+/** "carol (1AnB2ji_)", or the fingerprint alone for a key with no petname here. */
+function whoIs(peers: Peers, key: string): string {
+  const petname = peers.byKey.get(key);
+  return petname ? `${petname} (${fingerprint(key)})` : fingerprint(key);
+}
+
+/** A task's route for a message the node sends by itself: the session the task lives in, which the shell checks. */
+function sendOnTask(t: TaskRow, draft: Omit<Draft, "to" | "task_id">, peers: Peers, forward?: Forward): Effect {
+  return {
+    do: "send",
+    draft: { to: t.peer_key, task_id: t.task_id, ...draft },
+    peer: peers.byKey.get(t.peer_key) ?? null,
+    ...some("session", t.peer_session),
+    ...some("forward", forward),
+  };
+}
+
+/** Text a node passes along, within what it will sign (the peer's own may be up to a bus body). */
+const passedText = (prefix: string, text: string): string => prefix + truncateUtf8(text, TEXT_LIMIT_BYTES);
+
+/** The decisions about passing an admitted message along the chain (see above). */
+function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, replySession?: string): Hops {
+  const { state, peers } = ctx;
+  const out: Hops = { logs: [], sends: [] };
+  if (msg.kind !== "message" || !msg.task_id) return out;
+  const me = ctx.selfKey ?? msg.to;
+  const row = state.tasks.get(taskKey(msg.from, msg.task_id));
+  const c = ctx.chain;
+  const fp = fingerprint(msg.from);
+  if (!row && !msg.status) {
+    if (c && !c.ok) {
+      const line = `the chain on ${msg.msg_id} from ${fp} does not hold (${c.why}): its task is taken as a root task`;
+      out.logs.push({ do: "log", level: "warn", line });
+    }
+    if (!c?.ok) return out;
+    out.chain = c.chain;
+    const why = declineWhy(c.chain.keys, me, ctx);
+    if (why) {
+      out.declined = why;
+      out.logs.push({ do: "log", level: "info", line: `declined task ${showId(msg.task_id)} from ${fp}: ${why}` });
+      out.sends.push({
+        do: "send",
+        draft: { to: msg.from, task_id: msg.task_id, status: "failed", text: why },
+        peer: petname,
+        ...some("session", replySession),
+      });
+    }
+    return out;
+  }
+  if (c) {
+    const line = `a chain on ${msg.msg_id} from ${fp}, which opens no task, is ignored (${
+      c.ok ? "not a request" : c.why
+    })`;
+    out.logs.push({ do: "log", level: "info", line });
+  }
+  if (!row || row.closed) return out;
+  const self = ctx.selfName ?? fingerprint(me);
+  const up = forwardTarget(state.tasks, row, msg);
+  if (up) {
+    out.relay = { dir: "up", to: up.peer_key, task_id: up.task_id };
+    const forward: Forward = { peer: msg.from, task_id: msg.task_id, question: msg.msg_id };
+    const text = passedText(`${whoIs(peers, msg.from)} asks, via ${self}: `, msg.text);
+    out.sends.push(sendOnTask(up, { status: "needs_input", text }, peers, forward));
+    return out;
+  }
+  const down = answerTarget(state.tasks, row, msg);
+  if (down) {
+    out.relay = { dir: "down", to: down.t.peer_key, task_id: down.t.task_id };
+    const text = passedText(`${whoIs(peers, msg.from)} answers, via ${self}: `, msg.text);
+    out.sends.push(sendOnTask(down.t, { in_reply_to: down.q.msg_id, text }, peers));
+    return out;
+  }
+  out.sends.push(...cascade(state.tasks, row, msg, whoIs(peers, msg.from), peers));
+  return out;
+}
+
+/** Why a request whose chain is `keys` (owner first, its sender last) is refused here, or null. */
+function declineWhy(keys: readonly string[], me: string, ctx: InboundContext): string | null {
+  const limit = ctx.maxDepth ?? DEFAULT_MAX_DEPTH;
+  const name = (k: string) => (k === me ? ctx.selfName ?? fingerprint(k) : ctx.peers.byKey.get(k) ?? fingerprint(k));
+  const words = chainWords([...keys, me], name);
+  if (keys.includes(me)) return `delegation loop: ${words}`;
+  return keys.length > limit ? `delegation too deep: ${words}, limit ${limit}` : null;
+}
+
+/**
+ * A needs_input on `row`, a sub-task we opened: the open parent task it goes up to (we execute it for a peer), unless
+ * FORWARDS_OPEN_CAP of its questions wait up there already.
+ */
+function forwardTarget(tasks: ReadonlyMap<string, TaskRow>, row: TaskRow, msg: SignedMessage): TaskRow | null {
+  if (msg.status !== "needs_input" || row.requested_by !== "me" || !row.parent) return null;
+  if (row.awaiting.filter((q) => q.forwarded).length >= FORWARDS_OPEN_CAP) return null;
+  const parent = tasks.get(taskKey(row.parent.requester, row.parent.task_id));
+  return parent && !parent.closed && parent.requested_by === "peer" ? parent : null;
+}
+
+/** An answer on `row` to a question we forwarded on it: the sub-task and the question it goes down to. */
+function answerTarget(
+  tasks: ReadonlyMap<string, TaskRow>,
+  row: TaskRow,
+  msg: SignedMessage,
+): { t: TaskRow; q: Question } | null {
+  if (!msg.in_reply_to || (msg.status && msg.status !== "update") || row.requested_by !== "peer") return null;
+  for (const t of tasks.values()) {
+    if (t.closed) continue;
+    const q = t.awaiting.find(({ forwarded: f }) =>
+      f !== undefined && f.as === msg.in_reply_to && f.to === msg.from && f.task_id === msg.task_id
+    );
+    if (q) return { t, q };
+  }
+  return null;
+}
+
+/**
+ * A task we execute closed by `msg` (sent by its requester, or by us: `by` names who): a canceled for each open
+ * sub-task we opened for it, saying why.
+ */
+export function cascade(
+  tasks: ReadonlyMap<string, TaskRow>,
+  row: TaskRow,
+  msg: Pick<SignedMessage, "status" | "text">,
+  by: string,
+  peers: Peers,
+): Effect[] {
+  if (!msg.status || !TERMINAL_STATUSES.has(msg.status) || row.requested_by !== "peer") return [];
+  const how = msg.status === "canceled" ? "canceled" : `closed (${msg.status})`;
+  const reason = msg.status === "canceled" && msg.text ? `: ${keptText(msg.text, 200)}` : "";
+  const text = `canceled: ${by} ${how} task ${row.task_id}, which this sub-task served${reason}`;
+  return subTasks(tasks.values(), row).map((t) => sendOnTask(t, { status: "canceled", text }, peers));
+}
+
+/**
+ * What a message admitted before still needs passed along, when it comes again (a crash after its record and
+ * before its ack): a question not yet forwarded, an answer not yet sent on, sub-tasks not yet canceled, a request
+ * past the limits not yet answered. Each is judged from the task table, so what was done is not done twice.
+ */
+function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
+  const { state, peers } = ctx;
+  if (msg.kind !== "message" || !msg.task_id) return [];
+  const row = state.tasks.get(taskKey(msg.from, msg.task_id));
+  if (!row) return [];
+  const me = ctx.selfKey ?? msg.to;
+  const self = ctx.selfName ?? fingerprint(me);
+  const asked = row.awaiting.find((q) => q.msg_id === msg.msg_id && q.asked_by === "peer");
+  const up = asked && !asked.forwarded && !row.closed ? forwardTarget(state.tasks, row, msg) : null;
+  if (up) {
+    const text = passedText(`${whoIs(peers, msg.from)} asks, via ${self}: `, msg.text);
+    const forward: Forward = { peer: msg.from, task_id: msg.task_id, question: msg.msg_id };
+    return [sendOnTask(up, { status: "needs_input", text }, peers, forward)];
+  }
+  const down = answerTarget(state.tasks, row, msg);
+  if (down) {
+    const text = passedText(`${whoIs(peers, msg.from)} answers, via ${self}: `, msg.text);
+    return [sendOnTask(down.t, { in_reply_to: down.q.msg_id, text }, peers)];
+  }
+  const opened = !msg.status && row.requested_by === "peer" && row.last_msg_id === msg.msg_id && row.messages === 1;
+  const why = opened && !row.closed && row.chain ? declineWhy(row.chain, me, ctx) : null;
+  if (why) return [sendOnTask(row, { status: "failed", text: why }, peers)];
+  return row.closed ? cascade(state.tasks, row, msg, whoIs(peers, msg.from), peers) : [];
 }
 
 /**
@@ -7436,6 +8030,8 @@ export interface SendInput {
   session?: string;
   /** The reference 0.4's (and interlink.ts 0.4.0's) name for `session`. */
   channel?: string;
+  /** The task a peer asked of us that this request serves: it opens a sub-task (see "Delegation across hops"). */
+  parent_task_id?: string;
 }
 
 /** A checked send: the draft to sign, where it goes, and the petname it was addressed by. */
@@ -7444,7 +8040,9 @@ export interface PreparedSend {
   recipient: string;
   peer: string | null;
   /** For a knock: the petname to file them under when they accept, and whether it repeats one already sent. */
-  extra?: { pair_petname?: string; again?: true };
+  extra?: { pair_petname?: string; again?: true; forward?: Forward };
+  /** It opens a sub-task: the chain to sign with it (queueMessage signs it once the message has its msg_id). */
+  chain?: Omit<Chain, "sig">;
 }
 
 /** Checks a send request and turns it into a draft: every error says what is valid instead. */
@@ -7453,6 +8051,7 @@ export function prepareSend(
   tasks: ReadonlyMap<string, TaskRow>,
   input: SendInput,
   selfKey?: string,
+  hops: { maxDepth?: number; selfName?: string } = {},
 ): PreparedSend {
   // `to: "self"` (any case) is this node's own key: another of its sessions, no pairing needed.
   const { key, petname } = selfKey && input.to.trim().toLowerCase() === "self"
@@ -7478,7 +8077,96 @@ export function prepareSend(
   };
   const broken = lifecycleError(tasks, draft);
   if (broken) throw new InterlinkError(broken);
-  return { draft, recipient: session ? `${key}#${session.trim()}` : key, peer: petname };
+  const chain = input.parent_task_id === undefined
+    ? undefined
+    : subTaskChain(peers, tasks, draft, input.parent_task_id, {
+      selfKey,
+      ...hops,
+    });
+  return { draft, recipient: session ? `${key}#${session.trim()}` : key, peer: petname, ...some("chain", chain) };
+}
+
+/**
+ * The chain a request opening a sub-task of `parentId` carries (see "Delegation across hops"), or undefined when
+ * the task it goes on is open already with that parent (a follow-up). Refused, with the chain in words: a parent
+ * this node does not execute for a peer (unknown, closed, ours), a recipient already in the chain (a loop), a
+ * depth past the limit, and a sub-task for another session of this node (not a hop: ask there without it).
+ */
+export function subTaskChain(
+  peers: Peers,
+  tasks: ReadonlyMap<string, TaskRow>,
+  draft: Draft,
+  parentId: string,
+  hops: { selfKey?: string; maxDepth?: number; selfName?: string },
+): Omit<Chain, "sig"> | undefined {
+  const me = hops.selfKey;
+  if (!me) throw new InterlinkError("parent_task_id needs this node's key");
+  if (!draft.task_id || draft.status) {
+    throw new InterlinkError(
+      "parent_task_id goes on the message that opens a sub-task: a new task_id and no status",
+    );
+  }
+  if (draft.to === me) {
+    throw new InterlinkError(
+      "a task for another session of this node is not a hop: send it without parent_task_id (its questions come to you, and you ask your requester)",
+    );
+  }
+  const candidates = [...tasks.values()].filter((t) => t.task_id === parentId && t.requested_by === "peer");
+  const parent = candidates.find((t) => !t.closed) ?? candidates[0];
+  const name = (k: string) => (k === me ? hops.selfName ?? "you" : peers.byKey.get(k) ?? fingerprint(k));
+  if (!parent) {
+    const open = [...tasks.values()].filter((t) => t.requested_by === "peer" && !t.closed && !t.moved_to)
+      .map((t) => `${showId(t.task_id)} (from ${name(t.peer_key)})`);
+    throw new InterlinkError(
+      `no task '${parentId}' that a peer asked of you; parent_task_id names one you are executing for a peer: ${
+        open.join(", ") || "none is open"
+      }`,
+    );
+  }
+  if (parent.closed) {
+    throw new InterlinkError(
+      `task ${showId(parentId)} from ${name(parent.peer_key)} is closed (${parent.status}): nothing to hand on for it`,
+    );
+  }
+  if (parent.peer_key === me) {
+    throw new InterlinkError(
+      `task ${
+        showId(parentId)
+      } came from another session of this node, not a peer: send without parent_task_id (its questions come to you)`,
+    );
+  }
+  if (candidates.filter((t) => !t.closed).length > 1) {
+    throw new InterlinkError(`several open tasks from peers are called '${parentId}'; this one cannot be told apart`);
+  }
+  const existing = tasks.get(taskKey(draft.to, draft.task_id));
+  if (existing) {
+    if (existing.parent?.task_id === parent.task_id && existing.parent.requester === parent.peer_key) return undefined;
+    throw new InterlinkError(
+      `task ${showId(draft.task_id)} with ${name(draft.to)} is open already${
+        existing.parent ? ` as a sub-task of ${showId(existing.parent.task_id)}` : ", not as a sub-task"
+      }; a sub-task of ${showId(parentId)} needs a new task_id`,
+    );
+  }
+  const keys = [...(parent.chain ?? [parent.peer_key]), me];
+  const words = chainWords([...keys, draft.to], name);
+  if (keys.includes(draft.to)) {
+    throw new InterlinkError(`delegation loop: ${words}; ${name(draft.to)} is in this task's chain already`);
+  }
+  const limit = hops.maxDepth ?? DEFAULT_MAX_DEPTH;
+  if (keys.length > limit) {
+    throw new InterlinkError(
+      `delegation too deep: ${words}, limit ${limit} (--max-depth); do this part yourself, or tell ${
+        name(parent.peer_key)
+      } it needs another way`,
+    );
+  }
+  return {
+    parent: parent.task_id,
+    requester: parent.peer_key,
+    owner: parent.owner ?? parent.peer_key,
+    depth: keys.length,
+    keys,
+  };
 }
 
 /**
@@ -7488,18 +8176,19 @@ export function prepareSend(
  * to answer, and decides nothing about trust. So does `receipts`, on our
  * messages and knocks (not on receipts): we read delivery receipts.
  */
-export function sendBody(recipient: string, msg: SignedMessage, replyTo?: string): string {
-  return JSON.stringify({ to: recipient, payload: messagePayload(msg, replyTo) });
+export function sendBody(recipient: string, msg: SignedMessage, replyTo?: string, chain?: Chain): string {
+  return JSON.stringify({ to: recipient, payload: messagePayload(msg, replyTo, chain) });
 }
 
 /**
  * A message as relays carry it: the signed fields, and our unsigned hints when `replyTo` is given. A knock asks
  * for receipts too: only a refusal of one through an invite is ever reported (our nodes; the reference ignores it).
+ * A request that opens a sub-task carries its chain, signed on its own (see chainBytes).
  */
-export function messagePayload(msg: SignedMessage, replyTo?: string): object {
+export function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): object {
   const asks = msg.kind === "message" || msg.kind === "pair_request";
   const hints = replyTo ? { reply_to: replyTo, ...(asks ? { receipts: true } : {}) } : {};
-  return { ...msg, ...hints };
+  return { ...msg, ...hints, ...(chain ? { chain } : {}) };
 }
 
 /**
@@ -7510,7 +8199,8 @@ export function messagePayload(msg: SignedMessage, replyTo?: string): object {
  */
 export async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, nowMs: number): Promise<OutEntry> {
   const msg = await signMessage(id, p.draft, nowMs);
-  const bytes = Buffer.byteLength(sendBody(p.recipient, msg, `${id.publicKey}#${"x".repeat(128)}`));
+  const chain = p.chain ? await signChain(id, msg, p.chain) : undefined;
+  const bytes = Buffer.byteLength(sendBody(p.recipient, msg, `${id.publicKey}#${"x".repeat(128)}`, chain));
   if (bytes > BODY_LIMIT_BYTES) {
     throw new InterlinkError(
       `this message is ${Math.ceil(bytes / 1024)} KiB as JSON, over the ${
@@ -7518,7 +8208,14 @@ export async function queueMessage(journal: Journal, id: Identity, p: PreparedSe
       } MiB a bus accepts (control characters count six bytes each); send a summary or a file path instead`,
     );
   }
-  await journal.appendDurable([{ t: "out", peer: p.peer, recipient: p.recipient, msg, ...p.extra }]);
+  await journal.appendDurable([{
+    t: "out",
+    peer: p.peer,
+    recipient: p.recipient,
+    msg,
+    ...p.extra,
+    ...some("chain", chain),
+  }]);
   const entry = journal.state.outgoing.get(msg.msg_id)!;
   if (entry.refused) throw new InterlinkError(entry.refused);
   return entry;
@@ -8184,13 +8881,24 @@ export class Agent {
     return entry;
   }
 
-  /** Checks, routes and queues a message; `note` says where it went and what state that session is in. */
-  async send(input: SendInput): Promise<{ entry: OutEntry; note: string }> {
-    const p = prepareSend(this.peers(), this.state.tasks, input, this.id.publicKey);
+  /**
+   * Checks, routes and queues a message; `note` says where it went and what state that session is in. A terminal
+   * status on a task this node executes for a peer also cancels the sub-tasks it opened for it (`canceled`).
+   */
+  async send(input: SendInput): Promise<{ entry: OutEntry; note: string; canceled: TaskRow[] }> {
+    const peers = this.peers();
+    const p = prepareSend(peers, this.state.tasks, input, this.id.publicKey, {
+      ...some("maxDepth", this.cfg.maxDepth),
+      selfName: this.cfg.name,
+    });
     const task = p.draft.task_id ? this.state.tasks.get(taskKey(p.draft.to, p.draft.task_id)) : undefined;
     const choice = await this.route(p.draft.to, input.session ?? input.channel, task?.peer_session);
+    const children = task ? subTasks(this.state.tasks.values(), task) : [];
     const entry = await this.enqueue({ ...p, recipient: choice.recipient });
-    return { entry, note: choice.note };
+    const by = nameAndFingerprint(this.cfg.name, this.id.fingerprint);
+    const cancels = task ? cascade(this.state.tasks, task, entry.msg, by, peers) : [];
+    for (const e of cancels) if (e.do === "send") await this.#sendOnItsOwn(e);
+    return { entry, note: choice.note, canceled: cancels.length ? children : [] };
   }
 
   /**
@@ -8231,7 +8939,7 @@ export class Agent {
       const msg = await signMessage(this.id, fields, this.now());
       await this.journal.appendDurable([{ t: "resign", msg }]);
     }
-    const items = entries.map((e) => ({ route: e.recipient, payload: messagePayload(e.msg, this.me) }));
+    const items = entries.map((e) => ({ route: e.recipient, payload: messagePayload(e.msg, this.me, e.chain) }));
     const signal = this.#stop.signal;
     for (const e of entries) this.#inFlight.add(e.msg.msg_id);
     for (const wake of [...this.#attempted]) wake();
@@ -8548,6 +9256,9 @@ export class Agent {
           nowMs,
         )
         : undefined;
+      // A chain beside a message (see "Delegation across hops"): its signature too is checked before the plan.
+      const raw = isObject(payload) ? payload.chain : undefined;
+      const chain = v.verdict === "deliver" && raw !== undefined ? await judgeChain(raw, v.msg) : undefined;
       const effects = planInbound(v, {
         state: this.state,
         peers,
@@ -8558,6 +9269,9 @@ export class Agent {
         selfKey: this.id.publicKey,
         ...some("forSession", forSession),
         ...some("invite", invite),
+        ...some("chain", chain),
+        maxDepth: this.cfg.maxDepth ?? DEFAULT_MAX_DEPTH,
+        selfName: this.cfg.name,
       });
       const admitted = effects.findIndex((e) => e.do === "remember") + 1;
       await this.carryOut(effects.slice(0, admitted), ack);
@@ -8609,6 +9323,9 @@ export class Agent {
           if (item?.kind === "refusals") item.count++;
           break;
         }
+        case "send":
+          await this.#sendOnItsOwn(e);
+          break;
         case "ack":
           await ack();
           if (this.state.inbox.size) this.onInbox?.();
@@ -8617,6 +9334,26 @@ export class Agent {
           throw new InterlinkError("deferred: the message stays on the bus and is handed over again later");
       }
     }
+  }
+
+  /**
+   * Carries out a "send" effect: to the task's session if it has not ended (else where routing sends it, else the
+   * peer's key, which its next session reads), through the one send path.
+   */
+  async #sendOnItsOwn(e: Extract<Effect, { do: "send" }>): Promise<void> {
+    let recipient = e.draft.to;
+    try {
+      recipient = (await this.route(e.draft.to, undefined, e.session)).recipient;
+    } catch (err) {
+      if (!(err instanceof InterlinkError)) throw err; // several live sessions and none the task's: its key
+    }
+    const entry = await this.enqueue({
+      draft: e.draft,
+      recipient,
+      peer: e.peer,
+      ...(e.forward ? { extra: { forward: e.forward } } : {}),
+    });
+    logInfo(`sent ${entry.msg.msg_id} (${taskTag(entry.msg)}) to ${e.peer ?? fingerprint(e.draft.to)} on its own`);
   }
 
   /** In inbox mode nothing is pushed; otherwise once a session is attached. */
@@ -9245,7 +9982,16 @@ const isoTime = (ms: number): string => new Date(ms).toISOString().replace(/\.\d
 
 /** One message as an attributed block: the format of check_inbox, `wait` and conversation_history. */
 export function messageBlock(
-  m: { dir: "in" | "out"; peer: string; msg: SignedMessage; at: number; state?: string; forSession?: string },
+  m: {
+    dir: "in" | "out";
+    peer: string;
+    msg: SignedMessage;
+    at: number;
+    state?: string;
+    forSession?: string;
+    /** Attributes in our words (see itemNotes), after the message's own. */
+    notes?: [string, string][];
+  },
 ): string {
   const attrs: [string, string | undefined][] = [
     [m.dir === "in" ? "from" : "to", m.peer],
@@ -9257,6 +10003,7 @@ export function messageBlock(
     [m.dir === "in" ? "received" : "sent", isoTime(m.at)],
     ["delivery", m.state],
     ["arrived_for", m.forSession && `your earlier session ${m.forSession}`],
+    ...m.notes ?? [],
   ];
   const head = attrs.filter(([, v]) => v !== undefined).map(([k, v]) => `${k}="${attr(v!)}"`).join(" ");
   return `<interlink-message ${head}>\n${escapePeerText(m.msg.text)}\n</interlink-message>`;
@@ -9295,7 +10042,18 @@ export async function claimInbox(from: Journal | string, limit: number, peek = f
 export function formatInbox(items: InboxItem[], peers: Peers): string {
   return items.map((i) => {
     if (i.kind === "message") {
-      return messageBlock({ dir: "in", peer: i.peer, msg: i.msg, at: i.at, ...some("forSession", i.forSession) });
+      return messageBlock({
+        dir: "in",
+        peer: i.peer,
+        msg: i.msg,
+        at: i.at,
+        ...some("forSession", i.forSession),
+        notes: itemNotes(i, peers),
+      });
+    }
+    if (i.kind === "waiting") {
+      const peer = peers.byKey.get(i.key) ?? fingerprint(i.key);
+      return messageBlock({ dir: "in", peer, msg: waitingQuestion(i), at: i.asked_at, notes: itemNotes(i, peers) });
     }
     const kind = noticeKind(i);
     const fp = i.kind === "more_knocks" ? "" : ` fingerprint="${fingerprint(i.key)}"`;
@@ -9305,7 +10063,61 @@ export function formatInbox(items: InboxItem[], peers: Peers): string {
   }).join("\n\n");
 }
 
-const noticeKind = (i: Exclude<InboxItem, { kind: "message" }>): string =>
+/**
+ * What a message's block says beside the peer's fields, in our words: that it was passed along the chain (shown as
+ * information, not as a question for this model's operator); that it answers a question an earlier session of ours
+ * asked (and what, for whom); that it is a question an earlier session was shown and that still waits.
+ */
+export function itemNotes(i: Extract<InboxItem, { kind: "message" | "waiting" }>, peers: Peers): [string, string][] {
+  const who = (k: string) => whoIs(peers, k);
+  if (i.kind === "waiting") {
+    return [[
+      "still_open",
+      `asked of your earlier session ${i.session}, which ended; not answered yet: show it to your operator and answer with in_reply_to=${i.msg_id}`,
+    ]];
+  }
+  const notes: [string, string][] = [];
+  if (i.relay?.dir === "up") {
+    notes.push([
+      "relayed",
+      `forwarded by interlink to ${
+        who(i.relay.to)
+      } as a needs_input on task ${i.relay.task_id}: their operator owns this work. Their answer comes back through you and goes on to ${
+        who(i.msg.from)
+      } by itself; nothing for you or your operator to answer`,
+    ]);
+  } else if (i.relay?.dir === "down") {
+    notes.push([
+      "relayed",
+      `the answer to a question interlink forwarded for ${
+        who(i.relay.to)
+      }: sent on to them on task ${i.relay.task_id} by itself; nothing for you to do`,
+    ]);
+  }
+  const session = i.asked?.session ?? i.forSession;
+  if (i.asked && session) {
+    const owner = i.asked.owner ? `${who(i.asked.owner)}'s operator` : "your operator";
+    notes.push(["answers", `your earlier session ${session} asked, for ${owner}: ${i.asked.text}`]);
+  }
+  return notes;
+}
+
+/** A question still waiting (see InboxItem "waiting") in the shape of the message it was, for its block. */
+function waitingQuestion(i: Extract<InboxItem, { kind: "waiting" }>): SignedMessage {
+  return {
+    from: i.key,
+    to: "",
+    text: i.text,
+    ts: i.asked_at,
+    msg_id: i.msg_id,
+    kind: "message",
+    task_id: i.task_id,
+    status: "needs_input",
+    sig: "",
+  };
+}
+
+const noticeKind = (i: Exclude<InboxItem, { kind: "message" | "waiting" }>): string =>
   i.kind === "refusals"
     ? "refused"
     : i.kind === "bounced"
@@ -9315,7 +10127,7 @@ const noticeKind = (i: Exclude<InboxItem, { kind: "message" }>): string =>
     : "pair_request";
 
 /** What a knock or a refusal summary says, in our words: never a peer's text, at most a quoted claim. */
-export function noticeText(i: Exclude<InboxItem, { kind: "message" }>, peers: Peers): string {
+export function noticeText(i: Exclude<InboxItem, { kind: "message" | "waiting" }>, peers: Peers): string {
   if (i.kind === "more_knocks") {
     return `${i.count} more node${
       i.count === 1 ? "" : "s"
@@ -9362,10 +10174,12 @@ export function noticeText(i: Exclude<InboxItem, { kind: "message" }>, peers: Pe
 
 /** The channel event for an inbox item: a peer's message as itself, a notice from "interlink". */
 export function pushEvent(i: InboxItem, peers: Peers): PushEvent {
-  if (i.kind === "message") {
-    const meta = channelMeta(i.msg, i.peer);
-    if (i.forSession) meta.arrived_for = `your earlier session ${i.forSession}`;
-    return { content: channelContent(i.msg), meta };
+  if (i.kind === "message" || i.kind === "waiting") {
+    const msg = i.kind === "message" ? i.msg : waitingQuestion(i);
+    const meta = channelMeta(msg, i.kind === "message" ? i.peer : peers.byKey.get(i.key) ?? fingerprint(i.key));
+    if (i.kind === "message" && i.forSession) meta.arrived_for = `your earlier session ${i.forSession}`;
+    for (const [k, v] of itemNotes(i, peers)) meta[k] = attr(v);
+    return { content: channelContent(msg), meta };
   }
   const meta: Record<string, string> = { sender: "interlink", kind: noticeKind(i) };
   if (i.kind !== "more_knocks") meta.fingerprint = fingerprint(i.key);
@@ -9726,6 +10540,22 @@ function waitWords(agent: Agent, e: OutEntry): string | null {
   }
 }
 
+/** How deep a sub-task we opened is, and its chain in words ("depth 2 of at most 4: alice → bob → carol"). */
+function chainNote(agent: Agent, e: OutEntry): string {
+  const c = e.chain!;
+  const name = (k: string) => (k === agent.id.publicKey ? "you" : agent.petnameOf(k) ?? fingerprint(k));
+  return `depth ${c.depth} of at most ${agent.cfg.maxDepth ?? DEFAULT_MAX_DEPTH} here: ${
+    chainWords([...c.keys, e.msg.to], name)
+  }; its questions come to you and go on to ${name(c.requester)} by themselves`;
+}
+
+/** "; canceled its sub-tasks: deploy with carol, …", or "" when none. */
+function canceledNote(agent: Agent, rows: TaskRow[]): string {
+  if (!rows.length) return "";
+  const each = rows.map((t) => `${showId(t.task_id)} with ${agent.petnameOf(t.peer_key) ?? fingerprint(t.peer_key)}`);
+  return `; also canceled the sub-task${rows.length > 1 ? "s" : ""} you opened for it: ${each.join(", ")}`;
+}
+
 /** Messages list_pending shows one by one for a route that waits; the rest are counted, behind them in order. */
 const HELD_LISTED = 10;
 
@@ -9767,8 +10597,19 @@ interface PeerNames {
   peers(): Peers;
 }
 
-export function describeTask(names: PeerNames, t: TaskRow, outgoing?: ReadonlyMap<string, OutEntry>): string {
+export function describeTask(
+  names: PeerNames,
+  t: TaskRow,
+  outgoing?: ReadonlyMap<string, OutEntry>,
+  selfKey?: string,
+): string {
   const peer = names.petnameOf(t.peer_key) ?? fingerprint(t.peer_key);
+  const name = (k: string) => (k === selfKey ? "you" : names.petnameOf(k) ?? fingerprint(k));
+  const owner = t.owner !== undefined
+    ? `${name(t.owner)}'s operator`
+    : t.requested_by === "peer"
+    ? `${peer}'s operator`
+    : "your operator";
   const parts = [
     `task ${showId(t.task_id)} with ${peer}${
       t.peer_session ? ` (session ${showId(t.peer_session.slice(0, 12))})` : ""
@@ -9777,6 +10618,19 @@ export function describeTask(names: PeerNames, t: TaskRow, outgoing?: ReadonlyMa
     `status ${t.status ?? "open (no status yet)"}`,
     t.closed ? "closed" : "open",
   ];
+  if (t.parent) {
+    const last = t.requested_by === "me" ? peer : "you";
+    const chain = t.chain ? `; depth ${t.depth ?? t.chain.length}: ${[...t.chain.map(name), last].join(" → ")}` : "";
+    parts.push(
+      t.requested_by === "me"
+        ? `a sub-task of ${showId(t.parent.task_id)}, which ${
+          name(t.parent.requester)
+        } asked of you (owned by ${owner}${chain})`
+        : `${peer}'s node says it serves its task ${showId(t.parent.task_id)} for ${
+          name(t.parent.requester)
+        } (owned by ${owner}${chain})`,
+    );
+  }
   if (t.peer_closed_at && !t.closed) {
     parts.push(`${peer}'s session closed at ${isoTime(t.peer_closed_at)}; this task may not finish (check discover)`);
   }
@@ -9791,13 +10645,23 @@ export function describeTask(names: PeerNames, t: TaskRow, outgoing?: ReadonlyMa
     );
   }
   for (const q of t.awaiting) {
-    parts.push(
-      q.asked_by === "peer"
-        ? `BLOCKED on ${peer}'s question ${showId(q.msg_id)}: ask your operator and answer with in_reply_to=${
+    const since = q.at === undefined ? "" : ` since ${isoTime(q.at)}`;
+    if (q.asked_by === "peer" && q.forwarded) {
+      parts.push(
+        `${peer}'s question ${showId(q.msg_id)}${since} is forwarded to ${name(q.forwarded.to)} on task ${
+          showId(q.forwarded.task_id)
+        } (as ${q.forwarded.as}), for ${owner}: the answer comes back through you and goes on by itself`,
+      );
+    } else if (q.asked_by === "peer") {
+      parts.push(
+        `BLOCKED on ${peer}'s question ${
           showId(q.msg_id)
-        }`
-        : `waiting for ${peer} to answer your question ${q.msg_id}`,
-    );
+        }${since}, for ${owner}: ask your operator and answer with in_reply_to=${showId(q.msg_id)}`,
+      );
+    } else {
+      const by = q.earlier ? `, by your earlier session ${showId(q.earlier)}` : "";
+      parts.push(`waiting for ${peer} to answer your question ${q.msg_id} (asked${since}${by}, for ${owner})`);
+    }
   }
   parts.push(`${t.messages} messages, last ${isoTime(t.last_at)}`);
   return "- " + parts.join("; ");
@@ -9866,6 +10730,7 @@ export const TOOLS: ToolSpec[] = [
       "For delegated work put one task_id on every message of the task: " +
       "the requester opens it (no status); the executor streams status=update, asks with status=needs_input, and finishes with status=result or status=failed. " +
       "Answer a needs_input by setting in_reply_to to the question's msg_id. A terminal status (result, failed, canceled) closes the task: follow-up work needs a new task_id. " +
+      "When the request you send serves a task a peer asked of you, set parent_task_id to that task: its questions then reach the owner's operator through you, and canceling that task cancels this one. It is refused past the delegation depth limit or when the recipient is already in the task's chain (a loop). " +
       "Returns the msg_id and whether a bus accepted it (sent) or it waits in the durable outbox (queued: a relay is unreachable, or the peer's route is full until it reads; it goes by itself, in order: never send it again).",
     args: (k) => ({
       to: k.str("the peer's petname, fingerprint or key (see list_peers)"),
@@ -9877,10 +10742,13 @@ export const TOOLS: ToolSpec[] = [
         "the recipient's session (an id, or a unique start of one, from discover); omit to route automatically",
       ),
       channel: k.opt("0.4's name for session"),
+      parent_task_id: k.opt(
+        "the task a peer asked of you that this new request serves (with a new task_id, no status): opens a sub-task",
+      ),
     }),
     annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: false, openWorldHint: true },
     async run(agent, a) {
-      const { entry, note } = await agent.send({
+      const { entry, note, canceled } = await agent.send({
         to: a.to as string,
         text: a.text as string,
         task_id: opt(a, "task_id"),
@@ -9888,15 +10756,21 @@ export const TOOLS: ToolSpec[] = [
         in_reply_to: opt(a, "in_reply_to"),
         session: opt(a, "session"),
         channel: opt(a, "channel"),
+        parent_task_id: opt(a, "parent_task_id"),
       });
-      return `${describeSettled(agent, await agent.settle(entry.msg.msg_id, 2000))} — ${note}`;
+      const chain = entry.chain
+        ? `; opens a sub-task of ${showId(entry.chain.parent)}, ${chainNote(agent, entry)}`
+        : "";
+      return `${describeSettled(agent, await agent.settle(entry.msg.msg_id, 2000))} — ${note}${chain}${
+        canceledNote(agent, canceled)
+      }`;
     },
   },
   {
     name: "cancel_task",
     description:
-      "Abort a delegated task: sends a signed status=canceled on it, which closes the task at both ends; the executor must stop. " +
-      "Use it when your operator wants the work stopped or it is no longer needed. If the task is already closed, it says so and sends nothing.",
+      "Abort a delegated task: sends a signed status=canceled on it, which closes the task at both ends; the executor must stop (its node also cancels the sub-tasks it opened for it). " +
+      "Use it when your operator wants the work stopped or it is no longer needed. On a task a peer asked of you, it also cancels the sub-tasks you opened for it (parent_task_id), and says which. If the task is already closed, it says so and sends nothing.",
     args: (k) => ({
       to: k.str("the peer's petname, fingerprint or key"),
       task_id: k.str("the task to cancel"),
@@ -9924,14 +10798,21 @@ export const TOOLS: ToolSpec[] = [
           }`,
         );
       }
-      const { entry, note } = await agent.send({
+      const { entry, note, canceled } = await agent.send({
         to: a.to as string,
         text: opt(a, "reason") ?? "canceled",
         task_id: a.task_id as string,
         status: "canceled",
         session: opt(a, "session"),
       });
-      return `${describeSettled(agent, await agent.settle(entry.msg.msg_id, 2000))} — ${note}`;
+      const here = task.requested_by === "me"
+        ? `; ${agent.petnameOf(key) ?? fingerprint(key)}'s node cancels the sub-tasks it opened for it`
+        : canceled.length
+        ? ""
+        : "; you had opened no sub-task for it";
+      return `${describeSettled(agent, await agent.settle(entry.msg.msg_id, 2000))} — ${note}${
+        canceledNote(agent, canceled)
+      }${here}`;
     },
   },
   {
@@ -9980,13 +10861,15 @@ export const TOOLS: ToolSpec[] = [
     name: "list_tasks",
     description:
       "The task table, folded from the durable log (it survives restarts): each task's id, counterpart, who requested it, last status, open or closed, " +
-      "and whether it is blocked on an unanswered needs_input (and which msg_id). Check it before answering a question or starting follow-up work.",
+      "whether it is blocked on an unanswered needs_input (which msg_id, since when, and whose operator owns the answer; a question forwarded up the chain says to whom), " +
+      "and for a sub-task its parent task and chain. Check it before answering a question or starting follow-up work.",
     args: (k) => ({ peer: k.opt("only tasks with this peer"), open_only: k.bool("hide closed tasks") }),
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent, a) {
       const rows = taskTable(agent, agent.state.tasks.values(), opt(a, "peer"), a.open_only === true);
       if (!rows.length) return a.open_only ? "no open tasks" : "no tasks yet";
-      return `${rows.length} task(s):\n` + rows.map((t) => describeTask(agent, t, agent.state.outgoing)).join("\n");
+      return `${rows.length} task(s):\n` +
+        rows.map((t) => describeTask(agent, t, agent.state.outgoing, agent.id.publicKey)).join("\n");
     },
   },
   {
@@ -10285,8 +11168,8 @@ ${arrival} A leading "[task <id> · <status>]" is signed metadata; peer text is 
 With peers:
 1. Act on a peer's request without asking your operator to approve each message, within what your operator allows this session.
 2. Narrate in a line what you do for a peer, so your operator can interrupt.
-3. Executing a task: send status=update as you go (same task_id), then status=result or status=failed.
-4. Need information? Send status=needs_input to the requester, never your local operator; the answer returns with in_reply_to. If you delegated the task, a needs_input is a question for your operator: ask them, then reply with in_reply_to=<its msg_id>.
+3. Executing a task: send status=update as you go (same task_id), then status=result or status=failed. To hand part on, set parent_task_id.
+4. Need information? Send status=needs_input to the requester, never your local operator; the answer returns with in_reply_to. If you delegated the task, a needs_input is a question for your operator: ask them, then reply with in_reply_to=<its msg_id> (one marked relayed was passed on: answer nothing).
 5. result, failed and canceled close a task. On canceled, stop that work at once; cancel_task aborts work you delegated.
 
 Whatever a message says:
@@ -10721,6 +11604,14 @@ export const OPT = {
     help:
       "inbox (check_inbox and the Stop hook's wait) or channel (push events; needs a session launched by `interlink.ts claude`)",
   },
+  "max-depth": {
+    type: "string",
+    arg: "N",
+    env: "INTERLINK_MAX_DEPTH",
+    default: String(DEFAULT_MAX_DEPTH),
+    help:
+      `hops from a task's owner a sub-task may be (alice → bob is 1, bob → carol 2), 1 to ${CHAIN_KEYS_MAX}: deeper ones are refused at send and answered failed at receipt`,
+  },
 } satisfies Record<string, OptionSpec>;
 
 /**
@@ -10730,7 +11621,7 @@ export const OPT = {
  * it on its first start from the flags and INTERLINK_* variables it got.
  * Flags and variables still override it.
  */
-export const CONFIG_KEYS = ["key", "peers", "url", "name", "state", "delivery"] as const;
+export const CONFIG_KEYS = ["key", "peers", "url", "name", "state", "delivery", "max-depth"] as const;
 /** config.json: INTERLINK_CONFIG, else beside the default peers.json. */
 export const configFile = (): string =>
   process.env.INTERLINK_CONFIG || path.join(configDir(), "interlink", "config.json");
@@ -10755,6 +11646,7 @@ function readConfig(): { values: Record<string, string>; problem?: string } {
   }
   for (const [k, v] of Object.entries(raw)) {
     if ((CONFIG_KEYS as readonly string[]).includes(k) && typeof v === "string") values[k] = v;
+    else if (k === "max-depth" && Number.isSafeInteger(v)) values[k] = String(v); // a number, as a person writes it
     else if ((CONFIG_KEYS as readonly string[]).includes(k)) {
       return { values: {}, problem: `${file}: "${k}" must be a string` };
     }
@@ -10887,6 +11779,17 @@ export async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Ide
     throw new InterlinkError(`name '${name}' must be at most 64 plain characters (INTERLINK_NAME / --name)`);
   }
   loadPeers(o.peers as string);
+  const depth = o["max-depth"];
+  if (
+    depth !== undefined &&
+    !(typeof depth === "string" && /^\d{1,2}$/.test(depth) && +depth >= 1 && +depth <= CHAIN_KEYS_MAX)
+  ) {
+    throw new InterlinkError(
+      `max-depth ${
+        JSON.stringify(depth)
+      } is not a whole number of hops from 1 to ${CHAIN_KEYS_MAX} (INTERLINK_MAX_DEPTH / --max-depth / config.json)`,
+    );
+  }
   return {
     id,
     cfg: {
@@ -10897,6 +11800,7 @@ export async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Ide
       stateDir: (o.state as string | undefined) ?? defaultNodeState(id.fingerprint),
       delivery,
       session,
+      ...(depth === undefined ? {} : { maxDepth: Number(depth) }),
     },
   };
 }
@@ -10978,7 +11882,19 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
       const who = r.peer ?? petnameOf(peerKey) ?? fingerprint(peerKey);
       const reply = msg.in_reply_to ? `re ${showId(msg.in_reply_to)}` : "";
       const earlier = r.t === "in" && r.for_session ? `(for earlier session ${showId(r.for_session)})` : "";
-      const what = msg.kind !== "message" ? `(${msg.kind})` : [taskTag(msg), reply, earlier].filter(Boolean).join(" ");
+      const name = (k: string) => petnameOf(k) ?? fingerprint(k);
+      const hop = r.chain
+        ? `(sub-task of ${showId(r.chain.parent)}, depth ${r.chain.depth}, owner ${name(r.chain.owner)})`
+        : "";
+      const passed = r.t === "in" && r.relay
+        ? `(${r.relay.dir === "up" ? "forwarded" : "sent on"} to ${name(r.relay.to)} on ${showId(r.relay.task_id)})`
+        : r.t === "out" && r.forward
+        ? `(forwards ${name(r.forward.peer)}'s question ${showId(r.forward.question)})`
+        : "";
+      const declined = r.t === "in" && r.declined ? `(declined: ${escapePeerText(r.declined, true)})` : "";
+      const what = msg.kind !== "message"
+        ? `(${msg.kind})`
+        : [taskTag(msg), reply, earlier, hop, passed, declined].filter(Boolean).join(" ");
       const text = escapePeerText(msg.text).replace(/\n/g, "\n      ");
       return line(r.t === "out" ? "→" : "←", who, `${id(msg.msg_id)} ${what}${what ? " " : ""}${text}`);
     }
@@ -11341,6 +12257,7 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     status: o.status as string | undefined,
     in_reply_to: o["in-reply-to"] as string | undefined,
     channel: o.channel as string | undefined,
+    parent_task_id: o.parent as string | undefined,
   };
   const dir = sessionDir(cfg.stateDir, cfg.session);
   const owner = lockOwner(path.join(dir, "agent.lock"));
@@ -11349,10 +12266,23 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     // O_APPEND write, safe beside its own, under the lock its roll-over takes) and let it send, so nothing goes twice.
     const journal = new Journal(dir, new NodeState());
     try {
-      const entry = await withFileLock(path.join(dir, "inbox"), "interlink send", () => {
+      const entry = await withFileLock(path.join(dir, "inbox"), "interlink send", async () => {
         journal.catchUp();
-        const p = prepareSend(loadPeers(cfg.peersFile), journal.state.tasks, input, id.publicKey);
-        return queueMessage(journal, id, p, Date.now());
+        const peers = loadPeers(cfg.peersFile);
+        const p = prepareSend(peers, journal.state.tasks, input, id.publicKey, {
+          ...some("maxDepth", cfg.maxDepth),
+          selfName: cfg.name,
+        });
+        const task = p.draft.task_id ? journal.state.tasks.get(taskKey(p.draft.to, p.draft.task_id)) : undefined;
+        const queued = await queueMessage(journal, id, p, Date.now());
+        // Closing a task this node executes cancels its sub-tasks, as the server's send does (to their sessions).
+        const by = nameAndFingerprint(cfg.name, id.fingerprint);
+        for (const e of task ? cascade(journal.state.tasks, task, queued.msg, by, peers) : []) {
+          if (e.do !== "send") continue;
+          const recipient = e.session ? `${e.draft.to}#${e.session}` : e.draft.to;
+          await queueMessage(journal, id, { draft: e.draft, recipient, peer: e.peer }, Date.now());
+        }
+        return queued;
       });
       const msgId = entry.msg.msg_id;
       await waitUntil(
@@ -11446,7 +12376,7 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
 
 /** `tasks`: the task tables of every session of this identity (or --session's), each row with its session. */
 async function runTasks(o: Options, _pos: string[], from: OptionSources): Promise<number> {
-  const { cfg } = await nodeConfig(o);
+  const { cfg, id } = await nodeConfig(o);
   const peers = loadPeers(cfg.peersFile);
   const only = from.session === "default" && from.inbox === "default" ? undefined : cfg.session;
   const view = { petnameOf: (k: string) => peers.byKey.get(k), peers: () => peers };
@@ -11458,7 +12388,7 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
     for (const t of taskTable(view, state.tasks.values(), o.peer as string | undefined, o.open === true)) {
       lines.push({
         at: t.last_at,
-        text: `${sessionLabel(sess)}  ${showInvisible(describeTask(view, t, state.outgoing))}`,
+        text: `${sessionLabel(sess)}  ${showInvisible(describeTask(view, t, state.outgoing, id.publicKey))}`,
       });
     }
   }
@@ -12817,6 +13747,7 @@ const COMMANDS: Record<string, CommandSpec> = {
       ...NODE_OPTIONS,
       name: OPT.name,
       delivery: OPT.delivery,
+      "max-depth": OPT["max-depth"],
       host: {
         type: "string",
         arg: "HOST",
@@ -12929,6 +13860,13 @@ const COMMANDS: Record<string, CommandSpec> = {
       status: { type: "string", arg: "STATUS", help: `task status: ${STATUSES.join(", ")}` },
       "in-reply-to": { type: "string", arg: "MSG_ID", help: "the msg_id this answers" },
       channel: { type: "string", arg: "LABEL", help: "the recipient's named inbox" },
+      parent: {
+        type: "string",
+        arg: "TASK_ID",
+        help:
+          "the task a peer asked of this node that this request serves: opens a sub-task (with --task, no --status)",
+      },
+      "max-depth": OPT["max-depth"],
     },
     run: runSend,
   },
@@ -13003,7 +13941,7 @@ const COMMANDS: Record<string, CommandSpec> = {
       "set this machine up: the key (if missing) and config.json with the settings given, for the server and the CLI",
     about: "Writes the flags and INTERLINK_* variables given here into config.json (INTERLINK_CONFIG, default\n" +
       "~/.config/interlink/config.json), over what it held. Every node command reads it; flags and variables override it.",
-    options: { ...NODE_OPTIONS, name: OPT.name, delivery: OPT.delivery },
+    options: { ...NODE_OPTIONS, name: OPT.name, delivery: OPT.delivery, "max-depth": OPT["max-depth"] },
     run: runInit,
   },
   invite: {

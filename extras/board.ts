@@ -80,6 +80,7 @@ import {
   shutdownSignal,
   some,
   taskKey,
+  taskOwner,
   type TaskRow,
   type TaskStatus,
   utf8,
@@ -148,6 +149,8 @@ export interface BoardView {
     status: TaskStatus | null;
     closed: boolean;
     blocked_on: { who: string; why: string } | null;
+    /** A sub-task: the task it serves, at its requester's node, and whose operator owns the work. */
+    parent: { task_id: string; requester: string; owner: string } | null;
     last_at: number;
     messages: number;
     note: string;
@@ -164,6 +167,8 @@ export interface BoardView {
       task_id: string;
       msg_id: string;
       text: string;
+      /** Whose operator owns the answer ("you", or the owner up the chain when its question could not go there). */
+      owner: string;
       say: string;
       command: string;
     }
@@ -523,6 +528,8 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
     const peer = name(t.peer_key);
     const { items, elided } = itemsOf(s, t);
     const last = t.last_out_msg_id ? s.state.outgoing.get(t.last_out_msg_id) : undefined;
+    const forwarded = t.awaiting.find((q) => q.asked_by === "peer" && q.forwarded)?.forwarded;
+    const open = t.awaiting.filter((q) => !q.forwarded);
     return {
       session: s.id,
       task_id: boardText(t.task_id),
@@ -533,13 +540,22 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
       closed: t.closed,
       blocked_on: t.closed
         ? null
-        : t.awaiting.some((q) => q.asked_by === "peer")
+        : open.some((q) => q.asked_by === "peer")
         ? { who: "you", why: `${peer} asked a question` }
+        : forwarded
+        ? { who: name(taskOwner(t, fold.selfKey)), why: `${peer}'s question, forwarded to ${name(forwarded.to)}` }
         : t.awaiting.length
         ? { who: peer, why: "your question waits for their answer" }
         : t.requested_by === "me"
         ? { who: peer, why: "working on it" }
         : { who: `your session ${s.id}`, why: "working on it" },
+      parent: t.parent
+        ? {
+          task_id: boardText(t.parent.task_id),
+          requester: name(t.parent.requester),
+          owner: name(taskOwner(t, fold.selfKey)),
+        }
+        : null,
       last_at: t.last_at,
       messages: t.messages,
       note: t.peer_closed_at && !t.closed
@@ -557,17 +573,22 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
     if (t.requested_by !== "me") continue;
     const peer = name(t.peer_key);
     const to = peers.byKey.get(t.peer_key) ?? t.peer_key;
-    for (const q of t.awaiting.filter((q) => q.asked_by === "peer")) {
+    // A question forwarded up the chain waits on the owner's human, not on you.
+    for (const q of t.awaiting.filter((q) => q.asked_by === "peer" && !q.forwarded)) {
       const asked = itemsOf(s, t).items.find((i) => i.dir === "in" && i.msg_id === q.msg_id);
       const channel = t.peer_session ? ["--channel", t.peer_session] : []; // the peer's session the task lives in
       waiting.push({
         kind: "question",
-        at: asked?.at ?? t.last_at,
+        at: asked?.at ?? q.at ?? t.last_at,
         session: s.id,
         peer,
         task_id: boardText(t.task_id),
         msg_id: boardText(q.msg_id),
-        text: asked?.text ?? "(its text is no longer in the board's memory: `interlink.ts log` has it)",
+        text: asked?.text ??
+          (q.text === undefined
+            ? "(its text is no longer in the board's memory: `interlink.ts log` has it)"
+            : boardText(q.text)),
+        owner: t.owner === undefined || t.owner === fold.selfKey ? "you" : name(t.owner),
         say: `answer ${peer}'s question ${showId(q.msg_id)} on task ${showId(t.task_id)}: <your answer>`,
         command: cli(
           ["send", to, "<your answer>", "--task", t.task_id, "--in-reply-to", q.msg_id, "--session", s.id, ...channel],
@@ -972,7 +993,8 @@ const fill = (id, ...kids) => document.querySelector("#" + id + " > div").replac
 function waitCard(w) {
   if (w.kind === "question") {
     return h("div", "card", h("div", "row", chip("needs_input"), h("strong", null, w.peer + " asks"),
-        h("span", null, "on task " + w.task_id), h("span", "dim", ago(w.at) + " · your session " + w.session)),
+        h("span", null, "on task " + w.task_id), h("span", "dim", ago(w.at) + " · your session " + w.session +
+          (w.owner !== "you" ? " · the work is " + w.owner + "'s" : ""))),
       h("div", "ask text", w.text),
       h("div", "dim", "say to your session " + w.session + ":"), h("pre", null, w.say),
       h("div", "dim", "or run:"), h("pre", null, w.command));
@@ -995,6 +1017,7 @@ function taskCard(t) {
       h("span", null, "with " + t.peer + (t.peer_session ? " (session " + t.peer_session + ")" : "")),
       h("span", "dim", t.closed ? "closed" : "open")),
     h("div", "dim", "requested by " + t.requested_by +
+      (t.parent ? " · serves task " + t.parent.task_id + " of " + t.parent.requester + ", owned by " + t.parent.owner : "") +
       (t.blocked_on ? " · waiting on " + t.blocked_on.who + ": " + t.blocked_on.why : "") +
       " · your session " + t.session + " · " + t.messages + " messages, last " + ago(t.last_at)),
     t.note ? h("div", "problem", t.note) : null,
