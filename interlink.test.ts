@@ -7160,6 +7160,67 @@ describe("hostile clients: bodies and connections", () => {
       30_000,
     );
   }
+
+  for (const [runtime, guard] of [["bun", "on"], ["deno", "off"], ["deno", "on"]] as const) {
+    test.concurrent(
+      `a Content-Length given twice is held to the body limit and the bodies-in-flight budget like one given once: a 3 MB body is a 413, and 12 stalled 1.9 MB bodies from one address are refused past 8 MiB (${runtime}, guard ${guard})`,
+      async () => {
+        // Bun and Deno.serve take a request whose Content-Length appears twice with the same value, and the Request
+        // then reads it as "N, N": Number() of that is NaN, which passed for "no length declared", so the body was
+        // read whole with no 2 MiB limit and nothing reserved (20 such 40 MB bodies held a Bun bus at 850 MB).
+        const child = spawnChild(
+          [...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir(), "--guard", guard],
+          {
+            INTERLINK_TEST_CONN_BODY_MS: "3000",
+          },
+        );
+        const url = (await child.waitFor(/listening on (http:\/\/\S+)/))[1];
+        const port = Number(new URL(url).port);
+        /** Sends `head` and `body` on a socket of its own; resolves with the status line's code ("" if none came). */
+        const raw = (head: string, body: Buffer) => {
+          const socket = net.connect(port, "127.0.0.1");
+          let answer = "";
+          socket.on("data", (d) => (answer ||= d.toString().slice(9, 12))).on("error", () => {});
+          socket.write(head);
+          socket.write(body);
+          let closed = false;
+          socket.on("close", () => (closed = true));
+          return { socket, answer: () => answer, done: () => closed || answer !== "" };
+        };
+        const twice = (n: number) =>
+          `POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: ${n}\r\nContent-Length: ${n}\r\n\r\n`;
+        const body = (n: number, to: string) => {
+          const b = Buffer.alloc(n, 0x61);
+          b.write(`{"to":"${to}","payload":"`);
+          b.write('"}', n - 2);
+          return b;
+        };
+        const conns: ReturnType<typeof raw>[] = [];
+        try {
+          // Refused at once (400 where the parser refuses the repeated header, 413 on its length), never queued.
+          const big = raw(twice(3_000_000), body(3_000_000, "big"));
+          conns.push(big);
+          await eventually(() => big.answer() !== "", "the 3 MB body is answered");
+          expect(["400", "413"]).toContain(big.answer());
+          // Stalled short of their end, from one address: 4 fit its 8 MiB, the rest are refused unread (or the
+          // parser refuses them all); none is held past the budget.
+          const size = 1_900_000;
+          for (let i = 0; i < 12; i++) conns.push(raw(twice(size), body(size, `s${i}`).subarray(0, size - 100)));
+          // Each is answered (Deno.serve, guard off, answers and leaves the connection open) or closed.
+          await eventually(() => conns.every((c) => c.done()), "every body is answered or closed", 30_000);
+          const answers = conns.slice(1).map((c) => c.answer());
+          expect(answers.every((a) => /^(400|429|408|)$/.test(a))).toBe(true);
+          expect(answers.filter((a) => a === "408").length).toBeLessThanOrEqual(4);
+          const r = await fetch(`${url}/recv?me=big&timeout_ms=0`);
+          expect(await r.json()).toEqual({ status: "timeout" }); // nothing of it was queued
+        } finally {
+          for (const c of conns) c.socket.destroy();
+          await stop(child);
+        }
+      },
+      60_000,
+    );
+  }
 });
 
 // ----------------------------------------------------------------------------
