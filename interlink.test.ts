@@ -5843,6 +5843,38 @@ describe("bus: presence, and what it refuses", () => {
     120_000,
   );
 
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `Eve replays alice's earlier announcements off GET /roster, padded with unsigned members to 8 KB, and her own live session's: alice's live session stays listed, as alice posted it (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir());
+        try {
+          const post = async (a: object) =>
+            (await fetch(`${bus.url}/announce`, { method: "POST", body: JSON.stringify(a) })).status;
+          const t = Date.now();
+          // Eight sessions alice ran earlier today, as GET /roster served them, and the one she runs now.
+          const earlier = await Promise.all(
+            Array.from({ length: 8 }, (_, i) => signAnnouncement(alice, "alice", t - 3_600_000 + i, session(`e${i}`))),
+          );
+          const live = await signAnnouncement(alice, "alice", t, session("live"));
+          expect(await post(live)).toBe(202);
+          // Eve, who holds no key of alice's, posts alice's live announcement again with 7 KB of unsigned padding,
+          // then each earlier one: 8 units a copy, 72 in all, past alice's key's share of 64.
+          const pad = "x".repeat(7_000);
+          expect(await post({ ...live, pad })).toBe(202); // the same signed announcement again: a refresh
+          for (const a of earlier) expect([202, 429]).toContain(await post({ ...a, pad }));
+          const listed: Announcement[] = (await (await fetch(`${bus.url}/roster`)).json()).roster;
+          const mine = listed.find((e) => e.pubkey === alice.publicKey && e.session?.session_id === "live");
+          expect(mine !== undefined).toBe(true); // her live session kept its place
+          expect(JSON.stringify(mine).includes(pad)).toBe(false); // and reads as she posted it
+        } finally {
+          await stop(bus);
+        }
+      },
+      30_000,
+    );
+  }
+
   test("unregister: unsigned is refused with a clear 4xx, a signature from another key too; the owner's removes it", async () => {
     const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now });
     try {

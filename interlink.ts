@@ -2619,7 +2619,7 @@ interface RosterEntry {
 }
 
 /** Why a roster did not file an announcement: a newer one is filed there, or a bound it would pass with no room to make. */
-export type RosterRefusal = "older" | "full" | "address";
+export type RosterRefusal = "older" | "full" | "address" | "key";
 
 /**
  * Presence on the bus: verified announcements keyed `pubkey#session_id`
@@ -2629,12 +2629,14 @@ export type RosterRefusal = "older" | "full" | "address";
  * count and in bytes: `cap` units in all, `perKeyCap` per key, `perAddressCap`
  * per source address. Keys cost nothing, so room is made without letting a
  * flood push out a session that is live: past its key's bound a key's own
- * stalest sessions go (only that key can have posted them); past the
+ * sessions signed before the newcomer go, earliest signed first (only that key
+ * signed them; anyone may post them again, so refresh order is not the key's
+ * to set); past the
  * address's or the roster's bound only entries away for PRESENCE_LIVE_MS or
  * more give way, stalest first, and when none is, the newcomer is refused. A
  * refresh of an entry keeps its place, past the roster's bound too (a growing
- * one still within its key's and its address's). The map's order is refresh
- * order.
+ * one still within its key's and its address's); the same signed announcement
+ * posted again only refreshes it. The map's order is refresh order.
  */
 export class Roster {
   #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
@@ -2662,6 +2664,13 @@ export class Roster {
     const id = rosterKey(a);
     const old = this.#entries.get(id);
     if (old && old.ts > a.ts) return "older";
+    if (old && old.ts === a.ts) {
+      // The same signed announcement again: a retry, or anyone replaying it off GET /roster. It refreshes the entry
+      // and nothing else, so members added beside the signed ones (padding) never change what its key posted.
+      this.#entries.delete(id);
+      this.#entries.set(id, { ...old, at: nowMs });
+      return true;
+    }
     const units = Math.max(1, Math.ceil(utf8Bytes(json) / ROSTER_UNIT_BYTES));
     // Entries that give way, and the units that frees where this one counts.
     const going: string[] = [];
@@ -2687,7 +2696,17 @@ export class Roster {
       }
       return !bound();
     };
-    makeRoom(over.key, (e) => e.pubkey === a.pubkey, true);
+    // Past its key's bound, that key's sessions signed before this one give way, the earliest signed first. By
+    // signed time, not refresh order: anyone can post a key's earlier announcements again, which refreshes them,
+    // but none can sign one later than what the key's live sessions post now.
+    if (over.key()) {
+      const earlier = [...this.#entries].filter(([k, e]) => k !== id && e.pubkey === a.pubkey && e.ts <= a.ts);
+      for (const [k, e] of earlier.sort(([, x], [, y]) => x.ts - y.ts)) {
+        if (!over.key()) break;
+        drop(k, e);
+      }
+      if (over.key()) return "key";
+    }
     if (!makeRoom(over.address, (e) => e.from === from)) return "address";
     if (!old && !makeRoom(over.all, () => true)) return "full";
     for (const k of going) this.#remove(k);
@@ -4069,6 +4088,12 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
             `this bus's roster is full of sessions heard from in the last ${
               PRESENCE_LIVE_MS / 1000
             } s (${bus.roster.cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
+          );
+        }
+        if (filed === "key") {
+          throw new HttpError(
+            429,
+            `this key's sessions take ${bus.roster.perKeyCap} KiB of this bus's roster already, each signed later than this announcement; it is not listed`,
           );
         }
         if (filed === "address") {
