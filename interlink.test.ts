@@ -5875,6 +5875,44 @@ describe("bus: presence, and what it refuses", () => {
     );
   }
 
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a local stranger posting from 127.0.0.2, .3 and .4 is one source: 300 announcements of self-made keys fill the 256 units one address may hold, then 429 (${runtime})`,
+      async () => {
+        // Every 127.x.y.z is this machine: any local user can connect from as many of them as they like, so counted
+        // one by one they gave a single host as many per-address budgets (roster, new owners, bodies in flight).
+        const bus = await startBus(runtime, tmpDir());
+        const port = Number(new URL(bus.url).port);
+        const postFrom = (localAddress: string, body: string) =>
+          new Promise<string>((resolve) => {
+            const s = net.connect({ host: "127.0.0.1", port, localAddress });
+            let got = "";
+            s.on("data", (d) => (got += d)).on("close", () => resolve(got.slice(9, 12))).on("error", () => resolve(""));
+            s.write(
+              `POST /announce HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: ${
+                Buffer.byteLength(body)
+              }\r\n\r\n${body}`,
+            );
+          });
+        try {
+          const statuses: Record<string, number> = {};
+          for (const from of ["127.0.0.2", "127.0.0.3", "127.0.0.4"]) {
+            for (let i = 0; i < 100; i++) {
+              const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+              const a = await signAnnouncement(id, "x", Date.now(), session("s"));
+              const status = await postFrom(from, JSON.stringify(a));
+              statuses[status] = (statuses[status] ?? 0) + 1;
+            }
+          }
+          expect(statuses).toEqual({ "202": 256, "429": 44 });
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
   test("unregister: unsigned is refused with a clear 4xx, a signature from another key too; the owner's removes it", async () => {
     const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now });
     try {

@@ -2761,12 +2761,13 @@ class HttpError extends Error {
 
 /**
  * The source a per-address budget counts against: an IPv4 address, or the /64 of an IPv6 one (what one host
- * usually holds; counting whole addresses there would give a host 2^64 budgets). "" for a request that did not
- * come over a socket (a test calling the handler). A bus behind a proxy sees every client as the proxy.
+ * usually holds; counting whole addresses there would give a host 2^64 budgets), and all of 127.0.0.0/8 as one (every
+ * one of them is this machine, and any local user may connect from as many as they like). "" for a request that did
+ * not come over a socket (a test calling the handler). A bus behind a proxy sees every client as the proxy.
  */
 export function addressBucket(address: string): string {
   const v4 = /^(?:::ffff:)?(\d{1,3}(?:\.\d{1,3}){3})$/i.exec(address);
-  if (v4) return v4[1];
+  if (v4) return v4[1].startsWith("127.") ? "127.0.0.0/8" : v4[1];
   if (!address.includes(":")) return address;
   const [left, right] = address.split("%")[0].split("::");
   const head = left ? left.split(":") : [];
