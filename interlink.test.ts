@@ -4085,6 +4085,73 @@ describe("a hostile relay", () => {
     },
     240_000,
   );
+  test(
+    "a relay answering /recv and /roster with 24 MiB of empty objects (30 times that once parsed) costs a session a count, not a parse: it reads such a batch one message at a time, handles each, and discover answers",
+    async () => {
+      const junk = `[${"{},".repeat(690_000).slice(0, -1)}]`; // 2 MiB, each "{}" a value
+      const entry = `{"envelope":{"payload":${junk},"ts":1},"ack":"k"}`;
+      const batch = `{"status":"messages","messages":[${Array(12).fill(entry).join(",")}]}`;
+      const roster = `{"roster":[${"{},".repeat(8_000_000).slice(0, -1)}]}`;
+      const state = { batches: 0, ones: 0, rosters: 0, acks: 0 };
+      const relay = Bun.serve({
+        hostname: "127.0.0.1",
+        port: 0,
+        idleTimeout: 0,
+        async fetch(req) {
+          const url = new URL(req.url);
+          if (url.pathname === "/ack") return (state.acks++, Response.json({ status: "acked" }));
+          if (url.pathname === "/roster") return (state.rosters++, new Response(roster));
+          if (url.pathname !== "/recv") return Response.json({ status: "queued" }, { status: 202 });
+          if (state.batches + state.ones >= 6) { // then nothing more: a long-poll that times out
+            await Bun.sleep(1000);
+            return Response.json({ status: "timeout" });
+          }
+          if (url.searchParams.get("max") === "1") {
+            return (state.ones++, new Response(`{"status":"message",${entry.slice(1)}`));
+          }
+          return (state.batches++, new Response(batch));
+        },
+      });
+      const root = tmpDir();
+      const good = await startBus("bun", path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice");
+      const B = await makeNodeFiles(root, "bob");
+      befriend(A, B);
+      const info = { session_id: "bob", cwd: "/home/bob/app", git_root: "app", summary: "tests" };
+      expect((await postJson(`${good.url}/announce`, await signAnnouncement(B.id, "bob", Date.now(), info))).status)
+        .toBe(202);
+      try {
+        for (const runtime of ["bun", "deno"] as const) {
+          Object.assign(state, { batches: 0, ones: 0, rosters: 0, acks: 0 });
+          const alice = await McpNode.start(runtime, A, `${good.url},http://127.0.0.1:${relay.port}`);
+          try {
+            const before = memoryOf(alice.pid!);
+            expect(await alice.ok("discover")).toContain(`claims "bob"`);
+            await eventually(() => state.batches + state.ones >= 6, "the session read the relay's answers", 90_000);
+            const grew = memoryOf(alice.pid!).peak - before.rss;
+            // Parsed whole, the batch and the roster took a session from 50 MB to 3.2 GB; counted, a session holds
+            // their text (read up to its cap, as any answer) and parses one message (60 MB) at a time.
+            process.stderr.write(
+              `  [${runtime}] empty objects: RSS ${(before.rss / 2 ** 20).toFixed(0)} MiB before, grew ${
+                (grew / 2 ** 20).toFixed(0)
+              } MiB\n`,
+            );
+            expect(grew).toBeLessThan(2 ** 30);
+            expect(state.ones).toBeGreaterThan(0); // the batch was read again, one by one
+            expect(state.acks).toBeGreaterThan(0); // and each was handled (refused as malformed) and acked
+            expect(state.rosters).toBeGreaterThan(0);
+            expect((await alice.call("list_peers")).isError).toBe(false);
+          } finally {
+            await alice.close();
+          }
+        }
+      } finally {
+        relay.stop(true);
+        await stop(good);
+      }
+    },
+    240_000,
+  );
 });
 
 describe("bus: hostile input and real sockets", () => {
@@ -6378,6 +6445,57 @@ describe("hostile clients on the bus", () => {
       }
     },
     30_000,
+  );
+  test.concurrent(
+    "Eve sends alice's session payloads of 2 MiB of empty objects, which a parser makes 30 times their bytes, and pads an announcement the same way: the bus refuses them by their count of JSON values, and alice's session stays small",
+    async () => {
+      // 15 payloads of 700,000 "{}" each fit the bus's 32 MiB; a session's recv took them in one answer and parsed
+      // them whole: 44 MB to 875 MB (Bun), 822 MB (Deno), held after. The bus's own parse of each body costs as much.
+      const root = tmpDir();
+      const bus = await startBus("bun", path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice");
+      const junk = `[${"{},".repeat(690_000).slice(0, -1)}]`;
+      try {
+        for (const runtime of ["bun", "deno"] as const) {
+          const statuses: number[] = [];
+          for (let i = 0; i < 15; i++) {
+            const r = await fetch(`${bus.url}/send`, {
+              method: "POST",
+              body: `{"to":"${A.id.publicKey}#alice","payload":${junk}}`,
+            });
+            statuses.push(r.status);
+            if (r.status === 400) expect((await r.json()).error).toContain("JSON values");
+            else await r.body?.cancel();
+          }
+          const alice = await McpNode.start(runtime, A, bus.url);
+          try {
+            await eventually(() => onRoster(bus.url, A), "alice is on the roster", 30_000);
+            const before = memoryOf(alice.pid!);
+            await eventually(() => busDrained(bus.url, A), "alice read her routes", 60_000);
+            const grew = memoryOf(alice.pid!).peak - before.rss;
+            expect(grew).toBeLessThan(300 * 2 ** 20);
+            expect(statuses).toEqual(Array(15).fill(400));
+          } finally {
+            await alice.close();
+          }
+        }
+        // An announcement of Eve's own key, valid, padded beside its signed members with 2,000 empty objects.
+        const a = await signAnnouncement(eve, "eve", Date.now(), {
+          session_id: "e",
+          cwd: "",
+          git_root: "",
+          summary: "",
+        });
+        const padded = JSON.stringify({ ...a, pad: Array(2_000).fill({}) });
+        const r = await fetch(`${bus.url}/announce`, { method: "POST", body: padded });
+        expect(r.status).toBe(400);
+        expect((await r.json()).error).toContain("JSON values");
+        expect((await fetch(`${bus.url}/announce`, { method: "POST", body: JSON.stringify(a) })).status).toBe(202);
+      } finally {
+        await stop(bus);
+      }
+    },
+    180_000,
   );
 });
 

@@ -2853,7 +2853,7 @@ export const errorResponse = (status: number, message: string): Response =>
  * lie), within CONN_BODY_MS of starting (a body dripped a byte at a time is cut off: 408), and against `budget`'s
  * bytes in flight: reserved before reading, held until the runtime's read of it has ended.
  */
-async function readJsonBody(req: Request, budget?: BodyBudget): Promise<unknown> {
+async function readJsonBody(req: Request, budget?: BodyBudget, maxValues = JSON_VALUES_MAX): Promise<unknown> {
   const declared = declaredLength(req);
   if (declared !== null && declared > BODY_LIMIT_BYTES) {
     throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
@@ -2912,8 +2912,14 @@ async function readJsonBody(req: Request, budget?: BodyBudget): Promise<unknown>
       reading.then(give, give);
     }
   }
-  const depth = jsonDepth(text);
+  const { depth, values } = jsonShape(text);
   if (depth > JSON_DEPTH_MAX) throw new HttpError(400, `body nests deeper than ${JSON_DEPTH_MAX} levels`);
+  if (values > maxValues) {
+    throw new HttpError(
+      400,
+      `body holds more than ${maxValues} JSON values (objects, arrays and members; a message holds about 15)`,
+    );
+  }
   try {
     return JSON.parse(text);
   } catch (e) {
@@ -2938,19 +2944,25 @@ function declaredLength(req: Request): number | null {
   return Number(n);
 }
 
-/** How deep a JSON text nests, counted before parsing (strings skipped): a parser can spend seconds on a deep one. */
-export function jsonDepth(text: string): number {
-  let depth = 0, max = 0, inString = false;
+/**
+ * How deep a JSON text nests and about how many values it holds (each object, array and comma counts one: at least
+ * the values there are, at most twice as many), counted before parsing, strings skipped. Both bound what parsing
+ * costs where bytes do not: a parser can spend seconds on a deep text, and a text of empty objects ("{},{},…") takes
+ * 30 times its bytes once parsed (32 MiB of them, 900 MB).
+ */
+export function jsonShape(text: string): { depth: number; values: number } {
+  let depth = 0, max = 0, values = text.length ? 1 : 0, inString = false;
   for (let i = 0; i < text.length; i++) {
     const c = text.charCodeAt(i);
     if (inString) {
       if (c === 92) i++; // backslash: skip the escaped character
       else if (c === 34) inString = false;
     } else if (c === 34) inString = true;
-    else if (c === 123 || c === 91) max = Math.max(max, ++depth);
+    else if (c === 123 || c === 91) (max = Math.max(max, ++depth), values++);
     else if (c === 125 || c === 93) depth--;
+    else if (c === 44) values++;
   }
-  return max;
+  return { depth: max, values };
 }
 
 function recipientParam(value: unknown, name: string): string {
@@ -2965,6 +2977,13 @@ function recipientParam(value: unknown, name: string): string {
 
 /** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
 const JSON_DEPTH_MAX = 64;
+/**
+ * Most JSON values (see jsonShape) a request body may hold: a signed message holds about 15, a batch of 64 about
+ * 1,000. So a payload costs a parser (the bus's, and its recipient's) about what its bytes say, never 30 times that.
+ */
+export const JSON_VALUES_MAX = 8192;
+/** ... and an announcement or an unregister: a real one holds 11. */
+export const ANNOUNCEMENT_VALUES_MAX = 64;
 /** Largest announcement kept: a real one is ~300 bytes, and the roster holds ROSTER_CAP of them. */
 export const ANNOUNCEMENT_MAX_BYTES = 8192;
 /** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
@@ -3924,7 +3943,7 @@ async function readKeyedBody(
   what: string,
   budget?: BodyBudget,
 ): Promise<Record<string, unknown> & { pubkey: string }> {
-  const body = await readJsonBody(req, budget);
+  const body = await readJsonBody(req, budget, ANNOUNCEMENT_VALUES_MAX);
   if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
     throw new HttpError(400, `${what} needs a "pubkey"`);
   }
@@ -4496,6 +4515,16 @@ export const ROSTER_ANSWER_MAX_BYTES = ROSTER_CAP * (ANNOUNCEMENT_MAX_BYTES + RO
 const RECV_ENTRY_EXTRA_BYTES = 1024;
 /** A GET /recv answer: RECV_BATCH payloads, each smaller than the BODY_LIMIT_BYTES that carried it (about 64 MiB). */
 export const RECV_ANSWER_MAX_BYTES = RECV_BATCH * (BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES) + 1024;
+/** ... and its JSON values (see jsonShape): RECV_BATCH payloads of JSON_VALUES_MAX, each in its envelope. */
+export const RECV_ANSWER_VALUES_MAX = RECV_BATCH * (JSON_VALUES_MAX + 16) + 16;
+/**
+ * A GET /recv answer of one message, whatever its values: what a batch past its bounds is read again as, one at a
+ * time. Twice the body that carried it: a bus of an earlier release re-serialized some payloads longer ("1e15" as
+ * 16 digits). Once parsed, at most a few hundred MB, and never more than one at a time.
+ */
+const RECV_ONE_MAX_BYTES = 2 * BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES + 1024;
+/** A GET /roster answer's JSON values: ROSTER_CAP announcements of ANNOUNCEMENT_VALUES_MAX, each with its age. */
+export const ROSTER_ANSWER_VALUES_MAX = ROSTER_CAP * (ANNOUNCEMENT_VALUES_MAX + 2) + 16;
 /** A batched POST /send answer: SEND_BATCH results, each a status and at most a sentence of why. */
 const SEND_ANSWER_MAX_BYTES = SEND_BATCH * 1024 + 1024;
 /** Of a refusal's body we quote 200 characters (RELAY_QUOTE_CHARS); reading more than this is waste. */
@@ -4503,14 +4532,17 @@ const REFUSAL_READ_BYTES = 4096;
 /** How much of a relay's refusal an error quotes: enough for its sentence, too little to carry a document. */
 const RELAY_QUOTE_CHARS = 200;
 
+/** A relay's answer larger, or holding more JSON values, than a real one can: not read further, not parsed. */
+export class OversizedAnswer extends RelayError {}
+
 /**
- * A relay's answer body, read as it streams: past `capBytes` (declared, or as it comes) the read stops and a
- * RelayError says so; with `truncate` what came up to the cap is kept instead (a refusal is only quoted). A
+ * A relay's answer body, read as it streams: past `capBytes` (declared, or as it comes) the read stops and an
+ * OversizedAnswer says so; with `truncate` what came up to the cap is kept instead (a refusal is only quoted). A
  * timeout on the request stops the read as well.
  */
 export async function readAnswer(r: Response, capBytes: number, what: string, truncate = false): Promise<string> {
   const over = () =>
-    new RelayError(
+    new OversizedAnswer(
       `${what}: the answer is over ${humanBytes(capBytes)}, more than a real one can be; not read further`,
     );
   if (!truncate && Number(r.headers.get("content-length")) > capBytes) {
@@ -4540,9 +4572,19 @@ export async function readAnswer(r: Response, capBytes: number, what: string, tr
   return new TextDecoder().decode(Buffer.concat(chunks, size));
 }
 
-/** A relay's answer as JSON (see readAnswer); one that is not JSON is a RelayError that quotes none of it. */
-async function readJsonAnswer(r: Response, capBytes: number, what: string): Promise<unknown> {
+/**
+ * A relay's answer as JSON (see readAnswer); one that is not JSON is a RelayError that quotes none of it. Its JSON
+ * values are counted before it is parsed: past `maxValues` it is an OversizedAnswer, unparsed (bytes alone do not
+ * bound a parse: 24 MiB of empty objects took a session to 3 GB).
+ */
+async function readJsonAnswer(r: Response, capBytes: number, what: string, maxValues = Infinity): Promise<unknown> {
   const text = await readAnswer(r, capBytes, what);
+  const { values } = maxValues === Infinity ? { values: 0 } : jsonShape(text);
+  if (values > maxValues) {
+    throw new OversizedAnswer(
+      `${what}: the answer holds more than ${maxValues} JSON values, more than a real one can; not parsed`,
+    );
+  }
   try {
     return JSON.parse(text);
   } catch {
@@ -4635,12 +4677,25 @@ export class HttpRelay implements Relay {
   /**
    * Asks for up to RECV_BATCH messages (max=, our extension); a reference bus
    * ignores it and answers one. The proof rides as an extra query parameter,
-   * which a reference bus ignores too.
+   * which a reference bus ignores too. A batch larger, or holding more JSON
+   * values, than real messages make (a stranger's payloads through a relay that
+   * does not count them, or a hostile relay) is read again one message at a
+   * time, each within what one message can be: each is then handled (refused,
+   * acked), and none blocks the route.
    */
   async recv(route: string, signal: AbortSignal, waitMs = RECV_TIMEOUT_MS): Promise<Received> {
+    try {
+      return await this.#recv(route, signal, waitMs, RECV_BATCH);
+    } catch (e) {
+      if (!(e instanceof OversizedAnswer) || signal.aborted) throw e;
+      return await this.#recv(route, signal, 0, 1);
+    }
+  }
+
+  async #recv(route: string, signal: AbortSignal, waitMs: number, max: number): Promise<Received> {
     const proof = this.proof ? `&proof=${await this.proof(route)}` : "";
     const r = await fetch(
-      `${this.url}/recv?me=${encodeURIComponent(route)}&timeout_ms=${waitMs}&max=${RECV_BATCH}${proof}`,
+      `${this.url}/recv?me=${encodeURIComponent(route)}&timeout_ms=${waitMs}&max=${max}${proof}`,
       { signal: AbortSignal.any([signal, AbortSignal.timeout(waitMs + 15_000)]) },
     );
     if (!r.ok) {
@@ -4648,7 +4703,9 @@ export class HttpRelay implements Relay {
       throw new RelayError(`recv answered ${r.status}`);
     }
     this.#learn(r);
-    const body = await readJsonAnswer(r, RECV_ANSWER_MAX_BYTES, `${this.url}: recv`);
+    const body = max > 1
+      ? await readJsonAnswer(r, RECV_ANSWER_MAX_BYTES, `${this.url}: recv`, RECV_ANSWER_VALUES_MAX)
+      : await readJsonAnswer(r, RECV_ONE_MAX_BYTES, `${this.url}: recv`);
     const ack = (keys: unknown[]) => async () => {
       const proof = this.proof ? { proof: await this.proof(route) } : {};
       const fields = keys.length === 1 ? { ack: keys[0] } : { acks: keys };
@@ -4679,7 +4736,7 @@ export class HttpRelay implements Relay {
   async roster(timeoutMs: number): Promise<unknown[]> {
     const r = await fetch(`${this.url}/roster`, { signal: AbortSignal.timeout(timeoutMs) });
     this.#learn(r); // every send is routed by the roster first: its outbox knows what this bus does at a full route
-    const body = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, `${this.url}: roster`);
+    const body = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, `${this.url}: roster`, ROSTER_ANSWER_VALUES_MAX);
     return isObject(body) && Array.isArray(body.roster) ? body.roster : [];
   }
 
@@ -5140,7 +5197,9 @@ export class NatsRelay implements Relay {
     return entries.flatMap(([k, e]) => {
       if (!e || e.operation !== "PUT") return [];
       try {
-        const a = JSON.parse(e.string());
+        const text = e.string();
+        if (jsonShape(text).values > ANNOUNCEMENT_VALUES_MAX) return []; // what our bus refuses: see JSON_VALUES_MAX
+        const a = JSON.parse(text);
         if (!isObject(a) || typeof a.pubkey !== "string") return [];
         const session = isObject(a.session) && typeof a.session.session_id === "string" ? a.session.session_id : "";
         if (natsRosterKey(a.pubkey, session) !== k) return [];
