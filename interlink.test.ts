@@ -4295,6 +4295,34 @@ describe("strangers cannot grow a node's state", () => {
     },
     30_000,
   );
+  test(
+    "Eve signs one message with each of 40 self-made keys and sends them to alice's session: 3 refusal notices an hour reach the model and the journal, not 40",
+    async () => {
+      // A refusal notice is one per sender and reason an hour, and keys cost nothing: each new key was a new notice,
+      // pushed to the model (or waking it through `wait`) and journaled, as many as Eve cared to make.
+      const root = tmpDir();
+      const bus = await startBus("bun", path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice");
+      const alice = await McpNode.start("bun", A, bus.url);
+      try {
+        await eventually(() => onRoster(bus.url, A), "alice is on the roster", 30_000);
+        for (let i = 0; i < 40; i++) {
+          const key = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+          const msg = await signMessage(key, { to: A.id.publicKey, text: `do this ${i}` }, Date.now());
+          await postSend(bus.url, `${A.id.publicKey}#alice`, msg);
+        }
+        await eventually(() => busDrained(bus.url, A), "alice read all 40", 30_000);
+        const notices = alice.events.filter((e) => e.meta.kind === "refused");
+        expect(notices.length).toBe(3);
+        expect(readNodeLog(A.stateDir).filter((r) => r.t === "refusal").length).toBe(3);
+        expect(alice.stderr.filter((l) => l.includes("not_allowlisted")).length).toBe(40); // each is still logged
+      } finally {
+        await alice.close();
+        await stop(bus);
+      }
+    },
+    60_000,
+  );
 });
 
 describe("a long outage", () => {

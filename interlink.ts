@@ -189,6 +189,12 @@ const INVITES_SPENT_CAP = 256;
 const JOIN_WAIT_S = 120;
 /** Refusal summaries waiting for the model at once (one per sender and reason); past it, refusals are only logged. */
 const REFUSAL_NOTICES_CAP = 16;
+/**
+ * Refusal notices about keys not in peers.json that reach the model and the journal in an hour, all such keys
+ * together (as KNOCKS_SHOWN_PER_HOUR for knocks): keys cost nothing, so one notice per key was one per key a
+ * stranger cared to make. Past it their refusals are only logged.
+ */
+const STRANGER_NOTICES_PER_HOUR = 3;
 /** How long a fetched roster serves sends before it is fetched again. */
 const ROSTER_CACHE_MS = 3_000;
 /** Longest session summary announced (set_summary); a roster entry stays small. */
@@ -7471,6 +7477,17 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (waiting?.kind === "refusals") return [{ do: "count", id }];
   if (ctx.nowMs - (ctx.state.refusalShownAt.get(id) ?? 0) < REFUSAL_REPEAT_MS) return [];
   if (ctx.state.refusalNotices >= REFUSAL_NOTICES_CAP) return [];
+  const isPeer = (key: string) => ctx.peers.byKey.has(key) || key === ctx.selfKey;
+  if (!isPeer(v.msg.from)) {
+    // Strangers' notices of the last hour: waiting ones, and shown ones (their ids are "refused <key> <reason>").
+    const hourAgo = ctx.nowMs - 60 * 60_000;
+    let made = 0;
+    for (const i of ctx.state.inbox.values()) if (i.kind === "refusals" && !isPeer(i.key)) made++;
+    for (const [shown, at] of ctx.state.refusalShownAt) {
+      if (at >= hourAgo && shown.startsWith("refused ") && !isPeer(shown.split(" ")[1])) made++;
+    }
+    if (made >= STRANGER_NOTICES_PER_HOUR) return [];
+  }
   const detail = v.detail.slice(0, 200);
   const item: InboxItem = { kind: "refusals", id, at: ctx.nowMs, key: v.msg.from, reason: v.reason, count: 1 };
   return [
