@@ -4152,6 +4152,31 @@ describe("a hostile relay", () => {
     },
     240_000,
   );
+  test(
+    "doctor counts a roster's JSON values before parsing it: 24 MiB of empty objects is a problem named, not 700 MB",
+    async () => {
+      const roster = `{"roster":[${"{},".repeat(8_000_000).slice(0, -1)}]}`;
+      const relay = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: () => new Response(roster) });
+      try {
+        const root = tmpDir();
+        const A = await makeNodeFiles(root, "alice");
+        const r = await runCliAsync("bun", ["doctor"], {
+          env: {
+            INTERLINK_KEY: A.keyFile,
+            INTERLINK_PEERS: A.peersFile,
+            INTERLINK_STATE: A.stateDir,
+            INTERLINK_URL: `http://127.0.0.1:${relay.port}`,
+          },
+        });
+        expect(r.stdout).toMatch(
+          /PROBLEM {2}bus http:\/\/127\.0\.0\.1:\d+ is unreachable: .*more than \d+ JSON values/,
+        );
+      } finally {
+        relay.stop(true);
+      }
+    },
+    60_000,
+  );
 });
 
 describe("bus: hostile input and real sockets", () => {

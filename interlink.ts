@@ -12023,7 +12023,7 @@ export async function reachRelay(url: string, timeoutMs: number, now: () => numb
   try {
     const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(timeoutMs) });
     const t1 = now();
-    const body = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, url).catch(() => null);
+    const body = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, url, ROSTER_ANSWER_VALUES_MAX).catch(() => null);
     if (!r.ok || !isObject(body) || !Array.isArray(body.roster)) {
       return { ok: false, why: `${url} answers (HTTP ${r.status}), but not as an interlink bus` };
     }
@@ -12696,7 +12696,7 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
       const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(3000) });
       date = r.headers.get("date");
       features = r.headers.get("interlink-bus");
-      roster = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, "its roster");
+      roster = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, "its roster", ROSTER_ANSWER_VALUES_MAX);
       if (!r.ok) throw new Error(`answered ${r.status}`);
     } catch (e) {
       out.push({
