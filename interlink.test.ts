@@ -4095,6 +4095,98 @@ describe("a hostile relay", () => {
     },
     240_000,
   );
+  test(
+    "a relay answering /recv and /roster with 24 MiB of empty objects (30 times that once parsed) costs a session a count, not a parse: it reads such a batch one message at a time, handles each, and discover answers",
+    async () => {
+      const junk = `[${"{},".repeat(690_000).slice(0, -1)}]`; // 2 MiB, each "{}" a value
+      const entry = `{"envelope":{"payload":${junk},"ts":1},"ack":"k"}`;
+      const batch = `{"status":"messages","messages":[${Array(12).fill(entry).join(",")}]}`;
+      const roster = `{"roster":[${"{},".repeat(8_000_000).slice(0, -1)}]}`;
+      const state = { batches: 0, ones: 0, rosters: 0, acks: 0 };
+      const relay = Bun.serve({
+        hostname: "127.0.0.1",
+        port: 0,
+        idleTimeout: 0,
+        async fetch(req) {
+          const url = new URL(req.url);
+          if (url.pathname === "/ack") return (state.acks++, Response.json({ status: "acked" }));
+          if (url.pathname === "/roster") return (state.rosters++, new Response(roster));
+          if (url.pathname !== "/recv") return Response.json({ status: "queued" }, { status: 202 });
+          if (state.batches + state.ones >= 6) { // then nothing more: a long-poll that times out
+            await Bun.sleep(1000);
+            return Response.json({ status: "timeout" });
+          }
+          if (url.searchParams.get("max") === "1") {
+            return (state.ones++, new Response(`{"status":"message",${entry.slice(1)}`));
+          }
+          return (state.batches++, new Response(batch));
+        },
+      });
+      const root = tmpDir();
+      const good = await startBus("bun", path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice");
+      const B = await makeNodeFiles(root, "bob");
+      befriend(A, B);
+      const info = { session_id: "bob", cwd: "/home/bob/app", git_root: "app", summary: "tests" };
+      expect((await postJson(`${good.url}/announce`, await signAnnouncement(B.id, "bob", Date.now(), info))).status)
+        .toBe(202);
+      try {
+        for (const runtime of ["bun", "deno"] as const) {
+          Object.assign(state, { batches: 0, ones: 0, rosters: 0, acks: 0 });
+          const alice = await McpNode.start(runtime, A, `${good.url},http://127.0.0.1:${relay.port}`);
+          try {
+            const before = memoryOf(alice.pid!);
+            expect(await alice.ok("discover")).toContain(`claims "bob"`);
+            await eventually(() => state.batches + state.ones >= 6, "the session read the relay's answers", 90_000);
+            const grew = memoryOf(alice.pid!).peak - before.rss;
+            // Parsed whole, the batch and the roster took a session from 50 MB to 3.2 GB; counted, a session holds
+            // their text (read up to its cap, as any answer) and parses one message (60 MB) at a time.
+            process.stderr.write(
+              `  [${runtime}] empty objects: RSS ${(before.rss / 2 ** 20).toFixed(0)} MiB before, grew ${
+                (grew / 2 ** 20).toFixed(0)
+              } MiB\n`,
+            );
+            expect(grew).toBeLessThan(2 ** 30);
+            expect(state.ones).toBeGreaterThan(0); // the batch was read again, one by one
+            expect(state.acks).toBeGreaterThan(0); // and each was handled (refused as malformed) and acked
+            expect(state.rosters).toBeGreaterThan(0);
+            expect((await alice.call("list_peers")).isError).toBe(false);
+          } finally {
+            await alice.close();
+          }
+        }
+      } finally {
+        relay.stop(true);
+        await stop(good);
+      }
+    },
+    240_000,
+  );
+  test(
+    "doctor counts a roster's JSON values before parsing it: 24 MiB of empty objects is a problem named, not 700 MB",
+    async () => {
+      const roster = `{"roster":[${"{},".repeat(8_000_000).slice(0, -1)}]}`;
+      const relay = Bun.serve({ hostname: "127.0.0.1", port: 0, fetch: () => new Response(roster) });
+      try {
+        const root = tmpDir();
+        const A = await makeNodeFiles(root, "alice");
+        const r = await runCliAsync("bun", ["doctor"], {
+          env: {
+            INTERLINK_KEY: A.keyFile,
+            INTERLINK_PEERS: A.peersFile,
+            INTERLINK_STATE: A.stateDir,
+            INTERLINK_URL: `http://127.0.0.1:${relay.port}`,
+          },
+        });
+        expect(r.stdout).toMatch(
+          /PROBLEM {2}bus http:\/\/127\.0\.0\.1:\d+ is unreachable: .*more than \d+ JSON values/,
+        );
+      } finally {
+        relay.stop(true);
+      }
+    },
+    60_000,
+  );
 });
 
 describe("bus: hostile input and real sockets", () => {
@@ -4237,6 +4329,34 @@ describe("strangers cannot grow a node's state", () => {
       }
     },
     30_000,
+  );
+  test(
+    "Eve signs one message with each of 40 self-made keys and sends them to alice's session: 3 refusal notices an hour reach the model and the journal, not 40",
+    async () => {
+      // A refusal notice is one per sender and reason an hour, and keys cost nothing: each new key was a new notice,
+      // pushed to the model (or waking it through `wait`) and journaled, as many as Eve cared to make.
+      const root = tmpDir();
+      const bus = await startBus("bun", path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice");
+      const alice = await McpNode.start("bun", A, bus.url);
+      try {
+        await eventually(() => onRoster(bus.url, A), "alice is on the roster", 30_000);
+        for (let i = 0; i < 40; i++) {
+          const key = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+          const msg = await signMessage(key, { to: A.id.publicKey, text: `do this ${i}` }, Date.now());
+          await postSend(bus.url, `${A.id.publicKey}#alice`, msg);
+        }
+        await eventually(() => busDrained(bus.url, A), "alice read all 40", 30_000);
+        const notices = alice.events.filter((e) => e.meta.kind === "refused");
+        expect(notices.length).toBe(3);
+        expect(readNodeLog(A.stateDir).filter((r) => r.t === "refusal").length).toBe(3);
+        expect(alice.stderr.filter((l) => l.includes("not_allowlisted")).length).toBe(40); // each is still logged
+      } finally {
+        await alice.close();
+        await stop(bus);
+      }
+    },
+    60_000,
   );
 });
 
@@ -6229,6 +6349,76 @@ describe("bus: presence, and what it refuses", () => {
     120_000,
   );
 
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `Eve replays alice's earlier announcements off GET /roster, padded with unsigned members to 8 KB, and her own live session's: alice's live session stays listed, as alice posted it (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir());
+        try {
+          const post = async (a: object) =>
+            (await fetch(`${bus.url}/announce`, { method: "POST", body: JSON.stringify(a) })).status;
+          const t = Date.now();
+          // Eight sessions alice ran earlier today, as GET /roster served them, and the one she runs now.
+          const earlier = await Promise.all(
+            Array.from({ length: 8 }, (_, i) => signAnnouncement(alice, "alice", t - 3_600_000 + i, session(`e${i}`))),
+          );
+          const live = await signAnnouncement(alice, "alice", t, session("live"));
+          expect(await post(live)).toBe(202);
+          // Eve, who holds no key of alice's, posts alice's live announcement again with 7 KB of unsigned padding,
+          // then each earlier one: 8 units a copy, 72 in all, past alice's key's share of 64.
+          const pad = "x".repeat(7_000);
+          expect(await post({ ...live, pad })).toBe(202); // the same signed announcement again: a refresh
+          for (const a of earlier) expect([202, 429]).toContain(await post({ ...a, pad }));
+          const listed: Announcement[] = (await (await fetch(`${bus.url}/roster`)).json()).roster;
+          const mine = listed.find((e) => e.pubkey === alice.publicKey && e.session?.session_id === "live");
+          expect(mine !== undefined).toBe(true); // her live session kept its place
+          expect(JSON.stringify(mine).includes(pad)).toBe(false); // and reads as she posted it
+        } finally {
+          await stop(bus);
+        }
+      },
+      30_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a local stranger posting from 127.0.0.2, .3 and .4 is one source: 300 announcements of self-made keys fill the 256 units one address may hold, then 429 (${runtime})`,
+      async () => {
+        // Every 127.x.y.z is this machine: any local user can connect from as many of them as they like, so counted
+        // one by one they gave a single host as many per-address budgets (roster, new owners, bodies in flight).
+        const bus = await startBus(runtime, tmpDir());
+        const port = Number(new URL(bus.url).port);
+        const postFrom = (localAddress: string, body: string) =>
+          new Promise<string>((resolve) => {
+            const s = net.connect({ host: "127.0.0.1", port, localAddress });
+            let got = "";
+            s.on("data", (d) => (got += d)).on("close", () => resolve(got.slice(9, 12))).on("error", () => resolve(""));
+            s.write(
+              `POST /announce HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: ${
+                Buffer.byteLength(body)
+              }\r\n\r\n${body}`,
+            );
+          });
+        try {
+          const statuses: Record<string, number> = {};
+          for (const from of ["127.0.0.2", "127.0.0.3", "127.0.0.4"]) {
+            for (let i = 0; i < 100; i++) {
+              const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+              const a = await signAnnouncement(id, "x", Date.now(), session("s"));
+              const status = await postFrom(from, JSON.stringify(a));
+              statuses[status] = (statuses[status] ?? 0) + 1;
+            }
+          }
+          expect(statuses).toEqual({ "202": 256, "429": 44 });
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
   test("unregister: unsigned is refused with a clear 4xx, a signature from another key too; the owner's removes it", async () => {
     const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now });
     try {
@@ -6694,6 +6884,57 @@ describe("hostile clients on the bus", () => {
       }
     },
     30_000,
+  );
+  test.concurrent(
+    "Eve sends alice's session payloads of 2 MiB of empty objects, which a parser makes 30 times their bytes, and pads an announcement the same way: the bus refuses them by their count of JSON values, and alice's session stays small",
+    async () => {
+      // 15 payloads of 700,000 "{}" each fit the bus's 32 MiB; a session's recv took them in one answer and parsed
+      // them whole: 44 MB to 875 MB (Bun), 822 MB (Deno), held after. The bus's own parse of each body costs as much.
+      const root = tmpDir();
+      const bus = await startBus("bun", path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice");
+      const junk = `[${"{},".repeat(690_000).slice(0, -1)}]`;
+      try {
+        for (const runtime of ["bun", "deno"] as const) {
+          const statuses: number[] = [];
+          for (let i = 0; i < 15; i++) {
+            const r = await fetch(`${bus.url}/send`, {
+              method: "POST",
+              body: `{"to":"${A.id.publicKey}#alice","payload":${junk}}`,
+            });
+            statuses.push(r.status);
+            if (r.status === 400) expect((await r.json()).error).toContain("JSON values");
+            else await r.body?.cancel();
+          }
+          const alice = await McpNode.start(runtime, A, bus.url);
+          try {
+            await eventually(() => onRoster(bus.url, A), "alice is on the roster", 30_000);
+            const before = memoryOf(alice.pid!);
+            await eventually(() => busDrained(bus.url, A), "alice read her routes", 60_000);
+            const grew = memoryOf(alice.pid!).peak - before.rss;
+            expect(grew).toBeLessThan(300 * 2 ** 20);
+            expect(statuses).toEqual(Array(15).fill(400));
+          } finally {
+            await alice.close();
+          }
+        }
+        // An announcement of Eve's own key, valid, padded beside its signed members with 2,000 empty objects.
+        const a = await signAnnouncement(eve, "eve", Date.now(), {
+          session_id: "e",
+          cwd: "",
+          git_root: "",
+          summary: "",
+        });
+        const padded = JSON.stringify({ ...a, pad: Array(2_000).fill({}) });
+        const r = await fetch(`${bus.url}/announce`, { method: "POST", body: padded });
+        expect(r.status).toBe(400);
+        expect((await r.json()).error).toContain("JSON values");
+        expect((await fetch(`${bus.url}/announce`, { method: "POST", body: JSON.stringify(a) })).status).toBe(202);
+      } finally {
+        await stop(bus);
+      }
+    },
+    180_000,
   );
 });
 
@@ -7544,6 +7785,67 @@ describe("hostile clients: bodies and connections", () => {
         }
       },
       30_000,
+    );
+  }
+
+  for (const [runtime, guard] of [["bun", "on"], ["deno", "off"], ["deno", "on"]] as const) {
+    test.concurrent(
+      `a Content-Length given twice is held to the body limit and the bodies-in-flight budget like one given once: a 3 MB body is a 413, and 12 stalled 1.9 MB bodies from one address are refused past 8 MiB (${runtime}, guard ${guard})`,
+      async () => {
+        // Bun and Deno.serve take a request whose Content-Length appears twice with the same value, and the Request
+        // then reads it as "N, N": Number() of that is NaN, which passed for "no length declared", so the body was
+        // read whole with no 2 MiB limit and nothing reserved (20 such 40 MB bodies held a Bun bus at 850 MB).
+        const child = spawnChild(
+          [...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir(), "--guard", guard],
+          {
+            INTERLINK_TEST_CONN_BODY_MS: "3000",
+          },
+        );
+        const url = (await child.waitFor(/listening on (http:\/\/\S+)/))[1];
+        const port = Number(new URL(url).port);
+        /** Sends `head` and `body` on a socket of its own; resolves with the status line's code ("" if none came). */
+        const raw = (head: string, body: Buffer) => {
+          const socket = net.connect(port, "127.0.0.1");
+          let answer = "";
+          socket.on("data", (d) => (answer ||= d.toString().slice(9, 12))).on("error", () => {});
+          socket.write(head);
+          socket.write(body);
+          let closed = false;
+          socket.on("close", () => (closed = true));
+          return { socket, answer: () => answer, done: () => closed || answer !== "" };
+        };
+        const twice = (n: number) =>
+          `POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: ${n}\r\nContent-Length: ${n}\r\n\r\n`;
+        const body = (n: number, to: string) => {
+          const b = Buffer.alloc(n, 0x61);
+          b.write(`{"to":"${to}","payload":"`);
+          b.write('"}', n - 2);
+          return b;
+        };
+        const conns: ReturnType<typeof raw>[] = [];
+        try {
+          // Refused at once (400 where the parser refuses the repeated header, 413 on its length), never queued.
+          const big = raw(twice(3_000_000), body(3_000_000, "big"));
+          conns.push(big);
+          await eventually(() => big.answer() !== "", "the 3 MB body is answered");
+          expect(["400", "413"]).toContain(big.answer());
+          // Stalled short of their end, from one address: 4 fit its 8 MiB, the rest are refused unread (or the
+          // parser refuses them all); none is held past the budget.
+          const size = 1_900_000;
+          for (let i = 0; i < 12; i++) conns.push(raw(twice(size), body(size, `s${i}`).subarray(0, size - 100)));
+          // Each is answered (Deno.serve, guard off, answers and leaves the connection open) or closed.
+          await eventually(() => conns.every((c) => c.done()), "every body is answered or closed", 30_000);
+          const answers = conns.slice(1).map((c) => c.answer());
+          expect(answers.every((a) => /^(400|429|408|)$/.test(a))).toBe(true);
+          expect(answers.filter((a) => a === "408").length).toBeLessThanOrEqual(4);
+          const r = await fetch(`${url}/recv?me=big&timeout_ms=0`);
+          expect(await r.json()).toEqual({ status: "timeout" }); // nothing of it was queued
+        } finally {
+          for (const c of conns) c.socket.destroy();
+          await stop(child);
+        }
+      },
+      60_000,
     );
   }
 });

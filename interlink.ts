@@ -189,6 +189,12 @@ const INVITES_SPENT_CAP = 256;
 const JOIN_WAIT_S = 120;
 /** Refusal summaries waiting for the model at once (one per sender and reason); past it, refusals are only logged. */
 const REFUSAL_NOTICES_CAP = 16;
+/**
+ * Refusal notices about keys not in peers.json that reach the model and the journal in an hour, all such keys
+ * together (as KNOCKS_SHOWN_PER_HOUR for knocks): keys cost nothing, so one notice per key was one per key a
+ * stranger cared to make. Past it their refusals are only logged.
+ */
+const STRANGER_NOTICES_PER_HOUR = 3;
 /** How long a fetched roster serves sends before it is fetched again. */
 const ROSTER_CACHE_MS = 3_000;
 /** Longest session summary announced (set_summary); a roster entry stays small. */
@@ -2813,7 +2819,7 @@ interface RosterEntry {
 }
 
 /** Why a roster did not file an announcement: a newer one is filed there, or a bound it would pass with no room to make. */
-export type RosterRefusal = "older" | "full" | "address";
+export type RosterRefusal = "older" | "full" | "address" | "key";
 
 /**
  * Presence on the bus: verified announcements keyed `pubkey#session_id`
@@ -2823,12 +2829,14 @@ export type RosterRefusal = "older" | "full" | "address";
  * count and in bytes: `cap` units in all, `perKeyCap` per key, `perAddressCap`
  * per source address. Keys cost nothing, so room is made without letting a
  * flood push out a session that is live: past its key's bound a key's own
- * stalest sessions go (only that key can have posted them); past the
+ * sessions signed before the newcomer go, earliest signed first (only that key
+ * signed them; anyone may post them again, so refresh order is not the key's
+ * to set); past the
  * address's or the roster's bound only entries away for PRESENCE_LIVE_MS or
  * more give way, stalest first, and when none is, the newcomer is refused. A
  * refresh of an entry keeps its place, past the roster's bound too (a growing
- * one still within its key's and its address's). The map's order is refresh
- * order.
+ * one still within its key's and its address's); the same signed announcement
+ * posted again only refreshes it. The map's order is refresh order.
  */
 export class Roster {
   #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
@@ -2856,6 +2864,13 @@ export class Roster {
     const id = rosterKey(a);
     const old = this.#entries.get(id);
     if (old && old.ts > a.ts) return "older";
+    if (old && old.ts === a.ts) {
+      // The same signed announcement again: a retry, or anyone replaying it off GET /roster. It refreshes the entry
+      // and nothing else, so members added beside the signed ones (padding) never change what its key posted.
+      this.#entries.delete(id);
+      this.#entries.set(id, { ...old, at: nowMs });
+      return true;
+    }
     const units = Math.max(1, Math.ceil(utf8Bytes(json) / ROSTER_UNIT_BYTES));
     // Entries that give way, and the units that frees where this one counts.
     const going: string[] = [];
@@ -2881,7 +2896,17 @@ export class Roster {
       }
       return !bound();
     };
-    makeRoom(over.key, (e) => e.pubkey === a.pubkey, true);
+    // Past its key's bound, that key's sessions signed before this one give way, the earliest signed first. By
+    // signed time, not refresh order: anyone can post a key's earlier announcements again, which refreshes them,
+    // but none can sign one later than what the key's live sessions post now.
+    if (over.key()) {
+      const earlier = [...this.#entries].filter(([k, e]) => k !== id && e.pubkey === a.pubkey && e.ts <= a.ts);
+      for (const [k, e] of earlier.sort(([, x], [, y]) => x.ts - y.ts)) {
+        if (!over.key()) break;
+        drop(k, e);
+      }
+      if (over.key()) return "key";
+    }
     if (!makeRoom(over.address, (e) => e.from === from)) return "address";
     if (!old && !makeRoom(over.all, () => true)) return "full";
     for (const k of going) this.#remove(k);
@@ -2936,12 +2961,13 @@ class HttpError extends Error {
 
 /**
  * The source a per-address budget counts against: an IPv4 address, or the /64 of an IPv6 one (what one host
- * usually holds; counting whole addresses there would give a host 2^64 budgets). "" for a request that did not
- * come over a socket (a test calling the handler). A bus behind a proxy sees every client as the proxy.
+ * usually holds; counting whole addresses there would give a host 2^64 budgets), and all of 127.0.0.0/8 as one (every
+ * one of them is this machine, and any local user may connect from as many as they like). "" for a request that did
+ * not come over a socket (a test calling the handler). A bus behind a proxy sees every client as the proxy.
  */
 export function addressBucket(address: string): string {
   const v4 = /^(?:::ffff:)?(\d{1,3}(?:\.\d{1,3}){3})$/i.exec(address);
-  if (v4) return v4[1];
+  if (v4) return v4[1].startsWith("127.") ? "127.0.0.0/8" : v4[1];
   if (!address.includes(":")) return address;
   const [left, right] = address.split("%")[0].split("::");
   const head = left ? left.split(":") : [];
@@ -3027,9 +3053,11 @@ export const errorResponse = (status: number, message: string): Response =>
  * lie), within CONN_BODY_MS of starting (a body dripped a byte at a time is cut off: 408), and against `budget`'s
  * bytes in flight: reserved before reading, held until the runtime's read of it has ended.
  */
-async function readJsonBody(req: Request, budget?: BodyBudget): Promise<unknown> {
-  const declared = req.headers.get("content-length");
-  if (Number(declared) > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
+async function readJsonBody(req: Request, budget?: BodyBudget, maxValues = JSON_VALUES_MAX): Promise<unknown> {
+  const declared = declaredLength(req);
+  if (declared !== null && declared > BODY_LIMIT_BYTES) {
+    throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
+  }
   let reserved = 0;
   const reserve = (n: number) => {
     budget?.inFlight.take(budget.from, n);
@@ -3046,7 +3074,7 @@ async function readJsonBody(req: Request, budget?: BodyBudget): Promise<unknown>
   let text: string;
   try {
     if (declared !== null) {
-      reserve(Number(declared) || 0);
+      reserve(declared);
       // The server holds the body to its declared length. (Not touching req.body first keeps Deno on its fast
       // path: reading that property builds a stream.)
       const whole = req.text();
@@ -3084,8 +3112,14 @@ async function readJsonBody(req: Request, budget?: BodyBudget): Promise<unknown>
       reading.then(give, give);
     }
   }
-  const depth = jsonDepth(text);
+  const { depth, values } = jsonShape(text);
   if (depth > JSON_DEPTH_MAX) throw new HttpError(400, `body nests deeper than ${JSON_DEPTH_MAX} levels`);
+  if (values > maxValues) {
+    throw new HttpError(
+      400,
+      `body holds more than ${maxValues} JSON values (objects, arrays and members; a message holds about 15)`,
+    );
+  }
   try {
     return JSON.parse(text);
   } catch (e) {
@@ -3093,19 +3127,42 @@ async function readJsonBody(req: Request, budget?: BodyBudget): Promise<unknown>
   }
 }
 
-/** How deep a JSON text nests, counted before parsing (strings skipped): a parser can spend seconds on a deep one. */
-export function jsonDepth(text: string): number {
-  let depth = 0, max = 0, inString = false;
+/**
+ * A request's declared body length, or null when it declares none. Bun and Deno.serve take a Content-Length sent
+ * twice with one value, and the Request then reads "N, N", which RFC 9110 (8.6) lets a recipient take as N. Any other
+ * value is a 400. (Number("N, N") is NaN, which passed for no length at all: the body was read whole, past the 2 MiB
+ * limit and outside the budget of bodies in flight; twenty such 40 MB bodies held a Bun bus at 850 MB.)
+ */
+function declaredLength(req: Request): number | null {
+  const raw = req.headers.get("content-length");
+  if (raw === null) return null;
+  const values = new Set(raw.split(",").map((v) => v.trim()));
+  const [n] = values;
+  if (values.size !== 1 || !/^\d{1,15}$/.test(n)) {
+    throw new HttpError(400, `Content-Length ${JSON.stringify(raw.slice(0, 40))} is not one length in bytes`, true);
+  }
+  return Number(n);
+}
+
+/**
+ * How deep a JSON text nests and about how many values it holds (each object, array and comma counts one: at least
+ * the values there are, at most twice as many), counted before parsing, strings skipped. Both bound what parsing
+ * costs where bytes do not: a parser can spend seconds on a deep text, and a text of empty objects ("{},{},…") takes
+ * 30 times its bytes once parsed (32 MiB of them, 900 MB).
+ */
+export function jsonShape(text: string): { depth: number; values: number } {
+  let depth = 0, max = 0, values = text.length ? 1 : 0, inString = false;
   for (let i = 0; i < text.length; i++) {
     const c = text.charCodeAt(i);
     if (inString) {
       if (c === 92) i++; // backslash: skip the escaped character
       else if (c === 34) inString = false;
     } else if (c === 34) inString = true;
-    else if (c === 123 || c === 91) max = Math.max(max, ++depth);
+    else if (c === 123 || c === 91) (max = Math.max(max, ++depth), values++);
     else if (c === 125 || c === 93) depth--;
+    else if (c === 44) values++;
   }
-  return max;
+  return { depth: max, values };
 }
 
 function recipientParam(value: unknown, name: string): string {
@@ -3120,6 +3177,13 @@ function recipientParam(value: unknown, name: string): string {
 
 /** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
 const JSON_DEPTH_MAX = 64;
+/**
+ * Most JSON values (see jsonShape) a request body may hold: a signed message holds about 15, a batch of 64 about
+ * 1,000. So a payload costs a parser (the bus's, and its recipient's) about what its bytes say, never 30 times that.
+ */
+export const JSON_VALUES_MAX = 8192;
+/** ... and an announcement or an unregister: a real one holds 11. */
+export const ANNOUNCEMENT_VALUES_MAX = 64;
 /** Largest announcement kept: a real one is ~300 bytes, and the roster holds ROSTER_CAP of them. */
 export const ANNOUNCEMENT_MAX_BYTES = 8192;
 /** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
@@ -4079,7 +4143,7 @@ async function readKeyedBody(
   what: string,
   budget?: BodyBudget,
 ): Promise<Record<string, unknown> & { pubkey: string }> {
-  const body = await readJsonBody(req, budget);
+  const body = await readJsonBody(req, budget, ANNOUNCEMENT_VALUES_MAX);
   if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
     throw new HttpError(400, `${what} needs a "pubkey"`);
   }
@@ -4172,7 +4236,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
       method: "POST",
       async handle(bus, req, { from }) {
         // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
-        const declared = Number(req.headers.get("content-length"));
+        const declared = declaredLength(req) ?? 0;
         if (declared > 0) bus.ensureRoom("", declared, "", true);
         const body = await readJsonBody(req, { inFlight: bus.inFlight, from });
         if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages);
@@ -4244,6 +4308,12 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
             `this bus's roster is full of sessions heard from in the last ${
               PRESENCE_LIVE_MS / 1000
             } s (${bus.roster.cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
+          );
+        }
+        if (filed === "key") {
+          throw new HttpError(
+            429,
+            `this key's sessions take ${bus.roster.perKeyCap} KiB of this bus's roster already, each signed later than this announcement; it is not listed`,
           );
         }
         if (filed === "address") {
@@ -4645,6 +4715,16 @@ export const ROSTER_ANSWER_MAX_BYTES = ROSTER_CAP * (ANNOUNCEMENT_MAX_BYTES + RO
 const RECV_ENTRY_EXTRA_BYTES = 1024;
 /** A GET /recv answer: RECV_BATCH payloads, each smaller than the BODY_LIMIT_BYTES that carried it (about 64 MiB). */
 export const RECV_ANSWER_MAX_BYTES = RECV_BATCH * (BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES) + 1024;
+/** ... and its JSON values (see jsonShape): RECV_BATCH payloads of JSON_VALUES_MAX, each in its envelope. */
+export const RECV_ANSWER_VALUES_MAX = RECV_BATCH * (JSON_VALUES_MAX + 16) + 16;
+/**
+ * A GET /recv answer of one message, whatever its values: what a batch past its bounds is read again as, one at a
+ * time. Twice the body that carried it: a bus of an earlier release re-serialized some payloads longer ("1e15" as
+ * 16 digits). Once parsed, at most a few hundred MB, and never more than one at a time.
+ */
+const RECV_ONE_MAX_BYTES = 2 * BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES + 1024;
+/** A GET /roster answer's JSON values: ROSTER_CAP announcements of ANNOUNCEMENT_VALUES_MAX, each with its age. */
+export const ROSTER_ANSWER_VALUES_MAX = ROSTER_CAP * (ANNOUNCEMENT_VALUES_MAX + 2) + 16;
 /** A batched POST /send answer: SEND_BATCH results, each a status and at most a sentence of why. */
 const SEND_ANSWER_MAX_BYTES = SEND_BATCH * 1024 + 1024;
 /** Of a refusal's body we quote 200 characters (RELAY_QUOTE_CHARS); reading more than this is waste. */
@@ -4652,14 +4732,17 @@ const REFUSAL_READ_BYTES = 4096;
 /** How much of a relay's refusal an error quotes: enough for its sentence, too little to carry a document. */
 const RELAY_QUOTE_CHARS = 200;
 
+/** A relay's answer larger, or holding more JSON values, than a real one can: not read further, not parsed. */
+export class OversizedAnswer extends RelayError {}
+
 /**
- * A relay's answer body, read as it streams: past `capBytes` (declared, or as it comes) the read stops and a
- * RelayError says so; with `truncate` what came up to the cap is kept instead (a refusal is only quoted). A
+ * A relay's answer body, read as it streams: past `capBytes` (declared, or as it comes) the read stops and an
+ * OversizedAnswer says so; with `truncate` what came up to the cap is kept instead (a refusal is only quoted). A
  * timeout on the request stops the read as well.
  */
 export async function readAnswer(r: Response, capBytes: number, what: string, truncate = false): Promise<string> {
   const over = () =>
-    new RelayError(
+    new OversizedAnswer(
       `${what}: the answer is over ${humanBytes(capBytes)}, more than a real one can be; not read further`,
     );
   if (!truncate && Number(r.headers.get("content-length")) > capBytes) {
@@ -4689,9 +4772,19 @@ export async function readAnswer(r: Response, capBytes: number, what: string, tr
   return new TextDecoder().decode(Buffer.concat(chunks, size));
 }
 
-/** A relay's answer as JSON (see readAnswer); one that is not JSON is a RelayError that quotes none of it. */
-async function readJsonAnswer(r: Response, capBytes: number, what: string): Promise<unknown> {
+/**
+ * A relay's answer as JSON (see readAnswer); one that is not JSON is a RelayError that quotes none of it. Its JSON
+ * values are counted before it is parsed: past `maxValues` it is an OversizedAnswer, unparsed (bytes alone do not
+ * bound a parse: 24 MiB of empty objects took a session to 3 GB).
+ */
+async function readJsonAnswer(r: Response, capBytes: number, what: string, maxValues = Infinity): Promise<unknown> {
   const text = await readAnswer(r, capBytes, what);
+  const { values } = maxValues === Infinity ? { values: 0 } : jsonShape(text);
+  if (values > maxValues) {
+    throw new OversizedAnswer(
+      `${what}: the answer holds more than ${maxValues} JSON values, more than a real one can; not parsed`,
+    );
+  }
   try {
     return JSON.parse(text);
   } catch {
@@ -4784,12 +4877,25 @@ export class HttpRelay implements Relay {
   /**
    * Asks for up to RECV_BATCH messages (max=, our extension); a reference bus
    * ignores it and answers one. The proof rides as an extra query parameter,
-   * which a reference bus ignores too.
+   * which a reference bus ignores too. A batch larger, or holding more JSON
+   * values, than real messages make (a stranger's payloads through a relay that
+   * does not count them, or a hostile relay) is read again one message at a
+   * time, each within what one message can be: each is then handled (refused,
+   * acked), and none blocks the route.
    */
   async recv(route: string, signal: AbortSignal, waitMs = RECV_TIMEOUT_MS): Promise<Received> {
+    try {
+      return await this.#recv(route, signal, waitMs, RECV_BATCH);
+    } catch (e) {
+      if (!(e instanceof OversizedAnswer) || signal.aborted) throw e;
+      return await this.#recv(route, signal, 0, 1);
+    }
+  }
+
+  async #recv(route: string, signal: AbortSignal, waitMs: number, max: number): Promise<Received> {
     const proof = this.proof ? `&proof=${await this.proof(route)}` : "";
     const r = await fetch(
-      `${this.url}/recv?me=${encodeURIComponent(route)}&timeout_ms=${waitMs}&max=${RECV_BATCH}${proof}`,
+      `${this.url}/recv?me=${encodeURIComponent(route)}&timeout_ms=${waitMs}&max=${max}${proof}`,
       { signal: AbortSignal.any([signal, AbortSignal.timeout(waitMs + 15_000)]) },
     );
     if (!r.ok) {
@@ -4797,7 +4903,9 @@ export class HttpRelay implements Relay {
       throw new RelayError(`recv answered ${r.status}`);
     }
     this.#learn(r);
-    const body = await readJsonAnswer(r, RECV_ANSWER_MAX_BYTES, `${this.url}: recv`);
+    const body = max > 1
+      ? await readJsonAnswer(r, RECV_ANSWER_MAX_BYTES, `${this.url}: recv`, RECV_ANSWER_VALUES_MAX)
+      : await readJsonAnswer(r, RECV_ONE_MAX_BYTES, `${this.url}: recv`);
     const ack = (keys: unknown[]) => async () => {
       const proof = this.proof ? { proof: await this.proof(route) } : {};
       const fields = keys.length === 1 ? { ack: keys[0] } : { acks: keys };
@@ -4828,7 +4936,7 @@ export class HttpRelay implements Relay {
   async roster(timeoutMs: number): Promise<unknown[]> {
     const r = await fetch(`${this.url}/roster`, { signal: AbortSignal.timeout(timeoutMs) });
     this.#learn(r); // every send is routed by the roster first: its outbox knows what this bus does at a full route
-    const body = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, `${this.url}: roster`);
+    const body = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, `${this.url}: roster`, ROSTER_ANSWER_VALUES_MAX);
     return isObject(body) && Array.isArray(body.roster) ? body.roster : [];
   }
 
@@ -5289,7 +5397,9 @@ export class NatsRelay implements Relay {
     return entries.flatMap(([k, e]) => {
       if (!e || e.operation !== "PUT") return [];
       try {
-        const a = JSON.parse(e.string());
+        const text = e.string();
+        if (jsonShape(text).values > ANNOUNCEMENT_VALUES_MAX) return []; // what our bus refuses: see JSON_VALUES_MAX
+        const a = JSON.parse(text);
         if (!isObject(a) || typeof a.pubkey !== "string") return [];
         const session = isObject(a.session) && typeof a.session.session_id === "string" ? a.session.session_id : "";
         if (natsRosterKey(a.pubkey, session) !== k) return [];
@@ -7961,6 +8071,17 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (waiting?.kind === "refusals") return [{ do: "count", id }];
   if (ctx.nowMs - (ctx.state.refusalShownAt.get(id) ?? 0) < REFUSAL_REPEAT_MS) return [];
   if (ctx.state.refusalNotices >= REFUSAL_NOTICES_CAP) return [];
+  const isPeer = (key: string) => ctx.peers.byKey.has(key) || key === ctx.selfKey;
+  if (!isPeer(v.msg.from)) {
+    // Strangers' notices of the last hour: waiting ones, and shown ones (their ids are "refused <key> <reason>").
+    const hourAgo = ctx.nowMs - 60 * 60_000;
+    let made = 0;
+    for (const i of ctx.state.inbox.values()) if (i.kind === "refusals" && !isPeer(i.key)) made++;
+    for (const [shown, at] of ctx.state.refusalShownAt) {
+      if (at >= hourAgo && shown.startsWith("refused ") && !isPeer(shown.split(" ")[1])) made++;
+    }
+    if (made >= STRANGER_NOTICES_PER_HOUR) return [];
+  }
   const detail = v.detail.slice(0, 200);
   const item: InboxItem = { kind: "refusals", id, at: ctx.nowMs, key: v.msg.from, reason: v.reason, count: 1 };
   return [
@@ -12832,7 +12953,7 @@ export async function reachRelay(url: string, timeoutMs: number, now: () => numb
   try {
     const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(timeoutMs) });
     const t1 = now();
-    const body = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, url).catch(() => null);
+    const body = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, url, ROSTER_ANSWER_VALUES_MAX).catch(() => null);
     if (!r.ok || !isObject(body) || !Array.isArray(body.roster)) {
       return { ok: false, why: `${url} answers (HTTP ${r.status}), but not as an interlink bus` };
     }
@@ -13505,7 +13626,7 @@ export async function doctorFindings(o: Options): Promise<Finding[]> {
       const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(3000) });
       date = r.headers.get("date");
       features = r.headers.get("interlink-bus");
-      roster = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, "its roster");
+      roster = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, "its roster", ROSTER_ANSWER_VALUES_MAX);
       if (!r.ok) throw new Error(`answered ${r.status}`);
     } catch (e) {
       out.push({
