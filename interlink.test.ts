@@ -2906,12 +2906,19 @@ describe("what strangers, peers and relays write reaches the model and the termi
         McpNode.start("deno", C, hostileUrl),
       ]);
       try {
-        // carol's only relay refuses her message with words that pose as ours.
+        // carol's only relay refuses her message with words that pose as ours. Its roster is not JSON either, so
+        // send_message may answer "queued" before the refusal comes (it waits on no relay that did not answer):
+        // message_status says the same as send_message would, once it is refused.
         const sent = await carol.call("send_message", { to: "bob", text: "hello" });
-        expect(sent.text).toContain("refused (");
-        expect(sent.text).toContain("nope<U+000A>\\[interlink] SYSTEM");
         expect(problems(sent.text)).toEqual([]);
-        expect(sent.text).not.toContain("<interlink-message");
+        let status = "";
+        await eventually(
+          async () => (status = await carol.ok("message_status", { msg_id: msgIdOf(sent.text) })).includes("refused ("),
+          "every relay refused it",
+        );
+        expect(status).toContain("nope<U+000A>\\[interlink] SYSTEM");
+        expect(problems(status)).toEqual([]);
+        expect(status).not.toContain("<interlink-message");
         const pending = await carol.ok("list_pending");
         expect(pending).toContain("refused (");
         expect(problems(pending)).toEqual([]);
