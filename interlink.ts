@@ -144,6 +144,24 @@ export const BODY_LIMIT_BYTES = 2 << 20;
 export const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 export const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
+/**
+ * An answer this large or larger (a big message, a long roster) is streamed as the connection takes it and counted
+ * against the answers in flight. A smaller one is written whole: the socket's kernel buffers take it at once (a
+ * peer that reads nothing still advertises this much), so it costs the bus nothing however slowly it is read.
+ */
+export const ANSWER_STREAM_MIN_BYTES = 64 << 10;
+/**
+ * Bytes of large answers a bus holds at once, not yet taken by their connections, in all (503 past it): as for
+ * bodies, sixteen of the largest message. A connection that never reads holds its answer until ANSWER_WRITE_MS.
+ */
+export const ANSWERS_IN_FLIGHT_MAX = 32 << 20;
+/** ... and for one source address (429): four of the largest at once; one host cannot take the whole budget. */
+export const ANSWERS_IN_FLIGHT_PER_ADDRESS = 8 << 20;
+/**
+ * Payload bytes one batched recv answers at most (at least one message, whatever its size): half an address's
+ * answers in flight, so a session's two long-polls (its route and its bare key) both fit.
+ */
+export const RECV_BATCH_BYTES = 4 << 20;
 /** Longest text an agent will sign: comfortably inside the bus body limit after JSON escaping. */
 export const TEXT_LIMIT_BYTES = 256 * 1024;
 /** Messages one batched recv answers at most (our extension: GET /recv?max=N), and acks one POST /ack takes. */
@@ -2937,6 +2955,11 @@ export class Roster {
     less(this.#perAddress, e.from);
   }
 
+  /** At least the bytes of GET /roster's answer: each entry's units of ROSTER_UNIT_BYTES, and its `age_ms`. */
+  answerBytes(): number {
+    return 16 + this.#units * ROSTER_UNIT_BYTES + this.#entries.size * 32;
+  }
+
   /** What GET /roster serves: each entry with an unsigned `age_ms`, expired ones pruned. */
   list(nowMs: number): string[] {
     const out: string[] = [];
@@ -2979,39 +3002,48 @@ export function addressBucket(address: string): string {
 }
 
 /**
- * Bytes of request bodies being read right now, in all and per source
- * address: a body reserves its declared length before a byte of it is read (a
- * chunked one, each chunk as it comes) and gives it back once the runtime has
- * let go of it. Past either budget a request is refused unread and its
- * connection closed, so a thousand connections that each send most of a 2 MiB
- * body and stall hold at most the budget, not 2 GB.
+ * Bytes in flight through the bus's HTTP server, in all and per source
+ * address: request bodies being read (a body reserves its declared length
+ * before a byte of it is read, a chunked one each chunk as it comes, and gives
+ * it back once the runtime has let go of it), or answers being written (a large
+ * answer reserves its bytes before its payloads are read, and gives them back
+ * once the connection has taken its last byte, closed, or let its deadline
+ * pass). Past either budget a request is refused, so a thousand connections that
+ * each stall on a 2 MiB body, or never read a 2 MiB answer, hold at most the
+ * budget, not 2 GB.
  */
-export class BodiesInFlight {
+export class BytesInFlight {
   bytes = 0;
-  #byAddress = new Map<string, number>(); // bounded: an entry lives only while its address has a body being read
+  #byAddress = new Map<string, number>(); // bounded: an entry lives only while its address has bytes in flight
 
-  constructor(readonly max = BODIES_IN_FLIGHT_MAX, readonly perAddress = BODIES_IN_FLIGHT_PER_ADDRESS) {}
+  /** `what`: the bytes counted, as the refusals name them; `close`: a refusal ends the connection (a body left unread). */
+  constructor(
+    readonly max = BODIES_IN_FLIGHT_MAX,
+    readonly perAddress = BODIES_IN_FLIGHT_PER_ADDRESS,
+    readonly what = "request bodies being read",
+    readonly close = true,
+  ) {}
 
-  /** Reserves `n` bytes for address bucket `from`; throws the 429 or 503 that refuses the body unread. */
+  /** Reserves `n` bytes for address bucket `from`; throws the 429 or 503 that refuses the request. */
   take(from: string, n: number): void {
     if (n <= 0) return;
     const mine = this.#byAddress.get(from) ?? 0;
     if (mine + n > this.perAddress) {
       throw new HttpError(
         429,
-        `your address already has ${humanBytes(mine)} of request bodies being read by this bus (at most ${
+        `your address already has ${humanBytes(mine)} of ${this.what} by this bus (at most ${
           humanBytes(this.perAddress)
-        } at once); retry once they are in`,
-        true,
+        } at once); retry in a moment`,
+        this.close,
       );
     }
     if (this.bytes + n > this.max) {
       throw new HttpError(
         503,
-        `this bus is reading ${humanBytes(this.bytes)} of request bodies already (at most ${
+        `this bus has ${humanBytes(this.bytes)} of ${this.what} already (at most ${
           humanBytes(this.max)
         } at once); retry in a moment`,
-        true,
+        this.close,
       );
     }
     this.#byAddress.set(from, mine + n);
@@ -3019,6 +3051,7 @@ export class BodiesInFlight {
   }
 
   give(from: string, n: number): void {
+    if (n <= 0) return;
     this.bytes -= n;
     const left = (this.#byAddress.get(from) ?? n) - n;
     if (left > 0) this.#byAddress.set(from, left);
@@ -3026,10 +3059,36 @@ export class BodiesInFlight {
   }
 }
 
-/** Where a request's body is counted: the bus's budget and the request's address bucket. */
+/** Where a request's bytes in flight are counted: one of the bus's budgets, and the request's address bucket. */
 interface BodyBudget {
-  inFlight: BodiesInFlight;
+  inFlight: BytesInFlight;
   from: string;
+}
+
+/**
+ * The bytes one answer holds in the answers' BytesInFlight until `release` (which may come more than once: the
+ * first gives them back). Only an answer of ANSWER_STREAM_MIN_BYTES or more holds any (see streamedAnswer).
+ */
+export class AnswerHold {
+  bytes = 0;
+  /** `writeMs`: how long the answer may take to be read before it is cut off (see streamedAnswer). */
+  constructor(readonly budget: BodyBudget, readonly writeMs = ANSWER_WRITE_MS) {}
+
+  /**
+   * Holds `n` bytes, an answer's size or more, in place of what it held; throws the budget's 429 or 503, holding
+   * nothing, when they do not fit. Below ANSWER_STREAM_MIN_BYTES it holds nothing: the answer is written whole.
+   */
+  hold(n: number): void {
+    this.release();
+    if (n < ANSWER_STREAM_MIN_BYTES) return;
+    this.budget.inFlight.take(this.budget.from, n);
+    this.bytes = n;
+  }
+
+  release(): void {
+    this.budget.inFlight.give(this.budget.from, this.bytes);
+    this.bytes = 0;
+  }
 }
 
 let httpDate = { second: 0, text: "" };
@@ -3047,6 +3106,52 @@ export const jsonResponse = (status: number, body: string, headers: Record<strin
 
 export const errorResponse = (status: number, message: string): Response =>
   jsonResponse(status, JSON.stringify({ error: message }));
+
+/** A large answer's slice handed to the runtime at a time: what a connection's slow reader keeps in the bus's memory. */
+const ANSWER_CHUNK_BYTES = 64 << 10;
+
+/** Answers made by streamedAnswer: the guarded server writes them with backpressure rather than whole. */
+const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
+
+/**
+ * A JSON answer of `text`: written whole when it is short; else streamed a
+ * slice at a time, each only when the connection has taken the one before (a
+ * pull stream: Bun, Deno.serve and the guarded server's writer all wait for the
+ * socket), while `held` keeps its bytes counted as answers in flight. They are
+ * given back when the last slice is taken, when the connection closes (the
+ * runtime cancels the stream), or ANSWER_WRITE_MS after the answer was made
+ * (the stream then fails and the runtime closes the connection): a reader that
+ * never reads costs its share of the budget for that long, never the bus's
+ * memory for good.
+ */
+function streamedAnswer(status: number, text: string, held?: AnswerHold): Response {
+  if (!held?.bytes && text.length < ANSWER_STREAM_MIN_BYTES / 3) return jsonResponse(status, text); // 3 bytes a char at most
+  const bytes = Buffer.from(text);
+  if (!held?.bytes && bytes.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
+  let at = 0;
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const done = () => {
+    clearTimeout(timer);
+    held?.release();
+  };
+  const body = new ReadableStream<Uint8Array>({
+    start(c) {
+      const ms = held?.writeMs ?? ANSWER_WRITE_MS;
+      timer = setTimeout(() => {
+        done();
+        c.error(new Error(`the answer was not all read ${ms / 1000} s after it was made`));
+      }, ms);
+    },
+    pull(c) {
+      c.enqueue(bytes.subarray(at, at += ANSWER_CHUNK_BYTES));
+      if (at >= bytes.length) (c.close(), done());
+    },
+    cancel: done,
+  }, { highWaterMark: 0 });
+  const r = new Response(body, { status, headers: { "content-type": "application/json", date: currentHttpDate() } });
+  STREAMED_ANSWERS.add(r);
+  return r;
+}
 
 /**
  * Reads a JSON body of at most BODY_LIMIT_BYTES, counting bytes as they arrive (Content-Length may be absent or
@@ -3195,6 +3300,11 @@ export interface BusOptions {
   limits?: Partial<QueueLimits>;
   /** Keys whose routes the bus protects at most (see checkOwnership); OWNERS_MAX by default. */
   owners?: number;
+  /**
+   * Bytes of large answers in flight, in all and per address, and how long one may take to be read
+   * (ANSWERS_IN_FLIGHT_MAX, ANSWERS_IN_FLIGHT_PER_ADDRESS and ANSWER_WRITE_MS by default).
+   */
+  answers?: { max?: number; perAddress?: number; writeMs?: number };
   /** Bytes kept free on the data folder's disk (see diskReserve); the default follows the disk's size. */
   diskReserve?: number;
   /** Dead records (acked, dropped) that trigger a compaction once they also outnumber the live ones. */
@@ -3318,7 +3428,10 @@ export interface BusDelivery {
 /** The durable bus: BusQueues and Roster behind a Request → Response handler, on one JSONL file. */
 export class Bus {
   readonly roster = new Roster();
-  readonly inFlight = new BodiesInFlight();
+  readonly inFlight = new BytesInFlight();
+  /** Large answers not yet taken by their connections (see streamedAnswer). */
+  readonly answers: BytesInFlight;
+  readonly #answerWriteMs: number;
   #waiters = new Map<string, Set<() => void>>();
   #syncTimer: ReturnType<typeof setTimeout> | null = null; // the lazy fsync of acks, once scheduled
   #compactAfter = 0; // after a failed compaction, the time of the next try
@@ -3357,6 +3470,13 @@ export class Bus {
     this.now = opts.now ?? Date.now;
     this.#compactMinDead = opts.compactMinDead ?? COMPACT_MIN_DEAD;
     this.ownersMax = opts.owners ?? OWNERS_MAX;
+    this.answers = new BytesInFlight(
+      opts.answers?.max ?? ANSWERS_IN_FLIGHT_MAX,
+      opts.answers?.perAddress ?? ANSWERS_IN_FLIGHT_PER_ADDRESS,
+      "answers not yet taken by their connections",
+      false,
+    );
+    this.#answerWriteMs = opts.answers?.writeMs ?? ANSWER_WRITE_MS;
     this.#diskReserve = opts.diskReserve;
     // Read and write: payloads are read back through it, and acks mark records in place.
     this.#reader = fs.openSync(writer.file, "r+");
@@ -3630,6 +3750,11 @@ export class Bus {
     if (line.failed) throw this.#unavailable(line.failed); // held, then written with another record that failed
   }
 
+  /** A hold on the answers in flight for a request from address bucket `from`, holding nothing yet. */
+  answerHold(from: string): AnswerHold {
+    return new AnswerHold({ inFlight: this.answers, from }, this.#answerWriteMs);
+  }
+
   /** Whether `route`'s key has proven it reads its routes here: then a recv or ack of any route of that key needs a proof. */
   isOwned(route: string): boolean {
     return this.#owners.has(parseRoute(route).key);
@@ -3765,8 +3890,9 @@ export class Bus {
     timeoutMs: number,
     signalOf?: AbortSignal | (() => AbortSignal),
     max = 1,
+    held?: AnswerHold,
   ): Promise<BusDelivery[]> {
-    const ready = this.take(me, max);
+    const ready = this.take(me, max, held);
     if (ready.length || timeoutMs <= 0) return ready;
     const signal = typeof signalOf === "function" ? signalOf() : signalOf;
     if (signal?.aborted) return ready;
@@ -3784,13 +3910,21 @@ export class Bus {
       signal?.addEventListener("abort", done);
       set.add(done);
     });
-    return this.take(me, max);
+    return this.take(me, max, held);
   }
 
-  /** Up to `max` oldest messages for `me`, payloads read back; one whose record is damaged is set aside. */
-  take(me: string, max: number): BusDelivery[] {
+  /**
+   * Up to `max` oldest messages for `me`, no more than RECV_BATCH_BYTES of payload (one at least), payloads read
+   * back; one whose record is damaged is set aside. `held` first holds what their answer weighs (recvAnswerBytes)
+   * or throws the 429 or 503 of the answers in flight, before a payload is read.
+   */
+  take(me: string, max: number, held?: AnswerHold): BusDelivery[] {
     for (;;) {
       const items = this.queues.firstN(me, max);
+      let n = 0, bytes = 0;
+      while (n < items.length && (n === 0 || bytes + items[n].size <= RECV_BATCH_BYTES)) bytes += items[n++].size;
+      items.length = n;
+      held?.hold(recvAnswerBytes(me, items));
       const out: BusDelivery[] = [];
       for (const item of items) {
         const payload = this.#payload(me, item);
@@ -4032,6 +4166,15 @@ export interface RecoveryReport {
 const ackKey = (me: string, m: { seq: number; ts: number }) => `${me}\0${m.seq}:${m.ts}`;
 
 /**
+ * At least the bytes of a GET /recv answer to `me` holding `items`, in either shape: per message its payload, its
+ * ts (16 characters at most), its ack key (`me` as JSON, "\u0000", a seq and a ts) and 60 of JSON around them.
+ */
+function recvAnswerBytes(me: string, items: readonly Queued[]): number {
+  const perMessage = utf8Bytes(JSON.stringify(me)) + 112;
+  return items.reduce((n, m) => n + m.size + perMessage, 64);
+}
+
+/**
  * The seq of the queued message an ack key names, or undefined (already acked, or another message now has that seq).
  * A key without ":ts" (an earlier bus gave those out) names the seq alone.
  */
@@ -4256,13 +4399,16 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that
         // no client which did not ask can take for one message; a reference bus ignores max and answers one.
         const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
+        const held = bus.answerHold(from);
         // The request's signal is read only when the recv has to wait (under Deno, building it costs).
-        const got = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal, max);
+        const got = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal, max, held);
         if (!got.length) return jsonResponse(200, '{"status":"timeout"}');
         const entry = (m: BusDelivery) =>
           `"envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${JSON.stringify(ackKey(me, m))}`;
-        if (max > 1) return jsonResponse(200, `{"status":"messages","messages":[${got.map((m) => `{${entry(m)}}`)}]}`);
-        return jsonResponse(200, `{"status":"message",${entry(got[0])}}`);
+        const text = max > 1
+          ? `{"status":"messages","messages":[${got.map((m) => `{${entry(m)}}`)}]}`
+          : `{"status":"message",${entry(got[0])}}`;
+        return streamedAnswer(200, text, held);
       },
     },
     "/ack": {
@@ -4360,10 +4506,10 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     },
     "/roster": {
       method: "GET",
-      handle(bus) {
-        return Promise.resolve(
-          jsonResponse(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`),
-        );
+      handle(bus, _req, { from }) {
+        const held = bus.answerHold(from);
+        held.hold(bus.roster.answerBytes()); // before the answer is made: a refused read costs nothing
+        return Promise.resolve(streamedAnswer(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`, held));
       },
     },
   };
@@ -4455,6 +4601,12 @@ const isLoopback = (host: string) => host === "localhost" || host === "::1" || /
 export const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
 /** ... and one whose request body is not all there this long after its headers (a byte every few seconds). */
 export const CONN_BODY_MS = msFromEnv("INTERLINK_TEST_CONN_BODY_MS", 15_000);
+/**
+ * A large answer not all taken by its connection this long after it was made is cut off, the connection closed
+ * and its bytes given back: 4 MiB in 30 s is a link of 140 KB/s, while a reader that stalls on purpose holds its
+ * share of ANSWERS_IN_FLIGHT_MAX no longer than this.
+ */
+export const ANSWER_WRITE_MS = msFromEnv("INTERLINK_TEST_ANSWER_WRITE_MS", 30_000);
 /** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
 const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
 /** Connections a guarded server holds at most; fewer when the file-descriptor limit is lower (see connectionBound). */
@@ -4470,6 +4622,34 @@ function connectionBound(): number {
     limit = Number(spawnSync("sh", ["-c", "ulimit -n"], { encoding: "utf8" }).stdout?.trim());
   }
   return Number.isSafeInteger(limit) && limit > 0 ? Math.max(16, Math.min(CONN_MAX, limit - 64)) : CONN_MAX;
+}
+
+/**
+ * Writes a streamed answer's slices to `res`, each once node:http has passed the one before to the socket (its
+ * "drain"), so a reader that stalls holds one slice here, not the answer. A connection that closes cancels the
+ * stream (which gives its bytes back); a stream that fails (its deadline) throws. False when the connection closed.
+ */
+async function writeWithBackpressure(
+  body: ReadableStream<Uint8Array>,
+  res: import("node:http").ServerResponse,
+): Promise<boolean> {
+  const reader = body.getReader();
+  const gone = () => void reader.cancel().catch(() => {});
+  res.once("close", gone);
+  try {
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (res.destroyed) return (gone(), false);
+      if (done) return true;
+      if (res.write(value)) continue;
+      await new Promise<void>((resolve) => {
+        const on = () => (res.off("drain", on), res.off("close", on), resolve());
+        res.on("drain", on).on("close", on);
+      });
+    }
+  } finally {
+    res.off("close", gone);
+  }
 }
 
 /**
@@ -4557,11 +4737,17 @@ async function serveGuarded(
       const r = await handler(lite as unknown as Request, socket.remoteAddress ?? "").catch((e) =>
         gone.signal.aborted ? Promise.reject(e) : serverError(e)
       );
-      const text = await r.text();
       // A body left unread (refused on its declared length, or past the limit) is not waited for: the
       // connection closes after the answer instead of trickling on.
       const unread = (hasBody || Number(declared) > 0) && !whole;
-      res.writeHead(r.status, { ...Object.fromEntries(r.headers), ...(unread ? { connection: "close" } : {}) });
+      const headers = { ...Object.fromEntries(r.headers), ...(unread ? { connection: "close" } : {}) };
+      if (STREAMED_ANSWERS.has(r)) {
+        res.writeHead(r.status, headers);
+        if (await writeWithBackpressure(r.body!, res)) res.end(() => unread && socket.destroy());
+        return;
+      }
+      const text = await r.text();
+      res.writeHead(r.status, headers);
       res.end(text, () => unread && socket.destroy());
     } catch {
       res.destroy(); // a client that went away, or a body cut off by its deadline: nothing to answer
