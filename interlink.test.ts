@@ -6953,7 +6953,7 @@ describe("hostile clients: ownership that a flood cannot evict", () => {
     bus.handler(new Request(`http://bus/recv?me=${encodeURIComponent(route)}&timeout_ms=0`));
 
   test(
-    "Eve proves 100,001 routes of her own, then floods self-made keys from one address and from many: bob's route stays owned, before and after a restart, and the queue file holds one record per key",
+    "Eve proves 100,001 routes of her own, then floods self-made keys from one address and from many: bob's route stays owned, before and after a restart; past --owners the bus closes rather than serve a new key's routes open; the queue file holds one record per key",
     async () => {
       const dir = tmpDir();
       let bus = await Bus.open(dir, { log: () => {}, owners: 1_100 });
@@ -6970,45 +6970,159 @@ describe("hostile clients: ownership that a flood cannot evict", () => {
         expect((await stolenRecv(bus, victim)).status).toBe(403);
         expect((await stolenRecv(bus, bob.publicKey)).status).toBe(403); // every route of a key that proved
         expect(bus.ownerCount).toBe(2); // one record per key, not per route
-        // Self-made keys from one address: a day's NEW_OWNERS_PER_ADDRESS_PER_DAY, then 429.
+        // Self-made keys from one address and from many, up to the bus's --owners: each recorded, none forgotten.
         const fresh = () => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
-        const fromOne: number[] = [];
-        for (let i = 0; i < 1_001; i++) {
+        const proven: number[] = [];
+        for (let i = 0; i < 1_098; i++) {
           const id = await fresh();
-          fromOne.push(await provenRecv(bus, id, id.publicKey, "192.0.2.7"));
+          proven.push(await provenRecv(bus, id, `${id.publicKey}#s`, i < 1_050 ? "192.0.2.7" : `198.51.100.${i}`));
         }
-        expect(fromOne.slice(0, 1_000).every((s) => s === 200)).toBe(true);
-        expect(fromOne[1_000]).toBe(429);
-        // From many addresses, up to the bus's --owners; then each new key is refused, none forgotten.
-        const fromMany: number[] = [];
-        for (let i = 0; i < 120; i++) {
-          const id = await fresh();
-          fromMany.push(await provenRecv(bus, id, `${id.publicKey}#s`, `198.51.100.${i}`));
-        }
-        expect(fromMany.filter((s) => s === 200).length).toBe(1_100 - 1_002);
-        const refused = await (async () => {
-          const id = await fresh();
-          const ts = bus.now();
-          const proof = `${ts}.${await id.sign(recvProofBytes(id.publicKey, ts))}`;
-          return await bus.handler(new Request(`http://bus/recv?me=${id.publicKey}&timeout_ms=0&proof=${proof}`));
-        })();
-        expect(refused.status).toBe(507);
-        expect((await refused.json()).error).toContain("the most it keeps");
+        expect(proven.every((s) => s === 200)).toBe(true);
+        expect([bus.ownerCount, bus.closedSince]).toEqual([1_100, null]);
+        const never = await fresh(); // a key that never proves: served as a reference node is, while the bus is open
+        expect((await stolenRecv(bus, never.publicKey)).status).toBe(200);
+        // The next new key cannot be recorded: the bus closes, serves it, and serves no route unproven any more.
+        const late = await fresh();
+        await bus.send(`${late.publicKey}#s`, '{"for":"late only"}');
+        expect(await provenRecv(bus, late, `${late.publicKey}#s`)).toBe(200);
+        expect(bus.ownerCount).toBe(1_100);
+        expect(bus.closedSince).not.toBeNull();
+        const closed = await stolenRecv(bus, `${late.publicKey}#s`);
+        expect(closed.status).toBe(403);
+        expect((await closed.json()).error).toContain("serves no route without a proof");
+        expect((await stolenRecv(bus, never.publicKey)).status).toBe(403);
         expect((await stolenRecv(bus, victim)).status).toBe(403);
         await bus.close();
-        // A restart reads the same owners back, bob among them, whatever their order in the file.
-        bus = await Bus.open(dir, { log: () => {}, owners: 1_100, compactMinDead: 1 });
+        // A restart reads the same owners back, bob among them, whatever their order in the file, and stays closed
+        // whatever --owners says now.
+        bus = await Bus.open(dir, { log: () => {}, owners: 5_000, compactMinDead: 1 });
         expect(bus.ownerCount).toBe(1_100);
+        expect(bus.closedSince).not.toBeNull();
         expect((await stolenRecv(bus, victim)).status).toBe(403);
+        expect((await stolenRecv(bus, `${late.publicKey}#s`)).status).toBe(403);
         expect(await provenRecv(bus, bob, victim)).toBe(200); // and bob reads his mail
+        expect(await provenRecv(bus, late, `${late.publicKey}#s`)).toBe(200);
+        expect(bus.ownerCount).toBe(1_101); // closed, it still records the keys it has room for
         const lines = fs.readFileSync(path.join(dir, "queue.jsonl"), "utf8").split("\n");
-        expect(lines.filter((l) => l.startsWith('{"t":"o"')).length).toBe(1_100);
+        expect(lines.filter((l) => l.startsWith('{"t":"o"')).length).toBe(1_101);
+        expect(lines.filter((l) => l.startsWith('{"t":"c"')).length).toBe(1);
       } finally {
         await bus.close();
       }
     },
     120_000,
   );
+
+  test("a bus with no room on its disk for one more owner record closes rather than serve that key's routes open", async () => {
+    const dir = tmpDir();
+    const route = `${bob.publicKey}#s`;
+    const before = await Bus.open(dir, { log: () => {} });
+    await before.send(route, '{"for":"bob only"}');
+    await before.close();
+    const bus = await Bus.open(dir, { log: () => {}, diskReserve: 2 ** 50 }); // no record fits beside this reserve
+    try {
+      expect(await provenRecv(bus, bob, route)).toBe(200); // bob reads his mail ...
+      expect(bus.ownerCount).toBe(0); // ... unrecorded ...
+      expect((await stolenRecv(bus, route)).status).toBe(403); // ... and nobody reads it without his proof
+      const ack = await bus.handler(
+        new Request("http://bus/ack", {
+          method: "POST",
+          body: JSON.stringify({
+            me: route,
+            ack: `${route}\0${bus.queues.first(route)!.seq}:${bus.queues.first(route)!.ts}`,
+          }),
+        }),
+      );
+      expect(ack.status).toBe(403);
+      expect(bus.queues.first(route)).toBeDefined();
+    } finally {
+      await bus.close();
+    }
+  });
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `past the owner cap no key is served open: on a bus started with --owners 2, after two keys of Eve's prove, bob's proof reads alice's message and Eve's unproven recv and ack of bob's session are refused, after a restart too; a reference-style node that never proves is served until then (${runtime})`,
+      async () => {
+        const dir = tmpDir();
+        let child = await startBus(runtime, dir, ["--owners", "2"]);
+        try {
+          const recv = async (url: string, route: string, who?: Identity) => {
+            const ts = Date.now();
+            const proof = who ? `&proof=${ts}.${await who.sign(recvProofBytes(route, ts))}` : "";
+            const r = await fetch(`${url}/recv?me=${encodeURIComponent(route)}&timeout_ms=0${proof}`);
+            return { status: r.status, body: await r.json() };
+          };
+          const reference = `${(await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)))).publicKey}#ref`;
+          await postSend(child.url, reference, { for: "a reference node" });
+          expect((await recv(child.url, reference)).status).toBe(200); // normal operation: served unproven
+          for (const i of [1, 2]) {
+            const key = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+            expect((await recv(child.url, `${key.publicKey}#eve${i}`, key)).status).toBe(200);
+          }
+          const route = `${bob.publicKey}#s`;
+          const msg = await signMessage(alice, { to: bob.publicKey, text: "for bob only" }, Date.now());
+          await postSend(child.url, route, msg);
+          const bobs = await recv(child.url, route, bob);
+          const stolen = await recv(child.url, route); // Eve, with no proof (before: 200 and alice's message)
+          expect(stolen.status).toBe(403);
+          expect(stolen.body.error).toContain("serves no route without a proof");
+          expect(bobs.status).toBe(200); // past the cap, bob is still served: the bus closed instead (before: 507)
+          expect(bobs.body.envelope.payload.msg_id).toBe(msg.msg_id);
+          await child.waitFor(/closed: it protects the routes of 2 keys/);
+          const ack = await fetch(`${child.url}/ack`, {
+            method: "POST",
+            body: JSON.stringify({ me: route, ack: bobs.body.ack }),
+          });
+          expect(ack.status).toBe(403);
+          // What closing costs a reference node: it never proves, so it is refused from now on (docs/wire.md).
+          expect((await recv(child.url, reference)).status).toBe(403);
+          await stop(child);
+          child = await startBus(runtime, dir, ["--owners", "10"]);
+          expect((await recv(child.url, route)).status).toBe(403);
+          expect((await recv(child.url, route, bob)).body.envelope.payload.msg_id).toBe(msg.msg_id); // still queued
+        } finally {
+          await stop(child);
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `whoever shares bob's address cannot spend a budget that leaves his mail open: 1,001 keys prove from one address, then bob from it too, and only bob reads his mail (${runtime})`,
+      async () => {
+        const child = await startBus(runtime, tmpDir());
+        try {
+          const proven = async (id: Identity, route: string) => {
+            const ts = Date.now();
+            const proof = `${ts}.${await id.sign(recvProofBytes(route, ts))}`;
+            const r = await fetch(`${child.url}/recv?me=${encodeURIComponent(route)}&timeout_ms=0&proof=${proof}`);
+            return { status: r.status, body: await r.json() };
+          };
+          const statuses: number[] = [];
+          for (let i = 0; i < 1_001; i += 91) {
+            statuses.push(
+              ...await Promise.all(Array.from({ length: 91 }, async () => {
+                const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+                return (await proven(id, `${id.publicKey}#flood`)).status;
+              })),
+            );
+          }
+          const route = `${bob.publicKey}#s`;
+          await postSend(child.url, route, await signMessage(alice, { to: bob.publicKey, text: "hi bob" }, Date.now()));
+          const bobs = (await proven(bob, route)).status;
+          const stolen = await fetch(`${child.url}/recv?me=${encodeURIComponent(route)}&timeout_ms=0`);
+          expect(stolen.status).toBe(403); // before: 200, bob's message
+          expect((await stolen.json()).error).toContain("belongs to a key that has proven its ownership");
+          expect(bobs).toBe(200); // before: 429, a thousand new keys an address a day
+          expect(statuses.filter((s) => s !== 200)).toEqual([]);
+        } finally {
+          await stop(child);
+        }
+      },
+      60_000,
+    );
+  }
 
   test("a proof captured off the wire is refused once it is 5 minutes old, even when it is the last one the bus saw for its route", async () => {
     let clock = Date.now();

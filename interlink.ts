@@ -2513,6 +2513,7 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 //   {"t":"a","q":<recipient>,"n":<seq>,…}                  acked: an "m" record marked in place (older buses appended these)
 //   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap (earlier releases; read, not written)
 //   {"t":"o","q":<key>}                                    the key has proven it owns its routes (an older bus: one a route)
+//   {"t":"c","ts":<ms>}                                    closed: every route needs a proof from now on (see Bus.close)
 //   {"t":"h","next":<seq>}                                 first line after compaction
 // `seq` is global and not reused (compaction keeps the high-water mark), so an
 // ack key handed out before a restart still names the same message after it.
@@ -2540,6 +2541,7 @@ type BusRecord =
   | { t: "m"; q: string; n: number; ts: number; s?: string; z?: number; p: string }
   | { t: "a" | "d"; q: string; n: number }
   | { t: "o"; q: string }
+  | { t: "c"; ts: number }
   | { t: "h"; next: number };
 
 /** A queue line's record, or why it is not one (the line is then set aside). */
@@ -2567,6 +2569,9 @@ function decodeBusRecord(r: Record<string, unknown>): BusRecord | string {
       break;
     case "o":
       if (route(q)) return { t: "o", q };
+      break;
+    case "c":
+      if (Number.isSafeInteger(r.ts)) return { t: "c", ts: r.ts as number };
       break;
     case "h":
       if (seq(r.next)) return { t: "h", next: r.next as number };
@@ -3440,12 +3445,12 @@ export class Bus {
   #readBuf = Buffer.allocUnsafe(64 * 1024);
   /**
    * Keys that have proven they read their routes here (see checkOwnership), persisted as "o" records and never
-   * forgotten, whatever others prove. Bounded by `ownersMax`: past it a new key is refused, no owner is dropped.
+   * forgotten, whatever others prove. Bounded by `ownersMax`: past it the bus closes (see #close), no owner is dropped.
    */
   readonly #owners = new Set<string>();
-  #ownerBytes = 0; // their records' bytes: what a compaction writes for them
-  /** New owners per address bucket in the current day (bounded: OWNER_ADDRESSES_TRACKED, the least recent go). */
-  #newOwners = new Map<string, { n: number; since: number }>();
+  #ownerBytes = 0; // their records' bytes, and the "c" record's: what a compaction writes for them
+  /** When the bus closed (its "c" record), or null while it serves the routes of keys that never proved. */
+  #closedSince: number | null = null;
   /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
   readonly #verified = new BoundedMap<string, string>(PROOFS_REMEMBERED); // bounded: forgetting costs one check
   readonly ownersMax: number;
@@ -3510,6 +3515,7 @@ export class Bus {
       const queues = new BusQueues({ ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) });
       const bad: [offset: number, bytes: number, reason: string, line: string][] = [];
       const owners = new Set<string>(); // keys that proved they own their routes before the restart
+      let closedSince: number | null = null;
       let records = 0, inMemory = 0;
       const h = new MessageHeadReader();
       /** A message record in today's layout, from its head alone: the payload stays on disk. */
@@ -3560,6 +3566,9 @@ export class Bus {
             break;
           case "o":
             owners.add(parseRoute(rec.q).key); // an older bus wrote one per route
+            break;
+          case "c":
+            closedSince = Math.min(closedSince ?? rec.ts, rec.ts);
         }
       });
       for (const [at, bytes, why, line] of bad) quarantineLine(file, at, bytes, why, line);
@@ -3581,8 +3590,10 @@ export class Bus {
         ms: Math.round(performance.now() - started),
       };
       const writer = new JsonlWriter(file, `the bus data folder ${dataDir}`);
-      const bus = new Bus(dataDir, queues, recovery, writer, lock, records - queues.liveCount - owners.size, opts);
+      const kept = queues.liveCount + owners.size + (closedSince === null ? 0 : 1); // what a compaction writes
+      const bus = new Bus(dataDir, queues, recovery, writer, lock, records - kept, opts);
       for (const key of owners) bus.#addOwner(key);
+      if (closedSince !== null) bus.#setClosed(closedSince);
       bus.#deadBytes = Math.max(0, fs.statSync(file).size - bus.#ownerBytes - queues.charged);
       bus.#maybeCompact(true, inMemory > 0);
       return bus;
@@ -3775,41 +3786,64 @@ export class Bus {
     this.#ownerBytes += recordLine({ t: "o", q: key }).bytes;
   }
 
+  /** When the bus closed, or null (see #close). */
+  get closedSince(): number | null {
+    return this.#closedSince;
+  }
+
+  #setClosed(ts: number): void {
+    this.#closedSince = ts;
+    this.#ownerBytes += recordLine({ t: "c", ts }).bytes;
+  }
+
   /**
    * Records that `route`'s key proved with `proof` (verified and fresh) that it reads it. A key proving for the
-   * first time becomes an owner, on disk before the answer (trust on first proof survives a restart), unless the
-   * bus holds its `ownersMax` (507), address bucket `from` made NEW_OWNERS_PER_ADDRESS_PER_DAY today (429), or
-   * the disk has no room for the record (507): then the recv or ack is refused, never served unprotected.
+   * first time becomes an owner, on disk before the answer (trust on first proof survives a restart). When it
+   * cannot be one (the bus holds its `ownersMax`, or its disk has no room for the record), the bus closes instead
+   * (see #close): never is a key that proved left with its routes served to callers without a proof.
    */
-  touchOwned(route: string, proof: string, from = ""): void {
+  touchOwned(route: string, proof: string): void {
     this.#verified.set(route, proof);
     const key = parseRoute(route).key;
     if (this.#owners.has(key)) return;
-    if (this.#owners.size >= this.ownersMax) {
-      throw new HttpError(
-        507,
-        `this bus protects the routes of ${this.ownersMax} keys, the most it keeps, and never forgets one; it cannot protect this key's, so it does not serve them (its operator can raise --owners)`,
-      );
+    let why = `it protects the routes of ${this.ownersMax} keys, the most it keeps (--owners), and never forgets one`;
+    if (this.#owners.size < this.ownersMax) {
+      const line = recordLine({ t: "o", q: key });
+      try {
+        this.#ensureDisk(line.bytes);
+        this.#write(line, true); // once per key, never held: the answer waits for it
+        this.#addOwner(key);
+        if (this.#owners.size === this.ownersMax) {
+          this.#log(
+            `this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): the next new key closes it`,
+          );
+        }
+        return;
+      } catch (e) {
+        why = `it has no room to record one more key that proved its routes (${(e as Error).message})`;
+      }
     }
-    const now = this.now();
-    const day = this.#newOwners.get(from);
-    const made = day && now - day.since < 24 * 60 * 60_000 ? day.n : 0;
-    if (made >= NEW_OWNERS_PER_ADDRESS_PER_DAY) {
-      throw new HttpError(
-        429,
-        `${made} keys proved their routes to this bus from your address in the last day, the most it takes from one; this key's routes are not served until then`,
-      );
-    }
-    const line = recordLine({ t: "o", q: key });
-    this.#ensureDisk(line.bytes);
-    this.#write(line, true); // once per key, never held: the answer waits for it
-    this.#addOwner(key);
-    if (this.#owners.size === this.ownersMax) {
-      this.#log(`this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): new keys are refused`);
-    }
-    this.#newOwners.delete(from); // to the back: the least recent address goes first
-    this.#newOwners.set(from, { n: made + 1, since: made ? day!.since : now });
-    if (this.#newOwners.size > OWNER_ADDRESSES_TRACKED) this.#newOwners.delete(this.#newOwners.keys().next().value!);
+    if (this.#closedSince === null) this.#close(why);
+  }
+
+  /**
+   * Closes the bus, for good: from now on, after any restart too, a recv or
+   * ack of any route needs a proof from the route's key (checkOwnership), so
+   * keys it could not record are as safe as its owners, and a node that never
+   * proves (a reference node) is refused. Keys cost nothing, so any record of
+   * them a stranger can fill; this state is the one such a flood ends in, and it
+   * needs no memory. The "c" record that keeps it goes into the disk's reserve;
+   * this process stays closed even if that write fails (which it then throws).
+   */
+  #close(why: string): void {
+    const ts = this.now();
+    this.#closedSince = ts;
+    this.#log(
+      `closed: ${why}; from now on every recv and ack needs a proof from its route's key (nodes that never prove, as reference nodes, are refused)`,
+    );
+    const line = recordLine({ t: "c", ts });
+    this.#write(line, true);
+    this.#ownerBytes += line.bytes;
   }
 
   /**
@@ -4082,6 +4116,7 @@ export class Bus {
     try {
       this.writer.rewrite((write) => {
         write(recordLine({ t: "h", next: this.queues.nextSeq }).text);
+        if (this.#closedSince !== null) write(recordLine({ t: "c", ts: this.#closedSince }).text);
         for (const q of this.#owners) write(recordLine({ t: "o", q }).text);
         for (const [q, m] of this.queues.live()) {
           const head = messageHead(q, m.seq, m.ts, m.sender, m.size);
@@ -4188,14 +4223,10 @@ function ackedSeq(bus: Bus, me: string, key: string): number | undefined {
 const RECV_PROOF_FRESH_MS = 5 * 60_000;
 /**
  * Keys whose routes a bus protects at most (`--owners`). Each is a node's identity, so this is far above any real
- * deployment; held, it is about 6 MB of queue file and 10 MB of memory. Past it new keys are refused, never an
- * owner forgotten: keys cost nothing, so forgetting any would let a flood of them open another's mail.
+ * deployment; held, it is about 6 MB of queue file and 10 MB of memory. Past it the bus closes (see Bus.touchOwned),
+ * never an owner forgotten: keys cost nothing, so forgetting any would let a flood of them open another's mail.
  */
 export const OWNERS_MAX = 100_000;
-/** New owner keys the bus takes from one address bucket in a day: a machine has a few identities, a flood thousands. */
-export const NEW_OWNERS_PER_ADDRESS_PER_DAY = 1_000;
-/** Addresses whose day of new owners is remembered; past it the least recent is forgotten (it may then start a new day). */
-const OWNER_ADDRESSES_TRACKED = 10_000;
 /** Routes whose last verified proof is remembered, so a client's repeats skip the signature check (a minute each). */
 const PROOFS_REMEMBERED = 4096;
 
@@ -4205,11 +4236,13 @@ const PROOFS_REMEMBERED = 4096;
  * recv and ack for every route of that key (`<key>` and `<key>#<session>`),
  * so nobody else can read or delete its mail, for good (see Bus.touchOwned).
  * Keys that never proved work as in the reference contract, for reference
- * nodes. Every proof must be fresh, a repeat too: one captured off the wire is
- * worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403 when a proof
- * is missing, stale or wrong; returns when the caller may go on.
+ * nodes, until the bus closes (a key that proved could not be recorded): then
+ * every route needs a proof. Every proof must be fresh, a repeat too: one
+ * captured off the wire is worth nothing RECV_PROOF_FRESH_MS after its ts.
+ * Throws the 403 when a proof is missing, stale or wrong; returns when the
+ * caller may go on.
  */
-async function checkOwnership(bus: Bus, route: string, proof: unknown, from = ""): Promise<void> {
+async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
   if (proof === undefined || proof === null || proof === "") {
     if (bus.isOwned(route)) {
       throw new HttpError(
@@ -4217,6 +4250,14 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown, from = ""
         `route ${
           fingerprint(route)
         }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`,
+      );
+    }
+    if (bus.closedSince !== null) {
+      throw new HttpError(
+        403,
+        `this bus serves no route without a proof since ${
+          new Date(bus.closedSince).toISOString()
+        } (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`,
       );
     }
     return;
@@ -4236,7 +4277,7 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown, from = ""
     const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
     if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
   }
-  bus.touchOwned(route, proof, from);
+  bus.touchOwned(route, proof);
 }
 
 /** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
@@ -4395,7 +4436,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
       async handle(bus, req, { query, from }) {
         const params = new URLSearchParams(query);
         const me = recipientParam(params.get("me"), "me");
-        await checkOwnership(bus, me, params.get("proof") ?? undefined, from);
+        await checkOwnership(bus, me, params.get("proof") ?? undefined);
         // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that
         // no client which did not ask can take for one message; a reference bus ignores max and answers one.
         const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
@@ -4425,7 +4466,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         if (!keys.every((k) => (k as string).startsWith(me + "\0"))) {
           throw new HttpError(403, "that ack key belongs to another recipient");
         }
-        await checkOwnership(bus, me, body.proof, from);
+        await checkOwnership(bus, me, body.proof);
         // Unknown or already acked: still 200, acks are idempotent.
         bus.ack(me, ...(keys as string[]).map((k) => ackedSeq(bus, me, k)).filter((seq) => seq !== undefined));
         return jsonResponse(200, '{"status":"acked"}');
@@ -14134,7 +14175,7 @@ const COMMANDS: Record<string, CommandSpec> = {
         env: "INTERLINK_BUS_OWNERS",
         default: String(OWNERS_MAX),
         help:
-          "keys whose routes the bus protects (recipient ownership), never forgotten; past it a new key's recv and ack are refused (507)",
+          "keys whose routes the bus protects (recipient ownership), never forgotten; past it the bus closes: every recv and ack then needs a proof, and reference nodes are refused (403)",
       },
       guard: {
         type: "string",
