@@ -57,6 +57,7 @@ import {
   GOODBYE_PREFIX,
   type Handed,
   hasSmallOrder,
+  HttpRelay,
   humanBytes,
   type Identity,
   identityFromSeed,
@@ -119,6 +120,7 @@ import {
   readIdentity,
   readInvites,
   readJsonl,
+  readRoster,
   RECEIPT_LINES_MAX,
   type ReceiptLine,
   receiptText,
@@ -136,6 +138,9 @@ import {
   Roster,
   ROSTER_ANSWER_MAX_BYTES,
   ROSTER_CAP,
+  ROSTER_PER_ADDRESS_CAP,
+  ROSTER_PER_KEY_CAP,
+  ROSTER_RETENTION_MS,
   rosterKey,
   ROUTE_FULL,
   ROUTE_OVERHEAD_BYTES,
@@ -1489,6 +1494,33 @@ describe("bus: queue and roster logic", () => {
     const keys = r.list(95_001).map((j) => JSON.parse(j));
     expect(keys.length).toBe(54 + 16 + 13 + 10); // ten of alice's gave way; every live entry stayed
     expect(JSON.parse(r.list(95_001)[0]).i).toBe(16); // alice's stalest went first
+  });
+
+  test("ended sessions: an announcement signed no later than its session's unregister is refused; a flood of self-made unregisters pushes out only its own addresses' memories, and each is forgotten once nothing it guards could be taken anyway", () => {
+    const r = new Roster(ROSTER_CAP, ROSTER_PER_KEY_CAP, ROSTER_PER_ADDRESS_CAP, 8, 3);
+    const a = (pubkey: string, session_id: string, ts: number): Announcement => ({
+      pubkey,
+      name: "n",
+      ts,
+      sig: "s",
+      session: { session_id, cwd: "", git_root: "", summary: "" },
+    });
+    const t0 = 1_000_000;
+    expect(r.put(a(alice.publicKey, "s1", t0), "{}", t0, "A")).toBe(true);
+    r.end(`${alice.publicKey}#s1`, t0 + 5, "A", t0 + 10);
+    expect(r.size).toBe(0);
+    expect(r.put(a(alice.publicKey, "s1", t0), "{}", t0 + 20, "E")).toBe("ended"); // her last one, posted again
+    expect(r.put(a(alice.publicKey, "s1", t0 + 5), "{}", t0 + 20, "E")).toBe("ended");
+    // Eve ends 100 sessions of self-made keys from three addresses: each address keeps its own 3, alice's stays.
+    for (let i = 0; i < 100; i++) r.end(`eve-${i}#s`, t0 + 10 + i, ["E1", "E2", "E3"][i % 3], t0 + 200);
+    expect(r.endedCount).toBe(8);
+    expect(r.put(a(alice.publicKey, "s1", t0), "{}", t0 + 300, "E")).toBe("ended");
+    // A session that comes back signs a later announcement: listed again.
+    expect(r.put(a(alice.publicKey, "s1", t0 + 6), "{}", t0 + 300, "A")).toBe(true);
+    // Three days after the unregister, announcements signed before it are refused as too old: it is forgotten.
+    r.end(`${bob.publicKey}#s2`, t0 + 400, "B", t0 + 400);
+    r.end(`${bob.publicKey}#s3`, t0 + ROSTER_RETENTION_MS + 500, "B", t0 + ROSTER_RETENTION_MS + 500);
+    expect(r.put(a(bob.publicKey, "s2", t0 + 300), "{}", t0 + ROSTER_RETENTION_MS + 600, "B")).toBe(true);
   });
 });
 
@@ -6457,6 +6489,43 @@ describe("bus: presence, and what it refuses", () => {
       await bus.close();
     }
   });
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a session's last announcement, posted again after its signed unregister, is refused (409) and not listed; the session announcing later is (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir());
+        try {
+          const t0 = Date.now();
+          const announce = async (a: unknown) => {
+            const r = await fetch(`${bus.url}/announce`, { method: "POST", body: JSON.stringify(a) });
+            return { status: r.status, body: await r.json() };
+          };
+          expect((await announce(await signAnnouncement(alice, "alice", t0, session("s1")))).status).toBe(202);
+          const [served] = (await (await fetch(`${bus.url}/roster`)).json()).roster; // what anyone can read
+          const u = { pubkey: alice.publicKey, session_id: "s1", ts: t0 + 1 };
+          const unregister = await fetch(`${bus.url}/unregister`, {
+            method: "POST",
+            body: JSON.stringify({ ...u, session: { session_id: "s1" }, sig: await alice.sign(unregisterBytes(u)) }),
+          });
+          expect(unregister.status).toBe(202);
+          const replay = await announce(served); // Eve, after the session ended
+          expect(replay.status).toBe(409);
+          expect(replay.body.error).toContain("was ended by its key");
+          const listed = async () =>
+            (await (await fetch(`${bus.url}/roster`)).json()).roster.map((e: Announcement) => e.session?.session_id);
+          expect(await listed()).toEqual([]);
+          const { byRoute } = await readRoster([new HttpRelay(bus.url)], Date.now());
+          expect(byRoute.has(`${alice.publicKey}#s1`)).toBe(false); // no client routes mail to it
+          expect((await announce(await signAnnouncement(alice, "alice", t0 + 2, session("s1")))).status).toBe(202);
+          expect(await listed()).toEqual(["s1"]);
+        } finally {
+          await stop(bus);
+        }
+      },
+      30_000,
+    );
+  }
 
   test("a 0.8 node's announcements from the vectors and a 0.4 node's are served side by side, each with age_ms", async () => {
     // Raw HTTP, exactly as those nodes post: the vectors were signed at 2026-01-01, so the bus's clock is set there.

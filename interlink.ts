@@ -133,6 +133,14 @@ export const ROSTER_PER_ADDRESS_CAP = 256;
  * bytes, counts one): so each bound holds in bytes as well as in entries (the roster at most 4 MiB).
  */
 export const ROSTER_UNIT_BYTES = 1024;
+/**
+ * Sessions a bus remembers as ended by a signed unregister, so that nobody posts their last announcement again (it
+ * was served by GET /roster): far more than end within ROSTER_RETENTION_MS on any real bus, a few MB at most. Past
+ * it the oldest of the address that ended the most is forgotten.
+ */
+export const ROSTER_ENDED_CAP = 8192;
+/** ... and ended from one source address: past it that address's own oldest is forgotten, nobody else's. */
+export const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
 /** Re-announce at a third of PRESENCE_LIVE_MS, so one lost announcement never makes a live session look away. */
 export const ANNOUNCE_EVERY_MS = 30_000;
 /** Largest request body the bus reads: 2 MiB, as the reference bus (axum's default), so its nodes' messages fit. */
@@ -2841,8 +2849,11 @@ interface RosterEntry {
   units: number; // what it counts against the bounds: one per KiB begun (ROSTER_UNIT_BYTES)
 }
 
-/** Why a roster did not file an announcement: a newer one is filed there, or a bound it would pass with no room to make. */
-export type RosterRefusal = "older" | "full" | "address" | "key";
+/**
+ * Why a roster did not file an announcement: a newer one is filed there, its session ended later than it was
+ * signed, or a bound it would pass with no room to make.
+ */
+export type RosterRefusal = "older" | "ended" | "full" | "address" | "key";
 
 /**
  * Presence on the bus: verified announcements keyed `pubkey#session_id`
@@ -2866,11 +2877,16 @@ export class Roster {
   #perKey = new Map<string, number>(); // units per key: bounded by the entries
   #perAddress = new Map<string, number>(); // units per address bucket: bounded by the entries
   #units = 0;
+  /** Sessions ended by a signed unregister: the unregister's ts, and the address bucket it came from (see end). */
+  #ended = new Map<string, { ts: number; from: string }>(); // bounded: endedCap, oldest first
+  #endedBy = new Map<string, Set<string>>(); // the ids each address bucket ended, oldest first: bounded with #ended
 
   constructor(
     readonly cap = ROSTER_CAP,
     readonly perKeyCap = ROSTER_PER_KEY_CAP,
     readonly perAddressCap = ROSTER_PER_ADDRESS_CAP,
+    readonly endedCap = ROSTER_ENDED_CAP,
+    readonly endedPerAddressCap = ROSTER_ENDED_PER_ADDRESS_CAP,
   ) {}
 
   get size(): number {
@@ -2885,6 +2901,8 @@ export class Roster {
   /** Files an announcement posted from address bucket `from`: true, or why not (see RosterRefusal). */
   put(a: Announcement, json: string, nowMs: number, from = ""): true | RosterRefusal {
     const id = rosterKey(a);
+    const ended = this.#ended.get(id);
+    if (ended && a.ts <= ended.ts) return "ended";
     const old = this.#entries.get(id);
     if (old && old.ts > a.ts) return "older";
     if (old && old.ts === a.ts) {
@@ -2945,6 +2963,57 @@ export class Roster {
   remove(key: string, ts: number): void {
     const e = this.#entries.get(key);
     if (e && e.ts <= ts) this.#remove(key);
+  }
+
+  /**
+   * A session `key` ended at signed time `ts` (its key's unregister, from
+   * address bucket `from`): removed unless a later announcement is filed, and
+   * remembered, so an announcement of it signed no later is refused ("ended"):
+   * anyone could post its last one again off GET /roster, and clients would
+   * take it as live for up to 90 s, listed away for 3 days. Remembered until
+   * ROSTER_RETENTION_MS after `ts`, when the announce route refuses all such
+   * announcements as too old anyway. Keys cost nothing, so a flood of
+   * unregisters of self-made sessions is bounded per address
+   * (`endedPerAddressCap`: that address's own oldest goes) and in all
+   * (`endedCap`: the oldest of the address that ended the most goes), so a
+   * stranger pushes out another address's only from more addresses than the
+   * bound over its share. A key longer than a route (RECIPIENT_MAX_CHARS: no
+   * mail can reach it) is removed and not remembered.
+   */
+  end(key: string, ts: number, from: string, nowMs: number): void {
+    this.remove(key, ts);
+    if (key.length > RECIPIENT_MAX_CHARS) return;
+    const old = this.#ended.get(key);
+    if (old && old.ts >= ts) return;
+    if (old) this.#forgetEnded(key);
+    for (const [k, e] of this.#ended) { // oldest first, near enough: each ts is within minutes of when it came
+      if (nowMs - e.ts < ROSTER_RETENTION_MS) break;
+      this.#forgetEnded(k);
+    }
+    let mine = this.#endedBy.get(from);
+    if (mine && mine.size >= this.endedPerAddressCap) this.#forgetEnded(mine.values().next().value!);
+    else if (this.#ended.size >= this.endedCap) {
+      let most: Set<string> | undefined;
+      for (const ids of this.#endedBy.values()) if (!most || ids.size > most.size) most = ids;
+      this.#forgetEnded(most!.values().next().value!);
+    }
+    this.#ended.set(key, { ts, from });
+    mine = this.#endedBy.get(from);
+    if (!mine) this.#endedBy.set(from, mine = new Set());
+    mine.add(key);
+  }
+
+  /** Sessions remembered as ended (see end). */
+  get endedCount(): number {
+    return this.#ended.size;
+  }
+
+  #forgetEnded(key: string): void {
+    const e = this.#ended.get(key)!;
+    this.#ended.delete(key);
+    const ids = this.#endedBy.get(e.from)!;
+    ids.delete(key);
+    if (!ids.size) this.#endedBy.delete(e.from);
   }
 
   #remove(key: string): void {
@@ -4489,6 +4558,14 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         const bad = await verifyAnnouncement(a);
         if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
         const filed = bus.roster.put(a, json, now, from);
+        if (filed === "ended") {
+          throw new HttpError(
+            409,
+            `session ${fingerprint(a.pubkey)}${
+              a.session?.session_id ? `#${a.session.session_id.slice(0, 128)}` : ""
+            } was ended by its key (a signed unregister) after this announcement was signed; it is not listed again`,
+          );
+        }
         if (filed === "full") {
           throw new HttpError(
             507,
@@ -4541,7 +4618,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         if (await verifyDetached(u.pubkey, u.sig, signed)) {
           throw new HttpError(403, "unregister signature does not verify");
         }
-        bus.roster.remove(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts);
+        bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
         return jsonResponse(202, '{"status":"unregistered"}');
       },
     },
