@@ -3094,7 +3094,7 @@ export class BytesInFlight {
   constructor(
     readonly max = BODIES_IN_FLIGHT_MAX,
     readonly perAddress = BODIES_IN_FLIGHT_PER_ADDRESS,
-    readonly what = "request bodies being read",
+    readonly what = "request bodies being read by this bus",
     readonly close = true,
   ) {}
 
@@ -3105,7 +3105,7 @@ export class BytesInFlight {
     if (mine + n > this.perAddress) {
       throw new HttpError(
         429,
-        `your address already has ${humanBytes(mine)} of ${this.what} by this bus (at most ${
+        `your address already has ${humanBytes(mine)} of ${this.what} (at most ${
           humanBytes(this.perAddress)
         } at once); retry in a moment`,
         this.close,
@@ -3114,7 +3114,7 @@ export class BytesInFlight {
     if (this.bytes + n > this.max) {
       throw new HttpError(
         503,
-        `this bus has ${humanBytes(this.bytes)} of ${this.what} already (at most ${
+        `this bus already has ${humanBytes(this.bytes)} of ${this.what} in all (at most ${
           humanBytes(this.max)
         } at once); retry in a moment`,
         this.close,
