@@ -154,8 +154,8 @@ export const BODIES_IN_FLIGHT_MAX = 32 << 20;
 export const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
 /**
  * An answer this large or larger (a big message, a long roster) is streamed as the connection takes it and counted
- * against the answers in flight. A smaller one is written whole: the socket's kernel buffers take it at once (a
- * peer that reads nothing still advertises this much), so it costs the bus nothing however slowly it is read.
+ * against the answers in flight. A smaller one is written whole: the socket's kernel buffers take it at once (a peer's
+ * receive window alone is about this much before it reads a byte), so it costs the bus nothing however slowly it is read.
  */
 export const ANSWER_STREAM_MIN_BYTES = 64 << 10;
 /**
@@ -2521,7 +2521,7 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 //   {"t":"a","q":<recipient>,"n":<seq>,…}                  acked: an "m" record marked in place (older buses appended these)
 //   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap (earlier releases; read, not written)
 //   {"t":"o","q":<key>}                                    the key has proven it owns its routes (an older bus: one a route)
-//   {"t":"c","ts":<ms>}                                    closed: every route needs a proof from now on (see Bus.close)
+//   {"t":"c","ts":<ms>}                                    closed: every route needs a proof from now on (see Bus.touchOwned)
 //   {"t":"h","next":<seq>}                                 first line after compaction
 // `seq` is global and not reused (compaction keeps the high-water mark), so an
 // ack key handed out before a restart still names the same message after it.
@@ -2870,7 +2870,9 @@ export type RosterRefusal = "older" | "ended" | "full" | "address" | "key";
  * more give way, stalest first, and when none is, the newcomer is refused. A
  * refresh of an entry keeps its place, past the roster's bound too (a growing
  * one still within its key's and its address's); the same signed announcement
- * posted again only refreshes it. The map's order is refresh order.
+ * posted again only refreshes it. A session its key unregistered is not
+ * listed again from an announcement signed before that (see end). The map's
+ * order is refresh order.
  */
 export class Roster {
   #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
@@ -3094,7 +3096,7 @@ export class BytesInFlight {
   constructor(
     readonly max = BODIES_IN_FLIGHT_MAX,
     readonly perAddress = BODIES_IN_FLIGHT_PER_ADDRESS,
-    readonly what = "request bodies being read by this bus",
+    readonly what = "request bodies being read",
     readonly close = true,
   ) {}
 
@@ -3134,7 +3136,7 @@ export class BytesInFlight {
 }
 
 /** Where a request's bytes in flight are counted: one of the bus's budgets, and the request's address bucket. */
-interface BodyBudget {
+interface InFlightBudget {
   inFlight: BytesInFlight;
   from: string;
 }
@@ -3146,7 +3148,7 @@ interface BodyBudget {
 export class AnswerHold {
   bytes = 0;
   /** `writeMs`: how long the answer may take to be read before it is cut off (see streamedAnswer). */
-  constructor(readonly budget: BodyBudget, readonly writeMs = ANSWER_WRITE_MS) {}
+  constructor(readonly budget: InFlightBudget, readonly writeMs = ANSWER_WRITE_MS) {}
 
   /**
    * Holds `n` bytes, an answer's size or more, in place of what it held; throws the budget's 429 or 503, holding
@@ -3232,7 +3234,7 @@ function streamedAnswer(status: number, text: string, held?: AnswerHold): Respon
  * lie), within CONN_BODY_MS of starting (a body dripped a byte at a time is cut off: 408), and against `budget`'s
  * bytes in flight: reserved before reading, held until the runtime's read of it has ended.
  */
-async function readJsonBody(req: Request, budget?: BodyBudget, maxValues = JSON_VALUES_MAX): Promise<unknown> {
+async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = JSON_VALUES_MAX): Promise<unknown> {
   const declared = declaredLength(req);
   if (declared !== null && declared > BODY_LIMIT_BYTES) {
     throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
@@ -4394,7 +4396,7 @@ function claimedSender(payload: string): string {
 async function readKeyedBody(
   req: Request,
   what: string,
-  budget?: BodyBudget,
+  budget?: InFlightBudget,
 ): Promise<Record<string, unknown> & { pubkey: string }> {
   const body = await readJsonBody(req, budget, ANNOUNCEMENT_VALUES_MAX);
   if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
