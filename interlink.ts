@@ -133,6 +133,14 @@ export const ROSTER_PER_ADDRESS_CAP = 256;
  * bytes, counts one): so each bound holds in bytes as well as in entries (the roster at most 4 MiB).
  */
 export const ROSTER_UNIT_BYTES = 1024;
+/**
+ * Sessions a bus remembers as ended by a signed unregister, so that nobody posts their last announcement again (it
+ * was served by GET /roster): far more than end within ROSTER_RETENTION_MS on any real bus, a few MB at most. Past
+ * it the oldest of the address that ended the most is forgotten.
+ */
+export const ROSTER_ENDED_CAP = 8192;
+/** ... and ended from one source address: past it that address's own oldest is forgotten, nobody else's. */
+export const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
 /** Re-announce at a third of PRESENCE_LIVE_MS, so one lost announcement never makes a live session look away. */
 export const ANNOUNCE_EVERY_MS = 30_000;
 /** Largest request body the bus reads: 2 MiB, as the reference bus (axum's default), so its nodes' messages fit. */
@@ -144,6 +152,24 @@ export const BODY_LIMIT_BYTES = 2 << 20;
 export const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 export const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
+/**
+ * An answer this large or larger (a big message, a long roster) is streamed as the connection takes it and counted
+ * against the answers in flight. A smaller one is written whole: the socket's kernel buffers take it at once (a peer's
+ * receive window alone is about this much before it reads a byte), so it costs the bus nothing however slowly it is read.
+ */
+export const ANSWER_STREAM_MIN_BYTES = 64 << 10;
+/**
+ * Bytes of large answers a bus holds at once, not yet taken by their connections, in all (503 past it): as for
+ * bodies, sixteen of the largest message. A connection that never reads holds its answer until ANSWER_WRITE_MS.
+ */
+export const ANSWERS_IN_FLIGHT_MAX = 32 << 20;
+/** ... and for one source address (429): four of the largest at once; one host cannot take the whole budget. */
+export const ANSWERS_IN_FLIGHT_PER_ADDRESS = 8 << 20;
+/**
+ * Payload bytes one batched recv answers at most (at least one message, whatever its size): half an address's
+ * answers in flight, so a session's two long-polls (its route and its bare key) both fit.
+ */
+export const RECV_BATCH_BYTES = 4 << 20;
 /** Longest text an agent will sign: comfortably inside the bus body limit after JSON escaping. */
 export const TEXT_LIMIT_BYTES = 256 * 1024;
 /** Messages one batched recv answers at most (our extension: GET /recv?max=N), and acks one POST /ack takes. */
@@ -2495,6 +2521,7 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 //   {"t":"a","q":<recipient>,"n":<seq>,…}                  acked: an "m" record marked in place (older buses appended these)
 //   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap (earlier releases; read, not written)
 //   {"t":"o","q":<key>}                                    the key has proven it owns its routes (an older bus: one a route)
+//   {"t":"c","ts":<ms>}                                    closed: every route needs a proof from now on (see Bus.touchOwned)
 //   {"t":"h","next":<seq>}                                 first line after compaction
 // `seq` is global and not reused (compaction keeps the high-water mark), so an
 // ack key handed out before a restart still names the same message after it.
@@ -2522,6 +2549,7 @@ type BusRecord =
   | { t: "m"; q: string; n: number; ts: number; s?: string; z?: number; p: string }
   | { t: "a" | "d"; q: string; n: number }
   | { t: "o"; q: string }
+  | { t: "c"; ts: number }
   | { t: "h"; next: number };
 
 /** A queue line's record, or why it is not one (the line is then set aside). */
@@ -2549,6 +2577,9 @@ function decodeBusRecord(r: Record<string, unknown>): BusRecord | string {
       break;
     case "o":
       if (route(q)) return { t: "o", q };
+      break;
+    case "c":
+      if (Number.isSafeInteger(r.ts)) return { t: "c", ts: r.ts as number };
       break;
     case "h":
       if (seq(r.next)) return { t: "h", next: r.next as number };
@@ -2818,8 +2849,11 @@ interface RosterEntry {
   units: number; // what it counts against the bounds: one per KiB begun (ROSTER_UNIT_BYTES)
 }
 
-/** Why a roster did not file an announcement: a newer one is filed there, or a bound it would pass with no room to make. */
-export type RosterRefusal = "older" | "full" | "address" | "key";
+/**
+ * Why a roster did not file an announcement: a newer one is filed there, its session ended later than it was
+ * signed, or a bound it would pass with no room to make.
+ */
+export type RosterRefusal = "older" | "ended" | "full" | "address" | "key";
 
 /**
  * Presence on the bus: verified announcements keyed `pubkey#session_id`
@@ -2836,18 +2870,25 @@ export type RosterRefusal = "older" | "full" | "address" | "key";
  * more give way, stalest first, and when none is, the newcomer is refused. A
  * refresh of an entry keeps its place, past the roster's bound too (a growing
  * one still within its key's and its address's); the same signed announcement
- * posted again only refreshes it. The map's order is refresh order.
+ * posted again only refreshes it. A session its key unregistered is not
+ * listed again from an announcement signed before that (see end). The map's
+ * order is refresh order.
  */
 export class Roster {
   #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
   #perKey = new Map<string, number>(); // units per key: bounded by the entries
   #perAddress = new Map<string, number>(); // units per address bucket: bounded by the entries
   #units = 0;
+  /** Sessions ended by a signed unregister: the unregister's ts, and the address bucket it came from (see end). */
+  #ended = new Map<string, { ts: number; from: string }>(); // bounded: endedCap, oldest first
+  #endedBy = new Map<string, Set<string>>(); // the ids each address bucket ended, oldest first: bounded with #ended
 
   constructor(
     readonly cap = ROSTER_CAP,
     readonly perKeyCap = ROSTER_PER_KEY_CAP,
     readonly perAddressCap = ROSTER_PER_ADDRESS_CAP,
+    readonly endedCap = ROSTER_ENDED_CAP,
+    readonly endedPerAddressCap = ROSTER_ENDED_PER_ADDRESS_CAP,
   ) {}
 
   get size(): number {
@@ -2862,6 +2903,8 @@ export class Roster {
   /** Files an announcement posted from address bucket `from`: true, or why not (see RosterRefusal). */
   put(a: Announcement, json: string, nowMs: number, from = ""): true | RosterRefusal {
     const id = rosterKey(a);
+    const ended = this.#ended.get(id);
+    if (ended && a.ts <= ended.ts) return "ended";
     const old = this.#entries.get(id);
     if (old && old.ts > a.ts) return "older";
     if (old && old.ts === a.ts) {
@@ -2924,6 +2967,57 @@ export class Roster {
     if (e && e.ts <= ts) this.#remove(key);
   }
 
+  /**
+   * A session `key` ended at signed time `ts` (its key's unregister, from
+   * address bucket `from`): removed unless a later announcement is filed, and
+   * remembered, so an announcement of it signed no later is refused ("ended"):
+   * anyone could post its last one again off GET /roster, and clients would
+   * take it as live for up to 90 s, listed away for 3 days. Remembered until
+   * ROSTER_RETENTION_MS after `ts`, when the announce route refuses all such
+   * announcements as too old anyway. Keys cost nothing, so a flood of
+   * unregisters of self-made sessions is bounded per address
+   * (`endedPerAddressCap`: that address's own oldest goes) and in all
+   * (`endedCap`: the oldest of the address that ended the most goes), so a
+   * stranger pushes out another address's only from more addresses than the
+   * bound over its share. A key longer than a route (RECIPIENT_MAX_CHARS: no
+   * mail can reach it) is removed and not remembered.
+   */
+  end(key: string, ts: number, from: string, nowMs: number): void {
+    this.remove(key, ts);
+    if (key.length > RECIPIENT_MAX_CHARS) return;
+    const old = this.#ended.get(key);
+    if (old && old.ts >= ts) return;
+    if (old) this.#forgetEnded(key);
+    for (const [k, e] of this.#ended) { // oldest first, near enough: each ts is within minutes of when it came
+      if (nowMs - e.ts < ROSTER_RETENTION_MS) break;
+      this.#forgetEnded(k);
+    }
+    let mine = this.#endedBy.get(from);
+    if (mine && mine.size >= this.endedPerAddressCap) this.#forgetEnded(mine.values().next().value!);
+    else if (this.#ended.size >= this.endedCap) {
+      let most: Set<string> | undefined;
+      for (const ids of this.#endedBy.values()) if (!most || ids.size > most.size) most = ids;
+      this.#forgetEnded(most!.values().next().value!);
+    }
+    this.#ended.set(key, { ts, from });
+    mine = this.#endedBy.get(from);
+    if (!mine) this.#endedBy.set(from, mine = new Set());
+    mine.add(key);
+  }
+
+  /** Sessions remembered as ended (see end). */
+  get endedCount(): number {
+    return this.#ended.size;
+  }
+
+  #forgetEnded(key: string): void {
+    const e = this.#ended.get(key)!;
+    this.#ended.delete(key);
+    const ids = this.#endedBy.get(e.from)!;
+    ids.delete(key);
+    if (!ids.size) this.#endedBy.delete(e.from);
+  }
+
   #remove(key: string): void {
     const e = this.#entries.get(key)!;
     this.#entries.delete(key);
@@ -2935,6 +3029,11 @@ export class Roster {
     };
     less(this.#perKey, e.pubkey);
     less(this.#perAddress, e.from);
+  }
+
+  /** At least the bytes of GET /roster's answer: each entry's units of ROSTER_UNIT_BYTES, and its `age_ms`. */
+  answerBytes(): number {
+    return 16 + this.#units * ROSTER_UNIT_BYTES + this.#entries.size * 32;
   }
 
   /** What GET /roster serves: each entry with an unsigned `age_ms`, expired ones pruned. */
@@ -2979,39 +3078,48 @@ export function addressBucket(address: string): string {
 }
 
 /**
- * Bytes of request bodies being read right now, in all and per source
- * address: a body reserves its declared length before a byte of it is read (a
- * chunked one, each chunk as it comes) and gives it back once the runtime has
- * let go of it. Past either budget a request is refused unread and its
- * connection closed, so a thousand connections that each send most of a 2 MiB
- * body and stall hold at most the budget, not 2 GB.
+ * Bytes in flight through the bus's HTTP server, in all and per source
+ * address: request bodies being read (a body reserves its declared length
+ * before a byte of it is read, a chunked one each chunk as it comes, and gives
+ * it back once the runtime has let go of it), or answers being written (a large
+ * answer reserves its bytes before its payloads are read, and gives them back
+ * once the connection has taken its last byte, closed, or let its deadline
+ * pass). Past either budget a request is refused, so a thousand connections that
+ * each stall on a 2 MiB body, or never read a 2 MiB answer, hold at most the
+ * budget, not 2 GB.
  */
-export class BodiesInFlight {
+export class BytesInFlight {
   bytes = 0;
-  #byAddress = new Map<string, number>(); // bounded: an entry lives only while its address has a body being read
+  #byAddress = new Map<string, number>(); // bounded: an entry lives only while its address has bytes in flight
 
-  constructor(readonly max = BODIES_IN_FLIGHT_MAX, readonly perAddress = BODIES_IN_FLIGHT_PER_ADDRESS) {}
+  /** `what`: the bytes counted, as the refusals name them; `close`: a refusal ends the connection (a body left unread). */
+  constructor(
+    readonly max = BODIES_IN_FLIGHT_MAX,
+    readonly perAddress = BODIES_IN_FLIGHT_PER_ADDRESS,
+    readonly what = "request bodies being read",
+    readonly close = true,
+  ) {}
 
-  /** Reserves `n` bytes for address bucket `from`; throws the 429 or 503 that refuses the body unread. */
+  /** Reserves `n` bytes for address bucket `from`; throws the 429 or 503 that refuses the request. */
   take(from: string, n: number): void {
     if (n <= 0) return;
     const mine = this.#byAddress.get(from) ?? 0;
     if (mine + n > this.perAddress) {
       throw new HttpError(
         429,
-        `your address already has ${humanBytes(mine)} of request bodies being read by this bus (at most ${
+        `your address already has ${humanBytes(mine)} of ${this.what} (at most ${
           humanBytes(this.perAddress)
-        } at once); retry once they are in`,
-        true,
+        } at once); retry in a moment`,
+        this.close,
       );
     }
     if (this.bytes + n > this.max) {
       throw new HttpError(
         503,
-        `this bus is reading ${humanBytes(this.bytes)} of request bodies already (at most ${
+        `this bus already has ${humanBytes(this.bytes)} of ${this.what} in all (at most ${
           humanBytes(this.max)
         } at once); retry in a moment`,
-        true,
+        this.close,
       );
     }
     this.#byAddress.set(from, mine + n);
@@ -3019,6 +3127,7 @@ export class BodiesInFlight {
   }
 
   give(from: string, n: number): void {
+    if (n <= 0) return;
     this.bytes -= n;
     const left = (this.#byAddress.get(from) ?? n) - n;
     if (left > 0) this.#byAddress.set(from, left);
@@ -3026,10 +3135,36 @@ export class BodiesInFlight {
   }
 }
 
-/** Where a request's body is counted: the bus's budget and the request's address bucket. */
-interface BodyBudget {
-  inFlight: BodiesInFlight;
+/** Where a request's bytes in flight are counted: one of the bus's budgets, and the request's address bucket. */
+interface InFlightBudget {
+  inFlight: BytesInFlight;
   from: string;
+}
+
+/**
+ * The bytes one answer holds in the answers' BytesInFlight until `release` (which may come more than once: the
+ * first gives them back). Only an answer of ANSWER_STREAM_MIN_BYTES or more holds any (see streamedAnswer).
+ */
+export class AnswerHold {
+  bytes = 0;
+  /** `writeMs`: how long the answer may take to be read before it is cut off (see streamedAnswer). */
+  constructor(readonly budget: InFlightBudget, readonly writeMs = ANSWER_WRITE_MS) {}
+
+  /**
+   * Holds `n` bytes, an answer's size or more, in place of what it held; throws the budget's 429 or 503, holding
+   * nothing, when they do not fit. Below ANSWER_STREAM_MIN_BYTES it holds nothing: the answer is written whole.
+   */
+  hold(n: number): void {
+    this.release();
+    if (n < ANSWER_STREAM_MIN_BYTES) return;
+    this.budget.inFlight.take(this.budget.from, n);
+    this.bytes = n;
+  }
+
+  release(): void {
+    this.budget.inFlight.give(this.budget.from, this.bytes);
+    this.bytes = 0;
+  }
 }
 
 let httpDate = { second: 0, text: "" };
@@ -3048,12 +3183,58 @@ export const jsonResponse = (status: number, body: string, headers: Record<strin
 export const errorResponse = (status: number, message: string): Response =>
   jsonResponse(status, JSON.stringify({ error: message }));
 
+/** A large answer's slice handed to the runtime at a time: what a connection's slow reader keeps in the bus's memory. */
+const ANSWER_CHUNK_BYTES = 64 << 10;
+
+/** Answers made by streamedAnswer: the guarded server writes them with backpressure rather than whole. */
+const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
+
+/**
+ * A JSON answer of `text`: written whole when it is short; else streamed a
+ * slice at a time, each only when the connection has taken the one before (a
+ * pull stream: Bun, Deno.serve and the guarded server's writer all wait for the
+ * socket), while `held` keeps its bytes counted as answers in flight. They are
+ * given back when the last slice is taken, when the connection closes (the
+ * runtime cancels the stream), or ANSWER_WRITE_MS after the answer was made
+ * (the stream then fails and the runtime closes the connection): a reader that
+ * never reads costs its share of the budget for that long, never the bus's
+ * memory for good.
+ */
+function streamedAnswer(status: number, text: string, held?: AnswerHold): Response {
+  if (!held?.bytes && text.length < ANSWER_STREAM_MIN_BYTES / 3) return jsonResponse(status, text); // 3 bytes a char at most
+  const bytes = Buffer.from(text);
+  if (!held?.bytes && bytes.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
+  let at = 0;
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const done = () => {
+    clearTimeout(timer);
+    held?.release();
+  };
+  const body = new ReadableStream<Uint8Array>({
+    start(c) {
+      const ms = held?.writeMs ?? ANSWER_WRITE_MS;
+      timer = setTimeout(() => {
+        done();
+        c.error(new Error(`the answer was not all read ${ms / 1000} s after it was made`));
+      }, ms);
+    },
+    pull(c) {
+      c.enqueue(bytes.subarray(at, at += ANSWER_CHUNK_BYTES));
+      if (at >= bytes.length) (c.close(), done());
+    },
+    cancel: done,
+  }, { highWaterMark: 0 });
+  const r = new Response(body, { status, headers: { "content-type": "application/json", date: currentHttpDate() } });
+  STREAMED_ANSWERS.add(r);
+  return r;
+}
+
 /**
  * Reads a JSON body of at most BODY_LIMIT_BYTES, counting bytes as they arrive (Content-Length may be absent or
  * lie), within CONN_BODY_MS of starting (a body dripped a byte at a time is cut off: 408), and against `budget`'s
  * bytes in flight: reserved before reading, held until the runtime's read of it has ended.
  */
-async function readJsonBody(req: Request, budget?: BodyBudget, maxValues = JSON_VALUES_MAX): Promise<unknown> {
+async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = JSON_VALUES_MAX): Promise<unknown> {
   const declared = declaredLength(req);
   if (declared !== null && declared > BODY_LIMIT_BYTES) {
     throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
@@ -3195,6 +3376,11 @@ export interface BusOptions {
   limits?: Partial<QueueLimits>;
   /** Keys whose routes the bus protects at most (see checkOwnership); OWNERS_MAX by default. */
   owners?: number;
+  /**
+   * Bytes of large answers in flight, in all and per address, and how long one may take to be read
+   * (ANSWERS_IN_FLIGHT_MAX, ANSWERS_IN_FLIGHT_PER_ADDRESS and ANSWER_WRITE_MS by default).
+   */
+  answers?: { max?: number; perAddress?: number; writeMs?: number };
   /** Bytes kept free on the data folder's disk (see diskReserve); the default follows the disk's size. */
   diskReserve?: number;
   /** Dead records (acked, dropped) that trigger a compaction once they also outnumber the live ones. */
@@ -3318,7 +3504,10 @@ export interface BusDelivery {
 /** The durable bus: BusQueues and Roster behind a Request → Response handler, on one JSONL file. */
 export class Bus {
   readonly roster = new Roster();
-  readonly inFlight = new BodiesInFlight();
+  readonly inFlight = new BytesInFlight();
+  /** Large answers not yet taken by their connections (see streamedAnswer). */
+  readonly answers: BytesInFlight;
+  readonly #answerWriteMs: number;
   #waiters = new Map<string, Set<() => void>>();
   #syncTimer: ReturnType<typeof setTimeout> | null = null; // the lazy fsync of acks, once scheduled
   #compactAfter = 0; // after a failed compaction, the time of the next try
@@ -3327,12 +3516,12 @@ export class Bus {
   #readBuf = Buffer.allocUnsafe(64 * 1024);
   /**
    * Keys that have proven they read their routes here (see checkOwnership), persisted as "o" records and never
-   * forgotten, whatever others prove. Bounded by `ownersMax`: past it a new key is refused, no owner is dropped.
+   * forgotten, whatever others prove. Bounded by `ownersMax`: past it the bus closes (see #close), no owner is dropped.
    */
   readonly #owners = new Set<string>();
-  #ownerBytes = 0; // their records' bytes: what a compaction writes for them
-  /** New owners per address bucket in the current day (bounded: OWNER_ADDRESSES_TRACKED, the least recent go). */
-  #newOwners = new Map<string, { n: number; since: number }>();
+  #ownerBytes = 0; // their records' bytes, and the "c" record's: what a compaction writes for them
+  /** When the bus closed (its "c" record), or null while it serves the routes of keys that never proved. */
+  #closedSince: number | null = null;
   /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
   readonly #verified = new BoundedMap<string, string>(PROOFS_REMEMBERED); // bounded: forgetting costs one check
   readonly ownersMax: number;
@@ -3357,6 +3546,13 @@ export class Bus {
     this.now = opts.now ?? Date.now;
     this.#compactMinDead = opts.compactMinDead ?? COMPACT_MIN_DEAD;
     this.ownersMax = opts.owners ?? OWNERS_MAX;
+    this.answers = new BytesInFlight(
+      opts.answers?.max ?? ANSWERS_IN_FLIGHT_MAX,
+      opts.answers?.perAddress ?? ANSWERS_IN_FLIGHT_PER_ADDRESS,
+      "answers not yet taken by their connections",
+      false,
+    );
+    this.#answerWriteMs = opts.answers?.writeMs ?? ANSWER_WRITE_MS;
     this.#diskReserve = opts.diskReserve;
     // Read and write: payloads are read back through it, and acks mark records in place.
     this.#reader = fs.openSync(writer.file, "r+");
@@ -3390,6 +3586,7 @@ export class Bus {
       const queues = new BusQueues({ ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) });
       const bad: [offset: number, bytes: number, reason: string, line: string][] = [];
       const owners = new Set<string>(); // keys that proved they own their routes before the restart
+      let closedSince: number | null = null;
       let records = 0, inMemory = 0;
       const h = new MessageHeadReader();
       /** A message record in today's layout, from its head alone: the payload stays on disk. */
@@ -3440,6 +3637,9 @@ export class Bus {
             break;
           case "o":
             owners.add(parseRoute(rec.q).key); // an older bus wrote one per route
+            break;
+          case "c":
+            closedSince = Math.min(closedSince ?? rec.ts, rec.ts);
         }
       });
       for (const [at, bytes, why, line] of bad) quarantineLine(file, at, bytes, why, line);
@@ -3461,8 +3661,10 @@ export class Bus {
         ms: Math.round(performance.now() - started),
       };
       const writer = new JsonlWriter(file, `the bus data folder ${dataDir}`);
-      const bus = new Bus(dataDir, queues, recovery, writer, lock, records - queues.liveCount - owners.size, opts);
+      const kept = queues.liveCount + owners.size + (closedSince === null ? 0 : 1); // what a compaction writes
+      const bus = new Bus(dataDir, queues, recovery, writer, lock, records - kept, opts);
       for (const key of owners) bus.#addOwner(key);
+      if (closedSince !== null) bus.#setClosed(closedSince);
       bus.#deadBytes = Math.max(0, fs.statSync(file).size - bus.#ownerBytes - queues.charged);
       bus.#maybeCompact(true, inMemory > 0);
       return bus;
@@ -3630,6 +3832,11 @@ export class Bus {
     if (line.failed) throw this.#unavailable(line.failed); // held, then written with another record that failed
   }
 
+  /** A hold on the answers in flight for a request from address bucket `from`, holding nothing yet. */
+  answerHold(from: string): AnswerHold {
+    return new AnswerHold({ inFlight: this.answers, from }, this.#answerWriteMs);
+  }
+
   /** Whether `route`'s key has proven it reads its routes here: then a recv or ack of any route of that key needs a proof. */
   isOwned(route: string): boolean {
     return this.#owners.has(parseRoute(route).key);
@@ -3650,41 +3857,64 @@ export class Bus {
     this.#ownerBytes += recordLine({ t: "o", q: key }).bytes;
   }
 
+  /** When the bus closed, or null (see #close). */
+  get closedSince(): number | null {
+    return this.#closedSince;
+  }
+
+  #setClosed(ts: number): void {
+    this.#closedSince = ts;
+    this.#ownerBytes += recordLine({ t: "c", ts }).bytes;
+  }
+
   /**
    * Records that `route`'s key proved with `proof` (verified and fresh) that it reads it. A key proving for the
-   * first time becomes an owner, on disk before the answer (trust on first proof survives a restart), unless the
-   * bus holds its `ownersMax` (507), address bucket `from` made NEW_OWNERS_PER_ADDRESS_PER_DAY today (429), or
-   * the disk has no room for the record (507): then the recv or ack is refused, never served unprotected.
+   * first time becomes an owner, on disk before the answer (trust on first proof survives a restart). When it
+   * cannot be one (the bus holds its `ownersMax`, or its disk has no room for the record), the bus closes instead
+   * (see #close): never is a key that proved left with its routes served to callers without a proof.
    */
-  touchOwned(route: string, proof: string, from = ""): void {
+  touchOwned(route: string, proof: string): void {
     this.#verified.set(route, proof);
     const key = parseRoute(route).key;
     if (this.#owners.has(key)) return;
-    if (this.#owners.size >= this.ownersMax) {
-      throw new HttpError(
-        507,
-        `this bus protects the routes of ${this.ownersMax} keys, the most it keeps, and never forgets one; it cannot protect this key's, so it does not serve them (its operator can raise --owners)`,
-      );
+    let why = `it protects the routes of ${this.ownersMax} keys, the most it keeps (--owners), and never forgets one`;
+    if (this.#owners.size < this.ownersMax) {
+      const line = recordLine({ t: "o", q: key });
+      try {
+        this.#ensureDisk(line.bytes);
+        this.#write(line, true); // once per key, never held: the answer waits for it
+        this.#addOwner(key);
+        if (this.#owners.size === this.ownersMax) {
+          this.#log(
+            `this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): the next new key closes it`,
+          );
+        }
+        return;
+      } catch (e) {
+        why = `it has no room to record one more key that proved its routes (${(e as Error).message})`;
+      }
     }
-    const now = this.now();
-    const day = this.#newOwners.get(from);
-    const made = day && now - day.since < 24 * 60 * 60_000 ? day.n : 0;
-    if (made >= NEW_OWNERS_PER_ADDRESS_PER_DAY) {
-      throw new HttpError(
-        429,
-        `${made} keys proved their routes to this bus from your address in the last day, the most it takes from one; this key's routes are not served until then`,
-      );
-    }
-    const line = recordLine({ t: "o", q: key });
-    this.#ensureDisk(line.bytes);
-    this.#write(line, true); // once per key, never held: the answer waits for it
-    this.#addOwner(key);
-    if (this.#owners.size === this.ownersMax) {
-      this.#log(`this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): new keys are refused`);
-    }
-    this.#newOwners.delete(from); // to the back: the least recent address goes first
-    this.#newOwners.set(from, { n: made + 1, since: made ? day!.since : now });
-    if (this.#newOwners.size > OWNER_ADDRESSES_TRACKED) this.#newOwners.delete(this.#newOwners.keys().next().value!);
+    if (this.#closedSince === null) this.#close(why);
+  }
+
+  /**
+   * Closes the bus, for good: from now on, after any restart too, a recv or
+   * ack of any route needs a proof from the route's key (checkOwnership), so
+   * keys it could not record are as safe as its owners, and a node that never
+   * proves (a reference node) is refused. Keys cost nothing, so any record of
+   * them a stranger can fill; this state is the one such a flood ends in, and it
+   * needs no memory. The "c" record that keeps it goes into the disk's reserve;
+   * this process stays closed even if that write fails (which it then throws).
+   */
+  #close(why: string): void {
+    const ts = this.now();
+    this.#closedSince = ts;
+    this.#log(
+      `closed: ${why}; from now on every recv and ack needs a proof from its route's key (nodes that never prove, as reference nodes, are refused)`,
+    );
+    const line = recordLine({ t: "c", ts });
+    this.#write(line, true);
+    this.#ownerBytes += line.bytes;
   }
 
   /**
@@ -3765,8 +3995,9 @@ export class Bus {
     timeoutMs: number,
     signalOf?: AbortSignal | (() => AbortSignal),
     max = 1,
+    held?: AnswerHold,
   ): Promise<BusDelivery[]> {
-    const ready = this.take(me, max);
+    const ready = this.take(me, max, held);
     if (ready.length || timeoutMs <= 0) return ready;
     const signal = typeof signalOf === "function" ? signalOf() : signalOf;
     if (signal?.aborted) return ready;
@@ -3784,13 +4015,21 @@ export class Bus {
       signal?.addEventListener("abort", done);
       set.add(done);
     });
-    return this.take(me, max);
+    return this.take(me, max, held);
   }
 
-  /** Up to `max` oldest messages for `me`, payloads read back; one whose record is damaged is set aside. */
-  take(me: string, max: number): BusDelivery[] {
+  /**
+   * Up to `max` oldest messages for `me`, no more than RECV_BATCH_BYTES of payload (one at least), payloads read
+   * back; one whose record is damaged is set aside. `held` first holds what their answer weighs (recvAnswerBytes)
+   * or throws the 429 or 503 of the answers in flight, before a payload is read.
+   */
+  take(me: string, max: number, held?: AnswerHold): BusDelivery[] {
     for (;;) {
       const items = this.queues.firstN(me, max);
+      let n = 0, bytes = 0;
+      while (n < items.length && (n === 0 || bytes + items[n].size <= RECV_BATCH_BYTES)) bytes += items[n++].size;
+      items.length = n;
+      held?.hold(recvAnswerBytes(me, items));
       const out: BusDelivery[] = [];
       for (const item of items) {
         const payload = this.#payload(me, item);
@@ -3948,6 +4187,7 @@ export class Bus {
     try {
       this.writer.rewrite((write) => {
         write(recordLine({ t: "h", next: this.queues.nextSeq }).text);
+        if (this.#closedSince !== null) write(recordLine({ t: "c", ts: this.#closedSince }).text);
         for (const q of this.#owners) write(recordLine({ t: "o", q }).text);
         for (const [q, m] of this.queues.live()) {
           const head = messageHead(q, m.seq, m.ts, m.sender, m.size);
@@ -4032,6 +4272,15 @@ export interface RecoveryReport {
 const ackKey = (me: string, m: { seq: number; ts: number }) => `${me}\0${m.seq}:${m.ts}`;
 
 /**
+ * At least the bytes of a GET /recv answer to `me` holding `items`, in either shape: per message its payload, its
+ * ts (16 characters at most), its ack key (`me` as JSON, "\u0000", a seq and a ts) and 60 of JSON around them.
+ */
+function recvAnswerBytes(me: string, items: readonly Queued[]): number {
+  const perMessage = utf8Bytes(JSON.stringify(me)) + 112;
+  return items.reduce((n, m) => n + m.size + perMessage, 64);
+}
+
+/**
  * The seq of the queued message an ack key names, or undefined (already acked, or another message now has that seq).
  * A key without ":ts" (an earlier bus gave those out) names the seq alone.
  */
@@ -4045,14 +4294,10 @@ function ackedSeq(bus: Bus, me: string, key: string): number | undefined {
 const RECV_PROOF_FRESH_MS = 5 * 60_000;
 /**
  * Keys whose routes a bus protects at most (`--owners`). Each is a node's identity, so this is far above any real
- * deployment; held, it is about 6 MB of queue file and 10 MB of memory. Past it new keys are refused, never an
- * owner forgotten: keys cost nothing, so forgetting any would let a flood of them open another's mail.
+ * deployment; held, it is about 6 MB of queue file and 10 MB of memory. Past it the bus closes (see Bus.touchOwned),
+ * never an owner forgotten: keys cost nothing, so forgetting any would let a flood of them open another's mail.
  */
 export const OWNERS_MAX = 100_000;
-/** New owner keys the bus takes from one address bucket in a day: a machine has a few identities, a flood thousands. */
-export const NEW_OWNERS_PER_ADDRESS_PER_DAY = 1_000;
-/** Addresses whose day of new owners is remembered; past it the least recent is forgotten (it may then start a new day). */
-const OWNER_ADDRESSES_TRACKED = 10_000;
 /** Routes whose last verified proof is remembered, so a client's repeats skip the signature check (a minute each). */
 const PROOFS_REMEMBERED = 4096;
 
@@ -4062,11 +4307,13 @@ const PROOFS_REMEMBERED = 4096;
  * recv and ack for every route of that key (`<key>` and `<key>#<session>`),
  * so nobody else can read or delete its mail, for good (see Bus.touchOwned).
  * Keys that never proved work as in the reference contract, for reference
- * nodes. Every proof must be fresh, a repeat too: one captured off the wire is
- * worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403 when a proof
- * is missing, stale or wrong; returns when the caller may go on.
+ * nodes, until the bus closes (a key that proved could not be recorded): then
+ * every route needs a proof. Every proof must be fresh, a repeat too: one
+ * captured off the wire is worth nothing RECV_PROOF_FRESH_MS after its ts.
+ * Throws the 403 when a proof is missing, stale or wrong; returns when the
+ * caller may go on.
  */
-async function checkOwnership(bus: Bus, route: string, proof: unknown, from = ""): Promise<void> {
+async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
   if (proof === undefined || proof === null || proof === "") {
     if (bus.isOwned(route)) {
       throw new HttpError(
@@ -4074,6 +4321,14 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown, from = ""
         `route ${
           fingerprint(route)
         }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`,
+      );
+    }
+    if (bus.closedSince !== null) {
+      throw new HttpError(
+        403,
+        `this bus serves no route without a proof since ${
+          new Date(bus.closedSince).toISOString()
+        } (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`,
       );
     }
     return;
@@ -4093,7 +4348,7 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown, from = ""
     const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
     if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
   }
-  bus.touchOwned(route, proof, from);
+  bus.touchOwned(route, proof);
 }
 
 /** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
@@ -4141,7 +4396,7 @@ function claimedSender(payload: string): string {
 async function readKeyedBody(
   req: Request,
   what: string,
-  budget?: BodyBudget,
+  budget?: InFlightBudget,
 ): Promise<Record<string, unknown> & { pubkey: string }> {
   const body = await readJsonBody(req, budget, ANNOUNCEMENT_VALUES_MAX);
   if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
@@ -4252,17 +4507,20 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
       async handle(bus, req, { query, from }) {
         const params = new URLSearchParams(query);
         const me = recipientParam(params.get("me"), "me");
-        await checkOwnership(bus, me, params.get("proof") ?? undefined, from);
+        await checkOwnership(bus, me, params.get("proof") ?? undefined);
         // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that
         // no client which did not ask can take for one message; a reference bus ignores max and answers one.
         const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
+        const held = bus.answerHold(from);
         // The request's signal is read only when the recv has to wait (under Deno, building it costs).
-        const got = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal, max);
+        const got = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal, max, held);
         if (!got.length) return jsonResponse(200, '{"status":"timeout"}');
         const entry = (m: BusDelivery) =>
           `"envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${JSON.stringify(ackKey(me, m))}`;
-        if (max > 1) return jsonResponse(200, `{"status":"messages","messages":[${got.map((m) => `{${entry(m)}}`)}]}`);
-        return jsonResponse(200, `{"status":"message",${entry(got[0])}}`);
+        const text = max > 1
+          ? `{"status":"messages","messages":[${got.map((m) => `{${entry(m)}}`)}]}`
+          : `{"status":"message",${entry(got[0])}}`;
+        return streamedAnswer(200, text, held);
       },
     },
     "/ack": {
@@ -4279,7 +4537,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         if (!keys.every((k) => (k as string).startsWith(me + "\0"))) {
           throw new HttpError(403, "that ack key belongs to another recipient");
         }
-        await checkOwnership(bus, me, body.proof, from);
+        await checkOwnership(bus, me, body.proof);
         // Unknown or already acked: still 200, acks are idempotent.
         bus.ack(me, ...(keys as string[]).map((k) => ackedSeq(bus, me, k)).filter((seq) => seq !== undefined));
         return jsonResponse(200, '{"status":"acked"}');
@@ -4302,6 +4560,14 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         const bad = await verifyAnnouncement(a);
         if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
         const filed = bus.roster.put(a, json, now, from);
+        if (filed === "ended") {
+          throw new HttpError(
+            409,
+            `session ${fingerprint(a.pubkey)}${
+              a.session?.session_id ? `#${a.session.session_id.slice(0, 128)}` : ""
+            } was ended by its key (a signed unregister) after this announcement was signed; it is not listed again`,
+          );
+        }
         if (filed === "full") {
           throw new HttpError(
             507,
@@ -4354,16 +4620,16 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         if (await verifyDetached(u.pubkey, u.sig, signed)) {
           throw new HttpError(403, "unregister signature does not verify");
         }
-        bus.roster.remove(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts);
+        bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
         return jsonResponse(202, '{"status":"unregistered"}');
       },
     },
     "/roster": {
       method: "GET",
-      handle(bus) {
-        return Promise.resolve(
-          jsonResponse(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`),
-        );
+      handle(bus, _req, { from }) {
+        const held = bus.answerHold(from);
+        held.hold(bus.roster.answerBytes()); // before the answer is made: a refused read costs nothing
+        return Promise.resolve(streamedAnswer(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`, held));
       },
     },
   };
@@ -4455,6 +4721,12 @@ const isLoopback = (host: string) => host === "localhost" || host === "::1" || /
 export const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
 /** ... and one whose request body is not all there this long after its headers (a byte every few seconds). */
 export const CONN_BODY_MS = msFromEnv("INTERLINK_TEST_CONN_BODY_MS", 15_000);
+/**
+ * A large answer not all taken by its connection this long after it was made is cut off, the connection closed
+ * and its bytes given back: 4 MiB in 30 s is a link of 140 KB/s, while a reader that stalls on purpose holds its
+ * share of ANSWERS_IN_FLIGHT_MAX no longer than this.
+ */
+export const ANSWER_WRITE_MS = msFromEnv("INTERLINK_TEST_ANSWER_WRITE_MS", 30_000);
 /** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
 const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
 /** Connections a guarded server holds at most; fewer when the file-descriptor limit is lower (see connectionBound). */
@@ -4470,6 +4742,34 @@ function connectionBound(): number {
     limit = Number(spawnSync("sh", ["-c", "ulimit -n"], { encoding: "utf8" }).stdout?.trim());
   }
   return Number.isSafeInteger(limit) && limit > 0 ? Math.max(16, Math.min(CONN_MAX, limit - 64)) : CONN_MAX;
+}
+
+/**
+ * Writes a streamed answer's slices to `res`, each once node:http has passed the one before to the socket (its
+ * "drain"), so a reader that stalls holds one slice here, not the answer. A connection that closes cancels the
+ * stream (which gives its bytes back); a stream that fails (its deadline) throws. False when the connection closed.
+ */
+async function writeWithBackpressure(
+  body: ReadableStream<Uint8Array>,
+  res: import("node:http").ServerResponse,
+): Promise<boolean> {
+  const reader = body.getReader();
+  const gone = () => void reader.cancel().catch(() => {});
+  res.once("close", gone);
+  try {
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (res.destroyed) return (gone(), false);
+      if (done) return true;
+      if (res.write(value)) continue;
+      await new Promise<void>((resolve) => {
+        const on = () => (res.off("drain", on), res.off("close", on), resolve());
+        res.on("drain", on).on("close", on);
+      });
+    }
+  } finally {
+    res.off("close", gone);
+  }
 }
 
 /**
@@ -4557,11 +4857,17 @@ async function serveGuarded(
       const r = await handler(lite as unknown as Request, socket.remoteAddress ?? "").catch((e) =>
         gone.signal.aborted ? Promise.reject(e) : serverError(e)
       );
-      const text = await r.text();
       // A body left unread (refused on its declared length, or past the limit) is not waited for: the
       // connection closes after the answer instead of trickling on.
       const unread = (hasBody || Number(declared) > 0) && !whole;
-      res.writeHead(r.status, { ...Object.fromEntries(r.headers), ...(unread ? { connection: "close" } : {}) });
+      const headers = { ...Object.fromEntries(r.headers), ...(unread ? { connection: "close" } : {}) };
+      if (STREAMED_ANSWERS.has(r)) {
+        res.writeHead(r.status, headers);
+        if (await writeWithBackpressure(r.body!, res)) res.end(() => unread && socket.destroy());
+        return;
+      }
+      const text = await r.text();
+      res.writeHead(r.status, headers);
       res.end(text, () => unread && socket.destroy());
     } catch {
       res.destroy(); // a client that went away, or a body cut off by its deadline: nothing to answer
@@ -13948,7 +14254,7 @@ const COMMANDS: Record<string, CommandSpec> = {
         env: "INTERLINK_BUS_OWNERS",
         default: String(OWNERS_MAX),
         help:
-          "keys whose routes the bus protects (recipient ownership), never forgotten; past it a new key's recv and ack are refused (507)",
+          "keys whose routes the bus protects (recipient ownership), never forgotten; past it the bus closes: every recv and ack then needs a proof, and reference nodes are refused (403)",
       },
       guard: {
         type: "string",

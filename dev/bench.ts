@@ -975,8 +975,10 @@ async function benchSessions(root: string, progress: (m: string) => void, server
  * roster must stay at its cap); one client posting 900 KB opaque payloads to
  * 300 recipients (the global byte budget must answer 507); one key posting
  * 250 KB signed messages to 300 recipients (its own budget must answer 429);
- * 2,000 signed junk messages to one recipient (the per-recipient cap). Memory
- * must stay bounded: each reports the bus's RSS and its ratio to the same bus idle.
+ * 2,000 signed junk messages to one recipient (the per-recipient cap); then
+ * issue 34's (ownership, bodies in flight, tiny messages, the roster) and slow
+ * readers of large answers. Memory must stay bounded: each reports the bus's
+ * RSS and its ratio to the same bus idle.
  */
 async function benchFlood(root: string, progress: (m: string) => void, servers: Runtime | undefined) {
   /** `rest`: also the bus's RSS 5 s after the flood's clients went away. */
@@ -1069,6 +1071,8 @@ async function benchFlood(root: string, progress: (m: string) => void, servers: 
   tiny.restart = await restartOn(servers, path.join(root, "flood-tiny"));
   progress("flood: 64 keys × 64 sessions of 8 KB announcements, then 5,000 keys of small ones, beside a live session");
   const roster = await flood("roster", (url) => rosterFlood(url));
+  progress("flood: 1,000 connections ask for a 1.9 MB message and 1,000 for a 250 KB roster, and read nothing");
+  const slow = await flood("slow", (url) => slowReadersFlood(url), true);
   return {
     announce,
     opaque_bytes: opaqueBytes,
@@ -1078,6 +1082,7 @@ async function benchFlood(root: string, progress: (m: string) => void, servers: 
     bodies_in_flight: bodies,
     tiny_messages: tiny,
     roster,
+    slow_readers: slow,
   };
 }
 
@@ -1278,6 +1283,44 @@ async function rosterFlood(url: string): Promise<Record<string, unknown>> {
   } finally {
     clearInterval(refresh);
   }
+}
+
+/**
+ * Slow readers: a roster as long as one address may make it (4 keys × 64 sessions of about 1 KB) and a 1.9 MB
+ * message on a route nobody owns; then 1,000 connections ask for the message and 1,000 for the roster, read the
+ * status line and nothing more, and hold for 10 s before they close. Answers by status, and whether the message is
+ * whole for a reader after them.
+ */
+async function slowReadersFlood(url: string): Promise<Record<string, unknown>> {
+  for (let k = 0; k < 4; k++) {
+    const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    await Promise.all(Array.from({ length: 64 }, async (_, i) => {
+      const session = { session_id: `s${i}`, cwd: `/${"p".repeat(700)}`, git_root: "", summary: "" };
+      const r = await postJson(`${url}/announce`, await signAnnouncement(id, `k${k}`, Date.now(), session));
+      await r.body?.cancel();
+    }));
+  }
+  const rosterBytes = (await (await fetch(`${url}/roster`)).text()).length;
+  await (await postJson(`${url}/send`, { to: "slow", payload: "x".repeat(1_900_000) })).body?.cancel();
+  const { port } = new URL(url);
+  const answers: Record<string, number> = {};
+  const sockets: net.Socket[] = [];
+  for (let i = 0; i < 2_000; i++) {
+    const s = net.connect(Number(port), "127.0.0.1");
+    s.on("error", () => {});
+    s.once("data", (d) => {
+      const status = `${i % 2 ? "roster" : "recv"} ${d.toString("latin1").slice(9, 12)}`;
+      answers[status] = (answers[status] ?? 0) + 1;
+      s.pause();
+    });
+    s.write(`GET ${i % 2 ? "/roster" : "/recv?me=slow&timeout_ms=0"} HTTP/1.1\r\nHost: x\r\n\r\n`);
+    sockets.push(s);
+  }
+  await sleep(10_000);
+  for (const s of sockets) s.destroy();
+  const after = await fetch(`${url}/recv?me=slow&timeout_ms=0`);
+  const whole = after.status === 200 && (await after.json()).envelope?.payload?.length === 1_900_000;
+  return { roster_bytes: rosterBytes, message_bytes: 1_900_000, answers, message_whole_after: whole };
 }
 
 /**
