@@ -11929,21 +11929,17 @@ export class McpStdioServer {
 // CLI
 // ============================================================================
 //
-// One table describes every command and flag; parsing, INTERLINK_* env twins,
-// defaults and --help are all generated from it, so the help cannot drift from
-// what the code accepts. Precedence: flag, then env var, then default.
+// One table describes every command and flag; parsing, INTERLINK_* env twins, defaults and --help are generated
+// from it, so the help cannot drift from the code. Precedence: flag, env var, config.json, default.
 
 interface OptionSpec {
   type: "string" | "boolean";
   help: string;
-  /** Placeholder shown in help for string options. */
-  arg?: string;
+  arg?: string; // the placeholder help shows
   env?: string;
-  /** For a boolean flag whose env twin says the opposite (--no-bus / INTERLINK_AUTOSTART_BUS=0). */
-  envInverted?: boolean;
+  envInverted?: boolean; // a flag whose env twin says the opposite (--no-bus / INTERLINK_AUTOSTART_BUS=0)
   default?: string | (() => string);
-  /** How help describes a default computed at run time (e.g. from the key's fingerprint). */
-  defaultHelp?: string;
+  defaultHelp?: string; // a default computed at run time, as help describes it
   short?: string;
 }
 
@@ -11957,10 +11953,8 @@ export interface OptionSources {
 
 export interface CommandSpec {
   summary: string;
-  /** Positional arguments as shown in usage, e.g. "<peer> <text>". */
-  args?: string;
-  /** Longer explanation printed under the usage line. */
-  about?: string;
+  args?: string; // positionals as usage shows them: "<peer> <text>"
+  about?: string; // printed under the usage line
   options: Record<string, OptionSpec>;
   run(opts: Options, positionals: string[], from: OptionSources): Promise<number>;
 }
@@ -12042,11 +12036,8 @@ export const OPT = {
 } satisfies Record<string, OptionSpec>;
 
 /**
- * The settings kept in config.json, so the CLI (`doctor`, `send`, `log`,
- * `tasks`, `wait`) finds the bus, name and folders the server was given
- * without repeating them: `interlink.ts init` writes it, and the server writes
- * it on its first start from the flags and INTERLINK_* variables it got.
- * Flags and variables still override it.
+ * The settings config.json keeps, so the CLI finds the bus, name and folders the server was given: `init` writes it,
+ * and so does the server's first start, from the flags and variables it got. Flags and variables override it.
  */
 export const CONFIG_KEYS = ["key", "peers", "url", "name", "state", "delivery", "max-depth"] as const;
 /** config.json: INTERLINK_CONFIG, else beside the default peers.json. */
@@ -12143,11 +12134,7 @@ function defaultNodeState(fp: string): string {
   return path.join(stateDir(), "interlink", `node-${fp}`);
 }
 
-/**
- * This process's session id: --session / INTERLINK_SESSION (or the deprecated
- * --inbox) if given, else CLAUDE_CODE_SESSION_ID (Claude Code gives every MCP
- * server of a session the id its hooks get), else 8 random hex characters.
- */
+/** --session (or --inbox), else CLAUDE_CODE_SESSION_ID (the id the session's hooks get too), else 8 random hex. */
 export function chooseSession(pinned: string | undefined): string {
   const given = pinned?.trim();
   if (given) {
@@ -12270,10 +12257,8 @@ export function selfCommand(args: string[], script: string = thisScript()): stri
 // -- terminal output ----------------------------------------------------------
 
 /**
- * Command output, written synchronously: process.stdout on a pipe is
- * asynchronous in Bun, and the exit that follows a command would cut a long
- * `log` short. (Not used by `mcp`, whose stdout belongs to MCP.) No hidden character reaches the terminal: an
- * ANSI escape or a bidi override in a field the caller did not escape shows as its code point (showInvisible).
+ * Command output, written synchronously (process.stdout on a pipe is asynchronous in Bun: the exit would cut a long
+ * `log` short); never by `mcp`. An ANSI escape or bidi override shows as its code point (showInvisible).
  */
 export function print(text = ""): void {
   const bytes = Buffer.from(showInvisible(text) + "\n");
@@ -12424,20 +12409,15 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
 const OPEN_AFTER_MS = 500;
 
 /**
- * A server start slower than this is reported (stderr, which Claude Code logs, and `doctor`): Claude Code 2.1.332
- * shows a server that has not answered in 30 s (MCP_TIMEOUT) as failed, with no interlink tools and no word in the
- * session. The file itself loads in well under a second; what can be slow is fetching it (`deno run https://…`),
+ * A start slower than this is reported (stderr, and `doctor`): Claude Code shows a server silent for 30 s
+ * (MCP_TIMEOUT) as failed, with no word in the session. What can be slow is fetching the file (`deno run https://…`),
  * a cold disk, or a machine's first bus start.
  */
 const SLOW_START_MS = msFromEnv("INTERLINK_TEST_SLOW_START_MS", 5_000);
 
-/** Where `mcp` records how long its last start took, for `doctor`. */
 const lastStartFile = (stateDir: string) => path.join(stateDir, "last-start.json");
 
-/**
- * Records how long this process took from its start (the runtime's time origin: fetching and loading the file
- * included) until its MCP server could answer, and warns when that is past SLOW_START_MS.
- */
+/** Records (for `doctor`) how long since the runtime's time origin, fetching the file included, the server took. */
 function recordStart(stateDir: string): void {
   const ms = Math.round(performance.now());
   if (ms > SLOW_START_MS) {
@@ -12479,12 +12459,7 @@ function lastStartFinding(stateDir: string): Finding | null {
     : { level: "ok", what };
 }
 
-/**
- * True when `claude mcp list` or `claude mcp get` started this server: a health
- * check that connects, lists the tools and stops. Its handshake, clientInfo
- * and CLAUDE_CODE_SESSION_ID look like a session's (Claude Code 2.1.332); its
- * command line does not.
- */
+/** True under `claude mcp list|get`: a health check whose handshake looks like a session's, its command line not. */
 function startedByHealthCheck(): boolean {
   return /\bclaude\b.*\bmcp\s+(list|get)\b/.test(processArgv(process.ppid));
 }
@@ -12506,19 +12481,11 @@ function codexTarget(thread: string): CodexTarget {
 }
 
 /**
- * The MCP server. It always connects: a problem it can outlive (an explicitly
- * configured key that is missing, a broken peers.json or config.json) makes
- * every tool answer with the problem and its fix, and the instructions say
- * interlink is not ready, instead of a bare "Failed to connect" whose reason
- * hides in Claude Code's log. With no key at the default path it creates one.
- *
- * Its session opens (folder, lock, announcement, polling) only once it is
- * real: OPEN_AFTER_MS after the client's `initialized` or at its first tool
- * call, never for a health check (`claude mcp list`). Under Codex the session
- * id is the thread's, which the server learns from the SessionStart hook
- * (bind_session) or a tool call's `_meta.threadId`: until then it announces
- * nothing and claims no mail, and a tool call that cannot tell it its thread
- * is an error. A Codex subagent is not a session.
+ * The MCP server. It always connects: a problem it can outlive (a configured key that is missing, a broken
+ * peers.json or config.json) makes every tool answer with it and its fix, not a bare "Failed to connect".
+ * Its session opens only once it is real (OPEN_AFTER_MS after `initialized`, or at the first tool call), never for a
+ * health check. Under Codex the session is the thread, learnt from bind_session (the SessionStart hook) or a call's
+ * `_meta.threadId`: until then it announces nothing and claims no mail. A Codex subagent is not a session.
  */
 async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   setLogComponent("interlink mcp");
@@ -12648,11 +12615,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   return 0;
 }
 
-/**
- * Makes sure a key file exists: at the default path a missing one is created
- * (0600) and its fingerprint logged; a path someone configured is never
- * invented, since a typo there would silently become a new identity.
- */
+/** Creates a missing key at the default path; a configured path is never invented (a typo would be a new identity). */
 async function ensureKey(file: string, isDefault: boolean): Promise<void> {
   if (fs.existsSync(file)) return;
   if (!isDefault) {
@@ -12865,11 +12828,8 @@ export const RENEW_TEXT =
   "interlink: no peer messages yet; the listener was renewed. Nothing to do: end your turn now, without a reply.\n";
 
 /**
- * True when this hook runs under a one-shot `claude -p "…"`: its exit would
- * wake nothing (the run is over), and Claude Code would wait up to 30 s for it
- * to end. Hooks get the same stdin and environment in every print mode
- * (Claude Code 2.1.332); only claude's own command line (CLAUDE_PID) tells a
- * one-shot from a session fed by stream-json.
+ * True under a one-shot `claude -p`: an exit would wake nothing, and Claude Code would wait 30 s for it. Only claude's
+ * command line (CLAUDE_PID) tells it from a session fed by stream-json: hooks get the same stdin and environment.
  */
 function underOneShotClaude(): boolean {
   const argv = processArgv(Number(process.env.CLAUDE_PID) || undefined);
@@ -12877,11 +12837,8 @@ function underOneShotClaude(): boolean {
 }
 
 /**
- * True when the session's server has stopped: it started in this run of claude
- * (its session.json was written since) and no process holds its agent.lock,
- * and no newer server is taking over (a handover). Claude Code stops its servers first when a session ends,
- * so a `wait` that outlives its server would only hold Claude Code's exit up
- * (30 s) and show nothing anyone reads; what waits goes to the next session.
+ * True when the session's server, started in this run of claude, has stopped (no agent.lock, no handover): Claude
+ * Code stops servers first when a session ends, and a `wait` outliving it would only hold claude's exit up 30 s.
  */
 function serverGone(dir: string, claude: { pid?: number; startedAt: number | null; servers: Set<number> }): boolean {
   if (fs.existsSync(path.join(dir, "handover")) || lockOwner(path.join(dir, "agent.lock"))) return false;
@@ -12918,11 +12875,7 @@ function interlinkChildren(parent: number | undefined): number[] {
   }
 }
 
-/**
- * When a process started (unix ms): from /proc to a hundredth of a second
- * (its start in clock ticks against the uptime), else from `ps` (whole
- * seconds: the latest it can have been); null when that cannot be told.
- */
+/** When a process started (unix ms): from /proc to 10 ms, else from `ps` (whole seconds, the latest), else null. */
 function processStartedAt(pid: number | undefined): number | null {
   if (!pid) return null;
   try {
@@ -12939,19 +12892,10 @@ function processStartedAt(pid: number | undefined): number | null {
 }
 
 /**
- * `wait`, the Stop hook: waits on one session's inbox only, so two sessions'
- * hooks never drain each other's messages. The session is --session /
- * INTERLINK_SESSION, else the `session_id` of the hook's JSON on stdin (Claude
- * Code passes it, and it equals the CLAUDE_CODE_SESSION_ID its server uses),
- * else the node's only session. A usage problem exits 1, never 2 (2 would wake
- * the model with it).
- *
- * It never goes deaf: Claude Code kills a hook at its `timeout` and re-arms it
- * only when a turn ends, so shortly before its own --timeout (the shipped hook
- * gives both 7 days) `wait` renews itself: it exits 2 with RENEW_TEXT, the
- * model ends that turn at once, and the hook runs again (one short turn per
- * timeout). It exits 0 at once under a one-shot `claude -p`, and as soon as
- * its session's server has stopped.
+ * `wait`, the Stop hook, on one session's inbox (two sessions' hooks never drain each other's): --session, else the
+ * hook's `session_id` on stdin (its server's CLAUDE_CODE_SESSION_ID), else the only one. A usage problem exits 1,
+ * never 2 (which would wake the model with it). It never goes deaf: Claude Code kills a hook at its `timeout` and
+ * re-arms it only when a turn ends, so shortly before --timeout it exits 2 with RENEW_TEXT and the hook runs again.
  */
 async function runWait(o: Options): Promise<number> {
   const root = (o.state as string | undefined) ?? defaultNodeState((await readIdentity(o.key as string)).fingerprint);
@@ -13039,30 +12983,23 @@ async function runWait(o: Options): Promise<number> {
 
 // -- pairing by invite: invite, join ------------------------------------------
 //
-// Two machines paired in two commands. `invite` (on A) files an invite (see "invites" in the agent), prints the
-// command to run on B with a code in it, and answers the join itself while it waits: an agent on a session of its
-// own reads the node's door, the route the code names, unless a session of the node reads it already (and after it
-// exits, a running session does). `join <code>` (on B) checks the code, the relay and the clocks before anything is
-// written, pins A's key under a petname, knocks with the proof and waits for A's answer: its acceptance, or a signed
-// receipt that says why it refused. No answer: nothing of A runs, and B keeps nothing of the attempt.
+// `invite` (on A) files an invite (see "invites" in the agent), prints the `join <code>` command for B, and admits
+// the join itself while it waits (after it exits, a running session does). `join` (on B) checks the code, the relay
+// and the clocks before writing anything, pins A's key, knocks with the proof and waits for A's acceptance or signed
+// refusal; with no answer, B keeps nothing of the attempt.
 
-/**
- * What an invite code carries to the joining machine: the invite's id, the inviter's key (pinned by the joiner:
- * no trust on first use), the one-time secret, when it expires, the route to knock at (`key#session`), the relay
- * URLs to use, and the inviter's claimed name (a hint for the joiner's petname, "" if none).
- */
+/** An invite code: the inviter's key is pinned by the joiner (no trust on first use); `name` is a petname hint. */
 export interface InviteCode {
   id: string;
   key: string;
   secret: Bytes;
-  /** Unix ms, whole seconds (the code carries seconds). */
-  expiresMs: number;
-  session: string;
+  expiresMs: number; // whole seconds: the code carries seconds
+  session: string; // the route to knock at is key#session
   urls: string[];
   name: string;
 }
 
-/** Every invite code starts so: "il" and the layout's version. */
+/** "il" and the layout's version. */
 export const INVITE_CODE_PREFIX = "il1.";
 const INVITE_CHECK_BYTES = 4;
 
@@ -13162,10 +13099,8 @@ export function parseDuration(text: string, flag: string): number {
 const VIRTUAL_IFACE_RE = /^(docker|br-|veth|virbr|vmnet|vboxnet|cni|flannel|podman|lxc|lxd)/;
 
 /**
- * The addresses another machine may reach this one at, best first: private IPv4 (10/8, 172.16/12, 192.168/16),
- * then the shared range VPNs use (100.64/10: Tailscale, a carrier's NAT), then any other, each on an interface
- * that is not internal (loopback), those of bridges and virtual links last. IPv6 is left out: its link-local
- * addresses need a zone, and a global one is rarely what two machines on one desk share.
+ * The IPv4 addresses another machine may reach this one at, best first: private, then 100.64/10 (VPNs, a carrier's
+ * NAT), then any other; bridges and virtual links last. No IPv6: link-local needs a zone, a global one is rarely shared.
  */
 export function lanAddresses(
   ifaces: NodeJS.Dict<os.NetworkInterfaceInfo[]> = os.networkInterfaces(),
@@ -13204,11 +13139,7 @@ function withHost(url: string, address: string): string {
 /** What trying a relay found: its round trip and its clock (a bus's Date header), or why it cannot be reached. */
 export type Reach = { ok: true; ms: number; skewMs?: number } | { ok: false; why: string };
 
-/**
- * Tries a relay as the joining machine does: for a bus, a TCP connection first (so the failure is named: refused,
- * no route, no answer), then GET /roster, whose Date header gives the bus's clock against `now`; for NATS, a
- * connection with JetStream ready.
- */
+/** Tries a relay: a bus by TCP first (so a failure is named), then GET /roster, whose Date gives its clock. */
 export async function reachRelay(url: string, timeoutMs: number, now: () => number = Date.now): Promise<Reach> {
   if (isNatsUrl(url)) {
     const relay = new NatsRelay(url);
@@ -13291,10 +13222,8 @@ interface SharedRelay {
 }
 
 /**
- * The relays the other machine should use, from the ones this node uses: as given, when `--url` (or
- * INTERLINK_URL) names them; else a loopback URL becomes this machine's LAN address (lanAddresses), and its bus
- * must be reachable there: when it listens only on loopback this says so and how to run it reachable, or, with
- * `lan`, runs it so (this machine's own bus, restarted on every address, same port and data).
+ * The relays the other machine should use: as given by --url; else a loopback URL becomes this machine's LAN address,
+ * where its bus must answer (with `lan`, restarted on every address; else an error says how).
  */
 async function shareRelays(urls: string[], given: boolean, lan: boolean): Promise<SharedRelay[]> {
   const shared: SharedRelay[] = [];
@@ -13535,12 +13464,9 @@ async function forgetSession(stateDir: string, session: string): Promise<void> {
 }
 
 /**
- * `join <code>`: pairs this machine with the one that printed the code. The code, the relay and the clocks are
- * checked before anything is written (the expiry by the relay's clock too: this machine's may be behind); then
- * the key is made if missing, the inviter pinned under a petname (its signed refusal must pass the gate) and the
- * knock sent with its proof; the answer is waited for (--wait). Paired: config.json names the relay. Refused, or
- * no answer: the pin is taken back and config.json is not written; with no answer, this join's session is removed
- * too, so a late answer completes nothing behind the operator's back (joining again with the same code does).
+ * `join <code>`: the expiry is checked by the relay's clock too (this machine's may be behind). The inviter is pinned
+ * before the knock (its signed refusal must pass the gate); refused or unanswered, the pin is taken back and
+ * config.json not written, and with no answer this join's session goes too, so a late answer completes nothing.
  */
 async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<number> {
   setLogComponent("interlink join");
@@ -14073,27 +13999,9 @@ async function runDoctor(o: Options): Promise<number> {
   return problems ? 1 : 0;
 }
 
-// -- codex-install ------------------------------------------------------------
-//
-// A Codex user installs interlink by `interlink.ts codex-install`: a table
-// [mcp_servers.interlink] in $CODEX_HOME/config.toml (between our markers,
-// everything else left byte for byte), a SessionStart hook in hooks.json that
-// tells the server its thread (bind_session with ${session_id}), and the
-// hook's trust entry, which Codex 0.171 keys by the hook's place
-// ("<realpath of hooks.json>:session_start:<group>:<handler>") and checks
-// against a hash of the handler (codexHookHash); without it Codex stops at
-// "Hooks need review". Where the codex binary is found, `codex app-server`
-// (its hooks/list) confirms the hook reads as trusted.
+// -- set-up: claude, init, keygen, id -----------------------------------------
 
-// -- identity: keygen, id, verify ---------------------------------------------
-
-/**
- * `interlink.ts claude [args…]`: starts Claude Code with the development
- * channels flag for this server and INTERLINK_DELIVERY=channel in its
- * environment, which the server it starts inherits: the one way a session
- * both accepts channel events and has interlink push them. Arguments pass
- * through untouched; the exit code is claude's (127 if it cannot be started).
- */
+/** `claude [args…]`: the one way a session both accepts channel events and has interlink push them; claude's code. */
 async function runClaude(args: string[]): Promise<number> {
   const channel = process.env.INTERLINK_CLAUDE_CHANNEL || "server:interlink";
   const argv = ["--dangerously-load-development-channels", channel, ...args];
@@ -14160,8 +14068,6 @@ async function runId(o: Options): Promise<number> {
   print(`fingerprint  ${id.fingerprint}`);
   return 0;
 }
-
-// -- demo ---------------------------------------------------------------------
 
 // -- the command table, help and parsing --------------------------------------
 
@@ -14518,12 +14424,7 @@ export function programHelp(): string {
   ].join("\n");
 }
 
-/** Parses argv for one command: flags, then env twins, then defaults. Unknown flags are an error. */
-/**
- * Parses argv for one command. Each option is taken from its flag, else its
- * INTERLINK_* variable, else config.json (for the settings every node command
- * shares), else its default. Unknown flags are an error.
- */
+/** Parses argv for one command: each option from its flag, else its variable, else config.json, else its default. */
 export function parseCommandLine(
   name: string,
   argv: string[],
