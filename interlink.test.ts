@@ -5024,6 +5024,50 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
     120_000,
   );
 
+  test(
+    "a session in inbox mode with a thousand unread holds none of their texts: check_inbox and wait read each back whole, in order, once, across a roll-over",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
+      try {
+        const msgs = [];
+        for (let i = 0; i < 1_000; i++) {
+          const msg = await signMessage(
+            A.id,
+            { to: B.id.publicKey, text: `unread ${i} ${"·".repeat(100)}` },
+            Date.now(),
+          );
+          expect((await bob.receive(msg))?.verdict).toBe("deliver");
+          msgs.push(msg);
+        }
+        expect(bob.state.inbox.size).toBe(1_000);
+        expect(JSON.stringify([...bob.state.inbox.values()])).not.toContain("unread ");
+        const first = await claimInbox(bob.journal, 10);
+        expect(first.map(textOf)).toEqual(msgs.slice(0, 10).map((m) => m.text));
+        // Rolled over: the unread ones are carried a line each, and read back from there.
+        fs.appendFileSync(
+          journalOf(B),
+          Array.from({ length: 20_000 }, (_, i) => `{"t":"sent","at":1,"msg_id":"p${i}","via":[]}\n`).join(""),
+        );
+        expect(bob.journal.roll()).toBe(true);
+        expect(readJsonl(journalOf(B)).filter((r) => r.t === "carried").length).toBe(990);
+        expect(JSON.stringify([...bob.state.inbox.values()])).not.toContain("unread ");
+        const next = await claimInbox(bob.journal, 10);
+        expect(next.map(textOf)).toEqual(msgs.slice(10, 20).map((m) => m.text));
+        // A reader that folds the rolled journal afresh (`wait`) reads the same, from the carried lines.
+        const rest = await claimInbox(sessionOf(B), 2_000);
+        expect(rest.map(textOf)).toEqual(msgs.slice(20).map((m) => m.text));
+        bob.journal.catchUp();
+        expect(bob.state.inbox.size).toBe(0);
+      } finally {
+        await bob.stop();
+        await shutdown();
+      }
+    },
+    120_000,
+  );
+
   for (const adopted of [false, true]) {
     test(
       `Eve replays a message bob admitted just before he was killed (its replay record never written), after ${

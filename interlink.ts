@@ -4535,6 +4535,18 @@ export type InboxItem =
     side: "invited" | "joined";
   };
 
+/**
+ * An inbox item as the inbox holds it: a peer's message as its head, the whole read back from the journal line
+ * that holds it (see NodeState.readable) or kept in `signed` when no line does; any other item as it is.
+ */
+export type HeldItem =
+  | Exclude<InboxItem, { kind: "message" }>
+  | (Omit<Extract<InboxItem, { kind: "message" }>, "msg"> & {
+    msg: MessageHead;
+    line?: LineRef;
+    signed?: SignedMessage;
+  });
+
 /** Replay memory and the inbox key messages by sender and msg_id: msg_ids are the sender's choice. */
 const messageKey = (from: string, msgId: string): string => `${from} ${msgId}`;
 const knockItem = (key: string, msgId: string): string => `knock ${key} ${msgId}`;
@@ -4591,6 +4603,12 @@ export function headOf(msg: MessageHead): MessageHead {
     task_id: intern(msg.task_id),
     status: intern(msg.status),
   };
+}
+
+/** An inbox item as the inbox holds it (see HeldItem): a peer's message as its head and `line`, if one holds it. */
+function hold(item: InboxItem, line?: LineRef): HeldItem {
+  if (item.kind !== "message") return item;
+  return { ...item, msg: headOf(item.msg), ...(line ? { line } : { signed: item.msg }) };
 }
 
 /** Points an entry at the line that holds its signed message, or, with none, keeps the message whole in it. */
@@ -5625,7 +5643,7 @@ export class NodeState {
    * peers send before it is read; knocks by KNOCKS_CAP; refusal summaries by
    * REFUSAL_NOTICES_CAP, one per sender and reason.
    */
-  readonly inbox = new Map<string, InboxItem>();
+  readonly inbox = new Map<string, HeldItem>();
   /**
    * Inbox items already shown from this journal: an adopted copy of one is never shown again. True: a checkpoint
    * keeps it (a notice, or a message carried from another session, which an adoption may bring again); a message
@@ -5636,7 +5654,7 @@ export class NodeState {
    * The last items pushed as channel events, and when: a Claude Code that drops channel events (its channels
    * feature off) shows the model nothing, so check_inbox can still list them.
    */
-  readonly pushed = new BoundedMap<string, { at: number; item: InboxItem }>(50);
+  readonly pushed = new BoundedMap<string, { at: number; item: HeldItem }>(50);
   /** Keys whose knock the operator rejected, and when: their knocks are not shown again for a day. */
   readonly rejected = new BoundedMap<string, number>(1024);
   #knocksShown: number[] = []; // when the last KNOCKS_SHOWN_PER_HOUR knocks were made visible
@@ -5731,7 +5749,7 @@ export class NodeState {
     },
     sent: (r) => this.#settled(r.msg_id, (e) => (e.sentAt = r.at, e.via = r.via)),
     refused: (r) => this.#settled(r.msg_id, (e) => (e.refused = r.reason)),
-    in: (r) => {
+    in: (r, line) => {
       const { msg } = r;
       this.replay.remember(msg.from, msg.msg_id, msg.ts, this.now());
       const session = r.reply_session && SESSION_RE.test(r.reply_session) ? r.reply_session : undefined;
@@ -5739,7 +5757,15 @@ export class NodeState {
       foldTask(this.tasks, "in", msg, r.at, session);
       const id = messageKey(msg.from, msg.msg_id);
       if (!this.inbox.has(id) && !this.#shown.has(id)) {
-        this.inbox.set(id, { kind: "message", id, at: r.at, peer: r.peer, msg, ...some("forSession", r.for_session) });
+        const item: InboxItem = {
+          kind: "message",
+          id,
+          at: r.at,
+          peer: r.peer,
+          msg,
+          ...some("forSession", r.for_session),
+        };
+        this.inbox.set(id, hold(item, line));
       }
       const route = session ? `${msg.from}#${session}` : msg.from;
       // A goodbye holds back the receipts owed to that session until it is back (a session can be resumed).
@@ -5846,7 +5872,7 @@ export class NodeState {
     adopted: (r) => this.#take(r.session, r.at, r.carried),
     carried: (r, line) => {
       if (r.out) this.#takeOut(r.session ?? null, r.out, line);
-      if (r.item) this.#takeItem(r.session ?? null, r.item);
+      if (r.item) this.#takeItem(r.session ?? null, r.item, line);
     },
     checkpoint: (r) => {
       this.#take(null, r.at, r.carried); // first: an id reused once shown ("knocks more") is in both
@@ -5856,7 +5882,7 @@ export class NodeState {
       for (const [id, at] of m.refusal_shown) this.refusalShownAt.set(id, at);
       for (const [id, x] of m.refusals_reported) this.refusalsReported.set(id, x);
       this.#knocksShown = [...m.knocks_shown];
-      for (const [id, x] of m.pushed) this.pushed.set(id, x);
+      for (const [id, x] of m.pushed) this.pushed.set(id, { at: x.at, item: hold(x.item) });
       for (const key of m.confirming) this.confirming.set(key, true);
     },
   };
@@ -5997,7 +6023,7 @@ export class NodeState {
    */
   #take(session: string | null, at: number, c: Carried): void {
     for (const o of c.out) this.#takeOut(session, o);
-    for (const item of c.inbox) this.#takeItem(session, item, true);
+    for (const item of c.inbox) this.#takeItem(session, item, undefined, true);
     for (const t of c.tasks) {
       const key = taskKey(t.peer_key, t.task_id);
       const mine = this.tasks.get(key);
@@ -6046,10 +6072,30 @@ export class NodeState {
    * (`own`: its items come after the checkpoint's record, which restores what was shown; an id reused since it
    * was shown, "knocks more", is in both).
    */
-  #takeItem(session: string | null, item: InboxItem, own = session === null): void {
+  #takeItem(session: string | null, item: InboxItem, line?: LineRef, own = session === null): void {
     if (this.inbox.has(item.id) || (!own && this.#shown.has(item.id))) return;
     const forSession = item.kind === "message" ? item.forSession ?? session ?? undefined : undefined;
-    this.inbox.set(item.id, item.kind === "message" && forSession ? { ...item, forSession } : item);
+    this.inbox.set(item.id, hold(item.kind === "message" && forSession ? { ...item, forSession } : item, line));
+  }
+
+  /**
+   * An inbox item as it is shown: a peer's message read back whole from its journal line (an error if that no
+   * longer reads: the disk changed under it).
+   */
+  readable(item: HeldItem): InboxItem {
+    if (item.kind !== "message") return item;
+    const { line, signed, ...rest } = item;
+    let msg = signed;
+    if (!msg && line) {
+      const r = this.read(line, item.msg.msg_id);
+      msg = r?.t === "in" ? r.msg : r?.t === "carried" && r.item?.kind === "message" ? r.item.msg : undefined;
+    }
+    if (!msg) {
+      throw new InterlinkError(
+        `the message ${item.msg.msg_id} from ${item.peer} can no longer be read from ${line?.file} at byte ${line?.offset} (the disk changed under it)`,
+      );
+    }
+    return { ...rest, msg };
   }
 
   /**
@@ -6143,20 +6189,24 @@ export class NodeState {
     return n;
   }
 
-  /** About how many bytes the carried outbox entries take as lines (from their lines now). */
+  /** About how many bytes what a carry takes (carriedOut, the inbox) takes as lines (from their lines now). */
   carriedBytes(nowMs: number): number {
     let n = 0;
     for (const x of this.#carriedEntries(nowMs)) {
       n += 64 +
         (typeof x === "number" ? this.pending.bytesAt(x) : x.line?.length ?? utf8Bytes(JSON.stringify(x.signed)));
     }
+    for (const i of this.inbox.values()) {
+      const line = i.kind === "message" ? i.line : undefined;
+      n += 64 + (line ? line.length : utf8Bytes(JSON.stringify(i.kind === "message" ? i.signed : i)));
+    }
     return n;
   }
 
   /**
    * After a roll-over rewrote the journal `from` as a checkpoint and then the carried lines (the i-th of
-   * carriedOut at offsets[i], lengths[i]), and kept the old file as `archive`: every entry now reads from where
-   * its message is.
+   * carriedOut, then of the inbox, at offsets[i], lengths[i]), and kept the old file as `archive`: every entry
+   * and inbox item now reads from where its message is.
    */
   rolledOver(nowMs: number, from: string, archive: string, offsets: Float64Array, lengths: Uint32Array): void {
     let i = 0;
@@ -6177,17 +6227,34 @@ export class NodeState {
       if (slot >= 0) e.line = this.pending.lineAt(slot);
       else if (e.line?.file === from && !carried.has(e)) e.line = { ...e.line, file: archive };
     }
+    for (const item of this.inbox.values()) {
+      const line = { file: from, offset: offsets[i], length: lengths[i++] };
+      if (item.kind !== "message") continue;
+      item.line = line;
+      delete item.signed;
+    }
+    for (const { item } of this.pushed.values()) {
+      if (item.kind === "message" && item.line?.file === from) item.line = { ...item.line, file: archive };
+    }
   }
 
   /** What a checkpoint keeps beside carry(): see Remembered. */
   remembered(nowMs: number): Remembered {
     this.replay.forget(nowMs);
+    const pushed: [string, { at: number; item: InboxItem }][] = [];
+    for (const [id, { at, item }] of this.pushed) {
+      try {
+        pushed.push([id, { at, item: this.readable(item) }]);
+      } catch {
+        // (no longer readable: check_inbox cannot list it again either)
+      }
+    }
     return {
       shown: [...this.#shown].filter(([, kept]) => kept).map(([id]) => id),
       refusal_shown: [...this.refusalShownAt],
       refusals_reported: [...this.refusalsReported],
       knocks_shown: [...this.#knocksShown],
-      pushed: [...this.pushed],
+      pushed,
       confirming: [...this.confirming.keys()],
     };
   }
@@ -6436,9 +6503,7 @@ export class Journal {
       carried: state.carry(at),
       remembered: state.remembered(at),
     });
-    const items = [...state.inbox.values()];
-    const itemBytes = items.reduce((n, item) => n + 64 + utf8Bytes(JSON.stringify(item)), 0);
-    if ((utf8Bytes(head) + state.carriedBytes(at) + itemBytes) * 2 > fileSize(this.file)) return false;
+    if ((utf8Bytes(head) + state.carriedBytes(at)) * 2 > fileSize(this.file)) return false;
     const archive = path.join(this.stateDir, archived);
     const offsets: number[] = [], lengths: number[] = [];
     let end = 0;
@@ -6450,13 +6515,14 @@ export class Journal {
           end = offset + utf8Bytes(text) + 1;
           return offset;
         };
-        line(head);
-        for (const out of state.carriedOut(at)) {
-          const offset = line(encodeRecord({ t: "carried", at, out }));
+        const carried = (record: NewRecord) => {
+          const offset = line(encodeRecord({ ...record, at } as JournalRecord));
           offsets.push(offset);
           lengths.push(end - offset - 1);
-        }
-        for (const item of items) line(encodeRecord({ t: "carried", at, item }));
+        };
+        line(head);
+        for (const out of state.carriedOut(at)) carried({ t: "carried", out });
+        for (const item of state.inbox.values()) carried({ t: "carried", item: state.readable(item) });
       }, () => {
         failpoint("journal-mid-roll"); // the new file written and synced, not yet in place
         fs.linkSync(this.file, archive);
@@ -7007,7 +7073,7 @@ export function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
         // Journaled but never shown (a crash between the record and the push): show it now, once.
         const item = state.inbox.get(messageKey(v.msg.from, v.msg.msg_id)) ??
           state.inbox.get(knockItem(v.msg.from, v.msg.msg_id))!;
-        return [...showByPush(item, ctx.peers), { do: "sync" }, { do: "ack" }];
+        return [...showByPush(state.readable(item), ctx.peers), { do: "sync" }, { do: "ack" }];
       }
       // Before the signature checks out, `from` is only a claim.
       const who = !v.msg
@@ -7875,7 +7941,7 @@ export class Agent {
           this.journal.appendAll((function* (): Generator<NewRecord> {
             yield { t: "adopted", session: id, carried };
             for (const out of state.carriedOut(nowMs)) yield { t: "carried", session: id, out };
-            for (const item of state.inbox.values()) yield { t: "carried", session: id, item };
+            for (const item of state.inbox.values()) yield { t: "carried", session: id, item: state.readable(item) };
           })());
           await this.journal.sync();
           failpoint("agent-adopted-before-moved");
@@ -7979,7 +8045,10 @@ export class Agent {
     const done = this.#receiving.then(async () => {
       for (const item of [...this.state.inbox.values()]) {
         if (!this.state.inbox.has(item.id)) continue;
-        await this.carryOut([...showByPush(item, this.peers()), { do: "sync" }], () => Promise.resolve());
+        await this.carryOut(
+          [...showByPush(this.state.readable(item), this.peers()), { do: "sync" }],
+          () => Promise.resolve(),
+        );
       }
     });
     this.#receiving = done.catch(() => {});
@@ -8987,7 +9056,12 @@ export async function claimInbox(from: Journal | string, limit: number, peek = f
   try {
     return await withFileLock(path.join(journal.stateDir, "inbox"), "inbox claim", async () => {
       journal.catchUp();
-      const items = [...journal.state.inbox.values()].slice(0, limit);
+      const held: HeldItem[] = [];
+      for (const item of journal.state.inbox.values()) {
+        if (held.length === limit) break;
+        held.push(item);
+      }
+      const items = held.map((i) => journal.state.readable(i)); // read back whole before they are marked shown
       if (!peek && items.length) {
         await journal.appendDurable(items.map((i) => ({ t: "shown", item: i.id, via: "inbox" })));
       }
@@ -9250,7 +9324,7 @@ export class CodexWaker {
     const journal = this.agent.journal;
     return await withFileLock(path.join(journal.stateDir, "inbox"), "codex wake", async () => {
       journal.catchUp();
-      const unread = [...this.agent.state.inbox.values()];
+      const unread = [...this.agent.state.inbox.values()].map((i) => this.agent.state.readable(i));
       this.#judged = this.#signature();
       const plan = planWake(unread, this.agent.peers());
       if (!plan || (plan.notice && unread.every((i) => this.#noticed.has(i.id)))) return "idle";
@@ -9746,7 +9820,7 @@ export const TOOLS: ToolSpec[] = [
       const recent = [...agent.state.pushed.values()].filter((p) => agent.now() - p.at < 60 * 60_000);
       return recent.length
         ? `no unread messages. Pushed to you as channel events in the last hour (listed again in case this session did not show them; if it did, they are not new):\n\n${
-          formatInbox(recent.map((p) => p.item), agent.peers())
+          formatInbox(recent.map((p) => agent.state.readable(p.item)), agent.peers())
         }`
         : "no unread messages (delivery mode channel: messages arrive as channel events)";
     },
