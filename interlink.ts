@@ -1645,6 +1645,15 @@ export class JsonlWriter {
    */
   beforeSync: () => void = () => {};
 
+  /** fdatasync now, blocking: what another file's rename must not overtake (see Journal.roll). */
+  syncNow(): void {
+    try {
+      fs.fdatasyncSync(this.#fd);
+    } catch (e) {
+      throw storageError(e, this.folder);
+    }
+  }
+
   /** Resolves when everything appended so far is on stable storage. */
   sync(): Promise<void> {
     return new Promise((resolve, reject) => {
@@ -5357,8 +5366,9 @@ export class Backlog implements Iterable<string> {
   #tableUsed = 0; // cells not empty (filled or removed)
   #scratch = new Uint32Array(4);
   #cell = -1; // the table cell #find found
-  // Routes and file names, one copy each, forgotten when no slot names them any more.
+  // Routes and file names, one copy each, forgotten when no slot names them any more; a route's key beside it.
   #names: string[] = [""];
+  #keys: string[] = [""];
   #nameIds = new Map<string, number>();
   #nameRefs: number[] = [1];
   #freeNames: number[] = [];
@@ -5425,6 +5435,7 @@ export class Backlog implements Iterable<string> {
     this.#table = new Int32Array(0);
     this.#tableUsed = 0;
     this.#names = [""];
+    this.#keys = [""];
     this.#nameIds.clear();
     this.#nameRefs = [1];
     this.#freeNames = [];
@@ -5471,6 +5482,11 @@ export class Backlog implements Iterable<string> {
 
   recipientAt(slot: number): string {
     return this.#names[this.#chunkOf(slot).route[slot % BACKLOG_CHUNK]];
+  }
+
+  /** The key of the slot's route (its `key#session` without the session), worked out once per route. */
+  keyAt(slot: number): string {
+    return this.#keys[this.#chunkOf(slot).route[slot % BACKLOG_CHUNK]];
   }
 
   kindAt(slot: number): Kind {
@@ -5611,6 +5627,7 @@ export class Backlog implements Iterable<string> {
     if (i === undefined) {
       i = this.#freeNames.pop() ?? this.#names.length;
       this.#names[i] = s;
+      this.#keys[i] = parseRoute(s).key;
       this.#nameRefs[i] = 0;
       this.#nameIds.set(s, i);
     }
@@ -6323,7 +6340,7 @@ export class NodeState {
     const room = new Map<string, number>(); // what each held route may still take in this batch
     for (let slot = this.pending.next(-1); slot >= 0; slot = this.pending.next(slot)) {
       const recipient = this.pending.recipientAt(slot);
-      if (this.pending.kindAt(slot) === "message" && this.confirming.has(parseRoute(recipient).key)) {
+      if (this.pending.kindAt(slot) === "message" && this.confirming.has(this.pending.keyAt(slot))) {
         const left = room.get(recipient) ?? SEND_WINDOW - (this.unconfirmed.get(recipient)?.size ?? 0);
         if (left <= 0) continue; // held until receipts confirm earlier ones; later routes go meanwhile
         room.set(recipient, left - 1);
@@ -6345,18 +6362,20 @@ export class NodeState {
     const held = new Map<string, number>();
     for (let slot = this.pending.next(-1); slot >= 0; slot = this.pending.next(slot)) {
       const recipient = this.pending.recipientAt(slot);
-      if (this.#waits(recipient, this.pending.kindAt(slot))) held.set(recipient, (held.get(recipient) ?? 0) + 1);
+      if (this.#waits(recipient, this.pending.keyAt(slot), this.pending.kindAt(slot))) {
+        held.set(recipient, (held.get(recipient) ?? 0) + 1);
+      }
     }
     return held;
   }
 
   /** True when a queued message waits for its route's receipts (SEND_WINDOW of ours there are unconfirmed). */
   held(e: OutEntry): boolean {
-    return this.pending.has(e.msg.msg_id) && this.#waits(e.recipient, e.msg.kind);
+    return this.pending.has(e.msg.msg_id) && this.#waits(e.recipient, parseRoute(e.recipient).key, e.msg.kind);
   }
 
-  #waits(recipient: string, kind: Kind): boolean {
-    return kind === "message" && this.confirming.has(parseRoute(recipient).key) &&
+  #waits(recipient: string, key: string, kind: Kind): boolean {
+    return kind === "message" && this.confirming.has(key) &&
       (this.unconfirmed.get(recipient)?.size ?? 0) >= SEND_WINDOW;
   }
 
@@ -6489,9 +6508,11 @@ export class Journal {
    * every other writer holds to append (so nothing lands in the archive after
    * it), and only when the new file is under half of what it replaces (false
    * if not). The replay memory is not in the checkpoint: the replay files
-   * hold it (see SeenLog), and the owner makes sure they do before it rolls.
+   * hold it (see SeenLog), and the owner makes sure they do before it rolls;
+   * `durable` runs just before the new file takes the old one's place (the
+   * agent syncs the replay file there).
    */
-  roll(): boolean {
+  roll(durable: () => void = () => {}): boolean {
     this.catchUp();
     const at = this.now();
     const archived = `log-${at}.jsonl`;
@@ -6525,6 +6546,7 @@ export class Journal {
         for (const item of state.inbox.values()) carried({ t: "carried", item: state.readable(item) });
       }, () => {
         failpoint("journal-mid-roll"); // the new file written and synced, not yet in place
+        durable();
         fs.linkSync(this.file, archive);
       });
     } catch (e) {
@@ -6689,6 +6711,11 @@ export class SeenLog {
 
   async sync(): Promise<void> {
     await this.#writer?.sync();
+  }
+
+  /** sync(), blocking (see Journal.roll). */
+  syncNow(): void {
+    this.#writer?.syncNow();
   }
 
   close(): void {
@@ -8012,10 +8039,11 @@ export class Agent {
     if (fileSize(this.journal.file) < JOURNAL_ROLL_BYTES) return;
     const rolled = await withFileLock(path.join(this.journal.stateDir, "inbox"), "journal roll", async () => {
       await this.seen.complete();
+      this.seen.catchUp(); // what was admitted meanwhile has its "seen" record written with its "in" record
       this.journal.catchUp();
       const since = this.now() - FRESH_PAST_MS;
       if (this.state.replay.unlogged().some(([, ts]) => ts >= since)) return false;
-      return this.journal.roll();
+      return this.journal.roll(() => this.seen.syncNow()); // and on disk before the checkpoint replaces them
     });
     if (rolled) logInfo(`rolled ${this.journal.file} over: the records before it are kept beside it, in log-*.jsonl`);
   }
