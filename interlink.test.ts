@@ -5168,6 +5168,65 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
     120_000,
   );
 
+  test("a 0.5.0 checkpoint (its replay memory and its messages inside it) folds as before; the next roll-over moves the replay memory to the replay files and the messages to lines of their own", async () => {
+    const { root, A, B } = await twoPeers();
+    const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+    const queued = await signMessage(A.id, { to: B.id.publicKey, text: "still to send" }, Date.now());
+    const admitted = await signMessage(B.id, { to: A.id.publicKey, text: "read long ago" }, Date.now() - 60_000);
+    const key = `${admitted.from} ${admitted.msg_id}`;
+    const carried: Carried = {
+      out: [{ msg: queued, peer: "bob", recipient: B.id.publicKey, at: 1 }],
+      inbox: [],
+      tasks: [],
+      owed: [],
+      wants_shown: [],
+      knocks_in: [],
+      knocks_out: [],
+      sticky: [],
+      closed: [],
+      rejected: [],
+      routes: [],
+    };
+    const remembered: Remembered = {
+      replay: [[key, admitted.ts]],
+      shown: [key],
+      refusal_shown: [],
+      refusals_reported: [],
+      knocks_shown: [],
+      pushed: [],
+      confirming: [],
+    };
+    fs.mkdirSync(sessionOf(A), { recursive: true });
+    // Past the 1 MiB a start rolls a journal over at.
+    const pad = Array.from(
+      { length: 30_000 },
+      (_, i) => JSON.stringify({ t: "sent", at: 1, msg_id: `pad${i}`, via: [] }),
+    );
+    const checkpoint = { t: "checkpoint", at: 1, archived: "log-1.jsonl", carried, remembered };
+    fs.writeFileSync(journalOf(A), [JSON.stringify(checkpoint), ...pad].join("\n") + "\n");
+    const folded = new NodeState();
+    new Journal(sessionOf(A), folded).catchUp();
+    expect([...folded.pending]).toEqual([queued.msg_id]);
+    expect(folded.replay.has(admitted.from, admitted.msg_id)).toBe(true);
+    expect(folded.replay.logged(key)).toBe(false); // only that journal holds it so far
+    // Opened by today's agent: it rolls over at once, the replay files first.
+    const alice = await Agent.open(nodeConfig(A, [url]), "test");
+    try {
+      expect(journalFiles(sessionOf(A)).length).toBe(2);
+      const lines = readJsonl(journalOf(A));
+      expect(lines.map((r) => r.t)).toEqual(["checkpoint", "carried"]);
+      expect((lines[0].remembered as Remembered).replay).toBeUndefined();
+      expect((lines[1].out as CarriedOut).msg).toEqual(queued);
+      expect(replayFiles(A.stateDir)).toContain(key);
+      expect(alice.state.replay.logged(key)).toBe(true);
+      // The replay is refused by the gate, as before the upgrade.
+      expect(await alice.receive(admitted)).toMatchObject({ verdict: "reject", reason: "replay" });
+    } finally {
+      await alice.stop();
+      await shutdown();
+    }
+  });
+
   test(
     "a roll-over killed after writing its new file, before putting it in place, loses nothing and leaves nothing",
     async () => {
