@@ -17,11 +17,13 @@ import {
   announcementBytes,
   b64urlDecode,
   b64urlEncode,
+  Backlog,
   BODY_LIMIT_BYTES,
   Bus,
   BusQueues,
   canonicalBytes,
   type Carried,
+  type CarriedOut,
   type Chain,
   CHAIN_DOMAIN,
   chainBytes,
@@ -57,6 +59,7 @@ import {
   GOODBYE_PREFIX,
   type Handed,
   hasSmallOrder,
+  headOf,
   HttpRelay,
   humanBytes,
   type Identity,
@@ -105,6 +108,7 @@ import {
   parseInviteCode,
   parsePeers,
   parseReceipt,
+  parseRoute,
   parseSignedMessage,
   type Peers,
   type PeerSession,
@@ -172,6 +176,7 @@ import {
   verifyMessage,
   VERSION,
   WAIT_TIMEOUT_S,
+  withFileLock,
   writeKeyFile,
 } from "./interlink.ts";
 import { McpSession, SDK, ZOD } from "./dev/harness.ts";
@@ -4828,7 +4833,7 @@ describe("durability: a full disk", () => {
         expect(failure).toContain("ENOSPC: the disk of the state folder");
         fs.rmSync(filler);
         const { entry: after } = await agent.send({ to: "bob", text: "after" });
-        expect(agent.state.outgoing.get(after.msg.msg_id)?.msg.text).toBe("after");
+        expect(agent.state.signed(agent.state.entry(after.msg.msg_id)!).text).toBe("after");
         // Every line of the journal is a whole record: the failed append left nothing behind.
         const log = fs.readFileSync(journalOf(A), "utf8").split("\n").filter((l) => l.trim());
         for (const line of log) expect(() => JSON.parse(line)).not.toThrow();
@@ -5436,7 +5441,7 @@ describe("delegation across hops: the chain, and what each node decides (pure)",
       in_reply_to: q.msg_id,
     }, NOW);
     s2.apply({ t: "in", at: NOW + 2, peer: "bob", msg: answer });
-    const shown = formatInbox([...s2.inbox.values()], carolsPeers);
+    const shown = formatInbox([...s2.inbox.values()].map((i) => s2.readable(i)), carolsPeers);
     expect(shown).toContain(
       `answers="your earlier session c1 asked, for ${fingerprint(alice.publicKey)}'s operator: which sizes?"`,
     );
@@ -5456,7 +5461,7 @@ describe("delegation across hops: the chain, and what each node decides (pure)",
     a1.apply({ t: "shown", at: NOW + 4, item: `${bob.publicKey} ${fq.msg_id}`, via: "push" });
     const a2 = new NodeState(() => NOW);
     a2.apply({ t: "adopted", at: NOW + 5, session: "a1", carried: a1.carry(NOW, { session: "a1", at: NOW }) });
-    const waiting = [...a2.inbox.values()];
+    const waiting = [...a2.inbox.values()].map((i) => a2.readable(i));
     expect(waiting.map((i) => i.kind)).toEqual(["waiting"]);
     const alicesPeers = parsePeers(JSON.stringify({ bob: { key: bob.publicKey } }));
     const block = formatInbox(waiting, alicesPeers);
@@ -6135,6 +6140,371 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
       await shutdown();
     }
   });
+});
+
+describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or let in twice for it", () => {
+  /** What a tool answers an in-process agent. */
+  const tool = async (agent: Agent, name: string, args: Record<string, unknown> = {}) =>
+    (await runTool(agent, TOOLS.find((t) => t.name === name)!, args)).content[0].text;
+  /** Every journal line of a session, its archives first. */
+  const allRecords = (dir: string) => journalFiles(dir).flatMap((f) => readJsonl(f, () => {}));
+  /** The admissions the replay files of a state root hold ("<sender> <msg_id>"). */
+  const replayFiles = (stateDir: string) =>
+    fs.readdirSync(stateDir).filter((f) => /^replay-.*\.jsonl$/.test(f)).flatMap((f) =>
+      readJsonl(path.join(stateDir, f), () => {}).map((r) => `${r.k} ${r.id}`)
+    );
+
+  test("the outbox's compact store is an ordered set of msg_ids: adds, removals anywhere and squeezes keep send order", () => {
+    let seed = 7;
+    const random = () => (seed = (seed * 1103515245 + 12345) & 0x7fffffff) / 0x7fffffff;
+    const store = new Backlog();
+    const model = new Map<string, { recipient: string; at: number; offset: number }>();
+    for (let step = 0; step < 40_000; step++) {
+      if (random() < 0.55 || !model.size) {
+        // Ours are 32 hex digits; an older release's or a hand-made msg_id is any plain id.
+        const id = random() < 0.05 ? `older-${step}` : crypto.randomUUID().replaceAll("-", "");
+        const e = { recipient: `key#s${Math.floor(random() * 5)}`, at: step, offset: step * 10 };
+        store.add(id, { ...e, kind: "message", line: { file: "log.jsonl", offset: e.offset, length: 9 }, bytes: 9 });
+        model.set(id, e);
+      } else {
+        const ids = [...model.keys()]; // mostly the oldest (sent in order), sometimes any (a held route's)
+        const id = random() < 0.7 ? ids[0] : ids[Math.floor(random() * ids.length)];
+        expect(store.delete(id)).toBe(true);
+        model.delete(id);
+      }
+      if (step % 4001 !== 0) continue;
+      expect([...store]).toEqual([...model.keys()]);
+      for (let slot = store.next(-1); slot >= 0; slot = store.next(slot)) {
+        const id = store.idAt(slot), e = model.get(id)!;
+        expect([store.slotOf(id), store.recipientAt(slot), store.atAt(slot), store.lineAt(slot)?.offset])
+          .toEqual([slot, e.recipient, e.at, e.offset]);
+      }
+    }
+    expect(store.size).toBe(model.size);
+  });
+
+  test(
+    "a session with thousands queued while its relay is down holds none of their texts: each is read back from its journal line to be sent, listed or carried over a roll-over, and all go once, in order",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
+      let up = false;
+      const server = await serveHttp(
+        async (req) => up ? await bus.handler(req) : new Response('{"error":"down"}', { status: 503 }),
+        "127.0.0.1",
+        0,
+      );
+      const alice = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`], "inbox"), "test");
+      const queued = 2_400, routes = [0, 1, 2, 3].map((i) => `${B.id.publicKey}#b${i}`); // under a relay's cap each
+      try {
+        alice.startSending();
+        // Queued as `interlink.ts send` queues beside a running server: "out" records, under the inbox lock.
+        const cli = new Journal(sessionOf(A), new NodeState());
+        const sent: string[] = [];
+        for (let n = 0; n < queued; n += 400) {
+          const records: NewRecord[] = [];
+          for (let i = n; i < n + 400; i++) {
+            const msg = await signMessage(
+              A.id,
+              { to: B.id.publicKey, text: `backlog ${i} ${"·".repeat(200)}` },
+              Date.now(),
+            );
+            sent.push(msg.msg_id);
+            records.push({ t: "out", peer: "bob", recipient: routes[i % 4], msg });
+          }
+          await withFileLock(path.join(sessionOf(A), "inbox"), "interlink send", () => cli.append(records));
+        }
+        cli.close();
+        await eventually(() => alice.state.pending.size === queued, "alice's session folded what the CLI queued");
+        // In memory: the outbox's slots, and as entries only the few being sent (the send window, a batch); their
+        // texts are the only ones held.
+        expect(alice.state.outgoing.size).toBeLessThanOrEqual(64);
+        const texts = JSON.stringify([...alice.state.outgoing.values()]).split("backlog ").length - 1;
+        expect(texts).toBeLessThanOrEqual(32);
+        // Every one of them still answers to message_status and list_pending, read back from the journal.
+        expect(await tool(alice, "message_status", { msg_id: sent[queued - 1] })).toMatch(
+          /^msg_id \w+ to bob: queued since .*not yet accepted by a bus/,
+        );
+        const listed = await tool(alice, "list_pending");
+        expect(listed.split("\n").filter((l) => l.startsWith("msg_id ")).length).toBe(100);
+        for (const route of routes) {
+          expect(listed).toContain(`and ${queued / 4 - 25} more to bob (session ${parseRoute(route).session})`);
+        }
+        // A roll-over carries each queued message on a line of its own, and the outbox reads from there since.
+        fs.appendFileSync(
+          journalOf(A),
+          Array.from({ length: 60_000 }, (_, i) => `{"t":"sent","at":1,"msg_id":"pad${i}","via":[]}\n`).join(""),
+        );
+        expect(alice.journal.roll()).toBe(true);
+        const lines = readJsonl(journalOf(A));
+        expect(lines.map((r) => r.t)).toEqual(["checkpoint", ...sent.map(() => "carried")]);
+        expect(lines.slice(1).map((r) => (r.out as CarriedOut).msg.msg_id)).toEqual(sent);
+        // The relay comes back: every message goes once, in its order on each route.
+        up = true;
+        await eventually(() => alice.state.pending.size === 0, "the backlog drained", 60_000);
+        for (const [k, route] of routes.entries()) {
+          const got = bus.queues.firstN(route, queued).map((q) => JSON.parse(bus.payloadOf(q)).msg_id);
+          expect(got).toEqual(sent.filter((_, i) => i % 4 === k));
+        }
+        expect(await tool(alice, "list_pending")).toContain("the outbox is empty");
+      } finally {
+        await alice.stop();
+        await server.stop();
+        await bus.close();
+      }
+    },
+    120_000,
+  );
+
+  test(
+    "a session in inbox mode with a thousand unread holds none of their texts: check_inbox and wait read each back whole, in order, once, across a roll-over",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
+      try {
+        const msgs = [];
+        for (let i = 0; i < 1_000; i++) {
+          const msg = await signMessage(
+            A.id,
+            { to: B.id.publicKey, text: `unread ${i} ${"·".repeat(100)}` },
+            Date.now(),
+          );
+          expect((await bob.receive(msg))?.verdict).toBe("deliver");
+          msgs.push(msg);
+        }
+        expect(bob.state.inbox.size).toBe(1_000);
+        expect(JSON.stringify([...bob.state.inbox.values()])).not.toContain("unread ");
+        const first = await claimInbox(bob.journal, 10);
+        expect(first.map(textOf)).toEqual(msgs.slice(0, 10).map((m) => m.text));
+        // Rolled over: the unread ones are carried a line each, and read back from there.
+        fs.appendFileSync(
+          journalOf(B),
+          Array.from({ length: 20_000 }, (_, i) => `{"t":"sent","at":1,"msg_id":"p${i}","via":[]}\n`).join(""),
+        );
+        expect(bob.journal.roll()).toBe(true);
+        expect(readJsonl(journalOf(B)).filter((r) => r.t === "carried").length).toBe(990);
+        expect(JSON.stringify([...bob.state.inbox.values()])).not.toContain("unread ");
+        const next = await claimInbox(bob.journal, 10);
+        expect(next.map(textOf)).toEqual(msgs.slice(10, 20).map((m) => m.text));
+        // A reader that folds the rolled journal afresh (`wait`) reads the same, from the carried lines.
+        const rest = await claimInbox(sessionOf(B), 2_000);
+        expect(rest.map(textOf)).toEqual(msgs.slice(20).map((m) => m.text));
+        bob.journal.catchUp();
+        expect(bob.state.inbox.size).toBe(0);
+      } finally {
+        await bob.stop();
+        await shutdown();
+      }
+    },
+    120_000,
+  );
+
+  for (const adopted of [false, true]) {
+    test(
+      `Eve replays a message bob admitted just before he was killed (its replay record never written), after ${
+        adopted ? "another session of bob adopted that one, rolled its journal over" : "bob rolled his journal over"
+      } and restarted: refused as a replay, shown once`,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+        const roll = { INTERLINK_TEST_ROLL_BYTES: "4000", INTERLINK_DELIVERY: "channel" };
+        const later = adopted ? "b2" : B.name; // the session that goes on
+        let bob = await McpNode.start("bun", B, url, { ...roll, INTERLINK_FAILPOINT: "agent-after-journal" });
+        try {
+          const msg = await signMessage(A.id, { to: B.id.publicKey, text: "pay alice 10, once" }, Date.now());
+          await postSend(url, `${B.id.publicKey}#${B.name}`, msg);
+          await eventually(() => !pidAlive(bob.pid!), "bob was killed between the journal and the replay file");
+          await bob.close().catch(() => {});
+          const key = `${msg.from} ${msg.msg_id}`;
+          expect(replayFiles(B.stateDir)).not.toContain(key);
+          // It comes back (or another session of bob adopts it, draining its route) and shows the message, once.
+          bob = await McpNode.start("deno", B, url, { ...roll, INTERLINK_SESSION: later });
+          await bob.waitEvent((e) => e.meta.msg_id === msg.msg_id, 30_000);
+          await eventually(() => busDrained(url, B), "the message was acked");
+          await bob.close();
+          // Enough in the journal that the next start rolls it over: its "in" record then lies in an archive.
+          const dir = path.join(B.stateDir, "sessions", later);
+          const pad = (i: number) => JSON.stringify({ t: "sent", at: 1, msg_id: `pad${i}`, via: [] });
+          fs.appendFileSync(
+            path.join(dir, "log.jsonl"),
+            Array.from({ length: 200 }, (_, i) => pad(i)).join("\n") + "\n",
+          );
+          bob = await McpNode.start("bun", B, url, { ...roll, INTERLINK_SESSION: later });
+          await eventually(() => journalFiles(dir).length > 1, "bob rolled his journal over as he opened");
+          expect((readJsonl(path.join(dir, "log.jsonl"))[0].remembered as Remembered).replay).toBeUndefined();
+          expect(replayFiles(B.stateDir)).toContain(key); // written to the replay files before the roll-over
+          await bob.close();
+          bob = await McpNode.start("deno", B, url, { ...roll, INTERLINK_SESSION: later });
+          // The same signed message again, within its freshness window, to each route bob reads.
+          for (const route of [B.id.publicKey, `${B.id.publicKey}#${later}`]) await postSend(url, route, msg);
+          await eventually(() => busDrained(url, { ...B, name: later }), "bob took both copies off the bus");
+          await Bun.sleep(300); // a wrong push would come with the ack
+          expect(bob.events.filter((e) => e.meta.msg_id === msg.msg_id)).toEqual([]);
+          const sessions = sessionIds(B.stateDir).map((id) => path.join(B.stateDir, "sessions", id));
+          const admitted = sessions.flatMap(allRecords).filter((r) =>
+            r.t === "in" && (r.msg as SignedMessage).msg_id === msg.msg_id
+          );
+          expect(admitted.length).toBe(1);
+        } finally {
+          await bob.close().catch(() => {});
+          await shutdown();
+        }
+      },
+      120_000,
+    );
+  }
+
+  test(
+    "an adoption of a backlog killed after its first MiB, then done again, carries every message once, in order",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      // alice's session a1 ended with 2,000 queued (1.4 MiB), to four sessions of bob (under a relay's cap each).
+      const routes = [0, 1, 2, 3].map((i) => `${B.id.publicKey}#b${i}`);
+      const old = path.join(A.stateDir, "sessions", "a1");
+      fs.mkdirSync(old, { recursive: true });
+      fs.writeFileSync(path.join(old, "session.json"), JSON.stringify({ session_id: "a1", pubkey: A.id.publicKey }));
+      const ids: string[] = [];
+      const lines: string[] = [];
+      for (let i = 0; i < 2_000; i++) {
+        const msg = await signMessage(
+          A.id,
+          { to: B.id.publicKey, text: `left behind ${i} ${"·".repeat(500)}` },
+          Date.now(),
+        );
+        ids.push(msg.msg_id);
+        lines.push(JSON.stringify({ t: "out", at: Date.now(), peer: "bob", recipient: routes[i % 4], msg }));
+      }
+      fs.writeFileSync(path.join(old, "log.jsonl"), lines.join("\n") + "\n");
+      const down = { INTERLINK_URL: "http://127.0.0.1:9" }; // nothing is sent until the adoption is whole
+      let alice = await McpNode.start("bun", A, url, { ...down, INTERLINK_FAILPOINT: "journal-part-written" });
+      try {
+        await eventually(() => !pidAlive(alice.pid!), "alice was killed part-way through the adoption");
+        await alice.close().catch(() => {});
+        const part = readJsonl(journalOf(A)).filter((r) => r.t === "carried").length;
+        expect(part).toBeGreaterThan(0);
+        expect(part).toBeLessThan(ids.length);
+        expect(readJsonl(path.join(old, "log.jsonl")).some((r) => r.t === "moved")).toBe(false);
+        alice = await McpNode.start("deno", A, url);
+        const queued = (route: string) =>
+          bus.queues.firstN(route, 1_000).map((q) => JSON.parse(bus.payloadOf(q)).msg_id);
+        await eventually(() => routes.every((r) => queued(r).length === ids.length / 4), "all of it sent", 60_000);
+        for (const [k, route] of routes.entries()) expect(queued(route)).toEqual(ids.filter((_, i) => i % 4 === k));
+        expect(readJsonl(path.join(old, "log.jsonl")).some((r) => r.t === "moved")).toBe(true);
+      } finally {
+        await alice.close().catch(() => {});
+        await shutdown();
+      }
+    },
+    120_000,
+  );
+
+  test("a 0.5.0 checkpoint (its replay memory and its messages inside it) folds as before; the next roll-over moves the replay memory to the replay files and the messages to lines of their own", async () => {
+    const { root, A, B } = await twoPeers();
+    const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+    const queued = await signMessage(A.id, { to: B.id.publicKey, text: "still to send" }, Date.now());
+    const admitted = await signMessage(B.id, { to: A.id.publicKey, text: "read long ago" }, Date.now() - 60_000);
+    const key = `${admitted.from} ${admitted.msg_id}`;
+    const carried: Carried = {
+      out: [{ msg: queued, peer: "bob", recipient: B.id.publicKey, at: 1 }],
+      inbox: [],
+      tasks: [],
+      owed: [],
+      wants_shown: [],
+      knocks_in: [],
+      knocks_out: [],
+      sticky: [],
+      closed: [],
+      rejected: [],
+      routes: [],
+    };
+    const remembered: Remembered = {
+      replay: [[key, admitted.ts]],
+      shown: [key],
+      refusal_shown: [],
+      refusals_reported: [],
+      knocks_shown: [],
+      pushed: [],
+      confirming: [],
+    };
+    fs.mkdirSync(sessionOf(A), { recursive: true });
+    // Past the 1 MiB a start rolls a journal over at.
+    const pad = Array.from(
+      { length: 30_000 },
+      (_, i) => JSON.stringify({ t: "sent", at: 1, msg_id: `pad${i}`, via: [] }),
+    );
+    const checkpoint = { t: "checkpoint", at: 1, archived: "log-1.jsonl", carried, remembered };
+    fs.writeFileSync(journalOf(A), [JSON.stringify(checkpoint), ...pad].join("\n") + "\n");
+    const folded = new NodeState();
+    new Journal(sessionOf(A), folded).catchUp();
+    expect([...folded.pending]).toEqual([queued.msg_id]);
+    expect(folded.replay.has(admitted.from, admitted.msg_id)).toBe(true);
+    expect(folded.replay.logged(key)).toBe(false); // only that journal holds it so far
+    // Opened by today's agent: it rolls over at once, the replay files first.
+    const alice = await Agent.open(nodeConfig(A, [url]), "test");
+    try {
+      expect(journalFiles(sessionOf(A)).length).toBe(2);
+      const lines = readJsonl(journalOf(A));
+      expect(lines.map((r) => r.t)).toEqual(["checkpoint", "carried"]);
+      expect((lines[0].remembered as Remembered).replay).toBeUndefined();
+      expect((lines[1].out as CarriedOut).msg).toEqual(queued);
+      expect(replayFiles(A.stateDir)).toContain(key);
+      expect(alice.state.replay.logged(key)).toBe(true);
+      // The replay is refused by the gate, as before the upgrade.
+      expect(await alice.receive(admitted)).toMatchObject({ verdict: "reject", reason: "replay" });
+    } finally {
+      await alice.stop();
+      await shutdown();
+    }
+  });
+
+  test(
+    "a roll-over killed after writing its new file, before putting it in place, loses nothing and leaves nothing",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const msgs = await Promise.all(
+        Array.from({ length: 3 }, (_, i) => signMessage(A.id, { to: B.id.publicKey, text: `queued ${i}` }, Date.now())),
+      );
+      fs.mkdirSync(sessionOf(A), { recursive: true });
+      const pad = Array.from(
+        { length: 200 },
+        (_, i) => JSON.stringify({ t: "sent", at: 1, msg_id: `pad${i}`, via: [] }),
+      );
+      const out = msgs.map((msg) => JSON.stringify({ t: "out", at: 1, peer: "bob", recipient: B.id.publicKey, msg }));
+      fs.writeFileSync(journalOf(A), [...out, ...pad].join("\n") + "\n");
+      const whole = fs.readFileSync(journalOf(A));
+      const roll = { INTERLINK_TEST_ROLL_BYTES: "4000", INTERLINK_URL: "http://127.0.0.1:9" };
+      let alice = await McpNode.start("bun", A, url, { ...roll, INTERLINK_FAILPOINT: "journal-mid-roll" }).catch(() =>
+        null
+      );
+      try {
+        await eventually(
+          () => fs.readdirSync(sessionOf(A)).some((f) => f.endsWith(".tmp")),
+          "the new file was written",
+        );
+        await eventually(() => !alice?.pid || !pidAlive(alice.pid), "alice was killed before it replaced the journal");
+        await alice?.close().catch(() => {});
+        expect(fs.readFileSync(journalOf(A)).equals(whole)).toBe(true);
+        expect(journalFiles(sessionOf(A)).length).toBe(1); // no archive: the old file is still the journal
+        alice = await McpNode.start("deno", A, url, roll);
+        await eventually(() => journalFiles(sessionOf(A)).length > 1, "alice rolled it over as she opened");
+        expect(fs.readdirSync(sessionOf(A)).filter((f) => f.endsWith(".tmp"))).toEqual([]);
+        expect(readJsonl(journalOf(A)).map((r) => r.t)).toEqual(["checkpoint", "carried", "carried", "carried"]);
+        await alice.close();
+        alice = await McpNode.start("bun", A, url);
+        await eventually(() => bus.queues.firstN(B.id.publicKey, 10).length === 3, "all three sent");
+        expect(bus.queues.firstN(B.id.publicKey, 10).map((q) => JSON.parse(bus.payloadOf(q)).msg_id)).toEqual(
+          msgs.map((m) => m.msg_id),
+        );
+      } finally {
+        await alice?.close().catch(() => {});
+        await shutdown();
+      }
+    },
+    60_000,
+  );
 });
 
 describe("the Claude Code plugin, the launcher and the shared configuration", () => {
@@ -9568,7 +9938,7 @@ describe("the outbox: what waits, and why (pure decisions on NodeState)", () => 
     for (const [msg, peer] of [[toBob[0], "bob"], [toBob[1], "bob"], [toEve, "eve"], [toBob[2], "bob"]] as const) {
       state.apply({ t: "out", at: now, peer, recipient: msg.to, msg });
     }
-    const texts = () => state.pendingHead(32, Infinity).map((e) => e.msg.text);
+    const texts = () => state.pendingHead(32, Infinity).map((e) => state.signed(e).text);
     expect(texts()).toEqual(["bob 0", "bob 1", "eve 0", "bob 2"]);
     state.full.set(bob.publicKey, { until: now + 500, failures: 1, why: "the bus keeps no more" });
     expect(texts()).toEqual(["eve 0"]); // bob's wait, all of them: his order holds; eve's goes
@@ -9596,7 +9966,7 @@ describe("the outbox: what waits, and why (pure decisions on NodeState)", () => 
     await sendMany(eve, "eve", SEND_WINDOW + 2);
     const eveSays = await signMessage(eve, { to: alice.publicKey, text: "from a reference node" }, 3_000);
     state.apply({ t: "in", at: 3, peer: "eve", msg: eveSays }); // no "receipts": it reads none, sends none
-    const queued = () => state.pendingHead(32, Infinity).map((e) => e.msg.text);
+    const queued = () => state.pendingHead(32, Infinity).map((e) => state.signed(e).text);
     expect(queued()).toEqual([`eve ${SEND_WINDOW}`, `eve ${SEND_WINDOW + 1}`]);
     expect(state.waitsFor(state.outgoing.get(`bob-${SEND_WINDOW}`)!)).toBe("window");
     expect([...state.heldRoutes()]).toEqual([[bob.publicKey, { why: "window", n: 2 }]]);
@@ -9627,8 +9997,13 @@ describe("the journal: one typed record per line, read through one codec", () =>
       return v;
     };
     const sorted = <V>(m: Iterable<[string, V]>) => Object.fromEntries([...m].sort(([a], [b]) => (a < b ? -1 : 1)));
+    // Sent messages and queued ones, each queued one read back from its journal line when it is not in memory.
+    const entries = [
+      ...state.outgoing.values(),
+      ...[...state.pending].flatMap((id) => state.outgoing.has(id) ? [] : [state.entry(id)!]),
+    ];
     return canon({
-      outgoing: sorted([...state.outgoing.values()].map((e) => [e.msg.msg_id, {
+      outgoing: sorted(entries.map((e) => [e.msg.msg_id, {
         msg_id: e.msg.msg_id,
         kind: e.msg.kind,
         peer: e.peer,
@@ -9636,7 +10011,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
         to: e.msg.to,
         task_id: e.msg.task_id,
         status: e.msg.status,
-        in_reply_to: e.msg.in_reply_to,
+        in_reply_to: state.signed(e).in_reply_to,
         ts: e.msg.ts,
         at: e.at,
         sent: e.sentAt !== undefined,
@@ -9787,24 +10162,30 @@ describe("the journal: one typed record per line, read through one codec", () =>
       const [archive, current] = journalFiles(dir);
       expect(path.basename(archive)).toBe(`log-${expected.fixedNow}.jsonl`);
       expect(fs.readFileSync(archive).equals(whole)).toBe(true);
-      expect(readJsonl(current).map((r) => r.t)).toEqual(["checkpoint"]);
+      // log.jsonl is a checkpoint, then one "carried" record per message it carries (never one line for a backlog).
+      const records = readJsonl(current);
+      expect(records.map((r) => r.t)).toEqual(["checkpoint", ...records.slice(1).map(() => "carried")]);
+      // The replay memory is not in it: the per-day replay files hold it (SeenLog), read at every start.
+      expect((records[0].remembered as Record<string, unknown>).replay).toBeUndefined();
       const after = new NodeState(now);
       new Journal(dir, after, false, now).catchUp();
       // The same state, but for what a checkpoint does not carry: sent messages that need nothing more (shown,
       // refused, a knock or a receipt, or older than a day), which message_status finds in the history instead.
-      const kept = (s: NodeState) =>
-        [...s.outgoing.values()].filter((e) =>
-          s.pending.has(e.msg.msg_id) ||
+      const kept = (s: NodeState) => [
+        ...s.pending,
+        ...[...s.outgoing.values()].filter((e) =>
+          !s.pending.has(e.msg.msg_id) &&
           (e.msg.kind === "message" && e.sentAt! >= expected.fixedNow - FRESH_PAST_MS && !e.shown && !e.refusedBy)
-        ).map((e) => e.msg.msg_id);
+        ).map((e) => e.msg.msg_id),
+      ];
       const summary = summarize(before, expected.fixedNow);
       for (const id of Object.keys(summary.outgoing)) if (!kept(before).includes(id)) delete summary.outgoing[id];
+      delete summary.replay; // (in the replay files, which this fold of the journal alone does not read)
       expect({ node, diff: differences(summary, summarize(after, expected.fixedNow)) }).toEqual({ node, diff: [] });
       expect(kept(after).sort()).toEqual(kept(before).sort());
       expect(conversation(dir, undefined, 1e6)).toEqual(history);
-      // A replay of anything admitted before the roll is still known.
       for (const id of [...before.inbox.keys()]) expect(after.inbox.has(id)).toBe(true);
-      expect(after.replay.size).toBe(before.replay.size);
+      expect(records.length - 1).toBe(kept(after).length + after.inbox.size);
     }
   });
 
@@ -9940,7 +10321,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
         { kind: "knock", id: "k", at: 1, key: alice.publicKey, name: "alice" },
         { kind: "more_knocks", id: "knocks more", at: 1, count: 3 },
         { kind: "refusals", id: "r", at: 1, key: eve.publicKey, reason: "stale", count: 2 },
-        { kind: "bounced", id: "b", at: 1, key: bob.publicKey, msg: m, report: line },
+        { kind: "bounced", id: "b", at: 1, key: bob.publicKey, msg: headOf(m), report: line },
       ],
       tasks: [task],
       owed: [[alice.publicKey, [line]]],
@@ -10007,9 +10388,11 @@ describe("the journal: one typed record per line, read through one codec", () =>
       { t: "moved", at: 1, to: "next" },
       { t: "adopted", at: 1, session: "old", carried },
       { t: "checkpoint", at: 1, archived: "log-1.jsonl", carried, remembered },
+      { t: "carried", at: 1, session: "old", out: carried.out[0] },
+      { t: "carried", at: 1, item: carried.inbox[0] },
     ];
     const tags = new Set(all.map((r) => r.t));
-    expect(tags.size).toBe(14); // every tag of the union (the compiler checks the list is the union's)
+    expect(tags.size).toBe(15); // every tag of the union (the compiler checks the list is the union's)
     for (const r of all) expect(decodeRecord(JSON.parse(encodeRecord(r)))).toEqual([r]);
     // A bad field is named; an unknown tag (a newer version's) is refused as such.
     const bad = (o: object) => () => decodeRecord(o as Record<string, unknown>);
@@ -12815,7 +13198,13 @@ describe("the board: a live page for the operator, read-only, for the token's ho
     write("new", [{ t: "in", at: 2003, peer: "bob", msg: msg("n2") }]);
     const folded = fold.records;
     expect(fold.catchUp()).toBe(true);
-    expect(fold.records).toBe(folded + 2); // the checkpoint and n2
+    // The checkpoint, a record for each message it carries (n1, unread), and n2.
+    expect(fold.records).toBe(folded + readJsonl(path.join(dir, "sessions", "new", "log.jsonl")).length);
+    expect(readJsonl(path.join(dir, "sessions", "new", "log.jsonl")).map((r) => r.t)).toEqual([
+      "checkpoint",
+      "carried",
+      "in",
+    ]);
     const timeline = (f: BoardFold) =>
       boardView(f, { now: 1e12, peers, roster: [], problems: [], relays: [] }).tasks[0].timeline.map((i) => i.msg_id);
     expect(timeline(fold)).toEqual(["m0", "m995", "m996", "m997", "m998", "m999", "n1", "n2"]);

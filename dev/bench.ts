@@ -37,10 +37,13 @@ import {
   type Identity,
   identityFromSeed,
   InterlinkError,
+  Journal,
   JsonlWriter,
   jsonResponse,
   messageHead,
   NatsRelay,
+  type NewRecord,
+  NodeState,
   postJson,
   print,
   QUEUE_CAP,
@@ -65,6 +68,7 @@ import {
   TOTAL_BYTES_MAX,
   utf8Bytes,
   VERSION,
+  withFileLock,
   writeKeyFile,
 } from "../interlink.ts";
 import { childEnv, McpSession, startChild, startDemoNode, stopChild } from "./harness.ts";
@@ -74,11 +78,23 @@ import { childEnv, McpSession, startChild, startDemoNode, stopChild } from "./ha
 // ============================================================================
 
 /** The parts of a run, in the order they run; `--only` picks some. */
-export const PARTS = ["throughput", "recovery", "idle", "agents", "sessions", "flood", "relays", "footprint"] as const;
+export const PARTS = [
+  "throughput",
+  "recovery",
+  "idle",
+  "agents",
+  "sessions",
+  "flood",
+  "relays",
+  "footprint",
+  "backlog",
+] as const;
 type Part = (typeof PARTS)[number];
 type Runtime = "bun" | "deno";
 /** The footprint part's day of use: messages from one agent to another (--messages). */
 const DAY_MESSAGES = 10_000;
+/** The backlog part: messages queued unsent in one session's outbox while its relay is down (--backlog). */
+const BACKLOG_MESSAGES = 50_000;
 
 /** bench.ts's flags, for node:util parseArgs and for the usage text (which lists every one). */
 export const OPTIONS: Record<string, { type: "string" | "boolean"; short?: string; arg?: string; help: string }> = {
@@ -97,6 +113,11 @@ export const OPTIONS: Record<string, { type: "string" | "boolean"; short?: strin
     type: "string",
     arg: "N",
     help: "messages in the footprint part's day of use (default 10000)",
+  },
+  backlog: {
+    type: "string",
+    arg: "N",
+    help: `messages queued unsent in the backlog part (default ${BACKLOG_MESSAGES})`,
   },
   "serve-floor": {
     type: "boolean",
@@ -120,7 +141,10 @@ const USAGE = [
   "bus RSS; relays: our bus beside a NATS JetStream server (needs nats-server on PATH); footprint: bare Bun and",
   "Deno, then `mcp` and `wait` under each (spawn to first tools/list or to blocking, RSS, idle CPU, as ratios to the",
   "bare runtime), wait's wake latency beside channel push, claude-peers-mcp (if CLAUDE_PEERS_DIR names a checkout),",
-  "and a day of use: --messages between two agents, their RSS after, the receiver's restart on its journal.",
+  "and a day of use: --messages between two agents, their RSS after, the receiver's restart on its journal, and",
+  "`wait` on that journal beside a fresh one; backlog: a session whose relay is down gets --backlog messages",
+  "queued (as `interlink.ts send` queues them), its RSS beside the same session fresh, restarted on that journal,",
+  "then the relay comes back and the backlog drains to a live peer (lost, duplicated, out of order, peak RSS).",
   "",
   "Options:",
   ...(() => {
@@ -141,6 +165,8 @@ interface BenchOptions {
   servers: Runtime | undefined;
   /** Messages in the footprint part's day of use (--messages). */
   messages: number;
+  /** Messages queued unsent in the backlog part (--backlog). */
+  backlog: number;
 }
 
 /** argv as BenchOptions; an unknown flag or part, or a runtime other than bun and deno, is an InterlinkError. */
@@ -170,12 +196,15 @@ export function parseOptions(argv: string[]): BenchOptions {
   }
   const messages = values.messages === undefined ? DAY_MESSAGES : Number(values.messages);
   if (!Number.isSafeInteger(messages) || messages < 1) throw new InterlinkError("--messages is a whole number above 0");
+  const backlog = values.backlog === undefined ? BACKLOG_MESSAGES : Number(values.backlog);
+  if (!Number.isSafeInteger(backlog) || backlog < 1) throw new InterlinkError("--backlog is a whole number above 0");
   return {
     help: values.help === true,
     serveFloor: values["serve-floor"] === true,
     parts: parts as Part[],
     servers,
     messages,
+    backlog,
   };
 }
 
@@ -296,8 +325,8 @@ function scriptArgv(runtime: Runtime, script: string): string[] {
 }
 
 /** `interlink.ts bus` on a free loopback port under `runtime`, with `more` flags; resolves once it listens. */
-function startBus(runtime: Runtime | undefined, dataDir: string, more: string[] = []) {
-  const args = ["bus", "--port", "0", "--data", dataDir, ...more];
+function startBus(runtime: Runtime | undefined, dataDir: string, more: string[] = [], port = 0) {
+  const args = ["bus", "--port", String(port), "--data", dataDir, ...more];
   return startChild(args, serverCommand(runtime, INTERLINK, args));
 }
 
@@ -1800,7 +1829,19 @@ async function benchFootprint(
     };
     await Promise.allSettled(sessions.splice(0).map((s) => s.close()));
 
-    out.day = await dayOfUse(cwd, progress, bus, messages, median(mcpRuns[OWN_RUNTIME].map((x) => x.rss_mb)), sessions);
+    const freshWait = Object.fromEntries(runtimes.map((r) => [r, median(waitRuns[r].map((x) => x.rss_mb))])) as Record<
+      Runtime,
+      number | null
+    >;
+    out.day = await dayOfUse(
+      cwd,
+      progress,
+      bus,
+      messages,
+      median(mcpRuns[OWN_RUNTIME].map((x) => x.rss_mb)),
+      freshWait,
+      sessions,
+    );
     out.mcp_timers = MCP_TIMERS;
     out.wait_timers = WAIT_TIMERS;
     out.timers_under_5_s = [...MCP_TIMERS, ...WAIT_TIMERS]
@@ -1827,6 +1868,7 @@ async function dayOfUse(
   bus: { url: string; child: ReturnType<typeof spawn> },
   messages: number,
   freshMcpRss: number | null,
+  freshWaitRss: Record<Runtime, number | null>,
   sessions: McpSession[],
 ) {
   const [sender, receiver] = await Promise.all([footNode(cwd, "day-sender"), footNode(cwd, "day-receiver")]);
@@ -1969,9 +2011,168 @@ async function dayOfUse(
       wait_pid_ms: med(waitOnDay[rt], "wait_pid_ms"),
       quiet_ms: med(waitOnDay[rt], "quiet_ms"),
       rss_mb: med(waitOnDay[rt], "rss_mb"),
+      fresh_wait_rss_mb: freshWaitRss[rt],
+      rss_over_fresh_wait: ratio(med(waitOnDay[rt], "rss_mb"), freshWaitRss[rt]),
       runs: waitOnDay[rt],
     }])),
   };
+}
+
+// -- backlog ------------------------------------------------------------------
+
+/** Messages appended to the backlog sender's journal in one write, as `interlink.ts send` would, many at a time. */
+const BACKLOG_BATCH = 1000;
+
+/**
+ * A backlog: a session whose relay is down (nothing listens on its bus's port) gets `count` messages queued
+ * into its journal by another process, in batches under the inbox lock, as `interlink.ts send` queues them beside
+ * a running server; the session folds them as they land. Its RSS (peak while they land, and after IDLE_MS idle) is
+ * compared with the same session fresh, before; list_pending and message_status answer on the backlog; then the
+ * session is restarted on that journal (RSS again), the bus comes up on that port with a live peer (channel
+ * mode), and the backlog drains: every message must arrive once, in the order it was queued.
+ */
+async function benchBacklog(root: string, progress: (m: string) => void, servers: Runtime | undefined, count: number) {
+  const cwd = path.join(root, "backlog");
+  fs.mkdirSync(cwd, { recursive: true });
+  const [sender, receiver] = await Promise.all([footNode(cwd, "sender"), footNode(cwd, "receiver")]);
+  await pairNodes(sender, "sender", receiver, "receiver");
+  const port = await freeLoopbackPort();
+  const url = `http://127.0.0.1:${port}`;
+  const busDir = path.join(root, "backlog-bus");
+  const sessions: McpSession[] = [];
+  let bus: { url: string; child: ReturnType<typeof spawn> } | null = null;
+  const out: Record<string, unknown> = { runtime: runtimeName(), messages: count, load_avg_before: loadAverage() };
+  try {
+    // One message through first, so the sender knows the receiver confirms by receipts: its flow control then
+    // holds the drain at SEND_WINDOW unconfirmed, as it would between two of our nodes that have talked before.
+    bus = await startBus(servers, busDir, [], port);
+    let s = await startFootSession(cwd, sender, OWN_RUNTIME, url);
+    let r = await startFootSession(cwd, receiver, OWN_RUNTIME, url, true);
+    sessions.push(s.session, r.session);
+    const hello = await s.session.ok("send_message", { to: "receiver", text: "hello" });
+    const helloId = hello.match(/msg_id (\w+)/)![1];
+    for (const deadline = Date.now() + 30_000; Date.now() < deadline; await sleep(100)) {
+      if (/delivered/.test(await s.session.ok("message_status", { msg_id: helloId }))) break;
+    }
+    await stopChild(bus.child); // the relay goes down; nothing listens on its port until the drain
+    bus = null;
+    await r.session.close();
+    sessions.splice(sessions.indexOf(r.session), 1);
+    await sleep(IDLE_MS);
+    const fresh = rssMb(s.session.pid!);
+    progress(`backlog: the sender fresh, ${fresh} MB; ${count} messages queued while its relay is down`);
+    const dir = path.join(sender.state, "sessions", "s1");
+    const journal = new Journal(dir, new NodeState());
+    let peak = fresh ?? 0;
+    const sample = setInterval(() => peak = Math.max(peak, rssMb(s.session.pid!) ?? 0), 100);
+    const t0 = performance.now();
+    const ids: string[] = [];
+    try {
+      for (let n = 0; n < count;) {
+        const records: NewRecord[] = [];
+        for (const end = Math.min(count, n + BACKLOG_BATCH); n < end; n++) {
+          const draft = { to: receiver.id.publicKey, text: `backlog #${n}# ${CHAT_TEXT}` };
+          const msg = await signMessage(sender.id, draft, Date.now());
+          ids.push(msg.msg_id);
+          records.push({ t: "out", peer: "receiver", recipient: receiver.id.publicKey, msg });
+        }
+        await withFileLock(path.join(dir, "inbox"), "interlink send", () => journal.append(records));
+        await journal.sync();
+        if (n % 10_000 === 0) progress(`backlog: ${n} queued; the sender at ${rssMb(s.session.pid!)} MB`);
+      }
+      journal.close();
+      // Folded by the session once message_status knows the last one.
+      const last = ids[ids.length - 1];
+      for (const deadline = Date.now() + 120_000; Date.now() < deadline; await sleep(200)) {
+        if (!(await s.session.call("message_status", { msg_id: last })).isError) break;
+      }
+    } finally {
+      clearInterval(sample);
+    }
+    const queuedS = (performance.now() - t0) / 1000;
+    await sleep(IDLE_MS);
+    const live = rssMb(s.session.pid!);
+    const timed = async (name: string, args: Record<string, unknown> = {}) => {
+      const t = performance.now();
+      const text = await s.session.ok(name, args);
+      return { ms: Math.round(performance.now() - t), kb: Math.round(Buffer.byteLength(text) / 1024), text };
+    };
+    const pending = await timed("list_pending");
+    const first = await timed("message_status", { msg_id: ids[0] });
+    const afterTools = rssMb(s.session.pid!);
+    const logFiles = fs.readdirSync(dir).filter((f) => /^log(-\d+)?\.jsonl$/.test(f));
+    const journalMb = logFiles.reduce((n, f) => n + fs.statSync(path.join(dir, f)).size, 0) / 1e6;
+
+    progress(`backlog: the sender restarted on that journal (SIGTERM, then a new mcp)`);
+    await killSession(s.session);
+    sessions.splice(sessions.indexOf(s.session), 1);
+    s = await startFootSession(cwd, sender, OWN_RUNTIME, url);
+    sessions.push(s.session);
+    await sleep(IDLE_MS);
+    const restarted = rssMb(s.session.pid!);
+    const restart = { first_tools_list_ms: s.listMs, session_open_ms: s.openMs };
+
+    progress(`backlog: the bus comes up on port ${port} with the receiver (channel); the backlog drains`);
+    bus = await startBus(servers, busDir, [], port);
+    r = await startFootSession(cwd, receiver, OWN_RUNTIME, url, true);
+    sessions.push(r.session);
+    let drainPeak = restarted ?? 0;
+    const order: number[] = [];
+    let seen = 0, lastGain = Date.now(), said = Date.now();
+    const t1 = performance.now();
+    while (Date.now() - lastGain < 60_000) { // stalled a minute: the rest is counted lost
+      drainPeak = Math.max(drainPeak, rssMb(s.session.pid!) ?? 0);
+      const before = order.length;
+      for (; seen < r.session.events.length; seen++) {
+        const m = r.session.events[seen].content.match(/^backlog #(\d+)#/);
+        if (m) order.push(Number(m[1]));
+      }
+      if (order.length > before) lastGain = Date.now();
+      if (new Set(order).size >= count) break;
+      if (Date.now() - said > 10_000) {
+        progress(`backlog: ${order.length} of ${count} arrived; the sender at ${rssMb(s.session.pid!)} MB`);
+        said = Date.now();
+      }
+      await sleep(200);
+    }
+    const drainS = (performance.now() - t1) / 1000;
+    await sleep(IDLE_MS);
+    const drained = rssMb(s.session.pid!);
+    const distinct = new Set(order).size;
+    out.sender = {
+      rss_mb_fresh: fresh,
+      queued_s: Math.round(queuedS * 10) / 10,
+      rss_mb_peak_while_queued: peak,
+      rss_mb_with_backlog: live,
+      rss_with_backlog_over_fresh: ratio(live, fresh),
+      peak_while_queued_over_fresh: ratio(peak, fresh),
+      journal_mb: Math.round(journalMb * 10) / 10,
+      list_pending: { ms: pending.ms, kb: pending.kb, first_line: pending.text.split("\n")[0] },
+      message_status_of_the_first: { ms: first.ms, text: first.text },
+      rss_mb_after_those_tools: afterTools,
+      rss_after_tools_over_fresh: ratio(afterTools, fresh),
+      restart,
+      rss_mb_restarted: restarted,
+      rss_restarted_over_fresh: ratio(restarted, fresh),
+    };
+    out.drain = {
+      arrived: distinct,
+      lost: count - distinct,
+      duplicated: order.length - distinct,
+      out_of_order: order.filter((n, i) => i > 0 && n < order[i - 1]).length,
+      drain_s: Math.round(drainS * 10) / 10,
+      msgs_per_s: Math.round(distinct / drainS),
+      sender_rss_mb_peak: drainPeak,
+      sender_peak_over_fresh: ratio(drainPeak, fresh),
+      sender_rss_mb_after: drained,
+      sender_after_over_fresh: ratio(drained, fresh),
+    };
+    out.load_avg_after = loadAverage();
+    return out;
+  } finally {
+    await Promise.allSettled(sessions.map((x) => x.close()));
+    if (bus) await stopChild(bus.child);
+  }
 }
 
 // ============================================================================
@@ -2004,6 +2205,7 @@ async function runBench(o: BenchOptions): Promise<number> {
     if (only.includes("flood")) report.floods = await benchFlood(root, progress, servers);
     if (only.includes("relays")) report.relays = await benchRelays(root, progress, id, servers);
     if (only.includes("footprint")) report.footprint = await benchFootprint(root, progress, servers, o.messages);
+    if (only.includes("backlog")) report.backlog = await benchBacklog(root, progress, servers, o.backlog);
   } finally {
     fs.rmSync(root, { recursive: true, force: true });
   }

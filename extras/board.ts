@@ -43,6 +43,7 @@ import {
   intOption,
   journalFiles,
   type JournalRecord,
+  type LineRef,
   type Listening,
   loadPeers,
   lockOwner,
@@ -55,6 +56,7 @@ import {
   openRelay,
   type Options,
   type OptionSources,
+  type OutEntry,
   parseRoute,
   type Peers,
   type PeerSession,
@@ -78,6 +80,7 @@ import {
   showId,
   showInvisible,
   shutdownSignal,
+  type SignedMessage,
   some,
   taskKey,
   taskOwner,
@@ -248,6 +251,15 @@ interface FoldedSession {
 }
 
 /** A task's messages: the first (the request) and the newest BOARD_TIMELINE_MAX - 1, and how many there were. */
+/** An entry's whole message as the board shows it, or undefined when its journal line no longer reads back. */
+function signedOrNot(state: NodeState, e: OutEntry | undefined): SignedMessage | undefined {
+  try {
+    return e && state.signed(e);
+  } catch {
+    return undefined;
+  }
+}
+
 interface Timeline {
   first: BoardItem;
   rest: BoardItem[];
@@ -311,7 +323,11 @@ export class BoardFold {
           Object.assign(s, { state: new NodeState(this.now), offsets: new Map() });
           break;
         }
-        const { next } = scanJournal(file, from, (r) => this.apply(f.id, r));
+        const { next } = scanJournal(
+          file,
+          from,
+          (r, at, end) => this.apply(f.id, r, { file, offset: at, length: end - at - 1 }),
+        );
         if (next !== from) changed = true;
         s.offsets.set(ino, next);
       }
@@ -344,11 +360,11 @@ export class BoardFold {
   }
 
   /** Folds one record of session `id`'s journal. */
-  apply(id: string, r: JournalRecord): void {
+  apply(id: string, r: JournalRecord, line?: LineRef): void {
     const s = this.#session(id);
     this.records++;
     try {
-      s.state.apply(r);
+      s.state.apply(r, line);
     } catch {
       return; // a record the fold cannot take; the session's own agent sets it aside
     }
@@ -390,8 +406,8 @@ export class BoardFold {
       }
       case "receipt":
         for (const l of recordedReports(r)) {
-          const sent = s.state.outgoing.get(l.msg_id)?.msg;
           const was = this.receipts.get(l.msg_id);
+          const sent = was ? undefined : signedOrNot(s.state, s.state.outgoing.get(l.msg_id)); // its text, read once
           const detail = l.state === "refused" ? refusalWords(l) : `their session ${l.session}`;
           this.receipts.set(l.msg_id, {
             at: r.at,
@@ -518,8 +534,9 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
   };
   const delivery = (i: BoardItem): string | undefined => {
     if (i.dir === "in") return undefined;
-    const e = fold.sessions.get(i.session)?.state.outgoing.get(i.msg_id);
-    if (!e) return undefined;
+    const state = fold.sessions.get(i.session)?.state;
+    const e = state?.outgoing.get(i.msg_id);
+    if (!e) return state?.pending.has(i.msg_id) ? "queued" : undefined;
     if (e.refusedBy) return `refused: ${refusalWords(e.refusedBy)}`;
     if (e.refused) return `refused: ${boardText(e.refused)}`;
     return e.shown ? "shown to their model" : e.delivered ? "delivered" : e.sentAt ? "sent" : "queued";
@@ -620,27 +637,31 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
   }
   waiting.sort((a, b) => b.at - a.at);
 
-  const outbox: BoardView["delivery"]["outbox"] = [];
+  // The oldest BOARD_LIST_MAX queued messages of all sessions are read back from their journals; the rest are counted.
+  const queued: [number, FoldedSession, number][] = []; // when queued, whose outbox, its slot there
   for (const s of mine) {
-    for (const msgId of s.state.pending) {
-      const e = s.state.outgoing.get(msgId)!;
-      if (e.msg.kind === "receipt") continue; // bookkeeping, sent with the next pass
-      outbox.push({
-        at: e.at,
-        session: s.id,
-        to: `${name(e.msg.to)}${
-          parseRoute(e.recipient).session ? ` (session ${boardText(parseRoute(e.recipient).session, 128)})` : ""
-        }`,
-        task_id: boardText(e.msg.task_id ?? ""),
-        msg_id: e.msg.msg_id,
-        text: e.msg.kind === "message" ? boardText(e.msg.text, 80) : `(${e.msg.kind})`,
-        note: s.live
-          ? "its session retries it until a relay takes it"
-          : "its session is not running: the next session of this node takes it over and sends it",
-      });
+    const { pending } = s.state;
+    for (let slot = pending.next(-1); slot >= 0; slot = pending.next(slot)) {
+      if (pending.kindAt(slot) !== "receipt") queued.push([pending.atAt(slot), s, slot]); // (receipts: bookkeeping)
     }
   }
-  outbox.sort((a, b) => a.at - b.at);
+  queued.sort((a, b) => a[0] - b[0]);
+  const outbox: BoardView["delivery"]["outbox"] = queued.slice(0, BOARD_LIST_MAX).map(([, s, slot]) => {
+    const e = s.state.entry(s.state.pending.idAt(slot))!;
+    const text = signedOrNot(s.state, e)?.text ?? "(its text no longer reads back from the journal)";
+    const session = parseRoute(e.recipient).session;
+    return {
+      at: e.at,
+      session: s.id,
+      to: `${name(e.msg.to)}${session ? ` (session ${boardText(session, 128)})` : ""}`,
+      task_id: boardText(e.msg.task_id ?? ""),
+      msg_id: e.msg.msg_id,
+      text: e.msg.kind === "message" ? boardText(text, 80) : `(${e.msg.kind})`,
+      note: s.live
+        ? "its session retries it until a relay takes it"
+        : "its session is not running: the next session of this node takes it over and sends it",
+    };
+  });
 
   const newestFirst = <T>(list: T[], named: (x: T) => T) => [...list].reverse().map(named);
   return {
@@ -651,7 +672,7 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
     tasks,
     waiting: waiting.slice(0, BOARD_LIST_MAX),
     delivery: {
-      outbox: outbox.slice(0, BOARD_LIST_MAX),
+      outbox,
       by_reason: [...fold.byReason].map(([reason, count]) => ({ reason, count })).sort((a, b) => b.count - a.count),
       refusals: newestFirst(fold.refusals, (r) => ({ ...r, who: r.who && name(r.who) })),
       receipts: newestFirst([...fold.receipts.values()], (r) => ({ ...r, peer: name(r.peer) })),
@@ -661,7 +682,7 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
       tasks: rows.length,
       open: rows.filter((r) => !r.t.closed).length,
       waiting: waiting.length,
-      outbox: outbox.length,
+      outbox: queued.length,
     },
   };
 }
