@@ -786,6 +786,28 @@ describe("the gate", () => {
     expect((plan[0] as { line: string }).line).toContain("the replay memory holds 100 messages");
   });
 
+  test("one peer that fills the replay memory holds off only itself: every other sender keeps its share, and twice the cap refuses all", async () => {
+    const replay = new ReplayMemory(100);
+    for (let i = 0; i < 100; i++) replay.remember(alice.publicKey, `m${i}`, NOW, NOW); // alice floods
+    const both = parsePeers(JSON.stringify({ alice: { key: alice.publicKey }, eve: { key: eve.publicKey } }));
+    const judge = async (from: Identity, text: string) => {
+      const v = await decide(await sign(from, { text }), bob.publicKey, both, NOW, replay);
+      if (v.verdict === "deliver") replay.remember(v.msg.from, v.msg.msg_id, v.msg.ts, NOW);
+      return v.verdict === "reject" ? v.reason : v.verdict;
+    };
+    expect(await judge(alice, "more")).toBe("busy");
+    // eve is let in up to half of the cap (the cap split between the two senders held), then waits like alice.
+    const eves: string[] = [];
+    for (let i = 0; i < 51; i++) eves.push(await judge(eve, `e${i}`));
+    expect(eves.slice(0, 50).every((v) => v === "deliver")).toBe(true);
+    expect(eves[50]).toBe("busy");
+    expect(await judge(alice, "still")).toBe("busy");
+    // A third sender's share is a third; the whole never passes twice the cap, whoever asks.
+    for (let i = 0; replay.size < 200; i++) replay.remember(`k${i % 97}`, `x${i}`, NOW, NOW);
+    expect(replay.full(NOW, "someone-new")).toBe(true);
+    expect(replay.full(NOW + FRESH_PAST_MS + 1, alice.publicKey)).toBe(false); // room again once they age out
+  });
+
   test("replay memory keeps a message for the whole 24 h freshness window, not a minute less", () => {
     const r = new ReplayMemory();
     r.remember("a", "m", NOW, NOW);

@@ -187,7 +187,10 @@ export const SEND_TIMEOUT_MS = 5_000;
 const BACKOFF_MIN_MS = 250;
 const BACKOFF_MAX_MS = 30_000;
 
-/** Replay memory bound: a day of traffic from a handful of peers is far below it. */
+/**
+ * Replay memory bound: a day of traffic from a handful of peers is far below it. Past it, each sender keeps its
+ * share (see ReplayMemory.full), so it never holds past twice this.
+ */
 export const REPLAY_CAP = 100_000;
 /** Sent messages remembered in memory for message_status; older ones are looked up in the journal. */
 const SENT_MEMORY_CAP = 10_000;
@@ -1165,6 +1168,8 @@ export const rosterKey = (a: Pick<Announcement, "pubkey" | "session">): string =
 export class ReplayMemory {
   #seen = new Map<string, number>(); // "<sender> <msg_id>" → message ts, in admission order
   #unlogged = new Set<string>(); // keys of #seen that no replay file holds yet (bounded by #seen)
+  #held = new Map<string, number>(); // sender → how many of #seen are its
+
 
   constructor(readonly cap = REPLAY_CAP) {}
 
@@ -1183,7 +1188,7 @@ export class ReplayMemory {
   remember(sender: string, msgId: string, ts: number, nowMs: number, logged = false): void {
     const key = `${sender} ${msgId}`;
     const inFile = logged || (this.#seen.has(key) && !this.#unlogged.has(key));
-    this.#seen.delete(key);
+    if (!this.#seen.delete(key)) this.#count(key, 1);
     this.#seen.set(key, ts);
     if (inFile) this.#unlogged.delete(key);
     else this.#unlogged.add(key);
@@ -1196,19 +1201,24 @@ export class ReplayMemory {
   }
 
   /**
-   * True when `cap` entries are still inside the freshness window. Nothing
-   * fresh is ever forgotten to make room (that would let its replay in): the
-   * gate refuses new messages instead, unacked, until entries age out. It only
-   * looks (the gate is pure); `remember` forgets what has aged out.
+   * True when `cap` entries are still inside the freshness window and `sender` (if named) holds its share of them
+   * already. Nothing fresh is ever forgotten to make room (that would let its replay in): the gate refuses new
+   * messages instead, unacked, until entries age out. The share is the cap split evenly between the senders it
+   * holds: one peer that filled it holds off only itself, never every other peer for a day, and what the others
+   * take past the cap stays under a second cap's worth (twice the cap refuses everyone). It only looks (the gate
+   * is pure); `remember` forgets what has aged out.
    */
-  full(nowMs: number): boolean {
+  full(nowMs: number, sender?: string): boolean {
     if (this.#seen.size < this.cap) return false;
     let stale = 0;
     for (const ts of this.#seen.values()) {
       if (ts >= nowMs - FRESH_PAST_MS) break;
       stale++;
     }
-    return this.#seen.size - stale >= this.cap;
+    const fresh = this.#seen.size - stale;
+    if (fresh < this.cap) return false;
+    if (sender === undefined || fresh >= 2 * this.cap) return true;
+    return (this.#held.get(sender) ?? 0) >= this.cap / this.#held.size;
   }
 
   /** What it holds, oldest first ("<sender> <msg_id>", message ts). */
@@ -1226,6 +1236,7 @@ export class ReplayMemory {
     for (const [key, ts] of entries) {
       if (this.#seen.has(key)) continue;
       this.#seen.set(key, ts);
+      this.#count(key, 1);
       this.#unlogged.add(key);
     }
   }
@@ -1236,7 +1247,16 @@ export class ReplayMemory {
       if (ts >= nowMs - FRESH_PAST_MS) break;
       this.#seen.delete(key);
       this.#unlogged.delete(key);
+      this.#count(key, -1);
     }
+  }
+
+  /** Counts an entry in (1) or out (-1) of its sender's share. */
+  #count(key: string, by: 1 | -1): void {
+    const sender = key.slice(0, key.indexOf(" ")); // "<sender> <msg_id>": a key has no space
+    const n = (this.#held.get(sender) ?? 0) + by;
+    if (n > 0) this.#held.set(sender, n);
+    else this.#held.delete(sender);
   }
 }
 
@@ -1384,12 +1404,12 @@ export async function decide(
   if (replay.has(msg.from, msg.msg_id)) {
     return { verdict: "reject", reason: "replay", detail: `msg_id ${msg.msg_id} already admitted`, msg };
   }
-  if (replay.full(nowMs)) {
+  if (replay.full(nowMs, msg.from)) {
     return {
       verdict: "reject",
       reason: "busy",
       detail:
-        `the replay memory holds ${replay.cap} messages of the last 24 h; refused for now (not acked, so the bus keeps it) rather than forgetting one`,
+        `the replay memory holds ${replay.cap} messages of the last 24 h, this sender's share of them included; refused for now (not acked, so the bus keeps it) rather than forgetting one`,
       msg,
     };
   }
