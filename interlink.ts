@@ -14542,7 +14542,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
       code.secret,
       inviteProofBytes(Buffer.from(code.id, "hex"), code.key, id.publicKey, msgId),
     );
-    const entry = await agent.enqueue({
+    const queued = await agent.enqueue({
       draft: {
         to: code.key,
         text: cfg.name,
@@ -14558,8 +14558,11 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     agent.startReceiving({ ownRouteOnly: true });
     print(`knocked  at ${them}'s invite (request ${msgId}); waiting up to ${howLong(waitS * 1000)} for the answer`);
     const changes = onJournalChange(agent.journal.stateDir);
+    // Read again each time: a queued message's entry is read back from the journal, not kept (see NodeState.entry).
+    let entry = queued;
+    const settled = () => ((entry = agent.state.entry(msgId) ?? entry), !!entry.refusedBy || !!entry.refused);
     await waitUntil(
-      () => signalled !== "" || !agent.state.knocksOut.has(code.key) || !!entry.refusedBy || !!entry.refused,
+      () => signalled !== "" || !agent.state.knocksOut.has(code.key) || settled(),
       waitS * 1000,
       (w) => ((wake = w), changes(w)),
       250,
