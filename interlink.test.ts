@@ -1,6 +1,8 @@
-// Tests for interlink.ts. Run with the README's command: `npx -y bun@1.4.5 run test`.
-// Everything here is real: real files, real child processes under Bun and Deno,
+// Tests for interlink.ts, the core. Run with the README's command: `npx -y bun@1.4.5 run test`, which runs every
+// test file. Everything here is real: real files, real child processes under Bun and Deno,
 // a real bus on a loopback port, the official MCP SDK client over stdio.
+// Each extra's tests sit beside it: extras/board.test.ts, extras/codex.test.ts (codex-install), extras/verify.test.ts,
+// dev/demo.test.ts, dev/harness.test.ts and dev/bench.test.ts. The helpers they share with these are dev/testkit.ts.
 
 import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import { spawn, spawnSync } from "node:child_process";
@@ -99,7 +101,6 @@ import {
   NatsRelay,
   natsSubject,
   type NewRecord,
-  type NodeConfig,
   NodeState,
   OPAQUE_CAP,
   openRelay,
@@ -156,7 +157,6 @@ import {
   SERVER_ROLE,
   serverInstructions,
   sessionIds,
-  setLogSink,
   showId,
   showInvisible,
   signAnnouncement,
@@ -164,7 +164,6 @@ import {
   signMessage,
   splitUrl,
   type TaskRow,
-  type TaskStatus,
   taskTable,
   taskTag,
   toolListing,
@@ -179,225 +178,63 @@ import {
   withFileLock,
   writeKeyFile,
 } from "./interlink.ts";
-import { McpSession, SDK, ZOD } from "./dev/harness.ts";
-import {
-  BOARD_LIST_MAX,
-  BOARD_TASKS_MAX,
-  BOARD_TEXT_MAX,
-  BOARD_TIMELINE_MAX,
-  BOARD_TIMELINES_CAP,
-  BoardFold,
-  type BoardView,
-  boardView,
-  command as boardCommand,
-} from "./extras/board.ts";
+import { McpSession } from "./dev/harness.ts";
+import { command as boardCommand } from "./extras/board.ts";
 import { OPTIONS as BENCH_OPTIONS, PARTS as BENCH_PARTS } from "./dev/bench.ts";
 import { command as demoCommand } from "./dev/demo.ts";
 import { command as codexCommand } from "./extras/codex.ts";
 import { command as verifyCommand } from "./extras/verify.ts";
 import { chainVectorsText } from "./dev/vectors.ts";
+import {
+  ALICE,
+  alice,
+  befriend,
+  BOB,
+  bob,
+  busOnLoopback,
+  type Child,
+  CODEX_BIN,
+  codexTest,
+  DENO_VERSION,
+  denoPath,
+  EVE,
+  eve,
+  eventually,
+  hex,
+  killGroup,
+  leaks,
+  logged,
+  made,
+  makeNodeFiles,
+  McpNode,
+  msgIdOf,
+  nodeConfig,
+  type NodeFiles,
+  rawGet,
+  REPO,
+  runCli,
+  runCliAsync,
+  runtimeArgv,
+  SCRIPT,
+  sleepUntil,
+  spawnAsync,
+  spawnChild,
+  spawnTracked,
+  startBus,
+  stop,
+  sweepAfterAll,
+  systemTool,
+  tmpDir,
+  twoPeers,
+  untilLine,
+  VECTORS,
+  VECTORS_TEXT,
+} from "./dev/testkit.ts";
 
-const REPO = import.meta.dir;
 /** The extras' commands (files beside interlink.ts that `interlink.ts <name>` runs), as the core's table lists its own. */
 const EXTRA_COMMANDS = { board: boardCommand, "codex-install": codexCommand, demo: demoCommand, verify: verifyCommand };
-const SCRIPT = path.join(REPO, "interlink.ts");
-export const DENO_VERSION = "2.9.6";
 
-const VECTORS_TEXT = fs.readFileSync(path.join(REPO, "vectors", "v2.json"), "utf8");
-const VECTORS = JSON.parse(VECTORS_TEXT);
-
-// Everything a test starts is also registered here, so that a failed assertion
-// never leaves a process running, a folder behind or a tmpfs mounted: the
-// afterAll below kills each child's whole process group and removes the rest.
-const made = { dirs: new Set<string>(), pids: new Set<number>(), mounts: new Set<string>() };
-
-// No test reads or writes this machine's real config.json: the server writes one on its first start.
-process.env.INTERLINK_CONFIG = path.join(
-  fs.mkdtempSync(path.join(os.tmpdir(), "interlink-test-config-")),
-  "config.json",
-);
-made.dirs.add(path.dirname(process.env.INTERLINK_CONFIG));
-
-function tmpDir(prefix = "interlink-test-"): string {
-  const dir = fs.mkdtempSync(path.join(os.tmpdir(), prefix));
-  made.dirs.add(dir);
-  return dir;
-}
-
-/** Kills a child's process group (children are spawned detached, so they lead one), else the child alone. */
-function killGroup(pid: number, signal: NodeJS.Signals = "SIGKILL"): void {
-  for (const target of [-pid, pid]) {
-    try {
-      process.kill(target, signal);
-      return;
-    } catch {
-      // no such group (not detached) or already gone
-    }
-  }
-}
-
-/** Bun.spawn in a process group of its own, registered for the final sweep. */
-function spawnTracked(
-  argv: string[],
-  opts: {
-    stdin?: "ignore";
-    stdout?: "pipe" | "ignore";
-    stderr?: "pipe" | "ignore";
-    env?: Record<string, string | undefined>;
-  } = {},
-) {
-  // Typed as piped: callers read only the streams they asked for.
-  const proc = Bun.spawn(argv, { cwd: REPO, ...opts, detached: true } as never) as Bun.Subprocess<
-    "ignore",
-    "pipe",
-    "pipe"
-  >;
-  made.pids.add(proc.pid);
-  return proc;
-}
-
-// The library logs to stderr as a server should; here its lines are kept, and
-// shown only with INTERLINK_TEST_VERBOSE=1, so a passing run prints nothing.
-const logged: string[] = [];
-setLogSink((line) => {
-  if (process.env.INTERLINK_TEST_VERBOSE) process.stderr.write(line);
-  logged.push(line);
-  if (logged.length > 2000) logged.splice(0, 1000);
-});
-
-// Every folder the suite made, removed at its end: a few hundred, which on a loaded disk take longer than a hook's
-// default 5 s (the run then failed as "(unnamed)" although every test passed).
-afterAll(() => {
-  for (const pid of made.pids) killGroup(pid);
-  for (const dir of made.mounts) spawnSync("umount", ["-l", dir]);
-  for (const dir of made.dirs) fs.rmSync(dir, { recursive: true, force: true });
-}, 120_000);
-
-/** Sleeps until a wall-clock time: for tests whose subject is a timeout. */
-const sleepUntil = (ms: number) => new Promise((r) => setTimeout(r, Math.max(0, ms - Date.now())));
-
-/** Waits for `check` to hold, re-checking every 20 ms, and fails with `what` after `ms`: no test orders events by sleeping. */
-async function eventually(check: () => boolean | Promise<boolean>, what: string, ms = 15_000): Promise<void> {
-  const deadline = Date.now() + ms;
-  while (!(await check())) {
-    if (Date.now() > deadline) throw new Error(`timed out after ${ms} ms waiting until ${what}`);
-    await Bun.sleep(20);
-  }
-}
-
-/** The Deno binary: $INTERLINK_TEST_DENO, `deno` on PATH, or the pinned npm package via npx. */
-let denoPathCache: string | undefined;
-export function denoPath(): string {
-  if (denoPathCache) return denoPathCache;
-  const fromEnv = process.env.INTERLINK_TEST_DENO || Bun.which("deno");
-  if (fromEnv) return (denoPathCache = fromEnv);
-  const r = spawnSync("npx", ["-y", `deno@${DENO_VERSION}`, "eval", "console.log(Deno.execPath())"], {
-    encoding: "utf8",
-  });
-  if (r.status !== 0) throw new Error(`cannot get Deno ${DENO_VERSION} through npx: ${r.stderr}`);
-  return (denoPathCache = r.stdout.trim().split("\n").at(-1)!);
-}
-
-// Deno fetches the SDK's npm graph on its first run (it prefetches dynamic
-// imports with literal specifiers): ~10 s on a cold cache, and much more when
-// several cold processes race for it. Fetch it once, here, so no test's timing
-// includes a cold cache.
-{
-  const r = spawnSync(denoPath(), ["install", "--quiet", "--entrypoint", SCRIPT, path.join(REPO, "dev", "demo.ts")], {
-    cwd: REPO,
-    encoding: "utf8",
-    timeout: 300_000,
-  });
-  if (r.status !== 0) {
-    throw new Error(`cannot prepare Deno's cache (deno install --entrypoint): ${r.stderr || r.error}`);
-  }
-}
-
-/**
- * A system tool some tests need (a Debian package, which CI installs): its path, on PATH or where Debian puts it, or
- * null, after saying which tests are skipped and the line that installs it.
- */
-function systemTool(name: string, debianPath: string, group: string, tests: string[]): string | null {
-  const found = Bun.which(name) ?? (fs.existsSync(debianPath) ? debianPath : null);
-  if (!found) {
-    process.stderr.write(
-      `\nSKIPPED ${tests.length} ${group} tests (${name} is not on PATH):\n${
-        tests.map((t) => `  - ${t}\n`).join("")
-      }Install it with: sudo apt-get install -y ${name}\n\n`,
-    );
-  }
-  return found;
-}
-
-/** A folder holding what a clone of the repository runs from (interlink.ts, extras/, dev/), and no node_modules. */
-function cloneLike(prefix: string): string {
-  const dir = tmpDir(prefix);
-  fs.copyFileSync(SCRIPT, path.join(dir, "interlink.ts"));
-  for (const sub of ["extras", "dev"]) fs.cpSync(path.join(REPO, sub), path.join(dir, sub), { recursive: true });
-  return dir;
-}
-
-/** argv prefix that runs interlink.ts under the named runtime. */
-export function runtimeArgv(runtime: "bun" | "deno", script = SCRIPT): string[] {
-  return runtime === "bun" ? [process.execPath, script] : [denoPath(), "run", "-A", "--quiet", script];
-}
-
-function runCli(runtime: "bun" | "deno", args: string[], opts: { input?: string; env?: Record<string, string> } = {}) {
-  const [cmd, ...pre] = runtimeArgv(runtime);
-  const r = spawnSync(cmd, [...pre, ...args], {
-    input: opts.input,
-    encoding: "utf8",
-    env: { ...process.env, ...opts.env },
-    cwd: REPO,
-    timeout: 60_000,
-    maxBuffer: 64 << 20, // a log with a 2 MB message in it
-  });
-  return { code: r.status, stdout: r.stdout, stderr: r.stderr };
-}
-
-/**
- * spawnSync's result without blocking the test runner, so the slow child-process tests marked
- * `test.concurrent` overlap. The child leads its own process group and is swept like the others.
- */
-function spawnAsync(
-  cmd: string,
-  args: string[],
-  opts: { cwd?: string; env?: Record<string, string | undefined>; input?: string; timeout?: number } = {},
-): Promise<{ status: number | null; stdout: string; stderr: string }> {
-  const child = spawn(cmd, args, { cwd: opts.cwd ?? REPO, env: opts.env ?? process.env, detached: true });
-  made.pids.add(child.pid!);
-  let stdout = "", stderr = "";
-  child.stdout.setEncoding("utf8").on("data", (d) => stdout += d);
-  child.stderr.setEncoding("utf8").on("data", (d) => stderr += d);
-  child.stdin.end(opts.input ?? "");
-  const timer = setTimeout(() => killGroup(child.pid!), opts.timeout ?? 60_000);
-  return new Promise((resolve) =>
-    child.on("close", (status) => {
-      clearTimeout(timer);
-      resolve({ status, stdout, stderr });
-    })
-  );
-}
-
-/** runCli without blocking (see spawnAsync). */
-async function runCliAsync(runtime: "bun" | "deno", args: string[], opts: { env?: Record<string, string> } = {}) {
-  const [cmd, ...pre] = runtimeArgv(runtime);
-  const r = await spawnAsync(cmd, [...pre, ...args], { env: { ...process.env, ...opts.env } });
-  return { code: r.status, stdout: r.stdout, stderr: r.stderr };
-}
-
-const hex = (b: Uint8Array) => Buffer.from(b).toString("hex");
-
-const ALICE = VECTORS.keys.alice;
-const BOB = VECTORS.keys.bob;
-const EVE = VECTORS.keys.eve;
-
-let alice: Identity, bob: Identity, eve: Identity;
-beforeAll(async () => {
-  alice = await identityFromSeed(b64urlDecode(ALICE.secret_b64, 32, "seed"));
-  bob = await identityFromSeed(b64urlDecode(BOB.secret_b64, 32, "seed"));
-  eve = await identityFromSeed(b64urlDecode(EVE.secret_b64, 32, "seed"));
-});
+sweepAfterAll();
 
 // ----------------------------------------------------------------------------
 describe("signing vectors from the independent implementation", () => {
@@ -445,28 +282,6 @@ describe("signing vectors from the independent implementation", () => {
     expect(hex(legacyAnnouncementBytes(a))).toBe(a.canonical_hex);
     expect(await verifyAnnouncement({ ...a, name: "mallory" })).not.toBeNull();
   });
-
-  test("every vector gets the right verdict from `interlink.ts verify` under Bun and Deno", () => {
-    const valid = [...VECTORS.valid.map((c: { message: unknown }) => c.message), VECTORS.announce[0]];
-    const invalid = VECTORS.invalid.map((c: { message: unknown }) => c.message);
-    const lines = (xs: unknown[]) => xs.map((x) => JSON.stringify(x)).join("\n") + "\n";
-    for (const rt of ["bun", "deno"] as const) {
-      const ok = runCli(rt, ["verify"], { input: lines(valid) });
-      expect({ rt, code: ok.code, stderr: ok.stderr }).toEqual({ rt, code: 0, stderr: "" });
-      expect(ok.stdout.trim().split("\n")).toEqual(
-        valid.map((m: { from?: string; pubkey?: string }) => `ok ${m.from ?? m.pubkey}`),
-      );
-      const bad = runCli(rt, ["verify"], { input: lines(invalid) });
-      expect(bad.code).toBe(1);
-      const out = bad.stdout.trim().split("\n");
-      expect(out.length).toBe(invalid.length);
-      for (const line of out) expect(line).toStartWith("invalid: ");
-      // One bad line among good ones still fails the run, and costs no other line.
-      const mixed = runCli(rt, ["verify"], { input: lines([valid[0], invalid[0], valid[1]]) });
-      expect(mixed.code).toBe(1);
-      expect(mixed.stdout.trim().split("\n").map((l) => l.split(" ")[0])).toEqual(["ok", "invalid:", "ok"]);
-    }
-  }, 120_000);
 });
 
 // ----------------------------------------------------------------------------
@@ -1086,84 +901,6 @@ describe("identity files and the allowlist", () => {
     expect(fs.readdirSync(path.dirname(file))).toEqual(["peers.json"]);
   });
 });
-
-// ----------------------------------------------------------------------------
-// Helpers for processes
-
-export interface Child {
-  proc: ReturnType<typeof Bun.spawn>;
-  stderr: string[];
-  /** Resolves with the first stderr line matching `re`. */
-  waitFor(re: RegExp, ms?: number): Promise<RegExpMatchArray>;
-}
-
-export function spawnChild(argv: string[], env: Record<string, string> = {}): Child {
-  const proc = spawnTracked(argv, {
-    stdin: "ignore",
-    stdout: "ignore",
-    stderr: "pipe",
-    env: { ...process.env, ...env },
-  });
-  const lines: string[] = [];
-  const watchers: { re: RegExp; resolve(m: RegExpMatchArray): void }[] = [];
-  (async () => {
-    const decoder = new TextDecoder();
-    let buf = "";
-    for await (const chunk of proc.stderr as ReadableStream<Uint8Array>) {
-      buf += decoder.decode(chunk);
-      let nl;
-      while ((nl = buf.indexOf("\n")) !== -1) {
-        const line = buf.slice(0, nl);
-        buf = buf.slice(nl + 1);
-        lines.push(line);
-        if (process.env.INTERLINK_TEST_VERBOSE) process.stderr.write(`  [child ${proc.pid}] ${line}\n`);
-        for (const w of watchers.splice(0)) {
-          const m = line.match(w.re);
-          if (m) w.resolve(m);
-          else watchers.push(w);
-        }
-      }
-    }
-  })();
-  return {
-    proc,
-    stderr: lines,
-    waitFor(re, ms = 30_000) {
-      for (const line of lines) {
-        const m = line.match(re);
-        if (m) return Promise.resolve(m);
-      }
-      return new Promise((resolve, reject) => {
-        const timer = setTimeout(
-          () => reject(new Error(`no stderr line matched ${re} within ${ms} ms; got:\n${lines.join("\n")}`)),
-          ms,
-        );
-        watchers.push({ re, resolve: (m) => (clearTimeout(timer), resolve(m)) });
-      });
-    },
-  };
-}
-
-export async function startBus(
-  runtime: "bun" | "deno",
-  dataDir: string,
-  extra: string[] = [],
-  env: Record<string, string> = {},
-): Promise<Child & { url: string }> {
-  const child = spawnChild([...runtimeArgv(runtime), "bus", "--port", "0", "--data", dataDir, ...extra], env);
-  const m = await Promise.race([
-    child.waitFor(/listening on (http:\/\/\S+)/),
-    child.proc.exited.then((code) => {
-      throw new Error(`bus exited with ${code}:\n${child.stderr.join("\n")}`);
-    }),
-  ]);
-  return { ...child, url: m[1] };
-}
-
-async function stop(child: Child, signal: NodeJS.Signals = "SIGTERM") {
-  killGroup(child.proc.pid, signal);
-  await child.proc.exited;
-}
 
 // ----------------------------------------------------------------------------
 describe("bus: the HTTP handler", () => {
@@ -1982,99 +1719,12 @@ describe("bus: durability", () => {
 });
 
 // ----------------------------------------------------------------------------
-// Helpers for agents: a real `interlink.ts mcp` child driven by the SDK client
-
-export interface NodeFiles {
-  name: string;
-  dir: string;
-  keyFile: string;
-  peersFile: string;
-  stateDir: string;
-  id: Identity;
-}
-
-export async function makeNodeFiles(root: string, name: string): Promise<NodeFiles> {
-  const dir = path.join(root, name);
-  fs.mkdirSync(dir, { recursive: true });
-  const seed = crypto.getRandomValues(new Uint8Array(32));
-  const keyFile = path.join(dir, "id.key");
-  writeKeyFile(keyFile, seed, false);
-  return {
-    name,
-    dir,
-    keyFile,
-    peersFile: path.join(dir, "peers.json"),
-    stateDir: path.join(dir, "state"),
-    id: await identityFromSeed(seed),
-  };
-}
-
-/** An in-process node's configuration for these files. */
-export function nodeConfig(f: NodeFiles, busUrls: string[], delivery: NodeConfig["delivery"] = "channel"): NodeConfig {
-  return {
-    keyFile: f.keyFile,
-    peersFile: f.peersFile,
-    busUrls,
-    name: f.name,
-    stateDir: f.stateDir,
-    delivery,
-    session: f.name,
-  };
-}
+// Helpers for agents: a real `interlink.ts mcp` child driven by the SDK client (nodes' files, McpNode and the
+// in-process bus, which the extras' tests use too, are in dev/testkit.ts)
 
 /** The folder of a node's session named after it (tests pin INTERLINK_SESSION to the node's name). */
 const sessionOf = (f: NodeFiles) => path.join(f.stateDir, "sessions", f.name);
 const journalOf = (f: NodeFiles) => path.join(sessionOf(f), "log.jsonl");
-
-/** alice and bob, each with a key, peers of each other, in a fresh folder. */
-async function twoPeers(): Promise<{ root: string; A: NodeFiles; B: NodeFiles }> {
-  const root = tmpDir();
-  const A = await makeNodeFiles(root, "alice");
-  const B = await makeNodeFiles(root, "bob");
-  befriend(A, B);
-  return { root, A, B };
-}
-
-export function befriend(a: NodeFiles, b: NodeFiles) {
-  for (const [me, other] of [[a, b], [b, a]]) {
-    const peers = fs.existsSync(me.peersFile) ? JSON.parse(fs.readFileSync(me.peersFile, "utf8")) : {};
-    peers[other.name] = { key: other.id.publicKey };
-    fs.writeFileSync(me.peersFile, JSON.stringify(peers));
-  }
-}
-
-/** A real `interlink.ts mcp` child for one node's files, driven by the SDK client. */
-export type McpNode = McpSession;
-export const McpNode = {
-  start(
-    runtime: "bun" | "deno",
-    files: NodeFiles,
-    busUrl: string,
-    env: Record<string, string> = {},
-  ): Promise<McpSession> {
-    return McpSession.start(files.name, [...runtimeArgv(runtime), "mcp"], {
-      INTERLINK_KEY: files.keyFile,
-      INTERLINK_PEERS: files.peersFile,
-      INTERLINK_STATE: files.stateDir,
-      INTERLINK_URL: busUrl,
-      INTERLINK_NAME: files.name,
-      INTERLINK_DELIVERY: "channel",
-      INTERLINK_SESSION: files.name,
-      INTERLINK_CONFIG: path.join(files.dir, "config.json"),
-      ...(process.env.DENO_DIR ? { DENO_DIR: process.env.DENO_DIR } : {}),
-      ...(process.env.XDG_CACHE_HOME ? { XDG_CACHE_HOME: process.env.XDG_CACHE_HOME } : {}),
-      ...env,
-    }, {
-      cwd: REPO,
-      onStderr: (line) => process.env.INTERLINK_TEST_VERBOSE && process.stderr.write(`  [${files.name}] ${line}\n`),
-    }).then((session) => {
-      if (session.pid) made.pids.add(session.pid);
-      return session;
-    });
-  },
-};
-
-const msgIdOf = (text: string) => text.match(/msg_id (\S+)/)![1];
 
 /** An `interlink.ts mcp` child with exactly this environment (plus what the SDK passes on: HOME, PATH...). */
 async function serverWith(runtime: "bun" | "deno", env: Record<string, string>): Promise<McpSession> {
@@ -2118,17 +1768,6 @@ async function busDrained(busUrl: string, me: string | NodeFiles): Promise<boole
     if (r.status !== "timeout") return false;
   }
   return true;
-}
-
-/** An in-process bus served on a loopback port; `bus` itself can also play a relay that checks nothing. */
-async function busOnLoopback(dir: string, port = 0) {
-  const bus = await Bus.open(dir, { log: () => {} });
-  const server = await serveHttp(bus.handler, "127.0.0.1", port);
-  const shutdown = async () => {
-    await server.stop();
-    await bus.close();
-  };
-  return { bus, server, url: `http://127.0.0.1:${server.port}`, shutdown };
 }
 
 /** True once the bus lists a session of this node (its session opens shortly after the client's `initialized`). */
@@ -3524,26 +3163,6 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
     expect(said).toMatch(/PROBLEM {2}the last server start .* answered after [\d.]+ s;.*\n\s+fix: .*MCP_TIMEOUT=60000/);
   }, 60_000);
 
-  const LIFECYCLE_STEPS = [
-    /alice discover → .* claims "bob"/,
-    /alice request_pair → asked/,
-    /bob {3}channel event: Not a peer: a node with fingerprint \S+, which claims the name "alice" \(unverified\), asks to pair/,
-    /bob {3}\(the operator decides\) accept_pair → paired: 'alice'/,
-    /alice channel event: Pairing complete/,
-    /bob {3}← alice: \[task deps\] Install the deps/,
-    /alice ← bob: \[task deps · update\]/,
-    /alice ← bob: \[task deps · needs_input\] Which CUDA version\?/,
-    /bob {3}← alice: \[task deps\] 12\.4 +\(in_reply_to [0-9a-f]{32}\)/,
-    /alice ← bob: \[task deps · result\]/,
-    /bob {3}← alice: \[task bench · canceled\]/,
-    /refused: task "bench" is closed/,
-    /task deps with bob( \(session \S+\))?; requested by you; status result; closed/,
-    /signed with mallory's key → the bus answers 400 .*signature does not verify/,
-    /gate: refused a message from .*not_allowlisted/,
-    /notice for the operator: 1 message from an unknown key \S+ was refused: not in your peers/,
-    /the forgery was refused by the bus, the stranger by bob's gate/,
-  ];
-
   test.concurrent(
     "--help for the program and every command is generated from the real flags; --version answers",
     async () => {
@@ -3575,67 +3194,7 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
     60_000,
   );
 
-  test.concurrent(
-    "bench.ts --help describes every part and flag; an unknown part is refused by name before anything runs",
-    async () => {
-      const bench = path.join(REPO, "dev", "bench.ts");
-      const [help, unknown] = await Promise.all([
-        spawnAsync(process.execPath, [bench, "--help"], { timeout: 10_000 }),
-        spawnAsync(process.execPath, [bench, "--only", "idle,nope"], { timeout: 10_000 }),
-      ]);
-      expect({ code: help.status, stderr: help.stderr }).toEqual({ code: 0, stderr: "" });
-      expect(help.stdout).toContain("Usage: bun dev/bench.ts");
-      for (const part of BENCH_PARTS) expect(help.stdout).toContain(`${part}:`); // each part says what it measures
-      for (const flag of Object.keys(BENCH_OPTIONS)) expect(help.stdout).toContain(`--${flag}`);
-      expect(unknown.status).toBe(1);
-      expect(unknown.stderr).toBe(`bench: unknown benchmark 'nope'; choose from ${BENCH_PARTS.join(", ")}\n`);
-      expect(unknown.stdout).toBe(""); // no report: idle did not run
-    },
-    10_000,
-  );
-
   // The slow child-process tests from here on are independent and overlap (test.concurrent).
-  test.concurrent(
-    "a clone without node_modules runs the demo under Bun (auto-installing the SDK client) and shows every step",
-    async () => {
-      const copy = cloneLike("interlink-demo-copy-");
-      const r = await spawnAsync(process.execPath, [path.join(copy, "interlink.ts"), "demo"], {
-        cwd: copy,
-        timeout: 60_000,
-        env: { ...process.env },
-      });
-      expect({ code: r.status, stderr: r.status === 0 ? "" : r.stderr }).toEqual({ code: 0, stderr: "" });
-      for (const step of LIFECYCLE_STEPS) expect(r.stdout).toMatch(step);
-      const folder = r.stdout.match(/temporary folders under (\S+)/)![1];
-      expect(fs.existsSync(folder)).toBe(false); // cleaned up
-    },
-    60_000,
-  );
-
-  test.concurrent(
-    "a clone under Deno, with no deno.json, runs the demo; --keep leaves its folders",
-    async () => {
-      const copy = cloneLike("interlink-deno-copy-");
-      const r = await spawnAsync(denoPath(), [
-        "run",
-        "-A",
-        "--quiet",
-        path.join(copy, "interlink.ts"),
-        "demo",
-        "--keep",
-      ], {
-        cwd: copy,
-        timeout: 120_000,
-      });
-      expect({ code: r.status, stderr: r.status === 0 ? "" : r.stderr }).toEqual({ code: 0, stderr: "" });
-      for (const step of LIFECYCLE_STEPS) expect(r.stdout).toMatch(step);
-      const kept = r.stdout.match(/kept (\S+)/)![1];
-      made.dirs.add(kept); // removed by the final sweep
-      expect(fs.existsSync(path.join(kept, "alice", "state", "sessions", "alice", "log.jsonl"))).toBe(true);
-    },
-    120_000,
-  );
-
   test.concurrent(
     "wait and mcp import nothing from npm (no MCP SDK, zod or NATS): they run where npm packages cannot load at all",
     async () => {
@@ -6608,21 +6167,6 @@ describe("the Claude Code plugin, the launcher and the shared configuration", ()
         "request_pair, accept_pair, reject_pair, add_peer and remove_peer only when your operator asks",
       );
     }
-  });
-
-  test("the SDK and zod are pinned in one place, the harness (dev/harness.ts): package.json and bun.lock follow it", () => {
-    const pkg = json("package.json");
-    expect(pkg.dependencies[SDK.name]).toBe(SDK.version);
-    expect(pkg.dependencies[ZOD.name]).toBe(ZOD.version);
-    const lock = fs.readFileSync(path.join(REPO, "bun.lock"), "utf8");
-    expect(lock).toContain(`"${SDK.name}@${SDK.version}"`);
-    expect(lock).toContain(`"${ZOD.name}@${ZOD.version}"`);
-    expect(
-      fs.readFileSync(path.join(REPO, "dev", "harness.ts"), "utf8").match(
-        /@modelcontextprotocol\/sdk@(\d+\.\d+\.\d+)/g,
-      )!.every((m) => m.endsWith(SDK.version)),
-    )
-      .toBe(true);
   });
 
   test(
@@ -10974,100 +10518,6 @@ describe("delegation across hops over NATS JetStream: alice on Bun, bob on Deno,
 });
 
 // ----------------------------------------------------------------------------
-// Codex CLI sessions as peers: the real Codex CLI (pinned, a dev dependency) against a scripted model of ours.
-
-/** The native codex binary the dev dependency installs, or null (then the Codex tests say so and are skipped). */
-const CODEX_BIN = (() => {
-  const vendor = path.join(REPO, "node_modules", "@openai");
-  for (const pkg of fs.existsSync(vendor) ? fs.readdirSync(vendor).filter((d) => d.startsWith("codex-")) : []) {
-    const root = path.join(vendor, pkg, "vendor");
-    for (const triple of fs.existsSync(root) ? fs.readdirSync(root) : []) {
-      const bin = path.join(root, triple, "bin", "codex");
-      if (fs.existsSync(bin)) return bin;
-    }
-  }
-  return null;
-})();
-if (!CODEX_BIN) {
-  process.stderr.write(
-    "SKIPPED the Codex CLI tests (install, binding, wakes): @openai/codex is not installed. Install it with: npx -y bun@1.4.5 install\n",
-  );
-}
-const codexTest = test.skipIf(!CODEX_BIN);
-
-describe("Codex CLI sessions as peers", () => {
-  codexTest(
-    "codex-install writes its block, hook and trust beside what is there, Codex reads the hook as trusted; again changes nothing; --remove restores",
-    async () => {
-      const home = tmpDir("interlink-codex-home-");
-      const config = [
-        'model = "gpt-5"',
-        "",
-        "[mcp_servers.docs]",
-        'command = "docs-server"',
-        "",
-        "[profiles.fast]",
-        'model = "small"',
-        "",
-      ].join("\n");
-      const hooks = JSON.stringify(
-        {
-          hooks: {
-            SessionStart: [{ hooks: [{ type: "command", command: "echo hi" }] }],
-            Stop: [{ hooks: [{ type: "command", command: "true" }] }],
-          },
-        },
-        null,
-        2,
-      );
-      fs.writeFileSync(path.join(home, "config.toml"), config);
-      fs.writeFileSync(path.join(home, "hooks.json"), hooks);
-      const install = (...extra: string[]) =>
-        runCliAsync("bun", ["codex-install", "--codex-home", home, "--codex-bin", CODEX_BIN!, ...extra], {
-          env: { INTERLINK_URL: "http://10.0.0.5:9440" },
-        });
-      const first = await install();
-      expect(first.stderr).toBe("");
-      expect(first.stdout).toContain("the hook is trusted");
-      const toml = fs.readFileSync(path.join(home, "config.toml"), "utf8");
-      expect(toml.startsWith(config)).toBe(true); // what was there is untouched, byte for byte
-      expect(toml).toContain("[mcp_servers.interlink]");
-      expect(toml).toContain('INTERLINK_URL = "http://10.0.0.5:9440"');
-      expect(toml).toContain('INTERLINK_HOST = "codex"');
-      expect(toml).toMatch(/\[mcp_servers\.interlink\.tools\.accept_pair\]\napproval_mode = "prompt"/);
-      const written = JSON.parse(fs.readFileSync(path.join(home, "hooks.json"), "utf8"));
-      expect(written.hooks.Stop).toEqual(JSON.parse(hooks).hooks.Stop);
-      expect(written.hooks.SessionStart).toEqual([
-        { hooks: [{ type: "command", command: "echo hi" }] },
-        {
-          hooks: [{ type: "mcp_tool", server: "interlink", tool: "bind_session", input: { session: "${session_id}" } }],
-        },
-      ]);
-      expect(toml).toContain(`[hooks.state."${fs.realpathSync(path.join(home, "hooks.json"))}:session_start:1:0"]`);
-      // Again: the same files.
-      await install();
-      expect(fs.readFileSync(path.join(home, "config.toml"), "utf8")).toBe(toml);
-      // A server named interlink that the user wrote is never overwritten.
-      const mine = tmpDir("interlink-codex-home-");
-      fs.writeFileSync(path.join(mine, "config.toml"), '[mcp_servers.interlink]\ncommand = "mine"\n');
-      const refused = await runCliAsync("bun", ["codex-install", "--codex-home", mine]);
-      expect(refused.code).toBe(1);
-      expect(refused.stderr).toContain(
-        "already configures an MCP server named interlink that codex-install did not write",
-      );
-      expect(fs.readFileSync(path.join(mine, "config.toml"), "utf8")).toBe(
-        '[mcp_servers.interlink]\ncommand = "mine"\n',
-      );
-      // --remove takes out exactly what it put in.
-      await install("--remove");
-      expect(fs.readFileSync(path.join(home, "config.toml"), "utf8")).toBe(config);
-      expect(JSON.parse(fs.readFileSync(path.join(home, "hooks.json"), "utf8"))).toEqual(JSON.parse(hooks));
-    },
-    60_000,
-  );
-});
-
-// ----------------------------------------------------------------------------
 // Real hosts: real Claude Code sessions (pinned, a dev dependency) against a scripted model of our own.
 //
 // Claude Code 2.1.332, as these tests rely on it: `-p --input-format stream-json --output-format stream-json
@@ -12556,254 +12006,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
   }
 });
 
-// ----------------------------------------------------------------------------
-// The board in a real browser: headless Chromium (Debian's chromium; CI installs it), driven over the DevTools
-// protocol on its own WebSocket, with no npm browser driver. Without chromium the browser tests are skipped, and
-// the suite says which and the line that installs it.
-
-const BOARD_BROWSER_TESTS = [
-  "rows appear and change live, without a reload, as two real agents run a task; a question waits on you until answered",
-  "markup, scripts and bidi characters in a peer's message and task id render as text",
-  "the page fits a 400 px window: one column, nothing wider than the screen",
-  "demo --board keeps alice's board up; a screenshot of it is saved",
-];
-const CHROMIUM = systemTool("chromium", "/usr/bin/chromium", "board", BOARD_BROWSER_TESTS);
-const browserTest = test.skipIf(!CHROMIUM);
-
-// deno-lint-ignore no-explicit-any -- a DevTools protocol result, read for the fields its method returns
-type CdpResult = Record<string, any>;
-
-/** One headless Chromium and one page in it, driven over the DevTools protocol (flat sessions on one WebSocket). */
-class Chromium {
-  #ws!: WebSocket;
-  #next = 0;
-  #calls = new Map<number, { resolve(v: CdpResult): void; reject(e: Error): void }>();
-  #page = "";
-  #proc!: ReturnType<typeof spawnTracked>;
-
-  static async start(): Promise<Chromium> {
-    const c = new Chromium();
-    c.#proc = spawnTracked([
-      CHROMIUM!,
-      "--headless=new",
-      "--no-sandbox",
-      "--disable-gpu",
-      "--disable-quic",
-      "--no-first-run",
-      "--disable-background-networking",
-      "--disable-component-update",
-      "--disable-sync",
-      `--user-data-dir=${tmpDir("interlink-chromium-")}`,
-      "--remote-debugging-port=0",
-      "about:blank",
-    ], { stdin: "ignore", stdout: "ignore", stderr: "pipe" });
-    const url = await untilLine(c.#proc.stderr, /DevTools listening on (ws:\/\/\S+)/, 30_000);
-    c.#ws = new WebSocket(url);
-    await new Promise((resolve, reject) => (c.#ws.onopen = resolve, c.#ws.onerror = reject));
-    c.#ws.onmessage = (e) => {
-      const m = JSON.parse(String(e.data));
-      const call = c.#calls.get(m.id);
-      if (!call) return; // an event: the tests poll the DOM instead
-      c.#calls.delete(m.id);
-      if (m.error) call.reject(new Error(`${m.error.message} (${m.error.code})`));
-      else call.resolve(m.result);
-    };
-    const { targetId } = await c.send("Target.createTarget", { url: "about:blank" }, "");
-    c.#page = (await c.send("Target.attachToTarget", { targetId, flatten: true }, "")).sessionId;
-    return c;
-  }
-
-  send(method: string, params: object = {}, session = this.#page): Promise<CdpResult> {
-    const id = ++this.#next;
-    return new Promise((resolve, reject) => {
-      this.#calls.set(id, { resolve, reject });
-      this.#ws.send(JSON.stringify({ id, method, params, ...(session ? { sessionId: session } : {}) }));
-    });
-  }
-
-  /** The value of a JavaScript expression in the page. */
-  async eval<T>(expression: string): Promise<T> {
-    const r = await this.send("Runtime.evaluate", { expression, returnByValue: true });
-    if (r.exceptionDetails) throw new Error(`in the page: ${r.exceptionDetails.exception?.description}`);
-    return r.result.value as T;
-  }
-
-  /** Loads `url` and waits until its document is complete. */
-  async open(url: string): Promise<void> {
-    await this.send("Page.navigate", { url });
-    await eventually(
-      async () => (await this.eval<string>("location.href + ' ' + document.readyState")) === `${url} complete`,
-      `the page ${url} loaded`,
-    );
-  }
-
-  viewport(width: number, height: number): Promise<unknown> {
-    return this.send("Emulation.setDeviceMetricsOverride", { width, height, deviceScaleFactor: 1, mobile: false });
-  }
-
-  async screenshot(): Promise<Buffer> {
-    return Buffer.from((await this.send("Page.captureScreenshot", { format: "png" })).data, "base64");
-  }
-
-  close(): void {
-    this.#ws?.close();
-    if (this.#proc) killGroup(this.#proc.pid);
-  }
-}
-
-/** Reads a child's stream until a line matches `re` (its first group is returned), then keeps draining it. */
-async function untilLine(stream: ReadableStream<Uint8Array>, re: RegExp, ms: number): Promise<string> {
-  const lines: string[] = [];
-  const reader = stream.getReader();
-  const decoder = new TextDecoder();
-  let buf = "";
-  const timer = setTimeout(() => reader.cancel(), ms);
-  try {
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) throw new Error(`no line matched ${re} within ${ms} ms; got:\n${lines.join("\n")}`);
-      buf += decoder.decode(value);
-      const parts = buf.split("\n");
-      buf = parts.pop()!;
-      for (const line of parts) {
-        lines.push(line);
-        if (process.env.INTERLINK_TEST_VERBOSE) process.stderr.write(`  [child] ${line}\n`);
-        const m = line.match(re);
-        if (!m) continue;
-        clearTimeout(timer);
-        void (async () => {
-          while (!(await reader.read().catch(() => ({ done: true }))).done); // a full pipe would stall the child
-        })();
-        return m[1];
-      }
-    }
-  } finally {
-    clearTimeout(timer);
-  }
-}
-
-/** `interlink.ts board` as a child for a node's files; resolves with the URL it prints. */
-async function startBoardChild(runtime: "bun" | "deno", f: NodeFiles, busUrl: string, stateDir = f.stateDir) {
-  const proc = spawnTracked([...runtimeArgv(runtime), "board", "--port", "0"], {
-    stdin: "ignore",
-    stdout: "pipe",
-    stderr: "pipe",
-    env: { ...process.env, ...boardEnv(f, busUrl), INTERLINK_STATE: stateDir },
-  });
-  void untilLine(proc.stderr, /^$^/, 600_000).catch(() => {}); // drained, and shown with INTERLINK_TEST_VERBOSE
-  const url = await untilLine(proc.stdout, /^(http:\/\/127\.0\.0\.1:\d+\/\?t=[A-Za-z0-9_-]{43})$/, 30_000);
-  return { proc, url };
-}
-
-const boardEnv = (f: NodeFiles, busUrl: string): Record<string, string> => ({
-  INTERLINK_KEY: f.keyFile,
-  INTERLINK_PEERS: f.peersFile,
-  INTERLINK_STATE: f.stateDir,
-  INTERLINK_URL: busUrl,
-});
-
-/** Every file under `dir` with its size and modification time: what a reader must leave as it found it. */
-function listing(dir: string): string[] {
-  return fs.readdirSync(dir, { recursive: true, withFileTypes: true }).map((e) => {
-    const file = path.join(e.parentPath, e.name);
-    const st = fs.statSync(file);
-    return `${path.relative(dir, file)} ${e.isDirectory() ? "dir" : st.size} ${st.mtimeMs}`;
-  }).sort();
-}
-
-/** The first snapshot a board's event stream sends, read without a browser. */
-async function firstSnapshot(url: string): Promise<BoardView> {
-  const r = await fetch(url.replace("/?t=", "/events?t="));
-  expect(r.headers.get("content-type")).toBe("text/event-stream; charset=utf-8");
-  const reader = r.body!.getReader();
-  let text = "";
-  for (;;) {
-    const { value } = await reader.read();
-    text += new TextDecoder().decode(value);
-    const m = text.match(/event: snapshot\ndata: (.*)\n\n/);
-    if (m) {
-      await reader.cancel();
-      return JSON.parse(m[1]);
-    }
-  }
-}
-
-/** A raw HTTP/1.1 request, so a test can send the Host header a browser would never let a page choose. */
-function rawGet(port: number, target: string, headers: Record<string, string>): Promise<string> {
-  return new Promise((resolve, reject) => {
-    const socket = net.connect(port, "127.0.0.1");
-    let answer = "";
-    socket.on("data", (d) => (answer += d.toString()));
-    socket.on("end", () => resolve(answer));
-    socket.on("error", reject);
-    // An answer that never ends (an event stream let through): what came in 3 s, rather than a hung test.
-    setTimeout(() => (socket.destroy(), resolve(answer)), 3_000).unref();
-    const head = Object.entries({ ...headers, connection: "close" }).map(([k, v]) => `${k}: ${v}\r\n`).join("");
-    socket.write(`GET ${target} HTTP/1.1\r\n${head}\r\n`);
-  });
-}
-
 describe("malformed requests and failing handlers: never a runtime's error page", () => {
-  /** What must never be in an answer to a stranger: where this runs, the source, the board's token. */
-  const leaks = (answer: string, token: string) =>
-    [REPO, "interlink.ts", "node_modules", token, "at "].filter((s) => answer.includes(s));
-
-  test.concurrent(
-    "the board answers a Host or target it cannot parse with a short 4xx, under Bun and Deno",
-    async () => {
-      const { root, A } = await twoPeers();
-      const bus = await busOnLoopback(path.join(root, "bus"));
-      try {
-        for (const runtime of ["bun", "deno"] as const) {
-          const board = await startBoardChild(runtime, A, bus.url);
-          try {
-            const { port, searchParams } = new URL(board.url);
-            const token = searchParams.get("t")!;
-            // Each with the token: only the Host or the target is wrong. The absolute form (a proxy's, never a
-            // browser's) is parsed by Bun, which takes the Host header's authority; Deno takes the target's, and
-            // then cannot parse it: either way no error page.
-            const cases: [string, string, RegExp][] = [
-              [`/?t=${token}`, "[[[", /^4/],
-              [`/?t=${token}`, `x@127.0.0.1:${port}`, /^4/],
-              [`/?t=${token}`, "127.0.0.1:99999", /^4/],
-              [`/?t=${token}`, "", /^4/],
-              [`/events?t=${token}`, `127.0.0.1:${port}]`, /^4/],
-              [`http://[[[/?t=${token}`, `127.0.0.1:${port}`, /^[24]/],
-              [`http://x@127.0.0.1:${port}/?t=${token}`, `127.0.0.1:${port}`, /^[24]/],
-            ];
-            for (const [target, host, want] of cases) {
-              const answer = await rawGet(+port, target, { host });
-              const status = answer.split("\r\n")[0].split(" ")[1] ?? "none";
-              expect({ runtime, target, host, status: want.test(status) ? "as wanted" : status }).toEqual({
-                runtime,
-                target,
-                host,
-                status: "as wanted",
-              });
-              if (status === "200") continue; // the page itself, to the token's holder
-              expect({ runtime, host, leaks: leaks(answer, token), short: answer.length < 600 }).toEqual({
-                runtime,
-                host,
-                leaks: [],
-                short: true,
-              });
-            }
-            // And the real thing still works.
-            expect((await rawGet(+port, `/?t=${token}`, { host: `127.0.0.1:${port}` })).split("\r\n")[0]).toBe(
-              "HTTP/1.1 200 OK",
-            );
-          } finally {
-            killGroup(board.proc.pid, "SIGTERM");
-            await board.proc.exited;
-          }
-        }
-      } finally {
-        await bus.shutdown();
-      }
-    },
-    90_000,
-  );
-
   test.concurrent(
     "a handler that throws gets a short generic 500 from serveHttp, under Bun, Deno and the guarded server",
     async () => {
@@ -12843,428 +12046,6 @@ describe("malformed requests and failing handlers: never a runtime's error page"
     },
     90_000,
   );
-});
-
-describe("the board: a live page for the operator, read-only, for the token's holder only", () => {
-  let root: string, bus: Awaited<ReturnType<typeof busOnLoopback>>;
-  let A: NodeFiles, B: NodeFiles;
-  let alice: McpNode, bob: McpNode;
-  let board: { proc: ReturnType<typeof spawnTracked>; url: string };
-  let page: Chromium | null = null;
-
-  beforeAll(async () => {
-    ({ root, A, B } = await twoPeers());
-    bus = await busOnLoopback(path.join(root, "bus"));
-    [alice, bob, board, page] = await Promise.all([
-      McpNode.start("bun", A, bus.url),
-      McpNode.start("bun", B, bus.url),
-      startBoardChild("deno", A, bus.url), // the board under Deno, the demo's under Bun
-      CHROMIUM ? Chromium.start() : null,
-    ]);
-  }, 120_000);
-
-  afterAll(async () => {
-    page?.close();
-    if (board) killGroup(board.proc.pid, "SIGTERM");
-    await Promise.allSettled([alice?.close(), bob?.close(), board?.proc.exited]); // goodbyes on their open tasks
-    await bus?.shutdown();
-  }, 30_000);
-
-  /** The text of the task card for `task`, or "" while there is none. */
-  const card = (task: string) =>
-    page!.eval<string>(
-      `[...document.querySelectorAll("#tasks .card")].find((c) => c.textContent.includes(${
-        JSON.stringify(`task ${task}`)
-      }))?.textContent ?? ""`,
-    );
-  const waiting = () => page!.eval<string>(`document.querySelector("#waiting").textContent`);
-
-  test("a request without the token, from another Host, or from another Origin gets 403 and no data", async () => {
-    const { port, searchParams } = new URL(board.url);
-    const token = searchParams.get("t")!;
-    const ok = await fetch(board.url);
-    expect(ok.status).toBe(200);
-    // The page runs only its own script: a nonce in the CSP, and nothing cached, sniffed, framed or referred.
-    expect(ok.headers.get("content-security-policy")).toMatch(/default-src 'none'; script-src 'nonce-[\w-]+'/);
-    expect(ok.headers.get("x-content-type-options")).toBe("nosniff");
-    expect(ok.headers.get("referrer-policy")).toBe("no-referrer");
-    expect(ok.headers.get("cache-control")).toBe("no-store");
-    expect(await ok.text()).not.toContain(token); // the page reads the token from its own URL; it never echoes it
-    const refused = [
-      await fetch(`http://127.0.0.1:${port}/`),
-      await fetch(`http://127.0.0.1:${port}/events`),
-      await fetch(`http://127.0.0.1:${port}/events?t=${token.slice(0, -1)}${token.endsWith("A") ? "B" : "A"}`), // one character off
-      await fetch(`http://127.0.0.1:${port}/?t=`),
-    ];
-    for (const r of refused) {
-      expect({ status: r.status, body: await r.text() }).toEqual({ status: 403, body: "forbidden\n" });
-    }
-    // A web page's request (its Origin is its own), sent raw: the exact headers, whatever a fetch adds or drops.
-    for (const [target, origin] of [["/", "https://evil.example"], ["/events", `http://127.0.0.1:${+port + 1}`]]) {
-      const answer = await rawGet(+port, `${target}?t=${token}`, { host: `127.0.0.1:${port}`, origin });
-      expect({ origin, status: answer.split("\r\n")[0] }).toEqual({ origin, status: "HTTP/1.1 403 Forbidden" });
-      expect(answer).not.toContain("snapshot");
-    }
-    // DNS rebinding: a page of evil.example whose name now points at 127.0.0.1 still sends its own Host.
-    for (const host of ["evil.example", `evil.example:${port}`, `127.0.0.1:${+port + 1}`]) {
-      const answer = await rawGet(+port, `/events?t=${token}`, { host });
-      expect({ host, status: answer.split("\r\n")[0] }).toEqual({ host, status: "HTTP/1.1 403 Forbidden" });
-      expect(answer).not.toContain("snapshot");
-    }
-    expect((await rawGet(+port, `/?t=${token}`, { host: `localhost:${port}` })).split("\r\n")[0]).toBe(
-      "HTTP/1.1 200 OK",
-    );
-    // Nothing else is served, even to the token's holder; and it only reads.
-    expect((await fetch(board.url.replace("/?t=", "/roster?t="))).status).toBe(404);
-    expect((await fetch(board.url, { method: "POST", body: "{}" })).status).toBe(405);
-  });
-
-  browserTest(BOARD_BROWSER_TESTS[0], async () => {
-    await page!.viewport(1280, 900);
-    await page!.open(board.url);
-    await eventually(async () => (await page!.eval<string>(`conn.textContent`)).startsWith("live"), "it is connected");
-    await page!.eval("window.sameDocument = true"); // gone if anything reloads the page
-    const request = await alice.ok("send_message", { to: "bob", text: "install the deps", task_id: "deps" });
-    await eventually(async () => (await card("deps")).includes("install the deps"), "the request shows as a row");
-    expect(await card("deps")).toMatch(/requested.*with bob.*open.*requested by you · waiting on bob: working on it/);
-    await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(request));
-    await bob.ok("send_message", { to: "alice", text: "pip install running", task_id: "deps", status: "update" });
-    await eventually(async () => (await card("deps")).includes("update pip install running"), "the update shows");
-    expect(await waiting()).toContain("nothing waits on you");
-    // A question for alice's operator: on the row, and under "waiting on you" with what answers it.
-    const question = msgIdOf(
-      await bob.ok("send_message", {
-        to: "alice",
-        text: "Which CUDA version?",
-        task_id: "deps",
-        status: "needs_input",
-      }),
-    );
-    await eventually(async () => (await waiting()).includes("Which CUDA version?"), "the question waits on you");
-    expect(await card("deps")).toContain("waiting on you: bob asked a question");
-    expect(await waiting()).toContain(`answer bob's question ${question} on task deps: <your answer>`);
-    const command = await page!.eval<string>(`document.querySelectorAll("#waiting pre")[1].textContent`);
-    expect(command).toBe(
-      `interlink.ts send bob '<your answer>' --task deps --in-reply-to ${question} --session alice --channel bob`,
-    );
-    // The command it prints is the one that answers: run as printed (with this node's settings in the environment).
-    const args = command.replace("'<your answer>'", "12.4").split(" ").slice(1);
-    const sent = await runCliAsync("bun", args, { env: boardEnv(A, bus.url) });
-    expect({ code: sent.code, stderr: sent.stderr }).toEqual({ code: 0, stderr: "" });
-    await eventually(async () => !(await waiting()).includes("Which CUDA version?"), "the answered question leaves");
-    expect(await card("deps")).toMatch(/answer 12\.4/);
-    const answer = await bob.waitEvent((e) => e.meta.in_reply_to === question);
-    expect(answer.content).toBe("[task deps] 12.4");
-    await bob.ok("send_message", { to: "alice", text: "done on CUDA 12.4", task_id: "deps", status: "result" });
-    await eventually(async () => /^result.*closed/.test(await card("deps")), "the row turns to result, closed");
-    expect(await card("deps")).toContain("result done on CUDA 12.4");
-    expect(await page!.eval("window.sameDocument")).toBe(true); // all of it live, in one document
-  }, 60_000);
-
-  browserTest(BOARD_BROWSER_TESTS[1], async () => {
-    const evil = `<script>window.pwned = 1</script><img src=x onerror="window.pwned = 1"></div><b>bold</b>` +
-      ` \u202Edetacilpmoc\u202C \u200Bend`;
-    await bob.ok("send_message", { to: "alice", text: evil, task_id: "<i>x</i>" });
-    await eventually(async () => (await card("<i>x</i>")).includes("bold"), "the hostile message shows");
-    const text = await card("<i>x</i>");
-    // Shown as the characters they are; bidi and zero-width characters made visible, not obeyed.
-    expect(text).toContain(`<script>window.pwned = 1</script><img src=x onerror="window.pwned = 1"></div><b>bold</b>`);
-    expect(text).toContain("<U+202E>detacilpmoc<U+202C> <U+200B>end");
-    expect(text).not.toMatch(/[\u202a-\u202e\u200b]/);
-    // No element was made from it, and no script ran.
-    expect(await page!.eval(`document.scripts.length`)).toBe(1);
-    expect(await page!.eval(`document.querySelectorAll("img, b, i, main script").length`)).toBe(0);
-    expect(await page!.eval(`typeof window.pwned`)).toBe("undefined");
-    expect(await page!.eval(`document.querySelectorAll("main > section, main > div").length`)).toBe(3);
-  }, 30_000);
-
-  browserTest(BOARD_BROWSER_TESTS[2], async () => {
-    await page!.viewport(400, 800);
-    try {
-      await eventually(async () => (await page!.eval<number>("innerWidth")) === 400, "the window is 400 px wide");
-      // The page's width (400 px less a scrollbar, if any): nothing scrolls sideways or sticks out past it.
-      const layout = await page!.eval<{ scroll: number; width: number; columns: string; wide: string[] }>(`({
-        scroll: document.documentElement.scrollWidth,
-        width: document.documentElement.clientWidth,
-        columns: getComputedStyle(document.querySelector("main")).gridTemplateColumns,
-        wide: [...document.querySelectorAll("body *")]
-          .filter((e) => e.getBoundingClientRect().right > document.documentElement.clientWidth + 0.5)
-          .map((e) => e.tagName + "." + e.className + ": " + e.textContent.slice(0, 40)),
-      })`);
-      expect(layout.width).toBeGreaterThan(360);
-      expect(layout).toEqual({
-        scroll: layout.width,
-        width: layout.width,
-        columns: `${layout.width - 16}px`,
-        wide: [],
-      });
-    } finally {
-      await page!.viewport(1280, 900);
-    }
-  }, 30_000);
-
-  test("the board takes no lock and writes nothing in the state folder", async () => {
-    await alice.ok("send_message", { to: "bob", text: "a task to show", task_id: "still" });
-    const copy = path.join(tmpDir(), "state");
-    fs.cpSync(A.stateDir, copy, { recursive: true }); // a still copy: the live agent keeps writing to its own
-    const before = listing(copy);
-    const reader = await startBoardChild("bun", A, bus.url, copy);
-    try {
-      const view = await firstSnapshot(reader.url);
-      expect(view.tasks.map((t) => t.task_id)).toContain("still");
-      await fetch(reader.url).then((r) => r.text());
-      if (page) {
-        await page.open(reader.url);
-        await eventually(async () => (await card("still")).includes("a task to show"), "the copy's board shows it");
-      }
-    } finally {
-      killGroup(reader.proc.pid, "SIGTERM");
-      expect(await reader.proc.exited).toBe(0);
-    }
-    expect(listing(copy)).toEqual(before);
-  }, 30_000);
-
-  test("a board left open stays bounded: 2,000 tasks and floods of receipts and refusals fold into capped lists", () => {
-    const dir = tmpDir();
-    const fold = new BoardFold(dir, A.id.publicKey, () => 1e12);
-    const msg = (i: number, j: number, extra: Partial<SignedMessage> = {}): SignedMessage => ({
-      from: B.id.publicKey,
-      to: A.id.publicKey,
-      text: `${i}.${j} ` + "x".repeat(10_000),
-      ts: 1e12,
-      msg_id: `m${i}-${j}`,
-      kind: "message",
-      task_id: `t${i}`,
-      sig: b64urlEncode(new Uint8Array(64)), // never checked: the journal holds what the gate admitted
-      ...extra,
-    });
-    for (let i = 0; i < 2000; i++) {
-      // alice asks, bob answers: every even task ends on a question for alice's operator
-      const request = msg(i, 0, { from: A.id.publicKey, to: B.id.publicKey });
-      fold.apply("s1", { t: "out", at: i * 100, peer: "bob", recipient: B.id.publicKey, msg: request });
-      for (let j = 1; j < (i % 100 === 0 ? 30 : 2); j++) {
-        const status = i % 2 ? "update" : "needs_input";
-        fold.apply("s1", { t: "in", at: i * 100 + j, peer: "bob", msg: msg(i, j, { status }) });
-      }
-    }
-    for (let i = 0; i < 500; i++) {
-      fold.apply("s1", { t: "refusal", at: i, key: eve.publicKey, reason: "not_allowlisted", detail: "x".repeat(999) });
-      const report = msg(i, 0, { kind: "receipt", text: `delivered o${i} 1 b`, task_id: undefined });
-      fold.apply("s1", { t: "receipt", at: i, peer: "bob", msg: report });
-      fold.apply("s1", { t: "knock", at: 1e12, key: `k${i}`, name: "x".repeat(64), msg_id: `k${i}`, ts: 1 });
-    }
-    const peers = parsePeers(JSON.stringify({ bob: { key: B.id.publicKey } }));
-    const view = boardView(fold, { now: 1e12, peers, roster: [], problems: [], relays: [] });
-    expect(view.totals.tasks).toBe(2000);
-    expect(view.tasks.length).toBe(BOARD_TASKS_MAX);
-    expect(view.tasks[0].task_id).toBe("t1999"); // newest activity first
-    expect(fold.timelines.size).toBe(BOARD_TIMELINES_CAP); // the quietest tasks' timelines went first
-    for (const t of view.tasks) {
-      expect(t.timeline.length).toBeLessThanOrEqual(BOARD_TIMELINE_MAX);
-      for (const i of t.timeline) expect(i.text.length).toBeLessThanOrEqual(BOARD_TEXT_MAX + 1);
-    }
-    const long = view.tasks.find((t) => t.task_id === "t1900")!;
-    expect(long.timeline.map((i) => i.msg_id)).toEqual([
-      "m1900-0",
-      ...[23, 24, 25, 26, 27, 28, 29].map((j) => `m1900-${j}`),
-    ]);
-    expect(long.elided).toBe(22); // the request, "… 22 more", then the newest
-    expect(view.delivery.refusals.length).toBe(BOARD_LIST_MAX);
-    expect(view.delivery.receipts.length).toBe(BOARD_LIST_MAX);
-    expect(view.delivery.by_reason).toEqual([{ reason: "in not_allowlisted", count: 500 }]);
-    expect(view.waiting.length).toBe(BOARD_LIST_MAX); // questions and knocks together
-    expect(view.totals.waiting).toBe(980 + 20 * 29 + 64); // a question on each even task (29 on the long ones); knocks
-    expect(JSON.stringify(view).length).toBeLessThan(1_000_000); // one snapshot stays well under a megabyte
-  });
-
-  test("a sub-task's question forwarded up the chain waits on its owner's human, not on the middle node's", () => {
-    // B's board: A asked B for "site", B handed "logo" to eve as a sub-task of it, eve asked, B's node forwarded.
-    const fold = new BoardFold(tmpDir(), B.id.publicKey, () => 1e12);
-    const msg = (from: string, to: string, f: Partial<SignedMessage>): SignedMessage => ({
-      from,
-      to,
-      text: "x",
-      ts: 1e12,
-      msg_id: f.msg_id ?? "m",
-      kind: "message",
-      sig: b64urlEncode(new Uint8Array(64)), // never checked: the journal holds what the gate admitted
-      ...f,
-    });
-    const chain: Chain = {
-      parent: "site",
-      requester: A.id.publicKey,
-      owner: A.id.publicKey,
-      depth: 2,
-      keys: [A.id.publicKey, B.id.publicKey],
-      sig: b64urlEncode(new Uint8Array(64)),
-    };
-    const a = A.id.publicKey, b = B.id.publicKey, e = eve.publicKey;
-    fold.apply("s1", { t: "in", at: 1, peer: "alice", msg: msg(a, b, { msg_id: "r", task_id: "site" }) });
-    fold.apply("s1", {
-      t: "out",
-      at: 2,
-      peer: "eve",
-      recipient: e,
-      msg: msg(b, e, { msg_id: "s", task_id: "logo" }),
-      chain,
-    });
-    const q = msg(e, b, { msg_id: "q", task_id: "logo", status: "needs_input", text: "which sizes?" });
-    fold.apply("s1", { t: "in", at: 3, peer: "eve", msg: q, relay: { dir: "up", to: a, task_id: "site" } });
-    const f = msg(b, a, {
-      msg_id: "f",
-      task_id: "site",
-      status: "needs_input",
-      text: "eve asks, via bob: which sizes?",
-    });
-    const forward = { peer: e, task_id: "logo", question: "q" };
-    fold.apply("s1", { t: "out", at: 4, peer: "alice", recipient: a, msg: f, forward });
-    const peers = parsePeers(JSON.stringify({ alice: { key: a }, eve: { key: e } }));
-    const view = boardView(fold, { now: 1e12, peers, roster: [], problems: [], relays: [] });
-    expect(view.waiting).toEqual([]); // not B's operator's to answer
-    const logo = view.tasks.find((t) => t.task_id === "logo")!;
-    expect(logo.parent).toEqual({ task_id: "site", requester: "alice", owner: "alice" });
-    expect(logo.blocked_on).toEqual({ who: "alice", why: "eve's question, forwarded to alice" });
-    expect(view.tasks.find((t) => t.task_id === "site")!.blocked_on).toEqual({
-      who: "alice",
-      why: "your question waits for their answer",
-    });
-    // A's board: the forwarded question waits on A's operator, who owns the work.
-    const theirs = new BoardFold(tmpDir(), a, () => 1e12);
-    theirs.apply("s1", {
-      t: "out",
-      at: 1,
-      peer: "bob",
-      recipient: b,
-      msg: msg(a, b, { msg_id: "r", task_id: "site" }),
-    });
-    theirs.apply("s1", { t: "in", at: 4, peer: "bob", msg: f });
-    const asks = boardView(theirs, {
-      now: 1e12,
-      peers: parsePeers(JSON.stringify({ bob: { key: b } })),
-      roster: [],
-      problems: [],
-      relays: [],
-    }).waiting;
-    expect(asks).toMatchObject([{
-      kind: "question",
-      peer: "bob",
-      msg_id: "f",
-      owner: "you",
-      text: "eve asks, via bob: which sizes?",
-    }]);
-  });
-
-  test("the fold reads only what a journal gained, and lists a moved session's task once, where it went", () => {
-    const dir = tmpDir();
-    const fold = new BoardFold(dir, A.id.publicKey, () => 1e12);
-    const msg = (id: string, status?: TaskStatus): SignedMessage => ({
-      from: B.id.publicKey,
-      to: A.id.publicKey,
-      text: id,
-      ts: 1e12,
-      msg_id: id,
-      kind: "message",
-      task_id: "t",
-      sig: b64urlEncode(new Uint8Array(64)), // never checked: the journal holds what the gate admitted
-      ...(status ? { status } : {}),
-    });
-    const journal = (session: string) => path.join(dir, "sessions", session, "log.jsonl");
-    const write = (session: string, records: JournalRecord[]) => {
-      fs.mkdirSync(path.dirname(journal(session)), { recursive: true });
-      fs.appendFileSync(journal(session), records.map(encodeRecord).join("\n") + "\n");
-    };
-    const lines = Array.from({ length: 1000 }, (_, i): JournalRecord => ({
-      t: "in",
-      at: i,
-      peer: "bob",
-      msg: msg(`m${i}`, "update"),
-    }));
-    write("old", lines);
-    expect(fold.catchUp()).toBe(true);
-    expect(fold.records).toBe(1000);
-    expect(fold.catchUp()).toBe(false); // nothing new: nothing read
-    expect(fold.records).toBe(1000);
-    // The session ends and another adopts it: the task is listed once, in the new session, with its whole story.
-    const carried = fold.sessions.get("old")!.state.carry(2000, { session: "old", at: 2000 });
-    write("new", [{ t: "adopted", at: 2000, session: "old", carried }, {
-      t: "in",
-      at: 2001,
-      peer: "bob",
-      msg: msg("n1"),
-    }]);
-    write("old", [{ t: "moved", at: 2000, to: "new" }]);
-    expect(fold.catchUp()).toBe(true);
-    expect(fold.records).toBe(1003);
-    const peers = parsePeers(JSON.stringify({ bob: { key: B.id.publicKey } }));
-    const view = boardView(fold, { now: 1e12, peers, roster: [], problems: [], relays: [] });
-    expect(view.tasks.map((t) => [t.session, t.task_id])).toEqual([["new", "t"]]);
-    expect(view.tasks[0].timeline.map((i) => i.msg_id)).toEqual([
-      "m0",
-      "m994",
-      "m995",
-      "m996",
-      "m997",
-      "m998",
-      "m999",
-      "n1",
-    ]);
-    expect(view.sessions.find((s) => s.session === "old")?.note).toBe("ended; session new took over its work");
-    // The new session's journal rolls over (see Journal.roll) and goes on: the archive is read on where the fold
-    // left it, the new log.jsonl from its checkpoint, and the timeline gains only what is new; a board opened
-    // afterwards reads the archives and shows the same.
-    write("new", Array.from({ length: 15_000 }, (_, i) => ({ t: "sent", at: 2002, msg_id: `pad${i}`, via: [] })));
-    expect(fold.catchUp()).toBe(true);
-    const owner = new Journal(path.join(dir, "sessions", "new"), new NodeState(() => 1e12), true, () => 1e12);
-    expect(owner.roll()).toBe(true);
-    owner.close();
-    write("new", [{ t: "in", at: 2003, peer: "bob", msg: msg("n2") }]);
-    const folded = fold.records;
-    expect(fold.catchUp()).toBe(true);
-    // The checkpoint, a record for each message it carries (n1, unread), and n2.
-    expect(fold.records).toBe(folded + readJsonl(path.join(dir, "sessions", "new", "log.jsonl")).length);
-    expect(readJsonl(path.join(dir, "sessions", "new", "log.jsonl")).map((r) => r.t)).toEqual([
-      "checkpoint",
-      "carried",
-      "in",
-    ]);
-    const timeline = (f: BoardFold) =>
-      boardView(f, { now: 1e12, peers, roster: [], problems: [], relays: [] }).tasks[0].timeline.map((i) => i.msg_id);
-    expect(timeline(fold)).toEqual(["m0", "m995", "m996", "m997", "m998", "m999", "n1", "n2"]);
-    const fresh = new BoardFold(dir, A.id.publicKey, () => 1e12);
-    fresh.catchUp();
-    expect(timeline(fresh)).toEqual(timeline(fold));
-  });
-
-  browserTest(BOARD_BROWSER_TESTS[3], async () => {
-    const demo = spawnTracked([process.execPath, SCRIPT, "demo", "--board"], {
-      stdin: "ignore",
-      stdout: "pipe",
-      stderr: "pipe",
-      env: { ...process.env },
-    });
-    void untilLine(demo.stderr, /^$^/, 600_000).catch(() => {});
-    const url = await untilLine(demo.stdout, /board +alice's board: (http:\/\/127\.0\.0\.1:\d+\/\?t=\S+)$/, 60_000);
-    await page!.viewport(1280, 900);
-    await page!.open(url);
-    await eventually(async () => (await waiting()).includes("1080p or 4K for the final cut?"), "the demo's question");
-    await eventually(async () => (await card("deps")).includes("Done: ComfyUI is up on CUDA 12.4"), "the demo's tasks");
-    const receipts = () => page!.eval<string>(`document.querySelector("#delivery").textContent`);
-    await eventually(async () => (await receipts()).includes("shown to their model"), "bob's receipts");
-    const height = await page!.eval<number>("document.documentElement.scrollHeight");
-    await page!.viewport(1280, Math.min(height, 3000));
-    const shot = path.join(
-      process.env.INTERLINK_TEST_VERBOSE ? fs.mkdtempSync(path.join(os.tmpdir(), "interlink-board-")) : tmpDir(),
-      "board-demo.png",
-    );
-    fs.writeFileSync(shot, await page!.screenshot());
-    expect(fs.readFileSync(shot).subarray(0, 8)).toEqual(Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]));
-    if (process.env.INTERLINK_TEST_VERBOSE) process.stderr.write(`  the board during the demo: ${shot}\n`);
-    // It stays up until Ctrl-C, then cleans up and exits 0.
-    expect(demo.exitCode).toBeNull();
-    killGroup(demo.pid, "SIGINT");
-    expect(await demo.exited).toBe(0);
-    expect((await fetch(url).catch(() => null))?.status).toBeUndefined();
-  }, 90_000);
 });
 
 // ----------------------------------------------------------------------------

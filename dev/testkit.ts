@@ -1,0 +1,491 @@
+// The suite's shared kit: what more than one test file needs (the core's tests in interlink.test.ts, each extra's
+// beside it). Identities from the signing vectors, temporary folders and the children a test starts (all swept after
+// each file: see sweepAfterAll), the CLI run as a child under Bun or Deno, buses, nodes' files and MCP sessions,
+// waiting helpers. Bun only (it drives bun:test and Bun.spawn): deno check leaves it out, as it does the tests.
+
+import { afterAll, test } from "bun:test";
+import { spawn, spawnSync } from "node:child_process";
+import * as fs from "node:fs";
+import * as net from "node:net";
+import * as os from "node:os";
+import * as path from "node:path";
+import {
+  b64urlDecode,
+  Bus,
+  type Identity,
+  identityFromSeed,
+  type NodeConfig,
+  serveHttp,
+  setLogSink,
+  writeKeyFile,
+} from "../interlink.ts";
+import { McpSession } from "./harness.ts";
+
+/** The repository's root: this file is in its dev/. */
+export const REPO = path.dirname(import.meta.dir);
+export const SCRIPT = path.join(REPO, "interlink.ts");
+export const DENO_VERSION = "2.9.6";
+
+export const VECTORS_TEXT = fs.readFileSync(path.join(REPO, "vectors", "v2.json"), "utf8");
+export const VECTORS = JSON.parse(VECTORS_TEXT);
+
+// Everything a test starts is also registered here, so that a failed assertion
+// never leaves a process running, a folder behind or a tmpfs mounted: the
+// afterAll that sweepAfterAll registers kills each child's whole process group and removes the rest.
+export const made = { dirs: new Set<string>(), pids: new Set<number>(), mounts: new Set<string>() };
+
+export function tmpDir(prefix = "interlink-test-"): string {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), prefix));
+  made.dirs.add(dir);
+  return dir;
+}
+
+/** Kills a child's process group (children are spawned detached, so they lead one), else the child alone. */
+export function killGroup(pid: number, signal: NodeJS.Signals = "SIGKILL"): void {
+  for (const target of [-pid, pid]) {
+    try {
+      process.kill(target, signal);
+      return;
+    } catch {
+      // no such group (not detached) or already gone
+    }
+  }
+}
+
+/** Bun.spawn in a process group of its own, registered for the final sweep. */
+export function spawnTracked(
+  argv: string[],
+  opts: {
+    stdin?: "ignore";
+    stdout?: "pipe" | "ignore";
+    stderr?: "pipe" | "ignore";
+    env?: Record<string, string | undefined>;
+  } = {},
+) {
+  // Typed as piped: callers read only the streams they asked for.
+  const proc = Bun.spawn(argv, { cwd: REPO, ...opts, detached: true } as never) as Bun.Subprocess<
+    "ignore",
+    "pipe",
+    "pipe"
+  >;
+  made.pids.add(proc.pid);
+  return proc;
+}
+
+// The library logs to stderr as a server should; here its lines are kept, and
+// shown only with INTERLINK_TEST_VERBOSE=1, so a passing run prints nothing.
+export const logged: string[] = [];
+setLogSink((line) => {
+  if (process.env.INTERLINK_TEST_VERBOSE) process.stderr.write(line);
+  logged.push(line);
+  if (logged.length > 2000) logged.splice(0, 1000);
+});
+
+/**
+ * Called once at the top of every test file, before its tests. Bun runs the files one after another in one process
+ * and evaluates this module once, for the first of them: a hook registered here would run after that file alone, so
+ * each file registers its own. It gives the file a config.json of its own (no test reads or writes this machine's
+ * real one: the server writes one on its first start), and after the file's last test kills every child it started,
+ * unmounts its tmpfs and removes its folders: a few hundred, which on a loaded disk take longer than a hook's default
+ * 5 s (the run then failed as "(unnamed)" although every test passed).
+ */
+export function sweepAfterAll(): void {
+  process.env.INTERLINK_CONFIG = path.join(tmpDir("interlink-test-config-"), "config.json");
+  afterAll(() => {
+    for (const pid of made.pids) killGroup(pid);
+    for (const dir of made.mounts) spawnSync("umount", ["-l", dir]);
+    for (const dir of made.dirs) fs.rmSync(dir, { recursive: true, force: true });
+    // The next file starts with nothing to sweep but its own.
+    made.pids.clear();
+    made.mounts.clear();
+    made.dirs.clear();
+  }, 120_000);
+}
+
+/** Sleeps until a wall-clock time: for tests whose subject is a timeout. */
+export const sleepUntil = (ms: number) => new Promise((r) => setTimeout(r, Math.max(0, ms - Date.now())));
+
+/** Waits for `check` to hold, re-checking every 20 ms, and fails with `what` after `ms`: no test orders events by sleeping. */
+export async function eventually(check: () => boolean | Promise<boolean>, what: string, ms = 15_000): Promise<void> {
+  const deadline = Date.now() + ms;
+  while (!(await check())) {
+    if (Date.now() > deadline) throw new Error(`timed out after ${ms} ms waiting until ${what}`);
+    await Bun.sleep(20);
+  }
+}
+
+/** The Deno binary: $INTERLINK_TEST_DENO, `deno` on PATH, or the pinned npm package via npx. */
+let denoPathCache: string | undefined;
+export function denoPath(): string {
+  if (denoPathCache) return denoPathCache;
+  const fromEnv = process.env.INTERLINK_TEST_DENO || Bun.which("deno");
+  if (fromEnv) return (denoPathCache = fromEnv);
+  const r = spawnSync("npx", ["-y", `deno@${DENO_VERSION}`, "eval", "console.log(Deno.execPath())"], {
+    encoding: "utf8",
+  });
+  if (r.status !== 0) throw new Error(`cannot get Deno ${DENO_VERSION} through npx: ${r.stderr}`);
+  return (denoPathCache = r.stdout.trim().split("\n").at(-1)!);
+}
+
+// Deno fetches the SDK's npm graph on its first run (it prefetches dynamic
+// imports with literal specifiers): ~10 s on a cold cache, and much more when
+// several cold processes race for it. Fetch it once, here, so no test's timing
+// includes a cold cache.
+{
+  const r = spawnSync(denoPath(), ["install", "--quiet", "--entrypoint", SCRIPT, path.join(REPO, "dev", "demo.ts")], {
+    cwd: REPO,
+    encoding: "utf8",
+    timeout: 300_000,
+  });
+  if (r.status !== 0) {
+    throw new Error(`cannot prepare Deno's cache (deno install --entrypoint): ${r.stderr || r.error}`);
+  }
+}
+
+/**
+ * A system tool some tests need (a Debian package, which CI installs): its path, on PATH or where Debian puts it, or
+ * null, after saying which tests are skipped and the line that installs it.
+ */
+export function systemTool(name: string, debianPath: string, group: string, tests: string[]): string | null {
+  const found = Bun.which(name) ?? (fs.existsSync(debianPath) ? debianPath : null);
+  if (!found) {
+    process.stderr.write(
+      `\nSKIPPED ${tests.length} ${group} tests (${name} is not on PATH):\n${
+        tests.map((t) => `  - ${t}\n`).join("")
+      }Install it with: sudo apt-get install -y ${name}\n\n`,
+    );
+  }
+  return found;
+}
+
+/** A folder holding what a clone of the repository runs from (interlink.ts, extras/, dev/), and no node_modules. */
+export function cloneLike(prefix: string): string {
+  const dir = tmpDir(prefix);
+  fs.copyFileSync(SCRIPT, path.join(dir, "interlink.ts"));
+  for (const sub of ["extras", "dev"]) fs.cpSync(path.join(REPO, sub), path.join(dir, sub), { recursive: true });
+  return dir;
+}
+
+/** argv prefix that runs interlink.ts under the named runtime. */
+export function runtimeArgv(runtime: "bun" | "deno", script = SCRIPT): string[] {
+  return runtime === "bun" ? [process.execPath, script] : [denoPath(), "run", "-A", "--quiet", script];
+}
+
+export function runCli(
+  runtime: "bun" | "deno",
+  args: string[],
+  opts: { input?: string; env?: Record<string, string> } = {},
+) {
+  const [cmd, ...pre] = runtimeArgv(runtime);
+  const r = spawnSync(cmd, [...pre, ...args], {
+    input: opts.input,
+    encoding: "utf8",
+    env: { ...process.env, ...opts.env },
+    cwd: REPO,
+    timeout: 60_000,
+    maxBuffer: 64 << 20, // a log with a 2 MB message in it
+  });
+  return { code: r.status, stdout: r.stdout, stderr: r.stderr };
+}
+
+/**
+ * spawnSync's result without blocking the test runner, so the slow child-process tests marked
+ * `test.concurrent` overlap. The child leads its own process group and is swept like the others.
+ */
+export function spawnAsync(
+  cmd: string,
+  args: string[],
+  opts: { cwd?: string; env?: Record<string, string | undefined>; input?: string; timeout?: number } = {},
+): Promise<{ status: number | null; stdout: string; stderr: string }> {
+  const child = spawn(cmd, args, { cwd: opts.cwd ?? REPO, env: opts.env ?? process.env, detached: true });
+  made.pids.add(child.pid!);
+  let stdout = "", stderr = "";
+  child.stdout.setEncoding("utf8").on("data", (d) => stdout += d);
+  child.stderr.setEncoding("utf8").on("data", (d) => stderr += d);
+  child.stdin.end(opts.input ?? "");
+  const timer = setTimeout(() => killGroup(child.pid!), opts.timeout ?? 60_000);
+  return new Promise((resolve) =>
+    child.on("close", (status) => {
+      clearTimeout(timer);
+      resolve({ status, stdout, stderr });
+    })
+  );
+}
+
+/** runCli without blocking (see spawnAsync). */
+export async function runCliAsync(
+  runtime: "bun" | "deno",
+  args: string[],
+  opts: { env?: Record<string, string> } = {},
+) {
+  const [cmd, ...pre] = runtimeArgv(runtime);
+  const r = await spawnAsync(cmd, [...pre, ...args], { env: { ...process.env, ...opts.env } });
+  return { code: r.status, stdout: r.stdout, stderr: r.stderr };
+}
+
+export const hex = (b: Uint8Array) => Buffer.from(b).toString("hex");
+
+export const ALICE = VECTORS.keys.alice;
+export const BOB = VECTORS.keys.bob;
+export const EVE = VECTORS.keys.eve;
+
+export const alice: Identity = await identityFromSeed(b64urlDecode(ALICE.secret_b64, 32, "seed"));
+export const bob: Identity = await identityFromSeed(b64urlDecode(BOB.secret_b64, 32, "seed"));
+export const eve: Identity = await identityFromSeed(b64urlDecode(EVE.secret_b64, 32, "seed"));
+
+// ----------------------------------------------------------------------------
+// Helpers for processes
+
+export interface Child {
+  proc: ReturnType<typeof Bun.spawn>;
+  stderr: string[];
+  /** Resolves with the first stderr line matching `re`. */
+  waitFor(re: RegExp, ms?: number): Promise<RegExpMatchArray>;
+}
+
+export function spawnChild(argv: string[], env: Record<string, string> = {}): Child {
+  const proc = spawnTracked(argv, {
+    stdin: "ignore",
+    stdout: "ignore",
+    stderr: "pipe",
+    env: { ...process.env, ...env },
+  });
+  const lines: string[] = [];
+  const watchers: { re: RegExp; resolve(m: RegExpMatchArray): void }[] = [];
+  (async () => {
+    const decoder = new TextDecoder();
+    let buf = "";
+    for await (const chunk of proc.stderr as ReadableStream<Uint8Array>) {
+      buf += decoder.decode(chunk);
+      let nl;
+      while ((nl = buf.indexOf("\n")) !== -1) {
+        const line = buf.slice(0, nl);
+        buf = buf.slice(nl + 1);
+        lines.push(line);
+        if (process.env.INTERLINK_TEST_VERBOSE) process.stderr.write(`  [child ${proc.pid}] ${line}\n`);
+        for (const w of watchers.splice(0)) {
+          const m = line.match(w.re);
+          if (m) w.resolve(m);
+          else watchers.push(w);
+        }
+      }
+    }
+  })();
+  return {
+    proc,
+    stderr: lines,
+    waitFor(re, ms = 30_000) {
+      for (const line of lines) {
+        const m = line.match(re);
+        if (m) return Promise.resolve(m);
+      }
+      return new Promise((resolve, reject) => {
+        const timer = setTimeout(
+          () => reject(new Error(`no stderr line matched ${re} within ${ms} ms; got:\n${lines.join("\n")}`)),
+          ms,
+        );
+        watchers.push({ re, resolve: (m) => (clearTimeout(timer), resolve(m)) });
+      });
+    },
+  };
+}
+
+export async function startBus(
+  runtime: "bun" | "deno",
+  dataDir: string,
+  extra: string[] = [],
+  env: Record<string, string> = {},
+): Promise<Child & { url: string }> {
+  const child = spawnChild([...runtimeArgv(runtime), "bus", "--port", "0", "--data", dataDir, ...extra], env);
+  const m = await Promise.race([
+    child.waitFor(/listening on (http:\/\/\S+)/),
+    child.proc.exited.then((code) => {
+      throw new Error(`bus exited with ${code}:\n${child.stderr.join("\n")}`);
+    }),
+  ]);
+  return { ...child, url: m[1] };
+}
+
+export async function stop(child: Child, signal: NodeJS.Signals = "SIGTERM") {
+  killGroup(child.proc.pid, signal);
+  await child.proc.exited;
+}
+
+// ----------------------------------------------------------------------------
+// Helpers for agents: a real `interlink.ts mcp` child driven by the SDK client
+
+export interface NodeFiles {
+  name: string;
+  dir: string;
+  keyFile: string;
+  peersFile: string;
+  stateDir: string;
+  id: Identity;
+}
+
+export async function makeNodeFiles(root: string, name: string): Promise<NodeFiles> {
+  const dir = path.join(root, name);
+  fs.mkdirSync(dir, { recursive: true });
+  const seed = crypto.getRandomValues(new Uint8Array(32));
+  const keyFile = path.join(dir, "id.key");
+  writeKeyFile(keyFile, seed, false);
+  return {
+    name,
+    dir,
+    keyFile,
+    peersFile: path.join(dir, "peers.json"),
+    stateDir: path.join(dir, "state"),
+    id: await identityFromSeed(seed),
+  };
+}
+
+/** An in-process node's configuration for these files. */
+export function nodeConfig(f: NodeFiles, busUrls: string[], delivery: NodeConfig["delivery"] = "channel"): NodeConfig {
+  return {
+    keyFile: f.keyFile,
+    peersFile: f.peersFile,
+    busUrls,
+    name: f.name,
+    stateDir: f.stateDir,
+    delivery,
+    session: f.name,
+  };
+}
+
+/** alice and bob, each with a key, peers of each other, in a fresh folder. */
+export async function twoPeers(): Promise<{ root: string; A: NodeFiles; B: NodeFiles }> {
+  const root = tmpDir();
+  const A = await makeNodeFiles(root, "alice");
+  const B = await makeNodeFiles(root, "bob");
+  befriend(A, B);
+  return { root, A, B };
+}
+
+export function befriend(a: NodeFiles, b: NodeFiles) {
+  for (const [me, other] of [[a, b], [b, a]]) {
+    const peers = fs.existsSync(me.peersFile) ? JSON.parse(fs.readFileSync(me.peersFile, "utf8")) : {};
+    peers[other.name] = { key: other.id.publicKey };
+    fs.writeFileSync(me.peersFile, JSON.stringify(peers));
+  }
+}
+
+/** A real `interlink.ts mcp` child for one node's files, driven by the SDK client. */
+export type McpNode = McpSession;
+export const McpNode = {
+  start(
+    runtime: "bun" | "deno",
+    files: NodeFiles,
+    busUrl: string,
+    env: Record<string, string> = {},
+  ): Promise<McpSession> {
+    return McpSession.start(files.name, [...runtimeArgv(runtime), "mcp"], {
+      INTERLINK_KEY: files.keyFile,
+      INTERLINK_PEERS: files.peersFile,
+      INTERLINK_STATE: files.stateDir,
+      INTERLINK_URL: busUrl,
+      INTERLINK_NAME: files.name,
+      INTERLINK_DELIVERY: "channel",
+      INTERLINK_SESSION: files.name,
+      INTERLINK_CONFIG: path.join(files.dir, "config.json"),
+      ...(process.env.DENO_DIR ? { DENO_DIR: process.env.DENO_DIR } : {}),
+      ...(process.env.XDG_CACHE_HOME ? { XDG_CACHE_HOME: process.env.XDG_CACHE_HOME } : {}),
+      ...env,
+    }, {
+      cwd: REPO,
+      onStderr: (line) => process.env.INTERLINK_TEST_VERBOSE && process.stderr.write(`  [${files.name}] ${line}\n`),
+    }).then((session) => {
+      if (session.pid) made.pids.add(session.pid);
+      return session;
+    });
+  },
+};
+
+/** The msg_id a tool's answer names. */
+export const msgIdOf = (text: string) => text.match(/msg_id (\S+)/)![1];
+
+/** An in-process bus served on a loopback port; `bus` itself can also play a relay that checks nothing. */
+export async function busOnLoopback(dir: string, port = 0) {
+  const bus = await Bus.open(dir, { log: () => {} });
+  const server = await serveHttp(bus.handler, "127.0.0.1", port);
+  const shutdown = async () => {
+    await server.stop();
+    await bus.close();
+  };
+  return { bus, server, url: `http://127.0.0.1:${server.port}`, shutdown };
+}
+
+// ----------------------------------------------------------------------------
+// Helpers for answers: a child's lines, raw HTTP, what an error page must not show
+
+/** Reads a child's stream until a line matches `re` (its first group is returned), then keeps draining it. */
+export async function untilLine(stream: ReadableStream<Uint8Array>, re: RegExp, ms: number): Promise<string> {
+  const lines: string[] = [];
+  const reader = stream.getReader();
+  const decoder = new TextDecoder();
+  let buf = "";
+  const timer = setTimeout(() => reader.cancel(), ms);
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) throw new Error(`no line matched ${re} within ${ms} ms; got:\n${lines.join("\n")}`);
+      buf += decoder.decode(value);
+      const parts = buf.split("\n");
+      buf = parts.pop()!;
+      for (const line of parts) {
+        lines.push(line);
+        if (process.env.INTERLINK_TEST_VERBOSE) process.stderr.write(`  [child] ${line}\n`);
+        const m = line.match(re);
+        if (!m) continue;
+        clearTimeout(timer);
+        void (async () => {
+          while (!(await reader.read().catch(() => ({ done: true }))).done); // a full pipe would stall the child
+        })();
+        return m[1];
+      }
+    }
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/** A raw HTTP/1.1 request, so a test can send the Host header a browser would never let a page choose. */
+export function rawGet(port: number, target: string, headers: Record<string, string>): Promise<string> {
+  return new Promise((resolve, reject) => {
+    const socket = net.connect(port, "127.0.0.1");
+    let answer = "";
+    socket.on("data", (d) => (answer += d.toString()));
+    socket.on("end", () => resolve(answer));
+    socket.on("error", reject);
+    // An answer that never ends (an event stream let through): what came in 3 s, rather than a hung test.
+    setTimeout(() => (socket.destroy(), resolve(answer)), 3_000).unref();
+    const head = Object.entries({ ...headers, connection: "close" }).map(([k, v]) => `${k}: ${v}\r\n`).join("");
+    socket.write(`GET ${target} HTTP/1.1\r\n${head}\r\n`);
+  });
+}
+
+/** What must never be in an answer to a stranger: where this runs, the source, the board's token. */
+export const leaks = (answer: string, token: string) =>
+  [REPO, "interlink.ts", "node_modules", token, "at "].filter((s) => answer.includes(s));
+
+// ----------------------------------------------------------------------------
+// The real Codex CLI (pinned, a dev dependency): codex-install's test (extras/codex.test.ts) and the core's Codex
+// sessions (interlink.test.ts) run it.
+
+/** The native codex binary the dev dependency installs, or null (then the Codex tests say so and are skipped). */
+export const CODEX_BIN = (() => {
+  const vendor = path.join(REPO, "node_modules", "@openai");
+  for (const pkg of fs.existsSync(vendor) ? fs.readdirSync(vendor).filter((d) => d.startsWith("codex-")) : []) {
+    const root = path.join(vendor, pkg, "vendor");
+    for (const triple of fs.existsSync(root) ? fs.readdirSync(root) : []) {
+      const bin = path.join(root, triple, "bin", "codex");
+      if (fs.existsSync(bin)) return bin;
+    }
+  }
+  return null;
+})();
+if (!CODEX_BIN) {
+  process.stderr.write(
+    "SKIPPED the Codex CLI tests (install, binding, wakes): @openai/codex is not installed. Install it with: npx -y bun@1.4.5 install\n",
+  );
+}
+export const codexTest = test.skipIf(!CODEX_BIN);
