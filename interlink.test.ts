@@ -10,6 +10,7 @@ import * as fs from "node:fs";
 import * as net from "node:net";
 import * as os from "node:os";
 import * as path from "node:path";
+import type * as TS from "typescript";
 import { pathToFileURL } from "node:url";
 import {
   addPeer,
@@ -3335,6 +3336,78 @@ describe("the docs say what the code does", () => {
   const read = (file: string) => fs.readFileSync(path.join(REPO, file), "utf8");
   const readme = read("README.md");
   const skill = fs.readFileSync(path.join(REPO, "SKILL.md"), "utf8");
+
+  test("the core reads in the order its header lists, and exports exactly what the extras, the tests and the bench import", () => {
+    const core = read("interlink.ts");
+    const banners = [...core.matchAll(/^\/\/ =+\n\/\/ (.+)\n\/\/ =+$/gm)].map((m) => m[1]);
+    const header = core.slice(core.indexOf("Sections, in dependency order"), core.indexOf("*/"));
+    const listed = header.split("\n").slice(1).filter((l) => l.startsWith(" *   ")).map((l) => l.slice(5)).join(" ")
+      .split(" · ").map((s) => s.trim());
+    expect(listed).toEqual(banners);
+    // One place lists the exports: no declaration is exported where it stands.
+    expect(core.match(/^export /gm)).toEqual(["export ", "export "]);
+    const exported = [...core.matchAll(/^export (?:type )?\{([^}]*)\};/gm)].flatMap((m) =>
+      m[1].split(",").map((n) => n.trim()).filter(Boolean)
+    );
+    const importers = [
+      "interlink.test.ts",
+      ...["extras", "dev"].flatMap((dir) =>
+        fs.readdirSync(path.join(REPO, dir)).filter((f) => f.endsWith(".ts")).map((f) => `${dir}/${f}`)
+      ),
+    ];
+    const imported = new Set<string>();
+    for (const file of importers) {
+      const src = read(file);
+      for (const m of src.matchAll(/import\s*(?:type\s*)?\{([^}]*)\}\s*from\s*"(?:\.\.?\/)+interlink\.ts"/g)) {
+        for (const n of m[1].split(",").map((n) => n.trim()).filter(Boolean)) {
+          imported.add(n.replace(/^type\s+/, "").split(/\s+as\s+/)[0]);
+        }
+      }
+      for (const m of src.matchAll(/const \{([^}]*)\} = await import\("(?:\.\.?\/)+interlink\.ts"\)/g)) {
+        for (const n of m[1].split(",")) imported.add(n.split(":")[0].trim());
+      }
+    }
+    expect([...exported].sort()).toEqual([...imported].sort());
+  });
+
+  test("each section of the core uses only what stands above it (what a name refers to, by the type checker)", async () => {
+    const ts: typeof TS = (await import("typescript")).default;
+    const file = path.join(REPO, "interlink.ts");
+    const program = ts.createProgram([file], { noEmit: true, noResolve: true, allowImportingTsExtensions: true });
+    const sf = program.getSourceFile(file)!, checker = program.getTypeChecker();
+    const starts = [...sf.text.matchAll(/^\/\/ =+\n\/\/ (.+)\n\/\/ =+$/gm)].map((m) => [m.index!, m[1]] as const);
+    const sectionAt = (pos: number) => starts.findLast(([at]) => at <= pos)?.[1];
+    const declaredIn = new Map<TS.Node, { name: string; section?: string }>();
+    for (const st of sf.statements) {
+      const nodes = ts.isVariableStatement(st)
+        ? [...st.declarationList.declarations]
+        : "name" in st && st.name
+        ? [st]
+        : [];
+      for (const node of nodes) {
+        declaredIn.set(node, {
+          name: (node as TS.NamedDeclaration).name!.getText(sf),
+          section: sectionAt(st.getStart(sf)),
+        });
+      }
+    }
+    const below: string[] = [];
+    for (const st of sf.statements) {
+      const here = sectionAt(st.getStart(sf));
+      const visit = (node: TS.Node): void => {
+        if (ts.isIdentifier(node)) {
+          const decl = checker.getSymbolAtLocation(node)?.declarations?.[0];
+          const to = decl && declaredIn.get(decl);
+          if (to && to.section !== here && decl!.getStart(sf) > st.getStart(sf)) {
+            below.push(`${here}: ${node.text} is in ${to.section}, below`);
+          }
+        }
+        ts.forEachChild(node, visit);
+      };
+      ts.forEachChild(st, visit);
+    }
+    expect(below).toEqual([]);
+  });
 
   test("SKILL.md and README.md name every tool the server registers", () => {
     for (const tool of TOOLS) {
