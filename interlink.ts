@@ -401,9 +401,8 @@ const SESSION_RE = /^[A-Za-z0-9._-]{1,128}$/;
 // ============================================================================
 
 /**
- * "receipt" is ours (not in the reference's 0.4/0.8 kinds): a node's signed
- * report on messages it received (see "Delivery receipts" in the agent). It
- * goes only to nodes that ask for it, so a reference node never sees one.
+ * "receipt" is ours (not in the reference's 0.4/0.8 kinds): a node's signed report on messages it received (see
+ * "Delivery receipts" in the agent). It goes only to nodes that ask for it, so a reference node never sees one.
  */
 const KINDS = ["message", "pair_request", "pair_accept", "receipt"] as const;
 
@@ -557,29 +556,24 @@ interface DenoRuntime {
 // ============================================================================
 //
 //
-// Whatever a peer, a stranger or a relay controls (a message's text and ids,
-// an announcement's name, session id, cwd, git root and summary, a receipt's
-// session, a refusal's detail, a relay's error answer) reaches the model
-// inside a channel event, an inbox block or a tool result, and the operator
-// in `log`, `tasks`, `doctor` or on the board; and the model may read a
-// command's output too. It must never pose as something we generate: a task
-// header, another sender's block, a closing tag, a system tag, a line of our
-// own; nor hide or reorder words. So, everywhere, through escapePeerText:
+// Whatever a peer, a stranger or a relay controls (a message's text and ids, an announcement's name, session id, cwd,
+// git root and summary, a receipt's session, a refusal's detail, a relay's error answer) reaches the model inside a
+// channel event, an inbox block or a tool result, and the operator in `log`, `tasks`, `doctor` or on the board; and the
+// model may read a command's output too. It must never pose as something we generate: a task header, another sender's
+// block, a closing tag, a system tag, a line of our own; nor hide or reorder words. So, everywhere, through
+// escapePeerText:
 //   - every "<" that could open or close a tag becomes "&lt;";
 //   - every line that starts with "[" gets a backslash, so "[task x · result]"
 //     or "[interlink] SYSTEM: ..." in the text cannot pass for ours;
 //   - every hidden code point (INVISIBLE_RE) shows as <U+XXXX> (showInvisible);
 //   - a field that is one line in what we write (a cwd, a summary, a reason)
 //     keeps to one line: its newlines show as <U+000A> too.
-// Escaping twice changes nothing (a marker's "<" is left alone), so text can
-// be escaped where it is quoted into an error and again where it is shown. A
-// peer may type a marker itself: that makes text look as if something were
-// hidden there, and can never hide anything.
-// Ids have their own form (showId), names theirs (displayName), the board's
-// page sets text, never markup; each goes through showInvisible. Under all
-// of it, every string the MCP server writes and every line a command prints
-// or logs goes through showInvisible again (see McpStdioServer, print,
-// logLine): a field missed here still cannot carry a hidden character out.
+// Escaping twice changes nothing (a marker's "<" is left alone), so text can be escaped where it is quoted into an
+// error and again where it is shown. A peer may type a marker itself: that makes text look as if something were hidden
+// there, and can never hide anything. Ids have their own form (showId), names theirs (displayName), the board's page
+// sets text, never markup; each goes through showInvisible. Under all of it, every string the MCP server writes and
+// every line a command prints or logs goes through showInvisible again (see McpStdioServer, print, logLine): a field
+// missed here still cannot carry a hidden character out.
 
 /**
  * Code points that hide, reorder or drive what a reader sees, chosen by Unicode's own properties, not by hand:
@@ -636,11 +630,9 @@ function escapePeerText(text: string, oneLine = false): string {
 const SHOWN_ID_RE = /^[\p{L}\p{M}\p{N}._:@+\/-]{1,256}$/u;
 
 /**
- * An id a peer chose, as shown in headers, log lines and tool results: as
- * itself when it is plainly an id ("t-ünï"), else as a JSON string whose
- * quotes, brackets and markup characters are escaped, so it can never close a
- * header, open a tag or pose as another field. Tools take either form back
- * (see readId).
+ * An id a peer chose, as shown in headers, log lines and tool results: as itself when it is plainly an id ("t-ünï"),
+ * else as a JSON string whose quotes, brackets and markup characters are escaped, so it can never close a header, open
+ * a tag or pose as another field. Tools take either form back (see readId).
  */
 function showId(id: string): string {
   if (SHOWN_ID_RE.test(id) && !hasInvisible(id)) return id; // marks (\p{M}) take in variation selectors and U+034F
@@ -666,10 +658,9 @@ function readId(text: string): string {
 }
 
 /**
- * A claimed name for display: at most 64 characters of letters, digits,
- * spaces and . _ @ + -, so it can be quoted as a claim and never read as an
- * instruction or markup. Never used for identity. A hidden character shows as its code point ("Alice U+202E"),
- * the rest as a space.
+ * A claimed name for display: at most 64 characters of letters, digits, spaces and . _ @ + -, so it can be quoted as a
+ * claim and never read as an instruction or markup. Never used for identity. A hidden character shows as its code point
+ * ("Alice U+202E"), the rest as a space.
  */
 function displayName(claimed: string): string {
   const named = showInvisible(claimed); // newline and tab are blanks here, like a space
@@ -694,13 +685,11 @@ const ID_MAX_CHARS = 256;
 const ID_CONTROL_RE = /[\u0000-\u001f\u007f-\u009f]|[\ud800-\udfff]/u;
 
 /**
- * Why a peer's msg_id, task_id or in_reply_to cannot be admitted, or null. The
- * reference accepts any string there, and a task id is often not ASCII
- * ("t-ünï"), so any text is taken but what no honest node sends: empty, over
- * ID_MAX_CHARS, control characters (a newline could start a forged header
- * line), invisible and bidi characters (they hide or reorder what is shown), and
- * lone surrogates (not text). Where an id is shown, showId and the attribute
- * escaping keep it from posing as markup or a header.
+ * Why a peer's msg_id, task_id or in_reply_to cannot be admitted, or null. The reference accepts any string there, and
+ * a task id is often not ASCII ("t-ünï"), so any text is taken but what no honest node sends: empty, over ID_MAX_CHARS,
+ * control characters (a newline could start a forged header line), invisible and bidi characters (they hide or reorder
+ * what is shown), and lone surrogates (not text). Where an id is shown, showId and the attribute escaping keep it from
+ * posing as markup or a header.
  */
 function idProblem(id: string): string | null {
   if (id === "") return "is empty";
@@ -716,8 +705,7 @@ function idProblem(id: string): string | null {
 // ============================================================================
 //
 //
-// stdout belongs to MCP (and to command output); every log line goes to
-// stderr with a component prefix.
+// stdout belongs to MCP (and to command output); every log line goes to stderr with a component prefix.
 
 /** The host runtime's own globals, for the little node: modules do not cover: serving HTTP, naming the runtime. */
 const runtimeHost = globalThis as unknown as {
@@ -758,9 +746,8 @@ function runtimeName(): string {
 const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
 
 /**
- * This file, as a path, or as a URL when Deno runs it straight from one
- * (`deno run -A https://…/interlink.ts mcp`): the children it starts (the
- * embedded bus, the demo's nodes) run the same.
+ * This file, as a path, or as a URL when Deno runs it straight from one (`deno run -A https://…/interlink.ts mcp`): the
+ * children it starts (the embedded bus, the demo's nodes) run the same.
  */
 function thisScript(): string {
   return import.meta.url.startsWith("file:") ? fileURLToPath(import.meta.url) : import.meta.url;
@@ -774,10 +761,9 @@ const NATS_PKGS = {
 } as const;
 
 /**
- * Imports a pinned package: under Deno as an npm: specifier, so a lone
- * interlink.ts needs no deno.json; under Bun by name@version, which Bun's
- * auto-install fetches when no node_modules is in the way. When one is (Bun
- * then does not auto-install), the error says exactly what to run.
+ * Imports a pinned package: under Deno as an npm: specifier, so a lone interlink.ts needs no deno.json; under Bun by
+ * name@version, which Bun's auto-install fetches when no node_modules is in the way. When one is (Bun then does not
+ * auto-install), the error says exactly what to run.
  */
 async function importPinned<T>(pkg: { name: string; version: string }, subpath = ""): Promise<T> {
   const spec = `${runtimeHost.Deno ? "npm:" : ""}${pkg.name}@${pkg.version}${subpath}`;
@@ -804,18 +790,16 @@ async function importPinned<T>(pkg: { name: string; version: string }, subpath =
 }
 
 /**
- * A crash point for the crash tests: when INTERLINK_FAILPOINT names it, the
- * process kills itself right here with SIGKILL, as an OOM kill or a power cut
- * would, so a test can stop a process exactly between two steps. Unset in use.
+ * A crash point for the crash tests: when INTERLINK_FAILPOINT names it, the process kills itself right here with
+ * SIGKILL, as an OOM kill or a power cut would, so a test can stop a process exactly between two steps. Unset in use.
  */
 function failpoint(name: string): void {
   if (process.env.INTERLINK_FAILPOINT === name) process.kill(process.pid, "SIGKILL");
 }
 
 /**
- * The node's clock: the system clock, shifted by INTERLINK_CLOCK_OFFSET_MS
- * when that is set (the tests and drills use it to play a machine whose clock
- * is off). Unset in use.
+ * The node's clock: the system clock, shifted by INTERLINK_CLOCK_OFFSET_MS when that is set (the tests and drills use
+ * it to play a machine whose clock is off). Unset in use.
  */
 function nodeClock(): () => number {
   const offset = Number(process.env.INTERLINK_CLOCK_OFFSET_MS ?? 0);
@@ -887,9 +871,8 @@ class WakeLatch {
 }
 
 /**
- * Waits until `ready()` is true or `ms` pass, re-checking whenever `subscribe`
- * fires (and at least every `everyMs`); returns the last `ready()`. The one
- * wait-with-deadline in the file: no caller orders events by sleeping.
+ * Waits until `ready()` is true or `ms` pass, re-checking whenever `subscribe` fires (and at least every `everyMs`);
+ * returns the last `ready()`. The one wait-with-deadline in the file: no caller orders events by sleeping.
  */
 async function waitUntil(
   ready: () => boolean,
@@ -950,9 +933,8 @@ function b64urlEncode(bytes: Uint8Array): string {
 const B64URL_RE = /^[A-Za-z0-9_-]*$/;
 
 /**
- * Strict unpadded base64url of exactly `byteLength` bytes. Re-encoding must give
- * the same text, so no key or signature has two spellings (which would let a
- * relay mint a "different" message or a second name for one identity).
+ * Strict unpadded base64url of exactly `byteLength` bytes. Re-encoding must give the same text, so no key or signature
+ * has two spellings (which would let a relay mint a "different" message or a second name for one identity).
  */
 function b64urlDecode(text: unknown, byteLength: number, what: string): Bytes {
   const chars = Math.ceil((byteLength * 4) / 3);
@@ -1011,8 +993,7 @@ const lengthPrefixed = (s: string): Uint8Array[] => {
 };
 
 /**
- * The bytes a message signature covers (SPEC "Canonical bytes"). Each property
- * blocks an attack:
+ * The bytes a message signature covers (SPEC "Canonical bytes"). Each property blocks an attack:
  *   - the domain prefix: a v1 signature, or an announcement, replayed as a v2 message;
  *   - raw `from` and `to`: a message re-addressed to another node, or claimed by another sender;
  *   - `ts`: an old message replayed as new once the replay memory forgot it;
@@ -1034,9 +1015,8 @@ function canonicalBytes(m: Omit<SignedMessage, "sig">): Bytes {
 }
 
 /**
- * The bytes an announcement signature covers, in the 0.8 layout (SPEC-sessions
- * §2): name and the four session fields length-prefixed (an absent session is
- * four empty fields), then ts. Every field is signed, so a relay cannot move a
+ * The bytes an announcement signature covers, in the 0.8 layout (SPEC-sessions §2): name and the four session fields
+ * length-prefixed (an absent session is four empty fields), then ts. Every field is signed, so a relay cannot move a
  * session to another key, rename it, or give it another summary.
  */
 function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
@@ -1063,9 +1043,8 @@ function legacyAnnouncementBytes(a: Omit<Announcement, "sig" | "age_ms" | "sessi
 const RECV_DOMAIN = "interlink-recv-v1\0";
 
 /**
- * `"interlink-recv-v1\0" ‖ u32le(len route) ‖ route ‖ u64le(ts)`, signed by the
- * route's key (its part before any `#`): what a node shows a bus to read or ack
- * its own mail. Binding the route keeps a proof for one session from opening
+ * `"interlink-recv-v1\0" ‖ u32le(len route) ‖ route ‖ u64le(ts)`, signed by the route's key (its part before any `#`):
+ * what a node shows a bus to read or ack its own mail. Binding the route keeps a proof for one session from opening
  * another's; ts bounds how long a captured proof is worth anything.
  */
 function recvProofBytes(route: string, ts: number): Bytes {
@@ -1189,12 +1168,10 @@ function littleEndianToBigInt(bytes: Uint8Array): bigint {
 }
 
 /**
- * True if the encoded point has order dividing 8: [8]P is the identity. With
- * such a public key and R, the signature equation holds for any message
- * (the vector "small-order sender key"), and WebCrypto in Bun and Deno accepts
- * it. Doubling depends only on y here, x² = (y² − 1)/(d·y² + 1), so three
- * doublings run on y alone in projective form (Y:Z) with no inversion; the
- * identity is the only point with y = 1. Works on non-canonical y as well.
+ * True if the encoded point has order dividing 8: [8]P is the identity. With such a public key and R, the signature
+ * equation holds for any message (the vector "small-order sender key"), and WebCrypto in Bun and Deno accepts it.
+ * Doubling depends only on y here, x² = (y² − 1)/(d·y² + 1), so three doublings run on y alone in projective form (Y:Z)
+ * with no inversion; the identity is the only point with y = 1. Works on non-canonical y as well.
  */
 function hasSmallOrder(encoded: Uint8Array): boolean {
   const yBytes = encoded.slice(0, 32);
@@ -1267,10 +1244,9 @@ async function verifyDetached(publicKey: string, signature: string, signed: Byte
 const verifyMessage = (m: SignedMessage): Promise<string | null> => verifyDetached(m.from, m.sig, canonicalBytes(m));
 
 /**
- * Which layout an announcement verifies under. With a `session` member only
- * the 0.8 layout is tried; without one, the 0.8 layout with empty fields, then
- * the 0.4 layout, which marks a legacy node (no sessions; reached at its bare
- * key). The two layouts can never both match one byte string.
+ * Which layout an announcement verifies under. With a `session` member only the 0.8 layout is tried; without one, the
+ * 0.8 layout with empty fields, then the 0.4 layout, which marks a legacy node (no sessions; reached at its bare key).
+ * The two layouts can never both match one byte string.
  */
 async function checkAnnouncement(a: Announcement): Promise<{ layout: "0.8" | "0.4" } | { error: string }> {
   const v08 = await verifyDetached(a.pubkey, a.sig, announcementBytes(a));
@@ -1473,9 +1449,8 @@ function parseSignedMessage(value: unknown): SignedMessage {
 }
 
 /**
- * Parses an announcement as the Rust 0.8 client decodes one: unknown members
- * are ignored; `session: null` and a session without `session_id` are errors;
- * its other fields default to ""; `age_ms` is absent, null, or an integer ≥ 0.
+ * Parses an announcement as the Rust 0.8 client decodes one: unknown members are ignored; `session: null` and a session
+ * without `session_id` are errors; its other fields default to ""; `age_ms` is absent, null, or an integer ≥ 0.
  */
 function parseAnnouncement(value: unknown): Announcement {
   if (!isObject(value)) throw new FormatError("announcement is not a JSON object");
@@ -1516,13 +1491,11 @@ const rosterKey = (a: Pick<Announcement, "pubkey" | "session">): string =>
 // ============================================================================
 
 /**
- * Message ids already admitted, keyed by sender so one peer cannot burn
- * another's ids. Bounded by time: an entry older than the freshness window is
- * forgotten, because freshness alone rejects a replay of it. The agent rebuilds
- * it at start from the replay files (SeenLog) and its journal, so a replay
- * after a restart is still refused. It knows which entries only a journal
- * holds so far (`logged` false): the agent writes those to the replay files
- * before a roll-over or an adoption leaves their records where no start reads.
+ * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. Bounded by time: an entry older
+ * than the freshness window is forgotten, because freshness alone rejects a replay of it. The agent rebuilds it at
+ * start from the replay files (SeenLog) and its journal, so a replay after a restart is still refused. It knows which
+ * entries only a journal holds so far (`logged` false): the agent writes those to the replay files before a roll-over
+ * or an adoption leaves their records where no start reads.
  */
 class ReplayMemory {
   #seen = new Map<string, number>(); // "<sender> <msg_id>" → message ts, in admission order
@@ -1619,9 +1592,8 @@ class ReplayMemory {
 }
 
 /**
- * The inbound gate (SPEC "Inbound gate"), a pure function of its arguments:
- * every payload drained from a bus goes through it before the model sees
- * anything, and the steps run in this order:
+ * The inbound gate (SPEC "Inbound gate"), a pure function of its arguments: every payload drained from a bus goes
+ * through it before the model sees anything, and the steps run in this order:
  *   1. parse  2. verify (the authenticated key is the sender)  3. addressed to us
  *   4. allowlisted, except a stranger's knock or accept  5. fresh  6. not a replay
  *   7. dispatch: a peer's message is delivered, a receipt updates what we sent,
@@ -1738,12 +1710,11 @@ function parseChain(value: unknown): Chain {
 }
 
 /**
- * Judges the chain a payload carries beside `msg`, a message the gate admitted: null when it has none. It counts
- * only on a message that opens a task (a task_id, no status), and only when it holds together (the owner first,
- * the sender last, the requester just before it, no key twice) and its signature is the sender's over chainBytes.
- * A chain that does not is treated as stripped (a relay can strip one, so it can garble one): never a reason to
- * refuse the message. Pure but for WebCrypto's verify, which is asynchronous, so the agent runs it before
- * planInbound.
+ * Judges the chain a payload carries beside `msg`, a message the gate admitted: null when it has none. It counts only
+ * on a message that opens a task (a task_id, no status), and only when it holds together (the owner first, the sender
+ * last, the requester just before it, no key twice) and its signature is the sender's over chainBytes. A chain that
+ * does not is treated as stripped (a relay can strip one, so it can garble one): never a reason to refuse the message.
+ * Pure but for WebCrypto's verify, which is asynchronous, so the agent runs it before planInbound.
  */
 async function judgeChain(raw: unknown, msg: SignedMessage): Promise<ChainCheck | null> {
   if (raw === undefined || raw === null) return null;
@@ -1778,26 +1749,21 @@ function chainWords(keys: readonly string[], name: (key: string) => string): str
 // ============================================================================
 //
 //
-// One tagged JSON object per line ({"t": ...}), append-only. Each append is a
-// single write() on an O_APPEND descriptor, so concurrent appenders never
-// interleave within a line. Every write checks the count it wrote: a short
-// write (Bun writes short on a nearly full disk without throwing) is finished
-// or becomes an error, and a failed append is cut back off the file, or, when
-// another writer appended after it, fenced off by a newline, so the next
-// record always starts on a line of its own.
+// One tagged JSON object per line ({"t": ...}), append-only. Each append is a single write() on an O_APPEND descriptor,
+// so concurrent appenders never interleave within a line. Every write checks the count it wrote: a short write (Bun
+// writes short on a nearly full disk without throwing) is finished or becomes an error, and a failed append is cut back
+// off the file, or, when another writer appended after it, fenced off by a newline, so the next record always starts on
+// a line of its own.
 //
-// A complete line that is not a record (a hand edit, a disk fault) is never
-// silent: `quarantineLine` copies it to `<file>.corrupt` with its offset and
-// blanks it in place, so offsets stay valid and `doctor` counts it. A last
-// line without its newline is a write cut short by a crash (or still in
-// flight): it is skipped, and the next writer fences it off.
+// A complete line that is not a record (a hand edit, a disk fault) is never silent: `quarantineLine` copies it to
+// `<file>.corrupt` with its offset and blanks it in place, so offsets stay valid and `doctor` counts it. A last line
+// without its newline is a write cut short by a crash (or still in flight): it is skipped, and the next writer fences
+// it off.
 //
-// fsync policy: `append` returns once the bytes are in the kernel, which is
-// enough to survive the process being killed; `sync` adds an fdatasync shared
-// by every append waiting at that moment (group commit), for what must survive
-// a power cut: the bus before it answers 202, the agent before it answers a
-// send or acks an inbound message. Files that are rewritten (compaction,
-// peers.json, locks) are replaced whole: temp file, size check, fsync, rename.
+// fsync policy: `append` returns once the bytes are in the kernel, which is enough to survive the process being killed;
+// `sync` adds an fdatasync shared by every append waiting at that moment (group commit), for what must survive a power
+// cut: the bus before it answers 202, the agent before it answers a send or acks an inbound message. Files that are
+// rewritten (compaction, peers.json, locks) are replaced whole: temp file, size check, fsync, rename.
 
 /**
  * Who holds a session's agent.lock: its MCP server (a live session, which a newer server of the same session
@@ -1834,11 +1800,9 @@ const indexOfByte = (buf: Uint8Array, byte: number, from: number): number =>
 let scanChunk = Buffer.allocUnsafe(1 << 20);
 
 /**
- * Calls `onLine(buf, start, end, offset)` for each complete line from byte
- * `from` to the end of `file`: the line is `buf[start, end)` without its
- * newline, and starts at `offset` in the file. The buffer is reused, so a
- * caller copies what it keeps. Streams in 1 MiB chunks: memory is the longest
- * line, not the file size.
+ * Calls `onLine(buf, start, end, offset)` for each complete line from byte `from` to the end of `file`: the line is
+ * `buf[start, end)` without its newline, and starts at `offset` in the file. The buffer is reused, so a caller copies
+ * what it keeps. Streams in 1 MiB chunks: memory is the longest line, not the file size.
  */
 function scanLines(
   file: string,
@@ -1880,9 +1844,8 @@ function scanLines(
 }
 
 /**
- * Reads complete lines from `from` to the end, calling `onRecord` for each good
- * record and `onBad` for each complete line that is not one (blank lines are
- * skipped).
+ * Reads complete lines from `from` to the end, calling `onRecord` for each good record and `onBad` for each complete
+ * line that is not one (blank lines are skipped).
  */
 function scanJsonl(
   file: string,
@@ -1921,9 +1884,8 @@ function readJsonl(file: string, warn: (msg: string) => void = logWarn): JsonlRe
 const corruptFile = (file: string): string => `${file}.corrupt`;
 
 /**
- * Takes an unreadable line out of a journal: appends it, with its offset and
- * the reason, to `<file>.corrupt`, then overwrites it in place with spaces (its
- * newline stays), so byte offsets into the file stay valid and the line is
+ * Takes an unreadable line out of a journal: appends it, with its offset and the reason, to `<file>.corrupt`, then
+ * overwrites it in place with spaces (its newline stays), so byte offsets into the file stay valid and the line is
  * never read again. Only the process that owns the file calls this.
  */
 function quarantineLine(file: string, offset: number, bytes: number, reason: string, line: string): void {
@@ -1997,9 +1959,8 @@ class JsonlWriter {
     } catch (e) {
       throw storageError(e, folder);
     }
-    // A crash mid-write leaves a last line without its newline; fence it off
-    // so our next record starts on a line of its own and the fragment stays
-    // skippable instead of swallowing that record.
+    // A crash mid-write leaves a last line without its newline; fence it off so our next record starts on a line of its
+    // own and the fragment stays skippable instead of swallowing that record.
     const size = fs.fstatSync(this.#fd).size;
     if (size > 0 && lastByte(file, size) !== 10) {
       logWarn(`${file}: the last line was torn by a crash; it is kept apart and skipped`);
@@ -2008,9 +1969,8 @@ class JsonlWriter {
   }
 
   /**
-   * Appends records as one write: visible to readers and safe from a process
-   * kill when this returns. On failure nothing of it stays a line: the part
-   * written is cut back off, or fenced off by a newline before the next record.
+   * Appends records as one write: visible to readers and safe from a process kill when this returns. On failure nothing
+   * of it stays a line: the part written is cut back off, or fenced off by a newline before the next record.
    */
   append(records: readonly object[]): void {
     if (records.length) this.appendText(records.map((r) => JSON.stringify(r) + "\n").join(""));
@@ -2035,9 +1995,8 @@ class JsonlWriter {
   }
 
   /**
-   * After a failed append that began at `start`: if the file now ends with a
-   * prefix of our bytes (nobody wrote after them), cut it off; if that cannot be
-   * told, fence it off with a newline before the next record.
+   * After a failed append that began at `start`: if the file now ends with a prefix of our bytes (nobody wrote after
+   * them), cut it off; if that cannot be told, fence it off with a newline before the next record.
    */
   #cutBack(start: number, bytes: Uint8Array): void {
     try {
@@ -2066,9 +2025,8 @@ class JsonlWriter {
   }
 
   /**
-   * Called at the start of each fsync round, before its fdatasync: a writer
-   * that holds appends while one runs (the bus) writes them here, so each round
-   * is one write. If it throws, that round's waiters get the error.
+   * Called at the start of each fsync round, before its fdatasync: a writer that holds appends while one runs (the bus)
+   * writes them here, so each round is one write. If it throws, that round's waiters get the error.
    */
   beforeSync: () => void = () => {};
 
@@ -2113,21 +2071,18 @@ class JsonlWriter {
   }
 
   /**
-   * Replaces the file with exactly `records`: temp file, size check, fsync,
-   * rename, then appends go to the new file. On failure the temp file is
-   * removed and the old file stays in use, whole.
+   * Replaces the file with exactly `records`: temp file, size check, fsync, rename, then appends go to the new file. On
+   * failure the temp file is removed and the old file stays in use, whole.
    */
   compact(records: readonly object[]): void {
     this.rewrite((write) => write(records.map((r) => JSON.stringify(r) + "\n").join("")));
   }
 
   /**
-   * `compact` for a file too big to hold as one string: `fill` passes the new
-   * content in order to `write`, which returns the offset each piece starts at
-   * in the new file (written through a 1 MiB buffer). `beforeRename(tmp)`
-   * opens whatever else must read the new file: every descriptor on it is
-   * open before the rename, so nothing can fail after it (a failure after it
-   * would leave appends going to the old, unlinked file).
+   * `compact` for a file too big to hold as one string: `fill` passes the new content in order to `write`, which
+   * returns the offset each piece starts at in the new file (written through a 1 MiB buffer). `beforeRename(tmp)` opens
+   * whatever else must read the new file: every descriptor on it is open before the rename, so nothing can fail after
+   * it (a failure after it would leave appends going to the old, unlinked file).
    */
   rewrite(fill: (write: (text: string | Uint8Array) => number) => void, beforeRename = (_tmp: string) => {}): void {
     const tmp = `${this.file}.${process.pid}.tmp`;
@@ -2413,14 +2368,11 @@ function lockOwner(file: string): LockOwner | null {
 }
 
 /**
- * A lock file holding its owner's pid. It appears with its content in one
- * step: the content is written to a temp file that is then hard-linked into
- * place, and link() fails if the lock exists, so no reader ever sees an empty
- * or half-written lock. A lock whose pid is dead is taken over: it is removed
- * only if it still holds the text we judged stale, so a lock that changed
- * hands meanwhile is left alone (what remains is the microseconds between that
- * re-read and the unlink). A lock that cannot be read is respected until it is
- * LOCK_GRACE_MS old.
+ * A lock file holding its owner's pid. It appears with its content in one step: the content is written to a temp file
+ * that is then hard-linked into place, and link() fails if the lock exists, so no reader ever sees an empty or
+ * half-written lock. A lock whose pid is dead is taken over: it is removed only if it still holds the text we judged
+ * stale, so a lock that changed hands meanwhile is left alone (what remains is the microseconds between that re-read
+ * and the unlink). A lock that cannot be read is respected until it is LOCK_GRACE_MS old.
  */
 class PidLock {
   private constructor(readonly file: string, readonly content: string) {}
@@ -2579,9 +2531,8 @@ function parsePeers(text: string, source = "peers.json"): Peers {
 }
 
 /**
- * The one peer resolver, for every tool and command: a petname, a full key,
- * or a fingerprint (any unique key prefix of at least 4 characters). The
- * error lists the peers to choose from.
+ * The one peer resolver, for every tool and command: a petname, a full key, or a fingerprint (any unique key prefix of
+ * at least 4 characters). The error lists the peers to choose from.
  */
 function resolvePeer(peers: Peers, who: string): { key: string; petname: string } {
   const byName = peers.byName.get(who);
@@ -2682,9 +2633,8 @@ function whoIs(peers: Peers, key: string): string {
 }
 
 /**
- * The petname a newly paired key is filed under: the operator's choice when
- * requesting, else the claimed name if it is a valid, free petname, else
- * `peer-<fingerprint>`. Never a petname that is taken.
+ * The petname a newly paired key is filed under: the operator's choice when requesting, else the claimed name if it is
+ * a valid, free petname, else `peer-<fingerprint>`. Never a petname that is taken.
  */
 function newPeerName(peers: Peers, key: string, chosen: string | undefined, claimed: string): string {
   const fallback = `peer-${fingerprint(key).replace(/[^A-Za-z0-9]/g, "x")}`;
@@ -2771,9 +2721,8 @@ function taskTag(msg: Pick<SignedMessage, "task_id" | "status">): string {
 const taskKey = (peerKey: string, taskId: string): string => `${peerKey} ${taskId}`;
 
 /**
- * Folds one message into the task table. `dir` is "out" for messages we sent.
- * A terminal status closes the task; anything after it is counted but cannot
- * reopen it. Pure apart from mutating `tasks`.
+ * Folds one message into the task table. `dir` is "out" for messages we sent. A terminal status closes the task;
+ * anything after it is counted but cannot reopen it. Pure apart from mutating `tasks`.
  */
 function foldTask(
   tasks: Map<string, TaskRow>,
@@ -9213,10 +9162,9 @@ function channelContent(msg: SignedMessage): string {
 }
 
 /**
- * Channel meta; keys stay [A-Za-z0-9_] or Claude Code drops them. Claude Code
- * prints each value inside an attribute's quotes, so a peer's id has its
- * quotes and markup characters escaped as entities (attr): it cannot close the
- * attribute or the tag.
+ * Channel meta; keys stay [A-Za-z0-9_] or Claude Code drops them. Claude Code prints each value inside an attribute's
+ * quotes, so a peer's id has its quotes and markup characters escaped as entities (attr): it cannot close the attribute
+ * or the tag.
  */
 function channelMeta(msg: SignedMessage, petname: string): Record<string, string> {
   return {
@@ -9265,11 +9213,10 @@ function messageBlock(
 // ============================================================================
 
 /**
- * Takes unread inbox messages (oldest first) and records them as shown, under
- * a lock, so concurrent `wait`s and check_inbox never hand out the same
- * message twice: each re-reads the journal under the lock, and the "shown"
- * records are durable before the lock is let go. `peek` records nothing.
- * `from` is a journal to follow, or a state folder to read afresh.
+ * Takes unread inbox messages (oldest first) and records them as shown, under a lock, so concurrent `wait`s and
+ * check_inbox never hand out the same message twice: each re-reads the journal under the lock, and the "shown" records
+ * are durable before the lock is let go. `peek` records nothing. `from` is a journal to follow, or a state folder to
+ * read afresh.
  */
 async function claimInbox(from: Journal | string, limit: number, peek = false): Promise<InboxItem[]> {
   const journal = typeof from === "string" ? new Journal(from, new NodeState()) : from;
@@ -9293,9 +9240,8 @@ async function claimInbox(from: Journal | string, limit: number, peek = false): 
 }
 
 /**
- * Inbox items as the model reads them (check_inbox, `wait`): a peer's message
- * in an attributed block; a knock or a refusal summary in a block that says,
- * in our words, that it is not from a peer and is for the operator.
+ * Inbox items as the model reads them (check_inbox, `wait`): a peer's message in an attributed block; a knock or a
+ * refusal summary in a block that says, in our words, that it is not from a peer and is for the operator.
  */
 function formatInbox(items: InboxItem[], peers: Peers): string {
   return items.map((i) => {
@@ -9445,9 +9391,8 @@ function pushEvent(i: InboxItem, peers: Peers): PushEvent {
 }
 
 /**
- * What wakes an idle session with what waits for it (the Stop hook's `wait`, a
- * Codex queued turn): one line in our words, then each item in its attributed
- * block.
+ * What wakes an idle session with what waits for it (the Stop hook's `wait`, a Codex queued turn): one line in our
+ * words, then each item in its attributed block.
  */
 function wakeText(items: InboxItem[], peers: Peers): string {
   return showInvisible(
@@ -9646,10 +9591,9 @@ function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
 // ============================================================================
 //
 //
-// What a node does with an inbound payload is decided here, as an ordered
-// list of effects, from the gate's verdict and the node's state; the Agent
-// only carries the list out, in order, and stops at the first failure. So the
-// ordering promises are properties of a list:
+// What a node does with an inbound payload is decided here, as an ordered list of effects, from the gate's verdict and
+// the node's state; the Agent only carries the list out, in order, and stops at the first failure. So the ordering
+// promises are properties of a list:
 //   - "ack" comes last, after a "sync" that follows every "append" and
 //     "remember", and after the "push": a crash anywhere before it leaves the
 //     message on the bus for redelivery;
@@ -9657,9 +9601,8 @@ function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
 //   - a redelivered message that was journaled but never shown is shown, once.
 
 /**
- * The effects of one gate verdict. The knock bounds live here: a knock that
- * repeats a waiting one is not recorded, and past KNOCKS_CAP waiting knocks
- * new ones are dropped until the operator answers some.
+ * The effects of one gate verdict. The knock bounds live here: a knock that repeats a waiting one is not recorded, and
+ * past KNOCKS_CAP waiting knocks new ones are dropped until the operator answers some.
  */
 function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
   const { state, canPush } = ctx;
@@ -9887,11 +9830,9 @@ function showByPush(item: InboxItem, peers: Peers): Effect[] {
 }
 
 /**
- * A refusal worth the operator's attention becomes one summary line per
- * sender and reason: recorded the first time, counted in memory after that,
- * and after it was shown not again for REFUSAL_REPEAT_MS; at most
- * REFUSAL_NOTICES_CAP wait at once. So a flood costs one journal line per
- * sender and hour, and the model one line.
+ * A refusal worth the operator's attention becomes one summary line per sender and reason: recorded the first time,
+ * counted in memory after that, and after it was shown not again for REFUSAL_REPEAT_MS; at most REFUSAL_NOTICES_CAP
+ * wait at once. So a flood costs one journal line per sender and hour, and the model one line.
  */
 /** A payload refused, by the gate or (a knock) by its invite: why, and the message when it could be read. */
 interface Refused {
@@ -9949,12 +9890,10 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
 }
 
 /**
- * A peer's message refused for coming from our future (its sender's clock is
- * ahead) is reported to its sender by a receipt, when it asked for receipts:
- * once per message, at most
- * RECEIPT_REFUSALS_PER_HOUR per peer (a relay replaying an old message costs
- * one log line), never about a receipt. A stranger is told only that we do not
- * list it, or why its knock through an invite was refused (`join` waits for that).
+ * A peer's message refused for coming from our future (its sender's clock is ahead) is reported to its sender by a
+ * receipt, when it asked for receipts: once per message, at most RECEIPT_REFUSALS_PER_HOUR per peer (a relay replaying
+ * an old message costs one log line), never about a receipt. A stranger is told only that we do not list it, or why its
+ * knock through an invite was refused (`join` waits for that).
  */
 function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const msg = v.msg;
@@ -10143,11 +10082,10 @@ function subTaskChain(
 }
 
 /**
- * The body every bus receives for a message: checked against BODY_LIMIT_BYTES
- * before it is queued. `replyTo` (our `key#session`) rides outside the
- * signature, as in the reference: it tells the receiver which of our sessions
- * to answer, and decides nothing about trust. So does `receipts`, on our
- * messages and knocks (not on receipts): we read delivery receipts.
+ * The body every bus receives for a message: checked against BODY_LIMIT_BYTES before it is queued. `replyTo` (our
+ * `key#session`) rides outside the signature, as in the reference: it tells the receiver which of our sessions to
+ * answer, and decides nothing about trust. So does `receipts`, on our messages and knocks (not on receipts): we read
+ * delivery receipts.
  */
 function sendBody(recipient: string, msg: SignedMessage, replyTo?: string, chain?: Chain): string {
   return JSON.stringify({ to: recipient, payload: messagePayload(msg, replyTo, chain) });
@@ -10165,10 +10103,9 @@ function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): ob
 }
 
 /**
- * Signs a checked send and appends it to the outbox (durably): the one send
- * path, for the agent and the CLI alike. The size check is on the JSON body
- * as every bus will see it (escaping included: a control character takes six
- * bytes), so a message no bus would take is refused here, never queued.
+ * Signs a checked send and appends it to the outbox (durably): the one send path, for the agent and the CLI alike. The
+ * size check is on the JSON body as every bus will see it (escaping included: a control character takes six bytes), so
+ * a message no bus would take is refused here, never queued.
  */
 async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, nowMs: number): Promise<OutEntry> {
   const msg = await signMessage(id, p.draft, nowMs);
@@ -10203,12 +10140,10 @@ async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, now
 // roster, the hint and what this session remembers.
 
 /**
- * Every verified session on the rosters of `relays`, the freshest copy of each
- * (`key#session`, or a legacy node's bare key), with its effective age: the
- * bus's unsigned age_ms, but never younger than the signed ts allows (a
- * replayed old announcement cannot pass for a live session). `problems`: the
- * relays that did not answer; none answering is a NoRelayAnswered. Only reads:
- * the agent routes by it, the board shows it.
+ * Every verified session on the rosters of `relays`, the freshest copy of each (`key#session`, or a legacy node's bare
+ * key), with its effective age: the bus's unsigned age_ms, but never younger than the signed ts allows (a replayed old
+ * announcement cannot pass for a live session). `problems`: the relays that did not answer; none answering is a
+ * NoRelayAnswered. Only reads: the agent routes by it, the board shows it.
  */
 async function readRoster(
   relays: Relay[],
@@ -10291,17 +10226,13 @@ function describeSessions(list: PeerSession[]): string {
 }
 
 /**
- * The routing decision as a pure function of the roster and what the node
- * remembers (see Agent.route). A session that said goodbye, or that is no
- * longer on a roster that answered, has ended: nothing is routed there. So is
- * a remembered one (the task's, the last to write to us) on no roster at all:
- * it wrote to us, so it ran; gone from every roster, it unregistered (a clean
- * exit), was taken off by its successor, or never announced itself (a one-off
- * CLI send): its route is read late, by an adopter, if ever, and its key at
- * once by the peer's next session (not a reference node's: its sessions read
- * only their own routes, so there a remembered session stands). Then a reply
- * goes to the peer's one live session, else to its key, which the peer's next
- * session reads (and drains the ended session's route besides).
+ * The routing decision as a pure function of the roster and what the node remembers (see Agent.route). A session that
+ * said goodbye, or that is no longer on a roster that answered, has ended: nothing is routed there. So is a remembered
+ * one (the task's, the last to write to us) on no roster at all: it wrote to us, so it ran; gone from every roster, it
+ * unregistered (a clean exit), was taken off by its successor, or never announced itself (a one-off CLI send): its
+ * route is read late, by an adopter, if ever, and its key at once by the peer's next session (not a reference node's:
+ * its sessions read only their own routes, so there a remembered session stands). Then a reply goes to the peer's one
+ * live session, else to its key, which the peer's next session reads (and drains the ended session's route besides).
  */
 function chooseRoute(p: {
   key: string;
