@@ -77,62 +77,50 @@ const VERSION = "0.5.0";
 
 /** Prefix of the signed bytes; a v1 signature or an announcement can never pass as a v2 message. */
 const SIGNING_DOMAIN = "interlink-v2\0";
-
 const ANNOUNCE_DOMAIN = "interlink-announce-v1\0";
 
 /** A sender's clock may run this far ahead of ours before we call its message forged. */
 const FRESH_FUTURE_MS = 60_000;
-
 /** The bus is durable: a message may legitimately sit in it for a day while we are offline. */
 const FRESH_PAST_MS = 24 * 60 * 60_000;
-
 /** Re-sign an undelivered message before it would go stale at the recipient (same msg_id, so it still dedupes). */
 const RESIGN_AFTER_MS = FRESH_PAST_MS - 60 * 60_000;
 
 const DEFAULT_BUS_PORT = 9440;
-
 const DEFAULT_BUS_URL = `http://127.0.0.1:${DEFAULT_BUS_PORT}`;
-
 /** This machine's bus when no URL is configured: the port follows INTERLINK_BUS_PORT, as `interlink.ts bus` does. */
 const localBusUrl = (): string => `http://127.0.0.1:${process.env.INTERLINK_BUS_PORT || DEFAULT_BUS_PORT}`;
 
 /** Default long-poll wait, as in interlink-bus. */
 const RECV_TIMEOUT_MS = 25_000;
-
 /** Longest wait a client may ask for; past it proxies and NATs start cutting idle connections. */
 const RECV_TIMEOUT_MAX_MS = 60_000;
 
 /**
  * Messages one signer may have queued for one recipient on our bus; past it that signer's next one is refused
  * (429, ROUTE_FULL), never an older one dropped: a message a relay accepted is never lost. Per signer, so one
- * sender's flood is refused at its own cap and never locks another sender out; a silent inbox cannot fill the disk
- * (the byte budgets bound it all). A reference bus keeps 1,024 per recipient and drops the oldest past it, as did
- * our bus and NATS streams of earlier releases.
+ * sender's flood is refused at its own cap and never locks another sender out (the byte budgets bound it all). A
+ * reference bus keeps 1,024 per recipient and drops the oldest past it, as did our bus and NATS streams before.
  */
 const QUEUE_CAP = 1024;
-
 /** How a relay's refusal for a full route begins (our bus's 429 error): the sender holds that route, not the others. */
 const ROUTE_FULL = "route full";
 
 /**
- * How many of our messages one route may hold unconfirmed (sent, no receipt yet) before the rest wait in our
- * outbox, while any relay we send through may drop past its cap (a reference bus, or an older one of ours, keeps
- * QUEUE_CAP per route and drops the oldest; so does a NATS stream made by an earlier release): one sender stays below
- * that. Not for a key known to send no receipts (a reference node: it would be held for ever), and not at all when
- * every relay refuses a full route instead (ours): the refusal holds the route.
+ * Our messages one route may hold unconfirmed (sent, no receipt yet) before the rest wait in our outbox, so we stay
+ * below the cap of a relay that drops the oldest past it (a reference bus, an older one of ours, a NATS stream of an
+ * earlier release). Not for a key known to send no receipts (a reference node: it would be held for ever), and not
+ * when every relay refuses a full route instead (ours): the refusal holds the route.
  */
 const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
 
 /**
- * Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages): kept apart, small, and
- * refused past it like a full route (accepted, a payload is never dropped). Anyone can fill it, since nothing names
- * its sender; the signed messages beside it are never refused for it.
+ * Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages), refused past it like a
+ * full route. Anyone can fill it, since nothing names its sender; signed messages are never refused for it.
  */
 const OPAQUE_CAP = 64;
-
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
 const SENDER_BYTES_MAX = 8 << 20;
-
 /**
  * Payload bytes a bus holds in all; past it, sends get 507. `bun bench.ts --only flood` measures the cost: a Bun bus
  * full of 900 KB floods peaks near 4× this, a Deno bus (run with --optimize-for-size) near 4.3×.
@@ -141,102 +129,76 @@ const TOTAL_BYTES_MAX = 32 << 20;
 
 /** A session heard from within this long is live; older ones are away (they may be asleep: a laptop lid). */
 const PRESENCE_LIVE_MS = 90_000;
-
 /** Away for this long, a session "may be gone" rather than asleep. */
 const PRESENCE_STALE_MS = 24 * 60 * 60_000;
-
 /** How long a bus keeps a session's announcement (0.8: a sleeping session can still be found and written to). */
 const ROSTER_RETENTION_MS = 3 * 24 * 60 * 60_000;
-
 /** A sessionless (0.4) announcement is served this long, as a 0.4 bus does: 0.4 clients read every entry as live. */
 const ROSTER_SESSIONLESS_MS = 90_000;
-
 /** Roster bound: far above any real deployment, low enough that an announce flood costs a few MB. */
 const ROSTER_CAP = 4096;
-
 /** Sessions one key may hold on a roster: many sessions per machine, but one key cannot fill it. */
 const ROSTER_PER_KEY_CAP = 64;
-
 /**
  * Roster entries from one source address (an IPv6 /64): one machine's sessions, or a small office behind one NAT.
- * Keys cost nothing, so this, not the per-key bound, is what keeps one host from filling a LAN bus's roster.
+ * Keys cost nothing, so this, not the per-key bound, keeps one host from filling a LAN bus's roster.
  */
 const ROSTER_PER_ADDRESS_CAP = 256;
-
 /**
- * A roster entry counts one per this many bytes begun against the bounds above (a real announcement, 300 to 900
- * bytes, counts one): so each bound holds in bytes as well as in entries (the roster at most 4 MiB).
+ * An entry counts one per this many bytes begun against the bounds above (a real announcement, 300 to 900 bytes,
+ * counts one), so they hold in bytes too (the roster at most 4 MiB).
  */
 const ROSTER_UNIT_BYTES = 1024;
-
 /**
- * Sessions a bus remembers as ended by a signed unregister, so that nobody posts their last announcement again (it
- * was served by GET /roster): far more than end within ROSTER_RETENTION_MS on any real bus, a few MB at most. Past
- * it the oldest of the address that ended the most is forgotten.
+ * Sessions a bus remembers as ended by a signed unregister, so nobody posts their last announcement (served by GET
+ * /roster) again: far more than end within ROSTER_RETENTION_MS on any real bus, a few MB at most. Past it the oldest
+ * of the address that ended the most is forgotten.
  */
 const ROSTER_ENDED_CAP = 8192;
-
 /** ... and ended from one source address: past it that address's own oldest is forgotten, nobody else's. */
 const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
-
 /** Re-announce at a third of PRESENCE_LIVE_MS, so one lost announcement never makes a live session look away. */
 const ANNOUNCE_EVERY_MS = 30_000;
 
 /** Largest request body the bus reads: 2 MiB, as the reference bus (axum's default), so its nodes' messages fit. */
 const BODY_LIMIT_BYTES = 2 << 20;
-
 /**
- * Request body bytes a bus reads at once, in all: sixteen of the largest, far above what sessions send (a few KB
- * a message). Past it a body is refused unread (503): stalled uploads cost at most this, however many they are.
+ * Request body bytes a bus reads at once, in all: sixteen of the largest, far above what sessions send. Past it a
+ * body is refused unread (503): stalled uploads cost at most this, however many they are.
  */
 const BODIES_IN_FLIGHT_MAX = 32 << 20;
-
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-
 /**
- * An answer this large or larger (a big message, a long roster) is streamed as the connection takes it and counted
- * against the answers in flight. A smaller one is written whole: the socket's kernel buffers take it at once (a peer's
- * receive window alone is about this much before it reads a byte), so it costs the bus nothing however slowly it is read.
+ * An answer this large or larger is streamed as the connection takes it and counted against the answers in flight.
+ * A smaller one is written whole: the socket's kernel buffers take it at once (a peer's receive window alone is about
+ * this much), so a slow reader costs the bus nothing.
  */
 const ANSWER_STREAM_MIN_BYTES = 64 << 10;
-
-/**
- * Bytes of large answers a bus holds at once, not yet taken by their connections, in all (503 past it): as for
- * bodies, sixteen of the largest message. A connection that never reads holds its answer until ANSWER_WRITE_MS.
- */
+/** Bytes of large answers not yet taken by their connections, in all (503 past it): sixteen of the largest message. */
 const ANSWERS_IN_FLIGHT_MAX = 32 << 20;
-
 /** ... and for one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const ANSWERS_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-
 /**
- * Payload bytes one batched recv answers at most (at least one message, whatever its size): half an address's
- * answers in flight, so a session's two long-polls (its route and its bare key) both fit.
+ * Payload bytes one batched recv answers at most (at least one message): half an address's answers in flight, so a
+ * session's two long-polls (its route and its bare key) both fit.
  */
 const RECV_BATCH_BYTES = 4 << 20;
 
 /** Longest text an agent will sign: comfortably inside the bus body limit after JSON escaping. */
 const TEXT_LIMIT_BYTES = 256 * 1024;
-
 /** Messages one batched recv answers at most (our extension: GET /recv?max=N), and acks one POST /ack takes. */
 const RECV_BATCH_MAX = 64;
-
 /** What our agent asks one recv for: several messages that piled up take one round trip, not one each. */
 const RECV_BATCH = 32;
-
 /** Messages our agent sends in one request, where the bus takes several (POST /send {"messages": [...]}). */
 const SEND_BATCH = 32;
-
 /** Longest recipient string the bus accepts: a 43-char key plus a label. */
 const RECIPIENT_MAX_CHARS = 512;
-
 /** One stalled bus must not wedge delivery to the others. */
 const SEND_TIMEOUT_MS = 5_000;
-
 /** Retry at once after a blip, doubling while a bus stays down, but never wait longer than half a minute. */
 const BACKOFF_MIN_MS = 250;
-
 const BACKOFF_MAX_MS = 30_000;
 
 /**
@@ -244,83 +206,61 @@ const BACKOFF_MAX_MS = 30_000;
  * share (see ReplayMemory.full), so it never holds past twice this.
  */
 const REPLAY_CAP = 100_000;
-
 /** Sent messages remembered in memory for message_status; older ones are looked up in the journal. */
 const SENT_MEMORY_CAP = 10_000;
-
 /** Queued messages list_pending describes one by one; past them it counts what waits, per route (a model reads it). */
 const PENDING_LISTED = 100;
-
 /**
- * Knocks waiting for the operator. Beyond this, new ones are dropped (and
- * logged) until the operator answers or they expire, so strangers cannot grow
- * the journal or flood the session; this node's own outstanding knocks share the bound.
+ * Knocks waiting for the operator (this node's own outstanding knocks included); past it new ones are dropped (and
+ * logged) until the operator answers or they expire, so strangers cannot grow the journal or flood the session.
  */
 const KNOCKS_CAP = 64;
-
 /** Knocks that reach the model one by one in an hour; more are counted in one line (they all wait for the operator). */
 const KNOCKS_SHOWN_PER_HOUR = 3;
 
 /** How long an invite is valid unless `invite --ttl` says otherwise: time to copy a code to the other machine. */
 const INVITE_TTL_DEFAULT = "10m";
-
 /** The longest an invite may be valid: its code is a bearer secret for that long. */
 const INVITE_TTL_MAX_MS = 24 * 60 * 60_000;
-
 /** Invites pending at once on a node: a few machines joining; more is a mistake, or codes nobody uses. */
 const INVITES_PENDING_CAP = 32;
-
 /**
  * A used, revoked or expired invite is remembered this long (without its secret), so a late request is told
  * "expired" or "already used" rather than "unknown"; at most INVITES_SPENT_CAP of them, the oldest forgotten first.
  */
 const INVITE_KEPT_MS = 7 * 24 * 60 * 60_000;
-
 const INVITES_SPENT_CAP = 256;
-
 /** How long `join` waits for the inviting node's answer: whatever of it runs (`invite`, a session) answers in seconds. */
 const JOIN_WAIT_S = 120;
 
 /** Refusal summaries waiting for the model at once (one per sender and reason); past it, refusals are only logged. */
 const REFUSAL_NOTICES_CAP = 16;
-
 /**
  * Refusal notices about keys not in peers.json that reach the model and the journal in an hour, all such keys
- * together (as KNOCKS_SHOWN_PER_HOUR for knocks): keys cost nothing, so one notice per key was one per key a
- * stranger cared to make. Past it their refusals are only logged.
+ * together: keys cost nothing, so one notice per key was one per key a stranger cared to make.
  */
 const STRANGER_NOTICES_PER_HOUR = 3;
-
 /** How long a fetched roster serves sends before it is fetched again. */
 const ROSTER_CACHE_MS = 3_000;
-
 /** Longest session summary announced (set_summary); a roster entry stays small. */
 const SUMMARY_MAX_CHARS = 200;
-
 /** A clean exit's unregister and goodbyes together take at most this long. */
 const GOODBYE_MS = 3_000;
-
 /** After a refusal summary for a sender and reason is shown, the next one waits this long (a flood is one line an hour). */
 const REFUSAL_REPEAT_MS = 60 * 60_000;
 
 /** A peer session gets receipts at most this often: what piles up in between travels in one message. */
 const RECEIPT_EVERY_MS = 1_000;
-
 /** Reports in one receipt message (a few KB); more wait for the next. */
 const RECEIPT_LINES_MAX = 100;
-
 /** Receipt messages one peer key gets per pass (one a second): one to each of its sessions owed any, then more to one owed more. */
 const RECEIPTS_PER_PASS = 4;
-
 /** Refusals reported to one peer in an hour; past it they are only logged (a replayed stale message costs nothing). */
 const RECEIPT_REFUSALS_PER_HOUR = 30;
-
 /** Received messages whose "shown" is still to be reported; past it the oldest go unreported. */
 const RECEIPTS_WANTED_CAP = 10_000;
-
 /** Earlier sessions whose relay routes one session drains: a day of sessions coming and going is far below it. */
 const ROUTES_DRAINED_CAP = 256;
-
 /** Verifying keys cached by public key; peers are few, so this only bounds strangers. */
 const KEY_CACHE_CAP = 1024;
 
@@ -330,13 +270,10 @@ const KEY_CACHE_CAP = 1024;
  * likely a loop or a runaway than a plan.
  */
 const DEFAULT_MAX_DEPTH = 4;
-
 /** The longest chain read or allowed (--max-depth's top): 32 keys are 1.5 KB of JSON, and nothing real is deeper. */
 const CHAIN_KEYS_MAX = 32;
-
 /** Characters of a question its task row keeps (shown again with a late answer): enough to say what was asked. */
 const QUESTION_KEPT_CHARS = 500;
-
 /**
  * Questions of one sub-task forwarded up the chain and not yet answered: a few at once is a conversation; past it,
  * an executor would flood its requester's requester through us, so the next is shown to our model as usual.
@@ -345,19 +282,15 @@ const FORWARDS_OPEN_CAP = 8;
 
 /** Compact the bus queue file once dead records outnumber live ones and this floor. */
 const COMPACT_MIN_DEAD = 10_000;
-
 /** After a compaction fails (a full disk), wait this long before trying again rather than on every request. */
 const COMPACT_RETRY_MS = 30_000;
-
 /**
  * Room a bus leaves free on its disk (a sixteenth of a smaller disk), beside its owners' records: sends past it
  * are refused (507), so its own messages never take the room a compaction needs once receivers have read them.
  */
 const DISK_RESERVE_BYTES = 1 << 20;
-
 /** On a disk that short of room, compact as soon as this much of the queue file is dead (and the new file fits). */
 const DISK_RECLAIM_BYTES = 64 << 10;
-
 /** How long a bus trusts its last look at the disk's free space (statfs), less what it wrote since. */
 const DISK_LOOK_MS = 100;
 
@@ -366,25 +299,19 @@ const DISK_LOOK_MS = 100;
  * own mail. A new session adopts every ended one at its start, however recent.
  */
 const ADOPT_AFTER_MS = msFromEnv("INTERLINK_TEST_ADOPT_AFTER_MS", 2 * 60_000);
-
 /** How often a running session looks for ended ones to adopt, and drains the routes of those it adopted. */
 const ENDED_EVERY_MS = msFromEnv("INTERLINK_TEST_ENDED_EVERY_MS", ANNOUNCE_EVERY_MS);
-
 /**
- * A session's journal past this size is rolled over at the session's start and as it runs (see Journal.roll): a
- * start folds a checkpoint and what came after, not the session's whole life (about 2,000 messages a MiB).
+ * A session's journal past this size is rolled over at start and as it runs (see Journal.roll): a start folds a
+ * checkpoint and what came after, not the session's whole life (about 2,000 messages a MiB).
  */
 const JOURNAL_ROLL_BYTES = msFromEnv("INTERLINK_TEST_ROLL_BYTES", 1 << 20);
-
 /** A task closed longer ago than this is not carried over a roll-over (the archives keep its messages). */
 const CLOSED_TASKS_KEPT_MS = 30 * 24 * 60 * 60_000;
-
 /** How long a short-lived lock (peers edit, inbox claim) is waited for before giving up. */
 const SHORT_LOCK_WAIT_MS = 5_000;
-
 /** Past this much journal folded or rewritten at once (a start on a backlog, its roll-over), memory is given back. */
 const SHRINK_AFTER_BYTES = 4 << 20;
-
 /**
  * How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). Tests
  * set it past their own length, so that what they see can only have come from the watch.
@@ -392,7 +319,6 @@ const SHRINK_AFTER_BYTES = 4 << 20;
 const FOLLOW_RECHECK_MS = msFromEnv("INTERLINK_TEST_FOLLOW_RECHECK_MS", 5_000);
 
 const PETNAME_RE = /^[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}$/;
-
 /** A session id: used as a file name and after `#` in a route, so no `/`, no `#`. */
 const SESSION_RE = /^[A-Za-z0-9._-]{1,128}$/;
 
