@@ -326,18 +326,12 @@ const SESSION_RE = /^[A-Za-z0-9._-]{1,128}$/;
 // Types
 // ============================================================================
 
-/**
- * "receipt" is ours (not in the reference's 0.4/0.8 kinds): a node's signed report on messages it received (see
- * "Delivery receipts" in the agent). It goes only to nodes that ask for it, so a reference node never sees one.
- */
+/** "receipt" is ours, not the reference's: a signed report on messages received, sent only to nodes that ask for it. */
 const KINDS = ["message", "pair_request", "pair_accept", "receipt"] as const;
-
 type Kind = (typeof KINDS)[number];
 
 const STATUSES = ["update", "needs_input", "result", "failed", "canceled"] as const;
-
 type TaskStatus = (typeof STATUSES)[number];
-
 const TERMINAL_STATUSES: ReadonlySet<string> = new Set(["result", "failed", "canceled"]);
 
 /** A message as it travels: every field below `sig` is covered by it. */
@@ -355,11 +349,11 @@ interface SignedMessage {
 }
 
 /**
- * A sub-task's lineage (see "Delegation across hops" in the agent): the parent task it serves (its task_id and
- * requester, at the sender's node), the owner (the key whose operator owns the root task), the depth (hops from the
- * owner to the recipient) and the keys the work passed through, the owner first and the sender last. It rides in
- * the relay payload beside the signed fields, signed on its own by the sender (chainBytes): a reference node ignores
- * it, a relay can strip it (the request is then a root task) but not forge or move it.
+ * A sub-task's lineage (see "Delegation across hops"): the parent task it serves (its task_id and requester, at the
+ * sender's node), the owner (whose operator owns the root task), the depth (hops from the owner to the recipient) and
+ * the keys the work passed through, owner first, sender last. It rides in the relay payload beside the signed fields,
+ * signed on its own by the sender (chainBytes): a reference node ignores it, a relay can strip it (the request is then
+ * a root task) but not forge or move it.
  */
 interface Chain {
   parent: string;
@@ -373,18 +367,12 @@ interface Chain {
 /** One Claude Code session of a node, as its announcement describes it (0.8 layout). */
 interface SessionInfo {
   session_id: string;
-  /** The server's working directory, for display. */
-  cwd: string;
-  /** The base name of the git repository around cwd, "" if none. */
-  git_root: string;
-  /** What the session is doing, set by set_summary. */
-  summary: string;
+  cwd: string; // the server's working directory, for display
+  git_root: string; // the base name of the git repository around cwd, "" if none
+  summary: string; // what the session is doing, set by set_summary
 }
 
-/**
- * A self-signed presence claim published on the bus roster. `session` is
- * signed (0.8 layout); `age_ms` is stamped by a bus on GET /roster and is not.
- */
+/** A self-signed presence claim on the bus roster. `session` is signed (0.8 layout); `age_ms`, a bus's stamp, is not. */
 interface Announcement {
   pubkey: string;
   name: string;
@@ -411,7 +399,6 @@ const REJECT_REASONS = [
   "unexpected_kind",
   "busy",
 ] as const;
-
 type RejectReason = (typeof REJECT_REASONS)[number];
 
 /** Why a knock through an invite (in_reply_to "invite:…") that passed the gate was refused (see judgeInvite). */
@@ -422,9 +409,7 @@ const INVITE_REFUSALS = [
   "invite_revoked",
   "invite_bad_proof",
 ] as const;
-
 type InviteRefusal = (typeof INVITE_REFUSALS)[number];
-
 /** Every reason a node refuses a message for: the gate's, or an invite's. Reported by receipt, shown as a notice. */
 type Refusal = RejectReason | InviteRefusal;
 
@@ -438,15 +423,13 @@ type Verdict =
 
 /** A bad input that a person can act on; the message says what and why. */
 class InterlinkError extends Error {}
-
 /** A payload or file that does not have the shape the contract requires. */
 class FormatError extends InterlinkError {}
 
 interface BunServer {
   port: number;
   stop(force?: boolean): void;
-  /** The address a request came from (null for one that is not from a socket). */
-  requestIP(req: Request): { address: string } | null;
+  requestIP(req: Request): { address: string } | null; // null for a request not from a socket
 }
 
 interface BunRuntime {
