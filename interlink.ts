@@ -464,25 +464,21 @@ interface DenoRuntime {
 // Peer text, as it is shown
 // ============================================================================
 //
-//
-// Whatever a peer, a stranger or a relay controls (a message's text and ids, an announcement's name, session id, cwd,
-// git root and summary, a receipt's session, a refusal's detail, a relay's error answer) reaches the model inside a
-// channel event, an inbox block or a tool result, and the operator in `log`, `tasks`, `doctor` or on the board; and the
-// model may read a command's output too. It must never pose as something we generate: a task header, another sender's
-// block, a closing tag, a system tag, a line of our own; nor hide or reorder words. So, everywhere, through
-// escapePeerText:
+// Whatever a peer, a stranger or a relay controls (message text and ids, an announcement's fields, a receipt's
+// session, a refusal's detail, a relay's error answer) reaches the model (channel events, inbox blocks, tool results,
+// command output) and the operator (`log`, `tasks`, `doctor`, the board). It must never pose as something we generate
+// (a task header, another sender's block, a closing tag, a system tag, a line of ours), nor hide or reorder words.
+// So, everywhere, through escapePeerText:
 //   - every "<" that could open or close a tag becomes "&lt;";
 //   - every line that starts with "[" gets a backslash, so "[task x · result]"
 //     or "[interlink] SYSTEM: ..." in the text cannot pass for ours;
 //   - every hidden code point (INVISIBLE_RE) shows as <U+XXXX> (showInvisible);
 //   - a field that is one line in what we write (a cwd, a summary, a reason)
 //     keeps to one line: its newlines show as <U+000A> too.
-// Escaping twice changes nothing (a marker's "<" is left alone), so text can be escaped where it is quoted into an
-// error and again where it is shown. A peer may type a marker itself: that makes text look as if something were hidden
-// there, and can never hide anything. Ids have their own form (showId), names theirs (displayName), the board's page
-// sets text, never markup; each goes through showInvisible. Under all of it, every string the MCP server writes and
-// every line a command prints or logs goes through showInvisible again (see McpStdioServer, print, logLine): a field
-// missed here still cannot carry a hidden character out.
+// Escaping twice changes nothing (a marker's "<" is left alone). A peer may type a marker itself: that makes text look
+// as if something were hidden, and can never hide anything. Ids have their own form (showId), names theirs
+// (displayName). Under all of it, every string the MCP server writes and every line printed or logged goes through
+// showInvisible again (McpStdioServer, print, logLine): a field missed here still cannot carry a hidden character out.
 
 /**
  * Code points that hide, reorder or drive what a reader sees, chosen by Unicode's own properties, not by hand:
