@@ -9386,24 +9386,31 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
     out.logs.push({ do: "log", level: "info", line });
   }
   if (!row || row.closed) return out;
-  const self = ctx.selfName ?? fingerprint(me);
-  const up = forwardTarget(state.tasks, row, msg);
-  if (up) {
-    out.relay = { dir: "up", to: up.peer_key, task_id: up.task_id };
-    const forward: Forward = { peer: msg.from, task_id: msg.task_id, question: msg.msg_id };
-    const text = passedText(`${whoIs(peers, msg.from)} asks, via ${self}: `, msg.text);
-    out.sends.push(sendOnTask(up, { status: "needs_input", text }, peers, forward));
-    return out;
-  }
-  const down = answerTarget(state.tasks, row, msg);
-  if (down) {
-    out.relay = { dir: "down", to: down.t.peer_key, task_id: down.t.task_id };
-    const text = passedText(`${whoIs(peers, msg.from)} answers, via ${self}: `, msg.text);
-    out.sends.push(sendOnTask(down.t, { in_reply_to: down.q.msg_id, text }, peers));
-    return out;
-  }
-  out.sends.push(...cascade(state.tasks, row, msg, whoIs(peers, msg.from), peers));
+  const passed = passAlong(msg, row, ctx, me, forwardTarget(state.tasks, row, msg));
+  if (passed) out.relay = passed.relay;
+  out.sends.push(...passed ? [passed.send] : cascade(state.tasks, row, msg, whoIs(peers, msg.from), peers));
   return out;
+}
+
+/** A question on a sub-task we opened goes `up` (its open parent task), else an answer to one we forwarded goes down. */
+function passAlong(
+  msg: SignedMessage,
+  row: TaskRow,
+  ctx: InboundContext,
+  me: string,
+  up: TaskRow | null,
+): { relay: Relayed; send: Effect } | null {
+  const via = (verb: string) =>
+    passedText(`${whoIs(ctx.peers, msg.from)} ${verb}, via ${ctx.selfName ?? fingerprint(me)}: `, msg.text);
+  if (up) {
+    const forward: Forward = { peer: msg.from, task_id: msg.task_id!, question: msg.msg_id };
+    const send = sendOnTask(up, { status: "needs_input", text: via("asks") }, ctx.peers, forward);
+    return { relay: { dir: "up", to: up.peer_key, task_id: up.task_id }, send };
+  }
+  const down = answerTarget(ctx.state.tasks, row, msg);
+  if (!down) return null;
+  const send = sendOnTask(down.t, { in_reply_to: down.q.msg_id, text: via("answers") }, ctx.peers);
+  return { relay: { dir: "down", to: down.t.peer_key, task_id: down.t.task_id }, send };
 }
 
 /** Why a request whose chain is `keys` (owner first, its sender last) is refused here, or null. */
@@ -9472,19 +9479,10 @@ function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
   const row = state.tasks.get(taskKey(msg.from, msg.task_id));
   if (!row) return [];
   const me = ctx.selfKey ?? msg.to;
-  const self = ctx.selfName ?? fingerprint(me);
   const asked = row.awaiting.find((q) => q.msg_id === msg.msg_id && q.asked_by === "peer");
   const up = asked && !asked.forwarded && !row.closed ? forwardTarget(state.tasks, row, msg) : null;
-  if (up) {
-    const text = passedText(`${whoIs(peers, msg.from)} asks, via ${self}: `, msg.text);
-    const forward: Forward = { peer: msg.from, task_id: msg.task_id, question: msg.msg_id };
-    return [sendOnTask(up, { status: "needs_input", text }, peers, forward)];
-  }
-  const down = answerTarget(state.tasks, row, msg);
-  if (down) {
-    const text = passedText(`${whoIs(peers, msg.from)} answers, via ${self}: `, msg.text);
-    return [sendOnTask(down.t, { in_reply_to: down.q.msg_id, text }, peers)];
-  }
+  const passed = passAlong(msg, row, ctx, me, up);
+  if (passed) return [passed.send];
   const opened = !msg.status && row.requested_by === "peer" && row.last_msg_id === msg.msg_id && row.messages === 1;
   const why = opened && !row.closed && row.chain ? declineWhy(row.chain, me, ctx) : null;
   if (why) return [sendOnTask(row, { status: "failed", text: why }, peers)];
@@ -9600,13 +9598,8 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       if (ctx.invite) return refuse({ reason: ctx.invite.reason, detail: ctx.invite.detail, msg: v.msg }, ctx);
       const fp = fingerprint(v.msg.from);
       if (state.knocksIn.has(v.msg.from)) {
-        return [{
-          do: "log",
-          level: "info",
-          line: `${fp} knocked again; its earlier request still waits for the operator`,
-        }, {
-          do: "ack",
-        }];
+        const line = `${fp} knocked again; its earlier request still waits for the operator`;
+        return [{ do: "log", level: "info", line }, { do: "ack" }];
       }
       const rejectedAt = state.rejected.get(v.msg.from);
       if (rejectedAt !== undefined && ctx.nowMs - rejectedAt < FRESH_PAST_MS) {
