@@ -9572,15 +9572,8 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       }
       // A refusal reaches the model once, as one line in our words; other reports only update the statuses.
       const bounced = news.filter((l) => l.state === "refused").map((report): InboxItem => {
-        const id = `bounced ${report.msg_id}`;
-        return {
-          kind: "bounced",
-          id,
-          at: ctx.nowMs,
-          key: v.msg.from,
-          msg: state.entry(report.msg_id)!.msg,
-          report,
-        };
+        const msg = state.entry(report.msg_id)!.msg;
+        return { kind: "bounced", id: `bounced ${report.msg_id}`, at: ctx.nowMs, key: v.msg.from, msg, report };
       });
       const all = parseReceipt(v.msg.text);
       const lines = news.map((l) => all.findIndex((a) => a.state === l.state && a.msg_id === l.msg_id));
@@ -9727,11 +9720,6 @@ function showByPush(item: InboxItem, peers: Peers): Effect[] {
   ];
 }
 
-/**
- * A refusal worth the operator's attention becomes one summary line per sender and reason: recorded the first time,
- * counted in memory after that, and after it was shown not again for REFUSAL_REPEAT_MS; at most REFUSAL_NOTICES_CAP
- * wait at once. So a flood costs one journal line per sender and hour, and the model one line.
- */
 /** A payload refused, by the gate or (a knock) by its invite: why, and the message when it could be read. */
 interface Refused {
   reason: Refusal;
@@ -9760,6 +9748,11 @@ function refuse(v: Refused, ctx: InboundContext): Effect[] {
   return [refusalLog(v), ...noticeRefusal(v, ctx), ...reportRefusal(v, ctx), { do: "ack" }];
 }
 
+/**
+ * A refusal worth the operator's attention becomes one summary line per sender and reason: recorded the first time,
+ * counted in memory after that, and after it was shown not again for REFUSAL_REPEAT_MS; at most REFUSAL_NOTICES_CAP
+ * wait at once. So a flood costs one journal line per sender and hour, and the model one line.
+ */
 function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (!v.msg || !REFUSALS_SHOWN.has(v.reason)) return [];
   const id = refusalItem(v.msg.from, v.reason);
@@ -9887,12 +9880,8 @@ function prepareSend(
   };
   const broken = lifecycleError(tasks, draft);
   if (broken) throw new InterlinkError(broken);
-  const chain = input.parent_task_id === undefined
-    ? undefined
-    : subTaskChain(peers, tasks, draft, input.parent_task_id, {
-      selfKey,
-      ...hops,
-    });
+  const parentId = input.parent_task_id;
+  const chain = parentId === undefined ? undefined : subTaskChain(peers, tasks, draft, parentId, { selfKey, ...hops });
   return { draft, recipient: session ? `${key}#${session.trim()}` : key, peer: petname, ...some("chain", chain) };
 }
 
