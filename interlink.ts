@@ -1689,10 +1689,8 @@ function storageError(e: unknown, folder: string): Error {
 }
 
 interface ScanResult {
-  /** Byte offset just past the last complete line: where the next scan resumes. */
-  next: number;
-  /** Bytes after the last newline: a torn tail after a crash, or a write still in flight. */
-  tornBytes: number;
+  next: number; // the byte offset just past the last complete line: where the next scan resumes
+  tornBytes: number; // bytes after the last newline: a torn tail after a crash, or a write still in flight
 }
 
 /** A complete line that is not a record: where it starts, why it was refused, and its text. */
@@ -1867,7 +1865,7 @@ class JsonlWriter {
     // A crash mid-write leaves a last line without its newline; fence it off so our next record starts on a line of its
     // own and the fragment stays skippable instead of swallowing that record.
     const size = fs.fstatSync(this.#fd).size;
-    if (size > 0 && lastByte(file, size) !== 10) {
+    if (size > 0 && readBytes(file, size - 1, 1)[0] !== 10) {
       logWarn(`${file}: the last line was torn by a crash; it is kept apart and skipped`);
       this.#fence = true;
     }
@@ -1884,8 +1882,7 @@ class JsonlWriter {
   /** `append` for lines already serialized (each ending in a newline); returns the file offset of the first. */
   appendText(text: string): number {
     const bytes = Buffer.from(this.#fence ? "\n" + text : text);
-    // Where this append starts: Deno's writeSync can throw after writing part of
-    // the bytes without saying how many, so the file itself is the record.
+    // Deno's writeSync can throw after writing part of the bytes without saying how many: the file says where we began.
     const start = fs.fstatSync(this.#fd).size;
     this.stats.writes++;
     try {
@@ -1907,13 +1904,7 @@ class JsonlWriter {
     try {
       const size = fs.fstatSync(this.#fd).size;
       if (size <= start) return; // nothing of ours landed
-      const tail = Buffer.alloc(size - start);
-      const rfd = fs.openSync(this.file, "r");
-      try {
-        fs.readSync(rfd, tail, 0, tail.length, start);
-      } finally {
-        fs.closeSync(rfd);
-      }
+      const tail = readBytes(this.file, start, size - start);
       if (tail.length <= bytes.length && tail.equals(bytes.subarray(0, tail.length))) {
         fs.ftruncateSync(this.#fd, start);
         return;
@@ -2042,15 +2033,16 @@ class JsonlWriter {
   }
 }
 
-function lastByte(file: string, size: number): number {
-  const last = Buffer.alloc(1);
-  const rfd = fs.openSync(file, "r");
+/** `length` bytes of `file` from byte `position` (zeros past its end). */
+function readBytes(file: string, position: number, length: number): Buffer {
+  const buf = Buffer.alloc(length);
+  const fd = fs.openSync(file, "r");
   try {
-    fs.readSync(rfd, last, 0, 1, size - 1);
+    fs.readSync(fd, buf, 0, length, position);
   } finally {
-    fs.closeSync(rfd);
+    fs.closeSync(fd);
   }
-  return last[0];
+  return buf;
 }
 
 /** Writes a whole file and fsyncs it, checking that every byte landed (the size on disk is compared too). */
@@ -2082,23 +2074,19 @@ function syncDirectory(dir: string): void {
   }
 }
 
-/** Size of a file in bytes, 0 if it does not exist yet. */
-function fileSize(file: string): number {
+function statOf(file: string): fs.Stats | undefined {
   try {
-    return fs.statSync(file).size;
+    return fs.statSync(file);
   } catch {
-    return 0;
+    return undefined;
   }
 }
 
+/** Size of a file in bytes, 0 if it does not exist yet. */
+const fileSize = (file: string): number => statOf(file)?.size ?? 0;
+
 /** A file's inode number, 0 if it does not exist: tells a file replaced by a rename from the one read before. */
-function inodeOf(file: string): number {
-  try {
-    return fs.statSync(file).ino;
-  } catch {
-    return 0;
-  }
-}
+const inodeOf = (file: string): number => statOf(file)?.ino ?? 0;
 
 let tempCounter = 0;
 
