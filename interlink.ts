@@ -2005,10 +2005,7 @@ class JsonlWriter {
         });
         flush();
         fs.fsyncSync(fd);
-        const size = fs.fstatSync(fd).size;
-        if (size !== offset) {
-          throw Object.assign(new Error(`${tmp} holds ${size} of ${offset} bytes after writing`), { code: "EIO" });
-        }
+        checkSize(fd, tmp, offset);
       } finally {
         fs.closeSync(fd);
       }
@@ -2045,6 +2042,14 @@ function readBytes(file: string, position: number, length: number): Buffer {
   return buf;
 }
 
+/** A file just written must hold every byte: the size on disk is compared after the fsync. */
+function checkSize(fd: number, file: string, bytes: number): void {
+  const size = fs.fstatSync(fd).size;
+  if (size !== bytes) {
+    throw Object.assign(new Error(`${file} holds ${size} of ${bytes} bytes after writing`), { code: "EIO" });
+  }
+}
+
 /** Writes a whole file and fsyncs it, checking that every byte landed (the size on disk is compared too). */
 function writeFileDurably(file: string, text: string, mode = 0o600): void {
   const bytes = Buffer.from(text);
@@ -2052,10 +2057,7 @@ function writeFileDurably(file: string, text: string, mode = 0o600): void {
   try {
     writeAll(fd, bytes);
     fs.fsyncSync(fd);
-    const size = fs.fstatSync(fd).size;
-    if (size !== bytes.length) {
-      throw Object.assign(new Error(`${file} holds ${size} of ${bytes.length} bytes after writing`), { code: "EIO" });
-    }
+    checkSize(fd, file, bytes.length);
   } finally {
     fs.closeSync(fd);
   }
@@ -2366,14 +2368,9 @@ async function withFileLock<T>(file: string, role: string, fn: () => T | Promise
 const EMPTY_PEERS: Peers = { byName: new Map(), byKey: new Map() };
 
 function checkPetname(name: unknown): string {
-  if (typeof name !== "string" || !PETNAME_RE.test(name)) {
-    throw new InterlinkError(
-      `petname ${
-        JSON.stringify(name)
-      } is not valid: use 1-64 letters, digits or . _ @ + - (starting with a letter or digit)`,
-    );
-  }
-  return name;
+  if (typeof name === "string" && PETNAME_RE.test(name)) return name;
+  const rule = "use 1-64 letters, digits or . _ @ + - (starting with a letter or digit)";
+  throw new InterlinkError(`petname ${JSON.stringify(name)} is not valid: ${rule}`);
 }
 
 /** Checks a key a person typed or pasted: canonical, 32 bytes, not a small-order point. */
@@ -2434,13 +2431,10 @@ function resolvePeer(peers: Peers, who: string): { key: string; petname: string 
   if (byKey !== undefined) return { key: who, petname: byKey };
   const matches = who.length >= 4 ? [...peers.byKey].filter(([k]) => k.startsWith(who)) : [];
   if (matches.length === 1) return { key: matches[0][0], petname: matches[0][1] };
-  const choices = [...peers.byName].map(([n, k]) => `${n} (${fingerprint(k)})`).join(", ");
+  const choices = [...peers.byName].map(([n, k]) => `${n} (${fingerprint(k)})`).join(", ") ||
+    "none yet (pair first: discover, request_pair)";
   const what = matches.length > 1 ? `'${who}' matches ${matches.length} peers` : `no peer '${who}'`;
-  throw new InterlinkError(
-    `${what}; use a petname, a fingerprint or a key. Peers: ${
-      choices || "none yet (pair first: discover, request_pair)"
-    }`,
-  );
+  throw new InterlinkError(`${what}; use a petname, a fingerprint or a key. Peers: ${choices}`);
 }
 
 /** A peer's key by petname, fingerprint or key (see resolvePeer). */
@@ -2472,10 +2466,9 @@ async function addPeer(file: string, petname: string, key: string): Promise<"add
     const held = peers.byName.get(petname);
     if (held === key) return "unchanged";
     if (held !== undefined) {
+      const fp = fingerprint(held);
       throw new InterlinkError(
-        `'${petname}' already holds key ${
-          fingerprint(held)
-        }…; refusing to rekey it silently (remove it first if the peer really changed keys)`,
+        `'${petname}' already holds key ${fp}…; refusing to rekey it silently (remove it first if the peer really changed keys)`,
       );
     }
     const other = peers.byKey.get(key);
