@@ -609,7 +609,6 @@ function idProblem(id: string): string | null {
 // Runtime and logging
 // ============================================================================
 //
-//
 // stdout belongs to MCP (and to command output); every log line goes to stderr with a component prefix.
 
 /** The host runtime's own globals, for the little node: modules do not cover: serving HTTP, naming the runtime. */
@@ -1653,7 +1652,6 @@ function chainWords(keys: readonly string[], name: (key: string) => string): str
 // JSONL storage
 // ============================================================================
 //
-//
 // One tagged JSON object per line ({"t": ...}), append-only. Each append is a single write() on an O_APPEND descriptor,
 // so concurrent appenders never interleave within a line. Every write checks the count it wrote: a short write (Bun
 // writes short on a nearly full disk without throwing) is finished or becomes an error, and a failed append is cut back
@@ -2564,7 +2562,6 @@ interface TaskRow {
   status: TaskStatus | null;
   last_msg_id: string;
   last_at: number;
-  /** needs_input questions not yet answered with in_reply_to, and who asked them. */
   awaiting: Question[];
   /**
    * A sub-task (its opening message carried a chain): the task it serves, at its requester's node, the owner, the
@@ -2576,14 +2573,10 @@ interface TaskRow {
   chain?: string[];
   closed: boolean;
   messages: number;
-  /** The counterpart's session the task lives in (from its reply_to, or where we sent it): replies go there. */
-  peer_session?: string;
-  /** When the counterpart's session said goodbye while the task was open. */
-  peer_closed_at?: number;
-  /** The last message we sent on it: its receipts say whether the counterpart has seen it. */
-  last_out_msg_id?: string;
-  /** This (ended) session's task went on in that session. */
-  moved_to?: string;
+  peer_session?: string; // the counterpart's session the task lives in (its reply_to, or where we sent it)
+  peer_closed_at?: number; // when the counterpart's session said goodbye while the task was open
+  last_out_msg_id?: string; // the last message we sent on it: its receipts say whether the counterpart saw it
+  moved_to?: string; // this (ended) session's task went on in that session
 }
 
 /** How a closing session's goodbye starts: the receiver's task table marks the task with it. */
@@ -9012,25 +9005,16 @@ interface PushEvent {
 interface InboundContext {
   state: NodeState;
   peers: Peers;
-  /** A session is attached and the delivery mode pushes. */
-  canPush: boolean;
+  canPush: boolean; // a session is attached and the delivery mode pushes
   nowMs: number;
-  /** The payload's unsigned reply_to (`key#session` of the sender's session): routing only, never trust. */
-  replyTo?: string;
-  /** The payload's unsigned `"receipts": true`: its sender reads delivery receipts. */
-  wantsReceipts?: boolean;
-  /** This node's key: its other sessions are trusted like a peer. */
-  selfKey?: string;
-  /** It was drained from the route of an earlier session of ours, which ended: shown as having come for it. */
-  forSession?: string;
-  /** A knock through one of our invites (its in_reply_to names it): what judgeInvite said of it. */
-  invite?: InviteCheck;
-  /** The chain the payload carried beside the message, as judgeChain found it (absent or null: none). */
-  chain?: ChainCheck | null;
-  /** How deep a request this node takes (--max-depth; DEFAULT_MAX_DEPTH if absent). */
-  maxDepth?: number;
-  /** This node's roster name, for what it writes in passing a message along ("carol asks, via bob: …"). */
-  selfName?: string;
+  replyTo?: string; // the payload's unsigned reply_to (the sender's `key#session`): routing only, never trust
+  wantsReceipts?: boolean; // the payload's unsigned `"receipts": true`: its sender reads delivery receipts
+  selfKey?: string; // this node's key: its other sessions are trusted like a peer
+  forSession?: string; // drained from the route of an earlier, ended session of ours: shown as having come for it
+  invite?: InviteCheck; // a knock through one of our invites (its in_reply_to names it): what judgeInvite said
+  chain?: ChainCheck | null; // the chain the payload carried beside the message, as judgeChain found it (null: none)
+  maxDepth?: number; // how deep a request this node takes (--max-depth; DEFAULT_MAX_DEPTH if absent)
+  selfName?: string; // this node's roster name, for what it writes passing a message along ("carol asks, via bob: …")
 }
 
 // ============================================================================
@@ -9207,14 +9191,9 @@ function waitingQuestion(i: Extract<InboxItem, { kind: "waiting" }>): SignedMess
   };
 }
 
+const NOTICE_KINDS: Record<string, string> = { refusals: "refused", bounced: "refused_by_peer", paired: "paired" };
 const noticeKind = (i: Exclude<InboxItem, { kind: "message" | "waiting" }>): string =>
-  i.kind === "refusals"
-    ? "refused"
-    : i.kind === "bounced"
-    ? "refused_by_peer"
-    : i.kind === "paired"
-    ? "paired"
-    : "pair_request";
+  NOTICE_KINDS[i.kind] ?? "pair_request";
 
 /** What a knock or a refusal summary says, in our words: never a peer's text, at most a quoted claim. */
 function noticeText(i: Exclude<InboxItem, { kind: "message" | "waiting" }>, peers: Peers): string {
@@ -9291,7 +9270,6 @@ function wakeText(items: InboxItem[], peers: Peers): string {
 // ============================================================================
 // Delegation across hops
 // ============================================================================
-//
 //
 // A task a peer asked of us may be handed on: send_message with parent_task_id opens a sub-task whose opening
 // message carries a chain (its parent task, the owner whose operator owns the root task, the depth, the keys so
@@ -9473,7 +9451,6 @@ function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
 // ============================================================================
 // Decisions: what a node does with what arrives
 // ============================================================================
-//
 //
 // What a node does with an inbound payload is decided here, as an ordered list of effects, from the gate's verdict and
 // the node's state; the Agent only carries the list out, in order, and stops at the first failure. So the ordering
