@@ -77,62 +77,50 @@ const VERSION = "0.5.0";
 
 /** Prefix of the signed bytes; a v1 signature or an announcement can never pass as a v2 message. */
 const SIGNING_DOMAIN = "interlink-v2\0";
-
 const ANNOUNCE_DOMAIN = "interlink-announce-v1\0";
 
 /** A sender's clock may run this far ahead of ours before we call its message forged. */
 const FRESH_FUTURE_MS = 60_000;
-
 /** The bus is durable: a message may legitimately sit in it for a day while we are offline. */
 const FRESH_PAST_MS = 24 * 60 * 60_000;
-
 /** Re-sign an undelivered message before it would go stale at the recipient (same msg_id, so it still dedupes). */
 const RESIGN_AFTER_MS = FRESH_PAST_MS - 60 * 60_000;
 
 const DEFAULT_BUS_PORT = 9440;
-
 const DEFAULT_BUS_URL = `http://127.0.0.1:${DEFAULT_BUS_PORT}`;
-
 /** This machine's bus when no URL is configured: the port follows INTERLINK_BUS_PORT, as `interlink.ts bus` does. */
 const localBusUrl = (): string => `http://127.0.0.1:${process.env.INTERLINK_BUS_PORT || DEFAULT_BUS_PORT}`;
 
 /** Default long-poll wait, as in interlink-bus. */
 const RECV_TIMEOUT_MS = 25_000;
-
 /** Longest wait a client may ask for; past it proxies and NATs start cutting idle connections. */
 const RECV_TIMEOUT_MAX_MS = 60_000;
 
 /**
  * Messages one signer may have queued for one recipient on our bus; past it that signer's next one is refused
  * (429, ROUTE_FULL), never an older one dropped: a message a relay accepted is never lost. Per signer, so one
- * sender's flood is refused at its own cap and never locks another sender out; a silent inbox cannot fill the disk
- * (the byte budgets bound it all). A reference bus keeps 1,024 per recipient and drops the oldest past it, as did
- * our bus and NATS streams of earlier releases.
+ * sender's flood is refused at its own cap and never locks another sender out (the byte budgets bound it all). A
+ * reference bus keeps 1,024 per recipient and drops the oldest past it, as did our bus and NATS streams before.
  */
 const QUEUE_CAP = 1024;
-
 /** How a relay's refusal for a full route begins (our bus's 429 error): the sender holds that route, not the others. */
 const ROUTE_FULL = "route full";
 
 /**
- * How many of our messages one route may hold unconfirmed (sent, no receipt yet) before the rest wait in our
- * outbox, while any relay we send through may drop past its cap (a reference bus, or an older one of ours, keeps
- * QUEUE_CAP per route and drops the oldest; so does a NATS stream made by an earlier release): one sender stays below
- * that. Not for a key known to send no receipts (a reference node: it would be held for ever), and not at all when
- * every relay refuses a full route instead (ours): the refusal holds the route.
+ * Our messages one route may hold unconfirmed (sent, no receipt yet) before the rest wait in our outbox, so we stay
+ * below the cap of a relay that drops the oldest past it (a reference bus, an older one of ours, a NATS stream of an
+ * earlier release). Not for a key known to send no receipts (a reference node: it would be held for ever), and not
+ * when every relay refuses a full route instead (ours): the refusal holds the route.
  */
 const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
 
 /**
- * Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages): kept apart, small, and
- * refused past it like a full route (accepted, a payload is never dropped). Anyone can fill it, since nothing names
- * its sender; the signed messages beside it are never refused for it.
+ * Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages), refused past it like a
+ * full route. Anyone can fill it, since nothing names its sender; signed messages are never refused for it.
  */
 const OPAQUE_CAP = 64;
-
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
 const SENDER_BYTES_MAX = 8 << 20;
-
 /**
  * Payload bytes a bus holds in all; past it, sends get 507. `bun bench.ts --only flood` measures the cost: a Bun bus
  * full of 900 KB floods peaks near 4× this, a Deno bus (run with --optimize-for-size) near 4.3×.
@@ -141,102 +129,76 @@ const TOTAL_BYTES_MAX = 32 << 20;
 
 /** A session heard from within this long is live; older ones are away (they may be asleep: a laptop lid). */
 const PRESENCE_LIVE_MS = 90_000;
-
 /** Away for this long, a session "may be gone" rather than asleep. */
 const PRESENCE_STALE_MS = 24 * 60 * 60_000;
-
 /** How long a bus keeps a session's announcement (0.8: a sleeping session can still be found and written to). */
 const ROSTER_RETENTION_MS = 3 * 24 * 60 * 60_000;
-
 /** A sessionless (0.4) announcement is served this long, as a 0.4 bus does: 0.4 clients read every entry as live. */
 const ROSTER_SESSIONLESS_MS = 90_000;
-
 /** Roster bound: far above any real deployment, low enough that an announce flood costs a few MB. */
 const ROSTER_CAP = 4096;
-
 /** Sessions one key may hold on a roster: many sessions per machine, but one key cannot fill it. */
 const ROSTER_PER_KEY_CAP = 64;
-
 /**
  * Roster entries from one source address (an IPv6 /64): one machine's sessions, or a small office behind one NAT.
- * Keys cost nothing, so this, not the per-key bound, is what keeps one host from filling a LAN bus's roster.
+ * Keys cost nothing, so this, not the per-key bound, keeps one host from filling a LAN bus's roster.
  */
 const ROSTER_PER_ADDRESS_CAP = 256;
-
 /**
- * A roster entry counts one per this many bytes begun against the bounds above (a real announcement, 300 to 900
- * bytes, counts one): so each bound holds in bytes as well as in entries (the roster at most 4 MiB).
+ * An entry counts one per this many bytes begun against the bounds above (a real announcement, 300 to 900 bytes,
+ * counts one), so they hold in bytes too (the roster at most 4 MiB).
  */
 const ROSTER_UNIT_BYTES = 1024;
-
 /**
- * Sessions a bus remembers as ended by a signed unregister, so that nobody posts their last announcement again (it
- * was served by GET /roster): far more than end within ROSTER_RETENTION_MS on any real bus, a few MB at most. Past
- * it the oldest of the address that ended the most is forgotten.
+ * Sessions a bus remembers as ended by a signed unregister, so nobody posts their last announcement (served by GET
+ * /roster) again: far more than end within ROSTER_RETENTION_MS on any real bus, a few MB at most. Past it the oldest
+ * of the address that ended the most is forgotten.
  */
 const ROSTER_ENDED_CAP = 8192;
-
 /** ... and ended from one source address: past it that address's own oldest is forgotten, nobody else's. */
 const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
-
 /** Re-announce at a third of PRESENCE_LIVE_MS, so one lost announcement never makes a live session look away. */
 const ANNOUNCE_EVERY_MS = 30_000;
 
 /** Largest request body the bus reads: 2 MiB, as the reference bus (axum's default), so its nodes' messages fit. */
 const BODY_LIMIT_BYTES = 2 << 20;
-
 /**
- * Request body bytes a bus reads at once, in all: sixteen of the largest, far above what sessions send (a few KB
- * a message). Past it a body is refused unread (503): stalled uploads cost at most this, however many they are.
+ * Request body bytes a bus reads at once, in all: sixteen of the largest, far above what sessions send. Past it a
+ * body is refused unread (503): stalled uploads cost at most this, however many they are.
  */
 const BODIES_IN_FLIGHT_MAX = 32 << 20;
-
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-
 /**
- * An answer this large or larger (a big message, a long roster) is streamed as the connection takes it and counted
- * against the answers in flight. A smaller one is written whole: the socket's kernel buffers take it at once (a peer's
- * receive window alone is about this much before it reads a byte), so it costs the bus nothing however slowly it is read.
+ * An answer this large or larger is streamed as the connection takes it and counted against the answers in flight.
+ * A smaller one is written whole: the socket's kernel buffers take it at once (a peer's receive window alone is about
+ * this much), so a slow reader costs the bus nothing.
  */
 const ANSWER_STREAM_MIN_BYTES = 64 << 10;
-
-/**
- * Bytes of large answers a bus holds at once, not yet taken by their connections, in all (503 past it): as for
- * bodies, sixteen of the largest message. A connection that never reads holds its answer until ANSWER_WRITE_MS.
- */
+/** Bytes of large answers not yet taken by their connections, in all (503 past it): sixteen of the largest message. */
 const ANSWERS_IN_FLIGHT_MAX = 32 << 20;
-
 /** ... and for one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const ANSWERS_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-
 /**
- * Payload bytes one batched recv answers at most (at least one message, whatever its size): half an address's
- * answers in flight, so a session's two long-polls (its route and its bare key) both fit.
+ * Payload bytes one batched recv answers at most (at least one message): half an address's answers in flight, so a
+ * session's two long-polls (its route and its bare key) both fit.
  */
 const RECV_BATCH_BYTES = 4 << 20;
 
 /** Longest text an agent will sign: comfortably inside the bus body limit after JSON escaping. */
 const TEXT_LIMIT_BYTES = 256 * 1024;
-
 /** Messages one batched recv answers at most (our extension: GET /recv?max=N), and acks one POST /ack takes. */
 const RECV_BATCH_MAX = 64;
-
 /** What our agent asks one recv for: several messages that piled up take one round trip, not one each. */
 const RECV_BATCH = 32;
-
 /** Messages our agent sends in one request, where the bus takes several (POST /send {"messages": [...]}). */
 const SEND_BATCH = 32;
-
 /** Longest recipient string the bus accepts: a 43-char key plus a label. */
 const RECIPIENT_MAX_CHARS = 512;
-
 /** One stalled bus must not wedge delivery to the others. */
 const SEND_TIMEOUT_MS = 5_000;
-
 /** Retry at once after a blip, doubling while a bus stays down, but never wait longer than half a minute. */
 const BACKOFF_MIN_MS = 250;
-
 const BACKOFF_MAX_MS = 30_000;
 
 /**
@@ -244,83 +206,61 @@ const BACKOFF_MAX_MS = 30_000;
  * share (see ReplayMemory.full), so it never holds past twice this.
  */
 const REPLAY_CAP = 100_000;
-
 /** Sent messages remembered in memory for message_status; older ones are looked up in the journal. */
 const SENT_MEMORY_CAP = 10_000;
-
 /** Queued messages list_pending describes one by one; past them it counts what waits, per route (a model reads it). */
 const PENDING_LISTED = 100;
-
 /**
- * Knocks waiting for the operator. Beyond this, new ones are dropped (and
- * logged) until the operator answers or they expire, so strangers cannot grow
- * the journal or flood the session; this node's own outstanding knocks share the bound.
+ * Knocks waiting for the operator (this node's own outstanding knocks included); past it new ones are dropped (and
+ * logged) until the operator answers or they expire, so strangers cannot grow the journal or flood the session.
  */
 const KNOCKS_CAP = 64;
-
 /** Knocks that reach the model one by one in an hour; more are counted in one line (they all wait for the operator). */
 const KNOCKS_SHOWN_PER_HOUR = 3;
 
 /** How long an invite is valid unless `invite --ttl` says otherwise: time to copy a code to the other machine. */
 const INVITE_TTL_DEFAULT = "10m";
-
 /** The longest an invite may be valid: its code is a bearer secret for that long. */
 const INVITE_TTL_MAX_MS = 24 * 60 * 60_000;
-
 /** Invites pending at once on a node: a few machines joining; more is a mistake, or codes nobody uses. */
 const INVITES_PENDING_CAP = 32;
-
 /**
  * A used, revoked or expired invite is remembered this long (without its secret), so a late request is told
  * "expired" or "already used" rather than "unknown"; at most INVITES_SPENT_CAP of them, the oldest forgotten first.
  */
 const INVITE_KEPT_MS = 7 * 24 * 60 * 60_000;
-
 const INVITES_SPENT_CAP = 256;
-
 /** How long `join` waits for the inviting node's answer: whatever of it runs (`invite`, a session) answers in seconds. */
 const JOIN_WAIT_S = 120;
 
 /** Refusal summaries waiting for the model at once (one per sender and reason); past it, refusals are only logged. */
 const REFUSAL_NOTICES_CAP = 16;
-
 /**
  * Refusal notices about keys not in peers.json that reach the model and the journal in an hour, all such keys
- * together (as KNOCKS_SHOWN_PER_HOUR for knocks): keys cost nothing, so one notice per key was one per key a
- * stranger cared to make. Past it their refusals are only logged.
+ * together: keys cost nothing, so one notice per key was one per key a stranger cared to make.
  */
 const STRANGER_NOTICES_PER_HOUR = 3;
-
 /** How long a fetched roster serves sends before it is fetched again. */
 const ROSTER_CACHE_MS = 3_000;
-
 /** Longest session summary announced (set_summary); a roster entry stays small. */
 const SUMMARY_MAX_CHARS = 200;
-
 /** A clean exit's unregister and goodbyes together take at most this long. */
 const GOODBYE_MS = 3_000;
-
 /** After a refusal summary for a sender and reason is shown, the next one waits this long (a flood is one line an hour). */
 const REFUSAL_REPEAT_MS = 60 * 60_000;
 
 /** A peer session gets receipts at most this often: what piles up in between travels in one message. */
 const RECEIPT_EVERY_MS = 1_000;
-
 /** Reports in one receipt message (a few KB); more wait for the next. */
 const RECEIPT_LINES_MAX = 100;
-
 /** Receipt messages one peer key gets per pass (one a second): one to each of its sessions owed any, then more to one owed more. */
 const RECEIPTS_PER_PASS = 4;
-
 /** Refusals reported to one peer in an hour; past it they are only logged (a replayed stale message costs nothing). */
 const RECEIPT_REFUSALS_PER_HOUR = 30;
-
 /** Received messages whose "shown" is still to be reported; past it the oldest go unreported. */
 const RECEIPTS_WANTED_CAP = 10_000;
-
 /** Earlier sessions whose relay routes one session drains: a day of sessions coming and going is far below it. */
 const ROUTES_DRAINED_CAP = 256;
-
 /** Verifying keys cached by public key; peers are few, so this only bounds strangers. */
 const KEY_CACHE_CAP = 1024;
 
@@ -330,13 +270,10 @@ const KEY_CACHE_CAP = 1024;
  * likely a loop or a runaway than a plan.
  */
 const DEFAULT_MAX_DEPTH = 4;
-
 /** The longest chain read or allowed (--max-depth's top): 32 keys are 1.5 KB of JSON, and nothing real is deeper. */
 const CHAIN_KEYS_MAX = 32;
-
 /** Characters of a question its task row keeps (shown again with a late answer): enough to say what was asked. */
 const QUESTION_KEPT_CHARS = 500;
-
 /**
  * Questions of one sub-task forwarded up the chain and not yet answered: a few at once is a conversation; past it,
  * an executor would flood its requester's requester through us, so the next is shown to our model as usual.
@@ -345,19 +282,15 @@ const FORWARDS_OPEN_CAP = 8;
 
 /** Compact the bus queue file once dead records outnumber live ones and this floor. */
 const COMPACT_MIN_DEAD = 10_000;
-
 /** After a compaction fails (a full disk), wait this long before trying again rather than on every request. */
 const COMPACT_RETRY_MS = 30_000;
-
 /**
  * Room a bus leaves free on its disk (a sixteenth of a smaller disk), beside its owners' records: sends past it
  * are refused (507), so its own messages never take the room a compaction needs once receivers have read them.
  */
 const DISK_RESERVE_BYTES = 1 << 20;
-
 /** On a disk that short of room, compact as soon as this much of the queue file is dead (and the new file fits). */
 const DISK_RECLAIM_BYTES = 64 << 10;
-
 /** How long a bus trusts its last look at the disk's free space (statfs), less what it wrote since. */
 const DISK_LOOK_MS = 100;
 
@@ -366,25 +299,19 @@ const DISK_LOOK_MS = 100;
  * own mail. A new session adopts every ended one at its start, however recent.
  */
 const ADOPT_AFTER_MS = msFromEnv("INTERLINK_TEST_ADOPT_AFTER_MS", 2 * 60_000);
-
 /** How often a running session looks for ended ones to adopt, and drains the routes of those it adopted. */
 const ENDED_EVERY_MS = msFromEnv("INTERLINK_TEST_ENDED_EVERY_MS", ANNOUNCE_EVERY_MS);
-
 /**
- * A session's journal past this size is rolled over at the session's start and as it runs (see Journal.roll): a
- * start folds a checkpoint and what came after, not the session's whole life (about 2,000 messages a MiB).
+ * A session's journal past this size is rolled over at start and as it runs (see Journal.roll): a start folds a
+ * checkpoint and what came after, not the session's whole life (about 2,000 messages a MiB).
  */
 const JOURNAL_ROLL_BYTES = msFromEnv("INTERLINK_TEST_ROLL_BYTES", 1 << 20);
-
 /** A task closed longer ago than this is not carried over a roll-over (the archives keep its messages). */
 const CLOSED_TASKS_KEPT_MS = 30 * 24 * 60 * 60_000;
-
 /** How long a short-lived lock (peers edit, inbox claim) is waited for before giving up. */
 const SHORT_LOCK_WAIT_MS = 5_000;
-
 /** Past this much journal folded or rewritten at once (a start on a backlog, its roll-over), memory is given back. */
 const SHRINK_AFTER_BYTES = 4 << 20;
-
 /**
  * How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). Tests
  * set it past their own length, so that what they see can only have come from the watch.
@@ -392,7 +319,6 @@ const SHRINK_AFTER_BYTES = 4 << 20;
 const FOLLOW_RECHECK_MS = msFromEnv("INTERLINK_TEST_FOLLOW_RECHECK_MS", 5_000);
 
 const PETNAME_RE = /^[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}$/;
-
 /** A session id: used as a file name and after `#` in a route, so no `/`, no `#`. */
 const SESSION_RE = /^[A-Za-z0-9._-]{1,128}$/;
 
@@ -400,19 +326,12 @@ const SESSION_RE = /^[A-Za-z0-9._-]{1,128}$/;
 // Types
 // ============================================================================
 
-/**
- * "receipt" is ours (not in the reference's 0.4/0.8 kinds): a node's signed
- * report on messages it received (see "Delivery receipts" in the agent). It
- * goes only to nodes that ask for it, so a reference node never sees one.
- */
+/** "receipt" is ours, not the reference's: a signed report on messages received, sent only to nodes that ask for it. */
 const KINDS = ["message", "pair_request", "pair_accept", "receipt"] as const;
-
 type Kind = (typeof KINDS)[number];
 
 const STATUSES = ["update", "needs_input", "result", "failed", "canceled"] as const;
-
 type TaskStatus = (typeof STATUSES)[number];
-
 const TERMINAL_STATUSES: ReadonlySet<string> = new Set(["result", "failed", "canceled"]);
 
 /** A message as it travels: every field below `sig` is covered by it. */
@@ -430,11 +349,11 @@ interface SignedMessage {
 }
 
 /**
- * A sub-task's lineage (see "Delegation across hops" in the agent): the parent task it serves (its task_id and
- * requester, at the sender's node), the owner (the key whose operator owns the root task), the depth (hops from the
- * owner to the recipient) and the keys the work passed through, the owner first and the sender last. It rides in
- * the relay payload beside the signed fields, signed on its own by the sender (chainBytes): a reference node ignores
- * it, a relay can strip it (the request is then a root task) but not forge or move it.
+ * A sub-task's lineage (see "Delegation across hops"): the parent task it serves (its task_id and requester, at the
+ * sender's node), the owner (whose operator owns the root task), the depth (hops from the owner to the recipient) and
+ * the keys the work passed through, owner first, sender last. It rides in the relay payload beside the signed fields,
+ * signed on its own by the sender (chainBytes): a reference node ignores it, a relay can strip it (the request is then
+ * a root task) but not forge or move it.
  */
 interface Chain {
   parent: string;
@@ -448,18 +367,12 @@ interface Chain {
 /** One Claude Code session of a node, as its announcement describes it (0.8 layout). */
 interface SessionInfo {
   session_id: string;
-  /** The server's working directory, for display. */
-  cwd: string;
-  /** The base name of the git repository around cwd, "" if none. */
-  git_root: string;
-  /** What the session is doing, set by set_summary. */
-  summary: string;
+  cwd: string; // the server's working directory, for display
+  git_root: string; // the base name of the git repository around cwd, "" if none
+  summary: string; // what the session is doing, set by set_summary
 }
 
-/**
- * A self-signed presence claim published on the bus roster. `session` is
- * signed (0.8 layout); `age_ms` is stamped by a bus on GET /roster and is not.
- */
+/** A self-signed presence claim on the bus roster. `session` is signed (0.8 layout); `age_ms`, a bus's stamp, is not. */
 interface Announcement {
   pubkey: string;
   name: string;
@@ -486,7 +399,6 @@ const REJECT_REASONS = [
   "unexpected_kind",
   "busy",
 ] as const;
-
 type RejectReason = (typeof REJECT_REASONS)[number];
 
 /** Why a knock through an invite (in_reply_to "invite:…") that passed the gate was refused (see judgeInvite). */
@@ -497,9 +409,7 @@ const INVITE_REFUSALS = [
   "invite_revoked",
   "invite_bad_proof",
 ] as const;
-
 type InviteRefusal = (typeof INVITE_REFUSALS)[number];
-
 /** Every reason a node refuses a message for: the gate's, or an invite's. Reported by receipt, shown as a notice. */
 type Refusal = RejectReason | InviteRefusal;
 
@@ -513,15 +423,13 @@ type Verdict =
 
 /** A bad input that a person can act on; the message says what and why. */
 class InterlinkError extends Error {}
-
 /** A payload or file that does not have the shape the contract requires. */
 class FormatError extends InterlinkError {}
 
 interface BunServer {
   port: number;
   stop(force?: boolean): void;
-  /** The address a request came from (null for one that is not from a socket). */
-  requestIP(req: Request): { address: string } | null;
+  requestIP(req: Request): { address: string } | null; // null for a request not from a socket
 }
 
 interface BunRuntime {
@@ -556,30 +464,21 @@ interface DenoRuntime {
 // Peer text, as it is shown
 // ============================================================================
 //
-//
-// Whatever a peer, a stranger or a relay controls (a message's text and ids,
-// an announcement's name, session id, cwd, git root and summary, a receipt's
-// session, a refusal's detail, a relay's error answer) reaches the model
-// inside a channel event, an inbox block or a tool result, and the operator
-// in `log`, `tasks`, `doctor` or on the board; and the model may read a
-// command's output too. It must never pose as something we generate: a task
-// header, another sender's block, a closing tag, a system tag, a line of our
-// own; nor hide or reorder words. So, everywhere, through escapePeerText:
+// Whatever a peer, a stranger or a relay controls (message text and ids, an announcement's fields, a receipt's
+// session, a refusal's detail, a relay's error answer) reaches the model (channel events, inbox blocks, tool results,
+// command output) and the operator (`log`, `tasks`, `doctor`, the board). It must never pose as something we generate
+// (a task header, another sender's block, a closing tag, a system tag, a line of ours), nor hide or reorder words.
+// So, everywhere, through escapePeerText:
 //   - every "<" that could open or close a tag becomes "&lt;";
 //   - every line that starts with "[" gets a backslash, so "[task x · result]"
 //     or "[interlink] SYSTEM: ..." in the text cannot pass for ours;
 //   - every hidden code point (INVISIBLE_RE) shows as <U+XXXX> (showInvisible);
 //   - a field that is one line in what we write (a cwd, a summary, a reason)
 //     keeps to one line: its newlines show as <U+000A> too.
-// Escaping twice changes nothing (a marker's "<" is left alone), so text can
-// be escaped where it is quoted into an error and again where it is shown. A
-// peer may type a marker itself: that makes text look as if something were
-// hidden there, and can never hide anything.
-// Ids have their own form (showId), names theirs (displayName), the board's
-// page sets text, never markup; each goes through showInvisible. Under all
-// of it, every string the MCP server writes and every line a command prints
-// or logs goes through showInvisible again (see McpStdioServer, print,
-// logLine): a field missed here still cannot carry a hidden character out.
+// Escaping twice changes nothing (a marker's "<" is left alone). A peer may type a marker itself: that makes text look
+// as if something were hidden, and can never hide anything. Ids have their own form (showId), names theirs
+// (displayName). Under all of it, every string the MCP server writes and every line printed or logged goes through
+// showInvisible again (McpStdioServer, print, logLine): a field missed here still cannot carry a hidden character out.
 
 /**
  * Code points that hide, reorder or drive what a reader sees, chosen by Unicode's own properties, not by hand:
@@ -636,11 +535,9 @@ function escapePeerText(text: string, oneLine = false): string {
 const SHOWN_ID_RE = /^[\p{L}\p{M}\p{N}._:@+\/-]{1,256}$/u;
 
 /**
- * An id a peer chose, as shown in headers, log lines and tool results: as
- * itself when it is plainly an id ("t-ünï"), else as a JSON string whose
- * quotes, brackets and markup characters are escaped, so it can never close a
- * header, open a tag or pose as another field. Tools take either form back
- * (see readId).
+ * An id a peer chose, as shown in headers, log lines and tool results: as itself when it is plainly an id ("t-ünï"),
+ * else as a JSON string whose quotes, brackets and markup characters are escaped, so it can never close a header, open
+ * a tag or pose as another field. Tools take either form back (see readId).
  */
 function showId(id: string): string {
   if (SHOWN_ID_RE.test(id) && !hasInvisible(id)) return id; // marks (\p{M}) take in variation selectors and U+034F
@@ -666,10 +563,9 @@ function readId(text: string): string {
 }
 
 /**
- * A claimed name for display: at most 64 characters of letters, digits,
- * spaces and . _ @ + -, so it can be quoted as a claim and never read as an
- * instruction or markup. Never used for identity. A hidden character shows as its code point ("Alice U+202E"),
- * the rest as a space.
+ * A claimed name for display: at most 64 characters of letters, digits, spaces and . _ @ + -, so it can be quoted as a
+ * claim and never read as an instruction or markup. Never used for identity. A hidden character shows as its code point
+ * ("Alice U+202E"), the rest as a space.
  */
 function displayName(claimed: string): string {
   const named = showInvisible(claimed); // newline and tab are blanks here, like a space
@@ -694,13 +590,11 @@ const ID_MAX_CHARS = 256;
 const ID_CONTROL_RE = /[\u0000-\u001f\u007f-\u009f]|[\ud800-\udfff]/u;
 
 /**
- * Why a peer's msg_id, task_id or in_reply_to cannot be admitted, or null. The
- * reference accepts any string there, and a task id is often not ASCII
- * ("t-ünï"), so any text is taken but what no honest node sends: empty, over
- * ID_MAX_CHARS, control characters (a newline could start a forged header
- * line), invisible and bidi characters (they hide or reorder what is shown), and
- * lone surrogates (not text). Where an id is shown, showId and the attribute
- * escaping keep it from posing as markup or a header.
+ * Why a peer's msg_id, task_id or in_reply_to cannot be admitted, or null. The reference accepts any string there, and
+ * a task id is often not ASCII ("t-ünï"), so any text is taken but what no honest node sends: empty, over ID_MAX_CHARS,
+ * control characters (a newline could start a forged header line), invisible and bidi characters (they hide or reorder
+ * what is shown), and lone surrogates (not text). Where an id is shown, showId and the attribute escaping keep it from
+ * posing as markup or a header.
  */
 function idProblem(id: string): string | null {
   if (id === "") return "is empty";
@@ -715,9 +609,7 @@ function idProblem(id: string): string | null {
 // Runtime and logging
 // ============================================================================
 //
-//
-// stdout belongs to MCP (and to command output); every log line goes to
-// stderr with a component prefix.
+// stdout belongs to MCP (and to command output); every log line goes to stderr with a component prefix.
 
 /** The host runtime's own globals, for the little node: modules do not cover: serving HTTP, naming the runtime. */
 const runtimeHost = globalThis as unknown as {
@@ -758,9 +650,8 @@ function runtimeName(): string {
 const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
 
 /**
- * This file, as a path, or as a URL when Deno runs it straight from one
- * (`deno run -A https://…/interlink.ts mcp`): the children it starts (the
- * embedded bus, the demo's nodes) run the same.
+ * This file, as a path, or as a URL when Deno runs it straight from one (`deno run -A https://…/interlink.ts mcp`): the
+ * children it starts (the embedded bus, the demo's nodes) run the same.
  */
 function thisScript(): string {
   return import.meta.url.startsWith("file:") ? fileURLToPath(import.meta.url) : import.meta.url;
@@ -774,10 +665,9 @@ const NATS_PKGS = {
 } as const;
 
 /**
- * Imports a pinned package: under Deno as an npm: specifier, so a lone
- * interlink.ts needs no deno.json; under Bun by name@version, which Bun's
- * auto-install fetches when no node_modules is in the way. When one is (Bun
- * then does not auto-install), the error says exactly what to run.
+ * Imports a pinned package: under Deno as an npm: specifier, so a lone interlink.ts needs no deno.json; under Bun by
+ * name@version, which Bun's auto-install fetches when no node_modules is in the way. When one is (Bun then does not
+ * auto-install), the error says exactly what to run.
  */
 async function importPinned<T>(pkg: { name: string; version: string }, subpath = ""): Promise<T> {
   const spec = `${runtimeHost.Deno ? "npm:" : ""}${pkg.name}@${pkg.version}${subpath}`;
@@ -804,18 +694,16 @@ async function importPinned<T>(pkg: { name: string; version: string }, subpath =
 }
 
 /**
- * A crash point for the crash tests: when INTERLINK_FAILPOINT names it, the
- * process kills itself right here with SIGKILL, as an OOM kill or a power cut
- * would, so a test can stop a process exactly between two steps. Unset in use.
+ * A crash point for the crash tests: when INTERLINK_FAILPOINT names it, the process kills itself right here with
+ * SIGKILL, as an OOM kill or a power cut would, so a test can stop a process exactly between two steps. Unset in use.
  */
 function failpoint(name: string): void {
   if (process.env.INTERLINK_FAILPOINT === name) process.kill(process.pid, "SIGKILL");
 }
 
 /**
- * The node's clock: the system clock, shifted by INTERLINK_CLOCK_OFFSET_MS
- * when that is set (the tests and drills use it to play a machine whose clock
- * is off). Unset in use.
+ * The node's clock: the system clock, shifted by INTERLINK_CLOCK_OFFSET_MS when that is set (the tests and drills use
+ * it to play a machine whose clock is off). Unset in use.
  */
 function nodeClock(): () => number {
   const offset = Number(process.env.INTERLINK_CLOCK_OFFSET_MS ?? 0);
@@ -887,9 +775,8 @@ class WakeLatch {
 }
 
 /**
- * Waits until `ready()` is true or `ms` pass, re-checking whenever `subscribe`
- * fires (and at least every `everyMs`); returns the last `ready()`. The one
- * wait-with-deadline in the file: no caller orders events by sleeping.
+ * Waits until `ready()` is true or `ms` pass, re-checking whenever `subscribe` fires (and at least every `everyMs`);
+ * returns the last `ready()`. The one wait-with-deadline in the file: no caller orders events by sleeping.
  */
 async function waitUntil(
   ready: () => boolean,
@@ -950,9 +837,8 @@ function b64urlEncode(bytes: Uint8Array): string {
 const B64URL_RE = /^[A-Za-z0-9_-]*$/;
 
 /**
- * Strict unpadded base64url of exactly `byteLength` bytes. Re-encoding must give
- * the same text, so no key or signature has two spellings (which would let a
- * relay mint a "different" message or a second name for one identity).
+ * Strict unpadded base64url of exactly `byteLength` bytes. Re-encoding must give the same text, so no key or signature
+ * has two spellings (which would let a relay mint a "different" message or a second name for one identity).
  */
 function b64urlDecode(text: unknown, byteLength: number, what: string): Bytes {
   const chars = Math.ceil((byteLength * 4) / 3);
@@ -1011,8 +897,7 @@ const lengthPrefixed = (s: string): Uint8Array[] => {
 };
 
 /**
- * The bytes a message signature covers (SPEC "Canonical bytes"). Each property
- * blocks an attack:
+ * The bytes a message signature covers (SPEC "Canonical bytes"). Each property blocks an attack:
  *   - the domain prefix: a v1 signature, or an announcement, replayed as a v2 message;
  *   - raw `from` and `to`: a message re-addressed to another node, or claimed by another sender;
  *   - `ts`: an old message replayed as new once the replay memory forgot it;
@@ -1034,9 +919,8 @@ function canonicalBytes(m: Omit<SignedMessage, "sig">): Bytes {
 }
 
 /**
- * The bytes an announcement signature covers, in the 0.8 layout (SPEC-sessions
- * §2): name and the four session fields length-prefixed (an absent session is
- * four empty fields), then ts. Every field is signed, so a relay cannot move a
+ * The bytes an announcement signature covers, in the 0.8 layout (SPEC-sessions §2): name and the four session fields
+ * length-prefixed (an absent session is four empty fields), then ts. Every field is signed, so a relay cannot move a
  * session to another key, rename it, or give it another summary.
  */
 function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
@@ -1063,9 +947,8 @@ function legacyAnnouncementBytes(a: Omit<Announcement, "sig" | "age_ms" | "sessi
 const RECV_DOMAIN = "interlink-recv-v1\0";
 
 /**
- * `"interlink-recv-v1\0" ‖ u32le(len route) ‖ route ‖ u64le(ts)`, signed by the
- * route's key (its part before any `#`): what a node shows a bus to read or ack
- * its own mail. Binding the route keeps a proof for one session from opening
+ * `"interlink-recv-v1\0" ‖ u32le(len route) ‖ route ‖ u64le(ts)`, signed by the route's key (its part before any `#`):
+ * what a node shows a bus to read or ack its own mail. Binding the route keeps a proof for one session from opening
  * another's; ts bounds how long a captured proof is worth anything.
  */
 function recvProofBytes(route: string, ts: number): Bytes {
@@ -1189,12 +1072,10 @@ function littleEndianToBigInt(bytes: Uint8Array): bigint {
 }
 
 /**
- * True if the encoded point has order dividing 8: [8]P is the identity. With
- * such a public key and R, the signature equation holds for any message
- * (the vector "small-order sender key"), and WebCrypto in Bun and Deno accepts
- * it. Doubling depends only on y here, x² = (y² − 1)/(d·y² + 1), so three
- * doublings run on y alone in projective form (Y:Z) with no inversion; the
- * identity is the only point with y = 1. Works on non-canonical y as well.
+ * True if the encoded point has order dividing 8: [8]P is the identity. With such a public key and R, the signature
+ * equation holds for any message (the vector "small-order sender key"), and WebCrypto in Bun and Deno accepts it.
+ * Doubling depends only on y here, x² = (y² − 1)/(d·y² + 1), so three doublings run on y alone in projective form (Y:Z)
+ * with no inversion; the identity is the only point with y = 1. Works on non-canonical y as well.
  */
 function hasSmallOrder(encoded: Uint8Array): boolean {
   const yBytes = encoded.slice(0, 32);
@@ -1267,10 +1148,9 @@ async function verifyDetached(publicKey: string, signature: string, signed: Byte
 const verifyMessage = (m: SignedMessage): Promise<string | null> => verifyDetached(m.from, m.sig, canonicalBytes(m));
 
 /**
- * Which layout an announcement verifies under. With a `session` member only
- * the 0.8 layout is tried; without one, the 0.8 layout with empty fields, then
- * the 0.4 layout, which marks a legacy node (no sessions; reached at its bare
- * key). The two layouts can never both match one byte string.
+ * Which layout an announcement verifies under. With a `session` member only the 0.8 layout is tried; without one, the
+ * 0.8 layout with empty fields, then the 0.4 layout, which marks a legacy node (no sessions; reached at its bare key).
+ * The two layouts can never both match one byte string.
  */
 async function checkAnnouncement(a: Announcement): Promise<{ layout: "0.8" | "0.4" } | { error: string }> {
   const v08 = await verifyDetached(a.pubkey, a.sig, announcementBytes(a));
@@ -1473,9 +1353,8 @@ function parseSignedMessage(value: unknown): SignedMessage {
 }
 
 /**
- * Parses an announcement as the Rust 0.8 client decodes one: unknown members
- * are ignored; `session: null` and a session without `session_id` are errors;
- * its other fields default to ""; `age_ms` is absent, null, or an integer ≥ 0.
+ * Parses an announcement as the Rust 0.8 client decodes one: unknown members are ignored; `session: null` and a session
+ * without `session_id` are errors; its other fields default to ""; `age_ms` is absent, null, or an integer ≥ 0.
  */
 function parseAnnouncement(value: unknown): Announcement {
   if (!isObject(value)) throw new FormatError("announcement is not a JSON object");
@@ -1516,13 +1395,11 @@ const rosterKey = (a: Pick<Announcement, "pubkey" | "session">): string =>
 // ============================================================================
 
 /**
- * Message ids already admitted, keyed by sender so one peer cannot burn
- * another's ids. Bounded by time: an entry older than the freshness window is
- * forgotten, because freshness alone rejects a replay of it. The agent rebuilds
- * it at start from the replay files (SeenLog) and its journal, so a replay
- * after a restart is still refused. It knows which entries only a journal
- * holds so far (`logged` false): the agent writes those to the replay files
- * before a roll-over or an adoption leaves their records where no start reads.
+ * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. Bounded by time: an entry older
+ * than the freshness window is forgotten, because freshness alone rejects a replay of it. The agent rebuilds it at
+ * start from the replay files (SeenLog) and its journal, so a replay after a restart is still refused. It knows which
+ * entries only a journal holds so far (`logged` false): the agent writes those to the replay files before a roll-over
+ * or an adoption leaves their records where no start reads.
  */
 class ReplayMemory {
   #seen = new Map<string, number>(); // "<sender> <msg_id>" → message ts, in admission order
@@ -1619,9 +1496,8 @@ class ReplayMemory {
 }
 
 /**
- * The inbound gate (SPEC "Inbound gate"), a pure function of its arguments:
- * every payload drained from a bus goes through it before the model sees
- * anything, and the steps run in this order:
+ * The inbound gate (SPEC "Inbound gate"), a pure function of its arguments: every payload drained from a bus goes
+ * through it before the model sees anything, and the steps run in this order:
  *   1. parse  2. verify (the authenticated key is the sender)  3. addressed to us
  *   4. allowlisted, except a stranger's knock or accept  5. fresh  6. not a replay
  *   7. dispatch: a peer's message is delivered, a receipt updates what we sent,
@@ -1738,12 +1614,11 @@ function parseChain(value: unknown): Chain {
 }
 
 /**
- * Judges the chain a payload carries beside `msg`, a message the gate admitted: null when it has none. It counts
- * only on a message that opens a task (a task_id, no status), and only when it holds together (the owner first,
- * the sender last, the requester just before it, no key twice) and its signature is the sender's over chainBytes.
- * A chain that does not is treated as stripped (a relay can strip one, so it can garble one): never a reason to
- * refuse the message. Pure but for WebCrypto's verify, which is asynchronous, so the agent runs it before
- * planInbound.
+ * Judges the chain a payload carries beside `msg`, a message the gate admitted: null when it has none. It counts only
+ * on a message that opens a task (a task_id, no status), and only when it holds together (the owner first, the sender
+ * last, the requester just before it, no key twice) and its signature is the sender's over chainBytes. A chain that
+ * does not is treated as stripped (a relay can strip one, so it can garble one): never a reason to refuse the message.
+ * Pure but for WebCrypto's verify, which is asynchronous, so the agent runs it before planInbound.
  */
 async function judgeChain(raw: unknown, msg: SignedMessage): Promise<ChainCheck | null> {
   if (raw === undefined || raw === null) return null;
@@ -1777,27 +1652,21 @@ function chainWords(keys: readonly string[], name: (key: string) => string): str
 // JSONL storage
 // ============================================================================
 //
+// One tagged JSON object per line ({"t": ...}), append-only. Each append is a single write() on an O_APPEND descriptor,
+// so concurrent appenders never interleave within a line. Every write checks the count it wrote: a short write (Bun
+// writes short on a nearly full disk without throwing) is finished or becomes an error, and a failed append is cut back
+// off the file, or, when another writer appended after it, fenced off by a newline, so the next record always starts on
+// a line of its own.
 //
-// One tagged JSON object per line ({"t": ...}), append-only. Each append is a
-// single write() on an O_APPEND descriptor, so concurrent appenders never
-// interleave within a line. Every write checks the count it wrote: a short
-// write (Bun writes short on a nearly full disk without throwing) is finished
-// or becomes an error, and a failed append is cut back off the file, or, when
-// another writer appended after it, fenced off by a newline, so the next
-// record always starts on a line of its own.
+// A complete line that is not a record (a hand edit, a disk fault) is never silent: `quarantineLine` copies it to
+// `<file>.corrupt` with its offset and blanks it in place, so offsets stay valid and `doctor` counts it. A last line
+// without its newline is a write cut short by a crash (or still in flight): it is skipped, and the next writer fences
+// it off.
 //
-// A complete line that is not a record (a hand edit, a disk fault) is never
-// silent: `quarantineLine` copies it to `<file>.corrupt` with its offset and
-// blanks it in place, so offsets stay valid and `doctor` counts it. A last
-// line without its newline is a write cut short by a crash (or still in
-// flight): it is skipped, and the next writer fences it off.
-//
-// fsync policy: `append` returns once the bytes are in the kernel, which is
-// enough to survive the process being killed; `sync` adds an fdatasync shared
-// by every append waiting at that moment (group commit), for what must survive
-// a power cut: the bus before it answers 202, the agent before it answers a
-// send or acks an inbound message. Files that are rewritten (compaction,
-// peers.json, locks) are replaced whole: temp file, size check, fsync, rename.
+// fsync policy: `append` returns once the bytes are in the kernel, which is enough to survive the process being killed;
+// `sync` adds an fdatasync shared by every append waiting at that moment (group commit), for what must survive a power
+// cut: the bus before it answers 202, the agent before it answers a send or acks an inbound message. Files that are
+// rewritten (compaction, peers.json, locks) are replaced whole: temp file, size check, fsync, rename.
 
 /**
  * Who holds a session's agent.lock: its MCP server (a live session, which a newer server of the same session
@@ -1818,10 +1687,8 @@ function storageError(e: unknown, folder: string): Error {
 }
 
 interface ScanResult {
-  /** Byte offset just past the last complete line: where the next scan resumes. */
-  next: number;
-  /** Bytes after the last newline: a torn tail after a crash, or a write still in flight. */
-  tornBytes: number;
+  next: number; // the byte offset just past the last complete line: where the next scan resumes
+  tornBytes: number; // bytes after the last newline: a torn tail after a crash, or a write still in flight
 }
 
 /** A complete line that is not a record: where it starts, why it was refused, and its text. */
@@ -1834,11 +1701,9 @@ const indexOfByte = (buf: Uint8Array, byte: number, from: number): number =>
 let scanChunk = Buffer.allocUnsafe(1 << 20);
 
 /**
- * Calls `onLine(buf, start, end, offset)` for each complete line from byte
- * `from` to the end of `file`: the line is `buf[start, end)` without its
- * newline, and starts at `offset` in the file. The buffer is reused, so a
- * caller copies what it keeps. Streams in 1 MiB chunks: memory is the longest
- * line, not the file size.
+ * Calls `onLine(buf, start, end, offset)` for each complete line from byte `from` to the end of `file`: the line is
+ * `buf[start, end)` without its newline, and starts at `offset` in the file. The buffer is reused, so a caller copies
+ * what it keeps. Streams in 1 MiB chunks: memory is the longest line, not the file size.
  */
 function scanLines(
   file: string,
@@ -1880,9 +1745,8 @@ function scanLines(
 }
 
 /**
- * Reads complete lines from `from` to the end, calling `onRecord` for each good
- * record and `onBad` for each complete line that is not one (blank lines are
- * skipped).
+ * Reads complete lines from `from` to the end, calling `onRecord` for each good record and `onBad` for each complete
+ * line that is not one (blank lines are skipped).
  */
 function scanJsonl(
   file: string,
@@ -1921,9 +1785,8 @@ function readJsonl(file: string, warn: (msg: string) => void = logWarn): JsonlRe
 const corruptFile = (file: string): string => `${file}.corrupt`;
 
 /**
- * Takes an unreadable line out of a journal: appends it, with its offset and
- * the reason, to `<file>.corrupt`, then overwrites it in place with spaces (its
- * newline stays), so byte offsets into the file stay valid and the line is
+ * Takes an unreadable line out of a journal: appends it, with its offset and the reason, to `<file>.corrupt`, then
+ * overwrites it in place with spaces (its newline stays), so byte offsets into the file stay valid and the line is
  * never read again. Only the process that owns the file calls this.
  */
 function quarantineLine(file: string, offset: number, bytes: number, reason: string, line: string): void {
@@ -1997,20 +1860,18 @@ class JsonlWriter {
     } catch (e) {
       throw storageError(e, folder);
     }
-    // A crash mid-write leaves a last line without its newline; fence it off
-    // so our next record starts on a line of its own and the fragment stays
-    // skippable instead of swallowing that record.
+    // A crash mid-write leaves a last line without its newline; fence it off so our next record starts on a line of its
+    // own and the fragment stays skippable instead of swallowing that record.
     const size = fs.fstatSync(this.#fd).size;
-    if (size > 0 && lastByte(file, size) !== 10) {
+    if (size > 0 && readBytes(file, size - 1, 1)[0] !== 10) {
       logWarn(`${file}: the last line was torn by a crash; it is kept apart and skipped`);
       this.#fence = true;
     }
   }
 
   /**
-   * Appends records as one write: visible to readers and safe from a process
-   * kill when this returns. On failure nothing of it stays a line: the part
-   * written is cut back off, or fenced off by a newline before the next record.
+   * Appends records as one write: visible to readers and safe from a process kill when this returns. On failure nothing
+   * of it stays a line: the part written is cut back off, or fenced off by a newline before the next record.
    */
   append(records: readonly object[]): void {
     if (records.length) this.appendText(records.map((r) => JSON.stringify(r) + "\n").join(""));
@@ -2019,8 +1880,7 @@ class JsonlWriter {
   /** `append` for lines already serialized (each ending in a newline); returns the file offset of the first. */
   appendText(text: string): number {
     const bytes = Buffer.from(this.#fence ? "\n" + text : text);
-    // Where this append starts: Deno's writeSync can throw after writing part of
-    // the bytes without saying how many, so the file itself is the record.
+    // Deno's writeSync can throw after writing part of the bytes without saying how many: the file says where we began.
     const start = fs.fstatSync(this.#fd).size;
     this.stats.writes++;
     try {
@@ -2035,21 +1895,14 @@ class JsonlWriter {
   }
 
   /**
-   * After a failed append that began at `start`: if the file now ends with a
-   * prefix of our bytes (nobody wrote after them), cut it off; if that cannot be
-   * told, fence it off with a newline before the next record.
+   * After a failed append that began at `start`: if the file now ends with a prefix of our bytes (nobody wrote after
+   * them), cut it off; if that cannot be told, fence it off with a newline before the next record.
    */
   #cutBack(start: number, bytes: Uint8Array): void {
     try {
       const size = fs.fstatSync(this.#fd).size;
       if (size <= start) return; // nothing of ours landed
-      const tail = Buffer.alloc(size - start);
-      const rfd = fs.openSync(this.file, "r");
-      try {
-        fs.readSync(rfd, tail, 0, tail.length, start);
-      } finally {
-        fs.closeSync(rfd);
-      }
+      const tail = readBytes(this.file, start, size - start);
       if (tail.length <= bytes.length && tail.equals(bytes.subarray(0, tail.length))) {
         fs.ftruncateSync(this.#fd, start);
         return;
@@ -2066,9 +1919,8 @@ class JsonlWriter {
   }
 
   /**
-   * Called at the start of each fsync round, before its fdatasync: a writer
-   * that holds appends while one runs (the bus) writes them here, so each round
-   * is one write. If it throws, that round's waiters get the error.
+   * Called at the start of each fsync round, before its fdatasync: a writer that holds appends while one runs (the bus)
+   * writes them here, so each round is one write. If it throws, that round's waiters get the error.
    */
   beforeSync: () => void = () => {};
 
@@ -2113,21 +1965,18 @@ class JsonlWriter {
   }
 
   /**
-   * Replaces the file with exactly `records`: temp file, size check, fsync,
-   * rename, then appends go to the new file. On failure the temp file is
-   * removed and the old file stays in use, whole.
+   * Replaces the file with exactly `records`: temp file, size check, fsync, rename, then appends go to the new file. On
+   * failure the temp file is removed and the old file stays in use, whole.
    */
   compact(records: readonly object[]): void {
     this.rewrite((write) => write(records.map((r) => JSON.stringify(r) + "\n").join("")));
   }
 
   /**
-   * `compact` for a file too big to hold as one string: `fill` passes the new
-   * content in order to `write`, which returns the offset each piece starts at
-   * in the new file (written through a 1 MiB buffer). `beforeRename(tmp)`
-   * opens whatever else must read the new file: every descriptor on it is
-   * open before the rename, so nothing can fail after it (a failure after it
-   * would leave appends going to the old, unlinked file).
+   * `compact` for a file too big to hold as one string: `fill` passes the new content in order to `write`, which
+   * returns the offset each piece starts at in the new file (written through a 1 MiB buffer). `beforeRename(tmp)` opens
+   * whatever else must read the new file: every descriptor on it is open before the rename, so nothing can fail after
+   * it (a failure after it would leave appends going to the old, unlinked file).
    */
   rewrite(fill: (write: (text: string | Uint8Array) => number) => void, beforeRename = (_tmp: string) => {}): void {
     const tmp = `${this.file}.${process.pid}.tmp`;
@@ -2154,10 +2003,7 @@ class JsonlWriter {
         });
         flush();
         fs.fsyncSync(fd);
-        const size = fs.fstatSync(fd).size;
-        if (size !== offset) {
-          throw Object.assign(new Error(`${tmp} holds ${size} of ${offset} bytes after writing`), { code: "EIO" });
-        }
+        checkSize(fd, tmp, offset);
       } finally {
         fs.closeSync(fd);
       }
@@ -2182,15 +2028,24 @@ class JsonlWriter {
   }
 }
 
-function lastByte(file: string, size: number): number {
-  const last = Buffer.alloc(1);
-  const rfd = fs.openSync(file, "r");
+/** `length` bytes of `file` from byte `position` (zeros past its end). */
+function readBytes(file: string, position: number, length: number): Buffer {
+  const buf = Buffer.alloc(length);
+  const fd = fs.openSync(file, "r");
   try {
-    fs.readSync(rfd, last, 0, 1, size - 1);
+    fs.readSync(fd, buf, 0, length, position);
   } finally {
-    fs.closeSync(rfd);
+    fs.closeSync(fd);
   }
-  return last[0];
+  return buf;
+}
+
+/** A file just written must hold every byte: the size on disk is compared after the fsync. */
+function checkSize(fd: number, file: string, bytes: number): void {
+  const size = fs.fstatSync(fd).size;
+  if (size !== bytes) {
+    throw Object.assign(new Error(`${file} holds ${size} of ${bytes} bytes after writing`), { code: "EIO" });
+  }
 }
 
 /** Writes a whole file and fsyncs it, checking that every byte landed (the size on disk is compared too). */
@@ -2200,10 +2055,7 @@ function writeFileDurably(file: string, text: string, mode = 0o600): void {
   try {
     writeAll(fd, bytes);
     fs.fsyncSync(fd);
-    const size = fs.fstatSync(fd).size;
-    if (size !== bytes.length) {
-      throw Object.assign(new Error(`${file} holds ${size} of ${bytes.length} bytes after writing`), { code: "EIO" });
-    }
+    checkSize(fd, file, bytes.length);
   } finally {
     fs.closeSync(fd);
   }
@@ -2222,23 +2074,19 @@ function syncDirectory(dir: string): void {
   }
 }
 
-/** Size of a file in bytes, 0 if it does not exist yet. */
-function fileSize(file: string): number {
+function statOf(file: string): fs.Stats | undefined {
   try {
-    return fs.statSync(file).size;
+    return fs.statSync(file);
   } catch {
-    return 0;
+    return undefined;
   }
 }
 
+/** Size of a file in bytes, 0 if it does not exist yet. */
+const fileSize = (file: string): number => statOf(file)?.size ?? 0;
+
 /** A file's inode number, 0 if it does not exist: tells a file replaced by a rename from the one read before. */
-function inodeOf(file: string): number {
-  try {
-    return fs.statSync(file).ino;
-  } catch {
-    return 0;
-  }
-}
+const inodeOf = (file: string): number => statOf(file)?.ino ?? 0;
 
 let tempCounter = 0;
 
@@ -2413,14 +2261,11 @@ function lockOwner(file: string): LockOwner | null {
 }
 
 /**
- * A lock file holding its owner's pid. It appears with its content in one
- * step: the content is written to a temp file that is then hard-linked into
- * place, and link() fails if the lock exists, so no reader ever sees an empty
- * or half-written lock. A lock whose pid is dead is taken over: it is removed
- * only if it still holds the text we judged stale, so a lock that changed
- * hands meanwhile is left alone (what remains is the microseconds between that
- * re-read and the unlink). A lock that cannot be read is respected until it is
- * LOCK_GRACE_MS old.
+ * A lock file holding its owner's pid. It appears with its content in one step: the content is written to a temp file
+ * that is then hard-linked into place, and link() fails if the lock exists, so no reader ever sees an empty or
+ * half-written lock. A lock whose pid is dead is taken over: it is removed only if it still holds the text we judged
+ * stale, so a lock that changed hands meanwhile is left alone (what remains is the microseconds between that re-read
+ * and the unlink). A lock that cannot be read is respected until it is LOCK_GRACE_MS old.
  */
 class PidLock {
   private constructor(readonly file: string, readonly content: string) {}
@@ -2521,14 +2366,9 @@ async function withFileLock<T>(file: string, role: string, fn: () => T | Promise
 const EMPTY_PEERS: Peers = { byName: new Map(), byKey: new Map() };
 
 function checkPetname(name: unknown): string {
-  if (typeof name !== "string" || !PETNAME_RE.test(name)) {
-    throw new InterlinkError(
-      `petname ${
-        JSON.stringify(name)
-      } is not valid: use 1-64 letters, digits or . _ @ + - (starting with a letter or digit)`,
-    );
-  }
-  return name;
+  if (typeof name === "string" && PETNAME_RE.test(name)) return name;
+  const rule = "use 1-64 letters, digits or . _ @ + - (starting with a letter or digit)";
+  throw new InterlinkError(`petname ${JSON.stringify(name)} is not valid: ${rule}`);
 }
 
 /** Checks a key a person typed or pasted: canonical, 32 bytes, not a small-order point. */
@@ -2579,9 +2419,8 @@ function parsePeers(text: string, source = "peers.json"): Peers {
 }
 
 /**
- * The one peer resolver, for every tool and command: a petname, a full key,
- * or a fingerprint (any unique key prefix of at least 4 characters). The
- * error lists the peers to choose from.
+ * The one peer resolver, for every tool and command: a petname, a full key, or a fingerprint (any unique key prefix of
+ * at least 4 characters). The error lists the peers to choose from.
  */
 function resolvePeer(peers: Peers, who: string): { key: string; petname: string } {
   const byName = peers.byName.get(who);
@@ -2590,13 +2429,10 @@ function resolvePeer(peers: Peers, who: string): { key: string; petname: string 
   if (byKey !== undefined) return { key: who, petname: byKey };
   const matches = who.length >= 4 ? [...peers.byKey].filter(([k]) => k.startsWith(who)) : [];
   if (matches.length === 1) return { key: matches[0][0], petname: matches[0][1] };
-  const choices = [...peers.byName].map(([n, k]) => `${n} (${fingerprint(k)})`).join(", ");
+  const choices = [...peers.byName].map(([n, k]) => `${n} (${fingerprint(k)})`).join(", ") ||
+    "none yet (pair first: discover, request_pair)";
   const what = matches.length > 1 ? `'${who}' matches ${matches.length} peers` : `no peer '${who}'`;
-  throw new InterlinkError(
-    `${what}; use a petname, a fingerprint or a key. Peers: ${
-      choices || "none yet (pair first: discover, request_pair)"
-    }`,
-  );
+  throw new InterlinkError(`${what}; use a petname, a fingerprint or a key. Peers: ${choices}`);
 }
 
 /** A peer's key by petname, fingerprint or key (see resolvePeer). */
@@ -2628,10 +2464,9 @@ async function addPeer(file: string, petname: string, key: string): Promise<"add
     const held = peers.byName.get(petname);
     if (held === key) return "unchanged";
     if (held !== undefined) {
+      const fp = fingerprint(held);
       throw new InterlinkError(
-        `'${petname}' already holds key ${
-          fingerprint(held)
-        }…; refusing to rekey it silently (remove it first if the peer really changed keys)`,
+        `'${petname}' already holds key ${fp}…; refusing to rekey it silently (remove it first if the peer really changed keys)`,
       );
     }
     const other = peers.byKey.get(key);
@@ -2682,9 +2517,8 @@ function whoIs(peers: Peers, key: string): string {
 }
 
 /**
- * The petname a newly paired key is filed under: the operator's choice when
- * requesting, else the claimed name if it is a valid, free petname, else
- * `peer-<fingerprint>`. Never a petname that is taken.
+ * The petname a newly paired key is filed under: the operator's choice when requesting, else the claimed name if it is
+ * a valid, free petname, else `peer-<fingerprint>`. Never a petname that is taken.
  */
 function newPeerName(peers: Peers, key: string, chosen: string | undefined, claimed: string): string {
   const fallback = `peer-${fingerprint(key).replace(/[^A-Za-z0-9]/g, "x")}`;
@@ -2728,7 +2562,6 @@ interface TaskRow {
   status: TaskStatus | null;
   last_msg_id: string;
   last_at: number;
-  /** needs_input questions not yet answered with in_reply_to, and who asked them. */
   awaiting: Question[];
   /**
    * A sub-task (its opening message carried a chain): the task it serves, at its requester's node, the owner, the
@@ -2740,14 +2573,10 @@ interface TaskRow {
   chain?: string[];
   closed: boolean;
   messages: number;
-  /** The counterpart's session the task lives in (from its reply_to, or where we sent it): replies go there. */
-  peer_session?: string;
-  /** When the counterpart's session said goodbye while the task was open. */
-  peer_closed_at?: number;
-  /** The last message we sent on it: its receipts say whether the counterpart has seen it. */
-  last_out_msg_id?: string;
-  /** This (ended) session's task went on in that session. */
-  moved_to?: string;
+  peer_session?: string; // the counterpart's session the task lives in (its reply_to, or where we sent it)
+  peer_closed_at?: number; // when the counterpart's session said goodbye while the task was open
+  last_out_msg_id?: string; // the last message we sent on it: its receipts say whether the counterpart saw it
+  moved_to?: string; // this (ended) session's task went on in that session
 }
 
 /** How a closing session's goodbye starts: the receiver's task table marks the task with it. */
@@ -2771,9 +2600,8 @@ function taskTag(msg: Pick<SignedMessage, "task_id" | "status">): string {
 const taskKey = (peerKey: string, taskId: string): string => `${peerKey} ${taskId}`;
 
 /**
- * Folds one message into the task table. `dir` is "out" for messages we sent.
- * A terminal status closes the task; anything after it is counted but cannot
- * reopen it. Pure apart from mutating `tasks`.
+ * Folds one message into the task table. `dir` is "out" for messages we sent. A terminal status closes the task;
+ * anything after it is counted but cannot reopen it. Pure apart from mutating `tasks`.
  */
 function foldTask(
   tasks: Map<string, TaskRow>,
@@ -9177,25 +9005,16 @@ interface PushEvent {
 interface InboundContext {
   state: NodeState;
   peers: Peers;
-  /** A session is attached and the delivery mode pushes. */
-  canPush: boolean;
+  canPush: boolean; // a session is attached and the delivery mode pushes
   nowMs: number;
-  /** The payload's unsigned reply_to (`key#session` of the sender's session): routing only, never trust. */
-  replyTo?: string;
-  /** The payload's unsigned `"receipts": true`: its sender reads delivery receipts. */
-  wantsReceipts?: boolean;
-  /** This node's key: its other sessions are trusted like a peer. */
-  selfKey?: string;
-  /** It was drained from the route of an earlier session of ours, which ended: shown as having come for it. */
-  forSession?: string;
-  /** A knock through one of our invites (its in_reply_to names it): what judgeInvite said of it. */
-  invite?: InviteCheck;
-  /** The chain the payload carried beside the message, as judgeChain found it (absent or null: none). */
-  chain?: ChainCheck | null;
-  /** How deep a request this node takes (--max-depth; DEFAULT_MAX_DEPTH if absent). */
-  maxDepth?: number;
-  /** This node's roster name, for what it writes in passing a message along ("carol asks, via bob: …"). */
-  selfName?: string;
+  replyTo?: string; // the payload's unsigned reply_to (the sender's `key#session`): routing only, never trust
+  wantsReceipts?: boolean; // the payload's unsigned `"receipts": true`: its sender reads delivery receipts
+  selfKey?: string; // this node's key: its other sessions are trusted like a peer
+  forSession?: string; // drained from the route of an earlier, ended session of ours: shown as having come for it
+  invite?: InviteCheck; // a knock through one of our invites (its in_reply_to names it): what judgeInvite said
+  chain?: ChainCheck | null; // the chain the payload carried beside the message, as judgeChain found it (null: none)
+  maxDepth?: number; // how deep a request this node takes (--max-depth; DEFAULT_MAX_DEPTH if absent)
+  selfName?: string; // this node's roster name, for what it writes passing a message along ("carol asks, via bob: …")
 }
 
 // ============================================================================
@@ -9213,10 +9032,9 @@ function channelContent(msg: SignedMessage): string {
 }
 
 /**
- * Channel meta; keys stay [A-Za-z0-9_] or Claude Code drops them. Claude Code
- * prints each value inside an attribute's quotes, so a peer's id has its
- * quotes and markup characters escaped as entities (attr): it cannot close the
- * attribute or the tag.
+ * Channel meta; keys stay [A-Za-z0-9_] or Claude Code drops them. Claude Code prints each value inside an attribute's
+ * quotes, so a peer's id has its quotes and markup characters escaped as entities (attr): it cannot close the attribute
+ * or the tag.
  */
 function channelMeta(msg: SignedMessage, petname: string): Record<string, string> {
   return {
@@ -9265,11 +9083,10 @@ function messageBlock(
 // ============================================================================
 
 /**
- * Takes unread inbox messages (oldest first) and records them as shown, under
- * a lock, so concurrent `wait`s and check_inbox never hand out the same
- * message twice: each re-reads the journal under the lock, and the "shown"
- * records are durable before the lock is let go. `peek` records nothing.
- * `from` is a journal to follow, or a state folder to read afresh.
+ * Takes unread inbox messages (oldest first) and records them as shown, under a lock, so concurrent `wait`s and
+ * check_inbox never hand out the same message twice: each re-reads the journal under the lock, and the "shown" records
+ * are durable before the lock is let go. `peek` records nothing. `from` is a journal to follow, or a state folder to
+ * read afresh.
  */
 async function claimInbox(from: Journal | string, limit: number, peek = false): Promise<InboxItem[]> {
   const journal = typeof from === "string" ? new Journal(from, new NodeState()) : from;
@@ -9293,9 +9110,8 @@ async function claimInbox(from: Journal | string, limit: number, peek = false): 
 }
 
 /**
- * Inbox items as the model reads them (check_inbox, `wait`): a peer's message
- * in an attributed block; a knock or a refusal summary in a block that says,
- * in our words, that it is not from a peer and is for the operator.
+ * Inbox items as the model reads them (check_inbox, `wait`): a peer's message in an attributed block; a knock or a
+ * refusal summary in a block that says, in our words, that it is not from a peer and is for the operator.
  */
 function formatInbox(items: InboxItem[], peers: Peers): string {
   return items.map((i) => {
@@ -9375,14 +9191,9 @@ function waitingQuestion(i: Extract<InboxItem, { kind: "waiting" }>): SignedMess
   };
 }
 
+const NOTICE_KINDS: Record<string, string> = { refusals: "refused", bounced: "refused_by_peer", paired: "paired" };
 const noticeKind = (i: Exclude<InboxItem, { kind: "message" | "waiting" }>): string =>
-  i.kind === "refusals"
-    ? "refused"
-    : i.kind === "bounced"
-    ? "refused_by_peer"
-    : i.kind === "paired"
-    ? "paired"
-    : "pair_request";
+  NOTICE_KINDS[i.kind] ?? "pair_request";
 
 /** What a knock or a refusal summary says, in our words: never a peer's text, at most a quoted claim. */
 function noticeText(i: Exclude<InboxItem, { kind: "message" | "waiting" }>, peers: Peers): string {
@@ -9445,9 +9256,8 @@ function pushEvent(i: InboxItem, peers: Peers): PushEvent {
 }
 
 /**
- * What wakes an idle session with what waits for it (the Stop hook's `wait`, a
- * Codex queued turn): one line in our words, then each item in its attributed
- * block.
+ * What wakes an idle session with what waits for it (the Stop hook's `wait`, a Codex queued turn): one line in our
+ * words, then each item in its attributed block.
  */
 function wakeText(items: InboxItem[], peers: Peers): string {
   return showInvisible(
@@ -9460,7 +9270,6 @@ function wakeText(items: InboxItem[], peers: Peers): string {
 // ============================================================================
 // Delegation across hops
 // ============================================================================
-//
 //
 // A task a peer asked of us may be handed on: send_message with parent_task_id opens a sub-task whose opening
 // message carries a chain (its parent task, the owner whose operator owns the root task, the depth, the keys so
@@ -9536,24 +9345,31 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
     out.logs.push({ do: "log", level: "info", line });
   }
   if (!row || row.closed) return out;
-  const self = ctx.selfName ?? fingerprint(me);
-  const up = forwardTarget(state.tasks, row, msg);
-  if (up) {
-    out.relay = { dir: "up", to: up.peer_key, task_id: up.task_id };
-    const forward: Forward = { peer: msg.from, task_id: msg.task_id, question: msg.msg_id };
-    const text = passedText(`${whoIs(peers, msg.from)} asks, via ${self}: `, msg.text);
-    out.sends.push(sendOnTask(up, { status: "needs_input", text }, peers, forward));
-    return out;
-  }
-  const down = answerTarget(state.tasks, row, msg);
-  if (down) {
-    out.relay = { dir: "down", to: down.t.peer_key, task_id: down.t.task_id };
-    const text = passedText(`${whoIs(peers, msg.from)} answers, via ${self}: `, msg.text);
-    out.sends.push(sendOnTask(down.t, { in_reply_to: down.q.msg_id, text }, peers));
-    return out;
-  }
-  out.sends.push(...cascade(state.tasks, row, msg, whoIs(peers, msg.from), peers));
+  const passed = passAlong(msg, row, ctx, me, forwardTarget(state.tasks, row, msg));
+  if (passed) out.relay = passed.relay;
+  out.sends.push(...passed ? [passed.send] : cascade(state.tasks, row, msg, whoIs(peers, msg.from), peers));
   return out;
+}
+
+/** A question on a sub-task we opened goes `up` (its open parent task), else an answer to one we forwarded goes down. */
+function passAlong(
+  msg: SignedMessage,
+  row: TaskRow,
+  ctx: InboundContext,
+  me: string,
+  up: TaskRow | null,
+): { relay: Relayed; send: Effect } | null {
+  const via = (verb: string) =>
+    passedText(`${whoIs(ctx.peers, msg.from)} ${verb}, via ${ctx.selfName ?? fingerprint(me)}: `, msg.text);
+  if (up) {
+    const forward: Forward = { peer: msg.from, task_id: msg.task_id!, question: msg.msg_id };
+    const send = sendOnTask(up, { status: "needs_input", text: via("asks") }, ctx.peers, forward);
+    return { relay: { dir: "up", to: up.peer_key, task_id: up.task_id }, send };
+  }
+  const down = answerTarget(ctx.state.tasks, row, msg);
+  if (!down) return null;
+  const send = sendOnTask(down.t, { in_reply_to: down.q.msg_id, text: via("answers") }, ctx.peers);
+  return { relay: { dir: "down", to: down.t.peer_key, task_id: down.t.task_id }, send };
 }
 
 /** Why a request whose chain is `keys` (owner first, its sender last) is refused here, or null. */
@@ -9622,19 +9438,10 @@ function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
   const row = state.tasks.get(taskKey(msg.from, msg.task_id));
   if (!row) return [];
   const me = ctx.selfKey ?? msg.to;
-  const self = ctx.selfName ?? fingerprint(me);
   const asked = row.awaiting.find((q) => q.msg_id === msg.msg_id && q.asked_by === "peer");
   const up = asked && !asked.forwarded && !row.closed ? forwardTarget(state.tasks, row, msg) : null;
-  if (up) {
-    const text = passedText(`${whoIs(peers, msg.from)} asks, via ${self}: `, msg.text);
-    const forward: Forward = { peer: msg.from, task_id: msg.task_id, question: msg.msg_id };
-    return [sendOnTask(up, { status: "needs_input", text }, peers, forward)];
-  }
-  const down = answerTarget(state.tasks, row, msg);
-  if (down) {
-    const text = passedText(`${whoIs(peers, msg.from)} answers, via ${self}: `, msg.text);
-    return [sendOnTask(down.t, { in_reply_to: down.q.msg_id, text }, peers)];
-  }
+  const passed = passAlong(msg, row, ctx, me, up);
+  if (passed) return [passed.send];
   const opened = !msg.status && row.requested_by === "peer" && row.last_msg_id === msg.msg_id && row.messages === 1;
   const why = opened && !row.closed && row.chain ? declineWhy(row.chain, me, ctx) : null;
   if (why) return [sendOnTask(row, { status: "failed", text: why }, peers)];
@@ -9645,11 +9452,9 @@ function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
 // Decisions: what a node does with what arrives
 // ============================================================================
 //
-//
-// What a node does with an inbound payload is decided here, as an ordered
-// list of effects, from the gate's verdict and the node's state; the Agent
-// only carries the list out, in order, and stops at the first failure. So the
-// ordering promises are properties of a list:
+// What a node does with an inbound payload is decided here, as an ordered list of effects, from the gate's verdict and
+// the node's state; the Agent only carries the list out, in order, and stops at the first failure. So the ordering
+// promises are properties of a list:
 //   - "ack" comes last, after a "sync" that follows every "append" and
 //     "remember", and after the "push": a crash anywhere before it leaves the
 //     message on the bus for redelivery;
@@ -9657,9 +9462,8 @@ function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
 //   - a redelivered message that was journaled but never shown is shown, once.
 
 /**
- * The effects of one gate verdict. The knock bounds live here: a knock that
- * repeats a waiting one is not recorded, and past KNOCKS_CAP waiting knocks
- * new ones are dropped until the operator answers some.
+ * The effects of one gate verdict. The knock bounds live here: a knock that repeats a waiting one is not recorded, and
+ * past KNOCKS_CAP waiting knocks new ones are dropped until the operator answers some.
  */
 function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
   const { state, canPush } = ctx;
@@ -9726,15 +9530,8 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       }
       // A refusal reaches the model once, as one line in our words; other reports only update the statuses.
       const bounced = news.filter((l) => l.state === "refused").map((report): InboxItem => {
-        const id = `bounced ${report.msg_id}`;
-        return {
-          kind: "bounced",
-          id,
-          at: ctx.nowMs,
-          key: v.msg.from,
-          msg: state.entry(report.msg_id)!.msg,
-          report,
-        };
+        const msg = state.entry(report.msg_id)!.msg;
+        return { kind: "bounced", id: `bounced ${report.msg_id}`, at: ctx.nowMs, key: v.msg.from, msg, report };
       });
       const all = parseReceipt(v.msg.text);
       const lines = news.map((l) => all.findIndex((a) => a.state === l.state && a.msg_id === l.msg_id));
@@ -9752,13 +9549,8 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       if (ctx.invite) return refuse({ reason: ctx.invite.reason, detail: ctx.invite.detail, msg: v.msg }, ctx);
       const fp = fingerprint(v.msg.from);
       if (state.knocksIn.has(v.msg.from)) {
-        return [{
-          do: "log",
-          level: "info",
-          line: `${fp} knocked again; its earlier request still waits for the operator`,
-        }, {
-          do: "ack",
-        }];
+        const line = `${fp} knocked again; its earlier request still waits for the operator`;
+        return [{ do: "log", level: "info", line }, { do: "ack" }];
       }
       const rejectedAt = state.rejected.get(v.msg.from);
       if (rejectedAt !== undefined && ctx.nowMs - rejectedAt < FRESH_PAST_MS) {
@@ -9886,13 +9678,6 @@ function showByPush(item: InboxItem, peers: Peers): Effect[] {
   ];
 }
 
-/**
- * A refusal worth the operator's attention becomes one summary line per
- * sender and reason: recorded the first time, counted in memory after that,
- * and after it was shown not again for REFUSAL_REPEAT_MS; at most
- * REFUSAL_NOTICES_CAP wait at once. So a flood costs one journal line per
- * sender and hour, and the model one line.
- */
 /** A payload refused, by the gate or (a knock) by its invite: why, and the message when it could be read. */
 interface Refused {
   reason: Refusal;
@@ -9921,6 +9706,11 @@ function refuse(v: Refused, ctx: InboundContext): Effect[] {
   return [refusalLog(v), ...noticeRefusal(v, ctx), ...reportRefusal(v, ctx), { do: "ack" }];
 }
 
+/**
+ * A refusal worth the operator's attention becomes one summary line per sender and reason: recorded the first time,
+ * counted in memory after that, and after it was shown not again for REFUSAL_REPEAT_MS; at most REFUSAL_NOTICES_CAP
+ * wait at once. So a flood costs one journal line per sender and hour, and the model one line.
+ */
 function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (!v.msg || !REFUSALS_SHOWN.has(v.reason)) return [];
   const id = refusalItem(v.msg.from, v.reason);
@@ -9949,12 +9739,10 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
 }
 
 /**
- * A peer's message refused for coming from our future (its sender's clock is
- * ahead) is reported to its sender by a receipt, when it asked for receipts:
- * once per message, at most
- * RECEIPT_REFUSALS_PER_HOUR per peer (a relay replaying an old message costs
- * one log line), never about a receipt. A stranger is told only that we do not
- * list it, or why its knock through an invite was refused (`join` waits for that).
+ * A peer's message refused for coming from our future (its sender's clock is ahead) is reported to its sender by a
+ * receipt, when it asked for receipts: once per message, at most RECEIPT_REFUSALS_PER_HOUR per peer (a relay replaying
+ * an old message costs one log line), never about a receipt. A stranger is told only that we do not list it, or why its
+ * knock through an invite was refused (`join` waits for that).
  */
 function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const msg = v.msg;
@@ -10050,12 +9838,8 @@ function prepareSend(
   };
   const broken = lifecycleError(tasks, draft);
   if (broken) throw new InterlinkError(broken);
-  const chain = input.parent_task_id === undefined
-    ? undefined
-    : subTaskChain(peers, tasks, draft, input.parent_task_id, {
-      selfKey,
-      ...hops,
-    });
+  const parentId = input.parent_task_id;
+  const chain = parentId === undefined ? undefined : subTaskChain(peers, tasks, draft, parentId, { selfKey, ...hops });
   return { draft, recipient: session ? `${key}#${session.trim()}` : key, peer: petname, ...some("chain", chain) };
 }
 
@@ -10143,11 +9927,10 @@ function subTaskChain(
 }
 
 /**
- * The body every bus receives for a message: checked against BODY_LIMIT_BYTES
- * before it is queued. `replyTo` (our `key#session`) rides outside the
- * signature, as in the reference: it tells the receiver which of our sessions
- * to answer, and decides nothing about trust. So does `receipts`, on our
- * messages and knocks (not on receipts): we read delivery receipts.
+ * The body every bus receives for a message: checked against BODY_LIMIT_BYTES before it is queued. `replyTo` (our
+ * `key#session`) rides outside the signature, as in the reference: it tells the receiver which of our sessions to
+ * answer, and decides nothing about trust. So does `receipts`, on our messages and knocks (not on receipts): we read
+ * delivery receipts.
  */
 function sendBody(recipient: string, msg: SignedMessage, replyTo?: string, chain?: Chain): string {
   return JSON.stringify({ to: recipient, payload: messagePayload(msg, replyTo, chain) });
@@ -10165,10 +9948,9 @@ function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): ob
 }
 
 /**
- * Signs a checked send and appends it to the outbox (durably): the one send
- * path, for the agent and the CLI alike. The size check is on the JSON body
- * as every bus will see it (escaping included: a control character takes six
- * bytes), so a message no bus would take is refused here, never queued.
+ * Signs a checked send and appends it to the outbox (durably): the one send path, for the agent and the CLI alike. The
+ * size check is on the JSON body as every bus will see it (escaping included: a control character takes six bytes), so
+ * a message no bus would take is refused here, never queued.
  */
 async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, nowMs: number): Promise<OutEntry> {
   const msg = await signMessage(id, p.draft, nowMs);
@@ -10203,12 +9985,10 @@ async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, now
 // roster, the hint and what this session remembers.
 
 /**
- * Every verified session on the rosters of `relays`, the freshest copy of each
- * (`key#session`, or a legacy node's bare key), with its effective age: the
- * bus's unsigned age_ms, but never younger than the signed ts allows (a
- * replayed old announcement cannot pass for a live session). `problems`: the
- * relays that did not answer; none answering is a NoRelayAnswered. Only reads:
- * the agent routes by it, the board shows it.
+ * Every verified session on the rosters of `relays`, the freshest copy of each (`key#session`, or a legacy node's bare
+ * key), with its effective age: the bus's unsigned age_ms, but never younger than the signed ts allows (a replayed old
+ * announcement cannot pass for a live session). `problems`: the relays that did not answer; none answering is a
+ * NoRelayAnswered. Only reads: the agent routes by it, the board shows it.
  */
 async function readRoster(
   relays: Relay[],
@@ -10291,17 +10071,13 @@ function describeSessions(list: PeerSession[]): string {
 }
 
 /**
- * The routing decision as a pure function of the roster and what the node
- * remembers (see Agent.route). A session that said goodbye, or that is no
- * longer on a roster that answered, has ended: nothing is routed there. So is
- * a remembered one (the task's, the last to write to us) on no roster at all:
- * it wrote to us, so it ran; gone from every roster, it unregistered (a clean
- * exit), was taken off by its successor, or never announced itself (a one-off
- * CLI send): its route is read late, by an adopter, if ever, and its key at
- * once by the peer's next session (not a reference node's: its sessions read
- * only their own routes, so there a remembered session stands). Then a reply
- * goes to the peer's one live session, else to its key, which the peer's next
- * session reads (and drains the ended session's route besides).
+ * The routing decision as a pure function of the roster and what the node remembers (see Agent.route). A session that
+ * said goodbye, or that is no longer on a roster that answered, has ended: nothing is routed there. So is a remembered
+ * one (the task's, the last to write to us) on no roster at all: it wrote to us, so it ran; gone from every roster, it
+ * unregistered (a clean exit), was taken off by its successor, or never announced itself (a one-off CLI send): its
+ * route is read late, by an adopter, if ever, and its key at once by the peer's next session (not a reference node's:
+ * its sessions read only their own routes, so there a remembered session stands). Then a reply goes to the peer's one
+ * live session, else to its key, which the peer's next session reads (and drains the ended session's route besides).
  */
 function chooseRoute(p: {
   key: string;
