@@ -87,6 +87,7 @@ import {
   lanAddresses,
   legacyAnnouncementBytes,
   lifecycleError,
+  type LineRef,
   type Listening,
   LockedError,
   lockOwner,
@@ -6155,6 +6156,105 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
         );
       } finally {
         await alice?.close().catch(() => {});
+        await shutdown();
+      }
+    },
+    60_000,
+  );
+
+  /** Breaks a journal line in place, as a disk fault would after the session folded it: it no longer parses. */
+  const damage = (line: LineRef) => {
+    const fd = fs.openSync(line.file, "r+");
+    try {
+      fs.writeSync(fd, Buffer.from("#".repeat(8)), 0, 8, line.offset);
+    } finally {
+      fs.closeSync(fd);
+    }
+  };
+  /** Enough dead lines in a journal that a roll-over halves it. */
+  const padJournal = (file: string, n: number) =>
+    fs.appendFileSync(
+      file,
+      Array.from({ length: n }, (_, i) => `{"t":"sent","at":1,"msg_id":"pad${i}","via":[]}\n`).join(""),
+    );
+
+  test(
+    "a queued message whose journal line no longer reads back (a disk fault) is marked refused, and holds up neither a roll-over nor the messages behind it",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
+      let up = false;
+      const server = await serveHttp(
+        async (req) => up ? await bus.handler(req) : new Response('{"error":"down"}', { status: 503 }),
+        "127.0.0.1",
+        0,
+      );
+      const alice = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`], "inbox"), "test");
+      try {
+        const ids: string[] = [];
+        for (let i = 0; i < 3; i++) {
+          const msg = await signMessage(A.id, { to: B.id.publicKey, text: `queued ${i}` }, Date.now());
+          alice.journal.append([{ t: "out", peer: "bob", recipient: B.id.publicKey, msg }]);
+          ids.push(msg.msg_id);
+        }
+        const { pending } = alice.state;
+        damage(pending.lineAt(pending.slotOf(ids[1]))!);
+        // The relay is down, so the outbox has not reached it yet: the roll-over meets it first.
+        padJournal(journalOf(A), 2_000);
+        expect(alice.journal.roll()).toBe(true);
+        const carried = readJsonl(journalOf(A)).filter((r) => r.t === "carried");
+        expect(carried.map((r) => (r.out as CarriedOut).msg.msg_id)).toEqual([ids[0], ids[2]]);
+        // (Its petname was on that line: the outbox alone names its recipient by fingerprint.)
+        const unreadable = new RegExp(`^msg_id ${ids[1]} to \\S+: refused \\(queued message .*can no longer be read`);
+        expect(await tool(alice, "message_status", { msg_id: ids[1] })).toMatch(unreadable);
+        expect((await tool(alice, "list_pending")).split("\n").filter((l) => unreadable.test(l)).length).toBe(1);
+        up = true;
+        alice.startSending();
+        await eventually(() => alice.state.pending.size === 0, "the rest went");
+        expect(bus.queues.firstN(B.id.publicKey, 10).map((q) => JSON.parse(bus.payloadOf(q)).msg_id)).toEqual([
+          ids[0],
+          ids[2],
+        ]);
+      } finally {
+        await alice.stop();
+        await server.stop();
+        await bus.close();
+      }
+    },
+    60_000,
+  );
+
+  test(
+    "an unread message whose journal line no longer reads back is left out, never reported shown to its sender, and holds up neither a roll-over nor check_inbox",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
+      try {
+        const msgs: SignedMessage[] = [];
+        for (let i = 0; i < 4; i++) {
+          const msg = await signMessage(A.id, { to: B.id.publicKey, text: `unread ${i}` }, Date.now());
+          const payload = { ...msg, reply_to: `${A.id.publicKey}#${A.name}`, receipts: true };
+          expect((await bob.receive(payload))?.verdict).toBe("deliver");
+          msgs.push(msg);
+        }
+        const lineOf = (m: SignedMessage) => {
+          const held = bob.state.inbox.get(`${m.from} ${m.msg_id}`);
+          return held?.kind === "message" ? held.line! : undefined!;
+        };
+        damage(lineOf(msgs[1]));
+        padJournal(journalOf(B), 2_000);
+        expect(bob.journal.roll()).toBe(true);
+        damage(lineOf(msgs[3])); // on its carried line, since
+        const shown = await tool(bob, "check_inbox");
+        for (const i of [0, 2]) expect(shown).toContain(`unread ${i}`);
+        for (const i of [1, 3]) expect(shown).not.toContain(`unread ${i}`);
+        expect(await tool(bob, "check_inbox")).toBe("no unread messages");
+        // Its sender is told it was delivered (it was), never that it was shown.
+        const owed = (bob.state.owed.get(`${A.id.publicKey}#${A.name}`) ?? []).filter((l) => l.state === "shown");
+        expect(owed.map((l) => l.msg_id).sort()).toEqual([msgs[0].msg_id, msgs[2].msg_id].sort());
+      } finally {
+        await bob.stop();
         await shutdown();
       }
     },

@@ -7059,6 +7059,12 @@ function answeredQuestion(
   return { text: q.text, ...some("owner", owner), ...some("session", q.earlier) };
 }
 
+/**
+ * What takes an inbox item whose journal line no longer reads back (the disk changed under it) out of the inbox:
+ * "shown" via "superseded", never shown, so its sender is never told it was.
+ */
+const unreadableItem = (id: string): NewRecord => ({ t: "shown", item: id, via: "superseded" });
+
 /** A msg_id of our making (newMsgId: 16 random bytes in hex): kept as four 32-bit words. */
 const OUR_MSG_ID_RE = /^[0-9a-f]{32}$/;
 
@@ -7880,6 +7886,20 @@ class NodeState {
   }
 
   /**
+   * readable(), or undefined when the item no longer reads back: it cannot be shown, and must not hold up what is
+   * behind it, so `gone` gets the record that takes it out of the inbox (see unreadableItem) and the log says why.
+   */
+  readableOr(item: HeldItem, gone: NewRecord[]): InboxItem | undefined {
+    try {
+      return this.readable(item);
+    } catch (e) {
+      logWarn(`${errorText(e)}; it cannot be shown, and is taken out of the inbox`);
+      gone.push(unreadableItem(item.id));
+      return undefined;
+    }
+  }
+
+  /**
    * The questions peers asked of the ended session `session` that it was shown and that still wait for our
    * operator's answer: each becomes an inbox item of this session, shown once (a question never shown there comes
    * as itself, with the inbox it carried).
@@ -7958,17 +7978,23 @@ class NodeState {
     }
   }
 
-  /** The carried outbox entries (see carry), each read back whole from its journal line as it is taken. */
-  *carriedOut(nowMs: number): Generator<CarriedOut> {
+  /**
+   * The carried outbox entries (see carry), each read back whole from its journal line as it is taken. One that
+   * no longer reads back cannot be carried, and must not hold up the rest: `lost` is told, in its turn, instead.
+   */
+  *carriedOut(nowMs: number, lost: (msgId: string, why: string, queued: boolean) => void): Generator<CarriedOut> {
     for (const x of this.#carriedEntries(nowMs)) {
       if (typeof x === "number") {
         const id = this.pending.idAt(x), line = this.pending.lineAt(x)!;
         const r = this.read(line, id);
         const o = r?.t === "out" ? r : r?.t === "carried" ? r.out : undefined;
         if (!o) {
-          throw new InterlinkError(
+          lost(
+            id,
             `queued message ${id} can no longer be read from ${line.file} at byte ${line.offset} (the disk changed under it)`,
+            true,
           );
+          continue;
         }
         yield {
           msg: o.msg,
@@ -7981,8 +8007,15 @@ class NodeState {
         continue;
       }
       const queued = this.pending.has(x.msg.msg_id);
+      let msg: SignedMessage;
+      try {
+        msg = this.signed(x);
+      } catch (e) {
+        lost(x.msg.msg_id, errorText(e), queued);
+        continue;
+      }
       yield {
-        msg: this.signed(x),
+        msg,
         peer: x.peer,
         recipient: x.recipient,
         at: x.at,
@@ -8017,21 +8050,27 @@ class NodeState {
 
   /**
    * After a roll-over rewrote the journal `from` as a checkpoint and then the carried lines (the i-th of
-   * carriedOut, then of the inbox, at offsets[i], lengths[i]), and kept the old file as `archive`: every entry
-   * and inbox item now reads from where its message is.
+   * carriedOut, then of the inbox, at offsets[i], lengths[i]; NaN: one that no longer read back, not carried), and
+   * kept the old file as `archive`: every entry and inbox item now reads from where its message is.
    */
   rolledOver(nowMs: number, from: string, archive: string, offsets: Float64Array, lengths: Uint32Array): void {
     let i = 0;
     const carried = new Set<OutEntry>();
+    const archived = (line: LineRef | undefined) => line?.file === from ? { ...line, file: archive } : line;
     for (const x of this.#carriedEntries(nowMs)) {
       const line = { file: from, offset: offsets[i], length: lengths[i++] };
+      const slot = typeof x === "number" ? x : this.pending.slotOf(x.msg.msg_id);
+      if (Number.isNaN(line.offset)) {
+        // Not carried: it points where it was (in the archive now), never at a line of the new file.
+        if (slot >= 0) this.pending.setLineAt(slot, archived(this.pending.lineAt(slot)));
+        continue;
+      }
       if (typeof x === "number") {
         this.pending.setLineAt(x, line);
         continue;
       }
       carried.add(x);
       keepSigned(x, undefined, line);
-      const slot = this.pending.slotOf(x.msg.msg_id);
       if (slot >= 0) this.pending.setLineAt(slot, line);
     }
     for (const e of this.outgoing.values()) {
@@ -8042,8 +8081,11 @@ class NodeState {
     for (const item of this.inbox.values()) {
       const line = { file: from, offset: offsets[i], length: lengths[i++] };
       if (item.kind !== "message") continue;
-      item.line = line;
-      delete item.signed;
+      if (Number.isNaN(line.offset)) item.line = archived(item.line);
+      else {
+        item.line = line;
+        delete item.signed;
+      }
     }
     for (const { item } of this.pushed.values()) {
       if (item.kind === "message" && item.line?.file === from) item.line = { ...item.line, file: archive };
@@ -8363,6 +8405,7 @@ class Journal {
     if ((utf8Bytes(head) + state.carriedBytes(at)) * 2 > fileSize(this.file)) return false;
     const archive = path.join(this.stateDir, archived);
     const offsets: number[] = [], lengths: number[] = [];
+    const lost: NewRecord[] = []; // what no longer read back: recorded once the new file is in place
     let end = 0;
     this.#writer ??= new JsonlWriter(this.file, `the state folder ${this.stateDir}`);
     try {
@@ -8377,9 +8420,19 @@ class Journal {
           offsets.push(offset);
           lengths.push(end - offset - 1);
         };
+        const skip = () => (offsets.push(NaN), lengths.push(0));
         line(head);
-        for (const out of state.carriedOut(at)) carried({ t: "carried", out });
-        for (const item of state.inbox.values()) carried({ t: "carried", item: state.readable(item) });
+        const outs = state.carriedOut(at, (msg_id, reason, queued) => {
+          logWarn(`${reason}; it is not carried over${queued ? ", and is marked refused" : ""}`);
+          if (queued) lost.push({ t: "refused", msg_id, reason });
+          skip();
+        });
+        for (const out of outs) carried({ t: "carried", out });
+        for (const held of state.inbox.values()) {
+          const item = state.readableOr(held, lost);
+          if (item) carried({ t: "carried", item });
+          else skip();
+        }
       }, () => {
         failpoint("journal-mid-roll"); // the new file written and synced, not yet in place
         durable();
@@ -8391,6 +8444,7 @@ class Journal {
     }
     state.rolledOver(at, this.file, archive, Float64Array.from(offsets), Uint32Array.from(lengths));
     this.#offset = end; // the checkpoint and what it carries are what the state already holds
+    if (lost.length) this.append(lost);
     if (end > SHRINK_AFTER_BYTES) giveMemoryBack();
     return true;
   }
@@ -9098,9 +9152,14 @@ async function claimInbox(from: Journal | string, limit: number, peek = false): 
         if (held.length === limit) break;
         held.push(item);
       }
-      const items = held.map((i) => journal.state.readable(i)); // read back whole before they are marked shown
-      if (!peek && items.length) {
-        await journal.appendDurable(items.map((i) => ({ t: "shown", item: i.id, via: "inbox" })));
+      // Read back whole before they are marked shown; one that no longer reads back is taken out (`gone`).
+      const gone: NewRecord[] = [];
+      const items = held.flatMap((i) => journal.state.readableOr(i, gone) ?? []);
+      if (!peek && (items.length || gone.length)) {
+        await journal.appendDurable([
+          ...items.map((i): NewRecord => ({ t: "shown", item: i.id, via: "inbox" })),
+          ...gone,
+        ]);
       }
       return items;
     });
@@ -10648,10 +10707,14 @@ class Agent {
           await this.seen.complete(state.replay);
           // Its messages one record each, read back from its journal as they are written here (a crash part-way
           // leaves "moved" unwritten there: the next adoption takes it all again, and what is held here wins).
+          const lost = (_: string, why: string) => logWarn(`${why}; it is not carried over from session ${id}`);
           this.journal.appendAll((function* (): Generator<NewRecord> {
             yield { t: "adopted", session: id, carried };
-            for (const out of state.carriedOut(nowMs)) yield { t: "carried", session: id, out };
-            for (const item of state.inbox.values()) yield { t: "carried", session: id, item: state.readable(item) };
+            for (const out of state.carriedOut(nowMs, lost)) yield { t: "carried", session: id, out };
+            for (const held of state.inbox.values()) {
+              const item = state.readableOr(held, []);
+              if (item) yield { t: "carried", session: id, item };
+            }
           })());
           await this.journal.sync();
           failpoint("agent-adopted-before-moved");
@@ -10754,12 +10817,15 @@ class Agent {
   async #showWaiting(): Promise<void> {
     if (!this.#canPush()) return;
     const done = this.#receiving.then(async () => {
-      for (const item of [...this.state.inbox.values()]) {
-        if (!this.state.inbox.has(item.id)) continue;
-        await this.carryOut(
-          [...showByPush(this.state.readable(item), this.peers()), { do: "sync" }],
-          () => Promise.resolve(),
-        );
+      for (const held of [...this.state.inbox.values()]) {
+        if (!this.state.inbox.has(held.id)) continue;
+        const gone: NewRecord[] = [];
+        const item = this.state.readableOr(held, gone);
+        if (!item) {
+          await this.journal.appendDurable(gone);
+          continue;
+        }
+        await this.carryOut([...showByPush(item, this.peers()), { do: "sync" }], () => Promise.resolve());
       }
     });
     this.#receiving = done.catch(() => {});
@@ -11725,7 +11791,9 @@ class CodexWaker {
     const journal = this.agent.journal;
     return await withFileLock(path.join(journal.stateDir, "inbox"), "codex wake", async () => {
       journal.catchUp();
-      const unread = [...this.agent.state.inbox.values()].map((i) => this.agent.state.readable(i));
+      const gone: NewRecord[] = [];
+      const unread = [...this.agent.state.inbox.values()].flatMap((i) => this.agent.state.readableOr(i, gone) ?? []);
+      if (gone.length) await journal.appendDurable(gone);
       this.#judged = this.#signature();
       const plan = planWake(unread, this.agent.peers());
       if (!plan || (plan.notice && unread.every((i) => this.#noticed.has(i.id)))) return "idle";
