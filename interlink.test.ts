@@ -117,6 +117,7 @@ import {
   type PeerSession,
   PidLock,
   planInbound,
+  planWake,
   postJson,
   prepareSend,
   presence,
@@ -4603,6 +4604,31 @@ describe("durability: corruption is contained, never silent", () => {
 });
 
 describe("the node core: decisions are lists of effects, carried out in order", () => {
+  test("a Codex wake judges by the inbox's heads and reads back no more messages than one turn can hold", async () => {
+    const NOW = 1_767_225_600_000;
+    const state = new NodeState(() => NOW);
+    const peers = parsePeers(JSON.stringify({ alice: { key: alice.publicKey } }));
+    const big = "x".repeat(1000);
+    for (let i = 0; i < 2000; i++) {
+      const status = i === 1 ? "update" : i === 3 ? "result" : undefined;
+      const msg = await signMessage(alice, { to: bob.publicKey, text: `${i} ${big}`, task_id: "t", status }, NOW);
+      state.apply({ t: "in", at: NOW + i, peer: "alice", msg });
+    }
+    let reads = 0;
+    const read = (i: Parameters<typeof state.readable>[0]) => (reads++, state.readable(i));
+    const plan = planWake([...state.inbox.values()], peers, read)!;
+    expect(plan.notice).toBe(true); // 2,000 KB cannot be one turn: it points to check_inbox
+    expect(reads).toBeLessThan(20); // and stopped reading once it knew
+    expect(plan.superseded).toHaveLength(1); // the update, superseded by the later result on its task
+    // A short inbox is shown whole, the superseded update left out, in arrival order.
+    const few = [...state.inbox.values()].slice(0, 5);
+    const small = planWake(few, peers, (i) => state.readable(i), 1 << 20)!;
+    expect(small.notice).toBe(false);
+    expect(small.shown).toEqual([few[0], few[2], few[3], few[4]].map((i) => i.id));
+    expect(small.superseded).toEqual([few[1].id]);
+    expect(small.text.indexOf("0 x")).toBeLessThan(small.text.indexOf("2 x"));
+  });
+
   const NOW = Date.now();
   let A: NodeFiles, B: NodeFiles;
   let peers: Peers;
@@ -5809,34 +5835,38 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
       readJsonl(path.join(stateDir, f), () => {}).map((r) => `${r.k} ${r.id}`)
     );
 
-  test("the outbox's compact store is an ordered set of msg_ids: adds, removals anywhere and squeezes keep send order", () => {
-    let seed = 7;
-    const random = () => (seed = (seed * 1103515245 + 12345) & 0x7fffffff) / 0x7fffffff;
-    const store = new Backlog();
-    const model = new Map<string, { recipient: string; at: number; offset: number }>();
-    for (let step = 0; step < 40_000; step++) {
-      if (random() < 0.55 || !model.size) {
-        // Ours are 32 hex digits; an older release's or a hand-made msg_id is any plain id.
-        const id = random() < 0.05 ? `older-${step}` : crypto.randomUUID().replaceAll("-", "");
-        const e = { recipient: `key#s${Math.floor(random() * 5)}`, at: step, offset: step * 10 };
-        store.add(id, { ...e, kind: "message", line: { file: "log.jsonl", offset: e.offset, length: 9 }, bytes: 9 });
-        model.set(id, e);
-      } else {
-        const ids = [...model.keys()]; // mostly the oldest (sent in order), sometimes any (a held route's)
-        const id = random() < 0.7 ? ids[0] : ids[Math.floor(random() * ids.length)];
-        expect(store.delete(id)).toBe(true);
-        model.delete(id);
+  test(
+    "the outbox's compact store is an ordered set of msg_ids: adds, removals anywhere and squeezes keep send order",
+    () => {
+      let seed = 7;
+      const random = () => (seed = (seed * 1103515245 + 12345) & 0x7fffffff) / 0x7fffffff;
+      const store = new Backlog();
+      const model = new Map<string, { recipient: string; at: number; offset: number }>();
+      for (let step = 0; step < 40_000; step++) {
+        if (random() < 0.55 || !model.size) {
+          // Ours are 32 hex digits; an older release's or a hand-made msg_id is any plain id.
+          const id = random() < 0.05 ? `older-${step}` : crypto.randomUUID().replaceAll("-", "");
+          const e = { recipient: `key#s${Math.floor(random() * 5)}`, at: step, offset: step * 10 };
+          store.add(id, { ...e, kind: "message", line: { file: "log.jsonl", offset: e.offset, length: 9 }, bytes: 9 });
+          model.set(id, e);
+        } else {
+          const ids = [...model.keys()]; // mostly the oldest (sent in order), sometimes any (a held route's)
+          const id = random() < 0.7 ? ids[0] : ids[Math.floor(random() * ids.length)];
+          expect(store.delete(id)).toBe(true);
+          model.delete(id);
+        }
+        if (step % 4001 !== 0) continue;
+        expect([...store]).toEqual([...model.keys()]);
+        for (let slot = store.next(-1); slot >= 0; slot = store.next(slot)) {
+          const id = store.idAt(slot), e = model.get(id)!;
+          expect([store.slotOf(id), store.recipientAt(slot), store.atAt(slot), store.lineAt(slot)?.offset])
+            .toEqual([slot, e.recipient, e.at, e.offset]);
+        }
       }
-      if (step % 4001 !== 0) continue;
-      expect([...store]).toEqual([...model.keys()]);
-      for (let slot = store.next(-1); slot >= 0; slot = store.next(slot)) {
-        const id = store.idAt(slot), e = model.get(id)!;
-        expect([store.slotOf(id), store.recipientAt(slot), store.atAt(slot), store.lineAt(slot)?.offset])
-          .toEqual([slot, e.recipient, e.at, e.offset]);
-      }
-    }
-    expect(store.size).toBe(model.size);
-  });
+      expect(store.size).toBe(model.size);
+    },
+    30_000,
+  ); // 200,000 operations: seconds on a loaded machine
 
   test(
     "a session with thousands queued while its relay is down holds none of their texts: each is read back from its journal line to be sent, listed or carried over a roll-over, and all go once, in order",
@@ -6114,9 +6144,12 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
     }
   });
 
-  test(
-    "a roll-over killed after writing its new file, before putting it in place, loses nothing and leaves nothing",
-    async () => {
+  test.each([
+    ["journal-mid-roll", "after writing its new file"],
+    ["journal-linked", "after linking the journal to its archive"],
+  ])(
+    "a roll-over killed (%s) %s, before putting the new file in place, loses nothing and leaves nothing",
+    async (failpoint) => {
       const { root, A, B } = await twoPeers();
       const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
       const msgs = await Promise.all(
@@ -6131,9 +6164,7 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
       fs.writeFileSync(journalOf(A), [...out, ...pad].join("\n") + "\n");
       const whole = fs.readFileSync(journalOf(A));
       const roll = { INTERLINK_TEST_ROLL_BYTES: "4000", INTERLINK_URL: "http://127.0.0.1:9" };
-      let alice = await McpNode.start("bun", A, url, { ...roll, INTERLINK_FAILPOINT: "journal-mid-roll" }).catch(() =>
-        null
-      );
+      let alice = await McpNode.start("bun", A, url, { ...roll, INTERLINK_FAILPOINT: failpoint }).catch(() => null);
       try {
         await eventually(
           () => fs.readdirSync(sessionOf(A)).some((f) => f.endsWith(".tmp")),
@@ -6142,9 +6173,17 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
         await eventually(() => !alice?.pid || !pidAlive(alice.pid), "alice was killed before it replaced the journal");
         await alice?.close().catch(() => {});
         expect(fs.readFileSync(journalOf(A)).equals(whole)).toBe(true);
-        expect(journalFiles(sessionOf(A)).length).toBe(1); // no archive: the old file is still the journal
+        // The old file is still the journal; linked, an archive names it too.
+        const archives = journalFiles(sessionOf(A)).slice(0, -1);
+        expect(archives.map((f) => fs.statSync(f).ino)).toEqual(
+          failpoint === "journal-linked" ? [fs.statSync(journalOf(A)).ino] : [],
+        );
         alice = await McpNode.start("deno", A, url, roll);
-        await eventually(() => journalFiles(sessionOf(A)).length > 1, "alice rolled it over as she opened");
+        await eventually(() => readJsonl(journalOf(A))[0]?.t === "checkpoint", "alice rolled it over as she opened");
+        // One archive, of the records before the roll-over: history (log, conversation_history) reads each once.
+        const [archive, ...more] = journalFiles(sessionOf(A)).slice(0, -1);
+        expect(more).toEqual([]);
+        expect(readJsonl(archive).filter((r) => r.t === "out")).toHaveLength(3);
         // (The roll-over's own temporary file: session.json is rewritten through one now and then by the live session.)
         expect(fs.readdirSync(sessionOf(A)).filter((f) => /^log\.jsonl\..*\.tmp$/.test(f))).toEqual([]);
         expect(readJsonl(journalOf(A)).map((r) => r.t)).toEqual(["checkpoint", "carried", "carried", "carried"]);

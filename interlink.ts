@@ -8437,6 +8437,7 @@ class Journal {
         failpoint("journal-mid-roll"); // the new file written and synced, not yet in place
         durable();
         fs.linkSync(this.file, archive);
+        failpoint("journal-linked"); // the archive is the journal itself until the rename
       });
     } catch (e) {
       if (inodeOf(archive) === inodeOf(this.file)) fs.rmSync(archive, { force: true }); // linked, not renamed
@@ -10373,8 +10374,14 @@ class Agent {
     const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== SERVER_ROLE || asked);
     try {
       fs.rmSync(path.join(dir, "handover"), { force: true });
-      // A roll-over cut short by a crash leaves its new file beside the journal, never in its place: dropped.
-      for (const f of fs.readdirSync(dir)) if (/^log\.jsonl\.\d+\.tmp$/.test(f)) fs.rmSync(path.join(dir, f));
+      // A roll-over cut short by a crash leaves its new file beside the journal, never in its place, and maybe an
+      // archive that is still the journal itself (linked, not yet renamed over): both dropped, or history reads twice.
+      const journalIno = inodeOf(path.join(dir, "log.jsonl"));
+      for (const f of fs.readdirSync(dir)) {
+        const stale = /^log\.jsonl\.\d+\.tmp$/.test(f) ||
+          (ARCHIVE_RE.test(f) && journalIno !== 0 && inodeOf(path.join(dir, f)) === journalIno);
+        if (stale) fs.rmSync(path.join(dir, f));
+      }
       adoptLegacyJournal(cfg.stateDir, dir);
       const agent = new Agent(cfg, id, lock, opts.now ?? Date.now, opts.host);
       agent.peers();
@@ -11670,23 +11677,40 @@ interface CodexTarget {
  * progress waits (it wakes nobody). `shown` are the items the turn shows;
  * `superseded`, the unread updates a newer update or terminal status on the
  * same task makes moot (never shown); `notice`, a turn too long to hold the
- * blocks, which then points to check_inbox and shows nothing.
+ * blocks, which then points to check_inbox and shows nothing. It judges by the
+ * items' heads and reads messages back (`read`; undefined: gone) one at a time,
+ * no further than a turn can hold, so a long inbox is never in memory whole.
  */
 function planWake(
-  items: InboxItem[],
+  items: HeldItem[],
   peers: Peers,
+  read: (i: HeldItem) => InboxItem | undefined,
   maxBytes = CODEX_WAKE_MAX_BYTES,
 ): { text: string; shown: string[]; superseded: string[]; notice: boolean } | null {
-  const isUpdate = (i: InboxItem) => i.kind === "message" && i.msg.status === "update";
+  const isUpdate = (i: HeldItem) => i.kind === "message" && i.msg.status === "update";
   if (!items.some((i) => !isUpdate(i))) return null;
-  const taskOf = (i: InboxItem) => (i.kind === "message" && i.msg.task_id ? taskKey(i.msg.from, i.msg.task_id) : "");
-  const superseded = items.filter((i, n) =>
-    isUpdate(i) &&
-    items.slice(n + 1).some((later) => taskOf(later) === taskOf(i) && later.kind === "message" && later.msg.status)
-  ).map((i) => i.id);
-  const shown = items.filter((i) => !superseded.includes(i.id));
-  const text = wakeText(shown, peers);
-  if (utf8Bytes(text) < maxBytes) return { text, shown: shown.map((i) => i.id), superseded, notice: false };
+  const statusLater = new Set<string>(), superseded: string[] = []; // from the newest back, in one pass
+  for (let n = items.length - 1; n >= 0; n--) {
+    const i = items[n];
+    if (i.kind !== "message") continue;
+    const task = i.msg.task_id ? taskKey(i.msg.from, i.msg.task_id) : "";
+    if (isUpdate(i) && statusLater.has(task)) superseded.push(i.id);
+    if (i.msg.status) statusLater.add(task);
+  }
+  superseded.reverse();
+  const moot = new Set(superseded);
+  const shown = items.filter((i) => !moot.has(i.id));
+  const whole: InboxItem[] = [];
+  let bytes = 0;
+  for (const i of shown) {
+    const item = read(i);
+    if (!item) continue;
+    whole.push(item);
+    bytes += utf8Bytes(formatInbox([item], peers));
+    if (bytes >= maxBytes) break; // the turn cannot hold them: a notice, below
+  }
+  const text = bytes < maxBytes ? wakeText(whole, peers) : "";
+  if (text && utf8Bytes(text) < maxBytes) return { text, shown: whole.map((i) => i.id), superseded, notice: false };
   const from = [...new Set(shown.map((i) => (i.kind === "message" ? i.peer : "interlink")))].join(", ");
   return {
     text:
@@ -11792,10 +11816,10 @@ class CodexWaker {
     return await withFileLock(path.join(journal.stateDir, "inbox"), "codex wake", async () => {
       journal.catchUp();
       const gone: NewRecord[] = [];
-      const unread = [...this.agent.state.inbox.values()].flatMap((i) => this.agent.state.readableOr(i, gone) ?? []);
+      const unread = [...this.agent.state.inbox.values()]; // heads: planWake reads back only what a turn shows
+      const plan = planWake(unread, this.agent.peers(), (i) => this.agent.state.readableOr(i, gone));
       if (gone.length) await journal.appendDurable(gone);
       this.#judged = this.#signature();
-      const plan = planWake(unread, this.agent.peers());
       if (!plan || (plan.notice && unread.every((i) => this.#noticed.has(i.id)))) return "idle";
       const r = await codexQueue(this.target, plan.text);
       if (!r.ok) {
@@ -12362,7 +12386,10 @@ const TOOLS: ToolSpec[] = [
         const route = pending.recipientAt(slot), n = listed.get(route) ?? 0;
         // A held route lists its first few: the rest wait behind them, in order, and are counted below.
         const entry = () => agent.state.entry(pending.idAt(slot))!;
-        if (held.has(route) && !first.has(route)) first.set(route, entry());
+        if (held.has(route) && !first.has(route)) {
+          const e = entry(); // the first that waits: a knock before it goes as usual
+          if (agent.state.waitsFor(e)) first.set(route, e);
+        }
         if (lines.length < PENDING_LISTED && !(held.has(route) && n >= HELD_LISTED)) {
           lines.push(describeOut(entry()));
           listed.set(route, n + 1);
@@ -15749,6 +15776,7 @@ export {
   parseSignedMessage,
   PidLock,
   planInbound,
+  planWake,
   postJson,
   prepareSend,
   presence,
