@@ -13183,73 +13183,67 @@ const stateDir = () => process.env.XDG_STATE_HOME || path.join(home(), ".local",
 
 const tildify = (p: string) => (p.startsWith(home() + path.sep) ? "~" + p.slice(home().length) : p);
 
+/** A string option: the placeholder help shows, its INTERLINK_* twin, its default, what it sets, and the rest. */
+const option = (
+  arg: string,
+  env: string | undefined,
+  dflt: OptionSpec["default"],
+  help: string,
+  more?: Partial<OptionSpec>,
+): OptionSpec => ({ type: "string", arg, ...some("env", env), ...some("default", dflt), help, ...more });
+
 const OPT = {
-  key: {
-    type: "string",
-    arg: "PATH",
-    env: "INTERLINK_KEY",
-    default: () => path.join(configDir(), "interlink", "id.key"),
-    help: "this node's secret key file",
-  },
-  peers: {
-    type: "string",
-    arg: "PATH",
-    env: "INTERLINK_PEERS",
-    default: () => path.join(configDir(), "interlink", "peers.json"),
-    help: "the allowlist of peers",
-  },
-  url: {
-    type: "string",
-    arg: "URLS",
-    env: "INTERLINK_URL",
-    defaultHelp: `${DEFAULT_BUS_URL} (the port follows INTERLINK_BUS_PORT)`,
-    help:
-      "relay URLs, comma-separated, send to all, poll all: http(s):// buses and nats:// or tls:// NATS JetStream servers",
-  },
-  name: {
-    type: "string",
-    arg: "NAME",
-    env: "INTERLINK_NAME",
+  key: option(
+    "PATH",
+    "INTERLINK_KEY",
+    () => path.join(configDir(), "interlink", "id.key"),
+    "this node's secret key file",
+  ),
+  peers: option(
+    "PATH",
+    "INTERLINK_PEERS",
+    () => path.join(configDir(), "interlink", "peers.json"),
+    "the allowlist of peers",
+  ),
+  url: option(
+    "URLS",
+    "INTERLINK_URL",
+    undefined,
+    "relay URLs, comma-separated, send to all, poll all: http(s):// buses and nats:// or tls:// NATS JetStream servers",
+    { defaultHelp: `${DEFAULT_BUS_URL} (the port follows INTERLINK_BUS_PORT)` },
+  ),
+  name: option("NAME", "INTERLINK_NAME", undefined, "name announced on the roster (a self-claim, not identity)", {
     defaultHelp: "the key's fingerprint",
-    help: "name announced on the roster (a self-claim, not identity)",
-  },
-  state: {
-    type: "string",
-    arg: "DIR",
-    env: "INTERLINK_STATE",
+  }),
+  state: option("DIR", "INTERLINK_STATE", undefined, "this node's journal (outbox, log, inbox) and locks", {
     defaultHelp: "~/.local/state/interlink/node-<fingerprint>[-<inbox>]",
-    help: "this node's journal (outbox, log, inbox) and locks",
-  },
-  session: {
-    type: "string",
-    arg: "ID",
-    env: "INTERLINK_SESSION",
-    defaultHelp: "CLAUDE_CODE_SESSION_ID, else 8 random hex characters",
-    help: "this session's id (letters, digits, . _ -): its route is <key>#ID, its journal sessions/ID",
-  },
-  inbox: {
-    type: "string",
-    arg: "ID",
-    env: "INTERLINK_INBOX",
-    help: "deprecated: the same as --session (the named inbox of interlink.ts 0.4.0)",
-  },
-  delivery: {
-    type: "string",
-    arg: "MODE",
-    env: "INTERLINK_DELIVERY",
-    default: "inbox",
-    help:
-      "inbox (check_inbox and the Stop hook's wait) or channel (push events; needs a session launched by `interlink.ts claude`)",
-  },
-  "max-depth": {
-    type: "string",
-    arg: "N",
-    env: "INTERLINK_MAX_DEPTH",
-    default: String(DEFAULT_MAX_DEPTH),
-    help:
-      `hops from a task's owner a sub-task may be (alice → bob is 1, bob → carol 2), 1 to ${CHAIN_KEYS_MAX}: deeper ones are refused at send and answered failed at receipt`,
-  },
-} satisfies Record<string, OptionSpec>;
+  }),
+  session: option(
+    "ID",
+    "INTERLINK_SESSION",
+    undefined,
+    "this session's id (letters, digits, . _ -): its route is <key>#ID, its journal sessions/ID",
+    { defaultHelp: "CLAUDE_CODE_SESSION_ID, else 8 random hex characters" },
+  ),
+  inbox: option(
+    "ID",
+    "INTERLINK_INBOX",
+    undefined,
+    "deprecated: the same as --session (the named inbox of interlink.ts 0.4.0)",
+  ),
+  delivery: option(
+    "MODE",
+    "INTERLINK_DELIVERY",
+    "inbox",
+    "inbox (check_inbox and the Stop hook's wait) or channel (push events; needs a session launched by `interlink.ts claude`)",
+  ),
+  "max-depth": option(
+    "N",
+    "INTERLINK_MAX_DEPTH",
+    String(DEFAULT_MAX_DEPTH),
+    `hops from a task's owner a sub-task may be (alice → bob is 1, bob → carol 2), 1 to ${CHAIN_KEYS_MAX}: deeper ones are refused at send and answered failed at receipt`,
+  ),
+};
 
 /**
  * The settings config.json keeps, so the CLI finds the bus, name and folders the server was given: `init` writes it,
@@ -15262,13 +15256,13 @@ const COMMANDS: Record<string, CommandSpec> = {
       name: OPT.name,
       delivery: OPT.delivery,
       "max-depth": OPT["max-depth"],
-      host: {
-        type: "string",
-        arg: "HOST",
-        env: "INTERLINK_HOST",
-        defaultHelp: "claude, or codex when Codex starts the server",
-        help: "the program the session runs in: claude (Claude Code) or codex (Codex CLI, woken by `codex queue`)",
-      },
+      host: option(
+        "HOST",
+        "INTERLINK_HOST",
+        undefined,
+        "the program the session runs in: claude (Claude Code) or codex (Codex CLI, woken by `codex queue`)",
+        { defaultHelp: "claude, or codex when Codex starts the server" },
+      ),
       "no-bus": {
         type: "boolean",
         env: "INTERLINK_AUTOSTART_BUS",
@@ -15285,81 +15279,58 @@ const COMMANDS: Record<string, CommandSpec> = {
       "GET /roster, POST /unregister; batched recv and ack as extensions). A message answered 202 is on disk;\n" +
       "it is delivered until its recipient acks it.",
     options: {
-      host: {
-        type: "string",
-        arg: "HOST",
-        env: "INTERLINK_BUS_HOST",
-        default: "127.0.0.1",
-        help: "address to bind (non-loopback prints a warning)",
-      },
-      port: {
-        type: "string",
-        arg: "PORT",
-        env: "INTERLINK_BUS_PORT",
-        default: String(DEFAULT_BUS_PORT),
-        help: "TCP port; 0 picks a free one",
-      },
-      data: {
-        type: "string",
-        arg: "DIR",
-        env: "INTERLINK_BUS_DATA",
-        default: () => path.join(stateDir(), "interlink", "bus"),
-        help: "folder for the queue file (one bus per folder)",
-      },
-      cap: {
-        type: "string",
-        arg: "N",
-        env: "INTERLINK_QUEUE_CAP",
-        default: String(QUEUE_CAP),
-        help: "messages one signer may have queued per recipient; past it the next is refused (429), none dropped",
-      },
-      "opaque-cap": {
-        type: "string",
-        arg: "N",
-        env: "INTERLINK_BUS_OPAQUE_CAP",
-        default: String(OPAQUE_CAP),
-        help: "payloads that are not signed v2 messages held per recipient (apart from the cap; past it: 429)",
-      },
-      "sender-mb": {
-        type: "string",
-        arg: "MB",
-        env: "INTERLINK_BUS_SENDER_MB",
-        default: String(SENDER_BYTES_MAX >> 20),
-        help:
-          "MiB of messages one signer may have queued, all recipients together, each counting 256 bytes more (past it: 429)",
-      },
-      "max-mb": {
-        type: "string",
-        arg: "MB",
-        env: "INTERLINK_BUS_MAX_MB",
-        default: String(TOTAL_BYTES_MAX >> 20),
-        help: "MiB of messages the bus holds in all (past it: 507)",
-      },
-      owners: {
-        type: "string",
-        arg: "N",
-        env: "INTERLINK_BUS_OWNERS",
-        default: String(OWNERS_MAX),
-        help:
-          "keys whose routes the bus protects (recipient ownership), never forgotten; past it the bus closes: every recv and ack then needs a proof, and reference nodes are refused (403)",
-      },
-      guard: {
-        type: "string",
-        arg: "on|off",
-        env: "INTERLINK_BUS_GUARD",
-        default: "on",
-        help: `under Deno, serve with node:http so that idle (${CONN_IDLE_MS / 1000} s) and slow (${
+      host: option("HOST", "INTERLINK_BUS_HOST", "127.0.0.1", "address to bind (non-loopback prints a warning)"),
+      port: option("PORT", "INTERLINK_BUS_PORT", String(DEFAULT_BUS_PORT), "TCP port; 0 picks a free one"),
+      data: option(
+        "DIR",
+        "INTERLINK_BUS_DATA",
+        () => path.join(stateDir(), "interlink", "bus"),
+        "folder for the queue file (one bus per folder)",
+      ),
+      cap: option(
+        "N",
+        "INTERLINK_QUEUE_CAP",
+        String(QUEUE_CAP),
+        "messages one signer may have queued per recipient; past it the next is refused (429), none dropped",
+      ),
+      "opaque-cap": option(
+        "N",
+        "INTERLINK_BUS_OPAQUE_CAP",
+        String(OPAQUE_CAP),
+        "payloads that are not signed v2 messages held per recipient (apart from the cap; past it: 429)",
+      ),
+      "sender-mb": option(
+        "MB",
+        "INTERLINK_BUS_SENDER_MB",
+        String(SENDER_BYTES_MAX >> 20),
+        "MiB of messages one signer may have queued, all recipients together, each counting 256 bytes more (past it: 429)",
+      ),
+      "max-mb": option(
+        "MB",
+        "INTERLINK_BUS_MAX_MB",
+        String(TOTAL_BYTES_MAX >> 20),
+        "MiB of messages the bus holds in all (past it: 507)",
+      ),
+      owners: option(
+        "N",
+        "INTERLINK_BUS_OWNERS",
+        String(OWNERS_MAX),
+        "keys whose routes the bus protects (recipient ownership), never forgotten; past it the bus closes: every recv and ack then needs a proof, and reference nodes are refused (403)",
+      ),
+      guard: option(
+        "on|off",
+        "INTERLINK_BUS_GUARD",
+        "on",
+        `under Deno, serve with node:http so that idle (${CONN_IDLE_MS / 1000} s) and slow (${
           CONN_BODY_MS / 1000
         } s) connections are closed; off: Deno.serve, faster, but it never closes an idle connection (only where no hostile client can connect). Bun always closes them`,
-      },
-      compact: {
-        type: "string",
-        arg: "N",
-        env: "INTERLINK_BUS_COMPACT",
-        default: String(COMPACT_MIN_DEAD),
-        help:
-          "rewrite the queue file once this many records are dead (acked or dropped) and they outnumber the live ones",
-      },
+      ),
+      compact: option(
+        "N",
+        "INTERLINK_BUS_COMPACT",
+        String(COMPACT_MIN_DEAD),
+        "rewrite the queue file once this many records are dead (acked or dropped) and they outnumber the live ones",
+      ),
     },
     run: runBus,
   },
@@ -15374,12 +15345,12 @@ const COMMANDS: Record<string, CommandSpec> = {
       status: { type: "string", arg: "STATUS", help: `task status: ${STATUSES.join(", ")}` },
       "in-reply-to": { type: "string", arg: "MSG_ID", help: "the msg_id this answers" },
       channel: { type: "string", arg: "LABEL", help: "the recipient's named inbox" },
-      parent: {
-        type: "string",
-        arg: "TASK_ID",
-        help:
-          "the task a peer asked of this node that this request serves: opens a sub-task (with --task, no --status)",
-      },
+      parent: option(
+        "TASK_ID",
+        undefined,
+        undefined,
+        "the task a peer asked of this node that this request serves: opens a sub-task (with --task, no --status)",
+      ),
       "max-depth": OPT["max-depth"],
     },
     run: runSend,
@@ -15423,14 +15394,12 @@ const COMMANDS: Record<string, CommandSpec> = {
       session: { ...OPT.session, defaultHelp: "the hook's session_id on stdin, else the node's only session" },
       inbox: OPT.inbox,
       delivery: OPT.delivery,
-      timeout: {
-        type: "string",
-        arg: "SECONDS",
-        env: "INTERLINK_WAIT_TIMEOUT",
-        default: String(WAIT_TIMEOUT_S),
-        help:
-          "the hook's own timeout (set both alike): shortly before it, wait renews itself (exit 2, one line: the model ends that turn and the hook runs again)",
-      },
+      timeout: option(
+        "SECONDS",
+        "INTERLINK_WAIT_TIMEOUT",
+        String(WAIT_TIMEOUT_S),
+        "the hook's own timeout (set both alike): shortly before it, wait renews itself (exit 2, one line: the model ends that turn and the hook runs again)",
+      ),
     },
     run: runWait,
   },
@@ -15471,18 +15440,18 @@ const COMMANDS: Record<string, CommandSpec> = {
       url: OPT.url,
       state: OPT.state,
       name: OPT.name,
-      for: {
-        type: "string",
-        arg: "PETNAME",
-        help: "the petname the joining node is filed under (default: its claimed name, if free)",
-      },
-      ttl: {
-        type: "string",
-        arg: "DURATION",
-        env: "INTERLINK_INVITE_TTL",
-        default: INVITE_TTL_DEFAULT,
-        help: "how long the invite is valid (90s, 10m, 2h; at most 24h)",
-      },
+      for: option(
+        "PETNAME",
+        undefined,
+        undefined,
+        "the petname the joining node is filed under (default: its claimed name, if free)",
+      ),
+      ttl: option(
+        "DURATION",
+        "INTERLINK_INVITE_TTL",
+        INVITE_TTL_DEFAULT,
+        "how long the invite is valid (90s, 10m, 2h; at most 24h)",
+      ),
       lan: {
         type: "boolean",
         help: `run this machine's bus on every address when it listens only on loopback; then ${BUS_EXPOSURE}`,
@@ -15514,19 +15483,13 @@ const COMMANDS: Record<string, CommandSpec> = {
       },
       state: OPT.state,
       name: OPT.name,
-      petname: {
-        type: "string",
-        arg: "PETNAME",
-        help:
-          "the petname the inviter is filed under (default: the name in the code, if free, else peer-<fingerprint>)",
-      },
-      wait: {
-        type: "string",
-        arg: "SECONDS",
-        env: "INTERLINK_JOIN_WAIT",
-        default: String(JOIN_WAIT_S),
-        help: "how long to wait for the inviter's answer",
-      },
+      petname: option(
+        "PETNAME",
+        undefined,
+        undefined,
+        "the petname the inviter is filed under (default: the name in the code, if free, else peer-<fingerprint>)",
+      ),
+      wait: option("SECONDS", "INTERLINK_JOIN_WAIT", String(JOIN_WAIT_S), "how long to wait for the inviter's answer"),
     },
     run: runJoin,
   },
