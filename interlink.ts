@@ -13144,7 +13144,6 @@ class McpStdioServer {
 // CLI
 // ============================================================================
 //
-//
 // One table describes every command and flag; parsing, INTERLINK_* env twins, defaults and --help are generated
 // from it, so the help cannot drift from the code. Precedence: flag, env var, config.json, default.
 
@@ -13175,13 +13174,14 @@ interface CommandSpec {
   run(opts: Options, positionals: string[], from: OptionSources): Promise<number>;
 }
 
-const home = () => os.homedir();
+/** interlink's folder under an XDG base directory (`env`), else under ~/`dflt`. */
+const xdgDir = (env: string, ...dflt: string[]) =>
+  path.join(process.env[env] || path.join(os.homedir(), ...dflt), "interlink");
+const configDir = () => xdgDir("XDG_CONFIG_HOME", ".config");
+const stateDir = () => xdgDir("XDG_STATE_HOME", ".local", "state");
+const busDataDir = () => path.join(stateDir(), "bus");
 
-const configDir = () => process.env.XDG_CONFIG_HOME || path.join(home(), ".config");
-
-const stateDir = () => process.env.XDG_STATE_HOME || path.join(home(), ".local", "state");
-
-const tildify = (p: string) => (p.startsWith(home() + path.sep) ? "~" + p.slice(home().length) : p);
+const tildify = (p: string) => (p.startsWith(os.homedir() + path.sep) ? "~" + p.slice(os.homedir().length) : p);
 
 /** A string option: the placeholder help shows, its INTERLINK_* twin, its default, what it sets, and the rest. */
 const option = (
@@ -13193,18 +13193,8 @@ const option = (
 ): OptionSpec => ({ type: "string", arg, ...some("env", env), ...some("default", dflt), help, ...more });
 
 const OPT = {
-  key: option(
-    "PATH",
-    "INTERLINK_KEY",
-    () => path.join(configDir(), "interlink", "id.key"),
-    "this node's secret key file",
-  ),
-  peers: option(
-    "PATH",
-    "INTERLINK_PEERS",
-    () => path.join(configDir(), "interlink", "peers.json"),
-    "the allowlist of peers",
-  ),
+  key: option("PATH", "INTERLINK_KEY", () => path.join(configDir(), "id.key"), "this node's secret key file"),
+  peers: option("PATH", "INTERLINK_PEERS", () => path.join(configDir(), "peers.json"), "the allowlist of peers"),
   url: option(
     "URLS",
     "INTERLINK_URL",
@@ -13252,7 +13242,7 @@ const OPT = {
 const CONFIG_KEYS = ["key", "peers", "url", "name", "state", "delivery", "max-depth"] as const;
 
 /** config.json: INTERLINK_CONFIG, else beside the default peers.json. */
-const configFile = (): string => process.env.INTERLINK_CONFIG || path.join(configDir(), "interlink", "config.json");
+const configFile = (): string => process.env.INTERLINK_CONFIG || path.join(configDir(), "config.json");
 
 function readConfig(): { values: Record<string, string>; problem?: string } {
   const file = configFile();
@@ -13268,16 +13258,15 @@ function readConfig(): { values: Record<string, string>; problem?: string } {
       }. Fix or delete it (\`interlink.ts init\` writes a new one).`,
     };
   }
-  const values: Record<string, string> = {};
   if (!isObject(raw)) {
-    return { values, problem: `${file} is not a JSON object of settings (${CONFIG_KEYS.join(", ")})` };
+    return { values: {}, problem: `${file} is not a JSON object of settings (${CONFIG_KEYS.join(", ")})` };
   }
-  for (const [k, v] of Object.entries(raw)) {
-    if ((CONFIG_KEYS as readonly string[]).includes(k) && typeof v === "string") values[k] = v;
+  const values: Record<string, string> = {};
+  for (const k of CONFIG_KEYS) {
+    const v = raw[k];
+    if (typeof v === "string") values[k] = v;
     else if (k === "max-depth" && Number.isSafeInteger(v)) values[k] = String(v); // a number, as a person writes it
-    else if ((CONFIG_KEYS as readonly string[]).includes(k)) {
-      return { values: {}, problem: `${file}: "${k}" must be a string` };
-    }
+    else if (v !== undefined) return { values: {}, problem: `${file}: "${k}" must be a string` };
   }
   return { values };
 }
@@ -13341,7 +13330,7 @@ function parseBusUrls(text: string): string[] {
 }
 
 function defaultNodeState(fp: string): string {
-  return path.join(stateDir(), "interlink", `node-${fp}`);
+  return path.join(stateDir(), `node-${fp}`);
 }
 
 /** --session (or --inbox), else CLAUDE_CODE_SESSION_ID (the id the session's hooks get too), else 8 random hex. */
@@ -13361,9 +13350,7 @@ function chooseSession(pinned: string | undefined): string {
 }
 
 /** The sessions this identity has had on this machine: their ids, folders, descriptions, and the live server, if any. */
-function listSessions(
-  root: string,
-): { id: string; dir: string; info: Partial<SessionInfo>; live: LockOwner | null }[] {
+function listSessions(root: string): { id: string; dir: string; info: Partial<SessionInfo>; live: LockOwner | null }[] {
   return sessionIds(root).map((id) => {
     const dir = sessionDir(root, id);
     let info: Partial<SessionInfo> = {};
@@ -13585,7 +13572,7 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
     }
   };
   if (await alive()) return;
-  const dataDir = path.join(stateDir(), "interlink", "bus");
+  const dataDir = busDataDir();
   fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
   const logFile = path.join(dataDir, "bus.log");
   const out = fs.openSync(logFile, "a", 0o600);
@@ -14477,7 +14464,7 @@ async function ensureReachable(url: string, outside: string, lan: boolean): Prom
   const port = new URL(url).port || String(DEFAULT_BUS_PORT);
   const reachableCommand = `interlink.ts bus --host 0.0.0.0 --port ${port}`;
   const local = await reachRelay(url, 1500);
-  const lockFile = path.join(stateDir(), "interlink", "bus", "bus.lock");
+  const lockFile = path.join(busDataDir(), "bus.lock");
   const owner = lockOwner(lockFile);
   if (!lan) {
     const stop = owner ? `stop that bus (pid ${owner.pid}) and ` : "stop that bus and ";
@@ -14566,11 +14553,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   // Answer it: an agent of our own, on a session of its own, reading the node's door (the route the code names)
   // unless a session of the node reads it already.
   const own = `invite-${invite.id}`;
-  const agent = await Agent.open({ ...cfg, session: own }, "interlink invite", {
-    identity: id,
-    now,
-    adopt: false,
-  });
+  const agent = await Agent.open({ ...cfg, session: own }, "interlink invite", { identity: id, now, adopt: false });
   let signalled = "";
   let wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
@@ -14893,9 +14876,7 @@ async function runBus(o: Options): Promise<number> {
       (r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : ""),
   );
   if (!isLoopback(host)) {
-    logWarn(
-      `bound to ${host}, not loopback: ${BUS_EXPOSURE}`,
-    );
+    logWarn(`bound to ${host}, not loopback: ${BUS_EXPOSURE}`);
   }
   const sig = await shutdownSignal();
   logInfo(`${sig}: shutting down`);
@@ -14932,9 +14913,7 @@ async function doctorFindings(o: Options): Promise<Finding[]> {
         : found.ok(`key file ${keyFile} (mode 600), fingerprint ${id.fingerprint}`),
     );
   } catch (e) {
-    out.push(
-      found.problem((e as Error).message.replace(/ Create one.*$/, ""), `interlink.ts keygen --out ${keyFile}`),
-    );
+    out.push(found.problem((e as Error).message.replace(/ Create one.*$/, ""), `interlink.ts keygen --out ${keyFile}`));
   }
   const peersFile = o.peers as string;
   try {
@@ -15018,12 +14997,7 @@ async function doctorFindings(o: Options): Promise<Finding[]> {
     ));
   }
   // Lines taken out of a journal as unreadable: never silent.
-  for (
-    const file of [
-      ...sessions.map((x) => path.join(x.dir, "log.jsonl")),
-      path.join(stateDir(), "interlink", "bus", "queue.jsonl"),
-    ]
-  ) {
+  for (const file of [...sessions.map((x) => path.join(x.dir, "log.jsonl")), path.join(busDataDir(), "queue.jsonl")]) {
     const n = corruptCount(file);
     if (n) {
       out.push(found.problem(
@@ -15281,12 +15255,7 @@ const COMMANDS: Record<string, CommandSpec> = {
     options: {
       host: option("HOST", "INTERLINK_BUS_HOST", "127.0.0.1", "address to bind (non-loopback prints a warning)"),
       port: option("PORT", "INTERLINK_BUS_PORT", String(DEFAULT_BUS_PORT), "TCP port; 0 picks a free one"),
-      data: option(
-        "DIR",
-        "INTERLINK_BUS_DATA",
-        () => path.join(stateDir(), "interlink", "bus"),
-        "folder for the queue file (one bus per folder)",
-      ),
+      data: option("DIR", "INTERLINK_BUS_DATA", busDataDir, "folder for the queue file (one bus per folder)"),
       cap: option(
         "N",
         "INTERLINK_QUEUE_CAP",
@@ -15501,17 +15470,11 @@ const COMMANDS: Record<string, CommandSpec> = {
     },
     run: runKeygen,
   },
-  id: {
-    summary: "print this node's public key and fingerprint",
-    options: { key: OPT.key },
-    run: runId,
-  },
+  id: { summary: "print this node's public key and fingerprint", options: { key: OPT.key }, run: runId },
 };
 
 /** Every command and its flags, as the help shows them (for tests and docs checks). */
-function commandTable(
-  extras: Record<string, CommandSpec> = {},
-): { name: string; flags: string[]; envs: string[] }[] {
+function commandTable(extras: Record<string, CommandSpec> = {}): { name: string; flags: string[]; envs: string[] }[] {
   return Object.entries({ ...COMMANDS, ...extras }).map(([name, c]) => ({
     name,
     flags: Object.keys(c.options),
