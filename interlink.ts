@@ -13279,10 +13279,16 @@ function writeConfig(values: Record<string, string>): string {
   return file;
 }
 
-/** The shared settings that were set on purpose (by a flag or a variable), not defaulted. */
+/** True when an option was set on purpose: by a flag or a variable, not by config.json or its default. */
+const isGiven = (from: OptionSources, k: string) => from[k] === "flag" || from[k] === "env";
+
+/** --session or --inbox was given: a command reads that session only, else every session of the identity. */
+const sessionGiven = (from: OptionSources) => isGiven(from, "session") || isGiven(from, "inbox");
+
+/** The shared settings that were set on purpose. */
 function explicitSettings(o: Options, from: OptionSources): Record<string, string> {
   const out: Record<string, string> = {};
-  for (const k of CONFIG_KEYS) if ((from[k] === "flag" || from[k] === "env") && typeof o[k] === "string") out[k] = o[k];
+  for (const k of CONFIG_KEYS) if (isGiven(from, k) && typeof o[k] === "string") out[k] = o[k];
   return out;
 }
 
@@ -13372,12 +13378,10 @@ const sessionLabel = (s: { id: string; info: Partial<SessionInfo> }) =>
 function deliveryMode(o: Options): Delivery {
   const mode = (o.delivery as string | undefined) ?? "inbox";
   if (mode === "both") return "channel";
-  if (!(DELIVERY_MODES as readonly string[]).includes(mode)) {
-    throw new InterlinkError(
-      `delivery mode '${mode}' is not one of ${DELIVERY_MODES.join(", ")} (INTERLINK_DELIVERY / --delivery)`,
-    );
-  }
-  return mode as Delivery;
+  if ((DELIVERY_MODES as readonly string[]).includes(mode)) return mode as Delivery;
+  throw new InterlinkError(
+    `delivery mode '${mode}' is not one of ${DELIVERY_MODES.join(", ")} (INTERLINK_DELIVERY / --delivery)`,
+  );
 }
 
 /** Validates a node's configuration at start-up; every error names the setting and the fix. */
@@ -13390,30 +13394,25 @@ async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Identity }
     throw new InterlinkError(`name '${name}' must be at most 64 plain characters (INTERLINK_NAME / --name)`);
   }
   loadPeers(o.peers as string);
-  const depth = o["max-depth"];
-  if (
-    depth !== undefined &&
-    !(typeof depth === "string" && /^\d{1,2}$/.test(depth) && +depth >= 1 && +depth <= CHAIN_KEYS_MAX)
-  ) {
+  const depth = o["max-depth"] as string | undefined;
+  if (depth !== undefined && !(/^\d{1,2}$/.test(depth) && +depth >= 1 && +depth <= CHAIN_KEYS_MAX)) {
     throw new InterlinkError(
       `max-depth ${
         JSON.stringify(depth)
       } is not a whole number of hops from 1 to ${CHAIN_KEYS_MAX} (INTERLINK_MAX_DEPTH / --max-depth / config.json)`,
     );
   }
-  return {
-    id,
-    cfg: {
-      keyFile: o.key as string,
-      peersFile: o.peers as string,
-      busUrls: parseBusUrls((o.url as string | undefined) ?? localBusUrl()),
-      name,
-      stateDir: (o.state as string | undefined) ?? defaultNodeState(id.fingerprint),
-      delivery,
-      session,
-      ...(depth === undefined ? {} : { maxDepth: Number(depth) }),
-    },
+  const cfg: NodeConfig = {
+    keyFile: o.key as string,
+    peersFile: o.peers as string,
+    busUrls: parseBusUrls((o.url as string | undefined) ?? localBusUrl()),
+    name,
+    stateDir: (o.state as string | undefined) ?? defaultNodeState(id.fingerprint),
+    delivery,
+    session,
+    ...some("maxDepth", depth === undefined ? undefined : Number(depth)),
   };
+  return { id, cfg };
 }
 
 function intOption(value: unknown, flag: string, min: number, max: number): number {
@@ -13798,7 +13797,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     if (server.client.name === "codex-mcp-client") host = "codex";
     if (problem || healthCheck) return;
     // Under Codex a pinned session needs no binding; otherwise it waits for its thread.
-    if (host === "codex" && !(from.session === "flag" || from.session === "env")) return;
+    if (host === "codex" && !isGiven(from, "session")) return;
     setTimeout(() => void open().catch((e) => logWarn(`cannot open this session: ${errorText(e)}`)), OPEN_AFTER_MS);
   };
   server.serve();
@@ -13831,7 +13830,7 @@ async function ensureKey(file: string, isDefault: boolean): Promise<void> {
 async function runSend(o: Options, pos: string[], from: OptionSources): Promise<number> {
   if (pos.length !== 2) throw new InterlinkError(`send takes <peer> <text>\n\n${commandHelp("send")}`);
   const { cfg, id } = await nodeConfig(o);
-  if (from.session === "default" && from.inbox === "default") {
+  if (!sessionGiven(from)) {
     const live = listSessions(cfg.stateDir).filter((s) => s.live);
     cfg.session = live.length === 1 ? live[0].id : "cli";
   }
@@ -13904,7 +13903,7 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
   const { cfg } = await nodeConfig(o);
   let peers = loadPeers(cfg.peersFile); // re-read before each batch while following: petnames may change
   const filterKey = o.peer ? peerKey(peers, o.peer as string) : undefined;
-  const only = from.session === "default" && from.inbox === "default" ? undefined : cfg.session;
+  const only = sessionGiven(from) ? cfg.session : undefined;
   const shown = new Set<string>(); // with --peer, "sent" lines only for that peer's messages
   const receipts = new Set<string>(); // msg_ids of our receipts not yet sent: their "sent" line is skipped too
   // By inode: a journal rolled over lives on as an archive (the same file, read on), log.jsonl starts anew.
@@ -13964,7 +13963,7 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
 async function runTasks(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   const { cfg, id } = await nodeConfig(o);
   const peers = loadPeers(cfg.peersFile);
-  const only = from.session === "default" && from.inbox === "default" ? undefined : cfg.session;
+  const only = sessionGiven(from) ? cfg.session : undefined;
   const view = { petnameOf: (k: string) => peers.byKey.get(k), peers: () => peers };
   const lines: { at: number; text: string }[] = [];
   for (const sess of listSessions(cfg.stateDir)) {
@@ -14520,7 +14519,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   if (taken) {
     throw new InterlinkError(`'${forName}' is already a petname (key ${fingerprint(taken)}…); choose another --for`);
   }
-  const relays = await shareRelays(cfg.busUrls, from.url === "flag" || from.url === "env", o.lan === true);
+  const relays = await shareRelays(cfg.busUrls, isGiven(from, "url"), o.lan === true);
   rememberConfig(o, from);
   const invite = await createInvite(cfg.stateDir, now(), {
     ...some("for", forName),
@@ -14679,7 +14678,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     );
   }
   const waitS = intOption(o.wait, "wait", 1, 24 * 3600);
-  const urls = from.url === "flag" || from.url === "env" ? parseBusUrls(o.url as string) : code.urls;
+  const urls = isGiven(from, "url") ? parseBusUrls(o.url as string) : code.urls;
   print(`invite   ${code.id} from ${them} (${fingerprint(code.key)}…), valid until ${isoTime(code.expiresMs)}`);
   // Reach the relay, and compare clocks, before anything is written.
   const reached = await Promise.all(urls.map((url) => reachRelay(url, 5000, now)));
