@@ -14179,7 +14179,6 @@ async function runWait(o: Options): Promise<number> {
 
 // -- pairing by invite: invite, join ------------------------------------------
 //
-//
 // `invite` (on A) files an invite (see "invites" in the agent), prints the `join <code>` command for B, and admits
 // the join itself while it waits (after it exits, a running session does). `join` (on B) checks the code, the relay
 // and the clocks before writing anything, pins A's key, knocks with the proof and waits for A's acceptance or signed
@@ -14200,6 +14199,9 @@ interface InviteCode {
 const INVITE_CODE_PREFIX = "il1.";
 
 const INVITE_CHECK_BYTES = 4;
+
+const inviteCheck = async (body: Bytes) =>
+  new Uint8Array(await crypto.subtle.digest("SHA-256", body)).subarray(0, INVITE_CHECK_BYTES);
 
 /**
  * `il1.` and base64url (one word, no spaces, so a terminal copy keeps it whole) of: id(8) ‖ key(32) ‖ secret(16) ‖
@@ -14228,8 +14230,7 @@ async function encodeInviteCode(c: InviteCode): Promise<string> {
     Uint8Array.of(name.length),
     name,
   ]);
-  const check = new Uint8Array(await crypto.subtle.digest("SHA-256", body)).subarray(0, INVITE_CHECK_BYTES);
-  return INVITE_CODE_PREFIX + b64urlEncode(concatBytes([body, check]));
+  return INVITE_CODE_PREFIX + b64urlEncode(concatBytes([body, await inviteCheck(body)]));
 }
 
 /** Reads an invite code (whitespace anywhere in it ignored: a terminal may wrap it), or says why it cannot. */
@@ -14251,8 +14252,7 @@ async function parseInviteCode(text: string): Promise<InviteCode> {
   const fixed = 8 + 32 + INVITE_SECRET_BYTES + 4;
   if (b64urlEncode(raw) !== b64 || raw.length < fixed + 1 + 2 + 1 + INVITE_CHECK_BYTES) throw damaged;
   const body = raw.subarray(0, raw.length - INVITE_CHECK_BYTES);
-  const check = new Uint8Array(await crypto.subtle.digest("SHA-256", body)).subarray(0, INVITE_CHECK_BYTES);
-  if (b64urlEncode(check) !== b64urlEncode(raw.subarray(body.length))) throw damaged;
+  if (b64urlEncode(await inviteCheck(body)) !== b64urlEncode(raw.subarray(body.length))) throw damaged;
   try {
     const view = new DataView(body.buffer, body.byteOffset, body.byteLength);
     let at = fixed;
@@ -14303,20 +14303,18 @@ const VIRTUAL_IFACE_RE = /^(docker|br-|veth|virbr|vmnet|vboxnet|cni|flannel|podm
 function lanAddresses(
   ifaces: NodeJS.Dict<os.NetworkInterfaceInfo[]> = os.networkInterfaces(),
 ): { address: string; iface: string; kind: string }[] {
+  const kinds = ["a private address", "a VPN or shared address (100.64/10)", "not a private address"];
   const found: { address: string; iface: string; kind: string; rank: number }[] = [];
   for (const [iface, addrs] of Object.entries(ifaces)) {
-    for (const a of addrs ?? []) {
-      if (a.internal || a.family !== "IPv4" || /^(127\.|169\.254\.)/.test(a.address)) continue;
-      const [x, y] = a.address.split(".").map(Number);
-      const kinds = ["a private address", "a VPN or shared address (100.64/10)", "not a private address"];
+    for (const { address, internal, family } of addrs ?? []) {
+      if (internal || family !== "IPv4" || /^(127\.|169\.254\.)/.test(address)) continue;
+      const [x, y] = address.split(".").map(Number);
       const rank = x === 10 || (x === 172 && y >= 16 && y < 32) || (x === 192 && y === 168)
         ? 0
         : x === 100 && y >= 64 && y < 128
         ? 1
         : 2;
-      const kind = kinds[rank];
-      found.push({ address: a.address, iface, kind, rank: rank + (VIRTUAL_IFACE_RE.test(iface) ? 10 : 0) });
-      continue;
+      found.push({ address, iface, kind: kinds[rank], rank: rank + (VIRTUAL_IFACE_RE.test(iface) ? 10 : 0) });
     }
   }
   return found.sort((a, b) => a.rank - b.rank).map(({ address, iface, kind }) => ({ address, iface, kind }));
@@ -14365,24 +14363,18 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
     });
   });
   if (connected !== null) {
-    const why: Record<string, string> = {
-      ECONNREFUSED:
-        `connection refused: nothing listens on ${host}:${port} (no bus runs there, it runs on another port, or it listens only on loopback)${
-          // Bun 1.4 reports a network it has no route to (ENETUNREACH) as a refused connection.
-          runtimeHost.Bun ? ", or no route leads there from this network" : ""}`,
-      EHOSTUNREACH: `${host} is not reachable from this network (no route to it: another network, or a VPN needed)`,
-      ENETUNREACH: `${host} is not reachable from this network (no route to it: another network, or a VPN needed)`,
-      ENOTFOUND: `${host} does not resolve (DNS)`,
-      EAI_AGAIN: `${host} does not resolve (DNS)`,
-    };
-    const timedOut = connected.startsWith("no answer");
-    return {
-      ok: false,
-      why: why[connected] ??
-        (timedOut
-          ? `${connected} from ${host}:${port} (a firewall drops the packets, or no machine has that address)`
-          : connected),
-    };
+    const why = connected === "ECONNREFUSED"
+      ? `connection refused: nothing listens on ${host}:${port} (no bus runs there, it runs on another port, or it listens only on loopback)${
+        // Bun 1.4 reports a network it has no route to (ENETUNREACH) as a refused connection.
+        runtimeHost.Bun ? ", or no route leads there from this network" : ""}`
+      : /^E(HOST|NET)UNREACH$/.test(connected)
+      ? `${host} is not reachable from this network (no route to it: another network, or a VPN needed)`
+      : /^(ENOTFOUND|EAI_AGAIN)$/.test(connected)
+      ? `${host} does not resolve (DNS)`
+      : connected.startsWith("no answer")
+      ? `${connected} from ${host}:${port} (a firewall drops the packets, or no machine has that address)`
+      : connected;
+    return { ok: false, why };
   }
   const t0 = now();
   try {
@@ -14466,32 +14458,30 @@ async function ensureReachable(url: string, outside: string, lan: boolean): Prom
   const lockFile = path.join(busDataDir(), "bus.lock");
   const owner = lockOwner(lockFile);
   if (!lan) {
-    const stop = owner ? `stop that bus (pid ${owner.pid}) and ` : "stop that bus and ";
+    const stop = local.ok ? `stop that bus${owner ? ` (pid ${owner.pid})` : ""} and ` : "";
     throw new InterlinkError(
       (local.ok
-        ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.\n` +
-          `Either run \`interlink.ts invite --lan\`, which restarts this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n`
-        : `no bus answers at ${url}, so none the other machine could reach at ${outside}.\n` +
-          `Either run \`interlink.ts invite --lan\`, which starts this machine's bus on every address, or run \`${reachableCommand}\`.\n`) +
+        ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.`
+        : `no bus answers at ${url}, so none the other machine could reach at ${outside}.`) +
+        `\nEither run \`interlink.ts invite --lan\`, which ${
+          local.ok ? "restarts" : "starts"
+        } this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n` +
         `Either way ${BUS_EXPOSURE}; a VPN, or a firewall rule that lets in only the other machine, keeps it private.`,
     );
   }
   if (local.ok) {
     // A loopback-only bus: this machine's own (the one a session starts), restarted on every address.
+    const stopIt = `stop it and run \`${reachableCommand}\``;
     if (!owner) {
       throw new InterlinkError(
-        `the bus at ${url} listens only on loopback, and it is not this machine's own (${lockFile} names none): stop it and run \`${reachableCommand}\``,
+        `the bus at ${url} listens only on loopback, and it is not this machine's own (${lockFile} names none): ${stopIt}`,
       );
     }
     process.kill(owner.pid, "SIGTERM");
     if (!(await waitUntil(() => lockOwner(lockFile) === null, 5000, undefined, 50))) {
-      throw new InterlinkError(
-        `the bus at ${url} (pid ${owner.pid}) did not stop; stop it and run \`${reachableCommand}\``,
-      );
+      throw new InterlinkError(`the bus at ${url} (pid ${owner.pid}) did not stop; ${stopIt}`);
     }
-    if ((await reachRelay(url, 500)).ok) {
-      throw new InterlinkError(`another bus still answers at ${url}: stop it and run \`${reachableCommand}\``);
-    }
+    if ((await reachRelay(url, 500)).ok) throw new InterlinkError(`another bus still answers at ${url}: ${stopIt}`);
   }
   await ensureLocalBus(url, "0.0.0.0");
   if (!(await reachRelay(outside, 3000)).ok) {
