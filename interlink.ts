@@ -14531,11 +14531,9 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     })`,
   );
   for (const r of relays) print(`relay    ${r.url} (${r.note})`);
-  print();
-  print("On the other machine, in the folder that holds interlink.ts, run:");
-  print();
-  print(`  ${otherMachineCommand(["join", code])}`);
-  print();
+  print(
+    `\nOn the other machine, in the folder that holds interlink.ts, run:\n\n  ${otherMachineCommand(["join", code])}\n`,
+  );
   print(
     `The code carries this node's key (${id.fingerprint}…, which the other machine pins) and a one-time secret: whoever holds it can pair with this node until it is used or expires. Send it over a channel you trust.`,
   );
@@ -14550,7 +14548,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     agent.startSending({ announce: false });
     agent.startReceiving({ ownRouteOnly: true, door: true });
     print(
-      `waiting for the join (Ctrl-C stops waiting; the invite stays valid, and a running session of this node admits it)`,
+      "waiting for the join (Ctrl-C stops waiting; the invite stays valid, and a running session of this node admits it)",
     );
     let current = invite as Invite;
     const watch = (w: () => void) => {
@@ -14660,13 +14658,13 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   const now = nodeClock();
   const code = await parseInviteCode(pos.join(""));
   const them = code.name || fingerprint(code.key);
-  if (now() > code.expiresMs) {
-    throw new InterlinkError(
+  const expired = (atMs: number, by: string, more = "") =>
+    new InterlinkError(
       `the invite expired at ${isoTime(code.expiresMs)}, ${
-        howLong(now() - code.expiresMs)
-      } ago by this machine's clock: ask for a new one (\`interlink.ts invite\` on the other machine)`,
+        howLong(atMs - code.expiresMs)
+      } ago by ${by}: ask for a new one (\`interlink.ts invite\` on the other machine)${more}`,
     );
-  }
+  if (now() > code.expiresMs) throw expired(now(), "this machine's clock");
   const waitS = intOption(o.wait, "wait", 1, 24 * 3600);
   const urls = isGiven(from, "url") ? parseBusUrls(o.url as string) : code.urls;
   print(`invite   ${code.id} from ${them} (${fingerprint(code.key)}…), valid until ${isoTime(code.expiresMs)}`);
@@ -14696,17 +14694,13 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     // Expired by the relay's clock, which the inviter's is near (a second's margin: the Date header's resolution).
     const relayNow = now() + skew;
     if (relayNow - code.expiresMs > 1000) {
-      throw new InterlinkError(
-        `the invite expired at ${isoTime(code.expiresMs)}, ${
-          howLong(relayNow - code.expiresMs)
-        } ago by ${them}'s relay's clock (this machine's is ${off} s ${
-          skew > 0 ? "behind" : "ahead of"
-        } it): ask for a new one (\`interlink.ts invite\` on the other machine), and sync this clock (NTP)`,
-      );
+      const by = `${them}'s relay's clock (this machine's is ${off} s ${skew > 0 ? "behind" : "ahead of"} it)`;
+      throw expired(relayNow, by, ", and sync this clock (NTP)");
     }
   }
   // Now this node: its key, and the inviter pinned (its receipts must pass the gate; taken back on a refusal).
   const keyExisted = fs.existsSync(o.key as string);
+  const butKey = keyExisted ? "" : " but this node's new key";
   await ensureKey(o.key as string, from.key === "default");
   const { cfg, id } = await nodeConfig(o);
   if (id.publicKey === code.key) {
@@ -14721,7 +14715,8 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     throw new InterlinkError(`'${petname}' is already a petname (key ${fingerprint(held)}…); pass --petname`);
   }
   const pinned = !existing && (await addPeer(cfg.peersFile, petname, code.key)) === "added";
-  const agent = await Agent.open({ ...cfg, busUrls: urls, session: `join-${code.id}` }, "interlink join", {
+  const session = `join-${code.id}`;
+  const agent = await Agent.open({ ...cfg, busUrls: urls, session }, "interlink join", {
     identity: id,
     now,
     adopt: false,
@@ -14730,7 +14725,6 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   let wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
   let outcome: "paired" | "refused" | "waiting" = "waiting";
-  const expiresBy = (at: number) => at + (skew ?? 0) > code.expiresMs; // by the relay's clock, when known
   try {
     const msgId = newMsgId();
     const mac = await inviteMac(
@@ -14782,9 +14776,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
       const why = entry.refusedBy
         ? refusalWords(entry.refusedBy)
         : `no relay took the request (${escapePeerText(entry.refused!, true)})`;
-      throw new InterlinkError(
-        `${them} refused: ${why}.${pinned ? ` Nothing was kept${keyExisted ? "" : " but this node's new key"}.` : ""}`,
-      );
+      throw new InterlinkError(`${them} refused: ${why}.${pinned ? ` Nothing was kept${butKey}.` : ""}`);
     }
   } finally {
     await agent.stop();
@@ -14793,35 +14785,30 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     // Nothing of this join is kept: the pin goes, config.json was not written, and this join's session goes (a
     // late acceptance there would otherwise pair this node, when a session adopts it, without anyone here asking).
     if (pinned) await removePeer(cfg.peersFile, petname);
-    await forgetSession(cfg.stateDir, `join-${code.id}`);
-    const expired = expiresBy(now());
+    await forgetSession(cfg.stateDir, session);
+    const why = signalled ? `stopped waiting (${signalled})` : `no answer from ${them} within ${howLong(waitS * 1000)}`;
+    const next = now() + (skew ?? 0) > code.expiresMs // by the relay's clock, when known
+      ? `The invite has expired meanwhile (${isoTime(code.expiresMs)}): ask ${them} for a new one.`
+      : `The invite stays valid until ${
+        isoTime(code.expiresMs)
+      }: join again once ${them} runs \`interlink.ts invite\` or a session there.`;
     throw new InterlinkError(
-      `${
-        signalled ? `stopped waiting (${signalled})` : `no answer from ${them} within ${howLong(waitS * 1000)}`
-      }: nothing of ${them}'s node read the request (a session of it, or its \`interlink.ts invite\`, answers within seconds), or ${them}'s relay lost it. ${
-        expired
-          ? `The invite has expired meanwhile (${isoTime(code.expiresMs)}): ask ${them} for a new one.`
-          : `The invite stays valid until ${
-            isoTime(code.expiresMs)
-          }: join again once ${them} runs \`interlink.ts invite\` or a session there.`
-      } Nothing was kept here${
-        keyExisted ? "" : " but this node's new key"
-      }. If ${them}'s node admits the request later, it lists this node as a peer while this one does not list it: joining again with the same code completes that.`,
+      `${why}: nothing of ${them}'s node read the request (a session of it, or its \`interlink.ts invite\`, answers within seconds), or ${them}'s relay lost it. ${next} Nothing was kept here${butKey}. If ${them}'s node admits the request later, it lists this node as a peer while this one does not list it: joining again with the same code completes that.`,
     );
   }
   // Paired: the node's settings name the relay.
   const configured = from.url === "config" ? parseBusUrls(o.url as string) : [];
   const url = [...configured, ...urls.filter((u) => !configured.includes(u))].join(",");
   const file = writeConfig({ ...explicitSettings(o, from), url });
-  const wrote = [
-    `config   ${tildify(file)}: url ${url}`,
+  print(`config   ${tildify(file)}: url ${url}`);
+  print(
     `peers    ${tildify(cfg.peersFile)}: '${petname}' is ${fingerprint(code.key)}… (${
       pinned ? "added" : "already there"
     })`,
-    `key      ${tildify(cfg.keyFile)} (${keyExisted ? "this node's" : "created now"}), fingerprint ${id.fingerprint}`,
-  ];
-  for (const line of wrote) print(line);
-  print();
+  );
+  print(
+    `key      ${tildify(cfg.keyFile)} (${keyExisted ? "this node's" : "created now"}), fingerprint ${id.fingerprint}\n`,
+  );
   printClaudeSetup(
     `Next: start Claude Code here; its interlink server reads ${
       tildify(file)
