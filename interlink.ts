@@ -13710,10 +13710,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     { name: "interlink", version: VERSION },
     { tools: {}, experimental: { "claude/channel": {} } },
     serverInstructions(delivery, problem, host),
-    {
-      list: TOOLS.map(toolListing),
-      call: (name, args, meta) => callTool(name, args, meta),
-    },
+    { list: TOOLS.map(toolListing), call: (name, args, meta) => callTool(name, args, meta) },
   );
   let agent: Agent | null = null;
   let opening: Promise<Agent> | null = null;
@@ -13724,7 +13721,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       // Codex has no channel: its sessions are woken by queued turns, and read the rest with check_inbox.
       const cfg = {
         ...prepared!.cfg,
-        ...(session ? { session } : {}),
+        ...some("session", session),
         ...(host === "codex" ? { delivery: "inbox" as const } : {}),
       };
       const a = await Agent.open(cfg, SERVER_ROLE, {
@@ -13751,10 +13748,6 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       if (host === "codex") waker!.kick(); // what waited for this session (adopted, or from before a restart)
       return a;
     })();
-  const notReady = (why: string) => ({
-    content: [{ type: "text" as const, text: `interlink is not ready: ${why}` }],
-    isError: true,
-  });
   /** The agent a tool call runs on: opened now if need be; under Codex, bound to the call's thread. */
   const agentFor = async (tool: ToolSpec, args: Record<string, unknown>, meta: Record<string, unknown> | undefined) => {
     if (agent) return agent;
@@ -13774,6 +13767,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     return await open(thread);
   };
   const fail = (text: string): ToolResult => ({ content: [{ type: "text", text }], isError: true });
+  const notReady = (why: string) => fail(`interlink is not ready: ${why}`);
   /** A tools/call: checked against its schema, then run on this session's agent. */
   const callTool = async (name: string, given: unknown, meta: Record<string, unknown> | undefined) => {
     const tool = TOOLS.find((t) => t.name === name);
@@ -13823,9 +13817,8 @@ async function ensureKey(file: string, isDefault: boolean): Promise<void> {
 }
 
 /**
- * `send`: queued in a session's journal. With --session, that one's; else the
- * only session whose server runs (it delivers); else a "cli" session that this
- * command delivers itself. The recipient's session is --channel, or its key.
+ * `send`: queued in --session's journal, else the only running server's (it delivers), else a "cli" session's, which
+ * this command delivers itself. The recipient's session is --channel, or its key.
  */
 async function runSend(o: Options, pos: string[], from: OptionSources): Promise<number> {
   if (pos.length !== 2) throw new InterlinkError(`send takes <peer> <text>\n\n${commandHelp("send")}`);
