@@ -13482,15 +13482,14 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
   const when = new Date(r.at).toISOString().replace("T", " ").slice(0, 19);
   const id = (msgId: string) => showInvisible(showId(msgId).slice(0, 12)).padEnd(12);
   const line = (mark: string, who: string, rest: string) => [`${when}  ${mark} ${who.padEnd(12)} ${rest}`];
+  const name = (k: string) => petnameOf(k) ?? fingerprint(k);
   switch (r.t) {
     case "out":
     case "in": {
       const { msg } = r;
-      const peerKey = counterpart(r.t, msg);
-      const who = r.peer ?? petnameOf(peerKey) ?? fingerprint(peerKey);
+      const who = r.peer ?? name(counterpart(r.t, msg));
       const reply = msg.in_reply_to ? `re ${showId(msg.in_reply_to)}` : "";
       const earlier = r.t === "in" && r.for_session ? `(for earlier session ${showId(r.for_session)})` : "";
-      const name = (k: string) => petnameOf(k) ?? fingerprint(k);
       const hop = r.chain
         ? `(sub-task of ${showId(r.chain.parent)}, depth ${r.chain.depth}, owner ${name(r.chain.owner)})`
         : "";
@@ -13531,7 +13530,7 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
       return line("∞", fingerprint(r.key), `${how} ${r.invite}${as}`);
     }
     case "receipt": {
-      const who = r.peer ?? petnameOf(r.msg.from) ?? fingerprint(r.msg.from);
+      const who = r.peer ?? name(r.msg.from);
       return recordedReports(r).flatMap((l) =>
         l.state === "refused"
           ? line("✗", who, `${id(l.msg_id)} refused by them: ${refusalWords(l)}`)
@@ -13541,13 +13540,13 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
     case "moved":
       return line("»", "", `this session ended; what it still had to do went to session ${showId(r.to)}`);
     case "adopted": {
-      const c = r.carried;
-      const parts = [
-        `${c.out.filter((o) => o.sent_at === undefined).length} queued`,
-        `${c.inbox.length} unread`,
-        `${c.tasks.filter((t) => !t.closed).length} open tasks`,
-      ];
-      return line("«", "", `took over ended session ${showId(r.session)} (${parts.join(", ")})`);
+      const { out, inbox, tasks } = r.carried;
+      const queued = out.filter((o) => o.sent_at === undefined).length, open = tasks.filter((t) => !t.closed).length;
+      return line(
+        "«",
+        "",
+        `took over ended session ${showId(r.session)} (${queued} queued, ${inbox.length} unread, ${open} open tasks)`,
+      );
     }
     default:
       return [];
@@ -15568,27 +15567,17 @@ const EXTRAS: Record<string, { file: string; summary: string }> = {
 
 async function main(argv: string[]): Promise<number> {
   const [name, ...rest] = argv;
-  if (name === undefined || name === "help" || name === "--help" || name === "-h") {
+  if (name === undefined || ["help", "--help", "-h"].includes(name)) {
     print(programHelp());
     return name === undefined ? 2 : 0;
   }
-  if (name === "--version" || name === "-V" || name === "version") {
+  if (["--version", "-V", "version"].includes(name)) {
     print(`interlink ${VERSION} (${runtimeName()})`);
     return 0;
   }
   // Every argument is claude's; a lone --help is ours.
   if (name === "claude" && !(rest.length === 1 && ["--help", "-h"].includes(rest[0]))) return await runClaude(rest);
-  if (Object.hasOwn(EXTRAS, name)) {
-    let extra: CommandSpec;
-    try {
-      extra = await loadExtra(name);
-    } catch (e) {
-      if (!(e instanceof InterlinkError)) throw e;
-      process.stderr.write(`interlink ${name}: ${e.message}\n`);
-      return 1;
-    }
-    return await runCommand(name, rest, extra);
-  }
+  if (Object.hasOwn(EXTRAS, name)) return await runCommand(name, rest, loadExtra(name));
   if (!Object.hasOwn(COMMANDS, name)) {
     process.stderr.write(`interlink: unknown command '${name}'\n\n${programHelp()}\n`);
     return 2;
@@ -15597,8 +15586,9 @@ async function main(argv: string[]): Promise<number> {
 }
 
 /** Parses `argv` for one command (of the core or an extra) and runs it: its exit code; an InterlinkError is 1. */
-async function runCommand(name: string, argv: string[], cmd: CommandSpec): Promise<number> {
+async function runCommand(name: string, argv: string[], spec: CommandSpec | Promise<CommandSpec>): Promise<number> {
   try {
+    const cmd = await spec;
     const { opts, positionals, help, from } = parseCommandLine(name, argv, cmd);
     if (help) {
       print(commandHelp(name, cmd));
@@ -15629,23 +15619,20 @@ async function loadExtra(name: string): Promise<CommandSpec> {
   return ((await import(url.href)) as { command: CommandSpec }).command;
 }
 
-/** An extra run as a file of its own (`bun extras/board.ts …`): the same parsing, help and exit codes. */
-function runExtra(name: string, cmd: CommandSpec): void {
-  runCommand(name, process.argv.slice(2), cmd).then((code) => process.exit(code), (e) => {
+/** Exits with the command's code; a crash prints its stack and exits 70 (EX_SOFTWARE). */
+function exitWith(run: Promise<number>): void {
+  run.then((code) => process.exit(code), (e) => {
     process.stderr.write(`interlink: ${(e as Error).stack ?? e}\n`);
     process.exit(70);
   });
 }
 
-if (import.meta.main) {
-  main(process.argv.slice(2)).then(
-    (code) => process.exit(code),
-    (e) => {
-      process.stderr.write(`interlink: ${(e as Error).stack ?? e}\n`);
-      process.exit(70);
-    },
-  );
+/** An extra run as a file of its own (`bun extras/board.ts …`): the same parsing, help and exit codes. */
+function runExtra(name: string, cmd: CommandSpec): void {
+  exitWith(runCommand(name, process.argv.slice(2), cmd));
 }
+
+if (import.meta.main) exitWith(main(process.argv.slice(2)));
 
 // -- the public surface ---------------------------------------------------------
 //
