@@ -15164,25 +15164,22 @@ function printClaudeSetup(lead: string): void {
   print('and the Stop hook that wakes an idle session (README: "Install into Claude Code", the Stop hook).');
 }
 
+const identityLines = (id: Identity) => `public key   ${id.publicKey}\nfingerprint  ${id.fingerprint}`;
+
 async function runKeygen(o: Options): Promise<number> {
   const file = o.out as string;
   const seed = crypto.getRandomValues(new Uint8Array(32));
   writeKeyFile(file, seed, o.force === true);
   const id = await identityFromSeed(seed);
   const suggested = os.hostname().replace(/[^A-Za-z0-9._-]/g, "-").replace(/^[^A-Za-z0-9]+/, "") || "my-node";
-  print(`wrote ${file} (mode 0600)`);
-  print(`public key   ${id.publicKey}`);
-  print(`fingerprint  ${id.fingerprint}`);
-  print();
-  print(`Your peers add this entry to their peers.json (the petname is theirs to choose):`);
+  print(`wrote ${file} (mode 0600)\n${identityLines(id)}\n`);
+  print("Your peers add this entry to their peers.json (the petname is theirs to choose):");
   print(JSON.stringify({ [suggested]: { key: id.publicKey } }, null, 2));
   return 0;
 }
 
 async function runId(o: Options): Promise<number> {
-  const id = await readIdentity(o.key as string);
-  print(`public key   ${id.publicKey}`);
-  print(`fingerprint  ${id.fingerprint}`);
+  print(identityLines(await readIdentity(o.key as string)));
   return 0;
 }
 
