@@ -13015,7 +13015,6 @@ class McpStdioServer {
 // CLI
 // ============================================================================
 //
-//
 // One table describes every command and flag; parsing, INTERLINK_* env twins, defaults and --help are generated
 // from it, so the help cannot drift from the code. Precedence: flag, env var, config.json, default.
 
@@ -13046,81 +13045,66 @@ interface CommandSpec {
   run(opts: Options, positionals: string[], from: OptionSources): Promise<number>;
 }
 
-const home = () => os.homedir();
+/** interlink's folder under an XDG base directory (`env`), else under ~/`dflt`. */
+const xdgDir = (env: string, ...dflt: string[]) =>
+  path.join(process.env[env] || path.join(os.homedir(), ...dflt), "interlink");
+const configDir = () => xdgDir("XDG_CONFIG_HOME", ".config");
+const stateDir = () => xdgDir("XDG_STATE_HOME", ".local", "state");
+const busDataDir = () => path.join(stateDir(), "bus");
 
-const configDir = () => process.env.XDG_CONFIG_HOME || path.join(home(), ".config");
+const tildify = (p: string) => (p.startsWith(os.homedir() + path.sep) ? "~" + p.slice(os.homedir().length) : p);
 
-const stateDir = () => process.env.XDG_STATE_HOME || path.join(home(), ".local", "state");
-
-const tildify = (p: string) => (p.startsWith(home() + path.sep) ? "~" + p.slice(home().length) : p);
+/** A string option: the placeholder help shows, its INTERLINK_* twin, its default, what it sets, and the rest. */
+const option = (
+  arg: string,
+  env: string | undefined,
+  dflt: OptionSpec["default"],
+  help: string,
+  more?: Partial<OptionSpec>,
+): OptionSpec => ({ type: "string", arg, ...some("env", env), ...some("default", dflt), help, ...more });
 
 const OPT = {
-  key: {
-    type: "string",
-    arg: "PATH",
-    env: "INTERLINK_KEY",
-    default: () => path.join(configDir(), "interlink", "id.key"),
-    help: "this node's secret key file",
-  },
-  peers: {
-    type: "string",
-    arg: "PATH",
-    env: "INTERLINK_PEERS",
-    default: () => path.join(configDir(), "interlink", "peers.json"),
-    help: "the allowlist of peers",
-  },
-  url: {
-    type: "string",
-    arg: "URLS",
-    env: "INTERLINK_URL",
-    defaultHelp: `${DEFAULT_BUS_URL} (the port follows INTERLINK_BUS_PORT)`,
-    help:
-      "relay URLs, comma-separated, send to all, poll all: http(s):// buses and nats:// or tls:// NATS JetStream servers",
-  },
-  name: {
-    type: "string",
-    arg: "NAME",
-    env: "INTERLINK_NAME",
+  key: option("PATH", "INTERLINK_KEY", () => path.join(configDir(), "id.key"), "this node's secret key file"),
+  peers: option("PATH", "INTERLINK_PEERS", () => path.join(configDir(), "peers.json"), "the allowlist of peers"),
+  url: option(
+    "URLS",
+    "INTERLINK_URL",
+    undefined,
+    "relay URLs, comma-separated, send to all, poll all: http(s):// buses and nats:// or tls:// NATS JetStream servers",
+    { defaultHelp: `${DEFAULT_BUS_URL} (the port follows INTERLINK_BUS_PORT)` },
+  ),
+  name: option("NAME", "INTERLINK_NAME", undefined, "name announced on the roster (a self-claim, not identity)", {
     defaultHelp: "the key's fingerprint",
-    help: "name announced on the roster (a self-claim, not identity)",
-  },
-  state: {
-    type: "string",
-    arg: "DIR",
-    env: "INTERLINK_STATE",
+  }),
+  state: option("DIR", "INTERLINK_STATE", undefined, "this node's journal (outbox, log, inbox) and locks", {
     defaultHelp: "~/.local/state/interlink/node-<fingerprint>[-<inbox>]",
-    help: "this node's journal (outbox, log, inbox) and locks",
-  },
-  session: {
-    type: "string",
-    arg: "ID",
-    env: "INTERLINK_SESSION",
-    defaultHelp: "CLAUDE_CODE_SESSION_ID, else 8 random hex characters",
-    help: "this session's id (letters, digits, . _ -): its route is <key>#ID, its journal sessions/ID",
-  },
-  inbox: {
-    type: "string",
-    arg: "ID",
-    env: "INTERLINK_INBOX",
-    help: "deprecated: the same as --session (the named inbox of interlink.ts 0.4.0)",
-  },
-  delivery: {
-    type: "string",
-    arg: "MODE",
-    env: "INTERLINK_DELIVERY",
-    default: "inbox",
-    help:
-      "inbox (check_inbox and the Stop hook's wait) or channel (push events; needs a session launched by `interlink.ts claude`)",
-  },
-  "max-depth": {
-    type: "string",
-    arg: "N",
-    env: "INTERLINK_MAX_DEPTH",
-    default: String(DEFAULT_MAX_DEPTH),
-    help:
-      `hops from a task's owner a sub-task may be (alice → bob is 1, bob → carol 2), 1 to ${CHAIN_KEYS_MAX}: deeper ones are refused at send and answered failed at receipt`,
-  },
-} satisfies Record<string, OptionSpec>;
+  }),
+  session: option(
+    "ID",
+    "INTERLINK_SESSION",
+    undefined,
+    "this session's id (letters, digits, . _ -): its route is <key>#ID, its journal sessions/ID",
+    { defaultHelp: "CLAUDE_CODE_SESSION_ID, else 8 random hex characters" },
+  ),
+  inbox: option(
+    "ID",
+    "INTERLINK_INBOX",
+    undefined,
+    "deprecated: the same as --session (the named inbox of interlink.ts 0.4.0)",
+  ),
+  delivery: option(
+    "MODE",
+    "INTERLINK_DELIVERY",
+    "inbox",
+    "inbox (check_inbox and the Stop hook's wait) or channel (push events; needs a session launched by `interlink.ts claude`)",
+  ),
+  "max-depth": option(
+    "N",
+    "INTERLINK_MAX_DEPTH",
+    String(DEFAULT_MAX_DEPTH),
+    `hops from a task's owner a sub-task may be (alice → bob is 1, bob → carol 2), 1 to ${CHAIN_KEYS_MAX}: deeper ones are refused at send and answered failed at receipt`,
+  ),
+};
 
 /**
  * The settings config.json keeps, so the CLI finds the bus, name and folders the server was given: `init` writes it,
@@ -13129,7 +13113,7 @@ const OPT = {
 const CONFIG_KEYS = ["key", "peers", "url", "name", "state", "delivery", "max-depth"] as const;
 
 /** config.json: INTERLINK_CONFIG, else beside the default peers.json. */
-const configFile = (): string => process.env.INTERLINK_CONFIG || path.join(configDir(), "interlink", "config.json");
+const configFile = (): string => process.env.INTERLINK_CONFIG || path.join(configDir(), "config.json");
 
 function readConfig(): { values: Record<string, string>; problem?: string } {
   const file = configFile();
@@ -13145,16 +13129,15 @@ function readConfig(): { values: Record<string, string>; problem?: string } {
       }. Fix or delete it (\`interlink.ts init\` writes a new one).`,
     };
   }
-  const values: Record<string, string> = {};
   if (!isObject(raw)) {
-    return { values, problem: `${file} is not a JSON object of settings (${CONFIG_KEYS.join(", ")})` };
+    return { values: {}, problem: `${file} is not a JSON object of settings (${CONFIG_KEYS.join(", ")})` };
   }
-  for (const [k, v] of Object.entries(raw)) {
-    if ((CONFIG_KEYS as readonly string[]).includes(k) && typeof v === "string") values[k] = v;
+  const values: Record<string, string> = {};
+  for (const k of CONFIG_KEYS) {
+    const v = raw[k];
+    if (typeof v === "string") values[k] = v;
     else if (k === "max-depth" && Number.isSafeInteger(v)) values[k] = String(v); // a number, as a person writes it
-    else if ((CONFIG_KEYS as readonly string[]).includes(k)) {
-      return { values: {}, problem: `${file}: "${k}" must be a string` };
-    }
+    else if (v !== undefined) return { values: {}, problem: `${file}: "${k}" must be a string` };
   }
   return { values };
 }
@@ -13167,10 +13150,16 @@ function writeConfig(values: Record<string, string>): string {
   return file;
 }
 
-/** The shared settings that were set on purpose (by a flag or a variable), not defaulted. */
+/** True when an option was set on purpose: by a flag or a variable, not by config.json or its default. */
+const isGiven = (from: OptionSources, k: string) => from[k] === "flag" || from[k] === "env";
+
+/** --session or --inbox was given: a command reads that session only, else every session of the identity. */
+const sessionGiven = (from: OptionSources) => isGiven(from, "session") || isGiven(from, "inbox");
+
+/** The shared settings that were set on purpose. */
 function explicitSettings(o: Options, from: OptionSources): Record<string, string> {
   const out: Record<string, string> = {};
-  for (const k of CONFIG_KEYS) if ((from[k] === "flag" || from[k] === "env") && typeof o[k] === "string") out[k] = o[k];
+  for (const k of CONFIG_KEYS) if (isGiven(from, k) && typeof o[k] === "string") out[k] = o[k];
   return out;
 }
 
@@ -13218,7 +13207,7 @@ function parseBusUrls(text: string): string[] {
 }
 
 function defaultNodeState(fp: string): string {
-  return path.join(stateDir(), "interlink", `node-${fp}`);
+  return path.join(stateDir(), `node-${fp}`);
 }
 
 /** --session (or --inbox), else CLAUDE_CODE_SESSION_ID (the id the session's hooks get too), else 8 random hex. */
@@ -13238,9 +13227,7 @@ function chooseSession(pinned: string | undefined): string {
 }
 
 /** The sessions this identity has had on this machine: their ids, folders, descriptions, and the live server, if any. */
-function listSessions(
-  root: string,
-): { id: string; dir: string; info: Partial<SessionInfo>; live: LockOwner | null }[] {
+function listSessions(root: string): { id: string; dir: string; info: Partial<SessionInfo>; live: LockOwner | null }[] {
   return sessionIds(root).map((id) => {
     const dir = sessionDir(root, id);
     let info: Partial<SessionInfo> = {};
@@ -13262,12 +13249,10 @@ const sessionLabel = (s: { id: string; info: Partial<SessionInfo> }) =>
 function deliveryMode(o: Options): Delivery {
   const mode = (o.delivery as string | undefined) ?? "inbox";
   if (mode === "both") return "channel";
-  if (!(DELIVERY_MODES as readonly string[]).includes(mode)) {
-    throw new InterlinkError(
-      `delivery mode '${mode}' is not one of ${DELIVERY_MODES.join(", ")} (INTERLINK_DELIVERY / --delivery)`,
-    );
-  }
-  return mode as Delivery;
+  if ((DELIVERY_MODES as readonly string[]).includes(mode)) return mode as Delivery;
+  throw new InterlinkError(
+    `delivery mode '${mode}' is not one of ${DELIVERY_MODES.join(", ")} (INTERLINK_DELIVERY / --delivery)`,
+  );
 }
 
 /** Validates a node's configuration at start-up; every error names the setting and the fix. */
@@ -13280,30 +13265,25 @@ async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Identity }
     throw new InterlinkError(`name '${name}' must be at most 64 plain characters (INTERLINK_NAME / --name)`);
   }
   loadPeers(o.peers as string);
-  const depth = o["max-depth"];
-  if (
-    depth !== undefined &&
-    !(typeof depth === "string" && /^\d{1,2}$/.test(depth) && +depth >= 1 && +depth <= CHAIN_KEYS_MAX)
-  ) {
+  const depth = o["max-depth"] as string | undefined;
+  if (depth !== undefined && !(/^\d{1,2}$/.test(depth) && +depth >= 1 && +depth <= CHAIN_KEYS_MAX)) {
     throw new InterlinkError(
       `max-depth ${
         JSON.stringify(depth)
       } is not a whole number of hops from 1 to ${CHAIN_KEYS_MAX} (INTERLINK_MAX_DEPTH / --max-depth / config.json)`,
     );
   }
-  return {
-    id,
-    cfg: {
-      keyFile: o.key as string,
-      peersFile: o.peers as string,
-      busUrls: parseBusUrls((o.url as string | undefined) ?? localBusUrl()),
-      name,
-      stateDir: (o.state as string | undefined) ?? defaultNodeState(id.fingerprint),
-      delivery,
-      session,
-      ...(depth === undefined ? {} : { maxDepth: Number(depth) }),
-    },
+  const cfg: NodeConfig = {
+    keyFile: o.key as string,
+    peersFile: o.peers as string,
+    busUrls: parseBusUrls((o.url as string | undefined) ?? localBusUrl()),
+    name,
+    stateDir: (o.state as string | undefined) ?? defaultNodeState(id.fingerprint),
+    delivery,
+    session,
+    ...some("maxDepth", depth === undefined ? undefined : Number(depth)),
   };
+  return { id, cfg };
 }
 
 function intOption(value: unknown, flag: string, min: number, max: number): number {
@@ -13373,15 +13353,14 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
   const when = new Date(r.at).toISOString().replace("T", " ").slice(0, 19);
   const id = (msgId: string) => showInvisible(showId(msgId).slice(0, 12)).padEnd(12);
   const line = (mark: string, who: string, rest: string) => [`${when}  ${mark} ${who.padEnd(12)} ${rest}`];
+  const name = (k: string) => petnameOf(k) ?? fingerprint(k);
   switch (r.t) {
     case "out":
     case "in": {
       const { msg } = r;
-      const peerKey = counterpart(r.t, msg);
-      const who = r.peer ?? petnameOf(peerKey) ?? fingerprint(peerKey);
+      const who = r.peer ?? name(counterpart(r.t, msg));
       const reply = msg.in_reply_to ? `re ${showId(msg.in_reply_to)}` : "";
       const earlier = r.t === "in" && r.for_session ? `(for earlier session ${showId(r.for_session)})` : "";
-      const name = (k: string) => petnameOf(k) ?? fingerprint(k);
       const hop = r.chain
         ? `(sub-task of ${showId(r.chain.parent)}, depth ${r.chain.depth}, owner ${name(r.chain.owner)})`
         : "";
@@ -13422,7 +13401,7 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
       return line("∞", fingerprint(r.key), `${how} ${r.invite}${as}`);
     }
     case "receipt": {
-      const who = r.peer ?? petnameOf(r.msg.from) ?? fingerprint(r.msg.from);
+      const who = r.peer ?? name(r.msg.from);
       return recordedReports(r).flatMap((l) =>
         l.state === "refused"
           ? line("✗", who, `${id(l.msg_id)} refused by them: ${refusalWords(l)}`)
@@ -13432,13 +13411,13 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
     case "moved":
       return line("»", "", `this session ended; what it still had to do went to session ${showId(r.to)}`);
     case "adopted": {
-      const c = r.carried;
-      const parts = [
-        `${c.out.filter((o) => o.sent_at === undefined).length} queued`,
-        `${c.inbox.length} unread`,
-        `${c.tasks.filter((t) => !t.closed).length} open tasks`,
-      ];
-      return line("«", "", `took over ended session ${showId(r.session)} (${parts.join(", ")})`);
+      const { out, inbox, tasks } = r.carried;
+      const queued = out.filter((o) => o.sent_at === undefined).length, open = tasks.filter((t) => !t.closed).length;
+      return line(
+        "«",
+        "",
+        `took over ended session ${showId(r.session)} (${queued} queued, ${inbox.length} unread, ${open} open tasks)`,
+      );
     }
     default:
       return [];
@@ -13462,7 +13441,7 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
     }
   };
   if (await alive()) return;
-  const dataDir = path.join(stateDir(), "interlink", "bus");
+  const dataDir = busDataDir();
   fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
   const logFile = path.join(dataDir, "bus.log");
   const out = fs.openSync(logFile, "a", 0o600);
@@ -13537,13 +13516,11 @@ function lastStartFinding(stateDir: string): Finding | null {
     (last.ms / 1000).toFixed(1)
   } s; Claude Code waits 30 s (MCP_TIMEOUT)`;
   return last.ms > SLOW_START_MS
-    ? {
-      level: "problem",
+    ? found.problem(
       what,
-      fix:
-        "use a local copy of interlink.ts (not a URL) and restart the session; on a slow machine start claude with MCP_TIMEOUT=60000",
-    }
-    : { level: "ok", what };
+      "use a local copy of interlink.ts (not a URL) and restart the session; on a slow machine start claude with MCP_TIMEOUT=60000",
+    )
+    : found.ok(what);
 }
 
 /** True under `claude mcp list|get`: a health check whose handshake looks like a session's, its command line not. */
@@ -13603,10 +13580,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     { name: "interlink", version: VERSION },
     { tools: {}, experimental: { "claude/channel": {} } },
     serverInstructions(delivery, problem, host),
-    {
-      list: TOOLS.map(toolListing),
-      call: (name, args, meta) => callTool(name, args, meta),
-    },
+    { list: TOOLS.map(toolListing), call: (name, args, meta) => callTool(name, args, meta) },
   );
   let agent: Agent | null = null;
   let opening: Promise<Agent> | null = null;
@@ -13617,7 +13591,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       // Codex has no channel: its sessions are woken by queued turns, and read the rest with check_inbox.
       const cfg = {
         ...prepared!.cfg,
-        ...(session ? { session } : {}),
+        ...some("session", session),
         ...(host === "codex" ? { delivery: "inbox" as const } : {}),
       };
       const a = await Agent.open(cfg, SERVER_ROLE, {
@@ -13644,10 +13618,6 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       if (host === "codex") waker!.kick(); // what waited for this session (adopted, or from before a restart)
       return a;
     })();
-  const notReady = (why: string) => ({
-    content: [{ type: "text" as const, text: `interlink is not ready: ${why}` }],
-    isError: true,
-  });
   /** The agent a tool call runs on: opened now if need be; under Codex, bound to the call's thread. */
   const agentFor = async (tool: ToolSpec, args: Record<string, unknown>, meta: Record<string, unknown> | undefined) => {
     if (agent) return agent;
@@ -13667,6 +13637,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     return await open(thread);
   };
   const fail = (text: string): ToolResult => ({ content: [{ type: "text", text }], isError: true });
+  const notReady = (why: string) => fail(`interlink is not ready: ${why}`);
   /** A tools/call: checked against its schema, then run on this session's agent. */
   const callTool = async (name: string, given: unknown, meta: Record<string, unknown> | undefined) => {
     const tool = TOOLS.find((t) => t.name === name);
@@ -13690,7 +13661,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     if (server.client.name === "codex-mcp-client") host = "codex";
     if (problem || healthCheck) return;
     // Under Codex a pinned session needs no binding; otherwise it waits for its thread.
-    if (host === "codex" && !(from.session === "flag" || from.session === "env")) return;
+    if (host === "codex" && !isGiven(from, "session")) return;
     setTimeout(() => void open().catch((e) => logWarn(`cannot open this session: ${errorText(e)}`)), OPEN_AFTER_MS);
   };
   server.serve();
@@ -13716,14 +13687,13 @@ async function ensureKey(file: string, isDefault: boolean): Promise<void> {
 }
 
 /**
- * `send`: queued in a session's journal. With --session, that one's; else the
- * only session whose server runs (it delivers); else a "cli" session that this
- * command delivers itself. The recipient's session is --channel, or its key.
+ * `send`: queued in --session's journal, else the only running server's (it delivers), else a "cli" session's, which
+ * this command delivers itself. The recipient's session is --channel, or its key.
  */
 async function runSend(o: Options, pos: string[], from: OptionSources): Promise<number> {
   if (pos.length !== 2) throw new InterlinkError(`send takes <peer> <text>\n\n${commandHelp("send")}`);
   const { cfg, id } = await nodeConfig(o);
-  if (from.session === "default" && from.inbox === "default") {
+  if (!sessionGiven(from)) {
     const live = listSessions(cfg.stateDir).filter((s) => s.live);
     cfg.session = live.length === 1 ? live[0].id : "cli";
   }
@@ -13796,7 +13766,7 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
   const { cfg } = await nodeConfig(o);
   let peers = loadPeers(cfg.peersFile); // re-read before each batch while following: petnames may change
   const filterKey = o.peer ? peerKey(peers, o.peer as string) : undefined;
-  const only = from.session === "default" && from.inbox === "default" ? undefined : cfg.session;
+  const only = sessionGiven(from) ? cfg.session : undefined;
   const shown = new Set<string>(); // with --peer, "sent" lines only for that peer's messages
   const receipts = new Set<string>(); // msg_ids of our receipts not yet sent: their "sent" line is skipped too
   // By inode: a journal rolled over lives on as an archive (the same file, read on), log.jsonl starts anew.
@@ -13856,7 +13826,7 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
 async function runTasks(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   const { cfg, id } = await nodeConfig(o);
   const peers = loadPeers(cfg.peersFile);
-  const only = from.session === "default" && from.inbox === "default" ? undefined : cfg.session;
+  const only = sessionGiven(from) ? cfg.session : undefined;
   const view = { petnameOf: (k: string) => peers.byKey.get(k), peers: () => peers };
   const lines: { at: number; text: string }[] = [];
   for (const sess of listSessions(cfg.stateDir)) {
@@ -14072,7 +14042,6 @@ async function runWait(o: Options): Promise<number> {
 
 // -- pairing by invite: invite, join ------------------------------------------
 //
-//
 // `invite` (on A) files an invite (see "invites" in the agent), prints the `join <code>` command for B, and admits
 // the join itself while it waits (after it exits, a running session does). `join` (on B) checks the code, the relay
 // and the clocks before writing anything, pins A's key, knocks with the proof and waits for A's acceptance or signed
@@ -14093,6 +14062,9 @@ interface InviteCode {
 const INVITE_CODE_PREFIX = "il1.";
 
 const INVITE_CHECK_BYTES = 4;
+
+const inviteCheck = async (body: Bytes) =>
+  new Uint8Array(await crypto.subtle.digest("SHA-256", body)).subarray(0, INVITE_CHECK_BYTES);
 
 /**
  * `il1.` and base64url (one word, no spaces, so a terminal copy keeps it whole) of: id(8) ‖ key(32) ‖ secret(16) ‖
@@ -14121,8 +14093,7 @@ async function encodeInviteCode(c: InviteCode): Promise<string> {
     Uint8Array.of(name.length),
     name,
   ]);
-  const check = new Uint8Array(await crypto.subtle.digest("SHA-256", body)).subarray(0, INVITE_CHECK_BYTES);
-  return INVITE_CODE_PREFIX + b64urlEncode(concatBytes([body, check]));
+  return INVITE_CODE_PREFIX + b64urlEncode(concatBytes([body, await inviteCheck(body)]));
 }
 
 /** Reads an invite code (whitespace anywhere in it ignored: a terminal may wrap it), or says why it cannot. */
@@ -14144,8 +14115,7 @@ async function parseInviteCode(text: string): Promise<InviteCode> {
   const fixed = 8 + 32 + INVITE_SECRET_BYTES + 4;
   if (b64urlEncode(raw) !== b64 || raw.length < fixed + 1 + 2 + 1 + INVITE_CHECK_BYTES) throw damaged;
   const body = raw.subarray(0, raw.length - INVITE_CHECK_BYTES);
-  const check = new Uint8Array(await crypto.subtle.digest("SHA-256", body)).subarray(0, INVITE_CHECK_BYTES);
-  if (b64urlEncode(check) !== b64urlEncode(raw.subarray(body.length))) throw damaged;
+  if (b64urlEncode(await inviteCheck(body)) !== b64urlEncode(raw.subarray(body.length))) throw damaged;
   try {
     const view = new DataView(body.buffer, body.byteOffset, body.byteLength);
     let at = fixed;
@@ -14196,20 +14166,18 @@ const VIRTUAL_IFACE_RE = /^(docker|br-|veth|virbr|vmnet|vboxnet|cni|flannel|podm
 function lanAddresses(
   ifaces: NodeJS.Dict<os.NetworkInterfaceInfo[]> = os.networkInterfaces(),
 ): { address: string; iface: string; kind: string }[] {
+  const kinds = ["a private address", "a VPN or shared address (100.64/10)", "not a private address"];
   const found: { address: string; iface: string; kind: string; rank: number }[] = [];
   for (const [iface, addrs] of Object.entries(ifaces)) {
-    for (const a of addrs ?? []) {
-      if (a.internal || a.family !== "IPv4" || /^(127\.|169\.254\.)/.test(a.address)) continue;
-      const [x, y] = a.address.split(".").map(Number);
-      const kinds = ["a private address", "a VPN or shared address (100.64/10)", "not a private address"];
+    for (const { address, internal, family } of addrs ?? []) {
+      if (internal || family !== "IPv4" || /^(127\.|169\.254\.)/.test(address)) continue;
+      const [x, y] = address.split(".").map(Number);
       const rank = x === 10 || (x === 172 && y >= 16 && y < 32) || (x === 192 && y === 168)
         ? 0
         : x === 100 && y >= 64 && y < 128
         ? 1
         : 2;
-      const kind = kinds[rank];
-      found.push({ address: a.address, iface, kind, rank: rank + (VIRTUAL_IFACE_RE.test(iface) ? 10 : 0) });
-      continue;
+      found.push({ address, iface, kind: kinds[rank], rank: rank + (VIRTUAL_IFACE_RE.test(iface) ? 10 : 0) });
     }
   }
   return found.sort((a, b) => a.rank - b.rank).map(({ address, iface, kind }) => ({ address, iface, kind }));
@@ -14258,24 +14226,18 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
     });
   });
   if (connected !== null) {
-    const why: Record<string, string> = {
-      ECONNREFUSED:
-        `connection refused: nothing listens on ${host}:${port} (no bus runs there, it runs on another port, or it listens only on loopback)${
-          // Bun 1.4 reports a network it has no route to (ENETUNREACH) as a refused connection.
-          runtimeHost.Bun ? ", or no route leads there from this network" : ""}`,
-      EHOSTUNREACH: `${host} is not reachable from this network (no route to it: another network, or a VPN needed)`,
-      ENETUNREACH: `${host} is not reachable from this network (no route to it: another network, or a VPN needed)`,
-      ENOTFOUND: `${host} does not resolve (DNS)`,
-      EAI_AGAIN: `${host} does not resolve (DNS)`,
-    };
-    const timedOut = connected.startsWith("no answer");
-    return {
-      ok: false,
-      why: why[connected] ??
-        (timedOut
-          ? `${connected} from ${host}:${port} (a firewall drops the packets, or no machine has that address)`
-          : connected),
-    };
+    const why = connected === "ECONNREFUSED"
+      ? `connection refused: nothing listens on ${host}:${port} (no bus runs there, it runs on another port, or it listens only on loopback)${
+        // Bun 1.4 reports a network it has no route to (ENETUNREACH) as a refused connection.
+        runtimeHost.Bun ? ", or no route leads there from this network" : ""}`
+      : /^E(HOST|NET)UNREACH$/.test(connected)
+      ? `${host} is not reachable from this network (no route to it: another network, or a VPN needed)`
+      : /^(ENOTFOUND|EAI_AGAIN)$/.test(connected)
+      ? `${host} does not resolve (DNS)`
+      : connected.startsWith("no answer")
+      ? `${connected} from ${host}:${port} (a firewall drops the packets, or no machine has that address)`
+      : connected;
+    return { ok: false, why };
   }
   const t0 = now();
   try {
@@ -14356,35 +14318,33 @@ async function ensureReachable(url: string, outside: string, lan: boolean): Prom
   const port = new URL(url).port || String(DEFAULT_BUS_PORT);
   const reachableCommand = `interlink.ts bus --host 0.0.0.0 --port ${port}`;
   const local = await reachRelay(url, 1500);
-  const lockFile = path.join(stateDir(), "interlink", "bus", "bus.lock");
+  const lockFile = path.join(busDataDir(), "bus.lock");
   const owner = lockOwner(lockFile);
   if (!lan) {
-    const stop = owner ? `stop that bus (pid ${owner.pid}) and ` : "stop that bus and ";
+    const stop = local.ok ? `stop that bus${owner ? ` (pid ${owner.pid})` : ""} and ` : "";
     throw new InterlinkError(
       (local.ok
-        ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.\n` +
-          `Either run \`interlink.ts invite --lan\`, which restarts this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n`
-        : `no bus answers at ${url}, so none the other machine could reach at ${outside}.\n` +
-          `Either run \`interlink.ts invite --lan\`, which starts this machine's bus on every address, or run \`${reachableCommand}\`.\n`) +
+        ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.`
+        : `no bus answers at ${url}, so none the other machine could reach at ${outside}.`) +
+        `\nEither run \`interlink.ts invite --lan\`, which ${
+          local.ok ? "restarts" : "starts"
+        } this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n` +
         `Either way ${BUS_EXPOSURE}; a VPN, or a firewall rule that lets in only the other machine, keeps it private.`,
     );
   }
   if (local.ok) {
     // A loopback-only bus: this machine's own (the one a session starts), restarted on every address.
+    const stopIt = `stop it and run \`${reachableCommand}\``;
     if (!owner) {
       throw new InterlinkError(
-        `the bus at ${url} listens only on loopback, and it is not this machine's own (${lockFile} names none): stop it and run \`${reachableCommand}\``,
+        `the bus at ${url} listens only on loopback, and it is not this machine's own (${lockFile} names none): ${stopIt}`,
       );
     }
     process.kill(owner.pid, "SIGTERM");
     if (!(await waitUntil(() => lockOwner(lockFile) === null, 5000, undefined, 50))) {
-      throw new InterlinkError(
-        `the bus at ${url} (pid ${owner.pid}) did not stop; stop it and run \`${reachableCommand}\``,
-      );
+      throw new InterlinkError(`the bus at ${url} (pid ${owner.pid}) did not stop; ${stopIt}`);
     }
-    if ((await reachRelay(url, 500)).ok) {
-      throw new InterlinkError(`another bus still answers at ${url}: stop it and run \`${reachableCommand}\``);
-    }
+    if ((await reachRelay(url, 500)).ok) throw new InterlinkError(`another bus still answers at ${url}: ${stopIt}`);
   }
   await ensureLocalBus(url, "0.0.0.0");
   if (!(await reachRelay(outside, 3000)).ok) {
@@ -14412,7 +14372,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   if (taken) {
     throw new InterlinkError(`'${forName}' is already a petname (key ${fingerprint(taken)}…); choose another --for`);
   }
-  const relays = await shareRelays(cfg.busUrls, from.url === "flag" || from.url === "env", o.lan === true);
+  const relays = await shareRelays(cfg.busUrls, isGiven(from, "url"), o.lan === true);
   rememberConfig(o, from);
   const invite = await createInvite(cfg.stateDir, now(), {
     ...some("for", forName),
@@ -14434,22 +14394,16 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     })`,
   );
   for (const r of relays) print(`relay    ${r.url} (${r.note})`);
-  print();
-  print("On the other machine, in the folder that holds interlink.ts, run:");
-  print();
-  print(`  ${otherMachineCommand(["join", code])}`);
-  print();
+  print(
+    `\nOn the other machine, in the folder that holds interlink.ts, run:\n\n  ${otherMachineCommand(["join", code])}\n`,
+  );
   print(
     `The code carries this node's key (${id.fingerprint}…, which the other machine pins) and a one-time secret: whoever holds it can pair with this node until it is used or expires. Send it over a channel you trust.`,
   );
   // Answer it: an agent of our own, on a session of its own, reading the node's door (the route the code names)
   // unless a session of the node reads it already.
   const own = `invite-${invite.id}`;
-  const agent = await Agent.open({ ...cfg, session: own }, "interlink invite", {
-    identity: id,
-    now,
-    adopt: false,
-  });
+  const agent = await Agent.open({ ...cfg, session: own }, "interlink invite", { identity: id, now, adopt: false });
   let signalled = "";
   let wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
@@ -14457,7 +14411,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     agent.startSending({ announce: false });
     agent.startReceiving({ ownRouteOnly: true, door: true });
     print(
-      `waiting for the join (Ctrl-C stops waiting; the invite stays valid, and a running session of this node admits it)`,
+      "waiting for the join (Ctrl-C stops waiting; the invite stays valid, and a running session of this node admits it)",
     );
     let current = invite as Invite;
     const watch = (w: () => void) => {
@@ -14567,15 +14521,15 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   const now = nodeClock();
   const code = await parseInviteCode(pos.join(""));
   const them = code.name || fingerprint(code.key);
-  if (now() > code.expiresMs) {
-    throw new InterlinkError(
+  const expired = (atMs: number, by: string, more = "") =>
+    new InterlinkError(
       `the invite expired at ${isoTime(code.expiresMs)}, ${
-        howLong(now() - code.expiresMs)
-      } ago by this machine's clock: ask for a new one (\`interlink.ts invite\` on the other machine)`,
+        howLong(atMs - code.expiresMs)
+      } ago by ${by}: ask for a new one (\`interlink.ts invite\` on the other machine)${more}`,
     );
-  }
+  if (now() > code.expiresMs) throw expired(now(), "this machine's clock");
   const waitS = intOption(o.wait, "wait", 1, 24 * 3600);
-  const urls = from.url === "flag" || from.url === "env" ? parseBusUrls(o.url as string) : code.urls;
+  const urls = isGiven(from, "url") ? parseBusUrls(o.url as string) : code.urls;
   print(`invite   ${code.id} from ${them} (${fingerprint(code.key)}…), valid until ${isoTime(code.expiresMs)}`);
   // Reach the relay, and compare clocks, before anything is written.
   const reached = await Promise.all(urls.map((url) => reachRelay(url, 5000, now)));
@@ -14603,17 +14557,13 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     // Expired by the relay's clock, which the inviter's is near (a second's margin: the Date header's resolution).
     const relayNow = now() + skew;
     if (relayNow - code.expiresMs > 1000) {
-      throw new InterlinkError(
-        `the invite expired at ${isoTime(code.expiresMs)}, ${
-          howLong(relayNow - code.expiresMs)
-        } ago by ${them}'s relay's clock (this machine's is ${off} s ${
-          skew > 0 ? "behind" : "ahead of"
-        } it): ask for a new one (\`interlink.ts invite\` on the other machine), and sync this clock (NTP)`,
-      );
+      const by = `${them}'s relay's clock (this machine's is ${off} s ${skew > 0 ? "behind" : "ahead of"} it)`;
+      throw expired(relayNow, by, ", and sync this clock (NTP)");
     }
   }
   // Now this node: its key, and the inviter pinned (its receipts must pass the gate; taken back on a refusal).
   const keyExisted = fs.existsSync(o.key as string);
+  const butKey = keyExisted ? "" : " but this node's new key";
   await ensureKey(o.key as string, from.key === "default");
   const { cfg, id } = await nodeConfig(o);
   if (id.publicKey === code.key) {
@@ -14628,7 +14578,8 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     throw new InterlinkError(`'${petname}' is already a petname (key ${fingerprint(held)}…); pass --petname`);
   }
   const pinned = !existing && (await addPeer(cfg.peersFile, petname, code.key)) === "added";
-  const agent = await Agent.open({ ...cfg, busUrls: urls, session: `join-${code.id}` }, "interlink join", {
+  const session = `join-${code.id}`;
+  const agent = await Agent.open({ ...cfg, busUrls: urls, session }, "interlink join", {
     identity: id,
     now,
     adopt: false,
@@ -14637,7 +14588,6 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   let wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
   let outcome: "paired" | "refused" | "waiting" = "waiting";
-  const expiresBy = (at: number) => at + (skew ?? 0) > code.expiresMs; // by the relay's clock, when known
   try {
     const msgId = newMsgId();
     const mac = await inviteMac(
@@ -14689,9 +14639,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
       const why = entry.refusedBy
         ? refusalWords(entry.refusedBy)
         : `no relay took the request (${escapePeerText(entry.refused!, true)})`;
-      throw new InterlinkError(
-        `${them} refused: ${why}.${pinned ? ` Nothing was kept${keyExisted ? "" : " but this node's new key"}.` : ""}`,
-      );
+      throw new InterlinkError(`${them} refused: ${why}.${pinned ? ` Nothing was kept${butKey}.` : ""}`);
     }
   } finally {
     await agent.stop();
@@ -14700,35 +14648,30 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     // Nothing of this join is kept: the pin goes, config.json was not written, and this join's session goes (a
     // late acceptance there would otherwise pair this node, when a session adopts it, without anyone here asking).
     if (pinned) await removePeer(cfg.peersFile, petname);
-    await forgetSession(cfg.stateDir, `join-${code.id}`);
-    const expired = expiresBy(now());
+    await forgetSession(cfg.stateDir, session);
+    const why = signalled ? `stopped waiting (${signalled})` : `no answer from ${them} within ${howLong(waitS * 1000)}`;
+    const next = now() + (skew ?? 0) > code.expiresMs // by the relay's clock, when known
+      ? `The invite has expired meanwhile (${isoTime(code.expiresMs)}): ask ${them} for a new one.`
+      : `The invite stays valid until ${
+        isoTime(code.expiresMs)
+      }: join again once ${them} runs \`interlink.ts invite\` or a session there.`;
     throw new InterlinkError(
-      `${
-        signalled ? `stopped waiting (${signalled})` : `no answer from ${them} within ${howLong(waitS * 1000)}`
-      }: nothing of ${them}'s node read the request (a session of it, or its \`interlink.ts invite\`, answers within seconds), or ${them}'s relay lost it. ${
-        expired
-          ? `The invite has expired meanwhile (${isoTime(code.expiresMs)}): ask ${them} for a new one.`
-          : `The invite stays valid until ${
-            isoTime(code.expiresMs)
-          }: join again once ${them} runs \`interlink.ts invite\` or a session there.`
-      } Nothing was kept here${
-        keyExisted ? "" : " but this node's new key"
-      }. If ${them}'s node admits the request later, it lists this node as a peer while this one does not list it: joining again with the same code completes that.`,
+      `${why}: nothing of ${them}'s node read the request (a session of it, or its \`interlink.ts invite\`, answers within seconds), or ${them}'s relay lost it. ${next} Nothing was kept here${butKey}. If ${them}'s node admits the request later, it lists this node as a peer while this one does not list it: joining again with the same code completes that.`,
     );
   }
   // Paired: the node's settings name the relay.
   const configured = from.url === "config" ? parseBusUrls(o.url as string) : [];
   const url = [...configured, ...urls.filter((u) => !configured.includes(u))].join(",");
   const file = writeConfig({ ...explicitSettings(o, from), url });
-  const wrote = [
-    `config   ${tildify(file)}: url ${url}`,
+  print(`config   ${tildify(file)}: url ${url}`);
+  print(
     `peers    ${tildify(cfg.peersFile)}: '${petname}' is ${fingerprint(code.key)}… (${
       pinned ? "added" : "already there"
     })`,
-    `key      ${tildify(cfg.keyFile)} (${keyExisted ? "this node's" : "created now"}), fingerprint ${id.fingerprint}`,
-  ];
-  for (const line of wrote) print(line);
-  print();
+  );
+  print(
+    `key      ${tildify(cfg.keyFile)} (${keyExisted ? "this node's" : "created now"}), fingerprint ${id.fingerprint}\n`,
+  );
   printClaudeSetup(
     `Next: start Claude Code here; its interlink server reads ${
       tildify(file)
@@ -14772,9 +14715,7 @@ async function runBus(o: Options): Promise<number> {
       (r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : ""),
   );
   if (!isLoopback(host)) {
-    logWarn(
-      `bound to ${host}, not loopback: ${BUS_EXPOSURE}`,
-    );
+    logWarn(`bound to ${host}, not loopback: ${BUS_EXPOSURE}`);
   }
   const sig = await shutdownSignal();
   logInfo(`${sig}: shutting down`);
@@ -14787,12 +14728,19 @@ async function runBus(o: Options): Promise<number> {
 
 type Finding = { level: "ok" | "info" | "problem"; what: string; fix?: string };
 
+/** What doctor found: a fact, a fact with a hint, or a problem and how to fix it. */
+const found = {
+  ok: (what: string): Finding => ({ level: "ok", what }),
+  info: (what: string, fix?: string): Finding => ({ level: "info", what, ...some("fix", fix) }),
+  problem: (what: string, fix: string): Finding => ({ level: "problem", what, fix }),
+};
+
 /** Largest clock difference to the bus that `doctor` calls fine: well inside the 60 s future window. */
 const SKEW_WARN_MS = 10_000;
 
 /** Checks a node's set-up, one finding per line: ok, info, or a problem with how to fix it. */
 async function doctorFindings(o: Options): Promise<Finding[]> {
-  const out: Finding[] = [{ level: "ok", what: `runtime ${runtimeName()}, interlink ${VERSION}, ${process.platform}` }];
+  const out = [found.ok(`runtime ${runtimeName()}, interlink ${VERSION}, ${process.platform}`)];
   const keyFile = o.key as string;
   let id: Identity | null = null;
   try {
@@ -14800,144 +14748,110 @@ async function doctorFindings(o: Options): Promise<Finding[]> {
     const mode = fs.statSync(keyFile).mode & 0o777;
     out.push(
       mode & 0o077
-        ? {
-          level: "problem",
-          what: `key file ${keyFile} is readable by others (mode ${mode.toString(8)})`,
-          fix: `chmod 600 ${keyFile}`,
-        }
-        : { level: "ok", what: `key file ${keyFile} (mode 600), fingerprint ${id.fingerprint}` },
+        ? found.problem(`key file ${keyFile} is readable by others (mode ${mode.toString(8)})`, `chmod 600 ${keyFile}`)
+        : found.ok(`key file ${keyFile} (mode 600), fingerprint ${id.fingerprint}`),
     );
   } catch (e) {
-    out.push({
-      level: "problem",
-      what: (e as Error).message.replace(/ Create one.*$/, ""),
-      fix: `interlink.ts keygen --out ${keyFile}`,
-    });
+    out.push(found.problem((e as Error).message.replace(/ Create one.*$/, ""), `interlink.ts keygen --out ${keyFile}`));
   }
   const peersFile = o.peers as string;
   try {
-    const peers = loadPeers(peersFile);
+    const names = [...loadPeers(peersFile).byName.keys()];
     out.push(
       fs.existsSync(peersFile)
-        ? {
-          level: "ok",
-          what: `peers.json ${peersFile}: ${peers.byName.size} peer(s)${
-            peers.byName.size ? ` (${[...peers.byName.keys()].join(", ")})` : ""
-          }`,
-        }
-        : {
-          level: "info",
-          what: `no peers.json at ${peersFile} yet`,
-          fix: "pair with the discover and request_pair tools, or `interlink.ts peers add PETNAME KEY`",
-        },
+        ? found.ok(`peers.json ${peersFile}: ${names.length} peer(s)${names.length ? ` (${names.join(", ")})` : ""}`)
+        : found.info(
+          `no peers.json at ${peersFile} yet`,
+          "pair with the discover and request_pair tools, or `interlink.ts peers add PETNAME KEY`",
+        ),
     );
   } catch (e) {
-    out.push({
-      level: "problem",
-      what: (e as Error).message,
-      fix: `edit ${peersFile}: { "<petname>": { "key": "<43-char public key>" } }, one key per petname`,
-    });
+    const fix = `edit ${peersFile}: { "<petname>": { "key": "<43-char public key>" } }, one key per petname`;
+    out.push(found.problem((e as Error).message, fix));
   }
   const state = (o.state as string | undefined) ?? (id ? defaultNodeState(id.fingerprint) : undefined);
-  const lastStart = state ? lastStartFinding(state) : null;
-  if (lastStart) out.push(lastStart);
   const sessions = state ? listSessions(state) : [];
-  const agent = sessions.find((x) => x.live)?.live ?? null;
+  const live = sessions.filter((x) => x.live);
   if (state) {
-    const live = sessions.filter((x) => x.live);
+    const lastStart = lastStartFinding(state);
+    if (lastStart) out.push(lastStart);
     out.push(
       live.length
-        ? {
-          level: "ok",
-          what: `state folder ${state}: ${live.length} session(s) running: ${
+        ? found.ok(
+          `state folder ${state}: ${live.length} session(s) running: ${
             live.map((x) => `${sessionLabel(x)} pid ${x.live!.pid}`).join(", ")
           }`,
-        }
-        : { level: "info", what: `state folder ${state}: no session running (${sessions.length} known)` },
+        )
+        : found.info(`state folder ${state}: no session running (${sessions.length} known)`),
     );
   }
-  for (const x of sessions) {
+  for (const x of live) {
     // A Codex session's last wake: a queue that failed says why (what waits stays for check_inbox).
     try {
       const wake = JSON.parse(fs.readFileSync(path.join(x.dir, "wake.json"), "utf8"));
-      if (x.live && isObject(wake) && wake.ok === false) {
-        out.push({
-          level: "problem",
-          what: `the Codex session ${sessionLabel(x)} cannot be woken: ${showInvisible(String(wake.why))}`,
-          fix:
-            "check that codex runs (INTERLINK_CODEX_BIN) and that the session is a normal one (not codex exec or ephemeral); its messages wait for check_inbox",
-        });
+      if (isObject(wake) && wake.ok === false) {
+        out.push(found.problem(
+          `the Codex session ${sessionLabel(x)} cannot be woken: ${showInvisible(String(wake.why))}`,
+          "check that codex runs (INTERLINK_CODEX_BIN) and that the session is a normal one (not codex exec or ephemeral); its messages wait for check_inbox",
+        ));
       }
     } catch {
       // not a Codex session, or never woken
     }
   }
-  if (state) {
-    const refusals = new Map<string, number>();
-    const skewed = { theirs: 0, reported: 0, ours: new Map<string, ReceiptLine>() }; // the last day's clock refusals
-    const since = Date.now() - FRESH_PAST_MS;
-    for (const file of sessions.flatMap((x) => journalFiles(x.dir))) {
-      scanJournal(file, 0, (r) => {
-        if (r.t === "refusal") refusals.set(r.reason, (refusals.get(r.reason) ?? 0) + 1);
-        if (r.at < since) return;
-        if (r.t === "refusal" && r.reason === "stale") skewed.theirs++;
-        if (r.t === "owe") skewed.reported++;
-        if (r.t !== "receipt") return;
-        for (const l of recordedReports(r)) if (l.state === "refused") skewed.ours.set(r.peer, l);
-      });
-    }
-    for (const [peer, l] of skewed.ours) {
-      out.push({
-        level: "problem",
-        what: `${showInvisible(peer)} refused your messages in the last day (latest ${l.msg_id}): ${refusalWords(l)}`,
-        fix: l.reason === "not_allowlisted"
-          ? `ask ${showInvisible(peer)} to pair again: the request_pair tool (a re-knock) or \`interlink.ts invite\``
-          : "sync this machine's clock (NTP: `timedatectl set-ntp true`), then send what matters again",
-      });
-    }
-    if (skewed.theirs) {
-      out.push({
-        level: "problem",
-        what:
-          `this node refused peers' messages for their time in the last day (a sender's clock off by over a minute, or held over a day)${
-            skewed.reported ? `; ${skewed.reported} of them are reported to their senders by receipt` : ""
-          }`,
-        fix: "`interlink.ts log` names each sender: ask its operator to sync its clock (NTP); check this machine's too",
-      });
-    }
-    if (refusals.size) {
-      const list = [...refusals].map(([why, n]) => `${n} ${why}`).join(", ");
-      out.push({
-        level: "info",
-        what: `this node refused messages (${list}), one line per sender and reason`,
-        fix: "`interlink.ts log` shows each, with who sent it",
-      });
-    }
+  const refusals = new Map<string, number>();
+  const skewed = { theirs: 0, reported: 0, ours: new Map<string, ReceiptLine>() }; // the last day's clock refusals
+  const since = Date.now() - FRESH_PAST_MS;
+  for (const file of sessions.flatMap((x) => journalFiles(x.dir))) {
+    scanJournal(file, 0, (r) => {
+      if (r.t === "refusal") refusals.set(r.reason, (refusals.get(r.reason) ?? 0) + 1);
+      if (r.at < since) return;
+      if (r.t === "refusal" && r.reason === "stale") skewed.theirs++;
+      if (r.t === "owe") skewed.reported++;
+      if (r.t !== "receipt") return;
+      for (const l of recordedReports(r)) if (l.state === "refused") skewed.ours.set(r.peer, l);
+    });
+  }
+  for (const [peer, l] of skewed.ours) {
+    out.push(found.problem(
+      `${showInvisible(peer)} refused your messages in the last day (latest ${l.msg_id}): ${refusalWords(l)}`,
+      l.reason === "not_allowlisted"
+        ? `ask ${showInvisible(peer)} to pair again: the request_pair tool (a re-knock) or \`interlink.ts invite\``
+        : "sync this machine's clock (NTP: `timedatectl set-ntp true`), then send what matters again",
+    ));
+  }
+  if (skewed.theirs) {
+    out.push(found.problem(
+      `this node refused peers' messages for their time in the last day (a sender's clock off by over a minute, or held over a day)${
+        skewed.reported ? `; ${skewed.reported} of them are reported to their senders by receipt` : ""
+      }`,
+      "`interlink.ts log` names each sender: ask its operator to sync its clock (NTP); check this machine's too",
+    ));
+  }
+  if (refusals.size) {
+    const list = [...refusals].map(([why, n]) => `${n} ${why}`).join(", ");
+    out.push(found.info(
+      `this node refused messages (${list}), one line per sender and reason`,
+      "`interlink.ts log` shows each, with who sent it",
+    ));
   }
   // Lines taken out of a journal as unreadable: never silent.
-  const journals = [
-    ...sessions.map((x) => path.join(x.dir, "log.jsonl")),
-    path.join(stateDir(), "interlink", "bus", "queue.jsonl"),
-  ];
-  for (const file of journals) {
+  for (const file of [...sessions.map((x) => path.join(x.dir, "log.jsonl")), path.join(busDataDir(), "queue.jsonl")]) {
     const n = corruptCount(file);
     if (n) {
-      out.push({
-        level: "problem",
-        what: `${n} unreadable line(s) were taken out of ${file} (a disk fault or a hand edit)`,
-        fix: `read ${corruptFile(file)} (each line: its offset, why, and its text); delete it once dealt with`,
-      });
+      out.push(found.problem(
+        `${n} unreadable line(s) were taken out of ${file} (a disk fault or a hand edit)`,
+        `read ${corruptFile(file)} (each line: its offset, why, and its text); delete it once dealt with`,
+      ));
     }
   }
   let urls: string[] = [];
   try {
     urls = parseBusUrls((o.url as string | undefined) ?? localBusUrl());
   } catch (e) {
-    out.push({
-      level: "problem",
-      what: (e as Error).message,
-      fix: "set INTERLINK_URL to comma-separated http(s)://, nats:// or tls:// URLs",
-    });
+    out.push(
+      found.problem((e as Error).message, "set INTERLINK_URL to comma-separated http(s)://, nats:// or tls:// URLs"),
+    );
   }
   for (const url of urls) {
     if (isNatsUrl(url)) {
@@ -14945,72 +14859,62 @@ async function doctorFindings(o: Options): Promise<Finding[]> {
       continue;
     }
     const t0 = Date.now();
-    let roster: unknown;
-    let date: string | null;
-    let features: string | null;
+    let r: Response, roster: unknown;
     try {
-      const r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(3000) });
-      date = r.headers.get("date");
-      features = r.headers.get("interlink-bus");
+      r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(3000) });
       roster = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, "its roster", ROSTER_ANSWER_VALUES_MAX);
       if (!r.ok) throw new Error(`answered ${r.status}`);
     } catch (e) {
-      out.push({
-        level: "problem",
-        what: `bus ${url} is unreachable: ${errorText(e)}`,
-        fix: o.url === undefined
+      out.push(found.problem(
+        `bus ${url} is unreachable: ${errorText(e)}`,
+        o.url === undefined
           ? "start one with `interlink.ts bus` (the mcp command starts one itself unless --no-bus)"
           : "start that bus, or fix INTERLINK_URL",
-      });
+      ));
       continue;
     }
     const t1 = Date.now();
-    out.push({ level: "ok", what: `bus ${url} answers (round trip ${t1 - t0} ms)` });
+    const features = r.headers.get("interlink-bus") ?? "";
     out.push(
-      features?.includes("ownership")
-        ? {
-          level: "ok",
-          what: `bus ${url} enforces recipient ownership: once a route proves its key, nobody else reads or acks it`,
-        }
-        : {
-          level: "info",
-          what:
-            `bus ${url} does not enforce recipient ownership (a reference bus): anyone who reaches it can read or ack any route`,
-          fix: "run `interlink.ts bus` there, or keep the bus on a network only your nodes reach",
-        },
+      found.ok(`bus ${url} answers (round trip ${t1 - t0} ms)`),
+      features.includes("ownership")
+        ? found.ok(`bus ${url} enforces recipient ownership: once a route proves its key, nobody else reads or acks it`)
+        : found.info(
+          `bus ${url} does not enforce recipient ownership (a reference bus): anyone who reaches it can read or ack any route`,
+          "run `interlink.ts bus` there, or keep the bus on a network only your nodes reach",
+        ),
+      fullFinding(
+        `bus ${url}`,
+        features.includes("full-refused"),
+        "its cap per recipient",
+        "a reference bus, or ours of an earlier release",
+        "run `interlink.ts bus` of this release there",
+      ),
     );
-    out.push(fullFinding(
-      `bus ${url}`,
-      features?.includes("full-refused") === true,
-      "its cap per recipient",
-      "a reference bus, or ours of an earlier release",
-      "run `interlink.ts bus` of this release there",
-    ));
+    const date = r.headers.get("date");
     if (date) {
       const skew = Date.parse(date) - (t0 + t1) / 2; // the header has 1 s resolution
       out.push(
         Math.abs(skew) > SKEW_WARN_MS
-          ? {
-            level: "problem",
-            what: `clock is ${Math.round(skew / 1000)} s off ${url}`,
-            fix: "sync this machine's clock (NTP); peers refuse messages more than 60 s in the future",
-          }
-          : { level: "ok", what: `clock within ${Math.max(1, Math.round(Math.abs(skew) / 1000))} s of ${url}` },
+          ? found.problem(
+            `clock is ${Math.round(skew / 1000)} s off ${url}`,
+            "sync this machine's clock (NTP); peers refuse messages more than 60 s in the future",
+          )
+          : found.ok(`clock within ${Math.max(1, Math.round(Math.abs(skew) / 1000))} s of ${url}`),
       );
     }
-    if (id) {
-      const listed = isObject(roster) && Array.isArray(roster.roster) &&
-        roster.roster.some((a) => isObject(a) && a.pubkey === id!.publicKey);
-      out.push(
-        listed ? { level: "ok", what: `this node is on the roster of ${url}` } : agent
-          ? {
-            level: "problem",
-            what: `this node is not on the roster of ${url} although an agent runs`,
-            fix: "check the agent's log (stderr) for errors reaching the bus",
-          }
-          : { level: "info", what: `this node is not on the roster of ${url} (no agent running with this key)` },
-      );
-    }
+    if (!id) continue;
+    const key = id.publicKey;
+    const listed = isObject(roster) && Array.isArray(roster.roster) &&
+      roster.roster.some((a) => isObject(a) && a.pubkey === key);
+    out.push(
+      listed ? found.ok(`this node is on the roster of ${url}`) : live.length
+        ? found.problem(
+          `this node is not on the roster of ${url} although an agent runs`,
+          "check the agent's log (stderr) for errors reaching the bus",
+        )
+        : found.info(`this node is not on the roster of ${url} (no agent running with this key)`),
+    );
   }
   return out;
 }
@@ -15021,62 +14925,54 @@ async function doctorFindings(o: Options): Promise<Finding[]> {
  */
 function fullFinding(relay: string, refuses: boolean, cap: string, which: string, fix: string): Finding {
   return refuses
-    ? { level: "ok", what: `${relay} refuses a message past ${cap} (the sender keeps it): nothing accepted is dropped` }
-    : {
-      level: "info",
-      what:
-        `${relay} drops the oldest message past ${cap} (${which}): our senders hold each route at ${SEND_WINDOW} unconfirmed, freed by receipts; a reference node, which sends none, is not held and can lose mail there`,
+    ? found.ok(`${relay} refuses a message past ${cap} (the sender keeps it): nothing accepted is dropped`)
+    : found.info(
+      `${relay} drops the oldest message past ${cap} (${which}): our senders hold each route at ${SEND_WINDOW} unconfirmed, freed by receipts; a reference node, which sends none, is not held and can lose mail there`,
       fix,
-    };
+    );
 }
 
 /** A NATS relay: it connects, JetStream is on, the stream and roster bucket exist or could be made, its round trip. */
 async function doctorNats(url: string, id: Identity | null): Promise<Finding[]> {
   const relay = new NatsRelay(url, undefined, id?.publicKey);
+  const name = `NATS relay ${relay.name}`;
   try {
     const t0 = Date.now();
-    const link = await Promise.race([
-      relay.link(),
-      sleep(5_000).then(() => Promise.reject(new Error("no answer within 5 s"))),
-    ]);
+    const link = await withTimeout(5_000, `${relay.name}: connect`, () => relay.link());
     const setupMs = Date.now() - t0;
     const rtt = await withTimeout(5_000, `${relay.name}: ping`, () => link.nc.rtt());
-    const out: Finding[] = [
-      {
-        level: "ok",
-        what:
-          `NATS relay ${relay.name} answers (round trip ${rtt} ms; connected with JetStream, stream ${NATS_STREAM} and bucket ${NATS_ROSTER} ready, in ${setupMs} ms)`,
-      },
-      {
-        level: "info",
-        what:
-          `NATS relay ${relay.name}: who may read or ack a route is up to the account's permissions (docs/nats.md, "Who may read a route"), not to interlink`,
-      },
+    const mine = id && (await relay.roster()).some((a) => isObject(a) && a.pubkey === id.publicKey);
+    return [
+      found.ok(
+        `${name} answers (round trip ${rtt} ms; connected with JetStream, stream ${NATS_STREAM} and bucket ${NATS_ROSTER} ready, in ${setupMs} ms)`,
+      ),
+      found.info(
+        `${name}: who may read or ack a route is up to the account's permissions (docs/nats.md, "Who may read a route"), not to interlink`,
+      ),
       fullFinding(
-        `NATS relay ${relay.name}`,
+        name,
         link.refuses,
         "its per-subject limit",
         "a stream made by an earlier release",
         'once no node of an earlier release uses it: `nats stream edit INTERLINK --discard new --discard-per-subject` (docs/nats.md, "Mapping")',
       ),
+      ...(id
+        ? [
+          found.info(
+            `this node is ${mine ? "" : "not "}on the roster of ${relay.name}${
+              mine ? "" : " (no agent running with this key)"
+            }`,
+          ),
+        ]
+        : []),
     ];
-    if (id) {
-      const mine = (await relay.roster()).some((a) => isObject(a) && a.pubkey === id.publicKey);
-      out.push({
-        level: "info",
-        what: `this node is ${mine ? "" : "not "}on the roster of ${relay.name}${
-          mine ? "" : " (no agent running with this key)"
-        }`,
-      });
-    }
-    return out;
   } catch (e) {
-    return [{
-      level: "problem",
-      what: `NATS relay ${relay.name} is not usable: ${errorText(e)}`,
-      fix:
+    return [
+      found.problem(
+        `${name} is not usable: ${errorText(e)}`,
         "start nats-server with JetStream (`nats-server -js`), check the URL and credentials (INTERLINK_NATS_CREDS, INTERLINK_NATS_NKEY, INTERLINK_NATS_CA)",
-    }];
+      ),
+    ];
   } finally {
     await relay.close();
   }
@@ -15139,25 +15035,22 @@ function printClaudeSetup(lead: string): void {
   print('and the Stop hook that wakes an idle session (README: "Install into Claude Code", the Stop hook).');
 }
 
+const identityLines = (id: Identity) => `public key   ${id.publicKey}\nfingerprint  ${id.fingerprint}`;
+
 async function runKeygen(o: Options): Promise<number> {
   const file = o.out as string;
   const seed = crypto.getRandomValues(new Uint8Array(32));
   writeKeyFile(file, seed, o.force === true);
   const id = await identityFromSeed(seed);
   const suggested = os.hostname().replace(/[^A-Za-z0-9._-]/g, "-").replace(/^[^A-Za-z0-9]+/, "") || "my-node";
-  print(`wrote ${file} (mode 0600)`);
-  print(`public key   ${id.publicKey}`);
-  print(`fingerprint  ${id.fingerprint}`);
-  print();
-  print(`Your peers add this entry to their peers.json (the petname is theirs to choose):`);
+  print(`wrote ${file} (mode 0600)\n${identityLines(id)}\n`);
+  print("Your peers add this entry to their peers.json (the petname is theirs to choose):");
   print(JSON.stringify({ [suggested]: { key: id.publicKey } }, null, 2));
   return 0;
 }
 
 async function runId(o: Options): Promise<number> {
-  const id = await readIdentity(o.key as string);
-  print(`public key   ${id.publicKey}`);
-  print(`fingerprint  ${id.fingerprint}`);
+  print(identityLines(await readIdentity(o.key as string)));
   return 0;
 }
 
@@ -15173,13 +15066,13 @@ const COMMANDS: Record<string, CommandSpec> = {
       name: OPT.name,
       delivery: OPT.delivery,
       "max-depth": OPT["max-depth"],
-      host: {
-        type: "string",
-        arg: "HOST",
-        env: "INTERLINK_HOST",
-        defaultHelp: "claude, or codex when Codex starts the server",
-        help: "the program the session runs in: claude (Claude Code) or codex (Codex CLI, woken by `codex queue`)",
-      },
+      host: option(
+        "HOST",
+        "INTERLINK_HOST",
+        undefined,
+        "the program the session runs in: claude (Claude Code) or codex (Codex CLI, woken by `codex queue`)",
+        { defaultHelp: "claude, or codex when Codex starts the server" },
+      ),
       "no-bus": {
         type: "boolean",
         env: "INTERLINK_AUTOSTART_BUS",
@@ -15196,81 +15089,53 @@ const COMMANDS: Record<string, CommandSpec> = {
       "GET /roster, POST /unregister; batched recv and ack as extensions). A message answered 202 is on disk;\n" +
       "it is delivered until its recipient acks it.",
     options: {
-      host: {
-        type: "string",
-        arg: "HOST",
-        env: "INTERLINK_BUS_HOST",
-        default: "127.0.0.1",
-        help: "address to bind (non-loopback prints a warning)",
-      },
-      port: {
-        type: "string",
-        arg: "PORT",
-        env: "INTERLINK_BUS_PORT",
-        default: String(DEFAULT_BUS_PORT),
-        help: "TCP port; 0 picks a free one",
-      },
-      data: {
-        type: "string",
-        arg: "DIR",
-        env: "INTERLINK_BUS_DATA",
-        default: () => path.join(stateDir(), "interlink", "bus"),
-        help: "folder for the queue file (one bus per folder)",
-      },
-      cap: {
-        type: "string",
-        arg: "N",
-        env: "INTERLINK_QUEUE_CAP",
-        default: String(QUEUE_CAP),
-        help: "messages one signer may have queued per recipient; past it the next is refused (429), none dropped",
-      },
-      "opaque-cap": {
-        type: "string",
-        arg: "N",
-        env: "INTERLINK_BUS_OPAQUE_CAP",
-        default: String(OPAQUE_CAP),
-        help: "payloads that are not signed v2 messages held per recipient (apart from the cap; past it: 429)",
-      },
-      "sender-mb": {
-        type: "string",
-        arg: "MB",
-        env: "INTERLINK_BUS_SENDER_MB",
-        default: String(SENDER_BYTES_MAX >> 20),
-        help:
-          "MiB of messages one signer may have queued, all recipients together, each counting 256 bytes more (past it: 429)",
-      },
-      "max-mb": {
-        type: "string",
-        arg: "MB",
-        env: "INTERLINK_BUS_MAX_MB",
-        default: String(TOTAL_BYTES_MAX >> 20),
-        help: "MiB of messages the bus holds in all (past it: 507)",
-      },
-      owners: {
-        type: "string",
-        arg: "N",
-        env: "INTERLINK_BUS_OWNERS",
-        default: String(OWNERS_MAX),
-        help:
-          "keys whose routes the bus protects (recipient ownership), never forgotten; past it the bus closes: every recv and ack then needs a proof, and reference nodes are refused (403)",
-      },
-      guard: {
-        type: "string",
-        arg: "on|off",
-        env: "INTERLINK_BUS_GUARD",
-        default: "on",
-        help: `under Deno, serve with node:http so that idle (${CONN_IDLE_MS / 1000} s) and slow (${
+      host: option("HOST", "INTERLINK_BUS_HOST", "127.0.0.1", "address to bind (non-loopback prints a warning)"),
+      port: option("PORT", "INTERLINK_BUS_PORT", String(DEFAULT_BUS_PORT), "TCP port; 0 picks a free one"),
+      data: option("DIR", "INTERLINK_BUS_DATA", busDataDir, "folder for the queue file (one bus per folder)"),
+      cap: option(
+        "N",
+        "INTERLINK_QUEUE_CAP",
+        String(QUEUE_CAP),
+        "messages one signer may have queued per recipient; past it the next is refused (429), none dropped",
+      ),
+      "opaque-cap": option(
+        "N",
+        "INTERLINK_BUS_OPAQUE_CAP",
+        String(OPAQUE_CAP),
+        "payloads that are not signed v2 messages held per recipient (apart from the cap; past it: 429)",
+      ),
+      "sender-mb": option(
+        "MB",
+        "INTERLINK_BUS_SENDER_MB",
+        String(SENDER_BYTES_MAX >> 20),
+        "MiB of messages one signer may have queued, all recipients together, each counting 256 bytes more (past it: 429)",
+      ),
+      "max-mb": option(
+        "MB",
+        "INTERLINK_BUS_MAX_MB",
+        String(TOTAL_BYTES_MAX >> 20),
+        "MiB of messages the bus holds in all (past it: 507)",
+      ),
+      owners: option(
+        "N",
+        "INTERLINK_BUS_OWNERS",
+        String(OWNERS_MAX),
+        "keys whose routes the bus protects (recipient ownership), never forgotten; past it the bus closes: every recv and ack then needs a proof, and reference nodes are refused (403)",
+      ),
+      guard: option(
+        "on|off",
+        "INTERLINK_BUS_GUARD",
+        "on",
+        `under Deno, serve with node:http so that idle (${CONN_IDLE_MS / 1000} s) and slow (${
           CONN_BODY_MS / 1000
         } s) connections are closed; off: Deno.serve, faster, but it never closes an idle connection (only where no hostile client can connect). Bun always closes them`,
-      },
-      compact: {
-        type: "string",
-        arg: "N",
-        env: "INTERLINK_BUS_COMPACT",
-        default: String(COMPACT_MIN_DEAD),
-        help:
-          "rewrite the queue file once this many records are dead (acked or dropped) and they outnumber the live ones",
-      },
+      ),
+      compact: option(
+        "N",
+        "INTERLINK_BUS_COMPACT",
+        String(COMPACT_MIN_DEAD),
+        "rewrite the queue file once this many records are dead (acked or dropped) and they outnumber the live ones",
+      ),
     },
     run: runBus,
   },
@@ -15285,12 +15150,12 @@ const COMMANDS: Record<string, CommandSpec> = {
       status: { type: "string", arg: "STATUS", help: `task status: ${STATUSES.join(", ")}` },
       "in-reply-to": { type: "string", arg: "MSG_ID", help: "the msg_id this answers" },
       channel: { type: "string", arg: "LABEL", help: "the recipient's named inbox" },
-      parent: {
-        type: "string",
-        arg: "TASK_ID",
-        help:
-          "the task a peer asked of this node that this request serves: opens a sub-task (with --task, no --status)",
-      },
+      parent: option(
+        "TASK_ID",
+        undefined,
+        undefined,
+        "the task a peer asked of this node that this request serves: opens a sub-task (with --task, no --status)",
+      ),
       "max-depth": OPT["max-depth"],
     },
     run: runSend,
@@ -15334,14 +15199,12 @@ const COMMANDS: Record<string, CommandSpec> = {
       session: { ...OPT.session, defaultHelp: "the hook's session_id on stdin, else the node's only session" },
       inbox: OPT.inbox,
       delivery: OPT.delivery,
-      timeout: {
-        type: "string",
-        arg: "SECONDS",
-        env: "INTERLINK_WAIT_TIMEOUT",
-        default: String(WAIT_TIMEOUT_S),
-        help:
-          "the hook's own timeout (set both alike): shortly before it, wait renews itself (exit 2, one line: the model ends that turn and the hook runs again)",
-      },
+      timeout: option(
+        "SECONDS",
+        "INTERLINK_WAIT_TIMEOUT",
+        String(WAIT_TIMEOUT_S),
+        "the hook's own timeout (set both alike): shortly before it, wait renews itself (exit 2, one line: the model ends that turn and the hook runs again)",
+      ),
     },
     run: runWait,
   },
@@ -15382,18 +15245,18 @@ const COMMANDS: Record<string, CommandSpec> = {
       url: OPT.url,
       state: OPT.state,
       name: OPT.name,
-      for: {
-        type: "string",
-        arg: "PETNAME",
-        help: "the petname the joining node is filed under (default: its claimed name, if free)",
-      },
-      ttl: {
-        type: "string",
-        arg: "DURATION",
-        env: "INTERLINK_INVITE_TTL",
-        default: INVITE_TTL_DEFAULT,
-        help: "how long the invite is valid (90s, 10m, 2h; at most 24h)",
-      },
+      for: option(
+        "PETNAME",
+        undefined,
+        undefined,
+        "the petname the joining node is filed under (default: its claimed name, if free)",
+      ),
+      ttl: option(
+        "DURATION",
+        "INTERLINK_INVITE_TTL",
+        INVITE_TTL_DEFAULT,
+        "how long the invite is valid (90s, 10m, 2h; at most 24h)",
+      ),
       lan: {
         type: "boolean",
         help: `run this machine's bus on every address when it listens only on loopback; then ${BUS_EXPOSURE}`,
@@ -15425,19 +15288,13 @@ const COMMANDS: Record<string, CommandSpec> = {
       },
       state: OPT.state,
       name: OPT.name,
-      petname: {
-        type: "string",
-        arg: "PETNAME",
-        help:
-          "the petname the inviter is filed under (default: the name in the code, if free, else peer-<fingerprint>)",
-      },
-      wait: {
-        type: "string",
-        arg: "SECONDS",
-        env: "INTERLINK_JOIN_WAIT",
-        default: String(JOIN_WAIT_S),
-        help: "how long to wait for the inviter's answer",
-      },
+      petname: option(
+        "PETNAME",
+        undefined,
+        undefined,
+        "the petname the inviter is filed under (default: the name in the code, if free, else peer-<fingerprint>)",
+      ),
+      wait: option("SECONDS", "INTERLINK_JOIN_WAIT", String(JOIN_WAIT_S), "how long to wait for the inviter's answer"),
     },
     run: runJoin,
   },
@@ -15449,17 +15306,11 @@ const COMMANDS: Record<string, CommandSpec> = {
     },
     run: runKeygen,
   },
-  id: {
-    summary: "print this node's public key and fingerprint",
-    options: { key: OPT.key },
-    run: runId,
-  },
+  id: { summary: "print this node's public key and fingerprint", options: { key: OPT.key }, run: runId },
 };
 
 /** Every command and its flags, as the help shows them (for tests and docs checks). */
-function commandTable(
-  extras: Record<string, CommandSpec> = {},
-): { name: string; flags: string[]; envs: string[] }[] {
+function commandTable(extras: Record<string, CommandSpec> = {}): { name: string; flags: string[]; envs: string[] }[] {
   return Object.entries({ ...COMMANDS, ...extras }).map(([name, c]) => ({
     name,
     flags: Object.keys(c.options),
@@ -15584,27 +15435,17 @@ const EXTRAS: Record<string, { file: string; summary: string }> = {
 
 async function main(argv: string[]): Promise<number> {
   const [name, ...rest] = argv;
-  if (name === undefined || name === "help" || name === "--help" || name === "-h") {
+  if (name === undefined || ["help", "--help", "-h"].includes(name)) {
     print(programHelp());
     return name === undefined ? 2 : 0;
   }
-  if (name === "--version" || name === "-V" || name === "version") {
+  if (["--version", "-V", "version"].includes(name)) {
     print(`interlink ${VERSION} (${runtimeName()})`);
     return 0;
   }
   // Every argument is claude's; a lone --help is ours.
   if (name === "claude" && !(rest.length === 1 && ["--help", "-h"].includes(rest[0]))) return await runClaude(rest);
-  if (Object.hasOwn(EXTRAS, name)) {
-    let extra: CommandSpec;
-    try {
-      extra = await loadExtra(name);
-    } catch (e) {
-      if (!(e instanceof InterlinkError)) throw e;
-      process.stderr.write(`interlink ${name}: ${e.message}\n`);
-      return 1;
-    }
-    return await runCommand(name, rest, extra);
-  }
+  if (Object.hasOwn(EXTRAS, name)) return await runCommand(name, rest, loadExtra(name));
   if (!Object.hasOwn(COMMANDS, name)) {
     process.stderr.write(`interlink: unknown command '${name}'\n\n${programHelp()}\n`);
     return 2;
@@ -15613,8 +15454,9 @@ async function main(argv: string[]): Promise<number> {
 }
 
 /** Parses `argv` for one command (of the core or an extra) and runs it: its exit code; an InterlinkError is 1. */
-async function runCommand(name: string, argv: string[], cmd: CommandSpec): Promise<number> {
+async function runCommand(name: string, argv: string[], spec: CommandSpec | Promise<CommandSpec>): Promise<number> {
   try {
+    const cmd = await spec;
     const { opts, positionals, help, from } = parseCommandLine(name, argv, cmd);
     if (help) {
       print(commandHelp(name, cmd));
@@ -15645,23 +15487,20 @@ async function loadExtra(name: string): Promise<CommandSpec> {
   return ((await import(url.href)) as { command: CommandSpec }).command;
 }
 
-/** An extra run as a file of its own (`bun extras/board.ts …`): the same parsing, help and exit codes. */
-function runExtra(name: string, cmd: CommandSpec): void {
-  runCommand(name, process.argv.slice(2), cmd).then((code) => process.exit(code), (e) => {
+/** Exits with the command's code; a crash prints its stack and exits 70 (EX_SOFTWARE). */
+function exitWith(run: Promise<number>): void {
+  run.then((code) => process.exit(code), (e) => {
     process.stderr.write(`interlink: ${(e as Error).stack ?? e}\n`);
     process.exit(70);
   });
 }
 
-if (import.meta.main) {
-  main(process.argv.slice(2)).then(
-    (code) => process.exit(code),
-    (e) => {
-      process.stderr.write(`interlink: ${(e as Error).stack ?? e}\n`);
-      process.exit(70);
-    },
-  );
+/** An extra run as a file of its own (`bun extras/board.ts …`): the same parsing, help and exit codes. */
+function runExtra(name: string, cmd: CommandSpec): void {
+  exitWith(runCommand(name, process.argv.slice(2), cmd));
 }
+
+if (import.meta.main) exitWith(main(process.argv.slice(2)));
 
 // -- the public surface ---------------------------------------------------------
 //
