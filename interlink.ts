@@ -13076,9 +13076,15 @@ const OPT = {
   name: option("NAME", "INTERLINK_NAME", undefined, "name announced on the roster (a self-claim, not identity)", {
     defaultHelp: "the key's fingerprint",
   }),
-  state: option("DIR", "INTERLINK_STATE", undefined, "this node's journal (outbox, log, inbox) and locks", {
-    defaultHelp: "~/.local/state/interlink/node-<fingerprint>[-<inbox>]",
-  }),
+  state: option(
+    "DIR",
+    "INTERLINK_STATE",
+    undefined,
+    "this node's folder: its sessions' journals, locks and replay files",
+    {
+      defaultHelp: "~/.local/state/interlink/node-<fingerprint>",
+    },
+  ),
   session: option(
     "ID",
     "INTERLINK_SESSION",
@@ -15211,7 +15217,7 @@ const COMMANDS: Record<string, CommandSpec> = {
   doctor: {
     summary: "check this node's set-up and say how to fix what is wrong",
     about:
-      "Checks the key file and its mode, peers.json, every bus (reachability, round trip, clock skew from its\nDate header, whether this node is on its roster), the runtime, and whether an agent holds the state folder.\nExits 1 if any problem was found.",
+      "Checks the runtime, the key file and its mode, peers.json, this node's sessions (which run, their last start, their\nCodex wakes), the last day's refusals and clock skew, lines set aside as unreadable, and every relay (reachability,\nround trip, clock skew, whether this node is on its roster; a NATS stream's limits). Exits 1 if any problem was found.",
     options: { ...NODE_OPTIONS },
     run: runDoctor,
   },
