@@ -6726,413 +6726,303 @@ interface CarriedOut {
   chain?: Chain;
 }
 
-// The codec. Records come from disk: a hand edit, a disk fault or a newer
-// version may have put anything there, so each field is checked and a bad one
-// named; the caller (the journal's owner) sets the line aside with the reason.
+// The codec. Records come from disk: a hand edit, a disk fault or a newer version may have put anything there, so
+// each field is checked and a bad one named; the caller (the journal's owner) sets the line aside with the reason.
 
-const str = (o: Record<string, unknown>, k: string): string => field(o, k);
+/** Decodes field `k` of `o`, or throws a FormatError that names it. */
+type Field<T> = (o: Record<string, unknown>, k: string) => T;
 
-const optStr = (o: Record<string, unknown>, k: string): string | undefined => {
+/** The fields `spec` decodes, in its order (the order they are written in); one that decodes to undefined is left out. */
+function fields<S extends Record<string, Field<unknown>>>(
+  o: Record<string, unknown>,
+  spec: S,
+): { [K in keyof S]: ReturnType<S[K]> } {
+  const out: Record<string, unknown> = {};
+  for (const k in spec) {
+    const v = spec[k](o, k);
+    if (v !== undefined) out[k] = v;
+  }
+  return out as { [K in keyof S]: ReturnType<S[K]> };
+}
+
+const str: Field<string> = field;
+
+/** Absent or null: none. */
+const optStr: Field<string | undefined> = (o, k) => {
   const v = o[k];
   if (v === undefined || v === null) return undefined;
   if (typeof v !== "string") throw new FormatError(`"${k}" is not a string`);
   return v;
 };
 
-const int = (o: Record<string, unknown>, k: string): number => {
+const int: Field<number> = (o, k) => {
   const v = o[k];
   if (typeof v !== "number" || !Number.isSafeInteger(v)) throw new FormatError(`"${k}" is not an integer`);
   return v;
 };
 
-const optInt = (
-  o: Record<string, unknown>,
-  k: string,
-): number | undefined => (o[k] === undefined ? undefined : int(o, k));
+/** Absent: none; anything else is decoded by `f`. */
+const optional = <T>(f: Field<T>): Field<T | undefined> => (o, k) => (o[k] === undefined ? undefined : f(o, k));
 
-const flag = <K extends string>(o: Record<string, unknown>, k: K): { [P in K]?: true } =>
-  (o[k] === true ? { [k]: true } : {}) as { [P in K]?: true };
+const optInt = optional(int);
 
-function list(o: Record<string, unknown>, k: string): unknown[] {
+const flag: Field<true | undefined> = (o, k) => (o[k] === true ? true : undefined);
+
+const list: Field<unknown[]> = (o, k) => {
   const v = o[k];
   if (!Array.isArray(v)) throw new FormatError(`"${k}" is not a list`);
   return v;
-}
+};
+
+const strings: Field<string[]> = (o, k) => list(o, k).map(String);
 
 const obj = (v: unknown, what: string): Record<string, unknown> => {
   if (!isObject(v)) throw new FormatError(`${what} is not an object`);
   return v;
 };
 
-function reason(o: Record<string, unknown>, k: string): Refusal {
-  const v = o[k];
-  if (!isRefusal(v)) throw new FormatError(`"${k}" is not a known reason`);
-  return v;
-}
+/** A field that a decoder of whole values reads. */
+const decoded = <T>(f: (v: unknown) => T): Field<T> => (o, k) => f(o[k]);
 
-const where = (v: unknown, what: string): { at: number; session: string } | undefined => {
-  if (v === undefined) return undefined;
-  const o = obj(v, what);
-  return { at: int(o, "at"), session: str(o, "session") };
+/** An optional object, its fields read by `f`. */
+const nested = <T>(f: (x: Record<string, unknown>) => T): Field<T | undefined> =>
+  optional((o, k) => f(obj(o[k], `"${k}"`)));
+
+/** One of `values`; a bad one "is `says`". */
+const oneOf = <T extends string>(values: readonly T[], says = `not ${values.join(", ")}`): Field<T> => (o, k) => {
+  if (!values.includes(o[k] as T)) throw new FormatError(`"${k}" is ${says}`);
+  return o[k] as T;
 };
 
-/** A carried [key, value] list. */
-const pairs = <V>(o: Record<string, unknown>, k: string, value: (v: unknown) => V): [string, V][] =>
-  (o[k] === undefined ? [] : list(o, k)).map((p) => {
-    if (!Array.isArray(p) || p.length !== 2 || typeof p[0] !== "string") {
-      throw new FormatError(`"${k}" holds a bad pair`);
-    }
-    return [p[0], value(p[1])];
-  });
+const reason: Field<Refusal> = (o, k) => {
+  if (!isRefusal(o[k])) throw new FormatError(`"${k}" is not a known reason`);
+  return o[k] as Refusal;
+};
 
 const num = (v: unknown): number => {
   if (typeof v !== "number" || !Number.isSafeInteger(v)) throw new FormatError("not an integer");
   return v;
 };
 
-function decodeReceiptLine(v: unknown): ReceiptLine {
-  const o = obj(v, "a receipt line");
-  const state = o.state;
-  if (!(RECEIPT_STATES as readonly unknown[]).includes(state)) throw new FormatError(`"state" is not a receipt state`);
-  return {
-    state: state as ReceiptState,
-    msg_id: str(o, "msg_id"),
-    at: int(o, "at"),
-    ...some("session", optStr(o, "session")),
-    ...(o.reason === undefined ? {} : { reason: reason(o, "reason") }),
-    ...some("skew_ms", optInt(o, "skew_ms")),
-  };
-}
+/** A carried list (absent: empty), each element read by `value` (told the list's name). */
+const items = <V>(value: (v: unknown, k: string) => V): Field<V[]> => (o, k) =>
+  (o[k] === undefined ? [] : list(o, k)).map((v) => value(v, k));
 
-function decodeRelayed(v: unknown): Relayed | undefined {
-  if (v === undefined) return undefined;
-  const o = obj(v, `"relay"`);
-  if (o.dir !== "up" && o.dir !== "down") throw new FormatError(`"relay.dir" is up or down`);
-  return { dir: o.dir, to: str(o, "to"), task_id: str(o, "task_id") };
-}
+/** A carried [key, value] list (absent: empty). */
+const pairs = <V>(value: (v: unknown, k: string) => V): Field<[string, V][]> =>
+  items((p, k) => {
+    if (!Array.isArray(p) || p.length !== 2 || typeof p[0] !== "string") {
+      throw new FormatError(`"${k}" holds a bad pair`);
+    }
+    return [p[0], value(p[1], k)];
+  });
 
-const optChain = (v: unknown): Chain | undefined => (v === undefined ? undefined : parseChain(v));
+/** A string in a carried list; a bad one is named as `what`. */
+const textItem = (what: string) => (v: unknown, k: string): string => {
+  if (typeof v !== "string") throw new FormatError(`"${k}" holds a bad ${what}`);
+  return v;
+};
+
+const message = decoded(parseSignedMessage);
+
+const optChain = optional(decoded(parseChain));
+
+const shownName: Field<string> = (o, k) => displayName(str(o, k));
+
+const where = nested((x) => fields(x, { at: int, session: str }));
+
+const relayed = nested((x): Relayed => {
+  if (x.dir !== "up" && x.dir !== "down") throw new FormatError(`"relay.dir" is up or down`);
+  return { dir: x.dir, to: str(x, "to"), task_id: str(x, "task_id") };
+});
+
+const receiptLine = (v: unknown): ReceiptLine =>
+  fields(obj(v, "a receipt line"), {
+    state: oneOf(RECEIPT_STATES, "not a receipt state"),
+    msg_id: str,
+    at: int,
+    session: optStr,
+    reason: optional(reason),
+    skew_ms: optInt,
+  });
 
 /** A message's head (see MessageHead), from a head or a whole message (as 0.5.0 wrote a bounced one). */
 function decodeHead(v: unknown): MessageHead {
   const o = obj(v, "a message");
-  if (!(KINDS as readonly unknown[]).includes(o.kind)) throw new FormatError(`"kind" is not ${KINDS.join(", ")}`);
-  if (o.status !== undefined && !isTaskStatus(o.status)) throw new FormatError(`"status" is not a task status`);
-  return headOf({
-    msg_id: str(o, "msg_id"),
-    kind: o.kind as Kind,
-    from: str(o, "from"),
-    to: str(o, "to"),
-    ts: int(o, "ts"),
-    task_id: optStr(o, "task_id"),
-    status: o.status as TaskStatus | undefined,
-  });
+  return headOf(fields(o, {
+    kind: oneOf(KINDS),
+    status: optional((o, k) => {
+      if (!isTaskStatus(o[k])) throw new FormatError(`"status" is not a task status`);
+      return o[k] as TaskStatus;
+    }),
+    msg_id: str,
+    from: str,
+    to: str,
+    ts: int,
+    task_id: optStr,
+  }));
 }
+
+/** Each inbox item's fields beside kind, id and at. */
+const ITEM_FIELDS: {
+  [K in InboxItem["kind"]]: (o: Record<string, unknown>) => Omit<Extract<InboxItem, { kind: K }>, "kind" | "id" | "at">;
+} = {
+  message: (o) =>
+    fields(o, {
+      peer: str,
+      msg: message,
+      forSession: optStr,
+      relay: relayed,
+      asked: nested((a) => fields(a, { text: str, owner: optStr, session: optStr })),
+    }),
+  waiting: (o) => fields(o, { key: str, task_id: str, msg_id: str, text: str, asked_at: int, session: str }),
+  knock: (o) => fields(o, { key: str, name: shownName }),
+  more_knocks: (o) => fields(o, { count: int }),
+  refusals: (o) => fields(o, { key: str, reason, count: int }),
+  bounced: (o) => fields(o, { key: str, msg: decoded(decodeHead), report: decoded(receiptLine) }),
+  paired: (o) =>
+    fields(o, {
+      key: str,
+      petname: str,
+      invite: str,
+      side: oneOf(["invited", "joined"] as const, "invited or joined"),
+    }),
+};
 
 function decodeInboxItem(v: unknown): InboxItem {
   const o = obj(v, "an inbox item");
   const base = { id: str(o, "id"), at: int(o, "at") };
-  switch (o.kind) {
-    case "message": {
-      const asked = o.asked === undefined ? undefined : obj(o.asked, `"asked"`);
-      return {
-        kind: "message",
-        ...base,
-        peer: str(o, "peer"),
-        msg: parseSignedMessage(o.msg),
-        ...some("forSession", optStr(o, "forSession")),
-        ...some("relay", decodeRelayed(o.relay)),
-        ...(asked
-          ? {
-            asked: {
-              text: str(asked, "text"),
-              ...some("owner", optStr(asked, "owner")),
-              ...some("session", optStr(asked, "session")),
-            },
-          }
-          : {}),
-      };
-    }
-    case "waiting":
-      return {
-        kind: "waiting",
-        ...base,
-        key: str(o, "key"),
-        task_id: str(o, "task_id"),
-        msg_id: str(o, "msg_id"),
-        text: str(o, "text"),
-        asked_at: int(o, "asked_at"),
-        session: str(o, "session"),
-      };
-    case "knock":
-      return { kind: "knock", ...base, key: str(o, "key"), name: displayName(str(o, "name")) };
-    case "more_knocks":
-      return { kind: "more_knocks", ...base, count: int(o, "count") };
-    case "refusals":
-      return { kind: "refusals", ...base, key: str(o, "key"), reason: reason(o, "reason"), count: int(o, "count") };
-    case "bounced":
-      return {
-        kind: "bounced",
-        ...base,
-        key: str(o, "key"),
-        msg: decodeHead(o.msg),
-        report: decodeReceiptLine(o.report),
-      };
-    case "paired":
-      if (o.side !== "invited" && o.side !== "joined") throw new FormatError(`"side" is invited or joined`);
-      return {
-        kind: "paired",
-        ...base,
-        key: str(o, "key"),
-        petname: str(o, "petname"),
-        invite: str(o, "invite"),
-        side: o.side,
-      };
-    default:
-      throw new FormatError(`unknown inbox item kind ${JSON.stringify(o.kind)}`);
+  const kind = o.kind as InboxItem["kind"];
+  if (!Object.hasOwn(ITEM_FIELDS, String(kind))) {
+    throw new FormatError(`unknown inbox item kind ${JSON.stringify(kind)}`);
   }
+  return { kind, ...base, ...ITEM_FIELDS[kind](o) } as InboxItem;
 }
 
-function decodeTaskRow(v: unknown): TaskRow {
-  const o = obj(v, "a task");
-  const status = o.status ?? null;
-  if (status !== null && !isTaskStatus(status)) throw new FormatError(`"status" is not a task status`);
-  const side = (x: unknown): Side => {
-    if (x !== "me" && x !== "peer") throw new FormatError(`a side is "me" or "peer"`);
-    return x;
-  };
-  return {
-    task_id: str(o, "task_id"),
-    peer_key: str(o, "peer_key"),
-    requested_by: side(o.requested_by),
-    status,
-    last_msg_id: str(o, "last_msg_id"),
-    last_at: int(o, "last_at"),
-    awaiting: list(o, "awaiting").map((q): Question => {
-      const a = obj(q, "a question");
-      const f = a.forwarded === undefined ? undefined : obj(a.forwarded, `"forwarded"`);
-      return {
-        msg_id: str(a, "msg_id"),
-        asked_by: side(a.asked_by),
-        ...some("at", optInt(a, "at")),
-        ...some("text", optStr(a, "text")),
-        ...(f ? { forwarded: { as: str(f, "as"), to: str(f, "to"), task_id: str(f, "task_id") } } : {}),
-        ...some("earlier", optStr(a, "earlier")),
-      };
-    }),
-    ...(o.parent === undefined ? {} : {
-      parent: {
-        task_id: str(obj(o.parent, `"parent"`), "task_id"),
-        requester: str(obj(o.parent, `"parent"`), "requester"),
-      },
-    }),
-    ...some("owner", optStr(o, "owner")),
-    ...some("depth", optInt(o, "depth")),
-    ...(o.chain === undefined ? {} : { chain: list(o, "chain").map(String) }),
-    closed: o.closed === true,
-    messages: int(o, "messages"),
-    ...some("peer_session", optStr(o, "peer_session")),
-    ...some("peer_closed_at", optInt(o, "peer_closed_at")),
-    ...some("last_out_msg_id", optStr(o, "last_out_msg_id")),
-  };
-}
+const side: Field<Side> = (o, k) => {
+  if (o[k] !== "me" && o[k] !== "peer") throw new FormatError(`a side is "me" or "peer"`);
+  return o[k] as Side;
+};
 
-function decodeCarriedOut(e: unknown): CarriedOut {
-  const x = obj(e, "a carried message");
-  return {
-    msg: parseSignedMessage(x.msg),
-    peer: x.peer === null ? null : str(x, "peer"),
-    recipient: str(x, "recipient"),
-    at: int(x, "at"),
-    ...some("pair_petname", optStr(x, "pair_petname")),
-    ...some("sent_at", optInt(x, "sent_at")),
-    ...(x.via === undefined ? {} : { via: list(x, "via").map(String) }),
-    ...some("delivered", where(x.delivered, `"delivered"`)),
-    ...some("shown", where(x.shown, `"shown"`)),
-    ...some("chain", optChain(x.chain)),
-  };
-}
+const question = (q: unknown): Question =>
+  fields(obj(q, "a question"), {
+    msg_id: str,
+    asked_by: side,
+    at: optInt,
+    text: optStr,
+    forwarded: nested((f) => fields(f, { as: str, to: str, task_id: str })),
+    earlier: optStr,
+  });
 
-function decodeCarried(v: unknown): Carried {
-  const o = obj(v, `"carried"`);
-  const entries = (k: string) => (o[k] === undefined ? [] : list(o, k));
-  return {
-    out: entries("out").map(decodeCarriedOut),
-    inbox: entries("inbox").map(decodeInboxItem),
-    tasks: entries("tasks").map(decodeTaskRow),
-    owed: pairs(o, "owed", (l) => {
-      if (!Array.isArray(l)) throw new FormatError(`"owed" holds a bad list`);
-      return l.map(decodeReceiptLine);
-    }),
-    wants_shown: pairs(o, "wants_shown", (w) => {
-      const x = obj(w, "a wanted report");
-      return { route: str(x, "route"), msgId: str(x, "msgId") };
-    }),
-    knocks_in: pairs(o, "knocks_in", (k) => {
-      const x = obj(k, "a knock");
-      return {
-        name: displayName(str(x, "name")),
-        at: int(x, "at"),
-        msgId: str(x, "msgId"),
-        ...some("replyTo", optStr(x, "replyTo")),
-      };
-    }),
-    knocks_out: pairs(o, "knocks_out", (k) => {
-      const x = obj(k, "a knock");
-      return {
-        ...some("petname", optStr(x, "petname")),
-        at: int(x, "at"),
-        msgId: str(x, "msgId"),
-        ...some("invite", optStr(x, "invite")),
-      };
-    }),
-    sticky: pairs(o, "sticky", (x) => {
-      if (typeof x !== "string") throw new FormatError(`"sticky" holds a bad session`);
-      return x;
-    }),
-    closed: pairs(o, "closed", num),
-    rejected: pairs(o, "rejected", num),
-    routes: pairs(o, "routes", num),
-  };
-}
+const decodeTaskRow = (v: unknown): TaskRow =>
+  fields(obj(v, "a task"), {
+    task_id: str,
+    peer_key: str,
+    requested_by: side,
+    status: (o, k) => {
+      const status = o[k] ?? null;
+      if (status !== null && !isTaskStatus(status)) throw new FormatError(`"status" is not a task status`);
+      return status;
+    },
+    last_msg_id: str,
+    last_at: int,
+    awaiting: (o, k) => list(o, k).map(question),
+    parent: nested((p) => fields(p, { task_id: str, requester: str })),
+    owner: optStr,
+    depth: optInt,
+    chain: optional(strings),
+    closed: (o, k) => o[k] === true,
+    messages: int,
+    peer_session: optStr,
+    peer_closed_at: optInt,
+    last_out_msg_id: optStr,
+  });
 
-function decodeRemembered(v: unknown): Remembered {
-  const o = obj(v, `"remembered"`);
-  const entries = (k: string) => (o[k] === undefined ? [] : list(o, k));
-  return {
-    ...(o.replay === undefined ? {} : { replay: pairs(o, "replay", num) }),
-    shown: entries("shown").map((id) => {
-      if (typeof id !== "string") throw new FormatError(`"shown" holds a bad item`);
-      return id;
+const carriedOut = (v: unknown): CarriedOut =>
+  fields(obj(v, "a carried message"), {
+    msg: message,
+    peer: (o, k) => (o[k] === null ? null : str(o, k)),
+    recipient: str,
+    at: int,
+    pair_petname: optStr,
+    sent_at: optInt,
+    via: optional(strings),
+    delivered: where,
+    shown: where,
+    chain: optChain,
+  });
+
+const decodeCarried = (v: unknown): Carried =>
+  fields(obj(v, `"carried"`), {
+    out: items(carriedOut),
+    inbox: items(decodeInboxItem),
+    tasks: items(decodeTaskRow),
+    owed: pairs((l, k) => {
+      if (!Array.isArray(l)) throw new FormatError(`"${k}" holds a bad list`);
+      return l.map(receiptLine);
     }),
-    refusal_shown: pairs(o, "refusal_shown", num),
-    refusals_reported: pairs(o, "refusals_reported", (r) => {
-      const x = obj(r, "a reported refusal");
-      return { key: str(x, "key"), at: int(x, "at") };
-    }),
-    knocks_shown: entries("knocks_shown").map((at) => num(at)),
-    pushed: pairs(o, "pushed", (p) => {
-      const x = obj(p, "a pushed event");
-      return { at: int(x, "at"), item: decodeInboxItem(x.item) };
-    }),
-    confirming: entries("confirming").map((k) => {
-      if (typeof k !== "string") throw new FormatError(`"confirming" holds a bad key`);
-      return k;
-    }),
-    silent: entries("silent").map((k) => {
-      if (typeof k !== "string") throw new FormatError(`"silent" holds a bad key`);
-      return k;
-    }),
-  };
-}
+    wants_shown: pairs((w) => fields(obj(w, "a wanted report"), { route: str, msgId: str })),
+    knocks_in: pairs((x) => fields(obj(x, "a knock"), { name: shownName, at: int, msgId: str, replyTo: optStr })),
+    knocks_out: pairs((x) => fields(obj(x, "a knock"), { petname: optStr, at: int, msgId: str, invite: optStr })),
+    sticky: pairs(textItem("session")),
+    closed: pairs(num),
+    rejected: pairs(num),
+    routes: pairs(num),
+  });
+
+const decodeRemembered = (v: unknown): Remembered =>
+  fields(obj(v, `"remembered"`), {
+    replay: optional(pairs(num)),
+    shown: items(textItem("item")),
+    refusal_shown: pairs(num),
+    refusals_reported: pairs((r) => fields(obj(r, "a reported refusal"), { key: str, at: int })),
+    knocks_shown: items(num),
+    pushed: pairs((p) => fields(obj(p, "a pushed event"), { at: int, item: decoded(decodeInboxItem) })),
+    confirming: items(textItem("key")),
+    silent: items(textItem("key")),
+  });
 
 const PAIR_OUTCOMES: readonly PairOutcome[] = ["accepted", "rejected", "they_accepted", "invited"];
 
-/** One decoder per tag: today's shape, checked field by field. */
-const RECORD_DECODERS: { [T in RecordTag]: (o: Record<string, unknown>, at: number) => RecordOf<T> } = {
-  out: (o, at) => ({
-    t: "out",
-    at,
-    peer: o.peer === null || o.peer === undefined ? null : str(o, "peer"),
-    recipient: str(o, "recipient"),
-    msg: parseSignedMessage(o.msg),
-    ...some("pair_petname", optStr(o, "pair_petname")),
-    ...flag(o, "again"),
-    ...some("chain", optChain(o.chain)),
-    ...(o.forward === undefined ? {} : {
-      forward: {
-        peer: str(obj(o.forward, `"forward"`), "peer"),
-        task_id: str(obj(o.forward, `"forward"`), "task_id"),
-        question: str(obj(o.forward, `"forward"`), "question"),
-      },
+/** Each record's fields beside `t` and `at`: today's shape, checked field by field. */
+const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<RecordOf<T>, "t" | "at"> } = {
+  out: (o) =>
+    fields(o, {
+      peer: (o, k) => (o[k] === null || o[k] === undefined ? null : str(o, k)),
+      recipient: str,
+      msg: message,
+      pair_petname: optStr,
+      again: flag,
+      chain: optChain,
+      forward: nested((f) => fields(f, { peer: str, task_id: str, question: str })),
     }),
-  }),
-  sent: (o, at) => ({ t: "sent", at, msg_id: str(o, "msg_id"), via: list(o, "via").map(String) }),
-  refused: (o, at) => ({
-    t: "refused",
-    at,
-    msg_id: str(o, "msg_id"),
-    reason: optStr(o, "reason") ?? "refused by every bus",
-  }),
-  resign: (o, at) => ({ t: "resign", at, msg: parseSignedMessage(o.msg) }),
-  in: (o, at) => ({
-    t: "in",
-    at,
-    peer: str(o, "peer"),
-    msg: parseSignedMessage(o.msg),
-    ...some("reply_session", optStr(o, "reply_session")),
-    ...flag(o, "receipts"),
-    ...some("for_session", optStr(o, "for_session")),
-    ...some("chain", optChain(o.chain)),
-    ...some("declined", optStr(o, "declined")),
-    ...some("relay", decodeRelayed(o.relay)),
-  }),
-  shown: (o, at) => {
-    if (!SHOWN_VIAS.includes(o.via as ShownVia)) throw new FormatError(`"via" is not ${SHOWN_VIAS.join(", ")}`);
-    return { t: "shown", at, item: str(o, "item"), via: o.via as ShownVia };
-  },
-  knock: (o, at) => ({
-    t: "knock",
-    at,
-    key: str(o, "key"),
-    name: displayName(str(o, "name")),
-    msg_id: str(o, "msg_id"),
-    ts: int(o, "ts"),
-    ...some("reply_to", optStr(o, "reply_to")),
-    ...flag(o, "quiet"),
-  }),
-  refusal: (o, at) => ({
-    t: "refusal",
-    at,
-    key: str(o, "key"),
-    reason: reason(o, "reason"),
-    detail: optStr(o, "detail") ?? "",
-  }),
-  paired: (o, at) => {
-    if (!PAIR_OUTCOMES.includes(o.how as PairOutcome)) {
-      throw new FormatError(`"how" is not ${PAIR_OUTCOMES.join(", ")}`);
-    }
-    return {
-      t: "paired",
-      at,
-      key: str(o, "key"),
-      how: o.how as PairOutcome,
-      ...some("petname", optStr(o, "petname")),
-      ...(o.msg === undefined ? {} : { msg: parseSignedMessage(o.msg) }),
-      ...some("invite", optStr(o, "invite")),
-    };
-  },
-  owe: (o, at) => ({
-    t: "owe",
-    at,
-    route: str(o, "route"),
-    msg_id: str(o, "msg_id"),
-    reason: reason(o, "reason"),
-    ...some("skew_ms", optInt(o, "skew_ms")),
-  }),
-  receipt: (o, at) => ({
-    t: "receipt",
-    at,
-    peer: str(o, "peer"),
-    msg: parseSignedMessage(o.msg),
-    ...(o.lines === undefined ? {} : { lines: list(o, "lines").map(num) }),
-  }),
-  moved: (o, at) => ({ t: "moved", at, to: str(o, "to") }),
-  adopted: (o, at) => ({ t: "adopted", at, session: str(o, "session"), carried: decodeCarried(o.carried) }),
-  carried: (o, at) => ({
-    t: "carried",
-    at,
-    ...some("session", optStr(o, "session")),
-    ...(o.out === undefined ? {} : { out: decodeCarriedOut(o.out) }),
-    ...(o.item === undefined ? {} : { item: decodeInboxItem(o.item) }),
-  }),
-  checkpoint: (o, at) => ({
-    t: "checkpoint",
-    at,
-    archived: str(o, "archived"),
-    carried: decodeCarried(o.carried),
-    remembered: decodeRemembered(o.remembered),
-  }),
+  sent: (o) => fields(o, { msg_id: str, via: strings }),
+  refused: (o) => fields(o, { msg_id: str, reason: (o, k) => optStr(o, k) ?? "refused by every bus" }),
+  resign: (o) => fields(o, { msg: message }),
+  in: (o) =>
+    fields(o, {
+      peer: str,
+      msg: message,
+      reply_session: optStr,
+      receipts: flag,
+      for_session: optStr,
+      chain: optChain,
+      declined: optStr,
+      relay: relayed,
+    }),
+  shown: (o) => fields(o, { item: str, via: oneOf(SHOWN_VIAS) }),
+  knock: (o) => fields(o, { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag }),
+  refusal: (o) => fields(o, { key: str, reason, detail: (o, k) => optStr(o, k) ?? "" }),
+  paired: (o) =>
+    fields(o, { key: str, how: oneOf(PAIR_OUTCOMES), petname: optStr, msg: optional(message), invite: optStr }),
+  owe: (o) => fields(o, { route: str, msg_id: str, reason, skew_ms: optInt }),
+  receipt: (o) => fields(o, { peer: str, msg: message, lines: optional((o, k) => list(o, k).map(num)) }),
+  moved: (o) => fields(o, { to: str }),
+  adopted: (o) => fields(o, { session: str, carried: decoded(decodeCarried) }),
+  carried: (o) =>
+    fields(o, { session: optStr, out: optional(decoded(carriedOut)), item: optional(decoded(decodeInboxItem)) }),
+  checkpoint: (o) =>
+    fields(o, { archived: str, carried: decoded(decodeCarried), remembered: decoded(decodeRemembered) }),
 };
 
 /**
@@ -7170,15 +7060,12 @@ function upgradeRecord(o: Record<string, unknown>): Record<string, unknown>[] {
 /** A journal line's records in today's shape (one line of an earlier release may become two), or a FormatError. */
 function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
   return upgradeRecord(raw).map((o) => {
-    const decode = RECORD_DECODERS[o.t as RecordTag] as
-      | ((o: Record<string, unknown>, at: number) => JournalRecord)
-      | undefined;
-    if (!decode || !Object.hasOwn(RECORD_DECODERS, String(o.t))) {
-      throw new FormatError(
-        `unknown record tag ${JSON.stringify(String(o.t).slice(0, 16))} (written by a newer interlink?)`,
-      );
+    const t = String(o.t) as RecordTag;
+    if (!Object.hasOwn(RECORD_FIELDS, t)) {
+      throw new FormatError(`unknown record tag ${JSON.stringify(t.slice(0, 16))} (written by a newer interlink?)`);
     }
-    return decode(o, typeof o.at === "number" && Number.isSafeInteger(o.at) ? o.at : 0);
+    const at = typeof o.at === "number" && Number.isSafeInteger(o.at) ? o.at : 0;
+    return { t, at, ...RECORD_FIELDS[t](o) } as JournalRecord;
   });
 }
 
@@ -8889,26 +8776,25 @@ function inviteState(i: Invite, nowMs: number): InviteStatus | "expired" {
   return i.status === "pending" && nowMs > i.expires ? "expired" : i.status;
 }
 
-function decodeInvite(v: unknown): Invite {
-  const o = obj(v, "an invite");
-  if (!["pending", "used", "revoked"].includes(o.status as string)) throw new FormatError(`"status" is not known`);
-  if (!/^[0-9a-f]{16}$/.test(str(o, "id"))) throw new FormatError(`"id" is not 16 hex digits`);
-  return {
-    id: str(o, "id"),
-    ...some("secret", optStr(o, "secret")),
-    ...some("for", optStr(o, "for")),
-    created: int(o, "created"),
-    expires: int(o, "expires"),
-    session: str(o, "session"),
-    urls: list(o, "urls").map(String),
-    status: o.status as InviteStatus,
-    ...some("used_by", optStr(o, "used_by")),
-    ...some("used_msg", optStr(o, "used_msg")),
-    ...some("used_as", optStr(o, "used_as")),
-    ...some("used_in", optStr(o, "used_in")),
-    ...some("ended", optInt(o, "ended")),
-  };
-}
+const decodeInvite = (v: unknown): Invite =>
+  fields(obj(v, "an invite"), {
+    id: (o, k) => {
+      if (!/^[0-9a-f]{16}$/.test(str(o, k))) throw new FormatError(`"id" is not 16 hex digits`);
+      return o[k] as string;
+    },
+    secret: optStr,
+    for: optStr,
+    created: int,
+    expires: int,
+    session: str,
+    urls: strings,
+    status: oneOf<InviteStatus>(["pending", "used", "revoked"], "not known"),
+    used_by: optStr,
+    used_msg: optStr,
+    used_as: optStr,
+    used_in: optStr,
+    ended: optInt,
+  });
 
 const DOOR_PREFIX = "door-";
 
