@@ -7431,6 +7431,35 @@ class Backlog implements Iterable<string> {
   }
 }
 
+/** The message of ours an "out" record, or a "carried" one, holds. */
+const outOf = (r: JournalRecord | undefined) => (r?.t === "out" ? r : r?.t === "carried" ? r.out : undefined);
+
+/** The entry of a message of ours as its "out" or "carried" record holds it (with `more`), held as keepSigned says. */
+function outEntry(
+  o: Pick<CarriedOut, "msg" | "peer" | "recipient" | "at" | "pair_petname" | "chain">,
+  line: LineRef | undefined,
+  more: Partial<OutEntry> = {},
+): OutEntry {
+  const e: OutEntry = {
+    msg: headOf(o.msg),
+    peer: intern(o.peer ?? undefined) ?? null,
+    recipient: intern(o.recipient),
+    at: o.at,
+    attempts: 0,
+    ...some("pairPetname", o.pair_petname),
+    ...some("chain", o.chain),
+    ...more,
+  };
+  keepSigned(e, o.msg, line);
+  return e;
+}
+
+/** Why a message kept as its head cannot be shown or sent: its journal line no longer holds it. */
+const unreadable = (what: string, line: LineRef | undefined): InterlinkError =>
+  new InterlinkError(
+    `${what} can no longer be read from ${line?.file} at byte ${line?.offset} (the disk changed under it)`,
+  );
+
 /** The node's state, folded from its journal in order: one handler per record tag. Pure apart from its own maps. */
 class NodeState {
   /**
@@ -7530,17 +7559,7 @@ class NodeState {
         // The common case, a backlog's: nothing of it in memory but its outbox slot.
         this.pending.add(id, { recipient: r.recipient, kind: r.msg.kind, at: r.at, line, bytes: line.length });
       } else {
-        const entry: OutEntry = {
-          msg: headOf(r.msg),
-          peer: intern(r.peer ?? undefined) ?? null,
-          recipient: intern(r.recipient),
-          at: r.at,
-          attempts: 0,
-          ...some("pairPetname", r.pair_petname),
-          ...some("chain", r.chain),
-          ...some("refused", refused ?? undefined),
-        };
-        keepSigned(entry, r.msg, line);
+        const entry = outEntry(r, line, some("refused", refused ?? undefined));
         if (refused) return void this.outgoing.set(id, entry);
         this.#queue(entry);
       }
@@ -7691,12 +7710,7 @@ class NodeState {
       for (const id of this.outgoing.keys()) if (this.pending.has(id)) this.outgoing.get(id)!.movedTo = r.to;
       for (const e of this.outgoing.values()) if (e.sentAt && !e.shown) e.movedTo = r.to;
       for (const t of this.tasks.values()) t.moved_to ??= r.to;
-      this.pending.clear();
-      this.inbox.clear();
-      this.owed.clear();
-      this.wantsShown.clear();
-      this.knocksIn.clear();
-      this.knocksOut.clear();
+      for (const m of [this.pending, this.inbox, this.owed, this.wantsShown, this.knocksIn, this.knocksOut]) m.clear();
       this.drains.clear();
       this.unconfirmed.clear();
     },
@@ -7778,40 +7792,16 @@ class NodeState {
   #readEntry(slot: number, msgId: string, keep = false): OutEntry {
     const line = this.pending.lineAt(slot)!;
     const r = this.read(line, msgId);
-    const o = r?.t === "out" ? r : r?.t === "carried" ? r.out : undefined;
+    const o = outOf(r);
     if (!o) {
       // Its line no longer reads back (a disk fault since it was folded): what the outbox alone knows of it.
-      const recipient = this.pending.recipientAt(slot);
-      const to = parseRoute(recipient).key;
-      return {
-        msg: {
-          msg_id: msgId,
-          kind: this.pending.kindAt(slot),
-          from: "",
-          to,
-          ts: 0,
-          task_id: undefined,
-          status: undefined,
-        },
-        line,
-        peer: null,
-        recipient,
-        at: this.pending.atAt(slot),
-        attempts: 0,
-      };
+      const { pending } = this, recipient = pending.recipientAt(slot);
+      const msg = { msg_id: msgId, kind: pending.kindAt(slot), from: "", to: pending.keyAt(slot), ts: 0 };
+      return { msg, line, peer: null, recipient, at: pending.atAt(slot), attempts: 0 };
     }
-    return {
-      msg: headOf(o.msg),
-      line,
-      ...(keep ? { signed: o.msg } : {}),
-      peer: intern(o.peer ?? undefined) ?? null,
-      recipient: intern(o.recipient),
-      at: o.at,
-      attempts: 0,
-      ...some("pairPetname", o.pair_petname),
-      ...some("chain", o.chain),
-      ...(r?.t === "carried" && r.session ? { adoptedFrom: r.session } : {}),
-    };
+    const e = outEntry(o, line, r?.t === "carried" && r.session ? { adoptedFrom: r.session } : {});
+    if (keep) e.signed = o.msg;
+    return e;
   }
 
   /** The whole signed message of an entry of ours, read back from its journal line; an error if it no longer reads. */
@@ -7819,11 +7809,7 @@ class NodeState {
     if (e.signed) return e.signed;
     const r = e.line && this.read(e.line, e.msg.msg_id);
     const msg = r?.t === "out" || r?.t === "resign" ? r.msg : r?.t === "carried" ? r.out?.msg : undefined;
-    if (!msg) {
-      throw new InterlinkError(
-        `message ${e.msg.msg_id} can no longer be read from ${e.line?.file} at byte ${e.line?.offset} (the disk changed under it)`,
-      );
-    }
+    if (!msg) throw unreadable(`message ${e.msg.msg_id}`, e.line);
     return msg;
   }
 
@@ -7886,21 +7872,13 @@ class NodeState {
   #takeOut(session: string | null, o: CarriedOut, line?: LineRef): void {
     const id = o.msg.msg_id;
     if (this.outgoing.has(id) || this.pending.has(id)) return;
-    const entry: OutEntry = {
-      msg: headOf(o.msg),
-      peer: intern(o.peer ?? undefined) ?? null,
-      recipient: intern(o.recipient),
-      at: o.at,
-      attempts: 0,
-      ...some("chain", o.chain),
+    const entry = outEntry(o, line, {
       ...some("adoptedFrom", session ?? undefined),
-      ...some("pairPetname", o.pair_petname),
       ...some("sentAt", o.sent_at),
       ...some("via", o.via),
       ...some("delivered", o.delivered),
       ...some("shown", o.shown),
-    };
-    keepSigned(entry, o.msg, line);
+    });
     if (o.sent_at === undefined) return this.#queue(entry);
     this.outgoing.set(id, entry);
     this.#remember(id);
@@ -7930,11 +7908,7 @@ class NodeState {
       const r = this.read(line, item.msg.msg_id);
       msg = r?.t === "in" ? r.msg : r?.t === "carried" && r.item?.kind === "message" ? r.item.msg : undefined;
     }
-    if (!msg) {
-      throw new InterlinkError(
-        `the message ${item.msg.msg_id} from ${item.peer} can no longer be read from ${line?.file} at byte ${line?.offset} (the disk changed under it)`,
-      );
-    }
+    if (!msg) throw unreadable(`the message ${item.msg.msg_id} from ${item.peer}`, line);
     return { ...rest, msg };
   }
 
@@ -8023,12 +7997,8 @@ class NodeState {
       if (typeof x === "number") {
         const id = this.pending.idAt(x), line = this.pending.lineAt(x)!;
         const r = this.read(line, id);
-        const o = r?.t === "out" ? r : r?.t === "carried" ? r.out : undefined;
-        if (!o) {
-          throw new InterlinkError(
-            `queued message ${id} can no longer be read from ${line.file} at byte ${line.offset} (the disk changed under it)`,
-          );
-        }
+        const o = outOf(r);
+        if (!o) throw unreadable(`queued message ${id}`, line);
         yield {
           msg: o.msg,
           peer: o.peer,
