@@ -6145,27 +6145,23 @@ class NatsRelay implements Relay {
 // ============================================================================
 //
 //
-// One node = one key + one state folder ("the state root") on a machine; one
-// Claude Code (or CLI) process is one session of it, with its own folder
-// sessions/<id>/ and journal, log.jsonl: the session's single source of
-// truth, holding three views at once:
+// One node = one key + one state folder ("the state root") on a machine; one Claude Code (or CLI) process is one
+// session of it, with its own folder sessions/<id>/ and journal, log.jsonl: the session's single source of truth,
+// holding three views at once:
 //   the outbox            "out" records with neither "sent" nor "refused" yet
 //   the conversation log  every "out" and "in" record
 //   the inbox             "in" records (and notices) no path has shown the model yet
-// One file, so a crash can never leave a message in one view and not another.
-// Its records are the JournalRecord union below, read through one codec
-// (decodeRecord, which also upgrades every earlier release's shapes) and folded
-// by NodeState, one handler per tag. Beside the sessions, replay-<day>.jsonl is
-// the replay memory's own record, shared by all of them (see SeenLog).
+// One file, so a crash can never leave a message in one view and not another. Its records are the JournalRecord union
+// below, read through one codec (decodeRecord, which also upgrades every earlier release's shapes) and folded by
+// NodeState, one handler per tag. Beside the sessions, replay-<day>.jsonl is the replay memory's own record, shared by
+// all of them (see SeenLog).
 //
-// Sessions end all day (a new `claude` is a new session id), mail does not: a
-// session whose process is gone is adopted by a live one (see "Ended
-// sessions"), which carries on its outbox, shows its unread inbox once,
-// finishes its tasks and drains its routes on every relay.
+// Sessions end all day (a new `claude` is a new session id), mail does not: a session whose process is gone is adopted
+// by a live one (see "Ended sessions"), which carries on its outbox, shows its unread inbox once, finishes its tasks
+// and drains its routes on every relay.
 //
-// The running agent holds its session's agent.lock and is the only sender.
-// Other processes (the CLI) may append "out" records; the agent follows the
-// file and sends them.
+// The running agent holds its session's agent.lock and is the only sender. Other processes (the CLI) may append "out"
+// records; the agent follows the file and sends them.
 
 /**
  * How admitted messages reach the model, by exactly one path each:
@@ -6181,9 +6177,8 @@ const DELIVERY_MODES = ["inbox", "channel"] as const;
 type Delivery = (typeof DELIVERY_MODES)[number];
 
 /**
- * The program a session runs in. Claude Code wakes an idle session through its
- * Stop hook (`wait`) or pushes channel events; Codex CLI through a turn queued
- * into its thread (CodexWaker), and tells the server its thread only once the
+ * The program a session runs in. Claude Code wakes an idle session through its Stop hook (`wait`) or pushes channel
+ * events; Codex CLI through a turn queued into its thread (CodexWaker), and tells the server its thread only once the
  * session starts (bind_session).
  */
 const HOSTS = ["claude", "codex"] as const;
@@ -6199,9 +6194,8 @@ interface NodeConfig {
   stateDir: string;
   delivery: Delivery;
   /**
-   * This session's id: one `interlink.ts mcp` process is one session of the
-   * identity. It names the session's route (`key#session`) and its folder
-   * under `stateDir/sessions/`.
+   * This session's id: one `interlink.ts mcp` process is one session of the identity. It names the session's route
+   * (`key#session`) and its folder under `stateDir/sessions/`.
    */
   session: string;
   /** How many hops from its owner a task may be handed on to (--max-depth; DEFAULT_MAX_DEPTH when absent). */
@@ -6291,9 +6285,8 @@ interface Relayed {
 }
 
 /**
- * Something waiting for the model that no path has shown yet: a peer's
- * message, a stranger's knock (for the operator), or a summary of refused
- * messages (for the operator). `id` names it in the "shown" record.
+ * Something waiting for the model that no path has shown yet: a peer's message, a stranger's knock (for the operator),
+ * or a summary of refused messages (for the operator). `id` names it in the "shown" record.
  */
 type InboxItem =
   /**
@@ -6443,22 +6436,18 @@ interface ReceiptLine {
 // ============================================================================
 //
 //
-// A receiving node reports, signed, each state a message reaches to the
-// session that sent it: "delivered" (admitted by the gate and journaled in
-// session S), "shown" (handed to the model), "refused" (the gate's reason;
-// for a peer only, never a stranger). Only senders that ask get them: our
-// nodes put an unsigned `"receipts": true` beside `reply_to` on each message
-// they send; a reference node asks for none and gets none. A receipt is a v2
-// message of kind "receipt", in_reply_to the first reported msg_id, whose
-// text holds one line per report:
+// A receiving node reports, signed, each state a message reaches to the session that sent it: "delivered" (admitted by
+// the gate and journaled in session S), "shown" (handed to the model), "refused" (the gate's reason; for a peer only,
+// never a stranger). Only senders that ask get them: our nodes put an unsigned `"receipts": true` beside `reply_to` on
+// each message they send; a reference node asks for none and gets none. A receipt is a v2 message of kind "receipt",
+// in_reply_to the first reported msg_id, whose text holds one line per report:
 //   delivered <msg_id> <unix ms> <session>
 //   shown <msg_id> <unix ms> <session>
 //   refused <msg_id> <unix ms> <reason>[ <ms the message's ts was ahead of our clock>]
-// Receipts are never receipted. Receipts for a session that said goodbye wait
-// until it is back (on a roster, or writing again). What is owed is folded from the journal (an
-// "in" record that asked, the "shown" of it, an "owe" record for a refusal)
-// and cleared by the "out" record of the receipt that reports it: a crash
-// never reports a state that was not journaled, and never loses one that was.
+// Receipts are never receipted. Receipts for a session that said goodbye wait until it is back (on a roster, or writing
+// again). What is owed is folded from the journal (an "in" record that asked, the "shown" of it, an "owe" record for a
+// refusal) and cleared by the "out" record of the receipt that reports it: a crash never reports a state that was not
+// journaled, and never loses one that was.
 
 function receiptText(lines: ReceiptLine[]): string {
   return lines.map((l) => {
@@ -6560,9 +6549,8 @@ type PairOutcome = "accepted" | "rejected" | "they_accepted" | "invited";
  */
 type JournalRecord =
   /**
-   * A message we signed: the outbox until "sent" or "refused". `recipient` is
-   * the route it goes to (`key#session`, or a bare key); `again` marks a re-send
-   * of one already sent, with the same msg_id (a knock repeated).
+   * A message we signed: the outbox until "sent" or "refused". `recipient` is the route it goes to (`key#session`, or a
+   * bare key); `again` marks a re-send of one already sent, with the same msg_id (a knock repeated).
    */
   | {
     t: "out";
@@ -6583,13 +6571,11 @@ type JournalRecord =
   /** Re-signed before it would go stale at the recipient (same msg_id, so it still dedupes). */
   | { t: "resign"; at: number; msg: SignedMessage }
   /**
-   * Admitted from a peer (or another session of ours): unread until "shown".
-   * `reply_session`: the sender's session its unsigned reply_to named (routing
-   * only); `receipts`: its sender reads delivery receipts; `for_session`: it
-   * came for an earlier session of ours (drained from that session's route).
-   * `chain`: the verified chain of a request that opens a sub-task; `declined`:
-   * why such a request was answered failed and never shown (too deep, a loop);
-   * `relay`: passed along the chain, shown only as information.
+   * Admitted from a peer (or another session of ours): unread until "shown". `reply_session`: the sender's session its
+   * unsigned reply_to named (routing only); `receipts`: its sender reads delivery receipts; `for_session`: it came for
+   * an earlier session of ours (drained from that session's route). `chain`: the verified chain of a request that opens
+   * a sub-task; `declined`: why such a request was answered failed and never shown (too deep, a loop); `relay`: passed
+   * along the chain, shown only as information.
    */
   | {
     t: "in";
@@ -6671,11 +6657,10 @@ interface OwnKnock {
 }
 
 /**
- * What an ended session still had to do, or to know to do it, when it was
- * adopted: its outbox (and sent messages whose receipts may still come), its
- * unread inbox, its tasks, the receipts it owed, its pairing in flight, and
- * whom it was talking to. `routes` are the ended sessions whose relay routes
- * its mail may still arrive on (itself among them), with when each ended.
+ * What an ended session still had to do, or to know to do it, when it was adopted: its outbox (and sent messages whose
+ * receipts may still come), its unread inbox, its tasks, the receipts it owed, its pairing in flight, and whom it was
+ * talking to. `routes` are the ended sessions whose relay routes its mail may still arrive on (itself among them), with
+ * when each ended.
  */
 interface Carried {
   out: CarriedOut[];
@@ -6692,12 +6677,10 @@ interface Carried {
 }
 
 /**
- * What a checkpoint keeps beside what it carries: what only this session's
- * own journal knew. The items already shown that a copy could bring again
- * (notices, messages carried from another session: see NodeState.#shown), when
- * refusal summaries and knocks were last shown (their pacing), the refusals
- * already reported by receipt, the events last pushed to a channel, the keys
- * that send receipts, and those whose messages ask for none (see SEND_WINDOW).
+ * What a checkpoint keeps beside what it carries: what only this session's own journal knew. The items already shown
+ * that a copy could bring again (notices, messages carried from another session: see NodeState.#shown), when refusal
+ * summaries and knocks were last shown (their pacing), the refusals already reported by receipt, the events last pushed
+ * to a channel, the keys that send receipts, and those whose messages ask for none (see SEND_WINDOW).
  */
 interface Remembered {
   /** Only in checkpoints of 0.5.0: the per-day replay files (SeenLog) hold it, read at every start. */
@@ -7073,9 +7056,8 @@ function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
 const encodeRecord = (r: JournalRecord): string => JSON.stringify(r);
 
 /**
- * Reads a journal's records from byte `from`, decoded and upgraded: `onRecord`
- * for each, with the line's offset and end; `onBad` for a line that is not one
- * (with the reason). The one reader of journals: the fold, `log`, `tasks`,
+ * Reads a journal's records from byte `from`, decoded and upgraded: `onRecord` for each, with the line's offset and
+ * end; `onBad` for a line that is not one (with the reason). The one reader of journals: the fold, `log`, `tasks`,
  * conversation_history and `doctor` all go through it.
  */
 function scanJournal(
@@ -7473,9 +7455,8 @@ class NodeState {
   readonly tasks = new Map<string, TaskRow>();
   readonly replay = new ReplayMemory();
   /**
-   * Waiting to be shown, in arrival order. Peers' messages are bounded by what
-   * peers send before it is read; knocks by KNOCKS_CAP; refusal summaries by
-   * REFUSAL_NOTICES_CAP, one per sender and reason.
+   * Waiting to be shown, in arrival order. Peers' messages are bounded by what peers send before it is read; knocks by
+   * KNOCKS_CAP; refusal summaries by REFUSAL_NOTICES_CAP, one per sender and reason.
    */
   readonly inbox = new Map<string, HeldItem>();
   /**
@@ -7833,12 +7814,10 @@ class NodeState {
   }
 
   /**
-   * Takes over what an ended session carried (`session`), or this session's
-   * own state at a checkpoint (null). Whatever this journal already holds wins
-   * (a copy adopted twice after a crash between the two writes of an adoption
-   * changes nothing), and an item already shown here is never shown again.
-   * Since 0.5.1 the messages come in "carried" records of their own, after
-   * this one (see #takeOut); earlier releases put them in `c.out`, `c.inbox`.
+   * Takes over what an ended session carried (`session`), or this session's own state at a checkpoint (null). Whatever
+   * this journal already holds wins (a copy adopted twice after a crash between the two writes of an adoption changes
+   * nothing), and an item already shown here is never shown again. Since 0.5.1 the messages come in "carried" records
+   * of their own, after this one (see #takeOut); earlier releases put them in `c.out`, `c.inbox`.
    */
   #take(session: string | null, at: number, c: Carried): void {
     for (const o of c.out) this.#takeOut(session, o);
@@ -7941,15 +7920,12 @@ class NodeState {
   }
 
   /**
-   * What this (ended) session still has to do, for the session that adopts it:
-   * its outbox, its sent messages of the last day not yet shown (their receipts
-   * may come), its unread inbox with what its receipts need, its open tasks and
-   * those closed in the last day (a late message on one is still refused; at
-   * its own checkpoint, the last CLOSED_TASKS_KEPT_MS), and the rest of what
-   * it knew of its peers. `ended`: the session and when it
-   * ended, when it is carried to another session (not at its own checkpoint).
-   * The messages are not in it: carriedOut() and the inbox give them, one
-   * record each, so a backlog is never one line in memory.
+   * What this (ended) session still has to do, for the session that adopts it: its outbox, its sent messages of the
+   * last day not yet shown (their receipts may come), its unread inbox with what its receipts need, its open tasks and
+   * those closed in the last day (a late message on one is still refused; at its own checkpoint, the last
+   * CLOSED_TASKS_KEPT_MS), and the rest of what it knew of its peers. `ended`: the session and when it ended, when it
+   * is carried to another session (not at its own checkpoint). The messages are not in it: carriedOut() and the inbox
+   * give them, one record each, so a backlog is never one line in memory.
    */
   carry(nowMs: number, ended?: { session: string; at: number }): Carried {
     const since = nowMs - FRESH_PAST_MS;
@@ -8255,11 +8231,9 @@ class NodeState {
 }
 
 /**
- * The journal file and the fold over it. Our own appends are applied by
- * reading them back, so the state is always exactly the fold of the file, in
- * file order, whoever wrote each record. The process that owns the folder
- * (the agent, holding agent.lock) quarantines lines it cannot read; readers
- * beside it (the CLI, `wait`) skip them.
+ * The journal file and the fold over it. Our own appends are applied by reading them back, so the state is always
+ * exactly the fold of the file, in file order, whoever wrote each record. The process that owns the folder (the agent,
+ * holding agent.lock) quarantines lines it cannot read; readers beside it (the CLI, `wait`) skip them.
  */
 class Journal {
   readonly file: string;
@@ -8363,19 +8337,14 @@ class Journal {
   }
 
   /**
-   * Rolls the journal over, so a session's start and memory stay bounded
-   * however long it lives: the file is hard-linked to an archive,
-   * log-<ms>.jsonl (history readers read on through journalFiles), and
-   * replaced whole by one that starts with a checkpoint of the state folded
-   * so far, followed by a "carried" record for each message it carries (each
-   * read back from its line as it is written: a backlog of any size never
-   * sits in memory whole). Only its owner rolls, holding the inbox lock that
-   * every other writer holds to append (so nothing lands in the archive after
-   * it), and only when the new file is under half of what it replaces (false
-   * if not). The replay memory is not in the checkpoint: the replay files
-   * hold it (see SeenLog), and the owner makes sure they do before it rolls;
-   * `durable` runs just before the new file takes the old one's place (the
-   * agent syncs the replay file there).
+   * Rolls the journal over, so a session's start and memory stay bounded however long it lives: the file is hard-linked
+   * to an archive, log-<ms>.jsonl (history readers read on through journalFiles), and replaced whole by one that starts
+   * with a checkpoint of the state folded so far, followed by a "carried" record for each message it carries (each read
+   * back from its line as it is written: a backlog of any size never sits in memory whole). Only its owner rolls,
+   * holding the inbox lock that every other writer holds to append (so nothing lands in the archive after it), and only
+   * when the new file is under half of what it replaces (false if not). The replay memory is not in the checkpoint: the
+   * replay files hold it (see SeenLog), and the owner makes sure they do before it rolls; `durable` runs just before
+   * the new file takes the old one's place (the agent syncs the replay file there).
    */
   roll(durable: () => void = () => {}): boolean {
     this.catchUp();
@@ -8497,14 +8466,12 @@ function giveMemoryBack(): void {
 }
 
 /**
- * The replay memory's own durable record, shared by every session of this
- * identity on this machine: one {"t":"seen","k":<sender>,"id":<msg_id>,"ts"}
- * per admitted message, in `replay-<UTC date>.jsonl` beside the sessions. The
- * journal implies the same; this copy means that a journal line lost to a disk
- * fault cannot let a replay in, and that a message admitted by one session
- * (or copied by a relay into another session's route) is refused by the
- * others. Files are per day and never rewritten (a rewrite could lose another
- * process's append): those older than the freshness window are deleted.
+ * The replay memory's own durable record, shared by every session of this identity on this machine: one
+ * {"t":"seen","k":<sender>,"id":<msg_id>,"ts"} per admitted message, in `replay-<UTC date>.jsonl` beside the sessions.
+ * The journal implies the same; this copy means that a journal line lost to a disk fault cannot let a replay in, and
+ * that a message admitted by one session (or copied by a relay into another session's route) is refused by the others.
+ * Files are per day and never rewritten (a rewrite could lose another process's append): those older than the freshness
+ * window are deleted.
  */
 class SeenLog {
   #offsets = new Map<string, number>(); // file → bytes already read
@@ -8626,9 +8593,8 @@ function sessionIds(root: string): string[] {
 }
 
 /**
- * When a session last did anything, as far as its folder tells: its journal's
- * last write, or the session.json its server rewrites on a clean exit (a
- * killed one ended at its last write, or its start).
+ * When a session last did anything, as far as its folder tells: its journal's last write, or the session.json its
+ * server rewrites on a clean exit (a killed one ended at its last write, or its start).
  */
 function sessionEndedAt(dir: string): number {
   let at = 0;
@@ -8667,9 +8633,8 @@ function readNodeState(stateDir: string): { state: NodeState; journal: Journal }
 }
 
 /**
- * A 0.4.0 journal sat directly in the state folder. The first session to
- * start after the upgrade carries it on (with its outbox, tasks and unread
- * inbox): it is moved into that session's folder, once.
+ * A 0.4.0 journal sat directly in the state folder. The first session to start after the upgrade carries it on (with
+ * its outbox, tasks and unread inbox): it is moved into that session's folder, once.
  */
 function adoptLegacyJournal(stateDir: string, dir: string): void {
   const legacy = path.join(stateDir, "log.jsonl");
