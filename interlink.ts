@@ -6359,19 +6359,10 @@ const pairedItem = (key: string, invite: string): string => `paired ${key} ${inv
 /** The one line that counts the knocks past KNOCKS_SHOWN_PER_HOUR. */
 const MORE_KNOCKS = "knocks more";
 
-/** Refusals worth the operator's attention: a key they might expect, or a clock to fix. Malformed and replays are routine. */
-const REFUSALS_SHOWN: ReadonlySet<Refusal> = new Set<Refusal>([
-  "not_allowlisted",
-  "stale",
-  "bad_signature",
-  "wrong_recipient",
-  "unexpected_kind",
-  "invite_unknown",
-  "invite_expired",
-  "invite_used",
-  "invite_revoked",
-  "invite_bad_proof",
-]);
+/** Refusals worth the operator's attention (a key they might expect, a clock to fix); the rest are routine. */
+const REFUSALS_SHOWN: ReadonlySet<Refusal> = new Set<Refusal>(
+  [...REJECT_REASONS, ...INVITE_REFUSALS].filter((r) => r !== "malformed" && r !== "replay" && r !== "busy"),
+);
 
 /** One copy of each string that recurs across heads (keys, routes, petnames, task ids, statuses). */
 const interned = new BoundedMap<string, string>(4096); // recurring strings are few; a rare one is merely copied
@@ -7229,12 +7220,7 @@ class Backlog implements Iterable<string> {
    * `for (let s = b.next(-1); s >= 0; s = b.next(s))`, allocates nothing.
    */
   next(slot: number): number {
-    for (let s = Math.max(slot + 1, this.#first); s < this.#end; s++) {
-      const c = this.#chunks[s / BACKLOG_CHUNK | 0];
-      if (!c) s = ((s / BACKLOG_CHUNK | 0) + 1) * BACKLOG_CHUNK - 1; // a dropped chunk: past it
-      else if (c.kind[s % BACKLOG_CHUNK]) return s;
-    }
-    return -1;
+    return Backlog.#nextIn(this.#chunks, Math.max(slot + 1, this.#first), this.#end);
   }
 
   *[Symbol.iterator](): Iterator<string> {
@@ -7358,12 +7344,12 @@ class Backlog implements Iterable<string> {
 
   /** Moves what is queued into new chunks from slot 0, in order, then rehashes. */
   #squeeze(): void {
-    const chunks = this.#chunks, odd = this.#odd;
+    const chunks = this.#chunks, odd = this.#odd, end = this.#end;
     let from = this.next(-1);
     this.#chunks = [];
     this.#odd = new Map();
     this.#chunksHeld = this.#first = this.#end = 0;
-    for (; from >= 0; from = this.#nextIn(chunks, from)) {
+    for (; from >= 0; from = Backlog.#nextIn(chunks, from + 1, end)) {
       const c = chunks[from / BACKLOG_CHUNK | 0]!, i = from % BACKLOG_CHUNK;
       const to = this.#end++;
       const d = this.#chunks[to / BACKLOG_CHUNK | 0] ??= (this.#chunksHeld++, new BacklogChunk());
@@ -7382,11 +7368,11 @@ class Backlog implements Iterable<string> {
     this.#rehash();
   }
 
-  /** next() over chunks that are no longer this one's (during #squeeze). */
-  #nextIn(chunks: (BacklogChunk | undefined)[], slot: number): number {
-    for (let s = slot + 1; s < chunks.length * BACKLOG_CHUNK; s++) {
+  /** The first queued slot of `chunks` (this one's, or its old ones in #squeeze) in [from, end), or -1. */
+  static #nextIn(chunks: (BacklogChunk | undefined)[], from: number, end: number): number {
+    for (let s = from; s < end; s++) {
       const c = chunks[s / BACKLOG_CHUNK | 0];
-      if (!c) s = ((s / BACKLOG_CHUNK | 0) + 1) * BACKLOG_CHUNK - 1;
+      if (!c) s = ((s / BACKLOG_CHUNK | 0) + 1) * BACKLOG_CHUNK - 1; // a dropped chunk: past it
       else if (c.kind[s % BACKLOG_CHUNK]) return s;
     }
     return -1;
