@@ -6507,11 +6507,10 @@ const INVITE_REFUSAL_WORDS: Record<InviteRefusal, string> = {
 /** How a refusal report reads: the reason in our words, never the peer's. */
 function refusalWords(l: ReceiptLine): string {
   if (l.reason === "stale" && l.skew_ms !== undefined) {
+    const by = howLong(Math.abs(l.skew_ms));
     return l.skew_ms > 0
-      ? `your clock is ahead of theirs by ~${
-        howLong(l.skew_ms)
-      } (over a minute is refused); ask your operator to fix the clock (NTP)`
-      : `it reached them ${howLong(-l.skew_ms)} old, past the 24 h freshness window; send it again if it still matters`;
+      ? `your clock is ahead of theirs by ~${by} (over a minute is refused); ask your operator to fix the clock (NTP)`
+      : `it reached them ${by} old, past the 24 h freshness window; send it again if it still matters`;
   }
   if (l.reason === "not_allowlisted") {
     return "they do not have you in their peers (you have them: a one-sided pairing); ask your operator whether to request_pair them again, which asks them to add you";
@@ -8628,10 +8627,9 @@ function adoptLegacyJournal(stateDir: string, dir: string): void {
   for (const f of ["log.jsonl", "log.jsonl.corrupt", "inbox.cursor"]) {
     if (fs.existsSync(path.join(stateDir, f))) fs.renameSync(path.join(stateDir, f), path.join(dir, f));
   }
+  const session = path.basename(dir);
   logInfo(
-    `moved this node's interlink.ts 0.4.0 journal into session ${
-      path.basename(dir)
-    }, which carries on its outbox and tasks`,
+    `moved this node's interlink.ts 0.4.0 journal into session ${session}, which carries on its outbox and tasks`,
   );
 }
 
@@ -8828,13 +8826,8 @@ async function revokeInvite(stateDir: string, nowMs: number, which: string): Pro
   return await editInvites(stateDir, nowMs, (invites) => {
     const matches = which.length >= 4 ? invites.filter((i) => i.id.startsWith(which)) : [];
     const pending = invites.filter((i) => inviteState(i, nowMs) === "pending").map((i) => i.id).join(", ");
-    if (matches.length !== 1) {
-      throw new InterlinkError(
-        `${matches.length ? `'${which}' matches several invites` : `no invite '${which}'`}; pending: ${
-          pending || "none"
-        }`,
-      );
-    }
+    const why = matches.length ? `'${which}' matches several invites` : `no invite '${which}'`;
+    if (matches.length !== 1) throw new InterlinkError(`${why}; pending: ${pending || "none"}`);
     const invite = matches[0];
     const state = inviteState(invite, nowMs);
     if (state !== "pending") throw new InterlinkError(`invite ${invite.id} is ${state} already`);
@@ -8928,10 +8921,8 @@ async function judgeInvite(
  */
 function pendingInviteSessions(stateDir: string, nowMs: number): string[] {
   try {
-    return readInvites(stateDir).filter((i) =>
-      inviteState(i, nowMs) === "pending" && !i.session.startsWith(DOOR_PREFIX)
-    )
-      .map((i) => i.session);
+    const pending = readInvites(stateDir).filter((i) => inviteState(i, nowMs) === "pending");
+    return pending.filter((i) => !i.session.startsWith(DOOR_PREFIX)).map((i) => i.session);
   } catch (e) {
     logWarn((e as Error).message);
     return [];
