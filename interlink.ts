@@ -6144,7 +6144,6 @@ class NatsRelay implements Relay {
 // Sessions: a node's state
 // ============================================================================
 //
-//
 // One node = one key + one state folder ("the state root") on a machine; one Claude Code (or CLI) process is one
 // session of it, with its own folder sessions/<id>/ and journal, log.jsonl: the session's single source of truth,
 // holding three views at once:
@@ -6164,13 +6163,10 @@ class NatsRelay implements Relay {
 // records; the agent follows the file and sends them.
 
 /**
- * How admitted messages reach the model, by exactly one path each:
- *   inbox    (the default) they wait for check_inbox, and the Stop hook (`wait`)
- *            wakes an idle session with them; works in every Claude Code session;
- *   channel  each is pushed as a channel event and marked shown; only a session
- *            launched with the development-channels flag shows those, so this is
- *            opt-in (`interlink.ts claude` launches one that way).
- * "both", the default of interlink.ts 0.4.0, is read as channel.
+ * How admitted messages reach the model, by exactly one path each: "inbox" (the default), they wait for check_inbox
+ * and the Stop hook (`wait`) wakes an idle session with them, in every Claude Code session; "channel", each is pushed
+ * as a channel event and marked shown, which only a session launched with the development-channels flag shows, so it
+ * is opt-in (`interlink.ts claude` launches one that way). "both", interlink.ts 0.4.0's default, is read as channel.
  */
 const DELIVERY_MODES = ["inbox", "channel"] as const;
 
@@ -6425,7 +6421,6 @@ interface ReceiptLine {
 // ============================================================================
 // Delivery receipts
 // ============================================================================
-//
 //
 // A receiving node reports, signed, each state a message reaches to the session that sent it: "delivered" (admitted by
 // the gate and journaled in session S), "shown" (handed to the model), "refused" (the gate's reason; for a peer only,
@@ -8323,13 +8318,12 @@ class Journal {
 
   /**
    * Rolls the journal over, so a session's start and memory stay bounded however long it lives: the file is hard-linked
-   * to an archive, log-<ms>.jsonl (history readers read on through journalFiles), and replaced whole by one that starts
-   * with a checkpoint of the state folded so far, followed by a "carried" record for each message it carries (each read
-   * back from its line as it is written: a backlog of any size never sits in memory whole). Only its owner rolls,
-   * holding the inbox lock that every other writer holds to append (so nothing lands in the archive after it), and only
-   * when the new file is under half of what it replaces (false if not). The replay memory is not in the checkpoint: the
-   * replay files hold it (see SeenLog), and the owner makes sure they do before it rolls; `durable` runs just before
-   * the new file takes the old one's place (the agent syncs the replay file there).
+   * to an archive, log-<ms>.jsonl (history readers go on through journalFiles), and replaced whole by a checkpoint of
+   * the state so far and a "carried" record per message it carries (each read back from its line as it is written: a
+   * backlog never sits in memory whole). Only the owner rolls, holding the inbox lock every other writer holds to append
+   * (nothing lands in the archive after it), and only when the new file is under half the old (false if not). The
+   * replay files, not the checkpoint, hold the replay memory (see SeenLog; the owner completes them before it rolls);
+   * `durable` runs just before the new file takes the old one's place (the agent syncs the replay file there).
    */
   roll(durable: () => void = () => {}): boolean {
     this.catchUp();
@@ -8649,7 +8643,6 @@ function onJournalChange(stateDir: string): (wake: () => void) => () => void {
 // ============================================================================
 // Invites
 // ============================================================================
-//
 //
 // `interlink.ts invite` files an invite in invites.json in the state root and prints a code for the other
 // machine; `interlink.ts join <code>` there knocks with a proof that it holds the code's secret, bound to its key
