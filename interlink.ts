@@ -5972,46 +5972,37 @@ class NatsRelay implements Relay {
 // Sessions: a node's state
 // ============================================================================
 //
-//
-// One node = one key + one state folder ("the state root") on a machine; one
-// Claude Code (or CLI) process is one session of it, with its own folder
-// sessions/<id>/ and journal, log.jsonl: the session's single source of
-// truth, holding three views at once:
+// One node = one key + one state folder ("the state root") on a machine; one Claude Code (or CLI) process is one
+// session of it, with its own folder sessions/<id>/ and journal, log.jsonl: the session's single source of truth,
+// holding three views at once:
 //   the outbox            "out" records with neither "sent" nor "refused" yet
 //   the conversation log  every "out" and "in" record
 //   the inbox             "in" records (and notices) no path has shown the model yet
-// One file, so a crash can never leave a message in one view and not another.
-// Its records are the JournalRecord union below, read through one codec
-// (decodeRecord, which also upgrades every earlier release's shapes) and folded
-// by NodeState, one handler per tag. Beside the sessions, replay-<day>.jsonl is
-// the replay memory's own record, shared by all of them (see SeenLog).
+// One file, so a crash can never leave a message in one view and not another. Its records are the JournalRecord union
+// below, read through one codec (decodeRecord, which also upgrades every earlier release's shapes) and folded by
+// NodeState, one handler per tag. Beside the sessions, replay-<day>.jsonl is the replay memory's own record, shared by
+// all of them (see SeenLog).
 //
-// Sessions end all day (a new `claude` is a new session id), mail does not: a
-// session whose process is gone is adopted by a live one (see "Ended
-// sessions"), which carries on its outbox, shows its unread inbox once,
-// finishes its tasks and drains its routes on every relay.
+// Sessions end all day (a new `claude` is a new session id), mail does not: a session whose process is gone is adopted
+// by a live one (see "Ended sessions"), which carries on its outbox, shows its unread inbox once, finishes its tasks
+// and drains its routes on every relay.
 //
-// The running agent holds its session's agent.lock and is the only sender.
-// Other processes (the CLI) may append "out" records; the agent follows the
-// file and sends them.
+// The running agent holds its session's agent.lock and is the only sender. Other processes (the CLI) may append "out"
+// records; the agent follows the file and sends them.
 
 /**
- * How admitted messages reach the model, by exactly one path each:
- *   inbox    (the default) they wait for check_inbox, and the Stop hook (`wait`)
- *            wakes an idle session with them; works in every Claude Code session;
- *   channel  each is pushed as a channel event and marked shown; only a session
- *            launched with the development-channels flag shows those, so this is
- *            opt-in (`interlink.ts claude` launches one that way).
- * "both", the default of interlink.ts 0.4.0, is read as channel.
+ * How admitted messages reach the model, by exactly one path each: "inbox" (the default), they wait for check_inbox
+ * and the Stop hook (`wait`) wakes an idle session with them, in every Claude Code session; "channel", each is pushed
+ * as a channel event and marked shown, which only a session launched with the development-channels flag shows, so it
+ * is opt-in (`interlink.ts claude` launches one that way). "both", interlink.ts 0.4.0's default, is read as channel.
  */
 const DELIVERY_MODES = ["inbox", "channel"] as const;
 
 type Delivery = (typeof DELIVERY_MODES)[number];
 
 /**
- * The program a session runs in. Claude Code wakes an idle session through its
- * Stop hook (`wait`) or pushes channel events; Codex CLI through a turn queued
- * into its thread (CodexWaker), and tells the server its thread only once the
+ * The program a session runs in. Claude Code wakes an idle session through its Stop hook (`wait`) or pushes channel
+ * events; Codex CLI through a turn queued into its thread (CodexWaker), and tells the server its thread only once the
  * session starts (bind_session).
  */
 const HOSTS = ["claude", "codex"] as const;
@@ -6027,9 +6018,8 @@ interface NodeConfig {
   stateDir: string;
   delivery: Delivery;
   /**
-   * This session's id: one `interlink.ts mcp` process is one session of the
-   * identity. It names the session's route (`key#session`) and its folder
-   * under `stateDir/sessions/`.
+   * This session's id: one `interlink.ts mcp` process is one session of the identity. It names the session's route
+   * (`key#session`) and its folder under `stateDir/sessions/`.
    */
   session: string;
   /** How many hops from its owner a task may be handed on to (--max-depth; DEFAULT_MAX_DEPTH when absent). */
@@ -6119,9 +6109,8 @@ interface Relayed {
 }
 
 /**
- * Something waiting for the model that no path has shown yet: a peer's
- * message, a stranger's knock (for the operator), or a summary of refused
- * messages (for the operator). `id` names it in the "shown" record.
+ * Something waiting for the model that no path has shown yet: a peer's message, a stranger's knock (for the operator),
+ * or a summary of refused messages (for the operator). `id` names it in the "shown" record.
  */
 type InboxItem =
   /**
@@ -6194,19 +6183,10 @@ const pairedItem = (key: string, invite: string): string => `paired ${key} ${inv
 /** The one line that counts the knocks past KNOCKS_SHOWN_PER_HOUR. */
 const MORE_KNOCKS = "knocks more";
 
-/** Refusals worth the operator's attention: a key they might expect, or a clock to fix. Malformed and replays are routine. */
-const REFUSALS_SHOWN: ReadonlySet<Refusal> = new Set<Refusal>([
-  "not_allowlisted",
-  "stale",
-  "bad_signature",
-  "wrong_recipient",
-  "unexpected_kind",
-  "invite_unknown",
-  "invite_expired",
-  "invite_used",
-  "invite_revoked",
-  "invite_bad_proof",
-]);
+/** Refusals worth the operator's attention (a key they might expect, a clock to fix); the rest are routine. */
+const REFUSALS_SHOWN: ReadonlySet<Refusal> = new Set<Refusal>(
+  [...REJECT_REASONS, ...INVITE_REFUSALS].filter((r) => r !== "malformed" && r !== "replay" && r !== "busy"),
+);
 
 /** One copy of each string that recurs across heads (keys, routes, petnames, task ids, statuses). */
 const interned = new BoundedMap<string, string>(4096); // recurring strings are few; a rare one is merely copied
@@ -6270,23 +6250,18 @@ interface ReceiptLine {
 // Delivery receipts
 // ============================================================================
 //
-//
-// A receiving node reports, signed, each state a message reaches to the
-// session that sent it: "delivered" (admitted by the gate and journaled in
-// session S), "shown" (handed to the model), "refused" (the gate's reason;
-// for a peer only, never a stranger). Only senders that ask get them: our
-// nodes put an unsigned `"receipts": true` beside `reply_to` on each message
-// they send; a reference node asks for none and gets none. A receipt is a v2
-// message of kind "receipt", in_reply_to the first reported msg_id, whose
-// text holds one line per report:
+// A receiving node reports, signed, each state a message reaches to the session that sent it: "delivered" (admitted by
+// the gate and journaled in session S), "shown" (handed to the model), "refused" (the gate's reason; for a peer only,
+// never a stranger). Only senders that ask get them: our nodes put an unsigned `"receipts": true` beside `reply_to` on
+// each message they send; a reference node asks for none and gets none. A receipt is a v2 message of kind "receipt",
+// in_reply_to the first reported msg_id, whose text holds one line per report:
 //   delivered <msg_id> <unix ms> <session>
 //   shown <msg_id> <unix ms> <session>
 //   refused <msg_id> <unix ms> <reason>[ <ms the message's ts was ahead of our clock>]
-// Receipts are never receipted. Receipts for a session that said goodbye wait
-// until it is back (on a roster, or writing again). What is owed is folded from the journal (an
-// "in" record that asked, the "shown" of it, an "owe" record for a refusal)
-// and cleared by the "out" record of the receipt that reports it: a crash
-// never reports a state that was not journaled, and never loses one that was.
+// Receipts are never receipted. Receipts for a session that said goodbye wait until it is back (on a roster, or writing
+// again). What is owed is folded from the journal (an "in" record that asked, the "shown" of it, an "owe" record for a
+// refusal) and cleared by the "out" record of the receipt that reports it: a crash never reports a state that was not
+// journaled, and never loses one that was.
 
 function receiptText(lines: ReceiptLine[]): string {
   return lines.map((l) => {
@@ -6355,11 +6330,10 @@ const INVITE_REFUSAL_WORDS: Record<InviteRefusal, string> = {
 /** How a refusal report reads: the reason in our words, never the peer's. */
 function refusalWords(l: ReceiptLine): string {
   if (l.reason === "stale" && l.skew_ms !== undefined) {
+    const by = howLong(Math.abs(l.skew_ms));
     return l.skew_ms > 0
-      ? `your clock is ahead of theirs by ~${
-        howLong(l.skew_ms)
-      } (over a minute is refused); ask your operator to fix the clock (NTP)`
-      : `it reached them ${howLong(-l.skew_ms)} old, past the 24 h freshness window; send it again if it still matters`;
+      ? `your clock is ahead of theirs by ~${by} (over a minute is refused); ask your operator to fix the clock (NTP)`
+      : `it reached them ${by} old, past the 24 h freshness window; send it again if it still matters`;
   }
   if (l.reason === "not_allowlisted") {
     return "they do not have you in their peers (you have them: a one-sided pairing); ask your operator whether to request_pair them again, which asks them to add you";
@@ -6388,9 +6362,8 @@ type PairOutcome = "accepted" | "rejected" | "they_accepted" | "invited";
  */
 type JournalRecord =
   /**
-   * A message we signed: the outbox until "sent" or "refused". `recipient` is
-   * the route it goes to (`key#session`, or a bare key); `again` marks a re-send
-   * of one already sent, with the same msg_id (a knock repeated).
+   * A message we signed: the outbox until "sent" or "refused". `recipient` is the route it goes to (`key#session`, or a
+   * bare key); `again` marks a re-send of one already sent, with the same msg_id (a knock repeated).
    */
   | {
     t: "out";
@@ -6411,13 +6384,11 @@ type JournalRecord =
   /** Re-signed before it would go stale at the recipient (same msg_id, so it still dedupes). */
   | { t: "resign"; at: number; msg: SignedMessage }
   /**
-   * Admitted from a peer (or another session of ours): unread until "shown".
-   * `reply_session`: the sender's session its unsigned reply_to named (routing
-   * only); `receipts`: its sender reads delivery receipts; `for_session`: it
-   * came for an earlier session of ours (drained from that session's route).
-   * `chain`: the verified chain of a request that opens a sub-task; `declined`:
-   * why such a request was answered failed and never shown (too deep, a loop);
-   * `relay`: passed along the chain, shown only as information.
+   * Admitted from a peer (or another session of ours): unread until "shown". `reply_session`: the sender's session its
+   * unsigned reply_to named (routing only); `receipts`: its sender reads delivery receipts; `for_session`: it came for
+   * an earlier session of ours (drained from that session's route). `chain`: the verified chain of a request that opens
+   * a sub-task; `declined`: why such a request was answered failed and never shown (too deep, a loop); `relay`: passed
+   * along the chain, shown only as information.
    */
   | {
     t: "in";
@@ -6499,11 +6470,10 @@ interface OwnKnock {
 }
 
 /**
- * What an ended session still had to do, or to know to do it, when it was
- * adopted: its outbox (and sent messages whose receipts may still come), its
- * unread inbox, its tasks, the receipts it owed, its pairing in flight, and
- * whom it was talking to. `routes` are the ended sessions whose relay routes
- * its mail may still arrive on (itself among them), with when each ended.
+ * What an ended session still had to do, or to know to do it, when it was adopted: its outbox (and sent messages whose
+ * receipts may still come), its unread inbox, its tasks, the receipts it owed, its pairing in flight, and whom it was
+ * talking to. `routes` are the ended sessions whose relay routes its mail may still arrive on (itself among them), with
+ * when each ended.
  */
 interface Carried {
   out: CarriedOut[];
@@ -6520,12 +6490,10 @@ interface Carried {
 }
 
 /**
- * What a checkpoint keeps beside what it carries: what only this session's
- * own journal knew. The items already shown that a copy could bring again
- * (notices, messages carried from another session: see NodeState.#shown), when
- * refusal summaries and knocks were last shown (their pacing), the refusals
- * already reported by receipt, the events last pushed to a channel, the keys
- * that send receipts, and those whose messages ask for none (see SEND_WINDOW).
+ * What a checkpoint keeps beside what it carries: what only this session's own journal knew. The items already shown
+ * that a copy could bring again (notices, messages carried from another session: see NodeState.#shown), when refusal
+ * summaries and knocks were last shown (their pacing), the refusals already reported by receipt, the events last pushed
+ * to a channel, the keys that send receipts, and those whose messages ask for none (see SEND_WINDOW).
  */
 interface Remembered {
   /** Only in checkpoints of 0.5.0: the per-day replay files (SeenLog) hold it, read at every start. */
@@ -6554,413 +6522,303 @@ interface CarriedOut {
   chain?: Chain;
 }
 
-// The codec. Records come from disk: a hand edit, a disk fault or a newer
-// version may have put anything there, so each field is checked and a bad one
-// named; the caller (the journal's owner) sets the line aside with the reason.
+// The codec. Records come from disk: a hand edit, a disk fault or a newer version may have put anything there, so
+// each field is checked and a bad one named; the caller (the journal's owner) sets the line aside with the reason.
 
-const str = (o: Record<string, unknown>, k: string): string => field(o, k);
+/** Decodes field `k` of `o`, or throws a FormatError that names it. */
+type Field<T> = (o: Record<string, unknown>, k: string) => T;
 
-const optStr = (o: Record<string, unknown>, k: string): string | undefined => {
+/** The fields `spec` decodes, in its order (the order they are written in); one that decodes to undefined is left out. */
+function fields<S extends Record<string, Field<unknown>>>(
+  o: Record<string, unknown>,
+  spec: S,
+): { [K in keyof S]: ReturnType<S[K]> } {
+  const out: Record<string, unknown> = {};
+  for (const k in spec) {
+    const v = spec[k](o, k);
+    if (v !== undefined) out[k] = v;
+  }
+  return out as { [K in keyof S]: ReturnType<S[K]> };
+}
+
+const str: Field<string> = field;
+
+/** Absent or null: none. */
+const optStr: Field<string | undefined> = (o, k) => {
   const v = o[k];
   if (v === undefined || v === null) return undefined;
   if (typeof v !== "string") throw new FormatError(`"${k}" is not a string`);
   return v;
 };
 
-const int = (o: Record<string, unknown>, k: string): number => {
+const int: Field<number> = (o, k) => {
   const v = o[k];
   if (typeof v !== "number" || !Number.isSafeInteger(v)) throw new FormatError(`"${k}" is not an integer`);
   return v;
 };
 
-const optInt = (
-  o: Record<string, unknown>,
-  k: string,
-): number | undefined => (o[k] === undefined ? undefined : int(o, k));
+/** Absent: none; anything else is decoded by `f`. */
+const optional = <T>(f: Field<T>): Field<T | undefined> => (o, k) => (o[k] === undefined ? undefined : f(o, k));
 
-const flag = <K extends string>(o: Record<string, unknown>, k: K): { [P in K]?: true } =>
-  (o[k] === true ? { [k]: true } : {}) as { [P in K]?: true };
+const optInt = optional(int);
 
-function list(o: Record<string, unknown>, k: string): unknown[] {
+const flag: Field<true | undefined> = (o, k) => (o[k] === true ? true : undefined);
+
+const list: Field<unknown[]> = (o, k) => {
   const v = o[k];
   if (!Array.isArray(v)) throw new FormatError(`"${k}" is not a list`);
   return v;
-}
+};
+
+const strings: Field<string[]> = (o, k) => list(o, k).map(String);
 
 const obj = (v: unknown, what: string): Record<string, unknown> => {
   if (!isObject(v)) throw new FormatError(`${what} is not an object`);
   return v;
 };
 
-function reason(o: Record<string, unknown>, k: string): Refusal {
-  const v = o[k];
-  if (!isRefusal(v)) throw new FormatError(`"${k}" is not a known reason`);
-  return v;
-}
+/** A field that a decoder of whole values reads. */
+const decoded = <T>(f: (v: unknown) => T): Field<T> => (o, k) => f(o[k]);
 
-const where = (v: unknown, what: string): { at: number; session: string } | undefined => {
-  if (v === undefined) return undefined;
-  const o = obj(v, what);
-  return { at: int(o, "at"), session: str(o, "session") };
+/** An optional object, its fields read by `f`. */
+const nested = <T>(f: (x: Record<string, unknown>) => T): Field<T | undefined> =>
+  optional((o, k) => f(obj(o[k], `"${k}"`)));
+
+/** One of `values`; a bad one "is `says`". */
+const oneOf = <T extends string>(values: readonly T[], says = `not ${values.join(", ")}`): Field<T> => (o, k) => {
+  if (!values.includes(o[k] as T)) throw new FormatError(`"${k}" is ${says}`);
+  return o[k] as T;
 };
 
-/** A carried [key, value] list. */
-const pairs = <V>(o: Record<string, unknown>, k: string, value: (v: unknown) => V): [string, V][] =>
-  (o[k] === undefined ? [] : list(o, k)).map((p) => {
-    if (!Array.isArray(p) || p.length !== 2 || typeof p[0] !== "string") {
-      throw new FormatError(`"${k}" holds a bad pair`);
-    }
-    return [p[0], value(p[1])];
-  });
+const reason: Field<Refusal> = (o, k) => {
+  if (!isRefusal(o[k])) throw new FormatError(`"${k}" is not a known reason`);
+  return o[k] as Refusal;
+};
 
 const num = (v: unknown): number => {
   if (typeof v !== "number" || !Number.isSafeInteger(v)) throw new FormatError("not an integer");
   return v;
 };
 
-function decodeReceiptLine(v: unknown): ReceiptLine {
-  const o = obj(v, "a receipt line");
-  const state = o.state;
-  if (!(RECEIPT_STATES as readonly unknown[]).includes(state)) throw new FormatError(`"state" is not a receipt state`);
-  return {
-    state: state as ReceiptState,
-    msg_id: str(o, "msg_id"),
-    at: int(o, "at"),
-    ...some("session", optStr(o, "session")),
-    ...(o.reason === undefined ? {} : { reason: reason(o, "reason") }),
-    ...some("skew_ms", optInt(o, "skew_ms")),
-  };
-}
+/** A carried list (absent: empty), each element read by `value` (told the list's name). */
+const items = <V>(value: (v: unknown, k: string) => V): Field<V[]> => (o, k) =>
+  (o[k] === undefined ? [] : list(o, k)).map((v) => value(v, k));
 
-function decodeRelayed(v: unknown): Relayed | undefined {
-  if (v === undefined) return undefined;
-  const o = obj(v, `"relay"`);
-  if (o.dir !== "up" && o.dir !== "down") throw new FormatError(`"relay.dir" is up or down`);
-  return { dir: o.dir, to: str(o, "to"), task_id: str(o, "task_id") };
-}
+/** A carried [key, value] list (absent: empty). */
+const pairs = <V>(value: (v: unknown, k: string) => V): Field<[string, V][]> =>
+  items((p, k) => {
+    if (!Array.isArray(p) || p.length !== 2 || typeof p[0] !== "string") {
+      throw new FormatError(`"${k}" holds a bad pair`);
+    }
+    return [p[0], value(p[1], k)];
+  });
 
-const optChain = (v: unknown): Chain | undefined => (v === undefined ? undefined : parseChain(v));
+/** A string in a carried list; a bad one is named as `what`. */
+const textItem = (what: string) => (v: unknown, k: string): string => {
+  if (typeof v !== "string") throw new FormatError(`"${k}" holds a bad ${what}`);
+  return v;
+};
+
+const message = decoded(parseSignedMessage);
+
+const optChain = optional(decoded(parseChain));
+
+const shownName: Field<string> = (o, k) => displayName(str(o, k));
+
+const where = nested((x) => fields(x, { at: int, session: str }));
+
+const relayed = nested((x): Relayed => {
+  if (x.dir !== "up" && x.dir !== "down") throw new FormatError(`"relay.dir" is up or down`);
+  return { dir: x.dir, to: str(x, "to"), task_id: str(x, "task_id") };
+});
+
+const receiptLine = (v: unknown): ReceiptLine =>
+  fields(obj(v, "a receipt line"), {
+    state: oneOf(RECEIPT_STATES, "not a receipt state"),
+    msg_id: str,
+    at: int,
+    session: optStr,
+    reason: optional(reason),
+    skew_ms: optInt,
+  });
 
 /** A message's head (see MessageHead), from a head or a whole message (as 0.5.0 wrote a bounced one). */
 function decodeHead(v: unknown): MessageHead {
   const o = obj(v, "a message");
-  if (!(KINDS as readonly unknown[]).includes(o.kind)) throw new FormatError(`"kind" is not ${KINDS.join(", ")}`);
-  if (o.status !== undefined && !isTaskStatus(o.status)) throw new FormatError(`"status" is not a task status`);
-  return headOf({
-    msg_id: str(o, "msg_id"),
-    kind: o.kind as Kind,
-    from: str(o, "from"),
-    to: str(o, "to"),
-    ts: int(o, "ts"),
-    task_id: optStr(o, "task_id"),
-    status: o.status as TaskStatus | undefined,
-  });
+  return headOf(fields(o, {
+    kind: oneOf(KINDS),
+    status: optional((o, k) => {
+      if (!isTaskStatus(o[k])) throw new FormatError(`"status" is not a task status`);
+      return o[k] as TaskStatus;
+    }),
+    msg_id: str,
+    from: str,
+    to: str,
+    ts: int,
+    task_id: optStr,
+  }));
 }
+
+/** Each inbox item's fields beside kind, id and at. */
+const ITEM_FIELDS: {
+  [K in InboxItem["kind"]]: (o: Record<string, unknown>) => Omit<Extract<InboxItem, { kind: K }>, "kind" | "id" | "at">;
+} = {
+  message: (o) =>
+    fields(o, {
+      peer: str,
+      msg: message,
+      forSession: optStr,
+      relay: relayed,
+      asked: nested((a) => fields(a, { text: str, owner: optStr, session: optStr })),
+    }),
+  waiting: (o) => fields(o, { key: str, task_id: str, msg_id: str, text: str, asked_at: int, session: str }),
+  knock: (o) => fields(o, { key: str, name: shownName }),
+  more_knocks: (o) => fields(o, { count: int }),
+  refusals: (o) => fields(o, { key: str, reason, count: int }),
+  bounced: (o) => fields(o, { key: str, msg: decoded(decodeHead), report: decoded(receiptLine) }),
+  paired: (o) =>
+    fields(o, {
+      key: str,
+      petname: str,
+      invite: str,
+      side: oneOf(["invited", "joined"] as const, "invited or joined"),
+    }),
+};
 
 function decodeInboxItem(v: unknown): InboxItem {
   const o = obj(v, "an inbox item");
   const base = { id: str(o, "id"), at: int(o, "at") };
-  switch (o.kind) {
-    case "message": {
-      const asked = o.asked === undefined ? undefined : obj(o.asked, `"asked"`);
-      return {
-        kind: "message",
-        ...base,
-        peer: str(o, "peer"),
-        msg: parseSignedMessage(o.msg),
-        ...some("forSession", optStr(o, "forSession")),
-        ...some("relay", decodeRelayed(o.relay)),
-        ...(asked
-          ? {
-            asked: {
-              text: str(asked, "text"),
-              ...some("owner", optStr(asked, "owner")),
-              ...some("session", optStr(asked, "session")),
-            },
-          }
-          : {}),
-      };
-    }
-    case "waiting":
-      return {
-        kind: "waiting",
-        ...base,
-        key: str(o, "key"),
-        task_id: str(o, "task_id"),
-        msg_id: str(o, "msg_id"),
-        text: str(o, "text"),
-        asked_at: int(o, "asked_at"),
-        session: str(o, "session"),
-      };
-    case "knock":
-      return { kind: "knock", ...base, key: str(o, "key"), name: displayName(str(o, "name")) };
-    case "more_knocks":
-      return { kind: "more_knocks", ...base, count: int(o, "count") };
-    case "refusals":
-      return { kind: "refusals", ...base, key: str(o, "key"), reason: reason(o, "reason"), count: int(o, "count") };
-    case "bounced":
-      return {
-        kind: "bounced",
-        ...base,
-        key: str(o, "key"),
-        msg: decodeHead(o.msg),
-        report: decodeReceiptLine(o.report),
-      };
-    case "paired":
-      if (o.side !== "invited" && o.side !== "joined") throw new FormatError(`"side" is invited or joined`);
-      return {
-        kind: "paired",
-        ...base,
-        key: str(o, "key"),
-        petname: str(o, "petname"),
-        invite: str(o, "invite"),
-        side: o.side,
-      };
-    default:
-      throw new FormatError(`unknown inbox item kind ${JSON.stringify(o.kind)}`);
+  const kind = o.kind as InboxItem["kind"];
+  if (!Object.hasOwn(ITEM_FIELDS, String(kind))) {
+    throw new FormatError(`unknown inbox item kind ${JSON.stringify(kind)}`);
   }
+  return { kind, ...base, ...ITEM_FIELDS[kind](o) } as InboxItem;
 }
 
-function decodeTaskRow(v: unknown): TaskRow {
-  const o = obj(v, "a task");
-  const status = o.status ?? null;
-  if (status !== null && !isTaskStatus(status)) throw new FormatError(`"status" is not a task status`);
-  const side = (x: unknown): Side => {
-    if (x !== "me" && x !== "peer") throw new FormatError(`a side is "me" or "peer"`);
-    return x;
-  };
-  return {
-    task_id: str(o, "task_id"),
-    peer_key: str(o, "peer_key"),
-    requested_by: side(o.requested_by),
-    status,
-    last_msg_id: str(o, "last_msg_id"),
-    last_at: int(o, "last_at"),
-    awaiting: list(o, "awaiting").map((q): Question => {
-      const a = obj(q, "a question");
-      const f = a.forwarded === undefined ? undefined : obj(a.forwarded, `"forwarded"`);
-      return {
-        msg_id: str(a, "msg_id"),
-        asked_by: side(a.asked_by),
-        ...some("at", optInt(a, "at")),
-        ...some("text", optStr(a, "text")),
-        ...(f ? { forwarded: { as: str(f, "as"), to: str(f, "to"), task_id: str(f, "task_id") } } : {}),
-        ...some("earlier", optStr(a, "earlier")),
-      };
-    }),
-    ...(o.parent === undefined ? {} : {
-      parent: {
-        task_id: str(obj(o.parent, `"parent"`), "task_id"),
-        requester: str(obj(o.parent, `"parent"`), "requester"),
-      },
-    }),
-    ...some("owner", optStr(o, "owner")),
-    ...some("depth", optInt(o, "depth")),
-    ...(o.chain === undefined ? {} : { chain: list(o, "chain").map(String) }),
-    closed: o.closed === true,
-    messages: int(o, "messages"),
-    ...some("peer_session", optStr(o, "peer_session")),
-    ...some("peer_closed_at", optInt(o, "peer_closed_at")),
-    ...some("last_out_msg_id", optStr(o, "last_out_msg_id")),
-  };
-}
+const side: Field<Side> = (o, k) => {
+  if (o[k] !== "me" && o[k] !== "peer") throw new FormatError(`a side is "me" or "peer"`);
+  return o[k] as Side;
+};
 
-function decodeCarriedOut(e: unknown): CarriedOut {
-  const x = obj(e, "a carried message");
-  return {
-    msg: parseSignedMessage(x.msg),
-    peer: x.peer === null ? null : str(x, "peer"),
-    recipient: str(x, "recipient"),
-    at: int(x, "at"),
-    ...some("pair_petname", optStr(x, "pair_petname")),
-    ...some("sent_at", optInt(x, "sent_at")),
-    ...(x.via === undefined ? {} : { via: list(x, "via").map(String) }),
-    ...some("delivered", where(x.delivered, `"delivered"`)),
-    ...some("shown", where(x.shown, `"shown"`)),
-    ...some("chain", optChain(x.chain)),
-  };
-}
+const question = (q: unknown): Question =>
+  fields(obj(q, "a question"), {
+    msg_id: str,
+    asked_by: side,
+    at: optInt,
+    text: optStr,
+    forwarded: nested((f) => fields(f, { as: str, to: str, task_id: str })),
+    earlier: optStr,
+  });
 
-function decodeCarried(v: unknown): Carried {
-  const o = obj(v, `"carried"`);
-  const entries = (k: string) => (o[k] === undefined ? [] : list(o, k));
-  return {
-    out: entries("out").map(decodeCarriedOut),
-    inbox: entries("inbox").map(decodeInboxItem),
-    tasks: entries("tasks").map(decodeTaskRow),
-    owed: pairs(o, "owed", (l) => {
-      if (!Array.isArray(l)) throw new FormatError(`"owed" holds a bad list`);
-      return l.map(decodeReceiptLine);
-    }),
-    wants_shown: pairs(o, "wants_shown", (w) => {
-      const x = obj(w, "a wanted report");
-      return { route: str(x, "route"), msgId: str(x, "msgId") };
-    }),
-    knocks_in: pairs(o, "knocks_in", (k) => {
-      const x = obj(k, "a knock");
-      return {
-        name: displayName(str(x, "name")),
-        at: int(x, "at"),
-        msgId: str(x, "msgId"),
-        ...some("replyTo", optStr(x, "replyTo")),
-      };
-    }),
-    knocks_out: pairs(o, "knocks_out", (k) => {
-      const x = obj(k, "a knock");
-      return {
-        ...some("petname", optStr(x, "petname")),
-        at: int(x, "at"),
-        msgId: str(x, "msgId"),
-        ...some("invite", optStr(x, "invite")),
-      };
-    }),
-    sticky: pairs(o, "sticky", (x) => {
-      if (typeof x !== "string") throw new FormatError(`"sticky" holds a bad session`);
-      return x;
-    }),
-    closed: pairs(o, "closed", num),
-    rejected: pairs(o, "rejected", num),
-    routes: pairs(o, "routes", num),
-  };
-}
+const decodeTaskRow = (v: unknown): TaskRow =>
+  fields(obj(v, "a task"), {
+    task_id: str,
+    peer_key: str,
+    requested_by: side,
+    status: (o, k) => {
+      const status = o[k] ?? null;
+      if (status !== null && !isTaskStatus(status)) throw new FormatError(`"status" is not a task status`);
+      return status;
+    },
+    last_msg_id: str,
+    last_at: int,
+    awaiting: (o, k) => list(o, k).map(question),
+    parent: nested((p) => fields(p, { task_id: str, requester: str })),
+    owner: optStr,
+    depth: optInt,
+    chain: optional(strings),
+    closed: (o, k) => o[k] === true,
+    messages: int,
+    peer_session: optStr,
+    peer_closed_at: optInt,
+    last_out_msg_id: optStr,
+  });
 
-function decodeRemembered(v: unknown): Remembered {
-  const o = obj(v, `"remembered"`);
-  const entries = (k: string) => (o[k] === undefined ? [] : list(o, k));
-  return {
-    ...(o.replay === undefined ? {} : { replay: pairs(o, "replay", num) }),
-    shown: entries("shown").map((id) => {
-      if (typeof id !== "string") throw new FormatError(`"shown" holds a bad item`);
-      return id;
+const carriedOut = (v: unknown): CarriedOut =>
+  fields(obj(v, "a carried message"), {
+    msg: message,
+    peer: (o, k) => (o[k] === null ? null : str(o, k)),
+    recipient: str,
+    at: int,
+    pair_petname: optStr,
+    sent_at: optInt,
+    via: optional(strings),
+    delivered: where,
+    shown: where,
+    chain: optChain,
+  });
+
+const decodeCarried = (v: unknown): Carried =>
+  fields(obj(v, `"carried"`), {
+    out: items(carriedOut),
+    inbox: items(decodeInboxItem),
+    tasks: items(decodeTaskRow),
+    owed: pairs((l, k) => {
+      if (!Array.isArray(l)) throw new FormatError(`"${k}" holds a bad list`);
+      return l.map(receiptLine);
     }),
-    refusal_shown: pairs(o, "refusal_shown", num),
-    refusals_reported: pairs(o, "refusals_reported", (r) => {
-      const x = obj(r, "a reported refusal");
-      return { key: str(x, "key"), at: int(x, "at") };
-    }),
-    knocks_shown: entries("knocks_shown").map((at) => num(at)),
-    pushed: pairs(o, "pushed", (p) => {
-      const x = obj(p, "a pushed event");
-      return { at: int(x, "at"), item: decodeInboxItem(x.item) };
-    }),
-    confirming: entries("confirming").map((k) => {
-      if (typeof k !== "string") throw new FormatError(`"confirming" holds a bad key`);
-      return k;
-    }),
-    silent: entries("silent").map((k) => {
-      if (typeof k !== "string") throw new FormatError(`"silent" holds a bad key`);
-      return k;
-    }),
-  };
-}
+    wants_shown: pairs((w) => fields(obj(w, "a wanted report"), { route: str, msgId: str })),
+    knocks_in: pairs((x) => fields(obj(x, "a knock"), { name: shownName, at: int, msgId: str, replyTo: optStr })),
+    knocks_out: pairs((x) => fields(obj(x, "a knock"), { petname: optStr, at: int, msgId: str, invite: optStr })),
+    sticky: pairs(textItem("session")),
+    closed: pairs(num),
+    rejected: pairs(num),
+    routes: pairs(num),
+  });
+
+const decodeRemembered = (v: unknown): Remembered =>
+  fields(obj(v, `"remembered"`), {
+    replay: optional(pairs(num)),
+    shown: items(textItem("item")),
+    refusal_shown: pairs(num),
+    refusals_reported: pairs((r) => fields(obj(r, "a reported refusal"), { key: str, at: int })),
+    knocks_shown: items(num),
+    pushed: pairs((p) => fields(obj(p, "a pushed event"), { at: int, item: decoded(decodeInboxItem) })),
+    confirming: items(textItem("key")),
+    silent: items(textItem("key")),
+  });
 
 const PAIR_OUTCOMES: readonly PairOutcome[] = ["accepted", "rejected", "they_accepted", "invited"];
 
-/** One decoder per tag: today's shape, checked field by field. */
-const RECORD_DECODERS: { [T in RecordTag]: (o: Record<string, unknown>, at: number) => RecordOf<T> } = {
-  out: (o, at) => ({
-    t: "out",
-    at,
-    peer: o.peer === null || o.peer === undefined ? null : str(o, "peer"),
-    recipient: str(o, "recipient"),
-    msg: parseSignedMessage(o.msg),
-    ...some("pair_petname", optStr(o, "pair_petname")),
-    ...flag(o, "again"),
-    ...some("chain", optChain(o.chain)),
-    ...(o.forward === undefined ? {} : {
-      forward: {
-        peer: str(obj(o.forward, `"forward"`), "peer"),
-        task_id: str(obj(o.forward, `"forward"`), "task_id"),
-        question: str(obj(o.forward, `"forward"`), "question"),
-      },
+/** Each record's fields beside `t` and `at`: today's shape, checked field by field. */
+const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<RecordOf<T>, "t" | "at"> } = {
+  out: (o) =>
+    fields(o, {
+      peer: (o, k) => (o[k] === null || o[k] === undefined ? null : str(o, k)),
+      recipient: str,
+      msg: message,
+      pair_petname: optStr,
+      again: flag,
+      chain: optChain,
+      forward: nested((f) => fields(f, { peer: str, task_id: str, question: str })),
     }),
-  }),
-  sent: (o, at) => ({ t: "sent", at, msg_id: str(o, "msg_id"), via: list(o, "via").map(String) }),
-  refused: (o, at) => ({
-    t: "refused",
-    at,
-    msg_id: str(o, "msg_id"),
-    reason: optStr(o, "reason") ?? "refused by every bus",
-  }),
-  resign: (o, at) => ({ t: "resign", at, msg: parseSignedMessage(o.msg) }),
-  in: (o, at) => ({
-    t: "in",
-    at,
-    peer: str(o, "peer"),
-    msg: parseSignedMessage(o.msg),
-    ...some("reply_session", optStr(o, "reply_session")),
-    ...flag(o, "receipts"),
-    ...some("for_session", optStr(o, "for_session")),
-    ...some("chain", optChain(o.chain)),
-    ...some("declined", optStr(o, "declined")),
-    ...some("relay", decodeRelayed(o.relay)),
-  }),
-  shown: (o, at) => {
-    if (!SHOWN_VIAS.includes(o.via as ShownVia)) throw new FormatError(`"via" is not ${SHOWN_VIAS.join(", ")}`);
-    return { t: "shown", at, item: str(o, "item"), via: o.via as ShownVia };
-  },
-  knock: (o, at) => ({
-    t: "knock",
-    at,
-    key: str(o, "key"),
-    name: displayName(str(o, "name")),
-    msg_id: str(o, "msg_id"),
-    ts: int(o, "ts"),
-    ...some("reply_to", optStr(o, "reply_to")),
-    ...flag(o, "quiet"),
-  }),
-  refusal: (o, at) => ({
-    t: "refusal",
-    at,
-    key: str(o, "key"),
-    reason: reason(o, "reason"),
-    detail: optStr(o, "detail") ?? "",
-  }),
-  paired: (o, at) => {
-    if (!PAIR_OUTCOMES.includes(o.how as PairOutcome)) {
-      throw new FormatError(`"how" is not ${PAIR_OUTCOMES.join(", ")}`);
-    }
-    return {
-      t: "paired",
-      at,
-      key: str(o, "key"),
-      how: o.how as PairOutcome,
-      ...some("petname", optStr(o, "petname")),
-      ...(o.msg === undefined ? {} : { msg: parseSignedMessage(o.msg) }),
-      ...some("invite", optStr(o, "invite")),
-    };
-  },
-  owe: (o, at) => ({
-    t: "owe",
-    at,
-    route: str(o, "route"),
-    msg_id: str(o, "msg_id"),
-    reason: reason(o, "reason"),
-    ...some("skew_ms", optInt(o, "skew_ms")),
-  }),
-  receipt: (o, at) => ({
-    t: "receipt",
-    at,
-    peer: str(o, "peer"),
-    msg: parseSignedMessage(o.msg),
-    ...(o.lines === undefined ? {} : { lines: list(o, "lines").map(num) }),
-  }),
-  moved: (o, at) => ({ t: "moved", at, to: str(o, "to") }),
-  adopted: (o, at) => ({ t: "adopted", at, session: str(o, "session"), carried: decodeCarried(o.carried) }),
-  carried: (o, at) => ({
-    t: "carried",
-    at,
-    ...some("session", optStr(o, "session")),
-    ...(o.out === undefined ? {} : { out: decodeCarriedOut(o.out) }),
-    ...(o.item === undefined ? {} : { item: decodeInboxItem(o.item) }),
-  }),
-  checkpoint: (o, at) => ({
-    t: "checkpoint",
-    at,
-    archived: str(o, "archived"),
-    carried: decodeCarried(o.carried),
-    remembered: decodeRemembered(o.remembered),
-  }),
+  sent: (o) => fields(o, { msg_id: str, via: strings }),
+  refused: (o) => fields(o, { msg_id: str, reason: (o, k) => optStr(o, k) ?? "refused by every bus" }),
+  resign: (o) => fields(o, { msg: message }),
+  in: (o) =>
+    fields(o, {
+      peer: str,
+      msg: message,
+      reply_session: optStr,
+      receipts: flag,
+      for_session: optStr,
+      chain: optChain,
+      declined: optStr,
+      relay: relayed,
+    }),
+  shown: (o) => fields(o, { item: str, via: oneOf(SHOWN_VIAS) }),
+  knock: (o) => fields(o, { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag }),
+  refusal: (o) => fields(o, { key: str, reason, detail: (o, k) => optStr(o, k) ?? "" }),
+  paired: (o) =>
+    fields(o, { key: str, how: oneOf(PAIR_OUTCOMES), petname: optStr, msg: optional(message), invite: optStr }),
+  owe: (o) => fields(o, { route: str, msg_id: str, reason, skew_ms: optInt }),
+  receipt: (o) => fields(o, { peer: str, msg: message, lines: optional((o, k) => list(o, k).map(num)) }),
+  moved: (o) => fields(o, { to: str }),
+  adopted: (o) => fields(o, { session: str, carried: decoded(decodeCarried) }),
+  carried: (o) =>
+    fields(o, { session: optStr, out: optional(decoded(carriedOut)), item: optional(decoded(decodeInboxItem)) }),
+  checkpoint: (o) =>
+    fields(o, { archived: str, carried: decoded(decodeCarried), remembered: decoded(decodeRemembered) }),
 };
 
 /**
@@ -6998,15 +6856,12 @@ function upgradeRecord(o: Record<string, unknown>): Record<string, unknown>[] {
 /** A journal line's records in today's shape (one line of an earlier release may become two), or a FormatError. */
 function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
   return upgradeRecord(raw).map((o) => {
-    const decode = RECORD_DECODERS[o.t as RecordTag] as
-      | ((o: Record<string, unknown>, at: number) => JournalRecord)
-      | undefined;
-    if (!decode || !Object.hasOwn(RECORD_DECODERS, String(o.t))) {
-      throw new FormatError(
-        `unknown record tag ${JSON.stringify(String(o.t).slice(0, 16))} (written by a newer interlink?)`,
-      );
+    const t = String(o.t) as RecordTag;
+    if (!Object.hasOwn(RECORD_FIELDS, t)) {
+      throw new FormatError(`unknown record tag ${JSON.stringify(t.slice(0, 16))} (written by a newer interlink?)`);
     }
-    return decode(o, typeof o.at === "number" && Number.isSafeInteger(o.at) ? o.at : 0);
+    const at = typeof o.at === "number" && Number.isSafeInteger(o.at) ? o.at : 0;
+    return { t, at, ...RECORD_FIELDS[t](o) } as JournalRecord;
   });
 }
 
@@ -7014,9 +6869,8 @@ function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
 const encodeRecord = (r: JournalRecord): string => JSON.stringify(r);
 
 /**
- * Reads a journal's records from byte `from`, decoded and upgraded: `onRecord`
- * for each, with the line's offset and end; `onBad` for a line that is not one
- * (with the reason). The one reader of journals: the fold, `log`, `tasks`,
+ * Reads a journal's records from byte `from`, decoded and upgraded: `onRecord` for each, with the line's offset and
+ * end; `onBad` for a line that is not one (with the reason). The one reader of journals: the fold, `log`, `tasks`,
  * conversation_history and `doctor` all go through it.
  */
 function scanJournal(
@@ -7194,12 +7048,7 @@ class Backlog implements Iterable<string> {
    * `for (let s = b.next(-1); s >= 0; s = b.next(s))`, allocates nothing.
    */
   next(slot: number): number {
-    for (let s = Math.max(slot + 1, this.#first); s < this.#end; s++) {
-      const c = this.#chunks[s / BACKLOG_CHUNK | 0];
-      if (!c) s = ((s / BACKLOG_CHUNK | 0) + 1) * BACKLOG_CHUNK - 1; // a dropped chunk: past it
-      else if (c.kind[s % BACKLOG_CHUNK]) return s;
-    }
-    return -1;
+    return Backlog.#nextIn(this.#chunks, Math.max(slot + 1, this.#first), this.#end);
   }
 
   *[Symbol.iterator](): Iterator<string> {
@@ -7323,12 +7172,12 @@ class Backlog implements Iterable<string> {
 
   /** Moves what is queued into new chunks from slot 0, in order, then rehashes. */
   #squeeze(): void {
-    const chunks = this.#chunks, odd = this.#odd;
+    const chunks = this.#chunks, odd = this.#odd, end = this.#end;
     let from = this.next(-1);
     this.#chunks = [];
     this.#odd = new Map();
     this.#chunksHeld = this.#first = this.#end = 0;
-    for (; from >= 0; from = this.#nextIn(chunks, from)) {
+    for (; from >= 0; from = Backlog.#nextIn(chunks, from + 1, end)) {
       const c = chunks[from / BACKLOG_CHUNK | 0]!, i = from % BACKLOG_CHUNK;
       const to = this.#end++;
       const d = this.#chunks[to / BACKLOG_CHUNK | 0] ??= (this.#chunksHeld++, new BacklogChunk());
@@ -7347,11 +7196,11 @@ class Backlog implements Iterable<string> {
     this.#rehash();
   }
 
-  /** next() over chunks that are no longer this one's (during #squeeze). */
-  #nextIn(chunks: (BacklogChunk | undefined)[], slot: number): number {
-    for (let s = slot + 1; s < chunks.length * BACKLOG_CHUNK; s++) {
+  /** The first queued slot of `chunks` (this one's, or its old ones in #squeeze) in [from, end), or -1. */
+  static #nextIn(chunks: (BacklogChunk | undefined)[], from: number, end: number): number {
+    for (let s = from; s < end; s++) {
       const c = chunks[s / BACKLOG_CHUNK | 0];
-      if (!c) s = ((s / BACKLOG_CHUNK | 0) + 1) * BACKLOG_CHUNK - 1;
+      if (!c) s = ((s / BACKLOG_CHUNK | 0) + 1) * BACKLOG_CHUNK - 1; // a dropped chunk: past it
       else if (c.kind[s % BACKLOG_CHUNK]) return s;
     }
     return -1;
@@ -7378,6 +7227,35 @@ class Backlog implements Iterable<string> {
   }
 }
 
+/** The message of ours an "out" record, or a "carried" one, holds. */
+const outOf = (r: JournalRecord | undefined) => (r?.t === "out" ? r : r?.t === "carried" ? r.out : undefined);
+
+/** The entry of a message of ours as its "out" or "carried" record holds it (with `more`), held as keepSigned says. */
+function outEntry(
+  o: Pick<CarriedOut, "msg" | "peer" | "recipient" | "at" | "pair_petname" | "chain">,
+  line: LineRef | undefined,
+  more: Partial<OutEntry> = {},
+): OutEntry {
+  const e: OutEntry = {
+    msg: headOf(o.msg),
+    peer: intern(o.peer ?? undefined) ?? null,
+    recipient: intern(o.recipient),
+    at: o.at,
+    attempts: 0,
+    ...some("pairPetname", o.pair_petname),
+    ...some("chain", o.chain),
+    ...more,
+  };
+  keepSigned(e, o.msg, line);
+  return e;
+}
+
+/** Why a message kept as its head cannot be shown or sent: its journal line no longer holds it. */
+const unreadable = (what: string, line: LineRef | undefined): InterlinkError =>
+  new InterlinkError(
+    `${what} can no longer be read from ${line?.file} at byte ${line?.offset} (the disk changed under it)`,
+  );
+
 /** The node's state, folded from its journal in order: one handler per record tag. Pure apart from its own maps. */
 class NodeState {
   /**
@@ -7391,9 +7269,8 @@ class NodeState {
   readonly tasks = new Map<string, TaskRow>();
   readonly replay = new ReplayMemory();
   /**
-   * Waiting to be shown, in arrival order. Peers' messages are bounded by what
-   * peers send before it is read; knocks by KNOCKS_CAP; refusal summaries by
-   * REFUSAL_NOTICES_CAP, one per sender and reason.
+   * Waiting to be shown, in arrival order. Peers' messages are bounded by what peers send before it is read; knocks by
+   * KNOCKS_CAP; refusal summaries by REFUSAL_NOTICES_CAP, one per sender and reason.
    */
   readonly inbox = new Map<string, HeldItem>();
   /**
@@ -7477,17 +7354,7 @@ class NodeState {
         // The common case, a backlog's: nothing of it in memory but its outbox slot.
         this.pending.add(id, { recipient: r.recipient, kind: r.msg.kind, at: r.at, line, bytes: line.length });
       } else {
-        const entry: OutEntry = {
-          msg: headOf(r.msg),
-          peer: intern(r.peer ?? undefined) ?? null,
-          recipient: intern(r.recipient),
-          at: r.at,
-          attempts: 0,
-          ...some("pairPetname", r.pair_petname),
-          ...some("chain", r.chain),
-          ...some("refused", refused ?? undefined),
-        };
-        keepSigned(entry, r.msg, line);
+        const entry = outEntry(r, line, some("refused", refused ?? undefined));
         if (refused) return void this.outgoing.set(id, entry);
         this.#queue(entry);
       }
@@ -7638,12 +7505,7 @@ class NodeState {
       for (const id of this.outgoing.keys()) if (this.pending.has(id)) this.outgoing.get(id)!.movedTo = r.to;
       for (const e of this.outgoing.values()) if (e.sentAt && !e.shown) e.movedTo = r.to;
       for (const t of this.tasks.values()) t.moved_to ??= r.to;
-      this.pending.clear();
-      this.inbox.clear();
-      this.owed.clear();
-      this.wantsShown.clear();
-      this.knocksIn.clear();
-      this.knocksOut.clear();
+      for (const m of [this.pending, this.inbox, this.owed, this.wantsShown, this.knocksIn, this.knocksOut]) m.clear();
       this.drains.clear();
       this.unconfirmed.clear();
     },
@@ -7725,40 +7587,16 @@ class NodeState {
   #readEntry(slot: number, msgId: string, keep = false): OutEntry {
     const line = this.pending.lineAt(slot)!;
     const r = this.read(line, msgId);
-    const o = r?.t === "out" ? r : r?.t === "carried" ? r.out : undefined;
+    const o = outOf(r);
     if (!o) {
       // Its line no longer reads back (a disk fault since it was folded): what the outbox alone knows of it.
-      const recipient = this.pending.recipientAt(slot);
-      const to = parseRoute(recipient).key;
-      return {
-        msg: {
-          msg_id: msgId,
-          kind: this.pending.kindAt(slot),
-          from: "",
-          to,
-          ts: 0,
-          task_id: undefined,
-          status: undefined,
-        },
-        line,
-        peer: null,
-        recipient,
-        at: this.pending.atAt(slot),
-        attempts: 0,
-      };
+      const { pending } = this, recipient = pending.recipientAt(slot);
+      const msg = { msg_id: msgId, kind: pending.kindAt(slot), from: "", to: pending.keyAt(slot), ts: 0 };
+      return { msg, line, peer: null, recipient, at: pending.atAt(slot), attempts: 0 };
     }
-    return {
-      msg: headOf(o.msg),
-      line,
-      ...(keep ? { signed: o.msg } : {}),
-      peer: intern(o.peer ?? undefined) ?? null,
-      recipient: intern(o.recipient),
-      at: o.at,
-      attempts: 0,
-      ...some("pairPetname", o.pair_petname),
-      ...some("chain", o.chain),
-      ...(r?.t === "carried" && r.session ? { adoptedFrom: r.session } : {}),
-    };
+    const e = outEntry(o, line, r?.t === "carried" && r.session ? { adoptedFrom: r.session } : {});
+    if (keep) e.signed = o.msg;
+    return e;
   }
 
   /** The whole signed message of an entry of ours, read back from its journal line; an error if it no longer reads. */
@@ -7766,11 +7604,7 @@ class NodeState {
     if (e.signed) return e.signed;
     const r = e.line && this.read(e.line, e.msg.msg_id);
     const msg = r?.t === "out" || r?.t === "resign" ? r.msg : r?.t === "carried" ? r.out?.msg : undefined;
-    if (!msg) {
-      throw new InterlinkError(
-        `message ${e.msg.msg_id} can no longer be read from ${e.line?.file} at byte ${e.line?.offset} (the disk changed under it)`,
-      );
-    }
+    if (!msg) throw unreadable(`message ${e.msg.msg_id}`, e.line);
     return msg;
   }
 
@@ -7794,12 +7628,10 @@ class NodeState {
   }
 
   /**
-   * Takes over what an ended session carried (`session`), or this session's
-   * own state at a checkpoint (null). Whatever this journal already holds wins
-   * (a copy adopted twice after a crash between the two writes of an adoption
-   * changes nothing), and an item already shown here is never shown again.
-   * Since 0.5.1 the messages come in "carried" records of their own, after
-   * this one (see #takeOut); earlier releases put them in `c.out`, `c.inbox`.
+   * Takes over what an ended session carried (`session`), or this session's own state at a checkpoint (null). Whatever
+   * this journal already holds wins (a copy adopted twice after a crash between the two writes of an adoption changes
+   * nothing), and an item already shown here is never shown again. Since 0.5.1 the messages come in "carried" records
+   * of their own, after this one (see #takeOut); earlier releases put them in `c.out`, `c.inbox`.
    */
   #take(session: string | null, at: number, c: Carried): void {
     for (const o of c.out) this.#takeOut(session, o);
@@ -7833,21 +7665,13 @@ class NodeState {
   #takeOut(session: string | null, o: CarriedOut, line?: LineRef): void {
     const id = o.msg.msg_id;
     if (this.outgoing.has(id) || this.pending.has(id)) return;
-    const entry: OutEntry = {
-      msg: headOf(o.msg),
-      peer: intern(o.peer ?? undefined) ?? null,
-      recipient: intern(o.recipient),
-      at: o.at,
-      attempts: 0,
-      ...some("chain", o.chain),
+    const entry = outEntry(o, line, {
       ...some("adoptedFrom", session ?? undefined),
-      ...some("pairPetname", o.pair_petname),
       ...some("sentAt", o.sent_at),
       ...some("via", o.via),
       ...some("delivered", o.delivered),
       ...some("shown", o.shown),
-    };
-    keepSigned(entry, o.msg, line);
+    });
     if (o.sent_at === undefined) return this.#queue(entry);
     this.outgoing.set(id, entry);
     this.#remember(id);
@@ -7877,11 +7701,7 @@ class NodeState {
       const r = this.read(line, item.msg.msg_id);
       msg = r?.t === "in" ? r.msg : r?.t === "carried" && r.item?.kind === "message" ? r.item.msg : undefined;
     }
-    if (!msg) {
-      throw new InterlinkError(
-        `the message ${item.msg.msg_id} from ${item.peer} can no longer be read from ${line?.file} at byte ${line?.offset} (the disk changed under it)`,
-      );
-    }
+    if (!msg) throw unreadable(`the message ${item.msg.msg_id} from ${item.peer}`, line);
     return { ...rest, msg };
   }
 
@@ -7928,15 +7748,12 @@ class NodeState {
   }
 
   /**
-   * What this (ended) session still has to do, for the session that adopts it:
-   * its outbox, its sent messages of the last day not yet shown (their receipts
-   * may come), its unread inbox with what its receipts need, its open tasks and
-   * those closed in the last day (a late message on one is still refused; at
-   * its own checkpoint, the last CLOSED_TASKS_KEPT_MS), and the rest of what
-   * it knew of its peers. `ended`: the session and when it
-   * ended, when it is carried to another session (not at its own checkpoint).
-   * The messages are not in it: carriedOut() and the inbox give them, one
-   * record each, so a backlog is never one line in memory.
+   * What this (ended) session still has to do, for the session that adopts it: its outbox, its sent messages of the
+   * last day not yet shown (their receipts may come), its unread inbox with what its receipts need, its open tasks and
+   * those closed in the last day (a late message on one is still refused; at its own checkpoint, the last
+   * CLOSED_TASKS_KEPT_MS), and the rest of what it knew of its peers. `ended`: the session and when it ended, when it
+   * is carried to another session (not at its own checkpoint). The messages are not in it: carriedOut() and the inbox
+   * give them, one record each, so a backlog is never one line in memory.
    */
   carry(nowMs: number, ended?: { session: string; at: number }): Carried {
     const since = nowMs - FRESH_PAST_MS;
@@ -7987,13 +7804,9 @@ class NodeState {
       if (typeof x === "number") {
         const id = this.pending.idAt(x), line = this.pending.lineAt(x)!;
         const r = this.read(line, id);
-        const o = r?.t === "out" ? r : r?.t === "carried" ? r.out : undefined;
+        const o = outOf(r);
         if (!o) {
-          lost(
-            id,
-            `queued message ${id} can no longer be read from ${line.file} at byte ${line.offset} (the disk changed under it)`,
-            true,
-          );
+          lost(id, unreadable(`queued message ${id}`, line).message, true);
           continue;
         }
         yield {
@@ -8268,11 +8081,9 @@ class NodeState {
 }
 
 /**
- * The journal file and the fold over it. Our own appends are applied by
- * reading them back, so the state is always exactly the fold of the file, in
- * file order, whoever wrote each record. The process that owns the folder
- * (the agent, holding agent.lock) quarantines lines it cannot read; readers
- * beside it (the CLI, `wait`) skip them.
+ * The journal file and the fold over it. Our own appends are applied by reading them back, so the state is always
+ * exactly the fold of the file, in file order, whoever wrote each record. The process that owns the folder (the agent,
+ * holding agent.lock) quarantines lines it cannot read; readers beside it (the CLI, `wait`) skip them.
  */
 class Journal {
   readonly file: string;
@@ -8376,19 +8187,13 @@ class Journal {
   }
 
   /**
-   * Rolls the journal over, so a session's start and memory stay bounded
-   * however long it lives: the file is hard-linked to an archive,
-   * log-<ms>.jsonl (history readers read on through journalFiles), and
-   * replaced whole by one that starts with a checkpoint of the state folded
-   * so far, followed by a "carried" record for each message it carries (each
-   * read back from its line as it is written: a backlog of any size never
-   * sits in memory whole). Only its owner rolls, holding the inbox lock that
-   * every other writer holds to append (so nothing lands in the archive after
-   * it), and only when the new file is under half of what it replaces (false
-   * if not). The replay memory is not in the checkpoint: the replay files
-   * hold it (see SeenLog), and the owner makes sure they do before it rolls;
-   * `durable` runs just before the new file takes the old one's place (the
-   * agent syncs the replay file there).
+   * Rolls the journal over, so a session's start and memory stay bounded however long it lives: the file is hard-linked
+   * to an archive, log-<ms>.jsonl (history readers go on through journalFiles), and replaced whole by a checkpoint of
+   * the state so far and a "carried" record per message it carries (each read back from its line as it is written: a
+   * backlog never sits in memory whole). Only the owner rolls, holding the inbox lock every other writer holds to append
+   * (nothing lands in the archive after it), and only when the new file is under half the old (false if not). The
+   * replay files, not the checkpoint, hold the replay memory (see SeenLog; the owner completes them before it rolls);
+   * `durable` runs just before the new file takes the old one's place (the agent syncs the replay file there).
    */
   roll(durable: () => void = () => {}): boolean {
     this.catchUp();
@@ -8523,14 +8328,12 @@ function giveMemoryBack(): void {
 }
 
 /**
- * The replay memory's own durable record, shared by every session of this
- * identity on this machine: one {"t":"seen","k":<sender>,"id":<msg_id>,"ts"}
- * per admitted message, in `replay-<UTC date>.jsonl` beside the sessions. The
- * journal implies the same; this copy means that a journal line lost to a disk
- * fault cannot let a replay in, and that a message admitted by one session
- * (or copied by a relay into another session's route) is refused by the
- * others. Files are per day and never rewritten (a rewrite could lose another
- * process's append): those older than the freshness window are deleted.
+ * The replay memory's own durable record, shared by every session of this identity on this machine: one
+ * {"t":"seen","k":<sender>,"id":<msg_id>,"ts"} per admitted message, in `replay-<UTC date>.jsonl` beside the sessions.
+ * The journal implies the same; this copy means that a journal line lost to a disk fault cannot let a replay in, and
+ * that a message admitted by one session (or copied by a relay into another session's route) is refused by the others.
+ * Files are per day and never rewritten (a rewrite could lose another process's append): those older than the freshness
+ * window are deleted.
  */
 class SeenLog {
   #offsets = new Map<string, number>(); // file → bytes already read
@@ -8652,9 +8455,8 @@ function sessionIds(root: string): string[] {
 }
 
 /**
- * When a session last did anything, as far as its folder tells: its journal's
- * last write, or the session.json its server rewrites on a clean exit (a
- * killed one ended at its last write, or its start).
+ * When a session last did anything, as far as its folder tells: its journal's last write, or the session.json its
+ * server rewrites on a clean exit (a killed one ended at its last write, or its start).
  */
 function sessionEndedAt(dir: string): number {
   let at = 0;
@@ -8693,9 +8495,8 @@ function readNodeState(stateDir: string): { state: NodeState; journal: Journal }
 }
 
 /**
- * A 0.4.0 journal sat directly in the state folder. The first session to
- * start after the upgrade carries it on (with its outbox, tasks and unread
- * inbox): it is moved into that session's folder, once.
+ * A 0.4.0 journal sat directly in the state folder. The first session to start after the upgrade carries it on (with
+ * its outbox, tasks and unread inbox): it is moved into that session's folder, once.
  */
 function adoptLegacyJournal(stateDir: string, dir: string): void {
   const legacy = path.join(stateDir, "log.jsonl");
@@ -8703,10 +8504,9 @@ function adoptLegacyJournal(stateDir: string, dir: string): void {
   for (const f of ["log.jsonl", "log.jsonl.corrupt", "inbox.cursor"]) {
     if (fs.existsSync(path.join(stateDir, f))) fs.renameSync(path.join(stateDir, f), path.join(dir, f));
   }
+  const session = path.basename(dir);
   logInfo(
-    `moved this node's interlink.ts 0.4.0 journal into session ${
-      path.basename(dir)
-    }, which carries on its outbox and tasks`,
+    `moved this node's interlink.ts 0.4.0 journal into session ${session}, which carries on its outbox and tasks`,
   );
 }
 
@@ -8726,7 +8526,6 @@ function onJournalChange(stateDir: string): (wake: () => void) => () => void {
 // ============================================================================
 // Invites
 // ============================================================================
-//
 //
 // `interlink.ts invite` files an invite in invites.json in the state root and prints a code for the other
 // machine; `interlink.ts join <code>` there knocks with a proof that it holds the code's secret, bound to its key
@@ -8772,26 +8571,25 @@ function inviteState(i: Invite, nowMs: number): InviteStatus | "expired" {
   return i.status === "pending" && nowMs > i.expires ? "expired" : i.status;
 }
 
-function decodeInvite(v: unknown): Invite {
-  const o = obj(v, "an invite");
-  if (!["pending", "used", "revoked"].includes(o.status as string)) throw new FormatError(`"status" is not known`);
-  if (!/^[0-9a-f]{16}$/.test(str(o, "id"))) throw new FormatError(`"id" is not 16 hex digits`);
-  return {
-    id: str(o, "id"),
-    ...some("secret", optStr(o, "secret")),
-    ...some("for", optStr(o, "for")),
-    created: int(o, "created"),
-    expires: int(o, "expires"),
-    session: str(o, "session"),
-    urls: list(o, "urls").map(String),
-    status: o.status as InviteStatus,
-    ...some("used_by", optStr(o, "used_by")),
-    ...some("used_msg", optStr(o, "used_msg")),
-    ...some("used_as", optStr(o, "used_as")),
-    ...some("used_in", optStr(o, "used_in")),
-    ...some("ended", optInt(o, "ended")),
-  };
-}
+const decodeInvite = (v: unknown): Invite =>
+  fields(obj(v, "an invite"), {
+    id: (o, k) => {
+      if (!/^[0-9a-f]{16}$/.test(str(o, k))) throw new FormatError(`"id" is not 16 hex digits`);
+      return o[k] as string;
+    },
+    secret: optStr,
+    for: optStr,
+    created: int,
+    expires: int,
+    session: str,
+    urls: strings,
+    status: oneOf<InviteStatus>(["pending", "used", "revoked"], "not known"),
+    used_by: optStr,
+    used_msg: optStr,
+    used_as: optStr,
+    used_in: optStr,
+    ended: optInt,
+  });
 
 const DOOR_PREFIX = "door-";
 
@@ -8904,13 +8702,8 @@ async function revokeInvite(stateDir: string, nowMs: number, which: string): Pro
   return await editInvites(stateDir, nowMs, (invites) => {
     const matches = which.length >= 4 ? invites.filter((i) => i.id.startsWith(which)) : [];
     const pending = invites.filter((i) => inviteState(i, nowMs) === "pending").map((i) => i.id).join(", ");
-    if (matches.length !== 1) {
-      throw new InterlinkError(
-        `${matches.length ? `'${which}' matches several invites` : `no invite '${which}'`}; pending: ${
-          pending || "none"
-        }`,
-      );
-    }
+    const why = matches.length ? `'${which}' matches several invites` : `no invite '${which}'`;
+    if (matches.length !== 1) throw new InterlinkError(`${why}; pending: ${pending || "none"}`);
     const invite = matches[0];
     const state = inviteState(invite, nowMs);
     if (state !== "pending") throw new InterlinkError(`invite ${invite.id} is ${state} already`);
@@ -9004,10 +8797,8 @@ async function judgeInvite(
  */
 function pendingInviteSessions(stateDir: string, nowMs: number): string[] {
   try {
-    return readInvites(stateDir).filter((i) =>
-      inviteState(i, nowMs) === "pending" && !i.session.startsWith(DOOR_PREFIX)
-    )
-      .map((i) => i.session);
+    const pending = readInvites(stateDir).filter((i) => inviteState(i, nowMs) === "pending");
+    return pending.filter((i) => !i.session.startsWith(DOOR_PREFIX)).map((i) => i.session);
   } catch (e) {
     logWarn((e as Error).message);
     return [];
