@@ -2867,39 +2867,30 @@ function lifecycleError(tasks: ReadonlyMap<string, TaskRow>, draft: Draft): stri
 // The bus
 // ============================================================================
 //
-//
 // A dumb relay (SPEC "Bus HTTP API"): it routes opaque JSON to a recipient
-// string, verifies nothing, holds no keys, and keeps each message until its
-// recipient acks it. Its state is one JSONL file in the data folder:
+// string, holds no keys, and keeps each message until its recipient acks it.
+// Its state is one JSONL file in the data folder:
 //   {"t":"m","q":<recipient>,"n":<seq>,"ts":<ms>,"s":<sender>,"z":<bytes>,"p":<payload as JSON text>}  accepted
 //   {"t":"a","q":<recipient>,"n":<seq>,…}                  acked: an "m" record marked in place (older buses appended these)
 //   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap (earlier releases; read, not written)
 //   {"t":"o","q":<key>}                                    the key has proven it owns its routes (an older bus: one a route)
 //   {"t":"c","ts":<ms>}                                    closed: every route needs a proof from now on (see Bus.touchOwned)
 //   {"t":"h","next":<seq>}                                 first line after compaction
-// `seq` is global and not reused (compaction keeps the high-water mark), so an
-// ack key handed out before a restart still names the same message after it.
-// The one exception: a message handed to a parked receiver before its record
-// was written, lost with the process, leaves its seq to the next message after
-// the restart. So an ack key names the ts as well, and a late ack of the lost
-// message leaves the new one alone.
-// Payloads stay JSON text end to end: the bus never parses what it relays.
-//
-// Payloads live in the file, not in memory: a queued message is its offset
-// there, read back when it is delivered. "p" comes last, so a restart parses
-// only the short head of each line and skips the payload (an older bus wrote
-// "p" before "s": such lines are parsed whole and rewritten at the next
-// compaction). Writes are group-committed: while an fdatasync runs, new
-// messages wait in memory and go out as one write before the next one (an
-// ack writes what waits, then marks its record, before it is answered).
+// `seq` is global and never reused (compaction keeps the high-water mark), so
+// an ack key still names its message after a restart. Except: a message handed
+// to a parked receiver before its record was written, lost with the process,
+// leaves its seq to the next message; so an ack key names the ts as well.
+// Payloads stay JSON text end to end (the bus never parses what it relays) and
+// live in the file, not in memory: a queued message is its offset there. "p"
+// comes last, so a restart parses only each line's head (an older bus wrote
+// "p" before "s": parsed whole, rewritten at the next compaction). Writes are
+// group-committed: while an fdatasync runs, new messages wait in memory and go
+// out as one write before the next (an ack writes what waits, then marks its
+// record, before it is answered).
 
-/**
- * A queue file record (the layout above). An "m" record is written by
- * messageHead and read back by MessageHeadReader in today's layout; any other
- * line goes through decodeBusRecord.
- */
+/** A queue file record (the layout above); today's "m" is written by messageHead, read by MessageHeadReader. */
 type BusRecord =
-  /** `s` and `z` are absent in a file written before 0.5.0's layout (`p` came before them). */
+  /** `s` and `z` are absent before 0.5.0's layout. */
   | { t: "m"; q: string; n: number; ts: number; s?: string; z?: number; p: string }
   | { t: "a" | "d"; q: string; n: number }
   | { t: "o"; q: string }
@@ -2909,48 +2900,33 @@ type BusRecord =
 /** A queue line's record, or why it is not one (the line is then set aside). */
 function decodeBusRecord(r: Record<string, unknown>): BusRecord | string {
   const seq = (v: unknown) => Number.isSafeInteger(v) && (v as number) > 0;
-  const route = (v: unknown): v is string => typeof v === "string" && v !== "" && v.length <= RECIPIENT_MAX_CHARS;
-  const q = r.q, n = r.n;
-  switch (r.t) {
-    case "m":
-      if (route(q) && seq(n) && typeof r.p === "string" && Number.isSafeInteger(r.ts)) {
-        return {
-          t: "m",
-          q,
-          n: n as number,
-          ts: r.ts as number,
-          p: r.p,
-          ...(typeof r.s === "string" ? { s: r.s } : {}),
-          ...(Number.isSafeInteger(r.z) ? { z: r.z as number } : {}),
-        };
-      }
-      break;
-    case "a":
-    case "d":
-      if (route(q) && seq(n)) return { t: r.t, q, n: n as number };
-      break;
-    case "o":
-      if (route(q)) return { t: "o", q };
-      break;
-    case "c":
-      if (Number.isSafeInteger(r.ts)) return { t: "c", ts: r.ts as number };
-      break;
-    case "h":
-      if (seq(r.next)) return { t: "h", next: r.next as number };
-      break;
-  }
-  return `not a valid "${String(r.t).slice(0, 8)}" record`;
+  const route = typeof r.q === "string" && r.q !== "" && r.q.length <= RECIPIENT_MAX_CHARS;
+  const valid = r.t === "m"
+    ? route && seq(r.n) && typeof r.p === "string" && Number.isSafeInteger(r.ts)
+    : r.t === "a" || r.t === "d"
+    ? route && seq(r.n)
+    : r.t === "o"
+    ? route
+    : r.t === "c"
+    ? Number.isSafeInteger(r.ts)
+    : r.t === "h" && seq(r.next);
+  if (!valid) return `not a valid "${String(r.t).slice(0, 8)}" record`;
+  if (r.t !== "m") return r as BusRecord;
+  return {
+    ...r,
+    s: typeof r.s === "string" ? r.s : undefined,
+    z: Number.isSafeInteger(r.z) ? r.z : undefined,
+  } as BusRecord;
 }
 
 interface Queued {
   seq: number;
   ts: number;
-  /** The payload's JSON text while it is not in the queue file yet; after that it is read back from `at`. */
+  /** The payload's JSON text until it is in the queue file; then read back from `at` (its literal's offset, `len` bytes). */
   payload: string | undefined;
-  /** Where the payload's JSON string literal starts in the queue file, and its length in bytes. */
   at: number;
   len: number;
-  /** The verified signer of a v2 message; "" for a payload the bus cannot attribute (opaque). */
+  /** The verified signer of a v2 message; "" for an opaque payload. */
   sender: string;
   /** UTF-8 bytes of the payload: what the budgets count. */
   size: number;
@@ -2963,9 +2939,8 @@ class RecipientQueue {
   head = 0;
   live = 0;
   /** Live messages per sender ("" for unattributed ones): whose cap a new message counts against. */
-  bySender = new Map<string, number>();
+  bySender = new Map<string, number>(); // bounded: by the live messages
 
-  /** Up to `n` oldest live messages, oldest first. */
   firstN(n: number): Queued[] {
     const out: Queued[] = [];
     if (!this.first()) return out;
@@ -2984,11 +2959,12 @@ class RecipientQueue {
     return this.items[this.head];
   }
 
-  /** Files an entry that arrives after a later one (a restored file), where its seq puts it. */
+  /** Files an entry in seq order: a restored file may hold one after a later one. */
   insert(item: Queued): void {
     let at = this.items.length;
     while (at > this.head && this.items[at - 1].seq > item.seq) at--;
-    this.items.splice(at, 0, item);
+    if (at === this.items.length) this.items.push(item);
+    else this.items.splice(at, 0, item);
   }
 
   /** The live entry `seq`; binary search, since acks may name any entry, not only the head. */
@@ -3004,10 +2980,7 @@ class RecipientQueue {
     return undefined;
   }
 
-  /**
-   * Marks `seq` gone. An ack may take entries from the middle, which `first` never trims, so once the gone
-   * entries outnumber the live ones the array is rebuilt: memory follows what is held, whatever the pattern.
-   */
+  /** Marks `seq` gone; acks from the middle are not trimmed by `first`, so past twice the live ones the array is rebuilt. */
   remove(seq: number): Queued | undefined {
     const item = this.find(seq);
     if (!item) return undefined;
@@ -3030,24 +3003,19 @@ interface QueueLimits {
   cap: number;
   /** Unattributed (opaque) messages per recipient: their own small budget, never at a verified message's cost. */
   opaqueCap: number;
-  /** Bytes one verified sender may have queued here, across all recipients (payloads plus MESSAGE_OVERHEAD_BYTES each). */
+  /** Bytes one verified sender may have queued, all recipients together (payloads plus MESSAGE_OVERHEAD_BYTES each). */
   senderBytes: number;
   /** Bytes in all, counted the same way, and ROUTE_OVERHEAD_BYTES for each route holding messages. */
   totalBytes: number;
 }
 
 /**
- * What each queued message counts against the byte budgets beside its payload: its entry in memory (about 100
- * to 200 bytes, measured) and its record's head on disk (about 150 for a session's route). So one-byte payloads
- * are bounded in count too: 32 MiB holds about 130,000 of them, 8 MiB of one signer's 32,640.
+ * What a queued message counts beside its payload: its entry in memory (100 to 200 bytes, measured) and its record's
+ * head on disk (about 150). So tiny payloads are bounded in count too: 32 MiB holds about 130,000.
  */
 const MESSAGE_OVERHEAD_BYTES = 256;
 
-/**
- * ... and what each route holding messages counts against the bus's budget in all: its queue in memory (about
- * 500 bytes with its name). So a flood of one message to each of many routes is bounded as well (at most
- * 43,633 routes in 32 MiB).
- */
+/** ... and a route holding messages, in all: its queue in memory (about 500 bytes with its name); 43,633 in 32 MiB. */
 const ROUTE_OVERHEAD_BYTES = 512;
 
 const DEFAULT_LIMITS: QueueLimits = {
@@ -3058,19 +3026,15 @@ const DEFAULT_LIMITS: QueueLimits = {
 };
 
 /**
- * The queue logic of the bus, with no I/O: one FIFO per recipient, fair
- * between senders. Nothing accepted is ever dropped: a signer that holds
- * `cap` messages for a recipient is refused the next (`full` says so), so a
- * flood from one sender only ever costs that sender; unattributed payloads
- * live under their own small budget, refused past it. Bytes are budgeted per
- * sender and in all (`admit` says no), each message counted with
- * MESSAGE_OVERHEAD_BYTES and, in all, each route with ROUTE_OVERHEAD_BYTES.
- * Memory is proportional to what is held: a queue is deleted when it empties.
+ * The bus's queue logic, no I/O: one FIFO per recipient, fair between senders. Nothing accepted is ever dropped: a
+ * signer holding `cap` messages for a recipient is refused the next (`full`), so a flood costs only its sender;
+ * opaque payloads have their own small budget. Bytes are budgeted per sender and in all (`admit`). A queue is
+ * deleted when it empties, so memory follows what is held.
  */
 class BusQueues {
-  #queues = new Map<string, RecipientQueue>();
+  #queues = new Map<string, RecipientQueue>(); // bounded: a route holds messages, each within the byte budgets
   /** Payload bytes and messages held per verified sender, and one copy of its key string that every entry shares. */
-  #senderBytes = new Map<string, { name: string; bytes: number; count: number }>();
+  #senderBytes = new Map<string, { name: string; bytes: number; count: number }>(); // bounded: by the messages
   nextSeq = 1;
   liveCount = 0;
   bytes = 0;
@@ -3084,15 +3048,12 @@ class BusQueues {
     return this.#queues.size;
   }
 
-  /** What the budget in all counts as held: payload bytes, MESSAGE_OVERHEAD_BYTES a message, ROUTE_OVERHEAD_BYTES a route. */
+  /** What the budget in all counts as held. */
   get charged(): number {
     return this.bytes + this.liveCount * MESSAGE_OVERHEAD_BYTES + this.#queues.size * ROUTE_OVERHEAD_BYTES;
   }
 
-  /**
-   * Why a new payload of `size` bytes from `sender` to `to` ("": a route not known yet) cannot be taken now
-   * ("global" or "sender"), or null.
-   */
+  /** Why a payload of `size` bytes from `sender` to `to` ("": not known yet) cannot be taken now, or null. */
   admit(sender: string, size: number, to = ""): "global" | "sender" | null {
     const cost = size + MESSAGE_OVERHEAD_BYTES;
     const route = this.#queues.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
@@ -3103,10 +3064,7 @@ class BusQueues {
     return null;
   }
 
-  /**
-   * Appends a message, whatever the caps (`full` is asked first: a restart files every message that was
-   * accepted, even past a cap that was lowered since).
-   */
+  /** Appends a message whatever the caps (`full` is asked first; a restart files all it accepted, past a lowered cap too). */
   add(
     to: string,
     ts: number,
@@ -3117,7 +3075,6 @@ class BusQueues {
   ): Queued {
     let q = this.#queues.get(to);
     if (!q) this.#queues.set(to, q = new RecipientQueue());
-    // One lookup counts the sender's bytes and finds the copy of its key that every entry shares.
     let held = sender ? this.#senderBytes.get(sender) : undefined;
     if (sender && !held) this.#senderBytes.set(sender, held = { name: sender, bytes: 0, count: 0 });
     if (held) {
@@ -3127,23 +3084,12 @@ class BusQueues {
     }
     this.bytes += size;
     const item: Queued = { seq, ts, payload, at: -1, len: 0, sender, size, gone: false };
-    const last = q.items[q.items.length - 1];
-    if (!last || last.seq < seq) q.items.push(item);
-    else q.insert(item); // a file put back together out of order: the queue stays in seq order all the same
+    q.insert(item);
     q.live++;
     q.bySender.set(sender, (q.bySender.get(sender) ?? 0) + 1);
     this.liveCount++;
     if (seq >= this.nextSeq) this.nextSeq = seq + 1;
     return item;
-  }
-
-  /** Takes a removed message's bytes off the budgets (`add` counts them on). */
-  #release(sender: string, size: number): void {
-    this.bytes -= size;
-    const held = sender ? this.#senderBytes.get(sender) : undefined;
-    if (!held) return;
-    held.bytes -= size;
-    if (--held.count <= 0) this.#senderBytes.delete(sender);
   }
 
   /** How many `sender` ("" for unattributed ones) holds for `to` when that is its cap or more (the next is refused). */
@@ -3152,7 +3098,6 @@ class BusQueues {
     return held >= (sender === "" ? this.limits.opaqueCap : this.limits.cap) ? held : null;
   }
 
-  /** Up to `n` oldest live messages for `to`. */
   firstN(to: string, n: number): Queued[] {
     return this.#queues.get(to)?.firstN(n) ?? [];
   }
@@ -3170,7 +3115,7 @@ class BusQueues {
     return this.get(to, seq) !== undefined;
   }
 
-  /** Entries `to` keeps in memory, removed ones not yet let go included: bounded by about twice the live ones. */
+  /** Entries `to` keeps in memory, removed ones not yet let go included: about twice the live ones at most. */
   footprint(to: string): number {
     const q = this.#queues.get(to);
     return q ? q.items.length - q.head : 0;
@@ -3181,7 +3126,9 @@ class BusQueues {
     const item = q?.remove(seq);
     if (!item) return false;
     this.liveCount--;
-    this.#release(item.sender, item.size);
+    this.bytes -= item.size;
+    const held = item.sender ? this.#senderBytes.get(item.sender) : undefined;
+    if (held) (held.bytes -= item.size, --held.count || this.#senderBytes.delete(item.sender));
     if (q!.live === 0) this.#queues.delete(to);
     return true;
   }
@@ -3204,37 +3151,24 @@ interface RosterEntry {
   units: number; // what it counts against the bounds: one per KiB begun (ROSTER_UNIT_BYTES)
 }
 
-/**
- * Why a roster did not file an announcement: a newer one is filed there, its session ended later than it was
- * signed, or a bound it would pass with no room to make.
- */
+/** Why a roster did not file an announcement: a newer one is there, its session ended after it was signed, or a bound. */
 type RosterRefusal = "older" | "ended" | "full" | "address" | "key";
 
 /**
- * Presence on the bus: verified announcements keyed `pubkey#session_id`
- * (the bare key for a sessionless one). Session entries are kept
- * ROSTER_RETENTION_MS, sessionless ones ROSTER_SESSIONLESS_MS. Each entry
- * counts one unit per KiB begun (a real one is one), so every bound holds in
- * count and in bytes: `cap` units in all, `perKeyCap` per key, `perAddressCap`
- * per source address. Keys cost nothing, so room is made without letting a
- * flood push out a session that is live: past its key's bound a key's own
- * sessions signed before the newcomer go, earliest signed first (only that key
- * signed them; anyone may post them again, so refresh order is not the key's
- * to set); past the
- * address's or the roster's bound only entries away for PRESENCE_LIVE_MS or
- * more give way, stalest first, and when none is, the newcomer is refused. A
- * refresh of an entry keeps its place, past the roster's bound too (a growing
- * one still within its key's and its address's); the same signed announcement
- * posted again only refreshes it. A session its key unregistered is not
- * listed again from an announcement signed before that (see end). The map's
- * order is refresh order.
+ * Presence on the bus: verified announcements keyed `pubkey#session_id` (the bare key when sessionless), kept
+ * ROSTER_RETENTION_MS (sessionless: ROSTER_SESSIONLESS_MS). An entry counts one unit per KiB begun, so every bound
+ * holds in count and bytes: `cap` in all, `perKeyCap` per key, `perAddressCap` per source address. Keys cost nothing,
+ * so a flood never pushes out a live session: past its key's bound that key's sessions signed before the newcomer go,
+ * earliest signed first; past the address's or the roster's, only entries away PRESENCE_LIVE_MS or more, stalest
+ * first, else the newcomer is refused. A refresh keeps its place, past the roster's bound too. A session its key
+ * unregistered is not listed again from an older announcement (see end). The map's order is refresh order.
  */
 class Roster {
   #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
   #perKey = new Map<string, number>(); // units per key: bounded by the entries
   #perAddress = new Map<string, number>(); // units per address bucket: bounded by the entries
   #units = 0;
-  /** Sessions ended by a signed unregister: the unregister's ts, and the address bucket it came from (see end). */
+  /** Sessions ended by a signed unregister: its ts and address bucket (see end). */
   #ended = new Map<string, { ts: number; from: string }>(); // bounded: endedCap, oldest first
   #endedBy = new Map<string, Set<string>>(); // the ids each address bucket ended, oldest first: bounded with #ended
 
@@ -3250,7 +3184,6 @@ class Roster {
     return this.#entries.size;
   }
 
-  /** Units held in all (each entry one per KiB begun). */
   get units(): number {
     return this.#units;
   }
@@ -3263,8 +3196,8 @@ class Roster {
     const old = this.#entries.get(id);
     if (old && old.ts > a.ts) return "older";
     if (old && old.ts === a.ts) {
-      // The same signed announcement again: a retry, or anyone replaying it off GET /roster. It refreshes the entry
-      // and nothing else, so members added beside the signed ones (padding) never change what its key posted.
+      // The same signed announcement again (a retry, a replay off GET /roster) only refreshes: padding added beside
+      // the signed members never changes what its key posted.
       this.#entries.delete(id);
       this.#entries.set(id, { ...old, at: nowMs });
       return true;
@@ -3294,9 +3227,7 @@ class Roster {
       }
       return !bound();
     };
-    // Past its key's bound, that key's sessions signed before this one give way, the earliest signed first. By
-    // signed time, not refresh order: anyone can post a key's earlier announcements again, which refreshes them,
-    // but none can sign one later than what the key's live sessions post now.
+    // By signed time, not refresh order: anyone can post a key's earlier announcements again, none sign a later one.
     if (over.key()) {
       const earlier = [...this.#entries].filter(([k, e]) => k !== id && e.pubkey === a.pubkey && e.ts <= a.ts);
       for (const [k, e] of earlier.sort(([, x], [, y]) => x.ts - y.ts)) {
@@ -3323,19 +3254,11 @@ class Roster {
   }
 
   /**
-   * A session `key` ended at signed time `ts` (its key's unregister, from
-   * address bucket `from`): removed unless a later announcement is filed, and
-   * remembered, so an announcement of it signed no later is refused ("ended"):
-   * anyone could post its last one again off GET /roster, and clients would
-   * take it as live for up to 90 s, listed away for 3 days. Remembered until
-   * ROSTER_RETENTION_MS after `ts`, when the announce route refuses all such
-   * announcements as too old anyway. Keys cost nothing, so a flood of
-   * unregisters of self-made sessions is bounded per address
-   * (`endedPerAddressCap`: that address's own oldest goes) and in all
-   * (`endedCap`: the oldest of the address that ended the most goes), so a
-   * stranger pushes out another address's only from more addresses than the
-   * bound over its share. A key longer than a route (RECIPIENT_MAX_CHARS: no
-   * mail can reach it) is removed and not remembered.
+   * Session `key` ended at signed time `ts` (its key's unregister, from address bucket `from`): removed unless a
+   * later announcement is filed, and remembered until ROSTER_RETENTION_MS after `ts` (then the announce route refuses
+   * it as too old), so a replay of its last announcement off GET /roster is refused ("ended"). Keys cost nothing, so
+   * remembered ones are bounded per address (`endedPerAddressCap`: its own oldest goes) and in all (`endedCap`: the
+   * oldest of the address that ended the most goes). A key longer than a route (no mail can reach it) is not remembered.
    */
   end(key: string, ts: number, from: string, nowMs: number): void {
     this.remove(key, ts);
@@ -3360,7 +3283,6 @@ class Roster {
     mine.add(key);
   }
 
-  /** Sessions remembered as ended (see end). */
   get endedCount(): number {
     return this.#ended.size;
   }
@@ -3414,10 +3336,9 @@ class HttpError extends Error {
 }
 
 /**
- * The source a per-address budget counts against: an IPv4 address, or the /64 of an IPv6 one (what one host
- * usually holds; counting whole addresses there would give a host 2^64 budgets), and all of 127.0.0.0/8 as one (every
- * one of them is this machine, and any local user may connect from as many as they like). "" for a request that did
- * not come over a socket (a test calling the handler). A bus behind a proxy sees every client as the proxy.
+ * The source a per-address budget counts against: an IPv4 address; the /64 of an IPv6 one (what one host usually
+ * holds: else a host had 2^64 budgets); all of 127.0.0.0/8 as one (any local user may connect from all of it). ""
+ * for a request not over a socket. A bus behind a proxy sees every client as the proxy.
  */
 function addressBucket(address: string): string {
   const v4 = /^(?:::ffff:)?(\d{1,3}(?:\.\d{1,3}){3})$/i.exec(address);
@@ -3433,15 +3354,11 @@ function addressBucket(address: string): string {
 }
 
 /**
- * Bytes in flight through the bus's HTTP server, in all and per source
- * address: request bodies being read (a body reserves its declared length
- * before a byte of it is read, a chunked one each chunk as it comes, and gives
- * it back once the runtime has let go of it), or answers being written (a large
- * answer reserves its bytes before its payloads are read, and gives them back
- * once the connection has taken its last byte, closed, or let its deadline
- * pass). Past either budget a request is refused, so a thousand connections that
- * each stall on a 2 MiB body, or never read a 2 MiB answer, hold at most the
- * budget, not 2 GB.
+ * Bytes in flight through the bus's HTTP server, in all and per source address: request bodies being read (the
+ * declared length reserved before a byte is read, a chunked body each chunk as it comes, given back once the runtime
+ * lets go of it), or large answers being written (reserved before their payloads are read, given back at the last
+ * byte, a close or the deadline). Past either budget a request is refused, so a thousand connections that stall on
+ * 2 MiB each hold the budget, not 2 GB.
  */
 class BytesInFlight {
   bytes = 0;
@@ -3459,24 +3376,16 @@ class BytesInFlight {
   take(from: string, n: number): void {
     if (n <= 0) return;
     const mine = this.#byAddress.get(from) ?? 0;
-    if (mine + n > this.perAddress) {
-      throw new HttpError(
-        429,
-        `your address already has ${humanBytes(mine)} of ${this.what} (at most ${
-          humanBytes(this.perAddress)
+    const refuse = (status: number, who: string, held: number, max: number, all = "") =>
+      new HttpError(
+        status,
+        `${who} already has ${humanBytes(held)} of ${this.what}${all} (at most ${
+          humanBytes(max)
         } at once); retry in a moment`,
         this.close,
       );
-    }
-    if (this.bytes + n > this.max) {
-      throw new HttpError(
-        503,
-        `this bus already has ${humanBytes(this.bytes)} of ${this.what} in all (at most ${
-          humanBytes(this.max)
-        } at once); retry in a moment`,
-        this.close,
-      );
-    }
+    if (mine + n > this.perAddress) throw refuse(429, "your address", mine, this.perAddress);
+    if (this.bytes + n > this.max) throw refuse(503, "this bus", this.bytes, this.max, " in all");
     this.#byAddress.set(from, mine + n);
     this.bytes += n;
   }
@@ -3496,19 +3405,12 @@ interface InFlightBudget {
   from: string;
 }
 
-/**
- * The bytes one answer holds in the answers' BytesInFlight until `release` (which may come more than once: the
- * first gives them back). Only an answer of ANSWER_STREAM_MIN_BYTES or more holds any (see streamedAnswer).
- */
+/** What one answer holds of the answers' BytesInFlight until `release` (idempotent); `writeMs`: see streamedAnswer. */
 class AnswerHold {
   bytes = 0;
-  /** `writeMs`: how long the answer may take to be read before it is cut off (see streamedAnswer). */
   constructor(readonly budget: InFlightBudget, readonly writeMs = ANSWER_WRITE_MS) {}
 
-  /**
-   * Holds `n` bytes, an answer's size or more, in place of what it held; throws the budget's 429 or 503, holding
-   * nothing, when they do not fit. Below ANSWER_STREAM_MIN_BYTES it holds nothing: the answer is written whole.
-   */
+  /** Holds `n` bytes in place of what it held, or throws the 429 or 503; nothing below ANSWER_STREAM_MIN_BYTES. */
   hold(n: number): void {
     this.release();
     if (n < ANSWER_STREAM_MIN_BYTES) return;
@@ -3545,15 +3447,10 @@ const ANSWER_CHUNK_BYTES = 64 << 10;
 const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
 
 /**
- * A JSON answer of `text`: written whole when it is short; else streamed a
- * slice at a time, each only when the connection has taken the one before (a
- * pull stream: Bun, Deno.serve and the guarded server's writer all wait for the
- * socket), while `held` keeps its bytes counted as answers in flight. They are
- * given back when the last slice is taken, when the connection closes (the
- * runtime cancels the stream), or ANSWER_WRITE_MS after the answer was made
- * (the stream then fails and the runtime closes the connection): a reader that
- * never reads costs its share of the budget for that long, never the bus's
- * memory for good.
+ * A JSON answer of `text`: whole when short; else a pull stream of slices, each made when the connection has taken
+ * the one before (Bun, Deno.serve and the guarded server all wait for the socket), while `held` counts its bytes.
+ * Given back at the last slice, at a close (the stream is cancelled), or ANSWER_WRITE_MS after it was made (the
+ * stream fails, the connection closes): a reader that never reads holds its share that long, never memory for good.
  */
 function streamedAnswer(status: number, text: string, held?: AnswerHold): Response {
   if (!held?.bytes && text.length < ANSWER_STREAM_MIN_BYTES / 3) return jsonResponse(status, text); // 3 bytes a char at most
@@ -3585,9 +3482,8 @@ function streamedAnswer(status: number, text: string, held?: AnswerHold): Respon
 }
 
 /**
- * Reads a JSON body of at most BODY_LIMIT_BYTES, counting bytes as they arrive (Content-Length may be absent or
- * lie), within CONN_BODY_MS of starting (a body dripped a byte at a time is cut off: 408), and against `budget`'s
- * bytes in flight: reserved before reading, held until the runtime's read of it has ended.
+ * Reads a JSON body of at most BODY_LIMIT_BYTES, counted as it arrives (Content-Length may be absent or lie), within
+ * CONN_BODY_MS (a drip is cut off: 408), against `budget`: reserved before reading, held until the runtime's read ends.
  */
 async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = JSON_VALUES_MAX): Promise<unknown> {
   const declared = declaredLength(req);
@@ -3599,7 +3495,7 @@ async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = J
     budget?.inFlight.take(budget.from, n);
     reserved += n;
   };
-  let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long as it does
+  let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long
   let timer: ReturnType<typeof setTimeout> | undefined;
   const deadline = new Promise<never>((_, reject) => {
     timer = setTimeout(
@@ -3611,8 +3507,7 @@ async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = J
   try {
     if (declared !== null) {
       reserve(declared);
-      // The server holds the body to its declared length. (Not touching req.body first keeps Deno on its fast
-      // path: reading that property builds a stream.)
+      // The server holds the body to its declared length. (Not touching req.body keeps Deno on its fast path.)
       const whole = req.text();
       reading = whole;
       text = await Promise.race([whole, deadline]);
@@ -3664,10 +3559,8 @@ async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = J
 }
 
 /**
- * A request's declared body length, or null when it declares none. Bun and Deno.serve take a Content-Length sent
- * twice with one value, and the Request then reads "N, N", which RFC 9110 (8.6) lets a recipient take as N. Any other
- * value is a 400. (Number("N, N") is NaN, which passed for no length at all: the body was read whole, past the 2 MiB
- * limit and outside the budget of bodies in flight; twenty such 40 MB bodies held a Bun bus at 850 MB.)
+ * A request's declared body length, or null. A Content-Length sent twice reads "N, N", which RFC 9110 (8.6) lets us
+ * take as N; any other value is a 400 (read as NaN, "no length", it let twenty 40 MB bodies hold a Bun bus at 850 MB).
  */
 function declaredLength(req: Request): number | null {
   const raw = req.headers.get("content-length");
@@ -3681,10 +3574,9 @@ function declaredLength(req: Request): number | null {
 }
 
 /**
- * How deep a JSON text nests and about how many values it holds (each object, array and comma counts one: at least
- * the values there are, at most twice as many), counted before parsing, strings skipped. Both bound what parsing
- * costs where bytes do not: a parser can spend seconds on a deep text, and a text of empty objects ("{},{},…") takes
- * 30 times its bytes once parsed (32 MiB of them, 900 MB).
+ * How deep a JSON text nests and about how many values it holds (each object, array and comma: at most twice the
+ * values), counted before parsing. Both bound a parse where bytes do not: a deep text takes seconds, and empty
+ * objects ("{},{},…") take 30 times their bytes once parsed.
  */
 function jsonShape(text: string): { depth: number; values: number } {
   let depth = 0, max = 0, values = text.length ? 1 : 0, inString = false;
