@@ -3606,10 +3606,7 @@ function recipientParam(value: unknown, name: string): string {
 /** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
 const JSON_DEPTH_MAX = 64;
 
-/**
- * Most JSON values (see jsonShape) a request body may hold: a signed message holds about 15, a batch of 64 about
- * 1,000. So a payload costs a parser (the bus's, and its recipient's) about what its bytes say, never 30 times that.
- */
+/** Most JSON values (see jsonShape) a request body may hold: a signed message holds about 15, a batch of 64 about 1,000. */
 const JSON_VALUES_MAX = 8192;
 
 /** ... and an announcement or an unregister: a real one holds 11. */
@@ -3621,18 +3618,12 @@ const ANNOUNCEMENT_MAX_BYTES = 8192;
 /** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
 const UNREGISTER_FRESH_MS = 5 * 60_000;
 
+/** Defaults: QueueLimits' constants, OWNERS_MAX, ANSWERS_IN_FLIGHT_*, ANSWER_WRITE_MS, COMPACT_MIN_DEAD, diskReserve. */
 interface BusOptions {
   cap?: number;
-  /** The rest of the queue limits (see QueueLimits); `cap` above is the per-recipient one. */
   limits?: Partial<QueueLimits>;
-  /** Keys whose routes the bus protects at most (see checkOwnership); OWNERS_MAX by default. */
   owners?: number;
-  /**
-   * Bytes of large answers in flight, in all and per address, and how long one may take to be read
-   * (ANSWERS_IN_FLIGHT_MAX, ANSWERS_IN_FLIGHT_PER_ADDRESS and ANSWER_WRITE_MS by default).
-   */
   answers?: { max?: number; perAddress?: number; writeMs?: number };
-  /** Bytes kept free on the data folder's disk (see diskReserve); the default follows the disk's size. */
   diskReserve?: number;
   /** Dead records (acked, dropped) that trigger a compaction once they also outnumber the live ones. */
   compactMinDead?: number;
@@ -3640,11 +3631,10 @@ interface BusOptions {
   now?: () => number;
 }
 
-/** A record waiting for the next write; for a message, where its payload will lie and the entry that learns it. */
+/** A record waiting for the next write; a message's also has its route, head and literal bytes, and entry. */
 interface PendingLine {
   text: string;
   bytes: number;
-  /** A message only: the route, the bytes before the payload literal, the literal's bytes, and its queue entry. */
   to?: string;
   head?: number;
   len?: number;
@@ -3655,7 +3645,7 @@ interface PendingLine {
   failed?: unknown;
 }
 
-/** What an ack in place writes over a message record's tag, and where (see Bus.ack): `{"t":"m"` becomes `{"t":"a"`. */
+/** An ack in place writes this over a message record's tag (see Bus.ack): `{"t":"m"` becomes `{"t":"a"`. */
 const ACKED_TAG = Buffer.from("a");
 
 const ACKED_TAG_AT = '{"t":"'.length;
@@ -3665,13 +3655,9 @@ const messageHead = (q: string, n: number, ts: number, s: string, z: number): st
   `{"t":"m","q":${JSON.stringify(q)},"n":${n},"ts":${ts},"s":${JSON.stringify(s)},"z":${z},"p":`;
 
 /**
- * Reads the head of an "m" record in today's layout straight from the bytes
- * (no head string, no JSON.parse: a restart reads 300k of them) into its
- * fields; false for any other layout (an older bus, escapes in a name, a hand
- * edit), which the caller then reads as plain JSON. `t` is "a" for a message
- * acked in place (see Bus.ack). `p` is where the payload's string literal
- * starts. A name read before (a route, a sender) comes back as the same
- * string, so a restart allocates one string per name, not per line.
+ * Reads the head of an "m" record in today's layout straight from the bytes (a restart reads 300k: no JSON.parse);
+ * false for any other layout (an older bus, escapes in a name), which the caller parses as JSON. `t` "a": acked in
+ * place; `p`: where the payload literal starts. A name read before comes back as the same string: one per name.
  */
 class MessageHeadReader {
   t: "m" | "a" = "m";
@@ -3760,17 +3746,14 @@ class Bus {
   /** Large answers not yet taken by their connections (see streamedAnswer). */
   readonly answers: BytesInFlight;
   readonly #answerWriteMs: number;
-  #waiters = new Map<string, Set<() => void>>();
+  #waiters = new Map<string, Set<() => void>>(); // bounded: by the open long-polls
   #syncTimer: ReturnType<typeof setTimeout> | null = null; // the lazy fsync of acks, once scheduled
   #compactAfter = 0; // after a failed compaction, the time of the next try
   #pending: PendingLine[] = []; // records made while an fdatasync runs: the next round writes them as one
   #reader: number; // a read descriptor on the queue file, for payloads
   #readBuf = Buffer.allocUnsafe(64 * 1024);
-  /**
-   * Keys that have proven they read their routes here (see checkOwnership), persisted as "o" records and never
-   * forgotten, whatever others prove. Bounded by `ownersMax`: past it the bus closes (see #close), no owner is dropped.
-   */
-  readonly #owners = new Set<string>();
+  /** Keys that proved they read their routes here (see checkOwnership), as "o" records, never forgotten. */
+  readonly #owners = new Set<string>(); // bounded: ownersMax, past it the bus closes (see #close)
   #ownerBytes = 0; // their records' bytes, and the "c" record's: what a compaction writes for them
   /** When the bus closed (its "c" record), or null while it serves the routes of keys that never proved. */
   #closedSince: number | null = null;
@@ -3806,8 +3789,7 @@ class Bus {
     );
     this.#answerWriteMs = opts.answers?.writeMs ?? ANSWER_WRITE_MS;
     this.#diskReserve = opts.diskReserve;
-    // Read and write: payloads are read back through it, and acks mark records in place.
-    this.#reader = fs.openSync(writer.file, "r+");
+    this.#reader = fs.openSync(writer.file, "r+"); // payloads are read back through it, acks mark records in place
     // A held batch that cannot be written fails its own lines (each send checks its line), not the round.
     writer.beforeSync = () => {
       try {
@@ -3819,11 +3801,8 @@ class Bus {
   }
 
   /**
-   * Locks the data folder, replays the queue file and compacts it if it is
-   * mostly dead (or holds payloads in an older layout, which stay in memory
-   * until then). A line that is not a valid record (bad JSON, a non-integer
-   * seq, a missing recipient) is quarantined on its own and never blocks a
-   * recipient; a torn last line (a crash mid-write) is moved aside and cut off.
+   * Locks the data folder, replays the queue file and compacts it if mostly dead (or in an older layout). A line that
+   * is not a valid record is quarantined alone, never blocking a recipient; a torn last line is set aside and cut off.
    */
   static async open(dataDir: string, opts: BusOptions = {}): Promise<Bus> {
     fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
@@ -3841,7 +3820,7 @@ class Bus {
       let closedSince: number | null = null;
       let records = 0, inMemory = 0;
       const h = new MessageHeadReader();
-      /** A message record in today's layout, from its head alone: the payload stays on disk. */
+      /** A message record in today's layout, read from its head alone: the payload stays on disk. */
       const fastMessage = (buf: Buffer, start: number, end: number, at: number): boolean => {
         // A size above the literal's length is damage (escapes only lengthen): the plain JSON path judges it.
         if (!h.read(buf, start, end) || !h.q || h.q.length > RECIPIENT_MAX_CHARS || h.z > end - 1 - h.p) return false;
@@ -3874,14 +3853,11 @@ class Bus {
           case "h":
             queues.nextSeq = Math.max(queues.nextSeq, rec.next);
             break;
-          case "m": {
-            // Since 0.5.0 every record says its sender ("" for opaque). One without (an earlier bus wrote it) is
-            // attributed by the claim in its payload, for fairness only. Accepted, each is kept whatever the caps.
+          case "m":
+            // A record before 0.5.0 names no sender: its payload's claim is taken, for fairness only.
             queues.add(rec.q, rec.ts, rec.p, rec.n, rec.s ?? claimedSender(rec.p));
-            // An older layout is rewritten at open; today's, read this way (a name with escapes), stays in memory.
-            if (rec.z === undefined) inMemory++;
+            if (rec.z === undefined) inMemory++; // an older layout is rewritten at open
             break;
-          }
           case "a":
           case "d":
             queues.remove(rec.q, rec.n);
@@ -3946,21 +3922,18 @@ class Bus {
       return errorResponse(404, `no route ${pathname}; the bus serves ${Object.keys(BUS_ROUTES).join(", ")}`);
     }
     if (req.method !== route.method) {
-      return jsonResponse(405, JSON.stringify({ error: `${pathname} takes ${route.method}` }), {
-        allow: route.method,
-      });
+      return jsonResponse(405, JSON.stringify({ error: `${pathname} takes ${route.method}` }), { allow: route.method });
     }
     try {
       const r = await route.handle(this, req, { query, from: addressBucket(from) });
-      // Every answer names what this bus adds to the reference contract (a reference bus sends no such
-      // header): our client then batches, and doctor reports it.
+      // What this bus adds to the reference contract (a reference bus sends no such header): our client then
+      // batches, and doctor reports it.
       r.headers.set("interlink-bus", BUS_FEATURES);
       return r;
     } catch (e) {
       if (e instanceof HttpError) {
         // A body left unread must not keep its connection (Bun then closes it; node:http does on its own).
-        const close: Record<string, string> = e.close ? { connection: "close" } : {};
-        return jsonResponse(e.status, JSON.stringify({ error: e.message }), close);
+        return jsonResponse(e.status, JSON.stringify({ error: e.message }), e.close ? { connection: "close" } : {});
       }
       if (req.signal.aborted) return errorResponse(499, "client closed the request"); // a hang-up: not an error here
       this.#log(`internal error on ${pathname}: ${(e as Error).stack ?? e}`);
@@ -3974,24 +3947,16 @@ class Bus {
    */
   ensureRoom(sender: string, size: number, to = "", close = false): void {
     const over = this.queues.admit(sender, size, to);
-    const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
-    if (over === "global") {
-      throw new HttpError(
-        507,
-        `this bus holds its whole budget of ${
-          humanBytes(this.queues.limits.totalBytes)
-        } of messages (${counted}); retry later`,
-        close,
-      );
-    }
-    if (over === "sender") {
-      throw new HttpError(
-        429,
-        `this sender already has ${
-          humanBytes(this.queues.limits.senderBytes)
-        } queued on this bus (${counted}); retry once some is read`,
-        close,
-      );
+    if (over) {
+      const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
+      const all = humanBytes(this.queues.limits.totalBytes), mine = humanBytes(this.queues.limits.senderBytes);
+      throw over === "global"
+        ? new HttpError(507, `this bus holds its whole budget of ${all} of messages (${counted}); retry later`, close)
+        : new HttpError(
+          429,
+          `this sender already has ${mine} queued on this bus (${counted}); retry once some is read`,
+          close,
+        );
     }
     this.#ensureDisk(2 * size + MESSAGE_OVERHEAD_BYTES, close); // a record: at most twice the payload (escapes), and its head
   }
@@ -4011,9 +3976,8 @@ class Bus {
   }
 
   /**
-   * Bytes the bus leaves free on its disk for what must always be written: the records that compact the queue
-   * file (its owners, and the live messages once receivers have read most) and the odd small record. Acks need
-   * none (see ack). DISK_RESERVE_BYTES, or a sixteenth of a small disk, plus the owners' records.
+   * Bytes left free on the disk for what must always be written: a compaction's records (owners, live messages) and
+   * the odd small one; acks need none (see ack). DISK_RESERVE_BYTES or a sixteenth of a small disk, plus the owners'.
    */
   diskReserve(): number {
     return (this.#diskReserve ?? Math.min(DISK_RESERVE_BYTES, Math.floor(this.#disk.size / 16))) + this.#ownerBytes;
@@ -4024,40 +3988,31 @@ class Bus {
     if (this.#diskFree() - bytes >= this.diskReserve()) return;
     const free = this.#diskFree(true);
     if (free - bytes >= this.diskReserve()) return;
+    const left = humanBytes(Math.max(0, free));
     throw new HttpError(
       507,
-      `the disk of the bus's data folder is full: ${
-        humanBytes(Math.max(0, free))
-      } free, which the bus keeps for compacting its queue file; nothing was stored; retry once receivers have read their mail`,
+      `the disk of the bus's data folder is full: ${left} free, which the bus keeps for compacting its queue file; nothing was stored; retry once receivers have read their mail`,
       close,
     );
   }
 
-  /**
-   * Throws the 429 that refuses one more message from `sender` ("" when unknown) for `to` once it holds its cap
-   * there: the sender keeps it and tries again later; nothing already accepted makes room (see QUEUE_CAP).
-   */
+  /** Throws the 429 for one more message from `sender` to `to` past its cap: nothing accepted makes room (QUEUE_CAP). */
   ensureRouteRoom(to: string, sender: string): void {
     const held = this.queues.full(to, sender);
     if (held === null) return;
     const route = `${fingerprint(to)}${to.includes("#") ? to.slice(to.indexOf("#")) : ""}`;
+    const what = sender ? "messages from this sender" : "unattributed payloads";
     throw new HttpError(
       429,
-      `${ROUTE_FULL}: ${route} holds ${held} ${
-        sender ? "messages from this sender" : "unattributed payloads"
-      } not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`,
+      `${ROUTE_FULL}: ${route} holds ${held} ${what} not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`,
     );
   }
 
   /**
-   * Queues a message; resolves once it is on stable storage (the 202). It
-   * enters memory in the same step as its record enters the write path, so
-   * a compaction triggered meanwhile (by another send or an ack) always
-   * carries it; a parked receiver may be handed it before the fsync, which a
-   * crash cannot undo unless the record was still waiting for its write, and
-   * then the sender was never answered 202 and sends it again: at worst a
-   * redelivery, which the receiver's replay memory drops. A write that fails
-   * leaves nothing in memory and is a 507.
+   * Queues a message; resolves once it is on stable storage (the 202). It enters memory in the same step as its record
+   * enters the write path, so a compaction meanwhile carries it. A parked receiver may get it before the fsync; a
+   * crash then loses it only if its record was still held, and its sender, never answered 202, sends it again: at
+   * worst a redelivery, which replay memory drops. A write that fails leaves nothing in memory and is a 507.
    */
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
@@ -4089,17 +4044,16 @@ class Bus {
     return new AnswerHold({ inFlight: this.answers, from }, this.#answerWriteMs);
   }
 
-  /** Whether `route`'s key has proven it reads its routes here: then a recv or ack of any route of that key needs a proof. */
+  /** Whether `route`'s key has proven it reads its routes here: then every recv or ack of its routes needs a proof. */
   isOwned(route: string): boolean {
     return this.#owners.has(parseRoute(route).key);
   }
 
-  /** Keys that have proven their ownership here. */
   get ownerCount(): number {
     return this.#owners.size;
   }
 
-  /** Whether `proof` is the one last verified for `route` (its signature then need not be checked again). */
+  /** Whether `proof` is the one last verified for `route` (its signature need not be checked again). */
   verifiedBefore(route: string, proof: string): boolean {
     return this.#verified.get(route) === proof;
   }
@@ -4120,10 +4074,9 @@ class Bus {
   }
 
   /**
-   * Records that `route`'s key proved with `proof` (verified and fresh) that it reads it. A key proving for the
-   * first time becomes an owner, on disk before the answer (trust on first proof survives a restart). When it
-   * cannot be one (the bus holds its `ownersMax`, or its disk has no room for the record), the bus closes instead
-   * (see #close): never is a key that proved left with its routes served to callers without a proof.
+   * `route`'s key proved with `proof` (verified, fresh) that it reads it. A key's first proof makes it an owner, on
+   * disk before the answer (trust on first proof survives a restart); when it cannot be one (`ownersMax` held, or no
+   * disk room), the bus closes instead (#close): a key that proved never has its routes served without a proof.
    */
   touchOwned(route: string, proof: string): void {
     this.#verified.set(route, proof);
@@ -4150,30 +4103,22 @@ class Bus {
   }
 
   /**
-   * Closes the bus, for good: from now on, after any restart too, a recv or
-   * ack of any route needs a proof from the route's key (checkOwnership), so
-   * keys it could not record are as safe as its owners, and a node that never
-   * proves (a reference node) is refused. Keys cost nothing, so any record of
-   * them a stranger can fill; this state is the one such a flood ends in, and it
-   * needs no memory. The "c" record that keeps it goes into the disk's reserve;
-   * this process stays closed even if that write fails (which it then throws).
+   * Closes the bus for good (restarts too): every recv or ack needs a proof from its route's key, so keys it could not
+   * record are as safe as its owners, and a node that never proves (a reference node) is refused. Keys cost nothing,
+   * so a stranger can fill any record of them; this is the state such a flood ends in, and it needs no memory. The
+   * "c" record goes into the disk's reserve; this process stays closed even if that write fails (and throws).
    */
   #close(why: string): void {
-    const ts = this.now();
-    this.#closedSince = ts;
+    this.#setClosed(this.now());
     this.#log(
       `closed: ${why}; from now on every recv and ack needs a proof from its route's key (nodes that never prove, as reference nodes, are refused)`,
     );
-    const line = recordLine({ t: "c", ts });
-    this.#write(line, true);
-    this.#ownerBytes += line.bytes;
+    this.#write(recordLine({ t: "c", ts: this.#closedSince! }), true);
   }
 
   /**
-   * Hands records to the write path: written now if no fdatasync is running,
-   * else held for the next round's single write (a lazy round is scheduled
-   * for records nobody awaits), unless `now`. Throws the HTTP answer when a
-   * write now fails: 507 for a full disk.
+   * Hands records to the write path: written now if no fdatasync runs (or `now`), else held for the next round's one
+   * write (a lazy round is scheduled for records nobody awaits). A write now that fails throws the HTTP answer.
    */
   #write(lines: PendingLine | PendingLine[], now = false): void {
     const batch = Array.isArray(lines) ? lines : [lines];
@@ -4189,11 +4134,7 @@ class Bus {
     }
   }
 
-  /**
-   * Writes every held record as one append. If it fails, the messages among
-   * them leave memory (their senders get no 202 and send again) and the error
-   * is thrown; on success their payloads leave memory for the file.
-   */
+  /** Writes every held record as one append; on failure their messages leave memory (no 202: sent again) and it throws. */
   #flush(): void {
     const batch = this.#pending;
     if (!batch.length) return;
@@ -4218,7 +4159,6 @@ class Bus {
     }
   }
 
-  /** The entry's payload is now in the file at `at`: memory lets go of it. */
   #stored(item: Queued, at: number, len: number): void {
     item.at = at;
     item.len = len;
@@ -4238,10 +4178,7 @@ class Bus {
     );
   }
 
-  /**
-   * Up to `max` oldest un-acked messages for `me`, waiting up to `timeoutMs`
-   * for one to arrive ([] when none did). They stay queued until acked.
-   */
+  /** Up to `max` oldest un-acked messages for `me`, waiting up to `timeoutMs` for one ([] if none); kept until acked. */
   async recv(
     me: string,
     timeoutMs: number,
@@ -4271,9 +4208,8 @@ class Bus {
   }
 
   /**
-   * Up to `max` oldest messages for `me`, no more than RECV_BATCH_BYTES of payload (one at least), payloads read
-   * back; one whose record is damaged is set aside. `held` first holds what their answer weighs (recvAnswerBytes)
-   * or throws the 429 or 503 of the answers in flight, before a payload is read.
+   * Up to `max` oldest messages for `me`, at most RECV_BATCH_BYTES of payload (one at least); a damaged one is set
+   * aside. `held` holds their answer's weight (or throws its 429 or 503) before a payload is read.
    */
   take(me: string, max: number, held?: AnswerHold): BusDelivery[] {
     for (;;) {
@@ -4308,11 +4244,7 @@ class Bus {
     return this.#readBuf.subarray(0, got);
   }
 
-  /**
-   * The payload read back from the file; undefined when the bytes there are
-   * damaged (cut short, not a string literal, or a payload that is not JSON).
-   * A read that fails (EIO) throws: the message stays queued.
-   */
+  /** The payload read back from the file; undefined when damaged there; a failed read (EIO) throws: it stays queued. */
   #readPayload(item: Queued): string | undefined {
     const bytes = this.#literalBytes(item);
     if (bytes.length !== item.len) return undefined;
@@ -4326,11 +4258,7 @@ class Bus {
     }
   }
 
-  /**
-   * The payload of `item`, or undefined when its bytes on disk no longer parse
-   * (a disk fault, a hand edit): that record is quarantined like any bad line
-   * and the message dropped, so it cannot block the queue behind it.
-   */
+  /** The payload of `item`; undefined when damaged on disk: then quarantined and dropped, never blocking the queue. */
   #payload(me: string, item: Queued): string | undefined {
     if (item.payload !== undefined) return item.payload;
     const payload = this.#readPayload(item);
@@ -4349,14 +4277,10 @@ class Bus {
   }
 
   /**
-   * Acks `seqs` of `me` (unknown ones are ignored: acks are idempotent). Each
-   * is written in place before the answer: its message's record becomes an
-   * ack record (see #markAcked), which takes no room on the disk, so a full
-   * disk never stops receivers from draining it, and a crash of the bus never
-   * brings an acked message back. They are fsynced lazily, so a power cut
-   * can, and that is a redelivery, which receivers dedupe. A record not where
-   * its entry says (an older layout) gets an appended "a" record instead;
-   * those that cannot be written are refused, and their messages stay.
+   * Acks `seqs` of `me` (unknown ones ignored: idempotent), each written in place before the answer (#markAcked): no
+   * disk room needed, so a full disk never stops receivers draining it, and a bus crash never brings an acked message
+   * back. Fsynced lazily: a power cut can, a redelivery receivers dedupe. A record not where its entry says (an older
+   * layout) gets an appended "a" record; if that cannot be written, the ack is refused and the message stays.
    */
   ack(me: string, ...seqs: number[]): void {
     if (!seqs.some((seq) => this.queues.has(me, seq))) return;
@@ -4392,12 +4316,9 @@ class Bus {
   }
 
   /**
-   * Acks `item` in place: the "m" of its record's tag becomes "a", an ack
-   * record naming the same route and seq (every reader of the file, an older
-   * bus's too, takes it so). One byte over one that is there needs no new room
-   * on the disk. Returns the record's bytes, or 0 when the record is not on
-   * disk in today's layout exactly where its entry says (held still, an older
-   * layout, or a read or write that fails).
+   * Acks `item` in place: its tag's "m" becomes "a", an ack record of the same route and seq (so an older bus reads
+   * it too); one byte overwritten needs no disk room. The record's bytes, or 0 when it is not in today's layout
+   * exactly where its entry says (still held, an older layout, a read or write that fails).
    */
   #markAcked(me: string, item: Queued): number {
     if (item.at < 0 || item.payload !== undefined) return 0;
@@ -4423,11 +4344,9 @@ class Bus {
   }
 
   /**
-   * Rewrites the file to its live messages once dead records dominate (or
-   * `force`), so disk use tracks what is held. Payloads are copied from the
-   * old file to the new one without entering memory. If that fails (a full
-   * disk), the old file stays in use, whole, and the next try waits
-   * COMPACT_RETRY_MS.
+   * Rewrites the file to its live messages once dead records dominate (or `force`): disk use tracks what is held.
+   * Payloads are copied file to file, never into memory. On failure (a full disk) the old file stays in use, whole,
+   * and the next try waits COMPACT_RETRY_MS.
    */
   #maybeCompact(opening = false, force = false): void {
     const due = this.dead >= Math.max(this.#compactMinDead, this.queues.liveCount);
@@ -4484,11 +4403,8 @@ class Bus {
   }
 
   /**
-   * Whether a compaction should run before dead records dominate: when the
-   * disk is short of room (less than twice the reserve free), DISK_RECLAIM_BYTES
-   * or more of the file is dead, and the new file (the owners and the live
-   * messages) fits in what is free. So a disk our own messages filled gets its
-   * room back once receivers have read them.
+   * Whether to compact before dead records dominate: the disk has less than twice the reserve free, DISK_RECLAIM_BYTES
+   * of the file is dead, and the new file fits. So a disk our messages filled gets its room back once they are read.
    */
   #spaceToReclaim(): boolean {
     if (this.#deadBytes < DISK_RECLAIM_BYTES) return false;
@@ -4523,19 +4439,13 @@ interface RecoveryReport {
 /** `recipient NUL seq:ts`: see "The bus" for why the ts. */
 const ackKey = (me: string, m: { seq: number; ts: number }) => `${me}\0${m.seq}:${m.ts}`;
 
-/**
- * At least the bytes of a GET /recv answer to `me` holding `items`, in either shape: per message its payload, its
- * ts (16 characters at most), its ack key (`me` as JSON, "\u0000", a seq and a ts) and 60 of JSON around them.
- */
+/** At least the bytes of a GET /recv answer to `me` of `items`: per message its payload, ts, ack key and JSON around. */
 function recvAnswerBytes(me: string, items: readonly Queued[]): number {
   const perMessage = utf8Bytes(JSON.stringify(me)) + 112;
   return items.reduce((n, m) => n + m.size + perMessage, 64);
 }
 
-/**
- * The seq of the queued message an ack key names, or undefined (already acked, or another message now has that seq).
- * A key without ":ts" (an earlier bus gave those out) names the seq alone.
- */
+/** The seq of the queued message an ack key names, or undefined; a key without ":ts" (an earlier bus's) names the seq. */
 function ackedSeq(bus: Bus, me: string, key: string): number | undefined {
   const m = /^(\d{1,16})(?::(-?\d{1,16}))?$/.exec(key.slice(me.length + 1)); // a ts is any safe integer on disk
   const item = m ? bus.queues.get(me, Number(m[1])) : undefined;
@@ -4546,9 +4456,8 @@ function ackedSeq(bus: Bus, me: string, key: string): number | undefined {
 const RECV_PROOF_FRESH_MS = 5 * 60_000;
 
 /**
- * Keys whose routes a bus protects at most (`--owners`). Each is a node's identity, so this is far above any real
- * deployment; held, it is about 6 MB of queue file and 10 MB of memory. Past it the bus closes (see Bus.touchOwned),
- * never an owner forgotten: keys cost nothing, so forgetting any would let a flood of them open another's mail.
+ * Keys whose routes a bus protects at most (`--owners`): far above any real deployment, about 6 MB of queue file and
+ * 10 MB of memory. Past it the bus closes (Bus.touchOwned): forgetting an owner would let a flood of keys open its mail.
  */
 const OWNERS_MAX = 100_000;
 
@@ -4556,33 +4465,24 @@ const OWNERS_MAX = 100_000;
 const PROOFS_REMEMBERED = 4096;
 
 /**
- * Recipient ownership, trust on first proof: once a key has proven (a signed
- * recv or ack) that it reads one of its routes, this bus refuses unproven
- * recv and ack for every route of that key (`<key>` and `<key>#<session>`),
- * so nobody else can read or delete its mail, for good (see Bus.touchOwned).
- * Keys that never proved work as in the reference contract, for reference
- * nodes, until the bus closes (a key that proved could not be recorded): then
- * every route needs a proof. Every proof must be fresh, a repeat too: one
- * captured off the wire is worth nothing RECV_PROOF_FRESH_MS after its ts.
- * Throws the 403 when a proof is missing, stale or wrong; returns when the
- * caller may go on.
+ * Recipient ownership, trust on first proof: once a key has proven (a signed recv or ack) that it reads one of its
+ * routes, unproven recv and ack of every route of that key are refused for good, so nobody else reads or deletes its
+ * mail. Keys that never proved work as in the reference contract until the bus closes (Bus.#close). Every proof, a
+ * repeat too, must be fresh: a captured one is worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403.
  */
 async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
   if (proof === undefined || proof === null || proof === "") {
+    const fp = fingerprint(route), since = bus.closedSince === null ? "" : new Date(bus.closedSince).toISOString();
     if (bus.isOwned(route)) {
       throw new HttpError(
         403,
-        `route ${
-          fingerprint(route)
-        }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`,
+        `route ${fp}… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`,
       );
     }
-    if (bus.closedSince !== null) {
+    if (since) {
       throw new HttpError(
         403,
-        `this bus serves no route without a proof since ${
-          new Date(bus.closedSince).toISOString()
-        } (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`,
+        `this bus serves no route without a proof since ${since} (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`,
       );
     }
     return;
@@ -4609,11 +4509,8 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<
 const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send full-refused`;
 
 /**
- * The verified signer of a payload shaped as a v2 message (it has from, to,
- * msg_id and sig), so the bus can share its room fairly between senders; ""
- * for any other payload, which stays opaque as the reference contract says. A
- * v2-shaped payload that is malformed or whose signature fails is a 400: the
- * bus never queues a message it knows to be forged.
+ * The verified signer of a v2-shaped payload, so room is shared fairly between senders; "" for any other (opaque, as
+ * the reference contract says). A malformed or forged v2 payload is a 400: the bus never queues a known forgery.
  */
 async function signerOf(payload: unknown, route: string): Promise<string> {
   if (!isV2Shaped(payload)) return "";
@@ -4680,13 +4577,9 @@ function recvTimeoutMs(raw: string | null): number {
 }
 
 /**
- * Our extension of POST /send: {"messages": [{"to", "payload"}, ...]}, in
- * order, each checked as a single send is. The first one refused stops the
- * rest (none of them is queued), so a sender's order holds. Answered 200,
- * once every queued one is on disk, with one result per message tried:
- * {"status": 202} or {"status": <4xx/5xx>, "error"}; those after a refusal
- * have none. A reference bus refuses the shape (no "to"), and our agent
- * sends it only to a bus that answered a batched recv.
+ * Our extension of POST /send: {"messages": [{"to", "payload"}, ...]}, in order, each checked as a single send. The
+ * first refused stops the rest, so a sender's order holds. Answered 200 once all queued are on disk, one result per
+ * message tried: {"status": 202} or {"status": <4xx/5xx>, "error"}. A reference bus refuses the shape (no "to").
  */
 async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
   if (!items.length || items.length > RECV_BATCH_MAX) {
@@ -4717,10 +4610,7 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
   return jsonResponse(200, JSON.stringify({ status: "queued", results }));
 }
 
-/**
- * A request URL's path and query, without building a URL object (the bus
- * does this for every request; only /recv reads the query).
- */
+/** A request URL's path and query, without building a URL object (every request; only /recv reads the query). */
 function splitUrl(url: string): { pathname: string; query: string } {
   const scheme = url.indexOf("://");
   const slash = url.indexOf("/", scheme < 0 ? 0 : scheme + 3);
@@ -4814,35 +4704,22 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         const bad = await verifyAnnouncement(a);
         if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
         const filed = bus.roster.put(a, json, now, from);
-        if (filed === "ended") {
-          throw new HttpError(
-            409,
-            `session ${fingerprint(a.pubkey)}${
-              a.session?.session_id ? `#${a.session.session_id.slice(0, 128)}` : ""
-            } was ended by its key (a signed unregister) after this announcement was signed; it is not listed again`,
-          );
-        }
-        if (filed === "full") {
-          throw new HttpError(
-            507,
-            `this bus's roster is full of sessions heard from in the last ${
-              PRESENCE_LIVE_MS / 1000
-            } s (${bus.roster.cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
-          );
-        }
-        if (filed === "key") {
-          throw new HttpError(
-            429,
-            `this key's sessions take ${bus.roster.perKeyCap} KiB of this bus's roster already, each signed later than this announcement; it is not listed`,
-          );
-        }
-        if (filed === "address") {
-          throw new HttpError(
-            429,
-            `announcements from your address take ${bus.roster.perAddressCap} KiB of this bus's roster already, all of them heard from in the last ${
-              PRESENCE_LIVE_MS / 1000
-            } s; this one is not listed now`,
-          );
+        if (filed !== true && filed !== "older") { // an older one: already superseded, nothing to say
+          const { cap, perKeyCap, perAddressCap } = bus.roster;
+          const live = `heard from in the last ${PRESENCE_LIVE_MS / 1000} s`;
+          const session = fingerprint(a.pubkey) +
+            (a.session?.session_id ? `#${a.session.session_id.slice(0, 128)}` : "");
+          const why = {
+            ended:
+              `session ${session} was ended by its key (a signed unregister) after this announcement was signed; it is not listed again`,
+            full:
+              `this bus's roster is full of sessions ${live} (${cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
+            key:
+              `this key's sessions take ${perKeyCap} KiB of this bus's roster already, each signed later than this announcement; it is not listed`,
+            address:
+              `announcements from your address take ${perAddressCap} KiB of this bus's roster already, all of them ${live}; this one is not listed now`,
+          }[filed];
+          throw new HttpError({ ended: 409, full: 507, key: 429, address: 429 }[filed], why);
         }
         return jsonResponse(202, '{"status":"announced"}');
       },
@@ -4870,8 +4747,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
           throw new HttpError(400, "unregister ts is outside the freshness window");
         }
-        const signed = parseOr400(() => unregisterBytes(u));
-        if (await verifyDetached(u.pubkey, u.sig, signed)) {
+        if (await verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes(u)))) {
           throw new HttpError(403, "unregister signature does not verify");
         }
         bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
@@ -4894,12 +4770,9 @@ interface Listening {
 }
 
 /**
- * Binds a fetch handler to a TCP port with the host runtime's own server; the
- * handler is told the address each request came from (the bus's per-address
- * budgets count by it). `guard` (Deno only; Bun always closes idle
- * connections): serve with node:http, whose timeouts Deno honours, so that
- * idle connections and slow requests are closed (Deno.serve never closes
- * them); it costs throughput.
+ * Binds a fetch handler, told each request's source address, to a TCP port with the runtime's own server. `guard`
+ * (Deno only; Bun closes idle connections itself): serve with node:http, whose timeouts close idle and slow
+ * connections (Deno.serve never does), at a cost in throughput.
  */
 function serveHttp(
   handler: (req: Request, from: string) => Promise<Response>,
@@ -4922,9 +4795,8 @@ function serveHttp(
     return Promise.resolve({ port: server.port, stop: () => Promise.resolve(server.stop(true)) });
   }
   if (Deno) {
-    // Deno.serve has no idle timeout, and when the process runs out of file descriptors (say 20,000 idle
-    // sockets) its accept loop fails and would take the process down. Instead it is logged and the server
-    // listens again on the same port a second later, until the flood is over.
+    // Out of file descriptors (20,000 idle sockets: Deno.serve has no idle timeout), its accept loop fails and
+    // would take the process down: logged instead, and it listens again on the same port a second later.
     const serve = (req: Request, info: { remoteAddr: { hostname: string } }) =>
       handler(req, info.remoteAddr?.hostname ?? "");
     let server = Deno.serve({ hostname, port, onListen: () => {}, onError: serverError }, serve);
@@ -4959,11 +4831,7 @@ function serveHttp(
   throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
 }
 
-/**
- * What a server of ours answers when its handler throws: a short generic 500, and the error in the log. Never a
- * runtime's own error page: Bun's development page shows whoever asked the working folder, this file's path and
- * its source lines.
- */
+/** A handler that throws: a generic 500, the error logged; never Bun's development page (paths, source lines). */
 function serverError(e: unknown): Response {
   logWarn(`a request failed inside the server: ${(e as Error)?.stack ?? e}`);
   return new Response("internal error\n", { status: 500, headers: { "content-type": "text/plain; charset=utf-8" } });
@@ -4977,11 +4845,7 @@ const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
 /** ... and one whose request body is not all there this long after its headers (a byte every few seconds). */
 const CONN_BODY_MS = msFromEnv("INTERLINK_TEST_CONN_BODY_MS", 15_000);
 
-/**
- * A large answer not all taken by its connection this long after it was made is cut off, the connection closed
- * and its bytes given back: 4 MiB in 30 s is a link of 140 KB/s, while a reader that stalls on purpose holds its
- * share of ANSWERS_IN_FLIGHT_MAX no longer than this.
- */
+/** A large answer not all taken this long after it was made is cut off (4 MiB in 30 s: a 140 KB/s link at least). */
 const ANSWER_WRITE_MS = msFromEnv("INTERLINK_TEST_ANSWER_WRITE_MS", 30_000);
 
 /** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
@@ -4994,7 +4858,7 @@ const CONN_MAX = 10_000;
 function connectionBound(): number {
   let limit = NaN;
   try {
-    // Linux: no process to start (and no permission to ask for under Deno).
+    // Linux: no process to start (nor a permission to ask for under Deno).
     limit = Number(fs.readFileSync("/proc/self/limits", "utf8").match(/^Max open files\s+(\d+)/m)?.[1]);
   } catch {
     limit = Number(spawnSync("sh", ["-c", "ulimit -n"], { encoding: "utf8" }).stdout?.trim());
@@ -5003,9 +4867,8 @@ function connectionBound(): number {
 }
 
 /**
- * Writes a streamed answer's slices to `res`, each once node:http has passed the one before to the socket (its
- * "drain"), so a reader that stalls holds one slice here, not the answer. A connection that closes cancels the
- * stream (which gives its bytes back); a stream that fails (its deadline) throws. False when the connection closed.
+ * Writes a streamed answer to `res` a slice at a time, each after the one before drained: a stalled reader holds
+ * one slice. A close cancels the stream (its bytes given back); a failed one throws. False when the connection closed.
  */
 async function writeWithBackpressure(
   body: ReadableStream<Uint8Array>,
@@ -5031,10 +4894,8 @@ async function writeWithBackpressure(
 }
 
 /**
- * The guarded server (see serveHttp): node:http with keep-alive and header
- * timeouts, an absolute deadline on the body, a bound on connections, and no
- * request timeout (a long-poll may wait a minute). A client that goes away
- * aborts its request's signal, so its long-poll is dropped at once.
+ * The guarded server (see serveHttp): node:http with keep-alive and header timeouts, a deadline on the body, a bound
+ * on connections, no request timeout (a long-poll waits a minute). A client gone aborts its request's signal.
  */
 async function serveGuarded(
   handler: (req: Request, from: string) => Promise<Response>,
@@ -5056,8 +4917,8 @@ async function serveGuarded(
       const declared = req.headers["content-length"];
       let body: Buffer | undefined;
       let whole = false; // the body was read to its end
-      // Read on demand, so the handler's checks on the declared length (413, the budgets) come first and a body
-      // it refuses is never held; with a deadline, and one byte past the limit at most (enough for a 413).
+      // Read on demand, so the handler's checks on the declared length come first and a body it refuses is never
+      // held; with a deadline, and one chunk past the limit at most (enough for a 413).
       const readBody = async (): Promise<Buffer> => {
         if (body) return body;
         const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
@@ -5072,8 +4933,7 @@ async function serveGuarded(
         return body = Buffer.concat(chunks);
       };
       const hasBody = req.method !== "GET" && req.method !== "HEAD";
-      // A chunked body (no declared length) is handed over as it comes, so the handler counts each chunk against
-      // its budgets before the next is read (read whole here first, a thousand of them held 2 MB each).
+      // A chunked body is handed over as it comes, so the handler counts each chunk before the next is read.
       const chunked = hasBody && declared === undefined
         ? {
           getReader() {
@@ -5095,8 +4955,7 @@ async function serveGuarded(
           },
         }
         : null;
-      // The handler reads only these parts of a Request; building a real one (headers, a body stream) costs
-      // more than the rest of the adapter.
+      // The handler reads only these parts of a Request; a real one costs more than the rest of the adapter.
       const lite = {
         url: `http://${hostname}${req.url ?? "/"}`,
         method: req.method,
@@ -5115,8 +4974,7 @@ async function serveGuarded(
       const r = await handler(lite as unknown as Request, socket.remoteAddress ?? "").catch((e) =>
         gone.signal.aborted ? Promise.reject(e) : serverError(e)
       );
-      // A body left unread (refused on its declared length, or past the limit) is not waited for: the
-      // connection closes after the answer instead of trickling on.
+      // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
       const unread = (hasBody || Number(declared) > 0) && !whole;
       const headers = { ...Object.fromEntries(r.headers), ...(unread ? { connection: "close" } : {}) };
       if (STREAMED_ANSWERS.has(r)) {
@@ -5132,8 +4990,8 @@ async function serveGuarded(
     }
   });
   Object.assign(server, timeouts); // as properties too: some are read from there
-  // Past the bound a new connection is closed at once, and accepting goes on (node:http's own maxConnections,
-  // under Deno, stops accepting for good once reached).
+  // Past the bound a new connection is closed at once and accepting goes on (node:http's maxConnections, under
+  // Deno, stops accepting for good).
   const most = connectionBound();
   let open = 0;
   server.on("connection", (socket: net.Socket) => {
@@ -5147,13 +5005,12 @@ async function serveGuarded(
     server.listen(port, hostname, () => resolve());
   });
   const bound = (server.address() as net.AddressInfo).port; // the port, kept when listening anew
-  // A burst of connections past the file-descriptor limit stops node:http's accepting under Deno, silently and for
-  // good. So every few seconds a connection to ourselves checks that one is still accepted; if not, it listens anew.
+  // Past the file-descriptor limit, node:http under Deno stops accepting, silently and for good: every few seconds a
+  // connection to ourselves checks one is still accepted; if not, it listens anew.
   let accepted = 0;
   server.on("connection", () => accepted++);
   const watchdog = setInterval(() => {
     const before = accepted;
-    // The address it listens on; for "every address", the loopback one of that family.
     const at = hostname === "0.0.0.0" ? "127.0.0.1" : hostname === "::" ? "::1" : hostname;
     const probe = net.connect(bound, at);
     probe.on("error", () => {});
