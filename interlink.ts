@@ -5037,25 +5037,17 @@ async function serveGuarded(
 // Relays
 // ============================================================================
 //
-//
 // What a node sends through and receives from: a bus over HTTP (ours or the
-// reference's), or NATS JetStream for teams. A relay is a dumb
-// store-and-forward hop that can drop or delay but never forge: the
-// receiver's gate alone decides. Either kind keeps a message for a route until
-// that route's reader acks it (after journaling), at most QUEUE_CAP per route.
+// reference's), or NATS JetStream for teams: a store-and-forward hop that can
+// drop or delay but never forge (the receiver's gate alone decides), keeping
+// a message until its route's reader acks it, at most QUEUE_CAP per route.
 
-async function postJson(
-  url: string,
-  body: unknown,
-  timeoutMs = SEND_TIMEOUT_MS,
-  signal?: AbortSignal,
-): Promise<Response> {
-  const signals = [AbortSignal.timeout(timeoutMs), ...(signal ? [signal] : [])];
-  return await fetch(url, {
+function postJson(url: string, body: unknown, timeoutMs = SEND_TIMEOUT_MS, signal?: AbortSignal): Promise<Response> {
+  return fetch(url, {
     method: "POST",
     headers: { "content-type": "application/json" },
     body: typeof body === "string" ? body : JSON.stringify(body),
-    signal: AbortSignal.any(signals),
+    signal: AbortSignal.any([AbortSignal.timeout(timeoutMs), ...(signal ? [signal] : [])]),
   });
 }
 
@@ -5086,7 +5078,7 @@ interface Handed {
   ack(): Promise<void>;
 }
 
-/** What one recv handed over, oldest first (none: nothing came in time), and a way to ack several in one request. */
+/** What one recv handed over, oldest first, and a way to ack several in one request. */
 interface Received {
   items: Handed[];
   ackMany?(items: Handed[]): Promise<void>;
@@ -5097,10 +5089,7 @@ interface Relay {
   readonly name: string;
   /** Keeps `payload` (a message with its unsigned hints) for `route`; resolves once the relay has it durably. */
   send(route: string, payload: object, timeoutMs: number, signal?: AbortSignal): Promise<void>;
-  /**
-   * The oldest messages for `route` not yet acked, waiting a while for one (a bus's long-poll; `waitMs` 0: only
-   * what is there now, to drain a route); none if none came.
-   */
+  /** The oldest messages for `route` not yet acked, waiting a while for one (`waitMs` 0: only what is there now). */
   recv(route: string, signal: AbortSignal, waitMs?: number): Promise<Received>;
   announce(a: Announcement, signal?: AbortSignal): Promise<void>;
   /** Every announcement it keeps, each with an unsigned `age_ms` (unverified: the reader verifies). */
@@ -5111,9 +5100,8 @@ interface Relay {
     signal?: AbortSignal,
   ): Promise<void>;
   /**
-   * Several messages in one request, in order, where the relay takes that (our bus, once it answered a batched
-   * recv): per message true (kept), a RelayError, or null (not tried: one before it was refused). Absent or
-   * returning null: send them one by one.
+   * Several messages in one request, in order, where the relay takes that (our bus): per message true (kept), a
+   * RelayError, or null (not tried: one before was refused). Absent or null: send them one by one.
    */
   sendMany?(
     items: { route: string; payload: object }[],
@@ -5122,10 +5110,7 @@ interface Relay {
   ): Promise<(true | RelayError | null)[] | null>;
   /** Calls `back` whenever the relay is reachable again after an outage it noticed (NATS reconnects). */
   onBack?(back: () => void): void;
-  /**
-   * True once the relay is known to refuse a message for a full route (RelayError.full) rather than accept it and
-   * drop an older one: our bus, a NATS stream that discards new messages per subject. Unknown or false: it may drop.
-   */
+  /** True once the relay is known to refuse a message for a full route (RelayError.full), not drop an older one. */
   refusesWhenFull?(): boolean;
   close(): Promise<void>;
 }
@@ -5134,11 +5119,8 @@ const isNatsUrl = (url: string): boolean => /^(nats|tls):\/\//i.test(url);
 
 // -- what is read from a relay ------------------------------------------------
 //
-//
-// A relay's answer is read as it streams and never past a cap: the most a real
-// answer can be, from the bounds our bus keeps (a reference bus's answers are
-// far smaller). A relay that answers more, or without end, gets a RelayError;
-// a session spends the cap at most, and its other relays go on.
+// A relay's answer is read as it streams, never past the most a real one can be
+// (from our bus's bounds): past it a RelayError, and the session's other relays go on.
 
 /** Bytes a roster entry adds to the announcement it holds: `,"age_ms":<n>` and a comma, with room. */
 const ROSTER_ENTRY_EXTRA_BYTES = 64;
@@ -5156,9 +5138,8 @@ const RECV_ANSWER_MAX_BYTES = RECV_BATCH * (BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_
 const RECV_ANSWER_VALUES_MAX = RECV_BATCH * (JSON_VALUES_MAX + 16) + 16;
 
 /**
- * A GET /recv answer of one message, whatever its values: what a batch past its bounds is read again as, one at a
- * time. Twice the body that carried it: a bus of an earlier release re-serialized some payloads longer ("1e15" as
- * 16 digits). Once parsed, at most a few hundred MB, and never more than one at a time.
+ * A GET /recv answer of one message, whatever its values (a batch past its bounds is read again so): twice the body
+ * that carried it, since an earlier bus re-serialized some payloads longer ("1e15" as 16 digits).
  */
 const RECV_ONE_MAX_BYTES = 2 * BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES + 1024;
 
@@ -5177,11 +5158,7 @@ const RELAY_QUOTE_CHARS = 200;
 /** A relay's answer larger, or holding more JSON values, than a real one can: not read further, not parsed. */
 class OversizedAnswer extends RelayError {}
 
-/**
- * A relay's answer body, read as it streams: past `capBytes` (declared, or as it comes) the read stops and an
- * OversizedAnswer says so; with `truncate` what came up to the cap is kept instead (a refusal is only quoted). A
- * timeout on the request stops the read as well.
- */
+/** A relay's answer body, read as it streams: past `capBytes` an OversizedAnswer, or with `truncate` the first bytes. */
 async function readAnswer(r: Response, capBytes: number, what: string, truncate = false): Promise<string> {
   const over = () =>
     new OversizedAnswer(
@@ -5215,9 +5192,8 @@ async function readAnswer(r: Response, capBytes: number, what: string, truncate 
 }
 
 /**
- * A relay's answer as JSON (see readAnswer); one that is not JSON is a RelayError that quotes none of it. Its JSON
- * values are counted before it is parsed: past `maxValues` it is an OversizedAnswer, unparsed (bytes alone do not
- * bound a parse: 24 MiB of empty objects took a session to 3 GB).
+ * A relay's answer as JSON (see readAnswer); not JSON: a RelayError quoting none of it. Past `maxValues` an
+ * OversizedAnswer, unparsed (bytes alone do not bound a parse: 24 MiB of empty objects took a session to 3 GB).
  */
 async function readJsonAnswer(r: Response, capBytes: number, what: string, maxValues = Infinity): Promise<unknown> {
   const text = await readAnswer(r, capBytes, what);
@@ -5305,10 +5281,7 @@ class HttpRelay implements Relay {
     await r.body?.cancel();
   }
 
-  /**
-   * What our bus says of itself in its `interlink-bus` header: it takes batches, it refuses a full route. An answer
-   * without it (a reference bus, or another bus now at this URL) takes both back.
-   */
+  /** What our bus's `interlink-bus` header says (batches, full-refused); an answer without it takes both back. */
   #learn(r: Response): void {
     const features = r.headers.get("interlink-bus");
     if (features === null && !r.ok) return; // an error page from something in between says nothing of the bus
@@ -5317,13 +5290,9 @@ class HttpRelay implements Relay {
   }
 
   /**
-   * Asks for up to RECV_BATCH messages (max=, our extension); a reference bus
-   * ignores it and answers one. The proof rides as an extra query parameter,
-   * which a reference bus ignores too. A batch larger, or holding more JSON
-   * values, than real messages make (a stranger's payloads through a relay that
-   * does not count them, or a hostile relay) is read again one message at a
-   * time, each within what one message can be: each is then handled (refused,
-   * acked), and none blocks the route.
+   * Asks for up to RECV_BATCH messages (max=, with the proof: both ignored by a reference bus). A batch past what real
+   * messages make (a relay that does not count, or a hostile one) is read again one at a time, each within what one
+   * message can be: each is handled (refused, acked), and none blocks the route.
    */
   async recv(route: string, signal: AbortSignal, waitMs = RECV_TIMEOUT_MS): Promise<Received> {
     try {
@@ -5396,7 +5365,6 @@ class HttpRelay implements Relay {
 // The NATS relay
 // ============================================================================
 //
-//
 // One stream, INTERLINK (file storage, work-queue retention: a message is
 // deleted once acked), with one subject per route:
 //   interlink.in.<key>                          the bare key
@@ -5415,10 +5383,7 @@ class HttpRelay implements Relay {
 // key "<key>.<base64url(session)>", value the signed announcement, kept
 // ROSTER_RETENTION_MS; an entry's age is the time since it was written.
 
-/**
- * The relay for a configured URL. `proof` signs recv and ack requests for a
- * route (our bus checks them); `sign` names our NATS consumers (see below).
- */
+/** The relay for a configured URL. `proof` signs recv and ack requests (our bus checks them); `sign` names consumers. */
 function openRelay(
   url: string,
   proof?: (route: string) => Promise<string>,
@@ -5438,10 +5403,7 @@ const NATS_ACK_WAIT_MS = msFromEnv("INTERLINK_TEST_NATS_ACK_WAIT_MS", 10_000);
 /** A new stream's bound per subject (route), as our bus's QUEUE_CAP; a test lowers it (a new stream only). */
 const NATS_SUBJECT_CAP = msFromEnv("INTERLINK_TEST_NATS_SUBJECT_CAP", QUEUE_CAP);
 
-/**
- * How long one pull waits. Short, unlike a bus's long-poll: a pull that a cluster lost when a node went away (its
- * consumer's leader moving) is not answered, and the next one, on the new leader, should not wait long.
- */
+/** How long one pull waits: short, since a pull lost when a cluster's consumer leader moves is never answered. */
 const NATS_PULL_MS = 5_000;
 
 /** A route's subject (see above): only a real key and a session id make one, so no route can reach another's. */
@@ -5456,7 +5418,7 @@ function natsSubject(route: string): string {
 /** The roster key of a session: "<key>.<base64url(session)>". */
 const natsRosterKey = (key: string, session: string): string => `${key}.${b64urlEncode(utf8.encode(session))}`;
 
-/** A route's durable consumer name (see above); without `sign` (a reader that is not the route's key), of the route alone. */
+/** A route's durable consumer name (see above); without `sign` (not the route's key), of the route alone. */
 async function natsConsumer(route: string, sign?: (data: Bytes) => Promise<string>): Promise<string> {
   const secret = sign ? await sign(utf8.encode(`interlink-nats-consumer-v1\0${route}`)) : route;
   const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", utf8.encode(secret)));
@@ -5498,23 +5460,15 @@ interface NatsLink {
 }
 
 /**
- * Connects to a NATS relay and makes sure the stream and the roster bucket
- * exist (creating them on first use). Credentials: user and password, or a
- * token, in the URL; INTERLINK_NATS_CREDS (a .creds file) or
- * INTERLINK_NATS_NKEY (an nkey seed file); INTERLINK_NATS_CA (a CA file for
- * TLS); tls:// asks for TLS. INTERLINK_NATS_REPLICAS (default 1) sets the
- * stream's and bucket's replicas when interlink creates them.
+ * Connects to a NATS relay, creating the stream and the roster bucket on first use. Credentials: user and password,
+ * or a token, in the URL; INTERLINK_NATS_CREDS (a .creds file) or INTERLINK_NATS_NKEY (an nkey seed file);
+ * INTERLINK_NATS_CA (a CA file); tls:// asks for TLS. INTERLINK_NATS_REPLICAS (1) sets the replicas it creates.
  */
 async function connectNats(url: string, key?: string): Promise<NatsLink> {
-  // The packages' own types are not loaded (they would need their npm install to type-check): NatsLink names
-  // what is used, and these three objects stay loosely typed between here and it.
-  // deno-lint-ignore no-explicit-any -- see above
+  // deno-lint-ignore no-explicit-any -- the packages' types would need their npm install: NatsLink names what is used
   type Loose = Record<string, any>;
-  const [transport, jetstreamPkg, kvPkg] = await Promise.all([
-    importPinned<Loose>(NATS_PKGS.transport),
-    importPinned<Loose>(NATS_PKGS.jetstream),
-    importPinned<Loose>(NATS_PKGS.kv),
-  ]);
+  const { transport: t, jetstream: j, kv: k } = NATS_PKGS;
+  const [transport, jetstreamPkg, kvPkg] = await Promise.all([t, j, k].map((p) => importPinned<Loose>(p)));
   const u = new URL(url.replace(/^tls:/i, "nats:"));
   const env = process.env;
   const auth = u.password
@@ -5528,13 +5482,12 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
     ? transport.nkeyAuthenticator(utf8.encode(fs.readFileSync(env.INTERLINK_NATS_NKEY, "utf8").trim()))
     : undefined;
   const tls = /^tls:/i.test(url) || env.INTERLINK_NATS_CA
-    ? { ...(env.INTERLINK_NATS_CA ? { caFile: env.INTERLINK_NATS_CA } : {}) }
+    ? (env.INTERLINK_NATS_CA ? { caFile: env.INTERLINK_NATS_CA } : {})
     : undefined;
   const nc = await transport.connect({
     servers: `${u.hostname}:${u.port || 4222}`,
     name: `interlink ${VERSION}`,
-    // Replies (pulled messages among them) come to inboxes under the node's own prefix, which its permissions
-    // alone may subscribe to: no other node sees them.
+    // Replies (pulled messages among them) come under the node's own inbox prefix, which only it may subscribe to.
     ...(key ? { inboxPrefix: natsInbox(key) } : {}),
     maxReconnectAttempts: -1,
     reconnectTimeWait: 500,
@@ -5558,9 +5511,8 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
         info = await jsm.streams.info(NATS_STREAM) as typeof info;
       } catch (e) {
         if (!/not found/i.test(errorText(e))) throw e;
-        // A full subject refuses the next publish (the sender keeps it and retries) rather than drop the oldest
-        // message there, which a publish was acknowledged for. An earlier release's nodes call such a stream wrong
-        // ("needs old"): docs/nats.md says so.
+        // A full subject refuses the next publish (the sender retries) rather than drop an acknowledged one. An
+        // earlier release's nodes call such a stream wrong ("needs old"): docs/nats.md says so.
         info = await jsm.streams.add({
           name: NATS_STREAM,
           subjects: ["interlink.in.>"],
@@ -5574,10 +5526,8 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
           max_age: FRESH_PAST_MS * 1e6, // older is refused as stale by any receiver (senders re-sign before)
         }) as typeof info;
       }
-      // A stream made by hand (or by a newer version) with other rules could lose mail silently: say so. One made
-      // by an earlier release (discard old) is used as it is: it drops the oldest of a full subject, so our senders
-      // hold their routes by receipts there (SEND_WINDOW); it is never changed here, since those releases' nodes
-      // refuse any other discard policy.
+      // A stream with other rules could lose mail silently: say so. An earlier release's (discard old) is used as it
+      // is, our senders holding their routes by receipts there (SEND_WINDOW): its nodes refuse any other policy.
       const c = info.config;
       const wrong = [
         c.retention !== "workqueue" && `retention ${c.retention} (needs workqueue)`,
@@ -5615,13 +5565,10 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
 }
 
 /**
- * What one node's NATS user needs, and no more (docs/nats.md, "Who may read a route"): send
- * to any route; create consumers only on its own key's subjects; pull and ack
- * through consumers whose names it knows (ours are computable only by their
- * key's holder, and listing them is not allowed); write only its own roster
- * entries, read the others. Not allowed, among the rest: creating, deleting
- * or purging the stream, listing or deleting consumers, reading a message by
- * its sequence number. An admin user creates the stream and the bucket.
+ * What one node's NATS user needs, and no more (docs/nats.md, "Who may read a route"): send to any route; create
+ * consumers only on its own key's subjects; pull and ack through consumers whose names it knows (only the key's
+ * holder can compute ours, and listing is denied); write only its own roster entries. Not: making, deleting or
+ * purging the stream, listing or deleting consumers, reading a message by sequence. An admin creates the stream.
  */
 function natsPermissions(key: string): { publish: { allow: string[] }; subscribe: { allow: string[] } } {
   const kv = `KV_${NATS_ROSTER}`;
@@ -5689,7 +5636,7 @@ class NatsRelay implements Relay {
   #refuses = false;
   #consumers = new Map<string, Promise<{ next(o: { expires: number }): Promise<NatsMsg | null> }>>();
 
-  /** `sign` names our consumers; `key` is the node's, for its own reply inboxes (both absent for doctor). */
+  /** `sign` names our consumers; `key`, the node's, its reply inboxes (both absent for doctor). */
   constructor(readonly url: string, readonly sign?: (data: Bytes) => Promise<string>, readonly key?: string) {}
 
   get name(): string {
@@ -5725,7 +5672,7 @@ class NatsRelay implements Relay {
     return this.#refuses;
   }
 
-  /** Follows the connection's status: after a reconnect (another server of a cluster, say), calls the onBack hooks. */
+  /** Calls the onBack hooks after each reconnect (to another server of a cluster, say). */
   async #watch(link: NatsLink): Promise<void> {
     for await (const s of link.nc.status()) if (s.type === "reconnect") { for (const back of this.#back) back(); }
   }
@@ -5771,9 +5718,8 @@ class NatsRelay implements Relay {
       this.#consumers.set(route, consumer);
       consumer.catch(() => this.#consumers.delete(route));
     }
-    // A pull cannot be cancelled: on stop, stop waiting for it. What it may still fetch (until the connection
-    // closes, after the goodbyes) is handed back at once (nak), for the session that reads the route next: left
-    // unacked it would block the route (one unacked message at a time) for NATS_ACK_WAIT_MS.
+    // A pull cannot be cancelled: on stop, stop waiting. What it may still fetch is handed back at once (nak): left
+    // unacked it would block the route (one unacked at a time) for NATS_ACK_WAIT_MS.
     const stopped = new Promise<null>((resolve) =>
       signal.addEventListener("abort", () => resolve(null), { once: true })
     );
@@ -5835,16 +5781,12 @@ class NatsRelay implements Relay {
   }
 
   /**
-   * Keys come oldest write first, and live sessions rewrite theirs every
-   * ANNOUNCE_EVERY_MS: the newest ROSTER_CAP are kept, at most
-   * ROSTER_PER_KEY_CAP per node key (a node may write only under its own), so
-   * stale or junk entries cannot push live ones out. An entry filed under
-   * another node's key or session than it announces is dropped.
+   * Keys come oldest write first (live sessions rewrite theirs every ANNOUNCE_EVERY_MS): per node key its newest
+   * ROSTER_PER_KEY_CAP are kept (a node writes only under its own), then the newest ROSTER_CAP, so junk or stale
+   * entries cannot push live ones out. An entry filed under another key or session than it announces is dropped.
    */
   async #roster(): Promise<unknown[]> {
     const { kv } = await this.link();
-    // Keys come oldest write first: per node key keep its newest ROSTER_PER_KEY_CAP (a node writes only under its
-    // own), then the newest ROSTER_CAP of all. So one node's junk or old entries cannot push others out.
     const byOwner = new Map<string, { k: string; at: number }[]>();
     let at = 0;
     for await (const k of await kv.keys()) {
