@@ -3745,7 +3745,6 @@ class Bus {
   readonly inFlight = new BytesInFlight();
   /** Large answers not yet taken by their connections (see streamedAnswer). */
   readonly answers: BytesInFlight;
-  readonly #answerWriteMs: number;
   #waiters = new Map<string, Set<() => void>>(); // bounded: by the open long-polls
   #syncTimer: ReturnType<typeof setTimeout> | null = null; // the lazy fsync of acks, once scheduled
   #compactAfter = 0; // after a failed compaction, the time of the next try
@@ -3762,9 +3761,7 @@ class Bus {
   readonly ownersMax: number;
   /** The data folder's disk as last looked at: free bytes (less what was written since), size, when. */
   #disk = { free: Infinity, size: Infinity, at: -Infinity };
-  readonly #diskReserve: number | undefined;
   #deadBytes = 0; // bytes of the queue file that no longer hold a live record: what a compaction gives back
-  readonly #compactMinDead: number;
   readonly #log: (msg: string) => void;
   readonly now: () => number;
 
@@ -3775,11 +3772,10 @@ class Bus {
     private writer: JsonlWriter,
     private lock: PidLock,
     private dead: number, // records in the file that no longer describe a live message
-    opts: BusOptions,
+    private opts: BusOptions,
   ) {
     this.#log = opts.log ?? logInfo;
     this.now = opts.now ?? Date.now;
-    this.#compactMinDead = opts.compactMinDead ?? COMPACT_MIN_DEAD;
     this.ownersMax = opts.owners ?? OWNERS_MAX;
     this.answers = new BytesInFlight(
       opts.answers?.max ?? ANSWERS_IN_FLIGHT_MAX,
@@ -3787,8 +3783,6 @@ class Bus {
       "answers not yet taken by their connections",
       false,
     );
-    this.#answerWriteMs = opts.answers?.writeMs ?? ANSWER_WRITE_MS;
-    this.#diskReserve = opts.diskReserve;
     this.#reader = fs.openSync(writer.file, "r+"); // payloads are read back through it, acks mark records in place
     // A held batch that cannot be written fails its own lines (each send checks its line), not the round.
     writer.beforeSync = () => {
@@ -3980,7 +3974,7 @@ class Bus {
    * the odd small one; acks need none (see ack). DISK_RESERVE_BYTES or a sixteenth of a small disk, plus the owners'.
    */
   diskReserve(): number {
-    return (this.#diskReserve ?? Math.min(DISK_RESERVE_BYTES, Math.floor(this.#disk.size / 16))) + this.#ownerBytes;
+    return (this.opts.diskReserve ?? Math.min(DISK_RESERVE_BYTES, Math.floor(this.#disk.size / 16))) + this.#ownerBytes;
   }
 
   /** Throws the 507 a write of `bytes` gets when it would eat into the reserve (looked at afresh before refusing). */
@@ -4041,7 +4035,7 @@ class Bus {
 
   /** A hold on the answers in flight for a request from address bucket `from`, holding nothing yet. */
   answerHold(from: string): AnswerHold {
-    return new AnswerHold({ inFlight: this.answers, from }, this.#answerWriteMs);
+    return new AnswerHold({ inFlight: this.answers, from }, this.opts.answers?.writeMs);
   }
 
   /** Whether `route`'s key has proven it reads its routes here: then every recv or ack of its routes needs a proof. */
@@ -4349,7 +4343,7 @@ class Bus {
    * and the next try waits COMPACT_RETRY_MS.
    */
   #maybeCompact(opening = false, force = false): void {
-    const due = this.dead >= Math.max(this.#compactMinDead, this.queues.liveCount);
+    const due = this.dead >= Math.max(this.opts.compactMinDead ?? COMPACT_MIN_DEAD, this.queues.liveCount);
     if (!force && !due && !this.#spaceToReclaim()) return;
     if (this.now() < this.#compactAfter) return;
     const placed: [Queued, number, number][] = [];
@@ -5247,17 +5241,13 @@ class HttpRelay implements Relay {
     const answer = await readJsonAnswer(r, SEND_ANSWER_MAX_BYTES, `${this.url}: send`);
     const results = isObject(answer) && Array.isArray(answer.results) ? answer.results : [];
     return items.map((_, i) => {
-      const res = isObject(results[i]) ? results[i] as { status?: unknown; error?: unknown } : undefined;
-      if (!res) return null;
+      const res: unknown = results[i];
+      if (!isObject(res)) return null;
       if (res.status === 202) return true;
-      const status = Number(res.status);
-      const error = String(res.error ?? "");
-      const why = escapePeerText(error.slice(0, RELAY_QUOTE_CHARS), true);
-      return new RelayError(
-        `${this.url} answered ${showId(String(res.status))} ${why}`,
-        isPermanentRefusal(status),
-        status === 429 && error.startsWith(ROUTE_FULL),
-      );
+      const status = Number(res.status), error = String(res.error ?? "");
+      const why = `${showId(String(res.status))} ${escapePeerText(error.slice(0, RELAY_QUOTE_CHARS), true)}`;
+      const full = status === 429 && error.startsWith(ROUTE_FULL);
+      return new RelayError(`${this.url} answered ${why}`, isPermanentRefusal(status), full);
     });
   }
 
@@ -5688,12 +5678,9 @@ class NatsRelay implements Relay {
       });
     } catch (e) {
       if (e instanceof RelayError) throw e;
-      const why = errorText(e);
-      throw new RelayError(
-        `${this.name}: ${/maximum messages per subject/i.test(why) ? `${ROUTE_FULL}: ${why}` : why}`,
-        /maximum (payload|message size)|max_payload/i.test(why),
-        /maximum messages per subject/i.test(why), // a full subject of a stream that refuses rather than drops
-      );
+      const why = errorText(e), full = /maximum messages per subject/i.test(why); // a stream that refuses, not drops
+      const tooBig = /maximum (payload|message size)|max_payload/i.test(why);
+      throw new RelayError(`${this.name}: ${full ? `${ROUTE_FULL}: ` : ""}${why}`, tooBig, full);
     }
   }
 
