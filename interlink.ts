@@ -4466,14 +4466,15 @@ const PROOFS_REMEMBERED = 4096;
  */
 async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
   if (proof === undefined || proof === null || proof === "") {
-    const fp = fingerprint(route), since = bus.closedSince === null ? "" : new Date(bus.closedSince).toISOString();
     if (bus.isOwned(route)) {
+      const fp = fingerprint(route);
       throw new HttpError(
         403,
         `route ${fp}… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`,
       );
     }
-    if (since) {
+    if (bus.closedSince !== null) {
+      const since = new Date(bus.closedSince).toISOString();
       throw new HttpError(
         403,
         `this bus serves no route without a proof since ${since} (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`,
