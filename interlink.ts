@@ -2695,39 +2695,30 @@ function lifecycleError(tasks: ReadonlyMap<string, TaskRow>, draft: Draft): stri
 // The bus
 // ============================================================================
 //
-//
 // A dumb relay (SPEC "Bus HTTP API"): it routes opaque JSON to a recipient
-// string, verifies nothing, holds no keys, and keeps each message until its
-// recipient acks it. Its state is one JSONL file in the data folder:
+// string, holds no keys, and keeps each message until its recipient acks it.
+// Its state is one JSONL file in the data folder:
 //   {"t":"m","q":<recipient>,"n":<seq>,"ts":<ms>,"s":<sender>,"z":<bytes>,"p":<payload as JSON text>}  accepted
 //   {"t":"a","q":<recipient>,"n":<seq>,…}                  acked: an "m" record marked in place (older buses appended these)
 //   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap (earlier releases; read, not written)
 //   {"t":"o","q":<key>}                                    the key has proven it owns its routes (an older bus: one a route)
 //   {"t":"c","ts":<ms>}                                    closed: every route needs a proof from now on (see Bus.touchOwned)
 //   {"t":"h","next":<seq>}                                 first line after compaction
-// `seq` is global and not reused (compaction keeps the high-water mark), so an
-// ack key handed out before a restart still names the same message after it.
-// The one exception: a message handed to a parked receiver before its record
-// was written, lost with the process, leaves its seq to the next message after
-// the restart. So an ack key names the ts as well, and a late ack of the lost
-// message leaves the new one alone.
-// Payloads stay JSON text end to end: the bus never parses what it relays.
-//
-// Payloads live in the file, not in memory: a queued message is its offset
-// there, read back when it is delivered. "p" comes last, so a restart parses
-// only the short head of each line and skips the payload (an older bus wrote
-// "p" before "s": such lines are parsed whole and rewritten at the next
-// compaction). Writes are group-committed: while an fdatasync runs, new
-// messages wait in memory and go out as one write before the next one (an
-// ack writes what waits, then marks its record, before it is answered).
+// `seq` is global and never reused (compaction keeps the high-water mark), so
+// an ack key still names its message after a restart. Except: a message handed
+// to a parked receiver before its record was written, lost with the process,
+// leaves its seq to the next message; so an ack key names the ts as well.
+// Payloads stay JSON text end to end (the bus never parses what it relays) and
+// live in the file, not in memory: a queued message is its offset there. "p"
+// comes last, so a restart parses only each line's head (an older bus wrote
+// "p" before "s": parsed whole, rewritten at the next compaction). Writes are
+// group-committed: while an fdatasync runs, new messages wait in memory and go
+// out as one write before the next (an ack writes what waits, then marks its
+// record, before it is answered).
 
-/**
- * A queue file record (the layout above). An "m" record is written by
- * messageHead and read back by MessageHeadReader in today's layout; any other
- * line goes through decodeBusRecord.
- */
+/** A queue file record (the layout above); today's "m" is written by messageHead, read by MessageHeadReader. */
 type BusRecord =
-  /** `s` and `z` are absent in a file written before 0.5.0's layout (`p` came before them). */
+  /** `s` and `z` are absent before 0.5.0's layout. */
   | { t: "m"; q: string; n: number; ts: number; s?: string; z?: number; p: string }
   | { t: "a" | "d"; q: string; n: number }
   | { t: "o"; q: string }
@@ -2737,48 +2728,33 @@ type BusRecord =
 /** A queue line's record, or why it is not one (the line is then set aside). */
 function decodeBusRecord(r: Record<string, unknown>): BusRecord | string {
   const seq = (v: unknown) => Number.isSafeInteger(v) && (v as number) > 0;
-  const route = (v: unknown): v is string => typeof v === "string" && v !== "" && v.length <= RECIPIENT_MAX_CHARS;
-  const q = r.q, n = r.n;
-  switch (r.t) {
-    case "m":
-      if (route(q) && seq(n) && typeof r.p === "string" && Number.isSafeInteger(r.ts)) {
-        return {
-          t: "m",
-          q,
-          n: n as number,
-          ts: r.ts as number,
-          p: r.p,
-          ...(typeof r.s === "string" ? { s: r.s } : {}),
-          ...(Number.isSafeInteger(r.z) ? { z: r.z as number } : {}),
-        };
-      }
-      break;
-    case "a":
-    case "d":
-      if (route(q) && seq(n)) return { t: r.t, q, n: n as number };
-      break;
-    case "o":
-      if (route(q)) return { t: "o", q };
-      break;
-    case "c":
-      if (Number.isSafeInteger(r.ts)) return { t: "c", ts: r.ts as number };
-      break;
-    case "h":
-      if (seq(r.next)) return { t: "h", next: r.next as number };
-      break;
-  }
-  return `not a valid "${String(r.t).slice(0, 8)}" record`;
+  const route = typeof r.q === "string" && r.q !== "" && r.q.length <= RECIPIENT_MAX_CHARS;
+  const valid = r.t === "m"
+    ? route && seq(r.n) && typeof r.p === "string" && Number.isSafeInteger(r.ts)
+    : r.t === "a" || r.t === "d"
+    ? route && seq(r.n)
+    : r.t === "o"
+    ? route
+    : r.t === "c"
+    ? Number.isSafeInteger(r.ts)
+    : r.t === "h" && seq(r.next);
+  if (!valid) return `not a valid "${String(r.t).slice(0, 8)}" record`;
+  if (r.t !== "m") return r as BusRecord;
+  return {
+    ...r,
+    s: typeof r.s === "string" ? r.s : undefined,
+    z: Number.isSafeInteger(r.z) ? r.z : undefined,
+  } as BusRecord;
 }
 
 interface Queued {
   seq: number;
   ts: number;
-  /** The payload's JSON text while it is not in the queue file yet; after that it is read back from `at`. */
+  /** The payload's JSON text until it is in the queue file; then read back from `at` (its literal's offset, `len` bytes). */
   payload: string | undefined;
-  /** Where the payload's JSON string literal starts in the queue file, and its length in bytes. */
   at: number;
   len: number;
-  /** The verified signer of a v2 message; "" for a payload the bus cannot attribute (opaque). */
+  /** The verified signer of a v2 message; "" for an opaque payload. */
   sender: string;
   /** UTF-8 bytes of the payload: what the budgets count. */
   size: number;
@@ -2791,9 +2767,8 @@ class RecipientQueue {
   head = 0;
   live = 0;
   /** Live messages per sender ("" for unattributed ones): whose cap a new message counts against. */
-  bySender = new Map<string, number>();
+  bySender = new Map<string, number>(); // bounded: by the live messages
 
-  /** Up to `n` oldest live messages, oldest first. */
   firstN(n: number): Queued[] {
     const out: Queued[] = [];
     if (!this.first()) return out;
@@ -2812,11 +2787,12 @@ class RecipientQueue {
     return this.items[this.head];
   }
 
-  /** Files an entry that arrives after a later one (a restored file), where its seq puts it. */
+  /** Files an entry in seq order: a restored file may hold one after a later one. */
   insert(item: Queued): void {
     let at = this.items.length;
     while (at > this.head && this.items[at - 1].seq > item.seq) at--;
-    this.items.splice(at, 0, item);
+    if (at === this.items.length) this.items.push(item);
+    else this.items.splice(at, 0, item);
   }
 
   /** The live entry `seq`; binary search, since acks may name any entry, not only the head. */
@@ -2832,10 +2808,7 @@ class RecipientQueue {
     return undefined;
   }
 
-  /**
-   * Marks `seq` gone. An ack may take entries from the middle, which `first` never trims, so once the gone
-   * entries outnumber the live ones the array is rebuilt: memory follows what is held, whatever the pattern.
-   */
+  /** Marks `seq` gone; acks from the middle are not trimmed by `first`, so past twice the live ones the array is rebuilt. */
   remove(seq: number): Queued | undefined {
     const item = this.find(seq);
     if (!item) return undefined;
@@ -2858,24 +2831,19 @@ interface QueueLimits {
   cap: number;
   /** Unattributed (opaque) messages per recipient: their own small budget, never at a verified message's cost. */
   opaqueCap: number;
-  /** Bytes one verified sender may have queued here, across all recipients (payloads plus MESSAGE_OVERHEAD_BYTES each). */
+  /** Bytes one verified sender may have queued, all recipients together (payloads plus MESSAGE_OVERHEAD_BYTES each). */
   senderBytes: number;
   /** Bytes in all, counted the same way, and ROUTE_OVERHEAD_BYTES for each route holding messages. */
   totalBytes: number;
 }
 
 /**
- * What each queued message counts against the byte budgets beside its payload: its entry in memory (about 100
- * to 200 bytes, measured) and its record's head on disk (about 150 for a session's route). So one-byte payloads
- * are bounded in count too: 32 MiB holds about 130,000 of them, 8 MiB of one signer's 32,640.
+ * What a queued message counts beside its payload: its entry in memory (100 to 200 bytes, measured) and its record's
+ * head on disk (about 150). So tiny payloads are bounded in count too: 32 MiB holds about 130,000.
  */
 const MESSAGE_OVERHEAD_BYTES = 256;
 
-/**
- * ... and what each route holding messages counts against the bus's budget in all: its queue in memory (about
- * 500 bytes with its name). So a flood of one message to each of many routes is bounded as well (at most
- * 43,633 routes in 32 MiB).
- */
+/** ... and a route holding messages, in all: its queue in memory (about 500 bytes with its name); 43,633 in 32 MiB. */
 const ROUTE_OVERHEAD_BYTES = 512;
 
 const DEFAULT_LIMITS: QueueLimits = {
@@ -2886,19 +2854,15 @@ const DEFAULT_LIMITS: QueueLimits = {
 };
 
 /**
- * The queue logic of the bus, with no I/O: one FIFO per recipient, fair
- * between senders. Nothing accepted is ever dropped: a signer that holds
- * `cap` messages for a recipient is refused the next (`full` says so), so a
- * flood from one sender only ever costs that sender; unattributed payloads
- * live under their own small budget, refused past it. Bytes are budgeted per
- * sender and in all (`admit` says no), each message counted with
- * MESSAGE_OVERHEAD_BYTES and, in all, each route with ROUTE_OVERHEAD_BYTES.
- * Memory is proportional to what is held: a queue is deleted when it empties.
+ * The bus's queue logic, no I/O: one FIFO per recipient, fair between senders. Nothing accepted is ever dropped: a
+ * signer holding `cap` messages for a recipient is refused the next (`full`), so a flood costs only its sender;
+ * opaque payloads have their own small budget. Bytes are budgeted per sender and in all (`admit`). A queue is
+ * deleted when it empties, so memory follows what is held.
  */
 class BusQueues {
-  #queues = new Map<string, RecipientQueue>();
+  #queues = new Map<string, RecipientQueue>(); // bounded: a route holds messages, each within the byte budgets
   /** Payload bytes and messages held per verified sender, and one copy of its key string that every entry shares. */
-  #senderBytes = new Map<string, { name: string; bytes: number; count: number }>();
+  #senderBytes = new Map<string, { name: string; bytes: number; count: number }>(); // bounded: by the messages
   nextSeq = 1;
   liveCount = 0;
   bytes = 0;
@@ -2912,15 +2876,12 @@ class BusQueues {
     return this.#queues.size;
   }
 
-  /** What the budget in all counts as held: payload bytes, MESSAGE_OVERHEAD_BYTES a message, ROUTE_OVERHEAD_BYTES a route. */
+  /** What the budget in all counts as held. */
   get charged(): number {
     return this.bytes + this.liveCount * MESSAGE_OVERHEAD_BYTES + this.#queues.size * ROUTE_OVERHEAD_BYTES;
   }
 
-  /**
-   * Why a new payload of `size` bytes from `sender` to `to` ("": a route not known yet) cannot be taken now
-   * ("global" or "sender"), or null.
-   */
+  /** Why a payload of `size` bytes from `sender` to `to` ("": not known yet) cannot be taken now, or null. */
   admit(sender: string, size: number, to = ""): "global" | "sender" | null {
     const cost = size + MESSAGE_OVERHEAD_BYTES;
     const route = this.#queues.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
@@ -2931,10 +2892,7 @@ class BusQueues {
     return null;
   }
 
-  /**
-   * Appends a message, whatever the caps (`full` is asked first: a restart files every message that was
-   * accepted, even past a cap that was lowered since).
-   */
+  /** Appends a message whatever the caps (`full` is asked first; a restart files all it accepted, past a lowered cap too). */
   add(
     to: string,
     ts: number,
@@ -2945,7 +2903,6 @@ class BusQueues {
   ): Queued {
     let q = this.#queues.get(to);
     if (!q) this.#queues.set(to, q = new RecipientQueue());
-    // One lookup counts the sender's bytes and finds the copy of its key that every entry shares.
     let held = sender ? this.#senderBytes.get(sender) : undefined;
     if (sender && !held) this.#senderBytes.set(sender, held = { name: sender, bytes: 0, count: 0 });
     if (held) {
@@ -2955,23 +2912,12 @@ class BusQueues {
     }
     this.bytes += size;
     const item: Queued = { seq, ts, payload, at: -1, len: 0, sender, size, gone: false };
-    const last = q.items[q.items.length - 1];
-    if (!last || last.seq < seq) q.items.push(item);
-    else q.insert(item); // a file put back together out of order: the queue stays in seq order all the same
+    q.insert(item);
     q.live++;
     q.bySender.set(sender, (q.bySender.get(sender) ?? 0) + 1);
     this.liveCount++;
     if (seq >= this.nextSeq) this.nextSeq = seq + 1;
     return item;
-  }
-
-  /** Takes a removed message's bytes off the budgets (`add` counts them on). */
-  #release(sender: string, size: number): void {
-    this.bytes -= size;
-    const held = sender ? this.#senderBytes.get(sender) : undefined;
-    if (!held) return;
-    held.bytes -= size;
-    if (--held.count <= 0) this.#senderBytes.delete(sender);
   }
 
   /** How many `sender` ("" for unattributed ones) holds for `to` when that is its cap or more (the next is refused). */
@@ -2980,7 +2926,6 @@ class BusQueues {
     return held >= (sender === "" ? this.limits.opaqueCap : this.limits.cap) ? held : null;
   }
 
-  /** Up to `n` oldest live messages for `to`. */
   firstN(to: string, n: number): Queued[] {
     return this.#queues.get(to)?.firstN(n) ?? [];
   }
@@ -2998,7 +2943,7 @@ class BusQueues {
     return this.get(to, seq) !== undefined;
   }
 
-  /** Entries `to` keeps in memory, removed ones not yet let go included: bounded by about twice the live ones. */
+  /** Entries `to` keeps in memory, removed ones not yet let go included: about twice the live ones at most. */
   footprint(to: string): number {
     const q = this.#queues.get(to);
     return q ? q.items.length - q.head : 0;
@@ -3009,7 +2954,9 @@ class BusQueues {
     const item = q?.remove(seq);
     if (!item) return false;
     this.liveCount--;
-    this.#release(item.sender, item.size);
+    this.bytes -= item.size;
+    const held = item.sender ? this.#senderBytes.get(item.sender) : undefined;
+    if (held) (held.bytes -= item.size, --held.count || this.#senderBytes.delete(item.sender));
     if (q!.live === 0) this.#queues.delete(to);
     return true;
   }
@@ -3032,37 +2979,24 @@ interface RosterEntry {
   units: number; // what it counts against the bounds: one per KiB begun (ROSTER_UNIT_BYTES)
 }
 
-/**
- * Why a roster did not file an announcement: a newer one is filed there, its session ended later than it was
- * signed, or a bound it would pass with no room to make.
- */
+/** Why a roster did not file an announcement: a newer one is there, its session ended after it was signed, or a bound. */
 type RosterRefusal = "older" | "ended" | "full" | "address" | "key";
 
 /**
- * Presence on the bus: verified announcements keyed `pubkey#session_id`
- * (the bare key for a sessionless one). Session entries are kept
- * ROSTER_RETENTION_MS, sessionless ones ROSTER_SESSIONLESS_MS. Each entry
- * counts one unit per KiB begun (a real one is one), so every bound holds in
- * count and in bytes: `cap` units in all, `perKeyCap` per key, `perAddressCap`
- * per source address. Keys cost nothing, so room is made without letting a
- * flood push out a session that is live: past its key's bound a key's own
- * sessions signed before the newcomer go, earliest signed first (only that key
- * signed them; anyone may post them again, so refresh order is not the key's
- * to set); past the
- * address's or the roster's bound only entries away for PRESENCE_LIVE_MS or
- * more give way, stalest first, and when none is, the newcomer is refused. A
- * refresh of an entry keeps its place, past the roster's bound too (a growing
- * one still within its key's and its address's); the same signed announcement
- * posted again only refreshes it. A session its key unregistered is not
- * listed again from an announcement signed before that (see end). The map's
- * order is refresh order.
+ * Presence on the bus: verified announcements keyed `pubkey#session_id` (the bare key when sessionless), kept
+ * ROSTER_RETENTION_MS (sessionless: ROSTER_SESSIONLESS_MS). An entry counts one unit per KiB begun, so every bound
+ * holds in count and bytes: `cap` in all, `perKeyCap` per key, `perAddressCap` per source address. Keys cost nothing,
+ * so a flood never pushes out a live session: past its key's bound that key's sessions signed before the newcomer go,
+ * earliest signed first; past the address's or the roster's, only entries away PRESENCE_LIVE_MS or more, stalest
+ * first, else the newcomer is refused. A refresh keeps its place, past the roster's bound too. A session its key
+ * unregistered is not listed again from an older announcement (see end). The map's order is refresh order.
  */
 class Roster {
   #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
   #perKey = new Map<string, number>(); // units per key: bounded by the entries
   #perAddress = new Map<string, number>(); // units per address bucket: bounded by the entries
   #units = 0;
-  /** Sessions ended by a signed unregister: the unregister's ts, and the address bucket it came from (see end). */
+  /** Sessions ended by a signed unregister: its ts and address bucket (see end). */
   #ended = new Map<string, { ts: number; from: string }>(); // bounded: endedCap, oldest first
   #endedBy = new Map<string, Set<string>>(); // the ids each address bucket ended, oldest first: bounded with #ended
 
@@ -3078,7 +3012,6 @@ class Roster {
     return this.#entries.size;
   }
 
-  /** Units held in all (each entry one per KiB begun). */
   get units(): number {
     return this.#units;
   }
@@ -3091,8 +3024,8 @@ class Roster {
     const old = this.#entries.get(id);
     if (old && old.ts > a.ts) return "older";
     if (old && old.ts === a.ts) {
-      // The same signed announcement again: a retry, or anyone replaying it off GET /roster. It refreshes the entry
-      // and nothing else, so members added beside the signed ones (padding) never change what its key posted.
+      // The same signed announcement again (a retry, a replay off GET /roster) only refreshes: padding added beside
+      // the signed members never changes what its key posted.
       this.#entries.delete(id);
       this.#entries.set(id, { ...old, at: nowMs });
       return true;
@@ -3122,9 +3055,7 @@ class Roster {
       }
       return !bound();
     };
-    // Past its key's bound, that key's sessions signed before this one give way, the earliest signed first. By
-    // signed time, not refresh order: anyone can post a key's earlier announcements again, which refreshes them,
-    // but none can sign one later than what the key's live sessions post now.
+    // By signed time, not refresh order: anyone can post a key's earlier announcements again, none sign a later one.
     if (over.key()) {
       const earlier = [...this.#entries].filter(([k, e]) => k !== id && e.pubkey === a.pubkey && e.ts <= a.ts);
       for (const [k, e] of earlier.sort(([, x], [, y]) => x.ts - y.ts)) {
@@ -3151,19 +3082,11 @@ class Roster {
   }
 
   /**
-   * A session `key` ended at signed time `ts` (its key's unregister, from
-   * address bucket `from`): removed unless a later announcement is filed, and
-   * remembered, so an announcement of it signed no later is refused ("ended"):
-   * anyone could post its last one again off GET /roster, and clients would
-   * take it as live for up to 90 s, listed away for 3 days. Remembered until
-   * ROSTER_RETENTION_MS after `ts`, when the announce route refuses all such
-   * announcements as too old anyway. Keys cost nothing, so a flood of
-   * unregisters of self-made sessions is bounded per address
-   * (`endedPerAddressCap`: that address's own oldest goes) and in all
-   * (`endedCap`: the oldest of the address that ended the most goes), so a
-   * stranger pushes out another address's only from more addresses than the
-   * bound over its share. A key longer than a route (RECIPIENT_MAX_CHARS: no
-   * mail can reach it) is removed and not remembered.
+   * Session `key` ended at signed time `ts` (its key's unregister, from address bucket `from`): removed unless a
+   * later announcement is filed, and remembered until ROSTER_RETENTION_MS after `ts` (then the announce route refuses
+   * it as too old), so a replay of its last announcement off GET /roster is refused ("ended"). Keys cost nothing, so
+   * remembered ones are bounded per address (`endedPerAddressCap`: its own oldest goes) and in all (`endedCap`: the
+   * oldest of the address that ended the most goes). A key longer than a route (no mail can reach it) is not remembered.
    */
   end(key: string, ts: number, from: string, nowMs: number): void {
     this.remove(key, ts);
@@ -3188,7 +3111,6 @@ class Roster {
     mine.add(key);
   }
 
-  /** Sessions remembered as ended (see end). */
   get endedCount(): number {
     return this.#ended.size;
   }
@@ -3242,10 +3164,9 @@ class HttpError extends Error {
 }
 
 /**
- * The source a per-address budget counts against: an IPv4 address, or the /64 of an IPv6 one (what one host
- * usually holds; counting whole addresses there would give a host 2^64 budgets), and all of 127.0.0.0/8 as one (every
- * one of them is this machine, and any local user may connect from as many as they like). "" for a request that did
- * not come over a socket (a test calling the handler). A bus behind a proxy sees every client as the proxy.
+ * The source a per-address budget counts against: an IPv4 address; the /64 of an IPv6 one (what one host usually
+ * holds: else a host had 2^64 budgets); all of 127.0.0.0/8 as one (any local user may connect from all of it). ""
+ * for a request not over a socket. A bus behind a proxy sees every client as the proxy.
  */
 function addressBucket(address: string): string {
   const v4 = /^(?:::ffff:)?(\d{1,3}(?:\.\d{1,3}){3})$/i.exec(address);
@@ -3261,15 +3182,11 @@ function addressBucket(address: string): string {
 }
 
 /**
- * Bytes in flight through the bus's HTTP server, in all and per source
- * address: request bodies being read (a body reserves its declared length
- * before a byte of it is read, a chunked one each chunk as it comes, and gives
- * it back once the runtime has let go of it), or answers being written (a large
- * answer reserves its bytes before its payloads are read, and gives them back
- * once the connection has taken its last byte, closed, or let its deadline
- * pass). Past either budget a request is refused, so a thousand connections that
- * each stall on a 2 MiB body, or never read a 2 MiB answer, hold at most the
- * budget, not 2 GB.
+ * Bytes in flight through the bus's HTTP server, in all and per source address: request bodies being read (the
+ * declared length reserved before a byte is read, a chunked body each chunk as it comes, given back once the runtime
+ * lets go of it), or large answers being written (reserved before their payloads are read, given back at the last
+ * byte, a close or the deadline). Past either budget a request is refused, so a thousand connections that stall on
+ * 2 MiB each hold the budget, not 2 GB.
  */
 class BytesInFlight {
   bytes = 0;
@@ -3287,24 +3204,16 @@ class BytesInFlight {
   take(from: string, n: number): void {
     if (n <= 0) return;
     const mine = this.#byAddress.get(from) ?? 0;
-    if (mine + n > this.perAddress) {
-      throw new HttpError(
-        429,
-        `your address already has ${humanBytes(mine)} of ${this.what} (at most ${
-          humanBytes(this.perAddress)
+    const refuse = (status: number, who: string, held: number, max: number, all = "") =>
+      new HttpError(
+        status,
+        `${who} already has ${humanBytes(held)} of ${this.what}${all} (at most ${
+          humanBytes(max)
         } at once); retry in a moment`,
         this.close,
       );
-    }
-    if (this.bytes + n > this.max) {
-      throw new HttpError(
-        503,
-        `this bus already has ${humanBytes(this.bytes)} of ${this.what} in all (at most ${
-          humanBytes(this.max)
-        } at once); retry in a moment`,
-        this.close,
-      );
-    }
+    if (mine + n > this.perAddress) throw refuse(429, "your address", mine, this.perAddress);
+    if (this.bytes + n > this.max) throw refuse(503, "this bus", this.bytes, this.max, " in all");
     this.#byAddress.set(from, mine + n);
     this.bytes += n;
   }
@@ -3324,19 +3233,12 @@ interface InFlightBudget {
   from: string;
 }
 
-/**
- * The bytes one answer holds in the answers' BytesInFlight until `release` (which may come more than once: the
- * first gives them back). Only an answer of ANSWER_STREAM_MIN_BYTES or more holds any (see streamedAnswer).
- */
+/** What one answer holds of the answers' BytesInFlight until `release` (idempotent); `writeMs`: see streamedAnswer. */
 class AnswerHold {
   bytes = 0;
-  /** `writeMs`: how long the answer may take to be read before it is cut off (see streamedAnswer). */
   constructor(readonly budget: InFlightBudget, readonly writeMs = ANSWER_WRITE_MS) {}
 
-  /**
-   * Holds `n` bytes, an answer's size or more, in place of what it held; throws the budget's 429 or 503, holding
-   * nothing, when they do not fit. Below ANSWER_STREAM_MIN_BYTES it holds nothing: the answer is written whole.
-   */
+  /** Holds `n` bytes in place of what it held, or throws the 429 or 503; nothing below ANSWER_STREAM_MIN_BYTES. */
   hold(n: number): void {
     this.release();
     if (n < ANSWER_STREAM_MIN_BYTES) return;
@@ -3373,15 +3275,10 @@ const ANSWER_CHUNK_BYTES = 64 << 10;
 const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
 
 /**
- * A JSON answer of `text`: written whole when it is short; else streamed a
- * slice at a time, each only when the connection has taken the one before (a
- * pull stream: Bun, Deno.serve and the guarded server's writer all wait for the
- * socket), while `held` keeps its bytes counted as answers in flight. They are
- * given back when the last slice is taken, when the connection closes (the
- * runtime cancels the stream), or ANSWER_WRITE_MS after the answer was made
- * (the stream then fails and the runtime closes the connection): a reader that
- * never reads costs its share of the budget for that long, never the bus's
- * memory for good.
+ * A JSON answer of `text`: whole when short; else a pull stream of slices, each made when the connection has taken
+ * the one before (Bun, Deno.serve and the guarded server all wait for the socket), while `held` counts its bytes.
+ * Given back at the last slice, at a close (the stream is cancelled), or ANSWER_WRITE_MS after it was made (the
+ * stream fails, the connection closes): a reader that never reads holds its share that long, never memory for good.
  */
 function streamedAnswer(status: number, text: string, held?: AnswerHold): Response {
   if (!held?.bytes && text.length < ANSWER_STREAM_MIN_BYTES / 3) return jsonResponse(status, text); // 3 bytes a char at most
@@ -3413,9 +3310,8 @@ function streamedAnswer(status: number, text: string, held?: AnswerHold): Respon
 }
 
 /**
- * Reads a JSON body of at most BODY_LIMIT_BYTES, counting bytes as they arrive (Content-Length may be absent or
- * lie), within CONN_BODY_MS of starting (a body dripped a byte at a time is cut off: 408), and against `budget`'s
- * bytes in flight: reserved before reading, held until the runtime's read of it has ended.
+ * Reads a JSON body of at most BODY_LIMIT_BYTES, counted as it arrives (Content-Length may be absent or lie), within
+ * CONN_BODY_MS (a drip is cut off: 408), against `budget`: reserved before reading, held until the runtime's read ends.
  */
 async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = JSON_VALUES_MAX): Promise<unknown> {
   const declared = declaredLength(req);
@@ -3427,7 +3323,7 @@ async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = J
     budget?.inFlight.take(budget.from, n);
     reserved += n;
   };
-  let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long as it does
+  let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long
   let timer: ReturnType<typeof setTimeout> | undefined;
   const deadline = new Promise<never>((_, reject) => {
     timer = setTimeout(
@@ -3439,8 +3335,7 @@ async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = J
   try {
     if (declared !== null) {
       reserve(declared);
-      // The server holds the body to its declared length. (Not touching req.body first keeps Deno on its fast
-      // path: reading that property builds a stream.)
+      // The server holds the body to its declared length. (Not touching req.body keeps Deno on its fast path.)
       const whole = req.text();
       reading = whole;
       text = await Promise.race([whole, deadline]);
@@ -3492,10 +3387,8 @@ async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = J
 }
 
 /**
- * A request's declared body length, or null when it declares none. Bun and Deno.serve take a Content-Length sent
- * twice with one value, and the Request then reads "N, N", which RFC 9110 (8.6) lets a recipient take as N. Any other
- * value is a 400. (Number("N, N") is NaN, which passed for no length at all: the body was read whole, past the 2 MiB
- * limit and outside the budget of bodies in flight; twenty such 40 MB bodies held a Bun bus at 850 MB.)
+ * A request's declared body length, or null. A Content-Length sent twice reads "N, N", which RFC 9110 (8.6) lets us
+ * take as N; any other value is a 400 (read as NaN, "no length", it let twenty 40 MB bodies hold a Bun bus at 850 MB).
  */
 function declaredLength(req: Request): number | null {
   const raw = req.headers.get("content-length");
@@ -3509,10 +3402,9 @@ function declaredLength(req: Request): number | null {
 }
 
 /**
- * How deep a JSON text nests and about how many values it holds (each object, array and comma counts one: at least
- * the values there are, at most twice as many), counted before parsing, strings skipped. Both bound what parsing
- * costs where bytes do not: a parser can spend seconds on a deep text, and a text of empty objects ("{},{},…") takes
- * 30 times its bytes once parsed (32 MiB of them, 900 MB).
+ * How deep a JSON text nests and about how many values it holds (each object, array and comma: at most twice the
+ * values), counted before parsing. Both bound a parse where bytes do not: a deep text takes seconds, and empty
+ * objects ("{},{},…") take 30 times their bytes once parsed.
  */
 function jsonShape(text: string): { depth: number; values: number } {
   let depth = 0, max = 0, values = text.length ? 1 : 0, inString = false;
@@ -3542,10 +3434,7 @@ function recipientParam(value: unknown, name: string): string {
 /** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
 const JSON_DEPTH_MAX = 64;
 
-/**
- * Most JSON values (see jsonShape) a request body may hold: a signed message holds about 15, a batch of 64 about
- * 1,000. So a payload costs a parser (the bus's, and its recipient's) about what its bytes say, never 30 times that.
- */
+/** Most JSON values (see jsonShape) a request body may hold: a signed message holds about 15, a batch of 64 about 1,000. */
 const JSON_VALUES_MAX = 8192;
 
 /** ... and an announcement or an unregister: a real one holds 11. */
@@ -3557,18 +3446,12 @@ const ANNOUNCEMENT_MAX_BYTES = 8192;
 /** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
 const UNREGISTER_FRESH_MS = 5 * 60_000;
 
+/** Defaults: QueueLimits' constants, OWNERS_MAX, ANSWERS_IN_FLIGHT_*, ANSWER_WRITE_MS, COMPACT_MIN_DEAD, diskReserve. */
 interface BusOptions {
   cap?: number;
-  /** The rest of the queue limits (see QueueLimits); `cap` above is the per-recipient one. */
   limits?: Partial<QueueLimits>;
-  /** Keys whose routes the bus protects at most (see checkOwnership); OWNERS_MAX by default. */
   owners?: number;
-  /**
-   * Bytes of large answers in flight, in all and per address, and how long one may take to be read
-   * (ANSWERS_IN_FLIGHT_MAX, ANSWERS_IN_FLIGHT_PER_ADDRESS and ANSWER_WRITE_MS by default).
-   */
   answers?: { max?: number; perAddress?: number; writeMs?: number };
-  /** Bytes kept free on the data folder's disk (see diskReserve); the default follows the disk's size. */
   diskReserve?: number;
   /** Dead records (acked, dropped) that trigger a compaction once they also outnumber the live ones. */
   compactMinDead?: number;
@@ -3576,11 +3459,10 @@ interface BusOptions {
   now?: () => number;
 }
 
-/** A record waiting for the next write; for a message, where its payload will lie and the entry that learns it. */
+/** A record waiting for the next write; a message's also has its route, head and literal bytes, and entry. */
 interface PendingLine {
   text: string;
   bytes: number;
-  /** A message only: the route, the bytes before the payload literal, the literal's bytes, and its queue entry. */
   to?: string;
   head?: number;
   len?: number;
@@ -3591,7 +3473,7 @@ interface PendingLine {
   failed?: unknown;
 }
 
-/** What an ack in place writes over a message record's tag, and where (see Bus.ack): `{"t":"m"` becomes `{"t":"a"`. */
+/** An ack in place writes this over a message record's tag (see Bus.ack): `{"t":"m"` becomes `{"t":"a"`. */
 const ACKED_TAG = Buffer.from("a");
 
 const ACKED_TAG_AT = '{"t":"'.length;
@@ -3601,13 +3483,9 @@ const messageHead = (q: string, n: number, ts: number, s: string, z: number): st
   `{"t":"m","q":${JSON.stringify(q)},"n":${n},"ts":${ts},"s":${JSON.stringify(s)},"z":${z},"p":`;
 
 /**
- * Reads the head of an "m" record in today's layout straight from the bytes
- * (no head string, no JSON.parse: a restart reads 300k of them) into its
- * fields; false for any other layout (an older bus, escapes in a name, a hand
- * edit), which the caller then reads as plain JSON. `t` is "a" for a message
- * acked in place (see Bus.ack). `p` is where the payload's string literal
- * starts. A name read before (a route, a sender) comes back as the same
- * string, so a restart allocates one string per name, not per line.
+ * Reads the head of an "m" record in today's layout straight from the bytes (a restart reads 300k: no JSON.parse);
+ * false for any other layout (an older bus, escapes in a name), which the caller parses as JSON. `t` "a": acked in
+ * place; `p`: where the payload literal starts. A name read before comes back as the same string: one per name.
  */
 class MessageHeadReader {
   t: "m" | "a" = "m";
@@ -3695,18 +3573,14 @@ class Bus {
   readonly inFlight = new BytesInFlight();
   /** Large answers not yet taken by their connections (see streamedAnswer). */
   readonly answers: BytesInFlight;
-  readonly #answerWriteMs: number;
-  #waiters = new Map<string, Set<() => void>>();
+  #waiters = new Map<string, Set<() => void>>(); // bounded: by the open long-polls
   #syncTimer: ReturnType<typeof setTimeout> | null = null; // the lazy fsync of acks, once scheduled
   #compactAfter = 0; // after a failed compaction, the time of the next try
   #pending: PendingLine[] = []; // records made while an fdatasync runs: the next round writes them as one
   #reader: number; // a read descriptor on the queue file, for payloads
   #readBuf = Buffer.allocUnsafe(64 * 1024);
-  /**
-   * Keys that have proven they read their routes here (see checkOwnership), persisted as "o" records and never
-   * forgotten, whatever others prove. Bounded by `ownersMax`: past it the bus closes (see #close), no owner is dropped.
-   */
-  readonly #owners = new Set<string>();
+  /** Keys that proved they read their routes here (see checkOwnership), as "o" records, never forgotten. */
+  readonly #owners = new Set<string>(); // bounded: ownersMax, past it the bus closes (see #close)
   #ownerBytes = 0; // their records' bytes, and the "c" record's: what a compaction writes for them
   /** When the bus closed (its "c" record), or null while it serves the routes of keys that never proved. */
   #closedSince: number | null = null;
@@ -3715,9 +3589,7 @@ class Bus {
   readonly ownersMax: number;
   /** The data folder's disk as last looked at: free bytes (less what was written since), size, when. */
   #disk = { free: Infinity, size: Infinity, at: -Infinity };
-  readonly #diskReserve: number | undefined;
   #deadBytes = 0; // bytes of the queue file that no longer hold a live record: what a compaction gives back
-  readonly #compactMinDead: number;
   readonly #log: (msg: string) => void;
   readonly now: () => number;
 
@@ -3728,11 +3600,10 @@ class Bus {
     private writer: JsonlWriter,
     private lock: PidLock,
     private dead: number, // records in the file that no longer describe a live message
-    opts: BusOptions,
+    private opts: BusOptions,
   ) {
     this.#log = opts.log ?? logInfo;
     this.now = opts.now ?? Date.now;
-    this.#compactMinDead = opts.compactMinDead ?? COMPACT_MIN_DEAD;
     this.ownersMax = opts.owners ?? OWNERS_MAX;
     this.answers = new BytesInFlight(
       opts.answers?.max ?? ANSWERS_IN_FLIGHT_MAX,
@@ -3740,10 +3611,7 @@ class Bus {
       "answers not yet taken by their connections",
       false,
     );
-    this.#answerWriteMs = opts.answers?.writeMs ?? ANSWER_WRITE_MS;
-    this.#diskReserve = opts.diskReserve;
-    // Read and write: payloads are read back through it, and acks mark records in place.
-    this.#reader = fs.openSync(writer.file, "r+");
+    this.#reader = fs.openSync(writer.file, "r+"); // payloads are read back through it, acks mark records in place
     // A held batch that cannot be written fails its own lines (each send checks its line), not the round.
     writer.beforeSync = () => {
       try {
@@ -3755,11 +3623,8 @@ class Bus {
   }
 
   /**
-   * Locks the data folder, replays the queue file and compacts it if it is
-   * mostly dead (or holds payloads in an older layout, which stay in memory
-   * until then). A line that is not a valid record (bad JSON, a non-integer
-   * seq, a missing recipient) is quarantined on its own and never blocks a
-   * recipient; a torn last line (a crash mid-write) is moved aside and cut off.
+   * Locks the data folder, replays the queue file and compacts it if mostly dead (or in an older layout). A line that
+   * is not a valid record is quarantined alone, never blocking a recipient; a torn last line is set aside and cut off.
    */
   static async open(dataDir: string, opts: BusOptions = {}): Promise<Bus> {
     fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
@@ -3777,7 +3642,7 @@ class Bus {
       let closedSince: number | null = null;
       let records = 0, inMemory = 0;
       const h = new MessageHeadReader();
-      /** A message record in today's layout, from its head alone: the payload stays on disk. */
+      /** A message record in today's layout, read from its head alone: the payload stays on disk. */
       const fastMessage = (buf: Buffer, start: number, end: number, at: number): boolean => {
         // A size above the literal's length is damage (escapes only lengthen): the plain JSON path judges it.
         if (!h.read(buf, start, end) || !h.q || h.q.length > RECIPIENT_MAX_CHARS || h.z > end - 1 - h.p) return false;
@@ -3810,14 +3675,11 @@ class Bus {
           case "h":
             queues.nextSeq = Math.max(queues.nextSeq, rec.next);
             break;
-          case "m": {
-            // Since 0.5.0 every record says its sender ("" for opaque). One without (an earlier bus wrote it) is
-            // attributed by the claim in its payload, for fairness only. Accepted, each is kept whatever the caps.
+          case "m":
+            // A record before 0.5.0 names no sender: its payload's claim is taken, for fairness only.
             queues.add(rec.q, rec.ts, rec.p, rec.n, rec.s ?? claimedSender(rec.p));
-            // An older layout is rewritten at open; today's, read this way (a name with escapes), stays in memory.
-            if (rec.z === undefined) inMemory++;
+            if (rec.z === undefined) inMemory++; // an older layout is rewritten at open
             break;
-          }
           case "a":
           case "d":
             queues.remove(rec.q, rec.n);
@@ -3882,21 +3744,18 @@ class Bus {
       return errorResponse(404, `no route ${pathname}; the bus serves ${Object.keys(BUS_ROUTES).join(", ")}`);
     }
     if (req.method !== route.method) {
-      return jsonResponse(405, JSON.stringify({ error: `${pathname} takes ${route.method}` }), {
-        allow: route.method,
-      });
+      return jsonResponse(405, JSON.stringify({ error: `${pathname} takes ${route.method}` }), { allow: route.method });
     }
     try {
       const r = await route.handle(this, req, { query, from: addressBucket(from) });
-      // Every answer names what this bus adds to the reference contract (a reference bus sends no such
-      // header): our client then batches, and doctor reports it.
+      // What this bus adds to the reference contract (a reference bus sends no such header): our client then
+      // batches, and doctor reports it.
       r.headers.set("interlink-bus", BUS_FEATURES);
       return r;
     } catch (e) {
       if (e instanceof HttpError) {
         // A body left unread must not keep its connection (Bun then closes it; node:http does on its own).
-        const close: Record<string, string> = e.close ? { connection: "close" } : {};
-        return jsonResponse(e.status, JSON.stringify({ error: e.message }), close);
+        return jsonResponse(e.status, JSON.stringify({ error: e.message }), e.close ? { connection: "close" } : {});
       }
       if (req.signal.aborted) return errorResponse(499, "client closed the request"); // a hang-up: not an error here
       this.#log(`internal error on ${pathname}: ${(e as Error).stack ?? e}`);
@@ -3910,24 +3769,16 @@ class Bus {
    */
   ensureRoom(sender: string, size: number, to = "", close = false): void {
     const over = this.queues.admit(sender, size, to);
-    const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
-    if (over === "global") {
-      throw new HttpError(
-        507,
-        `this bus holds its whole budget of ${
-          humanBytes(this.queues.limits.totalBytes)
-        } of messages (${counted}); retry later`,
-        close,
-      );
-    }
-    if (over === "sender") {
-      throw new HttpError(
-        429,
-        `this sender already has ${
-          humanBytes(this.queues.limits.senderBytes)
-        } queued on this bus (${counted}); retry once some is read`,
-        close,
-      );
+    if (over) {
+      const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
+      const all = humanBytes(this.queues.limits.totalBytes), mine = humanBytes(this.queues.limits.senderBytes);
+      throw over === "global"
+        ? new HttpError(507, `this bus holds its whole budget of ${all} of messages (${counted}); retry later`, close)
+        : new HttpError(
+          429,
+          `this sender already has ${mine} queued on this bus (${counted}); retry once some is read`,
+          close,
+        );
     }
     this.#ensureDisk(2 * size + MESSAGE_OVERHEAD_BYTES, close); // a record: at most twice the payload (escapes), and its head
   }
@@ -3947,12 +3798,11 @@ class Bus {
   }
 
   /**
-   * Bytes the bus leaves free on its disk for what must always be written: the records that compact the queue
-   * file (its owners, and the live messages once receivers have read most) and the odd small record. Acks need
-   * none (see ack). DISK_RESERVE_BYTES, or a sixteenth of a small disk, plus the owners' records.
+   * Bytes left free on the disk for what must always be written: a compaction's records (owners, live messages) and
+   * the odd small one; acks need none (see ack). DISK_RESERVE_BYTES or a sixteenth of a small disk, plus the owners'.
    */
   diskReserve(): number {
-    return (this.#diskReserve ?? Math.min(DISK_RESERVE_BYTES, Math.floor(this.#disk.size / 16))) + this.#ownerBytes;
+    return (this.opts.diskReserve ?? Math.min(DISK_RESERVE_BYTES, Math.floor(this.#disk.size / 16))) + this.#ownerBytes;
   }
 
   /** Throws the 507 a write of `bytes` gets when it would eat into the reserve (looked at afresh before refusing). */
@@ -3960,40 +3810,31 @@ class Bus {
     if (this.#diskFree() - bytes >= this.diskReserve()) return;
     const free = this.#diskFree(true);
     if (free - bytes >= this.diskReserve()) return;
+    const left = humanBytes(Math.max(0, free));
     throw new HttpError(
       507,
-      `the disk of the bus's data folder is full: ${
-        humanBytes(Math.max(0, free))
-      } free, which the bus keeps for compacting its queue file; nothing was stored; retry once receivers have read their mail`,
+      `the disk of the bus's data folder is full: ${left} free, which the bus keeps for compacting its queue file; nothing was stored; retry once receivers have read their mail`,
       close,
     );
   }
 
-  /**
-   * Throws the 429 that refuses one more message from `sender` ("" when unknown) for `to` once it holds its cap
-   * there: the sender keeps it and tries again later; nothing already accepted makes room (see QUEUE_CAP).
-   */
+  /** Throws the 429 for one more message from `sender` to `to` past its cap: nothing accepted makes room (QUEUE_CAP). */
   ensureRouteRoom(to: string, sender: string): void {
     const held = this.queues.full(to, sender);
     if (held === null) return;
     const route = `${fingerprint(to)}${to.includes("#") ? to.slice(to.indexOf("#")) : ""}`;
+    const what = sender ? "messages from this sender" : "unattributed payloads";
     throw new HttpError(
       429,
-      `${ROUTE_FULL}: ${route} holds ${held} ${
-        sender ? "messages from this sender" : "unattributed payloads"
-      } not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`,
+      `${ROUTE_FULL}: ${route} holds ${held} ${what} not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`,
     );
   }
 
   /**
-   * Queues a message; resolves once it is on stable storage (the 202). It
-   * enters memory in the same step as its record enters the write path, so
-   * a compaction triggered meanwhile (by another send or an ack) always
-   * carries it; a parked receiver may be handed it before the fsync, which a
-   * crash cannot undo unless the record was still waiting for its write, and
-   * then the sender was never answered 202 and sends it again: at worst a
-   * redelivery, which the receiver's replay memory drops. A write that fails
-   * leaves nothing in memory and is a 507.
+   * Queues a message; resolves once it is on stable storage (the 202). It enters memory in the same step as its record
+   * enters the write path, so a compaction meanwhile carries it. A parked receiver may get it before the fsync; a
+   * crash then loses it only if its record was still held, and its sender, never answered 202, sends it again: at
+   * worst a redelivery, which replay memory drops. A write that fails leaves nothing in memory and is a 507.
    */
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
@@ -4022,20 +3863,19 @@ class Bus {
 
   /** A hold on the answers in flight for a request from address bucket `from`, holding nothing yet. */
   answerHold(from: string): AnswerHold {
-    return new AnswerHold({ inFlight: this.answers, from }, this.#answerWriteMs);
+    return new AnswerHold({ inFlight: this.answers, from }, this.opts.answers?.writeMs);
   }
 
-  /** Whether `route`'s key has proven it reads its routes here: then a recv or ack of any route of that key needs a proof. */
+  /** Whether `route`'s key has proven it reads its routes here: then every recv or ack of its routes needs a proof. */
   isOwned(route: string): boolean {
     return this.#owners.has(parseRoute(route).key);
   }
 
-  /** Keys that have proven their ownership here. */
   get ownerCount(): number {
     return this.#owners.size;
   }
 
-  /** Whether `proof` is the one last verified for `route` (its signature then need not be checked again). */
+  /** Whether `proof` is the one last verified for `route` (its signature need not be checked again). */
   verifiedBefore(route: string, proof: string): boolean {
     return this.#verified.get(route) === proof;
   }
@@ -4056,10 +3896,9 @@ class Bus {
   }
 
   /**
-   * Records that `route`'s key proved with `proof` (verified and fresh) that it reads it. A key proving for the
-   * first time becomes an owner, on disk before the answer (trust on first proof survives a restart). When it
-   * cannot be one (the bus holds its `ownersMax`, or its disk has no room for the record), the bus closes instead
-   * (see #close): never is a key that proved left with its routes served to callers without a proof.
+   * `route`'s key proved with `proof` (verified, fresh) that it reads it. A key's first proof makes it an owner, on
+   * disk before the answer (trust on first proof survives a restart); when it cannot be one (`ownersMax` held, or no
+   * disk room), the bus closes instead (#close): a key that proved never has its routes served without a proof.
    */
   touchOwned(route: string, proof: string): void {
     this.#verified.set(route, proof);
@@ -4086,30 +3925,22 @@ class Bus {
   }
 
   /**
-   * Closes the bus, for good: from now on, after any restart too, a recv or
-   * ack of any route needs a proof from the route's key (checkOwnership), so
-   * keys it could not record are as safe as its owners, and a node that never
-   * proves (a reference node) is refused. Keys cost nothing, so any record of
-   * them a stranger can fill; this state is the one such a flood ends in, and it
-   * needs no memory. The "c" record that keeps it goes into the disk's reserve;
-   * this process stays closed even if that write fails (which it then throws).
+   * Closes the bus for good (restarts too): every recv or ack needs a proof from its route's key, so keys it could not
+   * record are as safe as its owners, and a node that never proves (a reference node) is refused. Keys cost nothing,
+   * so a stranger can fill any record of them; this is the state such a flood ends in, and it needs no memory. The
+   * "c" record goes into the disk's reserve; this process stays closed even if that write fails (and throws).
    */
   #close(why: string): void {
-    const ts = this.now();
-    this.#closedSince = ts;
+    this.#setClosed(this.now());
     this.#log(
       `closed: ${why}; from now on every recv and ack needs a proof from its route's key (nodes that never prove, as reference nodes, are refused)`,
     );
-    const line = recordLine({ t: "c", ts });
-    this.#write(line, true);
-    this.#ownerBytes += line.bytes;
+    this.#write(recordLine({ t: "c", ts: this.#closedSince! }), true);
   }
 
   /**
-   * Hands records to the write path: written now if no fdatasync is running,
-   * else held for the next round's single write (a lazy round is scheduled
-   * for records nobody awaits), unless `now`. Throws the HTTP answer when a
-   * write now fails: 507 for a full disk.
+   * Hands records to the write path: written now if no fdatasync runs (or `now`), else held for the next round's one
+   * write (a lazy round is scheduled for records nobody awaits). A write now that fails throws the HTTP answer.
    */
   #write(lines: PendingLine | PendingLine[], now = false): void {
     const batch = Array.isArray(lines) ? lines : [lines];
@@ -4125,11 +3956,7 @@ class Bus {
     }
   }
 
-  /**
-   * Writes every held record as one append. If it fails, the messages among
-   * them leave memory (their senders get no 202 and send again) and the error
-   * is thrown; on success their payloads leave memory for the file.
-   */
+  /** Writes every held record as one append; on failure their messages leave memory (no 202: sent again) and it throws. */
   #flush(): void {
     const batch = this.#pending;
     if (!batch.length) return;
@@ -4154,7 +3981,6 @@ class Bus {
     }
   }
 
-  /** The entry's payload is now in the file at `at`: memory lets go of it. */
   #stored(item: Queued, at: number, len: number): void {
     item.at = at;
     item.len = len;
@@ -4174,10 +4000,7 @@ class Bus {
     );
   }
 
-  /**
-   * Up to `max` oldest un-acked messages for `me`, waiting up to `timeoutMs`
-   * for one to arrive ([] when none did). They stay queued until acked.
-   */
+  /** Up to `max` oldest un-acked messages for `me`, waiting up to `timeoutMs` for one ([] if none); kept until acked. */
   async recv(
     me: string,
     timeoutMs: number,
@@ -4207,9 +4030,8 @@ class Bus {
   }
 
   /**
-   * Up to `max` oldest messages for `me`, no more than RECV_BATCH_BYTES of payload (one at least), payloads read
-   * back; one whose record is damaged is set aside. `held` first holds what their answer weighs (recvAnswerBytes)
-   * or throws the 429 or 503 of the answers in flight, before a payload is read.
+   * Up to `max` oldest messages for `me`, at most RECV_BATCH_BYTES of payload (one at least); a damaged one is set
+   * aside. `held` holds their answer's weight (or throws its 429 or 503) before a payload is read.
    */
   take(me: string, max: number, held?: AnswerHold): BusDelivery[] {
     for (;;) {
@@ -4244,11 +4066,7 @@ class Bus {
     return this.#readBuf.subarray(0, got);
   }
 
-  /**
-   * The payload read back from the file; undefined when the bytes there are
-   * damaged (cut short, not a string literal, or a payload that is not JSON).
-   * A read that fails (EIO) throws: the message stays queued.
-   */
+  /** The payload read back from the file; undefined when damaged there; a failed read (EIO) throws: it stays queued. */
   #readPayload(item: Queued): string | undefined {
     const bytes = this.#literalBytes(item);
     if (bytes.length !== item.len) return undefined;
@@ -4262,11 +4080,7 @@ class Bus {
     }
   }
 
-  /**
-   * The payload of `item`, or undefined when its bytes on disk no longer parse
-   * (a disk fault, a hand edit): that record is quarantined like any bad line
-   * and the message dropped, so it cannot block the queue behind it.
-   */
+  /** The payload of `item`; undefined when damaged on disk: then quarantined and dropped, never blocking the queue. */
   #payload(me: string, item: Queued): string | undefined {
     if (item.payload !== undefined) return item.payload;
     const payload = this.#readPayload(item);
@@ -4285,14 +4099,10 @@ class Bus {
   }
 
   /**
-   * Acks `seqs` of `me` (unknown ones are ignored: acks are idempotent). Each
-   * is written in place before the answer: its message's record becomes an
-   * ack record (see #markAcked), which takes no room on the disk, so a full
-   * disk never stops receivers from draining it, and a crash of the bus never
-   * brings an acked message back. They are fsynced lazily, so a power cut
-   * can, and that is a redelivery, which receivers dedupe. A record not where
-   * its entry says (an older layout) gets an appended "a" record instead;
-   * those that cannot be written are refused, and their messages stay.
+   * Acks `seqs` of `me` (unknown ones ignored: idempotent), each written in place before the answer (#markAcked): no
+   * disk room needed, so a full disk never stops receivers draining it, and a bus crash never brings an acked message
+   * back. Fsynced lazily: a power cut can, a redelivery receivers dedupe. A record not where its entry says (an older
+   * layout) gets an appended "a" record; if that cannot be written, the ack is refused and the message stays.
    */
   ack(me: string, ...seqs: number[]): void {
     if (!seqs.some((seq) => this.queues.has(me, seq))) return;
@@ -4328,12 +4138,9 @@ class Bus {
   }
 
   /**
-   * Acks `item` in place: the "m" of its record's tag becomes "a", an ack
-   * record naming the same route and seq (every reader of the file, an older
-   * bus's too, takes it so). One byte over one that is there needs no new room
-   * on the disk. Returns the record's bytes, or 0 when the record is not on
-   * disk in today's layout exactly where its entry says (held still, an older
-   * layout, or a read or write that fails).
+   * Acks `item` in place: its tag's "m" becomes "a", an ack record of the same route and seq (so an older bus reads
+   * it too); one byte overwritten needs no disk room. The record's bytes, or 0 when it is not in today's layout
+   * exactly where its entry says (still held, an older layout, a read or write that fails).
    */
   #markAcked(me: string, item: Queued): number {
     if (item.at < 0 || item.payload !== undefined) return 0;
@@ -4359,14 +4166,12 @@ class Bus {
   }
 
   /**
-   * Rewrites the file to its live messages once dead records dominate (or
-   * `force`), so disk use tracks what is held. Payloads are copied from the
-   * old file to the new one without entering memory. If that fails (a full
-   * disk), the old file stays in use, whole, and the next try waits
-   * COMPACT_RETRY_MS.
+   * Rewrites the file to its live messages once dead records dominate (or `force`): disk use tracks what is held.
+   * Payloads are copied file to file, never into memory. On failure (a full disk) the old file stays in use, whole,
+   * and the next try waits COMPACT_RETRY_MS.
    */
   #maybeCompact(opening = false, force = false): void {
-    const due = this.dead >= Math.max(this.#compactMinDead, this.queues.liveCount);
+    const due = this.dead >= Math.max(this.opts.compactMinDead ?? COMPACT_MIN_DEAD, this.queues.liveCount);
     if (!force && !due && !this.#spaceToReclaim()) return;
     if (this.now() < this.#compactAfter) return;
     const placed: [Queued, number, number][] = [];
@@ -4420,11 +4225,8 @@ class Bus {
   }
 
   /**
-   * Whether a compaction should run before dead records dominate: when the
-   * disk is short of room (less than twice the reserve free), DISK_RECLAIM_BYTES
-   * or more of the file is dead, and the new file (the owners and the live
-   * messages) fits in what is free. So a disk our own messages filled gets its
-   * room back once receivers have read them.
+   * Whether to compact before dead records dominate: the disk has less than twice the reserve free, DISK_RECLAIM_BYTES
+   * of the file is dead, and the new file fits. So a disk our messages filled gets its room back once they are read.
    */
   #spaceToReclaim(): boolean {
     if (this.#deadBytes < DISK_RECLAIM_BYTES) return false;
@@ -4459,19 +4261,13 @@ interface RecoveryReport {
 /** `recipient NUL seq:ts`: see "The bus" for why the ts. */
 const ackKey = (me: string, m: { seq: number; ts: number }) => `${me}\0${m.seq}:${m.ts}`;
 
-/**
- * At least the bytes of a GET /recv answer to `me` holding `items`, in either shape: per message its payload, its
- * ts (16 characters at most), its ack key (`me` as JSON, "\u0000", a seq and a ts) and 60 of JSON around them.
- */
+/** At least the bytes of a GET /recv answer to `me` of `items`: per message its payload, ts, ack key and JSON around. */
 function recvAnswerBytes(me: string, items: readonly Queued[]): number {
   const perMessage = utf8Bytes(JSON.stringify(me)) + 112;
   return items.reduce((n, m) => n + m.size + perMessage, 64);
 }
 
-/**
- * The seq of the queued message an ack key names, or undefined (already acked, or another message now has that seq).
- * A key without ":ts" (an earlier bus gave those out) names the seq alone.
- */
+/** The seq of the queued message an ack key names, or undefined; a key without ":ts" (an earlier bus's) names the seq. */
 function ackedSeq(bus: Bus, me: string, key: string): number | undefined {
   const m = /^(\d{1,16})(?::(-?\d{1,16}))?$/.exec(key.slice(me.length + 1)); // a ts is any safe integer on disk
   const item = m ? bus.queues.get(me, Number(m[1])) : undefined;
@@ -4482,9 +4278,8 @@ function ackedSeq(bus: Bus, me: string, key: string): number | undefined {
 const RECV_PROOF_FRESH_MS = 5 * 60_000;
 
 /**
- * Keys whose routes a bus protects at most (`--owners`). Each is a node's identity, so this is far above any real
- * deployment; held, it is about 6 MB of queue file and 10 MB of memory. Past it the bus closes (see Bus.touchOwned),
- * never an owner forgotten: keys cost nothing, so forgetting any would let a flood of them open another's mail.
+ * Keys whose routes a bus protects at most (`--owners`): far above any real deployment, about 6 MB of queue file and
+ * 10 MB of memory. Past it the bus closes (Bus.touchOwned): forgetting an owner would let a flood of keys open its mail.
  */
 const OWNERS_MAX = 100_000;
 
@@ -4492,33 +4287,25 @@ const OWNERS_MAX = 100_000;
 const PROOFS_REMEMBERED = 4096;
 
 /**
- * Recipient ownership, trust on first proof: once a key has proven (a signed
- * recv or ack) that it reads one of its routes, this bus refuses unproven
- * recv and ack for every route of that key (`<key>` and `<key>#<session>`),
- * so nobody else can read or delete its mail, for good (see Bus.touchOwned).
- * Keys that never proved work as in the reference contract, for reference
- * nodes, until the bus closes (a key that proved could not be recorded): then
- * every route needs a proof. Every proof must be fresh, a repeat too: one
- * captured off the wire is worth nothing RECV_PROOF_FRESH_MS after its ts.
- * Throws the 403 when a proof is missing, stale or wrong; returns when the
- * caller may go on.
+ * Recipient ownership, trust on first proof: once a key has proven (a signed recv or ack) that it reads one of its
+ * routes, unproven recv and ack of every route of that key are refused for good, so nobody else reads or deletes its
+ * mail. Keys that never proved work as in the reference contract until the bus closes (Bus.#close). Every proof, a
+ * repeat too, must be fresh: a captured one is worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403.
  */
 async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
   if (proof === undefined || proof === null || proof === "") {
     if (bus.isOwned(route)) {
+      const fp = fingerprint(route);
       throw new HttpError(
         403,
-        `route ${
-          fingerprint(route)
-        }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`,
+        `route ${fp}… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`,
       );
     }
     if (bus.closedSince !== null) {
+      const since = new Date(bus.closedSince).toISOString();
       throw new HttpError(
         403,
-        `this bus serves no route without a proof since ${
-          new Date(bus.closedSince).toISOString()
-        } (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`,
+        `this bus serves no route without a proof since ${since} (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`,
       );
     }
     return;
@@ -4545,11 +4332,8 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<
 const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send full-refused`;
 
 /**
- * The verified signer of a payload shaped as a v2 message (it has from, to,
- * msg_id and sig), so the bus can share its room fairly between senders; ""
- * for any other payload, which stays opaque as the reference contract says. A
- * v2-shaped payload that is malformed or whose signature fails is a 400: the
- * bus never queues a message it knows to be forged.
+ * The verified signer of a v2-shaped payload, so room is shared fairly between senders; "" for any other (opaque, as
+ * the reference contract says). A malformed or forged v2 payload is a 400: the bus never queues a known forgery.
  */
 async function signerOf(payload: unknown, route: string): Promise<string> {
   if (!isV2Shaped(payload)) return "";
@@ -4616,13 +4400,9 @@ function recvTimeoutMs(raw: string | null): number {
 }
 
 /**
- * Our extension of POST /send: {"messages": [{"to", "payload"}, ...]}, in
- * order, each checked as a single send is. The first one refused stops the
- * rest (none of them is queued), so a sender's order holds. Answered 200,
- * once every queued one is on disk, with one result per message tried:
- * {"status": 202} or {"status": <4xx/5xx>, "error"}; those after a refusal
- * have none. A reference bus refuses the shape (no "to"), and our agent
- * sends it only to a bus that answered a batched recv.
+ * Our extension of POST /send: {"messages": [{"to", "payload"}, ...]}, in order, each checked as a single send. The
+ * first refused stops the rest, so a sender's order holds. Answered 200 once all queued are on disk, one result per
+ * message tried: {"status": 202} or {"status": <4xx/5xx>, "error"}. A reference bus refuses the shape (no "to").
  */
 async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
   if (!items.length || items.length > RECV_BATCH_MAX) {
@@ -4653,10 +4433,7 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
   return jsonResponse(200, JSON.stringify({ status: "queued", results }));
 }
 
-/**
- * A request URL's path and query, without building a URL object (the bus
- * does this for every request; only /recv reads the query).
- */
+/** A request URL's path and query, without building a URL object (every request; only /recv reads the query). */
 function splitUrl(url: string): { pathname: string; query: string } {
   const scheme = url.indexOf("://");
   const slash = url.indexOf("/", scheme < 0 ? 0 : scheme + 3);
@@ -4750,35 +4527,22 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         const bad = await verifyAnnouncement(a);
         if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
         const filed = bus.roster.put(a, json, now, from);
-        if (filed === "ended") {
-          throw new HttpError(
-            409,
-            `session ${fingerprint(a.pubkey)}${
-              a.session?.session_id ? `#${a.session.session_id.slice(0, 128)}` : ""
-            } was ended by its key (a signed unregister) after this announcement was signed; it is not listed again`,
-          );
-        }
-        if (filed === "full") {
-          throw new HttpError(
-            507,
-            `this bus's roster is full of sessions heard from in the last ${
-              PRESENCE_LIVE_MS / 1000
-            } s (${bus.roster.cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
-          );
-        }
-        if (filed === "key") {
-          throw new HttpError(
-            429,
-            `this key's sessions take ${bus.roster.perKeyCap} KiB of this bus's roster already, each signed later than this announcement; it is not listed`,
-          );
-        }
-        if (filed === "address") {
-          throw new HttpError(
-            429,
-            `announcements from your address take ${bus.roster.perAddressCap} KiB of this bus's roster already, all of them heard from in the last ${
-              PRESENCE_LIVE_MS / 1000
-            } s; this one is not listed now`,
-          );
+        if (filed !== true && filed !== "older") { // an older one: already superseded, nothing to say
+          const { cap, perKeyCap, perAddressCap } = bus.roster;
+          const live = `heard from in the last ${PRESENCE_LIVE_MS / 1000} s`;
+          const session = fingerprint(a.pubkey) +
+            (a.session?.session_id ? `#${a.session.session_id.slice(0, 128)}` : "");
+          const why = {
+            ended:
+              `session ${session} was ended by its key (a signed unregister) after this announcement was signed; it is not listed again`,
+            full:
+              `this bus's roster is full of sessions ${live} (${cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
+            key:
+              `this key's sessions take ${perKeyCap} KiB of this bus's roster already, each signed later than this announcement; it is not listed`,
+            address:
+              `announcements from your address take ${perAddressCap} KiB of this bus's roster already, all of them ${live}; this one is not listed now`,
+          }[filed];
+          throw new HttpError({ ended: 409, full: 507, key: 429, address: 429 }[filed], why);
         }
         return jsonResponse(202, '{"status":"announced"}');
       },
@@ -4806,8 +4570,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
           throw new HttpError(400, "unregister ts is outside the freshness window");
         }
-        const signed = parseOr400(() => unregisterBytes(u));
-        if (await verifyDetached(u.pubkey, u.sig, signed)) {
+        if (await verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes(u)))) {
           throw new HttpError(403, "unregister signature does not verify");
         }
         bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
@@ -4830,12 +4593,9 @@ interface Listening {
 }
 
 /**
- * Binds a fetch handler to a TCP port with the host runtime's own server; the
- * handler is told the address each request came from (the bus's per-address
- * budgets count by it). `guard` (Deno only; Bun always closes idle
- * connections): serve with node:http, whose timeouts Deno honours, so that
- * idle connections and slow requests are closed (Deno.serve never closes
- * them); it costs throughput.
+ * Binds a fetch handler, told each request's source address, to a TCP port with the runtime's own server. `guard`
+ * (Deno only; Bun closes idle connections itself): serve with node:http, whose timeouts close idle and slow
+ * connections (Deno.serve never does), at a cost in throughput.
  */
 function serveHttp(
   handler: (req: Request, from: string) => Promise<Response>,
@@ -4858,9 +4618,8 @@ function serveHttp(
     return Promise.resolve({ port: server.port, stop: () => Promise.resolve(server.stop(true)) });
   }
   if (Deno) {
-    // Deno.serve has no idle timeout, and when the process runs out of file descriptors (say 20,000 idle
-    // sockets) its accept loop fails and would take the process down. Instead it is logged and the server
-    // listens again on the same port a second later, until the flood is over.
+    // Out of file descriptors (20,000 idle sockets: Deno.serve has no idle timeout), its accept loop fails and
+    // would take the process down: logged instead, and it listens again on the same port a second later.
     const serve = (req: Request, info: { remoteAddr: { hostname: string } }) =>
       handler(req, info.remoteAddr?.hostname ?? "");
     let server = Deno.serve({ hostname, port, onListen: () => {}, onError: serverError }, serve);
@@ -4895,11 +4654,7 @@ function serveHttp(
   throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
 }
 
-/**
- * What a server of ours answers when its handler throws: a short generic 500, and the error in the log. Never a
- * runtime's own error page: Bun's development page shows whoever asked the working folder, this file's path and
- * its source lines.
- */
+/** A handler that throws: a generic 500, the error logged; never Bun's development page (paths, source lines). */
 function serverError(e: unknown): Response {
   logWarn(`a request failed inside the server: ${(e as Error)?.stack ?? e}`);
   return new Response("internal error\n", { status: 500, headers: { "content-type": "text/plain; charset=utf-8" } });
@@ -4913,11 +4668,7 @@ const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
 /** ... and one whose request body is not all there this long after its headers (a byte every few seconds). */
 const CONN_BODY_MS = msFromEnv("INTERLINK_TEST_CONN_BODY_MS", 15_000);
 
-/**
- * A large answer not all taken by its connection this long after it was made is cut off, the connection closed
- * and its bytes given back: 4 MiB in 30 s is a link of 140 KB/s, while a reader that stalls on purpose holds its
- * share of ANSWERS_IN_FLIGHT_MAX no longer than this.
- */
+/** A large answer not all taken this long after it was made is cut off (4 MiB in 30 s: a 140 KB/s link at least). */
 const ANSWER_WRITE_MS = msFromEnv("INTERLINK_TEST_ANSWER_WRITE_MS", 30_000);
 
 /** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
@@ -4930,7 +4681,7 @@ const CONN_MAX = 10_000;
 function connectionBound(): number {
   let limit = NaN;
   try {
-    // Linux: no process to start (and no permission to ask for under Deno).
+    // Linux: no process to start (nor a permission to ask for under Deno).
     limit = Number(fs.readFileSync("/proc/self/limits", "utf8").match(/^Max open files\s+(\d+)/m)?.[1]);
   } catch {
     limit = Number(spawnSync("sh", ["-c", "ulimit -n"], { encoding: "utf8" }).stdout?.trim());
@@ -4939,9 +4690,8 @@ function connectionBound(): number {
 }
 
 /**
- * Writes a streamed answer's slices to `res`, each once node:http has passed the one before to the socket (its
- * "drain"), so a reader that stalls holds one slice here, not the answer. A connection that closes cancels the
- * stream (which gives its bytes back); a stream that fails (its deadline) throws. False when the connection closed.
+ * Writes a streamed answer to `res` a slice at a time, each after the one before drained: a stalled reader holds
+ * one slice. A close cancels the stream (its bytes given back); a failed one throws. False when the connection closed.
  */
 async function writeWithBackpressure(
   body: ReadableStream<Uint8Array>,
@@ -4967,10 +4717,8 @@ async function writeWithBackpressure(
 }
 
 /**
- * The guarded server (see serveHttp): node:http with keep-alive and header
- * timeouts, an absolute deadline on the body, a bound on connections, and no
- * request timeout (a long-poll may wait a minute). A client that goes away
- * aborts its request's signal, so its long-poll is dropped at once.
+ * The guarded server (see serveHttp): node:http with keep-alive and header timeouts, a deadline on the body, a bound
+ * on connections, no request timeout (a long-poll waits a minute). A client gone aborts its request's signal.
  */
 async function serveGuarded(
   handler: (req: Request, from: string) => Promise<Response>,
@@ -4992,8 +4740,8 @@ async function serveGuarded(
       const declared = req.headers["content-length"];
       let body: Buffer | undefined;
       let whole = false; // the body was read to its end
-      // Read on demand, so the handler's checks on the declared length (413, the budgets) come first and a body
-      // it refuses is never held; with a deadline, and one byte past the limit at most (enough for a 413).
+      // Read on demand, so the handler's checks on the declared length come first and a body it refuses is never
+      // held; with a deadline, and one chunk past the limit at most (enough for a 413).
       const readBody = async (): Promise<Buffer> => {
         if (body) return body;
         const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
@@ -5008,8 +4756,7 @@ async function serveGuarded(
         return body = Buffer.concat(chunks);
       };
       const hasBody = req.method !== "GET" && req.method !== "HEAD";
-      // A chunked body (no declared length) is handed over as it comes, so the handler counts each chunk against
-      // its budgets before the next is read (read whole here first, a thousand of them held 2 MB each).
+      // A chunked body is handed over as it comes, so the handler counts each chunk before the next is read.
       const chunked = hasBody && declared === undefined
         ? {
           getReader() {
@@ -5031,8 +4778,7 @@ async function serveGuarded(
           },
         }
         : null;
-      // The handler reads only these parts of a Request; building a real one (headers, a body stream) costs
-      // more than the rest of the adapter.
+      // The handler reads only these parts of a Request; a real one costs more than the rest of the adapter.
       const lite = {
         url: `http://${hostname}${req.url ?? "/"}`,
         method: req.method,
@@ -5051,8 +4797,7 @@ async function serveGuarded(
       const r = await handler(lite as unknown as Request, socket.remoteAddress ?? "").catch((e) =>
         gone.signal.aborted ? Promise.reject(e) : serverError(e)
       );
-      // A body left unread (refused on its declared length, or past the limit) is not waited for: the
-      // connection closes after the answer instead of trickling on.
+      // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
       const unread = (hasBody || Number(declared) > 0) && !whole;
       const headers = { ...Object.fromEntries(r.headers), ...(unread ? { connection: "close" } : {}) };
       if (STREAMED_ANSWERS.has(r)) {
@@ -5068,8 +4813,8 @@ async function serveGuarded(
     }
   });
   Object.assign(server, timeouts); // as properties too: some are read from there
-  // Past the bound a new connection is closed at once, and accepting goes on (node:http's own maxConnections,
-  // under Deno, stops accepting for good once reached).
+  // Past the bound a new connection is closed at once and accepting goes on (node:http's maxConnections, under
+  // Deno, stops accepting for good).
   const most = connectionBound();
   let open = 0;
   server.on("connection", (socket: net.Socket) => {
@@ -5083,13 +4828,12 @@ async function serveGuarded(
     server.listen(port, hostname, () => resolve());
   });
   const bound = (server.address() as net.AddressInfo).port; // the port, kept when listening anew
-  // A burst of connections past the file-descriptor limit stops node:http's accepting under Deno, silently and for
-  // good. So every few seconds a connection to ourselves checks that one is still accepted; if not, it listens anew.
+  // Past the file-descriptor limit, node:http under Deno stops accepting, silently and for good: every few seconds a
+  // connection to ourselves checks one is still accepted; if not, it listens anew.
   let accepted = 0;
   server.on("connection", () => accepted++);
   const watchdog = setInterval(() => {
     const before = accepted;
-    // The address it listens on; for "every address", the loopback one of that family.
     const at = hostname === "0.0.0.0" ? "127.0.0.1" : hostname === "::" ? "::1" : hostname;
     const probe = net.connect(bound, at);
     probe.on("error", () => {});
@@ -5116,25 +4860,17 @@ async function serveGuarded(
 // Relays
 // ============================================================================
 //
-//
 // What a node sends through and receives from: a bus over HTTP (ours or the
-// reference's), or NATS JetStream for teams. A relay is a dumb
-// store-and-forward hop that can drop or delay but never forge: the
-// receiver's gate alone decides. Either kind keeps a message for a route until
-// that route's reader acks it (after journaling), at most QUEUE_CAP per route.
+// reference's), or NATS JetStream for teams: a store-and-forward hop that can
+// drop or delay but never forge (the receiver's gate alone decides), keeping
+// a message until its route's reader acks it, at most QUEUE_CAP per route.
 
-async function postJson(
-  url: string,
-  body: unknown,
-  timeoutMs = SEND_TIMEOUT_MS,
-  signal?: AbortSignal,
-): Promise<Response> {
-  const signals = [AbortSignal.timeout(timeoutMs), ...(signal ? [signal] : [])];
-  return await fetch(url, {
+function postJson(url: string, body: unknown, timeoutMs = SEND_TIMEOUT_MS, signal?: AbortSignal): Promise<Response> {
+  return fetch(url, {
     method: "POST",
     headers: { "content-type": "application/json" },
     body: typeof body === "string" ? body : JSON.stringify(body),
-    signal: AbortSignal.any(signals),
+    signal: AbortSignal.any([AbortSignal.timeout(timeoutMs), ...(signal ? [signal] : [])]),
   });
 }
 
@@ -5165,7 +4901,7 @@ interface Handed {
   ack(): Promise<void>;
 }
 
-/** What one recv handed over, oldest first (none: nothing came in time), and a way to ack several in one request. */
+/** What one recv handed over, oldest first, and a way to ack several in one request. */
 interface Received {
   items: Handed[];
   ackMany?(items: Handed[]): Promise<void>;
@@ -5176,10 +4912,7 @@ interface Relay {
   readonly name: string;
   /** Keeps `payload` (a message with its unsigned hints) for `route`; resolves once the relay has it durably. */
   send(route: string, payload: object, timeoutMs: number, signal?: AbortSignal): Promise<void>;
-  /**
-   * The oldest messages for `route` not yet acked, waiting a while for one (a bus's long-poll; `waitMs` 0: only
-   * what is there now, to drain a route); none if none came.
-   */
+  /** The oldest messages for `route` not yet acked, waiting a while for one (`waitMs` 0: only what is there now). */
   recv(route: string, signal: AbortSignal, waitMs?: number): Promise<Received>;
   announce(a: Announcement, signal?: AbortSignal): Promise<void>;
   /** Every announcement it keeps, each with an unsigned `age_ms` (unverified: the reader verifies). */
@@ -5190,9 +4923,8 @@ interface Relay {
     signal?: AbortSignal,
   ): Promise<void>;
   /**
-   * Several messages in one request, in order, where the relay takes that (our bus, once it answered a batched
-   * recv): per message true (kept), a RelayError, or null (not tried: one before it was refused). Absent or
-   * returning null: send them one by one.
+   * Several messages in one request, in order, where the relay takes that (our bus): per message true (kept), a
+   * RelayError, or null (not tried: one before was refused). Absent or null: send them one by one.
    */
   sendMany?(
     items: { route: string; payload: object }[],
@@ -5201,10 +4933,7 @@ interface Relay {
   ): Promise<(true | RelayError | null)[] | null>;
   /** Calls `back` whenever the relay is reachable again after an outage it noticed (NATS reconnects). */
   onBack?(back: () => void): void;
-  /**
-   * True once the relay is known to refuse a message for a full route (RelayError.full) rather than accept it and
-   * drop an older one: our bus, a NATS stream that discards new messages per subject. Unknown or false: it may drop.
-   */
+  /** True once the relay is known to refuse a message for a full route (RelayError.full), not drop an older one. */
   refusesWhenFull?(): boolean;
   close(): Promise<void>;
 }
@@ -5213,11 +4942,8 @@ const isNatsUrl = (url: string): boolean => /^(nats|tls):\/\//i.test(url);
 
 // -- what is read from a relay ------------------------------------------------
 //
-//
-// A relay's answer is read as it streams and never past a cap: the most a real
-// answer can be, from the bounds our bus keeps (a reference bus's answers are
-// far smaller). A relay that answers more, or without end, gets a RelayError;
-// a session spends the cap at most, and its other relays go on.
+// A relay's answer is read as it streams, never past the most a real one can be
+// (from our bus's bounds): past it a RelayError, and the session's other relays go on.
 
 /** Bytes a roster entry adds to the announcement it holds: `,"age_ms":<n>` and a comma, with room. */
 const ROSTER_ENTRY_EXTRA_BYTES = 64;
@@ -5235,9 +4961,8 @@ const RECV_ANSWER_MAX_BYTES = RECV_BATCH * (BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_
 const RECV_ANSWER_VALUES_MAX = RECV_BATCH * (JSON_VALUES_MAX + 16) + 16;
 
 /**
- * A GET /recv answer of one message, whatever its values: what a batch past its bounds is read again as, one at a
- * time. Twice the body that carried it: a bus of an earlier release re-serialized some payloads longer ("1e15" as
- * 16 digits). Once parsed, at most a few hundred MB, and never more than one at a time.
+ * A GET /recv answer of one message, whatever its values (a batch past its bounds is read again so): twice the body
+ * that carried it, since an earlier bus re-serialized some payloads longer ("1e15" as 16 digits).
  */
 const RECV_ONE_MAX_BYTES = 2 * BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES + 1024;
 
@@ -5256,11 +4981,7 @@ const RELAY_QUOTE_CHARS = 200;
 /** A relay's answer larger, or holding more JSON values, than a real one can: not read further, not parsed. */
 class OversizedAnswer extends RelayError {}
 
-/**
- * A relay's answer body, read as it streams: past `capBytes` (declared, or as it comes) the read stops and an
- * OversizedAnswer says so; with `truncate` what came up to the cap is kept instead (a refusal is only quoted). A
- * timeout on the request stops the read as well.
- */
+/** A relay's answer body, read as it streams: past `capBytes` an OversizedAnswer, or with `truncate` the first bytes. */
 async function readAnswer(r: Response, capBytes: number, what: string, truncate = false): Promise<string> {
   const over = () =>
     new OversizedAnswer(
@@ -5294,9 +5015,8 @@ async function readAnswer(r: Response, capBytes: number, what: string, truncate 
 }
 
 /**
- * A relay's answer as JSON (see readAnswer); one that is not JSON is a RelayError that quotes none of it. Its JSON
- * values are counted before it is parsed: past `maxValues` it is an OversizedAnswer, unparsed (bytes alone do not
- * bound a parse: 24 MiB of empty objects took a session to 3 GB).
+ * A relay's answer as JSON (see readAnswer); not JSON: a RelayError quoting none of it. Past `maxValues` an
+ * OversizedAnswer, unparsed (bytes alone do not bound a parse: 24 MiB of empty objects took a session to 3 GB).
  */
 async function readJsonAnswer(r: Response, capBytes: number, what: string, maxValues = Infinity): Promise<unknown> {
   const text = await readAnswer(r, capBytes, what);
@@ -5350,17 +5070,13 @@ class HttpRelay implements Relay {
     const answer = await readJsonAnswer(r, SEND_ANSWER_MAX_BYTES, `${this.url}: send`);
     const results = isObject(answer) && Array.isArray(answer.results) ? answer.results : [];
     return items.map((_, i) => {
-      const res = isObject(results[i]) ? results[i] as { status?: unknown; error?: unknown } : undefined;
-      if (!res) return null;
+      const res: unknown = results[i];
+      if (!isObject(res)) return null;
       if (res.status === 202) return true;
-      const status = Number(res.status);
-      const error = String(res.error ?? "");
-      const why = escapePeerText(error.slice(0, RELAY_QUOTE_CHARS), true);
-      return new RelayError(
-        `${this.url} answered ${showId(String(res.status))} ${why}`,
-        isPermanentRefusal(status),
-        status === 429 && error.startsWith(ROUTE_FULL),
-      );
+      const status = Number(res.status), error = String(res.error ?? "");
+      const why = `${showId(String(res.status))} ${escapePeerText(error.slice(0, RELAY_QUOTE_CHARS), true)}`;
+      const full = status === 429 && error.startsWith(ROUTE_FULL);
+      return new RelayError(`${this.url} answered ${why}`, isPermanentRefusal(status), full);
     });
   }
 
@@ -5384,10 +5100,7 @@ class HttpRelay implements Relay {
     await r.body?.cancel();
   }
 
-  /**
-   * What our bus says of itself in its `interlink-bus` header: it takes batches, it refuses a full route. An answer
-   * without it (a reference bus, or another bus now at this URL) takes both back.
-   */
+  /** What our bus's `interlink-bus` header says (batches, full-refused); an answer without it takes both back. */
   #learn(r: Response): void {
     const features = r.headers.get("interlink-bus");
     if (features === null && !r.ok) return; // an error page from something in between says nothing of the bus
@@ -5396,13 +5109,9 @@ class HttpRelay implements Relay {
   }
 
   /**
-   * Asks for up to RECV_BATCH messages (max=, our extension); a reference bus
-   * ignores it and answers one. The proof rides as an extra query parameter,
-   * which a reference bus ignores too. A batch larger, or holding more JSON
-   * values, than real messages make (a stranger's payloads through a relay that
-   * does not count them, or a hostile relay) is read again one message at a
-   * time, each within what one message can be: each is then handled (refused,
-   * acked), and none blocks the route.
+   * Asks for up to RECV_BATCH messages (max=, with the proof: both ignored by a reference bus). A batch past what real
+   * messages make (a relay that does not count, or a hostile one) is read again one at a time, each within what one
+   * message can be: each is handled (refused, acked), and none blocks the route.
    */
   async recv(route: string, signal: AbortSignal, waitMs = RECV_TIMEOUT_MS): Promise<Received> {
     try {
@@ -5475,7 +5184,6 @@ class HttpRelay implements Relay {
 // The NATS relay
 // ============================================================================
 //
-//
 // One stream, INTERLINK (file storage, work-queue retention: a message is
 // deleted once acked), with one subject per route:
 //   interlink.in.<key>                          the bare key
@@ -5494,10 +5202,7 @@ class HttpRelay implements Relay {
 // key "<key>.<base64url(session)>", value the signed announcement, kept
 // ROSTER_RETENTION_MS; an entry's age is the time since it was written.
 
-/**
- * The relay for a configured URL. `proof` signs recv and ack requests for a
- * route (our bus checks them); `sign` names our NATS consumers (see below).
- */
+/** The relay for a configured URL. `proof` signs recv and ack requests (our bus checks them); `sign` names consumers. */
 function openRelay(
   url: string,
   proof?: (route: string) => Promise<string>,
@@ -5517,10 +5222,7 @@ const NATS_ACK_WAIT_MS = msFromEnv("INTERLINK_TEST_NATS_ACK_WAIT_MS", 10_000);
 /** A new stream's bound per subject (route), as our bus's QUEUE_CAP; a test lowers it (a new stream only). */
 const NATS_SUBJECT_CAP = msFromEnv("INTERLINK_TEST_NATS_SUBJECT_CAP", QUEUE_CAP);
 
-/**
- * How long one pull waits. Short, unlike a bus's long-poll: a pull that a cluster lost when a node went away (its
- * consumer's leader moving) is not answered, and the next one, on the new leader, should not wait long.
- */
+/** How long one pull waits: short, since a pull lost when a cluster's consumer leader moves is never answered. */
 const NATS_PULL_MS = 5_000;
 
 /** A route's subject (see above): only a real key and a session id make one, so no route can reach another's. */
@@ -5535,7 +5237,7 @@ function natsSubject(route: string): string {
 /** The roster key of a session: "<key>.<base64url(session)>". */
 const natsRosterKey = (key: string, session: string): string => `${key}.${b64urlEncode(utf8.encode(session))}`;
 
-/** A route's durable consumer name (see above); without `sign` (a reader that is not the route's key), of the route alone. */
+/** A route's durable consumer name (see above); without `sign` (not the route's key), of the route alone. */
 async function natsConsumer(route: string, sign?: (data: Bytes) => Promise<string>): Promise<string> {
   const secret = sign ? await sign(utf8.encode(`interlink-nats-consumer-v1\0${route}`)) : route;
   const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", utf8.encode(secret)));
@@ -5577,23 +5279,15 @@ interface NatsLink {
 }
 
 /**
- * Connects to a NATS relay and makes sure the stream and the roster bucket
- * exist (creating them on first use). Credentials: user and password, or a
- * token, in the URL; INTERLINK_NATS_CREDS (a .creds file) or
- * INTERLINK_NATS_NKEY (an nkey seed file); INTERLINK_NATS_CA (a CA file for
- * TLS); tls:// asks for TLS. INTERLINK_NATS_REPLICAS (default 1) sets the
- * stream's and bucket's replicas when interlink creates them.
+ * Connects to a NATS relay, creating the stream and the roster bucket on first use. Credentials: user and password,
+ * or a token, in the URL; INTERLINK_NATS_CREDS (a .creds file) or INTERLINK_NATS_NKEY (an nkey seed file);
+ * INTERLINK_NATS_CA (a CA file); tls:// asks for TLS. INTERLINK_NATS_REPLICAS (1) sets the replicas it creates.
  */
 async function connectNats(url: string, key?: string): Promise<NatsLink> {
-  // The packages' own types are not loaded (they would need their npm install to type-check): NatsLink names
-  // what is used, and these three objects stay loosely typed between here and it.
-  // deno-lint-ignore no-explicit-any -- see above
+  // deno-lint-ignore no-explicit-any -- the packages' types would need their npm install: NatsLink names what is used
   type Loose = Record<string, any>;
-  const [transport, jetstreamPkg, kvPkg] = await Promise.all([
-    importPinned<Loose>(NATS_PKGS.transport),
-    importPinned<Loose>(NATS_PKGS.jetstream),
-    importPinned<Loose>(NATS_PKGS.kv),
-  ]);
+  const { transport: t, jetstream: j, kv: k } = NATS_PKGS;
+  const [transport, jetstreamPkg, kvPkg] = await Promise.all([t, j, k].map((p) => importPinned<Loose>(p)));
   const u = new URL(url.replace(/^tls:/i, "nats:"));
   const env = process.env;
   const auth = u.password
@@ -5607,13 +5301,12 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
     ? transport.nkeyAuthenticator(utf8.encode(fs.readFileSync(env.INTERLINK_NATS_NKEY, "utf8").trim()))
     : undefined;
   const tls = /^tls:/i.test(url) || env.INTERLINK_NATS_CA
-    ? { ...(env.INTERLINK_NATS_CA ? { caFile: env.INTERLINK_NATS_CA } : {}) }
+    ? (env.INTERLINK_NATS_CA ? { caFile: env.INTERLINK_NATS_CA } : {})
     : undefined;
   const nc = await transport.connect({
     servers: `${u.hostname}:${u.port || 4222}`,
     name: `interlink ${VERSION}`,
-    // Replies (pulled messages among them) come to inboxes under the node's own prefix, which its permissions
-    // alone may subscribe to: no other node sees them.
+    // Replies (pulled messages among them) come under the node's own inbox prefix, which only it may subscribe to.
     ...(key ? { inboxPrefix: natsInbox(key) } : {}),
     maxReconnectAttempts: -1,
     reconnectTimeWait: 500,
@@ -5637,9 +5330,8 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
         info = await jsm.streams.info(NATS_STREAM) as typeof info;
       } catch (e) {
         if (!/not found/i.test(errorText(e))) throw e;
-        // A full subject refuses the next publish (the sender keeps it and retries) rather than drop the oldest
-        // message there, which a publish was acknowledged for. An earlier release's nodes call such a stream wrong
-        // ("needs old"): docs/nats.md says so.
+        // A full subject refuses the next publish (the sender retries) rather than drop an acknowledged one. An
+        // earlier release's nodes call such a stream wrong ("needs old"): docs/nats.md says so.
         info = await jsm.streams.add({
           name: NATS_STREAM,
           subjects: ["interlink.in.>"],
@@ -5653,10 +5345,8 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
           max_age: FRESH_PAST_MS * 1e6, // older is refused as stale by any receiver (senders re-sign before)
         }) as typeof info;
       }
-      // A stream made by hand (or by a newer version) with other rules could lose mail silently: say so. One made
-      // by an earlier release (discard old) is used as it is: it drops the oldest of a full subject, so our senders
-      // hold their routes by receipts there (SEND_WINDOW); it is never changed here, since those releases' nodes
-      // refuse any other discard policy.
+      // A stream with other rules could lose mail silently: say so. An earlier release's (discard old) is used as it
+      // is, our senders holding their routes by receipts there (SEND_WINDOW): its nodes refuse any other policy.
       const c = info.config;
       const wrong = [
         c.retention !== "workqueue" && `retention ${c.retention} (needs workqueue)`,
@@ -5694,13 +5384,10 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
 }
 
 /**
- * What one node's NATS user needs, and no more (docs/nats.md, "Who may read a route"): send
- * to any route; create consumers only on its own key's subjects; pull and ack
- * through consumers whose names it knows (ours are computable only by their
- * key's holder, and listing them is not allowed); write only its own roster
- * entries, read the others. Not allowed, among the rest: creating, deleting
- * or purging the stream, listing or deleting consumers, reading a message by
- * its sequence number. An admin user creates the stream and the bucket.
+ * What one node's NATS user needs, and no more (docs/nats.md, "Who may read a route"): send to any route; create
+ * consumers only on its own key's subjects; pull and ack through consumers whose names it knows (only the key's
+ * holder can compute ours, and listing is denied); write only its own roster entries. Not: making, deleting or
+ * purging the stream, listing or deleting consumers, reading a message by sequence. An admin creates the stream.
  */
 function natsPermissions(key: string): { publish: { allow: string[] }; subscribe: { allow: string[] } } {
   const kv = `KV_${NATS_ROSTER}`;
@@ -5768,7 +5455,7 @@ class NatsRelay implements Relay {
   #refuses = false;
   #consumers = new Map<string, Promise<{ next(o: { expires: number }): Promise<NatsMsg | null> }>>();
 
-  /** `sign` names our consumers; `key` is the node's, for its own reply inboxes (both absent for doctor). */
+  /** `sign` names our consumers; `key`, the node's, its reply inboxes (both absent for doctor). */
   constructor(readonly url: string, readonly sign?: (data: Bytes) => Promise<string>, readonly key?: string) {}
 
   get name(): string {
@@ -5804,7 +5491,7 @@ class NatsRelay implements Relay {
     return this.#refuses;
   }
 
-  /** Follows the connection's status: after a reconnect (another server of a cluster, say), calls the onBack hooks. */
+  /** Calls the onBack hooks after each reconnect (to another server of a cluster, say). */
   async #watch(link: NatsLink): Promise<void> {
     for await (const s of link.nc.status()) if (s.type === "reconnect") { for (const back of this.#back) back(); }
   }
@@ -5820,12 +5507,9 @@ class NatsRelay implements Relay {
       });
     } catch (e) {
       if (e instanceof RelayError) throw e;
-      const why = errorText(e);
-      throw new RelayError(
-        `${this.name}: ${/maximum messages per subject/i.test(why) ? `${ROUTE_FULL}: ${why}` : why}`,
-        /maximum (payload|message size)|max_payload/i.test(why),
-        /maximum messages per subject/i.test(why), // a full subject of a stream that refuses rather than drops
-      );
+      const why = errorText(e), full = /maximum messages per subject/i.test(why); // a stream that refuses, not drops
+      const tooBig = /maximum (payload|message size)|max_payload/i.test(why);
+      throw new RelayError(`${this.name}: ${full ? `${ROUTE_FULL}: ` : ""}${why}`, tooBig, full);
     }
   }
 
@@ -5850,9 +5534,8 @@ class NatsRelay implements Relay {
       this.#consumers.set(route, consumer);
       consumer.catch(() => this.#consumers.delete(route));
     }
-    // A pull cannot be cancelled: on stop, stop waiting for it. What it may still fetch (until the connection
-    // closes, after the goodbyes) is handed back at once (nak), for the session that reads the route next: left
-    // unacked it would block the route (one unacked message at a time) for NATS_ACK_WAIT_MS.
+    // A pull cannot be cancelled: on stop, stop waiting. What it may still fetch is handed back at once (nak): left
+    // unacked it would block the route (one unacked at a time) for NATS_ACK_WAIT_MS.
     const stopped = new Promise<null>((resolve) =>
       signal.addEventListener("abort", () => resolve(null), { once: true })
     );
@@ -5914,16 +5597,12 @@ class NatsRelay implements Relay {
   }
 
   /**
-   * Keys come oldest write first, and live sessions rewrite theirs every
-   * ANNOUNCE_EVERY_MS: the newest ROSTER_CAP are kept, at most
-   * ROSTER_PER_KEY_CAP per node key (a node may write only under its own), so
-   * stale or junk entries cannot push live ones out. An entry filed under
-   * another node's key or session than it announces is dropped.
+   * Keys come oldest write first (live sessions rewrite theirs every ANNOUNCE_EVERY_MS): per node key its newest
+   * ROSTER_PER_KEY_CAP are kept (a node writes only under its own), then the newest ROSTER_CAP, so junk or stale
+   * entries cannot push live ones out. An entry filed under another key or session than it announces is dropped.
    */
   async #roster(): Promise<unknown[]> {
     const { kv } = await this.link();
-    // Keys come oldest write first: per node key keep its newest ROSTER_PER_KEY_CAP (a node writes only under its
-    // own), then the newest ROSTER_CAP of all. So one node's junk or old entries cannot push others out.
     const byOwner = new Map<string, { k: string; at: number }[]>();
     let at = 0;
     for await (const k of await kv.keys()) {
