@@ -10426,8 +10426,8 @@ function chooseRoute(p: {
 //
 // The I/O shell around the pure parts above: one running session. It holds agent.lock, folds its journal,
 // long-polls every relay, gates what arrives (decide) and carries out what planInbound decides, in order, stopping
-// at the first failure; sends its outbox oldest first; announces itself; owes and sends receipts; adopts ended
-// sessions of its own key; and says goodbye when it closes.
+// at the first failure (so nothing is acked before it is durable); sends its outbox oldest first; announces itself;
+// sends the receipts it owes; adopts ended sessions of its own key; and says goodbye when it closes.
 
 type AgentRole = typeof SERVER_ROLE | "interlink send" | "interlink invite" | "interlink join" | "test";
 
@@ -10443,11 +10443,6 @@ interface AgentOptions {
   host?: Host | "cli";
 }
 
-/**
- * A running node: signs and sends through its durable outbox, long-polls every
- * bus, gates every payload and carries out what planInbound decided: records
- * admitted messages, pushes them to the session and only then acks them.
- */
 class Agent {
   readonly state: NodeState;
   readonly journal: Journal;
@@ -10457,17 +10452,12 @@ class Agent {
   #peersStamp = "";
   #stop = new AbortController();
   #outbox = new WakeLatch();
-  /** Woken when receipts may have come to be owed (see #receiptLoop). */
-  #owed = new WakeLatch();
+  #owed = new WakeLatch(); // woken when receipts may have come to be owed
   #receiving: Promise<unknown> = Promise.resolve();
   #loops: Promise<void>[] = [];
   #attempted = new Set<() => void>(); // woken after every delivery attempt, and when one starts
-  /** The msg_ids of the delivery rounds under way (at most SEND_BATCH a round: the loop and a CLI flush). */
-  #inFlight = new Set<string>();
-  /**
-   * No relay answered the last roster read, and none has answered anything since: a send routes by what this
-   * session remembers rather than wait SEND_TIMEOUT_MS again for a relay that hangs (cleared by any answer).
-   */
+  #inFlight = new Set<string>(); // msg_ids of the rounds under way: at most SEND_BATCH each (the loop, a CLI flush)
+  /** No relay answered the last roster read nor anything since: sends route by memory, not wait on a hung relay. */
   #unanswered = false;
   #watcher: fs.FSWatcher | null = null;
   #poll: ReturnType<typeof setInterval> | null = null;
@@ -10479,8 +10469,7 @@ class Agent {
   /** This session as announced; its summary changes with set_summary. */
   readonly info: SessionInfo;
   #bareLock: PidLock | null = null;
-  /** Held while this process reads the node's door (see "invites"). */
-  #doorLock: PidLock | null = null;
+  #doorLock: PidLock | null = null; // held while this process reads the node's door (see "Invites")
   #roster: { at: number; sessions: PeerSession[] } | null = null;
   #proofs = new Map<string, { ts: number; proof: string }>(); // route → the recv proof in use
   /** Ended sessions in our state root that belong to another key (a shared folder): never adopted. */
@@ -10511,7 +10500,7 @@ class Agent {
     this.state.mayDrop = () => !this.relays.every((r) => r.refusesWhenFull?.() === true);
   }
 
-  /** Opens a node: identity, allowlist, the state lock (waiting up to `waitMs` for a short-lived holder), and the fold of its journal. */
+  /** Opens a node: identity, allowlist, the state lock (waiting up to `waitMs`), the fold of its journal. */
   static async open(cfg: NodeConfig, role: AgentRole, opts: AgentOptions = {}): Promise<Agent> {
     const id = opts.identity ?? (await readIdentity(cfg.keyFile));
     loadPeers(cfg.peersFile); // fail at start-up on a bad allowlist, naming the file
@@ -10608,11 +10597,7 @@ class Agent {
     return this.peers().byKey.get(key);
   }
 
-  /**
-   * Starts what needs no session: the outbox sender, presence announcements
-   * (not for `invite` and `join`, whose sessions nobody should write to), and
-   * following the journal for messages other processes (the CLI) append.
-   */
+  /** Starts what needs no session: the sender, announcements (not for `invite`, `join`), following the journal. */
   startSending(opts: { announce?: boolean } = {}): void {
     this.#loops.push(this.#sendLoop(), this.#receiptLoop());
     if (opts.announce !== false) { for (const relay of this.relays) this.#loops.push(this.#announceLoop(relay)); }
@@ -10639,13 +10624,10 @@ class Agent {
   }
 
   /**
-   * Starts one long-poll per bus for this session's route, and, in the one
-   * session of this identity on this machine that holds bare.lock, one for the
-   * bare key too (0.4 peers and messages for the node as a whole): only once
-   * the session can take what it pushes; and the node's door, in whichever
-   * process holds door.lock. `ownRouteOnly` (`invite`, `join`): this
-   * session's route alone (and the door, with `door`: `invite`), and no ended
-   * session is looked after.
+   * Long-polls this session's route on every relay; in the one session of this identity holding bare.lock, the bare
+   * key too (0.4 peers, mail for the node as a whole); the door, in whichever process holds door.lock.
+   * `ownRouteOnly` (`invite`, `join`): this session's route alone (and the door, with `door`), no ended sessions.
+   * Called once the session can take what is pushed.
    */
   startReceiving(opts: { ownRouteOnly?: boolean; door?: boolean } = {}): void {
     for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.me));
@@ -10731,11 +10713,7 @@ class Agent {
     }
   }
 
-  /**
-   * Stops. On a clean exit (`goodbye`) the session first takes itself off every
-   * bus's roster (a signed unregister) and tells each peer it has an open task
-   * with that it is closing, all within GOODBYE_MS, so exit stays fast.
-   */
+  /** Stops; with `goodbye` (a clean exit) it first says so to the rosters and its open tasks (see #sayGoodbye). */
   async stop(goodbye = false): Promise<void> {
     this.#stop.abort();
     this.#outbox.wake();
@@ -10767,24 +10745,19 @@ class Agent {
 
   // -- ended sessions ----------------------------------------------------------
   //
-  // A session whose process is gone (its agent.lock free) has ended: a new
-  // `claude` is a new session id, a laptop sleeps, a process is killed. What it
-  // still had to do is adopted by a live session of the same key and state
-  // root: at that session's start, and every ENDED_EVERY_MS while it runs
-  // for sessions ended ADOPT_AFTER_MS ago or more (a session resumed within
-  // that time keeps its own). Adopting, under adopt.lock (one adopter at a time
-  // on this machine), the ended session's agent.lock (it cannot be resumed
-  // meanwhile) and its inbox lock (no `wait` claims from it meanwhile):
-  //   1. its state is folded and what it carries (its outbox, sent messages
-  //      awaiting receipts, unread inbox, tasks, owed receipts, pairing in
-  //      flight, whom it talked to) is journaled here, in one "adopted" record;
+  // A session whose process is gone (its agent.lock free) has ended: a new `claude` is a new session id, a laptop
+  // sleeps, a process is killed. What it still had to do is adopted by a live session of the same key and state root:
+  // at that session's start, and every ENDED_EVERY_MS while it runs for sessions ended ADOPT_AFTER_MS ago or more (a
+  // session resumed within that time keeps its own). Adopting, under adopt.lock (one adopter at a time on this
+  // machine), the ended session's agent.lock (it cannot be resumed meanwhile) and its inbox lock (no `wait` claims
+  // from it meanwhile):
+  //   1. its state is folded and what it carries (its outbox, sent messages awaiting receipts, unread inbox, tasks,
+  //      owed receipts, pairing in flight, whom it talked to) is journaled here, in one "adopted" record;
   //   2. "moved" is journaled there: nothing is left to do in it.
-  // A crash between the two leaves both holding the same items; the next
-  // adoption takes both into one journal, where a msg_id, a task or an inbox
-  // item already held (or already shown) wins. The adopter then drains the
-  // ended session's route on every relay (peers may still write there) and
-  // takes it off the rosters with a signed unregister, so peers route to a
-  // live session instead.
+  // A crash between the two leaves both holding the same items; the next adoption takes both into one journal, where
+  // a msg_id, a task or an inbox item already held (or already shown) wins. The adopter then drains the ended
+  // session's route on every relay (peers may still write there) and takes it off the rosters with a signed
+  // unregister, so peers route to a live session instead.
 
   /** Adopts every ended session of this key on this machine (see above); `atStart` also takes the just-ended. */
   async adoptEnded(atStart: boolean): Promise<void> {
@@ -10907,12 +10880,9 @@ class Agent {
   }
 
   /**
-   * Takes what waits on the routes of the ended sessions this one adopted (and
-   * they had adopted), on every relay: mail their peers sent before learning
-   * they ended. Each is gated and shown here, once, as having come for that
-   * session. A session that is live again (resumed) reads its own. So are the
-   * routes of this node's pending invites whose `invite` command has exited: a
-   * join after it is admitted here.
+   * Takes, on every relay, what waits on the routes of the ended sessions this one adopted (and they had adopted):
+   * mail sent before their peers learnt they ended, gated and shown here once, as come for that session (one live
+   * again reads its own). So are the routes of pending invites whose `invite` exited: a later join is admitted here.
    */
   async drainEnded(): Promise<void> {
     const oldest = this.now() - ROSTER_RETENTION_MS;
@@ -10936,7 +10906,6 @@ class Agent {
     }
   }
 
-  /** Adopts and drains every ENDED_EVERY_MS while the session runs (and once at once). */
   /**
    * Rolls the journal over once it is past JOURNAL_ROLL_BYTES, under the lock every other writer holds. The
    * checkpoint does not keep the replay memory: first every admission the journal knows is made durable in the
@@ -10955,6 +10924,7 @@ class Agent {
     if (rolled) logInfo(`rolled ${this.journal.file} over: the records before it are kept beside it, in log-*.jsonl`);
   }
 
+  /** Adopts and drains every ENDED_EVERY_MS while the session runs (and once at once). */
   async #endedLoop(): Promise<void> {
     await this.#showWaiting();
     while (!this.#stop.signal.aborted) {
@@ -10970,11 +10940,7 @@ class Agent {
     }
   }
 
-  /**
-   * In channel mode an item is pushed as it is admitted; one that came another
-   * way (adopted from an ended session) is pushed here, once, in turn with
-   * what the relays hand over.
-   */
+  /** Pushes, once, in turn with what the relays hand over, what came another way (adopted) in channel mode. */
   async #showWaiting(): Promise<void> {
     if (!this.#canPush()) return;
     const done = this.#receiving.then(async () => {
@@ -11043,15 +11009,12 @@ class Agent {
   }
 
   /**
-   * One delivery round for `entries` (the oldest pending, in order), to every
-   * relay: in one request where a relay takes several, else one by one until
-   * one fails. Settles them in order (sent: a relay kept it; refused: every
-   * relay refused it for good) and stops at the first that is neither, which
-   * stays pending with the others behind it: a sender's order holds. One that a
-   * relay refused as full marks its route full (state.full): that route waits
-   * out its own back-off, and the others go meanwhile. Returns how many were
-   * settled, and whether a full route stopped the round (not a failure of the
-   * relays: the next round goes on at once without it).
+   * One delivery round for `batch` (the oldest pending, in order) to every relay: in one request where a relay takes
+   * several, else one by one until one fails. Settles them in order (sent: a relay kept it; refused: every relay
+   * refused it for good) and stops at the first that is neither, which stays pending with those behind it: a
+   * sender's order holds. One refused as full marks its route full (state.full), which waits out its own back-off
+   * while the others go. Returns how many settled, and whether a full route stopped the round (not a relay failure:
+   * the next round goes at once without it).
    */
   async #attempt(batch: OutEntry[]): Promise<{ settled: number; full: boolean }> {
     // Each read back whole from the journal, the send window (SEND_BATCH) being all that is in memory.
@@ -11203,11 +11166,8 @@ class Agent {
   }
 
   /**
-   * Signs and queues the receipts the journal says are owed (by this process
-   * or by another writer: a `wait` that showed messages), at most once a
-   * second. Idle, it sleeps until receipts come to be owed; those that wait
-   * (for a session that said goodbye to come back) are looked at again every
-   * ANNOUNCE_EVERY_MS, not every second.
+   * Queues the receipts the journal says are owed (by this process or another writer: a `wait` that showed
+   * messages), at most once a second; those that wait for a session that said goodbye, every ANNOUNCE_EVERY_MS.
    */
   async #receiptLoop(): Promise<void> {
     let failing = false;
@@ -11228,12 +11188,10 @@ class Agent {
   }
 
   /**
-   * Queues receipts (up to RECEIPT_LINES_MAX reports each) to the peer
-   * sessions owed any, at most RECEIPTS_PER_PASS per peer key: one to each
-   * such session, then, while its key has some left, more to a session still
-   * owed more (a burst; in channel mode each message owes two lines, delivered
-   * and shown): one receipt a second would pace its sender, past SEND_WINDOW,
-   * to RECEIPT_LINES_MAX lines a second. A flood waits for the next pass.
+   * Queues receipts (up to RECEIPT_LINES_MAX reports each) to the peer sessions owed any, at most RECEIPTS_PER_PASS
+   * per peer key: one to each, then more to one still owed more (a burst; in channel mode each message owes two
+   * lines): one receipt a second would pace its sender, past SEND_WINDOW, to RECEIPT_LINES_MAX lines a second. A
+   * flood waits for the next pass.
    */
   async sendReceipts(): Promise<number> {
     const perKey = new Map<string, number>();
@@ -11335,11 +11293,9 @@ class Agent {
   }
 
   /**
-   * Gates what one recv handed over, one payload at a time across all relays
-   * (so two copies of a message cannot both pass the replay check). Each is
-   * acked once its effects are durable (its plan's "ack"), in one request for
-   * the lot when the relay takes that; one that fails stops the lot, and what
-   * follows it comes again.
+   * Gates what one recv handed over, one payload at a time across all relays (two copies of a message cannot both
+   * pass the replay check). Each is acked once its effects are durable, in one request for the lot where the relay
+   * takes that; one that fails stops the lot, and what follows it comes again.
    */
   async #handle(got: Received, forSession?: string): Promise<void> {
     const handled: Handed[] = [];
@@ -11356,11 +11312,7 @@ class Agent {
     }
   }
 
-  /**
-   * Runs one payload through the gate and carries out the effects planInbound
-   * decided, in order, stopping at the first that fails (then nothing is
-   * acked, and the bus redelivers). Returns the verdict.
-   */
+  /** Gates one payload and carries out planInbound's effects; one that fails stops the rest (unacked: redelivered). */
   async receive(
     payload: unknown,
     ack: () => Promise<void> = () => Promise.resolve(),
@@ -11547,12 +11499,10 @@ class Agent {
   // -- pairing (operator decisions, exposed as tools) --------------------------
 
   /**
-   * Knocks on a node (a signed pair_request carrying our name), sent to its
-   * live session (else one that is away) from which its acceptance comes back
-   * to this session's route. A node that is already our peer may still lack us
-   * (a one-sided pairing): the knock then asks it to add us. A knock of ours
-   * still unanswered is sent again with its msg_id, so an acceptance of either
-   * copy matches it (as the reference does).
+   * Knocks on a node (a signed pair_request carrying our name) at its live session, else one away; its acceptance
+   * comes back to this session's route. A peer may still lack us (a one-sided pairing): the knock asks it to add us.
+   * A knock still unanswered is sent again with its msg_id, so an acceptance of either copy matches (as the
+   * reference does).
    */
   async requestPair(
     target: string,
@@ -11624,9 +11574,8 @@ class Agent {
   }
 
   /**
-   * Files the knocker as a peer and tells it so: a signed pair_accept whose
-   * in_reply_to names its request, sent to the session that asked (its
-   * reply_to), as 0.9-0.11 do; a 0.8 node matches it by our key alone.
+   * Files the knocker as a peer and tells it so: a pair_accept whose in_reply_to names its request, to the session
+   * that asked (its reply_to), as 0.9-0.11 do; a 0.8 node matches it by our key alone.
    */
   async acceptPair(fp: string, petname?: string): Promise<string> {
     const [key, knock] = this.findKnock(fp);
@@ -11664,10 +11613,7 @@ class Agent {
     return key;
   }
 
-  /**
-   * Every other session on the rosters of all buses (see readRoster), cached
-   * for ROSTER_CACHE_MS so a burst of sends costs one round.
-   */
+  /** Every other session on all rosters (see readRoster), cached ROSTER_CACHE_MS: a burst of sends reads once. */
   async roster(fresh = false): Promise<PeerSession[]> {
     const cached = this.#roster;
     // A cached entry has aged since it was read: judged as fresh, a session that said goodbye meanwhile looks resumed.
@@ -11711,12 +11657,9 @@ class Agent {
   }
 
   /**
-   * Where a message for `key` goes (SPEC-sessions §6), and what to tell the
-   * sender about it: an explicit session hint (exact, else a unique prefix);
-   * else the session of the task it belongs to; else the session that last
-   * wrote to us (reply_to), if it is on the roster; else the only live
-   * session; else the only one. Several candidates: an error that lists them.
-   * A legacy (0.4) node, or a key not on any roster, gets its bare key.
+   * Where a message for `key` goes (SPEC-sessions §6) and what to tell the sender: a session hint (exact, else a
+   * unique prefix); else the task's session; else the one that last wrote to us, if on the roster; else the only live
+   * one; else the only one (several: an error listing them). A 0.4 node, or a key on no roster, gets its bare key.
    */
   async route(key: string, hint: string | undefined, taskSession: string | undefined): Promise<RouteChoice> {
     let sessions: PeerSession[] = [];
