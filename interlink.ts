@@ -10443,6 +10443,13 @@ interface AgentOptions {
   host?: Host | "cli";
 }
 
+/** `key`'s live session on `sessions`, else one away, and the route to it (its bare key when none is). */
+function sessionRoute(sessions: PeerSession[], key: string): { to?: PeerSession; recipient: string } {
+  const theirs = sessions.filter((s) => s.key === key && s.session);
+  const to = theirs.find((s) => presence(s.ageMs) === "live") ?? theirs[0];
+  return { to, recipient: to ? `${key}#${to.session!.session_id}` : key };
+}
+
 class Agent {
   readonly state: NodeState;
   readonly journal: Journal;
@@ -10870,11 +10877,16 @@ class Agent {
     }
   }
 
-  /** Takes an ended session of ours off every relay's roster (signed: only our key can), within GOODBYE_MS. */
-  async #unregister(session: string): Promise<void> {
-    const ts = this.now();
-    const sig = await this.id.sign(unregisterBytes({ pubkey: this.id.publicKey, session_id: session, ts }));
-    const body = { pubkey: this.id.publicKey, session: { session_id: session }, ts, sig };
+  /** A signed unregister of a session of ours: only our key can take it off a roster. */
+  async #unregistration<S extends { session_id: string }>(session: S) {
+    const ts = this.now(), pubkey = this.id.publicKey;
+    const sig = await this.id.sign(unregisterBytes({ pubkey, session_id: session.session_id, ts }));
+    return { pubkey, session, ts, sig };
+  }
+
+  /** Takes an ended session of ours off every relay's roster, within GOODBYE_MS. */
+  async #unregister(session_id: string): Promise<void> {
+    const body = await this.#unregistration({ session_id });
     await Promise.allSettled(this.relays.map((relay) => relay.unregister(body, GOODBYE_MS, this.#stop.signal)));
     this.#roster = null;
   }
@@ -11398,11 +11410,7 @@ class Agent {
           await consumeInvite(this.cfg.stateDir, this.now(), { ...e, session: this.cfg.session });
           break;
         case "confirm_pair":
-          await this.enqueue({
-            draft: { to: e.key, text: this.cfg.name, kind: "pair_accept", in_reply_to: e.msgId },
-            recipient: e.recipient,
-            peer: e.petname,
-          });
+          await this.#confirmPair(e.key, e.msgId, e.recipient, e.petname);
           break;
         case "log":
           (e.level === "warn" ? logWarn : logInfo)(e.line);
@@ -11445,6 +11453,15 @@ class Agent {
     logInfo(`sent ${entry.msg.msg_id} (${taskTag(entry.msg)}) to ${e.peer ?? fingerprint(e.draft.to)} on its own`);
   }
 
+  /** Tells a knocker its request (`msgId`) is accepted: a signed pair_accept. */
+  async #confirmPair(key: string, msgId: string, recipient: string, petname: string | null): Promise<void> {
+    await this.enqueue({
+      draft: { to: key, text: this.cfg.name, kind: "pair_accept", in_reply_to: msgId },
+      recipient,
+      peer: petname,
+    });
+  }
+
   /** In inbox mode nothing is pushed; otherwise once a session is attached. */
   #canPush(): boolean {
     return this.push !== null && this.cfg.delivery === "channel";
@@ -11483,16 +11500,10 @@ class Agent {
 
   /** sessions/<id>/session.json: what this session says of itself (for `tasks`, `log`), and when it ended. */
   #writeSessionFile(endedAt?: number): void {
-    const ended = endedAt === undefined ? {} : { ended_at: endedAt };
+    const about = { ...this.info, pubkey: this.id.publicKey, pid: process.pid, ...some("host", this.host) };
     writeFileAtomic(
       path.join(this.journal.stateDir, "session.json"),
-      JSON.stringify({
-        ...this.info,
-        pubkey: this.id.publicKey,
-        pid: process.pid,
-        ...(this.host ? { host: this.host } : {}),
-        ...ended,
-      }) + "\n",
+      JSON.stringify({ ...about, ...some("ended_at", endedAt) }) + "\n",
     );
   }
 
@@ -11512,24 +11523,19 @@ class Agent {
       checkPetname(petname);
       if (this.peers().byName.has(petname)) throw new InterlinkError(`petname '${petname}' is taken; choose another`);
     }
-    const entries = await this.discover();
-    let key: string | undefined;
-    let claimed: string | undefined;
-    const byKey = entries.find((e) => e.pubkey === target);
-    const byPrefix = target.length >= 4 ? entries.filter((e) => e.pubkey.startsWith(target)) : [];
-    const byName = entries.filter((e) => e.name === target);
-    for (const candidates of [byKey ? [byKey] : [], byPrefix, byName]) {
-      if (candidates.length > 1) {
-        throw new InterlinkError(
-          `'${target}' matches ${candidates.length} roster entries; use more of the fingerprint or the full key`,
-        );
-      }
-      if (candidates.length === 1) {
-        key = candidates[0].pubkey;
-        claimed = candidates[0].name;
-        break;
-      }
+    const nodes = new Map<string, PeerSession>(); // every other node on the rosters, by its freshest entry (the first)
+    for (const s of await this.roster(true)) if (s.key !== this.id.publicKey && !nodes.has(s.key)) nodes.set(s.key, s);
+    const entries = [...nodes.values()];
+    const byKey = entries.filter((e) => e.key === target);
+    const byPrefix = target.length >= 4 ? entries.filter((e) => e.key.startsWith(target)) : [];
+    const found = [byKey, byPrefix, entries.filter((e) => e.name === target)].find((c) => c.length);
+    if (found && found.length > 1) {
+      throw new InterlinkError(
+        `'${target}' matches ${found.length} roster entries; use more of the fingerprint or the full key`,
+      );
     }
+    let key = found?.[0].key;
+    const claimed = found?.[0].name;
     const already = key ? this.petnameOf(key) : this.peers().byName.has(target) ? target : undefined;
     key ??= already ? this.peers().byName.get(already) : undefined;
     if (!key) {
@@ -11540,9 +11546,7 @@ class Agent {
       }
     }
     if (key === this.id.publicKey) throw new InterlinkError("that is this node's own key");
-    const sessions = (await this.roster()).filter((s) => s.key === key && s.session);
-    const to = sessions.find((s) => presence(s.ageMs) === "live") ?? sessions[0];
-    const recipient = to ? `${key}#${to.session!.session_id}` : key;
+    const { to, recipient } = sessionRoute(await this.roster(), key);
     const where = to
       ? `to its session ${showId(to.session!.session_id)} (${presence(to.ageMs) === "live" ? "live" : "away"})`
       : "to its key (no session of it is on a roster: its next session reads it)";
@@ -11592,17 +11596,8 @@ class Agent {
     }
     const existing = this.petnameOf(key);
     if (existing === undefined) await addPeer(this.cfg.peersFile, checkPetname(name), key);
-    let recipient = knock.replyTo;
-    if (!recipient) {
-      const sessions = (await this.roster().catch(() => [])).filter((s) => s.key === key && s.session);
-      const to = sessions.find((s) => presence(s.ageMs) === "live") ?? sessions[0];
-      recipient = to ? `${key}#${to.session!.session_id}` : key;
-    }
-    await this.enqueue({
-      draft: { to: key, text: this.cfg.name, kind: "pair_accept", in_reply_to: knock.msgId },
-      recipient,
-      peer: existing ?? name,
-    });
+    const recipient = knock.replyTo || sessionRoute(await this.roster().catch(() => []), key).recipient;
+    await this.#confirmPair(key, knock.msgId, recipient, existing ?? name);
     await this.journal.appendDurable([{ t: "paired", key, how: "accepted", petname: existing ?? name }]);
     return existing ?? name;
   }
@@ -11643,17 +11638,6 @@ class Agent {
     for (const route of byRoute.keys()) this.#seenRoutes.set(route, nowMs);
     this.#roster = { at: nowMs, sessions };
     return sessions;
-  }
-
-  /** Verified roster entries of other nodes, one per key (its freshest), for pairing. */
-  async discover(): Promise<(Announcement & { bus: string })[]> {
-    const seen = new Map<string, Announcement & { bus: string }>();
-    for (const s of await this.roster(true)) {
-      if (s.key === this.id.publicKey) continue;
-      const prev = seen.get(s.key);
-      if (!prev) seen.set(s.key, { pubkey: s.key, name: s.name, ts: 0, sig: "", bus: s.bus });
-    }
-    return [...seen.values()];
   }
 
   /**
@@ -11708,9 +11692,7 @@ class Agent {
   /** On a clean exit: unregister from every bus, and say goodbye on each open task, within GOODBYE_MS. */
   async #sayGoodbye(): Promise<void> {
     const deadline = AbortSignal.timeout(GOODBYE_MS);
-    const ts = this.now();
-    const sig = await this.id.sign(unregisterBytes({ pubkey: this.id.publicKey, session_id: this.cfg.session, ts }));
-    const unregister = { pubkey: this.id.publicKey, session: this.info, ts, sig };
+    const unregister = await this.#unregistration(this.info);
     const goodbyes: Promise<unknown>[] = [];
     for (const t of this.state.tasks.values()) {
       if (t.closed) continue;
