@@ -11717,20 +11717,13 @@ class Agent {
 // Waking a Codex session
 // ============================================================================
 //
-//
-// Codex CLI has no channel and no hook that wakes an idle model. A session is
-// woken by queueing a user turn into its thread: `codex queue --thread <id>
-// --message <text>` (Codex 0.171), which its shared local daemon starts within
-// a tenth of a second (a session run with --no-daemon or -c takes it on its
-// own 10 s poll). The server does this itself, whenever something the model
-// must see is unread: the same attributed blocks `wait` prints, marked shown
-// only once Codex has stored the turn (exit 0), under the inbox lock so
-// check_inbox never hands out the same item. A queue that fails leaves them
-// unread (check_inbox shows them) and is retried with a back-off; `doctor`
-// reads why from the session's wake.json. Progress (an `update`) wakes
-// nobody, and a newer update or a terminal status on the same task supersedes
-// an unread one, which is then never shown. Past CODEX_WAKE_MAX_BYTES the
-// turn is a short notice that points to check_inbox.
+// Codex CLI has no channel and no hook that wakes an idle model. A session is woken by queueing a user turn into its
+// thread: `codex queue --thread <id> --message <text>` (Codex 0.171), which its shared local daemon starts within a
+// tenth of a second (a session run with --no-daemon or -c takes it on its own 10 s poll). The server does this
+// whenever something the model must see is unread: the blocks `wait` prints, marked shown only once Codex has stored
+// the turn (exit 0), under the inbox lock so check_inbox never hands out the same item. A failed queue leaves them
+// unread and is retried with a back-off; `doctor` reads why from the session's wake.json. Progress (an `update`)
+// wakes nobody, and a newer update or a terminal status on the same task supersedes an unread one (never shown).
 
 /** A queued turn this long or more is a notice instead (Linux takes at most 128 KiB in one argument). */
 const CODEX_WAKE_MAX_BYTES = 16 * 1024;
@@ -11749,11 +11742,9 @@ interface CodexTarget {
 }
 
 /**
- * The turn to queue for what is unread, in arrival order: null when only
- * progress waits (it wakes nobody). `shown` are the items the turn shows;
- * `superseded`, the unread updates a newer update or terminal status on the
- * same task makes moot (never shown); `notice`, a turn too long to hold the
- * blocks, which then points to check_inbox and shows nothing.
+ * The turn to queue for what is unread, in arrival order (null when only progress waits): `shown`, the items it
+ * shows; `superseded`, the unread updates made moot; `notice`, a turn too long for the blocks, which then points to
+ * check_inbox and shows nothing.
  */
 function planWake(
   items: InboxItem[],
@@ -11781,9 +11772,8 @@ function planWake(
 }
 
 /**
- * Queues one user turn into a Codex thread (no shell: argv only, bounded by
- * CODEX_QUEUE_TIMEOUT_MS). `retry` is false when trying again cannot help: no
- * such thread, an ephemeral one, no codex binary.
+ * Queues one user turn into a Codex thread (argv, no shell). `retry` is false when trying again cannot help: no such
+ * thread, an ephemeral one, no codex binary.
  */
 function codexQueue(
   t: CodexTarget,
@@ -11819,17 +11809,12 @@ function codexQueue(
   });
 }
 
-/**
- * Keeps a Codex session woken: whenever its agent's inbox gains something, a
- * turn is queued for what waits (planWake), and the items it shows are marked
- * shown once Codex has it. One queue at a time, so turns keep their order.
- */
+/** Keeps a Codex session woken as its agent's inbox gains (planWake): one queue at a time, so turns keep their order. */
 class CodexWaker {
   #latch = new WakeLatch();
   #stopped = false;
   #done: Promise<void> = Promise.resolve();
   #noticed = new BoundedMap<string, true>(1024); // items a notice already pointed at: not noticed again
-  /** The last outcome, for doctor (also written to the session's wake.json). */
   last: { at: number; ok: boolean; why?: string } | null = null;
 
   constructor(readonly agent: Agent, readonly target: CodexTarget) {}
@@ -11893,6 +11878,7 @@ class CodexWaker {
     });
   }
 
+  /** Keeps the last outcome for doctor, in the session's wake.json, and logs a change. */
   #note(ok: boolean, why?: string): void {
     if (!ok && this.last?.why !== why) {
       logWarn(`cannot wake the Codex session ${this.target.thread}: ${why}; what waits stays in its inbox`);
