@@ -11909,10 +11909,8 @@ interface Arg {
 type ArgMaker = (name: string) => Arg;
 
 /**
- * Tool argument schemas with the wording a model can act on ("'text' is
- * required (…)", "unknown status 'done'; use one of: …"). Each tool declares
- * its arguments once with these: every call is checked against them, and
- * tools/list shows them as JSON Schema.
+ * Tool argument schemas with the wording a model can act on ("'text' is required (…)", "unknown status 'done'; use
+ * one of: …"): declared once per tool, every call is checked against them and tools/list shows them.
  */
 const ARGS = {
   /** A required, non-empty string. */
@@ -11954,12 +11952,10 @@ const ARGS = {
   }),
 };
 
-type ArgKit = typeof ARGS;
-
 interface ToolSpec {
   name: string;
   description: string;
-  args: (k: ArgKit) => Record<string, ArgMaker>;
+  args: (k: typeof ARGS) => Record<string, ArgMaker>;
   annotations: { readOnlyHint: boolean; destructiveHint?: boolean; idempotentHint?: boolean; openWorldHint?: boolean };
   /**
    * It changes whom this node trusts (pairing, peers.json): the operator's decision only. The one source of that
@@ -11985,11 +11981,7 @@ function toolListing(
   };
 }
 
-/**
- * A tool's whole argument object: its declared arguments and nothing else.
- * `inputSchema` is what tools/list shows; `problem(args)` says why a call's
- * arguments will not do (every reason, in the declared order), or null.
- */
+/** A tool's argument object (its declared arguments only); `problem`: every reason a call's will not do, or null. */
 function toolSchema(tool: ToolSpec): { inputSchema: object; problem(args: unknown): string | null } {
   const args = Object.entries(tool.args(ARGS)).map(([name, make]) => [name, make(name)] as const);
   const takes = args.map(([name]) => name).join(", ") || "no arguments";
@@ -12016,10 +12008,9 @@ function toolSchema(tool: ToolSpec): { inputSchema: object; problem(args: unknow
   };
 }
 
-const opt = (
-  args: Record<string, unknown>,
-  key: string,
-): string | undefined => (typeof args[key] === "string" && args[key] !== "" ? (args[key] as string) : undefined);
+/** A string argument, undefined when absent or empty. */
+const opt = (args: Record<string, unknown>, key: string): string | undefined =>
+  typeof args[key] === "string" && args[key] !== "" ? args[key] as string : undefined;
 
 /** describeOut, and why it waits if its route is held (see NodeState.waitsFor). */
 function describeSettled(agent: Agent, e: OutEntry): string {
@@ -12067,27 +12058,17 @@ const HELD_LISTED = 10;
 
 /** Where a message of ours stands; `waits`: why its route holds it in the outbox (see waitWords). */
 function describeOut(e: OutEntry, waits?: string | null): string {
-  const task = e.msg.task_id ? ` ${taskTag(e.msg)}` : "";
-  const to = e.peer ?? fingerprint(e.msg.to);
-  if (e.refused) return `msg_id ${e.msg.msg_id} to ${to}${task}: refused (${escapePeerText(e.refused, true)})`;
-  if (e.movedTo) {
-    return `msg_id ${e.msg.msg_id} to ${to}${task}: this session had ended, and session ${e.movedTo} took it over (ask there)`;
-  }
-  if (e.sentAt || e.delivered || e.refusedBy) return `msg_id ${e.msg.msg_id} to ${to}${task}: ${deliveryTrail(e, to)}`;
-  if (waits) {
-    return `msg_id ${e.msg.msg_id} to ${to}${task}: queued since ${isoTime(e.at)}; it waits in the outbox: ${waits}`;
-  }
+  const to = e.peer ?? fingerprint(e.msg.to), since = isoTime(e.at);
+  const head = `msg_id ${e.msg.msg_id} to ${to}${e.msg.task_id ? ` ${taskTag(e.msg)}` : ""}: `;
+  if (e.refused) return `${head}refused (${escapePeerText(e.refused, true)})`;
+  if (e.movedTo) return `${head}this session had ended, and session ${e.movedTo} took it over (ask there)`;
+  if (e.sentAt || e.delivered || e.refusedBy) return head + deliveryTrail(e, to);
+  if (waits) return `${head}queued since ${since}; it waits in the outbox: ${waits}`;
   const why = e.lastError ? `; last attempt: ${escapePeerText(e.lastError, true)}` : "";
-  return `msg_id ${e.msg.msg_id} to ${to}${task}: queued since ${
-    isoTime(e.at)
-  }, not yet accepted by a bus (${e.attempts} attempts${why}); it stays in the durable outbox and is retried automatically`;
+  return `${head}queued since ${since}, not yet accepted by a bus (${e.attempts} attempts${why}); it stays in the durable outbox and is retried automatically`;
 }
 
-/**
- * A sent message's way as far as we know it: sent (the buses that took it),
- * then what the recipient's receipts reported, by its clock. A node that
- * sends no receipts (a reference node) leaves it at sent.
- */
+/** A sent message's way as far as we know: sent, then what the recipient's receipts said (a reference node's: none). */
 function deliveryTrail(e: OutEntry, to: string): string {
   const steps = e.sentAt ? [`sent at ${isoTime(e.sentAt)} (accepted by ${e.via?.join(", ")})`] : [];
   if (e.refusedBy) steps.push(`REFUSED by ${to} at ${isoTime(e.refusedBy.at)}: ${refusalWords(e.refusedBy)}`);
@@ -12177,10 +12158,8 @@ function describeTask(
 function taskTable(agentLike: PeerNames, tasks: Iterable<TaskRow>, peer?: string, openOnly = false): TaskRow[] {
   const key = peer === undefined ? undefined : peerKey(agentLike.peers(), peer);
   // A task of an ended session that another took over is listed there.
-  return [...tasks].filter((t) => !t.moved_to && (!key || t.peer_key === key) && (!openOnly || !t.closed)).sort((
-    a,
-    b,
-  ) => a.last_at - b.last_at);
+  const listed = [...tasks].filter((t) => !t.moved_to && (!key || t.peer_key === key) && (!openOnly || !t.closed));
+  return listed.sort((a, b) => a.last_at - b.last_at);
 }
 
 /** A message in the history: which way, the message, when, the petname, and (ours) how far it got. */
@@ -12277,16 +12256,9 @@ const TOOLS: ToolSpec[] = [
     }),
     annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: false, openWorldHint: true },
     async run(agent, a) {
-      const { entry, note, canceled } = await agent.send({
-        to: a.to as string,
-        text: a.text as string,
-        task_id: opt(a, "task_id"),
-        status: opt(a, "status"),
-        in_reply_to: opt(a, "in_reply_to"),
-        session: opt(a, "session"),
-        channel: opt(a, "channel"),
-        parent_task_id: opt(a, "parent_task_id"),
-      });
+      const optional = ["task_id", "status", "in_reply_to", "session", "channel", "parent_task_id"];
+      const more = Object.fromEntries(optional.map((k) => [k, opt(a, k)]));
+      const { entry, note, canceled } = await agent.send({ to: a.to as string, text: a.text as string, ...more });
       const chain = entry.chain
         ? `; opens a sub-task of ${showId(entry.chain.parent)}, ${chainNote(agent, entry)}`
         : "";
@@ -12661,6 +12633,8 @@ const TOOLS: ToolSpec[] = [
   },
 ];
 
+type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean };
+
 /**
  * A tool call answers within this long whatever a relay does (every relay call has its own deadline; this is the
  * net under them): Claude Code gives up on a call after a minute, and a model waiting that long helps nobody.
@@ -12673,7 +12647,7 @@ async function runTool(
   tool: ToolSpec,
   args: Record<string, unknown>,
   deadlineMs = TOOL_DEADLINE_MS,
-): Promise<{ content: { type: "text"; text: string }[]; isError?: boolean }> {
+): Promise<ToolResult> {
   let timer: ReturnType<typeof setTimeout> | undefined;
   const late = new Promise<never>((_, reject) => {
     timer = setTimeout(() => {
@@ -12700,9 +12674,8 @@ async function runTool(
 const INSTRUCTIONS_MAX_CHARS = 2048;
 
 /**
- * What the model is told at connect: every rule in a few words, for each
- * delivery mode, within INSTRUCTIONS_MAX_CHARS (SKILL.md carries the detail).
- * `notReady` says why interlink cannot work yet and what to tell the operator.
+ * What the model is told at connect: every rule in a few words, per delivery mode, within INSTRUCTIONS_MAX_CHARS
+ * (SKILL.md has the detail). `notReady`: why interlink cannot work yet, for the operator.
  */
 function serverInstructions(delivery: Delivery, notReady?: string, host: Host = "claude"): string {
   if (notReady) {
@@ -12750,8 +12723,6 @@ const MCP_LINE_MAX_CHARS = 4 * 2 ** 20;
 
 /** A request id's text kept from an over-long line, to answer it: ids are short; a longer one is answered with null. */
 const MCP_ID_MAX_CHARS = 1024;
-
-type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean };
 
 /** A request whose params are wrong for its method: answered -32602 (Invalid params) with this message. */
 class McpParamsError extends Error {}
@@ -12839,14 +12810,11 @@ const mcpJson = (message: object): string =>
   JSON.stringify(message, (_k, v) => (typeof v === "string" ? showInvisible(v) : v));
 
 /**
- * The server side of MCP over stdio, by hand: JSON-RPC 2.0, one message per
- * line. interlink needs initialize, ping, tools/list, tools/call and one
- * notification out; the SDK's server (its zod and ajv graph, for a handful of
- * methods) cost every session about 60 ms and 20 MB at its start, and a first
- * start under Deno a fetch from npm. Requests run concurrently, as the SDK
- * runs them; answers and notifications are written whole, in order. The
- * clients it is tested with are the real ones: Claude Code, Codex and the
- * SDK's own client.
+ * The server side of MCP over stdio, by hand: JSON-RPC 2.0, one message per line. interlink needs initialize, ping,
+ * tools/list, tools/call and one notification out; the SDK's server (zod and ajv, for a handful of methods) cost every
+ * session about 60 ms and 20 MB at its start, and under Deno a fetch from npm. Requests run concurrently, as in the
+ * SDK; answers and notifications are written whole, in order. Tested with the real clients: Claude Code, Codex, the
+ * SDK's.
  *
  * The envelope is checked as JSON-RPC 2.0 and MCP say: a line that is not JSON is answered -32700 (id null); a
  * batch, a request with no method, a "jsonrpc" other than "2.0", or an id that is not a string or an integer
@@ -12917,7 +12885,7 @@ class McpStdioServer {
     this.output.once("error", () => this.#closed("stdout closed"));
   }
 
-  /** Sends a notification (a channel event); resolves once it is written. */
+  /** Sends a notification (a channel event), written once the answers before it are. */
   notify(method: string, params: Record<string, unknown>): Promise<void> {
     return this.#write(mcpJson({ jsonrpc: "2.0", method, params }));
   }
@@ -13007,7 +12975,6 @@ class McpStdioServer {
     }
   }
 
-  /** A notification from the client. */
   #notified(method: string, params: unknown, raws: WeakMap<object, Record<string, string>>): void {
     if (method === "notifications/initialized") this.oninitialized();
     if (method === "notifications/cancelled" && isObject(params)) {
