@@ -10643,80 +10643,62 @@ class Agent {
   }
 
   /**
-   * Reads the node's door (see "invites") on every relay once this process holds door.lock. Until then it waits for
-   * the lock to come free and for a door to exist (the node's first invite makes one), watching the state root,
-   * with a re-check every FOLLOW_RECHECK_MS behind the watch: a knock waits moments, not a pass over ended sessions.
+   * Reads the node's door (see "Invites") on every relay once this process holds door.lock: until then it waits for
+   * the lock to come free and for a door to exist (the node's first invite makes one), watching for both: a knock
+   * waits moments, not a pass over ended sessions.
    */
   async #doorLoop(): Promise<void> {
+    const door = await this.#whenFree("door.lock", () => readDoor(this.cfg.stateDir), "door");
+    if (!door) return;
+    this.#doorLock = door.lock;
+    await Promise.all(this.relays.map((relay) => this.#recvLoop(relay, `${this.id.publicKey}#${door.value}`)));
+  }
+
+  /**
+   * Takes over polling the bare key when no live session of this identity does: at once when the session that reads
+   * it lets go (a stopping session releases bare.lock first of all), else when it is found dead, so a session started
+   * while its predecessor still exits reads its key's mail within moments, not a poll period later.
+   */
+  async #bareKeyLoop(): Promise<void> {
+    this.#bareLock = (await this.#whenFree("bare.lock", () => true))?.lock ?? null;
+    if (this.#bareLock) { for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.id.publicKey)); }
+  }
+
+  /**
+   * Takes `lockFile` in the state root once it is free and `ready` gives a value (null: not yet), watching the root
+   * for it and `also`, with a re-check every FOLLOW_RECHECK_MS behind the watch; null if the node stops first.
+   */
+  async #whenFree<T>(
+    lockFile: string,
+    ready: () => T | null,
+    also?: string,
+  ): Promise<{ lock: PidLock; value: T } | null> {
     const root = this.cfg.stateDir;
     const wake = new WakeLatch();
     const stopped = () => wake.wake();
     this.#stop.signal.addEventListener("abort", stopped, { once: true });
     let watcher: fs.FSWatcher | null = null;
     try {
-      watcher = fs.watch(
-        root,
-        (_e, name) => (name === null || ["door", "door.lock"].includes(String(name))) && wake.wake(),
-      );
+      watcher = fs.watch(root, (_e, name) => (name === null || [lockFile, also].includes(String(name))) && wake.wake());
     } catch {
-      // the re-check below still runs
+      // no file watching here: the re-check below still runs
     }
     try {
       while (!this.#stop.signal.aborted) {
-        const door = readDoor(root);
-        if (door) {
-          try {
-            this.#doorLock = await PidLock.acquire(path.join(root, "door.lock"), `session ${this.cfg.session}`);
-            watcher?.close();
-            watcher = null;
-            const route = `${this.id.publicKey}#${door}`;
-            await Promise.all(this.relays.map((relay) => this.#recvLoop(relay, route)));
-            return;
-          } catch (e) {
-            if (!(e instanceof LockedError)) logWarn(`cannot take door.lock: ${errorText(e)}; trying again`);
+        const value = ready();
+        try {
+          if (value !== null) {
+            return { lock: await PidLock.acquire(path.join(root, lockFile), `session ${this.cfg.session}`), value };
           }
+        } catch (e) {
+          if (!(e instanceof LockedError)) logWarn(`cannot take ${lockFile}: ${errorText(e)}; trying again`);
         }
         await wake.wait(FOLLOW_RECHECK_MS);
       }
+      return null;
     } finally {
       watcher?.close();
       this.#stop.signal.removeEventListener("abort", stopped);
-    }
-  }
-
-  /**
-   * Takes over polling the bare key when no live session of this identity does: at once when the session that
-   * reads it lets go (fs.watch on bare.lock, which a stopping session releases first of all), else when it is
-   * found dead (looked at every FOLLOW_RECHECK_MS), so a session started while its predecessor still exits reads
-   * its key's mail within moments, not a poll period later.
-   */
-  async #bareKeyLoop(): Promise<void> {
-    const file = path.join(this.cfg.stateDir, "bare.lock");
-    const freed = new WakeLatch();
-    let watcher: fs.FSWatcher | null = null;
-    try {
-      while (!this.#stop.signal.aborted && !this.#bareLock) {
-        try {
-          this.#bareLock = await PidLock.acquire(file, `session ${this.cfg.session}`);
-          for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.id.publicKey));
-          return;
-        } catch (e) {
-          if (!(e instanceof LockedError)) logWarn(`cannot take bare.lock: ${(e as Error).message}`);
-        }
-        try {
-          watcher ??= fs.watch(this.cfg.stateDir, (_event, name) => {
-            if (name === null || String(name) === "bare.lock") freed.wake();
-          });
-        } catch {
-          // no file watching here: the re-check below still finds the lock free
-        }
-        const stopped = () => freed.wake();
-        this.#stop.signal.addEventListener("abort", stopped, { once: true });
-        await freed.wait(FOLLOW_RECHECK_MS);
-        this.#stop.signal.removeEventListener("abort", stopped);
-      }
-    } finally {
-      watcher?.close();
     }
   }
 
