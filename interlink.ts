@@ -11550,11 +11550,8 @@ class Agent {
     const matches = [...this.state.knocksIn].filter(([key]) => key.startsWith(fp));
     if (fp.length < 4 || matches.length !== 1) {
       const open = [...this.state.knocksIn].map(([k, v]) => `${fingerprint(k)} ("${v.name}")`).join(", ") || "none";
-      throw new InterlinkError(
-        `${
-          matches.length > 1 ? `'${fp}' matches several` : `no pair request matches '${fp}'`
-        }; pending requests: ${open}`,
-      );
+      const what = matches.length > 1 ? `'${fp}' matches several` : `no pair request matches '${fp}'`;
+      throw new InterlinkError(`${what}; pending requests: ${open}`);
     }
     return matches[0];
   }
@@ -11567,13 +11564,12 @@ class Agent {
     const [key, knock] = this.findKnock(fp);
     let name = petname;
     if (name === undefined) {
-      if (!PETNAME_RE.test(knock.name) || this.peers().byName.has(knock.name)) {
-        throw new InterlinkError(
-          `the claimed name "${knock.name}" is ${
-            PETNAME_RE.test(knock.name) ? "already a petname" : "not a valid petname"
-          }; pass petname to choose one`,
-        );
-      }
+      const why = !PETNAME_RE.test(knock.name)
+        ? "not a valid petname"
+        : this.peers().byName.has(knock.name)
+        ? "already a petname"
+        : null;
+      if (why) throw new InterlinkError(`the claimed name "${knock.name}" is ${why}; pass petname to choose one`);
       name = knock.name;
     }
     const existing = this.petnameOf(key);
@@ -11757,10 +11753,7 @@ function planWake(
  * Queues one user turn into a Codex thread (argv, no shell). `retry` is false when trying again cannot help: no such
  * thread, an ephemeral one, no codex binary.
  */
-function codexQueue(
-  t: CodexTarget,
-  text: string,
-): Promise<{ ok: true } | { ok: false; retry: boolean; why: string }> {
+function codexQueue(t: CodexTarget, text: string): Promise<{ ok: true } | { ok: false; retry: boolean; why: string }> {
   return new Promise((resolve) => {
     const env = { ...process.env, ...(t.home ? { CODEX_HOME: t.home } : {}) };
     let out = "";
@@ -11952,9 +11945,7 @@ interface ToolSpec {
 const OPERATOR_ONLY = "OPERATOR DECISION ONLY: ";
 
 /** What tools/list shows of a tool: its name, description, schema and hints, trust-changing ones marked as such. */
-function toolListing(
-  t: ToolSpec,
-): { name: string; description: string; inputSchema: object; annotations: object } {
+function toolListing(t: ToolSpec): { name: string; description: string; inputSchema: object; annotations: object } {
   return {
     name: t.name,
     description: t.changesTrust ? OPERATOR_ONLY + t.description : t.description,
@@ -12079,10 +12070,9 @@ function describeTask(
     : t.requested_by === "peer"
     ? `${peer}'s operator`
     : "your operator";
+  const session = t.peer_session ? ` (session ${showId(t.peer_session.slice(0, 12))})` : "";
   const parts = [
-    `task ${showId(t.task_id)} with ${peer}${
-      t.peer_session ? ` (session ${showId(t.peer_session.slice(0, 12))})` : ""
-    }`,
+    `task ${showId(t.task_id)} with ${peer}${session}`,
     `requested by ${t.requested_by === "me" ? "you" : peer}`,
     `status ${t.status ?? "open (no status yet)"}`,
     t.closed ? "closed" : "open",
@@ -12090,14 +12080,11 @@ function describeTask(
   if (t.parent) {
     const last = t.requested_by === "me" ? peer : "you";
     const chain = t.chain ? `; depth ${t.depth ?? t.chain.length}: ${[...t.chain.map(name), last].join(" → ")}` : "";
+    const parent = showId(t.parent.task_id), requester = name(t.parent.requester);
     parts.push(
       t.requested_by === "me"
-        ? `a sub-task of ${showId(t.parent.task_id)}, which ${
-          name(t.parent.requester)
-        } asked of you (owned by ${owner}${chain})`
-        : `${peer}'s node says it serves its task ${showId(t.parent.task_id)} for ${
-          name(t.parent.requester)
-        } (owned by ${owner}${chain})`,
+        ? `a sub-task of ${parent}, which ${requester} asked of you (owned by ${owner}${chain})`
+        : `${peer}'s node says it serves its task ${parent} for ${requester} (owned by ${owner}${chain})`,
     );
   }
   if (t.peer_closed_at && !t.closed) {
@@ -12107,25 +12094,21 @@ function describeTask(
   if (last?.refusedBy) {
     parts.push(`${peer} REFUSED your last message ${last.msg.msg_id}: ${refusalWords(last.refusedBy)}`);
   } else if (last?.delivered && !last.shown) {
+    const at = isoTime(last.delivered.at);
     parts.push(
-      `your last message ${last.msg.msg_id} was delivered to ${peer}'s session at ${
-        isoTime(last.delivered.at)
-      } but is not yet shown to its model (the session may be busy or idle)`,
+      `your last message ${last.msg.msg_id} was delivered to ${peer}'s session at ${at} but is not yet shown to its model (the session may be busy or idle)`,
     );
   }
   for (const q of t.awaiting) {
-    const since = q.at === undefined ? "" : ` since ${isoTime(q.at)}`;
-    if (q.asked_by === "peer" && q.forwarded) {
+    const since = q.at === undefined ? "" : ` since ${isoTime(q.at)}`, id = showId(q.msg_id), fwd = q.forwarded;
+    if (q.asked_by === "peer" && fwd) {
+      const to = `${name(fwd.to)} on task ${showId(fwd.task_id)} (as ${fwd.as})`;
       parts.push(
-        `${peer}'s question ${showId(q.msg_id)}${since} is forwarded to ${name(q.forwarded.to)} on task ${
-          showId(q.forwarded.task_id)
-        } (as ${q.forwarded.as}), for ${owner}: the answer comes back through you and goes on by itself`,
+        `${peer}'s question ${id}${since} is forwarded to ${to}, for ${owner}: the answer comes back through you and goes on by itself`,
       );
     } else if (q.asked_by === "peer") {
       parts.push(
-        `BLOCKED on ${peer}'s question ${
-          showId(q.msg_id)
-        }${since}, for ${owner}: ask your operator and answer with in_reply_to=${showId(q.msg_id)}`,
+        `BLOCKED on ${peer}'s question ${id}${since}, for ${owner}: ask your operator and answer with in_reply_to=${id}`,
       );
     } else {
       const by = q.earlier ? `, by your earlier session ${showId(q.earlier)}` : "";
@@ -12157,12 +12140,7 @@ interface HistoryRow {
  * The last `limit` messages with one peer (all peers when undefined), both directions, oldest first, from the
  * journal on disk; with `msgId`, the first message with that msg_id. Only those rows are held while it reads.
  */
-function conversation(
-  stateDir: string,
-  peerKey: string | undefined,
-  limit: number,
-  msgId?: string,
-): HistoryRow[] {
+function conversation(stateDir: string, peerKey: string | undefined, limit: number, msgId?: string): HistoryRow[] {
   const rows: HistoryRow[] = [];
   const ours = new Map<string, HistoryRow>(); // the out rows held, by msg_id: what "sent", "refused", receipts change
   // Damaged records are reported by the fold; history just skips them. A checkpoint holds no history: the
@@ -12394,30 +12372,24 @@ const TOOLS: ToolSpec[] = [
         return `${agent.petnameOf(key) ?? fingerprint(key)}${session ? ` (session ${showId(session)})` : ""}`;
       };
       for (const [route, n] of more) {
+        const who = to(route);
         lines.push(
-          `and ${n} more to ${
-            to(route)
-          }, queued after these and sent in that order (message_status tells where any one stands)`,
+          `and ${n} more to ${who}, queued after these and sent in that order (message_status tells where any one stands)`,
         );
       }
       const refused = [...agent.state.outgoing.values()].filter((e) => e.refused);
       lines.push(...refused.map((e) => describeOut(e)));
+      const kept = corruptFile(agent.journal.file);
       for (const d of damagedOutbox(agent.journal.file)) {
+        const id = d.msgId ? ` (msg_id ${showId(d.msgId)})` : "";
         lines.push(
-          `DAMAGED: a journal line at byte ${d.offset} that looks like a queued message${
-            d.msgId ? ` (msg_id ${showId(d.msgId)})` : ""
-          } could not be read (${d.reason}); it cannot be sent. Its text is kept in ${
-            corruptFile(agent.journal.file)
-          }; ask your operator, and send it again if it matters.`,
+          `DAMAGED: a journal line at byte ${d.offset} that looks like a queued message${id} could not be read (${d.reason}); it cannot be sent. Its text is kept in ${kept}; ask your operator, and send it again if it matters.`,
         );
       }
       for (const [route, { n }] of held) {
-        const shown = listed.get(route) ?? 0;
-        lines.push(
-          `${n} of these to ${to(route)}${shown < n ? ` (the first ${shown} listed above)` : ""} wait in the outbox: ${
-            waitWords(agent, first.get(route)!)
-          }`,
-        );
+        const shown = listed.get(route) ?? 0, why = waitWords(agent, first.get(route)!);
+        const part = shown < n ? ` (the first ${shown} listed above)` : "";
+        lines.push(`${n} of these to ${to(route)}${part} wait in the outbox: ${why}`);
       }
       if (receipts) lines.push(`and ${receipts} delivery receipt(s) to peers, waiting for a bus like any message`);
       return lines.length ? lines.join("\n") : "the outbox is empty: everything was accepted by a bus";
