@@ -10843,10 +10843,9 @@ class Agent {
           failpoint("agent-adopted-before-moved");
           await journal.appendDurable([{ t: "moved", to: this.cfg.session }]);
           writeAdoptedFile(dir, { size: fileSize(journalFile), by: this.cfg.session });
+          const open = carried.tasks.filter((t) => !t.closed).length;
           logInfo(
-            `took over ended session ${id}: ${state.pending.size} queued, ${state.inbox.size} unread, ${
-              carried.tasks.filter((t) => !t.closed).length
-            } open tasks; its route is drained here`,
+            `took over ended session ${id}: ${state.pending.size} queued, ${state.inbox.size} unread, ${open} open tasks; its route is drained here`,
           );
           void this.#unregister(id);
           return true;
@@ -12243,20 +12242,16 @@ const TOOLS: ToolSpec[] = [
       const key = peerKey(agent.peers(), a.to as string);
       const task = agent.state.tasks.get(taskKey(key, a.task_id as string));
       if (task?.closed) {
+        const at = isoTime(task.last_at), id = showId(task.task_id);
         throw new InterlinkError(
-          `task ${showId(task.task_id)} with ${a.to} is already closed (status ${task.status}, ${
-            isoTime(task.last_at)
-          }); nothing was sent`,
+          `task ${id} with ${a.to} is already closed (status ${task.status}, ${at}); nothing was sent`,
         );
       }
       if (!task) {
-        const open = [...agent.state.tasks.values()].filter((t) => t.peer_key === key && !t.closed).map((t) =>
-          showId(t.task_id)
-        );
+        const theirs = [...agent.state.tasks.values()].filter((t) => t.peer_key === key && !t.closed);
+        const open = theirs.map((t) => showId(t.task_id)).join(", ") || "none";
         throw new InterlinkError(
-          `no task '${a.task_id}' with ${a.to} in this node's log; open tasks with ${a.to}: ${
-            open.join(", ") || "none"
-          }`,
+          `no task '${a.task_id}' with ${a.to} in this node's log; open tasks with ${a.to}: ${open}`,
         );
       }
       const { entry, note, canceled } = await agent.send({
