@@ -9732,8 +9732,8 @@ function chooseRoute(p: {
 //
 // The I/O shell around the pure parts above: one running session. It holds agent.lock, folds its journal,
 // long-polls every relay, gates what arrives (decide) and carries out what planInbound decides, in order, stopping
-// at the first failure; sends its outbox oldest first; announces itself; owes and sends receipts; adopts ended
-// sessions of its own key; and says goodbye when it closes.
+// at the first failure (so nothing is acked before it is durable); sends its outbox oldest first; announces itself;
+// sends the receipts it owes; adopts ended sessions of its own key; and says goodbye when it closes.
 
 type AgentRole = typeof SERVER_ROLE | "interlink send" | "interlink invite" | "interlink join" | "test";
 
@@ -9749,11 +9749,13 @@ interface AgentOptions {
   host?: Host | "cli";
 }
 
-/**
- * A running node: signs and sends through its durable outbox, long-polls every
- * bus, gates every payload and carries out what planInbound decided: records
- * admitted messages, pushes them to the session and only then acks them.
- */
+/** `key`'s live session on `sessions`, else one away, and the route to it (its bare key when none is). */
+function sessionRoute(sessions: PeerSession[], key: string): { to?: PeerSession; recipient: string } {
+  const theirs = sessions.filter((s) => s.key === key && s.session);
+  const to = theirs.find((s) => presence(s.ageMs) === "live") ?? theirs[0];
+  return { to, recipient: to ? `${key}#${to.session!.session_id}` : key };
+}
+
 class Agent {
   readonly state: NodeState;
   readonly journal: Journal;
@@ -9763,17 +9765,12 @@ class Agent {
   #peersStamp = "";
   #stop = new AbortController();
   #outbox = new WakeLatch();
-  /** Woken when receipts may have come to be owed (see #receiptLoop). */
-  #owed = new WakeLatch();
+  #owed = new WakeLatch(); // woken when receipts may have come to be owed
   #receiving: Promise<unknown> = Promise.resolve();
   #loops: Promise<void>[] = [];
   #attempted = new Set<() => void>(); // woken after every delivery attempt, and when one starts
-  /** The msg_ids of the delivery rounds under way (at most SEND_BATCH a round: the loop and a CLI flush). */
-  #inFlight = new Set<string>();
-  /**
-   * No relay answered the last roster read, and none has answered anything since: a send routes by what this
-   * session remembers rather than wait SEND_TIMEOUT_MS again for a relay that hangs (cleared by any answer).
-   */
+  #inFlight = new Set<string>(); // msg_ids of the rounds under way: at most SEND_BATCH each (the loop, a CLI flush)
+  /** No relay answered the last roster read nor anything since: sends route by memory, not wait on a hung relay. */
   #unanswered = false;
   #watcher: fs.FSWatcher | null = null;
   #poll: ReturnType<typeof setInterval> | null = null;
@@ -9785,8 +9782,7 @@ class Agent {
   /** This session as announced; its summary changes with set_summary. */
   readonly info: SessionInfo;
   #bareLock: PidLock | null = null;
-  /** Held while this process reads the node's door (see "invites"). */
-  #doorLock: PidLock | null = null;
+  #doorLock: PidLock | null = null; // held while this process reads the node's door (see "Invites")
   #roster: { at: number; sessions: PeerSession[] } | null = null;
   #proofs = new Map<string, { ts: number; proof: string }>(); // route → the recv proof in use
   /** Ended sessions in our state root that belong to another key (a shared folder): never adopted. */
@@ -9817,7 +9813,7 @@ class Agent {
     this.state.mayDrop = () => !this.relays.every((r) => r.refusesWhenFull?.() === true);
   }
 
-  /** Opens a node: identity, allowlist, the state lock (waiting up to `waitMs` for a short-lived holder), and the fold of its journal. */
+  /** Opens a node: identity, allowlist, the state lock (waiting up to `waitMs`), the fold of its journal. */
   static async open(cfg: NodeConfig, role: AgentRole, opts: AgentOptions = {}): Promise<Agent> {
     const id = opts.identity ?? (await readIdentity(cfg.keyFile));
     loadPeers(cfg.peersFile); // fail at start-up on a bad allowlist, naming the file
@@ -9920,11 +9916,7 @@ class Agent {
     return this.peers().byKey.get(key);
   }
 
-  /**
-   * Starts what needs no session: the outbox sender, presence announcements
-   * (not for `invite` and `join`, whose sessions nobody should write to), and
-   * following the journal for messages other processes (the CLI) append.
-   */
+  /** Starts what needs no session: the sender, announcements (not for `invite`, `join`), following the journal. */
   startSending(opts: { announce?: boolean } = {}): void {
     this.#loops.push(this.#sendLoop(), this.#receiptLoop());
     if (opts.announce !== false) { for (const relay of this.relays) this.#loops.push(this.#announceLoop(relay)); }
@@ -9951,13 +9943,10 @@ class Agent {
   }
 
   /**
-   * Starts one long-poll per bus for this session's route, and, in the one
-   * session of this identity on this machine that holds bare.lock, one for the
-   * bare key too (0.4 peers and messages for the node as a whole): only once
-   * the session can take what it pushes; and the node's door, in whichever
-   * process holds door.lock. `ownRouteOnly` (`invite`, `join`): this
-   * session's route alone (and the door, with `door`: `invite`), and no ended
-   * session is looked after.
+   * Long-polls this session's route on every relay; in the one session of this identity holding bare.lock, the bare
+   * key too (0.4 peers, mail for the node as a whole); the door, in whichever process holds door.lock.
+   * `ownRouteOnly` (`invite`, `join`): this session's route alone (and the door, with `door`), no ended sessions.
+   * Called once the session can take what is pushed.
    */
   startReceiving(opts: { ownRouteOnly?: boolean; door?: boolean } = {}): void {
     for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.me));
@@ -9966,88 +9955,66 @@ class Agent {
   }
 
   /**
-   * Reads the node's door (see "invites") on every relay once this process holds door.lock. Until then it waits for
-   * the lock to come free and for a door to exist (the node's first invite makes one), watching the state root,
-   * with a re-check every FOLLOW_RECHECK_MS behind the watch: a knock waits moments, not a pass over ended sessions.
+   * Reads the node's door (see "Invites") on every relay once this process holds door.lock: until then it waits for
+   * the lock to come free and for a door to exist (the node's first invite makes one), watching for both: a knock
+   * waits moments, not a pass over ended sessions.
    */
   async #doorLoop(): Promise<void> {
+    const door = await this.#whenFree("door.lock", () => readDoor(this.cfg.stateDir), "door");
+    if (!door) return;
+    this.#doorLock = door.lock;
+    await Promise.all(this.relays.map((relay) => this.#recvLoop(relay, `${this.id.publicKey}#${door.value}`)));
+  }
+
+  /**
+   * Takes over polling the bare key when no live session of this identity does: at once when the session that reads
+   * it lets go (a stopping session releases bare.lock first of all), else when it is found dead, so a session started
+   * while its predecessor still exits reads its key's mail within moments, not a poll period later.
+   */
+  async #bareKeyLoop(): Promise<void> {
+    this.#bareLock = (await this.#whenFree("bare.lock", () => true))?.lock ?? null;
+    if (this.#bareLock) { for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.id.publicKey)); }
+  }
+
+  /**
+   * Takes `lockFile` in the state root once it is free and `ready` gives a value (null: not yet), watching the root
+   * for it and `also`, with a re-check every FOLLOW_RECHECK_MS behind the watch; null if the node stops first.
+   */
+  async #whenFree<T>(
+    lockFile: string,
+    ready: () => T | null,
+    also?: string,
+  ): Promise<{ lock: PidLock; value: T } | null> {
     const root = this.cfg.stateDir;
     const wake = new WakeLatch();
     const stopped = () => wake.wake();
     this.#stop.signal.addEventListener("abort", stopped, { once: true });
     let watcher: fs.FSWatcher | null = null;
     try {
-      watcher = fs.watch(
-        root,
-        (_e, name) => (name === null || ["door", "door.lock"].includes(String(name))) && wake.wake(),
-      );
+      watcher = fs.watch(root, (_e, name) => (name === null || [lockFile, also].includes(String(name))) && wake.wake());
     } catch {
-      // the re-check below still runs
+      // no file watching here: the re-check below still runs
     }
     try {
       while (!this.#stop.signal.aborted) {
-        const door = readDoor(root);
-        if (door) {
-          try {
-            this.#doorLock = await PidLock.acquire(path.join(root, "door.lock"), `session ${this.cfg.session}`);
-            watcher?.close();
-            watcher = null;
-            const route = `${this.id.publicKey}#${door}`;
-            await Promise.all(this.relays.map((relay) => this.#recvLoop(relay, route)));
-            return;
-          } catch (e) {
-            if (!(e instanceof LockedError)) logWarn(`cannot take door.lock: ${errorText(e)}; trying again`);
+        const value = ready();
+        try {
+          if (value !== null) {
+            return { lock: await PidLock.acquire(path.join(root, lockFile), `session ${this.cfg.session}`), value };
           }
+        } catch (e) {
+          if (!(e instanceof LockedError)) logWarn(`cannot take ${lockFile}: ${errorText(e)}; trying again`);
         }
         await wake.wait(FOLLOW_RECHECK_MS);
       }
+      return null;
     } finally {
       watcher?.close();
       this.#stop.signal.removeEventListener("abort", stopped);
     }
   }
 
-  /**
-   * Takes over polling the bare key when no live session of this identity does: at once when the session that
-   * reads it lets go (fs.watch on bare.lock, which a stopping session releases first of all), else when it is
-   * found dead (looked at every FOLLOW_RECHECK_MS), so a session started while its predecessor still exits reads
-   * its key's mail within moments, not a poll period later.
-   */
-  async #bareKeyLoop(): Promise<void> {
-    const file = path.join(this.cfg.stateDir, "bare.lock");
-    const freed = new WakeLatch();
-    let watcher: fs.FSWatcher | null = null;
-    try {
-      while (!this.#stop.signal.aborted && !this.#bareLock) {
-        try {
-          this.#bareLock = await PidLock.acquire(file, `session ${this.cfg.session}`);
-          for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.id.publicKey));
-          return;
-        } catch (e) {
-          if (!(e instanceof LockedError)) logWarn(`cannot take bare.lock: ${(e as Error).message}`);
-        }
-        try {
-          watcher ??= fs.watch(this.cfg.stateDir, (_event, name) => {
-            if (name === null || String(name) === "bare.lock") freed.wake();
-          });
-        } catch {
-          // no file watching here: the re-check below still finds the lock free
-        }
-        const stopped = () => freed.wake();
-        this.#stop.signal.addEventListener("abort", stopped, { once: true });
-        await freed.wait(FOLLOW_RECHECK_MS);
-        this.#stop.signal.removeEventListener("abort", stopped);
-      }
-    } finally {
-      watcher?.close();
-    }
-  }
-
-  /**
-   * Stops. On a clean exit (`goodbye`) the session first takes itself off every
-   * bus's roster (a signed unregister) and tells each peer it has an open task
-   * with that it is closing, all within GOODBYE_MS, so exit stays fast.
-   */
+  /** Stops; with `goodbye` (a clean exit) it first says so to the rosters and its open tasks (see #sayGoodbye). */
   async stop(goodbye = false): Promise<void> {
     this.#stop.abort();
     this.#outbox.wake();
@@ -10079,24 +10046,19 @@ class Agent {
 
   // -- ended sessions ----------------------------------------------------------
   //
-  // A session whose process is gone (its agent.lock free) has ended: a new
-  // `claude` is a new session id, a laptop sleeps, a process is killed. What it
-  // still had to do is adopted by a live session of the same key and state
-  // root: at that session's start, and every ENDED_EVERY_MS while it runs
-  // for sessions ended ADOPT_AFTER_MS ago or more (a session resumed within
-  // that time keeps its own). Adopting, under adopt.lock (one adopter at a time
-  // on this machine), the ended session's agent.lock (it cannot be resumed
-  // meanwhile) and its inbox lock (no `wait` claims from it meanwhile):
-  //   1. its state is folded and what it carries (its outbox, sent messages
-  //      awaiting receipts, unread inbox, tasks, owed receipts, pairing in
-  //      flight, whom it talked to) is journaled here, in one "adopted" record;
+  // A session whose process is gone (its agent.lock free) has ended: a new `claude` is a new session id, a laptop
+  // sleeps, a process is killed. What it still had to do is adopted by a live session of the same key and state root:
+  // at that session's start, and every ENDED_EVERY_MS while it runs for sessions ended ADOPT_AFTER_MS ago or more (a
+  // session resumed within that time keeps its own). Adopting, under adopt.lock (one adopter at a time on this
+  // machine), the ended session's agent.lock (it cannot be resumed meanwhile) and its inbox lock (no `wait` claims
+  // from it meanwhile):
+  //   1. its state is folded and what it carries (its outbox, sent messages awaiting receipts, unread inbox, tasks,
+  //      owed receipts, pairing in flight, whom it talked to) is journaled here, in one "adopted" record;
   //   2. "moved" is journaled there: nothing is left to do in it.
-  // A crash between the two leaves both holding the same items; the next
-  // adoption takes both into one journal, where a msg_id, a task or an inbox
-  // item already held (or already shown) wins. The adopter then drains the
-  // ended session's route on every relay (peers may still write there) and
-  // takes it off the rosters with a signed unregister, so peers route to a
-  // live session instead.
+  // A crash between the two leaves both holding the same items; the next adoption takes both into one journal, where
+  // a msg_id, a task or an inbox item already held (or already shown) wins. The adopter then drains the ended
+  // session's route on every relay (peers may still write there) and takes it off the rosters with a signed
+  // unregister, so peers route to a live session instead.
 
   /** Adopts every ended session of this key on this machine (see above); `atStart` also takes the just-ended. */
   async adoptEnded(atStart: boolean): Promise<void> {
@@ -10197,10 +10159,9 @@ class Agent {
           failpoint("agent-adopted-before-moved");
           await journal.appendDurable([{ t: "moved", to: this.cfg.session }]);
           writeAdoptedFile(dir, { size: fileSize(journalFile), by: this.cfg.session });
+          const open = carried.tasks.filter((t) => !t.closed).length;
           logInfo(
-            `took over ended session ${id}: ${state.pending.size} queued, ${state.inbox.size} unread, ${
-              carried.tasks.filter((t) => !t.closed).length
-            } open tasks; its route is drained here`,
+            `took over ended session ${id}: ${state.pending.size} queued, ${state.inbox.size} unread, ${open} open tasks; its route is drained here`,
           );
           void this.#unregister(id);
           return true;
@@ -10213,22 +10174,24 @@ class Agent {
     }
   }
 
-  /** Takes an ended session of ours off every relay's roster (signed: only our key can), within GOODBYE_MS. */
-  async #unregister(session: string): Promise<void> {
-    const ts = this.now();
-    const sig = await this.id.sign(unregisterBytes({ pubkey: this.id.publicKey, session_id: session, ts }));
-    const body = { pubkey: this.id.publicKey, session: { session_id: session }, ts, sig };
+  /** A signed unregister of a session of ours: only our key can take it off a roster. */
+  async #unregistration<S extends { session_id: string }>(session: S) {
+    const ts = this.now(), pubkey = this.id.publicKey;
+    const sig = await this.id.sign(unregisterBytes({ pubkey, session_id: session.session_id, ts }));
+    return { pubkey, session, ts, sig };
+  }
+
+  /** Takes an ended session of ours off every relay's roster, within GOODBYE_MS. */
+  async #unregister(session_id: string): Promise<void> {
+    const body = await this.#unregistration({ session_id });
     await Promise.allSettled(this.relays.map((relay) => relay.unregister(body, GOODBYE_MS, this.#stop.signal)));
     this.#roster = null;
   }
 
   /**
-   * Takes what waits on the routes of the ended sessions this one adopted (and
-   * they had adopted), on every relay: mail their peers sent before learning
-   * they ended. Each is gated and shown here, once, as having come for that
-   * session. A session that is live again (resumed) reads its own. So are the
-   * routes of this node's pending invites whose `invite` command has exited: a
-   * join after it is admitted here.
+   * Takes, on every relay, what waits on the routes of the ended sessions this one adopted (and they had adopted):
+   * mail sent before their peers learnt they ended, gated and shown here once, as come for that session (one live
+   * again reads its own). So are the routes of pending invites whose `invite` exited: a later join is admitted here.
    */
   async drainEnded(): Promise<void> {
     const oldest = this.now() - ROSTER_RETENTION_MS;
@@ -10252,7 +10215,6 @@ class Agent {
     }
   }
 
-  /** Adopts and drains every ENDED_EVERY_MS while the session runs (and once at once). */
   /**
    * Rolls the journal over once it is past JOURNAL_ROLL_BYTES, under the lock every other writer holds. The
    * checkpoint does not keep the replay memory: first every admission the journal knows is made durable in the
@@ -10271,6 +10233,7 @@ class Agent {
     if (rolled) logInfo(`rolled ${this.journal.file} over: the records before it are kept beside it, in log-*.jsonl`);
   }
 
+  /** Adopts and drains every ENDED_EVERY_MS while the session runs (and once at once). */
   async #endedLoop(): Promise<void> {
     await this.#showWaiting();
     while (!this.#stop.signal.aborted) {
@@ -10286,11 +10249,7 @@ class Agent {
     }
   }
 
-  /**
-   * In channel mode an item is pushed as it is admitted; one that came another
-   * way (adopted from an ended session) is pushed here, once, in turn with
-   * what the relays hand over.
-   */
+  /** Pushes, once, in turn with what the relays hand over, what came another way (adopted) in channel mode. */
   async #showWaiting(): Promise<void> {
     if (!this.#canPush()) return;
     const done = this.#receiving.then(async () => {
@@ -10362,15 +10321,12 @@ class Agent {
   }
 
   /**
-   * One delivery round for `entries` (the oldest pending, in order), to every
-   * relay: in one request where a relay takes several, else one by one until
-   * one fails. Settles them in order (sent: a relay kept it; refused: every
-   * relay refused it for good) and stops at the first that is neither, which
-   * stays pending with the others behind it: a sender's order holds. One that a
-   * relay refused as full marks its route full (state.full): that route waits
-   * out its own back-off, and the others go meanwhile. Returns how many were
-   * settled, and whether a full route stopped the round (not a failure of the
-   * relays: the next round goes on at once without it).
+   * One delivery round for `batch` (the oldest pending, in order) to every relay: in one request where a relay takes
+   * several, else one by one until one fails. Settles them in order (sent: a relay kept it; refused: every relay
+   * refused it for good) and stops at the first that is neither, which stays pending with those behind it: a
+   * sender's order holds. One refused as full marks its route full (state.full), which waits out its own back-off
+   * while the others go. Returns how many settled, and whether a full route stopped the round (not a relay failure:
+   * the next round goes at once without it).
    */
   async #attempt(batch: OutEntry[]): Promise<{ settled: number; full: boolean }> {
     // Each read back whole from the journal, the send window (SEND_BATCH) being all that is in memory.
@@ -10522,11 +10478,8 @@ class Agent {
   }
 
   /**
-   * Signs and queues the receipts the journal says are owed (by this process
-   * or by another writer: a `wait` that showed messages), at most once a
-   * second. Idle, it sleeps until receipts come to be owed; those that wait
-   * (for a session that said goodbye to come back) are looked at again every
-   * ANNOUNCE_EVERY_MS, not every second.
+   * Queues the receipts the journal says are owed (by this process or another writer: a `wait` that showed
+   * messages), at most once a second; those that wait for a session that said goodbye, every ANNOUNCE_EVERY_MS.
    */
   async #receiptLoop(): Promise<void> {
     let failing = false;
@@ -10547,12 +10500,10 @@ class Agent {
   }
 
   /**
-   * Queues receipts (up to RECEIPT_LINES_MAX reports each) to the peer
-   * sessions owed any, at most RECEIPTS_PER_PASS per peer key: one to each
-   * such session, then, while its key has some left, more to a session still
-   * owed more (a burst; in channel mode each message owes two lines, delivered
-   * and shown): one receipt a second would pace its sender, past SEND_WINDOW,
-   * to RECEIPT_LINES_MAX lines a second. A flood waits for the next pass.
+   * Queues receipts (up to RECEIPT_LINES_MAX reports each) to the peer sessions owed any, at most RECEIPTS_PER_PASS
+   * per peer key: one to each, then more to one still owed more (a burst; in channel mode each message owes two
+   * lines): one receipt a second would pace its sender, past SEND_WINDOW, to RECEIPT_LINES_MAX lines a second. A
+   * flood waits for the next pass.
    */
   async sendReceipts(): Promise<number> {
     const perKey = new Map<string, number>();
@@ -10654,11 +10605,9 @@ class Agent {
   }
 
   /**
-   * Gates what one recv handed over, one payload at a time across all relays
-   * (so two copies of a message cannot both pass the replay check). Each is
-   * acked once its effects are durable (its plan's "ack"), in one request for
-   * the lot when the relay takes that; one that fails stops the lot, and what
-   * follows it comes again.
+   * Gates what one recv handed over, one payload at a time across all relays (two copies of a message cannot both
+   * pass the replay check). Each is acked once its effects are durable, in one request for the lot where the relay
+   * takes that; one that fails stops the lot, and what follows it comes again.
    */
   async #handle(got: Received, forSession?: string): Promise<void> {
     const handled: Handed[] = [];
@@ -10675,11 +10624,7 @@ class Agent {
     }
   }
 
-  /**
-   * Runs one payload through the gate and carries out the effects planInbound
-   * decided, in order, stopping at the first that fails (then nothing is
-   * acked, and the bus redelivers). Returns the verdict.
-   */
+  /** Gates one payload and carries out planInbound's effects; one that fails stops the rest (unacked: redelivered). */
   async receive(
     payload: unknown,
     ack: () => Promise<void> = () => Promise.resolve(),
@@ -10765,11 +10710,7 @@ class Agent {
           await consumeInvite(this.cfg.stateDir, this.now(), { ...e, session: this.cfg.session });
           break;
         case "confirm_pair":
-          await this.enqueue({
-            draft: { to: e.key, text: this.cfg.name, kind: "pair_accept", in_reply_to: e.msgId },
-            recipient: e.recipient,
-            peer: e.petname,
-          });
+          await this.#confirmPair(e.key, e.msgId, e.recipient, e.petname);
           break;
         case "log":
           (e.level === "warn" ? logWarn : logInfo)(e.line);
@@ -10812,6 +10753,15 @@ class Agent {
     logInfo(`sent ${entry.msg.msg_id} (${taskTag(entry.msg)}) to ${e.peer ?? fingerprint(e.draft.to)} on its own`);
   }
 
+  /** Tells a knocker its request (`msgId`) is accepted: a signed pair_accept. */
+  async #confirmPair(key: string, msgId: string, recipient: string, petname: string | null): Promise<void> {
+    await this.enqueue({
+      draft: { to: key, text: this.cfg.name, kind: "pair_accept", in_reply_to: msgId },
+      recipient,
+      peer: petname,
+    });
+  }
+
   /** In inbox mode nothing is pushed; otherwise once a session is attached. */
   #canPush(): boolean {
     return this.push !== null && this.cfg.delivery === "channel";
@@ -10850,28 +10800,20 @@ class Agent {
 
   /** sessions/<id>/session.json: what this session says of itself (for `tasks`, `log`), and when it ended. */
   #writeSessionFile(endedAt?: number): void {
-    const ended = endedAt === undefined ? {} : { ended_at: endedAt };
+    const about = { ...this.info, pubkey: this.id.publicKey, pid: process.pid, ...some("host", this.host) };
     writeFileAtomic(
       path.join(this.journal.stateDir, "session.json"),
-      JSON.stringify({
-        ...this.info,
-        pubkey: this.id.publicKey,
-        pid: process.pid,
-        ...(this.host ? { host: this.host } : {}),
-        ...ended,
-      }) + "\n",
+      JSON.stringify({ ...about, ...some("ended_at", endedAt) }) + "\n",
     );
   }
 
   // -- pairing (operator decisions, exposed as tools) --------------------------
 
   /**
-   * Knocks on a node (a signed pair_request carrying our name), sent to its
-   * live session (else one that is away) from which its acceptance comes back
-   * to this session's route. A node that is already our peer may still lack us
-   * (a one-sided pairing): the knock then asks it to add us. A knock of ours
-   * still unanswered is sent again with its msg_id, so an acceptance of either
-   * copy matches it (as the reference does).
+   * Knocks on a node (a signed pair_request carrying our name) at its live session, else one away; its acceptance
+   * comes back to this session's route. A peer may still lack us (a one-sided pairing): the knock asks it to add us.
+   * A knock still unanswered is sent again with its msg_id, so an acceptance of either copy matches (as the
+   * reference does).
    */
   async requestPair(
     target: string,
@@ -10881,24 +10823,19 @@ class Agent {
       checkPetname(petname);
       if (this.peers().byName.has(petname)) throw new InterlinkError(`petname '${petname}' is taken; choose another`);
     }
-    const entries = await this.discover();
-    let key: string | undefined;
-    let claimed: string | undefined;
-    const byKey = entries.find((e) => e.pubkey === target);
-    const byPrefix = target.length >= 4 ? entries.filter((e) => e.pubkey.startsWith(target)) : [];
-    const byName = entries.filter((e) => e.name === target);
-    for (const candidates of [byKey ? [byKey] : [], byPrefix, byName]) {
-      if (candidates.length > 1) {
-        throw new InterlinkError(
-          `'${target}' matches ${candidates.length} roster entries; use more of the fingerprint or the full key`,
-        );
-      }
-      if (candidates.length === 1) {
-        key = candidates[0].pubkey;
-        claimed = candidates[0].name;
-        break;
-      }
+    const nodes = new Map<string, PeerSession>(); // every other node on the rosters, by its freshest entry (the first)
+    for (const s of await this.roster(true)) if (s.key !== this.id.publicKey && !nodes.has(s.key)) nodes.set(s.key, s);
+    const entries = [...nodes.values()];
+    const byKey = entries.filter((e) => e.key === target);
+    const byPrefix = target.length >= 4 ? entries.filter((e) => e.key.startsWith(target)) : [];
+    const found = [byKey, byPrefix, entries.filter((e) => e.name === target)].find((c) => c.length);
+    if (found && found.length > 1) {
+      throw new InterlinkError(
+        `'${target}' matches ${found.length} roster entries; use more of the fingerprint or the full key`,
+      );
     }
+    let key = found?.[0].key;
+    const claimed = found?.[0].name;
     const already = key ? this.petnameOf(key) : this.peers().byName.has(target) ? target : undefined;
     key ??= already ? this.peers().byName.get(already) : undefined;
     if (!key) {
@@ -10909,9 +10846,7 @@ class Agent {
       }
     }
     if (key === this.id.publicKey) throw new InterlinkError("that is this node's own key");
-    const sessions = (await this.roster()).filter((s) => s.key === key && s.session);
-    const to = sessions.find((s) => presence(s.ageMs) === "live") ?? sessions[0];
-    const recipient = to ? `${key}#${to.session!.session_id}` : key;
+    const { to, recipient } = sessionRoute(await this.roster(), key);
     const where = to
       ? `to its session ${showId(to.session!.session_id)} (${presence(to.ageMs) === "live" ? "live" : "away"})`
       : "to its key (no session of it is on a roster: its next session reads it)";
@@ -10933,46 +10868,32 @@ class Agent {
     const matches = [...this.state.knocksIn].filter(([key]) => key.startsWith(fp));
     if (fp.length < 4 || matches.length !== 1) {
       const open = [...this.state.knocksIn].map(([k, v]) => `${fingerprint(k)} ("${v.name}")`).join(", ") || "none";
-      throw new InterlinkError(
-        `${
-          matches.length > 1 ? `'${fp}' matches several` : `no pair request matches '${fp}'`
-        }; pending requests: ${open}`,
-      );
+      const what = matches.length > 1 ? `'${fp}' matches several` : `no pair request matches '${fp}'`;
+      throw new InterlinkError(`${what}; pending requests: ${open}`);
     }
     return matches[0];
   }
 
   /**
-   * Files the knocker as a peer and tells it so: a signed pair_accept whose
-   * in_reply_to names its request, sent to the session that asked (its
-   * reply_to), as 0.9-0.11 do; a 0.8 node matches it by our key alone.
+   * Files the knocker as a peer and tells it so: a pair_accept whose in_reply_to names its request, to the session
+   * that asked (its reply_to), as 0.9-0.11 do; a 0.8 node matches it by our key alone.
    */
   async acceptPair(fp: string, petname?: string): Promise<string> {
     const [key, knock] = this.findKnock(fp);
     let name = petname;
     if (name === undefined) {
-      if (!PETNAME_RE.test(knock.name) || this.peers().byName.has(knock.name)) {
-        throw new InterlinkError(
-          `the claimed name "${knock.name}" is ${
-            PETNAME_RE.test(knock.name) ? "already a petname" : "not a valid petname"
-          }; pass petname to choose one`,
-        );
-      }
+      const why = !PETNAME_RE.test(knock.name)
+        ? "not a valid petname"
+        : this.peers().byName.has(knock.name)
+        ? "already a petname"
+        : null;
+      if (why) throw new InterlinkError(`the claimed name "${knock.name}" is ${why}; pass petname to choose one`);
       name = knock.name;
     }
     const existing = this.petnameOf(key);
     if (existing === undefined) await addPeer(this.cfg.peersFile, checkPetname(name), key);
-    let recipient = knock.replyTo;
-    if (!recipient) {
-      const sessions = (await this.roster().catch(() => [])).filter((s) => s.key === key && s.session);
-      const to = sessions.find((s) => presence(s.ageMs) === "live") ?? sessions[0];
-      recipient = to ? `${key}#${to.session!.session_id}` : key;
-    }
-    await this.enqueue({
-      draft: { to: key, text: this.cfg.name, kind: "pair_accept", in_reply_to: knock.msgId },
-      recipient,
-      peer: existing ?? name,
-    });
+    const recipient = knock.replyTo || sessionRoute(await this.roster().catch(() => []), key).recipient;
+    await this.#confirmPair(key, knock.msgId, recipient, existing ?? name);
     await this.journal.appendDurable([{ t: "paired", key, how: "accepted", petname: existing ?? name }]);
     return existing ?? name;
   }
@@ -10983,10 +10904,7 @@ class Agent {
     return key;
   }
 
-  /**
-   * Every other session on the rosters of all buses (see readRoster), cached
-   * for ROSTER_CACHE_MS so a burst of sends costs one round.
-   */
+  /** Every other session on all rosters (see readRoster), cached ROSTER_CACHE_MS: a burst of sends reads once. */
   async roster(fresh = false): Promise<PeerSession[]> {
     const cached = this.#roster;
     // A cached entry has aged since it was read: judged as fresh, a session that said goodbye meanwhile looks resumed.
@@ -11018,24 +10936,10 @@ class Agent {
     return sessions;
   }
 
-  /** Verified roster entries of other nodes, one per key (its freshest), for pairing. */
-  async discover(): Promise<(Announcement & { bus: string })[]> {
-    const seen = new Map<string, Announcement & { bus: string }>();
-    for (const s of await this.roster(true)) {
-      if (s.key === this.id.publicKey) continue;
-      const prev = seen.get(s.key);
-      if (!prev) seen.set(s.key, { pubkey: s.key, name: s.name, ts: 0, sig: "", bus: s.bus });
-    }
-    return [...seen.values()];
-  }
-
   /**
-   * Where a message for `key` goes (SPEC-sessions §6), and what to tell the
-   * sender about it: an explicit session hint (exact, else a unique prefix);
-   * else the session of the task it belongs to; else the session that last
-   * wrote to us (reply_to), if it is on the roster; else the only live
-   * session; else the only one. Several candidates: an error that lists them.
-   * A legacy (0.4) node, or a key not on any roster, gets its bare key.
+   * Where a message for `key` goes (SPEC-sessions §6) and what to tell the sender: a session hint (exact, else a
+   * unique prefix); else the task's session; else the one that last wrote to us, if on the roster; else the only live
+   * one; else the only one (several: an error listing them). A 0.4 node, or a key on no roster, gets its bare key.
    */
   async route(key: string, hint: string | undefined, taskSession: string | undefined): Promise<RouteChoice> {
     let sessions: PeerSession[] = [];
@@ -11084,9 +10988,7 @@ class Agent {
   /** On a clean exit: unregister from every bus, and say goodbye on each open task, within GOODBYE_MS. */
   async #sayGoodbye(): Promise<void> {
     const deadline = AbortSignal.timeout(GOODBYE_MS);
-    const ts = this.now();
-    const sig = await this.id.sign(unregisterBytes({ pubkey: this.id.publicKey, session_id: this.cfg.session, ts }));
-    const unregister = { pubkey: this.id.publicKey, session: this.info, ts, sig };
+    const unregister = await this.#unregistration(this.info);
     const goodbyes: Promise<unknown>[] = [];
     for (const t of this.state.tasks.values()) {
       if (t.closed) continue;
@@ -11111,20 +11013,13 @@ class Agent {
 // Waking a Codex session
 // ============================================================================
 //
-//
-// Codex CLI has no channel and no hook that wakes an idle model. A session is
-// woken by queueing a user turn into its thread: `codex queue --thread <id>
-// --message <text>` (Codex 0.171), which its shared local daemon starts within
-// a tenth of a second (a session run with --no-daemon or -c takes it on its
-// own 10 s poll). The server does this itself, whenever something the model
-// must see is unread: the same attributed blocks `wait` prints, marked shown
-// only once Codex has stored the turn (exit 0), under the inbox lock so
-// check_inbox never hands out the same item. A queue that fails leaves them
-// unread (check_inbox shows them) and is retried with a back-off; `doctor`
-// reads why from the session's wake.json. Progress (an `update`) wakes
-// nobody, and a newer update or a terminal status on the same task supersedes
-// an unread one, which is then never shown. Past CODEX_WAKE_MAX_BYTES the
-// turn is a short notice that points to check_inbox.
+// Codex CLI has no channel and no hook that wakes an idle model. A session is woken by queueing a user turn into its
+// thread: `codex queue --thread <id> --message <text>` (Codex 0.171), which its shared local daemon starts within a
+// tenth of a second (a session run with --no-daemon or -c takes it on its own 10 s poll). The server does this
+// whenever something the model must see is unread: the blocks `wait` prints, marked shown only once Codex has stored
+// the turn (exit 0), under the inbox lock so check_inbox never hands out the same item. A failed queue leaves them
+// unread and is retried with a back-off; `doctor` reads why from the session's wake.json. Progress (an `update`)
+// wakes nobody, and a newer update or a terminal status on the same task supersedes an unread one (never shown).
 
 /** A queued turn this long or more is a notice instead (Linux takes at most 128 KiB in one argument). */
 const CODEX_WAKE_MAX_BYTES = 16 * 1024;
@@ -11143,13 +11038,10 @@ interface CodexTarget {
 }
 
 /**
- * The turn to queue for what is unread, in arrival order: null when only
- * progress waits (it wakes nobody). `shown` are the items the turn shows;
- * `superseded`, the unread updates a newer update or terminal status on the
- * same task makes moot (never shown); `notice`, a turn too long to hold the
- * blocks, which then points to check_inbox and shows nothing. It judges by the
- * items' heads and reads messages back (`read`; undefined: gone) one at a time,
- * no further than a turn can hold, so a long inbox is never in memory whole.
+ * The turn to queue for what is unread, in arrival order (null when only progress waits): `shown`, the items it
+ * shows; `superseded`, the unread updates a later status on their task makes moot; `notice`, a turn too long for the
+ * blocks, which then points to check_inbox and shows nothing. It judges by the items' heads and reads messages back
+ * (`read`; undefined: gone) one at a time, no further than a turn can hold: a long inbox is never in memory whole.
  */
 function planWake(
   items: HeldItem[],
@@ -11192,14 +11084,10 @@ function planWake(
 }
 
 /**
- * Queues one user turn into a Codex thread (no shell: argv only, bounded by
- * CODEX_QUEUE_TIMEOUT_MS). `retry` is false when trying again cannot help: no
- * such thread, an ephemeral one, no codex binary.
+ * Queues one user turn into a Codex thread (argv, no shell). `retry` is false when trying again cannot help: no such
+ * thread, an ephemeral one, no codex binary.
  */
-function codexQueue(
-  t: CodexTarget,
-  text: string,
-): Promise<{ ok: true } | { ok: false; retry: boolean; why: string }> {
+function codexQueue(t: CodexTarget, text: string): Promise<{ ok: true } | { ok: false; retry: boolean; why: string }> {
   return new Promise((resolve) => {
     const env = { ...process.env, ...(t.home ? { CODEX_HOME: t.home } : {}) };
     let out = "";
@@ -11230,17 +11118,12 @@ function codexQueue(
   });
 }
 
-/**
- * Keeps a Codex session woken: whenever its agent's inbox gains something, a
- * turn is queued for what waits (planWake), and the items it shows are marked
- * shown once Codex has it. One queue at a time, so turns keep their order.
- */
+/** Keeps a Codex session woken as its agent's inbox gains (planWake): one queue at a time, so turns keep their order. */
 class CodexWaker {
   #latch = new WakeLatch();
   #stopped = false;
   #done: Promise<void> = Promise.resolve();
   #noticed = new BoundedMap<string, true>(1024); // items a notice already pointed at: not noticed again
-  /** The last outcome, for doctor (also written to the session's wake.json). */
   last: { at: number; ok: boolean; why?: string } | null = null;
 
   constructor(readonly agent: Agent, readonly target: CodexTarget) {}
@@ -11306,6 +11189,7 @@ class CodexWaker {
     });
   }
 
+  /** Keeps the last outcome for doctor, in the session's wake.json, and logs a change. */
   #note(ok: boolean, why?: string): void {
     if (!ok && this.last?.why !== why) {
       logWarn(`cannot wake the Codex session ${this.target.thread}: ${why}; what waits stays in its inbox`);
@@ -11336,10 +11220,8 @@ interface Arg {
 type ArgMaker = (name: string) => Arg;
 
 /**
- * Tool argument schemas with the wording a model can act on ("'text' is
- * required (…)", "unknown status 'done'; use one of: …"). Each tool declares
- * its arguments once with these: every call is checked against them, and
- * tools/list shows them as JSON Schema.
+ * Tool argument schemas with the wording a model can act on ("'text' is required (…)", "unknown status 'done'; use
+ * one of: …"): declared once per tool, every call is checked against them and tools/list shows them.
  */
 const ARGS = {
   /** A required, non-empty string. */
@@ -11381,12 +11263,10 @@ const ARGS = {
   }),
 };
 
-type ArgKit = typeof ARGS;
-
 interface ToolSpec {
   name: string;
   description: string;
-  args: (k: ArgKit) => Record<string, ArgMaker>;
+  args: (k: typeof ARGS) => Record<string, ArgMaker>;
   annotations: { readOnlyHint: boolean; destructiveHint?: boolean; idempotentHint?: boolean; openWorldHint?: boolean };
   /**
    * It changes whom this node trusts (pairing, peers.json): the operator's decision only. The one source of that
@@ -11401,9 +11281,7 @@ interface ToolSpec {
 const OPERATOR_ONLY = "OPERATOR DECISION ONLY: ";
 
 /** What tools/list shows of a tool: its name, description, schema and hints, trust-changing ones marked as such. */
-function toolListing(
-  t: ToolSpec,
-): { name: string; description: string; inputSchema: object; annotations: object } {
+function toolListing(t: ToolSpec): { name: string; description: string; inputSchema: object; annotations: object } {
   return {
     name: t.name,
     description: t.changesTrust ? OPERATOR_ONLY + t.description : t.description,
@@ -11412,11 +11290,7 @@ function toolListing(
   };
 }
 
-/**
- * A tool's whole argument object: its declared arguments and nothing else.
- * `inputSchema` is what tools/list shows; `problem(args)` says why a call's
- * arguments will not do (every reason, in the declared order), or null.
- */
+/** A tool's argument object (its declared arguments only); `problem`: every reason a call's will not do, or null. */
 function toolSchema(tool: ToolSpec): { inputSchema: object; problem(args: unknown): string | null } {
   const args = Object.entries(tool.args(ARGS)).map(([name, make]) => [name, make(name)] as const);
   const takes = args.map(([name]) => name).join(", ") || "no arguments";
@@ -11443,10 +11317,9 @@ function toolSchema(tool: ToolSpec): { inputSchema: object; problem(args: unknow
   };
 }
 
-const opt = (
-  args: Record<string, unknown>,
-  key: string,
-): string | undefined => (typeof args[key] === "string" && args[key] !== "" ? (args[key] as string) : undefined);
+/** A string argument, undefined when absent or empty. */
+const opt = (args: Record<string, unknown>, key: string): string | undefined =>
+  typeof args[key] === "string" && args[key] !== "" ? args[key] as string : undefined;
 
 /** describeOut, and why it waits if its route is held (see NodeState.waitsFor). */
 function describeSettled(agent: Agent, e: OutEntry): string {
@@ -11494,27 +11367,17 @@ const HELD_LISTED = 10;
 
 /** Where a message of ours stands; `waits`: why its route holds it in the outbox (see waitWords). */
 function describeOut(e: OutEntry, waits?: string | null): string {
-  const task = e.msg.task_id ? ` ${taskTag(e.msg)}` : "";
-  const to = e.peer ?? fingerprint(e.msg.to);
-  if (e.refused) return `msg_id ${e.msg.msg_id} to ${to}${task}: refused (${escapePeerText(e.refused, true)})`;
-  if (e.movedTo) {
-    return `msg_id ${e.msg.msg_id} to ${to}${task}: this session had ended, and session ${e.movedTo} took it over (ask there)`;
-  }
-  if (e.sentAt || e.delivered || e.refusedBy) return `msg_id ${e.msg.msg_id} to ${to}${task}: ${deliveryTrail(e, to)}`;
-  if (waits) {
-    return `msg_id ${e.msg.msg_id} to ${to}${task}: queued since ${isoTime(e.at)}; it waits in the outbox: ${waits}`;
-  }
+  const to = e.peer ?? fingerprint(e.msg.to), since = isoTime(e.at);
+  const head = `msg_id ${e.msg.msg_id} to ${to}${e.msg.task_id ? ` ${taskTag(e.msg)}` : ""}: `;
+  if (e.refused) return `${head}refused (${escapePeerText(e.refused, true)})`;
+  if (e.movedTo) return `${head}this session had ended, and session ${e.movedTo} took it over (ask there)`;
+  if (e.sentAt || e.delivered || e.refusedBy) return head + deliveryTrail(e, to);
+  if (waits) return `${head}queued since ${since}; it waits in the outbox: ${waits}`;
   const why = e.lastError ? `; last attempt: ${escapePeerText(e.lastError, true)}` : "";
-  return `msg_id ${e.msg.msg_id} to ${to}${task}: queued since ${
-    isoTime(e.at)
-  }, not yet accepted by a bus (${e.attempts} attempts${why}); it stays in the durable outbox and is retried automatically`;
+  return `${head}queued since ${since}, not yet accepted by a bus (${e.attempts} attempts${why}); it stays in the durable outbox and is retried automatically`;
 }
 
-/**
- * A sent message's way as far as we know it: sent (the buses that took it),
- * then what the recipient's receipts reported, by its clock. A node that
- * sends no receipts (a reference node) leaves it at sent.
- */
+/** A sent message's way as far as we know: sent, then what the recipient's receipts said (a reference node's: none). */
 function deliveryTrail(e: OutEntry, to: string): string {
   const steps = e.sentAt ? [`sent at ${isoTime(e.sentAt)} (accepted by ${e.via?.join(", ")})`] : [];
   if (e.refusedBy) steps.push(`REFUSED by ${to} at ${isoTime(e.refusedBy.at)}: ${refusalWords(e.refusedBy)}`);
@@ -11543,10 +11406,9 @@ function describeTask(
     : t.requested_by === "peer"
     ? `${peer}'s operator`
     : "your operator";
+  const session = t.peer_session ? ` (session ${showId(t.peer_session.slice(0, 12))})` : "";
   const parts = [
-    `task ${showId(t.task_id)} with ${peer}${
-      t.peer_session ? ` (session ${showId(t.peer_session.slice(0, 12))})` : ""
-    }`,
+    `task ${showId(t.task_id)} with ${peer}${session}`,
     `requested by ${t.requested_by === "me" ? "you" : peer}`,
     `status ${t.status ?? "open (no status yet)"}`,
     t.closed ? "closed" : "open",
@@ -11554,14 +11416,11 @@ function describeTask(
   if (t.parent) {
     const last = t.requested_by === "me" ? peer : "you";
     const chain = t.chain ? `; depth ${t.depth ?? t.chain.length}: ${[...t.chain.map(name), last].join(" → ")}` : "";
+    const parent = showId(t.parent.task_id), requester = name(t.parent.requester);
     parts.push(
       t.requested_by === "me"
-        ? `a sub-task of ${showId(t.parent.task_id)}, which ${
-          name(t.parent.requester)
-        } asked of you (owned by ${owner}${chain})`
-        : `${peer}'s node says it serves its task ${showId(t.parent.task_id)} for ${
-          name(t.parent.requester)
-        } (owned by ${owner}${chain})`,
+        ? `a sub-task of ${parent}, which ${requester} asked of you (owned by ${owner}${chain})`
+        : `${peer}'s node says it serves its task ${parent} for ${requester} (owned by ${owner}${chain})`,
     );
   }
   if (t.peer_closed_at && !t.closed) {
@@ -11571,25 +11430,21 @@ function describeTask(
   if (last?.refusedBy) {
     parts.push(`${peer} REFUSED your last message ${last.msg.msg_id}: ${refusalWords(last.refusedBy)}`);
   } else if (last?.delivered && !last.shown) {
+    const at = isoTime(last.delivered.at);
     parts.push(
-      `your last message ${last.msg.msg_id} was delivered to ${peer}'s session at ${
-        isoTime(last.delivered.at)
-      } but is not yet shown to its model (the session may be busy or idle)`,
+      `your last message ${last.msg.msg_id} was delivered to ${peer}'s session at ${at} but is not yet shown to its model (the session may be busy or idle)`,
     );
   }
   for (const q of t.awaiting) {
-    const since = q.at === undefined ? "" : ` since ${isoTime(q.at)}`;
-    if (q.asked_by === "peer" && q.forwarded) {
+    const since = q.at === undefined ? "" : ` since ${isoTime(q.at)}`, id = showId(q.msg_id), fwd = q.forwarded;
+    if (q.asked_by === "peer" && fwd) {
+      const to = `${name(fwd.to)} on task ${showId(fwd.task_id)} (as ${fwd.as})`;
       parts.push(
-        `${peer}'s question ${showId(q.msg_id)}${since} is forwarded to ${name(q.forwarded.to)} on task ${
-          showId(q.forwarded.task_id)
-        } (as ${q.forwarded.as}), for ${owner}: the answer comes back through you and goes on by itself`,
+        `${peer}'s question ${id}${since} is forwarded to ${to}, for ${owner}: the answer comes back through you and goes on by itself`,
       );
     } else if (q.asked_by === "peer") {
       parts.push(
-        `BLOCKED on ${peer}'s question ${
-          showId(q.msg_id)
-        }${since}, for ${owner}: ask your operator and answer with in_reply_to=${showId(q.msg_id)}`,
+        `BLOCKED on ${peer}'s question ${id}${since}, for ${owner}: ask your operator and answer with in_reply_to=${id}`,
       );
     } else {
       const by = q.earlier ? `, by your earlier session ${showId(q.earlier)}` : "";
@@ -11604,10 +11459,8 @@ function describeTask(
 function taskTable(agentLike: PeerNames, tasks: Iterable<TaskRow>, peer?: string, openOnly = false): TaskRow[] {
   const key = peer === undefined ? undefined : peerKey(agentLike.peers(), peer);
   // A task of an ended session that another took over is listed there.
-  return [...tasks].filter((t) => !t.moved_to && (!key || t.peer_key === key) && (!openOnly || !t.closed)).sort((
-    a,
-    b,
-  ) => a.last_at - b.last_at);
+  const listed = [...tasks].filter((t) => !t.moved_to && (!key || t.peer_key === key) && (!openOnly || !t.closed));
+  return listed.sort((a, b) => a.last_at - b.last_at);
 }
 
 /** A message in the history: which way, the message, when, the petname, and (ours) how far it got. */
@@ -11623,12 +11476,7 @@ interface HistoryRow {
  * The last `limit` messages with one peer (all peers when undefined), both directions, oldest first, from the
  * journal on disk; with `msgId`, the first message with that msg_id. Only those rows are held while it reads.
  */
-function conversation(
-  stateDir: string,
-  peerKey: string | undefined,
-  limit: number,
-  msgId?: string,
-): HistoryRow[] {
+function conversation(stateDir: string, peerKey: string | undefined, limit: number, msgId?: string): HistoryRow[] {
   const rows: HistoryRow[] = [];
   const ours = new Map<string, HistoryRow>(); // the out rows held, by msg_id: what "sent", "refused", receipts change
   // Damaged records are reported by the fold; history just skips them. A checkpoint holds no history: the
@@ -11704,16 +11552,9 @@ const TOOLS: ToolSpec[] = [
     }),
     annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: false, openWorldHint: true },
     async run(agent, a) {
-      const { entry, note, canceled } = await agent.send({
-        to: a.to as string,
-        text: a.text as string,
-        task_id: opt(a, "task_id"),
-        status: opt(a, "status"),
-        in_reply_to: opt(a, "in_reply_to"),
-        session: opt(a, "session"),
-        channel: opt(a, "channel"),
-        parent_task_id: opt(a, "parent_task_id"),
-      });
+      const optional = ["task_id", "status", "in_reply_to", "session", "channel", "parent_task_id"];
+      const more = Object.fromEntries(optional.map((k) => [k, opt(a, k)]));
+      const { entry, note, canceled } = await agent.send({ to: a.to as string, text: a.text as string, ...more });
       const chain = entry.chain
         ? `; opens a sub-task of ${showId(entry.chain.parent)}, ${chainNote(agent, entry)}`
         : "";
@@ -11738,20 +11579,16 @@ const TOOLS: ToolSpec[] = [
       const key = peerKey(agent.peers(), a.to as string);
       const task = agent.state.tasks.get(taskKey(key, a.task_id as string));
       if (task?.closed) {
+        const at = isoTime(task.last_at), id = showId(task.task_id);
         throw new InterlinkError(
-          `task ${showId(task.task_id)} with ${a.to} is already closed (status ${task.status}, ${
-            isoTime(task.last_at)
-          }); nothing was sent`,
+          `task ${id} with ${a.to} is already closed (status ${task.status}, ${at}); nothing was sent`,
         );
       }
       if (!task) {
-        const open = [...agent.state.tasks.values()].filter((t) => t.peer_key === key && !t.closed).map((t) =>
-          showId(t.task_id)
-        );
+        const theirs = [...agent.state.tasks.values()].filter((t) => t.peer_key === key && !t.closed);
+        const open = theirs.map((t) => showId(t.task_id)).join(", ") || "none";
         throw new InterlinkError(
-          `no task '${a.task_id}' with ${a.to} in this node's log; open tasks with ${a.to}: ${
-            open.join(", ") || "none"
-          }`,
+          `no task '${a.task_id}' with ${a.to} in this node's log; open tasks with ${a.to}: ${open}`,
         );
       }
       const { entry, note, canceled } = await agent.send({
@@ -11870,30 +11707,24 @@ const TOOLS: ToolSpec[] = [
         return `${agent.petnameOf(key) ?? fingerprint(key)}${session ? ` (session ${showId(session)})` : ""}`;
       };
       for (const [route, n] of more) {
+        const who = to(route);
         lines.push(
-          `and ${n} more to ${
-            to(route)
-          }, queued after these and sent in that order (message_status tells where any one stands)`,
+          `and ${n} more to ${who}, queued after these and sent in that order (message_status tells where any one stands)`,
         );
       }
       const refused = [...agent.state.outgoing.values()].filter((e) => e.refused);
       lines.push(...refused.map((e) => describeOut(e)));
+      const kept = corruptFile(agent.journal.file);
       for (const d of damagedOutbox(agent.journal.file)) {
+        const id = d.msgId ? ` (msg_id ${showId(d.msgId)})` : "";
         lines.push(
-          `DAMAGED: a journal line at byte ${d.offset} that looks like a queued message${
-            d.msgId ? ` (msg_id ${showId(d.msgId)})` : ""
-          } could not be read (${d.reason}); it cannot be sent. Its text is kept in ${
-            corruptFile(agent.journal.file)
-          }; ask your operator, and send it again if it matters.`,
+          `DAMAGED: a journal line at byte ${d.offset} that looks like a queued message${id} could not be read (${d.reason}); it cannot be sent. Its text is kept in ${kept}; ask your operator, and send it again if it matters.`,
         );
       }
       for (const [route, { n }] of held) {
-        const shown = listed.get(route) ?? 0;
-        lines.push(
-          `${n} of these to ${to(route)}${shown < n ? ` (the first ${shown} listed above)` : ""} wait in the outbox: ${
-            waitWords(agent, first.get(route)!)
-          }`,
-        );
+        const shown = listed.get(route) ?? 0, why = waitWords(agent, first.get(route)!);
+        const part = shown < n ? ` (the first ${shown} listed above)` : "";
+        lines.push(`${n} of these to ${to(route)}${part} wait in the outbox: ${why}`);
       }
       if (receipts) lines.push(`and ${receipts} delivery receipt(s) to peers, waiting for a bus like any message`);
       return lines.length ? lines.join("\n") : "the outbox is empty: everything was accepted by a bus";
@@ -12091,6 +11922,8 @@ const TOOLS: ToolSpec[] = [
   },
 ];
 
+type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean };
+
 /**
  * A tool call answers within this long whatever a relay does (every relay call has its own deadline; this is the
  * net under them): Claude Code gives up on a call after a minute, and a model waiting that long helps nobody.
@@ -12103,7 +11936,7 @@ async function runTool(
   tool: ToolSpec,
   args: Record<string, unknown>,
   deadlineMs = TOOL_DEADLINE_MS,
-): Promise<{ content: { type: "text"; text: string }[]; isError?: boolean }> {
+): Promise<ToolResult> {
   let timer: ReturnType<typeof setTimeout> | undefined;
   const late = new Promise<never>((_, reject) => {
     timer = setTimeout(() => {
@@ -12130,9 +11963,8 @@ async function runTool(
 const INSTRUCTIONS_MAX_CHARS = 2048;
 
 /**
- * What the model is told at connect: every rule in a few words, for each
- * delivery mode, within INSTRUCTIONS_MAX_CHARS (SKILL.md carries the detail).
- * `notReady` says why interlink cannot work yet and what to tell the operator.
+ * What the model is told at connect: every rule in a few words, per delivery mode, within INSTRUCTIONS_MAX_CHARS
+ * (SKILL.md has the detail). `notReady`: why interlink cannot work yet, for the operator.
  */
 function serverInstructions(delivery: Delivery, notReady?: string, host: Host = "claude"): string {
   if (notReady) {
@@ -12180,8 +12012,6 @@ const MCP_LINE_MAX_CHARS = 4 * 2 ** 20;
 
 /** A request id's text kept from an over-long line, to answer it: ids are short; a longer one is answered with null. */
 const MCP_ID_MAX_CHARS = 1024;
-
-type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean };
 
 /** A request whose params are wrong for its method: answered -32602 (Invalid params) with this message. */
 class McpParamsError extends Error {}
@@ -12269,14 +12099,11 @@ const mcpJson = (message: object): string =>
   JSON.stringify(message, (_k, v) => (typeof v === "string" ? showInvisible(v) : v));
 
 /**
- * The server side of MCP over stdio, by hand: JSON-RPC 2.0, one message per
- * line. interlink needs initialize, ping, tools/list, tools/call and one
- * notification out; the SDK's server (its zod and ajv graph, for a handful of
- * methods) cost every session about 60 ms and 20 MB at its start, and a first
- * start under Deno a fetch from npm. Requests run concurrently, as the SDK
- * runs them; answers and notifications are written whole, in order. The
- * clients it is tested with are the real ones: Claude Code, Codex and the
- * SDK's own client.
+ * The server side of MCP over stdio, by hand: JSON-RPC 2.0, one message per line. interlink needs initialize, ping,
+ * tools/list, tools/call and one notification out; the SDK's server (zod and ajv, for a handful of methods) cost every
+ * session about 60 ms and 20 MB at its start, and under Deno a fetch from npm. Requests run concurrently, as in the
+ * SDK; answers and notifications are written whole, in order. Tested with the real clients: Claude Code, Codex, the
+ * SDK's.
  *
  * The envelope is checked as JSON-RPC 2.0 and MCP say: a line that is not JSON is answered -32700 (id null); a
  * batch, a request with no method, a "jsonrpc" other than "2.0", or an id that is not a string or an integer
@@ -12347,7 +12174,7 @@ class McpStdioServer {
     this.output.once("error", () => this.#closed("stdout closed"));
   }
 
-  /** Sends a notification (a channel event); resolves once it is written. */
+  /** Sends a notification (a channel event), written once the answers before it are. */
   notify(method: string, params: Record<string, unknown>): Promise<void> {
     return this.#write(mcpJson({ jsonrpc: "2.0", method, params }));
   }
@@ -12437,7 +12264,6 @@ class McpStdioServer {
     }
   }
 
-  /** A notification from the client. */
   #notified(method: string, params: unknown, raws: WeakMap<object, Record<string, string>>): void {
     if (method === "notifications/initialized") this.oninitialized();
     if (method === "notifications/cancelled" && isObject(params)) {
