@@ -6299,6 +6299,41 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
     },
     60_000,
   );
+
+  test("list_pending on held routes counts only what it names: receipts to a full route are not its messages, and a held route past the first 100 is not said to be listed above", async () => {
+    const { A, B } = await twoPeers();
+    const alice = await Agent.open(nodeConfig(A, ["http://127.0.0.1:9"]), "test"); // nothing is sent
+    try {
+      const to = (route: string, i: number, kind?: "receipt") =>
+        signMessage(
+          A.id,
+          {
+            to: B.id.publicKey,
+            text: kind ? receiptText([{ state: "delivered", msg_id: `r${i}`, at: 1 }]) : `m ${i}`,
+            kind,
+          },
+          Date.now(),
+        ).then((msg): NewRecord => ({ t: "out", peer: "bob", recipient: route, msg }));
+      const [first, late, acks] = ["b0", "b1", "b2"].map((s) => `${B.id.publicKey}#${s}`);
+      const records: NewRecord[] = [];
+      for (let i = 0; i < 100; i++) records.push(await to(first, i)); // the first 100, not held
+      for (let i = 0; i < 3; i++) records.push(await to(late, i), await to(late, 100 + i, "receipt"));
+      for (let i = 0; i < 2; i++) records.push(await to(acks, 200 + i, "receipt")); // a full route owed receipts only
+      alice.journal.append(records);
+      for (const route of [late, acks]) alice.state.full.set(route, { until: Infinity, failures: 1, why: "full" });
+      const listed = await tool(alice, "list_pending");
+      expect(listed.split("\n").filter((l) => l.startsWith("msg_id ")).length).toBe(100);
+      // bob#b1's three messages, none of them listed; its receipts are counted with the others, once.
+      expect(listed).toContain(
+        "3 messages to bob (session b1), none listed above, wait in the outbox: the route to bob is full",
+      );
+      expect(listed).not.toContain("listed above) wait");
+      expect(listed).toContain("and 5 delivery receipt(s) to peers");
+      expect(listed).not.toContain("session b2"); // receipts only: nothing of the model's waits there
+    } finally {
+      await alice.stop();
+    }
+  });
 });
 
 describe("the Claude Code plugin, the launcher and the shared configuration", () => {

@@ -11684,7 +11684,9 @@ const TOOLS: ToolSpec[] = [
       let receipts = 0;
       const listed = new Map<string, number>(); // route → how many of its are listed one by one
       const more = new Map<string, number>(); // a route not held → how many wait past the first PENDING_LISTED
-      const first = new Map<string, OutEntry>(); // a held route's first message: why it waits
+      // A held route's first message that waits (why it waits) and how many of the model's wait from it on: its
+      // receipts are the receipts line's, and a route held for receipts alone has nothing of the model's waiting.
+      const first = new Map<string, { e: OutEntry; n: number }>();
       for (let slot = pending.next(-1); slot >= 0; slot = pending.next(slot)) {
         if (pending.kindAt(slot) === "receipt") {
           receipts++;
@@ -11693,9 +11695,11 @@ const TOOLS: ToolSpec[] = [
         const route = pending.recipientAt(slot), n = listed.get(route) ?? 0;
         // A held route lists its first few: the rest wait behind them, in order, and are counted below.
         const entry = () => agent.state.entry(pending.idAt(slot))!;
-        if (held.has(route) && !first.has(route)) {
+        const waiting = first.get(route);
+        if (waiting) waiting.n++;
+        else if (held.has(route)) {
           const e = entry(); // the first that waits: a knock before it goes as usual
-          if (agent.state.waitsFor(e)) first.set(route, e);
+          if (agent.state.waitsFor(e)) first.set(route, { e, n: 1 });
         }
         if (lines.length < PENDING_LISTED && !(held.has(route) && n >= HELD_LISTED)) {
           lines.push(describeOut(entry()));
@@ -11721,10 +11725,12 @@ const TOOLS: ToolSpec[] = [
           `DAMAGED: a journal line at byte ${d.offset} that looks like a queued message${id} could not be read (${d.reason}); it cannot be sent. Its text is kept in ${kept}; ask your operator, and send it again if it matters.`,
         );
       }
-      for (const [route, { n }] of held) {
-        const shown = listed.get(route) ?? 0, why = waitWords(agent, first.get(route)!);
-        const part = shown < n ? ` (the first ${shown} listed above)` : "";
-        lines.push(`${n} of these to ${to(route)}${part} wait in the outbox: ${why}`);
+      for (const [route, { e, n }] of first) {
+        const shown = listed.get(route) ?? 0, why = waitWords(agent, e);
+        const these = !shown
+          ? `${n} message${n === 1 ? "" : "s"} to ${to(route)}, none listed above,`
+          : `${n} of these to ${to(route)}${shown < n ? ` (the first ${shown} listed above)` : ""}`;
+        lines.push(`${these} wait in the outbox: ${why}`);
       }
       if (receipts) lines.push(`and ${receipts} delivery receipt(s) to peers, waiting for a bus like any message`);
       return lines.length ? lines.join("\n") : "the outbox is empty: everything was accepted by a bus";
