@@ -4629,6 +4629,51 @@ describe("the node core: decisions are lists of effects, carried out in order", 
     expect(small.text.indexOf("0 x")).toBeLessThan(small.text.indexOf("2 x"));
   });
 
+  test("a Codex wake over random inboxes decides as the wake that read every message whole did, and one whose messages read back as gone wakes no one for nothing", async () => {
+    const NOW = 1_767_225_600_000;
+    const peers = parsePeers(JSON.stringify({ alice: { key: alice.publicKey }, eve: { key: eve.publicKey } }));
+    let seed = 7;
+    const rand = (n: number) => (seed = (seed * 1_103_515_245 + 12_345) % 2 ** 31) % n;
+    for (let round = 0; round < 200; round++) {
+      const state = new NodeState(() => NOW);
+      for (let i = 0, n = 1 + rand(8); i < n; i++) {
+        if (rand(6) === 0) {
+          state.apply({ t: "knock", at: NOW + i, key: eve.publicKey, name: "eve", msg_id: `k${i}`, ts: NOW });
+          continue;
+        }
+        const task_id = ["t1", "t2", undefined][rand(3)];
+        const status = task_id
+          ? ([undefined, "update", "update", "result", "needs_input"] as const)[rand(5)]
+          : undefined;
+        const from = rand(2) ? alice : eve;
+        const msg = await signMessage(from, { to: bob.publicKey, text: `${round}.${i}`, task_id, status }, NOW);
+        state.apply({ t: "in", at: NOW + i, peer: from === alice ? "alice" : "eve", msg });
+      }
+      const heads = [...state.inbox.values()];
+      const whole = heads.map((i) => state.readable(i));
+      // The old wake (95ff35a): every message read whole, superseded by a later status on the same task.
+      const isUpdate = (i: InboxItem) => i.kind === "message" && i.msg.status === "update";
+      const taskOf = (i: InboxItem) => (i.kind === "message" && i.msg.task_id ? `${i.msg.from} ${i.msg.task_id}` : "");
+      const oldSuperseded = whole.filter((i, n) =>
+        isUpdate(i) &&
+        whole.slice(n + 1).some((later) => taskOf(later) === taskOf(i) && later.kind === "message" && later.msg.status)
+      ).map((i) => i.id);
+      const oldShown = whole.filter((i) => !oldSuperseded.includes(i.id)).map((i) => i.id);
+      const plan = planWake(heads, peers, (i) => state.readable(i), 1 << 20);
+      if (!whole.some((i) => !isUpdate(i))) expect(plan).toBeNull();
+      else expect([plan!.shown, plan!.superseded, plan!.notice]).toEqual([oldShown, oldSuperseded, false]);
+      // Some read back as gone: they are left out, and what is left wakes only if the old rule would wake for it.
+      const goneIds = new Set(heads.filter(() => rand(3) === 0).map((i) => i.id));
+      const left = planWake(heads, peers, (i) => (goneIds.has(i.id) ? undefined : state.readable(i)), 1 << 20);
+      const kept = whole.filter((i) => !goneIds.has(i.id) && !oldSuperseded.includes(i.id));
+      if (!kept.some((i) => !isUpdate(i))) expect(left).toBeNull();
+      else {
+        expect(left!.shown).toEqual(kept.map((i) => i.id));
+        expect(left!.text).toContain(`interlink: ${kept.length} message(s) from peers arrived`);
+      }
+    }
+  });
+
   const NOW = Date.now();
   let A: NodeFiles, B: NodeFiles;
   let peers: Peers;

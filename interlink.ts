@@ -11071,6 +11071,8 @@ function planWake(
     bytes += utf8Bytes(formatInbox([item], peers));
     if (bytes >= maxBytes) break; // the turn cannot hold them: a notice, below
   }
+  // What read back may be updates alone, or nothing (the rest gone): no turn for that, as for an inbox of updates.
+  if (bytes < maxBytes && whole.every((i) => i.kind === "message" && i.msg.status === "update")) return null;
   const text = bytes < maxBytes ? wakeText(whole, peers) : "";
   if (text && utf8Bytes(text) < maxBytes) return { text, shown: whole.map((i) => i.id), superseded, notice: false };
   const from = [...new Set(shown.map((i) => (i.kind === "message" ? i.peer : "interlink")))].join(", ");
