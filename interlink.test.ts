@@ -626,6 +626,22 @@ describe("the gate", () => {
     expect(replay.full(NOW + FRESH_PAST_MS + 1, alice.publicKey)).toBe(false); // room again once they age out
   });
 
+  test("a sender whose entries have all aged out is not held to its share for them: the share counts fresh entries only", () => {
+    const replay = new ReplayMemory(4);
+    for (let i = 0; i < 4; i++) replay.remember("alice", `a${i}`, NOW, NOW); // alice fills it
+    const later = NOW + 60 * 60_000;
+    for (const [who, n] of [["bob", 2], ["carol", 2]] as const) {
+      for (let i = 0; i < n; i++) {
+        expect(replay.full(later, who)).toBe(false);
+        replay.remember(who, `${who}${i}`, later, later);
+      }
+    }
+    // A day on, alice's four are stale (freshness alone refuses their replays); the four fresh ones fill the cap.
+    const dayOn = NOW + FRESH_PAST_MS + 1;
+    expect(replay.full(dayOn, "alice")).toBe(false); // she holds nothing fresh: under her share (4 split by 2)
+    expect(replay.full(dayOn, "bob")).toBe(true); // bob holds his share (2) of fresh ones already
+  });
+
   test("replay memory keeps a message for the whole 24 h freshness window, not a minute less", () => {
     const r = new ReplayMemory();
     r.remember("a", "m", NOW, NOW);

@@ -1446,14 +1446,20 @@ class ReplayMemory {
   full(nowMs: number, sender?: string): boolean {
     if (this.#seen.size < this.cap) return false;
     let stale = 0;
-    for (const ts of this.#seen.values()) {
+    const aged = new Map<string, number>(); // sender → its entries in the stale front (bounded by #seen)
+    for (const [key, ts] of this.#seen) {
       if (ts >= nowMs - FRESH_PAST_MS) break;
       stale++;
+      const by = ReplayMemory.#senderOf(key);
+      aged.set(by, (aged.get(by) ?? 0) + 1);
     }
     const fresh = this.#seen.size - stale;
     if (fresh < this.cap) return false;
     if (sender === undefined || fresh >= 2 * this.cap) return true;
-    return (this.#held.get(sender) ?? 0) >= this.cap / this.#held.size;
+    // Shares of the fresh entries: a sender whose entries have all aged out (not forgotten yet) holds none.
+    let senders = this.#held.size;
+    for (const [by, n] of aged) if (n === this.#held.get(by)) senders--;
+    return (this.#held.get(sender) ?? 0) - (aged.get(sender) ?? 0) >= this.cap / senders;
   }
 
   /** What it holds, oldest first ("<sender> <msg_id>", message ts). */
@@ -1486,9 +1492,11 @@ class ReplayMemory {
     }
   }
 
+  static #senderOf = (key: string) => key.slice(0, key.indexOf(" ")); // "<sender> <msg_id>": a key has no space
+
   /** Counts an entry in (1) or out (-1) of its sender's share. */
   #count(key: string, by: 1 | -1): void {
-    const sender = key.slice(0, key.indexOf(" ")); // "<sender> <msg_id>": a key has no space
+    const sender = ReplayMemory.#senderOf(key);
     const n = (this.#held.get(sender) ?? 0) + by;
     if (n > 0) this.#held.set(sender, n);
     else this.#held.delete(sender);
