@@ -626,6 +626,22 @@ describe("the gate", () => {
     expect(replay.full(NOW + FRESH_PAST_MS + 1, alice.publicKey)).toBe(false); // room again once they age out
   });
 
+  test("a sender whose entries have all aged out is not held to its share for them: the share counts fresh entries only", () => {
+    const replay = new ReplayMemory(4);
+    for (let i = 0; i < 4; i++) replay.remember("alice", `a${i}`, NOW, NOW); // alice fills it
+    const later = NOW + 60 * 60_000;
+    for (const [who, n] of [["bob", 2], ["carol", 2]] as const) {
+      for (let i = 0; i < n; i++) {
+        expect(replay.full(later, who)).toBe(false);
+        replay.remember(who, `${who}${i}`, later, later);
+      }
+    }
+    // A day on, alice's four are stale (freshness alone refuses their replays); the four fresh ones fill the cap.
+    const dayOn = NOW + FRESH_PAST_MS + 1;
+    expect(replay.full(dayOn, "alice")).toBe(false); // she holds nothing fresh: under her share (4 split by 2)
+    expect(replay.full(dayOn, "bob")).toBe(true); // bob holds his share (2) of fresh ones already
+  });
+
   test("replay memory keeps a message for the whole 24 h freshness window, not a minute less", () => {
     const r = new ReplayMemory();
     r.remember("a", "m", NOW, NOW);
@@ -4629,6 +4645,51 @@ describe("the node core: decisions are lists of effects, carried out in order", 
     expect(small.text.indexOf("0 x")).toBeLessThan(small.text.indexOf("2 x"));
   });
 
+  test("a Codex wake over random inboxes decides as the wake that read every message whole did, and one whose messages read back as gone wakes no one for nothing", async () => {
+    const NOW = 1_767_225_600_000;
+    const peers = parsePeers(JSON.stringify({ alice: { key: alice.publicKey }, eve: { key: eve.publicKey } }));
+    let seed = 7;
+    const rand = (n: number) => (seed = (seed * 1_103_515_245 + 12_345) % 2 ** 31) % n;
+    for (let round = 0; round < 200; round++) {
+      const state = new NodeState(() => NOW);
+      for (let i = 0, n = 1 + rand(8); i < n; i++) {
+        if (rand(6) === 0) {
+          state.apply({ t: "knock", at: NOW + i, key: eve.publicKey, name: "eve", msg_id: `k${i}`, ts: NOW });
+          continue;
+        }
+        const task_id = ["t1", "t2", undefined][rand(3)];
+        const status = task_id
+          ? ([undefined, "update", "update", "result", "needs_input"] as const)[rand(5)]
+          : undefined;
+        const from = rand(2) ? alice : eve;
+        const msg = await signMessage(from, { to: bob.publicKey, text: `${round}.${i}`, task_id, status }, NOW);
+        state.apply({ t: "in", at: NOW + i, peer: from === alice ? "alice" : "eve", msg });
+      }
+      const heads = [...state.inbox.values()];
+      const whole = heads.map((i) => state.readable(i));
+      // The old wake (95ff35a): every message read whole, superseded by a later status on the same task.
+      const isUpdate = (i: InboxItem) => i.kind === "message" && i.msg.status === "update";
+      const taskOf = (i: InboxItem) => (i.kind === "message" && i.msg.task_id ? `${i.msg.from} ${i.msg.task_id}` : "");
+      const oldSuperseded = whole.filter((i, n) =>
+        isUpdate(i) &&
+        whole.slice(n + 1).some((later) => taskOf(later) === taskOf(i) && later.kind === "message" && later.msg.status)
+      ).map((i) => i.id);
+      const oldShown = whole.filter((i) => !oldSuperseded.includes(i.id)).map((i) => i.id);
+      const plan = planWake(heads, peers, (i) => state.readable(i), 1 << 20);
+      if (!whole.some((i) => !isUpdate(i))) expect(plan).toBeNull();
+      else expect([plan!.shown, plan!.superseded, plan!.notice]).toEqual([oldShown, oldSuperseded, false]);
+      // Some read back as gone: they are left out, and what is left wakes only if the old rule would wake for it.
+      const goneIds = new Set(heads.filter(() => rand(3) === 0).map((i) => i.id));
+      const left = planWake(heads, peers, (i) => (goneIds.has(i.id) ? undefined : state.readable(i)), 1 << 20);
+      const kept = whole.filter((i) => !goneIds.has(i.id) && !oldSuperseded.includes(i.id));
+      if (!kept.some((i) => !isUpdate(i))) expect(left).toBeNull();
+      else {
+        expect(left!.shown).toEqual(kept.map((i) => i.id));
+        expect(left!.text).toContain(`interlink: ${kept.length} message(s) from peers arrived`);
+      }
+    }
+  });
+
   const NOW = Date.now();
   let A: NodeFiles, B: NodeFiles;
   let peers: Peers;
@@ -6299,6 +6360,41 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
     },
     60_000,
   );
+
+  test("list_pending on held routes counts only what it names: receipts to a full route are not its messages, and a held route past the first 100 is not said to be listed above", async () => {
+    const { A, B } = await twoPeers();
+    const alice = await Agent.open(nodeConfig(A, ["http://127.0.0.1:9"]), "test"); // nothing is sent
+    try {
+      const to = (route: string, i: number, kind?: "receipt") =>
+        signMessage(
+          A.id,
+          {
+            to: B.id.publicKey,
+            text: kind ? receiptText([{ state: "delivered", msg_id: `r${i}`, at: 1 }]) : `m ${i}`,
+            kind,
+          },
+          Date.now(),
+        ).then((msg): NewRecord => ({ t: "out", peer: "bob", recipient: route, msg }));
+      const [first, late, acks] = ["b0", "b1", "b2"].map((s) => `${B.id.publicKey}#${s}`);
+      const records: NewRecord[] = [];
+      for (let i = 0; i < 100; i++) records.push(await to(first, i)); // the first 100, not held
+      for (let i = 0; i < 3; i++) records.push(await to(late, i), await to(late, 100 + i, "receipt"));
+      for (let i = 0; i < 2; i++) records.push(await to(acks, 200 + i, "receipt")); // a full route owed receipts only
+      alice.journal.append(records);
+      for (const route of [late, acks]) alice.state.full.set(route, { until: Infinity, failures: 1, why: "full" });
+      const listed = await tool(alice, "list_pending");
+      expect(listed.split("\n").filter((l) => l.startsWith("msg_id ")).length).toBe(100);
+      // bob#b1's three messages, none of them listed; its receipts are counted with the others, once.
+      expect(listed).toContain(
+        "3 messages to bob (session b1), none listed above, wait in the outbox: the route to bob is full",
+      );
+      expect(listed).not.toContain("listed above) wait");
+      expect(listed).toContain("and 5 delivery receipt(s) to peers");
+      expect(listed).not.toContain("session b2"); // receipts only: nothing of the model's waits there
+    } finally {
+      await alice.stop();
+    }
+  });
 });
 
 describe("the Claude Code plugin, the launcher and the shared configuration", () => {

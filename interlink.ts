@@ -1446,14 +1446,20 @@ class ReplayMemory {
   full(nowMs: number, sender?: string): boolean {
     if (this.#seen.size < this.cap) return false;
     let stale = 0;
-    for (const ts of this.#seen.values()) {
+    const aged = new Map<string, number>(); // sender → its entries in the stale front (bounded by #seen)
+    for (const [key, ts] of this.#seen) {
       if (ts >= nowMs - FRESH_PAST_MS) break;
       stale++;
+      const by = ReplayMemory.#senderOf(key);
+      aged.set(by, (aged.get(by) ?? 0) + 1);
     }
     const fresh = this.#seen.size - stale;
     if (fresh < this.cap) return false;
     if (sender === undefined || fresh >= 2 * this.cap) return true;
-    return (this.#held.get(sender) ?? 0) >= this.cap / this.#held.size;
+    // Shares of the fresh entries: a sender whose entries have all aged out (not forgotten yet) holds none.
+    let senders = this.#held.size;
+    for (const [by, n] of aged) if (n === this.#held.get(by)) senders--;
+    return (this.#held.get(sender) ?? 0) - (aged.get(sender) ?? 0) >= this.cap / senders;
   }
 
   /** What it holds, oldest first ("<sender> <msg_id>", message ts). */
@@ -1486,9 +1492,11 @@ class ReplayMemory {
     }
   }
 
+  static #senderOf = (key: string) => key.slice(0, key.indexOf(" ")); // "<sender> <msg_id>": a key has no space
+
   /** Counts an entry in (1) or out (-1) of its sender's share. */
   #count(key: string, by: 1 | -1): void {
-    const sender = key.slice(0, key.indexOf(" ")); // "<sender> <msg_id>": a key has no space
+    const sender = ReplayMemory.#senderOf(key);
     const n = (this.#held.get(sender) ?? 0) + by;
     if (n > 0) this.#held.set(sender, n);
     else this.#held.delete(sender);
@@ -11071,6 +11079,8 @@ function planWake(
     bytes += utf8Bytes(formatInbox([item], peers));
     if (bytes >= maxBytes) break; // the turn cannot hold them: a notice, below
   }
+  // What read back may be updates alone, or nothing (the rest gone): no turn for that, as for an inbox of updates.
+  if (bytes < maxBytes && whole.every((i) => i.kind === "message" && i.msg.status === "update")) return null;
   const text = bytes < maxBytes ? wakeText(whole, peers) : "";
   if (text && utf8Bytes(text) < maxBytes) return { text, shown: whole.map((i) => i.id), superseded, notice: false };
   const from = [...new Set(shown.map((i) => (i.kind === "message" ? i.peer : "interlink")))].join(", ");
@@ -11684,7 +11694,9 @@ const TOOLS: ToolSpec[] = [
       let receipts = 0;
       const listed = new Map<string, number>(); // route → how many of its are listed one by one
       const more = new Map<string, number>(); // a route not held → how many wait past the first PENDING_LISTED
-      const first = new Map<string, OutEntry>(); // a held route's first message: why it waits
+      // A held route's first message that waits (why it waits) and how many of the model's wait from it on: its
+      // receipts are the receipts line's, and a route held for receipts alone has nothing of the model's waiting.
+      const first = new Map<string, { e: OutEntry; n: number }>();
       for (let slot = pending.next(-1); slot >= 0; slot = pending.next(slot)) {
         if (pending.kindAt(slot) === "receipt") {
           receipts++;
@@ -11693,9 +11705,11 @@ const TOOLS: ToolSpec[] = [
         const route = pending.recipientAt(slot), n = listed.get(route) ?? 0;
         // A held route lists its first few: the rest wait behind them, in order, and are counted below.
         const entry = () => agent.state.entry(pending.idAt(slot))!;
-        if (held.has(route) && !first.has(route)) {
+        const waiting = first.get(route);
+        if (waiting) waiting.n++;
+        else if (held.has(route)) {
           const e = entry(); // the first that waits: a knock before it goes as usual
-          if (agent.state.waitsFor(e)) first.set(route, e);
+          if (agent.state.waitsFor(e)) first.set(route, { e, n: 1 });
         }
         if (lines.length < PENDING_LISTED && !(held.has(route) && n >= HELD_LISTED)) {
           lines.push(describeOut(entry()));
@@ -11721,10 +11735,12 @@ const TOOLS: ToolSpec[] = [
           `DAMAGED: a journal line at byte ${d.offset} that looks like a queued message${id} could not be read (${d.reason}); it cannot be sent. Its text is kept in ${kept}; ask your operator, and send it again if it matters.`,
         );
       }
-      for (const [route, { n }] of held) {
-        const shown = listed.get(route) ?? 0, why = waitWords(agent, first.get(route)!);
-        const part = shown < n ? ` (the first ${shown} listed above)` : "";
-        lines.push(`${n} of these to ${to(route)}${part} wait in the outbox: ${why}`);
+      for (const [route, { e, n }] of first) {
+        const shown = listed.get(route) ?? 0, why = waitWords(agent, e);
+        const these = !shown
+          ? `${n} message${n === 1 ? "" : "s"} to ${to(route)}, none listed above,`
+          : `${n} of these to ${to(route)}${shown < n ? ` (the first ${shown} listed above)` : ""}`;
+        lines.push(`${these} wait in the outbox: ${why}`);
       }
       if (receipts) lines.push(`and ${receipts} delivery receipt(s) to peers, waiting for a bus like any message`);
       return lines.length ? lines.join("\n") : "the outbox is empty: everything was accepted by a bus";
