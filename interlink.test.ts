@@ -583,12 +583,13 @@ describe("the gate", () => {
     expect(r.full(NOW + FRESH_PAST_MS + 1)).toBe(false); // room again once they age out
   });
 
-  test("a replay is still refused after the memory filled up: new messages wait (unacked) instead of pushing it out", async () => {
+  test("a replay is still refused after the memory filled up: past twice the cap new messages wait (unacked) instead of pushing it out", async () => {
     const replay = new ReplayMemory(100);
     const first = await signMessage(alice, { to: bob.publicKey, text: "first" }, NOW);
     expect((await decide(first, bob.publicKey, peers, NOW, replay)).verdict).toBe("deliver");
     replay.remember(first.from, first.msg_id, first.ts, NOW);
-    for (let i = 0; i < 99; i++) replay.remember(alice.publicKey, `m${i}`, NOW, NOW);
+    for (let i = 0; i < 49; i++) replay.remember(alice.publicKey, `m${i}`, NOW, NOW);
+    for (let i = 0; i < 150; i++) replay.remember(`k${i}`, "x", NOW, NOW); // 200 fresh, from 151 senders
     const again = await decide(first, bob.publicKey, peers, NOW, replay);
     expect(again.verdict === "reject" && again.reason).toBe("replay");
     const next = await decide(
@@ -601,7 +602,7 @@ describe("the gate", () => {
     expect(next.verdict === "reject" && next.reason).toBe("busy");
     const plan = planInbound(next, { state: new NodeState(() => NOW), peers, canPush: true, nowMs: NOW });
     expect(plan.map((e) => e.do)).toEqual(["log", "defer"]); // never acked: the bus keeps it for later
-    expect((plan[0] as { line: string }).line).toContain("the replay memory holds 100 messages");
+    expect((plan[0] as { line: string }).line).toContain("the replay memory holds twice its cap of 100 messages");
   });
 
   test("one peer that fills the replay memory holds off only itself: every other sender keeps its share, and twice the cap refuses all", async () => {
@@ -614,6 +615,13 @@ describe("the gate", () => {
       return v.verdict === "reject" ? v.reason : v.verdict;
     };
     expect(await judge(alice, "more")).toBe("busy");
+    // Refused for good, acked, so that it holds up nobody's mail behind it; alice's node is told, the operator once.
+    const over = await decide(await sign(alice, { text: "over" }), bob.publicKey, both, NOW, replay);
+    const ctx = { state: new NodeState(() => NOW), peers: both, canPush: false, nowMs: NOW, wantsReceipts: true };
+    const plan = planInbound(over, ctx);
+    expect(plan.map((e) => e.do)).toEqual(["log", "append", "sync", "append", "sync", "ack"]);
+    expect(plan.flatMap((e) => e.do === "append" ? e.records.map((r) => [r.t, "reason" in r && r.reason]) : []))
+      .toEqual([["refusal", "busy"], ["owe", "busy"]]);
     // eve is let in up to half of the cap (the cap split between the two senders held), then waits like alice.
     const eves: string[] = [];
     for (let i = 0; i < 51; i++) eves.push(await judge(eve, `e${i}`));
@@ -13393,4 +13401,46 @@ describe("pairing by invite: two machines in two commands", () => {
     folded.apply(records[0]);
     expect([...folded.inbox.values()]).toEqual([(records[1] as { carried: { inbox: InboxItem[] } }).carried.inbox[0]]);
   });
+});
+
+// ----------------------------------------------------------------------------
+describe("a flooding peer holds off only itself", () => {
+  test(
+    "past its share of the replay memory a peer's message is refused and acked, told to it by receipt, and another peer's mail behind it on the route still arrives",
+    async () => {
+      const root = tmpDir();
+      const [A, B, E] = await Promise.all(["alice", "bob", "eve"].map((n) => makeNodeFiles(root, n)));
+      befriend(A, B);
+      befriend(E, B);
+      const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
+      try {
+        // eve has sent bob the day's 100,000 (REPLAY_CAP): his memory holds them, every one fresh.
+        const now = Date.now();
+        for (let i = 0; i < 100_000; i++) bob.state.replay.remember(E.id.publicKey, `flood${i}`, now, now);
+        const route = `${B.id.publicKey}#bob`;
+        const fromEve = await signMessage(E.id, { to: B.id.publicKey, text: "one more" }, now);
+        const fromAlice = await signMessage(A.id, { to: B.id.publicKey, text: "behind eve's" }, now);
+        // In this order on bob's route: a relay hands a route's mail over in order, so eve's comes first.
+        await bus.send(
+          route,
+          JSON.stringify({ ...fromEve, reply_to: `${E.id.publicKey}#eve`, receipts: true }),
+          E.id.publicKey,
+        );
+        await bus.send(route, JSON.stringify(fromAlice), A.id.publicKey);
+        bob.startReceiving();
+        await eventually(() => bob.state.inbox.has(`${A.id.publicKey} ${fromAlice.msg_id}`), "alice's message came in");
+        await eventually(() => bus.queues.liveCount === 0, "both acked: eve's refused for good, not left at the head");
+        expect(bob.state.inbox.has(`${E.id.publicKey} ${fromEve.msg_id}`)).toBe(false);
+        // eve is told why (her node reads it as "refused by the recipient: … your share …"); bob's operator, once.
+        const log = readJsonl(path.join(B.stateDir, "sessions", "bob", "log.jsonl"));
+        expect(log.filter((r) => r.t === "owe" && r.msg_id === fromEve.msg_id && r.reason === "busy")).toHaveLength(1);
+        expect(log.filter((r) => r.t === "refusal" && r.key === E.id.publicKey && r.reason === "busy")).toHaveLength(1);
+      } finally {
+        await bob.stop();
+        await shutdown();
+      }
+    },
+    60_000,
+  );
 });

@@ -419,7 +419,8 @@ type Verdict =
   | { verdict: "pair_request"; msg: SignedMessage; claimedName: string }
   | { verdict: "pair_accept"; msg: SignedMessage }
   | { verdict: "receipt"; msg: SignedMessage; petname: string }
-  | { verdict: "reject"; reason: RejectReason; detail: string; msg?: SignedMessage };
+  /** `forNow`: refused until there is room (unacked: the relay keeps it), not for good. */
+  | { verdict: "reject"; reason: RejectReason; detail: string; msg?: SignedMessage; forNow?: true };
 
 /** A bad input that a person can act on; the message says what and why. */
 class InterlinkError extends Error {}
@@ -1435,16 +1436,22 @@ class ReplayMemory {
     return this.#seen.has(key) && !this.#unlogged.has(key);
   }
 
-  /**
-   * True when `cap` entries are still inside the freshness window and `sender` (if named) holds its share of them
-   * already. Nothing fresh is ever forgotten to make room (that would let its replay in): the gate refuses new
-   * messages instead, unacked, until entries age out. The share is the cap split evenly between the senders it
-   * holds: one peer that filled it holds off only itself, never every other peer for a day, and what the others
-   * take past the cap stays under a second cap's worth (twice the cap refuses everyone). It only looks (the gate
-   * is pure); `remember` forgets what has aged out.
-   */
+  /** True when a message from `sender` (any, if not named) cannot be remembered now: see pressure. */
   full(nowMs: number, sender?: string): boolean {
-    if (this.#seen.size < this.cap) return false;
+    return this.pressure(nowMs, sender) !== null;
+  }
+
+  /**
+   * Why a message from `sender` cannot be remembered now, or null. Nothing fresh is ever forgotten to make room
+   * (that would let its replay in). Past `cap` entries inside the freshness window, a sender that holds its share
+   * (the cap split evenly between the senders held) is refused, "share": the gate refuses its message for good, so
+   * that one peer that filled the memory holds off only itself (a relay hands a route's mail over in order, and a
+   * message left unacked would hold up every sender's behind it). The others still come in, up to twice the cap in
+   * all; past that, "all": every message waits, unacked, until entries age out. It only looks (the gate is pure);
+   * `remember` forgets what has aged out.
+   */
+  pressure(nowMs: number, sender?: string): "share" | "all" | null {
+    if (this.#seen.size < this.cap) return null;
     let stale = 0;
     const aged = new Map<string, number>(); // sender → its entries in the stale front (bounded by #seen)
     for (const [key, ts] of this.#seen) {
@@ -1454,12 +1461,12 @@ class ReplayMemory {
       aged.set(by, (aged.get(by) ?? 0) + 1);
     }
     const fresh = this.#seen.size - stale;
-    if (fresh < this.cap) return false;
-    if (sender === undefined || fresh >= 2 * this.cap) return true;
+    if (fresh < this.cap) return null;
+    if (sender === undefined || fresh >= 2 * this.cap) return "all";
     // Shares of the fresh entries: a sender whose entries have all aged out (not forgotten yet) holds none.
     let senders = this.#held.size;
     for (const [by, n] of aged) if (n === this.#held.get(by)) senders--;
-    return (this.#held.get(sender) ?? 0) - (aged.get(sender) ?? 0) >= this.cap / senders;
+    return (this.#held.get(sender) ?? 0) - (aged.get(sender) ?? 0) >= this.cap / senders ? "share" : null;
   }
 
   /** What it holds, oldest first ("<sender> <msg_id>", message ts). */
@@ -1557,14 +1564,16 @@ async function decide(
   if (replay.has(msg.from, msg.msg_id)) {
     return { verdict: "reject", reason: "replay", detail: `msg_id ${msg.msg_id} already admitted`, msg };
   }
-  if (replay.full(nowMs, msg.from)) {
-    return {
-      verdict: "reject",
-      reason: "busy",
-      detail:
-        `the replay memory holds ${replay.cap} messages of the last 24 h, this sender's share of them included; refused for now (not acked, so the bus keeps it) rather than forgetting one`,
-      msg,
-    };
+  const pressure = replay.pressure(nowMs, msg.from);
+  if (pressure === "share") {
+    const detail =
+      `the replay memory holds ${replay.cap} messages of the last 24 h, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`;
+    return { verdict: "reject", reason: "busy", detail, msg };
+  }
+  if (pressure === "all") {
+    const detail =
+      `the replay memory holds twice its cap of ${replay.cap} messages of the last 24 h; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
+    return { verdict: "reject", reason: "busy", detail, msg, forNow: true };
   }
   switch (msg.kind) {
     case "message":
@@ -5872,7 +5881,7 @@ const MORE_KNOCKS = "knocks more";
 
 /** Refusals worth the operator's attention (a key they might expect, a clock to fix); the rest are routine. */
 const REFUSALS_SHOWN: ReadonlySet<Refusal> = new Set<Refusal>(
-  [...REJECT_REASONS, ...INVITE_REFUSALS].filter((r) => r !== "malformed" && r !== "replay" && r !== "busy"),
+  [...REJECT_REASONS, ...INVITE_REFUSALS].filter((r) => r !== "malformed" && r !== "replay"),
 );
 
 /** One copy of each string that recurs across heads (keys, routes, petnames, task ids, statuses). */
@@ -6024,6 +6033,9 @@ function refusalWords(l: ReceiptLine): string {
   }
   if (l.reason === "not_allowlisted") {
     return "they do not have you in their peers (you have them: a one-sided pairing); ask your operator whether to request_pair them again, which asks them to add you";
+  }
+  if (l.reason === "busy") {
+    return "you sent them more than your share of the messages a day they remember (a flood, or a loop): wait, and send less";
   }
   return isInviteRefusal(l.reason) ? INVITE_REFUSAL_WORDS[l.reason] : `refused (${l.reason})`;
 }
@@ -8767,7 +8779,8 @@ function noticeText(i: Exclude<InboxItem, { kind: "message" | "waiting" }>, peer
     unexpected_kind: `${n} from ${from} ${was} refused: a pair acceptance this node never asked for`,
     malformed: `${n} ${was} refused as malformed`,
     replay: `${n} ${was} refused as replays`,
-    busy: `${n} ${was} held back: this node's replay memory is full`,
+    busy:
+      `${n} from ${from} ${was} refused: it sent its share of the messages of a day this node remembers (a flood, or a loop)`,
     invite_unknown: `${n} from ${from} ${was} refused: a request to pair through an invite this node does not know`,
     invite_expired: `${n} from ${from} ${was} refused: a request to pair through an invite that had expired`,
     invite_used:
@@ -9016,7 +9029,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
         return [...showByPush(state.readable(item), ctx.peers), { do: "sync" }, ...repair, { do: "ack" }];
       }
       // Refused for now, not for good: unacked, so the bus keeps it and hands it over again later.
-      if (v.reason === "busy") return [refusalLog(v), { do: "defer" }];
+      if (v.forNow) return [refusalLog(v), { do: "defer" }];
       const refused = refuse(v, ctx);
       return [...refused.slice(0, -1), ...repair, ...refused.slice(-1)];
     }
@@ -9277,8 +9290,8 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
 }
 
 /**
- * A peer's message refused for coming from our future (its sender's clock is ahead) is reported to its sender by a
- * receipt, when it asked for receipts: once per message, at most RECEIPT_REFUSALS_PER_HOUR per peer (a relay replaying
+ * A peer's message refused for coming from our future (its sender's clock is ahead), or for being over its share of
+ * the replay memory (busy), is reported to its sender by a receipt, when it asked for receipts: once per message, at most RECEIPT_REFUSALS_PER_HOUR per peer (a relay replaying
  * an old message costs one log line), never about a receipt. A stranger is told only that we do not list it, or why its
  * knock through an invite was refused (`join` waits for that).
  */
@@ -9297,7 +9310,8 @@ function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const stale = v.reason === "stale" && (joining ? peer || strangersLeft : msg.ts > ctx.nowMs && peer);
   const unpaired = !joining && v.reason === "not_allowlisted" && !peer && strangersLeft;
   const invite = joining && isInviteRefusal(v.reason) && (peer || strangersLeft);
-  if (!stale && !unpaired && !invite) return [];
+  const busy = !joining && v.reason === "busy" && peer; // over its share (see ReplayMemory.pressure): told why
+  if (!stale && !unpaired && !invite && !busy) return [];
   if (ctx.state.refusalsReported.has(messageKey(msg.from, msg.msg_id))) return [];
   if (ctx.state.refusalsReportedSince(msg.from, hourAgo) >= RECEIPT_REFUSALS_PER_HOUR) return [];
   const owe: NewRecord = {
