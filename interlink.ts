@@ -11214,17 +11214,19 @@ class CodexWaker {
   }
 
   /** Keeps the last outcome for doctor, in the session's wake.json, and logs a change. */
+  /** Records the last wake for `doctor`, then says on stderr what changed (a reader of the line finds the record). */
   #note(ok: boolean, why?: string): void {
-    if (!ok && this.last?.why !== why) {
-      logWarn(`cannot wake the Codex session ${this.target.thread}: ${why}; what waits stays in its inbox`);
-    }
-    if (ok && this.last && !this.last.ok) logInfo(`waking the Codex session ${this.target.thread} works again`);
+    const was = this.last;
     this.last = { at: Date.now(), ok, ...(why ? { why } : {}) };
     try {
       writeFileAtomic(path.join(this.agent.journal.stateDir, "wake.json"), JSON.stringify(this.last) + "\n");
     } catch {
-      // a full disk: the log line above says it
+      // a full disk: the log line below says it
     }
+    if (!ok && was?.why !== why) {
+      logWarn(`cannot wake the Codex session ${this.target.thread}: ${why}; what waits stays in its inbox`);
+    }
+    if (ok && was && !was.ok) logInfo(`waking the Codex session ${this.target.thread} works again`);
   }
 }
 
