@@ -1313,6 +1313,24 @@ describe("bus: queue and roster logic", () => {
     r.end(`${bob.publicKey}#s3`, t0 + ROSTER_RETENTION_MS + 500, "B", t0 + ROSTER_RETENTION_MS + 500);
     expect(r.put(a(bob.publicKey, "s2", t0 + 300), "{}", t0 + ROSTER_RETENTION_MS + 600, "B")).toBe(true);
   });
+
+  test("a bus's limits are those it was opened with: changing the options object afterwards changes none", async () => {
+    const opts = { log: () => {}, diskReserve: 0, compactMinDead: 5, answers: { writeMs: 30_000 } };
+    const bus = await Bus.open(tmpDir(), opts);
+    try {
+      Object.assign(opts, { diskReserve: 2 ** 60, compactMinDead: 1e9 });
+      opts.answers.writeMs = 1;
+      expect(bus.diskReserve()).toBe(0);
+      expect(bus.answerHold("").writeMs).toBe(30_000);
+      await bus.send("r", '"still taken"'); // a reserve of 2^60 bytes would refuse it: 507
+      for (let n = 0; n < 6; n++) await bus.send("r", JSON.stringify(n));
+      for (let m = bus.queues.first("r"); m; m = bus.queues.first("r")) bus.ack("r", m.seq);
+      const acked = fs.readFileSync(path.join(bus.dataDir, "queue.jsonl"), "utf8").split('{"t":"a"').length - 1;
+      expect(acked).toBeLessThan(5); // compacted at 5 dead records, as opened (1e9 would keep all 7)
+    } finally {
+      await bus.close();
+    }
+  });
 });
 
 describe("bus: durability", () => {

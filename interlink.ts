@@ -3609,6 +3609,8 @@ class Bus {
   #deadBytes = 0; // bytes of the queue file that no longer hold a live record: what a compaction gives back
   readonly #log: (msg: string) => void;
   readonly now: () => number;
+  /** The options as given to open: a copy, so a caller changing its object afterwards changes no limit of a bus. */
+  private readonly opts: BusOptions;
 
   private constructor(
     readonly dataDir: string,
@@ -3617,8 +3619,9 @@ class Bus {
     private writer: JsonlWriter,
     private lock: PidLock,
     private dead: number, // records in the file that no longer describe a live message
-    private opts: BusOptions,
+    opts: BusOptions,
   ) {
+    this.opts = { ...opts, answers: { ...opts.answers } };
     this.#log = opts.log ?? logInfo;
     this.now = opts.now ?? Date.now;
     this.ownersMax = opts.owners ?? OWNERS_MAX;
