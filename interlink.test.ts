@@ -4581,6 +4581,23 @@ describe("durability: corruption is contained, never silent", () => {
     }
   });
 
+  test("a closed bus whose \"c\" record names a ts past what a Date holds still answers an unproven recv 403, not 500", async () => {
+    const dir = tmpDir();
+    const lines = [{ t: "c", ts: 9e15 }, { t: "m", q: "r", n: 1, ts: 1, p: '"mine"' }];
+    fs.writeFileSync(path.join(dir, "queue.jsonl"), lines.map((r) => JSON.stringify(r) + "\n").join(""));
+    const logged: string[] = [];
+    const bus = await Bus.open(dir, { log: (m) => logged.push(m) });
+    try {
+      expect(bus.closedSince).toBe(9e15); // kept closed: setting the record aside would open every route
+      const r = await bus.handler(new Request("http://bus/recv?me=r&timeout=0"));
+      expect(r.status).toBe(403);
+      expect((await r.json()).error).toContain("serves no route without a proof since ts 9000000000000000");
+      expect(logged.join("\n")).not.toContain("internal error");
+    } finally {
+      await bus.close();
+    }
+  });
+
   test("an outbox entry that cannot be read is reported by list_pending as damaged, not dropped in silence", async () => {
     const { A } = await twoPeers();
     const agent = await Agent.open(nodeConfig(A, ["http://127.0.0.1:9"]), "test");

@@ -4322,7 +4322,8 @@ async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<
       );
     }
     if (bus.closedSince !== null) {
-      const since = new Date(bus.closedSince).toISOString();
+      const at = new Date(bus.closedSince); // a hand-made "c" record may hold a safe integer past what a Date holds
+      const since = Number.isNaN(at.getTime()) ? `ts ${bus.closedSince}` : at.toISOString();
       throw new HttpError(
         403,
         `this bus serves no route without a proof since ${since} (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`,
