@@ -4581,7 +4581,7 @@ describe("durability: corruption is contained, never silent", () => {
     }
   });
 
-  test("a closed bus whose \"c\" record names a ts past what a Date holds still answers an unproven recv 403, not 500", async () => {
+  test('a closed bus whose "c" record names a ts past what a Date holds still answers an unproven recv 403, not 500', async () => {
     const dir = tmpDir();
     const lines = [{ t: "c", ts: 9e15 }, { t: "m", q: "r", n: 1, ts: 1, p: '"mine"' }];
     fs.writeFileSync(path.join(dir, "queue.jsonl"), lines.map((r) => JSON.stringify(r) + "\n").join(""));
