@@ -195,6 +195,7 @@ import {
   BOB,
   bob,
   busOnLoopback,
+  busThatComesBack,
   type Child,
   CODEX_BIN,
   codexTest,
@@ -5754,18 +5755,11 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
 
   test("a backlog in the outbox goes to our bus in a few requests, in order, each message once", async () => {
     const { root, A, B } = await twoPeers();
-    const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-    let sends = 0, up = false;
-    const server = await serveHttp(
-      async (req) => {
-        if (!up) return new Response('{"error":"down"}', { status: 503 }); // the bus is away for now
-        if (new URL(req.url).pathname === "/send") sends++;
-        return await bus.handler(req);
-      },
-      "127.0.0.1",
-      0,
-    );
-    const alice = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`], "inbox"), "test");
+    let sends = 0;
+    const { bus, url, comeBack, shutdown } = await busThatComesBack(path.join(root, "bus"), (req) => {
+      if (new URL(req.url).pathname === "/send") sends++;
+    });
+    const alice = await Agent.open(nodeConfig(A, [url], "inbox"), "test");
     try {
       alice.startSending();
       alice.startReceiving();
@@ -5773,15 +5767,14 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
       for (let i = 0; i < 20; i++) {
         ids.push((await alice.send({ to: "bob", text: `q${i}`, session: "bob" })).entry.msg.msg_id);
       }
-      up = true;
+      comeBack();
       await eventually(() => alice.state.pending.size === 0, "the outbox drained", 30_000);
       const queued = bus.queues.firstN(`${B.id.publicKey}#bob`, 64).map((q) => JSON.parse(bus.payloadOf(q)).msg_id);
       expect(queued).toEqual(ids); // in order, each once
       expect(sends).toBeLessThan(10); // a few requests for twenty messages
     } finally {
       await alice.stop();
-      await server.stop();
-      await bus.close();
+      await shutdown();
     }
   });
 
@@ -5976,14 +5969,8 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
     "a session with thousands queued while its relay is down holds none of their texts: each is read back from its journal line to be sent, listed or carried over a roll-over, and all go once, in order",
     async () => {
       const { root, A, B } = await twoPeers();
-      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-      let up = false;
-      const server = await serveHttp(
-        async (req) => up ? await bus.handler(req) : new Response('{"error":"down"}', { status: 503 }),
-        "127.0.0.1",
-        0,
-      );
-      const alice = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`], "inbox"), "test");
+      const { bus, url, comeBack, shutdown } = await busThatComesBack(path.join(root, "bus"));
+      const alice = await Agent.open(nodeConfig(A, [url], "inbox"), "test");
       const queued = 2_400, routes = [0, 1, 2, 3].map((i) => `${B.id.publicKey}#b${i}`); // under a relay's cap each
       try {
         alice.startSending();
@@ -6029,7 +6016,7 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
         expect(lines.map((r) => r.t)).toEqual(["checkpoint", ...sent.map(() => "carried")]);
         expect(lines.slice(1).map((r) => (r.out as CarriedOut).msg.msg_id)).toEqual(sent);
         // The relay comes back: every message goes once, in its order on each route.
-        up = true;
+        comeBack();
         await eventually(() => alice.state.pending.size === 0, "the backlog drained", 60_000);
         for (const [k, route] of routes.entries()) {
           const got = bus.queues.firstN(route, queued).map((q) => JSON.parse(bus.payloadOf(q)).msg_id);
@@ -6038,8 +6025,7 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
         expect(await tool(alice, "list_pending")).toContain("the outbox is empty");
       } finally {
         await alice.stop();
-        await server.stop();
-        await bus.close();
+        await shutdown();
       }
     },
     120_000,
@@ -6325,14 +6311,8 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
     "a queued message whose journal line no longer reads back (a disk fault) is marked refused, and holds up neither a roll-over nor the messages behind it",
     async () => {
       const { root, A, B } = await twoPeers();
-      const bus = await Bus.open(path.join(root, "bus"), { log: () => {} });
-      let up = false;
-      const server = await serveHttp(
-        async (req) => up ? await bus.handler(req) : new Response('{"error":"down"}', { status: 503 }),
-        "127.0.0.1",
-        0,
-      );
-      const alice = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`], "inbox"), "test");
+      const { bus, url, comeBack, shutdown } = await busThatComesBack(path.join(root, "bus"));
+      const alice = await Agent.open(nodeConfig(A, [url], "inbox"), "test");
       try {
         const ids: string[] = [];
         for (let i = 0; i < 3; i++) {
@@ -6351,7 +6331,7 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
         const unreadable = new RegExp(`^msg_id ${ids[1]} to \\S+: refused \\(queued message .*can no longer be read`);
         expect(await tool(alice, "message_status", { msg_id: ids[1] })).toMatch(unreadable);
         expect((await tool(alice, "list_pending")).split("\n").filter((l) => unreadable.test(l)).length).toBe(1);
-        up = true;
+        comeBack();
         alice.startSending();
         await eventually(() => alice.state.pending.size === 0, "the rest went");
         expect(bus.queues.firstN(B.id.publicKey, 10).map((q) => JSON.parse(bus.payloadOf(q)).msg_id)).toEqual([
@@ -6360,8 +6340,7 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
         ]);
       } finally {
         await alice.stop();
-        await server.stop();
-        await bus.close();
+        await shutdown();
       }
     },
     60_000,

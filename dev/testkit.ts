@@ -414,6 +414,29 @@ export async function busOnLoopback(dir: string, port = 0) {
   return { bus, server, url: `http://127.0.0.1:${server.port}`, shutdown };
 }
 
+/**
+ * An in-process bus that answers every request 503 until `comeBack()`: a relay that is away, then back. `onRequest`
+ * sees each request it serves once it is back.
+ */
+export async function busThatComesBack(dir: string, onRequest: (req: Request) => void = () => {}) {
+  const bus = await Bus.open(dir, { log: () => {} });
+  let up = false;
+  const server = await serveHttp(
+    async (req) => {
+      if (!up) return new Response('{"error":"down"}', { status: 503 }); // the bus is away for now
+      onRequest(req);
+      return await bus.handler(req);
+    },
+    "127.0.0.1",
+    0,
+  );
+  const shutdown = async () => {
+    await server.stop();
+    await bus.close();
+  };
+  return { bus, url: `http://127.0.0.1:${server.port}`, comeBack: () => void (up = true), shutdown };
+}
+
 // ----------------------------------------------------------------------------
 // Helpers for answers: a child's lines, raw HTTP, what an error page must not show
 
