@@ -71,7 +71,7 @@ import {
   type InboundContext,
   type InboxItem,
   INSTRUCTIONS_MAX_CHARS,
-  INVISIBLE_RE,
+  invisibleRE,
   type Invite,
   type InviteCode,
   inviteMac,
@@ -2371,7 +2371,7 @@ describe("presenting peer text", () => {
     expect(shown).toBe(
       "ok<U+001B>[2J<U+202E>gnp.exe<U+200B>\n\u00a0\\[task t · result] done\n<U+200B>[task u · result]",
     );
-    expect(shown).not.toMatch(INVISIBLE_RE);
+    expect(shown).not.toMatch(invisibleRE());
   });
 
   test("a hostile text cannot close its block or forge another sender's block", async () => {
@@ -2385,7 +2385,7 @@ describe("presenting peer text", () => {
     expect(block.endsWith("</interlink-message>")).toBe(true);
   });
 
-  test("INVISIBLE_RE is Unicode's own properties, and Bun and Deno agree on every code point from 0 to 0x10FFFF", () => {
+  test("invisibleRE() is Unicode's own properties, and Bun and Deno agree on every code point from 0 to 0x10FFFF", () => {
     // An independent statement of the set, copied from the Unicode Character Database (16.0.0; unchanged in 17.0.0):
     // extracted/DerivedGeneralCategory.txt (Cc, Cf, Zl, Zp, Cs, Co), DerivedCoreProperties.txt
     // (Default_Ignorable_Code_Point) and PropList.txt (Bidi_Control).
@@ -2452,7 +2452,7 @@ describe("presenting peer text", () => {
       }
       return out;
     };
-    const single = new RegExp(`^${INVISIBLE_RE.source}$`, "u");
+    const single = new RegExp(`^${invisibleRE().source}$`, "u");
     const mismatches: string[] = [];
     for (let cp = 0; cp <= 0x10ffff; cp++) {
       const ch = String.fromCodePoint(cp);
@@ -2466,10 +2466,10 @@ describe("presenting peer text", () => {
       }
     }
     expect(mismatches).toEqual([]);
-    // Deno (V8) answers the same as Bun (JavaScriptCore) for INVISIBLE_RE as interlink.ts builds it.
+    // Deno (V8) answers the same as Bun (JavaScriptCore) for invisibleRE() as interlink.ts builds it.
     const bunRanges = rangesOf((cp) => single.test(String.fromCodePoint(cp)));
-    const code = `import { INVISIBLE_RE } from ${JSON.stringify(pathToFileURL(SCRIPT).href)};
-      const re = new RegExp("^" + INVISIBLE_RE.source + "$", "u");
+    const code = `import { invisibleRE } from ${JSON.stringify(pathToFileURL(SCRIPT).href)};
+      const re = new RegExp("^" + invisibleRE().source + "$", "u");
       const out = [];
       for (let cp = 0, start = -1; cp <= 0x110000; cp++) {
         const m = cp <= 0x10ffff && re.test(String.fromCodePoint(cp));
@@ -2524,7 +2524,7 @@ describe("presenting peer text", () => {
     expect(shown.startsWith("LGTM<U+E0001><U+E005B><U+E0069><U+E006E>")).toBe(true);
     expect(shown.endsWith("<U+E0064><U+034F><U+3164><U+FE00><U+E0100>")).toBe(true); // ...build, then the rest
     expect(shown.match(/<U\+[0-9A-F]+>/g)!.length).toBe(55); // every one of them, none dropped
-    expect(shown).not.toMatch(INVISIBLE_RE);
+    expect(shown).not.toMatch(invisibleRE());
     // An emoji keeps its presentation selector (⚠️ is written so); a second one, or one after a letter, is shown.
     expect(escapePeerText("\u26A0\uFE0F careful \u2764\uFE0F\uFE0F a\uFE0F")).toBe(
       "\u26A0\uFE0F careful \u2764\uFE0F<U+FE0F> a<U+FE0F>",
@@ -2581,7 +2581,7 @@ describe("what strangers, peers and relays write reaches the model and the termi
   /** What no output may hold: a hidden code point, a closing tag of ours (but our own `blocks`), a line that reads as ours. */
   const problems = (text: string, blocks = 0) =>
     [
-      INVISIBLE_RE.test(text) && "a hidden code point",
+      invisibleRE().test(text) && "a hidden code point",
       (text.match(/<\/interlink-message>/g) ?? []).length !== blocks && "a raw closing tag",
       text.split("\n").some((l) => l.trimStart().startsWith("[interlink]")) && "a line that reads as ours",
     ].filter(Boolean);
@@ -2796,7 +2796,7 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
     async () => {
       const hostile = "clear\u001b[2J\u001b]0;pwned\u0007 \u202eevil\u202c \u200bzero";
       const visible = (t: string) => {
-        expect(t).not.toMatch(INVISIBLE_RE);
+        expect(t).not.toMatch(invisibleRE());
         expect(t).toContain("<U+001B>[2J");
         expect(t).toContain("<U+202E>evil");
       };

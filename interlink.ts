@@ -56,12 +56,9 @@
 import { Buffer } from "node:buffer";
 import { spawn, spawnSync } from "node:child_process";
 import * as fs from "node:fs";
-import * as net from "node:net";
+import type * as net from "node:net";
 import * as os from "node:os";
 import * as path from "node:path";
-import { isatty } from "node:tty";
-import { fileURLToPath } from "node:url";
-import { parseArgs } from "node:util";
 
 // ============================================================================
 // Constants
@@ -473,7 +470,7 @@ interface DenoRuntime {
 //   - every "<" that could open or close a tag becomes "&lt;";
 //   - every line that starts with "[" gets a backslash, so "[task x · result]"
 //     or "[interlink] SYSTEM: ..." in the text cannot pass for ours;
-//   - every hidden code point (INVISIBLE_RE) shows as <U+XXXX> (showInvisible);
+//   - every hidden code point (invisibleRE) shows as <U+XXXX> (showInvisible);
 //   - a field that is one line in what we write (a cwd, a summary, a reason)
 //     keeps to one line: its newlines show as <U+000A> too.
 // Escaping twice changes nothing (a marker's "<" is left alone). A peer may type a marker itself: that makes text look
@@ -500,15 +497,21 @@ interface DenoRuntime {
 const INVISIBLE_CLASS =
   "[\\p{Cc}\\p{Cf}\\p{Default_Ignorable_Code_Point}\\p{Bidi_Control}\\p{Zl}\\p{Zp}\\p{Cs}\\p{Co}]";
 
-const INVISIBLE_RE = new RegExp(`(?![\\n\\t])${INVISIBLE_CLASS}`, "gu");
+/** Printable ASCII, newline and tab: text of these alone hides nothing, and needs no Unicode table to tell. */
+const PLAIN_TEXT_RE = /^[\x20-\x7e\n\t]*$/;
+
+let invisibleRe: RegExp | undefined, shownRe: RegExp | undefined;
+
+/** INVISIBLE_CLASS but newline and tab; built on first use (its Unicode tables cost a session 1.5 MB). */
+const invisibleRE = (): RegExp => invisibleRe ??= new RegExp(`(?![\\n\\t])${INVISIBLE_CLASS}`, "gu");
 
 /**
- * INVISIBLE_RE with newline and tab, but for U+FE0F right after an emoji: the emoji presentation selector, as in
+ * invisibleRE with newline and tab, but for U+FE0F right after an emoji: the emoji presentation selector, as in
  * ⚠️ and ❤️, which models write often. It changes how the emoji before it is drawn and says no more than whether
  * it is there (one bit per emoji); a second one, or one after anything else, is shown. Which code points are
  * emoji follows the runtime's Unicode version: this changes only what is shown, never what an id may hold.
  */
-const SHOWN_RE = new RegExp(`\\p{Emoji}\\uFE0F|${INVISIBLE_CLASS}`, "gu");
+const shownRE = (): RegExp => shownRe ??= new RegExp(`\\p{Emoji}\\uFE0F|${INVISIBLE_CLASS}`, "gu");
 
 /**
  * The one place that decides how a hidden code point is shown: as `<U+XXXX>`, never obeyed and never dropped,
@@ -516,14 +519,14 @@ const SHOWN_RE = new RegExp(`\\p{Emoji}\\uFE0F|${INVISIBLE_CLASS}`, "gu");
  * `oneLine`. A marker holds nothing hidden, so showing twice changes nothing.
  */
 const showInvisible = (text: string, oneLine = false): string =>
-  text.replace(SHOWN_RE, (c) => {
-    if (c.length > 1 && c.endsWith("\uFE0F")) return c; // an emoji and its presentation selector (see SHOWN_RE)
+  PLAIN_TEXT_RE.test(text) && !(oneLine && /[\n\t]/.test(text)) ? text : text.replace(shownRE(), (c) => {
+    if (c.length > 1 && c.endsWith("\uFE0F")) return c; // an emoji and its presentation selector (see shownRE)
     if (!oneLine && (c === "\n" || c === "\t")) return c;
     return `<U+${c.codePointAt(0)!.toString(16).toUpperCase().padStart(4, "0")}>`;
   });
 
-/** Whether `text` holds a code point of INVISIBLE_RE. */
-const hasInvisible = (text: string): boolean => text.search(INVISIBLE_RE) !== -1;
+/** Whether `text` holds a code point of invisibleRE. */
+const hasInvisible = (text: string): boolean => !PLAIN_TEXT_RE.test(text) && text.search(invisibleRE()) !== -1;
 
 function escapePeerText(text: string, oneLine = false): string {
   const defused = text
@@ -531,6 +534,12 @@ function escapePeerText(text: string, oneLine = false): string {
     .replace(/^([^\S\n]*)\[/gm, "$1\\["); // any leading blank, the non-breaking space too
   return showInvisible(defused, oneLine);
 }
+
+/**
+ * The ids our nodes generate (msg_ids are 32 hex digits) and the only ones a
+ * delivery receipt names: 1-128 of ASCII letters, digits and . _ : @ + / -.
+ */
+const PLAIN_ID_RE = /^[A-Za-z0-9._:@+\/-]{1,128}$/;
 
 /** An id that reads as itself: letters (any script), marks, digits and . _ : @ + / - (no space, quote or bracket). */
 const SHOWN_ID_RE = /^[\p{L}\p{M}\p{N}._:@+\/-]{1,256}$/u;
@@ -541,7 +550,7 @@ const SHOWN_ID_RE = /^[\p{L}\p{M}\p{N}._:@+\/-]{1,256}$/u;
  * a tag or pose as another field. Tools take either form back (see readId).
  */
 function showId(id: string): string {
-  if (SHOWN_ID_RE.test(id) && !hasInvisible(id)) return id; // marks (\p{M}) take in variation selectors and U+034F
+  if (PLAIN_ID_RE.test(id) || (SHOWN_ID_RE.test(id) && !hasInvisible(id))) return id; // marks (\p{M}) take in variation selectors and U+034F
   return showInvisible(
     JSON.stringify(id).replace(/[<>&\[\]]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, "0")}`),
     true,
@@ -575,12 +584,6 @@ function displayName(claimed: string): string {
 }
 
 /**
- * The ids our nodes generate (msg_ids are 32 hex digits) and the only ones a
- * delivery receipt names: 1-128 of ASCII letters, digits and . _ : @ + / -.
- */
-const PLAIN_ID_RE = /^[A-Za-z0-9._:@+\/-]{1,128}$/;
-
-/**
  * Longest msg_id, task_id or in_reply_to we admit. The reference takes any
  * string, and a task id is "a short human-meaningful string"; 256 characters is
  * a long sentence, and keeps every header and attribute an id appears in short.
@@ -601,7 +604,7 @@ function idProblem(id: string): string | null {
   if (id === "") return "is empty";
   if ([...id].length > ID_MAX_CHARS) return `is over ${ID_MAX_CHARS} characters`;
   if (ID_CONTROL_RE.test(id)) return "holds a control character";
-  const hidden = id.match(INVISIBLE_RE);
+  const hidden = PLAIN_TEXT_RE.test(id) ? null : id.match(invisibleRE());
   if (hidden) return `holds an invisible, format or bidi character (${showInvisible(hidden[0], true)})`;
   return null;
 }
@@ -620,7 +623,7 @@ const runtimeHost = globalThis as unknown as {
 
 let logComponent = "interlink";
 
-let logSink = (line: string): void => void process.stderr.write(line);
+let logSink = (line: string): void => writeStderr(line);
 
 /** Where log lines go (stderr unless a host, such as the test suite, takes them). */
 function setLogSink(sink: (line: string) => void): void {
@@ -641,6 +644,57 @@ const logInfo = (msg: string): void => logLine("info", msg);
 
 const logWarn = (msg: string): void => logLine("warn", msg);
 
+let stderrStream: NodeJS.WritableStream | undefined;
+
+/**
+ * Writes to stderr at once, in order. Not through process.stderr: that stream costs an idle Bun session 2.7 MB of the
+ * runtime's stream code. It is taken only once stderr is a full non-blocking pipe, for that write and every later one.
+ */
+function writeStderr(text: string): void {
+  if (stderrStream) return void stderrStream.write(text);
+  const bytes = Buffer.from(text);
+  let done = 0;
+  try {
+    while (done < bytes.length) done += fs.writeSync(2, bytes, done);
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code !== "EAGAIN") return; // stderr is gone: a log line is not worth a crash
+    (stderrStream = process.stderr).write(bytes.subarray(done));
+  }
+}
+
+/**
+ * Reads stdin as UTF-8 text, each chunk to `onText`, then calls `onEnd` once it ends or fails: from the descriptor, as
+ * writeStderr writes, and through process.stdin's stream only when the descriptor is non-blocking.
+ */
+function readStdinText(onText: (text: string) => void, onEnd: () => void): void {
+  const buf = Buffer.alloc(64 * 1024), utf8 = new TextDecoder();
+  const next = (): void =>
+    fs.read(0, buf, 0, buf.length, null, (e, n) => {
+      if (e?.code === "EAGAIN") {
+        process.stdin.setEncoding("utf8").on("data", onText).once("end", onEnd).once("close", onEnd);
+      } else if (e || n === 0) onEnd();
+      else {
+        onText(utf8.decode(buf.subarray(0, n), { stream: true }));
+        next();
+      }
+    });
+  next();
+}
+
+/** Writes to stdout without process.stdout's stream (see writeStderr); a full non-blocking pipe is waited out. */
+async function writeStdout(text: string): Promise<void> {
+  const bytes = Buffer.from(text);
+  for (let done = 0; done < bytes.length;) {
+    done += await new Promise<number>((resolve, reject) =>
+      fs.write(1, bytes, done, bytes.length - done, null, (e, n) => {
+        if (e?.code === "EAGAIN") setTimeout(() => resolve(0), 10);
+        else if (e) reject(e);
+        else resolve(n);
+      })
+    );
+  }
+}
+
 /** "bun 1.4.5" or "deno 2.9.6": the runtime running this file. */
 function runtimeName(): string {
   if (runtimeHost.Bun) return `bun ${runtimeHost.Bun.version}`;
@@ -655,7 +709,7 @@ const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms
  * children it starts (the embedded bus, the demo's nodes) run the same.
  */
 function thisScript(): string {
-  return import.meta.url.startsWith("file:") ? fileURLToPath(import.meta.url) : import.meta.url;
+  return import.meta.url.startsWith("file:") ? import.meta.filename! : import.meta.url;
 }
 
 /** The official NATS client packages: loaded only when a nats:// or tls:// relay is configured. */
@@ -4746,7 +4800,7 @@ async function serveGuarded(
   hostname: string,
   port: number,
 ): Promise<Listening> {
-  const http = await import("node:http");
+  const [http, { connect }] = await Promise.all([import("node:http"), import("node:net")]);
   const timeouts = {
     keepAliveTimeout: CONN_IDLE_MS,
     headersTimeout: CONN_IDLE_MS,
@@ -4856,7 +4910,7 @@ async function serveGuarded(
   const watchdog = setInterval(() => {
     const before = accepted;
     const at = hostname === "0.0.0.0" ? "127.0.0.1" : hostname === "::" ? "::1" : hostname;
-    const probe = net.connect(bound, at);
+    const probe = connect(bound, at);
     probe.on("error", () => {});
     setTimeout(() => {
       probe.destroy();
@@ -12131,8 +12185,12 @@ function requestIdText(value: unknown, raw: string | undefined): string | undefi
  * JSON text of a message to the client, every string in it through showInvisible first: whatever a tool quotes, no
  * hidden character reaches the model (see escapePeerText).
  */
-const mcpJson = (message: object): string =>
-  JSON.stringify(message, (_k, v) => (typeof v === "string" ? showInvisible(v) : v));
+function mcpJson(message: object): string {
+  const text = JSON.stringify(message);
+  // Printable ASCII whose only escapes are \n, \t, \" and \\: no string in it holds a hidden character.
+  if (/^[\x20-\x7e]*$/.test(text) && !/\\[bfru]/.test(text)) return text;
+  return JSON.stringify(message, (_k, v) => (typeof v === "string" ? showInvisible(v) : v));
+}
 
 /**
  * The server side of MCP over stdio, by hand: JSON-RPC 2.0, one message per line. interlink needs initialize, ping,
@@ -12167,8 +12225,6 @@ class McpStdioServer {
       list: object[];
       call(name: string, args: unknown, meta: Record<string, unknown> | undefined): Promise<ToolResult>;
     },
-    readonly input: NodeJS.ReadableStream = process.stdin,
-    readonly output: NodeJS.WritableStream = process.stdout,
   ) {}
 
   /**
@@ -12179,8 +12235,7 @@ class McpStdioServer {
   serve(): void {
     let buffered = "";
     let skipping: JsonIdScanner | null = null; // reading past an over-long line's cap, to its end
-    this.input.setEncoding?.("utf8");
-    this.input.on("data", (chunk: string) => {
+    readStdinText((chunk: string) => {
       if (skipping) {
         const nl = chunk.indexOf("\n");
         skipping.feed(nl === -1 ? chunk : chunk.slice(0, nl));
@@ -12204,10 +12259,7 @@ class McpStdioServer {
         skipping.feed(buffered);
         buffered = "";
       }
-    });
-    this.input.once("end", () => this.#closed("stdin closed"));
-    this.input.once("close", () => this.#closed("stdin closed"));
-    this.output.once("error", () => this.#closed("stdout closed"));
+    }, () => this.#closed("stdin closed"));
   }
 
   /** Sends a notification (a channel event), written once the answers before it are. */
@@ -12217,9 +12269,10 @@ class McpStdioServer {
 
   /** Writes one JSON-RPC message, built by mcpJson (the request's id, the client's own, is spliced in as written). */
   #write(text: string): Promise<void> {
-    this.#out = this.#out.then(() =>
-      new Promise<void>((resolve, reject) => this.output.write(text + "\n", (e) => (e ? reject(e) : resolve())))
-    );
+    this.#out = this.#out.then(() => writeStdout(text + "\n")).catch((e) => {
+      this.#closed("stdout closed");
+      throw e;
+    });
     return this.#out;
   }
 
@@ -13297,8 +13350,9 @@ function processStartedAt(pid: number | undefined): number | null {
 async function runWait(o: Options): Promise<number> {
   const root = (o.state as string | undefined) ?? defaultNodeState((await readIdentity(o.key as string)).fingerprint);
   let session = ((o.session ?? o.inbox) as string | undefined)?.trim();
-  if (!session && !isatty(0)) {
+  if (!session) {
     try {
+      if (fs.fstatSync(0).isCharacterDevice()) throw new Error("a terminal (or /dev/null): no hook JSON");
       const hook = JSON.parse(readStdin());
       if (isObject(hook) && typeof hook.session_id === "string") session = hook.session_id.trim();
     } catch {
@@ -13357,12 +13411,12 @@ async function runWait(o: Options): Promise<number> {
       journal.catchUp(); // claim (under the lock) only when something unread arrived
       const items = journal.state.inbox.size ? await claimInbox(journal, 50) : [];
       if (items.length) {
-        process.stderr.write(wakeText(items, peers));
+        writeStderr(wakeText(items, peers));
         return WAKE_EXIT_CODE;
       }
       const left = deadline - Date.now();
       if (left <= 0) {
-        process.stderr.write(RENEW_TEXT);
+        writeStderr(RENEW_TEXT);
         return WAKE_EXIT_CODE;
       }
       await wake.wait(Math.min(left, FOLLOW_RECHECK_MS));
@@ -13554,8 +13608,9 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
   const host = u.hostname.replace(/^\[|\]$/g, "");
   const port = Number(u.port || (u.protocol === "https:" ? 443 : 80));
   const s = Math.round(timeoutMs / 1000);
+  const { connect } = await import("node:net"); // not loaded by a session that never checks a relay this way
   const connected = await new Promise<string | null>((resolve) => {
-    const socket = net.connect({ host, port });
+    const socket = connect({ host, port });
     const timer = setTimeout(() => (socket.destroy(), resolve(`no answer within ${s} s`)), timeoutMs);
     socket.once("connect", () => (clearTimeout(timer), socket.destroy(), resolve(null)));
     socket.once("error", (e: NodeJS.ErrnoException) => {
@@ -14338,7 +14393,7 @@ async function runClaude(args: string[]): Promise<number> {
   for (const sig of ["SIGINT", "SIGTERM"] as const) process.on(sig, () => child.kill(sig));
   return await new Promise((resolve) => {
     child.once("error", (e) => {
-      process.stderr.write(
+      writeStderr(
         `interlink claude: cannot start claude (${
           (e as Error).message
         }); install Claude Code (npm i -g @anthropic-ai/claude-code) or set INTERLINK_CLAUDE to its path\n`,
@@ -14705,6 +14760,47 @@ function programHelp(): string {
   ].join("\n");
 }
 
+/**
+ * argv read as node:util's strict parseArgs reads it (`--flag value`, `--flag=value`, `-f`, `-fh`, `--` ends the
+ * options; an unknown flag, a missing value or a value given to a boolean is an error), without loading node:util,
+ * which would cost every command, `mcp` and `wait` among them, 2 MB under Bun. The last of a repeated flag wins.
+ */
+function parseFlags(
+  argv: string[],
+  options: Record<string, { type: "string" | "boolean"; short?: string }>,
+): { values: Options; positionals: string[] } {
+  const values: Options = {}, positionals: string[] = [];
+  const byShort = new Map(
+    Object.entries(options).flatMap(([k, o]): [string, string][] => (o.short ? [[o.short, k]] : [])),
+  );
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i];
+    if (arg === "--") return { values, positionals: [...positionals, ...argv.slice(i + 1)] };
+    if (!arg.startsWith("-") || arg === "-") {
+      positionals.push(arg);
+      continue;
+    }
+    const long = /^--([^=]*)(?:=(.*))?$/s.exec(arg);
+    const given = long ? [`--${long[1]}`] : [...arg.slice(1)].map((c) => `-${c}`);
+    for (const [n, shown] of given.entries()) {
+      const flag = long ? long[1] : byShort.get(shown.slice(1));
+      if (flag === undefined || !Object.hasOwn(options, flag)) throw new Error(`Unknown option '${shown}'`);
+      const inline = long?.[2], next = n === given.length - 1 ? argv[i + 1] : undefined;
+      if (options[flag].type === "boolean") {
+        if (inline !== undefined) throw new Error(`Option '${shown}' does not take an argument`);
+        values[flag] = true;
+      } else if (inline !== undefined) values[flag] = inline;
+      else if (next === undefined) throw new Error(`Option '${shown} <value>' argument missing`);
+      else if (next.length > 1 && next.startsWith("-")) {
+        throw new Error(
+          `Option '${shown} <value>' argument is ambiguous: for a value that starts with a dash, write ${shown}=${next}`,
+        );
+      } else values[flag] = argv[++i];
+    }
+  }
+  return { values, positionals };
+}
+
 /** Parses argv for one command: each option from its flag, else its variable, else config.json, else its default. */
 function parseCommandLine(
   name: string,
@@ -14719,9 +14815,9 @@ function parseCommandLine(
   }
   let parsed;
   try {
-    parsed = parseArgs({ args: argv, options: spec, allowPositionals: true, strict: true });
+    parsed = parseFlags(argv, spec);
   } catch (e) {
-    throw new InterlinkError(`${(e as Error).message.replace(/\. To specify.*$/s, "")}\n\n${commandHelp(name, cmd)}`);
+    throw new InterlinkError(`${(e as Error).message}\n\n${commandHelp(name, cmd)}`);
   }
   const shared = Object.keys(cmd.options).some((flag) => (CONFIG_KEYS as readonly string[]).includes(flag));
   const config = shared ? readConfig() : { values: {} };
@@ -14785,7 +14881,7 @@ async function main(argv: string[]): Promise<number> {
   if (name === "claude" && !(rest.length === 1 && ["--help", "-h"].includes(rest[0]))) return await runClaude(rest);
   if (Object.hasOwn(EXTRAS, name)) return await runCommand(name, rest, loadExtra(name));
   if (!Object.hasOwn(COMMANDS, name)) {
-    process.stderr.write(`interlink: unknown command '${name}'\n\n${programHelp()}\n`);
+    writeStderr(`interlink: unknown command '${name}'\n\n${programHelp()}\n`);
     return 2;
   }
   return await runCommand(name, rest, COMMANDS[name]);
@@ -14804,7 +14900,7 @@ async function runCommand(name: string, argv: string[], spec: CommandSpec | Prom
     return await cmd.run(opts, positionals, from);
   } catch (e) {
     if (e instanceof InterlinkError) {
-      process.stderr.write(`interlink ${name}: ${showInvisible(e.message)}\n`);
+      writeStderr(`interlink ${name}: ${showInvisible(e.message)}\n`);
       return 1;
     }
     throw e;
@@ -14815,10 +14911,11 @@ async function runCommand(name: string, argv: string[], spec: CommandSpec | Prom
 async function loadExtra(name: string): Promise<CommandSpec> {
   const { file } = EXTRAS[name];
   const url = new URL(`./${file}`, import.meta.url);
-  if (url.protocol === "file:" && !fs.existsSync(fileURLToPath(url))) {
+  const where = url.protocol === "file:" ? path.join(import.meta.dirname!, file) : undefined;
+  if (where && !fs.existsSync(where)) {
     throw new InterlinkError(
       `\`${name}\` is an extra, not part of interlink.ts: it is ${file} in interlink's repository, beside ` +
-        `interlink.ts. Clone the repository, or fetch that file to ${fileURLToPath(url)}, to run it; ` +
+        `interlink.ts. Clone the repository, or fetch that file to ${where}, to run it; ` +
         "every session works without it.",
     );
   }
@@ -14828,7 +14925,7 @@ async function loadExtra(name: string): Promise<CommandSpec> {
 /** Exits with the command's code; a crash prints its stack and exits 70 (EX_SOFTWARE). */
 function exitWith(run: Promise<number>): void {
   run.then((code) => process.exit(code), (e) => {
-    process.stderr.write(`interlink: ${(e as Error).stack ?? e}\n`);
+    writeStderr(`interlink: ${(e as Error).stack ?? e}\n`);
     process.exit(70);
   });
 }
@@ -14907,7 +15004,7 @@ export {
   INSTRUCTIONS_MAX_CHARS,
   InterlinkError,
   intOption,
-  INVISIBLE_RE,
+  invisibleRE,
   inviteMac,
   inviteProofBytes,
   invitesFile,
