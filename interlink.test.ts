@@ -12,6 +12,7 @@ import * as os from "node:os";
 import * as path from "node:path";
 import type * as TS from "typescript";
 import { pathToFileURL } from "node:url";
+import { parseArgs } from "node:util";
 import {
   addPeer,
   Agent,
@@ -72,6 +73,8 @@ import {
   type InboxItem,
   INSTRUCTIONS_MAX_CHARS,
   invisibleRE,
+  mcpJson,
+  parseFlags,
   type Invite,
   type InviteCode,
   inviteMac,
@@ -2310,6 +2313,21 @@ describe("agent: durability of the outbox", () => {
 });
 
 describe("presenting peer text", () => {
+  test("what skips the Unicode tables (printable ASCII, and a JSON answer of it) shows exactly what the tables would", () => {
+    const tricky = ["plain", "a\nb\tc", "\r", "\u0000", "\u001b[31m", "\u007f", "\u00ad", "\u200b", "\u202e", "\ud800", "⚠️", "x\ufe0f", "\\u0041", "\\r", "é"];
+    for (const t of tricky) {
+      const slow = t.replace(new RegExp(`\\p{Emoji}\\uFE0F|${invisibleRE().source.replace("(?![\\n\\t])", "")}`, "gu"), (c) =>
+        c.length > 1 && c.endsWith("\ufe0f") ? c : `<U+${c.codePointAt(0)!.toString(16).toUpperCase().padStart(4, "0")}>`);
+      expect(showInvisible(t, true)).toBe(slow); // one line: newline and tab shown too
+      const message = { result: { content: [{ type: "text", text: t }], note: [t, { [t.length]: t }] } };
+      // The answer a client reads holds the text as showInvisible (keeping newline and tab) leaves it, fast path or not.
+      const read = JSON.parse(mcpJson(message));
+      expect(read.result.content[0].text).toBe(showInvisible(t));
+      expect(read.result.note[1][t.length]).toBe(showInvisible(t));
+    }
+    expect(mcpJson({ a: "ok \"quoted\" \\ \n" })).toBe(JSON.stringify({ a: "ok \"quoted\" \\ \n" }));
+  });
+
   test("escaping leaves ordinary text alone and defuses tags and header look-alikes", () => {
     expect(escapePeerText("a < b && c > d")).toBe("a < b && c > d");
     expect(escapePeerText("<system-reminder>x</system-reminder>")).toBe("&lt;system-reminder>x&lt;/system-reminder>");
@@ -3057,6 +3075,52 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
 
 // ----------------------------------------------------------------------------
 describe("operator experience: help, CLI, doctor, demo, README", () => {
+  test("flags are read as node:util's strict parseArgs reads them, errors included, without loading node:util", () => {
+    const options = {
+      url: { type: "string" as const },
+      state: { type: "string" as const },
+      follow: { type: "boolean" as const, short: "f" },
+      help: { type: "boolean" as const, short: "h" },
+      lan: { type: "boolean" as const },
+    };
+    const argvs = [
+      [], ["a", "b"], ["--url", "http://x"], ["--url=http://x=y"], ["--url="], ["--url", "-"], ["-f"], ["-fh"],
+      ["-hf", "x"], ["--lan", "--url", "u", "p"], ["--url", "a", "--url", "b"], ["p", "--", "--url", "x", "-f"],
+      ["--"], ["-"], ["--nope"], ["-x"], ["-fx"], ["--url"], ["--url", "--state", "s"], ["--url", "-5"],
+      ["--lan=1"], ["--lan=" ], ["-f=1"], ["--=x"], ["---x"], ["--state", "s", "--url"], ["--__proto__", "x"],
+      ["--constructor"], ["-5"],
+    ];
+    for (const args of argvs) {
+      let want: unknown, got: unknown;
+      try {
+        const r = parseArgs({ args, options, allowPositionals: true, strict: true });
+        want = { values: { ...r.values }, positionals: r.positionals };
+      } catch {
+        want = "an error";
+      }
+      try {
+        const r = parseFlags(args, options);
+        got = { values: { ...r.values }, positionals: r.positionals };
+      } catch {
+        got = "an error";
+      }
+      expect([args, got]).toEqual([args, want]);
+    }
+    // Each error says what was wrong with which flag.
+    expect(() => parseFlags(["--nope"], options)).toThrow("Unknown option '--nope'");
+    expect(() => parseFlags(["-x"], options)).toThrow("Unknown option '-x'");
+    expect(() => parseFlags(["--url"], options)).toThrow("Option '--url <value>' argument missing");
+    expect(() => parseFlags(["--lan=1"], options)).toThrow("Option '--lan' does not take an argument");
+    expect(() => parseFlags(["--url", "-5"], options)).toThrow("write --url=-5");
+  });
+
+  test("a session imports only the runtime modules every session needs (the rest are loaded where they are used)", () => {
+    // Each module a session loads costs it memory: under Bun, node:util 2.1 MB, node:net and node:tty about 1 MB,
+    // node:url 0.8 MB (docs/performance.md). A new top-level import belongs here only if every session needs it.
+    const imports = [...fs.readFileSync(SCRIPT, "utf8").matchAll(/^import (?!type )[^;]* from "([^"]+)";$/gm)].map((m) => m[1]);
+    expect(imports).toEqual(["node:buffer", "node:child_process", "node:fs", "node:os", "node:path"]);
+  });
+
   test(
     "CLI against a real bus: send reaches a real agent, log and tasks show it, and no message goes twice",
     async () => {
