@@ -6102,25 +6102,21 @@ function refusalWords(l: ReceiptLine): string {
 // The journal
 // ============================================================================
 
-/** How an inbox item left the inbox (see the "shown" record). */
 type ShownVia = "push" | "inbox" | "queue" | "superseded";
 
 const SHOWN_VIAS: readonly ShownVia[] = ["push", "inbox", "queue", "superseded"];
 
 /**
- * How a knock ended: our operator accepted or rejected theirs, their operator accepted ours, or it came through
- * one of our invites and was admitted (our operator's decision, made by running `interlink.ts invite`).
+ * How a knock ended: our operator accepted or rejected theirs, theirs accepted ours, or it came through one of our
+ * invites (our operator's decision, made by running `interlink.ts invite`).
  */
 type PairOutcome = "accepted" | "rejected" | "they_accepted" | "invited";
 
-/**
- * Every record a session writes to its journal, and the schema's one
- * description. `at` is the writer's clock (unix ms) when it was written.
- */
+/** Every record a session writes to its journal (the schema's one description); `at`: the writer's clock, unix ms. */
 type JournalRecord =
   /**
-   * A message we signed: the outbox until "sent" or "refused". `recipient` is the route it goes to (`key#session`, or a
-   * bare key); `again` marks a re-send of one already sent, with the same msg_id (a knock repeated).
+   * A message we signed: in the outbox until "sent" or "refused". `recipient`: its route (`key#session`, or a bare
+   * key); `again`: a re-send of one already sent, same msg_id (a knock repeated).
    */
   | {
     t: "out";
@@ -6142,10 +6138,9 @@ type JournalRecord =
   | { t: "resign"; at: number; msg: SignedMessage }
   /**
    * Admitted from a peer (or another session of ours): unread until "shown". `reply_session`: the sender's session its
-   * unsigned reply_to named (routing only); `receipts`: its sender reads delivery receipts; `for_session`: it came for
-   * an earlier session of ours (drained from that session's route). `chain`: the verified chain of a request that opens
-   * a sub-task; `declined`: why such a request was answered failed and never shown (too deep, a loop); `relay`: passed
-   * along the chain, shown only as information.
+   * unsigned reply_to named (routing only); `receipts`: its sender reads receipts; `for_session`: drained from an
+   * earlier session's route. `chain`: the verified chain of a request opening a sub-task; `declined`: why such a
+   * request was answered failed, never shown (too deep, a loop); `relay`: passed along the chain, shown as information.
    */
   | {
     t: "in";
@@ -6160,21 +6155,20 @@ type JournalRecord =
     relay?: Relayed;
   }
   /**
-   * An inbox item handed to the model: pushed as a channel event, taken by check_inbox or `wait`, or queued as a
-   * Codex turn; or "superseded": an update a newer message on its task made moot, never shown.
+   * An inbox item handed to the model (pushed as a channel event, taken by check_inbox or `wait`, queued as a Codex
+   * turn), or "superseded": an update a newer message on its task made moot, never shown.
    */
   | { t: "shown"; at: number; item: string; via: ShownVia }
   /**
-   * A stranger asked to pair: held for the operator. Only what is shown is kept,
-   * never its text. `reply_to`: the requesting session, where the acceptance
-   * goes; `quiet`: past the few shown one by one in an hour, it is only counted.
+   * A stranger asked to pair: held for the operator, only what is shown kept, never its text. `reply_to`: the asking
+   * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
    */
   | { t: "knock"; at: number; key: string; name: string; msg_id: string; ts: number; reply_to?: string; quiet?: true }
-  /** The first refusal of a sender's messages for a reason worth the operator's attention (repeats are counted in memory). */
+  /** A sender's first refusal for a reason worth the operator's attention (repeats are counted in memory). */
   | { t: "refusal"; at: number; key: string; reason: Refusal; detail: string }
   /**
    * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
-   * `how` is "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
+   * "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
    */
   | { t: "paired"; at: number; key: string; how: PairOutcome; petname?: string; msg?: SignedMessage; invite?: string }
   /** A message refused by the gate, reported to its sender by a receipt (to `route`) that is still owed. */
@@ -6183,31 +6177,27 @@ type JournalRecord =
   | { t: "receipt"; at: number; peer: string; msg: SignedMessage; lines?: number[] }
   /** In an ended session's journal: everything it still had to do now belongs to session `to`. */
   | { t: "moved"; at: number; to: string }
-  /**
-   * An ended session's unfinished state, taken over by this session (it wrote "moved" there next); its messages
-   * and unread inbox follow in "carried" records.
-   */
+  /** An ended session's unfinished state, taken over (then "moved" is written there); messages follow as "carried". */
   | { t: "adopted"; at: number; session: string; carried: Carried }
   /**
-   * One message carried over (after a checkpoint, or an "adopted" record naming `session`, in the same write): an
-   * outbox entry, or a sent message whose receipts may still come (`out`), or an unread inbox item (`item`).
+   * One message carried over, in the same write as its checkpoint or "adopted" record (naming `session`): `out`, an
+   * outbox entry or a sent message whose receipts may still come; `item`, an unread inbox item.
    */
   | { t: "carried"; at: number; session?: string; out?: CarriedOut; item?: InboxItem }
   /**
-   * The first record of a journal that was rolled over (see Journal.roll): this session's own state when the
-   * earlier records went to the archive `archived` (log-<ms>.jsonl beside it), which history readers go on to read.
+   * The first record of a rolled-over journal (see Journal.roll): this session's state when the earlier records went
+   * to the archive `archived` (log-<ms>.jsonl beside it), which history readers go on to read.
    */
   | { t: "checkpoint"; at: number; archived: string; carried: Carried; remembered: Remembered };
 
 type RecordTag = JournalRecord["t"];
 
-/** The record of one tag. */
 type RecordOf<T extends RecordTag> = Extract<JournalRecord, { t: T }>;
 
 /** A record as a writer hands it over: the journal stamps `at`. */
 type NewRecord = JournalRecord extends infer R ? R extends JournalRecord ? Omit<R, "at"> : never : never;
 
-/** A knock waiting for our operator: the claimed name, when, its msg_id, and the session that asked. */
+/** A knock waiting for our operator; `replyTo`: the session that asked. */
 interface HeldKnock {
   name: string;
   at: number;
@@ -6215,10 +6205,7 @@ interface HeldKnock {
   replyTo?: string;
 }
 
-/**
- * A knock of ours still unanswered: the petname chosen for them, when, its msg_id (an acceptance names it), and
- * the invite of theirs it goes through, if any (`interlink.ts join`).
- */
+/** A knock of ours unanswered (an acceptance names its msgId); `invite`: theirs, for `interlink.ts join`. */
 interface OwnKnock {
   petname?: string;
   at: number;
@@ -6227,10 +6214,8 @@ interface OwnKnock {
 }
 
 /**
- * What an ended session still had to do, or to know to do it, when it was adopted: its outbox (and sent messages whose
- * receipts may still come), its unread inbox, its tasks, the receipts it owed, its pairing in flight, and whom it was
- * talking to. `routes` are the ended sessions whose relay routes its mail may still arrive on (itself among them), with
- * when each ended.
+ * What an ended session still had to do, or to know to do it, when it was adopted. `routes`: the ended sessions whose
+ * relay routes its mail may still arrive on (itself among them), with when each ended.
  */
 interface Carried {
   out: CarriedOut[];
@@ -6246,12 +6231,7 @@ interface Carried {
   routes: [string, number][];
 }
 
-/**
- * What a checkpoint keeps beside what it carries: what only this session's own journal knew. The items already shown
- * that a copy could bring again (notices, messages carried from another session: see NodeState.#shown), when refusal
- * summaries and knocks were last shown (their pacing), the refusals already reported by receipt, the events last pushed
- * to a channel, the keys that send receipts, and those whose messages ask for none (see SEND_WINDOW).
- */
+/** What a checkpoint keeps beside what it carries: what only this journal knew (NodeState's memories so named). */
 interface Remembered {
   /** Only in checkpoints of 0.5.0: the per-day replay files (SeenLog) hold it, read at every start. */
   replay?: [string, number][];
@@ -6265,7 +6245,7 @@ interface Remembered {
   silent?: string[];
 }
 
-/** An outbox entry (sent_at absent) or a sent message awaiting receipts, as carried. */
+/** An outbox entry (no sent_at) or a sent message awaiting receipts, as carried. */
 interface CarriedOut {
   msg: SignedMessage;
   peer: string | null;
@@ -6285,7 +6265,7 @@ interface CarriedOut {
 /** Decodes field `k` of `o`, or throws a FormatError that names it. */
 type Field<T> = (o: Record<string, unknown>, k: string) => T;
 
-/** The fields `spec` decodes, in its order (the order they are written in); one that decodes to undefined is left out. */
+/** The fields `spec` decodes, in its order (the order they are written in); undefined ones left out. */
 function fields<S extends Record<string, Field<unknown>>>(
   o: Record<string, unknown>,
   spec: S,
@@ -6314,7 +6294,6 @@ const int: Field<number> = (o, k) => {
   return v;
 };
 
-/** Absent: none; anything else is decoded by `f`. */
 const optional = <T>(f: Field<T>): Field<T | undefined> => (o, k) => (o[k] === undefined ? undefined : f(o, k));
 
 const optInt = optional(int);
@@ -6334,14 +6313,11 @@ const obj = (v: unknown, what: string): Record<string, unknown> => {
   return v;
 };
 
-/** A field that a decoder of whole values reads. */
 const decoded = <T>(f: (v: unknown) => T): Field<T> => (o, k) => f(o[k]);
 
-/** An optional object, its fields read by `f`. */
 const nested = <T>(f: (x: Record<string, unknown>) => T): Field<T | undefined> =>
   optional((o, k) => f(obj(o[k], `"${k}"`)));
 
-/** One of `values`; a bad one "is `says`". */
 const oneOf = <T extends string>(values: readonly T[], says = `not ${values.join(", ")}`): Field<T> => (o, k) => {
   if (!values.includes(o[k] as T)) throw new FormatError(`"${k}" is ${says}`);
   return o[k] as T;
@@ -6357,11 +6333,9 @@ const num = (v: unknown): number => {
   return v;
 };
 
-/** A carried list (absent: empty), each element read by `value` (told the list's name). */
 const items = <V>(value: (v: unknown, k: string) => V): Field<V[]> => (o, k) =>
   (o[k] === undefined ? [] : list(o, k)).map((v) => value(v, k));
 
-/** A carried [key, value] list (absent: empty). */
 const pairs = <V>(value: (v: unknown, k: string) => V): Field<[string, V][]> =>
   items((p, k) => {
     if (!Array.isArray(p) || p.length !== 2 || typeof p[0] !== "string") {
@@ -6370,7 +6344,6 @@ const pairs = <V>(value: (v: unknown, k: string) => V): Field<[string, V][]> =>
     return [p[0], value(p[1], k)];
   });
 
-/** A string in a carried list; a bad one is named as `what`. */
 const textItem = (what: string) => (v: unknown, k: string): string => {
   if (typeof v !== "string") throw new FormatError(`"${k}" holds a bad ${what}`);
   return v;
@@ -6416,7 +6389,6 @@ function decodeHead(v: unknown): MessageHead {
   }));
 }
 
-/** Each inbox item's fields beside kind, id and at. */
 const ITEM_FIELDS: {
   [K in InboxItem["kind"]]: (o: Record<string, unknown>) => Omit<Extract<InboxItem, { kind: K }>, "kind" | "id" | "at">;
 } = {
@@ -6537,7 +6509,6 @@ const decodeRemembered = (v: unknown): Remembered =>
 
 const PAIR_OUTCOMES: readonly PairOutcome[] = ["accepted", "rejected", "they_accepted", "invited"];
 
-/** Each record's fields beside `t` and `at`: today's shape, checked field by field. */
 const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<RecordOf<T>, "t" | "at"> } = {
   out: (o) =>
     fields(o, {
@@ -6610,7 +6581,7 @@ function upgradeRecord(o: Record<string, unknown>): Record<string, unknown>[] {
   }
 }
 
-/** A journal line's records in today's shape (one line of an earlier release may become two), or a FormatError. */
+/** A journal line's records in today's shape (an earlier release's line may become two), or a FormatError. */
 function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
   return upgradeRecord(raw).map((o) => {
     const t = String(o.t) as RecordTag;
@@ -6622,13 +6593,11 @@ function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
   });
 }
 
-/** The JSONL line of a record (its fields in the order they were set). */
 const encodeRecord = (r: JournalRecord): string => JSON.stringify(r);
 
 /**
- * Reads a journal's records from byte `from`, decoded and upgraded: `onRecord` for each, with the line's offset and
- * end; `onBad` for a line that is not one (with the reason). The one reader of journals: the fold, `log`, `tasks`,
- * conversation_history and `doctor` all go through it.
+ * Reads a journal's records from byte `from`, decoded and upgraded; `onBad` gets a line that is not one, with why.
+ * The one reader of journals: the fold, `log`, `tasks`, conversation_history and `doctor` all go through it.
  */
 function scanJournal(
   file: string,
@@ -6648,15 +6617,15 @@ function scanJournal(
   }, onBad);
 }
 
-/** The reports a journaled receipt record was admitted for (its `lines`, indexes into the parsed text). */
+/** The reports a journaled receipt was admitted for (`lines`: indexes into its parsed text). */
 function recordedReports(r: RecordOf<"receipt">): ReceiptLine[] {
   const all = parseReceipt(r.msg.text);
   return r.lines ? all.filter((_, i) => r.lines!.includes(i)) : all;
 }
 
 /**
- * The question of ours that `msg` answers (its in_reply_to), if its task still waits on it: what was asked, for
- * whose operator (absent: ours), and the earlier session that asked it, if that one ended before the answer came.
+ * The question of ours that `msg` answers, if its task still waits on it: what was asked, for whose operator (absent:
+ * ours), and the earlier session that asked it, if that one ended before the answer came.
  */
 function answeredQuestion(
   tasks: ReadonlyMap<string, TaskRow>,
@@ -6671,8 +6640,8 @@ function answeredQuestion(
 }
 
 /**
- * What takes an inbox item whose journal line no longer reads back (the disk changed under it) out of the inbox:
- * "shown" via "superseded", never shown, so its sender is never told it was.
+ * Takes an item whose journal line no longer reads back (the disk changed under it) out of the inbox: "superseded",
+ * so its sender is never told it was shown.
  */
 const unreadableItem = (id: string): NewRecord => ({ t: "shown", item: id, via: "superseded" });
 
@@ -6682,7 +6651,6 @@ const OUR_MSG_ID_RE = /^[0-9a-f]{32}$/;
 /** Slots in a chunk of the outbox: it grows and shrinks a chunk (about 180 KB) at a time, never by copying it whole. */
 const BACKLOG_CHUNK = 4096;
 
-/** The outbox's columns for BACKLOG_CHUNK slots (see Backlog). */
 class BacklogChunk {
   readonly words = new Uint32Array(BACKLOG_CHUNK * 4); // an OUR_MSG_ID_RE msg_id: four words a slot
   readonly kind = new Uint8Array(BACKLOG_CHUNK); // 1 + its index in KINDS; 0: a hole
@@ -6695,11 +6663,10 @@ class BacklogChunk {
 }
 
 /**
- * The outbox in send order, compact: per queued message its msg_id, route, kind, when it was queued and where its
- * signed record is in the journal, in typed arrays rather than an object each (about 50 bytes a message, where the
- * message itself takes a kilobyte), so a session's memory stays flat however much waits on disk. A message that
- * leaves makes a hole; a chunk of holes is dropped, and the rest squeezed together once holes outnumber what is
- * queued. Slot numbers hold until the next change.
+ * The outbox in send order, compact: per message its msg_id, route, kind, when queued and where its signed record is,
+ * in typed arrays (about 50 bytes a message, where the message takes a kilobyte), so memory stays flat however much
+ * waits on disk. A message that leaves makes a hole; a chunk of holes is dropped, the rest squeezed together once
+ * holes outnumber what is queued. Slot numbers hold until the next change.
  */
 class Backlog implements Iterable<string> {
   #chunks: (BacklogChunk | undefined)[] = []; // by slot / BACKLOG_CHUNK; undefined: dropped (all holes)
@@ -6727,12 +6694,11 @@ class Backlog implements Iterable<string> {
     return this.#find(id) >= 0;
   }
 
-  /** The slot of a queued message, or -1. */
   slotOf(id: string): number {
     return this.#find(id);
   }
 
-  /** Queues `id` last (nothing if it is queued already). `bytes`: the size of its line, or of the message. */
+  /** Queues `id` last, if not queued. `bytes`: the size of its line, or of the message. */
   add(id: string, e: { recipient: string; kind: Kind; at: number; line?: LineRef; bytes: number }): void {
     if (this.#find(id) >= 0) return;
     const slot = this.#end++;
@@ -6787,7 +6753,7 @@ class Backlog implements Iterable<string> {
     this.#freeNames = [];
   }
 
-  /** Where a queued message's signed record now is (a re-signed copy). `bytes`: as in add. */
+  /** Where a queued message's signed record now is (a re-signed copy). */
   setLine(id: string, line: LineRef | undefined, bytes: number): void {
     const slot = this.#find(id);
     if (slot >= 0) this.setLineAt(slot, line, bytes);
@@ -6800,10 +6766,7 @@ class Backlog implements Iterable<string> {
     this.#setLine(c, i, line, bytes);
   }
 
-  /**
-   * The slot queued after `slot` (-1: the first), in send order; -1 past the last. A loop over the outbox,
-   * `for (let s = b.next(-1); s >= 0; s = b.next(s))`, allocates nothing.
-   */
+  /** The slot after `slot` (-1: the first) in send order, or -1; a loop over the outbox with it allocates nothing. */
   next(slot: number): number {
     return Backlog.#nextIn(this.#chunks, Math.max(slot + 1, this.#first), this.#end);
   }
@@ -6825,7 +6788,7 @@ class Backlog implements Iterable<string> {
     return this.#names[this.#chunkOf(slot).route[slot % BACKLOG_CHUNK]];
   }
 
-  /** The key of the slot's route (its `key#session` without the session), worked out once per route. */
+  /** The key of the slot's route, worked out once per route. */
   keyAt(slot: number): string {
     return this.#keys[this.#chunkOf(slot).route[slot % BACKLOG_CHUNK]];
   }
@@ -6842,7 +6805,7 @@ class Backlog implements Iterable<string> {
     return this.#chunkOf(slot).length[slot % BACKLOG_CHUNK];
   }
 
-  /** True when a journal line holds the slot's message (else its entry keeps it whole). */
+  /** False when no journal line holds the slot's message (its entry keeps it whole). */
   hasLine(slot: number): boolean {
     return this.#chunkOf(slot).file[slot % BACKLOG_CHUNK] !== 0;
   }
@@ -6912,7 +6875,7 @@ class Backlog implements Iterable<string> {
     this.#table[cell] = slot + 1;
   }
 
-  /** A table for what is queued now, with room to grow: removed cells are dropped. */
+  /** A table for what is queued now, with room to grow, without removed cells. */
   #rehash(): void {
     let size = 64;
     while (size < this.#count * 2) size *= 2;
@@ -6927,7 +6890,6 @@ class Backlog implements Iterable<string> {
     }
   }
 
-  /** Moves what is queued into new chunks from slot 0, in order, then rehashes. */
   #squeeze(): void {
     const chunks = this.#chunks, odd = this.#odd, end = this.#end;
     let from = this.next(-1);
@@ -6984,10 +6946,9 @@ class Backlog implements Iterable<string> {
   }
 }
 
-/** The message of ours an "out" record, or a "carried" one, holds. */
 const outOf = (r: JournalRecord | undefined) => (r?.t === "out" ? r : r?.t === "carried" ? r.out : undefined);
 
-/** The entry of a message of ours as its "out" or "carried" record holds it (with `more`), held as keepSigned says. */
+/** The entry of a message of ours from its "out" or "carried" record, held as keepSigned says. */
 function outEntry(
   o: Pick<CarriedOut, "msg" | "peer" | "recipient" | "at" | "pair_petname" | "chain">,
   line: LineRef | undefined,
@@ -7007,7 +6968,7 @@ function outEntry(
   return e;
 }
 
-/** Why a message kept as its head cannot be shown or sent: its journal line no longer holds it. */
+/** Why a message kept as its head cannot be shown or sent. */
 const unreadable = (what: string, line: LineRef | undefined): InterlinkError =>
   new InterlinkError(
     `${what} can no longer be read from ${line?.file} at byte ${line?.offset} (the disk changed under it)`,
@@ -7016,9 +6977,8 @@ const unreadable = (what: string, line: LineRef | undefined): InterlinkError =>
 /** The node's state, folded from its journal in order: one handler per record tag. Pure apart from its own maps. */
 class NodeState {
   /**
-   * Sent messages (the most recent), and queued ones that something is working on (a batch being sent, one
-   * re-signed, one a receipt reported on): an object each. The rest of the outbox is only in `pending`; entry()
-   * reads such an entry back from its journal line.
+   * Sent messages (the most recent) and queued ones something works on (being sent, re-signed, reported on by a
+   * receipt). The rest of the outbox is only in `pending`: entry() reads it back from its line.
    */
   readonly outgoing = new Map<string, OutEntry>();
   readonly pending = new Backlog(); // the outbox, in send order
@@ -7026,31 +6986,28 @@ class NodeState {
   readonly tasks = new Map<string, TaskRow>();
   readonly replay = new ReplayMemory();
   /**
-   * Waiting to be shown, in arrival order. Peers' messages are bounded by what peers send before it is read; knocks by
-   * KNOCKS_CAP; refusal summaries by REFUSAL_NOTICES_CAP, one per sender and reason.
+   * Waiting to be shown, in arrival order: peers' messages bounded by what peers send before it is read, knocks by
+   * KNOCKS_CAP, refusal summaries by REFUSAL_NOTICES_CAP (one per sender and reason).
    */
   readonly inbox = new Map<string, HeldItem>();
   /**
-   * Inbox items already shown from this journal: an adopted copy of one is never shown again. True: a checkpoint
-   * keeps it (a notice, or a message carried from another session, which an adoption may bring again); a message
-   * this session admitted itself only a replay could bring again, which the replay memory refuses.
+   * Inbox items shown from this journal: an adopted copy is never shown again. True: a checkpoint keeps it (a notice,
+   * or a message carried from another session, which an adoption may bring again); one this session admitted itself
+   * only a replay could bring again, which the replay memory refuses.
    */
   readonly #shown = new BoundedMap<string, boolean>(RECEIPTS_WANTED_CAP);
-  /**
-   * The last items pushed as channel events, and when: a Claude Code that drops channel events (its channels
-   * feature off) shows the model nothing, so check_inbox can still list them.
-   */
+  /** The last items pushed as channel events: a Claude Code with channels off drops them, so check_inbox lists them. */
   readonly pushed = new BoundedMap<string, { at: number; item: HeldItem }>(50);
   /** Keys whose knock the operator rejected, and when: their knocks are not shown again for a day. */
   readonly rejected = new BoundedMap<string, number>(1024);
   #knocksShown: number[] = []; // when the last KNOCKS_SHOWN_PER_HOUR knocks were made visible
   /** Each peer's session that last wrote to us (its reply_to): where a reply goes when nothing says otherwise. */
   readonly sticky = new BoundedMap<string, string>(1024);
-  /** When a refusal summary for a sender and reason was last shown: the next waits REFUSAL_REPEAT_MS. */
+  /** When a refusal summary (sender and reason) was last shown: the next waits REFUSAL_REPEAT_MS. */
   readonly refusalShownAt = new BoundedMap<string, number>(1024);
   readonly knocksIn = new BoundedMap<string, HeldKnock>(KNOCKS_CAP);
   readonly knocksOut = new BoundedMap<string, OwnKnock>(KNOCKS_CAP);
-  /** Receipts owed, by the route they go to, oldest first: reported and cleared by the agent's receipt loop. */
+  /** Receipts owed, by route, oldest first: reported and cleared by the agent's receipt loop. */
   readonly owed = new Map<string, ReceiptLine[]>();
   /** Admitted messages whose sender asked for receipts and that are not shown yet: message key → its route. */
   readonly wantsShown = new BoundedMap<string, { route: string; msgId: string }>(RECEIPTS_WANTED_CAP);
@@ -7065,14 +7022,13 @@ class NodeState {
   /** Keys that have sent us receipts (nodes of ours): as they read, their receipts free room in SEND_WINDOW. */
   readonly confirming = new BoundedMap<string, true>(1024);
   /**
-   * Keys whose last message to us asked for no receipts (a reference node, or one of ours from before receipts):
-   * their routes are never held at SEND_WINDOW, which no receipt of theirs would ever free. Bounded like the peers.
+   * Keys whose last message to us asked for no receipts (a reference node, or one of ours from before receipts): their
+   * routes are never held at SEND_WINDOW, which no receipt of theirs would free. Bounded like the peers.
    */
   readonly silent = new BoundedMap<string, true>(1024);
   /**
-   * Routes a relay refused as full (not in the journal: what the relays said in this process), while messages of
-   * ours wait for them: when to try again, refusals in a row (the back-off), and what the relays said. At most one
-   * per route with something pending; cleared by the route's next accepted message.
+   * Routes a relay refused as full while ours wait (this process only, not journaled): when to retry, refusals in a
+   * row (the back-off), what the relays said. Cleared by the route's next accepted message.
    */
   readonly full = new Map<string, { until: number; failures: number; why: string }>();
   /** Whether a relay the outbox sends through may drop past its cap (set by the agent; unknown: it may). */
@@ -7080,13 +7036,10 @@ class NodeState {
   /** Set by a "moved" record: the session that took over everything this one still had to do. */
   movedTo: string | undefined;
 
-  /**
-   * `read`: how a message this state keeps only the head of is read back from the journal line it was folded
-   * from (a record applied with its line); the clock and the reader are the fold's only inputs besides records.
-   */
+  /** `read` reads back a message kept as its head; the clock and `read` are the fold's only inputs besides records. */
   constructor(readonly now: () => number = Date.now, readonly read: LineReader = readBack) {}
 
-  /** Folds one record; `line`, where it was read from (its messages are then read back from there, not kept). */
+  /** Folds one record; given `line`, where it was read, its messages are read back from there, not kept. */
   apply(r: JournalRecord, line?: LineRef): void {
     (this.#handlers[r.t] as (r: JournalRecord, line?: LineRef) => void)(r, line);
   }
@@ -7258,7 +7211,7 @@ class NodeState {
     moved: (r) => {
       // Everything still to do went to session `to` (its "adopted" record holds it): nothing is left here.
       this.movedTo = r.to;
-      // (A queued message not in memory is left out: message_status reads it from the journal, and says so.)
+      // (A queued message not in memory is left out: message_status reads it from the journal.)
       for (const id of this.outgoing.keys()) if (this.pending.has(id)) this.outgoing.get(id)!.movedTo = r.to;
       for (const e of this.outgoing.values()) if (e.sentAt && !e.shown) e.movedTo = r.to;
       for (const t of this.tasks.values()) t.moved_to ??= r.to;
@@ -7301,13 +7254,12 @@ class NodeState {
     this.#remember(msgId);
   }
 
-  /** The kind of a queued message, from the outbox alone. */
   #queuedKind(msgId: string): Kind | undefined {
     const slot = this.pending.slotOf(msgId);
     return slot < 0 ? undefined : this.pending.kindAt(slot);
   }
 
-  /** Queues an entry last; one whose message no journal line holds stays in `outgoing` as well. */
+  /** Queues an entry last; one no journal line holds stays in `outgoing` too. */
   #queue(e: OutEntry): void {
     const id = e.msg.msg_id;
     const bytes = e.line?.length ?? utf8Bytes(JSON.stringify(e.signed));
@@ -7315,10 +7267,7 @@ class NodeState {
     if (!e.line) this.outgoing.set(id, e);
   }
 
-  /**
-   * The entry of a message of ours, sent or queued: a queued one not in memory is read back from its journal line
-   * (and not kept: the outbox stays compact). Undefined if this state knows no such message.
-   */
+  /** The entry of a message of ours, sent or queued; one not in memory is read back from its line, not kept. */
   entry(msgId: string): OutEntry | undefined {
     const held = this.outgoing.get(msgId);
     if (held) return held;
@@ -7326,10 +7275,7 @@ class NodeState {
     return slot < 0 ? undefined : this.#readEntry(slot, msgId);
   }
 
-  /**
-   * The entry of a message something is about to change or send: kept in `outgoing` from now on (see there),
-   * a queued one with its whole message until it is sent (the send window).
-   */
+  /** The entry of a message about to change or be sent: in `outgoing` from now on, whole until sent (send window). */
   #hot(msgId: string): OutEntry | undefined {
     const held = this.outgoing.get(msgId);
     if (held) return held;
@@ -7340,7 +7286,7 @@ class NodeState {
     return entry;
   }
 
-  /** A queued message's entry, from the record its outbox slot points at ("out", or "carried" by a roll-over or an adoption). */
+  /** A queued message's entry, from the "out" or "carried" record its slot points at. */
   #readEntry(slot: number, msgId: string, keep = false): OutEntry {
     const line = this.pending.lineAt(slot)!;
     const r = this.read(line, msgId);
@@ -7356,7 +7302,7 @@ class NodeState {
     return e;
   }
 
-  /** The whole signed message of an entry of ours, read back from its journal line; an error if it no longer reads. */
+  /** The whole signed message of an entry of ours, read back from its journal line if need be. */
   signed(e: OutEntry): SignedMessage {
     if (e.signed) return e.signed;
     const r = e.line && this.read(e.line, e.msg.msg_id);
@@ -7377,7 +7323,7 @@ class NodeState {
     }
   }
 
-  /** Counts a message sent to `route` as unconfirmed, or no longer (a receipt reported it). */
+  /** Counts a message sent to `route` as unconfirmed, or (a receipt reported it) no longer. */
   #unconfirmed(route: string, msgId: string, add: boolean): void {
     const ids = this.unconfirmed.get(route);
     if (add) this.unconfirmed.set(route, (ids ?? new Set()).add(msgId));
@@ -7385,10 +7331,9 @@ class NodeState {
   }
 
   /**
-   * Takes over what an ended session carried (`session`), or this session's own state at a checkpoint (null). Whatever
-   * this journal already holds wins (a copy adopted twice after a crash between the two writes of an adoption changes
-   * nothing), and an item already shown here is never shown again. Since 0.5.1 the messages come in "carried" records
-   * of their own, after this one (see #takeOut); earlier releases put them in `c.out`, `c.inbox`.
+   * Takes over what an ended session carried, or (null) this session's own state at a checkpoint. What this journal
+   * holds wins (a copy adopted twice, after a crash between an adoption's two writes, changes nothing). Since 0.5.1
+   * the messages follow in "carried" records; earlier releases put them in `c.out`, `c.inbox`.
    */
   #take(session: string | null, at: number, c: Carried): void {
     for (const o of c.out) this.#takeOut(session, o);
@@ -7418,7 +7363,7 @@ class NodeState {
     if (session !== null) this.drains.set(session, this.drains.get(session) ?? at);
   }
 
-  /** One carried outbox entry (see #take), read from `line` when it has one. */
+  /** One carried outbox entry (see #take). */
   #takeOut(session: string | null, o: CarriedOut, line?: LineRef): void {
     const id = o.msg.msg_id;
     if (this.outgoing.has(id) || this.pending.has(id)) return;
@@ -7436,9 +7381,8 @@ class NodeState {
   }
 
   /**
-   * One carried inbox item. An item this journal showed is not shown again, but at this session's own checkpoint
-   * (`own`: its items come after the checkpoint's record, which restores what was shown; an id reused since it
-   * was shown, "knocks more", is in both).
+   * One carried inbox item; one this journal showed is not shown again, but at its own checkpoint (`own`) an id reused
+   * since it was shown ("knocks more") is in both.
    */
   #takeItem(session: string | null, item: InboxItem, line?: LineRef, own = session === null): void {
     if (this.inbox.has(item.id) || (!own && this.#shown.has(item.id))) return;
@@ -7446,10 +7390,7 @@ class NodeState {
     this.inbox.set(item.id, hold(item.kind === "message" && forSession ? { ...item, forSession } : item, line));
   }
 
-  /**
-   * An inbox item as it is shown: a peer's message read back whole from its journal line (an error if that no
-   * longer reads: the disk changed under it).
-   */
+  /** An inbox item as it is shown: a peer's message read back whole from its journal line. */
   readable(item: HeldItem): InboxItem {
     if (item.kind !== "message") return item;
     const { line, signed, ...rest } = item;
@@ -7462,10 +7403,7 @@ class NodeState {
     return { ...rest, msg };
   }
 
-  /**
-   * readable(), or undefined when the item no longer reads back: it cannot be shown, and must not hold up what is
-   * behind it, so `gone` gets the record that takes it out of the inbox (see unreadableItem) and the log says why.
-   */
+  /** readable(), or undefined: an unreadable item must not hold up the rest; `gone` gets what takes it out. */
   readableOr(item: HeldItem, gone: NewRecord[]): InboxItem | undefined {
     try {
       return this.readable(item);
@@ -7477,9 +7415,8 @@ class NodeState {
   }
 
   /**
-   * The questions peers asked of the ended session `session` that it was shown and that still wait for our
-   * operator's answer: each becomes an inbox item of this session, shown once (a question never shown there comes
-   * as itself, with the inbox it carried).
+   * Questions peers asked of the ended `session`, shown there and still waiting for our operator: each becomes an inbox
+   * item here, shown once (one never shown there comes as itself, in the inbox it carried).
    */
   #stillWaiting(c: Carried, session: string, at: number): void {
     for (const carried of c.tasks) {
@@ -7505,12 +7442,10 @@ class NodeState {
   }
 
   /**
-   * What this (ended) session still has to do, for the session that adopts it: its outbox, its sent messages of the
-   * last day not yet shown (their receipts may come), its unread inbox with what its receipts need, its open tasks and
-   * those closed in the last day (a late message on one is still refused; at its own checkpoint, the last
-   * CLOSED_TASKS_KEPT_MS), and the rest of what it knew of its peers. `ended`: the session and when it ended, when it
-   * is carried to another session (not at its own checkpoint). The messages are not in it: carriedOut() and the inbox
-   * give them, one record each, so a backlog is never one line in memory.
+   * What this session still has to do, for its adopter (`ended`: this session and when it ended) or its checkpoint.
+   * Closed tasks go too, of the last day (a late message on one is still refused), or CLOSED_TASKS_KEPT_MS at a
+   * checkpoint. Messages are not in it: carriedOut() and the inbox give them a record each, so a backlog is never one
+   * line in memory.
    */
   carry(nowMs: number, ended?: { session: string; at: number }): Carried {
     const since = nowMs - FRESH_PAST_MS;
@@ -7532,9 +7467,8 @@ class NodeState {
   }
 
   /**
-   * The outbox entries a carry takes, in the order they are taken: sent messages of the last day whose receipts
-   * may still come, then the outbox in its send order (the slot of a message its journal line holds, else its
-   * entry, which holds it whole).
+   * The outbox entries a carry takes, in order: sent messages of the last day whose receipts may still come, then the
+   * outbox (an entry if in memory, else its slot).
    */
   *#carriedEntries(nowMs: number): Generator<OutEntry | number> {
     const since = nowMs - FRESH_PAST_MS;
@@ -7552,10 +7486,7 @@ class NodeState {
     }
   }
 
-  /**
-   * The carried outbox entries (see carry), each read back whole from its journal line as it is taken. One that
-   * no longer reads back cannot be carried, and must not hold up the rest: `lost` is told, in its turn, instead.
-   */
+  /** The carried outbox entries, read back whole as taken; one no longer readable is told to `lost`, in its turn. */
   *carriedOut(nowMs: number, lost: (msgId: string, why: string, queued: boolean) => void): Generator<CarriedOut> {
     for (const x of this.#carriedEntries(nowMs)) {
       if (typeof x === "number") {
@@ -7597,14 +7528,13 @@ class NodeState {
     }
   }
 
-  /** How many outbox entries a carry takes (see carriedOut). */
   carriedCount(nowMs: number): number {
     let n = 0;
     for (const _ of this.#carriedEntries(nowMs)) n++;
     return n;
   }
 
-  /** About how many bytes what a carry takes (carriedOut, the inbox) takes as lines (from their lines now). */
+  /** About how many bytes the lines a carry writes (carriedOut, the inbox) take. */
   carriedBytes(nowMs: number): number {
     let n = 0;
     for (const x of this.#carriedEntries(nowMs)) {
@@ -7619,9 +7549,8 @@ class NodeState {
   }
 
   /**
-   * After a roll-over rewrote the journal `from` as a checkpoint and then the carried lines (the i-th of
-   * carriedOut, then of the inbox, at offsets[i], lengths[i]; NaN: one that no longer read back, not carried), and
-   * kept the old file as `archive`: every entry and inbox item now reads from where its message is.
+   * After a roll-over rewrote `from` (the i-th line carried, of carriedOut then the inbox, at offsets[i], lengths[i];
+   * NaN: unreadable, not carried) and kept the old file as `archive`: points each entry and item at its message.
    */
   rolledOver(nowMs: number, from: string, archive: string, offsets: Float64Array, lengths: Uint32Array): void {
     let i = 0;
@@ -7662,7 +7591,7 @@ class NodeState {
     }
   }
 
-  /** What a checkpoint keeps beside carry(): see Remembered. */
+  /** See Remembered. */
   remembered(nowMs: number): Remembered {
     this.replay.forget(nowMs);
     const pushed: [string, { at: number; item: InboxItem }][] = [];
@@ -7691,7 +7620,7 @@ class NodeState {
     this.owed.set(route, lines);
   }
 
-  /** Clears what a receipt we signed reports. */
+  /** Clears what a receipt we signed reports from what we owe. */
   #reported(route: string, lines: ReceiptLine[]): void {
     const owed = this.owed.get(route);
     if (!owed) return;
@@ -7701,14 +7630,13 @@ class NodeState {
     else this.owed.delete(route);
   }
 
-  /** Refusals reported to `key` by receipt since `sinceMs`. */
   refusalsReportedSince(key: string, sinceMs: number): number {
     let n = 0;
     for (const r of this.refusalsReported.values()) if (r.key === key && r.at >= sinceMs) n++;
     return n;
   }
 
-  /** Refusals reported by receipt to keys that are not our peers since `sinceMs` (one bound for all strangers). */
+  /** Refusals reported to non-peers since `sinceMs` (one bound for all strangers). */
   strangerRefusalsSince(peers: Peers, selfKey: string, sinceMs: number): number {
     let n = 0;
     for (const r of this.refusalsReported.values()) {
@@ -7731,7 +7659,6 @@ class NodeState {
     return this.#knocksShown.filter((t) => t >= sinceMs).length;
   }
 
-  /** Refusal summaries waiting to be shown. */
   get refusalNotices(): number {
     let n = 0;
     for (const item of this.inbox.values()) if (item.kind === "refusals") n++;
@@ -7739,10 +7666,8 @@ class NodeState {
   }
 
   /**
-   * The oldest pending entries the outbox may send now, at most `n` of them and about `bytes` of JSON together (at
-   * least one): a route a relay called full waits out its back-off, and one held by SEND_WINDOW its receipts, in
-   * order behind its first; later routes go meanwhile. They are kept in memory from now on (they are being sent);
-   * the outbox alone says which they are.
+   * The oldest entries the outbox may send now, at most `n` and about `bytes` of JSON (at least one): a route a relay
+   * called full waits out its back-off, one held by SEND_WINDOW its receipts; later routes go meanwhile.
    */
   pendingHead(n: number, bytes: number): OutEntry[] {
     const out: OutEntry[] = [];
@@ -7765,7 +7690,6 @@ class NodeState {
     return out;
   }
 
-  /** The first message the outbox may send now (one whose route is full or held by SEND_WINDOW is not). */
   firstPending(): OutEntry | undefined {
     return this.pendingHead(1, Infinity)[0];
   }
@@ -7785,7 +7709,7 @@ class NodeState {
     return next;
   }
 
-  /** Routes where our messages wait (see waitsFor), with why and how many of ours wait there. */
+  /** Routes where our messages wait (see waitsFor), why, and how many. */
   heldRoutes(): Map<string, { why: "full" | "window"; n: number }> {
     const held = new Map<string, { why: "full" | "window"; n: number }>();
     const { pending } = this;
@@ -7798,9 +7722,9 @@ class NodeState {
   }
 
   /**
-   * Why a queued message waits in the outbox beyond the usual retries: "full", a relay refused its route as full
-   * (it keeps no more of ours there until the recipient reads); "window", SEND_WINDOW of ours on its route are
-   * unconfirmed while a relay may drop; null, it goes as soon as a relay takes it.
+   * Why a queued message waits beyond the usual retries: "full", a relay refused its route as full (it keeps no more
+   * of ours there until the recipient reads); "window", SEND_WINDOW of ours on its route are unconfirmed while a relay
+   * may drop; null, it does not.
    */
   waitsFor(e: OutEntry): "full" | "window" | null {
     if (!this.pending.has(e.msg.msg_id)) return null;
@@ -7812,35 +7736,33 @@ class NodeState {
     return this.#windowed(kind, key) && (this.unconfirmed.get(recipient)?.size ?? 0) >= SEND_WINDOW ? "window" : null;
   }
 
-  /** True when a queued message waits for its route (see waitsFor). */
   held(e: OutEntry): boolean {
     return this.waitsFor(e) !== null;
   }
 
   /**
-   * Whether SEND_WINDOW holds a route of `key`: our messages, while a relay may drop past its cap, to any key
-   * but one known to send no receipts (a peer not heard from yet may be a node of ours, asleep: its receipts free
-   * the room as it reads; a reference node's first message to us releases its routes).
+   * Whether SEND_WINDOW holds a route of `key`: our messages, while a relay may drop past its cap, to any key but one
+   * known to send no receipts (a peer not heard from yet may be a node of ours, asleep, whose receipts free the room
+   * as it reads; a reference node's first message to us releases its routes).
    */
   #windowed(kind: Kind, key: string): boolean {
     return kind === "message" && !this.silent.has(key) && this.mayDrop();
   }
 
-  /** True when the inbox item `id` was shown from this journal (it is not shown again). */
   wasShown(id: string): boolean {
     return this.#shown.has(id);
   }
 
-  /** True when `msg` was journaled but no path has shown it to the model yet. */
+  /** True when `msg` was journaled but not yet shown to the model. */
   unshown(msg: SignedMessage): boolean {
     return this.inbox.has(messageKey(msg.from, msg.msg_id)) || this.inbox.has(knockItem(msg.from, msg.msg_id));
   }
 }
 
 /**
- * The journal file and the fold over it. Our own appends are applied by reading them back, so the state is always
- * exactly the fold of the file, in file order, whoever wrote each record. The process that owns the folder (the agent,
- * holding agent.lock) quarantines lines it cannot read; readers beside it (the CLI, `wait`) skip them.
+ * The journal file and the fold over it. Our own appends are applied by reading them back, so the state is always the
+ * fold of the file, in file order, whoever wrote each record. The folder's owner (the agent, holding agent.lock)
+ * quarantines lines it cannot read; readers beside it (the CLI, `wait`) skip them.
  */
 class Journal {
   readonly file: string;
@@ -7860,12 +7782,12 @@ class Journal {
     this.#state = state;
   }
 
-  /** The state folded from the journal (a reader's is replaced when the owner rolls the file over). */
+  /** The state folded from the journal (replaced, in a reader, when the owner rolls the file over). */
   get state(): NodeState {
     return this.#state;
   }
 
-  /** A reader beside the owner, once the owner has rolled the file over: starts again, from its checkpoint. */
+  /** A reader beside the owner, once the owner has rolled the file over, starts again from its checkpoint. */
   #followRoll(): void {
     if (this.owner) return;
     const ino = inodeOf(this.file);
@@ -7921,8 +7843,8 @@ class Journal {
   }
 
   /**
-   * `append` for more records than memory should hold at once (an adoption's backlog): written and folded a
-   * MiB at a time, so a crash may keep only the first of them (whoever writes so must find the rest again).
+   * `append` for more records than memory should hold (an adoption's backlog), a MiB at a time: a crash may keep only
+   * the first of them (whoever writes so must find the rest again).
    */
   appendAll(records: Iterable<NewRecord>): void {
     let batch: NewRecord[] = [], bytes = 0;
@@ -7944,13 +7866,11 @@ class Journal {
   }
 
   /**
-   * Rolls the journal over, so a session's start and memory stay bounded however long it lives: the file is hard-linked
-   * to an archive, log-<ms>.jsonl (history readers go on through journalFiles), and replaced whole by a checkpoint of
-   * the state so far and a "carried" record per message it carries (each read back from its line as it is written: a
-   * backlog never sits in memory whole). Only the owner rolls, holding the inbox lock every other writer holds to append
-   * (nothing lands in the archive after it), and only when the new file is under half the old (false if not). The
-   * replay files, not the checkpoint, hold the replay memory (see SeenLog; the owner completes them before it rolls);
-   * `durable` runs just before the new file takes the old one's place (the agent syncs the replay file there).
+   * Rolls the journal over, so a session's start and memory stay bounded: the file is hard-linked to an archive,
+   * log-<ms>.jsonl (see journalFiles), and replaced whole by a checkpoint and a "carried" record per message (each read
+   * back as it is written: a backlog never sits in memory whole). Only the owner rolls, holding the inbox lock every
+   * other writer holds to append (nothing lands in the archive after), and only when the new file is under half the
+   * old (false if not). `durable` runs just before the new file takes the old one's place.
    */
   roll(durable: () => void = () => {}): boolean {
     this.catchUp();
@@ -8023,17 +7943,15 @@ class Journal {
   }
 }
 
-/** Reads back the record on a journal line that holds message `msgId`; undefined if the line does not hold it. */
+/** Reads back the record on a journal line that holds message `msgId`, or undefined. */
 type LineReader = (line: LineRef, msgId: string) => JournalRecord | undefined;
 
 /** Archives a reader tries for a line of a log.jsonl its owner has rolled over since (see readBack). */
 const ARCHIVES_TRIED = 8;
 
 /**
- * The record on the journal line `line` names, if it holds message `msgId` (an "out", "resign", "in" or
- * "carried" record of it): how an entry kept only as its head is read back whole. A reader beside the owner may
- * hold a line of a log.jsonl that the owner has rolled over since: the roll hard-linked that file to an archive,
- * where the line is at the same offset, so the newest archives are tried next.
+ * The LineReader. A reader beside the owner may hold a line of a log.jsonl the owner has rolled over since: the roll
+ * hard-linked that file to an archive, where the line is at the same offset, so the newest archives are tried next.
  */
 function readBack(line: LineRef, msgId: string): JournalRecord | undefined {
   const found = readLineAt(line, msgId);
@@ -8085,12 +8003,10 @@ function giveMemoryBack(): void {
 }
 
 /**
- * The replay memory's own durable record, shared by every session of this identity on this machine: one
- * {"t":"seen","k":<sender>,"id":<msg_id>,"ts"} per admitted message, in `replay-<UTC date>.jsonl` beside the sessions.
- * The journal implies the same; this copy means that a journal line lost to a disk fault cannot let a replay in, and
- * that a message admitted by one session (or copied by a relay into another session's route) is refused by the others.
- * Files are per day and never rewritten (a rewrite could lose another process's append): those older than the freshness
- * window are deleted.
+ * The replay memory's own durable record, shared by every session of this identity on this machine: a "seen" line per
+ * admitted message, in `replay-<UTC date>.jsonl` beside the sessions. The journal implies the same; this copy means a
+ * journal line lost to a disk fault cannot let a replay in, and a message admitted by one session (or copied by a relay
+ * into another's route) is refused by the others. Never rewritten (that could lose another process's append).
  */
 class SeenLog {
   #offsets = new Map<string, number>(); // file → bytes already read
@@ -8150,10 +8066,9 @@ class SeenLog {
   }
 
   /**
-   * Makes the replay files hold, durably, every admission of the last day that `from` knows (this session's
-   * replay memory, or an ended session's that is being adopted) and they do not: one a journal holds but whose
-   * "seen" record never landed (a crash between the two), or that a 0.5.0 checkpoint carried. Run before a
-   * roll-over or an adoption leaves those journal records where no start reads them. Returns how many it wrote.
+   * Makes the replay files hold, durably, every admission of the last day that `from` knows (this session's replay
+   * memory, or an adopted one's) and they do not: a "seen" record lost to a crash, or one a 0.5.0 checkpoint carried.
+   * Run before a roll-over or an adoption leaves those journal records where no start reads them. Returns how many.
    */
   async complete(from: ReplayMemory = this.replay): Promise<number> {
     this.catchUp();
@@ -8212,8 +8127,8 @@ function sessionIds(root: string): string[] {
 }
 
 /**
- * When a session last did anything, as far as its folder tells: its journal's last write, or the session.json its
- * server rewrites on a clean exit (a killed one ended at its last write, or its start).
+ * When a session last did anything: its journal's last write, or the session.json its server rewrites on a clean exit
+ * (a killed one ended at its last write, or its start).
  */
 function sessionEndedAt(dir: string): number {
   let at = 0;
@@ -8251,10 +8166,7 @@ function readNodeState(stateDir: string): { state: NodeState; journal: Journal }
   return { state, journal };
 }
 
-/**
- * A 0.4.0 journal sat directly in the state folder. The first session to start after the upgrade carries it on (with
- * its outbox, tasks and unread inbox): it is moved into that session's folder, once.
- */
+/** A 0.4.0 journal sat in the state folder: the first session to start after the upgrade moves it into its own. */
 function adoptLegacyJournal(stateDir: string, dir: string): void {
   const legacy = path.join(stateDir, "log.jsonl");
   if (!fs.existsSync(legacy) || fs.existsSync(path.join(dir, "log.jsonl"))) return;
@@ -8267,7 +8179,7 @@ function adoptLegacyJournal(stateDir: string, dir: string): void {
   );
 }
 
-/** A waitUntil subscription that fires when the journal in `stateDir` changes (fs.watch; the 1 s re-check covers its gaps). */
+/** A waitUntil subscription that fires when `stateDir`'s journal changes (the 1 s re-check covers fs.watch's gaps). */
 function onJournalChange(stateDir: string): (wake: () => void) => () => void {
   return (wake) => {
     let watcher: fs.FSWatcher | null = null;
