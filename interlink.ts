@@ -117,8 +117,8 @@ const OPAQUE_CAP = 64;
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
 const SENDER_BYTES_MAX = 8 << 20;
 /**
- * Payload bytes a bus holds in all; past it, sends get 507. `bun bench.ts --only flood` measures the cost: a Bun bus
- * full of 900 KB floods peaks near 4× this, a Deno bus (run with --optimize-for-size) near 4.3×.
+ * Payload bytes a bus holds in all; past it, sends get 507. `bun bench.ts --only flood`: a Bun bus full of 900 KB
+ * floods peaks near 4× this in memory, a Deno bus (--optimize-for-size) near 4.3×.
  */
 const TOTAL_BYTES_MAX = 32 << 20;
 
@@ -139,10 +139,7 @@ const ROSTER_PER_KEY_CAP = 64;
  * Keys cost nothing, so this, not the per-key bound, keeps one host from filling a LAN bus's roster.
  */
 const ROSTER_PER_ADDRESS_CAP = 256;
-/**
- * An entry counts one per this many bytes begun against the bounds above (a real announcement, 300 to 900 bytes,
- * counts one), so they hold in bytes too (the roster at most 4 MiB).
- */
+/** Against the bounds above, an entry counts one per this many bytes begun (a real one counts one): roster ≤ 4 MiB. */
 const ROSTER_UNIT_BYTES = 1024;
 /**
  * Sessions a bus remembers as ended by a signed unregister, so nobody re-posts their last announcement: far more than
@@ -164,9 +161,8 @@ const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
 /**
- * An answer this large or larger is streamed and counted against the answers in flight. A smaller one is written
- * whole: the kernel's socket buffers take it at once (a receive window alone is this much), so a slow reader costs
- * nothing.
+ * An answer this large or larger is streamed and counted in flight. A smaller one is written whole: the kernel's
+ * socket buffers take it at once (a receive window alone is this much), so a slow reader costs nothing.
  */
 const ANSWER_STREAM_MIN_BYTES = 64 << 10;
 /** Bytes of large answers not yet taken by their connections, in all (503 past it): sixteen of the largest message. */
@@ -195,10 +191,7 @@ const SEND_TIMEOUT_MS = 5_000;
 const BACKOFF_MIN_MS = 250;
 const BACKOFF_MAX_MS = 30_000;
 
-/**
- * Replay memory bound: a day of traffic from a handful of peers is far below it. Past it, each sender keeps its
- * share (see ReplayMemory.full), so it never holds past twice this.
- */
+/** Replay memory bound, far above a day of a few peers' traffic; past it senders get shares, up to twice this. */
 const REPLAY_CAP = 100_000;
 /** Sent messages remembered in memory for message_status; older ones are looked up in the journal. */
 const SENT_MEMORY_CAP = 10_000;
@@ -293,8 +286,8 @@ const ADOPT_AFTER_MS = msFromEnv("INTERLINK_TEST_ADOPT_AFTER_MS", 2 * 60_000);
 /** How often a running session looks for ended ones to adopt, and drains the routes of those it adopted. */
 const ENDED_EVERY_MS = msFromEnv("INTERLINK_TEST_ENDED_EVERY_MS", ANNOUNCE_EVERY_MS);
 /**
- * A session's journal past this size is rolled over at start and as it runs (see Journal.roll): a start folds a
- * checkpoint and what came after, not the session's whole life (about 2,000 messages a MiB).
+ * A session's journal past this size is rolled over (see Journal.roll), so a start folds a checkpoint and what came
+ * after, not the session's whole life (about 2,000 messages a MiB).
  */
 const JOURNAL_ROLL_BYTES = msFromEnv("INTERLINK_TEST_ROLL_BYTES", 1 << 20);
 /** A task closed longer ago than this is not carried over a roll-over (the archives keep its messages). */
@@ -946,12 +939,10 @@ const lengthPrefixed = (s: string): Uint8Array[] => {
  *   - the domain prefix: a v1 signature, or an announcement, replayed as a v2 message;
  *   - raw `from` and `to`: a message re-addressed to another node, or claimed by another sender;
  *   - `ts`: an old message replayed as new once the replay memory forgot it;
- *   - length-prefixed fields: moving bytes from one field into the next
- *     ("text=ab, task=c" versus "text=a, task=bc");
+ *   - length-prefixed fields: moving bytes from one field into the next ("text=ab, task=c" versus "text=a, task=bc");
  *   - `kind`: a chat message re-typed into a knock or an accept;
- *   - `status`, `task_id`, `in_reply_to`: a relay forging a cancel, flipping a
- *     status, moving a message to another task or answering another question.
- *     An absent field is the empty string, so dropping one changes the bytes.
+ *   - `status`, `task_id`, `in_reply_to`: a relay forging a cancel, flipping a status, moving a message to another
+ *     task or answering another question. An absent field is the empty string, so dropping one changes the bytes.
  */
 function canonicalBytes(m: Omit<SignedMessage, "sig">): Bytes {
   return concatBytes([
@@ -1540,9 +1531,8 @@ class ReplayMemory {
  * through it before the model sees anything, and the steps run in this order:
  *   1. parse  2. verify (the authenticated key is the sender)  3. addressed to us
  *   4. allowlisted, except a stranger's knock or accept  5. fresh  6. not a replay
- *   7. dispatch: a peer's message is delivered, a receipt updates what we sent,
- *      a knock is held for the operator, an accept counts only if we knocked that key
- *      (and, when it names the request it answers, only for that request).
+ *   7. dispatch: a peer's message is delivered, a receipt updates what we sent, a knock is held for the operator, an
+ *      accept counts only if we knocked that key (and, when it names the request it answers, only for that request).
  * The caller records admitted messages in `replay` (and its log) afterwards.
  */
 async function decide(
@@ -1694,10 +1684,9 @@ function chainWords(keys: readonly string[], name: (key: string) => string): str
 // ============================================================================
 //
 // One tagged JSON object per line ({"t": ...}), append-only. Each append is a single write() on an O_APPEND descriptor,
-// so concurrent appenders never interleave within a line. Every write checks the count it wrote: a short write (Bun
-// writes short on a nearly full disk without throwing) is finished or becomes an error, and a failed append is cut back
-// off the file, or, when another writer appended after it, fenced off by a newline, so the next record always starts on
-// a line of its own.
+// so concurrent appenders never interleave within a line. Every write checks the count it wrote (Bun writes short on a
+// nearly full disk without throwing); a failed append is cut back off the file, or fenced off by a newline if another
+// writer appended after it, so the next record always starts on a line of its own.
 //
 // A complete line that is not a record (a hand edit, a disk fault) is never silent: `quarantineLine` copies it to
 // `<file>.corrupt` with its offset and blanks it in place, so offsets stay valid and `doctor` counts it. A last line
@@ -1989,10 +1978,9 @@ class JsonlWriter {
   }
 
   /**
-   * `compact` for a file too big to hold as one string: `fill` passes the new content in order to `write`, which
-   * returns the offset each piece starts at in the new file (written through a 1 MiB buffer). `beforeRename(tmp)` opens
-   * whatever else must read the new file: every descriptor on it is open before the rename, so nothing can fail after
-   * it (a failure after it would leave appends going to the old, unlinked file).
+   * `compact` for a file too big for one string: `fill` passes the content in order to `write`, which returns each
+   * piece's offset in the new file. `beforeRename(tmp)` opens whatever else must read the new file, so nothing can fail
+   * after the rename (appends would then go to the old, unlinked file).
    */
   rewrite(fill: (write: (text: string | Uint8Array) => number) => void, beforeRename = (_tmp: string) => {}): void {
     const tmp = `${this.file}.${process.pid}.tmp`;
@@ -2564,10 +2552,7 @@ interface TaskRow {
   last_msg_id: string;
   last_at: number;
   awaiting: Question[];
-  /**
-   * A sub-task (its opening message carried a chain): the task it serves, at its requester's node, the owner, the
-   * depth, and the keys from the owner to this task's requester. Absent: a root task, owned by its requester.
-   */
+  /** A sub-task's, from the chain its opening message carried; absent on a root task, owned by its requester. */
   parent?: { task_id: string; requester: string };
   owner?: string;
   depth?: number;
@@ -5317,8 +5302,7 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
         info = await jsm.streams.info(NATS_STREAM) as typeof info;
       } catch (e) {
         if (!/not found/i.test(errorText(e))) throw e;
-        // A full subject refuses the next publish (the sender retries) rather than drop an acknowledged one. An
-        // earlier release's nodes call such a stream wrong ("needs old"): docs/nats.md says so.
+        // A full subject refuses the next publish (the sender retries), never drops an acknowledged one.
         info = await jsm.streams.add({
           name: NATS_STREAM,
           subjects: ["interlink.in.>"],
@@ -5332,8 +5316,8 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
           max_age: FRESH_PAST_MS * 1e6, // older is refused as stale by any receiver (senders re-sign before)
         }) as typeof info;
       }
-      // A stream with other rules could lose mail silently: say so. An earlier release's (discard old) is used as it
-      // is, our senders holding their routes by receipts there (SEND_WINDOW): its nodes refuse any other policy.
+      // Other rules could lose mail silently: say so. An earlier release's stream (discard old) is used as it is (its
+      // nodes refuse any other policy), our senders holding routes by receipts there (SEND_WINDOW).
       const c = info.config;
       const wrong = [
         c.retention !== "workqueue" && `retention ${c.retention} (needs workqueue)`,
@@ -5543,8 +5527,7 @@ class NatsRelay implements Relay {
       }
       if (m === null && signal.aborted) handBack();
     } catch (e) {
-      // The consumer may be gone (unused past inactive_threshold, deleted by an admin, the stream made anew):
-      // the next recv opens it again.
+      // The consumer may be gone (unused past inactive_threshold, deleted, the stream made anew): reopen it next time.
       if (this.#consumers.get(route) === consumer) this.#consumers.delete(route);
       throw e;
     }
