@@ -94,33 +94,31 @@ const RECV_TIMEOUT_MS = 25_000;
 const RECV_TIMEOUT_MAX_MS = 60_000;
 
 /**
- * Messages one signer may have queued for one recipient on our bus; past it that signer's next one is refused
- * (429, ROUTE_FULL), never an older one dropped: a message a relay accepted is never lost. Per signer, so one
- * sender's flood is refused at its own cap and never locks another sender out (the byte budgets bound it all). A
- * reference bus keeps 1,024 per recipient and drops the oldest past it, as did our bus and NATS streams before.
+ * Messages one signer may have queued for one recipient on our bus; past it its next is refused (429, ROUTE_FULL),
+ * never an older one dropped, so accepted mail is never lost. Per signer, so a flood locks out only its sender (the
+ * byte budgets bound the total). A reference bus, like our earlier bus and NATS streams, drops the oldest past 1,024.
  */
 const QUEUE_CAP = 1024;
 /** How a relay's refusal for a full route begins (our bus's 429 error): the sender holds that route, not the others. */
 const ROUTE_FULL = "route full";
 
 /**
- * Our messages one route may hold unconfirmed (sent, no receipt yet) before the rest wait in our outbox, so we stay
- * below the cap of a relay that drops the oldest past it (a reference bus, an older one of ours, a NATS stream of an
- * earlier release). Not for a key known to send no receipts (a reference node: it would be held for ever), and not
- * when every relay refuses a full route instead (ours): the refusal holds the route.
+ * Our messages one route may hold unconfirmed (no receipt yet) before the rest wait in our outbox, so we stay below
+ * the cap of a relay that drops the oldest past it (see QUEUE_CAP). Not for a key that sends no receipts (a reference
+ * node: held for ever), nor when every relay refuses a full route instead: the refusal holds the route.
  */
 const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
 
 /**
- * Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages), refused past it like a
- * full route. Anyone can fill it, since nothing names its sender; signed messages are never refused for it.
+ * Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages), refused past it like a full
+ * route. Anyone can fill it; signed messages are never refused for it.
  */
 const OPAQUE_CAP = 64;
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
 const SENDER_BYTES_MAX = 8 << 20;
 /**
- * Payload bytes a bus holds in all; past it, sends get 507. `bun bench.ts --only flood` measures the cost: a Bun bus
- * full of 900 KB floods peaks near 4× this, a Deno bus (run with --optimize-for-size) near 4.3×.
+ * Payload bytes a bus holds in all; past it, sends get 507. `bun bench.ts --only flood`: a Bun bus full of 900 KB
+ * floods peaks near 4× this in memory, a Deno bus (--optimize-for-size) near 4.3×.
  */
 const TOTAL_BYTES_MAX = 32 << 20;
 
@@ -141,15 +139,11 @@ const ROSTER_PER_KEY_CAP = 64;
  * Keys cost nothing, so this, not the per-key bound, keeps one host from filling a LAN bus's roster.
  */
 const ROSTER_PER_ADDRESS_CAP = 256;
-/**
- * An entry counts one per this many bytes begun against the bounds above (a real announcement, 300 to 900 bytes,
- * counts one), so they hold in bytes too (the roster at most 4 MiB).
- */
+/** Against the bounds above, an entry counts one per this many bytes begun (a real one counts one): roster ≤ 4 MiB. */
 const ROSTER_UNIT_BYTES = 1024;
 /**
- * Sessions a bus remembers as ended by a signed unregister, so nobody posts their last announcement (served by GET
- * /roster) again: far more than end within ROSTER_RETENTION_MS on any real bus, a few MB at most. Past it the oldest
- * of the address that ended the most is forgotten.
+ * Sessions a bus remembers as ended by a signed unregister, so nobody re-posts their last announcement: far more than
+ * end within ROSTER_RETENTION_MS on a real bus, a few MB. Past it the address that ended the most forgets its oldest.
  */
 const ROSTER_ENDED_CAP = 8192;
 /** ... and ended from one source address: past it that address's own oldest is forgotten, nobody else's. */
@@ -167,9 +161,8 @@ const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
 /**
- * An answer this large or larger is streamed as the connection takes it and counted against the answers in flight.
- * A smaller one is written whole: the socket's kernel buffers take it at once (a peer's receive window alone is about
- * this much), so a slow reader costs the bus nothing.
+ * An answer this large or larger is streamed and counted in flight. A smaller one is written whole: the kernel's
+ * socket buffers take it at once (a receive window alone is this much), so a slow reader costs nothing.
  */
 const ANSWER_STREAM_MIN_BYTES = 64 << 10;
 /** Bytes of large answers not yet taken by their connections, in all (503 past it): sixteen of the largest message. */
@@ -198,18 +191,15 @@ const SEND_TIMEOUT_MS = 5_000;
 const BACKOFF_MIN_MS = 250;
 const BACKOFF_MAX_MS = 30_000;
 
-/**
- * Replay memory bound: a day of traffic from a handful of peers is far below it. Past it, each sender keeps its
- * share (see ReplayMemory.full), so it never holds past twice this.
- */
+/** Replay memory bound, far above a day of a few peers' traffic; past it senders get shares, up to twice this. */
 const REPLAY_CAP = 100_000;
 /** Sent messages remembered in memory for message_status; older ones are looked up in the journal. */
 const SENT_MEMORY_CAP = 10_000;
 /** Queued messages list_pending describes one by one; past them it counts what waits, per route (a model reads it). */
 const PENDING_LISTED = 100;
 /**
- * Knocks waiting for the operator (this node's own outstanding knocks included); past it new ones are dropped (and
- * logged) until the operator answers or they expire, so strangers cannot grow the journal or flood the session.
+ * Knocks waiting for the operator (our own outstanding ones included); past it new ones are dropped and logged until
+ * some are answered or expire, so strangers cannot grow the journal or flood the session.
  */
 const KNOCKS_CAP = 64;
 /** Knocks that reach the model one by one in an hour; more are counted in one line (they all wait for the operator). */
@@ -222,20 +212,17 @@ const INVITE_TTL_MAX_MS = 24 * 60 * 60_000;
 /** Invites pending at once on a node: a few machines joining; more is a mistake, or codes nobody uses. */
 const INVITES_PENDING_CAP = 32;
 /**
- * A used, revoked or expired invite is remembered this long (without its secret), so a late request is told
- * "expired" or "already used" rather than "unknown"; at most INVITES_SPENT_CAP of them, the oldest forgotten first.
+ * A used, revoked or expired invite is remembered this long (without its secret), so a late request is told "expired"
+ * or "already used" rather than "unknown"; at most INVITES_SPENT_CAP, oldest forgotten first.
  */
 const INVITE_KEPT_MS = 7 * 24 * 60 * 60_000;
 const INVITES_SPENT_CAP = 256;
-/** How long `join` waits for the inviting node's answer: whatever of it runs (`invite`, a session) answers in seconds. */
+/** How long `join` waits for the inviting node's answer (its `invite` or a session answers in seconds). */
 const JOIN_WAIT_S = 120;
 
 /** Refusal summaries waiting for the model at once (one per sender and reason); past it, refusals are only logged. */
 const REFUSAL_NOTICES_CAP = 16;
-/**
- * Refusal notices about keys not in peers.json that reach the model and the journal in an hour, all such keys
- * together: keys cost nothing, so one notice per key was one per key a stranger cared to make.
- */
+/** Refusal notices about unknown keys shown in an hour, all together: keys cost nothing, so per key is unbounded. */
 const STRANGER_NOTICES_PER_HOUR = 3;
 /** How long a fetched roster serves sends before it is fetched again. */
 const ROSTER_CACHE_MS = 3_000;
@@ -243,14 +230,14 @@ const ROSTER_CACHE_MS = 3_000;
 const SUMMARY_MAX_CHARS = 200;
 /** A clean exit's unregister and goodbyes together take at most this long. */
 const GOODBYE_MS = 3_000;
-/** After a refusal summary for a sender and reason is shown, the next one waits this long (a flood is one line an hour). */
+/** After a refusal summary for a sender and reason, the next waits this long (a flood is one line an hour). */
 const REFUSAL_REPEAT_MS = 60 * 60_000;
 
 /** A peer session gets receipts at most this often: what piles up in between travels in one message. */
 const RECEIPT_EVERY_MS = 1_000;
 /** Reports in one receipt message (a few KB); more wait for the next. */
 const RECEIPT_LINES_MAX = 100;
-/** Receipt messages one peer key gets per pass (one a second): one to each of its sessions owed any, then more to one owed more. */
+/** Receipt messages one peer key gets per pass (one a second): one per session owed any, then more to one owed more. */
 const RECEIPTS_PER_PASS = 4;
 /** Refusals reported to one peer in an hour; past it they are only logged (a replayed stale message costs nothing). */
 const RECEIPT_REFUSALS_PER_HOUR = 30;
@@ -272,8 +259,8 @@ const CHAIN_KEYS_MAX = 32;
 /** Characters of a question its task row keeps (shown again with a late answer): enough to say what was asked. */
 const QUESTION_KEPT_CHARS = 500;
 /**
- * Questions of one sub-task forwarded up the chain and not yet answered: a few at once is a conversation; past it,
- * an executor would flood its requester's requester through us, so the next is shown to our model as usual.
+ * Questions of one sub-task forwarded up the chain and unanswered: a few is a conversation; past it an executor would
+ * flood its requester's requester through us, so the next is shown to our model instead.
  */
 const FORWARDS_OPEN_CAP = 8;
 
@@ -282,8 +269,8 @@ const COMPACT_MIN_DEAD = 10_000;
 /** After a compaction fails (a full disk), wait this long before trying again rather than on every request. */
 const COMPACT_RETRY_MS = 30_000;
 /**
- * Room a bus leaves free on its disk (a sixteenth of a smaller disk), beside its owners' records: sends past it
- * are refused (507), so its own messages never take the room a compaction needs once receivers have read them.
+ * Room a bus leaves free on its disk (a sixteenth of a smaller disk): sends past it are refused (507), so its messages
+ * never take the room a compaction needs once receivers have read them.
  */
 const DISK_RESERVE_BYTES = 1 << 20;
 /** On a disk that short of room, compact as soon as this much of the queue file is dead (and the new file fits). */
@@ -292,15 +279,15 @@ const DISK_RECLAIM_BYTES = 64 << 10;
 const DISK_LOOK_MS = 100;
 
 /**
- * A session ended this long ago is adopted by a live sibling (see "Ended sessions"): one resumed sooner keeps its
- * own mail. A new session adopts every ended one at its start, however recent.
+ * A session ended this long ago is adopted by a live sibling (see "Ended sessions"); one resumed sooner keeps its own
+ * mail. A new session adopts every ended one at its start, however recent.
  */
 const ADOPT_AFTER_MS = msFromEnv("INTERLINK_TEST_ADOPT_AFTER_MS", 2 * 60_000);
 /** How often a running session looks for ended ones to adopt, and drains the routes of those it adopted. */
 const ENDED_EVERY_MS = msFromEnv("INTERLINK_TEST_ENDED_EVERY_MS", ANNOUNCE_EVERY_MS);
 /**
- * A session's journal past this size is rolled over at start and as it runs (see Journal.roll): a start folds a
- * checkpoint and what came after, not the session's whole life (about 2,000 messages a MiB).
+ * A session's journal past this size is rolled over (see Journal.roll), so a start folds a checkpoint and what came
+ * after, not the session's whole life (about 2,000 messages a MiB).
  */
 const JOURNAL_ROLL_BYTES = msFromEnv("INTERLINK_TEST_ROLL_BYTES", 1 << 20);
 /** A task closed longer ago than this is not carried over a roll-over (the archives keep its messages). */
@@ -311,7 +298,7 @@ const SHORT_LOCK_WAIT_MS = 5_000;
 const SHRINK_AFTER_BYTES = 4 << 20;
 /**
  * How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). Tests
- * set it past their own length, so that what they see can only have come from the watch.
+ * set it past their length, so what they see came from the watch.
  */
 const FOLLOW_RECHECK_MS = msFromEnv("INTERLINK_TEST_FOLLOW_RECHECK_MS", 5_000);
 
@@ -346,18 +333,16 @@ interface SignedMessage {
 }
 
 /**
- * A sub-task's lineage (see "Delegation across hops"): the parent task it serves (its task_id and requester, at the
- * sender's node), the owner (whose operator owns the root task), the depth (hops from the owner to the recipient) and
- * the keys the work passed through, owner first, sender last. It rides in the relay payload beside the signed fields,
- * signed on its own by the sender (chainBytes): a reference node ignores it, a relay can strip it (the request is then
- * a root task) but not forge or move it.
+ * A sub-task's lineage (see "Delegation across hops"). It rides in the relay payload beside the signed fields, signed
+ * by the sender (chainBytes): a reference node ignores it; a relay can strip it (the request is then a root task) but
+ * not forge or move it.
  */
 interface Chain {
-  parent: string;
+  parent: string; // the task it serves, at the sender's node, and that task's requester
   requester: string;
-  owner: string;
-  depth: number;
-  keys: string[];
+  owner: string; // whose operator owns the root task
+  depth: number; // hops from the owner to the recipient
+  keys: string[]; // the keys the work passed through, owner first, sender last
   sig: string;
 }
 
@@ -369,7 +354,7 @@ interface SessionInfo {
   summary: string; // what the session is doing, set by set_summary
 }
 
-/** A self-signed presence claim on the bus roster. `session` is signed (0.8 layout); `age_ms`, a bus's stamp, is not. */
+/** A self-signed presence claim on the bus roster; `age_ms`, a bus's stamp, is not signed. */
 interface Announcement {
   pubkey: string;
   name: string;
@@ -398,7 +383,7 @@ const REJECT_REASONS = [
 ] as const;
 type RejectReason = (typeof REJECT_REASONS)[number];
 
-/** Why a knock through an invite (in_reply_to "invite:…") that passed the gate was refused (see judgeInvite). */
+/** Why a knock through an invite that passed the gate was refused (see judgeInvite). */
 const INVITE_REFUSALS = [
   "invite_unknown",
   "invite_expired",
@@ -912,12 +897,10 @@ const decodeKey = (text: unknown, what = "key"): Bytes => b64urlDecode(text, 32,
 /** Display-only short form of a key; never used to decide anything. */
 const fingerprint = (key: string): string => key.slice(0, 8);
 
-/** UTF-8 length of a string, without encoding it. */
 function utf8Bytes(text: string): number {
   return Buffer.byteLength(text, "utf8");
 }
 
-/** A byte count as people read it: "8 MiB", "640 KiB", "900 bytes". */
 function humanBytes(bytes: number): string {
   if (bytes >= 2 ** 20 && bytes % 2 ** 20 === 0) return `${bytes / 2 ** 20} MiB`;
   if (bytes >= 2 ** 10 && bytes % 2 ** 10 === 0) return `${bytes / 2 ** 10} KiB`;
@@ -956,12 +939,10 @@ const lengthPrefixed = (s: string): Uint8Array[] => {
  *   - the domain prefix: a v1 signature, or an announcement, replayed as a v2 message;
  *   - raw `from` and `to`: a message re-addressed to another node, or claimed by another sender;
  *   - `ts`: an old message replayed as new once the replay memory forgot it;
- *   - length-prefixed fields: moving bytes from one field into the next
- *     ("text=ab, task=c" versus "text=a, task=bc");
+ *   - length-prefixed fields: moving bytes from one field into the next ("text=ab, task=c" versus "text=a, task=bc");
  *   - `kind`: a chat message re-typed into a knock or an accept;
- *   - `status`, `task_id`, `in_reply_to`: a relay forging a cancel, flipping a
- *     status, moving a message to another task or answering another question.
- *     An absent field is the empty string, so dropping one changes the bytes.
+ *   - `status`, `task_id`, `in_reply_to`: a relay forging a cancel, flipping a status, moving a message to another
+ *     task or answering another question. An absent field is the empty string, so dropping one changes the bytes.
  */
 function canonicalBytes(m: Omit<SignedMessage, "sig">): Bytes {
   return concatBytes([
@@ -974,9 +955,8 @@ function canonicalBytes(m: Omit<SignedMessage, "sig">): Bytes {
 }
 
 /**
- * The bytes an announcement signature covers, in the 0.8 layout (SPEC-sessions §2): name and the four session fields
- * length-prefixed (an absent session is four empty fields), then ts. Every field is signed, so a relay cannot move a
- * session to another key, rename it, or give it another summary.
+ * The bytes an announcement signs, 0.8 layout (SPEC-sessions §2; no session is four empty fields). Every field is
+ * signed, so a relay cannot move a session to another key, rename it, or give it another summary.
  */
 function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
   const s = a.session;
@@ -988,7 +968,7 @@ function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
   ]);
 }
 
-/** The 0.4 layout (name, then ts), which no 0.8 announcement can match: a legacy node's. */
+/** A legacy node's 0.4 layout, which no 0.8 announcement can match. */
 function legacyAnnouncementBytes(a: Omit<Announcement, "sig" | "age_ms" | "session">): Bytes {
   return concatBytes([
     utf8.encode(ANNOUNCE_DOMAIN),
@@ -1002,9 +982,8 @@ function legacyAnnouncementBytes(a: Omit<Announcement, "sig" | "age_ms" | "sessi
 const RECV_DOMAIN = "interlink-recv-v1\0";
 
 /**
- * `"interlink-recv-v1\0" ‖ u32le(len route) ‖ route ‖ u64le(ts)`, signed by the route's key (its part before any `#`):
- * what a node shows a bus to read or ack its own mail. Binding the route keeps a proof for one session from opening
- * another's; ts bounds how long a captured proof is worth anything.
+ * Signed by the route's key (its part before any `#`); layouts in docs/wire.md. The route keeps a proof for one
+ * session from opening another's; ts bounds how long a captured proof is worth anything.
  */
 function recvProofBytes(route: string, ts: number): Bytes {
   return concatBytes([utf8.encode(RECV_DOMAIN), ...lengthPrefixed(route), u64le(ts)]);
@@ -1013,7 +992,6 @@ function recvProofBytes(route: string, ts: number): Bytes {
 /** Signs an unregister: only the key that announced a session can take it off a bus's roster. */
 const UNREGISTER_DOMAIN = "interlink-unregister-v1\0";
 
-/** `"interlink-unregister-v1\0" ‖ pubkey(32) ‖ u32le(len) ‖ session_id ‖ u64le(ts)`: the bytes an unregister signs. */
 function unregisterBytes(u: { pubkey: string; session_id: string; ts: number }): Bytes {
   return concatBytes([
     utf8.encode(UNREGISTER_DOMAIN),
@@ -1030,10 +1008,9 @@ const INVITE_DOMAIN = "interlink-invite-v1\0";
 const INVITE_SECRET_BYTES = 16;
 
 /**
- * The bytes an invite proof covers, an HMAC-SHA256 under the invite's one-time secret:
- * `"interlink-invite-v1\0" ‖ invite id(8) ‖ inviter key(32) ‖ joiner key(32) ‖ u32le(len msg_id) ‖ msg_id`.
- * The joiner's knock carries it in its signed in_reply_to, `invite:<id hex>:<base64url mac>`; the secret itself
- * travels only in the code, out of band. Each part blocks an attack:
+ * The bytes an invite proof covers, an HMAC-SHA256 under the invite's one-time secret. The joiner's knock carries it
+ * in its signed in_reply_to, `invite:<id hex>:<base64url mac>`; the secret travels only in the code, out of band.
+ * Each part blocks an attack:
  *   - the id: a proof for one invite spent on another;
  *   - the inviter's key: a proof carried to another node;
  *   - the joiner's key: a relay that sees the proof re-signing the knock with its own key (the signature binds the
@@ -1054,7 +1031,6 @@ function inviteProofBytes(id: Uint8Array, inviter: string, joiner: string, msgId
 const hmacKey = (secret: Uint8Array, use: "sign" | "verify"): Promise<CryptoKey> =>
   crypto.subtle.importKey("raw", new Uint8Array(secret), { name: "HMAC", hash: "SHA-256" }, false, [use]);
 
-/** An invite proof: HMAC-SHA256(secret, inviteProofBytes(…)). */
 async function inviteMac(secret: Uint8Array, signed: Bytes): Promise<Bytes> {
   return new Uint8Array(await crypto.subtle.sign("HMAC", await hmacKey(secret, "sign"), signed));
 }
@@ -1064,7 +1040,7 @@ async function inviteMacMatches(secret: Uint8Array, signed: Bytes, mac: Bytes): 
   return await crypto.subtle.verify("HMAC", await hmacKey(secret, "verify"), mac, signed);
 }
 
-/** What the in_reply_to of a knock through an invite says: `invite:<16 hex>:<43 base64url>`. */
+/** The invite proof in a knock's in_reply_to; null when it names no invite. */
 function parseInviteProof(inReplyTo: string | undefined): { id: string; mac: Bytes } | "malformed" | null {
   if (!inReplyTo?.startsWith("invite:")) return null;
   const m = inReplyTo.match(/^invite:([0-9a-f]{16}):([A-Za-z0-9_-]{43})$/);
@@ -1080,9 +1056,7 @@ function parseInviteProof(inReplyTo: string | undefined): { id: string; mac: Byt
 const CHAIN_DOMAIN = "interlink-chain-v1\0";
 
 /**
- * The bytes a chain signature covers, signed by the message's sender (`from`):
- * `"interlink-chain-v1\0" ‖ from(32) ‖ to(32) ‖ lp(msg_id) ‖ lp(task_id) ‖ lp(parent) ‖ requester(32) ‖ owner(32) ‖
- * u32le(depth) ‖ u32le(n) ‖ keys(32 each)`, lp = u32le(length) ‖ UTF-8. Each part blocks an attack:
+ * The bytes a chain signature covers, signed by the message's sender. Each part blocks an attack:
  *   - from, to: a chain lifted onto another sender's message, or re-addressed to another recipient;
  *   - msg_id, task_id: a chain lifted onto another message or task of the same sender (a relay that saw one);
  *   - parent, requester, owner, depth, keys: a relay rewriting the lineage (a shorter chain to slip under a limit, a
@@ -1106,7 +1080,7 @@ function chainBytes(
   ]);
 }
 
-/** Signs a chain for a message `id` signed (the message's msg_id and task_id are bound into it). */
+/** Signs a chain for a message `id` signed (binding its msg_id and task_id). */
 async function signChain(id: Identity, msg: SignedMessage, c: Omit<Chain, "sig">): Promise<Chain> {
   if (!msg.task_id) throw new InterlinkError("a chain belongs on a message that opens a task (it has no task_id)");
   return { ...c, sig: await id.sign(chainBytes({ ...msg, task_id: msg.task_id }, c)) };
@@ -1176,10 +1150,7 @@ function isReduced(s: Uint8Array): boolean {
   return littleEndianToBigInt(s) < L;
 }
 
-/**
- * Strict Ed25519 verification, equivalent to ed25519-dalek's verify_strict.
- * Returns null when the signature is good, else the reason it is not.
- */
+/** Strict Ed25519 verification, as ed25519-dalek's verify_strict: null when good, else why not. */
 async function verifyDetached(publicKey: string, signature: string, signed: Bytes): Promise<string | null> {
   const key = verifyingKey(publicKey);
   if (typeof key === "string") return key;
@@ -1203,9 +1174,8 @@ async function verifyDetached(publicKey: string, signature: string, signed: Byte
 const verifyMessage = (m: SignedMessage): Promise<string | null> => verifyDetached(m.from, m.sig, canonicalBytes(m));
 
 /**
- * Which layout an announcement verifies under. With a `session` member only the 0.8 layout is tried; without one, the
- * 0.8 layout with empty fields, then the 0.4 layout, which marks a legacy node (no sessions; reached at its bare key).
- * The two layouts can never both match one byte string.
+ * Which layout an announcement verifies under: with a `session` only 0.8; without, 0.8 with empty fields, then 0.4,
+ * which marks a legacy node (no sessions; reached at its bare key). No byte string matches both.
  */
 async function checkAnnouncement(a: Announcement): Promise<{ layout: "0.8" | "0.4" } | { error: string }> {
   const v08 = await verifyDetached(a.pubkey, a.sig, announcementBytes(a));
@@ -1407,10 +1377,7 @@ function parseSignedMessage(value: unknown): SignedMessage {
   return msg;
 }
 
-/**
- * Parses an announcement as the Rust 0.8 client decodes one: unknown members are ignored; `session: null` and a session
- * without `session_id` are errors; its other fields default to ""; `age_ms` is absent, null, or an integer ≥ 0.
- */
+/** Parses an announcement as the Rust 0.8 client does: `session: null` or no `session_id` is an error. */
 function parseAnnouncement(value: unknown): Announcement {
   if (!isObject(value)) throw new FormatError("announcement is not a JSON object");
   const a: Announcement = {
@@ -1441,7 +1408,6 @@ function parseAnnouncement(value: unknown): Announcement {
   return a;
 }
 
-/** Where a bus files an announcement: `pubkey#session_id`, or the bare key for a sessionless one. */
 const rosterKey = (a: Pick<Announcement, "pubkey" | "session">): string =>
   a.session?.session_id ? `${a.pubkey}#${a.session.session_id}` : a.pubkey;
 
@@ -1450,11 +1416,10 @@ const rosterKey = (a: Pick<Announcement, "pubkey" | "session">): string =>
 // ============================================================================
 
 /**
- * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. Bounded by time: an entry older
- * than the freshness window is forgotten, because freshness alone rejects a replay of it. The agent rebuilds it at
- * start from the replay files (SeenLog) and its journal, so a replay after a restart is still refused. It knows which
- * entries only a journal holds so far (`logged` false): the agent writes those to the replay files before a roll-over
- * or an adoption leaves their records where no start reads.
+ * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. An entry past the freshness
+ * window is forgotten: freshness alone refuses its replay. Rebuilt at start from the replay files (SeenLog) and the
+ * journal, so a replay after a restart is still refused. Entries only a journal holds (`logged` false) are written to
+ * the replay files before a roll-over or an adoption leaves their records where no start reads.
  */
 class ReplayMemory {
   #seen = new Map<string, number>(); // "<sender> <msg_id>" → message ts, in admission order
@@ -1472,8 +1437,8 @@ class ReplayMemory {
   }
 
   /**
-   * Records an admitted message. Never refused: what was admitted is remembered (the gate checks `full` first).
-   * `logged`: read from a replay file (else from a journal, which it stays marked as until a replay file says so).
+   * Records an admitted message, never refused (the gate checks `full` first). `logged`: read from a replay file;
+   * else it stays marked journal-only until one holds it.
    */
   remember(sender: string, msgId: string, ts: number, nowMs: number, logged = false): void {
     const key = `${sender} ${msgId}`;
@@ -1496,13 +1461,11 @@ class ReplayMemory {
   }
 
   /**
-   * Why a message from `sender` cannot be remembered now, or null. Nothing fresh is ever forgotten to make room
-   * (that would let its replay in). Past `cap` entries inside the freshness window, a sender that holds its share
-   * (the cap split evenly between the senders held) is refused, "share": the gate refuses its message for good, so
-   * that one peer that filled the memory holds off only itself (a relay hands a route's mail over in order, and a
-   * message left unacked would hold up every sender's behind it). The others still come in, up to twice the cap in
-   * all; past that, "all": every message waits, unacked, until entries age out. It only looks (the gate is pure);
-   * `remember` forgets what has aged out.
+   * Why a message from `sender` cannot be remembered now, or null. Nothing fresh is forgotten to make room (its replay
+   * would get in). Past `cap` fresh entries, a sender holding its share (cap / senders held) gets "share": the gate
+   * refuses its message for good, so a peer that filled the memory holds off only itself (a relay hands a route's mail
+   * over in order: one left unacked would hold up every sender's behind it). Others come in up to twice the cap; past
+   * that, "all": every message waits, unacked, until entries age out. Only looks (the gate is pure).
    */
   pressure(nowMs: number, sender?: string): "share" | "all" | null {
     if (this.#seen.size < this.cap) return null;
@@ -1543,7 +1506,7 @@ class ReplayMemory {
     }
   }
 
-  /** Drops entries older than the freshness window (freshness alone refuses their replays) from the front. */
+  /** Drops entries past the freshness window, from the front. */
   forget(nowMs: number): void {
     for (const [key, ts] of this.#seen) {
       if (ts >= nowMs - FRESH_PAST_MS) break;
@@ -1555,7 +1518,6 @@ class ReplayMemory {
 
   static #senderOf = (key: string) => key.slice(0, key.indexOf(" ")); // "<sender> <msg_id>": a key has no space
 
-  /** Counts an entry in (1) or out (-1) of its sender's share. */
   #count(key: string, by: 1 | -1): void {
     const sender = ReplayMemory.#senderOf(key);
     const n = (this.#held.get(sender) ?? 0) + by;
@@ -1569,9 +1531,8 @@ class ReplayMemory {
  * through it before the model sees anything, and the steps run in this order:
  *   1. parse  2. verify (the authenticated key is the sender)  3. addressed to us
  *   4. allowlisted, except a stranger's knock or accept  5. fresh  6. not a replay
- *   7. dispatch: a peer's message is delivered, a receipt updates what we sent,
- *      a knock is held for the operator, an accept counts only if we knocked that key
- *      (and, when it names the request it answers, only for that request).
+ *   7. dispatch: a peer's message is delivered, a receipt updates what we sent, a knock is held for the operator, an
+ *      accept counts only if we knocked that key (and, when it names the request it answers, only for that request).
  * The caller records admitted messages in `replay` (and its log) afterwards.
  */
 async function decide(
@@ -1686,10 +1647,9 @@ function parseChain(value: unknown): Chain {
 
 /**
  * Judges the chain a payload carries beside `msg`, a message the gate admitted: null when it has none. It counts only
- * on a message that opens a task (a task_id, no status), and only when it holds together (the owner first, the sender
- * last, the requester just before it, no key twice) and its signature is the sender's over chainBytes. A chain that
- * does not is treated as stripped (a relay can strip one, so it can garble one): never a reason to refuse the message.
- * Pure but for WebCrypto's verify, which is asynchronous, so the agent runs it before planInbound.
+ * on a message that opens a task, holding together and signed by the sender. A bad chain counts as stripped (a relay
+ * that can strip one can garble one): never a reason to refuse the message. Async only for WebCrypto's verify, so the
+ * agent runs it before planInbound.
  */
 async function judgeChain(raw: unknown, msg: SignedMessage): Promise<ChainCheck | null> {
   if (raw === undefined || raw === null) return null;
@@ -1724,10 +1684,9 @@ function chainWords(keys: readonly string[], name: (key: string) => string): str
 // ============================================================================
 //
 // One tagged JSON object per line ({"t": ...}), append-only. Each append is a single write() on an O_APPEND descriptor,
-// so concurrent appenders never interleave within a line. Every write checks the count it wrote: a short write (Bun
-// writes short on a nearly full disk without throwing) is finished or becomes an error, and a failed append is cut back
-// off the file, or, when another writer appended after it, fenced off by a newline, so the next record always starts on
-// a line of its own.
+// so concurrent appenders never interleave within a line. Every write checks the count it wrote (Bun writes short on a
+// nearly full disk without throwing); a failed append is cut back off the file, or fenced off by a newline if another
+// writer appended after it, so the next record always starts on a line of its own.
 //
 // A complete line that is not a record (a hand edit, a disk fault) is never silent: `quarantineLine` copies it to
 // `<file>.corrupt` with its offset and blanks it in place, so offsets stay valid and `doctor` counts it. A last line
@@ -1739,10 +1698,7 @@ function chainWords(keys: readonly string[], name: (key: string) => string): str
 // cut: the bus before it answers 202, the agent before it answers a send or acks an inbound message. Files that are
 // rewritten (compaction, peers.json, locks) are replaced whole: temp file, size check, fsync, rename.
 
-/**
- * Who holds a session's agent.lock: its MCP server (a live session, which a newer server of the same session
- * takes over from), the CLI's `send` for a moment, or a test.
- */
+/** Who holds a session's agent.lock: its MCP server (a newer one of the session takes over), `send`, or a test. */
 const SERVER_ROLE = "interlink mcp";
 
 type JsonlRecord = Record<string, unknown> & { t: string };
@@ -1750,7 +1706,6 @@ type JsonlRecord = Record<string, unknown> & { t: string };
 /** The disk under a state or data folder is full (or over quota): the one write failure an operator fixes by hand. */
 class DiskFullError extends InterlinkError {}
 
-/** Turns ENOSPC/EDQUOT into a DiskFullError that names the folder; other errors pass unchanged. */
 function storageError(e: unknown, folder: string): Error {
   const code = (e as NodeJS.ErrnoException).code;
   if (code === "ENOSPC" || code === "EDQUOT") return new DiskFullError(`ENOSPC: the disk of ${folder} is full`);
@@ -1762,7 +1717,6 @@ interface ScanResult {
   tornBytes: number; // bytes after the last newline: a torn tail after a crash, or a write still in flight
 }
 
-/** A complete line that is not a record: where it starts, why it was refused, and its text. */
 type BadLine = (offset: number, reason: string, line: string, bytes: number) => void;
 
 const indexOfByte = (buf: Uint8Array, byte: number, from: number): number =>
@@ -1772,9 +1726,8 @@ const indexOfByte = (buf: Uint8Array, byte: number, from: number): number =>
 let scanChunk = Buffer.allocUnsafe(1 << 20);
 
 /**
- * Calls `onLine(buf, start, end, offset)` for each complete line from byte `from` to the end of `file`: the line is
- * `buf[start, end)` without its newline, and starts at `offset` in the file. The buffer is reused, so a caller copies
- * what it keeps. Streams in 1 MiB chunks: memory is the longest line, not the file size.
+ * Calls `onLine` for each complete line from byte `from`: `buf[start, end)`, without its newline, at `offset` in the
+ * file. The buffer is reused: a caller copies what it keeps. Memory is the longest line, not the file.
  */
 function scanLines(
   file: string,
@@ -1815,10 +1768,7 @@ function scanLines(
   }
 }
 
-/**
- * Reads complete lines from `from` to the end, calling `onRecord` for each good record and `onBad` for each complete
- * line that is not one (blank lines are skipped).
- */
+/** scanLines, parsed: `onRecord` for each record, `onBad` for each other line that is not blank. */
 function scanJsonl(
   file: string,
   from: number,
@@ -1839,7 +1789,6 @@ function scanJsonl(
   });
 }
 
-/** The records of a whole file, warning on stderr about skipped and torn lines. */
 function readJsonl(file: string, warn: (msg: string) => void = logWarn): JsonlRecord[] {
   const records: JsonlRecord[] = [];
   const { tornBytes } = scanJsonl(
@@ -1855,11 +1804,7 @@ function readJsonl(file: string, warn: (msg: string) => void = logWarn): JsonlRe
 /** Where the lines taken out of `file` are kept, one JSON object each: {offset, reason, line, at}. */
 const corruptFile = (file: string): string => `${file}.corrupt`;
 
-/**
- * Takes an unreadable line out of a journal: appends it, with its offset and the reason, to `<file>.corrupt`, then
- * overwrites it in place with spaces (its newline stays), so byte offsets into the file stay valid and the line is
- * never read again. Only the process that owns the file calls this.
- */
+/** Sets an unreadable line aside, then blanks it in place (see above). Only the file's owning process calls this. */
 function quarantineLine(file: string, offset: number, bytes: number, reason: string, line: string): void {
   setAside(file, offset, reason, line);
   const fd = fs.openSync(file, "r+");
@@ -1872,7 +1817,7 @@ function quarantineLine(file: string, offset: number, bytes: number, reason: str
   }
 }
 
-/** Appends an entry to `file`'s `.corrupt` side file (0600), synced before the caller goes on to drop what it holds. */
+/** Synced before the caller goes on to drop what it holds. */
 function setAside(file: string, offset: number, reason: string, line: string): void {
   const side = fs.openSync(corruptFile(file), "a", 0o600);
   try {
@@ -1883,7 +1828,6 @@ function setAside(file: string, offset: number, reason: string, line: string): v
   }
 }
 
-/** Lines a journal's `.corrupt` side file holds (0 if there is none), for `doctor`. */
 function corruptCount(file: string): number {
   try {
     return fs.readFileSync(corruptFile(file), "utf8").split("\n").filter((l) => l.trim() !== "").length;
@@ -1931,8 +1875,7 @@ class JsonlWriter {
     } catch (e) {
       throw storageError(e, folder);
     }
-    // A crash mid-write leaves a last line without its newline; fence it off so our next record starts on a line of its
-    // own and the fragment stays skippable instead of swallowing that record.
+    // A torn last line (a crash mid-write): fence it off, or it would swallow our next record.
     const size = fs.fstatSync(this.#fd).size;
     if (size > 0 && readBytes(file, size - 1, 1)[0] !== 10) {
       logWarn(`${file}: the last line was torn by a crash; it is kept apart and skipped`);
@@ -1940,10 +1883,7 @@ class JsonlWriter {
     }
   }
 
-  /**
-   * Appends records as one write: visible to readers and safe from a process kill when this returns. On failure nothing
-   * of it stays a line: the part written is cut back off, or fenced off by a newline before the next record.
-   */
+  /** Appends records as one write, visible and safe from a process kill on return; on failure none stays a line. */
   append(records: readonly object[]): void {
     if (records.length) this.appendText(records.map((r) => JSON.stringify(r) + "\n").join(""));
   }
@@ -1965,10 +1905,7 @@ class JsonlWriter {
     return start + fenced;
   }
 
-  /**
-   * After a failed append that began at `start`: if the file now ends with a prefix of our bytes (nobody wrote after
-   * them), cut it off; if that cannot be told, fence it off with a newline before the next record.
-   */
+  /** After a failed append from `start`: cut off what landed if nobody wrote after it, else fence it off. */
   #cutBack(start: number, bytes: Uint8Array): void {
     try {
       const size = fs.fstatSync(this.#fd).size;
@@ -2035,19 +1972,15 @@ class JsonlWriter {
     for (const fd of this.#retired.splice(0)) fs.closeSync(fd);
   }
 
-  /**
-   * Replaces the file with exactly `records`: temp file, size check, fsync, rename, then appends go to the new file. On
-   * failure the temp file is removed and the old file stays in use, whole.
-   */
+  /** Replaces the file with exactly `records` (see rewrite); on failure the old file stays in use, whole. */
   compact(records: readonly object[]): void {
     this.rewrite((write) => write(records.map((r) => JSON.stringify(r) + "\n").join("")));
   }
 
   /**
-   * `compact` for a file too big to hold as one string: `fill` passes the new content in order to `write`, which
-   * returns the offset each piece starts at in the new file (written through a 1 MiB buffer). `beforeRename(tmp)` opens
-   * whatever else must read the new file: every descriptor on it is open before the rename, so nothing can fail after
-   * it (a failure after it would leave appends going to the old, unlinked file).
+   * `compact` for a file too big for one string: `fill` passes the content in order to `write`, which returns each
+   * piece's offset in the new file. `beforeRename(tmp)` opens whatever else must read the new file, so nothing can fail
+   * after the rename (appends would then go to the old, unlinked file).
    */
   rewrite(fill: (write: (text: string | Uint8Array) => number) => void, beforeRename = (_tmp: string) => {}): void {
     const tmp = `${this.file}.${process.pid}.tmp`;
@@ -2119,7 +2052,6 @@ function checkSize(fd: number, file: string, bytes: number): void {
   }
 }
 
-/** Writes a whole file and fsyncs it, checking that every byte landed (the size on disk is compared too). */
 function writeFileDurably(file: string, text: string, mode = 0o600): void {
   const bytes = Buffer.from(text);
   const fd = fs.openSync(file, "w", mode);
@@ -2153,7 +2085,6 @@ function statOf(file: string): fs.Stats | undefined {
   }
 }
 
-/** Size of a file in bytes, 0 if it does not exist yet. */
 const fileSize = (file: string): number => statOf(file)?.size ?? 0;
 
 /** A file's inode number, 0 if it does not exist: tells a file replaced by a rename from the one read before. */
@@ -2164,7 +2095,7 @@ let tempCounter = 0;
 /** A temp name beside `file` that no other process or call uses. */
 const tempName = (file: string) => `${file}.${process.pid}.${++tempCounter}.tmp`;
 
-/** Replaces a small state file whole (temp, size check, fsync, rename), 0600 from creation; no temp file is left on failure. */
+/** Replaces a small state file whole (temp, size check, fsync, rename), 0600 from creation; no temp left on failure. */
 function writeFileAtomic(file: string, text: string): void {
   const tmp = tempName(file);
   try {
@@ -2225,10 +2156,9 @@ let bootId: string | undefined;
 const PROC_START_RE = /^[0-9a-f-]*:\d+$/;
 
 /**
- * Which process a pid is, beyond the pid (the system hands a dead one's pid to a new process): when it started, as
- * the kernel keeps it. From /proc where it can be read (Linux; not Deno without --allow-all): this boot's id and the
- * start in clock ticks, exact. Else from `ps` (macOS, and that Deno): the start to the second, in UTC and the C
- * locale so every reader prints it alike. Null when neither can tell (the process is gone, or no `ps`).
+ * When a pid's process started, which tells it from a later one given the same pid. From /proc where readable (Linux;
+ * Deno only with --allow-all): boot id and clock ticks, exact. Else from `ps` (macOS, that Deno): to the second, in
+ * UTC and the C locale so every reader prints it alike. Null when neither can tell.
  */
 function processStart(pid: number): string | null {
   return procStart(pid) ?? psStart(pid);
@@ -2272,11 +2202,10 @@ function psStart(pid: number): string | null {
 let ownStart: string | null | undefined;
 
 /**
- * Whether a lock's owner still runs: its pid is alive and is the process that wrote the lock, by the start it
- * recorded, read again the same way (/proc or `ps`). One that cannot be read again counts as held: a lock is never
- * taken on a guess. From /proc the start is exact; from `ps` on Linux it moves if the clock was set meanwhile, so
- * there a mismatch counts only if the pid runs no interlink now. A lock of an earlier version, without a start, is
- * held while its pid runs anything of interlink's, by its command line.
+ * Whether a lock's owner still runs: its pid is alive with the start it recorded, read again the same way. A start
+ * that cannot be read counts as held: a lock is never taken on a guess. A `ps` start moves if the clock was set (on
+ * Linux), so there a mismatch counts only if the pid runs no interlink now. A lock without a start (an earlier
+ * version) is held while its pid's command line is interlink's.
  */
 function ownerRuns(owner: LockOwner): boolean {
   if (!pidAlive(owner.pid)) return false;
@@ -2291,9 +2220,8 @@ function ownerRuns(owner: LockOwner): boolean {
 }
 
 /**
- * Whether a live lock holder is known to be an interlink server (`mcp`): it wrote the lock and is still that
- * process (its start, read again the same way, matches), or, for a lock of an earlier version, its command line runs
- * interlink's `mcp`. Only such a process is ever asked to hand over (SIGTERM).
+ * Whether a lock holder is known to be an interlink server: the process that wrote it (same start), or for a lock
+ * without a start, one running interlink's `mcp`. Only such a process is ever asked to hand over (SIGTERM).
  */
 function knownServer(owner: LockOwner): boolean {
   if (owner.role !== SERVER_ROLE) return false;
@@ -2304,7 +2232,6 @@ function knownServer(owner: LockOwner): boolean {
 /** The command line of an interlink server: its script or package, then `mcp` among its arguments. */
 const SERVER_ARGV_RE = /interlink\S*\s(.*\s)?mcp(\s|$)/;
 
-/** The lock file's text and owner; owner null when the text is not a lock (damaged by hand or by a disk fault). */
 function readLockFile(file: string): { text: string; owner: LockOwner | null; mtimeMs: number } | null {
   let text: string, mtimeMs: number;
   try {
@@ -2325,18 +2252,16 @@ function readLockFile(file: string): { text: string; owner: LockOwner | null; mt
   return { text, owner: null, mtimeMs };
 }
 
-/** The live process holding a lock file, or null if it is free or its owner is dead. */
 function lockOwner(file: string): LockOwner | null {
   const held = readLockFile(file);
   return held?.owner && ownerRuns(held.owner) ? held.owner : null;
 }
 
 /**
- * A lock file holding its owner's pid. It appears with its content in one step: the content is written to a temp file
- * that is then hard-linked into place, and link() fails if the lock exists, so no reader ever sees an empty or
- * half-written lock. A lock whose pid is dead is taken over: it is removed only if it still holds the text we judged
- * stale, so a lock that changed hands meanwhile is left alone (what remains is the microseconds between that re-read
- * and the unlink). A lock that cannot be read is respected until it is LOCK_GRACE_MS old.
+ * A lock file holding its owner's pid. It appears with its content in one step (a temp file hard-linked into place;
+ * link() fails if the lock exists), so no reader sees an empty or half-written lock. A dead owner's lock is removed
+ * only if it still holds the text judged stale, so one that changed hands meanwhile is left alone (bar the
+ * microseconds between that re-read and the unlink). An unreadable lock is respected until LOCK_GRACE_MS old.
  */
 class PidLock {
   private constructor(readonly file: string, readonly content: string) {}
@@ -2420,7 +2345,6 @@ class PidLock {
   }
 }
 
-/** Runs `fn` while holding a short-lived lock beside `file`. */
 async function withFileLock<T>(file: string, role: string, fn: () => T | Promise<T>): Promise<T> {
   const lock = await PidLock.acquire(`${file}.lock`, role, SHORT_LOCK_WAIT_MS);
   try {
@@ -2506,7 +2430,6 @@ function resolvePeer(peers: Peers, who: string): { key: string; petname: string 
   throw new InterlinkError(`${what}; use a petname, a fingerprint or a key. Peers: ${choices}`);
 }
 
-/** A peer's key by petname, fingerprint or key (see resolvePeer). */
 const peerKey = (peers: Peers, who: string): string => resolvePeer(peers, who).key;
 
 /** Loads peers.json; a missing file is an empty allowlist (pairing will create it). */
@@ -2522,9 +2445,8 @@ function loadPeers(file: string): Peers {
 }
 
 /**
- * Adds a peer under the no-rekey rules: a petname never silently changes key,
- * and a key never gets a second petname. Re-adding the same pair is a no-op.
- * Unknown fields in peers.json are kept. Returns what happened, for the caller to report.
+ * Adds a peer under the no-rekey rules: a petname never silently changes key, and a key never gets a second petname.
+ * Re-adding the same pair is a no-op. Unknown fields in peers.json are kept.
  */
 async function addPeer(file: string, petname: string, key: string): Promise<"added" | "unchanged"> {
   checkPetname(petname);
@@ -2550,7 +2472,6 @@ async function addPeer(file: string, petname: string, key: string): Promise<"add
   });
 }
 
-/** Removes a peer named by petname, fingerprint or key; returns its petname and key. */
 async function removePeer(file: string, who: string): Promise<{ petname: string; key: string }> {
   return await withFileLock(file, "peers edit", () => {
     const raw = readPeersObject(file);
@@ -2581,16 +2502,13 @@ function writePeersObject(file: string, raw: Record<string, unknown>): void {
 /** "bob (Izgjf_w6)", or the fingerprint alone when that is the name (the CLI's, unless it was given one). */
 const nameAndFingerprint = (name: string, fp: string): string => (name === fp ? fp : `${name} (${fp})`);
 
-/** "carol (1AnB2ji_)", or the fingerprint alone for a key with no petname here. */
+/** "carol (1AnB2ji_)", or the fingerprint alone for a key with no petname. */
 function whoIs(peers: Peers, key: string): string {
   const petname = peers.byKey.get(key);
   return petname ? `${petname} (${fingerprint(key)})` : fingerprint(key);
 }
 
-/**
- * The petname a newly paired key is filed under: the operator's choice when requesting, else the claimed name if it is
- * a valid, free petname, else `peer-<fingerprint>`. Never a petname that is taken.
- */
+/** A new peer's petname: the operator's choice, its claimed name, or `peer-<fingerprint>`; never a taken one. */
 function newPeerName(peers: Peers, key: string, chosen: string | undefined, claimed: string): string {
   const fallback = `peer-${fingerprint(key).replace(/[^A-Za-z0-9]/g, "x")}`;
   for (const name of [chosen, PETNAME_RE.test(claimed) ? claimed : undefined, fallback]) {
@@ -2634,10 +2552,7 @@ interface TaskRow {
   last_msg_id: string;
   last_at: number;
   awaiting: Question[];
-  /**
-   * A sub-task (its opening message carried a chain): the task it serves, at its requester's node, the owner, the
-   * depth, and the keys from the owner to this task's requester. Absent: a root task, owned by its requester.
-   */
+  /** A sub-task's, from the chain its opening message carried; absent on a root task, owned by its requester. */
   parent?: { task_id: string; requester: string };
   owner?: string;
   depth?: number;
@@ -2659,10 +2574,8 @@ function parseRoute(route: string): { key: string; session: string } {
   return i < 0 ? { key: route, session: "" } : { key: route.slice(0, i), session: route.slice(i + 1) };
 }
 
-/** The other end of a message: the recipient of what we sent, the sender of what we received. */
 const counterpart = (dir: "in" | "out", msg: SignedMessage): string => (dir === "out" ? msg.to : msg.from);
 
-/** `[task <id> · <status>]` or `[task <id>]` from a message's signed fields; "" without a task_id. */
 function taskTag(msg: Pick<SignedMessage, "task_id" | "status">): string {
   return msg.task_id ? `[task ${showId(msg.task_id)}${msg.status ? ` · ${msg.status}` : ""}]` : "";
 }
@@ -2670,10 +2583,7 @@ function taskTag(msg: Pick<SignedMessage, "task_id" | "status">): string {
 /** Tasks are per counterpart: two peers may both use task_id "t1". */
 const taskKey = (peerKey: string, taskId: string): string => `${peerKey} ${taskId}`;
 
-/**
- * Folds one message into the task table. `dir` is "out" for messages we sent. A terminal status closes the task;
- * anything after it is counted but cannot reopen it. Pure apart from mutating `tasks`.
- */
+/** Folds one message into the task table. A terminal status closes the task; nothing after it reopens it. */
 function foldTask(
   tasks: Map<string, TaskRow>,
   dir: "in" | "out",
@@ -4935,10 +4845,9 @@ async function serveGuarded(
 // Relays
 // ============================================================================
 //
-// What a node sends through and receives from: a bus over HTTP (ours or the
-// reference's), or NATS JetStream for teams: a store-and-forward hop that can
-// drop or delay but never forge (the receiver's gate alone decides), keeping
-// a message until its route's reader acks it, at most QUEUE_CAP per route.
+// What a node sends through and receives from: a bus over HTTP (ours or the reference's), or NATS JetStream for
+// teams: a store-and-forward hop that can drop or delay but never forge (the receiver's gate alone decides), keeping a
+// message until its route's reader acks it, at most QUEUE_CAP per route.
 
 function postJson(url: string, body: unknown, timeoutMs = SEND_TIMEOUT_MS, signal?: AbortSignal): Promise<Response> {
   return fetch(url, {
@@ -4961,8 +4870,8 @@ function backoffMs(failures: number): number {
 class NoRelayAnswered extends InterlinkError {}
 
 /**
- * A relay refused or failed a request; `permanent` when retrying cannot help (an HTTP 4xx, a payload too large);
- * `full` when it keeps no more for that route until its reader reads some (the sender holds that route alone).
+ * A relay refused or failed a request; `permanent`: retrying cannot help (a 4xx, too large); `full`: it keeps no more
+ * for that route until its reader reads some (the sender holds that route alone).
  */
 class RelayError extends Error {
   constructor(message: string, readonly permanent = false, readonly full = false) {
@@ -4970,13 +4879,12 @@ class RelayError extends Error {
   }
 }
 
-/** A message a relay handed over, and how to tell the relay it is handled. */
 interface Handed {
   payload: unknown;
   ack(): Promise<void>;
 }
 
-/** What one recv handed over, oldest first, and a way to ack several in one request. */
+/** What one recv handed over, oldest first. */
 interface Received {
   items: Handed[];
   ackMany?(items: Handed[]): Promise<void>;
@@ -4998,8 +4906,8 @@ interface Relay {
     signal?: AbortSignal,
   ): Promise<void>;
   /**
-   * Several messages in one request, in order, where the relay takes that (our bus): per message true (kept), a
-   * RelayError, or null (not tried: one before was refused). Absent or null: send them one by one.
+   * Several messages in one request, in order (our bus): per message true (kept), a RelayError, or null (not tried:
+   * one before was refused). Absent or null: send them one by one.
    */
   sendMany?(
     items: { route: string; payload: object }[],
@@ -5017,8 +4925,8 @@ const isNatsUrl = (url: string): boolean => /^(nats|tls):\/\//i.test(url);
 
 // -- what is read from a relay ------------------------------------------------
 //
-// A relay's answer is read as it streams, never past the most a real one can be
-// (from our bus's bounds): past it a RelayError, and the session's other relays go on.
+// A relay's answer is read as it streams, never past the most a real one can be (from our bus's bounds): past it a
+// RelayError, and the session's other relays go on.
 
 /** Bytes a roster entry adds to the announcement it holds: `,"age_ms":<n>` and a comma, with room. */
 const ROSTER_ENTRY_EXTRA_BYTES = 64;
@@ -5047,13 +4955,13 @@ const ROSTER_ANSWER_VALUES_MAX = ROSTER_CAP * (ANNOUNCEMENT_VALUES_MAX + 2) + 16
 /** A batched POST /send answer: SEND_BATCH results, each a status and at most a sentence of why. */
 const SEND_ANSWER_MAX_BYTES = SEND_BATCH * 1024 + 1024;
 
-/** Of a refusal's body we quote 200 characters (RELAY_QUOTE_CHARS); reading more than this is waste. */
+/** Of a refusal's body we quote RELAY_QUOTE_CHARS; reading more is waste. */
 const REFUSAL_READ_BYTES = 4096;
 
 /** How much of a relay's refusal an error quotes: enough for its sentence, too little to carry a document. */
 const RELAY_QUOTE_CHARS = 200;
 
-/** A relay's answer larger, or holding more JSON values, than a real one can: not read further, not parsed. */
+/** A relay's answer larger, or with more JSON values, than a real one can be: not read further, not parsed. */
 class OversizedAnswer extends RelayError {}
 
 /** A relay's answer body, read as it streams: past `capBytes` an OversizedAnswer, or with `truncate` the first bytes. */
@@ -5090,8 +4998,8 @@ async function readAnswer(r: Response, capBytes: number, what: string, truncate 
 }
 
 /**
- * A relay's answer as JSON (see readAnswer); not JSON: a RelayError quoting none of it. Past `maxValues` an
- * OversizedAnswer, unparsed (bytes alone do not bound a parse: 24 MiB of empty objects took a session to 3 GB).
+ * A relay's answer as JSON, else a RelayError quoting none of it. Past `maxValues` an OversizedAnswer, unparsed (bytes
+ * alone do not bound a parse: 24 MiB of empty objects took a session to 3 GB).
  */
 async function readJsonAnswer(r: Response, capBytes: number, what: string, maxValues = Infinity): Promise<unknown> {
   const text = await readAnswer(r, capBytes, what);
@@ -5184,9 +5092,8 @@ class HttpRelay implements Relay {
   }
 
   /**
-   * Asks for up to RECV_BATCH messages (max=, with the proof: both ignored by a reference bus). A batch past what real
-   * messages make (a relay that does not count, or a hostile one) is read again one at a time, each within what one
-   * message can be: each is handled (refused, acked), and none blocks the route.
+   * Asks for up to RECV_BATCH messages (max= and the proof: a reference bus ignores both). A batch past what real
+   * messages make (a relay that does not count, or a hostile one) is read again one at a time: none blocks the route.
    */
   async recv(route: string, signal: AbortSignal, waitMs = RECV_TIMEOUT_MS): Promise<Received> {
     try {
@@ -5259,23 +5166,14 @@ class HttpRelay implements Relay {
 // The NATS relay
 // ============================================================================
 //
-// One stream, INTERLINK (file storage, work-queue retention: a message is
-// deleted once acked), with one subject per route:
-//   interlink.in.<key>                          the bare key
-//   interlink.in.<key>.<base64url(session)>     a session (ids may hold dots)
-// at most QUEUE_CAP messages per subject, a new one refused past that (discard
-// new, per subject; a stream made by an earlier release drops the oldest
-// instead, and is used as it is: see NatsLink.refuses). Each route is
-// read through a durable pull consumer with explicit acks, named "in_" + the
-// first 40 hex digits of SHA-256 of the route key's Ed25519 signature over
-// "interlink-nats-consumer-v1\0" ‖ route (deterministic, so stable; only the
-// key's holder can compute it, so with listing denied the name is a
-// capability: see docs/nats.md, "Who may read a route"), forgotten after
-// ROSTER_RETENTION_MS unused. Publishes carry Nats-Msg-Id "<from>.<msg_id>.<route>"
-// (so a copy within the stream's 2-minute window is dropped; the replay memory
-// drops any other). The roster is the key-value bucket "interlink-roster":
-// key "<key>.<base64url(session)>", value the signed announcement, kept
-// ROSTER_RETENTION_MS; an entry's age is the time since it was written.
+// The mapping (docs/nats.md, "Mapping"): one work-queue stream, INTERLINK (a message is deleted once acked), with a
+// subject per route, interlink.in.<key>[.<base64url(session)>] (session ids may hold dots), a new message refused past
+// QUEUE_CAP per subject (a stream of an earlier release drops the oldest instead: see NatsLink.refuses). Each route is
+// read through a durable pull consumer whose name only the route key's holder can compute (natsConsumer): with listing
+// denied, the name is a capability (docs/nats.md, "Who may read a route"). Publishes carry Nats-Msg-Id
+// "<from>.<msg_id>.<route>", so a copy within the stream's 2-minute window is dropped (the replay memory drops any
+// other). The roster is the key-value bucket "interlink-roster", keyed "<key>.<base64url(session)>"; an entry's age
+// is the time since it was written.
 
 /** The relay for a configured URL. `proof` signs recv and ack requests (our bus checks them); `sign` names consumers. */
 function openRelay(
@@ -5309,7 +5207,6 @@ function natsSubject(route: string): string {
   return `interlink.in.${key}${session ? `.${b64urlEncode(utf8.encode(session))}` : ""}`;
 }
 
-/** The roster key of a session: "<key>.<base64url(session)>". */
 const natsRosterKey = (key: string, session: string): string => `${key}.${b64urlEncode(utf8.encode(session))}`;
 
 /** A route's durable consumer name (see above); without `sign` (not the route's key), of the route alone. */
@@ -5405,8 +5302,7 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
         info = await jsm.streams.info(NATS_STREAM) as typeof info;
       } catch (e) {
         if (!/not found/i.test(errorText(e))) throw e;
-        // A full subject refuses the next publish (the sender retries) rather than drop an acknowledged one. An
-        // earlier release's nodes call such a stream wrong ("needs old"): docs/nats.md says so.
+        // A full subject refuses the next publish (the sender retries), never drops an acknowledged one.
         info = await jsm.streams.add({
           name: NATS_STREAM,
           subjects: ["interlink.in.>"],
@@ -5420,8 +5316,8 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
           max_age: FRESH_PAST_MS * 1e6, // older is refused as stale by any receiver (senders re-sign before)
         }) as typeof info;
       }
-      // A stream with other rules could lose mail silently: say so. An earlier release's (discard old) is used as it
-      // is, our senders holding their routes by receipts there (SEND_WINDOW): its nodes refuse any other policy.
+      // Other rules could lose mail silently: say so. An earlier release's stream (discard old) is used as it is (its
+      // nodes refuse any other policy), our senders holding routes by receipts there (SEND_WINDOW).
       const c = info.config;
       const wrong = [
         c.retention !== "workqueue" && `retention ${c.retention} (needs workqueue)`,
@@ -5460,9 +5356,9 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
 
 /**
  * What one node's NATS user needs, and no more (docs/nats.md, "Who may read a route"): send to any route; create
- * consumers only on its own key's subjects; pull and ack through consumers whose names it knows (only the key's
- * holder can compute ours, and listing is denied); write only its own roster entries. Not: making, deleting or
- * purging the stream, listing or deleting consumers, reading a message by sequence. An admin creates the stream.
+ * consumers only on its own subjects; pull and ack through consumers whose names it knows; write only its own roster
+ * entries. Not: making, deleting or purging the stream (an admin creates it), listing or deleting consumers, reading
+ * by sequence.
  */
 function natsPermissions(key: string): { publish: { allow: string[] }; subscribe: { allow: string[] } } {
   const kv = `KV_${NATS_ROSTER}`;
@@ -5494,7 +5390,7 @@ function natsPermissions(key: string): { publish: { allow: string[] }; subscribe
 /** A node's reply-inbox prefix: only its own user may subscribe under it (see natsPermissions). */
 const natsInbox = (key: string): string => `_INBOX_${key}`;
 
-/** Runs `step`, failing with a RelayError ("timed out") if it takes longer than `ms`; the step itself goes on. */
+/** A RelayError if `step` takes longer than `ms`; the step itself goes on. */
 async function withTimeout<T>(ms: number, what: string, step: () => Promise<T>): Promise<T> {
   let timer: ReturnType<typeof setTimeout> | undefined;
   const late = new Promise<never>((_, reject) => {
@@ -5631,8 +5527,7 @@ class NatsRelay implements Relay {
       }
       if (m === null && signal.aborted) handBack();
     } catch (e) {
-      // The consumer may be gone (unused past inactive_threshold, deleted by an admin, the stream made anew):
-      // the next recv opens it again.
+      // The consumer may be gone (unused past inactive_threshold, deleted, the stream made anew): reopen it next time.
       if (this.#consumers.get(route) === consumer) this.#consumers.delete(route);
       throw e;
     }
@@ -5672,9 +5567,9 @@ class NatsRelay implements Relay {
   }
 
   /**
-   * Keys come oldest write first (live sessions rewrite theirs every ANNOUNCE_EVERY_MS): per node key its newest
-   * ROSTER_PER_KEY_CAP are kept (a node writes only under its own), then the newest ROSTER_CAP, so junk or stale
-   * entries cannot push live ones out. An entry filed under another key or session than it announces is dropped.
+   * Keys come oldest write first (live sessions rewrite theirs every ANNOUNCE_EVERY_MS): the newest ROSTER_PER_KEY_CAP
+   * per node key (a node writes only under its own), then the newest ROSTER_CAP, so junk or stale entries cannot push
+   * live ones out. An entry filed under another key or session than it announces is dropped.
    */
   async #roster(): Promise<unknown[]> {
     const { kv } = await this.link();
