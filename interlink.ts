@@ -12605,7 +12605,6 @@ function chooseSession(pinned: string | undefined): string {
   return Buffer.from(crypto.getRandomValues(new Uint8Array(4))).toString("hex");
 }
 
-/** This identity's sessions on this machine, each with its session.json and its live server, if any. */
 function listSessions(root: string): { id: string; dir: string; info: Partial<SessionInfo>; live: LockOwner | null }[] {
   return sessionIds(root).map((id) => {
     const dir = sessionDir(root, id);
@@ -12620,7 +12619,6 @@ function listSessions(root: string): { id: string; dir: string; info: Partial<Se
   });
 }
 
-/** A session as one column: its id's start and where it runs. */
 const sessionLabel = (s: { id: string; info: Partial<SessionInfo> }) =>
   `${s.id.slice(0, 8)}${s.info.cwd ? ` (${escapePeerText(path.basename(s.info.cwd), true)})` : ""}`;
 
@@ -12878,7 +12876,6 @@ function recordStart(stateDir: string): void {
   }
 }
 
-/** doctor's word on the last `mcp` start here, when one is recorded. */
 function lastStartFinding(stateDir: string): Finding | null {
   let last: { ms?: unknown; at?: unknown; runtime?: unknown };
   try {
@@ -13726,7 +13723,6 @@ async function ensureReachable(url: string, outside: string, lan: boolean): Prom
   print(`bus      ${local.ok ? "restarted" : "started"} on every address, port ${port}: ${BUS_EXPOSURE}`);
 }
 
-/** `invite`: files an invite, prints the command for the other machine, and answers the join while it waits. */
 async function runInvite(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   setLogComponent("interlink invite");
   await ensureKey(o.key as string, from.key === "default");
@@ -13843,7 +13839,6 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   }
 }
 
-/** `invite --list`: the pending invites, then the spent ones still remembered. */
 function listInvites(stateDir: string, id: Identity, nowMs: number): number {
   const invites = readInvites(stateDir);
   const pending = invites.filter((i) => inviteState(i, nowMs) === "pending");
@@ -14109,7 +14104,6 @@ const found = {
 /** Largest clock difference to the bus that `doctor` calls fine: well inside the 60 s future window. */
 const SKEW_WARN_MS = 10_000;
 
-/** Checks a node's set-up: one finding per line. */
 async function doctorFindings(o: Options): Promise<Finding[]> {
   const out = [found.ok(`runtime ${runtimeName()}, interlink ${VERSION}, ${process.platform}`)];
   const keyFile = o.key as string;
@@ -14382,7 +14376,6 @@ async function runClaude(args: string[]): Promise<number> {
   });
 }
 
-/** `init`: the key (created if missing) and config.json from the given settings, then the next steps. */
 async function runInit(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   await ensureKey(o.key as string, true);
   const id = await readIdentity(o.key as string);
