@@ -12237,7 +12237,6 @@ interface CommandSpec {
   run(opts: Options, positionals: string[], from: OptionSources): Promise<number>;
 }
 
-/** interlink's folder under an XDG base directory (`env`), else under ~/`dflt`. */
 const xdgDir = (env: string, ...dflt: string[]) =>
   path.join(process.env[env] || path.join(os.homedir(), ...dflt), "interlink");
 const configDir = () => xdgDir("XDG_CONFIG_HOME", ".config");
@@ -12246,7 +12245,6 @@ const busDataDir = () => path.join(stateDir(), "bus");
 
 const tildify = (p: string) => (p.startsWith(os.homedir() + path.sep) ? "~" + p.slice(os.homedir().length) : p);
 
-/** A string option: the placeholder help shows, its INTERLINK_* twin, its default, what it sets, and the rest. */
 const option = (
   arg: string,
   env: string | undefined,
@@ -12272,7 +12270,7 @@ const OPT = {
     "DIR",
     "INTERLINK_STATE",
     undefined,
-    "this node's folder: its sessions' journals, locks and replay files",
+    "this node's folder: its sessions' journals, locks, replay files",
     {
       defaultHelp: "~/.local/state/interlink/node-<fingerprint>",
     },
@@ -12284,12 +12282,7 @@ const OPT = {
     "this session's id (letters, digits, . _ -): its route is <key>#ID, its journal sessions/ID",
     { defaultHelp: "CLAUDE_CODE_SESSION_ID, else 8 random hex characters" },
   ),
-  inbox: option(
-    "ID",
-    "INTERLINK_INBOX",
-    undefined,
-    "deprecated: the same as --session (the named inbox of interlink.ts 0.4.0)",
-  ),
+  inbox: option("ID", "INTERLINK_INBOX", undefined, "deprecated: --session (the named inbox of interlink.ts 0.4.0)"),
   delivery: option(
     "MODE",
     "INTERLINK_DELIVERY",
@@ -12304,13 +12297,9 @@ const OPT = {
   ),
 };
 
-/**
- * The settings config.json keeps, so the CLI finds the bus, name and folders the server was given: `init` writes it,
- * and so does the server's first start, from the flags and variables it got. Flags and variables override it.
- */
+/** What config.json keeps (`init` and the server's first start write it), so the CLI finds the server's bus and name. */
 const CONFIG_KEYS = ["key", "peers", "url", "name", "state", "delivery", "max-depth"] as const;
 
-/** config.json: INTERLINK_CONFIG, else beside the default peers.json. */
 const configFile = (): string => process.env.INTERLINK_CONFIG || path.join(configDir(), "config.json");
 
 function readConfig(): { values: Record<string, string>; problem?: string } {
@@ -12340,7 +12329,7 @@ function readConfig(): { values: Record<string, string>; problem?: string } {
   return { values };
 }
 
-/** Writes the given settings into config.json, over what it held (atomic, 0600). */
+/** Merges `values` into config.json (atomic, 0600). */
 function writeConfig(values: Record<string, string>): string {
   const file = configFile();
   fs.mkdirSync(path.dirname(file), { recursive: true, mode: 0o700 });
@@ -12354,7 +12343,6 @@ const isGiven = (from: OptionSources, k: string) => from[k] === "flag" || from[k
 /** --session or --inbox was given: a command reads that session only, else every session of the identity. */
 const sessionGiven = (from: OptionSources) => isGiven(from, "session") || isGiven(from, "inbox");
 
-/** The shared settings that were set on purpose. */
 function explicitSettings(o: Options, from: OptionSources): Record<string, string> {
   const out: Record<string, string> = {};
   for (const k of CONFIG_KEYS) if (isGiven(from, k) && typeof o[k] === "string") out[k] = o[k];
@@ -12424,7 +12412,6 @@ function chooseSession(pinned: string | undefined): string {
   return Buffer.from(crypto.getRandomValues(new Uint8Array(4))).toString("hex");
 }
 
-/** The sessions this identity has had on this machine: their ids, folders, descriptions, and the live server, if any. */
 function listSessions(root: string): { id: string; dir: string; info: Partial<SessionInfo>; live: LockOwner | null }[] {
   return sessionIds(root).map((id) => {
     const dir = sessionDir(root, id);
@@ -12439,7 +12426,6 @@ function listSessions(root: string): { id: string; dir: string; info: Partial<Se
   });
 }
 
-/** A session as one column: its id's start and where it runs. */
 const sessionLabel = (s: { id: string; info: Partial<SessionInfo> }) =>
   `${s.id.slice(0, 8)}${s.info.cwd ? ` (${escapePeerText(path.basename(s.info.cwd), true)})` : ""}`;
 
@@ -12492,7 +12478,6 @@ function intOption(value: unknown, flag: string, min: number, max: number): numb
   return n;
 }
 
-/** Resolves with the signal's name on the first SIGINT or SIGTERM. */
 function shutdownSignal(): Promise<string> {
   return new Promise((resolve) => {
     for (const sig of ["SIGINT", "SIGTERM"] as const) process.once(sig, () => resolve(sig));
@@ -12624,10 +12609,7 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
 
 // -- node commands: mcp, send, log, tasks, peers, wait ------------------------
 
-/**
- * Starts a detached bus for this machine when none answers at the default URL (`--no-bus` turns this off), bound
- * to loopback, or to `host` (`invite --lan`: every address, so another machine can reach it).
- */
+/** Starts a detached bus when none answers at `url`, on loopback or on `host` (`invite --lan`: every address). */
 async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
   const alive = async () => {
     try {
@@ -12701,7 +12683,6 @@ function recordStart(stateDir: string): void {
   }
 }
 
-/** doctor's word on the last `mcp` start here, when one is recorded. */
 function lastStartFinding(stateDir: string): Finding | null {
   let last: { ms?: unknown; at?: unknown; runtime?: unknown };
   try {
@@ -12783,7 +12764,6 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   let agent: Agent | null = null;
   let opening: Promise<Agent> | null = null;
   let waker: CodexWaker | null = null;
-  /** Opens this session's agent once (under `session`, or the configured one) and starts it. */
   const open = (session?: string): Promise<Agent> =>
     opening ??= (async () => {
       // Codex has no channel: its sessions are woken by queued turns, and read the rest with check_inbox.
@@ -12836,7 +12816,6 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   };
   const fail = (text: string): ToolResult => ({ content: [{ type: "text", text }], isError: true });
   const notReady = (why: string) => fail(`interlink is not ready: ${why}`);
-  /** A tools/call: checked against its schema, then run on this session's agent. */
   const callTool = async (name: string, given: unknown, meta: Record<string, unknown> | undefined) => {
     const tool = TOOLS.find((t) => t.name === name);
     if (!tool) return fail(`Tool ${name} not found; interlink's tools: ${TOOLS.map((t) => t.name).join(", ")}`);
@@ -13241,10 +13220,8 @@ async function runWait(o: Options): Promise<number> {
 
 // -- pairing by invite: invite, join ------------------------------------------
 //
-// `invite` (on A) files an invite (see "invites" in the agent), prints the `join <code>` command for B, and admits
-// the join itself while it waits (after it exits, a running session does). `join` (on B) checks the code, the relay
-// and the clocks before writing anything, pins A's key, knocks with the proof and waits for A's acceptance or signed
-// refusal; with no answer, B keeps nothing of the attempt.
+// `invite` (on A) files an invite (see "Invites") and admits the join while it waits; after it exits, a running session
+// does. `join` (on B) writes nothing until the code, the relay and the clocks check out.
 
 /** An invite code: the inviter's key is pinned by the joiner (no trust on first use); `name` is a petname hint. */
 interface InviteCode {
@@ -13454,7 +13431,7 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
   }
 }
 
-/** The command to run this file with `args` on another machine: the same runtime, by its usual name, in the folder holding interlink.ts. */
+/** How the other machine runs this file with `args`: the same runtime, by its usual name, from interlink.ts's folder. */
 function otherMachineCommand(args: string[]): string {
   const script = thisScript();
   const file = /^https?:/.test(script) ? script : path.basename(script);
@@ -13553,7 +13530,6 @@ async function ensureReachable(url: string, outside: string, lan: boolean): Prom
   print(`bus      ${local.ok ? "restarted" : "started"} on every address, port ${port}: ${BUS_EXPOSURE}`);
 }
 
-/** `invite`: files an invite, prints the command for the other machine, and answers the join while it waits. */
 async function runInvite(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   setLogComponent("interlink invite");
   await ensureKey(o.key as string, from.key === "default");
@@ -13670,7 +13646,6 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   }
 }
 
-/** `invite --list`: the pending invites, then the spent ones still remembered. */
 function listInvites(stateDir: string, id: Identity, nowMs: number): number {
   const invites = readInvites(stateDir);
   const pending = invites.filter((i) => inviteState(i, nowMs) === "pending");
@@ -13710,8 +13685,7 @@ async function forgetSession(stateDir: string, session: string): Promise<void> {
 
 /**
  * `join <code>`: the expiry is checked by the relay's clock too (this machine's may be behind). The inviter is pinned
- * before the knock (its signed refusal must pass the gate); refused or unanswered, the pin is taken back and
- * config.json not written, and with no answer this join's session goes too, so a late answer completes nothing.
+ * before the knock (its signed refusal must pass the gate); refused or unanswered, the pin is taken back.
  */
 async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<number> {
   setLogComponent("interlink join");
@@ -13761,7 +13735,6 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
       throw expired(relayNow, by, ", and sync this clock (NTP)");
     }
   }
-  // Now this node: its key, and the inviter pinned (its receipts must pass the gate; taken back on a refusal).
   const keyExisted = fs.existsSync(o.key as string);
   const butKey = keyExisted ? "" : " but this node's new key";
   await ensureKey(o.key as string, from.key === "default");
@@ -13856,7 +13829,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
         isoTime(code.expiresMs)
       }: join again once ${them} runs \`interlink.ts invite\` or a session there.`;
     throw new InterlinkError(
-      `${why}: nothing of ${them}'s node read the request (a session of it, or its \`interlink.ts invite\`, answers within seconds), or ${them}'s relay lost it. ${next} Nothing was kept here${butKey}. If ${them}'s node admits the request later, it lists this node as a peer while this one does not list it: joining again with the same code completes that.`,
+      `${why}: nothing of ${them}'s node read the request (a session of it, or its \`interlink.ts invite\`, answers within seconds), or ${them}'s relay lost it. ${next} Nothing was kept here${butKey}. If ${them}'s node admits it later, it lists this node but not the reverse: join again with the same code to complete it.`,
     );
   }
   // Paired: the node's settings name the relay.
@@ -13938,7 +13911,6 @@ const found = {
 /** Largest clock difference to the bus that `doctor` calls fine: well inside the 60 s future window. */
 const SKEW_WARN_MS = 10_000;
 
-/** Checks a node's set-up, one finding per line: ok, info, or a problem with how to fix it. */
 async function doctorFindings(o: Options): Promise<Finding[]> {
   const out = [found.ok(`runtime ${runtimeName()}, interlink ${VERSION}, ${process.platform}`)];
   const keyFile = o.key as string;
@@ -14211,7 +14183,6 @@ async function runClaude(args: string[]): Promise<number> {
   });
 }
 
-/** `init`: the key (created if missing) and config.json from the given settings, then the next steps. */
 async function runInit(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   await ensureKey(o.key as string, true);
   const id = await readIdentity(o.key as string);
@@ -14387,11 +14358,11 @@ const COMMANDS: Record<string, CommandSpec> = {
   },
   wait: {
     summary: "block until the inbox has unread messages, print them, and exit 2 (for a Claude Code Stop hook)",
-    about: "Prints the unread messages to stderr as attributed blocks, marks them read and exits 2, which makes a\n" +
-      'hook with "asyncRewake": true wake the session with them. Shortly before --timeout it renews itself: exit 2\n' +
-      "with one line that tells the model to end its turn, so the hook runs again. Exits 0 quietly when a newer wait\n" +
-      "starts on the same folder, when the session's server has stopped, and at once under a one-shot `claude -p`.\n" +
-      "Only one wait ever prints a given message.",
+    about:
+      'Unread messages go to stderr as attributed blocks, marked read; exit 2 makes a hook with "asyncRewake": true\n' +
+      "wake the session with them. Shortly before --timeout it exits 2 with one line telling the model to end its\n" +
+      "turn, so the hook runs again. Exits 0 when a newer wait starts on the same folder, when the session's server\n" +
+      "has stopped, and at once under a one-shot `claude -p`. Only one wait ever prints a given message.",
     options: {
       key: OPT.key,
       peers: OPT.peers,
@@ -14403,7 +14374,7 @@ const COMMANDS: Record<string, CommandSpec> = {
         "SECONDS",
         "INTERLINK_WAIT_TIMEOUT",
         String(WAIT_TIMEOUT_S),
-        "the hook's own timeout (set both alike): shortly before it, wait renews itself (exit 2, one line: the model ends that turn and the hook runs again)",
+        "the hook's own timeout (set both alike): wait renews itself shortly before it",
       ),
     },
     run: runWait,
@@ -14425,8 +14396,7 @@ const COMMANDS: Record<string, CommandSpec> = {
     run: (_o, pos) => runClaude(pos),
   },
   init: {
-    summary:
-      "set this machine up: the key (if missing) and config.json with the settings given, for the server and the CLI",
+    summary: "set this machine up: the key (if missing) and config.json from the settings given",
     about: "Writes the flags and INTERLINK_* variables given here into config.json (INTERLINK_CONFIG, default\n" +
       "~/.config/interlink/config.json), over what it held. Every node command reads it; flags and variables override it.",
     options: { ...NODE_OPTIONS, name: OPT.name, delivery: OPT.delivery, "max-depth": OPT["max-depth"] },
@@ -14437,8 +14407,7 @@ const COMMANDS: Record<string, CommandSpec> = {
     about:
       "The code carries this node's key, a one-time secret, its expiry and the relay the other machine should use:\n" +
       "this machine's LAN address in place of a loopback URL (--url names the relay itself). Waits for the join and\n" +
-      "admits it (after Ctrl-C, a running session of this node does); one use, until it expires. --lan runs this\n" +
-      "machine's bus on every address when it listens only on loopback.",
+      "admits it (after Ctrl-C, a running session of this node does); one use, until it expires.",
     options: {
       key: OPT.key,
       peers: OPT.peers,
