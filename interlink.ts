@@ -2676,28 +2676,23 @@ function lifecycleError(tasks: ReadonlyMap<string, TaskRow>, draft: Draft): stri
 // The bus
 // ============================================================================
 //
-// A dumb relay (SPEC "Bus HTTP API"): it routes opaque JSON to a recipient
-// string, holds no keys, and keeps each message until its recipient acks it.
-// Its state is one JSONL file in the data folder:
+// A dumb relay (SPEC "Bus HTTP API"): it routes opaque JSON to a recipient string, holds no keys, and keeps each
+// message until its recipient acks it. Its state is one JSONL file in the data folder:
 //   {"t":"m","q":<recipient>,"n":<seq>,"ts":<ms>,"s":<sender>,"z":<bytes>,"p":<payload as JSON text>}  accepted
 //   {"t":"a","q":<recipient>,"n":<seq>,…}                  acked: an "m" record marked in place (older buses appended these)
 //   {"t":"d","q":<recipient>,"n":<seq>}                    dropped by the cap (earlier releases; read, not written)
 //   {"t":"o","q":<key>}                                    the key has proven it owns its routes (an older bus: one a route)
 //   {"t":"c","ts":<ms>}                                    closed: every route needs a proof from now on (see Bus.touchOwned)
 //   {"t":"h","next":<seq>}                                 first line after compaction
-// `seq` is global and never reused (compaction keeps the high-water mark), so
-// an ack key still names its message after a restart. Except: a message handed
-// to a parked receiver before its record was written, lost with the process,
-// leaves its seq to the next message; so an ack key names the ts as well.
-// Payloads stay JSON text end to end (the bus never parses what it relays) and
-// live in the file, not in memory: a queued message is its offset there. "p"
-// comes last, so a restart parses only each line's head (an older bus wrote
-// "p" before "s": parsed whole, rewritten at the next compaction). Writes are
-// group-committed: while an fdatasync runs, new messages wait in memory and go
-// out as one write before the next (an ack writes what waits, then marks its
-// record, before it is answered).
+// `seq` is global and never reused (compaction keeps the high-water mark), so an ack key names its message across a
+// restart; but a message handed to a parked receiver before its record was written, lost with the process, leaves its
+// seq to the next message, so an ack key names the ts too. Payloads stay JSON text end to end (the bus never parses
+// what it relays) and live in the file, not in memory: a queued message is its offset there. "p" comes last, so a
+// restart parses only each line's head (an older bus wrote "p" before "s": parsed whole, rewritten at the next
+// compaction). Writes are group-committed: while an fdatasync runs, new messages wait in memory and go out as one
+// write before the next (an ack writes what waits, then marks its record, before it is answered).
 
-/** A queue file record (the layout above); today's "m" is written by messageHead, read by MessageHeadReader. */
+/** A queue file record (layout above); "m" is written by messageHead, read by MessageHeadReader. */
 type BusRecord =
   /** `s` and `z` are absent before 0.5.0's layout. */
   | { t: "m"; q: string; n: number; ts: number; s?: string; z?: number; p: string }
@@ -2731,7 +2726,7 @@ function decodeBusRecord(r: Record<string, unknown>): BusRecord | string {
 interface Queued {
   seq: number;
   ts: number;
-  /** The payload's JSON text until it is in the queue file; then read back from `at` (its literal's offset, `len` bytes). */
+  /** The payload's JSON text until written; then read back from `at` (its literal's offset, `len` bytes). */
   payload: string | undefined;
   at: number;
   len: number;
@@ -2742,7 +2737,7 @@ interface Queued {
   gone: boolean;
 }
 
-/** One recipient's FIFO, in seq order. Acked entries are marked and skipped; the array is trimmed as the head advances. */
+/** One recipient's FIFO in seq order: acked entries are marked, skipped, and trimmed off as the head advances. */
 class RecipientQueue {
   items: Queued[] = [];
   head = 0;
@@ -2768,7 +2763,7 @@ class RecipientQueue {
     return this.items[this.head];
   }
 
-  /** Files an entry in seq order: a restored file may hold one after a later one. */
+  /** In seq order: a restored file may hold an entry after a later one. */
   insert(item: Queued): void {
     let at = this.items.length;
     while (at > this.head && this.items[at - 1].seq > item.seq) at--;
@@ -2776,7 +2771,7 @@ class RecipientQueue {
     else this.items.splice(at, 0, item);
   }
 
-  /** The live entry `seq`; binary search, since acks may name any entry, not only the head. */
+  /** Binary search: acks may name any entry, not only the head. */
   find(seq: number): Queued | undefined {
     let lo = this.head, hi = this.items.length - 1;
     while (lo <= hi) {
@@ -2789,7 +2784,7 @@ class RecipientQueue {
     return undefined;
   }
 
-  /** Marks `seq` gone; acks from the middle are not trimmed by `first`, so past twice the live ones the array is rebuilt. */
+  /** `first` trims only the head: past twice the live entries (acks from the middle) the array is rebuilt. */
   remove(seq: number): Queued | undefined {
     const item = this.find(seq);
     if (!item) return undefined;
@@ -2806,25 +2801,24 @@ class RecipientQueue {
   }
 }
 
-/** What a BusQueues holds at most. */
 interface QueueLimits {
   /** Verified messages one signer may have queued per recipient. */
   cap: number;
-  /** Unattributed (opaque) messages per recipient: their own small budget, never at a verified message's cost. */
+  /** Unattributed (opaque) messages per recipient. */
   opaqueCap: number;
-  /** Bytes one verified sender may have queued, all recipients together (payloads plus MESSAGE_OVERHEAD_BYTES each). */
+  /** Bytes one verified sender may have queued in all (payloads plus MESSAGE_OVERHEAD_BYTES each). */
   senderBytes: number;
-  /** Bytes in all, counted the same way, and ROUTE_OVERHEAD_BYTES for each route holding messages. */
+  /** Bytes in all, counted the same way, plus ROUTE_OVERHEAD_BYTES per route holding messages. */
   totalBytes: number;
 }
 
 /**
- * What a queued message counts beside its payload: its entry in memory (100 to 200 bytes, measured) and its record's
+ * What a queued message costs beside its payload: its entry in memory (100 to 200 bytes, measured) and its record's
  * head on disk (about 150). So tiny payloads are bounded in count too: 32 MiB holds about 130,000.
  */
 const MESSAGE_OVERHEAD_BYTES = 256;
 
-/** ... and a route holding messages, in all: its queue in memory (about 500 bytes with its name); 43,633 in 32 MiB. */
+/** ... and a route holding messages: its queue in memory (about 500 bytes with its name); 43,633 in 32 MiB. */
 const ROUTE_OVERHEAD_BYTES = 512;
 
 const DEFAULT_LIMITS: QueueLimits = {
@@ -2836,13 +2830,12 @@ const DEFAULT_LIMITS: QueueLimits = {
 
 /**
  * The bus's queue logic, no I/O: one FIFO per recipient, fair between senders. Nothing accepted is ever dropped: a
- * signer holding `cap` messages for a recipient is refused the next (`full`), so a flood costs only its sender;
- * opaque payloads have their own small budget. Bytes are budgeted per sender and in all (`admit`). A queue is
- * deleted when it empties, so memory follows what is held.
+ * signer holding `cap` messages for a recipient is refused the next (`full`), so a flood costs only its sender. A
+ * queue is deleted when it empties, so memory follows what is held.
  */
 class BusQueues {
   #queues = new Map<string, RecipientQueue>(); // bounded: a route holds messages, each within the byte budgets
-  /** Payload bytes and messages held per verified sender, and one copy of its key string that every entry shares. */
+  /** Payload bytes and messages per verified sender, and one copy of its key string for every entry to share. */
   #senderBytes = new Map<string, { name: string; bytes: number; count: number }>(); // bounded: by the messages
   nextSeq = 1;
   liveCount = 0;
@@ -2857,7 +2850,7 @@ class BusQueues {
     return this.#queues.size;
   }
 
-  /** What the budget in all counts as held. */
+  /** What the budget in all counts. */
   get charged(): number {
     return this.bytes + this.liveCount * MESSAGE_OVERHEAD_BYTES + this.#queues.size * ROUTE_OVERHEAD_BYTES;
   }
@@ -2873,7 +2866,7 @@ class BusQueues {
     return null;
   }
 
-  /** Appends a message whatever the caps (`full` is asked first; a restart files all it accepted, past a lowered cap too). */
+  /** Whatever the caps: `full` is asked first, and a restart files all it accepted, past a lowered cap too. */
   add(
     to: string,
     ts: number,
@@ -2901,7 +2894,7 @@ class BusQueues {
     return item;
   }
 
-  /** How many `sender` ("" for unattributed ones) holds for `to` when that is its cap or more (the next is refused). */
+  /** How many `sender` ("" unattributed) holds for `to` once that reaches its cap (the next is refused), else null. */
   full(to: string, sender: string): number | null {
     const held = this.#queues.get(to)?.bySender.get(sender) ?? 0;
     return held >= (sender === "" ? this.limits.opaqueCap : this.limits.cap) ? held : null;
@@ -2915,7 +2908,6 @@ class BusQueues {
     return this.#queues.get(to)?.first();
   }
 
-  /** The entry `seq` of `to`, while it is queued. */
   get(to: string, seq: number): Queued | undefined {
     return this.#queues.get(to)?.find(seq);
   }
@@ -2924,7 +2916,7 @@ class BusQueues {
     return this.get(to, seq) !== undefined;
   }
 
-  /** Entries `to` keeps in memory, removed ones not yet let go included: about twice the live ones at most. */
+  /** Entries `to` keeps in memory, removed ones not yet let go included: at most about twice the live ones. */
   footprint(to: string): number {
     const q = this.#queues.get(to);
     return q ? q.items.length - q.head : 0;
@@ -2960,26 +2952,26 @@ interface RosterEntry {
   units: number; // what it counts against the bounds: one per KiB begun (ROSTER_UNIT_BYTES)
 }
 
-/** Why a roster did not file an announcement: a newer one is there, its session ended after it was signed, or a bound. */
+/** Why a roster refused an announcement: a newer one is filed, its session ended after it was signed, or a bound. */
 type RosterRefusal = "older" | "ended" | "full" | "address" | "key";
 
 /**
  * Presence on the bus: verified announcements keyed `pubkey#session_id` (the bare key when sessionless), kept
- * ROSTER_RETENTION_MS (sessionless: ROSTER_SESSIONLESS_MS). An entry counts one unit per KiB begun, so every bound
- * holds in count and bytes: `cap` in all, `perKeyCap` per key, `perAddressCap` per source address. Keys cost nothing,
- * so a flood never pushes out a live session: past its key's bound that key's sessions signed before the newcomer go,
- * earliest signed first; past the address's or the roster's, only entries away PRESENCE_LIVE_MS or more, stalest
- * first, else the newcomer is refused. A refresh keeps its place, past the roster's bound too. A session its key
- * unregistered is not listed again from an older announcement (see end). The map's order is refresh order.
+ * ROSTER_RETENTION_MS (sessionless: ROSTER_SESSIONLESS_MS), bounded in units (ROSTER_UNIT_BYTES) in all, per key and
+ * per source address. Keys cost nothing, so a flood never pushes out a live session: past its key's bound, that key's
+ * sessions signed before the newcomer go, earliest first; past the address's or the roster's, only entries away
+ * PRESENCE_LIVE_MS or more, stalest first, else the newcomer is refused. A refresh keeps its place, past the roster's
+ * bound too. A session its key unregistered is not listed again from an older announcement (see end). The map is in
+ * refresh order.
  */
 class Roster {
   #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
-  #perKey = new Map<string, number>(); // units per key: bounded by the entries
+  #perKey = new Map<string, number>(); // units: bounded by the entries
   #perAddress = new Map<string, number>(); // units per address bucket: bounded by the entries
   #units = 0;
-  /** Sessions ended by a signed unregister: its ts and address bucket (see end). */
+  /** Sessions ended by a signed unregister, with its ts and address bucket (see end). */
   #ended = new Map<string, { ts: number; from: string }>(); // bounded: endedCap, oldest first
-  #endedBy = new Map<string, Set<string>>(); // the ids each address bucket ended, oldest first: bounded with #ended
+  #endedBy = new Map<string, Set<string>>(); // each address bucket's ended ids, oldest first: bounded with #ended
 
   constructor(
     readonly cap = ROSTER_CAP,
@@ -2997,7 +2989,7 @@ class Roster {
     return this.#units;
   }
 
-  /** Files an announcement posted from address bucket `from`: true, or why not (see RosterRefusal). */
+  /** Files an announcement posted from address bucket `from`: true, or why not. */
   put(a: Announcement, json: string, nowMs: number, from = ""): true | RosterRefusal {
     const id = rosterKey(a);
     const ended = this.#ended.get(id);
@@ -3005,14 +2997,14 @@ class Roster {
     const old = this.#entries.get(id);
     if (old && old.ts > a.ts) return "older";
     if (old && old.ts === a.ts) {
-      // The same signed announcement again (a retry, a replay off GET /roster) only refreshes: padding added beside
-      // the signed members never changes what its key posted.
+      // The same signed announcement again (a retry, a replay off GET /roster) only refreshes: padding beside the
+      // signed members never changes what its key posted.
       this.#entries.delete(id);
       this.#entries.set(id, { ...old, at: nowMs });
       return true;
     }
     const units = Math.max(1, Math.ceil(utf8Bytes(json) / ROSTER_UNIT_BYTES));
-    // Entries that give way, and the units that frees where this one counts.
+    // Entries that give way, and the units they free where this one counts.
     const going: string[] = [];
     const freed = { all: 0, key: 0, address: 0 };
     const drop = (k: string, e: RosterEntry) => {
@@ -3027,7 +3019,7 @@ class Roster {
       address: () => (this.#perAddress.get(from) ?? 0) - freed.address + units > this.perAddressCap,
       all: () => this.#units - freed.all + units > this.cap,
     };
-    /** Stalest first, entries `which` allows until `bound` is met; false if it cannot be. */
+    /** Drops entries `which` allows, stalest first, until `bound` is met; false if it cannot be. */
     const makeRoom = (bound: () => boolean, which: (e: RosterEntry) => boolean, liveToo = false): boolean => {
       for (const [k, e] of this.#entries) {
         if (!bound()) return true;
@@ -3056,18 +3048,17 @@ class Roster {
     return true;
   }
 
-  /** Removes `key` if no newer announcement (by signed ts) than `ts` was filed there. */
+  /** Removes `key` unless an announcement signed after `ts` is filed there. */
   remove(key: string, ts: number): void {
     const e = this.#entries.get(key);
     if (e && e.ts <= ts) this.#remove(key);
   }
 
   /**
-   * Session `key` ended at signed time `ts` (its key's unregister, from address bucket `from`): removed unless a
-   * later announcement is filed, and remembered until ROSTER_RETENTION_MS after `ts` (then the announce route refuses
-   * it as too old), so a replay of its last announcement off GET /roster is refused ("ended"). Keys cost nothing, so
-   * remembered ones are bounded per address (`endedPerAddressCap`: its own oldest goes) and in all (`endedCap`: the
-   * oldest of the address that ended the most goes). A key longer than a route (no mail can reach it) is not remembered.
+   * Session `key` ended at signed time `ts` (its key's unregister, from address bucket `from`): removed unless a later
+   * announcement is filed, and remembered until ROSTER_RETENTION_MS after `ts` (then announce refuses it as too old),
+   * so a replay of its last announcement is refused ("ended"); bounded as ROSTER_ENDED_CAP says. A key longer than a
+   * route (no mail can reach it) is not remembered.
    */
   end(key: string, ts: number, from: string, nowMs: number): void {
     this.remove(key, ts);
@@ -3117,12 +3108,12 @@ class Roster {
     less(this.#perAddress, e.from);
   }
 
-  /** At least the bytes of GET /roster's answer: each entry's units of ROSTER_UNIT_BYTES, and its `age_ms`. */
+  /** At least the bytes of GET /roster's answer: each entry's units of ROSTER_UNIT_BYTES, plus its `age_ms`. */
   answerBytes(): number {
     return 16 + this.#units * ROSTER_UNIT_BYTES + this.#entries.size * 32;
   }
 
-  /** What GET /roster serves: each entry with an unsigned `age_ms`, expired ones pruned. */
+  /** GET /roster's entries, each with an unsigned `age_ms`; expired ones are pruned. */
   list(nowMs: number): string[] {
     const out: string[] = [];
     for (const [key, e] of this.#entries) {
@@ -3138,7 +3129,7 @@ class Roster {
 }
 
 class HttpError extends Error {
-  /** `close`: the request's body was left unread (refused on its length, cut off), so the answer ends the connection. */
+  /** `close`: the body was left unread (refused on its length, cut off), so the answer ends the connection. */
   constructor(readonly status: number, message: string, readonly close = false) {
     super(message);
   }
@@ -3164,16 +3155,16 @@ function addressBucket(address: string): string {
 
 /**
  * Bytes in flight through the bus's HTTP server, in all and per source address: request bodies being read (the
- * declared length reserved before a byte is read, a chunked body each chunk as it comes, given back once the runtime
- * lets go of it), or large answers being written (reserved before their payloads are read, given back at the last
- * byte, a close or the deadline). Past either budget a request is refused, so a thousand connections that stall on
- * 2 MiB each hold the budget, not 2 GB.
+ * declared length reserved before a byte is read, a chunked body chunk by chunk, given back once the runtime lets go
+ * of it), or large answers being written (reserved before their payloads are read, given back at the last byte, a
+ * close or the deadline). Past either budget a request is refused: a thousand connections stalled on 2 MiB each hold
+ * the budget, not 2 GB.
  */
 class BytesInFlight {
   bytes = 0;
   #byAddress = new Map<string, number>(); // bounded: an entry lives only while its address has bytes in flight
 
-  /** `what`: the bytes counted, as the refusals name them; `close`: a refusal ends the connection (a body left unread). */
+  /** `what`: the bytes counted, as refusals name them; `close`: a refusal ends the connection (a body left unread). */
   constructor(
     readonly max = BODIES_IN_FLIGHT_MAX,
     readonly perAddress = BODIES_IN_FLIGHT_PER_ADDRESS,
@@ -3181,7 +3172,6 @@ class BytesInFlight {
     readonly close = true,
   ) {}
 
-  /** Reserves `n` bytes for address bucket `from`; throws the 429 or 503 that refuses the request. */
   take(from: string, n: number): void {
     if (n <= 0) return;
     const mine = this.#byAddress.get(from) ?? 0;
@@ -3208,7 +3198,7 @@ class BytesInFlight {
   }
 }
 
-/** Where a request's bytes in flight are counted: one of the bus's budgets, and the request's address bucket. */
+/** The budget a request's bytes in flight count against, and its address bucket. */
 interface InFlightBudget {
   inFlight: BytesInFlight;
   from: string;
@@ -3235,7 +3225,7 @@ class AnswerHold {
 
 let httpDate = { second: 0, text: "" };
 
-/** The Date header value, formatted once per second rather than once per answer. */
+/** The Date header, formatted once a second rather than once per answer. */
 function currentHttpDate(): string {
   const second = Math.floor(Date.now() / 1000);
   if (second !== httpDate.second) httpDate = { second, text: new Date(second * 1000).toUTCString() };
@@ -3256,10 +3246,10 @@ const ANSWER_CHUNK_BYTES = 64 << 10;
 const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
 
 /**
- * A JSON answer of `text`: whole when short; else a pull stream of slices, each made when the connection has taken
- * the one before (Bun, Deno.serve and the guarded server all wait for the socket), while `held` counts its bytes.
- * Given back at the last slice, at a close (the stream is cancelled), or ANSWER_WRITE_MS after it was made (the
- * stream fails, the connection closes): a reader that never reads holds its share that long, never memory for good.
+ * A JSON answer of `text`: whole when short; else a pull stream of slices, each made once the connection took the one
+ * before (Bun, Deno.serve and the guarded server all wait for the socket), its bytes counted in `held` until the last
+ * slice, a close (cancel), or ANSWER_WRITE_MS after it was made (the stream fails, the connection closes): a reader
+ * that never reads holds its share that long, never memory for good.
  */
 function streamedAnswer(status: number, text: string, held?: AnswerHold): Response {
   if (!held?.bytes && text.length < ANSWER_STREAM_MIN_BYTES / 3) return jsonResponse(status, text); // 3 bytes a char at most
@@ -3292,7 +3282,7 @@ function streamedAnswer(status: number, text: string, held?: AnswerHold): Respon
 
 /**
  * Reads a JSON body of at most BODY_LIMIT_BYTES, counted as it arrives (Content-Length may be absent or lie), within
- * CONN_BODY_MS (a drip is cut off: 408), against `budget`: reserved before reading, held until the runtime's read ends.
+ * CONN_BODY_MS (a drip gets 408), against `budget`: reserved before reading, held until the runtime's read ends.
  */
 async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = JSON_VALUES_MAX): Promise<unknown> {
   const declared = declaredLength(req);
@@ -3383,7 +3373,7 @@ function declaredLength(req: Request): number | null {
 }
 
 /**
- * How deep a JSON text nests and about how many values it holds (each object, array and comma: at most twice the
+ * How deep a JSON text nests and about how many values it holds (objects, arrays and commas: at most twice the
  * values), counted before parsing. Both bound a parse where bytes do not: a deep text takes seconds, and empty
  * objects ("{},{},…") take 30 times their bytes once parsed.
  */
@@ -3434,13 +3424,12 @@ interface BusOptions {
   owners?: number;
   answers?: { max?: number; perAddress?: number; writeMs?: number };
   diskReserve?: number;
-  /** Dead records (acked, dropped) that trigger a compaction once they also outnumber the live ones. */
   compactMinDead?: number;
   log?: (msg: string) => void;
   now?: () => number;
 }
 
-/** A record waiting for the next write; a message's also has its route, head and literal bytes, and entry. */
+/** A record waiting for the next write; a message's also has its route, head and literal bytes, and its entry. */
 interface PendingLine {
   text: string;
   bytes: number;
@@ -3464,9 +3453,9 @@ const messageHead = (q: string, n: number, ts: number, s: string, z: number): st
   `{"t":"m","q":${JSON.stringify(q)},"n":${n},"ts":${ts},"s":${JSON.stringify(s)},"z":${z},"p":`;
 
 /**
- * Reads the head of an "m" record in today's layout straight from the bytes (a restart reads 300k: no JSON.parse);
- * false for any other layout (an older bus, escapes in a name), which the caller parses as JSON. `t` "a": acked in
- * place; `p`: where the payload literal starts. A name read before comes back as the same string: one per name.
+ * Reads the head of an "m" record in today's layout from the bytes (a restart reads 300k: no JSON.parse); false for
+ * any other layout (an older bus, escapes in a name), which the caller parses as JSON. `t` "a": acked in place; `p`:
+ * where the payload literal starts. A name read before comes back as the same string: one copy per name.
  */
 class MessageHeadReader {
   t: "m" | "a" = "m";
@@ -3541,7 +3530,6 @@ class MessageHeadReader {
   }
 }
 
-/** A message as handed to its recipient. */
 interface BusDelivery {
   seq: number;
   ts: number;
@@ -3552,13 +3540,12 @@ interface BusDelivery {
 class Bus {
   readonly roster = new Roster();
   readonly inFlight = new BytesInFlight();
-  /** Large answers not yet taken by their connections (see streamedAnswer). */
   readonly answers: BytesInFlight;
   #waiters = new Map<string, Set<() => void>>(); // bounded: by the open long-polls
   #syncTimer: ReturnType<typeof setTimeout> | null = null; // the lazy fsync of acks, once scheduled
   #compactAfter = 0; // after a failed compaction, the time of the next try
   #pending: PendingLine[] = []; // records made while an fdatasync runs: the next round writes them as one
-  #reader: number; // a read descriptor on the queue file, for payloads
+  #reader: number; // the queue file: payloads are read back through it, acks mark records in place
   #readBuf = Buffer.allocUnsafe(64 * 1024);
   /** Keys that proved they read their routes here (see checkOwnership), as "o" records, never forgotten. */
   readonly #owners = new Set<string>(); // bounded: ownersMax, past it the bus closes (see #close)
@@ -3573,7 +3560,7 @@ class Bus {
   #deadBytes = 0; // bytes of the queue file that no longer hold a live record: what a compaction gives back
   readonly #log: (msg: string) => void;
   readonly now: () => number;
-  /** The options as given to open: a copy, so a caller changing its object afterwards changes no limit of a bus. */
+  /** A copy of open's options: a caller changing its object afterwards changes no limit. */
   private readonly opts: BusOptions;
 
   private constructor(
@@ -3595,7 +3582,7 @@ class Bus {
       "answers not yet taken by their connections",
       false,
     );
-    this.#reader = fs.openSync(writer.file, "r+"); // payloads are read back through it, acks mark records in place
+    this.#reader = fs.openSync(writer.file, "r+");
     // A held batch that cannot be written fails its own lines (each send checks its line), not the round.
     writer.beforeSync = () => {
       try {
@@ -3732,8 +3719,7 @@ class Bus {
     }
     try {
       const r = await route.handle(this, req, { query, from: addressBucket(from) });
-      // What this bus adds to the reference contract (a reference bus sends no such header): our client then
-      // batches, and doctor reports it.
+      // A reference bus sends no such header: our client batches only where it sees one; doctor reports it.
       r.headers.set("interlink-bus", BUS_FEATURES);
       return r;
     } catch (e) {
@@ -3767,7 +3753,7 @@ class Bus {
     this.#ensureDisk(2 * size + MESSAGE_OVERHEAD_BYTES, close); // a record: at most twice the payload (escapes), and its head
   }
 
-  /** Free bytes on the data folder's disk: looked up (statfs) at most every DISK_LOOK_MS, or `now`; writes since are taken off. */
+  /** Free bytes on the data folder's disk: looked up (statfs) at most every DISK_LOOK_MS, or `now`, less writes since. */
   #diskFree(now = false): number {
     const t = performance.now();
     if (now || t - this.#disk.at >= DISK_LOOK_MS) {
@@ -3781,15 +3767,12 @@ class Bus {
     return this.#disk.free;
   }
 
-  /**
-   * Bytes left free on the disk for what must always be written: a compaction's records (owners, live messages) and
-   * the odd small one; acks need none (see ack). DISK_RESERVE_BYTES or a sixteenth of a small disk, plus the owners'.
-   */
+  /** Room kept free for what must always be written (compactions, the odd small record; acks need none). */
   diskReserve(): number {
     return (this.opts.diskReserve ?? Math.min(DISK_RESERVE_BYTES, Math.floor(this.#disk.size / 16))) + this.#ownerBytes;
   }
 
-  /** Throws the 507 a write of `bytes` gets when it would eat into the reserve (looked at afresh before refusing). */
+  /** Throws the 507 for a write of `bytes` that would eat into the reserve (looked at afresh before refusing). */
   #ensureDisk(bytes: number, close = false): void {
     if (this.#diskFree() - bytes >= this.diskReserve()) return;
     const free = this.#diskFree(true);
@@ -3816,9 +3799,9 @@ class Bus {
 
   /**
    * Queues a message; resolves once it is on stable storage (the 202). It enters memory in the same step as its record
-   * enters the write path, so a compaction meanwhile carries it. A parked receiver may get it before the fsync; a
-   * crash then loses it only if its record was still held, and its sender, never answered 202, sends it again: at
-   * worst a redelivery, which replay memory drops. A write that fails leaves nothing in memory and is a 507.
+   * enters the write path, so a compaction meanwhile carries it. A parked receiver may get it before the fsync; a crash
+   * then loses it only if its record was still held, and its sender, never answered 202, sends it again: at worst a
+   * redelivery, which replay memory drops. A failed write leaves nothing in memory and is a 507.
    */
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
@@ -3845,7 +3828,6 @@ class Bus {
     if (line.failed) throw this.#unavailable(line.failed); // held, then written with another record that failed
   }
 
-  /** A hold on the answers in flight for a request from address bucket `from`, holding nothing yet. */
   answerHold(from: string): AnswerHold {
     return new AnswerHold({ inFlight: this.answers, from }, this.opts.answers?.writeMs);
   }
@@ -3859,7 +3841,6 @@ class Bus {
     return this.#owners.size;
   }
 
-  /** Whether `proof` is the one last verified for `route` (its signature need not be checked again). */
   verifiedBefore(route: string, proof: string): boolean {
     return this.#verified.get(route) === proof;
   }
@@ -3869,7 +3850,6 @@ class Bus {
     this.#ownerBytes += recordLine({ t: "o", q: key }).bytes;
   }
 
-  /** When the bus closed, or null (see #close). */
   get closedSince(): number | null {
     return this.#closedSince;
   }
@@ -3880,9 +3860,9 @@ class Bus {
   }
 
   /**
-   * `route`'s key proved with `proof` (verified, fresh) that it reads it. A key's first proof makes it an owner, on
-   * disk before the answer (trust on first proof survives a restart); when it cannot be one (`ownersMax` held, or no
-   * disk room), the bus closes instead (#close): a key that proved never has its routes served without a proof.
+   * `route`'s key proved with `proof` (verified, fresh) that it reads it. Its first proof makes it an owner, on disk
+   * before the answer (trust on first proof survives a restart); when it cannot be one (`ownersMax` held, no disk
+   * room), the bus closes instead (#close): a key that proved never has its routes served without a proof.
    */
   touchOwned(route: string, proof: string): void {
     this.#verified.set(route, proof);
@@ -3909,10 +3889,10 @@ class Bus {
   }
 
   /**
-   * Closes the bus for good (restarts too): every recv or ack needs a proof from its route's key, so keys it could not
-   * record are as safe as its owners, and a node that never proves (a reference node) is refused. Keys cost nothing,
-   * so a stranger can fill any record of them; this is the state such a flood ends in, and it needs no memory. The
-   * "c" record goes into the disk's reserve; this process stays closed even if that write fails (and throws).
+   * Closes the bus for good (restarts too): every recv or ack then needs a proof from its route's key, so keys it could
+   * not record are as safe as its owners, and a node that never proves (a reference node) is refused. Keys cost
+   * nothing, so a stranger can fill any record of them: this is where such a flood ends, at no memory cost. The "c"
+   * record goes into the disk's reserve; this process stays closed even if that write fails (and throws).
    */
   #close(why: string): void {
     this.#setClosed(this.now());
@@ -4033,7 +4013,7 @@ class Bus {
     }
   }
 
-  /** A queued entry's payload JSON text (tests and tools; `take` is what delivery uses). */
+  /** A queued entry's payload JSON text (tests and tools; delivery uses `take`). */
   payloadOf(item: Queued): string {
     return item.payload ?? this.#readPayload(item) ?? "";
   }
@@ -4083,7 +4063,7 @@ class Bus {
   }
 
   /**
-   * Acks `seqs` of `me` (unknown ones ignored: idempotent), each written in place before the answer (#markAcked): no
+   * Acks `seqs` of `me` (unknown ones ignored: idempotent), each marked in place before the answer (#markAcked): no
    * disk room needed, so a full disk never stops receivers draining it, and a bus crash never brings an acked message
    * back. Fsynced lazily: a power cut can, a redelivery receivers dedupe. A record not where its entry says (an older
    * layout) gets an appended "a" record; if that cannot be written, the ack is refused and the message stays.
@@ -4122,9 +4102,9 @@ class Bus {
   }
 
   /**
-   * Acks `item` in place: its tag's "m" becomes "a", an ack record of the same route and seq (so an older bus reads
-   * it too); one byte overwritten needs no disk room. The record's bytes, or 0 when it is not in today's layout
-   * exactly where its entry says (still held, an older layout, a read or write that fails).
+   * Acks `item` in place: its tag's "m" becomes "a", an ack record of the same route and seq (an older bus reads it
+   * too); one byte overwritten needs no disk room. The record's bytes, or 0 when it is not in today's layout exactly
+   * where its entry says (still held, an older layout, a failed read or write).
    */
   #markAcked(me: string, item: Queued): number {
     if (item.at < 0 || item.payload !== undefined) return 0;
@@ -4209,8 +4189,8 @@ class Bus {
   }
 
   /**
-   * Whether to compact before dead records dominate: the disk has less than twice the reserve free, DISK_RECLAIM_BYTES
-   * of the file is dead, and the new file fits. So a disk our messages filled gets its room back once they are read.
+   * Compact early when the disk has under twice the reserve free, DISK_RECLAIM_BYTES is dead, and the new file fits:
+   * a disk our messages filled gets its room back as they are read.
    */
   #spaceToReclaim(): boolean {
     if (this.#deadBytes < DISK_RECLAIM_BYTES) return false;
@@ -4229,7 +4209,6 @@ class Bus {
   }
 }
 
-/** A small record as a line for the write path. */
 function recordLine(record: Exclude<BusRecord, { t: "m" }>): PendingLine {
   const text = JSON.stringify(record) + "\n";
   return { text, bytes: utf8Bytes(text) };
@@ -4272,9 +4251,9 @@ const PROOFS_REMEMBERED = 4096;
 
 /**
  * Recipient ownership, trust on first proof: once a key has proven (a signed recv or ack) that it reads one of its
- * routes, unproven recv and ack of every route of that key are refused for good, so nobody else reads or deletes its
- * mail. Keys that never proved work as in the reference contract until the bus closes (Bus.#close). Every proof, a
- * repeat too, must be fresh: a captured one is worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403.
+ * routes, unproven recv and ack of all its routes are refused for good, so nobody else reads or deletes its mail. Keys
+ * that never proved work as in the reference contract until the bus closes (Bus.#close). Every proof, a repeat too,
+ * must be fresh: a captured one is worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403.
  */
 async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
   if (proof === undefined || proof === null || proof === "") {
@@ -4341,7 +4320,7 @@ async function signerOf(payload: unknown, route: string): Promise<string> {
 const isV2Shaped = (p: unknown): p is Record<string, string> =>
   isObject(p) && ["from", "to", "msg_id", "sig"].every((k) => typeof p[k] === "string");
 
-/** The signer a stored payload claims, unverified ("" if it is not a v2 message): for records from before 0.5. */
+/** The signer a stored payload claims, unverified; "" if it is not a v2 message. */
 function claimedSender(payload: string): string {
   try {
     const p = JSON.parse(payload);
@@ -4351,7 +4330,6 @@ function claimedSender(payload: string): string {
   }
 }
 
-/** A JSON object body with a non-empty "pubkey" (an announcement, an unregister), or the 400 that says it is not. */
 async function readKeyedBody(
   req: Request,
   what: string,
@@ -4364,7 +4342,6 @@ async function readKeyedBody(
   return body as Record<string, unknown> & { pubkey: string };
 }
 
-/** Runs a parse, turning a FormatError into a 400 that says what is wrong. */
 function parseOr400<T>(parse: () => T): T {
   try {
     return parse();
@@ -4374,7 +4351,6 @@ function parseOr400<T>(parse: () => T): T {
   }
 }
 
-/** The long-poll wait a recv asks for: default when absent, clamped to RECV_TIMEOUT_MAX_MS. */
 function recvTimeoutMs(raw: string | null): number {
   if (raw === null || raw === "") return RECV_TIMEOUT_MS;
   const n = Number(raw);
@@ -4431,7 +4407,7 @@ function splitUrl(url: string): { pathname: string; query: string } {
     : { pathname: url.slice(slash, q), query: url.slice(q + 1, end) };
 }
 
-/** What a bus route reads of a request besides the Request: its query string, and its address bucket (see addressBucket). */
+/** What a bus route reads besides the Request: its query string and address bucket (see addressBucket). */
 interface BusCall {
   query: string;
   from: string;
@@ -4579,8 +4555,8 @@ interface Listening {
 
 /**
  * Binds a fetch handler, told each request's source address, to a TCP port with the runtime's own server. `guard`
- * (Deno only; Bun closes idle connections itself): serve with node:http, whose timeouts close idle and slow
- * connections (Deno.serve never does), at a cost in throughput.
+ * (Deno only; Bun closes idle connections itself): node:http, whose timeouts close idle and slow connections
+ * (Deno.serve never does), at a cost in throughput.
  */
 function serveHttp(
   handler: (req: Request, from: string) => Promise<Response>,
@@ -4596,7 +4572,7 @@ function serveHttp(
       hostname,
       port,
       idleTimeout: Math.ceil(RECV_TIMEOUT_MAX_MS / 1000) + 30,
-      development: false, // else a handler that throws answers with Bun's page of source lines and paths
+      development: false, // see serverError
       fetch: (req, server) => handler(req, server.requestIP(req)?.address ?? ""),
       error: serverError,
     });
@@ -4639,7 +4615,7 @@ function serveHttp(
   throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
 }
 
-/** A handler that throws: a generic 500, the error logged; never Bun's development page (paths, source lines). */
+/** A handler that throws: a generic 500, the error logged; never Bun's page of paths and source lines. */
 function serverError(e: unknown): Response {
   logWarn(`a request failed inside the server: ${(e as Error)?.stack ?? e}`);
   return new Response("internal error\n", { status: 500, headers: { "content-type": "text/plain; charset=utf-8" } });
@@ -4659,7 +4635,7 @@ const ANSWER_WRITE_MS = msFromEnv("INTERLINK_TEST_ANSWER_WRITE_MS", 30_000);
 /** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
 const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
 
-/** Connections a guarded server holds at most; fewer when the file-descriptor limit is lower (see connectionBound). */
+/** Connections a guarded server holds at most (see connectionBound). */
 const CONN_MAX = 10_000;
 
 /** CONN_MAX, or the process's file-descriptor limit less some room for the queue file and the like. */
