@@ -73,8 +73,6 @@ import {
   type InboxItem,
   INSTRUCTIONS_MAX_CHARS,
   invisibleRE,
-  mcpJson,
-  parseFlags,
   type Invite,
   type InviteCode,
   inviteMac,
@@ -95,6 +93,7 @@ import {
   LockedError,
   lockOwner,
   MCP_LINE_MAX_CHARS,
+  mcpJson,
   MESSAGE_OVERHEAD_BYTES,
   messageBlock,
   messageHead,
@@ -111,6 +110,7 @@ import {
   openRelay,
   parseAnnouncement,
   parseBusUrls,
+  parseFlags,
   parseInviteCode,
   parsePeers,
   parseReceipt,
@@ -2314,10 +2314,31 @@ describe("agent: durability of the outbox", () => {
 
 describe("presenting peer text", () => {
   test("what skips the Unicode tables (printable ASCII, and a JSON answer of it) shows exactly what the tables would", () => {
-    const tricky = ["plain", "a\nb\tc", "\r", "\u0000", "\u001b[31m", "\u007f", "\u00ad", "\u200b", "\u202e", "\ud800", "⚠️", "x\ufe0f", "\\u0041", "\\r", "é"];
+    const tricky = [
+      "plain",
+      "a\nb\tc",
+      "\r",
+      "\u0000",
+      "\u001b[31m",
+      "\u007f",
+      "\u00ad",
+      "\u200b",
+      "\u202e",
+      "\ud800",
+      "⚠️",
+      "x\ufe0f",
+      "\\u0041",
+      "\\r",
+      "é",
+    ];
     for (const t of tricky) {
-      const slow = t.replace(new RegExp(`\\p{Emoji}\\uFE0F|${invisibleRE().source.replace("(?![\\n\\t])", "")}`, "gu"), (c) =>
-        c.length > 1 && c.endsWith("\ufe0f") ? c : `<U+${c.codePointAt(0)!.toString(16).toUpperCase().padStart(4, "0")}>`);
+      const slow = t.replace(
+        new RegExp(`\\p{Emoji}\\uFE0F|${invisibleRE().source.replace("(?![\\n\\t])", "")}`, "gu"),
+        (c) =>
+          c.length > 1 && c.endsWith("\ufe0f")
+            ? c
+            : `<U+${c.codePointAt(0)!.toString(16).toUpperCase().padStart(4, "0")}>`,
+      );
       expect(showInvisible(t, true)).toBe(slow); // one line: newline and tab shown too
       const message = { result: { content: [{ type: "text", text: t }], note: [t, { [t.length]: t }] } };
       // The answer a client reads holds the text as showInvisible (keeping newline and tab) leaves it, fast path or not.
@@ -2325,7 +2346,7 @@ describe("presenting peer text", () => {
       expect(read.result.content[0].text).toBe(showInvisible(t));
       expect(read.result.note[1][t.length]).toBe(showInvisible(t));
     }
-    expect(mcpJson({ a: "ok \"quoted\" \\ \n" })).toBe(JSON.stringify({ a: "ok \"quoted\" \\ \n" }));
+    expect(mcpJson({ a: 'ok "quoted" \\ \n' })).toBe(JSON.stringify({ a: 'ok "quoted" \\ \n' }));
   });
 
   test("escaping leaves ordinary text alone and defuses tags and header look-alikes", () => {
@@ -3084,11 +3105,35 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
       lan: { type: "boolean" as const },
     };
     const argvs = [
-      [], ["a", "b"], ["--url", "http://x"], ["--url=http://x=y"], ["--url="], ["--url", "-"], ["-f"], ["-fh"],
-      ["-hf", "x"], ["--lan", "--url", "u", "p"], ["--url", "a", "--url", "b"], ["p", "--", "--url", "x", "-f"],
-      ["--"], ["-"], ["--nope"], ["-x"], ["-fx"], ["--url"], ["--url", "--state", "s"], ["--url", "-5"],
-      ["--lan=1"], ["--lan=" ], ["-f=1"], ["--=x"], ["---x"], ["--state", "s", "--url"], ["--__proto__", "x"],
-      ["--constructor"], ["-5"],
+      [],
+      ["a", "b"],
+      ["--url", "http://x"],
+      ["--url=http://x=y"],
+      ["--url="],
+      ["--url", "-"],
+      ["-f"],
+      ["-fh"],
+      ["-hf", "x"],
+      ["--lan", "--url", "u", "p"],
+      ["--url", "a", "--url", "b"],
+      ["p", "--", "--url", "x", "-f"],
+      ["--"],
+      ["-"],
+      ["--nope"],
+      ["-x"],
+      ["-fx"],
+      ["--url"],
+      ["--url", "--state", "s"],
+      ["--url", "-5"],
+      ["--lan=1"],
+      ["--lan="],
+      ["-f=1"],
+      ["--=x"],
+      ["---x"],
+      ["--state", "s", "--url"],
+      ["--__proto__", "x"],
+      ["--constructor"],
+      ["-5"],
     ];
     for (const args of argvs) {
       let want: unknown, got: unknown;
@@ -3117,7 +3162,9 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
   test("a session imports only the runtime modules every session needs (the rest are loaded where they are used)", () => {
     // Each module a session loads costs it memory: under Bun, node:util 2.1 MB, node:net and node:tty about 1 MB,
     // node:url 0.8 MB (docs/performance.md). A new top-level import belongs here only if every session needs it.
-    const imports = [...fs.readFileSync(SCRIPT, "utf8").matchAll(/^import (?!type )[^;]* from "([^"]+)";$/gm)].map((m) => m[1]);
+    const imports = [...fs.readFileSync(SCRIPT, "utf8").matchAll(/^import (?!type )[^;]* from "([^"]+)";$/gm)].map((
+      m,
+    ) => m[1]);
     expect(imports).toEqual(["node:buffer", "node:child_process", "node:fs", "node:os", "node:path"]);
   });
 
