@@ -7917,8 +7917,9 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
     readonly stderr: string[] = [];
     #child: ReturnType<typeof spawn>;
     #waiters: (() => void)[] = [];
-    constructor(runtime: "bun" | "deno", env: Record<string, string>) {
-      const [cmd, ...args] = [...runtimeArgv(runtime), "mcp"];
+    /** `wrap`: a command that execs the server (as a host that hands it non-blocking pipes would). */
+    constructor(runtime: "bun" | "deno", env: Record<string, string>, wrap: string[] = []) {
+      const [cmd, ...args] = [...wrap, ...runtimeArgv(runtime), "mcp"];
       this.#child = spawn(cmd, args, { cwd: REPO, env: { ...process.env, ...env }, detached: true });
       made.pids.add(this.#child.pid!);
       for (const [stream, into] of [[this.#child.stdout!, this.lines], [this.#child.stderr!, this.stderr]] as const) {
@@ -7949,6 +7950,11 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
     async stderrLine(re: RegExp): Promise<string> {
       await eventually(() => this.stderr.some((l) => re.test(l)), `stderr ${re}`, 30_000);
       return this.stderr.find((l) => re.test(l))!;
+    }
+    /** Stops (or resumes) reading the server's stdout, so that its writes fill the pipe. */
+    reading(on: boolean): void {
+      if (on) this.#child.stdout!.resume();
+      else this.#child.stdout!.pause();
     }
     close(): void {
       this.#child.stdin!.end();
@@ -7982,6 +7988,41 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
     method: "initialize",
     params: { protocolVersion: "2025-11-25", capabilities: {}, clientInfo: { name: "raw", version: "1" } },
   };
+
+  // The server reads and writes its descriptors, not process.stdin/stdout (whose streams cost a session megabytes): a
+  // host may hand it non-blocking pipes, where a read or a write can find nothing to read or no room (EAGAIN).
+  const python = Bun.which("python3");
+  if (!python) process.stderr.write("\nSKIPPED 2 tests of non-blocking stdio (python3 is not on PATH)\n");
+  const nonBlocking = [
+    python!,
+    "-c",
+    "import os,sys,fcntl\nfor fd in (0,1,2): fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)\nos.execvp(sys.argv[1], sys.argv[1:])",
+  ];
+  for (const runtime of ["bun", "deno"] as const) {
+    test.skipIf(!python)(
+      `on ${runtime}: over non-blocking pipes, every answer arrives whole and in order, also past a full pipe`,
+      async () => {
+        const node = await nodeEnv();
+        const mcp = new RawMcp(runtime, node.env, nonBlocking);
+        try {
+          mcp.send(initialize);
+          expect(JSON.parse((await mcp.until('"init"')).at(-1)!).result.serverInfo.name).toBe("interlink");
+          mcp.send({ jsonrpc: "2.0", method: "notifications/initialized" });
+          mcp.reading(false); // 20 tools/list answers, about 250 KB: far past a pipe's 64 KB
+          for (let i = 0; i < 20; i++) mcp.send({ jsonrpc: "2.0", id: i, method: "tools/list" });
+          await new Promise((r) => setTimeout(r, 1000));
+          mcp.reading(true);
+          const answers = parse(await mcp.until("19"));
+          expect(answers.map((a) => a.id)).toEqual([...Array(20).keys()]);
+          for (const a of answers) expect(a.result.tools.length).toBe(TOOLS.length);
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+  }
 
   for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
