@@ -3067,6 +3067,7 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
   }, 60_000);
 
   test("a hostile text that tries to close its block stays inside it", async () => {
+    await bob.ok("check_inbox"); // bob's session is open and read (run alone, this test may come before it opened)
     const w = startWait("bun", B, 60);
     await blocking(w);
     const hostile =
