@@ -7952,6 +7952,16 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
       await eventually(() => this.stderr.some((l) => re.test(l)), `stderr ${re}`, 30_000);
       return this.stderr.find((l) => re.test(l))!;
     }
+    /** Sends raw bytes (a character may be cut between two writes). */
+    sendBytes(bytes: Uint8Array): void {
+      this.#child.stdin!.write(bytes);
+    }
+    /** Closes the server's stdin, as a client that is done does, and resolves with its exit code. */
+    endInput(): Promise<number | null> {
+      const exited = new Promise<number | null>((r) => this.#child.once("close", (code) => r(code)));
+      this.#child.stdin!.end();
+      return exited;
+    }
     /** Stops (or resumes) reading the server's stdout, so that its writes fill the pipe. */
     reading(on: boolean): void {
       if (on) this.#child.stdout!.resume();
@@ -8000,6 +8010,25 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
     "import os,sys,fcntl\nfor fd in (0,1,2): fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)\nos.execvp(sys.argv[1], sys.argv[1:])",
   ];
   for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `on ${runtime}: a client that pipes its requests and closes stdin at once gets every answer`,
+      async () => {
+        const node = await nodeEnv();
+        const mcp = new RawMcp(runtime, node.env);
+        try {
+          mcp.send(initialize, ...Array.from({ length: 30 }, (_, i) => ({ jsonrpc: "2.0", id: i, method: "ping" })));
+          expect(await mcp.endInput()).toBe(0);
+          expect(parse(mcp.lines).map((a) => a.id)).toEqual(["init", ...Array(30).keys()]);
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
     test.skipIf(!python)(
       `on ${runtime}: over non-blocking pipes, every answer arrives whole and in order, also past a full pipe`,
       async () => {
@@ -8016,6 +8045,15 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
           const answers = parse(await mcp.until("19"));
           expect(answers.map((a) => a.id)).toEqual([...Array(20).keys()]);
           for (const a of answers) expect(a.result.tools.length).toBe(TOOLS.length);
+          // A character cut between two writes, the second a second later (when a read found nothing: EAGAIN).
+          const line = new TextEncoder().encode(
+            JSON.stringify({ jsonrpc: "2.0", id: "cut", method: "no/漢字" }) + "\n",
+          );
+          const cut = line.indexOf(0xe6) + 1; // inside 漢 (e6 bc a2)
+          mcp.sendBytes(line.subarray(0, cut));
+          await new Promise((r) => setTimeout(r, 1000));
+          mcp.sendBytes(line.subarray(cut));
+          expect(JSON.parse((await mcp.until('"cut"')).at(-1)!).error.message).toBe("Method not found: no/漢字");
         } finally {
           mcp.close();
           node.close();

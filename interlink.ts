@@ -415,8 +415,16 @@ interface BunServer {
   requestIP(req: Request): { address: string } | null; // null for a request not from a socket
 }
 
+/** Bun's writer on a file or pipe: `write` queues, `flush` writes what it can now (a promise when a pipe is full). */
+interface BunFileSink {
+  write(chunk: string | Uint8Array): number;
+  flush(): number | Promise<number>;
+}
+
 interface BunRuntime {
   version: string;
+  stdin: { stream(): ReadableStream<Uint8Array> };
+  stderr: { writer(): BunFileSink };
   gc(full: boolean): void;
   shrink(): void;
   serve(options: {
@@ -629,35 +637,52 @@ const logInfo = (msg: string): void => logLine("info", msg);
 
 const logWarn = (msg: string): void => logLine("warn", msg);
 
-let stderrStream: NodeJS.WritableStream | undefined;
-
-/**
- * Writes to stderr at once, in order. Not through process.stderr: that stream costs an idle Bun session 2.7 MB of the
- * runtime's stream code. It is taken only once stderr is a full non-blocking pipe, for that write and every later one.
- */
-function writeStderr(text: string): void {
-  if (stderrStream) return void stderrStream.write(text);
-  const bytes = Buffer.from(text);
-  let done = 0;
-  try {
-    while (done < bytes.length) done += fs.writeSync(2, bytes, done);
-  } catch (e) {
-    if ((e as NodeJS.ErrnoException).code !== "EAGAIN") return; // stderr is gone: a log line is not worth a crash
-    (stderrStream = process.stderr).write(bytes.subarray(done));
+/** Writes all of `bytes` at the descriptor's position (or append point), or throws: a 0-byte write is a full disk. */
+function writeAll(fd: number, bytes: Uint8Array): void {
+  for (let done = 0; done < bytes.length;) {
+    const n = fs.writeSync(fd, bytes, done, bytes.length - done);
+    if (n <= 0) throw Object.assign(new Error("write wrote 0 bytes (no space left on device)"), { code: "ENOSPC" });
+    done += n;
   }
 }
 
-/**
- * Reads stdin as UTF-8 text, each chunk to `onText`, then calls `onEnd` once it ends or fails: from the descriptor, as
- * writeStderr writes, and through process.stdin's stream only when the descriptor is non-blocking.
- */
+// stdio without process.stdin/stdout/stderr, whose streams cost an idle Bun session 3 to 5 MB of the runtime's code.
+// Under Bun, stdin is its own stream and stderr its file sink (a stderr read late or never only queues there, as it did
+// in process.stderr), so that the one thread of the file-system pool that stdio takes is the one a write to stdout
+// holds while the client does not read. Elsewhere, the descriptors themselves.
+let stderrSink: BunFileSink | undefined;
+
+/** Writes to stderr, in order; a log line is not worth a crash, so a stderr that is gone is ignored. */
+function writeStderr(text: string): void {
+  try {
+    if (!runtimeHost.Bun) return writeAll(2, Buffer.from(text)); // Deno's own stderr blocks alike on a full pipe
+    stderrSink ??= runtimeHost.Bun.stderr.writer();
+    stderrSink.write(text);
+    void Promise.resolve(stderrSink.flush()).catch(() => {});
+  } catch {
+    // stderr closed, or a non-blocking one full (Deno): this line is dropped
+  }
+}
+
+/** Waits, 2 s at most, for what stderr has not taken yet: before an exit, which would drop it. */
+async function flushStderr(): Promise<void> {
+  if (stderrSink) await Promise.race([Promise.resolve(stderrSink.flush()).catch(() => {}), sleep(2_000)]);
+}
+
+/** Reads stdin as UTF-8 text, each chunk to `onText`, then calls `onEnd` once it ends or fails. */
 function readStdinText(onText: (text: string) => void, onEnd: () => void): void {
-  const buf = Buffer.alloc(64 * 1024), utf8 = new TextDecoder();
+  const utf8 = new TextDecoder();
+  if (runtimeHost.Bun) {
+    const reader = runtimeHost.Bun.stdin.stream().getReader();
+    const next = (): Promise<void> =>
+      reader.read().then(({ done, value }) => done ? onEnd() : (onText(utf8.decode(value, { stream: true })), next()));
+    return void next().catch(onEnd);
+  }
+  const buf = Buffer.alloc(64 * 1024);
   const next = (): void =>
     fs.read(0, buf, 0, buf.length, null, (e, n) => {
-      if (e?.code === "EAGAIN") {
-        process.stdin.setEncoding("utf8").on("data", onText).once("end", onEnd).once("close", onEnd);
-      } else if (e || n === 0) onEnd();
+      if (e?.code === "EAGAIN") setTimeout(next, 20); // a non-blocking stdin with nothing yet
+      else if (e || n === 0) onEnd();
       else {
         onText(utf8.decode(buf.subarray(0, n), { stream: true }));
         next();
@@ -666,7 +691,7 @@ function readStdinText(onText: (text: string) => void, onEnd: () => void): void 
   next();
 }
 
-/** Writes to stdout without process.stdout's stream (see writeStderr); a full non-blocking pipe is waited out. */
+/** Writes to stdout, resolving once it is written (a full pipe is waited out); rejects once stdout is gone. */
 async function writeStdout(text: string): Promise<void> {
   const bytes = Buffer.from(text);
   for (let done = 0; done < bytes.length;) {
@@ -762,15 +787,6 @@ function pause(ms: number, signal: AbortSignal): Promise<void> {
     const timer = setTimeout(done, ms);
     signal.addEventListener("abort", done);
   });
-}
-
-/** Writes all of `bytes` at the descriptor's position (or append point), or throws: a 0-byte write is a full disk. */
-function writeAll(fd: number, bytes: Uint8Array): void {
-  for (let done = 0; done < bytes.length;) {
-    const n = fs.writeSync(fd, bytes, done, bytes.length - done);
-    if (n <= 0) throw Object.assign(new Error("write wrote 0 bytes (no space left on device)"), { code: "ENOSPC" });
-    done += n;
-  }
 }
 
 /** A Map that forgets its oldest entries past `cap` (insertion order; a re-set moves a key to the back). */
@@ -11714,6 +11730,12 @@ const inWords = (names: string[]): string =>
 /** The MCP protocol versions this server speaks, newest first (the SDK 1.32 list: the hosts we test send these). */
 const MCP_PROTOCOL_VERSIONS = ["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05", "2024-10-07"] as const;
 
+/** A client's id or method in a log line: at most 100 characters of it (a line may be megabytes). */
+const clipped = (text: string): string => text.length > 100 ? `${text.slice(0, 100)}…` : text;
+
+/** How long a server whose stdin ended still answers what it was asked before (a tool call may outlast it). */
+const MCP_END_GRACE_MS = 5_000;
+
 /**
  * The longest line the server reads, in UTF-16 code units: a send_message at TEXT_LIMIT_BYTES with every character
  * escaped as \uXXXX (6 each) fits with room to spare. A longer line is read to its end but not kept (see serve).
@@ -11836,6 +11858,8 @@ class McpStdioServer {
   readonly closed = new Promise<string>((resolve) => (this.#closed = resolve));
   /** Requests being answered, by id text → cancelled by the client? (bounded by what the client has in flight). */
   #running = new Map<string, { cancelled: boolean }>();
+  /** Requests read and not yet answered (bounded like #running). */
+  #inFlight = new Set<Promise<void>>();
 
   constructor(
     readonly info: { name: string; version: string },
@@ -11872,14 +11896,24 @@ class McpStdioServer {
           const scanner = new JsonIdScanner();
           scanner.feed(line);
           this.#tooLong(scanner.id);
-        } else if (line.trim()) void this.#receive(line.trim());
+        } else if (line.trim()) this.#track(this.#receive(line.trim()));
       }
       if (buffered.length > MCP_LINE_MAX_CHARS) {
         skipping = new JsonIdScanner();
         skipping.feed(buffered);
         buffered = "";
       }
-    }, () => this.#closed("stdin closed"));
+    }, async () => {
+      // A client may pipe its requests and close stdin at once: what it asked is answered and written first.
+      const answered = Promise.allSettled([...this.#inFlight]).then(() => this.#out).catch(() => {});
+      await Promise.race([answered, sleep(MCP_END_GRACE_MS)]);
+      this.#closed("stdin closed");
+    });
+  }
+
+  #track(request: Promise<void>): void {
+    this.#inFlight.add(request);
+    void request.catch(() => {}).then(() => this.#inFlight.delete(request));
   }
 
   /** Sends a notification (a channel event), written once the answers before it are. */
@@ -11889,11 +11923,9 @@ class McpStdioServer {
 
   /** Writes one JSON-RPC message, built by mcpJson (the request's id, the client's own, is spliced in as written). */
   #write(text: string): Promise<void> {
-    this.#out = this.#out.then(() => writeStdout(text + "\n")).catch((e) => {
-      this.#closed("stdout closed");
-      throw e;
-    });
-    return this.#out;
+    const written = this.#out.then(() => writeStdout(text + "\n"));
+    this.#out = written.catch(() => this.#closed("stdout closed")); // the next write waits for this one, not its fate
+    return written;
   }
 
   /** Answers the request whose id's text is `id` (null: its id could not be told) with a result or an error. */
@@ -11957,13 +11989,17 @@ class McpStdioServer {
       if (m.params !== undefined && !isObject(m.params)) throw new McpParamsError("params must be an object");
       const result = await this.#answer(method, (m.params ?? {}) as Record<string, unknown>);
       if (running.cancelled) {
-        return logInfo(`request ${id} (${method}) finished after the client cancelled it: not answered`);
+        return logInfo(
+          `request ${clipped(id)} (${clipped(method)}) finished after the client cancelled it: not answered`,
+        );
       }
       if (result === null) await this.#fail(id, -32601, `Method not found: ${method}`);
       else await this.#reply(id, { result });
     } catch (e) {
       if (running.cancelled) {
-        return logInfo(`request ${id} (${method}) failed after the client cancelled it: not answered`);
+        return logInfo(
+          `request ${clipped(id)} (${clipped(method)}) failed after the client cancelled it: not answered`,
+        );
       }
       if (e instanceof McpParamsError) return void (await this.#fail(id, -32602, `Invalid params: ${e.message}`));
       logWarn(`${method} failed: ${(e as Error).stack ?? e}`);
@@ -14513,8 +14549,12 @@ async function loadExtra(name: string): Promise<CommandSpec> {
 
 /** Exits with the command's code; a crash prints its stack and exits 70 (EX_SOFTWARE). */
 function exitWith(run: Promise<number>): void {
-  run.then((code) => process.exit(code), (e) => {
+  run.then(async (code) => {
+    await flushStderr();
+    process.exit(code);
+  }, async (e) => {
     writeStderr(`interlink: ${(e as Error).stack ?? e}\n`);
+    await flushStderr();
     process.exit(70);
   });
 }
