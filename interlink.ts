@@ -9536,6 +9536,11 @@ class Agent {
   #poll: ReturnType<typeof setInterval> | null = null;
   /** Set by the MCP server. */
   push: ((event: PushEvent) => Promise<void>) | null = null;
+  /**
+   * Pushes being written (one at a time, each then recorded shown): check_inbox waits for them, or a client that
+   * reads a push and calls check_inbox at once would be shown the item again, before it is recorded shown.
+   */
+  readonly pushing = new Set<Promise<void>>();
   /** Set for a host woken from outside (Codex): the inbox may have gained. */
   onInbox: (() => void) | null = null;
 
@@ -10440,9 +10445,16 @@ class Agent {
         case "sync":
           await Promise.all([this.journal.sync(), this.seen.sync()]);
           break;
-        case "push":
-          await this.push!(e.event);
+        case "push": {
+          const pushed = this.push!(e.event);
+          this.pushing.add(pushed);
+          try {
+            await pushed;
+          } finally {
+            this.pushing.delete(pushed);
+          }
           break;
+        }
         case "add_peer":
           await addPeer(this.cfg.peersFile, e.petname, e.key);
           break;
@@ -11467,6 +11479,7 @@ const TOOLS: ToolSpec[] = [
     }),
     annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: false, openWorldHint: false },
     async run(agent, a) {
+      await Promise.allSettled([...agent.pushing]); // then recorded shown: see Agent.pushing
       const items = await claimInbox(agent.journal, (a.limit as number | undefined) ?? 20, a.peek === true);
       if (items.length) return formatInbox(items, agent.peers());
       if (agent.cfg.delivery === "inbox") return "no unread messages";
