@@ -8003,7 +8003,11 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
   // The server reads and writes its descriptors, not process.stdin/stdout (whose streams cost a session megabytes): a
   // host may hand it non-blocking pipes, where a read or a write can find nothing to read or no room (EAGAIN).
   const python = Bun.which("python3");
-  if (!python) process.stderr.write("\nSKIPPED 2 tests of non-blocking stdio (python3 is not on PATH)\n");
+  if (!python) {
+    process.stderr.write(
+      "\nSKIPPED 2 tests of non-blocking stdio (python3 is not on PATH). Install it with: sudo apt-get install -y python3\n",
+    );
+  }
   const nonBlocking = [
     python!,
     "-c",
