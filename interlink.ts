@@ -674,9 +674,16 @@ function readStdinText(onText: (text: string) => void, onEnd: () => void): void 
   const utf8 = new TextDecoder();
   if (runtimeHost.Bun) {
     const reader = runtimeHost.Bun.stdin.stream().getReader();
-    const next = (): Promise<void> =>
-      reader.read().then(({ done, value }) => done ? onEnd() : (onText(utf8.decode(value, { stream: true })), next()));
-    return void next().catch(onEnd);
+    return void (async () => {
+      try {
+        for (let r = await reader.read(); !r.done; r = await reader.read()) {
+          onText(utf8.decode(r.value, { stream: true }));
+        }
+      } catch (e) {
+        logWarn(`stdin failed: ${errorText(e)}; taken as its end`);
+      }
+      onEnd();
+    })();
   }
   const buf = Buffer.alloc(64 * 1024);
   const next = (): void =>
@@ -11743,9 +11750,6 @@ const inWords = (names: string[]): string =>
 /** The MCP protocol versions this server speaks, newest first (the SDK 1.32 list: the hosts we test send these). */
 const MCP_PROTOCOL_VERSIONS = ["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05", "2024-10-07"] as const;
 
-/** A client's id or method in a log line: at most 100 characters of it (a line may be megabytes). */
-const clipped = (text: string): string => text.length > 100 ? `${text.slice(0, 100)}…` : text;
-
 /** How long a server whose stdin ended still answers what it was asked before (a tool call may outlast it). */
 const MCP_END_GRACE_MS = 5_000;
 
@@ -12003,7 +12007,9 @@ class McpStdioServer {
       const result = await this.#answer(method, (m.params ?? {}) as Record<string, unknown>);
       if (running.cancelled) {
         return logInfo(
-          `request ${clipped(id)} (${clipped(method)}) finished after the client cancelled it: not answered`,
+          `request ${keptText(id, 100)} (${
+            keptText(method, 100)
+          }) finished after the client cancelled it: not answered`,
         );
       }
       if (result === null) await this.#fail(id, -32601, `Method not found: ${method}`);
@@ -12011,7 +12017,7 @@ class McpStdioServer {
     } catch (e) {
       if (running.cancelled) {
         return logInfo(
-          `request ${clipped(id)} (${clipped(method)}) failed after the client cancelled it: not answered`,
+          `request ${keptText(id, 100)} (${keptText(method, 100)}) failed after the client cancelled it: not answered`,
         );
       }
       if (e instanceof McpParamsError) return void (await this.#fail(id, -32602, `Invalid params: ${e.message}`));
