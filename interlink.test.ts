@@ -8014,6 +8014,41 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
     "import os,sys,fcntl\nfor fd in (0,1,2): fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)\nos.execvp(sys.argv[1], sys.argv[1:])",
   ];
   for (const runtime of ["bun", "deno"] as const) {
+    test.skipIf(!python)(
+      `on ${runtime}: wait's wake text of 3 MB reaches a non-blocking stderr read 3 s late whole (its messages are marked shown)`,
+      async () => {
+        const root = tmpDir();
+        const [A, B] = [await makeNodeFiles(root, "alice"), await makeNodeFiles(root, "bob")];
+        befriend(A, B);
+        const dir = path.join(B.stateDir, "sessions", "bob");
+        fs.mkdirSync(dir, { recursive: true });
+        const records = [];
+        for (let i = 0; i < 50; i++) {
+          const text = `MSG${i}START ${"x".repeat(60_000)} MSG${i}END`;
+          records.push({
+            t: "in" as const,
+            peer: "alice",
+            msg: await signMessage(A.id, { to: B.id.publicKey, text }, Date.now()),
+          });
+        }
+        const journal = new Journal(dir, new NodeState());
+        journal.append(records);
+        journal.close();
+        const flags = ["--key", B.keyFile, "--peers", B.peersFile, "--state", B.stateDir, "--session", "bob"];
+        const proc = spawnTracked([...nonBlocking, ...runtimeArgv(runtime), "wait", ...flags, "--timeout", "60"], {
+          stdout: "ignore",
+          stderr: "pipe",
+        });
+        await new Promise((r) => setTimeout(r, 3000)); // a host that reads late: the pipe is full long before
+        const [stderr, code] = await Promise.all([new Response(proc.stderr).text(), proc.exited]);
+        expect(code).toBe(2);
+        expect(stderr.match(/MSG\d+END/g)?.length).toBe(50);
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
       `on ${runtime}: a client that pipes its requests and closes stdin at once gets every answer`,
       async () => {

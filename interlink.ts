@@ -439,6 +439,8 @@ interface BunRuntime {
 
 interface DenoRuntime {
   version: { deno: string };
+  /** One write(2): the bytes it took, or a WouldBlock error when a non-blocking pipe took none. */
+  stderr: { writeSync(p: Uint8Array): number };
   execPath(): string;
   serve(
     options: {
@@ -655,7 +657,9 @@ let stderrSink: BunFileSink | undefined;
 /** Writes to stderr, in order; a log line is not worth a crash, so a stderr that is gone is ignored. */
 function writeStderr(text: string): void {
   try {
-    if (!runtimeHost.Bun) return writeAll(2, Buffer.from(text)); // Deno's own stderr blocks alike on a full pipe
+    const deno = runtimeHost.Deno;
+    if (deno) return writeWaiting((b) => deno.stderr.writeSync(b), Buffer.from(text));
+    if (!runtimeHost.Bun) return writeAll(2, Buffer.from(text));
     stderrSink ??= runtimeHost.Bun.stderr.writer();
     stderrSink.write(text);
     void Promise.resolve(stderrSink.flush()).catch(() => {});
@@ -664,9 +668,28 @@ function writeStderr(text: string): void {
   }
 }
 
-/** Waits, 2 s at most, for what stderr has not taken yet: before an exit, which would drop it. */
+/**
+ * Writes all of `bytes` through `write` (one write(2) each), waiting out a full non-blocking pipe 1 ms at a time, as
+ * a blocking one waits: a wake text cut short would be lost, its messages already marked shown. Not node:fs's
+ * writeSync: under Deno it writes part, then throws EAGAIN without saying how much went.
+ */
+function writeWaiting(write: (bytes: Uint8Array) => number, bytes: Uint8Array): void {
+  for (let done = 0; done < bytes.length;) {
+    try {
+      done += write(bytes.subarray(done));
+    } catch (e) {
+      if ((e as Error).name !== "WouldBlock") throw e;
+      Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 1);
+    }
+  }
+}
+
+/**
+ * Waits for what stderr has not taken yet, before an exit that would drop it (a wake text whose messages are already
+ * marked shown): 30 s at most, for a host that never reads it.
+ */
 async function flushStderr(): Promise<void> {
-  if (stderrSink) await Promise.race([Promise.resolve(stderrSink.flush()).catch(() => {}), sleep(2_000)]);
+  if (stderrSink) await Promise.race([Promise.resolve(stderrSink.flush()).catch(() => {}), sleep(30_000)]);
 }
 
 /** Reads stdin as UTF-8 text, each chunk to `onText`, then calls `onEnd` once it ends or fails. */
