@@ -5257,6 +5257,211 @@ describe("delegation across hops: the chain, and what each node decides (pure)",
     );
   });
 
+  test("bob may not answer a question it forwarded: the owner's operator does, and their answer is the one carol gets", async () => {
+    const { state } = await bobsNode();
+    const q = await signMessage(carol, {
+      to: bob.publicKey,
+      text: "which sizes?",
+      task_id: "logo",
+      status: "needs_input",
+    }, NOW);
+    const up = planInbound(await decide(q, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state));
+    for (const r of records(up)) state.apply({ ...r, at: NOW } as JournalRecord);
+    const answer = (input: Partial<Parameters<typeof prepareSend>[2]>) => () =>
+      prepareSend(bobsPeers, state.tasks, { to: "carol", text: "64", task_id: "logo", ...input }, bob.publicKey);
+    // Until the forward is queued, the question is bob's like any other (a crash between them sends it on the retry).
+    expect(answer({ in_reply_to: q.msg_id })()).toMatchObject({ draft: { in_reply_to: q.msg_id } });
+    const forward = sends(up)[0];
+    const f = await signMessage(bob, forward.draft, NOW);
+    state.apply({ t: "out", at: NOW, peer: "alice", recipient: alice.publicKey, msg: f, forward: forward.forward });
+    expect(answer({ in_reply_to: q.msg_id })).toThrow(
+      `question ${q.msg_id} was forwarded to alice on task site (as ${f.msg_id}): their operator answers it`,
+    );
+    expect(answer({ in_reply_to: q.msg_id, task_id: undefined })).toThrow("was forwarded to alice");
+    expect(answer({})()).toMatchObject({ draft: { text: "64" } }); // something of bob's own, not as the answer
+    // So the question still waits for alice, whose answer goes down to carol.
+    const a = await signMessage(alice, { to: bob.publicKey, text: "16", task_id: "site", in_reply_to: f.msg_id }, NOW);
+    const down = planInbound(await decide(a, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state));
+    expect(sends(down).map((e) => e.draft)).toMatchObject([{
+      to: carol.publicKey,
+      task_id: "logo",
+      in_reply_to: q.msg_id,
+    }]);
+  });
+
+  test("a task id two peers used: the parent is named with parent_peer; a closed one is never swapped for another peer's open one", async () => {
+    const mallory = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    const peers = parsePeers(JSON.stringify({
+      alice: { key: alice.publicKey },
+      carol: { key: carol.publicKey },
+      mallory: { key: mallory.publicKey },
+    }));
+    const state = new NodeState(() => NOW);
+    for (const [who, name] of [[alice, "alice"], [mallory, "mallory"]] as const) {
+      const request = await signMessage(who, { to: bob.publicKey, text: "build a site", task_id: "site" }, NOW);
+      state.apply({ t: "in", at: NOW, peer: name, msg: request });
+    }
+    const send = (input: Partial<Parameters<typeof prepareSend>[2]>) => () =>
+      prepareSend(
+        peers,
+        state.tasks,
+        { to: "carol", text: "the logo", task_id: "logo", parent_task_id: "site", ...input },
+        bob.publicKey,
+      );
+    expect(send({})).toThrow(
+      "several peers asked you for a task site: alice (open), mallory (open); name the one this serves with parent_peer",
+    );
+    expect(send({ parent_peer: "alice" })().chain).toMatchObject({
+      requester: alice.publicKey,
+      owner: alice.publicKey,
+    });
+    expect(send({ parent_peer: fingerprint(mallory.publicKey) })().chain).toMatchObject({
+      requester: mallory.publicKey,
+    });
+    expect(send({ parent_peer: "dave" })).toThrow("no peer 'dave'");
+    // alice cancels hers: naming it is refused, and an unnamed parent is not taken to be mallory's.
+    const cancel = await signMessage(
+      alice,
+      { to: bob.publicKey, text: "stop", task_id: "site", status: "canceled" },
+      NOW,
+    );
+    state.apply({ t: "in", at: NOW, peer: "alice", msg: cancel });
+    expect(send({})).toThrow("several peers asked you for a task site: alice (closed, canceled), mallory (open)");
+    expect(send({ parent_peer: "alice" })).toThrow("task site from alice is closed (canceled)");
+  });
+
+  test("late or misplaced: a message on a closed task is marked task_closed and moves nothing; a status on a task this session never saw is marked task_unknown", async () => {
+    const { state } = await bobsNode();
+    const cancel = await signMessage(
+      alice,
+      { to: bob.publicKey, text: "stop", task_id: "site", status: "canceled" },
+      NOW,
+    );
+    for (
+      const r of records(
+        planInbound(
+          await decide(cancel, bob.publicKey, bobsPeers, NOW, state.replay),
+          bobsCtx(state, { canPush: false }),
+        ),
+      )
+    ) {
+      state.apply({ ...r, at: NOW } as JournalRecord);
+    }
+    const bobsCancel = await signMessage(bob, {
+      to: carol.publicKey,
+      text: "canceled",
+      task_id: "logo",
+      status: "canceled",
+    }, NOW);
+    state.apply({ t: "out", at: NOW, peer: "carol", recipient: `${carol.publicKey}#c1`, msg: bobsCancel });
+    const before = { ...state.tasks.get(`${carol.publicKey} logo`)! };
+    expect(before).toMatchObject({ closed: true, status: "canceled" });
+    // carol's question crossed the cancel; it comes with another reply_to.
+    const late = await signMessage(carol, {
+      to: bob.publicKey,
+      text: "LATE: sizes?",
+      task_id: "logo",
+      status: "needs_input",
+    }, NOW);
+    const effects = planInbound(
+      await decide(late, bob.publicKey, bobsPeers, NOW, state.replay),
+      bobsCtx(state, { canPush: false, replyTo: `${carol.publicKey}#elsewhere` }),
+    );
+    expect(sends(effects)).toEqual([]); // not forwarded up to alice: her task is closed
+    for (const r of records(effects)) state.apply({ ...r, at: NOW } as JournalRecord);
+    const row = state.tasks.get(`${carol.publicKey} logo`)!;
+    expect({ session: row.peer_session, status: row.status, closed: row.closed, awaiting: row.awaiting })
+      .toEqual({ session: before.peer_session, status: "canceled", closed: true, awaiting: [] });
+    // Read from the inbox (check_inbox, wait), and pushed (a copy that comes again once the push was lost).
+    const item = state.readable(state.inbox.get(`${carol.publicKey} ${late.msg_id}`)!);
+    expect(formatInbox([item], bobsPeers)).toContain(`task_closed="task logo was closed (canceled) before this came`);
+    const pushed = planInbound(await decide(late, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state))
+      .find((e) => e.do === "push") as Extract<Effect, { do: "push" }>;
+    expect(pushed.event.meta.task_closed).toBe(
+      "task logo was closed (canceled) before this came: nothing on it to answer or do",
+    );
+    const fresh = await signMessage(carol, { to: bob.publicKey, text: "done", task_id: "logo", status: "result" }, NOW);
+    const direct = planInbound(await decide(fresh, bob.publicKey, bobsPeers, NOW, state.replay), bobsCtx(state))
+      .find((e) => e.do === "push") as Extract<Effect, { do: "push" }>;
+    expect(direct.event.meta.task_closed).toStartWith("task logo was closed (canceled) before this came");
+    // A needs_input on a task this session never opened nor was asked for (another session's, moved by a relay).
+    const moved = await signMessage(carol, {
+      to: bob.publicKey,
+      text: "which sizes?",
+      task_id: "icons",
+      status: "needs_input",
+    }, NOW);
+    for (
+      const r of records(
+        planInbound(
+          await decide(moved, bob.publicKey, bobsPeers, NOW, state.replay),
+          bobsCtx(state, { canPush: false }),
+        ),
+      )
+    ) {
+      state.apply({ ...r, at: NOW } as JournalRecord);
+    }
+    const unknown = pushEvent(state.readable(state.inbox.get(`${carol.publicKey} ${moved.msg_id}`)!), bobsPeers);
+    expect(unknown.meta.task_unknown).toStartWith(
+      `this session never opened task icons with carol (${fingerprint(carol.publicKey)}), nor was asked for it`,
+    );
+    expect(unknown.meta.task_unknown).toContain("Do not take it as work or a question of yours");
+    const names = { petnameOf: (k: string) => bobsPeers.byKey.get(k), peers: () => bobsPeers };
+    const icons = describeTask(names, state.tasks.get(`${carol.publicKey} icons`)!, state.outgoing, bob.publicKey);
+    expect(icons).toContain(
+      "this session was never asked for it nor opened it (carol's first message on it had a status)",
+    );
+    // The opening request of a task is neither.
+    const request = await signMessage(carol, { to: bob.publicKey, text: "a favour", task_id: "favour" }, NOW);
+    for (
+      const r of records(
+        planInbound(
+          await decide(request, bob.publicKey, bobsPeers, NOW, state.replay),
+          bobsCtx(state, { canPush: false }),
+        ),
+      )
+    ) {
+      state.apply({ ...r, at: NOW } as JournalRecord);
+    }
+    const opened = pushEvent(state.readable(state.inbox.get(`${carol.publicKey} ${request.msg_id}`)!), bobsPeers).meta;
+    expect([opened.task_closed, opened.task_unknown] as unknown[]).toEqual([undefined, undefined]);
+    expect(describeTask(names, state.tasks.get(`${carol.publicKey} favour`)!)).not.toContain("never asked");
+  });
+
+  test("list_tasks words: a question kept past FORWARDS_OPEN_CAP is bob's operator's; an owner a peer's chain names is that peer's word", async () => {
+    const { state, toCarol, chain } = await bobsNode();
+    const names = (peers: Peers) => ({ petnameOf: (k: string) => peers.byKey.get(k), peers: () => peers });
+    const q = await signMessage(carol, { to: bob.publicKey, text: "q", task_id: "logo", status: "needs_input" }, NOW);
+    state.apply({ t: "in", at: NOW, peer: "carol", msg: q }); // not forwarded (as past the cap)
+    const bobs = describeTask(
+      names(bobsPeers),
+      state.tasks.get(`${carol.publicKey} logo`)!,
+      state.outgoing,
+      bob.publicKey,
+    );
+    expect(bobs).toContain(
+      `BLOCKED on carol's question ${q.msg_id} since ${
+        new Date(NOW).toISOString().replace(/\.\d{3}Z$/, "Z")
+      }, not forwarded to alice's operator: ask your operator and answer with in_reply_to=${q.msg_id}`,
+    );
+    // At carol's: the chain is bob's claim that alice owns the work.
+    const carols = new NodeState(() => NOW);
+    carols.apply({ t: "in", at: NOW, peer: "bob", msg: toCarol, chain });
+    const mine = await signMessage(
+      carol,
+      { to: bob.publicKey, text: "sizes?", task_id: "logo", status: "needs_input" },
+      NOW,
+    );
+    carols.apply({ t: "out", at: NOW, peer: "bob", recipient: bob.publicKey, msg: mine });
+    const row = describeTask(
+      names(carolsPeers),
+      carols.tasks.get(`${bob.publicKey} logo`)!,
+      carols.outgoing,
+      carol.publicKey,
+    );
+    expect(row).toContain(`for ${fingerprint(alice.publicKey)}'s operator, by bob's word)`);
+  });
+
   test("an executor cannot flood the owner's side through bob: past FORWARDS_OPEN_CAP open forwarded questions, the next is bob's own", async () => {
     const { state } = await bobsNode();
     for (let i = 0; i <= FORWARDS_OPEN_CAP; i++) {

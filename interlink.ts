@@ -2609,6 +2609,7 @@ interface TaskRow {
   peer_closed_at?: number; // when the counterpart's session said goodbye while the task was open
   last_out_msg_id?: string; // the last message we sent on it: its receipts say whether the counterpart saw it
   moved_to?: string; // this (ended) session's task went on in that session
+  unopened?: true; // first seen as a peer's status, not a request: maybe another session's (see taskMarks)
 }
 
 /** How a closing session's goodbye starts: the receiver's task table marks the task with it. */
@@ -2657,6 +2658,7 @@ function foldTask(
       ...(c ? { chain: [...c.keys] } : {}),
       closed: false,
       messages: 0,
+      ...(dir === "in" && msg.status ? { unopened: true as const } : {}),
     };
     tasks.set(key, row);
   }
@@ -2664,10 +2666,10 @@ function foldTask(
   row.last_msg_id = msg.msg_id;
   if (dir === "out") row.last_out_msg_id = msg.msg_id;
   row.last_at = atMs;
+  if (row.closed) return; // a late message moves nothing: not even where the task's session is
   if (peerSession) row.peer_session = peerSession;
   // A goodbye marks the task; anything later from the peer means its session is back (a restart).
   if (dir === "in") row.peer_closed_at = msg.text.startsWith(GOODBYE_PREFIX) ? atMs : undefined;
-  if (row.closed) return;
   if (msg.in_reply_to) {
     row.awaiting = row.awaiting.filter((q) => !(q.msg_id === msg.in_reply_to && q.asked_by !== side));
   }
@@ -5759,6 +5761,8 @@ type InboxItem =
   /**
    * `forSession`: it arrived for an earlier session of ours, which ended before showing it. `asked`: it answers a
    * question of ours (its text, for whose operator, and the earlier session that asked, if that one ended first).
+   * `late`: its task was closed before it came (the closing status). `unopened`: it carries a status on a task this
+   * session never opened nor was asked for (another session's, moved here by a relay, or a peer's mistake).
    */
   | {
     kind: "message";
@@ -5769,6 +5773,8 @@ type InboxItem =
     forSession?: string;
     relay?: Relayed;
     asked?: { text: string; owner?: string; session?: string };
+    late?: string;
+    unopened?: true;
   }
   /** A peer's question shown to an ended session of ours, still unanswered: shown again in the one that adopted it. */
   | {
@@ -6271,6 +6277,8 @@ const ITEM_FIELDS: {
       forSession: optStr,
       relay: relayed,
       asked: nested((a) => fields(a, { text: str, owner: optStr, session: optStr })),
+      late: optStr,
+      unopened: flag,
     }),
   waiting: (o) => fields(o, { key: str, task_id: str, msg_id: str, text: str, asked_at: int, session: str }),
   knock: (o) => fields(o, { key: str, name: shownName }),
@@ -6333,6 +6341,7 @@ const decodeTaskRow = (v: unknown): TaskRow =>
     peer_session: optStr,
     peer_closed_at: optInt,
     last_out_msg_id: optStr,
+    unopened: flag,
   });
 
 const carriedOut = (v: unknown): CarriedOut =>
@@ -6509,6 +6518,14 @@ function answeredQuestion(
   if (!row || q?.text === undefined) return undefined;
   const owner = row.owner ?? (row.requested_by === "peer" ? row.peer_key : undefined);
   return { text: q.text, ...some("owner", owner), ...some("session", q.earlier) };
+}
+
+/** How a message stands to its task before it is folded: closed already (`late`, its closing status), or `unopened`. */
+function taskMarks(tasks: ReadonlyMap<string, TaskRow>, msg: SignedMessage): { late?: string; unopened?: true } {
+  if (msg.kind !== "message" || !msg.task_id) return {};
+  const row = tasks.get(taskKey(msg.from, msg.task_id));
+  if (row?.closed) return { late: row.status ?? "closed" };
+  return msg.status && !row ? { unopened: true } : {};
 }
 
 /**
@@ -6975,6 +6992,7 @@ class NodeState {
       const session = r.reply_session && SESSION_RE.test(r.reply_session) ? r.reply_session : undefined;
       if (session) this.sticky.set(msg.from, session);
       const asked = answeredQuestion(this.tasks, msg);
+      const marks = taskMarks(this.tasks, msg);
       foldTask(this.tasks, "in", msg, r.at, session, some("chain", r.chain));
       const id = messageKey(msg.from, msg.msg_id);
       // A declined request (too deep, a loop) was answered failed: no model is shown it as work.
@@ -6988,6 +7006,7 @@ class NodeState {
           ...some("forSession", r.for_session),
           ...some("relay", r.relay),
           ...some("asked", asked),
+          ...marks,
         };
         this.inbox.set(id, hold(item, line));
       }
@@ -8532,6 +8551,18 @@ function itemNotes(i: Extract<InboxItem, { kind: "message" | "waiting" }>, peers
       }: sent on to them on task ${i.relay.task_id} by itself; nothing for you to do`,
     ]);
   }
+  const task = showId(i.msg.task_id ?? "");
+  if (i.late) {
+    notes.push(["task_closed", `task ${task} was closed (${i.late}) before this came: nothing on it to answer or do`]);
+  } else if (i.unopened) {
+    notes.push([
+      "task_unknown",
+      `this session never opened task ${task} with ${
+        who(i.msg.from)
+      }, nor was asked for it: it may be another session's ` +
+      `(a relay can hand a message to any session of this node). Do not take it as work or a question of yours; tell your operator`,
+    ]);
+  }
   const session = i.asked?.session ?? i.forSession;
   if (i.asked && session) {
     const owner = i.asked.owner ? `${who(i.asked.owner)}'s operator` : "your operator";
@@ -8852,6 +8883,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
         ...some("forSession", ctx.forSession),
         ...some("relay", hops.relay),
         ...some("asked", answeredQuestion(state.tasks, v.msg)),
+        ...taskMarks(state.tasks, v.msg),
       };
       const shown = canPush && !hops.declined ? showByPush(item, ctx.peers) : [];
       return [
@@ -9129,6 +9161,8 @@ interface SendInput {
   channel?: string;
   /** The task a peer asked of us that this request serves: it opens a sub-task (see "Delegation across hops"). */
   parent_task_id?: string;
+  /** Who asked for `parent_task_id`, where several peers asked for a task of that id. */
+  parent_peer?: string;
 }
 
 interface PreparedSend {
@@ -9171,11 +9205,30 @@ function prepareSend(
     ...(input.status ? { status: input.status as TaskStatus } : {}),
     ...(input.in_reply_to ? { in_reply_to: input.in_reply_to } : {}),
   };
-  const broken = lifecycleError(tasks, draft);
+  const broken = lifecycleError(tasks, draft) ?? forwardedAnswer(peers, tasks, draft);
   if (broken) throw new InterlinkError(broken);
   const parentId = input.parent_task_id;
-  const chain = parentId === undefined ? undefined : subTaskChain(peers, tasks, draft, parentId, { selfKey, ...hops });
+  const chain = parentId === undefined
+    ? undefined
+    : subTaskChain(peers, tasks, draft, parentId, { selfKey, ...hops, parentPeer: input.parent_peer });
   return { draft, recipient: session ? `${key}#${session.trim()}` : key, peer: petname, ...some("chain", chain) };
+}
+
+/**
+ * Why `draft` may not answer the question it replies to: one we forwarded up the chain is the owner's operator's to
+ * answer (their answer goes down by itself; a second answer from here would race it, and theirs would be dropped).
+ */
+function forwardedAnswer(peers: Peers, tasks: ReadonlyMap<string, TaskRow>, draft: Draft): string | null {
+  if (!draft.in_reply_to) return null;
+  for (const t of tasks.values()) {
+    const q = t.peer_key === draft.to ? t.awaiting.find((q) => q.msg_id === draft.in_reply_to) : undefined;
+    const f = q?.forwarded;
+    if (!f) continue;
+    const owner = peers.byKey.get(f.to) ?? fingerprint(f.to);
+    return `question ${draft.in_reply_to} was forwarded to ${owner} on task ${showId(f.task_id)} (as ${f.as}): ` +
+      `their operator answers it, and the answer goes on by itself; to add something, send without in_reply_to`;
+  }
+  return null;
 }
 
 /**
@@ -9188,7 +9241,7 @@ function subTaskChain(
   tasks: ReadonlyMap<string, TaskRow>,
   draft: Draft,
   parentId: string,
-  hops: { selfKey?: string; maxDepth?: number; selfName?: string },
+  hops: { selfKey?: string; maxDepth?: number; selfName?: string; parentPeer?: string },
 ): Omit<Chain, "sig"> | undefined {
   const me = hops.selfKey;
   if (!me) throw new InterlinkError("parent_task_id needs this node's key");
@@ -9202,9 +9255,21 @@ function subTaskChain(
       "a task for another session of this node is not a hop: send it without parent_task_id (its questions come to you, and you ask your requester)",
     );
   }
-  const candidates = [...tasks.values()].filter((t) => t.task_id === parentId && t.requested_by === "peer");
-  const parent = candidates.find((t) => !t.closed) ?? candidates[0];
   const name = (k: string) => (k === me ? hops.selfName ?? "you" : peers.byKey.get(k) ?? fingerprint(k));
+  const asker = hops.parentPeer === undefined ? undefined : resolvePeer(peers, hops.parentPeer).key;
+  const candidates = [...tasks.values()].filter((t) =>
+    t.task_id === parentId && t.requested_by === "peer" && !t.moved_to && (asker === undefined || t.peer_key === asker)
+  );
+  // Task ids are the requester's: two peers may use one. Naming the wrong one would send its questions to the
+  // wrong operator, so an id that several peers asked for (open or closed) needs its requester named.
+  if (candidates.length > 1) {
+    const whose = candidates.map((t) => `${name(t.peer_key)} (${t.closed ? `closed, ${t.status}` : "open"})`);
+    throw new InterlinkError(
+      `several peers asked you for a task ${showId(parentId)}: ${whose.join(", ")}; name the one this serves with ` +
+        `parent_peer (send: --parent-peer)`,
+    );
+  }
+  const parent = candidates[0];
   if (!parent) {
     const open = [...tasks.values()].filter((t) => t.requested_by === "peer" && !t.closed && !t.moved_to)
       .map((t) => `${showId(t.task_id)} (from ${name(t.peer_key)})`);
@@ -9225,9 +9290,6 @@ function subTaskChain(
         showId(parentId)
       } came from another session of this node, not a peer: send without parent_task_id (its questions come to you)`,
     );
-  }
-  if (candidates.filter((t) => !t.closed).length > 1) {
-    throw new InterlinkError(`several open tasks from peers are called '${parentId}'; this one cannot be told apart`);
   }
   const existing = tasks.get(taskKey(draft.to, draft.task_id));
   if (existing) {
@@ -11185,6 +11247,11 @@ function describeTask(
         : `${peer}'s node says it serves its task ${parent} for ${requester} (owned by ${owner}${chain})`,
     );
   }
+  if (t.unopened) {
+    parts.push(
+      `this session was never asked for it nor opened it (${peer}'s first message on it had a status): maybe another session's`,
+    );
+  }
   if (t.peer_closed_at && !t.closed) {
     parts.push(`${peer}'s session closed at ${isoTime(t.peer_closed_at)}; this task may not finish (check discover)`);
   }
@@ -11205,12 +11272,18 @@ function describeTask(
         `${peer}'s question ${id}${since} is forwarded to ${to}, for ${owner}: the answer comes back through you and goes on by itself`,
       );
     } else if (q.asked_by === "peer") {
+      // Not forwarded (past FORWARDS_OPEN_CAP, or its parent closed): this node's operator answers it.
+      const kept = t.parent && t.requested_by === "me" ? `, not forwarded to ${owner}` : "";
       parts.push(
-        `BLOCKED on ${peer}'s question ${id}${since}, for ${owner}: ask your operator and answer with in_reply_to=${id}`,
+        `BLOCKED on ${peer}'s question ${id}${since}${kept}: ask your operator and answer with in_reply_to=${id}`,
       );
     } else {
       const by = q.earlier ? `, by your earlier session ${showId(q.earlier)}` : "";
-      parts.push(`waiting for ${peer} to answer your question ${q.msg_id} (asked${since}${by}, for ${owner})`);
+      // On a peer's request, its owner is that peer's word (its chain).
+      const word = t.requested_by === "peer" && t.owner !== undefined && t.owner !== t.peer_key
+        ? `, by ${peer}'s word`
+        : "";
+      parts.push(`waiting for ${peer} to answer your question ${q.msg_id} (asked${since}${by}, for ${owner}${word})`);
     }
   }
   parts.push(`${t.messages} messages, last ${isoTime(t.last_at)}`);
@@ -11311,10 +11384,11 @@ const TOOLS: ToolSpec[] = [
       parent_task_id: k.opt(
         "the task a peer asked of you that this new request serves (with a new task_id, no status): opens a sub-task",
       ),
+      parent_peer: k.opt("who asked you for parent_task_id, where several peers used that task id"),
     }),
     annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: false, openWorldHint: true },
     async run(agent, a) {
-      const optional = ["task_id", "status", "in_reply_to", "session", "channel", "parent_task_id"];
+      const optional = ["task_id", "status", "in_reply_to", "session", "channel", "parent_task_id", "parent_peer"];
       const more = Object.fromEntries(optional.map((k) => [k, opt(a, k)]));
       const { entry, note, canceled } = await agent.send({ to: a.to as string, text: a.text as string, ...more });
       const chain = entry.chain
@@ -12773,6 +12847,7 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     in_reply_to: o["in-reply-to"] as string | undefined,
     channel: o.channel as string | undefined,
     parent_task_id: o.parent as string | undefined,
+    parent_peer: o["parent-peer"] as string | undefined,
   };
   const dir = sessionDir(cfg.stateDir, cfg.session);
   const owner = lockOwner(path.join(dir, "agent.lock"));
@@ -14218,6 +14293,7 @@ const COMMANDS: Record<string, CommandSpec> = {
         undefined,
         "the task a peer asked of this node that this request serves: opens a sub-task (with --task, no --status)",
       ),
+      "parent-peer": option("PEER", undefined, undefined, "who asked for --parent, where several peers used that id"),
       "max-depth": OPT["max-depth"],
     },
     run: runSend,
