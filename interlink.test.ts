@@ -15,6 +15,7 @@ import { pathToFileURL } from "node:url";
 import { parseArgs } from "node:util";
 import {
   addPeer,
+  afterAnswer,
   Agent,
   type Announcement,
   ANNOUNCEMENT_MAX_BYTES,
@@ -6239,8 +6240,11 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
 
 describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or let in twice for it", () => {
   /** What a tool answers an in-process agent. */
-  const tool = async (agent: Agent, name: string, args: Record<string, unknown> = {}) =>
-    (await runTool(agent, TOOLS.find((t) => t.name === name)!, args)).content[0].text;
+  const tool = async (agent: Agent, name: string, args: Record<string, unknown> = {}) => {
+    const result = await runTool(agent, TOOLS.find((t) => t.name === name)!, args);
+    afterAnswer.get(result)?.(true); // as the MCP server does once it has written the answer
+    return result.content[0].text;
+  };
   /** Every journal line of a session, its archives first. */
   const allRecords = (dir: string) => journalFiles(dir).flatMap((f) => readJsonl(f, () => {}));
   /** The admissions the replay files of a state root hold ("<sender> <msg_id>"). */
@@ -6694,6 +6698,93 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
         expect(owed.map((l) => l.msg_id).sort()).toEqual([msgs[0].msg_id, msgs[2].msg_id].sort());
       } finally {
         await bob.stop();
+        await shutdown();
+      }
+    },
+    60_000,
+  );
+
+  test(
+    "check_inbox and wait mark read only what reached the reader: an answer not written (a cancel), or a wait killed after printing, leaves every message unread; an item a push is under way for is left to the push",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
+      const deliver = async (text: string) => {
+        const msg = await signMessage(A.id, { to: B.id.publicKey, text }, Date.now());
+        expect((await bob.receive({ ...msg, reply_to: `${A.id.publicKey}#${A.name}` }))?.verdict).toBe("deliver");
+        return msg;
+      };
+      const shownItems = () => allRecords(sessionOf(B)).filter((r) => r.t === "shown").map((r) => r.item);
+      try {
+        await deliver("one");
+        await deliver("two");
+        const cancelled = await runTool(bob, TOOLS.find((t) => t.name === "check_inbox")!, {});
+        expect(cancelled.content[0].text).toContain("one");
+        expect(shownItems()).toEqual([]); // nothing is marked before the answer is out
+        afterAnswer.get(cancelled)!(false); // the server did not answer it (the client cancelled)
+        const again = await tool(bob, "check_inbox");
+        expect([again.includes("one"), again.includes("two")]).toEqual([true, true]);
+        expect(await tool(bob, "check_inbox")).toBe("no unread messages");
+
+        // The Stop hook's wait, killed once it has printed (a hook timeout, a SIGKILL): its print is not heard.
+        await deliver("three");
+        const env = { INTERLINK_KEY: B.keyFile, INTERLINK_STATE: B.stateDir, INTERLINK_PEERS: B.peersFile };
+        const wait = ["wait", "--session", B.name, "--delivery", "inbox", "--timeout", "5"];
+        for (const runtime of ["bun", "deno"] as const) {
+          const killed = await runCliAsync(runtime, wait, {
+            env: { ...env, INTERLINK_FAILPOINT: "inbox-shown-not-marked" },
+          });
+          expect({ runtime, code: killed.code, printed: killed.stderr.includes("three") })
+            .toEqual({ runtime, code: null, printed: true });
+        }
+        const woke = await runCliAsync("bun", wait, { env });
+        expect({ code: woke.code, printed: woke.stderr.includes("three") }).toEqual({ code: 2, printed: true });
+        expect(await tool(bob, "check_inbox")).toBe("no unread messages");
+
+        // A message whose push is under way (admitted, not yet pushed) is the push's to show, not check_inbox's too:
+        // the model calls check_inbox the moment the message is in the journal, and the push is slow to go out.
+        const events: string[] = [];
+        bob.cfg.delivery = "channel";
+        bob.push = async (e) => {
+          await during;
+          events.push(e.content);
+        };
+        let during: Promise<string> | undefined;
+        const append = bob.journal.append.bind(bob.journal);
+        bob.journal.append = (records) => {
+          append(records);
+          if (records.some((r) => r.t === "in")) during ??= tool(bob, "check_inbox");
+        };
+        const four = await deliver("four");
+        expect(await during).not.toContain("four");
+        expect(events).toEqual(["four"]);
+        expect(shownItems().filter((id) => id === `${A.id.publicKey} ${four.msg_id}`)).toHaveLength(1);
+      } finally {
+        await bob.stop();
+        await shutdown();
+      }
+    },
+    90_000,
+  );
+
+  test(
+    "a server whose session could not open (its lock held past the wait) opens it on the next tool call, not never",
+    async () => {
+      const { root, B } = await twoPeers();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const holder = await Agent.open(nodeConfig(B, [url], "inbox"), "test"); // not a server: it is not asked to go
+      const bob = await McpNode.start("bun", B, url);
+      try {
+        const first = await bob.call("list_peers");
+        expect({ isError: first.isError, why: /is held by test/.test(first.text) }).toEqual({
+          isError: true,
+          why: true,
+        });
+        await holder.stop();
+        expect(await bob.ok("list_peers")).toContain("alice");
+      } finally {
+        await Promise.allSettled([holder.stop(), bob.close()]);
         await shutdown();
       }
     },

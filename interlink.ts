@@ -8469,11 +8469,19 @@ function messageBlock(
 // The inbox
 // ============================================================================
 
+interface Claim {
+  peek?: boolean; // show without marking read
+  skip?: (id: string) => boolean; // items another path is showing (a push under way)
+  /** Shows the items; they are marked read only if it says they reached the reader (false: a cancel, a failure). */
+  show?: (items: InboxItem[]) => boolean | Promise<boolean>;
+}
+
 /**
- * Takes unread inbox messages (oldest first) and records them shown, under a lock that concurrent `wait`s and
- * check_inbox take: each re-reads the journal under it, and the "shown" records are durable before it is let go.
+ * Takes unread inbox messages (oldest first), shows them and then records them shown, under a lock that concurrent
+ * `wait`s and check_inbox take: each re-reads the journal under it, and the "shown" records are durable before it is
+ * let go. Shown first: a process killed in between shows them again (a crash can repeat an answer, never lose one).
  */
-async function claimInbox(from: Journal | string, limit: number, peek = false): Promise<InboxItem[]> {
+async function claimInbox(from: Journal | string, limit: number, claim: Claim = {}): Promise<InboxItem[]> {
   const journal = typeof from === "string" ? new Journal(from, new NodeState()) : from;
   try {
     return await withFileLock(path.join(journal.stateDir, "inbox"), "inbox claim", async () => {
@@ -8481,17 +8489,15 @@ async function claimInbox(from: Journal | string, limit: number, peek = false): 
       const held: HeldItem[] = [];
       for (const item of journal.state.inbox.values()) {
         if (held.length === limit) break;
-        held.push(item);
+        if (!claim.skip?.(item.id)) held.push(item);
       }
-      // Read back whole before they are marked shown; one that no longer reads back is taken out (`gone`).
+      // Read back whole before they are shown; one that no longer reads back is taken out (`gone`).
       const gone: NewRecord[] = [];
       const items = held.flatMap((i) => journal.state.readableOr(i, gone) ?? []);
-      if (!peek && (items.length || gone.length)) {
-        await journal.appendDurable([
-          ...items.map((i): NewRecord => ({ t: "shown", item: i.id, via: "inbox" })),
-          ...gone,
-        ]);
-      }
+      const shown = (await claim.show?.(items)) ?? true;
+      if (items.length) failpoint("inbox-shown-not-marked");
+      const marks = shown && !claim.peek ? items.map((i): NewRecord => ({ t: "shown", item: i.id, via: "inbox" })) : [];
+      if (marks.length || gone.length) await journal.appendDurable([...marks, ...gone]);
       return items;
     });
   } finally {
@@ -9633,6 +9639,8 @@ class Agent {
    * reads a push and calls check_inbox at once would be shown the item again, before it is recorded shown.
    */
   readonly pushing = new Set<Promise<void>>();
+  /** Inbox items a push will show (from their admission until the push is done): check_inbox leaves them to it. */
+  readonly pushingItems = new Set<string>();
   /** Set for a host woken from outside (Codex): the inbox may have gained. */
   onInbox: (() => void) | null = null;
 
@@ -10476,7 +10484,7 @@ class Agent {
     // The replay check and the record of an admission are one step for every session of this identity (a relay
     // may copy a message into two sessions' routes): under a lock.
     const lock = await PidLock.acquire(path.join(this.cfg.stateDir, "replay.lock"), "admission", SHORT_LOCK_WAIT_MS);
-    let v: Verdict, rest: Effect[];
+    let v: Verdict, rest: Effect[], pushes: string[] = [];
     try {
       this.seen.catchUp();
       const knocked = new Map([...this.state.knocksOut].map(([key, k]) => [key, k.msgId]));
@@ -10511,13 +10519,24 @@ class Agent {
         maxDepth: this.cfg.maxDepth ?? DEFAULT_MAX_DEPTH,
         selfName: this.cfg.name,
       });
+      pushes = effects.flatMap((e) =>
+        e.do === "append" ? e.records.flatMap((r) => (r.t === "shown" && r.via === "push" ? [r.item] : [])) : []
+      );
+      for (const id of pushes) this.pushingItems.add(id);
       const admitted = effects.findIndex((e) => e.do === "remember") + 1;
       await this.carryOut(effects.slice(0, admitted), ack);
       rest = effects.slice(admitted);
+    } catch (e) {
+      for (const id of pushes) this.pushingItems.delete(id);
+      throw e;
     } finally {
       lock.release();
     }
-    await this.carryOut(rest, ack);
+    try {
+      await this.carryOut(rest, ack);
+    } finally {
+      for (const id of pushes) this.pushingItems.delete(id);
+    }
     return v;
   }
 
@@ -11098,7 +11117,27 @@ interface ToolSpec {
    * first), the server instructions and Codex's config block name it (trustTools), and a test holds the docs to it.
    */
   changesTrust?: true;
-  run(agent: Agent, args: Record<string, unknown>): string | Promise<string>;
+  run(agent: Agent, args: Record<string, unknown>): string | ToolAnswer | Promise<string | ToolAnswer>;
+}
+
+/** A tool's text, and what it does once the server has written it to the client (true) or not (a cancel, a failure). */
+interface ToolAnswer {
+  text: string;
+  written(ok: boolean): void;
+}
+
+/** check_inbox's text for what it claimed. */
+function inboxAnswer(agent: Agent, items: InboxItem[]): string {
+  if (items.length) return formatInbox(items, agent.peers());
+  if (agent.cfg.delivery === "inbox") return "no unread messages";
+  // Channel mode: a Claude Code whose channels feature is off drops the events without a word; what was pushed
+  // in the last hour is listed, so nothing pushed is out of reach.
+  const recent = [...agent.state.pushed.values()].filter((p) => agent.now() - p.at < 60 * 60_000);
+  return recent.length
+    ? `no unread messages. Pushed to you as channel events in the last hour (listed again in case this session did not show them; if it did, they are not new):\n\n${
+      formatInbox(recent.map((p) => agent.state.readable(p.item)), agent.peers())
+    }`
+    : "no unread messages (delivery mode channel: messages arrive as channel events)";
 }
 
 /** How the description of a trust-changing tool starts. */
@@ -11584,17 +11623,16 @@ const TOOLS: ToolSpec[] = [
     annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: false, openWorldHint: false },
     async run(agent, a) {
       await Promise.allSettled([...agent.pushing]); // then recorded shown: see Agent.pushing
-      const items = await claimInbox(agent.journal, (a.limit as number | undefined) ?? 20, a.peek === true);
-      if (items.length) return formatInbox(items, agent.peers());
-      if (agent.cfg.delivery === "inbox") return "no unread messages";
-      // Channel mode: a Claude Code whose channels feature is off drops the events without a word; what was pushed
-      // in the last hour is listed, so nothing pushed is out of reach.
-      const recent = [...agent.state.pushed.values()].filter((p) => agent.now() - p.at < 60 * 60_000);
-      return recent.length
-        ? `no unread messages. Pushed to you as channel events in the last hour (listed again in case this session did not show them; if it did, they are not new):\n\n${
-          formatInbox(recent.map((p) => agent.state.readable(p.item)), agent.peers())
-        }`
-        : "no unread messages (delivery mode channel: messages arrive as channel events)";
+      // Marked read once the answer is written (the server says so): a cancel or a kill before that loses nothing.
+      let written!: (ok: boolean) => void;
+      const answered = new Promise<boolean>((r) => (written = r));
+      return await new Promise<ToolAnswer>((resolve, reject) => {
+        claimInbox(agent.journal, (a.limit as number | undefined) ?? 20, {
+          peek: a.peek === true,
+          skip: (id) => agent.pushingItems.has(id), // its push shows it
+          show: (items) => (resolve({ text: inboxAnswer(agent, items), written }), items.length ? answered : true),
+        }).catch(reject);
+      });
     },
   },
   {
@@ -11767,6 +11805,9 @@ const TOOLS: ToolSpec[] = [
 
 type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean };
 
+/** A result's ToolAnswer.written, which the server calls once it has answered (or not) with that result. */
+const afterAnswer = new WeakMap<ToolResult, (ok: boolean) => void>();
+
 /**
  * A tool call answers within this long whatever a relay does (every relay call has its own deadline; this is the
  * net under them): Claude Code gives up on a call after a minute, and a model waiting that long helps nobody.
@@ -11792,9 +11833,15 @@ async function runTool(
       );
     }, deadlineMs);
   });
+  const running = (async () => await tool.run(agent, args))(); // a throw, too, is answered
   try {
-    return { content: [{ type: "text", text: await Promise.race([tool.run(agent, args), late]) }] };
+    const got = await Promise.race([running, late]);
+    if (typeof got === "string") return { content: [{ type: "text", text: got }] };
+    const result: ToolResult = { content: [{ type: "text", text: got.text }] };
+    afterAnswer.set(result, got.written);
+    return result;
   } catch (e) {
+    void running.then((got) => typeof got === "object" && got.written(false), () => {}); // answered by the deadline
     if (!(e instanceof InterlinkError)) logWarn(`${tool.name} failed: ${(e as Error).stack ?? e}`);
     return { content: [{ type: "text", text: `${tool.name} failed: ${(e as Error).message}` }], isError: true };
   } finally {
@@ -12102,6 +12149,8 @@ class McpStdioServer {
     try {
       if (m.params !== undefined && !isObject(m.params)) throw new McpParamsError("params must be an object");
       const result = await this.#answer(method, (m.params ?? {}) as Record<string, unknown>);
+      const written = afterAnswer.get(result as ToolResult);
+      if (written) return void (await this.#replyThen(id, result!, running, written));
       if (running.cancelled) {
         return logInfo(
           `request ${keptText(id, 100)} (${
@@ -12122,6 +12171,18 @@ class McpStdioServer {
       await this.#fail(id, -32603, (e as Error).message).catch(() => {});
     } finally {
       if (this.#running.get(id) === running) this.#running.delete(id);
+    }
+  }
+
+  /** Answers with a result that waits to hear whether it went out (see ToolAnswer). */
+  async #replyThen(id: string, result: object, running: { cancelled: boolean }, written: (ok: boolean) => void) {
+    let ok = false;
+    try {
+      if (running.cancelled) return logInfo(`request ${keptText(id, 100)} was cancelled by the client: not answered`);
+      await this.#reply(id, { result });
+      ok = true;
+    } finally {
+      written(ok);
     }
   }
 
@@ -12729,8 +12790,9 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   let agent: Agent | null = null;
   let opening: Promise<Agent> | null = null;
   let waker: CodexWaker | null = null;
-  const open = (session?: string): Promise<Agent> =>
-    opening ??= (async () => {
+  const open = (session?: string): Promise<Agent> => {
+    if (opening) return opening;
+    const now = (async () => {
       // Codex has no channel: its sessions are woken by queued turns, and read the rest with check_inbox.
       const cfg = {
         ...prepared!.cfg,
@@ -12761,6 +12823,10 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       if (host === "codex") waker!.kick(); // what waited for this session (adopted, or from before a restart)
       return a;
     })();
+    // One that failed (a full disk, an older server slow to hand over) is tried again by the next tool call.
+    now.catch(() => opening === now && !agent && (opening = null));
+    return (opening = now);
+  };
   /** The agent a tool call runs on: opened now if need be; under Codex, bound to the call's thread. */
   const agentFor = async (tool: ToolSpec, args: Record<string, unknown>, meta: Record<string, unknown> | undefined) => {
     if (agent) return agent;
@@ -13161,11 +13227,14 @@ async function runWait(o: Options): Promise<number> {
       }
       if (current !== mine || serverGone(dir, claude)) return 0;
       journal.catchUp(); // claim (under the lock) only when something unread arrived
-      const items = journal.state.inbox.size ? await claimInbox(journal, 50) : [];
-      if (items.length) {
-        writeStderr(wakeText(items, peers));
-        return WAKE_EXIT_CODE;
-      }
+      // Printed, then marked read: a wait killed in between is not heard (Claude Code reads only an exit 2's stderr).
+      const show = async (items: InboxItem[]) => {
+        if (items.length) writeStderr(wakeText(items, peers));
+        await flushStderr();
+        return true;
+      };
+      const items = journal.state.inbox.size ? await claimInbox(journal, 50, { show }) : [];
+      if (items.length) return WAKE_EXIT_CODE;
       const left = deadline - Date.now();
       if (left <= 0) {
         writeStderr(RENEW_TEXT);
@@ -14691,6 +14760,7 @@ if (import.meta.main) exitWith(main(process.argv.slice(2)));
 
 export {
   addPeer,
+  afterAnswer,
   Agent,
   ANNOUNCE_EVERY_MS,
   ANNOUNCEMENT_MAX_BYTES,
