@@ -11626,12 +11626,21 @@ const TOOLS: ToolSpec[] = [
       // Marked read once the answer is written (the server says so): a cancel or a kill before that loses nothing.
       let written!: (ok: boolean) => void;
       const answered = new Promise<boolean>((r) => (written = r));
+      let given = false;
       return await new Promise<ToolAnswer>((resolve, reject) => {
         claimInbox(agent.journal, (a.limit as number | undefined) ?? 20, {
           peek: a.peek === true,
           skip: (id) => agent.pushingItems.has(id), // its push shows it
-          show: (items) => (resolve({ text: inboxAnswer(agent, items), written }), items.length ? answered : true),
-        }).catch(reject);
+          show: (items) => {
+            given = true;
+            resolve({ text: inboxAnswer(agent, items), written });
+            return items.length ? answered : true;
+          },
+        }).catch((e) =>
+          given
+            ? logWarn(`check_inbox answered, but could not mark its messages read (they come again): ${errorText(e)}`)
+            : reject(e)
+        );
       });
     },
   },
