@@ -12925,8 +12925,21 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     parent_peer: o["parent-peer"] as string | undefined,
   };
   const dir = sessionDir(cfg.stateDir, cfg.session);
-  const owner = lockOwner(path.join(dir, "agent.lock"));
-  if (owner?.role === SERVER_ROLE) {
+  const server = () => {
+    const owner = lockOwner(path.join(dir, "agent.lock"));
+    return owner?.role === SERVER_ROLE ? owner : null;
+  };
+  let owner = server();
+  let agent: Agent | null = null;
+  if (!owner) {
+    try {
+      agent = await Agent.open(cfg, "interlink send", { identity: id, now: nodeClock(), host: "cli" });
+    } catch (e) {
+      owner = e instanceof LockedError ? server() : null; // a server (re)started meanwhile: it sends
+      if (!owner) throw e;
+    }
+  }
+  if (owner) {
     // A running agent owns delivery on this session: queue into its journal (one
     // O_APPEND write, safe beside its own, under the lock its roll-over takes) and let it send, so nothing goes twice.
     const journal = new Journal(dir, new NodeState());
@@ -12964,18 +12977,18 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     }
     return 0;
   }
-  const agent = await Agent.open(cfg, "interlink send", { identity: id, now: nodeClock(), host: "cli" });
+  const cli = agent!;
   try {
-    const sent = await agent.send(input);
-    await agent.flushOutbox(Date.now() + SEND_TIMEOUT_MS + 1000);
-    const entry = agent.state.entry(sent.entry.msg.msg_id) ?? sent.entry; // as it stands now
+    const sent = await cli.send(input);
+    await cli.flushOutbox(Date.now() + SEND_TIMEOUT_MS + 1000);
+    const entry = cli.state.entry(sent.entry.msg.msg_id) ?? sent.entry; // as it stands now
     print(
-      `${describeSettled(agent, entry)} — ${sent.note}` +
+      `${describeSettled(cli, entry)} — ${sent.note}` +
         (entry.sentAt || entry.refused ? "" : "; the next `interlink.ts send` or `mcp` on this session retries it"),
     );
     return 0;
   } finally {
-    await agent.stop();
+    await cli.stop();
   }
 }
 
