@@ -5320,6 +5320,7 @@ describe("delegation across hops: the chain, and what each node decides (pure)",
       requester: mallory.publicKey,
     });
     expect(send({ parent_peer: "dave" })).toThrow("no peer 'dave'");
+    expect(send({ parent_peer: "alice", parent_task_id: undefined })).toThrow("give parent_task_id too");
     // alice cancels hers: naming it is refused, and an unnamed parent is not taken to be mallory's.
     const cancel = await signMessage(
       alice,
@@ -8530,6 +8531,44 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
           expect(lines.filter((l) => l.includes("9007199254740993"))).toEqual([]);
           expect(lines.filter((l) => l.startsWith('{"jsonrpc":"2.0","id":9007199254740992,"result"')).length).toBe(1);
           await mcp.stderrLine(/request 9007199254740993 \(tools\/call\) finished after the client cancelled it/);
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `on ${runtime}: a check_inbox cancelled as it is answered leaves its messages unread (the client drops a late answer); one answered and not cancelled marks them read`,
+      async () => {
+        const node = await nodeEnv();
+        const dir = path.join(node.env.INTERLINK_STATE, "sessions", "solo");
+        fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
+        const msg = await signMessage(alice, { to: bob.publicKey, text: "read me once" }, Date.now());
+        fs.writeFileSync(
+          path.join(dir, "log.jsonl"),
+          JSON.stringify({ t: "in", at: Date.now(), peer: "alice", msg }) + "\n",
+        );
+        const mcp = new RawMcp(runtime, { ...node.env, INTERLINK_DELIVERY: "inbox" });
+        const check = (id: string) => ({
+          jsonrpc: "2.0",
+          id,
+          method: "tools/call",
+          params: { name: "check_inbox", arguments: {} },
+        });
+        try {
+          mcp.send(initialize, { jsonrpc: "2.0", method: "notifications/initialized" });
+          await mcp.until('"init"');
+          mcp.send(check("c1"));
+          expect((await mcp.until('"c1"')).join("\n")).toContain("read me once");
+          // The client gave up on c1 before it read the answer: its cancel crosses the answer.
+          mcp.send({ jsonrpc: "2.0", method: "notifications/cancelled", params: { requestId: "c1" } });
+          mcp.send(check("c2"));
+          expect((await mcp.until('"c2"')).join("\n")).toContain("read me once");
+          mcp.send(check("c3"));
+          expect((await mcp.until('"c3"')).join("\n")).toContain("no unread messages");
+          await mcp.stderrLine(/request "?c1"? was cancelled as it was answered: taken as not read/);
         } finally {
           mcp.close();
           node.close();

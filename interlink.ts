@@ -9214,6 +9214,9 @@ function prepareSend(
   const broken = lifecycleError(tasks, draft) ?? forwardedAnswer(peers, tasks, draft);
   if (broken) throw new InterlinkError(broken);
   const parentId = input.parent_task_id;
+  if (input.parent_peer !== undefined && parentId === undefined) {
+    throw new InterlinkError("parent_peer says whose task parent_task_id is: give parent_task_id too");
+  }
   const chain = parentId === undefined
     ? undefined
     : subTaskChain(peers, tasks, draft, parentId, { selfKey, ...hops, parentPeer: input.parent_peer });
@@ -9232,7 +9235,8 @@ function forwardedAnswer(peers: Peers, tasks: ReadonlyMap<string, TaskRow>, draf
     if (!f) continue;
     const owner = peers.byKey.get(f.to) ?? fingerprint(f.to);
     return `question ${draft.in_reply_to} was forwarded to ${owner} on task ${showId(f.task_id)} (as ${f.as}): ` +
-      `their operator answers it, and the answer goes on by itself; to add something, send without in_reply_to`;
+      `their operator answers it, and the answer goes on by itself; to add something, send without in_reply_to ` +
+      `(if no answer can come, tell ${peers.byKey.get(draft.to) ?? fingerprint(draft.to)} so, or cancel the task)`;
   }
   return null;
 }
@@ -9702,6 +9706,7 @@ class Agent {
     // A CLI `send` holds the lock a few seconds at most; an older server asked to stop needs a moment (another
     // server is not waited for).
     const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== SERVER_ROLE || asked);
+    let agent: Agent | undefined;
     try {
       fs.rmSync(path.join(dir, "handover"), { force: true });
       // A roll-over cut short by a crash leaves its new file beside the journal, and maybe an archive that is still
@@ -9713,7 +9718,7 @@ class Agent {
         if (stale) fs.rmSync(path.join(dir, f));
       }
       adoptLegacyJournal(cfg.stateDir, dir);
-      const agent = new Agent(cfg, id, lock, opts.now ?? Date.now, opts.host);
+      agent = new Agent(cfg, id, lock, opts.now ?? Date.now, opts.host);
       agent.peers();
       agent.journal.catchUp();
       await agent.#rollJournal();
@@ -9724,6 +9729,10 @@ class Agent {
       if (opts.adopt !== false) await agent.adoptEnded(true);
       return agent;
     } catch (e) {
+      // Half open (a full disk in the journal's roll-over): what it opened is closed, as stop() would.
+      agent?.journal.close();
+      agent?.seen.close();
+      await Promise.allSettled(agent?.relays.map((r) => r.close()) ?? []);
       lock.release();
       throw e;
     }
@@ -11135,7 +11144,7 @@ function inboxAnswer(agent: Agent, items: InboxItem[]): string {
   const recent = [...agent.state.pushed.values()].filter((p) => agent.now() - p.at < 60 * 60_000);
   return recent.length
     ? `no unread messages. Pushed to you as channel events in the last hour (listed again in case this session did not show them; if it did, they are not new):\n\n${
-      formatInbox(recent.map((p) => agent.state.readable(p.item)), agent.peers())
+      formatInbox(recent.flatMap((p) => agent.state.readableOr(p.item, []) ?? []), agent.peers())
     }`
     : "no unread messages (delivery mode channel: messages arrive as channel events)";
 }
@@ -11632,8 +11641,9 @@ const TOOLS: ToolSpec[] = [
           peek: a.peek === true,
           skip: (id) => agent.pushingItems.has(id), // its push shows it
           show: (items) => {
+            const text = inboxAnswer(agent, items);
             given = true;
-            resolve({ text: inboxAnswer(agent, items), written });
+            resolve({ text, written });
             return items.length ? answered : true;
           },
         }).catch((e) =>
@@ -11907,6 +11917,15 @@ const MCP_PROTOCOL_VERSIONS = ["2025-11-25", "2025-06-18", "2025-03-26", "2024-1
 const MCP_END_GRACE_MS = 5_000;
 
 /**
+ * How long after an answer a cancel of its request still counts (see ToolAnswer): a client that cancelled before it
+ * read the answer drops it, as the spec says. A busy client's later cancel is past it: what was answered stands.
+ */
+const ANSWER_CANCEL_GRACE_MS = 1_000;
+
+/** A request being answered: cancelled by the client?, and who waits to hear of it. */
+type Running = { cancelled: boolean; onCancel?: () => void };
+
+/**
  * The longest line the server reads, in UTF-16 code units: a send_message at TEXT_LIMIT_BYTES with every character
  * escaped as \uXXXX (6 each) fits with room to spare. A longer line is read to its end but not kept (see serve).
  */
@@ -12027,7 +12046,7 @@ class McpStdioServer {
   /** Resolves, with why, when the client is gone (stdin ended, stdout broken). */
   readonly closed = new Promise<string>((resolve) => (this.#closed = resolve));
   /** Requests being answered, by id text → cancelled by the client? (bounded by what the client has in flight). */
-  #running = new Map<string, { cancelled: boolean }>();
+  #running = new Map<string, Running>();
   /** Requests read and not yet answered (bounded like #running). */
   #inFlight = new Set<Promise<void>>();
 
@@ -12153,14 +12172,14 @@ class McpStdioServer {
     if (typeof m.method !== "string") return invalid(id, "no method");
     if (m.params !== undefined && typeof m.params !== "object") return invalid(id, "params must be an object");
     const method = m.method;
-    const running = { cancelled: false };
+    const running: Running = { cancelled: false };
     this.#running.set(id, running);
     try {
       if (m.params !== undefined && !isObject(m.params)) throw new McpParamsError("params must be an object");
       const result = await this.#answer(method, (m.params ?? {}) as Record<string, unknown>);
-      const written = afterAnswer.get(result as ToolResult);
-      if (written) return void (await this.#replyThen(id, result!, running, written));
+      const written = result && afterAnswer.get(result as ToolResult);
       if (running.cancelled) {
+        written?.(false);
         return logInfo(
           `request ${keptText(id, 100)} (${
             keptText(method, 100)
@@ -12168,6 +12187,7 @@ class McpStdioServer {
         );
       }
       if (result === null) await this.#fail(id, -32601, `Method not found: ${method}`);
+      else if (written) await this.#replyHeard(id, result, running, written);
       else await this.#reply(id, { result });
     } catch (e) {
       if (running.cancelled) {
@@ -12183,13 +12203,17 @@ class McpStdioServer {
     }
   }
 
-  /** Answers with a result that waits to hear whether it went out (see ToolAnswer). */
-  async #replyThen(id: string, result: object, running: { cancelled: boolean }, written: (ok: boolean) => void) {
+  /** Answers with a result that waits to hear whether it was taken: not if a cancel crosses it (see ToolAnswer). */
+  async #replyHeard(id: string, result: object, running: Running, written: (ok: boolean) => void): Promise<void> {
     let ok = false;
     try {
-      if (running.cancelled) return logInfo(`request ${keptText(id, 100)} was cancelled by the client: not answered`);
       await this.#reply(id, { result });
-      ok = true;
+      // A cancel may come while the answer is being written, or within the grace after it.
+      ok = !running.cancelled && await new Promise<boolean>((resolve) => {
+        const heard = setTimeout(() => resolve(true), ANSWER_CANCEL_GRACE_MS);
+        running.onCancel = () => (clearTimeout(heard), resolve(false));
+      });
+      if (!ok) logInfo(`request ${keptText(id, 100)} was cancelled as it was answered: taken as not read`);
     } finally {
       written(ok);
     }
@@ -12202,6 +12226,7 @@ class McpStdioServer {
       const id = requestIdText(params.requestId, raws.get(params)?.requestId);
       const running = id === undefined ? undefined : this.#running.get(id);
       if (running) running.cancelled = true;
+      running?.onCancel?.();
     }
   }
 
