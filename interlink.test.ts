@@ -6770,6 +6770,45 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
   );
 
   test(
+    "a channel session that opens with unread messages pushes them one by one; a check_inbox called meanwhile shows the rest, and no message twice",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
+      try {
+        const texts = ["m1", "m2", "m3", "m4"];
+        for (const text of texts) {
+          const msg = await signMessage(A.id, { to: B.id.publicKey, text }, Date.now());
+          expect((await bob.receive({ ...msg, reply_to: `${A.id.publicKey}#${A.name}` }))?.verdict).toBe("deliver");
+        }
+        bob.cfg.delivery = "channel"; // as a session reopened in channel mode finds them
+        const pushed: string[] = [];
+        let during: Promise<string> | undefined;
+        bob.push = async (e) => {
+          // The model looks as the first push goes out; its answer is taken a moment later (the server's grace).
+          during ??= (async () => {
+            const r = await runTool(bob, TOOLS.find((t) => t.name === "check_inbox")!, {});
+            await new Promise((r) => setTimeout(r, 500));
+            afterAnswer.get(r)?.(true);
+            return r.content[0].text;
+          })();
+          await new Promise((r) => setTimeout(r, 200));
+          pushed.push(e.content);
+        };
+        bob.startReceiving();
+        await eventually(() => bob.state.inbox.size === 0 && during !== undefined, "every message shown");
+        const listed = await during!;
+        const seen = texts.map((t) => pushed.filter((c) => c === t).length + (listed.includes(`\n${t}\n`) ? 1 : 0));
+        expect(seen).toEqual([1, 1, 1, 1]);
+      } finally {
+        await bob.stop();
+        await shutdown();
+      }
+    },
+    60_000,
+  );
+
+  test(
     "a server whose session could not open (its lock held past the wait) opens it on the next tool call, not never",
     async () => {
       const { root, B } = await twoPeers();

@@ -8404,6 +8404,7 @@ interface InboundContext {
   chain?: ChainCheck | null; // what judgeChain found of the payload's chain (null: none)
   maxDepth?: number; // --max-depth; DEFAULT_MAX_DEPTH if absent
   selfName?: string; // for what it writes passing a message along ("carol asks, via bob: …")
+  showing?: ReadonlySet<string>; // inbox items a check_inbox is showing: not pushed again meanwhile
 }
 
 // ============================================================================
@@ -8497,7 +8498,13 @@ async function claimInbox(from: Journal | string, limit: number, claim: Claim = 
       const shown = (await claim.show?.(items)) ?? true;
       if (items.length) failpoint("inbox-shown-not-marked");
       const marks = shown && !claim.peek ? items.map((i): NewRecord => ({ t: "shown", item: i.id, via: "inbox" })) : [];
-      if (marks.length || gone.length) await journal.appendDurable([...marks, ...gone]);
+      try {
+        if (marks.length || gone.length) await journal.appendDurable([...marks, ...gone]);
+      } catch (e) {
+        // Shown, not recorded (a full disk): this process does not show them again as new; a restart may, once.
+        for (const r of marks) journal.state.apply({ ...r, at: journal.now() } as JournalRecord);
+        throw e;
+      }
       return items;
     });
   } finally {
@@ -8851,10 +8858,10 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
     case "reject": {
       // A message admitted before whose passing along was cut short (a crash before its ack): done now.
       const repair = v.reason === "replay" && v.msg ? repairHops(v.msg, ctx) : [];
-      if (v.reason === "replay" && v.msg && canPush && state.unshown(v.msg)) {
+      const key = v.msg && messageKey(v.msg.from, v.msg.msg_id);
+      if (v.reason === "replay" && v.msg && canPush && state.unshown(v.msg) && !ctx.showing?.has(key!)) {
         // Journaled but never shown (a crash between the record and the push): show it now, once.
-        const item = state.inbox.get(messageKey(v.msg.from, v.msg.msg_id)) ??
-          state.inbox.get(knockItem(v.msg.from, v.msg.msg_id))!;
+        const item = state.inbox.get(key!) ?? state.inbox.get(knockItem(v.msg.from, v.msg.msg_id))!;
         return [...showByPush(state.readable(item), ctx.peers), { do: "sync" }, ...repair, { do: "ack" }];
       }
       // Refused for now, not for good: unacked, so the bus keeps it and hands it over again later.
@@ -9645,6 +9652,8 @@ class Agent {
   readonly pushing = new Set<Promise<void>>();
   /** Inbox items a push will show (from their admission until the push is done): check_inbox leaves them to it. */
   readonly pushingItems = new Set<string>();
+  /** Inbox items a check_inbox is showing, until it has marked them read or given up: no push shows them meanwhile. */
+  readonly showingItems = new Set<string>();
   /** Set for a host woken from outside (Codex): the inbox may have gained. */
   onInbox: (() => void) | null = null;
 
@@ -10118,14 +10127,19 @@ class Agent {
     if (!this.#canPush()) return;
     const done = this.#receiving.then(async () => {
       for (const held of [...this.state.inbox.values()]) {
-        if (!this.state.inbox.has(held.id)) continue;
+        if (!this.state.inbox.has(held.id) || this.showingItems.has(held.id)) continue;
         const gone: NewRecord[] = [];
         const item = this.state.readableOr(held, gone);
         if (!item) {
           await this.journal.appendDurable(gone);
           continue;
         }
-        await this.carryOut([...showByPush(item, this.peers()), { do: "sync" }], () => Promise.resolve());
+        this.pushingItems.add(held.id);
+        try {
+          await this.carryOut([...showByPush(item, this.peers()), { do: "sync" }], () => Promise.resolve());
+        } finally {
+          this.pushingItems.delete(held.id);
+        }
       }
     });
     this.#receiving = done.catch(() => {});
@@ -10527,6 +10541,7 @@ class Agent {
         ...some("chain", chain),
         maxDepth: this.cfg.maxDepth ?? DEFAULT_MAX_DEPTH,
         selfName: this.cfg.name,
+        showing: this.showingItems,
       });
       pushes = effects.flatMap((e) =>
         e.do === "append" ? e.records.flatMap((r) => (r.t === "shown" && r.via === "push" ? [r.item] : [])) : []
@@ -11635,7 +11650,7 @@ const TOOLS: ToolSpec[] = [
       // Marked read once the answer is written (the server says so): a cancel or a kill before that loses nothing.
       let written!: (ok: boolean) => void;
       const answered = new Promise<boolean>((r) => (written = r));
-      let given = false;
+      let given = false, showing: string[] = [];
       return await new Promise<ToolAnswer>((resolve, reject) => {
         claimInbox(agent.journal, (a.limit as number | undefined) ?? 20, {
           peek: a.peek === true,
@@ -11643,14 +11658,18 @@ const TOOLS: ToolSpec[] = [
           show: (items) => {
             const text = inboxAnswer(agent, items);
             given = true;
+            showing = items.map((i) => i.id);
+            for (const id of showing) agent.showingItems.add(id); // no push shows them meanwhile
             resolve({ text, written });
-            return items.length ? answered : true;
+            // A client that does not read its answer holds the lock no longer than the others wait for it: the
+            // messages stay unread, and may come again.
+            return items.length ? Promise.race([answered, sleep(SHORT_LOCK_WAIT_MS / 2).then(() => false)]) : true;
           },
         }).catch((e) =>
           given
             ? logWarn(`check_inbox answered, but could not mark its messages read (they come again): ${errorText(e)}`)
             : reject(e)
-        );
+        ).finally(() => showing.forEach((id) => agent.showingItems.delete(id)));
       });
     },
   },
