@@ -8617,6 +8617,48 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
     );
 
     test.concurrent(
+      `on ${runtime}: a check_inbox whose answer the client does not read holds the inbox lock no longer than others wait for it: the Stop hook's wait gets the messages`,
+      async () => {
+        const node = await nodeEnv();
+        const dir = path.join(node.env.INTERLINK_STATE, "sessions", "solo");
+        fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
+        const lines: string[] = [];
+        for (let i = 0; i < 12; i++) {
+          const msg = await signMessage(
+            alice,
+            { to: bob.publicKey, text: `big ${i} ` + "x".repeat(100_000) },
+            Date.now(),
+          );
+          lines.push(JSON.stringify({ t: "in", at: Date.now(), peer: "alice", msg }));
+        }
+        fs.writeFileSync(path.join(dir, "log.jsonl"), lines.join("\n") + "\n");
+        const mcp = new RawMcp(runtime, { ...node.env, INTERLINK_DELIVERY: "inbox" });
+        try {
+          mcp.send(initialize, { jsonrpc: "2.0", method: "notifications/initialized" });
+          await mcp.until('"init"');
+          mcp.reading(false); // 1.2 MB of answer: more than a pipe or a socket holds
+          mcp.send({ jsonrpc: "2.0", id: "c1", method: "tools/call", params: { name: "check_inbox", arguments: {} } });
+          await mcp.stderrLine(/ready: /);
+          const wait = await runCliAsync(
+            "bun",
+            ["wait", "--session", "solo", "--delivery", "inbox", "--timeout", "30"],
+            {
+              env: node.env,
+            },
+          );
+          expect({ code: wait.code, got: [0, 5, 11].map((i) => wait.stderr.includes(`big ${i} `)) })
+            .toEqual({ code: 2, got: [true, true, true] });
+          mcp.reading(true);
+          expect((await mcp.until('"c1"')).join("\n")).toContain("big 0 ");
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
       `on ${runtime}: a line past MCP_LINE_MAX_CHARS is not kept: answered -32600 under its id, found even at its end; the server serves on`,
       async () => {
         const node = await nodeEnv();

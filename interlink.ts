@@ -441,6 +441,8 @@ interface DenoRuntime {
   version: { deno: string };
   /** One write(2): the bytes it took, or a WouldBlock error when a non-blocking pipe took none. */
   stderr: { writeSync(p: Uint8Array): number };
+  /** Writes some of `p` off the event loop (node:fs's write to a full pipe holds the whole loop under Deno). */
+  stdout: { write(p: Uint8Array): Promise<number> };
   execPath(): string;
   serve(
     options: {
@@ -724,15 +726,29 @@ function readStdinText(onText: (text: string) => void, onEnd: () => void): void 
 /** Writes to stdout, resolving once it is written (a full pipe is waited out); rejects once stdout is gone. */
 async function writeStdout(text: string): Promise<void> {
   const bytes = Buffer.from(text);
-  for (let done = 0; done < bytes.length;) {
-    done += await new Promise<number>((resolve, reject) =>
-      fs.write(1, bytes, done, bytes.length - done, null, (e, n) => {
-        if (e?.code === "EAGAIN") setTimeout(() => resolve(0), 10);
-        else if (e) reject(e);
-        else resolve(n);
-      })
-    );
+  for (let done = 0; done < bytes.length;) done += await writeSomeStdout(bytes.subarray(done));
+}
+
+/**
+ * One write(2) to stdout: the bytes it took, or 0 after a pause when a non-blocking pipe is full. Under Deno through
+ * its own stdout, off the event loop: node:fs's write to a full pipe holds Deno's whole loop (no timer, no mail).
+ */
+function writeSomeStdout(bytes: Uint8Array): Promise<number> {
+  const full = () => sleep(10).then(() => 0);
+  const deno = runtimeHost.Deno;
+  if (deno) {
+    return deno.stdout.write(bytes).catch((e) => ((e as Error).name === "WouldBlock" ? full() : Promise.reject(e)));
   }
+  return new Promise((resolve, reject) =>
+    fs.write(
+      1,
+      bytes,
+      0,
+      bytes.length,
+      null,
+      (e, n) => (e?.code === "EAGAIN" ? resolve(full()) : e ? reject(e) : resolve(n)),
+    )
+  );
 }
 
 /** "bun 1.4.5" or "deno 2.9.6": the runtime running this file. */
