@@ -8489,8 +8489,12 @@ function messageBlock(
 interface Claim {
   peek?: boolean; // show without marking read
   skip?: (id: string) => boolean; // items another path is showing (a push under way)
-  /** Shows the items; they are marked read only if it says they reached the reader (false: a cancel, a failure). */
-  show?: (items: InboxItem[]) => boolean | Promise<boolean>;
+  fit?: (items: InboxItem[]) => InboxItem[]; // the first of them that one answer can hold (see fitInbox)
+  /**
+   * Shows the items (`more`: fit left some out); they are marked read only if it says they reached the reader (false:
+   * a cancel, a failure).
+   */
+  show?: (items: InboxItem[], more: boolean) => boolean | Promise<boolean>;
 }
 
 /**
@@ -8510,8 +8514,9 @@ async function claimInbox(from: Journal | string, limit: number, claim: Claim = 
       }
       // Read back whole before they are shown; one that no longer reads back is taken out (`gone`).
       const gone: NewRecord[] = [];
-      const items = held.flatMap((i) => journal.state.readableOr(i, gone) ?? []);
-      const shown = (await claim.show?.(items)) ?? true;
+      const read = held.flatMap((i) => journal.state.readableOr(i, gone) ?? []);
+      const items = claim.fit ? claim.fit(read) : read;
+      const shown = (await claim.show?.(items, items.length < read.length)) ?? true;
       if (items.length) failpoint("inbox-shown-not-marked");
       const marks = shown && !claim.peek ? items.map((i): NewRecord => ({ t: "shown", item: i.id, via: "inbox" })) : [];
       try {
@@ -8527,6 +8532,26 @@ async function claimInbox(from: Journal | string, limit: number, claim: Claim = 
     if (typeof from === "string") journal.close();
   }
 }
+
+/**
+ * How many characters of inbox one answer holds (check_inbox, `wait`'s wake text): Claude Code cuts a tool's answer
+ * past 25,000 tokens (MAX_MCP_OUTPUT_TOKENS), and what it cuts would be marked read unseen. Peers choose how long
+ * their messages are (a hidden character is shown as 8), so the rest waits for the next call.
+ */
+const INBOX_ANSWER_MAX_CHARS = 60_000;
+
+/** The first `items` that fit INBOX_ANSWER_MAX_CHARS as formatInbox shows them; always at least one. */
+function fitInbox(items: InboxItem[], peers: Peers): InboxItem[] {
+  let chars = 0;
+  for (let n = 0; n < items.length; n++) {
+    chars += formatInbox([items[n]], peers).length + 2;
+    if (n > 0 && chars > INBOX_ANSWER_MAX_CHARS) return items.slice(0, n);
+  }
+  return items;
+}
+
+/** What an answer that fitInbox cut says at its end. */
+const MORE_WAITING = "\n\n(more unread messages wait: call check_inbox again)";
 
 /** Inbox items as the model reads them (check_inbox, `wait`): a notice says in our words that it is not a peer's. */
 function formatInbox(items: InboxItem[], peers: Peers): string {
@@ -11671,15 +11696,15 @@ const TOOLS: ToolSpec[] = [
         claimInbox(agent.journal, (a.limit as number | undefined) ?? 20, {
           peek: a.peek === true,
           skip: (id) => agent.pushingItems.has(id), // its push shows it
-          show: (items) => {
-            const text = inboxAnswer(agent, items);
+          fit: (items) => fitInbox(items, agent.peers()),
+          show: (items, more) => {
+            const text = inboxAnswer(agent, items) + (more ? MORE_WAITING : "");
             given = true;
             showing = items.map((i) => i.id);
             for (const id of showing) agent.showingItems.add(id); // no push shows them meanwhile
             resolve({ text, written });
-            // A client that does not read its answer holds the lock no longer than the others wait for it: the
-            // messages stay unread, and may come again.
-            return items.length ? Promise.race([answered, sleep(SHORT_LOCK_WAIT_MS / 2).then(() => false)]) : true;
+            // Held until the client has the answer: given up sooner, a late reader would be shown it all again.
+            return items.length ? answered : true;
           },
         }).catch((e) =>
           given
@@ -13310,12 +13335,13 @@ async function runWait(o: Options): Promise<number> {
       if (current !== mine || serverGone(dir, claude)) return 0;
       journal.catchUp(); // claim (under the lock) only when something unread arrived
       // Printed, then marked read: a wait killed in between is not heard (Claude Code reads only an exit 2's stderr).
-      const show = async (items: InboxItem[]) => {
-        if (items.length) writeStderr(wakeText(items, peers));
+      const fit = (items: InboxItem[]) => fitInbox(items, peers);
+      const show = async (items: InboxItem[], more: boolean) => {
+        if (items.length) writeStderr(wakeText(items, peers) + (more ? MORE_WAITING + "\n" : ""));
         await flushStderr();
         return true;
       };
-      const items = journal.state.inbox.size ? await claimInbox(journal, 50, { show }) : [];
+      const items = journal.state.inbox.size ? await claimInbox(journal, 50, { fit, show }) : [];
       if (items.length) return WAKE_EXIT_CODE;
       const left = deadline - Date.now();
       if (left <= 0) {
@@ -14899,6 +14925,7 @@ export {
   identityFromSeed,
   idProblem,
   importPinned,
+  INBOX_ANSWER_MAX_CHARS,
   inodeOf,
   INSTRUCTIONS_MAX_CHARS,
   InterlinkError,
