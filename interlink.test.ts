@@ -6247,6 +6247,18 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
     afterAnswer.get(result)?.(true); // as the MCP server does once it has written the answer
     return result.content[0].text;
   };
+  /** bob on a bus of his own, in-process, delivery inbox; `deliver` hands him a message of alice's as a relay would. */
+  async function inboxBob() {
+    const { root, A, B } = await twoPeers();
+    const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+    const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
+    const deliver = async (text: string) => {
+      const msg = await signMessage(A.id, { to: B.id.publicKey, text }, Date.now());
+      expect((await bob.receive({ ...msg, reply_to: `${A.id.publicKey}#${A.name}` }))?.verdict).toBe("deliver");
+      return msg;
+    };
+    return { A, B, bob, deliver, close: async () => (await bob.stop(), await shutdown()) };
+  }
   /** Every journal line of a session, its archives first. */
   const allRecords = (dir: string) => journalFiles(dir).flatMap((f) => readJsonl(f, () => {}));
   /** The admissions the replay files of a state root hold ("<sender> <msg_id>"). */
@@ -6709,14 +6721,7 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
   test(
     "check_inbox and wait mark read only what reached the reader: an answer not written (a cancel), or a wait killed after printing, leaves every message unread; an item a push is under way for is left to the push",
     async () => {
-      const { root, A, B } = await twoPeers();
-      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
-      const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
-      const deliver = async (text: string) => {
-        const msg = await signMessage(A.id, { to: B.id.publicKey, text }, Date.now());
-        expect((await bob.receive({ ...msg, reply_to: `${A.id.publicKey}#${A.name}` }))?.verdict).toBe("deliver");
-        return msg;
-      };
+      const { A, B, bob, deliver, close } = await inboxBob();
       const shownItems = () => allRecords(sessionOf(B)).filter((r) => r.t === "shown").map((r) => r.item);
       try {
         await deliver("one");
@@ -6763,8 +6768,7 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
         expect(events).toEqual(["four"]);
         expect(shownItems().filter((id) => id === `${A.id.publicKey} ${four.msg_id}`)).toHaveLength(1);
       } finally {
-        await bob.stop();
-        await shutdown();
+        await close();
       }
     },
     90_000,
@@ -6773,16 +6777,11 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
   test(
     "check_inbox and wait answer at most INBOX_ANSWER_MAX_CHARS of inbox (Claude Code cuts a longer answer, which would be marked read unseen): the rest waits for the next call, each message shown once",
     async () => {
-      const { root, A, B } = await twoPeers();
-      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
-      const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
+      const { B, bob, deliver, close } = await inboxBob();
       try {
         // Hidden characters are shown as <U+200B>, eight times as long: what a peer sends is not what the answer holds.
         const texts = Array.from({ length: 12 }, (_, i) => `m${i} ` + "\u200b".repeat(2_000));
-        for (const text of texts) {
-          const msg = await signMessage(A.id, { to: B.id.publicKey, text }, Date.now());
-          expect((await bob.receive({ ...msg, reply_to: `${A.id.publicKey}#${A.name}` }))?.verdict).toBe("deliver");
-        }
+        for (const text of texts) await deliver(text);
         const seen = new Map<string, number>();
         const take = (answer: string) => {
           for (const m of answer.matchAll(/\n(m\d+) /g)) seen.set(m[1], (seen.get(m[1]) ?? 0) + 1);
@@ -6807,8 +6806,7 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
         }
         expect(texts.map((_, i) => seen.get(`m${i}`))).toEqual(texts.map(() => 1));
       } finally {
-        await bob.stop();
-        await shutdown();
+        await close();
       }
     },
     60_000,
@@ -6817,15 +6815,10 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
   test(
     "a channel session that opens with unread messages pushes them one by one; a check_inbox called meanwhile shows the rest, and no message twice",
     async () => {
-      const { root, A, B } = await twoPeers();
-      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
-      const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
+      const { bob, deliver, close } = await inboxBob();
       try {
         const texts = ["m1", "m2", "m3", "m4"];
-        for (const text of texts) {
-          const msg = await signMessage(A.id, { to: B.id.publicKey, text }, Date.now());
-          expect((await bob.receive({ ...msg, reply_to: `${A.id.publicKey}#${A.name}` }))?.verdict).toBe("deliver");
-        }
+        for (const text of texts) await deliver(text);
         bob.cfg.delivery = "channel"; // as a session reopened in channel mode finds them
         const pushed: string[] = [];
         let during: Promise<string> | undefined;
@@ -6846,8 +6839,7 @@ describe("a backlog waits on disk, not in memory; nothing is lost, sent twice or
         const seen = texts.map((t) => pushed.filter((c) => c === t).length + (listed.includes(`\n${t}\n`) ? 1 : 0));
         expect(seen).toEqual([1, 1, 1, 1]);
       } finally {
-        await bob.stop();
-        await shutdown();
+        await close();
       }
     },
     60_000,
