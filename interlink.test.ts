@@ -24,8 +24,6 @@ import {
   b64urlEncode,
   Backlog,
   BODY_LIMIT_BYTES,
-  Bus,
-  BusQueues,
   canonicalBytes,
   type Carried,
   type CarriedOut,
@@ -37,8 +35,6 @@ import {
   chooseRoute,
   claimInbox,
   commandTable,
-  CONN_BODY_MS,
-  CONN_IDLE_MS,
   connectNats,
   conversation,
   corruptCount,
@@ -84,21 +80,17 @@ import {
   journalFiles,
   type JournalRecord,
   JsonlWriter,
-  jsonResponse,
   judgeChain,
   judgeInvite,
   lanAddresses,
   legacyAnnouncementBytes,
   lifecycleError,
   type LineRef,
-  type Listening,
   LockedError,
   lockOwner,
   MCP_LINE_MAX_CHARS,
   mcpJson,
-  MESSAGE_OVERHEAD_BYTES,
   messageBlock,
-  messageHead,
   messagePayload,
   NATS_STREAM,
   natsConsumer,
@@ -108,7 +100,6 @@ import {
   natsSubject,
   type NewRecord,
   NodeState,
-  OPAQUE_CAP,
   openRelay,
   parseAnnouncement,
   parseBusUrls,
@@ -139,29 +130,22 @@ import {
   receiptText,
   RECV_ANSWER_MAX_BYTES,
   RECV_BATCH,
-  RECV_BATCH_BYTES,
-  RECV_TIMEOUT_MAX_MS,
   recvProofBytes,
-  recvTimeoutMs,
   redactUrl,
   type Remembered,
   removePeer,
   RENEW_TEXT,
   ReplayMemory,
-  Roster,
   ROSTER_ANSWER_MAX_BYTES,
   ROSTER_CAP,
-  ROSTER_PER_ADDRESS_CAP,
   ROSTER_PER_KEY_CAP,
   ROSTER_RETENTION_MS,
   rosterKey,
   ROUTE_FULL,
-  ROUTE_OVERHEAD_BYTES,
   runTool,
   scanJournal,
   scanJsonl,
   SEND_WINDOW,
-  serveHttp,
   SERVER_ROLE,
   serverInstructions,
   sessionIds,
@@ -170,7 +154,6 @@ import {
   signAnnouncement,
   type SignedMessage,
   signMessage,
-  splitUrl,
   type TaskRow,
   taskTable,
   taskTag,
@@ -186,8 +169,28 @@ import {
   withFileLock,
   writeKeyFile,
 } from "./interlink.ts";
+import {
+  Bus,
+  BusQueues,
+  CONN_BODY_MS,
+  CONN_IDLE_MS,
+  jsonResponse,
+  type Listening,
+  MESSAGE_OVERHEAD_BYTES,
+  messageHead,
+  OPAQUE_CAP,
+  RECV_BATCH_BYTES,
+  RECV_TIMEOUT_MAX_MS,
+  recvTimeoutMs,
+  Roster,
+  ROSTER_PER_ADDRESS_CAP,
+  ROUTE_OVERHEAD_BYTES,
+  serveHttp,
+  splitUrl,
+} from "./bus.ts";
 import { McpSession } from "./dev/harness.ts";
 import { command as boardCommand } from "./extras/board.ts";
+import { command as busCommand } from "./bus.ts";
 import { OPTIONS as BENCH_OPTIONS, PARTS as BENCH_PARTS } from "./dev/bench.ts";
 import { command as demoCommand } from "./dev/demo.ts";
 import { command as codexCommand } from "./extras/codex.ts";
@@ -241,7 +244,13 @@ import {
 } from "./dev/testkit.ts";
 
 /** The extras' commands (files beside interlink.ts that `interlink.ts <name>` runs), as the core's table lists its own. */
-const EXTRA_COMMANDS = { board: boardCommand, "codex-install": codexCommand, demo: demoCommand, verify: verifyCommand };
+const EXTRA_COMMANDS = {
+  board: boardCommand,
+  bus: busCommand,
+  "codex-install": codexCommand,
+  demo: demoCommand,
+  verify: verifyCommand,
+};
 
 sweepAfterAll();
 
@@ -3326,7 +3335,7 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
   test.concurrent(
     "--help for the program and every command is generated from the real flags; --version answers",
     async () => {
-      const commands = commandTable();
+      const commands = commandTable({ bus: busCommand });
       const [top, bunVersion, denoVersion, unknown, nope, ...helps] = await Promise.all([
         runCliAsync("bun", ["--help"]),
         runCliAsync("bun", ["--version"]),
@@ -3458,7 +3467,9 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
     expect(JSON.parse(fs.readFileSync(path.join(REPO, "package.json"), "utf8")).scripts.test).toBe(
       "bun install --frozen-lockfile && bun test",
     );
-    expect(ci).toContain(`npx -y deno@${DENO_VERSION} check interlink.ts`);
+    // Deno checks every file that runs under Deno: the node, the relay, the extras and dev/ (not the tests).
+    expect(ci).toContain("for f in *.ts extras/*.ts dev/*.ts; do");
+    expect(ci).toContain(`npx -y deno@${DENO_VERSION} check $deno_checked`);
   });
 });
 
@@ -3496,77 +3507,86 @@ describe("the docs say what the code does", () => {
   const readme = read("README.md");
   const skill = fs.readFileSync(path.join(REPO, "SKILL.md"), "utf8");
 
-  test("the core reads in the order its header lists, and exports exactly what the extras, the tests and the bench import", () => {
-    const core = read("interlink.ts");
-    const banners = [...core.matchAll(/^\/\/ =+\n\/\/ (.+)\n\/\/ =+$/gm)].map((m) => m[1]);
-    const header = core.slice(core.indexOf("Sections, in dependency order"), core.indexOf("*/"));
-    const listed = header.split("\n").slice(1).filter((l) => l.startsWith(" *   ")).map((l) => l.slice(5)).join(" ")
-      .split(" · ").map((s) => s.trim());
-    expect(listed).toEqual(banners);
-    // One place lists the exports: no declaration is exported where it stands.
-    expect(core.match(/^export /gm)).toEqual(["export ", "export "]);
-    const exported = [...core.matchAll(/^export (?:type )?\{([^}]*)\};/gm)].flatMap((m) =>
-      m[1].split(",").map((n) => n.trim()).filter(Boolean)
-    );
-    const importers = [
-      "interlink.test.ts",
-      ...["extras", "dev"].flatMap((dir) =>
-        fs.readdirSync(path.join(REPO, dir)).filter((f) => f.endsWith(".ts")).map((f) => `${dir}/${f}`)
-      ),
-    ];
-    const imported = new Set<string>();
-    for (const file of importers) {
+  for (const file of ["interlink.ts", "bus.ts"]) {
+    test(`${file} reads in the order its header lists, and exports exactly what the other files import of it`, () => {
       const src = read(file);
-      for (const m of src.matchAll(/import\s*(?:type\s*)?\{([^}]*)\}\s*from\s*"(?:\.\.?\/)+interlink\.ts"/g)) {
-        for (const n of m[1].split(",").map((n) => n.trim()).filter(Boolean)) {
-          imported.add(n.replace(/^type\s+/, "").split(/\s+as\s+/)[0]);
-        }
-      }
-      for (const m of src.matchAll(/const \{([^}]*)\} = await import\("(?:\.\.?\/)+interlink\.ts"\)/g)) {
-        for (const n of m[1].split(",")) imported.add(n.split(":")[0].trim());
-      }
-    }
-    expect([...exported].sort()).toEqual([...imported].sort());
-  });
-
-  test("each section of the core uses only what stands above it (what a name refers to, by the type checker)", async () => {
-    const ts: typeof TS = (await import("typescript")).default;
-    const file = path.join(REPO, "interlink.ts");
-    const program = ts.createProgram([file], { noEmit: true, noResolve: true, allowImportingTsExtensions: true });
-    const sf = program.getSourceFile(file)!, checker = program.getTypeChecker();
-    const starts = [...sf.text.matchAll(/^\/\/ =+\n\/\/ (.+)\n\/\/ =+$/gm)].map((m) => [m.index!, m[1]] as const);
-    const sectionAt = (pos: number) => starts.findLast(([at]) => at <= pos)?.[1];
-    const declaredIn = new Map<TS.Node, { name: string; section?: string }>();
-    for (const st of sf.statements) {
-      const nodes = ts.isVariableStatement(st)
-        ? [...st.declarationList.declarations]
-        : "name" in st && st.name
-        ? [st]
-        : [];
-      for (const node of nodes) {
-        declaredIn.set(node, {
-          name: (node as TS.NamedDeclaration).name!.getText(sf),
-          section: sectionAt(st.getStart(sf)),
-        });
-      }
-    }
-    const below: string[] = [];
-    for (const st of sf.statements) {
-      const here = sectionAt(st.getStart(sf));
-      const visit = (node: TS.Node): void => {
-        if (ts.isIdentifier(node)) {
-          const decl = checker.getSymbolAtLocation(node)?.declarations?.[0];
-          const to = decl && declaredIn.get(decl);
-          if (to && to.section !== here && decl!.getStart(sf) > st.getStart(sf)) {
-            below.push(`${here}: ${node.text} is in ${to.section}, below`);
+      const banners = [...src.matchAll(/^\/\/ =+\n\/\/ (.+)\n\/\/ =+$/gm)].map((m) => m[1]);
+      const header = src.slice(src.indexOf("Sections, in dependency order"), src.indexOf("*/"));
+      const listed = header.split("\n").slice(1).filter((l) => l.startsWith(" *   ")).map((l) => l.slice(5)).join(" ")
+        .split(" · ").map((s) => s.trim());
+      expect(listed).toEqual(banners);
+      // One place lists the exports: no declaration is exported where it stands.
+      expect(src.match(/^export (?!const command)/gm)).toEqual(["export ", "export "]);
+      const exported = [...src.matchAll(/^export (?:type )?\{([^}]*)\};/gm)].flatMap((m) =>
+        m[1].split(",").map((n) => n.trim()).filter(Boolean)
+      );
+      if (/^export const command\b/m.test(src)) exported.push("command"); // a role's CommandSpec, run by interlink.ts
+      const importers = [
+        ...fs.readdirSync(REPO).filter((f) => f.endsWith(".ts") && f !== file),
+        ...["extras", "dev"].flatMap((dir) =>
+          fs.readdirSync(path.join(REPO, dir)).filter((f) => f.endsWith(".ts")).map((f) => `${dir}/${f}`)
+        ),
+      ];
+      const name = file.replace(".", "\\.");
+      const imported = new Set<string>();
+      for (const importer of importers) {
+        const text = read(importer);
+        const from = new RegExp(`import\\s*(?:type\\s*)?\\{([^}]*)\\}\\s*from\\s*"(?:\\.\\.?\\/)+${name}"`, "g");
+        for (const m of text.matchAll(from)) {
+          for (const n of m[1].split(",").map((n) => n.trim()).filter(Boolean)) {
+            imported.add(n.replace(/^type\s+/, "").split(/\s+as\s+/)[0]);
           }
         }
-        ts.forEachChild(node, visit);
-      };
-      ts.forEachChild(st, visit);
-    }
-    expect(below).toEqual([]);
-  });
+        const dynamic = new RegExp(`const \\{([^}]*)\\} = await import\\("(?:\\.\\.?\\/)+${name}"\\)`, "g");
+        for (const m of text.matchAll(dynamic)) {
+          for (const n of m[1].split(",")) imported.add(n.split(":")[0].trim());
+        }
+      }
+      expect([...exported].sort()).toEqual([...imported].sort());
+    });
+  }
+
+  test.each(["interlink.ts", "bus.ts"])(
+    "each section of %s uses only what stands above it (what a name refers to, by the type checker)",
+    async (name) => {
+      const ts: typeof TS = (await import("typescript")).default;
+      const file = path.join(REPO, name);
+      const program = ts.createProgram([file], { noEmit: true, noResolve: true, allowImportingTsExtensions: true });
+      const sf = program.getSourceFile(file)!, checker = program.getTypeChecker();
+      const starts = [...sf.text.matchAll(/^\/\/ =+\n\/\/ (.+)\n\/\/ =+$/gm)].map((m) => [m.index!, m[1]] as const);
+      const sectionAt = (pos: number) => starts.findLast(([at]) => at <= pos)?.[1];
+      const declaredIn = new Map<TS.Node, { name: string; section?: string }>();
+      for (const st of sf.statements) {
+        const nodes = ts.isVariableStatement(st)
+          ? [...st.declarationList.declarations]
+          : "name" in st && st.name
+          ? [st]
+          : [];
+        for (const node of nodes) {
+          declaredIn.set(node, {
+            name: (node as TS.NamedDeclaration).name!.getText(sf),
+            section: sectionAt(st.getStart(sf)),
+          });
+        }
+      }
+      const below: string[] = [];
+      for (const st of sf.statements) {
+        const here = sectionAt(st.getStart(sf));
+        const visit = (node: TS.Node): void => {
+          if (ts.isIdentifier(node)) {
+            const decl = checker.getSymbolAtLocation(node)?.declarations?.[0];
+            const to = decl && declaredIn.get(decl);
+            if (to && to.section !== here && decl!.getStart(sf) > st.getStart(sf)) {
+              below.push(`${here}: ${node.text} is in ${to.section}, below`);
+            }
+          }
+          ts.forEachChild(node, visit);
+        };
+        ts.forEachChild(st, visit);
+      }
+      expect(below).toEqual([]);
+    },
+  );
 
   test("SKILL.md and README.md name every tool the server registers", () => {
     for (const tool of TOOLS) {
@@ -13059,7 +13079,7 @@ describe("malformed requests and failing handlers: never a runtime's error page"
         await server.stop();
       }
       for (const guard of [false, true]) {
-        const code = `import { serveHttp } from ${JSON.stringify(pathToFileURL(SCRIPT).href)};
+        const code = `import { serveHttp } from ${JSON.stringify(pathToFileURL(path.join(REPO, "bus.ts")).href)};
         const s = await serveHttp(() => Promise.reject(new Error(${JSON.stringify(secret)})), "127.0.0.1", 0, ${guard});
         console.log("port " + s.port);`;
         const proc = spawnTracked([denoPath(), "eval", "--quiet", code], { stdout: "pipe", stderr: "pipe" });

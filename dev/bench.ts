@@ -32,15 +32,12 @@ import { parseArgs } from "node:util";
 import {
   addPeer,
   ANNOUNCE_EVERY_MS,
-  errorResponse,
   HttpRelay,
   type Identity,
   identityFromSeed,
   InterlinkError,
   Journal,
   JsonlWriter,
-  jsonResponse,
-  messageHead,
   NatsRelay,
   type NewRecord,
   NodeState,
@@ -56,21 +53,26 @@ import {
   runtimeName,
   selfCommand,
   SEND_TIMEOUT_MS,
-  SENDER_BYTES_MAX,
-  serveHttp,
   shutdownSignal,
   signAnnouncement,
   type SignedMessage,
   signMessage,
   sleep,
-  splitUrl,
   thisScript,
-  TOTAL_BYTES_MAX,
   utf8Bytes,
   VERSION,
   withFileLock,
   writeKeyFile,
 } from "../interlink.ts";
+import {
+  errorResponse,
+  jsonResponse,
+  messageHead,
+  SENDER_BYTES_MAX,
+  serveHttp,
+  splitUrl,
+  TOTAL_BYTES_MAX,
+} from "../bus.ts";
 import { childEnv, McpSession, startChild, startDemoNode, stopChild } from "./harness.ts";
 
 // ============================================================================

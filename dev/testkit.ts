@@ -11,14 +11,13 @@ import * as os from "node:os";
 import * as path from "node:path";
 import {
   b64urlDecode,
-  Bus,
   type Identity,
   identityFromSeed,
   type NodeConfig,
-  serveHttp,
   setLogSink,
   writeKeyFile,
 } from "../interlink.ts";
+import { Bus, serveHttp } from "../bus.ts";
 import { McpSession } from "./harness.ts";
 
 /** The repository's root: this file is in its dev/. */

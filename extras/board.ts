@@ -44,7 +44,6 @@ import {
   journalFiles,
   type JournalRecord,
   type LineRef,
-  type Listening,
   loadPeers,
   lockOwner,
   logInfo,
@@ -70,7 +69,6 @@ import {
   type Relay,
   runExtra,
   scanJournal,
-  serveHttp,
   SERVER_ROLE,
   sessionDir,
   sessionEndedAt,
@@ -88,6 +86,7 @@ import {
   type TaskStatus,
   utf8,
 } from "../interlink.ts";
+import { type Listening, serveHttp } from "../bus.ts";
 
 /** Tasks in a view, newest activity first: many screenfuls, and a snapshot stays well under a megabyte. */
 export const BOARD_TASKS_MAX = 200;
