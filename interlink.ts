@@ -57,7 +57,6 @@
 import { Buffer } from "node:buffer";
 import { spawn, spawnSync } from "node:child_process";
 import * as fs from "node:fs";
-import type * as net from "node:net";
 import * as os from "node:os";
 import * as path from "node:path";
 
