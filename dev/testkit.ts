@@ -160,7 +160,7 @@ export function systemTool(name: string, debianPath: string, group: string, test
 /** A folder holding what a clone of the repository runs from (interlink.ts, extras/, dev/), and no node_modules. */
 export function cloneLike(prefix: string): string {
   const dir = tmpDir(prefix);
-  fs.copyFileSync(SCRIPT, path.join(dir, "interlink.ts"));
+  for (const file of ["interlink.ts", "bus.ts"]) fs.copyFileSync(path.join(REPO, file), path.join(dir, file));
   for (const sub of ["extras", "dev"]) fs.cpSync(path.join(REPO, sub), path.join(dir, sub), { recursive: true });
   return dir;
 }

@@ -43,7 +43,6 @@ import {
   intOption,
   journalFiles,
   type JournalRecord,
-  type LineRef,
   loadPeers,
   lockOwner,
   logInfo,
@@ -78,7 +77,6 @@ import {
   showId,
   showInvisible,
   shutdownSignal,
-  type SignedMessage,
   some,
   taskKey,
   taskOwner,
@@ -250,15 +248,6 @@ interface FoldedSession {
 }
 
 /** A task's messages: the first (the request) and the newest BOARD_TIMELINE_MAX - 1, and how many there were. */
-/** An entry's whole message as the board shows it, or undefined when its journal line no longer reads back. */
-function signedOrNot(state: NodeState, e: OutEntry | undefined): SignedMessage | undefined {
-  try {
-    return e && state.signed(e);
-  } catch {
-    return undefined;
-  }
-}
-
 interface Timeline {
   first: BoardItem;
   rest: BoardItem[];
@@ -325,7 +314,7 @@ export class BoardFold {
         const { next } = scanJournal(
           file,
           from,
-          (r, at, end) => this.apply(f.id, r, { file, offset: at, length: end - at - 1 }),
+          (r) => this.apply(f.id, r),
         );
         if (next !== from) changed = true;
         s.offsets.set(ino, next);
@@ -359,11 +348,11 @@ export class BoardFold {
   }
 
   /** Folds one record of session `id`'s journal. */
-  apply(id: string, r: JournalRecord, line?: LineRef): void {
+  apply(id: string, r: JournalRecord): void {
     const s = this.#session(id);
     this.records++;
     try {
-      s.state.apply(r, line);
+      s.state.apply(r);
     } catch {
       return; // a record the fold cannot take; the session's own agent sets it aside
     }
@@ -406,7 +395,7 @@ export class BoardFold {
       case "receipt":
         for (const l of recordedReports(r)) {
           const was = this.receipts.get(l.msg_id);
-          const sent = was ? undefined : signedOrNot(s.state, s.state.outgoing.get(l.msg_id)); // its text, read once
+          const sent = was ? undefined : s.state.outgoing.get(l.msg_id)?.msg;
           const detail = l.state === "refused" ? refusalWords(l) : `their session ${l.session}`;
           this.receipts.set(l.msg_id, {
             at: r.at,
@@ -636,18 +625,12 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
   }
   waiting.sort((a, b) => b.at - a.at);
 
-  // The oldest BOARD_LIST_MAX queued messages of all sessions are read back from their journals; the rest are counted.
-  const queued: [number, FoldedSession, number][] = []; // when queued, whose outbox, its slot there
-  for (const s of mine) {
-    const { pending } = s.state;
-    for (let slot = pending.next(-1); slot >= 0; slot = pending.next(slot)) {
-      if (pending.kindAt(slot) !== "receipt") queued.push([pending.atAt(slot), s, slot]); // (receipts: bookkeeping)
-    }
-  }
-  queued.sort((a, b) => a[0] - b[0]);
-  const outbox: BoardView["delivery"]["outbox"] = queued.slice(0, BOARD_LIST_MAX).map(([, s, slot]) => {
-    const e = s.state.entry(s.state.pending.idAt(slot))!;
-    const text = signedOrNot(s.state, e)?.text ?? "(its text no longer reads back from the journal)";
+  // The oldest BOARD_LIST_MAX queued messages of all sessions are listed; the rest are counted.
+  const queued: [OutEntry, FoldedSession][] = []; // (receipts: bookkeeping)
+  for (const s of mine) for (const e of s.state.pending.values()) if (e.msg.kind !== "receipt") queued.push([e, s]);
+  queued.sort((a, b) => a[0].at - b[0].at);
+  const outbox: BoardView["delivery"]["outbox"] = queued.slice(0, BOARD_LIST_MAX).map(([e, s]) => {
+    const text = e.msg.text;
     const session = parseRoute(e.recipient).session;
     return {
       at: e.at,
