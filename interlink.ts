@@ -3767,15 +3767,13 @@ function refusalWords(l: ReceiptLine): string {
 // The journal
 // ============================================================================
 
-type ShownVia = "push" | "inbox" | "queue" | "superseded";
-
-const SHOWN_VIAS: readonly ShownVia[] = ["push", "inbox", "queue", "superseded"];
+const SHOWN_VIAS = ["push", "inbox", "queue", "superseded"] as const;
 
 /**
  * How a knock ended: our operator accepted or rejected theirs, theirs accepted ours, or it came through one of our
  * invites (our operator's decision, made by running `interlink.ts invite`).
  */
-type PairOutcome = "accepted" | "rejected" | "they_accepted" | "invited";
+const PAIR_OUTCOMES = ["accepted", "rejected", "they_accepted", "invited"] as const;
 
 /** Every record a session writes to its journal (the schema's one description); `at`: the writer's clock, unix ms. */
 type JournalRecord =
@@ -3823,7 +3821,7 @@ type JournalRecord =
    * An inbox item handed to the model (pushed as a channel event, taken by check_inbox or `wait`, queued as a Codex
    * turn), or "superseded": an update a newer message on its task made moot, never shown.
    */
-  | { t: "shown"; at: number; item: string; via: ShownVia }
+  | { t: "shown"; at: number; item: string; via: (typeof SHOWN_VIAS)[number] }
   /**
    * A stranger asked to pair: held for the operator, only what is shown kept, never its text. `reply_to`: the asking
    * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
@@ -3835,7 +3833,15 @@ type JournalRecord =
    * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
    * "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
    */
-  | { t: "paired"; at: number; key: string; how: PairOutcome; petname?: string; msg?: SignedMessage; invite?: string }
+  | {
+    t: "paired";
+    at: number;
+    key: string;
+    how: (typeof PAIR_OUTCOMES)[number];
+    petname?: string;
+    msg?: SignedMessage;
+    invite?: string;
+  }
   /** A message refused by the gate, reported to its sender by a receipt (to `route`) that is still owed. */
   | { t: "owe"; at: number; route: string; msg_id: string; reason: Refusal; skew_ms?: number }
   /** A peer's receipt that told us something new; `lines`: which reports of its text (indexes) were new. */
@@ -3927,7 +3933,7 @@ interface CarriedOut {
 // The codec. Records come from disk: a hand edit, a disk fault or a newer version may have put anything there, so
 // each field is checked and a bad one named; the caller (the journal's owner) sets the line aside with the reason.
 
-/** Decodes field `k` of `o`, or throws a FormatError that names it. */
+/** Decodes field `k` of `o` (or an item of its list), or throws a FormatError that names it. */
 type Field<T> = (o: Record<string, unknown>, k: string) => T;
 
 /** The fields `spec` decodes, in its order (the order they are written in); undefined ones left out. */
@@ -3943,35 +3949,35 @@ function fields<S extends Record<string, Field<unknown>>>(
   return out as { [K in keyof S]: ReturnType<S[K]> };
 }
 
-const str: Field<string> = field;
-
-/** Absent or null: none. */
-const optStr: Field<string | undefined> = (o, k) => {
-  const v = o[k];
-  if (v === undefined || v === null) return undefined;
-  if (typeof v !== "string") throw new FormatError(`"${k}" is not a string`);
-  return v;
-};
-
-const int: Field<number> = (o, k) => {
-  const v = o[k];
-  if (typeof v !== "number" || !Number.isSafeInteger(v)) throw new FormatError(`"${k}" is not an integer`);
-  return v;
+/** A value `ok` accepts, as it is. */
+const is = <T>(ok: (v: unknown) => boolean, says: string): Field<T> => (o, k) => {
+  if (!ok(o[k])) throw new FormatError(`"${k}" is ${o[k] === undefined ? "missing" : says}`);
+  return o[k] as T;
 };
 
 const optional = <T>(f: Field<T>): Field<T | undefined> => (o, k) => (o[k] === undefined ? undefined : f(o, k));
+
+const str: Field<string> = field;
+
+/** Absent or null: none. */
+const optStr: Field<string | undefined> = (o, k) => (o[k] === undefined || o[k] === null ? undefined : str(o, k));
+
+const int = is<number>(Number.isSafeInteger, "not an integer");
 
 const optInt = optional(int);
 
 const flag: Field<true | undefined> = (o, k) => (o[k] === true ? true : undefined);
 
-const list: Field<unknown[]> = (o, k) => {
-  const v = o[k];
-  if (!Array.isArray(v)) throw new FormatError(`"${k}" is not a list`);
-  return v;
-};
+const list = is<unknown[]>(Array.isArray, "not a list");
 
 const strings: Field<string[]> = (o, k) => list(o, k).map(String);
+
+const oneOf = <T extends string>(values: readonly T[], says = `not ${values.join(", ")}`) =>
+  is<T>((v) => values.includes(v as T), says);
+
+const reason = is<Refusal>(isRefusal, "not a known reason");
+
+const taskStatus = is<TaskStatus>(isTaskStatus, "not a task status");
 
 const obj = (v: unknown, what: string): Record<string, unknown> => {
   if (!isObject(v)) throw new FormatError(`${what} is not an object`);
@@ -3980,39 +3986,26 @@ const obj = (v: unknown, what: string): Record<string, unknown> => {
 
 const decoded = <T>(f: (v: unknown) => T): Field<T> => (o, k) => f(o[k]);
 
-const nested = <T>(f: (x: Record<string, unknown>) => T): Field<T | undefined> =>
-  optional((o, k) => f(obj(o[k], `"${k}"`)));
+/** An object of the fields `spec` decodes. */
+function record<S extends Record<string, Field<unknown>>>(spec: S): Field<{ [K in keyof S]: ReturnType<S[K]> }> {
+  return (o, k) => fields(obj(o[k], `"${k}"`), spec);
+}
 
-const oneOf = <T extends string>(values: readonly T[], says = `not ${values.join(", ")}`): Field<T> => (o, k) => {
-  if (!values.includes(o[k] as T)) throw new FormatError(`"${k}" is ${says}`);
-  return o[k] as T;
-};
+/** A list of what `f` decodes, each item read as field `k`. */
+const listOf = <V>(f: Field<V>): Field<V[]> => (o, k) => list(o, k).map((v) => f({ [k]: v }, k));
 
-const reason: Field<Refusal> = (o, k) => {
-  if (!isRefusal(o[k])) throw new FormatError(`"${k}" is not a known reason`);
-  return o[k] as Refusal;
-};
+/** A list that may be absent (none). */
+const items = <V>(f: Field<V>): Field<V[]> => (o, k) => (o[k] === undefined ? [] : listOf(f)(o, k));
 
-const num = (v: unknown): number => {
-  if (typeof v !== "number" || !Number.isSafeInteger(v)) throw new FormatError("not an integer");
-  return v;
-};
-
-const items = <V>(value: (v: unknown, k: string) => V): Field<V[]> => (o, k) =>
-  (o[k] === undefined ? [] : list(o, k)).map((v) => value(v, k));
-
-const pairs = <V>(value: (v: unknown, k: string) => V): Field<[string, V][]> =>
-  items((p, k) => {
+/** A Map's entries, as JSON.stringify writes them: [key, value] pairs. */
+const pairs = <V>(f: Field<V>): Field<[string, V][]> =>
+  items((o, k) => {
+    const p = o[k];
     if (!Array.isArray(p) || p.length !== 2 || typeof p[0] !== "string") {
       throw new FormatError(`"${k}" holds a bad pair`);
     }
-    return [p[0], value(p[1], k)];
+    return [p[0], f({ [k]: p[1] }, k)];
   });
-
-const textItem = (what: string) => (v: unknown, k: string): string => {
-  if (typeof v !== "string") throw new FormatError(`"${k}" holds a bad ${what}`);
-  return v;
-};
 
 const message = decoded(parseSignedMessage);
 
@@ -4020,39 +4013,29 @@ const optChain = optional(decoded(parseChain));
 
 const shownName: Field<string> = (o, k) => displayName(str(o, k));
 
-const where = nested((x) => fields(x, { at: int, session: str }));
+const where = optional(record({ at: int, session: str }));
 
-const relayed = nested((x): Relayed => {
-  if (x.dir !== "up" && x.dir !== "down") throw new FormatError(`"relay.dir" is up or down`);
-  return { dir: x.dir, to: str(x, "to"), task_id: str(x, "task_id") };
+const relayed = optional(record({ dir: oneOf(["up", "down"] as const), to: str, task_id: str }));
+
+const receiptLine: Field<ReceiptLine> = record({
+  state: oneOf(RECEIPT_STATES, "not a receipt state"),
+  msg_id: str,
+  at: int,
+  session: optStr,
+  reason: optional(reason),
+  skew_ms: optInt,
 });
 
-const receiptLine = (v: unknown): ReceiptLine =>
-  fields(obj(v, "a receipt line"), {
-    state: oneOf(RECEIPT_STATES, "not a receipt state"),
-    msg_id: str,
-    at: int,
-    session: optStr,
-    reason: optional(reason),
-    skew_ms: optInt,
-  });
-
 /** A message's head (see MessageHead), from a head or a whole message (as 0.5.0 wrote a bounced one). */
-function decodeHead(v: unknown): MessageHead {
-  const o = obj(v, "a message");
-  return headOf(fields(o, {
-    kind: oneOf(KINDS),
-    status: optional((o, k) => {
-      if (!isTaskStatus(o[k])) throw new FormatError(`"status" is not a task status`);
-      return o[k] as TaskStatus;
-    }),
-    msg_id: str,
-    from: str,
-    to: str,
-    ts: int,
-    task_id: optStr,
-  }));
-}
+const messageHead: Field<MessageHead> = record({
+  msg_id: str,
+  kind: oneOf(KINDS),
+  from: str,
+  to: str,
+  ts: int,
+  task_id: optStr,
+  status: optional(taskStatus),
+});
 
 const ITEM_FIELDS: {
   [K in InboxItem["kind"]]: (o: Record<string, unknown>) => Omit<Extract<InboxItem, { kind: K }>, "kind" | "id" | "at">;
@@ -4063,7 +4046,7 @@ const ITEM_FIELDS: {
       msg: message,
       forSession: optStr,
       relay: relayed,
-      asked: nested((a) => fields(a, { text: str, owner: optStr, session: optStr })),
+      asked: optional(record({ text: str, owner: optStr, session: optStr })),
       late: optStr,
       unopened: flag,
     }),
@@ -4071,122 +4054,98 @@ const ITEM_FIELDS: {
   knock: (o) => fields(o, { key: str, name: shownName }),
   more_knocks: (o) => fields(o, { count: int }),
   refusals: (o) => fields(o, { key: str, reason, count: int }),
-  bounced: (o) => fields(o, { key: str, msg: decoded(decodeHead), report: decoded(receiptLine) }),
-  paired: (o) =>
-    fields(o, {
-      key: str,
-      petname: str,
-      invite: str,
-      side: oneOf(["invited", "joined"] as const, "invited or joined"),
-    }),
+  bounced: (o) => fields(o, { key: str, msg: messageHead, report: receiptLine }),
+  paired: (o) => fields(o, { key: str, petname: str, invite: str, side: oneOf(["invited", "joined"] as const) }),
 };
 
-function decodeInboxItem(v: unknown): InboxItem {
-  const o = obj(v, "an inbox item");
-  const base = { id: str(o, "id"), at: int(o, "at") };
-  const kind = o.kind as InboxItem["kind"];
+const inboxItem: Field<InboxItem> = (o, k) => {
+  const x = obj(o[k], `"${k}"`);
+  const kind = x.kind as InboxItem["kind"];
   if (!Object.hasOwn(ITEM_FIELDS, String(kind))) {
     throw new FormatError(`unknown inbox item kind ${JSON.stringify(kind)}`);
   }
-  return { kind, ...base, ...ITEM_FIELDS[kind](o) } as InboxItem;
-}
-
-const side: Field<Side> = (o, k) => {
-  if (o[k] !== "me" && o[k] !== "peer") throw new FormatError(`a side is "me" or "peer"`);
-  return o[k] as Side;
+  return { kind, ...fields(x, { id: str, at: int }), ...ITEM_FIELDS[kind](x) } as InboxItem;
 };
 
-const question = (q: unknown): Question =>
-  fields(obj(q, "a question"), {
-    msg_id: str,
-    asked_by: side,
-    at: optInt,
-    text: optStr,
-    forwarded: nested((f) => fields(f, { as: str, to: str, task_id: str })),
-    earlier: optStr,
-  });
+const side = oneOf<Side>(["me", "peer"]);
 
-const decodeTaskRow = (v: unknown): TaskRow =>
-  fields(obj(v, "a task"), {
-    task_id: str,
-    peer_key: str,
-    requested_by: side,
-    status: (o, k) => {
-      const status = o[k] ?? null;
-      if (status !== null && !isTaskStatus(status)) throw new FormatError(`"status" is not a task status`);
-      return status;
-    },
-    last_msg_id: str,
-    last_at: int,
-    awaiting: (o, k) => list(o, k).map(question),
-    parent: nested((p) => fields(p, { task_id: str, requester: str })),
-    owner: optStr,
-    depth: optInt,
-    chain: optional(strings),
-    closed: (o, k) => o[k] === true,
-    messages: int,
-    peer_session: optStr,
-    peer_closed_at: optInt,
-    last_out_msg_id: optStr,
-    unopened: flag,
-  });
+const question: Field<Question> = record({
+  msg_id: str,
+  asked_by: side,
+  at: optInt,
+  text: optStr,
+  forwarded: optional(record({ as: str, to: str, task_id: str })),
+  earlier: optStr,
+});
 
-const carriedOut = (v: unknown): CarriedOut =>
-  fields(obj(v, "a carried message"), {
-    msg: message,
-    peer: (o, k) => (o[k] === null ? null : str(o, k)),
-    recipient: str,
-    at: int,
-    pair_petname: optStr,
-    sent_at: optInt,
-    via: optional(strings),
-    delivered: where,
-    shown: where,
-    chain: optChain,
-  });
+const taskRow: Field<TaskRow> = record({
+  task_id: str,
+  peer_key: str,
+  requested_by: side,
+  status: (o, k) => (o[k] === undefined || o[k] === null ? null : taskStatus(o, k)),
+  last_msg_id: str,
+  last_at: int,
+  awaiting: listOf(question),
+  parent: optional(record({ task_id: str, requester: str })),
+  owner: optStr,
+  depth: optInt,
+  chain: optional(strings),
+  closed: (o, k) => o[k] === true,
+  messages: int,
+  peer_session: optStr,
+  peer_closed_at: optInt,
+  last_out_msg_id: optStr,
+  unopened: flag,
+});
 
-const decodeCarried = (v: unknown): Carried =>
-  fields(obj(v, `"carried"`), {
-    out: items(carriedOut),
-    inbox: items(decodeInboxItem),
-    tasks: items(decodeTaskRow),
-    owed: pairs((l, k) => {
-      if (!Array.isArray(l)) throw new FormatError(`"${k}" holds a bad list`);
-      return l.map(receiptLine);
-    }),
-    wants_shown: pairs((w) => fields(obj(w, "a wanted report"), { route: str, msgId: str })),
-    knocks_in: pairs((x) => fields(obj(x, "a knock"), { name: shownName, at: int, msgId: str, replyTo: optStr })),
-    knocks_out: pairs((x) => fields(obj(x, "a knock"), { petname: optStr, at: int, msgId: str, invite: optStr })),
-    sticky: pairs(textItem("session")),
-    closed: pairs(num),
-    rejected: pairs(num),
-    routes: pairs(num),
-  });
+const carriedOut: Field<CarriedOut> = record({
+  msg: message,
+  peer: (o, k) => (o[k] === null ? null : str(o, k)),
+  recipient: str,
+  at: int,
+  pair_petname: optStr,
+  sent_at: optInt,
+  via: optional(strings),
+  delivered: where,
+  shown: where,
+  chain: optChain,
+});
 
-const decodeRemembered = (v: unknown): Remembered =>
-  fields(obj(v, `"remembered"`), {
-    replay: optional(pairs(num)),
-    shown: items(textItem("item")),
-    refusal_shown: pairs(num),
-    refusals_reported: pairs((r) => fields(obj(r, "a reported refusal"), { key: str, at: int })),
-    knocks_shown: items(num),
-    pushed: pairs((p) => fields(obj(p, "a pushed event"), { at: int, item: decoded(decodeInboxItem) })),
-    confirming: items(textItem("key")),
-    silent: items(textItem("key")),
-  });
+const carried: Field<Carried> = record({
+  out: items(carriedOut),
+  inbox: items(inboxItem),
+  tasks: items(taskRow),
+  owed: pairs(listOf(receiptLine)),
+  wants_shown: pairs(record({ route: str, msgId: str })),
+  knocks_in: pairs(record({ name: shownName, at: int, msgId: str, replyTo: optStr })),
+  knocks_out: pairs(record({ petname: optStr, at: int, msgId: str, invite: optStr })),
+  sticky: pairs(str),
+  closed: pairs(int),
+  rejected: pairs(int),
+  routes: pairs(int),
+});
 
-const PAIR_OUTCOMES: readonly PairOutcome[] = ["accepted", "rejected", "they_accepted", "invited"];
+const remembered: Field<Remembered> = record({
+  replay: optional(pairs(int)),
+  shown: items(str),
+  refusal_shown: pairs(int),
+  refusals_reported: pairs(record({ key: str, at: int })),
+  knocks_shown: items(int),
+  pushed: pairs(record({ at: int, item: inboxItem })),
+  confirming: items(str),
+  silent: items(str),
+});
 
 const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<RecordOf<T>, "t" | "at"> } = {
   out: (o) =>
     fields(o, {
-      peer: (o, k) => (o[k] === null || o[k] === undefined ? null : str(o, k)),
+      peer: (o, k) => optStr(o, k) ?? null,
       recipient: str,
       msg: message,
       pair_petname: optStr,
       again: flag,
       chain: optChain,
-      forward: nested((f) => fields(f, { peer: str, task_id: str, question: str })),
+      forward: optional(record({ peer: str, task_id: str, question: str })),
     }),
   sent: (o) => fields(o, { msg_id: str, via: strings }),
   refused: (o) => fields(o, { msg_id: str, reason: (o, k) => optStr(o, k) ?? "refused by every bus" }),
@@ -4208,13 +4167,11 @@ const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<Re
   paired: (o) =>
     fields(o, { key: str, how: oneOf(PAIR_OUTCOMES), petname: optStr, msg: optional(message), invite: optStr }),
   owe: (o) => fields(o, { route: str, msg_id: str, reason, skew_ms: optInt }),
-  receipt: (o) => fields(o, { peer: str, msg: message, lines: optional((o, k) => list(o, k).map(num)) }),
+  receipt: (o) => fields(o, { peer: str, msg: message, lines: optional(listOf(int)) }),
   moved: (o) => fields(o, { to: str }),
-  adopted: (o) => fields(o, { session: str, carried: decoded(decodeCarried) }),
-  carried: (o) =>
-    fields(o, { session: optStr, out: optional(decoded(carriedOut)), item: optional(decoded(decodeInboxItem)) }),
-  checkpoint: (o) =>
-    fields(o, { archived: str, carried: decoded(decodeCarried), remembered: decoded(decodeRemembered) }),
+  adopted: (o) => fields(o, { session: str, carried }),
+  carried: (o) => fields(o, { session: optStr, out: optional(carriedOut), item: optional(inboxItem) }),
+  checkpoint: (o) => fields(o, { archived: str, carried, remembered }),
 };
 
 /**
