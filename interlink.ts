@@ -3775,6 +3775,8 @@ const SHOWN_VIAS = ["push", "inbox", "queue", "superseded"] as const;
  */
 const PAIR_OUTCOMES = ["accepted", "rejected", "they_accepted", "invited"] as const;
 
+type PairOutcome = (typeof PAIR_OUTCOMES)[number];
+
 /** Every record a session writes to its journal (the schema's one description); `at`: the writer's clock, unix ms. */
 type JournalRecord =
   /**
@@ -3833,15 +3835,7 @@ type JournalRecord =
    * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
    * "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
    */
-  | {
-    t: "paired";
-    at: number;
-    key: string;
-    how: (typeof PAIR_OUTCOMES)[number];
-    petname?: string;
-    msg?: SignedMessage;
-    invite?: string;
-  }
+  | { t: "paired"; at: number; key: string; how: PairOutcome; petname?: string; msg?: SignedMessage; invite?: string }
   /** A message refused by the gate, reported to its sender by a receipt (to `route`) that is still owed. */
   | { t: "owe"; at: number; route: string; msg_id: string; reason: Refusal; skew_ms?: number }
   /** A peer's receipt that told us something new; `lines`: which reports of its text (indexes) were new. */
@@ -3869,20 +3863,10 @@ type RecordOf<T extends RecordTag> = Extract<JournalRecord, { t: T }>;
 type NewRecord = JournalRecord extends infer R ? R extends JournalRecord ? Omit<R, "at"> : never : never;
 
 /** A knock waiting for our operator; `replyTo`: the session that asked. */
-interface HeldKnock {
-  name: string;
-  at: number;
-  msgId: string;
-  replyTo?: string;
-}
+type HeldKnock = { name: string; at: number; msgId: string; replyTo?: string };
 
 /** A knock of ours unanswered (an acceptance names its msgId); `invite`: theirs, for `interlink.ts join`. */
-interface OwnKnock {
-  petname?: string;
-  at: number;
-  msgId: string;
-  invite?: string;
-}
+type OwnKnock = { petname?: string; at: number; msgId: string; invite?: string };
 
 /**
  * What an ended session still had to do, or to know to do it, when it was adopted. `routes`: the ended sessions whose
@@ -4249,44 +4233,31 @@ function recordedReports(r: RecordOf<"receipt">): ReceiptLine[] {
 }
 
 /**
- * The question of ours that `msg` answers, if its task still waits on it: what was asked, for whose operator (absent:
- * ours), and the earlier session that asked it, if that one ended before the answer came.
+ * How a message stands to its task before it is folded: `asked`, the question of ours it answers if its task still
+ * waits on it (what was asked, for whose operator (absent: ours), and the earlier session that asked it, if that one
+ * ended before the answer came); `late`, its task closed already (the closing status); `unopened`, no task of it here.
  */
-function answeredQuestion(
+function taskMarks(
   tasks: ReadonlyMap<string, TaskRow>,
   msg: SignedMessage,
-): { text: string; owner?: string; session?: string } | undefined {
-  if (msg.kind !== "message" || !msg.in_reply_to || !msg.task_id) return undefined;
-  const row = tasks.get(taskKey(msg.from, msg.task_id));
-  const q = row?.awaiting.find((q) => q.msg_id === msg.in_reply_to && q.asked_by === "me");
-  if (!row || q?.text === undefined) return undefined;
-  const owner = row.owner ?? (row.requested_by === "peer" ? row.peer_key : undefined);
-  return { text: q.text, ...some("owner", owner), ...some("session", q.earlier) };
-}
-
-/** How a message stands to its task before it is folded: closed already (`late`, its closing status), or `unopened`. */
-function taskMarks(tasks: ReadonlyMap<string, TaskRow>, msg: SignedMessage): { late?: string; unopened?: true } {
+): Pick<Extract<InboxItem, { kind: "message" }>, "asked" | "late" | "unopened"> {
   if (msg.kind !== "message" || !msg.task_id) return {};
   const row = tasks.get(taskKey(msg.from, msg.task_id));
-  if (row?.closed) return { late: row.status ?? "closed" };
-  return msg.status && !row ? { unopened: true } : {};
+  if (!row) return msg.status ? { unopened: true } : {};
+  const q = row.awaiting.find((q) => q.msg_id === msg.in_reply_to && q.asked_by === "me");
+  const owner = row.owner ?? (row.requested_by === "peer" ? row.peer_key : undefined);
+  const asked = q?.text === undefined
+    ? undefined
+    : { text: q.text, ...some("owner", owner), ...some("session", q.earlier) };
+  return { ...some("asked", asked), ...(row.closed ? { late: row.status ?? "closed" } : {}) };
 }
 
 /** The entry of a message of ours from its "out" or "carried" record. */
-function outEntry(
-  o: Pick<CarriedOut, "msg" | "peer" | "recipient" | "at" | "pair_petname" | "chain">,
-  more: Partial<OutEntry> = {},
-): OutEntry {
-  return {
-    msg: o.msg,
-    peer: o.peer ?? null,
-    recipient: o.recipient,
-    at: o.at,
-    attempts: 0,
-    ...some("pairPetname", o.pair_petname),
-    ...some("chain", o.chain),
-    ...more,
-  };
+function outEntry(o: CarriedOut, more: Partial<OutEntry> = {}): OutEntry {
+  const { msg, recipient, at } = o;
+  const hints = { ...some("pairPetname", o.pair_petname), ...some("chain", o.chain), ...some("sentAt", o.sent_at) };
+  const sent = { ...some("via", o.via), ...some("delivered", o.delivered), ...some("shown", o.shown) };
+  return { msg, peer: o.peer ?? null, recipient, at, attempts: 0, ...hints, ...sent, ...more };
 }
 
 /** What a message weighs against the outbox's and the inbox's bounds: its JSON. */
@@ -4298,8 +4269,8 @@ class NodeState {
   readonly pending = new Map<string, OutEntry>();
   /** Messages of ours that left the outbox (sent, or refused for good), the last SENT_MEMORY_CAP, oldest first. */
   readonly outgoing = new Map<string, OutEntry>();
-  #pendingBytes = 0;
-  #inboxBytes = 0; // the inbox's messages, as `weight` counts them
+  pendingBytes = 0; // the outbox, as OUTBOX_MAX_BYTES counts it (see weight)
+  inboxBytes = 0; // the inbox's messages, as INBOX_MAX_BYTES counts them
   readonly tasks = new Map<string, TaskRow>();
   readonly replay = new ReplayMemory();
   /**
@@ -4309,8 +4280,7 @@ class NodeState {
   readonly inbox = new Map<string, InboxItem>();
   /**
    * Inbox items shown from this journal: an adopted copy is never shown again. True: a checkpoint keeps it (a notice,
-   * or a message carried from another session, which an adoption may bring again); one this session admitted itself
-   * only a replay could bring again, which the replay memory refuses.
+   * or a message carried from another session, which an adoption may bring again; a replay of our own is refused).
    */
   readonly #shown = new BoundedMap<string, boolean>(RECEIPTS_WANTED_CAP);
   /** The last items pushed as channel events: a Claude Code with channels off drops them, so check_inbox lists them. */
@@ -4338,10 +4308,7 @@ class NodeState {
   readonly unconfirmed = new Map<string, Set<string>>();
   /** Keys that have sent us receipts (nodes of ours): as they read, their receipts free room in SEND_WINDOW. */
   readonly confirming = new BoundedMap<string, true>(1024);
-  /**
-   * Keys whose last message to us asked for no receipts (a reference node, or one of ours from before receipts): their
-   * routes are never held at SEND_WINDOW, which no receipt of theirs would free. Bounded like the peers.
-   */
+  /** Keys whose last message asked for no receipts (a reference node): never held at SEND_WINDOW, which none frees. */
   readonly silent = new BoundedMap<string, true>(1024);
   /**
    * Routes a relay refused as full while ours wait (this process only, not journaled): when to retry, refusals in a
@@ -4356,7 +4323,6 @@ class NodeState {
   /** The clock is the fold's only input besides the records. */
   constructor(readonly now: () => number = Date.now) {}
 
-  /** Folds one record. */
   apply(r: JournalRecord): void {
     (this.#handlers[r.t] as (r: JournalRecord) => void)(r);
   }
@@ -4382,26 +4348,25 @@ class NodeState {
         return this.#remember();
       }
       this.#queue(entry);
-      if (r.msg.kind === "receipt") this.#reported(r.recipient, parseReceipt(r.msg.text));
-      foldTask(this.tasks, "out", r.msg, r.at, parseRoute(r.recipient).session || undefined, {
-        ...some("chain", r.chain),
-        ...some("forward", r.forward),
-      });
+      if (r.msg.kind === "receipt") {
+        // What a receipt we signed reports is owed no longer.
+        const done = new Set(parseReceipt(r.msg.text).map((l) => `${l.state} ${l.msg_id}`));
+        const left = this.owed.get(r.recipient)?.filter((l) => !done.has(`${l.state} ${l.msg_id}`));
+        if (left?.length) this.owed.set(r.recipient, left);
+        else this.owed.delete(r.recipient);
+      }
+      foldTask(this.tasks, "out", r.msg, r.at, parseRoute(r.recipient).session || undefined, r);
       if (r.msg.kind === "pair_request") {
         const proof = parseInviteProof(r.msg.in_reply_to);
-        this.knocksOut.set(r.msg.to, {
-          ...some("petname", r.pair_petname),
-          at: r.at,
-          msgId: r.msg.msg_id,
-          ...(typeof proof === "object" && proof ? { invite: proof.id } : {}),
-        });
+        const invite = typeof proof === "object" && proof ? { invite: proof.id } : {};
+        this.knocksOut.set(r.msg.to, { ...some("petname", r.pair_petname), at: r.at, msgId: id, ...invite });
       }
       if (r.msg.kind === "pair_accept") this.knocksIn.delete(r.msg.to);
     },
     resign: (r) => {
       const entry = this.pending.get(r.msg.msg_id);
       if (!entry) return;
-      this.#pendingBytes += weight(r.msg) - weight(entry.msg);
+      this.pendingBytes += weight(r.msg) - weight(entry.msg);
       entry.msg = r.msg;
     },
     sent: (r) => this.#settled(r.msg_id, (e) => (e.sentAt = r.at, e.via = r.via)),
@@ -4413,24 +4378,12 @@ class NodeState {
       else if (msg.kind === "message") this.silent.set(msg.from, true);
       const session = r.reply_session && SESSION_RE.test(r.reply_session) ? r.reply_session : undefined;
       if (session) this.sticky.set(msg.from, session);
-      const asked = answeredQuestion(this.tasks, msg);
-      const marks = taskMarks(this.tasks, msg);
-      foldTask(this.tasks, "in", msg, r.at, session, some("chain", r.chain));
+      const notes = { ...some("forSession", r.for_session), ...some("relay", r.relay), ...taskMarks(this.tasks, msg) };
+      foldTask(this.tasks, "in", msg, r.at, session, r);
       const id = messageKey(msg.from, msg.msg_id);
       // A declined request (too deep, a loop) was answered failed: no model is shown it as work.
       if (!r.declined && !this.inbox.has(id) && !this.#shown.has(id)) {
-        const item: InboxItem = {
-          kind: "message",
-          id,
-          at: r.at,
-          peer: r.peer,
-          msg,
-          ...some("forSession", r.for_session),
-          ...some("relay", r.relay),
-          ...some("asked", asked),
-          ...marks,
-        };
-        this.#hold(item);
+        this.#hold({ kind: "message", id, at: r.at, peer: r.peer, msg, ...notes });
       }
       const route = session ? `${msg.from}#${session}` : msg.from;
       // A goodbye holds back the receipts owed to that session until it is back (a session can be resumed).
@@ -4456,15 +4409,9 @@ class NodeState {
       }
     },
     owe: (r) => {
-      const key = parseRoute(r.route).key;
-      this.refusalsReported.set(messageKey(key, r.msg_id), { key, at: r.at });
-      this.#owe(r.route, {
-        state: "refused",
-        msg_id: r.msg_id,
-        at: r.at,
-        reason: r.reason,
-        ...some("skew_ms", r.skew_ms),
-      });
+      const { route, msg_id, at, reason } = r, key = parseRoute(route).key;
+      this.refusalsReported.set(messageKey(key, msg_id), { key, at });
+      this.#owe(route, { state: "refused", msg_id, at, reason, ...some("skew_ms", r.skew_ms) });
     },
     receipt: (r) => {
       const receipt = r.msg;
@@ -4529,7 +4476,7 @@ class NodeState {
       this.#remember();
       for (const t of this.tasks.values()) t.moved_to ??= r.to;
       for (const m of [this.pending, this.inbox, this.owed, this.wantsShown, this.knocksIn, this.knocksOut]) m.clear();
-      this.#pendingBytes = this.#inboxBytes = 0;
+      this.pendingBytes = this.inboxBytes = 0;
       this.drains.clear();
       this.unconfirmed.clear();
     },
@@ -4565,35 +4512,24 @@ class NodeState {
     this.#remember();
   }
 
-  /** Queues an entry last. */
   #queue(e: OutEntry): void {
     this.pending.set(e.msg.msg_id, e);
-    this.#pendingBytes += weight(e.msg);
+    this.pendingBytes += weight(e.msg);
   }
 
   #unqueue(e: OutEntry): void {
-    if (this.pending.delete(e.msg.msg_id)) this.#pendingBytes -= weight(e.msg);
-  }
-
-  /** What the outbox holds, as OUTBOX_MAX_BYTES counts it. */
-  get pendingBytes(): number {
-    return this.#pendingBytes;
-  }
-
-  /** What the inbox's messages hold, as INBOX_MAX_BYTES counts it. */
-  get inboxBytes(): number {
-    return this.#inboxBytes;
+    if (this.pending.delete(e.msg.msg_id)) this.pendingBytes -= weight(e.msg);
   }
 
   #hold(item: InboxItem): void {
     this.#unhold(item.id);
     this.inbox.set(item.id, item);
-    if (item.kind === "message") this.#inboxBytes += weight(item.msg);
+    if (item.kind === "message") this.inboxBytes += weight(item.msg);
   }
 
   #unhold(id: string): void {
     const item = this.inbox.get(id);
-    if (item?.kind === "message") this.#inboxBytes -= weight(item.msg);
+    if (item?.kind === "message") this.inboxBytes -= weight(item.msg);
     this.inbox.delete(id);
   }
 
@@ -4655,13 +4591,7 @@ class NodeState {
   #takeOut(session: string | null, o: CarriedOut): void {
     const id = o.msg.msg_id;
     if (this.entry(id)) return;
-    const entry = outEntry(o, {
-      ...some("adoptedFrom", session ?? undefined),
-      ...some("sentAt", o.sent_at),
-      ...some("via", o.via),
-      ...some("delivered", o.delivered),
-      ...some("shown", o.shown),
-    });
+    const entry = outEntry(o, some("adoptedFrom", session ?? undefined));
     if (o.sent_at === undefined) return this.#queue(entry);
     this.outgoing.set(id, entry);
     this.#remember();
@@ -4690,17 +4620,8 @@ class NodeState {
         const id = `waiting ${t.peer_key} ${q.msg_id}`;
         if (q.asked_by !== "peer" || q.forwarded || this.inbox.has(messageKey(t.peer_key, q.msg_id))) continue;
         if (this.inbox.has(id) || this.#shown.has(id)) continue;
-        this.#hold({
-          kind: "waiting",
-          id,
-          at,
-          key: t.peer_key,
-          task_id: t.task_id,
-          msg_id: q.msg_id,
-          text: q.text ?? "",
-          asked_at: q.at ?? t.last_at,
-          session,
-        });
+        const asked = { msg_id: q.msg_id, text: q.text ?? "", asked_at: q.at ?? t.last_at };
+        this.#hold({ kind: "waiting", id, at, key: t.peer_key, task_id: t.task_id, ...asked, session });
       }
     }
   }
@@ -4730,10 +4651,7 @@ class NodeState {
     };
   }
 
-  /**
-   * The outbox entries a carry takes, in order: sent messages of the last day whose receipts may still come, then the
-   * outbox.
-   */
+  /** The entries a carry takes, in order: sent messages of the last day whose receipts may still come, the outbox. */
   *carriedOut(nowMs: number): Generator<CarriedOut> {
     const since = nowMs - FRESH_PAST_MS;
     for (const e of this.outgoing.values()) {
@@ -4751,7 +4669,7 @@ class NodeState {
 
   /** About how many bytes a carry writes (carriedOut, the inbox). */
   carriedBytes(nowMs: number): number {
-    let n = this.#inboxBytes + 64 * this.inbox.size;
+    let n = this.inboxBytes + 64 * this.inbox.size;
     for (const o of this.carriedOut(nowMs)) n += 128 + weight(o.msg);
     return n;
   }
@@ -4777,29 +4695,14 @@ class NodeState {
     this.owed.set(route, lines);
   }
 
-  /** Clears what a receipt we signed reports from what we owe. */
-  #reported(route: string, lines: ReceiptLine[]): void {
-    const owed = this.owed.get(route);
-    if (!owed) return;
-    const done = new Set(lines.map((l) => `${l.state} ${l.msg_id}`));
-    const left = owed.filter((l) => !done.has(`${l.state} ${l.msg_id}`));
-    if (left.length) this.owed.set(route, left);
-    else this.owed.delete(route);
-  }
-
   refusalsReportedSince(key: string, sinceMs: number): number {
-    let n = 0;
-    for (const r of this.refusalsReported.values()) if (r.key === key && r.at >= sinceMs) n++;
-    return n;
+    return [...this.refusalsReported.values()].filter((r) => r.key === key && r.at >= sinceMs).length;
   }
 
   /** Refusals reported to non-peers since `sinceMs` (one bound for all strangers). */
   strangerRefusalsSince(peers: Peers, selfKey: string, sinceMs: number): number {
-    let n = 0;
-    for (const r of this.refusalsReported.values()) {
-      if (r.at >= sinceMs && !peers.byKey.has(r.key) && r.key !== selfKey) n++;
-    }
-    return n;
+    const stranger = (key: string) => !peers.byKey.has(key) && key !== selfKey;
+    return [...this.refusalsReported.values()].filter((r) => r.at >= sinceMs && stranger(r.key)).length;
   }
 
   /** Forgets knocks older than the freshness window: their sender has long moved on. */
@@ -4878,9 +4781,8 @@ class NodeState {
   }
 
   /**
-   * Why a queued message waits beyond the usual retries: "full", a relay refused its route as full (it keeps no more
-   * of ours there until the recipient reads); "window", SEND_WINDOW of ours on its route are unconfirmed while a relay
-   * may drop; null, it does not.
+   * Why a queued message waits beyond the usual retries: "full", a relay refused its route as full (until the recipient
+   * reads); "window", SEND_WINDOW of ours on its route are unconfirmed while a relay may drop; null, it does not.
    */
   waitsFor(e: OutEntry): "full" | "window" | null {
     if (!this.pending.has(e.msg.msg_id)) return null;
@@ -4894,9 +4796,8 @@ class NodeState {
   }
 
   /**
-   * Whether SEND_WINDOW holds a route of `key`: our messages, while a relay may drop past its cap, to any key but one
-   * known to send no receipts (a peer not heard from yet may be a node of ours, asleep, whose receipts free the room
-   * as it reads; a reference node's first message to us releases its routes).
+   * Whether SEND_WINDOW holds a route of `key`: our messages, while a relay may drop past its cap, to any key not known
+   * to send no receipts (one not heard from may be a node of ours, asleep, whose receipts free the room as it reads).
    */
   #windowed(kind: Kind, key: string): boolean {
     return kind === "message" && !this.silent.has(key) && this.mayDrop();
