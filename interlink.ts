@@ -4814,9 +4814,9 @@ class NodeState {
 }
 
 /**
- * The journal file and the fold over it. Our own appends are applied by reading them back, so the state is always the
- * fold of the file, in file order, whoever wrote each record. The folder's owner (the agent, holding agent.lock)
- * quarantines lines it cannot read; readers beside it (the CLI, `wait`) skip them.
+ * The journal file and the fold over it: the state is always the fold of the file, in file order, whoever wrote each
+ * record. The folder's owner (the agent, holding agent.lock) quarantines lines it cannot read; readers beside it (the
+ * CLI, `wait`) skip them.
  */
 class Journal {
   readonly file: string;
@@ -4892,7 +4892,6 @@ class Journal {
    * what others appended before them, in file order: when nothing was, they are folded as they are, not read back.
    */
   append(records: NewRecord[]): void {
-    this.#followRoll();
     this.catchUp();
     this.#writer ??= new JsonlWriter(this.file, `the state folder ${this.stateDir}`);
     const at = this.now();
@@ -4990,6 +4989,17 @@ function giveMemoryBack(): void {
   runtimeHost.Bun?.shrink();
 }
 
+/** The names in `dir` that `re` matches, sorted (none when it cannot be read: no folder yet). */
+function namesIn(dir: string, re: RegExp): string[] {
+  try {
+    return fs.readdirSync(dir).filter((f) => re.test(f)).sort();
+  } catch {
+    return [];
+  }
+}
+
+const SEEN_FILE_RE = /^replay-\d{4}-\d{2}-\d{2}\.jsonl$/;
+
 /**
  * The replay memory's own durable record, shared by every session of this identity on this machine: a "seen" line per
  * admitted message, in `replay-<UTC date>.jsonl` beside the sessions. The journal implies the same; this copy means a
@@ -4999,41 +5009,27 @@ function giveMemoryBack(): void {
 class SeenLog {
   #offsets = new Map<string, number>(); // file → bytes already read
   #writer: JsonlWriter | null = null;
-  #writerDay = "";
+  #writerFile = "";
 
   constructor(readonly dir: string, readonly replay: ReplayMemory, readonly now: () => number) {
-    const today = SeenLog.day(now());
-    for (const f of SeenLog.#files(dir)) {
-      // Keep two days: a message admitted yesterday may be replayed for up to FRESH_PAST_MS.
-      if (f.slice(7, 17) < SeenLog.day(now() - 2 * FRESH_PAST_MS) && f.slice(7, 17) < today) {
-        fs.rmSync(path.join(dir, f), { force: true });
-      }
-    }
+    // Keep two days: a message admitted yesterday may be replayed for up to FRESH_PAST_MS.
+    const oldest = SeenLog.#name(now() - 2 * FRESH_PAST_MS);
+    for (const f of namesIn(dir, SEEN_FILE_RE)) if (f < oldest) fs.rmSync(path.join(dir, f), { force: true });
     this.catchUp();
   }
 
-  static day(ms: number): string {
-    return new Date(ms).toISOString().slice(0, 10);
-  }
-
-  static #files(dir: string): string[] {
-    try {
-      return fs.readdirSync(dir).filter((f) => /^replay-\d{4}-\d{2}-\d{2}\.jsonl$/.test(f)).sort();
-    } catch {
-      return [];
-    }
-  }
+  static #name = (ms: number): string => `replay-${new Date(ms).toISOString().slice(0, 10)}.jsonl`;
 
   /** Remembers what every session appended since the last call. */
   catchUp(): void {
     const nowMs = this.now();
-    for (const f of SeenLog.#files(this.dir)) {
+    for (const f of namesIn(this.dir, SEEN_FILE_RE)) {
       const file = path.join(this.dir, f);
       const { next } = scanJsonl(file, this.#offsets.get(file) ?? 0, (r) => {
-        if (r.t !== "seen" || typeof r.k !== "string" || typeof r.id !== "string" || !Number.isSafeInteger(r.ts)) {
-          return;
+        const { t, k, id, ts } = r;
+        if (t === "seen" && typeof k === "string" && typeof id === "string" && Number.isSafeInteger(ts)) {
+          this.replay.remember(k, id, ts as number, nowMs, true);
         }
-        this.replay.remember(r.k, r.id, r.ts as number, nowMs, true);
       });
       this.#offsets.set(file, next);
     }
@@ -5044,11 +5040,11 @@ class SeenLog {
   }
 
   #today(): JsonlWriter {
-    const day = SeenLog.day(this.now());
-    if (day !== this.#writerDay) {
+    const name = SeenLog.#name(this.now());
+    if (name !== this.#writerFile) {
       this.#writer?.close();
-      this.#writer = new JsonlWriter(path.join(this.dir, `replay-${day}.jsonl`), `the state folder ${this.dir}`);
-      this.#writerDay = day;
+      this.#writer = new JsonlWriter(path.join(this.dir, name), `the state folder ${this.dir}`);
+      this.#writerFile = name;
     }
     return this.#writer!;
   }
@@ -5106,28 +5102,15 @@ function writeAdoptedFile(dir: string, what: { size: number; by: string | null }
 }
 
 /** The ids of the sessions this node has had in a state root, oldest folder first. */
-function sessionIds(root: string): string[] {
-  try {
-    return fs.readdirSync(path.join(root, "sessions")).filter((id) => SESSION_RE.test(id)).sort();
-  } catch {
-    return [];
-  }
-}
+const sessionIds = (root: string): string[] => namesIn(path.join(root, "sessions"), SESSION_RE);
 
 /**
  * When a session last did anything: its journal's last write, or the session.json its server rewrites on a clean exit
  * (a killed one ended at its last write, or its start).
  */
 function sessionEndedAt(dir: string): number {
-  let at = 0;
-  for (const f of ["log.jsonl", "session.json"]) {
-    try {
-      at = Math.max(at, fs.statSync(path.join(dir, f)).mtimeMs);
-    } catch {
-      // not there
-    }
-  }
-  return Math.round(at);
+  const at = (f: string) => statOf(path.join(dir, f))?.mtimeMs ?? 0;
+  return Math.round(Math.max(at("log.jsonl"), at("session.json")));
 }
 
 /** A rolled journal archive's name: log-<unix ms>.jsonl, in order of age. */
@@ -5135,23 +5118,15 @@ const ARCHIVE_RE = /^log-\d+\.jsonl$/;
 
 /** A session's journals, oldest first: its archives (see Journal.roll), then log.jsonl. */
 function journalFiles(dir: string): string[] {
-  let archives: string[] = [];
-  try {
-    archives = fs.readdirSync(dir).filter((f) => ARCHIVE_RE.test(f)).sort((a, b) =>
-      a.length - b.length || (a < b ? -1 : 1)
-    );
-  } catch {
-    // no folder yet
-  }
+  const archives = namesIn(dir, ARCHIVE_RE).sort((a, b) => a.length - b.length); // stable: by length, then name
   return [...archives, "log.jsonl"].map((f) => path.join(dir, f));
 }
 
 /** A node's state read from its folder by a process that does not own it (the CLI, `wait`). */
 function readNodeState(stateDir: string): { state: NodeState; journal: Journal } {
-  const state = new NodeState();
-  const journal = new Journal(stateDir, state);
+  const journal = new Journal(stateDir, new NodeState());
   journal.catchUp();
-  return { state, journal };
+  return { state: journal.state, journal };
 }
 
 /** A 0.4.0 journal sat in the state folder: the first session to start after the upgrade moves it into its own. */
