@@ -3868,51 +3868,14 @@ type HeldKnock = { name: string; at: number; msgId: string; replyTo?: string };
 /** A knock of ours unanswered (an acceptance names its msgId); `invite`: theirs, for `interlink.ts join`. */
 type OwnKnock = { petname?: string; at: number; msgId: string; invite?: string };
 
-/**
- * What an ended session still had to do, or to know to do it, when it was adopted. `routes`: the ended sessions whose
- * relay routes its mail may still arrive on (itself among them), with when each ended.
- */
-interface Carried {
-  out: CarriedOut[];
-  inbox: InboxItem[];
-  tasks: TaskRow[];
-  owed: [string, ReceiptLine[]][];
-  wants_shown: [string, { route: string; msgId: string }][];
-  knocks_in: [string, HeldKnock][];
-  knocks_out: [string, OwnKnock][];
-  sticky: [string, string][];
-  closed: [string, number][];
-  rejected: [string, number][];
-  routes: [string, number][];
-}
+/** What an ended session still had to do, or to know to do it, when it was adopted (its fields: see the codec). */
+type Carried = ReturnType<typeof carried>;
 
 /** What a checkpoint keeps beside what it carries: what only this journal knew (NodeState's memories so named). */
-interface Remembered {
-  /** Only in checkpoints of 0.5.0: the per-day replay files (SeenLog) hold it, read at every start. */
-  replay?: [string, number][];
-  shown: string[];
-  refusal_shown: [string, number][];
-  refusals_reported: [string, { key: string; at: number }][];
-  knocks_shown: number[];
-  pushed: [string, { at: number; item: InboxItem }][];
-  confirming: string[];
-  /** Absent in a checkpoint written by an earlier release. */
-  silent?: string[];
-}
+type Remembered = ReturnType<typeof remembered>;
 
 /** An outbox entry (no sent_at) or a sent message awaiting receipts, as carried. */
-interface CarriedOut {
-  msg: SignedMessage;
-  peer: string | null;
-  recipient: string;
-  at: number;
-  pair_petname?: string;
-  sent_at?: number;
-  via?: string[];
-  delivered?: { at: number; session: string };
-  shown?: { at: number; session: string };
-  chain?: Chain;
-}
+type CarriedOut = ReturnType<typeof carriedOut>;
 
 // The codec. Records come from disk: a hand edit, a disk fault or a newer version may have put anything there, so
 // each field is checked and a bad one named; the caller (the journal's owner) sets the line aside with the reason.
@@ -3920,17 +3883,19 @@ interface CarriedOut {
 /** Decodes field `k` of `o` (or an item of its list), or throws a FormatError that names it. */
 type Field<T> = (o: Record<string, unknown>, k: string) => T;
 
+/** What `spec` decodes: a field that may decode to undefined is optional. */
+type Decoded<S extends Record<string, Field<unknown>>> =
+  & { [K in keyof S as undefined extends ReturnType<S[K]> ? never : K]: ReturnType<S[K]> }
+  & { [K in keyof S as undefined extends ReturnType<S[K]> ? K : never]?: Exclude<ReturnType<S[K]>, undefined> };
+
 /** The fields `spec` decodes, in its order (the order they are written in); undefined ones left out. */
-function fields<S extends Record<string, Field<unknown>>>(
-  o: Record<string, unknown>,
-  spec: S,
-): { [K in keyof S]: ReturnType<S[K]> } {
+function fields<S extends Record<string, Field<unknown>>>(o: Record<string, unknown>, spec: S): Decoded<S> {
   const out: Record<string, unknown> = {};
   for (const k in spec) {
     const v = spec[k](o, k);
     if (v !== undefined) out[k] = v;
   }
-  return out as { [K in keyof S]: ReturnType<S[K]> };
+  return out as Decoded<S>;
 }
 
 /** A value `ok` accepts, as it is. */
@@ -3971,7 +3936,7 @@ const obj = (v: unknown, what: string): Record<string, unknown> => {
 const decoded = <T>(f: (v: unknown) => T): Field<T> => (o, k) => f(o[k]);
 
 /** An object of the fields `spec` decodes. */
-function record<S extends Record<string, Field<unknown>>>(spec: S): Field<{ [K in keyof S]: ReturnType<S[K]> }> {
+function record<S extends Record<string, Field<unknown>>>(spec: S): Field<Decoded<S>> {
   return (o, k) => fields(obj(o[k], `"${k}"`), spec);
 }
 
@@ -4082,7 +4047,7 @@ const taskRow: Field<TaskRow> = record({
   unopened: flag,
 });
 
-const carriedOut: Field<CarriedOut> = record({
+const carriedOut = record({
   msg: message,
   peer: (o, k) => (o[k] === null ? null : str(o, k)),
   recipient: str,
@@ -4095,7 +4060,7 @@ const carriedOut: Field<CarriedOut> = record({
   chain: optChain,
 });
 
-const carried: Field<Carried> = record({
+const carried = record({
   out: items(carriedOut),
   inbox: items(inboxItem),
   tasks: items(taskRow),
@@ -4106,18 +4071,18 @@ const carried: Field<Carried> = record({
   sticky: pairs(str),
   closed: pairs(int),
   rejected: pairs(int),
-  routes: pairs(int),
+  routes: pairs(int), // the ended sessions whose relay routes its mail may still reach (itself among them), when each ended
 });
 
-const remembered: Field<Remembered> = record({
-  replay: optional(pairs(int)),
+const remembered = record({
+  replay: optional(pairs(int)), // only in checkpoints of 0.5.0: the per-day replay files (SeenLog) hold it
   shown: items(str),
   refusal_shown: pairs(int),
   refusals_reported: pairs(record({ key: str, at: int })),
   knocks_shown: items(int),
   pushed: pairs(record({ at: int, item: inboxItem })),
   confirming: items(str),
-  silent: items(str),
+  silent: optional(listOf(str)), // absent in a checkpoint of an earlier release
 });
 
 const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<RecordOf<T>, "t" | "at"> } = {
@@ -4667,13 +4632,6 @@ class NodeState {
     return { msg, peer, recipient, at, ...some("pair_petname", e.pairPetname), ...some("chain", e.chain) };
   }
 
-  /** About how many bytes a carry writes (carriedOut, the inbox). */
-  carriedBytes(nowMs: number): number {
-    let n = this.inboxBytes + 64 * this.inbox.size;
-    for (const o of this.carriedOut(nowMs)) n += 128 + weight(o.msg);
-    return n;
-  }
-
   /** See Remembered. */
   remembered(nowMs: number): Remembered {
     this.replay.forget(nowMs);
@@ -4936,14 +4894,11 @@ class Journal {
     const at = this.now();
     const archived = `log-${at}.jsonl`;
     const state = this.state;
-    const head = encodeRecord({
-      t: "checkpoint",
-      at,
-      archived,
-      carried: state.carry(at),
-      remembered: state.remembered(at),
-    });
-    if ((utf8Bytes(head) + state.carriedBytes(at)) * 2 > fileSize(this.file)) return false;
+    const carried = state.carry(at), remembered = state.remembered(at);
+    const head = encodeRecord({ t: "checkpoint", at, archived, carried, remembered });
+    let bytes = utf8Bytes(head) + state.inboxBytes + 64 * state.inbox.size; // about what the new file holds
+    for (const o of state.carriedOut(at)) bytes += 128 + weight(o.msg);
+    if (bytes * 2 > fileSize(this.file)) return false;
     const archive = path.join(this.stateDir, archived);
     let end = 0;
     this.#writer ??= new JsonlWriter(this.file, `the state folder ${this.stateDir}`);
