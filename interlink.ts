@@ -4071,7 +4071,7 @@ const carried = record({
   sticky: pairs(str),
   closed: pairs(int),
   rejected: pairs(int),
-  routes: pairs(int), // the ended sessions whose relay routes its mail may still reach (itself among them), when each ended
+  routes: pairs(int), // ended sessions whose relay routes its mail may still reach (itself among them), when each ended
 });
 
 const remembered = record({
