@@ -3933,8 +3933,6 @@ const obj = (v: unknown, what: string): Record<string, unknown> => {
   return v;
 };
 
-const decoded = <T>(f: (v: unknown) => T): Field<T> => (o, k) => f(o[k]);
-
 /** An object of the fields `spec` decodes. */
 function record<S extends Record<string, Field<unknown>>>(spec: S): Field<Decoded<S>> {
   return (o, k) => fields(obj(o[k], `"${k}"`), spec);
@@ -3956,9 +3954,9 @@ const pairs = <V>(f: Field<V>): Field<[string, V][]> =>
     return [p[0], f({ [k]: p[1] }, k)];
   });
 
-const message = decoded(parseSignedMessage);
+const message: Field<SignedMessage> = (o, k) => parseSignedMessage(o[k]);
 
-const optChain = optional(decoded(parseChain));
+const optChain = optional((o, k) => parseChain(o[k]));
 
 const shownName: Field<string> = (o, k) => displayName(str(o, k));
 
@@ -4211,10 +4209,8 @@ function taskMarks(
   if (!row) return msg.status ? { unopened: true } : {};
   const q = row.awaiting.find((q) => q.msg_id === msg.in_reply_to && q.asked_by === "me");
   const owner = row.owner ?? (row.requested_by === "peer" ? row.peer_key : undefined);
-  const asked = q?.text === undefined
-    ? undefined
-    : { text: q.text, ...some("owner", owner), ...some("session", q.earlier) };
-  return { ...some("asked", asked), ...(row.closed ? { late: row.status ?? "closed" } : {}) };
+  const asked = q?.text !== undefined && { text: q.text, ...some("owner", owner), ...some("session", q.earlier) };
+  return { ...(asked ? { asked } : {}), ...(row.closed ? { late: row.status ?? "closed" } : {}) };
 }
 
 /** The entry of a message of ours from its "out" or "carried" record. */
@@ -4441,9 +4437,8 @@ class NodeState {
       this.#remember();
       for (const t of this.tasks.values()) t.moved_to ??= r.to;
       for (const m of [this.pending, this.inbox, this.owed, this.wantsShown, this.knocksIn, this.knocksOut]) m.clear();
+      for (const m of [this.drains, this.unconfirmed]) m.clear();
       this.pendingBytes = this.inboxBytes = 0;
-      this.drains.clear();
-      this.unconfirmed.clear();
     },
     adopted: (r) => this.#take(r.session, r.at, r.carried),
     carried: (r) => {
@@ -4498,7 +4493,6 @@ class NodeState {
     this.inbox.delete(id);
   }
 
-  /** The entry of a message of ours, queued or sent. */
   entry(msgId: string): OutEntry | undefined {
     return this.pending.get(msgId) ?? this.outgoing.get(msgId);
   }
@@ -4552,7 +4546,6 @@ class NodeState {
     if (session !== null) this.drains.set(session, this.drains.get(session) ?? at);
   }
 
-  /** One carried outbox entry (see #take). */
   #takeOut(session: string | null, o: CarriedOut): void {
     const id = o.msg.msg_id;
     if (this.entry(id)) return;
@@ -4816,20 +4809,16 @@ class Journal {
   catchUp(): void {
     this.#followRoll();
     const first = this.#offset === 0;
-    const bad: [number, number, string, string][] = [];
-    const { next, tornBytes } = scanJournal(
-      this.file,
-      this.#offset,
-      (r, at, end) => {
-        try {
-          this.state.apply(r);
-        } catch (e) {
-          bad.push([at, end - at - 1, `a "${r.t}" record: ${(e as Error).message}`, encodeRecord(r)]);
-        }
-      },
-      (at, why, line, bytes) => bad.push([at, bytes, why, line]),
-    );
-    for (const [at, bytes, why, line] of bad) {
+    const bad: Parameters<BadLine>[] = [];
+    const onBad: BadLine = (...line) => bad.push(line);
+    const { next, tornBytes } = scanJournal(this.file, this.#offset, (r, at, end) => {
+      try {
+        this.state.apply(r);
+      } catch (e) {
+        onBad(at, `a "${r.t}" record: ${(e as Error).message}`, encodeRecord(r), end - at - 1);
+      }
+    }, onBad);
+    for (const [at, why, line, bytes] of bad) {
       if (this.owner) {
         quarantineLine(this.file, at, bytes, why, line);
         logWarn(`${this.file}: moved the unreadable line at byte ${at} to ${corruptFile(this.file)} (${why})`);
