@@ -4271,17 +4271,13 @@ class NodeState {
   readonly confirming = new BoundedMap<string, true>(1024);
   /** Keys whose last message asked for no receipts (a reference node): never held at SEND_WINDOW, which none frees. */
   readonly silent = new BoundedMap<string, true>(1024);
-  /**
-   * Routes a relay refused as full while ours wait (this process only, not journaled): when to retry, refusals in a
-   * row (the back-off), what the relays said. Cleared by the route's next accepted message.
-   */
+  /** Routes a relay refused as full (not journaled): when to retry, refusals in a row, why; cleared on an accept. */
   readonly full = new Map<string, { until: number; failures: number; why: string }>();
   /** Whether a relay the outbox sends through may drop past its cap (set by the agent; unknown: it may). */
   mayDrop: () => boolean = () => true;
   /** Set by a "moved" record: the session that took over everything this one still had to do. */
   movedTo: string | undefined;
 
-  /** The clock is the fold's only input besides the records. */
   constructor(readonly now: () => number = Date.now) {}
 
   apply(r: JournalRecord): void {
@@ -4531,7 +4527,6 @@ class NodeState {
         : t.awaiting.map((q) => (q.asked_by === "me" ? { ...q, earlier: q.earlier ?? session } : q));
       this.tasks.set(key, { ...t, awaiting });
     }
-    if (session !== null) this.#stillWaiting(c, session, at);
     for (const [route, lines] of c.owed) for (const l of lines) this.#owe(route, l);
     const fill = <V>(into: Map<string, V>, from: [string, V][]) => {
       for (const [k, v] of from) if (!into.has(k)) into.set(k, v);
@@ -4543,34 +4538,10 @@ class NodeState {
     fill(this.closed, c.closed);
     fill(this.rejected, c.rejected);
     fill(this.drains, c.routes);
-    if (session !== null) this.drains.set(session, this.drains.get(session) ?? at);
-  }
-
-  #takeOut(session: string | null, o: CarriedOut): void {
-    const id = o.msg.msg_id;
-    if (this.entry(id)) return;
-    const entry = outEntry(o, some("adoptedFrom", session ?? undefined));
-    if (o.sent_at === undefined) return this.#queue(entry);
-    this.outgoing.set(id, entry);
-    this.#remember();
-    if (!o.delivered && o.msg.kind === "message") this.#unconfirmed(o.recipient, id, true);
-  }
-
-  /**
-   * One carried inbox item; one this journal showed is not shown again, but at its own checkpoint (`own`) an id reused
-   * since it was shown ("knocks more") is in both.
-   */
-  #takeItem(session: string | null, item: InboxItem, own = session === null): void {
-    if (this.inbox.has(item.id) || (!own && this.#shown.has(item.id))) return;
-    const forSession = item.kind === "message" ? item.forSession ?? session ?? undefined : undefined;
-    this.#hold(item.kind === "message" && forSession ? { ...item, forSession } : item);
-  }
-
-  /**
-   * Questions peers asked of the ended `session`, shown there and still waiting for our operator: each becomes an inbox
-   * item here, shown once (one never shown there comes as itself, in the inbox it carried).
-   */
-  #stillWaiting(c: Carried, session: string, at: number): void {
+    if (session === null) return;
+    this.drains.set(session, this.drains.get(session) ?? at);
+    // Questions peers asked of the ended session, shown there and still waiting for our operator: each becomes an inbox
+    // item here, shown once (one never shown there comes as itself, in the inbox it carried).
     for (const carried of c.tasks) {
       const t = this.tasks.get(taskKey(carried.peer_key, carried.task_id));
       if (!t || t.closed) continue;
@@ -4584,11 +4555,27 @@ class NodeState {
     }
   }
 
+  #takeOut(session: string | null, o: CarriedOut): void {
+    const id = o.msg.msg_id;
+    if (this.entry(id)) return;
+    const entry = outEntry(o, some("adoptedFrom", session ?? undefined));
+    if (o.sent_at === undefined) return this.#queue(entry);
+    this.outgoing.set(id, entry);
+    this.#remember();
+    if (!o.delivered && o.msg.kind === "message") this.#unconfirmed(o.recipient, id, true);
+  }
+
+  /** One carried inbox item, unless this journal showed it (at its own checkpoint, `own`, a reused id is in both). */
+  #takeItem(session: string | null, item: InboxItem, own = session === null): void {
+    if (this.inbox.has(item.id) || (!own && this.#shown.has(item.id))) return;
+    const forSession = item.kind === "message" ? item.forSession ?? session ?? undefined : undefined;
+    this.#hold(item.kind === "message" && forSession ? { ...item, forSession } : item);
+  }
+
   /**
-   * What this session still has to do, for its adopter (`ended`: this session and when it ended) or its checkpoint.
-   * Closed tasks go too, of the last day (a late message on one is still refused), or CLOSED_TASKS_KEPT_MS at a
-   * checkpoint. Messages are not in it: carriedOut() and the inbox give them a record each, so a backlog is never one
-   * line in memory.
+   * What this session still has to do, for its adopter (`ended`: this session and when it ended) or its checkpoint,
+   * with closed tasks of the last day (a late message on one is still refused) or CLOSED_TASKS_KEPT_MS at a checkpoint.
+   * Messages get a record each (carriedOut(), the inbox): a backlog is never one line in memory.
    */
   carry(nowMs: number, ended?: { session: string; at: number }): Carried {
     const since = nowMs - FRESH_PAST_MS;
@@ -4625,7 +4612,6 @@ class NodeState {
     return { msg, peer, recipient, at, ...some("pair_petname", e.pairPetname), ...some("chain", e.chain) };
   }
 
-  /** See Remembered. */
   remembered(nowMs: number): Remembered {
     this.replay.forget(nowMs);
     return {
@@ -5057,8 +5043,7 @@ function sessionEndedAt(dir: string): number {
   return Math.round(Math.max(at("log.jsonl"), at("session.json")));
 }
 
-/** A rolled journal archive's name: log-<unix ms>.jsonl, in order of age. */
-const ARCHIVE_RE = /^log-\d+\.jsonl$/;
+const ARCHIVE_RE = /^log-\d+\.jsonl$/; // a rolled journal archive: log-<unix ms>.jsonl
 
 /** A session's journals, oldest first: its archives (see Journal.roll), then log.jsonl. */
 function journalFiles(dir: string): string[] {
@@ -5089,13 +5074,12 @@ function adoptLegacyJournal(stateDir: string, dir: string): void {
 /** A waitUntil subscription that fires when `stateDir`'s journal changes (the 1 s re-check covers fs.watch's gaps). */
 function onJournalChange(stateDir: string): (wake: () => void) => () => void {
   return (wake) => {
-    let watcher: fs.FSWatcher | null = null;
     try {
-      watcher = fs.watch(stateDir, (_e, name) => (name === null || String(name) === "log.jsonl") && wake());
+      const watcher = fs.watch(stateDir, (_e, name) => (name === null || String(name) === "log.jsonl") && wake());
+      return () => watcher.close();
     } catch {
-      // no watching here: the periodic re-check still runs
+      return () => {}; // no watching here: the periodic re-check still runs
     }
-    return () => watcher?.close();
   };
 }
 
