@@ -3774,7 +3774,6 @@ const SHOWN_VIAS = ["push", "inbox", "queue", "superseded"] as const;
  * invites (our operator's decision, made by running `interlink.ts invite`).
  */
 const PAIR_OUTCOMES = ["accepted", "rejected", "they_accepted", "invited"] as const;
-
 type PairOutcome = (typeof PAIR_OUTCOMES)[number];
 
 /** Every record a session writes to its journal (the schema's one description); `at`: the writer's clock, unix ms. */
@@ -3856,7 +3855,6 @@ type JournalRecord =
   | { t: "checkpoint"; at: number; archived: string; carried: Carried; remembered: Remembered };
 
 type RecordTag = JournalRecord["t"];
-
 type RecordOf<T extends RecordTag> = Extract<JournalRecord, { t: T }>;
 
 /** A record as a writer hands it over: the journal stamps `at`. */
@@ -3904,47 +3902,33 @@ const is = <T>(ok: (v: unknown) => boolean, says: string): Field<T> => (o, k) =>
   return o[k] as T;
 };
 
-const optional = <T>(f: Field<T>): Field<T | undefined> => (o, k) => (o[k] === undefined ? undefined : f(o, k));
-
+// The leaves. optStr: absent or null is none; flag: anything but true is none; strings: a list, each made a string.
 const str: Field<string> = field;
-
-/** Absent or null: none. */
-const optStr: Field<string | undefined> = (o, k) => (o[k] === undefined || o[k] === null ? undefined : str(o, k));
-
 const int = is<number>(Number.isSafeInteger, "not an integer");
-
-const optInt = optional(int);
-
-const flag: Field<true | undefined> = (o, k) => (o[k] === true ? true : undefined);
-
 const list = is<unknown[]>(Array.isArray, "not a list");
-
+const reason = is<Refusal>(isRefusal, "not a known reason");
+const taskStatus = is<TaskStatus>(isTaskStatus, "not a task status");
+const optional = <T>(f: Field<T>): Field<T | undefined> => (o, k) => (o[k] === undefined ? undefined : f(o, k));
+const optStr: Field<string | undefined> = (o, k) => (o[k] === undefined || o[k] === null ? undefined : str(o, k));
+const optInt = optional(int);
+const flag: Field<true | undefined> = (o, k) => (o[k] === true ? true : undefined);
 const strings: Field<string[]> = (o, k) => list(o, k).map(String);
 
 const oneOf = <T extends string>(values: readonly T[], says = `not ${values.join(", ")}`) =>
   is<T>((v) => values.includes(v as T), says);
-
-const reason = is<Refusal>(isRefusal, "not a known reason");
-
-const taskStatus = is<TaskStatus>(isTaskStatus, "not a task status");
 
 const obj = (v: unknown, what: string): Record<string, unknown> => {
   if (!isObject(v)) throw new FormatError(`${what} is not an object`);
   return v;
 };
 
-/** An object of the fields `spec` decodes. */
+// The containers. record: an object of the fields `spec` decodes; listOf: a list, each item read as field `k`;
+// items: a list that may be absent (none); pairs: a Map's entries as JSON.stringify writes them, [key, value].
 function record<S extends Record<string, Field<unknown>>>(spec: S): Field<Decoded<S>> {
   return (o, k) => fields(obj(o[k], `"${k}"`), spec);
 }
-
-/** A list of what `f` decodes, each item read as field `k`. */
 const listOf = <V>(f: Field<V>): Field<V[]> => (o, k) => list(o, k).map((v) => f({ [k]: v }, k));
-
-/** A list that may be absent (none). */
 const items = <V>(f: Field<V>): Field<V[]> => (o, k) => (o[k] === undefined ? [] : listOf(f)(o, k));
-
-/** A Map's entries, as JSON.stringify writes them: [key, value] pairs. */
 const pairs = <V>(f: Field<V>): Field<[string, V][]> =>
   items((o, k) => {
     const p = o[k];
@@ -3954,15 +3938,13 @@ const pairs = <V>(f: Field<V>): Field<[string, V][]> =>
     return [p[0], f({ [k]: p[1] }, k)];
   });
 
+// The parts of records: messages and chains (their own parsers check them), names as shown, and small objects.
 const message: Field<SignedMessage> = (o, k) => parseSignedMessage(o[k]);
-
 const optChain = optional((o, k) => parseChain(o[k]));
-
 const shownName: Field<string> = (o, k) => displayName(str(o, k));
-
 const where = optional(record({ at: int, session: str }));
-
 const relayed = optional(record({ dir: oneOf(["up", "down"] as const), to: str, task_id: str }));
+const side = oneOf<Side>(["me", "peer"]);
 
 const receiptLine: Field<ReceiptLine> = record({
   state: oneOf(RECEIPT_STATES, "not a receipt state"),
@@ -4007,14 +3989,9 @@ const ITEM_FIELDS: {
 
 const inboxItem: Field<InboxItem> = (o, k) => {
   const x = obj(o[k], `"${k}"`);
-  const kind = x.kind as InboxItem["kind"];
-  if (!Object.hasOwn(ITEM_FIELDS, String(kind))) {
-    throw new FormatError(`unknown inbox item kind ${JSON.stringify(kind)}`);
-  }
+  const kind = oneOf(Object.keys(ITEM_FIELDS) as InboxItem["kind"][], "not a known inbox item kind")(x, "kind");
   return { kind, ...fields(x, { id: str, at: int }), ...ITEM_FIELDS[kind](x) } as InboxItem;
 };
-
-const side = oneOf<Side>(["me", "peer"]);
 
 const question: Field<Question> = record({
   msg_id: str,
