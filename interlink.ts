@@ -1198,24 +1198,7 @@ interface Identity {
 }
 
 /** PKCS#8 wrapper for a raw 32-byte Ed25519 seed (RFC 8410), the only import form WebCrypto takes. */
-const PKCS8_ED25519_PREFIX = [
-  0x30,
-  0x2e,
-  0x02,
-  0x01,
-  0x00,
-  0x30,
-  0x05,
-  0x06,
-  0x03,
-  0x2b,
-  0x65,
-  0x70,
-  0x04,
-  0x22,
-  0x04,
-  0x20,
-];
+const PKCS8_ED25519_PREFIX = Buffer.from("302e020100300506032b657004220420", "hex");
 
 async function identityFromSeed(seed: Uint8Array): Promise<Identity> {
   if (seed.length !== 32) throw new FormatError("an Ed25519 seed is 32 bytes");
