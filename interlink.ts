@@ -933,6 +933,9 @@ const lengthPrefixed = (s: string): Uint8Array[] => {
   return [u32le(bytes.length), bytes];
 };
 
+/** What a signature or proof covers: its domain, so that none made for one use passes for another, then `parts`. */
+const signedBytes = (domain: string, parts: Uint8Array[]): Bytes => concatBytes([utf8.encode(domain), ...parts]);
+
 /**
  * The bytes a message signature covers (SPEC "Canonical bytes"). Each property blocks an attack:
  *   - the domain prefix: a v1 signature, or an announcement, replayed as a v2 message;
@@ -944,8 +947,7 @@ const lengthPrefixed = (s: string): Uint8Array[] => {
  *     task or answering another question. An absent field is the empty string, so dropping one changes the bytes.
  */
 function canonicalBytes(m: Omit<SignedMessage, "sig">): Bytes {
-  return concatBytes([
-    utf8.encode(SIGNING_DOMAIN),
+  return signedBytes(SIGNING_DOMAIN, [
     decodeKey(m.from, "from"),
     decodeKey(m.to, "to"),
     u64le(m.ts),
@@ -959,8 +961,7 @@ function canonicalBytes(m: Omit<SignedMessage, "sig">): Bytes {
  */
 function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
   const s = a.session;
-  return concatBytes([
-    utf8.encode(ANNOUNCE_DOMAIN),
+  return signedBytes(ANNOUNCE_DOMAIN, [
     decodeKey(a.pubkey, "pubkey"),
     ...[a.name, s?.session_id ?? "", s?.cwd ?? "", s?.git_root ?? "", s?.summary ?? ""].flatMap(lengthPrefixed),
     u64le(a.ts),
@@ -969,12 +970,7 @@ function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
 
 /** A legacy node's 0.4 layout, which no 0.8 announcement can match. */
 function legacyAnnouncementBytes(a: Omit<Announcement, "sig" | "age_ms" | "session">): Bytes {
-  return concatBytes([
-    utf8.encode(ANNOUNCE_DOMAIN),
-    decodeKey(a.pubkey, "pubkey"),
-    ...lengthPrefixed(a.name),
-    u64le(a.ts),
-  ]);
+  return signedBytes(ANNOUNCE_DOMAIN, [decodeKey(a.pubkey, "pubkey"), ...lengthPrefixed(a.name), u64le(a.ts)]);
 }
 
 /** Signs a recv or an ack: proof that the caller holds the key of the route it reads. */
@@ -985,19 +981,14 @@ const RECV_DOMAIN = "interlink-recv-v1\0";
  * session from opening another's; ts bounds how long a captured proof is worth anything.
  */
 function recvProofBytes(route: string, ts: number): Bytes {
-  return concatBytes([utf8.encode(RECV_DOMAIN), ...lengthPrefixed(route), u64le(ts)]);
+  return signedBytes(RECV_DOMAIN, [...lengthPrefixed(route), u64le(ts)]);
 }
 
 /** Signs an unregister: only the key that announced a session can take it off a bus's roster. */
 const UNREGISTER_DOMAIN = "interlink-unregister-v1\0";
 
 function unregisterBytes(u: { pubkey: string; session_id: string; ts: number }): Bytes {
-  return concatBytes([
-    utf8.encode(UNREGISTER_DOMAIN),
-    decodeKey(u.pubkey, "pubkey"),
-    ...lengthPrefixed(u.session_id),
-    u64le(u.ts),
-  ]);
+  return signedBytes(UNREGISTER_DOMAIN, [decodeKey(u.pubkey, "pubkey"), ...lengthPrefixed(u.session_id), u64le(u.ts)]);
 }
 
 /** Domain of an invite proof: an HMAC made for anything else never passes as one. */
@@ -1018,8 +1009,7 @@ const INVITE_SECRET_BYTES = 16;
  *     used by then).
  */
 function inviteProofBytes(id: Uint8Array, inviter: string, joiner: string, msgId: string): Bytes {
-  return concatBytes([
-    utf8.encode(INVITE_DOMAIN),
+  return signedBytes(INVITE_DOMAIN, [
     id,
     decodeKey(inviter, "inviter key"),
     decodeKey(joiner, "joiner key"),
@@ -1066,8 +1056,7 @@ function chainBytes(
   m: Pick<SignedMessage, "from" | "to" | "msg_id"> & { task_id: string },
   c: Omit<Chain, "sig">,
 ): Bytes {
-  return concatBytes([
-    utf8.encode(CHAIN_DOMAIN),
+  return signedBytes(CHAIN_DOMAIN, [
     decodeKey(m.from, "from"),
     decodeKey(m.to, "to"),
     ...[m.msg_id, m.task_id, c.parent].flatMap(lengthPrefixed),
