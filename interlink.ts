@@ -1520,41 +1520,24 @@ async function decide(
   } catch (e) {
     return { verdict: "reject", reason: "malformed", detail: (e as Error).message };
   }
+  const reject = (reason: RejectReason, detail: string): Verdict => ({ verdict: "reject", reason, detail, msg });
   const bad = await verifyMessage(msg);
-  if (bad) return { verdict: "reject", reason: "bad_signature", detail: bad, msg };
-  if (msg.to !== me) {
-    return { verdict: "reject", reason: "wrong_recipient", detail: `addressed to ${fingerprint(msg.to)}`, msg };
-  }
+  if (bad) return reject("bad_signature", bad);
+  if (msg.to !== me) return reject("wrong_recipient", `addressed to ${fingerprint(msg.to)}`);
   // A message signed by this node's own key comes from another of its sessions: admitted as "self".
   const peerKinds = msg.kind === "message" || msg.kind === "receipt"; // only peers (and self) may send these
   const petname = peers.byKey.get(msg.from) ?? (msg.from === me && peerKinds ? "self" : undefined);
   if (petname === undefined && peerKinds) {
-    return {
-      verdict: "reject",
-      reason: "not_allowlisted",
-      detail: `${fingerprint(msg.from)} is not in peers.json`,
-      msg,
-    };
+    return reject("not_allowlisted", `${fingerprint(msg.from)} is not in peers.json`);
   }
-  if (msg.ts - nowMs > FRESH_FUTURE_MS) {
-    return { verdict: "reject", reason: "stale", detail: `ts is ${msg.ts - nowMs} ms in the future`, msg };
-  }
-  if (nowMs - msg.ts > FRESH_PAST_MS) {
-    return {
-      verdict: "reject",
-      reason: "stale",
-      detail: `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`,
-      msg,
-    };
-  }
-  if (replay.has(msg.from, msg.msg_id)) {
-    return { verdict: "reject", reason: "replay", detail: `msg_id ${msg.msg_id} already admitted`, msg };
-  }
+  if (msg.ts - nowMs > FRESH_FUTURE_MS) return reject("stale", `ts is ${msg.ts - nowMs} ms in the future`);
+  if (nowMs - msg.ts > FRESH_PAST_MS) return reject("stale", `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`);
+  if (replay.has(msg.from, msg.msg_id)) return reject("replay", `msg_id ${msg.msg_id} already admitted`);
   const pressure = replay.pressure(nowMs, msg.from);
   if (pressure === "share") {
     const detail =
       `the replay memory holds ${replay.cap} messages of the last 24 h, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`;
-    return { verdict: "reject", reason: "busy", detail, msg };
+    return reject("busy", detail);
   }
   if (pressure === "all") {
     const detail =
@@ -1571,12 +1554,10 @@ async function decide(
     case "pair_accept": {
       // Matched to our request by its signed in_reply_to (0.9 and later), or by key alone (0.8 sends none).
       const asked = knocked.get(msg.from);
-      if (asked === undefined) {
-        return { verdict: "reject", reason: "unexpected_kind", detail: "pair_accept without a knock from us", msg };
-      }
+      if (asked === undefined) return reject("unexpected_kind", "pair_accept without a knock from us");
       if (msg.in_reply_to !== undefined && msg.in_reply_to !== asked) {
         const detail = `pair_accept answers ${showId(msg.in_reply_to)}, not our request ${showId(asked)}`;
-        return { verdict: "reject", reason: "unexpected_kind", detail, msg };
+        return reject("unexpected_kind", detail);
       }
       return { verdict: "pair_accept", msg };
     }
