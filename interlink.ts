@@ -550,10 +550,7 @@ function idProblem(id: string): string | null {
 // stdout belongs to MCP (and to command output); every log line goes to stderr with a component prefix.
 
 /** The host runtime's own globals, for the little node: modules do not cover: serving HTTP, naming the runtime. */
-const runtimeHost = globalThis as unknown as {
-  Bun?: BunRuntime;
-  Deno?: DenoRuntime;
-};
+const runtimeHost = globalThis as unknown as { Bun?: BunRuntime; Deno?: DenoRuntime };
 
 let logComponent = "interlink";
 
@@ -575,7 +572,6 @@ function logLine(level: string, msg: string): void {
 }
 
 const logInfo = (msg: string): void => logLine("info", msg);
-
 const logWarn = (msg: string): void => logLine("warn", msg);
 
 /** Writes all of `bytes` at the descriptor's position (or append point), or throws: a 0-byte write is a full disk. */
@@ -677,14 +673,7 @@ function writeSomeStdout(bytes: Uint8Array): Promise<number> {
     return deno.stdout.write(bytes).catch((e) => ((e as Error).name === "WouldBlock" ? full() : Promise.reject(e)));
   }
   return new Promise((resolve, reject) =>
-    fs.write(
-      1,
-      bytes,
-      0,
-      bytes.length,
-      null,
-      (e, n) => (e?.code === "EAGAIN" ? resolve(full()) : e ? reject(e) : resolve(n)),
-    )
+    fs.write(1, bytes, (e, n) => (e?.code === "EAGAIN" ? resolve(full()) : e ? reject(e) : resolve(n)))
   );
 }
 
@@ -759,18 +748,11 @@ function nodeClock(): () => number {
 }
 
 /** Sleeps up to `ms`, returning early (or at once) when `signal` is aborted. */
-function pause(ms: number, signal: AbortSignal): Promise<void> {
-  if (signal.aborted) return Promise.resolve();
-  return new Promise((resolve) => {
-    const done = () => {
-      clearTimeout(timer);
-      signal.removeEventListener("abort", done);
-      resolve();
-    };
-    const timer = setTimeout(done, ms);
-    signal.addEventListener("abort", done);
-  });
-}
+const pause = (ms: number, signal: AbortSignal): Promise<boolean> =>
+  waitUntil(() => signal.aborted, ms, (wake) => {
+    signal.addEventListener("abort", wake);
+    return () => signal.removeEventListener("abort", wake);
+  }, ms);
 
 /** A Map that forgets its oldest entries past `cap` (insertion order; a re-set moves a key to the back). */
 class BoundedMap<K, V> extends Map<K, V> {
