@@ -851,9 +851,8 @@ const utf8 = new TextEncoder();
 /** Bytes on an ordinary ArrayBuffer, the only kind WebCrypto takes. */
 type Bytes = Uint8Array<ArrayBuffer>;
 
-function b64urlEncode(bytes: Uint8Array): string {
-  return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength).toString("base64url");
-}
+const b64urlEncode = (bytes: Uint8Array): string =>
+  Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength).toString("base64url");
 
 const B64URL_RE = /^[A-Za-z0-9_-]*$/;
 
@@ -878,9 +877,7 @@ const decodeKey = (text: unknown, what = "key"): Bytes => b64urlDecode(text, 32,
 /** Display-only short form of a key; never used to decide anything. */
 const fingerprint = (key: string): string => key.slice(0, 8);
 
-function utf8Bytes(text: string): number {
-  return Buffer.byteLength(text, "utf8");
-}
+const utf8Bytes = (text: string): number => Buffer.byteLength(text, "utf8");
 
 function humanBytes(bytes: number): string {
   if (bytes >= 2 ** 20 && bytes % 2 ** 20 === 0) return `${bytes / 2 ** 20} MiB`;
@@ -1034,10 +1031,7 @@ const CHAIN_DOMAIN = "interlink-chain-v1\0";
  *     longer one or the recipient's own key to have a request refused in the recipient's name, another owner).
  * A relay can still strip the chain, as it can drop the message: the request is then a root task.
  */
-function chainBytes(
-  m: Pick<SignedMessage, "from" | "to" | "msg_id"> & { task_id: string },
-  c: Omit<Chain, "sig">,
-): Bytes {
+function chainBytes(m: { from: string; to: string; msg_id: string; task_id: string }, c: Omit<Chain, "sig">): Bytes {
   return signedBytes(CHAIN_DOMAIN, [
     decodeKey(m.from, "from"),
     decodeKey(m.to, "to"),
@@ -1094,7 +1088,7 @@ function hasSmallOrder(encoded: Uint8Array): boolean {
 }
 
 /** Imported verifying keys, by their text: only keys that decoded and passed the small-order check get here. */
-const verifyingKeys = new Map<string, Promise<CryptoKey>>();
+const verifyingKeys = new BoundedMap<string, Promise<CryptoKey>>(KEY_CACHE_CAP);
 
 /** The imported key for `publicKey`, or why it cannot verify anything (checked once per key, then cached). */
 function verifyingKey(publicKey: string): Promise<CryptoKey> | string {
@@ -1109,7 +1103,6 @@ function verifyingKey(publicKey: string): Promise<CryptoKey> | string {
     if (hasSmallOrder(raw)) return "public key is a small-order point";
     key = crypto.subtle.importKey("raw", raw, { name: "Ed25519" }, false, ["verify"]);
     verifyingKeys.set(publicKey, key);
-    if (verifyingKeys.size > KEY_CACHE_CAP) verifyingKeys.delete(verifyingKeys.keys().next().value!);
   }
   return key;
 }
@@ -1291,9 +1284,7 @@ function timestamp(o: Record<string, unknown>, name: string): number {
   return v;
 }
 
-function isTaskStatus(v: unknown): v is TaskStatus {
-  return (STATUSES as readonly unknown[]).includes(v);
-}
+const isTaskStatus = (v: unknown): v is TaskStatus => (STATUSES as readonly unknown[]).includes(v);
 
 /** Parses untrusted JSON into a SignedMessage or throws a FormatError naming the first problem. */
 function parseSignedMessage(value: unknown): SignedMessage {
@@ -1324,10 +1315,7 @@ function parseSignedMessage(value: unknown): SignedMessage {
     const bad = id === undefined ? null : idProblem(id);
     if (bad) throw new FormatError(`"${name}" ${bad} (got ${showId([...id!].slice(0, 40).join(""))})`);
   }
-  if (task_id !== undefined) msg.task_id = task_id;
-  if (status !== undefined) msg.status = status;
-  if (in_reply_to !== undefined) msg.in_reply_to = in_reply_to;
-  return msg;
+  return { ...msg, ...some("task_id", task_id), ...some("status", status), ...some("in_reply_to", in_reply_to) };
 }
 
 /** Parses an announcement as the Rust 0.8 client does: `session: null` or no `session_id` is an error. */
@@ -1344,13 +1332,9 @@ function parseAnnouncement(value: unknown): Announcement {
   if ("session" in value) {
     const s = value.session;
     if (!isObject(s)) throw new FormatError(`"session" is not an object`);
-    const opt = (k: string) => (s[k] === undefined ? "" : field(s, k));
-    a.session = {
-      session_id: field(s, "session_id"),
-      cwd: opt("cwd"),
-      git_root: opt("git_root"),
-      summary: opt("summary"),
-    };
+    const session_id = field(s, "session_id");
+    const [cwd, git_root, summary] = ["cwd", "git_root", "summary"].map((k) => (s[k] === undefined ? "" : field(s, k)));
+    a.session = { session_id, cwd, git_root, summary };
   }
   if (value.age_ms !== undefined && value.age_ms !== null) {
     if (!Number.isSafeInteger(value.age_ms) || (value.age_ms as number) < 0) {
@@ -1609,9 +1593,7 @@ async function judgeChain(raw: unknown, msg: SignedMessage): Promise<ChainCheck 
 }
 
 /** A chain of keys as a person reads it, "alice → bob → carol": petnames where known, else fingerprints. */
-function chainWords(keys: readonly string[], name: (key: string) => string): string {
-  return keys.map(name).join(" → ");
-}
+const chainWords = (keys: readonly string[], name: (key: string) => string): string => keys.map(name).join(" → ");
 
 // ============================================================================
 // JSONL storage
