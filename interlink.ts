@@ -72,9 +72,13 @@ function msFromEnv(name: string, ms: number): number {
 
 const VERSION = "0.5.0";
 
-/** Prefix of the signed bytes; a v1 signature or an announcement can never pass as a v2 message. */
-const SIGNING_DOMAIN = "interlink-v2\0";
+/** What each signature or proof covers begins with its domain, so none made for one use passes for another. */
+const SIGNING_DOMAIN = "interlink-v2\0"; // a v1 signature or an announcement can never pass as a v2 message
 const ANNOUNCE_DOMAIN = "interlink-announce-v1\0";
+const RECV_DOMAIN = "interlink-recv-v1\0"; // a recv or an ack: proof that the caller holds the key of the route it reads
+const UNREGISTER_DOMAIN = "interlink-unregister-v1\0";
+const INVITE_DOMAIN = "interlink-invite-v1\0"; // an invite proof, an HMAC: one made for anything else never passes
+const CHAIN_DOMAIN = "interlink-chain-v1\0"; // a chain signature: a message's or an announcement's never passes as one
 
 /** A sender's clock may run this far ahead of ours before we call its message forged. */
 const FRESH_FUTURE_MS = 60_000;
@@ -575,13 +579,7 @@ const logInfo = (msg: string): void => logLine("info", msg);
 const logWarn = (msg: string): void => logLine("warn", msg);
 
 /** Writes all of `bytes` at the descriptor's position (or append point), or throws: a 0-byte write is a full disk. */
-function writeAll(fd: number, bytes: Uint8Array): void {
-  for (let done = 0; done < bytes.length;) {
-    const n = fs.writeSync(fd, bytes, done, bytes.length - done);
-    if (n <= 0) throw Object.assign(new Error("write wrote 0 bytes (no space left on device)"), { code: "ENOSPC" });
-    done += n;
-  }
-}
+const writeAll = (fd: number, bytes: Uint8Array): void => writeWaiting((b) => fs.writeSync(fd, b), bytes);
 
 // stdio without process.stdin/stdout/stderr, whose streams cost an idle Bun session 3 to 5 MB of the runtime's code.
 // Under Bun, stdin is its own stream and stderr its file sink (a stderr read late or never only queues there, as it did
@@ -604,14 +602,17 @@ function writeStderr(text: string): void {
 }
 
 /**
- * Writes all of `bytes` through `write` (one write(2) each), waiting out a full non-blocking pipe 1 ms at a time, as
- * a blocking one waits: a wake text cut short would be lost, its messages already marked shown. Not node:fs's
- * writeSync: under Deno it writes part, then throws EAGAIN without saying how much went.
+ * Writes all of `bytes` through `write` (one write(2) each), or throws: a 0-byte write is a full disk. A full
+ * non-blocking pipe is waited out 1 ms at a time, as a blocking one waits: a wake text cut short would be lost, its
+ * messages already marked shown. Not node:fs's writeSync on a pipe: under Deno it writes part, then throws EAGAIN
+ * without saying how much went.
  */
 function writeWaiting(write: (bytes: Uint8Array) => number, bytes: Uint8Array): void {
   for (let done = 0; done < bytes.length;) {
     try {
-      done += write(bytes.subarray(done));
+      const n = write(bytes.subarray(done));
+      if (n <= 0) throw Object.assign(new Error("write wrote 0 bytes (no space left on device)"), { code: "ENOSPC" });
+      done += n;
     } catch (e) {
       if ((e as Error).name !== "WouldBlock") throw e;
       Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 1);
@@ -717,15 +718,11 @@ async function importPinned<T>(pkg: { name: string; version: string }, subpath =
       const installed = await import(`${pkg.name}/package.json`).then((m) => m.default?.version, () => undefined);
       if (installed === pkg.version) return await import(`${pkg.name}${subpath}`) as T;
     }
-    const dir = path.dirname(thisScript());
+    const dir = path.dirname(thisScript()), why = (e as Error).message;
     throw new InterlinkError(
       runtimeHost.Bun
-        ? `cannot load ${pkg.name}@${pkg.version} (${
-          (e as Error).message
-        }). A node_modules folder in ${dir} or above it turns off Bun's auto-install: run interlink with \`bun --install=force ${thisScript()} …\`, or \`bun add ${pkg.name}@${pkg.version}\` in ${dir}.`
-        : `cannot load ${spec} (${
-          (e as Error).message
-        }); Deno fetches it from the npm registry on first use: check the network, or NODE_EXTRA_CA_CERTS behind a TLS-inspecting proxy.`,
+        ? `cannot load ${pkg.name}@${pkg.version} (${why}). A node_modules folder in ${dir} or above it turns off Bun's auto-install: run interlink with \`bun --install=force ${thisScript()} …\`, or \`bun add ${pkg.name}@${pkg.version}\` in ${dir}.`
+        : `cannot load ${spec} (${why}); Deno fetches it from the npm registry on first use: check the network, or NODE_EXTRA_CA_CERTS behind a TLS-inspecting proxy.`,
     );
   }
 }
@@ -912,7 +909,7 @@ const lengthPrefixed = (s: string): Uint8Array[] => {
   return [u32le(bytes.length), bytes];
 };
 
-/** What a signature or proof covers: its domain, so that none made for one use passes for another, then `parts`. */
+/** What a signature or proof covers: its domain (see SIGNING_DOMAIN), then `parts`. */
 const signedBytes = (domain: string, parts: Uint8Array[]): Bytes => concatBytes([utf8.encode(domain), ...parts]);
 
 /**
@@ -952,9 +949,6 @@ function legacyAnnouncementBytes(a: Omit<Announcement, "sig" | "age_ms" | "sessi
   return signedBytes(ANNOUNCE_DOMAIN, [decodeKey(a.pubkey, "pubkey"), ...lengthPrefixed(a.name), u64le(a.ts)]);
 }
 
-/** Signs a recv or an ack: proof that the caller holds the key of the route it reads. */
-const RECV_DOMAIN = "interlink-recv-v1\0";
-
 /**
  * Signed by the route's key (its part before any `#`); layouts in docs/wire.md. The route keeps a proof for one
  * session from opening another's; ts bounds how long a captured proof is worth anything.
@@ -964,14 +958,9 @@ function recvProofBytes(route: string, ts: number): Bytes {
 }
 
 /** Signs an unregister: only the key that announced a session can take it off a bus's roster. */
-const UNREGISTER_DOMAIN = "interlink-unregister-v1\0";
-
 function unregisterBytes(u: { pubkey: string; session_id: string; ts: number }): Bytes {
   return signedBytes(UNREGISTER_DOMAIN, [decodeKey(u.pubkey, "pubkey"), ...lengthPrefixed(u.session_id), u64le(u.ts)]);
 }
-
-/** Domain of an invite proof: an HMAC made for anything else never passes as one. */
-const INVITE_DOMAIN = "interlink-invite-v1\0";
 
 /** An invite's one-time secret: 128 bits, beyond guessing within any invite's lifetime. */
 const INVITE_SECRET_BYTES = 16;
@@ -1019,9 +1008,6 @@ function parseInviteProof(inReplyTo: string | undefined): { id: string; mac: Byt
     return "malformed";
   }
 }
-
-/** Domain of a chain signature: a message's or an announcement's signature never passes as one, nor one as them. */
-const CHAIN_DOMAIN = "interlink-chain-v1\0";
 
 /**
  * The bytes a chain signature covers, signed by the message's sender. Each part blocks an attack:
