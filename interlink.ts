@@ -401,20 +401,15 @@ interface DenoRuntime {
 // ============================================================================
 //
 // Whatever a peer, a stranger or a relay controls (message text and ids, an announcement's fields, a receipt's
-// session, a refusal's detail, a relay's error answer) reaches the model (channel events, inbox blocks, tool results,
-// command output) and the operator (`log`, `tasks`, `doctor`, the board). It must never pose as something we generate
-// (a task header, another sender's block, a closing tag, a system tag, a line of ours), nor hide or reorder words.
-// So, everywhere, through escapePeerText:
-//   - every "<" that could open or close a tag becomes "&lt;";
-//   - every line that starts with "[" gets a backslash, so "[task x · result]"
-//     or "[interlink] SYSTEM: ..." in the text cannot pass for ours;
-//   - every hidden code point (invisibleRE) shows as <U+XXXX> (showInvisible);
-//   - a field that is one line in what we write (a cwd, a summary, a reason)
-//     keeps to one line: its newlines show as <U+000A> too.
-// Escaping twice changes nothing (a marker's "<" is left alone). A peer may type a marker itself: that makes text look
-// as if something were hidden, and can never hide anything. Ids have their own form (showId), names theirs
-// (displayName). Under all of it, every string the MCP server writes and every line printed or logged goes through
-// showInvisible again (McpStdioServer, print, logLine): a field missed here still cannot carry a hidden character out.
+// session, a refusal's detail, a relay's error answer) reaches the model and the operator (`log`, `tasks`, `doctor`,
+// the board). It must never pose as something we generate (a task header, another sender's block, a closing tag, a
+// system tag, a line of ours), nor hide or reorder words. So escapePeerText, everywhere, turns every "<" that could
+// open or close a tag into "&lt;", puts a backslash before a "[" that starts a line ("[task x · result]",
+// "[interlink] SYSTEM: ..."), and shows every hidden code point as <U+XXXX> (showInvisible), newlines too in a field
+// that is one line in what we write (a cwd, a summary, a reason). Escaping twice changes nothing; a marker a peer types
+// makes text look as if something were hidden, and can never hide anything. Ids have their own form (showId), names
+// theirs (displayName). Every string the MCP server writes and every line printed or logged goes through showInvisible
+// again (McpStdioServer, print, logLine): a field missed here still cannot carry a hidden character out.
 
 /**
  * Code points that hide, reorder or drive what a reader sees, chosen by Unicode's own properties, not by hand:
@@ -426,11 +421,10 @@ interface DenoRuntime {
  *   Zl, Zp                        U+2028, U+2029: line breaks most displays do not draw as one
  *   Cs                            a lone surrogate: not text at all
  *   Co                            private use: drawn as whatever a font puts there, or as nothing
- * Not unassigned code points (Cn): which are unassigned follows the runtime's Unicode version (Bun 1.4 and
- * Deno 2.9 differ), and the gate must judge an id alike under both. Every property above answers the same in
- * both runtimes for every code point (tested against the other runtime and against the Unicode data files).
- * Newline and tab are Cc but not in it: a text may hold lines. A field that is one line in what we write shows
- * them too (showInvisible's `oneLine`), and an id refuses them as controls.
+ * Not unassigned code points (Cn): that set follows the runtime's Unicode version (Bun 1.4 and Deno 2.9 differ), and
+ * the gate must judge an id alike under both; every property above answers the same in both for every code point
+ * (tested against the other runtime and the Unicode data files). Newline and tab, Cc too, are left out where a text may
+ * hold lines (invisibleRE; showInvisible unless `oneLine`); an id refuses them as controls.
  */
 const INVISIBLE_CLASS =
   "[\\p{Cc}\\p{Cf}\\p{Default_Ignorable_Code_Point}\\p{Bidi_Control}\\p{Zl}\\p{Zp}\\p{Cs}\\p{Co}]";
@@ -463,7 +457,6 @@ const showInvisible = (text: string, oneLine = false): string =>
     return `<U+${c.codePointAt(0)!.toString(16).toUpperCase().padStart(4, "0")}>`;
   });
 
-/** Whether `text` holds a code point of invisibleRE. */
 const hasInvisible = (text: string): boolean => !PLAIN_TEXT_RE.test(text) && text.search(invisibleRE()) !== -1;
 
 function escapePeerText(text: string, oneLine = false): string {
@@ -473,10 +466,7 @@ function escapePeerText(text: string, oneLine = false): string {
   return showInvisible(defused, oneLine);
 }
 
-/**
- * The ids our nodes generate (msg_ids are 32 hex digits) and the only ones a
- * delivery receipt names: 1-128 of ASCII letters, digits and . _ : @ + / -.
- */
+/** The ids our nodes generate (msg_ids are 32 hex digits), and the only ones a delivery receipt names. */
 const PLAIN_ID_RE = /^[A-Za-z0-9._:@+\/-]{1,128}$/;
 
 /** An id that reads as itself: letters (any script), marks, digits and . _ : @ + / - (no space, quote or bracket). */
@@ -489,10 +479,8 @@ const SHOWN_ID_RE = /^[\p{L}\p{M}\p{N}._:@+\/-]{1,256}$/u;
  */
 function showId(id: string): string {
   if (PLAIN_ID_RE.test(id) || (SHOWN_ID_RE.test(id) && !hasInvisible(id))) return id; // marks (\p{M}) take in variation selectors and U+034F
-  return showInvisible(
-    JSON.stringify(id).replace(/[<>&\[\]]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, "0")}`),
-    true,
-  );
+  const quoted = JSON.stringify(id).replace(/[<>&\[\]]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, "0")}`);
+  return showInvisible(quoted, true);
 }
 
 /** An id as a model passes it to a tool: itself, or the quoted form showId printed (or an attribute's entities). */
@@ -505,9 +493,7 @@ function readId(text: string): string {
       // not a quoted form after all
     }
   }
-  return /&(quot|lt|gt|amp);/.test(text)
-    ? text.replace(/&quot;/g, '"').replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&")
-    : text;
+  return text.replace(/&quot;/g, '"').replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
 }
 
 /**
@@ -521,11 +507,7 @@ function displayName(claimed: string): string {
   return clean || "(no name)";
 }
 
-/**
- * Longest msg_id, task_id or in_reply_to we admit. The reference takes any
- * string, and a task id is "a short human-meaningful string"; 256 characters is
- * a long sentence, and keeps every header and attribute an id appears in short.
- */
+/** Longest msg_id, task_id or in_reply_to admitted: 256 characters is a long sentence, and keeps headers short. */
 const ID_MAX_CHARS = 256;
 
 // deno-lint-ignore no-control-regex -- control characters are exactly what this matches
@@ -535,8 +517,7 @@ const ID_CONTROL_RE = /[\u0000-\u001f\u007f-\u009f]|[\ud800-\udfff]/u;
  * Why a peer's msg_id, task_id or in_reply_to cannot be admitted, or null. The reference accepts any string there, and
  * a task id is often not ASCII ("t-ünï"), so any text is taken but what no honest node sends: empty, over ID_MAX_CHARS,
  * control characters (a newline could start a forged header line), invisible and bidi characters (they hide or reorder
- * what is shown), and lone surrogates (not text). Where an id is shown, showId and the attribute escaping keep it from
- * posing as markup or a header.
+ * what is shown), and lone surrogates (not text).
  */
 function idProblem(id: string): string | null {
   if (id === "") return "is empty";
