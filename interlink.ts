@@ -809,6 +809,15 @@ function howLong(ms: number): string {
   return `${Math.round(s / 86400)} days`;
 }
 
+/** What `f` returns, or the message of what it threw: for a caller that reports only why it refused. */
+function orWhy<T extends object>(f: () => T): T | string {
+  try {
+    return f();
+  } catch (e) {
+    return (e as Error).message;
+  }
+}
+
 function errorText(e: unknown): string {
   if (e instanceof Error) {
     if (e.name === "TimeoutError") return "timed out";
@@ -863,17 +872,12 @@ function humanBytes(bytes: number): string {
   return `${bytes} bytes`;
 }
 
-function u32le(n: number): Bytes {
-  const out = new Uint8Array(4);
-  new DataView(out.buffer).setUint32(0, n, true);
-  return out;
-}
-
 function u64le(n: number): Bytes {
   const out = new Uint8Array(8);
   new DataView(out.buffer).setBigUint64(0, BigInt(n), true);
   return out;
 }
+const u32le = (n: number): Bytes => u64le(n).subarray(0, 4); // little-endian: its low half
 
 function concatBytes(parts: Uint8Array[]): Bytes {
   const out = new Uint8Array(parts.reduce((n, p) => n + p.length, 0));
@@ -969,14 +973,12 @@ function inviteProofBytes(id: Uint8Array, inviter: string, joiner: string, msgId
 const hmacKey = (secret: Uint8Array, use: "sign" | "verify"): Promise<CryptoKey> =>
   crypto.subtle.importKey("raw", new Uint8Array(secret), { name: "HMAC", hash: "SHA-256" }, false, [use]);
 
-async function inviteMac(secret: Uint8Array, signed: Bytes): Promise<Bytes> {
-  return new Uint8Array(await crypto.subtle.sign("HMAC", await hmacKey(secret, "sign"), signed));
-}
+const inviteMac = async (secret: Uint8Array, signed: Bytes): Promise<Bytes> =>
+  new Uint8Array(await crypto.subtle.sign("HMAC", await hmacKey(secret, "sign"), signed));
 
 /** Checks an invite proof in constant time (WebCrypto's HMAC verify). */
-async function inviteMacMatches(secret: Uint8Array, signed: Bytes, mac: Bytes): Promise<boolean> {
-  return await crypto.subtle.verify("HMAC", await hmacKey(secret, "verify"), mac, signed);
-}
+const inviteMacMatches = async (secret: Uint8Array, signed: Bytes, mac: Bytes): Promise<boolean> =>
+  crypto.subtle.verify("HMAC", await hmacKey(secret, "verify"), mac, signed);
 
 /** The invite proof in a knock's in_reply_to; null when it names no invite. */
 function parseInviteProof(inReplyTo: string | undefined): { id: string; mac: Bytes } | "malformed" | null {
@@ -1017,19 +1019,15 @@ async function signChain(id: Identity, msg: SignedMessage, c: Omit<Chain, "sig">
   return { ...c, sig: await id.sign(chainBytes({ ...msg, task_id: msg.task_id }, c)) };
 }
 
-// Curve constants (RFC 8032 §5.1) for the small-order test below.
+// Curve constants (RFC 8032 §5.1): the field's prime p, d = −121665/121666 mod p, and L, the order of the prime
+// subgroup (a signature's S must be below it).
 const P = 2n ** 255n - 19n;
-
-/** d = −121665/121666 mod p */
 const D = 37095705934669439343138083508754565189542113879843219016388785533085940283555n;
-
-/** Order of the prime subgroup; a signature's S must be below it. */
 const L = 2n ** 252n + 27742317777372353535851937790883648493n;
 
-function littleEndianToBigInt(bytes: Uint8Array): bigint {
-  // One BigInt from hex rather than 32 shifts: this runs on every signature the bus checks.
-  return BigInt(`0x${Buffer.from(bytes).reverse().toString("hex") || "0"}`);
-}
+/** One BigInt from hex rather than 32 shifts: this runs on every signature the bus checks. */
+const littleEndianToBigInt = (bytes: Uint8Array): bigint =>
+  BigInt(`0x${Buffer.from(bytes).reverse().toString("hex") || "0"}`);
 
 /**
  * True if the encoded point has order dividing 8: [8]P is the identity. With such a public key and R, the signature
@@ -1061,12 +1059,8 @@ const verifyingKeys = new BoundedMap<string, Promise<CryptoKey>>(KEY_CACHE_CAP);
 function verifyingKey(publicKey: string): Promise<CryptoKey> | string {
   let key = verifyingKeys.get(publicKey);
   if (!key) {
-    let raw: Bytes;
-    try {
-      raw = decodeKey(publicKey, "public key");
-    } catch (e) {
-      return (e as Error).message;
-    }
+    const raw = orWhy(() => decodeKey(publicKey, "public key"));
+    if (typeof raw === "string") return raw;
     if (hasSmallOrder(raw)) return "public key is a small-order point";
     key = crypto.subtle.importKey("raw", raw, { name: "Ed25519" }, false, ["verify"]);
     verifyingKeys.set(publicKey, key);
@@ -1075,21 +1069,14 @@ function verifyingKey(publicKey: string): Promise<CryptoKey> | string {
 }
 
 /** Whether a signature's S (its last 32 bytes, little-endian) is below L; L's top byte is 0x10. */
-function isReduced(s: Uint8Array): boolean {
-  if (s[31] !== 0x10) return s[31] < 0x10;
-  return littleEndianToBigInt(s) < L;
-}
+const isReduced = (s: Uint8Array): boolean => s[31] !== 0x10 ? s[31] < 0x10 : littleEndianToBigInt(s) < L;
 
 /** Strict Ed25519 verification, as ed25519-dalek's verify_strict: null when good, else why not. */
 async function verifyDetached(publicKey: string, signature: string, signed: Bytes): Promise<string | null> {
   const key = verifyingKey(publicKey);
   if (typeof key === "string") return key;
-  let sig: Bytes;
-  try {
-    sig = b64urlDecode(signature, 64, "signature");
-  } catch (e) {
-    return (e as Error).message;
-  }
+  const sig = orWhy(() => b64urlDecode(signature, 64, "signature"));
+  if (typeof sig === "string") return sig;
   if (hasSmallOrder(sig.subarray(0, 32))) return "signature R is a small-order point";
   if (!isReduced(sig.subarray(32))) return "signature S is not reduced (S >= L)";
   try {
@@ -1193,11 +1180,9 @@ async function readIdentity(file: string): Promise<Identity> {
       `Cannot read key file ${file}: ${why}. Create one with \`interlink.ts keygen --out ${file}\`.`,
     );
   }
-  let seed: Uint8Array;
-  try {
-    seed = b64urlDecode(text.trim(), 32, "seed");
-  } catch (e) {
-    throw new InterlinkError(`Key file ${file} does not hold a base64url Ed25519 seed: ${(e as Error).message}`);
+  const seed = orWhy(() => b64urlDecode(text.trim(), 32, "seed"));
+  if (typeof seed === "string") {
+    throw new InterlinkError(`Key file ${file} does not hold a base64url Ed25519 seed: ${seed}`);
   }
   return await identityFromSeed(seed);
 }
@@ -1447,12 +1432,8 @@ async function decide(
   replay: ReplayMemory,
   knocked: ReadonlyMap<string, string> = new Map(),
 ): Promise<Verdict> {
-  let msg: SignedMessage;
-  try {
-    msg = parseSignedMessage(payload);
-  } catch (e) {
-    return { verdict: "reject", reason: "malformed", detail: (e as Error).message };
-  }
+  const msg = orWhy(() => parseSignedMessage(payload));
+  if (typeof msg === "string") return { verdict: "reject", reason: "malformed", detail: msg };
   const reject = (reason: RejectReason, detail: string): Verdict => ({ verdict: "reject", reason, detail, msg });
   const bad = await verifyMessage(msg);
   if (bad) return reject("bad_signature", bad);
@@ -1541,12 +1522,8 @@ async function judgeChain(raw: unknown, msg: SignedMessage): Promise<ChainCheck 
   if (msg.kind !== "message" || !msg.task_id || msg.status) {
     return { ok: false, why: "a chain on a message that opens no task (it needs a task_id and no status)" };
   }
-  let c: Chain;
-  try {
-    c = parseChain(raw);
-  } catch (e) {
-    return { ok: false, why: (e as Error).message };
-  }
+  const c = orWhy(() => parseChain(raw));
+  if (typeof c === "string") return { ok: false, why: c };
   const why = c.keys[0] !== c.owner
     ? "its first key is not the owner"
     : c.keys[c.keys.length - 1] !== msg.from
