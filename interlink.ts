@@ -75,7 +75,7 @@ const VERSION = "0.5.0";
 /** What each signature or proof covers begins with its domain, so none made for one use passes for another. */
 const SIGNING_DOMAIN = "interlink-v2\0"; // a v1 signature or an announcement can never pass as a v2 message
 const ANNOUNCE_DOMAIN = "interlink-announce-v1\0";
-const RECV_DOMAIN = "interlink-recv-v1\0"; // a recv or an ack: proof that the caller holds the key of the route it reads
+const RECV_DOMAIN = "interlink-recv-v1\0"; // a recv or an ack: proof the caller holds the key of the route it reads
 const UNREGISTER_DOMAIN = "interlink-unregister-v1\0";
 const INVITE_DOMAIN = "interlink-invite-v1\0"; // an invite proof, an HMAC: one made for anything else never passes
 const CHAIN_DOMAIN = "interlink-chain-v1\0"; // a chain signature: a message's or an announcement's never passes as one
@@ -152,10 +152,7 @@ const OUTBOX_MAX_BYTES = msFromEnv("INTERLINK_TEST_OUTBOX_MAX_BYTES", 32 << 20);
 const INBOX_MAX_BYTES = msFromEnv("INTERLINK_TEST_INBOX_MAX_BYTES", 32 << 20);
 /** Queued messages list_pending describes one by one; past them it counts what waits, per route (a model reads it). */
 const PENDING_LISTED = 100;
-/**
- * Knocks waiting for the operator (our own outstanding ones included); past it new ones are dropped and logged until
- * some are answered or expire, so strangers cannot grow the journal or flood the session.
- */
+/** Knocks held for the operator (ours too); past it new ones are dropped, logged: strangers cannot grow the journal. */
 const KNOCKS_CAP = 64;
 /** Knocks that reach the model one by one in an hour; more are counted in one line (they all wait for the operator). */
 const KNOCKS_SHOWN_PER_HOUR = 3;
@@ -166,10 +163,7 @@ const INVITE_TTL_DEFAULT = "10m";
 const INVITE_TTL_MAX_MS = 24 * 60 * 60_000;
 /** Invites pending at once on a node: a few machines joining; more is a mistake, or codes nobody uses. */
 const INVITES_PENDING_CAP = 32;
-/**
- * A used, revoked or expired invite is remembered this long (without its secret), so a late request is told "expired"
- * or "already used" rather than "unknown"; at most INVITES_SPENT_CAP, oldest forgotten first.
- */
+/** A spent invite is kept this long (no secret, at most INVITES_SPENT_CAP): a late request hears why, not "unknown". */
 const INVITE_KEPT_MS = 7 * 24 * 60 * 60_000;
 const INVITES_SPENT_CAP = 256;
 /** How long `join` waits for the inviting node's answer (its `invite` or a session answers in seconds). */
@@ -213,10 +207,7 @@ const DEFAULT_MAX_DEPTH = 4;
 const CHAIN_KEYS_MAX = 32;
 /** Characters of a question its task row keeps (shown again with a late answer): enough to say what was asked. */
 const QUESTION_KEPT_CHARS = 500;
-/**
- * Questions of one sub-task forwarded up the chain and unanswered: a few is a conversation; past it an executor would
- * flood its requester's requester through us, so the next is shown to our model instead.
- */
+/** Questions of a sub-task forwarded up, unanswered: past a few, the next goes to our model, not flooding upstream. */
 const FORWARDS_OPEN_CAP = 8;
 
 /**
@@ -226,10 +217,7 @@ const FORWARDS_OPEN_CAP = 8;
 const ADOPT_AFTER_MS = msFromEnv("INTERLINK_TEST_ADOPT_AFTER_MS", 2 * 60_000);
 /** How often a running session looks for ended ones to adopt, and drains the routes of those it adopted. */
 const ENDED_EVERY_MS = msFromEnv("INTERLINK_TEST_ENDED_EVERY_MS", ANNOUNCE_EVERY_MS);
-/**
- * A session's journal past this size is rolled over (see Journal.roll), so a start folds a checkpoint and what came
- * after, not the session's whole life (about 2,000 messages a MiB).
- */
+/** A journal past this is rolled over (Journal.roll): a start folds a checkpoint, not a life (2,000 messages a MiB). */
 const JOURNAL_ROLL_BYTES = msFromEnv("INTERLINK_TEST_ROLL_BYTES", 1 << 20);
 /** A task closed longer ago than this is not carried over a roll-over (the archives keep its messages). */
 const CLOSED_TASKS_KEPT_MS = 30 * 24 * 60 * 60_000;
@@ -668,13 +656,8 @@ function runtimeName(): string {
 
 const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
 
-/**
- * This file, as a path, or as a URL when Deno runs it straight from one (`deno run -A https://…/interlink.ts mcp`): the
- * children it starts (the embedded bus, the demo's nodes) run the same.
- */
-function thisScript(): string {
-  return import.meta.url.startsWith("file:") ? import.meta.filename! : import.meta.url;
-}
+/** This file as a path, or as the URL Deno runs it from (`deno run -A https://…`): children it starts run the same. */
+const thisScript = (): string => (import.meta.url.startsWith("file:") ? import.meta.filename! : import.meta.url);
 
 /** The official NATS client packages: loaded only when a nats:// or tls:// relay is configured. */
 const NATS_PKGS = {
@@ -708,18 +691,12 @@ async function importPinned<T>(pkg: { name: string; version: string }, subpath =
   }
 }
 
-/**
- * A crash point for the crash tests: when INTERLINK_FAILPOINT names it, the process kills itself right here with
- * SIGKILL, as an OOM kill or a power cut would, so a test can stop a process exactly between two steps. Unset in use.
- */
+/** A crash point: when INTERLINK_FAILPOINT (unset in use) names it, SIGKILL here, as an OOM kill or power cut would. */
 function failpoint(name: string): void {
   if (process.env.INTERLINK_FAILPOINT === name) process.kill(process.pid, "SIGKILL");
 }
 
-/**
- * The node's clock: the system clock, shifted by INTERLINK_CLOCK_OFFSET_MS when that is set (the tests and drills use
- * it to play a machine whose clock is off). Unset in use.
- */
+/** The system clock, shifted by INTERLINK_CLOCK_OFFSET_MS (unset in use: tests play a machine whose clock is off). */
 function nodeClock(): () => number {
   const offset = Number(process.env.INTERLINK_CLOCK_OFFSET_MS ?? 0);
   return Number.isFinite(offset) && offset !== 0 ? () => Date.now() + offset : Date.now;
