@@ -1122,28 +1122,17 @@ interface Draft {
 }
 
 async function signMessage(id: Identity, draft: Draft, nowMs: number): Promise<SignedMessage> {
-  const unsigned: Omit<SignedMessage, "sig"> = {
-    from: id.publicKey,
-    to: draft.to,
-    text: draft.text,
-    ts: nowMs,
-    msg_id: draft.msg_id ?? newMsgId(),
-    kind: draft.kind ?? "message",
-    ...(draft.task_id ? { task_id: draft.task_id } : {}),
-    ...(draft.status ? { status: draft.status } : {}),
-    ...(draft.in_reply_to ? { in_reply_to: draft.in_reply_to } : {}),
-  };
+  const { to, text, msg_id = newMsgId(), kind = "message", task_id, status, in_reply_to } = draft;
+  const unsigned: Omit<SignedMessage, "sig"> = { from: id.publicKey, to, text, ts: nowMs, msg_id, kind };
+  if (task_id) unsigned.task_id = task_id;
+  if (status) unsigned.status = status;
+  if (in_reply_to) unsigned.in_reply_to = in_reply_to;
   return { ...unsigned, sig: await id.sign(canonicalBytes(unsigned)) };
 }
 
-async function signAnnouncement(
-  id: Identity,
-  name: string,
-  nowMs: number,
-  session?: SessionInfo,
-): Promise<Announcement> {
+function signAnnouncement(id: Identity, name: string, nowMs: number, session?: SessionInfo): Promise<Announcement> {
   const unsigned = { pubkey: id.publicKey, name, ...(session ? { session } : {}), ts: nowMs };
-  return { ...unsigned, sig: await id.sign(announcementBytes(unsigned)) };
+  return id.sign(announcementBytes(unsigned)).then((sig) => ({ ...unsigned, sig }));
 }
 
 /** Reads the key file: base64url of the 32-byte seed, surrounding whitespace ignored (the Rust keygen format). */
@@ -1302,13 +1291,10 @@ class ReplayMemory {
     return this.#seen.has(`${sender} ${msgId}`);
   }
 
-  /**
-   * Records an admitted message, never refused (the gate checks `full` first). `logged`: read from a replay file;
-   * else it stays marked journal-only until one holds it.
-   */
+  /** Records an admitted message (the gate checked `pressure`); `logged`: read from a replay file, else journal-only. */
   remember(sender: string, msgId: string, ts: number, nowMs: number, logged = false): void {
     const key = `${sender} ${msgId}`;
-    const inFile = logged || (this.#seen.has(key) && !this.#unlogged.has(key));
+    const inFile = logged || this.logged(key);
     if (!this.#seen.delete(key)) this.#count(key, 1);
     this.#seen.set(key, ts);
     if (inFile) this.#unlogged.delete(key);
@@ -1471,17 +1457,9 @@ function parseChain(value: unknown): Chain {
   if (!Array.isArray(value.keys) || value.keys.length !== depth) {
     throw new FormatError(`"keys" is not a list of ${depth} keys (the depth)`);
   }
-  const chain: Chain = {
-    parent,
-    requester: field(value, "requester"),
-    owner: field(value, "owner"),
-    depth,
-    keys: value.keys.map((k) => {
-      decodeKey(k, "a chain key");
-      return k as string;
-    }),
-    sig: field(value, "sig"),
-  };
+  const requester = field(value, "requester"), owner = field(value, "owner");
+  for (const k of value.keys) decodeKey(k, "a chain key");
+  const chain: Chain = { parent, requester, owner, depth, keys: value.keys, sig: field(value, "sig") };
   decodeKey(chain.requester, "requester");
   decodeKey(chain.owner, "owner");
   b64urlDecode(chain.sig, 64, "chain sig");
