@@ -962,11 +962,8 @@ function parseInviteProof(inReplyTo: string | undefined): { id: string; mac: Byt
   if (!inReplyTo?.startsWith("invite:")) return null;
   const m = inReplyTo.match(/^invite:([0-9a-f]{16}):([A-Za-z0-9_-]{43})$/);
   if (!m) return "malformed";
-  try {
-    return { id: m[1], mac: b64urlDecode(m[2], 32, "invite proof") };
-  } catch {
-    return "malformed";
-  }
+  const mac = orWhy(() => b64urlDecode(m[2], 32, "invite proof"));
+  return typeof mac === "string" ? "malformed" : { id: m[1], mac };
 }
 
 /**
@@ -1080,10 +1077,8 @@ async function checkAnnouncement(a: Announcement): Promise<{ layout: "0.8" | "0.
   return { error: v08 };
 }
 
-const verifyAnnouncement = async (a: Announcement): Promise<string | null> => {
-  const r = await checkAnnouncement(a);
-  return "error" in r ? r.error : null;
-};
+const verifyAnnouncement = (a: Announcement): Promise<string | null> =>
+  checkAnnouncement(a).then((r) => ("error" in r ? r.error : null));
 
 /** A node's own key pair. The seed never leaves this object except into the key file. */
 interface Identity {
