@@ -760,9 +760,9 @@ async function waitUntil(
   subscribe?: (wake: () => void) => () => void,
   everyMs = 1000,
 ): Promise<boolean> {
-  const deadline = Date.now() + ms;
+  const deadline = performance.now() + ms;
   while (!ready()) {
-    const left = deadline - Date.now();
+    const left = deadline - performance.now();
     if (left <= 0) return false;
     await new Promise<void>((resolve) => {
       const timer = setTimeout(done, Math.min(left, everyMs));
