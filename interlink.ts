@@ -94,7 +94,6 @@ const localBusUrl = (): string => `http://127.0.0.1:${process.env.INTERLINK_BUS_
 
 /** Default long-poll wait, as in interlink-bus. */
 const RECV_TIMEOUT_MS = 25_000;
-
 /**
  * Messages one signer may have queued for one recipient on our bus; past it its next is refused (429, ROUTE_FULL),
  * never an older one dropped, so accepted mail is never lost. Per signer, so a flood locks out only its sender (the
@@ -126,7 +125,6 @@ const ANNOUNCE_EVERY_MS = 30_000;
 
 /** Largest request body the bus reads: 2 MiB, as the reference bus (axum's default), so its nodes' messages fit. */
 const BODY_LIMIT_BYTES = 2 << 20;
-
 /** Longest text an agent will sign: comfortably inside the bus body limit after JSON escaping. */
 const TEXT_LIMIT_BYTES = 256 * 1024;
 /** What our agent asks one recv for: several messages that piled up take one round trip, not one each. */
@@ -526,7 +524,6 @@ function idProblem(id: string): string | null {
 const runtimeHost = globalThis as unknown as { Bun?: BunRuntime; Deno?: DenoRuntime };
 
 let logComponent = "interlink";
-
 let logSink = (line: string): void => writeStderr(line);
 
 /** Where log lines go (stderr unless a host, such as the test suite, takes them). */
@@ -856,15 +853,7 @@ function u64le(n: number): Bytes {
 }
 const u32le = (n: number): Bytes => u64le(n).subarray(0, 4); // little-endian: its low half
 
-function concatBytes(parts: Uint8Array[]): Bytes {
-  const out = new Uint8Array(parts.reduce((n, p) => n + p.length, 0));
-  let at = 0;
-  for (const p of parts) {
-    out.set(p, at);
-    at += p.length;
-  }
-  return out;
-}
+const concatBytes = (parts: Uint8Array[]): Bytes => new Uint8Array(Buffer.concat(parts));
 
 const lengthPrefixed = (s: string): Uint8Array[] => {
   const bytes = utf8.encode(s);
