@@ -141,10 +141,7 @@ const BACKOFF_MAX_MS = 30_000;
 const REPLAY_CAP = 100_000;
 /** Sent messages remembered in memory for message_status; older ones are looked up in the journal. */
 const SENT_MEMORY_CAP = 10_000;
-/**
- * Bytes of messages (as JSON) the outbox holds, whole, in memory: a weekend of mail to a peer away (2,000 messages of a
- * kilobyte) is 2 MiB. Past it send_message is refused, saying what waits and for whom; nothing queued is dropped.
- */
+/** Bytes of JSON the outbox holds in memory: a weekend away is 2 MiB; past it send_message is refused, none dropped. */
 const OUTBOX_MAX_BYTES = msFromEnv("INTERLINK_TEST_OUTBOX_MAX_BYTES", 32 << 20);
 /** ... and the inbox's unread messages: past it what arrives waits on its relay, unacked, until the model reads. */
 const INBOX_MAX_BYTES = msFromEnv("INTERLINK_TEST_INBOX_MAX_BYTES", 32 << 20);
@@ -196,9 +193,8 @@ const ROUTES_DRAINED_CAP = 256;
 const KEY_CACHE_CAP = 1024;
 
 /**
- * Hops a request may be from its task's owner (alice → bob is 1, bob → carol 2) unless --max-depth says otherwise:
- * agent frameworks cap delegation at a handful of levels, and past four a chain of models handing work on is more
- * likely a loop or a runaway than a plan.
+ * Hops a request may be from its task's owner (alice → bob is 1) unless --max-depth says otherwise: agent frameworks
+ * cap delegation at a handful of levels, and past four a chain of models is likelier a loop or a runaway than a plan.
  */
 const DEFAULT_MAX_DEPTH = 4;
 /** The longest chain read or allowed (--max-depth's top): 32 keys are 1.5 KB of JSON, and nothing real is deeper. */
@@ -260,9 +256,8 @@ interface SignedMessage {
 }
 
 /**
- * A sub-task's lineage (see "Delegation across hops"). It rides in the relay payload beside the signed fields, signed
- * by the sender (chainBytes): a reference node ignores it; a relay can strip it (the request is then a root task) but
- * not forge or move it.
+ * A sub-task's lineage (see "Delegation across hops"), in the relay payload beside the signed fields, signed by the
+ * sender (chainBytes): a reference node ignores it; a relay can strip it (then a root task), not forge or move it.
  */
 interface Chain {
   parent: string; // the task it serves, at the sender's node, and that task's requester
@@ -424,10 +419,9 @@ let invisibleRe: RegExp | undefined, shownRe: RegExp | undefined;
 const invisibleRE = (): RegExp => invisibleRe ??= new RegExp(`(?![\\n\\t])${INVISIBLE_CLASS}`, "gu");
 
 /**
- * invisibleRE with newline and tab, but for U+FE0F right after an emoji: the emoji presentation selector, as in
- * ⚠️ and ❤️, which models write often. It changes how the emoji before it is drawn and says no more than whether
- * it is there (one bit per emoji); a second one, or one after anything else, is shown. Which code points are
- * emoji follows the runtime's Unicode version: this changes only what is shown, never what an id may hold.
+ * invisibleRE with newline and tab, but for U+FE0F right after an emoji (⚠️, ❤️: models write them often): it only
+ * picks how that emoji is drawn, one bit at most; a second one, or one after anything else, is shown. Which code points
+ * are emoji follows the runtime's Unicode version: this changes only what is shown, never what an id may hold.
  */
 const shownRE = (): RegExp => shownRe ??= new RegExp(`\\p{Emoji}\\uFE0F|${INVISIBLE_CLASS}`, "gu");
 
@@ -815,15 +809,13 @@ type Bytes = Uint8Array<ArrayBuffer>;
 const b64urlEncode = (bytes: Uint8Array): string =>
   Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength).toString("base64url");
 
-const B64URL_RE = /^[A-Za-z0-9_-]*$/;
-
 /**
  * Strict unpadded base64url of exactly `byteLength` bytes. Re-encoding must give the same text, so no key or signature
  * has two spellings (which would let a relay mint a "different" message or a second name for one identity).
  */
 function b64urlDecode(text: unknown, byteLength: number, what: string): Bytes {
   const chars = Math.ceil((byteLength * 4) / 3);
-  if (typeof text !== "string" || text.length !== chars || !B64URL_RE.test(text)) {
+  if (typeof text !== "string" || text.length !== chars || !/^[A-Za-z0-9_-]*$/.test(text)) {
     throw new FormatError(`${what} is not ${byteLength} bytes of unpadded base64url`);
   }
   const bytes = new Uint8Array(Buffer.from(text, "base64url"));
@@ -1275,7 +1267,7 @@ class ReplayMemory {
     return this.#seen.has(`${sender} ${msgId}`);
   }
 
-  /** Records an admitted message (the gate checked `pressure`); `logged`: read from a replay file, else journal-only. */
+  /** Records an admitted message (the gate checked pressure); `logged`: read from a replay file, else journal-only. */
   remember(sender: string, msgId: string, ts: number, nowMs: number, logged = false): void {
     const key = `${sender} ${msgId}`;
     const inFile = logged || this.logged(key);
