@@ -72,9 +72,13 @@ function msFromEnv(name: string, ms: number): number {
 
 const VERSION = "0.5.0";
 
-/** Prefix of the signed bytes; a v1 signature or an announcement can never pass as a v2 message. */
-const SIGNING_DOMAIN = "interlink-v2\0";
+/** What each signature or proof covers begins with its domain, so none made for one use passes for another. */
+const SIGNING_DOMAIN = "interlink-v2\0"; // a v1 signature or an announcement can never pass as a v2 message
 const ANNOUNCE_DOMAIN = "interlink-announce-v1\0";
+const RECV_DOMAIN = "interlink-recv-v1\0"; // a recv or an ack: proof the caller holds the key of the route it reads
+const UNREGISTER_DOMAIN = "interlink-unregister-v1\0";
+const INVITE_DOMAIN = "interlink-invite-v1\0"; // an invite proof, an HMAC: one made for anything else never passes
+const CHAIN_DOMAIN = "interlink-chain-v1\0"; // a chain signature: a message's or an announcement's never passes as one
 
 /** A sender's clock may run this far ahead of ours before we call its message forged. */
 const FRESH_FUTURE_MS = 60_000;
@@ -90,7 +94,6 @@ const localBusUrl = (): string => `http://127.0.0.1:${process.env.INTERLINK_BUS_
 
 /** Default long-poll wait, as in interlink-bus. */
 const RECV_TIMEOUT_MS = 25_000;
-
 /**
  * Messages one signer may have queued for one recipient on our bus; past it its next is refused (429, ROUTE_FULL),
  * never an older one dropped, so accepted mail is never lost. Per signer, so a flood locks out only its sender (the
@@ -122,7 +125,6 @@ const ANNOUNCE_EVERY_MS = 30_000;
 
 /** Largest request body the bus reads: 2 MiB, as the reference bus (axum's default), so its nodes' messages fit. */
 const BODY_LIMIT_BYTES = 2 << 20;
-
 /** Longest text an agent will sign: comfortably inside the bus body limit after JSON escaping. */
 const TEXT_LIMIT_BYTES = 256 * 1024;
 /** What our agent asks one recv for: several messages that piled up take one round trip, not one each. */
@@ -139,19 +141,13 @@ const BACKOFF_MAX_MS = 30_000;
 const REPLAY_CAP = 100_000;
 /** Sent messages remembered in memory for message_status; older ones are looked up in the journal. */
 const SENT_MEMORY_CAP = 10_000;
-/**
- * Bytes of messages (as JSON) the outbox holds, whole, in memory: a weekend of mail to a peer away (2,000 messages of a
- * kilobyte) is 2 MiB. Past it send_message is refused, saying what waits and for whom; nothing queued is dropped.
- */
+/** Bytes of JSON the outbox holds in memory: a weekend away is 2 MiB; past it send_message is refused, none dropped. */
 const OUTBOX_MAX_BYTES = msFromEnv("INTERLINK_TEST_OUTBOX_MAX_BYTES", 32 << 20);
 /** ... and the inbox's unread messages: past it what arrives waits on its relay, unacked, until the model reads. */
 const INBOX_MAX_BYTES = msFromEnv("INTERLINK_TEST_INBOX_MAX_BYTES", 32 << 20);
 /** Queued messages list_pending describes one by one; past them it counts what waits, per route (a model reads it). */
 const PENDING_LISTED = 100;
-/**
- * Knocks waiting for the operator (our own outstanding ones included); past it new ones are dropped and logged until
- * some are answered or expire, so strangers cannot grow the journal or flood the session.
- */
+/** Knocks held for the operator (ours too); past it new ones are dropped, logged: strangers cannot grow the journal. */
 const KNOCKS_CAP = 64;
 /** Knocks that reach the model one by one in an hour; more are counted in one line (they all wait for the operator). */
 const KNOCKS_SHOWN_PER_HOUR = 3;
@@ -162,10 +158,7 @@ const INVITE_TTL_DEFAULT = "10m";
 const INVITE_TTL_MAX_MS = 24 * 60 * 60_000;
 /** Invites pending at once on a node: a few machines joining; more is a mistake, or codes nobody uses. */
 const INVITES_PENDING_CAP = 32;
-/**
- * A used, revoked or expired invite is remembered this long (without its secret), so a late request is told "expired"
- * or "already used" rather than "unknown"; at most INVITES_SPENT_CAP, oldest forgotten first.
- */
+/** A spent invite is kept this long (no secret, at most INVITES_SPENT_CAP): a late request hears why, not "unknown". */
 const INVITE_KEPT_MS = 7 * 24 * 60 * 60_000;
 const INVITES_SPENT_CAP = 256;
 /** How long `join` waits for the inviting node's answer (its `invite` or a session answers in seconds). */
@@ -200,19 +193,15 @@ const ROUTES_DRAINED_CAP = 256;
 const KEY_CACHE_CAP = 1024;
 
 /**
- * Hops a request may be from its task's owner (alice → bob is 1, bob → carol 2) unless --max-depth says otherwise:
- * agent frameworks cap delegation at a handful of levels, and past four a chain of models handing work on is more
- * likely a loop or a runaway than a plan.
+ * Hops a request may be from its task's owner (alice → bob is 1) unless --max-depth says otherwise: agent frameworks
+ * cap delegation at a handful of levels, and past four a chain of models is likelier a loop or a runaway than a plan.
  */
 const DEFAULT_MAX_DEPTH = 4;
 /** The longest chain read or allowed (--max-depth's top): 32 keys are 1.5 KB of JSON, and nothing real is deeper. */
 const CHAIN_KEYS_MAX = 32;
 /** Characters of a question its task row keeps (shown again with a late answer): enough to say what was asked. */
 const QUESTION_KEPT_CHARS = 500;
-/**
- * Questions of one sub-task forwarded up the chain and unanswered: a few is a conversation; past it an executor would
- * flood its requester's requester through us, so the next is shown to our model instead.
- */
+/** Questions of a sub-task forwarded up, unanswered: past a few, the next goes to our model, not flooding upstream. */
 const FORWARDS_OPEN_CAP = 8;
 
 /**
@@ -222,10 +211,7 @@ const FORWARDS_OPEN_CAP = 8;
 const ADOPT_AFTER_MS = msFromEnv("INTERLINK_TEST_ADOPT_AFTER_MS", 2 * 60_000);
 /** How often a running session looks for ended ones to adopt, and drains the routes of those it adopted. */
 const ENDED_EVERY_MS = msFromEnv("INTERLINK_TEST_ENDED_EVERY_MS", ANNOUNCE_EVERY_MS);
-/**
- * A session's journal past this size is rolled over (see Journal.roll), so a start folds a checkpoint and what came
- * after, not the session's whole life (about 2,000 messages a MiB).
- */
+/** A journal past this is rolled over (Journal.roll): a start folds a checkpoint, not a life (2,000 messages a MiB). */
 const JOURNAL_ROLL_BYTES = msFromEnv("INTERLINK_TEST_ROLL_BYTES", 1 << 20);
 /** A task closed longer ago than this is not carried over a roll-over (the archives keep its messages). */
 const CLOSED_TASKS_KEPT_MS = 30 * 24 * 60 * 60_000;
@@ -270,9 +256,8 @@ interface SignedMessage {
 }
 
 /**
- * A sub-task's lineage (see "Delegation across hops"). It rides in the relay payload beside the signed fields, signed
- * by the sender (chainBytes): a reference node ignores it; a relay can strip it (the request is then a root task) but
- * not forge or move it.
+ * A sub-task's lineage (see "Delegation across hops"), in the relay payload beside the signed fields, signed by the
+ * sender (chainBytes): a reference node ignores it; a relay can strip it (then a root task), not forge or move it.
  */
 interface Chain {
   parent: string; // the task it serves, at the sender's node, and that task's requester
@@ -397,20 +382,15 @@ interface DenoRuntime {
 // ============================================================================
 //
 // Whatever a peer, a stranger or a relay controls (message text and ids, an announcement's fields, a receipt's
-// session, a refusal's detail, a relay's error answer) reaches the model (channel events, inbox blocks, tool results,
-// command output) and the operator (`log`, `tasks`, `doctor`, the board). It must never pose as something we generate
-// (a task header, another sender's block, a closing tag, a system tag, a line of ours), nor hide or reorder words.
-// So, everywhere, through escapePeerText:
-//   - every "<" that could open or close a tag becomes "&lt;";
-//   - every line that starts with "[" gets a backslash, so "[task x · result]"
-//     or "[interlink] SYSTEM: ..." in the text cannot pass for ours;
-//   - every hidden code point (invisibleRE) shows as <U+XXXX> (showInvisible);
-//   - a field that is one line in what we write (a cwd, a summary, a reason)
-//     keeps to one line: its newlines show as <U+000A> too.
-// Escaping twice changes nothing (a marker's "<" is left alone). A peer may type a marker itself: that makes text look
-// as if something were hidden, and can never hide anything. Ids have their own form (showId), names theirs
-// (displayName). Under all of it, every string the MCP server writes and every line printed or logged goes through
-// showInvisible again (McpStdioServer, print, logLine): a field missed here still cannot carry a hidden character out.
+// session, a refusal's detail, a relay's error answer) reaches the model and the operator (`log`, `tasks`, `doctor`,
+// the board). It must never pose as something we generate (a task header, another sender's block, a closing tag, a
+// system tag, a line of ours), nor hide or reorder words. So escapePeerText, everywhere, turns every "<" that could
+// open or close a tag into "&lt;", puts a backslash before a "[" that starts a line ("[task x · result]",
+// "[interlink] SYSTEM: ..."), and shows every hidden code point as <U+XXXX> (showInvisible), newlines too in a field
+// that is one line in what we write (a cwd, a summary, a reason). Escaping twice changes nothing; a marker a peer types
+// makes text look as if something were hidden, and can never hide anything. Ids have their own form (showId), names
+// theirs (displayName). Every string the MCP server writes and every line printed or logged goes through showInvisible
+// again (McpStdioServer, print, logLine): a field missed here still cannot carry a hidden character out.
 
 /**
  * Code points that hide, reorder or drive what a reader sees, chosen by Unicode's own properties, not by hand:
@@ -422,11 +402,10 @@ interface DenoRuntime {
  *   Zl, Zp                        U+2028, U+2029: line breaks most displays do not draw as one
  *   Cs                            a lone surrogate: not text at all
  *   Co                            private use: drawn as whatever a font puts there, or as nothing
- * Not unassigned code points (Cn): which are unassigned follows the runtime's Unicode version (Bun 1.4 and
- * Deno 2.9 differ), and the gate must judge an id alike under both. Every property above answers the same in
- * both runtimes for every code point (tested against the other runtime and against the Unicode data files).
- * Newline and tab are Cc but not in it: a text may hold lines. A field that is one line in what we write shows
- * them too (showInvisible's `oneLine`), and an id refuses them as controls.
+ * Not unassigned code points (Cn): that set follows the runtime's Unicode version (Bun 1.4 and Deno 2.9 differ), and
+ * the gate must judge an id alike under both; every property above answers the same in both for every code point
+ * (tested against the other runtime and the Unicode data files). Newline and tab, Cc too, are left out where a text may
+ * hold lines (invisibleRE; showInvisible unless `oneLine`); an id refuses them as controls.
  */
 const INVISIBLE_CLASS =
   "[\\p{Cc}\\p{Cf}\\p{Default_Ignorable_Code_Point}\\p{Bidi_Control}\\p{Zl}\\p{Zp}\\p{Cs}\\p{Co}]";
@@ -440,10 +419,9 @@ let invisibleRe: RegExp | undefined, shownRe: RegExp | undefined;
 const invisibleRE = (): RegExp => invisibleRe ??= new RegExp(`(?![\\n\\t])${INVISIBLE_CLASS}`, "gu");
 
 /**
- * invisibleRE with newline and tab, but for U+FE0F right after an emoji: the emoji presentation selector, as in
- * ⚠️ and ❤️, which models write often. It changes how the emoji before it is drawn and says no more than whether
- * it is there (one bit per emoji); a second one, or one after anything else, is shown. Which code points are
- * emoji follows the runtime's Unicode version: this changes only what is shown, never what an id may hold.
+ * invisibleRE with newline and tab, but for U+FE0F right after an emoji (⚠️, ❤️: models write them often): it only
+ * picks how that emoji is drawn, one bit at most; a second one, or one after anything else, is shown. Which code points
+ * are emoji follows the runtime's Unicode version: this changes only what is shown, never what an id may hold.
  */
 const shownRE = (): RegExp => shownRe ??= new RegExp(`\\p{Emoji}\\uFE0F|${INVISIBLE_CLASS}`, "gu");
 
@@ -459,7 +437,6 @@ const showInvisible = (text: string, oneLine = false): string =>
     return `<U+${c.codePointAt(0)!.toString(16).toUpperCase().padStart(4, "0")}>`;
   });
 
-/** Whether `text` holds a code point of invisibleRE. */
 const hasInvisible = (text: string): boolean => !PLAIN_TEXT_RE.test(text) && text.search(invisibleRE()) !== -1;
 
 function escapePeerText(text: string, oneLine = false): string {
@@ -469,10 +446,7 @@ function escapePeerText(text: string, oneLine = false): string {
   return showInvisible(defused, oneLine);
 }
 
-/**
- * The ids our nodes generate (msg_ids are 32 hex digits) and the only ones a
- * delivery receipt names: 1-128 of ASCII letters, digits and . _ : @ + / -.
- */
+/** The ids our nodes generate (msg_ids are 32 hex digits), and the only ones a delivery receipt names. */
 const PLAIN_ID_RE = /^[A-Za-z0-9._:@+\/-]{1,128}$/;
 
 /** An id that reads as itself: letters (any script), marks, digits and . _ : @ + / - (no space, quote or bracket). */
@@ -485,10 +459,8 @@ const SHOWN_ID_RE = /^[\p{L}\p{M}\p{N}._:@+\/-]{1,256}$/u;
  */
 function showId(id: string): string {
   if (PLAIN_ID_RE.test(id) || (SHOWN_ID_RE.test(id) && !hasInvisible(id))) return id; // marks (\p{M}) take in variation selectors and U+034F
-  return showInvisible(
-    JSON.stringify(id).replace(/[<>&\[\]]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, "0")}`),
-    true,
-  );
+  const quoted = JSON.stringify(id).replace(/[<>&\[\]]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, "0")}`);
+  return showInvisible(quoted, true);
 }
 
 /** An id as a model passes it to a tool: itself, or the quoted form showId printed (or an attribute's entities). */
@@ -501,9 +473,7 @@ function readId(text: string): string {
       // not a quoted form after all
     }
   }
-  return /&(quot|lt|gt|amp);/.test(text)
-    ? text.replace(/&quot;/g, '"').replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&")
-    : text;
+  return text.replace(/&quot;/g, '"').replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
 }
 
 /**
@@ -517,11 +487,7 @@ function displayName(claimed: string): string {
   return clean || "(no name)";
 }
 
-/**
- * Longest msg_id, task_id or in_reply_to we admit. The reference takes any
- * string, and a task id is "a short human-meaningful string"; 256 characters is
- * a long sentence, and keeps every header and attribute an id appears in short.
- */
+/** Longest msg_id, task_id or in_reply_to admitted: 256 characters is a long sentence, and keeps headers short. */
 const ID_MAX_CHARS = 256;
 
 // deno-lint-ignore no-control-regex -- control characters are exactly what this matches
@@ -531,8 +497,7 @@ const ID_CONTROL_RE = /[\u0000-\u001f\u007f-\u009f]|[\ud800-\udfff]/u;
  * Why a peer's msg_id, task_id or in_reply_to cannot be admitted, or null. The reference accepts any string there, and
  * a task id is often not ASCII ("t-ünï"), so any text is taken but what no honest node sends: empty, over ID_MAX_CHARS,
  * control characters (a newline could start a forged header line), invisible and bidi characters (they hide or reorder
- * what is shown), and lone surrogates (not text). Where an id is shown, showId and the attribute escaping keep it from
- * posing as markup or a header.
+ * what is shown), and lone surrogates (not text).
  */
 function idProblem(id: string): string | null {
   if (id === "") return "is empty";
@@ -550,13 +515,9 @@ function idProblem(id: string): string | null {
 // stdout belongs to MCP (and to command output); every log line goes to stderr with a component prefix.
 
 /** The host runtime's own globals, for the little node: modules do not cover: serving HTTP, naming the runtime. */
-const runtimeHost = globalThis as unknown as {
-  Bun?: BunRuntime;
-  Deno?: DenoRuntime;
-};
+const runtimeHost = globalThis as unknown as { Bun?: BunRuntime; Deno?: DenoRuntime };
 
 let logComponent = "interlink";
-
 let logSink = (line: string): void => writeStderr(line);
 
 /** Where log lines go (stderr unless a host, such as the test suite, takes them). */
@@ -575,17 +536,10 @@ function logLine(level: string, msg: string): void {
 }
 
 const logInfo = (msg: string): void => logLine("info", msg);
-
 const logWarn = (msg: string): void => logLine("warn", msg);
 
 /** Writes all of `bytes` at the descriptor's position (or append point), or throws: a 0-byte write is a full disk. */
-function writeAll(fd: number, bytes: Uint8Array): void {
-  for (let done = 0; done < bytes.length;) {
-    const n = fs.writeSync(fd, bytes, done, bytes.length - done);
-    if (n <= 0) throw Object.assign(new Error("write wrote 0 bytes (no space left on device)"), { code: "ENOSPC" });
-    done += n;
-  }
-}
+const writeAll = (fd: number, bytes: Uint8Array): void => writeWaiting((b) => fs.writeSync(fd, b), bytes);
 
 // stdio without process.stdin/stdout/stderr, whose streams cost an idle Bun session 3 to 5 MB of the runtime's code.
 // Under Bun, stdin is its own stream and stderr its file sink (a stderr read late or never only queues there, as it did
@@ -608,14 +562,17 @@ function writeStderr(text: string): void {
 }
 
 /**
- * Writes all of `bytes` through `write` (one write(2) each), waiting out a full non-blocking pipe 1 ms at a time, as
- * a blocking one waits: a wake text cut short would be lost, its messages already marked shown. Not node:fs's
- * writeSync: under Deno it writes part, then throws EAGAIN without saying how much went.
+ * Writes all of `bytes` through `write` (one write(2) each), or throws: a 0-byte write is a full disk. A full
+ * non-blocking pipe is waited out 1 ms at a time, as a blocking one waits: a wake text cut short would be lost, its
+ * messages already marked shown. Not node:fs's writeSync on a pipe: under Deno it writes part, then throws EAGAIN
+ * without saying how much went.
  */
 function writeWaiting(write: (bytes: Uint8Array) => number, bytes: Uint8Array): void {
   for (let done = 0; done < bytes.length;) {
     try {
-      done += write(bytes.subarray(done));
+      const n = write(bytes.subarray(done));
+      if (n <= 0) throw Object.assign(new Error("write wrote 0 bytes (no space left on device)"), { code: "ENOSPC" });
+      done += n;
     } catch (e) {
       if ((e as Error).name !== "WouldBlock") throw e;
       Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 1);
@@ -677,14 +634,7 @@ function writeSomeStdout(bytes: Uint8Array): Promise<number> {
     return deno.stdout.write(bytes).catch((e) => ((e as Error).name === "WouldBlock" ? full() : Promise.reject(e)));
   }
   return new Promise((resolve, reject) =>
-    fs.write(
-      1,
-      bytes,
-      0,
-      bytes.length,
-      null,
-      (e, n) => (e?.code === "EAGAIN" ? resolve(full()) : e ? reject(e) : resolve(n)),
-    )
+    fs.write(1, bytes, (e, n) => (e?.code === "EAGAIN" ? resolve(full()) : e ? reject(e) : resolve(n)))
   );
 }
 
@@ -697,13 +647,8 @@ function runtimeName(): string {
 
 const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
 
-/**
- * This file, as a path, or as a URL when Deno runs it straight from one (`deno run -A https://…/interlink.ts mcp`): the
- * children it starts (the embedded bus, the demo's nodes) run the same.
- */
-function thisScript(): string {
-  return import.meta.url.startsWith("file:") ? import.meta.filename! : import.meta.url;
-}
+/** This file as a path, or as the URL Deno runs it from (`deno run -A https://…`): children it starts run the same. */
+const thisScript = (): string => (import.meta.url.startsWith("file:") ? import.meta.filename! : import.meta.url);
 
 /** The official NATS client packages: loaded only when a nats:// or tls:// relay is configured. */
 const NATS_PKGS = {
@@ -728,49 +673,32 @@ async function importPinned<T>(pkg: { name: string; version: string }, subpath =
       const installed = await import(`${pkg.name}/package.json`).then((m) => m.default?.version, () => undefined);
       if (installed === pkg.version) return await import(`${pkg.name}${subpath}`) as T;
     }
-    const dir = path.dirname(thisScript());
+    const dir = path.dirname(thisScript()), why = (e as Error).message;
     throw new InterlinkError(
       runtimeHost.Bun
-        ? `cannot load ${pkg.name}@${pkg.version} (${
-          (e as Error).message
-        }). A node_modules folder in ${dir} or above it turns off Bun's auto-install: run interlink with \`bun --install=force ${thisScript()} …\`, or \`bun add ${pkg.name}@${pkg.version}\` in ${dir}.`
-        : `cannot load ${spec} (${
-          (e as Error).message
-        }); Deno fetches it from the npm registry on first use: check the network, or NODE_EXTRA_CA_CERTS behind a TLS-inspecting proxy.`,
+        ? `cannot load ${pkg.name}@${pkg.version} (${why}). A node_modules folder in ${dir} or above it turns off Bun's auto-install: run interlink with \`bun --install=force ${thisScript()} …\`, or \`bun add ${pkg.name}@${pkg.version}\` in ${dir}.`
+        : `cannot load ${spec} (${why}); Deno fetches it from the npm registry on first use: check the network, or NODE_EXTRA_CA_CERTS behind a TLS-inspecting proxy.`,
     );
   }
 }
 
-/**
- * A crash point for the crash tests: when INTERLINK_FAILPOINT names it, the process kills itself right here with
- * SIGKILL, as an OOM kill or a power cut would, so a test can stop a process exactly between two steps. Unset in use.
- */
+/** A crash point: when INTERLINK_FAILPOINT (unset in use) names it, SIGKILL here, as an OOM kill or power cut would. */
 function failpoint(name: string): void {
   if (process.env.INTERLINK_FAILPOINT === name) process.kill(process.pid, "SIGKILL");
 }
 
-/**
- * The node's clock: the system clock, shifted by INTERLINK_CLOCK_OFFSET_MS when that is set (the tests and drills use
- * it to play a machine whose clock is off). Unset in use.
- */
+/** The system clock, shifted by INTERLINK_CLOCK_OFFSET_MS (unset in use: tests play a machine whose clock is off). */
 function nodeClock(): () => number {
   const offset = Number(process.env.INTERLINK_CLOCK_OFFSET_MS ?? 0);
   return Number.isFinite(offset) && offset !== 0 ? () => Date.now() + offset : Date.now;
 }
 
 /** Sleeps up to `ms`, returning early (or at once) when `signal` is aborted. */
-function pause(ms: number, signal: AbortSignal): Promise<void> {
-  if (signal.aborted) return Promise.resolve();
-  return new Promise((resolve) => {
-    const done = () => {
-      clearTimeout(timer);
-      signal.removeEventListener("abort", done);
-      resolve();
-    };
-    const timer = setTimeout(done, ms);
-    signal.addEventListener("abort", done);
-  });
-}
+const pause = (ms: number, signal: AbortSignal): Promise<boolean> =>
+  waitUntil(() => signal.aborted, ms, (wake) => {
+    signal.addEventListener("abort", wake);
+    return () => signal.removeEventListener("abort", wake);
+  }, ms);
 
 /** A Map that forgets its oldest entries past `cap` (insertion order; a re-set moves a key to the back). */
 class BoundedMap<K, V> extends Map<K, V> {
@@ -823,9 +751,9 @@ async function waitUntil(
   subscribe?: (wake: () => void) => () => void,
   everyMs = 1000,
 ): Promise<boolean> {
-  const deadline = Date.now() + ms;
+  const deadline = performance.now() + ms;
   while (!ready()) {
-    const left = deadline - Date.now();
+    const left = deadline - performance.now();
     if (left <= 0) return false;
     await new Promise<void>((resolve) => {
       const timer = setTimeout(done, Math.min(left, everyMs));
@@ -849,6 +777,15 @@ function howLong(ms: number): string {
   return `${Math.round(s / 86400)} days`;
 }
 
+/** What `f` returns, or the message of what it threw: for a caller that reports only why it refused. */
+function orWhy<T extends object>(f: () => T): T | string {
+  try {
+    return f();
+  } catch (e) {
+    return (e as Error).message;
+  }
+}
+
 function errorText(e: unknown): string {
   if (e instanceof Error) {
     if (e.name === "TimeoutError") return "timed out";
@@ -869,11 +806,8 @@ const utf8 = new TextEncoder();
 /** Bytes on an ordinary ArrayBuffer, the only kind WebCrypto takes. */
 type Bytes = Uint8Array<ArrayBuffer>;
 
-function b64urlEncode(bytes: Uint8Array): string {
-  return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength).toString("base64url");
-}
-
-const B64URL_RE = /^[A-Za-z0-9_-]*$/;
+const b64urlEncode = (bytes: Uint8Array): string =>
+  Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength).toString("base64url");
 
 /**
  * Strict unpadded base64url of exactly `byteLength` bytes. Re-encoding must give the same text, so no key or signature
@@ -881,7 +815,7 @@ const B64URL_RE = /^[A-Za-z0-9_-]*$/;
  */
 function b64urlDecode(text: unknown, byteLength: number, what: string): Bytes {
   const chars = Math.ceil((byteLength * 4) / 3);
-  if (typeof text !== "string" || text.length !== chars || !B64URL_RE.test(text)) {
+  if (typeof text !== "string" || text.length !== chars || !/^[A-Za-z0-9_-]*$/.test(text)) {
     throw new FormatError(`${what} is not ${byteLength} bytes of unpadded base64url`);
   }
   const bytes = new Uint8Array(Buffer.from(text, "base64url"));
@@ -896,9 +830,7 @@ const decodeKey = (text: unknown, what = "key"): Bytes => b64urlDecode(text, 32,
 /** Display-only short form of a key; never used to decide anything. */
 const fingerprint = (key: string): string => key.slice(0, 8);
 
-function utf8Bytes(text: string): number {
-  return Buffer.byteLength(text, "utf8");
-}
+const utf8Bytes = (text: string): number => Buffer.byteLength(text, "utf8");
 
 function humanBytes(bytes: number): string {
   if (bytes >= 2 ** 20 && bytes % 2 ** 20 === 0) return `${bytes / 2 ** 20} MiB`;
@@ -906,32 +838,22 @@ function humanBytes(bytes: number): string {
   return `${bytes} bytes`;
 }
 
-function u32le(n: number): Bytes {
-  const out = new Uint8Array(4);
-  new DataView(out.buffer).setUint32(0, n, true);
-  return out;
-}
-
 function u64le(n: number): Bytes {
   const out = new Uint8Array(8);
   new DataView(out.buffer).setBigUint64(0, BigInt(n), true);
   return out;
 }
+const u32le = (n: number): Bytes => u64le(n).subarray(0, 4); // little-endian: its low half
 
-function concatBytes(parts: Uint8Array[]): Bytes {
-  const out = new Uint8Array(parts.reduce((n, p) => n + p.length, 0));
-  let at = 0;
-  for (const p of parts) {
-    out.set(p, at);
-    at += p.length;
-  }
-  return out;
-}
+const concatBytes = (parts: Uint8Array[]): Bytes => new Uint8Array(Buffer.concat(parts));
 
 const lengthPrefixed = (s: string): Uint8Array[] => {
   const bytes = utf8.encode(s);
   return [u32le(bytes.length), bytes];
 };
+
+/** What a signature or proof covers: its domain (see SIGNING_DOMAIN), then `parts`. */
+const signedBytes = (domain: string, parts: Uint8Array[]): Bytes => concatBytes([utf8.encode(domain), ...parts]);
 
 /**
  * The bytes a message signature covers (SPEC "Canonical bytes"). Each property blocks an attack:
@@ -944,8 +866,7 @@ const lengthPrefixed = (s: string): Uint8Array[] => {
  *     task or answering another question. An absent field is the empty string, so dropping one changes the bytes.
  */
 function canonicalBytes(m: Omit<SignedMessage, "sig">): Bytes {
-  return concatBytes([
-    utf8.encode(SIGNING_DOMAIN),
+  return signedBytes(SIGNING_DOMAIN, [
     decodeKey(m.from, "from"),
     decodeKey(m.to, "to"),
     u64le(m.ts),
@@ -959,8 +880,7 @@ function canonicalBytes(m: Omit<SignedMessage, "sig">): Bytes {
  */
 function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
   const s = a.session;
-  return concatBytes([
-    utf8.encode(ANNOUNCE_DOMAIN),
+  return signedBytes(ANNOUNCE_DOMAIN, [
     decodeKey(a.pubkey, "pubkey"),
     ...[a.name, s?.session_id ?? "", s?.cwd ?? "", s?.git_root ?? "", s?.summary ?? ""].flatMap(lengthPrefixed),
     u64le(a.ts),
@@ -969,39 +889,21 @@ function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
 
 /** A legacy node's 0.4 layout, which no 0.8 announcement can match. */
 function legacyAnnouncementBytes(a: Omit<Announcement, "sig" | "age_ms" | "session">): Bytes {
-  return concatBytes([
-    utf8.encode(ANNOUNCE_DOMAIN),
-    decodeKey(a.pubkey, "pubkey"),
-    ...lengthPrefixed(a.name),
-    u64le(a.ts),
-  ]);
+  return signedBytes(ANNOUNCE_DOMAIN, [decodeKey(a.pubkey, "pubkey"), ...lengthPrefixed(a.name), u64le(a.ts)]);
 }
-
-/** Signs a recv or an ack: proof that the caller holds the key of the route it reads. */
-const RECV_DOMAIN = "interlink-recv-v1\0";
 
 /**
  * Signed by the route's key (its part before any `#`); layouts in docs/wire.md. The route keeps a proof for one
  * session from opening another's; ts bounds how long a captured proof is worth anything.
  */
 function recvProofBytes(route: string, ts: number): Bytes {
-  return concatBytes([utf8.encode(RECV_DOMAIN), ...lengthPrefixed(route), u64le(ts)]);
+  return signedBytes(RECV_DOMAIN, [...lengthPrefixed(route), u64le(ts)]);
 }
 
 /** Signs an unregister: only the key that announced a session can take it off a bus's roster. */
-const UNREGISTER_DOMAIN = "interlink-unregister-v1\0";
-
 function unregisterBytes(u: { pubkey: string; session_id: string; ts: number }): Bytes {
-  return concatBytes([
-    utf8.encode(UNREGISTER_DOMAIN),
-    decodeKey(u.pubkey, "pubkey"),
-    ...lengthPrefixed(u.session_id),
-    u64le(u.ts),
-  ]);
+  return signedBytes(UNREGISTER_DOMAIN, [decodeKey(u.pubkey, "pubkey"), ...lengthPrefixed(u.session_id), u64le(u.ts)]);
 }
-
-/** Domain of an invite proof: an HMAC made for anything else never passes as one. */
-const INVITE_DOMAIN = "interlink-invite-v1\0";
 
 /** An invite's one-time secret: 128 bits, beyond guessing within any invite's lifetime. */
 const INVITE_SECRET_BYTES = 16;
@@ -1018,8 +920,7 @@ const INVITE_SECRET_BYTES = 16;
  *     used by then).
  */
 function inviteProofBytes(id: Uint8Array, inviter: string, joiner: string, msgId: string): Bytes {
-  return concatBytes([
-    utf8.encode(INVITE_DOMAIN),
+  return signedBytes(INVITE_DOMAIN, [
     id,
     decodeKey(inviter, "inviter key"),
     decodeKey(joiner, "joiner key"),
@@ -1030,29 +931,21 @@ function inviteProofBytes(id: Uint8Array, inviter: string, joiner: string, msgId
 const hmacKey = (secret: Uint8Array, use: "sign" | "verify"): Promise<CryptoKey> =>
   crypto.subtle.importKey("raw", new Uint8Array(secret), { name: "HMAC", hash: "SHA-256" }, false, [use]);
 
-async function inviteMac(secret: Uint8Array, signed: Bytes): Promise<Bytes> {
-  return new Uint8Array(await crypto.subtle.sign("HMAC", await hmacKey(secret, "sign"), signed));
-}
+const inviteMac = async (secret: Uint8Array, signed: Bytes): Promise<Bytes> =>
+  new Uint8Array(await crypto.subtle.sign("HMAC", await hmacKey(secret, "sign"), signed));
 
 /** Checks an invite proof in constant time (WebCrypto's HMAC verify). */
-async function inviteMacMatches(secret: Uint8Array, signed: Bytes, mac: Bytes): Promise<boolean> {
-  return await crypto.subtle.verify("HMAC", await hmacKey(secret, "verify"), mac, signed);
-}
+const inviteMacMatches = async (secret: Uint8Array, signed: Bytes, mac: Bytes): Promise<boolean> =>
+  crypto.subtle.verify("HMAC", await hmacKey(secret, "verify"), mac, signed);
 
 /** The invite proof in a knock's in_reply_to; null when it names no invite. */
 function parseInviteProof(inReplyTo: string | undefined): { id: string; mac: Bytes } | "malformed" | null {
   if (!inReplyTo?.startsWith("invite:")) return null;
   const m = inReplyTo.match(/^invite:([0-9a-f]{16}):([A-Za-z0-9_-]{43})$/);
   if (!m) return "malformed";
-  try {
-    return { id: m[1], mac: b64urlDecode(m[2], 32, "invite proof") };
-  } catch {
-    return "malformed";
-  }
+  const mac = orWhy(() => b64urlDecode(m[2], 32, "invite proof"));
+  return typeof mac === "string" ? "malformed" : { id: m[1], mac };
 }
-
-/** Domain of a chain signature: a message's or an announcement's signature never passes as one, nor one as them. */
-const CHAIN_DOMAIN = "interlink-chain-v1\0";
 
 /**
  * The bytes a chain signature covers, signed by the message's sender. Each part blocks an attack:
@@ -1062,12 +955,8 @@ const CHAIN_DOMAIN = "interlink-chain-v1\0";
  *     longer one or the recipient's own key to have a request refused in the recipient's name, another owner).
  * A relay can still strip the chain, as it can drop the message: the request is then a root task.
  */
-function chainBytes(
-  m: Pick<SignedMessage, "from" | "to" | "msg_id"> & { task_id: string },
-  c: Omit<Chain, "sig">,
-): Bytes {
-  return concatBytes([
-    utf8.encode(CHAIN_DOMAIN),
+function chainBytes(m: { from: string; to: string; msg_id: string; task_id: string }, c: Omit<Chain, "sig">): Bytes {
+  return signedBytes(CHAIN_DOMAIN, [
     decodeKey(m.from, "from"),
     decodeKey(m.to, "to"),
     ...[m.msg_id, m.task_id, c.parent].flatMap(lengthPrefixed),
@@ -1085,19 +974,15 @@ async function signChain(id: Identity, msg: SignedMessage, c: Omit<Chain, "sig">
   return { ...c, sig: await id.sign(chainBytes({ ...msg, task_id: msg.task_id }, c)) };
 }
 
-// Curve constants (RFC 8032 §5.1) for the small-order test below.
+// Curve constants (RFC 8032 §5.1): the field's prime p, d = −121665/121666 mod p, and L, the order of the prime
+// subgroup (a signature's S must be below it).
 const P = 2n ** 255n - 19n;
-
-/** d = −121665/121666 mod p */
 const D = 37095705934669439343138083508754565189542113879843219016388785533085940283555n;
-
-/** Order of the prime subgroup; a signature's S must be below it. */
 const L = 2n ** 252n + 27742317777372353535851937790883648493n;
 
-function littleEndianToBigInt(bytes: Uint8Array): bigint {
-  // One BigInt from hex rather than 32 shifts: this runs on every signature the bus checks.
-  return BigInt(`0x${Buffer.from(bytes).reverse().toString("hex") || "0"}`);
-}
+/** One BigInt from hex rather than 32 shifts: this runs on every signature the bus checks. */
+const littleEndianToBigInt = (bytes: Uint8Array): bigint =>
+  BigInt(`0x${Buffer.from(bytes).reverse().toString("hex") || "0"}`);
 
 /**
  * True if the encoded point has order dividing 8: [8]P is the identity. With such a public key and R, the signature
@@ -1123,42 +1008,30 @@ function hasSmallOrder(encoded: Uint8Array): boolean {
 }
 
 /** Imported verifying keys, by their text: only keys that decoded and passed the small-order check get here. */
-const verifyingKeys = new Map<string, Promise<CryptoKey>>();
+const verifyingKeys = new BoundedMap<string, Promise<CryptoKey>>(KEY_CACHE_CAP);
 
 /** The imported key for `publicKey`, or why it cannot verify anything (checked once per key, then cached). */
 function verifyingKey(publicKey: string): Promise<CryptoKey> | string {
   let key = verifyingKeys.get(publicKey);
   if (!key) {
-    let raw: Bytes;
-    try {
-      raw = decodeKey(publicKey, "public key");
-    } catch (e) {
-      return (e as Error).message;
-    }
+    const raw = orWhy(() => decodeKey(publicKey, "public key"));
+    if (typeof raw === "string") return raw;
     if (hasSmallOrder(raw)) return "public key is a small-order point";
     key = crypto.subtle.importKey("raw", raw, { name: "Ed25519" }, false, ["verify"]);
     verifyingKeys.set(publicKey, key);
-    if (verifyingKeys.size > KEY_CACHE_CAP) verifyingKeys.delete(verifyingKeys.keys().next().value!);
   }
   return key;
 }
 
 /** Whether a signature's S (its last 32 bytes, little-endian) is below L; L's top byte is 0x10. */
-function isReduced(s: Uint8Array): boolean {
-  if (s[31] !== 0x10) return s[31] < 0x10;
-  return littleEndianToBigInt(s) < L;
-}
+const isReduced = (s: Uint8Array): boolean => s[31] !== 0x10 ? s[31] < 0x10 : littleEndianToBigInt(s) < L;
 
 /** Strict Ed25519 verification, as ed25519-dalek's verify_strict: null when good, else why not. */
 async function verifyDetached(publicKey: string, signature: string, signed: Bytes): Promise<string | null> {
   const key = verifyingKey(publicKey);
   if (typeof key === "string") return key;
-  let sig: Bytes;
-  try {
-    sig = b64urlDecode(signature, 64, "signature");
-  } catch (e) {
-    return (e as Error).message;
-  }
+  const sig = orWhy(() => b64urlDecode(signature, 64, "signature"));
+  if (typeof sig === "string") return sig;
   if (hasSmallOrder(sig.subarray(0, 32))) return "signature R is a small-order point";
   if (!isReduced(sig.subarray(32))) return "signature S is not reduced (S >= L)";
   try {
@@ -1185,10 +1058,8 @@ async function checkAnnouncement(a: Announcement): Promise<{ layout: "0.8" | "0.
   return { error: v08 };
 }
 
-const verifyAnnouncement = async (a: Announcement): Promise<string | null> => {
-  const r = await checkAnnouncement(a);
-  return "error" in r ? r.error : null;
-};
+const verifyAnnouncement = (a: Announcement): Promise<string | null> =>
+  checkAnnouncement(a).then((r) => ("error" in r ? r.error : null));
 
 /** A node's own key pair. The seed never leaves this object except into the key file. */
 interface Identity {
@@ -1198,24 +1069,7 @@ interface Identity {
 }
 
 /** PKCS#8 wrapper for a raw 32-byte Ed25519 seed (RFC 8410), the only import form WebCrypto takes. */
-const PKCS8_ED25519_PREFIX = [
-  0x30,
-  0x2e,
-  0x02,
-  0x01,
-  0x00,
-  0x30,
-  0x05,
-  0x06,
-  0x03,
-  0x2b,
-  0x65,
-  0x70,
-  0x04,
-  0x22,
-  0x04,
-  0x20,
-];
+const PKCS8_ED25519_PREFIX = Buffer.from("302e020100300506032b657004220420", "hex");
 
 async function identityFromSeed(seed: Uint8Array): Promise<Identity> {
   if (seed.length !== 32) throw new FormatError("an Ed25519 seed is 32 bytes");
@@ -1244,28 +1098,17 @@ interface Draft {
 }
 
 async function signMessage(id: Identity, draft: Draft, nowMs: number): Promise<SignedMessage> {
-  const unsigned: Omit<SignedMessage, "sig"> = {
-    from: id.publicKey,
-    to: draft.to,
-    text: draft.text,
-    ts: nowMs,
-    msg_id: draft.msg_id ?? newMsgId(),
-    kind: draft.kind ?? "message",
-    ...(draft.task_id ? { task_id: draft.task_id } : {}),
-    ...(draft.status ? { status: draft.status } : {}),
-    ...(draft.in_reply_to ? { in_reply_to: draft.in_reply_to } : {}),
-  };
+  const { to, text, msg_id = newMsgId(), kind = "message", task_id, status, in_reply_to } = draft;
+  const unsigned: Omit<SignedMessage, "sig"> = { from: id.publicKey, to, text, ts: nowMs, msg_id, kind };
+  if (task_id) unsigned.task_id = task_id;
+  if (status) unsigned.status = status;
+  if (in_reply_to) unsigned.in_reply_to = in_reply_to;
   return { ...unsigned, sig: await id.sign(canonicalBytes(unsigned)) };
 }
 
-async function signAnnouncement(
-  id: Identity,
-  name: string,
-  nowMs: number,
-  session?: SessionInfo,
-): Promise<Announcement> {
+function signAnnouncement(id: Identity, name: string, nowMs: number, session?: SessionInfo): Promise<Announcement> {
   const unsigned = { pubkey: id.publicKey, name, ...(session ? { session } : {}), ts: nowMs };
-  return { ...unsigned, sig: await id.sign(announcementBytes(unsigned)) };
+  return id.sign(announcementBytes(unsigned)).then((sig) => ({ ...unsigned, sig }));
 }
 
 /** Reads the key file: base64url of the 32-byte seed, surrounding whitespace ignored (the Rust keygen format). */
@@ -1279,11 +1122,9 @@ async function readIdentity(file: string): Promise<Identity> {
       `Cannot read key file ${file}: ${why}. Create one with \`interlink.ts keygen --out ${file}\`.`,
     );
   }
-  let seed: Uint8Array;
-  try {
-    seed = b64urlDecode(text.trim(), 32, "seed");
-  } catch (e) {
-    throw new InterlinkError(`Key file ${file} does not hold a base64url Ed25519 seed: ${(e as Error).message}`);
+  const seed = orWhy(() => b64urlDecode(text.trim(), 32, "seed"));
+  if (typeof seed === "string") {
+    throw new InterlinkError(`Key file ${file} does not hold a base64url Ed25519 seed: ${seed}`);
   }
   return await identityFromSeed(seed);
 }
@@ -1337,9 +1178,7 @@ function timestamp(o: Record<string, unknown>, name: string): number {
   return v;
 }
 
-function isTaskStatus(v: unknown): v is TaskStatus {
-  return (STATUSES as readonly unknown[]).includes(v);
-}
+const isTaskStatus = (v: unknown): v is TaskStatus => (STATUSES as readonly unknown[]).includes(v);
 
 /** Parses untrusted JSON into a SignedMessage or throws a FormatError naming the first problem. */
 function parseSignedMessage(value: unknown): SignedMessage {
@@ -1370,10 +1209,7 @@ function parseSignedMessage(value: unknown): SignedMessage {
     const bad = id === undefined ? null : idProblem(id);
     if (bad) throw new FormatError(`"${name}" ${bad} (got ${showId([...id!].slice(0, 40).join(""))})`);
   }
-  if (task_id !== undefined) msg.task_id = task_id;
-  if (status !== undefined) msg.status = status;
-  if (in_reply_to !== undefined) msg.in_reply_to = in_reply_to;
-  return msg;
+  return { ...msg, ...some("task_id", task_id), ...some("status", status), ...some("in_reply_to", in_reply_to) };
 }
 
 /** Parses an announcement as the Rust 0.8 client does: `session: null` or no `session_id` is an error. */
@@ -1390,13 +1226,9 @@ function parseAnnouncement(value: unknown): Announcement {
   if ("session" in value) {
     const s = value.session;
     if (!isObject(s)) throw new FormatError(`"session" is not an object`);
-    const opt = (k: string) => (s[k] === undefined ? "" : field(s, k));
-    a.session = {
-      session_id: field(s, "session_id"),
-      cwd: opt("cwd"),
-      git_root: opt("git_root"),
-      summary: opt("summary"),
-    };
+    const session_id = field(s, "session_id");
+    const [cwd, git_root, summary] = ["cwd", "git_root", "summary"].map((k) => (s[k] === undefined ? "" : field(s, k)));
+    a.session = { session_id, cwd, git_root, summary };
   }
   if (value.age_ms !== undefined && value.age_ms !== null) {
     if (!Number.isSafeInteger(value.age_ms) || (value.age_ms as number) < 0) {
@@ -1435,13 +1267,10 @@ class ReplayMemory {
     return this.#seen.has(`${sender} ${msgId}`);
   }
 
-  /**
-   * Records an admitted message, never refused (the gate checks `full` first). `logged`: read from a replay file;
-   * else it stays marked journal-only until one holds it.
-   */
+  /** Records an admitted message (the gate checked pressure); `logged`: read from a replay file, else journal-only. */
   remember(sender: string, msgId: string, ts: number, nowMs: number, logged = false): void {
     const key = `${sender} ${msgId}`;
-    const inFile = logged || (this.#seen.has(key) && !this.#unlogged.has(key));
+    const inFile = logged || this.logged(key);
     if (!this.#seen.delete(key)) this.#count(key, 1);
     this.#seen.set(key, ts);
     if (inFile) this.#unlogged.delete(key);
@@ -1542,47 +1371,26 @@ async function decide(
   replay: ReplayMemory,
   knocked: ReadonlyMap<string, string> = new Map(),
 ): Promise<Verdict> {
-  let msg: SignedMessage;
-  try {
-    msg = parseSignedMessage(payload);
-  } catch (e) {
-    return { verdict: "reject", reason: "malformed", detail: (e as Error).message };
-  }
+  const msg = orWhy(() => parseSignedMessage(payload));
+  if (typeof msg === "string") return { verdict: "reject", reason: "malformed", detail: msg };
+  const reject = (reason: RejectReason, detail: string): Verdict => ({ verdict: "reject", reason, detail, msg });
   const bad = await verifyMessage(msg);
-  if (bad) return { verdict: "reject", reason: "bad_signature", detail: bad, msg };
-  if (msg.to !== me) {
-    return { verdict: "reject", reason: "wrong_recipient", detail: `addressed to ${fingerprint(msg.to)}`, msg };
-  }
+  if (bad) return reject("bad_signature", bad);
+  if (msg.to !== me) return reject("wrong_recipient", `addressed to ${fingerprint(msg.to)}`);
   // A message signed by this node's own key comes from another of its sessions: admitted as "self".
   const peerKinds = msg.kind === "message" || msg.kind === "receipt"; // only peers (and self) may send these
   const petname = peers.byKey.get(msg.from) ?? (msg.from === me && peerKinds ? "self" : undefined);
   if (petname === undefined && peerKinds) {
-    return {
-      verdict: "reject",
-      reason: "not_allowlisted",
-      detail: `${fingerprint(msg.from)} is not in peers.json`,
-      msg,
-    };
+    return reject("not_allowlisted", `${fingerprint(msg.from)} is not in peers.json`);
   }
-  if (msg.ts - nowMs > FRESH_FUTURE_MS) {
-    return { verdict: "reject", reason: "stale", detail: `ts is ${msg.ts - nowMs} ms in the future`, msg };
-  }
-  if (nowMs - msg.ts > FRESH_PAST_MS) {
-    return {
-      verdict: "reject",
-      reason: "stale",
-      detail: `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`,
-      msg,
-    };
-  }
-  if (replay.has(msg.from, msg.msg_id)) {
-    return { verdict: "reject", reason: "replay", detail: `msg_id ${msg.msg_id} already admitted`, msg };
-  }
+  if (msg.ts - nowMs > FRESH_FUTURE_MS) return reject("stale", `ts is ${msg.ts - nowMs} ms in the future`);
+  if (nowMs - msg.ts > FRESH_PAST_MS) return reject("stale", `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`);
+  if (replay.has(msg.from, msg.msg_id)) return reject("replay", `msg_id ${msg.msg_id} already admitted`);
   const pressure = replay.pressure(nowMs, msg.from);
   if (pressure === "share") {
     const detail =
       `the replay memory holds ${replay.cap} messages of the last 24 h, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`;
-    return { verdict: "reject", reason: "busy", detail, msg };
+    return reject("busy", detail);
   }
   if (pressure === "all") {
     const detail =
@@ -1599,12 +1407,10 @@ async function decide(
     case "pair_accept": {
       // Matched to our request by its signed in_reply_to (0.9 and later), or by key alone (0.8 sends none).
       const asked = knocked.get(msg.from);
-      if (asked === undefined) {
-        return { verdict: "reject", reason: "unexpected_kind", detail: "pair_accept without a knock from us", msg };
-      }
+      if (asked === undefined) return reject("unexpected_kind", "pair_accept without a knock from us");
       if (msg.in_reply_to !== undefined && msg.in_reply_to !== asked) {
         const detail = `pair_accept answers ${showId(msg.in_reply_to)}, not our request ${showId(asked)}`;
-        return { verdict: "reject", reason: "unexpected_kind", detail, msg };
+        return reject("unexpected_kind", detail);
       }
       return { verdict: "pair_accept", msg };
     }
@@ -1627,17 +1433,9 @@ function parseChain(value: unknown): Chain {
   if (!Array.isArray(value.keys) || value.keys.length !== depth) {
     throw new FormatError(`"keys" is not a list of ${depth} keys (the depth)`);
   }
-  const chain: Chain = {
-    parent,
-    requester: field(value, "requester"),
-    owner: field(value, "owner"),
-    depth,
-    keys: value.keys.map((k) => {
-      decodeKey(k, "a chain key");
-      return k as string;
-    }),
-    sig: field(value, "sig"),
-  };
+  const requester = field(value, "requester"), owner = field(value, "owner");
+  for (const k of value.keys) decodeKey(k, "a chain key");
+  const chain: Chain = { parent, requester, owner, depth, keys: value.keys, sig: field(value, "sig") };
   decodeKey(chain.requester, "requester");
   decodeKey(chain.owner, "owner");
   b64urlDecode(chain.sig, 64, "chain sig");
@@ -1655,12 +1453,8 @@ async function judgeChain(raw: unknown, msg: SignedMessage): Promise<ChainCheck 
   if (msg.kind !== "message" || !msg.task_id || msg.status) {
     return { ok: false, why: "a chain on a message that opens no task (it needs a task_id and no status)" };
   }
-  let c: Chain;
-  try {
-    c = parseChain(raw);
-  } catch (e) {
-    return { ok: false, why: (e as Error).message };
-  }
+  const c = orWhy(() => parseChain(raw));
+  if (typeof c === "string") return { ok: false, why: c };
   const why = c.keys[0] !== c.owner
     ? "its first key is not the owner"
     : c.keys[c.keys.length - 1] !== msg.from
@@ -1674,9 +1468,7 @@ async function judgeChain(raw: unknown, msg: SignedMessage): Promise<ChainCheck 
 }
 
 /** A chain of keys as a person reads it, "alice → bob → carol": petnames where known, else fingerprints. */
-function chainWords(keys: readonly string[], name: (key: string) => string): string {
-  return keys.map(name).join(" → ");
-}
+const chainWords = (keys: readonly string[], name: (key: string) => string): string => keys.map(name).join(" → ");
 
 // ============================================================================
 // JSONL storage
