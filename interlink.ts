@@ -6404,14 +6404,10 @@ type AgentRole = typeof SERVER_ROLE | "interlink send" | "interlink invite" | "i
 
 interface AgentOptions {
   identity?: Identity;
-  /** How long to wait for a short-lived holder of agent.lock (a CLI `send`). */
-  waitMs?: number;
-  /** Every timestamp the node writes, signs or judges freshness by. */
-  now?: () => number;
-  /** Adopt this key's ended sessions as it opens (default; see "Ended sessions"). */
-  adopt?: boolean;
-  /** Written into session.json (for `board`, `doctor`). */
-  host?: Host | "cli";
+  waitMs?: number; // how long to wait for a short-lived holder of agent.lock (a CLI `send`)
+  now?: () => number; // every timestamp the node writes, signs or judges freshness by
+  adopt?: boolean; // adopt this key's ended sessions as it opens (default; see "ended sessions")
+  host?: Host | "cli"; // written into session.json (for `board`, `doctor`)
 }
 
 /** `key`'s live session on `sessions`, else one away, and the route to it (its bare key when none is). */
@@ -6421,11 +6417,19 @@ function sessionRoute(sessions: PeerSession[], key: string): { to?: PeerSession;
   return { to, recipient: to ? `${key}#${to.session!.session_id}` : key };
 }
 
+/** Watches `dir`, telling `on` the name that changed (null: unknown); null where nothing can be watched. */
+function watchDir(dir: string, on: (name: string | null) => unknown): fs.FSWatcher | null {
+  try {
+    return fs.watch(dir, (_event, name) => on(name === null ? null : String(name)));
+  } catch {
+    return null; // each caller re-checks behind its watch
+  }
+}
+
 class Agent {
   readonly state: NodeState;
   readonly journal: Journal;
   readonly seen: SeenLog;
-  readonly now: () => number;
   #peers: Peers = EMPTY_PEERS;
   #peersStamp = "";
   #stop = new AbortController();
@@ -6435,45 +6439,39 @@ class Agent {
   #loops: Promise<void>[] = [];
   #attempted = new Set<() => void>(); // woken after every delivery attempt, and when one starts
   #inFlight = new Set<string>(); // msg_ids of the rounds under way: at most SEND_BATCH each (the loop, a CLI flush)
-  /** No relay answered the last roster read nor since: sends route by memory, not wait on a hung relay. */
-  #unanswered = false;
+  #unanswered = false; // no relay answered a roster read since: sends route by memory, not wait on a hung relay
   #watcher: fs.FSWatcher | null = null;
   #poll: ReturnType<typeof setInterval> | null = null;
-  /** Set by the MCP server. */
-  push: ((event: PushEvent) => Promise<void>) | null = null;
-  /** Whatever shows this session's inbox (a push, check_inbox, a Codex wake) takes its turn here: see inTurn. */
-  #turn: Promise<unknown> = Promise.resolve();
+  push: ((event: PushEvent) => Promise<void>) | null = null; // set by the MCP server
+  #turn: Promise<unknown> = Promise.resolve(); // whatever shows this session's inbox takes its turn here (see inTurn)
   /** Set for a host woken from outside (Codex): the inbox may have gained. */
   onInbox: (() => void) | null = null;
-
   readonly info: SessionInfo;
+  readonly me: string; // this session's route
   #bareLock: PidLock | null = null;
   #doorLock: PidLock | null = null; // held while this process reads the node's door (see "Invites")
   #roster: { at: number; sessions: PeerSession[] } | null = null;
+  #rosterRead: Promise<PeerSession[]> | null = null; // the read under way, which callers meanwhile share
   #proofs = new Map<string, { ts: number; proof: string }>(); // route → the recv proof in use
-  /** Ended sessions in our state root that belong to another key (a shared folder): never adopted. */
-  #foreign = new BoundedMap<string, true>(ROUTES_DRAINED_CAP);
-  /** Sessions this node has seen on a roster (route → when): one missing since was unregistered or expired. */
-  #seenRoutes = new BoundedMap<string, number>(ROSTER_CAP);
-  /** One per configured URL, in order. */
-  readonly relays: Relay[];
+  #foreign = new BoundedMap<string, true>(ROUTES_DRAINED_CAP); // ended sessions here of another key: never adopted
+  #seenRoutes = new BoundedMap<string, number>(ROSTER_CAP); // route → when on a roster: one missing since has ended
+  readonly relays: Relay[]; // one per configured URL, in order
   #sendFailures = 0; // delivery attempts failed in a row: the back-off, reset when a relay is back
+  #announceRefused = new Map<string, string>(); // relay → why it last refused our announcement
 
   private constructor(
     readonly cfg: NodeConfig,
     readonly id: Identity,
     private lock: PidLock,
-    now: () => number,
+    readonly now: () => number,
     readonly host?: Host | "cli",
   ) {
-    this.now = now;
     this.state = new NodeState(now);
     this.journal = new Journal(sessionDir(cfg.stateDir, cfg.session), this.state, true, now);
     this.seen = new SeenLog(cfg.stateDir, this.state.replay, now);
     this.info = describeSession(cfg.session);
-    this.relays = cfg.busUrls.map((url) =>
-      openRelay(url, (route) => this.#proof(route), (data) => id.sign(data), id.publicKey)
-    );
+    this.me = `${id.publicKey}#${cfg.session}`;
+    this.relays = cfg.busUrls.map((url) => openRelay(url, (r) => this.#proof(r), (d) => id.sign(d), id.publicKey));
     for (const relay of this.relays) relay.onBack?.(() => this.#relayBack());
     // A message one relay kept is sent; so unless every relay refuses a full route, one may have dropped it.
     this.state.mayDrop = () => !this.relays.every((r) => r.refusesWhenFull?.() === true);
@@ -6486,9 +6484,8 @@ class Agent {
     const dir = sessionDir(cfg.stateDir, cfg.session);
     fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
     const lockFile = path.join(dir, "agent.lock");
-    // Claude Code restarting the server inside one session starts a second process with the same id: the newer
-    // takes over, the older exits cleanly (SIGTERM), losing nothing. Only a process known to be a server of this
-    // session is asked: a pid in a stale lock may be anyone's now.
+    // Claude Code restarting the server of a session starts a second process with its id: the newer takes over, the
+    // older exits cleanly (SIGTERM). Only a known server of this session is asked: a stale lock's pid may be anyone's.
     const holder = lockOwner(lockFile);
     const asked = role === SERVER_ROLE && holder !== null && holder.pid !== process.pid && knownServer(holder);
     if (asked) {
@@ -6501,8 +6498,7 @@ class Agent {
         // gone already
       }
     }
-    // A CLI `send` holds the lock a few seconds at most; an older server asked to stop needs a moment (another
-    // server is not waited for).
+    // A CLI `send` holds it seconds at most; an older server asked to stop needs a moment; another is not waited for.
     const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== SERVER_ROLE || asked);
     let agent: Agent | undefined;
     try {
@@ -6558,19 +6554,10 @@ class Agent {
     fs.rmSync(file, { force: true });
   }
 
-  get me(): string {
-    return `${this.id.publicKey}#${this.cfg.session}`;
-  }
-
   /** The allowlist, re-read when peers.json changes (the CLI or another tool may edit it). */
   peers(): Peers {
-    let stamp = "missing";
-    try {
-      const st = fs.statSync(this.cfg.peersFile);
-      stamp = `${st.mtimeMs}:${st.size}:${st.ino}`;
-    } catch {
-      // no file: empty allowlist
-    }
+    const st = statOf(this.cfg.peersFile);
+    const stamp = st ? `${st.mtimeMs}:${st.size}:${st.ino}` : "missing"; // no file: an empty allowlist
     if (stamp !== this.#peersStamp) {
       try {
         this.#peers = loadPeers(this.cfg.peersFile);
@@ -6601,21 +6588,14 @@ class Agent {
         logWarn(`cannot read ${this.journal.file}: ${(e as Error).message}`);
       }
     };
-    try {
-      this.#watcher = fs.watch(this.journal.stateDir, (_event, name) => {
-        if (name === null || String(name) === "log.jsonl") follow();
-      });
-    } catch {
-      // No file watching here: the poll below still picks up other writers.
-    }
+    this.#watcher = watchDir(this.journal.stateDir, (name) => (name === null || name === "log.jsonl") && follow());
     // fs.watch can miss a change (an editor's rename, some network filesystems): a slow re-check behind it.
     this.#poll = setInterval(follow, this.#watcher ? FOLLOW_RECHECK_MS : 1000);
   }
 
   /**
-   * Long-polls this session's route on every relay; the bare key too (0.4 peers, mail for the node) in the session
-   * holding bare.lock; the door in the process holding door.lock. `ownRouteOnly` (`invite`, `join`): this route alone
-   * (and the door, with `door`). Called once the session can take what is pushed.
+   * Long-polls this session's route on every relay, the bare key (0.4 peers, mail for the node) while holding
+   * bare.lock, the door while holding door.lock; `ownRouteOnly` (`invite`, `join`): this route (and with `door`, it).
    */
   startReceiving(opts: { ownRouteOnly?: boolean; door?: boolean } = {}): void {
     for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.me));
@@ -6623,10 +6603,7 @@ class Agent {
     if (!opts.ownRouteOnly || opts.door) this.#loops.push(this.#doorLoop());
   }
 
-  /**
-   * Reads the node's door (see "Invites") once this process holds door.lock and a door exists, watching for both: a
-   * knock waits moments, not a pass over ended sessions.
-   */
+  /** Reads the node's door (see "Invites") as soon as this process holds door.lock and a door exists. */
   async #doorLoop(): Promise<void> {
     const door = await this.#whenFree("door.lock", () => readDoor(this.cfg.stateDir), "door");
     if (!door) return;
@@ -6634,44 +6611,25 @@ class Agent {
     await Promise.all(this.relays.map((relay) => this.#recvLoop(relay, `${this.id.publicKey}#${door.value}`)));
   }
 
-  /**
-   * Takes over polling the bare key when no live session of this identity does: at once when its reader lets go (a
-   * stopping session releases bare.lock first), else when it is found dead, so a successor reads its key's mail within
-   * moments, not a poll period later.
-   */
+  /** Polls the bare key as soon as no live session of this identity does (its reader let go of bare.lock, or died). */
   async #bareKeyLoop(): Promise<void> {
     this.#bareLock = (await this.#whenFree("bare.lock", () => true))?.lock ?? null;
     if (this.#bareLock) { for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.id.publicKey)); }
   }
 
-  /**
-   * Takes `lockFile` in the state root once it is free and `ready` gives a value, watching the root for it and `also`
-   * (re-checked every FOLLOW_RECHECK_MS behind the watch); null if the node stops first.
-   */
-  async #whenFree<T>(
-    lockFile: string,
-    ready: () => T | null,
-    also?: string,
-  ): Promise<{ lock: PidLock; value: T } | null> {
-    const root = this.cfg.stateDir;
-    const wake = new WakeLatch();
-    const stopped = () => wake.wake();
+  /** Takes `file` in the state root once it is free and `ready` gives a value (a watch on `also` too); null: stopped. */
+  async #whenFree<T>(file: string, ready: () => T | null, also?: string): Promise<{ lock: PidLock; value: T } | null> {
+    const root = this.cfg.stateDir, lockFile = path.join(root, file);
+    const wake = new WakeLatch(), stopped = () => wake.wake();
     this.#stop.signal.addEventListener("abort", stopped, { once: true });
-    let watcher: fs.FSWatcher | null = null;
-    try {
-      watcher = fs.watch(root, (_e, name) => (name === null || [lockFile, also].includes(String(name))) && wake.wake());
-    } catch {
-      // no file watching here: the re-check still runs
-    }
+    const watcher = watchDir(root, (name) => (name === null || [file, also].includes(name)) && wake.wake());
     try {
       while (!this.#stop.signal.aborted) {
         const value = ready();
         try {
-          if (value !== null) {
-            return { lock: await PidLock.acquire(path.join(root, lockFile), `session ${this.cfg.session}`), value };
-          }
+          if (value !== null) return { lock: await PidLock.acquire(lockFile, `session ${this.cfg.session}`), value };
         } catch (e) {
-          if (!(e instanceof LockedError)) logWarn(`cannot take ${lockFile}: ${errorText(e)}; trying again`);
+          if (!(e instanceof LockedError)) logWarn(`cannot take ${file}: ${errorText(e)}; trying again`);
         }
         await wake.wait(FOLLOW_RECHECK_MS);
       }
@@ -6693,17 +6651,13 @@ class Agent {
     await this.#receiving.catch(() => {});
     // A session starting meanwhile takes the key's mail over now, not after the goodbyes (up to GOODBYE_MS).
     this.#bareLock?.release();
-    this.#bareLock = null;
     const handover = fs.existsSync(path.join(this.journal.stateDir, "handover"));
     if (goodbye && !handover) await this.#sayGoodbye();
     await Promise.allSettled(this.relays.map((r) => r.close()));
-    // When it ended, for whoever adopts it (a session resumed sooner than ADOPT_AFTER_MS keeps its own).
-    if (!handover) {
-      try {
-        this.#writeSessionFile(this.now());
-      } catch {
-        // a full disk: an adopter then goes by the journal's last write
-      }
+    try {
+      if (!handover) this.#writeSessionFile(this.now()); // when it ended, for whoever adopts it
+    } catch {
+      // a full disk: an adopter then goes by the journal's last write
     }
     this.journal.close();
     this.seen.close();
@@ -6713,40 +6667,32 @@ class Agent {
 
   // -- ended sessions ----------------------------------------------------------
   //
-  // A session whose process is gone (its agent.lock free) has ended. A live session of the same key and state root
-  // adopts what it still had to do: at its start, and every ENDED_EVERY_MS for sessions ended ADOPT_AFTER_MS ago (one
-  // resumed sooner keeps its own). Holding adopt.lock (one adopter at a time), its agent.lock (it cannot resume
-  // meanwhile) and its inbox lock (no `wait` claims from it):
-  //   1. what it carries (outbox, sent messages awaiting receipts, unread inbox, tasks, owed receipts, pairings in
-  //      flight, whom it talked to) is journaled here, in one "adopted" record;
-  //   2. "moved" is journaled there.
-  // A crash between the two leaves both holding the same items; the next adoption takes both into one journal, where
-  // what is already held (or shown) wins. The adopter drains the ended route on every relay and unregisters it
-  // (signed), so peers route to a live session.
+  // A session whose process is gone (agent.lock free) has ended. A live one of the same key and state root adopts what
+  // it had to do: at its start, and every ENDED_EVERY_MS those ended ADOPT_AFTER_MS ago. Holding adopt.lock, its
+  // agent.lock and inbox lock, it journals what that one carries (outbox, sent messages awaiting receipts, inbox,
+  // tasks, owed receipts, pairings, whom it talked to) here, then "moved" there: after a crash between the two, the
+  // next adoption takes both, and what is held (or shown) wins. It drains the ended route and unregisters it.
+
+  /** `lockFile` taken for an adoption (waiting up to `waitMs`), or null while another process holds it. */
+  async #adoptionLock(lockFile: string, waitMs = 0): Promise<PidLock | null> {
+    return await PidLock.acquire(lockFile, `adoption by session ${this.cfg.session}`, waitMs).catch((e) => {
+      if (e instanceof LockedError) return null;
+      throw e;
+    });
+  }
 
   /** `atStart` also takes the just-ended. */
   async adoptEnded(atStart: boolean): Promise<void> {
-    const root = this.cfg.stateDir;
-    let node: PidLock;
-    try {
-      node = await PidLock.acquire(
-        path.join(root, "adopt.lock"),
-        `adoption by session ${this.cfg.session}`,
-        atStart ? SHORT_LOCK_WAIT_MS : 0,
-      );
-    } catch (e) {
-      if (e instanceof LockedError) return; // another session adopts right now
-      throw e;
-    }
+    const node = await this.#adoptionLock(path.join(this.cfg.stateDir, "adopt.lock"), atStart ? SHORT_LOCK_WAIT_MS : 0);
+    if (!node) return; // another session adopts right now
     let adopted = 0;
     try {
-      for (const id of sessionIds(root)) {
+      for (const id of sessionIds(this.cfg.stateDir)) {
         if (id === this.cfg.session || this.#stop.signal.aborted) continue;
-        try {
-          if (await this.#adopt(id, atStart)) adopted++;
-        } catch (e) {
+        adopted += await this.#adopt(id, atStart).then(Number, (e) => {
           logWarn(`cannot adopt ended session ${id}: ${errorText(e)}; tried again later`);
-        }
+          return 0;
+        });
       }
     } finally {
       node.release();
@@ -6760,33 +6706,22 @@ class Agent {
 
   /** Adopts one session if it has ended and has anything to carry on; true if it did. */
   async #adopt(id: string, atStart: boolean): Promise<boolean> {
-    const dir = sessionDir(this.cfg.stateDir, id);
-    const journalFile = path.join(dir, "log.jsonl");
+    const dir = sessionDir(this.cfg.stateDir, id), journalFile = path.join(dir, "log.jsonl");
     if (lockOwner(path.join(dir, "agent.lock")) || fs.existsSync(path.join(dir, "handover"))) return false;
     const size = fileSize(journalFile);
     if (readAdoptedFile(dir)?.size === size) return false; // looked at already, and nothing was written since
-    const nowMs = this.now();
-    const endedAt = sessionEndedAt(dir);
+    const nowMs = this.now(), endedAt = sessionEndedAt(dir);
     if (!atStart && nowMs - endedAt < ADOPT_AFTER_MS) return false;
-    let lock: PidLock;
-    try {
-      lock = await PidLock.acquire(path.join(dir, "agent.lock"), `adoption by session ${this.cfg.session}`);
-    } catch (e) {
-      if (e instanceof LockedError) return false; // it started again meanwhile
-      throw e;
-    }
+    const lock = await this.#adoptionLock(path.join(dir, "agent.lock"));
+    if (!lock) return false; // it started again meanwhile
     try {
       return await withFileLock(path.join(dir, "inbox"), "adoption", async () => {
         const { state, journal } = readNodeState(dir);
         try {
           // Only this key's own sessions (a state root set by hand may be shared): by its session.json, else by
           // what it signed and was sent.
-          let owner: unknown;
-          try {
-            owner = JSON.parse(fs.readFileSync(path.join(dir, "session.json"), "utf8")).pubkey;
-          } catch {
-            // no session.json: judged by its journal
-          }
+          const owner: unknown = await fs.promises.readFile(path.join(dir, "session.json"), "utf8")
+            .then((t) => JSON.parse(t).pubkey).catch(() => undefined); // none: judged by its journal
           const me = this.id.publicKey;
           const foreign = (typeof owner === "string" && owner !== me) ||
             [...state.pending.values(), ...state.outgoing.values()].some((e) => e.msg.from !== me) ||
@@ -6804,10 +6739,7 @@ class Agent {
             writeAdoptedFile(dir, { size, by: null });
             return false;
           }
-          // What it admitted is in the replay files before its journal is left behind (see SeenLog.complete).
-          await this.seen.complete(state.replay);
-          // One record per message (a crash part-way leaves "moved" unwritten there: the next adoption takes it all
-          // again, and what is held here wins).
+          await this.seen.complete(state.replay); // what it admitted, in the replay files before it is left behind
           this.journal.appendAll((function* (): Generator<NewRecord> {
             yield { t: "adopted", session: id, carried };
             for (const out of state.carriedOut(nowMs)) yield { t: "carried", session: id, out };
@@ -6818,10 +6750,9 @@ class Agent {
           await journal.appendDurable([{ t: "moved", to: this.cfg.session }]);
           writeAdoptedFile(dir, { size: fileSize(journalFile), by: this.cfg.session });
           const open = carried.tasks.filter((t) => !t.closed).length;
-          logInfo(
-            `took over ended session ${id}: ${state.pending.size} queued, ${state.inbox.size} unread, ${open} open tasks; its route is drained here`,
-          );
-          void this.#unregister(id);
+          const counts = `${state.pending.size} queued, ${state.inbox.size} unread, ${open} open tasks`;
+          logInfo(`took over ended session ${id}: ${counts}; its route is drained here`);
+          void this.#unregister({ session_id: id });
           return true;
         } finally {
           journal.close();
@@ -6832,32 +6763,23 @@ class Agent {
     }
   }
 
-  /** Signed: only our key can take a session of ours off a roster. */
-  async #unregistration<S extends { session_id: string }>(session: S) {
+  /** Takes a session of ours off every roster, signed (only our key can). */
+  async #unregister(session: { session_id: string }, signal = this.#stop.signal): Promise<void> {
     const ts = this.now(), pubkey = this.id.publicKey;
     const sig = await this.id.sign(unregisterBytes({ pubkey, session_id: session.session_id, ts }));
-    return { pubkey, session, ts, sig };
-  }
-
-  async #unregister(session_id: string): Promise<void> {
-    const body = await this.#unregistration({ session_id });
-    await Promise.allSettled(this.relays.map((relay) => relay.unregister(body, GOODBYE_MS, this.#stop.signal)));
+    const body = { pubkey, session, ts, sig };
+    await Promise.allSettled(this.relays.map((r) => r.unregister(body, GOODBYE_MS, signal)));
     this.#roster = null;
   }
 
   /**
-   * Takes, on every relay, what waits on the routes of the ended sessions this one adopted (and they had): mail sent
-   * before peers learnt they ended, shown here once, as come for that session. So the routes of pending old-style
-   * invites, whose `invite` exited: a later join is admitted here.
+   * Takes what waits on the routes of the ended sessions this one adopted (and those had), as come for that session:
+   * mail sent before peers learnt they ended; so too the routes of old-style invites whose `invite` exited.
    */
   async drainEnded(): Promise<void> {
-    const oldest = this.now() - ROSTER_RETENTION_MS;
-    const invites = pendingInviteSessions(this.cfg.stateDir, this.now()).filter((s) => !this.state.drains.has(s));
-    for (const [session, endedAt] of [...this.state.drains, ...invites.map((s) => [s, this.now()] as const)]) {
-      if (endedAt < oldest) {
-        this.state.drains.delete(session);
-        continue;
-      }
+    const nowMs = this.now();
+    for (const [s, at] of this.state.drains) if (at < nowMs - ROSTER_RETENTION_MS) this.state.drains.delete(s);
+    for (const session of new Set([...this.state.drains.keys(), ...pendingInviteSessions(this.cfg.stateDir, nowMs)])) {
       if (this.#stop.signal.aborted) return;
       if (lockOwner(path.join(sessionDir(this.cfg.stateDir, session), "agent.lock"))) continue;
       const route = `${this.id.publicKey}#${session}`;
@@ -6874,8 +6796,7 @@ class Agent {
 
   /**
    * Rolls the journal over past JOURNAL_ROLL_BYTES, under the lock every other writer holds. The checkpoint does not
-   * keep the replay memory: every admission the journal knows is first made durable in the replay files (one admitted
-   * in between waits for the next roll-over).
+   * keep the replay memory: every admission the journal knows is first durable in the replay files.
    */
   async #rollJournal(): Promise<void> {
     if (fileSize(this.journal.file) < JOURNAL_ROLL_BYTES) return;
@@ -6907,16 +6828,15 @@ class Agent {
 
   /** In channel mode, pushes once what came another way (adopted, or unread at the start). */
   async #showWaiting(): Promise<void> {
-    if (!this.#canPush()) return;
+    if (this.push === null || this.cfg.delivery !== "channel") return;
     await this.#pushItems([...this.state.inbox.keys()]);
     await this.journal.sync();
   }
 
   /**
-   * Runs `fn` once every showing of this session's inbox before it is done: one at a time, so a push and a
-   * check_inbox never show the same item, and a client that reads a push and calls check_inbox at once is not shown
-   * it again. (`wait`, in another process, takes the inbox lock as check_inbox does; it never runs in channel mode,
-   * where the pushes are.)
+   * Runs `fn` once every showing of this session's inbox before it is done, one at a time: a push and a check_inbox
+   * never show the same item, not even a check_inbox called as the push is read. (`wait`, in another process, takes
+   * the inbox lock as check_inbox does; it never runs in channel mode, where the pushes are.)
    */
   inTurn<T>(fn: () => Promise<T>): Promise<T> {
     const run = this.#turn.then(fn);
@@ -6924,10 +6844,7 @@ class Agent {
     return run;
   }
 
-  /**
-   * Pushes these inbox items as channel events, each then recorded shown: each in a turn of its own, if still unread
-   * when it comes (a check_inbox called meanwhile shows the rest).
-   */
+  /** Pushes these inbox items, each recorded shown, each in a turn of its own if still unread by then. */
   async #pushItems(ids: string[]): Promise<void> {
     for (const id of ids) {
       await this.inTurn(async () => {
@@ -6947,16 +6864,11 @@ class Agent {
     return entry;
   }
 
-  /**
-   * Checks, routes and queues a message; `note` says where it went. A terminal status on a task this node executes
-   * for a peer also cancels its sub-tasks (`canceled`).
-   */
+  /** Checks, routes and queues a message (`note`: where); a last status on a peer's task cancels its sub-tasks. */
   async send(input: SendInput): Promise<{ entry: OutEntry; note: string; canceled: TaskRow[] }> {
     const peers = this.peers();
-    const p = prepareSend(peers, this.state.tasks, input, this.id.publicKey, {
-      ...some("maxDepth", this.cfg.maxDepth),
-      selfName: this.cfg.name,
-    });
+    const limits = { ...some("maxDepth", this.cfg.maxDepth), selfName: this.cfg.name };
+    const p = prepareSend(peers, this.state.tasks, input, this.id.publicKey, limits);
     const full = p.draft.status === "canceled" ? null : outboxFull(this.state, peers); // a cancel always goes
     if (full) throw new InterlinkError(full);
     const task = p.draft.task_id ? this.state.tasks.get(taskKey(p.draft.to, p.draft.task_id)) : undefined;
@@ -6969,33 +6881,22 @@ class Agent {
     return { entry, note: choice.note, canceled: cancels.length ? children : [] };
   }
 
-  /**
-   * Waits up to `ms` until a message is sent, refused or failed a first attempt; not while the relays fail or do not
-   * answer (the outbox retries on its own), nor for a round that does not carry it.
-   */
+  /** Waits up to `ms` for a message's first attempt (or end); not while relays fail or hang, nor behind another round. */
   async settle(msgId: string, ms: number): Promise<OutEntry> {
     let entry = this.state.entry(msgId)!;
-    const behind = () =>
-      this.#sendFailures > 0 || this.#unanswered || (this.#inFlight.size > 0 && !this.#inFlight.has(msgId));
-    await waitUntil(
-      () => {
-        entry = this.state.entry(msgId) ?? entry; // read again: a queued one is kept in memory once it is sent
-        return !this.state.pending.has(msgId) || entry.attempts > 0 || this.state.held(entry) || behind();
-      },
-      ms,
-      (wake) => {
-        this.#attempted.add(wake);
-        return () => this.#attempted.delete(wake);
-      },
-    );
+    const done = () => {
+      entry = this.state.entry(msgId) ?? entry; // read again: a queued one is kept in memory once it is sent
+      if (!this.state.pending.has(msgId) || entry.attempts > 0 || this.state.held(entry)) return true;
+      return this.#sendFailures > 0 || this.#unanswered || (this.#inFlight.size > 0 && !this.#inFlight.has(msgId));
+    };
+    await waitUntil(done, ms, (wake) => (this.#attempted.add(wake), () => this.#attempted.delete(wake)));
     return entry;
   }
 
   /**
    * One delivery round for `batch` (the oldest pending) to every relay. Settles them in order (sent: a relay kept it;
-   * refused: every relay refused it for good) and stops at the first that is neither, which stays pending with those
-   * behind it: a sender's order holds. One refused as full marks its route full (state.full), to wait out its own
-   * back-off; `full` says so (not a relay failure: the next round goes at once without it).
+   * refused: every relay refused it for good) up to the first that is neither, which stays pending with those behind
+   * it. One refused as full holds its route (state.full) for a back-off of its own, and says `full`: not a failure.
    */
   async #attempt(batch: OutEntry[]): Promise<{ settled: number; full: boolean }> {
     for (const entry of batch) {
@@ -7003,89 +6904,70 @@ class Agent {
       const { sig: _sig, from: _from, ts: _ts, ...fields } = entry.msg;
       await this.journal.appendDurable([{ t: "resign", msg: await signMessage(this.id, fields, this.now()) }]);
     }
-    const entries = batch;
-    const items = entries.map((e) => ({ route: e.recipient, payload: messagePayload(e.msg, this.me, e.chain) }));
-    const signal = this.#stop.signal;
-    for (const e of entries) this.#inFlight.add(e.msg.msg_id);
+    const items = batch.map((e) => ({ route: e.recipient, payload: messagePayload(e.msg, this.me, e.chain) }));
+    const signal = this.#stop.signal, records: NewRecord[] = [];
+    let settled = 0, full = false;
+    for (const e of batch) this.#inFlight.add(e.msg.msg_id);
     for (const wake of [...this.#attempted]) wake();
     try {
-      return await this.#deliver(entries, items, signal);
-    } finally {
-      for (const e of entries) this.#inFlight.delete(e.msg.msg_id);
-      for (const wake of [...this.#attempted]) wake();
-    }
-  }
-
-  async #deliver(
-    entries: OutEntry[],
-    items: { route: string; payload: object }[],
-    signal: AbortSignal,
-  ): Promise<{ settled: number; full: boolean }> {
-    // Per relay, per message: true, an error, or null (not tried).
-    const outcomes = await Promise.all(this.relays.map(async (relay) => {
-      const out: (true | RelayError | null)[] = items.map(() => null);
-      for (let i = 0; i < items.length;) {
-        try {
-          // The rest in one request where the relay takes that (it may learn so from the first answer).
-          const many = items.length - i > 1 ? await relay.sendMany?.(items.slice(i), SEND_TIMEOUT_MS, signal) : null;
-          if (many) {
-            many.forEach((r, k) => (out[i + k] = r));
+      // Per relay, per message: true, an error, or null (not tried).
+      const outcomes = await Promise.all(this.relays.map(async (relay) => {
+        const out: (true | RelayError | null)[] = items.map(() => null);
+        for (let i = 0; i < items.length;) {
+          try {
+            // The rest in one request where the relay takes that (it may learn so from the first answer).
+            const many = items.length - i > 1 ? await relay.sendMany?.(items.slice(i), SEND_TIMEOUT_MS, signal) : null;
+            if (many) {
+              many.forEach((r, k) => (out[i + k] = r));
+              break;
+            }
+            await relay.send(items[i].route, items[i].payload, SEND_TIMEOUT_MS, signal);
+            out[i++] = true;
+          } catch (e) {
+            out[i] = e instanceof RelayError ? e : new RelayError(errorText(e));
             break;
           }
-          await relay.send(items[i].route, items[i].payload, SEND_TIMEOUT_MS, signal);
-          out[i++] = true;
-        } catch (e) {
-          out[i] = e instanceof RelayError ? e : new RelayError(errorText(e));
+        }
+        return out;
+      }));
+      for (const [i, entry] of batch.entries()) {
+        const results = outcomes.map((o) => o[i]);
+        if (results.every((r) => r === null)) break; // not tried anywhere: the next round
+        entry.attempts++;
+        const via = this.relays.flatMap((relay, k) => (results[k] === true ? [relay.name] : []));
+        if (via.length) {
+          this.#unanswered = false;
+          records.push({ t: "sent", msg_id: entry.msg.msg_id, via });
+          this.state.full.delete(entry.recipient);
+          settled++;
+          continue;
+        }
+        entry.lastError = results.map((r) => (r === null ? "not tried" : errorText(r))).join("; ");
+        const fullBy = this.relays.filter((_, k) => (results[k] as RelayError | null)?.full);
+        if (fullBy.length) {
+          // Kept by no relay, and refused as full by one: it and the rest of its route wait in the outbox, in order.
+          const was = this.state.full.get(entry.recipient), failures = (was?.failures ?? 0) + 1;
+          const why = `${fullBy.map((r) => r.name).join(", ")} keeps no more of ours for that route until it is read`;
+          this.state.full.set(entry.recipient, { until: this.now() + backoffMs(failures), failures, why });
+          const to = `${entry.peer ?? fingerprint(entry.msg.to)} (${entry.recipient})`;
+          const then = `${entry.msg.msg_id} and what follows it there wait in the outbox, retried as it is read`;
+          if (!was) logInfo(`the route to ${to} is full: ${why}; ${then}`);
+          full = true;
           break;
         }
-      }
-      return out;
-    }));
-    const records: NewRecord[] = [];
-    let settled = 0, full = false;
-    for (const [i, entry] of entries.entries()) {
-      const results = outcomes.map((o) => o[i]);
-      if (results.every((r) => r === null)) break; // not tried anywhere: the next round
-      entry.attempts++;
-      const via = this.relays.flatMap((relay, k) => (results[k] === true ? [relay.name] : []));
-      if (via.length) {
-        this.#unanswered = false;
-        records.push({ t: "sent", msg_id: entry.msg.msg_id, via });
-        this.state.full.delete(entry.recipient);
+        // Every relay refused the request itself: retrying cannot help, and it must not hold up the ones behind it.
+        if (!results.every((r) => r instanceof RelayError && r.permanent)) break;
+        const reason = entry.lastError;
+        records.push({ t: "refused", msg_id: entry.msg.msg_id, reason });
+        logWarn(`every bus refused ${entry.msg.msg_id} for good; it is marked refused and not retried: ${reason}`);
         settled++;
-        continue;
       }
-      entry.lastError = results.map((r) => (r === null ? "not tried" : errorText(r))).join("; ");
-      const fullBy = this.relays.filter((_, k) => (results[k] as RelayError | null)?.full);
-      if (fullBy.length) {
-        // Kept by no relay, and refused as full by one: it and the rest of its route wait in the outbox, in order.
-        const was = this.state.full.get(entry.recipient);
-        const failures = (was?.failures ?? 0) + 1;
-        const why = `${fullBy.map((r) => r.name).join(", ")} keeps no more of ours for that route until it is read`;
-        this.state.full.set(entry.recipient, { until: this.now() + backoffMs(failures), failures, why });
-        if (!was) {
-          logInfo(
-            `the route to ${
-              entry.peer ?? fingerprint(entry.msg.to)
-            } (${entry.recipient}) is full: ${why}; ${entry.msg.msg_id} and what follows it there wait in the outbox, retried as it is read`,
-          );
-        }
-        full = true;
-        break;
-      }
-      // Every relay refused the request itself: retrying cannot help, and it must not hold up the ones behind it.
-      if (results.every((r) => r instanceof RelayError && r.permanent)) {
-        records.push({ t: "refused", msg_id: entry.msg.msg_id, reason: entry.lastError });
-        logWarn(
-          `every bus refused ${entry.msg.msg_id} for good; it is marked refused and not retried: ${entry.lastError}`,
-        );
-        settled++;
-        continue;
-      }
-      break;
+      await this.journal.appendDurable(records);
+      return { settled, full };
+    } finally {
+      for (const e of batch) this.#inFlight.delete(e.msg.msg_id);
+      for (const wake of [...this.#attempted]) wake();
     }
-    await this.journal.appendDurable(records);
-    return { settled, full };
   }
 
   async flushOutbox(deadline: number): Promise<void> {
@@ -7105,42 +6987,29 @@ class Agent {
         continue;
       }
       // What piled up goes in one request to a bus that takes several (a backlog after an outage, a burst).
-      const batch = this.state.pendingHead(SEND_BATCH, BODY_LIMIT_BYTES);
-      let round = { settled: 0, full: false };
-      try {
-        round = await this.#attempt(batch);
-      } catch (e) {
+      const round = await this.#attempt(this.state.pendingHead(SEND_BATCH, BODY_LIMIT_BYTES)).catch((e) => {
         entry.lastError = errorText(e);
-      }
+        return { settled: 0, full: false };
+      });
       if (round.settled) this.#sendFailures = 0;
       if (round.settled || round.full) continue; // a full route is held apart (state.full): the rest go now
       if (this.#stop.signal.aborted) break;
-      const failures = ++this.#sendFailures;
-      if (failures === 1) {
-        logWarn(
-          `cannot deliver ${entry.msg.msg_id} to ${
-            entry.peer ?? fingerprint(entry.msg.to)
-          } yet: ${entry.lastError}; it stays in the outbox and is retried`,
-        );
+      if (++this.#sendFailures === 1) {
+        const { msg, peer, lastError } = entry, to = peer ?? fingerprint(msg.to);
+        logWarn(`cannot deliver ${msg.msg_id} to ${to} yet: ${lastError}; it stays in the outbox and is retried`);
       }
-      await this.#outbox.wait(backoffMs(failures));
+      await this.#outbox.wait(backoffMs(this.#sendFailures));
     }
   }
 
-  /**
-   * Queues the receipts the journal says are owed (another writer too: a `wait` that showed messages), at most once a
-   * second; those for a session that said goodbye, every ANNOUNCE_EVERY_MS.
-   */
+  /** Queues the receipts owed (by the journal, another writer's too), at most once a second. */
   async #receiptLoop(): Promise<void> {
     let failing = false;
     while (!this.#stop.signal.aborted) {
-      if (!this.state.owed.size) await this.#owed.wait(ANNOUNCE_EVERY_MS);
       await pause(RECEIPT_EVERY_MS, this.#stop.signal); // what piles up meanwhile travels together
-      if (!this.state.owed.size || this.#stop.signal.aborted) continue;
       let queued = 0;
       try {
-        queued = await this.sendReceipts();
-        failing = false;
+        if (this.state.owed.size && !this.#stop.signal.aborted) [queued, failing] = [await this.sendReceipts(), false];
       } catch (e) {
         if (!failing) logWarn(`cannot queue delivery receipts: ${errorText(e)}; they stay owed and are retried`);
         failing = true;
@@ -7150,39 +7019,35 @@ class Agent {
   }
 
   /**
-   * Queues receipts (up to RECEIPT_LINES_MAX reports each), at most RECEIPTS_PER_PASS per peer key: one to each, then
-   * more to one still owed more (a burst; in channel mode each message owes two lines): one receipt a second would
-   * pace its sender, past SEND_WINDOW, to RECEIPT_LINES_MAX lines a second. A flood waits for the next pass.
+   * Queues receipts of up to RECEIPT_LINES_MAX lines, RECEIPTS_PER_PASS per peer key at most (one to each, then more to
+   * one owed more): one a second would pace a sender past SEND_WINDOW. A flood waits for the next pass.
    */
   async sendReceipts(): Promise<number> {
-    const perKey = new Map<string, number>();
-    let queued = 0;
-    let back: Map<string, number> | undefined; // route → when it last announced, for sessions that said goodbye
-    const peers = this.peers();
-    const oldest = this.now() - FRESH_PAST_MS;
+    const peers = this.peers(), nowMs = this.now(), perKey = new Map<string, number>();
+    let queued = 0, sessions: PeerSession[] | undefined; // the rosters, read once one that said goodbye is owed any
     const routes = [...this.state.owed.keys()]; // one that got a receipt goes again at the end, if still owed
     for (const route of routes) {
       const owed = this.state.owed.get(route);
       if (!owed) continue;
       const { key } = parseRoute(route);
-      // Not a peer (only that we refused its messages may go there), or owed for over a day (a session that never
-      // came back): forgotten in memory; the journal still says what happened.
+      // Not a peer's (only refusals may go to a stranger), or owed for over a day: forgotten here, kept in the journal.
       const peer = peers.byKey.has(key) || key === this.id.publicKey;
       const toStranger = owed.every((l) =>
         l.state === "refused" && (l.reason === "not_allowlisted" || l.reason === "stale" || isInviteRefusal(l.reason))
       );
-      if ((!peer && !toStranger) || owed[owed.length - 1].at < oldest) {
+      if ((!peer && !toStranger) || owed[owed.length - 1].at < nowMs - FRESH_PAST_MS) {
         this.state.owed.delete(route);
         continue;
       }
       const closedAt = this.state.closed.get(route);
       if (closedAt !== undefined) {
-        back ??= await this.#announcedAt();
-        if (!((back.get(route) ?? 0) > closedAt)) continue; // still gone: its receipts wait (in the journal)
+        sessions ??= await this.roster().catch(() => []);
+        // Still gone (live on no roster since its goodbye): its receipts wait (in the journal).
+        const back = sessions.find((s) => s.session && `${s.key}#${s.session.session_id}` === route);
+        if (!back || back.ageMs >= PRESENCE_LIVE_MS || nowMs - back.ageMs <= closedAt) continue;
       }
-      const n = perKey.get(key) ?? 0;
-      if (n >= RECEIPTS_PER_PASS) continue;
-      perKey.set(key, n + 1);
+      if ((perKey.get(key) ?? 0) >= RECEIPTS_PER_PASS) continue;
+      perKey.set(key, (perKey.get(key) ?? 0) + 1);
       // A receipt line names a msg_id between spaces: only plain ones (our nodes make no other) can be reported.
       const lines = owed.filter((l) => PLAIN_ID_RE.test(l.msg_id)).slice(0, RECEIPT_LINES_MAX).map((l) =>
         l.state === "refused" ? l : { ...l, session: this.cfg.session }
@@ -7200,24 +7065,11 @@ class Agent {
     return queued;
   }
 
-  /** When each live session on the rosters announced itself. */
-  async #announcedAt(): Promise<Map<string, number>> {
-    const nowMs = this.now();
-    const sessions = await this.roster().catch(() => []);
-    return new Map(
-      sessions.filter((s) => s.session && s.ageMs < PRESENCE_LIVE_MS).map((s) => [
-        `${s.key}#${s.session!.session_id}`,
-        nowMs - s.ageMs,
-      ]),
-    );
-  }
-
   // -- receiving -------------------------------------------------------------
 
   /** A proof that this node reads `route` (see checkOwnership), renewed every minute. */
   async #proof(route: string): Promise<string> {
-    const held = this.#proofs.get(route);
-    const now = this.now();
+    const held = this.#proofs.get(route), now = this.now();
     if (held && now - held.ts < 60_000) return held.proof;
     const proof = `${now}.${await this.id.sign(recvProofBytes(route, now))}`;
     this.#proofs.set(route, { ts: now, proof });
@@ -7253,9 +7105,8 @@ class Agent {
   }
 
   /**
-   * Gates what one recv handed over and carries out each payload's effects in order, one recv at a time across all
-   * relays (two copies cannot both pass the replay check); acked once durable, in one request where the relay takes
-   * that. One that fails stops the rest, unacked (redelivered).
+   * Admits what one recv handed over, one recv at a time across all relays (two copies cannot both pass the replay
+   * check); acks what is durable, in one request where the relay takes that. One that fails stops the rest, unacked.
    */
   async #handle(got: Received, forSession?: string): Promise<void> {
     const handled: Handed[] = [];
@@ -7271,12 +7122,8 @@ class Agent {
   }
 
   /** Gates one payload and carries out its effects (see #admit). */
-  async receive(
-    payload: unknown,
-    ack: () => Promise<void> = () => Promise.resolve(),
-    forSession?: string,
-  ): Promise<Verdict | null> {
-    return (await this.#admit([[payload, ack]], forSession))[0];
+  async receive(payload: unknown): Promise<Verdict | null> {
+    return (await this.#admit([[payload, () => Promise.resolve()]]))[0];
   }
 
   /**
@@ -7286,38 +7133,32 @@ class Agent {
    */
   async #admit(payloads: [unknown, () => Promise<void>][], forSession?: string): Promise<(Verdict | null)[]> {
     const verdicts: (Verdict | null)[] = [], pushes: string[] = [];
-    let failed: { e: unknown } | null = null;
     const lock = await PidLock.acquire(path.join(this.cfg.stateDir, "replay.lock"), "admission", SHORT_LOCK_WAIT_MS);
     try {
       this.seen.catchUp();
       for (const [payload, ack] of payloads) {
         const { verdict, effects } = await this.#plan(payload, forSession);
         verdicts.push(verdict);
-        await this.carryOut(effects, ack, pushes);
+        for (const e of effects) await this.carryOut(e, ack, pushes); // an exception stops the rest
       }
-    } catch (e) {
-      failed = { e };
     } finally {
       lock.release();
+      if (pushes.length) { // what was admitted before a failure, too
+        await this.#pushItems(pushes);
+        await this.journal.sync();
+      }
     }
-    if (pushes.length) {
-      await this.#pushItems(pushes);
-      await this.journal.sync();
-    }
-    if (failed) throw failed.e;
     return verdicts;
   }
 
   /** What the gate says of one payload, and what to do about it (planInbound). */
   async #plan(payload: unknown, forSession?: string): Promise<{ verdict: Verdict | null; effects: Effect[] }> {
-    const replyTo = isObject(payload) && typeof payload.reply_to === "string" ? payload.reply_to : undefined;
+    const p: Record<string, unknown> = isObject(payload) ? payload : {};
+    const replyTo = typeof p.reply_to === "string" ? p.reply_to : undefined;
     // Our own message come back (a bare-key copy): not a message to this session.
-    if (isObject(payload) && payload.from === this.id.publicKey && replyTo === this.me) {
-      return { verdict: null, effects: [{ do: "ack" }] };
-    }
+    if (p.from === this.id.publicKey && replyTo === this.me) return { verdict: null, effects: [{ do: "ack" }] };
     const knocked = new Map([...this.state.knocksOut].map(([key, k]) => [key, k.msgId]));
-    const nowMs = this.now();
-    const peers = this.peers(); // one look at peers.json for the gate and the plan
+    const nowMs = this.now(), peers = this.peers(); // one look at peers.json for the gate and the plan
     const v = await decide(payload, this.id.publicKey, peers, nowMs, this.state.replay, knocked);
     this.state.expireKnocks(nowMs);
     // The invite proof is an HMAC, asynchronous: judged before the plan.
@@ -7325,15 +7166,14 @@ class Agent {
       ? await judgeInvite(readInvites(this.cfg.stateDir), v.msg, this.id.publicKey, peers.byKey.has(v.msg.from), nowMs)
       : undefined;
     // So is a chain's signature (see "Delegation across hops").
-    const raw = isObject(payload) ? payload.chain : undefined;
-    const chain = v.verdict === "deliver" && raw !== undefined ? await judgeChain(raw, v.msg) : undefined;
+    const chain = v.verdict === "deliver" && p.chain !== undefined ? await judgeChain(p.chain, v.msg) : undefined;
     const effects = planInbound(v, {
       state: this.state,
       peers,
-      canPush: this.#canPush(),
+      canPush: this.push !== null && this.cfg.delivery === "channel",
       nowMs,
       ...(replyTo ? { replyTo } : {}),
-      wantsReceipts: isObject(payload) && payload.receipts === true,
+      wantsReceipts: p.receipts === true,
       selfKey: this.id.publicKey,
       ...some("forSession", forSession),
       ...some("invite", invite),
@@ -7344,86 +7184,61 @@ class Agent {
     return { verdict: v, effects };
   }
 
-  /** Each effect in order; an exception stops the rest. `pushes`: where pushes wait (see #admit), else done now. */
-  async carryOut(effects: Effect[], ack: () => Promise<void>, pushes?: string[]): Promise<void> {
-    for (const e of effects) {
-      switch (e.do) {
-        case "append":
-          this.journal.append(e.records);
-          failpoint("agent-after-journal");
-          if (e.records.some((r) => r.t === "receipt")) this.#outbox.wake(); // a held route may have room now
-          if (this.state.owed.size) this.#owed.wake();
-          break;
-        case "remember":
-          this.seen.append(e.msg);
-          break;
-        case "sync":
-          await Promise.all([this.journal.sync(), this.seen.sync()]);
-          break;
-        case "push":
-          if (pushes) pushes.push(e.id);
-          else await this.#pushItems([e.id]);
-          break;
-        case "notify":
-          await this.push!(e.event);
-          break;
-        case "add_peer":
-          await addPeer(this.cfg.peersFile, e.petname, e.key);
-          break;
-        case "consume_invite":
-          await consumeInvite(this.cfg.stateDir, this.now(), { ...e, session: this.cfg.session });
-          break;
-        case "confirm_pair":
-          await this.#confirmPair(e.key, e.msgId, e.recipient, e.petname);
-          break;
-        case "log":
-          (e.level === "warn" ? logWarn : logInfo)(e.line);
-          break;
-        case "count": {
-          const item = this.state.inbox.get(e.id);
-          if (item?.kind === "refusals") item.count++;
-          break;
-        }
-        case "send":
-          await this.#sendOnItsOwn(e);
-          break;
-        case "ack":
-          await ack();
-          if (this.state.inbox.size) this.onInbox?.();
-          break;
-        case "defer":
-          throw new InterlinkError("deferred: the message stays on the bus and is handed over again later");
+  /** Carries out one effect (its value is of no use); pushes wait in `pushes` (see #admit). */
+  async carryOut(e: Effect, ack: () => Promise<void>, pushes: string[]): Promise<unknown> {
+    switch (e.do) {
+      case "append":
+        this.journal.append(e.records);
+        failpoint("agent-after-journal");
+        if (e.records.some((r) => r.t === "receipt")) this.#outbox.wake(); // a held route may have room now
+        if (this.state.owed.size) this.#owed.wake();
+        return;
+      case "remember":
+        return this.seen.append(e.msg);
+      case "sync":
+        return await Promise.all([this.journal.sync(), this.seen.sync()]);
+      case "push":
+        return pushes.push(e.id);
+      case "notify":
+        return await this.push!(e.event);
+      case "add_peer":
+        return await addPeer(this.cfg.peersFile, e.petname, e.key);
+      case "consume_invite":
+        return await consumeInvite(this.cfg.stateDir, this.now(), { ...e, session: this.cfg.session });
+      case "confirm_pair":
+        return await this.#confirmPair(e.key, e.msgId, e.recipient, e.petname);
+      case "log":
+        return (e.level === "warn" ? logWarn : logInfo)(e.line);
+      case "count": {
+        const item = this.state.inbox.get(e.id);
+        if (item?.kind === "refusals") item.count++;
+        return;
       }
+      case "send":
+        return await this.#sendOnItsOwn(e);
+      case "ack":
+        await ack();
+        if (this.state.inbox.size) this.onInbox?.();
+        return;
+      case "defer":
+        throw new InterlinkError("deferred: the message stays on the bus and is handed over again later");
     }
   }
 
   /** To the task's session if it has not ended, else where routing sends it, else the peer's key. */
   async #sendOnItsOwn(e: Extract<Effect, { do: "send" }>): Promise<void> {
-    let recipient = e.draft.to;
-    try {
-      recipient = (await this.route(e.draft.to, undefined, e.session)).recipient;
-    } catch (err) {
-      if (!(err instanceof InterlinkError)) throw err; // several live sessions and none the task's: its key
-    }
-    const entry = await this.enqueue({
-      draft: e.draft,
-      recipient,
-      peer: e.peer,
-      ...(e.forward ? { extra: { forward: e.forward } } : {}),
+    const recipient = await this.route(e.draft.to, undefined, e.session).then((c) => c.recipient, (err) => {
+      if (err instanceof InterlinkError) return e.draft.to; // several live sessions and none the task's: its key
+      throw err;
     });
+    const extra = e.forward ? { extra: { forward: e.forward } } : {};
+    const entry = await this.enqueue({ draft: e.draft, recipient, peer: e.peer, ...extra });
     logInfo(`sent ${entry.msg.msg_id} (${taskTag(entry.msg)}) to ${e.peer ?? fingerprint(e.draft.to)} on its own`);
   }
 
   async #confirmPair(key: string, msgId: string, recipient: string, petname: string | null): Promise<void> {
-    await this.enqueue({
-      draft: { to: key, text: this.cfg.name, kind: "pair_accept", in_reply_to: msgId },
-      recipient,
-      peer: petname,
-    });
-  }
-
-  #canPush(): boolean {
-    return this.push !== null && this.cfg.delivery === "channel";
+    const draft: Draft = { to: key, text: this.cfg.name, kind: "pair_accept", in_reply_to: msgId };
+    await this.enqueue({ draft, recipient, peer: petname });
   }
 
   async #announceLoop(relay: Relay): Promise<void> {
@@ -7448,8 +7263,6 @@ class Agent {
     }
   }
 
-  #announceRefused = new Map<string, string>(); // relay → why it last refused our announcement
-
   async setSummary(summary: string): Promise<void> {
     this.info.summary = summary.trim().slice(0, SUMMARY_MAX_CHARS);
     this.#writeSessionFile();
@@ -7459,53 +7272,46 @@ class Agent {
   /** What this session says of itself (for `tasks`, `log`), and when it ended. */
   #writeSessionFile(endedAt?: number): void {
     const about = { ...this.info, pubkey: this.id.publicKey, pid: process.pid, ...some("host", this.host) };
-    writeFileAtomic(
-      path.join(this.journal.stateDir, "session.json"),
-      JSON.stringify({ ...about, ...some("ended_at", endedAt) }) + "\n",
-    );
+    const file = path.join(this.journal.stateDir, "session.json");
+    writeFileAtomic(file, JSON.stringify({ ...about, ...some("ended_at", endedAt) }) + "\n");
   }
 
   // -- pairing (operator decisions, exposed as tools) --------------------------
 
   /**
-   * Knocks on a node (a signed pair_request carrying our name) at its live session, else one away. A peer may still
-   * lack us (a one-sided pairing): the knock asks it to add us. A knock still unanswered is sent again with its
-   * msg_id, so an acceptance of either copy matches (as the reference does).
+   * Knocks on a node (a signed pair_request with our name) at its live session, else one away; a peer may still lack
+   * us. One unanswered goes again with its msg_id, so an acceptance of either copy matches (as the reference does).
    */
   async requestPair(
     target: string,
     petname?: string,
   ): Promise<{ key: string; claimed?: string; already?: string; note: string }> {
-    if (petname !== undefined) {
-      checkPetname(petname);
-      if (this.peers().byName.has(petname)) throw new InterlinkError(`petname '${petname}' is taken; choose another`);
+    if (petname !== undefined && this.peers().byName.has(checkPetname(petname))) {
+      throw new InterlinkError(`petname '${petname}' is taken; choose another`);
     }
-    const nodes = new Map<string, PeerSession>(); // every other node on the rosters, by its freshest entry (the first)
-    for (const s of await this.roster(true)) if (s.key !== this.id.publicKey && !nodes.has(s.key)) nodes.set(s.key, s);
+    const sessions = await this.roster(true), nodes = new Map<string, PeerSession>(); // by its freshest (first) entry
+    for (const s of sessions) if (s.key !== this.id.publicKey && !nodes.has(s.key)) nodes.set(s.key, s);
     const entries = [...nodes.values()];
-    const byKey = entries.filter((e) => e.key === target);
     const byPrefix = target.length >= 4 ? entries.filter((e) => e.key.startsWith(target)) : [];
-    const found = [byKey, byPrefix, entries.filter((e) => e.name === target)].find((c) => c.length);
-    if (found && found.length > 1) {
+    const found = [entries.filter((e) => e.key === target), byPrefix, entries.filter((e) => e.name === target)]
+      .find((c) => c.length) ?? [];
+    if (found.length > 1) {
       throw new InterlinkError(
         `'${target}' matches ${found.length} roster entries; use more of the fingerprint or the full key`,
       );
     }
-    let key = found?.[0].key;
-    const claimed = found?.[0].name;
-    const already = key ? this.petnameOf(key) : this.peers().byName.has(target) ? target : undefined;
-    key ??= already ? this.peers().byName.get(already) : undefined;
-    if (!key) {
-      try {
-        key = checkPeerKey(target, "target");
-      } catch {
-        throw new InterlinkError(`'${target}' is not on any bus roster (run discover) and is not a public key`);
-      }
+    const claimed = found[0]?.name;
+    let key = found[0]?.key ?? this.peers().byName.get(target);
+    try {
+      key ??= checkPeerKey(target, "target");
+    } catch {
+      throw new InterlinkError(`'${target}' is not on any bus roster (run discover) and is not a public key`);
     }
+    const already = found.length ? this.petnameOf(key) : this.peers().byName.has(target) ? target : undefined;
     if (key === this.id.publicKey) throw new InterlinkError("that is this node's own key");
     const full = outboxFull(this.state, this.peers());
     if (full) throw new InterlinkError(full);
-    const { to, recipient } = sessionRoute(await this.roster(), key);
+    const { to, recipient } = sessionRoute(sessions, key);
     const where = to
       ? `to its session ${showId(to.session!.session_id)} (${presence(to.ageMs) === "live" ? "live" : "away"})`
       : "to its key (no session of it is on a roster: its next session reads it)";
@@ -7514,12 +7320,10 @@ class Agent {
     if (earlier && this.state.pending.has(earlier.msg.msg_id)) {
       return { key, claimed, already, note: `your earlier request ${earlier.msg.msg_id} is still in the outbox` };
     }
-    const entry = await this.enqueue({
-      draft: { to: key, text: this.cfg.name, kind: "pair_request", ...some("msg_id", outstanding?.msgId) },
-      recipient,
-      peer: null,
-      extra: { ...some("pair_petname", petname ?? outstanding?.petname), ...(earlier ? { again: true as const } : {}) },
-    });
+    const draft: Draft = { to: key, text: this.cfg.name, kind: "pair_request", ...some("msg_id", outstanding?.msgId) };
+    const again = earlier && { again: true as const };
+    const extra = { ...some("pair_petname", petname ?? outstanding?.petname), ...again };
+    const entry = await this.enqueue({ draft, recipient, peer: null, extra });
     return { key, claimed, already, note: `sent ${where} as ${entry.msg.msg_id}${earlier ? " (again)" : ""}` };
   }
 
@@ -7536,22 +7340,16 @@ class Agent {
   /** The pair_accept goes to the session that asked (reply_to), as 0.9-0.11 do; a 0.8 node matches our key alone. */
   async acceptPair(fp: string, petname?: string): Promise<string> {
     const [key, knock] = this.findKnock(fp);
-    let name = petname;
-    if (name === undefined) {
-      const why = !PETNAME_RE.test(knock.name)
-        ? "not a valid petname"
-        : this.peers().byName.has(knock.name)
-        ? "already a petname"
-        : null;
-      if (why) throw new InterlinkError(`the claimed name "${knock.name}" is ${why}; pass petname to choose one`);
-      name = knock.name;
+    if (petname === undefined && (!PETNAME_RE.test(knock.name) || this.peers().byName.has(knock.name))) {
+      const why = PETNAME_RE.test(knock.name) ? "already a petname" : "not a valid petname";
+      throw new InterlinkError(`the claimed name "${knock.name}" is ${why}; pass petname to choose one`);
     }
-    const existing = this.petnameOf(key);
+    const existing = this.petnameOf(key), name = existing ?? petname ?? knock.name;
     if (existing === undefined) await addPeer(this.cfg.peersFile, checkPetname(name), key);
     const recipient = knock.replyTo || sessionRoute(await this.roster().catch(() => []), key).recipient;
-    await this.#confirmPair(key, knock.msgId, recipient, existing ?? name);
-    await this.journal.appendDurable([{ t: "paired", key, how: "accepted", petname: existing ?? name }]);
-    return existing ?? name;
+    await this.#confirmPair(key, knock.msgId, recipient, name);
+    await this.journal.appendDurable([{ t: "paired", key, how: "accepted", petname: name }]);
+    return name;
   }
 
   async rejectPair(fp: string): Promise<string> {
@@ -7567,47 +7365,33 @@ class Agent {
     if (!fresh && cached && this.now() - cached.at < ROSTER_CACHE_MS) {
       return cached.sessions.map((s) => ({ ...s, ageMs: s.ageMs + this.now() - cached.at }));
     }
-    // One read at a time: callers meanwhile share it (a burst of sends, or sends while relays hang).
-    this.#rosterRead ??= this.#readRoster().finally(() => (this.#rosterRead = null));
-    return await this.#rosterRead;
-  }
-
-  #rosterRead: Promise<PeerSession[]> | null = null;
-
-  async #readRoster(): Promise<PeerSession[]> {
-    const nowMs = this.now();
-    let byRoute: Map<string, PeerSession>;
-    try {
-      ({ byRoute } = await readRoster(this.relays, nowMs));
+    // One read at a time (a burst of sends, or sends while relays hang).
+    this.#rosterRead ??= (async () => {
+      const nowMs = this.now();
+      const { byRoute } = await readRoster(this.relays, nowMs).catch((e) => {
+        if (e instanceof NoRelayAnswered) this.#unanswered = true;
+        throw e;
+      });
       this.#unanswered = false;
-    } catch (e) {
-      if (e instanceof NoRelayAnswered) this.#unanswered = true;
-      throw e;
-    }
-    const sessions = [...byRoute.values()].filter((s) =>
-      !(s.key === this.id.publicKey && s.session?.session_id === this.cfg.session)
-    );
-    for (const route of byRoute.keys()) this.#seenRoutes.set(route, nowMs);
-    this.#roster = { at: nowMs, sessions };
-    return sessions;
+      for (const route of byRoute.keys()) this.#seenRoutes.set(route, nowMs);
+      this.#roster = { at: nowMs, sessions: [...byRoute].flatMap(([route, s]) => (route === this.me ? [] : [s])) };
+      return this.#roster.sessions;
+    })().finally(() => (this.#rosterRead = null));
+    return await this.#rosterRead;
   }
 
   /** Where a message for `key` goes and what to tell the sender (see chooseRoute). */
   async route(key: string, hint: string | undefined, taskSession: string | undefined): Promise<RouteChoice> {
-    let sessions: PeerSession[] = [];
-    let rosterKnown = true;
+    let sessions: PeerSession[] = [], rosterKnown = !this.#unanswered;
+    const theirs = async (fresh: boolean) => (await this.roster(fresh)).filter((s) => s.key === key);
+    const listed = (id?: string) => id === undefined || sessions.some((s) => s.session?.session_id === id);
     try {
-      if (this.#unanswered) {
-        // No relay answered lately: this send does not wait on them; a read behind it notices one back.
-        void this.roster().catch(() => {});
-        rosterKnown = false;
-      } else {
-        sessions = (await this.roster()).filter((s) => s.key === key);
-        // A remembered session missing from a roster read a moment ago may have announced itself since.
-        const remembered = [taskSession, this.state.sticky.get(key)].filter((id) => id !== undefined);
-        const missing = remembered.some((id) => !sessions.some((s) => s.session?.session_id === id));
-        if (!this.state.silent.has(key) && missing) sessions = (await this.roster(true)).filter((s) => s.key === key);
-      }
+      // No relay answered lately: this send does not wait on them; a read behind it notices one back.
+      if (!rosterKnown) void this.roster().catch(() => {});
+      else sessions = await theirs(false);
+      // A remembered session missing from a roster read a moment ago may have announced itself since.
+      const missing = !listed(taskSession) || !listed(this.state.sticky.get(key));
+      if (rosterKnown && !this.state.silent.has(key) && missing) sessions = await theirs(true);
     } catch (e) {
       if (!(e instanceof NoRelayAnswered)) throw e;
       rosterKnown = false; // no roster to look at: route by what we remember, and say so
@@ -7639,24 +7423,16 @@ class Agent {
   /** On a clean exit: unregister, and say goodbye on each open task, within GOODBYE_MS. */
   async #sayGoodbye(): Promise<void> {
     const deadline = AbortSignal.timeout(GOODBYE_MS);
-    const unregister = await this.#unregistration(this.info);
-    const goodbyes: Promise<unknown>[] = [];
-    for (const t of this.state.tasks.values()) {
-      if (t.closed) continue;
-      const msg = await signMessage(this.id, {
-        to: t.peer_key,
-        task_id: t.task_id,
-        status: "update",
-        text:
-          `${GOODBYE_PREFIX} session ${this.cfg.session} of ${this.cfg.name} closed; task ${t.task_id} may not finish. Check discover before waiting on it.`,
-      }, this.now());
+    const goodbyes: Promise<unknown>[] = [this.#unregister(this.info, deadline)];
+    for (const t of [...this.state.tasks.values()].filter((t) => !t.closed)) {
+      const text =
+        `${GOODBYE_PREFIX} session ${this.cfg.session} of ${this.cfg.name} closed; task ${t.task_id} may not finish. Check discover before waiting on it.`;
+      const update: Draft = { to: t.peer_key, task_id: t.task_id, status: "update", text };
+      const msg = await signMessage(this.id, update, this.now());
       const route = t.peer_session ? `${t.peer_key}#${t.peer_session}` : t.peer_key;
-      for (const relay of this.relays) {
-        goodbyes.push(relay.send(route, messagePayload(msg, this.me), GOODBYE_MS, deadline));
-      }
+      goodbyes.push(...this.relays.map((r) => r.send(route, messagePayload(msg, this.me), GOODBYE_MS, deadline)));
     }
-    const unregisters = this.relays.map((relay) => relay.unregister(unregister, GOODBYE_MS, deadline));
-    await Promise.race([Promise.allSettled([...unregisters, ...goodbyes]), pause(GOODBYE_MS, deadline)]);
+    await Promise.race([Promise.allSettled(goodbyes), pause(GOODBYE_MS, deadline)]);
   }
 }
 
@@ -7680,16 +7456,9 @@ const CODEX_WAKE_TRIES = 5;
 /** One `codex queue` normally takes well under 0.1 s; past this it counts as failed (the inbox lock waits on it). */
 const CODEX_QUEUE_TIMEOUT_MS = 4_000;
 
-interface CodexTarget {
-  bin: string;
-  home?: string;
-  thread: string;
-}
+type CodexTarget = { bin: string; home?: string; thread: string };
 
-/**
- * The turn to queue for what is unread (null when only progress waits); `notice`: too long for the blocks, it points
- * to check_inbox.
- */
+/** The turn to queue for what is unread (null when only progress waits; a `notice` of check_inbox if too long). */
 function planWake(
   items: InboxItem[],
   peers: Peers,
@@ -7698,8 +7467,7 @@ function planWake(
   const isUpdate = (i: InboxItem) => i.kind === "message" && i.msg.status === "update";
   if (!items.some((i) => !isUpdate(i))) return null;
   const statusLater = new Set<string>(), superseded: string[] = []; // from the newest back, in one pass
-  for (let n = items.length - 1; n >= 0; n--) {
-    const i = items[n];
+  for (const i of [...items].reverse()) {
     if (i.kind !== "message") continue;
     const task = i.msg.task_id ? taskKey(i.msg.from, i.msg.task_id) : "";
     if (isUpdate(i) && statusLater.has(task)) superseded.push(i.id);
@@ -7718,13 +7486,9 @@ function planWake(
   const text = bytes < maxBytes ? wakeText(shown.length, blocks.join("\n\n")) : "";
   if (text && utf8Bytes(text) < maxBytes) return { text, shown: shown.map((i) => i.id), superseded, notice: false };
   const from = [...new Set(shown.map((i) => (i.kind === "message" ? i.peer : "interlink")))].join(", ");
-  return {
-    text:
-      `interlink: ${shown.length} message(s) arrived (from ${from}), too long to show here. Call the interlink check_inbox tool to read them; each block is attributed to its sender.`,
-    shown: [],
-    superseded,
-    notice: true,
-  };
+  const notice =
+    `interlink: ${shown.length} message(s) arrived (from ${from}), too long to show here. Call the interlink check_inbox tool to read them; each block is attributed to its sender.`;
+  return { text: notice, shown: [], superseded, notice: true };
 }
 
 /** Argv, no shell. `retry` is false when hopeless: no such thread, an ephemeral one, no codex binary. */
@@ -7732,13 +7496,10 @@ function codexQueue(t: CodexTarget, text: string): Promise<{ ok: true } | { ok: 
   return new Promise((resolve) => {
     const env = { ...process.env, ...(t.home ? { CODEX_HOME: t.home } : {}) };
     let out = "";
-    const child = spawn(t.bin, ["queue", "--thread", t.thread, "--message", text], {
-      stdio: ["ignore", "pipe", "pipe"],
-      env,
-    });
+    const args = ["queue", "--thread", t.thread, "--message", text];
+    const child = spawn(t.bin, args, { stdio: ["ignore", "pipe", "pipe"], env });
     const timer = setTimeout(() => child.kill("SIGKILL"), CODEX_QUEUE_TIMEOUT_MS);
-    child.stdout!.on("data", (d: Buffer) => (out += d));
-    child.stderr!.on("data", (d: Buffer) => (out += d));
+    for (const stream of [child.stdout!, child.stderr!]) stream.on("data", (d: Buffer) => (out += d));
     child.once("error", (e) => {
       clearTimeout(timer);
       resolve({ ok: false, retry: false, why: `cannot run ${t.bin} (${e.message}); set INTERLINK_CODEX_BIN` });
@@ -7750,9 +7511,8 @@ function codexQueue(t: CodexTarget, text: string): Promise<{ ok: true } | { ok: 
       const said = (lines.find((l) => /error|no rollout|queued/i.test(l)) ?? lines.find((l) => /warning/i.test(l)))
         ?.slice(0, 300) ?? "";
       if (code === 0 && /Queued message/.test(out)) return resolve({ ok: true });
-      if (signal) {
-        return resolve({ ok: false, retry: true, why: `codex queue timed out after ${CODEX_QUEUE_TIMEOUT_MS} ms` });
-      }
+      const timedOut = `codex queue timed out after ${CODEX_QUEUE_TIMEOUT_MS} ms`;
+      if (signal) return resolve({ ok: false, retry: true, why: timedOut });
       const final = /no rollout found|ephemeral thread|No active session found/.test(out);
       resolve({ ok: false, retry: !final, why: `codex queue exited ${code}: ${said || "no output"}` });
     });
@@ -7766,6 +7526,8 @@ class CodexWaker {
   #done: Promise<void> = Promise.resolve();
   #noticed = new BoundedMap<string, true>(1024); // items a notice already pointed at: not noticed again
   last: { at: number; ok: boolean; why?: string } | null = null;
+  #judged = ""; // the unread items the last look judged
+  #signature = () => [...this.agent.state.inbox.keys()].join("\n");
 
   constructor(readonly agent: Agent, readonly target: CodexTarget) {}
 
@@ -7777,9 +7539,6 @@ class CodexWaker {
   kick(): void {
     if (this.#signature() !== this.#judged) this.#latch.wake();
   }
-
-  #judged = "";
-  #signature = () => [...this.agent.state.inbox.keys()].join("\n");
 
   async stop(): Promise<void> {
     this.#stopped = true;
@@ -7793,13 +7552,8 @@ class CodexWaker {
       // A failing queue: a back-off CODEX_WAKE_TRIES times, then only when more arrives (or every ten minutes).
       await this.#latch.wait(failures >= CODEX_WAKE_TRIES ? 10 * 60_000 : failures ? backoffMs(failures + 2) : 60_000);
       if (this.#stopped) return;
-      try {
-        const r = await this.wakeOnce();
-        failures = r === "failed" ? failures + 1 : r === "final" ? CODEX_WAKE_TRIES : 0; // "final": not retried
-      } catch (e) {
-        failures++;
-        this.#note(false, errorText(e));
-      }
+      const r = await this.wakeOnce().catch((e) => (this.#note(false, errorText(e)), "failed" as const));
+      failures = r === "failed" ? failures + 1 : r === "final" ? CODEX_WAKE_TRIES : 0; // "final": not retried
     }
   }
 
@@ -7818,10 +7572,8 @@ class CodexWaker {
           return r.retry ? "failed" : "final";
         }
         if (plan.notice) { for (const i of unread) this.#noticed.set(i.id, true); }
-        await journal.appendDurable([
-          ...plan.shown.map((item): NewRecord => ({ t: "shown", item, via: "queue" })),
-          ...plan.superseded.map((item): NewRecord => ({ t: "shown", item, via: "superseded" })),
-        ]);
+        const record = (via: ShownVia) => (item: string): NewRecord => ({ t: "shown", item, via });
+        await journal.appendDurable([...plan.shown.map(record("queue")), ...plan.superseded.map(record("superseded"))]);
         this.#note(true);
         return "queued" as const;
       })
@@ -7837,10 +7589,9 @@ class CodexWaker {
     } catch {
       // a full disk: the log line below says it
     }
-    if (!ok && was?.why !== why) {
-      logWarn(`cannot wake the Codex session ${this.target.thread}: ${why}; what waits stays in its inbox`);
-    }
-    if (ok && was && !was.ok) logInfo(`waking the Codex session ${this.target.thread} works again`);
+    const session = `the Codex session ${this.target.thread}`;
+    if (!ok && was?.why !== why) logWarn(`cannot wake ${session}: ${why}; what waits stays in its inbox`);
+    if (ok && was && !was.ok) logInfo(`waking ${session} works again`);
   }
 }
 
