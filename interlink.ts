@@ -3561,6 +3561,8 @@ function refusalWords(l: ReceiptLine): string {
 
 const SHOWN_VIAS = ["push", "inbox", "queue", "superseded"] as const;
 
+type ShownVia = (typeof SHOWN_VIAS)[number];
+
 /**
  * How a knock ended: our operator accepted or rejected theirs, theirs accepted ours, or it came through one of our
  * invites (our operator's decision, made by running `interlink.ts invite`).
@@ -3614,7 +3616,7 @@ type JournalRecord =
    * An inbox item handed to the model (pushed as a channel event, taken by check_inbox or `wait`, queued as a Codex
    * turn), or "superseded": an update a newer message on its task made moot, never shown.
    */
-  | { t: "shown"; at: number; item: string; via: (typeof SHOWN_VIAS)[number] }
+  | { t: "shown"; at: number; item: string; via: ShownVia }
   /**
    * A stranger asked to pair: held for the operator, only what is shown kept, never its text. `reply_to`: the asking
    * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
