@@ -157,6 +157,22 @@ export function systemTool(name: string, debianPath: string, group: string, test
   return found;
 }
 
+/** A loopback port free when asked (a neighbouring test may still take it before it is bound). */
+export function freePort(): Promise<number> {
+  const server = Bun.serve({ port: 0, fetch: () => new Response() });
+  const port = server.port!;
+  server.stop(true);
+  return Promise.resolve(port);
+}
+
+/** Copies `files` (paths in the repository) into `dir` at the same paths: beside interlink.ts, where it looks for them. */
+export function copyFromRepo(dir: string, ...files: string[]): void {
+  for (const f of files) {
+    fs.mkdirSync(path.dirname(path.join(dir, f)), { recursive: true });
+    fs.copyFileSync(path.join(REPO, f), path.join(dir, f));
+  }
+}
+
 /** A folder holding what a clone of the repository runs from (interlink.ts, extras/, dev/), and no node_modules. */
 export function cloneLike(prefix: string): string {
   const dir = tmpDir(prefix);
