@@ -25,9 +25,6 @@ import {
   listSessions,
   loadPeers,
   localBusUrl,
-  NATS_ROSTER,
-  NATS_STREAM,
-  NatsRelay,
   NODE_OPTIONS,
   type Options,
   parseBusUrls,
@@ -48,8 +45,8 @@ import {
   SLOW_START_MS,
   some,
   VERSION,
-  withTimeout,
 } from "../interlink.ts";
+import { NATS_ROSTER, NATS_STREAM, NatsRelay, withTimeout } from "../nats.ts";
 
 type Finding = { level: "ok" | "info" | "problem"; what: string; fix?: string };
 
