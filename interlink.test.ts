@@ -188,6 +188,7 @@ import { OPTIONS as BENCH_OPTIONS, PARTS as BENCH_PARTS } from "./dev/bench.ts";
 import { command as demoCommand } from "./dev/demo.ts";
 import { command as codexCommand } from "./extras/codex.ts";
 import { command as doctorCommand } from "./extras/doctor.ts";
+import { command as upgradeCommand, upgradeStateFolder } from "./extras/upgrade.ts";
 import { command as verifyCommand } from "./extras/verify.ts";
 import { chainVectorsText } from "./dev/vectors.ts";
 import {
@@ -252,6 +253,7 @@ const EXTRA_COMMANDS = {
   "codex-install": codexCommand,
   demo: demoCommand,
   doctor: doctorCommand,
+  upgrade: upgradeCommand,
   verify: verifyCommand,
 };
 
@@ -3240,7 +3242,7 @@ describe("operator experience: help, CLI, doctor, demo, README", () => {
   test.concurrent(
     "--help for the program and every command is generated from the real flags; --version answers",
     async () => {
-      const commands = commandTable({ bus: busCommand, doctor: doctorCommand });
+      const commands = commandTable({ bus: busCommand, doctor: doctorCommand, upgrade: upgradeCommand });
       const [top, bunVersion, denoVersion, unknown, nope, ...helps] = await Promise.all([
         runCliAsync("bun", ["--help"]),
         runCliAsync("bun", ["--version"]),
@@ -4671,6 +4673,8 @@ describe("durability: corruption is contained, never silent", () => {
     }
     fs.writeFileSync(path.join(B.stateDir, "log.jsonl"), lines.join(""));
     fs.writeFileSync(path.join(B.stateDir, "inbox.cursor"), JSON.stringify({ offset: Buffer.byteLength(lines[0]) }));
+    // Upgraded first (`interlink.ts upgrade`): the journal becomes bob's session's, the cursor records what was read.
+    await upgradeStateFolder(B.stateDir, B.name);
     let bob = await Agent.open(nodeConfig(B, ["http://127.0.0.1:9"], "inbox"), "test");
     expect(fs.existsSync(path.join(B.stateDir, "inbox.cursor"))).toBe(false);
     expect((await claimInbox(bob.journal, 1)).map(textOf)).toEqual(["unread 1"]);
@@ -10109,22 +10113,30 @@ describe("the journal: one typed record per line, read through one codec", () =>
   });
 
   for (const { release, node } of nodes) {
-    test(`journals from 0.4.0 and 0.5.0 read as they did: ${release}/${node}, folded and opened`, async () => {
+    test(`journals from 0.4.0 and 0.5.0 read as they did: ${release}/${node}, upgraded, folded and opened`, async () => {
       const src = path.join(FIXTURES, release, node);
       const expected = JSON.parse(fs.readFileSync(path.join(src, "expected.json"), "utf8"));
-      const state = new NodeState(() => expected.fixedNow);
+      const now = () => expected.fixedNow;
+      // Upgraded first (`interlink.ts upgrade`: a 0.4.0 journal moves into the session, its records are rewritten),
+      // on a copy without the inbox.cursor: the journal alone, folded.
+      const alone = tmpDir();
+      fs.cpSync(src, alone, { recursive: true });
+      fs.rmSync(path.join(alone, "state", "inbox.cursor"), { force: true });
+      await upgradeStateFolder(path.join(alone, "state"), node, now);
+      const state = new NodeState(now);
       const warnings: string[] = [];
       scanJournal(
-        path.join(src, expected.journal),
+        path.join(alone, "state", "sessions", node, "log.jsonl"),
         0,
         (r) => state.apply(r),
         (at, why) => warnings.push(`${at}: ${why}`),
       );
       expect(warnings).toEqual([]);
       expect(differences(expected.fold, summarize(state, expected.fixedNow))).toEqual([]);
-      // Opened by today's agent (on a copy): a 0.4.0 journal moves into the session, a cursor becomes "shown".
+      // Upgraded whole (on another copy: a cursor becomes "shown"), then opened by today's agent.
       const dir = tmpDir();
       fs.cpSync(src, dir, { recursive: true });
+      await upgradeStateFolder(path.join(dir, "state"), node, now);
       const files = {
         name: node,
         dir,

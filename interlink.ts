@@ -40,7 +40,7 @@
  *
  * Versions: "0.4", "0.8", "0.11" name the reference implementation's releases
  * (the Rust interlink); this program's own are written in full, "interlink.ts
- * 0.4.0", and its journal shapes by that release (see upgradeRecord).
+ * 0.4.0", whose journal shapes `interlink.ts upgrade` rewrites (see isOldShape).
  *
  * Sections, in dependency order (each uses only what stands above it):
  *   Constants · Types · Peer text, as it is shown · Runtime and logging ·
@@ -2026,7 +2026,7 @@ function checkSize(fd: number, file: string, bytes: number): void {
   }
 }
 
-function writeFileDurably(file: string, text: string, mode = 0o600): void {
+function writeFileDurably(file: string, text: string | Uint8Array, mode = 0o600): void {
   const bytes = Buffer.from(text);
   const fd = fs.openSync(file, "w", mode);
   try {
@@ -2070,7 +2070,7 @@ let tempCounter = 0;
 const tempName = (file: string) => `${file}.${process.pid}.${++tempCounter}.tmp`;
 
 /** Replaces a small state file whole (temp, size check, fsync, rename), 0600 from creation; no temp left on failure. */
-function writeFileAtomic(file: string, text: string): void {
+function writeFileAtomic(file: string, text: string | Uint8Array): void {
   const tmp = tempName(file);
   try {
     writeFileDurably(tmp, text);
@@ -3877,54 +3877,41 @@ const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<Re
 };
 
 /**
- * Earlier releases' shapes, turned into today's (before decoding):
- *   0.4.0 "in" with `"pushed": true` (shown by push)  → "in", then "shown" {item, via: "push"}
- *   0.4.0 "in" without "peer"                       → peer "?"
- *   0.4.0 "shown" {from, msg_id}                      → "shown" {item: "<from> <msg_id>"}
- *   0.4.0 "knock" {name, msg} (the whole message)     → "knock" {key, name, msg_id, ts} (its text never kept)
- *   0.4.0 "out" without "recipient"                   → recipient: the message's `to`
+ * A record in one of interlink.ts 0.4.0's shapes: an "in" without a peer or shown by push, a "shown" naming sender and
+ * msg_id, a "knock" holding the whole message, an "out" without a recipient. Read as today's, it would be set aside as
+ * unreadable or show a message again, so no session reads one: `interlink.ts upgrade` (extras/upgrade.ts) rewrites it.
  */
-function upgradeRecord(o: Record<string, unknown>): Record<string, unknown>[] {
-  const msg = isObject(o.msg) ? o.msg : undefined;
-  switch (o.t) {
-    case "in": {
-      const r: Record<string, unknown> = { ...o, peer: typeof o.peer === "string" ? o.peer : "?" };
-      if (o.pushed !== true || !msg) return [r];
-      delete r.pushed;
-      return [r, { t: "shown", at: o.at, item: messageKey(String(msg.from), String(msg.msg_id)), via: "push" }];
-    }
-    case "shown":
-      return o.item === undefined && typeof o.from === "string" && typeof o.msg_id === "string"
-        ? [{ t: "shown", at: o.at, item: messageKey(o.from, o.msg_id), via: o.via === "push" ? "push" : "inbox" }]
-        : [o];
-    case "knock":
-      return o.key === undefined && msg
-        ? [{ t: "knock", at: o.at, key: msg.from, name: msg.text, msg_id: msg.msg_id, ts: msg.ts }]
-        : [o];
-    case "out":
-      return o.recipient === undefined && msg ? [{ ...o, recipient: msg.to }] : [o];
-    default:
-      return [o];
-  }
+function isOldShape(o: Record<string, unknown>): boolean {
+  const msg = isObject(o.msg);
+  if (o.t === "in") return typeof o.peer !== "string" || (o.pushed === true && msg);
+  if (o.t === "shown") return o.item === undefined && typeof o.from === "string" && typeof o.msg_id === "string";
+  return (o.t === "knock" && o.key === undefined && msg) || (o.t === "out" && o.recipient === undefined && msg);
 }
 
-/** A journal line's records in today's shape (an earlier release's line may become two), or a FormatError. */
+/** What interlink.ts 0.4.0 left in a state folder, and the one command that upgrades it (nothing changes until then). */
+function upgradeNeeded(what: string, stateDir: string): InterlinkError {
+  return new InterlinkError(
+    `${what}: this release reads it only once it is upgraded. Run \`interlink.ts upgrade --state ${stateDir}\` ` +
+      "(extras/upgrade.ts), which loses nothing; until then no session opens there, and what it holds waits",
+  );
+}
+
+/** A journal line's records (one: a line of interlink.ts 0.4.0 could hold two, which its upgrade splits), or why not. */
 function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
-  return upgradeRecord(raw).map((o) => {
-    const t = String(o.t) as RecordTag;
-    if (!Object.hasOwn(RECORD_FIELDS, t)) {
-      throw new FormatError(`unknown record tag ${JSON.stringify(t.slice(0, 16))} (written by a newer interlink?)`);
-    }
-    const at = typeof o.at === "number" && Number.isSafeInteger(o.at) ? o.at : 0;
-    return { t, at, ...RECORD_FIELDS[t](o) } as JournalRecord;
-  });
+  const t = String(raw.t) as RecordTag;
+  if (!Object.hasOwn(RECORD_FIELDS, t)) {
+    throw new FormatError(`unknown record tag ${JSON.stringify(t.slice(0, 16))} (written by a newer interlink?)`);
+  }
+  const at = typeof raw.at === "number" && Number.isSafeInteger(raw.at) ? raw.at : 0;
+  return [{ t, at, ...RECORD_FIELDS[t](raw) } as JournalRecord];
 }
 
 const encodeRecord = (r: JournalRecord): string => JSON.stringify(r);
 
 /**
- * Reads a journal's records from byte `from`, decoded and upgraded; `onBad` gets a line that is not one, with why.
- * The one reader of journals: the fold, `log`, `tasks`, conversation_history and `doctor` all go through it.
+ * Reads a journal's records from byte `from`, decoded; `onBad` gets a line that is not one, with why. A record of
+ * interlink.ts 0.4.0's shapes stops the read (see isOldShape). The one reader of journals: the fold, `log`, `tasks`,
+ * conversation_history and `doctor` all go through it.
  */
 function scanJournal(
   file: string,
@@ -3933,6 +3920,10 @@ function scanJournal(
   onBad: BadLine = () => {},
 ): ScanResult {
   return scanJsonl(file, from, (raw, at, end) => {
+    // A session's journal is <state folder>/sessions/<id>/log.jsonl (or an archive beside it).
+    if (isOldShape(raw)) {
+      throw upgradeNeeded(`${file} holds records of interlink.ts 0.4.0`, path.resolve(file, "../../.."));
+    }
     let records: JournalRecord[];
     try {
       records = decodeRecord(raw);
@@ -5501,19 +5492,6 @@ function readNodeState(stateDir: string): { state: NodeState; journal: Journal }
   const journal = new Journal(stateDir, state);
   journal.catchUp();
   return { state, journal };
-}
-
-/** A 0.4.0 journal sat in the state folder: the first session to start after the upgrade moves it into its own. */
-function adoptLegacyJournal(stateDir: string, dir: string): void {
-  const legacy = path.join(stateDir, "log.jsonl");
-  if (!fs.existsSync(legacy) || fs.existsSync(path.join(dir, "log.jsonl"))) return;
-  for (const f of ["log.jsonl", "log.jsonl.corrupt", "inbox.cursor"]) {
-    if (fs.existsSync(path.join(stateDir, f))) fs.renameSync(path.join(stateDir, f), path.join(dir, f));
-  }
-  const session = path.basename(dir);
-  logInfo(
-    `moved this node's interlink.ts 0.4.0 journal into session ${session}, which carries on its outbox and tasks`,
-  );
 }
 
 /** A waitUntil subscription that fires when `stateDir`'s journal changes (the 1 s re-check covers fs.watch's gaps). */
@@ -7166,6 +7144,13 @@ class Agent {
     const id = opts.identity ?? (await readIdentity(cfg.keyFile));
     loadPeers(cfg.peersFile); // fail at start-up on a bad allowlist, naming the file
     const dir = sessionDir(cfg.stateDir, cfg.session);
+    // interlink.ts 0.4.0's journal and inbox cursor (its records in a journal stop the fold below): see upgradeNeeded.
+    const left = [
+      path.join(cfg.stateDir, "log.jsonl"),
+      path.join(cfg.stateDir, "inbox.cursor"),
+      path.join(dir, "inbox.cursor"),
+    ].find((f) => fs.existsSync(f));
+    if (left) throw upgradeNeeded(`${left} was written by interlink.ts 0.4.0`, cfg.stateDir);
     fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
     const lockFile = path.join(dir, "agent.lock");
     // Claude Code restarting the server inside one session starts a second process with the same id: the newer
@@ -7197,12 +7182,10 @@ class Agent {
           (ARCHIVE_RE.test(f) && journalIno !== 0 && inodeOf(path.join(dir, f)) === journalIno);
         if (stale) fs.rmSync(path.join(dir, f));
       }
-      adoptLegacyJournal(cfg.stateDir, dir);
       agent = new Agent(cfg, id, lock, opts.now ?? Date.now, opts.host);
       agent.peers();
       agent.journal.catchUp();
       await agent.#rollJournal();
-      await agent.#adoptLegacyCursor();
       agent.#writeSessionFile();
       // Live again: nothing it writes from now on has been looked at by an adopter.
       fs.rmSync(path.join(dir, ADOPTED_FILE), { force: true });
@@ -7216,28 +7199,6 @@ class Agent {
       lock.release();
       throw e;
     }
-  }
-
-  /** A 0.4.0 inbox.cursor: the messages before it were read; say so in the journal once, then drop the file. */
-  async #adoptLegacyCursor(): Promise<void> {
-    const file = path.join(this.journal.stateDir, "inbox.cursor");
-    let offset: number;
-    try {
-      const raw = JSON.parse(fs.readFileSync(file, "utf8"));
-      offset = isObject(raw) && Number.isSafeInteger(raw.offset) ? raw.offset as number : -1;
-    } catch {
-      return;
-    }
-    const read: NewRecord[] = [];
-    if (offset >= 0 && offset <= fileSize(this.journal.file)) {
-      // (An "in" shown by push was upgraded into an "in" and a "shown": it is no longer in the inbox.)
-      scanJournal(this.journal.file, 0, (r, _at, end) => {
-        const item = r.t === "in" ? messageKey(r.msg.from, r.msg.msg_id) : "";
-        if (end <= offset && this.state.inbox.has(item)) read.push({ t: "shown", item, via: "inbox" });
-      });
-    } else logWarn(`${file} does not fit log.jsonl; every unread message stays unread`);
-    await this.journal.appendDurable(read);
-    fs.rmSync(file, { force: true });
   }
 
   get me(): string {
@@ -11834,6 +11795,10 @@ const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
     file: "dev/demo.ts",
     summary: "run a bus and two agents in temporary folders and walk a delegated task through its lifecycle",
   },
+  upgrade: {
+    file: "extras/upgrade.ts",
+    summary: "carry a state folder of interlink.ts 0.4.0 over, once: its journal, inbox cursor and record shapes",
+  },
   verify: { file: "extras/verify.ts", summary: "check signed messages read from stdin, one JSON object per line" },
 };
 
@@ -11997,6 +11962,7 @@ export {
   isLoopback,
   isNatsUrl,
   isObject,
+  isOldShape,
   Journal,
   journalFiles,
   JSON_VALUES_MAX,
@@ -12018,6 +11984,7 @@ export {
   MCP_LINE_MAX_CHARS,
   mcpJson,
   messageBlock,
+  messageKey,
   messagePayload,
   msFromEnv,
   newPeerName,
