@@ -4141,9 +4141,9 @@ describe("a long outage", () => {
         { to: B.id.publicKey, text: "from yesterday", task_id: "slow" },
         Date.now() - 24.5 * 3600_000,
       );
-      fs.mkdirSync(A.stateDir, { recursive: true });
+      fs.mkdirSync(sessionOf(A), { recursive: true });
       fs.writeFileSync(
-        path.join(A.stateDir, "log.jsonl"),
+        journalOf(A),
         JSON.stringify({ t: "out", at: old.ts, peer: "bob", recipient: B.id.publicKey, msg: old }) + "\n",
       );
       const agent = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`]), "test");
@@ -6123,9 +6123,9 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     const { bus, server, shutdown } = await busOnLoopback(path.join(root, "bus"));
     // Queued by an older version that checked only the text's bytes: 400 KB of control characters, 2.4 MB as JSON.
     const huge = await signMessage(A.id, { to: B.id.publicKey, text: "\u0001".repeat(400_000) }, Date.now());
-    fs.mkdirSync(A.stateDir, { recursive: true });
+    fs.mkdirSync(sessionOf(A), { recursive: true });
     fs.writeFileSync(
-      path.join(A.stateDir, "log.jsonl"),
+      journalOf(A),
       JSON.stringify({ t: "out", at: Date.now(), peer: "bob", recipient: B.id.publicKey, msg: huge }) + "\n",
     );
     const alice = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`]), "test");
