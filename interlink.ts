@@ -11685,7 +11685,7 @@ function programHelp(): string {
     ...Object.entries(COMMANDS).map(([n, c]) => `  ${n.padEnd(width)}  ${c.summary}`),
     ...beside(true).map(([n, x]) => `  ${n.padEnd(width)}  ${x.summary} (${x.file})`),
     "",
-    "Extras (files beside interlink.ts in its repository; no session needs them):",
+    "Extras (files beside interlink.ts in its repository; no session loads them):",
     ...beside(false).map(([n, x]) => `  ${n.padEnd(width)}  ${x.summary} (${x.file})`),
     "",
     "Run `interlink.ts <command> --help` for a command's options. Every option falls back",
@@ -11812,7 +11812,7 @@ function extraMissing(name: string, where: string): string {
       where,
       "a session needs it only to start this machine's own bus",
     )
-    : missingFile(`\`${name}\` is an extra, not part of interlink.ts`, file, where, "every session works without it");
+    : missingFile(`\`${name}\` is an extra, not part of interlink.ts`, file, where, "no session loads it");
 }
 
 // ============================================================================
