@@ -8,8 +8,9 @@
  * message is signed over every field (task fields included) and passes one
  * deterministic gate, `decide`, before the model sees anything. Messages move
  * through a relay that can drop or delay but never forge: the durable HTTP bus
- * (bus.ts beside this file; `interlink.ts bus` runs it) or NATS JetStream. This
- * file is the node: copied alone, with any relay's URL, it is complete.
+ * (bus.ts beside this file; `interlink.ts bus` runs it) or NATS JetStream
+ * (nats.ts beside it, loaded for a nats:// URL). This file is the node: copied
+ * alone, with any HTTP relay's URL, it is complete.
  *
  * Trust model
  *   - The authenticated key decides trust, never a claimed name or `from`
@@ -39,13 +40,13 @@
  *
  * Versions: "0.4", "0.8", "0.11" name the reference implementation's releases
  * (the Rust interlink); this program's own are written in full, "interlink.ts
- * 0.4.0", and its journal shapes by that release (see upgradeRecord).
+ * 0.4.0", whose journal shapes `interlink.ts upgrade` rewrites (see isOldShape).
  *
  * Sections, in dependency order (each uses only what stands above it):
  *   Constants · Types · Peer text, as it is shown · Runtime and logging ·
  *   Encoding and signing · The gate · JSONL storage · The allowlist
- *   (peers.json) · Task folding · Relays · The NATS relay ·
- *   Sessions: a node's state · Delivery receipts · The journal · Invites ·
+ *   (peers.json) · Task folding · Relays · Sessions: a node's state ·
+ *   Delivery receipts · The journal · Invites ·
  *   Effects · Presenting to the model · The inbox · Delegation across hops ·
  *   Decisions: what a node does with what arrives · Sending · Presence and
  *   routing · The agent · Waking a Codex session · The MCP server and its
@@ -650,36 +651,21 @@ const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms
 /** This file as a path, or as the URL Deno runs it from (`deno run -A https://…`): children it starts run the same. */
 const thisScript = (): string => (import.meta.url.startsWith("file:") ? import.meta.filename! : import.meta.url);
 
-/** The official NATS client packages: loaded only when a nats:// or tls:// relay is configured. */
-const NATS_PKGS = {
-  transport: { name: "@nats-io/transport-node", version: "3.4.0" },
-  jetstream: { name: "@nats-io/jetstream", version: "3.4.0" },
-  kv: { name: "@nats-io/kv", version: "3.4.0" },
-} as const;
-
 /**
- * Imports a pinned package: under Deno as an npm: specifier, so a lone interlink.ts needs no deno.json; under Bun by
- * name@version, which Bun's auto-install fetches when no node_modules is in the way. When one is (Bun then does not
- * auto-install), the error says exactly what to run.
+ * What a copy of interlink.ts alone says when something needs `file`, which sits beside interlink.ts in its repository:
+ * `what` needs it, and what works `without` it.
  */
-async function importPinned<T>(pkg: { name: string; version: string }, subpath = ""): Promise<T> {
-  const spec = `${runtimeHost.Deno ? "npm:" : ""}${pkg.name}@${pkg.version}${subpath}`;
-  try {
-    return await import(spec) as T;
-  } catch (e) {
-    // Bun with a node_modules in the way resolves name@version for some packages but not others (a bare
-    // package name, such as the NATS ones): then the copy installed there, if its version is the pinned one.
-    if (runtimeHost.Bun) {
-      const installed = await import(`${pkg.name}/package.json`).then((m) => m.default?.version, () => undefined);
-      if (installed === pkg.version) return await import(`${pkg.name}${subpath}`) as T;
-    }
-    const dir = path.dirname(thisScript()), why = (e as Error).message;
-    throw new InterlinkError(
-      runtimeHost.Bun
-        ? `cannot load ${pkg.name}@${pkg.version} (${why}). A node_modules folder in ${dir} or above it turns off Bun's auto-install: run interlink with \`bun --install=force ${thisScript()} …\`, or \`bun add ${pkg.name}@${pkg.version}\` in ${dir}.`
-        : `cannot load ${spec} (${why}); Deno fetches it from the npm registry on first use: check the network, or NODE_EXTRA_CA_CERTS behind a TLS-inspecting proxy.`,
-    );
-  }
+function missingFile(what: string, file: string, where: string, without: string): string {
+  return `${what}: it is ${file} in interlink's repository, beside interlink.ts. Clone the repository, or fetch ` +
+    `that file to ${where}, to use it; ${without}.`;
+}
+
+/** Imports `file` from beside this file; where it is not there (a copy alone), an InterlinkError: `missing(where)`. */
+async function importBeside<T>(file: string, missing: (where: string) => string): Promise<T> {
+  const url = new URL(`./${file}`, import.meta.url);
+  const where = url.protocol === "file:" ? path.join(import.meta.dirname!, file) : undefined;
+  if (where && !fs.existsSync(where)) throw new InterlinkError(missing(where));
+  return await import(url.href) as T;
 }
 
 /** A crash point: when INTERLINK_FAILPOINT (unset in use) names it, SIGKILL here, as an OOM kill or power cut would. */
@@ -1843,7 +1829,7 @@ function checkSize(fd: number, file: string, bytes: number): void {
   }
 }
 
-function writeFileDurably(file: string, text: string, mode = 0o600): void {
+function writeFileDurably(file: string, text: string | Uint8Array, mode = 0o600): void {
   const bytes = Buffer.from(text);
   const fd = fs.openSync(file, "w", mode);
   try {
@@ -1887,7 +1873,7 @@ let tempCounter = 0;
 const tempName = (file: string) => `${file}.${process.pid}.${++tempCounter}.tmp`;
 
 /** Replaces a small state file whole (temp, size check, fsync, rename), 0600 from creation; no temp left on failure. */
-function writeFileAtomic(file: string, text: string): void {
+function writeFileAtomic(file: string, text: string | Uint8Array): void {
   const tmp = tempName(file);
   try {
     writeFileDurably(tmp, text);
@@ -2817,18 +2803,82 @@ class HttpRelay implements Relay {
   }
 }
 
-// ============================================================================
-// The NATS relay
-// ============================================================================
+// -- NATS JetStream: nats.ts, loaded at its first use -------------------------
 //
-// The mapping (docs/nats.md, "Mapping"): one work-queue stream, INTERLINK (a message is deleted once acked), with a
-// subject per route, interlink.in.<key>[.<base64url(session)>] (session ids may hold dots), a new message refused past
-// QUEUE_CAP per subject (a stream of an earlier release drops the oldest instead: see NatsLink.refuses). Each route is
-// read through a durable pull consumer whose name only the route key's holder can compute (natsConsumer): with listing
-// denied, the name is a capability (docs/nats.md, "Who may read a route"). Publishes carry Nats-Msg-Id
-// "<from>.<msg_id>.<route>", so a copy within the stream's 2-minute window is dropped (the replay memory drops any
-// other). The roster is the key-value bucket "interlink-roster", keyed "<key>.<base64url(session)>"; an entry's age
-// is the time since it was written.
+// NATS JetStream as the relay (docs/nats.md) is nats.ts beside this file, which loads the NATS client packages: a node
+// loads neither unless a nats:// or tls:// URL is configured. A copy of interlink.ts alone given such a URL runs on:
+// that relay fails every call with what to fetch and where, as a relay that does not answer, so what waits for it
+// stays in the outbox (and goes once the file is there: each retry looks again).
+
+/** What nats.ts gives the node (see its NatsRelay). */
+interface NatsModule {
+  NatsRelay: new (url: string, sign?: (data: Bytes) => Promise<string>, key?: string) => Relay;
+}
+
+/** A NATS relay, through nats.ts once it is imported; `sign` names its consumers, `key` its reply inboxes. */
+class NatsRelayBeside implements Relay {
+  #relay: Promise<Relay> | null = null;
+  #loaded: Relay | null = null;
+  #back: (() => void)[] = [];
+
+  constructor(readonly url: string, readonly sign?: (data: Bytes) => Promise<string>, readonly key?: string) {}
+
+  get name(): string {
+    return redactUrl(this.url);
+  }
+
+  /** nats.ts's relay, made once; a file that is missing or fails to load fails this call only. */
+  #load(): Promise<Relay> {
+    this.#relay ??= importBeside<NatsModule>("nats.ts", (where) =>
+      missingFile(
+        `${this.name} is a NATS relay, and NATS support is not part of interlink.ts`,
+        "nats.ts",
+        where,
+        "until then what is sent through it waits in the outbox, and HTTP relays work without it",
+      )).then((m) => {
+        const relay = new m.NatsRelay(this.url, this.sign, this.key);
+        for (const back of this.#back) relay.onBack?.(back);
+        return (this.#loaded = relay);
+      }, (e) => {
+        this.#relay = null;
+        throw e;
+      });
+    return this.#relay;
+  }
+
+  async send(route: string, payload: object, timeoutMs: number): Promise<void> {
+    await (await this.#load()).send(route, payload, timeoutMs);
+  }
+
+  async recv(route: string, signal: AbortSignal, waitMs?: number): Promise<Received> {
+    return await (await this.#load()).recv(route, signal, waitMs);
+  }
+
+  async announce(a: Announcement): Promise<void> {
+    await (await this.#load()).announce(a);
+  }
+
+  async roster(timeoutMs: number): Promise<unknown[]> {
+    return await (await this.#load()).roster(timeoutMs);
+  }
+
+  async unregister(u: { pubkey: string; session: { session_id: string } }, timeoutMs: number): Promise<void> {
+    await (await this.#load()).unregister(u, timeoutMs);
+  }
+
+  onBack(back: () => void): void {
+    if (this.#loaded) this.#loaded.onBack?.(back);
+    else this.#back.push(back);
+  }
+
+  refusesWhenFull(): boolean {
+    return this.#loaded?.refusesWhenFull?.() === true;
+  }
+
+  async close(): Promise<void> {
+    await (await this.#relay?.catch(() => null))?.close();
+  }
+}
 
 /** The relay for a configured URL. `proof` signs recv and ack requests (our bus checks them); `sign` names consumers. */
 function openRelay(
@@ -2837,439 +2887,7 @@ function openRelay(
   sign?: (data: Bytes) => Promise<string>,
   key?: string,
 ): Relay {
-  return isNatsUrl(url) ? new NatsRelay(url, sign, key) : new HttpRelay(url, proof);
-}
-
-const NATS_STREAM = "INTERLINK";
-
-const NATS_ROSTER = "interlink-roster";
-
-/** Unacked this long, a message is handed over again (the agent acks within milliseconds of journaling it). */
-const NATS_ACK_WAIT_MS = msFromEnv("INTERLINK_TEST_NATS_ACK_WAIT_MS", 10_000);
-
-/** A new stream's bound per subject (route), as our bus's QUEUE_CAP; a test lowers it (a new stream only). */
-const NATS_SUBJECT_CAP = msFromEnv("INTERLINK_TEST_NATS_SUBJECT_CAP", QUEUE_CAP);
-
-/** How long one pull waits: short, since a pull lost when a cluster's consumer leader moves is never answered. */
-const NATS_PULL_MS = 5_000;
-
-/** A route's subject (see above): only a real key and a session id make one, so no route can reach another's. */
-function natsSubject(route: string): string {
-  const { key, session } = parseRoute(route);
-  if (!/^[A-Za-z0-9_-]{43}$/.test(key) || (session && !SESSION_RE.test(session))) {
-    throw new RelayError(`'${route.slice(0, 80)}' is not a route (key#session)`, true);
-  }
-  return `interlink.in.${key}${session ? `.${b64urlEncode(utf8.encode(session))}` : ""}`;
-}
-
-const natsRosterKey = (key: string, session: string): string => `${key}.${b64urlEncode(utf8.encode(session))}`;
-
-/** A route's durable consumer name (see above); without `sign` (not the route's key), of the route alone. */
-async function natsConsumer(route: string, sign?: (data: Bytes) => Promise<string>): Promise<string> {
-  const secret = sign ? await sign(utf8.encode(`interlink-nats-consumer-v1\0${route}`)) : route;
-  const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", utf8.encode(secret)));
-  return `in_${Buffer.from(digest).toString("hex").slice(0, 40)}`;
-}
-
-/** The few parts of the NATS client packages interlink uses (they load at run time, only for a NATS relay). */
-interface NatsMsg {
-  data: Uint8Array;
-  ackAck(): Promise<boolean>;
-  nak(): void;
-}
-
-interface NatsLink {
-  nc: {
-    rtt(): Promise<number>;
-    close(): Promise<void>;
-    closed(): Promise<void | Error>;
-    status(): AsyncIterable<{ type: string }>;
-  };
-  js: {
-    publish(subject: string, data: string, opts: { msgID?: string; timeout?: number }): Promise<unknown>;
-    consumers: {
-      get(stream: string, name: string): Promise<{ next(o: { expires: number }): Promise<NatsMsg | null> }>;
-    };
-  };
-  jsm: {
-    streams: { info(name: string): Promise<unknown>; add(cfg: object): Promise<unknown> };
-    consumers: { add(stream: string, cfg: object): Promise<unknown> };
-  };
-  kv: {
-    put(key: string, value: string): Promise<unknown>;
-    get(key: string): Promise<{ operation: string; created: Date; string(): string } | null>;
-    delete(key: string): Promise<void>;
-    keys(): Promise<AsyncIterable<string>>;
-  };
-  /** The stream refuses a publish to a full subject (discard new, per subject); false: it drops the oldest there. */
-  refuses: boolean;
-}
-
-/**
- * Connects to a NATS relay, creating the stream and the roster bucket on first use. Credentials: user and password,
- * or a token, in the URL; INTERLINK_NATS_CREDS (a .creds file) or INTERLINK_NATS_NKEY (an nkey seed file);
- * INTERLINK_NATS_CA (a CA file); tls:// asks for TLS. INTERLINK_NATS_REPLICAS (1) sets the replicas it creates.
- */
-async function connectNats(url: string, key?: string): Promise<NatsLink> {
-  // deno-lint-ignore no-explicit-any -- the packages' types would need their npm install: NatsLink names what is used
-  type Loose = Record<string, any>;
-  const { transport: t, jetstream: j, kv: k } = NATS_PKGS;
-  const [transport, jetstreamPkg, kvPkg] = await Promise.all([t, j, k].map((p) => importPinned<Loose>(p)));
-  const u = new URL(url.replace(/^tls:/i, "nats:"));
-  const env = process.env;
-  const auth = u.password
-    ? { user: decodeURIComponent(u.username), pass: decodeURIComponent(u.password) }
-    : u.username
-    ? { token: decodeURIComponent(u.username) }
-    : {};
-  const authenticator = env.INTERLINK_NATS_CREDS
-    ? transport.credsAuthenticator(fs.readFileSync(env.INTERLINK_NATS_CREDS))
-    : env.INTERLINK_NATS_NKEY
-    ? transport.nkeyAuthenticator(utf8.encode(fs.readFileSync(env.INTERLINK_NATS_NKEY, "utf8").trim()))
-    : undefined;
-  const tls = /^tls:/i.test(url) || env.INTERLINK_NATS_CA
-    ? (env.INTERLINK_NATS_CA ? { caFile: env.INTERLINK_NATS_CA } : {})
-    : undefined;
-  const nc = await transport.connect({
-    servers: `${u.hostname}:${u.port || 4222}`,
-    name: `interlink ${VERSION}`,
-    // Replies (pulled messages among them) come under the node's own inbox prefix, which only it may subscribe to.
-    ...(key ? { inboxPrefix: natsInbox(key) } : {}),
-    maxReconnectAttempts: -1,
-    reconnectTimeWait: 500,
-    ...auth,
-    ...(authenticator ? { authenticator } : {}),
-    ...(tls ? { tls } : {}),
-  });
-  try {
-    const replicas = Number(env.INTERLINK_NATS_REPLICAS ?? 1);
-    const jsm = await natsNeeds<NatsLink["jsm"]>("JetStream", () => jetstreamPkg.jetstreamManager(nc)).catch(
-      (e: Error) => {
-        if (e instanceof InterlinkError) throw e; // the account's permissions: said as such
-        throw new InterlinkError(
-          `JetStream is not enabled on ${redactUrl(url)} (${errorText(e)}): start nats-server with -js`,
-        );
-      },
-    );
-    const refuses = await natsNeeds("the stream " + NATS_STREAM, async () => {
-      let info: { config: Record<string, unknown> };
-      try {
-        info = await jsm.streams.info(NATS_STREAM) as typeof info;
-      } catch (e) {
-        if (!/not found/i.test(errorText(e))) throw e;
-        // A full subject refuses the next publish (the sender retries), never drops an acknowledged one.
-        info = await jsm.streams.add({
-          name: NATS_STREAM,
-          subjects: ["interlink.in.>"],
-          retention: "workqueue",
-          storage: "file",
-          num_replicas: replicas,
-          max_msgs_per_subject: NATS_SUBJECT_CAP,
-          discard: "new",
-          discard_new_per_subject: true,
-          max_msg_size: BODY_LIMIT_BYTES,
-          max_age: FRESH_PAST_MS * 1e6, // older is refused as stale by any receiver (senders re-sign before)
-        }) as typeof info;
-      }
-      // Other rules could lose mail silently: say so. An earlier release's stream (discard old) is used as it is (its
-      // nodes refuse any other policy), our senders holding routes by receipts there (SEND_WINDOW).
-      const c = info.config;
-      const wrong = [
-        c.retention !== "workqueue" && `retention ${c.retention} (needs workqueue)`,
-        !(c.subjects as string[] | undefined)?.includes("interlink.in.>") && `subjects ${JSON.stringify(c.subjects)}`,
-        c.discard !== "old" && c.discard !== "new" && `discard ${c.discard} (needs new, or old)`,
-      ].filter(Boolean);
-      if (wrong.length) {
-        throw new InterlinkError(
-          `the stream ${NATS_STREAM} on ${redactUrl(url)} has other settings than interlink needs: ${
-            wrong.join(", ")
-          }; see docs/nats.md, "Mapping"`,
-        );
-      }
-      return c.discard === "new" && c.discard_new_per_subject === true;
-    });
-    const kvm = new kvPkg.Kvm(nc);
-    const kv = await natsNeeds<NatsLink["kv"]>(
-      "the key-value bucket " + NATS_ROSTER,
-      () =>
-        kvm.open(NATS_ROSTER).then(async (b: { status(): Promise<unknown> }) => (await b.status(), b)).catch(
-          () =>
-            kvm.create(NATS_ROSTER, {
-              history: 1,
-              ttl: ROSTER_RETENTION_MS,
-              replicas,
-              max_value_size: ANNOUNCEMENT_MAX_BYTES,
-            }),
-        ),
-    );
-    return { nc, js: jetstreamPkg.jetstream(nc), jsm, kv, refuses };
-  } catch (e) {
-    await nc.close().catch(() => {});
-    throw e;
-  }
-}
-
-/**
- * What one node's NATS user needs, and no more (docs/nats.md, "Who may read a route"): send to any route; create
- * consumers only on its own subjects; pull and ack through consumers whose names it knows; write only its own roster
- * entries. Not: making, deleting or purging the stream (an admin creates it), listing or deleting consumers, reading
- * by sequence.
- */
-function natsPermissions(key: string): { publish: { allow: string[] }; subscribe: { allow: string[] } } {
-  const kv = `KV_${NATS_ROSTER}`;
-  return {
-    publish: {
-      allow: [
-        "interlink.in.*",
-        "interlink.in.*.*",
-        "$JS.API.INFO",
-        `$JS.API.STREAM.INFO.${NATS_STREAM}`,
-        `$JS.API.CONSUMER.CREATE.${NATS_STREAM}.*.interlink.in.${key}`,
-        `$JS.API.CONSUMER.CREATE.${NATS_STREAM}.*.interlink.in.${key}.*`,
-        `$JS.API.CONSUMER.INFO.${NATS_STREAM}.*`,
-        `$JS.API.CONSUMER.MSG.NEXT.${NATS_STREAM}.*`,
-        `$JS.ACK.${NATS_STREAM}.>`,
-        `$KV.${NATS_ROSTER}.${key}.*`,
-        `$JS.API.STREAM.INFO.${kv}`,
-        `$JS.API.STREAM.MSG.GET.${kv}`,
-        `$JS.API.DIRECT.GET.${kv}.>`,
-        `$JS.API.CONSUMER.CREATE.${kv}.>`,
-        `$JS.API.CONSUMER.INFO.${kv}.>`,
-        `$JS.API.CONSUMER.DELETE.${kv}.>`,
-      ],
-    },
-    subscribe: { allow: [`${natsInbox(key)}.>`] },
-  };
-}
-
-/** A node's reply-inbox prefix: only its own user may subscribe under it (see natsPermissions). */
-const natsInbox = (key: string): string => `_INBOX_${key}`;
-
-/** A RelayError if `step` takes longer than `ms`; the step itself goes on. */
-async function withTimeout<T>(ms: number, what: string, step: () => Promise<T>): Promise<T> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const late = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => reject(new RelayError(`${what} timed out after ${ms} ms`)), ms);
-  });
-  try {
-    return await Promise.race([step(), late]);
-  } finally {
-    clearTimeout(timer);
-  }
-}
-
-/** Runs a setup step; a permission error says what the account must allow. */
-async function natsNeeds<T>(what: string, step: () => Promise<T>): Promise<T> {
-  try {
-    return await step();
-  } catch (e) {
-    if (/permission/i.test(errorText(e))) {
-      throw new InterlinkError(
-        `the NATS account may not use ${what} (${
-          errorText(e)
-        }): see docs/nats.md, "Who may read a route", for the permissions interlink needs, or have an admin create it`,
-      );
-    }
-    throw e;
-  }
-}
-
-/** NATS JetStream as a relay (see above). Connects on first use and reconnects by itself. */
-class NatsRelay implements Relay {
-  #link: Promise<NatsLink> | null = null;
-  /** The stream refuses a publish to a full subject (learned at connect: see NatsLink.refuses). */
-  #refuses = false;
-  #consumers = new Map<string, Promise<{ next(o: { expires: number }): Promise<NatsMsg | null> }>>();
-
-  /** `sign` names our consumers; `key`, the node's, its reply inboxes (both absent for doctor). */
-  constructor(readonly url: string, readonly sign?: (data: Bytes) => Promise<string>, readonly key?: string) {}
-
-  get name(): string {
-    return redactUrl(this.url);
-  }
-
-  link(): Promise<NatsLink> {
-    if (this.#link) return this.#link;
-    const current: Promise<NatsLink> = connectNats(this.url, this.key).then((link) => {
-      this.#refuses = link.refuses;
-      void this.#watch(link);
-      // A connection closed for good (not a reconnect): the next call connects anew, and reopens the consumers.
-      void link.nc.closed().then(() => {
-        if (this.#link === current) this.#link = null;
-        this.#consumers.clear();
-      });
-      return link;
-    }, (e) => {
-      if (this.#link === current) this.#link = null; // the next call tries again
-      throw e;
-    });
-    this.#link = current;
-    return current;
-  }
-
-  #back: (() => void)[] = [];
-
-  onBack(back: () => void): void {
-    this.#back.push(back);
-  }
-
-  refusesWhenFull(): boolean {
-    return this.#refuses;
-  }
-
-  /** Calls the onBack hooks after each reconnect (to another server of a cluster, say). */
-  async #watch(link: NatsLink): Promise<void> {
-    for await (const s of link.nc.status()) if (s.type === "reconnect") { for (const back of this.#back) back(); }
-  }
-
-  async send(route: string, payload: object, timeoutMs: number): Promise<void> {
-    const { js } = await withTimeout(timeoutMs, `${this.name}: connect`, () => this.link());
-    const p = payload as Record<string, unknown>;
-    const msgID = typeof p.msg_id === "string" ? `${p.from}.${p.msg_id}.${route}` : undefined;
-    try {
-      await js.publish(natsSubject(route), JSON.stringify(payload), {
-        ...(msgID ? { msgID } : {}),
-        timeout: timeoutMs,
-      });
-    } catch (e) {
-      if (e instanceof RelayError) throw e;
-      const why = errorText(e), full = /maximum messages per subject/i.test(why); // a stream that refuses, not drops
-      const tooBig = /maximum (payload|message size)|max_payload/i.test(why);
-      throw new RelayError(`${this.name}: ${full ? `${ROUTE_FULL}: ` : ""}${why}`, tooBig, full);
-    }
-  }
-
-  async recv(route: string, signal: AbortSignal, waitMs = NATS_PULL_MS): Promise<Received> {
-    // A pull waits at least a second (the client's floor for a pull's expiry).
-    const m = await this.#pull(route, signal, Math.max(1000, Math.min(waitMs, NATS_PULL_MS)));
-    if (!m) return { items: [] };
-    let payload: unknown;
-    try {
-      payload = JSON.parse(new TextDecoder().decode(m.data));
-    } catch {
-      payload = undefined; // not JSON: the gate calls it malformed, and it is acked
-    }
-    return { items: [{ payload, ack: async () => void (await m.ackAck()) }] };
-  }
-
-  /** One message of the route's consumer, or null when none came within NATS_PULL_MS or on stop. */
-  async #pull(route: string, signal: AbortSignal, expires: number): Promise<NatsMsg | null> {
-    let consumer = this.#consumers.get(route);
-    if (!consumer) {
-      consumer = this.#openConsumer(route);
-      this.#consumers.set(route, consumer);
-      consumer.catch(() => this.#consumers.delete(route));
-    }
-    // A pull cannot be cancelled: on stop, stop waiting. What it may still fetch is handed back at once (nak): left
-    // unacked it would block the route (one unacked at a time) for NATS_ACK_WAIT_MS.
-    const stopped = new Promise<null>((resolve) =>
-      signal.addEventListener("abort", () => resolve(null), { once: true })
-    );
-    let m: NatsMsg | null;
-    try {
-      const c = await Promise.race([
-        withTimeout(SEND_TIMEOUT_MS * 2, `${this.name}: consumer`, () => consumer),
-        stopped,
-      ]);
-      if (!c || signal.aborted) return null;
-      const next = c.next({ expires });
-      const handBack = () => void next.then((late) => late?.nak(), () => {});
-      try {
-        m = await Promise.race([withTimeout(expires + SEND_TIMEOUT_MS, `${this.name}: pull`, () => next), stopped]);
-      } catch (e) {
-        handBack(); // timed out: it may still come
-        throw e;
-      }
-      if (m === null && signal.aborted) handBack();
-    } catch (e) {
-      // The consumer may be gone (unused past inactive_threshold, deleted, the stream made anew): reopen it next time.
-      if (this.#consumers.get(route) === consumer) this.#consumers.delete(route);
-      throw e;
-    }
-    return m;
-  }
-
-  async #openConsumer(route: string) {
-    const { js, jsm } = await this.link();
-    const name = await natsConsumer(route, this.sign);
-    await natsNeeds(`a consumer on ${NATS_STREAM}`, async () => {
-      try {
-        await jsm.consumers.add(NATS_STREAM, {
-          durable_name: name,
-          filter_subject: natsSubject(route),
-          ack_policy: "explicit",
-          ack_wait: NATS_ACK_WAIT_MS * 1e6,
-          max_ack_pending: 1, // in order, as on a bus: an unacked message stays at the head until acked or redelivered
-          inactive_threshold: ROSTER_RETENTION_MS * 1e6,
-        });
-      } catch (e) {
-        if (!/already (exists|in use)/i.test(errorText(e))) throw e;
-      }
-    });
-    return await js.consumers.get(NATS_STREAM, name);
-  }
-
-  announce(a: Announcement): Promise<void> {
-    return withTimeout(SEND_TIMEOUT_MS, `${this.name}: announce`, async () => {
-      const { kv } = await this.link();
-      await kv.put(natsRosterKey(a.pubkey, a.session?.session_id ?? ""), JSON.stringify(a));
-    });
-  }
-
-  /** Every entry of the roster bucket; within `timeoutMs` (a reconnecting client would otherwise wait). */
-  roster(timeoutMs = SEND_TIMEOUT_MS): Promise<unknown[]> {
-    return withTimeout(timeoutMs, `${this.name}: roster`, () => this.#roster());
-  }
-
-  /**
-   * Keys come oldest write first (live sessions rewrite theirs every ANNOUNCE_EVERY_MS): the newest ROSTER_PER_KEY_CAP
-   * per node key (a node writes only under its own), then the newest ROSTER_CAP, so junk or stale entries cannot push
-   * live ones out. An entry filed under another key or session than it announces is dropped.
-   */
-  async #roster(): Promise<unknown[]> {
-    const { kv } = await this.link();
-    const byOwner = new Map<string, { k: string; at: number }[]>();
-    let at = 0;
-    for await (const k of await kv.keys()) {
-      const owner = k.split(".")[0];
-      const list = byOwner.get(owner) ?? [];
-      list.push({ k, at: at++ });
-      if (list.length > ROSTER_PER_KEY_CAP) list.shift();
-      byOwner.set(owner, list);
-    }
-    const keys = [...byOwner.values()].flat().sort((a, b) => a.at - b.at).slice(-ROSTER_CAP).map((x) => x.k);
-    const now = Date.now();
-    const entries = await Promise.all(keys.map(async (k) => [k, await kv.get(k)] as const));
-    return entries.flatMap(([k, e]) => {
-      if (!e || e.operation !== "PUT") return [];
-      try {
-        const text = e.string();
-        if (jsonShape(text).values > ANNOUNCEMENT_VALUES_MAX) return []; // what our bus refuses: see JSON_VALUES_MAX
-        const a = JSON.parse(text);
-        if (!isObject(a) || typeof a.pubkey !== "string") return [];
-        const session = isObject(a.session) && typeof a.session.session_id === "string" ? a.session.session_id : "";
-        if (natsRosterKey(a.pubkey, session) !== k) return [];
-        return [{ ...a, age_ms: Math.max(0, now - e.created.getTime()) }];
-      } catch {
-        return [];
-      }
-    });
-  }
-
-  unregister(u: { pubkey: string; session: { session_id: string } }, timeoutMs: number): Promise<void> {
-    return withTimeout(timeoutMs, `${this.name}: unregister`, async () => {
-      const { kv } = await this.link();
-      await kv.delete(natsRosterKey(u.pubkey, u.session.session_id));
-    });
-  }
-
-  async close(): Promise<void> {
-    const link = this.#link;
-    this.#link = null;
-    // A connect still in progress, or a server gone: never hold a shutdown up for long.
-    await withTimeout(GOODBYE_MS, `${this.name}: close`, async () => await (await link?.catch(() => null))?.nc.close())
-      .catch(() => {});
-  }
+  return isNatsUrl(url) ? new NatsRelayBeside(url, sign, key) : new HttpRelay(url, proof);
 }
 
 // ============================================================================
@@ -3893,54 +3511,41 @@ const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<Re
 };
 
 /**
- * Earlier releases' shapes, turned into today's (before decoding):
- *   0.4.0 "in" with `"pushed": true` (shown by push)  → "in", then "shown" {item, via: "push"}
- *   0.4.0 "in" without "peer"                       → peer "?"
- *   0.4.0 "shown" {from, msg_id}                      → "shown" {item: "<from> <msg_id>"}
- *   0.4.0 "knock" {name, msg} (the whole message)     → "knock" {key, name, msg_id, ts} (its text never kept)
- *   0.4.0 "out" without "recipient"                   → recipient: the message's `to`
+ * A record in one of interlink.ts 0.4.0's shapes: an "in" without a peer or shown by push, a "shown" naming sender and
+ * msg_id, a "knock" holding the whole message, an "out" without a recipient. Read as today's, it would be set aside as
+ * unreadable or show a message again, so no session reads one: `interlink.ts upgrade` (extras/upgrade.ts) rewrites it.
  */
-function upgradeRecord(o: Record<string, unknown>): Record<string, unknown>[] {
-  const msg = isObject(o.msg) ? o.msg : undefined;
-  switch (o.t) {
-    case "in": {
-      const r: Record<string, unknown> = { ...o, peer: typeof o.peer === "string" ? o.peer : "?" };
-      if (o.pushed !== true || !msg) return [r];
-      delete r.pushed;
-      return [r, { t: "shown", at: o.at, item: messageKey(String(msg.from), String(msg.msg_id)), via: "push" }];
-    }
-    case "shown":
-      return o.item === undefined && typeof o.from === "string" && typeof o.msg_id === "string"
-        ? [{ t: "shown", at: o.at, item: messageKey(o.from, o.msg_id), via: o.via === "push" ? "push" : "inbox" }]
-        : [o];
-    case "knock":
-      return o.key === undefined && msg
-        ? [{ t: "knock", at: o.at, key: msg.from, name: msg.text, msg_id: msg.msg_id, ts: msg.ts }]
-        : [o];
-    case "out":
-      return o.recipient === undefined && msg ? [{ ...o, recipient: msg.to }] : [o];
-    default:
-      return [o];
-  }
+function isOldShape(o: Record<string, unknown>): boolean {
+  const msg = isObject(o.msg);
+  if (o.t === "in") return typeof o.peer !== "string" || (o.pushed === true && msg);
+  if (o.t === "shown") return o.item === undefined && typeof o.from === "string" && typeof o.msg_id === "string";
+  return (o.t === "knock" && o.key === undefined && msg) || (o.t === "out" && o.recipient === undefined && msg);
 }
 
-/** A journal line's records in today's shape (an earlier release's line may become two), or a FormatError. */
+/** What interlink.ts 0.4.0 left in a state folder, and the one command that upgrades it (nothing changes until then). */
+function upgradeNeeded(what: string, stateDir: string): InterlinkError {
+  return new InterlinkError(
+    `${what}: this release reads it only once it is upgraded. Run \`interlink.ts upgrade --state ${stateDir}\` ` +
+      "(extras/upgrade.ts), which loses nothing; until then no session opens there, and what it holds waits",
+  );
+}
+
+/** A journal line's records (one: a line of interlink.ts 0.4.0 could hold two, which its upgrade splits), or why not. */
 function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
-  return upgradeRecord(raw).map((o) => {
-    const t = String(o.t) as RecordTag;
-    if (!Object.hasOwn(RECORD_FIELDS, t)) {
-      throw new FormatError(`unknown record tag ${JSON.stringify(t.slice(0, 16))} (written by a newer interlink?)`);
-    }
-    const at = typeof o.at === "number" && Number.isSafeInteger(o.at) ? o.at : 0;
-    return { t, at, ...RECORD_FIELDS[t](o) } as JournalRecord;
-  });
+  const t = String(raw.t) as RecordTag;
+  if (!Object.hasOwn(RECORD_FIELDS, t)) {
+    throw new FormatError(`unknown record tag ${JSON.stringify(t.slice(0, 16))} (written by a newer interlink?)`);
+  }
+  const at = typeof raw.at === "number" && Number.isSafeInteger(raw.at) ? raw.at : 0;
+  return [{ t, at, ...RECORD_FIELDS[t](raw) } as JournalRecord];
 }
 
 const encodeRecord = (r: JournalRecord): string => JSON.stringify(r);
 
 /**
- * Reads a journal's records from byte `from`, decoded and upgraded; `onBad` gets a line that is not one, with why.
- * The one reader of journals: the fold, `log`, `tasks`, conversation_history and `doctor` all go through it.
+ * Reads a journal's records from byte `from`, decoded; `onBad` gets a line that is not one, with why. A record of
+ * interlink.ts 0.4.0's shapes stops the read (see isOldShape). The one reader of journals: the fold, `log`, `tasks`,
+ * conversation_history and `doctor` all go through it.
  */
 function scanJournal(
   file: string,
@@ -3949,6 +3554,10 @@ function scanJournal(
   onBad: BadLine = () => {},
 ): ScanResult {
   return scanJsonl(file, from, (raw, at, end) => {
+    // A session's journal is <state folder>/sessions/<id>/log.jsonl (or an archive beside it).
+    if (isOldShape(raw)) {
+      throw upgradeNeeded(`${file} holds records of interlink.ts 0.4.0`, path.resolve(file, "../../.."));
+    }
     let records: JournalRecord[];
     try {
       records = decodeRecord(raw);
@@ -4827,19 +4436,6 @@ function readNodeState(stateDir: string): { state: NodeState; journal: Journal }
   const journal = new Journal(stateDir, new NodeState());
   journal.catchUp();
   return { state: journal.state, journal };
-}
-
-/** A 0.4.0 journal sat in the state folder: the first session to start after the upgrade moves it into its own. */
-function adoptLegacyJournal(stateDir: string, dir: string): void {
-  const legacy = path.join(stateDir, "log.jsonl");
-  if (!fs.existsSync(legacy) || fs.existsSync(path.join(dir, "log.jsonl"))) return;
-  for (const f of ["log.jsonl", "log.jsonl.corrupt", "inbox.cursor"]) {
-    if (fs.existsSync(path.join(stateDir, f))) fs.renameSync(path.join(stateDir, f), path.join(dir, f));
-  }
-  const session = path.basename(dir);
-  logInfo(
-    `moved this node's interlink.ts 0.4.0 journal into session ${session}, which carries on its outbox and tasks`,
-  );
 }
 
 /** A waitUntil subscription that fires when `stateDir`'s journal changes (the 1 s re-check covers fs.watch's gaps). */
@@ -6484,6 +6080,13 @@ class Agent {
     const id = opts.identity ?? (await readIdentity(cfg.keyFile));
     loadPeers(cfg.peersFile); // fail at start-up on a bad allowlist, naming the file
     const dir = sessionDir(cfg.stateDir, cfg.session);
+    // interlink.ts 0.4.0's journal and inbox cursor (its records in a journal stop the fold below): see upgradeNeeded.
+    const left = [
+      path.join(cfg.stateDir, "log.jsonl"),
+      path.join(cfg.stateDir, "inbox.cursor"),
+      path.join(dir, "inbox.cursor"),
+    ].find((f) => fs.existsSync(f));
+    if (left) throw upgradeNeeded(`${left} was written by interlink.ts 0.4.0`, cfg.stateDir);
     fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
     const lockFile = path.join(dir, "agent.lock");
     // Claude Code restarting the server of a session starts a second process with its id: the newer takes over, the
@@ -6513,12 +6116,10 @@ class Agent {
           (ARCHIVE_RE.test(f) && journalIno !== 0 && inodeOf(path.join(dir, f)) === journalIno);
         if (stale) fs.rmSync(path.join(dir, f));
       }
-      adoptLegacyJournal(cfg.stateDir, dir);
       agent = new Agent(cfg, id, lock, opts.now ?? Date.now, opts.host);
       agent.peers();
       agent.journal.catchUp();
       await agent.#rollJournal();
-      await agent.#adoptLegacyCursor();
       agent.#writeSessionFile();
       // Live again: nothing it writes from now on has been looked at by an adopter.
       fs.rmSync(path.join(dir, ADOPTED_FILE), { force: true });
@@ -6532,28 +6133,6 @@ class Agent {
       lock.release();
       throw e;
     }
-  }
-
-  /** A 0.4.0 inbox.cursor: the messages before it were read; say so in the journal once, then drop the file. */
-  async #adoptLegacyCursor(): Promise<void> {
-    const file = path.join(this.journal.stateDir, "inbox.cursor");
-    let offset: number;
-    try {
-      const raw = JSON.parse(fs.readFileSync(file, "utf8"));
-      offset = isObject(raw) && Number.isSafeInteger(raw.offset) ? raw.offset as number : -1;
-    } catch {
-      return;
-    }
-    const read: NewRecord[] = [];
-    if (offset >= 0 && offset <= fileSize(this.journal.file)) {
-      // (An "in" shown by push was upgraded into an "in" and a "shown": it is no longer in the inbox.)
-      scanJournal(this.journal.file, 0, (r, _at, end) => {
-        const item = r.t === "in" ? messageKey(r.msg.from, r.msg.msg_id) : "";
-        if (end <= offset && this.state.inbox.has(item)) read.push({ t: "shown", item, via: "inbox" });
-      });
-    } else logWarn(`${file} does not fit log.jsonl; every unread message stays unread`);
-    await this.journal.appendDurable(read);
-    fs.rmSync(file, { force: true });
   }
 
   /** The allowlist, re-read when peers.json changes (the CLI or another tool may edit it). */
@@ -9215,9 +8794,7 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
   const beside = path.join(import.meta.dirname ?? ".", EXTRAS.bus.file);
   if (new URL(import.meta.url).protocol === "file:" && !fs.existsSync(beside)) {
     return logWarn(
-      `nothing answers at ${url}, and this machine's bus cannot start: ${
-        missingFile("bus", EXTRAS.bus.file, beside, true)
-      }`,
+      `nothing answers at ${url}, and this machine's bus cannot start: ${extraMissing("bus", beside)}`,
     );
   }
   const dataDir = busDataDir();
@@ -9280,25 +8857,6 @@ function recordStart(stateDir: string): void {
   } catch (e) {
     logWarn(`cannot record this start in ${lastStartFile(stateDir)}: ${errorText(e)}`);
   }
-}
-
-function lastStartFinding(stateDir: string): Finding | null {
-  let last: { ms?: unknown; at?: unknown; runtime?: unknown };
-  try {
-    last = JSON.parse(fs.readFileSync(lastStartFile(stateDir), "utf8"));
-  } catch {
-    return null; // no server has started here yet (or the record is unreadable: it is only a report)
-  }
-  if (typeof last.ms !== "number" || typeof last.at !== "number") return null;
-  const what = `the last server start (${String(last.runtime)}, ${new Date(last.at).toISOString()}) answered after ${
-    (last.ms / 1000).toFixed(1)
-  } s; Claude Code waits 30 s (MCP_TIMEOUT)`;
-  return last.ms > SLOW_START_MS
-    ? found.problem(
-      what,
-      "use a local copy of interlink.ts (not a URL) and restart the session; on a slow machine start claude with MCP_TIMEOUT=60000",
-    )
-    : found.ok(what);
 }
 
 /** True under `claude mcp list|get`: a health check whose handshake looks like a session's, its command line not. */
@@ -9998,13 +9556,16 @@ function withHost(url: string, address: string): string {
 /** A relay tried (reachRelay): its round trip, its clock's skew and (our bus) its `interlink-bus` features, or why not. */
 type Reach = { ok: true; ms: number; skewMs?: number; features?: string } | { ok: false; why: string };
 
-/** Tries a relay: a bus by TCP first (so a failure is named), then GET /roster, whose Date gives its clock. */
+/**
+ * Tries a relay: NATS by reading its roster; a bus by TCP first (so a failure is named), then GET /roster, whose Date
+ * gives its clock.
+ */
 async function reachRelay(url: string, timeoutMs: number, now: () => number = Date.now): Promise<Reach> {
   if (isNatsUrl(url)) {
-    const relay = new NatsRelay(url);
+    const relay = openRelay(url);
     const t0 = Date.now();
     try {
-      await withTimeout(timeoutMs, `${relay.name}: connect`, () => relay.link());
+      await relay.roster(timeoutMs); // connects first, making the stream and the bucket if they are missing
       return { ok: true, ms: Date.now() - t0 };
     } catch (e) {
       return { ok: false, why: errorText(e) };
@@ -10483,270 +10044,6 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   return 0;
 }
 
-// -- doctor -------------------------------------------------------------------
-
-type Finding = { level: "ok" | "info" | "problem"; what: string; fix?: string };
-
-/** What doctor found: a fact, a fact with a hint, or a problem and how to fix it. */
-const found = {
-  ok: (what: string): Finding => ({ level: "ok", what }),
-  info: (what: string, fix?: string): Finding => ({ level: "info", what, ...some("fix", fix) }),
-  problem: (what: string, fix: string): Finding => ({ level: "problem", what, fix }),
-};
-
-/** Largest clock difference to the bus that `doctor` calls fine: well inside the 60 s future window. */
-const SKEW_WARN_MS = 10_000;
-
-async function doctorFindings(o: Options): Promise<Finding[]> {
-  const out = [found.ok(`runtime ${runtimeName()}, interlink ${VERSION}, ${process.platform}`)];
-  const keyFile = o.key as string;
-  let id: Identity | null = null;
-  try {
-    id = await readIdentity(keyFile);
-    const mode = fs.statSync(keyFile).mode & 0o777;
-    out.push(
-      mode & 0o077
-        ? found.problem(`key file ${keyFile} is readable by others (mode ${mode.toString(8)})`, `chmod 600 ${keyFile}`)
-        : found.ok(`key file ${keyFile} (mode 600), fingerprint ${id.fingerprint}`),
-    );
-  } catch (e) {
-    out.push(found.problem((e as Error).message.replace(/ Create one.*$/, ""), `interlink.ts keygen --out ${keyFile}`));
-  }
-  const peersFile = o.peers as string;
-  try {
-    const names = [...loadPeers(peersFile).byName.keys()];
-    out.push(
-      fs.existsSync(peersFile)
-        ? found.ok(`peers.json ${peersFile}: ${names.length} peer(s)${names.length ? ` (${names.join(", ")})` : ""}`)
-        : found.info(
-          `no peers.json at ${peersFile} yet`,
-          "pair with the discover and request_pair tools, or `interlink.ts peers add PETNAME KEY`",
-        ),
-    );
-  } catch (e) {
-    const fix = `edit ${peersFile}: { "<petname>": { "key": "<43-char public key>" } }, one key per petname`;
-    out.push(found.problem((e as Error).message, fix));
-  }
-  const state = (o.state as string | undefined) ?? (id ? defaultNodeState(id.fingerprint) : undefined);
-  const sessions = state ? listSessions(state) : [];
-  const live = sessions.filter((x) => x.live);
-  if (state) {
-    const lastStart = lastStartFinding(state);
-    if (lastStart) out.push(lastStart);
-    out.push(
-      live.length
-        ? found.ok(
-          `state folder ${state}: ${live.length} session(s) running: ${
-            live.map((x) => `${sessionLabel(x)} pid ${x.live!.pid}`).join(", ")
-          }`,
-        )
-        : found.info(`state folder ${state}: no session running (${sessions.length} known)`),
-    );
-  }
-  for (const x of live) {
-    // A Codex session's last wake: a queue that failed says why (what waits stays for check_inbox).
-    try {
-      const wake = JSON.parse(fs.readFileSync(path.join(x.dir, "wake.json"), "utf8"));
-      if (isObject(wake) && wake.ok === false) {
-        out.push(found.problem(
-          `the Codex session ${sessionLabel(x)} cannot be woken: ${showInvisible(String(wake.why))}`,
-          "check that codex runs (INTERLINK_CODEX_BIN) and that the session is a normal one (not codex exec or ephemeral); its messages wait for check_inbox",
-        ));
-      }
-    } catch {
-      // not a Codex session, or never woken
-    }
-  }
-  const refusals = new Map<string, number>();
-  const skewed = { theirs: 0, reported: 0, ours: new Map<string, ReceiptLine>() }; // the last day's clock refusals
-  const since = Date.now() - FRESH_PAST_MS;
-  for (const file of sessions.flatMap((x) => journalFiles(x.dir))) {
-    scanJournal(file, 0, (r) => {
-      if (r.t === "refusal") refusals.set(r.reason, (refusals.get(r.reason) ?? 0) + 1);
-      if (r.at < since) return;
-      if (r.t === "refusal" && r.reason === "stale") skewed.theirs++;
-      if (r.t === "owe") skewed.reported++;
-      if (r.t !== "receipt") return;
-      for (const l of recordedReports(r)) if (l.state === "refused") skewed.ours.set(r.peer, l);
-    });
-  }
-  for (const [peer, l] of skewed.ours) {
-    out.push(found.problem(
-      `${showInvisible(peer)} refused your messages in the last day (latest ${l.msg_id}): ${refusalWords(l)}`,
-      l.reason === "not_allowlisted"
-        ? `ask ${showInvisible(peer)} to pair again: the request_pair tool (a re-knock) or \`interlink.ts invite\``
-        : "sync this machine's clock (NTP: `timedatectl set-ntp true`), then send what matters again",
-    ));
-  }
-  if (skewed.theirs) {
-    out.push(found.problem(
-      `this node refused peers' messages for their time in the last day (a sender's clock off by over a minute, or held over a day)${
-        skewed.reported ? `; ${skewed.reported} of them are reported to their senders by receipt` : ""
-      }`,
-      "`interlink.ts log` names each sender: ask its operator to sync its clock (NTP); check this machine's too",
-    ));
-  }
-  if (refusals.size) {
-    const list = [...refusals].map(([why, n]) => `${n} ${why}`).join(", ");
-    out.push(found.info(
-      `this node refused messages (${list}), one line per sender and reason`,
-      "`interlink.ts log` shows each, with who sent it",
-    ));
-  }
-  // Lines taken out of a journal as unreadable: never silent.
-  for (const file of [...sessions.map((x) => path.join(x.dir, "log.jsonl")), path.join(busDataDir(), "queue.jsonl")]) {
-    const n = corruptCount(file);
-    if (n) {
-      out.push(found.problem(
-        `${n} unreadable line(s) were taken out of ${file} (a disk fault or a hand edit)`,
-        `read ${corruptFile(file)} (each line: its offset, why, and its text); delete it once dealt with`,
-      ));
-    }
-  }
-  let urls: string[] = [];
-  try {
-    urls = parseBusUrls((o.url as string | undefined) ?? localBusUrl());
-  } catch (e) {
-    out.push(
-      found.problem((e as Error).message, "set INTERLINK_URL to comma-separated http(s)://, nats:// or tls:// URLs"),
-    );
-  }
-  for (const url of urls) {
-    if (isNatsUrl(url)) {
-      out.push(...await doctorNats(url, id));
-      continue;
-    }
-    const t0 = Date.now();
-    let r: Response, roster: unknown;
-    try {
-      r = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(3000) });
-      roster = await readJsonAnswer(r, ROSTER_ANSWER_MAX_BYTES, "its roster", ROSTER_ANSWER_VALUES_MAX);
-      if (!r.ok) throw new Error(`answered ${r.status}`);
-    } catch (e) {
-      out.push(found.problem(
-        `bus ${url} is unreachable: ${errorText(e)}`,
-        o.url === undefined
-          ? "start one with `interlink.ts bus` (the mcp command starts one itself unless --no-bus)"
-          : "start that bus, or fix INTERLINK_URL",
-      ));
-      continue;
-    }
-    const t1 = Date.now();
-    const features = r.headers.get("interlink-bus") ?? "";
-    out.push(
-      found.ok(`bus ${url} answers (round trip ${t1 - t0} ms)`),
-      features.includes("ownership")
-        ? found.ok(`bus ${url} enforces recipient ownership: once a route proves its key, nobody else reads or acks it`)
-        : found.info(
-          `bus ${url} does not enforce recipient ownership (a reference bus): anyone who reaches it can read or ack any route`,
-          "run `interlink.ts bus` there, or keep the bus on a network only your nodes reach",
-        ),
-      fullFinding(
-        `bus ${url}`,
-        features.includes("full-refused"),
-        "its cap per recipient",
-        "a reference bus, or ours of an earlier release",
-        "run `interlink.ts bus` of this release there",
-      ),
-    );
-    const date = r.headers.get("date");
-    if (date) {
-      const skew = Date.parse(date) - (t0 + t1) / 2; // the header has 1 s resolution
-      out.push(
-        Math.abs(skew) > SKEW_WARN_MS
-          ? found.problem(
-            `clock is ${Math.round(skew / 1000)} s off ${url}`,
-            "sync this machine's clock (NTP); peers refuse messages more than 60 s in the future",
-          )
-          : found.ok(`clock within ${Math.max(1, Math.round(Math.abs(skew) / 1000))} s of ${url}`),
-      );
-    }
-    if (!id) continue;
-    const key = id.publicKey;
-    const listed = isObject(roster) && Array.isArray(roster.roster) &&
-      roster.roster.some((a) => isObject(a) && a.pubkey === key);
-    out.push(
-      listed ? found.ok(`this node is on the roster of ${url}`) : live.length
-        ? found.problem(
-          `this node is not on the roster of ${url} although an agent runs`,
-          "check the agent's log (stderr) for errors reaching the bus",
-        )
-        : found.info(`this node is not on the roster of ${url} (no agent running with this key)`),
-    );
-  }
-  return out;
-}
-
-/**
- * What a relay does at a route's cap (see QUEUE_CAP): refuse the next, so nothing accepted is lost; or drop the
- * oldest (`which` relay that is, and the `fix`), so our senders hold back by receipts.
- */
-function fullFinding(relay: string, refuses: boolean, cap: string, which: string, fix: string): Finding {
-  return refuses
-    ? found.ok(`${relay} refuses a message past ${cap} (the sender keeps it): nothing accepted is dropped`)
-    : found.info(
-      `${relay} drops the oldest message past ${cap} (${which}): our senders hold each route at ${SEND_WINDOW} unconfirmed, freed by receipts; a reference node, which sends none, is not held and can lose mail there`,
-      fix,
-    );
-}
-
-/** A NATS relay: it connects, JetStream is on, the stream and roster bucket exist or could be made, its round trip. */
-async function doctorNats(url: string, id: Identity | null): Promise<Finding[]> {
-  const relay = new NatsRelay(url, undefined, id?.publicKey);
-  const name = `NATS relay ${relay.name}`;
-  try {
-    const t0 = Date.now();
-    const link = await withTimeout(5_000, `${relay.name}: connect`, () => relay.link());
-    const setupMs = Date.now() - t0;
-    const rtt = await withTimeout(5_000, `${relay.name}: ping`, () => link.nc.rtt());
-    const mine = id && (await relay.roster()).some((a) => isObject(a) && a.pubkey === id.publicKey);
-    return [
-      found.ok(
-        `${name} answers (round trip ${rtt} ms; connected with JetStream, stream ${NATS_STREAM} and bucket ${NATS_ROSTER} ready, in ${setupMs} ms)`,
-      ),
-      found.info(
-        `${name}: who may read or ack a route is up to the account's permissions (docs/nats.md, "Who may read a route"), not to interlink`,
-      ),
-      fullFinding(
-        name,
-        link.refuses,
-        "its per-subject limit",
-        "a stream made by an earlier release",
-        'once no node of an earlier release uses it: `nats stream edit INTERLINK --discard new --discard-per-subject` (docs/nats.md, "Mapping")',
-      ),
-      ...(id
-        ? [
-          found.info(
-            `this node is ${mine ? "" : "not "}on the roster of ${relay.name}${
-              mine ? "" : " (no agent running with this key)"
-            }`,
-          ),
-        ]
-        : []),
-    ];
-  } catch (e) {
-    return [
-      found.problem(
-        `${name} is not usable: ${errorText(e)}`,
-        "start nats-server with JetStream (`nats-server -js`), check the URL and credentials (INTERLINK_NATS_CREDS, INTERLINK_NATS_NKEY, INTERLINK_NATS_CA)",
-      ),
-    ];
-  } finally {
-    await relay.close();
-  }
-}
-
-async function runDoctor(o: Options): Promise<number> {
-  const findings = await doctorFindings(o);
-  for (const f of findings) {
-    print(`${{ ok: "ok     ", info: "info   ", problem: "PROBLEM" }[f.level]}  ${f.what}`);
-    if (f.fix) print(`         fix: ${f.fix}`);
-  }
-  const problems = findings.filter((f) => f.level === "problem").length;
-  print(problems ? `\n${problems} problem(s) found.` : "\nno problems found.");
-  return problems ? 1 : 0;
-}
-
 /** `claude [args…]`: the one way a session both accepts channel events and has interlink push them; claude's code. */
 async function runClaude(args: string[]): Promise<number> {
   const channel = process.env.INTERLINK_CLAUDE_CHANNEL || "server:interlink";
@@ -10910,13 +10207,6 @@ const COMMANDS: Record<string, CommandSpec> = {
     },
     run: runWait,
   },
-  doctor: {
-    summary: "check this node's set-up and say how to fix what is wrong",
-    about:
-      "Checks the runtime, the key file and its mode, peers.json, this node's sessions (which run, their last start, their\nCodex wakes), the last day's refusals and clock skew, lines set aside as unreadable, and every relay (reachability,\nround trip, clock skew, whether this node is on its roster; a NATS stream's limits). Exits 1 if any problem was found.",
-    options: { ...NODE_OPTIONS },
-    run: runDoctor,
-  },
   claude: {
     summary: "start Claude Code with channel delivery: interlink then pushes messages as channel events",
     args: "[claude arguments…]",
@@ -11062,7 +10352,7 @@ function programHelp(): string {
     ...Object.entries(COMMANDS).map(([n, c]) => `  ${n.padEnd(width)}  ${c.summary}`),
     ...beside(true).map(([n, x]) => `  ${n.padEnd(width)}  ${x.summary} (${x.file})`),
     "",
-    "Extras (files beside interlink.ts in its repository; no session needs them):",
+    "Extras (files beside interlink.ts in its repository; no session loads them):",
     ...beside(false).map(([n, x]) => `  ${n.padEnd(width)}  ${x.summary} (${x.file})`),
     "",
     "Run `interlink.ts <command> --help` for a command's options. Every option falls back",
@@ -11167,19 +10457,29 @@ const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
     file: "extras/codex.ts",
     summary: "install interlink into Codex CLI: its MCP server, the hook that binds a thread, and the hook's trust",
   },
+  doctor: { file: "extras/doctor.ts", summary: "check this node's set-up and say how to fix what is wrong" },
   demo: {
     file: "dev/demo.ts",
     summary: "run a bus and two agents in temporary folders and walk a delegated task through its lifecycle",
   },
+  upgrade: {
+    file: "extras/upgrade.ts",
+    summary: "carry a state folder of interlink.ts 0.4.0 over, once: its journal, inbox cursor and record shapes",
+  },
   verify: { file: "extras/verify.ts", summary: "check signed messages read from stdin, one JSON object per line" },
 };
 
-/** What a lone copy says when `interlink.ts name` needs `file` beside it. */
-function missingFile(name: string, file: string, where: string, role?: true): string {
-  const what = role ? `a role of its own, not part of the node` : "an extra, not part of interlink.ts";
-  const without = role ? "a session needs it only to start this machine's own bus" : "every session works without it";
-  return `\`${name}\` is ${what}: it is ${file} in interlink's repository, beside interlink.ts. Clone the ` +
-    `repository, or fetch that file to ${where}, to run it; ${without}.`;
+/** What a lone copy says when `interlink.ts name` needs its file (see EXTRAS), to be fetched to `where`. */
+function extraMissing(name: string, where: string): string {
+  const { file, role } = EXTRAS[name];
+  return role
+    ? missingFile(
+      `\`${name}\` is a role of its own, not part of the node`,
+      file,
+      where,
+      "a session needs it only to start this machine's own bus",
+    )
+    : missingFile(`\`${name}\` is an extra, not part of interlink.ts`, file, where, "no session loads it");
 }
 
 // ============================================================================
@@ -11228,11 +10528,8 @@ async function runCommand(name: string, argv: string[], spec: CommandSpec | Prom
 
 /** The CommandSpec of a role or an extra, loaded from beside this file; an InterlinkError that says what to fetch. */
 async function loadExtra(name: string): Promise<CommandSpec> {
-  const { file, role } = EXTRAS[name];
-  const url = new URL(`./${file}`, import.meta.url);
-  const where = url.protocol === "file:" ? path.join(import.meta.dirname!, file) : undefined;
-  if (where && !fs.existsSync(where)) throw new InterlinkError(missingFile(name, file, where, role));
-  return ((await import(url.href)) as { command: CommandSpec }).command;
+  return (await importBeside<{ command: CommandSpec }>(EXTRAS[name].file, (where) => extraMissing(name, where)))
+    .command;
 }
 
 /** Exits with the command's code; a crash prints its stack and exits 70 (EX_SOFTWARE). */
@@ -11281,7 +10578,6 @@ export {
   chooseRoute,
   claimInbox,
   commandTable,
-  connectNats,
   conversation,
   corruptCount,
   corruptFile,
@@ -11290,6 +10586,7 @@ export {
   decodeRecord,
   DEFAULT_BUS_PORT,
   DEFAULT_MAX_DEPTH,
+  defaultNodeState,
   DELIVERY_MODES,
   describeTask,
   DiskFullError,
@@ -11311,6 +10608,7 @@ export {
   FORWARDS_OPEN_CAP,
   FRESH_FUTURE_MS,
   FRESH_PAST_MS,
+  GOODBYE_MS,
   GOODBYE_PREFIX,
   hasSmallOrder,
   headOf,
@@ -11318,7 +10616,6 @@ export {
   humanBytes,
   identityFromSeed,
   idProblem,
-  importPinned,
   INBOX_ANSWER_MAX_CHARS,
   inodeOf,
   INSTRUCTIONS_MAX_CHARS,
@@ -11329,7 +10626,9 @@ export {
   inviteProofBytes,
   invitesFile,
   isLoopback,
+  isNatsUrl,
   isObject,
+  isOldShape,
   Journal,
   journalFiles,
   JSON_VALUES_MAX,
@@ -11338,9 +10637,12 @@ export {
   judgeChain,
   judgeInvite,
   lanAddresses,
+  lastStartFile,
   legacyAnnouncementBytes,
   lifecycleError,
+  listSessions,
   loadPeers,
+  localBusUrl,
   LockedError,
   lockOwner,
   logInfo,
@@ -11348,14 +10650,9 @@ export {
   MCP_LINE_MAX_CHARS,
   mcpJson,
   messageBlock,
+  messageKey,
   messagePayload,
   msFromEnv,
-  NATS_STREAM,
-  natsConsumer,
-  natsInbox,
-  natsPermissions,
-  NatsRelay,
-  natsSubject,
   newPeerName,
   NODE_OPTIONS,
   nodeClock,
@@ -11387,6 +10684,7 @@ export {
   readId,
   readIdentity,
   readInvites,
+  readJsonAnswer,
   readJsonl,
   readRoster,
   readStdin,
@@ -11400,10 +10698,12 @@ export {
   redactUrl,
   refusalOf,
   refusalWords,
+  RelayError,
   removePeer,
   RENEW_TEXT,
   ReplayMemory,
   ROSTER_ANSWER_MAX_BYTES,
+  ROSTER_ANSWER_VALUES_MAX,
   ROSTER_CAP,
   ROSTER_PER_KEY_CAP,
   ROSTER_RETENTION_MS,
@@ -11421,9 +10721,11 @@ export {
   SEND_WINDOW,
   SERVER_ROLE,
   serverInstructions,
+  SESSION_RE,
   sessionDir,
   sessionEndedAt,
   sessionIds,
+  sessionLabel,
   setAside,
   setLogComponent,
   setLogSink,
@@ -11434,6 +10736,7 @@ export {
   signChain,
   signMessage,
   sleep,
+  SLOW_START_MS,
   some,
   taskKey,
   taskOwner,
@@ -11459,6 +10762,7 @@ export {
 };
 export type {
   Announcement,
+  Bytes,
   Carried,
   CarriedOut,
   Chain,
@@ -11482,6 +10786,7 @@ export type {
   PushEvent,
   ReceiptLine,
   ReceiptState,
+  Received,
   Relay,
   Remembered,
   SessionInfo,

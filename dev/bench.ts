@@ -38,7 +38,6 @@ import {
   InterlinkError,
   Journal,
   JsonlWriter,
-  NatsRelay,
   type NewRecord,
   NodeState,
   postJson,
@@ -64,6 +63,7 @@ import {
   withFileLock,
   writeKeyFile,
 } from "../interlink.ts";
+import { NatsRelay } from "../nats.ts";
 import {
   errorResponse,
   jsonResponse,

@@ -14,7 +14,6 @@ import type { StdioClientTransport as McpClientTransport } from "npm:@modelconte
 import {
   type Identity,
   identityFromSeed,
-  importPinned,
   InterlinkError,
   type PushEvent,
   selfCommand,
@@ -22,6 +21,7 @@ import {
   VERSION,
   writeKeyFile,
 } from "../interlink.ts";
+import { importPinned } from "../nats.ts";
 
 /**
  * The npm packages interlink loads, pinned here and nowhere else (package.json

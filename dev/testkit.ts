@@ -1,7 +1,8 @@
 // The suite's shared kit: what more than one test file needs (the core's tests in interlink.test.ts, each extra's
 // beside it). Identities from the signing vectors, temporary folders and the children a test starts (all swept after
-// each file: see sweepAfterAll), the CLI run as a child under Bun or Deno, buses, nodes' files and MCP sessions,
-// waiting helpers. Bun only (it drives bun:test and Bun.spawn): deno check leaves it out, as it does the tests.
+// each file: see sweepAfterAll), the CLI run as a child under Bun or Deno, buses, nats-server processes, nodes' files
+// and MCP sessions, their journals read back, waiting helpers. Bun only (it drives bun:test and Bun.spawn): deno check
+// leaves it out, as it does the tests.
 
 import { afterAll, test } from "bun:test";
 import { spawn, spawnSync } from "node:child_process";
@@ -14,6 +15,8 @@ import {
   type Identity,
   identityFromSeed,
   type NodeConfig,
+  type PushEvent,
+  readJsonl,
   setLogSink,
   writeKeyFile,
 } from "../interlink.ts";
@@ -141,12 +144,17 @@ export function denoPath(): string {
   }
 }
 
+/** An executable on PATH, or where Debian puts it (/usr/sbin, which a user's PATH may lack), else null. */
+export function findTool(name: string, debianPath: string): string | null {
+  return Bun.which(name) ?? (fs.existsSync(debianPath) ? debianPath : null);
+}
+
 /**
  * A system tool some tests need (a Debian package, which CI installs): its path, on PATH or where Debian puts it, or
  * null, after saying which tests are skipped and the line that installs it.
  */
 export function systemTool(name: string, debianPath: string, group: string, tests: string[]): string | null {
-  const found = Bun.which(name) ?? (fs.existsSync(debianPath) ? debianPath : null);
+  const found = findTool(name, debianPath);
   if (!found) {
     process.stderr.write(
       `\nSKIPPED ${tests.length} ${group} tests (${name} is not on PATH):\n${
@@ -157,10 +165,26 @@ export function systemTool(name: string, debianPath: string, group: string, test
   return found;
 }
 
-/** A folder holding what a clone of the repository runs from (interlink.ts, extras/, dev/), and no node_modules. */
+/** A loopback port free when asked (a neighbouring test may still take it before it is bound). */
+export function freePort(): Promise<number> {
+  const server = Bun.serve({ port: 0, fetch: () => new Response() });
+  const port = server.port!;
+  server.stop(true);
+  return Promise.resolve(port);
+}
+
+/** Copies `files` (paths in the repository) into `dir` at the same paths: beside interlink.ts, where it looks for them. */
+export function copyFromRepo(dir: string, ...files: string[]): void {
+  for (const f of files) {
+    fs.mkdirSync(path.dirname(path.join(dir, f)), { recursive: true });
+    fs.copyFileSync(path.join(REPO, f), path.join(dir, f));
+  }
+}
+
+/** A folder holding what a clone of the repository runs from (interlink.ts, bus.ts, nats.ts, extras/, dev/), no node_modules. */
 export function cloneLike(prefix: string): string {
   const dir = tmpDir(prefix);
-  for (const file of ["interlink.ts", "bus.ts"]) fs.copyFileSync(path.join(REPO, file), path.join(dir, file));
+  copyFromRepo(dir, "interlink.ts", "bus.ts", "nats.ts");
   for (const sub of ["extras", "dev"]) fs.cpSync(path.join(REPO, sub), path.join(dir, sub), { recursive: true });
   return dir;
 }
@@ -368,7 +392,7 @@ export function befriend(a: NodeFiles, b: NodeFiles) {
   }
 }
 
-/** A real `interlink.ts mcp` child for one node's files, driven by the SDK client. */
+/** A real `interlink.ts mcp` child for one node's files, driven by the SDK client (`script`: another copy of the file). */
 export type McpNode = McpSession;
 export const McpNode = {
   start(
@@ -376,8 +400,9 @@ export const McpNode = {
     files: NodeFiles,
     busUrl: string,
     env: Record<string, string> = {},
+    script = SCRIPT,
   ): Promise<McpSession> {
-    return McpSession.start(files.name, [...runtimeArgv(runtime), "mcp"], {
+    return McpSession.start(files.name, [...runtimeArgv(runtime, script), "mcp"], {
       INTERLINK_KEY: files.keyFile,
       INTERLINK_PEERS: files.peersFile,
       INTERLINK_STATE: files.stateDir,
@@ -390,7 +415,7 @@ export const McpNode = {
       ...(process.env.XDG_CACHE_HOME ? { XDG_CACHE_HOME: process.env.XDG_CACHE_HOME } : {}),
       ...env,
     }, {
-      cwd: REPO,
+      cwd: path.dirname(script),
       onStderr: (line) => process.env.INTERLINK_TEST_VERBOSE && process.stderr.write(`  [${files.name}] ${line}\n`),
     }).then((session) => {
       if (session.pid) made.pids.add(session.pid);
@@ -511,3 +536,125 @@ if (!CODEX_BIN) {
   );
 }
 export const codexTest = test.skipIf(!CODEX_BIN);
+
+// deno-lint-ignore no-explicit-any -- journal records of every kind, read back for assertions
+export function readNodeLog(stateDir: string): any[] {
+  // Every session's journal (tests run one session per node, named after it).
+  const sessions = path.join(stateDir, "sessions");
+  const files = fs.existsSync(sessions)
+    ? fs.readdirSync(sessions).map((id) => path.join(sessions, id, "log.jsonl"))
+    : [];
+  return files.flatMap((f) => readJsonl(f));
+}
+
+/** msg_ids a node admitted, in journal order (duplicates would show twice). */
+export const admittedIds = (f: NodeFiles): string[] =>
+  readNodeLog(f.stateDir).filter((r) => r.t === "in").map((r) => r.msg.msg_id);
+
+/** The channel event a node is pushed that matches `pred`, within 30 s. */
+export const eventOn = (node: McpNode, pred: (e: PushEvent) => boolean) => node.waitEvent(pred, 30_000);
+
+// -- NATS JetStream servers ----------------------------------------------------
+
+/** nats-server, for the test files whose NATS tests run (each says which it skips without it: see systemTool). */
+const NATS_BIN = findTool("nats-server", "/usr/sbin/nats-server");
+
+export interface NatsServer {
+  url: string;
+  log: string;
+  kill(): void;
+}
+
+/** True once something accepts TCP connections on the port. */
+export const accepting = (port: number) =>
+  new Promise<boolean>((resolve) => {
+    const socket = net.connect(port, "127.0.0.1", () => (socket.destroy(), resolve(true)));
+    socket.on("error", () => resolve(false));
+  });
+
+/**
+ * Starts nats-server nodes with JetStream (one, or a cluster when n > 1) and waits until each accepts
+ * connections (and a cluster has elected its JetStream leader). They log to a file, not a pipe.
+ */
+export async function startNats(
+  root: string,
+  n = 1,
+  opts: { jetstream?: boolean; accounts?: object; port?: number } = {},
+): Promise<NatsServer[]> {
+  // A port found free can be taken by a neighbouring test before nats-server binds it: then again, other ports.
+  for (let attempt = 1;; attempt++) {
+    try {
+      return await startNatsOnce(path.join(root, `try-${attempt}`), n, opts);
+    } catch (e) {
+      if (attempt === 3 || !/exited with/.test((e as Error).message)) throw e;
+    }
+  }
+}
+
+async function startNatsOnce(
+  root: string,
+  n: number,
+  opts: { jetstream?: boolean; accounts?: object; port?: number },
+): Promise<NatsServer[]> {
+  const ports = await Promise.all(Array.from({ length: n * 2 }, () => freePort()));
+  if (opts.port) ports[0] = opts.port; // a port the test chose (one a node is already told to use)
+  const servers = Array.from({ length: n }, (_, i) => {
+    const dir = path.join(root, `nats-${i}`);
+    fs.mkdirSync(dir, { recursive: true });
+    const log = path.join(dir, "nats.log");
+    const routes = Array.from({ length: n }, (_, j) => `nats://127.0.0.1:${ports[n + j]}`).filter((_, j) => j !== i);
+    const conf = [
+      `listen: 127.0.0.1:${ports[i]}`,
+      `server_name: n${i}`,
+      `log_file: "${log}"`,
+      "max_payload: 2MB",
+      opts.jetstream === false ? "" : `jetstream { store_dir: "${dir}" }`,
+      n > 1 ? `cluster { name: c, listen: 127.0.0.1:${ports[n + i]}, routes: [${routes.join(", ")}] }` : "",
+      opts.accounts ? `accounts: ${JSON.stringify(opts.accounts)}` : "",
+    ].join("\n");
+    fs.writeFileSync(path.join(dir, "nats.conf"), conf);
+    const proc = spawnTracked([NATS_BIN!, "-c", path.join(dir, "nats.conf")], {
+      stdout: "ignore",
+      stderr: "ignore",
+    });
+    return { url: `nats://127.0.0.1:${ports[i]}`, log, port: ports[i], proc, kill: () => killGroup(proc.pid) };
+  });
+  const logOf = (s: { log: string }) => (fs.existsSync(s.log) ? fs.readFileSync(s.log, "utf8") : "");
+  const exited = () => servers.find((s) => s.proc.exitCode !== null);
+  try {
+    for (const s of servers) {
+      await eventually(
+        async () => {
+          if (exited()) throw new Error(`nats-server exited with ${exited()!.proc.exitCode}:\n${logOf(exited()!)}`);
+          // Its own word that it has bound every listener (a port that answers might be another process's).
+          return /Server is ready/.test(logOf(s)) && await accepting(s.port);
+        },
+        `nats-server on port ${s.port} accepts connections`,
+        30_000,
+      );
+    }
+  } catch (e) {
+    for (const s of servers) s.kill();
+    throw e;
+  }
+  if (n > 1) {
+    await eventually(
+      () =>
+        servers.some((s) =>
+          /JetStream cluster new metadata leader|Self is new JetStream cluster metadata leader/.test(logOf(s))
+        ),
+      "the cluster elected its JetStream leader",
+      30_000,
+    );
+  }
+  return servers.map(({ url, log, kill }) => ({ url, log, kill }));
+}
+
+/** An MCP node on these relays, in inbox mode unless told otherwise. */
+export const natsNode = (runtime: "bun" | "deno", f: NodeFiles, urls: string[], env: Record<string, string> = {}) =>
+  McpNode.start(runtime, f, urls.join(","), {
+    INTERLINK_DELIVERY: "inbox",
+    INTERLINK_AUTOSTART_BUS: "0",
+    INTERLINK_TEST_NATS_ACK_WAIT_MS: "2000", // an unacked message comes again after 2 s instead of 10 s
+    ...env,
+  });

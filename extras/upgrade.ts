@@ -1,0 +1,245 @@
+/**
+ * extras/upgrade.ts: `interlink.ts upgrade`, run once on a state folder that interlink.ts 0.4.0 wrote; until it has
+ * run, the node opens no session there (see isOldShape and upgradeNeeded in interlink.ts). It moves a 0.4.0 journal
+ * from the state folder into a session folder of its own, turns an inbox.cursor into "shown" records (the messages
+ * before it were read), and rewrites records of 0.4.0's shapes into today's. Nothing is lost: the journal's unsent
+ * outbox, its tasks and its unread messages fold as they did. Every step can be cut short by a crash and run again:
+ * files move by rename, what the cursor says is journaled before the cursor goes, and each journal is replaced whole.
+ * It holds a session's agent.lock while it changes that session, so no session of it runs meanwhile.
+ */
+
+import { Buffer } from "node:buffer";
+import * as fs from "node:fs";
+import * as path from "node:path";
+import {
+  type CommandSpec,
+  decodeRecord,
+  defaultNodeState,
+  EXTRAS,
+  fileSize,
+  InterlinkError,
+  isObject,
+  isOldShape,
+  journalFiles,
+  type JournalRecord,
+  JsonlWriter,
+  messageKey,
+  NodeState,
+  OPT,
+  option,
+  type Options,
+  PidLock,
+  print,
+  readIdentity,
+  runExtra,
+  scanJsonl,
+  scanLines,
+  SESSION_RE,
+  sessionDir,
+  sessionIds,
+  writeFileAtomic,
+} from "../interlink.ts";
+
+/** The session a 0.4.0 journal becomes, unless --session names another: the node's next session adopts it. */
+const UPGRADED_SESSION = "0.4.0-journal";
+
+/**
+ * interlink.ts 0.4.0's shapes (see isOldShape), turned into today's:
+ *   "in" with `"pushed": true` (shown by push)  → "in", then "shown" {item, via: "push"}
+ *   "in" without "peer"                       → peer "?"
+ *   "shown" {from, msg_id}                      → "shown" {item: "<from> <msg_id>"}
+ *   "knock" {name, msg} (the whole message)     → "knock" {key, name, msg_id, ts} (its text never kept)
+ *   "out" without "recipient"                   → recipient: the message's `to`
+ */
+export function upgradeRecord(o: Record<string, unknown>): Record<string, unknown>[] {
+  const msg = isObject(o.msg) ? o.msg : undefined;
+  switch (o.t) {
+    case "in": {
+      const r: Record<string, unknown> = { ...o, peer: typeof o.peer === "string" ? o.peer : "?" };
+      if (o.pushed !== true || !msg) return [r];
+      delete r.pushed;
+      return [r, { t: "shown", at: o.at, item: messageKey(String(msg.from), String(msg.msg_id)), via: "push" }];
+    }
+    case "shown":
+      return o.item === undefined && typeof o.from === "string" && typeof o.msg_id === "string"
+        ? [{ t: "shown", at: o.at, item: messageKey(o.from, o.msg_id), via: o.via === "push" ? "push" : "inbox" }]
+        : [o];
+    case "knock":
+      return o.key === undefined && msg
+        ? [{ t: "knock", at: o.at, key: msg.from, name: msg.text, msg_id: msg.msg_id, ts: msg.ts }]
+        : [o];
+    case "out":
+      return o.recipient === undefined && msg ? [{ ...o, recipient: msg.to }] : [o];
+    default:
+      return [o];
+  }
+}
+
+/** Moves a 0.4.0 journal and its side files from the state folder into `dir`; what it moved. */
+function moveJournal(stateDir: string, dir: string): string[] {
+  const moved: string[] = [];
+  for (const f of ["log.jsonl", "log.jsonl.corrupt", "inbox.cursor"]) {
+    const from = path.join(stateDir, f), to = path.join(dir, f);
+    if (!fs.existsSync(from)) continue;
+    if (fs.existsSync(to)) {
+      throw new InterlinkError(`${to} exists already: pass --session with a new id, for ${from} to move into`);
+    }
+    fs.renameSync(from, to);
+    moved.push(f);
+  }
+  return moved;
+}
+
+/**
+ * A session's inbox.cursor (0.4.0: the byte offset in log.jsonl up to which the inbox was read), said in the journal as
+ * a "shown" record for each message before it still unread, then removed; what it did. Journaled before the cursor
+ * goes: run again after a crash, it finds those messages shown and adds nothing.
+ */
+async function applyCursor(dir: string, now: () => number): Promise<string | null> {
+  const cursor = path.join(dir, "inbox.cursor"), journal = path.join(dir, "log.jsonl");
+  if (!fs.existsSync(cursor)) return null;
+  let offset = -1;
+  try {
+    const raw = JSON.parse(fs.readFileSync(cursor, "utf8"));
+    if (isObject(raw) && Number.isSafeInteger(raw.offset)) offset = raw.offset as number;
+  } catch {
+    // unreadable: as one that does not fit
+  }
+  const fits = offset >= 0 && offset <= fileSize(journal);
+  const state = new NodeState(now);
+  const before: string[] = []; // messages whose line ends at or before the cursor
+  scanJsonl(journal, 0, (raw, _at, end) => {
+    for (const o of upgradeRecord(raw)) {
+      let records: JournalRecord[];
+      try {
+        records = decodeRecord(o);
+      } catch {
+        continue; // not a record: the session sets it aside when it opens, as any other
+      }
+      for (const r of records) {
+        state.apply(r);
+        if (r.t === "in" && end <= offset) before.push(messageKey(r.msg.from, r.msg.msg_id));
+      }
+    }
+  });
+  const read = fits ? before.filter((item) => state.inbox.has(item)) : [];
+  if (read.length) {
+    const writer = new JsonlWriter(journal);
+    try {
+      await writer.appendDurable(read.map((item) => ({ t: "shown", at: now(), item, via: "inbox" })));
+    } finally {
+      writer.close();
+    }
+  }
+  fs.rmSync(cursor);
+  return fits
+    ? `${cursor}: ${read.length} message(s) before it marked read`
+    : `${cursor} does not fit ${journal}: every unread message stays unread`;
+}
+
+/**
+ * A journal file with its records of 0.4.0's shapes rewritten, every other line byte for byte (a torn last line too,
+ * which the session skips as ever); null if it holds none.
+ */
+function upgradedJournal(file: string): { bytes: Buffer; records: number } | null {
+  const parts: Buffer[] = [];
+  let records = 0;
+  const { next } = scanLines(file, 0, (buf, start, end) => {
+    let o: unknown;
+    try {
+      o = JSON.parse(buf.toString("utf8", start, end));
+    } catch {
+      o = undefined;
+    }
+    if (isObject(o) && isOldShape(o)) {
+      records++;
+      parts.push(Buffer.from(upgradeRecord(o).map((r) => JSON.stringify(r) + "\n").join("")));
+    } else parts.push(Buffer.from(buf.subarray(start, end)), Buffer.from("\n"));
+  });
+  if (!records) return null;
+  parts.push(fs.readFileSync(file).subarray(next));
+  return { bytes: Buffer.concat(parts), records };
+}
+
+/** Runs `step` holding `dir`'s agent.lock: a session that runs there is named, and nothing is changed. */
+async function holdingSession<T>(dir: string, step: () => Promise<T>): Promise<T> {
+  fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
+  const lock = await PidLock.acquire(path.join(dir, "agent.lock"), "interlink upgrade");
+  try {
+    return await step();
+  } finally {
+    lock.release();
+  }
+}
+
+/**
+ * Upgrades what interlink.ts 0.4.0 left in `stateDir`: its journal becomes `session`'s, then every session's cursor and
+ * records of 0.4.0's shapes are carried over (see above); the lines of what it did, none if there was nothing to do.
+ */
+export async function upgradeStateFolder(
+  stateDir: string,
+  session = UPGRADED_SESSION,
+  now: () => number = Date.now,
+): Promise<string[]> {
+  const done: string[] = [];
+  if (["log.jsonl", "inbox.cursor"].some((f) => fs.existsSync(path.join(stateDir, f)))) {
+    const dir = sessionDir(stateDir, session);
+    const moved = await holdingSession(dir, () => Promise.resolve(moveJournal(stateDir, dir)));
+    done.push(`moved ${moved.join(", ")} of interlink.ts 0.4.0 from ${stateDir} into session ${session} (${dir})`);
+  }
+  for (const id of sessionIds(stateDir)) {
+    const dir = sessionDir(stateDir, id);
+    const needs = fs.existsSync(path.join(dir, "inbox.cursor")) || journalFiles(dir).some((f) => upgradedJournal(f));
+    if (!needs) continue;
+    await holdingSession(dir, async () => {
+      const cursor = await applyCursor(dir, now);
+      if (cursor) done.push(cursor);
+      for (const file of journalFiles(dir)) {
+        const upgraded = upgradedJournal(file);
+        if (!upgraded) continue;
+        writeFileAtomic(file, upgraded.bytes);
+        done.push(`${file}: ${upgraded.records} record(s) of interlink.ts 0.4.0 rewritten`);
+      }
+    });
+  }
+  return done;
+}
+
+async function runUpgrade(o: Options): Promise<number> {
+  const stateDir = (o.state as string | undefined) ??
+    defaultNodeState((await readIdentity(o.key as string)).fingerprint);
+  const session = (o.session as string | undefined) ?? UPGRADED_SESSION;
+  if (!SESSION_RE.test(session)) {
+    throw new InterlinkError(`session id '${session}' must be 1-128 letters, digits, . _ -`);
+  }
+  const done = await upgradeStateFolder(stateDir, session);
+  for (const line of done) print(line);
+  print(
+    done.length
+      ? `upgraded ${stateDir}: its sessions open again, and carry on what it held`
+      : `nothing of interlink.ts 0.4.0 in ${stateDir}: nothing to upgrade`,
+  );
+  return 0;
+}
+
+export const command: CommandSpec = {
+  summary: EXTRAS["upgrade"].summary,
+  about:
+    "Run once on a state folder that interlink.ts 0.4.0 wrote: the node opens no session there until it has run.\n" +
+    "It moves the 0.4.0 journal into a session folder of its own (--session), turns inbox.cursor into records of the\n" +
+    "messages read, and rewrites records of 0.4.0's shapes. Nothing is lost, and running it again does no harm. The\n" +
+    "moved journal is a session that has ended: the node's next session adopts its outbox and unread messages.",
+  options: {
+    key: OPT.key,
+    state: OPT.state,
+    session: option(
+      "ID",
+      undefined,
+      UPGRADED_SESSION,
+      "the session the 0.4.0 journal becomes (letters, digits, . _ -)",
+    ),
+  },
+  run: runUpgrade,
+};
+
+if (import.meta.main) runExtra("upgrade", command);
