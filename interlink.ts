@@ -8318,16 +8318,17 @@ class CodexWaker {
 // The MCP server and its tools
 // ============================================================================
 
-/** One tool argument: its JSON Schema (what tools/list shows) and the check a call is held to. */
-interface Arg {
-  schema: Record<string, unknown>;
-  required: boolean;
-  /** Why `v` will not do, or null. */
-  check(v: unknown): string | null;
-}
-
-/** Builds one argument once its name is known, so errors can name it. */
+/**
+ * One tool argument, made once its name is known so that errors can name it: its JSON Schema (what tools/list shows)
+ * and why a value will not do, or null.
+ */
+type Arg = { schema: Record<string, unknown>; required: boolean; check(v: unknown): string | null };
 type ArgMaker = (name: string) => Arg;
+
+/** An optional argument: absent, or `ok`. */
+const optionalArg =
+  (schema: Record<string, unknown>, ok: (v: unknown) => boolean, why: (name: string, v: unknown) => string): ArgMaker =>
+  (name) => ({ schema, required: false, check: (v) => (v === undefined || ok(v) ? null : why(name, v)) });
 
 /**
  * Tool argument schemas with the wording a model can act on ("'text' is required (…)", "unknown status 'done'; use
@@ -8345,32 +8346,22 @@ const ARGS = {
         ? null
         : `'${name}' must be a string`,
   }),
-  opt: (d: string): ArgMaker => (name) => ({
-    schema: { type: "string", description: d },
-    required: false,
-    check: (v) => (v === undefined || typeof v === "string" ? null : `'${name}' must be a string`),
-  }),
-  int: (d: string, min: number, max: number): ArgMaker => (name) => ({
-    schema: { type: "integer", minimum: min, maximum: max, description: d },
-    required: false,
-    check: (v) =>
-      v === undefined || (Number.isInteger(v) && (v as number) >= min && (v as number) <= max)
-        ? null
-        : `'${name}' must be an integer from ${min} to ${max}`,
-  }),
-  bool: (d: string): ArgMaker => (name) => ({
-    schema: { type: "boolean", description: d },
-    required: false,
-    check: (v) => (v === undefined || typeof v === "boolean" ? null : `'${name}' must be a boolean`),
-  }),
-  oneOf: (values: readonly [string, ...string[]], d: string): ArgMaker => (name) => ({
-    schema: { type: "string", enum: [...values], description: d },
-    required: false,
-    check: (v) =>
-      v === undefined || values.includes(v as string)
-        ? null
-        : `unknown ${name} '${String(v)}'; use one of: ${values.join(", ")}`,
-  }),
+  opt: (d: string) =>
+    optionalArg({ type: "string", description: d }, (v) => typeof v === "string", (n) => `'${n}' must be a string`),
+  int: (d: string, min: number, max: number) =>
+    optionalArg(
+      { type: "integer", minimum: min, maximum: max, description: d },
+      (v) => Number.isInteger(v) && (v as number) >= min && (v as number) <= max,
+      (n) => `'${n}' must be an integer from ${min} to ${max}`,
+    ),
+  bool: (d: string) =>
+    optionalArg({ type: "boolean", description: d }, (v) => typeof v === "boolean", (n) => `'${n}' must be a boolean`),
+  oneOf: (values: readonly [string, ...string[]], d: string) =>
+    optionalArg(
+      { type: "string", enum: [...values], description: d },
+      (v) => values.includes(v as string),
+      (n, v) => `unknown ${n} '${String(v)}'; use one of: ${values.join(", ")}`,
+    ),
 };
 
 interface ToolSpec {
@@ -8388,10 +8379,7 @@ interface ToolSpec {
 }
 
 /** A tool's text, and what it does once the server has written it to the client (true) or not (a cancel, a failure). */
-interface ToolAnswer {
-  text: string;
-  written(ok: boolean): void;
-}
+type ToolAnswer = { text: string; written(ok: boolean): void };
 
 /** check_inbox's answer for what is unread: as much as fits one answer (see fitInbox), and which items that shows. */
 function inboxAnswer(agent: Agent, unread: InboxItem[]): { text: string; shown: InboxItem[] } {
@@ -8527,17 +8515,10 @@ function deliveryTrail(e: OutEntry, to: string): string {
 }
 
 /** Anything that can name a key by its petname: the running agent, or peers.json read by the CLI. */
-interface PeerNames {
-  petnameOf(key: string): string | undefined;
-  peers(): Peers;
-}
+type PeerNames = Pick<Agent, "petnameOf" | "peers">;
 
-function describeTask(
-  names: PeerNames,
-  t: TaskRow,
-  outgoing?: ReadonlyMap<string, OutEntry>,
-  selfKey?: string,
-): string {
+/** One line of the task table, for the model and `interlink.ts tasks`; `out`: our messages, for their receipts. */
+function describeTask(names: PeerNames, t: TaskRow, out?: ReadonlyMap<string, OutEntry>, selfKey?: string): string {
   const peer = names.petnameOf(t.peer_key) ?? fingerprint(t.peer_key);
   const name = (k: string) => (k === selfKey ? "you" : names.petnameOf(k) ?? fingerprint(k));
   const owner = t.owner !== undefined
@@ -8546,63 +8527,50 @@ function describeTask(
     ? `${peer}'s operator`
     : "your operator";
   const session = t.peer_session ? ` (session ${showId(t.peer_session.slice(0, 12))})` : "";
+  const chain = t.chain && [...t.chain.map(name), t.requested_by === "me" ? peer : "you"].join(" → ");
+  const sub = t.parent && showId(t.parent.task_id), requester = t.parent && name(t.parent.requester);
+  const owned = `(owned by ${owner}${chain ? `; depth ${t.depth ?? t.chain!.length}: ${chain}` : ""})`;
+  const last = t.last_out_msg_id ? out?.get(t.last_out_msg_id) : undefined, lastId = last?.msg.msg_id;
   const parts = [
     `task ${showId(t.task_id)} with ${peer}${session}`,
     `requested by ${t.requested_by === "me" ? "you" : peer}`,
     `status ${t.status ?? "open (no status yet)"}`,
     t.closed ? "closed" : "open",
-  ];
-  if (t.parent) {
-    const last = t.requested_by === "me" ? peer : "you";
-    const chain = t.chain ? `; depth ${t.depth ?? t.chain.length}: ${[...t.chain.map(name), last].join(" → ")}` : "";
-    const parent = showId(t.parent.task_id), requester = name(t.parent.requester);
-    parts.push(
-      t.requested_by === "me"
-        ? `a sub-task of ${parent}, which ${requester} asked of you (owned by ${owner}${chain})`
-        : `${peer}'s node says it serves its task ${parent} for ${requester} (owned by ${owner}${chain})`,
-    );
-  }
-  if (t.unopened) {
-    parts.push(
-      `this session was never asked for it nor opened it (${peer}'s first message on it had a status): maybe another session's`,
-    );
-  }
-  if (t.peer_closed_at && !t.closed) {
-    parts.push(`${peer}'s session closed at ${isoTime(t.peer_closed_at)}; this task may not finish (check discover)`);
-  }
-  const last = t.last_out_msg_id ? outgoing?.get(t.last_out_msg_id) : undefined;
-  if (last?.refusedBy) {
-    parts.push(`${peer} REFUSED your last message ${last.msg.msg_id}: ${refusalWords(last.refusedBy)}`);
-  } else if (last?.delivered && !last.shown) {
-    const at = isoTime(last.delivered.at);
-    parts.push(
-      `your last message ${last.msg.msg_id} was delivered to ${peer}'s session at ${at} but is not yet shown to its model (the session may be busy or idle)`,
-    );
-  }
-  for (const q of t.awaiting) {
-    const since = q.at === undefined ? "" : ` since ${isoTime(q.at)}`, id = showId(q.msg_id), fwd = q.forwarded;
-    if (q.asked_by === "peer" && fwd) {
-      const to = `${name(fwd.to)} on task ${showId(fwd.task_id)} (as ${fwd.as})`;
-      parts.push(
-        `${peer}'s question ${id}${since} is forwarded to ${to}, for ${owner}: the answer comes back through you and goes on by itself`,
-      );
-    } else if (q.asked_by === "peer") {
-      // Not forwarded (past FORWARDS_OPEN_CAP, or its parent closed): this node's operator answers it.
-      const kept = t.parent && t.requested_by === "me" ? `, not forwarded to ${owner}` : "";
-      parts.push(
-        `BLOCKED on ${peer}'s question ${id}${since}${kept}: ask your operator and answer with in_reply_to=${id}`,
-      );
-    } else {
+    t.parent &&
+    (t.requested_by === "me"
+      ? `a sub-task of ${sub}, which ${requester} asked of you ${owned}`
+      : `${peer}'s node says it serves its task ${sub} for ${requester} ${owned}`),
+    t.unopened &&
+    `this session was never asked for it nor opened it (${peer}'s first message on it had a status): maybe another session's`,
+    t.peer_closed_at && !t.closed &&
+    `${peer}'s session closed at ${isoTime(t.peer_closed_at)}; this task may not finish (check discover)`,
+    last?.refusedBy
+      ? `${peer} REFUSED your last message ${lastId}: ${refusalWords(last.refusedBy)}`
+      : last?.delivered && !last.shown &&
+        `your last message ${lastId} was delivered to ${peer}'s session at ${
+          isoTime(last.delivered.at)
+        } but is not yet shown to its model (the session may be busy or idle)`,
+    ...t.awaiting.map((q) => {
+      const since = q.at === undefined ? "" : ` since ${isoTime(q.at)}`, id = showId(q.msg_id), fwd = q.forwarded;
+      if (q.asked_by === "peer" && fwd) {
+        const to = `${name(fwd.to)} on task ${showId(fwd.task_id)} (as ${fwd.as})`;
+        return `${peer}'s question ${id}${since} is forwarded to ${to}, for ${owner}: the answer comes back through you and goes on by itself`;
+      }
+      if (q.asked_by === "peer") {
+        // Not forwarded (past FORWARDS_OPEN_CAP, or its parent closed): this node's operator answers it.
+        const kept = t.parent && t.requested_by === "me" ? `, not forwarded to ${owner}` : "";
+        return `BLOCKED on ${peer}'s question ${id}${since}${kept}: ask your operator and answer with in_reply_to=${id}`;
+      }
       const by = q.earlier ? `, by your earlier session ${showId(q.earlier)}` : "";
       // On a peer's request, its owner is that peer's word (its chain).
       const word = t.requested_by === "peer" && t.owner !== undefined && t.owner !== t.peer_key
         ? `, by ${peer}'s word`
         : "";
-      parts.push(`waiting for ${peer} to answer your question ${q.msg_id} (asked${since}${by}, for ${owner}${word})`);
-    }
-  }
-  parts.push(`${t.messages} messages, last ${isoTime(t.last_at)}`);
-  return "- " + parts.join("; ");
+      return `waiting for ${peer} to answer your question ${q.msg_id} (asked${since}${by}, for ${owner}${word})`;
+    }),
+    `${t.messages} messages, last ${isoTime(t.last_at)}`,
+  ];
+  return "- " + parts.filter(Boolean).join("; ");
 }
 
 /** The task table, filtered; shared by list_tasks and `interlink.ts tasks`. */
@@ -8614,13 +8582,7 @@ function taskTable(agentLike: PeerNames, tasks: Iterable<TaskRow>, peer?: string
 }
 
 /** A message in the history: which way, the message, when, the petname, and (ours) how far it got. */
-interface HistoryRow {
-  dir: "in" | "out";
-  msg: SignedMessage;
-  at: number;
-  peer: string | null;
-  state?: string;
-}
+type HistoryRow = { dir: "in" | "out"; msg: SignedMessage; at: number; peer: string | null; state?: string };
 
 /**
  * The last `limit` messages with one peer (all peers when undefined), both directions, oldest first, from the
