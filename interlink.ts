@@ -8449,8 +8449,23 @@ const opt = (args: Record<string, unknown>, key: string): string | undefined =>
   typeof args[key] === "string" && args[key] !== "" ? args[key] as string : undefined;
 
 /** describeOut, and why it waits if its route is held (see NodeState.waitsFor). */
-function describeSettled(agent: Agent, e: OutEntry): string {
-  return describeOut(e, waitWords(agent, e));
+const describeSettled = (agent: Agent, e: OutEntry): string => describeOut(e, waitWords(agent, e));
+
+/** Anything that can name a key by its petname: the running agent, or peers.json read by the CLI. */
+type PeerNames = Pick<Agent, "petnameOf" | "peers">;
+
+/** A key as the model knows it: "you" (`self`), its petname, or its fingerprint. */
+const nameOf = (names: PeerNames, key: string, self?: string): string =>
+  key === self ? "you" : names.petnameOf(key) ?? fingerprint(key);
+
+/** A send's answer: where it stands once settled, the route's note, `also`, and the sub-tasks it canceled. */
+async function sentAnswer(agent: Agent, sent: Awaited<ReturnType<Agent["send"]>>, also = ""): Promise<string> {
+  const settled = describeSettled(agent, await agent.settle(sent.entry.msg.msg_id, 2000));
+  const each = sent.canceled.map((t) => `${showId(t.task_id)} with ${nameOf(agent, t.peer_key)}`);
+  const canceled = each.length
+    ? `; also canceled the sub-task${each.length > 1 ? "s" : ""} you opened for it: ${each.join(", ")}`
+    : "";
+  return `${settled} — ${sent.note}${canceled}${also}`;
 }
 
 /** Why a queued message to `e`'s route waits (see NodeState.waitsFor), for the model; null if it does not. */
@@ -8473,20 +8488,11 @@ function waitWords(agent: Agent, e: OutEntry): string | null {
   }
 }
 
-/** How deep a sub-task we opened is, and its chain in words ("depth 2 of at most 4: alice → bob → carol"). */
-function chainNote(agent: Agent, e: OutEntry): string {
-  const c = e.chain!;
-  const name = (k: string) => (k === agent.id.publicKey ? "you" : agent.petnameOf(k) ?? fingerprint(k));
-  return `depth ${c.depth} of at most ${agent.cfg.maxDepth ?? DEFAULT_MAX_DEPTH} here: ${
-    chainWords([...c.keys, e.msg.to], name)
-  }; its questions come to you and go on to ${name(c.requester)} by themselves`;
-}
-
-/** "; canceled its sub-tasks: deploy with carol, …", or "" when none. */
-function canceledNote(agent: Agent, rows: TaskRow[]): string {
-  if (!rows.length) return "";
-  const each = rows.map((t) => `${showId(t.task_id)} with ${agent.petnameOf(t.peer_key) ?? fingerprint(t.peer_key)}`);
-  return `; also canceled the sub-task${rows.length > 1 ? "s" : ""} you opened for it: ${each.join(", ")}`;
+/** The sub-task a send opened: how deep, and its chain in words ("depth 2 of at most 4 here: alice → bob → carol"). */
+function chainNote(agent: Agent, e: OutEntry, c: Chain): string {
+  const name = (k: string) => nameOf(agent, k, agent.id.publicKey), max = agent.cfg.maxDepth ?? DEFAULT_MAX_DEPTH;
+  const parent = showId(c.parent), chain = chainWords([...c.keys, e.msg.to], name), requester = name(c.requester);
+  return `; opens a sub-task of ${parent}, depth ${c.depth} of at most ${max} here: ${chain}; its questions come to you and go on to ${requester} by themselves`;
 }
 
 /** Messages list_pending shows one by one for a route that waits; the rest are counted, behind them in order. */
@@ -8514,13 +8520,9 @@ function deliveryTrail(e: OutEntry, to: string): string {
   return steps.join(" → ");
 }
 
-/** Anything that can name a key by its petname: the running agent, or peers.json read by the CLI. */
-type PeerNames = Pick<Agent, "petnameOf" | "peers">;
-
 /** One line of the task table, for the model and `interlink.ts tasks`; `out`: our messages, for their receipts. */
 function describeTask(names: PeerNames, t: TaskRow, out?: ReadonlyMap<string, OutEntry>, selfKey?: string): string {
-  const peer = names.petnameOf(t.peer_key) ?? fingerprint(t.peer_key);
-  const name = (k: string) => (k === selfKey ? "you" : names.petnameOf(k) ?? fingerprint(k));
+  const peer = nameOf(names, t.peer_key), name = (k: string) => nameOf(names, k, selfKey);
   const owner = t.owner !== undefined
     ? `${name(t.owner)}'s operator`
     : t.requested_by === "peer"
@@ -8667,13 +8669,8 @@ const TOOLS: ToolSpec[] = [
     async run(agent, a) {
       const optional = ["task_id", "status", "in_reply_to", "session", "channel", "parent_task_id", "parent_peer"];
       const more = Object.fromEntries(optional.map((k) => [k, opt(a, k)]));
-      const { entry, note, canceled } = await agent.send({ to: a.to as string, text: a.text as string, ...more });
-      const chain = entry.chain
-        ? `; opens a sub-task of ${showId(entry.chain.parent)}, ${chainNote(agent, entry)}`
-        : "";
-      return `${describeSettled(agent, await agent.settle(entry.msg.msg_id, 2000))} — ${note}${chain}${
-        canceledNote(agent, canceled)
-      }`;
+      const sent = await agent.send({ to: a.to as string, text: a.text as string, ...more });
+      return await sentAnswer(agent, sent, sent.entry.chain && chainNote(agent, sent.entry, sent.entry.chain));
     },
   },
   {
@@ -8689,36 +8686,27 @@ const TOOLS: ToolSpec[] = [
     }),
     annotations: { readOnlyHint: false, destructiveHint: true, idempotentHint: true, openWorldHint: true },
     async run(agent, a) {
-      const key = peerKey(agent.peers(), a.to as string);
-      const task = agent.state.tasks.get(taskKey(key, a.task_id as string));
-      if (task?.closed) {
-        const at = isoTime(task.last_at), id = showId(task.task_id);
-        throw new InterlinkError(
-          `task ${id} with ${a.to} is already closed (status ${task.status}, ${at}); nothing was sent`,
-        );
-      }
+      const { to, task_id } = a as { to: string; task_id: string };
+      const key = peerKey(agent.peers(), to), task = agent.state.tasks.get(taskKey(key, task_id));
       if (!task) {
-        const theirs = [...agent.state.tasks.values()].filter((t) => t.peer_key === key && !t.closed);
-        const open = theirs.map((t) => showId(t.task_id)).join(", ") || "none";
+        const open = [...agent.state.tasks.values()].filter((t) => t.peer_key === key && !t.closed);
+        const ids = open.map((t) => showId(t.task_id)).join(", ") || "none";
+        throw new InterlinkError(`no task '${task_id}' with ${to} in this node's log; open tasks with ${to}: ${ids}`);
+      }
+      const at = isoTime(task.last_at), id = showId(task.task_id);
+      if (task.closed) {
         throw new InterlinkError(
-          `no task '${a.task_id}' with ${a.to} in this node's log; open tasks with ${a.to}: ${open}`,
+          `task ${id} with ${to} is already closed (status ${task.status}, ${at}); nothing was sent`,
         );
       }
-      const { entry, note, canceled } = await agent.send({
-        to: a.to as string,
-        text: opt(a, "reason") ?? "canceled",
-        task_id: a.task_id as string,
-        status: "canceled",
-        session: opt(a, "session"),
-      });
+      const text = opt(a, "reason") ?? "canceled", session = opt(a, "session");
+      const sent = await agent.send({ to, text, task_id, status: "canceled", session });
       const here = task.requested_by === "me"
-        ? `; ${agent.petnameOf(key) ?? fingerprint(key)}'s node cancels the sub-tasks it opened for it`
-        : canceled.length
+        ? `; ${nameOf(agent, key)}'s node cancels the sub-tasks it opened for it`
+        : sent.canceled.length
         ? ""
         : "; you had opened no sub-task for it";
-      return `${describeSettled(agent, await agent.settle(entry.msg.msg_id, 2000))} — ${note}${
-        canceledNote(agent, canceled)
-      }${here}`;
+      return await sentAnswer(agent, sent, here);
     },
   },
   {
@@ -8729,24 +8717,16 @@ const TOOLS: ToolSpec[] = [
     args: (k) => ({ msg_id: k.str("the msg_id returned by send_message or shown on a received message") }),
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent, a) {
-      const entry = agent.state.entry(a.msg_id as string);
+      const id = a.msg_id as string, entry = agent.state.entry(id);
       if (entry) return describeSettled(agent, entry);
-      const [found] = conversation(agent.journal.stateDir, undefined, 1, a.msg_id as string);
-      if (found?.dir === "in") {
-        return `received: ${messageBlock({ dir: "in", peer: found.peer ?? "?", msg: found.msg, at: found.at })}`;
-      }
-      const { movedTo } = agent.state;
-      if (found?.state === "queued" && movedTo) {
-        // Queued when this session ended: the session that adopted it carried it on.
-        const at = found.at, recipient = found.msg.to;
-        return describeOut({ msg: found.msg, peer: found.peer, recipient, at, attempts: 0, movedTo });
-      }
-      if (found) {
-        return `msg_id ${found.msg.msg_id} to ${found.peer ?? fingerprint(found.msg.to)}: ${found.state} (sent ${
-          isoTime(found.at)
-        }; older than what is kept in memory)`;
-      }
-      throw new InterlinkError(`no message with msg_id '${a.msg_id}' in this node's log`);
+      const [found] = conversation(agent.journal.stateDir, undefined, 1, id);
+      if (!found) throw new InterlinkError(`no message with msg_id '${id}' in this node's log`);
+      const { msg, at, peer, state } = found, { movedTo } = agent.state;
+      if (found.dir === "in") return `received: ${messageBlock({ dir: "in", peer: peer ?? "?", msg, at })}`;
+      // Queued when this session ended: the session that adopted it carried it on.
+      if (state === "queued" && movedTo) return describeOut({ msg, peer, recipient: msg.to, at, attempts: 0, movedTo });
+      const to = peer ?? fingerprint(msg.to), sent = isoTime(at);
+      return `msg_id ${msg.msg_id} to ${to}: ${state} (sent ${sent}; older than what is kept in memory)`;
     },
   },
   {
@@ -8762,9 +8742,8 @@ const TOOLS: ToolSpec[] = [
       const key = peerKey(agent.peers(), a.peer as string);
       const rows = conversation(agent.journal.stateDir, key, (a.limit as number | undefined) ?? 20);
       if (!rows.length) return `no messages with ${a.peer} yet`;
-      return rows.map((r) =>
-        messageBlock({ dir: r.dir, peer: agent.petnameOf(key) ?? String(a.peer), msg: r.msg, at: r.at, state: r.state })
-      ).join("\n\n");
+      const peer = agent.petnameOf(key) ?? String(a.peer);
+      return rows.map((r) => messageBlock({ ...r, peer })).join("\n\n");
     },
   },
   {
@@ -8796,20 +8775,17 @@ const TOOLS: ToolSpec[] = [
       const more = new Map<string, number>(); // a route not held → how many wait past the first PENDING_LISTED
       let receipts = 0; // bookkeeping: counted in one line, not listed as the model's messages
       for (const e of agent.state.pending.values()) {
-        if (e.msg.kind === "receipt") {
-          receipts++;
-          continue;
-        }
-        // A held route lists its first few: the rest wait behind them, in order, and are counted below.
         const n = listed.get(e.recipient) ?? 0, route = held.get(e.recipient);
-        if (lines.length < PENDING_LISTED && !(route && n >= HELD_LISTED)) {
+        if (e.msg.kind === "receipt") receipts++;
+        // A held route lists its first few: the rest wait behind them, in order, and are counted below.
+        else if (lines.length < PENDING_LISTED && !(route && n >= HELD_LISTED)) {
           lines.push(describeOut(e));
           listed.set(e.recipient, n + 1);
         } else if (!route) more.set(e.recipient, (more.get(e.recipient) ?? 0) + 1);
       }
       const to = (route: string) => {
         const { key, session } = parseRoute(route);
-        return `${agent.petnameOf(key) ?? fingerprint(key)}${session ? ` (session ${showId(session)})` : ""}`;
+        return `${nameOf(agent, key)}${session ? ` (session ${showId(session)})` : ""}`;
       };
       for (const [route, n] of more) {
         const who = to(route);
@@ -8817,8 +8793,7 @@ const TOOLS: ToolSpec[] = [
           `and ${n} more to ${who}, queued after these and sent in that order (message_status tells where any one stands)`,
         );
       }
-      const refused = [...agent.state.outgoing.values()].filter((e) => e.refused);
-      lines.push(...refused.map((e) => describeOut(e)));
+      lines.push(...[...agent.state.outgoing.values()].filter((e) => e.refused).map((e) => describeOut(e)));
       const kept = corruptFile(agent.journal.file);
       for (const d of damagedOutbox(agent.journal.file)) {
         const id = d.msgId ? ` (msg_id ${showId(d.msgId)})` : "";
@@ -8849,27 +8824,25 @@ const TOOLS: ToolSpec[] = [
     annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: false, openWorldHint: false },
     async run(agent, a) {
       // Marked read once the answer is written (the server says so): a cancel or a kill before that loses nothing.
-      let written!: (ok: boolean) => void;
-      const answered = new Promise<boolean>((r) => (written = r));
+      const answer = Promise.withResolvers<ToolAnswer>(), answered = Promise.withResolvers<boolean>();
       let given = false;
-      return await new Promise<ToolAnswer>((resolve, reject) => {
-        agent.inTurn(() =>
-          claimInbox(agent.journal, (a.limit as number | undefined) ?? 20, {
-            peek: a.peek === true,
-            show: (unread) => {
-              const { text, shown } = inboxAnswer(agent, unread);
-              given = true;
-              resolve({ text, written });
-              // Held until the client has the answer: given up sooner, a late reader would be shown it all again.
-              return { shown, reached: shown.length ? answered : true };
-            },
-          })
-        ).catch((e) =>
-          given
-            ? logWarn(`check_inbox answered, but could not mark its messages read (they come again): ${errorText(e)}`)
-            : reject(e)
-        );
-      });
+      agent.inTurn(() =>
+        claimInbox(agent.journal, (a.limit as number | undefined) ?? 20, {
+          peek: a.peek === true,
+          show: (unread) => {
+            const { text, shown } = inboxAnswer(agent, unread);
+            given = true;
+            answer.resolve({ text, written: answered.resolve });
+            // Held until the client has the answer: given up sooner, a late reader would be shown it all again.
+            return { shown, reached: shown.length ? answered.promise : true };
+          },
+        })
+      ).catch((e) =>
+        given
+          ? logWarn(`check_inbox answered, but could not mark its messages read (they come again): ${errorText(e)}`)
+          : answer.reject(e)
+      );
+      return await answer.promise;
     },
   },
   {
@@ -8887,28 +8860,20 @@ const TOOLS: ToolSpec[] = [
         try {
           key = want.toLowerCase() === "self" ? agent.id.publicKey : resolvePeer(agent.peers(), want).key;
         } catch {
-          const named = [
-            ...new Set(sessions.filter((s) => s.key.startsWith(want) || s.name === want).map((s) => s.key)),
-          ];
-          if (named.length !== 1) throw new InterlinkError(`'${want}' matches ${named.length} nodes on the roster`);
-          key = named[0];
+          const named = new Set(sessions.filter((s) => s.key.startsWith(want) || s.name === want).map((s) => s.key));
+          if (named.size !== 1) throw new InterlinkError(`'${want}' matches ${named.size} nodes on the roster`);
+          [key] = named;
         }
         sessions = sessions.filter((s) => s.key === key);
       }
       if (!sessions.length) {
         return want ? `no session of '${want}' is on the roster` : "nobody else is announced on the roster right now";
       }
-      const byKey = new Map<string, PeerSession[]>();
-      for (const s of sessions) byKey.set(s.key, [...(byKey.get(s.key) ?? []), s]);
-      return [...byKey].map(([key, list]) => {
-        const petname = key === agent.id.publicKey
-          ? "this node (you)"
-          : agent.petnameOf(key)
-          ? `peer '${agent.petnameOf(key)}'`
-          : "not a peer";
-        const head = `- ${fingerprint(key)}  claims "${list[0].name}"  ${petname}  key ${key}${
-          list.some((s) => s.legacy) ? "  (a 0.4 node: no sessions, reached at its key)" : ""
-        }`;
+      return [...Map.groupBy(sessions, (s) => s.key)].map(([key, list]) => {
+        const petname = agent.petnameOf(key);
+        const who = key === agent.id.publicKey ? "this node (you)" : petname ? `peer '${petname}'` : "not a peer";
+        const legacy = list.some((s) => s.legacy) ? "  (a 0.4 node: no sessions, reached at its key)" : "";
+        const head = `- ${fingerprint(key)}  claims "${list[0].name}"  ${who}  key ${key}${legacy}`;
         const withSessions = list.filter((s) => s.session);
         return withSessions.length ? `${head}\n${describeSessions(withSessions)}` : head;
       }).join("\n");
@@ -8963,12 +8928,8 @@ const TOOLS: ToolSpec[] = [
       const outgoing = [...agent.state.knocksOut].map(([k, v]) =>
         `- to ${fingerprint(k)}  key ${k}  at ${isoTime(v.at)}${v.petname ? `  (will be '${v.petname}')` : ""}`
       );
-      return [
-        `waiting for your operator (${incoming.length}):`,
-        ...incoming,
-        `sent by this node, unanswered (${outgoing.length}):`,
-        ...outgoing,
-      ].join("\n");
+      const waiting = `waiting for your operator (${incoming.length}):`;
+      return [waiting, ...incoming, `sent by this node, unanswered (${outgoing.length}):`, ...outgoing].join("\n");
     },
   },
   {
