@@ -9013,35 +9013,24 @@ const afterAnswer = new WeakMap<ToolResult, (ok: boolean) => void>();
 const TOOL_DEADLINE_MS = 30_000;
 
 /** Runs one tool call; a failure is an isError result that says how far it got and what to do. */
-async function runTool(
-  agent: Agent,
-  tool: ToolSpec,
-  args: Record<string, unknown>,
-  deadlineMs = TOOL_DEADLINE_MS,
-): Promise<ToolResult> {
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const late = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => {
-      const s = deadlineMs / 1000;
-      logWarn(`${tool.name} is still running after ${s} s; answering the session with that`);
-      reject(
-        new InterlinkError(
-          `${tool.name} did not finish within ${s} s (a relay that does not answer?); it may still complete: check list_pending and message_status before repeating it`,
-        ),
-      );
-    }, deadlineMs);
-  });
-  const running = (async () => await tool.run(agent, args))(); // a throw, too, is answered
+async function runTool(agent: Agent, tool: ToolSpec, a: Record<string, unknown>, ms = TOOL_DEADLINE_MS) {
+  const late = Promise.withResolvers<never>(), s = ms / 1000;
+  const timer = setTimeout(() => {
+    logWarn(`${tool.name} is still running after ${s} s; answering the session with that`);
+    const why = `${tool.name} did not finish within ${s} s (a relay that does not answer?); it may still complete`;
+    late.reject(new InterlinkError(`${why}: check list_pending and message_status before repeating it`));
+  }, ms);
+  const running = (async () => await tool.run(agent, a))(); // a throw, too, is answered
   try {
-    const got = await Promise.race([running, late]);
-    if (typeof got === "string") return { content: [{ type: "text", text: got }] };
-    const result: ToolResult = { content: [{ type: "text", text: got.text }] };
-    afterAnswer.set(result, got.written);
+    const got = await Promise.race([running, late.promise]);
+    const result: ToolResult = { content: [{ type: "text", text: typeof got === "string" ? got : got.text }] };
+    if (typeof got === "object") afterAnswer.set(result, got.written);
     return result;
   } catch (e) {
     void running.then((got) => typeof got === "object" && got.written(false), () => {}); // answered by the deadline
     if (!(e instanceof InterlinkError)) logWarn(`${tool.name} failed: ${(e as Error).stack ?? e}`);
-    return { content: [{ type: "text", text: `${tool.name} failed: ${(e as Error).message}` }], isError: true };
+    const text = `${tool.name} failed: ${(e as Error).message}`;
+    return { content: [{ type: "text" as const, text }], isError: true };
   } finally {
     clearTimeout(timer);
   }
@@ -9207,14 +9196,9 @@ function mcpJson(message: object): string {
  * tools/list, tools/call and one notification out; the SDK's server (zod and ajv, for a handful of methods) cost every
  * session about 60 ms and 20 MB at its start, and under Deno a fetch from npm. Requests run concurrently, as in the
  * SDK; answers and notifications are written whole, in order. Tested with the real clients: Claude Code, Codex, the
- * SDK's.
- *
- * The envelope is checked as JSON-RPC 2.0 and MCP say: a line that is not JSON is answered -32700 (id null); a
- * batch, a request with no method, a "jsonrpc" other than "2.0", or an id that is not a string or an integer
- * -32600 (id null when the id itself is bad); wrong params -32602; an unknown method -32601 (a 2026 client's
- * server/discover probe among them: it then falls back to initialize). A notification is never answered, not even
- * with an error; an answer from the client to nothing we asked is dropped. A request the client cancels before it
- * finishes gets no answer. Ids are echoed as their text, so an integer past 2^53 comes back exact.
+ * SDK's. The envelope is checked as JSON-RPC 2.0 and MCP say (-32700, -32600, -32602, -32601: a 2026 client's
+ * server/discover probe then falls back to initialize); a notification, or a request the client cancelled, is never
+ * answered; ids are echoed as their text, so an integer past 2^53 comes back exact.
  */
 class McpStdioServer {
   /** The client's name and version, once it has initialized (Codex says "codex-mcp-client"). */
@@ -9224,7 +9208,7 @@ class McpStdioServer {
   #closed!: (why: string) => void;
   /** Resolves, with why, when the client is gone (stdin ended, stdout broken). */
   readonly closed = new Promise<string>((resolve) => (this.#closed = resolve));
-  /** Requests being answered, by id text → cancelled by the client? (bounded by what the client has in flight). */
+  /** Requests being answered, by id text (bounded by what the client has in flight). */
   #running = new Map<string, Running>();
   /** Requests read and not yet answered (bounded like #running). */
   #inFlight = new Set<Promise<void>>();
@@ -9245,31 +9229,25 @@ class McpStdioServer {
    * newline cannot grow this process.
    */
   serve(): void {
-    let buffered = "";
+    let line = "";
     let skipping: JsonIdScanner | null = null; // reading past an over-long line's cap, to its end
     readStdinText((chunk: string) => {
-      if (skipping) {
-        const nl = chunk.indexOf("\n");
-        skipping.feed(nl === -1 ? chunk : chunk.slice(0, nl));
+      for (let at = 0;;) {
+        const nl = chunk.indexOf("\n", at), piece = chunk.slice(at, nl === -1 ? chunk.length : nl);
+        if (skipping) skipping.feed(piece);
+        else if ((line += piece).length > MCP_LINE_MAX_CHARS) {
+          skipping = new JsonIdScanner();
+          skipping.feed(line);
+          line = "";
+        }
         if (nl === -1) return;
-        this.#tooLong(skipping.id);
-        skipping = null;
-        chunk = chunk.slice(nl + 1);
-      }
-      buffered += chunk;
-      for (let nl = buffered.indexOf("\n"); nl !== -1; nl = buffered.indexOf("\n")) {
-        const line = buffered.slice(0, nl);
-        buffered = buffered.slice(nl + 1);
-        if (line.length > MCP_LINE_MAX_CHARS) {
-          const scanner = new JsonIdScanner();
-          scanner.feed(line);
-          this.#tooLong(scanner.id);
-        } else if (line.trim()) this.#track(this.#receive(line.trim()));
-      }
-      if (buffered.length > MCP_LINE_MAX_CHARS) {
-        skipping = new JsonIdScanner();
-        skipping.feed(buffered);
-        buffered = "";
+        if (skipping) this.#tooLong(skipping.id);
+        else if (line.trim()) {
+          const request = this.#receive(line.trim());
+          this.#inFlight.add(request);
+          void request.catch(() => {}).then(() => this.#inFlight.delete(request));
+        }
+        [line, skipping, at] = ["", null, nl + 1];
       }
     }, async () => {
       // A client may pipe its requests and close stdin at once: what it asked is answered and written first.
@@ -9277,11 +9255,6 @@ class McpStdioServer {
       await Promise.race([answered, sleep(MCP_END_GRACE_MS)]);
       this.#closed("stdin closed");
     });
-  }
-
-  #track(request: Promise<void>): void {
-    this.#inFlight.add(request);
-    void request.catch(() => {}).then(() => this.#inFlight.delete(request));
   }
 
   /** Sends a notification (a channel event), written once the answers before it are. */
@@ -9305,8 +9278,12 @@ class McpStdioServer {
     return this.#reply(id, { error: { code, message } });
   }
 
+  #invalid(id: string | null, why: string): void {
+    void this.#fail(id, -32600, `Invalid Request: ${why}`).catch(() => {});
+  }
+
   #tooLong(id: string | undefined): void {
-    const limit = `${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters`;
+    const limit = `${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters`, kib = TEXT_LIMIT_BYTES / 1024;
     logWarn(`a message from the client was over ${limit}: not read, answered -32600`);
     let valid: string | undefined;
     try {
@@ -9314,11 +9291,7 @@ class McpStdioServer {
     } catch {
       // not a value: answered with id null
     }
-    void this.#fail(
-      valid ?? null,
-      -32600,
-      `Invalid Request: a message over ${limit} is not read (a tool's text is at most ${TEXT_LIMIT_BYTES / 1024} KiB)`,
-    ).catch(() => {});
+    this.#invalid(valid ?? null, `a message over ${limit} is not read (a tool's text is at most ${kib} KiB)`);
   }
 
   async #receive(line: string): Promise<void> {
@@ -9335,23 +9308,29 @@ class McpStdioServer {
     } catch {
       return void this.#fail(null, -32700, "Parse error: not JSON").catch(() => {});
     }
-    const invalid = (id: string | null, why: string) =>
-      void this.#fail(id, -32600, `Invalid Request: ${why}`).catch(() => {});
-    if (Array.isArray(m)) return invalid(null, "batches are not supported (MCP has none since 2025-06-18)");
-    if (!isObject(m)) return invalid(null, "a message is a JSON object");
+    if (Array.isArray(m)) return this.#invalid(null, "batches are not supported (MCP has none since 2025-06-18)");
+    if (!isObject(m)) return this.#invalid(null, "a message is a JSON object");
     if (!("method" in m) && ("result" in m || "error" in m)) return; // an answer to nothing we asked
-    if (!("id" in m)) {
-      // A notification: never answered, not even with an error; a malformed one is only dropped.
-      if (m.jsonrpc === "2.0" && typeof m.method === "string") this.#notified(m.method, m.params, raws);
+    if (!("id" in m)) { // a notification: never answered, not even with an error; a malformed one is only dropped
+      if (m.jsonrpc !== "2.0") return;
+      if (m.method === "notifications/initialized") this.oninitialized();
+      if (m.method === "notifications/cancelled" && isObject(m.params)) {
+        // Its answer is not sent; what the request did so far stands (a message sent is sent).
+        const id = requestIdText(m.params.requestId, raws.get(m.params)?.requestId);
+        const running = id === undefined ? undefined : this.#running.get(id);
+        if (running) running.cancelled = true;
+        running?.onCancel?.();
+      }
       return;
     }
     const id = requestIdText(m.id, raws.get(m)?.id);
-    if (id === undefined) return invalid(null, `an id is a string or an integer, not ${JSON.stringify(m.id)}`);
-    if (m.jsonrpc !== "2.0") return invalid(id, `"jsonrpc" must be "2.0"`);
-    if (typeof m.method !== "string") return invalid(id, "no method");
-    if (m.params !== undefined && typeof m.params !== "object") return invalid(id, "params must be an object");
-    const method = m.method;
-    const running: Running = { cancelled: false };
+    if (id === undefined) return this.#invalid(null, `an id is a string or an integer, not ${JSON.stringify(m.id)}`);
+    if (m.jsonrpc !== "2.0") return this.#invalid(id, `"jsonrpc" must be "2.0"`);
+    if (typeof m.method !== "string") return this.#invalid(id, "no method");
+    if (m.params !== undefined && typeof m.params !== "object") return this.#invalid(id, "params must be an object");
+    const method = m.method, running: Running = { cancelled: false };
+    const request = `request ${keptText(id, 100)} (${keptText(method, 100)})`;
+    const dropped = (how: string) => logInfo(`${request} ${how} after the client cancelled it: not answered`);
     this.#running.set(id, running);
     try {
       if (m.params !== undefined && !isObject(m.params)) throw new McpParamsError("params must be an object");
@@ -9359,21 +9338,13 @@ class McpStdioServer {
       const written = result && afterAnswer.get(result as ToolResult);
       if (running.cancelled) {
         written?.(false);
-        return logInfo(
-          `request ${keptText(id, 100)} (${
-            keptText(method, 100)
-          }) finished after the client cancelled it: not answered`,
-        );
+        return dropped("finished");
       }
       if (result === null) await this.#fail(id, -32601, `Method not found: ${method}`);
       else if (written) await this.#replyHeard(id, result, running, written);
       else await this.#reply(id, { result });
     } catch (e) {
-      if (running.cancelled) {
-        return logInfo(
-          `request ${keptText(id, 100)} (${keptText(method, 100)}) failed after the client cancelled it: not answered`,
-        );
-      }
+      if (running.cancelled) return dropped("failed");
       if (e instanceof McpParamsError) return void (await this.#fail(id, -32602, `Invalid params: ${e.message}`));
       logWarn(`${method} failed: ${(e as Error).stack ?? e}`);
       await this.#fail(id, -32603, (e as Error).message).catch(() => {});
@@ -9398,17 +9369,6 @@ class McpStdioServer {
     }
   }
 
-  #notified(method: string, params: unknown, raws: WeakMap<object, Record<string, string>>): void {
-    if (method === "notifications/initialized") this.oninitialized();
-    if (method === "notifications/cancelled" && isObject(params)) {
-      // Its answer is not sent; what the request did so far stands (a message sent is sent).
-      const id = requestIdText(params.requestId, raws.get(params)?.requestId);
-      const running = id === undefined ? undefined : this.#running.get(id);
-      if (running) running.cancelled = true;
-      running?.onCancel?.();
-    }
-  }
-
   async #answer(method: string, params: Record<string, unknown>): Promise<object | null> {
     switch (method) {
       case "initialize": {
@@ -9417,12 +9377,9 @@ class McpStdioServer {
         }
         if (isObject(params.clientInfo)) this.client = params.clientInfo as typeof this.client;
         const asked = params.protocolVersion as (typeof MCP_PROTOCOL_VERSIONS)[number];
-        return {
-          protocolVersion: MCP_PROTOCOL_VERSIONS.includes(asked) ? asked : MCP_PROTOCOL_VERSIONS[0],
-          capabilities: this.capabilities,
-          serverInfo: this.info,
-          instructions: this.instructions,
-        };
+        const protocolVersion = MCP_PROTOCOL_VERSIONS.includes(asked) ? asked : MCP_PROTOCOL_VERSIONS[0];
+        const { capabilities, info: serverInfo, instructions } = this;
+        return { protocolVersion, capabilities, serverInfo, instructions };
       }
       case "ping":
         return {};
