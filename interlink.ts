@@ -8318,61 +8318,47 @@ class CodexWaker {
 // The MCP server and its tools
 // ============================================================================
 
-/**
- * One tool argument, made once its name is known so that errors can name it: its JSON Schema (what tools/list shows)
- * and why a value will not do, or null.
- */
-type Arg = { schema: Record<string, unknown>; required: boolean; check(v: unknown): string | null };
-type ArgMaker = (name: string) => Arg;
-
-/** An optional argument: absent, or `ok`. */
-const optionalArg =
-  (schema: Record<string, unknown>, ok: (v: unknown) => boolean, why: (name: string, v: unknown) => string): ArgMaker =>
-  (name) => ({ schema, required: false, check: (v) => (v === undefined || ok(v) ? null : why(name, v)) });
-
-/**
- * Tool argument schemas with the wording a model can act on ("'text' is required (…)", "unknown status 'done'; use
- * one of: …"): declared once per tool, every call is checked against them and tools/list shows them.
- */
+/** Tool argument schemas, declared once per tool: tools/list shows them and every call is checked against them. */
 const ARGS = {
   /** A required, non-empty string. */
-  str: (d: string): ArgMaker => (name) => ({
-    schema: { type: "string", minLength: 1, description: d },
-    required: true,
-    check: (v) =>
-      v === undefined || v === ""
-        ? `'${name}' is required (${d})`
-        : typeof v === "string"
-        ? null
-        : `'${name}' must be a string`,
-  }),
-  opt: (d: string) =>
-    optionalArg({ type: "string", description: d }, (v) => typeof v === "string", (n) => `'${n}' must be a string`),
-  int: (d: string, min: number, max: number) =>
-    optionalArg(
-      { type: "integer", minimum: min, maximum: max, description: d },
-      (v) => Number.isInteger(v) && (v as number) >= min && (v as number) <= max,
-      (n) => `'${n}' must be an integer from ${min} to ${max}`,
-    ),
-  bool: (d: string) =>
-    optionalArg({ type: "boolean", description: d }, (v) => typeof v === "boolean", (n) => `'${n}' must be a boolean`),
-  oneOf: (values: readonly [string, ...string[]], d: string) =>
-    optionalArg(
-      { type: "string", enum: [...values], description: d },
-      (v) => values.includes(v as string),
-      (n, v) => `unknown ${n} '${String(v)}'; use one of: ${values.join(", ")}`,
-    ),
+  str: (description: string) => ({ type: "string", minLength: 1, description }),
+  opt: (description: string) => ({ type: "string", description }),
+  int: (description: string, minimum: number, maximum: number) => ({ type: "integer", minimum, maximum, description }),
+  bool: (description: string) => ({ type: "boolean", description }),
+  oneOf: (values: readonly [string, ...string[]], d: string) => ({ type: "string", enum: [...values], description: d }),
 };
+
+/** One tool argument's JSON Schema, as ARGS makes it. */
+type ArgSchema = {
+  type: string;
+  description: string;
+  minLength?: number;
+  minimum?: number;
+  maximum?: number;
+  enum?: string[];
+};
+
+/** Why `v` will not do for the argument `name`, in words a model can act on ("'text' is required (…)"), or null. */
+function argProblem(name: string, s: ArgSchema, v: unknown): string | null {
+  if (s.minLength && (v === undefined || v === "")) return `'${name}' is required (${s.description})`;
+  if (v === undefined) return null;
+  if (s.enum) {
+    return s.enum.includes(v as string) ? null : `unknown ${name} '${String(v)}'; use one of: ${s.enum.join(", ")}`;
+  }
+  if (s.type !== "integer") return typeof v === s.type ? null : `'${name}' must be a ${s.type}`;
+  const ok = Number.isInteger(v) && (v as number) >= s.minimum! && (v as number) <= s.maximum!;
+  return ok ? null : `'${name}' must be an integer from ${s.minimum} to ${s.maximum}`;
+}
 
 interface ToolSpec {
   name: string;
   description: string;
-  args?: (k: typeof ARGS) => Record<string, ArgMaker>;
+  args?: (k: typeof ARGS) => Record<string, ArgSchema>;
   annotations: { readOnlyHint: boolean; destructiveHint?: boolean; idempotentHint?: boolean; openWorldHint?: boolean };
   /**
    * It changes whom this node trusts (pairing, peers.json): the operator's decision only. The one source of that
-   * list: the description the model reads starts "OPERATOR DECISION ONLY", the destructive hint is set (Claude Code asks
-   * first), the server instructions and Codex's config block name it (trustTools), and a test holds the docs to it.
+   * list: its description starts "OPERATOR DECISION ONLY", its destructive hint is set (Claude Code asks first), the
+   * server instructions and Codex's config block name it (trustTools), and a test holds the docs to it.
    */
   changesTrust?: true;
   run(agent: Agent, args: Record<string, unknown>): string | ToolAnswer | Promise<string | ToolAnswer>;
@@ -8412,26 +8398,18 @@ function toolListing(t: ToolSpec): { name: string; description: string; inputSch
 
 /** A tool's argument object (its declared arguments only); `problem`: every reason a call's will not do, or null. */
 function toolSchema(tool: ToolSpec): { inputSchema: object; problem(args: unknown): string | null } {
-  const args = Object.entries(tool.args?.(ARGS) ?? {}).map(([name, make]) => [name, make(name)] as const);
-  const takes = args.map(([name]) => name).join(", ") || "no arguments";
-  const required = args.filter(([, a]) => a.required).map(([name]) => name);
+  const properties = tool.args?.(ARGS) ?? {}, names = Object.keys(properties);
+  const required = names.filter((name) => properties[name].minLength);
+  const takes = names.join(", ") || "no arguments";
   return {
-    inputSchema: {
-      type: "object",
-      properties: Object.fromEntries(args.map(([name, a]) => [name, a.schema])),
-      ...(required.length ? { required } : {}),
-      additionalProperties: false,
-    },
-    problem(given) {
-      if (given === undefined) given = {};
+    inputSchema: { type: "object", properties, ...(required.length ? { required } : {}), additionalProperties: false },
+    problem(given = {}) {
       if (!isObject(given)) return `${tool.name} takes an object of arguments`;
-      const known = new Set(args.map(([name]) => name));
+      const unknown = Object.keys(given).filter((k) => !names.includes(k));
       const why = [
-        ...args.map(([name, a]) => a.check(given[name])),
-        ...Object.keys(given).filter((k) => !known.has(k)).map((k) =>
-          `unknown argument '${k}'; ${tool.name} takes: ${takes}`
-        ),
-      ].filter((w): w is string => w !== null);
+        ...names.map((name) => argProblem(name, properties[name], given[name])),
+        ...unknown.map((k) => `unknown argument '${k}'; ${tool.name} takes: ${takes}`),
+      ].filter((w) => w !== null);
       return why.length ? why.join("; ") : null;
     },
   };
@@ -8454,10 +8432,9 @@ const nameOf = (names: PeerNames, key: string, self?: string): string =>
 /** A send's answer: where it stands once settled, the route's note, `also`, and the sub-tasks it canceled. */
 async function sentAnswer(agent: Agent, sent: Awaited<ReturnType<Agent["send"]>>, also = ""): Promise<string> {
   const settled = describeSettled(agent, await agent.settle(sent.entry.msg.msg_id, 2000));
-  const each = sent.canceled.map((t) => `${showId(t.task_id)} with ${nameOf(agent, t.peer_key)}`);
-  const canceled = each.length
-    ? `; also canceled the sub-task${each.length > 1 ? "s" : ""} you opened for it: ${each.join(", ")}`
-    : "";
+  const each = sent.canceled.map((t) => `${showId(t.task_id)} with ${nameOf(agent, t.peer_key)}`).join(", ");
+  const canceled = each &&
+    `; also canceled the sub-task${sent.canceled.length > 1 ? "s" : ""} you opened for it: ${each}`;
   return `${settled} — ${sent.note}${canceled}${also}`;
 }
 
@@ -8473,13 +8450,6 @@ function waitWords(agent: Agent, e: OutEntry): string | null {
     ? `${to} has not confirmed the ${SEND_WINDOW} sent before it yet`
     : `${to} has confirmed none of the ${SEND_WINDOW} sent before it (a node of ours does as it reads; a reference node never does, and its messages go once it has written to us)`;
   return `${heard}, and a relay it goes through drops the oldest past its cap (${QUEUE_CAP} per session); it goes as ${to}'s receipts come: do not send it again`;
-}
-
-/** The sub-task a send opened: how deep, and its chain in words ("depth 2 of at most 4 here: alice → bob → carol"). */
-function chainNote(agent: Agent, e: OutEntry, c: Chain): string {
-  const name = (k: string) => nameOf(agent, k, agent.id.publicKey), max = agent.cfg.maxDepth ?? DEFAULT_MAX_DEPTH;
-  const parent = showId(c.parent), chain = chainWords([...c.keys, e.msg.to], name), requester = name(c.requester);
-  return `; opens a sub-task of ${parent}, depth ${c.depth} of at most ${max} here: ${chain}; its questions come to you and go on to ${requester} by themselves`;
 }
 
 /** Messages list_pending shows one by one for a route that waits; the rest are counted, behind them in order. */
@@ -8576,8 +8546,7 @@ type HistoryRow = { dir: "in" | "out"; msg: SignedMessage; at: number; peer: str
 function conversation(stateDir: string, peerKey: string | undefined, limit: number, msgId?: string): HistoryRow[] {
   const rows: HistoryRow[] = [];
   const ours = new Map<string, HistoryRow>(); // the out rows held, by msg_id: what "sent", "refused", receipts change
-  // Damaged records are reported by the fold; history just skips them. A checkpoint holds no history: the
-  // archives before it do.
+  // Damaged records are the fold's to report. A checkpoint holds no history: the archives before it do.
   for (const file of journalFiles(stateDir)) {
     scanJournal(file, 0, (r) => {
       // A receipt may be journaled before "sent" (several buses): a later "sent" never steps a status back.
@@ -8647,8 +8616,13 @@ const TOOLS: ToolSpec[] = [
     async run(agent, a) {
       const optional = ["task_id", "status", "in_reply_to", "session", "channel", "parent_task_id", "parent_peer"];
       const more = Object.fromEntries(optional.map((k) => [k, opt(a, k)]));
-      const sent = await agent.send({ to: a.to as string, text: a.text as string, ...more });
-      return await sentAnswer(agent, sent, sent.entry.chain && chainNote(agent, sent.entry, sent.entry.chain));
+      const sent = await agent.send({ to: a.to as string, text: a.text as string, ...more }), c = sent.entry.chain;
+      if (!c) return await sentAnswer(agent, sent);
+      // The sub-task it opened: how deep, and its chain in words ("depth 2 of at most 4 here: alice → bob → carol").
+      const name = (k: string) => nameOf(agent, k, agent.id.publicKey), max = agent.cfg.maxDepth ?? DEFAULT_MAX_DEPTH;
+      const parent = showId(c.parent), chain = chainWords([...c.keys, sent.entry.msg.to], name), by = name(c.requester);
+      const opened = `; opens a sub-task of ${parent}, depth ${c.depth} of at most ${max} here: ${chain}`;
+      return await sentAnswer(agent, sent, `${opened}; its questions come to you and go on to ${by} by themselves`);
     },
   },
   {
@@ -8748,8 +8722,8 @@ const TOOLS: ToolSpec[] = [
     run(agent) {
       const held = agent.state.heldRoutes();
       const lines: string[] = [];
-      const listed = new Map<string, number>(); // route → how many of its are listed one by one
-      const more = new Map<string, number>(); // a route not held → how many wait past the first PENDING_LISTED
+      // route → how many of its are listed one by one; a route not held → how many wait past the first PENDING_LISTED
+      const listed = new Map<string, number>(), more = new Map<string, number>();
       let receipts = 0; // bookkeeping: counted in one line, not listed as the model's messages
       for (const e of agent.state.pending.values()) {
         const n = listed.get(e.recipient) ?? 0, route = held.get(e.recipient);
@@ -9164,13 +9138,11 @@ function mcpJson(message: object): string {
 }
 
 /**
- * The server side of MCP over stdio, by hand: JSON-RPC 2.0, one message per line. interlink needs initialize, ping,
- * tools/list, tools/call and one notification out; the SDK's server (zod and ajv, for a handful of methods) cost every
- * session about 60 ms and 20 MB at its start, and under Deno a fetch from npm. Requests run concurrently, as in the
- * SDK; answers and notifications are written whole, in order. Tested with the real clients: Claude Code, Codex, the
- * SDK's. The envelope is checked as JSON-RPC 2.0 and MCP say (-32700, -32600, -32602, -32601: a 2026 client's
- * server/discover probe then falls back to initialize); a notification, or a request the client cancelled, is never
- * answered; ids are echoed as their text, so an integer past 2^53 comes back exact.
+ * The server side of MCP over stdio (JSON-RPC 2.0, one message per line), by hand: interlink needs four methods and
+ * one notification out, and the SDK's server (zod and ajv) cost every session about 60 ms and 20 MB at its start, and
+ * under Deno a fetch from npm. Requests run concurrently; answers and notifications are written whole, in order. The
+ * envelope is held to JSON-RPC and MCP (a 2026 client's server/discover probe gets -32601, then initializes); a
+ * notification, or a request the client cancelled, is never answered; an id past 2^53 comes back exact.
  */
 class McpStdioServer {
   /** The client's name and version, once it has initialized (Codex says "codex-mcp-client"). */
@@ -9196,9 +9168,8 @@ class McpStdioServer {
   ) {}
 
   /**
-   * Reads requests until the client goes away. A line past MCP_LINE_MAX_CHARS is read to its end without being
-   * kept (only its top-level id is looked for on the way) and answered -32600, so a client that never sends a
-   * newline cannot grow this process.
+   * Reads requests until the client goes away. A line past MCP_LINE_MAX_CHARS is read to its end unkept (only its
+   * top-level id is looked for) and answered -32600: a client that never sends a newline cannot grow this process.
    */
   serve(): void {
     let line = "";
