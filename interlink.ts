@@ -8870,11 +8870,10 @@ const TOOLS: ToolSpec[] = [
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent) {
       agent.state.expireKnocks(agent.now());
-      const incoming = [...agent.state.knocksIn].map(([k, v]) =>
-        `- from ${fingerprint(k)}  claims "${v.name}"  key ${k}  at ${isoTime(v.at)}${
-          agent.petnameOf(k) ? ` (already peer '${agent.petnameOf(k)}')` : ""
-        }`
-      );
+      const incoming = [...agent.state.knocksIn].map(([k, v]) => {
+        const peer = agent.petnameOf(k), already = peer ? ` (already peer '${peer}')` : "";
+        return `- from ${fingerprint(k)}  claims "${v.name}"  key ${k}  at ${isoTime(v.at)}${already}`;
+      });
       const outgoing = [...agent.state.knocksOut].map(([k, v]) =>
         `- to ${fingerprint(k)}  key ${k}  at ${isoTime(v.at)}${v.petname ? `  (will be '${v.petname}')` : ""}`
       );
@@ -8914,10 +8913,8 @@ const TOOLS: ToolSpec[] = [
       "The allowlist: each peer's petname (your operator's name for it), fingerprint and key. Only these keys can deliver messages.",
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent) {
-      const peers = [...agent.peers().byName];
-      return peers.length
-        ? peers.map(([n, k]) => `- ${n}  ${fingerprint(k)}  ${k}`).join("\n")
-        : "no peers yet: pair with discover + request_pair, or add_peer";
+      const peers = [...agent.peers().byName].map(([n, k]) => `- ${n}  ${fingerprint(k)}  ${k}`);
+      return peers.join("\n") || "no peers yet: pair with discover + request_pair, or add_peer";
     },
   },
   {
@@ -9313,32 +9310,21 @@ class McpStdioServer {
   }
 
   async #answer(method: string, params: Record<string, unknown>): Promise<object | null> {
-    switch (method) {
-      case "initialize": {
-        if (typeof params.protocolVersion !== "string") {
-          throw new McpParamsError("initialize needs a protocolVersion (a string)");
-        }
-        if (isObject(params.clientInfo)) this.client = params.clientInfo as typeof this.client;
-        const asked = params.protocolVersion as (typeof MCP_PROTOCOL_VERSIONS)[number];
-        const protocolVersion = MCP_PROTOCOL_VERSIONS.includes(asked) ? asked : MCP_PROTOCOL_VERSIONS[0];
-        const { capabilities, info: serverInfo, instructions } = this;
-        return { protocolVersion, capabilities, serverInfo, instructions };
-      }
-      case "ping":
-        return {};
-      case "tools/list":
-        return { tools: this.tools.list };
-      case "tools/call": {
-        if (typeof params.name !== "string") throw new McpParamsError("tools/call needs a tool name (a string)");
-        if (params.arguments !== undefined && !isObject(params.arguments)) {
-          throw new McpParamsError("a tool's arguments are an object");
-        }
-        const meta = isObject(params._meta) ? params._meta : undefined;
-        return await this.tools.call(params.name, params.arguments, meta);
-      }
-      default:
-        return null;
+    if (method === "ping") return {};
+    if (method === "tools/list") return { tools: this.tools.list };
+    if (method === "initialize") {
+      const { protocolVersion: asked, clientInfo } = params;
+      if (typeof asked !== "string") throw new McpParamsError("initialize needs a protocolVersion (a string)");
+      if (isObject(clientInfo)) this.client = clientInfo as typeof this.client;
+      const protocolVersion = MCP_PROTOCOL_VERSIONS.find((v) => v === asked) ?? MCP_PROTOCOL_VERSIONS[0];
+      const { capabilities, info: serverInfo, instructions } = this;
+      return { protocolVersion, capabilities, serverInfo, instructions };
     }
+    if (method !== "tools/call") return null;
+    const { name, arguments: args, _meta } = params;
+    if (typeof name !== "string") throw new McpParamsError("tools/call needs a tool name (a string)");
+    if (args !== undefined && !isObject(args)) throw new McpParamsError("a tool's arguments are an object");
+    return await this.tools.call(name, args, isObject(_meta) ? _meta : undefined);
   }
 }
 
