@@ -8328,15 +8328,8 @@ const ARGS = {
   oneOf: (values: readonly [string, ...string[]], d: string) => ({ type: "string", enum: [...values], description: d }),
 };
 
-/** One tool argument's JSON Schema, as ARGS makes it. */
-type ArgSchema = {
-  type: string;
-  description: string;
-  minLength?: number;
-  minimum?: number;
-  maximum?: number;
-  enum?: string[];
-};
+/** One tool argument's JSON Schema: what one of ARGS makes. */
+type ArgSchema = Partial<ReturnType<typeof ARGS.str> & ReturnType<typeof ARGS.int> & ReturnType<typeof ARGS.oneOf>>;
 
 /** Why `v` will not do for the argument `name`, in words a model can act on ("'text' is required (…)"), or null. */
 function argProblem(name: string, s: ArgSchema, v: unknown): string | null {
@@ -8486,6 +8479,7 @@ function describeTask(names: PeerNames, t: TaskRow, out?: ReadonlyMap<string, Ou
   const sub = t.parent && showId(t.parent.task_id), requester = t.parent && name(t.parent.requester);
   const owned = `(owned by ${owner}${chain ? `; depth ${t.depth ?? t.chain!.length}: ${chain}` : ""})`;
   const last = t.last_out_msg_id ? out?.get(t.last_out_msg_id) : undefined, lastId = last?.msg.msg_id;
+  const deliveredAt = last?.delivered && isoTime(last.delivered.at);
   const parts = [
     `task ${showId(t.task_id)} with ${peer}${session}`,
     `requested by ${t.requested_by === "me" ? "you" : peer}`,
@@ -8501,10 +8495,8 @@ function describeTask(names: PeerNames, t: TaskRow, out?: ReadonlyMap<string, Ou
     `${peer}'s session closed at ${isoTime(t.peer_closed_at)}; this task may not finish (check discover)`,
     last?.refusedBy
       ? `${peer} REFUSED your last message ${lastId}: ${refusalWords(last.refusedBy)}`
-      : last?.delivered && !last.shown &&
-        `your last message ${lastId} was delivered to ${peer}'s session at ${
-          isoTime(last.delivered.at)
-        } but is not yet shown to its model (the session may be busy or idle)`,
+      : deliveredAt && !last!.shown &&
+        `your last message ${lastId} was delivered to ${peer}'s session at ${deliveredAt} but is not yet shown to its model (the session may be busy or idle)`,
     ...t.awaiting.map((q) => {
       const since = q.at === undefined ? "" : ` since ${isoTime(q.at)}`, id = showId(q.msg_id), fwd = q.forwarded;
       if (q.asked_by === "peer" && fwd) {
@@ -8646,11 +8638,8 @@ const TOOLS: ToolSpec[] = [
         throw new InterlinkError(`no task '${task_id}' with ${to} in this node's log; open tasks with ${to}: ${ids}`);
       }
       const at = isoTime(task.last_at), id = showId(task.task_id);
-      if (task.closed) {
-        throw new InterlinkError(
-          `task ${id} with ${to} is already closed (status ${task.status}, ${at}); nothing was sent`,
-        );
-      }
+      const closed = `task ${id} with ${to} is already closed (status ${task.status}, ${at}); nothing was sent`;
+      if (task.closed) throw new InterlinkError(closed);
       const text = opt(a, "reason") ?? "canceled", session = opt(a, "session");
       const sent = await agent.send({ to, text, task_id, status: "canceled", session });
       const here = task.requested_by === "me"
@@ -8720,8 +8709,7 @@ const TOOLS: ToolSpec[] = [
       `the first ${PENDING_LISTED} one by one, then how many more wait for each recipient. They go by themselves, in order: never send them again.`,
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent) {
-      const held = agent.state.heldRoutes();
-      const lines: string[] = [];
+      const held = agent.state.heldRoutes(), lines: string[] = [];
       // route → how many of its are listed one by one; a route not held → how many wait past the first PENDING_LISTED
       const listed = new Map<string, number>(), more = new Map<string, number>();
       let receipts = 0; // bookkeeping: counted in one line, not listed as the model's messages
@@ -8738,12 +8726,8 @@ const TOOLS: ToolSpec[] = [
         const { key, session } = parseRoute(route);
         return `${nameOf(agent, key)}${session ? ` (session ${showId(session)})` : ""}`;
       };
-      for (const [route, n] of more) {
-        const who = to(route);
-        lines.push(
-          `and ${n} more to ${who}, queued after these and sent in that order (message_status tells where any one stands)`,
-        );
-      }
+      const after = "queued after these and sent in that order (message_status tells where any one stands)";
+      for (const [route, n] of more) lines.push(`and ${n} more to ${to(route)}, ${after}`);
       lines.push(...[...agent.state.outgoing.values()].filter((e) => e.refused).map((e) => describeOut(e)));
       const kept = corruptFile(agent.journal.file);
       for (const d of damagedOutbox(agent.journal.file)) {
@@ -8856,11 +8840,10 @@ const TOOLS: ToolSpec[] = [
     async run(agent, a) {
       const { key, claimed, already, note } = await agent.requestPair(a.target as string, opt(a, "petname"));
       const who = `${fingerprint(key)}${claimed ? ` (claims "${displayName(claimed)}")` : ""}`;
+      const as = opt(a, "petname") ?? "(their claimed name if free)";
       return already
         ? `you already trust ${who} as '${already}'; asked them to add you too (a knock, ${note}). When their operator accepts, your messages reach them.`
-        : `asked ${who} to pair (${note}); when their operator accepts, they become the peer '${
-          opt(a, "petname") ?? "(their claimed name if free)"
-        }'`;
+        : `asked ${who} to pair (${note}); when their operator accepts, they become the peer '${as}'`;
     },
   },
   {
@@ -9078,13 +9061,12 @@ class JsonIdScanner {
         if (this.#key !== null && this.#key.length < 3) this.#key += ch;
         continue;
       }
-      if (this.#capture !== null) { // a number (or a literal) ends at a delimiter
-        if (!/[\s,}\]]/.test(ch)) {
-          this.#take(ch);
-          continue;
-        }
-        this.#finish();
+      // A number (or a literal) ends at a delimiter.
+      if (this.#capture !== null && !/[\s,}\]]/.test(ch)) {
+        this.#take(ch);
+        continue;
       }
+      if (this.#capture !== null) this.#finish();
       if (/\s/.test(ch)) continue;
       const value = this.#depth === 1 && this.#expectValue;
       this.#expectValue = false;
@@ -9169,8 +9151,7 @@ class McpStdioServer {
    * top-level id is looked for) and answered -32600: a client that never sends a newline cannot grow this process.
    */
   serve(): void {
-    let line = "";
-    let skipping: JsonIdScanner | null = null; // reading past an over-long line's cap, to its end
+    let line = "", skipping: JsonIdScanner | null = null; // skipping: reading past an over-long line's cap, to its end
     readStdinText((chunk: string) => {
       for (let at = 0;;) {
         const nl = chunk.indexOf("\n", at), piece = chunk.slice(at, nl === -1 ? chunk.length : nl);
