@@ -2431,28 +2431,44 @@ function resolvePeer(peers: Peers, who: string): { key: string; petname: string 
 
 const peerKey = (peers: Peers, who: string): string => resolvePeer(peers, who).key;
 
-/** Loads peers.json; a missing file is an empty allowlist (pairing will create it). */
-function loadPeers(file: string): Peers {
-  let text: string;
+/** peers.json's text; null if there is none (an empty allowlist: pairing will create it). */
+function readPeersText(file: string): string | null {
   try {
-    text = fs.readFileSync(file, "utf8");
+    return fs.readFileSync(file, "utf8");
   } catch (e) {
-    if ((e as NodeJS.ErrnoException).code === "ENOENT") return EMPTY_PEERS;
+    if ((e as NodeJS.ErrnoException).code === "ENOENT") return null;
     throw new InterlinkError(`Cannot read ${file}: ${(e as Error).message}`);
   }
-  return parsePeers(text, file);
+}
+
+function loadPeers(file: string): Peers {
+  const text = readPeersText(file);
+  return text === null ? EMPTY_PEERS : parsePeers(text, file);
+}
+
+/** Changes peers.json under its lock (unknown fields of an entry are kept), and writes it back whole if it changed. */
+async function editPeers<T>(file: string, edit: (raw: Record<string, unknown>, peers: Peers) => T): Promise<T> {
+  return await withFileLock(file, "peers edit", () => {
+    const text = readPeersText(file) ?? "{}";
+    const peers = parsePeers(text, file);
+    const raw = JSON.parse(text);
+    const result = edit(raw, peers);
+    if (JSON.stringify(raw) !== JSON.stringify(JSON.parse(text))) {
+      fs.mkdirSync(path.dirname(file), { recursive: true, mode: 0o700 });
+      writeFileAtomic(file, JSON.stringify(raw, null, 2) + "\n");
+    }
+    return result;
+  });
 }
 
 /**
  * Adds a peer under the no-rekey rules: a petname never silently changes key, and a key never gets a second petname.
- * Re-adding the same pair is a no-op. Unknown fields in peers.json are kept.
+ * Re-adding the same pair is a no-op.
  */
 async function addPeer(file: string, petname: string, key: string): Promise<"added" | "unchanged"> {
   checkPetname(petname);
   checkPeerKey(key, "key");
-  return await withFileLock(file, "peers edit", () => {
-    const raw = readPeersObject(file);
-    const peers = parsePeers(JSON.stringify(raw), file);
+  return await editPeers(file, (raw, peers) => {
     const held = peers.byName.get(petname);
     if (held === key) return "unchanged";
     if (held !== undefined) {
@@ -2466,36 +2482,16 @@ async function addPeer(file: string, petname: string, key: string): Promise<"add
       throw new InterlinkError(`key ${fingerprint(key)}… is already in peers.json as '${other}'`);
     }
     raw[petname] = { key };
-    writePeersObject(file, raw);
     return "added";
   });
 }
 
 async function removePeer(file: string, who: string): Promise<{ petname: string; key: string }> {
-  return await withFileLock(file, "peers edit", () => {
-    const raw = readPeersObject(file);
-    const found = resolvePeer(parsePeers(JSON.stringify(raw), file), who);
+  return await editPeers(file, (raw, peers) => {
+    const found = resolvePeer(peers, who);
     delete raw[found.petname];
-    writePeersObject(file, raw);
     return found;
   });
-}
-
-function readPeersObject(file: string): Record<string, unknown> {
-  try {
-    const raw = JSON.parse(fs.readFileSync(file, "utf8"));
-    if (!isObject(raw)) throw new InterlinkError(`Cannot parse ${file}: expected an object`);
-    return raw;
-  } catch (e) {
-    if ((e as NodeJS.ErrnoException).code === "ENOENT") return {};
-    if (e instanceof InterlinkError) throw e;
-    throw new InterlinkError(`Cannot parse ${file}: ${(e as Error).message}`);
-  }
-}
-
-function writePeersObject(file: string, raw: Record<string, unknown>): void {
-  fs.mkdirSync(path.dirname(file), { recursive: true, mode: 0o700 });
-  writeFileAtomic(file, JSON.stringify(raw, null, 2) + "\n");
 }
 
 /** "bob (Izgjf_w6)", or the fingerprint alone when that is the name (the CLI's, unless it was given one). */
@@ -2662,15 +2658,13 @@ function subTasks(tasks: Iterable<TaskRow>, parent: TaskRow): TaskRow[] {
 
 /** Why sending `draft` would break a task's lifecycle, or null if it may be sent. */
 function lifecycleError(tasks: ReadonlyMap<string, TaskRow>, draft: Draft): string | null {
-  if (draft.status && !draft.task_id) {
-    return "status needs a task_id: task fields describe a task, and a chat message has none";
+  if (!draft.task_id) {
+    return draft.status ? "status needs a task_id: task fields describe a task, and a chat message has none" : null;
   }
-  if (!draft.task_id) return null;
   const row = tasks.get(taskKey(draft.to, draft.task_id));
-  if (row?.closed) {
-    return `task "${draft.task_id}" is closed (last status: ${row.status}); follow-up work needs a new task_id`;
-  }
-  return null;
+  return row?.closed
+    ? `task "${draft.task_id}" is closed (last status: ${row.status}); follow-up work needs a new task_id`
+    : null;
 }
 
 // ============================================================================
@@ -3501,7 +3495,6 @@ class NatsRelay implements Relay {
  * development-channels flag shows, so opt-in (`interlink.ts claude`). "both" (0.4.0's default) reads as channel.
  */
 const DELIVERY_MODES = ["inbox", "channel"] as const;
-
 type Delivery = (typeof DELIVERY_MODES)[number];
 
 /**
@@ -3509,7 +3502,6 @@ type Delivery = (typeof DELIVERY_MODES)[number];
  * queued into its thread (CodexWaker), whose id it tells the server only once the session starts (bind_session).
  */
 const HOSTS = ["claude", "codex"] as const;
-
 type Host = (typeof HOSTS)[number];
 
 interface NodeConfig {
@@ -3530,14 +3522,9 @@ const sessionDir = (stateDir: string, session: string): string => path.join(stat
 
 /** What a session says about itself on the roster (and in `tasks`, `log`). */
 function describeSession(session: string, cwd = process.cwd()): SessionInfo {
-  let gitRoot = "";
-  for (let dir = cwd;; dir = path.dirname(dir)) {
-    if (fs.existsSync(path.join(dir, ".git"))) {
-      gitRoot = path.basename(dir);
-      break;
-    }
-    if (path.dirname(dir) === dir) break;
-  }
+  let dir = cwd;
+  while (!fs.existsSync(path.join(dir, ".git")) && path.dirname(dir) !== dir) dir = path.dirname(dir);
+  const gitRoot = fs.existsSync(path.join(dir, ".git")) ? path.basename(dir) : "";
   return { session_id: session, cwd: truncateUtf8(cwd, 1024), git_root: gitRoot, summary: "" };
 }
 
@@ -3634,11 +3621,8 @@ type InboxItem =
 
 /** Replay memory and the inbox key messages by sender and msg_id: msg_ids are the sender's choice. */
 const messageKey = (from: string, msgId: string): string => `${from} ${msgId}`;
-
 const knockItem = (key: string, msgId: string): string => `knock ${key} ${msgId}`;
-
 const refusalItem = (key: string, reason: string): string => `refused ${key} ${reason}`;
-
 const pairedItem = (key: string, invite: string): string => `paired ${key} ${invite}`;
 
 /** The inbox item that counts the knocks past KNOCKS_SHOWN_PER_HOUR. */
@@ -3655,7 +3639,6 @@ function headOf(msg: MessageHead): MessageHead {
 }
 
 const RECEIPT_STATES = ["delivered", "shown", "refused"] as const;
-
 type ReceiptState = (typeof RECEIPT_STATES)[number];
 
 interface ReceiptLine {
@@ -3734,8 +3717,12 @@ function newReports(entry: (msgId: string) => OutEntry | undefined, receipt: Sig
   });
 }
 
-/** Why a knock through an invite was refused, as its sender's `join` says it. */
-const INVITE_REFUSAL_WORDS: Record<InviteRefusal, string> = {
+/** A refusal report in our words, never the peer's (a knock through an invite: as its sender's `join` says it). */
+const REFUSAL_WORDS: Partial<Record<Refusal, string>> = {
+  not_allowlisted:
+    "they do not have you in their peers (you have them: a one-sided pairing); ask your operator whether to request_pair them again, which asks them to add you",
+  busy:
+    "you sent them more than your share of the messages a day they remember (a flood, or a loop): wait, and send less",
   invite_unknown:
     "their node knows no such invite (made by another node, or forgotten long after it expired); ask for a new one",
   invite_expired: "the invite had expired; ask for a new one (`interlink.ts invite` on their machine)",
@@ -3746,7 +3733,6 @@ const INVITE_REFUSAL_WORDS: Record<InviteRefusal, string> = {
     "the request's proof does not match the invite (a code changed on its way, or a request re-signed by another key)",
 };
 
-/** A refusal report in our words, never the peer's. */
 function refusalWords(l: ReceiptLine): string {
   if (l.reason === "stale" && l.skew_ms !== undefined) {
     const by = howLong(Math.abs(l.skew_ms));
@@ -3754,13 +3740,7 @@ function refusalWords(l: ReceiptLine): string {
       ? `your clock is ahead of theirs by ~${by} (over a minute is refused); ask your operator to fix the clock (NTP)`
       : `it reached them ${by} old, past the 24 h freshness window; send it again if it still matters`;
   }
-  if (l.reason === "not_allowlisted") {
-    return "they do not have you in their peers (you have them: a one-sided pairing); ask your operator whether to request_pair them again, which asks them to add you";
-  }
-  if (l.reason === "busy") {
-    return "you sent them more than your share of the messages a day they remember (a flood, or a loop): wait, and send less";
-  }
-  return isInviteRefusal(l.reason) ? INVITE_REFUSAL_WORDS[l.reason] : `refused (${l.reason})`;
+  return REFUSAL_WORDS[l.reason!] ?? `refused (${l.reason})`;
 }
 
 // ============================================================================
@@ -5362,9 +5342,8 @@ interface Invite {
 
 const invitesFile = (stateDir: string): string => path.join(stateDir, "invites.json");
 
-function inviteState(i: Invite, nowMs: number): InviteStatus | "expired" {
-  return i.status === "pending" && nowMs > i.expires ? "expired" : i.status;
-}
+const inviteState = (i: Invite, nowMs: number): InviteStatus | "expired" =>
+  i.status === "pending" && nowMs > i.expires ? "expired" : i.status;
 
 const decodeInvite = (v: unknown): Invite =>
   fields(obj(v, "an invite"), {
@@ -5427,16 +5406,10 @@ function readDoor(stateDir: string): string | null {
 /** A damaged file is an error that names it: nothing is guessed. */
 function readInvites(stateDir: string): Invite[] {
   const file = invitesFile(stateDir);
-  let raw: unknown;
   try {
-    raw = JSON.parse(fs.readFileSync(file, "utf8"));
+    return list(obj(JSON.parse(fs.readFileSync(file, "utf8")), "invites.json"), "invites").map(decodeInvite);
   } catch (e) {
     if ((e as NodeJS.ErrnoException).code === "ENOENT") return [];
-    throw new InterlinkError(`Cannot read ${file}: ${(e as Error).message}`);
-  }
-  try {
-    return list(obj(raw, "invites.json"), "invites").map(decodeInvite);
-  } catch (e) {
     throw new InterlinkError(`Cannot read ${file}: ${(e as Error).message}`);
   }
 }
@@ -5469,9 +5442,8 @@ async function createInvite(
   nowMs: number,
   fields: { for?: string; ttlMs: number; urls: string[] },
 ): Promise<Invite & { secret: string }> {
-  const id = Buffer.from(crypto.getRandomValues(new Uint8Array(8))).toString("hex");
   const invite = {
-    id,
+    id: Buffer.from(crypto.getRandomValues(new Uint8Array(8))).toString("hex"),
     secret: b64urlEncode(crypto.getRandomValues(new Uint8Array(INVITE_SECRET_BYTES))),
     ...some("for", fields.for),
     created: nowMs,
@@ -5521,14 +5493,8 @@ async function consumeInvite(
     if (invite?.status === "used" && invite.used_by === use.key) return;
     const state = invite ? inviteState(invite, nowMs) : "gone";
     if (state !== "pending") throw new InterlinkError(`invite ${use.id} is ${state} (meanwhile); judged again`);
-    Object.assign(invite!, {
-      status: "used",
-      used_by: use.key,
-      used_msg: use.msgId,
-      used_as: use.petname,
-      used_in: use.session,
-      ended: nowMs,
-    });
+    const { key: used_by, msgId: used_msg, petname: used_as, session: used_in } = use;
+    Object.assign(invite!, { status: "used", used_by, used_msg, used_as, used_in, ended: nowMs });
   });
 }
 
@@ -5549,12 +5515,11 @@ async function judgeInvite(
   isPeer: boolean,
   nowMs: number,
 ): Promise<InviteCheck> {
+  const no = (reason: InviteRefusal, detail: string): InviteCheck => ({ ok: false, reason, detail });
   const proof = parseInviteProof(msg.in_reply_to);
-  if (proof === null || proof === "malformed") {
-    return { ok: false, reason: "invite_bad_proof", detail: "in_reply_to is not invite:<id>:<proof>" };
-  }
+  if (proof === null || proof === "malformed") return no("invite_bad_proof", "in_reply_to is not invite:<id>:<proof>");
   const invite = invites.find((i) => i.id === proof.id);
-  if (!invite) return { ok: false, reason: "invite_unknown", detail: `no invite ${proof.id} on this node` };
+  if (!invite) return no("invite_unknown", `no invite ${proof.id} on this node`);
   if (invite.status === "used" && invite.used_by === msg.from && (invite.used_msg === msg.msg_id || isPeer)) {
     return { ok: true, invite };
   }
@@ -5562,24 +5527,15 @@ async function judgeInvite(
   if (state === "pending" && invite.secret) {
     const secret = b64urlDecode(invite.secret, INVITE_SECRET_BYTES, "invite secret");
     const signed = inviteProofBytes(Buffer.from(invite.id, "hex"), me, msg.from, msg.msg_id);
-    if (!(await inviteMacMatches(secret, signed, proof.mac))) {
-      return {
-        ok: false,
-        reason: "invite_bad_proof",
-        detail: `the proof for invite ${invite.id} does not match this key and request`,
-      };
-    }
-    return { ok: true, invite };
+    return await inviteMacMatches(secret, signed, proof.mac)
+      ? { ok: true, invite }
+      : no("invite_bad_proof", `the proof for invite ${invite.id} does not match this key and request`);
   }
   const when = isoTime(invite.ended ?? invite.expires);
-  if (state === "used") {
-    const by = invite.used_by ? fingerprint(invite.used_by) : "?";
-    return { ok: false, reason: "invite_used", detail: `invite ${invite.id} was used by ${by} at ${when}` };
-  }
-  if (state === "revoked") {
-    return { ok: false, reason: "invite_revoked", detail: `invite ${invite.id} was revoked at ${when}` };
-  }
-  return { ok: false, reason: "invite_expired", detail: `invite ${invite.id} expired at ${when}` };
+  const by = invite.used_by ? fingerprint(invite.used_by) : "?";
+  if (state === "used") return no("invite_used", `invite ${invite.id} was used by ${by} at ${when}`);
+  if (state === "revoked") return no("invite_revoked", `invite ${invite.id} was revoked at ${when}`);
+  return no("invite_expired", `invite ${invite.id} expired at ${when}`);
 }
 
 /** The routes of pending invites of an earlier version (`invite-<id>`, one each), which drainEnded drains. */
