@@ -5583,6 +5583,8 @@ type Effect =
   /** Leave it with the bus for now: stop here, and poll again after a back-off. */
   | { do: "defer" };
 
+const logEffect = (level: "info" | "warn", line: string): Effect => ({ do: "log", level, line });
+
 interface PushEvent {
   content: string;
   meta: Record<string, string>;
@@ -5903,9 +5905,6 @@ function sendOnTask(t: TaskRow, draft: Omit<Draft, "to" | "task_id">, peers: Pee
   };
 }
 
-/** Text a node passes along, within what it will sign (the peer's own may be up to a bus body). */
-const passedText = (prefix: string, text: string): string => prefix + truncateUtf8(text, TEXT_LIMIT_BYTES);
-
 function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, replySession?: string): Hops {
   const { state, peers } = ctx;
   const out: Hops = { logs: [], sends: [] };
@@ -5916,15 +5915,19 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
   const fp = fingerprint(msg.from);
   if (!row && !msg.status) {
     if (c && !c.ok) {
-      const line = `the chain on ${msg.msg_id} from ${fp} does not hold (${c.why}): its task is taken as a root task`;
-      out.logs.push({ do: "log", level: "warn", line });
+      out.logs.push(
+        logEffect(
+          "warn",
+          `the chain on ${msg.msg_id} from ${fp} does not hold (${c.why}): its task is taken as a root task`,
+        ),
+      );
     }
     if (!c?.ok) return out;
     out.chain = c.chain;
     const why = declineWhy(c.chain.keys, me, ctx);
     if (why) {
       out.declined = why;
-      out.logs.push({ do: "log", level: "info", line: `declined task ${showId(msg.task_id)} from ${fp}: ${why}` });
+      out.logs.push(logEffect("info", `declined task ${showId(msg.task_id)} from ${fp}: ${why}`));
       out.sends.push({
         do: "send",
         draft: { to: msg.from, task_id: msg.task_id, status: "failed", text: why },
@@ -5935,10 +5938,8 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
     return out;
   }
   if (c) {
-    const line = `a chain on ${msg.msg_id} from ${fp}, which opens no task, is ignored (${
-      c.ok ? "not a request" : c.why
-    })`;
-    out.logs.push({ do: "log", level: "info", line });
+    const why = c.ok ? "not a request" : c.why;
+    out.logs.push(logEffect("info", `a chain on ${msg.msg_id} from ${fp}, which opens no task, is ignored (${why})`));
   }
   if (!row || row.closed) return out;
   const passed = passAlong(msg, row, ctx, me, forwardTarget(state.tasks, row, msg));
@@ -5955,8 +5956,10 @@ function passAlong(
   me: string,
   up: TaskRow | null,
 ): { relay: Relayed; send: Effect } | null {
+  // Within what this node will sign (the peer's text may be up to a bus body).
   const via = (verb: string) =>
-    passedText(`${whoIs(ctx.peers, msg.from)} ${verb}, via ${ctx.selfName ?? fingerprint(me)}: `, msg.text);
+    `${whoIs(ctx.peers, msg.from)} ${verb}, via ${ctx.selfName ?? fingerprint(me)}: ` +
+    truncateUtf8(msg.text, TEXT_LIMIT_BYTES);
   if (up) {
     const forward: Forward = { peer: msg.from, task_id: msg.task_id!, question: msg.msg_id };
     const send = sendOnTask(up, { status: "needs_input", text: via("asks") }, ctx.peers, forward);
@@ -6061,44 +6064,38 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       }
       // Refused for now, not for good: unacked, so the bus keeps it and hands it over again later.
       if (v.forNow) return [refusalLog(v), { do: "defer" }];
-      const refused = refuse(v, ctx);
-      return [...refused.slice(0, -1), ...repair, ...refused.slice(-1)];
+      return refuse(v, ctx, repair);
     }
     case "deliver": {
       if (state.inbox.size && state.inboxBytes + weight(v.msg) > INBOX_MAX_BYTES) {
-        const line = `the inbox holds ${
-          humanBytes(state.inboxBytes)
-        } unread, the most it keeps: ${v.msg.msg_id} from ${v.petname}, and what follows it there, wait on the relay until the model reads`;
-        return [{ do: "log", level: "warn", line }, { do: "defer" }];
+        const held = humanBytes(state.inboxBytes);
+        const line =
+          `the inbox holds ${held} unread, the most it keeps: ${v.msg.msg_id} from ${v.petname}, and what follows it there, wait on the relay until the model reads`;
+        return [logEffect("warn", line), { do: "defer" }];
       }
       // reply_to is unsigned: it only ever names one of the sender's own sessions, and never decides trust.
       const session = parseRoute(receiptRoute(v.msg, ctx.replyTo)).session || undefined;
-      const hops = planHops(v.msg, v.petname, ctx, session);
-      const record: Effect = {
-        do: "append",
-        records: [{
-          t: "in",
-          peer: v.petname,
-          msg: v.msg,
-          ...(session ? { reply_session: session } : {}),
-          ...(ctx.wantsReceipts ? { receipts: true } : {}),
-          ...some("for_session", ctx.forSession),
-          ...some("chain", hops.chain),
-          ...some("declined", hops.declined),
-          ...some("relay", hops.relay),
-        }],
+      const { logs, sends, ...marks } = planHops(v.msg, v.petname, ctx, session);
+      const record: NewRecord = {
+        t: "in",
+        peer: v.petname,
+        msg: v.msg,
+        ...some("reply_session", session),
+        ...(ctx.wantsReceipts ? { receipts: true } : {}),
+        ...some("for_session", ctx.forSession),
+        ...marks,
       };
       // The fold of its record makes its inbox item: the push shows that one.
-      const shown: Effect[] = canPush && !hops.declined
+      const push: Effect[] = canPush && !marks.declined
         ? [{ do: "push", id: messageKey(v.msg.from, v.msg.msg_id) }]
         : [];
       return [
-        record,
+        { do: "append", records: [record] },
         { do: "remember", msg: v.msg },
-        ...hops.logs,
-        ...shown,
+        ...logs,
+        ...push,
         { do: "sync" },
-        ...hops.sends,
+        ...sends,
         { do: "ack" },
       ];
     }
@@ -6107,19 +6104,16 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       if (!news.length) {
         // A copy of one already applied, or about messages this session did not send (or no longer remembers).
         const line = `a receipt from ${v.petname} (msg_id ${v.msg.msg_id}) reports nothing new; ignored`;
-        return [{ do: "remember", msg: v.msg }, { do: "log", level: "info", line }, { do: "sync" }, { do: "ack" }];
+        return [{ do: "remember", msg: v.msg }, logEffect("info", line), { do: "sync" }, { do: "ack" }];
       }
       // A refusal reaches the model once, as one line in our words; other reports only update the statuses.
-      const bounced = news.filter((l) => l.state === "refused").map((l): Effect => ({
-        do: "push",
-        id: `bounced ${l.msg_id}`,
-      }));
+      const bounced = news.filter((l) => canPush && l.state === "refused").map((l) => `bounced ${l.msg_id}`);
       const all = parseReceipt(v.msg.text);
       const lines = news.map((l) => all.findIndex((a) => a.state === l.state && a.msg_id === l.msg_id));
       return [
         { do: "append", records: [{ t: "receipt", peer: v.petname, msg: v.msg, lines }] },
         { do: "remember", msg: v.msg },
-        ...(canPush ? bounced : []),
+        ...bounced.map((id): Effect => ({ do: "push", id })),
         { do: "sync" },
         { do: "ack" },
       ];
@@ -6129,15 +6123,13 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       if (ctx.invite?.ok) return admitInvited(v, ctx.invite.invite, ctx);
       if (ctx.invite) return refuse({ reason: ctx.invite.reason, detail: ctx.invite.detail, msg: v.msg }, ctx);
       const fp = fingerprint(v.msg.from);
-      if (state.knocksIn.has(v.msg.from)) {
-        const line = `${fp} knocked again; its earlier request still waits for the operator`;
-        return [{ do: "log", level: "info", line }, { do: "ack" }];
-      }
       const rejectedAt = state.rejected.get(v.msg.from);
-      if (rejectedAt !== undefined && ctx.nowMs - rejectedAt < FRESH_PAST_MS) {
-        const line = `${fp} knocked again after your operator rejected it; not shown again for a day`;
-        return [{ do: "log", level: "info", line }, { do: "ack" }];
-      }
+      const again = state.knocksIn.has(v.msg.from)
+        ? "; its earlier request still waits for the operator"
+        : rejectedAt !== undefined && ctx.nowMs - rejectedAt < FRESH_PAST_MS
+        ? " after your operator rejected it; not shown again for a day"
+        : null;
+      if (again) return [logEffect("info", `${fp} knocked again${again}`), { do: "ack" }];
       const reply = ctx.replyTo ? receiptRoute(v.msg, ctx.replyTo) : v.msg.from;
       const already = ctx.peers.byKey.get(v.msg.from);
       if (already !== undefined) {
@@ -6145,7 +6137,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
         // nothing of ours.
         return [
           { do: "remember", msg: v.msg },
-          { do: "log", level: "info", line: `${fp}, already the peer '${already}', asked to pair; confirmed` },
+          logEffect("info", `${fp}, already the peer '${already}', asked to pair; confirmed`),
           { do: "confirm_pair", key: v.msg.from, msgId: v.msg.msg_id, recipient: reply, petname: already },
           { do: "sync" },
           { do: "ack" },
@@ -6154,7 +6146,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       if (state.knocksIn.size >= KNOCKS_CAP) {
         const line =
           `dropped a pair request from ${fp}: ${KNOCKS_CAP} requests already wait for the operator (reject_pair clears them)`;
-        return [{ do: "log", level: "warn", line }, { do: "ack" }];
+        return [logEffect("warn", line), { do: "ack" }];
       }
       // Past KNOCKS_SHOWN_PER_HOUR a knock still waits for the operator, but reaches the model only as a count:
       // a stranger cannot fill the session with pair requests.
@@ -6175,11 +6167,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       return [
         { do: "append", records: [record] },
         { do: "remember", msg: v.msg },
-        {
-          do: "log",
-          level: "info",
-          line: `pair request from ${fp} (claims '${v.claimedName}'); held for the operator`,
-        },
+        logEffect("info", `pair request from ${fp} (claims '${v.claimedName}'); held for the operator`),
         ...(push ? [{ do: "push", id } as Effect] : []),
         { do: "sync" },
         { do: "ack" },
@@ -6205,7 +6193,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
           records: [{ t: "paired", key, how: "they_accepted", petname, msg: v.msg, ...some("invite", invite) }],
         },
         { do: "remember", msg: v.msg },
-        { do: "log", level: "info", line: `${fingerprint(key)} accepted our pair request; added as '${petname}'` },
+        logEffect("info", `${fingerprint(key)} accepted our pair request; added as '${petname}'`),
         ...shown,
         { do: "sync" },
         { do: "ack" },
@@ -6224,15 +6212,14 @@ function admitInvited(v: Extract<Verdict, { verdict: "pair_request" }>, invite: 
   const petname = existing ?? newPeerName(ctx.peers, key, invite.for, v.claimedName);
   const reply = ctx.replyTo ? receiptRoute(v.msg, ctx.replyTo) : key;
   const id = pairedItem(key, invite.id);
-  const line = `${fingerprint(key)} (claims '${v.claimedName}') joined through invite ${invite.id}; ${
-    existing ? "already" : "added as"
-  } '${petname}'`;
+  const as = existing ? "already" : "added as";
+  const line = `${fingerprint(key)} (claims '${v.claimedName}') joined through invite ${invite.id}; ${as} '${petname}'`;
   return [
     { do: "consume_invite", id: invite.id, key, msgId: v.msg.msg_id, petname },
     ...(existing ? [] : [{ do: "add_peer", petname, key } as Effect]),
     { do: "append", records: [{ t: "paired", key, how: "invited", petname, invite: invite.id }] },
     { do: "remember", msg: v.msg },
-    { do: "log", level: "info", line },
+    logEffect("info", line),
     ...(ctx.canPush && !ctx.state.wasShown(id) ? [{ do: "push", id } as Effect] : []),
     { do: "confirm_pair", key, msgId: v.msg.msg_id, recipient: reply, petname },
     { do: "sync" },
@@ -6256,15 +6243,15 @@ function refusalLog(v: Refused): Effect {
     : fingerprint(v.msg.from);
   const id = v.msg ? ` (msg_id ${JSON.stringify(v.msg.msg_id.slice(0, 64))})` : "";
   // A copy from a second bus is routine, not an alarm.
-  return {
-    do: "log",
-    level: v.reason === "replay" ? "info" : "warn",
-    line: `refused a message from ${who}${id}: ${v.reason}: ${v.detail}`,
-  };
+  return logEffect(
+    v.reason === "replay" ? "info" : "warn",
+    `refused a message from ${who}${id}: ${v.reason}: ${v.detail}`,
+  );
 }
 
-function refuse(v: Refused, ctx: InboundContext): Effect[] {
-  return [refusalLog(v), ...noticeRefusal(v, ctx), ...reportRefusal(v, ctx), { do: "ack" }];
+/** `before` goes just before the ack (a replay's repaired passing along). */
+function refuse(v: Refused, ctx: InboundContext, before: Effect[] = []): Effect[] {
+  return [refusalLog(v), ...noticeRefusal(v, ctx), ...reportRefusal(v, ctx), ...before, { do: "ack" }];
 }
 
 /**
