@@ -6407,12 +6407,8 @@ function outboxFull(state: NodeState, peers: Peers): string | null {
     const why = held.get(route)?.why === "full" ? ", its route full" : held.has(route) ? ", awaiting receipts" : "";
     return `${n} to ${peers.byKey.get(key) ?? fingerprint(key)}${session ? ` (session ${showId(session)})` : ""}${why}`;
   });
-  return `the outbox holds ${
-    humanBytes(state.pendingBytes)
-  } of messages no relay has taken yet (${state.pending.size}: ${most.join(", ")}${
-    per.size > 3 ? ", …" : ""
-  }), the most it keeps; nothing was queued. They go by themselves, in order, as the ` +
-    "relays take them (list_pending says why they wait): send this again once they have";
+  const [bytes, waiting] = [humanBytes(state.pendingBytes), most.join(", ") + (per.size > 3 ? ", …" : "")];
+  return `the outbox holds ${bytes} of messages no relay has taken yet (${state.pending.size}: ${waiting}), the most it keeps; nothing was queued. They go by themselves, in order, as the relays take them (list_pending says why they wait): send this again once they have`;
 }
 
 /**
@@ -6448,9 +6444,7 @@ function subTaskChain(
   const me = hops.selfKey;
   if (!me) throw new InterlinkError("parent_task_id needs this node's key");
   if (!draft.task_id || draft.status) {
-    throw new InterlinkError(
-      "parent_task_id goes on the message that opens a sub-task: a new task_id and no status",
-    );
+    throw new InterlinkError("parent_task_id goes on the message that opens a sub-task: a new task_id and no status");
   }
   if (draft.to === me) {
     throw new InterlinkError(
@@ -6458,6 +6452,7 @@ function subTaskChain(
     );
   }
   const name = (k: string) => (k === me ? hops.selfName ?? "you" : peers.byKey.get(k) ?? fingerprint(k));
+  const pid = showId(parentId);
   const asker = hops.parentPeer === undefined ? undefined : resolvePeer(peers, hops.parentPeer).key;
   const candidates = [...tasks.values()].filter((t) =>
     t.task_id === parentId && t.requested_by === "peer" && !t.moved_to && (asker === undefined || t.peer_key === asker)
@@ -6465,42 +6460,36 @@ function subTaskChain(
   // Task ids are the requester's: two peers may use one. Naming the wrong one would send its questions to the
   // wrong operator, so an id that several peers asked for (open or closed) needs its requester named.
   if (candidates.length > 1) {
-    const whose = candidates.map((t) => `${name(t.peer_key)} (${t.closed ? `closed, ${t.status}` : "open"})`);
+    const whose = candidates.map((t) => `${name(t.peer_key)} (${t.closed ? `closed, ${t.status}` : "open"})`).join(
+      ", ",
+    );
     throw new InterlinkError(
-      `several peers asked you for a task ${showId(parentId)}: ${whose.join(", ")}; name the one this serves with ` +
-        `parent_peer (send: --parent-peer)`,
+      `several peers asked you for a task ${pid}: ${whose}; name the one this serves with parent_peer (send: --parent-peer)`,
     );
   }
   const parent = candidates[0];
   if (!parent) {
     const open = [...tasks.values()].filter((t) => t.requested_by === "peer" && !t.closed && !t.moved_to)
-      .map((t) => `${showId(t.task_id)} (from ${name(t.peer_key)})`);
+      .map((t) => `${showId(t.task_id)} (from ${name(t.peer_key)})`).join(", ") || "none is open";
     throw new InterlinkError(
-      `no task '${parentId}' that a peer asked of you; parent_task_id names one you are executing for a peer: ${
-        open.join(", ") || "none is open"
-      }`,
+      `no task '${parentId}' that a peer asked of you; parent_task_id names one you are executing for a peer: ${open}`,
     );
   }
+  const from = name(parent.peer_key);
   if (parent.closed) {
-    throw new InterlinkError(
-      `task ${showId(parentId)} from ${name(parent.peer_key)} is closed (${parent.status}): nothing to hand on for it`,
-    );
+    throw new InterlinkError(`task ${pid} from ${from} is closed (${parent.status}): nothing to hand on for it`);
   }
   if (parent.peer_key === me) {
     throw new InterlinkError(
-      `task ${
-        showId(parentId)
-      } came from another session of this node, not a peer: send without parent_task_id (its questions come to you)`,
+      `task ${pid} came from another session of this node, not a peer: send without parent_task_id (its questions come to you)`,
     );
   }
   const existing = tasks.get(taskKey(draft.to, draft.task_id));
   if (existing) {
     if (existing.parent?.task_id === parent.task_id && existing.parent.requester === parent.peer_key) return undefined;
-    throw new InterlinkError(
-      `task ${showId(draft.task_id)} with ${name(draft.to)} is open already${
-        existing.parent ? ` as a sub-task of ${showId(existing.parent.task_id)}` : ", not as a sub-task"
-      }; a sub-task of ${showId(parentId)} needs a new task_id`,
-    );
+    const [task, to] = [showId(draft.task_id), name(draft.to)];
+    const as = existing.parent ? ` as a sub-task of ${showId(existing.parent.task_id)}` : ", not as a sub-task";
+    throw new InterlinkError(`task ${task} with ${to} is open already${as}; a sub-task of ${pid} needs a new task_id`);
   }
   const keys = [...(parent.chain ?? [parent.peer_key]), me];
   const words = chainWords([...keys, draft.to], name);
@@ -6510,9 +6499,7 @@ function subTaskChain(
   const limit = hops.maxDepth ?? DEFAULT_MAX_DEPTH;
   if (keys.length > limit) {
     throw new InterlinkError(
-      `delegation too deep: ${words}, limit ${limit} (--max-depth); do this part yourself, or tell ${
-        name(parent.peer_key)
-      } it needs another way`,
+      `delegation too deep: ${words}, limit ${limit} (--max-depth); do this part yourself, or tell ${from} it needs another way`,
     );
   }
   return {
@@ -6522,11 +6509,6 @@ function subTaskChain(
     depth: keys.length,
     keys,
   };
-}
-
-/** The body every bus receives for a message: checked against BODY_LIMIT_BYTES before it is queued. */
-function sendBody(recipient: string, msg: SignedMessage, replyTo?: string, chain?: Chain): string {
-  return JSON.stringify({ to: recipient, payload: messagePayload(msg, replyTo, chain) });
 }
 
 /**
@@ -6547,12 +6529,12 @@ function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): ob
 async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, nowMs: number): Promise<OutEntry> {
   const msg = await signMessage(id, p.draft, nowMs);
   const chain = p.chain ? await signChain(id, msg, p.chain) : undefined;
-  const bytes = Buffer.byteLength(sendBody(p.recipient, msg, `${id.publicKey}#${"x".repeat(128)}`, chain));
+  const payload = messagePayload(msg, `${id.publicKey}#${"x".repeat(128)}`, chain); // the longest reply_to
+  const bytes = Buffer.byteLength(JSON.stringify({ to: p.recipient, payload }));
   if (bytes > BODY_LIMIT_BYTES) {
+    const [kib, mib] = [Math.ceil(bytes / 1024), BODY_LIMIT_BYTES >> 20];
     throw new InterlinkError(
-      `this message is ${Math.ceil(bytes / 1024)} KiB as JSON, over the ${
-        BODY_LIMIT_BYTES >> 20
-      } MiB a bus accepts (control characters count six bytes each); send a summary or a file path instead`,
+      `this message is ${kib} KiB as JSON, over the ${mib} MiB a bus accepts (control characters count six bytes each); send a summary or a file path instead`,
     );
   }
   await journal.appendDurable([{
