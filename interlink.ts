@@ -6671,7 +6671,6 @@ function chooseRoute(p: {
   const known = p.rosterKnown ?? true;
   const ended = (id: string) => p.ended?.(id) ?? false;
   const candidates = p.candidates.filter((c) => !ended(c.session!.session_id));
-  const to = (s: string) => `${key}#${s}`;
   const find = (id: string) => candidates.find((c) => c.session!.session_id === id);
   // Ended on evidence only: its goodbye, or a roster that listed it and no longer does. A hint never listed may not
   // have announced itself (yet, or on these relays): it stands. A remembered one missing from every roster is gone
@@ -6685,7 +6684,6 @@ function chooseRoute(p: {
       ? "is on no roster (it ended)"
       : null;
   const live = candidates.filter((c) => presence(c.ageMs) === "live");
-  const liveList = live.length ? `live sessions:\n${describeSessions(live)}` : "none of its sessions is live";
   const state = (id: string): string => {
     const c = find(id);
     if (!c) {
@@ -6693,21 +6691,19 @@ function chooseRoute(p: {
         ? "not on any roster: the message may never be read; check discover"
         : "not checked (no bus answered the roster)";
     }
-    const others = live.filter((x) => x !== c);
-    const sibling = others.length
-      ? `; a live sibling exists: session=${showId(others[0].session!.session_id)} reaches it now`
-      : "";
-    switch (presence(c.ageMs)) {
-      case "live":
-        return "live: delivering now";
-      case "away":
-        return `away for ${howLong(c.ageMs)} (asleep?): it arrives when that session wakes${sibling}`;
-      case "stale":
-        return `away for ${howLong(c.ageMs)}: that session may be gone rather than asleep; check discover${sibling}`;
-    }
+    const other = live.find((x) => x !== c)?.session?.session_id;
+    const sibling = other ? `; a live sibling exists: session=${showId(other)} reaches it now` : "";
+    const away = `away for ${howLong(c.ageMs)}`;
+    const now: Record<Presence, string> = {
+      live: "live: delivering now",
+      away: `${away} (asleep?): it arrives when that session wakes${sibling}`,
+      stale: `${away}: that session may be gone rather than asleep; check discover${sibling}`,
+    };
+    return now[presence(c.ageMs)];
   };
+  const toKey = (note: string): RouteChoice => ({ recipient: key, note });
   const choose = (id: string, why = ""): RouteChoice => ({
-    recipient: to(id),
+    recipient: `${key}#${id}`,
     session: id,
     note: `${why}session ${showId(id)}, ${state(id)}`,
   });
@@ -6724,11 +6720,10 @@ function chooseRoute(p: {
     }
     const why = gone(hint);
     if (why) {
-      throw new InterlinkError(
-        `session '${hint}' has ended (it ${why}); nothing was sent. ${liveList}${
-          live.length ? "" : "; omit session= to send to its key, which its next session reads"
-        }`,
-      );
+      const rest = live.length
+        ? `live sessions:\n${describeSessions(live)}`
+        : "none of its sessions is live; omit session= to send to its key, which its next session reads";
+      throw new InterlinkError(`session '${hint}' has ended (it ${why}); nothing was sent. ${rest}`);
     }
     return choose(hint); // not on a roster yet, or none to check against: used as given
   }
@@ -6742,25 +6737,17 @@ function chooseRoute(p: {
   }
   if (live.length === 1) return choose(live[0].session!.session_id, endedNote && `${endedNote}sent to their live `);
   if (live.length > 1 || (!endedNote && candidates.length > 1)) {
-    throw new InterlinkError(
-      `${endedNote}${
-        live.length > 1 ? "several live sessions" : "several sessions"
-      }; pick one with session=<id or its start>:\n${describeSessions(candidates)}`,
-    );
+    const several = live.length > 1 ? "several live sessions" : "several sessions";
+    const list = describeSessions(candidates);
+    throw new InterlinkError(`${endedNote}${several}; pick one with session=<id or its start>:\n${list}`);
   }
   if (endedNote && !p.isSelf) {
-    return {
-      recipient: key,
-      note: `${endedNote}no session of theirs is live: sent to their key, which their next session reads`,
-    };
+    return toKey(`${endedNote}no session of theirs is live: sent to their key, which their next session reads`);
   }
   if (candidates.length === 1) return choose(candidates[0].session!.session_id);
   if (p.isSelf) throw new InterlinkError("no other session of this node is on the roster (discover shows them)");
-  if (p.legacy) return { recipient: key, note: "a 0.4 node (no sessions): sent to its key" };
-  return {
-    recipient: key,
-    note: "not on any roster: sent to its key, read by whichever of its sessions polls it; check discover",
-  };
+  if (p.legacy) return toKey("a 0.4 node (no sessions): sent to its key");
+  return toKey("not on any roster: sent to its key, read by whichever of its sessions polls it; check discover");
 }
 
 // ============================================================================
