@@ -2498,10 +2498,8 @@ async function removePeer(file: string, who: string): Promise<{ petname: string;
 const nameAndFingerprint = (name: string, fp: string): string => (name === fp ? fp : `${name} (${fp})`);
 
 /** "carol (1AnB2ji_)", or the fingerprint alone for a key with no petname. */
-function whoIs(peers: Peers, key: string): string {
-  const petname = peers.byKey.get(key);
-  return petname ? `${petname} (${fingerprint(key)})` : fingerprint(key);
-}
+const whoIs = (peers: Peers, key: string): string =>
+  peers.byKey.has(key) ? `${peers.byKey.get(key)} (${fingerprint(key)})` : fingerprint(key);
 
 /** A new peer's petname: the operator's choice, its claimed name, or `peer-<fingerprint>`; never a taken one. */
 function newPeerName(peers: Peers, key: string, chosen: string | undefined, claimed: string): string {
@@ -2572,9 +2570,8 @@ function parseRoute(route: string): { key: string; session: string } {
 
 const counterpart = (dir: "in" | "out", msg: SignedMessage): string => (dir === "out" ? msg.to : msg.from);
 
-function taskTag(msg: Pick<SignedMessage, "task_id" | "status">): string {
-  return msg.task_id ? `[task ${showId(msg.task_id)}${msg.status ? ` · ${msg.status}` : ""}]` : "";
-}
+const taskTag = (msg: Pick<SignedMessage, "task_id" | "status">): string =>
+  msg.task_id ? `[task ${showId(msg.task_id)}${msg.status ? ` · ${msg.status}` : ""}]` : "";
 
 /** Tasks are per counterpart: two peers may both use task_id "t1". */
 const taskKey = (peerKey: string, taskId: string): string => `${peerKey} ${taskId}`;
@@ -5960,15 +5957,24 @@ function passAlong(
   const via = (verb: string) =>
     `${whoIs(ctx.peers, msg.from)} ${verb}, via ${ctx.selfName ?? fingerprint(me)}: ` +
     truncateUtf8(msg.text, TEXT_LIMIT_BYTES);
+  const pass = (dir: Relayed["dir"], t: TaskRow, draft: Omit<Draft, "to" | "task_id">, forward?: Forward) => ({
+    relay: { dir, to: t.peer_key, task_id: t.task_id },
+    send: sendOnTask(t, draft, ctx.peers, forward),
+  });
   if (up) {
     const forward: Forward = { peer: msg.from, task_id: msg.task_id!, question: msg.msg_id };
-    const send = sendOnTask(up, { status: "needs_input", text: via("asks") }, ctx.peers, forward);
-    return { relay: { dir: "up", to: up.peer_key, task_id: up.task_id }, send };
+    return pass("up", up, { status: "needs_input", text: via("asks") }, forward);
   }
-  const down = answerTarget(ctx.state.tasks, row, msg);
-  if (!down) return null;
-  const send = sendOnTask(down.t, { in_reply_to: down.q.msg_id, text: via("answers") }, ctx.peers);
-  return { relay: { dir: "down", to: down.t.peer_key, task_id: down.t.task_id }, send };
+  // The owner's side answering (or updating on) a question we forwarded up: down to the sub-task that asked it.
+  if (!msg.in_reply_to || (msg.status && msg.status !== "update") || row.requested_by !== "peer") return null;
+  for (const t of ctx.state.tasks.values()) {
+    if (t.closed) continue;
+    const q = t.awaiting.find(({ forwarded: f }) =>
+      f !== undefined && f.as === msg.in_reply_to && f.to === msg.from && f.task_id === msg.task_id
+    );
+    if (q) return pass("down", t, { in_reply_to: q.msg_id, text: via("answers") });
+  }
+  return null;
 }
 
 /** Why a request whose chain is `keys` (owner first, its sender last) is refused here, or null. */
@@ -5986,22 +5992,6 @@ function forwardTarget(tasks: ReadonlyMap<string, TaskRow>, row: TaskRow, msg: S
   if (row.awaiting.filter((q) => q.forwarded).length >= FORWARDS_OPEN_CAP) return null;
   const parent = tasks.get(taskKey(row.parent.requester, row.parent.task_id));
   return parent && !parent.closed && parent.requested_by === "peer" ? parent : null;
-}
-
-function answerTarget(
-  tasks: ReadonlyMap<string, TaskRow>,
-  row: TaskRow,
-  msg: SignedMessage,
-): { t: TaskRow; q: Question } | null {
-  if (!msg.in_reply_to || (msg.status && msg.status !== "update") || row.requested_by !== "peer") return null;
-  for (const t of tasks.values()) {
-    if (t.closed) continue;
-    const q = t.awaiting.find(({ forwarded: f }) =>
-      f !== undefined && f.as === msg.in_reply_to && f.to === msg.from && f.task_id === msg.task_id
-    );
-    if (q) return { t, q };
-  }
-  return null;
 }
 
 /** A task we execute closed by `msg` (`by` names who sent it): a canceled for each open sub-task we opened for it. */
@@ -6048,6 +6038,12 @@ function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
 //     anywhere before it leaves the message on the bus for redelivery;
 //   - a "push" comes after the "append" whose fold makes its inbox item (the push records it shown);
 //   - a redelivered message that was journaled but never shown is shown, once.
+
+/** The usual plan: `records` appended and `msg` remembered, then `rest`; made durable (sync), then acked. */
+function keep(msg: SignedMessage, records: NewRecord[], ...rest: Effect[]): Effect[] {
+  const append: Effect[] = records.length ? [{ do: "append", records }] : [];
+  return [...append, { do: "remember", msg }, ...rest, { do: "sync" }, { do: "ack" }];
+}
 
 /** The effects of one gate verdict; the knock bounds (KNOCKS_CAP, KNOCKS_SHOWN_PER_HOUR) live here. */
 function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
@@ -6104,19 +6100,14 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       if (!news.length) {
         // A copy of one already applied, or about messages this session did not send (or no longer remembers).
         const line = `a receipt from ${v.petname} (msg_id ${v.msg.msg_id}) reports nothing new; ignored`;
-        return [{ do: "remember", msg: v.msg }, logEffect("info", line), { do: "sync" }, { do: "ack" }];
+        return keep(v.msg, [], logEffect("info", line));
       }
       // A refusal reaches the model once, as one line in our words; other reports only update the statuses.
-      const bounced = news.filter((l) => canPush && l.state === "refused").map((l) => `bounced ${l.msg_id}`);
+      const bounced = news.filter((l) => canPush && l.state === "refused");
       const all = parseReceipt(v.msg.text);
       const lines = news.map((l) => all.findIndex((a) => a.state === l.state && a.msg_id === l.msg_id));
-      return [
-        { do: "append", records: [{ t: "receipt", peer: v.petname, msg: v.msg, lines }] },
-        { do: "remember", msg: v.msg },
-        ...bounced.map((id): Effect => ({ do: "push", id })),
-        { do: "sync" },
-        { do: "ack" },
-      ];
+      const pushes = bounced.map((l): Effect => ({ do: "push", id: `bounced ${l.msg_id}` }));
+      return keep(v.msg, [{ t: "receipt", peer: v.petname, msg: v.msg, lines }], ...pushes);
     }
     case "pair_request": {
       // Through an invite, our operator decided in advance (by running `interlink.ts invite`): nothing is held.
@@ -6135,13 +6126,12 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       if (already !== undefined) {
         // A peer asks to pair (it lacks us: a one-sided pairing): our acceptance completes its side, and changes
         // nothing of ours.
-        return [
-          { do: "remember", msg: v.msg },
+        return keep(
+          v.msg,
+          [],
           logEffect("info", `${fp}, already the peer '${already}', asked to pair; confirmed`),
           { do: "confirm_pair", key: v.msg.from, msgId: v.msg.msg_id, recipient: reply, petname: already },
-          { do: "sync" },
-          { do: "ack" },
-        ];
+        );
       }
       if (state.knocksIn.size >= KNOCKS_CAP) {
         const line =
@@ -6164,40 +6154,33 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
         ...(reply !== v.msg.from ? { reply_to: reply } : {}),
         ...(quiet ? { quiet } : {}),
       };
-      return [
-        { do: "append", records: [record] },
-        { do: "remember", msg: v.msg },
-        logEffect("info", `pair request from ${fp} (claims '${v.claimedName}'); held for the operator`),
-        ...(push ? [{ do: "push", id } as Effect] : []),
-        { do: "sync" },
-        { do: "ack" },
-      ];
+      const line = `pair request from ${fp} (claims '${v.claimedName}'); held for the operator`;
+      return keep(v.msg, [record], logEffect("info", line), ...(push ? [{ do: "push", id } as Effect] : []));
     }
     case "pair_accept": {
-      const key = v.msg.from;
+      const [key, fp] = [v.msg.from, fingerprint(v.msg.from)];
       const existing = ctx.peers.byKey.get(key);
       const knock = state.knocksOut.get(key);
       const petname = existing ?? newPeerName(ctx.peers, key, knock?.petname, displayName(v.msg.text));
       const event: PushEvent = {
-        content: `Pairing complete: ${fingerprint(key)} accepted your request and is now the peer '${petname}'.`,
-        meta: { sender: "interlink", kind: "pair_accept", fingerprint: fingerprint(key) },
+        content: `Pairing complete: ${fp} accepted your request and is now the peer '${petname}'.`,
+        meta: { sender: "interlink", kind: "pair_accept", fingerprint: fp },
       };
       // Our join through their invite: a notice (the operator ran `join` at a terminal).
       const invite = knock?.invite;
       const id = invite && pairedItem(key, invite);
       const shown: Effect[] = !canPush ? [] : id ? [{ do: "push", id }] : [{ do: "notify", event }];
-      return [
-        ...(existing ? [] : [{ do: "add_peer", petname, key } as Effect]),
-        {
-          do: "append",
-          records: [{ t: "paired", key, how: "they_accepted", petname, msg: v.msg, ...some("invite", invite) }],
-        },
-        { do: "remember", msg: v.msg },
-        logEffect("info", `${fingerprint(key)} accepted our pair request; added as '${petname}'`),
-        ...shown,
-        { do: "sync" },
-        { do: "ack" },
-      ];
+      const paired: NewRecord = {
+        t: "paired",
+        key,
+        how: "they_accepted",
+        petname,
+        msg: v.msg,
+        ...some("invite", invite),
+      };
+      const added: Effect[] = existing ? [] : [{ do: "add_peer", petname, key }];
+      const line = `${fp} accepted our pair request; added as '${petname}'`;
+      return [...added, ...keep(v.msg, [paired], logEffect("info", line), ...shown)];
     }
   }
 }
@@ -6214,16 +6197,19 @@ function admitInvited(v: Extract<Verdict, { verdict: "pair_request" }>, invite: 
   const id = pairedItem(key, invite.id);
   const as = existing ? "already" : "added as";
   const line = `${fingerprint(key)} (claims '${v.claimedName}') joined through invite ${invite.id}; ${as} '${petname}'`;
+  const added: Effect[] = existing ? [] : [{ do: "add_peer", petname, key }];
+  const shown: Effect[] = ctx.canPush && !ctx.state.wasShown(id) ? [{ do: "push", id }] : [];
+  const confirm: Effect = { do: "confirm_pair", key, msgId: v.msg.msg_id, recipient: reply, petname };
   return [
     { do: "consume_invite", id: invite.id, key, msgId: v.msg.msg_id, petname },
-    ...(existing ? [] : [{ do: "add_peer", petname, key } as Effect]),
-    { do: "append", records: [{ t: "paired", key, how: "invited", petname, invite: invite.id }] },
-    { do: "remember", msg: v.msg },
-    logEffect("info", line),
-    ...(ctx.canPush && !ctx.state.wasShown(id) ? [{ do: "push", id } as Effect] : []),
-    { do: "confirm_pair", key, msgId: v.msg.msg_id, recipient: reply, petname },
-    { do: "sync" },
-    { do: "ack" },
+    ...added,
+    ...keep(
+      v.msg,
+      [{ t: "paired", key, how: "invited", petname, invite: invite.id }],
+      logEffect("info", line),
+      ...shown,
+      confirm,
+    ),
   ];
 }
 
