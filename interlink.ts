@@ -2530,11 +2530,7 @@ interface Question {
 }
 
 /** On an "out" record: this needs_input forwards `question`, which `peer` asked on its task `task_id` (see planHops). */
-interface Forward {
-  peer: string;
-  task_id: string;
-  question: string;
-}
+type Forward = { peer: string; task_id: string; question: string };
 
 /** One delegated task as both ends see it, folded from the messages that carry its task_id. */
 interface TaskRow {
@@ -3563,58 +3559,37 @@ interface OutEntry {
  * An admitted message passed along the chain (`up`: a question forwarded; `down`: an answer sent on) on `task_id` to
  * `to`: information for the model (itemNotes), never a question for its operator.
  */
-interface Relayed {
-  dir: "up" | "down";
-  to: string;
-  task_id: string;
-}
+type Relayed = { dir: "up" | "down"; to: string; task_id: string };
 
 /** Something no path has shown the model yet; `id` names it in the "shown" record. */
 type InboxItem =
-  /**
-   * `forSession`: it arrived for an earlier session of ours, which ended before showing it. `asked`: it answers a
-   * question of ours (its text, for whose operator, and the earlier session that asked, if that one ended first).
-   * `late`: its task was closed before it came (the closing status). `unopened`: it carries a status on a task this
-   * session never opened nor was asked for (another session's, moved here by a relay, or a peer's mistake).
-   */
-  | {
-    kind: "message";
-    id: string;
-    at: number;
-    peer: string;
-    msg: SignedMessage;
-    forSession?: string;
-    relay?: Relayed;
-    asked?: { text: string; owner?: string; session?: string };
-    late?: string;
-    unopened?: true;
-  }
-  /** A peer's question shown to an ended session of ours, still unanswered: shown again in the one that adopted it. */
-  | {
-    kind: "waiting";
-    id: string;
-    at: number;
-    key: string;
-    task_id: string;
-    msg_id: string;
-    text: string;
-    asked_at: number;
-    session: string;
-  }
-  | { kind: "knock"; id: string; at: number; key: string; name: string }
-  | { kind: "more_knocks"; id: string; at: number; count: number }
-  | { kind: "refusals"; id: string; at: number; key: string; reason: Refusal; count: number }
-  | { kind: "bounced"; id: string; at: number; key: string; msg: MessageHead; report: ReceiptLine }
-  /** A pairing through an invite: `invited`, a key joined through ours; `joined`, we joined through theirs. */
-  | {
-    kind: "paired";
-    id: string;
-    at: number;
-    key: string;
-    petname: string;
-    invite: string;
-    side: "invited" | "joined";
-  };
+  & { id: string; at: number }
+  & (
+    /**
+     * `forSession`: it arrived for an earlier session of ours, which ended before showing it. `asked`: it answers a
+     * question of ours (its text, for whose operator, and the earlier session that asked, if that one ended first).
+     * `late`: its task was closed before it came (the closing status). `unopened`: it carries a status on a task this
+     * session never opened nor was asked for (another session's, moved here by a relay, or a peer's mistake).
+     */
+    | {
+      kind: "message";
+      peer: string;
+      msg: SignedMessage;
+      forSession?: string;
+      relay?: Relayed;
+      asked?: { text: string; owner?: string; session?: string };
+      late?: string;
+      unopened?: true;
+    }
+    /** A peer's question shown to an ended session of ours, still unanswered: shown again in the one that adopted it. */
+    | { kind: "waiting"; key: string; task_id: string; msg_id: string; text: string; asked_at: number; session: string }
+    | { kind: "knock"; key: string; name: string }
+    | { kind: "more_knocks"; count: number }
+    | { kind: "refusals"; key: string; reason: Refusal; count: number }
+    | { kind: "bounced"; key: string; msg: MessageHead; report: ReceiptLine }
+    /** A pairing through an invite: `invited`, a key joined through ours; `joined`, we joined through theirs. */
+    | { kind: "paired"; key: string; petname: string; invite: string; side: "invited" | "joined" }
+  );
 
 /** Replay memory and the inbox key messages by sender and msg_id: msg_ids are the sender's choice. */
 const messageKey = (from: string, msgId: string): string => `${from} ${msgId}`;
@@ -5582,10 +5557,7 @@ type Effect =
 
 const logEffect = (level: "info" | "warn", line: string): Effect => ({ do: "log", level, line });
 
-interface PushEvent {
-  content: string;
-  meta: Record<string, string>;
-}
+type PushEvent = { content: string; meta: Record<string, string> };
 
 interface InboundContext {
   state: NodeState;
@@ -6214,11 +6186,7 @@ function admitInvited(v: Extract<Verdict, { verdict: "pair_request" }>, invite: 
 }
 
 /** A payload refused by the gate or (a knock) by its invite; `msg` when it could be read. */
-interface Refused {
-  reason: Refusal;
-  detail: string;
-  msg?: SignedMessage;
-}
+type Refused = { reason: Refusal; detail: string; msg?: SignedMessage };
 
 /** Before the signature checks out, `from` is only a claim. */
 function refusalLog(v: Refused): Effect {
@@ -6607,11 +6575,7 @@ function presence(ageMs: number): Presence {
   return ageMs < PRESENCE_LIVE_MS ? "live" : ageMs < PRESENCE_STALE_MS ? "away" : "stale";
 }
 
-interface RouteChoice {
-  recipient: string;
-  session?: string;
-  note: string;
-}
+type RouteChoice = { recipient: string; session?: string; note: string };
 
 /** One line per candidate session, each field as its announcer wrote it, escaped. */
 function describeSessions(list: PeerSession[]): string {
