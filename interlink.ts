@@ -2412,10 +2412,7 @@ function parsePeers(text: string, source = "peers.json"): Peers {
   return { byName, byKey };
 }
 
-/**
- * The one peer resolver, for every tool and command: a petname, a full key, or a fingerprint (any unique key prefix of
- * at least 4 characters). The error lists the peers to choose from.
- */
+/** The one peer resolver: a petname, a key, or a fingerprint (a unique key prefix, 4+ characters); errors list all. */
 function resolvePeer(peers: Peers, who: string): { key: string; petname: string } {
   const byName = peers.byName.get(who);
   if (byName !== undefined) return { key: byName, petname: who };
@@ -2461,10 +2458,7 @@ async function editPeers<T>(file: string, edit: (raw: Record<string, unknown>, p
   });
 }
 
-/**
- * Adds a peer under the no-rekey rules: a petname never silently changes key, and a key never gets a second petname.
- * Re-adding the same pair is a no-op.
- */
+/** Adds a peer: a petname never silently changes key, a key never gets a second petname; adding it again is a no-op. */
 async function addPeer(file: string, petname: string, key: string): Promise<"added" | "unchanged"> {
   checkPetname(petname);
   checkPeerKey(key, "key");
@@ -3555,10 +3549,7 @@ interface OutEntry {
   chain?: Chain;
 }
 
-/**
- * An admitted message passed along the chain (`up`: a question forwarded; `down`: an answer sent on) on `task_id` to
- * `to`: information for the model (itemNotes), never a question for its operator.
- */
+/** A message passed along the chain (up: a question; down: its answer): information for the model, never a question. */
 type Relayed = { dir: "up" | "down"; to: string; task_id: string };
 
 /** Something no path has shown the model yet; `id` names it in the "shown" record. */
@@ -5339,10 +5330,7 @@ const decodeInvite = (v: unknown): Invite =>
 
 const DOOR_PREFIX = "door-";
 
-/**
- * The node's door (see above), made on first use and never changed (a code in someone's hands names it). It appears
- * whole or not at all: written beside, then linked into place.
- */
+/** The node's door (see above): made once, never changed (codes name it), whole or absent (written, then linked). */
 function doorSession(stateDir: string): string {
   const file = path.join(stateDir, "door");
   fs.mkdirSync(stateDir, { recursive: true, mode: 0o700 });
@@ -5386,10 +5374,7 @@ function readInvites(stateDir: string): Invite[] {
   }
 }
 
-/**
- * Changes a node's invites under the file's lock and writes them back whole, dropping spent ones' secrets and
- * forgetting those spent over INVITE_KEPT_MS ago.
- */
+/** Edits invites.json under its lock, written whole; a spent invite loses its secret, and goes after INVITE_KEPT_MS. */
 async function editInvites<T>(stateDir: string, nowMs: number, edit: (invites: Invite[]) => T): Promise<T> {
   const file = invitesFile(stateDir);
   fs.mkdirSync(stateDir, { recursive: true, mode: 0o700 });
@@ -5470,9 +5455,7 @@ async function consumeInvite(
   });
 }
 
-type InviteCheck =
-  | { ok: true; invite: Invite }
-  | { ok: false; reason: InviteRefusal; detail: string };
+type InviteCheck = { ok: true; invite: Invite } | { ok: false; reason: InviteRefusal; detail: string };
 
 /**
  * Judges a knock whose in_reply_to names an invite: its proof must be the HMAC of inviteProofBytes under the invite's
@@ -5581,10 +5564,7 @@ interface InboundContext {
 // As a channel event (pushEvent), an inbox block (messageBlock, formatInbox) or the wake text: every peer field
 // through the escaping rule above, and the task metadata from signed fields only.
 
-/**
- * Channel meta; keys stay [A-Za-z0-9_] or Claude Code drops them. It prints each value inside an attribute's quotes,
- * so a peer's id is escaped (attr): it cannot close the attribute or the tag.
- */
+/** Channel meta: keys [A-Za-z0-9_] (Claude Code drops others); values are quoted, so peer ids are escaped (attr). */
 function channelMeta(msg: SignedMessage, petname: string): Record<string, string> {
   return {
     sender: petname,
@@ -5677,10 +5657,7 @@ async function claimInbox(from: Journal | string, limit: number, claim: Claim = 
  */
 const INBOX_ANSWER_MAX_CHARS = 60_000;
 
-/**
- * The first `items` that fit INBOX_ANSWER_MAX_CHARS (always at least one), each formatted once, as one text; `more`
- * when some were left for the next call.
- */
+/** The first `items` that fit INBOX_ANSWER_MAX_CHARS (at least one), each formatted once; `more`: the rest wait. */
 function fitInbox(items: InboxItem[], peers: Peers): { text: string; shown: InboxItem[]; more: boolean } {
   const blocks: string[] = [];
   let chars = 0;
@@ -5855,13 +5832,7 @@ function wakeText(count: number, blocks: string): string {
 // (each node forwards from its own records), so a node that lies in its chain only gets its own requests refused.
 
 /** What planHops decided: fields of the "in" record, logs, and sends that go before the ack. */
-interface Hops {
-  chain?: Chain;
-  declined?: string;
-  relay?: Relayed;
-  logs: Effect[];
-  sends: Effect[];
-}
+type Hops = { chain?: Chain; declined?: string; relay?: Relayed; logs: Effect[]; sends: Effect[] };
 
 /** A message the node sends by itself on a task, to the task's session (the shell checks it still runs). */
 function sendOnTask(t: TaskRow, draft: Omit<Draft, "to" | "task_id">, peers: Peers, forward?: Forward): Effect {
@@ -5981,10 +5952,7 @@ function cascade(
   return subTasks(tasks.values(), row).map((t) => sendOnTask(t, { status: "canceled", text }, peers));
 }
 
-/**
- * What a message admitted before still needs passed along when it comes again (a crash between its record and its
- * ack). Judged from the task table, so what was done is not done twice.
- */
+/** What an admitted message come again (a crash before its ack) still needs passed along, by the task table. */
 function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
   const { state, peers } = ctx;
   if (msg.kind !== "message" || !msg.task_id) return [];
@@ -6157,10 +6125,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
   }
 }
 
-/**
- * A knock through a valid invite of ours: the invite is spent first, in one step, so a second use cannot slip in;
- * then the key is filed, the pairing recorded and our acceptance queued.
- */
+/** A knock through a valid invite of ours: the invite is spent first, in one step, so a second use cannot slip in. */
 function admitInvited(v: Extract<Verdict, { verdict: "pair_request" }>, invite: Invite, ctx: InboundContext): Effect[] {
   const key = v.msg.from;
   const existing = ctx.peers.byKey.get(key);
@@ -6557,16 +6522,15 @@ async function readRoster(
   return { byRoute, problems };
 }
 
-interface PeerSession {
+/** A session on a roster: its `name` is claimed; `session` is null for a 0.4 node. */
+type PeerSession = {
   key: string;
-  /** Claimed. */
   name: string;
-  /** null for a 0.4 node. */
   session: SessionInfo | null;
   legacy: boolean;
   ageMs: number;
   bus: string;
-}
+};
 
 type Presence = "live" | "away" | "stale";
 
