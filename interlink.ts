@@ -3466,13 +3466,10 @@ class NatsRelay implements Relay {
 // ============================================================================
 //
 // One node = one key + one state root on a machine; each Claude Code (or CLI) process is one session of it, whose
-// journal sessions/<id>/log.jsonl is the single source of truth for three views at once:
-//   the outbox            "out" records with neither "sent" nor "refused" yet
-//   the conversation log  every "out" and "in" record
-//   the inbox             "in" records (and notices) no path has shown the model yet
-// One file, so a crash never leaves a message in one view and not another. Records (JournalRecord) are read through
-// decodeRecord, which upgrades earlier shapes, and folded by NodeState; the replay memory is shared (see SeenLog).
-//
+// journal sessions/<id>/log.jsonl is the one source of three views: the outbox ("out" records neither "sent" nor
+// "refused" yet), the conversation log (every "out" and "in" record) and the inbox ("in" records and notices no path
+// has shown the model yet). One file, so a crash never leaves a message in one view and not another. Records are read
+// through decodeRecord, which upgrades earlier shapes, and folded by NodeState; the replay memory is shared (SeenLog).
 // Sessions end all day (a new `claude` is a new session id), mail does not: a dead session is adopted by a live one
 // (see "Ended sessions"). The agent holding agent.lock is the only sender; the CLI may append "out" records for it.
 
@@ -3624,8 +3621,7 @@ interface ReceiptLine {
 // journaled in session S), "shown" (to the model), "refused" (the gate's reason; for a peer only, never a stranger),
 // if asked (an unsigned `"receipts": true` beside `reply_to`; a reference node asks for none). A receipt is a v2
 // message of kind "receipt", in_reply_to the first reported msg_id, one line per report:
-//   delivered <msg_id> <unix ms> <session>
-//   shown <msg_id> <unix ms> <session>
+//   delivered|shown <msg_id> <unix ms> <session>
 //   refused <msg_id> <unix ms> <reason>[ <ms the message's ts was ahead of our clock>]
 // Receipts are never receipted; those for a session that said goodbye wait until it is back. What is owed is folded
 // from the journal (an "in" record that asked, its "shown", an "owe" record for a refusal) and cleared by the "out"
@@ -5270,15 +5266,12 @@ function onJournalChange(stateDir: string): (wake: () => void) => () => void {
 // ============================================================================
 //
 // `interlink.ts invite` files an invite in the state root's invites.json and prints a code; `join <code>` on the
-// other machine knocks with a proof of the code's secret, bound to its key and request (inviteProofBytes). Any session
-// of the node admits it. The file is replaced whole under its lock, 0600: a pending invite's secret is as sensitive as
-// a key. An invite is pending until used (under that lock: the first valid use wins), revoked or expired; its secret
-// is then dropped, the rest kept INVITE_KEPT_MS so a late request is told why.
-//
-// Every code names the node's door, one route for all invites (`key#door-<random>`, made once per state root: the same
-// key elsewhere has another door), read by whichever process holds door.lock (a session, or `invite`), so a knock is
-// answered whenever anything of the node runs. (Earlier codes named a route per invite, `invite-<id>`: drained while
-// pending.)
+// other machine knocks with a proof of the code's secret, bound to its key and request (inviteProofBytes). The file
+// is replaced whole under its lock, 0600: a pending invite's secret is as sensitive as a key. An invite is pending
+// until used (under that lock: the first valid use wins), revoked or expired; its secret is then dropped, the rest kept
+// INVITE_KEPT_MS so a late request is told why. Every code names the node's door, one route for all invites
+// (`key#door-<random>`, one per state root), read by whichever process holds door.lock (a session, or `invite`), so a
+// knock is answered whenever anything of the node runs. (Earlier codes named a route per invite, `invite-<id>`.)
 
 type InviteStatus = "pending" | "used" | "revoked";
 
@@ -5822,11 +5815,9 @@ function wakeText(count: number, blocks: string): string {
 // A task a peer asked of us may be handed on: send_message with parent_task_id opens a sub-task whose opening message
 // carries a chain (parent task, root owner, depth, keys so far) that we sign (chainBytes) beside the signed fields; a
 // reference node ignores it, a relay can strip it. planHops decides from this node's own task table:
-//   - a request past --max-depth, or whose chain holds this node (a loop), is answered failed and shown to no model
-//     (an answer, a question or an update is never judged);
-//   - a needs_input on a sub-task we opened goes up as needs_input on the parent task ("carol asks, via bob: …"),
-//     kept on the question (Question.forwarded); its answer goes back down ("alice answers, via bob: …"); the model
-//     in the middle sees both as information, never as a question;
+//   - a request past --max-depth, or whose chain holds this node (a loop), is answered failed and shown to no model;
+//   - a needs_input on a sub-task we opened goes up as needs_input on the parent task ("carol asks, via bob: …"), and
+//     its answer back down ("alice answers, via bob: …"): to the model in the middle, information, never a question;
 //   - a task we execute that closes, either way, cancels the sub-tasks we opened for it.
 // The chain is the sender's claim: it limits depth, catches loops and says whose work it is; routing never follows it
 // (each node forwards from its own records), so a node that lies in its chain only gets its own requests refused.
