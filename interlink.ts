@@ -5825,6 +5825,9 @@ function wakeText(count: number, blocks: string): string {
 /** What planHops decided: fields of the "in" record, logs, and sends that go before the ack. */
 type Hops = { chain?: Chain; declined?: string; relay?: Relayed; logs: Effect[]; sends: Effect[] };
 
+/** A message passed along: what its "in" record says of it, and the send. */
+type Passed = { relay: Relayed; send: Effect };
+
 /** A message the node sends by itself on a task, to the task's session (the shell checks it still runs). */
 function sendOnTask(t: TaskRow, draft: Omit<Draft, "to" | "task_id">, peers: Peers, forward?: Forward): Effect {
   return {
@@ -5846,12 +5849,8 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
   const fp = fingerprint(msg.from);
   if (!row && !msg.status) {
     if (c && !c.ok) {
-      out.logs.push(
-        logEffect(
-          "warn",
-          `the chain on ${msg.msg_id} from ${fp} does not hold (${c.why}): its task is taken as a root task`,
-        ),
-      );
+      const line = `the chain on ${msg.msg_id} from ${fp} does not hold (${c.why}): its task is taken as a root task`;
+      out.logs.push(logEffect("warn", line));
     }
     if (!c?.ok) return out;
     out.chain = c.chain;
@@ -5873,25 +5872,19 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
     out.logs.push(logEffect("info", `a chain on ${msg.msg_id} from ${fp}, which opens no task, is ignored (${why})`));
   }
   if (!row || row.closed) return out;
-  const passed = passAlong(msg, row, ctx, me, forwardTarget(state.tasks, row, msg));
+  const passed = passAlong(msg, row, ctx, forwardTarget(state.tasks, row, msg));
   if (passed) out.relay = passed.relay;
   out.sends.push(...passed ? [passed.send] : cascade(state.tasks, row, msg, whoIs(peers, msg.from), peers));
   return out;
 }
 
 /** A question on a sub-task we opened goes `up` (its open parent task), else an answer to one we forwarded goes down. */
-function passAlong(
-  msg: SignedMessage,
-  row: TaskRow,
-  ctx: InboundContext,
-  me: string,
-  up: TaskRow | null,
-): { relay: Relayed; send: Effect } | null {
+function passAlong(msg: SignedMessage, row: TaskRow, ctx: InboundContext, up: TaskRow | null): Passed | null {
   // Within what this node will sign (the peer's text may be up to a bus body).
   const via = (verb: string) =>
-    `${whoIs(ctx.peers, msg.from)} ${verb}, via ${ctx.selfName ?? fingerprint(me)}: ` +
+    `${whoIs(ctx.peers, msg.from)} ${verb}, via ${ctx.selfName ?? fingerprint(ctx.selfKey ?? msg.to)}: ` +
     truncateUtf8(msg.text, TEXT_LIMIT_BYTES);
-  const pass = (dir: Relayed["dir"], t: TaskRow, draft: Omit<Draft, "to" | "task_id">, forward?: Forward) => ({
+  const pass = (dir: Relayed["dir"], t: TaskRow, draft: Omit<Draft, "to" | "task_id">, forward?: Forward): Passed => ({
     relay: { dir, to: t.peer_key, task_id: t.task_id },
     send: sendOnTask(t, draft, ctx.peers, forward),
   });
@@ -5952,7 +5945,7 @@ function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
   const me = ctx.selfKey ?? msg.to;
   const asked = row.awaiting.find((q) => q.msg_id === msg.msg_id && q.asked_by === "peer");
   const up = asked && !asked.forwarded && !row.closed ? forwardTarget(state.tasks, row, msg) : null;
-  const passed = passAlong(msg, row, ctx, me, up);
+  const passed = passAlong(msg, row, ctx, up);
   if (passed) return [passed.send];
   const opened = !msg.status && row.requested_by === "peer" && row.last_msg_id === msg.msg_id && row.messages === 1;
   const why = opened && !row.closed && row.chain ? declineWhy(row.chain, me, ctx) : null;
