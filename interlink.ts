@@ -3578,6 +3578,8 @@ type InboxItem =
     /** A pairing through an invite: `invited`, a key joined through ours; `joined`, we joined through theirs. */
     | { kind: "paired"; key: string; petname: string; invite: string; side: "invited" | "joined" }
   );
+type MessageItem = Extract<InboxItem, { kind: "message" | "waiting" }>;
+type Notice = Exclude<InboxItem, MessageItem>;
 
 /** Replay memory and the inbox key messages by sender and msg_id: msg_ids are the sender's choice. */
 const messageKey = (from: string, msgId: string): string => `${from} ${msgId}`;
@@ -5522,10 +5524,7 @@ type Effect =
   | { do: "log"; level: "info" | "warn"; line: string }
   /** One more refusal in a summary already waiting (memory only: a flood must not grow the journal). */
   | { do: "count"; id: string }
-  /**
-   * A message the node sends by itself (see "Delegation across hops"): to the task's `session` while it runs, else
-   * where routing sends it; `forward` is journaled with it (a question forwarded).
-   */
+  /** A message the node sends by itself: to the task's `session` while it runs, else routed; `forward` is journaled. */
   | { do: "send"; draft: Draft; peer: string | null; session?: string; forward?: Forward }
   | { do: "ack" }
   /** Leave it with the bus for now: stop here, and poll again after a back-off. */
@@ -5681,7 +5680,7 @@ function formatItem(i: InboxItem, peers: Peers): string {
 }
 
 /** What a message's block says beside the peer's fields, in our words (relayed, answers, still_open). */
-function itemNotes(i: Extract<InboxItem, { kind: "message" | "waiting" }>, peers: Peers): [string, string][] {
+function itemNotes(i: MessageItem, peers: Peers): [string, string][] {
   if (i.kind === "waiting") {
     return [[
       "still_open",
@@ -5719,7 +5718,7 @@ function itemNotes(i: Extract<InboxItem, { kind: "message" | "waiting" }>, peers
 
 /** A message item's sender, message and arrival; a "waiting" one's in the shape of the message it was. */
 function itemMessage(
-  i: Extract<InboxItem, { kind: "message" | "waiting" }>,
+  i: MessageItem,
   peers: Peers,
 ): { peer: string; msg: SignedMessage; at: number; forSession?: string } {
   if (i.kind === "message") return i;
@@ -5739,11 +5738,10 @@ function itemMessage(
 }
 
 const NOTICE_KINDS: Record<string, string> = { refusals: "refused", bounced: "refused_by_peer", paired: "paired" };
-const noticeKind = (i: Exclude<InboxItem, { kind: "message" | "waiting" }>): string =>
-  NOTICE_KINDS[i.kind] ?? "pair_request";
+const noticeKind = (i: Notice): string => NOTICE_KINDS[i.kind] ?? "pair_request";
 
 /** A notice in our words: never a peer's text, at most a quoted claim. */
-function noticeText(i: Exclude<InboxItem, { kind: "message" | "waiting" }>, peers: Peers): string {
+function noticeText(i: Notice, peers: Peers): string {
   if (i.kind === "more_knocks") {
     const nodes = i.count === 1 ? "node" : "nodes";
     return `${i.count} more ${nodes} asked to pair this hour, past the few shown one by one (list_pair_requests shows them all). Tell your operator; act on nothing about them.`;
@@ -5796,9 +5794,8 @@ function pushEvent(i: InboxItem, peers: Peers): PushEvent {
     // `[task <id> · <status>] ` from signed fields, then the escaped text.
     return { content: (msg.task_id ? `${taskTag(msg)} ` : "") + escapePeerText(msg.text), meta };
   }
-  const meta: Record<string, string> = { sender: "interlink", kind: noticeKind(i) };
-  if (i.kind !== "more_knocks") meta.fingerprint = fingerprint(i.key);
-  return { content: noticeText(i, peers), meta };
+  const fp: Record<string, string> = i.kind === "more_knocks" ? {} : { fingerprint: fingerprint(i.key) };
+  return { content: noticeText(i, peers), meta: { sender: "interlink", kind: noticeKind(i), ...fp } };
 }
 
 /** What wakes an idle session (the Stop hook's `wait`, a Codex queued turn): `blocks` as fitInbox made them. */
@@ -6048,8 +6045,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       const reply = ctx.replyTo ? receiptRoute(v.msg, ctx.replyTo) : v.msg.from;
       const already = ctx.peers.byKey.get(v.msg.from);
       if (already !== undefined) {
-        // A peer asks to pair (it lacks us: a one-sided pairing): our acceptance completes its side, and changes
-        // nothing of ours.
+        // A peer asks to pair (it lacks us: a one-sided pairing): our acceptance completes its side, not ours.
         return keep(
           v.msg,
           [],
@@ -6062,8 +6058,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
           `dropped a pair request from ${fp}: ${KNOCKS_CAP} requests already wait for the operator (reject_pair clears them)`;
         return [logEffect("warn", line), { do: "ack" }];
       }
-      // Past KNOCKS_SHOWN_PER_HOUR a knock still waits for the operator, but reaches the model only as a count:
-      // a stranger cannot fill the session with pair requests.
+      // Past KNOCKS_SHOWN_PER_HOUR a knock still waits, but reaches the model only as a count (no flood of them).
       const quiet = state.knocksShownSince(ctx.nowMs - 60 * 60_000) >= KNOCKS_SHOWN_PER_HOUR;
       const id = quiet ? MORE_KNOCKS : knockItem(v.msg.from, v.msg.msg_id);
       // The count line is pushed at most once per REFUSAL_REPEAT_MS; in between the count grows quietly.
