@@ -2519,8 +2519,7 @@ interface Question {
   text?: string;
   /** A peer's question this node forwarded up the chain to the owner's side: as which message, to whom, on which task. */
   forwarded?: { as: string; to: string; task_id: string };
-  /** Ours, asked in that earlier session of ours, which ended before the answer came (set when it is adopted). */
-  earlier?: string;
+  earlier?: string; // ours, asked in an earlier session of ours that ended before the answer came (set on adoption)
 }
 
 /** On an "out" record: this needs_input forwards `question`, which `peer` asked on its task `task_id` (see planHops). */
@@ -3492,14 +3491,11 @@ interface NodeConfig {
   keyFile: string;
   peersFile: string;
   busUrls: string[];
-  /** Roster name: a self-claim shown to others, never identity. */
-  name: string;
+  name: string; // roster name: a self-claim shown to others, never identity
   stateDir: string;
   delivery: Delivery;
-  /** One `interlink.ts mcp` process is one session: it names its route (`key#session`) and `stateDir/sessions/<id>`. */
-  session: string;
-  /** How many hops from its owner a task may be handed on to (--max-depth; DEFAULT_MAX_DEPTH when absent). */
-  maxDepth?: number;
+  session: string; // one `mcp` process is one session: it names its route (`key#session`) and stateDir/sessions/<id>
+  maxDepth?: number; // how many hops from its owner a task may be handed on to (--max-depth; else DEFAULT_MAX_DEPTH)
 }
 
 const sessionDir = (stateDir: string, session: string): string => path.join(stateDir, "sessions", session);
@@ -3606,13 +3602,10 @@ type ReceiptState = (typeof RECEIPT_STATES)[number];
 interface ReceiptLine {
   state: ReceiptState;
   msg_id: string;
-  /** By the receiver's clock. */
-  at: number;
-  /** delivered, shown: the receiving session (filled in when the receipt is signed). */
-  session?: string;
+  at: number; // by the receiver's clock
+  session?: string; // delivered, shown: the receiving session (filled in when the receipt is signed)
   reason?: Refusal;
-  /** refused as stale: how far the message's ts was ahead of the receiver's clock (negative: behind). */
-  skew_ms?: number;
+  skew_ms?: number; // refused as stale: how far the message's ts was ahead of the receiver's clock (negative: behind)
 }
 
 // ============================================================================
@@ -5279,14 +5272,11 @@ type InviteStatus = "pending" | "used" | "revoked";
 
 interface Invite {
   id: string;
-  /** base64url of the one-time secret; dropped once the invite is spent. */
-  secret?: string;
-  /** The petname the joiner is filed under (`invite --for`); else its claimed name, if valid and free. */
-  for?: string;
+  secret?: string; // base64url of the one-time secret; dropped once the invite is spent
+  for?: string; // the petname the joiner is filed under (`invite --for`); else its claimed name, if valid and free
   created: number;
   expires: number;
-  /** The session the code routes to: the node's door (earlier: `invite-<id>`, its own). */
-  session: string;
+  session: string; // the route the code names: the node's door (earlier: `invite-<id>`, its own)
   urls: string[];
   status: InviteStatus;
   /** Used: by which key, through which request, filed as which petname, admitted by which session of ours. */
@@ -5294,8 +5284,7 @@ interface Invite {
   used_msg?: string;
   used_as?: string;
   used_in?: string;
-  /** When it was used or revoked. */
-  ended?: number;
+  ended?: number; // when it was used or revoked
 }
 
 const invitesFile = (stateDir: string): string => path.join(stateDir, "invites.json");
@@ -6229,14 +6218,10 @@ interface SendInput {
   task_id?: string;
   status?: string;
   in_reply_to?: string;
-  /** An id or a unique start of one (see chooseRoute). */
-  session?: string;
-  /** The reference 0.4's (and interlink.ts 0.4.0's) name for `session`. */
-  channel?: string;
-  /** The task a peer asked of us that this request serves: it opens a sub-task (see "Delegation across hops"). */
-  parent_task_id?: string;
-  /** Who asked for `parent_task_id`, where several peers asked for a task of that id. */
-  parent_peer?: string;
+  session?: string; // an id or a unique start of one (see chooseRoute)
+  channel?: string; // the reference 0.4's (and interlink.ts 0.4.0's) name for `session`
+  parent_task_id?: string; // the task a peer asked of us that this request serves: it opens a sub-task
+  parent_peer?: string; // who asked for `parent_task_id`, where several peers asked for a task of that id
 }
 
 interface PreparedSend {
@@ -6245,8 +6230,7 @@ interface PreparedSend {
   peer: string | null;
   /** For a knock: the petname to file them under when they accept, and whether it repeats one already sent. */
   extra?: { pair_petname?: string; again?: true; forward?: Forward };
-  /** A sub-task's chain, signed by queueMessage once the message has its msg_id. */
-  chain?: Omit<Chain, "sig">;
+  chain?: Omit<Chain, "sig">; // a sub-task's chain, signed by queueMessage once the message has its msg_id
 }
 
 /** Every error says what is valid instead. */
@@ -6551,14 +6535,10 @@ function chooseRoute(p: {
   candidates: PeerSession[];
   legacy: boolean;
   mySession: string;
-  /** At least one relay answered the roster. Without one, only goodbyes are judged. */
-  rosterKnown?: boolean;
-  /** The key's bare route is read by its next session (a node of ours; unknown: assumed; see above). */
-  keyRead?: boolean;
-  /** That session said goodbye and has not been back since. */
-  ended?: (session: string) => boolean;
-  /** That session was on a roster before: missing now, it was unregistered or expired (not just new). */
-  seen?: (session: string) => boolean;
+  rosterKnown?: boolean; // at least one relay answered the roster; without one, only goodbyes are judged
+  keyRead?: boolean; // the key's bare route is read by its next session (a node of ours; unknown: assumed; see above)
+  ended?: (session: string) => boolean; // that session said goodbye and has not been back since
+  seen?: (session: string) => boolean; // it was on a roster before: missing now, it was unregistered or expired
 }): RouteChoice {
   const { key } = p;
   const known = p.rosterKnown ?? true;
