@@ -2472,9 +2472,7 @@ async function addPeer(file: string, petname: string, key: string): Promise<"add
       );
     }
     const other = peers.byKey.get(key);
-    if (other !== undefined) {
-      throw new InterlinkError(`key ${fingerprint(key)}… is already in peers.json as '${other}'`);
-    }
+    if (other) throw new InterlinkError(`key ${fingerprint(key)}… is already in peers.json as '${other}'`);
     raw[petname] = { key };
     return "added";
   });
@@ -2605,9 +2603,7 @@ function foldTask(
   if (peerSession) row.peer_session = peerSession;
   // A goodbye marks the task; anything later from the peer means its session is back (a restart).
   if (dir === "in") row.peer_closed_at = msg.text.startsWith(GOODBYE_PREFIX) ? atMs : undefined;
-  if (msg.in_reply_to) {
-    row.awaiting = row.awaiting.filter((q) => !(q.msg_id === msg.in_reply_to && q.asked_by !== side));
-  }
+  if (msg.in_reply_to) row.awaiting = row.awaiting.filter((q) => q.msg_id !== msg.in_reply_to || q.asked_by === side);
   if (msg.status) row.status = msg.status;
   if (msg.status === "needs_input") {
     row.awaiting.push({ msg_id: msg.msg_id, asked_by: side, at: atMs, text: keptText(msg.text, QUESTION_KEPT_CHARS) });
@@ -3526,8 +3522,7 @@ interface OutEntry {
   sentAt?: number;
   via?: string[];
   pairPetname?: string;
-  /** Why it is never sent: it broke a task's lifecycle (racing writers), or every bus refused it for good. */
-  refused?: string;
+  refused?: string; // never sent, because it broke a task's lifecycle (racing writers) or every bus refused it for good
   attempts: number;
   lastError?: string;
   /** What the recipient's receipts reported (its clock, its session). */
@@ -3536,10 +3531,8 @@ interface OutEntry {
   refusedBy?: ReceiptLine;
   /** Carried over from this ended session of ours (its outbox, or a sent message whose receipts may still come). */
   adoptedFrom?: string;
-  /** This (ended) session's outbox went to that session, which delivers it. */
-  movedTo?: string;
-  /** The signed chain of the sub-task it opens (see "Delegation across hops"). */
-  chain?: Chain;
+  movedTo?: string; // this (ended) session's outbox went to that session, which delivers it
+  chain?: Chain; // the signed chain of the sub-task it opens (see "Delegation across hops")
 }
 
 /** A message passed along the chain (up: a question; down: its answer): information for the model, never a question. */
@@ -5568,8 +5561,7 @@ function messageBlock(
     at: number;
     state?: string;
     forSession?: string;
-    /** Attributes in our words (see itemNotes), after the message's own. */
-    notes?: [string, string][];
+    notes?: [string, string][]; // attributes in our words (see itemNotes), after the message's own
   },
 ): string {
   const attrs: [string, string | undefined][] = [
