@@ -6506,8 +6506,8 @@ function describeSessions(list: PeerSession[]): string {
       info.git_root && `git:${escapePeerText(info.git_root, true)}`,
       info.summary && `"${escapePeerText(info.summary, true)}"`,
     ];
-    const state = presence(s.ageMs);
-    return `  - ${parts.filter(Boolean).join(" · ")} (${state === "live" ? "live" : `away ${howLong(s.ageMs)}`})`;
+    const state = presence(s.ageMs) === "live" ? "live" : `away ${howLong(s.ageMs)}`;
+    return `  - ${parts.filter(Boolean).join(" · ")} (${state})`;
   }).join("\n");
 }
 
@@ -6538,8 +6538,7 @@ function chooseRoute(p: {
   const candidates = p.candidates.filter((c) => !ended(c.session!.session_id));
   const find = (id: string) => candidates.find((c) => c.session!.session_id === id);
   // Ended on evidence only: its goodbye, or a roster that listed it and no longer does. A hint never listed may not
-  // have announced itself (yet, or on these relays): it stands. A remembered one missing from every roster is gone
-  // (or never announced).
+  // have announced itself (yet, or on these relays): it stands. A remembered one on no roster is gone (or unannounced).
   const gone = (id: string, remembered = false): string | null =>
     ended(id)
       ? "said goodbye"
@@ -6579,9 +6578,8 @@ function chooseRoute(p: {
     const prefixed = candidates.filter((c) => c.session!.session_id.startsWith(hint));
     if (prefixed.length === 1) return choose(prefixed[0].session!.session_id);
     if (prefixed.length > 1) {
-      throw new InterlinkError(
-        `session '${hint}' matches ${prefixed.length} sessions; use more of it:\n${describeSessions(prefixed)}`,
-      );
+      const list = describeSessions(prefixed);
+      throw new InterlinkError(`session '${hint}' matches ${prefixed.length} sessions; use more of it:\n${list}`);
     }
     const why = gone(hint);
     if (why) {
