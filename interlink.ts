@@ -6096,18 +6096,10 @@ function admitInvited(v: Extract<Verdict, { verdict: "pair_request" }>, invite: 
   const line = `${fingerprint(key)} (claims '${v.claimedName}') joined through invite ${invite.id}; ${as} '${petname}'`;
   const added: Effect[] = existing ? [] : [{ do: "add_peer", petname, key }];
   const shown: Effect[] = ctx.canPush && !ctx.state.wasShown(id) ? [{ do: "push", id }] : [];
+  const consume: Effect = { do: "consume_invite", id: invite.id, key, msgId: v.msg.msg_id, petname };
   const confirm: Effect = { do: "confirm_pair", key, msgId: v.msg.msg_id, recipient: reply, petname };
-  return [
-    { do: "consume_invite", id: invite.id, key, msgId: v.msg.msg_id, petname },
-    ...added,
-    ...keep(
-      v.msg,
-      [{ t: "paired", key, how: "invited", petname, invite: invite.id }],
-      logEffect("info", line),
-      ...shown,
-      confirm,
-    ),
-  ];
+  const paired: NewRecord = { t: "paired", key, how: "invited", petname, invite: invite.id };
+  return [consume, ...added, ...keep(v.msg, [paired], logEffect("info", line), ...shown, confirm)];
 }
 
 /** A payload refused by the gate or (a knock) by its invite; `msg` when it could be read. */
@@ -6121,11 +6113,8 @@ function refusalLog(v: Refused): Effect {
     ? `${fingerprint(v.msg.from)} (claimed, unverified)`
     : fingerprint(v.msg.from);
   const id = v.msg ? ` (msg_id ${JSON.stringify(v.msg.msg_id.slice(0, 64))})` : "";
-  // A copy from a second bus is routine, not an alarm.
-  return logEffect(
-    v.reason === "replay" ? "info" : "warn",
-    `refused a message from ${who}${id}: ${v.reason}: ${v.detail}`,
-  );
+  const line = `refused a message from ${who}${id}: ${v.reason}: ${v.detail}`;
+  return logEffect(v.reason === "replay" ? "info" : "warn", line); // a copy from a second bus is routine, not an alarm
 }
 
 /** `before` goes just before the ack (a replay's repaired passing along). */
@@ -6156,12 +6145,9 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
     }
     if (made >= STRANGER_NOTICES_PER_HOUR) return [];
   }
-  const detail = v.detail.slice(0, 200);
-  return [
-    { do: "append", records: [{ t: "refusal", key: v.msg.from, reason: v.reason, detail }] },
-    ...(ctx.canPush ? [{ do: "push", id } as Effect] : []),
-    { do: "sync" },
-  ];
+  const record: NewRecord = { t: "refusal", key: v.msg.from, reason: v.reason, detail: v.detail.slice(0, 200) };
+  const push: Effect[] = ctx.canPush ? [{ do: "push", id }] : [];
+  return [{ do: "append", records: [record] }, ...push, { do: "sync" }];
 }
 
 /**
@@ -6170,30 +6156,26 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
  */
 function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const msg = v.msg;
+  const { state, peers, nowMs } = ctx;
   const joining = msg?.kind === "pair_request" && parseInviteProof(msg.in_reply_to) !== null;
   if (!msg || (msg.kind !== "message" && !joining) || !ctx.wantsReceipts) return [];
-  const hourAgo = ctx.nowMs - 60 * 60_000;
-  const peer = ctx.peers.byKey.has(msg.from) || msg.from === ctx.selfKey;
+  const hourAgo = nowMs - 60 * 60_000;
+  const peer = peers.byKey.has(msg.from) || msg.from === ctx.selfKey;
   // From a peer: a message from our future (one too old was held or replayed by a relay; a sender re-signs before a
   // day), or over its share (busy). From a key not in our peers (it may list us: a one-sided pairing), that we
   // refused it, so it can knock again; strangers together get RECEIPT_REFUSALS_PER_HOUR an hour. A knock through an
   // invite: why the invite, or its time, was refused (`join` waits for that).
-  const strangersLeft =
-    ctx.state.strangerRefusalsSince(ctx.peers, ctx.selfKey ?? "", hourAgo) < RECEIPT_REFUSALS_PER_HOUR;
-  const stale = v.reason === "stale" && (joining ? peer || strangersLeft : msg.ts > ctx.nowMs && peer);
+  const strangersLeft = state.strangerRefusalsSince(peers, ctx.selfKey ?? "", hourAgo) < RECEIPT_REFUSALS_PER_HOUR;
+  const stale = v.reason === "stale" && (joining ? peer || strangersLeft : msg.ts > nowMs && peer);
   const unpaired = !joining && v.reason === "not_allowlisted" && !peer && strangersLeft;
   const invite = joining && isInviteRefusal(v.reason) && (peer || strangersLeft);
   const busy = !joining && v.reason === "busy" && peer; // over its share (see ReplayMemory.pressure): told why
   if (!stale && !unpaired && !invite && !busy) return [];
-  if (ctx.state.refusalsReported.has(messageKey(msg.from, msg.msg_id))) return [];
-  if (ctx.state.refusalsReportedSince(msg.from, hourAgo) >= RECEIPT_REFUSALS_PER_HOUR) return [];
-  const owe: NewRecord = {
-    t: "owe",
-    route: receiptRoute(msg, ctx.replyTo),
-    msg_id: msg.msg_id,
-    reason: v.reason,
-    ...(stale ? { skew_ms: Math.min(Math.round(msg.ts - ctx.nowMs), 1e12) } : {}),
-  };
+  if (state.refusalsReported.has(messageKey(msg.from, msg.msg_id))) return [];
+  if (state.refusalsReportedSince(msg.from, hourAgo) >= RECEIPT_REFUSALS_PER_HOUR) return [];
+  const route = receiptRoute(msg, ctx.replyTo);
+  const skew = stale ? { skew_ms: Math.min(Math.round(msg.ts - nowMs), 1e12) } : {};
+  const owe: NewRecord = { t: "owe", route, msg_id: msg.msg_id, reason: v.reason, ...skew };
   return [{ do: "append", records: [owe] }, { do: "sync" }];
 }
 
