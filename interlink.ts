@@ -6015,24 +6015,22 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       // Through an invite, our operator decided in advance (by running `interlink.ts invite`): nothing is held.
       if (ctx.invite?.ok) return admitInvited(v, ctx.invite.invite, ctx);
       if (ctx.invite) return refuse({ reason: ctx.invite.reason, detail: ctx.invite.detail, msg: v.msg }, ctx);
-      const fp = fingerprint(v.msg.from);
-      const rejectedAt = state.rejected.get(v.msg.from);
-      const again = state.knocksIn.has(v.msg.from)
+      const { from: key, msg_id, ts } = v.msg;
+      const fp = fingerprint(key);
+      const rejectedAt = state.rejected.get(key);
+      const again = state.knocksIn.has(key)
         ? "; its earlier request still waits for the operator"
         : rejectedAt !== undefined && ctx.nowMs - rejectedAt < FRESH_PAST_MS
         ? " after your operator rejected it; not shown again for a day"
         : null;
       if (again) return [logEffect("info", `${fp} knocked again${again}`), { do: "ack" }];
-      const reply = ctx.replyTo ? receiptRoute(v.msg, ctx.replyTo) : v.msg.from;
-      const already = ctx.peers.byKey.get(v.msg.from);
+      const reply = ctx.replyTo ? receiptRoute(v.msg, ctx.replyTo) : key;
+      const already = ctx.peers.byKey.get(key);
       if (already !== undefined) {
-        // A peer asks to pair (it lacks us: a one-sided pairing): our acceptance completes its side, not ours.
-        return keep(
-          v.msg,
-          [],
-          logEffect("info", `${fp}, already the peer '${already}', asked to pair; confirmed`),
-          { do: "confirm_pair", key: v.msg.from, msgId: v.msg.msg_id, recipient: reply, petname: already },
-        );
+        // A peer asks to pair (it lacks us: a one-sided pairing): our acceptance completes its side; ours is unchanged.
+        const confirm: Effect = { do: "confirm_pair", key, msgId: msg_id, recipient: reply, petname: already };
+        const line = `${fp}, already the peer '${already}', asked to pair; confirmed`;
+        return keep(v.msg, [], logEffect("info", line), confirm);
       }
       if (state.knocksIn.size >= KNOCKS_CAP) {
         const line =
@@ -6041,19 +6039,12 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       }
       // Past KNOCKS_SHOWN_PER_HOUR a knock still waits, but reaches the model only as a count (no flood of them).
       const quiet = state.knocksShownSince(ctx.nowMs - 60 * 60_000) >= KNOCKS_SHOWN_PER_HOUR;
-      const id = quiet ? MORE_KNOCKS : knockItem(v.msg.from, v.msg.msg_id);
+      const id = quiet ? MORE_KNOCKS : knockItem(key, msg_id);
       // The count line is pushed at most once per REFUSAL_REPEAT_MS; in between the count grows quietly.
       const push = canPush && (!quiet || ctx.nowMs - (state.refusalShownAt.get(MORE_KNOCKS) ?? 0) >= REFUSAL_REPEAT_MS);
       // Only what is shown is stored, never the text; and where the acceptance goes (reply_to), as 0.9-0.11 do.
-      const record: NewRecord = {
-        t: "knock",
-        key: v.msg.from,
-        name: v.claimedName,
-        msg_id: v.msg.msg_id,
-        ts: v.msg.ts,
-        ...(reply !== v.msg.from ? { reply_to: reply } : {}),
-        ...(quiet ? { quiet } : {}),
-      };
+      const marks = { ...(reply !== key ? { reply_to: reply } : {}), ...(quiet ? { quiet } : {}) };
+      const record: NewRecord = { t: "knock", key, name: v.claimedName, msg_id, ts, ...marks };
       const line = `pair request from ${fp} (claims '${v.claimedName}'); held for the operator`;
       return keep(v.msg, [record], logEffect("info", line), ...(push ? [{ do: "push", id } as Effect] : []));
     }
