@@ -5941,10 +5941,10 @@ function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
 //   - a "push" comes after the "append" whose fold makes its inbox item (the push records it shown);
 //   - a redelivered message that was journaled but never shown is shown, once.
 
-/** The usual plan: `records` appended and `msg` remembered, then `rest`; made durable (sync), then acked. */
-function keep(msg: SignedMessage, records: NewRecord[], ...rest: Effect[]): Effect[] {
+/** The usual plan: `records` appended and `msg` remembered, then `rest`; made durable (sync), `after`, then the ack. */
+function keep(msg: SignedMessage, records: NewRecord[], rest: Effect[], after: Effect[] = []): Effect[] {
   const append: Effect[] = records.length ? [{ do: "append", records }] : [];
-  return [...append, { do: "remember", msg }, ...rest, { do: "sync" }, { do: "ack" }];
+  return [...append, { do: "remember", msg }, ...rest, { do: "sync" }, ...after, { do: "ack" }];
 }
 
 /** The effects of one gate verdict; the knock bounds (KNOCKS_CAP, KNOCKS_SHOWN_PER_HOUR) live here. */
@@ -5987,29 +5987,21 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       const push: Effect[] = canPush && !marks.declined
         ? [{ do: "push", id: messageKey(v.msg.from, v.msg.msg_id) }]
         : [];
-      return [
-        { do: "append", records: [record] },
-        { do: "remember", msg: v.msg },
-        ...logs,
-        ...push,
-        { do: "sync" },
-        ...sends,
-        { do: "ack" },
-      ];
+      return keep(v.msg, [record], [...logs, ...push], sends);
     }
     case "receipt": {
       const news = newReports((id) => state.entry(id), v.msg);
       if (!news.length) {
         // A copy of one already applied, or about messages this session did not send (or no longer remembers).
         const line = `a receipt from ${v.petname} (msg_id ${v.msg.msg_id}) reports nothing new; ignored`;
-        return keep(v.msg, [], logEffect("info", line));
+        return keep(v.msg, [], [logEffect("info", line)]);
       }
       // A refusal reaches the model once, as one line in our words; other reports only update the statuses.
       const bounced = news.filter((l) => canPush && l.state === "refused");
       const all = parseReceipt(v.msg.text);
       const lines = news.map((l) => all.findIndex((a) => a.state === l.state && a.msg_id === l.msg_id));
       const pushes = bounced.map((l): Effect => ({ do: "push", id: `bounced ${l.msg_id}` }));
-      return keep(v.msg, [{ t: "receipt", peer: v.petname, msg: v.msg, lines }], ...pushes);
+      return keep(v.msg, [{ t: "receipt", peer: v.petname, msg: v.msg, lines }], pushes);
     }
     case "pair_request": {
       // Through an invite, our operator decided in advance (by running `interlink.ts invite`): nothing is held.
@@ -6030,7 +6022,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
         // A peer asks to pair (it lacks us: a one-sided pairing): our acceptance completes its side; ours is unchanged.
         const confirm: Effect = { do: "confirm_pair", key, msgId: msg_id, recipient: reply, petname: already };
         const line = `${fp}, already the peer '${already}', asked to pair; confirmed`;
-        return keep(v.msg, [], logEffect("info", line), confirm);
+        return keep(v.msg, [], [logEffect("info", line), confirm]);
       }
       if (state.knocksIn.size >= KNOCKS_CAP) {
         const line =
@@ -6046,7 +6038,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       const marks = { ...(reply !== key ? { reply_to: reply } : {}), ...(quiet ? { quiet } : {}) };
       const record: NewRecord = { t: "knock", key, name: v.claimedName, msg_id, ts, ...marks };
       const line = `pair request from ${fp} (claims '${v.claimedName}'); held for the operator`;
-      return keep(v.msg, [record], logEffect("info", line), ...(push ? [{ do: "push", id } as Effect] : []));
+      return keep(v.msg, [record], [logEffect("info", line), ...(push ? [{ do: "push", id } as Effect] : [])]);
     }
     case "pair_accept": {
       const [key, fp] = [v.msg.from, fingerprint(v.msg.from)];
@@ -6071,7 +6063,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       };
       const added: Effect[] = existing ? [] : [{ do: "add_peer", petname, key }];
       const line = `${fp} accepted our pair request; added as '${petname}'`;
-      return [...added, ...keep(v.msg, [paired], logEffect("info", line), ...shown)];
+      return [...added, ...keep(v.msg, [paired], [logEffect("info", line), ...shown])];
     }
   }
 }
@@ -6090,7 +6082,7 @@ function admitInvited(v: Extract<Verdict, { verdict: "pair_request" }>, invite: 
   const consume: Effect = { do: "consume_invite", id: invite.id, key, msgId: v.msg.msg_id, petname };
   const confirm: Effect = { do: "confirm_pair", key, msgId: v.msg.msg_id, recipient: reply, petname };
   const paired: NewRecord = { t: "paired", key, how: "invited", petname, invite: invite.id };
-  return [consume, ...added, ...keep(v.msg, [paired], logEffect("info", line), ...shown, confirm)];
+  return [consume, ...added, ...keep(v.msg, [paired], [logEffect("info", line), ...shown, confirm])];
 }
 
 /** A payload refused by the gate or (a knock) by its invite; `msg` when it could be read. */
