@@ -3558,7 +3558,7 @@ type InboxItem =
       late?: string;
       unopened?: true;
     }
-    /** A peer's question shown to an ended session of ours, still unanswered: shown again in the one that adopted it. */
+    /** A peer's question shown to an ended session of ours, still unanswered: shown again in the one adopting it. */
     | { kind: "waiting"; key: string; task_id: string; msg_id: string; text: string; asked_at: number; session: string }
     | { kind: "knock"; key: string; name: string }
     | { kind: "more_knocks"; count: number }
@@ -5489,28 +5489,21 @@ function pendingInviteSessions(stateDir: string, nowMs: number): string[] {
 // input, clock); the Agent carries them out in order, stopping at the first failure (see "Decisions").
 
 type Effect =
-  /** Journal records, in the kernel; made durable by the next "sync". */
-  | { do: "append"; records: NewRecord[] }
-  /** Record an admitted message in the replay memory's own file. */
-  | { do: "remember"; msg: SignedMessage }
-  /** fdatasync the journal and the replay file. */
-  | { do: "sync" }
+  | { do: "append"; records: NewRecord[] } // journal records, in the kernel; made durable by the next "sync"
+  | { do: "remember"; msg: SignedMessage } // an admitted message, into the replay memory's own file
+  | { do: "sync" } // fdatasync the journal and the replay file
   /** Inbox item `id` as a channel event, then recorded shown (see Agent.push): unless a check_inbox showed it first. */
   | { do: "push"; id: string }
-  /** A channel event that is no inbox item (a pairing completed). */
-  | { do: "notify"; event: PushEvent }
+  | { do: "notify"; event: PushEvent } // a channel event that is no inbox item (a pairing completed)
   | { do: "add_peer"; petname: string; key: string }
   | { do: "confirm_pair"; key: string; msgId: string; recipient: string; petname: string }
-  /** See consumeInvite; fails if another use came first. */
-  | { do: "consume_invite"; id: string; key: string; msgId: string; petname: string }
+  | { do: "consume_invite"; id: string; key: string; msgId: string; petname: string } // fails if another use came first
   | { do: "log"; level: "info" | "warn"; line: string }
-  /** One more refusal in a summary already waiting (memory only: a flood must not grow the journal). */
-  | { do: "count"; id: string }
+  | { do: "count"; id: string } // one more refusal in a waiting summary (in memory: a flood must not grow the journal)
   /** A message the node sends by itself: to the task's `session` while it runs, else routed; `forward` is journaled. */
   | { do: "send"; draft: Draft; peer: string | null; session?: string; forward?: Forward }
   | { do: "ack" }
-  /** Leave it with the bus for now: stop here, and poll again after a back-off. */
-  | { do: "defer" };
+  | { do: "defer" }; // leave it with the bus for now: stop here, and poll again after a back-off
 
 const logEffect = (level: "info" | "warn", line: string): Effect => ({ do: "log", level, line });
 
@@ -5586,10 +5579,7 @@ function messageBlock(
 
 interface Claim {
   peek?: boolean; // show without marking read
-  /**
-   * Shows the first of the unread items (as many as one answer holds: see fitInbox); they are marked read only if
-   * `reached` says they reached the reader (false: a cancel, a failure).
-   */
+  /** Shows the first unread items (as many as an answer holds: fitInbox); marked read if `reached` (not if cut off). */
   show?: (items: InboxItem[]) => { shown: InboxItem[]; reached: boolean | Promise<boolean> };
 }
 
