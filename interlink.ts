@@ -5435,10 +5435,9 @@ async function consumeInvite(
 type InviteCheck = { ok: true; invite: Invite } | { ok: false; reason: InviteRefusal; detail: string };
 
 /**
- * Judges a knock whose in_reply_to names an invite: its proof must be the HMAC of inviteProofBytes under the invite's
- * secret, for its signer and msg_id, while the invite is pending. The key that used an invite passes again with the
- * same request (its answer was lost in a crash before the ack), or when it is our peer (a join repeated). Pure but for
- * WebCrypto's HMAC, which is asynchronous, so the agent runs it before planInbound.
+ * Judges a knock whose in_reply_to names an invite: its proof must be the HMAC of inviteProofBytes under the pending
+ * invite's secret, for its signer and msg_id. The key that used it passes again with the same request (a crash before
+ * the ack) or as our peer (a join repeated). Pure but for WebCrypto's async HMAC: the agent runs it before planInbound.
  */
 async function judgeInvite(
   invites: readonly Invite[],
@@ -5584,10 +5583,9 @@ interface Claim {
 }
 
 /**
- * Takes unread inbox messages (oldest first), shows them and then records them shown, under a lock that concurrent
- * `wait`s and check_inbox take: each re-reads the journal under it, and the "shown" records are durable before it is
- * let go. Shown first: a process killed in between shows them again (a crash can repeat an answer, never lose one).
- * A session's own showings (pushes, check_inbox, a Codex wake) also take turns in its process (Agent.inTurn).
+ * Takes unread inbox messages (oldest first), shows them, then records them shown, under a lock that concurrent `wait`s
+ * and check_inbox take: each re-reads the journal under it; the "shown" records are durable before it is let go. A
+ * crash in between shows them again: it can repeat an answer, never lose one. A session's own take turns: Agent.inTurn.
  */
 async function claimInbox(from: Journal | string, limit: number, claim: Claim = {}): Promise<InboxItem[]> {
   const journal = typeof from === "string" ? new Journal(from, new NodeState()) : from;
@@ -5653,31 +5651,27 @@ function formatItem(i: InboxItem, peers: Peers): string {
 /** What a message's block says beside the peer's fields, in our words (relayed, answers, still_open). */
 function itemNotes(i: MessageItem, peers: Peers): [string, string][] {
   if (i.kind === "waiting") {
-    return [[
-      "still_open",
-      `asked of your earlier session ${i.session}, which ended; not answered yet: show it to your operator and answer with in_reply_to=${i.msg_id}`,
-    ]];
+    const still =
+      `asked of your earlier session ${i.session}, which ended; not answered yet: show it to your operator and answer with in_reply_to=${i.msg_id}`;
+    return [["still_open", still]];
   }
   const notes: [string, string][] = [];
   const sender = whoIs(peers, i.msg.from);
   if (i.relay) {
     const { dir, task_id } = i.relay;
     const to = whoIs(peers, i.relay.to);
-    notes.push([
-      "relayed",
-      dir === "up"
-        ? `forwarded by interlink to ${to} as a needs_input on task ${task_id}: their operator owns this work. Their answer comes back through you and goes on to ${sender} by itself; nothing for you or your operator to answer`
-        : `the answer to a question interlink forwarded for ${to}: sent on to them on task ${task_id} by itself; nothing for you to do`,
-    ]);
+    const relayed = dir === "up"
+      ? `forwarded by interlink to ${to} as a needs_input on task ${task_id}: their operator owns this work. Their answer comes back through you and goes on to ${sender} by itself; nothing for you or your operator to answer`
+      : `the answer to a question interlink forwarded for ${to}: sent on to them on task ${task_id} by itself; nothing for you to do`;
+    notes.push(["relayed", relayed]);
   }
   const task = showId(i.msg.task_id ?? "");
   if (i.late) {
     notes.push(["task_closed", `task ${task} was closed (${i.late}) before this came: nothing on it to answer or do`]);
   } else if (i.unopened) {
-    notes.push([
-      "task_unknown",
-      `this session never opened task ${task} with ${sender}, nor was asked for it: it may be another session's (a relay can hand a message to any session of this node). Do not take it as work or a question of yours; tell your operator`,
-    ]);
+    const unknown =
+      `this session never opened task ${task} with ${sender}, nor was asked for it: it may be another session's (a relay can hand a message to any session of this node). Do not take it as work or a question of yours; tell your operator`;
+    notes.push(["task_unknown", unknown]);
   }
   const session = i.asked?.session ?? i.forSession;
   if (i.asked && session) {
@@ -6096,9 +6090,9 @@ function refuse(v: Refused, ctx: InboundContext, before: Effect[] = []): Effect[
 }
 
 /**
- * A refusal worth the operator's attention becomes one summary per sender and reason: recorded once, counted in
- * memory after that, not again for REFUSAL_REPEAT_MS once shown; at most REFUSAL_NOTICES_CAP wait. So a flood costs
- * one journal line per sender and hour, and the model one line.
+ * A refusal worth the operator's attention becomes one summary per sender and reason: recorded once, then counted in
+ * memory, not again for REFUSAL_REPEAT_MS once shown; REFUSAL_NOTICES_CAP at most. A flood costs the journal a line per
+ * sender and hour, and the model one line.
  */
 function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (!v.msg || !REFUSALS_SHOWN.has(v.reason)) return [];
@@ -6259,9 +6253,8 @@ function forwardedAnswer(peers: Peers, tasks: ReadonlyMap<string, TaskRow>, draf
 }
 
 /**
- * The chain a request opening a sub-task of `parentId` carries, or undefined for a follow-up on a task already open
- * with that parent. Refused: a parent we do not execute for a peer, a loop, a depth past the limit, and a sub-task for
- * another session of this node (not a hop).
+ * The chain a request opening a sub-task of `parentId` carries (undefined: a follow-up on one open). Refused: a parent
+ * we do not execute for a peer, a loop, a depth past the limit, a sub-task for another session of ours (not a hop).
  */
 function subTaskChain(
   peers: Peers,
@@ -6341,9 +6334,9 @@ function subTaskChain(
 }
 
 /**
- * The signed fields, then unsigned hints as in the reference: `reply_to` (our `key#session`) names the session to
- * answer and decides nothing about trust; `receipts` asks for delivery receipts (on a knock, only a refusal through an
- * invite is reported). A sub-task's request carries its chain, signed on its own (see chainBytes).
+ * The signed fields, then unsigned hints as in the reference: `reply_to` (our `key#session`, never trusted) names the
+ * session to answer; `receipts` asks for receipts (on a knock: a refusal through an invite); a sub-task's chain is
+ * signed on its own (chainBytes).
  */
 function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): object {
   const asks = msg.kind === "message" || msg.kind === "pair_request";
@@ -6387,9 +6380,8 @@ async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, now
 // live, away or maybe gone by its age, and chooseRoute, a pure function of the roster, the hint and memory.
 
 /**
- * Every verified session on the rosters of `relays`, the freshest copy of each, with its effective age: the bus's
- * unsigned age_ms, but never younger than the signed ts allows (a replayed old announcement cannot pass for a live
- * session). `problems`: the relays that did not answer; none answering is a NoRelayAnswered.
+ * Every verified session on the rosters of `relays` (its freshest copy), aged by the bus's unsigned age_ms but never
+ * younger than its signed ts allows (a replay cannot pass for live). `problems`: relays silent (all: NoRelayAnswered).
  */
 async function readRoster(
   relays: Relay[],
