@@ -6359,14 +6359,8 @@ async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, now
       `this message is ${kib} KiB as JSON, over the ${mib} MiB a bus accepts (control characters count six bytes each); send a summary or a file path instead`,
     );
   }
-  await journal.appendDurable([{
-    t: "out",
-    peer: p.peer,
-    recipient: p.recipient,
-    msg,
-    ...p.extra,
-    ...some("chain", chain),
-  }]);
+  const out: NewRecord = { t: "out", peer: p.peer, recipient: p.recipient, msg, ...p.extra, ...some("chain", chain) };
+  await journal.appendDurable([out]);
   const entry = journal.state.entry(msg.msg_id)!;
   if (entry.refused) throw new InterlinkError(entry.refused);
   return entry;
@@ -6461,9 +6455,8 @@ function describeSessions(list: PeerSession[]): string {
 /**
  * The routing decision (see Agent.route). A session that said goodbye, or left a roster that answered, has ended. So
  * has a remembered one (the task's, the last to write to us) on no roster at all: it ran, so it unregistered, was taken
- * off by its successor, or never announced itself (a one-off CLI send); its key is read at once by the peer's next
- * session (not a reference node's, whose sessions read only their own routes: there it stands). Else a reply goes to
- * the peer's one live session, else to its key.
+ * off by its successor, or never announced itself (a one-off CLI send); the peer's next session reads its key at once
+ * (a reference node's reads only its own route: there it stands). Else to the peer's one live session, else its key.
  */
 function chooseRoute(p: {
   key: string;
