@@ -5727,8 +5727,7 @@ function noticeText(i: Notice, peers: Peers): string {
     return `${peer ?? fp} refused your ${what} ${i.msg.msg_id}${task}: ${refusalWords(i.report)}.`;
   }
   const from = peer ? `your peer '${peer}' (${fp})` : `an unknown key ${fp}`;
-  const n = i.count === 1 ? "1 message" : `${i.count} messages`;
-  const was = i.count === 1 ? "was" : "were";
+  const [n, was] = i.count === 1 ? ["1 message", "was"] : [`${i.count} messages`, "were"];
   const by = `${n} from ${from} ${was} refused: `;
   const through = `${by}a request to pair through an invite`;
   const why: Record<Refusal, string> = {
@@ -5792,13 +5791,9 @@ type Passed = { relay: Relayed; send: Effect };
 
 /** A message the node sends by itself on a task, to the task's session (the shell checks it still runs). */
 function sendOnTask(t: TaskRow, draft: Omit<Draft, "to" | "task_id">, peers: Peers, forward?: Forward): Effect {
-  return {
-    do: "send",
-    draft: { to: t.peer_key, task_id: t.task_id, ...draft },
-    peer: peers.byKey.get(t.peer_key) ?? null,
-    ...some("session", t.peer_session),
-    ...some("forward", forward),
-  };
+  const onTask: Draft = { to: t.peer_key, task_id: t.task_id, ...draft };
+  const peer = peers.byKey.get(t.peer_key) ?? null;
+  return { do: "send", draft: onTask, peer, ...some("session", t.peer_session), ...some("forward", forward) };
 }
 
 function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, replySession?: string): Hops {
@@ -5820,12 +5815,8 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
     if (why) {
       out.declined = why;
       out.logs.push(logEffect("info", `declined task ${showId(msg.task_id)} from ${fp}: ${why}`));
-      out.sends.push({
-        do: "send",
-        draft: { to: msg.from, task_id: msg.task_id, status: "failed", text: why },
-        peer: petname,
-        ...some("session", replySession),
-      });
+      const draft: Draft = { to: msg.from, task_id: msg.task_id, status: "failed", text: why };
+      out.sends.push({ do: "send", draft, peer: petname, ...some("session", replySession) });
     }
     return out;
   }
