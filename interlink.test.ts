@@ -10167,7 +10167,12 @@ describe("the journal: one typed record per line, read through one codec", () =>
         await bob.close();
         const again = await McpNode.start("deno", B, url, { INTERLINK_DELIVERY: "inbox" });
         try {
-          expect(await again.ok("list_pending")).toContain("the outbox is empty");
+          // (A receipt it still owes may wait for a bus: bookkeeping, not one of the model's messages sent again.)
+          const pending = await again.ok("list_pending");
+          expect(
+            pending.split("\n").filter((l) => !/^and \d+ delivery receipt/.test(l) && !l.includes("outbox is empty")),
+          )
+            .toEqual([]);
           expect(await again.ok("check_inbox")).toBe("no unread messages");
         } finally {
           await again.close();
