@@ -8239,9 +8239,7 @@ const OPT = {
     "INTERLINK_STATE",
     undefined,
     "this node's folder: its sessions' journals, locks, replay files",
-    {
-      defaultHelp: "~/.local/state/interlink/node-<fingerprint>",
-    },
+    { defaultHelp: "~/.local/state/interlink/node-<fingerprint>" },
   ),
   session: option(
     "ID",
@@ -8272,27 +8270,23 @@ const configFile = (): string => process.env.INTERLINK_CONFIG || path.join(confi
 
 function readConfig(): { values: Record<string, string>; problem?: string } {
   const file = configFile();
+  const bad = (problem: string) => ({ values: {}, problem });
   let raw: unknown;
   try {
     raw = JSON.parse(fs.readFileSync(file, "utf8"));
   } catch (e) {
     if ((e as NodeJS.ErrnoException).code === "ENOENT") return { values: {} };
-    return {
-      values: {},
-      problem: `cannot read ${file}: ${
-        (e as Error).message
-      }. Fix or delete it (\`interlink.ts init\` writes a new one).`,
-    };
+    return bad(
+      `cannot read ${file}: ${(e as Error).message}. Fix or delete it (\`interlink.ts init\` writes a new one).`,
+    );
   }
-  if (!isObject(raw)) {
-    return { values: {}, problem: `${file} is not a JSON object of settings (${CONFIG_KEYS.join(", ")})` };
-  }
+  if (!isObject(raw)) return bad(`${file} is not a JSON object of settings (${CONFIG_KEYS.join(", ")})`);
   const values: Record<string, string> = {};
   for (const k of CONFIG_KEYS) {
     const v = raw[k];
     if (typeof v === "string") values[k] = v;
     else if (k === "max-depth" && Number.isSafeInteger(v)) values[k] = String(v); // a number, as a person writes it
-    else if (v !== undefined) return { values: {}, problem: `${file}: "${k}" must be a string` };
+    else if (v !== undefined) return bad(`${file}: "${k}" must be a string`);
   }
   return { values };
 }
@@ -8311,11 +8305,8 @@ const isGiven = (from: OptionSources, k: string) => from[k] === "flag" || from[k
 /** --session or --inbox was given: a command reads that session only, else every session of the identity. */
 const sessionGiven = (from: OptionSources) => isGiven(from, "session") || isGiven(from, "inbox");
 
-function explicitSettings(o: Options, from: OptionSources): Record<string, string> {
-  const out: Record<string, string> = {};
-  for (const k of CONFIG_KEYS) if (isGiven(from, k) && typeof o[k] === "string") out[k] = o[k];
-  return out;
-}
+const explicitSettings = (o: Options, from: OptionSources): Record<string, string> =>
+  Object.fromEntries(CONFIG_KEYS.flatMap((k) => (isGiven(from, k) && typeof o[k] === "string" ? [[k, o[k]]] : [])));
 
 /** The server's first start records what it was given, so the CLI on this machine sees the same bus and name. */
 function rememberConfig(o: Options, from: OptionSources): void {
@@ -8328,26 +8319,21 @@ function rememberConfig(o: Options, from: OptionSources): void {
   }
 }
 
+/** The options of OPT named, in that order (as help lists them). */
+const pick = (...names: (keyof typeof OPT)[]): Record<string, OptionSpec> =>
+  Object.fromEntries(names.map((n) => [n, OPT[n]]));
+
 /** The options every node command shares, so `send`, `log`, `wait`... find the same files as `mcp`. */
-const NODE_OPTIONS = {
-  key: OPT.key,
-  peers: OPT.peers,
-  url: OPT.url,
-  state: OPT.state,
-  session: OPT.session,
-  inbox: OPT.inbox,
-};
+const NODE_OPTIONS = pick("key", "peers", "url", "state", "session", "inbox");
 
 function parseBusUrls(text: string): string[] {
   const urls = text.split(",").map((u) => u.trim()).filter(Boolean);
   if (!urls.length) throw new InterlinkError("no bus URL given (INTERLINK_URL / --url)");
   return urls.map((u) => {
-    let url: URL;
-    try {
-      url = new URL(u);
-    } catch {
+    if (!URL.canParse(u)) {
       throw new InterlinkError(`bus URL '${redactUrl(u)}' is not a URL (expected e.g. ${DEFAULT_BUS_URL})`);
     }
+    const url = new URL(u);
     // A NATS relay keeps its credentials (user:password@ or token@): they are how it logs in.
     if (url.protocol === "nats:" || url.protocol === "tls:") {
       if (!url.hostname) throw new InterlinkError(`NATS URL '${redactUrl(u)}' has no host (expected nats://host:4222)`);
@@ -8360,9 +8346,7 @@ function parseBusUrls(text: string): string[] {
   });
 }
 
-function defaultNodeState(fp: string): string {
-  return path.join(stateDir(), `node-${fp}`);
-}
+const defaultNodeState = (fp: string): string => path.join(stateDir(), `node-${fp}`);
 
 /** --session (or --inbox), else CLAUDE_CODE_SESSION_ID (the id the session's hooks get too), else 8 random hex. */
 function chooseSession(pinned: string | undefined): string {
@@ -8419,11 +8403,8 @@ async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Identity }
   loadPeers(o.peers as string);
   const depth = o["max-depth"] as string | undefined;
   if (depth !== undefined && !(/^\d{1,2}$/.test(depth) && +depth >= 1 && +depth <= CHAIN_KEYS_MAX)) {
-    throw new InterlinkError(
-      `max-depth ${
-        JSON.stringify(depth)
-      } is not a whole number of hops from 1 to ${CHAIN_KEYS_MAX} (INTERLINK_MAX_DEPTH / --max-depth / config.json)`,
-    );
+    const why = `max-depth ${JSON.stringify(depth)} is not a whole number of hops from 1 to ${CHAIN_KEYS_MAX}`;
+    throw new InterlinkError(`${why} (INTERLINK_MAX_DEPTH / --max-depth / config.json)`);
   }
   const cfg: NodeConfig = {
     keyFile: o.key as string,
@@ -9907,9 +9888,7 @@ const COMMANDS: Record<string, CommandSpec> = {
       "and pushes admitted ones as notifications/claude/channel events. stdout carries only MCP.",
     options: {
       ...NODE_OPTIONS,
-      name: OPT.name,
-      delivery: OPT.delivery,
-      "max-depth": OPT["max-depth"],
+      ...pick("name", "delivery", "max-depth"),
       host: option(
         "HOST",
         "INTERLINK_HOST",
@@ -9982,12 +9961,9 @@ const COMMANDS: Record<string, CommandSpec> = {
       "turn, so the hook runs again. Exits 0 when a newer wait starts on the same folder, when the session's server\n" +
       "has stopped, and at once under a one-shot `claude -p`. Only one wait ever prints a given message.",
     options: {
-      key: OPT.key,
-      peers: OPT.peers,
-      state: OPT.state,
+      ...pick("key", "peers", "state"),
       session: { ...OPT.session, defaultHelp: "the hook's session_id on stdin, else the node's only session" },
-      inbox: OPT.inbox,
-      delivery: OPT.delivery,
+      ...pick("inbox", "delivery"),
       timeout: option(
         "SECONDS",
         "INTERLINK_WAIT_TIMEOUT",
@@ -10010,7 +9986,7 @@ const COMMANDS: Record<string, CommandSpec> = {
     summary: "set this machine up: the key (if missing) and config.json from the settings given",
     about: "Writes the flags and INTERLINK_* variables given here into config.json (INTERLINK_CONFIG, default\n" +
       "~/.config/interlink/config.json), over what it held. Every node command reads it; flags and variables override it.",
-    options: { ...NODE_OPTIONS, name: OPT.name, delivery: OPT.delivery, "max-depth": OPT["max-depth"] },
+    options: { ...NODE_OPTIONS, ...pick("name", "delivery", "max-depth") },
     run: runInit,
   },
   invite: {
@@ -10020,11 +9996,7 @@ const COMMANDS: Record<string, CommandSpec> = {
       "this machine's LAN address in place of a loopback URL (--url names the relay itself). Waits for the join and\n" +
       "admits it (after Ctrl-C, a running session of this node does); one use, until it expires.",
     options: {
-      key: OPT.key,
-      peers: OPT.peers,
-      url: OPT.url,
-      state: OPT.state,
-      name: OPT.name,
+      ...pick("key", "peers", "url", "state", "name"),
       for: option(
         "PETNAME",
         undefined,
@@ -10059,15 +10031,13 @@ const COMMANDS: Record<string, CommandSpec> = {
       "key if missing, files the inviter in peers.json, and, once it is answered, writes the relay into config.json.\n" +
       "A refusal (expired, used, revoked, a bad proof) says why and takes the peers.json entry back.",
     options: {
-      key: OPT.key,
-      peers: OPT.peers,
+      ...pick("key", "peers"),
       url: {
         ...OPT.url,
         defaultHelp: "the relays the code names",
         help: "use these relays instead (another address of the same bus, say)",
       },
-      state: OPT.state,
-      name: OPT.name,
+      ...pick("state", "name"),
       petname: option(
         "PETNAME",
         undefined,
@@ -10197,15 +10167,9 @@ function parseCommandLine(
   argv: string[],
   cmd: CommandSpec = COMMANDS[name],
 ): { opts: Options; positionals: string[]; help: boolean; from: OptionSources } {
-  const spec: Record<string, { type: "string" | "boolean"; short?: string }> = {
-    help: { type: "boolean", short: "h" },
-  };
-  for (const [flag, o] of Object.entries(cmd.options)) {
-    spec[flag] = { type: o.type, ...(o.short ? { short: o.short } : {}) };
-  }
   let parsed;
   try {
-    parsed = parseFlags(argv, spec);
+    parsed = parseFlags(argv, { help: { type: "boolean", short: "h" }, ...cmd.options });
   } catch (e) {
     throw new InterlinkError(`${(e as Error).message}\n\n${commandHelp(name, cmd)}`);
   }
@@ -10214,7 +10178,7 @@ function parseCommandLine(
   const opts: Options = {};
   const from: OptionSources = config.problem ? { problem: config.problem } : {};
   for (const [flag, o] of Object.entries(cmd.options)) {
-    const given = (parsed.values as Options)[flag];
+    const given = parsed.values[flag];
     const fromEnv = o.env ? process.env[o.env] : undefined;
     if (given !== undefined) [opts[flag], from[flag]] = [given, "flag"];
     else if (fromEnv !== undefined && fromEnv !== "") {
@@ -10223,7 +10187,7 @@ function parseCommandLine(
     } else if (config.values[flag] !== undefined) [opts[flag], from[flag]] = [config.values[flag], "config"];
     else [opts[flag], from[flag]] = [optionDefault(o), "default"];
   }
-  return { opts, positionals: parsed.positionals, help: (parsed.values as Options).help === true, from };
+  return { opts, positionals: parsed.positionals, help: parsed.values.help === true, from };
 }
 
 function envFlag(name: string, value: string): boolean {
