@@ -8516,14 +8516,10 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
         fingerprint(r.key),
         `asks to pair (claims "${displayName(r.name)}"); accept with the accept_pair tool or peers add`,
       );
-    case "refusal":
-      return line(
-        "✗",
-        fingerprint(r.key),
-        `${"".padEnd(12)} refused a message from them: ${r.reason} (${
-          escapePeerText(r.detail.slice(0, 200), true)
-        }); repeats are counted, not logged`,
-      );
+    case "refusal": {
+      const why = `${r.reason} (${escapePeerText(r.detail.slice(0, 200), true)}); repeats are counted, not logged`;
+      return line("✗", fingerprint(r.key), `${"".padEnd(12)} refused a message from them: ${why}`);
+    }
     case "refused":
       return line("✗", "", `${id(r.msg_id)} refused by every bus: ${escapePeerText(r.reason, true)}`);
     case "paired": {
@@ -8564,22 +8560,15 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
   if (await alive()) return;
   const beside = path.join(import.meta.dirname ?? ".", EXTRAS.bus.file);
   if (new URL(import.meta.url).protocol === "file:" && !fs.existsSync(beside)) {
-    return logWarn(
-      `nothing answers at ${url}, and this machine's bus cannot start: ${extraMissing("bus", beside)}`,
-    );
+    return logWarn(`nothing answers at ${url}, and this machine's bus cannot start: ${extraMissing("bus", beside)}`);
   }
   const dataDir = busDataDir();
   fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
   const logFile = path.join(dataDir, "bus.log");
   const out = fs.openSync(logFile, "a", 0o600);
-  const [cmd, ...args] = selfCommand([
-    "bus",
-    "--port",
-    new URL(url).port || String(DEFAULT_BUS_PORT),
-    "--data",
-    dataDir,
-    ...(host === "127.0.0.1" ? [] : ["--host", host]),
-  ]);
+  const port = new URL(url).port || String(DEFAULT_BUS_PORT);
+  const hostArgs = host === "127.0.0.1" ? [] : ["--host", host];
+  const [cmd, ...args] = selfCommand(["bus", "--port", port, "--data", dataDir, ...hostArgs]);
   const child = spawn(cmd, args, { detached: true, stdio: ["ignore", out, out] });
   child.unref();
   fs.closeSync(out);
@@ -8622,17 +8611,11 @@ function recordStart(stateDir: string): void {
   try {
     // Only a report: a plain write, no fsync on the start path (a torn one reads as none).
     fs.mkdirSync(stateDir, { recursive: true });
-    fs.writeFileSync(lastStartFile(stateDir), JSON.stringify({ ms, at: Date.now(), runtime: runtimeName() }) + "\n", {
-      mode: 0o600,
-    });
+    const record = JSON.stringify({ ms, at: Date.now(), runtime: runtimeName() }) + "\n";
+    fs.writeFileSync(lastStartFile(stateDir), record, { mode: 0o600 });
   } catch (e) {
     logWarn(`cannot record this start in ${lastStartFile(stateDir)}: ${errorText(e)}`);
   }
-}
-
-/** True under `claude mcp list|get`: a health check whose handshake looks like a session's, its command line not. */
-function startedByHealthCheck(): boolean {
-  return /\bclaude\b.*\bmcp\s+(list|get)\b/.test(processArgv(process.ppid));
 }
 
 /** Under Codex, the codex binary and home that wake this session: configured, else the process that started us. */
@@ -8660,7 +8643,8 @@ function codexTarget(thread: string): CodexTarget {
  */
 async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   setLogComponent("interlink mcp");
-  const healthCheck = startedByHealthCheck();
+  // Under `claude mcp list|get`: a health check whose handshake looks like a session's, its command line not.
+  const healthCheck = /\bclaude\b.*\bmcp\s+(list|get)\b/.test(processArgv(process.ppid));
   let host = o.host as Host | undefined;
   let prepared: { cfg: NodeConfig; id: Identity } | null = null;
   let problem: string | undefined;
@@ -8759,13 +8743,8 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     if (healthCheck) {
       return notReady("this server was started by a health check (claude mcp list), which opens no session");
     }
-    let a: Agent;
-    try {
-      a = await agentFor(tool, args, meta);
-    } catch (e) {
-      return fail(`${tool.name} failed: ${(e as Error).message}`);
-    }
-    return await runTool(a, tool, args);
+    const a = await agentFor(tool, args, meta).catch((e: Error) => fail(`${tool.name} failed: ${e.message}`));
+    return a instanceof Agent ? await runTool(a, tool, args) : a;
   };
   server.oninitialized = () => {
     if (server.client.name === "codex-mcp-client") host = "codex";
@@ -8864,9 +8843,8 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
         onJournalChange(dir),
       );
       const now = journal.state.entry(msgId) ?? entry;
-      print(
-        describeOut(now) + (now.sentAt ? "" : ` (by the running server of session ${cfg.session}, pid ${owner.pid})`),
-      );
+      const by = now.sentAt ? "" : ` (by the running server of session ${cfg.session}, pid ${owner.pid})`;
+      print(describeOut(now) + by);
     } finally {
       journal.close();
     }
@@ -8960,19 +8938,12 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
     const { state, journal } = readNodeState(sess.dir);
     journal.close();
     for (const t of taskTable(view, state.tasks.values(), o.peer as string | undefined, o.open === true)) {
-      lines.push({
-        at: t.last_at,
-        text: `${sessionLabel(sess)}  ${showInvisible(describeTask(view, t, state.outgoing, id.publicKey))}`,
-      });
+      const text = `${sessionLabel(sess)}  ${showInvisible(describeTask(view, t, state.outgoing, id.publicKey))}`;
+      lines.push({ at: t.last_at, text });
     }
   }
-  print(
-    lines.length
-      ? lines.sort((x, y) => x.at - y.at).map((l) => l.text).join("\n")
-      : o.open
-      ? "no open tasks"
-      : "no tasks yet",
-  );
+  if (!lines.length) print(o.open ? "no open tasks" : "no tasks yet");
+  for (const l of lines.sort((x, y) => x.at - y.at)) print(l.text);
   return 0;
 }
 
@@ -9095,15 +9066,10 @@ async function runWait(o: Options): Promise<number> {
     }
   }
   if (!session) {
-    const all = listSessions(root);
-    if (all.length !== 1) {
-      throw new InterlinkError(
-        `which session? pass --session (or run as a Claude Code hook, which gives it on stdin); sessions here: ${
-          all.map((x) => x.id).join(", ") || "none yet"
-        }`,
-      );
-    }
-    session = all[0].id;
+    const all = listSessions(root).map((x) => x.id);
+    const which = "which session? pass --session (or run as a Claude Code hook, which gives it on stdin)";
+    if (all.length !== 1) throw new InterlinkError(`${which}; sessions here: ${all.join(", ") || "none yet"}`);
+    session = all[0];
   }
   if (!SESSION_RE.test(session)) throw new InterlinkError(`session id '${session}' is not valid`);
   const dir = sessionDir(root, session);
@@ -9113,12 +9079,9 @@ async function runWait(o: Options): Promise<number> {
   const claudePid = Number(process.env.CLAUDE_PID) || undefined;
   const claude = { pid: claudePid, startedAt: processStartedAt(claudePid), servers: new Set<number>() };
   if (underOneShotClaude() || serverGone(dir, claude)) return 0;
-  let peers = EMPTY_PEERS;
-  try {
-    peers = loadPeers(o.peers as string);
-  } catch {
-    // names only: a broken peers.json must not keep messages from the model
-  }
+  // Names only: a broken peers.json must not keep messages from the model.
+  const read = orWhy(() => loadPeers(o.peers as string));
+  const peers = typeof read === "string" ? EMPTY_PEERS : read;
   // The newest wait on a folder wins: a Stop hook starts one per turn, and the older ones step aside.
   const pidFile = path.join(dir, "wait.pid");
   const mine = String(process.pid);
@@ -9188,9 +9151,7 @@ interface InviteCode {
 
 /** "il" and the layout's version. */
 const INVITE_CODE_PREFIX = "il1.";
-
 const INVITE_CHECK_BYTES = 4;
-
 const inviteCheck = async (body: Bytes) =>
   new Uint8Array(await crypto.subtle.digest("SHA-256", body)).subarray(0, INVITE_CHECK_BYTES);
 
@@ -9277,16 +9238,6 @@ async function parseInviteCode(text: string): Promise<InviteCode> {
 const BUS_EXPOSURE =
   "anything that reaches this port can enqueue and read the roster (messages stay signed, not secret)";
 
-/** A duration as a person writes it: "90s", "10m", "2h", "1d", or plain seconds. */
-function parseDuration(text: string, flag: string): number {
-  const m = text.trim().match(/^(\d+)(s|m|h|d)?$/);
-  if (!m) throw new InterlinkError(`--${flag} must be a duration such as 90s, 10m or 2h, got ${JSON.stringify(text)}`);
-  return Number(m[1]) * { s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 }[m[2] ?? "s"]!;
-}
-
-/** Interface names of bridges and virtual links (containers, VMs): their addresses are rarely the one to share. */
-const VIRTUAL_IFACE_RE = /^(docker|br-|veth|virbr|vmnet|vboxnet|cni|flannel|podman|lxc|lxd)/;
-
 /**
  * The IPv4 addresses another machine may reach this one at, best first: private, then 100.64/10 (VPNs, a carrier's
  * NAT), then any other; bridges and virtual links last. No IPv6: link-local needs a zone, a global one is rarely shared.
@@ -9305,7 +9256,9 @@ function lanAddresses(
         : x === 100 && y >= 64 && y < 128
         ? 1
         : 2;
-      found.push({ address, iface, kind: kinds[rank], rank: rank + (VIRTUAL_IFACE_RE.test(iface) ? 10 : 0) });
+      // Bridges and virtual links (containers, VMs): their addresses are rarely the one to share.
+      const virtual = /^(docker|br-|veth|virbr|vmnet|vboxnet|cni|flannel|podman|lxc|lxd)/.test(iface);
+      found.push({ address, iface, kind: kinds[rank], rank: rank + (virtual ? 10 : 0) });
     }
   }
   return found.sort((a, b) => a.rank - b.rank).map(({ address, iface, kind }) => ({ address, iface, kind }));
@@ -9323,7 +9276,6 @@ function withHost(url: string, address: string): string {
   return `${scheme}://${address}${u.port ? `:${u.port}` : ""}${u.pathname === "/" ? "" : u.pathname}`;
 }
 
-/** What trying a relay found: its round trip and its clock (a bus's Date header), or why it cannot be reached. */
 /** A relay tried (reachRelay): its round trip, its clock's skew and (our bus) its `interlink-bus` features, or why not. */
 type Reach = { ok: true; ms: number; skewMs?: number; features?: string } | { ok: false; why: string };
 
@@ -9353,10 +9305,7 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
     const socket = connect({ host, port });
     const timer = setTimeout(() => (socket.destroy(), resolve(`no answer within ${s} s`)), timeoutMs);
     socket.once("connect", () => (clearTimeout(timer), socket.destroy(), resolve(null)));
-    socket.once("error", (e: NodeJS.ErrnoException) => {
-      clearTimeout(timer);
-      resolve(e.code ?? e.message);
-    });
+    socket.once("error", (e: NodeJS.ErrnoException) => (clearTimeout(timer), resolve(e.code ?? e.message)));
   });
   if (connected !== null) {
     const why = connected === "ECONNREFUSED"
@@ -9381,12 +9330,12 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
       return { ok: false, why: `${url} answers (HTTP ${r.status}), but not as an interlink bus` };
     }
     const date = Date.parse(r.headers.get("date") ?? "");
-    const features = r.headers.get("interlink-bus") ?? undefined;
+    const skewMs = Number.isFinite(date) ? date - (t0 + t1) / 2 : undefined;
     return {
       ok: true,
       ms: t1 - t0,
-      ...some("skewMs", Number.isFinite(date) ? date - (t0 + t1) / 2 : undefined),
-      ...some("features", features),
+      ...some("skewMs", skewMs),
+      ...some("features", r.headers.get("interlink-bus") ?? undefined),
     };
   } catch (e) {
     return { ok: false, why: `${url}: ${errorText(e)}` };
@@ -9407,18 +9356,13 @@ function otherMachineCommand(args: string[]): string {
   return [runner, file, ...args].join(" ");
 }
 
-/** The relays an invite names for the other machine, each with how it was chosen (shown to the operator). */
-interface SharedRelay {
-  url: string;
-  note: string;
-}
-
 /**
- * The relays the other machine should use: as given by --url; else a loopback URL becomes this machine's LAN address,
- * where its bus must answer (with `lan`, restarted on every address; else an error says how).
+ * The relays the other machine should use, each with how it was chosen (shown to the operator): as given by --url;
+ * else a loopback URL becomes this machine's LAN address, where its bus must answer (with `lan`, restarted on every
+ * address; else an error says how).
  */
-async function shareRelays(urls: string[], given: boolean, lan: boolean): Promise<SharedRelay[]> {
-  const shared: SharedRelay[] = [];
+async function shareRelays(urls: string[], given: boolean, lan: boolean): Promise<{ url: string; note: string }[]> {
+  const shared: { url: string; note: string }[] = [];
   for (const url of urls) {
     if (given || !isLoopbackUrl(url)) {
       const note = given && isLoopbackUrl(url)
@@ -9503,7 +9447,10 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     print(`revoked invite ${revoked.id}${revoked.for ? ` (for '${revoked.for}')` : ""}: a join through it is refused`);
     return 0;
   }
-  const ttlMs = parseDuration(o.ttl as string, "ttl");
+  // A duration as a person writes it: "90s", "10m", "2h", "1d", or plain seconds.
+  const ttl = /^(\d+)(s|m|h|d)?$/.exec((o.ttl as string).trim());
+  if (!ttl) throw new InterlinkError(`--ttl must be a duration such as 90s, 10m or 2h, got ${JSON.stringify(o.ttl)}`);
+  const ttlMs = Number(ttl[1]) * { s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 }[ttl[2] ?? "s"]!;
   if (ttlMs < 1000 || ttlMs > INVITE_TTL_MAX_MS) throw new InterlinkError("--ttl must be from 1s to 24h");
   const forName = o.for === undefined ? undefined : checkPetname(o.for);
   const taken = forName && loadPeers(cfg.peersFile).byName.get(forName);
@@ -9512,11 +9459,8 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   }
   const relays = await shareRelays(cfg.busUrls, isGiven(from, "url"), o.lan === true);
   rememberConfig(o, from);
-  const invite = await createInvite(cfg.stateDir, now(), {
-    ...some("for", forName),
-    ttlMs,
-    urls: relays.map((r) => r.url),
-  });
+  const urls = relays.map((r) => r.url);
+  const invite = await createInvite(cfg.stateDir, now(), { ...some("for", forName), ttlMs, urls });
   const code = await encodeInviteCode({
     id: invite.id,
     key: id.publicKey,
@@ -9526,15 +9470,11 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     urls: invite.urls,
     name: cfg.name === id.fingerprint ? "" : cfg.name,
   });
-  print(
-    `invite   ${invite.id}${forName ? ` for '${forName}'` : ""}, one use, until ${isoTime(invite.expires)} (${
-      howLong(ttlMs)
-    })`,
-  );
+  const until = isoTime(invite.expires), forWhom = forName ? ` for '${forName}'` : "";
+  print(`invite   ${invite.id}${forWhom}, one use, until ${until} (${howLong(ttlMs)})`);
   for (const r of relays) print(`relay    ${r.url} (${r.note})`);
-  print(
-    `\nOn the other machine, in the folder that holds interlink.ts, run:\n\n  ${otherMachineCommand(["join", code])}\n`,
-  );
+  const join = otherMachineCommand(["join", code]);
+  print(`\nOn the other machine, in the folder that holds interlink.ts, run:\n\n  ${join}\n`);
   print(
     `The code carries this node's key (${id.fingerprint}…, which the other machine pins) and a one-time secret: whoever holds it can pair with this node until it is used or expires. Send it over a channel you trust.`,
   );
@@ -9542,8 +9482,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   // unless a session of the node reads it already.
   const own = `invite-${invite.id}`;
   const agent = await Agent.open({ ...cfg, session: own }, "interlink invite", { identity: id, now, adopt: false });
-  let signalled = "";
-  let wake = () => {};
+  let signalled = "", wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
   try {
     agent.startSending({ announce: false });
@@ -9554,13 +9493,12 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     let current = invite as Invite;
     const watch = (w: () => void) => {
       wake = w;
-      let watcher: fs.FSWatcher | null = null;
       try {
-        watcher = fs.watch(cfg.stateDir, (_e, name) => (name === null || String(name) === "invites.json") && w());
+        const watcher = fs.watch(cfg.stateDir, (_e, name) => (name === null || String(name) === "invites.json") && w());
+        return () => watcher.close();
       } catch {
-        // the periodic re-check still runs
+        return () => {}; // the periodic re-check still runs
       }
-      return () => watcher?.close();
     };
     await waitUntil(
       () => {
@@ -9586,18 +9524,14 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
         : answered()
         ? "its answer is sent"
         : `its answer waits in the outbox of session ${own}, and the next session of this node sends it`;
-      print(
-        `joined   ${fingerprint(who)}… is now the peer '${current.used_as}' (${tildify(cfg.peersFile)}), ${
-          howLong((current.ended ?? now()) - invite.created)
-        } after the invite; ${sent}`,
-      );
+      const after = howLong((current.ended ?? now()) - invite.created);
+      const joined = `${fingerprint(who)}… is now the peer '${current.used_as}' (${tildify(cfg.peersFile)})`;
+      print(`joined   ${joined}, ${after} after the invite; ${sent}`);
       return 0;
     }
     if (state === "pending") {
       print(
-        `stopped waiting (${signalled}): invite ${invite.id} stays valid until ${
-          isoTime(invite.expires)
-        }, and a running session of this node admits a join through it (\`interlink.ts invite --list\` shows it, \`--revoke ${invite.id}\` withdraws it)`,
+        `stopped waiting (${signalled}): invite ${invite.id} stays valid until ${until}, and a running session of this node admits a join through it (\`interlink.ts invite --list\` shows it, \`--revoke ${invite.id}\` withdraws it)`,
       );
       return 0;
     }
@@ -9613,11 +9547,9 @@ function listInvites(stateDir: string, id: Identity, nowMs: number): number {
   const pending = invites.filter((i) => inviteState(i, nowMs) === "pending");
   print(`${pending.length} pending invite(s) of ${id.fingerprint}…${pending.length ? ":" : ""}`);
   for (const i of pending) {
-    print(
-      `  ${i.id}  ${i.for ? `for '${i.for}'` : "for anyone"}  until ${isoTime(i.expires)} (in ${
-        howLong(i.expires - nowMs)
-      })  route ${id.fingerprint}…#${i.session}  relays ${i.urls.join(", ")}`,
-    );
+    const until = `until ${isoTime(i.expires)} (in ${howLong(i.expires - nowMs)})`;
+    const relays = i.urls.join(", "), who = i.for ? `for '${i.for}'` : "for anyone";
+    print(`  ${i.id}  ${who}  ${until}  route ${id.fingerprint}…#${i.session}  relays ${relays}`);
   }
   const spent = invites.filter((i) => inviteState(i, nowMs) !== "pending");
   if (spent.length) print(`spent (kept ${howLong(INVITE_KEPT_MS)}):`);
