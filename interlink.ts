@@ -9251,11 +9251,8 @@ function lanAddresses(
     for (const { address, internal, family } of addrs ?? []) {
       if (internal || family !== "IPv4" || /^(127\.|169\.254\.)/.test(address)) continue;
       const [x, y] = address.split(".").map(Number);
-      const rank = x === 10 || (x === 172 && y >= 16 && y < 32) || (x === 192 && y === 168)
-        ? 0
-        : x === 100 && y >= 64 && y < 128
-        ? 1
-        : 2;
+      const isPrivate = x === 10 || (x === 172 && y >= 16 && y < 32) || (x === 192 && y === 168);
+      const rank = isPrivate ? 0 : x === 100 && y >= 64 && y < 128 ? 1 : 2;
       // Bridges and virtual links (containers, VMs): their addresses are rarely the one to share.
       const virtual = /^(docker|br-|veth|virbr|vmnet|vboxnet|cni|flannel|podman|lxc|lxd)/.test(iface);
       found.push({ address, iface, kind: kinds[rank], rank: rank + (virtual ? 10 : 0) });
@@ -9331,12 +9328,8 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
     }
     const date = Date.parse(r.headers.get("date") ?? "");
     const skewMs = Number.isFinite(date) ? date - (t0 + t1) / 2 : undefined;
-    return {
-      ok: true,
-      ms: t1 - t0,
-      ...some("skewMs", skewMs),
-      ...some("features", r.headers.get("interlink-bus") ?? undefined),
-    };
+    const features = r.headers.get("interlink-bus") ?? undefined;
+    return { ok: true, ms: t1 - t0, ...some("skewMs", skewMs), ...some("features", features) };
   } catch (e) {
     return { ok: false, why: `${url}: ${errorText(e)}` };
   }
@@ -9404,14 +9397,13 @@ async function ensureReachable(url: string, outside: string, lan: boolean): Prom
   const lockFile = path.join(busDataDir(), "bus.lock");
   const owner = lockOwner(lockFile);
   if (!lan) {
+    const problem = local.ok
+      ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.`
+      : `no bus answers at ${url}, so none the other machine could reach at ${outside}.`;
     const stop = local.ok ? `stop that bus${owner ? ` (pid ${owner.pid})` : ""} and ` : "";
+    const verb = local.ok ? "restarts" : "starts";
     throw new InterlinkError(
-      (local.ok
-        ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.`
-        : `no bus answers at ${url}, so none the other machine could reach at ${outside}.`) +
-        `\nEither run \`interlink.ts invite --lan\`, which ${
-          local.ok ? "restarts" : "starts"
-        } this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n` +
+      `${problem}\nEither run \`interlink.ts invite --lan\`, which ${verb} this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n` +
         `Either way ${BUS_EXPOSURE}; a VPN, or a firewall rule that lets in only the other machine, keeps it private.`,
     );
   }
@@ -9605,20 +9597,18 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     print(r.ok ? `relay    ${urls[i]} answers (${r.ms} ms)` : `relay    ${urls[i]}: ${r.why}`);
   }
   if (!reached.some((r) => r.ok)) {
+    const tried = urls.map((u, i) => `${u} (${(reached[i] as { why: string }).why})`).join("; ");
     throw new InterlinkError(
-      `cannot reach ${them}'s relay: tried ${
-        urls.map((u, i) => `${u} (${(reached[i] as { why: string }).why})`).join("; ")
-      }.\nOn ${them}'s machine: is a bus running that other machines reach (\`interlink.ts invite --lan\` runs one, or \`interlink.ts bus --host 0.0.0.0\`), and does a firewall let this machine in? \`--url\` names another address of it`,
+      `cannot reach ${them}'s relay: tried ${tried}.\nOn ${them}'s machine: is a bus running that other machines reach (\`interlink.ts invite --lan\` runs one, or \`interlink.ts bus --host 0.0.0.0\`), and does a firewall let this machine in? \`--url\` names another address of it`,
     );
   }
   const skew = reached.find((r): r is Extract<Reach, { ok: true }> => r.ok && r.skewMs !== undefined)?.skewMs;
   if (skew !== undefined) {
     const off = Math.round(Math.abs(skew) / 1000);
     if (Math.abs(skew) > FRESH_FUTURE_MS) {
+      const side = skew < 0 ? "ahead of" : "behind";
       throw new InterlinkError(
-        `this machine's clock is ${off} s ${
-          skew < 0 ? "ahead of" : "behind"
-        } ${them}'s relay: nodes refuse what comes from over a minute in their future, so neither would take the other's messages. Sync the clock (NTP: \`timedatectl set-ntp true\`), then join again`,
+        `this machine's clock is ${off} s ${side} ${them}'s relay: nodes refuse what comes from over a minute in their future, so neither would take the other's messages. Sync the clock (NTP: \`timedatectl set-ntp true\`), then join again`,
       );
     }
     print(`clock    within ${Math.max(1, off)} s of the relay`);
@@ -9645,30 +9635,18 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     throw new InterlinkError(`'${petname}' is already a petname (key ${fingerprint(held)}…); pass --petname`);
   }
   const pinned = !existing && (await addPeer(cfg.peersFile, petname, code.key)) === "added";
-  const session = `join-${code.id}`;
-  const agent = await Agent.open({ ...cfg, busUrls: urls, session }, "interlink join", {
-    identity: id,
-    now,
-    adopt: false,
-  });
-  let signalled = "";
-  let wake = () => {};
+  const session = `join-${code.id}`, how = { identity: id, now, adopt: false };
+  const agent = await Agent.open({ ...cfg, busUrls: urls, session }, "interlink join", how);
+  let signalled = "", wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
   let outcome: "paired" | "refused" | "waiting" = "waiting";
   try {
     const msgId = newMsgId();
-    const mac = await inviteMac(
-      code.secret,
-      inviteProofBytes(Buffer.from(code.id, "hex"), code.key, id.publicKey, msgId),
-    );
+    const proofBytes = inviteProofBytes(Buffer.from(code.id, "hex"), code.key, id.publicKey, msgId);
+    const mac = await inviteMac(code.secret, proofBytes);
+    const proof = `invite:${code.id}:${b64urlEncode(mac)}`;
     const queued = await agent.enqueue({
-      draft: {
-        to: code.key,
-        text: cfg.name,
-        kind: "pair_request",
-        msg_id: msgId,
-        in_reply_to: `invite:${code.id}:${b64urlEncode(mac)}`,
-      },
+      draft: { to: code.key, text: cfg.name, kind: "pair_request", msg_id: msgId, in_reply_to: proof },
       recipient: `${code.key}#${code.session}`,
       peer: null,
       extra: { pair_petname: petname },
@@ -9680,12 +9658,8 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     // Read again each time: a queued message's entry is read back from the journal, not kept (see NodeState.entry).
     let entry = queued;
     const settled = () => ((entry = agent.state.entry(msgId) ?? entry), !!entry.refusedBy || !!entry.refused);
-    await waitUntil(
-      () => signalled !== "" || !agent.state.knocksOut.has(code.key) || settled(),
-      waitS * 1000,
-      (w) => ((wake = w), changes(w)),
-      250,
-    );
+    const done = () => signalled !== "" || !agent.state.knocksOut.has(code.key) || settled();
+    await waitUntil(done, waitS * 1000, (w) => ((wake = w), changes(w)), 250);
     if (!agent.state.knocksOut.has(code.key)) {
       outcome = "paired";
       let accept: SignedMessage | undefined, at = now();
@@ -9699,9 +9673,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     } else if (entry.refusedBy || entry.refused) {
       outcome = "refused";
       // The operator reads it here: not a notice for this node's model later.
-      if (entry.refusedBy) {
-        await agent.journal.appendDurable([{ t: "shown", item: `bounced ${msgId}`, via: "inbox" }]);
-      }
+      if (entry.refusedBy) await agent.journal.appendDurable([{ t: "shown", item: `bounced ${msgId}`, via: "inbox" }]);
       if (pinned) await removePeer(cfg.peersFile, petname);
       const why = entry.refusedBy
         ? refusalWords(entry.refusedBy)
@@ -9717,11 +9689,10 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     if (pinned) await removePeer(cfg.peersFile, petname);
     await forgetSession(cfg.stateDir, session);
     const why = signalled ? `stopped waiting (${signalled})` : `no answer from ${them} within ${howLong(waitS * 1000)}`;
+    const until = isoTime(code.expiresMs);
     const next = now() + (skew ?? 0) > code.expiresMs // by the relay's clock, when known
-      ? `The invite has expired meanwhile (${isoTime(code.expiresMs)}): ask ${them} for a new one.`
-      : `The invite stays valid until ${
-        isoTime(code.expiresMs)
-      }: join again once ${them} runs \`interlink.ts invite\` or a session there.`;
+      ? `The invite has expired meanwhile (${until}): ask ${them} for a new one.`
+      : `The invite stays valid until ${until}: join again once ${them} runs \`interlink.ts invite\` or a session there.`;
     throw new InterlinkError(
       `${why}: nothing of ${them}'s node read the request (a session of it, or its \`interlink.ts invite\`, answers within seconds), or ${them}'s relay lost it. ${next} Nothing was kept here${butKey}. If ${them}'s node admits it later, it lists this node but not the reverse: join again with the same code to complete it.`,
     );
@@ -9730,19 +9701,13 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   const configured = from.url === "config" ? parseBusUrls(o.url as string) : [];
   const url = [...configured, ...urls.filter((u) => !configured.includes(u))].join(",");
   const file = writeConfig({ ...explicitSettings(o, from), url });
-  print(`config   ${tildify(file)}: url ${url}`);
-  print(
-    `peers    ${tildify(cfg.peersFile)}: '${petname}' is ${fingerprint(code.key)}… (${
-      pinned ? "added" : "already there"
-    })`,
-  );
-  print(
-    `key      ${tildify(cfg.keyFile)} (${keyExisted ? "this node's" : "created now"}), fingerprint ${id.fingerprint}\n`,
-  );
+  const config = tildify(file), added = pinned ? "added" : "already there";
+  const made = keyExisted ? "this node's" : "created now";
+  print(`config   ${config}: url ${url}`);
+  print(`peers    ${tildify(cfg.peersFile)}: '${petname}' is ${fingerprint(code.key)}… (${added})`);
+  print(`key      ${tildify(cfg.keyFile)} (${made}), fingerprint ${id.fingerprint}\n`);
   printClaudeSetup(
-    `Next: start Claude Code here; its interlink server reads ${
-      tildify(file)
-    } and is told of the pairing at its first turn. If interlink is not in Claude Code yet, add it:`,
+    `Next: start Claude Code here; its interlink server reads ${config} and is told of the pairing at its first turn. If interlink is not in Claude Code yet, add it:`,
   );
   return 0;
 }
@@ -9751,17 +9716,13 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
 async function runClaude(args: string[]): Promise<number> {
   const channel = process.env.INTERLINK_CLAUDE_CHANNEL || "server:interlink";
   const argv = ["--dangerously-load-development-channels", channel, ...args];
-  const child = spawn(process.env.INTERLINK_CLAUDE || "claude", argv, {
-    stdio: "inherit",
-    env: { ...process.env, INTERLINK_DELIVERY: "channel" },
-  });
+  const env = { ...process.env, INTERLINK_DELIVERY: "channel" };
+  const child = spawn(process.env.INTERLINK_CLAUDE || "claude", argv, { stdio: "inherit", env });
   for (const sig of ["SIGINT", "SIGTERM"] as const) process.on(sig, () => child.kill(sig));
   return await new Promise((resolve) => {
     child.once("error", (e) => {
       writeStderr(
-        `interlink claude: cannot start claude (${
-          (e as Error).message
-        }); install Claude Code (npm i -g @anthropic-ai/claude-code) or set INTERLINK_CLAUDE to its path\n`,
+        `interlink claude: cannot start claude (${e.message}); install Claude Code (npm i -g @anthropic-ai/claude-code) or set INTERLINK_CLAUDE to its path\n`,
       );
       resolve(127);
     });
