@@ -8192,10 +8192,7 @@ interface OptionSpec {
 type Options = Record<string, string | boolean | undefined>;
 
 /** Where each option's value came from, and a config.json that could not be read (its message). */
-interface OptionSources {
-  [flag: string]: "flag" | "env" | "config" | "default" | string | undefined;
-  problem?: string;
-}
+type OptionSources = { [flag: string]: "flag" | "env" | "config" | "default" | string | undefined; problem?: string };
 
 interface CommandSpec {
   summary: string;
@@ -8679,21 +8676,14 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   const open = (session?: string): Promise<Agent> => {
     if (opening) return opening;
     const now = (async () => {
+      const on = host ?? "claude", codex = on === "codex";
       // Codex has no channel: its sessions are woken by queued turns, and read the rest with check_inbox.
-      const cfg = {
-        ...prepared!.cfg,
-        ...some("session", session),
-        ...(host === "codex" ? { delivery: "inbox" as const } : {}),
-      };
-      const a = await Agent.open(cfg, SERVER_ROLE, {
-        identity: prepared!.id,
-        now: nodeClock(),
-        host: host ?? "claude",
-      });
-      if (delivery === "channel" && host !== "codex") {
+      const cfg = { ...prepared!.cfg, ...some("session", session), ...(codex ? { delivery: "inbox" as const } : {}) };
+      const a = await Agent.open(cfg, SERVER_ROLE, { identity: prepared!.id, now: nodeClock(), host: on });
+      if (delivery === "channel" && !codex) {
         a.push = (event) => server.notify("notifications/claude/channel", { content: event.content, meta: event.meta });
       }
-      if (host === "codex") {
+      if (codex) {
         waker = new CodexWaker(a, codexTarget(cfg.session));
         a.onInbox = () => waker!.kick();
         waker.start();
@@ -8701,12 +8691,11 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       a.startSending();
       a.startReceiving();
       agent = a;
+      const relays = a.cfg.busUrls.map(redactUrl).join(", "), via = codex ? "codex queue" : delivery;
       logInfo(
-        `ready: ${a.me} on ${a.cfg.busUrls.map(redactUrl).join(", ")}, state ${a.journal.stateDir}, host ${
-          host ?? "claude"
-        }, delivery ${host === "codex" ? "codex queue" : delivery}, ${a.peers().byName.size} peers`,
+        `ready: ${a.me} on ${relays}, state ${a.journal.stateDir}, host ${on}, delivery ${via}, ${a.peers().byName.size} peers`,
       );
-      if (host === "codex") waker!.kick(); // what waited for this session (adopted, or from before a restart)
+      if (codex) waker!.kick(); // what waited for this session (adopted, or from before a restart)
       return a;
     })();
     // One that failed (a full disk, an older server slow to hand over) is tried again by the next tool call.
@@ -8882,34 +8871,28 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
       const label = sessionLabel(sess).padEnd(8);
       for (const file of journalFiles(sess.dir)) {
         const ino = inodeOf(file);
-        offsets.set(
-          ino,
-          scanJournal(file, offsets.get(ino) ?? 0, (r) => {
-            // The receipts we send (and their "sent") are bookkeeping, not conversation: the ones we get are shown.
-            if (r.t === "out" && r.msg.kind === "receipt") return void receipts.add(r.msg.msg_id);
-            if ((r.t === "sent" || r.t === "refused") && receipts.delete(r.msg_id)) return;
-            if (filterKey) {
-              if (r.t === "sent") {
-                if (!shown.has(r.msg_id)) return;
-              } else if (r.t === "out" || r.t === "in" || r.t === "receipt") {
-                const peer = r.t === "receipt" ? r.msg.from : counterpart(r.t, r.msg);
-                if (peer !== filterKey) return;
-                shown.add(r.msg.msg_id);
-              } else return;
-            }
-            for (const line of logRecordLines(r, (k) => peers.byKey.get(k))) {
-              lines.push({ at: r.at, text: `${label}  ${line}` });
-            }
-          }).next,
-        );
+        const { next } = scanJournal(file, offsets.get(ino) ?? 0, (r) => {
+          // The receipts we send (and their "sent") are bookkeeping, not conversation: the ones we get are shown.
+          if (r.t === "out" && r.msg.kind === "receipt") return void receipts.add(r.msg.msg_id);
+          if ((r.t === "sent" || r.t === "refused") && receipts.delete(r.msg_id)) return;
+          if (filterKey && r.t === "sent" && !shown.has(r.msg_id)) return;
+          if (filterKey && r.t !== "sent") {
+            if (r.t !== "out" && r.t !== "in" && r.t !== "receipt") return;
+            if ((r.t === "receipt" ? r.msg.from : counterpart(r.t, r.msg)) !== filterKey) return;
+            shown.add(r.msg.msg_id);
+          }
+          for (const line of logRecordLines(r, (k) => peers.byKey.get(k))) {
+            lines.push({ at: r.at, text: `${label}  ${line}` });
+          }
+        });
+        offsets.set(ino, next);
       }
     }
     for (const l of lines.sort((x, y) => x.at - y.at)) print(l.text);
   };
   batch();
   if (o.follow !== true) return 0;
-  let stopping = false;
-  let wakeNow = () => {};
+  let stopping = false, wakeNow = () => {};
   void shutdownSignal().then(() => ((stopping = true), wakeNow()));
   // Woken by a change in any session's folder (or a new session), with a 1 s re-check for what watching misses.
   const anySession = (wake: () => void) => {
@@ -9087,12 +9070,9 @@ async function runWait(o: Options): Promise<number> {
   const mine = String(process.pid);
   writeFileAtomic(pidFile, mine);
   const wake = new WakeLatch();
-  const watcher = fs.watch(
-    dir,
-    // What it waits for: mail (log.jsonl), a newer wait (wait.pid), its server stopping (agent.lock, session.json).
-    (_e, name) =>
-      (name === null || ["log.jsonl", "wait.pid", "agent.lock", "session.json"].includes(String(name))) && wake.wake(),
-  );
+  // What it waits for: mail (log.jsonl), a newer wait (wait.pid), its server stopping (agent.lock, session.json).
+  const files = ["log.jsonl", "wait.pid", "agent.lock", "session.json"];
+  const watcher = fs.watch(dir, (_e, name) => (name === null || files.includes(String(name))) && wake.wake());
   // Renew before Claude Code's own timeout kills the hook, counting from the hook's start (ours came later: a
   // runtime's start on a busy machine): a minute early, or two seconds, or half of a very short timeout.
   const deadline = Date.now() + timeoutMs - Math.min(60_000, Math.max(2_000, timeoutMs / 10), timeoutMs / 2);
@@ -9208,15 +9188,13 @@ async function parseInviteCode(text: string): Promise<InviteCode> {
   try {
     const view = new DataView(body.buffer, body.byteOffset, body.byteLength);
     let at = fixed;
-    const take = (n: number) => {
-      if (at + n > body.length) throw new FormatError("a field runs past the end");
+    // A field: its length (one byte, or two little-endian), then that many bytes of UTF-8.
+    const take = (lengthBytes: 1 | 2) => {
+      const n = lengthBytes === 1 ? body[at] : view.getUint16(at, true);
+      if ((at += lengthBytes) + n > body.length) throw new FormatError("a field runs past the end");
       return new TextDecoder("utf-8", { fatal: true }).decode(body.subarray(at, at += n));
     };
-    const session = take(body[at++]);
-    const urlsLength = view.getUint16(at, true);
-    at += 2;
-    const urls = take(urlsLength);
-    const name = take(body[at++]);
+    const session = take(1), urls = take(2), name = take(1);
     if (at !== body.length) throw new FormatError("bytes left over");
     const key = checkPeerKey(b64urlEncode(body.subarray(8, 40)), "the inviter's key");
     if (!SESSION_RE.test(session)) throw new FormatError(`"${session.slice(0, 40)}" is not a session id`);
@@ -9242,9 +9220,7 @@ const BUS_EXPOSURE =
  * The IPv4 addresses another machine may reach this one at, best first: private, then 100.64/10 (VPNs, a carrier's
  * NAT), then any other; bridges and virtual links last. No IPv6: link-local needs a zone, a global one is rarely shared.
  */
-function lanAddresses(
-  ifaces: NodeJS.Dict<os.NetworkInterfaceInfo[]> = os.networkInterfaces(),
-): { address: string; iface: string; kind: string }[] {
+function lanAddresses(ifaces = os.networkInterfaces()): { address: string; iface: string; kind: string }[] {
   const kinds = ["a private address", "a VPN or shared address (100.64/10)", "not a private address"];
   const found: { address: string; iface: string; kind: string; rank: number }[] = [];
   for (const [iface, addrs] of Object.entries(ifaces)) {
@@ -9258,7 +9234,7 @@ function lanAddresses(
       found.push({ address, iface, kind: kinds[rank], rank: rank + (virtual ? 10 : 0) });
     }
   }
-  return found.sort((a, b) => a.rank - b.rank).map(({ address, iface, kind }) => ({ address, iface, kind }));
+  return found.sort((a, b) => a.rank - b.rank);
 }
 
 const isLoopbackUrl = (url: string): boolean => {
@@ -9961,15 +9937,12 @@ function commandTable(extras: Record<string, CommandSpec> = {}): { name: string;
   }));
 }
 
-function optionDefault(spec: OptionSpec): string | undefined {
-  return typeof spec.default === "function" ? spec.default() : spec.default;
-}
+const optionDefault = (spec: OptionSpec) => (typeof spec.default === "function" ? spec.default() : spec.default);
 
 function commandHelp(name: string, cmd: CommandSpec = COMMANDS[name]): string {
   const rows = Object.entries(cmd.options).map(([flag, spec]) => {
-    const left = `${spec.short ? `-${spec.short}, ` : ""}--${flag}${
-      spec.type === "string" ? ` ${spec.arg ?? "VALUE"}` : ""
-    }`;
+    const value = spec.type === "string" ? ` ${spec.arg ?? "VALUE"}` : "";
+    const left = `${spec.short ? `-${spec.short}, ` : ""}--${flag}${value}`;
     const shownDefault = spec.defaultHelp ?? (spec.default !== undefined ? tildify(optionDefault(spec)!) : undefined);
     const notes = [
       spec.env && `env ${spec.env}${spec.envInverted ? "=0" : ""}`,
@@ -9979,10 +9952,9 @@ function commandHelp(name: string, cmd: CommandSpec = COMMANDS[name]): string {
   });
   rows.push(["-h, --help", "show this help"]);
   const width = Math.max(...rows.map(([l]) => l.length));
+  const options = Object.keys(cmd.options).length ? " [options]" : "", args = cmd.args ? " " + cmd.args : "";
   return [
-    `Usage: interlink.ts ${name}${Object.keys(cmd.options).length ? " [options]" : ""}${
-      cmd.args ? " " + cmd.args : ""
-    }`,
+    `Usage: interlink.ts ${name}${options}${args}`,
     "",
     cmd.summary.charAt(0).toUpperCase() + cmd.summary.slice(1) + ".",
     ...(cmd.about ? ["", cmd.about] : []),
