@@ -8348,14 +8348,12 @@ const defaultNodeState = (fp: string): string => path.join(stateDir(), `node-${f
 /** --session (or --inbox), else CLAUDE_CODE_SESSION_ID (the id the session's hooks get too), else 8 random hex. */
 function chooseSession(pinned: string | undefined): string {
   const given = pinned?.trim();
-  if (given) {
-    if (!SESSION_RE.test(given)) {
-      throw new InterlinkError(
-        `session id '${given}' must be 1-128 letters, digits, . _ - (INTERLINK_SESSION / --session)`,
-      );
-    }
-    return given;
+  if (given && !SESSION_RE.test(given)) {
+    throw new InterlinkError(
+      `session id '${given}' must be 1-128 letters, digits, . _ - (INTERLINK_SESSION / --session)`,
+    );
   }
+  if (given) return given;
   const claude = process.env.CLAUDE_CODE_SESSION_ID?.trim();
   if (claude && SESSION_RE.test(claude)) return claude;
   return Buffer.from(crypto.getRandomValues(new Uint8Array(4))).toString("hex");
@@ -8434,17 +8432,10 @@ function shutdownSignal(): Promise<string> {
 function selfCommand(args: string[], script: string = thisScript()): string[] {
   if (runtimeHost.Deno) {
     const config = path.join(path.dirname(script), "deno.json");
-    return [
-      runtimeHost.Deno.execPath(),
-      "run",
-      "-A",
-      "--quiet",
-      // A bus under Deno: V8 then collects each request's garbage sooner (its peak RSS in floods drops by ~20 %).
-      ...(args[0] === "bus" ? ["--v8-flags=--optimize-for-size"] : []),
-      ...(fs.existsSync(config) ? ["--config", config] : []),
-      script,
-      ...args,
-    ];
+    // A bus under Deno: V8 then collects each request's garbage sooner (its peak RSS in floods drops by ~20 %).
+    const v8 = args[0] === "bus" ? ["--v8-flags=--optimize-for-size"] : [];
+    const withConfig = fs.existsSync(config) ? ["--config", config] : [];
+    return [runtimeHost.Deno.execPath(), "run", "-A", "--quiet", ...v8, ...withConfig, script, ...args];
   }
   // Bun's own flags (e.g. --install=force, for a node_modules above this folder) go to the child too.
   return [process.execPath, ...process.execArgv.filter((a) => a.startsWith("-")), script, ...args];
@@ -8490,9 +8481,8 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
       const who = r.peer ?? name(counterpart(r.t, msg));
       const reply = msg.in_reply_to ? `re ${showId(msg.in_reply_to)}` : "";
       const earlier = r.t === "in" && r.for_session ? `(for earlier session ${showId(r.for_session)})` : "";
-      const hop = r.chain
-        ? `(sub-task of ${showId(r.chain.parent)}, depth ${r.chain.depth}, owner ${name(r.chain.owner)})`
-        : "";
+      const hop = r.chain &&
+        `(sub-task of ${showId(r.chain.parent)}, depth ${r.chain.depth}, owner ${name(r.chain.owner)})`;
       const passed = r.t === "in" && r.relay
         ? `(${r.relay.dir === "up" ? "forwarded" : "sent on"} to ${name(r.relay.to)} on ${showId(r.relay.task_id)})`
         : r.t === "out" && r.forward
@@ -8538,11 +8528,8 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
     case "adopted": {
       const { out, inbox, tasks } = r.carried;
       const queued = out.filter((o) => o.sent_at === undefined).length, open = tasks.filter((t) => !t.closed).length;
-      return line(
-        "«",
-        "",
-        `took over ended session ${showId(r.session)} (${queued} queued, ${inbox.length} unread, ${open} open tasks)`,
-      );
+      const counts = `${queued} queued, ${inbox.length} unread, ${open} open tasks`;
+      return line("«", "", `took over ended session ${showId(r.session)} (${counts})`);
     }
     default:
       return [];
@@ -8572,12 +8559,11 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
   // Racing sessions may each start one; the data-folder lock and the port leave exactly one running.
   for (let i = 0; i < 100; i++) {
     if (await alive()) {
-      logInfo(
+      return logInfo(
         lockOwner(path.join(dataDir, "bus.lock"))?.pid === child.pid
           ? `started a bus for this machine at ${url} (pid ${child.pid}, data ${dataDir}, log ${logFile})`
           : `a bus already answers at ${url} (another session started it first); using it`,
       );
-      return;
     }
     await sleep(50);
   }
@@ -8808,10 +8794,8 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
       const entry = await withFileLock(path.join(dir, "inbox"), "interlink send", async () => {
         journal.catchUp();
         const peers = loadPeers(cfg.peersFile);
-        const p = prepareSend(peers, journal.state.tasks, input, id.publicKey, {
-          ...some("maxDepth", cfg.maxDepth),
-          selfName: cfg.name,
-        });
+        const limits = { ...some("maxDepth", cfg.maxDepth), selfName: cfg.name };
+        const p = prepareSend(peers, journal.state.tasks, input, id.publicKey, limits);
         const full = p.draft.status === "canceled" ? null : outboxFull(journal.state, peers);
         if (full) throw new InterlinkError(full);
         const task = p.draft.task_id ? journal.state.tasks.get(taskKey(p.draft.to, p.draft.task_id)) : undefined;
@@ -9721,11 +9705,8 @@ async function runInit(o: Options, _pos: string[], from: OptionSources): Promise
 /** `lead`, then how to add this server to Claude Code and its Stop hook. */
 function printClaudeSetup(lead: string): void {
   print(lead);
-  print(
-    `  claude mcp add --scope user interlink -- ${
-      selfCommand(["mcp"]).map((a) => (/\s/.test(a) ? JSON.stringify(a) : a)).join(" ")
-    }`,
-  );
+  const command = selfCommand(["mcp"]).map((a) => (/\s/.test(a) ? JSON.stringify(a) : a)).join(" ");
+  print(`  claude mcp add --scope user interlink -- ${command}`);
   print('and the Stop hook that wakes an idle session (README: "Install into Claude Code", the Stop hook).');
 }
 
@@ -9944,10 +9925,8 @@ function commandHelp(name: string, cmd: CommandSpec = COMMANDS[name]): string {
     const value = spec.type === "string" ? ` ${spec.arg ?? "VALUE"}` : "";
     const left = `${spec.short ? `-${spec.short}, ` : ""}--${flag}${value}`;
     const shownDefault = spec.defaultHelp ?? (spec.default !== undefined ? tildify(optionDefault(spec)!) : undefined);
-    const notes = [
-      spec.env && `env ${spec.env}${spec.envInverted ? "=0" : ""}`,
-      shownDefault !== undefined && `default ${shownDefault}`,
-    ].filter(Boolean);
+    const env = spec.env && `env ${spec.env}${spec.envInverted ? "=0" : ""}`;
+    const notes = [env, shownDefault !== undefined && `default ${shownDefault}`].filter(Boolean);
     return [left, spec.help + (notes.length ? `  [${notes.join("; ")}]` : "")];
   });
   rows.push(["-h, --help", "show this help"]);
@@ -10091,14 +10070,11 @@ const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
 /** What a lone copy says when `interlink.ts name` needs its file (see EXTRAS), to be fetched to `where`. */
 function extraMissing(name: string, where: string): string {
   const { file, role } = EXTRAS[name];
-  return role
-    ? missingFile(
-      `\`${name}\` is a role of its own, not part of the node`,
-      file,
-      where,
-      "a session needs it only to start this machine's own bus",
-    )
-    : missingFile(`\`${name}\` is an extra, not part of interlink.ts`, file, where, "no session loads it");
+  if (!role) {
+    return missingFile(`\`${name}\` is an extra, not part of interlink.ts`, file, where, "no session loads it");
+  }
+  const what = `\`${name}\` is a role of its own, not part of the node`;
+  return missingFile(what, file, where, "a session needs it only to start this machine's own bus");
 }
 
 // ============================================================================
