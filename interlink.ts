@@ -8190,7 +8190,6 @@ interface OptionSpec {
 }
 
 type Options = Record<string, string | boolean | undefined>;
-
 /** Where each option's value came from, and a config.json that could not be read (its message). */
 type OptionSources = { [flag: string]: "flag" | "env" | "config" | "default" | string | undefined; problem?: string };
 
@@ -8207,7 +8206,7 @@ const xdgDir = (env: string, ...dflt: string[]) =>
 const configDir = () => xdgDir("XDG_CONFIG_HOME", ".config");
 const stateDir = () => xdgDir("XDG_STATE_HOME", ".local", "state");
 const busDataDir = () => path.join(stateDir(), "bus");
-
+const defaultNodeState = (fp: string): string => path.join(stateDir(), `node-${fp}`);
 const tildify = (p: string) => (p.startsWith(os.homedir() + path.sep) ? "~" + p.slice(os.homedir().length) : p);
 
 const option = (
@@ -8262,7 +8261,6 @@ const OPT = {
 
 /** What config.json keeps (`init` and the server's first start write it), so the CLI finds the server's bus and name. */
 const CONFIG_KEYS = ["key", "peers", "url", "name", "state", "delivery", "max-depth"] as const;
-
 const configFile = (): string => process.env.INTERLINK_CONFIG || path.join(configDir(), "config.json");
 
 function readConfig(): { values: Record<string, string>; problem?: string } {
@@ -8298,10 +8296,8 @@ function writeConfig(values: Record<string, string>): string {
 
 /** True when an option was set on purpose: by a flag or a variable, not by config.json or its default. */
 const isGiven = (from: OptionSources, k: string) => from[k] === "flag" || from[k] === "env";
-
 /** --session or --inbox was given: a command reads that session only, else every session of the identity. */
 const sessionGiven = (from: OptionSources) => isGiven(from, "session") || isGiven(from, "inbox");
-
 const explicitSettings = (o: Options, from: OptionSources): Record<string, string> =>
   Object.fromEntries(CONFIG_KEYS.flatMap((k) => (isGiven(from, k) && typeof o[k] === "string" ? [[k, o[k]]] : [])));
 
@@ -8319,7 +8315,6 @@ function rememberConfig(o: Options, from: OptionSources): void {
 /** The options of OPT named, in that order (as help lists them). */
 const pick = (...names: (keyof typeof OPT)[]): Record<string, OptionSpec> =>
   Object.fromEntries(names.map((n) => [n, OPT[n]]));
-
 /** The options every node command shares, so `send`, `log`, `wait`... find the same files as `mcp`. */
 const NODE_OPTIONS = pick("key", "peers", "url", "state", "session", "inbox");
 
@@ -8342,8 +8337,6 @@ function parseBusUrls(text: string): string[] {
     return url.origin + url.pathname.replace(/\/+$/, "");
   });
 }
-
-const defaultNodeState = (fp: string): string => path.join(stateDir(), `node-${fp}`);
 
 /** --session (or --inbox), else CLAUDE_CODE_SESSION_ID (the id the session's hooks get too), else 8 random hex. */
 function chooseSession(pinned: string | undefined): string {
@@ -8572,14 +8565,12 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
 
 /** A session's agent opens this long after `initialized` (or at its first tool call): a health check is gone by then. */
 const OPEN_AFTER_MS = 500;
-
 /**
  * A start slower than this is reported (stderr, and `doctor`): Claude Code shows a server silent for 30 s
  * (MCP_TIMEOUT) as failed, with no word in the session. What can be slow is fetching the file (`deno run https://…`),
  * a cold disk, or a machine's first bus start.
  */
 const SLOW_START_MS = msFromEnv("INTERLINK_TEST_SLOW_START_MS", 5_000);
-
 const lastStartFile = (stateDir: string) => path.join(stateDir, "last-start.json");
 
 /** Records (for `doctor`) how long since the runtime's time origin, fetching the file included, the server took. */
@@ -8942,22 +8933,11 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
 
 /** Exit status that makes a Claude Code asyncRewake hook wake the session with our stderr. */
 const WAKE_EXIT_CODE = 2;
-
 /** The shipped Stop hook's timeout, and `wait`'s: a week (Claude Code sets no cap), so a renewal costs one short turn a week. */
 const WAIT_TIMEOUT_S = 7 * 24 * 3600;
-
 /** What a renewal wakes the model with: one line, so its turn ends at once and the Stop hook runs again. */
 const RENEW_TEXT =
   "interlink: no peer messages yet; the listener was renewed. Nothing to do: end your turn now, without a reply.\n";
-
-/**
- * True under a one-shot `claude -p`: an exit would wake nothing, and Claude Code would wait 30 s for it. Only claude's
- * command line (CLAUDE_PID) tells it from a session fed by stream-json: hooks get the same stdin and environment.
- */
-function underOneShotClaude(): boolean {
-  const argv = processArgv(Number(process.env.CLAUDE_PID) || undefined);
-  return /(^|\s)(-p|--print)(\s|$)/.test(argv) && !/--input-format(=|\s+)stream-json/.test(argv);
-}
 
 /**
  * True when the session's server, started in this run of claude, has stopped (no agent.lock, no handover): Claude
@@ -9045,7 +9025,11 @@ async function runWait(o: Options): Promise<number> {
   if (deliveryMode(o) === "channel") return 0; // every message is pushed and shown; nothing waits here
   const claudePid = Number(process.env.CLAUDE_PID) || undefined;
   const claude = { pid: claudePid, startedAt: processStartedAt(claudePid), servers: new Set<number>() };
-  if (underOneShotClaude() || serverGone(dir, claude)) return 0;
+  // Under a one-shot `claude -p` an exit would wake nothing, and Claude Code would wait 30 s for it. Only claude's
+  // command line tells it from a session fed by stream-json: hooks get the same stdin and environment.
+  const argv = processArgv(claudePid);
+  const oneShot = /(^|\s)(-p|--print)(\s|$)/.test(argv) && !/--input-format(=|\s+)stream-json/.test(argv);
+  if (oneShot || serverGone(dir, claude)) return 0;
   // Names only: a broken peers.json must not keep messages from the model.
   const read = orWhy(() => loadPeers(o.peers as string));
   const peers = typeof read === "string" ? EMPTY_PEERS : read;
@@ -9225,7 +9209,6 @@ const isLoopbackUrl = (url: string): boolean => {
   const host = new URL(url.replace(/^(nats|tls):/i, "http:")).hostname.replace(/^\[|\]$/g, "");
   return isLoopback(host) || host === "0.0.0.0";
 };
-
 /** `url` with its host replaced by `address` (credentials dropped: the other machine brings its own). */
 function withHost(url: string, address: string): string {
   const u = new URL(url.replace(/^(nats|tls):/i, "http:"));
@@ -9235,7 +9218,6 @@ function withHost(url: string, address: string): string {
 
 /** A relay tried (reachRelay): its round trip, its clock's skew and (our bus) its `interlink-bus` features, or why not. */
 type Reach = { ok: true; ms: number; skewMs?: number; features?: string } | { ok: false; why: string };
-
 /**
  * Tries a relay: NATS by reading its roster; a bus by TCP first (so a failure is named), then GET /roster, whose Date
  * gives its clock.
@@ -9944,7 +9926,6 @@ function commandHelp(name: string, cmd: CommandSpec = COMMANDS[name]): string {
 }
 
 const beside = (role: boolean) => Object.entries(EXTRAS).filter(([, x]) => (x.role === true) === role);
-
 function programHelp(): string {
   const width = Math.max(...[...Object.keys(COMMANDS), ...Object.keys(EXTRAS)].map((n) => n.length));
   return [
