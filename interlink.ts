@@ -8436,10 +8436,7 @@ function selfCommand(args: string[], script: string = thisScript()): string[] {
 
 // -- terminal output ----------------------------------------------------------
 
-/**
- * Command output, written synchronously (process.stdout on a pipe is asynchronous in Bun: the exit would cut a long
- * `log` short); never by `mcp`. An ANSI escape or bidi override shows as its code point (showInvisible).
- */
+/** A command's output, never `mcp`'s; synchronous (Bun's stdout pipe is not: an exit would cut a long `log` short). */
 function print(text = ""): void {
   const bytes = Buffer.from(showInvisible(text) + "\n");
   for (let done = 0; done < bytes.length;) {
@@ -8566,9 +8563,8 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
 /** A session's agent opens this long after `initialized` (or at its first tool call): a health check is gone by then. */
 const OPEN_AFTER_MS = 500;
 /**
- * A start slower than this is reported (stderr, and `doctor`): Claude Code shows a server silent for 30 s
- * (MCP_TIMEOUT) as failed, with no word in the session. What can be slow is fetching the file (`deno run https://…`),
- * a cold disk, or a machine's first bus start.
+ * A start slower than this is reported (stderr, `doctor`): Claude Code shows a server silent for 30 s (MCP_TIMEOUT)
+ * as failed, without a word. Slow can be: fetching the file (`deno run https://…`), a cold disk, a first bus start.
  */
 const SLOW_START_MS = msFromEnv("INTERLINK_TEST_SLOW_START_MS", 5_000);
 const lastStartFile = (stateDir: string) => path.join(stateDir, "last-start.json");
@@ -8752,16 +8748,9 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     const live = listSessions(cfg.stateDir).filter((s) => s.live);
     cfg.session = live.length === 1 ? live[0].id : "cli";
   }
-  const input: SendInput = {
-    to: pos[0],
-    text: pos[1],
-    task_id: o.task as string | undefined,
-    status: o.status as string | undefined,
-    in_reply_to: o["in-reply-to"] as string | undefined,
-    channel: o.channel as string | undefined,
-    parent_task_id: o.parent as string | undefined,
-    parent_peer: o["parent-peer"] as string | undefined,
-  };
+  const [to, text] = pos, s = o as Record<string, string | undefined>; // send's options are all strings
+  const about = { task_id: s.task, status: s.status, in_reply_to: s["in-reply-to"], channel: s.channel };
+  const input: SendInput = { to, text, ...about, parent_task_id: s.parent, parent_peer: s["parent-peer"] };
   const dir = sessionDir(cfg.stateDir, cfg.session);
   const server = () => {
     const owner = lockOwner(path.join(dir, "agent.lock"));
@@ -8801,11 +8790,8 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
         return queued;
       });
       const msgId = entry.msg.msg_id;
-      await waitUntil(
-        () => (journal.catchUp(), !journal.state.pending.has(msgId)),
-        SEND_TIMEOUT_MS,
-        onJournalChange(dir),
-      );
+      const handed = () => (journal.catchUp(), !journal.state.pending.has(msgId));
+      await waitUntil(handed, SEND_TIMEOUT_MS, onJournalChange(dir));
       const now = journal.state.entry(msgId) ?? entry;
       const by = now.sentAt ? "" : ` (by the running server of session ${cfg.session}, pid ${owner.pid})`;
       print(describeOut(now) + by);
@@ -8819,10 +8805,10 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     const sent = await cli.send(input);
     await cli.flushOutbox(Date.now() + SEND_TIMEOUT_MS + 1000);
     const entry = cli.state.entry(sent.entry.msg.msg_id) ?? sent.entry; // as it stands now
-    print(
-      `${describeSettled(cli, entry)} — ${sent.note}` +
-        (entry.sentAt || entry.refused ? "" : "; the next `interlink.ts send` or `mcp` on this session retries it"),
-    );
+    const retry = entry.sentAt || entry.refused
+      ? ""
+      : "; the next `interlink.ts send` or `mcp` on this session retries it";
+    print(`${describeSettled(cli, entry)} — ${sent.note}${retry}`);
     return 0;
   } finally {
     await cli.stop();
@@ -9218,10 +9204,7 @@ function withHost(url: string, address: string): string {
 
 /** A relay tried (reachRelay): its round trip, its clock's skew and (our bus) its `interlink-bus` features, or why not. */
 type Reach = { ok: true; ms: number; skewMs?: number; features?: string } | { ok: false; why: string };
-/**
- * Tries a relay: NATS by reading its roster; a bus by TCP first (so a failure is named), then GET /roster, whose Date
- * gives its clock.
- */
+/** Tries a relay: NATS by its roster, a bus by TCP (to name a failure) then GET /roster, whose Date is its clock. */
 async function reachRelay(url: string, timeoutMs: number, now: () => number = Date.now): Promise<Reach> {
   if (isNatsUrl(url)) {
     const relay = openRelay(url);
@@ -9381,7 +9364,6 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     print(`revoked invite ${revoked.id}${revoked.for ? ` (for '${revoked.for}')` : ""}: a join through it is refused`);
     return 0;
   }
-  // A duration as a person writes it: "90s", "10m", "2h", "1d", or plain seconds.
   const ttl = /^(\d+)(s|m|h|d)?$/.exec((o.ttl as string).trim());
   if (!ttl) throw new InterlinkError(`--ttl must be a duration such as 90s, 10m or 2h, got ${JSON.stringify(o.ttl)}`);
   const ttlMs = Number(ttl[1]) * { s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 }[ttl[2] ?? "s"]!;
@@ -9533,7 +9515,6 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   const waitS = intOption(o.wait, "wait", 1, 24 * 3600);
   const urls = isGiven(from, "url") ? parseBusUrls(o.url as string) : code.urls;
   print(`invite   ${code.id} from ${them} (${fingerprint(code.key)}…), valid until ${isoTime(code.expiresMs)}`);
-  // Reach the relay, and compare clocks, before anything is written.
   const reached = await Promise.all(urls.map((url) => reachRelay(url, 5000, now)));
   for (const [i, r] of reached.entries()) {
     print(r.ok ? `relay    ${urls[i]} answers (${r.ms} ms)` : `relay    ${urls[i]}: ${r.why}`);
@@ -9639,7 +9620,6 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
       `${why}: nothing of ${them}'s node read the request (a session of it, or its \`interlink.ts invite\`, answers within seconds), or ${them}'s relay lost it. ${next} Nothing was kept here${butKey}. If ${them}'s node admits it later, it lists this node but not the reverse: join again with the same code to complete it.`,
     );
   }
-  // Paired: the node's settings name the relay.
   const configured = from.url === "config" ? parseBusUrls(o.url as string) : [];
   const url = [...configured, ...urls.filter((u) => !configured.includes(u))].join(",");
   const file = writeConfig({ ...explicitSettings(o, from), url });
