@@ -8540,8 +8540,8 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
   fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
   const logFile = path.join(dataDir, "bus.log");
   const out = fs.openSync(logFile, "a", 0o600);
-  const port = new URL(url).port || String(DEFAULT_BUS_PORT);
   const hostArgs = host === "127.0.0.1" ? [] : ["--host", host];
+  const port = new URL(url).port || String(DEFAULT_BUS_PORT);
   const [cmd, ...args] = selfCommand(["bus", "--port", port, "--data", dataDir, ...hostArgs]);
   const child = spawn(cmd, args, { detached: true, stdio: ["ignore", out, out] });
   child.unref();
@@ -9096,9 +9096,7 @@ const inviteCheck = async (body: Bytes) =>
  * no defence against someone who can change the code (the channel it travels by must be trusted).
  */
 async function encodeInviteCode(c: InviteCode): Promise<string> {
-  const session = utf8.encode(c.session);
-  const urls = utf8.encode(c.urls.join(","));
-  const name = utf8.encode(c.name);
+  const [session, urls, name] = [c.session, c.urls.join(","), c.name].map((text) => utf8.encode(text));
   if (session.length > 255 || name.length > 255 || urls.length > 65535) {
     throw new InterlinkError("an invite's session, name or relay URLs are too long for a code");
   }
