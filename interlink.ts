@@ -8694,17 +8694,15 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     return await open(thread);
   };
   const fail = (text: string): ToolResult => ({ content: [{ type: "text", text }], isError: true });
-  const notReady = (why: string) => fail(`interlink is not ready: ${why}`);
   const callTool = async (name: string, given: unknown, meta: Record<string, unknown> | undefined) => {
     const tool = TOOLS.find((t) => t.name === name);
     if (!tool) return fail(`Tool ${name} not found; interlink's tools: ${TOOLS.map((t) => t.name).join(", ")}`);
     const why = toolSchema(tool).problem(given);
     if (why) return fail(`Invalid arguments for tool ${name}: ${why}`);
     const args = (given ?? {}) as Record<string, unknown>;
-    if (problem) return notReady(problem);
-    if (healthCheck) {
-      return notReady("this server was started by a health check (claude mcp list), which opens no session");
-    }
+    const unready = problem ||
+      (healthCheck && "this server was started by a health check (claude mcp list), which opens no session");
+    if (unready) return fail(`interlink is not ready: ${unready}`);
     const a = await agentFor(tool, args, meta).catch((e: Error) => fail(`${tool.name} failed: ${e.message}`));
     return a instanceof Agent ? await runTool(a, tool, args) : a;
   };
@@ -9286,10 +9284,8 @@ async function shareRelays(urls: string[], given: boolean, lan: boolean): Promis
         : given
         ? "as given"
         : "as configured";
-      if (!isNatsUrl(url)) {
-        const reach = await reachRelay(url, 3000);
-        if (!reach.ok) throw new InterlinkError(`this node cannot reach its own relay ${url}: ${reach.why}`);
-      }
+      const reach = isNatsUrl(url) ? { ok: true as const } : await reachRelay(url, 3000);
+      if (!reach.ok) throw new InterlinkError(`this node cannot reach its own relay ${url}: ${reach.why}`);
       // A relay's credentials (nats://user:pass@, token@) are this node's: the code never carries them.
       const bare = url.replace(/^([a-z]+:\/\/)[^/\s]*@/i, "$1");
       const own = bare === url ? "" : "; without this node's credentials: the other machine brings its own";
@@ -9414,15 +9410,11 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
         return () => {}; // the periodic re-check still runs
       }
     };
-    await waitUntil(
-      () => {
-        current = readInvites(cfg.stateDir).find((i) => i.id === invite.id) ?? current;
-        return signalled !== "" || inviteState(current, now()) !== "pending";
-      },
-      Math.max(0, invite.expires - now()) + 1000,
-      watch,
-      500,
-    );
+    const decided = () => {
+      current = readInvites(cfg.stateDir).find((i) => i.id === invite.id) ?? current;
+      return signalled !== "" || inviteState(current, now()) !== "pending";
+    };
+    await waitUntil(decided, Math.max(0, invite.expires - now()) + 1000, watch, 500);
     const state = inviteState(current, now());
     if (state === "used") {
       // Admitted here: the answer goes out before this command exits (else the next session of this node sends it).
@@ -9928,10 +9920,7 @@ function programHelp(): string {
  * options; an unknown flag, a missing value or a value given to a boolean is an error), without loading node:util,
  * which would cost every command, `mcp` and `wait` among them, 2 MB under Bun. The last of a repeated flag wins.
  */
-function parseFlags(
-  argv: string[],
-  options: Record<string, { type: "string" | "boolean"; short?: string }>,
-): { values: Options; positionals: string[] } {
+function parseFlags(argv: string[], options: Record<string, { type: "string" | "boolean"; short?: string }>) {
   const values: Options = {}, positionals: string[] = [];
   const byShort = new Map(
     Object.entries(options).flatMap(([k, o]): [string, string][] => (o.short ? [[o.short, k]] : [])),
@@ -9965,11 +9954,7 @@ function parseFlags(
 }
 
 /** Parses argv for one command: each option from its flag, else its variable, else config.json, else its default. */
-function parseCommandLine(
-  name: string,
-  argv: string[],
-  cmd: CommandSpec = COMMANDS[name],
-): { opts: Options; positionals: string[]; help: boolean; from: OptionSources } {
+function parseCommandLine(name: string, argv: string[], cmd: CommandSpec) {
   let parsed;
   try {
     parsed = parseFlags(argv, { help: { type: "boolean", short: "h" }, ...cmd.options });
