@@ -8899,12 +8899,9 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
     return 0;
   }
   if (verb === "add" && rest.length === 2) {
-    const result = await addPeer(file, rest[0], rest[1]);
-    print(
-      result === "added"
-        ? `added '${rest[0]}' (${fingerprint(rest[1])}) to ${file}`
-        : `'${rest[0]}' already holds that key; nothing changed`,
-    );
+    const [petname, key] = rest, added = (await addPeer(file, petname, key)) === "added";
+    const said = `added '${petname}' (${fingerprint(key)}) to ${file}`;
+    print(added ? said : `'${petname}' already holds that key; nothing changed`);
     return 0;
   }
   if (verb === "remove" && rest.length === 1) {
@@ -9198,8 +9195,8 @@ function withHost(url: string, address: string): string {
   return `${scheme}://${address}${u.port ? `:${u.port}` : ""}${u.pathname === "/" ? "" : u.pathname}`;
 }
 
-/** A relay tried (reachRelay): its round trip, its clock's skew and (our bus) its `interlink-bus` features, or why not. */
-type Reach = { ok: true; ms: number; skewMs?: number; features?: string } | { ok: false; why: string };
+/** A relay tried (reachRelay): its round trip and its clock's skew, or why it cannot be reached. */
+type Reach = { ok: true; ms: number; skewMs?: number } | { ok: false; why: string };
 /** Tries a relay: NATS by its roster, a bus by TCP (to name a failure) then GET /roster, whose Date is its clock. */
 async function reachRelay(url: string, timeoutMs: number, now: () => number = Date.now): Promise<Reach> {
   if (isNatsUrl(url)) {
@@ -9249,8 +9246,7 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
     }
     const date = Date.parse(r.headers.get("date") ?? "");
     const skewMs = Number.isFinite(date) ? date - (t0 + t1) / 2 : undefined;
-    const features = r.headers.get("interlink-bus") ?? undefined;
-    return { ok: true, ms: t1 - t0, ...some("skewMs", skewMs), ...some("features", features) };
+    return { ok: true, ms: t1 - t0, ...some("skewMs", skewMs) };
   } catch (e) {
     return { ok: false, why: `${url}: ${errorText(e)}` };
   }
@@ -9506,9 +9502,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   const urls = isGiven(from, "url") ? parseBusUrls(o.url as string) : code.urls;
   print(`invite   ${code.id} from ${them} (${fingerprint(code.key)}…), valid until ${isoTime(code.expiresMs)}`);
   const reached = await Promise.all(urls.map((url) => reachRelay(url, 5000, now)));
-  for (const [i, r] of reached.entries()) {
-    print(r.ok ? `relay    ${urls[i]} answers (${r.ms} ms)` : `relay    ${urls[i]}: ${r.why}`);
-  }
+  reached.forEach((r, i) => print(r.ok ? `relay    ${urls[i]} answers (${r.ms} ms)` : `relay    ${urls[i]}: ${r.why}`));
   if (!reached.some((r) => r.ok)) {
     const tried = urls.map((u, i) => `${u} (${(reached[i] as { why: string }).why})`).join("; ");
     throw new InterlinkError(
