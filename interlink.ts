@@ -9643,8 +9643,7 @@ async function runInit(o: Options, _pos: string[], from: OptionSources): Promise
   print(`key      ${o.key} (fingerprint ${id.fingerprint})`);
   print(`config   ${file}`);
   for (const [k, v] of Object.entries(readConfig().values)) print(`  ${k.padEnd(8)} ${v}`);
-  print();
-  printClaudeSetup("Next: add the server to Claude Code (it reads the same config.json):");
+  printClaudeSetup("\nNext: add the server to Claude Code (it reads the same config.json):");
   return 0;
 }
 
