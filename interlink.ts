@@ -7872,12 +7872,8 @@ interface OptionSpec {
 }
 
 type Options = Record<string, string | boolean | undefined>;
-
 /** Where each option's value came from, and a config.json that could not be read (its message). */
-interface OptionSources {
-  [flag: string]: "flag" | "env" | "config" | "default" | string | undefined;
-  problem?: string;
-}
+type OptionSources = { [flag: string]: "flag" | "env" | "config" | "default" | string | undefined; problem?: string };
 
 interface CommandSpec {
   summary: string;
@@ -7892,7 +7888,7 @@ const xdgDir = (env: string, ...dflt: string[]) =>
 const configDir = () => xdgDir("XDG_CONFIG_HOME", ".config");
 const stateDir = () => xdgDir("XDG_STATE_HOME", ".local", "state");
 const busDataDir = () => path.join(stateDir(), "bus");
-
+const defaultNodeState = (fp: string): string => path.join(stateDir(), `node-${fp}`);
 const tildify = (p: string) => (p.startsWith(os.homedir() + path.sep) ? "~" + p.slice(os.homedir().length) : p);
 
 const option = (
@@ -7921,9 +7917,7 @@ const OPT = {
     "INTERLINK_STATE",
     undefined,
     "this node's folder: its sessions' journals, locks, replay files",
-    {
-      defaultHelp: "~/.local/state/interlink/node-<fingerprint>",
-    },
+    { defaultHelp: "~/.local/state/interlink/node-<fingerprint>" },
   ),
   session: option(
     "ID",
@@ -7949,32 +7943,27 @@ const OPT = {
 
 /** What config.json keeps (`init` and the server's first start write it), so the CLI finds the server's bus and name. */
 const CONFIG_KEYS = ["key", "peers", "url", "name", "state", "delivery", "max-depth"] as const;
-
 const configFile = (): string => process.env.INTERLINK_CONFIG || path.join(configDir(), "config.json");
 
 function readConfig(): { values: Record<string, string>; problem?: string } {
   const file = configFile();
+  const bad = (problem: string) => ({ values: {}, problem });
   let raw: unknown;
   try {
     raw = JSON.parse(fs.readFileSync(file, "utf8"));
   } catch (e) {
     if ((e as NodeJS.ErrnoException).code === "ENOENT") return { values: {} };
-    return {
-      values: {},
-      problem: `cannot read ${file}: ${
-        (e as Error).message
-      }. Fix or delete it (\`interlink.ts init\` writes a new one).`,
-    };
+    return bad(
+      `cannot read ${file}: ${(e as Error).message}. Fix or delete it (\`interlink.ts init\` writes a new one).`,
+    );
   }
-  if (!isObject(raw)) {
-    return { values: {}, problem: `${file} is not a JSON object of settings (${CONFIG_KEYS.join(", ")})` };
-  }
+  if (!isObject(raw)) return bad(`${file} is not a JSON object of settings (${CONFIG_KEYS.join(", ")})`);
   const values: Record<string, string> = {};
   for (const k of CONFIG_KEYS) {
     const v = raw[k];
     if (typeof v === "string") values[k] = v;
     else if (k === "max-depth" && Number.isSafeInteger(v)) values[k] = String(v); // a number, as a person writes it
-    else if (v !== undefined) return { values: {}, problem: `${file}: "${k}" must be a string` };
+    else if (v !== undefined) return bad(`${file}: "${k}" must be a string`);
   }
   return { values };
 }
@@ -7989,15 +7978,10 @@ function writeConfig(values: Record<string, string>): string {
 
 /** True when an option was set on purpose: by a flag or a variable, not by config.json or its default. */
 const isGiven = (from: OptionSources, k: string) => from[k] === "flag" || from[k] === "env";
-
 /** --session or --inbox was given: a command reads that session only, else every session of the identity. */
 const sessionGiven = (from: OptionSources) => isGiven(from, "session") || isGiven(from, "inbox");
-
-function explicitSettings(o: Options, from: OptionSources): Record<string, string> {
-  const out: Record<string, string> = {};
-  for (const k of CONFIG_KEYS) if (isGiven(from, k) && typeof o[k] === "string") out[k] = o[k];
-  return out;
-}
+const explicitSettings = (o: Options, from: OptionSources): Record<string, string> =>
+  Object.fromEntries(CONFIG_KEYS.flatMap((k) => (isGiven(from, k) && typeof o[k] === "string" ? [[k, o[k]]] : [])));
 
 /** The server's first start records what it was given, so the CLI on this machine sees the same bus and name. */
 function rememberConfig(o: Options, from: OptionSources): void {
@@ -8010,26 +7994,20 @@ function rememberConfig(o: Options, from: OptionSources): void {
   }
 }
 
+/** The options of OPT named, in that order (as help lists them). */
+const pick = (...names: (keyof typeof OPT)[]): Record<string, OptionSpec> =>
+  Object.fromEntries(names.map((n) => [n, OPT[n]]));
 /** The options every node command shares, so `send`, `log`, `wait`... find the same files as `mcp`. */
-const NODE_OPTIONS = {
-  key: OPT.key,
-  peers: OPT.peers,
-  url: OPT.url,
-  state: OPT.state,
-  session: OPT.session,
-  inbox: OPT.inbox,
-};
+const NODE_OPTIONS = pick("key", "peers", "url", "state", "session", "inbox");
 
 function parseBusUrls(text: string): string[] {
   const urls = text.split(",").map((u) => u.trim()).filter(Boolean);
   if (!urls.length) throw new InterlinkError("no bus URL given (INTERLINK_URL / --url)");
   return urls.map((u) => {
-    let url: URL;
-    try {
-      url = new URL(u);
-    } catch {
+    if (!URL.canParse(u)) {
       throw new InterlinkError(`bus URL '${redactUrl(u)}' is not a URL (expected e.g. ${DEFAULT_BUS_URL})`);
     }
+    const url = new URL(u);
     // A NATS relay keeps its credentials (user:password@ or token@): they are how it logs in.
     if (url.protocol === "nats:" || url.protocol === "tls:") {
       if (!url.hostname) throw new InterlinkError(`NATS URL '${redactUrl(u)}' has no host (expected nats://host:4222)`);
@@ -8042,21 +8020,15 @@ function parseBusUrls(text: string): string[] {
   });
 }
 
-function defaultNodeState(fp: string): string {
-  return path.join(stateDir(), `node-${fp}`);
-}
-
 /** --session (or --inbox), else CLAUDE_CODE_SESSION_ID (the id the session's hooks get too), else 8 random hex. */
 function chooseSession(pinned: string | undefined): string {
   const given = pinned?.trim();
-  if (given) {
-    if (!SESSION_RE.test(given)) {
-      throw new InterlinkError(
-        `session id '${given}' must be 1-128 letters, digits, . _ - (INTERLINK_SESSION / --session)`,
-      );
-    }
-    return given;
+  if (given && !SESSION_RE.test(given)) {
+    throw new InterlinkError(
+      `session id '${given}' must be 1-128 letters, digits, . _ - (INTERLINK_SESSION / --session)`,
+    );
   }
+  if (given) return given;
   const claude = process.env.CLAUDE_CODE_SESSION_ID?.trim();
   if (claude && SESSION_RE.test(claude)) return claude;
   return Buffer.from(crypto.getRandomValues(new Uint8Array(4))).toString("hex");
@@ -8101,11 +8073,8 @@ async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Identity }
   loadPeers(o.peers as string);
   const depth = o["max-depth"] as string | undefined;
   if (depth !== undefined && !(/^\d{1,2}$/.test(depth) && +depth >= 1 && +depth <= CHAIN_KEYS_MAX)) {
-    throw new InterlinkError(
-      `max-depth ${
-        JSON.stringify(depth)
-      } is not a whole number of hops from 1 to ${CHAIN_KEYS_MAX} (INTERLINK_MAX_DEPTH / --max-depth / config.json)`,
-    );
+    const why = `max-depth ${JSON.stringify(depth)} is not a whole number of hops from 1 to ${CHAIN_KEYS_MAX}`;
+    throw new InterlinkError(`${why} (INTERLINK_MAX_DEPTH / --max-depth / config.json)`);
   }
   const cfg: NodeConfig = {
     keyFile: o.key as string,
@@ -8138,17 +8107,10 @@ function shutdownSignal(): Promise<string> {
 function selfCommand(args: string[], script: string = thisScript()): string[] {
   if (runtimeHost.Deno) {
     const config = path.join(path.dirname(script), "deno.json");
-    return [
-      runtimeHost.Deno.execPath(),
-      "run",
-      "-A",
-      "--quiet",
-      // A bus under Deno: V8 then collects each request's garbage sooner (its peak RSS in floods drops by ~20 %).
-      ...(args[0] === "bus" ? ["--v8-flags=--optimize-for-size"] : []),
-      ...(fs.existsSync(config) ? ["--config", config] : []),
-      script,
-      ...args,
-    ];
+    // A bus under Deno: V8 then collects each request's garbage sooner (its peak RSS in floods drops by ~20 %).
+    const v8 = args[0] === "bus" ? ["--v8-flags=--optimize-for-size"] : [];
+    const withConfig = fs.existsSync(config) ? ["--config", config] : [];
+    return [runtimeHost.Deno.execPath(), "run", "-A", "--quiet", ...v8, ...withConfig, script, ...args];
   }
   // Bun's own flags (e.g. --install=force, for a node_modules above this folder) go to the child too.
   return [process.execPath, ...process.execArgv.filter((a) => a.startsWith("-")), script, ...args];
@@ -8156,10 +8118,7 @@ function selfCommand(args: string[], script: string = thisScript()): string[] {
 
 // -- terminal output ----------------------------------------------------------
 
-/**
- * Command output, written synchronously (process.stdout on a pipe is asynchronous in Bun: the exit would cut a long
- * `log` short); never by `mcp`. An ANSI escape or bidi override shows as its code point (showInvisible).
- */
+/** A command's output, never `mcp`'s; synchronous (Bun's stdout pipe is not: an exit would cut a long `log` short). */
 function print(text = ""): void {
   const bytes = Buffer.from(showInvisible(text) + "\n");
   for (let done = 0; done < bytes.length;) {
@@ -8194,9 +8153,8 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
       const who = r.peer ?? name(counterpart(r.t, msg));
       const reply = msg.in_reply_to ? `re ${showId(msg.in_reply_to)}` : "";
       const earlier = r.t === "in" && r.for_session ? `(for earlier session ${showId(r.for_session)})` : "";
-      const hop = r.chain
-        ? `(sub-task of ${showId(r.chain.parent)}, depth ${r.chain.depth}, owner ${name(r.chain.owner)})`
-        : "";
+      const hop = r.chain &&
+        `(sub-task of ${showId(r.chain.parent)}, depth ${r.chain.depth}, owner ${name(r.chain.owner)})`;
       const passed = r.t === "in" && r.relay
         ? `(${r.relay.dir === "up" ? "forwarded" : "sent on"} to ${name(r.relay.to)} on ${showId(r.relay.task_id)})`
         : r.t === "out" && r.forward
@@ -8217,14 +8175,10 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
         fingerprint(r.key),
         `asks to pair (claims "${displayName(r.name)}"); accept with the accept_pair tool or peers add`,
       );
-    case "refusal":
-      return line(
-        "✗",
-        fingerprint(r.key),
-        `${"".padEnd(12)} refused a message from them: ${r.reason} (${
-          escapePeerText(r.detail.slice(0, 200), true)
-        }); repeats are counted, not logged`,
-      );
+    case "refusal": {
+      const why = `${r.reason} (${escapePeerText(r.detail.slice(0, 200), true)}); repeats are counted, not logged`;
+      return line("✗", fingerprint(r.key), `${"".padEnd(12)} refused a message from them: ${why}`);
+    }
     case "refused":
       return line("✗", "", `${id(r.msg_id)} refused by every bus: ${escapePeerText(r.reason, true)}`);
     case "paired": {
@@ -8246,11 +8200,8 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
     case "adopted": {
       const { out, inbox, tasks } = r.carried;
       const queued = out.filter((o) => o.sent_at === undefined).length, open = tasks.filter((t) => !t.closed).length;
-      return line(
-        "«",
-        "",
-        `took over ended session ${showId(r.session)} (${queued} queued, ${inbox.length} unread, ${open} open tasks)`,
-      );
+      const counts = `${queued} queued, ${inbox.length} unread, ${open} open tasks`;
+      return line("«", "", `took over ended session ${showId(r.session)} (${counts})`);
     }
     default:
       return [];
@@ -8265,34 +8216,26 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
   if (await alive()) return;
   const beside = path.join(import.meta.dirname ?? ".", EXTRAS.bus.file);
   if (new URL(import.meta.url).protocol === "file:" && !fs.existsSync(beside)) {
-    return logWarn(
-      `nothing answers at ${url}, and this machine's bus cannot start: ${extraMissing("bus", beside)}`,
-    );
+    return logWarn(`nothing answers at ${url}, and this machine's bus cannot start: ${extraMissing("bus", beside)}`);
   }
   const dataDir = busDataDir();
   fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
   const logFile = path.join(dataDir, "bus.log");
   const out = fs.openSync(logFile, "a", 0o600);
-  const [cmd, ...args] = selfCommand([
-    "bus",
-    "--port",
-    new URL(url).port || String(DEFAULT_BUS_PORT),
-    "--data",
-    dataDir,
-    ...(host === "127.0.0.1" ? [] : ["--host", host]),
-  ]);
+  const hostArgs = host === "127.0.0.1" ? [] : ["--host", host];
+  const port = new URL(url).port || String(DEFAULT_BUS_PORT);
+  const [cmd, ...args] = selfCommand(["bus", "--port", port, "--data", dataDir, ...hostArgs]);
   const child = spawn(cmd, args, { detached: true, stdio: ["ignore", out, out] });
   child.unref();
   fs.closeSync(out);
   // Racing sessions may each start one; the data-folder lock and the port leave exactly one running.
   for (let i = 0; i < 100; i++) {
     if (await alive()) {
-      logInfo(
+      return logInfo(
         lockOwner(path.join(dataDir, "bus.lock"))?.pid === child.pid
           ? `started a bus for this machine at ${url} (pid ${child.pid}, data ${dataDir}, log ${logFile})`
           : `a bus already answers at ${url} (another session started it first); using it`,
       );
-      return;
     }
     await sleep(50);
   }
@@ -8301,14 +8244,11 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
 
 /** A session's agent opens this long after `initialized` (or at its first tool call): a health check is gone by then. */
 const OPEN_AFTER_MS = 500;
-
 /**
- * A start slower than this is reported (stderr, and `doctor`): Claude Code shows a server silent for 30 s
- * (MCP_TIMEOUT) as failed, with no word in the session. What can be slow is fetching the file (`deno run https://…`),
- * a cold disk, or a machine's first bus start.
+ * A start slower than this is reported (stderr, `doctor`): Claude Code shows a server silent for 30 s (MCP_TIMEOUT)
+ * as failed, without a word. Slow can be: fetching the file (`deno run https://…`), a cold disk, a first bus start.
  */
 const SLOW_START_MS = msFromEnv("INTERLINK_TEST_SLOW_START_MS", 5_000);
-
 const lastStartFile = (stateDir: string) => path.join(stateDir, "last-start.json");
 
 /** Records (for `doctor`) how long since the runtime's time origin, fetching the file included, the server took. */
@@ -8323,17 +8263,11 @@ function recordStart(stateDir: string): void {
   try {
     // Only a report: a plain write, no fsync on the start path (a torn one reads as none).
     fs.mkdirSync(stateDir, { recursive: true });
-    fs.writeFileSync(lastStartFile(stateDir), JSON.stringify({ ms, at: Date.now(), runtime: runtimeName() }) + "\n", {
-      mode: 0o600,
-    });
+    const record = JSON.stringify({ ms, at: Date.now(), runtime: runtimeName() }) + "\n";
+    fs.writeFileSync(lastStartFile(stateDir), record, { mode: 0o600 });
   } catch (e) {
     logWarn(`cannot record this start in ${lastStartFile(stateDir)}: ${errorText(e)}`);
   }
-}
-
-/** True under `claude mcp list|get`: a health check whose handshake looks like a session's, its command line not. */
-function startedByHealthCheck(): boolean {
-  return /\bclaude\b.*\bmcp\s+(list|get)\b/.test(processArgv(process.ppid));
 }
 
 /** Under Codex, the codex binary and home that wake this session: configured, else the process that started us. */
@@ -8361,7 +8295,8 @@ function codexTarget(thread: string): CodexTarget {
  */
 async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   setLogComponent("interlink mcp");
-  const healthCheck = startedByHealthCheck();
+  // Under `claude mcp list|get`: a health check whose handshake looks like a session's, its command line not.
+  const healthCheck = /\bclaude\b.*\bmcp\s+(list|get)\b/.test(processArgv(process.ppid));
   let host = o.host as Host | undefined;
   let prepared: { cfg: NodeConfig; id: Identity } | null = null;
   let problem: string | undefined;
@@ -8396,21 +8331,14 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   const open = (session?: string): Promise<Agent> => {
     if (opening) return opening;
     const now = (async () => {
+      const on = host ?? "claude", codex = on === "codex";
       // Codex has no channel: its sessions are woken by queued turns, and read the rest with check_inbox.
-      const cfg = {
-        ...prepared!.cfg,
-        ...some("session", session),
-        ...(host === "codex" ? { delivery: "inbox" as const } : {}),
-      };
-      const a = await Agent.open(cfg, SERVER_ROLE, {
-        identity: prepared!.id,
-        now: nodeClock(),
-        host: host ?? "claude",
-      });
-      if (delivery === "channel" && host !== "codex") {
+      const cfg = { ...prepared!.cfg, ...some("session", session), ...(codex ? { delivery: "inbox" as const } : {}) };
+      const a = await Agent.open(cfg, SERVER_ROLE, { identity: prepared!.id, now: nodeClock(), host: on });
+      if (delivery === "channel" && !codex) {
         a.push = (event) => server.notify("notifications/claude/channel", { content: event.content, meta: event.meta });
       }
-      if (host === "codex") {
+      if (codex) {
         waker = new CodexWaker(a, codexTarget(cfg.session));
         a.onInbox = () => waker!.kick();
         waker.start();
@@ -8418,12 +8346,11 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       a.startSending();
       a.startReceiving();
       agent = a;
+      const relays = a.cfg.busUrls.map(redactUrl).join(", "), via = codex ? "codex queue" : delivery;
       logInfo(
-        `ready: ${a.me} on ${a.cfg.busUrls.map(redactUrl).join(", ")}, state ${a.journal.stateDir}, host ${
-          host ?? "claude"
-        }, delivery ${host === "codex" ? "codex queue" : delivery}, ${a.peers().byName.size} peers`,
+        `ready: ${a.me} on ${relays}, state ${a.journal.stateDir}, host ${on}, delivery ${via}, ${a.peers().byName.size} peers`,
       );
-      if (host === "codex") waker!.kick(); // what waited for this session (adopted, or from before a restart)
+      if (codex) waker!.kick(); // what waited for this session (adopted, or from before a restart)
       return a;
     })();
     // One that failed (a full disk, an older server slow to hand over) is tried again by the next tool call.
@@ -8449,24 +8376,17 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     return await open(thread);
   };
   const fail = (text: string): ToolResult => ({ content: [{ type: "text", text }], isError: true });
-  const notReady = (why: string) => fail(`interlink is not ready: ${why}`);
   const callTool = async (name: string, given: unknown, meta: Record<string, unknown> | undefined) => {
     const tool = TOOLS.find((t) => t.name === name);
     if (!tool) return fail(`Tool ${name} not found; interlink's tools: ${TOOLS.map((t) => t.name).join(", ")}`);
     const why = toolSchema(tool).problem(given);
     if (why) return fail(`Invalid arguments for tool ${name}: ${why}`);
     const args = (given ?? {}) as Record<string, unknown>;
-    if (problem) return notReady(problem);
-    if (healthCheck) {
-      return notReady("this server was started by a health check (claude mcp list), which opens no session");
-    }
-    let a: Agent;
-    try {
-      a = await agentFor(tool, args, meta);
-    } catch (e) {
-      return fail(`${tool.name} failed: ${(e as Error).message}`);
-    }
-    return await runTool(a, tool, args);
+    const unready = problem ||
+      (healthCheck && "this server was started by a health check (claude mcp list), which opens no session");
+    if (unready) return fail(`interlink is not ready: ${unready}`);
+    const a = await agentFor(tool, args, meta).catch((e: Error) => fail(`${tool.name} failed: ${e.message}`));
+    return a instanceof Agent ? await runTool(a, tool, args) : a;
   };
   server.oninitialized = () => {
     if (server.client.name === "codex-mcp-client") host = "codex";
@@ -8508,16 +8428,9 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     const live = listSessions(cfg.stateDir).filter((s) => s.live);
     cfg.session = live.length === 1 ? live[0].id : "cli";
   }
-  const input: SendInput = {
-    to: pos[0],
-    text: pos[1],
-    task_id: o.task as string | undefined,
-    status: o.status as string | undefined,
-    in_reply_to: o["in-reply-to"] as string | undefined,
-    channel: o.channel as string | undefined,
-    parent_task_id: o.parent as string | undefined,
-    parent_peer: o["parent-peer"] as string | undefined,
-  };
+  const [to, text] = pos, s = o as Record<string, string | undefined>; // send's options are all strings
+  const about = { task_id: s.task, status: s.status, in_reply_to: s["in-reply-to"], channel: s.channel };
+  const input: SendInput = { to, text, ...about, parent_task_id: s.parent, parent_peer: s["parent-peer"] };
   const dir = sessionDir(cfg.stateDir, cfg.session);
   const server = () => {
     const owner = lockOwner(path.join(dir, "agent.lock"));
@@ -8541,10 +8454,8 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
       const entry = await withFileLock(path.join(dir, "inbox"), "interlink send", async () => {
         journal.catchUp();
         const peers = loadPeers(cfg.peersFile);
-        const p = prepareSend(peers, journal.state.tasks, input, id.publicKey, {
-          ...some("maxDepth", cfg.maxDepth),
-          selfName: cfg.name,
-        });
+        const limits = { ...some("maxDepth", cfg.maxDepth), selfName: cfg.name };
+        const p = prepareSend(peers, journal.state.tasks, input, id.publicKey, limits);
         const full = p.draft.status === "canceled" ? null : outboxFull(journal.state, peers);
         if (full) throw new InterlinkError(full);
         const task = p.draft.task_id ? journal.state.tasks.get(taskKey(p.draft.to, p.draft.task_id)) : undefined;
@@ -8559,15 +8470,11 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
         return queued;
       });
       const msgId = entry.msg.msg_id;
-      await waitUntil(
-        () => (journal.catchUp(), !journal.state.pending.has(msgId)),
-        SEND_TIMEOUT_MS,
-        onJournalChange(dir),
-      );
+      const handed = () => (journal.catchUp(), !journal.state.pending.has(msgId));
+      await waitUntil(handed, SEND_TIMEOUT_MS, onJournalChange(dir));
       const now = journal.state.entry(msgId) ?? entry;
-      print(
-        describeOut(now) + (now.sentAt ? "" : ` (by the running server of session ${cfg.session}, pid ${owner.pid})`),
-      );
+      const by = now.sentAt ? "" : ` (by the running server of session ${cfg.session}, pid ${owner.pid})`;
+      print(describeOut(now) + by);
     } finally {
       journal.close();
     }
@@ -8578,10 +8485,10 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     const sent = await cli.send(input);
     await cli.flushOutbox(Date.now() + SEND_TIMEOUT_MS + 1000);
     const entry = cli.state.entry(sent.entry.msg.msg_id) ?? sent.entry; // as it stands now
-    print(
-      `${describeSettled(cli, entry)} — ${sent.note}` +
-        (entry.sentAt || entry.refused ? "" : "; the next `interlink.ts send` or `mcp` on this session retries it"),
-    );
+    const retry = entry.sentAt || entry.refused
+      ? ""
+      : "; the next `interlink.ts send` or `mcp` on this session retries it";
+    print(`${describeSettled(cli, entry)} — ${sent.note}${retry}`);
     return 0;
   } finally {
     await cli.stop();
@@ -8605,34 +8512,28 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
       const label = sessionLabel(sess).padEnd(8);
       for (const file of journalFiles(sess.dir)) {
         const ino = inodeOf(file);
-        offsets.set(
-          ino,
-          scanJournal(file, offsets.get(ino) ?? 0, (r) => {
-            // The receipts we send (and their "sent") are bookkeeping, not conversation: the ones we get are shown.
-            if (r.t === "out" && r.msg.kind === "receipt") return void receipts.add(r.msg.msg_id);
-            if ((r.t === "sent" || r.t === "refused") && receipts.delete(r.msg_id)) return;
-            if (filterKey) {
-              if (r.t === "sent") {
-                if (!shown.has(r.msg_id)) return;
-              } else if (r.t === "out" || r.t === "in" || r.t === "receipt") {
-                const peer = r.t === "receipt" ? r.msg.from : counterpart(r.t, r.msg);
-                if (peer !== filterKey) return;
-                shown.add(r.msg.msg_id);
-              } else return;
-            }
-            for (const line of logRecordLines(r, (k) => peers.byKey.get(k))) {
-              lines.push({ at: r.at, text: `${label}  ${line}` });
-            }
-          }).next,
-        );
+        const { next } = scanJournal(file, offsets.get(ino) ?? 0, (r) => {
+          // The receipts we send (and their "sent") are bookkeeping, not conversation: the ones we get are shown.
+          if (r.t === "out" && r.msg.kind === "receipt") return void receipts.add(r.msg.msg_id);
+          if ((r.t === "sent" || r.t === "refused") && receipts.delete(r.msg_id)) return;
+          if (filterKey && r.t === "sent" && !shown.has(r.msg_id)) return;
+          if (filterKey && r.t !== "sent") {
+            if (r.t !== "out" && r.t !== "in" && r.t !== "receipt") return;
+            if ((r.t === "receipt" ? r.msg.from : counterpart(r.t, r.msg)) !== filterKey) return;
+            shown.add(r.msg.msg_id);
+          }
+          for (const line of logRecordLines(r, (k) => peers.byKey.get(k))) {
+            lines.push({ at: r.at, text: `${label}  ${line}` });
+          }
+        });
+        offsets.set(ino, next);
       }
     }
     for (const l of lines.sort((x, y) => x.at - y.at)) print(l.text);
   };
   batch();
   if (o.follow !== true) return 0;
-  let stopping = false;
-  let wakeNow = () => {};
+  let stopping = false, wakeNow = () => {};
   void shutdownSignal().then(() => ((stopping = true), wakeNow()));
   // Woken by a change in any session's folder (or a new session), with a 1 s re-check for what watching misses.
   const anySession = (wake: () => void) => {
@@ -8661,19 +8562,12 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
     const { state, journal } = readNodeState(sess.dir);
     journal.close();
     for (const t of taskTable(view, state.tasks.values(), o.peer as string | undefined, o.open === true)) {
-      lines.push({
-        at: t.last_at,
-        text: `${sessionLabel(sess)}  ${showInvisible(describeTask(view, t, state.outgoing, id.publicKey))}`,
-      });
+      const text = `${sessionLabel(sess)}  ${showInvisible(describeTask(view, t, state.outgoing, id.publicKey))}`;
+      lines.push({ at: t.last_at, text });
     }
   }
-  print(
-    lines.length
-      ? lines.sort((x, y) => x.at - y.at).map((l) => l.text).join("\n")
-      : o.open
-      ? "no open tasks"
-      : "no tasks yet",
-  );
+  if (!lines.length) print(o.open ? "no open tasks" : "no tasks yet");
+  for (const l of lines.sort((x, y) => x.at - y.at)) print(l.text);
   return 0;
 }
 
@@ -8687,12 +8581,9 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
     return 0;
   }
   if (verb === "add" && rest.length === 2) {
-    const result = await addPeer(file, rest[0], rest[1]);
-    print(
-      result === "added"
-        ? `added '${rest[0]}' (${fingerprint(rest[1])}) to ${file}`
-        : `'${rest[0]}' already holds that key; nothing changed`,
-    );
+    const [petname, key] = rest, added = (await addPeer(file, petname, key)) === "added";
+    const said = `added '${petname}' (${fingerprint(key)}) to ${file}`;
+    print(added ? said : `'${petname}' already holds that key; nothing changed`);
     return 0;
   }
   if (verb === "remove" && rest.length === 1) {
@@ -8705,22 +8596,11 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
 
 /** Exit status that makes a Claude Code asyncRewake hook wake the session with our stderr. */
 const WAKE_EXIT_CODE = 2;
-
 /** The shipped Stop hook's timeout, and `wait`'s: a week (Claude Code sets no cap), so a renewal costs one short turn a week. */
 const WAIT_TIMEOUT_S = 7 * 24 * 3600;
-
 /** What a renewal wakes the model with: one line, so its turn ends at once and the Stop hook runs again. */
 const RENEW_TEXT =
   "interlink: no peer messages yet; the listener was renewed. Nothing to do: end your turn now, without a reply.\n";
-
-/**
- * True under a one-shot `claude -p`: an exit would wake nothing, and Claude Code would wait 30 s for it. Only claude's
- * command line (CLAUDE_PID) tells it from a session fed by stream-json: hooks get the same stdin and environment.
- */
-function underOneShotClaude(): boolean {
-  const argv = processArgv(Number(process.env.CLAUDE_PID) || undefined);
-  return /(^|\s)(-p|--print)(\s|$)/.test(argv) && !/--input-format(=|\s+)stream-json/.test(argv);
-}
 
 /**
  * True when the session's server, started in this run of claude, has stopped (no agent.lock, no handover): Claude
@@ -8796,15 +8676,10 @@ async function runWait(o: Options): Promise<number> {
     }
   }
   if (!session) {
-    const all = listSessions(root);
-    if (all.length !== 1) {
-      throw new InterlinkError(
-        `which session? pass --session (or run as a Claude Code hook, which gives it on stdin); sessions here: ${
-          all.map((x) => x.id).join(", ") || "none yet"
-        }`,
-      );
-    }
-    session = all[0].id;
+    const all = listSessions(root).map((x) => x.id);
+    const which = "which session? pass --session (or run as a Claude Code hook, which gives it on stdin)";
+    if (all.length !== 1) throw new InterlinkError(`${which}; sessions here: ${all.join(", ") || "none yet"}`);
+    session = all[0];
   }
   if (!SESSION_RE.test(session)) throw new InterlinkError(`session id '${session}' is not valid`);
   const dir = sessionDir(root, session);
@@ -8813,24 +8688,22 @@ async function runWait(o: Options): Promise<number> {
   if (deliveryMode(o) === "channel") return 0; // every message is pushed and shown; nothing waits here
   const claudePid = Number(process.env.CLAUDE_PID) || undefined;
   const claude = { pid: claudePid, startedAt: processStartedAt(claudePid), servers: new Set<number>() };
-  if (underOneShotClaude() || serverGone(dir, claude)) return 0;
-  let peers = EMPTY_PEERS;
-  try {
-    peers = loadPeers(o.peers as string);
-  } catch {
-    // names only: a broken peers.json must not keep messages from the model
-  }
+  // Under a one-shot `claude -p` an exit would wake nothing, and Claude Code would wait 30 s for it. Only claude's
+  // command line tells it from a session fed by stream-json: hooks get the same stdin and environment.
+  const argv = processArgv(claudePid);
+  const oneShot = /(^|\s)(-p|--print)(\s|$)/.test(argv) && !/--input-format(=|\s+)stream-json/.test(argv);
+  if (oneShot || serverGone(dir, claude)) return 0;
+  // Names only: a broken peers.json must not keep messages from the model.
+  const read = orWhy(() => loadPeers(o.peers as string));
+  const peers = typeof read === "string" ? EMPTY_PEERS : read;
   // The newest wait on a folder wins: a Stop hook starts one per turn, and the older ones step aside.
   const pidFile = path.join(dir, "wait.pid");
   const mine = String(process.pid);
   writeFileAtomic(pidFile, mine);
   const wake = new WakeLatch();
-  const watcher = fs.watch(
-    dir,
-    // What it waits for: mail (log.jsonl), a newer wait (wait.pid), its server stopping (agent.lock, session.json).
-    (_e, name) =>
-      (name === null || ["log.jsonl", "wait.pid", "agent.lock", "session.json"].includes(String(name))) && wake.wake(),
-  );
+  // What it waits for: mail (log.jsonl), a newer wait (wait.pid), its server stopping (agent.lock, session.json).
+  const files = ["log.jsonl", "wait.pid", "agent.lock", "session.json"];
+  const watcher = fs.watch(dir, (_e, name) => (name === null || files.includes(String(name))) && wake.wake());
   // Renew before Claude Code's own timeout kills the hook, counting from the hook's start (ours came later: a
   // runtime's start on a busy machine): a minute early, or two seconds, or half of a very short timeout.
   const deadline = Date.now() + timeoutMs - Math.min(60_000, Math.max(2_000, timeoutMs / 10), timeoutMs / 2);
@@ -8889,9 +8762,7 @@ interface InviteCode {
 
 /** "il" and the layout's version. */
 const INVITE_CODE_PREFIX = "il1.";
-
 const INVITE_CHECK_BYTES = 4;
-
 const inviteCheck = async (body: Bytes) =>
   new Uint8Array(await crypto.subtle.digest("SHA-256", body)).subarray(0, INVITE_CHECK_BYTES);
 
@@ -8902,9 +8773,7 @@ const inviteCheck = async (body: Bytes) =>
  * no defence against someone who can change the code (the channel it travels by must be trusted).
  */
 async function encodeInviteCode(c: InviteCode): Promise<string> {
-  const session = utf8.encode(c.session);
-  const urls = utf8.encode(c.urls.join(","));
-  const name = utf8.encode(c.name);
+  const [session, urls, name] = [c.session, c.urls.join(","), c.name].map((text) => utf8.encode(text));
   if (session.length > 255 || name.length > 255 || urls.length > 65535) {
     throw new InterlinkError("an invite's session, name or relay URLs are too long for a code");
   }
@@ -8948,15 +8817,13 @@ async function parseInviteCode(text: string): Promise<InviteCode> {
   try {
     const view = new DataView(body.buffer, body.byteOffset, body.byteLength);
     let at = fixed;
-    const take = (n: number) => {
-      if (at + n > body.length) throw new FormatError("a field runs past the end");
+    // A field: its length (one byte, or two little-endian), then that many bytes of UTF-8.
+    const take = (lengthBytes: 1 | 2) => {
+      const n = lengthBytes === 1 ? body[at] : view.getUint16(at, true);
+      if ((at += lengthBytes) + n > body.length) throw new FormatError("a field runs past the end");
       return new TextDecoder("utf-8", { fatal: true }).decode(body.subarray(at, at += n));
     };
-    const session = take(body[at++]);
-    const urlsLength = view.getUint16(at, true);
-    at += 2;
-    const urls = take(urlsLength);
-    const name = take(body[at++]);
+    const session = take(1), urls = take(2), name = take(1);
     if (at !== body.length) throw new FormatError("bytes left over");
     const key = checkPeerKey(b64urlEncode(body.subarray(8, 40)), "the inviter's key");
     if (!SESSION_RE.test(session)) throw new FormatError(`"${session.slice(0, 40)}" is not a session id`);
@@ -8978,45 +8845,31 @@ async function parseInviteCode(text: string): Promise<InviteCode> {
 const BUS_EXPOSURE =
   "anything that reaches this port can enqueue and read the roster (messages stay signed, not secret)";
 
-/** A duration as a person writes it: "90s", "10m", "2h", "1d", or plain seconds. */
-function parseDuration(text: string, flag: string): number {
-  const m = text.trim().match(/^(\d+)(s|m|h|d)?$/);
-  if (!m) throw new InterlinkError(`--${flag} must be a duration such as 90s, 10m or 2h, got ${JSON.stringify(text)}`);
-  return Number(m[1]) * { s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 }[m[2] ?? "s"]!;
-}
-
-/** Interface names of bridges and virtual links (containers, VMs): their addresses are rarely the one to share. */
-const VIRTUAL_IFACE_RE = /^(docker|br-|veth|virbr|vmnet|vboxnet|cni|flannel|podman|lxc|lxd)/;
-
 /**
  * The IPv4 addresses another machine may reach this one at, best first: private, then 100.64/10 (VPNs, a carrier's
  * NAT), then any other; bridges and virtual links last. No IPv6: link-local needs a zone, a global one is rarely shared.
  */
-function lanAddresses(
-  ifaces: NodeJS.Dict<os.NetworkInterfaceInfo[]> = os.networkInterfaces(),
-): { address: string; iface: string; kind: string }[] {
+function lanAddresses(ifaces = os.networkInterfaces()): { address: string; iface: string; kind: string }[] {
   const kinds = ["a private address", "a VPN or shared address (100.64/10)", "not a private address"];
   const found: { address: string; iface: string; kind: string; rank: number }[] = [];
   for (const [iface, addrs] of Object.entries(ifaces)) {
     for (const { address, internal, family } of addrs ?? []) {
       if (internal || family !== "IPv4" || /^(127\.|169\.254\.)/.test(address)) continue;
       const [x, y] = address.split(".").map(Number);
-      const rank = x === 10 || (x === 172 && y >= 16 && y < 32) || (x === 192 && y === 168)
-        ? 0
-        : x === 100 && y >= 64 && y < 128
-        ? 1
-        : 2;
-      found.push({ address, iface, kind: kinds[rank], rank: rank + (VIRTUAL_IFACE_RE.test(iface) ? 10 : 0) });
+      const isPrivate = x === 10 || (x === 172 && y >= 16 && y < 32) || (x === 192 && y === 168);
+      const rank = isPrivate ? 0 : x === 100 && y >= 64 && y < 128 ? 1 : 2;
+      // Bridges and virtual links (containers, VMs): their addresses are rarely the one to share.
+      const virtual = /^(docker|br-|veth|virbr|vmnet|vboxnet|cni|flannel|podman|lxc|lxd)/.test(iface);
+      found.push({ address, iface, kind: kinds[rank], rank: rank + (virtual ? 10 : 0) });
     }
   }
-  return found.sort((a, b) => a.rank - b.rank).map(({ address, iface, kind }) => ({ address, iface, kind }));
+  return found.sort((a, b) => a.rank - b.rank);
 }
 
 const isLoopbackUrl = (url: string): boolean => {
   const host = new URL(url.replace(/^(nats|tls):/i, "http:")).hostname.replace(/^\[|\]$/g, "");
   return isLoopback(host) || host === "0.0.0.0";
 };
-
 /** `url` with its host replaced by `address` (credentials dropped: the other machine brings its own). */
 function withHost(url: string, address: string): string {
   const u = new URL(url.replace(/^(nats|tls):/i, "http:"));
@@ -9024,14 +8877,9 @@ function withHost(url: string, address: string): string {
   return `${scheme}://${address}${u.port ? `:${u.port}` : ""}${u.pathname === "/" ? "" : u.pathname}`;
 }
 
-/** What trying a relay found: its round trip and its clock (a bus's Date header), or why it cannot be reached. */
-/** A relay tried (reachRelay): its round trip, its clock's skew and (our bus) its `interlink-bus` features, or why not. */
-type Reach = { ok: true; ms: number; skewMs?: number; features?: string } | { ok: false; why: string };
-
-/**
- * Tries a relay: NATS by reading its roster; a bus by TCP first (so a failure is named), then GET /roster, whose Date
- * gives its clock.
- */
+/** A relay tried (reachRelay): its round trip and its clock's skew, or why it cannot be reached. */
+type Reach = { ok: true; ms: number; skewMs?: number } | { ok: false; why: string };
+/** Tries a relay: NATS by its roster, a bus by TCP (to name a failure) then GET /roster, whose Date is its clock. */
 async function reachRelay(url: string, timeoutMs: number, now: () => number = Date.now): Promise<Reach> {
   if (isNatsUrl(url)) {
     const relay = openRelay(url);
@@ -9054,10 +8902,7 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
     const socket = connect({ host, port });
     const timer = setTimeout(() => (socket.destroy(), resolve(`no answer within ${s} s`)), timeoutMs);
     socket.once("connect", () => (clearTimeout(timer), socket.destroy(), resolve(null)));
-    socket.once("error", (e: NodeJS.ErrnoException) => {
-      clearTimeout(timer);
-      resolve(e.code ?? e.message);
-    });
+    socket.once("error", (e: NodeJS.ErrnoException) => (clearTimeout(timer), resolve(e.code ?? e.message)));
   });
   if (connected !== null) {
     const why = connected === "ECONNREFUSED"
@@ -9082,13 +8927,8 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
       return { ok: false, why: `${url} answers (HTTP ${r.status}), but not as an interlink bus` };
     }
     const date = Date.parse(r.headers.get("date") ?? "");
-    const features = r.headers.get("interlink-bus") ?? undefined;
-    return {
-      ok: true,
-      ms: t1 - t0,
-      ...some("skewMs", Number.isFinite(date) ? date - (t0 + t1) / 2 : undefined),
-      ...some("features", features),
-    };
+    const skewMs = Number.isFinite(date) ? date - (t0 + t1) / 2 : undefined;
+    return { ok: true, ms: t1 - t0, ...some("skewMs", skewMs) };
   } catch (e) {
     return { ok: false, why: `${url}: ${errorText(e)}` };
   }
@@ -9108,18 +8948,13 @@ function otherMachineCommand(args: string[]): string {
   return [runner, file, ...args].join(" ");
 }
 
-/** The relays an invite names for the other machine, each with how it was chosen (shown to the operator). */
-interface SharedRelay {
-  url: string;
-  note: string;
-}
-
 /**
- * The relays the other machine should use: as given by --url; else a loopback URL becomes this machine's LAN address,
- * where its bus must answer (with `lan`, restarted on every address; else an error says how).
+ * The relays the other machine should use, each with how it was chosen (shown to the operator): as given by --url;
+ * else a loopback URL becomes this machine's LAN address, where its bus must answer (with `lan`, restarted on every
+ * address; else an error says how).
  */
-async function shareRelays(urls: string[], given: boolean, lan: boolean): Promise<SharedRelay[]> {
-  const shared: SharedRelay[] = [];
+async function shareRelays(urls: string[], given: boolean, lan: boolean): Promise<{ url: string; note: string }[]> {
+  const shared: { url: string; note: string }[] = [];
   for (const url of urls) {
     if (given || !isLoopbackUrl(url)) {
       const note = given && isLoopbackUrl(url)
@@ -9127,10 +8962,8 @@ async function shareRelays(urls: string[], given: boolean, lan: boolean): Promis
         : given
         ? "as given"
         : "as configured";
-      if (!isNatsUrl(url)) {
-        const reach = await reachRelay(url, 3000);
-        if (!reach.ok) throw new InterlinkError(`this node cannot reach its own relay ${url}: ${reach.why}`);
-      }
+      const reach = isNatsUrl(url) ? { ok: true as const } : await reachRelay(url, 3000);
+      if (!reach.ok) throw new InterlinkError(`this node cannot reach its own relay ${url}: ${reach.why}`);
       // A relay's credentials (nats://user:pass@, token@) are this node's: the code never carries them.
       const bare = url.replace(/^([a-z]+:\/\/)[^/\s]*@/i, "$1");
       const own = bare === url ? "" : "; without this node's credentials: the other machine brings its own";
@@ -9161,14 +8994,13 @@ async function ensureReachable(url: string, outside: string, lan: boolean): Prom
   const lockFile = path.join(busDataDir(), "bus.lock");
   const owner = lockOwner(lockFile);
   if (!lan) {
+    const problem = local.ok
+      ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.`
+      : `no bus answers at ${url}, so none the other machine could reach at ${outside}.`;
     const stop = local.ok ? `stop that bus${owner ? ` (pid ${owner.pid})` : ""} and ` : "";
+    const verb = local.ok ? "restarts" : "starts";
     throw new InterlinkError(
-      (local.ok
-        ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.`
-        : `no bus answers at ${url}, so none the other machine could reach at ${outside}.`) +
-        `\nEither run \`interlink.ts invite --lan\`, which ${
-          local.ok ? "restarts" : "starts"
-        } this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n` +
+      `${problem}\nEither run \`interlink.ts invite --lan\`, which ${verb} this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n` +
         `Either way ${BUS_EXPOSURE}; a VPN, or a firewall rule that lets in only the other machine, keeps it private.`,
     );
   }
@@ -9204,7 +9036,9 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     print(`revoked invite ${revoked.id}${revoked.for ? ` (for '${revoked.for}')` : ""}: a join through it is refused`);
     return 0;
   }
-  const ttlMs = parseDuration(o.ttl as string, "ttl");
+  const ttl = /^(\d+)(s|m|h|d)?$/.exec((o.ttl as string).trim());
+  if (!ttl) throw new InterlinkError(`--ttl must be a duration such as 90s, 10m or 2h, got ${JSON.stringify(o.ttl)}`);
+  const ttlMs = Number(ttl[1]) * { s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 }[ttl[2] ?? "s"]!;
   if (ttlMs < 1000 || ttlMs > INVITE_TTL_MAX_MS) throw new InterlinkError("--ttl must be from 1s to 24h");
   const forName = o.for === undefined ? undefined : checkPetname(o.for);
   const taken = forName && loadPeers(cfg.peersFile).byName.get(forName);
@@ -9213,11 +9047,8 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   }
   const relays = await shareRelays(cfg.busUrls, isGiven(from, "url"), o.lan === true);
   rememberConfig(o, from);
-  const invite = await createInvite(cfg.stateDir, now(), {
-    ...some("for", forName),
-    ttlMs,
-    urls: relays.map((r) => r.url),
-  });
+  const urls = relays.map((r) => r.url);
+  const invite = await createInvite(cfg.stateDir, now(), { ...some("for", forName), ttlMs, urls });
   const code = await encodeInviteCode({
     id: invite.id,
     key: id.publicKey,
@@ -9227,15 +9058,11 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     urls: invite.urls,
     name: cfg.name === id.fingerprint ? "" : cfg.name,
   });
-  print(
-    `invite   ${invite.id}${forName ? ` for '${forName}'` : ""}, one use, until ${isoTime(invite.expires)} (${
-      howLong(ttlMs)
-    })`,
-  );
+  const until = isoTime(invite.expires), forWhom = forName ? ` for '${forName}'` : "";
+  print(`invite   ${invite.id}${forWhom}, one use, until ${until} (${howLong(ttlMs)})`);
   for (const r of relays) print(`relay    ${r.url} (${r.note})`);
-  print(
-    `\nOn the other machine, in the folder that holds interlink.ts, run:\n\n  ${otherMachineCommand(["join", code])}\n`,
-  );
+  const join = otherMachineCommand(["join", code]);
+  print(`\nOn the other machine, in the folder that holds interlink.ts, run:\n\n  ${join}\n`);
   print(
     `The code carries this node's key (${id.fingerprint}…, which the other machine pins) and a one-time secret: whoever holds it can pair with this node until it is used or expires. Send it over a channel you trust.`,
   );
@@ -9243,8 +9070,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   // unless a session of the node reads it already.
   const own = `invite-${invite.id}`;
   const agent = await Agent.open({ ...cfg, session: own }, "interlink invite", { identity: id, now, adopt: false });
-  let signalled = "";
-  let wake = () => {};
+  let signalled = "", wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
   try {
     agent.startSending({ announce: false });
@@ -9255,23 +9081,18 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     let current = invite as Invite;
     const watch = (w: () => void) => {
       wake = w;
-      let watcher: fs.FSWatcher | null = null;
       try {
-        watcher = fs.watch(cfg.stateDir, (_e, name) => (name === null || String(name) === "invites.json") && w());
+        const watcher = fs.watch(cfg.stateDir, (_e, name) => (name === null || String(name) === "invites.json") && w());
+        return () => watcher.close();
       } catch {
-        // the periodic re-check still runs
+        return () => {}; // the periodic re-check still runs
       }
-      return () => watcher?.close();
     };
-    await waitUntil(
-      () => {
-        current = readInvites(cfg.stateDir).find((i) => i.id === invite.id) ?? current;
-        return signalled !== "" || inviteState(current, now()) !== "pending";
-      },
-      Math.max(0, invite.expires - now()) + 1000,
-      watch,
-      500,
-    );
+    const decided = () => {
+      current = readInvites(cfg.stateDir).find((i) => i.id === invite.id) ?? current;
+      return signalled !== "" || inviteState(current, now()) !== "pending";
+    };
+    await waitUntil(decided, Math.max(0, invite.expires - now()) + 1000, watch, 500);
     const state = inviteState(current, now());
     if (state === "used") {
       // Admitted here: the answer goes out before this command exits (else the next session of this node sends it).
@@ -9287,18 +9108,14 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
         : answered()
         ? "its answer is sent"
         : `its answer waits in the outbox of session ${own}, and the next session of this node sends it`;
-      print(
-        `joined   ${fingerprint(who)}… is now the peer '${current.used_as}' (${tildify(cfg.peersFile)}), ${
-          howLong((current.ended ?? now()) - invite.created)
-        } after the invite; ${sent}`,
-      );
+      const after = howLong((current.ended ?? now()) - invite.created);
+      const joined = `${fingerprint(who)}… is now the peer '${current.used_as}' (${tildify(cfg.peersFile)})`;
+      print(`joined   ${joined}, ${after} after the invite; ${sent}`);
       return 0;
     }
     if (state === "pending") {
       print(
-        `stopped waiting (${signalled}): invite ${invite.id} stays valid until ${
-          isoTime(invite.expires)
-        }, and a running session of this node admits a join through it (\`interlink.ts invite --list\` shows it, \`--revoke ${invite.id}\` withdraws it)`,
+        `stopped waiting (${signalled}): invite ${invite.id} stays valid until ${until}, and a running session of this node admits a join through it (\`interlink.ts invite --list\` shows it, \`--revoke ${invite.id}\` withdraws it)`,
       );
       return 0;
     }
@@ -9314,11 +9131,9 @@ function listInvites(stateDir: string, id: Identity, nowMs: number): number {
   const pending = invites.filter((i) => inviteState(i, nowMs) === "pending");
   print(`${pending.length} pending invite(s) of ${id.fingerprint}…${pending.length ? ":" : ""}`);
   for (const i of pending) {
-    print(
-      `  ${i.id}  ${i.for ? `for '${i.for}'` : "for anyone"}  until ${isoTime(i.expires)} (in ${
-        howLong(i.expires - nowMs)
-      })  route ${id.fingerprint}…#${i.session}  relays ${i.urls.join(", ")}`,
-    );
+    const until = `until ${isoTime(i.expires)} (in ${howLong(i.expires - nowMs)})`;
+    const relays = i.urls.join(", "), who = i.for ? `for '${i.for}'` : "for anyone";
+    print(`  ${i.id}  ${who}  ${until}  route ${id.fingerprint}…#${i.session}  relays ${relays}`);
   }
   const spent = invites.filter((i) => inviteState(i, nowMs) !== "pending");
   if (spent.length) print(`spent (kept ${howLong(INVITE_KEPT_MS)}):`);
@@ -9368,26 +9183,21 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   const waitS = intOption(o.wait, "wait", 1, 24 * 3600);
   const urls = isGiven(from, "url") ? parseBusUrls(o.url as string) : code.urls;
   print(`invite   ${code.id} from ${them} (${fingerprint(code.key)}…), valid until ${isoTime(code.expiresMs)}`);
-  // Reach the relay, and compare clocks, before anything is written.
   const reached = await Promise.all(urls.map((url) => reachRelay(url, 5000, now)));
-  for (const [i, r] of reached.entries()) {
-    print(r.ok ? `relay    ${urls[i]} answers (${r.ms} ms)` : `relay    ${urls[i]}: ${r.why}`);
-  }
+  reached.forEach((r, i) => print(r.ok ? `relay    ${urls[i]} answers (${r.ms} ms)` : `relay    ${urls[i]}: ${r.why}`));
   if (!reached.some((r) => r.ok)) {
+    const tried = urls.map((u, i) => `${u} (${(reached[i] as { why: string }).why})`).join("; ");
     throw new InterlinkError(
-      `cannot reach ${them}'s relay: tried ${
-        urls.map((u, i) => `${u} (${(reached[i] as { why: string }).why})`).join("; ")
-      }.\nOn ${them}'s machine: is a bus running that other machines reach (\`interlink.ts invite --lan\` runs one, or \`interlink.ts bus --host 0.0.0.0\`), and does a firewall let this machine in? \`--url\` names another address of it`,
+      `cannot reach ${them}'s relay: tried ${tried}.\nOn ${them}'s machine: is a bus running that other machines reach (\`interlink.ts invite --lan\` runs one, or \`interlink.ts bus --host 0.0.0.0\`), and does a firewall let this machine in? \`--url\` names another address of it`,
     );
   }
   const skew = reached.find((r): r is Extract<Reach, { ok: true }> => r.ok && r.skewMs !== undefined)?.skewMs;
   if (skew !== undefined) {
     const off = Math.round(Math.abs(skew) / 1000);
     if (Math.abs(skew) > FRESH_FUTURE_MS) {
+      const side = skew < 0 ? "ahead of" : "behind";
       throw new InterlinkError(
-        `this machine's clock is ${off} s ${
-          skew < 0 ? "ahead of" : "behind"
-        } ${them}'s relay: nodes refuse what comes from over a minute in their future, so neither would take the other's messages. Sync the clock (NTP: \`timedatectl set-ntp true\`), then join again`,
+        `this machine's clock is ${off} s ${side} ${them}'s relay: nodes refuse what comes from over a minute in their future, so neither would take the other's messages. Sync the clock (NTP: \`timedatectl set-ntp true\`), then join again`,
       );
     }
     print(`clock    within ${Math.max(1, off)} s of the relay`);
@@ -9414,30 +9224,18 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     throw new InterlinkError(`'${petname}' is already a petname (key ${fingerprint(held)}…); pass --petname`);
   }
   const pinned = !existing && (await addPeer(cfg.peersFile, petname, code.key)) === "added";
-  const session = `join-${code.id}`;
-  const agent = await Agent.open({ ...cfg, busUrls: urls, session }, "interlink join", {
-    identity: id,
-    now,
-    adopt: false,
-  });
-  let signalled = "";
-  let wake = () => {};
+  const session = `join-${code.id}`, how = { identity: id, now, adopt: false };
+  const agent = await Agent.open({ ...cfg, busUrls: urls, session }, "interlink join", how);
+  let signalled = "", wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
   let outcome: "paired" | "refused" | "waiting" = "waiting";
   try {
     const msgId = newMsgId();
-    const mac = await inviteMac(
-      code.secret,
-      inviteProofBytes(Buffer.from(code.id, "hex"), code.key, id.publicKey, msgId),
-    );
+    const proofBytes = inviteProofBytes(Buffer.from(code.id, "hex"), code.key, id.publicKey, msgId);
+    const mac = await inviteMac(code.secret, proofBytes);
+    const proof = `invite:${code.id}:${b64urlEncode(mac)}`;
     const queued = await agent.enqueue({
-      draft: {
-        to: code.key,
-        text: cfg.name,
-        kind: "pair_request",
-        msg_id: msgId,
-        in_reply_to: `invite:${code.id}:${b64urlEncode(mac)}`,
-      },
+      draft: { to: code.key, text: cfg.name, kind: "pair_request", msg_id: msgId, in_reply_to: proof },
       recipient: `${code.key}#${code.session}`,
       peer: null,
       extra: { pair_petname: petname },
@@ -9449,12 +9247,8 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     // Read again each time: a queued message's entry is read back from the journal, not kept (see NodeState.entry).
     let entry = queued;
     const settled = () => ((entry = agent.state.entry(msgId) ?? entry), !!entry.refusedBy || !!entry.refused);
-    await waitUntil(
-      () => signalled !== "" || !agent.state.knocksOut.has(code.key) || settled(),
-      waitS * 1000,
-      (w) => ((wake = w), changes(w)),
-      250,
-    );
+    const done = () => signalled !== "" || !agent.state.knocksOut.has(code.key) || settled();
+    await waitUntil(done, waitS * 1000, (w) => ((wake = w), changes(w)), 250);
     if (!agent.state.knocksOut.has(code.key)) {
       outcome = "paired";
       let accept: SignedMessage | undefined, at = now();
@@ -9468,9 +9262,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     } else if (entry.refusedBy || entry.refused) {
       outcome = "refused";
       // The operator reads it here: not a notice for this node's model later.
-      if (entry.refusedBy) {
-        await agent.journal.appendDurable([{ t: "shown", item: `bounced ${msgId}`, via: "inbox" }]);
-      }
+      if (entry.refusedBy) await agent.journal.appendDurable([{ t: "shown", item: `bounced ${msgId}`, via: "inbox" }]);
       if (pinned) await removePeer(cfg.peersFile, petname);
       const why = entry.refusedBy
         ? refusalWords(entry.refusedBy)
@@ -9486,32 +9278,24 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     if (pinned) await removePeer(cfg.peersFile, petname);
     await forgetSession(cfg.stateDir, session);
     const why = signalled ? `stopped waiting (${signalled})` : `no answer from ${them} within ${howLong(waitS * 1000)}`;
+    const until = isoTime(code.expiresMs);
     const next = now() + (skew ?? 0) > code.expiresMs // by the relay's clock, when known
-      ? `The invite has expired meanwhile (${isoTime(code.expiresMs)}): ask ${them} for a new one.`
-      : `The invite stays valid until ${
-        isoTime(code.expiresMs)
-      }: join again once ${them} runs \`interlink.ts invite\` or a session there.`;
+      ? `The invite has expired meanwhile (${until}): ask ${them} for a new one.`
+      : `The invite stays valid until ${until}: join again once ${them} runs \`interlink.ts invite\` or a session there.`;
     throw new InterlinkError(
       `${why}: nothing of ${them}'s node read the request (a session of it, or its \`interlink.ts invite\`, answers within seconds), or ${them}'s relay lost it. ${next} Nothing was kept here${butKey}. If ${them}'s node admits it later, it lists this node but not the reverse: join again with the same code to complete it.`,
     );
   }
-  // Paired: the node's settings name the relay.
   const configured = from.url === "config" ? parseBusUrls(o.url as string) : [];
   const url = [...configured, ...urls.filter((u) => !configured.includes(u))].join(",");
   const file = writeConfig({ ...explicitSettings(o, from), url });
-  print(`config   ${tildify(file)}: url ${url}`);
-  print(
-    `peers    ${tildify(cfg.peersFile)}: '${petname}' is ${fingerprint(code.key)}… (${
-      pinned ? "added" : "already there"
-    })`,
-  );
-  print(
-    `key      ${tildify(cfg.keyFile)} (${keyExisted ? "this node's" : "created now"}), fingerprint ${id.fingerprint}\n`,
-  );
+  const config = tildify(file), added = pinned ? "added" : "already there";
+  const made = keyExisted ? "this node's" : "created now";
+  print(`config   ${config}: url ${url}`);
+  print(`peers    ${tildify(cfg.peersFile)}: '${petname}' is ${fingerprint(code.key)}… (${added})`);
+  print(`key      ${tildify(cfg.keyFile)} (${made}), fingerprint ${id.fingerprint}\n`);
   printClaudeSetup(
-    `Next: start Claude Code here; its interlink server reads ${
-      tildify(file)
-    } and is told of the pairing at its first turn. If interlink is not in Claude Code yet, add it:`,
+    `Next: start Claude Code here; its interlink server reads ${config} and is told of the pairing at its first turn. If interlink is not in Claude Code yet, add it:`,
   );
   return 0;
 }
@@ -9520,17 +9304,13 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
 async function runClaude(args: string[]): Promise<number> {
   const channel = process.env.INTERLINK_CLAUDE_CHANNEL || "server:interlink";
   const argv = ["--dangerously-load-development-channels", channel, ...args];
-  const child = spawn(process.env.INTERLINK_CLAUDE || "claude", argv, {
-    stdio: "inherit",
-    env: { ...process.env, INTERLINK_DELIVERY: "channel" },
-  });
+  const env = { ...process.env, INTERLINK_DELIVERY: "channel" };
+  const child = spawn(process.env.INTERLINK_CLAUDE || "claude", argv, { stdio: "inherit", env });
   for (const sig of ["SIGINT", "SIGTERM"] as const) process.on(sig, () => child.kill(sig));
   return await new Promise((resolve) => {
     child.once("error", (e) => {
       writeStderr(
-        `interlink claude: cannot start claude (${
-          (e as Error).message
-        }); install Claude Code (npm i -g @anthropic-ai/claude-code) or set INTERLINK_CLAUDE to its path\n`,
+        `interlink claude: cannot start claude (${e.message}); install Claude Code (npm i -g @anthropic-ai/claude-code) or set INTERLINK_CLAUDE to its path\n`,
       );
       resolve(127);
     });
@@ -9545,19 +9325,15 @@ async function runInit(o: Options, _pos: string[], from: OptionSources): Promise
   print(`key      ${o.key} (fingerprint ${id.fingerprint})`);
   print(`config   ${file}`);
   for (const [k, v] of Object.entries(readConfig().values)) print(`  ${k.padEnd(8)} ${v}`);
-  print();
-  printClaudeSetup("Next: add the server to Claude Code (it reads the same config.json):");
+  printClaudeSetup("\nNext: add the server to Claude Code (it reads the same config.json):");
   return 0;
 }
 
 /** `lead`, then how to add this server to Claude Code and its Stop hook. */
 function printClaudeSetup(lead: string): void {
   print(lead);
-  print(
-    `  claude mcp add --scope user interlink -- ${
-      selfCommand(["mcp"]).map((a) => (/\s/.test(a) ? JSON.stringify(a) : a)).join(" ")
-    }`,
-  );
+  const command = selfCommand(["mcp"]).map((a) => (/\s/.test(a) ? JSON.stringify(a) : a)).join(" ");
+  print(`  claude mcp add --scope user interlink -- ${command}`);
   print('and the Stop hook that wakes an idle session (README: "Install into Claude Code", the Stop hook).');
 }
 
@@ -9589,9 +9365,7 @@ const COMMANDS: Record<string, CommandSpec> = {
       "and pushes admitted ones as notifications/claude/channel events. stdout carries only MCP.",
     options: {
       ...NODE_OPTIONS,
-      name: OPT.name,
-      delivery: OPT.delivery,
-      "max-depth": OPT["max-depth"],
+      ...pick("name", "delivery", "max-depth"),
       host: option(
         "HOST",
         "INTERLINK_HOST",
@@ -9664,12 +9438,9 @@ const COMMANDS: Record<string, CommandSpec> = {
       "turn, so the hook runs again. Exits 0 when a newer wait starts on the same folder, when the session's server\n" +
       "has stopped, and at once under a one-shot `claude -p`. Only one wait ever prints a given message.",
     options: {
-      key: OPT.key,
-      peers: OPT.peers,
-      state: OPT.state,
+      ...pick("key", "peers", "state"),
       session: { ...OPT.session, defaultHelp: "the hook's session_id on stdin, else the node's only session" },
-      inbox: OPT.inbox,
-      delivery: OPT.delivery,
+      ...pick("inbox", "delivery"),
       timeout: option(
         "SECONDS",
         "INTERLINK_WAIT_TIMEOUT",
@@ -9692,7 +9463,7 @@ const COMMANDS: Record<string, CommandSpec> = {
     summary: "set this machine up: the key (if missing) and config.json from the settings given",
     about: "Writes the flags and INTERLINK_* variables given here into config.json (INTERLINK_CONFIG, default\n" +
       "~/.config/interlink/config.json), over what it held. Every node command reads it; flags and variables override it.",
-    options: { ...NODE_OPTIONS, name: OPT.name, delivery: OPT.delivery, "max-depth": OPT["max-depth"] },
+    options: { ...NODE_OPTIONS, ...pick("name", "delivery", "max-depth") },
     run: runInit,
   },
   invite: {
@@ -9702,11 +9473,7 @@ const COMMANDS: Record<string, CommandSpec> = {
       "this machine's LAN address in place of a loopback URL (--url names the relay itself). Waits for the join and\n" +
       "admits it (after Ctrl-C, a running session of this node does); one use, until it expires.",
     options: {
-      key: OPT.key,
-      peers: OPT.peers,
-      url: OPT.url,
-      state: OPT.state,
-      name: OPT.name,
+      ...pick("key", "peers", "url", "state", "name"),
       for: option(
         "PETNAME",
         undefined,
@@ -9741,15 +9508,13 @@ const COMMANDS: Record<string, CommandSpec> = {
       "key if missing, files the inviter in peers.json, and, once it is answered, writes the relay into config.json.\n" +
       "A refusal (expired, used, revoked, a bad proof) says why and takes the peers.json entry back.",
     options: {
-      key: OPT.key,
-      peers: OPT.peers,
+      ...pick("key", "peers"),
       url: {
         ...OPT.url,
         defaultHelp: "the relays the code names",
         help: "use these relays instead (another address of the same bus, say)",
       },
-      state: OPT.state,
-      name: OPT.name,
+      ...pick("state", "name"),
       petname: option(
         "PETNAME",
         undefined,
@@ -9780,28 +9545,22 @@ function commandTable(extras: Record<string, CommandSpec> = {}): { name: string;
   }));
 }
 
-function optionDefault(spec: OptionSpec): string | undefined {
-  return typeof spec.default === "function" ? spec.default() : spec.default;
-}
+const optionDefault = (spec: OptionSpec) => (typeof spec.default === "function" ? spec.default() : spec.default);
 
 function commandHelp(name: string, cmd: CommandSpec = COMMANDS[name]): string {
   const rows = Object.entries(cmd.options).map(([flag, spec]) => {
-    const left = `${spec.short ? `-${spec.short}, ` : ""}--${flag}${
-      spec.type === "string" ? ` ${spec.arg ?? "VALUE"}` : ""
-    }`;
+    const value = spec.type === "string" ? ` ${spec.arg ?? "VALUE"}` : "";
+    const left = `${spec.short ? `-${spec.short}, ` : ""}--${flag}${value}`;
     const shownDefault = spec.defaultHelp ?? (spec.default !== undefined ? tildify(optionDefault(spec)!) : undefined);
-    const notes = [
-      spec.env && `env ${spec.env}${spec.envInverted ? "=0" : ""}`,
-      shownDefault !== undefined && `default ${shownDefault}`,
-    ].filter(Boolean);
+    const env = spec.env && `env ${spec.env}${spec.envInverted ? "=0" : ""}`;
+    const notes = [env, shownDefault !== undefined && `default ${shownDefault}`].filter(Boolean);
     return [left, spec.help + (notes.length ? `  [${notes.join("; ")}]` : "")];
   });
   rows.push(["-h, --help", "show this help"]);
   const width = Math.max(...rows.map(([l]) => l.length));
+  const options = Object.keys(cmd.options).length ? " [options]" : "", args = cmd.args ? " " + cmd.args : "";
   return [
-    `Usage: interlink.ts ${name}${Object.keys(cmd.options).length ? " [options]" : ""}${
-      cmd.args ? " " + cmd.args : ""
-    }`,
+    `Usage: interlink.ts ${name}${options}${args}`,
     "",
     cmd.summary.charAt(0).toUpperCase() + cmd.summary.slice(1) + ".",
     ...(cmd.about ? ["", cmd.about] : []),
@@ -9812,7 +9571,6 @@ function commandHelp(name: string, cmd: CommandSpec = COMMANDS[name]): string {
 }
 
 const beside = (role: boolean) => Object.entries(EXTRAS).filter(([, x]) => (x.role === true) === role);
-
 function programHelp(): string {
   const width = Math.max(...[...Object.keys(COMMANDS), ...Object.keys(EXTRAS)].map((n) => n.length));
   return [
@@ -9837,10 +9595,7 @@ function programHelp(): string {
  * options; an unknown flag, a missing value or a value given to a boolean is an error), without loading node:util,
  * which would cost every command, `mcp` and `wait` among them, 2 MB under Bun. The last of a repeated flag wins.
  */
-function parseFlags(
-  argv: string[],
-  options: Record<string, { type: "string" | "boolean"; short?: string }>,
-): { values: Options; positionals: string[] } {
+function parseFlags(argv: string[], options: Record<string, { type: "string" | "boolean"; short?: string }>) {
   const values: Options = {}, positionals: string[] = [];
   const byShort = new Map(
     Object.entries(options).flatMap(([k, o]): [string, string][] => (o.short ? [[o.short, k]] : [])),
@@ -9874,20 +9629,10 @@ function parseFlags(
 }
 
 /** Parses argv for one command: each option from its flag, else its variable, else config.json, else its default. */
-function parseCommandLine(
-  name: string,
-  argv: string[],
-  cmd: CommandSpec = COMMANDS[name],
-): { opts: Options; positionals: string[]; help: boolean; from: OptionSources } {
-  const spec: Record<string, { type: "string" | "boolean"; short?: string }> = {
-    help: { type: "boolean", short: "h" },
-  };
-  for (const [flag, o] of Object.entries(cmd.options)) {
-    spec[flag] = { type: o.type, ...(o.short ? { short: o.short } : {}) };
-  }
+function parseCommandLine(name: string, argv: string[], cmd: CommandSpec) {
   let parsed;
   try {
-    parsed = parseFlags(argv, spec);
+    parsed = parseFlags(argv, { help: { type: "boolean", short: "h" }, ...cmd.options });
   } catch (e) {
     throw new InterlinkError(`${(e as Error).message}\n\n${commandHelp(name, cmd)}`);
   }
@@ -9896,7 +9641,7 @@ function parseCommandLine(
   const opts: Options = {};
   const from: OptionSources = config.problem ? { problem: config.problem } : {};
   for (const [flag, o] of Object.entries(cmd.options)) {
-    const given = (parsed.values as Options)[flag];
+    const given = parsed.values[flag];
     const fromEnv = o.env ? process.env[o.env] : undefined;
     if (given !== undefined) [opts[flag], from[flag]] = [given, "flag"];
     else if (fromEnv !== undefined && fromEnv !== "") {
@@ -9905,7 +9650,7 @@ function parseCommandLine(
     } else if (config.values[flag] !== undefined) [opts[flag], from[flag]] = [config.values[flag], "config"];
     else [opts[flag], from[flag]] = [optionDefault(o), "default"];
   }
-  return { opts, positionals: parsed.positionals, help: (parsed.values as Options).help === true, from };
+  return { opts, positionals: parsed.positionals, help: parsed.values.help === true, from };
 }
 
 function envFlag(name: string, value: string): boolean {
@@ -9944,14 +9689,11 @@ const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
 /** What a lone copy says when `interlink.ts name` needs its file (see EXTRAS), to be fetched to `where`. */
 function extraMissing(name: string, where: string): string {
   const { file, role } = EXTRAS[name];
-  return role
-    ? missingFile(
-      `\`${name}\` is a role of its own, not part of the node`,
-      file,
-      where,
-      "a session needs it only to start this machine's own bus",
-    )
-    : missingFile(`\`${name}\` is an extra, not part of interlink.ts`, file, where, "no session loads it");
+  if (!role) {
+    return missingFile(`\`${name}\` is an extra, not part of interlink.ts`, file, where, "no session loads it");
+  }
+  const what = `\`${name}\` is a role of its own, not part of the node`;
+  return missingFile(what, file, where, "a session needs it only to start this machine's own bus");
 }
 
 // ============================================================================
