@@ -6882,7 +6882,8 @@ function argProblem(name: string, s: ArgSchema, v: unknown): string | null {
   if (s.enum) {
     return s.enum.includes(v as string) ? null : `unknown ${name} '${String(v)}'; use one of: ${s.enum.join(", ")}`;
   }
-  if (s.type !== "integer") return typeof v === s.type ? null : `'${name}' must be a ${s.type}`;
+  const kind: string = typeof v; // a string or a boolean argument: JSON's type and JavaScript's agree
+  if (s.type !== "integer") return kind === s.type ? null : `'${name}' must be a ${s.type}`;
   const ok = Number.isInteger(v) && (v as number) >= s.minimum! && (v as number) <= s.maximum!;
   return ok ? null : `'${name}' must be an integer from ${s.minimum} to ${s.maximum}`;
 }
