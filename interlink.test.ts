@@ -8192,6 +8192,12 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
   }
 
   const parse = (lines: string[]) => lines.map((l) => JSON.parse(l));
+  /** What a 2026-07-28 request carries in `_meta`: its version and the client's capabilities (schema/2026-07-28). */
+  const meta2026 = {
+    "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+    "io.modelcontextprotocol/clientCapabilities": {},
+    "io.modelcontextprotocol/clientInfo": { name: "raw", version: "1" },
+  };
   const initialize = {
     jsonrpc: "2.0",
     id: "init",
@@ -8306,33 +8312,148 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
 
   for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
-      `on ${runtime}: Claude Code 2.1.332's start is replayed: its server/discover probe is answered -32601, and it falls back to initialize 2025-11-25`,
+      `on ${runtime}: each host's recorded start is replayed: Claude Code 2.1.332 and Codex 0.171 in 2026-07-28 get server/discover and every result as that revision says; in 2025-11-25 and 2025-06-18 what the server answered before`,
+      async () => {
+        const node = await nodeEnv();
+        const meta = { "io.modelcontextprotocol/serverInfo": { name: "interlink", version: VERSION } };
+        try {
+          for (const host of ["claude-code-2.1.332", "codex-0.171"]) {
+            for (const era of ["2026-07-28", host.startsWith("codex") ? "2025-06-18" : "2025-11-25"]) {
+              const recorded = fs.readFileSync(path.join(REPO, "fixtures", "mcp", `${host}-${era}.jsonl`), "utf8")
+                .trim().split("\n");
+              const requests = recorded.map((l) => JSON.parse(l)).filter((r) => "id" in r);
+              const mcp = new RawMcp(runtime, { ...node.env, INTERLINK_SESSION: `${host}-${era}` });
+              try {
+                mcp.send(...recorded);
+                const answers = parse(await mcp.until(JSON.stringify(requests.at(-1).id)));
+                expect(answers.map((a) => a.id)).toEqual(requests.map((r) => r.id)); // each answered once, in order
+                const by = (method: string) => answers[requests.findIndex((r) => r.method === method)].result;
+                const tools = by("tools/list").tools.map((t: { name: string }) => t.name);
+                expect(tools).toEqual(TOOLS.map((t) => t.name));
+                const called = by("tools/call");
+                expect(called.content[0].text).toContain("no peers yet");
+                if (era === "2026-07-28") {
+                  // No handshake: every request carried its version, and every result says it is complete and who
+                  // answered; the list and discover results carry their cache hints (schema/2026-07-28).
+                  expect(requests.map((r) => r.method)).toEqual(["server/discover", "tools/list", "tools/call"]);
+                  expect(by("server/discover")).toEqual({
+                    supportedVersions: [
+                      "2026-07-28",
+                      "2025-11-25",
+                      "2025-06-18",
+                      "2025-03-26",
+                      "2024-11-05",
+                      "2024-10-07",
+                    ],
+                    capabilities: { tools: {}, experimental: { "claude/channel": {} } },
+                    instructions: expect.stringContaining("interlink links this session"),
+                    ttlMs: 0,
+                    cacheScope: "private",
+                    resultType: "complete",
+                    _meta: meta,
+                  });
+                  expect(by("tools/list")).toMatchObject({
+                    ttlMs: 0,
+                    cacheScope: "private",
+                    resultType: "complete",
+                    _meta: meta,
+                  });
+                  expect(called).toEqual({ content: called.content, resultType: "complete", _meta: meta });
+                } else {
+                  // What a 2025 client got before 2026-07-28 was served: the same members, and none of 2026's.
+                  const init = by("initialize");
+                  expect(Object.keys(init).sort()).toEqual([
+                    "capabilities",
+                    "instructions",
+                    "protocolVersion",
+                    "serverInfo",
+                  ]);
+                  expect(init).toMatchObject({
+                    protocolVersion: era,
+                    serverInfo: { name: "interlink", version: VERSION },
+                  });
+                  expect(Object.keys(by("tools/list"))).toEqual(["tools"]);
+                  expect(Object.keys(called)).toEqual(["content"]);
+                }
+              } finally {
+                mcp.close();
+              }
+            }
+          }
+        } finally {
+          node.close();
+        }
+      },
+      90_000,
+    );
+
+    test.concurrent(
+      `on ${runtime}: a 2026-07-28 request is held to that revision: a version it may not name is answered -32022 with those it may, a _meta without client capabilities or a discover without _meta -32602, ping -32601 (2026 has none); the process still initializes a 2025 client, and ids past 2^53 come back exact`,
+      async () => {
+        const node = await nodeEnv();
+        const mcp = new RawMcp(runtime, node.env);
+        const v = "io.modelcontextprotocol/protocolVersion";
+        const discover = (id: number | string, _meta: object) => ({
+          jsonrpc: "2.0",
+          id,
+          method: "server/discover",
+          params: { _meta },
+        });
+        try {
+          mcp.send(
+            discover(1, { ...meta2026, [v]: "2099-01-01" }),
+            { jsonrpc: "2.0", id: 2, method: "tools/list", params: { _meta: { [v]: "2026-07-28" } } },
+            { jsonrpc: "2.0", id: 3, method: "server/discover" },
+            { jsonrpc: "2.0", id: 4, method: "ping", params: { _meta: meta2026 } },
+            discover(5, { ...meta2026, [v]: 20260728 }),
+            `{"jsonrpc":"2.0","id":9007199254740993,"method":"server/discover","params":{"_meta":${
+              JSON.stringify(meta2026)
+            }}}`,
+            { jsonrpc: "2.0", id: 6, method: "ping" }, // a 2025 ping, still answered
+            initialize,
+            { jsonrpc: "2.0", id: "last", method: "tools/list", params: { _meta: meta2026 } },
+          );
+          const lines = await mcp.until('"last"');
+          expect(
+            lines.some((l) => l.startsWith('{"jsonrpc":"2.0","id":9007199254740993,"result":{"supportedVersions"')),
+          ).toBe(true);
+          const got = Object.fromEntries(parse(lines).map((a) => [a.id, a.error ?? a.result]));
+          expect(got[1]).toEqual({
+            code: -32022,
+            message: expect.stringContaining("Unsupported protocol version"),
+            data: { supported: ["2026-07-28"], requested: "2099-01-01" },
+          });
+          expect(got[2]).toMatchObject({ code: -32602, message: expect.stringContaining("clientCapabilities") });
+          expect(got[3]).toMatchObject({ code: -32602, message: expect.stringContaining("server/discover") });
+          expect(got[4]).toEqual({ code: -32601, message: "Method not found: ping" });
+          expect(got[5]).toMatchObject({
+            code: -32602,
+            message: expect.stringContaining("protocolVersion is a string"),
+          });
+          expect(got[6]).toEqual({});
+          expect(got.init).toMatchObject({ protocolVersion: "2025-11-25", serverInfo: { name: "interlink" } });
+          expect(got.last).toMatchObject({ resultType: "complete", tools: expect.any(Array) });
+        } finally {
+          mcp.close();
+          node.close();
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `on ${runtime}: a 2026-07-28 client's session opens at its first request past server/discover, with no initialize; a discover probe alone opens none`,
       async () => {
         const node = await nodeEnv();
         const mcp = new RawMcp(runtime, node.env);
         try {
-          const recorded = fs.readFileSync(
-            path.join(REPO, "fixtures", "mcp", "claude-code-2.1.332-start.jsonl"),
-            "utf8",
-          )
-            .trim().split("\n");
-          expect(JSON.parse(recorded[0])).toMatchObject({
-            method: "server/discover",
-            params: { _meta: { "io.modelcontextprotocol/protocolVersion": "2026-07-28" } },
-          });
-          mcp.send(recorded[0]);
-          const [probe] = parse(await mcp.until('"server-discover-probe-1"'));
-          expect(probe).toEqual({
-            jsonrpc: "2.0",
-            id: "server-discover-probe-1",
-            error: { code: -32601, message: "Method not found: server/discover" },
-          });
-          // On -32601 Claude Code falls back, on the same process: initialize, initialized, tools/list.
-          mcp.send(...recorded.slice(1));
-          const answers = parse(await mcp.until("1"));
-          expect(answers.map((a) => a.id)).toEqual([0, 1]); // the notification is not answered
-          expect(answers[0].result).toMatchObject({ protocolVersion: "2025-11-25", serverInfo: { name: "interlink" } });
-          expect(answers[1].result.tools.map((t: { name: string }) => t.name)).toContain("send_message");
+          mcp.send({ jsonrpc: "2.0", id: "probe", method: "server/discover", params: { _meta: meta2026 } });
+          expect(parse(await mcp.until('"probe"'))[0].result.resultType).toBe("complete");
+          await new Promise((r) => setTimeout(r, 1500)); // (an absence: a session would open 0.5 s after its start)
+          expect(mcp.stderr.join("\n")).not.toContain("ready: ");
+          mcp.send({ jsonrpc: "2.0", id: "list", method: "tools/list", params: { _meta: meta2026 } });
+          await mcp.until('"list"');
+          await mcp.stderrLine(/ready: /); // opened without a tool call, as after a 2025 client's initialized
         } finally {
           mcp.close();
           node.close();
@@ -8444,9 +8565,9 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
       60_000,
     );
 
-    test.concurrent(
-      `on ${runtime}: a check_inbox cancelled as it is answered leaves its messages unread (the client drops a late answer); one answered and not cancelled marks them read`,
-      async () => {
+    test.concurrent.each(["2025-11-25", "2026-07-28"])(
+      `on ${runtime} in %s: a check_inbox cancelled as it is answered leaves its messages unread (the client drops a late answer); one answered and not cancelled marks them read`,
+      async (era) => {
         const node = await nodeEnv();
         const dir = path.join(node.env.INTERLINK_STATE, "sessions", "solo");
         fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
@@ -8456,17 +8577,22 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
           JSON.stringify({ t: "in", at: Date.now(), peer: "alice", msg }) + "\n",
         );
         const mcp = new RawMcp(runtime, { ...node.env, INTERLINK_DELIVERY: "inbox" });
+        const modern = era === "2026-07-28";
         const check = (id: string) => ({
           jsonrpc: "2.0",
           id,
           method: "tools/call",
-          params: { name: "check_inbox", arguments: {} },
+          params: { name: "check_inbox", arguments: {}, ...modern ? { _meta: meta2026 } : {} },
         });
         try {
-          mcp.send(initialize, { jsonrpc: "2.0", method: "notifications/initialized" });
-          await mcp.until('"init"');
+          if (!modern) { // a 2026 client has no handshake: its first tools/call is its first word
+            mcp.send(initialize, { jsonrpc: "2.0", method: "notifications/initialized" });
+            await mcp.until('"init"');
+          }
           mcp.send(check("c1"));
-          expect((await mcp.until('"c1"')).join("\n")).toContain("read me once");
+          const [c1] = parse(await mcp.until('"c1"'));
+          expect(c1.result.content[0].text).toContain("read me once");
+          expect(c1.result.resultType).toBe(modern ? "complete" : undefined);
           // The client gave up on c1 before it read the answer: its cancel crosses the answer.
           mcp.send({ jsonrpc: "2.0", method: "notifications/cancelled", params: { requestId: "c1" } });
           mcp.send(check("c2"));

@@ -7549,8 +7549,18 @@ list_tasks shows open tasks and unanswered questions.`;
 /** The tools that change trust (see ToolSpec.changesTrust), in the order the server lists them. */
 const trustTools = (): string[] => TOOLS.filter((t) => t.changesTrust).map((t) => t.name);
 
-/** The MCP protocol versions this server speaks, newest first (the SDK 1.32 list: the hosts we test send these). */
-const MCP_PROTOCOL_VERSIONS = ["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05", "2024-10-07"] as const;
+/**
+ * The MCP versions this server speaks. 2026-07-28 is stateless: each request names its version and the client's
+ * capabilities in `_meta`, and `server/discover` says what the server speaks; the older ones (newest first: the SDK
+ * 1.32 list) open with `initialize`. The rules followed are schema/2026-07-28/schema.ts and basic/versioning.mdx of
+ * modelcontextprotocol/modelcontextprotocol, held to what Claude Code 2.1.332 and Codex 0.171 send (fixtures/mcp).
+ */
+const MCP_MODERN_VERSIONS = ["2026-07-28"];
+const MCP_LEGACY_VERSIONS = ["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05", "2024-10-07"];
+/** The prefix of the `_meta` keys MCP reserves: a 2026 request's protocolVersion, clientCapabilities, clientInfo. */
+const MCP_META = "io.modelcontextprotocol/";
+/** A 2026 list or discover result is not to be reused: it follows this node's setup (a problem names its files). */
+const MCP_NO_CACHE = { ttlMs: 0, cacheScope: "private" };
 
 /** How long a server whose stdin ended still answers what it was asked before (a tool call may outlast it). */
 const MCP_END_GRACE_MS = 5_000;
@@ -7573,8 +7583,12 @@ const MCP_LINE_MAX_CHARS = 4 * 2 ** 20;
 /** A request id's text kept from an over-long line, to answer it: ids are short; a longer one is answered with null. */
 const MCP_ID_MAX_CHARS = 1024;
 
-/** A request whose params are wrong for its method: answered -32602 (Invalid params) with this message. */
-class McpParamsError extends Error {}
+/** A request answered with this error: -32602 (Invalid params), unless `code` says otherwise. */
+class McpError extends Error {
+  constructor(why: string, readonly code = -32602, readonly data?: object) {
+    super(code === -32602 ? `Invalid params: ${why}` : why);
+  }
+}
 
 /**
  * Finds the text of the top-level "id" member of a JSON object read in pieces (an over-long line, never held
@@ -7662,16 +7676,19 @@ function mcpJson(message: object): string {
 }
 
 /**
- * The server side of MCP over stdio (JSON-RPC 2.0, one message per line), by hand: interlink needs four methods and
+ * The server side of MCP over stdio (JSON-RPC 2.0, one message per line), by hand: interlink needs five methods and
  * one notification out, and the SDK's server (zod and ajv) cost every session about 60 ms and 20 MB at its start, and
  * under Deno a fetch from npm. Requests run concurrently; answers and notifications are written whole, in order. The
- * envelope is held to JSON-RPC and MCP (a 2026 client's server/discover probe gets -32601, then initializes); a
- * notification, or a request the client cancelled, is never answered; an id past 2^53 comes back exact.
+ * envelope is held to JSON-RPC and MCP: a request whose `_meta` names its protocol version is served as 2026-07-28
+ * says, one without as 2025-11-25 does (a dual-era server, as versioning.mdx allows); a notification, or a request the
+ * client cancelled, is never answered; an id past 2^53 comes back exact.
  */
 class McpStdioServer {
-  /** The client's name and version, once it has initialized (Codex says "codex-mcp-client"). */
+  /** The client's name and version, from `initialize` or a 2026 request (Codex says "codex-mcp-client"). */
   client: { name?: string; version?: string } = {};
-  oninitialized = (): void => {};
+  /** Called once the client starts its session: `initialized` (2025), or a 2026 request past server/discover. */
+  onstart = (): void => {};
+  #started = false;
   #out: Promise<void> = Promise.resolve();
   #closed!: (why: string) => void;
   /** Resolves, with why, when the client is gone (stdin ended, stdout broken). */
@@ -7740,8 +7757,8 @@ class McpStdioServer {
     return this.#write(`{"jsonrpc":"2.0","id":${id ?? "null"},${mcpJson(body).slice(1)}`);
   }
 
-  #fail(id: string | null, code: number, message: string): Promise<void> {
-    return this.#reply(id, { error: { code, message } });
+  #fail(id: string | null, code: number, message: string, data?: object): Promise<void> {
+    return this.#reply(id, { error: { code, message, ...some("data", data) } });
   }
 
   #invalid(id: string | null, why: string): void {
@@ -7779,7 +7796,7 @@ class McpStdioServer {
     if (!("method" in m) && ("result" in m || "error" in m)) return; // an answer to nothing we asked
     if (!("id" in m)) { // a notification: never answered, not even with an error; a malformed one is only dropped
       if (m.jsonrpc !== "2.0") return;
-      if (m.method === "notifications/initialized") this.oninitialized();
+      if (m.method === "notifications/initialized") this.#start();
       if (m.method === "notifications/cancelled" && isObject(m.params)) {
         // Its answer is not sent; what the request did so far stands (a message sent is sent).
         const id = requestIdText(m.params.requestId, raws.get(m.params)?.requestId);
@@ -7799,19 +7816,25 @@ class McpStdioServer {
     const dropped = (how: string) => logInfo(`${request} ${how} after the client cancelled it: not answered`);
     this.#running.set(id, running);
     try {
-      if (m.params !== undefined && !isObject(m.params)) throw new McpParamsError("params must be an object");
-      const result = await this.#answer(method, (m.params ?? {}) as Record<string, unknown>);
+      if (m.params !== undefined && !isObject(m.params)) throw new McpError("params must be an object");
+      const params = (m.params ?? {}) as Record<string, unknown>;
+      const modern = method !== "initialize" && this.#isModern(params._meta);
+      if (modern && method !== "server/discover") this.#start();
+      const result = await this.#answer(method, params, modern);
       const written = result && afterAnswer.get(result as ToolResult);
       if (running.cancelled) {
         written?.(false);
         return dropped("finished");
       }
-      if (result === null) await this.#fail(id, -32601, `Method not found: ${method}`);
-      else if (written) await this.#replyHeard(id, result, running, written);
-      else await this.#reply(id, { result });
+      // A 2026 result says it is complete and who answers it (2026-07-28 makes both part of every result).
+      const _meta = { [`${MCP_META}serverInfo`]: this.info };
+      const full = result && modern ? { ...result, resultType: "complete", _meta } : result;
+      if (full === null) await this.#fail(id, -32601, `Method not found: ${method}`);
+      else if (written) await this.#replyHeard(id, full, running, written);
+      else await this.#reply(id, { result: full });
     } catch (e) {
       if (running.cancelled) return dropped("failed");
-      if (e instanceof McpParamsError) return void (await this.#fail(id, -32602, `Invalid params: ${e.message}`));
+      if (e instanceof McpError) return void (await this.#fail(id, e.code, e.message, e.data));
       logWarn(`${method} failed: ${(e as Error).stack ?? e}`);
       await this.#fail(id, -32603, (e as Error).message).catch(() => {});
     } finally {
@@ -7835,21 +7858,49 @@ class McpStdioServer {
     }
   }
 
-  async #answer(method: string, params: Record<string, unknown>): Promise<object | null> {
-    if (method === "ping") return {};
-    if (method === "tools/list") return { tools: this.tools.list };
+  #start(): void {
+    if (!this.#started) (this.#started = true), this.onstart();
+  }
+
+  /**
+   * Whether a request is 2026-07-28's (its `_meta` names the version), held to that revision: a version not spoken per
+   * request is answered -32022 with those that are, no client capabilities -32602; its clientInfo is kept.
+   */
+  #isModern(meta: unknown): boolean {
+    const get = (key: string) => isObject(meta) ? meta[MCP_META + key] : undefined, asked = get("protocolVersion");
+    if (asked === undefined) return false;
+    if (typeof asked !== "string") throw new McpError(`_meta's ${MCP_META}protocolVersion is a string`);
+    if (!MCP_MODERN_VERSIONS.includes(asked)) {
+      const why = `Unsupported protocol version: a request's _meta may name ${MCP_MODERN_VERSIONS}; ` +
+        `${MCP_LEGACY_VERSIONS.join(", ")} are spoken after initialize`;
+      throw new McpError(why, -32022, { supported: MCP_MODERN_VERSIONS, requested: asked });
+    }
+    if (!isObject(get("clientCapabilities"))) throw new McpError(`_meta lacks ${MCP_META}clientCapabilities`);
+    const info = get("clientInfo");
+    if (isObject(info)) this.client = info;
+    return true;
+  }
+
+  async #answer(method: string, params: Record<string, unknown>, modern: boolean): Promise<object | null> {
+    const { capabilities, instructions } = this;
+    if (method === "server/discover") {
+      if (!modern) throw new McpError(`server/discover is 2026-07-28's: its _meta names that protocolVersion`);
+      const supportedVersions = [...MCP_MODERN_VERSIONS, ...MCP_LEGACY_VERSIONS];
+      return { supportedVersions, capabilities, instructions, ...MCP_NO_CACHE };
+    }
+    if (method === "ping") return modern ? null : {}; // 2026-07-28 has no ping
+    if (method === "tools/list") return { tools: this.tools.list, ...modern ? MCP_NO_CACHE : {} };
     if (method === "initialize") {
       const { protocolVersion: asked, clientInfo } = params;
-      if (typeof asked !== "string") throw new McpParamsError("initialize needs a protocolVersion (a string)");
-      if (isObject(clientInfo)) this.client = clientInfo as typeof this.client;
-      const protocolVersion = MCP_PROTOCOL_VERSIONS.find((v) => v === asked) ?? MCP_PROTOCOL_VERSIONS[0];
-      const { capabilities, info: serverInfo, instructions } = this;
-      return { protocolVersion, capabilities, serverInfo, instructions };
+      if (typeof asked !== "string") throw new McpError("initialize needs a protocolVersion (a string)");
+      if (isObject(clientInfo)) this.client = clientInfo;
+      const protocolVersion = MCP_LEGACY_VERSIONS.find((v) => v === asked) ?? MCP_LEGACY_VERSIONS[0];
+      return { protocolVersion, capabilities, serverInfo: this.info, instructions };
     }
     if (method !== "tools/call") return null;
     const { name, arguments: args, _meta } = params;
-    if (typeof name !== "string") throw new McpParamsError("tools/call needs a tool name (a string)");
-    if (args !== undefined && !isObject(args)) throw new McpParamsError("a tool's arguments are an object");
+    if (typeof name !== "string") throw new McpError("tools/call needs a tool name (a string)");
+    if (args !== undefined && !isObject(args)) throw new McpError("a tool's arguments are an object");
     return await this.tools.call(name, args, isObject(_meta) ? _meta : undefined);
   }
 }
@@ -8243,7 +8294,7 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
   logWarn(`started a bus at ${url} but it does not answer yet; see ${logFile}`);
 }
 
-/** A session's agent opens this long after `initialized` (or at its first tool call): a health check is gone by then. */
+/** A session's agent opens this long after its client starts (or at a tool call): a health check is gone by then. */
 const OPEN_AFTER_MS = 500;
 /**
  * A start slower than this is reported (stderr, `doctor`): Claude Code shows a server silent for 30 s (MCP_TIMEOUT)
@@ -8290,9 +8341,10 @@ function codexTarget(thread: string): CodexTarget {
 /**
  * The MCP server. It always connects: a problem it can outlive (a configured key that is missing, a broken
  * peers.json or config.json) makes every tool answer with it and its fix, not a bare "Failed to connect".
- * Its session opens only once it is real (OPEN_AFTER_MS after `initialized`, or at the first tool call), never for a
- * health check. Under Codex the session is the thread, learnt from bind_session (the SessionStart hook) or a call's
- * `_meta.threadId`: until then it announces nothing and claims no mail. A Codex subagent is not a session.
+ * Its session opens only once it is real (OPEN_AFTER_MS after the client starts, see onstart, or at the first tool
+ * call), never for a health check. Under Codex the session is the thread, learnt from bind_session (the SessionStart
+ * hook) or a call's `_meta.threadId`: until then it announces nothing and claims no mail. A Codex subagent is not a
+ * session.
  */
 async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   setLogComponent("interlink mcp");
@@ -8389,7 +8441,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     const a = await agentFor(tool, args, meta).catch((e: Error) => fail(`${tool.name} failed: ${e.message}`));
     return a instanceof Agent ? await runTool(a, tool, args) : a;
   };
-  server.oninitialized = () => {
+  server.onstart = () => {
     if (server.client.name === "codex-mcp-client") host = "codex";
     if (problem || healthCheck) return;
     // Under Codex a pinned session needs no binding; otherwise it waits for its thread.
