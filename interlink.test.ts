@@ -11231,16 +11231,23 @@ function installStopHook(n: HostNode, timeout = WAIT_TIMEOUT_S, record?: string)
   fs.writeFileSync(path.join(n.home, ".claude", "settings.json"), JSON.stringify(settings, null, 2));
 }
 
-/** A session of a node with interlink from an --mcp-config file (the copy-paste install's server), its first turn done. */
+/**
+ * A session of a node with interlink from an --mcp-config file (the copy-paste install's server, or `server`), its first
+ * turn done.
+ */
 async function claudeSession(
   n: HostNode,
-  opts: { args?: string[]; env?: Record<string, string>; mcp?: "config" | "none"; firstTurn?: boolean } = {},
+  opts: {
+    args?: string[];
+    env?: Record<string, string>;
+    mcp?: "config" | "none";
+    firstTurn?: boolean;
+    server?: string[];
+  } = {},
 ): Promise<ClaudeSession> {
   const mcp = path.join(n.dir, "mcp.json");
-  fs.writeFileSync(
-    mcp,
-    JSON.stringify({ mcpServers: { interlink: { command: process.execPath, args: [SCRIPT, "mcp"] } } }),
-  );
+  const [command, ...args] = opts.server ?? [process.execPath, SCRIPT, "mcp"];
+  fs.writeFileSync(mcp, JSON.stringify({ mcpServers: { interlink: { command, args } } }));
   const argv = [
     CLAUDE_BIN!,
     "-p",
@@ -11262,6 +11269,44 @@ async function claudeSession(
     await s.results(1);
   }
   return s;
+}
+
+/**
+ * `interlink.ts mcp` behind `tee`, as fixtures/mcp was recorded: `command` starts it; `sent` is what the host wrote to
+ * its stdin and `answered` what it wrote back, a JSON-RPC message a line.
+ */
+function recordedServer(dir: string) {
+  const files = { sent: path.join(dir, "mcp-sent.jsonl"), answered: path.join(dir, "mcp-answered.jsonl") };
+  const read = (f: string) =>
+    // deno-lint-ignore no-explicit-any -- JSON-RPC messages
+    (fs.existsSync(f) ? fs.readFileSync(f, "utf8") : "").split("\n").filter(Boolean).map((l): any => JSON.parse(l));
+  const tee = 'sent=$1 answered=$2; shift 2; tee "$sent" | "$@" | tee "$answered"';
+  return {
+    command: ["sh", "-c", tee, "sh", files.sent, files.answered, process.execPath, SCRIPT, "mcp"],
+    sent: () => read(files.sent),
+    answered: () => read(files.answered),
+  };
+}
+
+/**
+ * What a host's recorded start shows of its MCP era: the methods are the fixture's (fixtures/mcp/<fixture>.jsonl: the
+ * recording is what the host sends); in 2026-07-28 every request names that version and every result is complete, in
+ * 2025 the handshake is `initialize` with `era` and no result carries 2026's members.
+ */
+function expectEra(rec: ReturnType<typeof recordedServer>, era: string, fixture: string): void {
+  const recorded = fs.readFileSync(path.join(REPO, "fixtures", "mcp", `${fixture}.jsonl`), "utf8").trim().split("\n");
+  expect(rec.sent().map((m) => m.method)).toEqual(recorded.map((l) => JSON.parse(l).method));
+  const requests = rec.sent().filter((m) => "id" in m), results = rec.answered().map((a) => a.result);
+  expect(results.length).toBe(requests.length); // every request answered, none with an error
+  if (era === "2026-07-28") {
+    expect(requests.map((r) => r.params._meta["io.modelcontextprotocol/protocolVersion"])).toEqual(
+      requests.map(() => era),
+    );
+    expect(results.map((r) => r.resultType)).toEqual(requests.map(() => "complete"));
+  } else {
+    expect(requests[0]).toMatchObject({ method: "initialize", params: { protocolVersion: era } });
+    expect(results.filter((r) => "resultType" in r || "ttlMs" in r)).toEqual([]);
+  }
 }
 
 /** Resolves once a node's server has opened its session (its agent.lock is held). */
@@ -11304,6 +11349,28 @@ describe("real hosts: Claude Code sessions through interlink", () => {
     installStopHook(b, timeout);
     return { a, b };
   }
+
+  hostTest(
+    "Claude Code 2.1.332 starts interlink in 2026-07-28 (server/discover, then requests naming that version, no initialize), and in 2025-11-25 with MCP_PROTOCOL_NEGOTIATION=legacy; either way its model is offered the tools and its call is answered",
+    async () => {
+      await Promise.all(["2026-07-28", "2025-11-25"].map(async (era) => {
+        const n = await hostNode(root, `era-${era}`, bus.url, fake);
+        const rec = recordedServer(n.dir);
+        fake.on(n.name, "list my peers", { tool: "mcp__interlink__list_peers", input: {} });
+        const env: Record<string, string> = era === "2026-07-28" ? {} : { MCP_PROTOCOL_NEGOTIATION: "legacy" };
+        const s = await claudeSession(n, { server: rec.command, env });
+        try {
+          s.send("list my peers");
+          await fake.waitFor((r) => r.session === n.name && r.latest.includes("no peers yet"), "the call's answer");
+        } finally {
+          await s.stop();
+        }
+        expect(fake.of(n.name).at(-1)!.tools).toContain("mcp__interlink__send_message");
+        expectEra(rec, era, `claude-code-2.1.332-${era}`);
+      }));
+    },
+    120_000,
+  );
 
   hostTest(
     "both install forms connect and list the tools: the plugin (marketplace add + install) and the copy-paste config",
@@ -12099,6 +12166,63 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     const last = fake.of(home).at(-1);
     return (last?.users ?? []).filter((t) => t.includes(needle)).length;
   };
+
+  codexTest(
+    "Codex 0.171 starts interlink in 2026-07-28 with [features] mcp_2026_07_28 and CODEX_MCP_PROTOCOL_VERSION in the server's env (server/discover, then requests naming that version), in 2025-06-18 without; either way its call is answered",
+    async () => {
+      await Promise.all(["2026-07-28", "2025-06-18"].map(async (era) => {
+        const n = await makeNodeFiles(root, `cx-era-${era}`);
+        const home = path.join(n.dir, "codex-home"), ws = path.join(n.dir, "ws"), rec = recordedServer(n.dir);
+        fs.mkdirSync(home, { recursive: true });
+        fs.mkdirSync(ws, { recursive: true });
+        const modern = era === "2026-07-28", [command, ...args] = rec.command;
+        const env = {
+          INTERLINK_KEY: n.keyFile,
+          INTERLINK_PEERS: n.peersFile,
+          INTERLINK_STATE: n.stateDir,
+          INTERLINK_CONFIG: path.join(n.dir, "config.json"),
+          INTERLINK_URL: bus.url,
+          ...modern ? { CODEX_MCP_PROTOCOL_VERSION: era } : {},
+        };
+        const q = (v: string) => JSON.stringify(v); // a TOML basic string, for these paths and words
+        fs.writeFileSync(
+          path.join(home, "config.toml"),
+          [
+            'model = "fake-model"',
+            'model_provider = "fake"',
+            'approval_policy = "never"',
+            'sandbox_mode = "read-only"',
+            "check_for_update_on_startup = false",
+            ...modern ? ["[features]", "mcp_2026_07_28 = true"] : [],
+            "[model_providers.fake]",
+            'name = "fake"',
+            `base_url = ${q(fake.baseUrl(n.name))}`,
+            'wire_api = "responses"',
+            'env_key = "FAKE_OPENAI_KEY"',
+            `[projects.${q(ws)}]`,
+            'trust_level = "trusted"',
+            "[mcp_servers.interlink]",
+            `command = ${q(command)}`,
+            `args = [${args.map(q).join(", ")}]`,
+            'default_tools_approval_mode = "approve"',
+            "[mcp_servers.interlink.env]",
+            ...Object.entries(env).map(([k, v]) => `${k} = ${q(v)}`),
+            "",
+          ].join("\n"),
+        );
+        fake.on(n.name, "list my peers", { tool: "list_peers", args: {} });
+        const run = await spawnAsync(CODEX_BIN!, ["exec", "--skip-git-repo-check", "list my peers"], {
+          cwd: ws,
+          env: codexEnv(home, n),
+          timeout: 90_000,
+        });
+        expect({ status: run.status, err: run.status ? run.stderr : "" }).toEqual({ status: 0, err: "" });
+        await fake.waitFor((r) => r.home === n.name && r.latest.includes("no peers yet"), "the call's answer");
+        expectEra(rec, era, `codex-0.171-${era}`);
+      }));
+    },
+    120_000,
+  );
 
   codexTest(
     "a Codex session binds to its thread through the SessionStart hook, and through a tool call's _meta without it; unbound it announces nothing",
