@@ -656,6 +656,47 @@ describe("the gate", () => {
     expect(replay.full(NOW + FRESH_PAST_MS + 1, alice.publicKey)).toBe(false); // room again once they age out
   });
 
+  test("strangers' knocks never shrink a peer's share: 64 free keys knock once each, and alice, far under her share, still gets in", async () => {
+    const replay = new ReplayMemory(1000);
+    const both = parsePeers(JSON.stringify({ alice: { key: alice.publicKey }, eve: { key: eve.publicKey } }));
+    for (let i = 0; i < 900; i++) replay.remember(eve.publicKey, `e${i}`, NOW, NOW);
+    for (let i = 0; i < 100; i++) replay.remember(alice.publicKey, `a${i}`, NOW, NOW); // the cap: 1,000 fresh
+    const stranger = () => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    const judge = async (from: Identity, draft: Partial<Parameters<typeof signMessage>[1]>) => {
+      const v = await decide(await sign(from, draft), bob.publicKey, both, NOW, replay);
+      if (v.verdict !== "reject") replay.remember(v.msg.from, v.msg.msg_id, v.msg.ts, NOW);
+      return v.verdict === "reject" ? v.reason : v.verdict;
+    };
+    for (let i = 0; i < 64; i++) {
+      expect(await judge(await stranger(), { kind: "pair_request", text: "x" })).toBe("pair_request");
+    }
+    // alice holds 100, under her share of 500 (the cap split between the two peers held, whatever knocked).
+    expect(await judge(alice, { text: "still welcome" })).toBe("deliver");
+    // The strangers are one sender among themselves, held to the share of one more peer (a third): past it, refused.
+    for (let i = 0; i < 270; i++) replay.remember(`k${i}`, "x", NOW, NOW); // 334 strangers' entries
+    expect(await judge(await stranger(), { kind: "pair_request", text: "x" })).toBe("busy");
+    expect(await judge(alice, { text: "and again" })).toBe("deliver");
+  });
+
+  test("a flood of strangers' knocks cannot fill the replay memory for everyone: past the cap they are refused, and a peer still gets its share", async () => {
+    const replay = new ReplayMemory(20);
+    const judge = async (from: Identity, draft: Partial<Parameters<typeof signMessage>[1]>) => {
+      const v = await decide(await sign(from, draft), bob.publicKey, peers, NOW, replay);
+      if (v.verdict !== "reject") replay.remember(v.msg.from, v.msg.msg_id, v.msg.ts, NOW);
+      return v.verdict === "reject" ? v.reason : v.verdict;
+    };
+    const knocks: string[] = [];
+    for (let i = 0; i < 60; i++) {
+      const s = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+      knocks.push(await judge(s, { kind: "pair_request", text: "x" }));
+    }
+    expect(knocks.filter((v) => v === "pair_request").length).toBe(20); // the cap, then refused for good
+    expect(knocks.slice(20).every((v) => v === "busy")).toBe(true);
+    const alices: string[] = [];
+    for (let i = 0; i < 20; i++) alices.push(await judge(alice, { text: `a${i}` }));
+    expect(alices.every((v) => v === "deliver")).toBe(true); // her whole share (the cap: she is the one peer)
+  });
+
   test("a sender whose entries have all aged out is not held to its share for them: the share counts fresh entries only", () => {
     const replay = new ReplayMemory(4);
     for (let i = 0; i < 4; i++) replay.remember("alice", `a${i}`, NOW, NOW); // alice fills it
@@ -13450,6 +13491,44 @@ describe("a flooding peer holds off only itself", () => {
         const log = readJsonl(path.join(B.stateDir, "sessions", "bob", "log.jsonl"));
         expect(log.filter((r) => r.t === "owe" && r.msg_id === fromEve.msg_id && r.reason === "busy")).toHaveLength(1);
         expect(log.filter((r) => r.t === "refusal" && r.key === E.id.publicKey && r.reason === "busy")).toHaveLength(1);
+      } finally {
+        await bob.stop();
+        await shutdown();
+      }
+    },
+    60_000,
+  );
+
+  test(
+    "strangers' knocks never shrink a peer's share: 64 free keys knock once each, and alice, who sent 1,600 today, still gets her next message in",
+    async () => {
+      const root = tmpDir();
+      const [A, B, E] = await Promise.all(["alice", "bob", "eve"].map((n) => makeNodeFiles(root, n)));
+      befriend(A, B);
+      befriend(E, B);
+      const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
+      try {
+        // bob's memory holds the day's 100,000 (REPLAY_CAP), all fresh: eve's 98,400 and alice's 1,600.
+        const now = Date.now();
+        for (let i = 0; i < 98_400; i++) bob.state.replay.remember(E.id.publicKey, `e${i}`, now, now);
+        for (let i = 0; i < 1_600; i++) bob.state.replay.remember(A.id.publicKey, `a${i}`, now, now);
+        const route = `${B.id.publicKey}#bob`;
+        // 64 keys that cost nothing knock once each (as many as bob holds for his operator), ahead of alice's message.
+        for (let i = 0; i < 64; i++) {
+          const knocker = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+          const knock = await signMessage(knocker, { to: B.id.publicKey, text: `k${i}`, kind: "pair_request" }, now);
+          await bus.send(route, JSON.stringify(knock), knocker.publicKey);
+        }
+        const fromAlice = await signMessage(A.id, { to: B.id.publicKey, text: "after the knocks" }, now);
+        await bus.send(route, JSON.stringify(fromAlice), A.id.publicKey);
+        bob.startReceiving();
+        await eventually(() => bus.queues.liveCount === 0, "every knock and alice's message handled and acked");
+        expect(bob.state.knocksIn.size).toBe(64); // each held for his operator (KNOCKS_CAP)
+        // alice holds 1,600, far under her share (100,000 split between the two peers held): admitted, not refused.
+        expect(bob.state.inbox.has(`${A.id.publicKey} ${fromAlice.msg_id}`)).toBe(true);
+        const log = readJsonl(path.join(B.stateDir, "sessions", "bob", "log.jsonl"));
+        expect(log.filter((r) => r.t === "refusal" && r.key === A.id.publicKey)).toEqual([]);
       } finally {
         await bob.stop();
         await shutdown();

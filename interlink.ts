@@ -1270,18 +1270,20 @@ class ReplayMemory {
   }
 
   /** True when a message from `sender` (any, if not named) cannot be remembered now: see pressure. */
-  full(nowMs: number, sender?: string): boolean {
-    return this.pressure(nowMs, sender) !== null;
+  full(nowMs: number, sender?: string, isPeer?: (key: string) => boolean): boolean {
+    return this.pressure(nowMs, sender, isPeer) !== null;
   }
 
   /**
    * Why a message from `sender` cannot be remembered now, or null. Nothing fresh is forgotten to make room (its replay
-   * would get in). Past `cap` fresh entries, a sender holding its share (cap / senders held) gets "share": the gate
+   * would get in). Past `cap` fresh entries, a peer holding its share (cap / peers held) gets "share": the gate
    * refuses its message for good, so a peer that filled the memory holds off only itself (a relay hands a route's mail
-   * over in order: one left unacked would hold up every sender's behind it). Others come in up to twice the cap; past
-   * that, "all": every message waits, unacked, until entries age out. Only looks (the gate is pure).
+   * over in order: one left unacked would hold up every sender's behind it). Strangers (`isPeer` false: their knocks)
+   * cost nothing to multiply, so they never count as peers held: together they are one sender, held to the share of
+   * one more peer (cap / (peers held + 1)). Others come in up to twice the cap; past that, "all": every message waits,
+   * unacked, until entries age out. Only looks (the gate is pure).
    */
-  pressure(nowMs: number, sender?: string): "share" | "all" | null {
+  pressure(nowMs: number, sender?: string, isPeer: (key: string) => boolean = () => true): "share" | "all" | null {
     if (this.#seen.size < this.cap) return null;
     let stale = 0;
     const aged = new Map<string, number>(); // sender → its entries in the stale front (bounded by #seen)
@@ -1295,9 +1297,14 @@ class ReplayMemory {
     if (fresh < this.cap) return null;
     if (sender === undefined || fresh >= 2 * this.cap) return "all";
     // Shares of the fresh entries: a sender whose entries have all aged out (not forgotten yet) holds none.
-    let senders = this.#held.size;
-    for (const [by, n] of aged) if (n === this.#held.get(by)) senders--;
-    return (this.#held.get(sender) ?? 0) - (aged.get(sender) ?? 0) >= this.cap / senders ? "share" : null;
+    let peers = 0, strangers = 0;
+    for (const [by, n] of this.#held) {
+      const kept = n - (aged.get(by) ?? 0);
+      if (kept > 0 && isPeer(by)) peers++;
+      else strangers += kept;
+    }
+    const held = isPeer(sender) ? (this.#held.get(sender) ?? 0) - (aged.get(sender) ?? 0) : strangers;
+    return held >= this.cap / (isPeer(sender) ? Math.max(peers, 1) : peers + 1) ? "share" : null;
   }
 
   /** What it holds, oldest first ("<sender> <msg_id>", message ts). */
@@ -1372,7 +1379,7 @@ async function decide(
   if (msg.ts - nowMs > FRESH_FUTURE_MS) return reject("stale", `ts is ${msg.ts - nowMs} ms in the future`);
   if (nowMs - msg.ts > FRESH_PAST_MS) return reject("stale", `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`);
   if (replay.has(msg.from, msg.msg_id)) return reject("replay", `msg_id ${msg.msg_id} already admitted`);
-  const pressure = replay.pressure(nowMs, msg.from);
+  const pressure = replay.pressure(nowMs, msg.from, (key) => peers.byKey.has(key) || key === me);
   if (pressure === "share") {
     const detail =
       `the replay memory holds ${replay.cap} messages of the last 24 h, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`;
