@@ -5433,6 +5433,49 @@ describe("delegation across hops: the chain, and what each node decides (pure)",
     expect(row).toContain(`for ${fingerprint(alice.publicKey)}'s operator, by bob's word)`);
   });
 
+  test("list_tasks words: a chain is its sender's claim, so every row that carries it says whose word it is, the sub-task carol opens for bob's task and the question she forwards to bob too", async () => {
+    const { toCarol, chain } = await bobsNode(); // bob's chain says "logo" is work for alice
+    const dave = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    const peers = parsePeers(JSON.stringify({ bob: { key: bob.publicKey }, dave: { key: dave.publicKey } }));
+    const names = { petnameOf: (k: string) => peers.byKey.get(k), peers: () => peers };
+    const carols = new NodeState(() => NOW);
+    carols.apply({ t: "in", at: NOW, peer: "bob", msg: toCarol, chain });
+    // carol hands part of it to dave, as a sub-task of bob's "logo"; dave asks; carol's node forwards it up to bob.
+    const p = prepareSend(
+      peers,
+      carols.tasks,
+      { to: "dave", text: "pick the colours", task_id: "colours", parent_task_id: "logo" },
+      carol.publicKey,
+      { selfName: "carol" },
+    );
+    const toDave = await signMessage(carol, p.draft, NOW);
+    const sub = await signChainOf(carol, toDave, p.chain!);
+    carols.apply({ t: "out", at: NOW, peer: "dave", recipient: dave.publicKey, msg: toDave, chain: sub });
+    const q = await signMessage(
+      dave,
+      { to: carol.publicKey, text: "?", task_id: "colours", status: "needs_input" },
+      NOW,
+    );
+    carols.apply({ t: "in", at: NOW, peer: "dave", msg: q });
+    const up = await signMessage(carol, { to: bob.publicKey, text: "q", task_id: "logo", status: "needs_input" }, NOW);
+    const forward = { peer: dave.publicKey, task_id: "colours", question: q.msg_id };
+    carols.apply({ t: "out", at: NOW, peer: "bob", recipient: bob.publicKey, msg: up, forward });
+    const row = (peer: string, task: string) =>
+      describeTask(names, carols.tasks.get(`${peer} ${task}`)!, carols.outgoing, carol.publicKey);
+    const alices = `${fingerprint(alice.publicKey)}'s operator, by bob's word`;
+    expect(row(bob.publicKey, "logo")).toContain(`(owned by ${alices}; depth 2:`);
+    const colours = row(dave.publicKey, "colours");
+    expect(colours).toContain(`a sub-task of logo, which bob asked of you (owned by ${alices}; depth 3:`);
+    expect(colours).toContain(`dave's question ${q.msg_id} since`);
+    expect(colours).toContain(`is forwarded to bob on task logo (as ${up.msg_id}), for ${alices}: the answer`);
+    // Where the owner is the requester itself (a root task asked by bob), nobody's word is needed: bob asked.
+    const { state } = await bobsNode();
+    const bobsNames = { petnameOf: (k: string) => bobsPeers.byKey.get(k), peers: () => bobsPeers };
+    const bobs = describeTask(bobsNames, state.tasks.get(`${carol.publicKey} logo`)!, state.outgoing, bob.publicKey);
+    expect(bobs).toContain("(owned by alice's operator; depth 2:");
+    expect(bobs).not.toContain("word");
+  });
+
   test("an executor cannot flood the owner's side through bob: past FORWARDS_OPEN_CAP open forwarded questions, the next is bob's own", async () => {
     const { state } = await bobsNode();
     for (let i = 0; i <= FORWARDS_OPEN_CAP; i++) {

@@ -7021,8 +7021,11 @@ function describeOut(e: OutEntry, waits?: string | null): string {
 /** One line of the task table, for the model and `interlink.ts tasks`; `out`: our messages, for their receipts. */
 function describeTask(names: PeerNames, t: TaskRow, out?: ReadonlyMap<string, OutEntry>, selfKey?: string): string {
   const peer = nameOf(names, t.peer_key), name = (k: string) => nameOf(names, k, selfKey);
+  // An owner other than who asked for the work is only that asker's word (its chain, or the parent task's).
+  const asker = t.requested_by === "peer" ? t.peer_key : t.parent?.requester;
+  const word = t.owner !== undefined && asker !== undefined && t.owner !== asker ? `, by ${name(asker)}'s word` : "";
   const owner = t.owner !== undefined
-    ? `${name(t.owner)}'s operator`
+    ? `${name(t.owner)}'s operator${word}`
     : t.requested_by === "peer"
     ? `${peer}'s operator`
     : "your operator";
@@ -7061,11 +7064,7 @@ function describeTask(names: PeerNames, t: TaskRow, out?: ReadonlyMap<string, Ou
         return `BLOCKED on ${peer}'s question ${id}${since}${kept}: ask your operator and answer with in_reply_to=${id}`;
       }
       const by = q.earlier ? `, by your earlier session ${showId(q.earlier)}` : "";
-      // On a peer's request, its owner is that peer's word (its chain).
-      const word = t.requested_by === "peer" && t.owner !== undefined && t.owner !== t.peer_key
-        ? `, by ${peer}'s word`
-        : "";
-      return `waiting for ${peer} to answer your question ${q.msg_id} (asked${since}${by}, for ${owner}${word})`;
+      return `waiting for ${peer} to answer your question ${q.msg_id} (asked${since}${by}, for ${owner})`;
     }),
     `${t.messages} messages, last ${isoTime(t.last_at)}`,
   ];
