@@ -12851,6 +12851,60 @@ describe("pairing by invite: two machines in two commands", () => {
     120_000,
   );
   test.concurrent(
+    "a stolen code used first, then 32 strangers' refused messages: the honest joiner is still told the invite was used, and the inviter's operator sees it (other strangers' traffic never spends an invite's refusals)",
+    async () => {
+      const relay = await startBus("bun", path.join(tmpDir(), "bus"));
+      const A = machine("alice"), M = machine("mallory"), B = machine("bob");
+      try {
+        const invite = start(A, "bun", ["invite", "--for", "bob", "--name", "alice", "--url", relay.url]);
+        const code = await codeOf(invite);
+        // mallory holds a copy of the code and joins first: admitted (the code is a bearer secret until used).
+        expect((await run(M, "bun", ["join", code, "--name", "mallory"])).status).toBe(0);
+        expect(await invite.exited).toBe(0);
+        const a1 = await sessionOn(A, "bun", "a1"); // reads alice's door from now on
+        try {
+          // 32 keys that cost nothing send alice ordinary messages, each asking for receipts: each is refused (not in
+          // her peers), 30 are told so (the strangers' hourly budget), her operator of 3 keys (theirs too).
+          const keyA = await keyOf(A);
+          for (let i = 0; i < 32; i++) {
+            const s = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+            const m = await signMessage(s, { to: keyA, text: `hello ${i}` }, Date.now());
+            const payload = { ...m, reply_to: `${s.publicKey}#s`, receipts: true };
+            const sent = await fetch(`${relay.url}/send`, {
+              method: "POST",
+              body: JSON.stringify({ to: `${keyA}#a1`, payload }),
+            });
+            expect(sent.status).toBe(202);
+          }
+          const log = path.join(await stateOf(A), "sessions", "a1", "log.jsonl");
+          const owed = () => readJsonl(log, () => {}).filter((r) => r.t === "owe" && r.reason === "not_allowlisted");
+          await eventually(() => owed().length === 30, "the strangers' 30 refusal receipts of the hour were spent");
+          await eventually(
+            () => a1.stderr.filter((l) => l.includes(": not_allowlisted:")).length === 32,
+            "all refused",
+          );
+          expect(a1.events.filter((e) => e.meta.kind === "refused").length).toBe(3);
+          // bob, the joiner the code was for, comes second: refused, and told why (not left waiting for an answer).
+          const joined = await run(B, "deno", ["join", code, "--wait", "30"]);
+          expect({ status: joined.status, stderr: joined.stderr }).toEqual({
+            status: 1,
+            stderr: expect.stringContaining("alice refused: the invite was used already, by another key"),
+          });
+          // ... and alice's operator is told someone else used it, whatever the strangers spent.
+          const told = await a1.waitEvent((e) => e.meta.kind === "refused" && e.content.includes("used already"));
+          expect(told.meta.fingerprint).toBe(fingerprint(await keyOf(B)));
+          expect(peersOf(A)).toEqual({ bob: { key: await keyOf(M) } }); // mallory, filed as the invite's "bob"
+        } finally {
+          await a1.close();
+        }
+      } finally {
+        await stop(relay);
+      }
+    },
+    150_000,
+  );
+
+  test.concurrent(
     "refused before anything is written: a malformed, a newer, a cut and a one-character-changed code, an expired one, a relay B cannot reach, and clocks too far apart",
     async () => {
       const inviter = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
@@ -13443,7 +13497,7 @@ describe("pairing by invite: two machines in two commands", () => {
     expect(refused.map((e) => e.do)).toEqual(["log", "append", "sync", "append", "sync", "ack"]);
     expect(refused[3]).toEqual({
       do: "append",
-      records: [{ t: "owe", route: ctx.replyTo!, msg_id: "m1", reason: "invite_used" }],
+      records: [{ t: "owe", route: ctx.replyTo!, msg_id: "m1", reason: "invite_used", invite: invite.id }], // its budget
     });
 
     // The address to share: a private one on a real interface; a bridge's, loopback and link-local come after or not at all.

@@ -2990,7 +2990,9 @@ type Notice = Exclude<InboxItem, MessageItem>;
 /** Replay memory and the inbox key messages by sender and msg_id: msg_ids are the sender's choice. */
 const messageKey = (from: string, msgId: string): string => `${from} ${msgId}`;
 const knockItem = (key: string, msgId: string): string => `knock ${key} ${msgId}`;
-const refusalItem = (key: string, reason: string): string => `refused ${key} ${reason}`;
+/** A refusal summary's item: per sender and reason, and per invite of ours when it is about one (see noticeRefusal). */
+const refusalItem = (key: string, reason: string, invite?: string): string =>
+  `refused ${key} ${reason}${invite ? ` ${invite}` : ""}`;
 const pairedItem = (key: string, invite: string): string => `paired ${key} ${invite}`;
 
 /** The inbox item that counts the knocks past KNOCKS_SHOWN_PER_HOUR. */
@@ -3174,15 +3176,18 @@ type JournalRecord =
    * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
    */
   | { t: "knock"; at: number; key: string; name: string; msg_id: string; ts: number; reply_to?: string; quiet?: true }
-  /** A sender's first refusal for a reason worth the operator's attention (repeats are counted in memory). */
-  | { t: "refusal"; at: number; key: string; reason: Refusal; detail: string }
+  /**
+   * A sender's first refusal for a reason worth the operator's attention (repeats are counted in memory); `invite`:
+   * the invite of ours it was about (see refusedInvite).
+   */
+  | { t: "refusal"; at: number; key: string; reason: Refusal; detail: string; invite?: string }
   /**
    * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
    * "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
    */
   | { t: "paired"; at: number; key: string; how: PairOutcome; petname?: string; msg?: SignedMessage; invite?: string }
-  /** A message refused by the gate, reported to its sender by a receipt (to `route`) that is still owed. */
-  | { t: "owe"; at: number; route: string; msg_id: string; reason: Refusal; skew_ms?: number }
+  /** A message refused by the gate (or `invite`, ours), reported to its sender by a receipt (to `route`) still owed. */
+  | { t: "owe"; at: number; route: string; msg_id: string; reason: Refusal; skew_ms?: number; invite?: string }
   /** A peer's receipt that told us something new; `lines`: which reports of its text (indexes) were new. */
   | { t: "receipt"; at: number; peer: string; msg: SignedMessage; lines?: number[] }
   /** In an ended session's journal: everything it still had to do now belongs to session `to`. */
@@ -3399,7 +3404,7 @@ const remembered = record({
   replay: optional(pairs(int)), // only in checkpoints of 0.5.0: the per-day replay files (SeenLog) hold it
   shown: items(str),
   refusal_shown: pairs(int),
-  refusals_reported: pairs(record({ key: str, at: int })),
+  refusals_reported: pairs(record({ key: str, at: int, invite: optStr })),
   knocks_shown: items(int),
   pushed: pairs(record({ at: int, item: inboxItem })),
   confirming: items(str),
@@ -3433,10 +3438,10 @@ const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<Re
     }),
   shown: (o) => fields(o, { item: str, via: oneOf(SHOWN_VIAS) }),
   knock: (o) => fields(o, { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag }),
-  refusal: (o) => fields(o, { key: str, reason, detail: (o, k) => optStr(o, k) ?? "" }),
+  refusal: (o) => fields(o, { key: str, reason, detail: (o, k) => optStr(o, k) ?? "", invite: optStr }),
   paired: (o) =>
     fields(o, { key: str, how: oneOf(PAIR_OUTCOMES), petname: optStr, msg: optional(message), invite: optStr }),
-  owe: (o) => fields(o, { route: str, msg_id: str, reason, skew_ms: optInt }),
+  owe: (o) => fields(o, { route: str, msg_id: str, reason, skew_ms: optInt, invite: optStr }),
   receipt: (o) => fields(o, { peer: str, msg: message, lines: optional(listOf(int)) }),
   moved: (o) => fields(o, { to: str }),
   adopted: (o) => fields(o, { session: str, carried }),
@@ -3575,8 +3580,8 @@ class NodeState {
   readonly wantsShown = new BoundedMap<string, { route: string; msgId: string }>(RECEIPTS_WANTED_CAP);
   /** Peer sessions that said goodbye, and when: no message is routed there, and receipts wait until they are back. */
   readonly closed = new BoundedMap<string, number>(1024);
-  /** Refusals reported by receipt (message key → sender key, when), for dedup and the hourly bound per peer. */
-  readonly refusalsReported = new BoundedMap<string, { key: string; at: number }>(4096);
+  /** Refusals reported by receipt (message key → sender key, when, the invite it was about), for dedup and bounds. */
+  readonly refusalsReported = new BoundedMap<string, { key: string; at: number; invite?: string }>(4096);
   /** Earlier sessions of ours this one adopted, and when each ended: their relay routes are drained here. */
   readonly drains = new BoundedMap<string, number>(ROUTES_DRAINED_CAP);
   /** Our messages sent to each route that no receipt has confirmed yet (see SEND_WINDOW). */
@@ -3681,7 +3686,7 @@ class NodeState {
     },
     owe: (r) => {
       const { route, msg_id, at, reason } = r, key = parseRoute(route).key;
-      this.refusalsReported.set(messageKey(key, msg_id), { key, at });
+      this.refusalsReported.set(messageKey(key, msg_id), { key, at, ...some("invite", r.invite) });
       this.#owe(route, { state: "refused", msg_id, at, reason, ...some("skew_ms", r.skew_ms) });
     },
     receipt: (r) => {
@@ -3722,7 +3727,7 @@ class NodeState {
       }
     },
     refusal: (r) => {
-      const id = refusalItem(r.key, r.reason);
+      const id = refusalItem(r.key, r.reason, r.invite);
       const waiting = this.inbox.get(id);
       if (waiting?.kind === "refusals") waiting.count++;
       else this.inbox.set(id, { kind: "refusals", id, at: r.at, key: r.key, reason: r.reason, count: 1 });
@@ -3946,14 +3951,9 @@ class NodeState {
     this.owed.set(route, lines);
   }
 
-  refusalsReportedSince(key: string, sinceMs: number): number {
-    return [...this.refusalsReported.values()].filter((r) => r.key === key && r.at >= sinceMs).length;
-  }
-
-  /** Refusals reported to non-peers since `sinceMs` (one bound for all strangers). */
-  strangerRefusalsSince(peers: Peers, selfKey: string, sinceMs: number): number {
-    const stranger = (key: string) => !peers.byKey.has(key) && key !== selfKey;
-    return [...this.refusalsReported.values()].filter((r) => r.at >= sinceMs && stranger(r.key)).length;
+  /** Refusals reported since `sinceMs` that `which` counts (to one key, to strangers, about one invite). */
+  refusalsReportedSince(sinceMs: number, which: (r: { key: string; invite?: string }) => boolean): number {
+    return [...this.refusalsReported.values()].filter((r) => r.at >= sinceMs && which(r)).length;
   }
 
   /** Forgets knocks older than the freshness window: their sender has long moved on. */
@@ -5216,29 +5216,41 @@ function refuse(v: Refused, ctx: InboundContext, before: Effect[] = []): Effect[
 }
 
 /**
+ * The invite of ours a refused knock names, when this node has it (used, expired, revoked, or a proof that does not
+ * match): its refusals are told on budgets of its own, which only those who hold its code (or saw it on the wire, as a
+ * relay, which can drop the answer anyway) can spend. An id nobody issued costs nothing to make: it has none.
+ */
+function refusedInvite(v: Refused): string | undefined {
+  const proof = isInviteRefusal(v.reason) && v.reason !== "invite_unknown" && parseInviteProof(v.msg?.in_reply_to);
+  return typeof proof === "object" && proof ? proof.id : undefined;
+}
+
+/**
  * A refusal worth the operator's attention becomes one summary per sender and reason: recorded once, then counted in
  * memory, not again for REFUSAL_REPEAT_MS once shown; REFUSAL_NOTICES_CAP at most. A flood costs the journal a line per
  * sender and hour, and the model one line.
  */
 function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (!v.msg || !REFUSALS_SHOWN.has(v.reason)) return [];
-  const id = refusalItem(v.msg.from, v.reason);
+  const invite = refusedInvite(v), id = refusalItem(v.msg.from, v.reason, invite);
   const waiting = ctx.state.inbox.get(id);
   if (waiting?.kind === "refusals") return [{ do: "count", id }];
   if (ctx.nowMs - (ctx.state.refusalShownAt.get(id) ?? 0) < REFUSAL_REPEAT_MS) return [];
   if (ctx.state.refusalNotices >= REFUSAL_NOTICES_CAP) return [];
   const isPeer = (key: string) => ctx.peers.byKey.has(key) || key === ctx.selfKey;
   if (!isPeer(v.msg.from)) {
-    // Strangers' notices of the last hour: waiting ones, and shown ones (their ids are "refused <key> <reason>").
+    // Strangers' notices of the last hour, waiting or shown (ids "refused <key> <reason>[ <invite>]"): one budget for
+    // all, and one for each invite of ours (see refusedInvite), so no other stranger's traffic hides a used code.
     const hourAgo = ctx.nowMs - 60 * 60_000;
-    let made = 0;
-    for (const i of ctx.state.inbox.values()) if (i.kind === "refusals" && !isPeer(i.key)) made++;
-    for (const [shown, at] of ctx.state.refusalShownAt) {
-      if (at >= hourAgo && shown.startsWith("refused ") && !isPeer(shown.split(" ")[1])) made++;
-    }
-    if (made >= STRANGER_NOTICES_PER_HOUR) return [];
+    const shown = [...ctx.state.refusalShownAt].filter(([i, at]) => at >= hourAgo && i.startsWith("refused "));
+    const made = [...ctx.state.inbox.keys(), ...shown.map(([i]) => i)].filter((i) => {
+      const [tag, key, , about] = i.split(" ");
+      return tag === "refused" && !isPeer(key) && about === invite;
+    });
+    if (made.length >= STRANGER_NOTICES_PER_HOUR) return [];
   }
-  const record: NewRecord = { t: "refusal", key: v.msg.from, reason: v.reason, detail: v.detail.slice(0, 200) };
+  const detail = v.detail.slice(0, 200);
+  const record: NewRecord = { t: "refusal", key: v.msg.from, reason: v.reason, detail, ...some("invite", invite) };
   const push: Effect[] = ctx.canPush ? [{ do: "push", id }] : [];
   return [{ do: "append", records: [record] }, ...push, { do: "sync" }];
 }
@@ -5253,22 +5265,25 @@ function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const joining = msg?.kind === "pair_request" && parseInviteProof(msg.in_reply_to) !== null;
   if (!msg || (msg.kind !== "message" && !joining) || !ctx.wantsReceipts) return [];
   const hourAgo = nowMs - 60 * 60_000;
-  const peer = peers.byKey.has(msg.from) || msg.from === ctx.selfKey;
+  const isPeer = (key: string) => peers.byKey.has(key) || key === ctx.selfKey, peer = isPeer(msg.from);
+  const left = (which: (r: { key: string; invite?: string }) => boolean) =>
+    state.refusalsReportedSince(hourAgo, which) < RECEIPT_REFUSALS_PER_HOUR;
   // From a peer: a message from our future (one too old was held or replayed by a relay; a sender re-signs before a
   // day), or over its share (busy). From a key not in our peers (it may list us: a one-sided pairing), that we
   // refused it, so it can knock again; strangers together get RECEIPT_REFUSALS_PER_HOUR an hour. A knock through an
-  // invite: why the invite, or its time, was refused (`join` waits for that).
-  const strangersLeft = state.strangerRefusalsSince(peers, ctx.selfKey ?? "", hourAgo) < RECEIPT_REFUSALS_PER_HOUR;
+  // invite: why the invite, or its time, was refused (`join` waits for that), on that invite's own budget if we have it.
+  const strangersLeft = left((r) => !r.invite && !isPeer(r.key)), about = refusedInvite(v);
   const stale = v.reason === "stale" && (joining ? peer || strangersLeft : msg.ts > nowMs && peer);
   const unpaired = !joining && v.reason === "not_allowlisted" && !peer && strangersLeft;
-  const invite = joining && isInviteRefusal(v.reason) && (peer || strangersLeft);
+  const invite = joining && isInviteRefusal(v.reason) &&
+    (peer || (about ? left((r) => r.invite === about) : strangersLeft));
   const busy = !joining && v.reason === "busy" && peer; // over its share (see ReplayMemory.pressure): told why
   if (!stale && !unpaired && !invite && !busy) return [];
   if (state.refusalsReported.has(messageKey(msg.from, msg.msg_id))) return [];
-  if (state.refusalsReportedSince(msg.from, hourAgo) >= RECEIPT_REFUSALS_PER_HOUR) return [];
+  if (!left((r) => r.key === msg.from)) return [];
   const route = receiptRoute(msg, ctx.replyTo);
   const skew = stale ? { skew_ms: Math.min(Math.round(msg.ts - nowMs), 1e12) } : {};
-  const owe: NewRecord = { t: "owe", route, msg_id: msg.msg_id, reason: v.reason, ...skew };
+  const owe: NewRecord = { t: "owe", route, msg_id: msg.msg_id, reason: v.reason, ...skew, ...some("invite", about) };
   return [{ do: "append", records: [owe] }, { do: "sync" }];
 }
 
