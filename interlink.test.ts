@@ -10545,7 +10545,7 @@ describe("delegation across hops: alice and carol on Bun, bob and dave on Deno, 
       const sub = await handedOn("site1", "logo1");
       expect(sub).toContain("opens a sub-task of site1, depth 2 of at most 4 here: alice → you → carol");
       expect(await carol.ok("list_tasks")).toContain(
-        `bob's node says it serves its task site1 for ${fp(A)} (owned by ${fp(A)}'s operator; depth 2: ${
+        `bob's node says it serves its task site1 for ${fp(A)} (owned by ${fp(A)}'s operator, by bob's word; depth 2: ${
           fp(A)
         } → bob → you)`,
       );
