@@ -10357,7 +10357,10 @@ describe("the journal: one typed record per line, read through one codec", () =>
       replay: [[`${alice.publicKey} ${m.msg_id}`, 5]],
       shown: ["i0"],
       refusal_shown: [["r", 2]],
-      refusals_reported: [[`${alice.publicKey} m`, { key: alice.publicKey, at: 2 }]],
+      refusals_reported: [
+        [`${alice.publicKey} m`, { key: alice.publicKey, at: 2 }],
+        [`${eve.publicKey} k`, { key: eve.publicKey, at: 2, invite: "8899aabbccddeeff" }],
+      ],
       knocks_shown: [1, 2],
       pushed: [["i", { at: 2, item: { kind: "knock", id: "k", at: 1, key: alice.publicKey, name: "alice" } }]],
       confirming: [bob.publicKey],
@@ -10402,8 +10405,10 @@ describe("the journal: one typed record per line, read through one codec", () =>
         quiet: true,
       },
       { t: "refusal", at: 1, key: eve.publicKey, reason: "not_allowlisted", detail: "d" },
+      { t: "refusal", at: 1, key: eve.publicKey, reason: "invite_used", detail: "d", invite: "8899aabbccddeeff" },
       { t: "paired", at: 1, key: alice.publicKey, how: "they_accepted", petname: "alice", msg: m },
       { t: "owe", at: 1, route: alice.publicKey, msg_id: "m", reason: "stale", skew_ms: -4 },
+      { t: "owe", at: 1, route: eve.publicKey, msg_id: "k", reason: "invite_used", invite: "8899aabbccddeeff" },
       { t: "receipt", at: 1, peer: "bob", msg: m, lines: [0, 2] },
       { t: "moved", at: 1, to: "next" },
       { t: "adopted", at: 1, session: "old", carried },
@@ -10433,7 +10438,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
         encodeRecord(all[1]),
         JSON.stringify({ t: "teleport", at: 1 }),
         JSON.stringify({ t: "sent", at: 1 }),
-        encodeRecord(all[11]),
+        encodeRecord(all.find((r) => r.t === "moved")!),
       ].join("\n") + "\n",
     );
     const state = new NodeState();
