@@ -55,10 +55,10 @@ import {
   formatInbox,
   FORWARDS_OPEN_CAP,
   FRESH_FUTURE_MS,
-  FRESH_PAST_MS,
   GOODBYE_PREFIX,
   hasSmallOrder,
   headOf,
+  HELD_MAX_MS,
   HttpRelay,
   humanBytes,
   type Identity,
@@ -577,11 +577,11 @@ describe("the gate", () => {
     expect(v.verdict === "reject" && v.reason).toBe("unexpected_kind");
   });
 
-  test("freshness edges: exactly 60 s ahead and exactly 24 h old pass; one ms more does not", async () => {
+  test("freshness edges: exactly 60 s ahead and exactly 30 days old (a relay held it) pass; one ms more does not", async () => {
     expect((await gate(await sign(alice, {}, NOW + FRESH_FUTURE_MS))).verdict).toBe("deliver");
     expect((await gate(await sign(alice, {}, NOW + FRESH_FUTURE_MS + 1))).verdict).toBe("reject");
-    expect((await gate(await sign(alice, {}, NOW - FRESH_PAST_MS))).verdict).toBe("deliver");
-    expect((await gate(await sign(alice, {}, NOW - FRESH_PAST_MS - 1))).verdict).toBe("reject");
+    expect((await gate(await sign(alice, {}, NOW - HELD_MAX_MS))).verdict).toBe("deliver");
+    expect((await gate(await sign(alice, {}, NOW - HELD_MAX_MS - 1))).verdict).toBe("reject");
   });
 
   test("the gate checks the signature before the allowlist: a stranger's tampered message is bad_signature", async () => {
@@ -597,12 +597,12 @@ describe("the gate", () => {
 
   test("replay memory forgets what freshness already rejects, and never a fresh entry to make room", () => {
     const r = new ReplayMemory(3);
-    r.remember("a", "old", NOW - FRESH_PAST_MS - 1, NOW);
+    r.remember("a", "old", NOW - HELD_MAX_MS - 1, NOW);
     expect(r.has("a", "old")).toBe(false);
     for (const id of ["1", "2", "3"]) r.remember("a", id, NOW, NOW);
     expect(r.full(NOW)).toBe(true);
     expect(r.has("a", "1")).toBe(true); // kept: its replay stays refused
-    expect(r.full(NOW + FRESH_PAST_MS + 1)).toBe(false); // room again once they age out
+    expect(r.full(NOW + HELD_MAX_MS + 1)).toBe(false); // room again once they age out
   });
 
   test("a replay is still refused after the memory filled up: past twice the cap new messages wait (unacked) instead of pushing it out", async () => {
@@ -653,7 +653,7 @@ describe("the gate", () => {
     // A third sender's share is a third; the whole never passes twice the cap, whoever asks.
     for (let i = 0; replay.size < 200; i++) replay.remember(`k${i % 97}`, `x${i}`, NOW, NOW);
     expect(replay.full(NOW, "someone-new")).toBe(true);
-    expect(replay.full(NOW + FRESH_PAST_MS + 1, alice.publicKey)).toBe(false); // room again once they age out
+    expect(replay.full(NOW + HELD_MAX_MS + 1, alice.publicKey)).toBe(false); // room again once they age out
   });
 
   test("strangers' knocks never shrink a peer's share: 64 free keys knock once each, and alice, far under her share, still gets in", async () => {
@@ -707,20 +707,20 @@ describe("the gate", () => {
         replay.remember(who, `${who}${i}`, later, later);
       }
     }
-    // A day on, alice's four are stale (freshness alone refuses their replays); the four fresh ones fill the cap.
-    const dayOn = NOW + FRESH_PAST_MS + 1;
+    // 30 days on, alice's four are stale (the gate alone refuses their replays); the four fresh ones fill the cap.
+    const dayOn = NOW + HELD_MAX_MS + 1;
     expect(replay.full(dayOn, "alice")).toBe(false); // she holds nothing fresh: under her share (4 split by 2)
     expect(replay.full(dayOn, "bob")).toBe(true); // bob holds his share (2) of fresh ones already
   });
 
-  test("replay memory keeps a message for the whole 24 h freshness window, not a minute less", () => {
+  test("replay memory keeps a message for the whole 30 days the gate accepts it, not a minute less", () => {
     const r = new ReplayMemory();
     r.remember("a", "m", NOW, NOW);
-    for (const later of [61_000, 3600_000, FRESH_PAST_MS - 1, FRESH_PAST_MS]) {
+    for (const later of [61_000, 3600_000, HELD_MAX_MS - 1, HELD_MAX_MS]) {
       r.forget(NOW + later);
       expect({ later, remembered: r.has("a", "m") }).toEqual({ later, remembered: true });
     }
-    r.forget(NOW + FRESH_PAST_MS + 1); // from here on freshness alone refuses it
+    r.forget(NOW + HELD_MAX_MS + 1); // from here on the gate refuses it as stale
     expect(r.has("a", "m")).toBe(false);
   });
 });
@@ -5840,8 +5840,9 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
       { state: "refused", msg_id: first.msg_id, at: NOW, reason: "stale", skew_ms: 150_000 },
     ]);
     expect(await owes(first)).toEqual([]); // the same message again (a relay replaying it)
-    // Too old is not reported: its sender re-signs before a day, so a relay held or replayed it.
-    expect(await owes(await signMessage(A.id, { to: B.id.publicKey, text: "old" }, NOW - 25 * 3600_000))).toEqual([]);
+    // Too old is not reported: a relay held it past 30 days, or replayed it.
+    expect(await owes(await signMessage(A.id, { to: B.id.publicKey, text: "old" }, NOW - HELD_MAX_MS - 3600_000)))
+      .toEqual([]);
     expect(await owes(await ahead(A.id), { wantsReceipts: false })).toEqual([]); // it did not ask
     // A key not in bob's peers is told, once, that bob does not have it (not why its clock is off): it may knock.
     const strangers = await ahead(E);
@@ -10185,12 +10186,13 @@ describe("the journal: one typed record per line, read through one codec", () =>
       const after = new NodeState(now);
       new Journal(dir, after, false, now).catchUp();
       // The same state, but for what a checkpoint does not carry: sent messages that need nothing more (shown,
-      // refused, a knock or a receipt, or older than a day), which message_status finds in the history instead.
+      // refused, expired, a knock or a receipt, or signed over 30 days ago), which message_status finds in the history.
       const kept = (s: NodeState) => [
         ...s.pending.keys(),
         ...[...s.outgoing.values()].filter((e) =>
           !s.pending.has(e.msg.msg_id) &&
-          (e.msg.kind === "message" && e.sentAt! >= expected.fixedNow - FRESH_PAST_MS && !e.shown && !e.refusedBy)
+          (e.msg.kind === "message" && e.sentAt !== undefined && e.msg.ts >= expected.fixedNow - HELD_MAX_MS &&
+            !e.shown && !e.refusedBy)
         ).map((e) => e.msg.msg_id),
       ];
       const summary = summarize(before, expected.fixedNow);

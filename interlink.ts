@@ -83,9 +83,15 @@ const CHAIN_DOMAIN = "interlink-chain-v1\0"; // a chain signature: a message's o
 
 /** A sender's clock may run this far ahead of ours before we call its message forged. */
 const FRESH_FUTURE_MS = 60_000;
-/** The bus is durable: a message may legitimately sit in it for a day while we are offline. */
+/** A reference node (and ours of 0.5.0) refuses a message older than this; "the last day" of the operator's views. */
 const FRESH_PAST_MS = 24 * 60 * 60_000;
-/** Re-sign an undelivered message before it would go stale at the recipient (same msg_id, so it still dedupes). */
+/**
+ * The oldest message our gate accepts, and so how long the replay memory remembers one: a relay keeps mail while its
+ * recipient is away (a weekend, a holiday, a laptop in a drawer), and a message it accepted is shown once whenever
+ * the recipient comes back within this long. Past it the message is refused as stale, and its sender is told.
+ */
+const HELD_MAX_MS = 30 * 24 * 60 * 60_000;
+/** Re-sign an unsent message before a reference node would call it stale (same msg_id, so it still dedupes). */
 const RESIGN_AFTER_MS = FRESH_PAST_MS - 60 * 60_000;
 
 const DEFAULT_BUS_PORT = 9440;
@@ -138,7 +144,10 @@ const SEND_TIMEOUT_MS = 5_000;
 const BACKOFF_MIN_MS = 250;
 const BACKOFF_MAX_MS = 30_000;
 
-/** Replay memory bound, far above a day of a few peers' traffic; past it senders get shares, up to twice this. */
+/**
+ * Replay memory bound (entries of the last HELD_MAX_MS, about 200 bytes each): far above a month of a few peers'
+ * traffic (1,000 messages a day is 30,000); past it senders get shares, up to twice this (40 MB at most).
+ */
 const REPLAY_CAP = 100_000;
 /** Sent messages remembered in memory for message_status; older ones are looked up in the journal. */
 const SENT_MEMORY_CAP = 10_000;
@@ -1233,8 +1242,8 @@ const rosterKey = (a: Pick<Announcement, "pubkey" | "session">): string =>
 // ============================================================================
 
 /**
- * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. An entry past the freshness
- * window is forgotten: freshness alone refuses its replay. Rebuilt at start from the replay files (SeenLog) and the
+ * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. An entry older than HELD_MAX_MS
+ * is forgotten: the gate refuses its replay as stale. Rebuilt at start from the replay files (SeenLog) and the
  * journal, so a replay after a restart is still refused. Entries only a journal holds (`logged` false) are written to
  * the replay files before a roll-over or an adoption leaves their records where no start reads.
  */
@@ -1288,7 +1297,7 @@ class ReplayMemory {
     let stale = 0;
     const aged = new Map<string, number>(); // sender → its entries in the stale front (bounded by #seen)
     for (const [key, ts] of this.#seen) {
-      if (ts >= nowMs - FRESH_PAST_MS) break;
+      if (ts >= nowMs - HELD_MAX_MS) break;
       stale++;
       const by = ReplayMemory.#senderOf(key);
       aged.set(by, (aged.get(by) ?? 0) + 1);
@@ -1327,10 +1336,10 @@ class ReplayMemory {
     }
   }
 
-  /** Drops entries past the freshness window, from the front. */
+  /** Drops entries past HELD_MAX_MS, from the front (one admitted late, held long by a relay, waits its turn). */
   forget(nowMs: number): void {
     for (const [key, ts] of this.#seen) {
-      if (ts >= nowMs - FRESH_PAST_MS) break;
+      if (ts >= nowMs - HELD_MAX_MS) break;
       this.#seen.delete(key);
       this.#unlogged.delete(key);
       this.#count(key, -1);
@@ -1377,17 +1386,17 @@ async function decide(
     return reject("not_allowlisted", `${fingerprint(msg.from)} is not in peers.json`);
   }
   if (msg.ts - nowMs > FRESH_FUTURE_MS) return reject("stale", `ts is ${msg.ts - nowMs} ms in the future`);
-  if (nowMs - msg.ts > FRESH_PAST_MS) return reject("stale", `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`);
+  if (nowMs - msg.ts > HELD_MAX_MS) return reject("stale", `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`);
   if (replay.has(msg.from, msg.msg_id)) return reject("replay", `msg_id ${msg.msg_id} already admitted`);
   const pressure = replay.pressure(nowMs, msg.from, (key) => peers.byKey.has(key) || key === me);
   if (pressure === "share") {
     const detail =
-      `the replay memory holds ${replay.cap} messages of the last 24 h, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`;
+      `the replay memory holds ${replay.cap} messages of the last 30 days, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`;
     return reject("busy", detail);
   }
   if (pressure === "all") {
     const detail =
-      `the replay memory holds twice its cap of ${replay.cap} messages of the last 24 h; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
+      `the replay memory holds twice its cap of ${replay.cap} messages of the last 30 days; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
     return { verdict: "reject", reason: "busy", detail, msg, forNow: true };
   }
   switch (msg.kind) {
@@ -3088,7 +3097,7 @@ const REFUSAL_WORDS: Partial<Record<Refusal, string>> = {
   not_allowlisted:
     "they do not have you in their peers (you have them: a one-sided pairing); ask your operator whether to request_pair them again, which asks them to add you",
   busy:
-    "you sent them more than your share of the messages a day they remember (a flood, or a loop): wait, and send less",
+    "you sent them more than your share of the messages of 30 days they remember (a flood, or a loop): wait, and send less",
   invite_unknown:
     "their node knows no such invite (made by another node, or forgotten long after it expired); ask for a new one",
   invite_expired: "the invite had expired; ask for a new one (`interlink.ts invite` on their machine)",
@@ -3893,11 +3902,11 @@ class NodeState {
 
   /**
    * What this session still has to do, for its adopter (`ended`: this session and when it ended) or its checkpoint,
-   * with closed tasks of the last day (a late message on one is still refused) or CLOSED_TASKS_KEPT_MS at a checkpoint.
+   * with closed tasks of HELD_MAX_MS (a late message on one is still refused) or CLOSED_TASKS_KEPT_MS at a checkpoint.
    * Messages get a record each (carriedOut(), the inbox): a backlog is never one line in memory.
    */
   carry(nowMs: number, ended?: { session: string; at: number }): Carried {
-    const since = nowMs - FRESH_PAST_MS;
+    const since = nowMs - HELD_MAX_MS;
     return {
       out: [],
       inbox: [],
@@ -3915,12 +3924,11 @@ class NodeState {
     };
   }
 
-  /** The entries a carry takes, in order: sent messages of the last day whose receipts may still come, the outbox. */
+  /** The entries a carry takes, in order: sent messages whose receipts may still come (HELD_MAX_MS), the outbox. */
   *carriedOut(nowMs: number): Generator<CarriedOut> {
-    const since = nowMs - FRESH_PAST_MS;
     for (const e of this.outgoing.values()) {
-      const { kind } = e.msg;
-      if (!e.sentAt || e.sentAt < since || kind !== "message" || e.shown || e.refusedBy) continue;
+      const { kind, ts } = e.msg;
+      if (!e.sentAt || ts < nowMs - HELD_MAX_MS || kind !== "message" || e.shown || e.refusedBy) continue;
       yield { ...this.#carried(e), sent_at: e.sentAt, via: e.via ?? [], ...some("delivered", e.delivered) };
     }
     for (const e of this.pending.values()) yield this.#carried(e);
@@ -3956,7 +3964,7 @@ class NodeState {
     return [...this.refusalsReported.values()].filter((r) => r.at >= sinceMs && which(r)).length;
   }
 
-  /** Forgets knocks older than the freshness window: their sender has long moved on. */
+  /** Forgets knocks held over a day (FRESH_PAST_MS): their sender has long moved on. */
   expireKnocks(nowMs: number): void {
     for (const [key, k] of this.knocksIn) {
       if (nowMs - k.at <= FRESH_PAST_MS) continue;
@@ -4256,8 +4264,8 @@ class SeenLog {
   #writerFile = "";
 
   constructor(readonly dir: string, readonly replay: ReplayMemory, readonly now: () => number) {
-    // Keep two days: a message admitted yesterday may be replayed for up to FRESH_PAST_MS.
-    const oldest = SeenLog.#name(now() - 2 * FRESH_PAST_MS);
+    // A day's file holds that day's admissions: the last of them may be replayed until HELD_MAX_MS after it.
+    const oldest = SeenLog.#name(now() - HELD_MAX_MS - FRESH_PAST_MS);
     for (const f of namesIn(dir, SEEN_FILE_RE)) if (f < oldest) fs.rmSync(path.join(dir, f), { force: true });
     this.catchUp();
   }
@@ -4294,7 +4302,7 @@ class SeenLog {
   }
 
   /**
-   * Makes the replay files hold, durably, every admission of the last day that `from` knows (this session's replay
+   * Makes the replay files hold, durably, every admission of HELD_MAX_MS that `from` knows (this session's replay
    * memory, or an adopted one's) and they do not: a "seen" record lost to a crash, or one a 0.5.0 checkpoint carried.
    * Run before a roll-over or an adoption leaves those journal records where no start reads them. Returns how many.
    */
@@ -4303,7 +4311,7 @@ class SeenLog {
     const nowMs = this.now();
     const missing =
       (from === this.replay ? from.unlogged() : from.entries().filter(([key]) => !this.replay.logged(key)))
-        .filter(([, ts]) => ts >= nowMs - FRESH_PAST_MS);
+        .filter(([, ts]) => ts >= nowMs - HELD_MAX_MS);
     if (!missing.length) return 0;
     this.#today().append(missing.map(([key, ts]) => {
       const at = key.indexOf(" "); // "<sender> <msg_id>": a key has no space
@@ -4868,13 +4876,13 @@ function noticeText(i: Notice, peers: Peers): string {
   const why: Record<Refusal, string> = {
     not_allowlisted: `${by}not in your peers`,
     stale:
-      `${by}their time is outside the freshness window (a clock off by over a minute, or held over a day); ask your operator to check the clocks`,
+      `${by}their time is outside the freshness window (a clock ahead by over a minute, or held over 30 days); ask your operator to check the clocks`,
     bad_signature: `${n} claiming to be from ${fp} ${was} refused: the signature does not verify (forged or damaged)`,
     wrong_recipient: `${n} addressed to another node ${was} refused`,
     unexpected_kind: `${by}a pair acceptance this node never asked for`,
     malformed: `${n} ${was} refused as malformed`,
     replay: `${n} ${was} refused as replays`,
-    busy: `${by}it sent its share of the messages of a day this node remembers (a flood, or a loop)`,
+    busy: `${by}it sent its share of the messages of 30 days this node remembers (a flood, or a loop)`,
     invite_unknown: `${through} this node does not know`,
     invite_expired: `${through} that had expired`,
     invite_used: `${through} used already (someone else may hold a copy of its code)`,
@@ -6089,7 +6097,7 @@ class Agent {
       await this.seen.complete();
       this.seen.catchUp(); // what was admitted meanwhile has its "seen" record written with its "in" record
       this.journal.catchUp();
-      const since = this.now() - FRESH_PAST_MS;
+      const since = this.now() - HELD_MAX_MS;
       if (this.state.replay.unlogged().some(([, ts]) => ts >= since)) return false;
       return this.journal.roll(() => this.seen.syncNow()); // and on disk before the checkpoint replaces them
     });
@@ -9796,7 +9804,7 @@ if (import.meta.main) exitWith(main(process.argv.slice(2)));
 // The relays (bus.ts, nats.ts): the wire, its bounds, storage and logging they share with the node.
 export { ANNOUNCEMENT_MAX_BYTES, ANNOUNCEMENT_VALUES_MAX, b64urlEncode, BODY_LIMIT_BYTES, BoundedMap, BUS_EXPOSURE };
 export { busDataDir, DEFAULT_BUS_PORT, DiskFullError, errorText, failpoint, field, fingerprint, FormatError };
-export { FRESH_FUTURE_MS, FRESH_PAST_MS, GOODBYE_MS, humanBytes, InterlinkError, intOption, isLoopback, isObject };
+export { FRESH_FUTURE_MS, GOODBYE_MS, HELD_MAX_MS, humanBytes, InterlinkError, intOption, isLoopback, isObject };
 export { JSON_VALUES_MAX, JsonlWriter, jsonShape, logInfo, logWarn, msFromEnv, option, parseAnnouncement, parseRoute };
 export { parseSignedMessage, PidLock, PRESENCE_LIVE_MS, quarantineLine, QUEUE_CAP, RECV_TIMEOUT_MS, recvProofBytes };
 export { redactUrl, RelayError, ROSTER_CAP, ROSTER_PER_KEY_CAP, ROSTER_RETENTION_MS, rosterKey, ROUTE_FULL, runExtra };
@@ -9810,7 +9818,8 @@ export { localBusUrl, lockOwner, messageKey, newPeerName, NODE_OPTIONS, nodeCloc
 export { OPT, parseBusUrls, presence, print, readIdentity, readJsonAnswer, readRoster, readStdin, recordedReports };
 export { refusalWords, ROSTER_ANSWER_MAX_BYTES, ROSTER_ANSWER_VALUES_MAX, runtimeName, scanJournal, scanJsonl };
 export { selfCommand, SEND_WINDOW, SERVER_ROLE, sessionDir, sessionEndedAt, sessionIds, sessionLabel, showId };
-export { showInvisible, SLOW_START_MS, some, taskKey, taskOwner, trustTools, WakeLatch, writeFileAtomic };
+export { FRESH_PAST_MS, showInvisible, SLOW_START_MS, some, taskKey, taskOwner, trustTools, WakeLatch };
+export { writeFileAtomic };
 export type { Identity, JournalRecord, OptionSources, OutEntry, Peers, PeerSession, ReceiptLine, ReceiptState };
 export type { SessionInfo, TaskRow, TaskStatus };
 // dev/: the demo, its harness, the benchmark and the vectors.
