@@ -5819,7 +5819,7 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
     return rows.map((t) => describeTask(names, t, state.outgoing)).join("\n");
   }
 
-  test("a stale message is reported to a peer that asks, once per message, 30 an hour; to a stranger only that it is not a peer; never about a receipt", async () => {
+  test("a stale message (from our future, or held past 30 days) is reported to a peer that asks, once per message, 30 an hour; to a stranger only that it is not a peer; never about a receipt", async () => {
     const state = new NodeState(() => NOW);
     const ahead = (from: Identity, extra: Partial<Draft> = {}) =>
       signMessage(from, { to: B.id.publicKey, text: "from the future", ...extra }, NOW + 150_000);
@@ -5840,9 +5840,11 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
       { state: "refused", msg_id: first.msg_id, at: NOW, reason: "stale", skew_ms: 150_000 },
     ]);
     expect(await owes(first)).toEqual([]); // the same message again (a relay replaying it)
-    // Too old is not reported: a relay held it past 30 days, or replayed it.
-    expect(await owes(await signMessage(A.id, { to: B.id.publicKey, text: "old" }, NOW - HELD_MAX_MS - 3600_000)))
-      .toEqual([]);
+    // Held past 30 days is reported too: it will never be shown (a replay of one delivered: its sender knows better).
+    const held = await signMessage(A.id, { to: B.id.publicKey, text: "old" }, NOW - HELD_MAX_MS - 3600_000);
+    expect(await owes(held)).toEqual([
+      { t: "owe", route: aliceRoute(), msg_id: held.msg_id, reason: "stale", skew_ms: -HELD_MAX_MS - 3600_000 },
+    ]);
     expect(await owes(await ahead(A.id), { wantsReceipts: false })).toEqual([]); // it did not ask
     // A key not in bob's peers is told, once, that bob does not have it (not why its clock is off): it may knock.
     const strangers = await ahead(E);
@@ -5851,7 +5853,7 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
     ]);
     expect(await owes(strangers)).toEqual([]);
     expect(await owes(await ahead(A.id, { kind: "receipt", text: `delivered ${first.msg_id} 1 s` }))).toEqual([]);
-    let reported = 1;
+    let reported = 2;
     for (let i = 0; i < 40; i++) reported += (await owes(await ahead(A.id))).length;
     expect(reported).toBe(30); // the hourly bound per peer
   });
@@ -9805,6 +9807,111 @@ describe("nothing lost while a peer is away", () => {
   }
 });
 
+describe("a peer away for days: what a relay held is shown once, for 30 days; past them its sender is told", () => {
+  /** The relay, and a clock the nodes and (our bus, in this process) it move on together, as days passing would. */
+  async function relayWithClock(kind: "bus" | "nats", root: string) {
+    if (kind === "nats") {
+      const nats = await restartableRelay("nats", root);
+      await nats.up();
+      return { url: nats.url, setClock: (_ms: number) => {}, down: () => nats.down() };
+    }
+    let offset = 0;
+    const bus = await Bus.open(path.join(root, "bus"), { log: () => {}, now: () => Date.now() + offset });
+    const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+    const down = async () => (await server.stop(), await bus.close());
+    return { url: `http://127.0.0.1:${server.port}`, setClock: (ms: number) => void (offset = ms), down };
+  }
+  const DAY = 24 * 3600_000;
+  const lines = (text: string, id: string) => text.split("\n").filter((l) => l.includes(id));
+
+  for (const kind of RELAY_KINDS) {
+    const [ra, rb] = kind === "bus" ? (["bun", "deno"] as const) : (["deno", "bun"] as const);
+    test.concurrent(
+      `${kind}: the relay holds 3 of alice's for bob, away 24 h 30 min: all shown once; one to carol, away 30 days and an hour, is refused as stale and alice is told; one to dave, who never comes back, alice calls expired`,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        const [C, D] = await Promise.all([makeNodeFiles(root, "carol"), makeNodeFiles(root, "dave")]);
+        befriend(A, C);
+        befriend(A, D);
+        const relay = await relayWithClock(kind, root);
+        const at = (ms: number) => ({ INTERLINK_DELIVERY: "inbox", INTERLINK_CLOCK_OFFSET_MS: String(ms) });
+        const later = { INTERLINK_TEST_ENDED_EVERY_MS: "3600000" }; // alice judges nothing herself meanwhile
+        let alice = await McpNode.start(ra, A, relay.url, at(0));
+        const nodes: McpSession[] = [];
+        try {
+          // Now: bob, carol and dave have not run since the pairing; the relay accepts what alice sends each.
+          const toBob: string[] = [];
+          for (const text of ["one", "two", "three"]) {
+            const sent = await alice.ok("send_message", { to: "bob", text: `${text} for bob` });
+            expect(sent).toContain("sent at");
+            toBob.push(msgIdOf(sent));
+          }
+          const toCarol = msgIdOf(await alice.ok("send_message", { to: "carol", text: "for carol" }));
+          const toDave = msgIdOf(await alice.ok("send_message", { to: "dave", text: "for dave" }));
+          await alice.close();
+
+          // 24 h 30 min later bob's machine wakes: each of the 3 is shown to his model once, and alice learns it.
+          relay.setClock(DAY + 30 * 60_000);
+          alice = await McpNode.start(ra, A, relay.url, { ...at(DAY + 30 * 60_000), ...later });
+          const bob = await McpNode.start(rb, B, relay.url, at(DAY + 30 * 60_000));
+          nodes.push(bob);
+          await eventually(() => readNodeLog(B.stateDir).filter((r) => r.t === "in").length >= 3, "bob took the 3");
+          const inbox = await bob.ok("check_inbox");
+          for (const text of ["one", "two", "three"]) expect(inbox.split(`${text} for bob`).length).toBe(2);
+          expect(await bob.ok("check_inbox")).not.toContain("for bob"); // once
+          expect(readNodeLog(B.stateDir).filter((r) => r.t === "in").length).toBe(3);
+          expect(readNodeLog(B.stateDir).filter((r) => r.t === "owe")).toEqual([]); // none refused
+          for (const id of toBob) {
+            await eventually(
+              async () => (await alice.ok("message_status", { msg_id: id })).includes("shown to its model"),
+              "bob's receipts reach alice",
+            );
+          }
+          await Promise.all([alice.close(), bob.close()]);
+
+          // 30 days and an hour on, carol's machine wakes: past what any node of ours accepts; she refuses it, and
+          // alice is told (message_status, list_pending, a notice), by carol's receipt.
+          relay.setClock(30 * DAY + 3600_000);
+          alice = await McpNode.start(ra, A, relay.url, { ...at(30 * DAY + 3600_000), ...later });
+          const carol = await McpNode.start(rb, C, relay.url, at(30 * DAY + 3600_000));
+          nodes.push(carol);
+          await eventually(
+            async () => (await alice.ok("message_status", { msg_id: toCarol })).includes("REFUSED by carol"),
+            "carol's refusal reaches alice",
+          );
+          const status = await alice.ok("message_status", { msg_id: toCarol });
+          expect(status).toMatch(/it reached them 30 days old, past the 30 days .* it will never be shown/);
+          expect(lines(await alice.ok("list_pending"), toCarol).join()).toContain("will never be shown");
+          const told = lines(await alice.ok("check_inbox"), toCarol).join();
+          expect(told).toContain(`carol refused your message ${toCarol}`);
+          expect(told).toContain("it will never be shown");
+          expect(await carol.ok("check_inbox")).not.toContain("for carol");
+          await alice.close();
+
+          // dave never comes back: alice, past the 30 days with no word from him, tells her model it never will be.
+          alice = await McpNode.start(ra, A, relay.url, {
+            ...at(30 * DAY + 3600_000),
+            INTERLINK_TEST_ENDED_EVERY_MS: "200",
+          });
+          await eventually(
+            async () => (await alice.ok("message_status", { msg_id: toDave })).includes("will never be shown"),
+            "alice calls dave's expired",
+          );
+          expect(lines(await alice.ok("list_pending"), toDave).join()).toContain("will never be shown");
+          const expired = lines(await alice.ok("check_inbox"), toDave).join();
+          expect(expired).toContain(`Your message ${toDave} to dave: no receipt came for it in the 30 days`);
+          expect(expired).toContain("will never be shown");
+          expect(await alice.ok("message_status", { msg_id: toBob[0] })).toContain("shown to its model"); // not his
+        } finally {
+          await Promise.allSettled([alice.close(), ...nodes.map((n) => n.close())]);
+          await relay.down();
+        }
+      },
+      240_000,
+    );
+  }
+});
+
 /**
  * A reference bus (interlink-bus 0.11) in memory: every send answered 202, past `cap` per recipient the oldest
  * dropped (counted here), none of our bus's headers or extensions.
@@ -10344,6 +10451,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
         { kind: "more_knocks", id: "knocks more", at: 1, count: 3 },
         { kind: "refusals", id: "r", at: 1, key: eve.publicKey, reason: "stale", count: 2 },
         { kind: "bounced", id: "b", at: 1, key: bob.publicKey, msg: headOf(m), report: line },
+        { kind: "bounced", id: "b2", at: 1, key: bob.publicKey, msg: headOf(m) }, // expired: no report
       ],
       tasks: [task],
       owed: [[alice.publicKey, [line]]],
@@ -10383,6 +10491,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
       { t: "sent", at: 1, msg_id: m.msg_id, via: ["http://b"] },
       { t: "refused", at: 1, msg_id: m.msg_id, reason: "413" },
       { t: "resign", at: 1, msg: m },
+      { t: "expired", at: 1, msg_id: m.msg_id },
       {
         t: "in",
         at: 1,
@@ -10419,7 +10528,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
       { t: "carried", at: 1, item: carried.inbox[0] },
     ];
     const tags = new Set(all.map((r) => r.t));
-    expect(tags.size).toBe(15); // every tag of the union (the compiler checks the list is the union's)
+    expect(tags.size).toBe(16); // every tag of the union (the compiler checks the list is the union's)
     for (const r of all) expect(decodeRecord(JSON.parse(encodeRecord(r)))).toEqual([r]);
     // A bad field is named; an unknown tag (a newer version's) is refused as such.
     const bad = (o: object) => () => decodeRecord(o as Record<string, unknown>);

@@ -2955,6 +2955,7 @@ interface OutEntry {
   delivered?: { at: number; session: string };
   shown?: { at: number; session: string };
   refusedBy?: ReceiptLine;
+  expired?: number; // when we judged it past HELD_MAX_MS with no receipt from the recipient: it will never be shown
   /** Carried over from this ended session of ours (its outbox, or a sent message whose receipts may still come). */
   adoptedFrom?: string;
   movedTo?: string; // this (ended) session's outbox went to that session, which delivers it
@@ -2989,7 +2990,8 @@ type InboxItem =
     | { kind: "knock"; key: string; name: string }
     | { kind: "more_knocks"; count: number }
     | { kind: "refusals"; key: string; reason: Refusal; count: number }
-    | { kind: "bounced"; key: string; msg: MessageHead; report: ReceiptLine }
+    /** A message of ours that will never be shown: `report`, its recipient's refusal; none, it expired (see expired). */
+    | { kind: "bounced"; key: string; msg: MessageHead; report?: ReceiptLine }
     /** A pairing through an invite: `invited`, a key joined through ours; `joined`, we joined through theirs. */
     | { kind: "paired"; key: string; petname: string; invite: string; side: "invited" | "joined" }
   );
@@ -3087,7 +3089,7 @@ function newReports(entry: (msgId: string) => OutEntry | undefined, receipt: Sig
     if (!e || e.msg.to !== receipt.from || !about || seen.has(`${l.state} ${l.msg_id}`)) return false;
     seen.add(`${l.state} ${l.msg_id}`);
     // A refusal after the message was delivered is about a copy (a relay replaying it): the message got through.
-    if (l.state === "refused") return !e.refusedBy && !e.delivered && !e.shown;
+    if (l.state === "refused") return !e.refusedBy && !e.delivered && !e.shown && !e.expired;
     return l.state === "delivered" ? !e.delivered && !e.refusedBy : !e.shown && !e.refusedBy;
   });
 }
@@ -3108,12 +3110,16 @@ const REFUSAL_WORDS: Partial<Record<Refusal, string>> = {
     "the request's proof does not match the invite (a code changed on its way, or a request re-signed by another key)",
 };
 
+/** Why a message of ours that no receipt confirmed within HELD_MAX_MS will never be shown (NodeState.expiredSent). */
+const EXPIRED_WORDS =
+  "no receipt came for it in the 30 days since it was signed, and no node of ours accepts it after that: it will never be shown (their node has not read it: away that long, gone, or a relay dropped it); send it again if it still matters";
+
 function refusalWords(l: ReceiptLine): string {
   if (l.reason === "stale" && l.skew_ms !== undefined) {
     const by = howLong(Math.abs(l.skew_ms));
     return l.skew_ms > 0
       ? `your clock is ahead of theirs by ~${by} (over a minute is refused); ask your operator to fix the clock (NTP)`
-      : `it reached them ${by} old, past the 24 h freshness window; send it again if it still matters`;
+      : `it reached them ${by} old, past the 30 days a relay may hold a message for them: it will never be shown; send it again if it still matters`;
   }
   return REFUSAL_WORDS[l.reason!] ?? `refused (${l.reason})`;
 }
@@ -3157,6 +3163,8 @@ type JournalRecord =
   | { t: "refused"; at: number; msg_id: string; reason: string }
   /** Re-signed before it would go stale at the recipient (same msg_id, so it still dedupes). */
   | { t: "resign"; at: number; msg: SignedMessage }
+  /** Sent, past HELD_MAX_MS since it was signed, and no receipt came: no node of ours will show it now. */
+  | { t: "expired"; at: number; msg_id: string }
   /**
    * Admitted from a peer (or another session of ours): unread until "shown". `reply_session`: the sender's session its
    * unsigned reply_to named (routing only); `receipts`: its sender reads receipts; `for_session`: drained from an
@@ -3343,7 +3351,7 @@ const ITEM_FIELDS: {
   knock: (o) => fields(o, { key: str, name: shownName }),
   more_knocks: (o) => fields(o, { count: int }),
   refusals: (o) => fields(o, { key: str, reason, count: int }),
-  bounced: (o) => fields(o, { key: str, msg: messageHead, report: receiptLine }),
+  bounced: (o) => fields(o, { key: str, msg: messageHead, report: optional(receiptLine) }),
   paired: (o) => fields(o, { key: str, petname: str, invite: str, side: oneOf(["invited", "joined"] as const) }),
 };
 
@@ -3434,6 +3442,7 @@ const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<Re
   sent: (o) => fields(o, { msg_id: str, via: strings }),
   refused: (o) => fields(o, { msg_id: str, reason: (o, k) => optStr(o, k) ?? "refused by every bus" }),
   resign: (o) => fields(o, { msg: message }),
+  expired: (o) => fields(o, { msg_id: str }),
   in: (o) =>
     fields(o, {
       peer: str,
@@ -3656,6 +3665,16 @@ class NodeState {
     },
     sent: (r) => this.#settled(r.msg_id, (e) => (e.sentAt = r.at, e.via = r.via)),
     refused: (r) => this.#settled(r.msg_id, (e) => (e.refused = r.reason)),
+    expired: (r) => {
+      const e = this.outgoing.get(r.msg_id);
+      if (!e || e.delivered || e.refusedBy || e.expired) return;
+      e.expired = r.at;
+      this.#unconfirmed(e.recipient, r.msg_id, false);
+      const id = `bounced ${r.msg_id}`;
+      if (!this.#shown.has(id)) {
+        this.inbox.set(id, { kind: "bounced", id, at: r.at, key: e.msg.to, msg: headOf(e.msg) });
+      }
+    },
     in: (r) => {
       const { msg } = r;
       this.replay.remember(msg.from, msg.msg_id, msg.ts, this.now());
@@ -3821,6 +3840,17 @@ class NodeState {
     return this.pending.get(msgId) ?? this.outgoing.get(msgId);
   }
 
+  /**
+   * Our messages sent over HELD_MAX_MS ago (by their signing) that no receipt says were delivered: no node of ours
+   * accepts them now. Not to a key whose messages ask for no receipts (a reference node): it may have shown them.
+   */
+  expiredSent(nowMs: number): string[] {
+    const old = (e: OutEntry) => e.sentAt && e.msg.kind === "message" && nowMs - e.msg.ts > HELD_MAX_MS;
+    return [...this.outgoing.values()].filter((e) =>
+      old(e) && !e.delivered && !e.refusedBy && !e.expired && !e.movedTo && !this.silent.has(e.msg.to)
+    ).map((e) => e.msg.msg_id);
+  }
+
   /** Forgets the oldest sent entries past SENT_MEMORY_CAP (message_status then reads the journal). */
   #remember(): void {
     for (const [oldest, e] of this.outgoing) {
@@ -3928,7 +3958,7 @@ class NodeState {
   *carriedOut(nowMs: number): Generator<CarriedOut> {
     for (const e of this.outgoing.values()) {
       const { kind, ts } = e.msg;
-      if (!e.sentAt || ts < nowMs - HELD_MAX_MS || kind !== "message" || e.shown || e.refusedBy) continue;
+      if (!e.sentAt || ts < nowMs - HELD_MAX_MS || kind !== "message" || e.shown || e.refusedBy || e.expired) continue;
       yield { ...this.#carried(e), sent_at: e.sentAt, via: e.via ?? [], ...some("delivered", e.delivered) };
     }
     for (const e of this.pending.values()) yield this.#carried(e);
@@ -4846,7 +4876,8 @@ function itemMessage(
 }
 
 const NOTICE_KINDS: Record<string, string> = { refusals: "refused", bounced: "refused_by_peer", paired: "paired" };
-const noticeKind = (i: Notice): string => NOTICE_KINDS[i.kind] ?? "pair_request";
+const noticeKind = (i: Notice): string =>
+  i.kind === "bounced" && !i.report ? "expired" : NOTICE_KINDS[i.kind] ?? "pair_request";
 
 /** A notice in our words: never a peer's text, at most a quoted claim. */
 function noticeText(i: Notice, peers: Peers): string {
@@ -4867,6 +4898,7 @@ function noticeText(i: Notice, peers: Peers): string {
   if (i.kind === "bounced") {
     const task = i.msg.task_id ? ` ${taskTag(i.msg)}` : "";
     const what = i.msg.kind === "pair_request" ? "request to pair" : "message";
+    if (!i.report) return `Your ${what} ${i.msg.msg_id}${task} to ${peer ?? fp}: ${EXPIRED_WORDS}.`;
     return `${peer ?? fp} refused your ${what} ${i.msg.msg_id}${task}: ${refusalWords(i.report)}.`;
   }
   const from = peer ? `your peer '${peer}' (${fp})` : `an unknown key ${fp}`;
@@ -5276,12 +5308,12 @@ function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const isPeer = (key: string) => peers.byKey.has(key) || key === ctx.selfKey, peer = isPeer(msg.from);
   const left = (which: (r: { key: string; invite?: string }) => boolean) =>
     state.refusalsReportedSince(hourAgo, which) < RECEIPT_REFUSALS_PER_HOUR;
-  // From a peer: a message from our future (one too old was held or replayed by a relay; a sender re-signs before a
-  // day), or over its share (busy). From a key not in our peers (it may list us: a one-sided pairing), that we
+  // From a peer: a message from our future, or held past HELD_MAX_MS (a replay of one delivered: its sender knows
+  // better), or over its share (busy). From a key not in our peers (it may list us: a one-sided pairing), that we
   // refused it, so it can knock again; strangers together get RECEIPT_REFUSALS_PER_HOUR an hour. A knock through an
   // invite: why the invite, or its time, was refused (`join` waits for that), on that invite's own budget if we have it.
   const strangersLeft = left((r) => !r.invite && !isPeer(r.key)), about = refusedInvite(v);
-  const stale = v.reason === "stale" && (joining ? peer || strangersLeft : msg.ts > nowMs && peer);
+  const stale = v.reason === "stale" && (joining ? peer || strangersLeft : peer);
   const unpaired = !joining && v.reason === "not_allowlisted" && !peer && strangersLeft;
   const invite = joining && isInviteRefusal(v.reason) &&
     (peer || (about ? left((r) => r.invite === about) : strangersLeft));
@@ -6104,6 +6136,20 @@ class Agent {
     if (rolled) logInfo(`rolled ${this.journal.file} over: the records before it are kept beside it, in log-*.jsonl`);
   }
 
+  /**
+   * Tells the model of each message of ours that will never be shown now (see NodeState.expiredSent), once. Not at
+   * the start: receipts that waited on a relay while this session was away come in first.
+   */
+  async #expireSent(): Promise<void> {
+    const ids = this.state.expiredSent(this.now());
+    if (!ids.length) return;
+    await this.journal.appendDurable(ids.map((msg_id) => ({ t: "expired" as const, msg_id })));
+    logInfo(`${ids.length} message(s) sent over 30 days ago were never confirmed: told as expired`);
+    if (this.push === null || this.cfg.delivery !== "channel") return this.onInbox?.();
+    await this.#pushItems(ids.map((id) => `bounced ${id}`));
+    await this.journal.sync();
+  }
+
   async #endedLoop(): Promise<void> {
     await this.#showWaiting();
     while (!this.#stop.signal.aborted) {
@@ -6112,6 +6158,7 @@ class Agent {
         await this.#rollJournal();
         await pause(ENDED_EVERY_MS, this.#stop.signal);
         if (!this.#stop.signal.aborted) await this.adoptEnded(false);
+        if (!this.#stop.signal.aborted) await this.#expireSent();
       } catch (e) {
         logWarn(`cannot look after ended sessions: ${errorText(e)}; trying again in ${ENDED_EVERY_MS / 1000} s`);
         await pause(ENDED_EVERY_MS, this.#stop.signal);
@@ -7032,6 +7079,7 @@ function describeOut(e: OutEntry, waits?: string | null): string {
   // Sent, then what the recipient's receipts said (a reference node sends none).
   const steps = e.sentAt ? [`sent at ${isoTime(e.sentAt)} (accepted by ${e.via?.join(", ")})`] : [];
   if (e.refusedBy) steps.push(`REFUSED by ${to} at ${isoTime(e.refusedBy.at)}: ${refusalWords(e.refusedBy)}`);
+  if (e.expired && !e.delivered) steps.push(`EXPIRED at ${isoTime(e.expired)}: ${EXPIRED_WORDS}`);
   if (e.delivered) steps.push(`delivered at ${isoTime(e.delivered.at)} (${to}'s session ${e.delivered.session})`);
   if (e.shown) steps.push(`shown to its model at ${isoTime(e.shown.at)}`);
   else if (e.delivered) steps.push("not yet shown to its model");
@@ -7280,7 +7328,8 @@ const TOOLS: ToolSpec[] = [
     name: "list_pending",
     description:
       "Messages still in the durable outbox (no bus has accepted them yet), oldest first, with the last delivery error, and why a route waits (a relay keeps no more for it until it is read, or it waits for the recipient's receipts): " +
-      `the first ${PENDING_LISTED} one by one, then how many more wait for each recipient. They go by themselves, in order: never send them again.`,
+      `the first ${PENDING_LISTED} one by one, then how many more wait for each recipient. They go by themselves, in order: never send them again. ` +
+      "Then the messages that will never be shown (refused by every bus or by the recipient, or expired unread), and why: send one again only if it still matters.",
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent) {
       const held = agent.state.heldRoutes(), lines: string[] = [];
@@ -7302,7 +7351,12 @@ const TOOLS: ToolSpec[] = [
       };
       const after = "queued after these and sent in that order (message_status tells where any one stands)";
       for (const [route, n] of more) lines.push(`and ${n} more to ${to(route)}, ${after}`);
-      lines.push(...[...agent.state.outgoing.values()].filter((e) => e.refused).map((e) => describeOut(e)));
+      // Those that will never be shown: refused by every bus or by the recipient, or expired (the last few, counted).
+      const lost = [...agent.state.outgoing.values()].filter((e) => e.refused || e.refusedBy || e.expired);
+      lines.push(...lost.slice(-PENDING_LISTED).map((e) => describeOut(e)));
+      if (lost.length > PENDING_LISTED) {
+        lines.push(`and ${lost.length - PENDING_LISTED} earlier that will never be shown`);
+      }
       const kept = corruptFile(agent.journal.file);
       for (const d of damagedOutbox(agent.journal.file)) {
         const id = d.msgId ? ` (msg_id ${showId(d.msgId)})` : "";
