@@ -144,10 +144,7 @@ const SEND_TIMEOUT_MS = 5_000;
 const BACKOFF_MIN_MS = 250;
 const BACKOFF_MAX_MS = 30_000;
 
-/**
- * Replay memory bound (entries of the last HELD_MAX_MS, about 200 bytes each): far above a month of a few peers'
- * traffic (1,000 messages a day is 30,000); past it senders get shares, up to twice this (40 MB at most).
- */
+/** Replay memory bound, far above 30 days of a few peers' traffic (~200 B an entry); past it, shares to twice this. */
 const REPLAY_CAP = 100_000;
 /** Sent messages remembered in memory for message_status; older ones are looked up in the journal. */
 const SENT_MEMORY_CAP = 10_000;
@@ -3671,9 +3668,7 @@ class NodeState {
       e.expired = r.at;
       this.#unconfirmed(e.recipient, r.msg_id, false);
       const id = `bounced ${r.msg_id}`;
-      if (!this.#shown.has(id)) {
-        this.inbox.set(id, { kind: "bounced", id, at: r.at, key: e.msg.to, msg: headOf(e.msg) });
-      }
+      this.inbox.set(id, { kind: "bounced", id, at: r.at, key: e.msg.to, msg: headOf(e.msg) });
     },
     in: (r) => {
       const { msg } = r;
