@@ -55,10 +55,10 @@ import {
   formatInbox,
   FORWARDS_OPEN_CAP,
   FRESH_FUTURE_MS,
-  FRESH_PAST_MS,
   GOODBYE_PREFIX,
   hasSmallOrder,
   headOf,
+  HELD_MAX_MS,
   HttpRelay,
   humanBytes,
   type Identity,
@@ -577,11 +577,11 @@ describe("the gate", () => {
     expect(v.verdict === "reject" && v.reason).toBe("unexpected_kind");
   });
 
-  test("freshness edges: exactly 60 s ahead and exactly 24 h old pass; one ms more does not", async () => {
+  test("freshness edges: exactly 60 s ahead and exactly 30 days old (a relay held it) pass; one ms more does not", async () => {
     expect((await gate(await sign(alice, {}, NOW + FRESH_FUTURE_MS))).verdict).toBe("deliver");
     expect((await gate(await sign(alice, {}, NOW + FRESH_FUTURE_MS + 1))).verdict).toBe("reject");
-    expect((await gate(await sign(alice, {}, NOW - FRESH_PAST_MS))).verdict).toBe("deliver");
-    expect((await gate(await sign(alice, {}, NOW - FRESH_PAST_MS - 1))).verdict).toBe("reject");
+    expect((await gate(await sign(alice, {}, NOW - HELD_MAX_MS))).verdict).toBe("deliver");
+    expect((await gate(await sign(alice, {}, NOW - HELD_MAX_MS - 1))).verdict).toBe("reject");
   });
 
   test("the gate checks the signature before the allowlist: a stranger's tampered message is bad_signature", async () => {
@@ -597,12 +597,12 @@ describe("the gate", () => {
 
   test("replay memory forgets what freshness already rejects, and never a fresh entry to make room", () => {
     const r = new ReplayMemory(3);
-    r.remember("a", "old", NOW - FRESH_PAST_MS - 1, NOW);
+    r.remember("a", "old", NOW - HELD_MAX_MS - 1, NOW);
     expect(r.has("a", "old")).toBe(false);
     for (const id of ["1", "2", "3"]) r.remember("a", id, NOW, NOW);
     expect(r.full(NOW)).toBe(true);
     expect(r.has("a", "1")).toBe(true); // kept: its replay stays refused
-    expect(r.full(NOW + FRESH_PAST_MS + 1)).toBe(false); // room again once they age out
+    expect(r.full(NOW + HELD_MAX_MS + 1)).toBe(false); // room again once they age out
   });
 
   test("a replay is still refused after the memory filled up: past twice the cap new messages wait (unacked) instead of pushing it out", async () => {
@@ -653,7 +653,48 @@ describe("the gate", () => {
     // A third sender's share is a third; the whole never passes twice the cap, whoever asks.
     for (let i = 0; replay.size < 200; i++) replay.remember(`k${i % 97}`, `x${i}`, NOW, NOW);
     expect(replay.full(NOW, "someone-new")).toBe(true);
-    expect(replay.full(NOW + FRESH_PAST_MS + 1, alice.publicKey)).toBe(false); // room again once they age out
+    expect(replay.full(NOW + HELD_MAX_MS + 1, alice.publicKey)).toBe(false); // room again once they age out
+  });
+
+  test("strangers' knocks never shrink a peer's share: 64 free keys knock once each, and alice, far under her share, still gets in", async () => {
+    const replay = new ReplayMemory(1000);
+    const both = parsePeers(JSON.stringify({ alice: { key: alice.publicKey }, eve: { key: eve.publicKey } }));
+    for (let i = 0; i < 900; i++) replay.remember(eve.publicKey, `e${i}`, NOW, NOW);
+    for (let i = 0; i < 100; i++) replay.remember(alice.publicKey, `a${i}`, NOW, NOW); // the cap: 1,000 fresh
+    const stranger = () => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    const judge = async (from: Identity, draft: Partial<Parameters<typeof signMessage>[1]>) => {
+      const v = await decide(await sign(from, draft), bob.publicKey, both, NOW, replay);
+      if (v.verdict !== "reject") replay.remember(v.msg.from, v.msg.msg_id, v.msg.ts, NOW);
+      return v.verdict === "reject" ? v.reason : v.verdict;
+    };
+    for (let i = 0; i < 64; i++) {
+      expect(await judge(await stranger(), { kind: "pair_request", text: "x" })).toBe("pair_request");
+    }
+    // alice holds 100, under her share of 500 (the cap split between the two peers held, whatever knocked).
+    expect(await judge(alice, { text: "still welcome" })).toBe("deliver");
+    // The strangers are one sender among themselves, held to the share of one more peer (a third): past it, refused.
+    for (let i = 0; i < 270; i++) replay.remember(`k${i}`, "x", NOW, NOW); // 334 strangers' entries
+    expect(await judge(await stranger(), { kind: "pair_request", text: "x" })).toBe("busy");
+    expect(await judge(alice, { text: "and again" })).toBe("deliver");
+  });
+
+  test("a flood of strangers' knocks cannot fill the replay memory for everyone: past the cap they are refused, and a peer still gets its share", async () => {
+    const replay = new ReplayMemory(20);
+    const judge = async (from: Identity, draft: Partial<Parameters<typeof signMessage>[1]>) => {
+      const v = await decide(await sign(from, draft), bob.publicKey, peers, NOW, replay);
+      if (v.verdict !== "reject") replay.remember(v.msg.from, v.msg.msg_id, v.msg.ts, NOW);
+      return v.verdict === "reject" ? v.reason : v.verdict;
+    };
+    const knocks: string[] = [];
+    for (let i = 0; i < 60; i++) {
+      const s = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+      knocks.push(await judge(s, { kind: "pair_request", text: "x" }));
+    }
+    expect(knocks.filter((v) => v === "pair_request").length).toBe(20); // the cap, then refused for good
+    expect(knocks.slice(20).every((v) => v === "busy")).toBe(true);
+    const alices: string[] = [];
+    for (let i = 0; i < 20; i++) alices.push(await judge(alice, { text: `a${i}` }));
+    expect(alices.every((v) => v === "deliver")).toBe(true); // her whole share (the cap: she is the one peer)
   });
 
   test("a sender whose entries have all aged out is not held to its share for them: the share counts fresh entries only", () => {
@@ -666,20 +707,20 @@ describe("the gate", () => {
         replay.remember(who, `${who}${i}`, later, later);
       }
     }
-    // A day on, alice's four are stale (freshness alone refuses their replays); the four fresh ones fill the cap.
-    const dayOn = NOW + FRESH_PAST_MS + 1;
+    // 30 days on, alice's four are stale (the gate alone refuses their replays); the four fresh ones fill the cap.
+    const dayOn = NOW + HELD_MAX_MS + 1;
     expect(replay.full(dayOn, "alice")).toBe(false); // she holds nothing fresh: under her share (4 split by 2)
     expect(replay.full(dayOn, "bob")).toBe(true); // bob holds his share (2) of fresh ones already
   });
 
-  test("replay memory keeps a message for the whole 24 h freshness window, not a minute less", () => {
+  test("replay memory keeps a message for the whole 30 days the gate accepts it, not a minute less", () => {
     const r = new ReplayMemory();
     r.remember("a", "m", NOW, NOW);
-    for (const later of [61_000, 3600_000, FRESH_PAST_MS - 1, FRESH_PAST_MS]) {
+    for (const later of [61_000, 3600_000, HELD_MAX_MS - 1, HELD_MAX_MS]) {
       r.forget(NOW + later);
       expect({ later, remembered: r.has("a", "m") }).toEqual({ later, remembered: true });
     }
-    r.forget(NOW + FRESH_PAST_MS + 1); // from here on freshness alone refuses it
+    r.forget(NOW + HELD_MAX_MS + 1); // from here on the gate refuses it as stale
     expect(r.has("a", "m")).toBe(false);
   });
 });
@@ -4130,7 +4171,7 @@ describe("strangers cannot grow a node's state", () => {
 
 describe("a long outage", () => {
   test(
-    "a message queued for over a day is re-signed with a fresh ts and the same msg_id, so it is accepted, and only once",
+    "a message queued for over a day is re-signed with a fresh ts and the same msg_id, so a reference node accepts it too, and only once",
     async () => {
       const { root, A, B } = await twoPeers();
       const bus = await Bus.open(path.join(root, "bus"));
@@ -4158,16 +4199,12 @@ describe("a long outage", () => {
         const replay = new ReplayMemory();
         const v = await decide(delivered, B.id.publicKey, peers, Date.now(), replay);
         expect(v.verdict).toBe("deliver");
-        // The original, had a relay kept a copy, is refused as stale; the fresh one twice is a replay.
-        expect(
-          await decide(old, B.id.publicKey, peers, Date.now(), replay).then((x) => x.verdict === "reject" && x.reason),
-        ).toBe("stale");
+        // The fresh one twice is a replay, and so is the original, had a relay kept a copy: the same msg_id.
         replay.remember(delivered.from, delivered.msg_id, delivered.ts, Date.now());
-        expect(
-          await decide(delivered, B.id.publicKey, peers, Date.now(), replay).then((x) =>
-            x.verdict === "reject" && x.reason
-          ),
-        ).toBe("replay");
+        for (const copy of [delivered, old]) {
+          const again = await decide(copy, B.id.publicKey, peers, Date.now(), replay);
+          expect(again.verdict === "reject" && again.reason).toBe("replay");
+        }
       } finally {
         await agent.stop();
         await server.stop();
@@ -5392,6 +5429,49 @@ describe("delegation across hops: the chain, and what each node decides (pure)",
     expect(row).toContain(`for ${fingerprint(alice.publicKey)}'s operator, by bob's word)`);
   });
 
+  test("list_tasks words: a chain is its sender's claim, so every row that carries it says whose word it is, the sub-task carol opens for bob's task and the question she forwards to bob too", async () => {
+    const { toCarol, chain } = await bobsNode(); // bob's chain says "logo" is work for alice
+    const dave = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+    const peers = parsePeers(JSON.stringify({ bob: { key: bob.publicKey }, dave: { key: dave.publicKey } }));
+    const names = { petnameOf: (k: string) => peers.byKey.get(k), peers: () => peers };
+    const carols = new NodeState(() => NOW);
+    carols.apply({ t: "in", at: NOW, peer: "bob", msg: toCarol, chain });
+    // carol hands part of it to dave, as a sub-task of bob's "logo"; dave asks; carol's node forwards it up to bob.
+    const p = prepareSend(
+      peers,
+      carols.tasks,
+      { to: "dave", text: "pick the colours", task_id: "colours", parent_task_id: "logo" },
+      carol.publicKey,
+      { selfName: "carol" },
+    );
+    const toDave = await signMessage(carol, p.draft, NOW);
+    const sub = await signChainOf(carol, toDave, p.chain!);
+    carols.apply({ t: "out", at: NOW, peer: "dave", recipient: dave.publicKey, msg: toDave, chain: sub });
+    const q = await signMessage(
+      dave,
+      { to: carol.publicKey, text: "?", task_id: "colours", status: "needs_input" },
+      NOW,
+    );
+    carols.apply({ t: "in", at: NOW, peer: "dave", msg: q });
+    const up = await signMessage(carol, { to: bob.publicKey, text: "q", task_id: "logo", status: "needs_input" }, NOW);
+    const forward = { peer: dave.publicKey, task_id: "colours", question: q.msg_id };
+    carols.apply({ t: "out", at: NOW, peer: "bob", recipient: bob.publicKey, msg: up, forward });
+    const row = (peer: string, task: string) =>
+      describeTask(names, carols.tasks.get(`${peer} ${task}`)!, carols.outgoing, carol.publicKey);
+    const alices = `${fingerprint(alice.publicKey)}'s operator, by bob's word`;
+    expect(row(bob.publicKey, "logo")).toContain(`(owned by ${alices}; depth 2:`);
+    const colours = row(dave.publicKey, "colours");
+    expect(colours).toContain(`a sub-task of logo, which bob asked of you (owned by ${alices}; depth 3:`);
+    expect(colours).toContain(`dave's question ${q.msg_id} since`);
+    expect(colours).toContain(`is forwarded to bob on task logo (as ${up.msg_id}), for ${alices}: the answer`);
+    // Where the owner is the requester itself (a root task asked by bob), nobody's word is needed: bob asked.
+    const { state } = await bobsNode();
+    const bobsNames = { petnameOf: (k: string) => bobsPeers.byKey.get(k), peers: () => bobsPeers };
+    const bobs = describeTask(bobsNames, state.tasks.get(`${carol.publicKey} logo`)!, state.outgoing, bob.publicKey);
+    expect(bobs).toContain("(owned by alice's operator; depth 2:");
+    expect(bobs).not.toContain("word");
+  });
+
   test("an executor cannot flood the owner's side through bob: past FORWARDS_OPEN_CAP open forwarded questions, the next is bob's own", async () => {
     const { state } = await bobsNode();
     for (let i = 0; i <= FORWARDS_OPEN_CAP; i++) {
@@ -5735,7 +5815,7 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
     return rows.map((t) => describeTask(names, t, state.outgoing)).join("\n");
   }
 
-  test("a stale message is reported to a peer that asks, once per message, 30 an hour; to a stranger only that it is not a peer; never about a receipt", async () => {
+  test("a stale message (from our future, or held past 30 days) is reported to a peer that asks, once per message, 30 an hour; to a stranger only that it is not a peer; never about a receipt", async () => {
     const state = new NodeState(() => NOW);
     const ahead = (from: Identity, extra: Partial<Draft> = {}) =>
       signMessage(from, { to: B.id.publicKey, text: "from the future", ...extra }, NOW + 150_000);
@@ -5756,8 +5836,11 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
       { state: "refused", msg_id: first.msg_id, at: NOW, reason: "stale", skew_ms: 150_000 },
     ]);
     expect(await owes(first)).toEqual([]); // the same message again (a relay replaying it)
-    // Too old is not reported: its sender re-signs before a day, so a relay held or replayed it.
-    expect(await owes(await signMessage(A.id, { to: B.id.publicKey, text: "old" }, NOW - 25 * 3600_000))).toEqual([]);
+    // Held past 30 days is reported too: it will never be shown (a replay of one delivered: its sender knows better).
+    const held = await signMessage(A.id, { to: B.id.publicKey, text: "old" }, NOW - HELD_MAX_MS - 3600_000);
+    expect(await owes(held)).toEqual([
+      { t: "owe", route: aliceRoute(), msg_id: held.msg_id, reason: "stale", skew_ms: -HELD_MAX_MS - 3600_000 },
+    ]);
     expect(await owes(await ahead(A.id), { wantsReceipts: false })).toEqual([]); // it did not ask
     // A key not in bob's peers is told, once, that bob does not have it (not why its clock is off): it may knock.
     const strangers = await ahead(E);
@@ -5766,7 +5849,7 @@ describe("delivery receipts: what is owed, what a receipt changes", () => {
     ]);
     expect(await owes(strangers)).toEqual([]);
     expect(await owes(await ahead(A.id, { kind: "receipt", text: `delivered ${first.msg_id} 1 s` }))).toEqual([]);
-    let reported = 1;
+    let reported = 2;
     for (let i = 0; i < 40; i++) reported += (await owes(await ahead(A.id))).length;
     expect(reported).toBe(30); // the hourly bound per peer
   });
@@ -9846,6 +9929,111 @@ describe("nothing lost while a peer is away", () => {
   }
 });
 
+describe("a peer away for days: what a relay held is shown once, for 30 days; past them its sender is told", () => {
+  /** The relay, and a clock the nodes and (our bus, in this process) it move on together, as days passing would. */
+  async function relayWithClock(kind: "bus" | "nats", root: string) {
+    if (kind === "nats") {
+      const nats = await restartableRelay("nats", root);
+      await nats.up();
+      return { url: nats.url, setClock: (_ms: number) => {}, down: () => nats.down() };
+    }
+    let offset = 0;
+    const bus = await Bus.open(path.join(root, "bus"), { log: () => {}, now: () => Date.now() + offset });
+    const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+    const down = async () => (await server.stop(), await bus.close());
+    return { url: `http://127.0.0.1:${server.port}`, setClock: (ms: number) => void (offset = ms), down };
+  }
+  const DAY = 24 * 3600_000;
+  const lines = (text: string, id: string) => text.split("\n").filter((l) => l.includes(id));
+
+  for (const kind of RELAY_KINDS) {
+    const [ra, rb] = kind === "bus" ? (["bun", "deno"] as const) : (["deno", "bun"] as const);
+    test.concurrent(
+      `${kind}: the relay holds 3 of alice's for bob, away 24 h 30 min: all shown once; one to carol, away 30 days and an hour, is refused as stale and alice is told; one to dave, who never comes back, alice calls expired`,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        const [C, D] = await Promise.all([makeNodeFiles(root, "carol"), makeNodeFiles(root, "dave")]);
+        befriend(A, C);
+        befriend(A, D);
+        const relay = await relayWithClock(kind, root);
+        const at = (ms: number) => ({ INTERLINK_DELIVERY: "inbox", INTERLINK_CLOCK_OFFSET_MS: String(ms) });
+        const later = { INTERLINK_TEST_ENDED_EVERY_MS: "3600000" }; // alice judges nothing herself meanwhile
+        let alice = await McpNode.start(ra, A, relay.url, at(0));
+        const nodes: McpSession[] = [];
+        try {
+          // Now: bob, carol and dave have not run since the pairing; the relay accepts what alice sends each.
+          const toBob: string[] = [];
+          for (const text of ["one", "two", "three"]) {
+            const sent = await alice.ok("send_message", { to: "bob", text: `${text} for bob` });
+            expect(sent).toContain("sent at");
+            toBob.push(msgIdOf(sent));
+          }
+          const toCarol = msgIdOf(await alice.ok("send_message", { to: "carol", text: "for carol" }));
+          const toDave = msgIdOf(await alice.ok("send_message", { to: "dave", text: "for dave" }));
+          await alice.close();
+
+          // 24 h 30 min later bob's machine wakes: each of the 3 is shown to his model once, and alice learns it.
+          relay.setClock(DAY + 30 * 60_000);
+          alice = await McpNode.start(ra, A, relay.url, { ...at(DAY + 30 * 60_000), ...later });
+          const bob = await McpNode.start(rb, B, relay.url, at(DAY + 30 * 60_000));
+          nodes.push(bob);
+          await eventually(() => readNodeLog(B.stateDir).filter((r) => r.t === "in").length >= 3, "bob took the 3");
+          const inbox = await bob.ok("check_inbox");
+          for (const text of ["one", "two", "three"]) expect(inbox.split(`${text} for bob`).length).toBe(2);
+          expect(await bob.ok("check_inbox")).not.toContain("for bob"); // once
+          expect(readNodeLog(B.stateDir).filter((r) => r.t === "in").length).toBe(3);
+          expect(readNodeLog(B.stateDir).filter((r) => r.t === "owe")).toEqual([]); // none refused
+          for (const id of toBob) {
+            await eventually(
+              async () => (await alice.ok("message_status", { msg_id: id })).includes("shown to its model"),
+              "bob's receipts reach alice",
+            );
+          }
+          await Promise.all([alice.close(), bob.close()]);
+
+          // 30 days and an hour on, carol's machine wakes: past what any node of ours accepts; she refuses it, and
+          // alice is told (message_status, list_pending, a notice), by carol's receipt.
+          relay.setClock(30 * DAY + 3600_000);
+          alice = await McpNode.start(ra, A, relay.url, { ...at(30 * DAY + 3600_000), ...later });
+          const carol = await McpNode.start(rb, C, relay.url, at(30 * DAY + 3600_000));
+          nodes.push(carol);
+          await eventually(
+            async () => (await alice.ok("message_status", { msg_id: toCarol })).includes("REFUSED by carol"),
+            "carol's refusal reaches alice",
+          );
+          const status = await alice.ok("message_status", { msg_id: toCarol });
+          expect(status).toMatch(/it reached them 30 days old, past the 30 days .* it will never be shown/);
+          expect(lines(await alice.ok("list_pending"), toCarol).join()).toContain("will never be shown");
+          const told = lines(await alice.ok("check_inbox"), toCarol).join();
+          expect(told).toContain(`carol refused your message ${toCarol}`);
+          expect(told).toContain("it will never be shown");
+          expect(await carol.ok("check_inbox")).not.toContain("for carol");
+          await alice.close();
+
+          // dave never comes back: alice, past the 30 days with no word from him, tells her model it never will be.
+          alice = await McpNode.start(ra, A, relay.url, {
+            ...at(30 * DAY + 3600_000),
+            INTERLINK_TEST_ENDED_EVERY_MS: "200",
+          });
+          await eventually(
+            async () => (await alice.ok("message_status", { msg_id: toDave })).includes("will never be shown"),
+            "alice calls dave's expired",
+          );
+          expect(lines(await alice.ok("list_pending"), toDave).join()).toContain("will never be shown");
+          const expired = lines(await alice.ok("check_inbox"), toDave).join();
+          expect(expired).toContain(`Your message ${toDave} to dave: no receipt came for it in the 30 days`);
+          expect(expired).toContain("will never be shown");
+          expect(await alice.ok("message_status", { msg_id: toBob[0] })).toContain("shown to its model"); // not his
+        } finally {
+          await Promise.allSettled([alice.close(), ...nodes.map((n) => n.close())]);
+          await relay.down();
+        }
+      },
+      240_000,
+    );
+  }
+});
+
 /**
  * A reference bus (interlink-bus 0.11) in memory: every send answered 202, past `cap` per recipient the oldest
  * dropped (counted here), none of our bus's headers or extensions.
@@ -10227,12 +10415,13 @@ describe("the journal: one typed record per line, read through one codec", () =>
       const after = new NodeState(now);
       new Journal(dir, after, false, now).catchUp();
       // The same state, but for what a checkpoint does not carry: sent messages that need nothing more (shown,
-      // refused, a knock or a receipt, or older than a day), which message_status finds in the history instead.
+      // refused, expired, a knock or a receipt, or signed over 30 days ago), which message_status finds in the history.
       const kept = (s: NodeState) => [
         ...s.pending.keys(),
         ...[...s.outgoing.values()].filter((e) =>
           !s.pending.has(e.msg.msg_id) &&
-          (e.msg.kind === "message" && e.sentAt! >= expected.fixedNow - FRESH_PAST_MS && !e.shown && !e.refusedBy)
+          (e.msg.kind === "message" && e.sentAt !== undefined && e.msg.ts >= expected.fixedNow - HELD_MAX_MS &&
+            !e.shown && !e.refusedBy)
         ).map((e) => e.msg.msg_id),
       ];
       const summary = summarize(before, expected.fixedNow);
@@ -10384,6 +10573,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
         { kind: "more_knocks", id: "knocks more", at: 1, count: 3 },
         { kind: "refusals", id: "r", at: 1, key: eve.publicKey, reason: "stale", count: 2 },
         { kind: "bounced", id: "b", at: 1, key: bob.publicKey, msg: headOf(m), report: line },
+        { kind: "bounced", id: "b2", at: 1, key: bob.publicKey, msg: headOf(m) }, // expired: no report
       ],
       tasks: [task],
       owed: [[alice.publicKey, [line]]],
@@ -10399,7 +10589,10 @@ describe("the journal: one typed record per line, read through one codec", () =>
       replay: [[`${alice.publicKey} ${m.msg_id}`, 5]],
       shown: ["i0"],
       refusal_shown: [["r", 2]],
-      refusals_reported: [[`${alice.publicKey} m`, { key: alice.publicKey, at: 2 }]],
+      refusals_reported: [
+        [`${alice.publicKey} m`, { key: alice.publicKey, at: 2 }],
+        [`${eve.publicKey} k`, { key: eve.publicKey, at: 2, invite: "8899aabbccddeeff" }],
+      ],
       knocks_shown: [1, 2],
       pushed: [["i", { at: 2, item: { kind: "knock", id: "k", at: 1, key: alice.publicKey, name: "alice" } }]],
       confirming: [bob.publicKey],
@@ -10420,6 +10613,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
       { t: "sent", at: 1, msg_id: m.msg_id, via: ["http://b"] },
       { t: "refused", at: 1, msg_id: m.msg_id, reason: "413" },
       { t: "resign", at: 1, msg: m },
+      { t: "expired", at: 1, msg_id: m.msg_id },
       {
         t: "in",
         at: 1,
@@ -10444,8 +10638,10 @@ describe("the journal: one typed record per line, read through one codec", () =>
         quiet: true,
       },
       { t: "refusal", at: 1, key: eve.publicKey, reason: "not_allowlisted", detail: "d" },
+      { t: "refusal", at: 1, key: eve.publicKey, reason: "invite_used", detail: "d", invite: "8899aabbccddeeff" },
       { t: "paired", at: 1, key: alice.publicKey, how: "they_accepted", petname: "alice", msg: m },
       { t: "owe", at: 1, route: alice.publicKey, msg_id: "m", reason: "stale", skew_ms: -4 },
+      { t: "owe", at: 1, route: eve.publicKey, msg_id: "k", reason: "invite_used", invite: "8899aabbccddeeff" },
       { t: "receipt", at: 1, peer: "bob", msg: m, lines: [0, 2] },
       { t: "moved", at: 1, to: "next" },
       { t: "adopted", at: 1, session: "old", carried },
@@ -10454,7 +10650,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
       { t: "carried", at: 1, item: carried.inbox[0] },
     ];
     const tags = new Set(all.map((r) => r.t));
-    expect(tags.size).toBe(15); // every tag of the union (the compiler checks the list is the union's)
+    expect(tags.size).toBe(16); // every tag of the union (the compiler checks the list is the union's)
     for (const r of all) expect(decodeRecord(JSON.parse(encodeRecord(r)))).toEqual([r]);
     // A bad field is named; an unknown tag (a newer version's) is refused as such.
     const bad = (o: object) => () => decodeRecord(o as Record<string, unknown>);
@@ -10475,7 +10671,7 @@ describe("the journal: one typed record per line, read through one codec", () =>
         encodeRecord(all[1]),
         JSON.stringify({ t: "teleport", at: 1 }),
         JSON.stringify({ t: "sent", at: 1 }),
-        encodeRecord(all[11]),
+        encodeRecord(all.find((r) => r.t === "moved")!),
       ].join("\n") + "\n",
     );
     const state = new NodeState();
@@ -10587,7 +10783,7 @@ describe("delegation across hops: alice and carol on Bun, bob and dave on Deno, 
       const sub = await handedOn("site1", "logo1");
       expect(sub).toContain("opens a sub-task of site1, depth 2 of at most 4 here: alice → you → carol");
       expect(await carol.ok("list_tasks")).toContain(
-        `bob's node says it serves its task site1 for ${fp(A)} (owned by ${fp(A)}'s operator; depth 2: ${
+        `bob's node says it serves its task site1 for ${fp(A)} (owned by ${fp(A)}'s operator, by bob's word; depth 2: ${
           fp(A)
         } → bob → you)`,
       );
@@ -13017,6 +13213,60 @@ describe("pairing by invite: two machines in two commands", () => {
     120_000,
   );
   test.concurrent(
+    "a stolen code used first, then 32 strangers' refused messages: the honest joiner is still told the invite was used, and the inviter's operator sees it (other strangers' traffic never spends an invite's refusals)",
+    async () => {
+      const relay = await startBus("bun", path.join(tmpDir(), "bus"));
+      const A = machine("alice"), M = machine("mallory"), B = machine("bob");
+      try {
+        const invite = start(A, "bun", ["invite", "--for", "bob", "--name", "alice", "--url", relay.url]);
+        const code = await codeOf(invite);
+        // mallory holds a copy of the code and joins first: admitted (the code is a bearer secret until used).
+        expect((await run(M, "bun", ["join", code, "--name", "mallory"])).status).toBe(0);
+        expect(await invite.exited).toBe(0);
+        const a1 = await sessionOn(A, "bun", "a1"); // reads alice's door from now on
+        try {
+          // 32 keys that cost nothing send alice ordinary messages, each asking for receipts: each is refused (not in
+          // her peers), 30 are told so (the strangers' hourly budget), her operator of 3 keys (theirs too).
+          const keyA = await keyOf(A);
+          for (let i = 0; i < 32; i++) {
+            const s = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+            const m = await signMessage(s, { to: keyA, text: `hello ${i}` }, Date.now());
+            const payload = { ...m, reply_to: `${s.publicKey}#s`, receipts: true };
+            const sent = await fetch(`${relay.url}/send`, {
+              method: "POST",
+              body: JSON.stringify({ to: `${keyA}#a1`, payload }),
+            });
+            expect(sent.status).toBe(202);
+          }
+          const log = path.join(await stateOf(A), "sessions", "a1", "log.jsonl");
+          const owed = () => readJsonl(log, () => {}).filter((r) => r.t === "owe" && r.reason === "not_allowlisted");
+          await eventually(() => owed().length === 30, "the strangers' 30 refusal receipts of the hour were spent");
+          await eventually(
+            () => a1.stderr.filter((l) => l.includes(": not_allowlisted:")).length === 32,
+            "all refused",
+          );
+          expect(a1.events.filter((e) => e.meta.kind === "refused").length).toBe(3);
+          // bob, the joiner the code was for, comes second: refused, and told why (not left waiting for an answer).
+          const joined = await run(B, "deno", ["join", code, "--wait", "30"]);
+          expect({ status: joined.status, stderr: joined.stderr }).toEqual({
+            status: 1,
+            stderr: expect.stringContaining("alice refused: the invite was used already, by another key"),
+          });
+          // ... and alice's operator is told someone else used it, whatever the strangers spent.
+          const told = await a1.waitEvent((e) => e.meta.kind === "refused" && e.content.includes("used already"));
+          expect(told.meta.fingerprint).toBe(fingerprint(await keyOf(B)));
+          expect(peersOf(A)).toEqual({ bob: { key: await keyOf(M) } }); // mallory, filed as the invite's "bob"
+        } finally {
+          await a1.close();
+        }
+      } finally {
+        await stop(relay);
+      }
+    },
+    150_000,
+  );
+
+  test.concurrent(
     "refused before anything is written: a malformed, a newer, a cut and a one-character-changed code, an expired one, a relay B cannot reach, and clocks too far apart",
     async () => {
       const inviter = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
@@ -13609,7 +13859,7 @@ describe("pairing by invite: two machines in two commands", () => {
     expect(refused.map((e) => e.do)).toEqual(["log", "append", "sync", "append", "sync", "ack"]);
     expect(refused[3]).toEqual({
       do: "append",
-      records: [{ t: "owe", route: ctx.replyTo!, msg_id: "m1", reason: "invite_used" }],
+      records: [{ t: "owe", route: ctx.replyTo!, msg_id: "m1", reason: "invite_used", invite: invite.id }], // its budget
     });
 
     // The address to share: a private one on a real interface; a bridge's, loopback and link-local come after or not at all.
@@ -13700,6 +13950,44 @@ describe("a flooding peer holds off only itself", () => {
         const log = readJsonl(path.join(B.stateDir, "sessions", "bob", "log.jsonl"));
         expect(log.filter((r) => r.t === "owe" && r.msg_id === fromEve.msg_id && r.reason === "busy")).toHaveLength(1);
         expect(log.filter((r) => r.t === "refusal" && r.key === E.id.publicKey && r.reason === "busy")).toHaveLength(1);
+      } finally {
+        await bob.stop();
+        await shutdown();
+      }
+    },
+    60_000,
+  );
+
+  test(
+    "strangers' knocks never shrink a peer's share: 64 free keys knock once each, and alice, who sent 1,600 today, still gets her next message in",
+    async () => {
+      const root = tmpDir();
+      const [A, B, E] = await Promise.all(["alice", "bob", "eve"].map((n) => makeNodeFiles(root, n)));
+      befriend(A, B);
+      befriend(E, B);
+      const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const bob = await Agent.open(nodeConfig(B, [url], "inbox"), "test");
+      try {
+        // bob's memory holds the day's 100,000 (REPLAY_CAP), all fresh: eve's 98,400 and alice's 1,600.
+        const now = Date.now();
+        for (let i = 0; i < 98_400; i++) bob.state.replay.remember(E.id.publicKey, `e${i}`, now, now);
+        for (let i = 0; i < 1_600; i++) bob.state.replay.remember(A.id.publicKey, `a${i}`, now, now);
+        const route = `${B.id.publicKey}#bob`;
+        // 64 keys that cost nothing knock once each (as many as bob holds for his operator), ahead of alice's message.
+        for (let i = 0; i < 64; i++) {
+          const knocker = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+          const knock = await signMessage(knocker, { to: B.id.publicKey, text: `k${i}`, kind: "pair_request" }, now);
+          await bus.send(route, JSON.stringify(knock), knocker.publicKey);
+        }
+        const fromAlice = await signMessage(A.id, { to: B.id.publicKey, text: "after the knocks" }, now);
+        await bus.send(route, JSON.stringify(fromAlice), A.id.publicKey);
+        bob.startReceiving();
+        await eventually(() => bus.queues.liveCount === 0, "every knock and alice's message handled and acked");
+        expect(bob.state.knocksIn.size).toBe(64); // each held for his operator (KNOCKS_CAP)
+        // alice holds 1,600, far under her share (100,000 split between the two peers held): admitted, not refused.
+        expect(bob.state.inbox.has(`${A.id.publicKey} ${fromAlice.msg_id}`)).toBe(true);
+        const log = readJsonl(path.join(B.stateDir, "sessions", "bob", "log.jsonl"));
+        expect(log.filter((r) => r.t === "refusal" && r.key === A.id.publicKey)).toEqual([]);
       } finally {
         await bob.stop();
         await shutdown();

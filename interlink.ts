@@ -83,9 +83,15 @@ const CHAIN_DOMAIN = "interlink-chain-v1\0"; // a chain signature: a message's o
 
 /** A sender's clock may run this far ahead of ours before we call its message forged. */
 const FRESH_FUTURE_MS = 60_000;
-/** The bus is durable: a message may legitimately sit in it for a day while we are offline. */
+/** A reference node (and ours of 0.5.0) refuses a message older than this; "the last day" of the operator's views. */
 const FRESH_PAST_MS = 24 * 60 * 60_000;
-/** Re-sign an undelivered message before it would go stale at the recipient (same msg_id, so it still dedupes). */
+/**
+ * The oldest message our gate accepts, and so how long the replay memory remembers one: a relay keeps mail while its
+ * recipient is away (a weekend, a holiday, a laptop in a drawer), and a message it accepted is shown once whenever
+ * the recipient comes back within this long. Past it the message is refused as stale, and its sender is told.
+ */
+const HELD_MAX_MS = 30 * 24 * 60 * 60_000;
+/** Re-sign an unsent message before a reference node would call it stale (same msg_id, so it still dedupes). */
 const RESIGN_AFTER_MS = FRESH_PAST_MS - 60 * 60_000;
 
 const DEFAULT_BUS_PORT = 9440;
@@ -138,7 +144,7 @@ const SEND_TIMEOUT_MS = 5_000;
 const BACKOFF_MIN_MS = 250;
 const BACKOFF_MAX_MS = 30_000;
 
-/** Replay memory bound, far above a day of a few peers' traffic; past it senders get shares, up to twice this. */
+/** Replay memory bound, far above 30 days of a few peers' traffic (~200 B an entry); past it, shares to twice this. */
 const REPLAY_CAP = 100_000;
 /** Sent messages remembered in memory for message_status; older ones are looked up in the journal. */
 const SENT_MEMORY_CAP = 10_000;
@@ -1233,8 +1239,8 @@ const rosterKey = (a: Pick<Announcement, "pubkey" | "session">): string =>
 // ============================================================================
 
 /**
- * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. An entry past the freshness
- * window is forgotten: freshness alone refuses its replay. Rebuilt at start from the replay files (SeenLog) and the
+ * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. An entry older than HELD_MAX_MS
+ * is forgotten: the gate refuses its replay as stale. Rebuilt at start from the replay files (SeenLog) and the
  * journal, so a replay after a restart is still refused. Entries only a journal holds (`logged` false) are written to
  * the replay files before a roll-over or an adoption leaves their records where no start reads.
  */
@@ -1270,23 +1276,25 @@ class ReplayMemory {
   }
 
   /** True when a message from `sender` (any, if not named) cannot be remembered now: see pressure. */
-  full(nowMs: number, sender?: string): boolean {
-    return this.pressure(nowMs, sender) !== null;
+  full(nowMs: number, sender?: string, isPeer?: (key: string) => boolean): boolean {
+    return this.pressure(nowMs, sender, isPeer) !== null;
   }
 
   /**
    * Why a message from `sender` cannot be remembered now, or null. Nothing fresh is forgotten to make room (its replay
-   * would get in). Past `cap` fresh entries, a sender holding its share (cap / senders held) gets "share": the gate
+   * would get in). Past `cap` fresh entries, a peer holding its share (cap / peers held) gets "share": the gate
    * refuses its message for good, so a peer that filled the memory holds off only itself (a relay hands a route's mail
-   * over in order: one left unacked would hold up every sender's behind it). Others come in up to twice the cap; past
-   * that, "all": every message waits, unacked, until entries age out. Only looks (the gate is pure).
+   * over in order: one left unacked would hold up every sender's behind it). Strangers (`isPeer` false: their knocks)
+   * cost nothing to multiply, so they never count as peers held: together they are one sender, held to the share of
+   * one more peer (cap / (peers held + 1)). Others come in up to twice the cap; past that, "all": every message waits,
+   * unacked, until entries age out. Only looks (the gate is pure).
    */
-  pressure(nowMs: number, sender?: string): "share" | "all" | null {
+  pressure(nowMs: number, sender?: string, isPeer: (key: string) => boolean = () => true): "share" | "all" | null {
     if (this.#seen.size < this.cap) return null;
     let stale = 0;
     const aged = new Map<string, number>(); // sender → its entries in the stale front (bounded by #seen)
     for (const [key, ts] of this.#seen) {
-      if (ts >= nowMs - FRESH_PAST_MS) break;
+      if (ts >= nowMs - HELD_MAX_MS) break;
       stale++;
       const by = ReplayMemory.#senderOf(key);
       aged.set(by, (aged.get(by) ?? 0) + 1);
@@ -1295,9 +1303,14 @@ class ReplayMemory {
     if (fresh < this.cap) return null;
     if (sender === undefined || fresh >= 2 * this.cap) return "all";
     // Shares of the fresh entries: a sender whose entries have all aged out (not forgotten yet) holds none.
-    let senders = this.#held.size;
-    for (const [by, n] of aged) if (n === this.#held.get(by)) senders--;
-    return (this.#held.get(sender) ?? 0) - (aged.get(sender) ?? 0) >= this.cap / senders ? "share" : null;
+    let peers = 0, strangers = 0;
+    for (const [by, n] of this.#held) {
+      const kept = n - (aged.get(by) ?? 0);
+      if (kept > 0 && isPeer(by)) peers++;
+      else strangers += kept;
+    }
+    const held = isPeer(sender) ? (this.#held.get(sender) ?? 0) - (aged.get(sender) ?? 0) : strangers;
+    return held >= this.cap / (isPeer(sender) ? Math.max(peers, 1) : peers + 1) ? "share" : null;
   }
 
   /** What it holds, oldest first ("<sender> <msg_id>", message ts). */
@@ -1320,10 +1333,10 @@ class ReplayMemory {
     }
   }
 
-  /** Drops entries past the freshness window, from the front. */
+  /** Drops entries past HELD_MAX_MS, from the front (one admitted late, held long by a relay, waits its turn). */
   forget(nowMs: number): void {
     for (const [key, ts] of this.#seen) {
-      if (ts >= nowMs - FRESH_PAST_MS) break;
+      if (ts >= nowMs - HELD_MAX_MS) break;
       this.#seen.delete(key);
       this.#unlogged.delete(key);
       this.#count(key, -1);
@@ -1370,17 +1383,17 @@ async function decide(
     return reject("not_allowlisted", `${fingerprint(msg.from)} is not in peers.json`);
   }
   if (msg.ts - nowMs > FRESH_FUTURE_MS) return reject("stale", `ts is ${msg.ts - nowMs} ms in the future`);
-  if (nowMs - msg.ts > FRESH_PAST_MS) return reject("stale", `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`);
+  if (nowMs - msg.ts > HELD_MAX_MS) return reject("stale", `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`);
   if (replay.has(msg.from, msg.msg_id)) return reject("replay", `msg_id ${msg.msg_id} already admitted`);
-  const pressure = replay.pressure(nowMs, msg.from);
+  const pressure = replay.pressure(nowMs, msg.from, (key) => peers.byKey.has(key) || key === me);
   if (pressure === "share") {
     const detail =
-      `the replay memory holds ${replay.cap} messages of the last 24 h, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`;
+      `the replay memory holds ${replay.cap} messages of the last 30 days, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`;
     return reject("busy", detail);
   }
   if (pressure === "all") {
     const detail =
-      `the replay memory holds twice its cap of ${replay.cap} messages of the last 24 h; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
+      `the replay memory holds twice its cap of ${replay.cap} messages of the last 30 days; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
     return { verdict: "reject", reason: "busy", detail, msg, forNow: true };
   }
   switch (msg.kind) {
@@ -2939,6 +2952,7 @@ interface OutEntry {
   delivered?: { at: number; session: string };
   shown?: { at: number; session: string };
   refusedBy?: ReceiptLine;
+  expired?: number; // when we judged it past HELD_MAX_MS with no receipt from the recipient: it will never be shown
   /** Carried over from this ended session of ours (its outbox, or a sent message whose receipts may still come). */
   adoptedFrom?: string;
   movedTo?: string; // this (ended) session's outbox went to that session, which delivers it
@@ -2973,7 +2987,8 @@ type InboxItem =
     | { kind: "knock"; key: string; name: string }
     | { kind: "more_knocks"; count: number }
     | { kind: "refusals"; key: string; reason: Refusal; count: number }
-    | { kind: "bounced"; key: string; msg: MessageHead; report: ReceiptLine }
+    /** A message of ours that will never be shown: `report`, its recipient's refusal; none, it expired (see expired). */
+    | { kind: "bounced"; key: string; msg: MessageHead; report?: ReceiptLine }
     /** A pairing through an invite: `invited`, a key joined through ours; `joined`, we joined through theirs. */
     | { kind: "paired"; key: string; petname: string; invite: string; side: "invited" | "joined" }
   );
@@ -2983,7 +2998,9 @@ type Notice = Exclude<InboxItem, MessageItem>;
 /** Replay memory and the inbox key messages by sender and msg_id: msg_ids are the sender's choice. */
 const messageKey = (from: string, msgId: string): string => `${from} ${msgId}`;
 const knockItem = (key: string, msgId: string): string => `knock ${key} ${msgId}`;
-const refusalItem = (key: string, reason: string): string => `refused ${key} ${reason}`;
+/** A refusal summary's item: per sender and reason, and per invite of ours when it is about one (see noticeRefusal). */
+const refusalItem = (key: string, reason: string, invite?: string): string =>
+  `refused ${key} ${reason}${invite ? ` ${invite}` : ""}`;
 const pairedItem = (key: string, invite: string): string => `paired ${key} ${invite}`;
 
 /** The inbox item that counts the knocks past KNOCKS_SHOWN_PER_HOUR. */
@@ -3069,7 +3086,7 @@ function newReports(entry: (msgId: string) => OutEntry | undefined, receipt: Sig
     if (!e || e.msg.to !== receipt.from || !about || seen.has(`${l.state} ${l.msg_id}`)) return false;
     seen.add(`${l.state} ${l.msg_id}`);
     // A refusal after the message was delivered is about a copy (a relay replaying it): the message got through.
-    if (l.state === "refused") return !e.refusedBy && !e.delivered && !e.shown;
+    if (l.state === "refused") return !e.refusedBy && !e.delivered && !e.shown && !e.expired;
     return l.state === "delivered" ? !e.delivered && !e.refusedBy : !e.shown && !e.refusedBy;
   });
 }
@@ -3079,7 +3096,7 @@ const REFUSAL_WORDS: Partial<Record<Refusal, string>> = {
   not_allowlisted:
     "they do not have you in their peers (you have them: a one-sided pairing); ask your operator whether to request_pair them again, which asks them to add you",
   busy:
-    "you sent them more than your share of the messages a day they remember (a flood, or a loop): wait, and send less",
+    "you sent them more than your share of the messages of 30 days they remember (a flood, or a loop): wait, and send less",
   invite_unknown:
     "their node knows no such invite (made by another node, or forgotten long after it expired); ask for a new one",
   invite_expired: "the invite had expired; ask for a new one (`interlink.ts invite` on their machine)",
@@ -3090,12 +3107,16 @@ const REFUSAL_WORDS: Partial<Record<Refusal, string>> = {
     "the request's proof does not match the invite (a code changed on its way, or a request re-signed by another key)",
 };
 
+/** Why a message of ours that no receipt confirmed within HELD_MAX_MS will never be shown (NodeState.expiredSent). */
+const EXPIRED_WORDS =
+  "no receipt came for it in the 30 days since it was signed, and no node of ours accepts it after that: it will never be shown (their node has not read it: away that long, gone, or a relay dropped it); send it again if it still matters";
+
 function refusalWords(l: ReceiptLine): string {
   if (l.reason === "stale" && l.skew_ms !== undefined) {
     const by = howLong(Math.abs(l.skew_ms));
     return l.skew_ms > 0
       ? `your clock is ahead of theirs by ~${by} (over a minute is refused); ask your operator to fix the clock (NTP)`
-      : `it reached them ${by} old, past the 24 h freshness window; send it again if it still matters`;
+      : `it reached them ${by} old, past the 30 days a relay may hold a message for them: it will never be shown; send it again if it still matters`;
   }
   return REFUSAL_WORDS[l.reason!] ?? `refused (${l.reason})`;
 }
@@ -3139,6 +3160,8 @@ type JournalRecord =
   | { t: "refused"; at: number; msg_id: string; reason: string }
   /** Re-signed before it would go stale at the recipient (same msg_id, so it still dedupes). */
   | { t: "resign"; at: number; msg: SignedMessage }
+  /** Sent, past HELD_MAX_MS since it was signed, and no receipt came: no node of ours will show it now. */
+  | { t: "expired"; at: number; msg_id: string }
   /**
    * Admitted from a peer (or another session of ours): unread until "shown". `reply_session`: the sender's session its
    * unsigned reply_to named (routing only); `receipts`: its sender reads receipts; `for_session`: drained from an
@@ -3167,15 +3190,18 @@ type JournalRecord =
    * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
    */
   | { t: "knock"; at: number; key: string; name: string; msg_id: string; ts: number; reply_to?: string; quiet?: true }
-  /** A sender's first refusal for a reason worth the operator's attention (repeats are counted in memory). */
-  | { t: "refusal"; at: number; key: string; reason: Refusal; detail: string }
+  /**
+   * A sender's first refusal for a reason worth the operator's attention (repeats are counted in memory); `invite`:
+   * the invite of ours it was about (see refusedInvite).
+   */
+  | { t: "refusal"; at: number; key: string; reason: Refusal; detail: string; invite?: string }
   /**
    * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
    * "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
    */
   | { t: "paired"; at: number; key: string; how: PairOutcome; petname?: string; msg?: SignedMessage; invite?: string }
-  /** A message refused by the gate, reported to its sender by a receipt (to `route`) that is still owed. */
-  | { t: "owe"; at: number; route: string; msg_id: string; reason: Refusal; skew_ms?: number }
+  /** A message refused by the gate (or `invite`, ours), reported to its sender by a receipt (to `route`) still owed. */
+  | { t: "owe"; at: number; route: string; msg_id: string; reason: Refusal; skew_ms?: number; invite?: string }
   /** A peer's receipt that told us something new; `lines`: which reports of its text (indexes) were new. */
   | { t: "receipt"; at: number; peer: string; msg: SignedMessage; lines?: number[] }
   /** In an ended session's journal: everything it still had to do now belongs to session `to`. */
@@ -3322,7 +3348,7 @@ const ITEM_FIELDS: {
   knock: (o) => fields(o, { key: str, name: shownName }),
   more_knocks: (o) => fields(o, { count: int }),
   refusals: (o) => fields(o, { key: str, reason, count: int }),
-  bounced: (o) => fields(o, { key: str, msg: messageHead, report: receiptLine }),
+  bounced: (o) => fields(o, { key: str, msg: messageHead, report: optional(receiptLine) }),
   paired: (o) => fields(o, { key: str, petname: str, invite: str, side: oneOf(["invited", "joined"] as const) }),
 };
 
@@ -3392,7 +3418,7 @@ const remembered = record({
   replay: optional(pairs(int)), // only in checkpoints of 0.5.0: the per-day replay files (SeenLog) hold it
   shown: items(str),
   refusal_shown: pairs(int),
-  refusals_reported: pairs(record({ key: str, at: int })),
+  refusals_reported: pairs(record({ key: str, at: int, invite: optStr })),
   knocks_shown: items(int),
   pushed: pairs(record({ at: int, item: inboxItem })),
   confirming: items(str),
@@ -3413,6 +3439,7 @@ const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<Re
   sent: (o) => fields(o, { msg_id: str, via: strings }),
   refused: (o) => fields(o, { msg_id: str, reason: (o, k) => optStr(o, k) ?? "refused by every bus" }),
   resign: (o) => fields(o, { msg: message }),
+  expired: (o) => fields(o, { msg_id: str }),
   in: (o) =>
     fields(o, {
       peer: str,
@@ -3426,10 +3453,10 @@ const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<Re
     }),
   shown: (o) => fields(o, { item: str, via: oneOf(SHOWN_VIAS) }),
   knock: (o) => fields(o, { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag }),
-  refusal: (o) => fields(o, { key: str, reason, detail: (o, k) => optStr(o, k) ?? "" }),
+  refusal: (o) => fields(o, { key: str, reason, detail: (o, k) => optStr(o, k) ?? "", invite: optStr }),
   paired: (o) =>
     fields(o, { key: str, how: oneOf(PAIR_OUTCOMES), petname: optStr, msg: optional(message), invite: optStr }),
-  owe: (o) => fields(o, { route: str, msg_id: str, reason, skew_ms: optInt }),
+  owe: (o) => fields(o, { route: str, msg_id: str, reason, skew_ms: optInt, invite: optStr }),
   receipt: (o) => fields(o, { peer: str, msg: message, lines: optional(listOf(int)) }),
   moved: (o) => fields(o, { to: str }),
   adopted: (o) => fields(o, { session: str, carried }),
@@ -3568,8 +3595,8 @@ class NodeState {
   readonly wantsShown = new BoundedMap<string, { route: string; msgId: string }>(RECEIPTS_WANTED_CAP);
   /** Peer sessions that said goodbye, and when: no message is routed there, and receipts wait until they are back. */
   readonly closed = new BoundedMap<string, number>(1024);
-  /** Refusals reported by receipt (message key → sender key, when), for dedup and the hourly bound per peer. */
-  readonly refusalsReported = new BoundedMap<string, { key: string; at: number }>(4096);
+  /** Refusals reported by receipt (message key → sender key, when, the invite it was about), for dedup and bounds. */
+  readonly refusalsReported = new BoundedMap<string, { key: string; at: number; invite?: string }>(4096);
   /** Earlier sessions of ours this one adopted, and when each ended: their relay routes are drained here. */
   readonly drains = new BoundedMap<string, number>(ROUTES_DRAINED_CAP);
   /** Our messages sent to each route that no receipt has confirmed yet (see SEND_WINDOW). */
@@ -3635,6 +3662,14 @@ class NodeState {
     },
     sent: (r) => this.#settled(r.msg_id, (e) => (e.sentAt = r.at, e.via = r.via)),
     refused: (r) => this.#settled(r.msg_id, (e) => (e.refused = r.reason)),
+    expired: (r) => {
+      const e = this.outgoing.get(r.msg_id);
+      if (!e || e.delivered || e.refusedBy || e.expired) return;
+      e.expired = r.at;
+      this.#unconfirmed(e.recipient, r.msg_id, false);
+      const id = `bounced ${r.msg_id}`;
+      this.inbox.set(id, { kind: "bounced", id, at: r.at, key: e.msg.to, msg: headOf(e.msg) });
+    },
     in: (r) => {
       const { msg } = r;
       this.replay.remember(msg.from, msg.msg_id, msg.ts, this.now());
@@ -3674,7 +3709,7 @@ class NodeState {
     },
     owe: (r) => {
       const { route, msg_id, at, reason } = r, key = parseRoute(route).key;
-      this.refusalsReported.set(messageKey(key, msg_id), { key, at });
+      this.refusalsReported.set(messageKey(key, msg_id), { key, at, ...some("invite", r.invite) });
       this.#owe(route, { state: "refused", msg_id, at, reason, ...some("skew_ms", r.skew_ms) });
     },
     receipt: (r) => {
@@ -3715,7 +3750,7 @@ class NodeState {
       }
     },
     refusal: (r) => {
-      const id = refusalItem(r.key, r.reason);
+      const id = refusalItem(r.key, r.reason, r.invite);
       const waiting = this.inbox.get(id);
       if (waiting?.kind === "refusals") waiting.count++;
       else this.inbox.set(id, { kind: "refusals", id, at: r.at, key: r.key, reason: r.reason, count: 1 });
@@ -3800,6 +3835,17 @@ class NodeState {
     return this.pending.get(msgId) ?? this.outgoing.get(msgId);
   }
 
+  /**
+   * Our messages sent over HELD_MAX_MS ago (by their signing) that no receipt says were delivered: no node of ours
+   * accepts them now. Not to a key whose messages ask for no receipts (a reference node): it may have shown them.
+   */
+  expiredSent(nowMs: number): string[] {
+    const old = (e: OutEntry) => e.sentAt && e.msg.kind === "message" && nowMs - e.msg.ts > HELD_MAX_MS;
+    return [...this.outgoing.values()].filter((e) =>
+      old(e) && !e.delivered && !e.refusedBy && !e.expired && !e.movedTo && !this.silent.has(e.msg.to)
+    ).map((e) => e.msg.msg_id);
+  }
+
   /** Forgets the oldest sent entries past SENT_MEMORY_CAP (message_status then reads the journal). */
   #remember(): void {
     for (const [oldest, e] of this.outgoing) {
@@ -3881,11 +3927,11 @@ class NodeState {
 
   /**
    * What this session still has to do, for its adopter (`ended`: this session and when it ended) or its checkpoint,
-   * with closed tasks of the last day (a late message on one is still refused) or CLOSED_TASKS_KEPT_MS at a checkpoint.
+   * with closed tasks of HELD_MAX_MS (a late message on one is still refused) or CLOSED_TASKS_KEPT_MS at a checkpoint.
    * Messages get a record each (carriedOut(), the inbox): a backlog is never one line in memory.
    */
   carry(nowMs: number, ended?: { session: string; at: number }): Carried {
-    const since = nowMs - FRESH_PAST_MS;
+    const since = nowMs - HELD_MAX_MS;
     return {
       out: [],
       inbox: [],
@@ -3903,12 +3949,11 @@ class NodeState {
     };
   }
 
-  /** The entries a carry takes, in order: sent messages of the last day whose receipts may still come, the outbox. */
+  /** The entries a carry takes, in order: sent messages whose receipts may still come (HELD_MAX_MS), the outbox. */
   *carriedOut(nowMs: number): Generator<CarriedOut> {
-    const since = nowMs - FRESH_PAST_MS;
     for (const e of this.outgoing.values()) {
-      const { kind } = e.msg;
-      if (!e.sentAt || e.sentAt < since || kind !== "message" || e.shown || e.refusedBy) continue;
+      const { kind, ts } = e.msg;
+      if (!e.sentAt || ts < nowMs - HELD_MAX_MS || kind !== "message" || e.shown || e.refusedBy || e.expired) continue;
       yield { ...this.#carried(e), sent_at: e.sentAt, via: e.via ?? [], ...some("delivered", e.delivered) };
     }
     for (const e of this.pending.values()) yield this.#carried(e);
@@ -3939,17 +3984,12 @@ class NodeState {
     this.owed.set(route, lines);
   }
 
-  refusalsReportedSince(key: string, sinceMs: number): number {
-    return [...this.refusalsReported.values()].filter((r) => r.key === key && r.at >= sinceMs).length;
+  /** Refusals reported since `sinceMs` that `which` counts (to one key, to strangers, about one invite). */
+  refusalsReportedSince(sinceMs: number, which: (r: { key: string; invite?: string }) => boolean): number {
+    return [...this.refusalsReported.values()].filter((r) => r.at >= sinceMs && which(r)).length;
   }
 
-  /** Refusals reported to non-peers since `sinceMs` (one bound for all strangers). */
-  strangerRefusalsSince(peers: Peers, selfKey: string, sinceMs: number): number {
-    const stranger = (key: string) => !peers.byKey.has(key) && key !== selfKey;
-    return [...this.refusalsReported.values()].filter((r) => r.at >= sinceMs && stranger(r.key)).length;
-  }
-
-  /** Forgets knocks older than the freshness window: their sender has long moved on. */
+  /** Forgets knocks held over a day (FRESH_PAST_MS): their sender has long moved on. */
   expireKnocks(nowMs: number): void {
     for (const [key, k] of this.knocksIn) {
       if (nowMs - k.at <= FRESH_PAST_MS) continue;
@@ -4249,8 +4289,8 @@ class SeenLog {
   #writerFile = "";
 
   constructor(readonly dir: string, readonly replay: ReplayMemory, readonly now: () => number) {
-    // Keep two days: a message admitted yesterday may be replayed for up to FRESH_PAST_MS.
-    const oldest = SeenLog.#name(now() - 2 * FRESH_PAST_MS);
+    // A day's file holds that day's admissions: the last of them may be replayed until HELD_MAX_MS after it.
+    const oldest = SeenLog.#name(now() - HELD_MAX_MS - FRESH_PAST_MS);
     for (const f of namesIn(dir, SEEN_FILE_RE)) if (f < oldest) fs.rmSync(path.join(dir, f), { force: true });
     this.catchUp();
   }
@@ -4287,7 +4327,7 @@ class SeenLog {
   }
 
   /**
-   * Makes the replay files hold, durably, every admission of the last day that `from` knows (this session's replay
+   * Makes the replay files hold, durably, every admission of HELD_MAX_MS that `from` knows (this session's replay
    * memory, or an adopted one's) and they do not: a "seen" record lost to a crash, or one a 0.5.0 checkpoint carried.
    * Run before a roll-over or an adoption leaves those journal records where no start reads them. Returns how many.
    */
@@ -4296,7 +4336,7 @@ class SeenLog {
     const nowMs = this.now();
     const missing =
       (from === this.replay ? from.unlogged() : from.entries().filter(([key]) => !this.replay.logged(key)))
-        .filter(([, ts]) => ts >= nowMs - FRESH_PAST_MS);
+        .filter(([, ts]) => ts >= nowMs - HELD_MAX_MS);
     if (!missing.length) return 0;
     this.#today().append(missing.map(([key, ts]) => {
       const at = key.indexOf(" "); // "<sender> <msg_id>": a key has no space
@@ -4831,7 +4871,8 @@ function itemMessage(
 }
 
 const NOTICE_KINDS: Record<string, string> = { refusals: "refused", bounced: "refused_by_peer", paired: "paired" };
-const noticeKind = (i: Notice): string => NOTICE_KINDS[i.kind] ?? "pair_request";
+const noticeKind = (i: Notice): string =>
+  i.kind === "bounced" && !i.report ? "expired" : NOTICE_KINDS[i.kind] ?? "pair_request";
 
 /** A notice in our words: never a peer's text, at most a quoted claim. */
 function noticeText(i: Notice, peers: Peers): string {
@@ -4852,6 +4893,7 @@ function noticeText(i: Notice, peers: Peers): string {
   if (i.kind === "bounced") {
     const task = i.msg.task_id ? ` ${taskTag(i.msg)}` : "";
     const what = i.msg.kind === "pair_request" ? "request to pair" : "message";
+    if (!i.report) return `Your ${what} ${i.msg.msg_id}${task} to ${peer ?? fp}: ${EXPIRED_WORDS}.`;
     return `${peer ?? fp} refused your ${what} ${i.msg.msg_id}${task}: ${refusalWords(i.report)}.`;
   }
   const from = peer ? `your peer '${peer}' (${fp})` : `an unknown key ${fp}`;
@@ -4861,13 +4903,13 @@ function noticeText(i: Notice, peers: Peers): string {
   const why: Record<Refusal, string> = {
     not_allowlisted: `${by}not in your peers`,
     stale:
-      `${by}their time is outside the freshness window (a clock off by over a minute, or held over a day); ask your operator to check the clocks`,
+      `${by}their time is outside the freshness window (a clock ahead by over a minute, or held over 30 days); ask your operator to check the clocks`,
     bad_signature: `${n} claiming to be from ${fp} ${was} refused: the signature does not verify (forged or damaged)`,
     wrong_recipient: `${n} addressed to another node ${was} refused`,
     unexpected_kind: `${by}a pair acceptance this node never asked for`,
     malformed: `${n} ${was} refused as malformed`,
     replay: `${n} ${was} refused as replays`,
-    busy: `${by}it sent its share of the messages of a day this node remembers (a flood, or a loop)`,
+    busy: `${by}it sent its share of the messages of 30 days this node remembers (a flood, or a loop)`,
     invite_unknown: `${through} this node does not know`,
     invite_expired: `${through} that had expired`,
     invite_used: `${through} used already (someone else may hold a copy of its code)`,
@@ -5209,29 +5251,41 @@ function refuse(v: Refused, ctx: InboundContext, before: Effect[] = []): Effect[
 }
 
 /**
+ * The invite of ours a refused knock names, when this node has it (used, expired, revoked, or a proof that does not
+ * match): its refusals are told on budgets of its own, which only those who hold its code (or saw it on the wire, as a
+ * relay, which can drop the answer anyway) can spend. An id nobody issued costs nothing to make: it has none.
+ */
+function refusedInvite(v: Refused): string | undefined {
+  const proof = isInviteRefusal(v.reason) && v.reason !== "invite_unknown" && parseInviteProof(v.msg?.in_reply_to);
+  return typeof proof === "object" && proof ? proof.id : undefined;
+}
+
+/**
  * A refusal worth the operator's attention becomes one summary per sender and reason: recorded once, then counted in
  * memory, not again for REFUSAL_REPEAT_MS once shown; REFUSAL_NOTICES_CAP at most. A flood costs the journal a line per
  * sender and hour, and the model one line.
  */
 function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (!v.msg || !REFUSALS_SHOWN.has(v.reason)) return [];
-  const id = refusalItem(v.msg.from, v.reason);
+  const invite = refusedInvite(v), id = refusalItem(v.msg.from, v.reason, invite);
   const waiting = ctx.state.inbox.get(id);
   if (waiting?.kind === "refusals") return [{ do: "count", id }];
   if (ctx.nowMs - (ctx.state.refusalShownAt.get(id) ?? 0) < REFUSAL_REPEAT_MS) return [];
   if (ctx.state.refusalNotices >= REFUSAL_NOTICES_CAP) return [];
   const isPeer = (key: string) => ctx.peers.byKey.has(key) || key === ctx.selfKey;
   if (!isPeer(v.msg.from)) {
-    // Strangers' notices of the last hour: waiting ones, and shown ones (their ids are "refused <key> <reason>").
+    // Strangers' notices of the last hour, waiting or shown (ids "refused <key> <reason>[ <invite>]"): one budget for
+    // all, and one for each invite of ours (see refusedInvite), so no other stranger's traffic hides a used code.
     const hourAgo = ctx.nowMs - 60 * 60_000;
-    let made = 0;
-    for (const i of ctx.state.inbox.values()) if (i.kind === "refusals" && !isPeer(i.key)) made++;
-    for (const [shown, at] of ctx.state.refusalShownAt) {
-      if (at >= hourAgo && shown.startsWith("refused ") && !isPeer(shown.split(" ")[1])) made++;
-    }
-    if (made >= STRANGER_NOTICES_PER_HOUR) return [];
+    const shown = [...ctx.state.refusalShownAt].filter(([i, at]) => at >= hourAgo && i.startsWith("refused "));
+    const made = [...ctx.state.inbox.keys(), ...shown.map(([i]) => i)].filter((i) => {
+      const [tag, key, , about] = i.split(" ");
+      return tag === "refused" && !isPeer(key) && about === invite;
+    });
+    if (made.length >= STRANGER_NOTICES_PER_HOUR) return [];
   }
-  const record: NewRecord = { t: "refusal", key: v.msg.from, reason: v.reason, detail: v.detail.slice(0, 200) };
+  const detail = v.detail.slice(0, 200);
+  const record: NewRecord = { t: "refusal", key: v.msg.from, reason: v.reason, detail, ...some("invite", invite) };
   const push: Effect[] = ctx.canPush ? [{ do: "push", id }] : [];
   return [{ do: "append", records: [record] }, ...push, { do: "sync" }];
 }
@@ -5246,22 +5300,25 @@ function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const joining = msg?.kind === "pair_request" && parseInviteProof(msg.in_reply_to) !== null;
   if (!msg || (msg.kind !== "message" && !joining) || !ctx.wantsReceipts) return [];
   const hourAgo = nowMs - 60 * 60_000;
-  const peer = peers.byKey.has(msg.from) || msg.from === ctx.selfKey;
-  // From a peer: a message from our future (one too old was held or replayed by a relay; a sender re-signs before a
-  // day), or over its share (busy). From a key not in our peers (it may list us: a one-sided pairing), that we
+  const isPeer = (key: string) => peers.byKey.has(key) || key === ctx.selfKey, peer = isPeer(msg.from);
+  const left = (which: (r: { key: string; invite?: string }) => boolean) =>
+    state.refusalsReportedSince(hourAgo, which) < RECEIPT_REFUSALS_PER_HOUR;
+  // From a peer: a message from our future, or held past HELD_MAX_MS (a replay of one delivered: its sender knows
+  // better), or over its share (busy). From a key not in our peers (it may list us: a one-sided pairing), that we
   // refused it, so it can knock again; strangers together get RECEIPT_REFUSALS_PER_HOUR an hour. A knock through an
-  // invite: why the invite, or its time, was refused (`join` waits for that).
-  const strangersLeft = state.strangerRefusalsSince(peers, ctx.selfKey ?? "", hourAgo) < RECEIPT_REFUSALS_PER_HOUR;
-  const stale = v.reason === "stale" && (joining ? peer || strangersLeft : msg.ts > nowMs && peer);
+  // invite: why the invite, or its time, was refused (`join` waits for that), on that invite's own budget if we have it.
+  const strangersLeft = left((r) => !r.invite && !isPeer(r.key)), about = refusedInvite(v);
+  const stale = v.reason === "stale" && (joining ? peer || strangersLeft : peer);
   const unpaired = !joining && v.reason === "not_allowlisted" && !peer && strangersLeft;
-  const invite = joining && isInviteRefusal(v.reason) && (peer || strangersLeft);
+  const invite = joining && isInviteRefusal(v.reason) &&
+    (peer || (about ? left((r) => r.invite === about) : strangersLeft));
   const busy = !joining && v.reason === "busy" && peer; // over its share (see ReplayMemory.pressure): told why
   if (!stale && !unpaired && !invite && !busy) return [];
   if (state.refusalsReported.has(messageKey(msg.from, msg.msg_id))) return [];
-  if (state.refusalsReportedSince(msg.from, hourAgo) >= RECEIPT_REFUSALS_PER_HOUR) return [];
+  if (!left((r) => r.key === msg.from)) return [];
   const route = receiptRoute(msg, ctx.replyTo);
   const skew = stale ? { skew_ms: Math.min(Math.round(msg.ts - nowMs), 1e12) } : {};
-  const owe: NewRecord = { t: "owe", route, msg_id: msg.msg_id, reason: v.reason, ...skew };
+  const owe: NewRecord = { t: "owe", route, msg_id: msg.msg_id, reason: v.reason, ...skew, ...some("invite", about) };
   return [{ do: "append", records: [owe] }, { do: "sync" }];
 }
 
@@ -6067,11 +6124,25 @@ class Agent {
       await this.seen.complete();
       this.seen.catchUp(); // what was admitted meanwhile has its "seen" record written with its "in" record
       this.journal.catchUp();
-      const since = this.now() - FRESH_PAST_MS;
+      const since = this.now() - HELD_MAX_MS;
       if (this.state.replay.unlogged().some(([, ts]) => ts >= since)) return false;
       return this.journal.roll(() => this.seen.syncNow()); // and on disk before the checkpoint replaces them
     });
     if (rolled) logInfo(`rolled ${this.journal.file} over: the records before it are kept beside it, in log-*.jsonl`);
+  }
+
+  /**
+   * Tells the model of each message of ours that will never be shown now (see NodeState.expiredSent), once. Not at
+   * the start: receipts that waited on a relay while this session was away come in first.
+   */
+  async #expireSent(): Promise<void> {
+    const ids = this.state.expiredSent(this.now());
+    if (!ids.length) return;
+    await this.journal.appendDurable(ids.map((msg_id) => ({ t: "expired" as const, msg_id })));
+    logInfo(`${ids.length} message(s) sent over 30 days ago were never confirmed: told as expired`);
+    if (this.push === null || this.cfg.delivery !== "channel") return this.onInbox?.();
+    await this.#pushItems(ids.map((id) => `bounced ${id}`));
+    await this.journal.sync();
   }
 
   async #endedLoop(): Promise<void> {
@@ -6082,6 +6153,7 @@ class Agent {
         await this.#rollJournal();
         await pause(ENDED_EVERY_MS, this.#stop.signal);
         if (!this.#stop.signal.aborted) await this.adoptEnded(false);
+        if (!this.#stop.signal.aborted) await this.#expireSent();
       } catch (e) {
         logWarn(`cannot look after ended sessions: ${errorText(e)}; trying again in ${ENDED_EVERY_MS / 1000} s`);
         await pause(ENDED_EVERY_MS, this.#stop.signal);
@@ -7002,6 +7074,7 @@ function describeOut(e: OutEntry, waits?: string | null): string {
   // Sent, then what the recipient's receipts said (a reference node sends none).
   const steps = e.sentAt ? [`sent at ${isoTime(e.sentAt)} (accepted by ${e.via?.join(", ")})`] : [];
   if (e.refusedBy) steps.push(`REFUSED by ${to} at ${isoTime(e.refusedBy.at)}: ${refusalWords(e.refusedBy)}`);
+  if (e.expired && !e.delivered) steps.push(`EXPIRED at ${isoTime(e.expired)}: ${EXPIRED_WORDS}`);
   if (e.delivered) steps.push(`delivered at ${isoTime(e.delivered.at)} (${to}'s session ${e.delivered.session})`);
   if (e.shown) steps.push(`shown to its model at ${isoTime(e.shown.at)}`);
   else if (e.delivered) steps.push("not yet shown to its model");
@@ -7014,8 +7087,11 @@ function describeOut(e: OutEntry, waits?: string | null): string {
 /** One line of the task table, for the model and `interlink.ts tasks`; `out`: our messages, for their receipts. */
 function describeTask(names: PeerNames, t: TaskRow, out?: ReadonlyMap<string, OutEntry>, selfKey?: string): string {
   const peer = nameOf(names, t.peer_key), name = (k: string) => nameOf(names, k, selfKey);
+  // An owner other than who asked for the work is only that asker's word (its chain, or the parent task's).
+  const asker = t.requested_by === "peer" ? t.peer_key : t.parent?.requester;
+  const word = t.owner !== undefined && asker !== undefined && t.owner !== asker ? `, by ${name(asker)}'s word` : "";
   const owner = t.owner !== undefined
-    ? `${name(t.owner)}'s operator`
+    ? `${name(t.owner)}'s operator${word}`
     : t.requested_by === "peer"
     ? `${peer}'s operator`
     : "your operator";
@@ -7054,11 +7130,7 @@ function describeTask(names: PeerNames, t: TaskRow, out?: ReadonlyMap<string, Ou
         return `BLOCKED on ${peer}'s question ${id}${since}${kept}: ask your operator and answer with in_reply_to=${id}`;
       }
       const by = q.earlier ? `, by your earlier session ${showId(q.earlier)}` : "";
-      // On a peer's request, its owner is that peer's word (its chain).
-      const word = t.requested_by === "peer" && t.owner !== undefined && t.owner !== t.peer_key
-        ? `, by ${peer}'s word`
-        : "";
-      return `waiting for ${peer} to answer your question ${q.msg_id} (asked${since}${by}, for ${owner}${word})`;
+      return `waiting for ${peer} to answer your question ${q.msg_id} (asked${since}${by}, for ${owner})`;
     }),
     `${t.messages} messages, last ${isoTime(t.last_at)}`,
   ];
@@ -7251,7 +7323,8 @@ const TOOLS: ToolSpec[] = [
     name: "list_pending",
     description:
       "Messages still in the durable outbox (no bus has accepted them yet), oldest first, with the last delivery error, and why a route waits (a relay keeps no more for it until it is read, or it waits for the recipient's receipts): " +
-      `the first ${PENDING_LISTED} one by one, then how many more wait for each recipient. They go by themselves, in order: never send them again.`,
+      `the first ${PENDING_LISTED} one by one, then how many more wait for each recipient. They go by themselves, in order: never send them again. ` +
+      "Then the messages that will never be shown (refused by every bus or by the recipient, or expired unread), and why: send one again only if it still matters.",
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent) {
       const held = agent.state.heldRoutes(), lines: string[] = [];
@@ -7273,7 +7346,12 @@ const TOOLS: ToolSpec[] = [
       };
       const after = "queued after these and sent in that order (message_status tells where any one stands)";
       for (const [route, n] of more) lines.push(`and ${n} more to ${to(route)}, ${after}`);
-      lines.push(...[...agent.state.outgoing.values()].filter((e) => e.refused).map((e) => describeOut(e)));
+      // Those that will never be shown: refused by every bus or by the recipient, or expired (the last few, counted).
+      const lost = [...agent.state.outgoing.values()].filter((e) => e.refused || e.refusedBy || e.expired);
+      lines.push(...lost.slice(-PENDING_LISTED).map((e) => describeOut(e)));
+      if (lost.length > PENDING_LISTED) {
+        lines.push(`and ${lost.length - PENDING_LISTED} earlier that will never be shown`);
+      }
       const kept = corruptFile(agent.journal.file);
       for (const d of damagedOutbox(agent.journal.file)) {
         const id = d.msgId ? ` (msg_id ${showId(d.msgId)})` : "";
@@ -9827,7 +9905,7 @@ if (import.meta.main) exitWith(main(process.argv.slice(2)));
 // The relays (bus.ts, nats.ts): the wire, its bounds, storage and logging they share with the node.
 export { ANNOUNCEMENT_MAX_BYTES, ANNOUNCEMENT_VALUES_MAX, b64urlEncode, BODY_LIMIT_BYTES, BoundedMap, BUS_EXPOSURE };
 export { busDataDir, DEFAULT_BUS_PORT, DiskFullError, errorText, failpoint, field, fingerprint, FormatError };
-export { FRESH_FUTURE_MS, FRESH_PAST_MS, GOODBYE_MS, humanBytes, InterlinkError, intOption, isLoopback, isObject };
+export { FRESH_FUTURE_MS, GOODBYE_MS, HELD_MAX_MS, humanBytes, InterlinkError, intOption, isLoopback, isObject };
 export { JSON_VALUES_MAX, JsonlWriter, jsonShape, logInfo, logWarn, msFromEnv, option, parseAnnouncement, parseRoute };
 export { parseSignedMessage, PidLock, PRESENCE_LIVE_MS, quarantineLine, QUEUE_CAP, RECV_TIMEOUT_MS, recvProofBytes };
 export { redactUrl, RelayError, ROSTER_CAP, ROSTER_PER_KEY_CAP, ROSTER_RETENTION_MS, rosterKey, ROUTE_FULL, runExtra };
@@ -9841,7 +9919,8 @@ export { localBusUrl, lockOwner, messageKey, newPeerName, NODE_OPTIONS, nodeCloc
 export { OPT, parseBusUrls, presence, print, readIdentity, readJsonAnswer, readRoster, readStdin, recordedReports };
 export { refusalWords, ROSTER_ANSWER_MAX_BYTES, ROSTER_ANSWER_VALUES_MAX, runtimeName, scanJournal, scanJsonl };
 export { selfCommand, SEND_WINDOW, SERVER_ROLE, sessionDir, sessionEndedAt, sessionIds, sessionLabel, showId };
-export { showInvisible, SLOW_START_MS, some, taskKey, taskOwner, trustTools, WakeLatch, writeFileAtomic };
+export { FRESH_PAST_MS, showInvisible, SLOW_START_MS, some, taskKey, taskOwner, trustTools, WakeLatch };
+export { writeFileAtomic };
 export type { Identity, JournalRecord, OptionSources, OutEntry, Peers, PeerSession, ReceiptLine, ReceiptState };
 export type { SessionInfo, TaskRow, TaskStatus };
 // dev/: the demo, its harness, the benchmark and the vectors.

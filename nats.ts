@@ -38,8 +38,8 @@ import {
   BODY_LIMIT_BYTES,
   type Bytes,
   errorText,
-  FRESH_PAST_MS,
   GOODBYE_MS,
+  HELD_MAX_MS,
   InterlinkError,
   isObject,
   jsonShape,
@@ -304,7 +304,7 @@ async function connectNats(url: string, key?: string): Promise<NatsLink> {
           discard: "new",
           discard_new_per_subject: true,
           max_msg_size: BODY_LIMIT_BYTES,
-          max_age: FRESH_PAST_MS * 1e6, // older is refused as stale by any receiver (senders re-sign before)
+          max_age: HELD_MAX_MS * 1e6, // older is refused as stale by any node of ours (and its sender told)
         }) as typeof info;
       }
       // Other rules could lose mail silently: say so. An earlier release's stream (discard old) is used as it is (its

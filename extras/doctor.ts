@@ -222,7 +222,7 @@ async function doctorFindings(o: Options): Promise<Finding[]> {
   }
   if (skewed.theirs) {
     out.push(found.problem(
-      `this node refused peers' messages for their time in the last day (a sender's clock off by over a minute, or held over a day)${
+      `this node refused peers' messages for their time in the last day (a sender's clock ahead by over a minute, or held over 30 days)${
         skewed.reported ? `; ${skewed.reported} of them are reported to their senders by receipt` : ""
       }`,
       "`interlink.ts log` names each sender: ask its operator to sync its clock (NTP); check this machine's too",
