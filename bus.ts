@@ -272,7 +272,7 @@ class BusQueues {
   }
 }
 
-/** `recipient NUL seq:ts`: the seq alone would name another message after a restart on a queue put back from a copy. */
+/** `recipient NUL seq:ts`: a seq given again after a power cut took its first message (see Bus.send) names another. */
 const ackKey = (me: string, m: { seq: number; ts: number }) => `${me}\0${m.seq}:${m.ts}`;
 
 /** Which message of `me` an ack names: its seq, and its ts unless the key has none (an earlier bus gave such keys). */
@@ -1097,17 +1097,13 @@ class Bus {
     this.nextSeq = stored.nextSeq;
     this.#owners = new Set(stored.owners);
     this.#closedSince = stored.closedSince;
+    const { liveCount: messages, recipientCount: recipients } = this.queues;
+    const ms = Math.round(performance.now() - started);
+    this.recovery = { messages, recipients, skippedLines: stored.skippedLines, ms };
+    this.#wal = fs.openSync(path.join(dataDir, "queue.db-wal"), fs.constants.O_RDWR | fs.constants.O_CREAT, 0o600);
     this.#reserved = fs.existsSync(path.join(dataDir, "queue.reserve"));
     this.#disk = { ...diskOf(dataDir), at: -Infinity };
     this.#diskFree(); // makes queue.reserve if it is not there
-    this.#wal = fs.openSync(path.join(dataDir, "queue.db-wal"), fs.constants.O_RDWR | fs.constants.O_CREAT, 0o600);
-    const { liveCount: messages, recipientCount: recipients } = this.queues;
-    this.recovery = {
-      messages,
-      recipients,
-      skippedLines: stored.skippedLines,
-      ms: Math.round(performance.now() - started),
-    };
   }
 
   /** Locks the data folder and opens its queue (openQueue): a start counts what is held, reading no message body. */
@@ -1316,9 +1312,8 @@ class Bus {
   #durable(): Promise<void> {
     this.#nextSync ??= this.#lastSync.then(() => {
       this.#nextSync = null; // commits from here wait for the one after this
-      return new Promise<void>((ok, fail) =>
-        fs.fdatasync(this.#wal, (e) => (e ? fail(e) : ok(), this.commitStats.syncs++))
-      );
+      const synced = (e: unknown) => (this.commitStats.syncs++, e);
+      return new Promise<void>((ok, fail) => fs.fdatasync(this.#wal, (e) => synced(e) ? fail(e) : ok()));
     });
     this.#lastSync = this.#nextSync.catch(() => {});
     return this.#nextSync;
