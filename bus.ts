@@ -872,6 +872,9 @@ function diskOf(dir: string): { free: number; size: number } {
 
 const reserveOf = (diskSize: number) => Math.min(DISK_RESERVE_BYTES, Math.floor(diskSize / 16));
 
+/** A write committed whose fdatasync of the WAL failed (Bus.#commit): what it wrote is held, though maybe not on disk. */
+class UnsyncedError extends Error {}
+
 /**
  * Opens the data folder's queue.db (made 0600, which SQLite gives its -wal and -shm files too; tables on a new one)
  * and takes in a queue.jsonl an earlier bus left (importJsonl), synchronous=FULL until then. A file that is not a
@@ -893,7 +896,7 @@ function openQueue(dataDir: string, log: (msg: string) => void) {
     if (user_version === 0) db.exec(`BEGIN; ${QUEUE_SCHEMA} COMMIT;`);
     const skippedLines = importJsonl(db, path.join(dataDir, "queue.jsonl"), log);
     syncDirectory(dataDir); // queue.db and its WAL made, queue.jsonl renamed: for good
-    db.exec("PRAGMA synchronous = NORMAL"); // from here a commit's fsync is Bus.#durable's, off the event loop
+    db.exec("PRAGMA synchronous = NORMAL"); // from here a commit's fsync is Bus.#flush's, off the event loop
     const sql = (text: string) => db!.prepare(text), one = (text: string) => sql(text).get() ?? {};
     const counts =
       "SELECT route, sender, count(*) AS n, sum(size) AS b FROM message INDEXED BY message_route GROUP BY 1, 2";
@@ -1024,8 +1027,8 @@ interface Head {
 /** A message handed to a receiver. */
 type BusDelivery = Omit<Head, "sender" | "size"> & { payload: string };
 
-/** A change for the next commit (Bus.#commit), and its caller's promise; `send`: a new message's. */
-type Write = PromiseWithResolvers<void> & { apply(): void; send: boolean };
+/** A change for the next commit (Bus.#commit), and its caller's promise; `send`: a new message's route. */
+type Write = PromiseWithResolvers<void> & { apply(): void; send?: string };
 
 /** The durable bus: BusQueues and Roster behind a Request → Response handler, on its queue database. */
 class Bus {
@@ -1034,9 +1037,8 @@ class Bus {
   readonly answers: BytesInFlight;
   #waiters = new Map<string, Set<() => void>>(); // bounded: by the open long-polls
   #writes: Write[] = []; // what the next commit carries, in order: bounded by the requests waiting on it
-  /** The fdatasync of the WAL that commits made from now on wait for (#durable), once one is asked for. */
-  #nextSync: Promise<void> | null = null;
-  #lastSync: Promise<void> = Promise.resolve();
+  /** The group commit running (#flush), or null while nothing waits. */
+  #flushing: Promise<void> | null = null;
   readonly #wal: number;
   /** Messages found damaged (#payload): skipped until deleted, or for good when they cannot be read. */
   #unreadable = new Set<number>(); // bounded: by the messages held
@@ -1091,6 +1093,8 @@ class Bus {
       payload: sql("SELECT payload FROM message WHERE seq = ?"),
       owner: sql("INSERT OR IGNORE INTO owner (key) VALUES (?)"),
       closed: sql("INSERT OR REPLACE INTO meta VALUES ('closed', ?)"),
+      begin: sql("BEGIN IMMEDIATE"),
+      commit: sql("COMMIT"),
     };
     this.queues = new BusQueues({ ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) });
     for (const c of stored.counts) this.queues.add(c.route, c.sender, c.b, c.n);
@@ -1235,11 +1239,11 @@ class Bus {
   }
 
   /**
-   * Queues a message; resolves once it is on stable storage (the 202), then wakes the route's parked receivers. It
-   * counts against the budgets from the start, so the sends of one commit meet the caps; a commit that fails gives
-   * that back, and its send is a 507 (a full disk) or a 503. A recv may find it committed before its fdatasync ends:
-   * a power cut then can lose it after a receiver had it, unanswered, so its sender sends it again (the ts in an ack key
-   * keeps that copy's seq, given again, from being acked by the lost one's key).
+   * Queues a message; resolves once it is on stable storage (the 202). It counts against the budgets from the start,
+   * so the sends of one commit meet the caps; a commit that fails gives that back, and its send is a 507 (a full disk)
+   * or a 503. Committed, it is handed to receivers (parked ones are woken) before its fdatasync ends: a power cut then
+   * can lose it after a receiver had it, unanswered, so its sender sends it again (the ts in an ack key keeps that
+   * copy's seq, given again, from being acked by the lost one's key).
    */
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
@@ -1249,32 +1253,51 @@ class Bus {
     this.queues.add(to, sender, size);
     this.#disk.free -= 2 * size + MESSAGE_OVERHEAD_BYTES;
     try {
-      await this.#write(() => this.#sql.insert.run(seq, to, ts, sender, size, payload), true);
+      await this.#write(() => this.#sql.insert.run(seq, to, ts, sender, size, payload), to);
     } catch (e) {
-      this.queues.remove(to, sender, size);
+      if (!(e instanceof UnsyncedError)) this.queues.remove(to, sender, size); // else committed: it is held
       throw this.#unavailable(e);
     }
-    for (const wake of this.#waiters.get(to) ?? []) wake();
   }
 
   /** Hands `apply` to the next commit: resolves once that is on stable storage, rejects with why not. */
-  #write(apply: () => void, send = false): Promise<void> {
-    if (!this.#writes.length) setImmediate(() => this.#commit());
+  #write(apply: () => void, send?: string): Promise<void> {
     const w = { ...Promise.withResolvers<void>(), apply, send };
     this.#writes.push(w);
+    this.#flushing ??= this.#flush();
     return w.promise;
   }
 
   /**
-   * Group commit. The writes handed over in one turn of the event loop (sends, acks, owners) go in one transaction,
-   * whose COMMIT writes the WAL without waiting for the disk (synchronous=NORMAL); then they wait for an fdatasync of
-   * the WAL (#durable), which every commit made while one runs shares. That is synchronous=FULL's fsync after each
-   * commit, taken off the event loop (docs/durability.md). A commit that fails (a full disk) is tried again without
-   * its sends: acks and owners never wait on room for new messages.
+   * Group commit, as the JSONL journal does it: what waits is committed in one transaction, whose COMMIT writes the WAL
+   * without waiting for the disk (synchronous=NORMAL), then made durable by an fdatasync of the WAL on a thread of the
+   * runtime's; the sends, acks and owners that come while it runs wait, and go in the next transaction and fdatasync.
+   * That is synchronous=FULL's fsync after each commit, shared, and off the event loop (docs/durability.md).
    */
-  #commit(): void {
+  async #flush(): Promise<void> {
+    await Promise.resolve(); // what else this turn hands over joins the first commit
+    for (let batch = this.#commit(); batch.length; batch = this.#commit()) {
+      // Committed, a message is read by every recv: a parked one is woken now, as the JSONL bus did (see send).
+      for (const w of batch) for (const wake of (w.send && this.#waiters.get(w.send)) || []) wake();
+      try {
+        await new Promise<void>((ok, fail) => fs.fdatasync(this.#wal, (e) => (e ? fail(e) : ok())));
+        this.commitStats.syncs++;
+        for (const w of batch) w.resolve();
+      } catch (e) {
+        for (const w of batch) w.reject(new UnsyncedError(`the fdatasync of its WAL failed: ${(e as Error).message}`));
+      }
+    }
+    this.#flushing = null; // in the same step as the last look: nothing waits now
+  }
+
+  /**
+   * Commits what waits, and returns what was committed; what was not is rejected. A commit that fails (a full disk) is
+   * tried again without its sends, so acks and owners never wait on room for new messages, and once more with the room
+   * kept for them (#keepRoom).
+   */
+  #commit(): Write[] {
     let batch = this.#writes.splice(0);
-    if (!batch.length) return;
+    if (!batch.length) return batch;
     let failed = this.#transact(batch);
     if (failed !== undefined) {
       for (const w of batch) if (w.send) w.reject(failed);
@@ -1285,16 +1308,17 @@ class Bus {
         failed = this.#transact(batch);
       }
     }
-    if (failed !== undefined) return batch.forEach((w) => w.reject(failed));
-    this.#durable().then(() => batch.forEach((w) => w.resolve()), (e) => batch.forEach((w) => w.reject(e)));
+    if (failed === undefined) return batch;
+    for (const w of batch) w.reject(failed);
+    return [];
   }
 
   /** Runs `writes` in one transaction: undefined once it is committed, else why not (it is rolled back). */
   #transact(writes: Write[]): unknown {
     try {
-      this.db.exec("BEGIN IMMEDIATE");
+      this.#sql.begin.run();
       for (const w of writes) w.apply();
-      this.db.exec("COMMIT");
+      this.#sql.commit.run();
     } catch (e) {
       try {
         if (this.db.isTransaction) this.db.exec("ROLLBACK");
@@ -1306,17 +1330,6 @@ class Bus {
     this.commitStats.commits++;
     this.commitStats.writes += writes.length;
     return undefined;
-  }
-
-  /** Resolves once every commit made so far is on stable storage: the fdatasync after the one running, shared. */
-  #durable(): Promise<void> {
-    this.#nextSync ??= this.#lastSync.then(() => {
-      this.#nextSync = null; // commits from here wait for the one after this
-      const synced = (e: unknown) => (this.commitStats.syncs++, e);
-      return new Promise<void>((ok, fail) => fs.fdatasync(this.#wal, (e) => synced(e) ? fail(e) : ok()));
-    });
-    this.#lastSync = this.#nextSync.catch(() => {});
-    return this.#nextSync;
   }
 
   #unavailable(e: unknown): HttpError {
@@ -1486,14 +1499,16 @@ class Bus {
         if (row) gone.push(row);
       }
     };
-    await this.#write(remove).catch((e) => Promise.reject(this.#unavailable(e)));
-    for (const row of gone) this.queues.remove(me, row.sender, row.size);
+    const failed = await this.#write(remove).then(() => undefined, (e) => e);
+    if (!failed || failed instanceof UnsyncedError) {
+      for (const row of gone) this.queues.remove(me, row.sender, row.size);
+    }
+    if (failed !== undefined) throw this.#unavailable(failed);
   }
 
   async close(): Promise<void> {
     for (const set of this.#waiters.values()) for (const wake of set) wake();
-    this.#commit(); // what waits is committed, and answered, before the file closes
-    await this.#durable().catch(() => {});
+    await this.#flushing; // what waits is committed, and answered, before the file closes
     this.db.close();
     fs.closeSync(this.#wal);
     this.lock.release();
