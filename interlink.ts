@@ -1655,8 +1655,6 @@ class JsonlWriter {
   #syncing = false;
   #retired: number[] = []; // descriptors replaced by compaction, closed once no sync is in flight
   #fence = false; // the last append failed part-way and could not be cut back: start the next with a newline
-  /** Writes made and fsync rounds run, for tests. */
-  readonly stats = { writes: 0, rounds: 0 };
 
   /** `folder` names the data or state folder in a disk-full error. */
   constructor(readonly file: string, readonly folder = path.dirname(file)) {
@@ -1683,7 +1681,6 @@ class JsonlWriter {
     const bytes = Buffer.from(this.#fence ? "\n" + text : text);
     // Deno's writeSync can throw after writing part of the bytes without saying how many: the file says where we began.
     const start = fs.fstatSync(this.#fd).size;
-    this.stats.writes++;
     try {
       writeAll(this.#fd, bytes);
     } catch (e) {
@@ -1711,17 +1708,6 @@ class JsonlWriter {
     this.#fence = true;
   }
 
-  /** Whether an fdatasync is running now (appends made meanwhile are covered by the next one). */
-  get syncing(): boolean {
-    return this.#syncing;
-  }
-
-  /**
-   * Called at the start of each fsync round, before its fdatasync: a writer that holds appends while one runs (the bus)
-   * writes them here, so each round is one write. If it throws, that round's waiters get the error.
-   */
-  beforeSync: () => void = () => {};
-
   /** fdatasync now, blocking: what another file's rename must not overtake (see Journal.roll). */
   syncNow(): void {
     try {
@@ -1748,9 +1734,7 @@ class JsonlWriter {
     this.#syncing = true;
     while (this.#waiters.length) {
       const batch = this.#waiters.splice(0);
-      this.stats.rounds++;
       try {
-        this.beforeSync();
         const fd = this.#fd;
         await new Promise<void>((res, rej) => fs.fdatasync(fd, (e) => (e ? rej(e) : res())));
         for (const w of batch) w.resolve();
@@ -9904,23 +9888,24 @@ if (import.meta.main) exitWith(main(process.argv.slice(2)));
 
 // The relays (bus.ts, nats.ts): the wire, its bounds, storage and logging they share with the node.
 export { ANNOUNCEMENT_MAX_BYTES, ANNOUNCEMENT_VALUES_MAX, b64urlEncode, BODY_LIMIT_BYTES, BoundedMap, BUS_EXPOSURE };
-export { busDataDir, DEFAULT_BUS_PORT, DiskFullError, errorText, failpoint, field, fingerprint, FormatError };
-export { FRESH_FUTURE_MS, GOODBYE_MS, HELD_MAX_MS, humanBytes, InterlinkError, intOption, isLoopback, isObject };
-export { JSON_VALUES_MAX, JsonlWriter, jsonShape, logInfo, logWarn, msFromEnv, option, parseAnnouncement, parseRoute };
-export { parseSignedMessage, PidLock, PRESENCE_LIVE_MS, quarantineLine, QUEUE_CAP, RECV_TIMEOUT_MS, recvProofBytes };
-export { redactUrl, RelayError, ROSTER_CAP, ROSTER_PER_KEY_CAP, ROSTER_RETENTION_MS, rosterKey, ROUTE_FULL, runExtra };
-export { runtimeHost, scanLines, SEND_TIMEOUT_MS, SESSION_RE, setAside, setLogComponent, shutdownSignal, thisScript };
-export { timestamp, unregisterBytes, utf8, utf8Bytes, verifyAnnouncement, verifyDetached, verifyMessage, VERSION };
+export { busDataDir, DEFAULT_BUS_PORT, errorText, failpoint, field, fingerprint, FormatError, FRESH_FUTURE_MS };
+export { GOODBYE_MS, HELD_MAX_MS, humanBytes, InterlinkError, intOption, isLoopback, isObject, JSON_VALUES_MAX };
+export { jsonShape, logInfo, logWarn, msFromEnv, option, parseAnnouncement, parseRoute, parseSignedMessage, PidLock };
+export { PRESENCE_LIVE_MS, QUEUE_CAP, RECV_TIMEOUT_MS, recvProofBytes, redactUrl, RelayError, ROSTER_CAP };
+export { ROSTER_PER_KEY_CAP, ROSTER_RETENTION_MS, rosterKey, ROUTE_FULL, runExtra, runtimeHost, scanJsonl };
+export { SEND_TIMEOUT_MS, SESSION_RE, setAside, setLogComponent, shutdownSignal, syncDirectory, thisScript, timestamp };
+export { unregisterBytes, utf8, utf8Bytes, verifyAnnouncement, verifyDetached, verifyMessage, VERSION };
+export { writeFileAtomic };
 export type { Announcement, Bytes, CommandSpec, Options, Received, Relay, SignedMessage };
 // The extras (extras/: board, codex-install, doctor, upgrade, verify) and the CLI table they extend.
 export { corruptCount, corruptFile, counterpart, decodeRecord, defaultNodeState, EMPTY_PEERS, explicitSettings };
-export { EXTRAS, fileSize, inodeOf, isNatsUrl, isOldShape, journalFiles, lastStartFile, listSessions, loadPeers };
-export { localBusUrl, lockOwner, messageKey, newPeerName, NODE_OPTIONS, nodeClock, nodeConfig, NodeState, openRelay };
-export { OPT, parseBusUrls, presence, print, readIdentity, readJsonAnswer, readRoster, readStdin, recordedReports };
-export { refusalWords, ROSTER_ANSWER_MAX_BYTES, ROSTER_ANSWER_VALUES_MAX, runtimeName, scanJournal, scanJsonl };
-export { selfCommand, SEND_WINDOW, SERVER_ROLE, sessionDir, sessionEndedAt, sessionIds, sessionLabel, showId };
-export { FRESH_PAST_MS, showInvisible, SLOW_START_MS, some, taskKey, taskOwner, trustTools, WakeLatch };
-export { writeFileAtomic };
+export { EXTRAS, fileSize, FRESH_PAST_MS, inodeOf, isNatsUrl, isOldShape, journalFiles, JsonlWriter, lastStartFile };
+export { listSessions, loadPeers, localBusUrl, lockOwner, messageKey, newPeerName, NODE_OPTIONS, nodeClock };
+export { nodeConfig, NodeState, openRelay, OPT, parseBusUrls, presence, print, readIdentity, readJsonAnswer };
+export { readRoster, readStdin, recordedReports, refusalWords, ROSTER_ANSWER_MAX_BYTES, ROSTER_ANSWER_VALUES_MAX };
+export { runtimeName, scanJournal, scanLines, selfCommand, SEND_WINDOW, SERVER_ROLE, sessionDir, sessionEndedAt };
+export { sessionIds, sessionLabel, showId, showInvisible, SLOW_START_MS, some, taskKey, taskOwner, trustTools };
+export { WakeLatch };
 export type { Identity, JournalRecord, OptionSources, OutEntry, Peers, PeerSession, ReceiptLine, ReceiptState };
 export type { SessionInfo, TaskRow, TaskStatus };
 // dev/: the demo, its harness, the benchmark and the vectors.

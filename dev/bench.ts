@@ -64,15 +64,7 @@ import {
   writeKeyFile,
 } from "../interlink.ts";
 import { NatsRelay } from "../nats.ts";
-import {
-  errorResponse,
-  jsonResponse,
-  messageHead,
-  SENDER_BYTES_MAX,
-  serveHttp,
-  splitUrl,
-  TOTAL_BYTES_MAX,
-} from "../bus.ts";
+import { errorResponse, jsonResponse, SENDER_BYTES_MAX, serveHttp, splitUrl, TOTAL_BYTES_MAX } from "../bus.ts";
 import { childEnv, McpSession, startChild, startDemoNode, stopChild } from "./harness.ts";
 
 // ============================================================================
@@ -136,7 +128,7 @@ const USAGE = [
   "",
   "throughput: 8 pairs × 500 messages (then 64 × 125) through send → recv → ack on a durable bus, also",
   "batched, beside the in-memory floor (same routes, no disk, no checks) and Redis with appendfsync always (if",
-  "redis-server is on PATH) in the same run, each as a ratio to them; recovery: restart on 300,000 un-acked",
+  "redis-server is on PATH) in the same run, each as a ratio to them; recovery: restart on 100,000 un-acked",
   "messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold start to the",
   "first tools/list, send → push latency p50/p99 over 200 messages, idle RSS; sessions: 10 sessions of each of two",
   "keys exchanging 200 messages each (misrouted, lost, duplicated); flood: 50,000 keys announce, roster size and",
@@ -776,6 +768,12 @@ async function benchThroughput(
   return out;
 }
 
+/**
+ * 100,000 un-acked messages for 300 recipients: written in the layout of the JSONL bus before the queue moved to
+ * SQLite (one `m` record a line), taken in by a bus started on them (the upgrade, timed), then that bus restarted on
+ * its own queue database (the restart, timed to the first recv): the figure compared with the JSONL bus's own restart
+ * on the same 100,000.
+ */
 async function benchRecovery(
   root: string,
   progress: (m: string) => void,
@@ -784,42 +782,47 @@ async function benchRecovery(
 ) {
   const dir = path.join(root, "recovery");
   fs.mkdirSync(dir, { recursive: true });
-  const total = 300_000, recipients = 300; // 1,000 each, under the per-recipient cap: nothing is dropped at open
+  const total = 100_000, recipients = 300; // 333 each, under the per-recipient cap
   const p = JSON.stringify(sample);
-  const literal = JSON.stringify(p), size = utf8Bytes(p);
+  const literal = JSON.stringify(p), size = utf8Bytes(p), from = JSON.stringify(sample.from);
   const fd = fs.openSync(path.join(dir, "queue.jsonl"), "w");
   for (let n = 1; n <= total; n += 1000) {
     let chunk = "";
     for (let k = n; k < n + 1000; k++) {
-      chunk += `${messageHead(`r${k % recipients}`, k, Date.now(), sample.from, size)}${literal}}\n`;
+      chunk += `{"t":"m","q":"r${
+        k % recipients
+      }","n":${k},"ts":${Date.now()},"s":${from},"z":${size},"p":${literal}}\n`;
     }
     fs.writeSync(fd, chunk);
   }
   fs.closeSync(fd);
-  const bytes = fs.statSync(path.join(dir, "queue.jsonl")).size;
+  const jsonlBytes = fs.statSync(path.join(dir, "queue.jsonl")).size;
+  /** A bus started on `dir`: to its first recv, what it said it recovered and in how long, its RSS. */
+  const start = async () => {
+    const t0 = performance.now();
+    const bus = await startBus(servers, dir, ["--max-mb", "1000"]);
+    try {
+      const first = await (await fetch(`${bus.url}/recv?me=r1&timeout_ms=0`)).json();
+      const ms = Math.round(performance.now() - t0);
+      if (first.status !== "message") throw new InterlinkError("the recovered bus had nothing for r1");
+      await sleep(500);
+      const said = bus.stderr.join("\n").match(/recovered (\d+) un-acked messages for \d+ recipients in (\d+) ms/);
+      return {
+        messages: said ? Number(said[1]) : "the bus did not say",
+        bus_open_ms: said ? Number(said[2]) : null,
+        first_recv_ms: ms,
+        rss_mb_after: rssMb(bus.child.pid!),
+      };
+    } finally {
+      await stopChild(bus.child);
+    }
+  };
   progress(
-    `recovery: ${total} un-acked messages for ${recipients} recipients on disk (${
-      Math.round(bytes / 1e6)
-    } MB); restarting a bus on them`,
+    `recovery: ${total} un-acked messages as a JSONL bus left them (${Math.round(jsonlBytes / 1e6)} MB); upgrading`,
   );
-  const t0 = performance.now();
-  const bus = await startBus(servers, dir);
-  try {
-    const first = await (await fetch(`${bus.url}/recv?me=r1&timeout_ms=0`)).json();
-    const ms = Math.round(performance.now() - t0);
-    if (first.status !== "message") throw new InterlinkError("the recovered bus had nothing for r1");
-    await sleep(500);
-    const said = bus.stderr.join("\n").match(/recovered (\d+) un-acked messages for \d+ recipients in (\d+) ms/);
-    return {
-      messages: said ? Number(said[1]) : "the bus did not say",
-      file_mb: Math.round(bytes / 1e5) / 10,
-      bus_open_ms: said ? Number(said[2]) : null,
-      first_recv_ms: ms,
-      rss_mb_after: rssMb(bus.child.pid!),
-    };
-  } finally {
-    await stopChild(bus.child);
-  }
+  const upgrade = { ...await start(), jsonl_mb: Math.round(jsonlBytes / 1e5) / 10 };
+  progress("recovery: restarting the bus on its own queue database");
+  return { ...await start(), queue_db_mb: queueFileMb(dir), upgrade };
 }
 
 async function benchIdle(root: string, progress: (m: string) => void, servers: Runtime | undefined) {
@@ -1117,8 +1120,11 @@ async function benchFlood(root: string, progress: (m: string) => void, servers: 
   };
 }
 
-/** Bytes of a bus's queue file (its data folder's queue.jsonl), in MB. */
-const queueFileMb = (dataDir: string) => Math.round(fs.statSync(path.join(dataDir, "queue.jsonl")).size / 1e5) / 10;
+/** Bytes of a bus's queue database (its data folder's queue.db and the WAL beside it), in MB. */
+function queueFileMb(dataDir: string): number {
+  const size = (f: string) => fs.existsSync(path.join(dataDir, f)) ? fs.statSync(path.join(dataDir, f)).size : 0;
+  return Math.round((size("queue.db") + size("queue.db-wal")) / 1e5) / 10;
+}
 
 /** A signed recv of `route` by `id` with no wait: its status. */
 async function provenRecv(url: string, id: Identity, route: string): Promise<number> {

@@ -4,19 +4,21 @@
 // and MCP sessions, their journals read back, waiting helpers. Bun only (it drives bun:test and Bun.spawn): deno check
 // leaves it out, as it does the tests.
 
-import { afterAll, test } from "bun:test";
+import { afterAll, expect, test } from "bun:test";
 import { spawn, spawnSync } from "node:child_process";
 import * as fs from "node:fs";
 import * as net from "node:net";
 import * as os from "node:os";
 import * as path from "node:path";
 import {
+  type Announcement,
   b64urlDecode,
   type Identity,
   identityFromSeed,
   type NodeConfig,
   type PushEvent,
   readJsonl,
+  recvProofBytes,
   setLogSink,
   writeKeyFile,
 } from "../interlink.ts";
@@ -255,6 +257,85 @@ export const EVE = VECTORS.keys.eve;
 export const alice: Identity = await identityFromSeed(b64urlDecode(ALICE.secret_b64, 32, "seed"));
 export const bob: Identity = await identityFromSeed(b64urlDecode(BOB.secret_b64, 32, "seed"));
 export const eve: Identity = await identityFromSeed(b64urlDecode(EVE.secret_b64, 32, "seed"));
+
+// ----------------------------------------------------------------------------
+// Asking a bus
+
+/** True when a bus holds nothing un-acked for `me` (a recv with no wait answers timeout). */
+export async function busDrained(busUrl: string, me: string | NodeFiles): Promise<boolean> {
+  // A node's files: its bare key and its session's route (tests name the session after the node).
+  const routes = typeof me === "string" ? [me] : [me.id.publicKey, `${me.id.publicKey}#${me.name}`];
+  for (const route of routes) {
+    // A node's own route has proven its key to our bus: reading it takes a proof, as the node's own recv does.
+    const ts = Date.now();
+    const proof = typeof me === "string" ? "" : `&proof=${ts}.${await me.id.sign(recvProofBytes(route, ts))}`;
+    const r = await (await fetch(`${busUrl}/recv?me=${encodeURIComponent(route)}&timeout_ms=0${proof}`)).json();
+    if (r.status !== "timeout") return false;
+  }
+  return true;
+}
+
+/** True once the bus lists a session of this node (its session opens shortly after the client's `initialized`). */
+export async function onRoster(busUrl: string, f: NodeFiles): Promise<boolean> {
+  const { roster } = await (await fetch(`${busUrl}/roster`)).json();
+  return roster.some((a: Announcement) => a.pubkey === f.id.publicKey);
+}
+
+export async function postSend(busUrl: string, to: string, payload: unknown) {
+  const r = await fetch(`${busUrl}/send`, { method: "POST", body: JSON.stringify({ to, payload }) });
+  expect(r.status).toBe(202);
+}
+
+/** A peak and current resident size of a process, in bytes (Linux /proc). */
+export function memoryOf(pid: number): { rss: number; peak: number } {
+  const status = fs.readFileSync(`/proc/${pid}/status`, "utf8");
+  const kb = (name: string) => Number(status.match(new RegExp(`${name}:\\s+(\\d+)`))![1]) * 1024;
+  return { rss: kb("VmRSS"), peak: kb("VmHWM") };
+}
+
+// ----------------------------------------------------------------------------
+// A full disk, played by a small tmpfs (bus.test.ts and interlink.test.ts)
+
+/** Mounts a small tmpfs (root only); null, with the reason printed once, where mounting is not permitted. */
+export function smallDisk(kb: number): { dir: string; unmount(): void } | null {
+  const dir = tmpDir("interlink-tmpfs-");
+  const r = spawnSync("mount", ["-t", "tmpfs", "-o", `size=${kb}k`, "tmpfs", dir], { encoding: "utf8" });
+  if (r.status !== 0) return null;
+  made.mounts.add(dir);
+  return { dir, unmount: () => void spawnSync("umount", ["-l", dir]) };
+}
+
+/** A full disk is played by a small tmpfs, which only root may mount: without it these tests are skipped, and say so. */
+export const CAN_MOUNT = (() => {
+  const probe = smallDisk(64);
+  probe?.unmount();
+  if (!probe) {
+    process.stderr.write(
+      "SKIPPED the disk-full tests (they mount a small tmpfs, which needs root): run the suite as root to include them\n",
+    );
+  }
+  return probe !== null;
+})();
+export const diskTest = test.skipIf(!CAN_MOUNT);
+
+/** Fills a disk to its last few KB with one file; removing the file gives the space back. */
+export function fillDisk(dir: string, leaveBytes: number): string {
+  const filler = path.join(dir, "filler");
+  const fd = fs.openSync(filler, "w");
+  const block = Buffer.alloc(4096, 0x61);
+  try {
+    for (;;) {
+      const free = fs.statfsSync(dir).bavail * fs.statfsSync(dir).bsize;
+      if (free <= leaveBytes) break;
+      fs.writeSync(fd, block, 0, Math.min(block.length, free - leaveBytes));
+    }
+  } catch {
+    // full
+  } finally {
+    fs.closeSync(fd);
+  }
+  return filler;
+}
 
 // ----------------------------------------------------------------------------
 // Helpers for processes
