@@ -34,6 +34,10 @@ describe("doctor: a node's set-up, each problem with its fix", () => {
       path.join(root, "state", "sessions", "main", "log.jsonl.corrupt"),
       '{"offset":0}\n{"offset":90}\n',
     );
+    // This machine's bus set aside a damaged payload of its queue.db (see bus.ts).
+    const busData = path.join(root, "xdg", "interlink", "bus");
+    fs.mkdirSync(busData, { recursive: true });
+    fs.writeFileSync(path.join(busData, "queue.db.corrupt"), '{"offset":7,"reason":"not JSON"}\n');
     const port = await freePort();
     const r = runCli("bun", ["doctor"], {
       env: {
@@ -41,6 +45,7 @@ describe("doctor: a node's set-up, each problem with its fix", () => {
         INTERLINK_PEERS: peersFile,
         INTERLINK_URL: `http://127.0.0.1:${port}`,
         INTERLINK_STATE: path.join(root, "state"),
+        XDG_STATE_HOME: path.join(root, "xdg"),
       },
     });
     expect(r.code).toBe(1);
@@ -49,6 +54,7 @@ describe("doctor: a node's set-up, each problem with its fix", () => {
     expect(r.stdout).toMatch(new RegExp(`PROBLEM  bus http://127.0.0.1:${port} is unreachable`));
     expect(r.stdout).toContain("ok       runtime bun");
     expect(r.stdout).toMatch(/PROBLEM {2}2 unreadable line\(s\) were taken out of .*log\.jsonl/);
+    expect(r.stdout).toMatch(/PROBLEM {2}1 damaged payload\(s\) were set aside from .*queue\.db, this machine's bus's/);
     fs.rmSync(path.join(root, "state", "sessions", "main", "log.jsonl.corrupt"));
     // And a healthy set-up passes, under Deno this time.
     fs.chmodSync(keyFile, 0o600);

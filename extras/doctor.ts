@@ -235,12 +235,16 @@ async function doctorFindings(o: Options): Promise<Finding[]> {
       "`interlink.ts log` shows each, with who sent it",
     ));
   }
-  // Lines taken out of a journal as unreadable: never silent.
-  for (const file of [...sessions.map((x) => path.join(x.dir, "log.jsonl")), path.join(busDataDir(), "queue.jsonl")]) {
+  // What was set aside as unreadable, never silent: journal lines, and this machine's bus's damaged payloads (from
+  // queue.db) or lines of an earlier bus's queue.jsonl it took in.
+  const bus = ["queue.db", "queue.jsonl"].map((f) => path.join(busDataDir(), f));
+  for (const file of [...sessions.map((x) => path.join(x.dir, "log.jsonl")), ...bus]) {
     const n = corruptCount(file);
     if (n) {
       out.push(found.problem(
-        `${n} unreadable line(s) were taken out of ${file} (a disk fault or a hand edit)`,
+        file.endsWith(".db")
+          ? `${n} damaged payload(s) were set aside from ${file}, this machine's bus's queue (a disk fault)`
+          : `${n} unreadable line(s) were taken out of ${file} (a disk fault or a hand edit)`,
         `read ${corruptFile(file)} (each line: its offset, why, and its text); delete it once dealt with`,
       ));
     }
