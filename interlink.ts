@@ -1485,8 +1485,8 @@ const chainWords = (keys: readonly string[], name: (key: string) => string): str
 //
 // fsync policy: `append` returns once the bytes are in the kernel, which is enough to survive the process being killed;
 // `sync` adds an fdatasync shared by every append waiting at that moment (group commit), for what must survive a power
-// cut: the bus before it answers 202, the agent before it answers a send or acks an inbound message. Files that are
-// rewritten (compaction, peers.json, locks) are replaced whole: temp file, size check, fsync, rename.
+// cut: the agent syncs before it answers a send or acks an inbound message. Files that are rewritten (a journal's
+// roll-over, peers.json, locks) are replaced whole: temp file, size check, fsync, rename.
 
 /** Who holds a session's agent.lock: its MCP server (a newer one of the session takes over), `send`, or a test. */
 const SERVER_ROLE = "interlink mcp";
@@ -1653,7 +1653,7 @@ class JsonlWriter {
   #fd: number;
   #waiters: { resolve(): void; reject(e: unknown): void }[] = [];
   #syncing = false;
-  #retired: number[] = []; // descriptors replaced by compaction, closed once no sync is in flight
+  #retired: number[] = []; // descriptors replaced by a rewrite, closed once no sync is in flight
   #fence = false; // the last append failed part-way and could not be cut back: start the next with a newline
 
   /** `folder` names the data or state folder in a disk-full error. */
@@ -1746,42 +1746,28 @@ class JsonlWriter {
     for (const fd of this.#retired.splice(0)) fs.closeSync(fd);
   }
 
-  /** Replaces the file with exactly `records` (see rewrite); on failure the old file stays in use, whole. */
-  compact(records: readonly object[]): void {
-    this.rewrite((write) => write(records.map((r) => JSON.stringify(r) + "\n").join("")));
-  }
-
   /**
-   * `compact` for a file too big for one string: `fill` passes the content in order to `write`, which returns each
-   * piece's offset in the new file. `beforeRename(tmp)` opens whatever else must read the new file, so nothing can fail
-   * after the rename (appends would then go to the old, unlinked file).
+   * Replaces the file whole: `fill` hands `write` its lines in order (a MiB is written at a time, so the file is never
+   * one string), then temp, fsync, size check, rename; the new file's size is returned. `beforeRename(tmp)` runs last
+   * before the rename, so nothing can fail after it (appends would then go to the old, unlinked file). On failure the
+   * old file stays in use, whole.
    */
-  rewrite(fill: (write: (text: string | Uint8Array) => number) => void, beforeRename = (_tmp: string) => {}): void {
+  rewrite(fill: (write: (text: string) => void) => void, beforeRename = (_tmp: string) => {}): number {
     const tmp = `${this.file}.${process.pid}.tmp`;
-    let appendFd: number | undefined;
+    let appendFd: number | undefined, size = 0;
     try {
       const fd = fs.openSync(tmp, "w", 0o600);
       try {
-        const buffer = Buffer.allocUnsafe(1 << 20);
-        let used = 0, offset = 0;
-        const flush = () => {
-          writeAll(fd, buffer.subarray(0, used));
-          used = 0;
-        };
-        fill((piece) => {
-          const bytes = typeof piece === "string"
-            ? Buffer.from(piece)
-            : Buffer.from(piece.buffer, piece.byteOffset, piece.length);
-          const at = offset;
-          offset += bytes.length;
-          if (used + bytes.length > buffer.length) flush();
-          if (bytes.length > buffer.length) writeAll(fd, bytes);
-          else used += bytes.copy(buffer, used);
-          return at;
+        let pending: string[] = [], held = 0;
+        const flush = () => (writeAll(fd, Buffer.from(pending.join(""))), pending = [], held = 0);
+        fill((text) => {
+          size += utf8Bytes(text);
+          pending.push(text);
+          if ((held += text.length) >= 1 << 20) flush();
         });
         flush();
         fs.fsyncSync(fd);
-        checkSize(fd, tmp, offset);
+        checkSize(fd, tmp, size);
       } finally {
         fs.closeSync(fd);
       }
@@ -1799,6 +1785,7 @@ class JsonlWriter {
     this.#fence = false;
     if (this.#syncing) this.#retired.push(old);
     else fs.closeSync(old);
+    return size;
   }
 
   close(): void {
@@ -4209,11 +4196,10 @@ class Journal {
     let end = 0;
     this.#writer ??= new JsonlWriter(this.file, `the state folder ${this.stateDir}`);
     try {
-      this.#writer.rewrite((write) => {
-        const line = (text: string) => (end = write(text + "\n") + utf8Bytes(text) + 1);
-        line(head);
-        for (const out of state.carriedOut(at)) line(encodeRecord({ t: "carried", at, out }));
-        for (const item of state.inbox.values()) line(encodeRecord({ t: "carried", at, item }));
+      end = this.#writer.rewrite((write) => {
+        write(head + "\n");
+        for (const out of state.carriedOut(at)) write(encodeRecord({ t: "carried", at, out }) + "\n");
+        for (const item of state.inbox.values()) write(encodeRecord({ t: "carried", at, item }) + "\n");
       }, () => {
         failpoint("journal-mid-roll"); // the new file written and synced, not yet in place
         durable();
