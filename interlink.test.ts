@@ -796,12 +796,12 @@ describe("JSONL storage", () => {
     expect((records[0].big as string).length).toBe(big.length);
   });
 
-  test("compaction replaces the file through a temp file and appends continue after it", async () => {
+  test("a rewrite replaces the file through a temp file, says its size, and appends continue after it", async () => {
     const dir = tmpDir();
     const file = path.join(dir, "q.jsonl");
     const w = new JsonlWriter(file);
     await w.appendDurable(Array.from({ length: 100 }, (_, n) => ({ t: "m", n })));
-    w.compact([{ t: "m", n: 99 }]);
+    expect(w.rewrite((write) => write('{"t":"m","n":99}\n'))).toBe(17);
     await w.appendDurable([{ t: "m", n: 100 }]);
     w.close();
     expect(readJsonl(file).map((r) => r.n)).toEqual([99, 100]);
