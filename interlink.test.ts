@@ -6187,7 +6187,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
       readJsonl(path.join(stateDir, f), () => {}).map((r) => `${r.k} ${r.id}`)
     );
 
-  test(
+  test.concurrent(
     "past OUTBOX_MAX_BYTES queued, send_message and request_pair are refused saying what waits for whom (a cancel still goes); what was queued goes, in order, once the relay is back",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -6227,7 +6227,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     60_000,
   );
 
-  test(
+  test.concurrent(
     "a session with thousands queued while its relay is down lists them, carries them over a roll-over a line each, and sends all once, in order",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -6288,7 +6288,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     120_000,
   );
 
-  test(
+  test.concurrent(
     "a session in inbox mode with a thousand unread shows each whole through check_inbox and wait, in order, once, across a roll-over",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -6385,7 +6385,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     );
   }
 
-  test(
+  test.concurrent(
     "an adoption of a backlog killed after its first MiB, then done again, carries every message once, in order",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -6430,7 +6430,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     120_000,
   );
 
-  test("a 0.5.0 checkpoint (its replay memory and its messages inside it) folds as before; the next roll-over moves the replay memory to the replay files and the messages to lines of their own", async () => {
+  test.concurrent("a 0.5.0 checkpoint (its replay memory and its messages inside it) folds as before; the next roll-over moves the replay memory to the replay files and the messages to lines of their own", async () => {
     const { root, A, B } = await twoPeers();
     const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
     const queued = await signMessage(A.id, { to: B.id.publicKey, text: "still to send" }, Date.now());
@@ -6489,7 +6489,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     }
   });
 
-  test.each([
+  test.concurrent.each([
     ["journal-mid-roll", "after writing its new file"],
     ["journal-linked", "after linking the journal to its archive"],
   ])(
@@ -6546,7 +6546,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     60_000,
   );
 
-  test(
+  test.concurrent(
     "check_inbox and wait mark read only what reached the reader: an answer not written (a cancel), or a wait killed after printing, leaves every message unread; an item about to be pushed is shown by one of them, once",
     async () => {
       const { A, B, bob, deliver, close } = await inboxBob();
@@ -6600,7 +6600,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     90_000,
   );
 
-  test(
+  test.concurrent(
     "check_inbox and wait answer at most INBOX_ANSWER_MAX_CHARS of inbox (Claude Code cuts a longer answer, which would be marked read unseen): the rest waits for the next call, each message shown once",
     async () => {
       const { B, bob, deliver, close } = await inboxBob();
@@ -6638,7 +6638,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     60_000,
   );
 
-  test(
+  test.concurrent(
     "a channel session that opens with unread messages pushes them one by one; a check_inbox called meanwhile shows the rest, and no message twice",
     async () => {
       const { bob, deliver, close } = await inboxBob();
@@ -6671,7 +6671,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     60_000,
   );
 
-  test(
+  test.concurrent(
     "a server whose session could not open (its lock held past the wait) opens it on the next tool call, not never",
     async () => {
       const { root, B } = await twoPeers();
@@ -6694,7 +6694,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     60_000,
   );
 
-  test("list_pending on held routes counts only what it names: receipts to a full route are not its messages, and a held route past the first 100 is not said to be listed above", async () => {
+  test.concurrent("list_pending on held routes counts only what it names: receipts to a full route are not its messages, and a held route past the first 100 is not said to be listed above", async () => {
     const { A, B } = await twoPeers();
     const alice = await Agent.open(nodeConfig(A, ["http://127.0.0.1:9"]), "test"); // nothing is sent
     try {
@@ -8207,13 +8207,15 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
       "\nSKIPPED 2 tests of non-blocking stdio (python3 is not on PATH). Install it with: sudo apt-get install -y python3\n",
     );
   }
+  /** Each starts its own processes in its own folders: they run beside the rest. */
+  const pythonTest = python ? test.concurrent : test.skip;
   const nonBlocking = [
     python!,
     "-c",
     "import os,sys,fcntl\nfor fd in (0,1,2): fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)\nos.execvp(sys.argv[1], sys.argv[1:])",
   ];
   for (const runtime of ["bun", "deno"] as const) {
-    test.skipIf(!python)(
+    pythonTest(
       `on ${runtime}: wait's wake text of 3 MB reaches a non-blocking stderr read 3 s late whole (its messages are marked shown)`,
       async () => {
         const root = tmpDir();
@@ -8270,7 +8272,7 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
   }
 
   for (const runtime of ["bun", "deno"] as const) {
-    test.skipIf(!python)(
+    pythonTest(
       `on ${runtime}: over non-blocking pipes, every answer arrives whole and in order, also past a full pipe`,
       async () => {
         const node = await nodeEnv();
