@@ -202,7 +202,6 @@ import {
   busThatComesBack,
   type Child,
   CODEX_BIN,
-  codexTest,
   copyFromRepo,
   DENO_VERSION,
   denoPath,
@@ -11833,6 +11832,8 @@ class CodexDaemonClient {
 describe("Codex CLI sessions as peers, with real Codex", () => {
   let fake: FakeResponses, model: FakeModel, bus: Child & { url: string }, root: string, template: string;
   const daemons: string[] = [];
+  /** Each test has nodes, homes and daemons of its own (the fake model answers each by name): side by side. */
+  const codexSide = CODEX_BIN ? test.concurrent : test.skip;
   const codexEnv = (home: string, _n: NodeFiles) => ({
     PATH: `${path.dirname(process.execPath)}${path.delimiter}${process.env.PATH}`,
     HOME: process.env.HOME!, // Deno's and Bun's package caches; INTERLINK_CONFIG keeps this machine's config out
@@ -11941,15 +11942,15 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     expect(install.stdout).toContain("the hook is trusted");
     if (opts.hook === false) fs.writeFileSync(path.join(home, "hooks.json"), '{"hooks":{}}\n');
     const release = fs.readlinkSync(path.join(template, "packages", "app-server-daemon", "current")).split("/").pop()!;
-    spawnSync("cp", ["-al", path.join(template, "packages"), path.join(home, "packages")]);
+    await spawnAsync("cp", ["-al", path.join(template, "packages"), path.join(home, "packages")]);
     fs.rmSync(path.join(home, "packages", "app-server-daemon", "current"));
     fs.symlinkSync(
       path.join(home, "packages", "app-server-daemon", "releases", release),
       path.join(home, "packages", "app-server-daemon", "current"),
     );
-    const started = spawnSync(CODEX_BIN!, ["app-server", "daemon", "start"], {
+    // Not spawnSync: the tests run side by side, and a blocked test process would hold up the others' sessions.
+    const started = await spawnAsync(CODEX_BIN!, ["app-server", "daemon", "start"], {
       env: codexEnv(home, n),
-      encoding: "utf8",
       timeout: 60_000,
     });
     expect({ status: started.status, err: started.status ? started.stderr : "" }).toEqual({ status: 0, err: "" });
@@ -11976,7 +11977,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     return (last?.users ?? []).filter((t) => t.includes(needle)).length;
   };
 
-  codexTest(
+  codexSide(
     "a Codex session binds to its thread through the SessionStart hook, and through a tool call's _meta without it; unbound it announces nothing",
     async () => {
       const A = await makeNodeFiles(root, "cx-hook");
@@ -12010,7 +12011,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     120_000,
   );
 
-  codexTest("Codex ↔ Codex: a task with wakes both ways, each message shown to each model once", async () => {
+  codexSide("Codex ↔ Codex: a task with wakes both ways, each message shown to each model once", async () => {
     const A = await makeNodeFiles(root, "cx-alice");
     const B = await makeNodeFiles(root, "cx-bob");
     befriend(A, B);
@@ -12051,7 +12052,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     }
   }, 120_000);
 
-  codexTest(
+  codexSide(
     "Codex ↔ a Claude Code-style peer (SDK-driven): request → update → needs_input → answer → result, and cancel, both ways",
     async () => {
       const X = await makeNodeFiles(root, "cx-exec");
@@ -12120,7 +12121,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     120_000,
   );
 
-  codexTest(
+  codexSide(
     "a wake that fails (no Codex to queue into) leaves the message for check_inbox; doctor says why",
     async () => {
       const Y = await makeNodeFiles(root, "cx-nowake");
@@ -12166,7 +12167,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     90_000,
   );
 
-  codexTest(
+  codexSide(
     "a Codex session and a Claude Code-style session of one key are siblings: to self reaches the other",
     async () => {
       const S = await makeNodeFiles(root, "cx-self");
@@ -12200,7 +12201,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
   );
 
   if (CLAUDE_BIN) {
-    codexTest("a real Claude Code session and a real Codex session run a task together", async () => {
+    codexSide("a real Claude Code session and a real Codex session run a task together", async () => {
       const C = await makeNodeFiles(root, "cc-side");
       const X = await makeNodeFiles(root, "cx-side");
       befriend(C, X);
@@ -12246,7 +12247,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
       }
     }, 120_000);
 
-    codexTest(
+    codexSide(
       "a question travels Claude Code → Codex → Claude Code: carol's reaches alice's operator through bob's Codex, shown there only as information, and alice's answer reaches carol once",
       async () => {
         const a = await hostNode(root, "hop-alice", bus.url, model);
