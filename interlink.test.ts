@@ -3793,7 +3793,7 @@ describe("a hostile relay", () => {
     expect(RECV_ANSWER_MAX_BYTES).toBeGreaterThan(RECV_BATCH * BODY_LIMIT_BYTES);
   });
 
-  test(
+  test.concurrent(
     "a roster entry larger than our bus keeps is not read, whoever signed it: one entry cannot fill discover",
     async () => {
       const root = tmpDir();
@@ -3827,7 +3827,7 @@ describe("a hostile relay", () => {
     60_000,
   );
 
-  test(
+  test.concurrent(
     "a relay answering /roster and /recv with 300 MB costs a session at most what a real answer can be, and discover answers from the other relay",
     async () => {
       const HOSTILE_BYTES = 300 * 2 ** 20;
@@ -3887,7 +3887,7 @@ describe("a hostile relay", () => {
     },
     240_000,
   );
-  test(
+  test.concurrent(
     "a relay answering /recv and /roster with 24 MiB of empty objects (30 times that once parsed) costs a session a count, not a parse: it reads such a batch one message at a time, handles each, and discover answers",
     async () => {
       const junk = `[${"{},".repeat(690_000).slice(0, -1)}]`; // 2 MiB, each "{}" a value
@@ -3957,7 +3957,7 @@ describe("a hostile relay", () => {
 });
 
 describe("bus: hostile input and real sockets", () => {
-  test("no input, however broken, crashes the bus or corrupts its queue", async () => {
+  test.concurrent("no input, however broken, crashes the bus or corrupts its queue", async () => {
     const dir = tmpDir();
     const bus = await Bus.open(dir, { log: () => {} });
     const rand = (n: number) => crypto.getRandomValues(new Uint8Array(n));
@@ -3997,7 +3997,7 @@ describe("bus: hostile input and real sockets", () => {
     await reopened.close();
   }, 30_000);
 
-  test("clients that hang up mid-wait on a real socket leave no waiter behind", async () => {
+  test.concurrent("clients that hang up mid-wait on a real socket leave no waiter behind", async () => {
     const bus = await Bus.open(tmpDir());
     const server = await serveHttp(bus.handler, "127.0.0.1", 0);
     const net = await import("node:net");
@@ -4022,7 +4022,7 @@ describe("bus: hostile input and real sockets", () => {
     }
   });
 
-  test("log --follow prints records as they are appended, and stops on SIGTERM", async () => {
+  test.concurrent("log --follow prints records as they are appended, and stops on SIGTERM", async () => {
     const root = tmpDir();
     const A = await makeNodeFiles(root, "alice");
     fs.writeFileSync(A.peersFile, JSON.stringify({ bob: { key: BOB.public_b64 } }));
@@ -4058,7 +4058,7 @@ describe("bus: hostile input and real sockets", () => {
 });
 
 describe("strangers cannot grow a node's state", () => {
-  test(
+  test.concurrent(
     "a knock flood is bounded: repeats are not recorded, 64 wait for the operator, 3 an hour reach the model (the rest as one count), a rejected key is not shown again for a day",
     async () => {
       const root = tmpDir();
@@ -4097,7 +4097,7 @@ describe("strangers cannot grow a node's state", () => {
     },
     30_000,
   );
-  test(
+  test.concurrent(
     "Eve signs one message with each of 40 self-made keys and sends them to alice's session: 3 refusal notices an hour reach the model and the journal, not 40",
     async () => {
       // A refusal notice is one per sender and reason an hour, and keys cost nothing: each new key was a new notice,
@@ -5966,33 +5966,37 @@ describe("delivery receipts end to end: alice on Bun, bob and dave on Deno", () 
 });
 
 describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
-  test("an agent killed between journaling a message and pushing it shows it after the restart, once", async () => {
-    const { root, A, B } = await twoPeers();
-    const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
-    let bob = await McpNode.start("bun", B, url, {
-      INTERLINK_DELIVERY: "channel",
-      INTERLINK_FAILPOINT: "agent-after-journal",
-    });
-    try {
-      const msg = await signMessage(A.id, { to: B.id.publicKey, text: "do not lose me" }, Date.now());
-      await bus.send(B.id.publicKey, JSON.stringify(msg));
-      await eventually(() => readNodeLog(B.stateDir).some((r) => r.t === "in"), "bob journaled the message");
-      await eventually(() => bob.client.transport === undefined || !pidAlive(bob.pid!), "the failpoint killed bob");
-      expect(bob.events).toEqual([]); // it died before the push
-      await bob.close().catch(() => {});
-      bob = await McpNode.start("bun", B, url, { INTERLINK_DELIVERY: "channel" });
-      const e = await bob.waitEvent((ev) => ev.meta.msg_id === msg.msg_id);
-      expect(e.content).toBe("do not lose me");
-      await eventually(() => bus.queues.liveCount === 0, "the restarted bob acked it");
-      expect(bob.events.filter((ev) => ev.meta.msg_id === msg.msg_id).length).toBe(1);
-      expect(readNodeLog(B.stateDir).filter((r) => r.t === "in").length).toBe(1);
-    } finally {
-      await bob.close().catch(() => {});
-      await shutdown();
-    }
-  }, 60_000);
+  test.concurrent(
+    "an agent killed between journaling a message and pushing it shows it after the restart, once",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      let bob = await McpNode.start("bun", B, url, {
+        INTERLINK_DELIVERY: "channel",
+        INTERLINK_FAILPOINT: "agent-after-journal",
+      });
+      try {
+        const msg = await signMessage(A.id, { to: B.id.publicKey, text: "do not lose me" }, Date.now());
+        await bus.send(B.id.publicKey, JSON.stringify(msg));
+        await eventually(() => readNodeLog(B.stateDir).some((r) => r.t === "in"), "bob journaled the message");
+        await eventually(() => bob.client.transport === undefined || !pidAlive(bob.pid!), "the failpoint killed bob");
+        expect(bob.events).toEqual([]); // it died before the push
+        await bob.close().catch(() => {});
+        bob = await McpNode.start("bun", B, url, { INTERLINK_DELIVERY: "channel" });
+        const e = await bob.waitEvent((ev) => ev.meta.msg_id === msg.msg_id);
+        expect(e.content).toBe("do not lose me");
+        await eventually(() => bus.queues.liveCount === 0, "the restarted bob acked it");
+        expect(bob.events.filter((ev) => ev.meta.msg_id === msg.msg_id).length).toBe(1);
+        expect(readNodeLog(B.stateDir).filter((r) => r.t === "in").length).toBe(1);
+      } finally {
+        await bob.close().catch(() => {});
+        await shutdown();
+      }
+    },
+    60_000,
+  );
 
-  test("a backlog in the outbox goes to our bus in a few requests, in order, each message once", async () => {
+  test.concurrent("a backlog in the outbox goes to our bus in a few requests, in order, each message once", async () => {
     const { root, A, B } = await twoPeers();
     let sends = 0;
     const { bus, url, comeBack, shutdown } = await busThatComesBack(path.join(root, "bus"), (req) => {
@@ -6017,7 +6021,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     }
   });
 
-  test(
+  test.concurrent(
     "kill -9 in the middle of a batched recv: after the restart every message is shown once, none lost",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -6091,7 +6095,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     });
   }
 
-  test(
+  test.concurrent(
     "receipts after a crash between journal and push: delivered and shown are each reported once, after they happened",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -6125,7 +6129,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     60_000,
   );
 
-  test("a message every bus refuses for good is marked refused with the bus's reason and never holds up the next", async () => {
+  test.concurrent("a message every bus refuses for good is marked refused with the bus's reason and never holds up the next", async () => {
     const { root, A, B } = await twoPeers();
     const { bus, server, shutdown } = await busOnLoopback(path.join(root, "bus"));
     // Queued by an older version that checked only the text's bytes: 400 KB of control characters, 2.4 MB as JSON.
