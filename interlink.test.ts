@@ -175,7 +175,6 @@ import {
   busThatComesBack,
   type Child,
   CODEX_BIN,
-  codexTest,
   copyFromRepo,
   DENO_VERSION,
   denoPath,
@@ -2946,7 +2945,7 @@ describe("a hostile relay", () => {
     expect(RECV_ANSWER_MAX_BYTES).toBeGreaterThan(RECV_BATCH * BODY_LIMIT_BYTES);
   });
 
-  test(
+  test.concurrent(
     "a roster entry larger than our bus keeps is not read, whoever signed it: one entry cannot fill discover",
     async () => {
       const root = tmpDir();
@@ -2980,7 +2979,7 @@ describe("a hostile relay", () => {
     60_000,
   );
 
-  test(
+  test.concurrent(
     "a relay answering /roster and /recv with 300 MB costs a session at most what a real answer can be, and discover answers from the other relay",
     async () => {
       const HOSTILE_BYTES = 300 * 2 ** 20;
@@ -3040,7 +3039,7 @@ describe("a hostile relay", () => {
     },
     240_000,
   );
-  test(
+  test.concurrent(
     "a relay answering /recv and /roster with 24 MiB of empty objects (30 times that once parsed) costs a session a count, not a parse: it reads such a batch one message at a time, handles each, and discover answers",
     async () => {
       const junk = `[${"{},".repeat(690_000).slice(0, -1)}]`; // 2 MiB, each "{}" a value
@@ -3146,7 +3145,7 @@ describe("log: following the journal", () => {
 });
 
 describe("strangers cannot grow a node's state", () => {
-  test(
+  test.concurrent(
     "a knock flood is bounded: repeats are not recorded, 64 wait for the operator, 3 an hour reach the model (the rest as one count), a rejected key is not shown again for a day",
     async () => {
       const root = tmpDir();
@@ -3185,7 +3184,7 @@ describe("strangers cannot grow a node's state", () => {
     },
     30_000,
   );
-  test(
+  test.concurrent(
     "Eve signs one message with each of 40 self-made keys and sends them to alice's session: 3 refusal notices an hour reach the model and the journal, not 40",
     async () => {
       // A refusal notice is one per sender and reason an hour, and keys cost nothing: each new key was a new notice,
@@ -4689,33 +4688,37 @@ describe("delivery receipts end to end: alice on Bun, bob and dave on Deno", () 
 });
 
 describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
-  test("an agent killed between journaling a message and pushing it shows it after the restart, once", async () => {
-    const { root, A, B } = await twoPeers();
-    const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
-    let bob = await McpNode.start("bun", B, url, {
-      INTERLINK_DELIVERY: "channel",
-      INTERLINK_FAILPOINT: "agent-after-journal",
-    });
-    try {
-      const msg = await signMessage(A.id, { to: B.id.publicKey, text: "do not lose me" }, Date.now());
-      await bus.send(B.id.publicKey, JSON.stringify(msg));
-      await eventually(() => readNodeLog(B.stateDir).some((r) => r.t === "in"), "bob journaled the message");
-      await eventually(() => bob.client.transport === undefined || !pidAlive(bob.pid!), "the failpoint killed bob");
-      expect(bob.events).toEqual([]); // it died before the push
-      await bob.close().catch(() => {});
-      bob = await McpNode.start("bun", B, url, { INTERLINK_DELIVERY: "channel" });
-      const e = await bob.waitEvent((ev) => ev.meta.msg_id === msg.msg_id);
-      expect(e.content).toBe("do not lose me");
-      await eventually(() => bus.queues.liveCount === 0, "the restarted bob acked it");
-      expect(bob.events.filter((ev) => ev.meta.msg_id === msg.msg_id).length).toBe(1);
-      expect(readNodeLog(B.stateDir).filter((r) => r.t === "in").length).toBe(1);
-    } finally {
-      await bob.close().catch(() => {});
-      await shutdown();
-    }
-  }, 60_000);
+  test.concurrent(
+    "an agent killed between journaling a message and pushing it shows it after the restart, once",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      let bob = await McpNode.start("bun", B, url, {
+        INTERLINK_DELIVERY: "channel",
+        INTERLINK_FAILPOINT: "agent-after-journal",
+      });
+      try {
+        const msg = await signMessage(A.id, { to: B.id.publicKey, text: "do not lose me" }, Date.now());
+        await bus.send(B.id.publicKey, JSON.stringify(msg));
+        await eventually(() => readNodeLog(B.stateDir).some((r) => r.t === "in"), "bob journaled the message");
+        await eventually(() => bob.client.transport === undefined || !pidAlive(bob.pid!), "the failpoint killed bob");
+        expect(bob.events).toEqual([]); // it died before the push
+        await bob.close().catch(() => {});
+        bob = await McpNode.start("bun", B, url, { INTERLINK_DELIVERY: "channel" });
+        const e = await bob.waitEvent((ev) => ev.meta.msg_id === msg.msg_id);
+        expect(e.content).toBe("do not lose me");
+        await eventually(() => bus.queues.liveCount === 0, "the restarted bob acked it");
+        expect(bob.events.filter((ev) => ev.meta.msg_id === msg.msg_id).length).toBe(1);
+        expect(readNodeLog(B.stateDir).filter((r) => r.t === "in").length).toBe(1);
+      } finally {
+        await bob.close().catch(() => {});
+        await shutdown();
+      }
+    },
+    60_000,
+  );
 
-  test("a backlog in the outbox goes to our bus in a few requests, in order, each message once", async () => {
+  test.concurrent("a backlog in the outbox goes to our bus in a few requests, in order, each message once", async () => {
     const { root, A, B } = await twoPeers();
     let sends = 0;
     const { bus, url, comeBack, shutdown } = await busThatComesBack(path.join(root, "bus"), (req) => {
@@ -4740,7 +4743,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     }
   });
 
-  test(
+  test.concurrent(
     "kill -9 in the middle of a batched recv: after the restart every message is shown once, none lost",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -4814,7 +4817,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     });
   }
 
-  test(
+  test.concurrent(
     "receipts after a crash between journal and push: delivered and shown are each reported once, after they happened",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -4848,7 +4851,7 @@ describe("delivery: nothing pushed is lost, nothing blocks the outbox", () => {
     60_000,
   );
 
-  test("a message every bus refuses for good is marked refused with the bus's reason and never holds up the next", async () => {
+  test.concurrent("a message every bus refuses for good is marked refused with the bus's reason and never holds up the next", async () => {
     const { root, A, B } = await twoPeers();
     const { bus, server, shutdown } = await busOnLoopback(path.join(root, "bus"));
     // Queued by an older version that checked only the text's bytes: 400 KB of control characters, 2.4 MB as JSON.
@@ -4909,7 +4912,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
       readJsonl(path.join(stateDir, f), () => {}).map((r) => `${r.k} ${r.id}`)
     );
 
-  test(
+  test.concurrent(
     "past OUTBOX_MAX_BYTES queued, send_message and request_pair are refused saying what waits for whom (a cancel still goes); what was queued goes, in order, once the relay is back",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -4949,7 +4952,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     60_000,
   );
 
-  test(
+  test.concurrent(
     "a session with thousands queued while its relay is down lists them, carries them over a roll-over a line each, and sends all once, in order",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -5010,7 +5013,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     120_000,
   );
 
-  test(
+  test.concurrent(
     "a session in inbox mode with a thousand unread shows each whole through check_inbox and wait, in order, once, across a roll-over",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -5107,7 +5110,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     );
   }
 
-  test(
+  test.concurrent(
     "an adoption of a backlog killed after its first MiB, then done again, carries every message once, in order",
     async () => {
       const { root, A, B } = await twoPeers();
@@ -5151,7 +5154,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     120_000,
   );
 
-  test("a 0.5.0 checkpoint (its replay memory and its messages inside it) folds as before; the next roll-over moves the replay memory to the replay files and the messages to lines of their own", async () => {
+  test.concurrent("a 0.5.0 checkpoint (its replay memory and its messages inside it) folds as before; the next roll-over moves the replay memory to the replay files and the messages to lines of their own", async () => {
     const { root, A, B } = await twoPeers();
     const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
     const queued = await signMessage(A.id, { to: B.id.publicKey, text: "still to send" }, Date.now());
@@ -5210,7 +5213,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     }
   });
 
-  test.each([
+  test.concurrent.each([
     ["journal-mid-roll", "after writing its new file"],
     ["journal-linked", "after linking the journal to its archive"],
   ])(
@@ -5267,7 +5270,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     60_000,
   );
 
-  test(
+  test.concurrent(
     "check_inbox and wait mark read only what reached the reader: an answer not written (a cancel), or a wait killed after printing, leaves every message unread; an item about to be pushed is shown by one of them, once",
     async () => {
       const { A, B, bob, deliver, close } = await inboxBob();
@@ -5321,7 +5324,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     90_000,
   );
 
-  test(
+  test.concurrent(
     "check_inbox and wait answer at most INBOX_ANSWER_MAX_CHARS of inbox (Claude Code cuts a longer answer, which would be marked read unseen): the rest waits for the next call, each message shown once",
     async () => {
       const { B, bob, deliver, close } = await inboxBob();
@@ -5359,7 +5362,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     60_000,
   );
 
-  test(
+  test.concurrent(
     "a channel session that opens with unread messages pushes them one by one; a check_inbox called meanwhile shows the rest, and no message twice",
     async () => {
       const { bob, deliver, close } = await inboxBob();
@@ -5392,7 +5395,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     60_000,
   );
 
-  test(
+  test.concurrent(
     "a server whose session could not open (its lock held past the wait) opens it on the next tool call, not never",
     async () => {
       const { root, B } = await twoPeers();
@@ -5415,7 +5418,7 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     60_000,
   );
 
-  test("list_pending on held routes counts only what it names: receipts to a full route are not its messages, and a held route past the first 100 is not said to be listed above", async () => {
+  test.concurrent("list_pending on held routes counts only what it names: receipts to a full route are not its messages, and a held route past the first 100 is not said to be listed above", async () => {
     const { A, B } = await twoPeers();
     const alice = await Agent.open(nodeConfig(A, ["http://127.0.0.1:9"]), "test"); // nothing is sent
     try {
@@ -6157,13 +6160,15 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
       "\nSKIPPED 2 tests of non-blocking stdio (python3 is not on PATH). Install it with: sudo apt-get install -y python3\n",
     );
   }
+  /** Each starts its own processes in its own folders: they run beside the rest. */
+  const pythonTest = python ? test.concurrent : test.skip;
   const nonBlocking = [
     python!,
     "-c",
     "import os,sys,fcntl\nfor fd in (0,1,2): fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)\nos.execvp(sys.argv[1], sys.argv[1:])",
   ];
   for (const runtime of ["bun", "deno"] as const) {
-    test.skipIf(!python)(
+    pythonTest(
       `on ${runtime}: wait's wake text of 3 MB reaches a non-blocking stderr read 3 s late whole (its messages are marked shown)`,
       async () => {
         const root = tmpDir();
@@ -6220,7 +6225,7 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
   }
 
   for (const runtime of ["bun", "deno"] as const) {
-    test.skipIf(!python)(
+    pythonTest(
       `on ${runtime}: over non-blocking pipes, every answer arrives whole and in order, also past a full pipe`,
       async () => {
         const node = await nodeEnv();
@@ -9678,6 +9683,8 @@ class CodexDaemonClient {
 describe("Codex CLI sessions as peers, with real Codex", () => {
   let fake: FakeResponses, model: FakeModel, bus: Child & { url: string }, root: string, template: string;
   const daemons: string[] = [];
+  /** Each test has nodes, homes and daemons of its own (the fake model answers each by name): side by side. */
+  const codexSide = CODEX_BIN ? test.concurrent : test.skip;
   const codexEnv = (home: string, _n: NodeFiles) => ({
     PATH: `${path.dirname(process.execPath)}${path.delimiter}${process.env.PATH}`,
     HOME: process.env.HOME!, // Deno's and Bun's package caches; INTERLINK_CONFIG keeps this machine's config out
@@ -9786,15 +9793,15 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     expect(install.stdout).toContain("the hook is trusted");
     if (opts.hook === false) fs.writeFileSync(path.join(home, "hooks.json"), '{"hooks":{}}\n');
     const release = fs.readlinkSync(path.join(template, "packages", "app-server-daemon", "current")).split("/").pop()!;
-    spawnSync("cp", ["-al", path.join(template, "packages"), path.join(home, "packages")]);
+    await spawnAsync("cp", ["-al", path.join(template, "packages"), path.join(home, "packages")]);
     fs.rmSync(path.join(home, "packages", "app-server-daemon", "current"));
     fs.symlinkSync(
       path.join(home, "packages", "app-server-daemon", "releases", release),
       path.join(home, "packages", "app-server-daemon", "current"),
     );
-    const started = spawnSync(CODEX_BIN!, ["app-server", "daemon", "start"], {
+    // Not spawnSync: the tests run side by side, and a blocked test process would hold up the others' sessions.
+    const started = await spawnAsync(CODEX_BIN!, ["app-server", "daemon", "start"], {
       env: codexEnv(home, n),
-      encoding: "utf8",
       timeout: 60_000,
     });
     expect({ status: started.status, err: started.status ? started.stderr : "" }).toEqual({ status: 0, err: "" });
@@ -9821,7 +9828,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     return (last?.users ?? []).filter((t) => t.includes(needle)).length;
   };
 
-  codexTest(
+  codexSide(
     "Codex 0.171 starts interlink in 2026-07-28 with [features] mcp_2026_07_28 and CODEX_MCP_PROTOCOL_VERSION in the server's env (server/discover, then requests naming that version), in 2025-06-18 without; either way its call is answered",
     async () => {
       await Promise.all(["2026-07-28", "2025-06-18"].map(async (era) => {
@@ -9878,7 +9885,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     120_000,
   );
 
-  codexTest(
+  codexSide(
     "a Codex session binds to its thread through the SessionStart hook, and through a tool call's _meta without it; unbound it announces nothing",
     async () => {
       const A = await makeNodeFiles(root, "cx-hook");
@@ -9912,7 +9919,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     120_000,
   );
 
-  codexTest("Codex ↔ Codex: a task with wakes both ways, each message shown to each model once", async () => {
+  codexSide("Codex ↔ Codex: a task with wakes both ways, each message shown to each model once", async () => {
     const A = await makeNodeFiles(root, "cx-alice");
     const B = await makeNodeFiles(root, "cx-bob");
     befriend(A, B);
@@ -9953,7 +9960,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     }
   }, 120_000);
 
-  codexTest(
+  codexSide(
     "Codex ↔ a Claude Code-style peer (SDK-driven): request → update → needs_input → answer → result, and cancel, both ways",
     async () => {
       const X = await makeNodeFiles(root, "cx-exec");
@@ -10022,7 +10029,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     120_000,
   );
 
-  codexTest(
+  codexSide(
     "a wake that fails (no Codex to queue into) leaves the message for check_inbox; doctor says why",
     async () => {
       const Y = await makeNodeFiles(root, "cx-nowake");
@@ -10068,7 +10075,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
     90_000,
   );
 
-  codexTest(
+  codexSide(
     "a Codex session and a Claude Code-style session of one key are siblings: to self reaches the other",
     async () => {
       const S = await makeNodeFiles(root, "cx-self");
@@ -10102,7 +10109,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
   );
 
   if (CLAUDE_BIN) {
-    codexTest("a real Claude Code session and a real Codex session run a task together", async () => {
+    codexSide("a real Claude Code session and a real Codex session run a task together", async () => {
       const C = await makeNodeFiles(root, "cc-side");
       const X = await makeNodeFiles(root, "cx-side");
       befriend(C, X);
@@ -10148,7 +10155,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
       }
     }, 120_000);
 
-    codexTest(
+    codexSide(
       "a question travels Claude Code → Codex → Claude Code: carol's reaches alice's operator through bob's Codex, shown there only as information, and alice's answer reaches carol once",
       async () => {
         const a = await hostNode(root, "hop-alice", bus.url, model);

@@ -142,7 +142,7 @@ const SEND_BATCH = 32;
 const SEND_TIMEOUT_MS = 5_000;
 /** Retry at once after a blip, doubling while a bus stays down, but never wait longer than half a minute. */
 const BACKOFF_MIN_MS = 250;
-const BACKOFF_MAX_MS = 30_000;
+const BACKOFF_MAX_MS = msFromEnv("INTERLINK_TEST_BACKOFF_MAX_MS", 30_000); // tests: a relay back is found in moments
 
 /** Replay memory bound, far above 30 days of a few peers' traffic (~200 B an entry); past it, shares to twice this. */
 const REPLAY_CAP = 100_000;

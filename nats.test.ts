@@ -12,6 +12,8 @@ import {
   type Handed,
   type Identity,
   identityFromSeed,
+  messagePayload,
+  openRelay,
   ROSTER_CAP,
   signAnnouncement,
   type SignedMessage,
@@ -59,6 +61,7 @@ const NATS_TESTS = [
   "a NATS stream made by an earlier release (it drops the oldest per subject): used as it is, and alice holds bob's mail until his receipts come",
   "alice → bob → carol over NATS: carol's question reaches alice via bob, the answer comes back once, alice's cancel reaches carol",
   "a copy of interlink.ts alone given a nats:// URL says which file to fetch and where; the session runs on, its outbox keeps what it sends, and all of it goes once nats.ts is there",
+  "a session killed before it acked its key's mail: the key's next session (Bun, Deno) is handed that mail back at once, and reads what follows from its first moments",
 ];
 const NATS_SERVER = systemTool("nats-server", "/usr/sbin/nats-server", "NATS", NATS_TESTS);
 // One at a time: each starts a few servers and two agents, and with many children at once Bun's test process was
@@ -66,6 +69,15 @@ const NATS_SERVER = systemTool("nats-server", "/usr/sbin/nats-server", "NATS", N
 const natsTest = NATS_SERVER ? test : test.skip;
 // The two tests that mostly wait (an ack wait, a leader election) overlap each other, and nothing else.
 const natsTestWaiting = NATS_SERVER ? test.concurrent : test.skip;
+
+/** The process is still there (signal 0 tests without signalling). */
+const alive = (pid: number): boolean => {
+  try {
+    return process.kill(pid, 0);
+  } catch {
+    return false;
+  }
+};
 
 sweepAfterAll();
 
@@ -263,6 +275,58 @@ describe("NATS JetStream as the relay", () => {
       nats.kill();
     }
   }, 90_000);
+
+  // A message handed to a reader that is gone stays unacked until the consumer's ack wait runs out, and the route (one
+  // unacked at a time) waits behind it: its next reader hands it back as it opens the route. Here the ack wait is ten
+  // minutes, so what the next session reads can only have come through that hand-back.
+  natsTest(NATS_TESTS[11], async () => {
+    const root = tmpDir();
+    const [nats] = await startNats(root);
+    const sender = openRelay(nats.url);
+    const toKey = async (from: NodeFiles, to: NodeFiles, text: string) => {
+      const msg = await signMessage(from.id, { to: to.id.publicKey, text }, Date.now());
+      await sender.send(to.id.publicKey, messagePayload(msg, `${from.id.publicKey}#${from.name}`), 5_000);
+      return msg.msg_id;
+    };
+    const sessions: McpSession[] = [];
+    try {
+      await Promise.all((["bun", "deno"] as const).map(async (runtime) => {
+        const [A, B] = await Promise.all(["alice", "bob"].map((n) => makeNodeFiles(path.join(root, runtime), n)));
+        befriend(A, B);
+        const ackWait = { INTERLINK_TEST_NATS_ACK_WAIT_MS: String(10 * 60_000) };
+        // a1 reads alice's key and dies right after journaling what it took, before acking it.
+        const a1 = await natsNode(runtime, A, [nats.url], {
+          ...ackWait,
+          INTERLINK_SESSION: "a1",
+          INTERLINK_FAILPOINT: "agent-after-journal",
+        });
+        sessions.push(a1);
+        await a1.ok("list_pending"); // open: a1 reads alice's key
+        const held = await toKey(B, A, "taken, never acked");
+        await eventually(
+          () => admittedIds(A).includes(held) && !alive(a1.pid!),
+          `${runtime}: a1 journaled it and died`,
+        );
+        const a2 = await natsNode(runtime, A, [nats.url], {
+          ...ackWait,
+          INTERLINK_SESSION: "a2",
+          INTERLINK_DELIVERY: "channel",
+        });
+        sessions.push(a2);
+        const next = await toKey(B, A, "right after a2 answered initialize");
+        const shown = await a2.waitEvent((e) => e.meta.msg_id === next, 60_000);
+        expect(shown.content, runtime).toContain("right after a2 answered initialize");
+        // The one a1 journaled is a2's too (adopted from a1), once; its copy handed back was refused as a replay.
+        await a2.waitEvent((e) => e.meta.msg_id === held);
+        expect(a2.events.map((e) => e.meta.msg_id).filter((id) => id === held || id === next).sort(), runtime)
+          .toEqual([held, next].sort());
+        expect(admittedIds(A).sort(), runtime).toEqual([held, next].sort());
+      }));
+    } finally {
+      await Promise.allSettled([...sessions.map((s) => s.close()), sender.close()]);
+      nats.kill();
+    }
+  }, 120_000);
 
   natsTest(NATS_TESTS[6], async () => {
     const root = tmpDir();

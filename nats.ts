@@ -18,7 +18,8 @@
  * denied only that key's holder can find it and read its mail (docs/nats.md, "Who may read a route"); a node's
  * replies come under its own inbox prefix; the roster read keeps each key's newest entries, so one node's junk cannot
  * push another's sessions off, and the node verifies every entry, as with a bus; every step has a deadline, so a
- * reconnecting client never holds a session up.
+ * reconnecting client never holds a session up; a message held by a reader that is gone (killed before its ack) is
+ * handed back by the route's next reader as it opens the route, so it never holds the route for the ack wait.
  * What it does not defend: who may publish, read or ack is the NATS account's permissions (natsPermissions lists
  * what a node needs), not interlink's; confidentiality (the server reads every payload); availability against the
  * server's operator, who can drop or delay but never forge.
@@ -98,6 +99,14 @@ async function natsConsumer(route: string, sign?: (data: Bytes) => Promise<strin
   const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", utf8.encode(secret)));
   return `in_${Buffer.from(digest).toString("hex").slice(0, 40)}`;
 }
+
+/**
+ * The ack subject of a route's delivery, as JetStream gives it with each message ($JS.ACK.<stream>.<consumer>.
+ * <delivered>.<stream seq>.<consumer seq>.<time>.<pending>: ADR-15). The server finds what is acked by the two sequences,
+ * so a route's next reader can nak what a reader that is gone still holds (see NatsRelay.#openConsumer).
+ */
+const natsAckSubject = (consumer: string, streamSeq: number, consumerSeq: number): string =>
+  `$JS.ACK.${NATS_STREAM}.${consumer}.1.${streamSeq}.${consumerSeq}.0.0`;
 
 /** A node's reply-inbox prefix: only its own user may subscribe under it (see natsPermissions). */
 const natsInbox = (key: string): string => `_INBOX_${key}`;
@@ -185,8 +194,20 @@ interface NatsMsg {
   nak(): void;
 }
 
+/** What the server says of a route's consumer (the part read): what it handed over last, and whether it waits unacked. */
+interface NatsConsumerInfo {
+  num_ack_pending: number;
+  delivered: { stream_seq: number; consumer_seq: number };
+}
+
+interface NatsConsumer {
+  next(o: { expires: number }): Promise<NatsMsg | null>;
+  info(cached: boolean): Promise<NatsConsumerInfo>;
+}
+
 interface NatsLink {
   nc: {
+    publish(subject: string, data: string): void;
     rtt(): Promise<number>;
     close(): Promise<void>;
     closed(): Promise<void | Error>;
@@ -195,7 +216,7 @@ interface NatsLink {
   js: {
     publish(subject: string, data: string, opts: { msgID?: string; timeout?: number }): Promise<unknown>;
     consumers: {
-      get(stream: string, name: string): Promise<{ next(o: { expires: number }): Promise<NatsMsg | null> }>;
+      get(stream: string, name: string): Promise<NatsConsumer>;
     };
   };
   jsm: {
@@ -354,7 +375,7 @@ class NatsRelay implements Relay {
   #link: Promise<NatsLink> | null = null;
   /** The stream refuses a publish to a full subject (learned at connect: see NatsLink.refuses). */
   #refuses = false;
-  #consumers = new Map<string, Promise<{ next(o: { expires: number }): Promise<NatsMsg | null> }>>();
+  #consumers = new Map<string, Promise<NatsConsumer>>();
 
   /** `sign` names our consumers; `key`, the node's, its reply inboxes (both absent for doctor). */
   constructor(readonly url: string, readonly sign?: (data: Bytes) => Promise<string>, readonly key?: string) {}
@@ -464,8 +485,15 @@ class NatsRelay implements Relay {
     return m;
   }
 
-  async #openConsumer(route: string) {
-    const { js, jsm } = await this.link();
+  /**
+   * Opens (creating if need be) the route's consumer, and hands back (a nak) what it still has out: a process opens a
+   * route as it starts reading it (its own, the key's once it holds bare.lock, an ended session's it adopted), so a
+   * message out then is held by a reader that is gone, a session killed before its ack, say. Left to the ack wait, it
+   * would hold the route (one unacked at a time) for NATS_ACK_WAIT_MS. Were its reader only slow, both admit it under
+   * the one replay check, and the second copy is refused as a replay.
+   */
+  async #openConsumer(route: string): Promise<NatsConsumer> {
+    const { js, jsm, nc } = await this.link();
     const name = await natsConsumer(route, this.sign);
     await natsNeeds(`a consumer on ${NATS_STREAM}`, async () => {
       try {
@@ -481,7 +509,11 @@ class NatsRelay implements Relay {
         if (!/already (exists|in use)/i.test(errorText(e))) throw e;
       }
     });
-    return await js.consumers.get(NATS_STREAM, name);
+    const consumer = await js.consumers.get(NATS_STREAM, name);
+    const { num_ack_pending, delivered } = await consumer.info(true); // as the server answered get
+    // One out at most (max_ack_pending): the last one handed over.
+    if (num_ack_pending === 1) nc.publish(natsAckSubject(name, delivered.stream_seq, delivered.consumer_seq), "-NAK");
+    return consumer;
   }
 
   announce(a: Announcement): Promise<void> {

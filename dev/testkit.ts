@@ -492,6 +492,7 @@ export const McpNode = {
       INTERLINK_DELIVERY: "channel",
       INTERLINK_SESSION: files.name,
       INTERLINK_CONFIG: path.join(files.dir, "config.json"),
+      INTERLINK_TEST_BACKOFF_MAX_MS: "1000", // a relay that comes back is found within a second, not up to 30 s later
       ...(process.env.DENO_DIR ? { DENO_DIR: process.env.DENO_DIR } : {}),
       ...(process.env.XDG_CACHE_HOME ? { XDG_CACHE_HOME: process.env.XDG_CACHE_HOME } : {}),
       ...env,
