@@ -7318,6 +7318,44 @@ describe("sessions: several Claude Code sessions per identity, on Bun and Deno",
   );
 });
 
+describe("sessions: many of one node, idle", () => {
+  test.concurrent(
+    "idle sessions of one node (Bun and Deno) write nothing into the state folder they all watch: one waiting for bare.lock tries it only once its holder is gone, and none takes adopt.lock with nobody to adopt",
+    async () => {
+      const root = tmpDir();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice");
+      // Each looks at bare.lock and for ended sessions every 100 ms: a few seconds here are hours of 5 s and 30 s.
+      const often = { INTERLINK_TEST_FOLLOW_RECHECK_MS: "100", INTERLINK_TEST_ENDED_EVERY_MS: "100" };
+      const sessions: McpSession[] = [];
+      const holder = () => (lockOwner(path.join(A.stateDir, "bare.lock")) ?? { pid: 0 }).pid;
+      try {
+        for (const [i, runtime] of (["bun", "deno", "bun"] as const).entries()) {
+          sessions.push(await McpNode.start(runtime, A, url, { ...often, INTERLINK_SESSION: `s${i}` }));
+        }
+        await Promise.all(sessions.map((s) => s.waitStderr(/ info: ready: /, 30_000)));
+        await eventually(() => sessions.some((s) => s.pid === holder()), "one session reads the bare key");
+        const changes: string[] = [];
+        const watcher = fs.watch(A.stateDir, (_e, name) => changes.push(String(name)));
+        try {
+          await sleepUntil(Date.now() + 3000); // about 30 looks each; every one of them used to write a temporary file there
+        } finally {
+          watcher.close();
+        }
+        expect(changes).toEqual([]);
+        // They still look: the holder killed (its lock stays behind, nothing written), another takes bare.lock.
+        const was = holder();
+        process.kill(was, "SIGKILL");
+        await eventually(() => sessions.some((s) => s.pid !== was && s.pid === holder()), "another took bare.lock");
+      } finally {
+        await Promise.allSettled(sessions.map((s) => s.close()));
+        await shutdown();
+      }
+    },
+    90_000,
+  );
+});
+
 describe("sessions: wait per session, and 0.4 and 0.8 nodes driven by raw HTTP", () => {
   test("two sessions' Stop hooks (wait, session from the hook's stdin) each get only their own messages", async () => {
     const root = tmpDir();

@@ -5890,7 +5890,10 @@ class Agent {
       while (!this.#stop.signal.aborted) {
         const value = ready();
         try {
-          if (value !== null) return { lock: await PidLock.acquire(lockFile, `session ${this.cfg.session}`), value };
+          // Tried once its holder is gone: a try writes in the state root, which wakes every session's watch on it.
+          if (value !== null && !lockOwner(lockFile)) {
+            return { lock: await PidLock.acquire(lockFile, `session ${this.cfg.session}`), value };
+          }
         } catch (e) {
           if (!(e instanceof LockedError)) logWarn(`cannot take ${file}: ${errorText(e)}; trying again`);
         }
@@ -5946,12 +5949,16 @@ class Agent {
 
   /** `atStart` also takes the just-ended. */
   async adoptEnded(atStart: boolean): Promise<void> {
+    // adopt.lock only when there is one to look at: taking it writes in the state root, which every session watches.
+    const ended = sessionIds(this.cfg.stateDir)
+      .filter((id) => id !== this.cfg.session && !this.#foreign.has(id) && this.#ended(id, atStart));
+    if (!ended.length) return;
     const node = await this.#adoptionLock(path.join(this.cfg.stateDir, "adopt.lock"), atStart ? SHORT_LOCK_WAIT_MS : 0);
     if (!node) return; // another session adopts right now
     let adopted = 0;
     try {
-      for (const id of sessionIds(this.cfg.stateDir)) {
-        if (id === this.cfg.session || this.#stop.signal.aborted) continue;
+      for (const id of ended) {
+        if (this.#stop.signal.aborted) continue;
         adopted += await this.#adopt(id, atStart).then(Number, (e) => {
           logWarn(`cannot adopt ended session ${id}: ${errorText(e)}; tried again later`);
           return 0;
@@ -5967,14 +5974,19 @@ class Agent {
     }
   }
 
+  /** Whether session `id` has ended (long enough ago, unless `atStart`) and was written to since it was looked at. */
+  #ended(id: string, atStart: boolean): boolean {
+    const dir = sessionDir(this.cfg.stateDir, id);
+    if (lockOwner(path.join(dir, "agent.lock")) || fs.existsSync(path.join(dir, "handover"))) return false;
+    if (readAdoptedFile(dir)?.size === fileSize(path.join(dir, "log.jsonl"))) return false; // nothing new since
+    return atStart || this.now() - sessionEndedAt(dir) >= ADOPT_AFTER_MS;
+  }
+
   /** Adopts one session if it has ended and has anything to carry on; true if it did. */
   async #adopt(id: string, atStart: boolean): Promise<boolean> {
     const dir = sessionDir(this.cfg.stateDir, id), journalFile = path.join(dir, "log.jsonl");
-    if (lockOwner(path.join(dir, "agent.lock")) || fs.existsSync(path.join(dir, "handover"))) return false;
-    const size = fileSize(journalFile);
-    if (readAdoptedFile(dir)?.size === size) return false; // looked at already, and nothing was written since
-    const nowMs = this.now(), endedAt = sessionEndedAt(dir);
-    if (!atStart && nowMs - endedAt < ADOPT_AFTER_MS) return false;
+    if (!this.#ended(id, atStart)) return false; // again, under adopt.lock
+    const size = fileSize(journalFile), nowMs = this.now(), endedAt = sessionEndedAt(dir);
     const lock = await this.#adoptionLock(path.join(dir, "agent.lock"));
     if (!lock) return false; // it started again meanwhile
     try {
