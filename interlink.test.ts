@@ -6600,6 +6600,43 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     90_000,
   );
 
+  test.concurrent.each(["bun", "deno"] as const)(
+    "a server (%s) killed by kill -9 after check_inbox answered, before it recorded what it showed, shows those messages again marked maybe_shown (so the model does not do their work twice), and what it never showed unmarked",
+    async (runtime) => {
+      const { root, A, B } = await twoPeers();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const inbox = { INTERLINK_DELIVERY: "inbox" };
+      let bob = await McpNode.start(runtime, B, url, { ...inbox, INTERLINK_FAILPOINT: "inbox-shown-not-marked" });
+      const deliver = async (text: string) => {
+        const msg = await signMessage(A.id, { to: B.id.publicKey, text }, Date.now());
+        await postSend(url, `${B.id.publicKey}#${B.name}`, msg);
+        await eventually(() => admittedIds(B).includes(msg.msg_id), `bob took "${text}" in`);
+      };
+      const maybeShown = /<interlink-message [^>]*maybe_shown="shown to you before, perhaps[^"]*"[^>]*>\n/;
+      try {
+        await deliver("build the release");
+        const first = await bob.ok("check_inbox"); // answered, then the server kills itself (the failpoint)
+        expect(first).toContain("\nbuild the release\n");
+        expect(first).not.toContain("maybe_shown");
+        await eventually(() => !pidAlive(bob.pid!), "bob was killed before recording it shown");
+        await bob.close().catch(() => {});
+        bob = await McpNode.start(runtime, B, url, inbox);
+        await deliver("then tag it"); // never shown before
+        const again = await bob.ok("check_inbox");
+        const blocks = again.split("</interlink-message>").filter((b) => b.includes("<interlink-message"));
+        expect(blocks.map((b) => ({ text: b.trim().split("\n").at(-1), marked: maybeShown.test(b) }))).toEqual([
+          { text: "build the release", marked: true },
+          { text: "then tag it", marked: false },
+        ]);
+        expect(await bob.ok("check_inbox")).toBe("no unread messages");
+      } finally {
+        await bob.close().catch(() => {});
+        await shutdown();
+      }
+    },
+    60_000,
+  );
+
   test(
     "check_inbox and wait answer at most INBOX_ANSWER_MAX_CHARS of inbox (Claude Code cuts a longer answer, which would be marked read unseen): the rest waits for the next call, each message shown once",
     async () => {
@@ -10398,6 +10435,23 @@ describe("the journal: one typed record per line, read through one codec", () =>
       'a "teleport" record: unknown record tag "teleport" (written by a newer interlink?)',
       'a "sent" record: "msg_id" is missing',
     ]);
+  });
+
+  test('a "showing" record without its "shown" (a crash between) marks the item maybe_shown, through a roll-over too; with it, nothing is marked, not even a pushed message listed again', async () => {
+    const state = new NodeState(() => 5_000);
+    const [cut, whole] = await Promise.all(
+      ["cut short", "shown whole"].map((text) => signMessage(bob, { to: alice.publicKey, text }, 1_000)),
+    );
+    for (const msg of [cut, whole]) state.apply({ t: "in", at: 2, peer: "bob", msg });
+    const [cutId, wholeId] = [cut, whole].map((m) => `${bob.publicKey} ${m.msg_id}`);
+    state.apply({ t: "showing", at: 3, items: [cutId, wholeId] });
+    state.apply({ t: "shown", at: 4, item: wholeId, via: "push" });
+    const peers = { byName: new Map([["bob", bob.publicKey]]), byKey: new Map([[bob.publicKey, "bob"]]) };
+    expect(pushEvent(state.inbox.get(cutId)!, peers).meta.maybe_shown).toStartWith("shown to you before, perhaps");
+    expect(pushEvent(state.pushed.get(wholeId)!.item, peers).meta.maybe_shown).toBeUndefined();
+    // Carried over a roll-over (its checkpoint and "carried" records), read back through the codec.
+    const [carried] = decodeRecord(JSON.parse(encodeRecord({ t: "carried", at: 5, item: state.inbox.get(cutId)! })));
+    expect(carried).toMatchObject({ item: { id: cutId, maybeShown: true } });
   });
 });
 

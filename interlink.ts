@@ -2948,9 +2948,12 @@ interface OutEntry {
 /** A message passed along the chain (up: a question; down: its answer): information for the model, never a question. */
 type Relayed = { dir: "up" | "down"; to: string; task_id: string };
 
-/** Something no path has shown the model yet; `id` names it in the "shown" record. */
+/**
+ * Something no path has shown the model yet; `id` names it in the "shown" record. `maybeShown`: a crash cut short the
+ * record of its showing (see claimInbox).
+ */
 type InboxItem =
-  & { id: string; at: number }
+  & { id: string; at: number; maybeShown?: true }
   & (
     /**
      * `forSession`: it arrived for an earlier session of ours, which ended before showing it. `asked`: it answers a
@@ -3162,6 +3165,8 @@ type JournalRecord =
    * turn), or "superseded": an update a newer message on its task made moot, never shown.
    */
   | { t: "shown"; at: number; item: string; via: ShownVia }
+  /** Inbox items about to be shown, written before the answer: one without its "shown" after a crash was perhaps seen. */
+  | { t: "showing"; at: number; items: string[] }
   /**
    * A stranger asked to pair: held for the operator, only what is shown kept, never its text. `reply_to`: the asking
    * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
@@ -3329,7 +3334,7 @@ const ITEM_FIELDS: {
 const inboxItem: Field<InboxItem> = (o, k) => {
   const x = obj(o[k], `"${k}"`);
   const kind = oneOf(Object.keys(ITEM_FIELDS) as InboxItem["kind"][], "not a known inbox item kind")(x, "kind");
-  return { kind, ...fields(x, { id: str, at: int }), ...ITEM_FIELDS[kind](x) } as InboxItem;
+  return { kind, ...fields(x, { id: str, at: int, maybeShown: flag }), ...ITEM_FIELDS[kind](x) } as InboxItem;
 };
 
 const question: Field<Question> = record({
@@ -3425,6 +3430,7 @@ const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<Re
       relay: relayed,
     }),
   shown: (o) => fields(o, { item: str, via: oneOf(SHOWN_VIAS) }),
+  showing: (o) => fields(o, { items: strings }),
   knock: (o) => fields(o, { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag }),
   refusal: (o) => fields(o, { key: str, reason, detail: (o, k) => optStr(o, k) ?? "" }),
   paired: (o) =>
@@ -3661,6 +3667,7 @@ class NodeState {
     },
     shown: (r) => {
       const item = this.inbox.get(r.item);
+      if (item) delete item.maybeShown; // shown now: a list of what was pushed repeats it as such
       if (item?.kind === "refusals" || r.item === MORE_KNOCKS) this.refusalShownAt.set(r.item, r.at);
       if (item && r.via === "push") this.pushed.set(r.item, { at: r.at, item });
       this.#unhold(r.item);
@@ -3670,6 +3677,12 @@ class NodeState {
         this.wantsShown.delete(r.item);
         // A superseded update was never shown: its sender is not told it was.
         if (r.via !== "superseded") this.#owe(wanted.route, { state: "shown", msg_id: wanted.msgId, at: r.at });
+      }
+    },
+    showing: (r) => {
+      for (const id of r.items) {
+        const item = this.inbox.get(id);
+        if (item) item.maybeShown = true;
       }
     },
     owe: (r) => {
@@ -4706,14 +4719,29 @@ function messageBlock(
 
 interface Claim {
   peek?: boolean; // show without marking read
-  /** Shows the first unread items (as many as an answer holds: fitInbox); marked read if `reached` (not if cut off). */
-  show?: (items: InboxItem[]) => { shown: InboxItem[]; reached: boolean | Promise<boolean> };
+  /** Its reader hears nothing from a process killed before it is done (`wait`: only an exit 2's stderr is read). */
+  heardAtExit?: boolean;
+  /**
+   * Picks the first unread items to show (as many as an answer holds: fitInbox); `write` shows them, and they are
+   * marked read if it resolves true (not if cut off).
+   */
+  show?: (items: InboxItem[]) => { shown: InboxItem[]; write: () => boolean | Promise<boolean> };
+}
+
+/** Records that these items are about to be shown: in the kernel, not synced (a process killed keeps it). */
+function markShowing(journal: Journal, items: string[]): void {
+  try {
+    journal.append([{ t: "showing", items }]);
+  } catch (e) {
+    logWarn(`cannot record what is about to be shown (shown again after a crash, unmarked): ${errorText(e)}`);
+  }
 }
 
 /**
  * Takes unread inbox messages (oldest first), shows them, then records them shown, under a lock that concurrent `wait`s
  * and check_inbox take: each re-reads the journal under it; the "shown" records are durable before it is let go. A
- * crash in between shows them again: it can repeat an answer, never lose one. A session's own take turns: Agent.inTurn.
+ * crash in between shows them again, never loses one: marked as perhaps shown by the "showing" record written before
+ * the answer. A session's own take turns: Agent.inTurn.
  */
 async function claimInbox(from: Journal | string, limit: number, claim: Claim = {}): Promise<InboxItem[]> {
   const journal = typeof from === "string" ? new Journal(from, new NodeState()) : from;
@@ -4721,8 +4749,9 @@ async function claimInbox(from: Journal | string, limit: number, claim: Claim = 
     return await withFileLock(path.join(journal.stateDir, "inbox"), "inbox claim", async () => {
       journal.catchUp();
       const unread = [...journal.state.inbox.values()].slice(0, limit);
-      const { shown: items, reached } = claim.show?.(unread) ?? { shown: unread, reached: true };
-      const ok = await reached;
+      const { shown: items, write } = claim.show?.(unread) ?? { shown: unread, write: () => true };
+      if (items.length && !claim.peek && !claim.heardAtExit) markShowing(journal, items.map((i) => i.id));
+      const ok = await write();
       if (items.length) failpoint("inbox-shown-not-marked");
       const marks = ok && !claim.peek ? items.map((i): NewRecord => ({ t: "shown", item: i.id, via: "inbox" })) : [];
       try {
@@ -4776,14 +4805,18 @@ function formatItem(i: InboxItem, peers: Peers): string {
   return `${head}\n${noticeText(i, peers)}\n</interlink-notice>`;
 }
 
-/** What a message's block says beside the peer's fields, in our words (relayed, answers, still_open). */
+/** What a message's block says when a crash cut short the record of showing it before (see claimInbox). */
+const MAYBE_SHOWN =
+  "shown to you before, perhaps: a restart cut short the record of it. If you already did what it asks, do not do it twice";
+
+/** What a message's block says beside the peer's fields, in our words (maybe_shown, relayed, answers, still_open). */
 function itemNotes(i: MessageItem, peers: Peers): [string, string][] {
+  const notes: [string, string][] = i.maybeShown ? [["maybe_shown", MAYBE_SHOWN]] : [];
   if (i.kind === "waiting") {
     const still =
       `asked of your earlier session ${i.session}, which ended; not answered yet: show it to your operator and answer with in_reply_to=${i.msg_id}`;
-    return [["still_open", still]];
+    return [...notes, ["still_open", still]];
   }
-  const notes: [string, string][] = [];
   const sender = whoIs(peers, i.msg.from);
   if (i.relay) {
     const { dir, task_id } = i.relay;
@@ -6125,7 +6158,9 @@ class Agent {
       await this.inTurn(async () => {
         const item = this.state.inbox.get(id);
         if (!item) return;
-        await this.push!(pushEvent(item, this.peers()));
+        const event = pushEvent(item, this.peers());
+        markShowing(this.journal, [id]);
+        await this.push!(event);
         this.journal.append([{ t: "shown", item: id, via: "push" }]);
       });
     }
@@ -6841,6 +6876,7 @@ class CodexWaker {
         const plan = planWake(unread, this.agent.peers());
         this.#judged = this.#signature();
         if (!plan || (plan.notice && unread.every((i) => this.#noticed.has(i.id)))) return "idle";
+        if (plan.shown.length) markShowing(journal, plan.shown);
         const r = await codexQueue(this.target, plan.text);
         if (!r.ok) {
           this.#note(false, r.why);
@@ -7323,10 +7359,13 @@ const TOOLS: ToolSpec[] = [
           peek: a.peek === true,
           show: (unread) => {
             const { text, shown } = inboxAnswer(agent, unread);
-            given = true;
-            answer.resolve({ text, written: answered.resolve });
-            // Held until the client has the answer: given up sooner, a late reader would be shown it all again.
-            return { shown, reached: shown.length ? answered.promise : true };
+            const write = () => {
+              given = true;
+              answer.resolve({ text, written: answered.resolve });
+              // Held until the client has the answer: given up sooner, a late reader would be shown it all again.
+              return shown.length ? answered.promise : true;
+            };
+            return { shown, write };
           },
         })
       ).catch((e) =>
@@ -8734,10 +8773,13 @@ async function runWait(o: Options): Promise<number> {
       // Printed, then marked read: a wait killed in between is not heard (Claude Code reads only an exit 2's stderr).
       const show = (unread: InboxItem[]) => {
         const { text, shown, more } = fitInbox(unread, peers);
-        if (shown.length) writeStderr(wakeText(shown.length, text) + (more ? MORE_WAITING + "\n" : ""));
-        return { shown, reached: flushStderr().then(() => true) };
+        const write = () => {
+          if (shown.length) writeStderr(wakeText(shown.length, text) + (more ? MORE_WAITING + "\n" : ""));
+          return flushStderr().then(() => true);
+        };
+        return { shown, write };
       };
-      const items = journal.state.inbox.size ? await claimInbox(journal, 50, { show }) : [];
+      const items = journal.state.inbox.size ? await claimInbox(journal, 50, { show, heardAtExit: true }) : [];
       if (items.length) return WAKE_EXIT_CODE;
       const left = deadline - Date.now();
       if (left <= 0) {
