@@ -7355,7 +7355,56 @@ describe("sessions: several Claude Code sessions per identity, on Bun and Deno",
   );
 });
 
-describe("sessions: many of one node, idle", () => {
+describe("sessions: many of one node on one machine", () => {
+  test.concurrent.each(["bun", "deno"] as const)(
+    "a session (%s) whose announcement the relay refuses (its address's share of the roster is full of live sessions) is told: discover and doctor say it is not on that roster, in the relay's words",
+    async (runtime) => {
+      const root = tmpDir();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice");
+      // Large live announcements from this address (all of loopback is one) until the bus refuses the next.
+      for (let status = 202, i = 0; status === 202; i++) {
+        const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+        const session = { session_id: `s${i}`, cwd: "/", git_root: "", summary: "x".repeat(7000) };
+        const r = await fetch(`${url}/announce`, {
+          method: "POST",
+          body: JSON.stringify(await signAnnouncement(id, `filler${i}`, Date.now(), session)),
+        });
+        await r.body?.cancel();
+        status = r.status;
+        expect([202, 429]).toContain(status);
+      }
+      const alice = await McpNode.start(runtime, A, url);
+      try {
+        await alice.waitStderr(/this session is not on the roster of/);
+        const refused = `${url} refused the announcement: 429 {"error":"announcements from your address take 256 KiB`;
+        const [first] = (await alice.ok("discover")).split("\n"); // then the sessions that are listed
+        expect(first).toStartWith(`this session is not on the roster of ${url}: ${refused}`);
+        expect(first).toEndWith(
+          "Peers cannot find this session there (it tries again every 30 s); tell your operator.",
+        );
+        const env = {
+          INTERLINK_KEY: A.keyFile,
+          INTERLINK_PEERS: A.peersFile,
+          INTERLINK_STATE: A.stateDir,
+          INTERLINK_URL: url,
+        };
+        const doctor = await runCliAsync(runtime, ["doctor"], { env });
+        expect(doctor.code).toBe(1);
+        const lines = doctor.stdout.split("\n");
+        const at = lines.findIndex((l) =>
+          l.startsWith("PROBLEM  session alice ") && l.includes("is not on the roster")
+        );
+        expect(lines[at]).toContain(` is not on the roster of ${url}: ${refused}`);
+        expect(lines[at + 1]).toStartWith("         fix: peers cannot find it there");
+      } finally {
+        await alice.close();
+        await shutdown();
+      }
+    },
+    60_000,
+  );
+
   test.concurrent(
     "idle sessions of one node (Bun and Deno) write nothing into the state folder they all watch: one waiting for bare.lock tries it only once its holder is gone, and none takes adopt.lock with nobody to adopt",
     async () => {

@@ -5730,6 +5730,9 @@ function sessionRoute(sessions: PeerSession[], key: string): { to?: PeerSession;
   return { to, recipient: to ? `${key}#${to.session!.session_id}` : key };
 }
 
+/** How a relay's refusal of this session's announcement begins, in the log and in discover. */
+const UNLISTED = "this session is not on the roster of";
+
 /** Watches `dir`, telling `on` the name that changed (null: unknown); null where nothing can be watched. */
 function watchDir(dir: string, on: (name: string | null) => unknown): fs.FSWatcher | null {
   try {
@@ -5770,7 +5773,8 @@ class Agent {
   #seenRoutes = new BoundedMap<string, number>(ROSTER_CAP); // route → when on a roster: one missing since has ended
   readonly relays: Relay[]; // one per configured URL, in order
   #sendFailures = 0; // delivery attempts failed in a row: the back-off, reset when a relay is back
-  #announceRefused = new Map<string, string>(); // relay → why it last refused our announcement
+  /** Relay → why it refused our last announcement (its words): peers there cannot find this session (discover says). */
+  readonly unlisted = new Map<string, string>();
 
   private constructor(
     readonly cfg: NodeConfig,
@@ -6558,18 +6562,23 @@ class Agent {
     }
   }
 
-  /** Presence is best effort. */
+  /** Presence is best effort. A refusal (a clock off, a roster full) is said once and kept for discover and doctor. */
   async #announce(relay: Relay): Promise<void> {
+    let why: string | undefined;
     try {
       await relay.announce(await signAnnouncement(this.id, this.cfg.name, this.now(), this.info), this.#stop.signal);
-      this.#announceRefused.delete(relay.name);
     } catch (e) {
-      // An unreachable relay is reported by the recv loop; a refusal (a clock off, say) is said once, here.
-      const why = errorText(e);
-      if (e instanceof RelayError && this.#announceRefused.get(relay.name) !== why) {
-        logWarn(`this session is not on the roster of ${relay.name}: ${why}`);
-      }
-      this.#announceRefused.set(relay.name, why);
+      if (!(e instanceof RelayError)) return; // an unreachable relay: the recv loop reports it
+      why = errorText(e);
+    }
+    if (why === this.unlisted.get(relay.name)) return;
+    if (why !== undefined) logWarn(`${UNLISTED} ${relay.name}: ${why}`);
+    if (why === undefined) this.unlisted.delete(relay.name);
+    else this.unlisted.set(relay.name, why);
+    try {
+      this.#writeSessionFile();
+    } catch {
+      // a full disk: discover still says it
     }
   }
 
@@ -6581,9 +6590,13 @@ class Agent {
 
   /** What this session says of itself (for `tasks`, `log`), and when it ended. */
   #writeSessionFile(endedAt?: number): void {
+    const unlisted = this.unlisted.size ? Object.fromEntries(this.unlisted) : undefined;
     const about = { ...this.info, pubkey: this.id.publicKey, pid: process.pid, ...some("host", this.host) };
     const file = path.join(this.journal.stateDir, "session.json");
-    writeFileAtomic(file, JSON.stringify({ ...about, ...some("ended_at", endedAt) }) + "\n");
+    writeFileAtomic(
+      file,
+      JSON.stringify({ ...about, ...some("unlisted", unlisted), ...some("ended_at", endedAt) }) + "\n",
+    );
   }
 
   // -- pairing (operator decisions, exposed as tools) --------------------------
@@ -7397,10 +7410,17 @@ const TOOLS: ToolSpec[] = [
         }
         sessions = sessions.filter((s) => s.key === key);
       }
+      // First what keeps this session from being found: a relay refused its announcement (see Agent.unlisted).
+      const unlisted = [...agent.unlisted].map(([relay, why]) =>
+        `${UNLISTED} ${relay}: ${why}. Peers cannot find this session there (it tries again every ${
+          ANNOUNCE_EVERY_MS / 1000
+        } s); tell your operator.\n`
+      ).join("");
       if (!sessions.length) {
-        return want ? `no session of '${want}' is on the roster` : "nobody else is announced on the roster right now";
+        return unlisted +
+          (want ? `no session of '${want}' is on the roster` : "nobody else is announced on the roster right now");
       }
-      return [...Map.groupBy(sessions, (s) => s.key)].map(([key, list]) => {
+      return unlisted + [...Map.groupBy(sessions, (s) => s.key)].map(([key, list]) => {
         const petname = agent.petnameOf(key);
         const who = key === agent.id.publicKey ? "this node (you)" : petname ? `peer '${petname}'` : "not a peer";
         const legacy = list.some((s) => s.legacy) ? "  (a 0.4 node: no sessions, reached at its key)" : "";
