@@ -7406,10 +7406,11 @@ describe("sessions: many of one node on one machine", () => {
   );
 
   test.concurrent(
-    "idle sessions of one node (Bun and Deno) write nothing into the state folder they all watch: one waiting for bare.lock tries it only once its holder is gone, and none takes adopt.lock with nobody to adopt",
+    "idle sessions of one node (Bun and Deno) write nothing into the state folder they all watch: one waiting for bare.lock tries it only once its holder is gone, none takes adopt.lock with nobody to adopt, and a long poll that comes back empty takes no lock",
     async () => {
       const root = tmpDir();
-      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const bus = await busOnLoopback(path.join(root, "bus"));
+      const relay = strippingRelay(bus.url, 100); // long polls come back empty every 100 ms, not 25 s
       const A = await makeNodeFiles(root, "alice");
       // Each looks at bare.lock and for ended sessions every 100 ms: a few seconds here are hours of 5 s and 30 s.
       const often = { INTERLINK_TEST_FOLLOW_RECHECK_MS: "100", INTERLINK_TEST_ENDED_EVERY_MS: "100" };
@@ -7417,7 +7418,7 @@ describe("sessions: many of one node on one machine", () => {
       const holder = () => (lockOwner(path.join(A.stateDir, "bare.lock")) ?? { pid: 0 }).pid;
       try {
         for (const [i, runtime] of (["bun", "deno", "bun"] as const).entries()) {
-          sessions.push(await McpNode.start(runtime, A, url, { ...often, INTERLINK_SESSION: `s${i}` }));
+          sessions.push(await McpNode.start(runtime, A, relay.url, { ...often, INTERLINK_SESSION: `s${i}` }));
         }
         await Promise.all(sessions.map((s) => s.waitStderr(/ info: ready: /, 30_000)));
         await eventually(() => sessions.some((s) => s.pid === holder()), "one session reads the bare key");
@@ -7435,7 +7436,8 @@ describe("sessions: many of one node on one machine", () => {
         await eventually(() => sessions.some((s) => s.pid !== was && s.pid === holder()), "another took bare.lock");
       } finally {
         await Promise.allSettled(sessions.map((s) => s.close()));
-        await shutdown();
+        relay.stop();
+        await bus.shutdown();
       }
     },
     90_000,
@@ -10509,9 +10511,10 @@ describe("the journal: one typed record per line, read through one codec", () =>
 
 /**
  * A relay in front of a bus: it passes every request on, and while `strip` is on it removes the chain from what it
- * is sent (a relay may: the chain is outside the signature), counting what it removed.
+ * is sent (a relay may: the chain is outside the signature), counting what it removed. `recvMs`: it holds a long poll
+ * that long at most (a poll that comes back empty, often).
  */
-function strippingRelay(busUrl: string) {
+function strippingRelay(busUrl: string, recvMs?: number) {
   const state = { strip: false, stripped: 0 };
   const server = Bun.serve({
     hostname: "127.0.0.1",
@@ -10520,6 +10523,7 @@ function strippingRelay(busUrl: string) {
     async fetch(req) {
       const url = new URL(req.url);
       let body = req.method === "GET" ? undefined : await req.text();
+      if (recvMs !== undefined && url.pathname === "/recv") url.searchParams.set("timeout_ms", String(recvMs));
       if (state.strip && url.pathname === "/send" && body) {
         const sent = JSON.parse(body);
         for (const m of sent.messages ?? [sent]) if (m.payload?.chain && delete m.payload.chain) state.stripped++;

@@ -6447,6 +6447,7 @@ class Agent {
    */
   async #admit(payloads: [unknown, () => Promise<void>][], forSession?: string): Promise<(Verdict | null)[]> {
     const verdicts: (Verdict | null)[] = [], pushes: string[] = [];
+    if (!payloads.length) return verdicts; // a long poll that timed out: the lock is a write in the state root
     const lock = await PidLock.acquire(path.join(this.cfg.stateDir, "replay.lock"), "admission", SHORT_LOCK_WAIT_MS);
     try {
       this.seen.catchUp();
