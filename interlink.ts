@@ -5971,10 +5971,11 @@ class Agent {
   // -- ended sessions ----------------------------------------------------------
   //
   // A session whose process is gone (agent.lock free) has ended. A live one of the same key and state root adopts what
-  // it had to do: at its start, and every ENDED_EVERY_MS those ended ADOPT_AFTER_MS ago. Holding adopt.lock, its
-  // agent.lock and inbox lock, it journals what that one carries (outbox, sent messages awaiting receipts, inbox,
-  // tasks, owed receipts, pairings, whom it talked to) here, then "moved" there: after a crash between the two, the
-  // next adoption takes both, and what is held (or shown) wins. It drains the ended route and unregisters it.
+  // it had to do: at its start, and (the one reading the bare key) every ENDED_EVERY_MS those ended ADOPT_AFTER_MS ago.
+  // Holding adopt.lock, its agent.lock and inbox lock, it journals what that one carries (outbox, sent messages
+  // awaiting receipts, inbox, tasks, owed receipts, pairings, whom it talked to) here, then "moved" there: after a
+  // crash between the two, the next adoption takes both, and what is held (or shown) wins. It drains the ended route
+  // and unregisters it.
 
   /** `lockFile` taken for an adoption (waiting up to `waitMs`), or null while another process holds it. */
   async #adoptionLock(lockFile: string, waitMs = 0): Promise<PidLock | null> {
@@ -6130,7 +6131,8 @@ class Agent {
         await this.drainEnded();
         await this.#rollJournal();
         await pause(ENDED_EVERY_MS, this.#stop.signal);
-        if (!this.#stop.signal.aborted) await this.adoptEnded(false);
+        // One session of the node looks, the one reading the bare key: a look reads every session's folder.
+        if (!this.#stop.signal.aborted && this.#bareLock) await this.adoptEnded(false);
       } catch (e) {
         logWarn(`cannot look after ended sessions: ${errorText(e)}; trying again in ${ENDED_EVERY_MS / 1000} s`);
         await pause(ENDED_EVERY_MS, this.#stop.signal);
