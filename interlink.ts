@@ -4722,8 +4722,8 @@ interface Claim {
   /** Its reader hears nothing from a process killed before it is done (`wait`: only an exit 2's stderr is read). */
   heardAtExit?: boolean;
   /**
-   * Picks the first unread items to show (as many as an answer holds: fitInbox); `write` shows them, and they are
-   * marked read if it resolves true (not if cut off).
+   * Picks the first unread items to show (as many as an answer holds: fitInbox); `write`, after the "showing" record,
+   * shows them (`wait` prints sooner: it writes none), and they are marked read if it resolves true (not if cut off).
    */
   show?: (items: InboxItem[]) => { shown: InboxItem[]; write: () => boolean | Promise<boolean> };
 }
@@ -6593,13 +6593,10 @@ class Agent {
 
   /** What this session says of itself (for `tasks`, `log`), and when it ended. */
   #writeSessionFile(endedAt?: number): void {
-    const unlisted = this.unlisted.size ? Object.fromEntries(this.unlisted) : undefined;
     const about = { ...this.info, pubkey: this.id.publicKey, pid: process.pid, ...some("host", this.host) };
+    if (this.unlisted.size) Object.assign(about, { unlisted: Object.fromEntries(this.unlisted) }); // for doctor
     const file = path.join(this.journal.stateDir, "session.json");
-    writeFileAtomic(
-      file,
-      JSON.stringify({ ...about, ...some("unlisted", unlisted), ...some("ended_at", endedAt) }) + "\n",
-    );
+    writeFileAtomic(file, JSON.stringify({ ...about, ...some("ended_at", endedAt) }) + "\n");
   }
 
   // -- pairing (operator decisions, exposed as tools) --------------------------
@@ -8796,11 +8793,8 @@ async function runWait(o: Options): Promise<number> {
       // Printed, then marked read: a wait killed in between is not heard (Claude Code reads only an exit 2's stderr).
       const show = (unread: InboxItem[]) => {
         const { text, shown, more } = fitInbox(unread, peers);
-        const write = () => {
-          if (shown.length) writeStderr(wakeText(shown.length, text) + (more ? MORE_WAITING + "\n" : ""));
-          return flushStderr().then(() => true);
-        };
-        return { shown, write };
+        if (shown.length) writeStderr(wakeText(shown.length, text) + (more ? MORE_WAITING + "\n" : ""));
+        return { shown, write: () => flushStderr().then(() => true) };
       };
       const items = journal.state.inbox.size ? await claimInbox(journal, 50, { show, heardAtExit: true }) : [];
       if (items.length) return WAKE_EXIT_CODE;
