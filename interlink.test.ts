@@ -5324,6 +5324,43 @@ describe("a backlog: nothing is lost, sent twice or let in twice for it, and the
     90_000,
   );
 
+  test.concurrent.each(["bun", "deno"] as const)(
+    "a server (%s) killed by kill -9 after check_inbox answered, before it recorded what it showed, shows those messages again marked maybe_shown (so the model does not do their work twice), and what it never showed unmarked",
+    async (runtime) => {
+      const { root, A, B } = await twoPeers();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const inbox = { INTERLINK_DELIVERY: "inbox" };
+      let bob = await McpNode.start(runtime, B, url, { ...inbox, INTERLINK_FAILPOINT: "inbox-shown-not-marked" });
+      const deliver = async (text: string) => {
+        const msg = await signMessage(A.id, { to: B.id.publicKey, text }, Date.now());
+        await postSend(url, `${B.id.publicKey}#${B.name}`, msg);
+        await eventually(() => admittedIds(B).includes(msg.msg_id), `bob took "${text}" in`);
+      };
+      const maybeShown = /<interlink-message [^>]*maybe_shown="shown to you before, perhaps[^"]*"[^>]*>\n/;
+      try {
+        await deliver("build the release");
+        const first = await bob.ok("check_inbox"); // answered, then the server kills itself (the failpoint)
+        expect(first).toContain("\nbuild the release\n");
+        expect(first).not.toContain("maybe_shown");
+        await eventually(() => !pidAlive(bob.pid!), "bob was killed before recording it shown");
+        await bob.close().catch(() => {});
+        bob = await McpNode.start(runtime, B, url, inbox);
+        await deliver("then tag it"); // never shown before
+        const again = await bob.ok("check_inbox");
+        const blocks = again.split("</interlink-message>").filter((b) => b.includes("<interlink-message"));
+        expect(blocks.map((b) => ({ text: b.trim().split("\n").at(-1), marked: maybeShown.test(b) }))).toEqual([
+          { text: "build the release", marked: true },
+          { text: "then tag it", marked: false },
+        ]);
+        expect(await bob.ok("check_inbox")).toBe("no unread messages");
+      } finally {
+        await bob.close().catch(() => {});
+        await shutdown();
+      }
+    },
+    60_000,
+  );
+
   test.concurrent(
     "check_inbox and wait answer at most INBOX_ANSWER_MAX_CHARS of inbox (Claude Code cuts a longer answer, which would be marked read unseen): the rest waits for the next call, each message shown once",
     async () => {
@@ -5766,6 +5803,95 @@ describe("sessions: several Claude Code sessions per identity, on Bun and Deno",
       expect(roster.roster.some((e: Announcement) => e.session?.session_id === "play")).toBe(false);
     },
     60_000,
+  );
+});
+
+describe("sessions: many of one node on one machine", () => {
+  test.concurrent.each(["bun", "deno"] as const)(
+    "a session (%s) whose announcement the relay refuses (its address's share of the roster is full of live sessions) is told: discover and doctor say it is not on that roster, in the relay's words",
+    async (runtime) => {
+      const root = tmpDir();
+      const { url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice");
+      // Large live announcements from this address (all of loopback is one) until the bus refuses the next.
+      for (let status = 202, i = 0; status === 202; i++) {
+        const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+        const session = { session_id: `s${i}`, cwd: "/", git_root: "", summary: "x".repeat(7000) };
+        const r = await fetch(`${url}/announce`, {
+          method: "POST",
+          body: JSON.stringify(await signAnnouncement(id, `filler${i}`, Date.now(), session)),
+        });
+        await r.body?.cancel();
+        status = r.status;
+        expect([202, 429]).toContain(status);
+      }
+      const alice = await McpNode.start(runtime, A, url);
+      try {
+        await alice.waitStderr(/this session is not on the roster of/);
+        const refused = `${url} refused the announcement: 429 {"error":"announcements from your address take 256 KiB`;
+        const [first] = (await alice.ok("discover")).split("\n"); // then the sessions that are listed
+        expect(first).toStartWith(`this session is not on the roster of ${url}: ${refused}`);
+        expect(first).toEndWith(
+          "Peers cannot find this session there (it tries again every 30 s); tell your operator.",
+        );
+        const env = {
+          INTERLINK_KEY: A.keyFile,
+          INTERLINK_PEERS: A.peersFile,
+          INTERLINK_STATE: A.stateDir,
+          INTERLINK_URL: url,
+        };
+        const doctor = await runCliAsync(runtime, ["doctor"], { env });
+        expect(doctor.code).toBe(1);
+        const lines = doctor.stdout.split("\n");
+        const at = lines.findIndex((l) =>
+          l.startsWith("PROBLEM  session alice ") && l.includes("is not on the roster")
+        );
+        expect(lines[at]).toContain(` is not on the roster of ${url}: ${refused}`);
+        expect(lines[at + 1]).toStartWith("         fix: peers cannot find it there");
+      } finally {
+        await alice.close();
+        await shutdown();
+      }
+    },
+    60_000,
+  );
+
+  test.concurrent(
+    "idle sessions of one node (Bun and Deno) write nothing into the state folder they all watch: one waiting for bare.lock tries it only once its holder is gone, none takes adopt.lock with nobody to adopt, and a long poll that comes back empty takes no lock",
+    async () => {
+      const root = tmpDir();
+      const bus = await busOnLoopback(path.join(root, "bus"));
+      const relay = strippingRelay(bus.url, 100); // long polls come back empty every 100 ms, not 25 s
+      const A = await makeNodeFiles(root, "alice");
+      // Each looks at bare.lock and for ended sessions every 100 ms: a few seconds here are hours of 5 s and 30 s.
+      const often = { INTERLINK_TEST_FOLLOW_RECHECK_MS: "100", INTERLINK_TEST_ENDED_EVERY_MS: "100" };
+      const sessions: McpSession[] = [];
+      const holder = () => (lockOwner(path.join(A.stateDir, "bare.lock")) ?? { pid: 0 }).pid;
+      try {
+        for (const [i, runtime] of (["bun", "deno", "bun"] as const).entries()) {
+          sessions.push(await McpNode.start(runtime, A, relay.url, { ...often, INTERLINK_SESSION: `s${i}` }));
+        }
+        await Promise.all(sessions.map((s) => s.waitStderr(/ info: ready: /, 30_000)));
+        await eventually(() => sessions.some((s) => s.pid === holder()), "one session reads the bare key");
+        const changes: string[] = [];
+        const watcher = fs.watch(A.stateDir, (_e, name) => changes.push(String(name)));
+        try {
+          await sleepUntil(Date.now() + 3000); // about 30 looks each; every one of them used to write a temporary file there
+        } finally {
+          watcher.close();
+        }
+        expect(changes).toEqual([]);
+        // They still look: the holder killed (its lock stays behind, nothing written), another takes bare.lock.
+        const was = holder();
+        process.kill(was, "SIGKILL");
+        await eventually(() => sessions.some((s) => s.pid !== was && s.pid === holder()), "another took bare.lock");
+      } finally {
+        await Promise.allSettled(sessions.map((s) => s.close()));
+        relay.stop();
+        await bus.shutdown();
+      }
+    },
+    90_000,
   );
 });
 
@@ -8146,6 +8272,23 @@ describe("the journal: one typed record per line, read through one codec", () =>
       'a "sent" record: "msg_id" is missing',
     ]);
   });
+
+  test('a "showing" record without its "shown" (a crash between) marks the item maybe_shown, through a roll-over too; with it, nothing is marked, not even a pushed message listed again', async () => {
+    const state = new NodeState(() => 5_000);
+    const [cut, whole] = await Promise.all(
+      ["cut short", "shown whole"].map((text) => signMessage(bob, { to: alice.publicKey, text }, 1_000)),
+    );
+    for (const msg of [cut, whole]) state.apply({ t: "in", at: 2, peer: "bob", msg });
+    const [cutId, wholeId] = [cut, whole].map((m) => `${bob.publicKey} ${m.msg_id}`);
+    state.apply({ t: "showing", at: 3, items: [cutId, wholeId] });
+    state.apply({ t: "shown", at: 4, item: wholeId, via: "push" });
+    const peers = { byName: new Map([["bob", bob.publicKey]]), byKey: new Map([[bob.publicKey, "bob"]]) };
+    expect(pushEvent(state.inbox.get(cutId)!, peers).meta.maybe_shown).toStartWith("shown to you before, perhaps");
+    expect(pushEvent(state.pushed.get(wholeId)!.item, peers).meta.maybe_shown).toBeUndefined();
+    // Carried over a roll-over (its checkpoint and "carried" records), read back through the codec.
+    const [carried] = decodeRecord(JSON.parse(encodeRecord({ t: "carried", at: 5, item: state.inbox.get(cutId)! })));
+    expect(carried).toMatchObject({ item: { id: cutId, maybeShown: true } });
+  });
 });
 
 // ----------------------------------------------------------------------------
@@ -8153,9 +8296,10 @@ describe("the journal: one typed record per line, read through one codec", () =>
 
 /**
  * A relay in front of a bus: it passes every request on, and while `strip` is on it removes the chain from what it
- * is sent (a relay may: the chain is outside the signature), counting what it removed.
+ * is sent (a relay may: the chain is outside the signature), counting what it removed. `recvMs`: it holds a long poll
+ * that long at most (a poll that comes back empty, often).
  */
-function strippingRelay(busUrl: string) {
+function strippingRelay(busUrl: string, recvMs?: number) {
   const state = { strip: false, stripped: 0 };
   const server = Bun.serve({
     hostname: "127.0.0.1",
@@ -8164,6 +8308,7 @@ function strippingRelay(busUrl: string) {
     async fetch(req) {
       const url = new URL(req.url);
       let body = req.method === "GET" ? undefined : await req.text();
+      if (recvMs !== undefined && url.pathname === "/recv") url.searchParams.set("timeout_ms", String(recvMs));
       if (state.strip && url.pathname === "/send" && body) {
         const sent = JSON.parse(body);
         for (const m of sent.messages ?? [sent]) if (m.payload?.chain && delete m.payload.chain) state.stripped++;

@@ -2933,9 +2933,12 @@ interface OutEntry {
 /** A message passed along the chain (up: a question; down: its answer): information for the model, never a question. */
 type Relayed = { dir: "up" | "down"; to: string; task_id: string };
 
-/** Something no path has shown the model yet; `id` names it in the "shown" record. */
+/**
+ * Something no path has shown the model yet; `id` names it in the "shown" record. `maybeShown`: a crash cut short the
+ * record of its showing (see claimInbox).
+ */
 type InboxItem =
-  & { id: string; at: number }
+  & { id: string; at: number; maybeShown?: true }
   & (
     /**
      * `forSession`: it arrived for an earlier session of ours, which ended before showing it. `asked`: it answers a
@@ -3156,6 +3159,8 @@ type JournalRecord =
    * turn), or "superseded": an update a newer message on its task made moot, never shown.
    */
   | { t: "shown"; at: number; item: string; via: ShownVia }
+  /** Inbox items about to be shown, written before the answer: one without its "shown" after a crash was perhaps seen. */
+  | { t: "showing"; at: number; items: string[] }
   /**
    * A stranger asked to pair: held for the operator, only what is shown kept, never its text. `reply_to`: the asking
    * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
@@ -3326,7 +3331,7 @@ const ITEM_FIELDS: {
 const inboxItem: Field<InboxItem> = (o, k) => {
   const x = obj(o[k], `"${k}"`);
   const kind = oneOf(Object.keys(ITEM_FIELDS) as InboxItem["kind"][], "not a known inbox item kind")(x, "kind");
-  return { kind, ...fields(x, { id: str, at: int }), ...ITEM_FIELDS[kind](x) } as InboxItem;
+  return { kind, ...fields(x, { id: str, at: int, maybeShown: flag }), ...ITEM_FIELDS[kind](x) } as InboxItem;
 };
 
 const question: Field<Question> = record({
@@ -3423,6 +3428,7 @@ const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<Re
       relay: relayed,
     }),
   shown: (o) => fields(o, { item: str, via: oneOf(SHOWN_VIAS) }),
+  showing: (o) => fields(o, { items: strings }),
   knock: (o) => fields(o, { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag }),
   refusal: (o) => fields(o, { key: str, reason, detail: (o, k) => optStr(o, k) ?? "", invite: optStr }),
   paired: (o) =>
@@ -3667,6 +3673,7 @@ class NodeState {
     },
     shown: (r) => {
       const item = this.inbox.get(r.item);
+      if (item) delete item.maybeShown; // shown now: a list of what was pushed repeats it as such
       if (item?.kind === "refusals" || r.item === MORE_KNOCKS) this.refusalShownAt.set(r.item, r.at);
       if (item && r.via === "push") this.pushed.set(r.item, { at: r.at, item });
       this.#unhold(r.item);
@@ -3676,6 +3683,12 @@ class NodeState {
         this.wantsShown.delete(r.item);
         // A superseded update was never shown: its sender is not told it was.
         if (r.via !== "superseded") this.#owe(wanted.route, { state: "shown", msg_id: wanted.msgId, at: r.at });
+      }
+    },
+    showing: (r) => {
+      for (const id of r.items) {
+        const item = this.inbox.get(id);
+        if (item) item.maybeShown = true;
       }
     },
     owe: (r) => {
@@ -4716,14 +4729,29 @@ function messageBlock(
 
 interface Claim {
   peek?: boolean; // show without marking read
-  /** Shows the first unread items (as many as an answer holds: fitInbox); marked read if `reached` (not if cut off). */
-  show?: (items: InboxItem[]) => { shown: InboxItem[]; reached: boolean | Promise<boolean> };
+  /** Its reader hears nothing from a process killed before it is done (`wait`: only an exit 2's stderr is read). */
+  heardAtExit?: boolean;
+  /**
+   * Picks the first unread items to show (as many as an answer holds: fitInbox); `write`, after the "showing" record,
+   * shows them (`wait` prints sooner: it writes none), and they are marked read if it resolves true (not if cut off).
+   */
+  show?: (items: InboxItem[]) => { shown: InboxItem[]; write: () => boolean | Promise<boolean> };
+}
+
+/** Records that these items are about to be shown: in the kernel, not synced (a process killed keeps it). */
+function markShowing(journal: Journal, items: string[]): void {
+  try {
+    journal.append([{ t: "showing", items }]);
+  } catch (e) {
+    logWarn(`cannot record what is about to be shown (shown again after a crash, unmarked): ${errorText(e)}`);
+  }
 }
 
 /**
  * Takes unread inbox messages (oldest first), shows them, then records them shown, under a lock that concurrent `wait`s
  * and check_inbox take: each re-reads the journal under it; the "shown" records are durable before it is let go. A
- * crash in between shows them again: it can repeat an answer, never lose one. A session's own take turns: Agent.inTurn.
+ * crash in between shows them again, never loses one: marked as perhaps shown by the "showing" record written before
+ * the answer. A session's own take turns: Agent.inTurn.
  */
 async function claimInbox(from: Journal | string, limit: number, claim: Claim = {}): Promise<InboxItem[]> {
   const journal = typeof from === "string" ? new Journal(from, new NodeState()) : from;
@@ -4731,8 +4759,9 @@ async function claimInbox(from: Journal | string, limit: number, claim: Claim = 
     return await withFileLock(path.join(journal.stateDir, "inbox"), "inbox claim", async () => {
       journal.catchUp();
       const unread = [...journal.state.inbox.values()].slice(0, limit);
-      const { shown: items, reached } = claim.show?.(unread) ?? { shown: unread, reached: true };
-      const ok = await reached;
+      const { shown: items, write } = claim.show?.(unread) ?? { shown: unread, write: () => true };
+      if (items.length && !claim.peek && !claim.heardAtExit) markShowing(journal, items.map((i) => i.id));
+      const ok = await write();
       if (items.length) failpoint("inbox-shown-not-marked");
       const marks = ok && !claim.peek ? items.map((i): NewRecord => ({ t: "shown", item: i.id, via: "inbox" })) : [];
       try {
@@ -4786,14 +4815,18 @@ function formatItem(i: InboxItem, peers: Peers): string {
   return `${head}\n${noticeText(i, peers)}\n</interlink-notice>`;
 }
 
-/** What a message's block says beside the peer's fields, in our words (relayed, answers, still_open). */
+/** What a message's block says when a crash cut short the record of showing it before (see claimInbox). */
+const MAYBE_SHOWN =
+  "shown to you before, perhaps: a restart cut short the record of it. If you already did what it asks, do not do it twice";
+
+/** What a message's block says beside the peer's fields, in our words (maybe_shown, relayed, answers, still_open). */
 function itemNotes(i: MessageItem, peers: Peers): [string, string][] {
+  const notes: [string, string][] = i.maybeShown ? [["maybe_shown", MAYBE_SHOWN]] : [];
   if (i.kind === "waiting") {
     const still =
       `asked of your earlier session ${i.session}, which ended; not answered yet: show it to your operator and answer with in_reply_to=${i.msg_id}`;
-    return [["still_open", still]];
+    return [...notes, ["still_open", still]];
   }
-  const notes: [string, string][] = [];
   const sender = whoIs(peers, i.msg.from);
   if (i.relay) {
     const { dir, task_id } = i.relay;
@@ -5724,6 +5757,9 @@ function sessionRoute(sessions: PeerSession[], key: string): { to?: PeerSession;
   return { to, recipient: to ? `${key}#${to.session!.session_id}` : key };
 }
 
+/** How a relay's refusal of this session's announcement begins, in the log and in discover. */
+const UNLISTED = "this session is not on the roster of";
+
 /** Watches `dir`, telling `on` the name that changed (null: unknown); null where nothing can be watched. */
 function watchDir(dir: string, on: (name: string | null) => unknown): fs.FSWatcher | null {
   try {
@@ -5764,7 +5800,8 @@ class Agent {
   #seenRoutes = new BoundedMap<string, number>(ROSTER_CAP); // route → when on a roster: one missing since has ended
   readonly relays: Relay[]; // one per configured URL, in order
   #sendFailures = 0; // delivery attempts failed in a row: the back-off, reset when a relay is back
-  #announceRefused = new Map<string, string>(); // relay → why it last refused our announcement
+  /** Relay → why it refused our last announcement (its words): peers there cannot find this session (discover says). */
+  readonly unlisted = new Map<string, string>();
 
   private constructor(
     readonly cfg: NodeConfig,
@@ -5917,7 +5954,10 @@ class Agent {
       while (!this.#stop.signal.aborted) {
         const value = ready();
         try {
-          if (value !== null) return { lock: await PidLock.acquire(lockFile, `session ${this.cfg.session}`), value };
+          // Tried once its holder is gone: a try writes in the state root, which wakes every session's watch on it.
+          if (value !== null && !lockOwner(lockFile)) {
+            return { lock: await PidLock.acquire(lockFile, `session ${this.cfg.session}`), value };
+          }
         } catch (e) {
           if (!(e instanceof LockedError)) logWarn(`cannot take ${file}: ${errorText(e)}; trying again`);
         }
@@ -5958,10 +5998,11 @@ class Agent {
   // -- ended sessions ----------------------------------------------------------
   //
   // A session whose process is gone (agent.lock free) has ended. A live one of the same key and state root adopts what
-  // it had to do: at its start, and every ENDED_EVERY_MS those ended ADOPT_AFTER_MS ago. Holding adopt.lock, its
-  // agent.lock and inbox lock, it journals what that one carries (outbox, sent messages awaiting receipts, inbox,
-  // tasks, owed receipts, pairings, whom it talked to) here, then "moved" there: after a crash between the two, the
-  // next adoption takes both, and what is held (or shown) wins. It drains the ended route and unregisters it.
+  // it had to do: at its start, and (the one reading the bare key) every ENDED_EVERY_MS those ended ADOPT_AFTER_MS ago.
+  // Holding adopt.lock, its agent.lock and inbox lock, it journals what that one carries (outbox, sent messages
+  // awaiting receipts, inbox, tasks, owed receipts, pairings, whom it talked to) here, then "moved" there: after a
+  // crash between the two, the next adoption takes both, and what is held (or shown) wins. It drains the ended route
+  // and unregisters it.
 
   /** `lockFile` taken for an adoption (waiting up to `waitMs`), or null while another process holds it. */
   async #adoptionLock(lockFile: string, waitMs = 0): Promise<PidLock | null> {
@@ -5973,12 +6014,16 @@ class Agent {
 
   /** `atStart` also takes the just-ended. */
   async adoptEnded(atStart: boolean): Promise<void> {
+    // adopt.lock only when there is one to look at: taking it writes in the state root, which every session watches.
+    const ended = sessionIds(this.cfg.stateDir)
+      .filter((id) => id !== this.cfg.session && !this.#foreign.has(id) && this.#ended(id, atStart));
+    if (!ended.length) return;
     const node = await this.#adoptionLock(path.join(this.cfg.stateDir, "adopt.lock"), atStart ? SHORT_LOCK_WAIT_MS : 0);
     if (!node) return; // another session adopts right now
     let adopted = 0;
     try {
-      for (const id of sessionIds(this.cfg.stateDir)) {
-        if (id === this.cfg.session || this.#stop.signal.aborted) continue;
+      for (const id of ended) {
+        if (this.#stop.signal.aborted) continue;
         adopted += await this.#adopt(id, atStart).then(Number, (e) => {
           logWarn(`cannot adopt ended session ${id}: ${errorText(e)}; tried again later`);
           return 0;
@@ -5994,14 +6039,19 @@ class Agent {
     }
   }
 
+  /** Whether session `id` has ended (long enough ago, unless `atStart`) and was written to since it was looked at. */
+  #ended(id: string, atStart: boolean): boolean {
+    const dir = sessionDir(this.cfg.stateDir, id);
+    if (lockOwner(path.join(dir, "agent.lock")) || fs.existsSync(path.join(dir, "handover"))) return false;
+    if (readAdoptedFile(dir)?.size === fileSize(path.join(dir, "log.jsonl"))) return false; // nothing new since
+    return atStart || this.now() - sessionEndedAt(dir) >= ADOPT_AFTER_MS;
+  }
+
   /** Adopts one session if it has ended and has anything to carry on; true if it did. */
   async #adopt(id: string, atStart: boolean): Promise<boolean> {
     const dir = sessionDir(this.cfg.stateDir, id), journalFile = path.join(dir, "log.jsonl");
-    if (lockOwner(path.join(dir, "agent.lock")) || fs.existsSync(path.join(dir, "handover"))) return false;
-    const size = fileSize(journalFile);
-    if (readAdoptedFile(dir)?.size === size) return false; // looked at already, and nothing was written since
-    const nowMs = this.now(), endedAt = sessionEndedAt(dir);
-    if (!atStart && nowMs - endedAt < ADOPT_AFTER_MS) return false;
+    if (!this.#ended(id, atStart)) return false; // again, under adopt.lock
+    const size = fileSize(journalFile), nowMs = this.now(), endedAt = sessionEndedAt(dir);
     const lock = await this.#adoptionLock(path.join(dir, "agent.lock"));
     if (!lock) return false; // it started again meanwhile
     try {
@@ -6122,7 +6172,8 @@ class Agent {
         await this.drainEnded();
         await this.#rollJournal();
         await pause(ENDED_EVERY_MS, this.#stop.signal);
-        if (!this.#stop.signal.aborted) await this.adoptEnded(false);
+        // One session of the node looks, the one reading the bare key: a look reads every session's folder.
+        if (!this.#stop.signal.aborted && this.#bareLock) await this.adoptEnded(false);
         if (!this.#stop.signal.aborted) await this.#expireSent();
       } catch (e) {
         logWarn(`cannot look after ended sessions: ${errorText(e)}; trying again in ${ENDED_EVERY_MS / 1000} s`);
@@ -6155,7 +6206,9 @@ class Agent {
       await this.inTurn(async () => {
         const item = this.state.inbox.get(id);
         if (!item) return;
-        await this.push!(pushEvent(item, this.peers()));
+        const event = pushEvent(item, this.peers());
+        markShowing(this.journal, [id]);
+        await this.push!(event);
         this.journal.append([{ t: "shown", item: id, via: "push" }]);
       });
     }
@@ -6438,6 +6491,7 @@ class Agent {
    */
   async #admit(payloads: [unknown, () => Promise<void>][], forSession?: string): Promise<(Verdict | null)[]> {
     const verdicts: (Verdict | null)[] = [], pushes: string[] = [];
+    if (!payloads.length) return verdicts; // a long poll that timed out: the lock is a write in the state root
     const lock = await PidLock.acquire(path.join(this.cfg.stateDir, "replay.lock"), "admission", SHORT_LOCK_WAIT_MS);
     try {
       this.seen.catchUp();
@@ -6553,18 +6607,23 @@ class Agent {
     }
   }
 
-  /** Presence is best effort. */
+  /** Presence is best effort. A refusal (a clock off, a roster full) is said once and kept for discover and doctor. */
   async #announce(relay: Relay): Promise<void> {
+    let why: string | undefined;
     try {
       await relay.announce(await signAnnouncement(this.id, this.cfg.name, this.now(), this.info), this.#stop.signal);
-      this.#announceRefused.delete(relay.name);
     } catch (e) {
-      // An unreachable relay is reported by the recv loop; a refusal (a clock off, say) is said once, here.
-      const why = errorText(e);
-      if (e instanceof RelayError && this.#announceRefused.get(relay.name) !== why) {
-        logWarn(`this session is not on the roster of ${relay.name}: ${why}`);
-      }
-      this.#announceRefused.set(relay.name, why);
+      if (!(e instanceof RelayError)) return; // an unreachable relay: the recv loop reports it
+      why = errorText(e);
+    }
+    if (why === this.unlisted.get(relay.name)) return;
+    if (why !== undefined) logWarn(`${UNLISTED} ${relay.name}: ${why}`);
+    if (why === undefined) this.unlisted.delete(relay.name);
+    else this.unlisted.set(relay.name, why);
+    try {
+      this.#writeSessionFile();
+    } catch {
+      // a full disk: discover still says it
     }
   }
 
@@ -6577,6 +6636,7 @@ class Agent {
   /** What this session says of itself (for `tasks`, `log`), and when it ended. */
   #writeSessionFile(endedAt?: number): void {
     const about = { ...this.info, pubkey: this.id.publicKey, pid: process.pid, ...some("host", this.host) };
+    if (this.unlisted.size) Object.assign(about, { unlisted: Object.fromEntries(this.unlisted) }); // for doctor
     const file = path.join(this.journal.stateDir, "session.json");
     writeFileAtomic(file, JSON.stringify({ ...about, ...some("ended_at", endedAt) }) + "\n");
   }
@@ -6871,6 +6931,7 @@ class CodexWaker {
         const plan = planWake(unread, this.agent.peers());
         this.#judged = this.#signature();
         if (!plan || (plan.notice && unread.every((i) => this.#noticed.has(i.id)))) return "idle";
+        if (plan.shown.length) markShowing(journal, plan.shown);
         const r = await codexQueue(this.target, plan.text);
         if (!r.ok) {
           this.#note(false, r.why);
@@ -7359,10 +7420,13 @@ const TOOLS: ToolSpec[] = [
           peek: a.peek === true,
           show: (unread) => {
             const { text, shown } = inboxAnswer(agent, unread);
-            given = true;
-            answer.resolve({ text, written: answered.resolve });
-            // Held until the client has the answer: given up sooner, a late reader would be shown it all again.
-            return { shown, reached: shown.length ? answered.promise : true };
+            const write = () => {
+              given = true;
+              answer.resolve({ text, written: answered.resolve });
+              // Held until the client has the answer: given up sooner, a late reader would be shown it all again.
+              return shown.length ? answered.promise : true;
+            };
+            return { shown, write };
           },
         })
       ).catch((e) =>
@@ -7394,10 +7458,17 @@ const TOOLS: ToolSpec[] = [
         }
         sessions = sessions.filter((s) => s.key === key);
       }
+      // First what keeps this session from being found: a relay refused its announcement (see Agent.unlisted).
+      const unlisted = [...agent.unlisted].map(([relay, why]) =>
+        `${UNLISTED} ${relay}: ${why}. Peers cannot find this session there (it tries again every ${
+          ANNOUNCE_EVERY_MS / 1000
+        } s); tell your operator.\n`
+      ).join("");
       if (!sessions.length) {
-        return want ? `no session of '${want}' is on the roster` : "nobody else is announced on the roster right now";
+        return unlisted +
+          (want ? `no session of '${want}' is on the roster` : "nobody else is announced on the roster right now");
       }
-      return [...Map.groupBy(sessions, (s) => s.key)].map(([key, list]) => {
+      return unlisted + [...Map.groupBy(sessions, (s) => s.key)].map(([key, list]) => {
         const petname = agent.petnameOf(key);
         const who = key === agent.id.publicKey ? "this node (you)" : petname ? `peer '${petname}'` : "not a peer";
         const legacy = list.some((s) => s.legacy) ? "  (a 0.4 node: no sessions, reached at its key)" : "";
@@ -8823,9 +8894,9 @@ async function runWait(o: Options): Promise<number> {
       const show = (unread: InboxItem[]) => {
         const { text, shown, more } = fitInbox(unread, peers);
         if (shown.length) writeStderr(wakeText(shown.length, text) + (more ? MORE_WAITING + "\n" : ""));
-        return { shown, reached: flushStderr().then(() => true) };
+        return { shown, write: () => flushStderr().then(() => true) };
       };
-      const items = journal.state.inbox.size ? await claimInbox(journal, 50, { show }) : [];
+      const items = journal.state.inbox.size ? await claimInbox(journal, 50, { show, heardAtExit: true }) : [];
       if (items.length) return WAKE_EXIT_CODE;
       const left = deadline - Date.now();
       if (left <= 0) {

@@ -78,6 +78,7 @@ export const PARTS = [
   "idle",
   "agents",
   "sessions",
+  "idle-sessions",
   "flood",
   "relays",
   "footprint",
@@ -131,7 +132,9 @@ const USAGE = [
   "redis-server is on PATH) in the same run, each as a ratio to them; recovery: restart on 100,000 un-acked",
   "messages to the first recv, and RSS after; idle: 500 waiting long-polls, RSS and CPU; agents: cold start to the",
   "first tools/list, send → push latency p50/p99 over 200 messages, idle RSS; sessions: 10 sessions of each of two",
-  "keys exchanging 200 messages each (misrouted, lost, duplicated); flood: 50,000 keys announce, roster size and",
+  "keys exchanging 200 messages each (misrouted, lost, duplicated); idle-sessions: 10, 50 and 100 idle `mcp` sessions",
+  "on one bus, all of one node, then each its own node (same run), CPU per session over a minute and the bus's, one",
+  "node's as a ratio to one node each's; flood: 50,000 keys announce, roster size and",
   "bus RSS; relays: our bus beside a NATS JetStream server (needs nats-server on PATH); footprint: bare Bun and",
   "Deno, then `mcp` and `wait` under each (spawn to first tools/list or to blocking, RSS, idle CPU, as ratios to the",
   "bare runtime), wait's wake latency beside channel push, claude-peers-mcp (if CLAUDE_PEERS_DIR names a checkout),",
@@ -1000,6 +1003,90 @@ async function benchSessions(root: string, progress: (m: string) => void, server
     };
   } finally {
     await Promise.allSettled(sessions.map((s) => s.close()));
+    await stopChild(bus.child);
+  }
+}
+
+/** The idle-sessions part's counts, and how long each is left idle before (settling) and while it is measured. */
+const IDLE_SESSION_COUNTS = [10, 50, 100];
+const IDLE_SETTLE_MS = 10_000;
+const IDLE_WINDOW_MS = 60_000; // two announcements and two sweeps for ended sessions (every 30 s) fall in it
+
+/** CPU seconds the processes `pids` have used in all; null without /proc. */
+function cpuSecondsOf(pids: number[]): number | null {
+  let sum = 0;
+  for (const pid of pids) {
+    const s = cpuSeconds(pid);
+    if (s === null) return null;
+    sum += s;
+  }
+  return sum;
+}
+
+/**
+ * Idle sessions: 10, 50 and 100 `mcp` sessions on one bus doing nothing, first all of one node (one key and state
+ * folder: one person's parallel agents, a CI box), then each its own node, in the same run. An idle session waits on
+ * its long poll and costs next to nothing: CPU per session, flat in the number of sessions and of sessions per node
+ * (one node's as a ratio to one node each's at the same count: 1 when it is).
+ */
+async function benchIdleSessions(root: string, progress: (m: string) => void, servers: Runtime | undefined) {
+  const bus = await startBus(servers, path.join(root, "idle-sessions-bus"));
+  const rows: Record<string, unknown>[] = [];
+  try {
+    for (const count of IDLE_SESSION_COUNTS) {
+      const row: Record<string, unknown> = { sessions: count };
+      for (const shape of ["one_node", "node_each"] as const) {
+        progress(`idle-sessions: ${count} sessions, ${shape === "one_node" ? "all of one node" : "each its own node"}`);
+        const nodes = await Promise.all(
+          Array.from(
+            { length: shape === "one_node" ? 1 : count },
+            (_, i) => footNode(root, `idle-${count}-${shape}-${i}`),
+          ),
+        );
+        const sessions: McpSession[] = [];
+        try {
+          for (let i = 0; i < count; i++) {
+            const node = nodes[i % nodes.length];
+            const env = childEnv({
+              INTERLINK_KEY: node.key,
+              INTERLINK_PEERS: node.peers,
+              INTERLINK_STATE: node.state,
+              INTERLINK_CONFIG: node.config,
+              INTERLINK_URL: bus.url,
+              INTERLINK_NAME: node.name,
+              INTERLINK_SESSION: `s${i}`,
+            });
+            sessions.push(await McpSession.start(`${node.name}-s${i}`, selfCommand(["mcp"]), env));
+          }
+          await Promise.all(sessions.map((s) => s.waitStderr(/ info: ready: /, 120_000)));
+          await sleep(IDLE_SETTLE_MS);
+          const pids = sessions.map((s) => s.pid!);
+          const cpu0 = cpuSecondsOf(pids), busCpu0 = cpuSeconds(bus.child.pid!), t0 = performance.now();
+          await sleep(IDLE_WINDOW_MS);
+          const cpu1 = cpuSecondsOf(pids), busCpu1 = cpuSeconds(bus.child.pid!), ms = performance.now() - t0;
+          const all = cpuPercent(cpu0, cpu1, ms);
+          row[shape] = {
+            cpu_percent_all: all,
+            cpu_percent_per_session: all === null ? null : Math.round((all / count) * 1000) / 1000,
+            bus_cpu_percent: cpuPercent(busCpu0, busCpu1, ms),
+          };
+        } finally {
+          await Promise.allSettled(sessions.map((s) => s.close()));
+        }
+      }
+      const per = (shape: string) => (row[shape] as { cpu_percent_per_session: number | null }).cpu_percent_per_session;
+      row.one_node_per_session_to_node_each = ratio(per("one_node"), per("node_each"));
+      rows.push(row);
+    }
+    const first = (rows[0].one_node as { cpu_percent_per_session: number | null }).cpu_percent_per_session;
+    const last = (rows.at(-1)!.one_node as { cpu_percent_per_session: number | null }).cpu_percent_per_session;
+    return {
+      window_s: IDLE_WINDOW_MS / 1000,
+      runtime: OWN_RUNTIME,
+      counts: rows,
+      one_node_100_to_10_per_session: ratio(last, first),
+    };
+  } finally {
     await stopChild(bus.child);
   }
 }
@@ -2210,6 +2297,7 @@ async function runBench(o: BenchOptions): Promise<number> {
     if (only.includes("idle")) report.bus_idle_long_poll = await benchIdle(root, progress, servers);
     if (only.includes("agents")) report.agents = await benchAgents(root, progress, servers);
     if (only.includes("sessions")) report.sessions = await benchSessions(root, progress, servers);
+    if (only.includes("idle-sessions")) report.idle_sessions = await benchIdleSessions(root, progress, servers);
     if (only.includes("flood")) report.floods = await benchFlood(root, progress, servers);
     if (only.includes("relays")) report.relays = await benchRelays(root, progress, id, servers);
     if (only.includes("footprint")) report.footprint = await benchFootprint(root, progress, servers, o.messages);

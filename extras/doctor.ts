@@ -186,6 +186,14 @@ async function doctorFindings(o: Options): Promise<Finding[]> {
     );
   }
   for (const x of live) {
+    // A relay that refused the session's announcement, in the relay's words as the session recorded them.
+    const unlisted = (x.info as { unlisted?: unknown }).unlisted;
+    for (const [relay, why] of Object.entries(isObject(unlisted) ? unlisted : {})) {
+      out.push(found.problem(
+        `session ${sessionLabel(x)} is not on the roster of ${showInvisible(relay)}: ${showInvisible(String(why))}`,
+        "peers cannot find it there: end the sessions of this node you no longer use, or ask that relay's operator for room",
+      ));
+    }
     // A Codex session's last wake: a queue that failed says why (what waits stays for check_inbox).
     try {
       const wake = JSON.parse(fs.readFileSync(path.join(x.dir, "wake.json"), "utf8"));
