@@ -205,6 +205,7 @@ import {
   runtimeArgv,
   SCRIPT,
   smallDisk,
+  sleepUntil,
   spawnAsync,
   spawnChild,
   spawnTracked,
