@@ -1493,19 +1493,16 @@ const SERVER_ROLE = "interlink mcp";
 
 type JsonlRecord = Record<string, unknown> & { t: string };
 
-/** The disk under a state or data folder is full (or over quota): the one write failure an operator fixes by hand. */
-class DiskFullError extends InterlinkError {}
-
+/** A write's error; a full disk (or quota), the one write failure an operator fixes by hand, names its folder. */
 function storageError(e: unknown, folder: string): Error {
   const code = (e as NodeJS.ErrnoException).code;
-  if (code === "ENOSPC" || code === "EDQUOT") return new DiskFullError(`ENOSPC: the disk of ${folder} is full`);
-  return e as Error;
+  return code === "ENOSPC" || code === "EDQUOT"
+    ? new InterlinkError(`ENOSPC: the disk of ${folder} is full`)
+    : e as Error;
 }
 
-interface ScanResult {
-  next: number; // the byte offset just past the last complete line: where the next scan resumes
-  tornBytes: number; // bytes after the last newline: a torn tail after a crash, or a write still in flight
-}
+/** `next`: just past the last complete line, where the next scan resumes; `tornBytes`: a torn tail, or a write in flight. */
+type ScanResult = { next: number; tornBytes: number };
 
 type BadLine = (offset: number, reason: string, line: string, bytes: number) => void;
 
@@ -1618,24 +1615,20 @@ function setAside(file: string, offset: number, reason: string, line: string): v
   }
 }
 
-function corruptCount(file: string): number {
+function corruptLines(file: string): string[] {
   try {
-    return fs.readFileSync(corruptFile(file), "utf8").split("\n").filter((l) => l.trim() !== "").length;
+    return fs.readFileSync(corruptFile(file), "utf8").split("\n").filter((l) => l.trim() !== "");
   } catch {
-    return 0;
+    return [];
   }
 }
+
+const corruptCount = (file: string): number => corruptLines(file).length;
 
 /** Quarantined lines of a journal that look like outbox entries ("out" records): list_pending reports them. */
 function damagedOutbox(file: string): { offset: number; reason: string; msgId?: string }[] {
   const out: { offset: number; reason: string; msgId?: string }[] = [];
-  let text = "";
-  try {
-    text = fs.readFileSync(corruptFile(file), "utf8");
-  } catch {
-    return out;
-  }
-  for (const line of text.split("\n")) {
+  for (const line of corruptLines(file)) {
     try {
       const q = JSON.parse(line);
       if (!isObject(q) || typeof q.line !== "string" || !/"t"\s*:\s*"out"/.test(q.line)) continue;
@@ -1647,6 +1640,9 @@ function damagedOutbox(file: string): { offset: number; reason: string; msgId?: 
   }
   return out;
 }
+
+/** Hands `write` a file's text in pieces, in order. */
+type Fill = (write: (piece: string) => void) => void;
 
 /** An append handle on one JSONL file, with group-committed fdatasync. */
 class JsonlWriter {
@@ -1747,30 +1743,15 @@ class JsonlWriter {
   }
 
   /**
-   * Replaces the file whole: `fill` hands `write` its lines in order (a MiB is written at a time, so the file is never
-   * one string), then temp, fsync, size check, rename; the new file's size is returned. `beforeRename(tmp)` runs last
-   * before the rename, so nothing can fail after it (appends would then go to the old, unlinked file). On failure the
-   * old file stays in use, whole.
+   * Replaces the file whole with `fill`'s lines (temp, see writeFileDurably, rename) and returns its size.
+   * `beforeRename(tmp)` runs last before the rename, so nothing can fail after it (appends would then go to the old,
+   * unlinked file). On failure the old file stays in use, whole.
    */
-  rewrite(fill: (write: (text: string) => void) => void, beforeRename = (_tmp: string) => {}): number {
+  rewrite(fill: Fill, beforeRename = (_tmp: string) => {}): number {
     const tmp = `${this.file}.${process.pid}.tmp`;
     let appendFd: number | undefined, size = 0;
     try {
-      const fd = fs.openSync(tmp, "w", 0o600);
-      try {
-        let pending: string[] = [], held = 0;
-        const flush = () => (writeAll(fd, Buffer.from(pending.join(""))), pending = [], held = 0);
-        fill((text) => {
-          size += utf8Bytes(text);
-          pending.push(text);
-          if ((held += text.length) >= 1 << 20) flush();
-        });
-        flush();
-        fs.fsyncSync(fd);
-        checkSize(fd, tmp, size);
-      } finally {
-        fs.closeSync(fd);
-      }
+      size = writeFileDurably(tmp, fill);
       appendFd = fs.openSync(tmp, fs.constants.O_WRONLY | fs.constants.O_APPEND, 0o600);
       beforeRename(tmp);
       fs.renameSync(tmp, this.file);
@@ -1805,21 +1786,30 @@ function readBytes(file: string, position: number, length: number): Buffer {
   return buf;
 }
 
-/** A file just written must hold every byte: the size on disk is compared after the fsync. */
-function checkSize(fd: number, file: string, bytes: number): void {
-  const size = fs.fstatSync(fd).size;
-  if (size !== bytes) {
-    throw Object.assign(new Error(`${file} holds ${size} of ${bytes} bytes after writing`), { code: "EIO" });
-  }
-}
-
-function writeFileDurably(file: string, text: string | Uint8Array, mode = 0o600): void {
-  const bytes = Buffer.from(text);
-  const fd = fs.openSync(file, "w", mode);
+/**
+ * Writes `file` anew, 0600, and returns its size: `text`, or the pieces a function hands `write` (a MiB is written at a
+ * time, so a large file is never one string). After the fsync its size on disk must be every byte written.
+ */
+function writeFileDurably(file: string, text: string | Uint8Array | Fill): number {
+  const fd = fs.openSync(file, "w", 0o600);
   try {
-    writeAll(fd, bytes);
+    let size = 0, pending: string[] = [], held = 0;
+    const write = (bytes: Uint8Array) => (writeAll(fd, bytes), size += bytes.length);
+    const flush = () => (write(Buffer.from(pending.join(""))), pending = [], held = 0);
+    if (typeof text !== "function") write(Buffer.from(text));
+    else {
+      text((piece) => {
+        pending.push(piece);
+        if ((held += piece.length) >= 1 << 20) flush();
+      });
+      flush();
+    }
     fs.fsyncSync(fd);
-    checkSize(fd, file, bytes.length);
+    const onDisk = fs.fstatSync(fd).size;
+    if (onDisk !== size) {
+      throw Object.assign(new Error(`${file} holds ${onDisk} of ${size} bytes after writing`), { code: "EIO" });
+    }
+    return size;
   } finally {
     fs.closeSync(fd);
   }
