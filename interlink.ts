@@ -1861,13 +1861,8 @@ function writeFileAtomic(file: string, text: string | Uint8Array): void {
 
 class LockedError extends InterlinkError {}
 
-interface LockOwner {
-  pid: number;
-  role: string;
-  since: number;
-  /** Which process that pid was when it wrote the lock (see processStart); absent from locks of earlier versions. */
-  start?: string;
-}
+/** A lock's content; `start`: which process that pid was when it wrote it (see startNow), absent in older locks. */
+type LockOwner = { pid: number; role: string; since: number; start?: string };
 
 /** A lock file that cannot be read is held this long from its last change before it counts as abandoned. */
 const LOCK_GRACE_MS = 10_000;
@@ -1881,18 +1876,23 @@ function pidAlive(pid: number): boolean {
   }
 }
 
+/** One `ps` column of a process, or "" when it cannot be read. */
+function psColumn(pid: number, column: string, env?: NodeJS.ProcessEnv): string {
+  try {
+    const r = spawnSync("ps", ["-o", `${column}=`, "-p", String(pid)], { encoding: "utf8", timeout: 2000, env });
+    return r.status === 0 ? r.stdout.trim() : "";
+  } catch {
+    return ""; // no ps, or not allowed to run it
+  }
+}
+
 /** The command line of a process (Linux /proc; elsewhere `ps`), or "" when it cannot be read. */
 function processArgv(pid: number | undefined): string {
   if (!pid) return "";
   try {
     return fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim();
   } catch {
-    try {
-      const r = spawnSync("ps", ["-o", "args=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
-      return r.status === 0 ? r.stdout.trim() : "";
-    } catch {
-      return ""; // no ps, or not allowed to run it
-    }
+    return psColumn(pid, "args");
   }
 }
 
@@ -1905,15 +1905,6 @@ let bootId: string | undefined;
 
 /** A start as /proc gives it: this boot's id, then the start in clock ticks since boot. */
 const PROC_START_RE = /^[0-9a-f-]*:\d+$/;
-
-/**
- * When a pid's process started, which tells it from a later one given the same pid. From /proc where readable (Linux;
- * Deno only with --allow-all): boot id and clock ticks, exact. Else from `ps` (macOS, that Deno): to the second, in
- * UTC and the C locale so every reader prints it alike. Null when neither can tell.
- */
-function processStart(pid: number): string | null {
-  return procStart(pid) ?? psStart(pid);
-}
 
 function procStart(pid: number): string | null {
   try {
@@ -1934,21 +1925,18 @@ function procStart(pid: number): string | null {
 function psStart(pid: number): string | null {
   const known = psStarts.get(pid);
   if (known && Date.now() - known.at < PS_START_REUSE_MS) return known.start;
-  let start: string | null = null;
-  try {
-    const r = spawnSync("ps", ["-o", "lstart=", "-p", String(pid)], {
-      encoding: "utf8",
-      timeout: 2000,
-      env: { ...process.env, LC_ALL: "C", TZ: "UTC" },
-    });
-    start = (r.status === 0 && r.stdout.trim().replace(/\s+/g, " ")) || null;
-  } catch {
-    // no ps, or not allowed to run it
-  }
+  const start = psColumn(pid, "lstart", { ...process.env, LC_ALL: "C", TZ: "UTC" }).replace(/\s+/g, " ") || null;
   if (psStarts.size >= 64) psStarts.clear();
   psStarts.set(pid, { at: Date.now(), start });
   return start;
 }
+
+/**
+ * When `pid`'s process started, read as the start `like` was, which tells it from a later one given the same pid. From
+ * /proc where readable (Linux; Deno only with --allow-all): boot id and clock ticks, exact. Else from `ps` (macOS, that
+ * Deno): to the second, in UTC and the C locale so every reader prints it alike. Null when neither can tell.
+ */
+const startNow = (pid: number, like: string): string | null => PROC_START_RE.test(like) ? procStart(pid) : psStart(pid);
 
 let ownStart: string | null | undefined;
 
@@ -1960,14 +1948,10 @@ let ownStart: string | null | undefined;
  */
 function ownerRuns(owner: LockOwner): boolean {
   if (!pidAlive(owner.pid)) return false;
-  const looksOurs = () => {
-    const argv = processArgv(owner.pid);
-    return argv === "" || /interlink/i.test(argv);
-  };
+  const looksOurs = () => /^$|interlink/i.test(processArgv(owner.pid)); // or unreadable: ""
   if (owner.start === undefined) return looksOurs();
-  const exact = PROC_START_RE.test(owner.start);
-  const now = exact ? procStart(owner.pid) : psStart(owner.pid);
-  return now === null || now === owner.start || (!exact && looksOurs());
+  const now = startNow(owner.pid, owner.start);
+  return now === null || now === owner.start || (!PROC_START_RE.test(owner.start) && looksOurs());
 }
 
 /**
@@ -1977,7 +1961,7 @@ function ownerRuns(owner: LockOwner): boolean {
 function knownServer(owner: LockOwner): boolean {
   if (owner.role !== SERVER_ROLE) return false;
   if (owner.start === undefined) return SERVER_ARGV_RE.test(processArgv(owner.pid));
-  return (PROC_START_RE.test(owner.start) ? procStart(owner.pid) : psStart(owner.pid)) === owner.start;
+  return startNow(owner.pid, owner.start) === owner.start;
 }
 
 /** The command line of an interlink server: its script or package, then `mcp` among its arguments. */
@@ -2024,7 +2008,7 @@ class PidLock {
     waitMs = 0,
     waitFor: (holder: string) => boolean = () => true,
   ): Promise<PidLock> {
-    ownStart ??= processStart(process.pid);
+    ownStart ??= procStart(process.pid) ?? psStart(process.pid);
     const content = JSON.stringify({
       pid: process.pid,
       role,
