@@ -1496,12 +1496,11 @@ type JsonlRecord = Record<string, unknown> & { t: string };
 /** A write's error; a full disk (or quota), the one write failure an operator fixes by hand, names its folder. */
 function storageError(e: unknown, folder: string): Error {
   const code = (e as NodeJS.ErrnoException).code;
-  return code === "ENOSPC" || code === "EDQUOT"
-    ? new InterlinkError(`ENOSPC: the disk of ${folder} is full`)
-    : e as Error;
+  if (code === "ENOSPC" || code === "EDQUOT") return new InterlinkError(`ENOSPC: the disk of ${folder} is full`);
+  return e as Error;
 }
 
-/** `next`: just past the last complete line, where the next scan resumes; `tornBytes`: a torn tail, or a write in flight. */
+/** `next`: past the last complete line, where a next scan resumes; `tornBytes`: a torn tail, or a write in flight. */
 type ScanResult = { next: number; tornBytes: number };
 
 type BadLine = (offset: number, reason: string, line: string, bytes: number) => void;
@@ -1531,9 +1530,7 @@ function scanLines(
   const chunk = scanChunk;
   scanChunk = Buffer.allocUnsafe(0); // a callback that scans again gets its own buffer
   try {
-    let carry: Buffer | null = null;
-    let readAt = from;
-    let lineAt = from;
+    let carry: Buffer | null = null, readAt = from, lineAt = from;
     for (;;) {
       const n = fs.readSync(fd, chunk, 0, chunk.length, readAt);
       if (n === 0) break;
@@ -1578,12 +1575,8 @@ function scanJsonl(
 
 function readJsonl(file: string, warn: (msg: string) => void = logWarn): JsonlRecord[] {
   const records: JsonlRecord[] = [];
-  const { tornBytes } = scanJsonl(
-    file,
-    0,
-    (r) => records.push(r),
-    (at, why) => warn(`${file}: skipped the line at byte ${at}: ${why}`),
-  );
+  const skipped = (at: number, why: string) => warn(`${file}: skipped the line at byte ${at}: ${why}`);
+  const { tornBytes } = scanJsonl(file, 0, (r) => records.push(r), skipped);
   if (tornBytes) warn(`${file}: skipped a torn last line (${tornBytes} bytes, a write cut short by a crash)`);
   return records;
 }
@@ -2437,9 +2430,7 @@ function postJson(url: string, body: unknown, timeoutMs = SEND_TIMEOUT_MS, signa
 const isPermanentRefusal = (status: number): boolean =>
   status >= 400 && status < 500 && status !== 408 && status !== 429;
 
-function backoffMs(failures: number): number {
-  return Math.min(BACKOFF_MAX_MS, BACKOFF_MIN_MS * 2 ** Math.min(failures, 10));
-}
+const backoffMs = (failures: number): number => Math.min(BACKOFF_MAX_MS, BACKOFF_MIN_MS * 2 ** Math.min(failures, 10));
 
 /** Not one relay answered (a roster, say): whatever needed them is judged on what the node remembers. */
 class NoRelayAnswered extends InterlinkError {}
@@ -2454,16 +2445,13 @@ class RelayError extends Error {
   }
 }
 
-interface Handed {
-  payload: unknown;
-  ack(): Promise<void>;
-}
+type Handed = { payload: unknown; ack(): Promise<void> };
 
 /** What one recv handed over, oldest first. */
-interface Received {
-  items: Handed[];
-  ackMany?(items: Handed[]): Promise<void>;
-}
+type Received = { items: Handed[]; ackMany?(items: Handed[]): Promise<void> };
+
+/** What a batched send takes: one message for its route. */
+type Routed = { route: string; payload: object };
 
 interface Relay {
   /** The URL as configured, credentials hidden: names the relay in logs and statuses. */
@@ -2484,11 +2472,7 @@ interface Relay {
    * Several messages in one request, in order (our bus): per message true (kept), a RelayError, or null (not tried:
    * one before was refused). Absent or null: send them one by one.
    */
-  sendMany?(
-    items: { route: string; payload: object }[],
-    timeoutMs: number,
-    signal?: AbortSignal,
-  ): Promise<(true | RelayError | null)[] | null>;
+  sendMany?(items: Routed[], timeoutMs: number, signal?: AbortSignal): Promise<(true | RelayError | null)[] | null>;
   /** Calls `back` whenever the relay is reachable again after an outage it noticed (NATS reconnects). */
   onBack?(back: () => void): void;
   /** True once the relay is known to refuse a message for a full route (RelayError.full), not drop an older one. */
@@ -2578,8 +2562,7 @@ async function readAnswer(r: Response, capBytes: number, what: string, truncate 
  */
 async function readJsonAnswer(r: Response, capBytes: number, what: string, maxValues = Infinity): Promise<unknown> {
   const text = await readAnswer(r, capBytes, what);
-  const { values } = maxValues === Infinity ? { values: 0 } : jsonShape(text);
-  if (values > maxValues) {
+  if (maxValues < Infinity && jsonShape(text).values > maxValues) {
     throw new OversizedAnswer(
       `${what}: the answer holds more than ${maxValues} JSON values, more than a real one can; not parsed`,
     );
@@ -2613,7 +2596,7 @@ class HttpRelay implements Relay {
   constructor(readonly url: string, readonly proof?: (route: string) => Promise<string>) {}
 
   async sendMany(
-    items: { route: string; payload: object }[],
+    items: Routed[],
     timeoutMs: number,
     signal?: AbortSignal,
   ): Promise<(true | RelayError | null)[] | null> {
