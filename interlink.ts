@@ -2727,10 +2727,8 @@ class HttpRelay implements Relay {
 // that relay fails every call with what to fetch and where, as a relay that does not answer, so what waits for it
 // stays in the outbox (and goes once the file is there: each retry looks again).
 
-/** What nats.ts gives the node (see its NatsRelay). */
-interface NatsModule {
-  NatsRelay: new (url: string, sign?: (data: Bytes) => Promise<string>, key?: string) => Relay;
-}
+/** Signs bytes with the node's key (NATS names its consumers so). */
+type Sign = (data: Bytes) => Promise<string>;
 
 /** A NATS relay, through nats.ts once it is imported; `sign` names its consumers, `key` its reply inboxes. */
 class NatsRelayBeside implements Relay {
@@ -2738,7 +2736,7 @@ class NatsRelayBeside implements Relay {
   #loaded: Relay | null = null;
   #back: (() => void)[] = [];
 
-  constructor(readonly url: string, readonly sign?: (data: Bytes) => Promise<string>, readonly key?: string) {}
+  constructor(readonly url: string, readonly sign?: Sign, readonly key?: string) {}
 
   get name(): string {
     return redactUrl(this.url);
@@ -2746,6 +2744,7 @@ class NatsRelayBeside implements Relay {
 
   /** nats.ts's relay, made once; a file that is missing or fails to load fails this call only. */
   #load(): Promise<Relay> {
+    type NatsModule = { NatsRelay: new (url: string, sign?: Sign, key?: string) => Relay }; // see nats.ts
     this.#relay ??= importBeside<NatsModule>("nats.ts", (where) =>
       missingFile(
         `${this.name} is a NATS relay, and NATS support is not part of interlink.ts`,
@@ -2763,25 +2762,12 @@ class NatsRelayBeside implements Relay {
     return this.#relay;
   }
 
-  async send(route: string, payload: object, timeoutMs: number): Promise<void> {
-    await (await this.#load()).send(route, payload, timeoutMs);
-  }
-
-  async recv(route: string, signal: AbortSignal, waitMs?: number): Promise<Received> {
-    return await (await this.#load()).recv(route, signal, waitMs);
-  }
-
-  async announce(a: Announcement): Promise<void> {
-    await (await this.#load()).announce(a);
-  }
-
-  async roster(timeoutMs: number): Promise<unknown[]> {
-    return await (await this.#load()).roster(timeoutMs);
-  }
-
-  async unregister(u: { pubkey: string; session: { session_id: string } }, timeoutMs: number): Promise<void> {
-    await (await this.#load()).unregister(u, timeoutMs);
-  }
+  // nats.ts's relay's own calls, once it is loaded.
+  send: Relay["send"] = (route, payload, timeoutMs) => this.#load().then((r) => r.send(route, payload, timeoutMs));
+  recv: Relay["recv"] = (route, signal, waitMs) => this.#load().then((r) => r.recv(route, signal, waitMs));
+  announce: Relay["announce"] = (a) => this.#load().then((r) => r.announce(a));
+  roster: Relay["roster"] = (timeoutMs) => this.#load().then((r) => r.roster(timeoutMs));
+  unregister: Relay["unregister"] = (u, timeoutMs) => this.#load().then((r) => r.unregister(u, timeoutMs));
 
   onBack(back: () => void): void {
     if (this.#loaded) this.#loaded.onBack?.(back);
@@ -2798,12 +2784,7 @@ class NatsRelayBeside implements Relay {
 }
 
 /** The relay for a configured URL. `proof` signs recv and ack requests (our bus checks them); `sign` names consumers. */
-function openRelay(
-  url: string,
-  proof?: (route: string) => Promise<string>,
-  sign?: (data: Bytes) => Promise<string>,
-  key?: string,
-): Relay {
+function openRelay(url: string, proof?: (route: string) => Promise<string>, sign?: Sign, key?: string): Relay {
   return isNatsUrl(url) ? new NatsRelayBeside(url, sign, key) : new HttpRelay(url, proof);
 }
 
