@@ -1500,6 +1500,16 @@ function storageError(e: unknown, folder: string): Error {
   return e as Error;
 }
 
+/** Calls `use` with `file` opened with `flags` (created 0600), and closes it after. */
+function withFd<T>(file: string, flags: string, use: (fd: number) => T): T {
+  const fd = fs.openSync(file, flags, 0o600);
+  try {
+    return use(fd);
+  } finally {
+    fs.closeSync(fd);
+  }
+}
+
 /** `next`: past the last complete line, where a next scan resumes; `tornBytes`: a torn tail, or a write in flight. */
 type ScanResult = { next: number; tornBytes: number };
 
@@ -1587,25 +1597,18 @@ const corruptFile = (file: string): string => `${file}.corrupt`;
 /** Sets an unreadable line aside, then blanks it in place (see above). Only the file's owning process calls this. */
 function quarantineLine(file: string, offset: number, bytes: number, reason: string, line: string): void {
   setAside(file, offset, reason, line);
-  const fd = fs.openSync(file, "r+");
-  try {
-    const blank = Buffer.alloc(bytes, 0x20);
-    let done = 0;
-    while (done < bytes) done += fs.writeSync(fd, blank, done, bytes - done, offset + done);
-  } finally {
-    fs.closeSync(fd);
-  }
+  const blank = Buffer.alloc(bytes, 0x20);
+  withFd(file, "r+", (fd) => {
+    for (let done = 0; done < bytes;) done += fs.writeSync(fd, blank, done, bytes - done, offset + done);
+  });
 }
 
 /** Synced before the caller goes on to drop what it holds. */
 function setAside(file: string, offset: number, reason: string, line: string): void {
-  const side = fs.openSync(corruptFile(file), "a", 0o600);
-  try {
+  withFd(corruptFile(file), "a", (side) => {
     writeAll(side, Buffer.from(JSON.stringify({ offset, reason, line, at: Date.now() }) + "\n"));
     fs.fsyncSync(side);
-  } finally {
-    fs.closeSync(side);
-  }
+  });
 }
 
 function corruptLines(file: string): string[] {
@@ -1770,12 +1773,7 @@ class JsonlWriter {
 /** `length` bytes of `file` from byte `position` (zeros past its end). */
 function readBytes(file: string, position: number, length: number): Buffer {
   const buf = Buffer.alloc(length);
-  const fd = fs.openSync(file, "r");
-  try {
-    fs.readSync(fd, buf, 0, length, position);
-  } finally {
-    fs.closeSync(fd);
-  }
+  withFd(file, "r", (fd) => fs.readSync(fd, buf, 0, length, position));
   return buf;
 }
 
@@ -1784,8 +1782,7 @@ function readBytes(file: string, position: number, length: number): Buffer {
  * time, so a large file is never one string). After the fsync its size on disk must be every byte written.
  */
 function writeFileDurably(file: string, text: string | Uint8Array | Fill): number {
-  const fd = fs.openSync(file, "w", 0o600);
-  try {
+  return withFd(file, "w", (fd) => {
     let size = 0, pending: string[] = [], held = 0;
     const write = (bytes: Uint8Array) => (writeAll(fd, bytes), size += bytes.length);
     const flush = () => (write(Buffer.from(pending.join(""))), pending = [], held = 0);
@@ -1803,19 +1800,12 @@ function writeFileDurably(file: string, text: string | Uint8Array | Fill): numbe
       throw Object.assign(new Error(`${file} holds ${onDisk} of ${size} bytes after writing`), { code: "EIO" });
     }
     return size;
-  } finally {
-    fs.closeSync(fd);
-  }
+  });
 }
 
 function syncDirectory(dir: string): void {
   try {
-    const fd = fs.openSync(dir, "r");
-    try {
-      fs.fsyncSync(fd);
-    } finally {
-      fs.closeSync(fd);
-    }
+    withFd(dir, "r", fs.fsyncSync);
   } catch {
     // Some filesystems refuse fsync on a directory; the rename is still atomic.
   }
@@ -2047,12 +2037,7 @@ class PidLock {
   static #tryCreate(file: string, content: string): boolean {
     const tmp = tempName(file);
     try {
-      const fd = fs.openSync(tmp, "wx", 0o600);
-      try {
-        writeAll(fd, Buffer.from(content));
-      } finally {
-        fs.closeSync(fd);
-      }
+      withFd(tmp, "wx", (fd) => writeAll(fd, Buffer.from(content)));
       fs.linkSync(tmp, file);
       return true;
     } catch (e) {
