@@ -2393,10 +2393,8 @@ function jsonShape(text: string): { depth: number; values: number } {
 
 /** Most JSON values (see jsonShape) a request body may hold: a signed message holds about 15, a batch of 64 about 1,000. */
 const JSON_VALUES_MAX = 8192;
-
 /** ... and an announcement or an unregister: a real one holds 11. */
 const ANNOUNCEMENT_VALUES_MAX = 64;
-
 /** Largest announcement kept: a real one is ~300 bytes, and the roster holds ROSTER_CAP of them. */
 const ANNOUNCEMENT_MAX_BYTES = 8192;
 
@@ -2435,8 +2433,9 @@ type Handed = { payload: unknown; ack(): Promise<void> };
 /** What one recv handed over, oldest first. */
 type Received = { items: Handed[]; ackMany?(items: Handed[]): Promise<void> };
 
-/** What a batched send takes: one message for its route. */
+/** What a batched send takes, and gives back (see Relay.sendMany). */
 type Routed = { route: string; payload: object };
+type SentMany = (true | RelayError | null)[] | null;
 
 interface Relay {
   /** The URL as configured, credentials hidden: names the relay in logs and statuses. */
@@ -2457,7 +2456,7 @@ interface Relay {
    * Several messages in one request, in order (our bus): per message true (kept), a RelayError, or null (not tried:
    * one before was refused). Absent or null: send them one by one.
    */
-  sendMany?(items: Routed[], timeoutMs: number, signal?: AbortSignal): Promise<(true | RelayError | null)[] | null>;
+  sendMany?(items: Routed[], timeoutMs: number, signal?: AbortSignal): Promise<SentMany>;
   /** Calls `back` whenever the relay is reachable again after an outage it noticed (NATS reconnects). */
   onBack?(back: () => void): void;
   /** True once the relay is known to refuse a message for a full route (RelayError.full), not drop an older one. */
@@ -2474,34 +2473,25 @@ const isNatsUrl = (url: string): boolean => /^(nats|tls):\/\//i.test(url);
 
 /** Bytes a roster entry adds to the announcement it holds: `,"age_ms":<n>` and a comma, with room. */
 const ROSTER_ENTRY_EXTRA_BYTES = 64;
-
 /** A GET /roster answer: ROSTER_CAP announcements of ANNOUNCEMENT_MAX_BYTES, each with its age (about 32 MiB). */
 const ROSTER_ANSWER_MAX_BYTES = ROSTER_CAP * (ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) + 1024;
-
+/** ... and its JSON values: ROSTER_CAP announcements of ANNOUNCEMENT_VALUES_MAX, each with its age. */
+const ROSTER_ANSWER_VALUES_MAX = ROSTER_CAP * (ANNOUNCEMENT_VALUES_MAX + 2) + 16;
 /** Bytes a recv entry adds to its payload: the envelope, the ts and an ack key naming a route (512 characters at most). */
 const RECV_ENTRY_EXTRA_BYTES = 1024;
-
 /** A GET /recv answer: RECV_BATCH payloads, each smaller than the BODY_LIMIT_BYTES that carried it (about 64 MiB). */
 const RECV_ANSWER_MAX_BYTES = RECV_BATCH * (BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES) + 1024;
-
 /** ... and its JSON values (see jsonShape): RECV_BATCH payloads of JSON_VALUES_MAX, each in its envelope. */
 const RECV_ANSWER_VALUES_MAX = RECV_BATCH * (JSON_VALUES_MAX + 16) + 16;
-
 /**
  * A GET /recv answer of one message, whatever its values (a batch past its bounds is read again so): twice the body
  * that carried it, since an earlier bus re-serialized some payloads longer ("1e15" as 16 digits).
  */
 const RECV_ONE_MAX_BYTES = 2 * BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES + 1024;
-
-/** A GET /roster answer's JSON values: ROSTER_CAP announcements of ANNOUNCEMENT_VALUES_MAX, each with its age. */
-const ROSTER_ANSWER_VALUES_MAX = ROSTER_CAP * (ANNOUNCEMENT_VALUES_MAX + 2) + 16;
-
 /** A batched POST /send answer: SEND_BATCH results, each a status and at most a sentence of why. */
 const SEND_ANSWER_MAX_BYTES = SEND_BATCH * 1024 + 1024;
-
 /** Of a refusal's body we quote RELAY_QUOTE_CHARS; reading more is waste. */
 const REFUSAL_READ_BYTES = 4096;
-
 /** How much of a relay's refusal an error quotes: enough for its sentence, too little to carry a document. */
 const RELAY_QUOTE_CHARS = 200;
 
@@ -2580,11 +2570,7 @@ class HttpRelay implements Relay {
 
   constructor(readonly url: string, readonly proof?: (route: string) => Promise<string>) {}
 
-  async sendMany(
-    items: Routed[],
-    timeoutMs: number,
-    signal?: AbortSignal,
-  ): Promise<(true | RelayError | null)[] | null> {
+  async sendMany(items: Routed[], timeoutMs: number, signal?: AbortSignal): Promise<SentMany> {
     if (!this.#batches) return null;
     const body = { messages: items.map((i) => ({ to: i.route, payload: i.payload })) };
     const r = await postJson(`${this.url}/send`, body, timeoutMs, signal);
