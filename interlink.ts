@@ -2081,13 +2081,9 @@ function checkPetname(name: unknown): string {
 
 /** Checks a key a person typed or pasted: canonical, 32 bytes, not a small-order point. */
 function checkPeerKey(key: unknown, what: string): string {
-  let raw: Uint8Array;
-  try {
-    raw = decodeKey(key, what);
-  } catch (e) {
-    throw new InterlinkError(
-      `${(e as Error).message} (a public key is 43 base64url characters, as printed by \`interlink.ts id\`)`,
-    );
+  const raw = orWhy(() => decodeKey(key, what));
+  if (typeof raw === "string") {
+    throw new InterlinkError(`${raw} (a public key is 43 base64url characters, as printed by \`interlink.ts id\`)`);
   }
   if (hasSmallOrder(raw)) {
     throw new InterlinkError(`${what} is a small-order point, which would accept forged signatures`);
@@ -2097,19 +2093,15 @@ function checkPeerKey(key: unknown, what: string): string {
 
 /** Validates peers.json text (SPEC "Identity"); errors name the file, the petname and the problem. */
 function parsePeers(text: string, source = "peers.json"): Peers {
+  const failed = (why: string) => new InterlinkError(`Cannot parse ${source}: ${why}`);
   let raw: unknown;
   try {
     raw = JSON.parse(text);
   } catch (e) {
-    throw new InterlinkError(`Cannot parse ${source}: not JSON (${(e as Error).message})`);
+    throw failed(`not JSON (${(e as Error).message})`);
   }
-  if (!isObject(raw)) {
-    throw new InterlinkError(
-      `Cannot parse ${source}: expected an object of { "<petname>": { "key": "<public key>" } }`,
-    );
-  }
-  const byName = new Map<string, string>();
-  const byKey = new Map<string, string>();
+  if (!isObject(raw)) throw failed(`expected an object of { "<petname>": { "key": "<public key>" } }`);
+  const byName = new Map<string, string>(), byKey = new Map<string, string>();
   for (const [name, entry] of Object.entries(raw)) {
     try {
       checkPetname(name);
@@ -2120,7 +2112,7 @@ function parsePeers(text: string, source = "peers.json"): Peers {
       byName.set(name, key);
       byKey.set(key, name);
     } catch (e) {
-      throw new InterlinkError(`Cannot parse ${source}: '${name}': ${(e as Error).message}`);
+      throw failed(`'${name}': ${(e as Error).message}`);
     }
   }
   return { byName, byKey };
