@@ -1740,16 +1740,16 @@ class JsonlWriter {
 
   /**
    * Replaces the file whole with `fill`'s lines (temp, see writeFileDurably, rename) and returns its size.
-   * `beforeRename(tmp)` runs last before the rename, so nothing can fail after it (appends would then go to the old,
+   * `beforeRename` runs last before the rename, so nothing can fail after it (appends would then go to the old,
    * unlinked file). On failure the old file stays in use, whole.
    */
-  rewrite(fill: Fill, beforeRename = (_tmp: string) => {}): number {
+  rewrite(fill: Fill, beforeRename = () => {}): number {
     const tmp = `${this.file}.${process.pid}.tmp`;
     let appendFd: number | undefined, size = 0;
     try {
       size = writeFileDurably(tmp, fill);
       appendFd = fs.openSync(tmp, fs.constants.O_WRONLY | fs.constants.O_APPEND, 0o600);
-      beforeRename(tmp);
+      beforeRename();
       fs.renameSync(tmp, this.file);
     } catch (e) {
       if (appendFd !== undefined) fs.closeSync(appendFd);
@@ -1921,7 +1921,7 @@ function psStart(pid: number): string | null {
  */
 const startNow = (pid: number, like: string): string | null => PROC_START_RE.test(like) ? procStart(pid) : psStart(pid);
 
-let ownStart: string | null | undefined;
+let ownStart: string | undefined;
 
 /**
  * Whether a lock's owner still runs: its pid is alive with the start it recorded, read again the same way. A start
@@ -1991,13 +1991,8 @@ class PidLock {
     waitMs = 0,
     waitFor: (holder: string) => boolean = () => true,
   ): Promise<PidLock> {
-    ownStart ??= procStart(process.pid) ?? psStart(process.pid);
-    const content = JSON.stringify({
-      pid: process.pid,
-      role,
-      since: Date.now(),
-      ...some("start", ownStart ?? undefined),
-    });
+    ownStart ??= procStart(process.pid) ?? psStart(process.pid) ?? undefined;
+    const content = JSON.stringify({ pid: process.pid, role, since: Date.now(), ...some("start", ownStart) });
     const deadline = Date.now() + waitMs;
     for (;;) {
       if (PidLock.#tryCreate(file, content)) return new PidLock(file, content);
@@ -2010,12 +2005,11 @@ class PidLock {
           await sleep(25);
           continue;
         }
+        const ago = Math.round((Date.now() - held.mtimeMs) / 1000);
         throw new LockedError(
           held.owner
             ? `${file} is held by ${holder} (pid ${held.owner.pid}); stop that process first, or use another folder`
-            : `${file} cannot be read and changed ${
-              Math.round((Date.now() - held.mtimeMs) / 1000)
-            } s ago; it counts as held for ${LOCK_GRACE_MS / 1000} s`,
+            : `${file} cannot be read and changed ${ago} s ago; it counts as held for ${LOCK_GRACE_MS / 1000} s`,
         );
       }
       if (readLockFile(file)?.text === held.text) {
