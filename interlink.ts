@@ -2486,13 +2486,10 @@ class OversizedAnswer extends RelayError {}
 
 /** A relay's answer body, read as it streams: past `capBytes` an OversizedAnswer, or with `truncate` the first bytes. */
 async function readAnswer(r: Response, capBytes: number, what: string, truncate = false): Promise<string> {
-  const over = () =>
-    new OversizedAnswer(
-      `${what}: the answer is over ${humanBytes(capBytes)}, more than a real one can be; not read further`,
-    );
+  const over = `${what}: the answer is over ${humanBytes(capBytes)}, more than a real one can be; not read further`;
   if (!truncate && Number(r.headers.get("content-length")) > capBytes) {
     await r.body?.cancel().catch(() => {});
-    throw over();
+    throw new OversizedAnswer(over);
   }
   if (!r.body) return "";
   const reader = r.body.getReader();
@@ -2502,14 +2499,10 @@ async function readAnswer(r: Response, capBytes: number, what: string, truncate 
     for (;;) {
       const { done, value } = await reader.read();
       if (done) break;
-      if (size + value.length > capBytes) {
-        if (!truncate) throw over();
-        chunks.push(value.subarray(0, capBytes - size));
-        size = capBytes;
-        break;
-      }
-      chunks.push(value);
-      size += value.length;
+      if (size + value.length > capBytes && !truncate) throw new OversizedAnswer(over);
+      chunks.push(value.subarray(0, capBytes - size));
+      size = Math.min(capBytes, size + value.length);
+      if (size === capBytes && truncate) break;
     }
   } finally {
     reader.cancel().catch(() => {}); // the rest is never read: the connection closes (done: a no-op)
