@@ -1820,12 +1820,10 @@ function statOf(file: string): fs.Stats | undefined {
 }
 
 const fileSize = (file: string): number => statOf(file)?.size ?? 0;
-
 /** A file's inode number, 0 if it does not exist: tells a file replaced by a rename from the one read before. */
 const inodeOf = (file: string): number => statOf(file)?.ino ?? 0;
 
 let tempCounter = 0;
-
 /** A temp name beside `file` that no other process or call uses. */
 const tempName = (file: string) => `${file}.${process.pid}.${++tempCounter}.tmp`;
 
@@ -1881,13 +1879,10 @@ function processArgv(pid: number | undefined): string {
 
 /** How long a start read from `ps` is reused: lock checks come in bursts, and each `ps` is a process. */
 const PS_START_REUSE_MS = 2_000;
-
 const psStarts = new Map<number, { at: number; start: string | null }>(); // cleared past 64: a few holders at a time
-
-let bootId: string | undefined;
-
 /** A start as /proc gives it: this boot's id, then the start in clock ticks since boot. */
 const PROC_START_RE = /^[0-9a-f-]*:\d+$/;
+let bootId: string | undefined;
 
 function procStart(pid: number): string | null {
   try {
@@ -1920,8 +1915,7 @@ function psStart(pid: number): string | null {
  * Deno): to the second, in UTC and the C locale so every reader prints it alike. Null when neither can tell.
  */
 const startNow = (pid: number, like: string): string | null => PROC_START_RE.test(like) ? procStart(pid) : psStart(pid);
-
-let ownStart: string | undefined;
+let ownStart: string | undefined; // this process's start, written in its locks
 
 /**
  * Whether a lock's owner still runs: its pid is alive with the start it recorded, read again the same way. A start
@@ -2188,7 +2182,6 @@ async function removePeer(file: string, who: string): Promise<{ petname: string;
 
 /** "bob (Izgjf_w6)", or the fingerprint alone when that is the name (the CLI's, unless it was given one). */
 const nameAndFingerprint = (name: string, fp: string): string => (name === fp ? fp : `${name} (${fp})`);
-
 /** "carol (1AnB2ji_)", or the fingerprint alone for a key with no petname. */
 const whoIs = (peers: Peers, key: string): string =>
   peers.byKey.has(key) ? `${peers.byKey.get(key)} (${fingerprint(key)})` : fingerprint(key);
@@ -2256,7 +2249,6 @@ function parseRoute(route: string): { key: string; session: string } {
 }
 
 const counterpart = (dir: "in" | "out", msg: SignedMessage): string => (dir === "out" ? msg.to : msg.from);
-
 const taskTag = (msg: Pick<SignedMessage, "task_id" | "status">): string =>
   msg.task_id ? `[task ${showId(msg.task_id)}${msg.status ? ` · ${msg.status}` : ""}]` : "";
 
@@ -2415,10 +2407,8 @@ class RelayError extends Error {
 }
 
 type Handed = { payload: unknown; ack(): Promise<void> };
-
 /** What one recv handed over, oldest first. */
 type Received = { items: Handed[]; ackMany?(items: Handed[]): Promise<void> };
-
 /** What a batched send takes, and gives back (see Relay.sendMany). */
 type Routed = { route: string; payload: object };
 type SentMany = (true | RelayError | null)[] | null;
