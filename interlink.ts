@@ -1493,19 +1493,25 @@ const SERVER_ROLE = "interlink mcp";
 
 type JsonlRecord = Record<string, unknown> & { t: string };
 
-/** The disk under a state or data folder is full (or over quota): the one write failure an operator fixes by hand. */
-class DiskFullError extends InterlinkError {}
-
+/** A write's error; a full disk (or quota), the one write failure an operator fixes by hand, names its folder. */
 function storageError(e: unknown, folder: string): Error {
   const code = (e as NodeJS.ErrnoException).code;
-  if (code === "ENOSPC" || code === "EDQUOT") return new DiskFullError(`ENOSPC: the disk of ${folder} is full`);
+  if (code === "ENOSPC" || code === "EDQUOT") return new InterlinkError(`ENOSPC: the disk of ${folder} is full`);
   return e as Error;
 }
 
-interface ScanResult {
-  next: number; // the byte offset just past the last complete line: where the next scan resumes
-  tornBytes: number; // bytes after the last newline: a torn tail after a crash, or a write still in flight
+/** Calls `use` with `file` opened with `flags` (created 0600), and closes it after. */
+function withFd<T>(file: string, flags: string, use: (fd: number) => T): T {
+  const fd = fs.openSync(file, flags, 0o600);
+  try {
+    return use(fd);
+  } finally {
+    fs.closeSync(fd);
+  }
 }
+
+/** `next`: past the last complete line, where a next scan resumes; `tornBytes`: a torn tail, or a write in flight. */
+type ScanResult = { next: number; tornBytes: number };
 
 type BadLine = (offset: number, reason: string, line: string, bytes: number) => void;
 
@@ -1534,9 +1540,7 @@ function scanLines(
   const chunk = scanChunk;
   scanChunk = Buffer.allocUnsafe(0); // a callback that scans again gets its own buffer
   try {
-    let carry: Buffer | null = null;
-    let readAt = from;
-    let lineAt = from;
+    let carry: Buffer | null = null, readAt = from, lineAt = from;
     for (;;) {
       const n = fs.readSync(fd, chunk, 0, chunk.length, readAt);
       if (n === 0) break;
@@ -1581,12 +1585,8 @@ function scanJsonl(
 
 function readJsonl(file: string, warn: (msg: string) => void = logWarn): JsonlRecord[] {
   const records: JsonlRecord[] = [];
-  const { tornBytes } = scanJsonl(
-    file,
-    0,
-    (r) => records.push(r),
-    (at, why) => warn(`${file}: skipped the line at byte ${at}: ${why}`),
-  );
+  const skipped = (at: number, why: string) => warn(`${file}: skipped the line at byte ${at}: ${why}`);
+  const { tornBytes } = scanJsonl(file, 0, (r) => records.push(r), skipped);
   if (tornBytes) warn(`${file}: skipped a torn last line (${tornBytes} bytes, a write cut short by a crash)`);
   return records;
 }
@@ -1597,45 +1597,34 @@ const corruptFile = (file: string): string => `${file}.corrupt`;
 /** Sets an unreadable line aside, then blanks it in place (see above). Only the file's owning process calls this. */
 function quarantineLine(file: string, offset: number, bytes: number, reason: string, line: string): void {
   setAside(file, offset, reason, line);
-  const fd = fs.openSync(file, "r+");
-  try {
-    const blank = Buffer.alloc(bytes, 0x20);
-    let done = 0;
-    while (done < bytes) done += fs.writeSync(fd, blank, done, bytes - done, offset + done);
-  } finally {
-    fs.closeSync(fd);
-  }
+  const blank = Buffer.alloc(bytes, 0x20);
+  withFd(file, "r+", (fd) => {
+    for (let done = 0; done < bytes;) done += fs.writeSync(fd, blank, done, bytes - done, offset + done);
+  });
 }
 
 /** Synced before the caller goes on to drop what it holds. */
 function setAside(file: string, offset: number, reason: string, line: string): void {
-  const side = fs.openSync(corruptFile(file), "a", 0o600);
-  try {
+  withFd(corruptFile(file), "a", (side) => {
     writeAll(side, Buffer.from(JSON.stringify({ offset, reason, line, at: Date.now() }) + "\n"));
     fs.fsyncSync(side);
-  } finally {
-    fs.closeSync(side);
+  });
+}
+
+function corruptLines(file: string): string[] {
+  try {
+    return fs.readFileSync(corruptFile(file), "utf8").split("\n").filter((l) => l.trim() !== "");
+  } catch {
+    return [];
   }
 }
 
-function corruptCount(file: string): number {
-  try {
-    return fs.readFileSync(corruptFile(file), "utf8").split("\n").filter((l) => l.trim() !== "").length;
-  } catch {
-    return 0;
-  }
-}
+const corruptCount = (file: string): number => corruptLines(file).length;
 
 /** Quarantined lines of a journal that look like outbox entries ("out" records): list_pending reports them. */
 function damagedOutbox(file: string): { offset: number; reason: string; msgId?: string }[] {
   const out: { offset: number; reason: string; msgId?: string }[] = [];
-  let text = "";
-  try {
-    text = fs.readFileSync(corruptFile(file), "utf8");
-  } catch {
-    return out;
-  }
-  for (const line of text.split("\n")) {
+  for (const line of corruptLines(file)) {
     try {
       const q = JSON.parse(line);
       if (!isObject(q) || typeof q.line !== "string" || !/"t"\s*:\s*"out"/.test(q.line)) continue;
@@ -1647,6 +1636,9 @@ function damagedOutbox(file: string): { offset: number; reason: string; msgId?: 
   }
   return out;
 }
+
+/** Hands `write` a file's text in pieces, in order. */
+type Fill = (write: (piece: string) => void) => void;
 
 /** An append handle on one JSONL file, with group-committed fdatasync. */
 class JsonlWriter {
@@ -1747,32 +1739,17 @@ class JsonlWriter {
   }
 
   /**
-   * Replaces the file whole: `fill` hands `write` its lines in order (a MiB is written at a time, so the file is never
-   * one string), then temp, fsync, size check, rename; the new file's size is returned. `beforeRename(tmp)` runs last
-   * before the rename, so nothing can fail after it (appends would then go to the old, unlinked file). On failure the
-   * old file stays in use, whole.
+   * Replaces the file whole with `fill`'s lines (temp, see writeFileDurably, rename) and returns its size.
+   * `beforeRename` runs last before the rename, so nothing can fail after it (appends would then go to the old,
+   * unlinked file). On failure the old file stays in use, whole.
    */
-  rewrite(fill: (write: (text: string) => void) => void, beforeRename = (_tmp: string) => {}): number {
+  rewrite(fill: Fill, beforeRename = () => {}): number {
     const tmp = `${this.file}.${process.pid}.tmp`;
     let appendFd: number | undefined, size = 0;
     try {
-      const fd = fs.openSync(tmp, "w", 0o600);
-      try {
-        let pending: string[] = [], held = 0;
-        const flush = () => (writeAll(fd, Buffer.from(pending.join(""))), pending = [], held = 0);
-        fill((text) => {
-          size += utf8Bytes(text);
-          pending.push(text);
-          if ((held += text.length) >= 1 << 20) flush();
-        });
-        flush();
-        fs.fsyncSync(fd);
-        checkSize(fd, tmp, size);
-      } finally {
-        fs.closeSync(fd);
-      }
+      size = writeFileDurably(tmp, fill);
       appendFd = fs.openSync(tmp, fs.constants.O_WRONLY | fs.constants.O_APPEND, 0o600);
-      beforeRename(tmp);
+      beforeRename();
       fs.renameSync(tmp, this.file);
     } catch (e) {
       if (appendFd !== undefined) fs.closeSync(appendFd);
@@ -1796,43 +1773,39 @@ class JsonlWriter {
 /** `length` bytes of `file` from byte `position` (zeros past its end). */
 function readBytes(file: string, position: number, length: number): Buffer {
   const buf = Buffer.alloc(length);
-  const fd = fs.openSync(file, "r");
-  try {
-    fs.readSync(fd, buf, 0, length, position);
-  } finally {
-    fs.closeSync(fd);
-  }
+  withFd(file, "r", (fd) => fs.readSync(fd, buf, 0, length, position));
   return buf;
 }
 
-/** A file just written must hold every byte: the size on disk is compared after the fsync. */
-function checkSize(fd: number, file: string, bytes: number): void {
-  const size = fs.fstatSync(fd).size;
-  if (size !== bytes) {
-    throw Object.assign(new Error(`${file} holds ${size} of ${bytes} bytes after writing`), { code: "EIO" });
-  }
-}
-
-function writeFileDurably(file: string, text: string | Uint8Array, mode = 0o600): void {
-  const bytes = Buffer.from(text);
-  const fd = fs.openSync(file, "w", mode);
-  try {
-    writeAll(fd, bytes);
+/**
+ * Writes `file` anew, 0600, and returns its size: `text`, or the pieces a function hands `write` (a MiB is written at a
+ * time, so a large file is never one string). After the fsync its size on disk must be every byte written.
+ */
+function writeFileDurably(file: string, text: string | Uint8Array | Fill): number {
+  return withFd(file, "w", (fd) => {
+    let size = 0, pending: string[] = [], held = 0;
+    const write = (bytes: Uint8Array) => (writeAll(fd, bytes), size += bytes.length);
+    const flush = () => (write(Buffer.from(pending.join(""))), pending = [], held = 0);
+    if (typeof text !== "function") write(Buffer.from(text));
+    else {
+      text((piece) => {
+        pending.push(piece);
+        if ((held += piece.length) >= 1 << 20) flush();
+      });
+      flush();
+    }
     fs.fsyncSync(fd);
-    checkSize(fd, file, bytes.length);
-  } finally {
-    fs.closeSync(fd);
-  }
+    const onDisk = fs.fstatSync(fd).size;
+    if (onDisk !== size) {
+      throw Object.assign(new Error(`${file} holds ${onDisk} of ${size} bytes after writing`), { code: "EIO" });
+    }
+    return size;
+  });
 }
 
 function syncDirectory(dir: string): void {
   try {
-    const fd = fs.openSync(dir, "r");
-    try {
-      fs.fsyncSync(fd);
-    } finally {
-      fs.closeSync(fd);
-    }
+    withFd(dir, "r", fs.fsyncSync);
   } catch {
     // Some filesystems refuse fsync on a directory; the rename is still atomic.
   }
@@ -1847,12 +1820,10 @@ function statOf(file: string): fs.Stats | undefined {
 }
 
 const fileSize = (file: string): number => statOf(file)?.size ?? 0;
-
 /** A file's inode number, 0 if it does not exist: tells a file replaced by a rename from the one read before. */
 const inodeOf = (file: string): number => statOf(file)?.ino ?? 0;
 
 let tempCounter = 0;
-
 /** A temp name beside `file` that no other process or call uses. */
 const tempName = (file: string) => `${file}.${process.pid}.${++tempCounter}.tmp`;
 
@@ -1871,13 +1842,8 @@ function writeFileAtomic(file: string, text: string | Uint8Array): void {
 
 class LockedError extends InterlinkError {}
 
-interface LockOwner {
-  pid: number;
-  role: string;
-  since: number;
-  /** Which process that pid was when it wrote the lock (see processStart); absent from locks of earlier versions. */
-  start?: string;
-}
+/** A lock's content; `start`: which process that pid was when it wrote it (see startNow), absent in older locks. */
+type LockOwner = { pid: number; role: string; since: number; start?: string };
 
 /** A lock file that cannot be read is held this long from its last change before it counts as abandoned. */
 const LOCK_GRACE_MS = 10_000;
@@ -1891,39 +1857,32 @@ function pidAlive(pid: number): boolean {
   }
 }
 
+/** One `ps` column of a process, or "" when it cannot be read. */
+function psColumn(pid: number, column: string, env?: NodeJS.ProcessEnv): string {
+  try {
+    const r = spawnSync("ps", ["-o", `${column}=`, "-p", String(pid)], { encoding: "utf8", timeout: 2000, env });
+    return r.status === 0 ? r.stdout.trim() : "";
+  } catch {
+    return ""; // no ps, or not allowed to run it
+  }
+}
+
 /** The command line of a process (Linux /proc; elsewhere `ps`), or "" when it cannot be read. */
 function processArgv(pid: number | undefined): string {
   if (!pid) return "";
   try {
     return fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim();
   } catch {
-    try {
-      const r = spawnSync("ps", ["-o", "args=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
-      return r.status === 0 ? r.stdout.trim() : "";
-    } catch {
-      return ""; // no ps, or not allowed to run it
-    }
+    return psColumn(pid, "args");
   }
 }
 
 /** How long a start read from `ps` is reused: lock checks come in bursts, and each `ps` is a process. */
 const PS_START_REUSE_MS = 2_000;
-
 const psStarts = new Map<number, { at: number; start: string | null }>(); // cleared past 64: a few holders at a time
-
-let bootId: string | undefined;
-
 /** A start as /proc gives it: this boot's id, then the start in clock ticks since boot. */
 const PROC_START_RE = /^[0-9a-f-]*:\d+$/;
-
-/**
- * When a pid's process started, which tells it from a later one given the same pid. From /proc where readable (Linux;
- * Deno only with --allow-all): boot id and clock ticks, exact. Else from `ps` (macOS, that Deno): to the second, in
- * UTC and the C locale so every reader prints it alike. Null when neither can tell.
- */
-function processStart(pid: number): string | null {
-  return procStart(pid) ?? psStart(pid);
-}
+let bootId: string | undefined;
 
 function procStart(pid: number): string | null {
   try {
@@ -1944,23 +1903,19 @@ function procStart(pid: number): string | null {
 function psStart(pid: number): string | null {
   const known = psStarts.get(pid);
   if (known && Date.now() - known.at < PS_START_REUSE_MS) return known.start;
-  let start: string | null = null;
-  try {
-    const r = spawnSync("ps", ["-o", "lstart=", "-p", String(pid)], {
-      encoding: "utf8",
-      timeout: 2000,
-      env: { ...process.env, LC_ALL: "C", TZ: "UTC" },
-    });
-    start = (r.status === 0 && r.stdout.trim().replace(/\s+/g, " ")) || null;
-  } catch {
-    // no ps, or not allowed to run it
-  }
+  const start = psColumn(pid, "lstart", { ...process.env, LC_ALL: "C", TZ: "UTC" }).replace(/\s+/g, " ") || null;
   if (psStarts.size >= 64) psStarts.clear();
   psStarts.set(pid, { at: Date.now(), start });
   return start;
 }
 
-let ownStart: string | null | undefined;
+/**
+ * When `pid`'s process started, read as the start `like` was, which tells it from a later one given the same pid. From
+ * /proc where readable (Linux; Deno only with --allow-all): boot id and clock ticks, exact. Else from `ps` (macOS, that
+ * Deno): to the second, in UTC and the C locale so every reader prints it alike. Null when neither can tell.
+ */
+const startNow = (pid: number, like: string): string | null => PROC_START_RE.test(like) ? procStart(pid) : psStart(pid);
+let ownStart: string | undefined; // this process's start, written in its locks
 
 /**
  * Whether a lock's owner still runs: its pid is alive with the start it recorded, read again the same way. A start
@@ -1970,14 +1925,10 @@ let ownStart: string | null | undefined;
  */
 function ownerRuns(owner: LockOwner): boolean {
   if (!pidAlive(owner.pid)) return false;
-  const looksOurs = () => {
-    const argv = processArgv(owner.pid);
-    return argv === "" || /interlink/i.test(argv);
-  };
+  const looksOurs = () => /^$|interlink/i.test(processArgv(owner.pid)); // or unreadable: ""
   if (owner.start === undefined) return looksOurs();
-  const exact = PROC_START_RE.test(owner.start);
-  const now = exact ? procStart(owner.pid) : psStart(owner.pid);
-  return now === null || now === owner.start || (!exact && looksOurs());
+  const now = startNow(owner.pid, owner.start);
+  return now === null || now === owner.start || (!PROC_START_RE.test(owner.start) && looksOurs());
 }
 
 /**
@@ -1987,7 +1938,7 @@ function ownerRuns(owner: LockOwner): boolean {
 function knownServer(owner: LockOwner): boolean {
   if (owner.role !== SERVER_ROLE) return false;
   if (owner.start === undefined) return SERVER_ARGV_RE.test(processArgv(owner.pid));
-  return (PROC_START_RE.test(owner.start) ? procStart(owner.pid) : psStart(owner.pid)) === owner.start;
+  return startNow(owner.pid, owner.start) === owner.start;
 }
 
 /** The command line of an interlink server: its script or package, then `mcp` among its arguments. */
@@ -2034,13 +1985,8 @@ class PidLock {
     waitMs = 0,
     waitFor: (holder: string) => boolean = () => true,
   ): Promise<PidLock> {
-    ownStart ??= processStart(process.pid);
-    const content = JSON.stringify({
-      pid: process.pid,
-      role,
-      since: Date.now(),
-      ...some("start", ownStart ?? undefined),
-    });
+    ownStart ??= procStart(process.pid) ?? psStart(process.pid) ?? undefined;
+    const content = JSON.stringify({ pid: process.pid, role, since: Date.now(), ...some("start", ownStart) });
     const deadline = Date.now() + waitMs;
     for (;;) {
       if (PidLock.#tryCreate(file, content)) return new PidLock(file, content);
@@ -2053,12 +1999,11 @@ class PidLock {
           await sleep(25);
           continue;
         }
+        const ago = Math.round((Date.now() - held.mtimeMs) / 1000);
         throw new LockedError(
           held.owner
             ? `${file} is held by ${holder} (pid ${held.owner.pid}); stop that process first, or use another folder`
-            : `${file} cannot be read and changed ${
-              Math.round((Date.now() - held.mtimeMs) / 1000)
-            } s ago; it counts as held for ${LOCK_GRACE_MS / 1000} s`,
+            : `${file} cannot be read and changed ${ago} s ago; it counts as held for ${LOCK_GRACE_MS / 1000} s`,
         );
       }
       if (readLockFile(file)?.text === held.text) {
@@ -2080,12 +2025,7 @@ class PidLock {
   static #tryCreate(file: string, content: string): boolean {
     const tmp = tempName(file);
     try {
-      const fd = fs.openSync(tmp, "wx", 0o600);
-      try {
-        writeAll(fd, Buffer.from(content));
-      } finally {
-        fs.closeSync(fd);
-      }
+      withFd(tmp, "wx", (fd) => writeAll(fd, Buffer.from(content)));
       fs.linkSync(tmp, file);
       return true;
     } catch (e) {
@@ -2129,13 +2069,9 @@ function checkPetname(name: unknown): string {
 
 /** Checks a key a person typed or pasted: canonical, 32 bytes, not a small-order point. */
 function checkPeerKey(key: unknown, what: string): string {
-  let raw: Uint8Array;
-  try {
-    raw = decodeKey(key, what);
-  } catch (e) {
-    throw new InterlinkError(
-      `${(e as Error).message} (a public key is 43 base64url characters, as printed by \`interlink.ts id\`)`,
-    );
+  const raw = orWhy(() => decodeKey(key, what));
+  if (typeof raw === "string") {
+    throw new InterlinkError(`${raw} (a public key is 43 base64url characters, as printed by \`interlink.ts id\`)`);
   }
   if (hasSmallOrder(raw)) {
     throw new InterlinkError(`${what} is a small-order point, which would accept forged signatures`);
@@ -2145,19 +2081,15 @@ function checkPeerKey(key: unknown, what: string): string {
 
 /** Validates peers.json text (SPEC "Identity"); errors name the file, the petname and the problem. */
 function parsePeers(text: string, source = "peers.json"): Peers {
+  const failed = (why: string) => new InterlinkError(`Cannot parse ${source}: ${why}`);
   let raw: unknown;
   try {
     raw = JSON.parse(text);
   } catch (e) {
-    throw new InterlinkError(`Cannot parse ${source}: not JSON (${(e as Error).message})`);
+    throw failed(`not JSON (${(e as Error).message})`);
   }
-  if (!isObject(raw)) {
-    throw new InterlinkError(
-      `Cannot parse ${source}: expected an object of { "<petname>": { "key": "<public key>" } }`,
-    );
-  }
-  const byName = new Map<string, string>();
-  const byKey = new Map<string, string>();
+  if (!isObject(raw)) throw failed(`expected an object of { "<petname>": { "key": "<public key>" } }`);
+  const byName = new Map<string, string>(), byKey = new Map<string, string>();
   for (const [name, entry] of Object.entries(raw)) {
     try {
       checkPetname(name);
@@ -2168,7 +2100,7 @@ function parsePeers(text: string, source = "peers.json"): Peers {
       byName.set(name, key);
       byKey.set(key, name);
     } catch (e) {
-      throw new InterlinkError(`Cannot parse ${source}: '${name}': ${(e as Error).message}`);
+      throw failed(`'${name}': ${(e as Error).message}`);
     }
   }
   return { byName, byKey };
@@ -2250,7 +2182,6 @@ async function removePeer(file: string, who: string): Promise<{ petname: string;
 
 /** "bob (Izgjf_w6)", or the fingerprint alone when that is the name (the CLI's, unless it was given one). */
 const nameAndFingerprint = (name: string, fp: string): string => (name === fp ? fp : `${name} (${fp})`);
-
 /** "carol (1AnB2ji_)", or the fingerprint alone for a key with no petname. */
 const whoIs = (peers: Peers, key: string): string =>
   peers.byKey.has(key) ? `${peers.byKey.get(key)} (${fingerprint(key)})` : fingerprint(key);
@@ -2318,7 +2249,6 @@ function parseRoute(route: string): { key: string; session: string } {
 }
 
 const counterpart = (dir: "in" | "out", msg: SignedMessage): string => (dir === "out" ? msg.to : msg.from);
-
 const taskTag = (msg: Pick<SignedMessage, "task_id" | "status">): string =>
   msg.task_id ? `[task ${showId(msg.task_id)}${msg.status ? ` · ${msg.status}` : ""}]` : "";
 
@@ -2441,10 +2371,8 @@ function jsonShape(text: string): { depth: number; values: number } {
 
 /** Most JSON values (see jsonShape) a request body may hold: a signed message holds about 15, a batch of 64 about 1,000. */
 const JSON_VALUES_MAX = 8192;
-
 /** ... and an announcement or an unregister: a real one holds 11. */
 const ANNOUNCEMENT_VALUES_MAX = 64;
-
 /** Largest announcement kept: a real one is ~300 bytes, and the roster holds ROSTER_CAP of them. */
 const ANNOUNCEMENT_MAX_BYTES = 8192;
 
@@ -2463,9 +2391,7 @@ function postJson(url: string, body: unknown, timeoutMs = SEND_TIMEOUT_MS, signa
 const isPermanentRefusal = (status: number): boolean =>
   status >= 400 && status < 500 && status !== 408 && status !== 429;
 
-function backoffMs(failures: number): number {
-  return Math.min(BACKOFF_MAX_MS, BACKOFF_MIN_MS * 2 ** Math.min(failures, 10));
-}
+const backoffMs = (failures: number): number => Math.min(BACKOFF_MAX_MS, BACKOFF_MIN_MS * 2 ** Math.min(failures, 10));
 
 /** Not one relay answered (a roster, say): whatever needed them is judged on what the node remembers. */
 class NoRelayAnswered extends InterlinkError {}
@@ -2480,16 +2406,12 @@ class RelayError extends Error {
   }
 }
 
-interface Handed {
-  payload: unknown;
-  ack(): Promise<void>;
-}
-
+type Handed = { payload: unknown; ack(): Promise<void> };
 /** What one recv handed over, oldest first. */
-interface Received {
-  items: Handed[];
-  ackMany?(items: Handed[]): Promise<void>;
-}
+type Received = { items: Handed[]; ackMany?(items: Handed[]): Promise<void> };
+/** What a batched send takes, and gives back (see Relay.sendMany). */
+type Routed = { route: string; payload: object };
+type SentMany = (true | RelayError | null)[] | null;
 
 interface Relay {
   /** The URL as configured, credentials hidden: names the relay in logs and statuses. */
@@ -2510,11 +2432,7 @@ interface Relay {
    * Several messages in one request, in order (our bus): per message true (kept), a RelayError, or null (not tried:
    * one before was refused). Absent or null: send them one by one.
    */
-  sendMany?(
-    items: { route: string; payload: object }[],
-    timeoutMs: number,
-    signal?: AbortSignal,
-  ): Promise<(true | RelayError | null)[] | null>;
+  sendMany?(items: Routed[], timeoutMs: number, signal?: AbortSignal): Promise<SentMany>;
   /** Calls `back` whenever the relay is reachable again after an outage it noticed (NATS reconnects). */
   onBack?(back: () => void): void;
   /** True once the relay is known to refuse a message for a full route (RelayError.full), not drop an older one. */
@@ -2531,34 +2449,25 @@ const isNatsUrl = (url: string): boolean => /^(nats|tls):\/\//i.test(url);
 
 /** Bytes a roster entry adds to the announcement it holds: `,"age_ms":<n>` and a comma, with room. */
 const ROSTER_ENTRY_EXTRA_BYTES = 64;
-
 /** A GET /roster answer: ROSTER_CAP announcements of ANNOUNCEMENT_MAX_BYTES, each with its age (about 32 MiB). */
 const ROSTER_ANSWER_MAX_BYTES = ROSTER_CAP * (ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) + 1024;
-
+/** ... and its JSON values: ROSTER_CAP announcements of ANNOUNCEMENT_VALUES_MAX, each with its age. */
+const ROSTER_ANSWER_VALUES_MAX = ROSTER_CAP * (ANNOUNCEMENT_VALUES_MAX + 2) + 16;
 /** Bytes a recv entry adds to its payload: the envelope, the ts and an ack key naming a route (512 characters at most). */
 const RECV_ENTRY_EXTRA_BYTES = 1024;
-
 /** A GET /recv answer: RECV_BATCH payloads, each smaller than the BODY_LIMIT_BYTES that carried it (about 64 MiB). */
 const RECV_ANSWER_MAX_BYTES = RECV_BATCH * (BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES) + 1024;
-
 /** ... and its JSON values (see jsonShape): RECV_BATCH payloads of JSON_VALUES_MAX, each in its envelope. */
 const RECV_ANSWER_VALUES_MAX = RECV_BATCH * (JSON_VALUES_MAX + 16) + 16;
-
 /**
  * A GET /recv answer of one message, whatever its values (a batch past its bounds is read again so): twice the body
  * that carried it, since an earlier bus re-serialized some payloads longer ("1e15" as 16 digits).
  */
 const RECV_ONE_MAX_BYTES = 2 * BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES + 1024;
-
-/** A GET /roster answer's JSON values: ROSTER_CAP announcements of ANNOUNCEMENT_VALUES_MAX, each with its age. */
-const ROSTER_ANSWER_VALUES_MAX = ROSTER_CAP * (ANNOUNCEMENT_VALUES_MAX + 2) + 16;
-
 /** A batched POST /send answer: SEND_BATCH results, each a status and at most a sentence of why. */
 const SEND_ANSWER_MAX_BYTES = SEND_BATCH * 1024 + 1024;
-
 /** Of a refusal's body we quote RELAY_QUOTE_CHARS; reading more is waste. */
 const REFUSAL_READ_BYTES = 4096;
-
 /** How much of a relay's refusal an error quotes: enough for its sentence, too little to carry a document. */
 const RELAY_QUOTE_CHARS = 200;
 
@@ -2567,13 +2476,10 @@ class OversizedAnswer extends RelayError {}
 
 /** A relay's answer body, read as it streams: past `capBytes` an OversizedAnswer, or with `truncate` the first bytes. */
 async function readAnswer(r: Response, capBytes: number, what: string, truncate = false): Promise<string> {
-  const over = () =>
-    new OversizedAnswer(
-      `${what}: the answer is over ${humanBytes(capBytes)}, more than a real one can be; not read further`,
-    );
+  const over = `${what}: the answer is over ${humanBytes(capBytes)}, more than a real one can be; not read further`;
   if (!truncate && Number(r.headers.get("content-length")) > capBytes) {
     await r.body?.cancel().catch(() => {});
-    throw over();
+    throw new OversizedAnswer(over);
   }
   if (!r.body) return "";
   const reader = r.body.getReader();
@@ -2583,14 +2489,10 @@ async function readAnswer(r: Response, capBytes: number, what: string, truncate 
     for (;;) {
       const { done, value } = await reader.read();
       if (done) break;
-      if (size + value.length > capBytes) {
-        if (!truncate) throw over();
-        chunks.push(value.subarray(0, capBytes - size));
-        size = capBytes;
-        break;
-      }
-      chunks.push(value);
-      size += value.length;
+      if (size + value.length > capBytes && !truncate) throw new OversizedAnswer(over);
+      chunks.push(value.subarray(0, capBytes - size));
+      size = Math.min(capBytes, size + value.length);
+      if (size === capBytes && truncate) break;
     }
   } finally {
     reader.cancel().catch(() => {}); // the rest is never read: the connection closes (done: a no-op)
@@ -2604,8 +2506,7 @@ async function readAnswer(r: Response, capBytes: number, what: string, truncate 
  */
 async function readJsonAnswer(r: Response, capBytes: number, what: string, maxValues = Infinity): Promise<unknown> {
   const text = await readAnswer(r, capBytes, what);
-  const { values } = maxValues === Infinity ? { values: 0 } : jsonShape(text);
-  if (values > maxValues) {
+  if (maxValues < Infinity && jsonShape(text).values > maxValues) {
     throw new OversizedAnswer(
       `${what}: the answer holds more than ${maxValues} JSON values, more than a real one can; not parsed`,
     );
@@ -2638,11 +2539,7 @@ class HttpRelay implements Relay {
 
   constructor(readonly url: string, readonly proof?: (route: string) => Promise<string>) {}
 
-  async sendMany(
-    items: { route: string; payload: object }[],
-    timeoutMs: number,
-    signal?: AbortSignal,
-  ): Promise<(true | RelayError | null)[] | null> {
+  async sendMany(items: Routed[], timeoutMs: number, signal?: AbortSignal): Promise<SentMany> {
     if (!this.#batches) return null;
     const body = { messages: items.map((i) => ({ to: i.route, payload: i.payload })) };
     const r = await postJson(`${this.url}/send`, body, timeoutMs, signal);
@@ -2770,10 +2667,8 @@ class HttpRelay implements Relay {
 // that relay fails every call with what to fetch and where, as a relay that does not answer, so what waits for it
 // stays in the outbox (and goes once the file is there: each retry looks again).
 
-/** What nats.ts gives the node (see its NatsRelay). */
-interface NatsModule {
-  NatsRelay: new (url: string, sign?: (data: Bytes) => Promise<string>, key?: string) => Relay;
-}
+/** Signs bytes with the node's key (NATS names its consumers so). */
+type Sign = (data: Bytes) => Promise<string>;
 
 /** A NATS relay, through nats.ts once it is imported; `sign` names its consumers, `key` its reply inboxes. */
 class NatsRelayBeside implements Relay {
@@ -2781,7 +2676,7 @@ class NatsRelayBeside implements Relay {
   #loaded: Relay | null = null;
   #back: (() => void)[] = [];
 
-  constructor(readonly url: string, readonly sign?: (data: Bytes) => Promise<string>, readonly key?: string) {}
+  constructor(readonly url: string, readonly sign?: Sign, readonly key?: string) {}
 
   get name(): string {
     return redactUrl(this.url);
@@ -2789,6 +2684,7 @@ class NatsRelayBeside implements Relay {
 
   /** nats.ts's relay, made once; a file that is missing or fails to load fails this call only. */
   #load(): Promise<Relay> {
+    type NatsModule = { NatsRelay: new (url: string, sign?: Sign, key?: string) => Relay }; // see nats.ts
     this.#relay ??= importBeside<NatsModule>("nats.ts", (where) =>
       missingFile(
         `${this.name} is a NATS relay, and NATS support is not part of interlink.ts`,
@@ -2806,25 +2702,12 @@ class NatsRelayBeside implements Relay {
     return this.#relay;
   }
 
-  async send(route: string, payload: object, timeoutMs: number): Promise<void> {
-    await (await this.#load()).send(route, payload, timeoutMs);
-  }
-
-  async recv(route: string, signal: AbortSignal, waitMs?: number): Promise<Received> {
-    return await (await this.#load()).recv(route, signal, waitMs);
-  }
-
-  async announce(a: Announcement): Promise<void> {
-    await (await this.#load()).announce(a);
-  }
-
-  async roster(timeoutMs: number): Promise<unknown[]> {
-    return await (await this.#load()).roster(timeoutMs);
-  }
-
-  async unregister(u: { pubkey: string; session: { session_id: string } }, timeoutMs: number): Promise<void> {
-    await (await this.#load()).unregister(u, timeoutMs);
-  }
+  // nats.ts's relay's own calls, once it is loaded.
+  send: Relay["send"] = (route, payload, timeoutMs) => this.#load().then((r) => r.send(route, payload, timeoutMs));
+  recv: Relay["recv"] = (route, signal, waitMs) => this.#load().then((r) => r.recv(route, signal, waitMs));
+  announce: Relay["announce"] = (a) => this.#load().then((r) => r.announce(a));
+  roster: Relay["roster"] = (timeoutMs) => this.#load().then((r) => r.roster(timeoutMs));
+  unregister: Relay["unregister"] = (u, timeoutMs) => this.#load().then((r) => r.unregister(u, timeoutMs));
 
   onBack(back: () => void): void {
     if (this.#loaded) this.#loaded.onBack?.(back);
@@ -2841,12 +2724,7 @@ class NatsRelayBeside implements Relay {
 }
 
 /** The relay for a configured URL. `proof` signs recv and ack requests (our bus checks them); `sign` names consumers. */
-function openRelay(
-  url: string,
-  proof?: (route: string) => Promise<string>,
-  sign?: (data: Bytes) => Promise<string>,
-  key?: string,
-): Relay {
+function openRelay(url: string, proof?: (route: string) => Promise<string>, sign?: Sign, key?: string): Relay {
   return isNatsUrl(url) ? new NatsRelayBeside(url, sign, key) : new HttpRelay(url, proof);
 }
 
