@@ -3110,97 +3110,6 @@ type ShownVia = (typeof SHOWN_VIAS)[number];
 const PAIR_OUTCOMES = ["accepted", "rejected", "they_accepted", "invited"] as const;
 type PairOutcome = (typeof PAIR_OUTCOMES)[number];
 
-/** Every record a session writes to its journal (the schema's one description); `at`: the writer's clock, unix ms. */
-type JournalRecord =
-  /**
-   * A message we signed: in the outbox until "sent" or "refused". `recipient`: its route (`key#session`, or a bare
-   * key); `again`: a re-send of one already sent, same msg_id (a knock repeated).
-   */
-  | {
-    t: "out";
-    at: number;
-    peer: string | null;
-    recipient: string;
-    msg: SignedMessage;
-    pair_petname?: string;
-    again?: true;
-    /** It opens a sub-task: the chain we signed for it. `forward`: it forwards a peer's question up the chain. */
-    chain?: Chain;
-    forward?: Forward;
-  }
-  /** At least one relay kept it; `via` names them. */
-  | { t: "sent"; at: number; msg_id: string; via: string[] }
-  /** Every relay refused it for good (a 4xx): never retried. */
-  | { t: "refused"; at: number; msg_id: string; reason: string }
-  /** Re-signed before it would go stale at the recipient (same msg_id, so it still dedupes). */
-  | { t: "resign"; at: number; msg: SignedMessage }
-  /** Sent, past HELD_MAX_MS since it was signed, and no receipt came: no node of ours will show it now. */
-  | { t: "expired"; at: number; msg_id: string }
-  /**
-   * Admitted from a peer (or another session of ours): unread until "shown". `reply_session`: the sender's session its
-   * unsigned reply_to named (routing only); `receipts`: its sender reads receipts; `for_session`: drained from an
-   * earlier session's route. `chain`: the verified chain of a request opening a sub-task; `declined`: why such a
-   * request was answered failed, never shown (too deep, a loop); `relay`: passed along the chain, shown as information.
-   */
-  | {
-    t: "in";
-    at: number;
-    peer: string;
-    msg: SignedMessage;
-    reply_session?: string;
-    receipts?: true;
-    for_session?: string;
-    chain?: Chain;
-    declined?: string;
-    relay?: Relayed;
-  }
-  /**
-   * An inbox item handed to the model (pushed as a channel event, taken by check_inbox or `wait`, queued as a Codex
-   * turn), or "superseded": an update a newer message on its task made moot, never shown.
-   */
-  | { t: "shown"; at: number; item: string; via: ShownVia }
-  /** Inbox items about to be shown, written before the answer: one without its "shown" after a crash was perhaps seen. */
-  | { t: "showing"; at: number; items: string[] }
-  /**
-   * A stranger asked to pair: held for the operator, only what is shown kept, never its text. `reply_to`: the asking
-   * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
-   */
-  | { t: "knock"; at: number; key: string; name: string; msg_id: string; ts: number; reply_to?: string; quiet?: true }
-  /**
-   * A sender's first refusal for a reason worth the operator's attention (repeats are counted in memory); `invite`:
-   * the invite of ours it was about (see refusedInvite).
-   */
-  | { t: "refusal"; at: number; key: string; reason: Refusal; detail: string; invite?: string }
-  /**
-   * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
-   * "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
-   */
-  | { t: "paired"; at: number; key: string; how: PairOutcome; petname?: string; msg?: SignedMessage; invite?: string }
-  /** A message refused by the gate (or `invite`, ours), reported to its sender by a receipt (to `route`) still owed. */
-  | { t: "owe"; at: number; route: string; msg_id: string; reason: Refusal; skew_ms?: number; invite?: string }
-  /** A peer's receipt that told us something new; `lines`: which reports of its text (indexes) were new. */
-  | { t: "receipt"; at: number; peer: string; msg: SignedMessage; lines?: number[] }
-  /** In an ended session's journal: everything it still had to do now belongs to session `to`. */
-  | { t: "moved"; at: number; to: string }
-  /** An ended session's unfinished state, taken over (then "moved" is written there); messages follow as "carried". */
-  | { t: "adopted"; at: number; session: string; carried: Carried }
-  /**
-   * One message carried over, in the same write as its checkpoint or "adopted" record (naming `session`): `out`, an
-   * outbox entry or a sent message whose receipts may still come; `item`, an unread inbox item.
-   */
-  | { t: "carried"; at: number; session?: string; out?: CarriedOut; item?: InboxItem }
-  /**
-   * The first record of a rolled-over journal (see Journal.roll): this session's state when the earlier records went
-   * to the archive `archived` (log-<ms>.jsonl beside it), which history readers go on to read.
-   */
-  | { t: "checkpoint"; at: number; archived: string; carried: Carried; remembered: Remembered };
-
-type RecordTag = JournalRecord["t"];
-type RecordOf<T extends RecordTag> = Extract<JournalRecord, { t: T }>;
-
-/** A record as a writer hands it over: the journal stamps `at`. */
-type NewRecord = JournalRecord extends infer R ? R extends JournalRecord ? Omit<R, "at"> : never : never;
-
 /** A knock waiting for our operator; `replyTo`: the session that asked. */
 type HeldKnock = { name: string; at: number; msgId: string; replyTo?: string };
 
@@ -3401,45 +3310,97 @@ const remembered = record({
   silent: optional(listOf(str)), // absent in a checkpoint of an earlier release
 });
 
-const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<RecordOf<T>, "t" | "at"> } = {
-  out: (o) =>
-    fields(o, {
-      peer: (o, k) => optStr(o, k) ?? null,
-      recipient: str,
-      msg: message,
-      pair_petname: optStr,
-      again: flag,
-      chain: optChain,
-      forward: optional(record({ peer: str, task_id: str, question: str })),
-    }),
-  sent: (o) => fields(o, { msg_id: str, via: strings }),
-  refused: (o) => fields(o, { msg_id: str, reason: (o, k) => optStr(o, k) ?? "refused by every bus" }),
-  resign: (o) => fields(o, { msg: message }),
-  expired: (o) => fields(o, { msg_id: str }),
-  in: (o) =>
-    fields(o, {
-      peer: str,
-      msg: message,
-      reply_session: optStr,
-      receipts: flag,
-      for_session: optStr,
-      chain: optChain,
-      declined: optStr,
-      relay: relayed,
-    }),
-  shown: (o) => fields(o, { item: str, via: oneOf(SHOWN_VIAS) }),
-  showing: (o) => fields(o, { items: strings }),
-  knock: (o) => fields(o, { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag }),
-  refusal: (o) => fields(o, { key: str, reason, detail: (o, k) => optStr(o, k) ?? "", invite: optStr }),
-  paired: (o) =>
-    fields(o, { key: str, how: oneOf(PAIR_OUTCOMES), petname: optStr, msg: optional(message), invite: optStr }),
-  owe: (o) => fields(o, { route: str, msg_id: str, reason, skew_ms: optInt, invite: optStr }),
-  receipt: (o) => fields(o, { peer: str, msg: message, lines: optional(listOf(int)) }),
-  moved: (o) => fields(o, { to: str }),
-  adopted: (o) => fields(o, { session: str, carried }),
-  carried: (o) => fields(o, { session: optStr, out: optional(carriedOut), item: optional(inboxItem) }),
-  checkpoint: (o) => fields(o, { archived: str, carried, remembered }),
-};
+/**
+ * Every record a session writes to its journal, by its tag `t`, and how it is read back: the schema's one description.
+ * Each has `at` too, the writer's clock (unix ms).
+ */
+const RECORDS = {
+  /**
+   * A message we signed: in the outbox until "sent" or "refused". `recipient`: its route (`key#session`, or a bare
+   * key); `again`: a re-send of one already sent, same msg_id (a knock repeated); `chain`: it opens a sub-task, the
+   * chain we signed for it; `forward`: it forwards a peer's question up the chain.
+   */
+  out: {
+    peer: (o, k) => optStr(o, k) ?? null,
+    recipient: str,
+    msg: message,
+    pair_petname: optStr,
+    again: flag,
+    chain: optChain,
+    forward: optional(record({ peer: str, task_id: str, question: str })),
+  },
+  /** At least one relay kept it; `via` names them. */
+  sent: { msg_id: str, via: strings },
+  /** Every relay refused it for good (a 4xx): never retried. */
+  refused: { msg_id: str, reason: (o, k) => optStr(o, k) ?? "refused by every bus" },
+  /** Re-signed before it would go stale at the recipient (same msg_id, so it still dedupes). */
+  resign: { msg: message },
+  /** Sent, past HELD_MAX_MS since it was signed, and no receipt came: no node of ours will show it now. */
+  expired: { msg_id: str },
+  /**
+   * Admitted from a peer (or another session of ours): unread until "shown". `reply_session`: the sender's session its
+   * unsigned reply_to named (routing only); `receipts`: its sender reads receipts; `for_session`: drained from an
+   * earlier session's route. `chain`: the verified chain of a request opening a sub-task; `declined`: why such a
+   * request was answered failed, never shown (too deep, a loop); `relay`: passed along the chain, shown as information.
+   */
+  in: {
+    peer: str,
+    msg: message,
+    reply_session: optStr,
+    receipts: flag,
+    for_session: optStr,
+    chain: optChain,
+    declined: optStr,
+    relay: relayed,
+  },
+  /**
+   * An inbox item handed to the model (pushed as a channel event, taken by check_inbox or `wait`, queued as a Codex
+   * turn), or "superseded": an update a newer message on its task made moot, never shown.
+   */
+  shown: { item: str, via: oneOf(SHOWN_VIAS) },
+  /** Inbox items about to be shown, written before the answer: one without its "shown" after a crash was perhaps seen. */
+  showing: { items: strings },
+  /**
+   * A stranger asked to pair: held for the operator, only what is shown kept, never its text. `reply_to`: the asking
+   * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
+   */
+  knock: { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag },
+  /**
+   * A sender's first refusal for a reason worth the operator's attention (repeats are counted in memory); `invite`:
+   * the invite of ours it was about (see refusedInvite).
+   */
+  refusal: { key: str, reason, detail: (o, k) => optStr(o, k) ?? "", invite: optStr },
+  /**
+   * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
+   * "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
+   */
+  paired: { key: str, how: oneOf(PAIR_OUTCOMES), petname: optStr, msg: optional(message), invite: optStr },
+  /** A message refused by the gate (or `invite`, ours), reported to its sender by a receipt (to `route`) still owed. */
+  owe: { route: str, msg_id: str, reason, skew_ms: optInt, invite: optStr },
+  /** A peer's receipt that told us something new; `lines`: which reports of its text (indexes) were new. */
+  receipt: { peer: str, msg: message, lines: optional(listOf(int)) },
+  /** In an ended session's journal: everything it still had to do now belongs to session `to`. */
+  moved: { to: str },
+  /** An ended session's unfinished state, taken over (then "moved" is written there); messages follow as "carried". */
+  adopted: { session: str, carried },
+  /**
+   * One message carried over, in the same write as its checkpoint or "adopted" record (naming `session`): `out`, an
+   * outbox entry or a sent message whose receipts may still come; `item`, an unread inbox item.
+   */
+  carried: { session: optStr, out: optional(carriedOut), item: optional(inboxItem) },
+  /**
+   * The first record of a rolled-over journal (see Journal.roll): this session's state when the earlier records went
+   * to the archive `archived` (log-<ms>.jsonl beside it), which history readers go on to read.
+   */
+  checkpoint: { archived: str, carried, remembered },
+} satisfies { [tag: string]: { [field: string]: Field<unknown> } };
+
+type RecordTag = keyof typeof RECORDS;
+type JournalRecord = { [T in RecordTag]: { t: T; at: number } & Decoded<(typeof RECORDS)[T]> }[RecordTag];
+type RecordOf<T extends RecordTag> = Extract<JournalRecord, { t: T }>;
+
+/** A record as a writer hands it over: the journal stamps `at`. */
+type NewRecord = JournalRecord extends infer R ? R extends JournalRecord ? Omit<R, "at"> : never : never;
 
 /**
  * A record in one of interlink.ts 0.4.0's shapes: an "in" without a peer or shown by push, a "shown" naming sender and
@@ -3464,11 +3425,11 @@ function upgradeNeeded(what: string, stateDir: string): InterlinkError {
 /** A journal line's records (one: a line of interlink.ts 0.4.0 could hold two, which its upgrade splits), or why not. */
 function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
   const t = String(raw.t) as RecordTag;
-  if (!Object.hasOwn(RECORD_FIELDS, t)) {
+  if (!Object.hasOwn(RECORDS, t)) {
     throw new FormatError(`unknown record tag ${JSON.stringify(t.slice(0, 16))} (written by a newer interlink?)`);
   }
   const at = typeof raw.at === "number" && Number.isSafeInteger(raw.at) ? raw.at : 0;
-  return [{ t, at, ...RECORD_FIELDS[t](raw) } as JournalRecord];
+  return [{ t, at, ...fields(raw, RECORDS[t]) } as JournalRecord];
 }
 
 const encodeRecord = (r: JournalRecord): string => JSON.stringify(r);
