@@ -716,20 +716,13 @@ class WakeLatch {
     if (this.#waiter) this.#waiter();
     else this.#pending = true;
   }
-  wait(ms: number): Promise<void> {
-    if (this.#pending) {
-      this.#pending = false;
-      return Promise.resolve();
-    }
-    return new Promise((resolve) => {
-      const done = () => {
-        clearTimeout(timer);
-        this.#waiter = null;
-        resolve();
-      };
-      const timer = setTimeout(done, ms);
-      this.#waiter = done;
-    });
+  async wait(ms: number): Promise<void> {
+    let woken = this.#pending;
+    this.#pending = false;
+    await waitUntil(() => woken, ms, (wake) => {
+      this.#waiter = () => (woken = true, wake());
+      return () => (this.#waiter = null);
+    }, ms);
   }
 }
 
@@ -1135,14 +1128,11 @@ function writeKeyFile(file: string, seed: Uint8Array, force: boolean): void {
   } finally {
     fs.closeSync(fd);
   }
-  if (force) fs.renameSync(tmp, file);
-  else {
-    // link() fails if the name appeared meanwhile, so a racing keygen never clobbers an identity.
-    try {
-      fs.linkSync(tmp, file);
-    } finally {
-      fs.unlinkSync(tmp);
-    }
+  // Without --force, link(): it fails if the name appeared meanwhile, so a racing keygen never clobbers an identity.
+  try {
+    (force ? fs.renameSync : fs.linkSync)(tmp, file);
+  } finally {
+    if (!force) fs.unlinkSync(tmp);
   }
 }
 
@@ -1386,34 +1376,23 @@ async function decide(
   if (nowMs - msg.ts > HELD_MAX_MS) return reject("stale", `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`);
   if (replay.has(msg.from, msg.msg_id)) return reject("replay", `msg_id ${msg.msg_id} already admitted`);
   const pressure = replay.pressure(nowMs, msg.from, (key) => peers.byKey.has(key) || key === me);
-  if (pressure === "share") {
-    const detail =
-      `the replay memory holds ${replay.cap} messages of the last 30 days, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`;
-    return reject("busy", detail);
+  if (pressure) {
+    const detail = pressure === "share"
+      ? `the replay memory holds ${replay.cap} messages of the last 30 days, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`
+      : `the replay memory holds twice its cap of ${replay.cap} messages of the last 30 days; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
+    return { verdict: "reject", reason: "busy", detail, msg, ...some("forNow", pressure === "all" || undefined) };
   }
-  if (pressure === "all") {
-    const detail =
-      `the replay memory holds twice its cap of ${replay.cap} messages of the last 30 days; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
-    return { verdict: "reject", reason: "busy", detail, msg, forNow: true };
+  if (msg.kind === "message") return { verdict: "deliver", msg, petname: petname! };
+  if (msg.kind === "receipt") return { verdict: "receipt", msg, petname: petname! };
+  if (msg.kind === "pair_request") return { verdict: "pair_request", msg, claimedName: displayName(msg.text) };
+  // A pair_accept: matched to our request by its signed in_reply_to (0.9 and later), or by key alone (0.8 sends none).
+  const asked = knocked.get(msg.from);
+  if (asked === undefined) return reject("unexpected_kind", "pair_accept without a knock from us");
+  if (msg.in_reply_to !== undefined && msg.in_reply_to !== asked) {
+    const detail = `pair_accept answers ${showId(msg.in_reply_to)}, not our request ${showId(asked)}`;
+    return reject("unexpected_kind", detail);
   }
-  switch (msg.kind) {
-    case "message":
-      return { verdict: "deliver", msg, petname: petname! };
-    case "receipt":
-      return { verdict: "receipt", msg, petname: petname! };
-    case "pair_request":
-      return { verdict: "pair_request", msg, claimedName: displayName(msg.text) };
-    case "pair_accept": {
-      // Matched to our request by its signed in_reply_to (0.9 and later), or by key alone (0.8 sends none).
-      const asked = knocked.get(msg.from);
-      if (asked === undefined) return reject("unexpected_kind", "pair_accept without a knock from us");
-      if (msg.in_reply_to !== undefined && msg.in_reply_to !== asked) {
-        const detail = `pair_accept answers ${showId(msg.in_reply_to)}, not our request ${showId(asked)}`;
-        return reject("unexpected_kind", detail);
-      }
-      return { verdict: "pair_accept", msg };
-    }
-  }
+  return { verdict: "pair_accept", msg };
 }
 
 /** What a request's chain (its payload's unsigned `chain` member) turned out to be, when it has one. */
@@ -3450,12 +3429,9 @@ function scanJournal(
     if (isOldShape(raw)) {
       throw upgradeNeeded(`${file} holds records of interlink.ts 0.4.0`, path.resolve(file, "../../.."));
     }
-    let records: JournalRecord[];
-    try {
-      records = decodeRecord(raw);
-    } catch (e) {
-      const line = JSON.stringify(raw);
-      return onBad(at, `a "${String(raw.t).slice(0, 16)}" record: ${(e as Error).message}`, line, end - at - 1);
+    const records = orWhy(() => decodeRecord(raw));
+    if (typeof records === "string") {
+      return onBad(at, `a "${String(raw.t).slice(0, 16)}" record: ${records}`, JSON.stringify(raw), end - at - 1);
     }
     for (const r of records) onRecord(r, at, end);
   }, onBad);
@@ -3949,9 +3925,7 @@ class NodeState {
   }
 
   get refusalNotices(): number {
-    let n = 0;
-    for (const item of this.inbox.values()) if (item.kind === "refusals") n++;
-    return n;
+    return [...this.inbox.values()].filter((item) => item.kind === "refusals").length;
   }
 
   /**
