@@ -338,12 +338,6 @@ class InterlinkError extends Error {}
 /** A payload or file that does not have the shape the contract requires. */
 class FormatError extends InterlinkError {}
 
-interface BunServer {
-  port: number;
-  stop(force?: boolean): void;
-  requestIP(req: Request): { address: string } | null; // null for a request not from a socket
-}
-
 /** Bun's writer on a file or pipe: `write` queues, `flush` writes what it can now (a promise when a pipe is full). */
 interface BunFileSink {
   write(chunk: string | Uint8Array): number;
@@ -356,14 +350,6 @@ interface BunRuntime {
   stderr: { writer(): BunFileSink };
   gc(full: boolean): void;
   shrink(): void;
-  serve(options: {
-    hostname: string;
-    port: number;
-    idleTimeout?: number;
-    development?: boolean;
-    fetch(req: Request, server: BunServer): Response | Promise<Response>;
-    error?(e: Error): Response;
-  }): BunServer;
 }
 
 interface DenoRuntime {
@@ -373,15 +359,6 @@ interface DenoRuntime {
   /** Writes some of `p` off the event loop (node:fs's write to a full pipe holds the whole loop under Deno). */
   stdout: { write(p: Uint8Array): Promise<number> };
   execPath(): string;
-  serve(
-    options: {
-      hostname: string;
-      port: number;
-      onListen?: (addr: { port: number }) => void;
-      onError?: (e: unknown) => Response;
-    },
-    handler: (req: Request, info: { remoteAddr: { hostname: string } }) => Response | Promise<Response>,
-  ): { finished: Promise<void>; shutdown(): Promise<void>; addr: { port: number } };
 }
 
 // ============================================================================
@@ -521,7 +498,7 @@ function idProblem(id: string): string | null {
 //
 // stdout belongs to MCP (and to command output); every log line goes to stderr with a component prefix.
 
-/** The host runtime's own globals, for the little node: modules do not cover: serving HTTP, naming the runtime. */
+/** The host runtime's own globals, for the little node: modules do not cover: stdio, memory, naming the runtime. */
 const runtimeHost = globalThis as unknown as { Bun?: BunRuntime; Deno?: DenoRuntime };
 
 let logComponent = "interlink";
