@@ -2941,8 +2941,7 @@ const REFUSALS_SHOWN: ReadonlySet<Refusal> = new Set<Refusal>(
   [...REJECT_REASONS, ...INVITE_REFUSALS].filter((r) => r !== "malformed" && r !== "replay"),
 );
 
-function headOf(msg: MessageHead): MessageHead {
-  const { msg_id, kind, from, to, ts, task_id, status } = msg;
+function headOf({ msg_id, kind, from, to, ts, task_id, status }: MessageHead): MessageHead {
   return { msg_id, kind, from, to, ts, ...some("task_id", task_id), ...some("status", status) };
 }
 
@@ -2994,11 +2993,9 @@ function parseReceipt(text: string): ReceiptLine[] {
   return lines;
 }
 
+const isInviteRefusal = (r: unknown): r is InviteRefusal => (INVITE_REFUSALS as readonly unknown[]).includes(r);
 const isRefusal = (r: unknown): r is Refusal =>
-  (REJECT_REASONS as readonly unknown[]).includes(r) || (INVITE_REFUSALS as readonly unknown[]).includes(r);
-
-const isInviteRefusal = (r: Refusal | undefined): r is InviteRefusal =>
-  (INVITE_REFUSALS as readonly unknown[]).includes(r);
+  isInviteRefusal(r) || (REJECT_REASONS as readonly unknown[]).includes(r);
 
 /** Where receipts for `msg` go: the sender's session its unsigned reply_to names (its own key only), else its key. */
 function receiptRoute(msg: SignedMessage, replyTo: string | undefined): string {
@@ -3056,7 +3053,6 @@ function refusalWords(l: ReceiptLine): string {
 // ============================================================================
 
 const SHOWN_VIAS = ["push", "inbox", "queue", "superseded"] as const;
-
 type ShownVia = (typeof SHOWN_VIAS)[number];
 
 /**
@@ -3425,13 +3421,10 @@ function recordedReports(r: RecordOf<"receipt">): ReceiptLine[] {
  * waits on it (what was asked, for whose operator (absent: ours), and the earlier session that asked it, if that one
  * ended before the answer came); `late`, its task closed already (the closing status); `unopened`, no task of it here.
  */
-function taskMarks(
-  tasks: ReadonlyMap<string, TaskRow>,
-  msg: SignedMessage,
-): Pick<Extract<InboxItem, { kind: "message" }>, "asked" | "late" | "unopened"> {
+function taskMarks(tasks: ReadonlyMap<string, TaskRow>, msg: SignedMessage) {
   if (msg.kind !== "message" || !msg.task_id) return {};
   const row = tasks.get(taskKey(msg.from, msg.task_id));
-  if (!row) return msg.status ? { unopened: true } : {};
+  if (!row) return msg.status ? { unopened: true as const } : {};
   const q = row.awaiting.find((q) => q.msg_id === msg.in_reply_to && q.asked_by === "me");
   const owner = row.owner ?? (row.requested_by === "peer" ? row.peer_key : undefined);
   const asked = q?.text !== undefined && { text: q.text, ...some("owner", owner), ...some("session", q.earlier) };
@@ -3969,10 +3962,6 @@ class NodeState {
     if (this.full.has(e.recipient)) return "full";
     const unconfirmed = this.unconfirmed.get(e.recipient)?.size ?? 0;
     return this.#windowed(e.msg.kind, e.msg.to) && unconfirmed >= SEND_WINDOW ? "window" : null;
-  }
-
-  held(e: OutEntry): boolean {
-    return this.waitsFor(e) !== null;
   }
 
   /**
@@ -6156,7 +6145,7 @@ class Agent {
     let entry = this.state.entry(msgId)!;
     const done = () => {
       entry = this.state.entry(msgId) ?? entry; // read again: a queued one is kept in memory once it is sent
-      if (!this.state.pending.has(msgId) || entry.attempts > 0 || this.state.held(entry)) return true;
+      if (!this.state.pending.has(msgId) || entry.attempts > 0 || this.state.waitsFor(entry)) return true;
       return this.#sendFailures > 0 || this.#unanswered || (this.#inFlight.size > 0 && !this.#inFlight.has(msgId));
     };
     await waitUntil(done, ms, (wake) => (this.#attempted.add(wake), () => this.#attempted.delete(wake)));
