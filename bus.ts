@@ -1744,6 +1744,26 @@ interface Listening {
   stop(): Promise<void>;
 }
 
+/** The runtimes' own HTTP servers, which only the relay runs (the node's runtimeHost types what the node uses). */
+interface Servers {
+  Bun?: {
+    serve(options: {
+      hostname: string;
+      port: number;
+      idleTimeout?: number;
+      development?: boolean;
+      fetch(req: Request, server: { requestIP(req: Request): { address: string } | null }): Promise<Response>;
+      error?(e: Error): Response;
+    }): { port: number; stop(force?: boolean): void };
+  };
+  Deno?: {
+    serve(
+      options: { hostname: string; port: number; onListen?: () => void; onError?: (e: unknown) => Response },
+      handler: (req: Request, info: { remoteAddr: { hostname: string } }) => Promise<Response>,
+    ): { finished: Promise<void>; shutdown(): Promise<void>; addr: { port: number } };
+  };
+}
+
 /**
  * Binds a fetch handler, told each request's source address, to a TCP port with the runtime's own server. `guard`
  * (Deno only; Bun closes idle connections itself): node:http, whose timeouts close idle and slow connections
@@ -1755,7 +1775,7 @@ function serveHttp(
   port: number,
   guard = false,
 ): Promise<Listening> {
-  const { Bun, Deno } = runtimeHost;
+  const { Bun, Deno } = runtimeHost as unknown as Servers;
   if (Deno && guard) return serveGuarded(handler, hostname, port);
   if (Bun) {
     // idleTimeout counts while a long-poll waits: keep it above RECV_TIMEOUT_MAX_MS.

@@ -338,12 +338,6 @@ class InterlinkError extends Error {}
 /** A payload or file that does not have the shape the contract requires. */
 class FormatError extends InterlinkError {}
 
-interface BunServer {
-  port: number;
-  stop(force?: boolean): void;
-  requestIP(req: Request): { address: string } | null; // null for a request not from a socket
-}
-
 /** Bun's writer on a file or pipe: `write` queues, `flush` writes what it can now (a promise when a pipe is full). */
 interface BunFileSink {
   write(chunk: string | Uint8Array): number;
@@ -356,14 +350,6 @@ interface BunRuntime {
   stderr: { writer(): BunFileSink };
   gc(full: boolean): void;
   shrink(): void;
-  serve(options: {
-    hostname: string;
-    port: number;
-    idleTimeout?: number;
-    development?: boolean;
-    fetch(req: Request, server: BunServer): Response | Promise<Response>;
-    error?(e: Error): Response;
-  }): BunServer;
 }
 
 interface DenoRuntime {
@@ -373,15 +359,6 @@ interface DenoRuntime {
   /** Writes some of `p` off the event loop (node:fs's write to a full pipe holds the whole loop under Deno). */
   stdout: { write(p: Uint8Array): Promise<number> };
   execPath(): string;
-  serve(
-    options: {
-      hostname: string;
-      port: number;
-      onListen?: (addr: { port: number }) => void;
-      onError?: (e: unknown) => Response;
-    },
-    handler: (req: Request, info: { remoteAddr: { hostname: string } }) => Response | Promise<Response>,
-  ): { finished: Promise<void>; shutdown(): Promise<void>; addr: { port: number } };
 }
 
 // ============================================================================
@@ -521,7 +498,7 @@ function idProblem(id: string): string | null {
 //
 // stdout belongs to MCP (and to command output); every log line goes to stderr with a component prefix.
 
-/** The host runtime's own globals, for the little node: modules do not cover: serving HTTP, naming the runtime. */
+/** The host runtime's own globals, for the little node: modules do not cover: stdio, memory, naming the runtime. */
 const runtimeHost = globalThis as unknown as { Bun?: BunRuntime; Deno?: DenoRuntime };
 
 let logComponent = "interlink";
@@ -716,20 +693,13 @@ class WakeLatch {
     if (this.#waiter) this.#waiter();
     else this.#pending = true;
   }
-  wait(ms: number): Promise<void> {
-    if (this.#pending) {
-      this.#pending = false;
-      return Promise.resolve();
-    }
-    return new Promise((resolve) => {
-      const done = () => {
-        clearTimeout(timer);
-        this.#waiter = null;
-        resolve();
-      };
-      const timer = setTimeout(done, ms);
-      this.#waiter = done;
-    });
+  async wait(ms: number): Promise<void> {
+    let woken = this.#pending;
+    this.#pending = false;
+    await waitUntil(() => woken, ms, (wake) => {
+      this.#waiter = () => (woken = true, wake());
+      return () => (this.#waiter = null);
+    }, ms);
   }
 }
 
@@ -1135,14 +1105,11 @@ function writeKeyFile(file: string, seed: Uint8Array, force: boolean): void {
   } finally {
     fs.closeSync(fd);
   }
-  if (force) fs.renameSync(tmp, file);
-  else {
-    // link() fails if the name appeared meanwhile, so a racing keygen never clobbers an identity.
-    try {
-      fs.linkSync(tmp, file);
-    } finally {
-      fs.unlinkSync(tmp);
-    }
+  // Without --force, link(): it fails if the name appeared meanwhile, so a racing keygen never clobbers an identity.
+  try {
+    (force ? fs.renameSync : fs.linkSync)(tmp, file);
+  } finally {
+    if (!force) fs.unlinkSync(tmp);
   }
 }
 
@@ -1386,34 +1353,23 @@ async function decide(
   if (nowMs - msg.ts > HELD_MAX_MS) return reject("stale", `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`);
   if (replay.has(msg.from, msg.msg_id)) return reject("replay", `msg_id ${msg.msg_id} already admitted`);
   const pressure = replay.pressure(nowMs, msg.from, (key) => peers.byKey.has(key) || key === me);
-  if (pressure === "share") {
-    const detail =
-      `the replay memory holds ${replay.cap} messages of the last 30 days, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`;
-    return reject("busy", detail);
+  if (pressure) {
+    const detail = pressure === "share"
+      ? `the replay memory holds ${replay.cap} messages of the last 30 days, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`
+      : `the replay memory holds twice its cap of ${replay.cap} messages of the last 30 days; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
+    return { verdict: "reject", reason: "busy", detail, msg, ...some("forNow", pressure === "all" || undefined) };
   }
-  if (pressure === "all") {
-    const detail =
-      `the replay memory holds twice its cap of ${replay.cap} messages of the last 30 days; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
-    return { verdict: "reject", reason: "busy", detail, msg, forNow: true };
+  if (msg.kind === "message") return { verdict: "deliver", msg, petname: petname! };
+  if (msg.kind === "receipt") return { verdict: "receipt", msg, petname: petname! };
+  if (msg.kind === "pair_request") return { verdict: "pair_request", msg, claimedName: displayName(msg.text) };
+  // A pair_accept: matched to our request by its signed in_reply_to (0.9 and later), or by key alone (0.8 sends none).
+  const asked = knocked.get(msg.from);
+  if (asked === undefined) return reject("unexpected_kind", "pair_accept without a knock from us");
+  if (msg.in_reply_to !== undefined && msg.in_reply_to !== asked) {
+    const detail = `pair_accept answers ${showId(msg.in_reply_to)}, not our request ${showId(asked)}`;
+    return reject("unexpected_kind", detail);
   }
-  switch (msg.kind) {
-    case "message":
-      return { verdict: "deliver", msg, petname: petname! };
-    case "receipt":
-      return { verdict: "receipt", msg, petname: petname! };
-    case "pair_request":
-      return { verdict: "pair_request", msg, claimedName: displayName(msg.text) };
-    case "pair_accept": {
-      // Matched to our request by its signed in_reply_to (0.9 and later), or by key alone (0.8 sends none).
-      const asked = knocked.get(msg.from);
-      if (asked === undefined) return reject("unexpected_kind", "pair_accept without a knock from us");
-      if (msg.in_reply_to !== undefined && msg.in_reply_to !== asked) {
-        const detail = `pair_accept answers ${showId(msg.in_reply_to)}, not our request ${showId(asked)}`;
-        return reject("unexpected_kind", detail);
-      }
-      return { verdict: "pair_accept", msg };
-    }
-  }
+  return { verdict: "pair_accept", msg };
 }
 
 /** What a request's chain (its payload's unsigned `chain` member) turned out to be, when it has one. */
@@ -2863,8 +2819,7 @@ const REFUSALS_SHOWN: ReadonlySet<Refusal> = new Set<Refusal>(
   [...REJECT_REASONS, ...INVITE_REFUSALS].filter((r) => r !== "malformed" && r !== "replay"),
 );
 
-function headOf(msg: MessageHead): MessageHead {
-  const { msg_id, kind, from, to, ts, task_id, status } = msg;
+function headOf({ msg_id, kind, from, to, ts, task_id, status }: MessageHead): MessageHead {
   return { msg_id, kind, from, to, ts, ...some("task_id", task_id), ...some("status", status) };
 }
 
@@ -2916,11 +2871,9 @@ function parseReceipt(text: string): ReceiptLine[] {
   return lines;
 }
 
+const isInviteRefusal = (r: unknown): r is InviteRefusal => (INVITE_REFUSALS as readonly unknown[]).includes(r);
 const isRefusal = (r: unknown): r is Refusal =>
-  (REJECT_REASONS as readonly unknown[]).includes(r) || (INVITE_REFUSALS as readonly unknown[]).includes(r);
-
-const isInviteRefusal = (r: Refusal | undefined): r is InviteRefusal =>
-  (INVITE_REFUSALS as readonly unknown[]).includes(r);
+  isInviteRefusal(r) || (REJECT_REASONS as readonly unknown[]).includes(r);
 
 /** Where receipts for `msg` go: the sender's session its unsigned reply_to names (its own key only), else its key. */
 function receiptRoute(msg: SignedMessage, replyTo: string | undefined): string {
@@ -2978,7 +2931,6 @@ function refusalWords(l: ReceiptLine): string {
 // ============================================================================
 
 const SHOWN_VIAS = ["push", "inbox", "queue", "superseded"] as const;
-
 type ShownVia = (typeof SHOWN_VIAS)[number];
 
 /**
@@ -2987,97 +2939,6 @@ type ShownVia = (typeof SHOWN_VIAS)[number];
  */
 const PAIR_OUTCOMES = ["accepted", "rejected", "they_accepted", "invited"] as const;
 type PairOutcome = (typeof PAIR_OUTCOMES)[number];
-
-/** Every record a session writes to its journal (the schema's one description); `at`: the writer's clock, unix ms. */
-type JournalRecord =
-  /**
-   * A message we signed: in the outbox until "sent" or "refused". `recipient`: its route (`key#session`, or a bare
-   * key); `again`: a re-send of one already sent, same msg_id (a knock repeated).
-   */
-  | {
-    t: "out";
-    at: number;
-    peer: string | null;
-    recipient: string;
-    msg: SignedMessage;
-    pair_petname?: string;
-    again?: true;
-    /** It opens a sub-task: the chain we signed for it. `forward`: it forwards a peer's question up the chain. */
-    chain?: Chain;
-    forward?: Forward;
-  }
-  /** At least one relay kept it; `via` names them. */
-  | { t: "sent"; at: number; msg_id: string; via: string[] }
-  /** Every relay refused it for good (a 4xx): never retried. */
-  | { t: "refused"; at: number; msg_id: string; reason: string }
-  /** Re-signed before it would go stale at the recipient (same msg_id, so it still dedupes). */
-  | { t: "resign"; at: number; msg: SignedMessage }
-  /** Sent, past HELD_MAX_MS since it was signed, and no receipt came: no node of ours will show it now. */
-  | { t: "expired"; at: number; msg_id: string }
-  /**
-   * Admitted from a peer (or another session of ours): unread until "shown". `reply_session`: the sender's session its
-   * unsigned reply_to named (routing only); `receipts`: its sender reads receipts; `for_session`: drained from an
-   * earlier session's route. `chain`: the verified chain of a request opening a sub-task; `declined`: why such a
-   * request was answered failed, never shown (too deep, a loop); `relay`: passed along the chain, shown as information.
-   */
-  | {
-    t: "in";
-    at: number;
-    peer: string;
-    msg: SignedMessage;
-    reply_session?: string;
-    receipts?: true;
-    for_session?: string;
-    chain?: Chain;
-    declined?: string;
-    relay?: Relayed;
-  }
-  /**
-   * An inbox item handed to the model (pushed as a channel event, taken by check_inbox or `wait`, queued as a Codex
-   * turn), or "superseded": an update a newer message on its task made moot, never shown.
-   */
-  | { t: "shown"; at: number; item: string; via: ShownVia }
-  /** Inbox items about to be shown, written before the answer: one without its "shown" after a crash was perhaps seen. */
-  | { t: "showing"; at: number; items: string[] }
-  /**
-   * A stranger asked to pair: held for the operator, only what is shown kept, never its text. `reply_to`: the asking
-   * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
-   */
-  | { t: "knock"; at: number; key: string; name: string; msg_id: string; ts: number; reply_to?: string; quiet?: true }
-  /**
-   * A sender's first refusal for a reason worth the operator's attention (repeats are counted in memory); `invite`:
-   * the invite of ours it was about (see refusedInvite).
-   */
-  | { t: "refusal"; at: number; key: string; reason: Refusal; detail: string; invite?: string }
-  /**
-   * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
-   * "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
-   */
-  | { t: "paired"; at: number; key: string; how: PairOutcome; petname?: string; msg?: SignedMessage; invite?: string }
-  /** A message refused by the gate (or `invite`, ours), reported to its sender by a receipt (to `route`) still owed. */
-  | { t: "owe"; at: number; route: string; msg_id: string; reason: Refusal; skew_ms?: number; invite?: string }
-  /** A peer's receipt that told us something new; `lines`: which reports of its text (indexes) were new. */
-  | { t: "receipt"; at: number; peer: string; msg: SignedMessage; lines?: number[] }
-  /** In an ended session's journal: everything it still had to do now belongs to session `to`. */
-  | { t: "moved"; at: number; to: string }
-  /** An ended session's unfinished state, taken over (then "moved" is written there); messages follow as "carried". */
-  | { t: "adopted"; at: number; session: string; carried: Carried }
-  /**
-   * One message carried over, in the same write as its checkpoint or "adopted" record (naming `session`): `out`, an
-   * outbox entry or a sent message whose receipts may still come; `item`, an unread inbox item.
-   */
-  | { t: "carried"; at: number; session?: string; out?: CarriedOut; item?: InboxItem }
-  /**
-   * The first record of a rolled-over journal (see Journal.roll): this session's state when the earlier records went
-   * to the archive `archived` (log-<ms>.jsonl beside it), which history readers go on to read.
-   */
-  | { t: "checkpoint"; at: number; archived: string; carried: Carried; remembered: Remembered };
-
-type RecordTag = JournalRecord["t"];
-type RecordOf<T extends RecordTag> = Extract<JournalRecord, { t: T }>;
-
-/** A record as a writer hands it over: the journal stamps `at`. */
-type NewRecord = JournalRecord extends infer R ? R extends JournalRecord ? Omit<R, "at"> : never : never;
 
 /** A knock waiting for our operator; `replyTo`: the session that asked. */
 type HeldKnock = { name: string; at: number; msgId: string; replyTo?: string };
@@ -3279,45 +3140,97 @@ const remembered = record({
   silent: optional(listOf(str)), // absent in a checkpoint of an earlier release
 });
 
-const RECORD_FIELDS: { [T in RecordTag]: (o: Record<string, unknown>) => Omit<RecordOf<T>, "t" | "at"> } = {
-  out: (o) =>
-    fields(o, {
-      peer: (o, k) => optStr(o, k) ?? null,
-      recipient: str,
-      msg: message,
-      pair_petname: optStr,
-      again: flag,
-      chain: optChain,
-      forward: optional(record({ peer: str, task_id: str, question: str })),
-    }),
-  sent: (o) => fields(o, { msg_id: str, via: strings }),
-  refused: (o) => fields(o, { msg_id: str, reason: (o, k) => optStr(o, k) ?? "refused by every bus" }),
-  resign: (o) => fields(o, { msg: message }),
-  expired: (o) => fields(o, { msg_id: str }),
-  in: (o) =>
-    fields(o, {
-      peer: str,
-      msg: message,
-      reply_session: optStr,
-      receipts: flag,
-      for_session: optStr,
-      chain: optChain,
-      declined: optStr,
-      relay: relayed,
-    }),
-  shown: (o) => fields(o, { item: str, via: oneOf(SHOWN_VIAS) }),
-  showing: (o) => fields(o, { items: strings }),
-  knock: (o) => fields(o, { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag }),
-  refusal: (o) => fields(o, { key: str, reason, detail: (o, k) => optStr(o, k) ?? "", invite: optStr }),
-  paired: (o) =>
-    fields(o, { key: str, how: oneOf(PAIR_OUTCOMES), petname: optStr, msg: optional(message), invite: optStr }),
-  owe: (o) => fields(o, { route: str, msg_id: str, reason, skew_ms: optInt, invite: optStr }),
-  receipt: (o) => fields(o, { peer: str, msg: message, lines: optional(listOf(int)) }),
-  moved: (o) => fields(o, { to: str }),
-  adopted: (o) => fields(o, { session: str, carried }),
-  carried: (o) => fields(o, { session: optStr, out: optional(carriedOut), item: optional(inboxItem) }),
-  checkpoint: (o) => fields(o, { archived: str, carried, remembered }),
-};
+/**
+ * Every record a session writes to its journal, by its tag `t`, and how it is read back: the schema's one description.
+ * Each has `at` too, the writer's clock (unix ms).
+ */
+const RECORDS = {
+  /**
+   * A message we signed: in the outbox until "sent" or "refused". `recipient`: its route (`key#session`, or a bare
+   * key); `again`: a re-send of one already sent, same msg_id (a knock repeated); `chain`: it opens a sub-task, the
+   * chain we signed for it; `forward`: it forwards a peer's question up the chain.
+   */
+  out: {
+    peer: (o, k) => optStr(o, k) ?? null,
+    recipient: str,
+    msg: message,
+    pair_petname: optStr,
+    again: flag,
+    chain: optChain,
+    forward: optional(record({ peer: str, task_id: str, question: str })),
+  },
+  /** At least one relay kept it; `via` names them. */
+  sent: { msg_id: str, via: strings },
+  /** Every relay refused it for good (a 4xx): never retried. */
+  refused: { msg_id: str, reason: (o, k) => optStr(o, k) ?? "refused by every bus" },
+  /** Re-signed before it would go stale at the recipient (same msg_id, so it still dedupes). */
+  resign: { msg: message },
+  /** Sent, past HELD_MAX_MS since it was signed, and no receipt came: no node of ours will show it now. */
+  expired: { msg_id: str },
+  /**
+   * Admitted from a peer (or another session of ours): unread until "shown". `reply_session`: the sender's session its
+   * unsigned reply_to named (routing only); `receipts`: its sender reads receipts; `for_session`: drained from an
+   * earlier session's route. `chain`: the verified chain of a request opening a sub-task; `declined`: why such a
+   * request was answered failed, never shown (too deep, a loop); `relay`: passed along the chain, shown as information.
+   */
+  in: {
+    peer: str,
+    msg: message,
+    reply_session: optStr,
+    receipts: flag,
+    for_session: optStr,
+    chain: optChain,
+    declined: optStr,
+    relay: relayed,
+  },
+  /**
+   * An inbox item handed to the model (pushed as a channel event, taken by check_inbox or `wait`, queued as a Codex
+   * turn), or "superseded": an update a newer message on its task made moot, never shown.
+   */
+  shown: { item: str, via: oneOf(SHOWN_VIAS) },
+  /** Inbox items about to be shown, written before the answer: one without its "shown" after a crash was perhaps seen. */
+  showing: { items: strings },
+  /**
+   * A stranger asked to pair: held for the operator, only what is shown kept, never its text. `reply_to`: the asking
+   * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
+   */
+  knock: { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag },
+  /**
+   * A sender's first refusal for a reason worth the operator's attention (repeats are counted in memory); `invite`:
+   * the invite of ours it was about (see refusedInvite).
+   */
+  refusal: { key: str, reason, detail: (o, k) => optStr(o, k) ?? "", invite: optStr },
+  /**
+   * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
+   * "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
+   */
+  paired: { key: str, how: oneOf(PAIR_OUTCOMES), petname: optStr, msg: optional(message), invite: optStr },
+  /** A message refused by the gate (or `invite`, ours), reported to its sender by a receipt (to `route`) still owed. */
+  owe: { route: str, msg_id: str, reason, skew_ms: optInt, invite: optStr },
+  /** A peer's receipt that told us something new; `lines`: which reports of its text (indexes) were new. */
+  receipt: { peer: str, msg: message, lines: optional(listOf(int)) },
+  /** In an ended session's journal: everything it still had to do now belongs to session `to`. */
+  moved: { to: str },
+  /** An ended session's unfinished state, taken over (then "moved" is written there); messages follow as "carried". */
+  adopted: { session: str, carried },
+  /**
+   * One message carried over, in the same write as its checkpoint or "adopted" record (naming `session`): `out`, an
+   * outbox entry or a sent message whose receipts may still come; `item`, an unread inbox item.
+   */
+  carried: { session: optStr, out: optional(carriedOut), item: optional(inboxItem) },
+  /**
+   * The first record of a rolled-over journal (see Journal.roll): this session's state when the earlier records went
+   * to the archive `archived` (log-<ms>.jsonl beside it), which history readers go on to read.
+   */
+  checkpoint: { archived: str, carried, remembered },
+} satisfies { [tag: string]: { [field: string]: Field<unknown> } };
+
+type RecordTag = keyof typeof RECORDS;
+type JournalRecord = { [T in RecordTag]: { t: T; at: number } & Decoded<(typeof RECORDS)[T]> }[RecordTag];
+type RecordOf<T extends RecordTag> = Extract<JournalRecord, { t: T }>;
+
+/** A record as a writer hands it over: the journal stamps `at`. */
+type NewRecord = JournalRecord extends infer R ? R extends JournalRecord ? Omit<R, "at"> : never : never;
 
 /**
  * A record in one of interlink.ts 0.4.0's shapes: an "in" without a peer or shown by push, a "shown" naming sender and
@@ -3342,11 +3255,11 @@ function upgradeNeeded(what: string, stateDir: string): InterlinkError {
 /** A journal line's records (one: a line of interlink.ts 0.4.0 could hold two, which its upgrade splits), or why not. */
 function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
   const t = String(raw.t) as RecordTag;
-  if (!Object.hasOwn(RECORD_FIELDS, t)) {
+  if (!Object.hasOwn(RECORDS, t)) {
     throw new FormatError(`unknown record tag ${JSON.stringify(t.slice(0, 16))} (written by a newer interlink?)`);
   }
   const at = typeof raw.at === "number" && Number.isSafeInteger(raw.at) ? raw.at : 0;
-  return [{ t, at, ...RECORD_FIELDS[t](raw) } as JournalRecord];
+  return [{ t, at, ...fields(raw, RECORDS[t]) } as JournalRecord];
 }
 
 const encodeRecord = (r: JournalRecord): string => JSON.stringify(r);
@@ -3367,12 +3280,9 @@ function scanJournal(
     if (isOldShape(raw)) {
       throw upgradeNeeded(`${file} holds records of interlink.ts 0.4.0`, path.resolve(file, "../../.."));
     }
-    let records: JournalRecord[];
-    try {
-      records = decodeRecord(raw);
-    } catch (e) {
-      const line = JSON.stringify(raw);
-      return onBad(at, `a "${String(raw.t).slice(0, 16)}" record: ${(e as Error).message}`, line, end - at - 1);
+    const records = orWhy(() => decodeRecord(raw));
+    if (typeof records === "string") {
+      return onBad(at, `a "${String(raw.t).slice(0, 16)}" record: ${records}`, JSON.stringify(raw), end - at - 1);
     }
     for (const r of records) onRecord(r, at, end);
   }, onBad);
@@ -3389,13 +3299,10 @@ function recordedReports(r: RecordOf<"receipt">): ReceiptLine[] {
  * waits on it (what was asked, for whose operator (absent: ours), and the earlier session that asked it, if that one
  * ended before the answer came); `late`, its task closed already (the closing status); `unopened`, no task of it here.
  */
-function taskMarks(
-  tasks: ReadonlyMap<string, TaskRow>,
-  msg: SignedMessage,
-): Pick<Extract<InboxItem, { kind: "message" }>, "asked" | "late" | "unopened"> {
+function taskMarks(tasks: ReadonlyMap<string, TaskRow>, msg: SignedMessage) {
   if (msg.kind !== "message" || !msg.task_id) return {};
   const row = tasks.get(taskKey(msg.from, msg.task_id));
-  if (!row) return msg.status ? { unopened: true } : {};
+  if (!row) return msg.status ? { unopened: true as const } : {};
   const q = row.awaiting.find((q) => q.msg_id === msg.in_reply_to && q.asked_by === "me");
   const owner = row.owner ?? (row.requested_by === "peer" ? row.peer_key : undefined);
   const asked = q?.text !== undefined && { text: q.text, ...some("owner", owner), ...some("session", q.earlier) };
@@ -3866,9 +3773,7 @@ class NodeState {
   }
 
   get refusalNotices(): number {
-    let n = 0;
-    for (const item of this.inbox.values()) if (item.kind === "refusals") n++;
-    return n;
+    return [...this.inbox.values()].filter((item) => item.kind === "refusals").length;
   }
 
   /**
@@ -3935,10 +3840,6 @@ class NodeState {
     if (this.full.has(e.recipient)) return "full";
     const unconfirmed = this.unconfirmed.get(e.recipient)?.size ?? 0;
     return this.#windowed(e.msg.kind, e.msg.to) && unconfirmed >= SEND_WINDOW ? "window" : null;
-  }
-
-  held(e: OutEntry): boolean {
-    return this.waitsFor(e) !== null;
   }
 
   /**
@@ -6122,7 +6023,7 @@ class Agent {
     let entry = this.state.entry(msgId)!;
     const done = () => {
       entry = this.state.entry(msgId) ?? entry; // read again: a queued one is kept in memory once it is sent
-      if (!this.state.pending.has(msgId) || entry.attempts > 0 || this.state.held(entry)) return true;
+      if (!this.state.pending.has(msgId) || entry.attempts > 0 || this.state.waitsFor(entry)) return true;
       return this.#sendFailures > 0 || this.#unanswered || (this.#inFlight.size > 0 && !this.#inFlight.has(msgId));
     };
     await waitUntil(done, ms, (wake) => (this.#attempted.add(wake), () => this.#attempted.delete(wake)));
