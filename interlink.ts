@@ -4438,10 +4438,7 @@ const inviteState = (i: Invite, nowMs: number): InviteStatus | "expired" =>
 
 const decodeInvite = (v: unknown): Invite =>
   fields(obj(v, "an invite"), {
-    id: (o, k) => {
-      if (!/^[0-9a-f]{16}$/.test(str(o, k))) throw new FormatError(`"id" is not 16 hex digits`);
-      return o[k] as string;
-    },
+    id: is<string>((v) => typeof v === "string" && /^[0-9a-f]{16}$/.test(v), "not 16 hex digits"),
     secret: optStr,
     for: optStr,
     created: int,
@@ -4683,13 +4680,9 @@ interface InboundContext {
 
 /** Channel meta: keys [A-Za-z0-9_] (Claude Code drops others); values are quoted, so peer ids are escaped (attr). */
 function channelMeta(msg: SignedMessage, petname: string): Record<string, string> {
-  return {
-    sender: petname,
-    msg_id: attr(msg.msg_id),
-    ...(msg.task_id ? { task_id: attr(msg.task_id) } : {}),
-    ...(msg.status ? { status: msg.status } : {}),
-    ...(msg.in_reply_to ? { in_reply_to: attr(msg.in_reply_to) } : {}),
-  };
+  const { task_id, status, in_reply_to } = msg; // a status is one of STATUSES: attr leaves it as it is
+  const ids = Object.entries({ task_id, status, in_reply_to }).filter(([, v]) => v);
+  return { sender: petname, msg_id: attr(msg.msg_id), ...Object.fromEntries(ids.map(([k, v]) => [k, attr(v!)])) };
 }
 
 const attr = (v: string): string =>
@@ -5122,15 +5115,9 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       // reply_to is unsigned: it only ever names one of the sender's own sessions, and never decides trust.
       const session = parseRoute(receiptRoute(v.msg, ctx.replyTo)).session || undefined;
       const { logs, sends, ...marks } = planHops(v.msg, v.petname, ctx, session);
-      const record: NewRecord = {
-        t: "in",
-        peer: v.petname,
-        msg: v.msg,
-        ...some("reply_session", session),
-        ...(ctx.wantsReceipts ? { receipts: true } : {}),
-        ...some("for_session", ctx.forSession),
-        ...marks,
-      };
+      const receipts = ctx.wantsReceipts ? { receipts: true as const } : {};
+      const hints = { ...some("reply_session", session), ...receipts, ...some("for_session", ctx.forSession) };
+      const record: NewRecord = { t: "in", peer: v.petname, msg: v.msg, ...hints, ...marks };
       // The fold of its record makes its inbox item: the push shows that one.
       const push: Effect[] = canPush && !marks.declined
         ? [{ do: "push", id: messageKey(v.msg.from, v.msg.msg_id) }]
@@ -5189,29 +5176,21 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       return keep(v.msg, [record], [logEffect("info", line), ...(push ? [{ do: "push", id } as Effect] : [])]);
     }
     case "pair_accept": {
-      const [key, fp] = [v.msg.from, fingerprint(v.msg.from)];
+      const { msg } = v, key = msg.from, fp = fingerprint(key);
       const existing = ctx.peers.byKey.get(key);
       const knock = state.knocksOut.get(key);
-      const petname = existing ?? newPeerName(ctx.peers, key, knock?.petname, displayName(v.msg.text));
+      const petname = existing ?? newPeerName(ctx.peers, key, knock?.petname, displayName(msg.text));
       const event: PushEvent = {
         content: `Pairing complete: ${fp} accepted your request and is now the peer '${petname}'.`,
         meta: { sender: "interlink", kind: "pair_accept", fingerprint: fp },
       };
       // Our join through their invite: a notice (the operator ran `join` at a terminal).
-      const invite = knock?.invite;
-      const id = invite && pairedItem(key, invite);
+      const invite = knock?.invite, id = invite && pairedItem(key, invite);
       const shown: Effect[] = !canPush ? [] : id ? [{ do: "push", id }] : [{ do: "notify", event }];
-      const paired: NewRecord = {
-        t: "paired",
-        key,
-        how: "they_accepted",
-        petname,
-        msg: v.msg,
-        ...some("invite", invite),
-      };
+      const paired: NewRecord = { t: "paired", key, how: "they_accepted", petname, msg, ...some("invite", invite) };
       const added: Effect[] = existing ? [] : [{ do: "add_peer", petname, key }];
       const line = `${fp} accepted our pair request; added as '${petname}'`;
-      return [...added, ...keep(v.msg, [paired], [logEffect("info", line), ...shown])];
+      return [...added, ...keep(msg, [paired], [logEffect("info", line), ...shown])];
     }
   }
 }
@@ -5461,11 +5440,11 @@ function subTaskChain(
   // Task ids are the requester's: two peers may use one. Naming the wrong one would send its questions to the
   // wrong operator, so an id that several peers asked for (open or closed) needs its requester named.
   if (candidates.length > 1) {
-    const whose = candidates.map((t) => `${name(t.peer_key)} (${t.closed ? `closed, ${t.status}` : "open"})`).join(
-      ", ",
-    );
+    const whose = candidates.map((t) => `${name(t.peer_key)} (${t.closed ? `closed, ${t.status}` : "open"})`);
     throw new InterlinkError(
-      `several peers asked you for a task ${pid}: ${whose}; name the one this serves with parent_peer (send: --parent-peer)`,
+      `several peers asked you for a task ${pid}: ${
+        whose.join(", ")
+      }; name the one this serves with parent_peer (send: --parent-peer)`,
     );
   }
   const parent = candidates[0];
@@ -5503,13 +5482,8 @@ function subTaskChain(
       `delegation too deep: ${words}, limit ${limit} (--max-depth); do this part yourself, or tell ${from} it needs another way`,
     );
   }
-  return {
-    parent: parent.task_id,
-    requester: parent.peer_key,
-    owner: parent.owner ?? parent.peer_key,
-    depth: keys.length,
-    keys,
-  };
+  const owner = parent.owner ?? parent.peer_key;
+  return { parent: parent.task_id, requester: parent.peer_key, owner, depth: keys.length, keys };
 }
 
 /**
@@ -5573,14 +5547,9 @@ async function readRoster(
             const check = await checkAnnouncement(a);
             if ("error" in check) continue; // the bus verifies nothing we rely on: we do
             const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
-            const s: PeerSession = {
-              key: a.pubkey,
-              name: displayName(a.name),
-              session: check.layout === "0.8" && a.session?.session_id ? a.session : null,
-              legacy: check.layout === "0.4",
-              ageMs,
-              bus: relay.name,
-            };
+            const session = check.layout === "0.8" && a.session?.session_id ? a.session : null;
+            const [key, name, legacy] = [a.pubkey, displayName(a.name), check.layout === "0.4"];
+            const s: PeerSession = { key, name, session, legacy, ageMs, bus: relay.name };
             const route = s.session ? `${s.key}#${s.session.session_id}` : s.key;
             const prev = byRoute.get(route);
             if (!prev || prev.ageMs > ageMs) byRoute.set(route, s);
@@ -5827,11 +5796,8 @@ class Agent {
     loadPeers(cfg.peersFile); // fail at start-up on a bad allowlist, naming the file
     const dir = sessionDir(cfg.stateDir, cfg.session);
     // interlink.ts 0.4.0's journal and inbox cursor (its records in a journal stop the fold below): see upgradeNeeded.
-    const left = [
-      path.join(cfg.stateDir, "log.jsonl"),
-      path.join(cfg.stateDir, "inbox.cursor"),
-      path.join(dir, "inbox.cursor"),
-    ].find((f) => fs.existsSync(f));
+    const left = [[cfg.stateDir, "log.jsonl"], [cfg.stateDir, "inbox.cursor"], [dir, "inbox.cursor"]]
+      .map(([d, f]) => path.join(d, f)).find((f) => fs.existsSync(f));
     if (left) throw upgradeNeeded(`${left} was written by interlink.ts 0.4.0`, cfg.stateDir);
     fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
     const lockFile = path.join(dir, "agent.lock");
@@ -6162,7 +6128,6 @@ class Agent {
     logInfo(`${ids.length} message(s) sent over 30 days ago were never confirmed: told as expired`);
     if (this.push === null || this.cfg.delivery !== "channel") return this.onInbox?.();
     await this.#pushItems(ids.map((id) => `bounced ${id}`));
-    await this.journal.sync();
   }
 
   async #endedLoop(): Promise<void> {
@@ -6184,9 +6149,7 @@ class Agent {
 
   /** In channel mode, pushes once what came another way (adopted, or unread at the start). */
   async #showWaiting(): Promise<void> {
-    if (this.push === null || this.cfg.delivery !== "channel") return;
-    await this.#pushItems([...this.state.inbox.keys()]);
-    await this.journal.sync();
+    if (this.push !== null && this.cfg.delivery === "channel") await this.#pushItems([...this.state.inbox.keys()]);
   }
 
   /**
@@ -6200,7 +6163,7 @@ class Agent {
     return run;
   }
 
-  /** Pushes these inbox items, each recorded shown, each in a turn of its own if still unread by then. */
+  /** Pushes these inbox items, each recorded shown, each in a turn of its own if still unread by then; then syncs. */
   async #pushItems(ids: string[]): Promise<void> {
     for (const id of ids) {
       await this.inTurn(async () => {
@@ -6212,6 +6175,7 @@ class Agent {
         this.journal.append([{ t: "shown", item: id, via: "push" }]);
       });
     }
+    await this.journal.sync();
   }
 
   // -- sending ---------------------------------------------------------------
@@ -6502,10 +6466,7 @@ class Agent {
       }
     } finally {
       lock.release();
-      if (pushes.length) { // what was admitted before a failure, too
-        await this.#pushItems(pushes);
-        await this.journal.sync();
-      }
+      if (pushes.length) await this.#pushItems(pushes); // what was admitted before a failure, too
     }
     return verdicts;
   }
@@ -6526,20 +6487,11 @@ class Agent {
       : undefined;
     // So is a chain's signature (see "Delegation across hops").
     const chain = v.verdict === "deliver" && p.chain !== undefined ? await judgeChain(p.chain, v.msg) : undefined;
-    const effects = planInbound(v, {
-      state: this.state,
-      peers,
-      canPush: this.push !== null && this.cfg.delivery === "channel",
-      nowMs,
-      ...(replyTo ? { replyTo } : {}),
-      wantsReceipts: p.receipts === true,
-      selfKey: this.id.publicKey,
-      ...some("forSession", forSession),
-      ...some("invite", invite),
-      ...some("chain", chain),
-      maxDepth: this.cfg.maxDepth ?? DEFAULT_MAX_DEPTH,
-      selfName: this.cfg.name,
-    });
+    const canPush = this.push !== null && this.cfg.delivery === "channel";
+    const node = { selfKey: this.id.publicKey, selfName: this.cfg.name, ...some("maxDepth", this.cfg.maxDepth) };
+    const said = { ...some("replyTo", replyTo), wantsReceipts: p.receipts === true, ...some("forSession", forSession) };
+    const judged = { ...some("invite", invite), ...some("chain", chain) };
+    const effects = planInbound(v, { state: this.state, peers, canPush, nowMs, ...node, ...said, ...judged });
     return { verdict: v, effects };
   }
 
