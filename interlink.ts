@@ -4561,10 +4561,7 @@ async function revokeInvite(stateDir: string, nowMs: number, which: string): Pro
   });
 }
 
-/**
- * The one step, under the file's lock, that makes a first valid use win. The same key again (a crash before the ack,
- * or a join repeated) changes nothing; any other use fails, and the request is judged again when redelivered.
- */
+/** Under the lock, the first valid use wins; the same key again (a crash before the ack, a rejoin) changes nothing. */
 async function consumeInvite(
   stateDir: string,
   nowMs: number,
@@ -4851,18 +4848,8 @@ function itemMessage(
   peers: Peers,
 ): { peer: string; msg: SignedMessage; at: number; forSession?: string } {
   if (i.kind === "message") return i;
-  const { key: from, text, asked_at: ts, msg_id, task_id } = i;
-  const msg: SignedMessage = {
-    from,
-    to: "",
-    text,
-    ts,
-    msg_id,
-    kind: "message",
-    task_id,
-    status: "needs_input",
-    sig: "",
-  };
+  const { key: from, text, asked_at: ts, msg_id, task_id } = i, kind = "message", status = "needs_input";
+  const msg: SignedMessage = { from, to: "", text, ts, msg_id, kind, task_id, status, sig: "" };
   return { peer: peers.byKey.get(from) ?? fingerprint(from), msg, at: ts };
 }
 
@@ -5487,9 +5474,8 @@ function subTaskChain(
 }
 
 /**
- * The signed fields, then unsigned hints as in the reference: `reply_to` (our `key#session`, never trusted) names the
- * session to answer; `receipts` asks for receipts (on a knock: a refusal through an invite); a sub-task's chain is
- * signed on its own (chainBytes).
+ * The signed fields, then the reference's unsigned hints: `reply_to` (our `key#session`, never trusted), the session to
+ * answer; `receipts` (on a knock: a refusal through an invite); and a sub-task's chain, signed apart (chainBytes).
  */
 function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): object {
   const asks = msg.kind === "message" || msg.kind === "pair_request";
@@ -6612,11 +6598,8 @@ class Agent {
     const byPrefix = target.length >= 4 ? entries.filter((e) => e.key.startsWith(target)) : [];
     const found = [entries.filter((e) => e.key === target), byPrefix, entries.filter((e) => e.name === target)]
       .find((c) => c.length) ?? [];
-    if (found.length > 1) {
-      throw new InterlinkError(
-        `'${target}' matches ${found.length} roster entries; use more of the fingerprint or the full key`,
-      );
-    }
+    const several = `'${target}' matches ${found.length} roster entries; use more of the fingerprint or the full key`;
+    if (found.length > 1) throw new InterlinkError(several);
     const claimed = found[0]?.name;
     let key = found[0]?.key ?? this.peers().byName.get(target);
     try {
@@ -6713,26 +6696,17 @@ class Agent {
       if (!(e instanceof NoRelayAnswered)) throw e;
       rosterKnown = false; // no roster to look at: route by what we remember, and say so
     }
-    const nowMs = this.now();
-    const choice = chooseRoute({
-      key,
-      isSelf: key === this.id.publicKey,
-      hint,
-      taskSession,
-      sticky: this.state.sticky.get(key),
-      candidates: sessions.filter((s) => s.session),
-      legacy: sessions.some((s) => s.legacy),
-      mySession: this.cfg.session,
-      rosterKnown,
-      keyRead: !this.state.silent.has(key),
-      seen: (id) => this.#seenRoutes.has(`${key}#${id}`),
-      // A goodbye counts until that session announces itself again (a resumed session).
-      ended: (id) => {
-        const at = this.state.closed.get(`${key}#${id}`);
-        const s = sessions.find((x) => x.session?.session_id === id);
-        return at !== undefined && !(s && nowMs - s.ageMs > at);
-      },
-    });
+    const nowMs = this.now(), sticky = this.state.sticky.get(key), keyRead = !this.state.silent.has(key);
+    const seen = (id: string) => this.#seenRoutes.has(`${key}#${id}`);
+    // A goodbye counts until that session announces itself again (a resumed session).
+    const ended = (id: string) => {
+      const at = this.state.closed.get(`${key}#${id}`);
+      const s = sessions.find((x) => x.session?.session_id === id);
+      return at !== undefined && !(s && nowMs - s.ageMs > at);
+    };
+    const asked = { key, isSelf: key === this.id.publicKey, hint, taskSession, sticky, mySession: this.cfg.session };
+    const candidates = sessions.filter((s) => s.session), legacy = sessions.some((s) => s.legacy);
+    const choice = chooseRoute({ ...asked, candidates, legacy, rosterKnown, keyRead, seen, ended });
     if (!rosterKnown) choice.note += " (no bus answered; it waits in the outbox)";
     return choice;
   }
@@ -6790,8 +6764,7 @@ function planWake(
     if (isUpdate(i) && statusLater.has(task)) superseded.push(i.id);
     if (i.msg.status) statusLater.add(task);
   }
-  superseded.reverse();
-  const moot = new Set(superseded);
+  const moot = new Set(superseded.reverse()); // oldest first, as they came
   const shown = items.filter((i) => !moot.has(i.id));
   const blocks: string[] = [];
   let bytes = 0;
