@@ -4792,9 +4792,7 @@ function fitInbox(items: InboxItem[], peers: Peers): { text: string; shown: Inbo
 const MORE_WAITING = "\n\n(more unread messages wait: call check_inbox again)";
 
 /** Inbox items as the model reads them (check_inbox, `wait`): a notice says in our words that it is not a peer's. */
-function formatInbox(items: InboxItem[], peers: Peers): string {
-  return items.map((i) => formatItem(i, peers)).join("\n\n");
-}
+const formatInbox = (items: InboxItem[], peers: Peers): string => items.map((i) => formatItem(i, peers)).join("\n\n");
 
 function formatItem(i: InboxItem, peers: Peers): string {
   if (i.kind === "message" || i.kind === "waiting") {
@@ -5255,8 +5253,7 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   }
   const detail = v.detail.slice(0, 200);
   const record: NewRecord = { t: "refusal", key: v.msg.from, reason: v.reason, detail, ...some("invite", invite) };
-  const push: Effect[] = ctx.canPush ? [{ do: "push", id }] : [];
-  return [{ do: "append", records: [record] }, ...push, { do: "sync" }];
+  return [{ do: "append", records: [record] }, ...(ctx.canPush ? [{ do: "push", id } as Effect] : []), { do: "sync" }];
 }
 
 /**
@@ -5331,10 +5328,11 @@ function prepareSend(
   const { key, petname } = selfKey && input.to.trim().toLowerCase() === "self"
     ? { key: selfKey, petname: "self" }
     : resolvePeer(peers, input.to);
-  if (input.status !== undefined && !isTaskStatus(input.status)) {
-    throw new InterlinkError(`unknown status '${input.status}'; use one of: ${STATUSES.join(", ")}`);
+  const { task_id, status, in_reply_to } = input;
+  if (status !== undefined && !isTaskStatus(status)) {
+    throw new InterlinkError(`unknown status '${status}'; use one of: ${STATUSES.join(", ")}`);
   }
-  for (const [name, id] of [["task_id", input.task_id], ["in_reply_to", input.in_reply_to]] as const) {
+  for (const [name, id] of [["task_id", task_id], ["in_reply_to", in_reply_to]] as const) {
     const bad = id ? idProblem(id) : null;
     if (bad) throw new InterlinkError(`${name} ${JSON.stringify(id!.slice(0, 40))} ${bad}; use plain text`);
   }
@@ -5342,13 +5340,8 @@ function prepareSend(
   if (session !== undefined && !SESSION_RE.test(session.trim())) {
     throw new InterlinkError(`session '${session}' is not a session id (letters, digits, . _ -, at most 128)`);
   }
-  const draft: Draft = {
-    to: key,
-    text: input.text,
-    ...(input.task_id ? { task_id: input.task_id } : {}),
-    ...(input.status ? { status: input.status as TaskStatus } : {}),
-    ...(input.in_reply_to ? { in_reply_to: input.in_reply_to } : {}),
-  };
+  const given = { ...(task_id ? { task_id } : {}), ...(status ? { status } : {}) };
+  const draft: Draft = { to: key, text: input.text, ...given, ...(in_reply_to ? { in_reply_to } : {}) };
   const broken = lifecycleError(tasks, draft) ?? forwardedAnswer(peers, tasks, draft);
   if (broken) throw new InterlinkError(broken);
   const parentId = input.parent_task_id;
@@ -5386,8 +5379,7 @@ function outboxFull(state: NodeState, peers: Peers): string | null {
 function forwardedAnswer(peers: Peers, tasks: ReadonlyMap<string, TaskRow>, draft: Draft): string | null {
   if (!draft.in_reply_to) return null;
   for (const t of tasks.values()) {
-    const q = t.peer_key === draft.to ? t.awaiting.find((q) => q.msg_id === draft.in_reply_to) : undefined;
-    const f = q?.forwarded;
+    const f = (t.peer_key === draft.to ? t.awaiting.find((q) => q.msg_id === draft.in_reply_to) : undefined)?.forwarded;
     if (!f) continue;
     const owner = peers.byKey.get(f.to) ?? fingerprint(f.to);
     return `question ${draft.in_reply_to} was forwarded to ${owner} on task ${showId(f.task_id)} (as ${f.as}): ` +
@@ -5428,11 +5420,8 @@ function subTaskChain(
   // wrong operator, so an id that several peers asked for (open or closed) needs its requester named.
   if (candidates.length > 1) {
     const whose = candidates.map((t) => `${name(t.peer_key)} (${t.closed ? `closed, ${t.status}` : "open"})`);
-    throw new InterlinkError(
-      `several peers asked you for a task ${pid}: ${
-        whose.join(", ")
-      }; name the one this serves with parent_peer (send: --parent-peer)`,
-    );
+    const which = "name the one this serves with parent_peer (send: --parent-peer)";
+    throw new InterlinkError(`several peers asked you for a task ${pid}: ${whose.join(", ")}; ${which}`);
   }
   const parent = candidates[0];
   if (!parent) {
@@ -5565,9 +5554,8 @@ type PeerSession = {
 type Presence = "live" | "away" | "stale";
 
 /** "stale": away PRESENCE_STALE_MS or more, may be gone. */
-function presence(ageMs: number): Presence {
-  return ageMs < PRESENCE_LIVE_MS ? "live" : ageMs < PRESENCE_STALE_MS ? "away" : "stale";
-}
+const presence = (ageMs: number): Presence =>
+  ageMs < PRESENCE_LIVE_MS ? "live" : ageMs < PRESENCE_STALE_MS ? "away" : "stale";
 
 type RouteChoice = { recipient: string; session?: string; note: string };
 
