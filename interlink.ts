@@ -4504,8 +4504,7 @@ async function editInvites<T>(stateDir: string, nowMs: number, edit: (invites: I
   const file = invitesFile(stateDir);
   fs.mkdirSync(stateDir, { recursive: true, mode: 0o700 });
   return await withFileLock(file, "invites edit", () => {
-    const invites = readInvites(stateDir);
-    const result = edit(invites);
+    const invites = readInvites(stateDir), result = edit(invites);
     const spentAt = (i: Invite) => i.ended ?? i.expires;
     const spent = invites.filter((i) => inviteState(i, nowMs) !== "pending").sort((a, b) => spentAt(a) - spentAt(b));
     for (const i of spent) delete i.secret;
@@ -4553,8 +4552,7 @@ async function revokeInvite(stateDir: string, nowMs: number, which: string): Pro
     const pending = invites.filter((i) => inviteState(i, nowMs) === "pending").map((i) => i.id).join(", ");
     const why = matches.length ? `'${which}' matches several invites` : `no invite '${which}'`;
     if (matches.length !== 1) throw new InterlinkError(`${why}; pending: ${pending || "none"}`);
-    const invite = matches[0];
-    const state = inviteState(invite, nowMs);
+    const invite = matches[0], state = inviteState(invite, nowMs);
     if (state !== "pending") throw new InterlinkError(`invite ${invite.id} is ${state} already`);
     Object.assign(invite, { status: "revoked", ended: nowMs });
     return invite;
@@ -4607,8 +4605,7 @@ async function judgeInvite(
       ? { ok: true, invite }
       : no("invite_bad_proof", `the proof for invite ${invite.id} does not match this key and request`);
   }
-  const when = isoTime(invite.ended ?? invite.expires);
-  const by = invite.used_by ? fingerprint(invite.used_by) : "?";
+  const when = isoTime(invite.ended ?? invite.expires), by = invite.used_by ? fingerprint(invite.used_by) : "?";
   if (state === "used") return no("invite_used", `invite ${invite.id} was used by ${by} at ${when}`);
   if (state === "revoked") return no("invite_revoked", `invite ${invite.id} was revoked at ${when}`);
   return no("invite_expired", `invite ${invite.id} expired at ${when}`);
@@ -4817,8 +4814,7 @@ function itemNotes(i: MessageItem, peers: Peers): [string, string][] {
   }
   const sender = whoIs(peers, i.msg.from);
   if (i.relay) {
-    const { dir, task_id } = i.relay;
-    const to = whoIs(peers, i.relay.to);
+    const { dir, task_id } = i.relay, to = whoIs(peers, i.relay.to);
     const relayed = dir === "up"
       ? `forwarded by interlink to ${to} as a needs_input on task ${task_id}: their operator owns this work. Their answer comes back through you and goes on to ${sender} by itself; nothing for you or your operator to answer`
       : `the answer to a question interlink forwarded for ${to}: sent on to them on task ${task_id} by itself; nothing for you to do`;
@@ -4879,8 +4875,7 @@ function noticeText(i: Notice, peers: Peers): string {
   }
   const from = peer ? `your peer '${peer}' (${fp})` : `an unknown key ${fp}`;
   const [n, was] = i.count === 1 ? ["1 message", "was"] : [`${i.count} messages`, "were"];
-  const by = `${n} from ${from} ${was} refused: `;
-  const through = `${by}a request to pair through an invite`;
+  const by = `${n} from ${from} ${was} refused: `, through = `${by}a request to pair through an invite`;
   const why: Record<Refusal, string> = {
     not_allowlisted: `${by}not in your peers`,
     stale:
@@ -4902,8 +4897,7 @@ function noticeText(i: Notice, peers: Peers): string {
 
 function pushEvent(i: InboxItem, peers: Peers): PushEvent {
   if (i.kind === "message" || i.kind === "waiting") {
-    const { peer, msg, forSession } = itemMessage(i, peers);
-    const meta = channelMeta(msg, peer);
+    const { peer, msg, forSession } = itemMessage(i, peers), meta = channelMeta(msg, peer);
     if (forSession) meta.arrived_for = `your earlier session ${forSession}`;
     for (const [k, v] of itemNotes(i, peers)) meta[k] = attr(v);
     // `[task <id> · <status>] ` from signed fields, then the escaped text.
@@ -4951,10 +4945,8 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
   const { state, peers } = ctx;
   const out: Hops = { logs: [], sends: [] };
   if (msg.kind !== "message" || !msg.task_id) return out;
-  const me = ctx.selfKey ?? msg.to;
-  const row = state.tasks.get(taskKey(msg.from, msg.task_id));
-  const c = ctx.chain;
-  const fp = fingerprint(msg.from);
+  const me = ctx.selfKey ?? msg.to, row = state.tasks.get(taskKey(msg.from, msg.task_id));
+  const c = ctx.chain, fp = fingerprint(msg.from);
   if (!row && !msg.status) {
     if (c && !c.ok) {
       const line = `the chain on ${msg.msg_id} from ${fp} does not hold (${c.why}): its task is taken as a root task`;
@@ -5136,8 +5128,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
         ? " after your operator rejected it; not shown again for a day"
         : null;
       if (again) return [logEffect("info", `${fp} knocked again${again}`), { do: "ack" }];
-      const reply = ctx.replyTo ? receiptRoute(v.msg, ctx.replyTo) : key;
-      const already = ctx.peers.byKey.get(key);
+      const reply = ctx.replyTo ? receiptRoute(v.msg, ctx.replyTo) : key, already = ctx.peers.byKey.get(key);
       if (already !== undefined) {
         // A peer asks to pair (it lacks us: a one-sided pairing): our acceptance completes its side; ours is unchanged.
         const confirm: Effect = { do: "confirm_pair", key, msgId: msg_id, recipient: reply, petname: already };
@@ -5161,8 +5152,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       return keep(v.msg, [record], [logEffect("info", line), ...(push ? [{ do: "push", id } as Effect] : [])]);
     }
     case "pair_accept": {
-      const { msg } = v, key = msg.from, fp = fingerprint(key);
-      const existing = ctx.peers.byKey.get(key);
+      const { msg } = v, key = msg.from, fp = fingerprint(key), existing = ctx.peers.byKey.get(key);
       const knock = state.knocksOut.get(key);
       const petname = existing ?? newPeerName(ctx.peers, key, knock?.petname, displayName(msg.text));
       const event: PushEvent = {
@@ -5182,12 +5172,10 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
 
 /** A knock through a valid invite of ours: the invite is spent first, in one step, so a second use cannot slip in. */
 function admitInvited(v: Extract<Verdict, { verdict: "pair_request" }>, invite: Invite, ctx: InboundContext): Effect[] {
-  const key = v.msg.from;
-  const existing = ctx.peers.byKey.get(key);
+  const key = v.msg.from, existing = ctx.peers.byKey.get(key);
   const petname = existing ?? newPeerName(ctx.peers, key, invite.for, v.claimedName);
   const reply = ctx.replyTo ? receiptRoute(v.msg, ctx.replyTo) : key;
-  const id = pairedItem(key, invite.id);
-  const as = existing ? "already" : "added as";
+  const id = pairedItem(key, invite.id), as = existing ? "already" : "added as";
   const line = `${fingerprint(key)} (claims '${v.claimedName}') joined through invite ${invite.id}; ${as} '${petname}'`;
   const added: Effect[] = existing ? [] : [{ do: "add_peer", petname, key }];
   const shown: Effect[] = ctx.canPush && !ctx.state.wasShown(id) ? [{ do: "push", id }] : [];
@@ -5261,8 +5249,7 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
  * RECEIPT_REFUSALS_PER_HOUR per key (a relay replaying an old message costs one log line), never about a receipt.
  */
 function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
-  const msg = v.msg;
-  const { state, peers, nowMs } = ctx;
+  const msg = v.msg, { state, peers, nowMs } = ctx;
   const joining = msg?.kind === "pair_request" && parseInviteProof(msg.in_reply_to) !== null;
   if (!msg || (msg.kind !== "message" && !joining) || !ctx.wantsReceipts) return [];
   const hourAgo = nowMs - 60 * 60_000;
@@ -5447,8 +5434,7 @@ function subTaskChain(
     const as = existing.parent ? ` as a sub-task of ${showId(existing.parent.task_id)}` : ", not as a sub-task";
     throw new InterlinkError(`task ${task} with ${to} is open already${as}; a sub-task of ${pid} needs a new task_id`);
   }
-  const keys = [...(parent.chain ?? [parent.peer_key]), me];
-  const words = chainWords([...keys, draft.to], name);
+  const keys = [...(parent.chain ?? [parent.peer_key]), me], words = chainWords([...keys, draft.to], name);
   if (keys.includes(draft.to)) {
     throw new InterlinkError(`delegation loop: ${words}; ${name(draft.to)} is in this task's chain already`);
   }
@@ -5518,15 +5504,13 @@ async function readRoster(
           try {
             // Larger than our bus keeps (a hostile relay's, say): not read, so no one entry can fill what is shown.
             if (utf8Bytes(JSON.stringify(raw)) > ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) continue;
-            const a = parseAnnouncement(raw);
-            const check = await checkAnnouncement(a);
+            const a = parseAnnouncement(raw), check = await checkAnnouncement(a);
             if ("error" in check) continue; // the bus verifies nothing we rely on: we do
             const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
             const session = check.layout === "0.8" && a.session?.session_id ? a.session : null;
             const [key, name, legacy] = [a.pubkey, displayName(a.name), check.layout === "0.4"];
             const s: PeerSession = { key, name, session, legacy, ageMs, bus: relay.name };
-            const route = s.session ? `${s.key}#${s.session.session_id}` : s.key;
-            const prev = byRoute.get(route);
+            const route = s.session ? `${s.key}#${s.session.session_id}` : s.key, prev = byRoute.get(route);
             if (!prev || prev.ageMs > ageMs) byRoute.set(route, s);
           } catch {
             // malformed
@@ -5594,8 +5578,7 @@ function chooseRoute(p: {
   ended?: (session: string) => boolean; // that session said goodbye and has not been back since
   seen?: (session: string) => boolean; // it was on a roster before: missing now, it was unregistered or expired
 }): RouteChoice {
-  const { key } = p;
-  const known = p.rosterKnown ?? true;
+  const { key } = p, known = p.rosterKnown ?? true;
   const ended = (id: string) => p.ended?.(id) ?? false;
   const candidates = p.candidates.filter((c) => !ended(c.session!.session_id));
   const find = (id: string) => candidates.find((c) => c.session!.session_id === id);
@@ -6603,8 +6586,7 @@ class Agent {
     const where = to
       ? `to its session ${showId(to.session!.session_id)} (${presence(to.ageMs) === "live" ? "live" : "away"})`
       : "to its key (no session of it is on a roster: its next session reads it)";
-    const outstanding = this.state.knocksOut.get(key);
-    const earlier = outstanding && this.state.entry(outstanding.msgId);
+    const outstanding = this.state.knocksOut.get(key), earlier = outstanding && this.state.entry(outstanding.msgId);
     if (earlier && this.state.pending.has(earlier.msg.msg_id)) {
       return { key, claimed, already, note: `your earlier request ${earlier.msg.msg_id} is still in the outbox` };
     }
@@ -6688,8 +6670,7 @@ class Agent {
     const seen = (id: string) => this.#seenRoutes.has(`${key}#${id}`);
     // A goodbye counts until that session announces itself again (a resumed session).
     const ended = (id: string) => {
-      const at = this.state.closed.get(`${key}#${id}`);
-      const s = sessions.find((x) => x.session?.session_id === id);
+      const at = this.state.closed.get(`${key}#${id}`), s = sessions.find((x) => x.session?.session_id === id);
       return at !== undefined && !(s && nowMs - s.ageMs > at);
     };
     const asked = { key, isSelf: key === this.id.publicKey, hint, taskSession, sticky, mySession: this.cfg.session };
@@ -6840,8 +6821,7 @@ class CodexWaker {
     return await this.agent.inTurn(() =>
       withFileLock(path.join(journal.stateDir, "inbox"), "codex wake", async () => {
         journal.catchUp();
-        const unread = [...this.agent.state.inbox.values()];
-        const plan = planWake(unread, this.agent.peers());
+        const unread = [...this.agent.state.inbox.values()], plan = planWake(unread, this.agent.peers());
         this.#judged = this.#signature();
         if (!plan || (plan.notice && unread.every((i) => this.#noticed.has(i.id)))) return "idle";
         if (plan.shown.length) markShowing(journal, plan.shown);
