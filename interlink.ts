@@ -4404,13 +4404,12 @@ function onJournalChange(stateDir: string): (wake: () => void) => () => void {
 // Invites
 // ============================================================================
 //
-// `interlink.ts invite` files an invite in the state root's invites.json and prints a code; `join <code>` on the
-// other machine knocks with a proof of the code's secret, bound to its key and request (inviteProofBytes). The file
-// is replaced whole under its lock, 0600: a pending invite's secret is as sensitive as a key. An invite is pending
-// until used (under that lock: the first valid use wins), revoked or expired; its secret is then dropped, the rest kept
-// INVITE_KEPT_MS so a late request is told why. Every code names the node's door, one route for all invites
-// (`key#door-<random>`, one per state root), read by whichever process holds door.lock (a session, or `invite`), so a
-// knock is answered whenever anything of the node runs. (Earlier codes named a route per invite, `invite-<id>`.)
+// `interlink.ts invite` files an invite in the state root's invites.json (replaced whole under its lock, 0600: a
+// pending invite's secret is as sensitive as a key) and prints a code; `join <code>` on the other machine knocks with a
+// proof of the code's secret, bound to its key and request (inviteProofBytes). An invite is pending until used (the
+// first valid use wins), revoked or expired; then its secret is dropped, the rest kept INVITE_KEPT_MS so a late request
+// is told why. Every code names the node's door (`key#door-<random>`, one route per state root), read by whichever
+// process holds door.lock (a session, or `invite`), so a knock is answered whenever anything of the node runs.
 
 type InviteStatus = "pending" | "used" | "revoked";
 
@@ -4578,9 +4577,8 @@ async function consumeInvite(
 type InviteCheck = { ok: true; invite: Invite } | { ok: false; reason: InviteRefusal; detail: string };
 
 /**
- * Judges a knock whose in_reply_to names an invite: its proof must be the HMAC of inviteProofBytes under the pending
- * invite's secret, for its signer and msg_id. The key that used it passes again with the same request (a crash before
- * the ack) or as our peer (a join repeated). Pure but for WebCrypto's async HMAC: the agent runs it before planInbound.
+ * A knock naming an invite passes with the HMAC of inviteProofBytes (its signer and msg_id) under the pending invite's
+ * secret, or from the key that used it, with that request (a crash before the ack) or as our peer (a join repeated).
  */
 async function judgeInvite(
   invites: readonly Invite[],
@@ -4735,10 +4733,9 @@ function markShowing(journal: Journal, items: string[]): void {
 }
 
 /**
- * Takes unread inbox messages (oldest first), shows them, then records them shown, under a lock that concurrent `wait`s
- * and check_inbox take: each re-reads the journal under it; the "shown" records are durable before it is let go. A
- * crash in between shows them again, never loses one: marked as perhaps shown by the "showing" record written before
- * the answer. A session's own take turns: Agent.inTurn.
+ * Shows unread inbox messages (oldest first), then records them shown, under the lock `wait` and check_inbox take (each
+ * re-reads the journal under it; the "shown" records are durable before it is let go). A crash in between shows them
+ * again, never loses one: the "showing" record written first marks them perhaps shown. Within a session: Agent.inTurn.
  */
 async function claimInbox(from: Journal | string, limit: number, claim: Claim = {}): Promise<InboxItem[]> {
   const journal = typeof from === "string" ? new Journal(from, new NodeState()) : from;
@@ -4942,8 +4939,7 @@ function sendOnTask(t: TaskRow, draft: Omit<Draft, "to" | "task_id">, peers: Pee
 }
 
 function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, replySession?: string): Hops {
-  const { state, peers } = ctx;
-  const out: Hops = { logs: [], sends: [] };
+  const { state, peers } = ctx, out: Hops = { logs: [], sends: [] };
   if (msg.kind !== "message" || !msg.task_id) return out;
   const me = ctx.selfKey ?? msg.to, row = state.tasks.get(taskKey(msg.from, msg.task_id));
   const c = ctx.chain, fp = fingerprint(msg.from);
@@ -5458,13 +5454,11 @@ function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): ob
   return { ...msg, ...hints, ...(chain ? { chain } : {}) };
 }
 
-/**
- * Signs a checked send and appends it to the outbox durably: the one send path. The size check is on the JSON body
- * as every bus sees it (a control character takes six bytes escaped), so a message no bus would take is never queued.
- */
+/** Signs a checked send and appends it to the outbox durably: the one send path. */
 async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, nowMs: number): Promise<OutEntry> {
   const msg = await signMessage(id, p.draft, nowMs);
   const chain = p.chain ? await signChain(id, msg, p.chain) : undefined;
+  // Sized as every bus sees its JSON body (a control character takes six bytes escaped): none too big is queued.
   const payload = messagePayload(msg, `${id.publicKey}#${"x".repeat(128)}`, chain); // the longest reply_to
   const bytes = Buffer.byteLength(JSON.stringify({ to: p.recipient, payload }));
   if (bytes > BODY_LIMIT_BYTES) {
@@ -5546,13 +5540,8 @@ type RouteChoice = { recipient: string; session?: string; note: string };
 /** One line per candidate session, each field as its announcer wrote it, escaped. */
 function describeSessions(list: PeerSession[]): string {
   return list.map((s) => {
-    const info = s.session!;
-    const parts = [
-      showId(info.session_id),
-      info.cwd && escapePeerText(info.cwd, true),
-      info.git_root && `git:${escapePeerText(info.git_root, true)}`,
-      info.summary && `"${escapePeerText(info.summary, true)}"`,
-    ];
+    const { session_id: id, cwd, git_root: git, summary } = s.session!, esc = (v: string) => escapePeerText(v, true);
+    const parts = [showId(id), cwd && esc(cwd), git && `git:${esc(git)}`, summary && `"${esc(summary)}"`];
     const state = presence(s.ageMs) === "live" ? "live" : `away ${howLong(s.ageMs)}`;
     return `  - ${parts.filter(Boolean).join(" · ")} (${state})`;
   }).join("\n");
@@ -5584,14 +5573,12 @@ function chooseRoute(p: {
   const find = (id: string) => candidates.find((c) => c.session!.session_id === id);
   // Ended on evidence only: its goodbye, or a roster that listed it and no longer does. A hint never listed may not
   // have announced itself (yet, or on these relays): it stands. A remembered one on no roster is gone (or unannounced).
-  const gone = (id: string, remembered = false): string | null =>
-    ended(id)
-      ? "said goodbye"
-      : known && !find(id) && p.seen?.(id)
-      ? "is no longer on any roster"
-      : known && !find(id) && remembered && p.keyRead !== false
-      ? "is on no roster (it ended)"
-      : null;
+  const gone = (id: string, remembered = false): string | null => {
+    if (ended(id)) return "said goodbye";
+    if (!known || find(id)) return null;
+    if (p.seen?.(id)) return "is no longer on any roster";
+    return remembered && p.keyRead !== false ? "is on no roster (it ended)" : null;
+  };
   const live = candidates.filter((c) => presence(c.ageMs) === "live");
   const state = (id: string): string => {
     const c = find(id);
