@@ -4183,13 +4183,12 @@ function onJournalChange(stateDir: string): (wake: () => void) => () => void {
 // Invites
 // ============================================================================
 //
-// `interlink.ts invite` files an invite in the state root's invites.json and prints a code; `join <code>` on the
-// other machine knocks with a proof of the code's secret, bound to its key and request (inviteProofBytes). The file
-// is replaced whole under its lock, 0600: a pending invite's secret is as sensitive as a key. An invite is pending
-// until used (under that lock: the first valid use wins), revoked or expired; its secret is then dropped, the rest kept
-// INVITE_KEPT_MS so a late request is told why. Every code names the node's door, one route for all invites
-// (`key#door-<random>`, one per state root), read by whichever process holds door.lock (a session, or `invite`), so a
-// knock is answered whenever anything of the node runs. (Earlier codes named a route per invite, `invite-<id>`.)
+// `interlink.ts invite` files an invite in the state root's invites.json (replaced whole under its lock, 0600: a
+// pending invite's secret is as sensitive as a key) and prints a code; `join <code>` on the other machine knocks with a
+// proof of the code's secret, bound to its key and request (inviteProofBytes). An invite is pending until used (the
+// first valid use wins), revoked or expired; then its secret is dropped, the rest kept INVITE_KEPT_MS so a late request
+// is told why. Every code names the node's door (`key#door-<random>`, one route per state root), read by whichever
+// process holds door.lock (a session, or `invite`), so a knock is answered whenever anything of the node runs.
 
 type InviteStatus = "pending" | "used" | "revoked";
 
@@ -4217,10 +4216,7 @@ const inviteState = (i: Invite, nowMs: number): InviteStatus | "expired" =>
 
 const decodeInvite = (v: unknown): Invite =>
   fields(obj(v, "an invite"), {
-    id: (o, k) => {
-      if (!/^[0-9a-f]{16}$/.test(str(o, k))) throw new FormatError(`"id" is not 16 hex digits`);
-      return o[k] as string;
-    },
+    id: is<string>((v) => typeof v === "string" && /^[0-9a-f]{16}$/.test(v), "not 16 hex digits"),
     secret: optStr,
     for: optStr,
     created: int,
@@ -4286,8 +4282,7 @@ async function editInvites<T>(stateDir: string, nowMs: number, edit: (invites: I
   const file = invitesFile(stateDir);
   fs.mkdirSync(stateDir, { recursive: true, mode: 0o700 });
   return await withFileLock(file, "invites edit", () => {
-    const invites = readInvites(stateDir);
-    const result = edit(invites);
+    const invites = readInvites(stateDir), result = edit(invites);
     const spentAt = (i: Invite) => i.ended ?? i.expires;
     const spent = invites.filter((i) => inviteState(i, nowMs) !== "pending").sort((a, b) => spentAt(a) - spentAt(b));
     for (const i of spent) delete i.secret;
@@ -4335,18 +4330,14 @@ async function revokeInvite(stateDir: string, nowMs: number, which: string): Pro
     const pending = invites.filter((i) => inviteState(i, nowMs) === "pending").map((i) => i.id).join(", ");
     const why = matches.length ? `'${which}' matches several invites` : `no invite '${which}'`;
     if (matches.length !== 1) throw new InterlinkError(`${why}; pending: ${pending || "none"}`);
-    const invite = matches[0];
-    const state = inviteState(invite, nowMs);
+    const invite = matches[0], state = inviteState(invite, nowMs);
     if (state !== "pending") throw new InterlinkError(`invite ${invite.id} is ${state} already`);
     Object.assign(invite, { status: "revoked", ended: nowMs });
     return invite;
   });
 }
 
-/**
- * The one step, under the file's lock, that makes a first valid use win. The same key again (a crash before the ack,
- * or a join repeated) changes nothing; any other use fails, and the request is judged again when redelivered.
- */
+/** Under the lock, the first valid use wins; the same key again (a crash before the ack, a rejoin) changes nothing. */
 async function consumeInvite(
   stateDir: string,
   nowMs: number,
@@ -4365,9 +4356,8 @@ async function consumeInvite(
 type InviteCheck = { ok: true; invite: Invite } | { ok: false; reason: InviteRefusal; detail: string };
 
 /**
- * Judges a knock whose in_reply_to names an invite: its proof must be the HMAC of inviteProofBytes under the pending
- * invite's secret, for its signer and msg_id. The key that used it passes again with the same request (a crash before
- * the ack) or as our peer (a join repeated). Pure but for WebCrypto's async HMAC: the agent runs it before planInbound.
+ * A knock naming an invite passes with the HMAC of inviteProofBytes (its signer and msg_id) under the pending invite's
+ * secret, or from the key that used it, with that request (a crash before the ack) or as our peer (a join repeated).
  */
 async function judgeInvite(
   invites: readonly Invite[],
@@ -4392,8 +4382,7 @@ async function judgeInvite(
       ? { ok: true, invite }
       : no("invite_bad_proof", `the proof for invite ${invite.id} does not match this key and request`);
   }
-  const when = isoTime(invite.ended ?? invite.expires);
-  const by = invite.used_by ? fingerprint(invite.used_by) : "?";
+  const when = isoTime(invite.ended ?? invite.expires), by = invite.used_by ? fingerprint(invite.used_by) : "?";
   if (state === "used") return no("invite_used", `invite ${invite.id} was used by ${by} at ${when}`);
   if (state === "revoked") return no("invite_revoked", `invite ${invite.id} was revoked at ${when}`);
   return no("invite_expired", `invite ${invite.id} expired at ${when}`);
@@ -4462,13 +4451,9 @@ interface InboundContext {
 
 /** Channel meta: keys [A-Za-z0-9_] (Claude Code drops others); values are quoted, so peer ids are escaped (attr). */
 function channelMeta(msg: SignedMessage, petname: string): Record<string, string> {
-  return {
-    sender: petname,
-    msg_id: attr(msg.msg_id),
-    ...(msg.task_id ? { task_id: attr(msg.task_id) } : {}),
-    ...(msg.status ? { status: msg.status } : {}),
-    ...(msg.in_reply_to ? { in_reply_to: attr(msg.in_reply_to) } : {}),
-  };
+  const { task_id, status, in_reply_to } = msg; // a status is one of STATUSES: attr leaves it as it is
+  const ids = Object.entries({ task_id, status, in_reply_to }).filter(([, v]) => v);
+  return { sender: petname, msg_id: attr(msg.msg_id), ...Object.fromEntries(ids.map(([k, v]) => [k, attr(v!)])) };
 }
 
 const attr = (v: string): string =>
@@ -4527,10 +4512,9 @@ function markShowing(journal: Journal, items: string[]): void {
 }
 
 /**
- * Takes unread inbox messages (oldest first), shows them, then records them shown, under a lock that concurrent `wait`s
- * and check_inbox take: each re-reads the journal under it; the "shown" records are durable before it is let go. A
- * crash in between shows them again, never loses one: marked as perhaps shown by the "showing" record written before
- * the answer. A session's own take turns: Agent.inTurn.
+ * Shows unread inbox messages (oldest first), then records them shown, under the lock `wait` and check_inbox take (each
+ * re-reads the journal under it; the "shown" records are durable before it is let go). A crash in between shows them
+ * again, never loses one: the "showing" record written first marks them perhaps shown. Within a session: Agent.inTurn.
  */
 async function claimInbox(from: Journal | string, limit: number, claim: Claim = {}): Promise<InboxItem[]> {
   const journal = typeof from === "string" ? new Journal(from, new NodeState()) : from;
@@ -4581,9 +4565,7 @@ function fitInbox(items: InboxItem[], peers: Peers): { text: string; shown: Inbo
 const MORE_WAITING = "\n\n(more unread messages wait: call check_inbox again)";
 
 /** Inbox items as the model reads them (check_inbox, `wait`): a notice says in our words that it is not a peer's. */
-function formatInbox(items: InboxItem[], peers: Peers): string {
-  return items.map((i) => formatItem(i, peers)).join("\n\n");
-}
+const formatInbox = (items: InboxItem[], peers: Peers): string => items.map((i) => formatItem(i, peers)).join("\n\n");
 
 function formatItem(i: InboxItem, peers: Peers): string {
   if (i.kind === "message" || i.kind === "waiting") {
@@ -4608,8 +4590,7 @@ function itemNotes(i: MessageItem, peers: Peers): [string, string][] {
   }
   const sender = whoIs(peers, i.msg.from);
   if (i.relay) {
-    const { dir, task_id } = i.relay;
-    const to = whoIs(peers, i.relay.to);
+    const { dir, task_id } = i.relay, to = whoIs(peers, i.relay.to);
     const relayed = dir === "up"
       ? `forwarded by interlink to ${to} as a needs_input on task ${task_id}: their operator owns this work. Their answer comes back through you and goes on to ${sender} by itself; nothing for you or your operator to answer`
       : `the answer to a question interlink forwarded for ${to}: sent on to them on task ${task_id} by itself; nothing for you to do`;
@@ -4637,18 +4618,8 @@ function itemMessage(
   peers: Peers,
 ): { peer: string; msg: SignedMessage; at: number; forSession?: string } {
   if (i.kind === "message") return i;
-  const { key: from, text, asked_at: ts, msg_id, task_id } = i;
-  const msg: SignedMessage = {
-    from,
-    to: "",
-    text,
-    ts,
-    msg_id,
-    kind: "message",
-    task_id,
-    status: "needs_input",
-    sig: "",
-  };
+  const { key: from, text, asked_at: ts, msg_id, task_id } = i, kind = "message", status = "needs_input";
+  const msg: SignedMessage = { from, to: "", text, ts, msg_id, kind, task_id, status, sig: "" };
   return { peer: peers.byKey.get(from) ?? fingerprint(from), msg, at: ts };
 }
 
@@ -4680,8 +4651,7 @@ function noticeText(i: Notice, peers: Peers): string {
   }
   const from = peer ? `your peer '${peer}' (${fp})` : `an unknown key ${fp}`;
   const [n, was] = i.count === 1 ? ["1 message", "was"] : [`${i.count} messages`, "were"];
-  const by = `${n} from ${from} ${was} refused: `;
-  const through = `${by}a request to pair through an invite`;
+  const by = `${n} from ${from} ${was} refused: `, through = `${by}a request to pair through an invite`;
   const why: Record<Refusal, string> = {
     not_allowlisted: `${by}not in your peers`,
     stale:
@@ -4703,8 +4673,7 @@ function noticeText(i: Notice, peers: Peers): string {
 
 function pushEvent(i: InboxItem, peers: Peers): PushEvent {
   if (i.kind === "message" || i.kind === "waiting") {
-    const { peer, msg, forSession } = itemMessage(i, peers);
-    const meta = channelMeta(msg, peer);
+    const { peer, msg, forSession } = itemMessage(i, peers), meta = channelMeta(msg, peer);
     if (forSession) meta.arrived_for = `your earlier session ${forSession}`;
     for (const [k, v] of itemNotes(i, peers)) meta[k] = attr(v);
     // `[task <id> · <status>] ` from signed fields, then the escaped text.
@@ -4749,13 +4718,10 @@ function sendOnTask(t: TaskRow, draft: Omit<Draft, "to" | "task_id">, peers: Pee
 }
 
 function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, replySession?: string): Hops {
-  const { state, peers } = ctx;
-  const out: Hops = { logs: [], sends: [] };
+  const { state, peers } = ctx, out: Hops = { logs: [], sends: [] };
   if (msg.kind !== "message" || !msg.task_id) return out;
-  const me = ctx.selfKey ?? msg.to;
-  const row = state.tasks.get(taskKey(msg.from, msg.task_id));
-  const c = ctx.chain;
-  const fp = fingerprint(msg.from);
+  const me = ctx.selfKey ?? msg.to, row = state.tasks.get(taskKey(msg.from, msg.task_id));
+  const c = ctx.chain, fp = fingerprint(msg.from);
   if (!row && !msg.status) {
     if (c && !c.ok) {
       const line = `the chain on ${msg.msg_id} from ${fp} does not hold (${c.why}): its task is taken as a root task`;
@@ -4901,15 +4867,9 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       // reply_to is unsigned: it only ever names one of the sender's own sessions, and never decides trust.
       const session = parseRoute(receiptRoute(v.msg, ctx.replyTo)).session || undefined;
       const { logs, sends, ...marks } = planHops(v.msg, v.petname, ctx, session);
-      const record: NewRecord = {
-        t: "in",
-        peer: v.petname,
-        msg: v.msg,
-        ...some("reply_session", session),
-        ...(ctx.wantsReceipts ? { receipts: true } : {}),
-        ...some("for_session", ctx.forSession),
-        ...marks,
-      };
+      const receipts = ctx.wantsReceipts ? { receipts: true as const } : {};
+      const hints = { ...some("reply_session", session), ...receipts, ...some("for_session", ctx.forSession) };
+      const record: NewRecord = { t: "in", peer: v.petname, msg: v.msg, ...hints, ...marks };
       // The fold of its record makes its inbox item: the push shows that one.
       const push: Effect[] = canPush && !marks.declined
         ? [{ do: "push", id: messageKey(v.msg.from, v.msg.msg_id) }]
@@ -4943,8 +4903,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
         ? " after your operator rejected it; not shown again for a day"
         : null;
       if (again) return [logEffect("info", `${fp} knocked again${again}`), { do: "ack" }];
-      const reply = ctx.replyTo ? receiptRoute(v.msg, ctx.replyTo) : key;
-      const already = ctx.peers.byKey.get(key);
+      const reply = ctx.replyTo ? receiptRoute(v.msg, ctx.replyTo) : key, already = ctx.peers.byKey.get(key);
       if (already !== undefined) {
         // A peer asks to pair (it lacks us: a one-sided pairing): our acceptance completes its side; ours is unchanged.
         const confirm: Effect = { do: "confirm_pair", key, msgId: msg_id, recipient: reply, petname: already };
@@ -4968,41 +4927,30 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       return keep(v.msg, [record], [logEffect("info", line), ...(push ? [{ do: "push", id } as Effect] : [])]);
     }
     case "pair_accept": {
-      const [key, fp] = [v.msg.from, fingerprint(v.msg.from)];
-      const existing = ctx.peers.byKey.get(key);
+      const { msg } = v, key = msg.from, fp = fingerprint(key), existing = ctx.peers.byKey.get(key);
       const knock = state.knocksOut.get(key);
-      const petname = existing ?? newPeerName(ctx.peers, key, knock?.petname, displayName(v.msg.text));
+      const petname = existing ?? newPeerName(ctx.peers, key, knock?.petname, displayName(msg.text));
       const event: PushEvent = {
         content: `Pairing complete: ${fp} accepted your request and is now the peer '${petname}'.`,
         meta: { sender: "interlink", kind: "pair_accept", fingerprint: fp },
       };
       // Our join through their invite: a notice (the operator ran `join` at a terminal).
-      const invite = knock?.invite;
-      const id = invite && pairedItem(key, invite);
+      const invite = knock?.invite, id = invite && pairedItem(key, invite);
       const shown: Effect[] = !canPush ? [] : id ? [{ do: "push", id }] : [{ do: "notify", event }];
-      const paired: NewRecord = {
-        t: "paired",
-        key,
-        how: "they_accepted",
-        petname,
-        msg: v.msg,
-        ...some("invite", invite),
-      };
+      const paired: NewRecord = { t: "paired", key, how: "they_accepted", petname, msg, ...some("invite", invite) };
       const added: Effect[] = existing ? [] : [{ do: "add_peer", petname, key }];
       const line = `${fp} accepted our pair request; added as '${petname}'`;
-      return [...added, ...keep(v.msg, [paired], [logEffect("info", line), ...shown])];
+      return [...added, ...keep(msg, [paired], [logEffect("info", line), ...shown])];
     }
   }
 }
 
 /** A knock through a valid invite of ours: the invite is spent first, in one step, so a second use cannot slip in. */
 function admitInvited(v: Extract<Verdict, { verdict: "pair_request" }>, invite: Invite, ctx: InboundContext): Effect[] {
-  const key = v.msg.from;
-  const existing = ctx.peers.byKey.get(key);
+  const key = v.msg.from, existing = ctx.peers.byKey.get(key);
   const petname = existing ?? newPeerName(ctx.peers, key, invite.for, v.claimedName);
   const reply = ctx.replyTo ? receiptRoute(v.msg, ctx.replyTo) : key;
-  const id = pairedItem(key, invite.id);
-  const as = existing ? "already" : "added as";
+  const id = pairedItem(key, invite.id), as = existing ? "already" : "added as";
   const line = `${fingerprint(key)} (claims '${v.claimedName}') joined through invite ${invite.id}; ${as} '${petname}'`;
   const added: Effect[] = existing ? [] : [{ do: "add_peer", petname, key }];
   const shown: Effect[] = ctx.canPush && !ctx.state.wasShown(id) ? [{ do: "push", id }] : [];
@@ -5068,8 +5016,7 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   }
   const detail = v.detail.slice(0, 200);
   const record: NewRecord = { t: "refusal", key: v.msg.from, reason: v.reason, detail, ...some("invite", invite) };
-  const push: Effect[] = ctx.canPush ? [{ do: "push", id }] : [];
-  return [{ do: "append", records: [record] }, ...push, { do: "sync" }];
+  return [{ do: "append", records: [record] }, ...(ctx.canPush ? [{ do: "push", id } as Effect] : []), { do: "sync" }];
 }
 
 /**
@@ -5077,8 +5024,7 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
  * RECEIPT_REFUSALS_PER_HOUR per key (a relay replaying an old message costs one log line), never about a receipt.
  */
 function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
-  const msg = v.msg;
-  const { state, peers, nowMs } = ctx;
+  const msg = v.msg, { state, peers, nowMs } = ctx;
   const joining = msg?.kind === "pair_request" && parseInviteProof(msg.in_reply_to) !== null;
   if (!msg || (msg.kind !== "message" && !joining) || !ctx.wantsReceipts) return [];
   const hourAgo = nowMs - 60 * 60_000;
@@ -5144,10 +5090,11 @@ function prepareSend(
   const { key, petname } = selfKey && input.to.trim().toLowerCase() === "self"
     ? { key: selfKey, petname: "self" }
     : resolvePeer(peers, input.to);
-  if (input.status !== undefined && !isTaskStatus(input.status)) {
-    throw new InterlinkError(`unknown status '${input.status}'; use one of: ${STATUSES.join(", ")}`);
+  const { task_id, status, in_reply_to } = input;
+  if (status !== undefined && !isTaskStatus(status)) {
+    throw new InterlinkError(`unknown status '${status}'; use one of: ${STATUSES.join(", ")}`);
   }
-  for (const [name, id] of [["task_id", input.task_id], ["in_reply_to", input.in_reply_to]] as const) {
+  for (const [name, id] of [["task_id", task_id], ["in_reply_to", in_reply_to]] as const) {
     const bad = id ? idProblem(id) : null;
     if (bad) throw new InterlinkError(`${name} ${JSON.stringify(id!.slice(0, 40))} ${bad}; use plain text`);
   }
@@ -5155,13 +5102,8 @@ function prepareSend(
   if (session !== undefined && !SESSION_RE.test(session.trim())) {
     throw new InterlinkError(`session '${session}' is not a session id (letters, digits, . _ -, at most 128)`);
   }
-  const draft: Draft = {
-    to: key,
-    text: input.text,
-    ...(input.task_id ? { task_id: input.task_id } : {}),
-    ...(input.status ? { status: input.status as TaskStatus } : {}),
-    ...(input.in_reply_to ? { in_reply_to: input.in_reply_to } : {}),
-  };
+  const given = { ...(task_id ? { task_id } : {}), ...(status ? { status } : {}) };
+  const draft: Draft = { to: key, text: input.text, ...given, ...(in_reply_to ? { in_reply_to } : {}) };
   const broken = lifecycleError(tasks, draft) ?? forwardedAnswer(peers, tasks, draft);
   if (broken) throw new InterlinkError(broken);
   const parentId = input.parent_task_id;
@@ -5199,8 +5141,7 @@ function outboxFull(state: NodeState, peers: Peers): string | null {
 function forwardedAnswer(peers: Peers, tasks: ReadonlyMap<string, TaskRow>, draft: Draft): string | null {
   if (!draft.in_reply_to) return null;
   for (const t of tasks.values()) {
-    const q = t.peer_key === draft.to ? t.awaiting.find((q) => q.msg_id === draft.in_reply_to) : undefined;
-    const f = q?.forwarded;
+    const f = (t.peer_key === draft.to ? t.awaiting.find((q) => q.msg_id === draft.in_reply_to) : undefined)?.forwarded;
     if (!f) continue;
     const owner = peers.byKey.get(f.to) ?? fingerprint(f.to);
     return `question ${draft.in_reply_to} was forwarded to ${owner} on task ${showId(f.task_id)} (as ${f.as}): ` +
@@ -5240,12 +5181,9 @@ function subTaskChain(
   // Task ids are the requester's: two peers may use one. Naming the wrong one would send its questions to the
   // wrong operator, so an id that several peers asked for (open or closed) needs its requester named.
   if (candidates.length > 1) {
-    const whose = candidates.map((t) => `${name(t.peer_key)} (${t.closed ? `closed, ${t.status}` : "open"})`).join(
-      ", ",
-    );
-    throw new InterlinkError(
-      `several peers asked you for a task ${pid}: ${whose}; name the one this serves with parent_peer (send: --parent-peer)`,
-    );
+    const whose = candidates.map((t) => `${name(t.peer_key)} (${t.closed ? `closed, ${t.status}` : "open"})`);
+    const which = "name the one this serves with parent_peer (send: --parent-peer)";
+    throw new InterlinkError(`several peers asked you for a task ${pid}: ${whose.join(", ")}; ${which}`);
   }
   const parent = candidates[0];
   if (!parent) {
@@ -5271,8 +5209,7 @@ function subTaskChain(
     const as = existing.parent ? ` as a sub-task of ${showId(existing.parent.task_id)}` : ", not as a sub-task";
     throw new InterlinkError(`task ${task} with ${to} is open already${as}; a sub-task of ${pid} needs a new task_id`);
   }
-  const keys = [...(parent.chain ?? [parent.peer_key]), me];
-  const words = chainWords([...keys, draft.to], name);
+  const keys = [...(parent.chain ?? [parent.peer_key]), me], words = chainWords([...keys, draft.to], name);
   if (keys.includes(draft.to)) {
     throw new InterlinkError(`delegation loop: ${words}; ${name(draft.to)} is in this task's chain already`);
   }
@@ -5282,19 +5219,13 @@ function subTaskChain(
       `delegation too deep: ${words}, limit ${limit} (--max-depth); do this part yourself, or tell ${from} it needs another way`,
     );
   }
-  return {
-    parent: parent.task_id,
-    requester: parent.peer_key,
-    owner: parent.owner ?? parent.peer_key,
-    depth: keys.length,
-    keys,
-  };
+  const owner = parent.owner ?? parent.peer_key;
+  return { parent: parent.task_id, requester: parent.peer_key, owner, depth: keys.length, keys };
 }
 
 /**
- * The signed fields, then unsigned hints as in the reference: `reply_to` (our `key#session`, never trusted) names the
- * session to answer; `receipts` asks for receipts (on a knock: a refusal through an invite); a sub-task's chain is
- * signed on its own (chainBytes).
+ * The signed fields, then the reference's unsigned hints: `reply_to` (our `key#session`, never trusted), the session to
+ * answer; `receipts` (on a knock: a refusal through an invite); and a sub-task's chain, signed apart (chainBytes).
  */
 function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): object {
   const asks = msg.kind === "message" || msg.kind === "pair_request";
@@ -5302,13 +5233,11 @@ function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): ob
   return { ...msg, ...hints, ...(chain ? { chain } : {}) };
 }
 
-/**
- * Signs a checked send and appends it to the outbox durably: the one send path. The size check is on the JSON body
- * as every bus sees it (a control character takes six bytes escaped), so a message no bus would take is never queued.
- */
+/** Signs a checked send and appends it to the outbox durably: the one send path. */
 async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, nowMs: number): Promise<OutEntry> {
   const msg = await signMessage(id, p.draft, nowMs);
   const chain = p.chain ? await signChain(id, msg, p.chain) : undefined;
+  // Sized as every bus sees its JSON body (a control character takes six bytes escaped): none too big is queued.
   const payload = messagePayload(msg, `${id.publicKey}#${"x".repeat(128)}`, chain); // the longest reply_to
   const bytes = Buffer.byteLength(JSON.stringify({ to: p.recipient, payload }));
   if (bytes > BODY_LIMIT_BYTES) {
@@ -5348,20 +5277,13 @@ async function readRoster(
           try {
             // Larger than our bus keeps (a hostile relay's, say): not read, so no one entry can fill what is shown.
             if (utf8Bytes(JSON.stringify(raw)) > ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) continue;
-            const a = parseAnnouncement(raw);
-            const check = await checkAnnouncement(a);
+            const a = parseAnnouncement(raw), check = await checkAnnouncement(a);
             if ("error" in check) continue; // the bus verifies nothing we rely on: we do
             const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
-            const s: PeerSession = {
-              key: a.pubkey,
-              name: displayName(a.name),
-              session: check.layout === "0.8" && a.session?.session_id ? a.session : null,
-              legacy: check.layout === "0.4",
-              ageMs,
-              bus: relay.name,
-            };
-            const route = s.session ? `${s.key}#${s.session.session_id}` : s.key;
-            const prev = byRoute.get(route);
+            const session = check.layout === "0.8" && a.session?.session_id ? a.session : null;
+            const [key, name, legacy] = [a.pubkey, displayName(a.name), check.layout === "0.4"];
+            const s: PeerSession = { key, name, session, legacy, ageMs, bus: relay.name };
+            const route = s.session ? `${s.key}#${s.session.session_id}` : s.key, prev = byRoute.get(route);
             if (!prev || prev.ageMs > ageMs) byRoute.set(route, s);
           } catch {
             // malformed
@@ -5389,22 +5311,16 @@ type PeerSession = {
 type Presence = "live" | "away" | "stale";
 
 /** "stale": away PRESENCE_STALE_MS or more, may be gone. */
-function presence(ageMs: number): Presence {
-  return ageMs < PRESENCE_LIVE_MS ? "live" : ageMs < PRESENCE_STALE_MS ? "away" : "stale";
-}
+const presence = (ageMs: number): Presence =>
+  ageMs < PRESENCE_LIVE_MS ? "live" : ageMs < PRESENCE_STALE_MS ? "away" : "stale";
 
 type RouteChoice = { recipient: string; session?: string; note: string };
 
 /** One line per candidate session, each field as its announcer wrote it, escaped. */
 function describeSessions(list: PeerSession[]): string {
   return list.map((s) => {
-    const info = s.session!;
-    const parts = [
-      showId(info.session_id),
-      info.cwd && escapePeerText(info.cwd, true),
-      info.git_root && `git:${escapePeerText(info.git_root, true)}`,
-      info.summary && `"${escapePeerText(info.summary, true)}"`,
-    ];
+    const { session_id: id, cwd, git_root: git, summary } = s.session!, esc = (v: string) => escapePeerText(v, true);
+    const parts = [showId(id), cwd && esc(cwd), git && `git:${esc(git)}`, summary && `"${esc(summary)}"`];
     const state = presence(s.ageMs) === "live" ? "live" : `away ${howLong(s.ageMs)}`;
     return `  - ${parts.filter(Boolean).join(" · ")} (${state})`;
   }).join("\n");
@@ -5430,21 +5346,18 @@ function chooseRoute(p: {
   ended?: (session: string) => boolean; // that session said goodbye and has not been back since
   seen?: (session: string) => boolean; // it was on a roster before: missing now, it was unregistered or expired
 }): RouteChoice {
-  const { key } = p;
-  const known = p.rosterKnown ?? true;
+  const { key } = p, known = p.rosterKnown ?? true;
   const ended = (id: string) => p.ended?.(id) ?? false;
   const candidates = p.candidates.filter((c) => !ended(c.session!.session_id));
   const find = (id: string) => candidates.find((c) => c.session!.session_id === id);
   // Ended on evidence only: its goodbye, or a roster that listed it and no longer does. A hint never listed may not
   // have announced itself (yet, or on these relays): it stands. A remembered one on no roster is gone (or unannounced).
-  const gone = (id: string, remembered = false): string | null =>
-    ended(id)
-      ? "said goodbye"
-      : known && !find(id) && p.seen?.(id)
-      ? "is no longer on any roster"
-      : known && !find(id) && remembered && p.keyRead !== false
-      ? "is on no roster (it ended)"
-      : null;
+  const gone = (id: string, remembered = false): string | null => {
+    if (ended(id)) return "said goodbye";
+    if (!known || find(id)) return null;
+    if (p.seen?.(id)) return "is no longer on any roster";
+    return remembered && p.keyRead !== false ? "is on no roster (it ended)" : null;
+  };
   const live = candidates.filter((c) => presence(c.ageMs) === "live");
   const state = (id: string): string => {
     const c = find(id);
@@ -5606,11 +5519,8 @@ class Agent {
     loadPeers(cfg.peersFile); // fail at start-up on a bad allowlist, naming the file
     const dir = sessionDir(cfg.stateDir, cfg.session);
     // interlink.ts 0.4.0's journal and inbox cursor (its records in a journal stop the fold below): see upgradeNeeded.
-    const left = [
-      path.join(cfg.stateDir, "log.jsonl"),
-      path.join(cfg.stateDir, "inbox.cursor"),
-      path.join(dir, "inbox.cursor"),
-    ].find((f) => fs.existsSync(f));
+    const left = [[cfg.stateDir, "log.jsonl"], [cfg.stateDir, "inbox.cursor"], [dir, "inbox.cursor"]]
+      .map(([d, f]) => path.join(d, f)).find((f) => fs.existsSync(f));
     if (left) throw upgradeNeeded(`${left} was written by interlink.ts 0.4.0`, cfg.stateDir);
     fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
     const lockFile = path.join(dir, "agent.lock");
@@ -5941,7 +5851,6 @@ class Agent {
     logInfo(`${ids.length} message(s) sent over 30 days ago were never confirmed: told as expired`);
     if (this.push === null || this.cfg.delivery !== "channel") return this.onInbox?.();
     await this.#pushItems(ids.map((id) => `bounced ${id}`));
-    await this.journal.sync();
   }
 
   async #endedLoop(): Promise<void> {
@@ -5963,9 +5872,7 @@ class Agent {
 
   /** In channel mode, pushes once what came another way (adopted, or unread at the start). */
   async #showWaiting(): Promise<void> {
-    if (this.push === null || this.cfg.delivery !== "channel") return;
-    await this.#pushItems([...this.state.inbox.keys()]);
-    await this.journal.sync();
+    if (this.push !== null && this.cfg.delivery === "channel") await this.#pushItems([...this.state.inbox.keys()]);
   }
 
   /**
@@ -5979,7 +5886,7 @@ class Agent {
     return run;
   }
 
-  /** Pushes these inbox items, each recorded shown, each in a turn of its own if still unread by then. */
+  /** Pushes these inbox items, each recorded shown, each in a turn of its own if still unread by then; then syncs. */
   async #pushItems(ids: string[]): Promise<void> {
     for (const id of ids) {
       await this.inTurn(async () => {
@@ -5991,6 +5898,7 @@ class Agent {
         this.journal.append([{ t: "shown", item: id, via: "push" }]);
       });
     }
+    await this.journal.sync();
   }
 
   // -- sending ---------------------------------------------------------------
@@ -6281,10 +6189,7 @@ class Agent {
       }
     } finally {
       lock.release();
-      if (pushes.length) { // what was admitted before a failure, too
-        await this.#pushItems(pushes);
-        await this.journal.sync();
-      }
+      if (pushes.length) await this.#pushItems(pushes); // what was admitted before a failure, too
     }
     return verdicts;
   }
@@ -6305,20 +6210,11 @@ class Agent {
       : undefined;
     // So is a chain's signature (see "Delegation across hops").
     const chain = v.verdict === "deliver" && p.chain !== undefined ? await judgeChain(p.chain, v.msg) : undefined;
-    const effects = planInbound(v, {
-      state: this.state,
-      peers,
-      canPush: this.push !== null && this.cfg.delivery === "channel",
-      nowMs,
-      ...(replyTo ? { replyTo } : {}),
-      wantsReceipts: p.receipts === true,
-      selfKey: this.id.publicKey,
-      ...some("forSession", forSession),
-      ...some("invite", invite),
-      ...some("chain", chain),
-      maxDepth: this.cfg.maxDepth ?? DEFAULT_MAX_DEPTH,
-      selfName: this.cfg.name,
-    });
+    const canPush = this.push !== null && this.cfg.delivery === "channel";
+    const node = { selfKey: this.id.publicKey, selfName: this.cfg.name, ...some("maxDepth", this.cfg.maxDepth) };
+    const said = { ...some("replyTo", replyTo), wantsReceipts: p.receipts === true, ...some("forSession", forSession) };
+    const judged = { ...some("invite", invite), ...some("chain", chain) };
+    const effects = planInbound(v, { state: this.state, peers, canPush, nowMs, ...node, ...said, ...judged });
     return { verdict: v, effects };
   }
 
@@ -6439,11 +6335,8 @@ class Agent {
     const byPrefix = target.length >= 4 ? entries.filter((e) => e.key.startsWith(target)) : [];
     const found = [entries.filter((e) => e.key === target), byPrefix, entries.filter((e) => e.name === target)]
       .find((c) => c.length) ?? [];
-    if (found.length > 1) {
-      throw new InterlinkError(
-        `'${target}' matches ${found.length} roster entries; use more of the fingerprint or the full key`,
-      );
-    }
+    const several = `'${target}' matches ${found.length} roster entries; use more of the fingerprint or the full key`;
+    if (found.length > 1) throw new InterlinkError(several);
     const claimed = found[0]?.name;
     let key = found[0]?.key ?? this.peers().byName.get(target);
     try {
@@ -6459,8 +6352,7 @@ class Agent {
     const where = to
       ? `to its session ${showId(to.session!.session_id)} (${presence(to.ageMs) === "live" ? "live" : "away"})`
       : "to its key (no session of it is on a roster: its next session reads it)";
-    const outstanding = this.state.knocksOut.get(key);
-    const earlier = outstanding && this.state.entry(outstanding.msgId);
+    const outstanding = this.state.knocksOut.get(key), earlier = outstanding && this.state.entry(outstanding.msgId);
     if (earlier && this.state.pending.has(earlier.msg.msg_id)) {
       return { key, claimed, already, note: `your earlier request ${earlier.msg.msg_id} is still in the outbox` };
     }
@@ -6540,26 +6432,16 @@ class Agent {
       if (!(e instanceof NoRelayAnswered)) throw e;
       rosterKnown = false; // no roster to look at: route by what we remember, and say so
     }
-    const nowMs = this.now();
-    const choice = chooseRoute({
-      key,
-      isSelf: key === this.id.publicKey,
-      hint,
-      taskSession,
-      sticky: this.state.sticky.get(key),
-      candidates: sessions.filter((s) => s.session),
-      legacy: sessions.some((s) => s.legacy),
-      mySession: this.cfg.session,
-      rosterKnown,
-      keyRead: !this.state.silent.has(key),
-      seen: (id) => this.#seenRoutes.has(`${key}#${id}`),
-      // A goodbye counts until that session announces itself again (a resumed session).
-      ended: (id) => {
-        const at = this.state.closed.get(`${key}#${id}`);
-        const s = sessions.find((x) => x.session?.session_id === id);
-        return at !== undefined && !(s && nowMs - s.ageMs > at);
-      },
-    });
+    const nowMs = this.now(), sticky = this.state.sticky.get(key), keyRead = !this.state.silent.has(key);
+    const seen = (id: string) => this.#seenRoutes.has(`${key}#${id}`);
+    // A goodbye counts until that session announces itself again (a resumed session).
+    const ended = (id: string) => {
+      const at = this.state.closed.get(`${key}#${id}`), s = sessions.find((x) => x.session?.session_id === id);
+      return at !== undefined && !(s && nowMs - s.ageMs > at);
+    };
+    const asked = { key, isSelf: key === this.id.publicKey, hint, taskSession, sticky, mySession: this.cfg.session };
+    const candidates = sessions.filter((s) => s.session), legacy = sessions.some((s) => s.legacy);
+    const choice = chooseRoute({ ...asked, candidates, legacy, rosterKnown, keyRead, seen, ended });
     if (!rosterKnown) choice.note += " (no bus answered; it waits in the outbox)";
     return choice;
   }
@@ -6617,8 +6499,7 @@ function planWake(
     if (isUpdate(i) && statusLater.has(task)) superseded.push(i.id);
     if (i.msg.status) statusLater.add(task);
   }
-  superseded.reverse();
-  const moot = new Set(superseded);
+  const moot = new Set(superseded.reverse()); // oldest first, as they came
   const shown = items.filter((i) => !moot.has(i.id));
   const blocks: string[] = [];
   let bytes = 0;
@@ -6706,8 +6587,7 @@ class CodexWaker {
     return await this.agent.inTurn(() =>
       withFileLock(path.join(journal.stateDir, "inbox"), "codex wake", async () => {
         journal.catchUp();
-        const unread = [...this.agent.state.inbox.values()];
-        const plan = planWake(unread, this.agent.peers());
+        const unread = [...this.agent.state.inbox.values()], plan = planWake(unread, this.agent.peers());
         this.#judged = this.#signature();
         if (!plan || (plan.notice && unread.every((i) => this.#noticed.has(i.id)))) return "idle";
         if (plan.shown.length) markShowing(journal, plan.shown);
