@@ -6967,15 +6967,13 @@ class CodexWaker {
 
 /** Tool argument schemas, declared once per tool: tools/list shows them and every call is checked against them. */
 const ARGS = {
-  /** A required, non-empty string. */
-  str: (description: string) => ({ type: "string", minLength: 1, description }),
+  str: (description: string) => ({ type: "string", minLength: 1, description }), // a required, non-empty string
   opt: (description: string) => ({ type: "string", description }),
   int: (description: string, minimum: number, maximum: number) => ({ type: "integer", minimum, maximum, description }),
   bool: (description: string) => ({ type: "boolean", description }),
   oneOf: (values: readonly [string, ...string[]], d: string) => ({ type: "string", enum: [...values], description: d }),
 };
 
-/** One tool argument's JSON Schema: what one of ARGS makes. */
 type ArgSchema = Partial<ReturnType<typeof ARGS.str> & ReturnType<typeof ARGS.int> & ReturnType<typeof ARGS.oneOf>>;
 
 /** Why `v` will not do for the argument `name`, in words a model can act on ("'text' is required (…)"), or null. */
@@ -7029,28 +7027,22 @@ function inboxAnswer(agent: Agent, unread: InboxItem[]): { text: string; shown: 
 
 /** What tools/list shows of a tool: its name, description, schema and hints, trust-changing ones marked as such. */
 function toolListing(t: ToolSpec): { name: string; description: string; inputSchema: object; annotations: object } {
-  return {
-    name: t.name,
-    description: (t.changesTrust ? "OPERATOR DECISION ONLY: " : "") + t.description,
-    inputSchema: toolSchema(t).inputSchema,
-    annotations: t.changesTrust ? { ...t.annotations, destructiveHint: true } : t.annotations,
-  };
+  const trust = t.changesTrust, annotations = trust ? { ...t.annotations, destructiveHint: true } : t.annotations;
+  const description = (trust ? "OPERATOR DECISION ONLY: " : "") + t.description;
+  return { name: t.name, description, inputSchema: toolSchema(t).inputSchema, annotations };
 }
 
 /** A tool's argument object (its declared arguments only); `problem`: every reason a call's will not do, or null. */
 function toolSchema(tool: ToolSpec): { inputSchema: object; problem(args: unknown): string | null } {
   const properties = tool.args?.(ARGS) ?? {}, names = Object.keys(properties);
   const required = names.filter((name) => properties[name].minLength);
-  const takes = names.join(", ") || "no arguments";
   return {
     inputSchema: { type: "object", properties, ...(required.length ? { required } : {}), additionalProperties: false },
     problem(given = {}) {
       if (!isObject(given)) return `${tool.name} takes an object of arguments`;
-      const unknown = Object.keys(given).filter((k) => !names.includes(k));
-      const why = [
-        ...names.map((name) => argProblem(name, properties[name], given[name])),
-        ...unknown.map((k) => `unknown argument '${k}'; ${tool.name} takes: ${takes}`),
-      ].filter((w) => w !== null);
+      const unknown = Object.keys(given).filter((k) => !names.includes(k)), takes = names.join(", ") || "no arguments";
+      const why = names.map((name) => argProblem(name, properties[name], given[name])).filter((w) => w !== null);
+      why.push(...unknown.map((k) => `unknown argument '${k}'; ${tool.name} takes: ${takes}`));
       return why.length ? why.join("; ") : null;
     },
   };
@@ -7121,11 +7113,8 @@ function describeTask(names: PeerNames, t: TaskRow, out?: ReadonlyMap<string, Ou
   // An owner other than who asked for the work is only that asker's word (its chain, or the parent task's).
   const asker = t.requested_by === "peer" ? t.peer_key : t.parent?.requester;
   const word = t.owner !== undefined && asker !== undefined && t.owner !== asker ? `, by ${name(asker)}'s word` : "";
-  const owner = t.owner !== undefined
-    ? `${name(t.owner)}'s operator${word}`
-    : t.requested_by === "peer"
-    ? `${peer}'s operator`
-    : "your operator";
+  const whose = t.owner !== undefined ? `${name(t.owner)}'s` : t.requested_by === "peer" ? `${peer}'s` : "your";
+  const owner = `${whose} operator${word}`;
   const session = t.peer_session ? ` (session ${showId(t.peer_session.slice(0, 12))})` : "";
   const chain = t.chain && [...t.chain.map(name), t.requested_by === "me" ? peer : "you"].join(" → ");
   const sub = t.parent && showId(t.parent.task_id), requester = t.parent && name(t.parent.requester);
@@ -7290,12 +7279,9 @@ const TOOLS: ToolSpec[] = [
       if (task.closed) throw new InterlinkError(closed);
       const text = opt(a, "reason") ?? "canceled", session = opt(a, "session");
       const sent = await agent.send({ to, text, task_id, status: "canceled", session });
-      const here = task.requested_by === "me"
-        ? `; ${nameOf(agent, key)}'s node cancels the sub-tasks it opened for it`
-        : sent.canceled.length
-        ? ""
-        : "; you had opened no sub-task for it";
-      return await sentAnswer(agent, sent, here);
+      const theirs = `; ${nameOf(agent, key)}'s node cancels the sub-tasks it opened for it`;
+      const none = sent.canceled.length ? "" : "; you had opened no sub-task for it";
+      return await sentAnswer(agent, sent, task.requested_by === "me" ? theirs : none);
     },
   },
   {
@@ -7380,9 +7366,8 @@ const TOOLS: ToolSpec[] = [
       // Those that will never be shown: refused by every bus or by the recipient, or expired (the last few, counted).
       const lost = [...agent.state.outgoing.values()].filter((e) => e.refused || e.refusedBy || e.expired);
       lines.push(...lost.slice(-PENDING_LISTED).map((e) => describeOut(e)));
-      if (lost.length > PENDING_LISTED) {
-        lines.push(`and ${lost.length - PENDING_LISTED} earlier that will never be shown`);
-      }
+      const earlier = lost.length - PENDING_LISTED;
+      if (earlier > 0) lines.push(`and ${earlier} earlier that will never be shown`);
       const kept = corruptFile(agent.journal.file);
       for (const d of damagedOutbox(agent.journal.file)) {
         const id = d.msgId ? ` (msg_id ${showId(d.msgId)})` : "";
@@ -7459,10 +7444,9 @@ const TOOLS: ToolSpec[] = [
         sessions = sessions.filter((s) => s.key === key);
       }
       // First what keeps this session from being found: a relay refused its announcement (see Agent.unlisted).
+      const again = `it tries again every ${ANNOUNCE_EVERY_MS / 1000} s`;
       const unlisted = [...agent.unlisted].map(([relay, why]) =>
-        `${UNLISTED} ${relay}: ${why}. Peers cannot find this session there (it tries again every ${
-          ANNOUNCE_EVERY_MS / 1000
-        } s); tell your operator.\n`
+        `${UNLISTED} ${relay}: ${why}. Peers cannot find this session there (${again}); tell your operator.\n`
       ).join("");
       if (!sessions.length) {
         return unlisted +
@@ -7599,10 +7583,7 @@ type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean
 /** A result's ToolAnswer.written, which the server calls once it has answered (or not) with that result. */
 const afterAnswer = new WeakMap<ToolResult, (ok: boolean) => void>();
 
-/**
- * A tool call answers within this long whatever a relay does (every relay call has its own deadline; this is the
- * net under them): Claude Code gives up on a call after a minute, and a model waiting that long helps nobody.
- */
+/** A tool call answers within this whatever a relay does: Claude Code gives up after a minute; waiting helps nobody. */
 const TOOL_DEADLINE_MS = 30_000;
 
 /** Runs one tool call; a failure is an isError result that says how far it got and what to do. */
