@@ -7702,13 +7702,17 @@ class JsonIdScanner {
   #lastKey = "";
   #expectValue = false;
   #capture: string | null = null; // the id's text so far, while it is read
-  /** The raw text of the top-level "id" (a string with its quotes, or a number); undefined if none or not scalar. */
+  /** The top-level "id" as it is echoed (see requestIdText); undefined if none, or not a string or an integer. */
   id: string | undefined;
 
   feed(text: string): void {
     for (const ch of text) {
+      // The id's text is taken to its closing quote, or (a number or a literal) to a delimiter.
+      if (this.#capture !== null && (this.#inString || !/[\s,}\]]/.test(ch))) {
+        this.#capture = this.#capture.length < MCP_ID_MAX_CHARS ? this.#capture + ch : "\0"; // too long: no id of ours
+        if (!this.#inString) continue;
+      } else if (this.#capture !== null) this.#finish();
       if (this.#inString) {
-        if (this.#capture !== null) this.#take(ch);
         if (this.#escaped) this.#escaped = false;
         else if (ch === "\\") this.#escaped = true;
         else if (ch === '"') {
@@ -7720,12 +7724,6 @@ class JsonIdScanner {
         if (this.#key !== null && this.#key.length < 3) this.#key += ch;
         continue;
       }
-      // A number (or a literal) ends at a delimiter.
-      if (this.#capture !== null && !/[\s,}\]]/.test(ch)) {
-        this.#take(ch);
-        continue;
-      }
-      if (this.#capture !== null) this.#finish();
       if (/\s/.test(ch)) continue;
       const value = this.#depth === 1 && this.#expectValue;
       this.#expectValue = false;
@@ -7746,12 +7744,12 @@ class JsonIdScanner {
     }
   }
 
-  #take(ch: string): void {
-    this.#capture = this.#capture!.length < MCP_ID_MAX_CHARS ? this.#capture + ch : "\0"; // too long: no id of ours
-  }
-
   #finish(): void {
-    this.id = this.#capture!.startsWith("\0") ? undefined : this.#capture!;
+    try {
+      this.id = requestIdText(JSON.parse(this.#capture!), this.#capture!);
+    } catch {
+      this.id = undefined; // not a value (or too long): answered with id null
+    }
     this.#capture = null;
   }
 }
@@ -7868,13 +7866,7 @@ class McpStdioServer {
   #tooLong(id: string | undefined): void {
     const limit = `${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters`, kib = TEXT_LIMIT_BYTES / 1024;
     logWarn(`a message from the client was over ${limit}: not read, answered -32600`);
-    let valid: string | undefined;
-    try {
-      valid = id === undefined ? undefined : requestIdText(JSON.parse(id), id);
-    } catch {
-      // not a value: answered with id null
-    }
-    this.#invalid(valid ?? null, `a message over ${limit} is not read (a tool's text is at most ${kib} KiB)`);
+    this.#invalid(id ?? null, `a message over ${limit} is not read (a tool's text is at most ${kib} KiB)`);
   }
 
   async #receive(line: string): Promise<void> {
@@ -7915,46 +7907,34 @@ class McpStdioServer {
     const request = `request ${keptText(id, 100)} (${keptText(method, 100)})`;
     const dropped = (how: string) => logInfo(`${request} ${how} after the client cancelled it: not answered`);
     this.#running.set(id, running);
+    let written: ((ok: boolean) => void) | undefined, heard = false; // a tool's ToolAnswer.written, and what it is told
     try {
       if (m.params !== undefined && !isObject(m.params)) throw new McpError("params must be an object");
       const params = (m.params ?? {}) as Record<string, unknown>;
       const modern = method !== "initialize" && this.#isModern(params._meta);
       if (modern && method !== "server/discover") this.#start();
       const result = await this.#answer(method, params, modern);
-      const written = result && afterAnswer.get(result as ToolResult);
-      if (running.cancelled) {
-        written?.(false);
-        return dropped("finished");
-      }
+      written = result ? afterAnswer.get(result as ToolResult) : undefined;
+      if (running.cancelled) return dropped("finished");
+      if (result === null) return void (await this.#fail(id, -32601, `Method not found: ${method}`));
       // A 2026 result says it is complete and who answers it (2026-07-28 makes both part of every result).
       const _meta = { [`${MCP_META}serverInfo`]: this.info };
-      const full = result && modern ? { ...result, resultType: "complete", _meta } : result;
-      if (full === null) await this.#fail(id, -32601, `Method not found: ${method}`);
-      else if (written) await this.#replyHeard(id, full, running, written);
-      else await this.#reply(id, { result: full });
+      await this.#reply(id, { result: modern ? { ...result, resultType: "complete", _meta } : result });
+      if (!written) return;
+      // A cancel may come while the answer is being written, or within the grace after it: then it was not taken.
+      heard = !running.cancelled && await new Promise<boolean>((resolve) => {
+        const timer = setTimeout(() => resolve(true), ANSWER_CANCEL_GRACE_MS);
+        running.onCancel = () => (clearTimeout(timer), resolve(false));
+      });
+      if (!heard) logInfo(`request ${keptText(id, 100)} was cancelled as it was answered: taken as not read`);
     } catch (e) {
       if (running.cancelled) return dropped("failed");
       if (e instanceof McpError) return void (await this.#fail(id, e.code, e.message, e.data));
       logWarn(`${method} failed: ${(e as Error).stack ?? e}`);
       await this.#fail(id, -32603, (e as Error).message).catch(() => {});
     } finally {
+      written?.(heard);
       if (this.#running.get(id) === running) this.#running.delete(id);
-    }
-  }
-
-  /** Answers with a result that waits to hear whether it was taken: not if a cancel crosses it (see ToolAnswer). */
-  async #replyHeard(id: string, result: object, running: Running, written: (ok: boolean) => void): Promise<void> {
-    let ok = false;
-    try {
-      await this.#reply(id, { result });
-      // A cancel may come while the answer is being written, or within the grace after it.
-      ok = !running.cancelled && await new Promise<boolean>((resolve) => {
-        const heard = setTimeout(() => resolve(true), ANSWER_CANCEL_GRACE_MS);
-        running.onCancel = () => (clearTimeout(heard), resolve(false));
-      });
-      if (!ok) logInfo(`request ${keptText(id, 100)} was cancelled as it was answered: taken as not read`);
-    } finally {
-      written(ok);
     }
   }
 
