@@ -7013,12 +7013,10 @@ function inboxAnswer(agent: Agent, unread: InboxItem[]): { text: string; shown: 
     return { text: text + (more ? MORE_WAITING : ""), shown };
   }
   if (agent.cfg.delivery === "inbox") return { text: "no unread messages", shown: [] };
-  // Channel mode: a Claude Code whose channels feature is off drops the events without a word; what was pushed
-  // in the last hour is listed, so nothing pushed is out of reach (within one answer's bound too).
+  // Channel mode: a Claude Code with channels off drops events unseen, so the last hour's pushed items are listed.
   const recent = [...agent.state.pushed.values()].filter((p) => agent.now() - p.at < 60 * 60_000).map((p) => p.item);
-  if (!recent.length) {
-    return { text: "no unread messages (delivery mode channel: messages arrive as channel events)", shown: [] };
-  }
+  const none = "no unread messages (delivery mode channel: messages arrive as channel events)";
+  if (!recent.length) return { text: none, shown: [] };
   const { text, more } = fitInbox(recent, agent.peers());
   const again = "listed again in case this session did not show them; if it did, they are not new";
   const pushed = `no unread messages. Pushed to you as channel events in the last hour (${again}):\n\n${text}`;
@@ -7048,7 +7046,6 @@ function toolSchema(tool: ToolSpec): { inputSchema: object; problem(args: unknow
   };
 }
 
-/** A string argument, undefined when absent or empty. */
 const opt = (args: Record<string, unknown>, key: string): string | undefined =>
   typeof args[key] === "string" && args[key] !== "" ? args[key] as string : undefined;
 
@@ -7448,10 +7445,8 @@ const TOOLS: ToolSpec[] = [
       const unlisted = [...agent.unlisted].map(([relay, why]) =>
         `${UNLISTED} ${relay}: ${why}. Peers cannot find this session there (${again}); tell your operator.\n`
       ).join("");
-      if (!sessions.length) {
-        return unlisted +
-          (want ? `no session of '${want}' is on the roster` : "nobody else is announced on the roster right now");
-      }
+      const nobody = "nobody else is announced on the roster right now";
+      if (!sessions.length) return unlisted + (want ? `no session of '${want}' is on the roster` : nobody);
       return unlisted + [...Map.groupBy(sessions, (s) => s.key)].map(([key, list]) => {
         const petname = agent.petnameOf(key);
         const who = key === agent.id.publicKey ? "this node (you)" : petname ? `peer '${petname}'` : "not a peer";
@@ -7613,10 +7608,7 @@ async function runTool(agent: Agent, tool: ToolSpec, a: Record<string, unknown>,
 /** Claude Code cuts server instructions past this many characters (2.1.197 logs "truncated from … to 2048"). */
 const INSTRUCTIONS_MAX_CHARS = 2048;
 
-/**
- * What the model is told at connect: every rule in a few words, per delivery mode, within INSTRUCTIONS_MAX_CHARS
- * (SKILL.md has the detail). `notReady`: why interlink cannot work yet, for the operator.
- */
+/** What the model is told at connect, within INSTRUCTIONS_MAX_CHARS (SKILL.md has the rest); `notReady`: why not. */
 function serverInstructions(delivery: Delivery, notReady?: string, host: Host = "claude"): string {
   if (notReady) {
     return `interlink (peer-to-peer messaging between coding-agent sessions) is NOT ready: ${notReady}
@@ -7762,10 +7754,7 @@ function requestIdText(value: unknown, raw: string | undefined): string | undefi
   return /^-?\d+$/.test(text) ? text : undefined;
 }
 
-/**
- * JSON text of a message to the client, every string in it through showInvisible first: whatever a tool quotes, no
- * hidden character reaches the model (see escapePeerText).
- */
+/** JSON text of a message to the client, every string through showInvisible: no hidden character reaches the model. */
 function mcpJson(message: object): string {
   const text = JSON.stringify(message);
   // Printable ASCII whose only escapes are \n, \t, \" and \\: no string in it holds a hidden character.
@@ -7774,12 +7763,11 @@ function mcpJson(message: object): string {
 }
 
 /**
- * The server side of MCP over stdio (JSON-RPC 2.0, one message per line), by hand: interlink needs five methods and
- * one notification out, and the SDK's server (zod and ajv) cost every session about 60 ms and 20 MB at its start, and
- * under Deno a fetch from npm. Requests run concurrently; answers and notifications are written whole, in order. The
- * envelope is held to JSON-RPC and MCP: a request whose `_meta` names its protocol version is served as 2026-07-28
- * says, one without as 2025-11-25 does (a dual-era server, as versioning.mdx allows); a notification, or a request the
- * client cancelled, is never answered; an id past 2^53 comes back exact.
+ * The server side of MCP over stdio (JSON-RPC 2.0, a message a line), by hand: interlink needs five methods and one
+ * notification out; the SDK's server (zod, ajv) cost every session about 60 ms and 20 MB at its start, and under Deno a
+ * fetch from npm. Requests run concurrently; answers and notifications are written whole, in order. A request whose
+ * `_meta` names its protocol version is served as 2026-07-28 says, one without as 2025-11-25 (a dual era, as
+ * versioning.mdx allows); a notification, or a cancelled request, is never answered; an id past 2^53 comes back exact.
  */
 class McpStdioServer {
   /** The client's name and version, from `initialize` or a 2026 request (Codex says "codex-mcp-client"). */
