@@ -6626,15 +6626,13 @@ class CodexWaker {
 
 /** Tool argument schemas, declared once per tool: tools/list shows them and every call is checked against them. */
 const ARGS = {
-  /** A required, non-empty string. */
-  str: (description: string) => ({ type: "string", minLength: 1, description }),
+  str: (description: string) => ({ type: "string", minLength: 1, description }), // a required, non-empty string
   opt: (description: string) => ({ type: "string", description }),
   int: (description: string, minimum: number, maximum: number) => ({ type: "integer", minimum, maximum, description }),
   bool: (description: string) => ({ type: "boolean", description }),
   oneOf: (values: readonly [string, ...string[]], d: string) => ({ type: "string", enum: [...values], description: d }),
 };
 
-/** One tool argument's JSON Schema: what one of ARGS makes. */
 type ArgSchema = Partial<ReturnType<typeof ARGS.str> & ReturnType<typeof ARGS.int> & ReturnType<typeof ARGS.oneOf>>;
 
 /** Why `v` will not do for the argument `name`, in words a model can act on ("'text' is required (…)"), or null. */
@@ -6674,12 +6672,10 @@ function inboxAnswer(agent: Agent, unread: InboxItem[]): { text: string; shown: 
     return { text: text + (more ? MORE_WAITING : ""), shown };
   }
   if (agent.cfg.delivery === "inbox") return { text: "no unread messages", shown: [] };
-  // Channel mode: a Claude Code whose channels feature is off drops the events without a word; what was pushed
-  // in the last hour is listed, so nothing pushed is out of reach (within one answer's bound too).
+  // Channel mode: a Claude Code with channels off drops events unseen, so the last hour's pushed items are listed.
   const recent = [...agent.state.pushed.values()].filter((p) => agent.now() - p.at < 60 * 60_000).map((p) => p.item);
-  if (!recent.length) {
-    return { text: "no unread messages (delivery mode channel: messages arrive as channel events)", shown: [] };
-  }
+  const none = "no unread messages (delivery mode channel: messages arrive as channel events)";
+  if (!recent.length) return { text: none, shown: [] };
   const { text, more } = fitInbox(recent, agent.peers());
   const again = "listed again in case this session did not show them; if it did, they are not new";
   const pushed = `no unread messages. Pushed to you as channel events in the last hour (${again}):\n\n${text}`;
@@ -6688,34 +6684,27 @@ function inboxAnswer(agent: Agent, unread: InboxItem[]): { text: string; shown: 
 
 /** What tools/list shows of a tool: its name, description, schema and hints, trust-changing ones marked as such. */
 function toolListing(t: ToolSpec): { name: string; description: string; inputSchema: object; annotations: object } {
-  return {
-    name: t.name,
-    description: (t.changesTrust ? "OPERATOR DECISION ONLY: " : "") + t.description,
-    inputSchema: toolSchema(t).inputSchema,
-    annotations: t.changesTrust ? { ...t.annotations, destructiveHint: true } : t.annotations,
-  };
+  const trust = t.changesTrust, annotations = trust ? { ...t.annotations, destructiveHint: true } : t.annotations;
+  const description = (trust ? "OPERATOR DECISION ONLY: " : "") + t.description;
+  return { name: t.name, description, inputSchema: toolSchema(t).inputSchema, annotations };
 }
 
 /** A tool's argument object (its declared arguments only); `problem`: every reason a call's will not do, or null. */
 function toolSchema(tool: ToolSpec): { inputSchema: object; problem(args: unknown): string | null } {
   const properties = tool.args?.(ARGS) ?? {}, names = Object.keys(properties);
   const required = names.filter((name) => properties[name].minLength);
-  const takes = names.join(", ") || "no arguments";
   return {
     inputSchema: { type: "object", properties, ...(required.length ? { required } : {}), additionalProperties: false },
     problem(given = {}) {
       if (!isObject(given)) return `${tool.name} takes an object of arguments`;
-      const unknown = Object.keys(given).filter((k) => !names.includes(k));
-      const why = [
-        ...names.map((name) => argProblem(name, properties[name], given[name])),
-        ...unknown.map((k) => `unknown argument '${k}'; ${tool.name} takes: ${takes}`),
-      ].filter((w) => w !== null);
+      const unknown = Object.keys(given).filter((k) => !names.includes(k)), takes = names.join(", ") || "no arguments";
+      const why = names.map((name) => argProblem(name, properties[name], given[name])).filter((w) => w !== null);
+      why.push(...unknown.map((k) => `unknown argument '${k}'; ${tool.name} takes: ${takes}`));
       return why.length ? why.join("; ") : null;
     },
   };
 }
 
-/** A string argument, undefined when absent or empty. */
 const opt = (args: Record<string, unknown>, key: string): string | undefined =>
   typeof args[key] === "string" && args[key] !== "" ? args[key] as string : undefined;
 
@@ -6780,11 +6769,8 @@ function describeTask(names: PeerNames, t: TaskRow, out?: ReadonlyMap<string, Ou
   // An owner other than who asked for the work is only that asker's word (its chain, or the parent task's).
   const asker = t.requested_by === "peer" ? t.peer_key : t.parent?.requester;
   const word = t.owner !== undefined && asker !== undefined && t.owner !== asker ? `, by ${name(asker)}'s word` : "";
-  const owner = t.owner !== undefined
-    ? `${name(t.owner)}'s operator${word}`
-    : t.requested_by === "peer"
-    ? `${peer}'s operator`
-    : "your operator";
+  const whose = t.owner !== undefined ? `${name(t.owner)}'s` : t.requested_by === "peer" ? `${peer}'s` : "your";
+  const owner = `${whose} operator${word}`;
   const session = t.peer_session ? ` (session ${showId(t.peer_session.slice(0, 12))})` : "";
   const chain = t.chain && [...t.chain.map(name), t.requested_by === "me" ? peer : "you"].join(" → ");
   const sub = t.parent && showId(t.parent.task_id), requester = t.parent && name(t.parent.requester);
@@ -6949,12 +6935,9 @@ const TOOLS: ToolSpec[] = [
       if (task.closed) throw new InterlinkError(closed);
       const text = opt(a, "reason") ?? "canceled", session = opt(a, "session");
       const sent = await agent.send({ to, text, task_id, status: "canceled", session });
-      const here = task.requested_by === "me"
-        ? `; ${nameOf(agent, key)}'s node cancels the sub-tasks it opened for it`
-        : sent.canceled.length
-        ? ""
-        : "; you had opened no sub-task for it";
-      return await sentAnswer(agent, sent, here);
+      const theirs = `; ${nameOf(agent, key)}'s node cancels the sub-tasks it opened for it`;
+      const none = sent.canceled.length ? "" : "; you had opened no sub-task for it";
+      return await sentAnswer(agent, sent, task.requested_by === "me" ? theirs : none);
     },
   },
   {
@@ -7039,9 +7022,8 @@ const TOOLS: ToolSpec[] = [
       // Those that will never be shown: refused by every bus or by the recipient, or expired (the last few, counted).
       const lost = [...agent.state.outgoing.values()].filter((e) => e.refused || e.refusedBy || e.expired);
       lines.push(...lost.slice(-PENDING_LISTED).map((e) => describeOut(e)));
-      if (lost.length > PENDING_LISTED) {
-        lines.push(`and ${lost.length - PENDING_LISTED} earlier that will never be shown`);
-      }
+      const earlier = lost.length - PENDING_LISTED;
+      if (earlier > 0) lines.push(`and ${earlier} earlier that will never be shown`);
       const kept = corruptFile(agent.journal.file);
       for (const d of damagedOutbox(agent.journal.file)) {
         const id = d.msgId ? ` (msg_id ${showId(d.msgId)})` : "";
@@ -7118,15 +7100,12 @@ const TOOLS: ToolSpec[] = [
         sessions = sessions.filter((s) => s.key === key);
       }
       // First what keeps this session from being found: a relay refused its announcement (see Agent.unlisted).
+      const again = `it tries again every ${ANNOUNCE_EVERY_MS / 1000} s`;
       const unlisted = [...agent.unlisted].map(([relay, why]) =>
-        `${UNLISTED} ${relay}: ${why}. Peers cannot find this session there (it tries again every ${
-          ANNOUNCE_EVERY_MS / 1000
-        } s); tell your operator.\n`
+        `${UNLISTED} ${relay}: ${why}. Peers cannot find this session there (${again}); tell your operator.\n`
       ).join("");
-      if (!sessions.length) {
-        return unlisted +
-          (want ? `no session of '${want}' is on the roster` : "nobody else is announced on the roster right now");
-      }
+      const nobody = "nobody else is announced on the roster right now";
+      if (!sessions.length) return unlisted + (want ? `no session of '${want}' is on the roster` : nobody);
       return unlisted + [...Map.groupBy(sessions, (s) => s.key)].map(([key, list]) => {
         const petname = agent.petnameOf(key);
         const who = key === agent.id.publicKey ? "this node (you)" : petname ? `peer '${petname}'` : "not a peer";
@@ -7258,10 +7237,7 @@ type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean
 /** A result's ToolAnswer.written, which the server calls once it has answered (or not) with that result. */
 const afterAnswer = new WeakMap<ToolResult, (ok: boolean) => void>();
 
-/**
- * A tool call answers within this long whatever a relay does (every relay call has its own deadline; this is the
- * net under them): Claude Code gives up on a call after a minute, and a model waiting that long helps nobody.
- */
+/** A tool call answers within this whatever a relay does: Claude Code gives up after a minute; waiting helps nobody. */
 const TOOL_DEADLINE_MS = 30_000;
 
 /** Runs one tool call; a failure is an isError result that says how far it got and what to do. */
@@ -7291,10 +7267,7 @@ async function runTool(agent: Agent, tool: ToolSpec, a: Record<string, unknown>,
 /** Claude Code cuts server instructions past this many characters (2.1.197 logs "truncated from … to 2048"). */
 const INSTRUCTIONS_MAX_CHARS = 2048;
 
-/**
- * What the model is told at connect: every rule in a few words, per delivery mode, within INSTRUCTIONS_MAX_CHARS
- * (SKILL.md has the detail). `notReady`: why interlink cannot work yet, for the operator.
- */
+/** What the model is told at connect, within INSTRUCTIONS_MAX_CHARS (SKILL.md has the rest); `notReady`: why not. */
 function serverInstructions(delivery: Delivery, notReady?: string, host: Host = "claude"): string {
   if (notReady) {
     return `interlink (peer-to-peer messaging between coding-agent sessions) is NOT ready: ${notReady}
@@ -7380,13 +7353,17 @@ class JsonIdScanner {
   #lastKey = "";
   #expectValue = false;
   #capture: string | null = null; // the id's text so far, while it is read
-  /** The raw text of the top-level "id" (a string with its quotes, or a number); undefined if none or not scalar. */
+  /** The top-level "id" as it is echoed (see requestIdText); undefined if none, or not a string or an integer. */
   id: string | undefined;
 
   feed(text: string): void {
     for (const ch of text) {
+      // The id's text is taken to its closing quote, or (a number or a literal) to a delimiter.
+      if (this.#capture !== null && (this.#inString || !/[\s,}\]]/.test(ch))) {
+        this.#capture = this.#capture.length < MCP_ID_MAX_CHARS ? this.#capture + ch : "\0"; // too long: no id of ours
+        if (!this.#inString) continue;
+      } else if (this.#capture !== null) this.#finish();
       if (this.#inString) {
-        if (this.#capture !== null) this.#take(ch);
         if (this.#escaped) this.#escaped = false;
         else if (ch === "\\") this.#escaped = true;
         else if (ch === '"') {
@@ -7398,12 +7375,6 @@ class JsonIdScanner {
         if (this.#key !== null && this.#key.length < 3) this.#key += ch;
         continue;
       }
-      // A number (or a literal) ends at a delimiter.
-      if (this.#capture !== null && !/[\s,}\]]/.test(ch)) {
-        this.#take(ch);
-        continue;
-      }
-      if (this.#capture !== null) this.#finish();
       if (/\s/.test(ch)) continue;
       const value = this.#depth === 1 && this.#expectValue;
       this.#expectValue = false;
@@ -7424,12 +7395,12 @@ class JsonIdScanner {
     }
   }
 
-  #take(ch: string): void {
-    this.#capture = this.#capture!.length < MCP_ID_MAX_CHARS ? this.#capture + ch : "\0"; // too long: no id of ours
-  }
-
   #finish(): void {
-    this.id = this.#capture!.startsWith("\0") ? undefined : this.#capture!;
+    try {
+      this.id = requestIdText(JSON.parse(this.#capture!), this.#capture!);
+    } catch {
+      this.id = undefined; // not a value (or too long): answered with id null
+    }
     this.#capture = null;
   }
 }
@@ -7442,10 +7413,7 @@ function requestIdText(value: unknown, raw: string | undefined): string | undefi
   return /^-?\d+$/.test(text) ? text : undefined;
 }
 
-/**
- * JSON text of a message to the client, every string in it through showInvisible first: whatever a tool quotes, no
- * hidden character reaches the model (see escapePeerText).
- */
+/** JSON text of a message to the client, every string through showInvisible: no hidden character reaches the model. */
 function mcpJson(message: object): string {
   const text = JSON.stringify(message);
   // Printable ASCII whose only escapes are \n, \t, \" and \\: no string in it holds a hidden character.
@@ -7454,12 +7422,11 @@ function mcpJson(message: object): string {
 }
 
 /**
- * The server side of MCP over stdio (JSON-RPC 2.0, one message per line), by hand: interlink needs five methods and
- * one notification out, and the SDK's server (zod and ajv) cost every session about 60 ms and 20 MB at its start, and
- * under Deno a fetch from npm. Requests run concurrently; answers and notifications are written whole, in order. The
- * envelope is held to JSON-RPC and MCP: a request whose `_meta` names its protocol version is served as 2026-07-28
- * says, one without as 2025-11-25 does (a dual-era server, as versioning.mdx allows); a notification, or a request the
- * client cancelled, is never answered; an id past 2^53 comes back exact.
+ * The server side of MCP over stdio (JSON-RPC 2.0, a message a line), by hand: interlink needs five methods and one
+ * notification out; the SDK's server (zod, ajv) cost every session about 60 ms and 20 MB at its start, and under Deno a
+ * fetch from npm. Requests run concurrently; answers and notifications are written whole, in order. A request whose
+ * `_meta` names its protocol version is served as 2026-07-28 says, one without as 2025-11-25 (a dual era, as
+ * versioning.mdx allows); a notification, or a cancelled request, is never answered; an id past 2^53 comes back exact.
  */
 class McpStdioServer {
   /** The client's name and version, from `initialize` or a 2026 request (Codex says "codex-mcp-client"). */
@@ -7546,13 +7513,7 @@ class McpStdioServer {
   #tooLong(id: string | undefined): void {
     const limit = `${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters`, kib = TEXT_LIMIT_BYTES / 1024;
     logWarn(`a message from the client was over ${limit}: not read, answered -32600`);
-    let valid: string | undefined;
-    try {
-      valid = id === undefined ? undefined : requestIdText(JSON.parse(id), id);
-    } catch {
-      // not a value: answered with id null
-    }
-    this.#invalid(valid ?? null, `a message over ${limit} is not read (a tool's text is at most ${kib} KiB)`);
+    this.#invalid(id ?? null, `a message over ${limit} is not read (a tool's text is at most ${kib} KiB)`);
   }
 
   async #receive(line: string): Promise<void> {
@@ -7593,46 +7554,34 @@ class McpStdioServer {
     const request = `request ${keptText(id, 100)} (${keptText(method, 100)})`;
     const dropped = (how: string) => logInfo(`${request} ${how} after the client cancelled it: not answered`);
     this.#running.set(id, running);
+    let written: ((ok: boolean) => void) | undefined, heard = false; // a tool's ToolAnswer.written, and what it is told
     try {
       if (m.params !== undefined && !isObject(m.params)) throw new McpError("params must be an object");
       const params = (m.params ?? {}) as Record<string, unknown>;
       const modern = method !== "initialize" && this.#isModern(params._meta);
       if (modern && method !== "server/discover") this.#start();
       const result = await this.#answer(method, params, modern);
-      const written = result && afterAnswer.get(result as ToolResult);
-      if (running.cancelled) {
-        written?.(false);
-        return dropped("finished");
-      }
+      written = result ? afterAnswer.get(result as ToolResult) : undefined;
+      if (running.cancelled) return dropped("finished");
+      if (result === null) return void (await this.#fail(id, -32601, `Method not found: ${method}`));
       // A 2026 result says it is complete and who answers it (2026-07-28 makes both part of every result).
       const _meta = { [`${MCP_META}serverInfo`]: this.info };
-      const full = result && modern ? { ...result, resultType: "complete", _meta } : result;
-      if (full === null) await this.#fail(id, -32601, `Method not found: ${method}`);
-      else if (written) await this.#replyHeard(id, full, running, written);
-      else await this.#reply(id, { result: full });
+      await this.#reply(id, { result: modern ? { ...result, resultType: "complete", _meta } : result });
+      if (!written) return;
+      // A cancel may come while the answer is being written, or within the grace after it: then it was not taken.
+      heard = !running.cancelled && await new Promise<boolean>((resolve) => {
+        const timer = setTimeout(() => resolve(true), ANSWER_CANCEL_GRACE_MS);
+        running.onCancel = () => (clearTimeout(timer), resolve(false));
+      });
+      if (!heard) logInfo(`request ${keptText(id, 100)} was cancelled as it was answered: taken as not read`);
     } catch (e) {
       if (running.cancelled) return dropped("failed");
       if (e instanceof McpError) return void (await this.#fail(id, e.code, e.message, e.data));
       logWarn(`${method} failed: ${(e as Error).stack ?? e}`);
       await this.#fail(id, -32603, (e as Error).message).catch(() => {});
     } finally {
+      written?.(heard);
       if (this.#running.get(id) === running) this.#running.delete(id);
-    }
-  }
-
-  /** Answers with a result that waits to hear whether it was taken: not if a cancel crosses it (see ToolAnswer). */
-  async #replyHeard(id: string, result: object, running: Running, written: (ok: boolean) => void): Promise<void> {
-    let ok = false;
-    try {
-      await this.#reply(id, { result });
-      // A cancel may come while the answer is being written, or within the grace after it.
-      ok = !running.cancelled && await new Promise<boolean>((resolve) => {
-        const heard = setTimeout(() => resolve(true), ANSWER_CANCEL_GRACE_MS);
-        running.onCancel = () => (clearTimeout(heard), resolve(false));
-      });
-      if (!ok) logInfo(`request ${keptText(id, 100)} was cancelled as it was answered: taken as not read`);
-    } finally {
-      written(ok);
     }
   }
 
