@@ -8507,9 +8507,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       // Codex has no channel: its sessions are woken by queued turns, and read the rest with check_inbox.
       const cfg = { ...prepared!.cfg, ...some("session", session), ...(codex ? { delivery: "inbox" as const } : {}) };
       const a = await Agent.open(cfg, SERVER_ROLE, { identity: prepared!.id, now: nodeClock(), host: on });
-      if (delivery === "channel" && !codex) {
-        a.push = (event) => server.notify("notifications/claude/channel", { content: event.content, meta: event.meta });
-      }
+      if (delivery === "channel" && !codex) a.push = (event) => server.notify("notifications/claude/channel", event);
       if (codex) {
         waker = new CodexWaker(a, codexTarget(cfg.session));
         a.onInbox = () => waker!.kick();
@@ -8562,14 +8560,12 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   };
   server.onstart = () => {
     if (server.client.name === "codex-mcp-client") host = "codex";
-    if (problem || healthCheck) return;
     // Under Codex a pinned session needs no binding; otherwise it waits for its thread.
-    if (host === "codex" && !isGiven(from, "session")) return;
+    if (problem || healthCheck || (host === "codex" && !isGiven(from, "session"))) return;
     setTimeout(() => void open().catch((e) => logWarn(`cannot open this session: ${errorText(e)}`)), OPEN_AFTER_MS);
   };
   server.serve();
-  const why = await Promise.race([server.closed, shutdownSignal()]);
-  logInfo(`${why}: shutting down`);
+  logInfo(`${await Promise.race([server.closed, shutdownSignal()])}: shutting down`);
   await (waker as CodexWaker | null)?.stop();
   const opened = await (opening as Promise<Agent> | null)?.catch(() => null);
   await opened?.stop(true); // a clean exit: unregister, and goodbyes on open tasks
@@ -8679,8 +8675,7 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
   const offsets = new Map<number, number>();
   const batch = () => {
     const lines: { at: number; text: string }[] = [];
-    for (const sess of listSessions(cfg.stateDir)) {
-      if (only && sess.id !== only) continue;
+    for (const sess of listSessions(cfg.stateDir).filter((s) => !only || s.id === only)) {
       const label = sessionLabel(sess).padEnd(8);
       for (const file of journalFiles(sess.dir)) {
         const ino = inodeOf(file);
@@ -8729,8 +8724,7 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
   const only = sessionGiven(from) ? cfg.session : undefined;
   const view = { petnameOf: (k: string) => peers.byKey.get(k), peers: () => peers };
   const lines: { at: number; text: string }[] = [];
-  for (const sess of listSessions(cfg.stateDir)) {
-    if (only && sess.id !== only) continue;
+  for (const sess of listSessions(cfg.stateDir).filter((s) => !only || s.id === only)) {
     const { state, journal } = readNodeState(sess.dir);
     journal.close();
     for (const t of taskTable(view, state.tasks.values(), o.peer as string | undefined, o.open === true)) {
@@ -8803,7 +8797,7 @@ function interlinkChildren(parent: number | undefined): number[] {
       try {
         const stat = fs.readFileSync(`/proc/${d}/stat`, "utf8");
         if (Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1]) !== parent) return false;
-        return /interlink\S*\s(.*\s)?mcp(\s|$)/.test(processArgv(Number(d)));
+        return SERVER_ARGV_RE.test(processArgv(Number(d)));
       } catch {
         return false;
       }
@@ -8817,8 +8811,7 @@ function interlinkChildren(parent: number | undefined): number[] {
 function processStartedAt(pid: number | undefined): number | null {
   if (!pid) return null;
   try {
-    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8");
-    const ticks = Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[19]); // field 22: starttime
+    const ticks = Number(procStart(pid)?.split(":")[1]); // clock ticks since boot
     const uptime = Number(fs.readFileSync("/proc/uptime", "utf8").split(" ")[0]);
     if (Number.isFinite(ticks) && Number.isFinite(uptime)) return Date.now() - (uptime - ticks / 100) * 1000;
   } catch {
@@ -8872,6 +8865,13 @@ async function runWait(o: Options): Promise<number> {
   const pidFile = path.join(dir, "wait.pid");
   const mine = String(process.pid);
   writeFileAtomic(pidFile, mine);
+  const newest = () => {
+    try {
+      return fs.readFileSync(pidFile, "utf8").trim();
+    } catch {
+      return mine; // removed: keep waiting
+    }
+  };
   const wake = new WakeLatch();
   // What it waits for: mail (log.jsonl), a newer wait (wait.pid), its server stopping (agent.lock, session.json).
   const files = ["log.jsonl", "wait.pid", "agent.lock", "session.json"];
@@ -8882,13 +8882,7 @@ async function runWait(o: Options): Promise<number> {
   const journal = new Journal(dir, new NodeState());
   try {
     for (;;) {
-      let current = mine;
-      try {
-        current = fs.readFileSync(pidFile, "utf8").trim();
-      } catch {
-        // removed: keep waiting
-      }
-      if (current !== mine || serverGone(dir, claude)) return 0;
+      if (newest() !== mine || serverGone(dir, claude)) return 0;
       journal.catchUp(); // claim (under the lock) only when something unread arrived
       // Printed, then marked read: a wait killed in between is not heard (Claude Code reads only an exit 2's stderr).
       const show = (unread: InboxItem[]) => {
@@ -8908,11 +8902,7 @@ async function runWait(o: Options): Promise<number> {
   } finally {
     watcher.close();
     journal.close();
-    try {
-      if (fs.readFileSync(pidFile, "utf8").trim() === mine) fs.unlinkSync(pidFile);
-    } catch {
-      // already replaced or removed
-    }
+    if (newest() === mine) fs.rmSync(pidFile, { force: true }); // not if replaced
   }
 }
 
@@ -8949,20 +8939,9 @@ async function encodeInviteCode(c: InviteCode): Promise<string> {
   if (session.length > 255 || name.length > 255 || urls.length > 65535) {
     throw new InterlinkError("an invite's session, name or relay URLs are too long for a code");
   }
-  const expiry = new Uint8Array(4);
-  new DataView(expiry.buffer).setUint32(0, Math.floor(c.expiresMs / 1000), true);
-  const body = concatBytes([
-    Buffer.from(c.id, "hex"),
-    decodeKey(c.key),
-    c.secret,
-    expiry,
-    Uint8Array.of(session.length),
-    session,
-    Uint8Array.of(urls.length & 0xff, urls.length >> 8),
-    urls,
-    Uint8Array.of(name.length),
-    name,
-  ]);
+  const head = [Buffer.from(c.id, "hex"), decodeKey(c.key), c.secret, u32le(Math.floor(c.expiresMs / 1000))];
+  const sized = (b: Bytes, lengthBytes: number) => [u64le(b.length).subarray(0, lengthBytes), b];
+  const body = concatBytes([...head, ...sized(session, 1), ...sized(urls, 2), ...sized(name, 1)]);
   return INVITE_CODE_PREFIX + b64urlEncode(concatBytes([body, await inviteCheck(body)]));
 }
 
@@ -8980,7 +8959,6 @@ async function parseInviteCode(text: string): Promise<InviteCode> {
     "the invite code is damaged or was changed (its checksum does not match): copy it again, whole, from the machine that made it",
   );
   const b64 = code.slice(INVITE_CODE_PREFIX.length);
-  if (!/^[A-Za-z0-9_-]+$/.test(b64)) throw damaged;
   const raw = new Uint8Array(Buffer.from(b64, "base64url"));
   const fixed = 8 + 32 + INVITE_SECRET_BYTES + 4;
   if (b64urlEncode(raw) !== b64 || raw.length < fixed + 1 + 2 + 1 + INVITE_CHECK_BYTES) throw damaged;
