@@ -8312,11 +8312,11 @@ function readStdin(): string {
 }
 
 /** A journal record as `log` prints it: one line (a message's text may continue on indented ones), or one per receipt report. */
-function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | undefined): string[] {
+function logRecordLines(r: JournalRecord, petnames: ReadonlyMap<string, string>): string[] {
   const when = new Date(r.at).toISOString().replace("T", " ").slice(0, 19);
   const id = (msgId: string) => showInvisible(showId(msgId).slice(0, 12)).padEnd(12);
   const line = (mark: string, who: string, rest: string) => [`${when}  ${mark} ${who.padEnd(12)} ${rest}`];
-  const name = (k: string) => petnameOf(k) ?? fingerprint(k);
+  const name = (k: string) => petnames.get(k) ?? fingerprint(k);
   switch (r.t) {
     case "out":
     case "in": {
@@ -8340,12 +8340,10 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
     }
     case "sent":
       return line("✓", "", `${id(r.msg_id)} accepted by ${r.via.join(", ")}`);
-    case "knock":
-      return line(
-        "?",
-        fingerprint(r.key),
-        `asks to pair (claims "${displayName(r.name)}"); accept with the accept_pair tool or peers add`,
-      );
+    case "knock": {
+      const asks = `asks to pair (claims "${displayName(r.name)}"); accept with the accept_pair tool or peers add`;
+      return line("?", fingerprint(r.key), asks);
+    }
     case "refusal": {
       const why = `${r.reason} (${escapePeerText(r.detail.slice(0, 200), true)}); repeats are counted, not logged`;
       return line("✗", fingerprint(r.key), `${"".padEnd(12)} refused a message from them: ${why}`);
@@ -8444,15 +8442,13 @@ function recordStart(stateDir: string): void {
 /** Under Codex, the codex binary and home that wake this session: configured, else the process that started us. */
 function codexTarget(thread: string): CodexTarget {
   let bin = process.env.INTERLINK_CODEX_BIN, home = process.env.CODEX_HOME;
-  if (!bin || !home) {
-    try {
-      const exe = fs.readlinkSync(`/proc/${process.ppid}/exe`);
-      if (!bin && /codex/.test(path.basename(exe))) bin = exe;
-      const env = fs.readFileSync(`/proc/${process.ppid}/environ`, "utf8").split("\0");
-      home ??= env.find((e) => e.startsWith("CODEX_HOME="))?.slice("CODEX_HOME=".length);
-    } catch {
-      // not Linux, or not ours to read: the PATH's codex and its default home
-    }
+  try {
+    const exe = fs.readlinkSync(`/proc/${process.ppid}/exe`);
+    if (!bin && /codex/.test(path.basename(exe))) bin = exe;
+    const env = fs.readFileSync(`/proc/${process.ppid}/environ`, "utf8").split("\0");
+    home ??= env.find((e) => e.startsWith("CODEX_HOME="))?.slice("CODEX_HOME=".length);
+  } catch {
+    // not Linux, or not ours to read: the PATH's codex and its default home
   }
   return { bin: bin ?? "codex", ...(home ? { home } : {}), thread };
 }
@@ -8497,9 +8493,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     serverInstructions(delivery, problem, host),
     { list: TOOLS.map(toolListing), call: (name, args, meta) => callTool(name, args, meta) },
   );
-  let agent: Agent | null = null;
-  let opening: Promise<Agent> | null = null;
-  let waker: CodexWaker | null = null;
+  let agent: Agent | null = null, opening: Promise<Agent> | null = null, waker: CodexWaker | null = null;
   const open = (session?: string): Promise<Agent> => {
     if (opening) return opening;
     const now = (async () => {
@@ -8666,8 +8660,7 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
 /** `log`: every session's journal of this identity (or --session's), with a session column. */
 async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   const { cfg } = await nodeConfig(o);
-  let peers = loadPeers(cfg.peersFile); // re-read before each batch while following: petnames may change
-  const filterKey = o.peer ? peerKey(peers, o.peer as string) : undefined;
+  const filterKey = o.peer ? peerKey(loadPeers(cfg.peersFile), o.peer as string) : undefined;
   const only = sessionGiven(from) ? cfg.session : undefined;
   const shown = new Set<string>(); // with --peer, "sent" lines only for that peer's messages
   const receipts = new Set<string>(); // msg_ids of our receipts not yet sent: their "sent" line is skipped too
@@ -8675,6 +8668,7 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
   const offsets = new Map<number, number>();
   const batch = () => {
     const lines: { at: number; text: string }[] = [];
+    const petnames = loadPeers(cfg.peersFile).byKey; // read again for each batch while following: they may change
     for (const sess of listSessions(cfg.stateDir).filter((s) => !only || s.id === only)) {
       const label = sessionLabel(sess).padEnd(8);
       for (const file of journalFiles(sess.dir)) {
@@ -8689,9 +8683,7 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
             if ((r.t === "receipt" ? r.msg.from : counterpart(r.t, r.msg)) !== filterKey) return;
             shown.add(r.msg.msg_id);
           }
-          for (const line of logRecordLines(r, (k) => peers.byKey.get(k))) {
-            lines.push({ at: r.at, text: `${label}  ${line}` });
-          }
+          lines.push(...logRecordLines(r, petnames).map((text) => ({ at: r.at, text: `${label}  ${text}` })));
         });
         offsets.set(ino, next);
       }
@@ -8711,7 +8703,6 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
   };
   while (!stopping) {
     await waitUntil(() => stopping, 1000, anySession);
-    peers = loadPeers(cfg.peersFile);
     batch();
   }
   return 0;
@@ -9199,15 +9190,9 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   rememberConfig(o, from);
   const urls = relays.map((r) => r.url);
   const invite = await createInvite(cfg.stateDir, now(), { ...some("for", forName), ttlMs, urls });
-  const code = await encodeInviteCode({
-    id: invite.id,
-    key: id.publicKey,
-    secret: b64urlDecode(invite.secret, INVITE_SECRET_BYTES, "secret"),
-    expiresMs: invite.expires,
-    session: invite.session,
-    urls: invite.urls,
-    name: cfg.name === id.fingerprint ? "" : cfg.name,
-  });
+  const secret = b64urlDecode(invite.secret, INVITE_SECRET_BYTES, "secret");
+  const name = cfg.name === id.fingerprint ? "" : cfg.name;
+  const code = await encodeInviteCode({ ...invite, key: id.publicKey, secret, expiresMs: invite.expires, name });
   const until = isoTime(invite.expires), forWhom = forName ? ` for '${forName}'` : "";
   print(`invite   ${invite.id}${forWhom}, one use, until ${until} (${howLong(ttlMs)})`);
   for (const r of relays) print(`relay    ${r.url} (${r.note})`);
@@ -9246,8 +9231,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     const state = inviteState(current, now());
     if (state === "used") {
       // Admitted here: the answer goes out before this command exits (else the next session of this node sends it).
-      const who = current.used_by ?? "";
-      const here = current.used_in === own;
+      const who = current.used_by ?? "", here = current.used_in === own;
       const answered = () =>
         [...agent.state.outgoing.values()].some((e) =>
           e.msg.kind === "pair_accept" && e.msg.to === who && e.sentAt !== undefined
@@ -9323,12 +9307,10 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   const now = nodeClock();
   const code = await parseInviteCode(pos.join(""));
   const them = code.name || fingerprint(code.key);
-  const expired = (atMs: number, by: string, more = "") =>
-    new InterlinkError(
-      `the invite expired at ${isoTime(code.expiresMs)}, ${
-        howLong(atMs - code.expiresMs)
-      } ago by ${by}: ask for a new one (\`interlink.ts invite\` on the other machine)${more}`,
-    );
+  const expired = (atMs: number, by: string, more = "") => {
+    const ago = howLong(atMs - code.expiresMs), ask = "ask for a new one (`interlink.ts invite` on the other machine)";
+    return new InterlinkError(`the invite expired at ${isoTime(code.expiresMs)}, ${ago} ago by ${by}: ${ask}${more}`);
+  };
   if (now() > code.expiresMs) throw expired(now(), "this machine's clock");
   const waitS = intOption(o.wait, "wait", 1, 24 * 3600);
   const urls = isGiven(from, "url") ? parseBusUrls(o.url as string) : code.urls;
@@ -9382,8 +9364,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   try {
     const msgId = newMsgId();
     const proofBytes = inviteProofBytes(Buffer.from(code.id, "hex"), code.key, id.publicKey, msgId);
-    const mac = await inviteMac(code.secret, proofBytes);
-    const proof = `invite:${code.id}:${b64urlEncode(mac)}`;
+    const proof = `invite:${code.id}:${b64urlEncode(await inviteMac(code.secret, proofBytes))}`;
     const queued = await agent.enqueue({
       draft: { to: code.key, text: cfg.name, kind: "pair_request", msg_id: msgId, in_reply_to: proof },
       recipient: `${code.key}#${code.session}`,
@@ -9839,11 +9820,10 @@ const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
 /** What a lone copy says when `interlink.ts name` needs its file (see EXTRAS), to be fetched to `where`. */
 function extraMissing(name: string, where: string): string {
   const { file, role } = EXTRAS[name];
-  if (!role) {
-    return missingFile(`\`${name}\` is an extra, not part of interlink.ts`, file, where, "no session loads it");
-  }
-  const what = `\`${name}\` is a role of its own, not part of the node`;
-  return missingFile(what, file, where, "a session needs it only to start this machine's own bus");
+  const [what, why] = role
+    ? ["is a role of its own, not part of the node", "a session needs it only to start this machine's own bus"]
+    : ["is an extra, not part of interlink.ts", "no session loads it"];
+  return missingFile(`\`${name}\` ${what}`, file, where, why);
 }
 
 // ============================================================================
