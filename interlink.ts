@@ -8124,9 +8124,8 @@ function readConfig(): { values: Record<string, string>; problem?: string } {
     raw = JSON.parse(fs.readFileSync(file, "utf8"));
   } catch (e) {
     if ((e as NodeJS.ErrnoException).code === "ENOENT") return { values: {} };
-    return bad(
-      `cannot read ${file}: ${(e as Error).message}. Fix or delete it (\`interlink.ts init\` writes a new one).`,
-    );
+    const why = (e as Error).message;
+    return bad(`cannot read ${file}: ${why}. Fix or delete it (\`interlink.ts init\` writes a new one).`);
   }
   if (!isObject(raw)) return bad(`${file} is not a JSON object of settings (${CONFIG_KEYS.join(", ")})`);
   const values: Record<string, string> = {};
@@ -8234,30 +8233,24 @@ function deliveryMode(o: Options): Delivery {
 
 /** Validates a node's configuration at start-up; every error names the setting and the fix. */
 async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Identity }> {
-  const id = await readIdentity(o.key as string);
+  const { key: keyFile, peers: peersFile } = o as Record<string, string>;
+  const id = await readIdentity(keyFile);
   const session = chooseSession((o.session ?? o.inbox) as string | undefined);
   const delivery = deliveryMode(o);
   const name = (o.name as string | undefined) ?? id.fingerprint;
   if (name.length > 64 || displayName(name) !== name) {
     throw new InterlinkError(`name '${name}' must be at most 64 plain characters (INTERLINK_NAME / --name)`);
   }
-  loadPeers(o.peers as string);
+  loadPeers(peersFile);
   const depth = o["max-depth"] as string | undefined;
   if (depth !== undefined && !(/^\d{1,2}$/.test(depth) && +depth >= 1 && +depth <= CHAIN_KEYS_MAX)) {
     const why = `max-depth ${JSON.stringify(depth)} is not a whole number of hops from 1 to ${CHAIN_KEYS_MAX}`;
     throw new InterlinkError(`${why} (INTERLINK_MAX_DEPTH / --max-depth / config.json)`);
   }
-  const cfg: NodeConfig = {
-    keyFile: o.key as string,
-    peersFile: o.peers as string,
-    busUrls: parseBusUrls((o.url as string | undefined) ?? localBusUrl()),
-    name,
-    stateDir: (o.state as string | undefined) ?? defaultNodeState(id.fingerprint),
-    delivery,
-    session,
-    ...some("maxDepth", depth === undefined ? undefined : Number(depth)),
-  };
-  return { id, cfg };
+  const busUrls = parseBusUrls((o.url as string | undefined) ?? localBusUrl());
+  const stateDir = (o.state as string | undefined) ?? defaultNodeState(id.fingerprint);
+  const cfg: NodeConfig = { keyFile, peersFile, busUrls, name, stateDir, delivery, session };
+  return { id, cfg: { ...cfg, ...some("maxDepth", depth === undefined ? undefined : Number(depth)) } };
 }
 
 function intOption(value: unknown, flag: string, min: number, max: number): number {
@@ -9605,12 +9598,11 @@ const COMMANDS: Record<string, CommandSpec> = {
       "admits it (after Ctrl-C, a running session of this node does); one use, until it expires.",
     options: {
       ...pick("key", "peers", "url", "state", "name"),
-      for: option(
-        "PETNAME",
-        undefined,
-        undefined,
-        "the petname the joining node is filed under (default: its claimed name, if free)",
-      ),
+      for: {
+        type: "string",
+        arg: "PETNAME",
+        help: "the petname the joining node is filed under (default: its claimed name, if free)",
+      },
       ttl: option(
         "DURATION",
         "INTERLINK_INVITE_TTL",
