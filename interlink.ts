@@ -7732,9 +7732,8 @@ function readConfig(): { values: Record<string, string>; problem?: string } {
     raw = JSON.parse(fs.readFileSync(file, "utf8"));
   } catch (e) {
     if ((e as NodeJS.ErrnoException).code === "ENOENT") return { values: {} };
-    return bad(
-      `cannot read ${file}: ${(e as Error).message}. Fix or delete it (\`interlink.ts init\` writes a new one).`,
-    );
+    const why = (e as Error).message;
+    return bad(`cannot read ${file}: ${why}. Fix or delete it (\`interlink.ts init\` writes a new one).`);
   }
   if (!isObject(raw)) return bad(`${file} is not a JSON object of settings (${CONFIG_KEYS.join(", ")})`);
   const values: Record<string, string> = {};
@@ -7842,30 +7841,24 @@ function deliveryMode(o: Options): Delivery {
 
 /** Validates a node's configuration at start-up; every error names the setting and the fix. */
 async function nodeConfig(o: Options): Promise<{ cfg: NodeConfig; id: Identity }> {
-  const id = await readIdentity(o.key as string);
+  const { key: keyFile, peers: peersFile } = o as Record<string, string>;
+  const id = await readIdentity(keyFile);
   const session = chooseSession((o.session ?? o.inbox) as string | undefined);
   const delivery = deliveryMode(o);
   const name = (o.name as string | undefined) ?? id.fingerprint;
   if (name.length > 64 || displayName(name) !== name) {
     throw new InterlinkError(`name '${name}' must be at most 64 plain characters (INTERLINK_NAME / --name)`);
   }
-  loadPeers(o.peers as string);
+  loadPeers(peersFile);
   const depth = o["max-depth"] as string | undefined;
   if (depth !== undefined && !(/^\d{1,2}$/.test(depth) && +depth >= 1 && +depth <= CHAIN_KEYS_MAX)) {
     const why = `max-depth ${JSON.stringify(depth)} is not a whole number of hops from 1 to ${CHAIN_KEYS_MAX}`;
     throw new InterlinkError(`${why} (INTERLINK_MAX_DEPTH / --max-depth / config.json)`);
   }
-  const cfg: NodeConfig = {
-    keyFile: o.key as string,
-    peersFile: o.peers as string,
-    busUrls: parseBusUrls((o.url as string | undefined) ?? localBusUrl()),
-    name,
-    stateDir: (o.state as string | undefined) ?? defaultNodeState(id.fingerprint),
-    delivery,
-    session,
-    ...some("maxDepth", depth === undefined ? undefined : Number(depth)),
-  };
-  return { id, cfg };
+  const busUrls = parseBusUrls((o.url as string | undefined) ?? localBusUrl());
+  const stateDir = (o.state as string | undefined) ?? defaultNodeState(id.fingerprint);
+  const cfg: NodeConfig = { keyFile, peersFile, busUrls, name, stateDir, delivery, session };
+  return { id, cfg: { ...cfg, ...some("maxDepth", depth === undefined ? undefined : Number(depth)) } };
 }
 
 function intOption(value: unknown, flag: string, min: number, max: number): number {
@@ -7920,11 +7913,11 @@ function readStdin(): string {
 }
 
 /** A journal record as `log` prints it: one line (a message's text may continue on indented ones), or one per receipt report. */
-function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | undefined): string[] {
+function logRecordLines(r: JournalRecord, petnames: ReadonlyMap<string, string>): string[] {
   const when = new Date(r.at).toISOString().replace("T", " ").slice(0, 19);
   const id = (msgId: string) => showInvisible(showId(msgId).slice(0, 12)).padEnd(12);
   const line = (mark: string, who: string, rest: string) => [`${when}  ${mark} ${who.padEnd(12)} ${rest}`];
-  const name = (k: string) => petnameOf(k) ?? fingerprint(k);
+  const name = (k: string) => petnames.get(k) ?? fingerprint(k);
   switch (r.t) {
     case "out":
     case "in": {
@@ -7948,12 +7941,10 @@ function logRecordLines(r: JournalRecord, petnameOf: (key: string) => string | u
     }
     case "sent":
       return line("✓", "", `${id(r.msg_id)} accepted by ${r.via.join(", ")}`);
-    case "knock":
-      return line(
-        "?",
-        fingerprint(r.key),
-        `asks to pair (claims "${displayName(r.name)}"); accept with the accept_pair tool or peers add`,
-      );
+    case "knock": {
+      const asks = `asks to pair (claims "${displayName(r.name)}"); accept with the accept_pair tool or peers add`;
+      return line("?", fingerprint(r.key), asks);
+    }
     case "refusal": {
       const why = `${r.reason} (${escapePeerText(r.detail.slice(0, 200), true)}); repeats are counted, not logged`;
       return line("✗", fingerprint(r.key), `${"".padEnd(12)} refused a message from them: ${why}`);
@@ -8052,15 +8043,13 @@ function recordStart(stateDir: string): void {
 /** Under Codex, the codex binary and home that wake this session: configured, else the process that started us. */
 function codexTarget(thread: string): CodexTarget {
   let bin = process.env.INTERLINK_CODEX_BIN, home = process.env.CODEX_HOME;
-  if (!bin || !home) {
-    try {
-      const exe = fs.readlinkSync(`/proc/${process.ppid}/exe`);
-      if (!bin && /codex/.test(path.basename(exe))) bin = exe;
-      const env = fs.readFileSync(`/proc/${process.ppid}/environ`, "utf8").split("\0");
-      home ??= env.find((e) => e.startsWith("CODEX_HOME="))?.slice("CODEX_HOME=".length);
-    } catch {
-      // not Linux, or not ours to read: the PATH's codex and its default home
-    }
+  try {
+    const exe = fs.readlinkSync(`/proc/${process.ppid}/exe`);
+    if (!bin && /codex/.test(path.basename(exe))) bin = exe;
+    const env = fs.readFileSync(`/proc/${process.ppid}/environ`, "utf8").split("\0");
+    home ??= env.find((e) => e.startsWith("CODEX_HOME="))?.slice("CODEX_HOME=".length);
+  } catch {
+    // not Linux, or not ours to read: the PATH's codex and its default home
   }
   return { bin: bin ?? "codex", ...(home ? { home } : {}), thread };
 }
@@ -8105,9 +8094,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
     serverInstructions(delivery, problem, host),
     { list: TOOLS.map(toolListing), call: (name, args, meta) => callTool(name, args, meta) },
   );
-  let agent: Agent | null = null;
-  let opening: Promise<Agent> | null = null;
-  let waker: CodexWaker | null = null;
+  let agent: Agent | null = null, opening: Promise<Agent> | null = null, waker: CodexWaker | null = null;
   const open = (session?: string): Promise<Agent> => {
     if (opening) return opening;
     const now = (async () => {
@@ -8115,9 +8102,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       // Codex has no channel: its sessions are woken by queued turns, and read the rest with check_inbox.
       const cfg = { ...prepared!.cfg, ...some("session", session), ...(codex ? { delivery: "inbox" as const } : {}) };
       const a = await Agent.open(cfg, SERVER_ROLE, { identity: prepared!.id, now: nodeClock(), host: on });
-      if (delivery === "channel" && !codex) {
-        a.push = (event) => server.notify("notifications/claude/channel", { content: event.content, meta: event.meta });
-      }
+      if (delivery === "channel" && !codex) a.push = (event) => server.notify("notifications/claude/channel", event);
       if (codex) {
         waker = new CodexWaker(a, codexTarget(cfg.session));
         a.onInbox = () => waker!.kick();
@@ -8170,14 +8155,12 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   };
   server.onstart = () => {
     if (server.client.name === "codex-mcp-client") host = "codex";
-    if (problem || healthCheck) return;
     // Under Codex a pinned session needs no binding; otherwise it waits for its thread.
-    if (host === "codex" && !isGiven(from, "session")) return;
+    if (problem || healthCheck || (host === "codex" && !isGiven(from, "session"))) return;
     setTimeout(() => void open().catch((e) => logWarn(`cannot open this session: ${errorText(e)}`)), OPEN_AFTER_MS);
   };
   server.serve();
-  const why = await Promise.race([server.closed, shutdownSignal()]);
-  logInfo(`${why}: shutting down`);
+  logInfo(`${await Promise.race([server.closed, shutdownSignal()])}: shutting down`);
   await (waker as CodexWaker | null)?.stop();
   const opened = await (opening as Promise<Agent> | null)?.catch(() => null);
   await opened?.stop(true); // a clean exit: unregister, and goodbyes on open tasks
@@ -8278,8 +8261,7 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
 /** `log`: every session's journal of this identity (or --session's), with a session column. */
 async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   const { cfg } = await nodeConfig(o);
-  let peers = loadPeers(cfg.peersFile); // re-read before each batch while following: petnames may change
-  const filterKey = o.peer ? peerKey(peers, o.peer as string) : undefined;
+  const filterKey = o.peer ? peerKey(loadPeers(cfg.peersFile), o.peer as string) : undefined;
   const only = sessionGiven(from) ? cfg.session : undefined;
   const shown = new Set<string>(); // with --peer, "sent" lines only for that peer's messages
   const receipts = new Set<string>(); // msg_ids of our receipts not yet sent: their "sent" line is skipped too
@@ -8287,8 +8269,8 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
   const offsets = new Map<number, number>();
   const batch = () => {
     const lines: { at: number; text: string }[] = [];
-    for (const sess of listSessions(cfg.stateDir)) {
-      if (only && sess.id !== only) continue;
+    const petnames = loadPeers(cfg.peersFile).byKey; // read again for each batch while following: they may change
+    for (const sess of listSessions(cfg.stateDir).filter((s) => !only || s.id === only)) {
       const label = sessionLabel(sess).padEnd(8);
       for (const file of journalFiles(sess.dir)) {
         const ino = inodeOf(file);
@@ -8302,9 +8284,7 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
             if ((r.t === "receipt" ? r.msg.from : counterpart(r.t, r.msg)) !== filterKey) return;
             shown.add(r.msg.msg_id);
           }
-          for (const line of logRecordLines(r, (k) => peers.byKey.get(k))) {
-            lines.push({ at: r.at, text: `${label}  ${line}` });
-          }
+          lines.push(...logRecordLines(r, petnames).map((text) => ({ at: r.at, text: `${label}  ${text}` })));
         });
         offsets.set(ino, next);
       }
@@ -8324,7 +8304,6 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
   };
   while (!stopping) {
     await waitUntil(() => stopping, 1000, anySession);
-    peers = loadPeers(cfg.peersFile);
     batch();
   }
   return 0;
@@ -8337,8 +8316,7 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
   const only = sessionGiven(from) ? cfg.session : undefined;
   const view = { petnameOf: (k: string) => peers.byKey.get(k), peers: () => peers };
   const lines: { at: number; text: string }[] = [];
-  for (const sess of listSessions(cfg.stateDir)) {
-    if (only && sess.id !== only) continue;
+  for (const sess of listSessions(cfg.stateDir).filter((s) => !only || s.id === only)) {
     const { state, journal } = readNodeState(sess.dir);
     journal.close();
     for (const t of taskTable(view, state.tasks.values(), o.peer as string | undefined, o.open === true)) {
@@ -8411,7 +8389,7 @@ function interlinkChildren(parent: number | undefined): number[] {
       try {
         const stat = fs.readFileSync(`/proc/${d}/stat`, "utf8");
         if (Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1]) !== parent) return false;
-        return /interlink\S*\s(.*\s)?mcp(\s|$)/.test(processArgv(Number(d)));
+        return SERVER_ARGV_RE.test(processArgv(Number(d)));
       } catch {
         return false;
       }
@@ -8425,8 +8403,7 @@ function interlinkChildren(parent: number | undefined): number[] {
 function processStartedAt(pid: number | undefined): number | null {
   if (!pid) return null;
   try {
-    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8");
-    const ticks = Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[19]); // field 22: starttime
+    const ticks = Number(procStart(pid)?.split(":")[1]); // clock ticks since boot
     const uptime = Number(fs.readFileSync("/proc/uptime", "utf8").split(" ")[0]);
     if (Number.isFinite(ticks) && Number.isFinite(uptime)) return Date.now() - (uptime - ticks / 100) * 1000;
   } catch {
@@ -8480,6 +8457,13 @@ async function runWait(o: Options): Promise<number> {
   const pidFile = path.join(dir, "wait.pid");
   const mine = String(process.pid);
   writeFileAtomic(pidFile, mine);
+  const newest = () => {
+    try {
+      return fs.readFileSync(pidFile, "utf8").trim();
+    } catch {
+      return mine; // removed: keep waiting
+    }
+  };
   const wake = new WakeLatch();
   // What it waits for: mail (log.jsonl), a newer wait (wait.pid), its server stopping (agent.lock, session.json).
   const files = ["log.jsonl", "wait.pid", "agent.lock", "session.json"];
@@ -8490,13 +8474,7 @@ async function runWait(o: Options): Promise<number> {
   const journal = new Journal(dir, new NodeState());
   try {
     for (;;) {
-      let current = mine;
-      try {
-        current = fs.readFileSync(pidFile, "utf8").trim();
-      } catch {
-        // removed: keep waiting
-      }
-      if (current !== mine || serverGone(dir, claude)) return 0;
+      if (newest() !== mine || serverGone(dir, claude)) return 0;
       journal.catchUp(); // claim (under the lock) only when something unread arrived
       // Printed, then marked read: a wait killed in between is not heard (Claude Code reads only an exit 2's stderr).
       const show = (unread: InboxItem[]) => {
@@ -8516,11 +8494,7 @@ async function runWait(o: Options): Promise<number> {
   } finally {
     watcher.close();
     journal.close();
-    try {
-      if (fs.readFileSync(pidFile, "utf8").trim() === mine) fs.unlinkSync(pidFile);
-    } catch {
-      // already replaced or removed
-    }
+    if (newest() === mine) fs.rmSync(pidFile, { force: true }); // not if replaced
   }
 }
 
@@ -8557,20 +8531,9 @@ async function encodeInviteCode(c: InviteCode): Promise<string> {
   if (session.length > 255 || name.length > 255 || urls.length > 65535) {
     throw new InterlinkError("an invite's session, name or relay URLs are too long for a code");
   }
-  const expiry = new Uint8Array(4);
-  new DataView(expiry.buffer).setUint32(0, Math.floor(c.expiresMs / 1000), true);
-  const body = concatBytes([
-    Buffer.from(c.id, "hex"),
-    decodeKey(c.key),
-    c.secret,
-    expiry,
-    Uint8Array.of(session.length),
-    session,
-    Uint8Array.of(urls.length & 0xff, urls.length >> 8),
-    urls,
-    Uint8Array.of(name.length),
-    name,
-  ]);
+  const head = [Buffer.from(c.id, "hex"), decodeKey(c.key), c.secret, u32le(Math.floor(c.expiresMs / 1000))];
+  const sized = (b: Bytes, lengthBytes: number) => [u64le(b.length).subarray(0, lengthBytes), b];
+  const body = concatBytes([...head, ...sized(session, 1), ...sized(urls, 2), ...sized(name, 1)]);
   return INVITE_CODE_PREFIX + b64urlEncode(concatBytes([body, await inviteCheck(body)]));
 }
 
@@ -8588,7 +8551,6 @@ async function parseInviteCode(text: string): Promise<InviteCode> {
     "the invite code is damaged or was changed (its checksum does not match): copy it again, whole, from the machine that made it",
   );
   const b64 = code.slice(INVITE_CODE_PREFIX.length);
-  if (!/^[A-Za-z0-9_-]+$/.test(b64)) throw damaged;
   const raw = new Uint8Array(Buffer.from(b64, "base64url"));
   const fixed = 8 + 32 + INVITE_SECRET_BYTES + 4;
   if (b64urlEncode(raw) !== b64 || raw.length < fixed + 1 + 2 + 1 + INVITE_CHECK_BYTES) throw damaged;
@@ -8829,15 +8791,9 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
   rememberConfig(o, from);
   const urls = relays.map((r) => r.url);
   const invite = await createInvite(cfg.stateDir, now(), { ...some("for", forName), ttlMs, urls });
-  const code = await encodeInviteCode({
-    id: invite.id,
-    key: id.publicKey,
-    secret: b64urlDecode(invite.secret, INVITE_SECRET_BYTES, "secret"),
-    expiresMs: invite.expires,
-    session: invite.session,
-    urls: invite.urls,
-    name: cfg.name === id.fingerprint ? "" : cfg.name,
-  });
+  const secret = b64urlDecode(invite.secret, INVITE_SECRET_BYTES, "secret");
+  const name = cfg.name === id.fingerprint ? "" : cfg.name;
+  const code = await encodeInviteCode({ ...invite, key: id.publicKey, secret, expiresMs: invite.expires, name });
   const until = isoTime(invite.expires), forWhom = forName ? ` for '${forName}'` : "";
   print(`invite   ${invite.id}${forWhom}, one use, until ${until} (${howLong(ttlMs)})`);
   for (const r of relays) print(`relay    ${r.url} (${r.note})`);
@@ -8876,8 +8832,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     const state = inviteState(current, now());
     if (state === "used") {
       // Admitted here: the answer goes out before this command exits (else the next session of this node sends it).
-      const who = current.used_by ?? "";
-      const here = current.used_in === own;
+      const who = current.used_by ?? "", here = current.used_in === own;
       const answered = () =>
         [...agent.state.outgoing.values()].some((e) =>
           e.msg.kind === "pair_accept" && e.msg.to === who && e.sentAt !== undefined
@@ -8953,12 +8908,10 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   const now = nodeClock();
   const code = await parseInviteCode(pos.join(""));
   const them = code.name || fingerprint(code.key);
-  const expired = (atMs: number, by: string, more = "") =>
-    new InterlinkError(
-      `the invite expired at ${isoTime(code.expiresMs)}, ${
-        howLong(atMs - code.expiresMs)
-      } ago by ${by}: ask for a new one (\`interlink.ts invite\` on the other machine)${more}`,
-    );
+  const expired = (atMs: number, by: string, more = "") => {
+    const ago = howLong(atMs - code.expiresMs), ask = "ask for a new one (`interlink.ts invite` on the other machine)";
+    return new InterlinkError(`the invite expired at ${isoTime(code.expiresMs)}, ${ago} ago by ${by}: ${ask}${more}`);
+  };
   if (now() > code.expiresMs) throw expired(now(), "this machine's clock");
   const waitS = intOption(o.wait, "wait", 1, 24 * 3600);
   const urls = isGiven(from, "url") ? parseBusUrls(o.url as string) : code.urls;
@@ -9012,8 +8965,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   try {
     const msgId = newMsgId();
     const proofBytes = inviteProofBytes(Buffer.from(code.id, "hex"), code.key, id.publicKey, msgId);
-    const mac = await inviteMac(code.secret, proofBytes);
-    const proof = `invite:${code.id}:${b64urlEncode(mac)}`;
+    const proof = `invite:${code.id}:${b64urlEncode(await inviteMac(code.secret, proofBytes))}`;
     const queued = await agent.enqueue({
       draft: { to: code.key, text: cfg.name, kind: "pair_request", msg_id: msgId, in_reply_to: proof },
       recipient: `${code.key}#${code.session}`,
@@ -9254,12 +9206,11 @@ const COMMANDS: Record<string, CommandSpec> = {
       "admits it (after Ctrl-C, a running session of this node does); one use, until it expires.",
     options: {
       ...pick("key", "peers", "url", "state", "name"),
-      for: option(
-        "PETNAME",
-        undefined,
-        undefined,
-        "the petname the joining node is filed under (default: its claimed name, if free)",
-      ),
+      for: {
+        type: "string",
+        arg: "PETNAME",
+        help: "the petname the joining node is filed under (default: its claimed name, if free)",
+      },
       ttl: option(
         "DURATION",
         "INTERLINK_INVITE_TTL",
@@ -9469,11 +9420,10 @@ const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
 /** What a lone copy says when `interlink.ts name` needs its file (see EXTRAS), to be fetched to `where`. */
 function extraMissing(name: string, where: string): string {
   const { file, role } = EXTRAS[name];
-  if (!role) {
-    return missingFile(`\`${name}\` is an extra, not part of interlink.ts`, file, where, "no session loads it");
-  }
-  const what = `\`${name}\` is a role of its own, not part of the node`;
-  return missingFile(what, file, where, "a session needs it only to start this machine's own bus");
+  const [what, why] = role
+    ? ["is a role of its own, not part of the node", "a session needs it only to start this machine's own bus"]
+    : ["is an extra, not part of interlink.ts", "no session loads it"];
+  return missingFile(`\`${name}\` ${what}`, file, where, why);
 }
 
 // ============================================================================
