@@ -88,17 +88,11 @@ import {
 
 /** Longest wait a client may ask for; past it proxies and NATs start cutting idle connections. */
 const RECV_TIMEOUT_MAX_MS = 60_000;
-/**
- * Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages), refused past it like a full
- * route. Anyone can fill it; signed messages are never refused for it.
- */
+/** Payloads per recipient not from a verified signer (not v2), refused past it like a full route: anyone fills it. */
 const OPAQUE_CAP = 64;
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
 const SENDER_BYTES_MAX = 8 << 20;
-/**
- * Payload bytes a bus holds in all; past it, sends get 507. `bun bench.ts --only flood`: a Bun bus full of 900 KB
- * floods peaks near 4× this in memory, a Deno bus (--optimize-for-size) near 4.3×.
- */
+/** Bytes a bus holds in all (507 past it): full of 900 KB floods a Bun bus peaks near 4× this in memory, Deno 4.3×. */
 const TOTAL_BYTES_MAX = 32 << 20;
 /** A sessionless (0.4) announcement is served this long, as a 0.4 bus does: 0.4 clients read every entry as live. */
 const ROSTER_SESSIONLESS_MS = 90_000;
@@ -116,26 +110,17 @@ const ROSTER_UNIT_BYTES = 1024;
 const ROSTER_ENDED_CAP = 8192;
 /** ... and ended from one source address: past it that address's own oldest is forgotten, nobody else's. */
 const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
-/**
- * Request body bytes a bus reads at once, in all: sixteen of the largest, far above what sessions send. Past it a
- * body is refused unread (503): stalled uploads cost at most this, however many they are.
- */
+/** Body bytes read at once, in all (503 past it, unread): sixteen of the largest; stalled uploads cost no more. */
 const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-/**
- * An answer this large or larger is streamed and counted in flight. A smaller one is written whole: the kernel's
- * socket buffers take it at once (a receive window alone is this much), so a slow reader costs nothing.
- */
+/** Answers this large are streamed and counted in flight; a smaller one the socket's buffers take at once, whole. */
 const ANSWER_STREAM_MIN_BYTES = 64 << 10;
 /** Bytes of large answers not yet taken by their connections, in all (503 past it): sixteen of the largest message. */
 const ANSWERS_IN_FLIGHT_MAX = 32 << 20;
 /** ... and for one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const ANSWERS_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-/**
- * Payload bytes one batched recv answers at most (at least one message): half an address's answers in flight, so a
- * session's two long-polls (its route and its bare key) both fit.
- */
+/** Payload one batched recv answers (one message at least): half an address's answers, so a session's two fit. */
 const RECV_BATCH_BYTES = 4 << 20;
 /** Messages one batched recv answers at most (our extension: GET /recv?max=N), and acks one POST /ack takes. */
 const RECV_BATCH_MAX = 64;
@@ -147,23 +132,19 @@ const RECIPIENT_MAX_CHARS = 512;
  */
 const DISK_RESERVE_BYTES = 1 << 20;
 /**
- * Pages the WAL holds before a checkpoint copies it into queue.db (SQLite's default): one is 2 fsyncs that hold the
- * event loop, and most pages in a WAL are the same few pages written again, so fewer checkpoints cost less. 128 of
- * them took 20 % of a Bun bus's profile under the throughput bench, 1,000 took 12.5 %.
+ * Pages the WAL holds before a checkpoint (2 fsyncs that hold the event loop) copies it into queue.db: most are the
+ * same few pages written again, so fewer checkpoints cost less (128 took 20 % of a Bun bus's profile, 1,000 12.5 %).
  */
 const WAL_PAGES = 1000;
 /** How long a bus trusts its last look at the disk's free space (statfs), less what it wrote since. */
 const DISK_LOOK_MS = 100;
 /** What one owner's row takes on disk at most (its key in the owner table's b-tree, the WAL frame it dirties). */
 const OWNER_ROW_BYTES = 4096;
-/**
- * What a queued message costs beside its payload: its counts in memory and its row and index entry on disk (about
- * 200 bytes). So tiny payloads are bounded in count too: 32 MiB holds about 130,000.
- */
+/** What a message costs beside its payload (counts in memory, row and index on disk): 32 MiB holds about 130,000. */
 const MESSAGE_OVERHEAD_BYTES = 256;
 /** ... and a route holding messages: its counts in memory (about 500 bytes with its name); 43,633 in 32 MiB. */
 const ROUTE_OVERHEAD_BYTES = 512;
-/** A request body not all there this long after its headers is refused (408): a byte every few seconds holds nothing. */
+/** A body not all there this long after its headers is refused (408): a byte every few seconds holds nothing. */
 const CONN_BODY_MS = msFromEnv("INTERLINK_TEST_CONN_BODY_MS", 15_000);
 /** A large answer not all taken this long after it was made is cut off (4 MiB in 30 s: a 140 KB/s link at least). */
 const ANSWER_WRITE_MS = msFromEnv("INTERLINK_TEST_ANSWER_WRITE_MS", 30_000);
@@ -171,8 +152,7 @@ const ANSWER_WRITE_MS = msFromEnv("INTERLINK_TEST_ANSWER_WRITE_MS", 30_000);
 const RECV_PROOF_FRESH_MS = 5 * 60_000;
 /**
  * Keys whose routes a bus protects at most (`--owners`): far above any real deployment, about 6 MB of queue database
- * and 10 MB of memory. Past it the bus closes (Bus.touchOwned): forgetting an owner would let a flood of keys open its
- * mail.
+ * and 10 MB of memory. Past it the bus closes (Bus.#close): forgetting an owner would let a flood of keys read mail.
  */
 const OWNERS_MAX = 100_000;
 /** Routes whose last verified proof is remembered, so a client's repeats skip the signature check (a minute each). */
@@ -2098,26 +2078,9 @@ export const command: CommandSpec = {
 
 // -- the public surface: what node tests, the bench and the board import
 
-export {
-  Bus,
-  BusQueues,
-  CONN_BODY_MS,
-  CONN_IDLE_MS,
-  errorResponse,
-  jsonResponse,
-  MESSAGE_OVERHEAD_BYTES,
-  OPAQUE_CAP,
-  RECV_BATCH_BYTES,
-  RECV_TIMEOUT_MAX_MS,
-  recvTimeoutMs,
-  Roster,
-  ROSTER_PER_ADDRESS_CAP,
-  ROUTE_OVERHEAD_BYTES,
-  SENDER_BYTES_MAX,
-  serveHttp,
-  splitUrl,
-  TOTAL_BYTES_MAX,
-};
+export { Bus, BusQueues, CONN_BODY_MS, CONN_IDLE_MS, errorResponse, jsonResponse, MESSAGE_OVERHEAD_BYTES, OPAQUE_CAP };
+export { RECV_BATCH_BYTES, RECV_TIMEOUT_MAX_MS, recvTimeoutMs, Roster, ROSTER_PER_ADDRESS_CAP, ROUTE_OVERHEAD_BYTES };
+export { SENDER_BYTES_MAX, serveHttp, splitUrl, TOTAL_BYTES_MAX };
 export type { Listening };
 
 if (import.meta.main) runExtra("bus", command);
