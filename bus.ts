@@ -162,23 +162,18 @@ const PROOFS_REMEMBERED = 4096;
 // Queue and roster logic
 // ============================================================================
 
-interface QueueLimits {
-  /** Verified messages one signer may have queued per recipient. */
-  cap: number;
-  /** Unattributed (opaque) messages per recipient. */
-  opaqueCap: number;
-  /** Bytes one verified sender may have queued in all (payloads plus MESSAGE_OVERHEAD_BYTES each). */
-  senderBytes: number;
-  /** Bytes in all, counted the same way, plus ROUTE_OVERHEAD_BYTES per route holding messages. */
-  totalBytes: number;
-}
-
-const DEFAULT_LIMITS: QueueLimits = {
+/**
+ * What BusQueues lets in: `cap` verified messages per signer and recipient, `opaqueCap` unattributed ones per
+ * recipient; `senderBytes` one verified signer's in all (payloads plus MESSAGE_OVERHEAD_BYTES each), `totalBytes` the
+ * bus's (the same, plus ROUTE_OVERHEAD_BYTES per route holding messages).
+ */
+const QUEUE_LIMITS = {
   cap: QUEUE_CAP,
   opaqueCap: OPAQUE_CAP,
   senderBytes: SENDER_BYTES_MAX,
   totalBytes: TOTAL_BYTES_MAX,
 };
+type QueueLimits = typeof QUEUE_LIMITS;
 
 /**
  * What the bus holds, counted, no I/O: messages per route and sender, bytes per signer and in all. The messages
@@ -193,8 +188,8 @@ class BusQueues {
   bytes = 0;
   readonly limits: QueueLimits;
 
-  constructor(limits: Partial<QueueLimits> | number = {}) {
-    this.limits = { ...DEFAULT_LIMITS, ...(typeof limits === "number" ? { cap: limits } : limits) };
+  constructor(limits: Partial<QueueLimits> = {}) {
+    this.limits = { ...QUEUE_LIMITS, ...limits };
   }
 
   get recipientCount(): number {
@@ -262,10 +257,7 @@ class BusQueues {
 const ackKey = (me: string, m: { seq: number; ts: number }) => `${me}\0${m.seq}:${m.ts}`;
 
 /** Which message of `me` an ack names: its seq, and its ts unless the key has none (an earlier bus gave such keys). */
-interface AckMark {
-  seq: number;
-  ts?: number;
-}
+type AckMark = { seq: number; ts?: number };
 
 /** The seq and ts an ack key of `me` names, or undefined if it names none. */
 function parseAckKey(me: string, key: string): AckMark | undefined {
@@ -288,9 +280,6 @@ interface RosterEntry {
   from: string; // the address bucket that last posted it (see addressBucket)
   units: number; // what it counts against the bounds: one per KiB begun (ROSTER_UNIT_BYTES)
 }
-
-/** Why a roster refused an announcement: a newer one is filed, its session ended after it was signed, or a bound. */
-type RosterRefusal = "older" | "ended" | "full" | "address" | "key";
 
 /**
  * Presence on the bus: verified announcements keyed `pubkey#session_id` (the bare key when sessionless), kept
@@ -326,8 +315,8 @@ class Roster {
     return this.#units;
   }
 
-  /** Files an announcement posted from address bucket `from`: true, or why not. */
-  put(a: Announcement, json: string, nowMs: number, from = ""): true | RosterRefusal {
+  /** Files an announcement from address bucket `from`: true, or why not (newer one filed, session ended, a bound). */
+  put(a: Announcement, json: string, nowMs: number, from = ""): true | "older" | "ended" | "full" | "address" | "key" {
     const id = rosterKey(a);
     const ended = this.#ended.get(id);
     if (ended && a.ts <= ended.ts) return "ended";
@@ -357,10 +346,10 @@ class Roster {
       all: () => this.#units - freed.all + units > this.cap,
     };
     /** Drops entries `which` allows, stalest first, until `bound` is met; false if it cannot be. */
-    const makeRoom = (bound: () => boolean, which: (e: RosterEntry) => boolean, liveToo = false): boolean => {
+    const makeRoom = (bound: () => boolean, which: (e: RosterEntry) => boolean): boolean => {
       for (const [k, e] of this.#entries) {
         if (!bound()) return true;
-        if (!liveToo && nowMs - e.at < PRESENCE_LIVE_MS) return false; // refresh order: the rest are live too
+        if (nowMs - e.at < PRESENCE_LIVE_MS) return false; // refresh order: the rest are live too
         if (k !== id && which(e)) drop(k, e);
       }
       return !bound();
