@@ -505,14 +505,10 @@ class BytesInFlight {
   take(from: string, n: number): void {
     if (n <= 0) return;
     const mine = this.#byAddress.get(from) ?? 0;
-    const refuse = (status: number, who: string, held: number, max: number, all = "") =>
-      new HttpError(
-        status,
-        `${who} already has ${humanBytes(held)} of ${this.what}${all} (at most ${
-          humanBytes(max)
-        } at once); retry in a moment`,
-        this.close,
-      );
+    const refuse = (status: number, who: string, held: number, max: number, all = "") => {
+      const has = `${humanBytes(held)} of ${this.what}${all} (at most ${humanBytes(max)} at once)`;
+      return new HttpError(status, `${who} already has ${has}; retry in a moment`, this.close);
+    };
     if (mine + n > this.perAddress) throw refuse(429, "your address", mine, this.perAddress);
     if (this.bytes + n > this.max) throw refuse(503, "this bus", this.bytes, this.max, " in all");
     this.#byAddress.set(from, mine + n);
@@ -528,27 +524,21 @@ class BytesInFlight {
   }
 }
 
-/** The budget a request's bytes in flight count against, and its address bucket. */
-interface InFlightBudget {
-  inFlight: BytesInFlight;
-  from: string;
-}
-
 /** What one answer holds of the answers' BytesInFlight until `release` (idempotent); `writeMs`: see streamedAnswer. */
 class AnswerHold {
   bytes = 0;
-  constructor(readonly budget: InFlightBudget, readonly writeMs = ANSWER_WRITE_MS) {}
+  constructor(readonly answers: BytesInFlight, readonly from: string, readonly writeMs = ANSWER_WRITE_MS) {}
 
   /** Holds `n` bytes in place of what it held, or throws the 429 or 503; nothing below ANSWER_STREAM_MIN_BYTES. */
   hold(n: number): void {
     this.release();
     if (n < ANSWER_STREAM_MIN_BYTES) return;
-    this.budget.inFlight.take(this.budget.from, n);
+    this.answers.take(this.from, n);
     this.bytes = n;
   }
 
   release(): void {
-    this.budget.inFlight.give(this.budget.from, this.bytes);
+    this.answers.give(this.from, this.bytes);
     this.bytes = 0;
   }
 }
@@ -563,7 +553,7 @@ function currentHttpDate(): string {
 }
 
 /** Every answer carries Date (Bun's server does not add it): `doctor` measures clock skew against it. */
-const jsonResponse = (status: number, body: string, headers: Record<string, string> = {}): Response =>
+const jsonResponse = (status: number, body: BodyInit, headers: Record<string, string> = {}): Response =>
   new Response(body, { status, headers: { "content-type": "application/json", date: currentHttpDate(), ...headers } });
 
 const errorResponse = (status: number, message: string): Response =>
@@ -605,83 +595,66 @@ function streamedAnswer(status: number, text: string, held?: AnswerHold): Respon
     },
     cancel: done,
   }, { highWaterMark: 0 });
-  const r = new Response(body, { status, headers: { "content-type": "application/json", date: currentHttpDate() } });
+  const r = jsonResponse(status, body);
   STREAMED_ANSWERS.add(r);
   return r;
 }
 
 /**
  * Reads a JSON body of at most BODY_LIMIT_BYTES, counted as it arrives (Content-Length may be absent or lie), within
- * CONN_BODY_MS (a drip gets 408), against `budget`: reserved before reading, held until the runtime's read ends.
+ * CONN_BODY_MS (a drip gets 408), against `inFlight` for address bucket `from`: reserved before reading, held until
+ * the runtime's read ends.
  */
-async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = JSON_VALUES_MAX): Promise<unknown> {
+async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string, maxValues = JSON_VALUES_MAX) {
   const declared = declaredLength(req);
-  if (declared !== null && declared > BODY_LIMIT_BYTES) {
-    throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
-  }
+  const tooLarge = () => new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
+  if (declared !== null && declared > BODY_LIMIT_BYTES) throw tooLarge();
   let reserved = 0;
   const reserve = (n: number) => {
-    budget?.inFlight.take(budget.from, n);
+    inFlight.take(from, n);
     reserved += n;
   };
   let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const deadline = new Promise<never>((_, reject) => {
-    timer = setTimeout(
-      () => reject(new HttpError(408, `the body was not all there ${CONN_BODY_MS / 1000} s after its headers`, true)),
-      CONN_BODY_MS,
-    );
-  });
+  let reader: ReadableStreamDefaultReader<Uint8Array> | undefined;
+  const deadline = Promise.withResolvers<never>();
+  const late = () => new HttpError(408, `the body was not all there ${CONN_BODY_MS / 1000} s after its headers`, true);
+  const timer = setTimeout(() => deadline.reject(late()), CONN_BODY_MS);
   let text: string;
   try {
     if (declared !== null) {
       reserve(declared);
       // The server holds the body to its declared length. (Not touching req.body keeps Deno on its fast path.)
-      const whole = req.text();
-      reading = whole;
-      text = await Promise.race([whole, deadline]);
+      text = await Promise.race([reading = req.text(), deadline.promise]);
       if (text === "") throw new HttpError(400, "empty body; expected JSON");
     } else {
       if (!req.body) throw new HttpError(400, "empty body; expected JSON");
-      const reader = req.body.getReader();
+      reader = req.body.getReader();
       const chunks: Uint8Array[] = [];
-      let size = 0;
-      try {
-        for (;;) {
-          const { done, value } = await Promise.race([reader.read(), deadline]);
-          if (done) break;
-          size += value.length;
-          if (size > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
-          reserve(value.length);
-          chunks.push(value);
-        }
-      } catch (e) {
-        reading = reader.cancel().catch(() => {});
-        throw e;
+      for (;;) {
+        const { done, value } = await Promise.race([reader.read(), deadline.promise]);
+        if (done) break;
+        if (reserved + value.length > BODY_LIMIT_BYTES) throw tooLarge();
+        reserve(value.length);
+        chunks.push(value);
       }
       text = Buffer.concat(chunks).toString("utf8");
     }
   } catch (e) {
+    if (reader) reading = reader.cancel().catch(() => {});
     if (e instanceof HttpError) throw e;
     // A malformed chunked encoding, a body cut off: the request's fault, never a 500.
     throw new HttpError(400, `the body could not be read (${(e as Error).message})`, true);
   } finally {
     clearTimeout(timer);
-    if (reserved) {
-      const give = () => budget!.inFlight.give(budget!.from, reserved);
-      reading.then(give, give);
-    }
+    const give = () => inFlight.give(from, reserved);
+    reading.then(give, give);
   }
   const { depth, values } = jsonShape(text);
   if (depth > JSON_DEPTH_MAX) throw new HttpError(400, `body nests deeper than ${JSON_DEPTH_MAX} levels`);
-  if (values > maxValues) {
-    throw new HttpError(
-      400,
-      `body holds more than ${maxValues} JSON values (objects, arrays and members; a message holds about 15)`,
-    );
-  }
+  const many = `more than ${maxValues} JSON values (objects, arrays and members; a message holds about 15)`;
+  if (values > maxValues) throw new HttpError(400, `body holds ${many}`);
   try {
-    return JSON.parse(text);
+    return JSON.parse(text) as unknown;
   } catch (e) {
     throw new HttpError(400, `body is not JSON (${(e as Error).message})`);
   }
@@ -756,16 +729,11 @@ function claimedSender(payload: string): string {
   }
 }
 
-async function readKeyedBody(
-  req: Request,
-  what: string,
-  budget?: InFlightBudget,
-): Promise<Record<string, unknown> & { pubkey: string }> {
-  const body = await readJsonBody(req, budget, ANNOUNCEMENT_VALUES_MAX);
-  if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
-    throw new HttpError(400, `${what} needs a "pubkey"`);
-  }
-  return body as Record<string, unknown> & { pubkey: string };
+/** A body that names a "pubkey" (an announcement, an unregister), or the 400 that says `what` needs one. */
+async function readKeyedBody(req: Request, inFlight: BytesInFlight, from: string, what: string) {
+  const body = await readJsonBody(req, inFlight, from, ANNOUNCEMENT_VALUES_MAX);
+  if (isObject(body) && typeof body.pubkey === "string" && body.pubkey !== "") return body;
+  throw new HttpError(400, `${what} needs a "pubkey"`);
 }
 
 function parseOr400<T>(parse: () => T): T {
@@ -1318,7 +1286,7 @@ class Bus {
   }
 
   answerHold(from: string): AnswerHold {
-    return new AnswerHold({ inFlight: this.answers, from }, this.opts.answers?.writeMs);
+    return new AnswerHold(this.answers, from, this.opts.answers?.writeMs);
   }
 
   /** Whether `route`'s key has proven it reads its routes here: then every recv or ack of its routes needs a proof. */
@@ -1577,7 +1545,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
         // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
         const declared = declaredLength(req) ?? 0;
         if (declared > 0) bus.ensureRoom("", declared, "", true);
-        const body = await readJsonBody(req, { inFlight: bus.inFlight, from });
+        const body = await readJsonBody(req, bus.inFlight, from);
         if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages);
         if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
         const to = recipientParam(body.to, "to");
@@ -1610,7 +1578,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     "/ack": {
       method: "POST",
       async handle(bus, req, { from }) {
-        const body = await readJsonBody(req, { inFlight: bus.inFlight, from });
+        const body = await readJsonBody(req, bus.inFlight, from);
         if (!isObject(body)) throw new HttpError(400, 'expected {"me": <recipient>, "ack": <key>}');
         const me = recipientParam(body.me, "me");
         // Our extension: "acks", a list of keys, in place of the reference's single "ack".
@@ -1630,7 +1598,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     "/announce": {
       method: "POST",
       async handle(bus, req, { from }) {
-        const body = await readKeyedBody(req, "an announcement", { inFlight: bus.inFlight, from });
+        const body = await readKeyedBody(req, bus.inFlight, from, "an announcement");
         delete body.age_ms; // stamped by the bus, never taken from the poster
         const json = JSON.stringify(body);
         if (utf8Bytes(json) > ANNOUNCEMENT_MAX_BYTES) {
@@ -1667,7 +1635,7 @@ const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request
     "/unregister": {
       method: "POST",
       async handle(bus, req, { from }) {
-        const body = await readKeyedBody(req, "an unregister", { inFlight: bus.inFlight, from });
+        const body = await readKeyedBody(req, bus.inFlight, from, "an unregister");
         if (body.sig === undefined) {
           throw new HttpError(
             403,
