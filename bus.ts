@@ -556,8 +556,8 @@ function currentHttpDate(): string {
 const jsonResponse = (status: number, body: BodyInit, headers: Record<string, string> = {}): Response =>
   new Response(body, { status, headers: { "content-type": "application/json", date: currentHttpDate(), ...headers } });
 
-const errorResponse = (status: number, message: string): Response =>
-  jsonResponse(status, JSON.stringify({ error: message }));
+const errorResponse = (status: number, message: string, headers: Record<string, string> = {}): Response =>
+  jsonResponse(status, JSON.stringify({ error: message }), headers);
 
 /** A large answer's slice handed to the runtime at a time: what a connection's slow reader keeps in the bus's memory. */
 const ANSWER_CHUNK_BYTES = 64 << 10;
@@ -767,12 +767,6 @@ function splitUrl(url: string): { pathname: string; query: string } {
     : { pathname: url.slice(slash, q), query: url.slice(q + 1, end) };
 }
 
-/** What a bus route reads besides the Request: its query string and address bucket (see addressBucket). */
-interface BusCall {
-  query: string;
-  from: string;
-}
-
 // ============================================================================
 // The queue database
 // ============================================================================
@@ -897,9 +891,7 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
   const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
   let skipped = 0, top = 0; // top: the highest seq the file names
   if (sql("SELECT value FROM meta WHERE name = 'imported'").get()?.value !== id) {
-    const insert = sql(
-      "INSERT OR IGNORE INTO message (seq, route, ts, sender, size, payload) VALUES (?, ?, ?, ?, ?, ?)",
-    );
+    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?)"); // seq, route, ts, sender, size, payload
     const remove = sql("DELETE FROM message WHERE seq = ? AND route = ?");
     const owner = sql("INSERT OR IGNORE INTO owner (key) VALUES (?)");
     const closed = sql(
@@ -949,7 +941,7 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
 // The bus
 // ============================================================================
 
-/** Defaults: QueueLimits' constants, OWNERS_MAX, ANSWERS_IN_FLIGHT_*, ANSWER_WRITE_MS, reserveOf the disk. */
+/** Defaults: QUEUE_LIMITS, OWNERS_MAX, ANSWERS_IN_FLIGHT_*, ANSWER_WRITE_MS, reserveOf the disk. */
 interface BusOptions {
   cap?: number;
   limits?: Partial<QueueLimits>;
@@ -960,16 +952,9 @@ interface BusOptions {
   now?: () => number;
 }
 
-/** A queued message as message_route holds it: all but its payload. */
-interface Head {
-  seq: number;
-  ts: number;
-  sender: string;
-  size: number;
-}
-
-/** A message handed to a receiver. */
-type BusDelivery = Omit<Head, "sender" | "size"> & { payload: string };
+/** A queued message as message_route holds it (all but its payload), and as a receiver is handed it. */
+type Head = { seq: number; ts: number; sender: string; size: number };
+type BusDelivery = { seq: number; ts: number; payload: string };
 
 /** A change for the next commit (Bus.#commit), and its caller's promise; `send`: a new message's route. */
 type Write = PromiseWithResolvers<void> & { apply(): void; send?: string };
@@ -979,54 +964,43 @@ class Bus {
   readonly roster = new Roster();
   readonly inFlight = new BytesInFlight();
   readonly answers: BytesInFlight;
-  #waiters = new Map<string, Set<() => void>>(); // bounded: by the open long-polls
-  #writes: Write[] = []; // what the next commit carries, in order: bounded by the requests waiting on it
-  /** The group commit running (#flush), or null while nothing waits. */
-  #flushing: Promise<void> | null = null;
-  readonly #wal: number;
-  /** Messages found damaged (#payload): skipped until deleted, or for good when they cannot be read. */
-  #unreadable = new Set<number>(); // bounded: by the messages held
-  /** Keys that proved they read their routes here (see checkOwnership), as owner rows, never forgotten. */
-  readonly #owners: Set<string>; // bounded: ownersMax, past it the bus closes (see #close)
-  /** Since when the bus is closed (its "closed" row), or null while it serves the routes of keys that never proved. */
-  #closedSince: number | null;
-  /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
-  readonly #verified = new BoundedMap<string, string>(PROOFS_REMEMBERED); // bounded: forgetting costs one check
-  readonly ownersMax: number;
-  /** The data folder's disk as last looked at: free bytes (less what was written since), size, when. */
-  #disk: { free: number; size: number; at: number };
-  #reserved: boolean; // queue.reserve is there (#keepRoom)
-  private readonly db: DatabaseSync;
-  readonly #sql;
   readonly queues: BusQueues;
   nextSeq: number;
-  /** Commits run, the writes they carried, and the fdatasyncs that made them durable (for tests). */
-  readonly commitStats = { commits: 0, writes: 0, syncs: 0 };
   readonly recovery: { messages: number; recipients: number; skippedLines: number; ms: number };
-  readonly #log: (msg: string) => void;
+  readonly commitStats = { commits: 0, writes: 0, syncs: 0 }; // commits, the writes they carried, their fdatasyncs
+  readonly ownersMax: number;
   readonly now: () => number;
-  /** A copy of open's options: a caller changing its object afterwards changes no limit. */
-  private readonly opts: BusOptions;
+  readonly #log: (msg: string) => void;
+  readonly #opts: BusOptions; // a copy of open's: a caller changing its object afterwards changes no limit
+  readonly #sql;
+  readonly #wal: number; // queue.db-wal, for #flush's fdatasync
+  #waiters = new Map<string, Set<() => void>>(); // bounded: by the open long-polls
+  #writes: Write[] = []; // what the next commit carries, in order: bounded by the requests waiting on it
+  #flushing: Promise<void> | null = null; // the group commit running (#flush), or null while nothing waits
+  #unreadable = new Set<number>(); // found damaged (#payload), skipped: bounded by the messages held
+  readonly #owners: Set<string>; // keys that proved they read their routes here: bounded by ownersMax (#close)
+  #closedSince: number | null; // since when every route needs a proof (#close), or null
+  /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
+  readonly #verified = new BoundedMap<string, string>(PROOFS_REMEMBERED); // bounded: forgetting costs one check
+  #disk: { free: number; size: number; at: number }; // as last looked at: free (less writes since), size, when
+  #reserved: boolean; // queue.reserve is there (#keepRoom)
+  private readonly db: DatabaseSync;
 
   /** `stored`: what openQueue read; `started`: when open began, for the recovery report. */
   private constructor(
     readonly dataDir: string,
     stored: ReturnType<typeof openQueue>,
-    private lock: PidLock,
+    private readonly lock: PidLock,
     opts: BusOptions,
     started: number,
   ) {
     const db = this.db = stored.db;
-    this.opts = { ...opts, answers: { ...opts.answers } };
+    this.#opts = { ...opts, answers: { ...opts.answers } };
     this.#log = opts.log ?? logInfo;
     this.now = opts.now ?? Date.now;
     this.ownersMax = opts.owners ?? OWNERS_MAX;
-    this.answers = new BytesInFlight(
-      opts.answers?.max ?? ANSWERS_IN_FLIGHT_MAX,
-      opts.answers?.perAddress ?? ANSWERS_IN_FLIGHT_PER_ADDRESS,
-      "answers not yet taken by their connections",
-      false,
-    );
+    const { max = ANSWERS_IN_FLIGHT_MAX, perAddress = ANSWERS_IN_FLIGHT_PER_ADDRESS } = this.#opts.answers!;
+    this.answers = new BytesInFlight(max, perAddress, "answers not yet taken by their connections", false);
     const sql = (text: string) => db.prepare(text);
     this.#sql = {
       insert: sql("INSERT INTO message (seq, route, ts, sender, size, payload) VALUES (?, ?, ?, ?, ?, ?)"),
@@ -1081,23 +1055,17 @@ class Bus {
   /** `from`: the address the request came from (serveHttp says), for the per-address budgets; "" when unknown. */
   readonly handler = async (req: Request, from = ""): Promise<Response> => {
     const { pathname, query } = splitUrl(req.url);
-    const route = BUS_ROUTES[pathname];
-    if (!route) {
-      return errorResponse(404, `no route ${pathname}; the bus serves ${Object.keys(BUS_ROUTES).join(", ")}`);
-    }
-    if (req.method !== route.method) {
-      return jsonResponse(405, JSON.stringify({ error: `${pathname} takes ${route.method}` }), { allow: route.method });
-    }
+    const [method, run] = BUS_ROUTES[pathname] ?? [];
+    if (!run) return errorResponse(404, `no route ${pathname}; the bus serves ${Object.keys(BUS_ROUTES).join(", ")}`);
+    if (req.method !== method) return errorResponse(405, `${pathname} takes ${method}`, { allow: method });
     try {
-      const r = await route.handle(this, req, { query, from: addressBucket(from) });
+      const r = await run(this, req, { query, from: addressBucket(from) });
       // A reference bus sends no such header: our client batches only where it sees one; doctor reports it.
       r.headers.set("interlink-bus", BUS_FEATURES);
       return r;
     } catch (e) {
-      if (e instanceof HttpError) {
-        // A body left unread must not keep its connection (Bun then closes it; node:http does on its own).
-        return jsonResponse(e.status, JSON.stringify({ error: e.message }), e.close ? { connection: "close" } : {});
-      }
+      // A body left unread must not keep its connection (Bun then closes it; node:http does on its own).
+      if (e instanceof HttpError) return errorResponse(e.status, e.message, e.close ? { connection: "close" } : {});
       if (req.signal.aborted) return errorResponse(499, "client closed the request"); // a hang-up: not an error here
       this.#log(`internal error on ${pathname}: ${(e as Error).stack ?? e}`);
       return errorResponse(500, "internal error; see the bus log");
@@ -1109,17 +1077,13 @@ class Bus {
    * would get: the byte budgets, then the room kept free on the disk. `close`: the body is unread (see HttpError).
    */
   ensureRoom(sender: string, size: number, to = "", close = false): void {
-    const over = this.queues.admit(sender, size, to);
+    const over = this.queues.admit(sender, size, to), { totalBytes, senderBytes } = this.queues.limits;
     if (over) {
       const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
-      const all = humanBytes(this.queues.limits.totalBytes), mine = humanBytes(this.queues.limits.senderBytes);
-      throw over === "global"
-        ? new HttpError(507, `this bus holds its whole budget of ${all} of messages (${counted}); retry later`, close)
-        : new HttpError(
-          429,
-          `this sender already has ${mine} queued on this bus (${counted}); retry once some is read`,
-          close,
-        );
+      const why = over === "global"
+        ? `this bus holds its whole budget of ${humanBytes(totalBytes)} of messages (${counted}); retry later`
+        : `this sender already has ${humanBytes(senderBytes)} queued on this bus (${counted}); retry once some is read`;
+      throw new HttpError(over === "global" ? 507 : 429, why, close);
     }
     this.#ensureDisk(2 * size + MESSAGE_OVERHEAD_BYTES, close); // in the WAL, then in the file at the checkpoint
   }
@@ -1154,20 +1118,17 @@ class Bus {
 
   /** Room kept free for what must always be written: acks, an owner's row, the "closed" row (see reserveOf). */
   diskReserve(): number {
-    return this.opts.diskReserve ?? reserveOf(this.#disk.size);
+    return this.#opts.diskReserve ?? reserveOf(this.#disk.size);
   }
 
   /** Throws the 507 for a write of `bytes` that would eat into the reserve (looked at afresh before refusing). */
   #ensureDisk(bytes: number, close = false): void {
-    if (this.#diskFree() - bytes >= this.diskReserve()) return;
-    const free = this.#diskFree(true);
-    if (free - bytes >= this.diskReserve()) return;
-    const left = humanBytes(Math.max(0, free));
-    throw new HttpError(
-      507,
-      `the disk of the bus's data folder is full: ${left} free, which the bus keeps for acks; nothing was stored; retry once receivers have read their mail`,
-      close,
-    );
+    const room = (free: number) => free - bytes >= this.diskReserve();
+    if (room(this.#diskFree()) || room(this.#diskFree(true))) return;
+    const left = humanBytes(Math.max(0, this.#disk.free));
+    const why =
+      `the disk of the bus's data folder is full: ${left} free, which the bus keeps for acks; nothing was stored; retry once receivers have read their mail`;
+    throw new HttpError(507, why, close);
   }
 
   /** Throws the 429 for one more message from `sender` to `to` past its cap: nothing accepted makes room (QUEUE_CAP). */
@@ -1176,10 +1137,9 @@ class Bus {
     if (held === null) return;
     const route = `${fingerprint(to)}${to.includes("#") ? to.slice(to.indexOf("#")) : ""}`;
     const what = sender ? "messages from this sender" : "unattributed payloads";
-    throw new HttpError(
-      429,
-      `${ROUTE_FULL}: ${route} holds ${held} ${what} not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`,
-    );
+    const why =
+      `${ROUTE_FULL}: ${route} holds ${held} ${what} not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`;
+    throw new HttpError(429, why);
   }
 
   /**
@@ -1286,7 +1246,7 @@ class Bus {
   }
 
   answerHold(from: string): AnswerHold {
-    return new AnswerHold(this.answers, from, this.opts.answers?.writeMs);
+    return new AnswerHold(this.answers, from, this.#opts.answers?.writeMs);
   }
 
   /** Whether `route`'s key has proven it reads its routes here: then every recv or ack of its routes needs a proof. */
@@ -1298,23 +1258,55 @@ class Bus {
     return this.#owners.size;
   }
 
-  verifiedBefore(route: string, proof: string): boolean {
-    return this.#verified.get(route) === proof;
-  }
-
   get closedSince(): number | null {
     return this.#closedSince;
   }
 
   /**
-   * `route`'s key proved with `proof` (verified, fresh) that it reads it. Its first proof makes it an owner, committed
-   * before the answer (trust on first proof survives a restart); when it cannot be one (`ownersMax` held, no disk
-   * room), the bus closes instead (#close): a key that proved never has its routes served without a proof. It is an
-   * owner in memory from the start: a recv meanwhile without a proof is refused.
+   * Recipient ownership, trust on first proof: once a key has proven (a signed recv or ack) that it reads one of its
+   * routes, unproven recv and ack of all its routes are refused for good, so nobody else reads or deletes its mail. Keys
+   * that never proved work as in the reference contract until the bus closes (#close). Every proof, a repeat too, must
+   * be fresh: a captured one is worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403.
    */
-  async touchOwned(route: string, proof: string): Promise<void> {
+  async checkOwnership(route: string, proof: unknown): Promise<void> {
+    if (proof === undefined || proof === null || proof === "") {
+      if (this.isOwned(route)) {
+        const why = `route ${
+          fingerprint(route)
+        }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
+        throw new HttpError(403, why);
+      }
+      if (this.#closedSince === null) return;
+      const at = new Date(this.#closedSince); // a hand-made "c" record may hold a safe integer past what a Date holds
+      const since = Number.isNaN(at.getTime()) ? `ts ${this.#closedSince}` : at.toISOString();
+      const why =
+        `this bus serves no route without a proof since ${since} (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`;
+      throw new HttpError(403, why);
+    }
+    if (typeof proof !== "string" || !/^\d{1,16}\.[A-Za-z0-9_-]{86}$/.test(proof)) {
+      throw new HttpError(400, 'proof must be "<ts>.<signature>"');
+    }
+    const [tsText, sig] = proof.split(".");
+    const ts = Number(tsText);
+    if (Math.abs(this.now() - ts) > RECV_PROOF_FRESH_MS) {
+      const window = `${RECV_PROOF_FRESH_MS / 60_000} min either side of this bus's clock`;
+      throw new HttpError(403, `proof is outside its freshness window (${window})`);
+    }
+    if (this.#verified.get(route) !== proof) {
+      const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
+      if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
+    }
     this.#verified.set(route, proof);
-    const key = parseRoute(route).key;
+    await this.#own(parseRoute(route).key);
+  }
+
+  /**
+   * `key` proved (verified, fresh) that it reads its routes. Its first proof makes it an owner, committed before the
+   * answer (trust on first proof survives a restart); when it cannot be one (`ownersMax` held, no disk room), the bus
+   * closes instead (#close): a key that proved never has its routes served without a proof. It is an owner in memory
+   * from the start: a recv meanwhile without a proof is refused.
+   */
+  async #own(key: string): Promise<void> {
     if (this.#owners.has(key)) return;
     let why = `it protects the routes of ${this.ownersMax} keys, the most it keeps (--owners), and never forgets one`;
     if (this.#owners.size < this.ownersMax) {
@@ -1322,11 +1314,9 @@ class Bus {
         this.#ensureDisk(OWNER_ROW_BYTES);
         this.#owners.add(key); // at once: an unproven recv meanwhile is refused
         await this.#write(() => this.#sql.owner.run(key)).catch((e) => (this.#owners.delete(key), Promise.reject(e)));
-        if (this.#owners.size === this.ownersMax) {
-          this.#log(
-            `this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): the next new key closes it`,
-          );
-        }
+        const full =
+          `this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): the next new key closes it`;
+        if (this.#owners.size === this.ownersMax) this.#log(full);
         return;
       } catch (e) {
         why = `it has no room to record one more key that proved its routes (${(e as Error).message})`;
@@ -1350,16 +1340,10 @@ class Bus {
   }
 
   /** Up to `max` oldest un-acked messages for `me`, waiting up to `timeoutMs` for one ([] if none); kept until acked. */
-  async recv(
-    me: string,
-    timeoutMs: number,
-    signalOf?: AbortSignal | (() => AbortSignal),
-    max = 1,
-    held?: AnswerHold,
-  ): Promise<BusDelivery[]> {
+  async recv(me: string, timeoutMs: number, signalOf?: () => AbortSignal, max = 1, held?: AnswerHold) {
     const ready = this.take(me, max, held);
     if (ready.length || timeoutMs <= 0) return ready;
-    const signal = typeof signalOf === "function" ? signalOf() : signalOf;
+    const signal = signalOf?.();
     if (signal?.aborted) return ready;
     await new Promise<void>((resolve) => {
       let set = this.#waiters.get(me);
@@ -1460,51 +1444,6 @@ class Bus {
 }
 
 /**
- * Recipient ownership, trust on first proof: once a key has proven (a signed recv or ack) that it reads one of its
- * routes, unproven recv and ack of all its routes are refused for good, so nobody else reads or deletes its mail. Keys
- * that never proved work as in the reference contract until the bus closes (Bus.#close). Every proof, a repeat too,
- * must be fresh: a captured one is worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403.
- */
-async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
-  if (proof === undefined || proof === null || proof === "") {
-    if (bus.isOwned(route)) {
-      const fp = fingerprint(route);
-      throw new HttpError(
-        403,
-        `route ${fp}… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`,
-      );
-    }
-    if (bus.closedSince !== null) {
-      const at = new Date(bus.closedSince); // a hand-made "c" record may hold a safe integer past what a Date holds
-      const since = Number.isNaN(at.getTime()) ? `ts ${bus.closedSince}` : at.toISOString();
-      throw new HttpError(
-        403,
-        `this bus serves no route without a proof since ${since} (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`,
-      );
-    }
-    return;
-  }
-  if (typeof proof !== "string" || !/^\d{1,16}\.[A-Za-z0-9_-]{86}$/.test(proof)) {
-    throw new HttpError(400, 'proof must be "<ts>.<signature>"');
-  }
-  const [tsText, sig] = proof.split(".");
-  const ts = Number(tsText);
-  if (Math.abs(bus.now() - ts) > RECV_PROOF_FRESH_MS) {
-    throw new HttpError(
-      403,
-      `proof is outside its freshness window (${RECV_PROOF_FRESH_MS / 60_000} min either side of this bus's clock)`,
-    );
-  }
-  if (!bus.verifiedBefore(route, proof)) {
-    const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
-    if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
-  }
-  await bus.touchOwned(route, proof);
-}
-
-/** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
-
-/**
  * Our extension of POST /send: {"messages": [{"to", "payload"}, ...]}, in order, each checked as a single send. The
  * first refused stops the rest, so a sender's order holds. Answered 200 once all queued are on disk, one result per
  * message tried: {"status": 202} or {"status": <4xx/5xx>, "error"}. A reference bus refuses the shape (no "to").
@@ -1537,140 +1476,121 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
   });
   return jsonResponse(200, JSON.stringify({ status: "queued", results }));
 }
-const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request, call: BusCall): Promise<Response> }> =
-  {
-    "/send": {
-      method: "POST",
-      async handle(bus, req, { from }) {
-        // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
-        const declared = declaredLength(req) ?? 0;
-        if (declared > 0) bus.ensureRoom("", declared, "", true);
-        const body = await readJsonBody(req, bus.inFlight, from);
-        if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages);
-        if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
-        const to = recipientParam(body.to, "to");
-        if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
-        await bus.send(to, JSON.stringify(body.payload), await signerOf(body.payload, to));
-        return jsonResponse(202, '{"status":"queued"}');
-      },
-    },
-    "/recv": {
-      method: "GET",
-      async handle(bus, req, { query, from }) {
-        const params = new URLSearchParams(query);
-        const me = recipientParam(params.get("me"), "me");
-        await checkOwnership(bus, me, params.get("proof") ?? undefined);
-        // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that
-        // no client which did not ask can take for one message; a reference bus ignores max and answers one.
-        const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
-        const held = bus.answerHold(from);
-        // The request's signal is read only when the recv has to wait (under Deno, building it costs).
-        const got = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal, max, held);
-        if (!got.length) return jsonResponse(200, '{"status":"timeout"}');
-        const entry = (m: BusDelivery) =>
-          `"envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${JSON.stringify(ackKey(me, m))}`;
-        const text = max > 1
-          ? `{"status":"messages","messages":[${got.map((m) => `{${entry(m)}}`)}]}`
-          : `{"status":"message",${entry(got[0])}}`;
-        return streamedAnswer(200, text, held);
-      },
-    },
-    "/ack": {
-      method: "POST",
-      async handle(bus, req, { from }) {
-        const body = await readJsonBody(req, bus.inFlight, from);
-        if (!isObject(body)) throw new HttpError(400, 'expected {"me": <recipient>, "ack": <key>}');
-        const me = recipientParam(body.me, "me");
-        // Our extension: "acks", a list of keys, in place of the reference's single "ack".
-        const keys: unknown[] = Array.isArray(body.acks) ? body.acks : [body.ack];
-        if (!keys.length || keys.length > RECV_BATCH_MAX || !keys.every((k) => typeof k === "string")) {
-          throw new HttpError(400, `"ack" must be a string (or "acks" a list of 1 to ${RECV_BATCH_MAX})`);
-        }
-        if (!keys.every((k) => (k as string).startsWith(me + "\0"))) {
-          throw new HttpError(403, "that ack key belongs to another recipient");
-        }
-        await checkOwnership(bus, me, body.proof);
-        // Unknown or already acked: still 200, acks are idempotent.
-        await bus.ack(me, ...(keys as string[]).map((k) => parseAckKey(me, k)).filter((m) => m !== undefined));
-        return jsonResponse(200, '{"status":"acked"}');
-      },
-    },
-    "/announce": {
-      method: "POST",
-      async handle(bus, req, { from }) {
-        const body = await readKeyedBody(req, bus.inFlight, from, "an announcement");
-        delete body.age_ms; // stamped by the bus, never taken from the poster
-        const json = JSON.stringify(body);
-        if (utf8Bytes(json) > ANNOUNCEMENT_MAX_BYTES) {
-          throw new HttpError(413, `announcement over ${ANNOUNCEMENT_MAX_BYTES} bytes`);
-        }
-        const a = parseOr400(() => parseAnnouncement(body));
-        const now = bus.now();
-        // Presence must be current: no announcement from the future, none older than the roster keeps.
-        if (a.ts - now > FRESH_FUTURE_MS) throw new HttpError(400, `announcement ts is ${a.ts - now} ms in the future`);
-        if (now - a.ts >= ROSTER_RETENTION_MS) throw new HttpError(400, "announcement is older than the roster keeps");
-        const bad = await verifyAnnouncement(a);
-        if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
-        const filed = bus.roster.put(a, json, now, from);
-        if (filed !== true && filed !== "older") { // an older one: already superseded, nothing to say
-          const { cap, perKeyCap, perAddressCap } = bus.roster;
-          const live = `heard from in the last ${PRESENCE_LIVE_MS / 1000} s`;
-          const session = fingerprint(a.pubkey) +
-            (a.session?.session_id ? `#${a.session.session_id.slice(0, 128)}` : "");
-          const why = {
-            ended:
-              `session ${session} was ended by its key (a signed unregister) after this announcement was signed; it is not listed again`,
-            full:
-              `this bus's roster is full of sessions ${live} (${cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
-            key:
-              `this key's sessions take ${perKeyCap} KiB of this bus's roster already, each signed later than this announcement; it is not listed`,
-            address:
-              `announcements from your address take ${perAddressCap} KiB of this bus's roster already, all of them ${live}; this one is not listed now`,
-          }[filed];
-          throw new HttpError({ ended: 409, full: 507, key: 429, address: 429 }[filed], why);
-        }
-        return jsonResponse(202, '{"status":"announced"}');
-      },
-    },
-    "/unregister": {
-      method: "POST",
-      async handle(bus, req, { from }) {
-        const body = await readKeyedBody(req, bus.inFlight, from, "an unregister");
-        if (body.sig === undefined) {
-          throw new HttpError(
-            403,
-            "unsigned unregister refused: only the key that announced a session may remove it (interlink-unregister-v1); the entry ages out to away by itself",
-          );
-        }
-        const sessionId = isObject(body.session) && typeof body.session.session_id === "string"
-          ? body.session.session_id
-          : "";
-        const u = parseOr400(() => ({
-          pubkey: field(body, "pubkey"),
-          session_id: sessionId,
-          ts: timestamp(body, "ts"),
-          sig: field(body, "sig"),
-        }));
-        const now = bus.now();
-        if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
-          throw new HttpError(400, "unregister ts is outside the freshness window");
-        }
-        if (await verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes(u)))) {
-          throw new HttpError(403, "unregister signature does not verify");
-        }
-        bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
-        return jsonResponse(202, '{"status":"unregistered"}');
-      },
-    },
-    "/roster": {
-      method: "GET",
-      handle(bus, _req, { from }) {
-        const held = bus.answerHold(from);
-        held.hold(bus.roster.answerBytes()); // before the answer is made: a refused read costs nothing
-        return Promise.resolve(streamedAnswer(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`, held));
-      },
-    },
-  };
+
+/** A route's method and handler, told the request's query string and address bucket (see addressBucket). */
+type BusRoute = [
+  method: string,
+  handle: (bus: Bus, req: Request, call: { query: string; from: string }) => Promise<Response>,
+];
+
+const BUS_ROUTES: Record<string, BusRoute> = {
+  "/send": ["POST", async (bus, req, { from }) => {
+    // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
+    const declared = declaredLength(req) ?? 0;
+    if (declared > 0) bus.ensureRoom("", declared, "", true);
+    const body = await readJsonBody(req, bus.inFlight, from);
+    if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages);
+    if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
+    const to = recipientParam(body.to, "to");
+    if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
+    await bus.send(to, JSON.stringify(body.payload), await signerOf(body.payload, to));
+    return jsonResponse(202, '{"status":"queued"}');
+  }],
+  "/recv": ["GET", async (bus, req, { query, from }) => {
+    const params = new URLSearchParams(query);
+    const me = recipientParam(params.get("me"), "me");
+    await bus.checkOwnership(me, params.get("proof") ?? undefined);
+    // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that no
+    // client which did not ask can take for one message; a reference bus ignores max and answers one.
+    const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
+    const held = bus.answerHold(from);
+    // The request's signal is read only when the recv has to wait (under Deno, building it costs).
+    const got = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal, max, held);
+    if (!got.length) return jsonResponse(200, '{"status":"timeout"}');
+    const entry = (m: BusDelivery) =>
+      `"envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${JSON.stringify(ackKey(me, m))}`;
+    const text = max > 1
+      ? `{"status":"messages","messages":[${got.map((m) => `{${entry(m)}}`)}]}`
+      : `{"status":"message",${entry(got[0])}}`;
+    return streamedAnswer(200, text, held);
+  }],
+  "/ack": ["POST", async (bus, req, { from }) => {
+    const body = await readJsonBody(req, bus.inFlight, from);
+    if (!isObject(body)) throw new HttpError(400, 'expected {"me": <recipient>, "ack": <key>}');
+    const me = recipientParam(body.me, "me");
+    // Our extension: "acks", a list of keys, in place of the reference's single "ack".
+    const keys: unknown[] = Array.isArray(body.acks) ? body.acks : [body.ack];
+    if (!keys.length || keys.length > RECV_BATCH_MAX || !keys.every((k) => typeof k === "string")) {
+      throw new HttpError(400, `"ack" must be a string (or "acks" a list of 1 to ${RECV_BATCH_MAX})`);
+    }
+    if (!keys.every((k) => (k as string).startsWith(me + "\0"))) {
+      throw new HttpError(403, "that ack key belongs to another recipient");
+    }
+    await bus.checkOwnership(me, body.proof);
+    // Unknown or already acked: still 200, acks are idempotent.
+    await bus.ack(me, ...(keys as string[]).map((k) => parseAckKey(me, k)).filter((m) => m !== undefined));
+    return jsonResponse(200, '{"status":"acked"}');
+  }],
+  "/announce": ["POST", async (bus, req, { from }) => {
+    const body = await readKeyedBody(req, bus.inFlight, from, "an announcement");
+    delete body.age_ms; // stamped by the bus, never taken from the poster
+    const json = JSON.stringify(body);
+    if (utf8Bytes(json) > ANNOUNCEMENT_MAX_BYTES) {
+      throw new HttpError(413, `announcement over ${ANNOUNCEMENT_MAX_BYTES} bytes`);
+    }
+    const a = parseOr400(() => parseAnnouncement(body));
+    const now = bus.now();
+    // Presence must be current: no announcement from the future, none older than the roster keeps.
+    if (a.ts - now > FRESH_FUTURE_MS) throw new HttpError(400, `announcement ts is ${a.ts - now} ms in the future`);
+    if (now - a.ts >= ROSTER_RETENTION_MS) throw new HttpError(400, "announcement is older than the roster keeps");
+    const bad = await verifyAnnouncement(a);
+    if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
+    const filed = bus.roster.put(a, json, now, from);
+    if (filed === true || filed === "older") return jsonResponse(202, '{"status":"announced"}'); // older: superseded
+    const { cap, perKeyCap, perAddressCap } = bus.roster;
+    const live = `heard from in the last ${PRESENCE_LIVE_MS / 1000} s`;
+    const session = fingerprint(a.pubkey) + (a.session?.session_id ? `#${a.session.session_id.slice(0, 128)}` : "");
+    const why = {
+      ended:
+        `session ${session} was ended by its key (a signed unregister) after this announcement was signed; it is not listed again`,
+      full:
+        `this bus's roster is full of sessions ${live} (${cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
+      key:
+        `this key's sessions take ${perKeyCap} KiB of this bus's roster already, each signed later than this announcement; it is not listed`,
+      address:
+        `announcements from your address take ${perAddressCap} KiB of this bus's roster already, all of them ${live}; this one is not listed now`,
+    }[filed];
+    throw new HttpError({ ended: 409, full: 507, key: 429, address: 429 }[filed], why);
+  }],
+  "/unregister": ["POST", async (bus, req, { from }) => {
+    const body = await readKeyedBody(req, bus.inFlight, from, "an unregister");
+    const unsigned =
+      "unsigned unregister refused: only the key that announced a session may remove it (interlink-unregister-v1); the entry ages out to away by itself";
+    if (body.sig === undefined) throw new HttpError(403, unsigned);
+    const { session } = body;
+    const sessionId = isObject(session) && typeof session.session_id === "string" ? session.session_id : "";
+    const u = parseOr400(() => ({
+      pubkey: field(body, "pubkey"),
+      session_id: sessionId,
+      ts: timestamp(body, "ts"),
+      sig: field(body, "sig"),
+    }));
+    const now = bus.now();
+    if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
+      throw new HttpError(400, "unregister ts is outside the freshness window");
+    }
+    if (await verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes(u)))) {
+      throw new HttpError(403, "unregister signature does not verify");
+    }
+    bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
+    return jsonResponse(202, '{"status":"unregistered"}');
+  }],
+  "/roster": ["GET", (bus, _req, { from }) => {
+    const held = bus.answerHold(from);
+    held.hold(bus.roster.answerBytes()); // before the answer is made: a refused read costs nothing
+    return Promise.resolve(streamedAnswer(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`, held));
+  }],
+};
 
 // ============================================================================
 // Serving HTTP
