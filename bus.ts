@@ -1596,22 +1596,15 @@ const BUS_ROUTES: Record<string, BusRoute> = {
 // Serving HTTP
 // ============================================================================
 
-interface Listening {
-  port: number;
-  stop(): Promise<void>;
-}
+type Listening = { port: number; stop(): Promise<void> };
+type FetchHandler = (req: Request, from: string) => Promise<Response>;
 
 /**
  * Binds a fetch handler, told each request's source address, to a TCP port with the runtime's own server. `guard`
  * (Deno only; Bun closes idle connections itself): node:http, whose timeouts close idle and slow connections
  * (Deno.serve never does), at a cost in throughput.
  */
-function serveHttp(
-  handler: (req: Request, from: string) => Promise<Response>,
-  hostname: string,
-  port: number,
-  guard = false,
-): Promise<Listening> {
+function serveHttp(handler: FetchHandler, hostname: string, port: number, guard = false): Promise<Listening> {
   const { Bun, Deno } = runtimeHost;
   if (Deno && guard) return serveGuarded(handler, hostname, port);
   if (Bun) {
@@ -1626,41 +1619,38 @@ function serveHttp(
     });
     return Promise.resolve({ port: server.port, stop: () => Promise.resolve(server.stop(true)) });
   }
-  if (Deno) {
-    // Out of file descriptors (20,000 idle sockets: Deno.serve has no idle timeout), its accept loop fails and
-    // would take the process down: logged instead, and it listens again on the same port a second later.
-    const serve = (req: Request, info: { remoteAddr: { hostname: string } }) =>
-      handler(req, info.remoteAddr?.hostname ?? "");
-    let server = Deno.serve({ hostname, port, onListen: () => {}, onError: serverError }, serve);
-    const bound = server.addr.port;
-    let stopping = false;
-    let retry: ReturnType<typeof setTimeout> | undefined;
-    const watch = (s: typeof server) =>
-      s.finished.catch((e: Error) => {
+  if (!Deno) throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
+  // Out of file descriptors (20,000 idle sockets: Deno.serve has no idle timeout), its accept loop fails and would
+  // take the process down: logged instead, and it listens again on the same port a second later.
+  let stopping = false, retry: ReturnType<typeof setTimeout> | undefined;
+  const listen = (port: number): ReturnType<typeof Deno.serve> => {
+    const s = Deno.serve(
+      { hostname, port, onListen: () => {}, onError: serverError },
+      (req, info) => handler(req, info.remoteAddr?.hostname ?? ""),
+    );
+    s.finished.catch((e: Error) => {
+      if (stopping) return;
+      logWarn(`the HTTP listener failed (${e.message}); listening again on port ${bound} in 1 s`);
+      retry = setTimeout(function relisten() {
         if (stopping) return;
-        logWarn(`the HTTP listener failed (${e.message}); listening again on port ${bound} in 1 s`);
-        retry = setTimeout(function relisten() {
-          if (stopping) return;
-          try {
-            server = Deno.serve({ hostname, port: bound, onListen: () => {}, onError: serverError }, serve);
-            watch(server);
-          } catch (e) {
-            logWarn(`cannot listen on port ${bound} yet (${(e as Error).message}); trying again in 1 s`);
-            retry = setTimeout(relisten, 1000);
-          }
-        }, 1000);
-      });
-    watch(server);
-    return Promise.resolve({
-      port: bound,
-      stop: () => {
-        stopping = true;
-        clearTimeout(retry);
-        return server.shutdown();
-      },
+        try {
+          server = listen(bound);
+        } catch (e) {
+          logWarn(`cannot listen on port ${bound} yet (${(e as Error).message}); trying again in 1 s`);
+          retry = setTimeout(relisten, 1000);
+        }
+      }, 1000);
     });
-  }
-  throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
+    return s;
+  };
+  let server = listen(port);
+  const bound = server.addr.port;
+  const stop = () => {
+    stopping = true;
+    clearTimeout(retry);
+    return server.shutdown();
+  };
+  return Promise.resolve({ port: bound, stop });
 }
 
 /** A handler that throws: a generic 500, the error logged; never Bun's page of paths and source lines. */
@@ -1671,10 +1661,8 @@ function serverError(e: unknown): Response {
 
 /** A guarded server closes a connection idle this long between requests, or this slow to send its headers. */
 const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
-
 /** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
 const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
-
 /** Connections a guarded server holds at most (see connectionBound). */
 const CONN_MAX = 10_000;
 
@@ -1694,10 +1682,7 @@ function connectionBound(): number {
  * Writes a streamed answer to `res` a slice at a time, each after the one before drained: a stalled reader holds
  * one slice. A close cancels the stream (its bytes given back); a failed one throws. False when the connection closed.
  */
-async function writeWithBackpressure(
-  body: ReadableStream<Uint8Array>,
-  res: import("node:http").ServerResponse,
-): Promise<boolean> {
+async function writeWithBackpressure(body: ReadableStream<Uint8Array>, res: import("node:http").ServerResponse) {
   const reader = body.getReader();
   const gone = () => void reader.cancel().catch(() => {});
   res.once("close", gone);
@@ -1721,11 +1706,7 @@ async function writeWithBackpressure(
  * The guarded server (see serveHttp): node:http with keep-alive and header timeouts, a deadline on the body, a bound
  * on connections, no request timeout (a long-poll waits a minute). A client gone aborts its request's signal.
  */
-async function serveGuarded(
-  handler: (req: Request, from: string) => Promise<Response>,
-  hostname: string,
-  port: number,
-): Promise<Listening> {
+async function serveGuarded(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
   const [http, { connect }] = await Promise.all([import("node:http"), import("node:net")]);
   const timeouts = {
     keepAliveTimeout: CONN_IDLE_MS,
@@ -1739,59 +1720,54 @@ async function serveGuarded(
     const socket = req.socket; // detached from req once the answer is sent
     try {
       const declared = req.headers["content-length"];
-      let body: Buffer | undefined;
+      const hasBody = req.method !== "GET" && req.method !== "HEAD";
       let whole = false; // the body was read to its end
       // Read on demand, so the handler's checks on the declared length come first and a body it refuses is never
-      // held; with a deadline, and one chunk past the limit at most (enough for a 413).
-      const readBody = async (): Promise<Buffer> => {
-        if (body) return body;
-        const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
-        const chunks: Buffer[] = [];
-        let n = 0;
-        try {
-          for await (const c of req) if ((n += c.length, chunks.push(c), n) > BODY_LIMIT_BYTES) break;
-          whole = n <= BODY_LIMIT_BYTES;
-        } finally {
-          clearTimeout(deadline);
-        }
-        return body = Buffer.concat(chunks);
+      // held; within CONN_BODY_MS. A chunked body is handed over as it comes, so the handler counts each chunk
+      // before the next is read; a declared one is read whole, one chunk past the limit at most (enough for a 413).
+      const body = {
+        getReader() {
+          const chunks = req[Symbol.asyncIterator]();
+          const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
+          return {
+            async read(): Promise<IteratorResult<Uint8Array>> {
+              try {
+                const r = await chunks.next();
+                if (r.done) (whole = true, clearTimeout(deadline));
+                return r;
+              } catch (e) {
+                clearTimeout(deadline);
+                throw e;
+              }
+            },
+            cancel: () => Promise.resolve(clearTimeout(deadline)),
+          };
+        },
       };
-      const hasBody = req.method !== "GET" && req.method !== "HEAD";
-      // A chunked body is handed over as it comes, so the handler counts each chunk before the next is read.
-      const chunked = hasBody && declared === undefined
-        ? {
-          getReader() {
-            const chunks = req[Symbol.asyncIterator]();
-            const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
-            return {
-              async read(): Promise<IteratorResult<Uint8Array>> {
-                try {
-                  const r = await chunks.next();
-                  if (r.done) (whole = true, clearTimeout(deadline));
-                  return r;
-                } catch (e) {
-                  clearTimeout(deadline);
-                  throw e;
-                }
-              },
-              cancel: () => Promise.resolve(clearTimeout(deadline)),
-            };
-          },
+      const text = async () => {
+        const reader = body.getReader(), chunks: Uint8Array[] = [];
+        let n = 0;
+        for (let r = await reader.read(); !r.done; r = await reader.read()) {
+          chunks.push(r.value);
+          if ((n += r.value.length) > BODY_LIMIT_BYTES) {
+            await reader.cancel();
+            break;
+          }
         }
-        : null;
+        return Buffer.concat(chunks).toString("utf8");
+      };
       // The handler reads only these parts of a Request; a real one costs more than the rest of the adapter.
       const lite = {
         url: `http://${hostname}${req.url ?? "/"}`,
         method: req.method,
         headers: {
           get(name: string): string | null {
-            if (name.toLowerCase() === "content-length") return declared ?? null;
             const v = req.headers[name.toLowerCase()];
             return v === undefined ? null : Array.isArray(v) ? v.join(", ") : v;
           },
         },
-        body: chunked,
-        text: async () => (hasBody ? (await readBody()).toString("utf8") : ""),
+        body: hasBody && declared === undefined ? body : null,
+        text: async () => (hasBody ? await text() : ""),
         signal: gone.signal,
       };
       // A handler that throws while the client is still there gets the generic 500; one that is gone, nothing.
@@ -1801,24 +1777,22 @@ async function serveGuarded(
       // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
       const unread = (hasBody || Number(declared) > 0) && !whole;
       const headers = { ...Object.fromEntries(r.headers), ...(unread ? { connection: "close" } : {}) };
-      if (STREAMED_ANSWERS.has(r)) {
-        res.writeHead(r.status, headers);
-        if (await writeWithBackpressure(r.body!, res)) res.end(() => unread && socket.destroy());
-        return;
-      }
-      const text = await r.text();
+      const answer = STREAMED_ANSWERS.has(r) ? null : await r.text();
+      const done = () => unread && socket.destroy();
       res.writeHead(r.status, headers);
-      res.end(text, () => unread && socket.destroy());
+      if (answer !== null) res.end(answer, done);
+      else if (await writeWithBackpressure(r.body!, res)) res.end(done);
     } catch {
       res.destroy(); // a client that went away, or a body cut off by its deadline: nothing to answer
     }
   });
   Object.assign(server, timeouts); // as properties too: some are read from there
   // Past the bound a new connection is closed at once and accepting goes on (node:http's maxConnections, under
-  // Deno, stops accepting for good).
+  // Deno, stops accepting for good). `accepted`: see the watchdog.
   const most = connectionBound();
-  let open = 0;
+  let open = 0, accepted = 0;
   server.on("connection", (socket: net.Socket) => {
+    accepted++;
     open++;
     socket.once("close", () => open--);
     if (open > most) socket.destroy();
@@ -1831,8 +1805,6 @@ async function serveGuarded(
   const bound = (server.address() as net.AddressInfo).port; // the port, kept when listening anew
   // Past the file-descriptor limit, node:http under Deno stops accepting, silently and for good: every few seconds a
   // connection to ourselves checks one is still accepted; if not, it listens anew.
-  let accepted = 0;
-  server.on("connection", () => accepted++);
   const watchdog = setInterval(() => {
     const before = accepted;
     const at = hostname === "0.0.0.0" ? "127.0.0.1" : hostname === "::" ? "::1" : hostname;
@@ -1846,15 +1818,13 @@ async function serveGuarded(
       server.listen(bound, hostname);
     }, CONN_PROBE_MS).unref?.();
   }, CONN_PROBE_MS * 2);
-  return {
-    port: bound,
-    stop: () =>
-      new Promise<void>((resolve) => {
-        clearInterval(watchdog);
-        server.close(() => resolve());
-        server.closeAllConnections();
-      }),
-  };
+  const stop = () =>
+    new Promise<void>((resolve) => {
+      clearInterval(watchdog);
+      server.close(() => resolve());
+      server.closeAllConnections();
+    });
+  return { port: bound, stop };
 }
 
 // ============================================================================
