@@ -1832,17 +1832,16 @@ async function serveGuarded(handler: FetchHandler, hostname: string, port: numbe
 // ============================================================================
 
 async function runBus(o: Options): Promise<number> {
-  const host = o.host as string;
-  const port = intOption(o.port, "port", 0, 65535);
-  const cap = intOption(o.cap, "cap", 1, 10_000_000);
+  const int = (name: string, min: number, max: number) => intOption(o[name], name, min, max);
+  const host = o.host as string, dataDir = o.data as string;
+  const port = int("port", 0, 65535), cap = int("cap", 1, 10_000_000);
   const limits = {
-    opaqueCap: intOption(o["opaque-cap"], "opaque-cap", 1, 10_000_000),
-    senderBytes: intOption(o["sender-mb"], "sender-mb", 1, 1_000_000) * 2 ** 20,
-    totalBytes: intOption(o["max-mb"], "max-mb", 1, 1_000_000) * 2 ** 20,
+    opaqueCap: int("opaque-cap", 1, 10_000_000),
+    senderBytes: int("sender-mb", 1, 1_000_000) * 2 ** 20,
+    totalBytes: int("max-mb", 1, 1_000_000) * 2 ** 20,
   };
-  const owners = intOption(o.owners, "owners", 1, 100_000_000);
+  const owners = int("owners", 1, 100_000_000);
   if (!["on", "off"].includes(String(o.guard))) throw new InterlinkError(`--guard must be on or off, not '${o.guard}'`);
-  const dataDir = o.data as string;
   setLogComponent("interlink bus");
   const bus = await Bus.open(dataDir, { cap, limits, owners });
   let server: Listening;
@@ -1852,21 +1851,12 @@ async function runBus(o: Options): Promise<number> {
     await bus.close();
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
   }
-  const r = bus.recovery;
-  logInfo(
-    `listening on http://${
-      host.includes(":") ? `[${host}]` : host
-    }:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient)`,
-  );
-  logInfo(
-    `recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms` +
-      (r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : ""),
-  );
-  if (!isLoopback(host)) {
-    logWarn(`bound to ${host}, not loopback: ${BUS_EXPOSURE}`);
-  }
-  const sig = await shutdownSignal();
-  logInfo(`${sig}: shutting down`);
+  const r = bus.recovery, at = host.includes(":") ? `[${host}]` : host;
+  logInfo(`listening on http://${at}:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient)`);
+  const skipped = r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "";
+  logInfo(`recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms${skipped}`);
+  if (!isLoopback(host)) logWarn(`bound to ${host}, not loopback: ${BUS_EXPOSURE}`);
+  logInfo(`${await shutdownSignal()}: shutting down`);
   await server.stop();
   await bus.close();
   return 0;
