@@ -163,9 +163,8 @@ const PROOFS_REMEMBERED = 4096;
 // ============================================================================
 
 /**
- * What BusQueues lets in: `cap` verified messages per signer and recipient, `opaqueCap` unattributed ones per
- * recipient; `senderBytes` one verified signer's in all (payloads plus MESSAGE_OVERHEAD_BYTES each), `totalBytes` the
- * bus's (the same, plus ROUTE_OVERHEAD_BYTES per route holding messages).
+ * What BusQueues lets in: `cap` verified messages per signer and recipient, `opaqueCap` unattributed per recipient,
+ * and bytes from one verified signer (`senderBytes`) and in all (`totalBytes`), as BusQueues.admit counts them.
  */
 const QUEUE_LIMITS = {
   cap: QUEUE_CAP,
@@ -175,11 +174,17 @@ const QUEUE_LIMITS = {
 };
 type QueueLimits = typeof QUEUE_LIMITS;
 
+/** Adds `n` to `key`'s count in `counts`, forgetting the key at zero: each such map holds only what is counted. */
+function addCount(counts: Map<string, number>, key: string, n: number): void {
+  const sum = (counts.get(key) ?? 0) + n;
+  if (sum > 0) counts.set(key, sum);
+  else counts.delete(key);
+}
+
 /**
- * What the bus holds, counted, no I/O: messages per route and sender, bytes per signer and in all. The messages
- * themselves are in the queue database; these counts decide what is let in. Nothing accepted is ever dropped: a
- * signer holding `cap` messages for a recipient is refused the next (`full`), so a flood costs only its sender. A
- * route is forgotten when it empties, so memory follows what is held, not what ever was.
+ * What the bus holds (the messages are in the queue database), counted to decide what is let in, no I/O. Nothing
+ * accepted is ever dropped: a signer holding `cap` for a recipient is refused the next (`full`), so a flood costs
+ * only its sender. An emptied route is forgotten: memory follows what is held, not what ever was.
  */
 class BusQueues {
   #routes = new Map<string, Map<string, number>>(); // route → sender ("" unattributed) → messages: bounded by them
@@ -196,7 +201,7 @@ class BusQueues {
     return this.#routes.size;
   }
 
-  /** What the budget in all counts. */
+  /** What the budget in all counts: payloads, MESSAGE_OVERHEAD_BYTES a message, ROUTE_OVERHEAD_BYTES a route. */
   get charged(): number {
     return this.bytes + this.liveCount * MESSAGE_OVERHEAD_BYTES + this.#routes.size * ROUTE_OVERHEAD_BYTES;
   }
@@ -206,9 +211,8 @@ class BusQueues {
     const cost = size + MESSAGE_OVERHEAD_BYTES;
     const route = this.#routes.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
     if (this.charged + cost + route > this.limits.totalBytes) return "global";
-    const held = sender ? this.#senders.get(sender) : undefined;
-    const charged = held ? held.bytes + held.count * MESSAGE_OVERHEAD_BYTES : 0;
-    if (sender && charged + cost > this.limits.senderBytes) return "sender";
+    const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 }; // "": none held
+    if (sender && held.bytes + held.count * MESSAGE_OVERHEAD_BYTES + cost > this.limits.senderBytes) return "sender";
     return null;
   }
 
@@ -229,7 +233,7 @@ class BusQueues {
   add(to: string, sender: string, size: number, count = 1): void {
     let route = this.#routes.get(to);
     if (!route) this.#routes.set(to, route = new Map());
-    route.set(sender, (route.get(sender) ?? 0) + count);
+    addCount(route, sender, count);
     if (sender) {
       const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
       this.#senders.set(sender, { bytes: held.bytes + size, count: held.count + count });
@@ -241,10 +245,9 @@ class BusQueues {
   /** What `add` counted, given back: an ack, or a send that could not be written. */
   remove(to: string, sender: string, size: number): void {
     const route = this.#routes.get(to);
-    const n = route?.get(sender);
-    if (!route || !n) return;
-    if (n > 1) route.set(sender, n - 1);
-    else if (route.delete(sender) && !route.size) this.#routes.delete(to);
+    if (!route?.get(sender)) return;
+    addCount(route, sender, -1);
+    if (!route.size) this.#routes.delete(to);
     const held = this.#senders.get(sender);
     if (held && --held.count) held.bytes -= size;
     else this.#senders.delete(sender);
@@ -368,8 +371,8 @@ class Roster {
     for (const k of going) this.#remove(k);
     const sessionless = !a.session?.session_id;
     this.#entries.set(id, { json, at: nowMs, ts: a.ts, pubkey: a.pubkey, sessionless, from, units });
-    this.#perKey.set(a.pubkey, (this.#perKey.get(a.pubkey) ?? 0) + units);
-    this.#perAddress.set(from, (this.#perAddress.get(from) ?? 0) + units);
+    addCount(this.#perKey, a.pubkey, units);
+    addCount(this.#perAddress, from, units);
     this.#units += units;
     return true;
   }
@@ -425,13 +428,8 @@ class Roster {
     const e = this.#entries.get(key)!;
     this.#entries.delete(key);
     this.#units -= e.units;
-    const less = (m: Map<string, number>, k: string) => {
-      const n = (m.get(k) ?? e.units) - e.units;
-      if (n > 0) m.set(k, n);
-      else m.delete(k);
-    };
-    less(this.#perKey, e.pubkey);
-    less(this.#perAddress, e.from);
+    addCount(this.#perKey, e.pubkey, -e.units);
+    addCount(this.#perAddress, e.from, -e.units);
   }
 
   /** At least the bytes of GET /roster's answer: each entry's units of ROSTER_UNIT_BYTES, plus its `age_ms`. */
@@ -444,11 +442,8 @@ class Roster {
     const out: string[] = [];
     for (const [key, e] of this.#entries) {
       const age = nowMs - e.at;
-      if (age >= (e.sessionless ? ROSTER_SESSIONLESS_MS : ROSTER_RETENTION_MS)) {
-        this.#remove(key);
-        continue;
-      }
-      out.push(`${e.json.slice(0, -1)}${e.json.length > 2 ? "," : ""}"age_ms":${age}}`);
+      if (age >= (e.sessionless ? ROSTER_SESSIONLESS_MS : ROSTER_RETENTION_MS)) this.#remove(key);
+      else out.push(`${e.json.slice(0, -1)}${e.json.length > 2 ? "," : ""}"age_ms":${age}}`);
     }
     return out;
   }
@@ -518,9 +513,7 @@ class BytesInFlight {
   give(from: string, n: number): void {
     if (n <= 0) return;
     this.bytes -= n;
-    const left = (this.#byAddress.get(from) ?? n) - n;
-    if (left > 0) this.#byAddress.set(from, left);
-    else this.#byAddress.delete(from);
+    addCount(this.#byAddress, from, -n);
   }
 }
 
