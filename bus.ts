@@ -9,10 +9,7 @@
  * ack undone; a key that proved it reads its routes here is the only one to read or ack them; no sender, address or
  * stranger takes more than its share of the queue, the roster, the disk, the bytes in flight or the connections.
  * What it does not defend: confidentiality (it reads every payload it relays) and availability against its own
- * operator (it can drop or delay; it cannot forge).
- *
- * It imports interlink.ts (the node) for the wire: encoding, signing, the bounds both share. The node never imports
- * it: a session that starts a local bus runs `interlink.ts bus`, which loads this file.
+ * operator (it can drop or delay; it cannot forge). It imports the node (interlink.ts) for the wire; never the reverse.
  *
  * Sections, in dependency order (each uses only what stands above it):
  *   Constants · Queue and roster logic · Requests and answers · The queue database · The bus · Serving HTTP · CLI
@@ -602,11 +599,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
   const declared = declaredLength(req);
   const tooLarge = () => new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
   if (declared !== null && declared > BODY_LIMIT_BYTES) throw tooLarge();
-  let reserved = 0;
-  const reserve = (n: number) => {
-    inFlight.take(from, n);
-    reserved += n;
-  };
+  let reserved = 0; // taken from inFlight
   let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long
   let reader: ReadableStreamDefaultReader<Uint8Array> | undefined;
   const deadline = Promise.withResolvers<never>();
@@ -615,7 +608,8 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
   let text: string;
   try {
     if (declared !== null) {
-      reserve(declared);
+      inFlight.take(from, declared);
+      reserved = declared;
       // The server holds the body to its declared length. (Not touching req.body keeps Deno on its fast path.)
       text = await Promise.race([reading = req.text(), deadline.promise]);
       if (text === "") throw new HttpError(400, "empty body; expected JSON");
@@ -627,7 +621,8 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
         const { done, value } = await Promise.race([reader.read(), deadline.promise]);
         if (done) break;
         if (reserved + value.length > BODY_LIMIT_BYTES) throw tooLarge();
-        reserve(value.length);
+        inFlight.take(from, value.length);
+        reserved += value.length;
         chunks.push(value);
       }
       text = Buffer.concat(chunks).toString("utf8");
@@ -769,13 +764,11 @@ function splitUrl(url: string): { pathname: string; query: string } {
 //   owner(key)                                       a key that proved it reads its routes here, never deleted
 //   meta(name, value)                                "closed": since when every route needs a proof (Bus.#close);
 //                                                    "imported": which queue.jsonl was taken in (importJsonl)
-// A seq is global and never reused (AUTOINCREMENT: sqlite_sequence keeps the high-water mark, acked seqs too), so an
-// ack key names its message across restarts. Payloads stay JSON text end to end: the bus never parses what it relays.
-// message_route holds every column but the payload, in seq order per route: a recv reads its heads there (the
-// answer's weight is held before a payload is read), and a start counts what is held from it alone, reading no
-// message body. auto_vacuum=FULL hands the pages of acked messages back to the file system at each checkpoint, so
-// the file follows what is held with no compaction of ours. A checkpoint comes once the WAL holds WAL_PAGES, and cuts
-// it back to that: the WAL, which an ack's delete goes through, keeps its room once it has grown to it.
+// A seq is global and never reused (AUTOINCREMENT keeps the high-water mark), so an ack key names its message across
+// restarts. Payloads stay JSON text end to end. message_route holds every column but the payload: a recv reads its
+// heads there (the answer's weight is held before a payload is read), and a start counts what is held from it alone.
+// auto_vacuum=FULL hands acked messages' pages back at each checkpoint (no compaction of ours); a checkpoint comes
+// once the WAL holds WAL_PAGES and cuts it back to that, so the WAL an ack's delete goes through keeps its room.
 // Durability: see Bus.#commit.
 
 const QUEUE_SCHEMA = `
@@ -887,9 +880,7 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
     const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?)"); // seq, route, ts, sender, size, payload
     const remove = sql("DELETE FROM message WHERE seq = ? AND route = ?");
     const owner = sql("INSERT OR IGNORE INTO owner (key) VALUES (?)");
-    const closed = sql(
-      "INSERT INTO meta VALUES ('closed', ?) ON CONFLICT DO UPDATE SET value = min(value, excluded.value)",
-    );
+    const closed = sql("INSERT INTO meta VALUES ('closed', ?1) ON CONFLICT DO UPDATE SET value = min(value, ?1)");
     const bad = (at: number, why: string, line: string) => void (setAside(file, at, why, line), skipped++);
     db.exec("BEGIN IMMEDIATE");
     try {
@@ -924,9 +915,8 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
   }
   failpoint("bus-after-import"); // committed, the file not yet renamed aside
   fs.renameSync(file, `${file}.imported`);
-  log(
-    `took in ${file}, the queue of an earlier bus (${skipped} lines set aside in .corrupt); kept as ${file}.imported`,
-  );
+  const corrupt = `${skipped} lines set aside in .corrupt`;
+  log(`took in ${file}, the queue of an earlier bus (${corrupt}); kept as ${file}.imported`);
   return skipped;
 }
 
@@ -1026,13 +1016,12 @@ class Bus {
     fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
     const lock = await PidLock.acquire(path.join(dataDir, "bus.lock"), "interlink bus");
     const started = performance.now();
-    let db: DatabaseSync | undefined;
+    let stored: ReturnType<typeof openQueue> | undefined;
     try {
-      const stored = openQueue(dataDir, opts.log ?? logInfo);
-      db = stored.db;
+      stored = openQueue(dataDir, opts.log ?? logInfo);
       return new Bus(dataDir, stored, lock, opts, started);
     } catch (e) {
-      db?.close();
+      stored?.db.close();
       lock.release();
       throw e;
     }
@@ -1136,11 +1125,10 @@ class Bus {
   }
 
   /**
-   * Queues a message; resolves once it is on stable storage (the 202). It counts against the budgets from the start,
-   * so the sends of one commit meet the caps; a commit that fails gives that back, and its send is a 507 (a full disk)
-   * or a 503. Committed, it is handed to receivers (parked ones are woken) before its fdatasync ends: a power cut then
-   * can lose it after a receiver had it, unanswered, so its sender sends it again (the ts in an ack key keeps that
-   * copy's seq, given again, from being acked by the lost one's key).
+   * Queues a message; resolves once it is on stable storage (the 202). It counts against the budgets at once, so one
+   * commit's sends meet the caps; a failed commit gives that back (a 507 on a full disk, else a 503). Committed, it is
+   * handed to receivers before its fdatasync ends: a power cut then can lose it after a receiver had it, unanswered, so
+   * its sender sends it again (the ts in an ack key keeps the lost one's key from acking the copy's seq, given again).
    */
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
