@@ -221,9 +221,7 @@ class BusQueues {
 
   /** Messages held for `to`. */
   held(to: string): number {
-    let n = 0;
-    for (const count of this.#routes.get(to)?.values() ?? []) n += count;
-    return n;
+    return [...this.#routes.get(to)?.values() ?? []].reduce((n, count) => n + count, 0);
   }
 
   /** Counts `count` messages of `size` bytes in all from `sender` to `to`, whatever the caps: `full` is asked first. */
@@ -1029,9 +1027,7 @@ class Bus {
 
   /** Open long-polls right now (for tests). */
   get waiterCount(): number {
-    let n = 0;
-    for (const set of this.#waiters.values()) n += set.size;
-    return n;
+    return [...this.#waiters.values()].reduce((n, set) => n + set.size, 0);
   }
 
   /** `from`: the address the request came from (serveHttp says), for the per-address budgets; "" when unknown. */
@@ -1284,8 +1280,7 @@ class Bus {
   /**
    * `key` proved (verified, fresh) that it reads its routes. Its first proof makes it an owner, committed before the
    * answer (trust on first proof survives a restart); when it cannot be one (`ownersMax` held, no disk room), the bus
-   * closes instead (#close): a key that proved never has its routes served without a proof. It is an owner in memory
-   * from the start: a recv meanwhile without a proof is refused.
+   * closes instead (#close): a key that proved never has its routes served without a proof.
    */
   async #own(key: string): Promise<void> {
     if (this.#owners.has(key)) return;
@@ -1308,9 +1303,9 @@ class Bus {
 
   /**
    * Closes the bus for good (restarts too): every recv or ack then needs a proof from its route's key, so keys it could
-   * not record are as safe as its owners, and a node that never proves (a reference node) is refused. Keys cost
-   * nothing, so a stranger can fill any record of them: this is where such a flood ends, at no memory cost. The
-   * "closed" row goes into the disk's reserve; this process stays closed even if that write fails (and throws).
+   * not record are as safe as its owners; a node that never proves (a reference node) is refused. Keys cost nothing:
+   * here a flood of them ends, at no memory cost. The "closed" row goes into the disk's reserve; this process stays
+   * closed even if that write fails (and throws).
    */
   async #close(why: string): Promise<void> {
     const since = this.#closedSince = this.now();
