@@ -154,6 +154,20 @@ const RECV_PROOF_FRESH_MS = 5 * 60_000;
 const OWNERS_MAX = 100_000;
 /** Routes whose last verified proof is remembered, so a client's repeats skip the signature check (a minute each). */
 const PROOFS_REMEMBERED = 4096;
+/** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
+const JSON_DEPTH_MAX = 64;
+/** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
+const UNREGISTER_FRESH_MS = 5 * 60_000;
+/** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
+const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send full-refused`;
+/** A large answer's slice handed to the runtime at a time: what a connection's slow reader keeps in the bus's memory. */
+const ANSWER_CHUNK_BYTES = 64 << 10;
+/** A guarded server closes a connection idle this long between requests, or this slow to send its headers. */
+const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
+/** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
+const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
+/** Connections a guarded server holds at most (see connectionBound). */
+const CONN_MAX = 10_000;
 
 // ============================================================================
 // Queue and roster logic
@@ -547,9 +561,6 @@ const jsonResponse = (status: number, body: BodyInit, headers: Record<string, st
 const errorResponse = (status: number, message: string, headers: Record<string, string> = {}): Response =>
   jsonResponse(status, JSON.stringify({ error: message }), headers);
 
-/** A large answer's slice handed to the runtime at a time: what a connection's slow reader keeps in the bus's memory. */
-const ANSWER_CHUNK_BYTES = 64 << 10;
-
 /** Answers made by streamedAnswer: the guarded server writes them with backpressure rather than whole. */
 const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
 
@@ -670,15 +681,6 @@ function recipientParam(value: unknown, name: string): string {
   if (value.includes("\0")) throw new HttpError(400, `"${name}" must not contain NUL`);
   return value;
 }
-
-/** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
-const JSON_DEPTH_MAX = 64;
-
-/** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
-const UNREGISTER_FRESH_MS = 5 * 60_000;
-
-/** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
-const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send full-refused`;
 
 /**
  * The verified signer of a v2-shaped payload, so room is shared fairly between senders; "" for any other (opaque, as
@@ -1634,13 +1636,6 @@ function serverError(e: unknown): Response {
   logWarn(`a request failed inside the server: ${(e as Error)?.stack ?? e}`);
   return new Response("internal error\n", { status: 500, headers: { "content-type": "text/plain; charset=utf-8" } });
 }
-
-/** A guarded server closes a connection idle this long between requests, or this slow to send its headers. */
-const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
-/** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
-const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
-/** Connections a guarded server holds at most (see connectionBound). */
-const CONN_MAX = 10_000;
 
 /** CONN_MAX, or the process's file-descriptor limit less some room for the queue file and the like. */
 function connectionBound(): number {
