@@ -299,8 +299,7 @@ interface RosterEntry {
  * per source address. Keys cost nothing, so a flood never pushes out a live session: past its key's bound, that key's
  * sessions signed before the newcomer go, earliest first; past the address's or the roster's, only entries away
  * PRESENCE_LIVE_MS or more, stalest first, else the newcomer is refused. A refresh keeps its place, past the roster's
- * bound too. A session its key unregistered is not listed again from an older announcement (see end). The map is in
- * refresh order.
+ * bound too. An unregistered session is not listed again from an older announcement (see end). Kept in refresh order.
  */
 class Roster {
   #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
@@ -342,9 +341,8 @@ class Roster {
       return true;
     }
     const units = Math.max(1, Math.ceil(utf8Bytes(json) / ROSTER_UNIT_BYTES));
-    // Entries that give way, and the units they free where this one counts.
-    const going: string[] = [];
-    const freed = { all: 0, key: 0, address: 0 };
+    const going: string[] = []; // entries that give way
+    const freed = { all: 0, key: 0, address: 0 }; // the units they free where this one counts
     const drop = (k: string, e: RosterEntry) => {
       going.push(k);
       freed.all += e.units;
@@ -488,11 +486,10 @@ function addressBucket(address: string): string {
 }
 
 /**
- * Bytes in flight through the bus's HTTP server, in all and per source address: request bodies being read (the
- * declared length reserved before a byte is read, a chunked body chunk by chunk, given back once the runtime lets go
- * of it), or large answers being written (reserved before their payloads are read, given back at the last byte, a
- * close or the deadline). Past either budget a request is refused: a thousand connections stalled on 2 MiB each hold
- * the budget, not 2 GB.
+ * Bytes in flight through the HTTP server, in all and per source address: request bodies being read (reserved before a
+ * byte is read, or chunk by chunk, given back once the runtime lets go of them), or large answers being written
+ * (reserved before their payloads are read, given back at the last byte, a close or the deadline). Past either budget a
+ * request is refused: a thousand connections stalled on 2 MiB each hold the budget, not 2 GB.
  */
 class BytesInFlight {
   bytes = 0;
