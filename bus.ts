@@ -160,7 +160,7 @@ const JSON_DEPTH_MAX = 64;
 const UNREGISTER_FRESH_MS = 5 * 60_000;
 /** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
 const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send full-refused`;
-/** A large answer's slice handed to the runtime at a time: what a connection's slow reader keeps in the bus's memory. */
+/** A large answer's slice handed to the runtime at a time: what a slow reader keeps in the bus's memory. */
 const ANSWER_CHUNK_BYTES = 64 << 10;
 /** A guarded server closes a connection idle this long between requests, or this slow to send its headers. */
 const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
@@ -795,7 +795,7 @@ const reserveOf = (diskSize: number) => Math.min(DISK_RESERVE_BYTES, Math.floor(
 /** The WAL's bound: a checkpoint once it holds this much, and cut back to it after (a 64th of a smaller disk). */
 const walBytesOf = (diskSize: number) => 4096 * Math.max(1, Math.min(WAL_PAGES, Math.floor(diskSize / 64 / 4096)));
 
-/** A write committed whose fdatasync of the WAL failed (Bus.#commit): what it wrote is held, though maybe not on disk. */
+/** A commit whose fdatasync of the WAL failed (Bus.#flush): what it wrote is held, though maybe not on disk. */
 class UnsyncedError extends Error {}
 
 /**
@@ -958,7 +958,7 @@ class Bus {
   #writes: Write[] = []; // what the next commit carries, in order: bounded by the requests waiting on it
   #flushing: Promise<void> | null = null; // the group commit running (#flush), or null while nothing waits
   #unreadable = new Set<number>(); // found damaged (#payload), skipped: bounded by the messages held
-  readonly #owners: Set<string>; // keys that proved they read their routes here: bounded by ownersMax (#close)
+  readonly #owners: Set<string>; // keys that proved they read their routes here, never forgotten: ownersMax (#close)
   #closedSince: number | null; // since when every route needs a proof (#close), or null
   /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
   readonly #verified = new BoundedMap<string, string>(PROOFS_REMEMBERED); // bounded: forgetting costs one check
@@ -1240,16 +1240,16 @@ class Bus {
 
   /**
    * Recipient ownership, trust on first proof: once a key has proven (a signed recv or ack) that it reads one of its
-   * routes, unproven recv and ack of all its routes are refused for good, so nobody else reads or deletes its mail. Keys
-   * that never proved work as in the reference contract until the bus closes (#close). Every proof, a repeat too, must
-   * be fresh: a captured one is worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403.
+   * routes, unproven recv and ack of all its routes are refused for good, so nobody else reads or deletes its mail.
+   * Keys that never proved work as in the reference contract until the bus closes (#close). Every proof, a repeat too,
+   * must be fresh: a captured one is worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403.
    */
   async checkOwnership(route: string, proof: unknown): Promise<void> {
     if (proof === undefined || proof === null || proof === "") {
       if (this.isOwned(route)) {
-        const why = `route ${
-          fingerprint(route)
-        }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
+        const fp = fingerprint(route);
+        const why =
+          `route ${fp}… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
         throw new HttpError(403, why);
       }
       if (this.#closedSince === null) return;
