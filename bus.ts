@@ -567,23 +567,22 @@ const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
  * slice, a close (cancel), or ANSWER_WRITE_MS after it was made (the stream fails, the connection closes): a reader
  * that never reads holds its share that long, never memory for good.
  */
-function streamedAnswer(status: number, text: string, held?: AnswerHold): Response {
-  if (!held?.bytes && text.length < ANSWER_STREAM_MIN_BYTES / 3) return jsonResponse(status, text); // 3 bytes a char at most
+function streamedAnswer(status: number, text: string, held: AnswerHold): Response {
+  if (!held.bytes && 3 * text.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text); // ≤ 3 bytes a char
   const bytes = Buffer.from(text);
-  if (!held?.bytes && bytes.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
+  if (!held.bytes && bytes.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
   let at = 0;
   let timer: ReturnType<typeof setTimeout> | undefined;
   const done = () => {
     clearTimeout(timer);
-    held?.release();
+    held.release();
   };
   const body = new ReadableStream<Uint8Array>({
     start(c) {
-      const ms = held?.writeMs ?? ANSWER_WRITE_MS;
       timer = setTimeout(() => {
         done();
-        c.error(new Error(`the answer was not all read ${ms / 1000} s after it was made`));
-      }, ms);
+        c.error(new Error(`the answer was not all read ${held.writeMs / 1000} s after it was made`));
+      }, held.writeMs);
     },
     pull(c) {
       c.enqueue(bytes.subarray(at, at += ANSWER_CHUNK_BYTES));
