@@ -9,10 +9,7 @@
  * ack undone; a key that proved it reads its routes here is the only one to read or ack them; no sender, address or
  * stranger takes more than its share of the queue, the roster, the disk, the bytes in flight or the connections.
  * What it does not defend: confidentiality (it reads every payload it relays) and availability against its own
- * operator (it can drop or delay; it cannot forge).
- *
- * It imports interlink.ts (the node) for the wire: encoding, signing, the bounds both share. The node never imports
- * it: a session that starts a local bus runs `interlink.ts bus`, which loads this file.
+ * operator (it can drop or delay; it cannot forge). It imports the node (interlink.ts) for the wire; never the reverse.
  *
  * Sections, in dependency order (each uses only what stands above it):
  *   Constants · Queue and roster logic · Requests and answers · The queue database · The bus · Serving HTTP · CLI
@@ -88,17 +85,11 @@ import {
 
 /** Longest wait a client may ask for; past it proxies and NATs start cutting idle connections. */
 const RECV_TIMEOUT_MAX_MS = 60_000;
-/**
- * Per-recipient bound on payloads the bus cannot attribute to a signer (not v2 messages), refused past it like a full
- * route. Anyone can fill it; signed messages are never refused for it.
- */
+/** Payloads per recipient not from a verified signer (not v2), refused past it like a full route: anyone fills it. */
 const OPAQUE_CAP = 64;
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
 const SENDER_BYTES_MAX = 8 << 20;
-/**
- * Payload bytes a bus holds in all; past it, sends get 507. `bun bench.ts --only flood`: a Bun bus full of 900 KB
- * floods peaks near 4× this in memory, a Deno bus (--optimize-for-size) near 4.3×.
- */
+/** Bytes a bus holds in all (507 past it): full of 900 KB floods a Bun bus peaks near 4× this in memory, Deno 4.3×. */
 const TOTAL_BYTES_MAX = 32 << 20;
 /** A sessionless (0.4) announcement is served this long, as a 0.4 bus does: 0.4 clients read every entry as live. */
 const ROSTER_SESSIONLESS_MS = 90_000;
@@ -116,26 +107,17 @@ const ROSTER_UNIT_BYTES = 1024;
 const ROSTER_ENDED_CAP = 8192;
 /** ... and ended from one source address: past it that address's own oldest is forgotten, nobody else's. */
 const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
-/**
- * Request body bytes a bus reads at once, in all: sixteen of the largest, far above what sessions send. Past it a
- * body is refused unread (503): stalled uploads cost at most this, however many they are.
- */
+/** Body bytes read at once, in all (503 past it, unread): sixteen of the largest; stalled uploads cost no more. */
 const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-/**
- * An answer this large or larger is streamed and counted in flight. A smaller one is written whole: the kernel's
- * socket buffers take it at once (a receive window alone is this much), so a slow reader costs nothing.
- */
+/** Answers this large are streamed and counted in flight; a smaller one the socket's buffers take at once, whole. */
 const ANSWER_STREAM_MIN_BYTES = 64 << 10;
 /** Bytes of large answers not yet taken by their connections, in all (503 past it): sixteen of the largest message. */
 const ANSWERS_IN_FLIGHT_MAX = 32 << 20;
 /** ... and for one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const ANSWERS_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-/**
- * Payload bytes one batched recv answers at most (at least one message): half an address's answers in flight, so a
- * session's two long-polls (its route and its bare key) both fit.
- */
+/** Payload one batched recv answers (one message at least): half an address's answers, so a session's two fit. */
 const RECV_BATCH_BYTES = 4 << 20;
 /** Messages one batched recv answers at most (our extension: GET /recv?max=N), and acks one POST /ack takes. */
 const RECV_BATCH_MAX = 64;
@@ -147,23 +129,19 @@ const RECIPIENT_MAX_CHARS = 512;
  */
 const DISK_RESERVE_BYTES = 1 << 20;
 /**
- * Pages the WAL holds before a checkpoint copies it into queue.db (SQLite's default): one is 2 fsyncs that hold the
- * event loop, and most pages in a WAL are the same few pages written again, so fewer checkpoints cost less. 128 of
- * them took 20 % of a Bun bus's profile under the throughput bench, 1,000 took 12.5 %.
+ * Pages the WAL holds before a checkpoint (2 fsyncs that hold the event loop) copies it into queue.db: most are the
+ * same few pages written again, so fewer checkpoints cost less (128 took 20 % of a Bun bus's profile, 1,000 12.5 %).
  */
 const WAL_PAGES = 1000;
 /** How long a bus trusts its last look at the disk's free space (statfs), less what it wrote since. */
 const DISK_LOOK_MS = 100;
 /** What one owner's row takes on disk at most (its key in the owner table's b-tree, the WAL frame it dirties). */
 const OWNER_ROW_BYTES = 4096;
-/**
- * What a queued message costs beside its payload: its counts in memory and its row and index entry on disk (about
- * 200 bytes). So tiny payloads are bounded in count too: 32 MiB holds about 130,000.
- */
+/** What a message costs beside its payload (counts in memory, row and index on disk): 32 MiB holds about 130,000. */
 const MESSAGE_OVERHEAD_BYTES = 256;
 /** ... and a route holding messages: its counts in memory (about 500 bytes with its name); 43,633 in 32 MiB. */
 const ROUTE_OVERHEAD_BYTES = 512;
-/** A request body not all there this long after its headers is refused (408): a byte every few seconds holds nothing. */
+/** A body not all there this long after its headers is refused (408): a byte every few seconds holds nothing. */
 const CONN_BODY_MS = msFromEnv("INTERLINK_TEST_CONN_BODY_MS", 15_000);
 /** A large answer not all taken this long after it was made is cut off (4 MiB in 30 s: a 140 KB/s link at least). */
 const ANSWER_WRITE_MS = msFromEnv("INTERLINK_TEST_ANSWER_WRITE_MS", 30_000);
@@ -171,40 +149,53 @@ const ANSWER_WRITE_MS = msFromEnv("INTERLINK_TEST_ANSWER_WRITE_MS", 30_000);
 const RECV_PROOF_FRESH_MS = 5 * 60_000;
 /**
  * Keys whose routes a bus protects at most (`--owners`): far above any real deployment, about 6 MB of queue database
- * and 10 MB of memory. Past it the bus closes (Bus.touchOwned): forgetting an owner would let a flood of keys open its
- * mail.
+ * and 10 MB of memory. Past it the bus closes (Bus.#close): forgetting an owner would let a flood of keys read mail.
  */
 const OWNERS_MAX = 100_000;
 /** Routes whose last verified proof is remembered, so a client's repeats skip the signature check (a minute each). */
 const PROOFS_REMEMBERED = 4096;
+/** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
+const JSON_DEPTH_MAX = 64;
+/** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
+const UNREGISTER_FRESH_MS = 5 * 60_000;
+/** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
+const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send full-refused`;
+/** A large answer's slice handed to the runtime at a time: what a slow reader keeps in the bus's memory. */
+const ANSWER_CHUNK_BYTES = 64 << 10;
+/** A guarded server closes a connection idle this long between requests, or this slow to send its headers. */
+const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
+/** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
+const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
+/** Connections a guarded server holds at most (see connectionBound). */
+const CONN_MAX = 10_000;
 
 // ============================================================================
 // Queue and roster logic
 // ============================================================================
 
-interface QueueLimits {
-  /** Verified messages one signer may have queued per recipient. */
-  cap: number;
-  /** Unattributed (opaque) messages per recipient. */
-  opaqueCap: number;
-  /** Bytes one verified sender may have queued in all (payloads plus MESSAGE_OVERHEAD_BYTES each). */
-  senderBytes: number;
-  /** Bytes in all, counted the same way, plus ROUTE_OVERHEAD_BYTES per route holding messages. */
-  totalBytes: number;
-}
-
-const DEFAULT_LIMITS: QueueLimits = {
+/**
+ * What BusQueues lets in: `cap` verified messages per signer and recipient, `opaqueCap` unattributed per recipient,
+ * and bytes from one verified signer (`senderBytes`) and in all (`totalBytes`), as BusQueues.admit counts them.
+ */
+const QUEUE_LIMITS = {
   cap: QUEUE_CAP,
   opaqueCap: OPAQUE_CAP,
   senderBytes: SENDER_BYTES_MAX,
   totalBytes: TOTAL_BYTES_MAX,
 };
+type QueueLimits = typeof QUEUE_LIMITS;
+
+/** Adds `n` to `key`'s count in `counts`, forgetting the key at zero: each such map holds only what is counted. */
+function addCount(counts: Map<string, number>, key: string, n: number): void {
+  const sum = (counts.get(key) ?? 0) + n;
+  if (sum > 0) counts.set(key, sum);
+  else counts.delete(key);
+}
 
 /**
- * What the bus holds, counted, no I/O: messages per route and sender, bytes per signer and in all. The messages
- * themselves are in the queue database; these counts decide what is let in. Nothing accepted is ever dropped: a
- * signer holding `cap` messages for a recipient is refused the next (`full`), so a flood costs only its sender. A
- * route is forgotten when it empties, so memory follows what is held, not what ever was.
+ * What the bus holds (the messages are in the queue database), counted to decide what is let in, no I/O. Nothing
+ * accepted is ever dropped: a signer holding `cap` for a recipient is refused the next (`full`), so a flood costs
+ * only its sender. An emptied route is forgotten: memory follows what is held, not what ever was.
  */
 class BusQueues {
   #routes = new Map<string, Map<string, number>>(); // route → sender ("" unattributed) → messages: bounded by them
@@ -213,15 +204,15 @@ class BusQueues {
   bytes = 0;
   readonly limits: QueueLimits;
 
-  constructor(limits: Partial<QueueLimits> | number = {}) {
-    this.limits = { ...DEFAULT_LIMITS, ...(typeof limits === "number" ? { cap: limits } : limits) };
+  constructor(limits: Partial<QueueLimits> = {}) {
+    this.limits = { ...QUEUE_LIMITS, ...limits };
   }
 
   get recipientCount(): number {
     return this.#routes.size;
   }
 
-  /** What the budget in all counts. */
+  /** What the budget in all counts: payloads, MESSAGE_OVERHEAD_BYTES a message, ROUTE_OVERHEAD_BYTES a route. */
   get charged(): number {
     return this.bytes + this.liveCount * MESSAGE_OVERHEAD_BYTES + this.#routes.size * ROUTE_OVERHEAD_BYTES;
   }
@@ -231,9 +222,8 @@ class BusQueues {
     const cost = size + MESSAGE_OVERHEAD_BYTES;
     const route = this.#routes.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
     if (this.charged + cost + route > this.limits.totalBytes) return "global";
-    const held = sender ? this.#senders.get(sender) : undefined;
-    const charged = held ? held.bytes + held.count * MESSAGE_OVERHEAD_BYTES : 0;
-    if (sender && charged + cost > this.limits.senderBytes) return "sender";
+    const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 }; // "": none held
+    if (sender && held.bytes + held.count * MESSAGE_OVERHEAD_BYTES + cost > this.limits.senderBytes) return "sender";
     return null;
   }
 
@@ -245,16 +235,14 @@ class BusQueues {
 
   /** Messages held for `to`. */
   held(to: string): number {
-    let n = 0;
-    for (const count of this.#routes.get(to)?.values() ?? []) n += count;
-    return n;
+    return [...this.#routes.get(to)?.values() ?? []].reduce((n, count) => n + count, 0);
   }
 
   /** Counts `count` messages of `size` bytes in all from `sender` to `to`, whatever the caps: `full` is asked first. */
   add(to: string, sender: string, size: number, count = 1): void {
     let route = this.#routes.get(to);
     if (!route) this.#routes.set(to, route = new Map());
-    route.set(sender, (route.get(sender) ?? 0) + count);
+    addCount(route, sender, count);
     if (sender) {
       const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
       this.#senders.set(sender, { bytes: held.bytes + size, count: held.count + count });
@@ -266,10 +254,9 @@ class BusQueues {
   /** What `add` counted, given back: an ack, or a send that could not be written. */
   remove(to: string, sender: string, size: number): void {
     const route = this.#routes.get(to);
-    const n = route?.get(sender);
-    if (!route || !n) return;
-    if (n > 1) route.set(sender, n - 1);
-    else if (route.delete(sender) && !route.size) this.#routes.delete(to);
+    if (!route?.get(sender)) return;
+    addCount(route, sender, -1);
+    if (!route.size) this.#routes.delete(to);
     const held = this.#senders.get(sender);
     if (held && --held.count) held.bytes -= size;
     else this.#senders.delete(sender);
@@ -282,10 +269,7 @@ class BusQueues {
 const ackKey = (me: string, m: { seq: number; ts: number }) => `${me}\0${m.seq}:${m.ts}`;
 
 /** Which message of `me` an ack names: its seq, and its ts unless the key has none (an earlier bus gave such keys). */
-interface AckMark {
-  seq: number;
-  ts?: number;
-}
+type AckMark = { seq: number; ts?: number };
 
 /** The seq and ts an ack key of `me` names, or undefined if it names none. */
 function parseAckKey(me: string, key: string): AckMark | undefined {
@@ -309,17 +293,13 @@ interface RosterEntry {
   units: number; // what it counts against the bounds: one per KiB begun (ROSTER_UNIT_BYTES)
 }
 
-/** Why a roster refused an announcement: a newer one is filed, its session ended after it was signed, or a bound. */
-type RosterRefusal = "older" | "ended" | "full" | "address" | "key";
-
 /**
  * Presence on the bus: verified announcements keyed `pubkey#session_id` (the bare key when sessionless), kept
  * ROSTER_RETENTION_MS (sessionless: ROSTER_SESSIONLESS_MS), bounded in units (ROSTER_UNIT_BYTES) in all, per key and
  * per source address. Keys cost nothing, so a flood never pushes out a live session: past its key's bound, that key's
  * sessions signed before the newcomer go, earliest first; past the address's or the roster's, only entries away
  * PRESENCE_LIVE_MS or more, stalest first, else the newcomer is refused. A refresh keeps its place, past the roster's
- * bound too. A session its key unregistered is not listed again from an older announcement (see end). The map is in
- * refresh order.
+ * bound too. An unregistered session is not listed again from an older announcement (see end). Kept in refresh order.
  */
 class Roster {
   #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
@@ -346,8 +326,8 @@ class Roster {
     return this.#units;
   }
 
-  /** Files an announcement posted from address bucket `from`: true, or why not. */
-  put(a: Announcement, json: string, nowMs: number, from = ""): true | RosterRefusal {
+  /** Files an announcement from address bucket `from`: true, or why not (newer one filed, session ended, a bound). */
+  put(a: Announcement, json: string, nowMs: number, from = ""): true | "older" | "ended" | "full" | "address" | "key" {
     const id = rosterKey(a);
     const ended = this.#ended.get(id);
     if (ended && a.ts <= ended.ts) return "ended";
@@ -361,9 +341,8 @@ class Roster {
       return true;
     }
     const units = Math.max(1, Math.ceil(utf8Bytes(json) / ROSTER_UNIT_BYTES));
-    // Entries that give way, and the units they free where this one counts.
-    const going: string[] = [];
-    const freed = { all: 0, key: 0, address: 0 };
+    const going: string[] = []; // entries that give way
+    const freed = { all: 0, key: 0, address: 0 }; // the units they free where this one counts
     const drop = (k: string, e: RosterEntry) => {
       going.push(k);
       freed.all += e.units;
@@ -377,10 +356,10 @@ class Roster {
       all: () => this.#units - freed.all + units > this.cap,
     };
     /** Drops entries `which` allows, stalest first, until `bound` is met; false if it cannot be. */
-    const makeRoom = (bound: () => boolean, which: (e: RosterEntry) => boolean, liveToo = false): boolean => {
+    const makeRoom = (bound: () => boolean, which: (e: RosterEntry) => boolean): boolean => {
       for (const [k, e] of this.#entries) {
         if (!bound()) return true;
-        if (!liveToo && nowMs - e.at < PRESENCE_LIVE_MS) return false; // refresh order: the rest are live too
+        if (nowMs - e.at < PRESENCE_LIVE_MS) return false; // refresh order: the rest are live too
         if (k !== id && which(e)) drop(k, e);
       }
       return !bound();
@@ -399,8 +378,8 @@ class Roster {
     for (const k of going) this.#remove(k);
     const sessionless = !a.session?.session_id;
     this.#entries.set(id, { json, at: nowMs, ts: a.ts, pubkey: a.pubkey, sessionless, from, units });
-    this.#perKey.set(a.pubkey, (this.#perKey.get(a.pubkey) ?? 0) + units);
-    this.#perAddress.set(from, (this.#perAddress.get(from) ?? 0) + units);
+    addCount(this.#perKey, a.pubkey, units);
+    addCount(this.#perAddress, from, units);
     this.#units += units;
     return true;
   }
@@ -456,13 +435,8 @@ class Roster {
     const e = this.#entries.get(key)!;
     this.#entries.delete(key);
     this.#units -= e.units;
-    const less = (m: Map<string, number>, k: string) => {
-      const n = (m.get(k) ?? e.units) - e.units;
-      if (n > 0) m.set(k, n);
-      else m.delete(k);
-    };
-    less(this.#perKey, e.pubkey);
-    less(this.#perAddress, e.from);
+    addCount(this.#perKey, e.pubkey, -e.units);
+    addCount(this.#perAddress, e.from, -e.units);
   }
 
   /** At least the bytes of GET /roster's answer: each entry's units of ROSTER_UNIT_BYTES, plus its `age_ms`. */
@@ -475,11 +449,8 @@ class Roster {
     const out: string[] = [];
     for (const [key, e] of this.#entries) {
       const age = nowMs - e.at;
-      if (age >= (e.sessionless ? ROSTER_SESSIONLESS_MS : ROSTER_RETENTION_MS)) {
-        this.#remove(key);
-        continue;
-      }
-      out.push(`${e.json.slice(0, -1)}${e.json.length > 2 ? "," : ""}"age_ms":${age}}`);
+      if (age >= (e.sessionless ? ROSTER_SESSIONLESS_MS : ROSTER_RETENTION_MS)) this.#remove(key);
+      else out.push(`${e.json.slice(0, -1)}${e.json.length > 2 ? "," : ""}"age_ms":${age}}`);
     }
     return out;
   }
@@ -515,11 +486,10 @@ function addressBucket(address: string): string {
 }
 
 /**
- * Bytes in flight through the bus's HTTP server, in all and per source address: request bodies being read (the
- * declared length reserved before a byte is read, a chunked body chunk by chunk, given back once the runtime lets go
- * of it), or large answers being written (reserved before their payloads are read, given back at the last byte, a
- * close or the deadline). Past either budget a request is refused: a thousand connections stalled on 2 MiB each hold
- * the budget, not 2 GB.
+ * Bytes in flight through the HTTP server, in all and per source address: request bodies being read (reserved before a
+ * byte is read, or chunk by chunk, given back once the runtime lets go of them), or large answers being written
+ * (reserved before their payloads are read, given back at the last byte, a close or the deadline). Past either budget a
+ * request is refused: a thousand connections stalled on 2 MiB each hold the budget, not 2 GB.
  */
 class BytesInFlight {
   bytes = 0;
@@ -536,14 +506,10 @@ class BytesInFlight {
   take(from: string, n: number): void {
     if (n <= 0) return;
     const mine = this.#byAddress.get(from) ?? 0;
-    const refuse = (status: number, who: string, held: number, max: number, all = "") =>
-      new HttpError(
-        status,
-        `${who} already has ${humanBytes(held)} of ${this.what}${all} (at most ${
-          humanBytes(max)
-        } at once); retry in a moment`,
-        this.close,
-      );
+    const refuse = (status: number, who: string, held: number, max: number, all = "") => {
+      const has = `${humanBytes(held)} of ${this.what}${all} (at most ${humanBytes(max)} at once)`;
+      return new HttpError(status, `${who} already has ${has}; retry in a moment`, this.close);
+    };
     if (mine + n > this.perAddress) throw refuse(429, "your address", mine, this.perAddress);
     if (this.bytes + n > this.max) throw refuse(503, "this bus", this.bytes, this.max, " in all");
     this.#byAddress.set(from, mine + n);
@@ -553,33 +519,25 @@ class BytesInFlight {
   give(from: string, n: number): void {
     if (n <= 0) return;
     this.bytes -= n;
-    const left = (this.#byAddress.get(from) ?? n) - n;
-    if (left > 0) this.#byAddress.set(from, left);
-    else this.#byAddress.delete(from);
+    addCount(this.#byAddress, from, -n);
   }
-}
-
-/** The budget a request's bytes in flight count against, and its address bucket. */
-interface InFlightBudget {
-  inFlight: BytesInFlight;
-  from: string;
 }
 
 /** What one answer holds of the answers' BytesInFlight until `release` (idempotent); `writeMs`: see streamedAnswer. */
 class AnswerHold {
   bytes = 0;
-  constructor(readonly budget: InFlightBudget, readonly writeMs = ANSWER_WRITE_MS) {}
+  constructor(readonly answers: BytesInFlight, readonly from: string, readonly writeMs = ANSWER_WRITE_MS) {}
 
   /** Holds `n` bytes in place of what it held, or throws the 429 or 503; nothing below ANSWER_STREAM_MIN_BYTES. */
   hold(n: number): void {
     this.release();
     if (n < ANSWER_STREAM_MIN_BYTES) return;
-    this.budget.inFlight.take(this.budget.from, n);
+    this.answers.take(this.from, n);
     this.bytes = n;
   }
 
   release(): void {
-    this.budget.inFlight.give(this.budget.from, this.bytes);
+    this.answers.give(this.from, this.bytes);
     this.bytes = 0;
   }
 }
@@ -594,14 +552,11 @@ function currentHttpDate(): string {
 }
 
 /** Every answer carries Date (Bun's server does not add it): `doctor` measures clock skew against it. */
-const jsonResponse = (status: number, body: string, headers: Record<string, string> = {}): Response =>
+const jsonResponse = (status: number, body: BodyInit, headers: Record<string, string> = {}): Response =>
   new Response(body, { status, headers: { "content-type": "application/json", date: currentHttpDate(), ...headers } });
 
-const errorResponse = (status: number, message: string): Response =>
-  jsonResponse(status, JSON.stringify({ error: message }));
-
-/** A large answer's slice handed to the runtime at a time: what a connection's slow reader keeps in the bus's memory. */
-const ANSWER_CHUNK_BYTES = 64 << 10;
+const errorResponse = (status: number, message: string, headers: Record<string, string> = {}): Response =>
+  jsonResponse(status, JSON.stringify({ error: message }), headers);
 
 /** Answers made by streamedAnswer: the guarded server writes them with backpressure rather than whole. */
 const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
@@ -612,23 +567,22 @@ const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
  * slice, a close (cancel), or ANSWER_WRITE_MS after it was made (the stream fails, the connection closes): a reader
  * that never reads holds its share that long, never memory for good.
  */
-function streamedAnswer(status: number, text: string, held?: AnswerHold): Response {
-  if (!held?.bytes && text.length < ANSWER_STREAM_MIN_BYTES / 3) return jsonResponse(status, text); // 3 bytes a char at most
+function streamedAnswer(status: number, text: string, held: AnswerHold): Response {
+  if (!held.bytes && 3 * text.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text); // ≤ 3 bytes a char
   const bytes = Buffer.from(text);
-  if (!held?.bytes && bytes.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
+  if (!held.bytes && bytes.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
   let at = 0;
   let timer: ReturnType<typeof setTimeout> | undefined;
   const done = () => {
     clearTimeout(timer);
-    held?.release();
+    held.release();
   };
   const body = new ReadableStream<Uint8Array>({
     start(c) {
-      const ms = held?.writeMs ?? ANSWER_WRITE_MS;
       timer = setTimeout(() => {
         done();
-        c.error(new Error(`the answer was not all read ${ms / 1000} s after it was made`));
-      }, ms);
+        c.error(new Error(`the answer was not all read ${held.writeMs / 1000} s after it was made`));
+      }, held.writeMs);
     },
     pull(c) {
       c.enqueue(bytes.subarray(at, at += ANSWER_CHUNK_BYTES));
@@ -636,83 +590,64 @@ function streamedAnswer(status: number, text: string, held?: AnswerHold): Respon
     },
     cancel: done,
   }, { highWaterMark: 0 });
-  const r = new Response(body, { status, headers: { "content-type": "application/json", date: currentHttpDate() } });
+  const r = jsonResponse(status, body);
   STREAMED_ANSWERS.add(r);
   return r;
 }
 
 /**
  * Reads a JSON body of at most BODY_LIMIT_BYTES, counted as it arrives (Content-Length may be absent or lie), within
- * CONN_BODY_MS (a drip gets 408), against `budget`: reserved before reading, held until the runtime's read ends.
+ * CONN_BODY_MS (a drip gets 408), against `inFlight` for address bucket `from`: reserved before reading, held until
+ * the runtime's read ends.
  */
-async function readJsonBody(req: Request, budget?: InFlightBudget, maxValues = JSON_VALUES_MAX): Promise<unknown> {
+async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string, maxValues = JSON_VALUES_MAX) {
   const declared = declaredLength(req);
-  if (declared !== null && declared > BODY_LIMIT_BYTES) {
-    throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
-  }
-  let reserved = 0;
-  const reserve = (n: number) => {
-    budget?.inFlight.take(budget.from, n);
-    reserved += n;
-  };
+  const tooLarge = () => new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
+  if (declared !== null && declared > BODY_LIMIT_BYTES) throw tooLarge();
+  let reserved = 0; // taken from inFlight
   let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const deadline = new Promise<never>((_, reject) => {
-    timer = setTimeout(
-      () => reject(new HttpError(408, `the body was not all there ${CONN_BODY_MS / 1000} s after its headers`, true)),
-      CONN_BODY_MS,
-    );
-  });
+  let reader: ReadableStreamDefaultReader<Uint8Array> | undefined;
+  const deadline = Promise.withResolvers<never>();
+  const late = () => new HttpError(408, `the body was not all there ${CONN_BODY_MS / 1000} s after its headers`, true);
+  const timer = setTimeout(() => deadline.reject(late()), CONN_BODY_MS);
   let text: string;
   try {
     if (declared !== null) {
-      reserve(declared);
+      inFlight.take(from, declared);
+      reserved = declared;
       // The server holds the body to its declared length. (Not touching req.body keeps Deno on its fast path.)
-      const whole = req.text();
-      reading = whole;
-      text = await Promise.race([whole, deadline]);
+      text = await Promise.race([reading = req.text(), deadline.promise]);
       if (text === "") throw new HttpError(400, "empty body; expected JSON");
     } else {
       if (!req.body) throw new HttpError(400, "empty body; expected JSON");
-      const reader = req.body.getReader();
+      reader = req.body.getReader();
       const chunks: Uint8Array[] = [];
-      let size = 0;
-      try {
-        for (;;) {
-          const { done, value } = await Promise.race([reader.read(), deadline]);
-          if (done) break;
-          size += value.length;
-          if (size > BODY_LIMIT_BYTES) throw new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
-          reserve(value.length);
-          chunks.push(value);
-        }
-      } catch (e) {
-        reading = reader.cancel().catch(() => {});
-        throw e;
+      for (;;) {
+        const { done, value } = await Promise.race([reader.read(), deadline.promise]);
+        if (done) break;
+        if (reserved + value.length > BODY_LIMIT_BYTES) throw tooLarge();
+        inFlight.take(from, value.length);
+        reserved += value.length;
+        chunks.push(value);
       }
       text = Buffer.concat(chunks).toString("utf8");
     }
   } catch (e) {
+    if (reader) reading = reader.cancel().catch(() => {});
     if (e instanceof HttpError) throw e;
     // A malformed chunked encoding, a body cut off: the request's fault, never a 500.
     throw new HttpError(400, `the body could not be read (${(e as Error).message})`, true);
   } finally {
     clearTimeout(timer);
-    if (reserved) {
-      const give = () => budget!.inFlight.give(budget!.from, reserved);
-      reading.then(give, give);
-    }
+    const give = () => inFlight.give(from, reserved);
+    reading.then(give, give);
   }
   const { depth, values } = jsonShape(text);
   if (depth > JSON_DEPTH_MAX) throw new HttpError(400, `body nests deeper than ${JSON_DEPTH_MAX} levels`);
-  if (values > maxValues) {
-    throw new HttpError(
-      400,
-      `body holds more than ${maxValues} JSON values (objects, arrays and members; a message holds about 15)`,
-    );
-  }
+  const many = `more than ${maxValues} JSON values (objects, arrays and members; a message holds about 15)`;
+  if (values > maxValues) throw new HttpError(400, `body holds ${many}`);
   try {
-    return JSON.parse(text);
+    return JSON.parse(text) as unknown;
   } catch (e) {
     throw new HttpError(400, `body is not JSON (${(e as Error).message})`);
   }
@@ -742,15 +677,6 @@ function recipientParam(value: unknown, name: string): string {
   if (value.includes("\0")) throw new HttpError(400, `"${name}" must not contain NUL`);
   return value;
 }
-
-/** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
-const JSON_DEPTH_MAX = 64;
-
-/** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
-const UNREGISTER_FRESH_MS = 5 * 60_000;
-
-/** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
-const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send full-refused`;
 
 /**
  * The verified signer of a v2-shaped payload, so room is shared fairly between senders; "" for any other (opaque, as
@@ -787,16 +713,11 @@ function claimedSender(payload: string): string {
   }
 }
 
-async function readKeyedBody(
-  req: Request,
-  what: string,
-  budget?: InFlightBudget,
-): Promise<Record<string, unknown> & { pubkey: string }> {
-  const body = await readJsonBody(req, budget, ANNOUNCEMENT_VALUES_MAX);
-  if (!isObject(body) || typeof body.pubkey !== "string" || body.pubkey === "") {
-    throw new HttpError(400, `${what} needs a "pubkey"`);
-  }
-  return body as Record<string, unknown> & { pubkey: string };
+/** A body that names a "pubkey" (an announcement, an unregister), or the 400 that says `what` needs one. */
+async function readKeyedBody(req: Request, inFlight: BytesInFlight, from: string, what: string) {
+  const body = await readJsonBody(req, inFlight, from, ANNOUNCEMENT_VALUES_MAX);
+  if (isObject(body) && typeof body.pubkey === "string" && body.pubkey !== "") return body;
+  throw new HttpError(400, `${what} needs a "pubkey"`);
 }
 
 function parseOr400<T>(parse: () => T): T {
@@ -830,12 +751,6 @@ function splitUrl(url: string): { pathname: string; query: string } {
     : { pathname: url.slice(slash, q), query: url.slice(q + 1, end) };
 }
 
-/** What a bus route reads besides the Request: its query string and address bucket (see addressBucket). */
-interface BusCall {
-  query: string;
-  from: string;
-}
-
 // ============================================================================
 // The queue database
 // ============================================================================
@@ -845,13 +760,11 @@ interface BusCall {
 //   owner(key)                                       a key that proved it reads its routes here, never deleted
 //   meta(name, value)                                "closed": since when every route needs a proof (Bus.#close);
 //                                                    "imported": which queue.jsonl was taken in (importJsonl)
-// A seq is global and never reused (AUTOINCREMENT: sqlite_sequence keeps the high-water mark, acked seqs too), so an
-// ack key names its message across restarts. Payloads stay JSON text end to end: the bus never parses what it relays.
-// message_route holds every column but the payload, in seq order per route: a recv reads its heads there (the
-// answer's weight is held before a payload is read), and a start counts what is held from it alone, reading no
-// message body. auto_vacuum=FULL hands the pages of acked messages back to the file system at each checkpoint, so
-// the file follows what is held with no compaction of ours. A checkpoint comes once the WAL holds WAL_PAGES, and cuts
-// it back to that: the WAL, which an ack's delete goes through, keeps its room once it has grown to it.
+// A seq is global and never reused (AUTOINCREMENT keeps the high-water mark), so an ack key names its message across
+// restarts. Payloads stay JSON text end to end. message_route holds every column but the payload: a recv reads its
+// heads there (the answer's weight is held before a payload is read), and a start counts what is held from it alone.
+// auto_vacuum=FULL hands acked messages' pages back at each checkpoint (no compaction of ours); a checkpoint comes
+// once the WAL holds WAL_PAGES and cuts it back to that, so the WAL an ack's delete goes through keeps its room.
 // Durability: see Bus.#commit.
 
 const QUEUE_SCHEMA = `
@@ -881,7 +794,7 @@ const reserveOf = (diskSize: number) => Math.min(DISK_RESERVE_BYTES, Math.floor(
 /** The WAL's bound: a checkpoint once it holds this much, and cut back to it after (a 64th of a smaller disk). */
 const walBytesOf = (diskSize: number) => 4096 * Math.max(1, Math.min(WAL_PAGES, Math.floor(diskSize / 64 / 4096)));
 
-/** A write committed whose fdatasync of the WAL failed (Bus.#commit): what it wrote is held, though maybe not on disk. */
+/** A commit whose fdatasync of the WAL failed (Bus.#flush): what it wrote is held, though maybe not on disk. */
 class UnsyncedError extends Error {}
 
 /**
@@ -960,14 +873,10 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
   const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
   let skipped = 0, top = 0; // top: the highest seq the file names
   if (sql("SELECT value FROM meta WHERE name = 'imported'").get()?.value !== id) {
-    const insert = sql(
-      "INSERT OR IGNORE INTO message (seq, route, ts, sender, size, payload) VALUES (?, ?, ?, ?, ?, ?)",
-    );
+    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?)"); // seq, route, ts, sender, size, payload
     const remove = sql("DELETE FROM message WHERE seq = ? AND route = ?");
     const owner = sql("INSERT OR IGNORE INTO owner (key) VALUES (?)");
-    const closed = sql(
-      "INSERT INTO meta VALUES ('closed', ?) ON CONFLICT DO UPDATE SET value = min(value, excluded.value)",
-    );
+    const closed = sql("INSERT INTO meta VALUES ('closed', ?1) ON CONFLICT DO UPDATE SET value = min(value, ?1)");
     const bad = (at: number, why: string, line: string) => void (setAside(file, at, why, line), skipped++);
     db.exec("BEGIN IMMEDIATE");
     try {
@@ -1002,9 +911,8 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
   }
   failpoint("bus-after-import"); // committed, the file not yet renamed aside
   fs.renameSync(file, `${file}.imported`);
-  log(
-    `took in ${file}, the queue of an earlier bus (${skipped} lines set aside in .corrupt); kept as ${file}.imported`,
-  );
+  const corrupt = `${skipped} lines set aside in .corrupt`;
+  log(`took in ${file}, the queue of an earlier bus (${corrupt}); kept as ${file}.imported`);
   return skipped;
 }
 
@@ -1012,7 +920,7 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
 // The bus
 // ============================================================================
 
-/** Defaults: QueueLimits' constants, OWNERS_MAX, ANSWERS_IN_FLIGHT_*, ANSWER_WRITE_MS, reserveOf the disk. */
+/** Defaults: QUEUE_LIMITS, OWNERS_MAX, ANSWERS_IN_FLIGHT_*, ANSWER_WRITE_MS, reserveOf the disk. */
 interface BusOptions {
   cap?: number;
   limits?: Partial<QueueLimits>;
@@ -1023,16 +931,9 @@ interface BusOptions {
   now?: () => number;
 }
 
-/** A queued message as message_route holds it: all but its payload. */
-interface Head {
-  seq: number;
-  ts: number;
-  sender: string;
-  size: number;
-}
-
-/** A message handed to a receiver. */
-type BusDelivery = Omit<Head, "sender" | "size"> & { payload: string };
+/** A queued message as message_route holds it (all but its payload), and as a receiver is handed it. */
+type Head = { seq: number; ts: number; sender: string; size: number };
+type BusDelivery = { seq: number; ts: number; payload: string };
 
 /** A change for the next commit (Bus.#commit), and its caller's promise; `send`: a new message's route. */
 type Write = PromiseWithResolvers<void> & { apply(): void; send?: string };
@@ -1042,54 +943,43 @@ class Bus {
   readonly roster = new Roster();
   readonly inFlight = new BytesInFlight();
   readonly answers: BytesInFlight;
-  #waiters = new Map<string, Set<() => void>>(); // bounded: by the open long-polls
-  #writes: Write[] = []; // what the next commit carries, in order: bounded by the requests waiting on it
-  /** The group commit running (#flush), or null while nothing waits. */
-  #flushing: Promise<void> | null = null;
-  readonly #wal: number;
-  /** Messages found damaged (#payload): skipped until deleted, or for good when they cannot be read. */
-  #unreadable = new Set<number>(); // bounded: by the messages held
-  /** Keys that proved they read their routes here (see checkOwnership), as owner rows, never forgotten. */
-  readonly #owners: Set<string>; // bounded: ownersMax, past it the bus closes (see #close)
-  /** Since when the bus is closed (its "closed" row), or null while it serves the routes of keys that never proved. */
-  #closedSince: number | null;
-  /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
-  readonly #verified = new BoundedMap<string, string>(PROOFS_REMEMBERED); // bounded: forgetting costs one check
-  readonly ownersMax: number;
-  /** The data folder's disk as last looked at: free bytes (less what was written since), size, when. */
-  #disk: { free: number; size: number; at: number };
-  #reserved: boolean; // queue.reserve is there (#keepRoom)
-  private readonly db: DatabaseSync;
-  readonly #sql;
   readonly queues: BusQueues;
   nextSeq: number;
-  /** Commits run, the writes they carried, and the fdatasyncs that made them durable (for tests). */
-  readonly commitStats = { commits: 0, writes: 0, syncs: 0 };
   readonly recovery: { messages: number; recipients: number; skippedLines: number; ms: number };
-  readonly #log: (msg: string) => void;
+  readonly commitStats = { commits: 0, writes: 0, syncs: 0 }; // commits, the writes they carried, their fdatasyncs
+  readonly ownersMax: number;
   readonly now: () => number;
-  /** A copy of open's options: a caller changing its object afterwards changes no limit. */
-  private readonly opts: BusOptions;
+  readonly #log: (msg: string) => void;
+  readonly #opts: BusOptions; // a copy of open's: a caller changing its object afterwards changes no limit
+  readonly #sql;
+  readonly #wal: number; // queue.db-wal, for #flush's fdatasync
+  #waiters = new Map<string, Set<() => void>>(); // bounded: by the open long-polls
+  #writes: Write[] = []; // what the next commit carries, in order: bounded by the requests waiting on it
+  #flushing: Promise<void> | null = null; // the group commit running (#flush), or null while nothing waits
+  #unreadable = new Set<number>(); // found damaged (#payload), skipped: bounded by the messages held
+  readonly #owners: Set<string>; // keys that proved they read their routes here, never forgotten: ownersMax (#close)
+  #closedSince: number | null; // since when every route needs a proof (#close), or null
+  /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
+  readonly #verified = new BoundedMap<string, string>(PROOFS_REMEMBERED); // bounded: forgetting costs one check
+  #disk: { free: number; size: number; at: number }; // as last looked at: free (less writes since), size, when
+  #reserved: boolean; // queue.reserve is there (#keepRoom)
+  private readonly db: DatabaseSync;
 
   /** `stored`: what openQueue read; `started`: when open began, for the recovery report. */
   private constructor(
     readonly dataDir: string,
     stored: ReturnType<typeof openQueue>,
-    private lock: PidLock,
+    private readonly lock: PidLock,
     opts: BusOptions,
     started: number,
   ) {
     const db = this.db = stored.db;
-    this.opts = { ...opts, answers: { ...opts.answers } };
+    this.#opts = { ...opts, answers: { ...opts.answers } };
     this.#log = opts.log ?? logInfo;
     this.now = opts.now ?? Date.now;
     this.ownersMax = opts.owners ?? OWNERS_MAX;
-    this.answers = new BytesInFlight(
-      opts.answers?.max ?? ANSWERS_IN_FLIGHT_MAX,
-      opts.answers?.perAddress ?? ANSWERS_IN_FLIGHT_PER_ADDRESS,
-      "answers not yet taken by their connections",
-      false,
-    );
+    const { max = ANSWERS_IN_FLIGHT_MAX, perAddress = ANSWERS_IN_FLIGHT_PER_ADDRESS } = this.#opts.answers!;
+    this.answers = new BytesInFlight(max, perAddress, "answers not yet taken by their connections", false);
     const sql = (text: string) => db.prepare(text);
     this.#sql = {
       insert: sql("INSERT INTO message (seq, route, ts, sender, size, payload) VALUES (?, ?, ?, ?, ?, ?)"),
@@ -1122,13 +1012,12 @@ class Bus {
     fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
     const lock = await PidLock.acquire(path.join(dataDir, "bus.lock"), "interlink bus");
     const started = performance.now();
-    let db: DatabaseSync | undefined;
+    let stored: ReturnType<typeof openQueue> | undefined;
     try {
-      const stored = openQueue(dataDir, opts.log ?? logInfo);
-      db = stored.db;
+      stored = openQueue(dataDir, opts.log ?? logInfo);
       return new Bus(dataDir, stored, lock, opts, started);
     } catch (e) {
-      db?.close();
+      stored?.db.close();
       lock.release();
       throw e;
     }
@@ -1136,31 +1025,23 @@ class Bus {
 
   /** Open long-polls right now (for tests). */
   get waiterCount(): number {
-    let n = 0;
-    for (const set of this.#waiters.values()) n += set.size;
-    return n;
+    return [...this.#waiters.values()].reduce((n, set) => n + set.size, 0);
   }
 
   /** `from`: the address the request came from (serveHttp says), for the per-address budgets; "" when unknown. */
   readonly handler = async (req: Request, from = ""): Promise<Response> => {
     const { pathname, query } = splitUrl(req.url);
-    const route = BUS_ROUTES[pathname];
-    if (!route) {
-      return errorResponse(404, `no route ${pathname}; the bus serves ${Object.keys(BUS_ROUTES).join(", ")}`);
-    }
-    if (req.method !== route.method) {
-      return jsonResponse(405, JSON.stringify({ error: `${pathname} takes ${route.method}` }), { allow: route.method });
-    }
+    const [method, run] = BUS_ROUTES[pathname] ?? [];
+    if (!run) return errorResponse(404, `no route ${pathname}; the bus serves ${Object.keys(BUS_ROUTES).join(", ")}`);
+    if (req.method !== method) return errorResponse(405, `${pathname} takes ${method}`, { allow: method });
     try {
-      const r = await route.handle(this, req, { query, from: addressBucket(from) });
+      const r = await run(this, req, { query, from: addressBucket(from) });
       // A reference bus sends no such header: our client batches only where it sees one; doctor reports it.
       r.headers.set("interlink-bus", BUS_FEATURES);
       return r;
     } catch (e) {
-      if (e instanceof HttpError) {
-        // A body left unread must not keep its connection (Bun then closes it; node:http does on its own).
-        return jsonResponse(e.status, JSON.stringify({ error: e.message }), e.close ? { connection: "close" } : {});
-      }
+      // A body left unread must not keep its connection (Bun then closes it; node:http does on its own).
+      if (e instanceof HttpError) return errorResponse(e.status, e.message, e.close ? { connection: "close" } : {});
       if (req.signal.aborted) return errorResponse(499, "client closed the request"); // a hang-up: not an error here
       this.#log(`internal error on ${pathname}: ${(e as Error).stack ?? e}`);
       return errorResponse(500, "internal error; see the bus log");
@@ -1172,17 +1053,13 @@ class Bus {
    * would get: the byte budgets, then the room kept free on the disk. `close`: the body is unread (see HttpError).
    */
   ensureRoom(sender: string, size: number, to = "", close = false): void {
-    const over = this.queues.admit(sender, size, to);
+    const over = this.queues.admit(sender, size, to), { totalBytes, senderBytes } = this.queues.limits;
     if (over) {
       const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
-      const all = humanBytes(this.queues.limits.totalBytes), mine = humanBytes(this.queues.limits.senderBytes);
-      throw over === "global"
-        ? new HttpError(507, `this bus holds its whole budget of ${all} of messages (${counted}); retry later`, close)
-        : new HttpError(
-          429,
-          `this sender already has ${mine} queued on this bus (${counted}); retry once some is read`,
-          close,
-        );
+      const why = over === "global"
+        ? `this bus holds its whole budget of ${humanBytes(totalBytes)} of messages (${counted}); retry later`
+        : `this sender already has ${humanBytes(senderBytes)} queued on this bus (${counted}); retry once some is read`;
+      throw new HttpError(over === "global" ? 507 : 429, why, close);
     }
     this.#ensureDisk(2 * size + MESSAGE_OVERHEAD_BYTES, close); // in the WAL, then in the file at the checkpoint
   }
@@ -1217,20 +1094,17 @@ class Bus {
 
   /** Room kept free for what must always be written: acks, an owner's row, the "closed" row (see reserveOf). */
   diskReserve(): number {
-    return this.opts.diskReserve ?? reserveOf(this.#disk.size);
+    return this.#opts.diskReserve ?? reserveOf(this.#disk.size);
   }
 
   /** Throws the 507 for a write of `bytes` that would eat into the reserve (looked at afresh before refusing). */
   #ensureDisk(bytes: number, close = false): void {
-    if (this.#diskFree() - bytes >= this.diskReserve()) return;
-    const free = this.#diskFree(true);
-    if (free - bytes >= this.diskReserve()) return;
-    const left = humanBytes(Math.max(0, free));
-    throw new HttpError(
-      507,
-      `the disk of the bus's data folder is full: ${left} free, which the bus keeps for acks; nothing was stored; retry once receivers have read their mail`,
-      close,
-    );
+    const room = (free: number) => free - bytes >= this.diskReserve();
+    if (room(this.#diskFree()) || room(this.#diskFree(true))) return;
+    const left = humanBytes(Math.max(0, this.#disk.free));
+    const why =
+      `the disk of the bus's data folder is full: ${left} free, which the bus keeps for acks; nothing was stored; retry once receivers have read their mail`;
+    throw new HttpError(507, why, close);
   }
 
   /** Throws the 429 for one more message from `sender` to `to` past its cap: nothing accepted makes room (QUEUE_CAP). */
@@ -1239,18 +1113,16 @@ class Bus {
     if (held === null) return;
     const route = `${fingerprint(to)}${to.includes("#") ? to.slice(to.indexOf("#")) : ""}`;
     const what = sender ? "messages from this sender" : "unattributed payloads";
-    throw new HttpError(
-      429,
-      `${ROUTE_FULL}: ${route} holds ${held} ${what} not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`,
-    );
+    const why =
+      `${ROUTE_FULL}: ${route} holds ${held} ${what} not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`;
+    throw new HttpError(429, why);
   }
 
   /**
-   * Queues a message; resolves once it is on stable storage (the 202). It counts against the budgets from the start,
-   * so the sends of one commit meet the caps; a commit that fails gives that back, and its send is a 507 (a full disk)
-   * or a 503. Committed, it is handed to receivers (parked ones are woken) before its fdatasync ends: a power cut then
-   * can lose it after a receiver had it, unanswered, so its sender sends it again (the ts in an ack key keeps that
-   * copy's seq, given again, from being acked by the lost one's key).
+   * Queues a message; resolves once it is on stable storage (the 202). It counts against the budgets at once, so one
+   * commit's sends meet the caps; a failed commit gives that back (a 507 on a full disk, else a 503). Committed, it is
+   * handed to receivers before its fdatasync ends: a power cut then can lose it after a receiver had it, unanswered, so
+   * its sender sends it again (the ts in an ack key keeps the lost one's key from acking the copy's seq, given again).
    */
   async send(to: string, payload: string, sender = ""): Promise<void> {
     const size = utf8Bytes(payload);
@@ -1349,7 +1221,7 @@ class Bus {
   }
 
   answerHold(from: string): AnswerHold {
-    return new AnswerHold({ inFlight: this.answers, from }, this.opts.answers?.writeMs);
+    return new AnswerHold(this.answers, from, this.#opts.answers?.writeMs);
   }
 
   /** Whether `route`'s key has proven it reads its routes here: then every recv or ack of its routes needs a proof. */
@@ -1361,23 +1233,54 @@ class Bus {
     return this.#owners.size;
   }
 
-  verifiedBefore(route: string, proof: string): boolean {
-    return this.#verified.get(route) === proof;
-  }
-
   get closedSince(): number | null {
     return this.#closedSince;
   }
 
   /**
-   * `route`'s key proved with `proof` (verified, fresh) that it reads it. Its first proof makes it an owner, committed
-   * before the answer (trust on first proof survives a restart); when it cannot be one (`ownersMax` held, no disk
-   * room), the bus closes instead (#close): a key that proved never has its routes served without a proof. It is an
-   * owner in memory from the start: a recv meanwhile without a proof is refused.
+   * Recipient ownership, trust on first proof: once a key has proven (a signed recv or ack) that it reads one of its
+   * routes, unproven recv and ack of all its routes are refused for good, so nobody else reads or deletes its mail.
+   * Keys that never proved work as in the reference contract until the bus closes (#close). Every proof, a repeat too,
+   * must be fresh: a captured one is worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403.
    */
-  async touchOwned(route: string, proof: string): Promise<void> {
+  async checkOwnership(route: string, proof: unknown): Promise<void> {
+    if (proof === undefined || proof === null || proof === "") {
+      if (this.isOwned(route)) {
+        const fp = fingerprint(route);
+        const why =
+          `route ${fp}… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
+        throw new HttpError(403, why);
+      }
+      if (this.#closedSince === null) return;
+      const at = new Date(this.#closedSince); // a hand-made "c" record may hold a safe integer past what a Date holds
+      const since = Number.isNaN(at.getTime()) ? `ts ${this.#closedSince}` : at.toISOString();
+      const why =
+        `this bus serves no route without a proof since ${since} (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`;
+      throw new HttpError(403, why);
+    }
+    if (typeof proof !== "string" || !/^\d{1,16}\.[A-Za-z0-9_-]{86}$/.test(proof)) {
+      throw new HttpError(400, 'proof must be "<ts>.<signature>"');
+    }
+    const [tsText, sig] = proof.split(".");
+    const ts = Number(tsText);
+    if (Math.abs(this.now() - ts) > RECV_PROOF_FRESH_MS) {
+      const window = `${RECV_PROOF_FRESH_MS / 60_000} min either side of this bus's clock`;
+      throw new HttpError(403, `proof is outside its freshness window (${window})`);
+    }
+    if (this.#verified.get(route) !== proof) {
+      const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
+      if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
+    }
     this.#verified.set(route, proof);
-    const key = parseRoute(route).key;
+    await this.#own(parseRoute(route).key);
+  }
+
+  /**
+   * `key` proved (verified, fresh) that it reads its routes. Its first proof makes it an owner, committed before the
+   * answer (trust on first proof survives a restart); when it cannot be one (`ownersMax` held, no disk room), the bus
+   * closes instead (#close): a key that proved never has its routes served without a proof.
+   */
+  async #own(key: string): Promise<void> {
     if (this.#owners.has(key)) return;
     let why = `it protects the routes of ${this.ownersMax} keys, the most it keeps (--owners), and never forgets one`;
     if (this.#owners.size < this.ownersMax) {
@@ -1385,11 +1288,9 @@ class Bus {
         this.#ensureDisk(OWNER_ROW_BYTES);
         this.#owners.add(key); // at once: an unproven recv meanwhile is refused
         await this.#write(() => this.#sql.owner.run(key)).catch((e) => (this.#owners.delete(key), Promise.reject(e)));
-        if (this.#owners.size === this.ownersMax) {
-          this.#log(
-            `this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): the next new key closes it`,
-          );
-        }
+        const full =
+          `this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): the next new key closes it`;
+        if (this.#owners.size === this.ownersMax) this.#log(full);
         return;
       } catch (e) {
         why = `it has no room to record one more key that proved its routes (${(e as Error).message})`;
@@ -1400,9 +1301,9 @@ class Bus {
 
   /**
    * Closes the bus for good (restarts too): every recv or ack then needs a proof from its route's key, so keys it could
-   * not record are as safe as its owners, and a node that never proves (a reference node) is refused. Keys cost
-   * nothing, so a stranger can fill any record of them: this is where such a flood ends, at no memory cost. The
-   * "closed" row goes into the disk's reserve; this process stays closed even if that write fails (and throws).
+   * not record are as safe as its owners; a node that never proves (a reference node) is refused. Keys cost nothing:
+   * here a flood of them ends, at no memory cost. The "closed" row goes into the disk's reserve; this process stays
+   * closed even if that write fails (and throws).
    */
   async #close(why: string): Promise<void> {
     const since = this.#closedSince = this.now();
@@ -1413,16 +1314,10 @@ class Bus {
   }
 
   /** Up to `max` oldest un-acked messages for `me`, waiting up to `timeoutMs` for one ([] if none); kept until acked. */
-  async recv(
-    me: string,
-    timeoutMs: number,
-    signalOf?: AbortSignal | (() => AbortSignal),
-    max = 1,
-    held?: AnswerHold,
-  ): Promise<BusDelivery[]> {
+  async recv(me: string, timeoutMs: number, signalOf?: () => AbortSignal, max = 1, held?: AnswerHold) {
     const ready = this.take(me, max, held);
     if (ready.length || timeoutMs <= 0) return ready;
-    const signal = typeof signalOf === "function" ? signalOf() : signalOf;
+    const signal = signalOf?.();
     if (signal?.aborted) return ready;
     await new Promise<void>((resolve) => {
       let set = this.#waiters.get(me);
@@ -1523,51 +1418,6 @@ class Bus {
 }
 
 /**
- * Recipient ownership, trust on first proof: once a key has proven (a signed recv or ack) that it reads one of its
- * routes, unproven recv and ack of all its routes are refused for good, so nobody else reads or deletes its mail. Keys
- * that never proved work as in the reference contract until the bus closes (Bus.#close). Every proof, a repeat too,
- * must be fresh: a captured one is worth nothing RECV_PROOF_FRESH_MS after its ts. Throws the 403.
- */
-async function checkOwnership(bus: Bus, route: string, proof: unknown): Promise<void> {
-  if (proof === undefined || proof === null || proof === "") {
-    if (bus.isOwned(route)) {
-      const fp = fingerprint(route);
-      throw new HttpError(
-        403,
-        `route ${fp}… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`,
-      );
-    }
-    if (bus.closedSince !== null) {
-      const at = new Date(bus.closedSince); // a hand-made "c" record may hold a safe integer past what a Date holds
-      const since = Number.isNaN(at.getTime()) ? `ts ${bus.closedSince}` : at.toISOString();
-      throw new HttpError(
-        403,
-        `this bus serves no route without a proof since ${since} (it could not record every key that proved its routes): a recv or ack must carry a proof signed by the route's key`,
-      );
-    }
-    return;
-  }
-  if (typeof proof !== "string" || !/^\d{1,16}\.[A-Za-z0-9_-]{86}$/.test(proof)) {
-    throw new HttpError(400, 'proof must be "<ts>.<signature>"');
-  }
-  const [tsText, sig] = proof.split(".");
-  const ts = Number(tsText);
-  if (Math.abs(bus.now() - ts) > RECV_PROOF_FRESH_MS) {
-    throw new HttpError(
-      403,
-      `proof is outside its freshness window (${RECV_PROOF_FRESH_MS / 60_000} min either side of this bus's clock)`,
-    );
-  }
-  if (!bus.verifiedBefore(route, proof)) {
-    const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
-    if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
-  }
-  await bus.touchOwned(route, proof);
-}
-
-/** What this bus adds to the reference contract, named in an `interlink-bus` header on GET /roster (doctor reads it). */
-
-/**
  * Our extension of POST /send: {"messages": [{"to", "payload"}, ...]}, in order, each checked as a single send. The
  * first refused stops the rest, so a sender's order holds. Answered 200 once all queued are on disk, one result per
  * message tried: {"status": 202} or {"status": <4xx/5xx>, "error"}. A reference bus refuses the shape (no "to").
@@ -1600,149 +1450,128 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
   });
   return jsonResponse(200, JSON.stringify({ status: "queued", results }));
 }
-const BUS_ROUTES: Record<string, { method: string; handle(bus: Bus, req: Request, call: BusCall): Promise<Response> }> =
-  {
-    "/send": {
-      method: "POST",
-      async handle(bus, req, { from }) {
-        // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
-        const declared = declaredLength(req) ?? 0;
-        if (declared > 0) bus.ensureRoom("", declared, "", true);
-        const body = await readJsonBody(req, { inFlight: bus.inFlight, from });
-        if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages);
-        if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
-        const to = recipientParam(body.to, "to");
-        if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
-        await bus.send(to, JSON.stringify(body.payload), await signerOf(body.payload, to));
-        return jsonResponse(202, '{"status":"queued"}');
-      },
-    },
-    "/recv": {
-      method: "GET",
-      async handle(bus, req, { query, from }) {
-        const params = new URLSearchParams(query);
-        const me = recipientParam(params.get("me"), "me");
-        await checkOwnership(bus, me, params.get("proof") ?? undefined);
-        // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that
-        // no client which did not ask can take for one message; a reference bus ignores max and answers one.
-        const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
-        const held = bus.answerHold(from);
-        // The request's signal is read only when the recv has to wait (under Deno, building it costs).
-        const got = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal, max, held);
-        if (!got.length) return jsonResponse(200, '{"status":"timeout"}');
-        const entry = (m: BusDelivery) =>
-          `"envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${JSON.stringify(ackKey(me, m))}`;
-        const text = max > 1
-          ? `{"status":"messages","messages":[${got.map((m) => `{${entry(m)}}`)}]}`
-          : `{"status":"message",${entry(got[0])}}`;
-        return streamedAnswer(200, text, held);
-      },
-    },
-    "/ack": {
-      method: "POST",
-      async handle(bus, req, { from }) {
-        const body = await readJsonBody(req, { inFlight: bus.inFlight, from });
-        if (!isObject(body)) throw new HttpError(400, 'expected {"me": <recipient>, "ack": <key>}');
-        const me = recipientParam(body.me, "me");
-        // Our extension: "acks", a list of keys, in place of the reference's single "ack".
-        const keys: unknown[] = Array.isArray(body.acks) ? body.acks : [body.ack];
-        if (!keys.length || keys.length > RECV_BATCH_MAX || !keys.every((k) => typeof k === "string")) {
-          throw new HttpError(400, `"ack" must be a string (or "acks" a list of 1 to ${RECV_BATCH_MAX})`);
-        }
-        if (!keys.every((k) => (k as string).startsWith(me + "\0"))) {
-          throw new HttpError(403, "that ack key belongs to another recipient");
-        }
-        await checkOwnership(bus, me, body.proof);
-        // Unknown or already acked: still 200, acks are idempotent.
-        await bus.ack(me, ...(keys as string[]).map((k) => parseAckKey(me, k)).filter((m) => m !== undefined));
-        return jsonResponse(200, '{"status":"acked"}');
-      },
-    },
-    "/announce": {
-      method: "POST",
-      async handle(bus, req, { from }) {
-        const body = await readKeyedBody(req, "an announcement", { inFlight: bus.inFlight, from });
-        delete body.age_ms; // stamped by the bus, never taken from the poster
-        const json = JSON.stringify(body);
-        if (utf8Bytes(json) > ANNOUNCEMENT_MAX_BYTES) {
-          throw new HttpError(413, `announcement over ${ANNOUNCEMENT_MAX_BYTES} bytes`);
-        }
-        const a = parseOr400(() => parseAnnouncement(body));
-        const now = bus.now();
-        // Presence must be current: no announcement from the future, none older than the roster keeps.
-        if (a.ts - now > FRESH_FUTURE_MS) throw new HttpError(400, `announcement ts is ${a.ts - now} ms in the future`);
-        if (now - a.ts >= ROSTER_RETENTION_MS) throw new HttpError(400, "announcement is older than the roster keeps");
-        const bad = await verifyAnnouncement(a);
-        if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
-        const filed = bus.roster.put(a, json, now, from);
-        if (filed !== true && filed !== "older") { // an older one: already superseded, nothing to say
-          const { cap, perKeyCap, perAddressCap } = bus.roster;
-          const live = `heard from in the last ${PRESENCE_LIVE_MS / 1000} s`;
-          const session = fingerprint(a.pubkey) +
-            (a.session?.session_id ? `#${a.session.session_id.slice(0, 128)}` : "");
-          const why = {
-            ended:
-              `session ${session} was ended by its key (a signed unregister) after this announcement was signed; it is not listed again`,
-            full:
-              `this bus's roster is full of sessions ${live} (${cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
-            key:
-              `this key's sessions take ${perKeyCap} KiB of this bus's roster already, each signed later than this announcement; it is not listed`,
-            address:
-              `announcements from your address take ${perAddressCap} KiB of this bus's roster already, all of them ${live}; this one is not listed now`,
-          }[filed];
-          throw new HttpError({ ended: 409, full: 507, key: 429, address: 429 }[filed], why);
-        }
-        return jsonResponse(202, '{"status":"announced"}');
-      },
-    },
-    "/unregister": {
-      method: "POST",
-      async handle(bus, req, { from }) {
-        const body = await readKeyedBody(req, "an unregister", { inFlight: bus.inFlight, from });
-        if (body.sig === undefined) {
-          throw new HttpError(
-            403,
-            "unsigned unregister refused: only the key that announced a session may remove it (interlink-unregister-v1); the entry ages out to away by itself",
-          );
-        }
-        const sessionId = isObject(body.session) && typeof body.session.session_id === "string"
-          ? body.session.session_id
-          : "";
-        const u = parseOr400(() => ({
-          pubkey: field(body, "pubkey"),
-          session_id: sessionId,
-          ts: timestamp(body, "ts"),
-          sig: field(body, "sig"),
-        }));
-        const now = bus.now();
-        if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
-          throw new HttpError(400, "unregister ts is outside the freshness window");
-        }
-        if (await verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes(u)))) {
-          throw new HttpError(403, "unregister signature does not verify");
-        }
-        bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
-        return jsonResponse(202, '{"status":"unregistered"}');
-      },
-    },
-    "/roster": {
-      method: "GET",
-      handle(bus, _req, { from }) {
-        const held = bus.answerHold(from);
-        held.hold(bus.roster.answerBytes()); // before the answer is made: a refused read costs nothing
-        return Promise.resolve(streamedAnswer(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`, held));
-      },
-    },
-  };
+
+/** A route's method and handler, told the request's query string and address bucket (see addressBucket). */
+type BusRoute = [
+  method: string,
+  handle: (bus: Bus, req: Request, call: { query: string; from: string }) => Promise<Response>,
+];
+
+const BUS_ROUTES: Record<string, BusRoute> = {
+  "/send": ["POST", async (bus, req, { from }) => {
+    // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
+    const declared = declaredLength(req) ?? 0;
+    if (declared > 0) bus.ensureRoom("", declared, "", true);
+    const body = await readJsonBody(req, bus.inFlight, from);
+    if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages);
+    if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
+    const to = recipientParam(body.to, "to");
+    if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
+    await bus.send(to, JSON.stringify(body.payload), await signerOf(body.payload, to));
+    return jsonResponse(202, '{"status":"queued"}');
+  }],
+  "/recv": ["GET", async (bus, req, { query, from }) => {
+    const params = new URLSearchParams(query);
+    const me = recipientParam(params.get("me"), "me");
+    await bus.checkOwnership(me, params.get("proof") ?? undefined);
+    // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that no
+    // client which did not ask can take for one message; a reference bus ignores max and answers one.
+    const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
+    const held = bus.answerHold(from);
+    // The request's signal is read only when the recv has to wait (under Deno, building it costs).
+    const got = await bus.recv(me, recvTimeoutMs(params.get("timeout_ms")), () => req.signal, max, held);
+    if (!got.length) return jsonResponse(200, '{"status":"timeout"}');
+    const entry = (m: BusDelivery) =>
+      `"envelope":{"payload":${m.payload},"ts":${m.ts}},"ack":${JSON.stringify(ackKey(me, m))}`;
+    const text = max > 1
+      ? `{"status":"messages","messages":[${got.map((m) => `{${entry(m)}}`)}]}`
+      : `{"status":"message",${entry(got[0])}}`;
+    return streamedAnswer(200, text, held);
+  }],
+  "/ack": ["POST", async (bus, req, { from }) => {
+    const body = await readJsonBody(req, bus.inFlight, from);
+    if (!isObject(body)) throw new HttpError(400, 'expected {"me": <recipient>, "ack": <key>}');
+    const me = recipientParam(body.me, "me");
+    // Our extension: "acks", a list of keys, in place of the reference's single "ack".
+    const keys: unknown[] = Array.isArray(body.acks) ? body.acks : [body.ack];
+    if (!keys.length || keys.length > RECV_BATCH_MAX || !keys.every((k) => typeof k === "string")) {
+      throw new HttpError(400, `"ack" must be a string (or "acks" a list of 1 to ${RECV_BATCH_MAX})`);
+    }
+    if (!keys.every((k) => (k as string).startsWith(me + "\0"))) {
+      throw new HttpError(403, "that ack key belongs to another recipient");
+    }
+    await bus.checkOwnership(me, body.proof);
+    // Unknown or already acked: still 200, acks are idempotent.
+    await bus.ack(me, ...(keys as string[]).map((k) => parseAckKey(me, k)).filter((m) => m !== undefined));
+    return jsonResponse(200, '{"status":"acked"}');
+  }],
+  "/announce": ["POST", async (bus, req, { from }) => {
+    const body = await readKeyedBody(req, bus.inFlight, from, "an announcement");
+    delete body.age_ms; // stamped by the bus, never taken from the poster
+    const json = JSON.stringify(body);
+    if (utf8Bytes(json) > ANNOUNCEMENT_MAX_BYTES) {
+      throw new HttpError(413, `announcement over ${ANNOUNCEMENT_MAX_BYTES} bytes`);
+    }
+    const a = parseOr400(() => parseAnnouncement(body));
+    const now = bus.now();
+    // Presence must be current: no announcement from the future, none older than the roster keeps.
+    if (a.ts - now > FRESH_FUTURE_MS) throw new HttpError(400, `announcement ts is ${a.ts - now} ms in the future`);
+    if (now - a.ts >= ROSTER_RETENTION_MS) throw new HttpError(400, "announcement is older than the roster keeps");
+    const bad = await verifyAnnouncement(a);
+    if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
+    const filed = bus.roster.put(a, json, now, from);
+    if (filed === true || filed === "older") return jsonResponse(202, '{"status":"announced"}'); // older: superseded
+    const { cap, perKeyCap, perAddressCap } = bus.roster;
+    const live = `heard from in the last ${PRESENCE_LIVE_MS / 1000} s`;
+    const session = fingerprint(a.pubkey) + (a.session?.session_id ? `#${a.session.session_id.slice(0, 128)}` : "");
+    const why = {
+      ended:
+        `session ${session} was ended by its key (a signed unregister) after this announcement was signed; it is not listed again`,
+      full:
+        `this bus's roster is full of sessions ${live} (${cap} KiB of announcements); this one is not listed now: a session away longer gives way to it`,
+      key:
+        `this key's sessions take ${perKeyCap} KiB of this bus's roster already, each signed later than this announcement; it is not listed`,
+      address:
+        `announcements from your address take ${perAddressCap} KiB of this bus's roster already, all of them ${live}; this one is not listed now`,
+    }[filed];
+    throw new HttpError({ ended: 409, full: 507, key: 429, address: 429 }[filed], why);
+  }],
+  "/unregister": ["POST", async (bus, req, { from }) => {
+    const body = await readKeyedBody(req, bus.inFlight, from, "an unregister");
+    const unsigned =
+      "unsigned unregister refused: only the key that announced a session may remove it (interlink-unregister-v1); the entry ages out to away by itself";
+    if (body.sig === undefined) throw new HttpError(403, unsigned);
+    const { session } = body;
+    const sessionId = isObject(session) && typeof session.session_id === "string" ? session.session_id : "";
+    const u = parseOr400(() => ({
+      pubkey: field(body, "pubkey"),
+      session_id: sessionId,
+      ts: timestamp(body, "ts"),
+      sig: field(body, "sig"),
+    }));
+    const now = bus.now();
+    if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
+      throw new HttpError(400, "unregister ts is outside the freshness window");
+    }
+    if (await verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes(u)))) {
+      throw new HttpError(403, "unregister signature does not verify");
+    }
+    bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
+    return jsonResponse(202, '{"status":"unregistered"}');
+  }],
+  "/roster": ["GET", (bus, _req, { from }) => {
+    const held = bus.answerHold(from);
+    held.hold(bus.roster.answerBytes()); // before the answer is made: a refused read costs nothing
+    return Promise.resolve(streamedAnswer(200, `{"roster":[${bus.roster.list(bus.now()).join(",")}]}`, held));
+  }],
+};
 
 // ============================================================================
 // Serving HTTP
 // ============================================================================
 
-interface Listening {
-  port: number;
-  stop(): Promise<void>;
-}
+type Listening = { port: number; stop(): Promise<void> };
+type FetchHandler = (req: Request, from: string) => Promise<Response>;
 
 /** The runtimes' own HTTP servers, which only the relay runs (the node's runtimeHost types what the node uses). */
 interface Servers {
@@ -1769,12 +1598,7 @@ interface Servers {
  * (Deno only; Bun closes idle connections itself): node:http, whose timeouts close idle and slow connections
  * (Deno.serve never does), at a cost in throughput.
  */
-function serveHttp(
-  handler: (req: Request, from: string) => Promise<Response>,
-  hostname: string,
-  port: number,
-  guard = false,
-): Promise<Listening> {
+function serveHttp(handler: FetchHandler, hostname: string, port: number, guard = false): Promise<Listening> {
   const { Bun, Deno } = runtimeHost as unknown as Servers;
   if (Deno && guard) return serveGuarded(handler, hostname, port);
   if (Bun) {
@@ -1789,41 +1613,38 @@ function serveHttp(
     });
     return Promise.resolve({ port: server.port, stop: () => Promise.resolve(server.stop(true)) });
   }
-  if (Deno) {
-    // Out of file descriptors (20,000 idle sockets: Deno.serve has no idle timeout), its accept loop fails and
-    // would take the process down: logged instead, and it listens again on the same port a second later.
-    const serve = (req: Request, info: { remoteAddr: { hostname: string } }) =>
-      handler(req, info.remoteAddr?.hostname ?? "");
-    let server = Deno.serve({ hostname, port, onListen: () => {}, onError: serverError }, serve);
-    const bound = server.addr.port;
-    let stopping = false;
-    let retry: ReturnType<typeof setTimeout> | undefined;
-    const watch = (s: typeof server) =>
-      s.finished.catch((e: Error) => {
+  if (!Deno) throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
+  // Out of file descriptors (20,000 idle sockets: Deno.serve has no idle timeout), its accept loop fails and would
+  // take the process down: logged instead, and it listens again on the same port a second later.
+  let stopping = false, retry: ReturnType<typeof setTimeout> | undefined;
+  const listen = (port: number): ReturnType<typeof Deno.serve> => {
+    const s = Deno.serve(
+      { hostname, port, onListen: () => {}, onError: serverError },
+      (req, info) => handler(req, info.remoteAddr?.hostname ?? ""),
+    );
+    s.finished.catch((e: Error) => {
+      if (stopping) return;
+      logWarn(`the HTTP listener failed (${e.message}); listening again on port ${bound} in 1 s`);
+      retry = setTimeout(function relisten() {
         if (stopping) return;
-        logWarn(`the HTTP listener failed (${e.message}); listening again on port ${bound} in 1 s`);
-        retry = setTimeout(function relisten() {
-          if (stopping) return;
-          try {
-            server = Deno.serve({ hostname, port: bound, onListen: () => {}, onError: serverError }, serve);
-            watch(server);
-          } catch (e) {
-            logWarn(`cannot listen on port ${bound} yet (${(e as Error).message}); trying again in 1 s`);
-            retry = setTimeout(relisten, 1000);
-          }
-        }, 1000);
-      });
-    watch(server);
-    return Promise.resolve({
-      port: bound,
-      stop: () => {
-        stopping = true;
-        clearTimeout(retry);
-        return server.shutdown();
-      },
+        try {
+          server = listen(bound);
+        } catch (e) {
+          logWarn(`cannot listen on port ${bound} yet (${(e as Error).message}); trying again in 1 s`);
+          retry = setTimeout(relisten, 1000);
+        }
+      }, 1000);
     });
-  }
-  throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
+    return s;
+  };
+  let server = listen(port);
+  const bound = server.addr.port;
+  const stop = () => {
+    stopping = true;
+    clearTimeout(retry);
+    return server.shutdown();
+  };
+  return Promise.resolve({ port: bound, stop });
 }
 
 /** A handler that throws: a generic 500, the error logged; never Bun's page of paths and source lines. */
@@ -1831,15 +1652,6 @@ function serverError(e: unknown): Response {
   logWarn(`a request failed inside the server: ${(e as Error)?.stack ?? e}`);
   return new Response("internal error\n", { status: 500, headers: { "content-type": "text/plain; charset=utf-8" } });
 }
-
-/** A guarded server closes a connection idle this long between requests, or this slow to send its headers. */
-const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
-
-/** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
-const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
-
-/** Connections a guarded server holds at most (see connectionBound). */
-const CONN_MAX = 10_000;
 
 /** CONN_MAX, or the process's file-descriptor limit less some room for the queue file and the like. */
 function connectionBound(): number {
@@ -1857,10 +1669,7 @@ function connectionBound(): number {
  * Writes a streamed answer to `res` a slice at a time, each after the one before drained: a stalled reader holds
  * one slice. A close cancels the stream (its bytes given back); a failed one throws. False when the connection closed.
  */
-async function writeWithBackpressure(
-  body: ReadableStream<Uint8Array>,
-  res: import("node:http").ServerResponse,
-): Promise<boolean> {
+async function writeWithBackpressure(body: ReadableStream<Uint8Array>, res: import("node:http").ServerResponse) {
   const reader = body.getReader();
   const gone = () => void reader.cancel().catch(() => {});
   res.once("close", gone);
@@ -1884,11 +1693,7 @@ async function writeWithBackpressure(
  * The guarded server (see serveHttp): node:http with keep-alive and header timeouts, a deadline on the body, a bound
  * on connections, no request timeout (a long-poll waits a minute). A client gone aborts its request's signal.
  */
-async function serveGuarded(
-  handler: (req: Request, from: string) => Promise<Response>,
-  hostname: string,
-  port: number,
-): Promise<Listening> {
+async function serveGuarded(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
   const [http, { connect }] = await Promise.all([import("node:http"), import("node:net")]);
   const timeouts = {
     keepAliveTimeout: CONN_IDLE_MS,
@@ -1902,59 +1707,54 @@ async function serveGuarded(
     const socket = req.socket; // detached from req once the answer is sent
     try {
       const declared = req.headers["content-length"];
-      let body: Buffer | undefined;
+      const hasBody = req.method !== "GET" && req.method !== "HEAD";
       let whole = false; // the body was read to its end
       // Read on demand, so the handler's checks on the declared length come first and a body it refuses is never
-      // held; with a deadline, and one chunk past the limit at most (enough for a 413).
-      const readBody = async (): Promise<Buffer> => {
-        if (body) return body;
-        const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
-        const chunks: Buffer[] = [];
-        let n = 0;
-        try {
-          for await (const c of req) if ((n += c.length, chunks.push(c), n) > BODY_LIMIT_BYTES) break;
-          whole = n <= BODY_LIMIT_BYTES;
-        } finally {
-          clearTimeout(deadline);
-        }
-        return body = Buffer.concat(chunks);
+      // held; within CONN_BODY_MS. A chunked body is handed over as it comes, so the handler counts each chunk
+      // before the next is read; a declared one is read whole, one chunk past the limit at most (enough for a 413).
+      const body = {
+        getReader() {
+          const chunks = req[Symbol.asyncIterator]();
+          const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
+          return {
+            async read(): Promise<IteratorResult<Uint8Array>> {
+              try {
+                const r = await chunks.next();
+                if (r.done) (whole = true, clearTimeout(deadline));
+                return r;
+              } catch (e) {
+                clearTimeout(deadline);
+                throw e;
+              }
+            },
+            cancel: () => Promise.resolve(clearTimeout(deadline)),
+          };
+        },
       };
-      const hasBody = req.method !== "GET" && req.method !== "HEAD";
-      // A chunked body is handed over as it comes, so the handler counts each chunk before the next is read.
-      const chunked = hasBody && declared === undefined
-        ? {
-          getReader() {
-            const chunks = req[Symbol.asyncIterator]();
-            const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
-            return {
-              async read(): Promise<IteratorResult<Uint8Array>> {
-                try {
-                  const r = await chunks.next();
-                  if (r.done) (whole = true, clearTimeout(deadline));
-                  return r;
-                } catch (e) {
-                  clearTimeout(deadline);
-                  throw e;
-                }
-              },
-              cancel: () => Promise.resolve(clearTimeout(deadline)),
-            };
-          },
+      const text = async () => {
+        const reader = body.getReader(), chunks: Uint8Array[] = [];
+        let n = 0;
+        for (let r = await reader.read(); !r.done; r = await reader.read()) {
+          chunks.push(r.value);
+          if ((n += r.value.length) > BODY_LIMIT_BYTES) {
+            await reader.cancel();
+            break;
+          }
         }
-        : null;
+        return Buffer.concat(chunks).toString("utf8");
+      };
       // The handler reads only these parts of a Request; a real one costs more than the rest of the adapter.
       const lite = {
         url: `http://${hostname}${req.url ?? "/"}`,
         method: req.method,
         headers: {
           get(name: string): string | null {
-            if (name.toLowerCase() === "content-length") return declared ?? null;
             const v = req.headers[name.toLowerCase()];
             return v === undefined ? null : Array.isArray(v) ? v.join(", ") : v;
           },
         },
-        body: chunked,
-        text: async () => (hasBody ? (await readBody()).toString("utf8") : ""),
+        body: hasBody && declared === undefined ? body : null,
+        text: async () => (hasBody ? await text() : ""),
         signal: gone.signal,
       };
       // A handler that throws while the client is still there gets the generic 500; one that is gone, nothing.
@@ -1964,24 +1764,22 @@ async function serveGuarded(
       // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
       const unread = (hasBody || Number(declared) > 0) && !whole;
       const headers = { ...Object.fromEntries(r.headers), ...(unread ? { connection: "close" } : {}) };
-      if (STREAMED_ANSWERS.has(r)) {
-        res.writeHead(r.status, headers);
-        if (await writeWithBackpressure(r.body!, res)) res.end(() => unread && socket.destroy());
-        return;
-      }
-      const text = await r.text();
+      const answer = STREAMED_ANSWERS.has(r) ? null : await r.text();
+      const done = () => unread && socket.destroy();
       res.writeHead(r.status, headers);
-      res.end(text, () => unread && socket.destroy());
+      if (answer !== null) res.end(answer, done);
+      else if (await writeWithBackpressure(r.body!, res)) res.end(done);
     } catch {
       res.destroy(); // a client that went away, or a body cut off by its deadline: nothing to answer
     }
   });
   Object.assign(server, timeouts); // as properties too: some are read from there
   // Past the bound a new connection is closed at once and accepting goes on (node:http's maxConnections, under
-  // Deno, stops accepting for good).
+  // Deno, stops accepting for good). `accepted`: see the watchdog.
   const most = connectionBound();
-  let open = 0;
+  let open = 0, accepted = 0;
   server.on("connection", (socket: net.Socket) => {
+    accepted++;
     open++;
     socket.once("close", () => open--);
     if (open > most) socket.destroy();
@@ -1994,8 +1792,6 @@ async function serveGuarded(
   const bound = (server.address() as net.AddressInfo).port; // the port, kept when listening anew
   // Past the file-descriptor limit, node:http under Deno stops accepting, silently and for good: every few seconds a
   // connection to ourselves checks one is still accepted; if not, it listens anew.
-  let accepted = 0;
-  server.on("connection", () => accepted++);
   const watchdog = setInterval(() => {
     const before = accepted;
     const at = hostname === "0.0.0.0" ? "127.0.0.1" : hostname === "::" ? "::1" : hostname;
@@ -2009,15 +1805,13 @@ async function serveGuarded(
       server.listen(bound, hostname);
     }, CONN_PROBE_MS).unref?.();
   }, CONN_PROBE_MS * 2);
-  return {
-    port: bound,
-    stop: () =>
-      new Promise<void>((resolve) => {
-        clearInterval(watchdog);
-        server.close(() => resolve());
-        server.closeAllConnections();
-      }),
-  };
+  const stop = () =>
+    new Promise<void>((resolve) => {
+      clearInterval(watchdog);
+      server.close(() => resolve());
+      server.closeAllConnections();
+    });
+  return { port: bound, stop };
 }
 
 // ============================================================================
@@ -2025,17 +1819,16 @@ async function serveGuarded(
 // ============================================================================
 
 async function runBus(o: Options): Promise<number> {
-  const host = o.host as string;
-  const port = intOption(o.port, "port", 0, 65535);
-  const cap = intOption(o.cap, "cap", 1, 10_000_000);
+  const int = (name: string, min: number, max: number) => intOption(o[name], name, min, max);
+  const host = o.host as string, dataDir = o.data as string;
+  const port = int("port", 0, 65535), cap = int("cap", 1, 10_000_000);
   const limits = {
-    opaqueCap: intOption(o["opaque-cap"], "opaque-cap", 1, 10_000_000),
-    senderBytes: intOption(o["sender-mb"], "sender-mb", 1, 1_000_000) * 2 ** 20,
-    totalBytes: intOption(o["max-mb"], "max-mb", 1, 1_000_000) * 2 ** 20,
+    opaqueCap: int("opaque-cap", 1, 10_000_000),
+    senderBytes: int("sender-mb", 1, 1_000_000) * 2 ** 20,
+    totalBytes: int("max-mb", 1, 1_000_000) * 2 ** 20,
   };
-  const owners = intOption(o.owners, "owners", 1, 100_000_000);
+  const owners = int("owners", 1, 100_000_000);
   if (!["on", "off"].includes(String(o.guard))) throw new InterlinkError(`--guard must be on or off, not '${o.guard}'`);
-  const dataDir = o.data as string;
   setLogComponent("interlink bus");
   const bus = await Bus.open(dataDir, { cap, limits, owners });
   let server: Listening;
@@ -2045,21 +1838,12 @@ async function runBus(o: Options): Promise<number> {
     await bus.close();
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
   }
-  const r = bus.recovery;
-  logInfo(
-    `listening on http://${
-      host.includes(":") ? `[${host}]` : host
-    }:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient)`,
-  );
-  logInfo(
-    `recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms` +
-      (r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : ""),
-  );
-  if (!isLoopback(host)) {
-    logWarn(`bound to ${host}, not loopback: ${BUS_EXPOSURE}`);
-  }
-  const sig = await shutdownSignal();
-  logInfo(`${sig}: shutting down`);
+  const r = bus.recovery, at = host.includes(":") ? `[${host}]` : host;
+  logInfo(`listening on http://${at}:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient)`);
+  const skipped = r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "";
+  logInfo(`recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms${skipped}`);
+  if (!isLoopback(host)) logWarn(`bound to ${host}, not loopback: ${BUS_EXPOSURE}`);
+  logInfo(`${await shutdownSignal()}: shutting down`);
   await server.stop();
   await bus.close();
   return 0;
@@ -2118,26 +1902,9 @@ export const command: CommandSpec = {
 
 // -- the public surface: what node tests, the bench and the board import
 
-export {
-  Bus,
-  BusQueues,
-  CONN_BODY_MS,
-  CONN_IDLE_MS,
-  errorResponse,
-  jsonResponse,
-  MESSAGE_OVERHEAD_BYTES,
-  OPAQUE_CAP,
-  RECV_BATCH_BYTES,
-  RECV_TIMEOUT_MAX_MS,
-  recvTimeoutMs,
-  Roster,
-  ROSTER_PER_ADDRESS_CAP,
-  ROUTE_OVERHEAD_BYTES,
-  SENDER_BYTES_MAX,
-  serveHttp,
-  splitUrl,
-  TOTAL_BYTES_MAX,
-};
+export { Bus, BusQueues, CONN_BODY_MS, CONN_IDLE_MS, errorResponse, jsonResponse, MESSAGE_OVERHEAD_BYTES, OPAQUE_CAP };
+export { RECV_BATCH_BYTES, RECV_TIMEOUT_MAX_MS, recvTimeoutMs, Roster, ROSTER_PER_ADDRESS_CAP, ROUTE_OVERHEAD_BYTES };
+export { SENDER_BYTES_MAX, serveHttp, splitUrl, TOTAL_BYTES_MAX };
 export type { Listening };
 
 if (import.meta.main) runExtra("bus", command);
