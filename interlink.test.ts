@@ -1991,6 +1991,24 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
   }, 60_000);
 
   test(
+    "channel mode: check_inbox with nothing unread lists the last hour's pushes within the one answer's cap",
+    async () => {
+      const big = "x".repeat(20_000), ids: string[] = [];
+      for (let i = 0; i < 12; i++) {
+        ids.push(
+          msgIdOf(await alice.ok("send_message", { to: "carol", text: `${i} ${big}` })),
+        );
+      }
+      for (const id of ids) await carol.waitEvent((e) => e.meta.msg_id === id);
+      const answer = await carol.ok("check_inbox");
+      expect(answer).toContain("Pushed to you as channel events in the last hour");
+      expect(answer).toContain("(and more, pushed earlier in that hour)");
+      expect(answer.length).toBeLessThan(INBOX_ANSWER_MAX_CHARS + 1_000); // 240,000 characters were pushed
+    },
+    60_000,
+  );
+
+  test(
     "ESC, bidi and zero-width characters are made visible in channel events, check_inbox, the hook's output and log",
     async () => {
       const hostile = "clear\u001b[2J\u001b]0;pwned\u0007 \u202eevil\u202c \u200bzero";
