@@ -121,7 +121,9 @@ import {
   type Remembered,
   removePeer,
   RENEW_TEXT,
+  REPLAY_KEPT_MS,
   ReplayMemory,
+  RESIGN_SPAN_MS,
   ROSTER_ANSWER_MAX_BYTES,
   ROSTER_CAP,
   rosterKey,
@@ -572,12 +574,12 @@ describe("the gate", () => {
 
   test("replay memory forgets what freshness already rejects, and never a fresh entry to make room", () => {
     const r = new ReplayMemory(3);
-    r.remember("a", "old", NOW - HELD_MAX_MS - 1, NOW);
-    expect(r.has("a", "old")).toBe(false);
+    r.remember("a", "old", NOW - REPLAY_KEPT_MS - 1, NOW);
     for (const id of ["1", "2", "3"]) r.remember("a", id, NOW, NOW);
+    expect(r.has("a", "old")).toBe(false); // gone as the fresh ones came
     expect(r.full(NOW)).toBe(true);
     expect(r.has("a", "1")).toBe(true); // kept: its replay stays refused
-    expect(r.full(NOW + HELD_MAX_MS + 1)).toBe(false); // room again once they age out
+    expect(r.full(NOW + REPLAY_KEPT_MS + 1)).toBe(false); // room again once they age out
   });
 
   test("a replay is still refused after the memory filled up: past twice the cap new messages wait (unacked) instead of pushing it out", async () => {
@@ -628,7 +630,7 @@ describe("the gate", () => {
     // A third sender's share is a third; the whole never passes twice the cap, whoever asks.
     for (let i = 0; replay.size < 200; i++) replay.remember(`k${i % 97}`, `x${i}`, NOW, NOW);
     expect(replay.full(NOW, "someone-new")).toBe(true);
-    expect(replay.full(NOW + HELD_MAX_MS + 1, alice.publicKey)).toBe(false); // room again once they age out
+    expect(replay.full(NOW + REPLAY_KEPT_MS + 1, alice.publicKey)).toBe(false); // room again once they age out
   });
 
   test("strangers' knocks never shrink a peer's share: 64 free keys knock once each, and alice, far under her share, still gets in", async () => {
@@ -682,20 +684,21 @@ describe("the gate", () => {
         replay.remember(who, `${who}${i}`, later, later);
       }
     }
-    // 30 days on, alice's four are stale (the gate alone refuses their replays); the four fresh ones fill the cap.
-    const dayOn = NOW + HELD_MAX_MS + 1;
+    // 37 days on, alice's four are stale (the gate alone refuses their replays); the four fresh ones fill the cap.
+    const dayOn = NOW + REPLAY_KEPT_MS + 1;
     expect(replay.full(dayOn, "alice")).toBe(false); // she holds nothing fresh: under her share (4 split by 2)
     expect(replay.full(dayOn, "bob")).toBe(true); // bob holds his share (2) of fresh ones already
   });
 
-  test("replay memory keeps a message for the whole 30 days the gate accepts it, not a minute less", () => {
+  test("replay memory keeps a message while any copy of it is fresh (30 days, and the re-sign span), not a minute less; a clock run ahead forgets nothing", () => {
     const r = new ReplayMemory();
     r.remember("a", "m", NOW, NOW);
-    for (const later of [61_000, 3600_000, HELD_MAX_MS - 1, HELD_MAX_MS]) {
-      r.forget(NOW + later);
+    for (const later of [61_000, 3600_000, HELD_MAX_MS, REPLAY_KEPT_MS - 1, REPLAY_KEPT_MS, 40 * 24 * 3600_000]) {
+      r.forget(NOW + later); // nothing admitted since: as if a clock ran ahead, the memory stays as it was
       expect({ later, remembered: r.has("a", "m") }).toEqual({ later, remembered: true });
     }
-    r.forget(NOW + HELD_MAX_MS + 1); // from here on the gate refuses it as stale
+    const later = NOW + REPLAY_KEPT_MS + 1; // from here on the gate refuses every copy of it as stale
+    r.remember("b", "n", later, later);
     expect(r.has("a", "m")).toBe(false);
   });
 });
@@ -3276,6 +3279,128 @@ describe("a long outage", () => {
       }
     },
     30_000,
+  );
+
+  test(
+    "a message queued over a week ago (RESIGN_SPAN_MS) goes as last signed: every copy of a msg_id is signed within the span the replay memory covers",
+    async () => {
+      const { root, A } = await twoPeers();
+      const bus = await Bus.open(path.join(root, "bus"));
+      const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+      const queuedAt = Date.now() - RESIGN_SPAN_MS - 3600_000, lastSigned = Date.now() - 2 * 24 * 3600_000;
+      const old = await signMessage(A.id, { to: A.id.publicKey, text: "from last week" }, lastSigned);
+      fs.mkdirSync(sessionOf(A), { recursive: true });
+      fs.writeFileSync(
+        journalOf(A),
+        JSON.stringify({ t: "out", at: queuedAt, peer: "self", recipient: A.id.publicKey, msg: old }) + "\n",
+      );
+      const agent = await Agent.open(nodeConfig(A, [`http://127.0.0.1:${server.port}`]), "test");
+      try {
+        await agent.flushOutbox(Date.now() + 5000);
+        const delivered = JSON.parse((await bus.recv(A.id.publicKey, 0))[0].payload);
+        expect({ msg_id: delivered.msg_id, ts: delivered.ts }).toEqual({ msg_id: old.msg_id, ts: lastSigned });
+        expect(readNodeLog(A.stateDir).map((r) => r.t)).toEqual(["out", "sent"]);
+        expect(REPLAY_KEPT_MS).toBe(HELD_MAX_MS + RESIGN_SPAN_MS);
+      } finally {
+        await agent.stop();
+        await server.stop();
+        await bus.close();
+      }
+    },
+    30_000,
+  );
+});
+
+// ----------------------------------------------------------------------------
+describe("a relay that keeps copies, a clock that ran ahead: a message is still shown once", () => {
+  const DAY = 24 * 3600_000;
+
+  /** A bus in this process whose clock moves with the nodes' (INTERLINK_CLOCK_OFFSET_MS). */
+  async function relayWithClock(root: string) {
+    let offset = 0;
+    const bus = await Bus.open(path.join(root, "bus"), { log: () => {}, now: () => Date.now() + offset });
+    const server = await serveHttp(bus.handler, "127.0.0.1", 0);
+    const down = async () => (await server.stop(), await bus.close());
+    return { url: `http://127.0.0.1:${server.port}`, setClock: (ms: number) => void (offset = ms), down };
+  }
+
+  /** bob as a new session (a new `claude`), its clock `offset` ms on, inbox delivery. */
+  const bobAt = (rt: "bun" | "deno", B: NodeFiles, url: string, session: string, offset: number) =>
+    McpNode.start(rt, B, url, {
+      INTERLINK_DELIVERY: "inbox",
+      INTERLINK_SESSION: session,
+      INTERLINK_CLOCK_OFFSET_MS: String(offset),
+    });
+
+  /** Posts `copy`, then a fresh marker, and waits until bob admitted the marker: the route is handed over in order. */
+  async function handOver(url: string, A: NodeFiles, B: NodeFiles, copy: SignedMessage, offset: number) {
+    await postSend(url, B.id.publicKey, copy);
+    const marker = await signMessage(A.id, { to: B.id.publicKey, text: "marker" }, Date.now() + offset);
+    await postSend(url, B.id.publicKey, marker);
+    await eventually(() => admittedIds(B).includes(marker.msg_id), "bob admitted the marker", 30_000);
+  }
+
+  test.concurrent(
+    "a copy re-signed 23 h later, handed over 30 days and 2 hours after the first was shown, is refused as a replay (bob on Bun)",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const relay = await relayWithClock(root);
+      try {
+        // alice's node could not get it out for 23 h (the relay kept it and answered errors), so it re-signed it.
+        const T = Date.now();
+        const first = await signMessage(A.id, { to: B.id.publicKey, text: "pay invoice 7 (once!)" }, T);
+        const again = { to: B.id.publicKey, text: first.text, msg_id: first.msg_id };
+        const resigned = await signMessage(A.id, again, T + 23 * 3600_000);
+        let bob = await bobAt("bun", B, relay.url, "bob1", 0);
+        await postSend(relay.url, B.id.publicKey, first);
+        await eventually(() => admittedIds(B).includes(first.msg_id), "bob admitted the first copy", 30_000);
+        expect(await bob.ok("check_inbox")).toContain("pay invoice 7");
+        await bob.close();
+        const later = 30 * DAY + 2 * 3600_000; // the re-signed copy is 29 days 3 h old: fresh
+        relay.setClock(later);
+        bob = await bobAt("bun", B, relay.url, "bob2", later);
+        try {
+          await handOver(relay.url, A, B, resigned, later);
+          expect(admittedIds(B).filter((id) => id === first.msg_id).length).toBe(1);
+          expect(await bob.ok("check_inbox")).not.toContain("pay invoice 7");
+        } finally {
+          await bob.close();
+        }
+      } finally {
+        await relay.down();
+      }
+    },
+    120_000,
+  );
+
+  test.concurrent(
+    "a session whose clock ran 33 days ahead deletes none of the node's replay files: a relay's replay of a message shown an hour ago is refused (bob on Deno)",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const relay = await relayWithClock(root);
+      try {
+        const msg = await signMessage(A.id, { to: B.id.publicKey, text: "deploy to prod (once!)" }, Date.now());
+        let bob = await bobAt("deno", B, relay.url, "bob1", 0);
+        await postSend(relay.url, B.id.publicKey, msg);
+        await eventually(() => admittedIds(B).includes(msg.msg_id), "bob admitted it", 30_000);
+        expect(await bob.ok("check_inbox")).toContain("deploy to prod");
+        await bob.close();
+        bob = await bobAt("deno", B, relay.url, "bob-skewed", 33 * DAY); // a bad RTC, an NTP step
+        await bob.ok("list_peers");
+        await bob.close();
+        bob = await bobAt("deno", B, relay.url, "bob3", 0); // the clock is right again
+        try {
+          await handOver(relay.url, A, B, msg, 0);
+          expect(admittedIds(B).filter((id) => id === msg.msg_id).length).toBe(1);
+          expect(await bob.ok("check_inbox")).not.toContain("deploy to prod");
+        } finally {
+          await bob.close();
+        }
+      } finally {
+        await relay.down();
+      }
+    },
+    120_000,
   );
 });
 

@@ -93,6 +93,14 @@ const FRESH_PAST_MS = 24 * 60 * 60_000;
 const HELD_MAX_MS = 30 * 24 * 60 * 60_000;
 /** Re-sign an unsent message before a reference node would call it stale (same msg_id, so it still dedupes). */
 const RESIGN_AFTER_MS = FRESH_PAST_MS - 60 * 60_000;
+/**
+ * ... and only this long after it was queued; then it goes as last signed (our nodes take it until HELD_MAX_MS after
+ * that). So the copies of one msg_id are all signed within this span, which a relay holding an early copy and a late
+ * one cannot stretch: the replay memory keeps an entry this much past HELD_MAX_MS (REPLAY_KEPT_MS).
+ */
+const RESIGN_SPAN_MS = 7 * 24 * 60 * 60_000;
+/** How long the replay memory keeps an admitted message: while any copy of it, re-signed or not, is fresh. */
+const REPLAY_KEPT_MS = HELD_MAX_MS + RESIGN_SPAN_MS;
 
 const DEFAULT_BUS_PORT = 9440;
 const DEFAULT_BUS_URL = `http://127.0.0.1:${DEFAULT_BUS_PORT}`;
@@ -1206,8 +1214,8 @@ const rosterKey = (a: Pick<Announcement, "pubkey" | "session">): string =>
 // ============================================================================
 
 /**
- * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. An entry older than HELD_MAX_MS
- * is forgotten: the gate refuses its replay as stale. Rebuilt at start from the replay files (SeenLog) and the
+ * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. An entry older than
+ * REPLAY_KEPT_MS is forgotten: the gate refuses its replay, and any copy of it, as stale. Rebuilt at start from the replay files (SeenLog) and the
  * journal, so a replay after a restart is still refused. Entries only a journal holds (`logged` false) are written to
  * the replay files before a roll-over or an adoption leaves their records where no start reads.
  */
@@ -1215,11 +1223,16 @@ class ReplayMemory {
   #seen = new Map<string, number>(); // "<sender> <msg_id>" → message ts, in admission order
   #unlogged = new Set<string>(); // keys of #seen that no replay file holds yet (bounded by #seen)
   #held = new Map<string, number>(); // sender → how many of #seen are its
+  #newest = 0; // the latest ts remembered: a clock that jumped ahead forgets nothing past it (see forget)
 
   constructor(readonly cap = REPLAY_CAP) {}
 
   get size(): number {
     return this.#seen.size;
+  }
+
+  get newest(): number {
+    return this.#newest;
   }
 
   has(sender: string, msgId: string): boolean {
@@ -1232,6 +1245,7 @@ class ReplayMemory {
     const inFile = logged || this.logged(key);
     if (!this.#seen.delete(key)) this.#count(key, 1);
     this.#seen.set(key, ts);
+    this.#newest = Math.max(this.#newest, ts);
     if (inFile) this.#unlogged.delete(key);
     else this.#unlogged.add(key);
     this.forget(nowMs);
@@ -1261,7 +1275,7 @@ class ReplayMemory {
     let stale = 0;
     const aged = new Map<string, number>(); // sender → its entries in the stale front (bounded by #seen)
     for (const [key, ts] of this.#seen) {
-      if (ts >= nowMs - HELD_MAX_MS) break;
+      if (ts >= nowMs - REPLAY_KEPT_MS) break;
       stale++;
       const by = ReplayMemory.#senderOf(key);
       aged.set(by, (aged.get(by) ?? 0) + 1);
@@ -1295,15 +1309,20 @@ class ReplayMemory {
     for (const [key, ts] of entries) {
       if (this.#seen.has(key)) continue;
       this.#seen.set(key, ts);
+      this.#newest = Math.max(this.#newest, ts);
       this.#count(key, 1);
       this.#unlogged.add(key);
     }
   }
 
-  /** Drops entries past HELD_MAX_MS, from the front (one admitted late, held long by a relay, waits its turn). */
+  /**
+   * Drops entries past REPLAY_KEPT_MS, from the front (one admitted late, held long by a relay, waits its turn), as
+   * of the latest ts remembered if that is earlier than `nowMs`: a clock that ran ahead, fixed later, forgets nothing.
+   */
   forget(nowMs: number): void {
+    const since = Math.min(nowMs, this.#newest) - REPLAY_KEPT_MS;
     for (const [key, ts] of this.#seen) {
-      if (ts >= nowMs - HELD_MAX_MS) break;
+      if (ts >= since) break;
       this.#seen.delete(key);
       this.#unlogged.delete(key);
       this.#count(key, -1);
@@ -1355,8 +1374,8 @@ async function decide(
   const pressure = replay.pressure(nowMs, msg.from, (key) => peers.byKey.has(key) || key === me);
   if (pressure) {
     const detail = pressure === "share"
-      ? `the replay memory holds ${replay.cap} messages of the last 30 days, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`
-      : `the replay memory holds twice its cap of ${replay.cap} messages of the last 30 days; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
+      ? `the replay memory holds ${replay.cap} messages of the last 37 days, and this sender its share of them; refused, so that it holds up no other sender's mail on the route`
+      : `the replay memory holds twice its cap of ${replay.cap} messages of the last 37 days; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
     return { verdict: "reject", reason: "busy", detail, msg, ...some("forNow", pressure === "all" || undefined) };
   }
   if (msg.kind === "message") return { verdict: "deliver", msg, petname: petname! };
@@ -4051,10 +4070,11 @@ class SeenLog {
   #writerFile = "";
 
   constructor(readonly dir: string, readonly replay: ReplayMemory, readonly now: () => number) {
-    // A day's file holds that day's admissions: the last of them may be replayed until HELD_MAX_MS after it.
-    const oldest = SeenLog.#name(now() - HELD_MAX_MS - FRESH_PAST_MS);
-    for (const f of namesIn(dir, SEEN_FILE_RE)) if (f < oldest) fs.rmSync(path.join(dir, f), { force: true });
     this.catchUp();
+    // A day's file holds that day's admissions: the last of them is remembered until REPLAY_KEPT_MS after it. As of
+    // the latest admission if the clock says later: one session's clock run ahead must not delete the node's files.
+    const oldest = SeenLog.#name(Math.min(now(), replay.newest) - REPLAY_KEPT_MS - FRESH_PAST_MS);
+    for (const f of namesIn(dir, SEEN_FILE_RE)) if (f < oldest) fs.rmSync(path.join(dir, f), { force: true });
   }
 
   static #name = (ms: number): string => `replay-${new Date(ms).toISOString().slice(0, 10)}.jsonl`;
@@ -4089,7 +4109,7 @@ class SeenLog {
   }
 
   /**
-   * Makes the replay files hold, durably, every admission of HELD_MAX_MS that `from` knows (this session's replay
+   * Makes the replay files hold, durably, every admission of REPLAY_KEPT_MS that `from` knows (this session's replay
    * memory, or an adopted one's) and they do not: a "seen" record lost to a crash, or one a 0.5.0 checkpoint carried.
    * Run before a roll-over or an adoption leaves those journal records where no start reads them. Returns how many.
    */
@@ -4098,7 +4118,7 @@ class SeenLog {
     const nowMs = this.now();
     const missing =
       (from === this.replay ? from.unlogged() : from.entries().filter(([key]) => !this.replay.logged(key)))
-        .filter(([, ts]) => ts >= nowMs - HELD_MAX_MS);
+        .filter(([, ts]) => ts >= nowMs - REPLAY_KEPT_MS);
     if (!missing.length) return 0;
     this.#today().append(missing.map(([key, ts]) => {
       const at = key.indexOf(" "); // "<sender> <msg_id>": a key has no space
@@ -5833,7 +5853,7 @@ class Agent {
       await this.seen.complete();
       this.seen.catchUp(); // what was admitted meanwhile has its "seen" record written with its "in" record
       this.journal.catchUp();
-      const since = this.now() - HELD_MAX_MS;
+      const since = this.now() - REPLAY_KEPT_MS;
       if (this.state.replay.unlogged().some(([, ts]) => ts >= since)) return false;
       return this.journal.roll(() => this.seen.syncNow()); // and on disk before the checkpoint replaces them
     });
@@ -5945,7 +5965,7 @@ class Agent {
    */
   async #attempt(batch: OutEntry[]): Promise<{ settled: number; full: boolean }> {
     for (const entry of batch) {
-      if (this.now() - entry.msg.ts <= RESIGN_AFTER_MS) continue;
+      if (this.now() - entry.msg.ts <= RESIGN_AFTER_MS || this.now() - entry.at > RESIGN_SPAN_MS) continue;
       const { sig: _sig, from: _from, ts: _ts, ...fields } = entry.msg;
       await this.journal.appendDurable([{ t: "resign", msg: await signMessage(this.id, fields, this.now()) }]);
     }
@@ -9536,7 +9556,7 @@ export { inviteProofBytes, invitesFile, judgeChain, judgeInvite, lanAddresses, l
 export { lifecycleError, LockedError, MCP_LINE_MAX_CHARS, mcpJson, messageBlock, messagePayload, parseFlags };
 export { parseInviteCode, parsePeers, parseReceipt, planInbound, planWake, prepareSend, pushEvent, readAnswer, readId };
 export { readInvites, readJsonl, RECEIPT_LINES_MAX, receiptText, RECV_ANSWER_MAX_BYTES, removePeer, RENEW_TEXT };
-export { ReplayMemory, runTool, serverInstructions, setLogSink, taskTable, taskTag, toolListing, TOOLS };
-export { WAIT_TIMEOUT_S };
+export { REPLAY_KEPT_MS, ReplayMemory, RESIGN_SPAN_MS, runTool, serverInstructions, setLogSink, taskTable, taskTag };
+export { toolListing, TOOLS, WAIT_TIMEOUT_S };
 export type { Carried, CarriedOut, Draft, Effect, Handed, InboundContext, InboxItem, Invite, InviteCode, NodeConfig };
 export type { Remembered };
