@@ -1993,6 +1993,39 @@ describe("delivery without channels: the inbox, check_inbox and wait", () => {
     expect(await carol.ok("check_inbox")).toContain("no unread messages");
   }, 60_000);
 
+  for (const [delivery, rt] of [["inbox", "bun"], ["channel", "deno"]] as const) {
+    test.concurrent(
+      `${delivery} mode (${rt}): one message of 80,000 zero-width spaces (240 KB, shown 8 characters each) is cut to the cap, and says so, in check_inbox and its channel event`,
+      async () => {
+        const { root, A, B } = await twoPeers();
+        const bus = await startBus("bun", path.join(root, "bus"));
+        const bob = await McpNode.start(rt, B, bus.url, { INTERLINK_DELIVERY: delivery });
+        try {
+          const text = "do X\n" + "\u200b".repeat(80_000) + "\nand then, at the end, do Y";
+          const msg = await signMessage(A.id, { to: B.id.publicKey, text }, Date.now());
+          await postSend(bus.url, B.id.publicKey, msg);
+          await eventually(() => admittedIds(B).includes(msg.msg_id), "bob admitted it", 30_000);
+          if (delivery === "channel") {
+            const event = await bob.waitEvent((e) => e.meta.msg_id === msg.msg_id, 30_000);
+            expect(event.content.length).toBeLessThan(INBOX_ANSWER_MAX_CHARS);
+            expect(event.meta.cut).toContain("characters shown");
+          }
+          const answer = await bob.ok("check_inbox");
+          expect(answer).toContain("do X");
+          expect(answer).not.toContain("do Y"); // past the cap: the operator reads it in `log`
+          expect(answer).toMatch(/cut="\d+ of its 640\d+ characters shown/);
+          expect(answer).not.toMatch(/<U\+200B?\n<\/interlink-message>/); // never cut inside an escape
+          expect(answer.length).toBeLessThan(INBOX_ANSWER_MAX_CHARS + 1_000);
+          if (delivery === "inbox") expect(await bob.ok("check_inbox")).toContain("no unread messages"); // shown once
+        } finally {
+          await bob.close();
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
   test(
     "channel mode: check_inbox with nothing unread lists the last hour's pushes within the one answer's cap",
     async () => {

@@ -4489,8 +4489,10 @@ function messageBlock(
     state?: string;
     forSession?: string;
     notes?: [string, string][]; // attributes in our words (see itemNotes), after the message's own
+    maxChars?: number; // the most of the escaped text shown; the rest is cut, and the block says so
   },
 ): string {
+  const { text, cut } = shownText(m.msg.text, m.maxChars);
   const attrs: [string, string | undefined][] = [
     [m.dir === "in" ? "from" : "to", m.peer],
     ["fingerprint", fingerprint(counterpart(m.dir, m.msg))],
@@ -4502,9 +4504,26 @@ function messageBlock(
     ["delivery", m.state],
     ["arrived_for", m.forSession && `your earlier session ${m.forSession}`],
     ...m.notes ?? [],
+    ["cut", cut],
   ];
   const head = attrs.filter(([, v]) => v !== undefined).map(([k, v]) => `${k}="${attr(v!)}"`).join(" ");
-  return `<interlink-message ${head}>\n${escapePeerText(m.msg.text)}\n</interlink-message>`;
+  return `<interlink-message ${head}>\n${text}\n</interlink-message>`;
+}
+
+/**
+ * Peer text escaped (escapePeerText) and cut to at most `max` characters, never inside an escape (`<U+…>`) or a
+ * surrogate pair; `cut`, when it was, says so in our words.
+ */
+function shownText(peerText: string, max = Infinity): { text: string; cut?: string } {
+  const escaped = escapePeerText(peerText);
+  if (escaped.length <= max) return { text: escaped };
+  let end = max;
+  const open = escaped.lastIndexOf("<U+", end - 1);
+  if (open > end - 10 && escaped.indexOf(">", open) >= end) end = open;
+  if (/[\uD800-\uDBFF]/.test(escaped[end - 1])) end--;
+  const cut =
+    `${end} of its ${escaped.length} characters shown, the rest not: your operator reads it whole in \`interlink.ts log\``;
+  return { text: escaped.slice(0, end), cut };
 }
 
 // ============================================================================
@@ -4567,13 +4586,16 @@ async function claimInbox(from: Journal | string, limit: number, claim: Claim = 
  * their messages are (a hidden character is shown as 8), so the rest waits for the next call.
  */
 const INBOX_ANSWER_MAX_CHARS = 60_000;
+/** Room a cut message's block keeps for its head (attributes, our notes) within INBOX_ANSWER_MAX_CHARS. */
+const INBOX_HEAD_ROOM_CHARS = 4_000;
 
 /** The first `items` that fit INBOX_ANSWER_MAX_CHARS (at least one), each formatted once; `more`: the rest wait. */
 function fitInbox(items: InboxItem[], peers: Peers): { text: string; shown: InboxItem[]; more: boolean } {
   const blocks: string[] = [];
   let chars = 0;
   for (const item of items) {
-    const block = formatItem(item, peers);
+    // One message longer than an answer (a 256 KiB text, or hidden characters shown 8 each) is cut to fit it.
+    const block = formatItem(item, peers, blocks.length ? undefined : INBOX_ANSWER_MAX_CHARS - INBOX_HEAD_ROOM_CHARS);
     chars += block.length + 2;
     if (blocks.length && chars > INBOX_ANSWER_MAX_CHARS) break;
     blocks.push(block);
@@ -4587,9 +4609,9 @@ const MORE_WAITING = "\n\n(more unread messages wait: call check_inbox again)";
 /** Inbox items as the model reads them (check_inbox, `wait`): a notice says in our words that it is not a peer's. */
 const formatInbox = (items: InboxItem[], peers: Peers): string => items.map((i) => formatItem(i, peers)).join("\n\n");
 
-function formatItem(i: InboxItem, peers: Peers): string {
+function formatItem(i: InboxItem, peers: Peers, maxChars?: number): string {
   if (i.kind === "message" || i.kind === "waiting") {
-    return messageBlock({ dir: "in", ...itemMessage(i, peers), notes: itemNotes(i, peers) });
+    return messageBlock({ dir: "in", ...itemMessage(i, peers), notes: itemNotes(i, peers), maxChars });
   }
   const fp = i.kind === "more_knocks" ? "" : ` fingerprint="${fingerprint(i.key)}"`;
   const head = `<interlink-notice kind="${noticeKind(i)}"${fp} received="${isoTime(i.at)}">`;
@@ -4696,8 +4718,10 @@ function pushEvent(i: InboxItem, peers: Peers): PushEvent {
     const { peer, msg, forSession } = itemMessage(i, peers), meta = channelMeta(msg, peer);
     if (forSession) meta.arrived_for = `your earlier session ${forSession}`;
     for (const [k, v] of itemNotes(i, peers)) meta[k] = attr(v);
+    const { text, cut } = shownText(msg.text, INBOX_ANSWER_MAX_CHARS - INBOX_HEAD_ROOM_CHARS); // as check_inbox's
+    if (cut) meta.cut = cut;
     // `[task <id> · <status>] ` from signed fields, then the escaped text.
-    return { content: (msg.task_id ? `${taskTag(msg)} ` : "") + escapePeerText(msg.text), meta };
+    return { content: (msg.task_id ? `${taskTag(msg)} ` : "") + text, meta };
   }
   const fp: Record<string, string> = i.kind === "more_knocks" ? {} : { fingerprint: fingerprint(i.key) };
   return { content: noticeText(i, peers), meta: { sender: "interlink", kind: noticeKind(i), ...fp } };
