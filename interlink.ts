@@ -28,8 +28,9 @@
  *     verify_strict (S < L, small-order keys and R rejected).
  *
  * What it does not defend
- *   - Confidentiality: messages are signed, not encrypted. The bus operator
- *     (and anyone on the path without TLS) reads everything.
+ *   - Confidentiality, partly: a message to a peer whose node says it opens
+ *     them is sealed (docs/wire.md); everything else is signed, not
+ *     encrypted, and a relay sees keys, routes, sizes, times and msg_ids.
  *   - Availability: a bus can drop, delay or reorder; it cannot forge.
  *   - A peer you allowlisted is trusted to ask for work; it is still not your
  *     operator, and the server instructions say so. A stolen key file is a
