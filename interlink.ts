@@ -1323,21 +1323,12 @@ const sealedData = (m: Omit<SignedMessage, "sig">): Bytes =>
 async function sealMessage(id: Identity, msg: SignedMessage, chain?: Chain, ephemeral?: Uint8Array) {
   const rcpt = x25519Public(msg.to);
   if (typeof rcpt === "string") throw new InterlinkError(`cannot seal to ${fingerprint(msg.to)}: ${rcpt}`);
-  const secret = ephemeral ? await x25519Secret(ephemeral, true) : (await crypto.subtle.generateKey(
-    { name: "X25519" },
-    true,
-    ["deriveBits"],
-  ) as CryptoKeyPair).privateKey;
+  // A new key for each message: a random scalar, clamped on import (RFC 7748 §5), as generateKey's.
+  const secret = await x25519Secret(ephemeral ?? crypto.getRandomValues(new Uint8Array(32)), true);
   const eph = b64urlDecode((await crypto.subtle.exportKey("jwk", secret)).x, 32, "ephemeral key");
   const { key, iv } = await sealKeys(secret, rcpt, eph, rcpt);
-  const fields = [
-    msg.text,
-    msg.status ?? "",
-    msg.task_id ?? "",
-    msg.in_reply_to ?? "",
-    chain ? JSON.stringify(chain) : "",
-  ];
-  const content = concatBytes([b64urlDecode(msg.sig, 64, "sig"), ...fields.flatMap(lengthPrefixed)]);
+  const fields = [msg.text, msg.status, msg.task_id, msg.in_reply_to, chain && JSON.stringify(chain)];
+  const content = concatBytes([b64urlDecode(msg.sig, 64, "sig"), ...fields.flatMap((f) => lengthPrefixed(f ?? ""))]);
   const padded = new Uint8Array(sealSize(content.length));
   padded.set(content);
   const aead = { name: "AES-GCM", iv, additionalData: sealedData(msg) };
