@@ -130,6 +130,8 @@ import {
   runTool,
   scanJournal,
   scanJsonl,
+  SEAL_DOMAIN,
+  sealMessage,
   SEND_WINDOW,
   SERVER_ROLE,
   serverInstructions,
@@ -151,6 +153,9 @@ import {
   WAIT_TIMEOUT_S,
   withFileLock,
   writeKeyFile,
+  x25519Public,
+  x25519Scalar,
+  x25519Secret,
 } from "./interlink.ts";
 import { Bus, jsonResponse, type Listening, serveHttp } from "./bus.ts";
 import { McpSession } from "./dev/harness.ts";
@@ -163,7 +168,7 @@ import { command as codexCommand } from "./extras/codex.ts";
 import { command as doctorCommand } from "./extras/doctor.ts";
 import { command as upgradeCommand, upgradeStateFolder } from "./extras/upgrade.ts";
 import { command as verifyCommand } from "./extras/verify.ts";
-import { chainVectorsText } from "./dev/vectors.ts";
+import { chainVectorsText, sealVectorsText } from "./dev/vectors.ts";
 import {
   accepting,
   admittedIds,
@@ -206,6 +211,7 @@ import {
   runCliAsync,
   runtimeArgv,
   SCRIPT,
+  sealedBothWays,
   sleepUntil,
   smallDisk,
   spawnAsync,
@@ -11735,5 +11741,126 @@ describe("a flooding peer holds off only itself", () => {
       }
     },
     60_000,
+  );
+});
+
+describe("sealed messages: a relay that reads nothing", () => {
+  const SV = JSON.parse(fs.readFileSync(path.join(REPO, "vectors", "seal-v1.json"), "utf8"));
+  const keysOf = async () => {
+    const ids = new Map<string, Identity>();
+    for (const k of Object.values(SV.keys) as { secret_b64: string }[]) {
+      const id = await identityFromSeed(b64urlDecode(k.secret_b64, 32, "seed"));
+      ids.set(id.publicKey, id);
+    }
+    return ids;
+  };
+  const everyonesPeers = (ids: Map<string, Identity>): Peers => ({
+    byName: new Map([...ids.keys()].map((k, i) => [`p${i}`, k])),
+    byKey: new Map([...ids.keys()].map((k, i) => [k, `p${i}`])),
+  });
+  const T = 1767225600000 + 60_000;
+
+  test("vectors/seal-v1.json is what the code makes: each key's X25519 pair agrees, each valid box opens to its message and is remade byte for byte", async () => {
+    expect(fs.readFileSync(path.join(REPO, "vectors", "seal-v1.json"), "utf8")).toBe(await sealVectorsText()); // `bun dev/vectors.ts`
+    expect(SV.domain).toBe(SEAL_DOMAIN);
+    for (const k of Object.values(SV.keys) as Record<string, string>[]) {
+      // The birational map of the Ed25519 key and the scalar of its seed name the same X25519 key.
+      expect(hex(await x25519Scalar(b64urlDecode(k.secret_b64, 32, "seed")))).toBe(k.x25519_secret_hex);
+      expect(hex(x25519Public(k.public_b64) as Uint8Array)).toBe(k.x25519_public_hex);
+      const secret = await x25519Secret(Buffer.from(k.x25519_secret_hex, "hex"), true);
+      expect(hex(b64urlDecode((await crypto.subtle.exportKey("jwk", secret)).x, 32, "x"))).toBe(k.x25519_public_hex);
+    }
+    const ids = await keysOf();
+    expect(SV.valid.length).toBe(2);
+    for (const v of SV.valid) {
+      const outer = parseSignedMessage(v.payload);
+      expect({ v: v.name, kind: outer.kind, sig: await verifyMessage(outer) }).toEqual({
+        v: v.name,
+        kind: "sealed",
+        sig: null,
+      });
+      expect(hex(canonicalBytes(outer))).toBe(v.canonical_hex);
+      const remade = await sealMessage(
+        ids.get(v.inner.from)!,
+        v.inner,
+        v.chain,
+        Buffer.from(v.ephemeral_secret_hex, "hex"),
+      );
+      expect(remade).toEqual(v.payload);
+      const got = await decide(
+        v.payload,
+        v.inner.to,
+        everyonesPeers(ids),
+        T,
+        new ReplayMemory(),
+        new Map(),
+        ids.get(v.inner.to)!.opens,
+      );
+      expect(got).toEqual({
+        verdict: "deliver",
+        msg: v.inner,
+        petname: expect.any(String),
+        sealed: v.chain ? { chain: v.chain } : {},
+      });
+      // Nobody else opens it: not the sender, not a third node.
+      for (const other of [...ids.values()].filter((id) => id.publicKey !== v.inner.to)) {
+        const r = await decide(
+          v.payload,
+          v.inner.to,
+          everyonesPeers(ids),
+          T,
+          new ReplayMemory(),
+          new Map(),
+          other.opens,
+        );
+        expect({ v: v.name, r: r.verdict === "reject" && r.reason }).toEqual({ v: v.name, r: "bad_seal" });
+      }
+    }
+  });
+
+  test("the gate refuses a box altered, sealed to another key, cut short, moved to another msg_id, with a small-order ephemeral key or holding another key's signature, as bad_seal with its reason; and a sealed message replayed as a replay", async () => {
+    const ids = await keysOf(), peers = everyonesPeers(ids);
+    const reasons: Record<string, string> = {};
+    expect(SV.invalid.length).toBe(6);
+    for (const v of SV.invalid) {
+      const outer = parseSignedMessage(v.payload);
+      expect({ v: v.name, sig: await verifyMessage(outer) }).toEqual({ v: v.name, sig: null }); // only the seal is wrong
+      const r = await decide(v.payload, outer.to, peers, T, new ReplayMemory(), new Map(), ids.get(outer.to)!.opens);
+      expect({ v: v.name, reason: r.verdict === "reject" && r.reason }).toEqual({ v: v.name, reason: "bad_seal" });
+      reasons[v.name] = (r as { detail: string }).detail;
+    }
+    expect(Object.values(reasons)).toEqual([
+      "it does not open (sealed to another key, or altered)",
+      "it does not open (sealed to another key, or altered)",
+      "its box is 300 bytes, under the 560 of the smallest (cut short)",
+      "it does not open (sealed to another key, or altered)",
+      "its ephemeral key is a point of small order",
+      "what it holds is not signed by its sender (signature does not match)",
+    ]);
+    // A relay that alters the box without the sender's key breaks the outer signature; a stranger's box is never opened.
+    const good = SV.valid[0].payload, bobId = ids.get(good.to)!;
+    const altered = { ...good, text: good.text.slice(0, -2) + (good.text.endsWith("AA") ? "AB" : "AA") };
+    const r1 = await decide(altered, good.to, peers, T, new ReplayMemory(), new Map(), bobId.opens);
+    expect(r1.verdict === "reject" && r1.reason).toBe("bad_signature");
+    const r2 = await decide(good, good.to, EMPTY_PEERS, T, new ReplayMemory(), new Map(), bobId.opens);
+    expect(r2.verdict === "reject" && r2.reason).toBe("not_allowlisted");
+    const replay = new ReplayMemory();
+    replay.remember(good.from, good.msg_id, good.ts, T);
+    const r3 = await decide(good, good.to, peers, T, replay, new Map(), bobId.opens);
+    expect(r3).toMatchObject({ verdict: "reject", reason: "replay", msg: SV.valid[0].inner }); // as what it holds
+  });
+
+  test(
+    "a Bun node and a Deno node over our bus: --required holds a message until the peer says it opens sealed mail; then each one's task waits on the bus sealed (its msg_id there, no word of its text or task) and is shown whole",
+    async () => {
+      const root = tmpDir(), data = path.join(root, "bus");
+      const bus = await startBus("bun", data);
+      try {
+        await sealedBothWays(bus.url, data);
+      } finally {
+        await stop(bus);
+      }
+    },
+    180_000,
   );
 });

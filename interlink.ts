@@ -28,8 +28,9 @@
  *     verify_strict (S < L, small-order keys and R rejected).
  *
  * What it does not defend
- *   - Confidentiality: messages are signed, not encrypted. The bus operator
- *     (and anyone on the path without TLS) reads everything.
+ *   - Confidentiality, partly: a message to a peer whose node says it opens
+ *     them is sealed (docs/wire.md); everything else is signed, not
+ *     encrypted, and a relay sees keys, routes, sizes, times and msg_ids.
  *   - Availability: a bus can drop, delay or reorder; it cannot forge.
  *   - A peer you allowlisted is trusted to ask for work; it is still not your
  *     operator, and the server instructions say so. A stolen key file is a
@@ -80,6 +81,13 @@ const RECV_DOMAIN = "interlink-recv-v1\0"; // a recv or an ack: proof the caller
 const UNREGISTER_DOMAIN = "interlink-unregister-v1\0";
 const INVITE_DOMAIN = "interlink-invite-v1\0"; // an invite proof, an HMAC: one made for anything else never passes
 const CHAIN_DOMAIN = "interlink-chain-v1\0"; // a chain signature: a message's or an announcement's never passes as one
+const SEAL_DOMAIN = "interlink-seal-v1\0"; // a sealed message's key derivation and AEAD data (see sealMessage)
+
+/** A sealed message's content is padded to a size class, so its size tells a relay little: 512 B × 4ⁿ, then steps. */
+const SEAL_PAD_MIN = 512;
+const SEAL_PAD_STEP = 128 * 1024; // past it, multiples of it: a 256 KiB text pads to at most 384 KiB
+/** The receipt line by which a node of ours says, signed, that it opens sealed messages (an older one skips it). */
+const SEALS_LINE = "opens sealed-v1";
 
 /** A sender's clock may run this far ahead of ours before we call its message forged. */
 const FRESH_FUTURE_MS = 60_000;
@@ -248,8 +256,11 @@ const SESSION_RE = /^[A-Za-z0-9._-]{1,128}$/;
 // Types
 // ============================================================================
 
-/** "receipt" is ours, not the reference's: a signed report on messages received, sent only to nodes that ask for it. */
-const KINDS = ["message", "pair_request", "pair_accept", "receipt"] as const;
+/**
+ * "receipt" and "sealed" are ours, not the reference's: a signed report on messages received, sent only to nodes that
+ * ask for it; a message whose text and task fields are sealed to its recipient, sent only to nodes that open them.
+ */
+const KINDS = ["message", "pair_request", "pair_accept", "receipt", "sealed"] as const;
 type Kind = (typeof KINDS)[number];
 
 const STATUSES = ["update", "needs_input", "result", "failed", "canceled"] as const;
@@ -305,6 +316,7 @@ interface Announcement {
 interface Peers {
   byName: ReadonlyMap<string, string>;
   byKey: ReadonlyMap<string, string>;
+  sealRequired?: ReadonlySet<string>; // keys the operator sends nothing in the clear (`peers seal NAME --required`)
 }
 
 /** Why the gate refuses a payload (decide): its closed set. */
@@ -317,6 +329,7 @@ const REJECT_REASONS = [
   "replay",
   "unexpected_kind",
   "busy",
+  "bad_seal",
 ] as const;
 type RejectReason = (typeof REJECT_REASONS)[number];
 
@@ -334,7 +347,8 @@ type Refusal = RejectReason | InviteRefusal;
 
 /** What the gate decided about one payload drained from a bus. */
 type Verdict =
-  | { verdict: "deliver"; msg: SignedMessage; petname: string }
+  /** `sealed`: it came sealed (msg is what opened), with the chain sealed in it, if any. */
+  | { verdict: "deliver"; msg: SignedMessage; petname: string; sealed?: { chain?: unknown } }
   | { verdict: "pair_request"; msg: SignedMessage; claimedName: string }
   | { verdict: "pair_accept"; msg: SignedMessage }
   | { verdict: "receipt"; msg: SignedMessage; petname: string }
@@ -1031,10 +1045,66 @@ async function checkAnnouncement(a: Announcement): Promise<{ layout: "0.8" | "0.
 const verifyAnnouncement = (a: Announcement): Promise<string | null> =>
   checkAnnouncement(a).then((r) => ("error" in r ? r.error : null));
 
+// Sealing (docs/wire.md, "Sealed messages"): the X25519 keys of Ed25519 ones, so nothing new is exchanged or pinned.
+
+const modPow = (b: bigint, e: bigint): bigint => {
+  let r = 1n;
+  for (b %= P; e > 0n; e >>= 1n, b = (b * b) % P) if (e & 1n) r = (r * b) % P;
+  return r;
+};
+const leBytes32 = (n: bigint): Bytes => new Uint8Array(Buffer.from(n.toString(16).padStart(64, "0"), "hex").reverse());
+
+/** Known X25519 keys by Ed25519 key: a peer's is converted once (an inversion mod p is ~100 µs). */
+const x25519Keys = new BoundedMap<string, Bytes | string>(KEY_CACHE_CAP);
+
+/**
+ * The X25519 public key of an Ed25519 one, by the birational map u = (1 + y) / (1 − y) mod p (RFC 7748 §4.1), or why
+ * there is none: a non-canonical y, or a point of small order (its shared secrets would be known to anyone).
+ */
+function x25519Public(edKey: string): Bytes | string {
+  let u = x25519Keys.get(edKey);
+  if (u === undefined) {
+    const raw = orWhy(() => decodeKey(edKey)), yBytes = typeof raw === "string" ? raw : raw.slice();
+    if (typeof yBytes !== "string") yBytes[31] &= 0x7f; // the top bit is x's sign
+    const y = typeof yBytes === "string" ? P : littleEndianToBigInt(yBytes);
+    u = typeof raw === "string"
+      ? raw
+      : y >= P || hasSmallOrder(raw)
+      ? "the key is not a canonical Ed25519 point of large order"
+      : leBytes32(((1n + y) * modPow(P + 1n - y, P - 2n)) % P);
+    x25519Keys.set(edKey, u);
+  }
+  return u;
+}
+
+/** X25519 u-coordinates of small order below p (RFC 7748 §7): a shared secret with one of them is known to anyone. */
+const SMALL_ORDER_U = new Set([
+  0n,
+  1n,
+  P - 1n,
+  325606250916557431795983626356110631294008115727848805560023387167927233504n,
+  39382357235489614581723060781553021112529911719440698176882885853963445705823n,
+]);
+
+/** The X25519 secret scalar of an Ed25519 seed: the first half of SHA-512(seed), clamped (RFC 8032 §5.1.5). */
+async function x25519Scalar(seed: Uint8Array): Promise<Bytes> {
+  const h = new Uint8Array(await crypto.subtle.digest("SHA-512", new Uint8Array(seed))).slice(0, 32);
+  h[0] &= 248, h[31] &= 127, h[31] |= 64;
+  return h;
+}
+
+/** PKCS#8 wrapper for a raw X25519 scalar (RFC 8410), as for Ed25519 below. */
+const PKCS8_X25519_PREFIX = Buffer.from("302e020100300506032b656e04220420", "hex");
+const x25519Secret = (scalar: Uint8Array, extractable = false): Promise<CryptoKey> =>
+  crypto.subtle.importKey("pkcs8", concatBytes([PKCS8_X25519_PREFIX, scalar]), { name: "X25519" }, extractable, [
+    "deriveBits",
+  ]);
+
 /** A node's own key pair. The seed never leaves this object except into the key file. */
 interface Identity {
   readonly publicKey: string;
   readonly fingerprint: string;
+  readonly opens: CryptoKey; // its X25519 secret, which opens what is sealed to it (never exported)
   sign(bytes: Bytes): Promise<string>;
 }
 
@@ -1050,6 +1120,7 @@ async function identityFromSeed(seed: Uint8Array): Promise<Identity> {
   return {
     publicKey,
     fingerprint: fingerprint(publicKey),
+    opens: await x25519Secret(await x25519Scalar(seed)),
     sign: async (bytes) => b64urlEncode(new Uint8Array(await crypto.subtle.sign("Ed25519", signingKey, bytes))),
   };
 }
@@ -1209,6 +1280,120 @@ function parseAnnouncement(value: unknown): Announcement {
 const rosterKey = (a: Pick<Announcement, "pubkey" | "session">): string =>
   a.session?.session_id ? `${a.pubkey}#${a.session.session_id}` : a.pubkey;
 
+/** A sealed content's padded size: the smallest size class that holds `n` bytes (SEAL_PAD_MIN, SEAL_PAD_STEP). */
+function sealSize(n: number): number {
+  let size = SEAL_PAD_MIN;
+  while (size < n && size < SEAL_PAD_STEP) size *= 4;
+  return size >= n ? size : Math.ceil(n / SEAL_PAD_STEP) * SEAL_PAD_STEP;
+}
+
+/**
+ * From the X25519 secret `secret` and the other side's public key `pub` (checked: canonical, not of small order, and a
+ * shared secret not zero), HKDF-SHA-256 (salt: the ephemeral key ‖ the recipient's, info: SEAL_DOMAIN) makes one
+ * message's AES-256-GCM key and nonce: the ephemeral key is new for each message, so neither is ever used twice.
+ */
+async function sealKeys(
+  secret: CryptoKey,
+  pub: Bytes,
+  eph: Bytes,
+  rcpt: Bytes,
+): Promise<{ key: CryptoKey; iv: Bytes }> {
+  const u = littleEndianToBigInt(pub);
+  if (u >= P) throw new FormatError("its ephemeral key is not a canonical X25519 point");
+  if (SMALL_ORDER_U.has(u)) throw new FormatError("its ephemeral key is a point of small order");
+  const other = await crypto.subtle.importKey("raw", pub, { name: "X25519" }, false, []);
+  const shared = new Uint8Array(await crypto.subtle.deriveBits({ name: "X25519", public: other }, secret, 256));
+  if (shared.every((b) => b === 0)) throw new FormatError("its shared secret is zero");
+  const ikm = await crypto.subtle.importKey("raw", shared, "HKDF", false, ["deriveBits"]);
+  const hkdf = { name: "HKDF", hash: "SHA-256", salt: concatBytes([eph, rcpt]), info: utf8.encode(SEAL_DOMAIN) };
+  const okm = new Uint8Array(await crypto.subtle.deriveBits(hkdf, ikm, 44 * 8));
+  const key = await crypto.subtle.importKey("raw", okm.slice(0, 32), "AES-GCM", false, ["encrypt", "decrypt"]);
+  return { key, iv: okm.slice(32) };
+}
+
+/** The AEAD's associated data: a box opens only as the message of this sender, recipient, ts and msg_id. */
+const sealedData = (m: Omit<SignedMessage, "sig">): Bytes =>
+  signedBytes(SEAL_DOMAIN, [
+    decodeKey(m.from, "from"),
+    decodeKey(m.to, "to"),
+    u64le(m.ts),
+    ...lengthPrefixed(m.msg_id),
+  ]);
+
+/**
+ * Seals `msg` (signed, kind "message") to its recipient: its signature, text, task fields and chain, padded (sealSize),
+ * go into an AES-256-GCM box (sealKeys) under an ephemeral X25519 key (`ephemeral`: a fixed one, for test vectors
+ * only); the box, after that key, is the text of a message of kind "sealed" with the same from, to, ts and msg_id,
+ * signed. Each part blocks an attack: the outer signature, a relay altering the box; the associated data, a box moved
+ * to another message or recipient; the inner signature, over a `to` it names, a peer that opened a message passing it
+ * on to a third node as its sender's.
+ */
+async function sealMessage(id: Identity, msg: SignedMessage, chain?: Chain, ephemeral?: Uint8Array) {
+  const rcpt = x25519Public(msg.to);
+  if (typeof rcpt === "string") throw new InterlinkError(`cannot seal to ${fingerprint(msg.to)}: ${rcpt}`);
+  // A new key for each message: a random scalar, clamped on import (RFC 7748 §5), as generateKey's.
+  const secret = await x25519Secret(ephemeral ?? crypto.getRandomValues(new Uint8Array(32)), true);
+  const eph = b64urlDecode((await crypto.subtle.exportKey("jwk", secret)).x, 32, "ephemeral key");
+  const { key, iv } = await sealKeys(secret, rcpt, eph, rcpt);
+  const fields = [msg.text, msg.status, msg.task_id, msg.in_reply_to, chain && JSON.stringify(chain)];
+  const content = concatBytes([b64urlDecode(msg.sig, 64, "sig"), ...fields.flatMap((f) => lengthPrefixed(f ?? ""))]);
+  const padded = new Uint8Array(sealSize(content.length));
+  padded.set(content);
+  const aead = { name: "AES-GCM", iv, additionalData: sealedData(msg) };
+  const box = new Uint8Array(await crypto.subtle.encrypt(aead, key, padded));
+  const text = b64urlEncode(concatBytes([eph, box]));
+  return await signMessage(id, { to: msg.to, text, kind: "sealed", msg_id: msg.msg_id }, msg.ts);
+}
+
+const strictUtf8 = new TextDecoder("utf-8", { fatal: true });
+
+/** What a sealed message `m` (its signature checked) holds, opened with its recipient's `secret`, or why not. */
+async function openSealed(
+  m: SignedMessage,
+  secret: CryptoKey,
+): Promise<{ msg: SignedMessage; chain?: unknown } | string> {
+  const box = orWhy(() => b64urlDecode(m.text, Math.floor((m.text.length * 3) / 4), "its box"));
+  if (typeof box === "string") return box;
+  const least = 32 + SEAL_PAD_MIN + 16; // the ephemeral key, the smallest size class, the tag
+  if (box.length < least) return `its box is ${box.length} bytes, under the ${least} of the smallest (cut short)`;
+  try {
+    const eph = box.subarray(0, 32), rcpt = x25519Public(m.to) as Bytes; // the gate checked `to` is ours
+    const { key, iv } = await sealKeys(secret, eph, eph, rcpt);
+    const aead = { name: "AES-GCM", iv, additionalData: sealedData(m) };
+    const content = new Uint8Array(
+      await crypto.subtle.decrypt(aead, key, box.subarray(32)).catch(() => {
+        throw new FormatError("it does not open (sealed to another key, or altered)");
+      }),
+    );
+    const view = new DataView(content.buffer);
+    let at = 64;
+    const [text, status, task_id, in_reply_to, chain] = [0, 1, 2, 3, 4].map(() => {
+      const n = at + 4 <= content.length ? view.getUint32(at, true) : Infinity;
+      if (at + 4 + n > content.length) throw new FormatError("its content is cut short");
+      return strictUtf8.decode(content.subarray(at + 4, at += 4 + n));
+    });
+    if (content.subarray(at).some((b) => b !== 0)) throw new FormatError("its padding is not zeros");
+    const sig = b64urlEncode(content.subarray(0, 64)), { from, to, ts, msg_id } = m;
+    const msg = parseSignedMessage({
+      from,
+      to,
+      ts,
+      msg_id,
+      kind: "message",
+      text,
+      status: status || undefined,
+      task_id,
+      in_reply_to,
+      sig,
+    });
+    const bad = await verifyMessage(msg);
+    if (bad) return `what it holds is not signed by its sender (${bad})`;
+    return { msg, ...(chain ? { chain: orWhy(() => JSON.parse(chain)) } : {}) };
+  } catch (e) {
+    return e instanceof FormatError ? e.message : `its content is not UTF-8 (${errorText(e)})`;
+  }
+}
+
 // ============================================================================
 // The gate
 // ============================================================================
@@ -1343,8 +1528,8 @@ class ReplayMemory {
  * The inbound gate (SPEC "Inbound gate"), a pure function of its arguments: every payload drained from a bus goes
  * through it before the model sees anything, and the steps run in this order:
  *   1. parse  2. verify (the authenticated key is the sender)  3. addressed to us
- *   4. allowlisted, except a stranger's knock or accept  5. fresh  6. not a replay
- *   7. dispatch: a peer's message is delivered, a receipt updates what we sent, a knock is held for the operator, an
+ *   4. allowlisted, except a stranger's knock or accept  5. fresh  6. opened, if sealed (with `opens`, our X25519
+ *   secret; only a peer's is opened, so strangers' cost what any refused message costs)  7. not a replay  8. dispatch: a peer's message is delivered, a receipt updates what we sent, a knock is held for the operator, an
  *      accept counts only if we knocked that key (and, when it names the request it answers, only for that request).
  * The caller records admitted messages in `replay` (and its log) afterwards.
  */
@@ -1355,21 +1540,26 @@ async function decide(
   nowMs: number,
   replay: ReplayMemory,
   knocked: ReadonlyMap<string, string> = new Map(),
+  opens?: CryptoKey,
 ): Promise<Verdict> {
-  const msg = orWhy(() => parseSignedMessage(payload));
-  if (typeof msg === "string") return { verdict: "reject", reason: "malformed", detail: msg };
+  const parsed = orWhy(() => parseSignedMessage(payload));
+  if (typeof parsed === "string") return { verdict: "reject", reason: "malformed", detail: parsed };
+  let msg = parsed;
   const reject = (reason: RejectReason, detail: string): Verdict => ({ verdict: "reject", reason, detail, msg });
   const bad = await verifyMessage(msg);
   if (bad) return reject("bad_signature", bad);
   if (msg.to !== me) return reject("wrong_recipient", `addressed to ${fingerprint(msg.to)}`);
   // A message signed by this node's own key comes from another of its sessions: admitted as "self".
-  const peerKinds = msg.kind === "message" || msg.kind === "receipt"; // only peers (and self) may send these
+  const peerKinds = msg.kind === "message" || msg.kind === "receipt" || msg.kind === "sealed"; // only peers (and self)
   const petname = peers.byKey.get(msg.from) ?? (msg.from === me && peerKinds ? "self" : undefined);
   if (petname === undefined && peerKinds) {
     return reject("not_allowlisted", `${fingerprint(msg.from)} is not in peers.json`);
   }
   if (msg.ts - nowMs > FRESH_FUTURE_MS) return reject("stale", `ts is ${msg.ts - nowMs} ms in the future`);
   if (nowMs - msg.ts > HELD_MAX_MS) return reject("stale", `ts is ${Math.round((nowMs - msg.ts) / 60_000)} min old`);
+  const opened = msg.kind !== "sealed" ? null : opens ? await openSealed(msg, opens) : "this node cannot open it";
+  if (typeof opened === "string") return reject("bad_seal", opened);
+  if (opened) msg = opened.msg; // a replay below is refused as what it holds
   if (replay.has(msg.from, msg.msg_id)) return reject("replay", `msg_id ${msg.msg_id} already admitted`);
   const pressure = replay.pressure(nowMs, msg.from, (key) => peers.byKey.has(key) || key === me);
   if (pressure) {
@@ -1378,7 +1568,8 @@ async function decide(
       : `the replay memory holds twice its cap of ${replay.cap} messages of the last 37 days; refused for now (not acked, so the bus keeps it) rather than forgetting one`;
     return { verdict: "reject", reason: "busy", detail, msg, ...some("forNow", pressure === "all" || undefined) };
   }
-  if (msg.kind === "message") return { verdict: "deliver", msg, petname: petname! };
+  const sealed = opened ? { sealed: some("chain", opened.chain) } : {};
+  if (msg.kind === "message") return { verdict: "deliver", msg, petname: petname!, ...sealed };
   if (msg.kind === "receipt") return { verdict: "receipt", msg, petname: petname! };
   if (msg.kind === "pair_request") return { verdict: "pair_request", msg, claimedName: displayName(msg.text) };
   // A pair_accept: matched to our request by its signed in_reply_to (0.9 and later), or by key alone (0.8 sends none).
@@ -2064,7 +2255,7 @@ function parsePeers(text: string, source = "peers.json"): Peers {
     throw failed(`not JSON (${(e as Error).message})`);
   }
   if (!isObject(raw)) throw failed(`expected an object of { "<petname>": { "key": "<public key>" } }`);
-  const byName = new Map<string, string>(), byKey = new Map<string, string>();
+  const byName = new Map<string, string>(), byKey = new Map<string, string>(), sealRequired = new Set<string>();
   for (const [name, entry] of Object.entries(raw)) {
     try {
       checkPetname(name);
@@ -2072,13 +2263,15 @@ function parsePeers(text: string, source = "peers.json"): Peers {
       const key = checkPeerKey(entry.key, "key");
       const other = byKey.get(key);
       if (other !== undefined) throw new InterlinkError(`holds the same key as '${other}' (one key, one petname)`);
+      if (entry.seal !== undefined && entry.seal !== "required") throw new InterlinkError(`"seal" is not "required"`);
+      if (entry.seal) sealRequired.add(key);
       byName.set(name, key);
       byKey.set(key, name);
     } catch (e) {
       throw failed(`'${name}': ${(e as Error).message}`);
     }
   }
-  return { byName, byKey };
+  return { byName, byKey, sealRequired };
 }
 
 /** The one peer resolver: a petname, a key, or a fingerprint (a unique key prefix, 4+ characters); errors list all. */
@@ -2153,6 +2346,39 @@ async function removePeer(file: string, who: string): Promise<{ petname: string;
     delete raw[found.petname];
     return found;
   });
+}
+
+/**
+ * What each peer's node last said, signed, of opening sealed messages (a receipt's SEALS_LINE, or a sealed message:
+ * never a relay's word), and the ts it said it at: a later word counts, an earlier one a relay held back does not.
+ * In the state folder, for all sessions; only peers' (and this node's own), so it is bounded by peers.json.
+ */
+type SealsSaid = Record<string, { opens: boolean; ts: number }>;
+const sealsFile = (stateDir: string): string => path.join(stateDir, "seals.json");
+
+function readSeals(stateDir: string): SealsSaid {
+  const raw = orWhy(() => JSON.parse(fs.readFileSync(sealsFile(stateDir), "utf8")));
+  return isObject(raw) ? (raw as SealsSaid) : {}; // none yet: every peer is sent plain messages
+}
+
+/** Records that `key` said, at `ts`, it opens sealed messages or not, when that is news (a write only then). */
+async function noteSeals(stateDir: string, key: string, opens: boolean, ts: number, keep: (k: string) => boolean) {
+  const news = (all: SealsSaid) => (all[key] ? all[key].opens !== opens && all[key].ts < ts : opens);
+  if (!news(readSeals(stateDir))) return;
+  await withFileLock(sealsFile(stateDir), "seals edit", () => {
+    const all = readSeals(stateDir);
+    if (!news(all)) return;
+    for (const k of Object.keys(all)) if (!keep(k)) delete all[k];
+    writeFileAtomic(sealsFile(stateDir), JSON.stringify({ ...all, [key]: { opens, ts } }, null, 2) + "\n");
+  });
+}
+
+/** Whether a message to `key` goes sealed (true), in the clear (false), or not at all (why: the operator's rule). */
+function sealingTo(peers: Peers, said: SealsSaid, key: string): boolean | string {
+  if (said[key]?.opens === true) return true;
+  if (!peers.sealRequired?.has(key)) return false;
+  const name = peers.byKey.get(key);
+  return `${name} is to be sent nothing in the clear (peers seal ${name} --required), and its node has not said that it opens sealed messages (a node of ours says so in each receipt it sends; a reference node, or an older interlink.ts, opens none); not sent. \`interlink.ts peers seal ${name}\` (without --required) lets its messages go in the clear until it does`;
 }
 
 /** "bob (Izgjf_w6)", or the fingerprint alone when that is the name (the CLI's, unless it was given one). */
@@ -3812,7 +4038,8 @@ class NodeState {
         if (left <= 0) continue;
         room.set(recipient, left - 1);
       }
-      size += weight(e.msg) + 512 + (e.chain ? 2048 : 0); // its chain, the route and the unsigned hints
+      const w = weight(e.msg), sealed = e.msg.kind === "message" ? (sealSize(w) * 4) / 3 : w; // sealed, at most that
+      size += sealed + 512 + (e.chain ? 2048 : 0); // its chain, the route and the unsigned hints
       if (out.length && (out.length >= n || size > bytes)) break;
       out.push(e);
     }
@@ -4704,6 +4931,7 @@ function noticeText(i: Notice, peers: Peers): string {
     malformed: `${n} ${was} refused as malformed`,
     replay: `${n} ${was} refused as replays`,
     busy: `${by}it sent its share of the messages of 30 days this node remembers (a flood, or a loop)`,
+    bad_seal: `${by}sealed, they did not open (altered, or sealed to another key)`,
     invite_unknown: `${through} this node does not know`,
     invite_expired: `${through} that had expired`,
     invite_used: `${through} used already (someone else may hold a copy of its code)`,
@@ -5070,7 +5298,7 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
 function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const msg = v.msg, { state, peers, nowMs } = ctx;
   const joining = msg?.kind === "pair_request" && parseInviteProof(msg.in_reply_to) !== null;
-  if (!msg || (msg.kind !== "message" && !joining) || !ctx.wantsReceipts) return [];
+  if (!msg || (msg.kind !== "message" && msg.kind !== "sealed" && !joining) || !ctx.wantsReceipts) return [];
   const hourAgo = nowMs - 60 * 60_000;
   const isPeer = (key: string) => peers.byKey.has(key) || key === ctx.selfKey, peer = isPeer(msg.from);
   const left = (which: (r: { key: string; invite?: string }) => boolean) =>
@@ -5272,7 +5500,7 @@ function subTaskChain(
  * answer; `receipts` (on a knock: a refusal through an invite); and a sub-task's chain, signed apart (chainBytes).
  */
 function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): object {
-  const asks = msg.kind === "message" || msg.kind === "pair_request";
+  const asks = msg.kind === "message" || msg.kind === "pair_request" || msg.kind === "sealed";
   const hints = replyTo ? { reply_to: replyTo, ...(asks ? { receipts: true } : {}) } : {};
   return { ...msg, ...hints, ...(chain ? { chain } : {}) };
 }
@@ -5958,6 +6186,8 @@ class Agent {
     const peers = this.peers();
     const limits = { ...some("maxDepth", this.cfg.maxDepth), selfName: this.cfg.name };
     const p = prepareSend(peers, this.state.tasks, input, this.id.publicKey, limits);
+    const sealing = sealingTo(peers, readSeals(this.cfg.stateDir), p.draft.to);
+    if (typeof sealing === "string") throw new InterlinkError(sealing);
     const full = p.draft.status === "canceled" ? null : outboxFull(this.state, peers); // a cancel always goes
     if (full) throw new InterlinkError(full);
     const task = p.draft.task_id ? this.state.tasks.get(taskKey(p.draft.to, p.draft.task_id)) : undefined;
@@ -5987,15 +6217,29 @@ class Agent {
    * refused: every relay refused it for good) up to the first that is neither, which stays pending with those behind
    * it. One refused as full holds its route (state.full) for a back-off of its own, and says `full`: not a failure.
    */
-  async #attempt(batch: OutEntry[]): Promise<{ settled: number; full: boolean }> {
-    for (const entry of batch) {
+  async #attempt(all: OutEntry[]): Promise<{ settled: number; full: boolean }> {
+    for (const entry of all) {
       if (this.now() - entry.msg.ts <= RESIGN_AFTER_MS || this.now() - entry.at > RESIGN_SPAN_MS) continue;
       const { sig: _sig, from: _from, ts: _ts, ...fields } = entry.msg;
       await this.journal.appendDurable([{ t: "resign", msg: await signMessage(this.id, fields, this.now()) }]);
     }
-    const items = batch.map((e) => ({ route: e.recipient, payload: messagePayload(e.msg, this.me, e.chain) }));
-    const signal = this.#stop.signal, records: NewRecord[] = [];
-    let settled = 0, full = false;
+    // Sealed to a peer that said it opens them; one the operator wants sealed that cannot be is refused, never sent.
+    const said = readSeals(this.cfg.stateDir), peers = this.peers();
+    const how = all.map((e) => (e.msg.kind === "message" ? sealingTo(peers, said, e.msg.to) : false));
+    const records: NewRecord[] = all.flatMap((e, i) => {
+      const why = how[i];
+      if (typeof why === "string") logWarn(`${e.msg.msg_id} is not sent: ${why}`);
+      return typeof why === "string" ? [{ t: "refused" as const, msg_id: e.msg.msg_id, reason: why }] : [];
+    });
+    const batch = all.filter((_, i) => typeof how[i] !== "string");
+    const items = await Promise.all(batch.map(async (e) => ({
+      route: e.recipient,
+      payload: how[all.indexOf(e)] === true
+        ? messagePayload(await sealMessage(this.id, e.msg, e.chain), this.me)
+        : messagePayload(e.msg, this.me, e.chain),
+    })));
+    const signal = this.#stop.signal;
+    let settled = records.length, full = false;
     for (const e of batch) this.#inFlight.add(e.msg.msg_id);
     for (const wake of [...this.#attempted]) wake();
     try {
@@ -6145,7 +6389,8 @@ class Agent {
         this.state.owed.delete(route);
         continue;
       }
-      const draft: Draft = { to: key, kind: "receipt", text: receiptText(lines), in_reply_to: lines[0].msg_id };
+      const text = `${receiptText(lines)}\n${SEALS_LINE}`; // last: past RECEIPT_LINES_MAX lines, skipped as a report
+      const draft: Draft = { to: key, kind: "receipt", text, in_reply_to: lines[0].msg_id };
       const petname = key === this.id.publicKey ? "self" : this.petnameOf(key) ?? null;
       await this.enqueue({ draft, recipient: route, peer: petname }); // its "out" record clears what it reports
       queued++;
@@ -6246,14 +6491,19 @@ class Agent {
     if (p.from === this.id.publicKey && replyTo === this.me) return { verdict: null, effects: [{ do: "ack" }] };
     const knocked = new Map([...this.state.knocksOut].map(([key, k]) => [key, k.msgId]));
     const nowMs = this.now(), peers = this.peers(); // one look at peers.json for the gate and the plan
-    const v = await decide(payload, this.id.publicKey, peers, nowMs, this.state.replay, knocked);
+    const v = await decide(payload, this.id.publicKey, peers, nowMs, this.state.replay, knocked, this.id.opens);
+    if (v.verdict === "receipt" || (v.verdict === "deliver" && v.sealed)) {
+      const opens = v.verdict === "deliver" || v.msg.text.split("\n").includes(SEALS_LINE), me = this.id.publicKey;
+      await noteSeals(this.cfg.stateDir, v.msg.from, opens, v.msg.ts, (k) => peers.byKey.has(k) || k === me);
+    }
     this.state.expireKnocks(nowMs);
     // The invite proof is an HMAC, asynchronous: judged before the plan.
     const invite = v.verdict === "pair_request" && parseInviteProof(v.msg.in_reply_to) !== null
       ? await judgeInvite(readInvites(this.cfg.stateDir), v.msg, this.id.publicKey, peers.byKey.has(v.msg.from), nowMs)
       : undefined;
     // So is a chain's signature (see "Delegation across hops").
-    const chain = v.verdict === "deliver" && p.chain !== undefined ? await judgeChain(p.chain, v.msg) : undefined;
+    const rawChain = v.verdict !== "deliver" ? undefined : v.sealed ? v.sealed.chain : p.chain; // sealed: only its own
+    const chain = v.verdict === "deliver" && rawChain !== undefined ? await judgeChain(rawChain, v.msg) : undefined;
     const canPush = this.push !== null && this.cfg.delivery === "channel";
     const node = { selfKey: this.id.publicKey, selfName: this.cfg.name, ...some("maxDepth", this.cfg.maxDepth) };
     const said = { ...some("replyTo", replyTo), wantsReceipts: p.receipts === true, ...some("forSession", forSession) };
@@ -8379,7 +8629,24 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
   if (verb === "list" && rest.length === 0) {
     const peers = loadPeers(file);
     if (!peers.byName.size) print(`no peers in ${file}`);
-    for (const [name, key] of peers.byName) print(`${name.padEnd(16)} ${fingerprint(key)}  ${key}`);
+    for (const [name, key] of peers.byName) {
+      print(`${name.padEnd(16)} ${fingerprint(key)}  ${key}${peers.sealRequired?.has(key) ? "  seal required" : ""}`);
+    }
+    return 0;
+  }
+  if (verb === "seal" && rest.length === 1) {
+    const required = o.required === true,
+      { petname } = await editPeers(file, (raw, peers) => {
+        const found = resolvePeer(peers, rest[0]), entry = raw[found.petname] as Record<string, unknown>;
+        if (required) entry.seal = "required";
+        else delete entry.seal;
+        return found;
+      });
+    print(
+      required
+        ? `'${petname}' is sent nothing in the clear from now on: a message its node cannot open is refused, saying why`
+        : `'${petname}' is sent sealed messages once its node says it opens them, plain ones until then`,
+    );
     return 0;
   }
   if (verb === "add" && rest.length === 2) {
@@ -8393,7 +8660,7 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
     print(`removed '${petname}' (${fingerprint(key)}) from ${file}`);
     return 0;
   }
-  throw new InterlinkError(`usage: peers [list | add PETNAME KEY | remove PETNAME]`);
+  throw new InterlinkError(`usage: peers [list | add PETNAME KEY | remove PETNAME | seal PETNAME [--required]]`);
 }
 
 /** Exit status that makes a Claude Code asyncRewake hook wake the session with our stderr. */
@@ -9201,9 +9468,13 @@ const COMMANDS: Record<string, CommandSpec> = {
   },
   peers: {
     summary: "list, add or remove peers in peers.json",
-    args: "[list | add PETNAME KEY | remove PETNAME]",
-    about: "Adding refuses to rekey a petname or to give one key two petnames. Saves are atomic (0600).",
-    options: { peers: OPT.peers },
+    args: "[list | add PETNAME KEY | remove PETNAME | seal PETNAME [--required]]",
+    about: "Adding refuses to rekey a petname or to give one key two petnames. Saves are atomic (0600).\n" +
+      "Messages to a peer whose node says it opens them go sealed; `seal --required` sends it nothing in the clear.",
+    options: {
+      peers: OPT.peers,
+      required: { type: "boolean", help: "with seal: never send this peer a message in the clear" },
+    },
     run: runPeers,
   },
   wait: {
@@ -9568,19 +9839,21 @@ export { WakeLatch };
 export type { Identity, JournalRecord, OptionSources, OutEntry, Peers, PeerSession, ReceiptLine, ReceiptState };
 export type { SessionInfo, TaskRow, TaskStatus };
 // dev/: the demo, its harness, the benchmark and the vectors.
-export { addPeer, ANNOUNCE_EVERY_MS, b64urlDecode, CHAIN_DOMAIN, chainBytes, HttpRelay, identityFromSeed, Journal };
-export { postJson, RECV_BATCH, refusalOf, signAnnouncement, signChain, signMessage, sleep, withFileLock, writeKeyFile };
+export { addPeer, ANNOUNCE_EVERY_MS, b64urlDecode, canonicalBytes, CHAIN_DOMAIN, chainBytes, decide, HttpRelay };
+export { identityFromSeed, Journal, postJson, RECV_BATCH, refusalOf, ReplayMemory, SEAL_DOMAIN, sealedData };
+export { sealMessage, signAnnouncement, signChain, signMessage, sleep, withFileLock, writeKeyFile, x25519Public };
+export { x25519Scalar, x25519Secret };
 export type { Chain, NewRecord, PushEvent };
 // The tests alone: the pure parts they check directly.
-export { afterAnswer, Agent, announcementBytes, canonicalBytes, channelMeta, checkAnnouncement, chooseRoute };
-export { claimInbox, commandTable, conversation, decide, DEFAULT_MAX_DEPTH, DELIVERY_MODES, describeTask, displayName };
-export { encodeInviteCode, encodeRecord, escapePeerText, foldTask, formatInbox, FORWARDS_OPEN_CAP, GOODBYE_PREFIX };
-export { hasSmallOrder, headOf, idProblem, INBOX_ANSWER_MAX_CHARS, INSTRUCTIONS_MAX_CHARS, invisibleRE, inviteMac };
-export { inviteProofBytes, invitesFile, judgeChain, judgeInvite, lanAddresses, legacyAnnouncementBytes };
-export { lifecycleError, LockedError, MCP_LINE_MAX_CHARS, mcpJson, messageBlock, messagePayload, parseFlags };
-export { parseInviteCode, parsePeers, parseReceipt, planInbound, planWake, prepareSend, pushEvent, readAnswer, readId };
-export { readInvites, readJsonl, RECEIPT_LINES_MAX, receiptText, RECV_ANSWER_MAX_BYTES, removePeer, RENEW_TEXT };
-export { REPLAY_KEPT_MS, ReplayMemory, RESIGN_SPAN_MS, runTool, serverInstructions, setLogSink, taskTable, taskTag };
-export { toolListing, TOOLS, WAIT_TIMEOUT_S };
+export { afterAnswer, Agent, announcementBytes, channelMeta, checkAnnouncement, chooseRoute, claimInbox, commandTable };
+export { conversation, DEFAULT_MAX_DEPTH, DELIVERY_MODES, describeTask, displayName, encodeInviteCode, encodeRecord };
+export { escapePeerText, foldTask, formatInbox, FORWARDS_OPEN_CAP, GOODBYE_PREFIX, hasSmallOrder, headOf, idProblem };
+export { INBOX_ANSWER_MAX_CHARS, INSTRUCTIONS_MAX_CHARS, invisibleRE, inviteMac, inviteProofBytes, invitesFile };
+export { judgeChain, judgeInvite, lanAddresses, legacyAnnouncementBytes, lifecycleError, LockedError };
+export { MCP_LINE_MAX_CHARS, mcpJson, messageBlock, messagePayload, parseFlags, parseInviteCode, parsePeers };
+export { parseReceipt, planInbound, planWake, prepareSend, pushEvent, readAnswer, readId, readInvites, readJsonl };
+export { RECEIPT_LINES_MAX, receiptText, RECV_ANSWER_MAX_BYTES, removePeer, RENEW_TEXT, REPLAY_KEPT_MS };
+export { RESIGN_SPAN_MS, runTool, serverInstructions, setLogSink, taskTable, taskTag, toolListing, TOOLS };
+export { WAIT_TIMEOUT_S };
 export type { Carried, CarriedOut, Draft, Effect, Handed, InboundContext, InboxItem, Invite, InviteCode, NodeConfig };
 export type { Remembered };

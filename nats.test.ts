@@ -39,6 +39,7 @@ import {
   readNodeLog,
   REPO,
   runCliAsync,
+  sealedBothWays,
   spawnAsync,
   startBus,
   startNats,
@@ -62,6 +63,7 @@ const NATS_TESTS = [
   "alice → bob → carol over NATS: carol's question reaches alice via bob, the answer comes back once, alice's cancel reaches carol",
   "a copy of interlink.ts alone given a nats:// URL says which file to fetch and where; the session runs on, its outbox keeps what it sends, and all of it goes once nats.ts is there",
   "a session killed before it acked its key's mail: the key's next session (Bun, Deno) is handed that mail back at once, and reads what follows from its first moments",
+  "sealed both ways between a Bun and a Deno node: the stream holds each task's msg_id, never its text or task",
 ];
 const NATS_SERVER = systemTool("nats-server", "/usr/sbin/nats-server", "NATS", NATS_TESTS);
 // One at a time: each starts a few servers and two agents, and with many children at once Bun's test process was
@@ -604,3 +606,13 @@ describe("delegation across hops over NATS JetStream: alice on Bun, bob on Deno,
     }
   }, 120_000);
 });
+
+natsTest(NATS_TESTS[12], async () => {
+  const root = tmpDir();
+  const [nats] = await startNats(root);
+  try {
+    await sealedBothWays(nats.url, root, { INTERLINK_AUTOSTART_BUS: "0" }); // the folder holds the JetStream store
+  } finally {
+    nats.kill();
+  }
+}, 180_000);

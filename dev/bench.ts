@@ -32,6 +32,7 @@ import { parseArgs } from "node:util";
 import {
   addPeer,
   ANNOUNCE_EVERY_MS,
+  decide,
   HttpRelay,
   type Identity,
   identityFromSeed,
@@ -48,8 +49,10 @@ import {
   RECV_TIMEOUT_MS,
   recvProofBytes,
   type Relay,
+  ReplayMemory,
   ROSTER_CAP,
   runtimeName,
+  sealMessage,
   selfCommand,
   SEND_TIMEOUT_MS,
   shutdownSignal,
@@ -83,6 +86,7 @@ export const PARTS = [
   "relays",
   "footprint",
   "backlog",
+  "seal",
 ] as const;
 type Part = (typeof PARTS)[number];
 type Runtime = "bun" | "deno";
@@ -141,7 +145,9 @@ const USAGE = [
   "and a day of use: --messages between two agents, their RSS after, the receiver's restart on its journal, and",
   "`wait` on that journal beside a fresh one; backlog: a session whose relay is down gets --backlog messages",
   "queued (as `interlink.ts send` queues them), its RSS beside the same session fresh, restarted on that journal,",
-  "then the relay comes back and the backlog drains to a live peer (lost, duplicated, out of order, peak RSS).",
+  "then the relay comes back and the backlog drains to a live peer (lost, duplicated, out of order, peak RSS);",
+  "seal: send → push p50/p99 of 200 messages sealed (to a peer that opens them) beside 200 plain (to one taken as",
+  "opening none), interleaved in one run, and their ratio; then sealing and opening alone beside signing and verifying.",
   "",
   "Options:",
   ...(() => {
@@ -923,6 +929,76 @@ async function benchAgents(root: string, progress: (m: string) => void, servers:
       send_tool_answer_ms_p50: percentile(toolTimes, 50),
       messages: latencies.length,
       idle_agent_rss_mb: rssMb(a.session.pid!),
+    };
+  } finally {
+    await Promise.allSettled(sessions.map((s) => s.close()));
+    await stopChild(bus.child);
+  }
+}
+
+/**
+ * Seal: alice sends 200 messages each to bob, whose node said (by receipt) that it opens sealed mail, so each goes
+ * sealed, and to carol, whom alice's seals.json holds as opening none (a ts no receipt passes), so each goes plain;
+ * interleaved, so both see the same machine. Then, in this process, seal + gate beside sign + gate for the same texts.
+ */
+async function benchSeal(root: string, progress: (m: string) => void, servers: Runtime | undefined) {
+  const bus = await startBus(servers, path.join(root, "seal-bus")), home = path.join(root, "seal");
+  const sessions: McpSession[] = [];
+  try {
+    const [a, b, c] = await Promise.all(["alice", "bob", "carol"].map((n) => startDemoNode(home, n, bus.url)));
+    sessions.push(a.session, b.session, c.session);
+    const dir = (x: typeof a) => path.join(home, x.session.label);
+    for (const [me, other, name] of [[a, b, "bob"], [b, a, "alice"], [a, c, "carol"], [c, a, "alice"]] as const) {
+      await addPeer(path.join(dir(me), "peers.json"), name, other.id.publicKey);
+    }
+    const seals = path.join(dir(a), "state", "seals.json");
+    fs.writeFileSync(seals, JSON.stringify({ [c.id.publicKey]: { opens: false, ts: Number.MAX_SAFE_INTEGER } }));
+    const opens = () => JSON.parse(fs.readFileSync(seals, "utf8"))[b.id.publicKey]?.opens === true;
+    for (let n = 0; !opens(); n++) {
+      if (n === 50) throw new InterlinkError("bob's node never said it opens sealed mail");
+      await a.session.ok("send_message", { to: "bob", text: "hello in the clear" });
+      await sleep(100);
+    }
+    progress("seal: bob opens sealed mail; now 200 messages each to bob (sealed) and carol (plain), interleaved");
+    const lat = { sealed: [] as number[], plain: [] as number[] };
+    for (let n = 0; n < 220; n++) {
+      for (const [to, who, kind] of [["bob", b, "sealed"], ["carol", c, "plain"]] as const) {
+        const t0 = performance.now();
+        const pushed = who.session.waitEvent((e) => e.content.includes(`#${n}#`), 10_000).then(() => performance.now());
+        const status = n ? "update" : undefined;
+        await a.session.ok("send_message", { to, text: `message #${n}#`, task_id: "bench", status });
+        const at = await pushed;
+        if (n >= 20) lat[kind].push(at - t0); // the first 20 warm the JIT and connections
+      }
+    }
+    for (const l of Object.values(lat)) l.sort((x, y) => x - y);
+    const [alice, bob] = await Promise.all(
+      [1, 2].map(() => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)))),
+    );
+    const peers = { byName: new Map([["alice", alice.publicKey]]), byKey: new Map([[alice.publicKey, "alice"]]) };
+    const gate = (p: unknown) => decide(p, bob.publicKey, peers, Date.now(), new ReplayMemory(), new Map(), bob.opens);
+    const text = "a line of a task, as a model writes one to a peer; ".repeat(8);
+    const timed = async (make: (i: number) => Promise<unknown>) => {
+      const t0 = performance.now();
+      for (let i = 0; i < 500; i++) {
+        if ((await gate(await make(i)) as { verdict: string }).verdict !== "deliver") throw 0;
+      }
+      return ((performance.now() - t0) / 500) * 1000;
+    };
+    const signed = (i: number) => signMessage(alice, { to: bob.publicKey, text: `${i} ${text}` }, Date.now());
+    await timed(signed); // warm
+    const plainUs = await timed(signed), sealedUs = await timed(async (i) => sealMessage(alice, await signed(i)));
+    const p50 = { sealed: percentile(lat.sealed, 50), plain: percentile(lat.plain, 50) };
+    return {
+      sealed_send_to_push_ms_p50: p50.sealed,
+      plain_send_to_push_ms_p50: p50.plain,
+      sealed_to_plain_p50: Math.round((p50.sealed / p50.plain) * 100) / 100,
+      sealed_send_to_push_ms_p99: percentile(lat.sealed, 99),
+      plain_send_to_push_ms_p99: percentile(lat.plain, 99),
+      messages_each: lat.sealed.length,
+      sign_and_gate_us: Math.round(plainUs),
+      sign_seal_and_gate_us: Math.round(sealedUs),
+      crypto_ratio: Math.round((sealedUs / plainUs) * 100) / 100,
     };
   } finally {
     await Promise.allSettled(sessions.map((s) => s.close()));
@@ -2302,6 +2378,7 @@ async function runBench(o: BenchOptions): Promise<number> {
     if (only.includes("relays")) report.relays = await benchRelays(root, progress, id, servers);
     if (only.includes("footprint")) report.footprint = await benchFootprint(root, progress, servers, o.messages);
     if (only.includes("backlog")) report.backlog = await benchBacklog(root, progress, servers, o.backlog);
+    if (only.includes("seal")) report.seal = await benchSeal(root, progress, servers);
   } finally {
     fs.rmSync(root, { recursive: true, force: true });
   }

@@ -740,3 +740,63 @@ export const natsNode = (runtime: "bun" | "deno", f: NodeFiles, urls: string[], 
     INTERLINK_TEST_NATS_ACK_WAIT_MS: "2000", // an unacked message comes again after 2 s instead of 10 s
     ...env,
   });
+
+/** Whether any file under `dir` holds `text`'s UTF-8 bytes (a relay's data folder: its database, its WAL, a stream). */
+export function folderHolds(dir: string, text: string): boolean {
+  const needle = Buffer.from(text);
+  return fs.readdirSync(dir, { recursive: true, withFileTypes: true }).some((e) =>
+    e.isFile() && fs.readFileSync(path.join(e.parentPath, e.name)).includes(needle)
+  );
+}
+
+/**
+ * Sealed mail through a relay, both ways, between a Bun node (alice) and a Deno node (bob): an operator's
+ * `peers seal bob --required` holds alice's first message (bob's node has not said it opens sealed mail) and says
+ * why; one message each way in the clear teaches each node, by the other's signed receipt, that the other opens them;
+ * then each sends the other a task while the other is away, and the relay's data folder (`dataDir`) holds the
+ * message (its msg_id) but none of its text or task fields; back, the other is shown it whole.
+ */
+export async function sealedBothWays(url: string, dataDir: string, env: Record<string, string> = {}): Promise<void> {
+  const { A, B } = await twoPeers();
+  const cli = (...args: string[]) => runCli("bun", ["peers", ...args, "--peers", A.peersFile]);
+  const opens = (me: NodeFiles, other: NodeFiles) => () => {
+    const file = path.join(me.stateDir, "seals.json");
+    return fs.existsSync(file) && JSON.parse(fs.readFileSync(file, "utf8"))[other.id.publicKey]?.opens === true;
+  };
+  let alice = await McpNode.start("bun", A, url, env), bob = await McpNode.start("deno", B, url, env);
+  try {
+    expect(cli("seal", "bob", "--required").code).toBe(0);
+    expect(cli().stdout).toContain("seal required");
+    const held = await alice.call("send_message", { to: "bob", text: "not yet" });
+    expect(held.isError).toBe(true);
+    expect(held.text).toContain("bob is to be sent nothing in the clear (peers seal bob --required)");
+    expect(cli("seal", "bob").code).toBe(0); // plain messages until bob's node says it opens sealed ones
+    const hello = await alice.ok("send_message", { to: "bob", text: "hello in the clear" });
+    await bob.waitEvent((e) => e.meta.msg_id === msgIdOf(hello), 30_000);
+    await eventually(opens(A, B), "alice's node learns from bob's receipt that it opens sealed mail", 30_000);
+    const back = await bob.ok("send_message", { to: "alice", text: "hi in the clear" });
+    await alice.waitEvent((e) => e.meta.msg_id === msgIdOf(back), 30_000);
+    await eventually(opens(B, A), "bob's node learns the same of alice's", 30_000);
+    expect(cli("seal", "bob", "--required").code).toBe(0); // now nothing goes to bob in the clear, and it need not
+
+    for (const [from, to, rt, files] of [["alice", "bob", "deno", B], ["bob", "alice", "bun", A]] as const) {
+      const sender = from === "alice" ? alice : bob;
+      await (from === "alice" ? bob : alice).close(); // the recipient is away: the message waits on the relay
+      const secret = `the launch code for ${to} is ${crypto.randomUUID()}`, task = `task-${crypto.randomUUID()}`;
+      const sent = msgIdOf(await sender.ok("send_message", { to, text: secret, task_id: task }));
+      await eventually(() => folderHolds(dataDir, sent), `the relay holds ${from}'s message ${sent}`, 30_000);
+      expect({ text: folderHolds(dataDir, secret), task_id: folderHolds(dataDir, task) }).toEqual({
+        text: false,
+        task_id: false,
+      });
+      const again = await McpNode.start(rt, files, url, env);
+      if (from === "alice") bob = again;
+      else alice = again;
+      const shown = await again.waitEvent((e) => e.meta.msg_id === sent, 30_000);
+      expect(shown.content).toBe(`[task ${task}] ${secret}`);
+      expect(shown.meta.sender).toBe(from);
+    }
+  } finally {
+    await Promise.allSettled([alice.close(), bob.close()]);
+  }
+}
