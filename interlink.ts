@@ -2523,6 +2523,12 @@ function keptText(text: string, chars: number): string {
 const taskOwner = (t: TaskRow, selfKey: string): string =>
   t.owner ?? (t.requested_by === "peer" ? t.peer_key : selfKey);
 
+/** Whose word a task's owner is, when not who asked for the work: that asker's (its chain, or the parent task's). */
+function ownerWord(t: TaskRow): string | undefined {
+  const asker = t.requested_by === "peer" ? t.peer_key : t.parent?.requester;
+  return t.owner !== undefined && asker !== undefined && t.owner !== asker ? asker : undefined;
+}
+
 /** The open tasks this node opened as sub-tasks of `parent`, a task it executes (see "Delegation across hops"). */
 function subTasks(tasks: Iterable<TaskRow>, parent: TaskRow): TaskRow[] {
   return [...tasks].filter((t) =>
@@ -7060,9 +7066,7 @@ function describeOut(e: OutEntry, waits?: string | null): string {
 /** One line of the task table, for the model and `interlink.ts tasks`; `out`: our messages, for their receipts. */
 function describeTask(names: PeerNames, t: TaskRow, out?: ReadonlyMap<string, OutEntry>, selfKey?: string): string {
   const peer = nameOf(names, t.peer_key), name = (k: string) => nameOf(names, k, selfKey);
-  // An owner other than who asked for the work is only that asker's word (its chain, or the parent task's).
-  const asker = t.requested_by === "peer" ? t.peer_key : t.parent?.requester;
-  const word = t.owner !== undefined && asker !== undefined && t.owner !== asker ? `, by ${name(asker)}'s word` : "";
+  const claim = ownerWord(t), word = claim ? `, by ${name(claim)}'s word` : "";
   const whose = t.owner !== undefined ? `${name(t.owner)}'s` : t.requested_by === "peer" ? `${peer}'s` : "your";
   const owner = `${whose} operator${word}`;
   const session = t.peer_session ? ` (session ${showId(t.peer_session.slice(0, 12))})` : "";
@@ -9831,11 +9835,11 @@ export type { Announcement, Bytes, CommandSpec, Options, Received, Relay, Signed
 export { corruptCount, corruptFile, counterpart, decodeRecord, defaultNodeState, EMPTY_PEERS, explicitSettings };
 export { EXTRAS, fileSize, FRESH_PAST_MS, inodeOf, isNatsUrl, isOldShape, journalFiles, JsonlWriter, lastStartFile };
 export { listSessions, loadPeers, localBusUrl, lockOwner, messageKey, newPeerName, NODE_OPTIONS, nodeClock };
-export { nodeConfig, NodeState, openRelay, OPT, parseBusUrls, presence, print, readIdentity, readJsonAnswer };
-export { readRoster, readStdin, recordedReports, refusalWords, ROSTER_ANSWER_MAX_BYTES, ROSTER_ANSWER_VALUES_MAX };
-export { runtimeName, scanJournal, scanLines, selfCommand, SEND_WINDOW, SERVER_ROLE, sessionDir, sessionEndedAt };
-export { sessionIds, sessionLabel, showId, showInvisible, SLOW_START_MS, some, taskKey, taskOwner, trustTools };
-export { WakeLatch };
+export { nodeConfig, NodeState, openRelay, OPT, ownerWord, parseBusUrls, presence, print, readIdentity };
+export { readJsonAnswer, readRoster, readStdin, recordedReports, refusalWords, ROSTER_ANSWER_MAX_BYTES };
+export { ROSTER_ANSWER_VALUES_MAX, runtimeName, scanJournal, scanLines, selfCommand, SEND_WINDOW, SERVER_ROLE };
+export { sessionDir, sessionEndedAt, sessionIds, sessionLabel, showId, showInvisible, SLOW_START_MS, some, taskKey };
+export { taskOwner, trustTools, WakeLatch };
 export type { Identity, JournalRecord, OptionSources, OutEntry, Peers, PeerSession, ReceiptLine, ReceiptState };
 export type { SessionInfo, TaskRow, TaskStatus };
 // dev/: the demo, its harness, the benchmark and the vectors.

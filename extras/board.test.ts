@@ -527,7 +527,7 @@ describe("the board: a live page for the operator, read-only, for the token's ho
     const view = boardView(fold, { now: 1e12, peers, roster: [], problems: [], relays: [] });
     expect(view.waiting).toEqual([]); // not B's operator's to answer
     const logo = view.tasks.find((t) => t.task_id === "logo")!;
-    expect(logo.parent).toEqual({ task_id: "site", requester: "alice", owner: "alice" });
+    expect(logo.parent).toEqual({ task_id: "site", requester: "alice", owner: "alice", word: null }); // B's own
     expect(logo.blocked_on).toEqual({ who: "alice", why: "eve's question, forwarded to alice" });
     expect(view.tasks.find((t) => t.task_id === "site")!.blocked_on).toEqual({
       who: "alice",
@@ -557,6 +557,21 @@ describe("the board: a live page for the operator, read-only, for the token's ho
       owner: "you",
       text: "eve asks, via bob: which sizes?",
     }]);
+  });
+
+  test("on a sub-task's executor's board, which task of whom it serves and whose work it is are its requester's word", () => {
+    // eve's board: bob asked eve for "logo", saying (his signed chain) it serves alice's task "site", for alice.
+    const a = A.id.publicKey, b = B.id.publicKey, e = eve.publicKey;
+    const fold = new BoardFold(tmpDir(), e, () => 1e12);
+    const sig = b64urlEncode(new Uint8Array(64)); // never checked: the journal holds what the gate admitted
+    const chain: Chain = { parent: "site", requester: a, owner: a, depth: 2, keys: [a, b], sig };
+    const ask = { from: b, to: e, text: "draw it", ts: 1e12, msg_id: "s", kind: "message" as const, task_id: "logo" };
+    fold.apply("s1", { t: "in", at: 1, peer: "bob", msg: { ...ask, sig }, chain });
+    const q = { ...ask, from: e, to: b, msg_id: "q", status: "needs_input" as const, text: "which sizes?", sig };
+    fold.apply("s1", { t: "out", at: 2, peer: "bob", recipient: b, msg: q });
+    const peers = parsePeers(JSON.stringify({ alice: { key: a }, bob: { key: b } }));
+    const logo = boardView(fold, { now: 1e12, peers, roster: [], problems: [], relays: [] }).tasks[0];
+    expect(logo.parent).toEqual({ task_id: "site", requester: "alice", owner: "alice", word: "bob" });
   });
 
   test("the fold reads only what a journal gained, and lists a moved session's task once, where it went", () => {

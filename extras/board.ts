@@ -55,6 +55,7 @@ import {
   type Options,
   type OptionSources,
   type OutEntry,
+  ownerWord,
   parseRoute,
   type Peers,
   type PeerSession,
@@ -149,8 +150,8 @@ export interface BoardView {
     status: TaskStatus | null;
     closed: boolean;
     blocked_on: { who: string; why: string } | null;
-    /** A sub-task: the task it serves, at its requester's node, and whose operator owns the work. */
-    parent: { task_id: string; requester: string; owner: string } | null;
+    /** A sub-task: the task it serves, at its requester's node, whose operator owns the work, and whose word that is. */
+    parent: { task_id: string; requester: string; owner: string; word: string | null } | null;
     last_at: number;
     messages: number;
     note: string;
@@ -458,6 +459,12 @@ export interface BoardContext {
 export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
   const { now, peers } = ctx;
   const name = (key: string) => (key === fold.selfKey ? "self" : peers.byKey.get(key) ?? fingerprint(key));
+  const claim = (t: TaskRow) => {
+    const by = ownerWord(t);
+    return by === undefined ? null : name(by);
+  };
+  /** A task's owner by name, and whose word it is when it is a peer's claim. */
+  const ownerSaid = (t: TaskRow) => name(taskOwner(t, fold.selfKey)) + (claim(t) ? ` (by ${claim(t)}'s word)` : "");
   const mine = [...fold.sessions.values()].filter((s) => !fold.foreign(s) && (!ctx.only || s.id === ctx.only));
   const cli = (words: string[], flags: ("key" | "peers" | "url" | "state")[]) =>
     ["interlink.ts", ...words, ...flags.flatMap((f) => (ctx.cli?.[f] ? [`--${f}`, ctx.cli[f]!] : []))].map(shellWord)
@@ -548,7 +555,7 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
         : open.some((q) => q.asked_by === "peer")
         ? { who: "you", why: `${peer} asked a question` }
         : forwarded
-        ? { who: name(taskOwner(t, fold.selfKey)), why: `${peer}'s question, forwarded to ${name(forwarded.to)}` }
+        ? { who: ownerSaid(t), why: `${peer}'s question, forwarded to ${name(forwarded.to)}` }
         : t.awaiting.length
         ? { who: peer, why: "your question waits for their answer" }
         : t.requested_by === "me"
@@ -559,6 +566,8 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
           task_id: boardText(t.parent.task_id),
           requester: name(t.parent.requester),
           owner: name(taskOwner(t, fold.selfKey)),
+          // Which task of whom a peer's task serves is that peer's word; so is an owner past who asked.
+          word: t.requested_by === "peer" ? peer : claim(t),
         }
         : null,
       last_at: t.last_at,
@@ -593,7 +602,7 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
           (q.text === undefined
             ? "(its text is no longer in the board's memory: `interlink.ts log` has it)"
             : boardText(q.text)),
-        owner: t.owner === undefined || t.owner === fold.selfKey ? "you" : name(t.owner),
+        owner: t.owner === undefined || t.owner === fold.selfKey ? "you" : ownerSaid(t),
         say: `answer ${peer}'s question ${showId(q.msg_id)} on task ${showId(t.task_id)}: <your answer>`,
         command: cli(
           ["send", to, "<your answer>", "--task", t.task_id, "--in-reply-to", q.msg_id, "--session", s.id, ...channel],
@@ -1020,7 +1029,8 @@ function taskCard(t) {
       h("span", null, "with " + t.peer + (t.peer_session ? " (session " + t.peer_session + ")" : "")),
       h("span", "dim", t.closed ? "closed" : "open")),
     h("div", "dim", "requested by " + t.requested_by +
-      (t.parent ? " · serves task " + t.parent.task_id + " of " + t.parent.requester + ", owned by " + t.parent.owner : "") +
+      (t.parent ? " · serves task " + t.parent.task_id + " of " + t.parent.requester + ", owned by " + t.parent.owner +
+        (t.parent.word ? ", by " + t.parent.word + "'s word" : "") : "") +
       (t.blocked_on ? " · waiting on " + t.blocked_on.who + ": " + t.blocked_on.why : "") +
       " · your session " + t.session + " · " + t.messages + " messages, last " + ago(t.last_at)),
     t.note ? h("div", "problem", t.note) : null,
