@@ -6478,7 +6478,7 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
   ];
   for (const runtime of ["bun", "deno"] as const) {
     pythonTest(
-      `on ${runtime}: wait's wake text of 3 MB reaches a non-blocking stderr read 3 s late whole (its messages are marked shown)`,
+      `on ${runtime}: wait's wake text of 170 KB (more than a pipe holds) reaches a non-blocking stderr read 3 s late whole (its message is marked shown)`,
       async () => {
         const root = tmpDir();
         const [A, B] = [await makeNodeFiles(root, "alice"), await makeNodeFiles(root, "bob")];
@@ -6487,7 +6487,8 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
         fs.mkdirSync(dir, { recursive: true });
         const records = [];
         for (let i = 0; i < 1; i++) {
-          const text = `MSG${i}START ${"x".repeat(3_000_000)} MSG${i}END`; // an answer holds one message whole
+          // Cut to INBOX_ANSWER_MAX_CHARS less its head: 56,000 characters of three bytes each in UTF-8.
+          const text = `MSG${i}START ${"中".repeat(100_000)} MSG${i}END`;
           records.push({
             t: "in" as const,
             peer: "alice",
@@ -6505,10 +6506,13 @@ describe("the MCP server's envelope: JSON-RPC 2.0 as MCP says, over stdio", () =
         await new Promise((r) => setTimeout(r, 3000)); // a host that reads late: the pipe is full long before
         const [stderr, code] = await Promise.all([new Response(proc.stderr).text(), proc.exited]);
         expect(code).toBe(2);
-        expect({ whole: stderr.includes("MSG0END"), chars: stderr.length > 3_000_000 }).toEqual({
-          whole: true,
-          chars: true,
-        });
+        const end = stderr.lastIndexOf("中") + 1; // where the cut text ends: the block closes right after it
+        expect({ cut: /cut="\d+ of its 100018 characters/.test(stderr), bytes: Buffer.byteLength(stderr) > 150_000 })
+          .toEqual({
+            cut: true,
+            bytes: true,
+          });
+        expect(stderr.slice(end)).toStartWith("\n</interlink-message>"); // whole: nothing of it lost in the pipe
       },
       60_000,
     );
