@@ -26,7 +26,7 @@ const USAGE = `Usage: bun dev/crashdrill.ts [options]
        deno run -A dev/crashdrill.ts [options]
 
 Starts a bus on a loopback port, has senders post signed messages (odd ones in batches) and a reader per route
-receive and ack them, and kills the bus with SIGKILL at random moments (one kill in five during its start), restarting
+receive and ack them (lagging now and then), and kills the bus with SIGKILL at random moments (one kill in five during its start), restarting
 it on the same folder each time. Then it drains every route, kills it once more and looks again. Counts: lost (answered
 202, never received), shown again after its ack was answered, out of order per route, redelivered before an ack.
 
@@ -198,7 +198,10 @@ async function readOnce(route: string, waitMs: number): Promise<boolean> {
   return true;
 }
 async function reader(route: string): Promise<void> {
-  while (reading) await readOnce(route, 500);
+  while (reading) {
+    if (random(20) === 0) await sleep(random(upMs)); // now and then it lags: a kill finds a backlog to recover
+    await readOnce(route, 500);
+  }
 }
 
 // -- the drill --------------------------------------------------------------------
