@@ -108,7 +108,8 @@ const numberOf = new Map<string, number>(), routeOf = new Map<string, string>();
 const answered202 = new Set<string>();
 const received = new Set<string>();
 const ackAnswered = new Set<string>();
-const count = { sent: 0, unanswered: 0, refused: 0, redelivered: 0, shownAfterAck: 0, outOfOrder: 0 };
+const count = { sent: 0, unanswered: 0, redelivered: 0, shownAfterAck: 0, outOfOrder: 0 };
+const refusedBy: Record<number, number> = {}; // HTTP status → messages refused with it (429: a full route)
 const shownAfterAck: string[] = [], outOfOrder: string[] = [];
 const highest = new Map<string, number>(); // per route, the highest number received
 let sending = true, reading = true;
@@ -145,7 +146,7 @@ async function sender(i: number): Promise<void> {
         const status = results[k]?.status;
         if (status === 202) answered202.add(m.msg_id);
         else if (status === undefined) count.unanswered++;
-        else count.refused++;
+        else refusedBy[status] = (refusedBy[status] ?? 0) + 1;
       });
       if (results.some((x) => x.status !== 202)) await sleep(50);
     } catch {
@@ -251,7 +252,7 @@ const report = {
   seconds: Math.round((performance.now() - t0) / 100) / 10,
   sent: count.sent,
   answered_202: answered202.size,
-  refused: count.refused,
+  refused: refusedBy,
   unanswered: count.unanswered,
   received: received.size,
   received_without_202: [...received].filter((m) => !answered202.has(m)).length,
