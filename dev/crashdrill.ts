@@ -26,15 +26,17 @@ const USAGE = `Usage: bun dev/crashdrill.ts [options]
        deno run -A dev/crashdrill.ts [options]
 
 Starts a bus on a loopback port, has senders post signed messages (odd ones in batches) and a reader per route
-receive and ack them (lagging now and then), and kills the bus with SIGKILL at random moments (one kill in five during its start), restarting
-it on the same folder each time. Then it drains every route, kills it once more and looks again. Counts: lost (answered
-202, never received), shown again after its ack was answered, out of order per route, redelivered before an ack.
+receive and ack them (lagging now and then), and kills the bus with SIGKILL at random moments (one kill in five within
+300 ms of its spawn), restarting it on the same folder each time. Then it drains every route, kills it once more and
+looks again. Counts: lost (answered 202, never received), shown again after its ack was answered, out of order per
+route, handed again before an ack.
 
 Options:
   --bus-runtime bun|deno  the bus's runtime (default: this one's)
   --kills N               SIGKILLs (default 20)
   --senders N             senders, one route each (default 4)
-  --up-ms N               a started bus lives up to N ms before its kill (default 1500)
+  --up-ms N               a started bus lives up to N ms before its kill; a lagging reader pauses up to N ms
+                          (default 1500)
   --keep                  keep the temporary folder (the bus's data and its stderr)
   -h, --help              show this help`;
 
