@@ -1062,29 +1062,18 @@ const x25519Keys = new BoundedMap<string, Bytes | string>(KEY_CACHE_CAP);
  * there is none: a non-canonical y, or a point of small order (its shared secrets would be known to anyone).
  */
 function x25519Public(edKey: string): Bytes | string {
-  let u = x25519Keys.get(edKey);
-  if (u === undefined) {
-    const raw = orWhy(() => decodeKey(edKey)), yBytes = typeof raw === "string" ? raw : raw.slice();
-    if (typeof yBytes !== "string") yBytes[31] &= 0x7f; // the top bit is x's sign
-    const y = typeof yBytes === "string" ? P : littleEndianToBigInt(yBytes);
-    u = typeof raw === "string"
-      ? raw
-      : y >= P || hasSmallOrder(raw)
-      ? "the key is not a canonical Ed25519 point of large order"
-      : leBytes32(((1n + y) * modPow(P + 1n - y, P - 2n)) % P);
-    x25519Keys.set(edKey, u);
-  }
+  const known = x25519Keys.get(edKey);
+  if (known !== undefined) return known;
+  const raw = orWhy(() => decodeKey(edKey));
+  const y = typeof raw === "string" ? P : littleEndianToBigInt(raw) % 2n ** 255n; // the top bit is x's sign
+  const u = typeof raw === "string"
+    ? raw
+    : y >= P || hasSmallOrder(raw)
+    ? "the key is not a canonical Ed25519 point of large order"
+    : leBytes32(((1n + y) * modPow(P + 1n - y, P - 2n)) % P);
+  x25519Keys.set(edKey, u);
   return u;
 }
-
-/** X25519 u-coordinates of small order below p (RFC 7748 §7): a shared secret with one of them is known to anyone. */
-const SMALL_ORDER_U = new Set([
-  0n,
-  1n,
-  P - 1n,
-  325606250916557431795983626356110631294008115727848805560023387167927233504n,
-  39382357235489614581723060781553021112529911719440698176882885853963445705823n,
-]);
 
 /** The X25519 secret scalar of an Ed25519 seed: the first half of SHA-512(seed), clamped (RFC 8032 §5.1.5). */
 async function x25519Scalar(seed: Uint8Array): Promise<Bytes> {
@@ -1287,30 +1276,6 @@ function sealSize(n: number): number {
   return size >= n ? size : Math.ceil(n / SEAL_PAD_STEP) * SEAL_PAD_STEP;
 }
 
-/**
- * From the X25519 secret `secret` and the other side's public key `pub` (checked: canonical, not of small order, and a
- * shared secret not zero), HKDF-SHA-256 (salt: the ephemeral key ‖ the recipient's, info: SEAL_DOMAIN) makes one
- * message's AES-256-GCM key and nonce: the ephemeral key is new for each message, so neither is ever used twice.
- */
-async function sealKeys(
-  secret: CryptoKey,
-  pub: Bytes,
-  eph: Bytes,
-  rcpt: Bytes,
-): Promise<{ key: CryptoKey; iv: Bytes }> {
-  const u = littleEndianToBigInt(pub);
-  if (u >= P) throw new FormatError("its ephemeral key is not a canonical X25519 point");
-  if (SMALL_ORDER_U.has(u)) throw new FormatError("its ephemeral key is a point of small order");
-  const other = await crypto.subtle.importKey("raw", pub, { name: "X25519" }, false, []);
-  const shared = new Uint8Array(await crypto.subtle.deriveBits({ name: "X25519", public: other }, secret, 256));
-  if (shared.every((b) => b === 0)) throw new FormatError("its shared secret is zero");
-  const ikm = await crypto.subtle.importKey("raw", shared, "HKDF", false, ["deriveBits"]);
-  const hkdf = { name: "HKDF", hash: "SHA-256", salt: concatBytes([eph, rcpt]), info: utf8.encode(SEAL_DOMAIN) };
-  const okm = new Uint8Array(await crypto.subtle.deriveBits(hkdf, ikm, 44 * 8));
-  const key = await crypto.subtle.importKey("raw", okm.slice(0, 32), "AES-GCM", false, ["encrypt", "decrypt"]);
-  return { key, iv: okm.slice(32) };
-}
-
 /** The AEAD's associated data: a box opens only as the message of this sender, recipient, ts and msg_id. */
 const sealedData = (m: Omit<SignedMessage, "sig">): Bytes =>
   signedBytes(SEAL_DOMAIN, [
@@ -1319,6 +1284,27 @@ const sealedData = (m: Omit<SignedMessage, "sig">): Bytes =>
     u64le(m.ts),
     ...lengthPrefixed(m.msg_id),
   ]);
+
+/**
+ * One message's AES-256-GCM key and parameters, from the X25519 secret `secret` and the other side's key `pub`:
+ * HKDF-SHA-256 (salt: the ephemeral key ‖ the recipient's, info: SEAL_DOMAIN) makes the key and nonce, never used twice
+ * as the ephemeral key is new for each message. A key of small order (RFC 7748 §7) gives an all-zero secret, known to
+ * anyone: WebCrypto refuses it (Bun and Deno) or returns it.
+ */
+async function sealKeys(secret: CryptoKey, pub: Bytes, eph: Bytes, m: Omit<SignedMessage, "sig">) {
+  if (littleEndianToBigInt(pub) >= P) throw new FormatError("its ephemeral key is not a canonical X25519 point");
+  const other = await crypto.subtle.importKey("raw", pub, { name: "X25519" }, false, []);
+  const shared = await crypto.subtle.deriveBits({ name: "X25519", public: other }, secret, 256).catch(() => null);
+  if (!shared || new Uint8Array(shared).every((b) => b === 0)) {
+    throw new FormatError("its ephemeral key is a point of small order");
+  }
+  const ikm = await crypto.subtle.importKey("raw", shared, "HKDF", false, ["deriveBits"]);
+  const rcpt = x25519Public(m.to) as Bytes; // checked by sealMessage, and by the gate (`to` is ours)
+  const hkdf = { name: "HKDF", hash: "SHA-256", salt: concatBytes([eph, rcpt]), info: utf8.encode(SEAL_DOMAIN) };
+  const okm = new Uint8Array(await crypto.subtle.deriveBits(hkdf, ikm, 44 * 8));
+  const key = await crypto.subtle.importKey("raw", okm.slice(0, 32), "AES-GCM", false, ["encrypt", "decrypt"]);
+  return { key, aead: { name: "AES-GCM", iv: okm.slice(32), additionalData: sealedData(m) } };
+}
 
 /**
  * Seals `msg` (signed, kind "message") to its recipient: its signature, text, task fields and chain, padded (sealSize),
@@ -1334,14 +1320,12 @@ async function sealMessage(id: Identity, msg: SignedMessage, chain?: Chain, ephe
   // A new key for each message: a random scalar, clamped on import (RFC 7748 §5), as generateKey's.
   const secret = await x25519Secret(ephemeral ?? crypto.getRandomValues(new Uint8Array(32)), true);
   const eph = b64urlDecode((await crypto.subtle.exportKey("jwk", secret)).x, 32, "ephemeral key");
-  const { key, iv } = await sealKeys(secret, rcpt, eph, rcpt);
+  const { key, aead } = await sealKeys(secret, rcpt, eph, msg);
   const fields = [msg.text, msg.status, msg.task_id, msg.in_reply_to, chain && JSON.stringify(chain)];
   const content = concatBytes([b64urlDecode(msg.sig, 64, "sig"), ...fields.flatMap((f) => lengthPrefixed(f ?? ""))]);
   const padded = new Uint8Array(sealSize(content.length));
   padded.set(content);
-  const aead = { name: "AES-GCM", iv, additionalData: sealedData(msg) };
-  const box = new Uint8Array(await crypto.subtle.encrypt(aead, key, padded));
-  const text = b64urlEncode(concatBytes([eph, box]));
+  const text = b64urlEncode(concatBytes([eph, new Uint8Array(await crypto.subtle.encrypt(aead, key, padded))]));
   return await signMessage(id, { to: msg.to, text, kind: "sealed", msg_id: msg.msg_id }, msg.ts);
 }
 
@@ -1357,15 +1341,10 @@ async function openSealed(
   const least = 32 + SEAL_PAD_MIN + 16; // the ephemeral key, the smallest size class, the tag
   if (box.length < least) return `its box is ${box.length} bytes, under the ${least} of the smallest (cut short)`;
   try {
-    const eph = box.subarray(0, 32), rcpt = x25519Public(m.to) as Bytes; // the gate checked `to` is ours
-    const { key, iv } = await sealKeys(secret, eph, eph, rcpt);
-    const aead = { name: "AES-GCM", iv, additionalData: sealedData(m) };
-    const content = new Uint8Array(
-      await crypto.subtle.decrypt(aead, key, box.subarray(32)).catch(() => {
-        throw new FormatError("it does not open (sealed to another key, or altered)");
-      }),
-    );
-    const view = new DataView(content.buffer);
+    const { key, aead } = await sealKeys(secret, box.subarray(0, 32), box.subarray(0, 32), m);
+    const opened = await crypto.subtle.decrypt(aead, key, box.subarray(32)).catch(() => null);
+    if (!opened) return "it does not open (sealed to another key, or altered)";
+    const content = new Uint8Array(opened), view = new DataView(opened);
     let at = 64;
     const [text, status, task_id, in_reply_to, chain] = [0, 1, 2, 3, 4].map(() => {
       const n = at + 4 <= content.length ? view.getUint32(at, true) : Infinity;
@@ -1373,19 +1352,8 @@ async function openSealed(
       return strictUtf8.decode(content.subarray(at + 4, at += 4 + n));
     });
     if (content.subarray(at).some((b) => b !== 0)) throw new FormatError("its padding is not zeros");
-    const sig = b64urlEncode(content.subarray(0, 64)), { from, to, ts, msg_id } = m;
-    const msg = parseSignedMessage({
-      from,
-      to,
-      ts,
-      msg_id,
-      kind: "message",
-      text,
-      status: status || undefined,
-      task_id,
-      in_reply_to,
-      sig,
-    });
+    const fields = { kind: "message", text, status: status || undefined, task_id, in_reply_to };
+    const msg = parseSignedMessage({ ...m, ...fields, sig: b64urlEncode(content.subarray(0, 64)) });
     const bad = await verifyMessage(msg);
     if (bad) return `what it holds is not signed by its sender (${bad})`;
     return { msg, ...(chain ? { chain: orWhy(() => JSON.parse(chain)) } : {}) };
