@@ -1634,6 +1634,15 @@ function storageError(e: unknown, folder: string): Error {
   return e as Error;
 }
 
+/** `f()`, or `fallback` if it throws: for reads where a missing or unreadable file has a plain answer. */
+function orElse<T, F>(f: () => T, fallback: F): T | F {
+  try {
+    return f();
+  } catch {
+    return fallback;
+  }
+}
+
 /** Calls `use` with `file` opened with `flags` (created 0600), and closes it after. */
 function withFd<T>(file: string, flags: string, use: (fd: number) => T): T {
   const fd = fs.openSync(file, flags, 0o600);
@@ -1745,13 +1754,8 @@ function setAside(file: string, offset: number, reason: string, line: string): v
   });
 }
 
-function corruptLines(file: string): string[] {
-  try {
-    return fs.readFileSync(corruptFile(file), "utf8").split("\n").filter((l) => l.trim() !== "");
-  } catch {
-    return [];
-  }
-}
+const corruptLines = (file: string): string[] =>
+  orElse(() => fs.readFileSync(corruptFile(file), "utf8"), "").split("\n").filter((l) => l.trim() !== "");
 
 const corruptCount = (file: string): number => corruptLines(file).length;
 
@@ -1759,14 +1763,10 @@ const corruptCount = (file: string): number => corruptLines(file).length;
 function damagedOutbox(file: string): { offset: number; reason: string; msgId?: string }[] {
   const out: { offset: number; reason: string; msgId?: string }[] = [];
   for (const line of corruptLines(file)) {
-    try {
-      const q = JSON.parse(line);
-      if (!isObject(q) || typeof q.line !== "string" || !/"t"\s*:\s*"out"/.test(q.line)) continue;
-      const msgId = q.line.match(/"msg_id"\s*:\s*"([^"\\]{1,128})"/)?.[1];
-      out.push({ offset: Number(q.offset), reason: String(q.reason), ...(msgId ? { msgId } : {}) });
-    } catch {
-      // a torn line of the side file itself
-    }
+    const q = orElse(() => JSON.parse(line), null); // null: a torn line of the side file itself
+    if (!isObject(q) || typeof q.line !== "string" || !/"t"\s*:\s*"out"/.test(q.line)) continue;
+    const msgId = q.line.match(/"msg_id"\s*:\s*"([^"\\]{1,128})"/)?.[1];
+    out.push({ offset: Number(q.offset), reason: String(q.reason), ...(msgId ? { msgId } : {}) });
   }
   return out;
 }
@@ -1937,21 +1937,10 @@ function writeFileDurably(file: string, text: string | Uint8Array | Fill): numbe
   });
 }
 
-function syncDirectory(dir: string): void {
-  try {
-    withFd(dir, "r", fs.fsyncSync);
-  } catch {
-    // Some filesystems refuse fsync on a directory; the rename is still atomic.
-  }
-}
+// Some filesystems refuse fsync on a directory; the rename is still atomic.
+const syncDirectory = (dir: string): void => orElse(() => withFd(dir, "r", fs.fsyncSync), undefined);
 
-function statOf(file: string): fs.Stats | undefined {
-  try {
-    return fs.statSync(file);
-  } catch {
-    return undefined;
-  }
-}
+const statOf = (file: string): fs.Stats | undefined => orElse(() => fs.statSync(file), undefined);
 
 const fileSize = (file: string): number => statOf(file)?.size ?? 0;
 /** A file's inode number, 0 if it does not exist: tells a file replaced by a rename from the one read before. */
@@ -1993,22 +1982,16 @@ function pidAlive(pid: number): boolean {
 
 /** One `ps` column of a process, or "" when it cannot be read. */
 function psColumn(pid: number, column: string, env?: NodeJS.ProcessEnv): string {
-  try {
-    const r = spawnSync("ps", ["-o", `${column}=`, "-p", String(pid)], { encoding: "utf8", timeout: 2000, env });
-    return r.status === 0 ? r.stdout.trim() : "";
-  } catch {
-    return ""; // no ps, or not allowed to run it
-  }
+  const ps = () => spawnSync("ps", ["-o", `${column}=`, "-p", String(pid)], { encoding: "utf8", timeout: 2000, env });
+  const r = orElse(ps, null); // null: no ps, or not allowed to run it
+  return r?.status === 0 ? r.stdout.trim() : "";
 }
 
 /** The command line of a process (Linux /proc; elsewhere `ps`), or "" when it cannot be read. */
 function processArgv(pid: number | undefined): string {
   if (!pid) return "";
-  try {
-    return fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim();
-  } catch {
-    return psColumn(pid, "args");
-  }
+  const argv = orElse(() => fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim(), null);
+  return argv ?? psColumn(pid, "args");
 }
 
 /** How long a start read from `ps` is reused: lock checks come in bursts, and each `ps` is a process. */
@@ -2019,19 +2002,12 @@ const PROC_START_RE = /^[0-9a-f-]*:\d+$/;
 let bootId: string | undefined;
 
 function procStart(pid: number): string | null {
-  try {
-    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8");
-    bootId ??= (() => {
-      try {
-        return fs.readFileSync("/proc/sys/kernel/random/boot_id", "utf8").trim();
-      } catch {
-        return ""; // the ticks alone: a reboot is when a pid could come back with the same ones
-      }
-    })();
-    return `${bootId}:${stat.slice(stat.lastIndexOf(")") + 2).split(" ")[19]}`; // field 22: starttime
-  } catch {
-    return null; // no /proc, not this pid, or not allowed (Deno reads /proc only with --allow-all)
-  }
+  // null: no /proc, not this pid, or not allowed (Deno reads /proc only with --allow-all)
+  const stat = orElse(() => fs.readFileSync(`/proc/${pid}/stat`, "utf8"), null);
+  if (stat === null) return null;
+  // "": the ticks alone; a reboot is when a pid could come back with the same ones
+  bootId ??= orElse(() => fs.readFileSync("/proc/sys/kernel/random/boot_id", "utf8").trim(), "");
+  return `${bootId}:${stat.slice(stat.lastIndexOf(")") + 2).split(" ")[19]}`; // field 22: starttime
 }
 
 function psStart(pid: number): string | null {
@@ -2171,12 +2147,7 @@ class PidLock {
   }
 
   release(): void {
-    if (readLockFile(this.file)?.text !== this.content) return;
-    try {
-      fs.unlinkSync(this.file);
-    } catch {
-      // already gone
-    }
+    if (readLockFile(this.file)?.text === this.content) orElse(() => fs.unlinkSync(this.file), undefined); // already gone
   }
 }
 
