@@ -1082,12 +1082,12 @@ async function x25519Scalar(seed: Uint8Array): Promise<Bytes> {
   return h;
 }
 
-/** PKCS#8 wrapper for a raw X25519 scalar (RFC 8410), as for Ed25519 below. */
-const PKCS8_X25519_PREFIX = Buffer.from("302e020100300506032b656e04220420", "hex");
+/** A raw 32-byte private key in PKCS#8 (RFC 8410; OID 1.3.101.110 or .112), the only import form WebCrypto takes. */
+const pkcs8 = (kind: "X25519" | "Ed25519", key: Uint8Array): Bytes =>
+  concatBytes([Buffer.from(`302e020100300506032b65${kind === "X25519" ? "6e" : "70"}04220420`, "hex"), key]);
+
 const x25519Secret = (scalar: Uint8Array, extractable = false): Promise<CryptoKey> =>
-  crypto.subtle.importKey("pkcs8", concatBytes([PKCS8_X25519_PREFIX, scalar]), { name: "X25519" }, extractable, [
-    "deriveBits",
-  ]);
+  crypto.subtle.importKey("pkcs8", pkcs8("X25519", scalar), { name: "X25519" }, extractable, ["deriveBits"]);
 
 /** A node's own key pair. The seed never leaves this object except into the key file. */
 interface Identity {
@@ -1097,15 +1097,12 @@ interface Identity {
   sign(bytes: Bytes): Promise<string>;
 }
 
-/** PKCS#8 wrapper for a raw 32-byte Ed25519 seed (RFC 8410), the only import form WebCrypto takes. */
-const PKCS8_ED25519_PREFIX = Buffer.from("302e020100300506032b657004220420", "hex");
-
 async function identityFromSeed(seed: Uint8Array): Promise<Identity> {
   if (seed.length !== 32) throw new FormatError("an Ed25519 seed is 32 bytes");
-  const pkcs8 = new Uint8Array([...PKCS8_ED25519_PREFIX, ...seed]);
-  const exportable = await crypto.subtle.importKey("pkcs8", pkcs8, { name: "Ed25519" }, true, ["sign"]);
+  const der = pkcs8("Ed25519", seed);
+  const exportable = await crypto.subtle.importKey("pkcs8", der, { name: "Ed25519" }, true, ["sign"]);
   const publicKey = (await crypto.subtle.exportKey("jwk", exportable)).x!;
-  const signingKey = await crypto.subtle.importKey("pkcs8", pkcs8, { name: "Ed25519" }, false, ["sign"]);
+  const signingKey = await crypto.subtle.importKey("pkcs8", der, { name: "Ed25519" }, false, ["sign"]);
   return {
     publicKey,
     fingerprint: fingerprint(publicKey),
@@ -1395,13 +1392,17 @@ class ReplayMemory {
   /** Records an admitted message (the gate checked pressure); `logged`: read from a replay file, else journal-only. */
   remember(sender: string, msgId: string, ts: number, nowMs: number, logged = false): void {
     const key = `${sender} ${msgId}`;
-    const inFile = logged || this.logged(key);
+    this.#add(key, ts, logged || this.logged(key));
+    this.forget(nowMs);
+  }
+
+  /** Puts `key` last, as the newest admission. */
+  #add(key: string, ts: number, inFile: boolean): void {
     if (!this.#seen.delete(key)) this.#count(key, 1);
     this.#seen.set(key, ts);
     this.#newest = Math.max(this.#newest, ts);
     if (inFile) this.#unlogged.delete(key);
     else this.#unlogged.add(key);
-    this.forget(nowMs);
   }
 
   /** True when a replay file holds this entry. */
@@ -1459,13 +1460,7 @@ class ReplayMemory {
 
   /** Takes back what a 0.5.0 checkpoint kept of entries() (a journal's, as far as it knows), before anything newer. */
   restore(entries: [string, number][]): void {
-    for (const [key, ts] of entries) {
-      if (this.#seen.has(key)) continue;
-      this.#seen.set(key, ts);
-      this.#newest = Math.max(this.#newest, ts);
-      this.#count(key, 1);
-      this.#unlogged.add(key);
-    }
+    for (const [key, ts] of entries) if (!this.#seen.has(key)) this.#add(key, ts, false);
   }
 
   /**
@@ -2055,23 +2050,14 @@ function knownServer(owner: LockOwner): boolean {
 const SERVER_ARGV_RE = /interlink\S*\s(.*\s)?mcp(\s|$)/;
 
 function readLockFile(file: string): { text: string; owner: LockOwner | null; mtimeMs: number } | null {
-  let text: string, mtimeMs: number;
-  try {
-    text = fs.readFileSync(file, "utf8");
-    mtimeMs = fs.statSync(file).mtimeMs;
-  } catch {
-    return null;
+  const read = orElse(() => ({ text: fs.readFileSync(file, "utf8"), mtimeMs: fs.statSync(file).mtimeMs }), null);
+  if (read === null) return null;
+  const owner = orElse(() => JSON.parse(read.text), null); // not a lock we wrote: see LOCK_GRACE_MS
+  if (!isObject(owner) || !Number.isSafeInteger(owner.pid) || (owner.pid as number) <= 0) {
+    return { ...read, owner: null };
   }
-  try {
-    const owner = JSON.parse(text);
-    if (isObject(owner) && Number.isSafeInteger(owner.pid) && (owner.pid as number) > 0) {
-      if (typeof owner.start !== "string") delete owner.start; // as a lock of an earlier version
-      return { text, owner: owner as unknown as LockOwner, mtimeMs };
-    }
-  } catch {
-    // not a lock we wrote: see LOCK_GRACE_MS
-  }
-  return { text, owner: null, mtimeMs };
+  if (typeof owner.start !== "string") delete owner.start; // as a lock of an earlier version
+  return { ...read, owner: owner as unknown as LockOwner };
 }
 
 function lockOwner(file: string): LockOwner | null {
