@@ -1283,10 +1283,9 @@ const sealedData = (m: Omit<SignedMessage, "sig">): Bytes =>
   ]);
 
 /**
- * One message's AES-256-GCM key and parameters, from the X25519 secret `secret` and the other side's key `pub`:
- * HKDF-SHA-256 (salt: the ephemeral key ‖ the recipient's, info: SEAL_DOMAIN) makes the key and nonce, never used twice
- * as the ephemeral key is new for each message. A key of small order (RFC 7748 §7) gives an all-zero secret, known to
- * anyone: WebCrypto refuses it (Bun and Deno) or returns it.
+ * One message's AES-256-GCM key, nonce and data, from X25519 of `secret` and the other side's `pub`, then HKDF-SHA-256
+ * (salt: the ephemeral key ‖ the recipient's; info: SEAL_DOMAIN): new for each ephemeral key, so never used twice. A
+ * `pub` of small order (RFC 7748 §7) gives an all-zero secret, known to anyone, which WebCrypto (Bun, Deno) refuses.
  */
 async function sealKeys(secret: CryptoKey, pub: Bytes, eph: Bytes, m: Omit<SignedMessage, "sig">) {
   if (littleEndianToBigInt(pub) >= P) throw new FormatError("its ephemeral key is not a canonical X25519 point");
@@ -1304,12 +1303,10 @@ async function sealKeys(secret: CryptoKey, pub: Bytes, eph: Bytes, m: Omit<Signe
 }
 
 /**
- * Seals `msg` (signed, kind "message") to its recipient: its signature, text, task fields and chain, padded (sealSize),
- * go into an AES-256-GCM box (sealKeys) under an ephemeral X25519 key (`ephemeral`: a fixed one, for test vectors
- * only); the box, after that key, is the text of a message of kind "sealed" with the same from, to, ts and msg_id,
- * signed. Each part blocks an attack: the outer signature, a relay altering the box; the associated data, a box moved
- * to another message or recipient; the inner signature, over a `to` it names, a peer that opened a message passing it
- * on to a third node as its sender's.
+ * Seals `msg` (signed, kind "message") and its chain to its recipient, as a signed message of kind "sealed" with the
+ * same from, to, ts and msg_id (layout: docs/wire.md; `ephemeral` is fixed only for test vectors). Each part blocks an
+ * attack: the outer signature, a relay altering the box; the associated data, a box moved to another message or
+ * recipient; the inner signature, over a `to` it names, a peer that opened a message passing it on to a third node.
  */
 async function sealMessage(id: Identity, msg: SignedMessage, chain?: Chain, ephemeral?: Uint8Array) {
   const rcpt = x25519Public(msg.to);
@@ -1365,9 +1362,9 @@ async function openSealed(
 
 /**
  * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. An entry older than
- * REPLAY_KEPT_MS is forgotten: the gate refuses its replay, and any copy of it, as stale. Rebuilt at start from the replay files (SeenLog) and the
- * journal, so a replay after a restart is still refused. Entries only a journal holds (`logged` false) are written to
- * the replay files before a roll-over or an adoption leaves their records where no start reads.
+ * REPLAY_KEPT_MS is forgotten: the gate refuses its replay, and any copy of it, as stale. Rebuilt at start from the
+ * replay files (SeenLog) and the journal, so a replay after a restart is still refused. Entries only a journal holds
+ * (`logged` false) go to the replay files before a roll-over or an adoption leaves their records where no start reads.
  */
 class ReplayMemory {
   #seen = new Map<string, number>(); // "<sender> <msg_id>" → message ts, in admission order
@@ -1491,8 +1488,9 @@ class ReplayMemory {
  * The inbound gate (SPEC "Inbound gate"), a pure function of its arguments: every payload drained from a bus goes
  * through it before the model sees anything, and the steps run in this order:
  *   1. parse  2. verify (the authenticated key is the sender)  3. addressed to us
- *   4. allowlisted, except a stranger's knock or accept  5. fresh  6. opened, if sealed (with `opens`, our X25519
- *   secret; only a peer's is opened, so strangers' cost what any refused message costs)  7. not a replay  8. dispatch: a peer's message is delivered, a receipt updates what we sent, a knock is held for the operator, an
+ *   4. allowlisted, except a stranger's knock or accept  5. fresh  6. opened, if sealed, with `opens` (our X25519
+ *      secret; only a peer's is opened, so strangers' cost what any refused message costs)  7. not a replay
+ *   8. dispatch: a peer's message is delivered, a receipt updates what we sent, a knock is held for the operator, an
  *      accept counts only if we knocked that key (and, when it names the request it answers, only for that request).
  * The caller records admitted messages in `replay` (and its log) afterwards.
  */
@@ -2133,7 +2131,8 @@ class PidLock {
   }
 
   release(): void {
-    if (readLockFile(this.file)?.text === this.content) orElse(() => fs.unlinkSync(this.file), undefined); // already gone
+    // A failed unlink: it is gone already.
+    if (readLockFile(this.file)?.text === this.content) orElse(() => fs.unlinkSync(this.file), undefined);
   }
 }
 
