@@ -1062,29 +1062,18 @@ const x25519Keys = new BoundedMap<string, Bytes | string>(KEY_CACHE_CAP);
  * there is none: a non-canonical y, or a point of small order (its shared secrets would be known to anyone).
  */
 function x25519Public(edKey: string): Bytes | string {
-  let u = x25519Keys.get(edKey);
-  if (u === undefined) {
-    const raw = orWhy(() => decodeKey(edKey)), yBytes = typeof raw === "string" ? raw : raw.slice();
-    if (typeof yBytes !== "string") yBytes[31] &= 0x7f; // the top bit is x's sign
-    const y = typeof yBytes === "string" ? P : littleEndianToBigInt(yBytes);
-    u = typeof raw === "string"
-      ? raw
-      : y >= P || hasSmallOrder(raw)
-      ? "the key is not a canonical Ed25519 point of large order"
-      : leBytes32(((1n + y) * modPow(P + 1n - y, P - 2n)) % P);
-    x25519Keys.set(edKey, u);
-  }
+  const known = x25519Keys.get(edKey);
+  if (known !== undefined) return known;
+  const raw = orWhy(() => decodeKey(edKey));
+  const y = typeof raw === "string" ? P : littleEndianToBigInt(raw) % 2n ** 255n; // the top bit is x's sign
+  const u = typeof raw === "string"
+    ? raw
+    : y >= P || hasSmallOrder(raw)
+    ? "the key is not a canonical Ed25519 point of large order"
+    : leBytes32(((1n + y) * modPow(P + 1n - y, P - 2n)) % P);
+  x25519Keys.set(edKey, u);
   return u;
 }
-
-/** X25519 u-coordinates of small order below p (RFC 7748 §7): a shared secret with one of them is known to anyone. */
-const SMALL_ORDER_U = new Set([
-  0n,
-  1n,
-  P - 1n,
-  325606250916557431795983626356110631294008115727848805560023387167927233504n,
-  39382357235489614581723060781553021112529911719440698176882885853963445705823n,
-]);
 
 /** The X25519 secret scalar of an Ed25519 seed: the first half of SHA-512(seed), clamped (RFC 8032 §5.1.5). */
 async function x25519Scalar(seed: Uint8Array): Promise<Bytes> {
@@ -1093,12 +1082,12 @@ async function x25519Scalar(seed: Uint8Array): Promise<Bytes> {
   return h;
 }
 
-/** PKCS#8 wrapper for a raw X25519 scalar (RFC 8410), as for Ed25519 below. */
-const PKCS8_X25519_PREFIX = Buffer.from("302e020100300506032b656e04220420", "hex");
+/** A raw 32-byte private key in PKCS#8 (RFC 8410; OID 1.3.101.110 or .112), the only import form WebCrypto takes. */
+const pkcs8 = (kind: "X25519" | "Ed25519", key: Uint8Array): Bytes =>
+  concatBytes([Buffer.from(`302e020100300506032b65${kind === "X25519" ? "6e" : "70"}04220420`, "hex"), key]);
+
 const x25519Secret = (scalar: Uint8Array, extractable = false): Promise<CryptoKey> =>
-  crypto.subtle.importKey("pkcs8", concatBytes([PKCS8_X25519_PREFIX, scalar]), { name: "X25519" }, extractable, [
-    "deriveBits",
-  ]);
+  crypto.subtle.importKey("pkcs8", pkcs8("X25519", scalar), { name: "X25519" }, extractable, ["deriveBits"]);
 
 /** A node's own key pair. The seed never leaves this object except into the key file. */
 interface Identity {
@@ -1108,15 +1097,12 @@ interface Identity {
   sign(bytes: Bytes): Promise<string>;
 }
 
-/** PKCS#8 wrapper for a raw 32-byte Ed25519 seed (RFC 8410), the only import form WebCrypto takes. */
-const PKCS8_ED25519_PREFIX = Buffer.from("302e020100300506032b657004220420", "hex");
-
 async function identityFromSeed(seed: Uint8Array): Promise<Identity> {
   if (seed.length !== 32) throw new FormatError("an Ed25519 seed is 32 bytes");
-  const pkcs8 = new Uint8Array([...PKCS8_ED25519_PREFIX, ...seed]);
-  const exportable = await crypto.subtle.importKey("pkcs8", pkcs8, { name: "Ed25519" }, true, ["sign"]);
+  const der = pkcs8("Ed25519", seed);
+  const exportable = await crypto.subtle.importKey("pkcs8", der, { name: "Ed25519" }, true, ["sign"]);
   const publicKey = (await crypto.subtle.exportKey("jwk", exportable)).x!;
-  const signingKey = await crypto.subtle.importKey("pkcs8", pkcs8, { name: "Ed25519" }, false, ["sign"]);
+  const signingKey = await crypto.subtle.importKey("pkcs8", der, { name: "Ed25519" }, false, ["sign"]);
   return {
     publicKey,
     fingerprint: fingerprint(publicKey),
@@ -1287,30 +1273,6 @@ function sealSize(n: number): number {
   return size >= n ? size : Math.ceil(n / SEAL_PAD_STEP) * SEAL_PAD_STEP;
 }
 
-/**
- * From the X25519 secret `secret` and the other side's public key `pub` (checked: canonical, not of small order, and a
- * shared secret not zero), HKDF-SHA-256 (salt: the ephemeral key ‖ the recipient's, info: SEAL_DOMAIN) makes one
- * message's AES-256-GCM key and nonce: the ephemeral key is new for each message, so neither is ever used twice.
- */
-async function sealKeys(
-  secret: CryptoKey,
-  pub: Bytes,
-  eph: Bytes,
-  rcpt: Bytes,
-): Promise<{ key: CryptoKey; iv: Bytes }> {
-  const u = littleEndianToBigInt(pub);
-  if (u >= P) throw new FormatError("its ephemeral key is not a canonical X25519 point");
-  if (SMALL_ORDER_U.has(u)) throw new FormatError("its ephemeral key is a point of small order");
-  const other = await crypto.subtle.importKey("raw", pub, { name: "X25519" }, false, []);
-  const shared = new Uint8Array(await crypto.subtle.deriveBits({ name: "X25519", public: other }, secret, 256));
-  if (shared.every((b) => b === 0)) throw new FormatError("its shared secret is zero");
-  const ikm = await crypto.subtle.importKey("raw", shared, "HKDF", false, ["deriveBits"]);
-  const hkdf = { name: "HKDF", hash: "SHA-256", salt: concatBytes([eph, rcpt]), info: utf8.encode(SEAL_DOMAIN) };
-  const okm = new Uint8Array(await crypto.subtle.deriveBits(hkdf, ikm, 44 * 8));
-  const key = await crypto.subtle.importKey("raw", okm.slice(0, 32), "AES-GCM", false, ["encrypt", "decrypt"]);
-  return { key, iv: okm.slice(32) };
-}
-
 /** The AEAD's associated data: a box opens only as the message of this sender, recipient, ts and msg_id. */
 const sealedData = (m: Omit<SignedMessage, "sig">): Bytes =>
   signedBytes(SEAL_DOMAIN, [
@@ -1321,12 +1283,30 @@ const sealedData = (m: Omit<SignedMessage, "sig">): Bytes =>
   ]);
 
 /**
- * Seals `msg` (signed, kind "message") to its recipient: its signature, text, task fields and chain, padded (sealSize),
- * go into an AES-256-GCM box (sealKeys) under an ephemeral X25519 key (`ephemeral`: a fixed one, for test vectors
- * only); the box, after that key, is the text of a message of kind "sealed" with the same from, to, ts and msg_id,
- * signed. Each part blocks an attack: the outer signature, a relay altering the box; the associated data, a box moved
- * to another message or recipient; the inner signature, over a `to` it names, a peer that opened a message passing it
- * on to a third node as its sender's.
+ * One message's AES-256-GCM key, nonce and data, from X25519 of `secret` and the other side's `pub`, then HKDF-SHA-256
+ * (salt: the ephemeral key ‖ the recipient's; info: SEAL_DOMAIN): new for each ephemeral key, so never used twice. A
+ * `pub` of small order (RFC 7748 §7) gives an all-zero secret, known to anyone, which WebCrypto (Bun, Deno) refuses.
+ */
+async function sealKeys(secret: CryptoKey, pub: Bytes, eph: Bytes, m: Omit<SignedMessage, "sig">) {
+  if (littleEndianToBigInt(pub) >= P) throw new FormatError("its ephemeral key is not a canonical X25519 point");
+  const other = await crypto.subtle.importKey("raw", pub, { name: "X25519" }, false, []);
+  const shared = await crypto.subtle.deriveBits({ name: "X25519", public: other }, secret, 256).catch(() => null);
+  if (!shared || new Uint8Array(shared).every((b) => b === 0)) {
+    throw new FormatError("its ephemeral key is a point of small order");
+  }
+  const ikm = await crypto.subtle.importKey("raw", shared, "HKDF", false, ["deriveBits"]);
+  const rcpt = x25519Public(m.to) as Bytes; // checked by sealMessage, and by the gate (`to` is ours)
+  const hkdf = { name: "HKDF", hash: "SHA-256", salt: concatBytes([eph, rcpt]), info: utf8.encode(SEAL_DOMAIN) };
+  const okm = new Uint8Array(await crypto.subtle.deriveBits(hkdf, ikm, 44 * 8));
+  const key = await crypto.subtle.importKey("raw", okm.slice(0, 32), "AES-GCM", false, ["encrypt", "decrypt"]);
+  return { key, aead: { name: "AES-GCM", iv: okm.slice(32), additionalData: sealedData(m) } };
+}
+
+/**
+ * Seals `msg` (signed, kind "message") and its chain to its recipient, as a signed message of kind "sealed" with the
+ * same from, to, ts and msg_id (layout: docs/wire.md; `ephemeral` is fixed only for test vectors). Each part blocks an
+ * attack: the outer signature, a relay altering the box; the associated data, a box moved to another message or
+ * recipient; the inner signature, over a `to` it names, a peer that opened a message passing it on to a third node.
  */
 async function sealMessage(id: Identity, msg: SignedMessage, chain?: Chain, ephemeral?: Uint8Array) {
   const rcpt = x25519Public(msg.to);
@@ -1334,14 +1314,12 @@ async function sealMessage(id: Identity, msg: SignedMessage, chain?: Chain, ephe
   // A new key for each message: a random scalar, clamped on import (RFC 7748 §5), as generateKey's.
   const secret = await x25519Secret(ephemeral ?? crypto.getRandomValues(new Uint8Array(32)), true);
   const eph = b64urlDecode((await crypto.subtle.exportKey("jwk", secret)).x, 32, "ephemeral key");
-  const { key, iv } = await sealKeys(secret, rcpt, eph, rcpt);
+  const { key, aead } = await sealKeys(secret, rcpt, eph, msg);
   const fields = [msg.text, msg.status, msg.task_id, msg.in_reply_to, chain && JSON.stringify(chain)];
   const content = concatBytes([b64urlDecode(msg.sig, 64, "sig"), ...fields.flatMap((f) => lengthPrefixed(f ?? ""))]);
   const padded = new Uint8Array(sealSize(content.length));
   padded.set(content);
-  const aead = { name: "AES-GCM", iv, additionalData: sealedData(msg) };
-  const box = new Uint8Array(await crypto.subtle.encrypt(aead, key, padded));
-  const text = b64urlEncode(concatBytes([eph, box]));
+  const text = b64urlEncode(concatBytes([eph, new Uint8Array(await crypto.subtle.encrypt(aead, key, padded))]));
   return await signMessage(id, { to: msg.to, text, kind: "sealed", msg_id: msg.msg_id }, msg.ts);
 }
 
@@ -1357,15 +1335,10 @@ async function openSealed(
   const least = 32 + SEAL_PAD_MIN + 16; // the ephemeral key, the smallest size class, the tag
   if (box.length < least) return `its box is ${box.length} bytes, under the ${least} of the smallest (cut short)`;
   try {
-    const eph = box.subarray(0, 32), rcpt = x25519Public(m.to) as Bytes; // the gate checked `to` is ours
-    const { key, iv } = await sealKeys(secret, eph, eph, rcpt);
-    const aead = { name: "AES-GCM", iv, additionalData: sealedData(m) };
-    const content = new Uint8Array(
-      await crypto.subtle.decrypt(aead, key, box.subarray(32)).catch(() => {
-        throw new FormatError("it does not open (sealed to another key, or altered)");
-      }),
-    );
-    const view = new DataView(content.buffer);
+    const { key, aead } = await sealKeys(secret, box.subarray(0, 32), box.subarray(0, 32), m);
+    const opened = await crypto.subtle.decrypt(aead, key, box.subarray(32)).catch(() => null);
+    if (!opened) return "it does not open (sealed to another key, or altered)";
+    const content = new Uint8Array(opened), view = new DataView(opened);
     let at = 64;
     const [text, status, task_id, in_reply_to, chain] = [0, 1, 2, 3, 4].map(() => {
       const n = at + 4 <= content.length ? view.getUint32(at, true) : Infinity;
@@ -1373,19 +1346,8 @@ async function openSealed(
       return strictUtf8.decode(content.subarray(at + 4, at += 4 + n));
     });
     if (content.subarray(at).some((b) => b !== 0)) throw new FormatError("its padding is not zeros");
-    const sig = b64urlEncode(content.subarray(0, 64)), { from, to, ts, msg_id } = m;
-    const msg = parseSignedMessage({
-      from,
-      to,
-      ts,
-      msg_id,
-      kind: "message",
-      text,
-      status: status || undefined,
-      task_id,
-      in_reply_to,
-      sig,
-    });
+    const fields = { kind: "message", text, status: status || undefined, task_id, in_reply_to };
+    const msg = parseSignedMessage({ ...m, ...fields, sig: b64urlEncode(content.subarray(0, 64)) });
     const bad = await verifyMessage(msg);
     if (bad) return `what it holds is not signed by its sender (${bad})`;
     return { msg, ...(chain ? { chain: orWhy(() => JSON.parse(chain)) } : {}) };
@@ -1400,9 +1362,9 @@ async function openSealed(
 
 /**
  * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. An entry older than
- * REPLAY_KEPT_MS is forgotten: the gate refuses its replay, and any copy of it, as stale. Rebuilt at start from the replay files (SeenLog) and the
- * journal, so a replay after a restart is still refused. Entries only a journal holds (`logged` false) are written to
- * the replay files before a roll-over or an adoption leaves their records where no start reads.
+ * REPLAY_KEPT_MS is forgotten: the gate refuses its replay, and any copy of it, as stale. Rebuilt at start from the
+ * replay files (SeenLog) and the journal, so a replay after a restart is still refused. Entries only a journal holds
+ * (`logged` false) go to the replay files before a roll-over or an adoption leaves their records where no start reads.
  */
 class ReplayMemory {
   #seen = new Map<string, number>(); // "<sender> <msg_id>" → message ts, in admission order
@@ -1427,13 +1389,17 @@ class ReplayMemory {
   /** Records an admitted message (the gate checked pressure); `logged`: read from a replay file, else journal-only. */
   remember(sender: string, msgId: string, ts: number, nowMs: number, logged = false): void {
     const key = `${sender} ${msgId}`;
-    const inFile = logged || this.logged(key);
+    this.#add(key, ts, logged || this.logged(key));
+    this.forget(nowMs);
+  }
+
+  /** Puts `key` last, as the newest admission. */
+  #add(key: string, ts: number, inFile: boolean): void {
     if (!this.#seen.delete(key)) this.#count(key, 1);
     this.#seen.set(key, ts);
     this.#newest = Math.max(this.#newest, ts);
     if (inFile) this.#unlogged.delete(key);
     else this.#unlogged.add(key);
-    this.forget(nowMs);
   }
 
   /** True when a replay file holds this entry. */
@@ -1491,13 +1457,7 @@ class ReplayMemory {
 
   /** Takes back what a 0.5.0 checkpoint kept of entries() (a journal's, as far as it knows), before anything newer. */
   restore(entries: [string, number][]): void {
-    for (const [key, ts] of entries) {
-      if (this.#seen.has(key)) continue;
-      this.#seen.set(key, ts);
-      this.#newest = Math.max(this.#newest, ts);
-      this.#count(key, 1);
-      this.#unlogged.add(key);
-    }
+    for (const [key, ts] of entries) if (!this.#seen.has(key)) this.#add(key, ts, false);
   }
 
   /**
@@ -1528,8 +1488,9 @@ class ReplayMemory {
  * The inbound gate (SPEC "Inbound gate"), a pure function of its arguments: every payload drained from a bus goes
  * through it before the model sees anything, and the steps run in this order:
  *   1. parse  2. verify (the authenticated key is the sender)  3. addressed to us
- *   4. allowlisted, except a stranger's knock or accept  5. fresh  6. opened, if sealed (with `opens`, our X25519
- *   secret; only a peer's is opened, so strangers' cost what any refused message costs)  7. not a replay  8. dispatch: a peer's message is delivered, a receipt updates what we sent, a knock is held for the operator, an
+ *   4. allowlisted, except a stranger's knock or accept  5. fresh  6. opened, if sealed, with `opens` (our X25519
+ *      secret; only a peer's is opened, so strangers' cost what any refused message costs)  7. not a replay
+ *   8. dispatch: a peer's message is delivered, a receipt updates what we sent, a knock is held for the operator, an
  *      accept counts only if we knocked that key (and, when it names the request it answers, only for that request).
  * The caller records admitted messages in `replay` (and its log) afterwards.
  */
@@ -1666,6 +1627,15 @@ function storageError(e: unknown, folder: string): Error {
   return e as Error;
 }
 
+/** `f()`, or `fallback` if it throws: for reads where a missing or unreadable file has a plain answer. */
+function orElse<T, F>(f: () => T, fallback: F): T | F {
+  try {
+    return f();
+  } catch {
+    return fallback;
+  }
+}
+
 /** Calls `use` with `file` opened with `flags` (created 0600), and closes it after. */
 function withFd<T>(file: string, flags: string, use: (fd: number) => T): T {
   const fd = fs.openSync(file, flags, 0o600);
@@ -1777,13 +1747,8 @@ function setAside(file: string, offset: number, reason: string, line: string): v
   });
 }
 
-function corruptLines(file: string): string[] {
-  try {
-    return fs.readFileSync(corruptFile(file), "utf8").split("\n").filter((l) => l.trim() !== "");
-  } catch {
-    return [];
-  }
-}
+const corruptLines = (file: string): string[] =>
+  orElse(() => fs.readFileSync(corruptFile(file), "utf8"), "").split("\n").filter((l) => l.trim() !== "");
 
 const corruptCount = (file: string): number => corruptLines(file).length;
 
@@ -1791,14 +1756,10 @@ const corruptCount = (file: string): number => corruptLines(file).length;
 function damagedOutbox(file: string): { offset: number; reason: string; msgId?: string }[] {
   const out: { offset: number; reason: string; msgId?: string }[] = [];
   for (const line of corruptLines(file)) {
-    try {
-      const q = JSON.parse(line);
-      if (!isObject(q) || typeof q.line !== "string" || !/"t"\s*:\s*"out"/.test(q.line)) continue;
-      const msgId = q.line.match(/"msg_id"\s*:\s*"([^"\\]{1,128})"/)?.[1];
-      out.push({ offset: Number(q.offset), reason: String(q.reason), ...(msgId ? { msgId } : {}) });
-    } catch {
-      // a torn line of the side file itself
-    }
+    const q = orElse(() => JSON.parse(line), null); // null: a torn line of the side file itself
+    if (!isObject(q) || typeof q.line !== "string" || !/"t"\s*:\s*"out"/.test(q.line)) continue;
+    const msgId = q.line.match(/"msg_id"\s*:\s*"([^"\\]{1,128})"/)?.[1];
+    out.push({ offset: Number(q.offset), reason: String(q.reason), ...(msgId ? { msgId } : {}) });
   }
   return out;
 }
@@ -1969,21 +1930,10 @@ function writeFileDurably(file: string, text: string | Uint8Array | Fill): numbe
   });
 }
 
-function syncDirectory(dir: string): void {
-  try {
-    withFd(dir, "r", fs.fsyncSync);
-  } catch {
-    // Some filesystems refuse fsync on a directory; the rename is still atomic.
-  }
-}
+// Some filesystems refuse fsync on a directory; the rename is still atomic.
+const syncDirectory = (dir: string): void => orElse(() => withFd(dir, "r", fs.fsyncSync), undefined);
 
-function statOf(file: string): fs.Stats | undefined {
-  try {
-    return fs.statSync(file);
-  } catch {
-    return undefined;
-  }
-}
+const statOf = (file: string): fs.Stats | undefined => orElse(() => fs.statSync(file), undefined);
 
 const fileSize = (file: string): number => statOf(file)?.size ?? 0;
 /** A file's inode number, 0 if it does not exist: tells a file replaced by a rename from the one read before. */
@@ -2025,22 +1975,16 @@ function pidAlive(pid: number): boolean {
 
 /** One `ps` column of a process, or "" when it cannot be read. */
 function psColumn(pid: number, column: string, env?: NodeJS.ProcessEnv): string {
-  try {
-    const r = spawnSync("ps", ["-o", `${column}=`, "-p", String(pid)], { encoding: "utf8", timeout: 2000, env });
-    return r.status === 0 ? r.stdout.trim() : "";
-  } catch {
-    return ""; // no ps, or not allowed to run it
-  }
+  const ps = () => spawnSync("ps", ["-o", `${column}=`, "-p", String(pid)], { encoding: "utf8", timeout: 2000, env });
+  const r = orElse(ps, null); // null: no ps, or not allowed to run it
+  return r?.status === 0 ? r.stdout.trim() : "";
 }
 
 /** The command line of a process (Linux /proc; elsewhere `ps`), or "" when it cannot be read. */
 function processArgv(pid: number | undefined): string {
   if (!pid) return "";
-  try {
-    return fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim();
-  } catch {
-    return psColumn(pid, "args");
-  }
+  const argv = orElse(() => fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").replace(/\0/g, " ").trim(), null);
+  return argv ?? psColumn(pid, "args");
 }
 
 /** How long a start read from `ps` is reused: lock checks come in bursts, and each `ps` is a process. */
@@ -2051,19 +1995,12 @@ const PROC_START_RE = /^[0-9a-f-]*:\d+$/;
 let bootId: string | undefined;
 
 function procStart(pid: number): string | null {
-  try {
-    const stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8");
-    bootId ??= (() => {
-      try {
-        return fs.readFileSync("/proc/sys/kernel/random/boot_id", "utf8").trim();
-      } catch {
-        return ""; // the ticks alone: a reboot is when a pid could come back with the same ones
-      }
-    })();
-    return `${bootId}:${stat.slice(stat.lastIndexOf(")") + 2).split(" ")[19]}`; // field 22: starttime
-  } catch {
-    return null; // no /proc, not this pid, or not allowed (Deno reads /proc only with --allow-all)
-  }
+  // null: no /proc, not this pid, or not allowed (Deno reads /proc only with --allow-all)
+  const stat = orElse(() => fs.readFileSync(`/proc/${pid}/stat`, "utf8"), null);
+  if (stat === null) return null;
+  // "": the ticks alone; a reboot is when a pid could come back with the same ones
+  bootId ??= orElse(() => fs.readFileSync("/proc/sys/kernel/random/boot_id", "utf8").trim(), "");
+  return `${bootId}:${stat.slice(stat.lastIndexOf(")") + 2).split(" ")[19]}`; // field 22: starttime
 }
 
 function psStart(pid: number): string | null {
@@ -2111,23 +2048,14 @@ function knownServer(owner: LockOwner): boolean {
 const SERVER_ARGV_RE = /interlink\S*\s(.*\s)?mcp(\s|$)/;
 
 function readLockFile(file: string): { text: string; owner: LockOwner | null; mtimeMs: number } | null {
-  let text: string, mtimeMs: number;
-  try {
-    text = fs.readFileSync(file, "utf8");
-    mtimeMs = fs.statSync(file).mtimeMs;
-  } catch {
-    return null;
+  const read = orElse(() => ({ text: fs.readFileSync(file, "utf8"), mtimeMs: fs.statSync(file).mtimeMs }), null);
+  if (read === null) return null;
+  const owner = orElse(() => JSON.parse(read.text), null); // not a lock we wrote: see LOCK_GRACE_MS
+  if (!isObject(owner) || !Number.isSafeInteger(owner.pid) || (owner.pid as number) <= 0) {
+    return { ...read, owner: null };
   }
-  try {
-    const owner = JSON.parse(text);
-    if (isObject(owner) && Number.isSafeInteger(owner.pid) && (owner.pid as number) > 0) {
-      if (typeof owner.start !== "string") delete owner.start; // as a lock of an earlier version
-      return { text, owner: owner as unknown as LockOwner, mtimeMs };
-    }
-  } catch {
-    // not a lock we wrote: see LOCK_GRACE_MS
-  }
-  return { text, owner: null, mtimeMs };
+  if (typeof owner.start !== "string") delete owner.start; // as a lock of an earlier version
+  return { ...read, owner: owner as unknown as LockOwner };
 }
 
 function lockOwner(file: string): LockOwner | null {
@@ -2203,12 +2131,8 @@ class PidLock {
   }
 
   release(): void {
-    if (readLockFile(this.file)?.text !== this.content) return;
-    try {
-      fs.unlinkSync(this.file);
-    } catch {
-      // already gone
-    }
+    // A failed unlink: it is gone already.
+    if (readLockFile(this.file)?.text === this.content) orElse(() => fs.unlinkSync(this.file), undefined);
   }
 }
 
