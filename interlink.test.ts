@@ -610,6 +610,29 @@ describe("the gate", () => {
     expect((plan[0] as { line: string }).line).toContain("the replay memory holds twice its cap of 100 messages");
   });
 
+  test("a bad signature proves no key: forgeries claiming twenty peers' keys get the strangers' three notices an hour, not the operator's whole list", async () => {
+    const keys = await Promise.all(
+      Array.from({ length: 20 }, () => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)))),
+    );
+    const peers = parsePeers(JSON.stringify(Object.fromEntries(keys.map((k, i) => [`p${i}`, { key: k.publicKey }]))));
+    const state = new NodeState(() => NOW), replay = new ReplayMemory();
+    const ctx = { state, peers, canPush: false, nowMs: NOW, selfKey: bob.publicKey };
+    let notices = 0;
+    for (const k of keys) {
+      const forged = { ...(await sign(eve, { text: "x" })), from: k.publicKey }; // eve's signature, a peer's key
+      const v = await decide(forged, bob.publicKey, peers, NOW, replay);
+      expect(v.verdict === "reject" && v.reason).toBe("bad_signature");
+      for (const e of planInbound(v, ctx)) {
+        if (e.do !== "append") continue;
+        for (const r of e.records) {
+          if (r.t === "refusal") notices++;
+          state.apply({ ...r, at: NOW } as JournalRecord);
+        }
+      }
+    }
+    expect(notices).toBe(3); // STRANGER_NOTICES_PER_HOUR
+  });
+
   test("one peer that fills the replay memory holds off only itself: every other sender keeps its share, and twice the cap refuses all", async () => {
     const replay = new ReplayMemory(100);
     for (let i = 0; i < 100; i++) replay.remember(alice.publicKey, `m${i}`, NOW, NOW); // alice floods

@@ -5204,15 +5204,17 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (waiting?.kind === "refusals") return [{ do: "count", id }];
   if (ctx.nowMs - (ctx.state.refusalShownAt.get(id) ?? 0) < REFUSAL_REPEAT_MS) return [];
   if (ctx.state.refusalNotices >= REFUSAL_NOTICES_CAP) return [];
-  const isPeer = (key: string) => ctx.peers.byKey.has(key) || key === ctx.selfKey;
-  if (!isPeer(v.msg.from)) {
+  // A bad signature proves no key: whoever claims a peer's (or ours) there is a stranger, on the strangers' budget.
+  const stranger = (key: string, reason: string) =>
+    reason === "bad_signature" || !(ctx.peers.byKey.has(key) || key === ctx.selfKey);
+  if (stranger(v.msg.from, v.reason)) {
     // Strangers' notices of the last hour, waiting or shown (ids "refused <key> <reason>[ <invite>]"): one budget for
     // all, and one for each invite of ours (see refusedInvite), so no other stranger's traffic hides a used code.
     const hourAgo = ctx.nowMs - 60 * 60_000;
     const shown = [...ctx.state.refusalShownAt].filter(([i, at]) => at >= hourAgo && i.startsWith("refused "));
     const made = [...ctx.state.inbox.keys(), ...shown.map(([i]) => i)].filter((i) => {
-      const [tag, key, , about] = i.split(" ");
-      return tag === "refused" && !isPeer(key) && about === invite;
+      const [tag, key, reason, about] = i.split(" ");
+      return tag === "refused" && stranger(key, reason) && about === invite;
     });
     if (made.length >= STRANGER_NOTICES_PER_HOUR) return [];
   }
