@@ -2608,7 +2608,8 @@ describe("hostile clients: bodies and connections", () => {
           // 8 MiB from one address: 4 bodies read at once (another as each is cut off), the rest refused unread
           // (429; or reset before the answer was read, since the bus closes with their bytes still coming).
           expect(Object.keys(answers).every((a) => /^HTTP\/1\.1 (429|408)$|^$/.test(a))).toBe(true);
-          expect(answers["HTTP/1.1 429"]).toBeGreaterThan(0);
+          // Refused unread: a 429, or a reset that came first on a loaded machine (the answer is then never read).
+          expect((answers["HTTP/1.1 429"] ?? 0) + (answers[""] ?? 0)).toBeGreaterThanOrEqual(250);
           expect(answers["HTTP/1.1 408"] ?? 0).toBeLessThanOrEqual(50);
           // 300 × 2 MB held would be 600 MB more; the budget holds it to a few bodies.
           expect(peak - idle).toBeLessThan(150 * 2 ** 20);
