@@ -2940,12 +2940,11 @@ function openRelay(url: string, proof?: (route: string) => Promise<string>, sign
 // ============================================================================
 //
 // One node = one key + one state root on a machine; each Claude Code (or CLI) process is one session of it, whose
-// journal sessions/<id>/log.jsonl is the one source of three views: the outbox ("out" records neither "sent" nor
-// "refused" yet), the conversation log (every "out" and "in" record) and the inbox ("in" records and notices no path
-// has shown the model yet). One file, so a crash never leaves a message in one view and not another. Records are read
-// through decodeRecord, which upgrades earlier shapes, and folded by NodeState; the replay memory is shared (SeenLog).
-// Sessions end all day (a new `claude` is a new session id), mail does not: a dead session is adopted by a live one
-// (see "Ended sessions"). The agent holding agent.lock is the only sender; the CLI may append "out" records for it.
+// journal sessions/<id>/log.jsonl is the one source of the outbox ("out" records neither "sent" nor "refused" yet), the
+// conversation log ("out" and "in" records) and the inbox (what no path has shown the model yet): a crash never leaves
+// a message in one view and not another. NodeState folds it; the replay memory is shared (SeenLog). Sessions end all
+// day (a new `claude` is a new session id), mail does not: a live session adopts a dead one's (see "Ended sessions").
+// The agent holding agent.lock is the only sender; the CLI may append "out" records for it.
 
 /**
  * How admitted messages reach the model, each by one path: "inbox" (default): check_inbox, or the Stop hook (`wait`)
@@ -3004,13 +3003,11 @@ interface OutEntry {
   refused?: string; // never sent, because it broke a task's lifecycle (racing writers) or every bus refused it for good
   attempts: number;
   lastError?: string;
-  /** What the recipient's receipts reported (its clock, its session). */
-  delivered?: { at: number; session: string };
+  delivered?: { at: number; session: string }; // what the recipient's receipts reported (its clock, its session)
   shown?: { at: number; session: string };
   refusedBy?: ReceiptLine;
   expired?: number; // when we judged it past HELD_MAX_MS with no receipt from the recipient: it will never be shown
-  /** Carried over from this ended session of ours (its outbox, or a sent message whose receipts may still come). */
-  adoptedFrom?: string;
+  adoptedFrom?: string; // carried over from this ended session of ours (its outbox, or sent with receipts still due)
   movedTo?: string; // this (ended) session's outbox went to that session, which delivers it
   chain?: Chain; // the signed chain of the sub-task it opens (see "Delegation across hops")
 }
@@ -3062,8 +3059,7 @@ const refusalItem = (key: string, reason: string, invite?: string): string =>
   `refused ${key} ${reason}${invite ? ` ${invite}` : ""}`;
 const pairedItem = (key: string, invite: string): string => `paired ${key} ${invite}`;
 
-/** The inbox item that counts the knocks past KNOCKS_SHOWN_PER_HOUR. */
-const MORE_KNOCKS = "knocks more";
+const MORE_KNOCKS = "knocks more"; // the inbox item that counts the knocks past KNOCKS_SHOWN_PER_HOUR
 
 /** Refusals worth the operator's attention (a key they might expect, a clock to fix); the rest are routine. */
 const REFUSALS_SHOWN: ReadonlySet<Refusal> = new Set<Refusal>(
@@ -3184,12 +3180,8 @@ function refusalWords(l: ReceiptLine): string {
 const SHOWN_VIAS = ["push", "inbox", "queue", "superseded"] as const;
 type ShownVia = (typeof SHOWN_VIAS)[number];
 
-/**
- * How a knock ended: our operator accepted or rejected theirs, theirs accepted ours, or it came through one of our
- * invites (our operator's decision, made by running `interlink.ts invite`).
- */
+/** How a knock ended: our operator accepted or rejected theirs, they accepted ours, or it came through our invite. */
 const PAIR_OUTCOMES = ["accepted", "rejected", "they_accepted", "invited"] as const;
-type PairOutcome = (typeof PAIR_OUTCOMES)[number];
 
 /** A knock waiting for our operator; `replyTo`: the session that asked. */
 type HeldKnock = { name: string; at: number; msgId: string; replyTo?: string };
@@ -3391,10 +3383,7 @@ const remembered = record({
   silent: optional(listOf(str)), // absent in a checkpoint of an earlier release
 });
 
-/**
- * Every record a session writes to its journal, by its tag `t`, and how it is read back: the schema's one description.
- * Each has `at` too, the writer's clock (unix ms).
- */
+/** Every record a session journals, by its tag `t`, and how it is read back; each has `at` too, the writer's clock. */
 const RECORDS = {
   /**
    * A message we signed: in the outbox until "sent" or "refused". `recipient`: its route (`key#session`, or a bare
@@ -3434,10 +3423,7 @@ const RECORDS = {
     declined: optStr,
     relay: relayed,
   },
-  /**
-   * An inbox item handed to the model (pushed as a channel event, taken by check_inbox or `wait`, queued as a Codex
-   * turn), or "superseded": an update a newer message on its task made moot, never shown.
-   */
+  /** An inbox item handed to the model (pushed, answered, queued as a Codex turn) or "superseded" by a newer update. */
   shown: { item: str, via: oneOf(SHOWN_VIAS) },
   /** Inbox items about to be shown, written before the answer: one without its "shown" after a crash was perhaps seen. */
   showing: { items: strings },
@@ -3446,10 +3432,7 @@ const RECORDS = {
    * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
    */
   knock: { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag },
-  /**
-   * A sender's first refusal for a reason worth the operator's attention (repeats are counted in memory); `invite`:
-   * the invite of ours it was about (see refusedInvite).
-   */
+  /** A sender's first refusal worth the operator's notice (repeats: counted in memory); `invite`: ours, if about one. */
   refusal: { key: str, reason, detail: (o, k) => optStr(o, k) ?? "", invite: optStr },
   /**
    * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
@@ -3464,15 +3447,9 @@ const RECORDS = {
   moved: { to: str },
   /** An ended session's unfinished state, taken over (then "moved" is written there); messages follow as "carried". */
   adopted: { session: str, carried },
-  /**
-   * One message carried over, in the same write as its checkpoint or "adopted" record (naming `session`): `out`, an
-   * outbox entry or a sent message whose receipts may still come; `item`, an unread inbox item.
-   */
+  /** One message carried over, in the same write as its checkpoint or "adopted" record (naming `session`). */
   carried: { session: optStr, out: optional(carriedOut), item: optional(inboxItem) },
-  /**
-   * The first record of a rolled-over journal (see Journal.roll): this session's state when the earlier records went
-   * to the archive `archived` (log-<ms>.jsonl beside it), which history readers go on to read.
-   */
+  /** A rolled-over journal's first record (see Journal.roll): the state as the rest went to the archive `archived`. */
   checkpoint: { archived: str, carried, remembered },
 } satisfies { [tag: string]: { [field: string]: Field<unknown> } };
 
@@ -3546,9 +3523,8 @@ function recordedReports(r: RecordOf<"receipt">): ReceiptLine[] {
 }
 
 /**
- * How a message stands to its task before it is folded: `asked`, the question of ours it answers if its task still
- * waits on it (what was asked, for whose operator (absent: ours), and the earlier session that asked it, if that one
- * ended before the answer came); `late`, its task closed already (the closing status); `unopened`, no task of it here.
+ * How a message stands to its task before it is folded: `asked`, the question of ours it answers, if still awaited
+ * (see InboxItem); `late`, its task closed already (the closing status); `unopened`, no task of it here.
  */
 function taskMarks(tasks: ReadonlyMap<string, TaskRow>, msg: SignedMessage) {
   if (msg.kind !== "message" || !msg.task_id) return {};
@@ -3622,8 +3598,7 @@ class NodeState {
   readonly full = new Map<string, { until: number; failures: number; why: string }>();
   /** Whether a relay the outbox sends through may drop past its cap (set by the agent; unknown: it may). */
   mayDrop: () => boolean = () => true;
-  /** Set by a "moved" record: the session that took over everything this one still had to do. */
-  movedTo: string | undefined;
+  movedTo: string | undefined; // set by a "moved" record: the session that took over all this one had left to do
 
   constructor(readonly now: () => number = Date.now) {}
 
@@ -3722,10 +3697,7 @@ class NodeState {
       }
     },
     showing: (r) => {
-      for (const id of r.items) {
-        const item = this.inbox.get(id);
-        if (item) item.maybeShown = true;
-      }
+      for (const item of r.items.map((id) => this.inbox.get(id))) if (item) item.maybeShown = true;
     },
     owe: (r) => {
       const { route, msg_id, at, reason } = r, key = parseRoute(route).key;
@@ -3758,33 +3730,22 @@ class NodeState {
     knock: (r) => {
       this.replay.remember(r.key, r.msg_id, r.ts, this.now());
       this.knocksIn.set(r.key, { name: r.name, at: r.at, msgId: r.msg_id, ...some("replyTo", r.reply_to) });
-      if (r.quiet) {
-        const more = this.inbox.get(MORE_KNOCKS);
-        if (more?.kind === "more_knocks") more.count++;
-        else this.inbox.set(MORE_KNOCKS, { kind: "more_knocks", id: MORE_KNOCKS, at: r.at, count: 1 });
-      } else {
-        const id = knockItem(r.key, r.msg_id);
-        if (!this.#shown.has(id)) this.inbox.set(id, { kind: "knock", id, at: r.at, key: r.key, name: r.name });
-        this.#knocksShown.push(r.at);
-        if (this.#knocksShown.length > KNOCKS_SHOWN_PER_HOUR) this.#knocksShown.shift();
-      }
+      if (r.quiet) return this.#count({ kind: "more_knocks", id: MORE_KNOCKS, at: r.at, count: 1 });
+      this.#notice({ kind: "knock", id: knockItem(r.key, r.msg_id), at: r.at, key: r.key, name: r.name });
+      this.#knocksShown.push(r.at);
+      if (this.#knocksShown.length > KNOCKS_SHOWN_PER_HOUR) this.#knocksShown.shift();
     },
-    refusal: (r) => {
-      const id = refusalItem(r.key, r.reason, r.invite);
-      const waiting = this.inbox.get(id);
-      if (waiting?.kind === "refusals") waiting.count++;
-      else this.inbox.set(id, { kind: "refusals", id, at: r.at, key: r.key, reason: r.reason, count: 1 });
-    },
-    paired: (r) => {
-      if (r.how === "rejected") this.rejected.set(r.key, r.at);
-      this.knocksIn.delete(r.key);
-      this.knocksOut.delete(r.key);
-      if (r.msg) this.replay.remember(r.msg.from, r.msg.msg_id, r.msg.ts, this.now());
+    refusal: ({ at, key, reason, invite }) =>
+      this.#count({ kind: "refusals", id: refusalItem(key, reason, invite), at, key, reason, count: 1 }),
+    paired: ({ at, key, how, petname, msg, invite }) => {
+      if (how === "rejected") this.rejected.set(key, at);
+      this.knocksIn.delete(key);
+      this.knocksOut.delete(key);
+      if (msg) this.replay.remember(msg.from, msg.msg_id, msg.ts, this.now());
       // A pairing through an invite was decided at a terminal, not in a session: the model is told at its next turn.
-      const id = r.invite && pairedItem(r.key, r.invite);
-      if (id && r.petname && !this.#shown.has(id)) {
-        const side = r.how === "invited" ? "invited" : "joined";
-        this.inbox.set(id, { kind: "paired", id, at: r.at, key: r.key, petname: r.petname, invite: r.invite!, side });
+      const side = how === "invited" ? "invited" : "joined";
+      if (invite && petname) {
+        this.#notice({ kind: "paired", id: pairedItem(key, invite), at, key, petname, invite, side });
       }
     },
     moved: (r) => {
@@ -3816,6 +3777,18 @@ class NodeState {
       for (const key of m.silent ?? []) this.silent.set(key, true);
     },
   };
+
+  /** A notice for the model, unless this journal showed it already. */
+  #notice(item: Notice): void {
+    if (!this.#shown.has(item.id)) this.inbox.set(item.id, item);
+  }
+
+  /** One more of a counted notice (knocks past the hour's, a sender's refusals for one reason), or its first. */
+  #count(item: Extract<InboxItem, { count: number }>): void {
+    const held = this.inbox.get(item.id);
+    if (held?.kind === item.kind) held.count++;
+    else this.inbox.set(item.id, item);
+  }
 
   /** A message leaves the outbox: sent (a relay kept it) or refused for good. */
   #settled(msgId: string, settle: (e: OutEntry) => void): void {
@@ -4113,10 +4086,10 @@ class NodeState {
 }
 
 /**
- * The journal file and the fold over it: the state is always the fold of the file, in file order, whoever wrote each
- * record. The folder's owner (the agent, holding agent.lock) quarantines lines it cannot read; readers beside it (the
- * CLI, `wait`) skip them.
+ * The journal file and its fold, in file order, whoever wrote each record. The folder's owner (the agent, holding
+ * agent.lock) quarantines lines it cannot read; readers beside it (the CLI, `wait`) skip them.
  */
+
 class Journal {
   readonly file: string;
   #state: NodeState;
@@ -4147,8 +4120,7 @@ class Journal {
     if (this.#ino !== 0 && ino !== this.#ino) {
       this.#state = new NodeState(this.#state.now);
       this.#offset = 0;
-      this.#writer?.close();
-      this.#writer = null;
+      this.close();
     }
     this.#ino = ino;
   }
