@@ -3015,10 +3015,7 @@ interface OutEntry {
 /** A message passed along the chain (up: a question; down: its answer): information for the model, never a question. */
 type Relayed = { dir: "up" | "down"; to: string; task_id: string };
 
-/**
- * Something no path has shown the model yet; `id` names it in the "shown" record. `maybeShown`: a crash cut short the
- * record of its showing (see claimInbox).
- */
+/** Not yet shown to the model; `id` names it in "shown"; `maybeShown`: a crash cut its "shown" short (claimInbox). */
 type InboxItem =
   & { id: string; at: number; maybeShown?: true }
   & (
@@ -3386,9 +3383,8 @@ const remembered = record({
 /** Every record a session journals, by its tag `t`, and how it is read back; each has `at` too, the writer's clock. */
 const RECORDS = {
   /**
-   * A message we signed: in the outbox until "sent" or "refused". `recipient`: its route (`key#session`, or a bare
-   * key); `again`: a re-send of one already sent, same msg_id (a knock repeated); `chain`: it opens a sub-task, the
-   * chain we signed for it; `forward`: it forwards a peer's question up the chain.
+   * A message we signed, in the outbox until "sent" or "refused"; `recipient`: its route (`key#session`, or a key);
+   * `again`: a knock re-sent (same msg_id); `chain`: ours, for the sub-task it opens; `forward`: a question passed up.
    */
   out: {
     peer: (o, k) => optStr(o, k) ?? null,
@@ -3408,10 +3404,9 @@ const RECORDS = {
   /** Sent, past HELD_MAX_MS since it was signed, and no receipt came: no node of ours will show it now. */
   expired: { msg_id: str },
   /**
-   * Admitted from a peer (or another session of ours): unread until "shown". `reply_session`: the sender's session its
-   * unsigned reply_to named (routing only); `receipts`: its sender reads receipts; `for_session`: drained from an
-   * earlier session's route. `chain`: the verified chain of a request opening a sub-task; `declined`: why such a
-   * request was answered failed, never shown (too deep, a loop); `relay`: passed along the chain, shown as information.
+   * Admitted, unread until "shown". `reply_session`: its unsigned reply_to's session (routing only); `receipts`: its
+   * sender reads them; `for_session`: drained from an earlier session's route; `chain`: verified, of a request opening
+   * a sub-task; `declined`: why it was answered failed, never shown (too deep, a loop); `relay`: passed on the chain.
    */
   in: {
     peer: str,
@@ -3432,12 +3427,9 @@ const RECORDS = {
    * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
    */
   knock: { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag },
-  /** A sender's first refusal worth the operator's notice (repeats: counted in memory); `invite`: ours, if about one. */
+  /** A sender's first refusal worth the operator's notice (repeats: in memory); `invite`: ours, if about one. */
   refusal: { key: str, reason, detail: (o, k) => optStr(o, k) ?? "", invite: optStr },
-  /**
-   * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
-   * "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
-   */
+  /** A knock answered (`msg`: their signed acceptance); `invite`: ours or theirs it went through, told the model. */
   paired: { key: str, how: oneOf(PAIR_OUTCOMES), petname: optStr, msg: optional(message), invite: optStr },
   /** A message refused by the gate (or `invite`, ours), reported to its sender by a receipt (to `route`) still owed. */
   owe: { route: str, msg_id: str, reason, skew_ms: optInt, invite: optStr },
@@ -3493,9 +3485,8 @@ function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
 const encodeRecord = (r: JournalRecord): string => JSON.stringify(r);
 
 /**
- * Reads a journal's records from byte `from`, decoded; `onBad` gets a line that is not one, with why. A record of
- * interlink.ts 0.4.0's shapes stops the read (see isOldShape). The one reader of journals: the fold, `log`, `tasks`,
- * conversation_history and `doctor` all go through it.
+ * Reads a journal's records from byte `from`, decoded; `onBad` gets a line that is not one, with why; one of 0.4.0's
+ * shapes stops the read (see isOldShape). The one reader of journals (the fold, `log`, `tasks`, history, `doctor`).
  */
 function scanJournal(
   file: string,
@@ -3865,13 +3856,10 @@ class NodeState {
     for (const item of c.inbox) this.#takeItem(session, item, true);
     for (const t of c.tasks) {
       const key = taskKey(t.peer_key, t.task_id);
-      const mine = this.tasks.get(key);
-      if (mine && mine.last_at >= t.last_at) continue;
+      if ((this.tasks.get(key)?.last_at ?? -Infinity) >= t.last_at) continue;
       // A question of ours an ended session asked: its answer, when it comes, is shown with what was asked.
-      const awaiting = session === null
-        ? t.awaiting
-        : t.awaiting.map((q) => (q.asked_by === "me" ? { ...q, earlier: q.earlier ?? session } : q));
-      this.tasks.set(key, { ...t, awaiting });
+      const earlier = (q: Question) => (session && q.asked_by === "me" ? { ...q, earlier: q.earlier ?? session } : q);
+      this.tasks.set(key, { ...t, awaiting: t.awaiting.map(earlier) });
     }
     for (const [route, lines] of c.owed) for (const l of lines) this.#owe(route, l);
     const fill = <V>(into: Map<string, V>, from: [string, V][]) => {
@@ -4041,10 +4029,7 @@ class NodeState {
     return next;
   }
 
-  /**
-   * Routes where messages of ours (not receipts) wait (see waitsFor): why, how many from the first that waits on (a
-   * knock before it goes as usual), and that first one.
-   */
+  /** Routes where our messages wait (see waitsFor): why, how many from the first that waits on, and that first one. */
   heldRoutes(): Map<string, { why: "full" | "window"; n: number; first: OutEntry }> {
     const held = new Map<string, { why: "full" | "window"; n: number; first: OutEntry }>();
     for (const e of this.pending.values()) {
@@ -4085,14 +4070,10 @@ class NodeState {
   }
 }
 
-/**
- * The journal file and its fold, in file order, whoever wrote each record. The folder's owner (the agent, holding
- * agent.lock) quarantines lines it cannot read; readers beside it (the CLI, `wait`) skip them.
- */
+/** The journal file and its fold; its owner (agent.lock) quarantines lines it cannot read, readers skip them. */
 
 class Journal {
   readonly file: string;
-  #state: NodeState;
   #writer: JsonlWriter | null = null;
   #offset = 0;
   #ino = 0; // the file a reader beside the owner has read so far (see #followRoll)
@@ -4100,17 +4081,11 @@ class Journal {
 
   constructor(
     readonly stateDir: string,
-    state: NodeState,
+    public state: NodeState, // the fold (replaced, in a reader, when the owner rolls the file over)
     readonly owner = false,
     readonly now: () => number = state.now,
   ) {
     this.file = path.join(stateDir, "log.jsonl");
-    this.#state = state;
-  }
-
-  /** The state folded from the journal (replaced, in a reader, when the owner rolls the file over). */
-  get state(): NodeState {
-    return this.#state;
   }
 
   /** A reader beside the owner, once the owner has rolled the file over, starts again from its checkpoint. */
@@ -4118,7 +4093,7 @@ class Journal {
     if (this.owner) return;
     const ino = inodeOf(this.file);
     if (this.#ino !== 0 && ino !== this.#ino) {
-      this.#state = new NodeState(this.#state.now);
+      this.state = new NodeState(this.state.now);
       this.#offset = 0;
       this.close();
     }
@@ -4169,10 +4144,7 @@ class Journal {
     for (const r of stamped) this.state.apply(r);
   }
 
-  /**
-   * `append` for more records than memory should hold (an adoption's backlog), a MiB at a time: a crash may keep only
-   * the first of them (whoever writes so must find the rest again).
-   */
+  /** `append` a MiB at a time (an adoption's backlog): a crash may keep only the first: its writer finds the rest. */
   appendAll(records: Iterable<NewRecord>): void {
     let batch: NewRecord[] = [], bytes = 0;
     for (const r of records) {
@@ -4243,9 +4215,8 @@ class Journal {
 }
 
 /**
- * After a burst of work on a large journal: JavaScriptCore keeps the peak its heap reached and the code it compiled
- * for the burst, which a session that then idles never needs; a full collection and Bun.shrink give both back
- * (about 4 MB after a start on 50,000 queued messages). Elsewhere, nothing.
+ * JavaScriptCore keeps the heap's peak and the code compiled for a burst of work (a large journal), which an idle
+ * session never needs: a full collection and Bun.shrink give both back (~4 MB after a start on 50,000 queued messages).
  */
 function giveMemoryBack(): void {
   runtimeHost.Bun?.gc(true);
@@ -4272,7 +4243,6 @@ const SEEN_FILE_RE = /^replay-\d{4}-\d{2}-\d{2}\.jsonl$/;
 class SeenLog {
   #offsets = new Map<string, number>(); // file → bytes already read
   #writer: JsonlWriter | null = null;
-  #writerFile = "";
 
   constructor(readonly dir: string, readonly replay: ReplayMemory, readonly now: () => number) {
     this.catchUp();
@@ -4304,13 +4274,12 @@ class SeenLog {
   }
 
   #today(): JsonlWriter {
-    const name = SeenLog.#name(this.now());
-    if (name !== this.#writerFile) {
+    const file = path.join(this.dir, SeenLog.#name(this.now()));
+    if (this.#writer?.file !== file) {
       this.#writer?.close();
-      this.#writer = new JsonlWriter(path.join(this.dir, name), `the state folder ${this.dir}`);
-      this.#writerFile = name;
+      this.#writer = new JsonlWriter(file, `the state folder ${this.dir}`);
     }
-    return this.#writer!;
+    return this.#writer;
   }
 
   /**
@@ -4368,10 +4337,7 @@ function writeAdoptedFile(dir: string, what: { size: number; by: string | null }
 /** The ids of the sessions this node has had in a state root, oldest folder first. */
 const sessionIds = (root: string): string[] => namesIn(path.join(root, "sessions"), SESSION_RE);
 
-/**
- * When a session last did anything: its journal's last write, or the session.json its server rewrites on a clean exit
- * (a killed one ended at its last write, or its start).
- */
+/** When a session last did anything: its journal's last write, or session.json's (written at start and clean exit). */
 function sessionEndedAt(dir: string): number {
   const at = (f: string) => statOf(path.join(dir, f))?.mtimeMs ?? 0;
   return Math.round(Math.max(at("log.jsonl"), at("session.json")));
