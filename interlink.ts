@@ -3020,10 +3020,9 @@ type InboxItem =
   & { id: string; at: number; maybeShown?: true }
   & (
     /**
-     * `forSession`: it arrived for an earlier session of ours, which ended before showing it. `asked`: it answers a
-     * question of ours (its text, for whose operator, and the earlier session that asked, if that one ended first).
-     * `late`: its task was closed before it came (the closing status). `unopened`: it carries a status on a task this
-     * session never opened nor was asked for (another session's, moved here by a relay, or a peer's mistake).
+     * `forSession`: it came for an earlier session of ours, which ended before showing it; `asked`: the question of
+     * ours it answers (its text, for whose operator, the earlier session that asked); `late`: its task closed first
+     * (the status); `unopened`: a status on a task this session never opened (another's, moved by a relay, a mistake).
      */
     | {
       kind: "message";
@@ -3847,9 +3846,8 @@ class NodeState {
   }
 
   /**
-   * Takes over what an ended session carried, or (null) this session's own state at a checkpoint. What this journal
-   * holds wins (a copy adopted twice, after a crash between an adoption's two writes, changes nothing). Since 0.5.1
-   * the messages follow in "carried" records; earlier releases put them in `c.out`, `c.inbox`.
+   * Takes over what an ended session carried, or (null) our own at a checkpoint; what this journal holds wins (an
+   * adoption repeated after a crash between its writes changes nothing). Messages in `c.out`, `c.inbox`: before 0.5.1.
    */
   #take(session: string | null, at: number, c: Carried): void {
     for (const o of c.out) this.#takeOut(session, o);
@@ -3874,8 +3872,7 @@ class NodeState {
     fill(this.drains, c.routes);
     if (session === null) return;
     this.drains.set(session, this.drains.get(session) ?? at);
-    // Questions peers asked of the ended session, shown there and still waiting for our operator: each becomes an inbox
-    // item here, shown once (one never shown there comes as itself, in the inbox it carried).
+    // Peers' questions it showed, still unanswered, become inbox items here (one it never showed comes in its inbox).
     for (const carried of c.tasks) {
       const t = this.tasks.get(taskKey(carried.peer_key, carried.task_id));
       if (!t || t.closed) continue;
@@ -4165,10 +4162,9 @@ class Journal {
   }
 
   /**
-   * Rolls the journal over, so a session's start stays bounded: the file is hard-linked to an archive, log-<ms>.jsonl
-   * (see journalFiles), and replaced whole by a checkpoint and a "carried" record per message. Only the owner rolls,
-   * holding the inbox lock every other writer holds to append (nothing lands in the archive after), and only when the
-   * new file is under half the old (false if not). `durable` runs just before the new file takes the old one's place.
+   * Rolls the journal over, so a session's start stays bounded: hard-links it to an archive (log-<ms>.jsonl), then
+   * replaces it by a checkpoint and a "carried" record per message. Only the owner rolls, under the inbox lock others
+   * append under (nothing lands in the archive after), only to under half (else false); `durable` runs before the swap.
    */
   roll(durable: () => void = () => {}): boolean {
     this.catchUp();
@@ -4235,10 +4231,9 @@ function namesIn(dir: string, re: RegExp): string[] {
 const SEEN_FILE_RE = /^replay-\d{4}-\d{2}-\d{2}\.jsonl$/;
 
 /**
- * The replay memory's own durable record, shared by every session of this identity on this machine: a "seen" line per
- * admitted message, in `replay-<UTC date>.jsonl` beside the sessions. The journal implies the same; this copy means a
- * journal line lost to a disk fault cannot let a replay in, and a message admitted by one session (or copied by a relay
- * into another's route) is refused by the others. Never rewritten (that could lose another process's append).
+ * The replay memory's durable record, shared by the node's sessions: a "seen" line per admission, in
+ * `replay-<UTC date>.jsonl`, never rewritten (that could lose another process's append). A journal line lost to a disk
+ * fault cannot let a replay in, and what one session admitted (or a relay copied elsewhere) the others refuse.
  */
 class SeenLog {
   #offsets = new Map<string, number>(); // file → bytes already read
@@ -4383,44 +4378,30 @@ function onJournalChange(stateDir: string): (wake: () => void) => () => void {
 
 type InviteStatus = "pending" | "used" | "revoked";
 
-interface Invite {
-  id: string;
-  secret?: string; // base64url of the one-time secret; dropped once the invite is spent
-  for?: string; // the petname the joiner is filed under (`invite --for`); else its claimed name, if valid and free
-  created: number;
-  expires: number;
-  session: string; // the route the code names: the node's door (earlier: `invite-<id>`, its own)
-  urls: string[];
-  status: InviteStatus;
-  /** Used: by which key, through which request, filed as which petname, admitted by which session of ours. */
-  used_by?: string;
-  used_msg?: string;
-  used_as?: string;
-  used_in?: string;
-  ended?: number; // when it was used or revoked
-}
+/** An invite as invites.json holds it, and how it is read back. */
+const decodeInvite = (v: unknown) =>
+  fields(obj(v, "an invite"), {
+    id: is<string>((v) => typeof v === "string" && /^[0-9a-f]{16}$/.test(v), "not 16 hex digits"),
+    secret: optStr, // base64url of the one-time secret; dropped once the invite is spent
+    for: optStr, // the petname the joiner is filed under (`invite --for`); else its claimed name, if valid and free
+    created: int,
+    expires: int,
+    session: str, // the route the code names: the node's door (earlier: `invite-<id>`, its own)
+    urls: strings,
+    status: oneOf<InviteStatus>(["pending", "used", "revoked"], "not known"),
+    // Used: by which key, through which request, filed as which petname, admitted by which session of ours.
+    used_by: optStr,
+    used_msg: optStr,
+    used_as: optStr,
+    used_in: optStr,
+    ended: optInt, // when it was used or revoked
+  });
+type Invite = ReturnType<typeof decodeInvite>;
 
 const invitesFile = (stateDir: string): string => path.join(stateDir, "invites.json");
 
 const inviteState = (i: Invite, nowMs: number): InviteStatus | "expired" =>
   i.status === "pending" && nowMs > i.expires ? "expired" : i.status;
-
-const decodeInvite = (v: unknown): Invite =>
-  fields(obj(v, "an invite"), {
-    id: is<string>((v) => typeof v === "string" && /^[0-9a-f]{16}$/.test(v), "not 16 hex digits"),
-    secret: optStr,
-    for: optStr,
-    created: int,
-    expires: int,
-    session: str,
-    urls: strings,
-    status: oneOf<InviteStatus>(["pending", "used", "revoked"], "not known"),
-    used_by: optStr,
-    used_msg: optStr,
-    used_as: optStr,
-    used_in: optStr,
-    ended: optInt,
-  });
 
 const DOOR_PREFIX = "door-";
 
