@@ -2864,12 +2864,11 @@ function openRelay(url: string, proof?: (route: string) => Promise<string>, sign
 // ============================================================================
 //
 // One node = one key + one state root on a machine; each Claude Code (or CLI) process is one session of it, whose
-// journal sessions/<id>/log.jsonl is the one source of three views: the outbox ("out" records neither "sent" nor
-// "refused" yet), the conversation log (every "out" and "in" record) and the inbox ("in" records and notices no path
-// has shown the model yet). One file, so a crash never leaves a message in one view and not another. Records are read
-// through decodeRecord, which upgrades earlier shapes, and folded by NodeState; the replay memory is shared (SeenLog).
-// Sessions end all day (a new `claude` is a new session id), mail does not: a dead session is adopted by a live one
-// (see "Ended sessions"). The agent holding agent.lock is the only sender; the CLI may append "out" records for it.
+// journal sessions/<id>/log.jsonl is the one source of the outbox ("out" records neither "sent" nor "refused" yet), the
+// conversation log ("out" and "in" records) and the inbox (what no path has shown the model yet): a crash never leaves
+// a message in one view and not another. NodeState folds it; the replay memory is shared (SeenLog). Sessions end all
+// day (a new `claude` is a new session id), mail does not: a live session adopts a dead one's (see "Ended sessions").
+// The agent holding agent.lock is the only sender; the CLI may append "out" records for it.
 
 /**
  * How admitted messages reach the model, each by one path: "inbox" (default): check_inbox, or the Stop hook (`wait`)
@@ -2928,13 +2927,11 @@ interface OutEntry {
   refused?: string; // never sent, because it broke a task's lifecycle (racing writers) or every bus refused it for good
   attempts: number;
   lastError?: string;
-  /** What the recipient's receipts reported (its clock, its session). */
-  delivered?: { at: number; session: string };
+  delivered?: { at: number; session: string }; // what the recipient's receipts reported (its clock, its session)
   shown?: { at: number; session: string };
   refusedBy?: ReceiptLine;
   expired?: number; // when we judged it past HELD_MAX_MS with no receipt from the recipient: it will never be shown
-  /** Carried over from this ended session of ours (its outbox, or a sent message whose receipts may still come). */
-  adoptedFrom?: string;
+  adoptedFrom?: string; // carried over from this ended session of ours (its outbox, or sent with receipts still due)
   movedTo?: string; // this (ended) session's outbox went to that session, which delivers it
   chain?: Chain; // the signed chain of the sub-task it opens (see "Delegation across hops")
 }
@@ -2942,18 +2939,14 @@ interface OutEntry {
 /** A message passed along the chain (up: a question; down: its answer): information for the model, never a question. */
 type Relayed = { dir: "up" | "down"; to: string; task_id: string };
 
-/**
- * Something no path has shown the model yet; `id` names it in the "shown" record. `maybeShown`: a crash cut short the
- * record of its showing (see claimInbox).
- */
+/** Not yet shown to the model; `id` names it in "shown"; `maybeShown`: a crash cut its "shown" short (claimInbox). */
 type InboxItem =
   & { id: string; at: number; maybeShown?: true }
   & (
     /**
-     * `forSession`: it arrived for an earlier session of ours, which ended before showing it. `asked`: it answers a
-     * question of ours (its text, for whose operator, and the earlier session that asked, if that one ended first).
-     * `late`: its task was closed before it came (the closing status). `unopened`: it carries a status on a task this
-     * session never opened nor was asked for (another session's, moved here by a relay, or a peer's mistake).
+     * `forSession`: it came for an earlier session of ours, which ended before showing it; `asked`: the question of
+     * ours it answers (its text, for whose operator, the earlier session that asked); `late`: its task closed first
+     * (the status); `unopened`: a status on a task this session never opened (another's, moved by a relay, a mistake).
      */
     | {
       kind: "message";
@@ -2986,8 +2979,7 @@ const refusalItem = (key: string, reason: string, invite?: string): string =>
   `refused ${key} ${reason}${invite ? ` ${invite}` : ""}`;
 const pairedItem = (key: string, invite: string): string => `paired ${key} ${invite}`;
 
-/** The inbox item that counts the knocks past KNOCKS_SHOWN_PER_HOUR. */
-const MORE_KNOCKS = "knocks more";
+const MORE_KNOCKS = "knocks more"; // the inbox item that counts the knocks past KNOCKS_SHOWN_PER_HOUR
 
 /** Refusals worth the operator's attention (a key they might expect, a clock to fix); the rest are routine. */
 const REFUSALS_SHOWN: ReadonlySet<Refusal> = new Set<Refusal>(
@@ -3108,12 +3100,8 @@ function refusalWords(l: ReceiptLine): string {
 const SHOWN_VIAS = ["push", "inbox", "queue", "superseded"] as const;
 type ShownVia = (typeof SHOWN_VIAS)[number];
 
-/**
- * How a knock ended: our operator accepted or rejected theirs, theirs accepted ours, or it came through one of our
- * invites (our operator's decision, made by running `interlink.ts invite`).
- */
+/** How a knock ended: our operator accepted or rejected theirs, they accepted ours, or it came through our invite. */
 const PAIR_OUTCOMES = ["accepted", "rejected", "they_accepted", "invited"] as const;
-type PairOutcome = (typeof PAIR_OUTCOMES)[number];
 
 /** A knock waiting for our operator; `replyTo`: the session that asked. */
 type HeldKnock = { name: string; at: number; msgId: string; replyTo?: string };
@@ -3315,15 +3303,11 @@ const remembered = record({
   silent: optional(listOf(str)), // absent in a checkpoint of an earlier release
 });
 
-/**
- * Every record a session writes to its journal, by its tag `t`, and how it is read back: the schema's one description.
- * Each has `at` too, the writer's clock (unix ms).
- */
+/** Every record a session journals, by its tag `t`, and how it is read back; each has `at` too, the writer's clock. */
 const RECORDS = {
   /**
-   * A message we signed: in the outbox until "sent" or "refused". `recipient`: its route (`key#session`, or a bare
-   * key); `again`: a re-send of one already sent, same msg_id (a knock repeated); `chain`: it opens a sub-task, the
-   * chain we signed for it; `forward`: it forwards a peer's question up the chain.
+   * A message we signed, in the outbox until "sent" or "refused"; `recipient`: its route (`key#session`, or a key);
+   * `again`: a knock re-sent (same msg_id); `chain`: ours, for the sub-task it opens; `forward`: a question passed up.
    */
   out: {
     peer: (o, k) => optStr(o, k) ?? null,
@@ -3343,10 +3327,9 @@ const RECORDS = {
   /** Sent, past HELD_MAX_MS since it was signed, and no receipt came: no node of ours will show it now. */
   expired: { msg_id: str },
   /**
-   * Admitted from a peer (or another session of ours): unread until "shown". `reply_session`: the sender's session its
-   * unsigned reply_to named (routing only); `receipts`: its sender reads receipts; `for_session`: drained from an
-   * earlier session's route. `chain`: the verified chain of a request opening a sub-task; `declined`: why such a
-   * request was answered failed, never shown (too deep, a loop); `relay`: passed along the chain, shown as information.
+   * Admitted, unread until "shown". `reply_session`: its unsigned reply_to's session (routing only); `receipts`: its
+   * sender reads them; `for_session`: drained from an earlier session's route; `chain`: verified, of a request opening
+   * a sub-task; `declined`: why it was answered failed, never shown (too deep, a loop); `relay`: passed on the chain.
    */
   in: {
     peer: str,
@@ -3358,10 +3341,7 @@ const RECORDS = {
     declined: optStr,
     relay: relayed,
   },
-  /**
-   * An inbox item handed to the model (pushed as a channel event, taken by check_inbox or `wait`, queued as a Codex
-   * turn), or "superseded": an update a newer message on its task made moot, never shown.
-   */
+  /** An inbox item handed to the model (pushed, answered, queued as a Codex turn) or "superseded" by a newer update. */
   shown: { item: str, via: oneOf(SHOWN_VIAS) },
   /** Inbox items about to be shown, written before the answer: one without its "shown" after a crash was perhaps seen. */
   showing: { items: strings },
@@ -3370,15 +3350,9 @@ const RECORDS = {
    * session, where the acceptance goes; `quiet`: past the few shown one by one in an hour, it is only counted.
    */
   knock: { key: str, name: shownName, msg_id: str, ts: int, reply_to: optStr, quiet: flag },
-  /**
-   * A sender's first refusal for a reason worth the operator's attention (repeats are counted in memory); `invite`:
-   * the invite of ours it was about (see refusedInvite).
-   */
+  /** A sender's first refusal worth the operator's notice (repeats: in memory); `invite`: ours, if about one. */
   refusal: { key: str, reason, detail: (o, k) => optStr(o, k) ?? "", invite: optStr },
-  /**
-   * A knock answered: `msg` is their signed acceptance of ours. `invite`: the invite it went through (ours when
-   * "invited", theirs when they accepted our join); such a pairing is also a notice for the model.
-   */
+  /** A knock answered (`msg`: their signed acceptance); `invite`: ours or theirs it went through, told the model. */
   paired: { key: str, how: oneOf(PAIR_OUTCOMES), petname: optStr, msg: optional(message), invite: optStr },
   /** A message refused by the gate (or `invite`, ours), reported to its sender by a receipt (to `route`) still owed. */
   owe: { route: str, msg_id: str, reason, skew_ms: optInt, invite: optStr },
@@ -3388,15 +3362,9 @@ const RECORDS = {
   moved: { to: str },
   /** An ended session's unfinished state, taken over (then "moved" is written there); messages follow as "carried". */
   adopted: { session: str, carried },
-  /**
-   * One message carried over, in the same write as its checkpoint or "adopted" record (naming `session`): `out`, an
-   * outbox entry or a sent message whose receipts may still come; `item`, an unread inbox item.
-   */
+  /** One message carried over, in the same write as its checkpoint or "adopted" record (naming `session`). */
   carried: { session: optStr, out: optional(carriedOut), item: optional(inboxItem) },
-  /**
-   * The first record of a rolled-over journal (see Journal.roll): this session's state when the earlier records went
-   * to the archive `archived` (log-<ms>.jsonl beside it), which history readers go on to read.
-   */
+  /** A rolled-over journal's first record (see Journal.roll): the state as the rest went to the archive `archived`. */
   checkpoint: { archived: str, carried, remembered },
 } satisfies { [tag: string]: { [field: string]: Field<unknown> } };
 
@@ -3440,9 +3408,8 @@ function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
 const encodeRecord = (r: JournalRecord): string => JSON.stringify(r);
 
 /**
- * Reads a journal's records from byte `from`, decoded; `onBad` gets a line that is not one, with why. A record of
- * interlink.ts 0.4.0's shapes stops the read (see isOldShape). The one reader of journals: the fold, `log`, `tasks`,
- * conversation_history and `doctor` all go through it.
+ * Reads a journal's records from byte `from`, decoded; `onBad` gets a line that is not one, with why; one of 0.4.0's
+ * shapes stops the read (see isOldShape). The one reader of journals (the fold, `log`, `tasks`, history, `doctor`).
  */
 function scanJournal(
   file: string,
@@ -3470,9 +3437,8 @@ function recordedReports(r: RecordOf<"receipt">): ReceiptLine[] {
 }
 
 /**
- * How a message stands to its task before it is folded: `asked`, the question of ours it answers if its task still
- * waits on it (what was asked, for whose operator (absent: ours), and the earlier session that asked it, if that one
- * ended before the answer came); `late`, its task closed already (the closing status); `unopened`, no task of it here.
+ * How a message stands to its task before it is folded: `asked`, the question of ours it answers, if still awaited
+ * (see InboxItem); `late`, its task closed already (the closing status); `unopened`, no task of it here.
  */
 function taskMarks(tasks: ReadonlyMap<string, TaskRow>, msg: SignedMessage) {
   if (msg.kind !== "message" || !msg.task_id) return {};
@@ -3546,8 +3512,7 @@ class NodeState {
   readonly full = new Map<string, { until: number; failures: number; why: string }>();
   /** Whether a relay the outbox sends through may drop past its cap (set by the agent; unknown: it may). */
   mayDrop: () => boolean = () => true;
-  /** Set by a "moved" record: the session that took over everything this one still had to do. */
-  movedTo: string | undefined;
+  movedTo: string | undefined; // set by a "moved" record: the session that took over all this one had left to do
 
   constructor(readonly now: () => number = Date.now) {}
 
@@ -3646,10 +3611,7 @@ class NodeState {
       }
     },
     showing: (r) => {
-      for (const id of r.items) {
-        const item = this.inbox.get(id);
-        if (item) item.maybeShown = true;
-      }
+      for (const item of r.items.map((id) => this.inbox.get(id))) if (item) item.maybeShown = true;
     },
     owe: (r) => {
       const { route, msg_id, at, reason } = r, key = parseRoute(route).key;
@@ -3682,33 +3644,22 @@ class NodeState {
     knock: (r) => {
       this.replay.remember(r.key, r.msg_id, r.ts, this.now());
       this.knocksIn.set(r.key, { name: r.name, at: r.at, msgId: r.msg_id, ...some("replyTo", r.reply_to) });
-      if (r.quiet) {
-        const more = this.inbox.get(MORE_KNOCKS);
-        if (more?.kind === "more_knocks") more.count++;
-        else this.inbox.set(MORE_KNOCKS, { kind: "more_knocks", id: MORE_KNOCKS, at: r.at, count: 1 });
-      } else {
-        const id = knockItem(r.key, r.msg_id);
-        if (!this.#shown.has(id)) this.inbox.set(id, { kind: "knock", id, at: r.at, key: r.key, name: r.name });
-        this.#knocksShown.push(r.at);
-        if (this.#knocksShown.length > KNOCKS_SHOWN_PER_HOUR) this.#knocksShown.shift();
-      }
+      if (r.quiet) return this.#count({ kind: "more_knocks", id: MORE_KNOCKS, at: r.at, count: 1 });
+      this.#notice({ kind: "knock", id: knockItem(r.key, r.msg_id), at: r.at, key: r.key, name: r.name });
+      this.#knocksShown.push(r.at);
+      if (this.#knocksShown.length > KNOCKS_SHOWN_PER_HOUR) this.#knocksShown.shift();
     },
-    refusal: (r) => {
-      const id = refusalItem(r.key, r.reason, r.invite);
-      const waiting = this.inbox.get(id);
-      if (waiting?.kind === "refusals") waiting.count++;
-      else this.inbox.set(id, { kind: "refusals", id, at: r.at, key: r.key, reason: r.reason, count: 1 });
-    },
-    paired: (r) => {
-      if (r.how === "rejected") this.rejected.set(r.key, r.at);
-      this.knocksIn.delete(r.key);
-      this.knocksOut.delete(r.key);
-      if (r.msg) this.replay.remember(r.msg.from, r.msg.msg_id, r.msg.ts, this.now());
+    refusal: ({ at, key, reason, invite }) =>
+      this.#count({ kind: "refusals", id: refusalItem(key, reason, invite), at, key, reason, count: 1 }),
+    paired: ({ at, key, how, petname, msg, invite }) => {
+      if (how === "rejected") this.rejected.set(key, at);
+      this.knocksIn.delete(key);
+      this.knocksOut.delete(key);
+      if (msg) this.replay.remember(msg.from, msg.msg_id, msg.ts, this.now());
       // A pairing through an invite was decided at a terminal, not in a session: the model is told at its next turn.
-      const id = r.invite && pairedItem(r.key, r.invite);
-      if (id && r.petname && !this.#shown.has(id)) {
-        const side = r.how === "invited" ? "invited" : "joined";
-        this.inbox.set(id, { kind: "paired", id, at: r.at, key: r.key, petname: r.petname, invite: r.invite!, side });
+      const side = how === "invited" ? "invited" : "joined";
+      if (invite && petname) {
+        this.#notice({ kind: "paired", id: pairedItem(key, invite), at, key, petname, invite, side });
       }
     },
     moved: (r) => {
@@ -3740,6 +3691,18 @@ class NodeState {
       for (const key of m.silent ?? []) this.silent.set(key, true);
     },
   };
+
+  /** A notice for the model, unless this journal showed it already. */
+  #notice(item: Notice): void {
+    if (!this.#shown.has(item.id)) this.inbox.set(item.id, item);
+  }
+
+  /** One more of a counted notice (knocks past the hour's, a sender's refusals for one reason), or its first. */
+  #count(item: Extract<InboxItem, { count: number }>): void {
+    const held = this.inbox.get(item.id);
+    if (held?.kind === item.kind) held.count++;
+    else this.inbox.set(item.id, item);
+  }
 
   /** A message leaves the outbox: sent (a relay kept it) or refused for good. */
   #settled(msgId: string, settle: (e: OutEntry) => void): void {
@@ -3807,22 +3770,18 @@ class NodeState {
   }
 
   /**
-   * Takes over what an ended session carried, or (null) this session's own state at a checkpoint. What this journal
-   * holds wins (a copy adopted twice, after a crash between an adoption's two writes, changes nothing). Since 0.5.1
-   * the messages follow in "carried" records; earlier releases put them in `c.out`, `c.inbox`.
+   * Takes over what an ended session carried, or (null) our own at a checkpoint; what this journal holds wins (an
+   * adoption repeated after a crash between its writes changes nothing). Messages in `c.out`, `c.inbox`: before 0.5.1.
    */
   #take(session: string | null, at: number, c: Carried): void {
     for (const o of c.out) this.#takeOut(session, o);
     for (const item of c.inbox) this.#takeItem(session, item, true);
     for (const t of c.tasks) {
       const key = taskKey(t.peer_key, t.task_id);
-      const mine = this.tasks.get(key);
-      if (mine && mine.last_at >= t.last_at) continue;
+      if ((this.tasks.get(key)?.last_at ?? -Infinity) >= t.last_at) continue;
       // A question of ours an ended session asked: its answer, when it comes, is shown with what was asked.
-      const awaiting = session === null
-        ? t.awaiting
-        : t.awaiting.map((q) => (q.asked_by === "me" ? { ...q, earlier: q.earlier ?? session } : q));
-      this.tasks.set(key, { ...t, awaiting });
+      const earlier = (q: Question) => (session && q.asked_by === "me" ? { ...q, earlier: q.earlier ?? session } : q);
+      this.tasks.set(key, { ...t, awaiting: t.awaiting.map(earlier) });
     }
     for (const [route, lines] of c.owed) for (const l of lines) this.#owe(route, l);
     const fill = <V>(into: Map<string, V>, from: [string, V][]) => {
@@ -3837,8 +3796,7 @@ class NodeState {
     fill(this.drains, c.routes);
     if (session === null) return;
     this.drains.set(session, this.drains.get(session) ?? at);
-    // Questions peers asked of the ended session, shown there and still waiting for our operator: each becomes an inbox
-    // item here, shown once (one never shown there comes as itself, in the inbox it carried).
+    // Peers' questions it showed, still unanswered, become inbox items here (one it never showed comes in its inbox).
     for (const carried of c.tasks) {
       const t = this.tasks.get(taskKey(carried.peer_key, carried.task_id));
       if (!t || t.closed) continue;
@@ -3992,10 +3950,7 @@ class NodeState {
     return next;
   }
 
-  /**
-   * Routes where messages of ours (not receipts) wait (see waitsFor): why, how many from the first that waits on (a
-   * knock before it goes as usual), and that first one.
-   */
+  /** Routes where our messages wait (see waitsFor): why, how many from the first that waits on, and that first one. */
   heldRoutes(): Map<string, { why: "full" | "window"; n: number; first: OutEntry }> {
     const held = new Map<string, { why: "full" | "window"; n: number; first: OutEntry }>();
     for (const e of this.pending.values()) {
@@ -4036,14 +3991,10 @@ class NodeState {
   }
 }
 
-/**
- * The journal file and the fold over it: the state is always the fold of the file, in file order, whoever wrote each
- * record. The folder's owner (the agent, holding agent.lock) quarantines lines it cannot read; readers beside it (the
- * CLI, `wait`) skip them.
- */
+/** The journal file and its fold; its owner (agent.lock) quarantines lines it cannot read, readers skip them. */
+
 class Journal {
   readonly file: string;
-  #state: NodeState;
   #writer: JsonlWriter | null = null;
   #offset = 0;
   #ino = 0; // the file a reader beside the owner has read so far (see #followRoll)
@@ -4051,17 +4002,11 @@ class Journal {
 
   constructor(
     readonly stateDir: string,
-    state: NodeState,
+    public state: NodeState, // the fold (replaced, in a reader, when the owner rolls the file over)
     readonly owner = false,
     readonly now: () => number = state.now,
   ) {
     this.file = path.join(stateDir, "log.jsonl");
-    this.#state = state;
-  }
-
-  /** The state folded from the journal (replaced, in a reader, when the owner rolls the file over). */
-  get state(): NodeState {
-    return this.#state;
   }
 
   /** A reader beside the owner, once the owner has rolled the file over, starts again from its checkpoint. */
@@ -4069,10 +4014,9 @@ class Journal {
     if (this.owner) return;
     const ino = inodeOf(this.file);
     if (this.#ino !== 0 && ino !== this.#ino) {
-      this.#state = new NodeState(this.#state.now);
+      this.state = new NodeState(this.state.now);
       this.#offset = 0;
-      this.#writer?.close();
-      this.#writer = null;
+      this.close();
     }
     this.#ino = ino;
   }
@@ -4121,10 +4065,7 @@ class Journal {
     for (const r of stamped) this.state.apply(r);
   }
 
-  /**
-   * `append` for more records than memory should hold (an adoption's backlog), a MiB at a time: a crash may keep only
-   * the first of them (whoever writes so must find the rest again).
-   */
+  /** `append` a MiB at a time (an adoption's backlog): a crash may keep only the first: its writer finds the rest. */
   appendAll(records: Iterable<NewRecord>): void {
     let batch: NewRecord[] = [], bytes = 0;
     for (const r of records) {
@@ -4145,10 +4086,9 @@ class Journal {
   }
 
   /**
-   * Rolls the journal over, so a session's start stays bounded: the file is hard-linked to an archive, log-<ms>.jsonl
-   * (see journalFiles), and replaced whole by a checkpoint and a "carried" record per message. Only the owner rolls,
-   * holding the inbox lock every other writer holds to append (nothing lands in the archive after), and only when the
-   * new file is under half the old (false if not). `durable` runs just before the new file takes the old one's place.
+   * Rolls the journal over, so a session's start stays bounded: hard-links it to an archive (log-<ms>.jsonl), then
+   * replaces it by a checkpoint and a "carried" record per message. Only the owner rolls, under the inbox lock others
+   * append under (nothing lands in the archive after), only to under half (else false); `durable` runs before the swap.
    */
   roll(durable: () => void = () => {}): boolean {
     this.catchUp();
@@ -4195,9 +4135,8 @@ class Journal {
 }
 
 /**
- * After a burst of work on a large journal: JavaScriptCore keeps the peak its heap reached and the code it compiled
- * for the burst, which a session that then idles never needs; a full collection and Bun.shrink give both back
- * (about 4 MB after a start on 50,000 queued messages). Elsewhere, nothing.
+ * JavaScriptCore keeps the heap's peak and the code compiled for a burst of work (a large journal), which an idle
+ * session never needs: a full collection and Bun.shrink give both back (~4 MB after a start on 50,000 queued messages).
  */
 function giveMemoryBack(): void {
   runtimeHost.Bun?.gc(true);
@@ -4216,15 +4155,13 @@ function namesIn(dir: string, re: RegExp): string[] {
 const SEEN_FILE_RE = /^replay-\d{4}-\d{2}-\d{2}\.jsonl$/;
 
 /**
- * The replay memory's own durable record, shared by every session of this identity on this machine: a "seen" line per
- * admitted message, in `replay-<UTC date>.jsonl` beside the sessions. The journal implies the same; this copy means a
- * journal line lost to a disk fault cannot let a replay in, and a message admitted by one session (or copied by a relay
- * into another's route) is refused by the others. Never rewritten (that could lose another process's append).
+ * The replay memory's durable record, shared by the node's sessions: a "seen" line per admission, in
+ * `replay-<UTC date>.jsonl`, never rewritten (that could lose another process's append). A journal line lost to a disk
+ * fault cannot let a replay in, and what one session admitted (or a relay copied elsewhere) the others refuse.
  */
 class SeenLog {
   #offsets = new Map<string, number>(); // file → bytes already read
   #writer: JsonlWriter | null = null;
-  #writerFile = "";
 
   constructor(readonly dir: string, readonly replay: ReplayMemory, readonly now: () => number) {
     this.catchUp();
@@ -4256,13 +4193,12 @@ class SeenLog {
   }
 
   #today(): JsonlWriter {
-    const name = SeenLog.#name(this.now());
-    if (name !== this.#writerFile) {
+    const file = path.join(this.dir, SeenLog.#name(this.now()));
+    if (this.#writer?.file !== file) {
       this.#writer?.close();
-      this.#writer = new JsonlWriter(path.join(this.dir, name), `the state folder ${this.dir}`);
-      this.#writerFile = name;
+      this.#writer = new JsonlWriter(file, `the state folder ${this.dir}`);
     }
-    return this.#writer!;
+    return this.#writer;
   }
 
   /**
@@ -4320,10 +4256,7 @@ function writeAdoptedFile(dir: string, what: { size: number; by: string | null }
 /** The ids of the sessions this node has had in a state root, oldest folder first. */
 const sessionIds = (root: string): string[] => namesIn(path.join(root, "sessions"), SESSION_RE);
 
-/**
- * When a session last did anything: its journal's last write, or the session.json its server rewrites on a clean exit
- * (a killed one ended at its last write, or its start).
- */
+/** When a session last did anything: its journal's last write, or session.json's (written at start and clean exit). */
 function sessionEndedAt(dir: string): number {
   const at = (f: string) => statOf(path.join(dir, f))?.mtimeMs ?? 0;
   return Math.round(Math.max(at("log.jsonl"), at("session.json")));
@@ -4369,44 +4302,30 @@ function onJournalChange(stateDir: string): (wake: () => void) => () => void {
 
 type InviteStatus = "pending" | "used" | "revoked";
 
-interface Invite {
-  id: string;
-  secret?: string; // base64url of the one-time secret; dropped once the invite is spent
-  for?: string; // the petname the joiner is filed under (`invite --for`); else its claimed name, if valid and free
-  created: number;
-  expires: number;
-  session: string; // the route the code names: the node's door (earlier: `invite-<id>`, its own)
-  urls: string[];
-  status: InviteStatus;
-  /** Used: by which key, through which request, filed as which petname, admitted by which session of ours. */
-  used_by?: string;
-  used_msg?: string;
-  used_as?: string;
-  used_in?: string;
-  ended?: number; // when it was used or revoked
-}
+/** An invite as invites.json holds it, and how it is read back. */
+const decodeInvite = (v: unknown) =>
+  fields(obj(v, "an invite"), {
+    id: is<string>((v) => typeof v === "string" && /^[0-9a-f]{16}$/.test(v), "not 16 hex digits"),
+    secret: optStr, // base64url of the one-time secret; dropped once the invite is spent
+    for: optStr, // the petname the joiner is filed under (`invite --for`); else its claimed name, if valid and free
+    created: int,
+    expires: int,
+    session: str, // the route the code names: the node's door (earlier: `invite-<id>`, its own)
+    urls: strings,
+    status: oneOf<InviteStatus>(["pending", "used", "revoked"], "not known"),
+    // Used: by which key, through which request, filed as which petname, admitted by which session of ours.
+    used_by: optStr,
+    used_msg: optStr,
+    used_as: optStr,
+    used_in: optStr,
+    ended: optInt, // when it was used or revoked
+  });
+type Invite = ReturnType<typeof decodeInvite>;
 
 const invitesFile = (stateDir: string): string => path.join(stateDir, "invites.json");
 
 const inviteState = (i: Invite, nowMs: number): InviteStatus | "expired" =>
   i.status === "pending" && nowMs > i.expires ? "expired" : i.status;
-
-const decodeInvite = (v: unknown): Invite =>
-  fields(obj(v, "an invite"), {
-    id: is<string>((v) => typeof v === "string" && /^[0-9a-f]{16}$/.test(v), "not 16 hex digits"),
-    secret: optStr,
-    for: optStr,
-    created: int,
-    expires: int,
-    session: str,
-    urls: strings,
-    status: oneOf<InviteStatus>(["pending", "used", "revoked"], "not known"),
-    used_by: optStr,
-    used_msg: optStr,
-    used_as: optStr,
-    used_in: optStr,
-    ended: optInt,
-  });
 
 const DOOR_PREFIX = "door-";
 
