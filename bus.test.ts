@@ -1670,6 +1670,43 @@ describe("bus: presence, and what it refuses", () => {
 
   for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
+      `100 sessions of one node on one machine are all listed; a flood of 1,000 self-made keys from that machine stays within its address's share, each one past it told why (429), and none of the 100 is pushed out (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir());
+        const post = async (a: object) => {
+          const r = await fetch(`${bus.url}/announce`, { method: "POST", body: JSON.stringify(a) });
+          return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+        };
+        try {
+          const t = Date.now();
+          for (let i = 0; i < 100; i++) {
+            expect((await post(await signAnnouncement(alice, "alice", t + i, session(`agent-${i}`)))).status).toBe(202);
+          }
+          const listed = async () =>
+            ((await (await fetch(`${bus.url}/roster`)).json()).roster as Announcement[])
+              .filter((e) => e.pubkey === alice.publicKey).length;
+          expect(await listed()).toBe(100); // one person's parallel agents: every one can be found
+          const refusals = new Map<number, string>();
+          for (let i = 0; i < 1_000; i++) {
+            const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+            const { status, error } = await post(await signAnnouncement(id, "x", Date.now(), session("s")));
+            if (status !== 202) refusals.set(status, error);
+          }
+          expect(await listed()).toBe(100); // a flood from the same machine pushes no live session out
+          const roster = (await (await fetch(`${bus.url}/roster`)).json()).roster as Announcement[];
+          expect(roster.length).toBe(ROSTER_PER_ADDRESS_CAP); // the flood fills its address's share, no more
+          expect([...refusals.keys()]).toEqual([429]); // told, in words, with the status a node keys on
+          expect(refusals.get(429)).toContain("announcements from your address take");
+        } finally {
+          await stop(bus);
+        }
+      },
+      120_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
       `Eve replays alice's earlier announcements off GET /roster, padded with unsigned members to 8 KB, and her own live session's: alice's live session stays listed, as alice posted it (${runtime})`,
       async () => {
         const bus = await startBus(runtime, tmpDir());
@@ -1677,14 +1714,17 @@ describe("bus: presence, and what it refuses", () => {
           const post = async (a: object) =>
             (await fetch(`${bus.url}/announce`, { method: "POST", body: JSON.stringify(a) })).status;
           const t = Date.now();
-          // Eight sessions alice ran earlier today, as GET /roster served them, and the one she runs now.
+          // Sessions alice ran earlier today, as GET /roster served them, and the one she runs now.
           const earlier = await Promise.all(
-            Array.from({ length: 8 }, (_, i) => signAnnouncement(alice, "alice", t - 3_600_000 + i, session(`e${i}`))),
+            Array.from(
+              { length: ROSTER_PER_KEY_CAP / 8 },
+              (_, i) => signAnnouncement(alice, "alice", t - 3_600_000 + i, session(`e${i}`)),
+            ),
           );
           const live = await signAnnouncement(alice, "alice", t, session("live"));
           expect(await post(live)).toBe(202);
           // Eve, who holds no key of alice's, posts alice's live announcement again with 7 KB of unsigned padding,
-          // then each earlier one: 8 units a copy, 72 in all, past alice's key's share of 64.
+          // then each earlier one: 8 units a copy, past alice's key's share (ROSTER_PER_KEY_CAP) with the live one's.
           const pad = "x".repeat(7_000);
           expect(await post({ ...live, pad })).toBe(202); // the same signed announcement again: a refresh
           for (const a of earlier) expect([202, 429]).toContain(await post({ ...a, pad }));
@@ -1702,7 +1742,7 @@ describe("bus: presence, and what it refuses", () => {
 
   for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
-      `a local stranger posting from 127.0.0.2, .3 and .4 is one source: 300 announcements of self-made keys fill the 256 units one address may hold, then 429 (${runtime})`,
+      `a local stranger posting from 127.0.0.2, .3 and .4 is one source: 1,068 announcements of self-made keys fill the 1,024 units one address may hold, then 429 (${runtime})`,
       async () => {
         // Every 127.x.y.z is this machine: any local user can connect from as many of them as they like, so counted
         // one by one they gave a single host as many per-address budgets (roster, new owners, bodies in flight).
@@ -1721,15 +1761,13 @@ describe("bus: presence, and what it refuses", () => {
           });
         try {
           const statuses: Record<string, number> = {};
-          for (const from of ["127.0.0.2", "127.0.0.3", "127.0.0.4"]) {
-            for (let i = 0; i < 100; i++) {
-              const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
-              const a = await signAnnouncement(id, "x", Date.now(), session("s"));
-              const status = await postFrom(from, JSON.stringify(a));
-              statuses[status] = (statuses[status] ?? 0) + 1;
-            }
+          for (let i = 0; i < ROSTER_PER_ADDRESS_CAP + 44; i++) {
+            const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+            const a = await signAnnouncement(id, "x", Date.now(), session("s"));
+            const status = await postFrom(`127.0.0.${2 + i % 3}`, JSON.stringify(a));
+            statuses[status] = (statuses[status] ?? 0) + 1;
           }
-          expect(statuses).toEqual({ "202": 256, "429": 44 });
+          expect(statuses).toEqual({ "202": ROSTER_PER_ADDRESS_CAP, "429": 44 });
         } finally {
           await stop(bus);
         }

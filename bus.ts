@@ -94,10 +94,10 @@ const TOTAL_BYTES_MAX = 32 << 20;
 /** A sessionless (0.4) announcement is served this long, as a 0.4 bus does: 0.4 clients read every entry as live. */
 const ROSTER_SESSIONLESS_MS = 90_000;
 /**
- * Roster entries from one source address (an IPv6 /64): one machine's sessions, or a small office behind one NAT.
- * Keys cost nothing, so this, not the per-key bound, keeps one host from filling a LAN bus's roster.
+ * Roster units from one source address (an IPv6 /64; all of 127/8): one machine's hundreds of sessions, or an office
+ * behind one NAT, in a quarter of the roster. Keys cost nothing, so this keeps one host from filling a LAN bus's roster.
  */
-const ROSTER_PER_ADDRESS_CAP = 256;
+const ROSTER_PER_ADDRESS_CAP = 1024;
 /** Against the bounds above, an entry counts one per this many bytes begun (a real one counts one): roster ≤ 4 MiB. */
 const ROSTER_UNIT_BYTES = 1024;
 /**
