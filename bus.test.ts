@@ -2665,6 +2665,48 @@ describe("hostile clients: bodies and connections", () => {
     );
   }
 
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `one local process holding four uploads of 2 MiB that never come (headers only, opened again as the bus cuts them off) keeps no other session of the machine from sending: alice's 1 KB message gets 202 and reaches bob (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir(), [], { INTERLINK_TEST_CONN_BODY_MS: "3000" });
+        const port = Number(new URL(bus.url).port);
+        const head = `POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: ${BODY_LIMIT_BYTES}\r\n\r\n`;
+        let holding = true;
+        const sockets: net.Socket[] = [];
+        const upload = (again: boolean) => {
+          const socket = net.connect(port, "127.0.0.1");
+          const state = { socket, answer: "" };
+          socket.on("data", (d) => (state.answer ||= d.toString().slice(9, 12))).on("error", () => {});
+          if (again) socket.on("close", () => holding && upload(true));
+          socket.write(head);
+          sockets.push(socket);
+          return state;
+        };
+        try {
+          for (let i = 0; i < 4; i++) upload(true);
+          // The four hold all their address may read at once: a fifth large upload is refused.
+          const fifth = upload(false);
+          await eventually(() => fifth.answer !== "", "the fifth upload is answered");
+          expect(fifth.answer).toBe("429");
+          const m = await signMessage(alice, { to: bob.publicKey, text: "x".repeat(1_000) }, Date.now());
+          const sent = await fetch(`${bus.url}/send`, {
+            method: "POST",
+            body: JSON.stringify({ to: bob.publicKey, payload: m }),
+          });
+          expect(sent.status).toBe(202);
+          const got = await (await fetch(`${bus.url}/recv?me=${bob.publicKey}&timeout_ms=0`)).json();
+          expect(got.envelope.payload.msg_id).toBe(m.msg_id);
+        } finally {
+          holding = false;
+          for (const s of sockets) s.destroy();
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
   for (const [runtime, guard] of [["bun", "on"], ["deno", "off"], ["deno", "on"]] as const) {
     test.concurrent(
       `a bus out of file descriptors (idle sockets) stays up and serves again once they go (${runtime}, guard ${guard})`,

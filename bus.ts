@@ -111,6 +111,11 @@ const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
 const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
+/**
+ * A body declared this small counts only in all: one local process holding its address's share (all of 127/8) keeps
+ * no other session there from sending, acking or announcing. To fill the bus's 24 MiB left, 1,536 connections.
+ */
+const SMALL_BODY_BYTES = 16 << 10;
 /** Answers this large are streamed and counted in flight; a smaller one the socket's buffers take at once, whole. */
 const ANSWER_STREAM_MIN_BYTES = 64 << 10;
 /** Bytes of large answers not yet taken by their connections, in all (503 past it): sixteen of the largest message. */
@@ -503,23 +508,24 @@ class BytesInFlight {
     readonly close = true,
   ) {}
 
-  take(from: string, n: number): void {
+  /** Takes `n` bytes for address bucket `from`, or in all only (null), or throws the 429 or 503. */
+  take(from: string | null, n: number): void {
     if (n <= 0) return;
-    const mine = this.#byAddress.get(from) ?? 0;
+    const mine = from === null ? 0 : this.#byAddress.get(from) ?? 0;
     const refuse = (status: number, who: string, held: number, max: number, all = "") => {
       const has = `${humanBytes(held)} of ${this.what}${all} (at most ${humanBytes(max)} at once)`;
       return new HttpError(status, `${who} already has ${has}; retry in a moment`, this.close);
     };
-    if (mine + n > this.perAddress) throw refuse(429, "your address", mine, this.perAddress);
+    if (from !== null && mine + n > this.perAddress) throw refuse(429, "your address", mine, this.perAddress);
     if (this.bytes + n > this.max) throw refuse(503, "this bus", this.bytes, this.max, " in all");
-    this.#byAddress.set(from, mine + n);
+    if (from !== null) this.#byAddress.set(from, mine + n);
     this.bytes += n;
   }
 
-  give(from: string, n: number): void {
+  give(from: string | null, n: number): void {
     if (n <= 0) return;
     this.bytes -= n;
-    addCount(this.#byAddress, from, -n);
+    if (from !== null) addCount(this.#byAddress, from, -n);
   }
 }
 
@@ -597,14 +603,15 @@ function streamedAnswer(status: number, text: string, held: AnswerHold): Respons
 
 /**
  * Reads a JSON body of at most BODY_LIMIT_BYTES, counted as it arrives (Content-Length may be absent or lie), within
- * CONN_BODY_MS (a drip gets 408), against `inFlight` for address bucket `from`: reserved before reading, held until
- * the runtime's read ends.
+ * CONN_BODY_MS (a drip gets 408), against `inFlight` for address bucket `from` (in all only up to SMALL_BODY_BYTES):
+ * reserved before reading, held until the runtime's read ends.
  */
 async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string, maxValues = JSON_VALUES_MAX) {
   const declared = declaredLength(req);
   const tooLarge = () => new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
   if (declared !== null && declared > BODY_LIMIT_BYTES) throw tooLarge();
-  let reserved = 0; // taken from inFlight
+  let reserved = 0; // taken from inFlight, for `who`
+  const who = declared !== null && declared <= SMALL_BODY_BYTES ? null : from;
   let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long
   let reader: ReadableStreamDefaultReader<Uint8Array> | undefined;
   const deadline = Promise.withResolvers<never>();
@@ -613,7 +620,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
   let text: string;
   try {
     if (declared !== null) {
-      inFlight.take(from, declared);
+      inFlight.take(who, declared);
       reserved = declared;
       // The server holds the body to its declared length. (Not touching req.body keeps Deno on its fast path.)
       text = await Promise.race([reading = req.text(), deadline.promise]);
@@ -626,7 +633,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
         const { done, value } = await Promise.race([reader.read(), deadline.promise]);
         if (done) break;
         if (reserved + value.length > BODY_LIMIT_BYTES) throw tooLarge();
-        inFlight.take(from, value.length);
+        inFlight.take(who, value.length);
         reserved += value.length;
         chunks.push(value);
       }
@@ -639,7 +646,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
     throw new HttpError(400, `the body could not be read (${(e as Error).message})`, true);
   } finally {
     clearTimeout(timer);
-    const give = () => inFlight.give(from, reserved);
+    const give = () => inFlight.give(who, reserved);
     reading.then(give, give);
   }
   const { depth, values } = jsonShape(text);
