@@ -13,6 +13,7 @@ import {
   type Announcement,
   BODY_LIMIT_BYTES,
   corruptCount,
+  HELD_MAX_MS,
   HttpRelay,
   humanBytes,
   type Identity,
@@ -946,6 +947,33 @@ describe("bus: the upgrade from an earlier bus's queue.jsonl", () => {
       expect(again.recovery.messages).toBe(all.length); // one acked, "new" sent
     } finally {
       await again.close();
+    }
+  });
+
+  test("a queue database of the release before (schema 1) is taken in with each signed message's signature, so a copy of one it holds is known after the upgrade; a payload that is not JSON there stops nothing", async () => {
+    const dir = tmpDir();
+    const db = new DatabaseSync(path.join(dir, "queue.db"));
+    db.exec(`CREATE TABLE message (seq INTEGER PRIMARY KEY AUTOINCREMENT, route TEXT NOT NULL, ts INTEGER NOT NULL,
+        sender TEXT NOT NULL, size INTEGER NOT NULL, payload TEXT NOT NULL);
+      CREATE INDEX message_route ON message (route, seq, ts, sender, size);
+      CREATE TABLE owner (key TEXT PRIMARY KEY) WITHOUT ROWID;
+      CREATE TABLE meta (name TEXT PRIMARY KEY, value) WITHOUT ROWID;
+      PRAGMA user_version = 1;`);
+    const m = await signMessage(alice, { to: eve.publicKey, text: "held" }, Date.now());
+    const insert = db.prepare("INSERT INTO message (route, ts, sender, size, payload) VALUES (?, ?, ?, ?, ?)");
+    insert.run(eve.publicKey, Date.now(), alice.publicKey, utf8Bytes(JSON.stringify(m)), JSON.stringify(m));
+    insert.run(eve.publicKey, Date.now(), alice.publicKey, 9, '{"damaged');
+    db.close();
+    const bus = await Bus.open(dir, { log: () => {} });
+    try {
+      expect(bus.queues.liveCount).toBe(2);
+      const post = (to: string) =>
+        bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to, payload: m }) }));
+      expect((await post(`${eve.publicKey}#junk`)).status).toBe(409);
+      expect((await post(eve.publicKey)).status).toBe(202);
+      expect(bus.queues.liveCount).toBe(2);
+    } finally {
+      await bus.close();
     }
   });
 
@@ -2292,6 +2320,115 @@ describe("hostile clients: fair room on the bus", () => {
       expect(held.filter((h) => h.startsWith("alice"))).toEqual(real.map((id) => `alice ${id}`)); // all of them
       expect(held.filter((h) => h === "eve").length).toBe(8); // all eve's accepted ones: none was dropped
       expect(held.filter((h) => h === "opaque").length).toBe(OPAQUE_CAP);
+    } finally {
+      await bus.close();
+    }
+  });
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a stranger cannot spend alice's budget with copies of one message she signed: a copy to another route of its key is refused (409), the same message again is taken once, a re-signed one is new mail, and alice still sends, after a restart too (${runtime})`,
+      async () => {
+        const dir = tmpDir();
+        let bus = await startBus(runtime, dir, ["--sender-mb", "1"]);
+        const post = async (to: string, payload: unknown) => {
+          const r = await fetch(`${bus.url}/send`, { method: "POST", body: JSON.stringify({ to, payload }) });
+          return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+        };
+        const held = async (route: string) =>
+          (await (await fetch(`${bus.url}/recv?me=${encodeURIComponent(route)}&max=64&timeout_ms=0`)).json())
+            .messages?.length ?? 0;
+        try {
+          // alice answers eve, a stranger, with a signed message (a refusal receipt, say) of 64 KB.
+          const receipt = await signMessage(alice, { to: eve.publicKey, text: "r".repeat(64_000) }, Date.now());
+          expect((await post(eve.publicKey, receipt)).status).toBe(202);
+          // eve posts copies to routes of her own key that nobody reads: 20 of them would be alice's 1 MiB.
+          const copies = [];
+          for (let i = 0; i < 20; i++) copies.push(await post(`${eve.publicKey}#junk${i}`, receipt));
+          expect(copies.map((c) => c.status)).toEqual(Array(20).fill(409));
+          expect(copies[0].error).toContain("is queued on this bus already");
+          // The same message to the same route again (a sender's retry after a crash) is taken, and held once.
+          expect((await post(eve.publicKey, receipt)).status).toBe(202);
+          expect(await held(eve.publicKey)).toBe(1);
+          // Re-signed (the same msg_id, a new ts and signature): new mail.
+          const resigned = await signMessage(alice, { ...receipt, msg_id: receipt.msg_id }, Date.now() + 1);
+          expect((await post(eve.publicKey, resigned)).status).toBe(202);
+          expect(await held(eve.publicKey)).toBe(2);
+          await stop(bus);
+          bus = await startBus(runtime, dir, ["--sender-mb", "1"]);
+          expect((await post(`${eve.publicKey}#junk99`, receipt)).status).toBe(409); // the queue remembers
+          const toBob = await signMessage(alice, { to: bob.publicKey, text: "hello" }, Date.now());
+          expect((await post(bob.publicKey, toBob)).status).toBe(202); // alice is not locked out
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a stranger with free keys fills the bus with mail for keys that never read it: half of the bus at most (507, told why), and a node that proved its route still gets its mail, after a restart too (${runtime})`,
+      async () => {
+        const dir = tmpDir();
+        let bus = await startBus(runtime, dir);
+        const post = async (to: string, payload: unknown) => {
+          const r = await fetch(`${bus.url}/send`, { method: "POST", body: JSON.stringify({ to, payload }) });
+          return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+        };
+        try {
+          // bob's node reads here: its first recv proves his route.
+          const ts = Date.now();
+          const proof = `${ts}.${await bob.sign(recvProofBytes(bob.publicKey, ts))}`;
+          const first = await fetch(`${bus.url}/recv?me=${bob.publicKey}&timeout_ms=0&proof=${proof}`);
+          expect(first.status).toBe(200);
+          // A stranger's free keys send 1 MB messages to other free keys, which never read: six senders' worth.
+          let taken = 0, refused = { status: 0, error: "" };
+          for (let k = 0; k < 6 && !refused.status; k++) {
+            const from = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+            for (let i = 0; i < 7 && !refused.status; i++) {
+              const to = (await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)))).publicKey;
+              const r = await post(to, await signMessage(from, { to, text: "j".repeat(1_000_000) }, Date.now()));
+              if (r.status === 202) taken++;
+              else refused = r;
+            }
+          }
+          expect(refused.status).toBe(507);
+          expect(refused.error).toContain("never proven a route here");
+          expect(taken).toBe(16); // 16 of 1 MB: half of the bus's 32 MiB
+          for (let round = 0; round < 2; round++) {
+            const m = await signMessage(alice, { to: bob.publicKey, text: `still room ${round}` }, Date.now());
+            expect((await post(bob.publicKey, m)).status).toBe(202);
+            await stop(bus);
+            bus = await startBus(runtime, dir); // the owners and the counts come back from the queue database
+          }
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  test("a signed message queued longer than any node would take it (30 days, and a minute of clock skew) is dropped, and its sender's budget given back; opaque payloads stay", async () => {
+    let now = Date.now();
+    const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now, limits: { senderBytes: 8192 } });
+    try {
+      const post = (to: string, payload: unknown) =>
+        bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to, payload }) }));
+      const big = (to = eve.publicKey) => signMessage(alice, { to, text: "y".repeat(3000) }, now);
+      expect((await post(eve.publicKey, await big())).status).toBe(202);
+      expect((await post(eve.publicKey, await big())).status).toBe(202);
+      expect((await post(eve.publicKey, { opaque: 1 })).status).toBe(202);
+      expect((await post(bob.publicKey, await big(bob.publicKey))).status).toBe(429); // alice's 8 KiB, held for eve
+      now += HELD_MAX_MS;
+      await bus.expire();
+      expect(bus.queues.liveCount).toBe(3); // not yet: a node 60 s behind could still take them
+      now += 61_000;
+      await bus.expire();
+      expect(bus.take(eve.publicKey, 64).map((m) => JSON.parse(m.payload))).toEqual([{ opaque: 1 }]);
+      expect((await post(bob.publicKey, await big(bob.publicKey))).status).toBe(202); // her budget is hers again
     } finally {
       await bus.close();
     }

@@ -36,6 +36,7 @@ import {
   fingerprint,
   FormatError,
   FRESH_FUTURE_MS,
+  HELD_MAX_MS,
   humanBytes,
   InterlinkError,
   intOption,
@@ -91,6 +92,8 @@ const OPAQUE_CAP = 64;
 const SENDER_BYTES_MAX = 8 << 20;
 /** Bytes a bus holds in all (507 past it): full of 900 KB floods a Bun bus peaks near 4× this in memory, Deno 4.3×. */
 const TOTAL_BYTES_MAX = 32 << 20;
+/** ... of which mail for keys that never proved a route here, which nobody may ever read: the rest is for owners'. */
+const UNCLAIMED_SHARE = 1 / 2;
 /** A sessionless (0.4) announcement is served this long, as a 0.4 bus does: 0.4 clients read every entry as live. */
 const ROSTER_SESSIONLESS_MS = 90_000;
 /**
@@ -205,12 +208,26 @@ function addCount(counts: Map<string, number>, key: string, n: number): void {
 class BusQueues {
   #routes = new Map<string, Map<string, number>>(); // route → sender ("" unattributed) → messages: bounded by them
   #senders = new Map<string, { bytes: number; count: number }>(); // verified senders' holdings: bounded the same
+  #keys = new Map<string, number>(); // recipient key → payloads and MESSAGE_OVERHEAD_BYTES each: bounded the same
   liveCount = 0;
   bytes = 0;
+  unclaimed = 0; // what #keys counts for keys not `owned`
   readonly limits: QueueLimits;
 
-  constructor(limits: Partial<QueueLimits> = {}) {
+  /** `owned`: whether a recipient key proved a route here (Bus.isOwned); `claim` is told when one does. */
+  constructor(limits: Partial<QueueLimits> = {}, readonly owned: (key: string) => boolean = () => false) {
     this.limits = { ...QUEUE_LIMITS, ...limits };
+  }
+
+  /** `key` proved a route here (or, `owned` false, its record failed): its mail moves out of the unclaimed share. */
+  claim(key: string, owned = true): void {
+    this.unclaimed += (owned ? -1 : 1) * (this.#keys.get(key) ?? 0);
+  }
+
+  #count(to: string, size: number, count: number): void {
+    const { key } = parseRoute(to), n = size + count * MESSAGE_OVERHEAD_BYTES;
+    addCount(this.#keys, key, n);
+    if (!this.owned(key)) this.unclaimed += n;
   }
 
   get recipientCount(): number {
@@ -223,10 +240,12 @@ class BusQueues {
   }
 
   /** Why a payload of `size` bytes from `sender` to `to` ("": not known yet) cannot be taken now, or null. */
-  admit(sender: string, size: number, to = ""): "global" | "sender" | null {
+  admit(sender: string, size: number, to = ""): "global" | "unclaimed" | "sender" | null {
     const cost = size + MESSAGE_OVERHEAD_BYTES;
     const route = this.#routes.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
     if (this.charged + cost + route > this.limits.totalBytes) return "global";
+    const unclaimed = to && !this.owned(parseRoute(to).key) ? this.unclaimed + cost : 0;
+    if (unclaimed > this.limits.totalBytes * UNCLAIMED_SHARE) return "unclaimed";
     const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 }; // "": none held
     if (sender && held.bytes + held.count * MESSAGE_OVERHEAD_BYTES + cost > this.limits.senderBytes) return "sender";
     return null;
@@ -252,6 +271,7 @@ class BusQueues {
       const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
       this.#senders.set(sender, { bytes: held.bytes + size, count: held.count + count });
     }
+    this.#count(to, size, count);
     this.liveCount += count;
     this.bytes += size;
   }
@@ -265,6 +285,7 @@ class BusQueues {
     const held = this.#senders.get(sender);
     if (held && --held.count) held.bytes -= size;
     else this.#senders.delete(sender);
+    this.#count(to, -size, -1);
     this.liveCount--;
     this.bytes -= size;
   }
@@ -685,18 +706,21 @@ function recipientParam(value: unknown, name: string): string {
   return value;
 }
 
+/** Who signed a payload, verified, and its signature (Bus.send knows a copy by it); "" for an opaque payload. */
+type Signer = { from: string; sig?: string };
+
 /**
  * The verified signer of a v2-shaped payload, so room is shared fairly between senders; "" for any other (opaque, as
  * the reference contract says). A malformed or forged v2 payload is a 400: the bus never queues a known forgery.
  */
-async function signerOf(payload: unknown, route: string): Promise<string> {
-  if (!isV2Shaped(payload)) return "";
+async function signerOf(payload: unknown, route: string): Promise<Signer> {
+  if (!isV2Shaped(payload)) return { from: "" };
   let msg: SignedMessage;
   try {
     msg = parseSignedMessage(payload);
   } catch (e) {
     // A kind or field this version does not know (a newer node's): relayed as opaque, as the reference contract says.
-    if (e instanceof FormatError) return "";
+    if (e instanceof FormatError) return { from: "" };
     throw e;
   }
   const bad = await verifyMessage(msg);
@@ -704,19 +728,19 @@ async function signerOf(payload: unknown, route: string): Promise<string> {
   // Else a copy of one of alice's messages, posted to other routes, would spend her budget and crowd her out.
   const { key } = parseRoute(route);
   if (msg.to !== key) throw new HttpError(400, `the message is addressed to ${fingerprint(msg.to)}, not to this route`);
-  return msg.from;
+  return { from: msg.from, sig: msg.sig };
 }
 
 const isV2Shaped = (p: unknown): p is Record<string, string> =>
   isObject(p) && ["from", "to", "msg_id", "sig"].every((k) => typeof p[k] === "string");
 
 /** The signer a stored payload claims, unverified; "" if it is not a v2 message. */
-function claimedSender(payload: string): string {
+function claimedSigner(payload: string): Signer {
   try {
     const p = JSON.parse(payload);
-    return isV2Shaped(p) ? p.from : "";
+    return isV2Shaped(p) ? { from: p.from, sig: p.sig } : { from: "" };
   } catch {
-    return "";
+    return { from: "" };
   }
 }
 
@@ -781,6 +805,11 @@ const QUEUE_SCHEMA = `
   CREATE TABLE owner (key TEXT PRIMARY KEY) WITHOUT ROWID;
   CREATE TABLE meta (name TEXT PRIMARY KEY, value) WITHOUT ROWID;
   PRAGMA user_version = 1;`;
+/** Version 2: a signed message's signature, by which a copy of one queued already is known (Bus.send). */
+const QUEUE_SCHEMA_2 = `ALTER TABLE message ADD COLUMN sig TEXT;
+  UPDATE message SET sig = json_extract(payload, '$.sig') WHERE sender != '' AND json_valid(payload);
+  CREATE INDEX message_sig ON message (sig) WHERE sig IS NOT NULL;
+  PRAGMA user_version = 2;`;
 
 /** SQLite's words for a full disk (Deno's errors carry no code) and for a damaged file. */
 const sqliteFull = (e: unknown) => /database or disk is full|ENOSPC/i.test(String((e as Error)?.message));
@@ -816,11 +845,11 @@ function openQueue(dataDir: string, log: (msg: string) => void) {
   try {
     db = new DatabaseSync(file);
     const { user_version } = db.prepare("PRAGMA user_version").get() as { user_version: number };
-    if (user_version > 1) throw new Error(`schema version ${user_version}, written by a later bus`);
+    if (user_version > 2) throw new Error(`schema version ${user_version}, written by a later bus`);
     const wal = walBytesOf(diskOf(dataDir).size);
     db.exec(`PRAGMA auto_vacuum = FULL; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;
       PRAGMA wal_autocheckpoint = ${wal / 4096}; PRAGMA journal_size_limit = ${wal}`);
-    if (user_version === 0) db.exec(`BEGIN; ${QUEUE_SCHEMA} COMMIT;`);
+    if (user_version < 2) db.exec(`BEGIN; ${user_version ? "" : QUEUE_SCHEMA} ${QUEUE_SCHEMA_2} COMMIT;`);
     const skippedLines = importJsonl(db, path.join(dataDir, "queue.jsonl"), log);
     syncDirectory(dataDir); // queue.db and its WAL made, queue.jsonl renamed: for good
     db.exec("PRAGMA synchronous = NORMAL"); // from here a commit's fsync is Bus.#flush's, off the event loop
@@ -880,7 +909,7 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
   const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
   let skipped = 0, top = 0; // top: the highest seq the file names
   if (sql("SELECT value FROM meta WHERE name = 'imported'").get()?.value !== id) {
-    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?)"); // seq, route, ts, sender, size, payload
+    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?, ?)"); // as Bus.send, with its sig
     const remove = sql("DELETE FROM message WHERE seq = ? AND route = ?");
     const owner = sql("INSERT OR IGNORE INTO owner (key) VALUES (?)");
     const closed = sql("INSERT INTO meta VALUES ('closed', ?1) ON CONFLICT DO UPDATE SET value = min(value, ?1)");
@@ -892,8 +921,9 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
         if (why) return bad(at, why, JSON.stringify(r));
         top = Math.max(top, r.t === "h" ? (r.next as number) - 1 : (r.n as number | undefined) ?? 0);
         if (r.t === "m") {
-          const p = r.p as string, sender = typeof r.s === "string" ? r.s : claimedSender(p); // before 0.5: none
-          const taken = insert.run(r.n as number, r.q as string, r.ts as number, sender, utf8Bytes(p), p).changes;
+          const p = r.p as string, c = claimedSigner(p), sender = typeof r.s === "string" ? r.s : c.from; // < 0.5: none
+          const sig = sender && sender === c.from ? c.sig! : null;
+          const taken = insert.run(r.n as number, r.q as string, r.ts as number, sender, utf8Bytes(p), p, sig).changes;
           if (!taken) bad(at, `seq ${r.n} is in the queue database already`, JSON.stringify(r));
         } else if (r.t === "a" || r.t === "d") remove.run(r.n as number, r.q as string);
         else if (r.t === "o") owner.run(parseRoute(r.q as string).key); // an older bus wrote one per route
@@ -964,6 +994,9 @@ class Bus {
   #writes: Write[] = []; // what the next commit carries, in order: bounded by the requests waiting on it
   #flushing: Promise<void> | null = null; // the group commit running (#flush), or null while nothing waits
   #unreadable = new Set<number>(); // found damaged (#payload), skipped: bounded by the messages held
+  #unsynced = new Map<string, { to: string; done: Promise<void> }>(); // signed sends not yet on disk, by sig: bounded
+  readonly #expire = () => void this.expire().catch((e) => this.#log(`cannot drop expired mail: ${e.message}`));
+  readonly #expiry = setInterval(this.#expire, 3600e3); // see expire
   readonly #owners: Set<string>; // keys that proved they read their routes here, never forgotten: ownersMax (#close)
   #closedSince: number | null; // since when every route needs a proof (#close), or null
   /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
@@ -989,7 +1022,9 @@ class Bus {
     this.answers = new BytesInFlight(max, perAddress, "answers not yet taken by their connections", false);
     const sql = (text: string) => db.prepare(text);
     this.#sql = {
-      insert: sql("INSERT INTO message (seq, route, ts, sender, size, payload) VALUES (?, ?, ?, ?, ?, ?)"),
+      insert: sql("INSERT INTO message VALUES (?, ?, ?, ?, ?, ?, ?)"), // seq, route, ts, sender, size, payload, sig
+      copy: sql("SELECT route FROM message WHERE sig = ? AND sender = ?"),
+      expired: sql("SELECT route, seq, ts FROM message INDEXED BY message_route WHERE sender != '' AND ts < ?"),
       remove: sql("DELETE FROM message WHERE seq = ? AND route = ? AND ts = coalesce(?, ts) RETURNING sender, size"),
       heads: sql(
         "SELECT seq, ts, sender, size FROM message INDEXED BY message_route WHERE route = ? ORDER BY seq LIMIT ?",
@@ -1000,10 +1035,11 @@ class Bus {
       begin: sql("BEGIN IMMEDIATE"),
       commit: sql("COMMIT"),
     };
-    this.queues = new BusQueues({ ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) });
+    this.#owners = new Set(stored.owners);
+    const limits = { ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) };
+    this.queues = new BusQueues(limits, (key) => this.#owners.has(key));
     for (const c of stored.counts) this.queues.add(c.route, c.sender, c.b, c.n);
     this.nextSeq = stored.nextSeq;
-    this.#owners = new Set(stored.owners);
     this.#closedSince = stored.closedSince;
     const { liveCount: messages, recipientCount: recipients } = this.queues;
     const ms = Math.round(performance.now() - started);
@@ -1012,6 +1048,7 @@ class Bus {
     this.#reserved = fs.existsSync(path.join(dataDir, "queue.reserve"));
     this.#disk = { ...diskOf(dataDir), at: -Infinity };
     this.#diskFree(); // makes queue.reserve if it is not there
+    this.#expire();
   }
 
   /** Locks the data folder and opens its queue (openQueue): a start counts what is held, reading no message body. */
@@ -1063,10 +1100,16 @@ class Bus {
     const over = this.queues.admit(sender, size, to), { totalBytes, senderBytes } = this.queues.limits;
     if (over) {
       const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
-      const why = over === "global"
-        ? `this bus holds its whole budget of ${humanBytes(totalBytes)} of messages (${counted}); retry later`
-        : `this sender already has ${humanBytes(senderBytes)} queued on this bus (${counted}); retry once some is read`;
-      throw new HttpError(over === "global" ? 507 : 429, why, close);
+      const why = {
+        global: `this bus holds its whole budget of ${humanBytes(totalBytes)} of messages (${counted}); retry later`,
+        unclaimed: `mail for keys that have never proven a route here holds its share of this bus, ${
+          humanBytes(totalBytes * UNCLAIMED_SHARE)
+        } (${counted}; the rest is kept for keys that read here); retry once some is read`,
+        sender: `this sender already has ${
+          humanBytes(senderBytes)
+        } queued on this bus (${counted}); retry once some is read`,
+      }[over];
+      throw new HttpError(over === "sender" ? 429 : 507, why, close);
     }
     this.#ensureDisk(2 * size + MESSAGE_OVERHEAD_BYTES, close); // in the WAL, then in the file at the checkpoint
   }
@@ -1126,24 +1169,55 @@ class Bus {
   }
 
   /**
-   * Queues a message; resolves once it is on stable storage (the 202). It counts against the budgets at once, so one
-   * commit's sends meet the caps; a failed commit gives that back (a 507 on a full disk, else a 503). Committed, it is
-   * handed to receivers before its fdatasync ends: a power cut then can lose it after a receiver had it, unanswered, so
-   * its sender sends it again (the ts in an ack key keeps the lost one's key from acking the copy's seq, given again).
+   * Throws the refusal a message of `size` bytes would get now: a copy of a signed message (`sender`, `sig`) queued for
+   * another route (409: not new mail, and it would spend its signer's budget), a byte budget, a full route. One queued
+   * for `to` already (a retry) is taken as it is: then the promise that it is on disk.
    */
-  async send(to: string, payload: string, sender = ""): Promise<void> {
-    const size = utf8Bytes(payload);
+  check(to: string, sender: string, size: number, sig?: string): Promise<void> | undefined {
+    const unsynced = sig ? this.#unsynced.get(sig) : undefined;
+    const route = unsynced?.to ?? (sig && (this.#sql.copy.get(sig, sender) as { route: string } | undefined)?.route);
+    if (route === to) return unsynced?.done ?? Promise.resolve();
+    if (route) {
+      const why =
+        `this signed message is queued on this bus already, for another route of its recipient: a copy is not new mail, and would spend its signer's budget; nothing was queued`;
+      throw new HttpError(409, why);
+    }
     this.ensureRoom(sender, size, to);
     this.ensureRouteRoom(to, sender);
+  }
+
+  /**
+   * Queues a message (see check); resolves once it is on stable storage (the 202). It counts against the budgets at
+   * once, so one commit's sends meet the caps; a failed commit gives that back (a 507 on a full disk, else a 503).
+   * Committed, it is handed to receivers before its fdatasync ends: a power cut then can lose it after a receiver had
+   * it, unanswered, so its sender sends it again (the ts in an ack key keeps the lost one's key from acking the copy's
+   * seq, given again).
+   */
+  async send(to: string, payload: string, sender = "", sig?: string): Promise<void> {
+    const size = utf8Bytes(payload), queued = this.check(to, sender, size, sig);
+    if (queued) return await queued.catch((e) => Promise.reject(this.#unavailable(e)));
     const seq = this.nextSeq++, ts = this.now();
     this.queues.add(to, sender, size);
     this.#disk.free -= 2 * size + MESSAGE_OVERHEAD_BYTES;
+    const done = this.#write(() => this.#sql.insert.run(seq, to, ts, sender, size, payload, sig ?? null), to);
+    if (sig) this.#unsynced.set(sig, { to, done });
     try {
-      await this.#write(() => this.#sql.insert.run(seq, to, ts, sender, size, payload), to);
+      await done;
     } catch (e) {
       if (!(e instanceof UnsyncedError)) this.queues.remove(to, sender, size); // else committed: it is held
       throw this.#unavailable(e);
+    } finally {
+      if (sig) this.#unsynced.delete(sig);
     }
+  }
+
+  /**
+   * Drops the signed messages queued over HELD_MAX_MS ago (and FRESH_FUTURE_MS, a receiver's clock behind): every node
+   * of ours refuses them as stale, so mail nobody reads holds its signer's budget that long at most. At open, hourly.
+   */
+  async expire(): Promise<void> {
+    const old = this.#sql.expired.all(this.now() - HELD_MAX_MS - FRESH_FUTURE_MS) as ({ route: string } & AckMark)[];
+    await Promise.all(old.map((m) => this.ack(m.route, m)));
   }
 
   /** Hands `apply` to the next commit: resolves once that is on stable storage, rejects with why not. */
@@ -1293,8 +1367,11 @@ class Bus {
     if (this.#owners.size < this.ownersMax) {
       try {
         this.#ensureDisk(OWNER_ROW_BYTES);
-        this.#owners.add(key); // at once: an unproven recv meanwhile is refused
-        await this.#write(() => this.#sql.owner.run(key)).catch((e) => (this.#owners.delete(key), Promise.reject(e)));
+        const owner = (
+          on: boolean,
+        ) => (on ? this.#owners.add(key) : this.#owners.delete(key), this.queues.claim(key, on));
+        owner(true); // at once: an unproven recv meanwhile is refused
+        await this.#write(() => this.#sql.owner.run(key)).catch((e) => (owner(false), Promise.reject(e)));
         const full =
           `this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): the next new key closes it`;
         if (this.#owners.size === this.ownersMax) this.#log(full);
@@ -1416,6 +1493,7 @@ class Bus {
   }
 
   async close(): Promise<void> {
+    clearInterval(this.#expiry);
     for (const set of this.#waiters.values()) for (const wake of set) wake();
     await this.#flushing; // what waits is committed, and answered, before the file closes
     this.db.close();
@@ -1442,10 +1520,9 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
       if (!isObject(item) || item.payload === undefined) throw new HttpError(400, 'each message is {"to", "payload"}');
       const to = recipientParam(item.to, "to");
       const payload = JSON.stringify(item.payload);
-      const sender = await signerOf(item.payload, to);
-      bus.ensureRoom(sender, utf8Bytes(payload), to);
-      bus.ensureRouteRoom(to, sender); // a full route stops the batch here, as any refusal does
-      queued.push(bus.send(to, payload, sender)); // in the queue now, in order; on disk once awaited
+      const { from, sig } = await signerOf(item.payload, to);
+      bus.check(to, from, utf8Bytes(payload), sig); // a refusal (a full route, say) stops the batch here
+      queued.push(bus.send(to, payload, from, sig)); // in the queue now, in order; on disk once awaited
       results.push({ status: 202 });
     } catch (e) {
       results.push(failed(e));
@@ -1474,7 +1551,8 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
     const to = recipientParam(body.to, "to");
     if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
-    await bus.send(to, JSON.stringify(body.payload), await signerOf(body.payload, to));
+    const signer = await signerOf(body.payload, to);
+    await bus.send(to, JSON.stringify(body.payload), signer.from, signer.sig);
     return jsonResponse(202, '{"status":"queued"}');
   }],
   "/recv": ["GET", async (bus, req, { query, from }) => {
