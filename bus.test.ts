@@ -2245,7 +2245,8 @@ describe("hostile clients: ownership that a flood cannot evict", () => {
 
 describe("hostile clients: tiny messages count", () => {
   test("a flood of one-byte payloads is bounded by count too: each message counts 256 bytes beside its payload, per signer and in all, and each route 512", async () => {
-    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { totalBytes: 64 << 10 } });
+    // All of the bus open to keys that never proved a route (half of it by default, see the stranger's flood below).
+    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { totalBytes: 64 << 10, unclaimedShare: 1 } });
     try {
       const statuses: number[] = [];
       for (let i = 0; i < 40; i++) {
@@ -2436,7 +2437,8 @@ describe("hostile clients: fair room on the bus", () => {
 
   test("a v2-shaped payload whose signature fails, or that is addressed to another key, is refused (400); per-signer and global byte budgets answer 429 and 507", async () => {
     // 8 KiB of messages in all, and the four routes they go to (ROUTE_OVERHEAD_BYTES each).
-    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { senderBytes: 4096, totalBytes: 10 << 10 } });
+    const limits = { senderBytes: 4096, totalBytes: 10 << 10, unclaimedShare: 1 }; // bob never proves here
+    const bus = await Bus.open(tmpDir(), { log: () => {}, limits });
     try {
       const post = (to: string, payload: unknown) =>
         bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to, payload }) }));
@@ -2838,6 +2840,61 @@ describe("hostile clients: bodies and connections", () => {
           holding = false;
           for (const s of sockets) s.destroy();
           await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a bus past its file-descriptor limit keeps serving the connections it holds, tells newcomers to come back (503, in words) rather than leave them waiting, spins no core, and says how many sessions its limit allows (${runtime})`,
+      async () => {
+        const argv = [...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir()];
+        const child = spawnChild(["sh", "-c", 'ulimit -n 256 && exec "$@"', "sh", ...argv]);
+        const url = (await child.waitFor(/listening on (http:\/\/\S+)/))[1];
+        const allows = await child.waitFor(/file-descriptor limit allows (\d+) connections \(about (\d+) sessions/);
+        expect(Number(allows[1])).toBeLessThan(256); // below the limit, with room for the queue's files
+        const port = Number(new URL(url).port);
+        const connect = async () => {
+          const socket = net.connect(port, "127.0.0.1").on("error", () => {});
+          await new Promise((r) => socket.once("connect", r).once("error", r).once("close", r));
+          return socket;
+        };
+        const ask = (socket: net.Socket) =>
+          new Promise<string>((resolve) => {
+            socket.once("data", (d) => resolve(d.toString().slice(9, 12))).once("close", () => resolve(""));
+            socket.write(`GET /roster HTTP/1.1\r\nHost: x\r\n\r\n`);
+          });
+        const sockets: net.Socket[] = [];
+        try {
+          const session = await connect(); // a session's keep-alive connection, there before the flood
+          sockets.push(session);
+          expect(await ask(session)).toBe("200");
+          // 700 simulated nodes' sockets, one after another, each asking once, far past what 256 descriptors hold.
+          const answers: Record<string, number> = {};
+          for (let i = 0; i < 350; i++) {
+            const socket = await connect();
+            sockets.push(socket);
+            const status = await ask(socket);
+            answers[status] = (answers[status] ?? 0) + 1;
+          }
+          expect(answers).toEqual({ "200": Number(allows[1]) - 1, "503": 351 - Number(allows[1]) });
+          const cpu = () => {
+            const f = fs.readFileSync(`/proc/${child.proc.pid}/stat`, "utf8").split(") ")[1].split(" ");
+            return Number(f[11]) + Number(f[12]); // utime + stime, in clock ticks (100 a second)
+          };
+          const before = cpu();
+          await new Promise((r) => setTimeout(r, 2_000));
+          expect(cpu() - before).toBeLessThan(100); // under half a core: an accept loop that fails spins a whole one
+          const newcomer = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(5_000) });
+          expect(newcomer.status).toBe(503);
+          expect((await newcomer.json()).error).toContain(`holds the ${allows[1]} connections (about ${allows[2]}`);
+          expect(await ask(session)).toBe("200"); // the sessions it holds are served on
+          await child.waitFor(/newcomers are told 503/); // and it says so
+        } finally {
+          for (const s of sockets) s.destroy();
+          await stop(child);
         }
       },
       60_000,

@@ -176,6 +176,8 @@ const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
 const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
 /** Connections a guarded server holds at most (see connectionBound). */
 const CONN_MAX = 10_000;
+/** Newcomers past that bound told to come back (503) at once, each for a second at most; more are closed unanswered. */
+const CONN_TURNED_AWAY_MAX = 32;
 
 // ============================================================================
 // Queue and roster logic
@@ -183,13 +185,15 @@ const CONN_MAX = 10_000;
 
 /**
  * What BusQueues lets in: `cap` verified messages per signer and recipient, `opaqueCap` unattributed per recipient,
- * and bytes from one verified signer (`senderBytes`) and in all (`totalBytes`), as BusQueues.admit counts them.
+ * and bytes from one verified signer (`senderBytes`), in all (`totalBytes`) and, of that, for keys that never proved a
+ * route (`unclaimedShare`), as BusQueues.admit counts them.
  */
 const QUEUE_LIMITS = {
   cap: QUEUE_CAP,
   opaqueCap: OPAQUE_CAP,
   senderBytes: SENDER_BYTES_MAX,
   totalBytes: TOTAL_BYTES_MAX,
+  unclaimedShare: UNCLAIMED_SHARE,
 };
 type QueueLimits = typeof QUEUE_LIMITS;
 
@@ -245,7 +249,7 @@ class BusQueues {
     const route = this.#routes.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
     if (this.charged + cost + route > this.limits.totalBytes) return "global";
     const unclaimed = to && !this.owned(parseRoute(to).key) ? this.unclaimed + cost : 0;
-    if (unclaimed > this.limits.totalBytes * UNCLAIMED_SHARE) return "unclaimed";
+    if (unclaimed > this.limits.totalBytes * this.limits.unclaimedShare) return "unclaimed";
     const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 }; // "": none held
     if (sender && held.bytes + held.count * MESSAGE_OVERHEAD_BYTES + cost > this.limits.senderBytes) return "sender";
     return null;
@@ -984,6 +988,7 @@ class Bus {
   nextSeq: number;
   readonly recovery: { messages: number; recipients: number; skippedLines: number; ms: number };
   readonly commitStats = { commits: 0, writes: 0, syncs: 0 }; // commits, the writes they carried, their fdatasyncs
+  features = BUS_FEATURES; // and how many sessions its connections allow (runBus)
   readonly ownersMax: number;
   readonly now: () => number;
   readonly #log: (msg: string) => void;
@@ -1081,7 +1086,7 @@ class Bus {
     try {
       const r = await run(this, req, { query, from: addressBucket(from) });
       // A reference bus sends no such header: our client batches only where it sees one; doctor reports it.
-      r.headers.set("interlink-bus", BUS_FEATURES);
+      r.headers.set("interlink-bus", this.features);
       return r;
     } catch (e) {
       // A body left unread must not keep its connection (Bun then closes it; node:http does on its own).
@@ -1097,13 +1102,13 @@ class Bus {
    * would get: the byte budgets, then the room kept free on the disk. `close`: the body is unread (see HttpError).
    */
   ensureRoom(sender: string, size: number, to = "", close = false): void {
-    const over = this.queues.admit(sender, size, to), { totalBytes, senderBytes } = this.queues.limits;
+    const over = this.queues.admit(sender, size, to), { totalBytes, senderBytes, unclaimedShare } = this.queues.limits;
     if (over) {
       const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
       const why = {
         global: `this bus holds its whole budget of ${humanBytes(totalBytes)} of messages (${counted}); retry later`,
         unclaimed: `mail for keys that have never proven a route here holds its share of this bus, ${
-          humanBytes(totalBytes * UNCLAIMED_SHARE)
+          humanBytes(totalBytes * unclaimedShare)
         } (${counted}; the rest is kept for keys that read here); retry once some is read`,
         sender: `this sender already has ${
           humanBytes(senderBytes)
@@ -1679,13 +1684,13 @@ interface Servers {
 }
 
 /**
- * Binds a fetch handler, told each request's source address, to a TCP port with the runtime's own server. `guard`
- * (Deno only; Bun closes idle connections itself): node:http, whose timeouts close idle and slow connections
- * (Deno.serve never does), at a cost in throughput.
+ * Binds a fetch handler, told each request's source address, to a TCP port with the runtime's own server. `guard`:
+ * node:http, whose timeouts close idle and slow connections (Deno.serve never does) and which holds no more than the
+ * file-descriptor limit allows (neither runtime's server does), at a cost in throughput.
  */
 function serveHttp(handler: FetchHandler, hostname: string, port: number, guard = false): Promise<Listening> {
   const { Bun, Deno } = runtimeHost as unknown as Servers;
-  if (Deno && guard) return serveGuarded(handler, hostname, port);
+  if (guard) return serveGuarded(handler, hostname, port);
   if (Bun) {
     // idleTimeout counts while a long-poll waits: keep it above RECV_TIMEOUT_MAX_MS.
     const server = Bun.serve({
@@ -1780,13 +1785,22 @@ async function writeWithBackpressure(body: ReadableStream<Uint8Array>, res: impo
  */
 async function serveGuarded(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
   const [http, { connect }] = await Promise.all([import("node:http"), import("node:net")]);
+  const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
+  const busy = JSON.stringify({
+    error: `this bus holds the ${sessions} its file-descriptor limit allows; retry later`,
+  });
   const timeouts = {
     keepAliveTimeout: CONN_IDLE_MS,
     headersTimeout: CONN_IDLE_MS,
     requestTimeout: 0, // under Deno it would cut long-polls too
     connectionsCheckingInterval: 1_000, // how often headersTimeout is checked (30 s by default)
   };
+  const full = new WeakSet<net.Socket>(); // accepted past the bound: told to come back (weak: gone with its socket)
   const server = http.createServer(timeouts, async (req, res) => {
+    if (full.has(req.socket)) {
+      const done = () => req.socket.destroy(); // its turn given back at once
+      return void res.writeHead(503, { connection: "close", "content-type": "application/json" }).end(busy, done);
+    }
     const gone = new AbortController();
     res.on("close", () => res.writableFinished || gone.abort());
     const socket = req.socket; // detached from req once the answer is sent
@@ -1859,15 +1873,24 @@ async function serveGuarded(handler: FetchHandler, hostname: string, port: numbe
     }
   });
   Object.assign(server, timeouts); // as properties too: some are read from there
-  // Past the bound a new connection is closed at once and accepting goes on (node:http's maxConnections, under
-  // Deno, stops accepting for good). `accepted`: see the watchdog.
-  const most = connectionBound();
-  let open = 0, accepted = 0;
+  // Past the bound a newcomer is answered 503 and closed, CONN_TURNED_AWAY_MAX at once (the rest closed unanswered),
+  // so an accept never fails: under Bun that spins a core, under Deno it stops accepting (node:http's maxConnections,
+  // under Deno, stops for good). `accepted`: see the watchdog.
+  let open = 0, accepted = 0, turning = 0, saidAt = -Infinity;
   server.on("connection", (socket: net.Socket) => {
     accepted++;
     open++;
     socket.once("close", () => open--);
-    if (open > most) socket.destroy();
+    if (open <= most) return;
+    if (turning >= CONN_TURNED_AWAY_MAX) return void socket.destroy();
+    if (Date.now() - saidAt > 60_000) {
+      saidAt = Date.now();
+      logWarn(`holding the ${sessions} its file-descriptor limit allows: newcomers are told 503 (once a minute)`);
+    }
+    turning++;
+    full.add(socket);
+    const late = setTimeout(() => socket.destroy(), 1000); // a request not sent within a second gets no answer
+    socket.once("close", () => (turning--, clearTimeout(late)));
   });
   server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
   await new Promise<void>((resolve, reject) => {
@@ -1924,7 +1947,12 @@ async function runBus(o: Options): Promise<number> {
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
   }
   const r = bus.recovery, at = host.includes(":") ? `[${host}]` : host;
-  logInfo(`listening on http://${at}:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient)`);
+  const most = o.guard === "on" ? connectionBound() : 0; // as serveGuarded holds
+  const room = most
+    ? `its file-descriptor limit allows ${most} connections (about ${most >> 1} sessions)`
+    : "guard off";
+  logInfo(`listening on http://${at}:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient; ${room})`);
+  if (most) bus.features += ` sessions=${most >> 1}`;
   const skipped = r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "";
   logInfo(`recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms${skipped}`);
   if (!isLoopback(host)) logWarn(`bound to ${host}, not loopback: ${BUS_EXPOSURE}`);
@@ -1977,9 +2005,9 @@ export const command: CommandSpec = {
       "on|off",
       "INTERLINK_BUS_GUARD",
       "on",
-      `under Deno, serve with node:http so that idle (${CONN_IDLE_MS / 1000} s) and slow (${
+      `serve with node:http, which closes idle (${CONN_IDLE_MS / 1000} s) and slow (${
         CONN_BODY_MS / 1000
-      } s) connections are closed; off: Deno.serve, faster, but it never closes an idle connection (only where no hostile client can connect). Bun always closes them`,
+      } s) connections and answers 503 past what the file-descriptor limit holds; off: the runtime's own server, faster, but unbounded (Deno.serve never closes an idle connection): only where no hostile client can connect`,
     ),
   },
   run: runBus,
