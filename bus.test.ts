@@ -2396,7 +2396,7 @@ describe("hostile clients: fair room on the bus", () => {
             }
           }
           expect(refused.status).toBe(507);
-          expect(refused.error).toContain("never proven a route here");
+          expect(refused.error).toContain("never proved a route here");
           expect(taken).toBe(16); // 16 of 1 MB: half of the bus's 32 MiB
           for (let round = 0; round < 2; round++) {
             const m = await signMessage(alice, { to: bob.publicKey, text: `still room ${round}` }, Date.now());

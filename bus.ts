@@ -96,10 +96,7 @@ const TOTAL_BYTES_MAX = 32 << 20;
 const UNCLAIMED_SHARE = 1 / 2;
 /** A sessionless (0.4) announcement is served this long, as a 0.4 bus does: 0.4 clients read every entry as live. */
 const ROSTER_SESSIONLESS_MS = 90_000;
-/**
- * Roster units from one source address (an IPv6 /64; all of 127/8): one machine's hundreds of sessions, or an office
- * behind one NAT, in a quarter of the roster. Keys cost nothing, so this keeps one host from filling a LAN bus's roster.
- */
+/** Roster units per source address (see addressBucket): a machine's hundreds of sessions, a quarter of the roster. */
 const ROSTER_PER_ADDRESS_CAP = 1024;
 /** Against the bounds above, an entry counts one per this many bytes begun (a real one counts one): roster ≤ 4 MiB. */
 const ROSTER_UNIT_BYTES = 1024;
@@ -114,10 +111,7 @@ const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
 const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-/**
- * A body declared this small counts only in all: one local process holding its address's share (all of 127/8) keeps
- * no other session there from sending, acking or announcing. To fill the bus's 24 MiB left, 1,536 connections.
- */
+/** A body declared this small counts only in all: one local process holding 127/8's share stops no one's small ones. */
 const SMALL_BODY_BYTES = 16 << 10;
 /** Answers this large are streamed and counted in flight; a smaller one the socket's buffers take at once, whole. */
 const ANSWER_STREAM_MIN_BYTES = 64 << 10;
@@ -228,12 +222,6 @@ class BusQueues {
     this.unclaimed += (owned ? -1 : 1) * (this.#keys.get(key) ?? 0);
   }
 
-  #count(to: string, size: number, count: number): void {
-    const { key } = parseRoute(to), n = size + count * MESSAGE_OVERHEAD_BYTES;
-    addCount(this.#keys, key, n);
-    if (!this.owned(key)) this.unclaimed += n;
-  }
-
   get recipientCount(): number {
     return this.#routes.size;
   }
@@ -268,30 +256,27 @@ class BusQueues {
 
   /** Counts `count` messages of `size` bytes in all from `sender` to `to`, whatever the caps: `full` is asked first. */
   add(to: string, sender: string, size: number, count = 1): void {
-    let route = this.#routes.get(to);
-    if (!route) this.#routes.set(to, route = new Map());
-    addCount(route, sender, count);
-    if (sender) {
-      const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
-      this.#senders.set(sender, { bytes: held.bytes + size, count: held.count + count });
-    }
-    this.#count(to, size, count);
-    this.liveCount += count;
-    this.bytes += size;
+    if (!this.#routes.has(to)) this.#routes.set(to, new Map());
+    this.#change(to, sender, size, count);
   }
 
   /** What `add` counted, given back: an ack, or a send that could not be written. */
   remove(to: string, sender: string, size: number): void {
-    const route = this.#routes.get(to);
-    if (!route?.get(sender)) return;
-    addCount(route, sender, -1);
+    if (this.#routes.get(to)?.get(sender)) this.#change(to, sender, -size, -1);
+  }
+
+  #change(to: string, sender: string, size: number, count: number): void {
+    const route = this.#routes.get(to)!, held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
+    addCount(route, sender, count);
     if (!route.size) this.#routes.delete(to);
-    const held = this.#senders.get(sender);
-    if (held && --held.count) held.bytes -= size;
-    else this.#senders.delete(sender);
-    this.#count(to, -size, -1);
-    this.liveCount--;
-    this.bytes -= size;
+    if (sender && held.count + count > 0) {
+      this.#senders.set(sender, { bytes: held.bytes + size, count: held.count + count });
+    } else this.#senders.delete(sender);
+    const { key } = parseRoute(to), n = size + count * MESSAGE_OVERHEAD_BYTES;
+    addCount(this.#keys, key, n);
+    if (!this.owned(key)) this.unclaimed += n;
+    this.liveCount += count;
+    this.bytes += size;
   }
 }
 
@@ -573,18 +558,12 @@ class AnswerHold {
   }
 }
 
-let httpDate = { second: 0, text: "" };
-
-/** The Date header, formatted once a second rather than once per answer. */
-function currentHttpDate(): string {
-  const second = Math.floor(Date.now() / 1000);
-  if (second !== httpDate.second) httpDate = { second, text: new Date(second * 1000).toUTCString() };
-  return httpDate.text;
-}
-
 /** Every answer carries Date (Bun's server does not add it): `doctor` measures clock skew against it. */
 const jsonResponse = (status: number, body: BodyInit, headers: Record<string, string> = {}): Response =>
-  new Response(body, { status, headers: { "content-type": "application/json", date: currentHttpDate(), ...headers } });
+  new Response(body, {
+    status,
+    headers: { "content-type": "application/json", date: new Date().toUTCString(), ...headers },
+  });
 
 const errorResponse = (status: number, message: string, headers: Record<string, string> = {}): Response =>
   jsonResponse(status, JSON.stringify({ error: message }), headers);
@@ -730,8 +709,9 @@ async function signerOf(payload: unknown, route: string): Promise<Signer> {
   const bad = await verifyMessage(msg);
   if (bad) throw new HttpError(400, `the message's signature does not verify (${bad}); not queued`);
   // Else a copy of one of alice's messages, posted to other routes, would spend her budget and crowd her out.
-  const { key } = parseRoute(route);
-  if (msg.to !== key) throw new HttpError(400, `the message is addressed to ${fingerprint(msg.to)}, not to this route`);
+  if (msg.to !== parseRoute(route).key) {
+    throw new HttpError(400, `it is addressed to ${fingerprint(msg.to)}, not this route`);
+  }
   return { from: msg.from, sig: msg.sig };
 }
 
@@ -775,15 +755,8 @@ function recvTimeoutMs(raw: string | null): number {
 
 /** A request URL's path and query, without building a URL object (every request; only /recv reads the query). */
 function splitUrl(url: string): { pathname: string; query: string } {
-  const scheme = url.indexOf("://");
-  const slash = url.indexOf("/", scheme < 0 ? 0 : scheme + 3);
-  if (slash < 0) return { pathname: "/", query: "" };
-  const q = url.indexOf("?", slash);
-  const hash = url.indexOf("#", slash);
-  const end = hash < 0 ? url.length : hash;
-  return q < 0 || q > end
-    ? { pathname: url.slice(slash, end), query: "" }
-    : { pathname: url.slice(slash, q), query: url.slice(q + 1, end) };
+  const m = /^(?:[a-z][a-z\d+.-]*:\/\/[^/?#]*)?([^?#]*)(?:\?([^#]*))?/i.exec(url)!;
+  return { pathname: m[1] || "/", query: m[2] ?? "" };
 }
 
 // ============================================================================
@@ -1105,14 +1078,11 @@ class Bus {
     const over = this.queues.admit(sender, size, to), { totalBytes, senderBytes, unclaimedShare } = this.queues.limits;
     if (over) {
       const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
+      const [all, share] = [humanBytes(totalBytes), humanBytes(totalBytes * unclaimedShare)];
       const why = {
-        global: `this bus holds its whole budget of ${humanBytes(totalBytes)} of messages (${counted}); retry later`,
-        unclaimed: `mail for keys that have never proven a route here holds its share of this bus, ${
-          humanBytes(totalBytes * unclaimedShare)
-        } (${counted}; the rest is kept for keys that read here); retry once some is read`,
-        sender: `this sender already has ${
-          humanBytes(senderBytes)
-        } queued on this bus (${counted}); retry once some is read`,
+        global: `this bus holds its whole budget of ${all} of messages (${counted}); retry later`,
+        unclaimed: `mail for keys that never proved a route here holds its ${share} share (${counted}); retry later`,
+        sender: `this sender already has ${humanBytes(senderBytes)} queued on this bus (${counted}); retry once read`,
       }[over];
       throw new HttpError(over === "sender" ? 429 : 507, why, close);
     }
@@ -1332,9 +1302,9 @@ class Bus {
   async checkOwnership(route: string, proof: unknown): Promise<void> {
     if (proof === undefined || proof === null || proof === "") {
       if (this.isOwned(route)) {
-        const fp = fingerprint(route);
-        const why =
-          `route ${fp}… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
+        const why = `route ${
+          fingerprint(route)
+        }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
         throw new HttpError(403, why);
       }
       if (this.#closedSince === null) return;
@@ -1633,17 +1603,12 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     if (body.sig === undefined) throw new HttpError(403, unsigned);
     const { session } = body;
     const sessionId = isObject(session) && typeof session.session_id === "string" ? session.session_id : "";
-    const u = parseOr400(() => ({
-      pubkey: field(body, "pubkey"),
-      session_id: sessionId,
-      ts: timestamp(body, "ts"),
-      sig: field(body, "sig"),
-    }));
+    const u = parseOr400(() => ({ pubkey: field(body, "pubkey"), ts: timestamp(body, "ts"), sig: field(body, "sig") }));
     const now = bus.now();
     if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
       throw new HttpError(400, "unregister ts is outside the freshness window");
     }
-    if (await verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes(u)))) {
+    if (await verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })))) {
       throw new HttpError(403, "unregister signature does not verify");
     }
     bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
@@ -1786,9 +1751,7 @@ async function writeWithBackpressure(body: ReadableStream<Uint8Array>, res: impo
 async function serveGuarded(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
   const [http, { connect }] = await Promise.all([import("node:http"), import("node:net")]);
   const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
-  const busy = JSON.stringify({
-    error: `this bus holds the ${sessions} its file-descriptor limit allows; retry later`,
-  });
+  const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
   const timeouts = {
     keepAliveTimeout: CONN_IDLE_MS,
     headersTimeout: CONN_IDLE_MS,
@@ -1947,12 +1910,10 @@ async function runBus(o: Options): Promise<number> {
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
   }
   const r = bus.recovery, at = host.includes(":") ? `[${host}]` : host;
-  const most = o.guard === "on" ? connectionBound() : 0; // as serveGuarded holds
-  const room = most
-    ? `its file-descriptor limit allows ${most} connections (about ${most >> 1} sessions)`
-    : "guard off";
+  const most = o.guard === "on" ? connectionBound() : 0, sessions = most >> 1; // as serveGuarded holds
+  const room = most ? `its file-descriptor limit allows ${most} connections (about ${sessions} sessions)` : "guard off";
   logInfo(`listening on http://${at}:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient; ${room})`);
-  if (most) bus.features += ` sessions=${most >> 1}`;
+  if (most) bus.features += ` sessions=${sessions}`;
   const skipped = r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "";
   logInfo(`recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms${skipped}`);
   if (!isLoopback(host)) logWarn(`bound to ${host}, not loopback: ${BUS_EXPOSURE}`);
