@@ -1721,35 +1721,13 @@ function connectionBound(): number {
 }
 
 /**
- * Writes a streamed answer to `res` a slice at a time, each after the one before drained: a stalled reader holds
- * one slice. A close cancels the stream (its bytes given back); a failed one throws. False when the connection closed.
- */
-async function writeWithBackpressure(body: ReadableStream<Uint8Array>, res: import("node:http").ServerResponse) {
-  const reader = body.getReader();
-  const gone = () => void reader.cancel().catch(() => {});
-  res.once("close", gone);
-  try {
-    for (;;) {
-      const { done, value } = await reader.read();
-      if (res.destroyed) return (gone(), false);
-      if (done) return true;
-      if (res.write(value)) continue;
-      await new Promise<void>((resolve) => {
-        const on = () => (res.off("drain", on), res.off("close", on), resolve());
-        res.on("drain", on).on("close", on);
-      });
-    }
-  } finally {
-    res.off("close", gone);
-  }
-}
-
-/**
  * The guarded server (see serveHttp): node:http with keep-alive and header timeouts, a deadline on the body, a bound
  * on connections, no request timeout (a long-poll waits a minute). A client gone aborts its request's signal.
  */
 async function serveGuarded(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
-  const [http, { connect }] = await Promise.all([import("node:http"), import("node:net")]);
+  const [http, { connect }, { Readable }, { pipeline }] = await Promise.all(
+    [import("node:http"), import("node:net"), import("node:stream"), import("node:stream/promises")],
+  );
   const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
   const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
   const timeouts = {
@@ -1829,8 +1807,10 @@ async function serveGuarded(handler: FetchHandler, hostname: string, port: numbe
       const answer = STREAMED_ANSWERS.has(r) ? null : await r.text();
       const done = () => unread && socket.destroy();
       res.writeHead(r.status, headers);
-      if (answer !== null) res.end(answer, done);
-      else if (await writeWithBackpressure(r.body!, res)) res.end(done);
+      if (answer !== null) return void res.end(answer, done);
+      // A slice at a time, each once the one before drained; a close cancels the stream (its bytes given back).
+      const slices = Readable.fromWeb(r.body as unknown as import("node:stream/web").ReadableStream);
+      await pipeline(slices, res).then(done, () => res.destroy());
     } catch {
       res.destroy(); // a client that went away, or a body cut off by its deadline: nothing to answer
     }
@@ -1902,13 +1882,10 @@ async function runBus(o: Options): Promise<number> {
   if (!["on", "off"].includes(String(o.guard))) throw new InterlinkError(`--guard must be on or off, not '${o.guard}'`);
   setLogComponent("interlink bus");
   const bus = await Bus.open(dataDir, { cap, limits, owners });
-  let server: Listening;
-  try {
-    server = await serveHttp(bus.handler, host, port, o.guard === "on");
-  } catch (e) {
+  const server = await serveHttp(bus.handler, host, port, o.guard === "on").catch(async (e) => {
     await bus.close();
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
-  }
+  });
   const r = bus.recovery, at = host.includes(":") ? `[${host}]` : host;
   const most = o.guard === "on" ? connectionBound() : 0, sessions = most >> 1; // as serveGuarded holds
   const room = most ? `its file-descriptor limit allows ${most} connections (about ${sessions} sessions)` : "guard off";
