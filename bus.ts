@@ -212,14 +212,14 @@ class BusQueues {
   unclaimed = 0; // what #keys counts for keys not `owned`
   readonly limits: QueueLimits;
 
-  /** `owned`: whether a recipient key proved a route here (Bus.isOwned); `claim` is told when one does. */
+  /** `owned`: whether a recipient key proved a route here (Bus.isOwned); `ownerChanged` is told when that changes. */
   constructor(limits: Partial<QueueLimits> = {}, readonly owned: (key: string) => boolean = () => false) {
     this.limits = { ...QUEUE_LIMITS, ...limits };
   }
 
-  /** `key` proved a route here (or, `owned` false, its record failed): its mail moves out of the unclaimed share. */
-  claim(key: string, owned = true): void {
-    this.unclaimed += (owned ? -1 : 1) * (this.#keys.get(key) ?? 0);
+  /** `key` proved a route here, or its record failed: its mail moves out of the unclaimed share, or back. */
+  ownerChanged(key: string): void {
+    this.unclaimed += (this.owned(key) ? -1 : 1) * (this.#keys.get(key) ?? 0);
   }
 
   get recipientCount(): number {
@@ -709,9 +709,7 @@ async function signerOf(payload: unknown, route: string): Promise<Signer> {
   const bad = await verifyMessage(msg);
   if (bad) throw new HttpError(400, `the message's signature does not verify (${bad}); not queued`);
   // Else a copy of one of alice's messages, posted to other routes, would spend her budget and crowd her out.
-  if (msg.to !== parseRoute(route).key) {
-    throw new HttpError(400, `it is addressed to ${fingerprint(msg.to)}, not this route`);
-  }
+  if (msg.to !== parseRoute(route).key) throw new HttpError(400, `addressed to ${fingerprint(msg.to)}, not this route`);
   return { from: msg.from, sig: msg.sig };
 }
 
@@ -899,7 +897,7 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
         top = Math.max(top, r.t === "h" ? (r.next as number) - 1 : (r.n as number | undefined) ?? 0);
         if (r.t === "m") {
           const p = r.p as string, c = claimedSigner(p), sender = typeof r.s === "string" ? r.s : c.from; // < 0.5: none
-          const sig = sender && sender === c.from ? c.sig! : null;
+          const sig = sender === c.from ? c.sig ?? null : null; // the signature of the signer it is counted against
           const taken = insert.run(r.n as number, r.q as string, r.ts as number, sender, utf8Bytes(p), p, sig).changes;
           if (!taken) bad(at, `seq ${r.n} is in the queue database already`, JSON.stringify(r));
         } else if (r.t === "a" || r.t === "d") remove.run(r.n as number, r.q as string);
@@ -1302,9 +1300,9 @@ class Bus {
   async checkOwnership(route: string, proof: unknown): Promise<void> {
     if (proof === undefined || proof === null || proof === "") {
       if (this.isOwned(route)) {
-        const why = `route ${
-          fingerprint(route)
-        }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
+        const fp = fingerprint(route);
+        const why =
+          `route ${fp}… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
         throw new HttpError(403, why);
       }
       if (this.#closedSince === null) return;
@@ -1342,11 +1340,10 @@ class Bus {
     if (this.#owners.size < this.ownersMax) {
       try {
         this.#ensureDisk(OWNER_ROW_BYTES);
-        const owner = (
-          on: boolean,
-        ) => (on ? this.#owners.add(key) : this.#owners.delete(key), this.queues.claim(key, on));
-        owner(true); // at once: an unproven recv meanwhile is refused
-        await this.#write(() => this.#sql.owner.run(key)).catch((e) => (owner(false), Promise.reject(e)));
+        this.#owners.add(key); // at once: an unproven recv meanwhile is refused
+        this.queues.ownerChanged(key);
+        const undo = (e: unknown) => (this.#owners.delete(key), this.queues.ownerChanged(key), Promise.reject(e));
+        await this.#write(() => this.#sql.owner.run(key)).catch(undo);
         const full =
           `this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): the next new key closes it`;
         if (this.#owners.size === this.ownersMax) this.#log(full);
