@@ -5684,6 +5684,8 @@ describe("sessions: several Claude Code sessions per identity, on Bun and Deno",
       const r = await bob.ok("send_message", { to: "alice", text: "only once", session: "play" });
       await alice.play.waitEvent((e) => e.meta.msg_id === msgIdOf(r));
       const signed = readNodeLog(B.stateDir).find((x) => x.t === "out" && x.msg.msg_id === msgIdOf(r))!.msg;
+      // Once acked: while it is queued, our bus refuses a copy for another route (409, see bus.ts); other relays may not.
+      await eventually(() => busDrained(bus.url, { ...A, name: "play" }), "play acked it");
       await postSend(bus.url, `${A.id.publicKey}#work-1`, signed); // the signature does not cover the route
       const sentinel = await bob.ok("send_message", { to: "alice", text: "after the copy", session: "work-1" });
       await alice["work-1"].waitEvent((e) => e.meta.msg_id === msgIdOf(sentinel)); // same queue: the copy came first
