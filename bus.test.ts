@@ -13,6 +13,7 @@ import {
   type Announcement,
   BODY_LIMIT_BYTES,
   corruptCount,
+  HELD_MAX_MS,
   HttpRelay,
   humanBytes,
   type Identity,
@@ -949,6 +950,33 @@ describe("bus: the upgrade from an earlier bus's queue.jsonl", () => {
     }
   });
 
+  test("a queue database of the release before (schema 1) is taken in with each signed message's signature, so a copy of one it holds is known after the upgrade; a payload that is not JSON there stops nothing", async () => {
+    const dir = tmpDir();
+    const db = new DatabaseSync(path.join(dir, "queue.db"));
+    db.exec(`CREATE TABLE message (seq INTEGER PRIMARY KEY AUTOINCREMENT, route TEXT NOT NULL, ts INTEGER NOT NULL,
+        sender TEXT NOT NULL, size INTEGER NOT NULL, payload TEXT NOT NULL);
+      CREATE INDEX message_route ON message (route, seq, ts, sender, size);
+      CREATE TABLE owner (key TEXT PRIMARY KEY) WITHOUT ROWID;
+      CREATE TABLE meta (name TEXT PRIMARY KEY, value) WITHOUT ROWID;
+      PRAGMA user_version = 1;`);
+    const m = await signMessage(alice, { to: eve.publicKey, text: "held" }, Date.now());
+    const insert = db.prepare("INSERT INTO message (route, ts, sender, size, payload) VALUES (?, ?, ?, ?, ?)");
+    insert.run(eve.publicKey, Date.now(), alice.publicKey, utf8Bytes(JSON.stringify(m)), JSON.stringify(m));
+    insert.run(eve.publicKey, Date.now(), alice.publicKey, 9, '{"damaged');
+    db.close();
+    const bus = await Bus.open(dir, { log: () => {} });
+    try {
+      expect(bus.queues.liveCount).toBe(2);
+      const post = (to: string) =>
+        bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to, payload: m }) }));
+      expect((await post(`${eve.publicKey}#junk`)).status).toBe(409);
+      expect((await post(eve.publicKey)).status).toBe(202);
+      expect(bus.queues.liveCount).toBe(2);
+    } finally {
+      await bus.close();
+    }
+  });
+
   test('acks an earlier bus appended ("a", "d"), a damaged line and a torn last line: the acked stay gone, the damaged lines are set aside, the import goes on', async () => {
     const [first, second] = routes["opaque-route"];
     const more = [
@@ -1670,6 +1698,43 @@ describe("bus: presence, and what it refuses", () => {
 
   for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
+      `100 sessions of one node on one machine are all listed; a flood of 1,000 self-made keys from that machine stays within its address's share, each one past it told why (429), and none of the 100 is pushed out (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir());
+        const post = async (a: object) => {
+          const r = await fetch(`${bus.url}/announce`, { method: "POST", body: JSON.stringify(a) });
+          return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+        };
+        try {
+          const t = Date.now();
+          for (let i = 0; i < 100; i++) {
+            expect((await post(await signAnnouncement(alice, "alice", t + i, session(`agent-${i}`)))).status).toBe(202);
+          }
+          const listed = async () =>
+            ((await (await fetch(`${bus.url}/roster`)).json()).roster as Announcement[])
+              .filter((e) => e.pubkey === alice.publicKey).length;
+          expect(await listed()).toBe(100); // one person's parallel agents: every one can be found
+          const refusals = new Map<number, string>();
+          for (let i = 0; i < 1_000; i++) {
+            const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+            const { status, error } = await post(await signAnnouncement(id, "x", Date.now(), session("s")));
+            if (status !== 202) refusals.set(status, error);
+          }
+          expect(await listed()).toBe(100); // a flood from the same machine pushes no live session out
+          const roster = (await (await fetch(`${bus.url}/roster`)).json()).roster as Announcement[];
+          expect(roster.length).toBe(ROSTER_PER_ADDRESS_CAP); // the flood fills its address's share, no more
+          expect([...refusals.keys()]).toEqual([429]); // told, in words, with the status a node keys on
+          expect(refusals.get(429)).toContain("announcements from your address take");
+        } finally {
+          await stop(bus);
+        }
+      },
+      120_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
       `Eve replays alice's earlier announcements off GET /roster, padded with unsigned members to 8 KB, and her own live session's: alice's live session stays listed, as alice posted it (${runtime})`,
       async () => {
         const bus = await startBus(runtime, tmpDir());
@@ -1677,14 +1742,17 @@ describe("bus: presence, and what it refuses", () => {
           const post = async (a: object) =>
             (await fetch(`${bus.url}/announce`, { method: "POST", body: JSON.stringify(a) })).status;
           const t = Date.now();
-          // Eight sessions alice ran earlier today, as GET /roster served them, and the one she runs now.
+          // Sessions alice ran earlier today, as GET /roster served them, and the one she runs now.
           const earlier = await Promise.all(
-            Array.from({ length: 8 }, (_, i) => signAnnouncement(alice, "alice", t - 3_600_000 + i, session(`e${i}`))),
+            Array.from(
+              { length: ROSTER_PER_KEY_CAP / 8 },
+              (_, i) => signAnnouncement(alice, "alice", t - 3_600_000 + i, session(`e${i}`)),
+            ),
           );
           const live = await signAnnouncement(alice, "alice", t, session("live"));
           expect(await post(live)).toBe(202);
           // Eve, who holds no key of alice's, posts alice's live announcement again with 7 KB of unsigned padding,
-          // then each earlier one: 8 units a copy, 72 in all, past alice's key's share of 64.
+          // then each earlier one: 8 units a copy, past alice's key's share (ROSTER_PER_KEY_CAP) with the live one's.
           const pad = "x".repeat(7_000);
           expect(await post({ ...live, pad })).toBe(202); // the same signed announcement again: a refresh
           for (const a of earlier) expect([202, 429]).toContain(await post({ ...a, pad }));
@@ -1702,7 +1770,7 @@ describe("bus: presence, and what it refuses", () => {
 
   for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
-      `a local stranger posting from 127.0.0.2, .3 and .4 is one source: 300 announcements of self-made keys fill the 256 units one address may hold, then 429 (${runtime})`,
+      `a local stranger posting from 127.0.0.2, .3 and .4 is one source: 1,068 announcements of self-made keys fill the 1,024 units one address may hold, then 429 (${runtime})`,
       async () => {
         // Every 127.x.y.z is this machine: any local user can connect from as many of them as they like, so counted
         // one by one they gave a single host as many per-address budgets (roster, new owners, bodies in flight).
@@ -1721,15 +1789,13 @@ describe("bus: presence, and what it refuses", () => {
           });
         try {
           const statuses: Record<string, number> = {};
-          for (const from of ["127.0.0.2", "127.0.0.3", "127.0.0.4"]) {
-            for (let i = 0; i < 100; i++) {
-              const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
-              const a = await signAnnouncement(id, "x", Date.now(), session("s"));
-              const status = await postFrom(from, JSON.stringify(a));
-              statuses[status] = (statuses[status] ?? 0) + 1;
-            }
+          for (let i = 0; i < ROSTER_PER_ADDRESS_CAP + 44; i++) {
+            const id = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+            const a = await signAnnouncement(id, "x", Date.now(), session("s"));
+            const status = await postFrom(`127.0.0.${2 + i % 3}`, JSON.stringify(a));
+            statuses[status] = (statuses[status] ?? 0) + 1;
           }
-          expect(statuses).toEqual({ "202": 256, "429": 44 });
+          expect(statuses).toEqual({ "202": ROSTER_PER_ADDRESS_CAP, "429": 44 });
         } finally {
           await stop(bus);
         }
@@ -2179,7 +2245,8 @@ describe("hostile clients: ownership that a flood cannot evict", () => {
 
 describe("hostile clients: tiny messages count", () => {
   test("a flood of one-byte payloads is bounded by count too: each message counts 256 bytes beside its payload, per signer and in all, and each route 512", async () => {
-    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { totalBytes: 64 << 10 } });
+    // All of the bus open to keys that never proved a route (half of it by default, see the stranger's flood below).
+    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { totalBytes: 64 << 10, unclaimedShare: 1 } });
     try {
       const statuses: number[] = [];
       for (let i = 0; i < 40; i++) {
@@ -2259,9 +2326,119 @@ describe("hostile clients: fair room on the bus", () => {
     }
   });
 
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a stranger cannot spend alice's budget with copies of one message she signed: a copy to another route of its key is refused (409), the same message again is taken once, a re-signed one is new mail, and alice still sends, after a restart too (${runtime})`,
+      async () => {
+        const dir = tmpDir();
+        let bus = await startBus(runtime, dir, ["--sender-mb", "1"]);
+        const post = async (to: string, payload: unknown) => {
+          const r = await fetch(`${bus.url}/send`, { method: "POST", body: JSON.stringify({ to, payload }) });
+          return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+        };
+        const held = async (route: string) =>
+          (await (await fetch(`${bus.url}/recv?me=${encodeURIComponent(route)}&max=64&timeout_ms=0`)).json())
+            .messages?.length ?? 0;
+        try {
+          // alice answers eve, a stranger, with a signed message (a refusal receipt, say) of 64 KB.
+          const receipt = await signMessage(alice, { to: eve.publicKey, text: "r".repeat(64_000) }, Date.now());
+          expect((await post(eve.publicKey, receipt)).status).toBe(202);
+          // eve posts copies to routes of her own key that nobody reads: 20 of them would be alice's 1 MiB.
+          const copies = [];
+          for (let i = 0; i < 20; i++) copies.push(await post(`${eve.publicKey}#junk${i}`, receipt));
+          expect(copies.map((c) => c.status)).toEqual(Array(20).fill(409));
+          expect(copies[0].error).toContain("is queued on this bus already");
+          // The same message to the same route again (a sender's retry after a crash) is taken, and held once.
+          expect((await post(eve.publicKey, receipt)).status).toBe(202);
+          expect(await held(eve.publicKey)).toBe(1);
+          // Re-signed (the same msg_id, a new ts and signature): new mail.
+          const resigned = await signMessage(alice, { ...receipt, msg_id: receipt.msg_id }, Date.now() + 1);
+          expect((await post(eve.publicKey, resigned)).status).toBe(202);
+          expect(await held(eve.publicKey)).toBe(2);
+          await stop(bus);
+          bus = await startBus(runtime, dir, ["--sender-mb", "1"]);
+          expect((await post(`${eve.publicKey}#junk99`, receipt)).status).toBe(409); // the queue remembers
+          const toBob = await signMessage(alice, { to: bob.publicKey, text: "hello" }, Date.now());
+          expect((await post(bob.publicKey, toBob)).status).toBe(202); // alice is not locked out
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a stranger with free keys fills the bus with mail for keys that never read it: half of the bus at most (507, told why), and a node that proved its route still gets its mail, after a restart too (${runtime})`,
+      async () => {
+        const dir = tmpDir();
+        let bus = await startBus(runtime, dir);
+        const post = async (to: string, payload: unknown) => {
+          const r = await fetch(`${bus.url}/send`, { method: "POST", body: JSON.stringify({ to, payload }) });
+          return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+        };
+        try {
+          // bob's node reads here: its first recv proves his route.
+          const ts = Date.now();
+          const proof = `${ts}.${await bob.sign(recvProofBytes(bob.publicKey, ts))}`;
+          const first = await fetch(`${bus.url}/recv?me=${bob.publicKey}&timeout_ms=0&proof=${proof}`);
+          expect(first.status).toBe(200);
+          // A stranger's free keys send 1 MB messages to other free keys, which never read: six senders' worth.
+          let taken = 0, refused = { status: 0, error: "" };
+          for (let k = 0; k < 6 && !refused.status; k++) {
+            const from = await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+            for (let i = 0; i < 7 && !refused.status; i++) {
+              const to = (await identityFromSeed(crypto.getRandomValues(new Uint8Array(32)))).publicKey;
+              const r = await post(to, await signMessage(from, { to, text: "j".repeat(1_000_000) }, Date.now()));
+              if (r.status === 202) taken++;
+              else refused = r;
+            }
+          }
+          expect(refused.status).toBe(507);
+          expect(refused.error).toContain("never proved a route here");
+          expect(taken).toBe(16); // 16 of 1 MB: half of the bus's 32 MiB
+          for (let round = 0; round < 2; round++) {
+            const m = await signMessage(alice, { to: bob.publicKey, text: `still room ${round}` }, Date.now());
+            expect((await post(bob.publicKey, m)).status).toBe(202);
+            await stop(bus);
+            bus = await startBus(runtime, dir); // the owners and the counts come back from the queue database
+          }
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  test("a signed message queued longer than any node would take it (30 days, and a minute of clock skew) is dropped, and its sender's budget given back; opaque payloads stay", async () => {
+    let now = Date.now();
+    const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now, limits: { senderBytes: 8192 } });
+    try {
+      const post = (to: string, payload: unknown) =>
+        bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to, payload }) }));
+      const big = (to = eve.publicKey) => signMessage(alice, { to, text: "y".repeat(3000) }, now);
+      expect((await post(eve.publicKey, await big())).status).toBe(202);
+      expect((await post(eve.publicKey, await big())).status).toBe(202);
+      expect((await post(eve.publicKey, { opaque: 1 })).status).toBe(202);
+      expect((await post(bob.publicKey, await big(bob.publicKey))).status).toBe(429); // alice's 8 KiB, held for eve
+      now += HELD_MAX_MS;
+      await bus.expire();
+      expect(bus.queues.liveCount).toBe(3); // not yet: a node 60 s behind could still take them
+      now += 61_000;
+      await bus.expire();
+      expect(bus.take(eve.publicKey, 64).map((m) => JSON.parse(m.payload))).toEqual([{ opaque: 1 }]);
+      expect((await post(bob.publicKey, await big(bob.publicKey))).status).toBe(202); // her budget is hers again
+    } finally {
+      await bus.close();
+    }
+  });
+
   test("a v2-shaped payload whose signature fails, or that is addressed to another key, is refused (400); per-signer and global byte budgets answer 429 and 507", async () => {
     // 8 KiB of messages in all, and the four routes they go to (ROUTE_OVERHEAD_BYTES each).
-    const bus = await Bus.open(tmpDir(), { log: () => {}, limits: { senderBytes: 4096, totalBytes: 10 << 10 } });
+    const limits = { senderBytes: 4096, totalBytes: 10 << 10, unclaimedShare: 1 }; // bob never proves here
+    const bus = await Bus.open(tmpDir(), { log: () => {}, limits });
     try {
       const post = (to: string, payload: unknown) =>
         bus.handler(new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to, payload }) }));
@@ -2621,6 +2798,103 @@ describe("hostile clients: bodies and connections", () => {
           clearInterval(drip);
           clearInterval(sampler);
           for (const c of conns) c.socket.destroy();
+          await stop(child);
+        }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `one local process holding four uploads of 2 MiB that never come (headers only, opened again as the bus cuts them off) keeps no other session of the machine from sending: alice's 1 KB message gets 202 and reaches bob (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir(), [], { INTERLINK_TEST_CONN_BODY_MS: "3000" });
+        const port = Number(new URL(bus.url).port);
+        const head = `POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: ${BODY_LIMIT_BYTES}\r\n\r\n`;
+        let holding = true;
+        const sockets: net.Socket[] = [];
+        const upload = (again: boolean) => {
+          const socket = net.connect(port, "127.0.0.1");
+          const state = { socket, answer: "" };
+          socket.on("data", (d) => (state.answer ||= d.toString().slice(9, 12))).on("error", () => {});
+          if (again) socket.on("close", () => holding && upload(true));
+          socket.write(head);
+          sockets.push(socket);
+          return state;
+        };
+        try {
+          for (let i = 0; i < 4; i++) upload(true);
+          // The four hold all their address may read at once: a fifth large upload is refused.
+          const fifth = upload(false);
+          await eventually(() => fifth.answer !== "", "the fifth upload is answered");
+          expect(fifth.answer).toBe("429");
+          const m = await signMessage(alice, { to: bob.publicKey, text: "x".repeat(1_000) }, Date.now());
+          const sent = await fetch(`${bus.url}/send`, {
+            method: "POST",
+            body: JSON.stringify({ to: bob.publicKey, payload: m }),
+          });
+          expect(sent.status).toBe(202);
+          const got = await (await fetch(`${bus.url}/recv?me=${bob.publicKey}&timeout_ms=0`)).json();
+          expect(got.envelope.payload.msg_id).toBe(m.msg_id);
+        } finally {
+          holding = false;
+          for (const s of sockets) s.destroy();
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a bus past its file-descriptor limit keeps serving the connections it holds, tells newcomers to come back (503, in words) rather than leave them waiting, spins no core, and says how many sessions its limit allows (${runtime})`,
+      async () => {
+        const argv = [...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir()];
+        const child = spawnChild(["sh", "-c", 'ulimit -n 256 && exec "$@"', "sh", ...argv]);
+        const url = (await child.waitFor(/listening on (http:\/\/\S+)/))[1];
+        const allows = await child.waitFor(/file-descriptor limit allows (\d+) connections \(about (\d+) sessions/);
+        expect(Number(allows[1])).toBeLessThan(256); // below the limit, with room for the queue's files
+        const port = Number(new URL(url).port);
+        const connect = async () => {
+          const socket = net.connect(port, "127.0.0.1").on("error", () => {});
+          await new Promise((r) => socket.once("connect", r).once("error", r).once("close", r));
+          return socket;
+        };
+        const ask = (socket: net.Socket) =>
+          new Promise<string>((resolve) => {
+            socket.once("data", (d) => resolve(d.toString().slice(9, 12))).once("close", () => resolve(""));
+            socket.write(`GET /roster HTTP/1.1\r\nHost: x\r\n\r\n`);
+          });
+        const sockets: net.Socket[] = [];
+        try {
+          const session = await connect(); // a session's keep-alive connection, there before the flood
+          sockets.push(session);
+          expect(await ask(session)).toBe("200");
+          // 700 simulated nodes' sockets, one after another, each asking once, far past what 256 descriptors hold.
+          const answers: Record<string, number> = {};
+          for (let i = 0; i < 350; i++) {
+            const socket = await connect();
+            sockets.push(socket);
+            const status = await ask(socket);
+            answers[status] = (answers[status] ?? 0) + 1;
+          }
+          expect(answers).toEqual({ "200": Number(allows[1]) - 1, "503": 351 - Number(allows[1]) });
+          const cpu = () => {
+            const f = fs.readFileSync(`/proc/${child.proc.pid}/stat`, "utf8").split(") ")[1].split(" ");
+            return Number(f[11]) + Number(f[12]); // utime + stime, in clock ticks (100 a second)
+          };
+          const before = cpu();
+          await new Promise((r) => setTimeout(r, 2_000));
+          expect(cpu() - before).toBeLessThan(100); // under half a core: an accept loop that fails spins a whole one
+          const newcomer = await fetch(`${url}/roster`, { signal: AbortSignal.timeout(5_000) });
+          expect(newcomer.status).toBe(503);
+          expect((await newcomer.json()).error).toContain(`holds the ${allows[1]} connections (about ${allows[2]}`);
+          expect(await ask(session)).toBe("200"); // the sessions it holds are served on
+          await child.waitFor(/newcomers are told 503/); // and it says so
+        } finally {
+          for (const s of sockets) s.destroy();
           await stop(child);
         }
       },

@@ -36,6 +36,7 @@ import {
   fingerprint,
   FormatError,
   FRESH_FUTURE_MS,
+  HELD_MAX_MS,
   humanBytes,
   InterlinkError,
   intOption,
@@ -91,13 +92,12 @@ const OPAQUE_CAP = 64;
 const SENDER_BYTES_MAX = 8 << 20;
 /** Bytes a bus holds in all (507 past it): full of 900 KB floods a Bun bus peaks near 4× this in memory, Deno 4.3×. */
 const TOTAL_BYTES_MAX = 32 << 20;
+/** ... of which mail for keys that never proved a route here, which nobody may ever read: the rest is for owners'. */
+const UNCLAIMED_SHARE = 1 / 2;
 /** A sessionless (0.4) announcement is served this long, as a 0.4 bus does: 0.4 clients read every entry as live. */
 const ROSTER_SESSIONLESS_MS = 90_000;
-/**
- * Roster entries from one source address (an IPv6 /64): one machine's sessions, or a small office behind one NAT.
- * Keys cost nothing, so this, not the per-key bound, keeps one host from filling a LAN bus's roster.
- */
-const ROSTER_PER_ADDRESS_CAP = 256;
+/** Roster units per source address (see addressBucket): a machine's hundreds of sessions, a quarter of the roster. */
+const ROSTER_PER_ADDRESS_CAP = 1024;
 /** Against the bounds above, an entry counts one per this many bytes begun (a real one counts one): roster ≤ 4 MiB. */
 const ROSTER_UNIT_BYTES = 1024;
 /**
@@ -111,6 +111,8 @@ const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
 const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
+/** A body declared this small counts only in all: one local process holding 127/8's share stops no one's small ones. */
+const SMALL_BODY_BYTES = 16 << 10;
 /** Answers this large are streamed and counted in flight; a smaller one the socket's buffers take at once, whole. */
 const ANSWER_STREAM_MIN_BYTES = 64 << 10;
 /** Bytes of large answers not yet taken by their connections, in all (503 past it): sixteen of the largest message. */
@@ -168,6 +170,8 @@ const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
 const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
 /** Connections a guarded server holds at most (see connectionBound). */
 const CONN_MAX = 10_000;
+/** Newcomers past that bound told to come back (503) at once, each for a second at most; more are closed unanswered. */
+const CONN_TURNED_AWAY_MAX = 32;
 
 // ============================================================================
 // Queue and roster logic
@@ -175,13 +179,15 @@ const CONN_MAX = 10_000;
 
 /**
  * What BusQueues lets in: `cap` verified messages per signer and recipient, `opaqueCap` unattributed per recipient,
- * and bytes from one verified signer (`senderBytes`) and in all (`totalBytes`), as BusQueues.admit counts them.
+ * and bytes from one verified signer (`senderBytes`), in all (`totalBytes`) and, of that, for keys that never proved a
+ * route (`unclaimedShare`), as BusQueues.admit counts them.
  */
 const QUEUE_LIMITS = {
   cap: QUEUE_CAP,
   opaqueCap: OPAQUE_CAP,
   senderBytes: SENDER_BYTES_MAX,
   totalBytes: TOTAL_BYTES_MAX,
+  unclaimedShare: UNCLAIMED_SHARE,
 };
 type QueueLimits = typeof QUEUE_LIMITS;
 
@@ -200,12 +206,20 @@ function addCount(counts: Map<string, number>, key: string, n: number): void {
 class BusQueues {
   #routes = new Map<string, Map<string, number>>(); // route → sender ("" unattributed) → messages: bounded by them
   #senders = new Map<string, { bytes: number; count: number }>(); // verified senders' holdings: bounded the same
+  #keys = new Map<string, number>(); // recipient key → payloads and MESSAGE_OVERHEAD_BYTES each: bounded the same
   liveCount = 0;
   bytes = 0;
+  unclaimed = 0; // what #keys counts for keys not `owned`
   readonly limits: QueueLimits;
 
-  constructor(limits: Partial<QueueLimits> = {}) {
+  /** `owned`: whether a recipient key proved a route here (Bus.isOwned); `ownerChanged` is told when that changes. */
+  constructor(limits: Partial<QueueLimits> = {}, readonly owned: (key: string) => boolean = () => false) {
     this.limits = { ...QUEUE_LIMITS, ...limits };
+  }
+
+  /** `key` proved a route here, or its record failed: its mail moves out of the unclaimed share, or back. */
+  ownerChanged(key: string): void {
+    this.unclaimed += (this.owned(key) ? -1 : 1) * (this.#keys.get(key) ?? 0);
   }
 
   get recipientCount(): number {
@@ -218,10 +232,12 @@ class BusQueues {
   }
 
   /** Why a payload of `size` bytes from `sender` to `to` ("": not known yet) cannot be taken now, or null. */
-  admit(sender: string, size: number, to = ""): "global" | "sender" | null {
+  admit(sender: string, size: number, to = ""): "global" | "unclaimed" | "sender" | null {
     const cost = size + MESSAGE_OVERHEAD_BYTES;
     const route = this.#routes.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
     if (this.charged + cost + route > this.limits.totalBytes) return "global";
+    const unclaimed = to && !this.owned(parseRoute(to).key) ? this.unclaimed + cost : 0;
+    if (unclaimed > this.limits.totalBytes * this.limits.unclaimedShare) return "unclaimed";
     const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 }; // "": none held
     if (sender && held.bytes + held.count * MESSAGE_OVERHEAD_BYTES + cost > this.limits.senderBytes) return "sender";
     return null;
@@ -240,28 +256,27 @@ class BusQueues {
 
   /** Counts `count` messages of `size` bytes in all from `sender` to `to`, whatever the caps: `full` is asked first. */
   add(to: string, sender: string, size: number, count = 1): void {
-    let route = this.#routes.get(to);
-    if (!route) this.#routes.set(to, route = new Map());
-    addCount(route, sender, count);
-    if (sender) {
-      const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
-      this.#senders.set(sender, { bytes: held.bytes + size, count: held.count + count });
-    }
-    this.liveCount += count;
-    this.bytes += size;
+    if (!this.#routes.has(to)) this.#routes.set(to, new Map());
+    this.#change(to, sender, size, count);
   }
 
   /** What `add` counted, given back: an ack, or a send that could not be written. */
   remove(to: string, sender: string, size: number): void {
-    const route = this.#routes.get(to);
-    if (!route?.get(sender)) return;
-    addCount(route, sender, -1);
+    if (this.#routes.get(to)?.get(sender)) this.#change(to, sender, -size, -1);
+  }
+
+  #change(to: string, sender: string, size: number, count: number): void {
+    const route = this.#routes.get(to)!, held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
+    addCount(route, sender, count);
     if (!route.size) this.#routes.delete(to);
-    const held = this.#senders.get(sender);
-    if (held && --held.count) held.bytes -= size;
-    else this.#senders.delete(sender);
-    this.liveCount--;
-    this.bytes -= size;
+    if (sender && held.count + count > 0) {
+      this.#senders.set(sender, { bytes: held.bytes + size, count: held.count + count });
+    } else this.#senders.delete(sender);
+    const { key } = parseRoute(to), n = size + count * MESSAGE_OVERHEAD_BYTES;
+    addCount(this.#keys, key, n);
+    if (!this.owned(key)) this.unclaimed += n;
+    this.liveCount += count;
+    this.bytes += size;
   }
 }
 
@@ -503,23 +518,24 @@ class BytesInFlight {
     readonly close = true,
   ) {}
 
-  take(from: string, n: number): void {
+  /** Takes `n` bytes for address bucket `from`, or in all only (null), or throws the 429 or 503. */
+  take(from: string | null, n: number): void {
     if (n <= 0) return;
-    const mine = this.#byAddress.get(from) ?? 0;
+    const mine = from === null ? 0 : this.#byAddress.get(from) ?? 0;
     const refuse = (status: number, who: string, held: number, max: number, all = "") => {
       const has = `${humanBytes(held)} of ${this.what}${all} (at most ${humanBytes(max)} at once)`;
       return new HttpError(status, `${who} already has ${has}; retry in a moment`, this.close);
     };
-    if (mine + n > this.perAddress) throw refuse(429, "your address", mine, this.perAddress);
+    if (from !== null && mine + n > this.perAddress) throw refuse(429, "your address", mine, this.perAddress);
     if (this.bytes + n > this.max) throw refuse(503, "this bus", this.bytes, this.max, " in all");
-    this.#byAddress.set(from, mine + n);
+    if (from !== null) this.#byAddress.set(from, mine + n);
     this.bytes += n;
   }
 
-  give(from: string, n: number): void {
+  give(from: string | null, n: number): void {
     if (n <= 0) return;
     this.bytes -= n;
-    addCount(this.#byAddress, from, -n);
+    if (from !== null) addCount(this.#byAddress, from, -n);
   }
 }
 
@@ -542,18 +558,12 @@ class AnswerHold {
   }
 }
 
-let httpDate = { second: 0, text: "" };
-
-/** The Date header, formatted once a second rather than once per answer. */
-function currentHttpDate(): string {
-  const second = Math.floor(Date.now() / 1000);
-  if (second !== httpDate.second) httpDate = { second, text: new Date(second * 1000).toUTCString() };
-  return httpDate.text;
-}
-
 /** Every answer carries Date (Bun's server does not add it): `doctor` measures clock skew against it. */
 const jsonResponse = (status: number, body: BodyInit, headers: Record<string, string> = {}): Response =>
-  new Response(body, { status, headers: { "content-type": "application/json", date: currentHttpDate(), ...headers } });
+  new Response(body, {
+    status,
+    headers: { "content-type": "application/json", date: new Date().toUTCString(), ...headers },
+  });
 
 const errorResponse = (status: number, message: string, headers: Record<string, string> = {}): Response =>
   jsonResponse(status, JSON.stringify({ error: message }), headers);
@@ -597,14 +607,15 @@ function streamedAnswer(status: number, text: string, held: AnswerHold): Respons
 
 /**
  * Reads a JSON body of at most BODY_LIMIT_BYTES, counted as it arrives (Content-Length may be absent or lie), within
- * CONN_BODY_MS (a drip gets 408), against `inFlight` for address bucket `from`: reserved before reading, held until
- * the runtime's read ends.
+ * CONN_BODY_MS (a drip gets 408), against `inFlight` for address bucket `from` (in all only up to SMALL_BODY_BYTES):
+ * reserved before reading, held until the runtime's read ends.
  */
 async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string, maxValues = JSON_VALUES_MAX) {
   const declared = declaredLength(req);
   const tooLarge = () => new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
   if (declared !== null && declared > BODY_LIMIT_BYTES) throw tooLarge();
-  let reserved = 0; // taken from inFlight
+  let reserved = 0; // taken from inFlight, for `who`
+  const who = declared !== null && declared <= SMALL_BODY_BYTES ? null : from;
   let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long
   let reader: ReadableStreamDefaultReader<Uint8Array> | undefined;
   const deadline = Promise.withResolvers<never>();
@@ -613,7 +624,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
   let text: string;
   try {
     if (declared !== null) {
-      inFlight.take(from, declared);
+      inFlight.take(who, declared);
       reserved = declared;
       // The server holds the body to its declared length. (Not touching req.body keeps Deno on its fast path.)
       text = await Promise.race([reading = req.text(), deadline.promise]);
@@ -626,7 +637,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
         const { done, value } = await Promise.race([reader.read(), deadline.promise]);
         if (done) break;
         if (reserved + value.length > BODY_LIMIT_BYTES) throw tooLarge();
-        inFlight.take(from, value.length);
+        inFlight.take(who, value.length);
         reserved += value.length;
         chunks.push(value);
       }
@@ -639,7 +650,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
     throw new HttpError(400, `the body could not be read (${(e as Error).message})`, true);
   } finally {
     clearTimeout(timer);
-    const give = () => inFlight.give(from, reserved);
+    const give = () => inFlight.give(who, reserved);
     reading.then(give, give);
   }
   const { depth, values } = jsonShape(text);
@@ -678,38 +689,40 @@ function recipientParam(value: unknown, name: string): string {
   return value;
 }
 
+/** Who signed a payload, verified, and its signature (Bus.send knows a copy by it); "" for an opaque payload. */
+type Signer = { from: string; sig?: string };
+
 /**
  * The verified signer of a v2-shaped payload, so room is shared fairly between senders; "" for any other (opaque, as
  * the reference contract says). A malformed or forged v2 payload is a 400: the bus never queues a known forgery.
  */
-async function signerOf(payload: unknown, route: string): Promise<string> {
-  if (!isV2Shaped(payload)) return "";
+async function signerOf(payload: unknown, route: string): Promise<Signer> {
+  if (!isV2Shaped(payload)) return { from: "" };
   let msg: SignedMessage;
   try {
     msg = parseSignedMessage(payload);
   } catch (e) {
     // A kind or field this version does not know (a newer node's): relayed as opaque, as the reference contract says.
-    if (e instanceof FormatError) return "";
+    if (e instanceof FormatError) return { from: "" };
     throw e;
   }
   const bad = await verifyMessage(msg);
   if (bad) throw new HttpError(400, `the message's signature does not verify (${bad}); not queued`);
   // Else a copy of one of alice's messages, posted to other routes, would spend her budget and crowd her out.
-  const { key } = parseRoute(route);
-  if (msg.to !== key) throw new HttpError(400, `the message is addressed to ${fingerprint(msg.to)}, not to this route`);
-  return msg.from;
+  if (msg.to !== parseRoute(route).key) throw new HttpError(400, `addressed to ${fingerprint(msg.to)}, not this route`);
+  return { from: msg.from, sig: msg.sig };
 }
 
 const isV2Shaped = (p: unknown): p is Record<string, string> =>
   isObject(p) && ["from", "to", "msg_id", "sig"].every((k) => typeof p[k] === "string");
 
 /** The signer a stored payload claims, unverified; "" if it is not a v2 message. */
-function claimedSender(payload: string): string {
+function claimedSigner(payload: string): Signer {
   try {
     const p = JSON.parse(payload);
-    return isV2Shaped(p) ? p.from : "";
+    return isV2Shaped(p) ? { from: p.from, sig: p.sig } : { from: "" };
   } catch {
-    return "";
+    return { from: "" };
   }
 }
 
@@ -740,15 +753,8 @@ function recvTimeoutMs(raw: string | null): number {
 
 /** A request URL's path and query, without building a URL object (every request; only /recv reads the query). */
 function splitUrl(url: string): { pathname: string; query: string } {
-  const scheme = url.indexOf("://");
-  const slash = url.indexOf("/", scheme < 0 ? 0 : scheme + 3);
-  if (slash < 0) return { pathname: "/", query: "" };
-  const q = url.indexOf("?", slash);
-  const hash = url.indexOf("#", slash);
-  const end = hash < 0 ? url.length : hash;
-  return q < 0 || q > end
-    ? { pathname: url.slice(slash, end), query: "" }
-    : { pathname: url.slice(slash, q), query: url.slice(q + 1, end) };
+  const m = /^(?:[a-z][a-z\d+.-]*:\/\/[^/?#]*)?([^?#]*)(?:\?([^#]*))?/i.exec(url)!;
+  return { pathname: m[1] || "/", query: m[2] ?? "" };
 }
 
 // ============================================================================
@@ -774,6 +780,11 @@ const QUEUE_SCHEMA = `
   CREATE TABLE owner (key TEXT PRIMARY KEY) WITHOUT ROWID;
   CREATE TABLE meta (name TEXT PRIMARY KEY, value) WITHOUT ROWID;
   PRAGMA user_version = 1;`;
+/** Version 2: a signed message's signature, by which a copy of one queued already is known (Bus.send). */
+const QUEUE_SCHEMA_2 = `ALTER TABLE message ADD COLUMN sig TEXT;
+  UPDATE message SET sig = json_extract(payload, '$.sig') WHERE sender != '' AND json_valid(payload);
+  CREATE INDEX message_sig ON message (sig) WHERE sig IS NOT NULL;
+  PRAGMA user_version = 2;`;
 
 /** SQLite's words for a full disk (Deno's errors carry no code) and for a damaged file. */
 const sqliteFull = (e: unknown) => /database or disk is full|ENOSPC/i.test(String((e as Error)?.message));
@@ -809,11 +820,11 @@ function openQueue(dataDir: string, log: (msg: string) => void) {
   try {
     db = new DatabaseSync(file);
     const { user_version } = db.prepare("PRAGMA user_version").get() as { user_version: number };
-    if (user_version > 1) throw new Error(`schema version ${user_version}, written by a later bus`);
+    if (user_version > 2) throw new Error(`schema version ${user_version}, written by a later bus`);
     const wal = walBytesOf(diskOf(dataDir).size);
     db.exec(`PRAGMA auto_vacuum = FULL; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;
       PRAGMA wal_autocheckpoint = ${wal / 4096}; PRAGMA journal_size_limit = ${wal}`);
-    if (user_version === 0) db.exec(`BEGIN; ${QUEUE_SCHEMA} COMMIT;`);
+    if (user_version < 2) db.exec(`BEGIN; ${user_version ? "" : QUEUE_SCHEMA} ${QUEUE_SCHEMA_2} COMMIT;`);
     const skippedLines = importJsonl(db, path.join(dataDir, "queue.jsonl"), log);
     syncDirectory(dataDir); // queue.db and its WAL made, queue.jsonl renamed: for good
     db.exec("PRAGMA synchronous = NORMAL"); // from here a commit's fsync is Bus.#flush's, off the event loop
@@ -873,7 +884,7 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
   const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
   let skipped = 0, top = 0; // top: the highest seq the file names
   if (sql("SELECT value FROM meta WHERE name = 'imported'").get()?.value !== id) {
-    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?)"); // seq, route, ts, sender, size, payload
+    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?, ?)"); // as Bus.send, with its sig
     const remove = sql("DELETE FROM message WHERE seq = ? AND route = ?");
     const owner = sql("INSERT OR IGNORE INTO owner (key) VALUES (?)");
     const closed = sql("INSERT INTO meta VALUES ('closed', ?1) ON CONFLICT DO UPDATE SET value = min(value, ?1)");
@@ -885,8 +896,9 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
         if (why) return bad(at, why, JSON.stringify(r));
         top = Math.max(top, r.t === "h" ? (r.next as number) - 1 : (r.n as number | undefined) ?? 0);
         if (r.t === "m") {
-          const p = r.p as string, sender = typeof r.s === "string" ? r.s : claimedSender(p); // before 0.5: none
-          const taken = insert.run(r.n as number, r.q as string, r.ts as number, sender, utf8Bytes(p), p).changes;
+          const p = r.p as string, c = claimedSigner(p), sender = typeof r.s === "string" ? r.s : c.from; // < 0.5: none
+          const sig = sender === c.from ? c.sig ?? null : null; // the signature of the signer it is counted against
+          const taken = insert.run(r.n as number, r.q as string, r.ts as number, sender, utf8Bytes(p), p, sig).changes;
           if (!taken) bad(at, `seq ${r.n} is in the queue database already`, JSON.stringify(r));
         } else if (r.t === "a" || r.t === "d") remove.run(r.n as number, r.q as string);
         else if (r.t === "o") owner.run(parseRoute(r.q as string).key); // an older bus wrote one per route
@@ -947,6 +959,7 @@ class Bus {
   nextSeq: number;
   readonly recovery: { messages: number; recipients: number; skippedLines: number; ms: number };
   readonly commitStats = { commits: 0, writes: 0, syncs: 0 }; // commits, the writes they carried, their fdatasyncs
+  features = BUS_FEATURES; // and how many sessions its connections allow (runBus)
   readonly ownersMax: number;
   readonly now: () => number;
   readonly #log: (msg: string) => void;
@@ -957,6 +970,9 @@ class Bus {
   #writes: Write[] = []; // what the next commit carries, in order: bounded by the requests waiting on it
   #flushing: Promise<void> | null = null; // the group commit running (#flush), or null while nothing waits
   #unreadable = new Set<number>(); // found damaged (#payload), skipped: bounded by the messages held
+  #unsynced = new Map<string, { to: string; done: Promise<void> }>(); // signed sends not yet on disk, by sig: bounded
+  readonly #expire = () => void this.expire().catch((e) => this.#log(`cannot drop expired mail: ${e.message}`));
+  readonly #expiry = setInterval(this.#expire, 3600e3); // see expire
   readonly #owners: Set<string>; // keys that proved they read their routes here, never forgotten: ownersMax (#close)
   #closedSince: number | null; // since when every route needs a proof (#close), or null
   /** Route → the last proof whose signature verified, so a repeat skips the check (never the freshness one). */
@@ -982,7 +998,9 @@ class Bus {
     this.answers = new BytesInFlight(max, perAddress, "answers not yet taken by their connections", false);
     const sql = (text: string) => db.prepare(text);
     this.#sql = {
-      insert: sql("INSERT INTO message (seq, route, ts, sender, size, payload) VALUES (?, ?, ?, ?, ?, ?)"),
+      insert: sql("INSERT INTO message VALUES (?, ?, ?, ?, ?, ?, ?)"), // seq, route, ts, sender, size, payload, sig
+      copy: sql("SELECT route FROM message WHERE sig = ? AND sender = ?"),
+      expired: sql("SELECT route, seq, ts FROM message INDEXED BY message_route WHERE sender != '' AND ts < ?"),
       remove: sql("DELETE FROM message WHERE seq = ? AND route = ? AND ts = coalesce(?, ts) RETURNING sender, size"),
       heads: sql(
         "SELECT seq, ts, sender, size FROM message INDEXED BY message_route WHERE route = ? ORDER BY seq LIMIT ?",
@@ -993,10 +1011,11 @@ class Bus {
       begin: sql("BEGIN IMMEDIATE"),
       commit: sql("COMMIT"),
     };
-    this.queues = new BusQueues({ ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) });
+    this.#owners = new Set(stored.owners);
+    const limits = { ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) };
+    this.queues = new BusQueues(limits, (key) => this.#owners.has(key));
     for (const c of stored.counts) this.queues.add(c.route, c.sender, c.b, c.n);
     this.nextSeq = stored.nextSeq;
-    this.#owners = new Set(stored.owners);
     this.#closedSince = stored.closedSince;
     const { liveCount: messages, recipientCount: recipients } = this.queues;
     const ms = Math.round(performance.now() - started);
@@ -1005,6 +1024,7 @@ class Bus {
     this.#reserved = fs.existsSync(path.join(dataDir, "queue.reserve"));
     this.#disk = { ...diskOf(dataDir), at: -Infinity };
     this.#diskFree(); // makes queue.reserve if it is not there
+    this.#expire();
   }
 
   /** Locks the data folder and opens its queue (openQueue): a start counts what is held, reading no message body. */
@@ -1037,7 +1057,7 @@ class Bus {
     try {
       const r = await run(this, req, { query, from: addressBucket(from) });
       // A reference bus sends no such header: our client batches only where it sees one; doctor reports it.
-      r.headers.set("interlink-bus", BUS_FEATURES);
+      r.headers.set("interlink-bus", this.features);
       return r;
     } catch (e) {
       // A body left unread must not keep its connection (Bun then closes it; node:http does on its own).
@@ -1053,13 +1073,16 @@ class Bus {
    * would get: the byte budgets, then the room kept free on the disk. `close`: the body is unread (see HttpError).
    */
   ensureRoom(sender: string, size: number, to = "", close = false): void {
-    const over = this.queues.admit(sender, size, to), { totalBytes, senderBytes } = this.queues.limits;
+    const over = this.queues.admit(sender, size, to), { totalBytes, senderBytes, unclaimedShare } = this.queues.limits;
     if (over) {
       const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
-      const why = over === "global"
-        ? `this bus holds its whole budget of ${humanBytes(totalBytes)} of messages (${counted}); retry later`
-        : `this sender already has ${humanBytes(senderBytes)} queued on this bus (${counted}); retry once some is read`;
-      throw new HttpError(over === "global" ? 507 : 429, why, close);
+      const [all, share] = [humanBytes(totalBytes), humanBytes(totalBytes * unclaimedShare)];
+      const why = {
+        global: `this bus holds its whole budget of ${all} of messages (${counted}); retry later`,
+        unclaimed: `mail for keys that never proved a route here holds its ${share} share (${counted}); retry later`,
+        sender: `this sender already has ${humanBytes(senderBytes)} queued on this bus (${counted}); retry once read`,
+      }[over];
+      throw new HttpError(over === "sender" ? 429 : 507, why, close);
     }
     this.#ensureDisk(2 * size + MESSAGE_OVERHEAD_BYTES, close); // in the WAL, then in the file at the checkpoint
   }
@@ -1119,24 +1142,55 @@ class Bus {
   }
 
   /**
-   * Queues a message; resolves once it is on stable storage (the 202). It counts against the budgets at once, so one
-   * commit's sends meet the caps; a failed commit gives that back (a 507 on a full disk, else a 503). Committed, it is
-   * handed to receivers before its fdatasync ends: a power cut then can lose it after a receiver had it, unanswered, so
-   * its sender sends it again (the ts in an ack key keeps the lost one's key from acking the copy's seq, given again).
+   * Throws the refusal a message of `size` bytes would get now: a copy of a signed message (`sender`, `sig`) queued for
+   * another route (409: not new mail, and it would spend its signer's budget), a byte budget, a full route. One queued
+   * for `to` already (a retry) is taken as it is: then the promise that it is on disk.
    */
-  async send(to: string, payload: string, sender = ""): Promise<void> {
-    const size = utf8Bytes(payload);
+  check(to: string, sender: string, size: number, sig?: string): Promise<void> | undefined {
+    const unsynced = sig ? this.#unsynced.get(sig) : undefined;
+    const route = unsynced?.to ?? (sig && (this.#sql.copy.get(sig, sender) as { route: string } | undefined)?.route);
+    if (route === to) return unsynced?.done ?? Promise.resolve();
+    if (route) {
+      const why =
+        `this signed message is queued on this bus already, for another route of its recipient: a copy is not new mail, and would spend its signer's budget; nothing was queued`;
+      throw new HttpError(409, why);
+    }
     this.ensureRoom(sender, size, to);
     this.ensureRouteRoom(to, sender);
+  }
+
+  /**
+   * Queues a message (see check); resolves once it is on stable storage (the 202). It counts against the budgets at
+   * once, so one commit's sends meet the caps; a failed commit gives that back (a 507 on a full disk, else a 503).
+   * Committed, it is handed to receivers before its fdatasync ends: a power cut then can lose it after a receiver had
+   * it, unanswered, so its sender sends it again (the ts in an ack key keeps the lost one's key from acking the copy's
+   * seq, given again).
+   */
+  async send(to: string, payload: string, sender = "", sig?: string): Promise<void> {
+    const size = utf8Bytes(payload), queued = this.check(to, sender, size, sig);
+    if (queued) return await queued.catch((e) => Promise.reject(this.#unavailable(e)));
     const seq = this.nextSeq++, ts = this.now();
     this.queues.add(to, sender, size);
     this.#disk.free -= 2 * size + MESSAGE_OVERHEAD_BYTES;
+    const done = this.#write(() => this.#sql.insert.run(seq, to, ts, sender, size, payload, sig ?? null), to);
+    if (sig) this.#unsynced.set(sig, { to, done });
     try {
-      await this.#write(() => this.#sql.insert.run(seq, to, ts, sender, size, payload), to);
+      await done;
     } catch (e) {
       if (!(e instanceof UnsyncedError)) this.queues.remove(to, sender, size); // else committed: it is held
       throw this.#unavailable(e);
+    } finally {
+      if (sig) this.#unsynced.delete(sig);
     }
+  }
+
+  /**
+   * Drops the signed messages queued over HELD_MAX_MS ago (and FRESH_FUTURE_MS, a receiver's clock behind): every node
+   * of ours refuses them as stale, so mail nobody reads holds its signer's budget that long at most. At open, hourly.
+   */
+  async expire(): Promise<void> {
+    const old = this.#sql.expired.all(this.now() - HELD_MAX_MS - FRESH_FUTURE_MS) as ({ route: string } & AckMark)[];
+    await Promise.all(old.map((m) => this.ack(m.route, m)));
   }
 
   /** Hands `apply` to the next commit: resolves once that is on stable storage, rejects with why not. */
@@ -1287,7 +1341,9 @@ class Bus {
       try {
         this.#ensureDisk(OWNER_ROW_BYTES);
         this.#owners.add(key); // at once: an unproven recv meanwhile is refused
-        await this.#write(() => this.#sql.owner.run(key)).catch((e) => (this.#owners.delete(key), Promise.reject(e)));
+        this.queues.ownerChanged(key);
+        const undo = (e: unknown) => (this.#owners.delete(key), this.queues.ownerChanged(key), Promise.reject(e));
+        await this.#write(() => this.#sql.owner.run(key)).catch(undo);
         const full =
           `this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): the next new key closes it`;
         if (this.#owners.size === this.ownersMax) this.#log(full);
@@ -1409,6 +1465,7 @@ class Bus {
   }
 
   async close(): Promise<void> {
+    clearInterval(this.#expiry);
     for (const set of this.#waiters.values()) for (const wake of set) wake();
     await this.#flushing; // what waits is committed, and answered, before the file closes
     this.db.close();
@@ -1435,10 +1492,9 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
       if (!isObject(item) || item.payload === undefined) throw new HttpError(400, 'each message is {"to", "payload"}');
       const to = recipientParam(item.to, "to");
       const payload = JSON.stringify(item.payload);
-      const sender = await signerOf(item.payload, to);
-      bus.ensureRoom(sender, utf8Bytes(payload), to);
-      bus.ensureRouteRoom(to, sender); // a full route stops the batch here, as any refusal does
-      queued.push(bus.send(to, payload, sender)); // in the queue now, in order; on disk once awaited
+      const { from, sig } = await signerOf(item.payload, to);
+      bus.check(to, from, utf8Bytes(payload), sig); // a refusal (a full route, say) stops the batch here
+      queued.push(bus.send(to, payload, from, sig)); // in the queue now, in order; on disk once awaited
       results.push({ status: 202 });
     } catch (e) {
       results.push(failed(e));
@@ -1467,7 +1523,8 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
     const to = recipientParam(body.to, "to");
     if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
-    await bus.send(to, JSON.stringify(body.payload), await signerOf(body.payload, to));
+    const signer = await signerOf(body.payload, to);
+    await bus.send(to, JSON.stringify(body.payload), signer.from, signer.sig);
     return jsonResponse(202, '{"status":"queued"}');
   }],
   "/recv": ["GET", async (bus, req, { query, from }) => {
@@ -1543,17 +1600,12 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     if (body.sig === undefined) throw new HttpError(403, unsigned);
     const { session } = body;
     const sessionId = isObject(session) && typeof session.session_id === "string" ? session.session_id : "";
-    const u = parseOr400(() => ({
-      pubkey: field(body, "pubkey"),
-      session_id: sessionId,
-      ts: timestamp(body, "ts"),
-      sig: field(body, "sig"),
-    }));
+    const u = parseOr400(() => ({ pubkey: field(body, "pubkey"), ts: timestamp(body, "ts"), sig: field(body, "sig") }));
     const now = bus.now();
     if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
       throw new HttpError(400, "unregister ts is outside the freshness window");
     }
-    if (await verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes(u)))) {
+    if (await verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })))) {
       throw new HttpError(403, "unregister signature does not verify");
     }
     bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
@@ -1594,13 +1646,13 @@ interface Servers {
 }
 
 /**
- * Binds a fetch handler, told each request's source address, to a TCP port with the runtime's own server. `guard`
- * (Deno only; Bun closes idle connections itself): node:http, whose timeouts close idle and slow connections
- * (Deno.serve never does), at a cost in throughput.
+ * Binds a fetch handler, told each request's source address, to a TCP port with the runtime's own server. `guard`:
+ * node:http, whose timeouts close idle and slow connections (Deno.serve never does) and which holds no more than the
+ * file-descriptor limit allows (neither runtime's server does), at a cost in throughput.
  */
 function serveHttp(handler: FetchHandler, hostname: string, port: number, guard = false): Promise<Listening> {
   const { Bun, Deno } = runtimeHost as unknown as Servers;
-  if (Deno && guard) return serveGuarded(handler, hostname, port);
+  if (guard) return serveGuarded(handler, hostname, port);
   if (Bun) {
     // idleTimeout counts while a long-poll waits: keep it above RECV_TIMEOUT_MAX_MS.
     const server = Bun.serve({
@@ -1666,42 +1718,27 @@ function connectionBound(): number {
 }
 
 /**
- * Writes a streamed answer to `res` a slice at a time, each after the one before drained: a stalled reader holds
- * one slice. A close cancels the stream (its bytes given back); a failed one throws. False when the connection closed.
- */
-async function writeWithBackpressure(body: ReadableStream<Uint8Array>, res: import("node:http").ServerResponse) {
-  const reader = body.getReader();
-  const gone = () => void reader.cancel().catch(() => {});
-  res.once("close", gone);
-  try {
-    for (;;) {
-      const { done, value } = await reader.read();
-      if (res.destroyed) return (gone(), false);
-      if (done) return true;
-      if (res.write(value)) continue;
-      await new Promise<void>((resolve) => {
-        const on = () => (res.off("drain", on), res.off("close", on), resolve());
-        res.on("drain", on).on("close", on);
-      });
-    }
-  } finally {
-    res.off("close", gone);
-  }
-}
-
-/**
  * The guarded server (see serveHttp): node:http with keep-alive and header timeouts, a deadline on the body, a bound
  * on connections, no request timeout (a long-poll waits a minute). A client gone aborts its request's signal.
  */
 async function serveGuarded(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
-  const [http, { connect }] = await Promise.all([import("node:http"), import("node:net")]);
+  const [http, { connect }, { Readable }, { pipeline }] = await Promise.all(
+    [import("node:http"), import("node:net"), import("node:stream"), import("node:stream/promises")],
+  );
+  const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
+  const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
   const timeouts = {
     keepAliveTimeout: CONN_IDLE_MS,
     headersTimeout: CONN_IDLE_MS,
     requestTimeout: 0, // under Deno it would cut long-polls too
     connectionsCheckingInterval: 1_000, // how often headersTimeout is checked (30 s by default)
   };
+  const full = new WeakSet<net.Socket>(); // accepted past the bound: told to come back (weak: gone with its socket)
   const server = http.createServer(timeouts, async (req, res) => {
+    if (full.has(req.socket)) {
+      const done = () => req.socket.destroy(); // its turn given back at once
+      return void res.writeHead(503, { connection: "close", "content-type": "application/json" }).end(busy, done);
+    }
     const gone = new AbortController();
     res.on("close", () => res.writableFinished || gone.abort());
     const socket = req.socket; // detached from req once the answer is sent
@@ -1767,22 +1804,33 @@ async function serveGuarded(handler: FetchHandler, hostname: string, port: numbe
       const answer = STREAMED_ANSWERS.has(r) ? null : await r.text();
       const done = () => unread && socket.destroy();
       res.writeHead(r.status, headers);
-      if (answer !== null) res.end(answer, done);
-      else if (await writeWithBackpressure(r.body!, res)) res.end(done);
+      if (answer !== null) return void res.end(answer, done);
+      // A slice at a time, each once the one before drained; a close cancels the stream (its bytes given back).
+      const slices = Readable.fromWeb(r.body as unknown as import("node:stream/web").ReadableStream);
+      await pipeline(slices, res).then(done, () => res.destroy());
     } catch {
       res.destroy(); // a client that went away, or a body cut off by its deadline: nothing to answer
     }
   });
   Object.assign(server, timeouts); // as properties too: some are read from there
-  // Past the bound a new connection is closed at once and accepting goes on (node:http's maxConnections, under
-  // Deno, stops accepting for good). `accepted`: see the watchdog.
-  const most = connectionBound();
-  let open = 0, accepted = 0;
+  // Past the bound a newcomer is answered 503 and closed, CONN_TURNED_AWAY_MAX at once (the rest closed unanswered),
+  // so an accept never fails: under Bun that spins a core, under Deno it stops accepting (node:http's maxConnections,
+  // under Deno, stops for good). `accepted`: see the watchdog.
+  let open = 0, accepted = 0, turning = 0, saidAt = -Infinity;
   server.on("connection", (socket: net.Socket) => {
     accepted++;
     open++;
     socket.once("close", () => open--);
-    if (open > most) socket.destroy();
+    if (open <= most) return;
+    if (turning >= CONN_TURNED_AWAY_MAX) return void socket.destroy();
+    if (Date.now() - saidAt > 60_000) {
+      saidAt = Date.now();
+      logWarn(`holding the ${sessions} its file-descriptor limit allows: newcomers are told 503 (once a minute)`);
+    }
+    turning++;
+    full.add(socket);
+    const late = setTimeout(() => socket.destroy(), 1000); // a request not sent within a second gets no answer
+    socket.once("close", () => (turning--, clearTimeout(late)));
   });
   server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
   await new Promise<void>((resolve, reject) => {
@@ -1831,15 +1879,15 @@ async function runBus(o: Options): Promise<number> {
   if (!["on", "off"].includes(String(o.guard))) throw new InterlinkError(`--guard must be on or off, not '${o.guard}'`);
   setLogComponent("interlink bus");
   const bus = await Bus.open(dataDir, { cap, limits, owners });
-  let server: Listening;
-  try {
-    server = await serveHttp(bus.handler, host, port, o.guard === "on");
-  } catch (e) {
+  const server = await serveHttp(bus.handler, host, port, o.guard === "on").catch(async (e) => {
     await bus.close();
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
-  }
+  });
   const r = bus.recovery, at = host.includes(":") ? `[${host}]` : host;
-  logInfo(`listening on http://${at}:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient)`);
+  const most = o.guard === "on" ? connectionBound() : 0, sessions = most >> 1; // as serveGuarded holds
+  const room = most ? `its file-descriptor limit allows ${most} connections (about ${sessions} sessions)` : "guard off";
+  logInfo(`listening on http://${at}:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient; ${room})`);
+  if (most) bus.features += ` sessions=${sessions}`;
   const skipped = r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "";
   logInfo(`recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms${skipped}`);
   if (!isLoopback(host)) logWarn(`bound to ${host}, not loopback: ${BUS_EXPOSURE}`);
@@ -1892,9 +1940,9 @@ export const command: CommandSpec = {
       "on|off",
       "INTERLINK_BUS_GUARD",
       "on",
-      `under Deno, serve with node:http so that idle (${CONN_IDLE_MS / 1000} s) and slow (${
+      `serve with node:http, which closes idle (${CONN_IDLE_MS / 1000} s) and slow (${
         CONN_BODY_MS / 1000
-      } s) connections are closed; off: Deno.serve, faster, but it never closes an idle connection (only where no hostile client can connect). Bun always closes them`,
+      } s) connections and answers 503 past what the file-descriptor limit holds; off: the runtime's own server, faster, but unbounded (Deno.serve never closes an idle connection): only where no hostile client can connect`,
     ),
   },
   run: runBus,

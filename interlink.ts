@@ -141,8 +141,8 @@ const PRESENCE_STALE_MS = 24 * 60 * 60_000;
 const ROSTER_RETENTION_MS = 3 * 24 * 60 * 60_000;
 /** Roster bound: far above any real deployment, low enough that an announce flood costs a few MB. */
 const ROSTER_CAP = 4096;
-/** Sessions one key may hold on a roster: many sessions per machine, but one key cannot fill it. */
-const ROSTER_PER_KEY_CAP = 64;
+/** Sessions one key may hold on a roster: one person's parallel agents or a CI box (100s), but not the roster. */
+const ROSTER_PER_KEY_CAP = 256;
 /** Re-announce at a third of PRESENCE_LIVE_MS, so one lost announcement never makes a live session look away. */
 const ANNOUNCE_EVERY_MS = 30_000;
 

@@ -15,6 +15,7 @@ import {
   messagePayload,
   openRelay,
   ROSTER_CAP,
+  ROSTER_PER_KEY_CAP,
   signAnnouncement,
   type SignedMessage,
   signMessage,
@@ -346,7 +347,7 @@ describe("NATS JetStream as the relay", () => {
       for (let i = 0; i < ROSTER_CAP + 200; i++) await announce(mallory, `junk-${i}`);
       const listed = (await reader.roster(30_000)) as Announcement[];
       expect(listed.filter((a) => a.pubkey === alice.publicKey).length).toBe(1);
-      expect(listed.filter((a) => a.pubkey === mallory.publicKey).length).toBe(64); // its newest, no more
+      expect(listed.filter((a) => a.pubkey === mallory.publicKey).length).toBe(ROSTER_PER_KEY_CAP); // its newest, no more
     } finally {
       await Promise.allSettled([flood.close(), reader.close()]);
       nats.kill();

@@ -693,8 +693,8 @@ async function relayLoad(relay: Relay, id: Identity, dir: string, pid: number, p
 // ============================================================================
 
 /**
- * 8 pairs × 500 messages, then 64 pairs × 125, through our bus (under Deno:
- * guarded, and with --guard off), through the in-memory floor and through
+ * 8 pairs × 500 messages, then 64 pairs × 125, through our bus (guarded, and
+ * with --guard off), through the in-memory floor and through
  * Redis with `appendfsync always` when it is installed, in one run, each
  * figure also as a ratio to the floor and to Redis.
  */
@@ -723,9 +723,7 @@ async function benchThroughput(
     ["floor", () => startFloor(servers)],
     ["bus", () => startBus(servers, path.join(root, "throughput"))],
   ];
-  if ((servers ?? OWN_RUNTIME) === "deno") {
-    started.push(["bus_unguarded", () => startBus(servers, path.join(root, "throughput-off"), ["--guard", "off"])]);
-  }
+  started.push(["bus_unguarded", () => startBus(servers, path.join(root, "throughput-off"), ["--guard", "off"])]);
   const out: Record<string, unknown> = {
     load: `${pairs} pairs × ${perPair}, send → recv → ack; "_64": ${widePairs} pairs × ${widePerPair}`,
     load_generator: runtimeName(),

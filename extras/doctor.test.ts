@@ -74,6 +74,7 @@ describe("doctor: a node's set-up, each problem with its fix", () => {
         out: expect.stringContaining("no problems found"),
       });
       expect(good.stdout).toMatch(/ok {7}clock within \d+ s of/);
+      expect(good.stdout).toMatch(/ok {7}bus .*: its file-descriptor limit allows about \d+ sessions at once/);
     } finally {
       await stop(bus);
     }

@@ -303,6 +303,8 @@ async function doctorFindings(o: Options): Promise<Finding[]> {
         "run `interlink.ts bus` of this release there",
       ),
     );
+    const sessions = /\bsessions=(\d+)/.exec(features)?.[1]; // what its file-descriptor limit allows (bus.ts)
+    if (sessions) out.push(found.ok(`bus ${url}: its file-descriptor limit allows about ${sessions} sessions at once`));
     const date = r.headers.get("date");
     if (date) {
       const skew = Date.parse(date) - (t0 + t1) / 2; // the header has 1 s resolution
