@@ -11860,6 +11860,23 @@ describe("sealed messages: a relay that reads nothing", () => {
     }
   });
 
+  test("a message seals to the same bytes at every try, so a retry after a lost answer is one copy on the bus; a re-signed one is new", async () => {
+    const { root, A, B } = await twoPeers();
+    const bus = await startBus("bun", path.join(root, "bus"));
+    try {
+      const msg = await signMessage(A.id, { to: B.id.publicKey, text: "once" }, Date.now());
+      const tries = await Promise.all([1, 2, 3].map(() => sealMessage(A.id, msg)));
+      expect(new Set(tries.map((t) => JSON.stringify(t))).size).toBe(1);
+      const resigned = await signMessage(A.id, { to: B.id.publicKey, text: "once", msg_id: msg.msg_id }, msg.ts + 1);
+      expect((await sealMessage(A.id, resigned)).text).not.toBe(tries[0].text); // its own key: a new text, a new box
+      for (const payload of tries) await postSend(bus.url, B.id.publicKey, payload);
+      const held = await (await fetch(`${bus.url}/recv?me=${B.id.publicKey}&timeout_ms=0&max=64`)).json();
+      expect(held.messages.length).toBe(1);
+    } finally {
+      await stop(bus);
+    }
+  });
+
   test("the gate refuses a box altered, sealed to another key, cut short, moved to another msg_id, with a small-order ephemeral key or holding another key's signature, as bad_seal with its reason; and a sealed message replayed as a replay", async () => {
     const ids = await keysOf(), peers = everyonesPeers(ids);
     const reasons: Record<string, string> = {};

@@ -82,6 +82,7 @@ const UNREGISTER_DOMAIN = "interlink-unregister-v1\0";
 const INVITE_DOMAIN = "interlink-invite-v1\0"; // an invite proof, an HMAC: one made for anything else never passes
 const CHAIN_DOMAIN = "interlink-chain-v1\0"; // a chain signature: a message's or an announcement's never passes as one
 const SEAL_DOMAIN = "interlink-seal-v1\0"; // a sealed message's key derivation and AEAD data (see sealMessage)
+const SEAL_EPHEMERAL_DOMAIN = "interlink-seal-ephemeral-v1\0"; // what a sealed message's own key is made of
 
 /** A sealed message's content is padded to a size class, so its size tells a relay little: 512 B × 4ⁿ, then steps. */
 const SEAL_PAD_MIN = 512;
@@ -1284,8 +1285,9 @@ const sealedData = (m: Omit<SignedMessage, "sig">): Bytes =>
 
 /**
  * One message's AES-256-GCM key, nonce and data, from X25519 of `secret` and the other side's `pub`, then HKDF-SHA-256
- * (salt: the ephemeral key ‖ the recipient's; info: SEAL_DOMAIN): new for each ephemeral key, so never used twice. A
- * `pub` of small order (RFC 7748 §7) gives an all-zero secret, known to anyone, which WebCrypto (Bun, Deno) refuses.
+ * (salt: the ephemeral key ‖ the recipient's; info: SEAL_DOMAIN): new for each message (a retry of one seals the same
+ * bytes again: never two texts under one key and nonce). A `pub` of small order (RFC 7748 §7) gives an all-zero
+ * secret, known to anyone, which WebCrypto (Bun, Deno) refuses.
  */
 async function sealKeys(secret: CryptoKey, pub: Bytes, eph: Bytes, m: Omit<SignedMessage, "sig">) {
   if (littleEndianToBigInt(pub) >= P) throw new FormatError("its ephemeral key is not a canonical X25519 point");
@@ -1311,8 +1313,12 @@ async function sealKeys(secret: CryptoKey, pub: Bytes, eph: Bytes, m: Omit<Signe
 async function sealMessage(id: Identity, msg: SignedMessage, chain?: Chain, ephemeral?: Uint8Array) {
   const rcpt = x25519Public(msg.to);
   if (typeof rcpt === "string") throw new InterlinkError(`cannot seal to ${fingerprint(msg.to)}: ${rcpt}`);
-  // A new key for each message: a random scalar, clamped on import (RFC 7748 §5), as generateKey's.
-  const secret = await x25519Secret(ephemeral ?? crypto.getRandomValues(new Uint8Array(32)), true);
+  // A key of each message's own (clamped on import, RFC 7748 §5): the SHA-256 of our signature over its signature, in
+  // a domain of its own. Only this node can make it (the signature never leaves this process), and the same message
+  // seals to the same bytes at every try, so a retry after a lost answer is a copy the bus knows, not new mail.
+  const signed = concatBytes([utf8.encode(SEAL_EPHEMERAL_DOMAIN), b64urlDecode(msg.sig, 64, "sig")]);
+  const own = async () => crypto.subtle.digest("SHA-256", b64urlDecode(await id.sign(signed), 64, "sig"));
+  const secret = await x25519Secret(ephemeral ?? new Uint8Array(await own()), true);
   const eph = b64urlDecode((await crypto.subtle.exportKey("jwk", secret)).x, 32, "ephemeral key");
   const { key, aead } = await sealKeys(secret, rcpt, eph, msg);
   const fields = [msg.text, msg.status, msg.task_id, msg.in_reply_to, chain && JSON.stringify(chain)];
