@@ -37,8 +37,10 @@ import {
   EXTRAS,
   fitInbox,
   type Identity,
+  type InboxItem,
   InterlinkError,
   intOption,
+  lockOwner,
   logInfo,
   logWarn,
   NODE_OPTIONS,
@@ -51,9 +53,12 @@ import {
   SERVE_DOOR,
   SERVE_TASK,
   SERVER_ROLE,
+  SESSION_RE,
   sessionDir,
   setLogComponent,
   shutdownSignal,
+  type SignedMessage,
+  sleep,
   some,
   taskKey,
   type TaskRow,
@@ -77,6 +82,8 @@ const LINE_MAX_BYTES = 1 << 20;
 const FINAL_TEXT_MAX_CHARS = 2_000;
 /** Ended jobs remembered (a task id already run is told, not run again); past it the oldest are forgotten. */
 const JOBS_ENDED_CAP = 4_096;
+/** Ended tasks whose denials `interlink.ts tasks` still shows: the operator's recent decisions to make. */
+const DENIED_SHOWN = 20;
 /** How often a running task's journal is re-read behind its watch (a cancel ends the host within STOP_KILL_MS). */
 const FOLLOW_MS = 250;
 /** What the host's interlink server may run: interlink's tools that change no trust and no announcement. */
@@ -113,6 +120,7 @@ interface Job {
   turns?: number;
   cost?: number;
   denials?: string[];
+  queuedTold?: true; // its requester was told it waits for a slot
   ended?: string; // why it ended, as the requester was told
   at: number;
 }
@@ -353,6 +361,10 @@ function signalTree(pid: number, signal: NodeJS.Signals): void {
 // The supervisor
 // ============================================================================
 
+/** A message of the job's requester on its task (what its host is shown; what wakes a task waiting on its question). */
+const onTask = (job: Job) => (i: InboxItem): boolean =>
+  i.kind === "message" && i.msg.from === job.peer && i.msg.task_id === job.task_id;
+
 /** The row `interlink.ts tasks` prints for each job serve holds (executors.json, replaced whole on each change). */
 function jobRow(j: Job): Record<string, unknown> {
   const { petname: peer, task_id: task, state, pid, started, turns, cost, denials } = j;
@@ -367,8 +379,11 @@ class Supervisor {
   #turn: Promise<unknown> = Promise.resolve();
   #stopping = false;
   #timers = new Set<ReturnType<typeof setTimeout>>();
+  #watching = new Set<Promise<void>>(); // each running host's follower, done once its requester was told
+  #lastStart = new Map<string, number>(); // peer → when a task of theirs last started: slots go round the peers
 
   constructor(readonly cfg: NodeConfig, readonly id: Identity, readonly slots: number) {
+    fs.mkdirSync(cfg.stateDir, { recursive: true, mode: 0o700 });
     this.jobs = new Jobs(path.join(cfg.stateDir, "executor.jsonl"));
   }
 
@@ -382,7 +397,7 @@ class Supervisor {
   #open(session: string, summary: string, door = false): Promise<Agent> {
     return (async () => {
       const a = await Agent.open({ ...this.cfg, session }, SERVER_ROLE, { identity: this.id, adopt: false });
-      a.info.summary = summary;
+      await a.setSummary(summary); // on the rosters before anything is said of it (peers read serve's rosters fresh)
       a.startSending();
       a.startReceiving({ ownRouteOnly: !door });
       a.onInbox = () => void this.#step(() => this.#look());
@@ -406,9 +421,15 @@ class Supervisor {
 
   #summary = (j: Job) => `${SERVE_TASK}${j.task_id.slice(0, 120)} for ${j.petname}`;
 
+  /** Opens the door: the last one again after a restart (peers still route to it), else a new session. */
   async #openDoor(): Promise<void> {
     if (this.#stopping) return;
-    const session = `serve-${crypto.randomUUID().slice(0, 8)}`;
+    const file = path.join(this.cfg.stateDir, "executor-door");
+    const last = fs.existsSync(file) ? fs.readFileSync(file, "utf8").trim() : "";
+    const free = SESSION_RE.test(last) && !this.jobs.all.has(last) &&
+      !lockOwner(path.join(sessionDir(this.cfg.stateDir, last), "agent.lock"));
+    const session = free ? last : `serve-${crypto.randomUUID().slice(0, 8)}`;
+    writeFileAtomic(file, session);
     const hosts = "claude, codex";
     this.#door = await this.#open(session, `${SERVE_DOOR} headless (${hosts}) for peers its operator allowed`, true);
     logInfo(`door ${session} open: tasks of peers with a profile run here while no session is live`);
@@ -424,7 +445,7 @@ class Supervisor {
       agent.journal.catchUp();
       const task = agent.state.tasks.get(taskKey(job.peer, job.task_id));
       if (task?.closed) await this.#end(job, agent, `${task.status} by ${job.petname}`, null);
-      else if (job.state === "blocked" && [...agent.state.inbox.values()].some((i) => i.kind === "message")) {
+      else if (job.state === "blocked" && [...agent.state.inbox.values()].some(onTask(job))) {
         job.state = "queued"; // answered: it runs again when a slot is free
         this.jobs.put(job);
       }
@@ -433,22 +454,32 @@ class Supervisor {
     this.#publish();
   }
 
-  /** The door's mail: one task from a peer with a profile becomes that task's; anything else retires the door. */
+  /**
+   * The door's mail: a task from a peer with a profile makes the door that task's session (what else came in the same
+   * batch stays there, for the next session a person opens); with none, the door retires, its mail kept the same way.
+   */
   async #sortDoor(door: Agent): Promise<void> {
-    const items = [...door.state.inbox.values()], first = items[0];
-    const msg = first?.kind === "message" ? first.msg : undefined;
-    const profile = msg?.task_id && !msg.status ? door.peers().exec?.get(msg.from) : undefined;
-    const ran = msg && [...this.jobs.all.values()].find((j) => j.peer === msg.from && j.task_id === msg.task_id);
+    const items = [...door.state.inbox.values()], peers = door.peers();
+    const ran = (m: SignedMessage) =>
+      [...this.jobs.all.values()].find((j) => j.peer === m.from && j.task_id === m.task_id);
+    const opening = items.flatMap((i) => (i.kind === "message" && i.msg.task_id && !i.msg.status ? [i.msg] : []))
+      .filter((m) => peers.exec?.has(m.from));
     this.#door = null;
-    if (items.length === 1 && msg && profile && !ran) {
+    for (const m of opening.filter(ran)) {
+      const text = `task ${m.task_id} already ran here (${ran(m)!.ended ?? ran(m)!.state}); it is not run twice: ` +
+        "it waits for a session of this node instead";
+      await door.send({ to: m.from, text, task_id: m.task_id, status: "update" }).catch(() => {});
+    }
+    await door.flushOutbox(Date.now() + 5_000);
+    const msg = opening.find((m) => !ran(m));
+    if (msg) {
       await door.stop();
-      const petname = door.peers().byKey.get(msg.from) ?? msg.from;
       const job: Job = {
         session: door.cfg.session,
         peer: msg.from,
-        petname,
+        petname: peers.byKey.get(msg.from) ?? msg.from,
         task_id: msg.task_id!,
-        profile,
+        profile: peers.exec!.get(msg.from)!,
         state: "queued",
         hostSession: crypto.randomUUID(),
         runs: 0,
@@ -456,14 +487,9 @@ class Supervisor {
       };
       this.jobs.put(job);
       this.#held.set(job.session, await this.#open(job.session, this.#summary(job)));
-      logInfo(`task ${job.task_id} of ${petname} taken in session ${job.session}`);
+      const rest = items.length > 1 ? `; ${items.length - 1} other item(s) there wait for the next session` : "";
+      logInfo(`task ${job.task_id} of ${job.petname} taken in session ${job.session}${rest}`);
     } else {
-      if (ran && msg) {
-        const text = `task ${msg.task_id} already ran here (${ran.ended ?? ran.state}); it is not run twice. ` +
-          `It waits for a session of this node instead.`;
-        await door.send({ to: msg.from, text, task_id: msg.task_id, status: "update" }).catch(() => {});
-        await door.flushOutbox(Date.now() + 5_000);
-      }
       await door.stop("unlist"); // ended: the next session opened here adopts what it holds, shown once
       logInfo(`door ${door.cfg.session} retired with ${items.length} item(s) for the next session`);
     }
@@ -476,17 +502,18 @@ class Supervisor {
       const queued = [...this.jobs.all.values()].filter((j) => j.state === "queued");
       if (!queued.length || this.#stopping) return;
       if (this.#running.size >= this.slots) {
-        for (const j of queued.filter((j) => !j.denials?.includes("(queued)"))) {
-          const text = `queued behind ${this.#running.size} running task(s); it starts when one ends`;
-          await this.#tell(j, text);
-          j.denials = [...j.denials ?? [], "(queued)"].slice(-20);
+        for (const j of queued.filter((j) => !j.queuedTold)) {
+          await this.#tell(j, `queued behind ${this.#running.size} running tasks; it starts when one ends`);
+          j.queuedTold = true;
           this.jobs.put(j);
         }
         return;
       }
       const runningFor = (peer: string) =>
         [...this.jobs.all.values()].filter((j) => j.state === "running" && j.peer === peer).length;
-      queued.sort((a, b) => runningFor(a.peer) - runningFor(b.peer) || a.at - b.at);
+      const last = (peer: string) => this.#lastStart.get(peer) ?? 0;
+      queued.sort((a, b) => runningFor(a.peer) - runningFor(b.peer) || last(a.peer) - last(b.peer) || a.at - b.at);
+      this.#lastStart.set(queued[0].peer, Date.now());
       await this.#run(queued[0]);
     }
   }
@@ -512,10 +539,10 @@ class Supervisor {
     this.#held.delete(job.session);
     let prompt = "";
     const peers = agent.peers();
-    await claimInbox(sessionDir(this.cfg.stateDir, job.session), 32, {
+    await claimInbox(sessionDir(this.cfg.stateDir, job.session), 256, {
       show: (unread) => {
-        const f = fitInbox(unread, peers);
-        prompt = wakeText(f.shown.length, f.text);
+        const f = fitInbox(unread.filter(onTask(job)), peers); // the host is shown its task, nothing else of the node's
+        prompt = f.shown.length ? wakeText(f.shown.length, f.text) : "";
         return { shown: f.shown, write: () => true };
       },
     });
@@ -527,7 +554,8 @@ class Supervisor {
     this.jobs.put(job);
     this.#running.set(job.session, run);
     logInfo(`task ${job.task_id}: ${p.host} started, pid ${run.proc.pid}, in ${p.cwd}`);
-    void this.#watch(job, run);
+    const watching = this.#watch(job, run).finally(() => this.#watching.delete(watching));
+    this.#watching.add(watching);
   }
 
   /** Follows a running task: a cancel or its minutes stop the host; its exit decides what the requester is told. */
@@ -553,18 +581,22 @@ class Supervisor {
         if (task?.status === "canceled") stop(`canceled by ${job.petname}`);
         if (this.#stopping) stop("serve stopped (SIGTERM)");
         if (job.turns !== run.report.turns) (job.turns = run.report.turns, this.#publish());
-        await Promise.race([run.exited, new Promise((r) => setTimeout(r, FOLLOW_MS))]);
+        await Promise.race([run.exited, sleep(FOLLOW_MS)]);
       }
     } finally {
       journal.close();
       clearTimeout(limit);
     }
     const { code, signal } = await run.exited;
-    signalTree(run.proc.pid!, "SIGKILL"); // whatever the host left behind in its group
+    // Its interlink server closes the session as the host exits (its outbox is durable either way); then whatever
+    // the host left behind in its group is ended.
+    const lock = path.join(sessionDir(this.cfg.stateDir, job.session), "agent.lock");
+    for (let waited = 0; lockOwner(lock) && waited < STOP_KILL_MS; waited += FOLLOW_MS) await sleep(FOLLOW_MS);
+    signalTree(run.proc.pid!, "SIGKILL");
     this.#running.delete(job.session);
     const how = signal ? `was stopped by ${signal}` : `exited with code ${code}`;
     await this.#step(() => this.#afterHost(job, run.report, stopWhy ?? `the host ${how} without a result`));
-    void this.#step(() => this.#look());
+    if (!this.#stopping) void this.#step(() => this.#look());
   }
 
   /** After the host: the task closed, waits on its question, or gets the one terminal status the executor sends. */
@@ -614,7 +646,8 @@ class Supervisor {
 
   /** executors.json, for `interlink.ts tasks` and the board: the jobs running and waiting. */
   #publish(): void {
-    const rows = [...this.jobs.all.values()].filter((j) => j.state !== "ended").map(jobRow);
+    const all = [...this.jobs.all.values()], denied = all.filter((j) => j.state === "ended" && j.denials?.length);
+    const rows = [...all.filter((j) => j.state !== "ended"), ...denied.slice(-DENIED_SHOWN)].map(jobRow);
     try {
       writeFileAtomic(path.join(this.cfg.stateDir, "executors.json"), JSON.stringify(rows, null, 1) + "\n");
     } catch (e) {
@@ -625,9 +658,7 @@ class Supervisor {
   /** serve's exit: each running host stopped (its requester told `failed`), the waiting ones kept, the door closed. */
   async stop(): Promise<void> {
     this.#stopping = true;
-    const running = [...this.#running.values()];
-    for (const r of running) r.interrupt();
-    await Promise.all(running.map((r) => r.exited));
+    await Promise.all([...this.#watching]); // each sees #stopping, stops its host and tells its requester
     await this.#turn;
     for (const t of this.#timers) clearTimeout(t);
     await Promise.all([...this.#held.values()].map((a) => a.stop()));

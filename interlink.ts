@@ -6485,7 +6485,9 @@ class Agent {
       else sessions = await theirs(false);
       // A remembered session missing from a roster read a moment ago may have announced itself since.
       const missing = !listed(taskSession) || !listed(this.state.sticky.get(key));
-      if (rosterKnown && !this.state.silent.has(key) && missing) sessions = await theirs(true);
+      // A `serve` door becomes a task's session as it takes one: where its new mail goes is read fresh.
+      const serves = sessions.some((s) => s.session?.summary.startsWith("interlink serve: "));
+      if (rosterKnown && !this.state.silent.has(key) && (missing || serves)) sessions = await theirs(true);
     } catch (e) {
       if (!(e instanceof NoRelayAnswered)) throw e;
       rosterKnown = false; // no roster to look at: route by what we remember, and say so
@@ -8396,7 +8398,7 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
   }
   for (const x of Array.isArray(jobs) ? jobs : []) {
     const at = typeof x.started === "number" ? `started ${new Date(x.started).toISOString()}` : "not started";
-    const denied = Array.isArray(x.denials) ? x.denials.filter((d) => d !== "(queued)") : [];
+    const denied = Array.isArray(x.denials) ? x.denials : [];
     const cost = typeof x.cost === "number" ? `, $${x.cost.toFixed(4)}` : "";
     const about = `${x.state} ${x.host} task ${x.task} for ${x.peer}: pid ${x.pid ?? "-"}, ${x.cwd}, ${at}`;
     const denials = denied.length ? `; denied: ${denied.join("; ")}` : "";
