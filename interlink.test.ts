@@ -196,8 +196,6 @@ import {
   makeNodeFiles,
   McpNode,
   memoryOf,
-  type ModelReply,
-  type ModelRequest,
   msgIdOf,
   type NatsServer,
   nodeConfig,
@@ -2580,7 +2578,7 @@ describe("the docs say what the code does", () => {
   const readme = read("README.md");
   const skill = fs.readFileSync(path.join(REPO, "SKILL.md"), "utf8");
 
-  // Every file at the top that the others import: the node, the relay, the NATS relay.
+  // Every file at the top that the others import: the node, the relay, the NATS relay, the executor.
   const TOP_FILES = ["interlink.ts", "bus.ts", "nats.ts", "executor.ts"];
 
   for (const file of TOP_FILES) {
