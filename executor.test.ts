@@ -6,6 +6,7 @@ import { afterAll, beforeAll, describe, expect, test } from "bun:test";
 import * as fs from "node:fs";
 import * as path from "node:path";
 import {
+  alice,
   befriend,
   type Child,
   CLAUDE_BIN,
@@ -385,4 +386,70 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     },
     240_000,
   );
+
+  hostTest(
+    "peers see the door in discover; what no executor takes waits for the next session of the node, shown once",
+    async () => {
+      const { b, alice } = await setUp("keep", "bun");
+      const bobServe = serve("bun", b);
+      let bobSession: Awaited<ReturnType<typeof McpNode.start>> | null = null;
+      try {
+        await bobServe.waitFor(/door serve-\S+ open/);
+        await eventually(
+          async () => (await alice.ok("discover")).includes("interlink serve: runs tasks"),
+          "the door on the roster",
+        );
+        // chat: no executor takes it, so the door retires with it
+        await alice.ok("send_message", { to: b.name, text: "lunch at noon?" });
+        await bobServe.waitFor(/door serve-\S+ retired with 1 item/, 30_000);
+        expect(fake.of(b.name)).toEqual([]); // no model was shown anything
+        bobSession = await McpNode.start("bun", b, bus.url, {
+          INTERLINK_SESSION: "bob-later",
+          INTERLINK_DELIVERY: "inbox",
+        });
+        const inbox = await bobSession.ok("check_inbox", {});
+        expect(inbox).toContain("lunch at noon?");
+        expect(await bobSession.ok("check_inbox", {})).not.toContain("lunch at noon?");
+      } finally {
+        await alice.close();
+        await bobSession?.close();
+        await stop(bobServe);
+      }
+    },
+    120_000,
+  );
+
+  test("peers exec: only this operator's command sets a profile; bad input is refused with the reason and changes nothing", async () => {
+    const dir = tmpDir("interlink-exec-");
+    const f = await makeNodeFiles(dir, "op");
+    fs.writeFileSync(f.peersFile, JSON.stringify({ carol: { key: alice.publicKey } }));
+    const env = { INTERLINK_PEERS: f.peersFile };
+    const before = fs.readFileSync(f.peersFile, "utf8");
+    for (
+      const [args, why] of [
+        [["--host", "vim", "--cwd", dir], 'host "vim" is not claude or codex'],
+        [["--host", "claude", "--cwd", path.join(dir, "nope")], "is not a folder"],
+        [["--host", "claude", "--cwd", dir, "--max-turns", "0"], "max_turns is not a positive number"],
+        [["--host", "claude", "--cwd", dir, "--allow", "Read,Bash\u001b[2J"], "allow is not a list of tool names"],
+      ] as const
+    ) {
+      const r = runCli("bun", ["peers", "exec", "carol", ...args], { env });
+      expect({ code: r.code, said: r.stderr.includes(why) }).toEqual({ code: 1, said: true });
+      expect(fs.readFileSync(f.peersFile, "utf8")).toBe(before);
+    }
+    const set = runCli("bun", ["peers", "exec", "carol", "--host", "claude", "--cwd", dir, "--allow", "Read, Edit"], {
+      env,
+    });
+    expect(set.stdout).toContain(`carol: exec claude in ${dir}, mode (never prompts), allow Read,Edit`);
+    expect(runCli("bun", ["peers"], { env }).stdout).toContain(`exec claude in ${dir}`);
+    // a hand-edited profile is read with the same checks, naming the file and the peer
+    const raw = JSON.parse(fs.readFileSync(f.peersFile, "utf8"));
+    raw.carol.exec.host = "sh";
+    fs.writeFileSync(f.peersFile, JSON.stringify(raw));
+    expect(runCli("bun", ["peers"], { env }).stderr).toContain(`'carol': exec: host "sh" is not claude or codex`);
+    raw.carol.exec.host = "claude";
+    fs.writeFileSync(f.peersFile, JSON.stringify(raw));
+    expect(runCli("bun", ["peers", "exec", "carol", "--off"], { env }).stdout).toContain("carol: no executor");
+    expect(JSON.parse(fs.readFileSync(f.peersFile, "utf8")).carol).toEqual({ key: alice.publicKey });
+  });
 });

@@ -415,17 +415,17 @@ class Supervisor {
         this.#held.set(job.session, await this.#open(job.session, this.#summary(job)));
       }
     }
-    await this.#openDoor();
+    await this.#openDoor(true);
     await this.#step(() => this.#look());
   }
 
   #summary = (j: Job) => `${SERVE_TASK}${j.task_id.slice(0, 120)} for ${j.petname}`;
 
   /** Opens the door: the last one again after a restart (peers still route to it), else a new session. */
-  async #openDoor(): Promise<void> {
+  async #openDoor(atStart = false): Promise<void> {
     if (this.#stopping) return;
     const file = path.join(this.cfg.stateDir, "executor-door");
-    const last = fs.existsSync(file) ? fs.readFileSync(file, "utf8").trim() : "";
+    const last = atStart && fs.existsSync(file) ? fs.readFileSync(file, "utf8").trim() : "";
     const free = SESSION_RE.test(last) && !this.jobs.all.has(last) &&
       !lockOwner(path.join(sessionDir(this.cfg.stateDir, last), "agent.lock"));
     const session = free ? last : `serve-${crypto.randomUUID().slice(0, 8)}`;

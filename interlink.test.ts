@@ -6039,6 +6039,20 @@ describe("presence and routing, as pure decisions (injected ages)", () => {
     expect(route([], { legacy: true })).toEqual({ recipient: K, note: "a 0.4 node (no sessions): sent to its key" });
   });
 
+  test("a serve node: new mail goes to a live person's session over its door, to the door when none is, and never to a task's session but for its task", () => {
+    const as = (s: PeerSession, summary: string): PeerSession => ({ ...s, session: { ...s.session!, summary } });
+    const door = as(sess("door", 1000), "interlink serve: runs tasks headless (claude, codex)");
+    const busy = as(sess("busy", 1000), "interlink serve: task t1 for alice");
+    expect(route([door, busy, sess("person", 1000)]).session).toBe("person");
+    expect(route([door, busy]).session).toBe("door");
+    expect(route([door, busy], { sticky: "busy" }).session).toBe("door"); // it last wrote to us on its task
+    expect(route([door, busy], { taskSession: "busy" }).session).toBe("busy"); // an answer on that task
+    expect(route([busy])).toEqual({
+      recipient: K,
+      note: expect.stringContaining("not on any roster: sent to its key"),
+    });
+  });
+
   test("an away session with a live sibling says how to reach the sibling now", () => {
     const r = route([sess("old", 3 * 3600_000), sess("new", 1000)], { sticky: "old" });
     expect(r.session).toBe("old"); // sticky wins, live or away

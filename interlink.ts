@@ -2095,7 +2095,7 @@ function checkExecProfile(v: unknown): ExecProfile {
   if (v.mode !== undefined) p.mode = typeof v.mode === "string" && /^[A-Za-z-]{1,32}$/.test(v.mode) ? v.mode : "";
   if (p.mode === "") throw bad(`mode ${JSON.stringify(v.mode)} is not a mode name`);
   if (v.allow !== undefined) {
-    if (!Array.isArray(v.allow) || v.allow.some((t) => typeof t !== "string" || !/^[^\s,]{1,200}$/.test(t))) {
+    if (!Array.isArray(v.allow) || v.allow.some((t) => typeof t !== "string" || !/^[^,\p{Cc}]{1,200}$/u.test(t))) {
       throw bad("allow is not a list of tool names");
     }
     p.allow = v.allow as string[];
