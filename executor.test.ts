@@ -10,9 +10,11 @@ import {
   befriend,
   type Child,
   CLAUDE_BIN,
+  CODEX_BIN,
   contentText,
   eventually,
   FakeModel,
+  FakeResponses,
   killGroup,
   made,
   makeNodeFiles,
@@ -20,6 +22,7 @@ import {
   type ModelReply,
   type ModelRequest,
   type NodeFiles,
+  REPO,
   runCli,
   runtimeArgv,
   spawnChild,
@@ -452,4 +455,154 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     expect(runCli("bun", ["peers", "exec", "carol", "--off"], { env }).stdout).toContain("carol: no executor");
     expect(JSON.parse(fs.readFileSync(f.peersFile, "utf8")).carol).toEqual({ key: alice.publicKey });
   });
+});
+
+describe("serve: a task run by a headless Codex (codex exec --json)", () => {
+  const codexTest = CODEX_BIN ? test : test.skip;
+  let fake: FakeResponses, bus: Child & { url: string }, root: string;
+  beforeAll(async () => {
+    if (!CODEX_BIN) return;
+    root = fs.mkdtempSync(path.join(REPO, ".codex-test-")); // not under /tmp: Codex keeps its helper links out of it
+    made.dirs.add(root);
+    fake = new FakeResponses();
+    bus = await startBus("bun", path.join(root, "bus"));
+  });
+  afterAll(async () => {
+    await fake?.stop();
+    if (bus) await stop(bus);
+    for (const pid of procs((_cmd, env) => root !== undefined && env.includes(root))) killGroup(pid);
+  });
+
+  /** alice (a session) and bob (serve, with a Codex home whose model is the fake), alice given a Codex profile. */
+  async function codexPair(prefix: string, runtime: "bun" | "deno") {
+    const a = await makeNodeFiles(root, `${prefix}-alice`), b = await makeNodeFiles(root, `${prefix}-bob`);
+    befriend(a, b);
+    const work = path.join(b.dir, "work"), home = path.join(b.dir, "codex-home");
+    fs.mkdirSync(work, { recursive: true });
+    fs.mkdirSync(home, { recursive: true });
+    fs.writeFileSync(
+      path.join(home, "config.toml"),
+      [
+        'model = "fake-model"',
+        'model_provider = "fake"',
+        "check_for_update_on_startup = false",
+        "[model_providers.fake]",
+        'name = "fake"',
+        `base_url = "${fake.baseUrl(b.name)}"`,
+        'wire_api = "responses"',
+        'env_key = "FAKE_OPENAI_KEY"',
+        `[projects.${JSON.stringify(work)}]`,
+        'trust_level = "trusted"',
+        "",
+      ].join("\n"),
+    );
+    runCli(runtime, ["peers", "exec", a.name, "--host", "codex", "--cwd", work], {
+      env: { INTERLINK_PEERS: b.peersFile },
+    });
+    const alice = await McpNode.start(runtime, a, bus.url);
+    const serve = () => {
+      const child = spawnChild([...runtimeArgv(runtime), "serve"], {
+        CODEX_HOME: home,
+        FAKE_OPENAI_KEY: "sk-test",
+        INTERLINK_CODEX: CODEX_BIN!,
+        INTERLINK_KEY: b.keyFile,
+        INTERLINK_PEERS: b.peersFile,
+        INTERLINK_STATE: b.stateDir,
+        INTERLINK_CONFIG: path.join(b.dir, "config.json"),
+        INTERLINK_URL: bus.url,
+        INTERLINK_NAME: b.name,
+      });
+      made.pids.add(child.proc.pid);
+      return child;
+    };
+    const told = (task: string) =>
+      alice.events.filter((e) => e.meta.task_id === task).map((e) => `${e.meta.status}: ${e.content}`);
+    return { a, b, work, alice, serve, told };
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    codexTest(`${runtime}: a task to result through Codex, its start update first, one terminal status`, async () => {
+      const { a, b, work, alice, serve, told } = await codexPair(`cx-${runtime}`, runtime);
+      const bobServe = serve();
+      try {
+        await bobServe.waitFor(/door serve-\S+ open/);
+        fake.on(b.name, "count the files", {
+          tool: "send_message",
+          args: { to: a.name, task_id: "cx1", status: "result", text: "there are 0 files" },
+        });
+        await alice.ok("send_message", { to: b.name, text: "count the files", task_id: "cx1" });
+        const done = await alice.waitEvent((e) => e.meta.task_id === "cx1" && e.meta.status === "result", 90_000);
+        expect(done.content).toContain("there are 0 files");
+        await bobServe.waitFor(/task cx1 of \S+ ended: result/, 30_000);
+        const lines = told("cx1");
+        expect(lines[0]).toContain(`executor started: host codex, folder ${work}`);
+        expect(lines.filter((l) => /^(result|failed|canceled): /.test(l)).length).toBe(1);
+        const shown = fake.of(b.name).find((r) => r.latest.includes("count the files"))!;
+        expect(shown.latest).toContain(`from="${a.name}"`);
+        expect(executorProcs(b)).toEqual([]);
+      } finally {
+        await alice.close();
+        await stop(bobServe);
+      }
+    }, 180_000);
+
+    codexTest(
+      `${runtime}: Codex asks, exits; serve restarts; the answer resumes the same thread (codex exec resume) to result`,
+      async () => {
+        const { a, b, alice, serve, told } = await codexPair(`cxq-${runtime}`, runtime);
+        let bobServe = serve();
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          fake.on(b.name, "paint the shed", {
+            tool: "send_message",
+            args: { to: a.name, task_id: "cx2", status: "needs_input", text: "which colour?" },
+          });
+          fake.on(b.name, "dark green", {
+            tool: "send_message",
+            args: { to: a.name, task_id: "cx2", status: "result", text: "painted dark green" },
+          });
+          await alice.ok("send_message", { to: b.name, text: "paint the shed", task_id: "cx2" });
+          await alice.waitEvent((e) => e.meta.task_id === "cx2" && e.meta.status === "needs_input", 90_000);
+          await bobServe.waitFor(/task cx2 waits on its question/, 30_000);
+          await stop(bobServe);
+          bobServe = serve();
+          await bobServe.waitFor(/door serve-\S+ open/);
+          await alice.ok("send_message", { to: b.name, text: "dark green", task_id: "cx2" });
+          await alice.waitEvent((e) => e.meta.task_id === "cx2" && e.meta.status === "result", 90_000);
+          const resumed = fake.of(b.name).find((r) => r.latest.includes("dark green"))!;
+          // the same thread: its first request's thread, and the task and the question in what the model is sent
+          expect(resumed.thread).toBe(fake.of(b.name).find((r) => r.latest.includes("paint the shed"))!.thread);
+          expect(JSON.stringify(resumed.body.input)).toContain("paint the shed");
+          await new Promise((r) => setTimeout(r, 1_500));
+          expect(told("cx2").filter((l) => /^(result|failed|canceled): /.test(l)).length).toBe(1);
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      180_000,
+    );
+
+    codexTest(`${runtime}: cancel stops a Codex mid-turn, its whole process group`, async () => {
+      const { b, alice, serve } = await codexPair(`cxc-${runtime}`, runtime);
+      const bobServe = serve();
+      const marker = `time.sleep(305.${Date.now()})`;
+      try {
+        await bobServe.waitFor(/door serve-\S+ open/);
+        fake.on(b.name, "wait a while", {
+          tool: "exec_command",
+          args: { cmd: `python3 -c "import time; ${marker}"` },
+        });
+        await alice.ok("send_message", { to: b.name, text: "wait a while", task_id: "cx3" });
+        await eventually(() => running(marker).length > 0, "Codex runs the model's command", 60_000);
+        await alice.ok("cancel_task", { to: b.name, task_id: "cx3" });
+        await bobServe.waitFor(/task cx3 of \S+ ended: canceled/, 30_000);
+        expect({ command: running(marker), servers: executorProcs(b) }).toEqual({ command: [], servers: [] });
+        expect(await alice.ok("list_tasks", {})).toMatch(/cx3[^\n]*canceled/);
+      } finally {
+        await alice.close();
+        await stop(bobServe);
+      }
+    }, 180_000);
+  }
 });

@@ -62,6 +62,7 @@ import {
   some,
   taskKey,
   type TaskRow,
+  trustTools,
   wakeText,
   writeFileAtomic,
 } from "./interlink.ts";
@@ -86,8 +87,8 @@ const JOBS_ENDED_CAP = 4_096;
 const DENIED_SHOWN = 20;
 /** How often a running task's journal is re-read behind its watch (a cancel ends the host within STOP_KILL_MS). */
 const FOLLOW_MS = 250;
-/** What the host's interlink server may run: interlink's tools that change no trust and no announcement. */
-const INTERLINK_TOOLS = [
+/** What the host's interlink server may run: interlink's tools that change no trust and no announcement ... */
+const TASK_TOOLS = [
   "send_message",
   "cancel_task",
   "message_status",
@@ -97,7 +98,10 @@ const INTERLINK_TOOLS = [
   "check_inbox",
   "discover",
   "list_peers",
-].map((t) => `mcp__interlink__${t}`);
+];
+const INTERLINK_TOOLS = TASK_TOOLS.map((t) => `mcp__interlink__${t}`);
+/** ... and the others, which it may not (pairing, peers, a summary that would unbind its session from its task). */
+const OTHER_TOOLS = [...trustTools(), "set_summary", "bind_session"];
 /** Each host's mode that never prompts: only what is allowed runs, the rest is denied and reported. */
 const NEVER_PROMPTS: Record<ExecProfile["host"], string> = { claude: "dontAsk", codex: "read-only" };
 
@@ -240,13 +244,46 @@ function systemPrompt(job: Job): string {
     `machine's operator did not allow is denied: never work around a denial.`;
 }
 
-/** Starts Claude Code on the task's session: the first run opens `hostSession`, a later one resumes it. */
+/**
+ * Spawns a host in a process group of its own, in the profile's folder, with no INTERLINK_* of serve's (its interlink
+ * server gets its own): each stdout line, bounded, goes to `onEvent` as JSON; stderr lines to the log.
+ */
+function spawnHost(
+  job: Job,
+  bin: string,
+  argv: string[],
+  // deno-lint-ignore no-explicit-any -- a host's JSON event
+  onEvent: (e: any, run: HostRun) => void,
+): HostRun {
+  const env = { ...process.env } as Record<string, string>;
+  for (const k of Object.keys(env)) if (k.startsWith("INTERLINK_") || k === "CLAUDECODE") delete env[k];
+  const proc = spawn(bin, argv, { cwd: job.profile.cwd, env, stdio: ["pipe", "pipe", "pipe"], detached: true });
+  const exited = new Promise<{ code: number | null; signal: string | null }>((resolve) => {
+    proc.once("exit", (code, signal) => resolve({ code, signal }));
+    proc.once("error", (e) => (logWarn(`cannot start ${bin}: ${e.message}`), resolve({ code: 127, signal: null })));
+  });
+  const run: HostRun = { proc, report: { denials: [] }, exited, interrupt: () => proc.stdin!.end() };
+  proc.stdout!.on(
+    "data",
+    lineReader((line) => {
+      try {
+        onEvent(JSON.parse(line), run);
+      } catch {
+        // not an event
+      }
+    }),
+  );
+  const name = path.basename(bin);
+  proc.stderr!.on("data", lineReader((line) => logInfo(`${name} (task ${job.task_id}): ${line.slice(0, 500)}`)));
+  proc.stdin!.on("error", () => {}); // a host gone before its input was written: its exit says why
+  return run;
+}
+
+/** Claude Code on the task's session (stream-json both ways): the first run opens `hostSession`, a later one resumes it. */
 function startClaude(cfg: NodeConfig, job: Job, prompt: string): HostRun {
-  const bin = process.env.INTERLINK_CLAUDE || "claude";
   const mcpFile = path.join(sessionDir(cfg.stateDir, job.session), "executor-mcp.json");
   const [command, ...args] = selfCommand(["mcp"]);
-  const servers = { interlink: { command, args, env: serverEnv(cfg, job) } };
-  writeFileAtomic(mcpFile, JSON.stringify({ mcpServers: servers }));
+  writeFileAtomic(mcpFile, JSON.stringify({ mcpServers: { interlink: { command, args, env: serverEnv(cfg, job) } } }));
   const p = job.profile;
   const argv = [
     "-p",
@@ -268,50 +305,67 @@ function startClaude(cfg: NodeConfig, job: Job, prompt: string): HostRun {
     ...(p.max_turns ? ["--max-turns", String(p.max_turns)] : []),
     ...(p.max_usd ? ["--max-budget-usd", String(p.max_usd)] : []),
   ];
-  const env = { ...process.env } as Record<string, string>;
-  for (const k of Object.keys(env)) if (k.startsWith("INTERLINK_") || k === "CLAUDECODE") delete env[k];
-  const proc = spawn(bin, argv, { cwd: p.cwd, env, stdio: ["pipe", "pipe", "pipe"], detached: true });
-  const report: HostReport = { denials: [] };
-  proc.stdout!.on(
-    "data",
-    lineReader((line) => {
-      // deno-lint-ignore no-explicit-any -- a stream-json event
-      let e: any;
-      try {
-        e = JSON.parse(line);
-      } catch {
-        return;
-      }
-      if (e?.type === "assistant") report.turns = (report.turns ?? 0) + 1;
-      if (e?.type !== "result") return;
-      report.final = typeof e.result === "string" ? e.result : undefined;
-      if (typeof e.num_turns === "number") report.turns = e.num_turns;
-      if (typeof e.total_cost_usd === "number") report.cost = e.total_cost_usd;
-      report.outcome = String(e.subtype ?? "");
-      for (const d of Array.isArray(e.permission_denials) ? e.permission_denials : []) {
-        report.denials.push(describeCall(String(d?.tool_name), d?.tool_input));
-      }
-      proc.stdin!.end(); // one turn: the host exits once it has reported it
-    }),
-  );
-  proc.stderr!.on("data", lineReader((line) => logInfo(`claude (task ${job.task_id}): ${line.slice(0, 500)}`)));
-  proc.stdin!.on("error", () => {}); // a host gone before its input was written: its exit says why
-  proc.stdin!.write(JSON.stringify({ type: "user", message: { role: "user", content: prompt } }) + "\n");
-  const exited = new Promise<{ code: number | null; signal: string | null }>((resolve) => {
-    proc.once("exit", (code, signal) => resolve({ code, signal }));
-    proc.once("error", (e) => (logWarn(`cannot start ${bin}: ${e.message}`), resolve({ code: 127, signal: null })));
+  const run = spawnHost(job, process.env.INTERLINK_CLAUDE || "claude", argv, (e, { report, proc }) => {
+    if (e?.type === "assistant") report.turns = (report.turns ?? 0) + 1;
+    if (e?.type !== "result") return;
+    report.final = typeof e.result === "string" ? e.result : undefined;
+    if (typeof e.num_turns === "number") report.turns = e.num_turns;
+    if (typeof e.total_cost_usd === "number") report.cost = e.total_cost_usd;
+    report.outcome = String(e.subtype ?? "");
+    for (const d of Array.isArray(e.permission_denials) ? e.permission_denials : []) {
+      report.denials.push(describeCall(String(d?.tool_name), d?.tool_input));
+    }
+    proc.stdin!.end(); // one turn: the host exits once it has reported it
   });
-  const interrupt = () => {
-    if (!proc.stdin!.writable) return;
+  run.proc.stdin!.write(JSON.stringify({ type: "user", message: { role: "user", content: prompt } }) + "\n");
+  run.interrupt = () => {
+    if (!run.proc.stdin!.writable) return;
     const request = {
       type: "control_request",
       request_id: `interrupt-${Date.now()}`,
       request: { subtype: "interrupt" },
     };
-    proc.stdin!.write(JSON.stringify(request) + "\n");
-    proc.stdin!.end();
+    run.proc.stdin!.write(JSON.stringify(request) + "\n");
+    run.proc.stdin!.end();
   };
-  return { proc, report, exited, interrupt };
+  return run;
+}
+
+/**
+ * Codex (`codex exec --json`, which never asks: approval_policy "never", the profile's sandbox, read-only by default,
+ * so a write outside it fails in the sandbox): interlink as its MCP server `interlink`, the prompt on stdin; a later run
+ * is `codex exec resume <thread>`. Codex has no turn or cost limit of its own: the profile's minutes bound it.
+ */
+function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
+  const [command, ...args] = selfCommand(["mcp"]), p = job.profile, toml = JSON.stringify; // a JSON string is TOML's
+  const env = Object.entries(serverEnv(cfg, job)).map(([k, v]) => `${k} = ${toml(v)}`).join(", ");
+  const config = [
+    `mcp_servers.interlink.command=${toml(command)}`,
+    `mcp_servers.interlink.args=${toml(args)}`,
+    `mcp_servers.interlink.env={${env}}`,
+    "mcp_servers.interlink.startup_timeout_sec=60",
+    // interlink's tools run without a prompt but those it was not given, which stay "prompt": under "never", declined
+    'mcp_servers.interlink.default_tools_approval_mode="approve"',
+    ...OTHER_TOOLS.map((t) => `mcp_servers.interlink.tools.${t}.approval_mode="prompt"`),
+    'approval_policy="never"',
+    `sandbox_mode=${toml(p.mode ?? NEVER_PROMPTS.codex)}`,
+    `developer_instructions=${toml(systemPrompt(job))}`,
+  ].flatMap((c) => ["-c", c]);
+  const start = job.runs && job.hostSession ? ["exec", "resume", job.hostSession] : ["exec", "-C", p.cwd];
+  const argv = [...start, "--json", "--skip-git-repo-check", ...config, "-"];
+  const run = spawnHost(job, process.env.INTERLINK_CODEX || "codex", argv, (e, { report }) => {
+    if (e?.type === "thread.started" && typeof e.thread_id === "string") report.hostSession = e.thread_id;
+    if (e?.type === "turn.completed") report.turns = (report.turns ?? 0) + 1;
+    if (e?.type === "turn.failed") report.outcome = `failed: ${String(e.error?.message ?? "").slice(0, 300)}`;
+    const item = e?.type === "item.completed" ? e.item : null;
+    if (item?.type === "agent_message" && typeof item.text === "string") report.final = item.text;
+    if (item?.type === "command_execution" && item.status === "declined") {
+      report.denials.push(describeCall("shell", { command: item.command }));
+    }
+  });
+  run.proc.stdin!.end(prompt);
+  run.interrupt = () => signalTree(run.proc.pid!, "SIGINT"); // codex exec stops its turn on an interrupt
+  return run;
 }
 
 /** Every process in `pid`'s group and below it (a server a host started in a group of its own too), from /proc. */
@@ -529,7 +583,7 @@ class Supervisor {
   async #run(job: Job): Promise<void> {
     const p = job.profile, agent = this.#held.get(job.session)!;
     const limits = [
-      `${p.max_turns ?? "no"} turn limit`,
+      p.host === "codex" ? "no turn limit (Codex has none: its minutes bound it)" : `${p.max_turns ?? "no"} turn limit`,
       p.max_usd ? `$${p.max_usd}` : "no cost limit",
       p.max_minutes ? `${p.max_minutes} min` : "no time limit",
     ].join(", ");
@@ -546,10 +600,11 @@ class Supervisor {
         return { shown: f.shown, write: () => true };
       },
     });
-    if (p.host === "codex") {
-      return await this.#afterHost(job, { denials: [] }, "this node's serve has no Codex driver yet");
-    }
-    const run = startClaude(this.cfg, job, prompt || `Go on with task ${job.task_id}.`);
+    const run = (p.host === "codex" ? startCodex : startClaude)(
+      this.cfg,
+      job,
+      prompt || `Go on with task ${job.task_id}.`,
+    );
     Object.assign(job, { state: "running", pid: run.proc.pid, started: Date.now(), runs: job.runs + 1 });
     this.jobs.put(job);
     this.#running.set(job.session, run);
@@ -601,7 +656,8 @@ class Supervisor {
 
   /** After the host: the task closed, waits on its question, or gets the one terminal status the executor sends. */
   async #afterHost(job: Job, r: HostReport, why: string): Promise<void> {
-    Object.assign(job, some("turns", r.turns), some("cost", r.cost), { pid: undefined });
+    Object.assign(job, some("turns", r.turns), some("cost", r.cost), some("hostSession", r.hostSession));
+    delete job.pid;
     if (r.denials.length) job.denials = [...job.denials ?? [], ...r.denials].slice(-20);
     const agent = this.#held.get(job.session) ?? await this.#open(job.session, this.#summary(job));
     this.#held.set(job.session, agent);

@@ -8164,7 +8164,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       const lent = process.env.INTERLINK_SERVE_TASK, adopt = !lent;
       const a = await Agent.open(cfg, SERVER_ROLE, { identity: prepared!.id, now: nodeClock(), host: on, adopt });
       if (delivery === "channel" && !codex) a.push = (event) => server.notify("notifications/claude/channel", event);
-      if (codex) {
+      if (codex && !lent) {
         waker = new CodexWaker(a, codexTarget(cfg.session));
         a.onInbox = () => waker!.kick();
         waker.start();
@@ -8178,7 +8178,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       logInfo(
         `ready: ${a.me} on ${relays}, state ${a.journal.stateDir}, host ${on}, delivery ${via}, ${a.peers().byName.size} peers`,
       );
-      if (codex) waker!.kick(); // what waited for this session (adopted, or from before a restart)
+      (waker as CodexWaker | null)?.kick(); // what waited for this session (adopted, or from before a restart)
       return a;
     })();
     // One that failed (a full disk, an older server slow to hand over) is tried again by the next tool call.
@@ -8188,7 +8188,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   /** The agent a tool call runs on: opened now if need be; under Codex, bound to the call's thread. */
   const agentFor = async (tool: ToolSpec, args: Record<string, unknown>, meta: Record<string, unknown> | undefined) => {
     if (agent) return agent;
-    if (host !== "codex") return await open();
+    if (host !== "codex" || isGiven(from, "session")) return await open(); // a pinned session is the session
     const turn = isObject(meta?.["x-codex-turn-metadata"]) ? meta!["x-codex-turn-metadata"] : {};
     if (turn.thread_source === "subagent" || (meta?.sessionId && meta.threadId && meta.sessionId !== meta.threadId)) {
       throw new InterlinkError(

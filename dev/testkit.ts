@@ -895,3 +895,155 @@ export class FakeModel {
     return new Response(sse, { headers: { "content-type": "text/event-stream" } });
   }
 }
+
+// -- a scripted model for real Codex sessions ---------------------------------------------------------------
+
+export interface CodexRequest {
+  home: string;
+  thread: string;
+  // deno-lint-ignore no-explicit-any -- the request body as sent
+  body: any;
+  /** The text of the newest input item (a user turn, a queued one, or a tool's output). */
+  latest: string;
+  /** Every user message's text, in order: what was put in front of the model. */
+  users: string[];
+}
+
+export type CodexReply = { text: string } | { tool: string; args: unknown } | ((r: CodexRequest) => CodexReply);
+
+/** A scripted OpenAI Responses API for Codex: per home, rules tried in order against the newest input item. */
+export class FakeResponses {
+  readonly requests: CodexRequest[] = [];
+  readonly url: string;
+  #rules = new Map<string, { match: string | RegExp; reply: CodexReply; used: boolean }[]>();
+  #waiters: { pred: (r: CodexRequest) => boolean; resolve(r: CodexRequest): void }[] = [];
+  #server: ReturnType<typeof Bun.serve>;
+
+  constructor() {
+    this.#server = Bun.serve({ hostname: "127.0.0.1", port: 0, idleTimeout: 0, fetch: (req) => this.#handle(req) });
+    this.url = `http://127.0.0.1:${this.#server.port}`;
+  }
+
+  baseUrl = (home: string) => `${this.url}/h/${home}/v1`;
+
+  on(home: string, match: string | RegExp, reply: CodexReply): this {
+    this.#rules.set(home, [...this.#rules.get(home) ?? [], { match, reply, used: false }]);
+    return this;
+  }
+
+  of = (home: string) => this.requests.filter((r) => r.home === home);
+
+  waitFor(pred: (r: CodexRequest) => boolean, what: string, ms = 30_000): Promise<CodexRequest> {
+    const hit = this.requests.find(pred);
+    if (hit) return Promise.resolve(hit);
+    return new Promise((resolve, reject) => {
+      const seen = () =>
+        this.requests.map((r) => `  [${r.home}] ${r.latest.replace(/\s+/g, " ").slice(-200)}`).join("\n");
+      const timer = setTimeout(
+        () => reject(new Error(`the fake saw no request where ${what} within ${ms} ms:\n${seen()}`)),
+        ms,
+      );
+      this.#waiters.push({ pred, resolve: (r) => (clearTimeout(timer), resolve(r)) });
+    });
+  }
+
+  stop = () => this.#server.stop(true);
+
+  async #handle(req: Request): Promise<Response> {
+    const m = new URL(req.url).pathname.match(/^\/h\/([^/]+)\/v1\/responses$/);
+    if (!m) return Response.json({ error: { message: "fake: no such route" } }, { status: 404 });
+    const body = await req.json();
+    // deno-lint-ignore no-explicit-any -- input items
+    const text = (it: any): string =>
+      typeof it?.output === "string"
+        ? it.output
+        : Array.isArray(it?.output ?? it?.content)
+        ? (it.output ?? it.content).map((c: { text?: string }) => c?.text ?? "").join("")
+        : "";
+    // deno-lint-ignore no-explicit-any -- input items
+    const input: any[] = body.input ?? [];
+    const r: CodexRequest = {
+      home: m[1],
+      thread: req.headers.get("thread-id") ?? "",
+      body,
+      latest: text(input.at(-1)),
+      users: input.filter((i) => (i.type ?? "message") === "message" && i.role === "user").map(text),
+    };
+    // A title request (a thread of its own, no tools, a JSON schema for {title}) is not a session's turn.
+    const title = body.text?.format?.schema?.properties?.title !== undefined;
+    const rule = title
+      ? undefined
+      : this.#rules.get(r.home)?.find((x) =>
+        !x.used && (typeof x.match === "string" ? r.latest.includes(x.match) : x.match.test(r.latest))
+      );
+    if (rule) rule.used = true;
+    let reply: CodexReply = rule?.reply ?? { text: title ? JSON.stringify({ title: "fake" }) : "ok" };
+    while (typeof reply === "function") reply = reply(r);
+    if (!title) {
+      this.requests.push(r);
+      for (const w of [...this.#waiters]) {
+        if (w.pred(r)) (this.#waiters.splice(this.#waiters.indexOf(w), 1), w.resolve(r));
+      }
+    }
+    const ev = (type: string, data: object) => `event: ${type}\ndata: ${JSON.stringify({ type, ...data })}\n\n`;
+    const base = { id: `resp_${this.requests.length}`, object: "response", created_at: 1, model: body.model };
+    const item = "tool" in reply
+      ? {
+        id: `fc_${this.requests.length}`,
+        type: "function_call",
+        status: "completed",
+        call_id: `call_${this.requests.length}`,
+        name: reply.tool,
+        namespace: "mcp__interlink",
+        arguments: JSON.stringify(reply.args),
+      }
+      : {
+        id: `msg_${this.requests.length}`,
+        type: "message",
+        role: "assistant",
+        status: "completed",
+        content: [{ type: "output_text", text: reply.text, annotations: [] }],
+      };
+    const usage = {
+      input_tokens: 10,
+      input_tokens_details: { cached_tokens: 0 },
+      output_tokens: 5,
+      output_tokens_details: { reasoning_tokens: 0 },
+      total_tokens: 15,
+    };
+    // The events the API streams, in its order (Codex reads a function call's arguments from their deltas).
+    let n = 0;
+    const at = () => ({ sequence_number: n++, output_index: 0 });
+    let sse = ev("response.created", {
+      sequence_number: n++,
+      response: { ...base, status: "in_progress", output: [] },
+    });
+    if (item.type === "function_call") {
+      sse += ev("response.output_item.added", { ...at(), item: { ...item, status: "in_progress", arguments: "" } });
+      sse += ev("response.function_call_arguments.delta", { ...at(), item_id: item.id, delta: item.arguments });
+      sse += ev("response.function_call_arguments.done", { ...at(), item_id: item.id, arguments: item.arguments });
+    } else {
+      const part = (item as { content: object[] }).content[0];
+      sse += ev("response.output_item.added", { ...at(), item: { ...item, status: "in_progress", content: [] } });
+      sse += ev("response.content_part.added", {
+        ...at(),
+        item_id: item.id,
+        content_index: 0,
+        part: { ...part, text: "" },
+      });
+      sse += ev("response.output_text.delta", {
+        ...at(),
+        item_id: item.id,
+        content_index: 0,
+        delta: (part as { text: string }).text,
+      });
+      sse += ev("response.content_part.done", { ...at(), item_id: item.id, content_index: 0, part });
+    }
+    sse += ev("response.output_item.done", { ...at(), item });
+    sse += ev("response.completed", {
+      sequence_number: n++,
+      response: { ...base, status: "completed", output: [item], usage },
+    });
+    return new Response(sse, { headers: { "content-type": "text/event-stream" } });
+  }
+}
