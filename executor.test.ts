@@ -592,6 +592,7 @@ describe("serve: a task run by a headless Codex (codex exec --json)", () => {
         fake.on(b.name, "wait a while", {
           tool: "exec_command",
           args: { cmd: `python3 -c "import time; ${marker}"` },
+          builtin: true,
         });
         await alice.ok("send_message", { to: b.name, text: "wait a while", task_id: "cx3" });
         await eventually(() => running(marker).length > 0, "Codex runs the model's command", 60_000);

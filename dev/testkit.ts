@@ -909,7 +909,11 @@ export interface CodexRequest {
   users: string[];
 }
 
-export type CodexReply = { text: string } | { tool: string; args: unknown } | ((r: CodexRequest) => CodexReply);
+/** A reply: text, a call of one of interlink's tools (or, `builtin`, of Codex's own, such as exec_command). */
+export type CodexReply =
+  | { text: string }
+  | { tool: string; args: unknown; builtin?: true }
+  | ((r: CodexRequest) => CodexReply);
 
 /** A scripted OpenAI Responses API for Codex: per home, rules tried in order against the newest input item. */
 export class FakeResponses {
@@ -994,7 +998,7 @@ export class FakeResponses {
         status: "completed",
         call_id: `call_${this.requests.length}`,
         name: reply.tool,
-        namespace: "mcp__interlink",
+        namespace: reply.builtin ? undefined : "mcp__interlink", // undefined: left out of the JSON
         arguments: JSON.stringify(reply.args),
       }
       : {
