@@ -333,6 +333,59 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     );
   }
 
+  for (const runtime of ["bun", "deno"] as const) {
+    hostTest(
+      `${runtime}: a task past its profile's minutes is stopped and told why; serve's SIGTERM stops a running one and tells its requester`,
+      async () => {
+        const { a, b, work, alice } = await setUp(`bounds-${runtime}`, runtime, [
+          "--allow",
+          "Bash",
+          "--max-minutes",
+          "0.05",
+        ]);
+        let bobServe = serve(runtime, b);
+        const slow = `time.sleep(306.${Date.now()})`, slower = `time.sleep(307.${Date.now()})`;
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          const bash = (m: string) => ({ tool: "Bash", input: { command: `python3 -c "import time; ${m}"` } });
+          fake.on(b.name, "the slow job", bash(slow));
+          await alice.ok("send_message", { to: b.name, text: "the slow job", task_id: "t6" });
+          const late = await alice.waitEvent((e) => e.meta.task_id === "t6" && e.meta.status === "failed", 60_000);
+          expect(late.content).toContain("it ran past its 0.05 min");
+          expect(running(slow)).toEqual([]);
+          runCli(runtime, [
+            "peers",
+            "exec",
+            alice.name,
+            "--host",
+            "claude",
+            "--cwd",
+            path.join(b.dir, "work"),
+            "--allow",
+            "Bash",
+          ], {
+            env: { INTERLINK_PEERS: b.peersFile },
+          });
+          fake.on(b.name, "the slower job", bash(slower));
+          await alice.ok("send_message", { to: b.name, text: "the slower job", task_id: "t7" });
+          await eventually(() => running(slower).length > 0, "the host runs the model's command", 60_000);
+          await stop(bobServe); // SIGTERM
+          const end = await alice.waitEvent((e) => e.meta.task_id === "t7" && e.meta.status === "failed", 30_000);
+          expect(end.content).toContain("serve stopped (SIGTERM)");
+          expect({ command: running(slower), servers: executorProcs(b) }).toEqual({ command: [], servers: [] });
+          bobServe = serve(runtime, b); // and a restart does not run it again
+          await bobServe.waitFor(/door serve-\S+ open/);
+          await new Promise((r) => setTimeout(r, 1_500));
+          expect(fake.of(b.name).filter((r) => r.latest.includes("the slower job")).length).toBe(1);
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      180_000,
+    );
+  }
+
   hostTest(
     "two peers, three tasks, two slots: the third waits, its requester told, and at most two hosts run at once",
     async () => {
