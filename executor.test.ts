@@ -191,7 +191,7 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     hostTest(
       `${runtime}: cancel mid-turn interrupts the host and ends its whole process group; alice's list_tasks says canceled`,
       async () => {
-        const { b, alice } = await setUp(`cancel-${runtime}`, runtime, ["--allow", "Bash"]);
+        const { a, b, work, alice } = await setUp(`cancel-${runtime}`, runtime, ["--allow", "Bash"]);
         const bobServe = serve(runtime, b);
         const marker = `time.sleep(301.${Date.now()})`;
         try {
@@ -203,6 +203,11 @@ describe("serve: a task for a node with no open session runs in a headless Claud
           await alice.ok("send_message", { to: b.name, text: "please wait a while", task_id: "t2" });
           await eventually(() => running(marker).length > 0, "the host runs the model's command", 60_000);
           const host = Number(bobServe.stderr.join("\n").match(/task t2: claude started, pid (\d+)/)![1]);
+          // bob's operator sees it run: peer, task, host, pid, folder, when it started, turns so far
+          const env = { INTERLINK_KEY: b.keyFile, INTERLINK_PEERS: b.peersFile, INTERLINK_STATE: b.stateDir };
+          expect(runCli(runtime, ["tasks"], { env }).stdout).toMatch(
+            new RegExp(`executor  running claude task t2 for ${a.name}: pid ${host}, ${work}, started \\S+, \\d+ turn`),
+          );
           await alice.ok("cancel_task", { to: b.name, task_id: "t2", reason: "not needed" });
           await bobServe.waitFor(/task t2 of \S+ ended: canceled/, 30_000);
           // by the time serve says it ended, nothing of the host is left: not the command, not claude, not its server
@@ -356,7 +361,7 @@ describe("serve: a task for a node with no open session runs in a headless Claud
           runCli(runtime, [
             "peers",
             "exec",
-            alice.name,
+            a.name,
             "--host",
             "claude",
             "--cwd",
