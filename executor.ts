@@ -297,6 +297,8 @@ function startClaude(cfg: NodeConfig, job: Job, prompt: string): HostRun {
     "--strict-mcp-config",
     "--permission-mode",
     p.mode ?? NEVER_PROMPTS.claude,
+    "--permission-prompts", // whatever the mode, nobody is asked: what would prompt is denied (and reported)
+    "none",
     "--allowedTools",
     [...INTERLINK_TOOLS, ...p.allow ?? []].join(","),
     "--append-system-prompt",
