@@ -168,6 +168,7 @@ import { command as codexCommand } from "./extras/codex.ts";
 import { command as doctorCommand } from "./extras/doctor.ts";
 import { command as upgradeCommand, upgradeStateFolder } from "./extras/upgrade.ts";
 import { command as verifyCommand } from "./extras/verify.ts";
+import { command as serveCommand } from "./executor.ts";
 import { chainVectorsText, sealVectorsText } from "./dev/vectors.ts";
 import {
   accepting,
@@ -181,7 +182,9 @@ import {
   busOnLoopback,
   busThatComesBack,
   type Child,
+  CLAUDE_BIN,
   CODEX_BIN,
+  contentText,
   copyFromRepo,
   DENO_VERSION,
   denoPath,
@@ -190,6 +193,8 @@ import {
   eve,
   eventOn,
   eventually,
+  FakeModel,
+  FakeResponses,
   fillDisk,
   freePort,
   hex,
@@ -235,6 +240,7 @@ const EXTRA_COMMANDS = {
   "codex-install": codexCommand,
   demo: demoCommand,
   doctor: doctorCommand,
+  serve: serveCommand,
   upgrade: upgradeCommand,
   verify: verifyCommand,
 };
@@ -2658,8 +2664,8 @@ describe("the docs say what the code does", () => {
   const readme = read("README.md");
   const skill = fs.readFileSync(path.join(REPO, "SKILL.md"), "utf8");
 
-  // Every file at the top that the others import: the node, the relay, the NATS relay.
-  const TOP_FILES = ["interlink.ts", "bus.ts", "nats.ts"];
+  // Every file at the top that the others import: the node, the relay, the NATS relay, the executor.
+  const TOP_FILES = ["interlink.ts", "bus.ts", "nats.ts", "executor.ts"];
 
   for (const file of TOP_FILES) {
     test(`${file} reads in the order its header lists, and exports exactly what the other files import of it`, () => {
@@ -6248,6 +6254,20 @@ describe("presence and routing, as pure decisions (injected ages)", () => {
     expect(route([], { legacy: true })).toEqual({ recipient: K, note: "a 0.4 node (no sessions): sent to its key" });
   });
 
+  test("a serve node: new mail goes to a live person's session over its door, to the door when none is, and never to a task's session but for its task", () => {
+    const as = (s: PeerSession, summary: string): PeerSession => ({ ...s, session: { ...s.session!, summary } });
+    const door = as(sess("door", 1000), "interlink serve: runs tasks headless (claude, codex)");
+    const busy = as(sess("busy", 1000), "interlink serve: task t1 for alice");
+    expect(route([door, busy, sess("person", 1000)]).session).toBe("person");
+    expect(route([door, busy]).session).toBe("door");
+    expect(route([door, busy], { sticky: "busy" }).session).toBe("door"); // it last wrote to us on its task
+    expect(route([door, busy], { taskSession: "busy" }).session).toBe("busy"); // an answer on that task
+    expect(route([busy])).toEqual({
+      recipient: K,
+      note: expect.stringContaining("not on any roster: sent to its key"),
+    });
+  });
+
   test("an away session with a live sibling says how to reach the sibling now", () => {
     const r = route([sess("old", 3 * 3600_000), sess("new", 1000)], { sticky: "old" });
     expect(r.session).toBe("old"); // sticky wins, live or away
@@ -9004,163 +9024,12 @@ describe("delegation across hops: alice and carol on Bun, bob and dave on Deno, 
 // is killed and not re-armed; `--allowedTools 'mcp__interlink__*'` lets the tools run (as root too). MCP tools
 // are named to the model mcp__<server>__<tool> (a plugin's mcp__plugin_<plugin>_<server>__<tool>).
 
-const CLAUDE_BIN = (() => {
-  // The platform package's native binary (Bun runs no postinstall, so claude-code's own bin/ keeps its stub).
-  const root = path.join(REPO, "node_modules", "@anthropic-ai");
-  for (const pkg of fs.existsSync(root) ? fs.readdirSync(root).filter((d) => d.startsWith("claude-code-")) : []) {
-    const bin = path.join(root, pkg, "claude");
-    if (fs.existsSync(bin) && fs.statSync(bin).size > 1_000_000) return bin;
-  }
-  return null;
-})();
 if (!CLAUDE_BIN) {
   process.stderr.write(
     "SKIPPED the real-host tests (Claude Code sessions): @anthropic-ai/claude-code is not installed. Install it with: npx -y bun@1.4.5 install\n",
   );
 }
 const hostTest = CLAUDE_BIN ? test.concurrent : test.skip;
-
-/** One content value as text: a string, or blocks (text, tool_result with its content, tool_use as JSON). */
-function contentText(content: unknown): string {
-  if (typeof content === "string") return content;
-  if (!Array.isArray(content)) return "";
-  // deno-lint-ignore no-explicit-any -- API content blocks
-  return content.map((b: any) =>
-    b?.type === "text"
-      ? b.text
-      : b?.type === "tool_result"
-      ? contentText(b.content)
-      : b?.type === "tool_use"
-      ? JSON.stringify(b.input)
-      : ""
-  ).join("\n");
-}
-
-interface ModelRequest {
-  session: string;
-  // deno-lint-ignore no-explicit-any -- the request body as sent
-  body: any;
-  /** Everything after the last assistant message: what the model is newly shown. */
-  latest: string;
-  /** Tool names it was offered. */
-  tools: string[];
-  toolUse?: boolean;
-}
-
-type ModelReply = { text: string } | { tool: string; input: unknown } | ((r: ModelRequest) => ModelReply);
-
-/**
- * A scripted Anthropic Messages API: per session (the path prefix /s/<name>), rules tried in order against
- * what the model is newly shown; the first unused one that matches answers, else a short end_turn text. It
- * streams as the API does (message_start, content blocks, message_delta with stop_reason, message_stop) and
- * logs every request, so a test asserts exactly what each model was shown.
- */
-class FakeModel {
-  readonly requests: ModelRequest[] = [];
-  readonly url: string;
-  #rules = new Map<string, { match: string | RegExp; reply: ModelReply; used: boolean; always: boolean }[]>();
-  #waiters: { pred: (r: ModelRequest) => boolean; resolve(r: ModelRequest): void }[] = [];
-  #server: ReturnType<typeof Bun.serve>;
-
-  constructor() {
-    this.#server = Bun.serve({ hostname: "127.0.0.1", port: 0, idleTimeout: 0, fetch: (req) => this.#handle(req) });
-    this.url = `http://127.0.0.1:${this.#server.port}`;
-  }
-
-  baseUrl = (session: string) => `${this.url}/s/${session}`;
-
-  /** When `session`'s model is newly shown `match`, it answers `reply` (once, or every time: `always`). */
-  on(session: string, match: string | RegExp, reply: ModelReply, always = false): this {
-    this.#rules.set(session, [...this.#rules.get(session) ?? [], { match, reply, used: false, always }]);
-    return this;
-  }
-
-  of = (session: string) => this.requests.filter((r) => r.session === session);
-
-  /** The first request (logged or to come) that satisfies `pred`. */
-  waitFor(pred: (r: ModelRequest) => boolean, what: string, ms = 30_000): Promise<ModelRequest> {
-    const hit = this.requests.find(pred);
-    if (hit) return Promise.resolve(hit);
-    return new Promise((resolve, reject) => {
-      const seen = () =>
-        this.requests.map((r) => `  [${r.session}] ${r.latest.replace(/\s+/g, " ").slice(-300)}`).join("\n");
-      const timer = setTimeout(
-        () => reject(new Error(`the fake model saw no request where ${what} within ${ms} ms; it saw:\n${seen()}`)),
-        ms,
-      );
-      this.#waiters.push({ pred, resolve: (r) => (clearTimeout(timer), resolve(r)) });
-    });
-  }
-
-  stop = () => this.#server.stop(true);
-
-  async #handle(req: Request): Promise<Response> {
-    const m = new URL(req.url).pathname.match(/^\/s\/([^/]+)(\/.*)$/);
-    if (!m || req.method !== "POST" || m[2] !== "/v1/messages") {
-      return Response.json({ type: "error", error: { type: "not_found_error", message: "fake: no such route" } }, {
-        status: 404,
-      });
-    }
-    const body = await req.json();
-    // deno-lint-ignore no-explicit-any -- the request's messages
-    const msgs: any[] = body.messages ?? [];
-    let i = msgs.length - 1;
-    while (i >= 0 && msgs[i].role !== "assistant") i--;
-    const r: ModelRequest = {
-      session: m[1],
-      body,
-      latest: msgs.slice(i + 1).map((x) => contentText(x.content)).join("\n"),
-      // deno-lint-ignore no-explicit-any -- tool definitions
-      tools: (body.tools ?? []).map((t: any) => t.name),
-    };
-    const rule = r.tools.length
-      ? this.#rules.get(r.session)?.find((x) =>
-        !x.used && (typeof x.match === "string" ? r.latest.includes(x.match) : x.match.test(r.latest))
-      )
-      : undefined;
-    if (rule && !rule.always) rule.used = true;
-    const schema = body.output_config?.format?.schema; // a session title asks for JSON of this shape
-    let reply: ModelReply = rule?.reply ?? { text: schema ? JSON.stringify({ title: "fake" }) : "ok" };
-    while (typeof reply === "function") reply = reply(r);
-    r.toolUse = "tool" in reply;
-    this.requests.push(r);
-    for (const w of [...this.#waiters]) {
-      if (w.pred(r)) (this.#waiters.splice(this.#waiters.indexOf(w), 1), w.resolve(r));
-    }
-    const ev = (type: string, data: object) => `event: ${type}\ndata: ${JSON.stringify({ type, ...data })}\n\n`;
-    const usage = { input_tokens: 10, output_tokens: 5, cache_creation_input_tokens: 0, cache_read_input_tokens: 0 };
-    let sse = ev("message_start", {
-      message: {
-        id: `msg_${this.requests.length}`,
-        type: "message",
-        role: "assistant",
-        model: body.model,
-        content: [],
-        stop_reason: null,
-        stop_sequence: null,
-        usage,
-      },
-    });
-    if ("tool" in reply) {
-      const json = JSON.stringify(reply.input);
-      sse += ev("content_block_start", {
-        index: 0,
-        content_block: { type: "tool_use", id: `toolu_${this.requests.length}`, name: reply.tool, input: {} },
-      });
-      sse += ev("content_block_delta", { index: 0, delta: { type: "input_json_delta", partial_json: json } });
-    } else {
-      sse += ev("content_block_start", { index: 0, content_block: { type: "text", text: "" } });
-      sse += ev("content_block_delta", { index: 0, delta: { type: "text_delta", text: reply.text } });
-    }
-    sse += ev("content_block_stop", { index: 0 });
-    sse += ev("message_delta", {
-      delta: { stop_reason: "tool" in reply ? "tool_use" : "end_turn", stop_sequence: null },
-      usage: { output_tokens: 5 },
-    });
-    sse += ev("message_stop", {});
-    return new Response(sse, { headers: { "content-type": "text/event-stream" } });
-  }
-}
 
 /** A real Claude Code session, fed by stream-json: one stdin line per user turn, its events read from stdout. */
 class ClaudeSession {
@@ -9799,156 +9668,6 @@ describe("real hosts: Claude Code sessions through interlink", () => {
 // `_meta.threadId`, and `default_tools_approval_mode = "approve"` lets them run; a trusted SessionStart mcp_tool
 // hook runs at a thread's first turn; a thread started on the shared daemon's control socket (JSON-RPC over a
 // WebSocket on a Unix socket, what the terminal UI speaks) takes `codex queue` turns within a tenth of a second.
-
-interface CodexRequest {
-  home: string;
-  thread: string;
-  // deno-lint-ignore no-explicit-any -- the request body as sent
-  body: any;
-  /** The text of the newest input item (a user turn, a queued one, or a tool's output). */
-  latest: string;
-  /** Every user message's text, in order: what was put in front of the model. */
-  users: string[];
-}
-
-type CodexReply = { text: string } | { tool: string; args: unknown } | ((r: CodexRequest) => CodexReply);
-
-/** A scripted OpenAI Responses API for Codex: per home, rules tried in order against the newest input item. */
-class FakeResponses {
-  readonly requests: CodexRequest[] = [];
-  readonly url: string;
-  #rules = new Map<string, { match: string | RegExp; reply: CodexReply; used: boolean }[]>();
-  #waiters: { pred: (r: CodexRequest) => boolean; resolve(r: CodexRequest): void }[] = [];
-  #server: ReturnType<typeof Bun.serve>;
-
-  constructor() {
-    this.#server = Bun.serve({ hostname: "127.0.0.1", port: 0, idleTimeout: 0, fetch: (req) => this.#handle(req) });
-    this.url = `http://127.0.0.1:${this.#server.port}`;
-  }
-
-  baseUrl = (home: string) => `${this.url}/h/${home}/v1`;
-
-  on(home: string, match: string | RegExp, reply: CodexReply): this {
-    this.#rules.set(home, [...this.#rules.get(home) ?? [], { match, reply, used: false }]);
-    return this;
-  }
-
-  of = (home: string) => this.requests.filter((r) => r.home === home);
-
-  waitFor(pred: (r: CodexRequest) => boolean, what: string, ms = 30_000): Promise<CodexRequest> {
-    const hit = this.requests.find(pred);
-    if (hit) return Promise.resolve(hit);
-    return new Promise((resolve, reject) => {
-      const seen = () =>
-        this.requests.map((r) => `  [${r.home}] ${r.latest.replace(/\s+/g, " ").slice(-200)}`).join("\n");
-      const timer = setTimeout(
-        () => reject(new Error(`the fake saw no request where ${what} within ${ms} ms:\n${seen()}`)),
-        ms,
-      );
-      this.#waiters.push({ pred, resolve: (r) => (clearTimeout(timer), resolve(r)) });
-    });
-  }
-
-  stop = () => this.#server.stop(true);
-
-  async #handle(req: Request): Promise<Response> {
-    const m = new URL(req.url).pathname.match(/^\/h\/([^/]+)\/v1\/responses$/);
-    if (!m) return Response.json({ error: { message: "fake: no such route" } }, { status: 404 });
-    const body = await req.json();
-    // deno-lint-ignore no-explicit-any -- input items
-    const text = (it: any): string =>
-      typeof it?.output === "string"
-        ? it.output
-        : Array.isArray(it?.output ?? it?.content)
-        ? (it.output ?? it.content).map((c: { text?: string }) => c?.text ?? "").join("")
-        : "";
-    // deno-lint-ignore no-explicit-any -- input items
-    const input: any[] = body.input ?? [];
-    const r: CodexRequest = {
-      home: m[1],
-      thread: req.headers.get("thread-id") ?? "",
-      body,
-      latest: text(input.at(-1)),
-      users: input.filter((i) => (i.type ?? "message") === "message" && i.role === "user").map(text),
-    };
-    // A title request (a thread of its own, no tools, a JSON schema for {title}) is not a session's turn.
-    const title = body.text?.format?.schema?.properties?.title !== undefined;
-    const rule = title
-      ? undefined
-      : this.#rules.get(r.home)?.find((x) =>
-        !x.used && (typeof x.match === "string" ? r.latest.includes(x.match) : x.match.test(r.latest))
-      );
-    if (rule) rule.used = true;
-    let reply: CodexReply = rule?.reply ?? { text: title ? JSON.stringify({ title: "fake" }) : "ok" };
-    while (typeof reply === "function") reply = reply(r);
-    if (!title) {
-      this.requests.push(r);
-      for (const w of [...this.#waiters]) {
-        if (w.pred(r)) (this.#waiters.splice(this.#waiters.indexOf(w), 1), w.resolve(r));
-      }
-    }
-    const ev = (type: string, data: object) => `event: ${type}\ndata: ${JSON.stringify({ type, ...data })}\n\n`;
-    const base = { id: `resp_${this.requests.length}`, object: "response", created_at: 1, model: body.model };
-    const item = "tool" in reply
-      ? {
-        id: `fc_${this.requests.length}`,
-        type: "function_call",
-        status: "completed",
-        call_id: `call_${this.requests.length}`,
-        name: reply.tool,
-        namespace: "mcp__interlink",
-        arguments: JSON.stringify(reply.args),
-      }
-      : {
-        id: `msg_${this.requests.length}`,
-        type: "message",
-        role: "assistant",
-        status: "completed",
-        content: [{ type: "output_text", text: reply.text, annotations: [] }],
-      };
-    const usage = {
-      input_tokens: 10,
-      input_tokens_details: { cached_tokens: 0 },
-      output_tokens: 5,
-      output_tokens_details: { reasoning_tokens: 0 },
-      total_tokens: 15,
-    };
-    // The events the API streams, in its order (Codex reads a function call's arguments from their deltas).
-    let n = 0;
-    const at = () => ({ sequence_number: n++, output_index: 0 });
-    let sse = ev("response.created", {
-      sequence_number: n++,
-      response: { ...base, status: "in_progress", output: [] },
-    });
-    if (item.type === "function_call") {
-      sse += ev("response.output_item.added", { ...at(), item: { ...item, status: "in_progress", arguments: "" } });
-      sse += ev("response.function_call_arguments.delta", { ...at(), item_id: item.id, delta: item.arguments });
-      sse += ev("response.function_call_arguments.done", { ...at(), item_id: item.id, arguments: item.arguments });
-    } else {
-      const part = (item as { content: object[] }).content[0];
-      sse += ev("response.output_item.added", { ...at(), item: { ...item, status: "in_progress", content: [] } });
-      sse += ev("response.content_part.added", {
-        ...at(),
-        item_id: item.id,
-        content_index: 0,
-        part: { ...part, text: "" },
-      });
-      sse += ev("response.output_text.delta", {
-        ...at(),
-        item_id: item.id,
-        content_index: 0,
-        delta: (part as { text: string }).text,
-      });
-      sse += ev("response.content_part.done", { ...at(), item_id: item.id, content_index: 0, part });
-    }
-    sse += ev("response.output_item.done", { ...at(), item });
-    sse += ev("response.completed", {
-      sequence_number: n++,
-      response: { ...base, status: "completed", output: [item], usage },
-    });
-    return new Response(sse, { headers: { "content-type": "text/event-stream" } });
-  }
-}
 
 /** JSON-RPC to a Codex home's shared daemon over its control socket: a WebSocket on a Unix socket. */
 class CodexDaemonClient {

@@ -136,6 +136,13 @@ const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
 
 /** A session heard from within this long is live; older ones are away (they may be asleep: a laptop lid). */
 const PRESENCE_LIVE_MS = 90_000;
+/**
+ * How a session of `interlink.ts serve` begins its signed summary (see docs/wire.md): its door, which runs tasks and keeps
+ * other mail for the next session, is routed to only when no other session of the node is live; a task's session
+ * (SERVE_TASK) is routed to only for its task.
+ */
+const SERVE_DOOR = "interlink serve: runs tasks";
+const SERVE_TASK = "interlink serve: task ";
 /** Away for this long, a session "may be gone" rather than asleep. */
 const PRESENCE_STALE_MS = 24 * 60 * 60_000;
 /** How long a bus keeps a session's announcement (0.8: a sleeping session can still be found and written to). */
@@ -313,11 +320,26 @@ interface Announcement {
   age_ms?: number;
 }
 
-/** The allowlist: petname → key and its inverse (both unique). */
+/** The allowlist: petname → key and its inverse (both unique); `exec`: key → the executor profile its operator set. */
 interface Peers {
   byName: ReadonlyMap<string, string>;
   byKey: ReadonlyMap<string, string>;
   sealRequired?: ReadonlySet<string>; // keys the operator sends nothing in the clear (`peers seal NAME --required`)
+  exec?: ReadonlyMap<string, ExecProfile>;
+}
+
+/**
+ * How `interlink.ts serve` runs a task this peer opens while no session of ours is live (`peers exec`): set only by
+ * this node's operator, never by a peer. `mode`: the host's; absent, the one that never prompts (only `allow` runs).
+ */
+interface ExecProfile {
+  host: "claude" | "codex";
+  cwd: string;
+  mode?: string;
+  allow?: string[];
+  max_turns?: number;
+  max_usd?: number;
+  max_minutes?: number;
 }
 
 /** Why the gate refuses a payload (decide): its closed set. */
@@ -2185,7 +2207,8 @@ function parsePeers(text: string, source = "peers.json"): Peers {
     throw failed(`not JSON (${(e as Error).message})`);
   }
   if (!isObject(raw)) throw failed(`expected an object of { "<petname>": { "key": "<public key>" } }`);
-  const byName = new Map<string, string>(), byKey = new Map<string, string>(), sealRequired = new Set<string>();
+  const byName = new Map<string, string>(), byKey = new Map<string, string>();
+  const sealRequired = new Set<string>(), exec = new Map<string, ExecProfile>();
   for (const [name, entry] of Object.entries(raw)) {
     try {
       checkPetname(name);
@@ -2197,11 +2220,35 @@ function parsePeers(text: string, source = "peers.json"): Peers {
       if (entry.seal) sealRequired.add(key);
       byName.set(name, key);
       byKey.set(key, name);
+      if (entry.exec !== undefined) exec.set(key, checkExecProfile(entry.exec));
     } catch (e) {
       throw failed(`'${name}': ${(e as Error).message}`);
     }
   }
-  return { byName, byKey, sealRequired };
+  return { byName, byKey, sealRequired, exec };
+}
+
+/** An executor profile as peers.json holds it (see ExecProfile), checked field by field; errors name the field. */
+function checkExecProfile(v: unknown): ExecProfile {
+  const bad = (why: string) => new InterlinkError(`exec: ${why}`);
+  if (!isObject(v)) throw bad("not an object");
+  if (v.host !== "claude" && v.host !== "codex") throw bad(`host ${JSON.stringify(v.host)} is not claude or codex`);
+  if (typeof v.cwd !== "string" || !path.isAbsolute(v.cwd)) throw bad("cwd is not an absolute path");
+  const p: ExecProfile = { host: v.host, cwd: v.cwd };
+  if (v.mode !== undefined) p.mode = typeof v.mode === "string" && /^[A-Za-z-]{1,32}$/.test(v.mode) ? v.mode : "";
+  if (p.mode === "") throw bad(`mode ${JSON.stringify(v.mode)} is not a mode name`);
+  if (v.allow !== undefined) {
+    if (!Array.isArray(v.allow) || v.allow.some((t) => typeof t !== "string" || !/^[^,\p{Cc}]{1,200}$/u.test(t))) {
+      throw bad("allow is not a list of tool names");
+    }
+    p.allow = v.allow as string[];
+  }
+  for (const k of ["max_turns", "max_usd", "max_minutes"] as const) {
+    if (v[k] === undefined) continue;
+    if (typeof v[k] !== "number" || !(v[k] > 0) || !Number.isFinite(v[k])) throw bad(`${k} is not a positive number`);
+    p[k] = v[k] as number;
+  }
+  return p;
 }
 
 /** The one peer resolver: a petname, a key, or a fingerprint (a unique key prefix, 4+ characters); errors list all. */
@@ -5477,8 +5524,11 @@ function chooseRoute(p: {
 }): RouteChoice {
   const { key } = p, known = p.rosterKnown ?? true;
   const ended = (id: string) => p.ended?.(id) ?? false;
-  const candidates = p.candidates.filter((c) => !ended(c.session!.session_id));
-  const find = (id: string) => candidates.find((c) => c.session!.session_id === id);
+  const all = p.candidates.filter((c) => !ended(c.session!.session_id));
+  const find = (id: string) => all.find((c) => c.session!.session_id === id);
+  // A `serve` task's session takes only its task; `serve`'s door, only when no other session is live (see SERVE_DOOR).
+  const is = (c: PeerSession | undefined, mark: string) => c?.session?.summary.startsWith(mark) ?? false;
+  const candidates = all.filter((c) => !is(c, SERVE_TASK));
   // Ended on evidence only: its goodbye, or a roster that listed it and no longer does. A hint never listed may not
   // have announced itself (yet, or on these relays): it stands. A remembered one on no roster is gone (or unannounced).
   const gone = (id: string, remembered = false): string | null => {
@@ -5487,7 +5537,9 @@ function chooseRoute(p: {
     if (p.seen?.(id)) return "is no longer on any roster";
     return remembered && p.keyRead !== false ? "is on no roster (it ended)" : null;
   };
-  const live = candidates.filter((c) => presence(c.ageMs) === "live");
+  const awake = candidates.filter((c) => presence(c.ageMs) === "live"),
+    people = awake.filter((c) => !is(c, SERVE_DOOR));
+  const live = people.length ? people : awake;
   const state = (id: string): string => {
     const c = find(id);
     if (!c) {
@@ -5515,7 +5567,7 @@ function chooseRoute(p: {
   if (hint) {
     if (p.isSelf && hint === p.mySession) throw new InterlinkError("a session cannot message itself");
     if (find(hint)) return choose(hint);
-    const prefixed = candidates.filter((c) => c.session!.session_id.startsWith(hint));
+    const prefixed = all.filter((c) => c.session!.session_id.startsWith(hint));
     if (prefixed.length === 1) return choose(prefixed[0].session!.session_id);
     if (prefixed.length > 1) {
       const list = describeSessions(prefixed);
@@ -5534,6 +5586,7 @@ function chooseRoute(p: {
   let endedNote = "";
   for (const remembered of [p.taskSession, p.sticky]) {
     if (!remembered || (p.isSelf && remembered === p.mySession)) continue;
+    if (remembered === p.sticky && remembered !== p.taskSession && is(find(remembered), SERVE_TASK)) continue;
     const why = gone(remembered, true);
     if (!why) return choose(remembered);
     endedNote ||= `their session ${showId(remembered)} ${why}; `;
@@ -5567,7 +5620,7 @@ interface AgentOptions {
   identity?: Identity;
   waitMs?: number; // how long to wait for a short-lived holder of agent.lock (a CLI `send`)
   now?: () => number; // every timestamp the node writes, signs or judges freshness by
-  adopt?: boolean; // adopt this key's ended sessions as it opens (default; see "ended sessions")
+  adopt?: boolean; // adopt this key's ended sessions (default; see "ended sessions")
   host?: Host | "cli"; // written into session.json (for `board`, `doctor`)
 }
 
@@ -5613,6 +5666,7 @@ class Agent {
   readonly info: SessionInfo;
   readonly me: string; // this session's route
   #bareLock: PidLock | null = null;
+  adopts = true; // false for `serve`'s sessions: what ended waits for the next session a person opens
   #doorLock: PidLock | null = null; // held while this process reads the node's door (see "Invites")
   #roster: { at: number; sessions: PeerSession[] } | null = null;
   #rosterRead: Promise<PeerSession[]> | null = null; // the read under way, which callers meanwhile share
@@ -5681,6 +5735,7 @@ class Agent {
         if (stale) fs.rmSync(path.join(dir, f));
       }
       agent = new Agent(cfg, id, lock, opts.now ?? Date.now, opts.host);
+      agent.adopts = opts.adopt !== false;
       agent.peers();
       agent.journal.catchUp();
       await agent.#rollJournal();
@@ -5788,8 +5843,11 @@ class Agent {
     }
   }
 
-  /** Stops; with `goodbye` (a clean exit) it first says so to the rosters and its open tasks (see #sayGoodbye). */
-  async stop(goodbye = false): Promise<void> {
+  /**
+   * Stops; with `goodbye` (a clean exit) it first says so to the rosters and its open tasks (see #sayGoodbye); "unlist":
+   * to the rosters alone (a `serve` door that keeps what came for the next session).
+   */
+  async stop(goodbye: boolean | "unlist" = false): Promise<void> {
     this.#stop.abort();
     this.#outbox.wake();
     this.#owed.wake();
@@ -5800,7 +5858,8 @@ class Agent {
     // A session starting meanwhile takes the key's mail over now, not after the goodbyes (up to GOODBYE_MS).
     this.#bareLock?.release();
     const handover = fs.existsSync(path.join(this.journal.stateDir, "handover"));
-    if (goodbye && !handover) await this.#sayGoodbye();
+    if (goodbye === "unlist") await this.#unregister(this.info, AbortSignal.timeout(GOODBYE_MS));
+    else if (goodbye && !handover) await this.#sayGoodbye();
     await Promise.allSettled(this.relays.map((r) => r.close()));
     try {
       if (!handover) this.#writeSessionFile(this.now()); // when it ended, for whoever adopts it
@@ -5990,7 +6049,7 @@ class Agent {
         await this.#rollJournal();
         await pause(ENDED_EVERY_MS, this.#stop.signal);
         // One session of the node looks, the one reading the bare key: a look reads every session's folder.
-        if (!this.#stop.signal.aborted && this.#bareLock) await this.adoptEnded(false);
+        if (!this.#stop.signal.aborted && this.#bareLock && this.adopts) await this.adoptEnded(false);
         if (!this.#stop.signal.aborted) await this.#expireSent();
       } catch (e) {
         logWarn(`cannot look after ended sessions: ${errorText(e)}; trying again in ${ENDED_EVERY_MS / 1000} s`);
@@ -6578,7 +6637,9 @@ class Agent {
       else sessions = await theirs(false);
       // A remembered session missing from a roster read a moment ago may have announced itself since.
       const missing = !listed(taskSession) || !listed(this.state.sticky.get(key));
-      if (rosterKnown && !this.state.silent.has(key) && missing) sessions = await theirs(true);
+      // A `serve` door becomes a task's session as it takes one: where its new mail goes is read fresh.
+      const serves = sessions.some((s) => s.session?.summary.startsWith("interlink serve: "));
+      if (rosterKnown && !this.state.silent.has(key) && (missing || serves)) sessions = await theirs(true);
     } catch (e) {
       if (!(e instanceof NoRelayAnswered)) throw e;
       rosterKnown = false; // no roster to look at: route by what we remember, and say so
@@ -8250,21 +8311,24 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       const on = host ?? "claude", codex = on === "codex";
       // Codex has no channel: its sessions are woken by queued turns, and read the rest with check_inbox.
       const cfg = { ...prepared!.cfg, ...some("session", session), ...(codex ? { delivery: "inbox" as const } : {}) };
-      const a = await Agent.open(cfg, SERVER_ROLE, { identity: prepared!.id, now: nodeClock(), host: on });
+      const lent = process.env.INTERLINK_SERVE_TASK, adopt = !lent;
+      const a = await Agent.open(cfg, SERVER_ROLE, { identity: prepared!.id, now: nodeClock(), host: on, adopt });
       if (delivery === "channel" && !codex) a.push = (event) => server.notify("notifications/claude/channel", event);
-      if (codex) {
+      if (codex && !lent) {
         waker = new CodexWaker(a, codexTarget(cfg.session));
         a.onInbox = () => waker!.kick();
         waker.start();
       }
+      // A task's session that `serve` lent this host: announced as such, and handed back to serve without goodbyes.
+      if (lent) a.info.summary = `${SERVE_TASK}${lent}`;
       a.startSending();
-      a.startReceiving();
+      a.startReceiving({ ownRouteOnly: !adopt });
       agent = a;
       const relays = a.cfg.busUrls.map(redactUrl).join(", "), via = codex ? "codex queue" : delivery;
       logInfo(
         `ready: ${a.me} on ${relays}, state ${a.journal.stateDir}, host ${on}, delivery ${via}, ${a.peers().byName.size} peers`,
       );
-      if (codex) waker!.kick(); // what waited for this session (adopted, or from before a restart)
+      (waker as CodexWaker | null)?.kick(); // what waited for this session (adopted, or from before a restart)
       return a;
     })();
     // One that failed (a full disk, an older server slow to hand over) is tried again by the next tool call.
@@ -8274,7 +8338,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   /** The agent a tool call runs on: opened now if need be; under Codex, bound to the call's thread. */
   const agentFor = async (tool: ToolSpec, args: Record<string, unknown>, meta: Record<string, unknown> | undefined) => {
     if (agent) return agent;
-    if (host !== "codex") return await open();
+    if (host !== "codex" || isGiven(from, "session")) return await open(); // a pinned session is the session
     const turn = isObject(meta?.["x-codex-turn-metadata"]) ? meta!["x-codex-turn-metadata"] : {};
     if (turn.thread_source === "subagent" || (meta?.sessionId && meta.threadId && meta.sessionId !== meta.threadId)) {
       throw new InterlinkError(
@@ -8312,7 +8376,7 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
   logInfo(`${await Promise.race([server.closed, shutdownSignal()])}: shutting down`);
   await (waker as CodexWaker | null)?.stop();
   const opened = await (opening as Promise<Agent> | null)?.catch(() => null);
-  await opened?.stop(true); // a clean exit: unregister, and goodbyes on open tasks
+  await opened?.stop(!process.env.INTERLINK_SERVE_TASK); // a clean exit: unregister, and goodbyes on open tasks
   return 0;
 }
 
@@ -8475,6 +8539,21 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
   }
   if (!lines.length) print(o.open ? "no open tasks" : "no tasks yet");
   for (const l of lines.sort((x, y) => x.at - y.at)) print(l.text);
+  // The executors `serve` runs and holds (executor.ts replaces executors.json whole): denials are this operator's.
+  let jobs: Record<string, string | number | string[] | undefined>[] = [];
+  try {
+    jobs = JSON.parse(fs.readFileSync(path.join(cfg.stateDir, "executors.json"), "utf8"));
+  } catch {
+    // no serve running here, or one starting
+  }
+  for (const x of Array.isArray(jobs) ? jobs : []) {
+    const at = typeof x.started === "number" ? `started ${new Date(x.started).toISOString()}` : "not started";
+    const denied = Array.isArray(x.denials) ? x.denials : [];
+    const cost = typeof x.cost === "number" ? `, $${x.cost.toFixed(4)}` : "";
+    const about = `${x.state} ${x.host} task ${x.task} for ${x.peer}: pid ${x.pid ?? "-"}, ${x.cwd}, ${at}`;
+    const denials = denied.length ? `; denied: ${denied.join("; ")}` : "";
+    print(showInvisible(`executor  ${about}, ${x.turns ?? 0} turn(s)${cost}${denials}`));
+  }
   return 0;
 }
 
@@ -8485,7 +8564,12 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
     const peers = loadPeers(file);
     if (!peers.byName.size) print(`no peers in ${file}`);
     for (const [name, key] of peers.byName) {
-      print(`${name.padEnd(16)} ${fingerprint(key)}  ${key}${peers.sealRequired?.has(key) ? "  seal required" : ""}`);
+      const exec = peers.exec?.get(key), seal = peers.sealRequired?.has(key) ? "  seal required" : "";
+      print(
+        `${name.padEnd(16)} ${fingerprint(key)}  ${key}${seal}${
+          exec ? `\n${"".padEnd(16)} ${describeProfile(exec)}` : ""
+        }`,
+      );
     }
     return 0;
   }
@@ -8515,7 +8599,41 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
     print(`removed '${petname}' (${fingerprint(key)}) from ${file}`);
     return 0;
   }
-  throw new InterlinkError(`usage: peers [list | add PETNAME KEY | remove PETNAME | seal PETNAME [--required]]`);
+  if (verb === "exec" && rest.length === 1) {
+    const num = (k: string) => (o[k] === undefined ? undefined : Number(o[k]));
+    const dir = o.cwd === undefined ? undefined : path.resolve(o.cwd as string);
+    if (o.off !== true && !(dir && fs.statSync(dir, { throwIfNoEntry: false })?.isDirectory())) {
+      throw new InterlinkError(`--cwd ${JSON.stringify(o.cwd ?? "")} is not a folder (the executor runs in it)`);
+    }
+    const allow = (o.allow as string | undefined)?.split(",").map((t) => t.trim()).filter(Boolean);
+    const given = { host: o.host, cwd: dir, mode: o.mode, allow, max_turns: num("max-turns") };
+    const profile = o.off === true ? null : checkExecProfile(
+      JSON.parse(JSON.stringify({ ...given, max_usd: num("max-usd"), max_minutes: num("max-minutes") })),
+    );
+    const petname = await editPeers(file, (raw, peers) => {
+      const { petname } = resolvePeer(peers, rest[0]), entry = raw[petname] as Record<string, unknown>;
+      if (profile) entry.exec = profile;
+      else delete entry.exec;
+      return petname;
+    });
+    print(`${petname}: ${profile ? describeProfile(profile) : "no executor (its tasks wait for a session)"}`);
+    return 0;
+  }
+  throw new InterlinkError(
+    `usage: peers [list | add PETNAME KEY | remove PETNAME | seal PETNAME [--required] | exec PETNAME --host H --cwd DIR]`,
+  );
+}
+
+/** A profile in one line, as `peers` prints it. */
+function describeProfile(p: ExecProfile): string {
+  const limits = [
+    p.max_turns && `${p.max_turns} turns`,
+    p.max_usd && `$${p.max_usd}`,
+    p.max_minutes && `${p.max_minutes} min`,
+  ];
+  const allow = p.allow?.length ? `, allow ${p.allow.join(",")}` : ", allow nothing beyond interlink";
+  const at = limits.filter(Boolean).join(", ");
+  return `exec ${p.host} in ${p.cwd}, mode ${p.mode ?? "(never prompts)"}${allow}${at ? `, at most ${at}` : ""}`;
 }
 
 /** Exit status that makes a Claude Code asyncRewake hook wake the session with our stderr. */
@@ -9322,13 +9440,28 @@ const COMMANDS: Record<string, CommandSpec> = {
     run: runTasks,
   },
   peers: {
-    summary: "list, add or remove peers in peers.json",
-    args: "[list | add PETNAME KEY | remove PETNAME | seal PETNAME [--required]]",
+    summary:
+      "list, add or remove peers in peers.json, require sealing, or set the executor profile `serve` runs their tasks with",
+    args:
+      "[list | add PETNAME KEY | remove PETNAME | seal PETNAME [--required] | exec PETNAME --host H --cwd DIR | exec PETNAME --off]",
     about: "Adding refuses to rekey a petname or to give one key two petnames. Saves are atomic (0600).\n" +
-      "Messages to a peer whose node says it opens them go sealed; `seal --required` sends it nothing in the clear.",
+      "Messages to a peer whose node says it opens them go sealed; `seal --required` sends it nothing in the clear.\n" +
+      "`exec` is this operator's alone (a peer can never set or widen it): see `interlink.ts serve`.",
     options: {
       peers: OPT.peers,
       required: { type: "boolean", help: "with seal: never send this peer a message in the clear" },
+      host: { type: "string", arg: "HOST", help: "exec: the host that runs the peer's tasks: claude or codex" },
+      cwd: { type: "string", arg: "DIR", help: "exec: the folder its tasks run in" },
+      mode: {
+        type: "string",
+        arg: "M",
+        help: "exec: the host's permission mode (default: the one that never prompts)",
+      },
+      allow: { type: "string", arg: "TOOLS", help: "exec: tools allowed beyond interlink's, comma-separated" },
+      "max-turns": { type: "string", arg: "N", help: "exec: turns a task may take" },
+      "max-usd": { type: "string", arg: "X", help: "exec: dollars a task may spend" },
+      "max-minutes": { type: "string", arg: "M", help: "exec: minutes a task may run before it is stopped" },
+      off: { type: "boolean", help: "exec: remove the profile (its tasks wait for a session again)" },
     },
     run: runPeers,
   },
@@ -9567,6 +9700,11 @@ function envFlag(name: string, value: string): boolean {
  */
 const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
   bus: { file: "bus.ts", summary: "run the durable keep-until-ack relay that nodes talk through", role: true },
+  serve: {
+    file: "executor.ts",
+    summary: "keep this node reachable with no session open, running peers' tasks headless as `peers exec` allows",
+    role: true,
+  },
   board: {
     file: "extras/board.ts",
     summary: "serve a live page of this node's sessions, tasks, questions waiting on you, and delivery",
@@ -9591,7 +9729,10 @@ const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
 function extraMissing(name: string, where: string): string {
   const { file, role } = EXTRAS[name];
   const [what, why] = role
-    ? ["is a role of its own, not part of the node", "a session needs it only to start this machine's own bus"]
+    ? [
+      "is a role of its own, not part of the node",
+      name === "bus" ? "a session needs it only to start this machine's own bus" : "no session loads it",
+    ]
     : ["is an extra, not part of interlink.ts", "no session loads it"];
   return missingFile(`\`${name}\` ${what}`, file, where, why);
 }
@@ -9702,13 +9843,13 @@ export type { Chain, NewRecord, PushEvent };
 // The tests alone: the pure parts they check directly.
 export { afterAnswer, Agent, announcementBytes, channelMeta, checkAnnouncement, chooseRoute, claimInbox, commandTable };
 export { conversation, DEFAULT_MAX_DEPTH, DELIVERY_MODES, describeTask, displayName, encodeInviteCode, encodeRecord };
-export { escapePeerText, foldTask, formatInbox, FORWARDS_OPEN_CAP, GOODBYE_PREFIX, hasSmallOrder, headOf, idProblem };
-export { INBOX_ANSWER_MAX_CHARS, INSTRUCTIONS_MAX_CHARS, invisibleRE, inviteMac, inviteProofBytes, invitesFile };
-export { judgeChain, judgeInvite, lanAddresses, legacyAnnouncementBytes, lifecycleError, LockedError };
+export { escapePeerText, fitInbox, foldTask, formatInbox, FORWARDS_OPEN_CAP, GOODBYE_PREFIX, hasSmallOrder, headOf };
+export { idProblem, INBOX_ANSWER_MAX_CHARS, INSTRUCTIONS_MAX_CHARS, invisibleRE, inviteMac, inviteProofBytes };
+export { invitesFile, judgeChain, judgeInvite, lanAddresses, legacyAnnouncementBytes, lifecycleError, LockedError };
 export { MCP_LINE_MAX_CHARS, mcpJson, messageBlock, messagePayload, parseFlags, parseInviteCode, parsePeers };
 export { parseReceipt, planInbound, planWake, prepareSend, pushEvent, readAnswer, readId, readInvites, readJsonl };
-export { RECEIPT_LINES_MAX, receiptText, RECV_ANSWER_MAX_BYTES, removePeer, RENEW_TEXT, REPLAY_KEPT_MS };
-export { RESIGN_SPAN_MS, runTool, serverInstructions, setLogSink, taskTable, taskTag, toolListing, TOOLS };
-export { WAIT_TIMEOUT_S };
-export type { Carried, CarriedOut, Draft, Effect, Handed, InboundContext, InboxItem, Invite, InviteCode, NodeConfig };
-export type { Remembered };
+export { readNodeState, RECEIPT_LINES_MAX, receiptText, RECV_ANSWER_MAX_BYTES, removePeer, RENEW_TEXT, REPLAY_KEPT_MS };
+export { RESIGN_SPAN_MS, runTool, SERVE_DOOR, SERVE_TASK, serverInstructions, setLogSink, taskTable, taskTag };
+export { toolListing, TOOLS, WAIT_TIMEOUT_S, wakeText };
+export type { Carried, CarriedOut, Draft, Effect, ExecProfile, Handed, InboundContext, InboxItem, Invite, InviteCode };
+export type { NodeConfig, Remembered };

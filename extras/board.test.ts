@@ -482,6 +482,29 @@ describe("the board: a live page for the operator, read-only, for the token's ho
     expect(JSON.stringify(view).length).toBeLessThan(1_000_000); // one snapshot stays well under a megabyte
   });
 
+  test("serve's executors are listed (peer, task, host, pid, folder, started, turns, cost, denials): bounded, their text shown as text, a bad row harmless", () => {
+    const fold = new BoardFold(tmpDir(), B.id.publicKey, () => 1e12);
+    const row = {
+      peer: "ali\u202Ece",
+      task: "t1",
+      host: "claude",
+      state: "running",
+      pid: 4242,
+      cwd: "/w",
+      started: 5,
+      turns: 3,
+      cost: 0.25,
+      denials: ["Write: /w/x"],
+    };
+    const executors = [row, 7, null, ...Array.from({ length: 99 }, () => row)];
+    const ctx = { now: 1e12, peers: parsePeers("{}"), roster: [], problems: [], relays: [], executors };
+    const view = boardView(fold, ctx);
+    expect(view.executors.length).toBe(BOARD_LIST_MAX);
+    expect(view.executors[0]).toEqual({ ...row, peer: "ali<U+202E>ce" });
+    expect(view.executors[1]).toMatchObject({ peer: "", pid: null, denials: [] });
+    expect(boardView(fold, { ...ctx, executors: { not: "a list" } }).executors).toEqual([]);
+  });
+
   test("a sub-task's question forwarded up the chain waits on its owner's human, not on the middle node's", () => {
     // B's board: A asked B for "site", B handed "logo" to eve as a sub-task of it, eve asked, B's node forwarded.
     const fold = new BoardFold(tmpDir(), B.id.publicKey, () => 1e12);

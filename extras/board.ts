@@ -190,6 +190,19 @@ export interface BoardView {
     refusals: BoardRefusal[];
     receipts: BoardReceipt[];
   };
+  /** What `interlink.ts serve` runs or holds (its executors.json), and the denials its operator has to decide on. */
+  executors: {
+    peer: string;
+    task: string;
+    host: string;
+    state: string;
+    pid: number | null;
+    cwd: string;
+    started: number | null;
+    turns: number | null;
+    cost: number | null;
+    denials: string[];
+  }[];
   totals: { sessions: number; tasks: number; open: number; waiting: number; outbox: number };
 }
 
@@ -453,6 +466,8 @@ export interface BoardContext {
   only?: string;
   /** Settings the printed commands must carry to reach this node (those the board itself was given as flags). */
   cli?: Partial<Record<"key" | "peers" | "url" | "state", string>>;
+  /** The rows of `serve`'s executors.json, as read (anything: a file is never trusted to be well formed). */
+  executors?: unknown;
 }
 
 /** The view model of a fold: a pure function of it and `ctx`, every list capped. */
@@ -655,6 +670,14 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
   });
 
   const newestFirst = <T>(list: T[], named: (x: T) => T) => [...list].reverse().map(named);
+  const num = (v: unknown) => (typeof v === "number" && Number.isFinite(v) ? v : null);
+  const executors = (Array.isArray(ctx.executors) ? ctx.executors : []).slice(0, BOARD_LIST_MAX).map((x) => {
+    const r = (x ?? {}) as Record<string, unknown>, text = (v: unknown, max = 120) => boardText(String(v ?? ""), max);
+    const denials = Array.isArray(r.denials) ? r.denials.slice(-BOARD_TIMELINE_MAX).map((d) => text(d, 240)) : [];
+    const [pid, started, turns, cost] = [num(r.pid), num(r.started), num(r.turns), num(r.cost)];
+    const [host, state, cwd] = [text(r.host, 16), text(r.state, 16), text(r.cwd, 240)];
+    return { peer: text(r.peer), task: text(r.task), host, state, pid, cwd, started, turns, cost, denials };
+  });
   return {
     now,
     node: { fingerprint: fingerprint(fold.selfKey), state: fold.root, relays: ctx.relays },
@@ -668,6 +691,7 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
       refusals: newestFirst(fold.refusals, (r) => ({ ...r, who: r.who && name(r.who) })),
       receipts: newestFirst([...fold.receipts.values()], (r) => ({ ...r, peer: name(r.peer) })),
     },
+    executors,
     totals: {
       sessions: sessions.length,
       tasks: rows.length,
@@ -676,6 +700,15 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
       outbox: queued.length,
     },
   };
+}
+
+/** `serve`'s executors.json (replaced whole on each change: never read torn); none when no serve runs here. */
+function readExecutors(stateDir: string): unknown {
+  try {
+    return JSON.parse(fs.readFileSync(path.join(stateDir, "executors.json"), "utf8"));
+  } catch {
+    return [];
+  }
 }
 
 /** Headers on every board answer: nothing cached, sniffed, framed, or told where it came from. */
@@ -775,6 +808,7 @@ export class Board {
       relays: this.opts.relays.map((r) => redactUrl(r.name)),
       ...some("only", this.opts.only),
       ...some("cli", this.opts.cli),
+      executors: readExecutors(this.opts.stateDir),
     });
     this.#snapshot = JSON.stringify(view);
     this.#version++;
@@ -1054,7 +1088,13 @@ function render(v) {
   fill("tasks", ...(v.tasks.length ? v.tasks.map(taskCard) : [empty("no tasks yet")]),
     more(v.tasks.length, v.totals.tasks, "tasks"));
   fill("sessions", ...(v.sessions.length ? v.sessions.map(sessionCard) : [empty("no sessions yet")]),
-    more(v.sessions.length, v.totals.sessions, "sessions"));
+    more(v.sessions.length, v.totals.sessions, "sessions"),
+    v.executors.length ? h("h3", null, "Executors (interlink.ts serve)") : null,
+    ...v.executors.map((x) => h("div", "card", h("div", "row", chip(x.state), h("strong", null, x.peer),
+        h("span", null, "task " + x.task), h("span", "dim", x.host + (x.pid ? " · pid " + x.pid : "") + " · " + x.cwd +
+          (x.started ? " · started " + clock(x.started) : "") + " · " + (x.turns || 0) + " turns" +
+          (x.cost !== null ? " · $" + x.cost.toFixed(4) : ""))),
+      ...x.denials.map((d) => h("div", "dim text", "denied: " + d)))));
   const d = v.delivery;
   fill("delivery",
     h("h3", null, "Outbox (" + v.totals.outbox + ")"),
