@@ -2502,6 +2502,61 @@ describe("hostile clients: fair room on the bus", () => {
     );
   }
 
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `mail alice signed 40 days ago, which no node takes, is refused (400, told why) and holds none of her budget: whoever kept it cannot lock her out, after a restart either; one signed 29 days ago is still taken (${runtime})`,
+      async () => {
+        const dir = tmpDir();
+        let bus = await startBus(runtime, dir, ["--sender-mb", "1"]);
+        const post = async (to: string, payload: unknown) => {
+          const r = await fetch(`${bus.url}/send`, { method: "POST", body: JSON.stringify({ to, payload }) });
+          return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+        };
+        try {
+          const day = 24 * 3600e3, old = Date.now() - 40 * day;
+          // What eve kept of alice's mail to her 40 days ago, 13 messages of 100 KB: more than alice's 1 MiB.
+          const stale = [];
+          for (let i = 0; i < 13; i++) {
+            const m = await signMessage(alice, { to: eve.publicKey, text: "z".repeat(100_000) }, old + i);
+            stale.push(await post(`${eve.publicKey}#hold`, m));
+          }
+          expect(stale.map((r) => r.status)).toEqual(Array(13).fill(400));
+          expect(stale[0].error).toBe("signed 40 days ago, and no node takes one over 30 days old");
+          const recent = await signMessage(alice, { to: eve.publicKey, text: "recent" }, Date.now() - 29 * day);
+          expect((await post(eve.publicKey, recent)).status).toBe(202); // within the 30 days a node takes
+          await stop(bus);
+          bus = await startBus(runtime, dir, ["--sender-mb", "1"]);
+          const fresh = await signMessage(alice, { to: bob.publicKey, text: "z".repeat(900_000) }, Date.now());
+          expect((await post(bob.publicKey, fresh)).status).toBe(202); // her budget is hers
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  test("a signed message expires 30 days and a minute after it was signed, not after it was queued: mail signed 29 days ago holds its signer's budget a day, not a month", async () => {
+    let now = Date.now();
+    const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now, limits: { senderBytes: 8192 } });
+    try {
+      const post = (payload: unknown) =>
+        bus.handler(
+          new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to: eve.publicKey, payload }) }),
+        );
+      const day = 24 * 3600e3, signed = now - 29 * day;
+      expect((await post(await signMessage(alice, { to: eve.publicKey, text: "y".repeat(3000) }, signed))).status).toBe(
+        202,
+      );
+      expect((await post(await signMessage(alice, { to: eve.publicKey, text: "late" }, now))).status).toBe(202);
+      now = signed + HELD_MAX_MS + 61_000; // a day and a minute later
+      await bus.expire();
+      expect(bus.take(eve.publicKey, 64).map((m) => JSON.parse(m.payload).text)).toEqual(["late"]);
+    } finally {
+      await bus.close();
+    }
+  });
+
   test("a message queued longer than any node would take a signed one (30 days, and a minute of clock skew) is dropped, an unsigned one too, and its sender's budget given back", async () => {
     let now = Date.now();
     const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now, limits: { senderBytes: 8192 } });

@@ -703,14 +703,15 @@ function recipientParam(value: unknown, name: string): string {
   return value;
 }
 
-/** Who signed a payload, verified, and its signature (Bus.send knows a copy by it); "" for an opaque payload. */
-type Signer = { from: string; sig?: string };
+/** Who signed a payload, verified, its signature (Bus.send knows a copy by it) and ts; "" for an opaque payload. */
+type Signer = { from: string; sig?: string; ts?: number };
 
 /**
  * The verified signer of a v2-shaped payload, so room is shared fairly between senders; "" for any other (opaque, as
- * the reference contract says). A malformed or forged v2 payload is a 400: the bus never queues a known forgery.
+ * the reference contract says). A malformed or forged v2 payload is a 400: the bus never queues a known forgery, nor
+ * one signed more than HELD_MAX_MS before `now`, which no node of ours takes (kept, it held its signer's budget).
  */
-async function signerOf(payload: unknown, route: string): Promise<Signer> {
+async function signerOf(payload: unknown, route: string, now: number): Promise<Signer> {
   if (!isV2Shaped(payload)) return { from: "" };
   let msg: SignedMessage;
   try {
@@ -724,7 +725,9 @@ async function signerOf(payload: unknown, route: string): Promise<Signer> {
   if (bad) throw new HttpError(400, `the message's signature does not verify (${bad}); not queued`);
   // Else a copy of one of alice's messages, posted to other routes, would spend her budget and crowd her out.
   if (msg.to !== parseRoute(route).key) throw new HttpError(400, `addressed to ${fingerprint(msg.to)}, not this route`);
-  return { from: msg.from, sig: msg.sig };
+  const [age, most] = [now - msg.ts, HELD_MAX_MS].map((ms) => `${+(ms / 86_400_000).toFixed(1)} days`);
+  if (now - msg.ts > HELD_MAX_MS) throw new HttpError(400, `signed ${age} ago, and no node takes one over ${most} old`);
+  return { from: msg.from, sig: msg.sig, ts: msg.ts };
 }
 
 const isV2Shaped = (p: unknown): p is Record<string, string> =>
@@ -734,7 +737,7 @@ const isV2Shaped = (p: unknown): p is Record<string, string> =>
 function claimedSigner(payload: string): Signer {
   try {
     const p = JSON.parse(payload);
-    return isV2Shaped(p) ? { from: p.from, sig: p.sig } : { from: "" };
+    return isV2Shaped(p) ? { from: p.from, sig: p.sig, ts: Number(p.ts) } : { from: "" };
   } catch {
     return { from: "" };
   }
@@ -802,16 +805,21 @@ const QUEUE_SCHEMA_2 = `ALTER TABLE message ADD COLUMN sig TEXT;
   PRAGMA user_version = 2;`;
 /**
  * Version 3: the address bucket a message came from (BusQueues.admit; NULL none: loopback, or not known), and when it
- * expires (Bus.expire; NULL: MESSAGE_STAY_MS after its ts): an unsigned one held from before, which never did,
+ * expires (expiryOf; NULL: MESSAGE_STAY_MS after its ts): an unsigned one held from before, which never did,
  * MESSAGE_STAY_MS after the upgrade (or the import), so a receiver away has that long still. NULLs cost no bytes.
  */
 const QUEUE_SCHEMA_3 = (now: number) =>
   `ALTER TABLE message ADD COLUMN origin TEXT;
   ALTER TABLE message ADD COLUMN expires INTEGER;
   UPDATE message SET expires = ${now + MESSAGE_STAY_MS} WHERE sender = '';
+  UPDATE message SET expires = json_extract(payload, '$.ts') + ${MESSAGE_STAY_MS}
+    WHERE sender != '' AND json_valid(payload) AND json_extract(payload, '$.ts') < ts;
   DROP INDEX message_route;
   CREATE INDEX message_route ON message (route, seq, ts, sender, size, origin, expires);
   PRAGMA user_version = 3;`;
+
+/** The expires column of a message queued at `ts`, signed at `signed`: from its signing, if before (NULL: from `ts`). */
+const expiryOf = (ts: number, signed = Infinity) => (signed < ts ? signed + MESSAGE_STAY_MS : null);
 
 /** SQLite's words for a full disk (Deno's errors carry no code) and for a damaged file. */
 const sqliteFull = (e: unknown) => /database or disk is full|ENOSPC/i.test(String((e as Error)?.message));
@@ -926,7 +934,7 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
         if (r.t === "m") {
           const p = r.p as string, c = claimedSigner(p), sender = typeof r.s === "string" ? r.s : c.from; // < 0.5: none
           const sig = sender === c.from ? c.sig ?? null : null; // the signature of the signer it is counted against
-          const expires = sender ? null : Date.now() + MESSAGE_STAY_MS; // see QUEUE_SCHEMA_3
+          const expires = sender ? expiryOf(r.ts as number, c.ts) : Date.now() + MESSAGE_STAY_MS; // see QUEUE_SCHEMA_3
           const taken = insert.run(r.n as number, r.q as string, r.ts as number, sender, utf8Bytes(p), p, sig, expires)
             .changes;
           if (!taken) bad(at, `seq ${r.n} is in the queue database already`, JSON.stringify(r));
@@ -1206,13 +1214,13 @@ class Bus {
    * it, unanswered, so its sender sends it again (the ts in an ack key keeps the lost one's key from acking the copy's
    * seq, given again). `origin`: the address bucket whose share it counts in ("": none).
    */
-  async send(to: string, payload: string, sender = "", { sig }: Omit<Signer, "from"> = {}, origin = ""): Promise<void> {
+  async send(to: string, payload: string, sender = "", { sig, ts: signed }: Omit<Signer, "from"> = {}, origin = "") {
     const size = utf8Bytes(payload), queued = this.check(to, sender, size, sig, origin);
     if (queued) return await queued.catch((e) => Promise.reject(this.#unavailable(e)));
     const seq = this.nextSeq++, ts = this.now();
     this.queues.add(to, sender, size, 1, origin);
     this.#disk.free -= 2 * size + MESSAGE_OVERHEAD_BYTES;
-    const row = [seq, to, ts, sender, size, payload, sig ?? null, origin || null, null] as const;
+    const row = [seq, to, ts, sender, size, payload, sig ?? null, origin || null, expiryOf(ts, signed)] as const;
     const done = this.#write(() => this.#sql.insert.run(...row), to);
     if (sig) this.#unsynced.set(sig, { to, done });
     try {
@@ -1226,8 +1234,9 @@ class Bus {
   }
 
   /**
-   * Drops the messages queued over MESSAGE_STAY_MS ago, opaque ones too: every node of ours refuses a signed one as
-   * stale by then, so mail nobody reads holds its signer's and its address's budget that long at most. At open, hourly.
+   * Drops the messages signed, or else queued, over MESSAGE_STAY_MS ago (expiryOf), opaque ones too: every node of ours
+   * refuses a signed one as stale by then, so mail nobody reads holds its signer's and its address's budget that long
+   * at most, from its signing. At open, hourly.
    */
   async expire(): Promise<void> {
     const old = this.#sql.expired.all(this.now()) as ({ route: string } & AckMark)[];
@@ -1533,7 +1542,7 @@ async function sendMany(bus: Bus, items: unknown[], origin: string): Promise<Res
       if (!isObject(item) || item.payload === undefined) throw new HttpError(400, 'each message is {"to", "payload"}');
       const to = recipientParam(item.to, "to");
       const payload = JSON.stringify(item.payload);
-      const signer = await signerOf(item.payload, to);
+      const signer = await signerOf(item.payload, to, bus.now());
       bus.check(to, signer.from, utf8Bytes(payload), signer.sig, origin); // a refusal (a full route) stops the batch
       queued.push(bus.send(to, payload, signer.from, signer, origin)); // in the queue now, in order; on disk once awaited
       results.push({ status: 202 });
@@ -1565,7 +1574,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
     const to = recipientParam(body.to, "to");
     if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
-    const signer = await signerOf(body.payload, to);
+    const signer = await signerOf(body.payload, to, bus.now());
     await bus.send(to, JSON.stringify(body.payload), signer.from, signer, origin);
     return jsonResponse(202, '{"status":"queued"}');
   }],
