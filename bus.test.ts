@@ -86,6 +86,26 @@ import {
 
 sweepAfterAll();
 
+/** This machine's address on its network: a client there is, to a bus, another address than loopback's. */
+const LAN = lanAddresses()[0]?.address;
+const onLan = LAN ? test.concurrent : test.skip; // a machine with no network has no second address to test from
+const freeKey = () => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+/** A bus on every address: `here` reaches it from loopback (this machine's sessions), `there` from LAN. */
+async function busOnTwoAddresses(runtime: "bun" | "deno", dir: string) {
+  const bus = await startBus(runtime, dir, ["--host", "0.0.0.0"]);
+  const port = new URL(bus.url).port;
+  const post = (host: string) => async (to: string, payload: unknown) => {
+    const r = await fetch(`http://${host}:${port}/send`, { method: "POST", body: JSON.stringify({ to, payload }) });
+    return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+  };
+  /** A signed recv of `id`'s bare route: the key proves it reads its routes here (an owner). */
+  const prove = async (id: Identity) => {
+    const ts = Date.now(), proof = `${ts}.${await id.sign(recvProofBytes(id.publicKey, ts))}`;
+    return (await fetch(`http://127.0.0.1:${port}/recv?me=${id.publicKey}&timeout_ms=0&proof=${proof}`)).status;
+  };
+  return { bus, here: post("127.0.0.1"), there: post(LAN!), prove };
+}
+
 describe("bus: the HTTP handler", () => {
   let bus: Bus;
   let dir: string;
@@ -2413,26 +2433,6 @@ describe("hostile clients: fair room on the bus", () => {
     );
   }
 
-  /** This machine's address on its network: a client there is, to a bus, another address than loopback's. */
-  const LAN = lanAddresses()[0]?.address;
-  const onLan = LAN ? test.concurrent : test.skip; // a machine with no network has no second address to test from
-  const freeKey = () => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
-  /** A bus on every address: `here` reaches it from loopback (this machine's sessions), `there` from LAN. */
-  async function busOnTwoAddresses(runtime: "bun" | "deno", dir: string) {
-    const bus = await startBus(runtime, dir, ["--host", "0.0.0.0"]);
-    const port = new URL(bus.url).port;
-    const post = (host: string) => async (to: string, payload: unknown) => {
-      const r = await fetch(`http://${host}:${port}/send`, { method: "POST", body: JSON.stringify({ to, payload }) });
-      return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
-    };
-    /** A signed recv of `id`'s bare route: the key proves it reads its routes here (an owner). */
-    const prove = async (id: Identity) => {
-      const ts = Date.now(), proof = `${ts}.${await id.sign(recvProofBytes(id.publicKey, ts))}`;
-      return (await fetch(`http://127.0.0.1:${port}/recv?me=${id.publicKey}&timeout_ms=0&proof=${proof}`)).status;
-    };
-    return { bus, here: post("127.0.0.1"), there: post(LAN!), prove };
-  }
-
   for (const runtime of ["bun", "deno"] as const) {
     onLan(
       `one address with one key it proved cannot fill the bus with unsigned payloads on that key's free routes (K#junk1, K#junk2, …): a quarter of the bus from an address (429, told why), 64 a key, and a node that proved its route still gets its mail after a restart; this machine's own sessions (loopback) are not held to a quarter (${runtime})`,
@@ -2984,6 +2984,38 @@ describe("hostile clients: bodies and connections", () => {
           expect(got.envelope.payload.msg_id).toBe(m.msg_id);
         } finally {
           holding = false;
+          for (const s of sockets) s.destroy();
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    onLan(
+      `2,100 stalled uploads of small bodies (16 KiB declared, one byte sent) from one process take its address's 2 MiB allowance for small bodies, not the bus's budget: its next small send is refused (429, told why), another address's is taken (${runtime})`,
+      async () => {
+        const { bus, here, there } = await busOnTwoAddresses(runtime, tmpDir());
+        const port = Number(new URL(bus.url).port);
+        const sockets: net.Socket[] = [];
+        try {
+          await Promise.all(Array.from({ length: 2100 }, () =>
+            new Promise<void>((resolve) => {
+              const s = net.connect(port, "127.0.0.1", () => {
+                s.write(`POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: 16384\r\n\r\n{`);
+                resolve();
+              });
+              s.on("error", () => resolve());
+              sockets.push(s);
+            })));
+          await new Promise((r) => setTimeout(r, 2000)); // the bus reads their headers, reserving 16 KiB each
+          const m = await signMessage(alice, { to: bob.publicKey, text: "hi" }, Date.now());
+          const mine = await here(bob.publicKey, m);
+          expect(mine.status).toBe(429); // this address holds its 128 stalled ones
+          expect(mine.error).toContain("your address already has 2 MiB of small request bodies being read");
+          expect((await there(bob.publicKey, m)).status).toBe(202); // 503 for everyone when they counted only in all
+        } finally {
           for (const s of sockets) s.destroy();
           await stop(bus);
         }

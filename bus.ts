@@ -115,8 +115,10 @@ const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
 const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-/** A body declared this small counts only in all: one local process holding 127/8's share stops no one's small ones. */
+/** A body declared this small counts apart: one local process holding 127/8's share of large ones stops no small one. */
 const SMALL_BODY_BYTES = 16 << 10;
+/** ... against an allowance of its own per address (429): 128 stalled ones, not the bus's budget (2,100 took it). */
+const SMALL_BODIES_PER_ADDRESS = 2 << 20;
 /** Answers this large are streamed and counted in flight; a smaller one the socket's buffers take at once, whole. */
 const ANSWER_STREAM_MIN_BYTES = 64 << 10;
 /** Bytes of large answers not yet taken by their connections, in all (503 past it): sixteen of the largest message. */
@@ -523,6 +525,7 @@ function addressBucket(address: string): string {
 class BytesInFlight {
   bytes = 0;
   #byAddress = new Map<string, number>(); // bounded: an entry lives only while its address has bytes in flight
+  #small = new Map<string, number>(); // the same, of small bodies (SMALL_BODY_BYTES): bounded the same
 
   /** `what`: the bytes counted, as refusals name them; `close`: a refusal ends the connection (a body left unread). */
   constructor(
@@ -532,24 +535,25 @@ class BytesInFlight {
     readonly close = true,
   ) {}
 
-  /** Takes `n` bytes for address bucket `from`, or in all only (null), or throws the 429 or 503. */
-  take(from: string | null, n: number): void {
+  /** Takes `n` bytes for address bucket `from` (`small`: of its allowance for small bodies), or throws the 429 or 503. */
+  take(from: string, n: number, small = false): void {
     if (n <= 0) return;
-    const mine = from === null ? 0 : this.#byAddress.get(from) ?? 0;
-    const refuse = (status: number, who: string, held: number, max: number, all = "") => {
-      const has = `${humanBytes(held)} of ${this.what}${all} (at most ${humanBytes(max)} at once)`;
-      return new HttpError(status, `${who} already has ${has}; retry in a moment`, this.close);
+    const [mine, most] = small ? [this.#small, SMALL_BODIES_PER_ADDRESS] : [this.#byAddress, this.perAddress];
+    const held = mine.get(from) ?? 0;
+    const refuse = (status: number, who: string, has: number, max: number, all = "") => {
+      const what = `${small ? "small " : ""}${this.what}${all} (at most ${humanBytes(max)} at once)`;
+      return new HttpError(status, `${who} already has ${humanBytes(has)} of ${what}; retry in a moment`, this.close);
     };
-    if (from !== null && mine + n > this.perAddress) throw refuse(429, "your address", mine, this.perAddress);
+    if (held + n > most) throw refuse(429, "your address", held, most);
     if (this.bytes + n > this.max) throw refuse(503, "this bus", this.bytes, this.max, " in all");
-    if (from !== null) this.#byAddress.set(from, mine + n);
+    mine.set(from, held + n);
     this.bytes += n;
   }
 
-  give(from: string | null, n: number): void {
+  give(from: string, n: number, small = false): void {
     if (n <= 0) return;
     this.bytes -= n;
-    if (from !== null) addCount(this.#byAddress, from, -n);
+    addCount(small ? this.#small : this.#byAddress, from, -n);
   }
 }
 
@@ -621,15 +625,15 @@ function streamedAnswer(status: number, text: string, held: AnswerHold): Respons
 
 /**
  * Reads a JSON body of at most BODY_LIMIT_BYTES, counted as it arrives (Content-Length may be absent or lie), within
- * CONN_BODY_MS (a drip gets 408), against `inFlight` for address bucket `from` (in all only up to SMALL_BODY_BYTES):
- * reserved before reading, held until the runtime's read ends.
+ * CONN_BODY_MS (a drip gets 408), against `inFlight` for address bucket `from` (one declared up to SMALL_BODY_BYTES
+ * against its allowance for small ones): reserved before reading, held until the runtime's read ends.
  */
 async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string, maxValues = JSON_VALUES_MAX) {
   const declared = declaredLength(req);
   const tooLarge = () => new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
   if (declared !== null && declared > BODY_LIMIT_BYTES) throw tooLarge();
-  let reserved = 0; // taken from inFlight, for `who`
-  const who = declared !== null && declared <= SMALL_BODY_BYTES ? null : from;
+  let reserved = 0; // taken from inFlight
+  const small = declared !== null && declared <= SMALL_BODY_BYTES;
   let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long
   let reader: ReadableStreamDefaultReader<Uint8Array> | undefined;
   const deadline = Promise.withResolvers<never>();
@@ -638,7 +642,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
   let text: string;
   try {
     if (declared !== null) {
-      inFlight.take(who, declared);
+      inFlight.take(from, declared, small);
       reserved = declared;
       // The server holds the body to its declared length. (Not touching req.body keeps Deno on its fast path.)
       text = await Promise.race([reading = req.text(), deadline.promise]);
@@ -651,7 +655,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
         const { done, value } = await Promise.race([reader.read(), deadline.promise]);
         if (done) break;
         if (reserved + value.length > BODY_LIMIT_BYTES) throw tooLarge();
-        inFlight.take(who, value.length);
+        inFlight.take(from, value.length);
         reserved += value.length;
         chunks.push(value);
       }
@@ -664,7 +668,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
     throw new HttpError(400, `the body could not be read (${(e as Error).message})`, true);
   } finally {
     clearTimeout(timer);
-    const give = () => inFlight.give(who, reserved);
+    const give = () => inFlight.give(from, reserved, small);
     reading.then(give, give);
   }
   const { depth, values } = jsonShape(text);
