@@ -2451,7 +2451,7 @@ describe("hostile clients: fair room on the bus", () => {
           }
           expect(seen.length).toBe(4); // 4 × 1.9 MB of the quarter's 8 MiB (the whole bus took 16 of them)
           expect(refused.status).toBe(429);
-          expect(refused.error).toContain("your address already has 8 MiB, its share");
+          expect(refused.error).toContain("your address already has 8 MiB queued on this bus, its share");
           // Small ones, each on a route of its own: 64 unsigned payloads a key, wherever its routes.
           const small = [];
           for (let i = 0; i < 62; i++) small.push((await there(`${stranger.publicKey}#s${i}`, i)).status);
@@ -2491,7 +2491,7 @@ describe("hostile clients: fair room on the bus", () => {
           }
           expect(taken).toBe(4); // the whole bus took 16
           expect(refused.status).toBe(429);
-          expect(refused.error).toContain("your address already has 8 MiB, its share");
+          expect(refused.error).toContain("your address already has 8 MiB queued on this bus, its share");
           const m = await signMessage(alice, { to: bob.publicKey, text: "hello bob" }, Date.now());
           expect((await here(bob.publicKey, m)).status).toBe(202);
         } finally {

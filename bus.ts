@@ -86,7 +86,7 @@ import {
 
 /** Longest wait a client may ask for; past it proxies and NATs start cutting idle connections. */
 const RECV_TIMEOUT_MAX_MS = 60_000;
-/** Payloads per recipient key not from a verified signer (not v2), refused past it like a full route: routes are free. */
+/** Payloads not from a verified signer (not v2) per recipient key, all its routes (they are free): 429 past it. */
 const OPAQUE_CAP = 64;
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
 const SENDER_BYTES_MAX = 8 << 20;
@@ -115,7 +115,7 @@ const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
 const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-/** A body declared this small counts apart: one local process holding 127/8's share of large ones stops no small one. */
+/** A body declared this small counts apart: one local process holding 127/8's share of large ones stops no small. */
 const SMALL_BODY_BYTES = 16 << 10;
 /** ... against an allowance of its own per address (429): 128 stalled ones, not the bus's budget (2,100 took it). */
 const SMALL_BODIES_PER_ADDRESS = 2 << 20;
@@ -242,11 +242,10 @@ class BusQueues {
     return this.bytes + this.liveCount * MESSAGE_OVERHEAD_BYTES + this.#routes.size * ROUTE_OVERHEAD_BYTES;
   }
 
-  /** Why `size` bytes from `sender` to `to` ("": not known yet), from address bucket `origin` ("": none), cannot go in. */
+  /** Why `size` bytes from `sender` to `to` ("": not known yet) from address bucket `origin` ("": none) can't go in. */
   admit(sender: string, size: number, to = "", origin = ""): "global" | "unclaimed" | "address" | "sender" | null {
     const { totalBytes, unclaimedShare, addressShare, senderBytes } = this.limits;
-    const cost = size + MESSAGE_OVERHEAD_BYTES;
-    const route = this.#routes.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
+    const cost = size + MESSAGE_OVERHEAD_BYTES, route = this.#routes.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
     if (this.charged + cost + route > totalBytes) return "global";
     const unclaimed = to && !this.owned(parseRoute(to).key) ? this.unclaimed + cost : 0;
     if (unclaimed > totalBytes * unclaimedShare) return "unclaimed";
@@ -535,7 +534,7 @@ class BytesInFlight {
     readonly close = true,
   ) {}
 
-  /** Takes `n` bytes for address bucket `from` (`small`: of its allowance for small bodies), or throws the 429 or 503. */
+  /** Takes `n` bytes for address bucket `from` (`small`: of its allowance for small bodies), or throws a 429 or 503. */
   take(from: string, n: number, small = false): void {
     if (n <= 0) return;
     const [mine, most] = small ? [this.#small, SMALL_BODIES_PER_ADDRESS] : [this.#byAddress, this.perAddress];
@@ -808,21 +807,18 @@ const QUEUE_SCHEMA_2 = `ALTER TABLE message ADD COLUMN sig TEXT;
   CREATE INDEX message_sig ON message (sig) WHERE sig IS NOT NULL;
   PRAGMA user_version = 2;`;
 /**
- * Version 3: the address bucket a message came from (BusQueues.admit; NULL none: loopback, or not known), and when it
- * expires (expiryOf; NULL: MESSAGE_STAY_MS after its ts): an unsigned one held from before, which never did,
- * MESSAGE_STAY_MS after the upgrade (or the import), so a receiver away has that long still. NULLs cost no bytes.
+ * Version 3: each message's address bucket (BusQueues.admit; NULL: none) and expiry (expiryOf; NULL: its ts's); an
+ * unsigned one held from before, which never expired, MESSAGE_STAY_MS after the upgrade. NULLs cost no bytes.
  */
-const QUEUE_SCHEMA_3 = (now: number) =>
-  `ALTER TABLE message ADD COLUMN origin TEXT;
+const QUEUE_SCHEMA_3 = `ALTER TABLE message ADD COLUMN origin TEXT;
   ALTER TABLE message ADD COLUMN expires INTEGER;
-  UPDATE message SET expires = ${now + MESSAGE_STAY_MS} WHERE sender = '';
+  UPDATE message SET expires = CAST(strftime('%s') AS INTEGER) * 1000 + ${MESSAGE_STAY_MS} WHERE sender = '';
   UPDATE message SET expires = json_extract(payload, '$.ts') + ${MESSAGE_STAY_MS}
     WHERE sender != '' AND json_valid(payload) AND json_extract(payload, '$.ts') < ts;
-  DROP INDEX message_route;
-  CREATE INDEX message_route ON message (route, seq, ts, sender, size, origin, expires);
+  DROP INDEX message_route; CREATE INDEX message_route ON message (route, seq, ts, sender, size, origin, expires);
   PRAGMA user_version = 3;`;
 
-/** The expires column of a message queued at `ts`, signed at `signed`: from its signing, if before (NULL: from `ts`). */
+/** The expires column of a message queued at `ts`, signed at `signed`: from its signing if before (NULL: from `ts`). */
 const expiryOf = (ts: number, signed = Infinity) => (signed < ts ? signed + MESSAGE_STAY_MS : null);
 
 /** SQLite's words for a full disk (Deno's errors carry no code) and for a damaged file. */
@@ -863,14 +859,13 @@ function openQueue(dataDir: string, log: (msg: string) => void) {
     const wal = walBytesOf(diskOf(dataDir).size);
     db.exec(`PRAGMA auto_vacuum = FULL; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;
       PRAGMA wal_autocheckpoint = ${wal / 4096}; PRAGMA journal_size_limit = ${wal}`);
-    const upgrades = [QUEUE_SCHEMA, QUEUE_SCHEMA_2, QUEUE_SCHEMA_3(Date.now())].slice(user_version); // each: a version
-    if (upgrades.length) db.exec(`BEGIN; ${upgrades.join(" ")} COMMIT;`);
+    db.exec(`BEGIN; ${[QUEUE_SCHEMA, QUEUE_SCHEMA_2, QUEUE_SCHEMA_3].slice(user_version).join(" ")} COMMIT;`); // from its version on
     const skippedLines = importJsonl(db, path.join(dataDir, "queue.jsonl"), log);
     syncDirectory(dataDir); // queue.db and its WAL made, queue.jsonl renamed: for good
     db.exec("PRAGMA synchronous = NORMAL"); // from here a commit's fsync is Bus.#flush's, off the event loop
     const sql = (text: string) => db!.prepare(text), one = (text: string) => sql(text).get() ?? {};
     const counts =
-      "SELECT route, sender, origin, count(*) AS n, sum(size) AS b FROM message INDEXED BY message_route GROUP BY 1, 2, 3";
+      "SELECT route, sender, origin, count(*) n, sum(size) b FROM message INDEXED BY message_route GROUP BY 1, 2, 3";
     return {
       db,
       skippedLines,
@@ -924,7 +919,7 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
   const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
   let skipped = 0, top = 0; // top: the highest seq the file names
   if (sql("SELECT value FROM meta WHERE name = 'imported'").get()?.value !== id) {
-    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)"); // as Bus.send
+    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)"); // see QUEUE_SCHEMA_3
     const remove = sql("DELETE FROM message WHERE seq = ? AND route = ?");
     const owner = sql("INSERT OR IGNORE INTO owner (key) VALUES (?)");
     const closed = sql("INSERT INTO meta VALUES ('closed', ?1) ON CONFLICT DO UPDATE SET value = min(value, ?1)");
@@ -938,9 +933,8 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
         if (r.t === "m") {
           const p = r.p as string, c = claimedSigner(p), sender = typeof r.s === "string" ? r.s : c.from; // < 0.5: none
           const sig = sender === c.from ? c.sig ?? null : null; // the signature of the signer it is counted against
-          const expires = sender ? expiryOf(r.ts as number, c.ts) : Date.now() + MESSAGE_STAY_MS; // see QUEUE_SCHEMA_3
-          const taken = insert.run(r.n as number, r.q as string, r.ts as number, sender, utf8Bytes(p), p, sig, expires)
-            .changes;
+          const ts = r.ts as number, expires = sender ? expiryOf(ts, c.ts) : Date.now() + MESSAGE_STAY_MS;
+          const taken = insert.run(r.n as number, r.q as string, ts, sender, utf8Bytes(p), p, sig, expires).changes;
           if (!taken) bad(at, `seq ${r.n} is in the queue database already`, JSON.stringify(r));
         } else if (r.t === "a" || r.t === "d") remove.run(r.n as number, r.q as string);
         else if (r.t === "o") owner.run(parseRoute(r.q as string).key); // an older bus wrote one per route
@@ -1042,9 +1036,7 @@ class Bus {
     this.#sql = {
       insert: sql("INSERT INTO message VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"), // as the schema's comment lists them
       copy: sql("SELECT route FROM message WHERE sig = ? AND sender = ?"),
-      expired: sql(
-        `SELECT route, seq, ts FROM message INDEXED BY message_route WHERE coalesce(expires, ts + ${MESSAGE_STAY_MS}) < ?`,
-      ),
+      expired: sql("SELECT route, seq, ts FROM message INDEXED BY message_route WHERE ifnull(expires, ts + ?) < ?"),
       remove: sql(
         "DELETE FROM message WHERE seq = ? AND route = ? AND ts = coalesce(?, ts) RETURNING sender, size, origin",
       ),
@@ -1115,24 +1107,19 @@ class Bus {
   };
 
   /**
-   * Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) to `to` ("": not known yet), from
-   * address bucket `origin`, would get: the byte budgets, then the room kept free on the disk. `close`: the body is
-   * unread (see HttpError).
+   * Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) to `to` ("": not known yet) from
+   * `origin` would get (BusQueues.admit), then the disk's 507. `close`: the body is unread (see HttpError).
    */
   ensureRoom(sender: string, size: number, to = "", origin = "", close = false): void {
-    const over = this.queues.admit(sender, size, to, origin), limits = this.queues.limits;
+    const over = this.queues.admit(sender, size, to, origin), l = this.queues.limits;
     if (over) {
       const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
-      const [all, unclaimed, address] = [1, limits.unclaimedShare, limits.addressShare].map((f) =>
-        humanBytes(f * limits.totalBytes)
-      );
-      const held = `queued on this bus (${counted})`;
+      const [all, share, mine] = [1, l.unclaimedShare, l.addressShare].map((f) => humanBytes(f * l.totalBytes));
       const why = {
         global: `this bus holds its whole budget of ${all} of messages (${counted}); retry later`,
-        unclaimed:
-          `mail for keys that never proved a route here holds its ${unclaimed} share (${counted}); retry later`,
-        address: `your address already has ${address}, its share, ${held}; retry once some are read`,
-        sender: `this sender already has ${humanBytes(limits.senderBytes)} ${held}; retry once read`,
+        unclaimed: `mail for keys that never proved a route here holds its ${share} share (${counted}); retry later`,
+        address: `your address already has ${mine} queued on this bus, its share (${counted}); retry once read`,
+        sender: `this sender already has ${humanBytes(l.senderBytes)} queued on this bus (${counted}); retry once read`,
       }[over];
       throw new HttpError(over === "global" || over === "unclaimed" ? 507 : 429, why, close);
     }
@@ -1238,12 +1225,11 @@ class Bus {
   }
 
   /**
-   * Drops the messages signed, or else queued, over MESSAGE_STAY_MS ago (expiryOf), opaque ones too: every node of ours
-   * refuses a signed one as stale by then, so mail nobody reads holds its signer's and its address's budget that long
-   * at most, from its signing. At open, hourly.
+   * Drops the messages over MESSAGE_STAY_MS old (expiryOf), opaque ones too: every node of ours refuses a signed one
+   * as stale by then, so mail nobody reads holds its signer's and its address's budget that long at most. Open, hourly.
    */
   async expire(): Promise<void> {
-    const old = this.#sql.expired.all(this.now()) as ({ route: string } & AckMark)[];
+    const old = this.#sql.expired.all(MESSAGE_STAY_MS, this.now()) as ({ route: string } & AckMark)[];
     await Promise.all(old.map((m) => this.ack(m.route, m)));
   }
 
@@ -1548,7 +1534,7 @@ async function sendMany(bus: Bus, items: unknown[], origin: string): Promise<Res
       const payload = JSON.stringify(item.payload);
       const signer = await signerOf(item.payload, to, bus.now());
       bus.check(to, signer.from, utf8Bytes(payload), signer.sig, origin); // a refusal (a full route) stops the batch
-      queued.push(bus.send(to, payload, signer.from, signer, origin)); // in the queue now, in order; on disk once awaited
+      queued.push(bus.send(to, payload, signer.from, signer, origin)); // queued now, in order; on disk once awaited
       results.push({ status: 202 });
     } catch (e) {
       results.push(failed(e));
