@@ -18,6 +18,7 @@ import {
   humanBytes,
   type Identity,
   identityFromSeed,
+  lanAddresses,
   readRoster,
   recvProofBytes,
   ROSTER_CAP,
@@ -84,6 +85,26 @@ import {
 } from "./dev/testkit.ts";
 
 sweepAfterAll();
+
+/** This machine's address on its network: a client there is, to a bus, another address than loopback's. */
+const LAN = lanAddresses()[0]?.address;
+const onLan = LAN ? test.concurrent : test.skip; // a machine with no network has no second address to test from
+const freeKey = () => identityFromSeed(crypto.getRandomValues(new Uint8Array(32)));
+/** A bus on every address: `here` reaches it from loopback (this machine's sessions), `there` from LAN. */
+async function busOnTwoAddresses(runtime: "bun" | "deno", dir: string) {
+  const bus = await startBus(runtime, dir, ["--host", "0.0.0.0"]);
+  const port = new URL(bus.url).port;
+  const post = (host: string) => async (to: string, payload: unknown) => {
+    const r = await fetch(`http://${host}:${port}/send`, { method: "POST", body: JSON.stringify({ to, payload }) });
+    return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+  };
+  /** A signed recv of `id`'s bare route: the key proves it reads its routes here (an owner). */
+  const prove = async (id: Identity) => {
+    const ts = Date.now(), proof = `${ts}.${await id.sign(recvProofBytes(id.publicKey, ts))}`;
+    return (await fetch(`http://127.0.0.1:${port}/recv?me=${id.publicKey}&timeout_ms=0&proof=${proof}`)).status;
+  };
+  return { bus, here: post("127.0.0.1"), there: post(LAN!), prove };
+}
 
 describe("bus: the HTTP handler", () => {
   let bus: Bus;
@@ -2412,7 +2433,131 @@ describe("hostile clients: fair room on the bus", () => {
     );
   }
 
-  test("a signed message queued longer than any node would take it (30 days, and a minute of clock skew) is dropped, and its sender's budget given back; opaque payloads stay", async () => {
+  for (const runtime of ["bun", "deno"] as const) {
+    onLan(
+      `one address with one key it proved cannot fill the bus with unsigned payloads on that key's free routes (K#junk1, K#junk2, …): a quarter of the bus from an address (429, told why), 64 a key, and a node that proved its route still gets its mail after a restart; this machine's own sessions (loopback) are not held to a quarter (${runtime})`,
+      async () => {
+        const dir = tmpDir();
+        let { bus, here, there, prove } = await busOnTwoAddresses(runtime, dir);
+        try {
+          const stranger = await freeKey();
+          expect([await prove(stranger), await prove(bob)]).toEqual([200, 200]);
+          const junk = { junk: "x".repeat(1_900_000) }, seen: number[] = [];
+          let refused = { status: 0, error: "" };
+          for (let i = 0; i < 20 && !refused.status; i++) {
+            const r = await there(`${stranger.publicKey}#junk${i}`, junk);
+            if (r.status === 202) seen.push(r.status);
+            else refused = r;
+          }
+          expect(seen.length).toBe(4); // 4 × 1.9 MB of the quarter's 8 MiB (the whole bus took 16 of them)
+          expect(refused.status).toBe(429);
+          expect(refused.error).toContain("your address already has 8 MiB queued on this bus, its share");
+          // Small ones, each on a route of its own: 64 unsigned payloads a key, wherever its routes.
+          const small = [];
+          for (let i = 0; i < 62; i++) small.push((await there(`${stranger.publicKey}#s${i}`, i)).status);
+          expect(small).toEqual([...Array(60).fill(202), 429, 429]);
+          // From this machine (loopback), past a quarter: its sessions share one address, and are not held to it.
+          for (let i = 0; i < 5; i++) expect((await here(`${bob.publicKey}#big${i}`, junk)).status).toBe(202);
+          await stop(bus);
+          ({ bus, here, there, prove } = await busOnTwoAddresses(runtime, dir)); // the origins come back from the queue
+          expect((await there(`${stranger.publicKey}#after`, junk)).status).toBe(429);
+          const m = await signMessage(alice, { to: bob.publicKey, text: "hello bob" }, Date.now());
+          expect((await here(bob.publicKey, m)).status).toBe(202);
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    onLan(
+      `one address cannot fill the bus with signed mail from free sender keys (8 MiB each) to a key it proved: a quarter of the bus from an address (429), and a node that proved its route still gets its mail (${runtime})`,
+      async () => {
+        const { bus, here, there, prove } = await busOnTwoAddresses(runtime, tmpDir());
+        try {
+          const stranger = await freeKey();
+          expect([await prove(stranger), await prove(bob)]).toEqual([200, 200]);
+          let taken = 0, refused = { status: 0, error: "" };
+          for (let k = 0; k < 6 && !refused.status; k++) {
+            const sender = await freeKey();
+            for (let i = 0; i < 5 && !refused.status; i++) {
+              const m = await signMessage(sender, { to: stranger.publicKey, text: "y".repeat(1_900_000) }, Date.now());
+              const r = await there(stranger.publicKey, m);
+              if (r.status === 202) taken++;
+              else if (!r.error.startsWith("this sender already has")) refused = r; // a sender's 8 MiB: the next key
+            }
+          }
+          expect(taken).toBe(4); // the whole bus took 16
+          expect(refused.status).toBe(429);
+          expect(refused.error).toContain("your address already has 8 MiB queued on this bus, its share");
+          const m = await signMessage(alice, { to: bob.publicKey, text: "hello bob" }, Date.now());
+          expect((await here(bob.publicKey, m)).status).toBe(202);
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `mail alice signed 40 days ago, which no node takes, is refused (400, told why) and holds none of her budget: whoever kept it cannot lock her out, after a restart either; one signed 29 days ago is still taken (${runtime})`,
+      async () => {
+        const dir = tmpDir();
+        let bus = await startBus(runtime, dir, ["--sender-mb", "1"]);
+        const post = async (to: string, payload: unknown) => {
+          const r = await fetch(`${bus.url}/send`, { method: "POST", body: JSON.stringify({ to, payload }) });
+          return { status: r.status, error: r.status === 202 ? "" : (await r.json()).error as string };
+        };
+        try {
+          const day = 24 * 3600e3, old = Date.now() - 40 * day;
+          // What eve kept of alice's mail to her 40 days ago, 13 messages of 100 KB: more than alice's 1 MiB.
+          const stale = [];
+          for (let i = 0; i < 13; i++) {
+            const m = await signMessage(alice, { to: eve.publicKey, text: "z".repeat(100_000) }, old + i);
+            stale.push(await post(`${eve.publicKey}#hold`, m));
+          }
+          expect(stale.map((r) => r.status)).toEqual(Array(13).fill(400));
+          expect(stale[0].error).toBe("signed 40 days ago, and no node takes one over 30 days old");
+          const recent = await signMessage(alice, { to: eve.publicKey, text: "recent" }, Date.now() - 29 * day);
+          expect((await post(eve.publicKey, recent)).status).toBe(202); // within the 30 days a node takes
+          await stop(bus);
+          bus = await startBus(runtime, dir, ["--sender-mb", "1"]);
+          const fresh = await signMessage(alice, { to: bob.publicKey, text: "z".repeat(900_000) }, Date.now());
+          expect((await post(bob.publicKey, fresh)).status).toBe(202); // her budget is hers
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  test("a signed message expires 30 days and a minute after it was signed, not after it was queued: mail signed 29 days ago holds its signer's budget a day, not a month", async () => {
+    let now = Date.now();
+    const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now, limits: { senderBytes: 8192 } });
+    try {
+      const post = (payload: unknown) =>
+        bus.handler(
+          new Request("http://bus/send", { method: "POST", body: JSON.stringify({ to: eve.publicKey, payload }) }),
+        );
+      const day = 24 * 3600e3, signed = now - 29 * day;
+      expect((await post(await signMessage(alice, { to: eve.publicKey, text: "y".repeat(3000) }, signed))).status).toBe(
+        202,
+      );
+      expect((await post(await signMessage(alice, { to: eve.publicKey, text: "late" }, now))).status).toBe(202);
+      now = signed + HELD_MAX_MS + 61_000; // a day and a minute later
+      await bus.expire();
+      expect(bus.take(eve.publicKey, 64).map((m) => JSON.parse(m.payload).text)).toEqual(["late"]);
+    } finally {
+      await bus.close();
+    }
+  });
+
+  test("a message queued longer than any node would take a signed one (30 days, and a minute of clock skew) is dropped, an unsigned one too, and its sender's budget given back", async () => {
     let now = Date.now();
     const bus = await Bus.open(tmpDir(), { log: () => {}, now: () => now, limits: { senderBytes: 8192 } });
     try {
@@ -2428,7 +2573,7 @@ describe("hostile clients: fair room on the bus", () => {
       expect(bus.queues.liveCount).toBe(3); // not yet: a node 60 s behind could still take them
       now += 61_000;
       await bus.expire();
-      expect(bus.take(eve.publicKey, 64).map((m) => JSON.parse(m.payload))).toEqual([{ opaque: 1 }]);
+      expect(bus.take(eve.publicKey, 64)).toEqual([]); // unsigned payloads would hold their address's budget for good
       expect((await post(bob.publicKey, await big(bob.publicKey))).status).toBe(202); // her budget is hers again
     } finally {
       await bus.close();
@@ -2839,6 +2984,38 @@ describe("hostile clients: bodies and connections", () => {
           expect(got.envelope.payload.msg_id).toBe(m.msg_id);
         } finally {
           holding = false;
+          for (const s of sockets) s.destroy();
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    onLan(
+      `2,100 stalled uploads of small bodies (16 KiB declared, one byte sent) from one process take its address's 2 MiB allowance for small bodies, not the bus's budget: its next small send is refused (429, told why), another address's is taken (${runtime})`,
+      async () => {
+        const { bus, here, there } = await busOnTwoAddresses(runtime, tmpDir());
+        const port = Number(new URL(bus.url).port);
+        const sockets: net.Socket[] = [];
+        try {
+          await Promise.all(Array.from({ length: 2100 }, () =>
+            new Promise<void>((resolve) => {
+              const s = net.connect(port, "127.0.0.1", () => {
+                s.write(`POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: 16384\r\n\r\n{`);
+                resolve();
+              });
+              s.on("error", () => resolve());
+              sockets.push(s);
+            })));
+          await new Promise((r) => setTimeout(r, 2000)); // the bus reads their headers, reserving 16 KiB each
+          const m = await signMessage(alice, { to: bob.publicKey, text: "hi" }, Date.now());
+          const mine = await here(bob.publicKey, m);
+          expect(mine.status).toBe(429); // this address holds its 128 stalled ones
+          expect(mine.error).toContain("your address already has 2 MiB of small request bodies being read");
+          expect((await there(bob.publicKey, m)).status).toBe(202); // 503 for everyone when they counted only in all
+        } finally {
           for (const s of sockets) s.destroy();
           await stop(bus);
         }

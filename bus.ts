@@ -86,7 +86,7 @@ import {
 
 /** Longest wait a client may ask for; past it proxies and NATs start cutting idle connections. */
 const RECV_TIMEOUT_MAX_MS = 60_000;
-/** Payloads per recipient not from a verified signer (not v2), refused past it like a full route: anyone fills it. */
+/** Payloads not from a verified signer (not v2) per recipient key, all its routes (they are free): 429 past it. */
 const OPAQUE_CAP = 64;
 /** Payload bytes one signer may have queued on a bus, all recipients together: one sender cannot fill it. */
 const SENDER_BYTES_MAX = 8 << 20;
@@ -94,6 +94,10 @@ const SENDER_BYTES_MAX = 8 << 20;
 const TOTAL_BYTES_MAX = 32 << 20;
 /** ... of which mail for keys that never proved a route here, which nobody may ever read: the rest is for owners'. */
 const UNCLAIMED_SHARE = 1 / 2;
+/** ... and from one source address (429), a quarter: keys are free, an address is not; one leaves the owners room. */
+const ADDRESS_SHARE = 1 / 4;
+/** All of loopback as one source address (see addressBucket): this machine's processes, held to no ADDRESS_SHARE. */
+const LOOPBACK = "127.0.0.0/8";
 /** A sessionless (0.4) announcement is served this long, as a 0.4 bus does: 0.4 clients read every entry as live. */
 const ROSTER_SESSIONLESS_MS = 90_000;
 /** Roster units per source address (see addressBucket): a machine's hundreds of sessions, a quarter of the roster. */
@@ -111,8 +115,10 @@ const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
 const BODIES_IN_FLIGHT_MAX = 32 << 20;
 /** ... and from one source address (429): four of the largest at once; one host cannot take the whole budget. */
 const BODIES_IN_FLIGHT_PER_ADDRESS = 8 << 20;
-/** A body declared this small counts only in all: one local process holding 127/8's share stops no one's small ones. */
+/** A body declared this small counts apart: one local process holding 127/8's share of large ones stops no small. */
 const SMALL_BODY_BYTES = 16 << 10;
+/** ... against an allowance of its own per address (429): 128 stalled ones, not the bus's budget (2,100 took it). */
+const SMALL_BODIES_PER_ADDRESS = 2 << 20;
 /** Answers this large are streamed and counted in flight; a smaller one the socket's buffers take at once, whole. */
 const ANSWER_STREAM_MIN_BYTES = 64 << 10;
 /** Bytes of large answers not yet taken by their connections, in all (503 past it): sixteen of the largest message. */
@@ -123,6 +129,8 @@ const ANSWERS_IN_FLIGHT_PER_ADDRESS = 8 << 20;
 const RECV_BATCH_BYTES = 4 << 20;
 /** Messages one batched recv answers at most (our extension: GET /recv?max=N), and acks one POST /ack takes. */
 const RECV_BATCH_MAX = 64;
+/** A message's stay at most (Bus.expire): no node of ours takes a signed one later, its clock a minute behind too. */
+const MESSAGE_STAY_MS = HELD_MAX_MS + FRESH_FUTURE_MS;
 /** Longest recipient string the bus accepts: a 43-char key plus a label. */
 const RECIPIENT_MAX_CHARS = 512;
 /**
@@ -178,9 +186,9 @@ const CONN_TURNED_AWAY_MAX = 32;
 // ============================================================================
 
 /**
- * What BusQueues lets in: `cap` verified messages per signer and recipient, `opaqueCap` unattributed per recipient,
+ * What BusQueues lets in: `cap` verified messages per signer and recipient, `opaqueCap` unattributed per recipient key,
  * and bytes from one verified signer (`senderBytes`), in all (`totalBytes`) and, of that, for keys that never proved a
- * route (`unclaimedShare`), as BusQueues.admit counts them.
+ * route (`unclaimedShare`) and from one source address (`addressShare`), as BusQueues.admit counts them.
  */
 const QUEUE_LIMITS = {
   cap: QUEUE_CAP,
@@ -188,6 +196,7 @@ const QUEUE_LIMITS = {
   senderBytes: SENDER_BYTES_MAX,
   totalBytes: TOTAL_BYTES_MAX,
   unclaimedShare: UNCLAIMED_SHARE,
+  addressShare: ADDRESS_SHARE,
 };
 type QueueLimits = typeof QUEUE_LIMITS;
 
@@ -207,6 +216,8 @@ class BusQueues {
   #routes = new Map<string, Map<string, number>>(); // route → sender ("" unattributed) → messages: bounded by them
   #senders = new Map<string, { bytes: number; count: number }>(); // verified senders' holdings: bounded the same
   #keys = new Map<string, number>(); // recipient key → payloads and MESSAGE_OVERHEAD_BYTES each: bounded the same
+  #opaque = new Map<string, number>(); // recipient key → unattributed messages: bounded the same
+  #origins = new Map<string, number>(); // address bucket → payloads and MESSAGE_OVERHEAD_BYTES each: bounded the same
   liveCount = 0;
   bytes = 0;
   unclaimed = 0; // what #keys counts for keys not `owned`
@@ -231,21 +242,22 @@ class BusQueues {
     return this.bytes + this.liveCount * MESSAGE_OVERHEAD_BYTES + this.#routes.size * ROUTE_OVERHEAD_BYTES;
   }
 
-  /** Why a payload of `size` bytes from `sender` to `to` ("": not known yet) cannot be taken now, or null. */
-  admit(sender: string, size: number, to = ""): "global" | "unclaimed" | "sender" | null {
-    const cost = size + MESSAGE_OVERHEAD_BYTES;
-    const route = this.#routes.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
-    if (this.charged + cost + route > this.limits.totalBytes) return "global";
+  /** Why `size` bytes from `sender` to `to` ("": not known yet) from address bucket `origin` ("": none) can't go in. */
+  admit(sender: string, size: number, to = "", origin = ""): "global" | "unclaimed" | "address" | "sender" | null {
+    const { totalBytes, unclaimedShare, addressShare, senderBytes } = this.limits;
+    const cost = size + MESSAGE_OVERHEAD_BYTES, route = this.#routes.has(to) ? 0 : ROUTE_OVERHEAD_BYTES;
+    if (this.charged + cost + route > totalBytes) return "global";
     const unclaimed = to && !this.owned(parseRoute(to).key) ? this.unclaimed + cost : 0;
-    if (unclaimed > this.limits.totalBytes * this.limits.unclaimedShare) return "unclaimed";
+    if (unclaimed > totalBytes * unclaimedShare) return "unclaimed";
+    if (origin && (this.#origins.get(origin) ?? 0) + cost > totalBytes * addressShare) return "address";
     const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 }; // "": none held
-    if (sender && held.bytes + held.count * MESSAGE_OVERHEAD_BYTES + cost > this.limits.senderBytes) return "sender";
+    if (sender && held.bytes + held.count * MESSAGE_OVERHEAD_BYTES + cost > senderBytes) return "sender";
     return null;
   }
 
-  /** How many `sender` ("" unattributed) holds for `to` once that reaches its cap (the next is refused), else null. */
+  /** How many `sender` holds for `to` (unattributed: for its key) once that reaches its cap, else null. */
   full(to: string, sender: string): number | null {
-    const held = this.#routes.get(to)?.get(sender) ?? 0;
+    const held = sender ? this.#routes.get(to)?.get(sender) ?? 0 : this.#opaque.get(parseRoute(to).key) ?? 0;
     return held >= (sender === "" ? this.limits.opaqueCap : this.limits.cap) ? held : null;
   }
 
@@ -255,17 +267,17 @@ class BusQueues {
   }
 
   /** Counts `count` messages of `size` bytes in all from `sender` to `to`, whatever the caps: `full` is asked first. */
-  add(to: string, sender: string, size: number, count = 1): void {
+  add(to: string, sender: string, size: number, count = 1, origin = ""): void {
     if (!this.#routes.has(to)) this.#routes.set(to, new Map());
-    this.#change(to, sender, size, count);
+    this.#change(to, sender, size, count, origin);
   }
 
   /** What `add` counted, given back: an ack, or a send that could not be written. */
-  remove(to: string, sender: string, size: number): void {
-    if (this.#routes.get(to)?.get(sender)) this.#change(to, sender, -size, -1);
+  remove(to: string, sender: string, size: number, origin = ""): void {
+    if (this.#routes.get(to)?.get(sender)) this.#change(to, sender, -size, -1, origin);
   }
 
-  #change(to: string, sender: string, size: number, count: number): void {
+  #change(to: string, sender: string, size: number, count: number, origin: string): void {
     const route = this.#routes.get(to)!, held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
     addCount(route, sender, count);
     if (!route.size) this.#routes.delete(to);
@@ -274,6 +286,8 @@ class BusQueues {
     } else this.#senders.delete(sender);
     const { key } = parseRoute(to), n = size + count * MESSAGE_OVERHEAD_BYTES;
     addCount(this.#keys, key, n);
+    if (origin) addCount(this.#origins, origin, n);
+    if (!sender) addCount(this.#opaque, key, count);
     if (!this.owned(key)) this.unclaimed += n;
     this.liveCount += count;
     this.bytes += size;
@@ -484,12 +498,13 @@ class HttpError extends Error {
 
 /**
  * The source a per-address budget counts against: an IPv4 address; the /64 of an IPv6 one (what one host usually
- * holds: else a host had 2^64 budgets); all of 127.0.0.0/8 as one (any local user may connect from all of it). ""
- * for a request not over a socket. A bus behind a proxy sees every client as the proxy.
+ * holds: else a host had 2^64 budgets); all of loopback, 127.0.0.0/8 and ::1, as one (LOOPBACK: any local user may
+ * connect from all of it). "" for a request not over a socket. A bus behind a proxy sees every client as the proxy.
  */
 function addressBucket(address: string): string {
   const v4 = /^(?:::ffff:)?(\d{1,3}(?:\.\d{1,3}){3})$/i.exec(address);
-  if (v4) return v4[1].startsWith("127.") ? "127.0.0.0/8" : v4[1];
+  if (v4) return v4[1].startsWith("127.") ? LOOPBACK : v4[1];
+  if (address === "::1") return LOOPBACK;
   if (!address.includes(":")) return address;
   const [left, right] = address.split("%")[0].split("::");
   const head = left ? left.split(":") : [];
@@ -509,6 +524,7 @@ function addressBucket(address: string): string {
 class BytesInFlight {
   bytes = 0;
   #byAddress = new Map<string, number>(); // bounded: an entry lives only while its address has bytes in flight
+  #small = new Map<string, number>(); // the same, of small bodies (SMALL_BODY_BYTES): bounded the same
 
   /** `what`: the bytes counted, as refusals name them; `close`: a refusal ends the connection (a body left unread). */
   constructor(
@@ -518,24 +534,25 @@ class BytesInFlight {
     readonly close = true,
   ) {}
 
-  /** Takes `n` bytes for address bucket `from`, or in all only (null), or throws the 429 or 503. */
-  take(from: string | null, n: number): void {
+  /** Takes `n` bytes for address bucket `from` (`small`: of its allowance for small bodies), or throws a 429 or 503. */
+  take(from: string, n: number, small = false): void {
     if (n <= 0) return;
-    const mine = from === null ? 0 : this.#byAddress.get(from) ?? 0;
-    const refuse = (status: number, who: string, held: number, max: number, all = "") => {
-      const has = `${humanBytes(held)} of ${this.what}${all} (at most ${humanBytes(max)} at once)`;
-      return new HttpError(status, `${who} already has ${has}; retry in a moment`, this.close);
+    const [mine, most] = small ? [this.#small, SMALL_BODIES_PER_ADDRESS] : [this.#byAddress, this.perAddress];
+    const held = mine.get(from) ?? 0;
+    const refuse = (status: number, who: string, has: number, max: number, all = "") => {
+      const what = `${small ? "small " : ""}${this.what}${all} (at most ${humanBytes(max)} at once)`;
+      return new HttpError(status, `${who} already has ${humanBytes(has)} of ${what}; retry in a moment`, this.close);
     };
-    if (from !== null && mine + n > this.perAddress) throw refuse(429, "your address", mine, this.perAddress);
+    if (held + n > most) throw refuse(429, "your address", held, most);
     if (this.bytes + n > this.max) throw refuse(503, "this bus", this.bytes, this.max, " in all");
-    if (from !== null) this.#byAddress.set(from, mine + n);
+    mine.set(from, held + n);
     this.bytes += n;
   }
 
-  give(from: string | null, n: number): void {
+  give(from: string, n: number, small = false): void {
     if (n <= 0) return;
     this.bytes -= n;
-    if (from !== null) addCount(this.#byAddress, from, -n);
+    addCount(small ? this.#small : this.#byAddress, from, -n);
   }
 }
 
@@ -607,15 +624,15 @@ function streamedAnswer(status: number, text: string, held: AnswerHold): Respons
 
 /**
  * Reads a JSON body of at most BODY_LIMIT_BYTES, counted as it arrives (Content-Length may be absent or lie), within
- * CONN_BODY_MS (a drip gets 408), against `inFlight` for address bucket `from` (in all only up to SMALL_BODY_BYTES):
- * reserved before reading, held until the runtime's read ends.
+ * CONN_BODY_MS (a drip gets 408), against `inFlight` for address bucket `from` (one declared up to SMALL_BODY_BYTES
+ * against its allowance for small ones): reserved before reading, held until the runtime's read ends.
  */
 async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string, maxValues = JSON_VALUES_MAX) {
   const declared = declaredLength(req);
   const tooLarge = () => new HttpError(413, `body over ${BODY_LIMIT_BYTES} bytes`, true);
   if (declared !== null && declared > BODY_LIMIT_BYTES) throw tooLarge();
-  let reserved = 0; // taken from inFlight, for `who`
-  const who = declared !== null && declared <= SMALL_BODY_BYTES ? null : from;
+  let reserved = 0; // taken from inFlight
+  const small = declared !== null && declared <= SMALL_BODY_BYTES;
   let reading: Promise<unknown> = Promise.resolve(); // the runtime's read: the reservation lasts as long
   let reader: ReadableStreamDefaultReader<Uint8Array> | undefined;
   const deadline = Promise.withResolvers<never>();
@@ -624,7 +641,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
   let text: string;
   try {
     if (declared !== null) {
-      inFlight.take(who, declared);
+      inFlight.take(from, declared, small);
       reserved = declared;
       // The server holds the body to its declared length. (Not touching req.body keeps Deno on its fast path.)
       text = await Promise.race([reading = req.text(), deadline.promise]);
@@ -637,7 +654,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
         const { done, value } = await Promise.race([reader.read(), deadline.promise]);
         if (done) break;
         if (reserved + value.length > BODY_LIMIT_BYTES) throw tooLarge();
-        inFlight.take(who, value.length);
+        inFlight.take(from, value.length);
         reserved += value.length;
         chunks.push(value);
       }
@@ -650,7 +667,7 @@ async function readJsonBody(req: Request, inFlight: BytesInFlight, from: string,
     throw new HttpError(400, `the body could not be read (${(e as Error).message})`, true);
   } finally {
     clearTimeout(timer);
-    const give = () => inFlight.give(who, reserved);
+    const give = () => inFlight.give(from, reserved, small);
     reading.then(give, give);
   }
   const { depth, values } = jsonShape(text);
@@ -689,14 +706,15 @@ function recipientParam(value: unknown, name: string): string {
   return value;
 }
 
-/** Who signed a payload, verified, and its signature (Bus.send knows a copy by it); "" for an opaque payload. */
-type Signer = { from: string; sig?: string };
+/** Who signed a payload, verified, its signature (Bus.send knows a copy by it) and ts; "" for an opaque payload. */
+type Signer = { from: string; sig?: string; ts?: number };
 
 /**
  * The verified signer of a v2-shaped payload, so room is shared fairly between senders; "" for any other (opaque, as
- * the reference contract says). A malformed or forged v2 payload is a 400: the bus never queues a known forgery.
+ * the reference contract says). A malformed or forged v2 payload is a 400: the bus never queues a known forgery, nor
+ * one signed more than HELD_MAX_MS before `now`, which no node of ours takes (kept, it held its signer's budget).
  */
-async function signerOf(payload: unknown, route: string): Promise<Signer> {
+async function signerOf(payload: unknown, route: string, now: number): Promise<Signer> {
   if (!isV2Shaped(payload)) return { from: "" };
   let msg: SignedMessage;
   try {
@@ -710,7 +728,9 @@ async function signerOf(payload: unknown, route: string): Promise<Signer> {
   if (bad) throw new HttpError(400, `the message's signature does not verify (${bad}); not queued`);
   // Else a copy of one of alice's messages, posted to other routes, would spend her budget and crowd her out.
   if (msg.to !== parseRoute(route).key) throw new HttpError(400, `addressed to ${fingerprint(msg.to)}, not this route`);
-  return { from: msg.from, sig: msg.sig };
+  const [age, most] = [now - msg.ts, HELD_MAX_MS].map((ms) => `${+(ms / 86_400_000).toFixed(1)} days`);
+  if (now - msg.ts > HELD_MAX_MS) throw new HttpError(400, `signed ${age} ago, and no node takes one over ${most} old`);
+  return { from: msg.from, sig: msg.sig, ts: msg.ts };
 }
 
 const isV2Shaped = (p: unknown): p is Record<string, string> =>
@@ -720,7 +740,7 @@ const isV2Shaped = (p: unknown): p is Record<string, string> =>
 function claimedSigner(payload: string): Signer {
   try {
     const p = JSON.parse(payload);
-    return isV2Shaped(p) ? { from: p.from, sig: p.sig } : { from: "" };
+    return isV2Shaped(p) ? { from: p.from, sig: p.sig, ts: Number(p.ts) } : { from: "" };
   } catch {
     return { from: "" };
   }
@@ -762,7 +782,8 @@ function splitUrl(url: string): { pathname: string; query: string } {
 // ============================================================================
 //
 // The queue is one SQLite database in the data folder, queue.db, through node:sqlite (which Bun and Deno ship):
-//   message(seq, route, ts, sender, size, payload)  accepted and not yet acked (an ack deletes the row)
+//   message(seq, route, ts, sender, size, payload,  accepted and not yet acked (an ack deletes the row); sig: see
+//     sig, origin, expires)                          QUEUE_SCHEMA_2, origin and expires QUEUE_SCHEMA_3 (NULL: none)
 //   owner(key)                                       a key that proved it reads its routes here, never deleted
 //   meta(name, value)                                "closed": since when every route needs a proof (Bus.#close);
 //                                                    "imported": which queue.jsonl was taken in (importJsonl)
@@ -785,6 +806,20 @@ const QUEUE_SCHEMA_2 = `ALTER TABLE message ADD COLUMN sig TEXT;
   UPDATE message SET sig = json_extract(payload, '$.sig') WHERE sender != '' AND json_valid(payload);
   CREATE INDEX message_sig ON message (sig) WHERE sig IS NOT NULL;
   PRAGMA user_version = 2;`;
+/**
+ * Version 3: each message's address bucket (BusQueues.admit; NULL: none) and expiry (expiryOf; NULL: its ts's); an
+ * unsigned one held from before, which never expired, MESSAGE_STAY_MS after the upgrade. NULLs cost no bytes.
+ */
+const QUEUE_SCHEMA_3 = `ALTER TABLE message ADD COLUMN origin TEXT;
+  ALTER TABLE message ADD COLUMN expires INTEGER;
+  UPDATE message SET expires = CAST(strftime('%s') AS INTEGER) * 1000 + ${MESSAGE_STAY_MS} WHERE sender = '';
+  UPDATE message SET expires = json_extract(payload, '$.ts') + ${MESSAGE_STAY_MS}
+    WHERE sender != '' AND json_valid(payload) AND json_extract(payload, '$.ts') < ts;
+  DROP INDEX message_route; CREATE INDEX message_route ON message (route, seq, ts, sender, size, origin, expires);
+  PRAGMA user_version = 3;`;
+
+/** The expires column of a message queued at `ts`, signed at `signed`: from its signing if before (NULL: from `ts`). */
+const expiryOf = (ts: number, signed = Infinity) => (signed < ts ? signed + MESSAGE_STAY_MS : null);
 
 /** SQLite's words for a full disk (Deno's errors carry no code) and for a damaged file. */
 const sqliteFull = (e: unknown) => /database or disk is full|ENOSPC/i.test(String((e as Error)?.message));
@@ -820,21 +855,21 @@ function openQueue(dataDir: string, log: (msg: string) => void) {
   try {
     db = new DatabaseSync(file);
     const { user_version } = db.prepare("PRAGMA user_version").get() as { user_version: number };
-    if (user_version > 2) throw new Error(`schema version ${user_version}, written by a later bus`);
+    if (user_version > 3) throw new Error(`schema version ${user_version}, written by a later bus`);
     const wal = walBytesOf(diskOf(dataDir).size);
     db.exec(`PRAGMA auto_vacuum = FULL; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;
       PRAGMA wal_autocheckpoint = ${wal / 4096}; PRAGMA journal_size_limit = ${wal}`);
-    if (user_version < 2) db.exec(`BEGIN; ${user_version ? "" : QUEUE_SCHEMA} ${QUEUE_SCHEMA_2} COMMIT;`);
+    db.exec(`BEGIN; ${[QUEUE_SCHEMA, QUEUE_SCHEMA_2, QUEUE_SCHEMA_3].slice(user_version).join(" ")} COMMIT;`); // from its version on
     const skippedLines = importJsonl(db, path.join(dataDir, "queue.jsonl"), log);
     syncDirectory(dataDir); // queue.db and its WAL made, queue.jsonl renamed: for good
     db.exec("PRAGMA synchronous = NORMAL"); // from here a commit's fsync is Bus.#flush's, off the event loop
     const sql = (text: string) => db!.prepare(text), one = (text: string) => sql(text).get() ?? {};
     const counts =
-      "SELECT route, sender, count(*) AS n, sum(size) AS b FROM message INDEXED BY message_route GROUP BY 1, 2";
+      "SELECT route, sender, origin, count(*) n, sum(size) b FROM message INDEXED BY message_route GROUP BY 1, 2, 3";
     return {
       db,
       skippedLines,
-      counts: sql(counts).all() as { route: string; sender: string; n: number; b: number }[],
+      counts: sql(counts).all() as { route: string; sender: string; origin: string | null; n: number; b: number }[],
       nextSeq: Number(one("SELECT seq FROM sqlite_sequence WHERE name = 'message'").seq ?? 0) + 1,
       owners: sql("SELECT key FROM owner").all().map((r) => r.key as string),
       closedSince: (one("SELECT value FROM meta WHERE name = 'closed'").value as number | undefined) ?? null,
@@ -884,7 +919,7 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
   const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
   let skipped = 0, top = 0; // top: the highest seq the file names
   if (sql("SELECT value FROM meta WHERE name = 'imported'").get()?.value !== id) {
-    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?, ?)"); // as Bus.send, with its sig
+    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)"); // see QUEUE_SCHEMA_3
     const remove = sql("DELETE FROM message WHERE seq = ? AND route = ?");
     const owner = sql("INSERT OR IGNORE INTO owner (key) VALUES (?)");
     const closed = sql("INSERT INTO meta VALUES ('closed', ?1) ON CONFLICT DO UPDATE SET value = min(value, ?1)");
@@ -898,7 +933,8 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
         if (r.t === "m") {
           const p = r.p as string, c = claimedSigner(p), sender = typeof r.s === "string" ? r.s : c.from; // < 0.5: none
           const sig = sender === c.from ? c.sig ?? null : null; // the signature of the signer it is counted against
-          const taken = insert.run(r.n as number, r.q as string, r.ts as number, sender, utf8Bytes(p), p, sig).changes;
+          const ts = r.ts as number, expires = sender ? expiryOf(ts, c.ts) : Date.now() + MESSAGE_STAY_MS;
+          const taken = insert.run(r.n as number, r.q as string, ts, sender, utf8Bytes(p), p, sig, expires).changes;
           if (!taken) bad(at, `seq ${r.n} is in the queue database already`, JSON.stringify(r));
         } else if (r.t === "a" || r.t === "d") remove.run(r.n as number, r.q as string);
         else if (r.t === "o") owner.run(parseRoute(r.q as string).key); // an older bus wrote one per route
@@ -998,10 +1034,12 @@ class Bus {
     this.answers = new BytesInFlight(max, perAddress, "answers not yet taken by their connections", false);
     const sql = (text: string) => db.prepare(text);
     this.#sql = {
-      insert: sql("INSERT INTO message VALUES (?, ?, ?, ?, ?, ?, ?)"), // seq, route, ts, sender, size, payload, sig
+      insert: sql("INSERT INTO message VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"), // as the schema's comment lists them
       copy: sql("SELECT route FROM message WHERE sig = ? AND sender = ?"),
-      expired: sql("SELECT route, seq, ts FROM message INDEXED BY message_route WHERE sender != '' AND ts < ?"),
-      remove: sql("DELETE FROM message WHERE seq = ? AND route = ? AND ts = coalesce(?, ts) RETURNING sender, size"),
+      expired: sql("SELECT route, seq, ts FROM message INDEXED BY message_route WHERE ifnull(expires, ts + ?) < ?"),
+      remove: sql(
+        "DELETE FROM message WHERE seq = ? AND route = ? AND ts = coalesce(?, ts) RETURNING sender, size, origin",
+      ),
       heads: sql(
         "SELECT seq, ts, sender, size FROM message INDEXED BY message_route WHERE route = ? ORDER BY seq LIMIT ?",
       ),
@@ -1014,7 +1052,7 @@ class Bus {
     this.#owners = new Set(stored.owners);
     const limits = { ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) };
     this.queues = new BusQueues(limits, (key) => this.#owners.has(key));
-    for (const c of stored.counts) this.queues.add(c.route, c.sender, c.b, c.n);
+    for (const c of stored.counts) this.queues.add(c.route, c.sender, c.b, c.n, c.origin ?? "");
     this.nextSeq = stored.nextSeq;
     this.#closedSince = stored.closedSince;
     const { liveCount: messages, recipientCount: recipients } = this.queues;
@@ -1069,20 +1107,21 @@ class Bus {
   };
 
   /**
-   * Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) to `to` ("": not known yet)
-   * would get: the byte budgets, then the room kept free on the disk. `close`: the body is unread (see HttpError).
+   * Throws the 507 or 429 a message of `size` bytes from `sender` ("" when unknown) to `to` ("": not known yet) from
+   * `origin` would get (BusQueues.admit), then the disk's 507. `close`: the body is unread (see HttpError).
    */
-  ensureRoom(sender: string, size: number, to = "", close = false): void {
-    const over = this.queues.admit(sender, size, to), { totalBytes, senderBytes, unclaimedShare } = this.queues.limits;
+  ensureRoom(sender: string, size: number, to = "", origin = "", close = false): void {
+    const over = this.queues.admit(sender, size, to, origin), l = this.queues.limits;
     if (over) {
       const counted = `payloads, ${MESSAGE_OVERHEAD_BYTES} bytes a message and ${ROUTE_OVERHEAD_BYTES} a route`;
-      const [all, share] = [humanBytes(totalBytes), humanBytes(totalBytes * unclaimedShare)];
+      const [all, share, mine] = [1, l.unclaimedShare, l.addressShare].map((f) => humanBytes(f * l.totalBytes));
       const why = {
         global: `this bus holds its whole budget of ${all} of messages (${counted}); retry later`,
         unclaimed: `mail for keys that never proved a route here holds its ${share} share (${counted}); retry later`,
-        sender: `this sender already has ${humanBytes(senderBytes)} queued on this bus (${counted}); retry once read`,
+        address: `your address already has ${mine} queued on this bus, its share (${counted}); retry once read`,
+        sender: `this sender already has ${humanBytes(l.senderBytes)} queued on this bus (${counted}); retry once read`,
       }[over];
-      throw new HttpError(over === "sender" ? 429 : 507, why, close);
+      throw new HttpError(over === "global" || over === "unclaimed" ? 507 : 429, why, close);
     }
     this.#ensureDisk(2 * size + MESSAGE_OVERHEAD_BYTES, close); // in the WAL, then in the file at the checkpoint
   }
@@ -1146,7 +1185,7 @@ class Bus {
    * another route (409: not new mail, and it would spend its signer's budget), a byte budget, a full route. One queued
    * for `to` already (a retry) is taken as it is: then the promise that it is on disk.
    */
-  check(to: string, sender: string, size: number, sig?: string): Promise<void> | undefined {
+  check(to: string, sender: string, size: number, sig?: string, origin = ""): Promise<void> | undefined {
     const unsynced = sig ? this.#unsynced.get(sig) : undefined;
     const route = unsynced?.to ?? (sig && (this.#sql.copy.get(sig, sender) as { route: string } | undefined)?.route);
     if (route === to) return unsynced?.done ?? Promise.resolve();
@@ -1155,7 +1194,7 @@ class Bus {
         `this signed message is queued on this bus already, for another route of its recipient: a copy is not new mail, and would spend its signer's budget; nothing was queued`;
       throw new HttpError(409, why);
     }
-    this.ensureRoom(sender, size, to);
+    this.ensureRoom(sender, size, to, origin);
     this.ensureRouteRoom(to, sender);
   }
 
@@ -1164,20 +1203,21 @@ class Bus {
    * once, so one commit's sends meet the caps; a failed commit gives that back (a 507 on a full disk, else a 503).
    * Committed, it is handed to receivers before its fdatasync ends: a power cut then can lose it after a receiver had
    * it, unanswered, so its sender sends it again (the ts in an ack key keeps the lost one's key from acking the copy's
-   * seq, given again).
+   * seq, given again). `origin`: the address bucket whose share it counts in ("": none).
    */
-  async send(to: string, payload: string, sender = "", sig?: string): Promise<void> {
-    const size = utf8Bytes(payload), queued = this.check(to, sender, size, sig);
+  async send(to: string, payload: string, sender = "", { sig, ts: signed }: Omit<Signer, "from"> = {}, origin = "") {
+    const size = utf8Bytes(payload), queued = this.check(to, sender, size, sig, origin);
     if (queued) return await queued.catch((e) => Promise.reject(this.#unavailable(e)));
     const seq = this.nextSeq++, ts = this.now();
-    this.queues.add(to, sender, size);
+    this.queues.add(to, sender, size, 1, origin);
     this.#disk.free -= 2 * size + MESSAGE_OVERHEAD_BYTES;
-    const done = this.#write(() => this.#sql.insert.run(seq, to, ts, sender, size, payload, sig ?? null), to);
+    const row = [seq, to, ts, sender, size, payload, sig ?? null, origin || null, expiryOf(ts, signed)] as const;
+    const done = this.#write(() => this.#sql.insert.run(...row), to);
     if (sig) this.#unsynced.set(sig, { to, done });
     try {
       await done;
     } catch (e) {
-      if (!(e instanceof UnsyncedError)) this.queues.remove(to, sender, size); // else committed: it is held
+      if (!(e instanceof UnsyncedError)) this.queues.remove(to, sender, size, origin); // else committed: it is held
       throw this.#unavailable(e);
     } finally {
       if (sig) this.#unsynced.delete(sig);
@@ -1185,11 +1225,11 @@ class Bus {
   }
 
   /**
-   * Drops the signed messages queued over HELD_MAX_MS ago (and FRESH_FUTURE_MS, a receiver's clock behind): every node
-   * of ours refuses them as stale, so mail nobody reads holds its signer's budget that long at most. At open, hourly.
+   * Drops the messages over MESSAGE_STAY_MS old (expiryOf), opaque ones too: every node of ours refuses a signed one
+   * as stale by then, so mail nobody reads holds its signer's and its address's budget that long at most. Open, hourly.
    */
   async expire(): Promise<void> {
-    const old = this.#sql.expired.all(this.now() - HELD_MAX_MS - FRESH_FUTURE_MS) as ({ route: string } & AckMark)[];
+    const old = this.#sql.expired.all(MESSAGE_STAY_MS, this.now()) as ({ route: string } & AckMark)[];
     await Promise.all(old.map((m) => this.ack(m.route, m)));
   }
 
@@ -1448,18 +1488,18 @@ class Bus {
    */
   async ack(me: string, ...marks: (number | AckMark)[]): Promise<void> {
     if (!marks.length) return;
-    let gone: Head[] = [];
+    let gone: { sender: string; size: number; origin: string | null }[] = [];
     const remove = () => {
       gone = []; // a commit tried again runs this again
       for (const m of marks) {
         const { seq, ts } = typeof m === "number" ? { seq: m, ts: undefined } : m;
-        const row = this.#sql.remove.get(seq, me, ts ?? null) as Head | undefined;
+        const row = this.#sql.remove.get(seq, me, ts ?? null) as (typeof gone)[number] | undefined;
         if (row) gone.push(row);
       }
     };
     const failed = await this.#write(remove).then(() => undefined, (e) => e);
     if (!failed || failed instanceof UnsyncedError) {
-      for (const row of gone) this.queues.remove(me, row.sender, row.size);
+      for (const row of gone) this.queues.remove(me, row.sender, row.size, row.origin ?? "");
     }
     if (failed !== undefined) throw this.#unavailable(failed);
   }
@@ -1479,7 +1519,7 @@ class Bus {
  * first refused stops the rest, so a sender's order holds. Answered 200 once all queued are on disk, one result per
  * message tried: {"status": 202} or {"status": <4xx/5xx>, "error"}. A reference bus refuses the shape (no "to").
  */
-async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
+async function sendMany(bus: Bus, items: unknown[], origin: string): Promise<Response> {
   if (!items.length || items.length > RECV_BATCH_MAX) {
     throw new HttpError(400, `"messages" must hold 1 to ${RECV_BATCH_MAX} messages`);
   }
@@ -1492,9 +1532,9 @@ async function sendMany(bus: Bus, items: unknown[]): Promise<Response> {
       if (!isObject(item) || item.payload === undefined) throw new HttpError(400, 'each message is {"to", "payload"}');
       const to = recipientParam(item.to, "to");
       const payload = JSON.stringify(item.payload);
-      const { from, sig } = await signerOf(item.payload, to);
-      bus.check(to, from, utf8Bytes(payload), sig); // a refusal (a full route, say) stops the batch here
-      queued.push(bus.send(to, payload, from, sig)); // in the queue now, in order; on disk once awaited
+      const signer = await signerOf(item.payload, to, bus.now());
+      bus.check(to, signer.from, utf8Bytes(payload), signer.sig, origin); // a refusal (a full route) stops the batch
+      queued.push(bus.send(to, payload, signer.from, signer, origin)); // queued now, in order; on disk once awaited
       results.push({ status: 202 });
     } catch (e) {
       results.push(failed(e));
@@ -1515,16 +1555,17 @@ type BusRoute = [
 
 const BUS_ROUTES: Record<string, BusRoute> = {
   "/send": ["POST", async (bus, req, { from }) => {
-    // A body that could not fit the global budget is refused unread: a flood of big bodies costs no memory.
+    const origin = from === LOOPBACK ? "" : from; // this machine's own processes: held to no address's share
+    // A body that could not fit the budgets is refused unread: a flood of big bodies costs no memory.
     const declared = declaredLength(req) ?? 0;
-    if (declared > 0) bus.ensureRoom("", declared, "", true);
+    if (declared > 0) bus.ensureRoom("", declared, "", origin, true);
     const body = await readJsonBody(req, bus.inFlight, from);
-    if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages);
+    if (isObject(body) && Array.isArray(body.messages)) return await sendMany(bus, body.messages, origin);
     if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
     const to = recipientParam(body.to, "to");
     if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
-    const signer = await signerOf(body.payload, to);
-    await bus.send(to, JSON.stringify(body.payload), signer.from, signer.sig);
+    const signer = await signerOf(body.payload, to, bus.now());
+    await bus.send(to, JSON.stringify(body.payload), signer.from, signer, origin);
     return jsonResponse(202, '{"status":"queued"}');
   }],
   "/recv": ["GET", async (bus, req, { query, from }) => {
