@@ -485,6 +485,44 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     120_000,
   );
 
+  for (const runtime of ["bun", "deno"] as const) {
+    hostTest(
+      `${runtime}: a task id a peer already had run here is not run again: the requester is told, no model sees it twice`,
+      async () => {
+        const { a, b, alice } = await setUp(`twice-${runtime}`, runtime);
+        const bobServe = serve(runtime, b);
+        let again: Awaited<ReturnType<typeof McpNode.start>> | null = null;
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          fake.on(b.name, "build it once", {
+            tool: "mcp__interlink__send_message",
+            input: { to: a.name, task_id: "t8", status: "result", text: "built once" },
+          });
+          await alice.ok("send_message", { to: b.name, text: "build it once", task_id: "t8" });
+          await alice.waitEvent((e) => e.meta.task_id === "t8" && e.meta.status === "result", 90_000);
+          await bobServe.waitFor(/task t8 of \S+ ended: result/, 30_000);
+          // The same peer opens t8 again, from a session of its own that never saw the first (its own check is not
+          // the executor's: a peer's other session, or another client, can send it).
+          again = await McpNode.start(runtime, a, bus.url, { INTERLINK_SESSION: `twice-${runtime}-alice-2` });
+          await again.ok("send_message", { to: b.name, text: "build it once more", task_id: "t8" });
+          const said = await again.waitEvent((e) => e.meta.task_id === "t8" && /already ran here/.test(e.content));
+          expect(said.meta.status).toBe("update"); // information, not a terminal status: the task is not run
+          expect(said.content).toContain("it is not run twice");
+          await bobServe.waitFor(/door serve-\S+ retired with 1 item/, 30_000);
+          // no host started for it and no model was shown it: the first run's request is the only one with t8
+          expect(bobServe.stderr.filter((l) => /task t8: claude started/.test(l)).length).toBe(1);
+          expect(fake.of(b.name).filter((r) => r.latest.includes("build it once more"))).toEqual([]);
+        } finally {
+          await alice.close();
+          await again?.close();
+          await stop(bobServe);
+        }
+        expect(executorProcs(b)).toEqual([]);
+      },
+      180_000,
+    );
+  }
+
   test("peers exec: only this operator's command sets a profile; bad input is refused with the reason and changes nothing", async () => {
     const dir = tmpDir("interlink-exec-");
     const f = await makeNodeFiles(dir, "op");
