@@ -523,6 +523,36 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     );
   }
 
+  hostTest(
+    "a host's output line over 1 MiB is cut, not held: serve says so, and the task still ends with one terminal status",
+    async () => {
+      const { a, b, alice } = await setUp("long-line", "bun");
+      const bobServe = serve("bun", b);
+      try {
+        await bobServe.waitFor(/door serve-\S+ open/);
+        fake.on(b.name, "say a lot", {
+          tool: "mcp__interlink__send_message",
+          input: { to: a.name, task_id: "t9", status: "result", text: "said it" },
+        });
+        // then its final message: 3 MiB on one stream-json line (the assistant event, and the result event again)
+        fake.on(b.name, /msg_id/, { text: "y".repeat(3 << 20) });
+        await alice.ok("send_message", { to: b.name, text: "say a lot", task_id: "t9" });
+        await alice.waitEvent((e) => e.meta.task_id === "t9" && e.meta.status === "result", 90_000);
+        await bobServe.waitFor(/task t9 of \S+ ended: result/, 60_000);
+        expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
+        await new Promise((r) => setTimeout(r, 1_500));
+        expect(told(alice, "t9").filter((l) => /^(result|failed|canceled): /.test(l))).toEqual([
+          expect.stringContaining("said it"),
+        ]);
+      } finally {
+        await alice.close();
+        await stop(bobServe);
+      }
+      expect(executorProcs(b)).toEqual([]);
+    },
+    180_000,
+  );
+
   test("peers exec: only this operator's command sets a profile; bad input is refused with the reason and changes nothing", async () => {
     const dir = tmpDir("interlink-exec-");
     const f = await makeNodeFiles(dir, "op");
