@@ -485,6 +485,74 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     120_000,
   );
 
+  for (const runtime of ["bun", "deno"] as const) {
+    hostTest(
+      `${runtime}: a task id a peer already had run here is not run again: the requester is told, no model sees it twice`,
+      async () => {
+        const { a, b, alice } = await setUp(`twice-${runtime}`, runtime);
+        const bobServe = serve(runtime, b);
+        let again: Awaited<ReturnType<typeof McpNode.start>> | null = null;
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          fake.on(b.name, "build it once", {
+            tool: "mcp__interlink__send_message",
+            input: { to: a.name, task_id: "t8", status: "result", text: "built once" },
+          });
+          await alice.ok("send_message", { to: b.name, text: "build it once", task_id: "t8" });
+          await alice.waitEvent((e) => e.meta.task_id === "t8" && e.meta.status === "result", 90_000);
+          await bobServe.waitFor(/task t8 of \S+ ended: result/, 30_000);
+          // The same peer opens t8 again, from a session of its own that never saw the first (its own check is not
+          // the executor's: a peer's other session, or another client, can send it).
+          again = await McpNode.start(runtime, a, bus.url, { INTERLINK_SESSION: `twice-${runtime}-alice-2` });
+          await again.ok("send_message", { to: b.name, text: "build it once more", task_id: "t8" });
+          const said = await again.waitEvent((e) => e.meta.task_id === "t8" && /already ran here/.test(e.content));
+          expect(said.meta.status).toBe("update"); // information, not a terminal status: the task is not run
+          expect(said.content).toContain("it is not run twice");
+          await bobServe.waitFor(/door serve-\S+ retired with 1 item/, 30_000);
+          // no host started for it and no model was shown it: the first run's request is the only one with t8
+          expect(bobServe.stderr.filter((l) => /task t8: claude started/.test(l)).length).toBe(1);
+          expect(fake.of(b.name).filter((r) => r.latest.includes("build it once more"))).toEqual([]);
+        } finally {
+          await alice.close();
+          await again?.close();
+          await stop(bobServe);
+        }
+        expect(executorProcs(b)).toEqual([]);
+      },
+      180_000,
+    );
+  }
+
+  hostTest(
+    "a host's output line over 1 MiB is cut, not held: serve says so, and the task still ends with one terminal status",
+    async () => {
+      const { a, b, alice } = await setUp("long-line", "bun");
+      const bobServe = serve("bun", b);
+      try {
+        await bobServe.waitFor(/door serve-\S+ open/);
+        fake.on(b.name, "say a lot", {
+          tool: "mcp__interlink__send_message",
+          input: { to: a.name, task_id: "t9", status: "result", text: "said it" },
+        });
+        // then its final message: 3 MiB on one stream-json line (the assistant event, and the result event again)
+        fake.on(b.name, /msg_id/, { text: "y".repeat(3 << 20) });
+        await alice.ok("send_message", { to: b.name, text: "say a lot", task_id: "t9" });
+        await alice.waitEvent((e) => e.meta.task_id === "t9" && e.meta.status === "result", 90_000);
+        await bobServe.waitFor(/task t9 of \S+ ended: result/, 60_000);
+        expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
+        await new Promise((r) => setTimeout(r, 1_500));
+        expect(told(alice, "t9").filter((l) => /^(result|failed|canceled): /.test(l))).toEqual([
+          expect.stringContaining("said it"),
+        ]);
+      } finally {
+        await alice.close();
+        await stop(bobServe);
+      }
+      expect(executorProcs(b)).toEqual([]);
+    },
+    180_000,
+  );
+
   test("peers exec: only this operator's command sets a profile; bad input is refused with the reason and changes nothing", async () => {
     const dir = tmpDir("interlink-exec-");
     const f = await makeNodeFiles(dir, "op");

@@ -77,8 +77,10 @@ const MAX_EXECUTORS_DEFAULT = 2;
 const STOP_TERM_MS = 1_500;
 /** ... and SIGKILL at this: a cancelled task leaves no process within 5 s. */
 const STOP_KILL_MS = 3_500;
-/** One stream-json line is read up to this many bytes (a long tool result); the rest of it is skipped, said in the log. */
+/** One stream-json line is read up to this many bytes (a long tool result); the rest of it is dropped, said in the log. */
 const LINE_MAX_BYTES = 1 << 20;
+/** A cut line's last bytes kept beside its start: an event's fields may follow a long one (Claude Code's result). */
+const LINE_TAIL_BYTES = 4_096;
 /** Characters of the host's final message carried in the terminal status the executor sends. */
 const FINAL_TEXT_MAX_CHARS = 2_000;
 /** Ended jobs remembered (a task id already run is told, not run again); past it the oldest are forgotten. */
@@ -199,19 +201,38 @@ interface HostRun {
   interrupt(): void;
 }
 
-/** Splits a byte stream into lines, each cut at LINE_MAX_BYTES (memory stays bounded whatever a host writes). */
-function lineReader(onLine: (line: string) => void): (chunk: Buffer) => void {
-  let parts: Buffer[] = [], size = 0, skipping = false;
+/**
+ * Splits a byte stream into lines, each cut at LINE_MAX_BYTES (memory stays bounded whatever a host writes); a cut line
+ * is still handed on, as its start and its last LINE_TAIL_BYTES: a host's result event past it still ends its turn.
+ */
+function lineReader(onLine: (line: string, tail?: string) => void): (chunk: Buffer) => void {
+  let parts: Buffer[] = [], size = 0, cut = false, tail = Buffer.alloc(0);
   return (chunk) => {
     for (let nl = chunk.indexOf(10); chunk.length; nl = chunk.indexOf(10)) {
-      const piece = nl < 0 ? chunk : chunk.subarray(0, nl);
-      if (!skipping && size + piece.length <= LINE_MAX_BYTES) (parts.push(piece), size += piece.length);
-      else if (!skipping) (skipping = true, logWarn(`a host's output line passed ${LINE_MAX_BYTES} bytes: skipped`));
+      const piece = nl < 0 ? chunk : chunk.subarray(0, nl),
+        kept = cut ? 0 : Math.min(piece.length, LINE_MAX_BYTES - size);
+      if (kept) (parts.push(piece.subarray(0, kept)), size += kept);
+      if (cut || kept < piece.length) tail = Buffer.concat([tail, piece.subarray(kept)]).subarray(-LINE_TAIL_BYTES);
+      if (!cut && kept < piece.length) {
+        cut = true;
+        logWarn(`a host's output line passed ${LINE_MAX_BYTES} bytes: cut there`);
+      }
       if (nl < 0) return;
-      if (!skipping) onLine(Buffer.concat(parts).toString("utf8"));
-      [parts, size, skipping, chunk] = [[], 0, false, chunk.subarray(nl + 1)];
+      onLine(Buffer.concat(parts).toString("utf8"), cut ? tail.toString("utf8") : undefined);
+      [parts, size, cut, tail, chunk] = [[], 0, false, Buffer.alloc(0), chunk.subarray(nl + 1)];
     }
   };
+}
+
+/** A cut line's event, from the few fields its start or end holds (the key order is the host's); the rest is lost. */
+function cutEvent(head: string, tail: string): Record<string, unknown> {
+  const text = `${head.slice(0, 2_000)}\n${tail}`, e: Record<string, unknown> = { cut: true };
+  for (const k of ["type", "subtype", "num_turns", "total_cost_usd"]) {
+    const v = text.match(new RegExp(`"${k}":("[\\w.]+"|[\\d.e-]+)[,}]`))?.[1];
+    if (v) e[k] = JSON.parse(v);
+  }
+  e.type = head.match(/^\{"type":"([\w.]+)"/)?.[1] ?? e.type; // a leading type is the event's, not a nested one's
+  return e;
 }
 
 /** "Bash: rm -rf build/": a denied call as the requester and the operator are told it. */
@@ -265,9 +286,9 @@ function spawnHost(
   const run: HostRun = { proc, report: { denials: [] }, exited, interrupt: () => proc.stdin!.end() };
   proc.stdout!.on(
     "data",
-    lineReader((line) => {
+    lineReader((line, cut) => {
       try {
-        onEvent(JSON.parse(line), run);
+        onEvent(cut === undefined ? JSON.parse(line) : cutEvent(line, cut), run);
       } catch {
         // not an event
       }

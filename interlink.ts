@@ -7292,7 +7292,8 @@ const TOOLS: ToolSpec[] = [
     name: "discover",
     description:
       "Nodes and their sessions on the bus rosters (verified self-signed claims): per node its fingerprint, claimed name, key and whether it is a peer; " +
-      "per session its id, cwd, git root, summary and state (live, away since when). Names are self-claims; only the key is identity. peer: only this node.",
+      "per session its id, cwd, git root, summary and state (live, away since when). Names are self-claims; only the key is identity. peer: only this node. " +
+      `A session whose summary begins "${SERVE_DOOR}" is that node's interlink serve: it runs your tasks headless when its operator allowed you.`,
     args: (k) => ({ peer: k.opt("a petname, fingerprint, key or claimed name: only that node") }),
     annotations: { readOnlyHint: true, openWorldHint: true },
     async run(agent, a) {
@@ -7405,7 +7406,8 @@ const TOOLS: ToolSpec[] = [
   {
     name: "list_peers",
     description:
-      "The allowlist: each peer's petname (your operator's name for it), fingerprint and key. Only these keys can deliver messages.",
+      "The allowlist: each peer's petname (your operator's name for it), fingerprint and key. Only these keys can deliver messages. " +
+      `Whether a peer's machine runs tasks for you headless (its session summary begins "${SERVE_DOOR}") is shown by discover.`,
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent) {
       const peers = [...agent.peers().byName].map(([n, k]) => `- ${n}  ${fingerprint(k)}  ${k}`);
