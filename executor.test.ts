@@ -347,7 +347,7 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     hostTest(
       `${runtime}: a task past its profile's minutes is stopped and told why; serve's SIGTERM stops a running one and tells its requester`,
       async () => {
-        const { a, b, work, alice } = await setUp(`bounds-${runtime}`, runtime, [
+        const { a, b, alice } = await setUp(`bounds-${runtime}`, runtime, [
           "--allow",
           "Bash",
           "--max-minutes",
