@@ -1410,6 +1410,61 @@ describe("agent: durability of the outbox", () => {
     60_000,
   );
 
+  test.concurrent(
+    "a session lent to serve's host shows it only its task's mail: a second task and another peer's message stay unread, for the node's next session",
+    async () => {
+      const { root, A, B } = await twoPeers();
+      const C = await makeNodeFiles(root, "carol");
+      befriend(A, C);
+      const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
+      const lent = await McpNode.start("bun", A, url, { INTERLINK_DELIVERY: "", INTERLINK_SERVE_TASK: "t1 for bob" });
+      let next: McpSession | undefined;
+      try {
+        const mail = [
+          [B, "t1", "please run the tests"],
+          [B, "t2", "a second task of bob's"],
+          [C, "t1", "carol's task of the same id"],
+          [C, undefined, "carol says hello"],
+        ] as const;
+        for (const [from, task_id, text] of mail) {
+          const msg = await signMessage(
+            from.id,
+            { to: A.id.publicKey, text, ...(task_id ? { task_id } : {}) },
+            Date.now(),
+          );
+          await bus.send(`${A.id.publicKey}#alice`, JSON.stringify(msg));
+        }
+        await eventually(() => readNodeLog(A.stateDir).filter((r) => r.t === "in").length === 4, "all four admitted");
+        const shown = await lent.ok("check_inbox");
+        expect(shown).toContain("please run the tests");
+        for (const [, , text] of mail.slice(1)) expect(shown).not.toContain(text);
+        const marked = () => readNodeLog(A.stateDir).filter((r) => r.t === "shown").map((r) => r.item);
+        await eventually(() => marked().length > 0, "what was shown marked read");
+        expect(marked()).toEqual([expect.stringMatching(new RegExp(`^${B.id.publicKey} `))]);
+        // A sub-task the host opened itself: its answer is shown.
+        await lent.ok("send_message", { to: "bob", text: "check the build", task_id: "s1" });
+        const done = await signMessage(
+          B.id,
+          { to: A.id.publicKey, text: "build ok", task_id: "s1", status: "result" },
+          Date.now(),
+        );
+        await bus.send(`${A.id.publicKey}#alice`, JSON.stringify(done));
+        await eventually(() => readNodeLog(A.stateDir).filter((r) => r.t === "in").length === 5, "the answer admitted");
+        expect(await lent.ok("check_inbox")).toContain("build ok");
+        await lent.close();
+        // The node's next session (a person's) adopts the rest, unread.
+        next = await McpNode.start("deno", A, url, { INTERLINK_DELIVERY: "", INTERLINK_SESSION: "alice-next" });
+        const rest = await next.ok("check_inbox");
+        for (const [, , text] of mail.slice(1)) expect(rest).toContain(text);
+        expect(rest).not.toContain("please run the tests");
+      } finally {
+        await Promise.allSettled([lent.close(), next?.close()]);
+        await shutdown();
+      }
+    },
+    60_000,
+  );
+
   for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
       `on ${runtime}: a stale agent.lock whose pid now runs an unrelated process is taken over at once, and that process is never signalled`,

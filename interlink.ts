@@ -4661,6 +4661,7 @@ function shownText(peerText: string, max = Infinity): { text: string; cut?: stri
 
 interface Claim {
   peek?: boolean; // show without marking read
+  only?: (item: InboxItem) => boolean; // the items this reader may be shown (a lent session's: Agent.shows)
   /** Its reader hears nothing from a process killed before it is done (`wait`: only an exit 2's stderr is read). */
   heardAtExit?: boolean;
   /**
@@ -4689,7 +4690,7 @@ async function claimInbox(from: Journal | string, limit: number, claim: Claim = 
   try {
     return await withFileLock(path.join(journal.stateDir, "inbox"), "inbox claim", async () => {
       journal.catchUp();
-      const unread = [...journal.state.inbox.values()].slice(0, limit);
+      const unread = [...journal.state.inbox.values()].filter(claim.only ?? (() => true)).slice(0, limit);
       const { shown: items, write } = claim.show?.(unread) ?? { shown: unread, write: () => true };
       if (items.length && !claim.peek && !claim.heardAtExit) markShowing(journal, items.map((i) => i.id));
       const ok = await write();
@@ -5663,6 +5664,8 @@ class Agent {
   #turn: Promise<unknown> = Promise.resolve(); // whatever shows this session's inbox takes its turn here (see inTurn)
   /** Set for a host woken from outside (Codex): the inbox may have gained. */
   onInbox: (() => void) | null = null;
+  /** What pushes and check_inbox show; the rest stays unread (a session lent to serve's host: its task's mail). */
+  shows: (item: InboxItem) => boolean = () => true;
   readonly info: SessionInfo;
   readonly me: string; // this session's route
   #bareLock: PidLock | null = null;
@@ -6079,7 +6082,7 @@ class Agent {
     for (const id of ids) {
       await this.inTurn(async () => {
         const item = this.state.inbox.get(id);
-        if (!item) return;
+        if (!item || !this.shows(item)) return;
         const event = pushEvent(item, this.peers());
         markShowing(this.journal, [id]);
         await this.push!(event);
@@ -7269,6 +7272,7 @@ const TOOLS: ToolSpec[] = [
       agent.inTurn(() =>
         claimInbox(agent.journal, (a.limit as number | undefined) ?? 20, {
           peek: a.peek === true,
+          only: agent.shows,
           show: (unread) => {
             const { text, shown } = inboxAnswer(agent, unread);
             const write = () => {
@@ -8323,6 +8327,14 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       }
       // A task's session that `serve` lent this host: announced as such, and handed back to serve without goodbyes.
       if (lent) a.info.summary = `${SERVE_TASK}${lent}`;
+      // Its host is shown its task's mail from the requester and its own sub-tasks'; the rest waits, unread, for the
+      // node's next session (which adopts it once this one ended), not for a model under another peer's profile.
+      const [task, name] = lent?.split(" for ") ?? [], key = a.peers().byName.get(name) ?? name;
+      if (lent) {
+        a.shows = (i) =>
+          i.kind === "message" && ((i.msg.from === key && i.msg.task_id?.slice(0, 120) === task) ||
+            a.state.tasks.get(taskKey(i.msg.from, i.msg.task_id ?? ""))?.requested_by === "me");
+      }
       a.startSending();
       a.startReceiving({ ownRouteOnly: !adopt });
       agent = a;
