@@ -479,7 +479,7 @@ export function boardView(fold: BoardFold, ctx: BoardContext): BoardView {
     return by === undefined ? null : name(by);
   };
   /** A task's owner by name, and whose word it is when it is a peer's claim. */
-  const ownerSaid = (t: TaskRow) => name(taskOwner(t, fold.selfKey)) + (claim(t) ? ` (by ${claim(t)}'s word)` : "");
+  const ownerSaid = (t: TaskRow, by = claim(t)) => name(taskOwner(t, fold.selfKey)) + (by ? ` (by ${by}'s word)` : "");
   const mine = [...fold.sessions.values()].filter((s) => !fold.foreign(s) && (!ctx.only || s.id === ctx.only));
   const cli = (words: string[], flags: ("key" | "peers" | "url" | "state")[]) =>
     ["interlink.ts", ...words, ...flags.flatMap((f) => (ctx.cli?.[f] ? [`--${f}`, ctx.cli[f]!] : []))].map(shellWord)
