@@ -1417,11 +1417,13 @@ describe("agent: durability of the outbox", () => {
       const C = await makeNodeFiles(root, "carol");
       befriend(A, C);
       const { bus, url, shutdown } = await busOnLoopback(path.join(root, "bus"));
-      const lent = await McpNode.start("bun", A, url, { INTERLINK_DELIVERY: "", INTERLINK_SERVE_TASK: "t1 for bob" });
+      // bob's task id holds " for carol": the lent session's requester is bob still, never carol.
+      const env = { INTERLINK_DELIVERY: "", INTERLINK_SERVE_TASK: "t1 for carol for bob" };
+      const lent = await McpNode.start("bun", A, url, env);
       let next: McpSession | undefined;
       try {
         const mail = [
-          [B, "t1", "please run the tests"],
+          [B, "t1 for carol", "please run the tests"],
           [B, "t2", "a second task of bob's"],
           [C, "t1", "carol's task of the same id"],
           [C, undefined, "carol says hello"],

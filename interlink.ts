@@ -8329,7 +8329,9 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       if (lent) a.info.summary = `${SERVE_TASK}${lent}`;
       // Its host is shown its task's mail from the requester and its own sub-tasks'; the rest waits, unread, for the
       // node's next session (which adopts it once this one ended), not for a model under another peer's profile.
-      const [task, name] = lent?.split(" for ") ?? [], key = a.peers().byName.get(name) ?? name;
+      // "<task id, its first 120 characters> for <petname>": a task id may hold " for ", a petname no space.
+      const at = lent?.lastIndexOf(" for ") ?? -1, task = lent?.slice(0, at), name = lent?.slice(at + 5) ?? "";
+      const key = a.peers().byName.get(name) ?? name;
       if (lent) {
         a.shows = (i) =>
           i.kind === "message" && ((i.msg.from === key && i.msg.task_id?.slice(0, 120) === task) ||
