@@ -98,16 +98,16 @@ const UNCLAIMED_SHARE = 1 / 2;
 const ADDRESS_SHARE = 1 / 4;
 /** All of loopback as one source address (see addressBucket): this machine's processes, held to no ADDRESS_SHARE. */
 const LOOPBACK = "127.0.0.0/8";
+/** A request's source when the runtime gives none (its connection reset first): refused, its client is gone anyway. */
+const NO_ADDRESS = "?";
 /** A sessionless (0.4) announcement is served this long, as a 0.4 bus does: 0.4 clients read every entry as live. */
 const ROSTER_SESSIONLESS_MS = 90_000;
 /** Roster units per source address (see addressBucket): a machine's hundreds of sessions, a quarter of the roster. */
 const ROSTER_PER_ADDRESS_CAP = 1024;
 /** Against the bounds above, an entry counts one per this many bytes begun (a real one counts one): roster ≤ 4 MiB. */
 const ROSTER_UNIT_BYTES = 1024;
-/**
- * Sessions a bus remembers as ended by a signed unregister, so nobody re-posts their last announcement: far more than
- * end within ROSTER_RETENTION_MS on a real bus, a few MB. Past it the address that ended the most forgets its oldest.
- */
+// Sessions remembered as ended by a signed unregister, so nobody re-posts their last announcement: more than end in
+// ROSTER_RETENTION_MS on a real bus, a few MB. Past it the address that ended the most forgets its oldest.
 const ROSTER_ENDED_CAP = 8192;
 /** ... and ended from one source address: past it that address's own oldest is forgotten, nobody else's. */
 const ROSTER_ENDED_PER_ADDRESS_CAP = 512;
@@ -138,10 +138,8 @@ const RECIPIENT_MAX_CHARS = 512;
  * owner's row and the "closed" row have room; queue.reserve keeps as much again for acks (Bus.#keepRoom).
  */
 const DISK_RESERVE_BYTES = 1 << 20;
-/**
- * Pages the WAL holds before a checkpoint (2 fsyncs that hold the event loop) copies it into queue.db: most are the
- * same few pages written again, so fewer checkpoints cost less (128 took 20 % of a Bun bus's profile, 1,000 12.5 %).
- */
+// Pages the WAL holds before a checkpoint (2 fsyncs on the event loop) copies it into queue.db: mostly the same few
+// pages written again, so fewer checkpoints cost less (128 took 20 % of a Bun bus's profile, 1,000 12.5 %).
 const WAL_PAGES = 1000;
 /** How long a bus trusts its last look at the disk's free space (statfs), less what it wrote since. */
 const DISK_LOOK_MS = 100;
@@ -157,10 +155,8 @@ const CONN_BODY_MS = msFromEnv("INTERLINK_TEST_CONN_BODY_MS", 15_000);
 const ANSWER_WRITE_MS = msFromEnv("INTERLINK_TEST_ANSWER_WRITE_MS", 30_000);
 /** A recv/ack proof is honoured this long either side of its ts (clients renew theirs every minute). */
 const RECV_PROOF_FRESH_MS = 5 * 60_000;
-/**
- * Keys whose routes a bus protects at most (`--owners`): far above any real deployment, about 6 MB of queue database
- * and 10 MB of memory. Past it the bus closes (Bus.#close): forgetting an owner would let a flood of keys read mail.
- */
+// Keys whose routes a bus protects at most (`--owners`): far above any real deployment, about 6 MB of database and
+// 10 MB of memory. Past it the bus closes (Bus.#close): forgetting an owner would let a flood of keys read mail.
 const OWNERS_MAX = 100_000;
 /** Routes whose last verified proof is remembered, so a client's repeats skip the signature check (a minute each). */
 const PROOFS_REMEMBERED = 4096;
@@ -1092,6 +1088,7 @@ class Bus {
     const [method, run] = BUS_ROUTES[pathname] ?? [];
     if (!run) return errorResponse(404, `no route ${pathname}; the bus serves ${Object.keys(BUS_ROUTES).join(", ")}`);
     if (req.method !== method) return errorResponse(405, `${pathname} takes ${method}`, { allow: method });
+    if (from === NO_ADDRESS) return errorResponse(503, "the bus could not tell where this request came from; retry");
     try {
       const r = await run(this, req, { query, from: addressBucket(from) });
       // A reference bus sends no such header: our client batches only where it sees one; doctor reports it.
@@ -1701,7 +1698,7 @@ function serveHttp(handler: FetchHandler, hostname: string, port: number, guard 
       port,
       idleTimeout: Math.ceil(RECV_TIMEOUT_MAX_MS / 1000) + 30,
       development: false, // see serverError
-      fetch: (req, server) => handler(req, server.requestIP(req)?.address ?? ""),
+      fetch: (req, server) => handler(req, server.requestIP(req)?.address || NO_ADDRESS),
       error: serverError,
     });
     return Promise.resolve({ port: server.port, stop: () => Promise.resolve(server.stop(true)) });
@@ -1713,7 +1710,7 @@ function serveHttp(handler: FetchHandler, hostname: string, port: number, guard 
   const listen = (port: number): ReturnType<typeof Deno.serve> => {
     const s = Deno.serve(
       { hostname, port, onListen: () => {}, onError: serverError },
-      (req, info) => handler(req, info.remoteAddr?.hostname ?? ""),
+      (req, info) => handler(req, info.remoteAddr?.hostname || NO_ADDRESS),
     );
     s.finished.catch((e: Error) => {
       if (stopping) return;
@@ -1758,15 +1755,14 @@ function connectionBound(): number {
   return Number.isSafeInteger(limit) && limit > 0 ? Math.max(16, Math.min(CONN_MAX, limit - 64)) : CONN_MAX;
 }
 
-/**
- * The guarded server (see serveHttp): node:http with keep-alive and header timeouts, a deadline on the body, a bound
- * on connections, no request timeout (a long-poll waits a minute). A client gone aborts its request's signal.
- */
+// The guarded server (see serveHttp): node:http with keep-alive and header timeouts, a deadline on the body, a bound
+// on connections, no request timeout (a long-poll waits a minute). A client gone aborts its request's signal.
 async function serveGuarded(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
   const [http, { connect }, { Readable }, { pipeline }] = await Promise.all(
     [import("node:http"), import("node:net"), import("node:stream"), import("node:stream/promises")],
   );
   const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
+  const addressOf = new WeakMap<net.Socket, string>(); // each connection's source, read once it opens
   const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
   const timeouts = {
     keepAliveTimeout: CONN_IDLE_MS,
@@ -1836,7 +1832,7 @@ async function serveGuarded(handler: FetchHandler, hostname: string, port: numbe
         signal: gone.signal,
       };
       // A handler that throws while the client is still there gets the generic 500; one that is gone, nothing.
-      const r = await handler(lite as unknown as Request, socket.remoteAddress ?? "").catch((e) =>
+      const r = await handler(lite as unknown as Request, addressOf.get(socket) || NO_ADDRESS).catch((e) =>
         gone.signal.aborted ? Promise.reject(e) : serverError(e)
       );
       // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
@@ -1859,6 +1855,7 @@ async function serveGuarded(handler: FetchHandler, hostname: string, port: numbe
   // under Deno, stops for good). `accepted`: see the watchdog.
   let open = 0, accepted = 0, turning = 0, saidAt = -Infinity;
   server.on("connection", (socket: net.Socket) => {
+    if (socket.remoteAddress) addressOf.set(socket, socket.remoteAddress); // after a reset the socket has none
     accepted++;
     open++;
     socket.once("close", () => open--);
