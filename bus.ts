@@ -710,7 +710,7 @@ type Signer = { from: string; sig?: string; ts?: number };
  * the reference contract says). A malformed or forged v2 payload is a 400: the bus never queues a known forgery, nor
  * one signed more than HELD_MAX_MS before `now`, which no node of ours takes (kept, it held its signer's budget).
  */
-async function signerOf(payload: unknown, route: string, now: number): Promise<Signer> {
+function signerOf(payload: unknown, route: string, now: number): Signer {
   if (!isV2Shaped(payload)) return { from: "" };
   let msg: SignedMessage;
   try {
@@ -720,7 +720,7 @@ async function signerOf(payload: unknown, route: string, now: number): Promise<S
     if (e instanceof FormatError) return { from: "" };
     throw e;
   }
-  const bad = await verifyMessage(msg);
+  const bad = verifyMessage(msg);
   if (bad) throw new HttpError(400, `the message's signature does not verify (${bad}); not queued`);
   // Else a copy of one of alice's messages, posted to other routes, would spend her budget and crowd her out.
   if (msg.to !== parseRoute(route).key) throw new HttpError(400, `addressed to ${fingerprint(msg.to)}, not this route`);
@@ -1359,7 +1359,7 @@ class Bus {
       throw new HttpError(403, `proof is outside its freshness window (${window})`);
     }
     if (this.#verified.get(route) !== proof) {
-      const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
+      const bad = verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
       if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
     }
     this.#verified.set(route, proof);
@@ -1529,7 +1529,7 @@ async function sendMany(bus: Bus, items: unknown[], origin: string): Promise<Res
       if (!isObject(item) || item.payload === undefined) throw new HttpError(400, 'each message is {"to", "payload"}');
       const to = recipientParam(item.to, "to");
       const payload = JSON.stringify(item.payload);
-      const signer = await signerOf(item.payload, to, bus.now());
+      const signer = signerOf(item.payload, to, bus.now());
       bus.check(to, signer.from, utf8Bytes(payload), signer.sig, origin); // a refusal (a full route) stops the batch
       queued.push(bus.send(to, payload, signer.from, signer, origin)); // queued now, in order; on disk once awaited
       results.push({ status: 202 });
@@ -1561,7 +1561,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
     const to = recipientParam(body.to, "to");
     if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
-    const signer = await signerOf(body.payload, to, bus.now());
+    const signer = signerOf(body.payload, to, bus.now());
     await bus.send(to, JSON.stringify(body.payload), signer.from, signer, origin);
     return jsonResponse(202, '{"status":"queued"}');
   }],
@@ -1612,7 +1612,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     // Presence must be current: no announcement from the future, none older than the roster keeps.
     if (a.ts - now > FRESH_FUTURE_MS) throw new HttpError(400, `announcement ts is ${a.ts - now} ms in the future`);
     if (now - a.ts >= ROSTER_RETENTION_MS) throw new HttpError(400, "announcement is older than the roster keeps");
-    const bad = await verifyAnnouncement(a);
+    const bad = verifyAnnouncement(a);
     if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
     const filed = bus.roster.put(a, json, now, from);
     if (filed === true || filed === "older") return jsonResponse(202, '{"status":"announced"}'); // older: superseded
@@ -1643,7 +1643,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
       throw new HttpError(400, "unregister ts is outside the freshness window");
     }
-    if (await verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })))) {
+    if (verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })))) {
       throw new HttpError(403, "unregister signature does not verify");
     }
     bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);

@@ -58,6 +58,7 @@
 
 import { Buffer } from "node:buffer";
 import { spawn, spawnSync } from "node:child_process";
+import { createPublicKey, type KeyObject, verify as verifyEd25519 } from "node:crypto";
 import * as fs from "node:fs";
 import * as os from "node:os";
 import * as path from "node:path";
@@ -981,51 +982,49 @@ async function signChain(id: Identity, msg: SignedMessage, c: Omit<Chain, "sig">
   return { ...c, sig: await id.sign(chainBytes({ ...msg, task_id: msg.task_id }, c)) };
 }
 
-// Curve constants (RFC 8032 §5.1): the field's prime p, d = −121665/121666 mod p, and L, the order of the prime
-// subgroup (a signature's S must be below it).
+// Curve constants (RFC 8032 §5.1): the field's prime p and L, the order of the prime subgroup (a signature's S must
+// be below it).
 const P = 2n ** 255n - 19n;
-const D = 37095705934669439343138083508754565189542113879843219016388785533085940283555n;
 const L = 2n ** 252n + 27742317777372353535851937790883648493n;
 
-/** One BigInt from hex rather than 32 shifts: this runs on every signature the bus checks. */
+/** One BigInt from hex rather than 32 shifts. */
 const littleEndianToBigInt = (bytes: Uint8Array): bigint =>
   BigInt(`0x${Buffer.from(bytes).reverse().toString("hex") || "0"}`);
 
 /**
- * True if the encoded point has order dividing 8: [8]P is the identity. With such a public key and R, the signature
- * equation holds for any message (the vector "small-order sender key"), and WebCrypto in Bun and Deno accepts it.
- * Doubling depends only on y here, x² = (y² − 1)/(d·y² + 1), so three doublings run on y alone in projective form (Y:Z)
- * with no inversion; the identity is the only point with y = 1. Works on non-canonical y as well.
+ * Every encoding, canonical or not, of a point whose order divides 8, less its sign bit (libsodium's blocklist): y = 0,
+ * 1, the two order-8 points', p − 1, p and p + 1. With such a public key and R, the signature equation holds for any
+ * message (the vector "small-order sender key"), and WebCrypto in Bun and Deno accepts it.
  */
-function hasSmallOrder(encoded: Uint8Array): boolean {
-  const yBytes = encoded.slice(0, 32);
-  yBytes[31] &= 0x7f;
-  let Y = littleEndianToBigInt(yBytes) % P;
-  let Z = 1n;
-  for (let i = 0; i < 3; i++) {
-    const Y2 = (Y * Y) % P;
-    const Z2 = (Z * Z) % P;
-    const xNum = (Y2 - Z2 + P) % P;
-    const xDen = (D * Y2 + Z2) % P;
-    // On −x² + y² = 1 + d·x²·y², doubling gives y' = (y² + x²) / (2 − y² + x²).
-    Y = (Y2 * xDen + xNum * Z2) % P;
-    Z = ((((2n * Z2 - Y2 + P) % P) * xDen) % P + xNum * Z2) % P;
-  }
-  return Z === 0n || (Y - Z) % P === 0n;
-}
+const SMALL_ORDER_Y = [
+  "0000000000000000000000000000000000000000000000000000000000000000",
+  "0100000000000000000000000000000000000000000000000000000000000000",
+  "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05",
+  "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a",
+  "ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+  "edffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+  "eeffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+].map((hex) => Buffer.from(hex, "hex"));
 
-/** Imported verifying keys, by their text: only keys that decoded and passed the small-order check get here. */
-const verifyingKeys = new BoundedMap<string, Promise<CryptoKey>>(KEY_CACHE_CAP);
+/** True if the encoded point has order dividing 8 (a byte compare: this runs on every signature the bus checks). */
+const hasSmallOrder = (encoded: Uint8Array): boolean =>
+  SMALL_ORDER_Y.some((y) => y.compare(encoded, 0, 31, 0, 31) === 0 && (encoded[31] & 0x7f) === y[31]);
 
-/** The imported key for `publicKey`, or why it cannot verify anything (checked once per key, then cached). */
-function verifyingKey(publicKey: string): Promise<CryptoKey> | string {
+/** Verifying keys, by their text: only keys that decoded and passed the small-order check get here. */
+const verifyingKeys = new BoundedMap<string, KeyObject | string>(KEY_CACHE_CAP);
+
+/** An Ed25519 public key's SubjectPublicKeyInfo (RFC 8410), less the 32 key bytes that follow. */
+const ED25519_SPKI = Buffer.from("302a300506032b6570032100", "hex");
+
+/** The key object for `publicKey`, or why it cannot verify anything (checked once per key, then cached). */
+function verifyingKey(publicKey: string): KeyObject | string {
   let key = verifyingKeys.get(publicKey);
-  if (!key) {
+  if (key === undefined) {
     const raw = orWhy(() => decodeKey(publicKey, "public key"));
     if (typeof raw === "string") return raw;
     if (hasSmallOrder(raw)) return "public key is a small-order point";
-    key = crypto.subtle.importKey("raw", raw, { name: "Ed25519" }, false, ["verify"]);
-    verifyingKeys.set(publicKey, key);
+    key = orWhy(() => createPublicKey({ key: Buffer.concat([ED25519_SPKI, raw]), format: "der", type: "spki" }));
+    verifyingKeys.set(publicKey, key = typeof key === "string" ? "public key is not a valid Ed25519 point" : key);
   }
   return key;
 }
@@ -1033,8 +1032,11 @@ function verifyingKey(publicKey: string): Promise<CryptoKey> | string {
 /** Whether a signature's S (its last 32 bytes, little-endian) is below L; L's top byte is 0x10. */
 const isReduced = (s: Uint8Array): boolean => s[31] !== 0x10 ? s[31] < 0x10 : littleEndianToBigInt(s) < L;
 
-/** Strict Ed25519 verification, as ed25519-dalek's verify_strict: null when good, else why not. */
-async function verifyDetached(publicKey: string, signature: string, signed: Bytes): Promise<string | null> {
+/**
+ * Strict Ed25519 verification, as ed25519-dalek's verify_strict: null when good, else why not. node:crypto's one-shot
+ * verify, which both runtimes ship: 40 % less CPU than WebCrypto's on this runtime's bus (docs/performance.md).
+ */
+function verifyDetached(publicKey: string, signature: string, signed: Bytes): string | null {
   const key = verifyingKey(publicKey);
   if (typeof key === "string") return key;
   const sig = orWhy(() => b64urlDecode(signature, 64, "signature"));
@@ -1042,31 +1044,32 @@ async function verifyDetached(publicKey: string, signature: string, signed: Byte
   if (hasSmallOrder(sig.subarray(0, 32))) return "signature R is a small-order point";
   if (!isReduced(sig.subarray(32))) return "signature S is not reduced (S >= L)";
   try {
-    const ok = await crypto.subtle.verify("Ed25519", await key, sig, signed);
-    return ok ? null : "signature does not match";
+    return verifyEd25519(null, signed, key, sig) ? null : "signature does not match";
   } catch {
-    verifyingKeys.delete(publicKey);
+    verifyingKeys.set(publicKey, "public key is not a valid Ed25519 point");
     return "public key is not a valid Ed25519 point";
   }
 }
 
-const verifyMessage = (m: SignedMessage): Promise<string | null> => verifyDetached(m.from, m.sig, canonicalBytes(m));
+const verifyMessage = (m: SignedMessage): string | null => verifyDetached(m.from, m.sig, canonicalBytes(m));
 
 /**
  * Which layout an announcement verifies under: with a `session` only 0.8; without, 0.8 with empty fields, then 0.4,
  * which marks a legacy node (no sessions; reached at its bare key). No byte string matches both.
  */
-async function checkAnnouncement(a: Announcement): Promise<{ layout: "0.8" | "0.4" } | { error: string }> {
-  const v08 = await verifyDetached(a.pubkey, a.sig, announcementBytes(a));
+function checkAnnouncement(a: Announcement): { layout: "0.8" | "0.4" } | { error: string } {
+  const v08 = verifyDetached(a.pubkey, a.sig, announcementBytes(a));
   if (v08 === null) return { layout: "0.8" };
-  if (a.session === undefined && (await verifyDetached(a.pubkey, a.sig, legacyAnnouncementBytes(a))) === null) {
+  if (a.session === undefined && (verifyDetached(a.pubkey, a.sig, legacyAnnouncementBytes(a))) === null) {
     return { layout: "0.4" };
   }
   return { error: v08 };
 }
 
-const verifyAnnouncement = (a: Announcement): Promise<string | null> =>
-  checkAnnouncement(a).then((r) => ("error" in r ? r.error : null));
+const verifyAnnouncement = (a: Announcement): string | null => {
+  const r = checkAnnouncement(a);
+  return "error" in r ? r.error : null;
+};
 
 // Sealing (docs/wire.md, "Sealed messages"): the X25519 keys of Ed25519 ones, so nothing new is exchanged or pinned.
 
@@ -1376,7 +1379,7 @@ async function openSealed(
     if (content.subarray(at).some((b) => b !== 0)) throw new FormatError("its padding is not zeros");
     const fields = { kind: "message", text, status: status || undefined, task_id, in_reply_to };
     const msg = parseSignedMessage({ ...m, ...fields, sig: b64urlEncode(content.subarray(0, 64)) });
-    const bad = await verifyMessage(msg);
+    const bad = verifyMessage(msg);
     if (bad) return `what it holds is not signed by its sender (${bad})`;
     return { msg, ...(chain ? { chain: orWhy(() => JSON.parse(chain)) } : {}) };
   } catch (e) {
@@ -1535,7 +1538,7 @@ async function decide(
   if (typeof parsed === "string") return { verdict: "reject", reason: "malformed", detail: parsed };
   let msg = parsed;
   const reject = (reason: RejectReason, detail: string): Verdict => ({ verdict: "reject", reason, detail, msg });
-  const bad = await verifyMessage(msg);
+  const bad = verifyMessage(msg);
   if (bad) return reject("bad_signature", bad);
   if (msg.to !== me) return reject("wrong_recipient", `addressed to ${fingerprint(msg.to)}`);
   // A message signed by this node's own key comes from another of its sessions: admitted as "self".
@@ -1602,7 +1605,7 @@ function parseChain(value: unknown): Chain {
  * that can strip one can garble one): never a reason to refuse the message. Async only for WebCrypto's verify, so the
  * agent runs it before planInbound.
  */
-async function judgeChain(raw: unknown, msg: SignedMessage): Promise<ChainCheck | null> {
+function judgeChain(raw: unknown, msg: SignedMessage): ChainCheck | null {
   if (raw === undefined || raw === null) return null;
   if (msg.kind !== "message" || !msg.task_id || msg.status) {
     return { ok: false, why: "a chain on a message that opens no task (it needs a task_id and no status)" };
@@ -1617,7 +1620,7 @@ async function judgeChain(raw: unknown, msg: SignedMessage): Promise<ChainCheck 
     ? "the key before the sender's is not the parent task's requester"
     : new Set(c.keys).size !== c.keys.length
     ? "it holds a key twice"
-    : await verifyDetached(msg.from, c.sig, chainBytes({ ...msg, task_id: msg.task_id }, c));
+    : verifyDetached(msg.from, c.sig, chainBytes({ ...msg, task_id: msg.task_id }, c));
   return why ? { ok: false, why: `chain: ${why}` } : { ok: true, chain: c };
 }
 
@@ -5454,7 +5457,7 @@ async function readRoster(
           try {
             // Larger than our bus keeps (a hostile relay's, say): not read, so no one entry can fill what is shown.
             if (utf8Bytes(JSON.stringify(raw)) > ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) continue;
-            const a = parseAnnouncement(raw), check = await checkAnnouncement(a);
+            const a = parseAnnouncement(raw), check = checkAnnouncement(a);
             if ("error" in check) continue; // the bus verifies nothing we rely on: we do
             const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
             const session = check.layout === "0.8" && a.session?.session_id ? a.session : null;
@@ -6422,7 +6425,7 @@ class Agent {
       : undefined;
     // So is a chain's signature (see "Delegation across hops").
     const rawChain = v.verdict !== "deliver" ? undefined : v.sealed ? v.sealed.chain : p.chain; // sealed: only its own
-    const chain = v.verdict === "deliver" && rawChain !== undefined ? await judgeChain(rawChain, v.msg) : undefined;
+    const chain = v.verdict === "deliver" && rawChain !== undefined ? judgeChain(rawChain, v.msg) : undefined;
     const canPush = this.push !== null && this.cfg.delivery === "channel";
     const node = { selfKey: this.id.publicKey, selfName: this.cfg.name, ...some("maxDepth", this.cfg.maxDepth) };
     const said = { ...some("replyTo", replyTo), wantsReceipts: p.receipts === true, ...some("forSession", forSession) };
