@@ -133,10 +133,8 @@ const RECV_BATCH_MAX = 64;
 const MESSAGE_STAY_MS = HELD_MAX_MS + FRESH_FUTURE_MS;
 /** Longest recipient string the bus accepts: a 43-char key plus a label. */
 const RECIPIENT_MAX_CHARS = 512;
-/**
- * Room a bus leaves free on its disk (a sixteenth of a smaller disk): sends past it are refused (507), so acks, an
- * owner's row and the "closed" row have room; queue.reserve keeps as much again for acks (Bus.#keepRoom).
- */
+// Room a bus leaves free on its disk (a sixteenth of a smaller disk): sends past it are refused (507), so acks, an
+// owner's row and the "closed" row have room; queue.reserve keeps as much again for acks (Bus.#keepRoom).
 const DISK_RESERVE_BYTES = 1 << 20;
 // Pages the WAL holds before a checkpoint (2 fsyncs on the event loop) copies it into queue.db: mostly the same few
 // pages written again, so fewer checkpoints cost less (128 took 20 % of a Bun bus's profile, 1,000 12.5 %).
@@ -181,11 +179,7 @@ const CONN_TURNED_AWAY_MAX = 32;
 // Queue and roster logic
 // ============================================================================
 
-/**
- * What BusQueues lets in: `cap` verified messages per signer and recipient, `opaqueCap` unattributed per recipient key,
- * and bytes from one verified signer (`senderBytes`), in all (`totalBytes`) and, of that, for keys that never proved a
- * route (`unclaimedShare`) and from one source address (`addressShare`), as BusQueues.admit counts them.
- */
+/** What BusQueues lets in (full counts the caps, admit the bytes): the constants above, or a bus's own options. */
 const QUEUE_LIMITS = {
   cap: QUEUE_CAP,
   opaqueCap: OPAQUE_CAP,
@@ -264,19 +258,11 @@ class BusQueues {
 
   /** Counts `count` messages of `size` bytes in all from `sender` to `to`, whatever the caps: `full` is asked first. */
   add(to: string, sender: string, size: number, count = 1, origin = ""): void {
-    if (!this.#routes.has(to)) this.#routes.set(to, new Map());
-    this.#change(to, sender, size, count, origin);
-  }
-
-  /** What `add` counted, given back: an ack, or a send that could not be written. */
-  remove(to: string, sender: string, size: number, origin = ""): void {
-    if (this.#routes.get(to)?.get(sender)) this.#change(to, sender, -size, -1, origin);
-  }
-
-  #change(to: string, sender: string, size: number, count: number, origin: string): void {
-    const route = this.#routes.get(to)!, held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
+    const route = this.#routes.get(to) ?? new Map<string, number>();
+    const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
     addCount(route, sender, count);
-    if (!route.size) this.#routes.delete(to);
+    if (route.size) this.#routes.set(to, route);
+    else this.#routes.delete(to);
     if (sender && held.count + count > 0) {
       this.#senders.set(sender, { bytes: held.bytes + size, count: held.count + count });
     } else this.#senders.delete(sender);
@@ -287,6 +273,11 @@ class BusQueues {
     if (!this.owned(key)) this.unclaimed += n;
     this.liveCount += count;
     this.bytes += size;
+  }
+
+  /** What `add` counted, given back: an ack, or a send that could not be written. */
+  remove(to: string, sender: string, size: number, origin = ""): void {
+    if (this.#routes.get(to)?.get(sender)) this.add(to, sender, -size, -1, origin);
   }
 }
 
@@ -354,8 +345,7 @@ class Roster {
   /** Files an announcement from address bucket `from`: true, or why not (newer one filed, session ended, a bound). */
   put(a: Announcement, json: string, nowMs: number, from = ""): true | "older" | "ended" | "full" | "address" | "key" {
     const id = rosterKey(a);
-    const ended = this.#ended.get(id);
-    if (ended && a.ts <= ended.ts) return "ended";
+    if (a.ts <= (this.#ended.get(id)?.ts ?? -Infinity)) return "ended";
     const old = this.#entries.get(id);
     if (old && old.ts > a.ts) return "older";
     if (old && old.ts === a.ts) {
@@ -383,8 +373,7 @@ class Roster {
     /** Drops entries `which` allows, stalest first, until `bound` is met; false if it cannot be. */
     const makeRoom = (bound: () => boolean, which: (e: RosterEntry) => boolean): boolean => {
       for (const [k, e] of this.#entries) {
-        if (!bound()) return true;
-        if (nowMs - e.at < PRESENCE_LIVE_MS) return false; // refresh order: the rest are live too
+        if (!bound() || nowMs - e.at < PRESENCE_LIVE_MS) break; // refresh order: the rest are live too
         if (k !== id && which(e)) drop(k, e);
       }
       return !bound();
@@ -392,10 +381,7 @@ class Roster {
     // By signed time, not refresh order: anyone can post a key's earlier announcements again, none sign a later one.
     if (over.key()) {
       const earlier = [...this.#entries].filter(([k, e]) => k !== id && e.pubkey === a.pubkey && e.ts <= a.ts);
-      for (const [k, e] of earlier.sort(([, x], [, y]) => x.ts - y.ts)) {
-        if (!over.key()) break;
-        drop(k, e);
-      }
+      for (const [k, e] of earlier.sort(([, x], [, y]) => x.ts - y.ts)) if (over.key()) drop(k, e);
       if (over.key()) return "key";
     }
     if (!makeRoom(over.address, (e) => e.from === from)) return "address";
@@ -431,17 +417,14 @@ class Roster {
       if (nowMs - e.ts < ROSTER_RETENTION_MS) break;
       this.#forgetEnded(k);
     }
-    let mine = this.#endedBy.get(from);
+    const mine = this.#endedBy.get(from);
     if (mine && mine.size >= this.endedPerAddressCap) this.#forgetEnded(mine.values().next().value!);
     else if (this.#ended.size >= this.endedCap) {
-      let most: Set<string> | undefined;
-      for (const ids of this.#endedBy.values()) if (!most || ids.size > most.size) most = ids;
-      this.#forgetEnded(most!.values().next().value!);
+      const most = [...this.#endedBy.values()].reduce((x, y) => (y.size > x.size ? y : x));
+      this.#forgetEnded(most.values().next().value!);
     }
     this.#ended.set(key, { ts, from });
-    mine = this.#endedBy.get(from);
-    if (!mine) this.#endedBy.set(from, mine = new Set());
-    mine.add(key);
+    this.#endedBy.set(from, (this.#endedBy.get(from) ?? new Set()).add(key));
   }
 
   get endedCount(): number {
@@ -503,11 +486,8 @@ function addressBucket(address: string): string {
   if (address === "::1") return LOOPBACK;
   if (!address.includes(":")) return address;
   const [left, right] = address.split("%")[0].split("::");
-  const head = left ? left.split(":") : [];
-  const tail = right === undefined ? [] : right ? right.split(":") : [];
-  const groups = right === undefined
-    ? head
-    : [...head, ...Array(Math.max(0, 8 - head.length - tail.length)).fill("0"), ...tail];
+  const head = left ? left.split(":") : [], tail = right ? right.split(":") : []; // "::" stands for the zeros between
+  const groups = [...head, ...Array(Math.max(0, 8 - head.length - tail.length)).fill("0"), ...tail];
   return `${groups.slice(0, 4).map((g) => (parseInt(g, 16) || 0).toString(16)).join(":")}::/64`;
 }
 
