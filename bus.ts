@@ -574,12 +574,8 @@ function streamedAnswer(status: number, text: string, held: AnswerHold): Respons
   if (!held.bytes && 3 * text.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text); // ≤ 3 bytes a char
   const bytes = Buffer.from(text);
   if (!held.bytes && bytes.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
-  let at = 0;
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const done = () => {
-    clearTimeout(timer);
-    held.release();
-  };
+  let at = 0, timer: ReturnType<typeof setTimeout> | undefined;
+  const done = () => (clearTimeout(timer), held.release());
   const body = new ReadableStream<Uint8Array>({
     start(c) {
       timer = setTimeout(() => {
@@ -666,9 +662,8 @@ function declaredLength(req: Request): number | null {
   if (raw === null) return null;
   const values = new Set(raw.split(",").map((v) => v.trim()));
   const [n] = values;
-  if (values.size !== 1 || !/^\d{1,15}$/.test(n)) {
-    throw new HttpError(400, `Content-Length ${JSON.stringify(raw.slice(0, 40))} is not one length in bytes`, true);
-  }
+  const what = `Content-Length ${JSON.stringify(raw.slice(0, 40))} is not one length in bytes`;
+  if (values.size !== 1 || !/^\d{1,15}$/.test(n)) throw new HttpError(400, what, true);
   return Number(n);
 }
 
@@ -1146,21 +1141,10 @@ class Bus {
     throw new HttpError(507, why, close);
   }
 
-  /** Throws the 429 for one more message from `sender` to `to` past its cap: nothing accepted makes room (QUEUE_CAP). */
-  ensureRouteRoom(to: string, sender: string): void {
-    const held = this.queues.full(to, sender);
-    if (held === null) return;
-    const route = `${fingerprint(to)}${to.includes("#") ? to.slice(to.indexOf("#")) : ""}`;
-    const what = sender ? "messages from this sender" : "unattributed payloads";
-    const why =
-      `${ROUTE_FULL}: ${route} holds ${held} ${what} not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`;
-    throw new HttpError(429, why);
-  }
-
   /**
    * Throws the refusal a message of `size` bytes would get now: a copy of a signed message (`sender`, `sig`) queued for
-   * another route (409: not new mail, and it would spend its signer's budget), a byte budget, a full route. One queued
-   * for `to` already (a retry) is taken as it is: then the promise that it is on disk.
+   * another route (409: not new mail, and it would spend its signer's budget), a byte budget, a full route (429: nothing
+   * accepted makes room, QUEUE_CAP). One queued for `to` already (a retry) is taken as it is: the promise it is on disk.
    */
   check(to: string, sender: string, size: number, sig?: string, origin = ""): Promise<void> | undefined {
     const unsynced = sig ? this.#unsynced.get(sig) : undefined;
@@ -1172,7 +1156,13 @@ class Bus {
       throw new HttpError(409, why);
     }
     this.ensureRoom(sender, size, to, origin);
-    this.ensureRouteRoom(to, sender);
+    const held = this.queues.full(to, sender);
+    if (held === null) return;
+    const label = `${fingerprint(to)}${to.includes("#") ? to.slice(to.indexOf("#")) : ""}`;
+    const what = sender ? "messages from this sender" : "unattributed payloads";
+    const full =
+      `${ROUTE_FULL}: ${label} holds ${held} ${what} not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`;
+    throw new HttpError(429, full);
   }
 
   /**
@@ -1317,9 +1307,9 @@ class Bus {
   async checkOwnership(route: string, proof: unknown): Promise<void> {
     if (proof === undefined || proof === null || proof === "") {
       if (this.isOwned(route)) {
-        const fp = fingerprint(route);
-        const why =
-          `route ${fp}… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
+        const why = `route ${
+          fingerprint(route)
+        }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
         throw new HttpError(403, why);
       }
       if (this.#closedSince === null) return;
@@ -1469,8 +1459,8 @@ class Bus {
     const remove = () => {
       gone = []; // a commit tried again runs this again
       for (const m of marks) {
-        const { seq, ts } = typeof m === "number" ? { seq: m, ts: undefined } : m;
-        const row = this.#sql.remove.get(seq, me, ts ?? null) as (typeof gone)[number] | undefined;
+        const { seq, ts = null } = typeof m === "number" ? { seq: m } : m;
+        const row = this.#sql.remove.get(seq, me, ts) as (typeof gone)[number] | undefined;
         if (row) gone.push(row);
       }
     };
@@ -1572,7 +1562,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     if (!keys.length || keys.length > RECV_BATCH_MAX || !keys.every((k) => typeof k === "string")) {
       throw new HttpError(400, `"ack" must be a string (or "acks" a list of 1 to ${RECV_BATCH_MAX})`);
     }
-    if (!keys.every((k) => (k as string).startsWith(me + "\0"))) {
+    if (!(keys as string[]).every((k) => k.startsWith(me + "\0"))) {
       throw new HttpError(403, "that ack key belongs to another recipient");
     }
     await bus.checkOwnership(me, body.proof);
@@ -1620,12 +1610,10 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     const sessionId = isObject(session) && typeof session.session_id === "string" ? session.session_id : "";
     const u = parseOr400(() => ({ pubkey: field(body, "pubkey"), ts: timestamp(body, "ts"), sig: field(body, "sig") }));
     const now = bus.now();
-    if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
-      throw new HttpError(400, "unregister ts is outside the freshness window");
-    }
-    if (verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })))) {
-      throw new HttpError(403, "unregister signature does not verify");
-    }
+    const stale = u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS;
+    if (stale) throw new HttpError(400, "unregister ts is outside the freshness window");
+    const bad = verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })));
+    if (bad) throw new HttpError(403, "unregister signature does not verify");
     bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
     return jsonResponse(202, '{"status":"unregistered"}');
   }],
