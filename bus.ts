@@ -251,7 +251,6 @@ class BusQueues {
     return held >= (sender === "" ? this.limits.opaqueCap : this.limits.cap) ? held : null;
   }
 
-  /** Messages held for `to`. */
   held(to: string): number {
     return [...this.#routes.get(to)?.values() ?? []].reduce((n, count) => n + count, 0);
   }
@@ -881,12 +880,8 @@ function badBusRecord(r: Record<string, unknown>): string {
  * line, are set aside in queue.jsonl.corrupt, as that bus did, and never stop the import. Returns how many.
  */
 function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void): number {
-  let st: fs.Stats;
-  try {
-    st = fs.statSync(file);
-  } catch {
-    return 0;
-  }
+  if (!fs.existsSync(file)) return 0;
+  const st = fs.statSync(file);
   const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
   let skipped = 0, top = 0; // top: the highest seq the file names
   if (sql("SELECT value FROM meta WHERE name = 'imported'").get()?.value !== id) {
@@ -930,8 +925,9 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
   }
   failpoint("bus-after-import"); // committed, the file not yet renamed aside
   fs.renameSync(file, `${file}.imported`);
-  const corrupt = `${skipped} lines set aside in .corrupt`;
-  log(`took in ${file}, the queue of an earlier bus (${corrupt}); kept as ${file}.imported`);
+  log(
+    `took in ${file}, the queue of an earlier bus (${skipped} lines set aside in .corrupt); kept as ${file}.imported`,
+  );
   return skipped;
 }
 
