@@ -320,7 +320,7 @@ class Roster {
   #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
   #perKey = new Map<string, number>(); // units: bounded by the entries
   #perAddress = new Map<string, number>(); // units per address bucket: bounded by the entries
-  #units = 0;
+  units = 0; // what the entries count in all
   /** Sessions ended by a signed unregister, with its ts and address bucket (see end). */
   #ended = new Map<string, { ts: number; from: string }>(); // bounded: endedCap, oldest first
   #endedBy = new Map<string, Set<string>>(); // each address bucket's ended ids, oldest first: bounded with #ended
@@ -335,10 +335,6 @@ class Roster {
 
   get size(): number {
     return this.#entries.size;
-  }
-
-  get units(): number {
-    return this.#units;
   }
 
   /** Files an announcement from address bucket `from`: true, or why not (newer one filed, session ended, a bound). */
@@ -367,7 +363,7 @@ class Roster {
     const over = {
       key: () => (this.#perKey.get(a.pubkey) ?? 0) - freed.key + units > this.perKeyCap,
       address: () => (this.#perAddress.get(from) ?? 0) - freed.address + units > this.perAddressCap,
-      all: () => this.#units - freed.all + units > this.cap,
+      all: () => this.units - freed.all + units > this.cap,
     };
     /** Drops entries `which` allows, stalest first, until `bound` is met; false if it cannot be. */
     const makeRoom = (bound: () => boolean, which: (e: RosterEntry) => boolean): boolean => {
@@ -390,7 +386,7 @@ class Roster {
     this.#entries.set(id, { json, at: nowMs, ts: a.ts, pubkey: a.pubkey, sessionless, from, units });
     addCount(this.#perKey, a.pubkey, units);
     addCount(this.#perAddress, from, units);
-    this.#units += units;
+    this.units += units;
     return true;
   }
 
@@ -441,14 +437,14 @@ class Roster {
   #remove(key: string): void {
     const e = this.#entries.get(key)!;
     this.#entries.delete(key);
-    this.#units -= e.units;
+    this.units -= e.units;
     addCount(this.#perKey, e.pubkey, -e.units);
     addCount(this.#perAddress, e.from, -e.units);
   }
 
   /** At least the bytes of GET /roster's answer: each entry's units of ROSTER_UNIT_BYTES, plus its `age_ms`. */
   answerBytes(): number {
-    return 16 + this.#units * ROSTER_UNIT_BYTES + this.#entries.size * 32;
+    return 16 + this.units * ROSTER_UNIT_BYTES + this.#entries.size * 32;
   }
 
   /** GET /roster's entries, each with an unsigned `age_ms`; expired ones are pruned. */
