@@ -657,8 +657,9 @@ function declaredLength(req: Request): number | null {
   if (raw === null) return null;
   const values = new Set(raw.split(",").map((v) => v.trim()));
   const [n] = values;
-  const what = `Content-Length ${JSON.stringify(raw.slice(0, 40))} is not one length in bytes`;
-  if (values.size !== 1 || !/^\d{1,15}$/.test(n)) throw new HttpError(400, what, true);
+  if (values.size !== 1 || !/^\d{1,15}$/.test(n)) {
+    throw new HttpError(400, `Content-Length ${JSON.stringify(raw.slice(0, 40))} is not one length in bytes`, true);
+  }
   return Number(n);
 }
 
@@ -921,9 +922,8 @@ function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void)
   }
   failpoint("bus-after-import"); // committed, the file not yet renamed aside
   fs.renameSync(file, `${file}.imported`);
-  log(
-    `took in ${file}, the queue of an earlier bus (${skipped} lines set aside in .corrupt); kept as ${file}.imported`,
-  );
+  const corrupt = `${skipped} lines set aside in .corrupt`;
+  log(`took in ${file}, the queue of an earlier bus (${corrupt}); kept as ${file}.imported`);
   return skipped;
 }
 
@@ -1299,9 +1299,9 @@ class Bus {
   async checkOwnership(route: string, proof: unknown): Promise<void> {
     if (proof === undefined || proof === null || proof === "") {
       if (this.isOwned(route)) {
-        const why = `route ${
-          fingerprint(route)
-        }… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
+        const fp = fingerprint(route);
+        const why =
+          `route ${fp}… belongs to a key that has proven its ownership to this bus: a recv or ack for it must carry a proof signed by that key`;
         throw new HttpError(403, why);
       }
       if (this.#closedSince === null) return;
@@ -1554,7 +1554,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     if (!keys.length || keys.length > RECV_BATCH_MAX || !keys.every((k) => typeof k === "string")) {
       throw new HttpError(400, `"ack" must be a string (or "acks" a list of 1 to ${RECV_BATCH_MAX})`);
     }
-    if (!(keys as string[]).every((k) => k.startsWith(me + "\0"))) {
+    if (!keys.every((k) => (k as string).startsWith(me + "\0"))) {
       throw new HttpError(403, "that ack key belongs to another recipient");
     }
     await bus.checkOwnership(me, body.proof);
