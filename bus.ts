@@ -1329,9 +1329,8 @@ class Bus {
   }
 
   /**
-   * `key` proved (verified, fresh) that it reads its routes. Its first proof makes it an owner, committed before the
-   * answer (trust on first proof survives a restart); when it cannot be one (`ownersMax` held, no disk room), the bus
-   * closes instead (#close): a key that proved never has its routes served without a proof.
+   * A key's first proof makes it an owner, committed before the answer (trust on first proof survives a restart); when
+   * it cannot be one (`ownersMax` held, no disk room), the bus closes instead (#close).
    */
   async #own(key: string): Promise<void> {
     if (this.#owners.has(key)) return;
@@ -1355,10 +1354,9 @@ class Bus {
   }
 
   /**
-   * Closes the bus for good (restarts too): every recv or ack then needs a proof from its route's key, so keys it could
-   * not record are as safe as its owners; a node that never proves (a reference node) is refused. Keys cost nothing:
-   * here a flood of them ends, at no memory cost. The "closed" row goes into the disk's reserve; this process stays
-   * closed even if that write fails (and throws).
+   * Closes the bus for good (restarts too), as its log line says, so keys it could not record are as safe as its owners:
+   * a flood of keys, which cost nothing, ends here at no memory cost. The "closed" row goes into the disk's reserve;
+   * this process stays closed even if that write fails (and throws).
    */
   async #close(why: string): Promise<void> {
     const since = this.#closedSince = this.now();
@@ -1403,11 +1401,8 @@ class Bus {
       while (n < heads.length && (n === 0 || bytes + heads[n].size <= RECV_BATCH_BYTES)) bytes += heads[n++].size;
       heads.length = n;
       held?.hold(recvAnswerBytes(me, heads));
-      const out: BusDelivery[] = [];
-      for (const h of heads) {
-        const payload = this.#payload(me, h);
-        if (payload !== undefined) out.push({ seq: h.seq, ts: h.ts, payload });
-      }
+      const out = heads.map((h) => ({ seq: h.seq, ts: h.ts, payload: this.#payload(me, h) }))
+        .filter((m): m is BusDelivery => m.payload !== undefined);
       if (out.length || !heads.length) return out;
     }
   }
