@@ -133,10 +133,8 @@ const RECV_BATCH_MAX = 64;
 const MESSAGE_STAY_MS = HELD_MAX_MS + FRESH_FUTURE_MS;
 /** Longest recipient string the bus accepts: a 43-char key plus a label. */
 const RECIPIENT_MAX_CHARS = 512;
-/**
- * Room a bus leaves free on its disk (a sixteenth of a smaller disk): sends past it are refused (507), so acks, an
- * owner's row and the "closed" row have room; queue.reserve keeps as much again for acks (Bus.#keepRoom).
- */
+// Room a bus leaves free on its disk (a sixteenth of a smaller disk): sends past it are refused (507), so acks, an
+// owner's row and the "closed" row have room; queue.reserve keeps as much again for acks (Bus.#keepRoom).
 const DISK_RESERVE_BYTES = 1 << 20;
 // Pages the WAL holds before a checkpoint (2 fsyncs on the event loop) copies it into queue.db: mostly the same few
 // pages written again, so fewer checkpoints cost less (128 took 20 % of a Bun bus's profile, 1,000 12.5 %).
@@ -181,11 +179,7 @@ const CONN_TURNED_AWAY_MAX = 32;
 // Queue and roster logic
 // ============================================================================
 
-/**
- * What BusQueues lets in: `cap` verified messages per signer and recipient, `opaqueCap` unattributed per recipient key,
- * and bytes from one verified signer (`senderBytes`), in all (`totalBytes`) and, of that, for keys that never proved a
- * route (`unclaimedShare`) and from one source address (`addressShare`), as BusQueues.admit counts them.
- */
+/** What BusQueues lets in (full counts the caps, admit the bytes): the constants above, or a bus's own options. */
 const QUEUE_LIMITS = {
   cap: QUEUE_CAP,
   opaqueCap: OPAQUE_CAP,
@@ -257,26 +251,17 @@ class BusQueues {
     return held >= (sender === "" ? this.limits.opaqueCap : this.limits.cap) ? held : null;
   }
 
-  /** Messages held for `to`. */
   held(to: string): number {
     return [...this.#routes.get(to)?.values() ?? []].reduce((n, count) => n + count, 0);
   }
 
   /** Counts `count` messages of `size` bytes in all from `sender` to `to`, whatever the caps: `full` is asked first. */
   add(to: string, sender: string, size: number, count = 1, origin = ""): void {
-    if (!this.#routes.has(to)) this.#routes.set(to, new Map());
-    this.#change(to, sender, size, count, origin);
-  }
-
-  /** What `add` counted, given back: an ack, or a send that could not be written. */
-  remove(to: string, sender: string, size: number, origin = ""): void {
-    if (this.#routes.get(to)?.get(sender)) this.#change(to, sender, -size, -1, origin);
-  }
-
-  #change(to: string, sender: string, size: number, count: number, origin: string): void {
-    const route = this.#routes.get(to)!, held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
+    const route = this.#routes.get(to) ?? new Map<string, number>();
+    const held = this.#senders.get(sender) ?? { bytes: 0, count: 0 };
     addCount(route, sender, count);
-    if (!route.size) this.#routes.delete(to);
+    if (route.size) this.#routes.set(to, route);
+    else this.#routes.delete(to);
     if (sender && held.count + count > 0) {
       this.#senders.set(sender, { bytes: held.bytes + size, count: held.count + count });
     } else this.#senders.delete(sender);
@@ -287,6 +272,11 @@ class BusQueues {
     if (!this.owned(key)) this.unclaimed += n;
     this.liveCount += count;
     this.bytes += size;
+  }
+
+  /** What `add` counted, given back: an ack, or a send that could not be written. */
+  remove(to: string, sender: string, size: number, origin = ""): void {
+    if (this.#routes.get(to)?.get(sender)) this.add(to, sender, -size, -1, origin);
   }
 }
 
@@ -330,7 +320,7 @@ class Roster {
   #entries = new Map<string, RosterEntry>(); // bounded: `cap` units, each entry at least one
   #perKey = new Map<string, number>(); // units: bounded by the entries
   #perAddress = new Map<string, number>(); // units per address bucket: bounded by the entries
-  #units = 0;
+  units = 0; // what the entries count in all
   /** Sessions ended by a signed unregister, with its ts and address bucket (see end). */
   #ended = new Map<string, { ts: number; from: string }>(); // bounded: endedCap, oldest first
   #endedBy = new Map<string, Set<string>>(); // each address bucket's ended ids, oldest first: bounded with #ended
@@ -347,15 +337,10 @@ class Roster {
     return this.#entries.size;
   }
 
-  get units(): number {
-    return this.#units;
-  }
-
   /** Files an announcement from address bucket `from`: true, or why not (newer one filed, session ended, a bound). */
   put(a: Announcement, json: string, nowMs: number, from = ""): true | "older" | "ended" | "full" | "address" | "key" {
     const id = rosterKey(a);
-    const ended = this.#ended.get(id);
-    if (ended && a.ts <= ended.ts) return "ended";
+    if (a.ts <= (this.#ended.get(id)?.ts ?? -Infinity)) return "ended";
     const old = this.#entries.get(id);
     if (old && old.ts > a.ts) return "older";
     if (old && old.ts === a.ts) {
@@ -378,13 +363,12 @@ class Roster {
     const over = {
       key: () => (this.#perKey.get(a.pubkey) ?? 0) - freed.key + units > this.perKeyCap,
       address: () => (this.#perAddress.get(from) ?? 0) - freed.address + units > this.perAddressCap,
-      all: () => this.#units - freed.all + units > this.cap,
+      all: () => this.units - freed.all + units > this.cap,
     };
     /** Drops entries `which` allows, stalest first, until `bound` is met; false if it cannot be. */
     const makeRoom = (bound: () => boolean, which: (e: RosterEntry) => boolean): boolean => {
       for (const [k, e] of this.#entries) {
-        if (!bound()) return true;
-        if (nowMs - e.at < PRESENCE_LIVE_MS) return false; // refresh order: the rest are live too
+        if (!bound() || nowMs - e.at < PRESENCE_LIVE_MS) break; // refresh order: the rest are live too
         if (k !== id && which(e)) drop(k, e);
       }
       return !bound();
@@ -392,10 +376,7 @@ class Roster {
     // By signed time, not refresh order: anyone can post a key's earlier announcements again, none sign a later one.
     if (over.key()) {
       const earlier = [...this.#entries].filter(([k, e]) => k !== id && e.pubkey === a.pubkey && e.ts <= a.ts);
-      for (const [k, e] of earlier.sort(([, x], [, y]) => x.ts - y.ts)) {
-        if (!over.key()) break;
-        drop(k, e);
-      }
+      for (const [k, e] of earlier.sort(([, x], [, y]) => x.ts - y.ts)) if (over.key()) drop(k, e);
       if (over.key()) return "key";
     }
     if (!makeRoom(over.address, (e) => e.from === from)) return "address";
@@ -405,7 +386,7 @@ class Roster {
     this.#entries.set(id, { json, at: nowMs, ts: a.ts, pubkey: a.pubkey, sessionless, from, units });
     addCount(this.#perKey, a.pubkey, units);
     addCount(this.#perAddress, from, units);
-    this.#units += units;
+    this.units += units;
     return true;
   }
 
@@ -431,17 +412,14 @@ class Roster {
       if (nowMs - e.ts < ROSTER_RETENTION_MS) break;
       this.#forgetEnded(k);
     }
-    let mine = this.#endedBy.get(from);
+    const mine = this.#endedBy.get(from);
     if (mine && mine.size >= this.endedPerAddressCap) this.#forgetEnded(mine.values().next().value!);
     else if (this.#ended.size >= this.endedCap) {
-      let most: Set<string> | undefined;
-      for (const ids of this.#endedBy.values()) if (!most || ids.size > most.size) most = ids;
-      this.#forgetEnded(most!.values().next().value!);
+      const most = [...this.#endedBy.values()].reduce((x, y) => (y.size > x.size ? y : x));
+      this.#forgetEnded(most.values().next().value!);
     }
     this.#ended.set(key, { ts, from });
-    mine = this.#endedBy.get(from);
-    if (!mine) this.#endedBy.set(from, mine = new Set());
-    mine.add(key);
+    this.#endedBy.set(from, (this.#endedBy.get(from) ?? new Set()).add(key));
   }
 
   get endedCount(): number {
@@ -459,14 +437,14 @@ class Roster {
   #remove(key: string): void {
     const e = this.#entries.get(key)!;
     this.#entries.delete(key);
-    this.#units -= e.units;
+    this.units -= e.units;
     addCount(this.#perKey, e.pubkey, -e.units);
     addCount(this.#perAddress, e.from, -e.units);
   }
 
   /** At least the bytes of GET /roster's answer: each entry's units of ROSTER_UNIT_BYTES, plus its `age_ms`. */
   answerBytes(): number {
-    return 16 + this.#units * ROSTER_UNIT_BYTES + this.#entries.size * 32;
+    return 16 + this.units * ROSTER_UNIT_BYTES + this.#entries.size * 32;
   }
 
   /** GET /roster's entries, each with an unsigned `age_ms`; expired ones are pruned. */
@@ -503,11 +481,8 @@ function addressBucket(address: string): string {
   if (address === "::1") return LOOPBACK;
   if (!address.includes(":")) return address;
   const [left, right] = address.split("%")[0].split("::");
-  const head = left ? left.split(":") : [];
-  const tail = right === undefined ? [] : right ? right.split(":") : [];
-  const groups = right === undefined
-    ? head
-    : [...head, ...Array(Math.max(0, 8 - head.length - tail.length)).fill("0"), ...tail];
+  const head = left ? left.split(":") : [], tail = right ? right.split(":") : []; // "::" stands for the zeros between
+  const groups = [...head, ...Array(Math.max(0, 8 - head.length - tail.length)).fill("0"), ...tail];
   return `${groups.slice(0, 4).map((g) => (parseInt(g, 16) || 0).toString(16)).join(":")}::/64`;
 }
 
@@ -594,12 +569,8 @@ function streamedAnswer(status: number, text: string, held: AnswerHold): Respons
   if (!held.bytes && 3 * text.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text); // ≤ 3 bytes a char
   const bytes = Buffer.from(text);
   if (!held.bytes && bytes.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
-  let at = 0;
-  let timer: ReturnType<typeof setTimeout> | undefined;
-  const done = () => {
-    clearTimeout(timer);
-    held.release();
-  };
+  let at = 0, timer: ReturnType<typeof setTimeout> | undefined;
+  const done = () => (clearTimeout(timer), held.release());
   const body = new ReadableStream<Uint8Array>({
     start(c) {
       timer = setTimeout(() => {
@@ -906,12 +877,8 @@ function badBusRecord(r: Record<string, unknown>): string {
  * line, are set aside in queue.jsonl.corrupt, as that bus did, and never stop the import. Returns how many.
  */
 function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void): number {
-  let st: fs.Stats;
-  try {
-    st = fs.statSync(file);
-  } catch {
-    return 0;
-  }
+  if (!fs.existsSync(file)) return 0;
+  const st = fs.statSync(file);
   const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
   let skipped = 0, top = 0; // top: the highest seq the file names
   if (sql("SELECT value FROM meta WHERE name = 'imported'").get()?.value !== id) {
@@ -1166,21 +1133,10 @@ class Bus {
     throw new HttpError(507, why, close);
   }
 
-  /** Throws the 429 for one more message from `sender` to `to` past its cap: nothing accepted makes room (QUEUE_CAP). */
-  ensureRouteRoom(to: string, sender: string): void {
-    const held = this.queues.full(to, sender);
-    if (held === null) return;
-    const route = `${fingerprint(to)}${to.includes("#") ? to.slice(to.indexOf("#")) : ""}`;
-    const what = sender ? "messages from this sender" : "unattributed payloads";
-    const why =
-      `${ROUTE_FULL}: ${route} holds ${held} ${what} not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`;
-    throw new HttpError(429, why);
-  }
-
   /**
    * Throws the refusal a message of `size` bytes would get now: a copy of a signed message (`sender`, `sig`) queued for
-   * another route (409: not new mail, and it would spend its signer's budget), a byte budget, a full route. One queued
-   * for `to` already (a retry) is taken as it is: then the promise that it is on disk.
+   * another route (409: not new mail, and it would spend its signer's budget), a byte budget, a full route (429: nothing
+   * accepted makes room, QUEUE_CAP). One queued for `to` already (a retry) is taken as it is: the promise it is on disk.
    */
   check(to: string, sender: string, size: number, sig?: string, origin = ""): Promise<void> | undefined {
     const unsynced = sig ? this.#unsynced.get(sig) : undefined;
@@ -1192,7 +1148,13 @@ class Bus {
       throw new HttpError(409, why);
     }
     this.ensureRoom(sender, size, to, origin);
-    this.ensureRouteRoom(to, sender);
+    const held = this.queues.full(to, sender);
+    if (held === null) return;
+    const label = `${fingerprint(to)}${to.includes("#") ? to.slice(to.indexOf("#")) : ""}`;
+    const what = sender ? "messages from this sender" : "unattributed payloads";
+    const full =
+      `${ROUTE_FULL}: ${label} holds ${held} ${what} not yet read, as many as this bus keeps; nothing was queued, and nothing queued before was dropped; retry once the recipient reads some`;
+    throw new HttpError(429, full);
   }
 
   /**
@@ -1367,9 +1329,8 @@ class Bus {
   }
 
   /**
-   * `key` proved (verified, fresh) that it reads its routes. Its first proof makes it an owner, committed before the
-   * answer (trust on first proof survives a restart); when it cannot be one (`ownersMax` held, no disk room), the bus
-   * closes instead (#close): a key that proved never has its routes served without a proof.
+   * A key's first proof makes it an owner, committed before the answer (trust on first proof survives a restart); when
+   * it cannot be one (`ownersMax` held, no disk room), the bus closes instead (#close).
    */
   async #own(key: string): Promise<void> {
     if (this.#owners.has(key)) return;
@@ -1393,10 +1354,9 @@ class Bus {
   }
 
   /**
-   * Closes the bus for good (restarts too): every recv or ack then needs a proof from its route's key, so keys it could
-   * not record are as safe as its owners; a node that never proves (a reference node) is refused. Keys cost nothing:
-   * here a flood of them ends, at no memory cost. The "closed" row goes into the disk's reserve; this process stays
-   * closed even if that write fails (and throws).
+   * Closes the bus for good (restarts too), as its log line says, so keys it could not record are as safe as its owners:
+   * a flood of keys, which cost nothing, ends here at no memory cost. The "closed" row goes into the disk's reserve;
+   * this process stays closed even if that write fails (and throws).
    */
   async #close(why: string): Promise<void> {
     const since = this.#closedSince = this.now();
@@ -1441,11 +1401,8 @@ class Bus {
       while (n < heads.length && (n === 0 || bytes + heads[n].size <= RECV_BATCH_BYTES)) bytes += heads[n++].size;
       heads.length = n;
       held?.hold(recvAnswerBytes(me, heads));
-      const out: BusDelivery[] = [];
-      for (const h of heads) {
-        const payload = this.#payload(me, h);
-        if (payload !== undefined) out.push({ seq: h.seq, ts: h.ts, payload });
-      }
+      const out = heads.map((h) => ({ seq: h.seq, ts: h.ts, payload: this.#payload(me, h) }))
+        .filter((m): m is BusDelivery => m.payload !== undefined);
       if (out.length || !heads.length) return out;
     }
   }
@@ -1489,8 +1446,8 @@ class Bus {
     const remove = () => {
       gone = []; // a commit tried again runs this again
       for (const m of marks) {
-        const { seq, ts } = typeof m === "number" ? { seq: m, ts: undefined } : m;
-        const row = this.#sql.remove.get(seq, me, ts ?? null) as (typeof gone)[number] | undefined;
+        const { seq, ts = null } = typeof m === "number" ? { seq: m } : m;
+        const row = this.#sql.remove.get(seq, me, ts) as (typeof gone)[number] | undefined;
         if (row) gone.push(row);
       }
     };
@@ -1640,12 +1597,10 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     const sessionId = isObject(session) && typeof session.session_id === "string" ? session.session_id : "";
     const u = parseOr400(() => ({ pubkey: field(body, "pubkey"), ts: timestamp(body, "ts"), sig: field(body, "sig") }));
     const now = bus.now();
-    if (u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS) {
-      throw new HttpError(400, "unregister ts is outside the freshness window");
-    }
-    if (verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })))) {
-      throw new HttpError(403, "unregister signature does not verify");
-    }
+    const stale = u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS;
+    if (stale) throw new HttpError(400, "unregister ts is outside the freshness window");
+    const bad = verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })));
+    if (bad) throw new HttpError(403, "unregister signature does not verify");
     bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
     return jsonResponse(202, '{"status":"unregistered"}');
   }],
