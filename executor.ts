@@ -728,7 +728,10 @@ class Supervisor {
   async #afterHost(job: Job, r: HostReport, why: string): Promise<void> {
     Object.assign(job, some("turns", r.turns), some("cost", r.cost), some("hostSession", r.hostSession));
     delete job.pid;
-    if (r.denials.length) job.denials = [...job.denials ?? [], ...r.denials].slice(-20);
+    if (r.denials.length) {
+      job.denials = [...job.denials ?? [], ...r.denials].slice(-20);
+      this.#publish(); // in `tasks` before the requester is told of them
+    }
     const agent = this.#held.get(job.session) ?? await this.#open(job.session, this.#summary(job));
     this.#held.set(job.session, agent);
     const widen = job.profile.host === "codex" ? "--mode, Codex's sandbox" : "--allow";
