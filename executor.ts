@@ -1,7 +1,8 @@
 /**
  * executor.ts: `interlink.ts serve`, the standing node. It keeps a node reachable while no session is open and runs
  * the tasks of peers its operator gave an executor profile (`interlink.ts peers exec`) in a headless Claude Code
- * (`claude -p`, stream-json) or Codex (`codex exec --json`), bound to that task. It shows nothing to any model itself.
+ * (`claude -p`, stream-json) or Codex (`codex app-server`, JSON-RPC), bound to that task. It shows nothing to any
+ * model itself.
  *
  * How it holds a node's mail (see docs/reference.md, "serve"):
  *   - Its door is a session of the node whose signed summary begins SERVE_DOOR: peers route to it only when no other
@@ -13,10 +14,11 @@
  *     task waits (for a slot, or for an answer to its question), and said goodbye to once the task is closed.
  *
  * Trust: the profile is the operator's (peers.json, never a peer's); the host runs in the profile's folder, mode and
- * limits, with interlink's non-trust tools and the profile's `allow` list; a tool outside them is denied by the host
- * (Claude Code's dontAsk mode by default: never asked of anyone), reported to the requester as information, and shown
- * to this operator in `tasks`. Every host runs in its own process group; cancel, a profile's minutes and serve's exit
- * end the whole group within STOP_KILL_MS.
+ * limits, with interlink's non-trust tools and the profile's `allow` list; a tool outside them is denied, never asked
+ * of anyone (Claude Code's dontAsk mode by default; Codex asks serve, which declines: a command outside its sandbox, a
+ * file change, a trust tool), reported to the requester as information, and shown to this operator in `tasks`.
+ * Every host runs in its own process group; cancel, a profile's minutes and serve's exit end the whole group within
+ * STOP_KILL_MS.
  *
  * Durable state: executor.jsonl in the node's folder (one job a line, the last line of a session wins; replaced whole
  * when it is mostly superseded): what each task waits on survives the host's exit, serve's restart and a reboot.
@@ -77,7 +79,7 @@ const MAX_EXECUTORS_DEFAULT = 2;
 const STOP_TERM_MS = 1_500;
 /** ... and SIGKILL at this: a cancelled task leaves no process within 5 s. */
 const STOP_KILL_MS = 3_500;
-/** One stream-json line is read up to this many bytes (a long tool result); the rest of it is dropped, said in the log. */
+/** A host's output line is read up to this many bytes (a long tool result); the rest is dropped, said in the log. */
 const LINE_MAX_BYTES = 1 << 20;
 /** A cut line's last bytes kept beside its start: an event's fields may follow a long one (Claude Code's result). */
 const LINE_TAIL_BYTES = 4_096;
@@ -188,7 +190,7 @@ interface HostReport {
   final?: string;
   turns?: number;
   cost?: number;
-  outcome?: string; // Claude Code's result subtype ("success", "error_max_turns", …)
+  outcome?: string; // Claude Code's result subtype ("success", "error_max_turns", …); Codex's turn status if not done
   denials: string[];
   hostSession?: string;
 }
@@ -232,6 +234,7 @@ function cutEvent(head: string, tail: string): Record<string, unknown> {
     if (v) e[k] = JSON.parse(v);
   }
   e.type = head.match(/^\{"type":"([\w.]+)"/)?.[1] ?? e.type; // a leading type is the event's, not a nested one's
+  e.method = head.match(/^\{"method":"([\w/]+)"/)?.[1]; // Codex's notification (its turn/completed ends its run)
   return e;
 }
 
@@ -355,39 +358,83 @@ function startClaude(cfg: NodeConfig, job: Job, prompt: string): HostRun {
 }
 
 /**
- * Codex (`codex exec --json`, which never asks: approval_policy "never", the profile's sandbox, read-only by default,
- * so a write outside it fails in the sandbox): interlink as its MCP server `interlink`, the prompt on stdin; a later run
- * is `codex exec resume <thread>`. Codex has no turn or cost limit of its own: the profile's minutes bound it.
+ * What Codex's app-server may ask its client (this version's server requests, from `codex app-server generate-ts`):
+ * each one as the call it would allow, for the denial, and the answer that allows nothing. Any other request is
+ * answered with an error: nobody is there to ask.
+ */
+// deno-lint-ignore no-explicit-any -- a request's params
+const CODEX_ASKS: Record<string, (q: any, files: Map<string, string>) => [string, unknown, object]> = {
+  "item/commandExecution/requestApproval": (q) => ["shell", { command: q.command }, { decision: "decline" }],
+  "item/fileChange/requestApproval": (q, files) => [
+    "apply_patch",
+    { path: files.get(q.itemId) ?? q.grantRoot },
+    { decision: "decline" },
+  ],
+  // an MCP tool call left at "prompt" comes as an elicitation naming the tool and its arguments
+  "mcpServer/elicitation/request": (q) => [
+    `mcp__${q.serverName}__${q._meta?.tool_name ?? "elicitation"}`,
+    q._meta?.tool_params ?? q.message,
+    { action: "decline", content: null, _meta: null },
+  ],
+  "item/permissions/requestApproval": (q) => ["request_permissions", q.permissions, { permissions: {}, scope: "turn" }],
+};
+
+/**
+ * Codex through `codex app-server` (JSON-RPC on stdio; one process a run, its stdin closed once its turn completes):
+ * `thread/start` in the profile's folder and sandbox (`mode`, read-only by default), approval policy "on-request",
+ * interlink as its MCP server `interlink` and the rules as developer instructions; a later run is `thread/resume` of
+ * the job's thread. Whatever Codex would ask a person (a command outside the sandbox, a file change, an MCP tool left
+ * at "prompt": interlink's trust tools, a wider permission) is asked of serve: declined, and kept as a denial. Codex
+ * has no turn or cost limit of its own: the profile's minutes bound it.
  */
 function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
-  const [command, ...args] = selfCommand(["mcp"]), p = job.profile, toml = JSON.stringify; // a JSON string is TOML's
-  const env = Object.entries(serverEnv(cfg, job)).map(([k, v]) => `${k} = ${toml(v)}`).join(", ");
-  const config = [
-    `mcp_servers.interlink.command=${toml(command)}`,
-    `mcp_servers.interlink.args=${toml(args)}`,
-    `mcp_servers.interlink.env={${env}}`,
-    "mcp_servers.interlink.startup_timeout_sec=60",
-    // interlink's tools run without a prompt but those it was not given, which stay "prompt": under "never", declined
-    'mcp_servers.interlink.default_tools_approval_mode="approve"',
-    ...OTHER_TOOLS.map((t) => `mcp_servers.interlink.tools.${t}.approval_mode="prompt"`),
-    'approval_policy="never"',
-    `sandbox_mode=${toml(p.mode ?? NEVER_PROMPTS.codex)}`,
-    `developer_instructions=${toml(systemPrompt(job))}`,
-  ].flatMap((c) => ["-c", c]);
-  const start = job.runs && job.hostSession ? ["exec", "resume", job.hostSession] : ["exec", "-C", p.cwd];
-  const argv = [...start, "--json", "--skip-git-repo-check", ...config, "-"];
-  const run = spawnHost(job, process.env.INTERLINK_CODEX || "codex", argv, (e, { report }) => {
-    if (e?.type === "thread.started" && typeof e.thread_id === "string") report.hostSession = e.thread_id;
-    if (e?.type === "turn.completed") report.turns = (report.turns ?? 0) + 1;
-    if (e?.type === "turn.failed") report.outcome = `failed: ${String(e.error?.message ?? "").slice(0, 300)}`;
-    const item = e?.type === "item.completed" ? e.item : null;
-    if (item?.type === "agent_message" && typeof item.text === "string") report.final = item.text;
-    if (item?.type === "command_execution" && item.status === "declined") {
-      report.denials.push(describeCall("shell", { command: item.command }));
-    }
+  const [command, ...args] = selfCommand(["mcp"]), p = job.profile, server = "mcp_servers.interlink";
+  const config = {
+    [`${server}.command`]: command,
+    [`${server}.args`]: args,
+    [`${server}.env`]: serverEnv(cfg, job),
+    [`${server}.startup_timeout_sec`]: 60,
+    [`${server}.default_tools_approval_mode`]: "approve", // its task's tools run unasked; the others are asked
+    ...Object.fromEntries(OTHER_TOOLS.map((t) => [`${server}.tools.${t}.approval_mode`, "prompt"])),
+  };
+  const sandbox = p.mode ?? NEVER_PROMPTS.codex, developerInstructions = systemPrompt(job);
+  const thread = { cwd: p.cwd, sandbox, approvalPolicy: "on-request", config, developerInstructions };
+  const resume = job.runs > 0; // read now: the job counts this run before the server answers
+  let threadId = job.hostSession, turnId = "";
+  const files = new Map<string, string>(); // a file change's paths by item: its approval request names none
+  const send = (m: object) => run.proc.stdin!.writable && run.proc.stdin!.write(JSON.stringify(m) + "\n");
+  const run = spawnHost(job, process.env.INTERLINK_CODEX || "codex", ["app-server"], (e, { report, proc }) => {
+    const q = e?.params ?? {}, item = q.item ?? {};
+    if (e?.method && e.id !== undefined) { // the server asks: nobody here says yes
+      const [tool, call, answer] = CODEX_ASKS[e.method]?.(q, files) ?? [];
+      if (tool) report.denials.push(describeCall(tool, call));
+      send(answer ? { id: e.id, result: answer } : { id: e.id, error: { code: -32601, message: "nobody to ask" } });
+    } else if (e?.error || e?.method === "turn/completed") { // a request of ours refused, or its one turn done
+      const turn = e.error ? { status: "refused", error: e.error } : q.turn ?? {}; // {}: its line was cut
+      if (!e.error) report.turns = (report.turns ?? 0) + 1;
+      const why = turn.error?.message ? `: ${String(turn.error.message).slice(0, 300)}` : "";
+      if (turn.status && turn.status !== "completed") report.outcome = `${turn.status}${why}`;
+      proc.stdin!.end();
+    } else if (e?.id === 1) {
+      send({ method: "initialized" });
+      send({
+        id: 2,
+        method: `thread/${resume ? "resume" : "start"}`,
+        params: { ...thread, ...resume && { threadId } },
+      });
+    } else if (e?.id === 2) {
+      report.hostSession = threadId = e.result.thread.id;
+      const input = [{ type: "text", text: prompt, text_elements: [] }];
+      send({ id: 3, method: "turn/start", params: { threadId, input } });
+    } else if (e?.id === 3) turnId = e.result.turn.id;
+    else if (e?.method === "item/started" && item.type === "fileChange") {
+      files.set(item.id, item.changes.map((c: { path: string }) => c.path).join(", "));
+    } else if (e?.method === "item/completed" && item.type === "agentMessage") report.final = item.text;
   });
-  run.proc.stdin!.end(prompt);
-  run.interrupt = () => signalTree(run.proc.pid!, "SIGINT"); // codex exec stops its turn on an interrupt
+  const clientInfo = { name: "interlink-serve", title: null, version: "1" };
+  send({ id: 1, method: "initialize", params: { clientInfo, capabilities: null } });
+  run.interrupt = () =>
+    void (turnId ? send({ id: 4, method: "turn/interrupt", params: { threadId, turnId } }) : run.proc.stdin!.end());
   return run;
 }
 
@@ -681,13 +728,17 @@ class Supervisor {
   async #afterHost(job: Job, r: HostReport, why: string): Promise<void> {
     Object.assign(job, some("turns", r.turns), some("cost", r.cost), some("hostSession", r.hostSession));
     delete job.pid;
-    if (r.denials.length) job.denials = [...job.denials ?? [], ...r.denials].slice(-20);
+    if (r.denials.length) {
+      job.denials = [...job.denials ?? [], ...r.denials].slice(-20);
+      this.#publish(); // in `tasks` before the requester is told of them
+    }
     const agent = this.#held.get(job.session) ?? await this.#open(job.session, this.#summary(job));
     this.#held.set(job.session, agent);
+    const widen = job.profile.host === "codex" ? "--mode, Codex's sandbox" : "--allow";
     for (const d of r.denials) {
       const text =
         `${this.cfg.name}'s executor was not allowed to run \`${d}\`; ${this.cfg.name}'s operator can allow it ` +
-        "(interlink.ts peers exec --allow). Nothing denied ran.";
+        `(interlink.ts peers exec ${widen}). Nothing denied ran.`;
       await this.#tell(job, text).catch((e) => logWarn(`cannot report a denial: ${errorText(e)}`));
     }
     const task: TaskRow | undefined = agent.state.tasks.get(taskKey(job.peer, job.task_id));

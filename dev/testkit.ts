@@ -979,7 +979,7 @@ export type CodexReply =
 export class FakeResponses {
   readonly requests: CodexRequest[] = [];
   readonly url: string;
-  #rules = new Map<string, { match: string | RegExp; reply: CodexReply; used: boolean }[]>();
+  #rules = new Map<string, { match: string | RegExp; reply: CodexReply; used: boolean; always: boolean }[]>();
   #waiters: { pred: (r: CodexRequest) => boolean; resolve(r: CodexRequest): void }[] = [];
   #server: ReturnType<typeof Bun.serve>;
 
@@ -990,8 +990,9 @@ export class FakeResponses {
 
   baseUrl = (home: string) => `${this.url}/h/${home}/v1`;
 
-  on(home: string, match: string | RegExp, reply: CodexReply): this {
-    this.#rules.set(home, [...this.#rules.get(home) ?? [], { match, reply, used: false }]);
+  /** A rule answers once, or (`always`) every request it matches. */
+  on(home: string, match: string | RegExp, reply: CodexReply, always = false): this {
+    this.#rules.set(home, [...this.#rules.get(home) ?? [], { match, reply, used: false, always }]);
     return this;
   }
 
@@ -1040,7 +1041,7 @@ export class FakeResponses {
       : this.#rules.get(r.home)?.find((x) =>
         !x.used && (typeof x.match === "string" ? r.latest.includes(x.match) : x.match.test(r.latest))
       );
-    if (rule) rule.used = true;
+    if (rule && !rule.always) rule.used = true;
     let reply: CodexReply = rule?.reply ?? { text: title ? JSON.stringify({ title: "fake" }) : "ok" };
     while (typeof reply === "function") reply = reply(r);
     if (!title) {
