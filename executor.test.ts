@@ -570,6 +570,11 @@ describe("serve: a task for a node with no open session runs in a headless Claud
         [["--host", "claude", "--cwd", path.join(dir, "nope")], "is not a folder"],
         [["--host", "claude", "--cwd", dir, "--max-turns", "0"], "max_turns is not a positive number"],
         [["--host", "claude", "--cwd", dir, "--allow", "Read,Bash\u001b[2J"], "allow is not a list of tool names"],
+        [["--host", "codex", "--cwd", dir, "--allow", "shell"], "Codex takes no allow list: its sandbox is what"],
+        [
+          ["--host", "codex", "--cwd", dir, "--mode", "dontAsk"],
+          "mode read-only, workspace-write or danger-full-access",
+        ],
       ] as const
     ) {
       const r = runCli("bun", ["peers", "exec", "carol", ...args], { env });

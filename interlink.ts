@@ -2246,6 +2246,14 @@ function checkExecProfile(v: unknown): ExecProfile {
     }
     p.allow = v.allow as string[];
   }
+  if (
+    p.host === "codex" &&
+    (p.allow || !["read-only", "workspace-write", "danger-full-access", undefined].includes(p.mode))
+  ) {
+    throw bad(
+      "Codex takes no allow list: its sandbox is what it may do (mode read-only, workspace-write or danger-full-access)",
+    );
+  }
   for (const k of ["max_turns", "max_usd", "max_minutes"] as const) {
     if (v[k] === undefined) continue;
     if (typeof v[k] !== "number" || !(v[k] > 0) || !Number.isFinite(v[k])) throw bad(`${k} is not a positive number`);
