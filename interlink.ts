@@ -96,9 +96,8 @@ const FRESH_FUTURE_MS = 60_000;
 /** A reference node (and ours of 0.5.0) refuses a message older than this; "the last day" of the operator's views. */
 const FRESH_PAST_MS = 24 * 60 * 60_000;
 /**
- * The oldest message our gate accepts, and so how long the replay memory remembers one: a relay keeps mail while its
- * recipient is away (a weekend, a holiday, a laptop in a drawer), and a message it accepted is shown once whenever
- * the recipient comes back within this long. Past it the message is refused as stale, and its sender is told.
+ * The oldest message our gate accepts (older: refused as stale, its sender told), and so how long the replay memory
+ * remembers one: a relay keeps mail while its recipient is away (a holiday, a laptop in a drawer).
  */
 const HELD_MAX_MS = 30 * 24 * 60 * 60_000;
 /** Re-sign an unsent message before a reference node would call it stale (same msg_id, so it still dedupes). */
@@ -138,9 +137,8 @@ const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
 /** A session heard from within this long is live; older ones are away (they may be asleep: a laptop lid). */
 const PRESENCE_LIVE_MS = 90_000;
 /**
- * How a session of `interlink.ts serve` begins its signed summary (see docs/wire.md): its door, which runs tasks and keeps
- * other mail for the next session, is routed to only when no other session of the node is live; a task's session
- * (SERVE_TASK) is routed to only for its task.
+ * How a session of `interlink.ts serve` begins its signed summary (docs/wire.md): its door (runs tasks, keeps other
+ * mail for the next session) is routed to only when no other session is live; a task's session only for its task.
  */
 const SERVE_DOOR = "interlink serve: runs tasks";
 const SERVE_TASK = "interlink serve: task ";
@@ -236,10 +234,7 @@ const QUESTION_KEPT_CHARS = 500;
 /** Questions of a sub-task forwarded up, unanswered: past a few, the next goes to our model, not flooding upstream. */
 const FORWARDS_OPEN_CAP = 8;
 
-/**
- * A session ended this long ago is adopted by a live sibling (see "Ended sessions"); one resumed sooner keeps its own
- * mail. A new session adopts every ended one at its start, however recent.
- */
+/** A session ended this long ago is adopted by a live sibling (see "Ended sessions"); a new session adopts all. */
 const ADOPT_AFTER_MS = msFromEnv("INTERLINK_TEST_ADOPT_AFTER_MS", 2 * 60_000);
 /** How often a running session looks for ended ones to adopt, and drains the routes of those it adopted. */
 const ENDED_EVERY_MS = msFromEnv("INTERLINK_TEST_ENDED_EVERY_MS", ANNOUNCE_EVERY_MS);
@@ -251,10 +246,7 @@ const CLOSED_TASKS_KEPT_MS = 30 * 24 * 60 * 60_000;
 const SHORT_LOCK_WAIT_MS = 5_000;
 /** Past this much journal folded or rewritten at once (a start on a backlog, its roll-over), memory is given back. */
 const SHRINK_AFTER_BYTES = 4 << 20;
-/**
- * How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). Tests
- * set it past their length, so what they see came from the watch.
- */
+/** How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). */
 const FOLLOW_RECHECK_MS = msFromEnv("INTERLINK_TEST_FOLLOW_RECHECK_MS", 5_000);
 
 const PETNAME_RE = /^[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}$/;
@@ -455,11 +447,7 @@ const invisibleRE = (): RegExp => invisibleRe ??= new RegExp(`(?![\\n\\t])${INVI
  */
 const shownRE = (): RegExp => shownRe ??= new RegExp(`\\p{Emoji}\\uFE0F|${INVISIBLE_CLASS}`, "gu");
 
-/**
- * The one place that decides how a hidden code point is shown: as `<U+XXXX>`, never obeyed and never dropped,
- * so the operator and the model both see that something was there, and which. Newline and tab are kept unless
- * `oneLine`. A marker holds nothing hidden, so showing twice changes nothing.
- */
+/** The one place a hidden code point is shown: `<U+XXXX>`, never obeyed nor dropped; newline, tab unless `oneLine`. */
 const showInvisible = (text: string, oneLine = false): string =>
   PLAIN_TEXT_RE.test(text) && !(oneLine && /[\n\t]/.test(text)) ? text : text.replace(shownRE(), (c) => {
     if (c.length > 1 && c.endsWith("\uFE0F")) return c; // an emoji and its presentation selector (see shownRE)
@@ -483,9 +471,8 @@ const PLAIN_ID_RE = /^[A-Za-z0-9._:@+\/-]{1,128}$/;
 const SHOWN_ID_RE = /^[\p{L}\p{M}\p{N}._:@+\/-]{1,256}$/u;
 
 /**
- * An id a peer chose, as shown in headers, log lines and tool results: as itself when it is plainly an id ("t-ünï"),
- * else as a JSON string whose quotes, brackets and markup characters are escaped, so it can never close a header, open
- * a tag or pose as another field. Tools take either form back (see readId).
+ * An id a peer chose, as shown: itself when plainly an id ("t-ünï"), else a JSON string with quotes, brackets and
+ * markup escaped, so it never closes a header, opens a tag or poses as another field (readId takes either back).
  */
 function showId(id: string): string {
   if (PLAIN_ID_RE.test(id) || (SHOWN_ID_RE.test(id) && !hasInvisible(id))) return id; // marks (\p{M}) take in variation selectors and U+034F
@@ -507,9 +494,8 @@ function readId(text: string): string {
 }
 
 /**
- * A claimed name for display: at most 64 characters of letters, digits, spaces and . _ @ + -, so it can be quoted as a
- * claim and never read as an instruction or markup. Never used for identity. A hidden character shows as its code point
- * ("Alice U+202E"), the rest as a space.
+ * A claimed name for display, never identity: at most 64 letters, digits, spaces and . _ @ + -, read as a claim, never
+ * as an instruction or markup; a hidden character shows as its code point ("Alice U+202E"), the rest as a space.
  */
 function displayName(claimed: string): string {
   const named = showInvisible(claimed); // newline and tab are blanks here, like a space
@@ -534,8 +520,7 @@ function idProblem(id: string): string | null {
   if ([...id].length > ID_MAX_CHARS) return `is over ${ID_MAX_CHARS} characters`;
   if (ID_CONTROL_RE.test(id)) return "holds a control character";
   const hidden = PLAIN_TEXT_RE.test(id) ? null : id.match(invisibleRE());
-  if (hidden) return `holds an invisible, format or bidi character (${showInvisible(hidden[0], true)})`;
-  return null;
+  return hidden ? `holds an invisible, format or bidi character (${showInvisible(hidden[0], true)})` : null;
 }
 
 // ============================================================================
@@ -610,10 +595,7 @@ function writeWaiting(write: (bytes: Uint8Array) => number, bytes: Uint8Array): 
   }
 }
 
-/**
- * Waits for what stderr has not taken yet, before an exit that would drop it (a wake text whose messages are already
- * marked shown): 30 s at most, for a host that never reads it.
- */
+/** Waits (30 s at most) for what stderr has not taken yet, before an exit would drop it (a wake text marked shown). */
 async function flushStderr(): Promise<void> {
   if (stderrSink) await Promise.race([Promise.resolve(stderrSink.flush()).catch(() => {}), sleep(30_000)]);
 }
@@ -647,25 +629,20 @@ function readStdinText(onText: (text: string) => void, onEnd: () => void): void 
   next();
 }
 
-/** Writes to stdout, resolving once it is written (a full pipe is waited out); rejects once stdout is gone. */
-async function writeStdout(text: string): Promise<void> {
-  const bytes = Buffer.from(text);
-  for (let done = 0; done < bytes.length;) done += await writeSomeStdout(bytes.subarray(done));
-}
-
 /**
- * One write(2) to stdout: the bytes it took, or 0 after a pause when a non-blocking pipe is full. Under Deno through
- * its own stdout, off the event loop: node:fs's write to a full pipe holds Deno's whole loop (no timer, no mail).
+ * Writes to stdout; resolves once written (a full pipe waited out), rejects once stdout is gone. Under Deno, off the
+ * event loop: node:fs's write to a full pipe holds Deno's whole loop (no timer, no mail).
  */
-function writeSomeStdout(bytes: Uint8Array): Promise<number> {
+async function writeStdout(text: string): Promise<void> {
+  const bytes = Buffer.from(text), deno = runtimeHost.Deno;
   const full = () => sleep(10).then(() => 0);
-  const deno = runtimeHost.Deno;
-  if (deno) {
-    return deno.stdout.write(bytes).catch((e) => ((e as Error).name === "WouldBlock" ? full() : Promise.reject(e)));
-  }
-  return new Promise((resolve, reject) =>
-    fs.write(1, bytes, (e, n) => (e?.code === "EAGAIN" ? resolve(full()) : e ? reject(e) : resolve(n)))
-  );
+  const writeSome = (b: Uint8Array): Promise<number> =>
+    deno
+      ? deno.stdout.write(b).catch((e) => ((e as Error).name === "WouldBlock" ? full() : Promise.reject(e)))
+      : new Promise((resolve, reject) =>
+        fs.write(1, b, (e, n) => (e?.code === "EAGAIN" ? resolve(full()) : e ? reject(e) : resolve(n)))
+      );
+  for (let done = 0; done < bytes.length;) done += await writeSome(bytes.subarray(done));
 }
 
 /** "bun 1.4.5" or "deno 2.9.6": the runtime running this file. */
@@ -680,10 +657,7 @@ const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms
 /** This file as a path, or as the URL Deno runs it from (`deno run -A https://…`): children it starts run the same. */
 const thisScript = (): string => (import.meta.url.startsWith("file:") ? import.meta.filename! : import.meta.url);
 
-/**
- * What a copy of interlink.ts alone says when something needs `file`, which sits beside interlink.ts in its repository:
- * `what` needs it, and what works `without` it.
- */
+/** What a lone interlink.ts says when `what` needs `file`, beside it in its repository, and what works `without` it. */
 function missingFile(what: string, file: string, where: string, without: string): string {
   return `${what}: it is ${file} in interlink's repository, beside interlink.ts. Clone the repository, or fetch ` +
     `that file to ${where}, to use it; ${without}.`;
@@ -1016,19 +990,6 @@ const verifyingKeys = new BoundedMap<string, KeyObject | string>(KEY_CACHE_CAP);
 /** An Ed25519 public key's SubjectPublicKeyInfo (RFC 8410), less the 32 key bytes that follow. */
 const ED25519_SPKI = Buffer.from("302a300506032b6570032100", "hex");
 
-/** The key object for `publicKey`, or why it cannot verify anything (checked once per key, then cached). */
-function verifyingKey(publicKey: string): KeyObject | string {
-  let key = verifyingKeys.get(publicKey);
-  if (key === undefined) {
-    const raw = orWhy(() => decodeKey(publicKey, "public key"));
-    if (typeof raw === "string") return raw;
-    if (hasSmallOrder(raw)) return "public key is a small-order point";
-    key = orWhy(() => createPublicKey({ key: Buffer.concat([ED25519_SPKI, raw]), format: "der", type: "spki" }));
-    verifyingKeys.set(publicKey, key = typeof key === "string" ? "public key is not a valid Ed25519 point" : key);
-  }
-  return key;
-}
-
 /** Whether a signature's S (its last 32 bytes, little-endian) is below L; L's top byte is 0x10. */
 const isReduced = (s: Uint8Array): boolean => s[31] !== 0x10 ? s[31] < 0x10 : littleEndianToBigInt(s) < L;
 
@@ -1037,7 +998,14 @@ const isReduced = (s: Uint8Array): boolean => s[31] !== 0x10 ? s[31] < 0x10 : li
  * verify, which both runtimes ship: 40 % less CPU than WebCrypto's on this runtime's bus (docs/performance.md).
  */
 function verifyDetached(publicKey: string, signature: string, signed: Bytes): string | null {
-  const key = verifyingKey(publicKey);
+  let key = verifyingKeys.get(publicKey);
+  if (key === undefined) { // checked once per key, then cached (the key object, or why it cannot verify anything)
+    const raw = orWhy(() => decodeKey(publicKey, "public key"));
+    if (typeof raw === "string") return raw;
+    if (hasSmallOrder(raw)) return "public key is a small-order point";
+    key = orWhy(() => createPublicKey({ key: Buffer.concat([ED25519_SPKI, raw]), format: "der", type: "spki" }));
+    verifyingKeys.set(publicKey, key = typeof key === "string" ? "public key is not a valid Ed25519 point" : key);
+  }
   if (typeof key === "string") return key;
   const sig = orWhy(() => b64urlDecode(signature, 64, "signature"));
   if (typeof sig === "string") return sig;
@@ -1060,10 +1028,8 @@ const verifyMessage = (m: SignedMessage): string | null => verifyDetached(m.from
 function checkAnnouncement(a: Announcement): { layout: "0.8" | "0.4" } | { error: string } {
   const v08 = verifyDetached(a.pubkey, a.sig, announcementBytes(a));
   if (v08 === null) return { layout: "0.8" };
-  if (a.session === undefined && (verifyDetached(a.pubkey, a.sig, legacyAnnouncementBytes(a))) === null) {
-    return { layout: "0.4" };
-  }
-  return { error: v08 };
+  const legacy = a.session === undefined && verifyDetached(a.pubkey, a.sig, legacyAnnouncementBytes(a)) === null;
+  return legacy ? { layout: "0.4" } : { error: v08 };
 }
 
 const verifyAnnouncement = (a: Announcement): string | null => {
@@ -1220,10 +1186,10 @@ function optionalField(o: Record<string, unknown>, name: string): string | undef
   return v;
 }
 
-function timestamp(o: Record<string, unknown>, name: string): number {
+function timestamp(o: Record<string, unknown>, name: string, unit = " of unix milliseconds"): number {
   const v = o[name];
   if (typeof v !== "number" || !Number.isSafeInteger(v) || v < 0) {
-    throw new FormatError(`"${name}" is not a non-negative integer of unix milliseconds`);
+    throw new FormatError(`"${name}" is not a non-negative integer${unit}`);
   }
   return v;
 }
@@ -1280,12 +1246,7 @@ function parseAnnouncement(value: unknown): Announcement {
     const [cwd, git_root, summary] = ["cwd", "git_root", "summary"].map((k) => (s[k] === undefined ? "" : field(s, k)));
     a.session = { session_id, cwd, git_root, summary };
   }
-  if (value.age_ms !== undefined && value.age_ms !== null) {
-    if (!Number.isSafeInteger(value.age_ms) || (value.age_ms as number) < 0) {
-      throw new FormatError(`"age_ms" is not a non-negative integer`);
-    }
-    a.age_ms = value.age_ms as number;
-  }
+  if (value.age_ms !== undefined && value.age_ms !== null) a.age_ms = timestamp(value, "age_ms", "");
   return a;
 }
 
@@ -1785,14 +1746,12 @@ const corruptCount = (file: string): number => corruptLines(file).length;
 
 /** Quarantined lines of a journal that look like outbox entries ("out" records): list_pending reports them. */
 function damagedOutbox(file: string): { offset: number; reason: string; msgId?: string }[] {
-  const out: { offset: number; reason: string; msgId?: string }[] = [];
-  for (const line of corruptLines(file)) {
+  return corruptLines(file).flatMap((line) => {
     const q = orElse(() => JSON.parse(line), null); // null: a torn line of the side file itself
-    if (!isObject(q) || typeof q.line !== "string" || !/"t"\s*:\s*"out"/.test(q.line)) continue;
+    if (!isObject(q) || typeof q.line !== "string" || !/"t"\s*:\s*"out"/.test(q.line)) return [];
     const msgId = q.line.match(/"msg_id"\s*:\s*"([^"\\]{1,128})"/)?.[1];
-    out.push({ offset: Number(q.offset), reason: String(q.reason), ...(msgId ? { msgId } : {}) });
-  }
-  return out;
+    return [{ offset: Number(q.offset), reason: String(q.reason), ...some("msgId", msgId) }];
+  });
 }
 
 /** Hands `write` a file's text in pieces, in order. */
@@ -2308,9 +2267,10 @@ async function addPeer(file: string, petname: string, key: string): Promise<"add
     const held = peers.byName.get(petname);
     if (held === key) return "unchanged";
     if (held !== undefined) {
-      const fp = fingerprint(held);
       throw new InterlinkError(
-        `'${petname}' already holds key ${fp}…; refusing to rekey it silently (remove it first if the peer really changed keys)`,
+        `'${petname}' already holds key ${
+          fingerprint(held)
+        }…; refusing to rekey it silently (remove it first if the peer really changed keys)`,
       );
     }
     const other = peers.byKey.get(key);
@@ -2537,9 +2497,8 @@ function lifecycleError(tasks: ReadonlyMap<string, TaskRow>, draft: Draft): stri
 // message until its route's reader acks it, at most QUEUE_CAP per route.
 
 /**
- * How deep a JSON text nests and about how many values it holds (objects, arrays and commas: at most twice the
- * values), counted before parsing. Both bound a parse where bytes do not: a deep text takes seconds, and empty
- * objects ("{},{},…") take 30 times their bytes once parsed.
+ * How deep a JSON text nests, and its objects, arrays and commas (at most twice its values), counted before parsing:
+ * both bound a parse where bytes do not (a deep text takes seconds; "{},{},…" takes 30 times its bytes once parsed).
  */
 function jsonShape(text: string): { depth: number; values: number } {
   let depth = 0, max = 0, values = text.length ? 1 : 0, inString = false;
@@ -2842,9 +2801,7 @@ class HttpRelay implements Relay {
     await r.body?.cancel();
   }
 
-  close(): Promise<void> {
-    return Promise.resolve();
-  }
+  async close(): Promise<void> {}
 }
 
 // -- NATS JetStream: nats.ts, loaded at its first use -------------------------
@@ -2934,10 +2891,7 @@ function openRelay(url: string, proof?: (route: string) => Promise<string>, sign
 const DELIVERY_MODES = ["inbox", "channel"] as const;
 type Delivery = (typeof DELIVERY_MODES)[number];
 
-/**
- * The program a session runs in. Claude Code is woken by its Stop hook (`wait`) or channel events; Codex CLI by a turn
- * queued into its thread (CodexWaker), whose id it tells the server only once the session starts (bind_session).
- */
+/** The program a session runs in: Claude Code, woken by its Stop hook or channel events, or Codex CLI (CodexWaker). */
 const HOSTS = ["claude", "codex"] as const;
 type Host = (typeof HOSTS)[number];
 
