@@ -103,9 +103,8 @@ const HELD_MAX_MS = 30 * 24 * 60 * 60_000;
 /** Re-sign an unsent message before a reference node would call it stale (same msg_id, so it still dedupes). */
 const RESIGN_AFTER_MS = FRESH_PAST_MS - 60 * 60_000;
 /**
- * ... and only this long after it was queued; then it goes as last signed (our nodes take it until HELD_MAX_MS after
- * that). So the copies of one msg_id are all signed within this span, which a relay holding an early copy and a late
- * one cannot stretch: the replay memory keeps an entry this much past HELD_MAX_MS (REPLAY_KEPT_MS).
+ * ... and only this long after it was queued; then it goes as last signed. So every copy of one msg_id is signed within
+ * this span, whatever copies a relay holds: the replay memory keeps an entry this much past HELD_MAX_MS.
  */
 const RESIGN_SPAN_MS = 7 * 24 * 60 * 60_000;
 /** How long the replay memory keeps an admitted message: while any copy of it, re-signed or not, is fresh. */
@@ -403,31 +402,26 @@ interface DenoRuntime {
 // Peer text, as it is shown
 // ============================================================================
 //
-// Whatever a peer, a stranger or a relay controls (message text and ids, an announcement's fields, a receipt's
-// session, a refusal's detail, a relay's error answer) reaches the model and the operator (`log`, `tasks`, `doctor`,
-// the board). It must never pose as something we generate (a task header, another sender's block, a closing tag, a
-// system tag, a line of ours), nor hide or reorder words. So escapePeerText, everywhere, turns every "<" that could
-// open or close a tag into "&lt;", puts a backslash before a "[" that starts a line ("[task x · result]",
-// "[interlink] SYSTEM: ..."), and shows every hidden code point as <U+XXXX> (showInvisible), newlines too in a field
-// that is one line in what we write (a cwd, a summary, a reason). Escaping twice changes nothing; a marker a peer types
-// makes text look as if something were hidden, and can never hide anything. Ids have their own form (showId), names
-// theirs (displayName). Every string the MCP server writes and every line printed or logged goes through showInvisible
-// again (McpStdioServer, print, logLine): a field missed here still cannot carry a hidden character out.
+// Whatever a peer, a stranger or a relay controls (text, ids, announcements, receipts, refusals, a relay's errors)
+// reaches the model and the operator (`log`, `tasks`, `doctor`, the board). It must never pose as something we generate
+// (a task header, another sender's block, a closing tag, a system tag, a line of ours), nor hide or reorder words. So
+// escapePeerText, everywhere, turns every "<" that could open or close a tag into "&lt;", puts a backslash before a "["
+// that starts a line ("[task x · result]", "[interlink] SYSTEM: ..."), and shows every hidden code point as <U+XXXX>
+// (showInvisible), newlines too in a field that is one line in what we write (a cwd, a summary, a reason). Escaping
+// twice changes nothing; a marker a peer types can never hide anything. Ids have their own form (showId), names theirs
+// (displayName). Every string the MCP server writes and every line printed or logged goes through showInvisible again
+// (McpStdioServer, print, logLine): a field missed here still cannot carry a hidden character out.
 
 /**
- * Code points that hide, reorder or drive what a reader sees, chosen by Unicode's own properties, not by hand:
- *   Cc                            controls: ESC starts ANSI sequences, CR rewrites a line, BS erases
- *   Cf                            format characters: zero-width ones, bidi embeddings, tag characters
- *   Default_Ignorable_Code_Point  drawn as nothing: variation selectors, Hangul fillers, U+034F, and the
- *                                 ranges Unicode reserves for more of them (a newer Unicode adds none we miss)
- *   Bidi_Control                  reorders what follows (all Cf today; named so the rule says it)
- *   Zl, Zp                        U+2028, U+2029: line breaks most displays do not draw as one
- *   Cs                            a lone surrogate: not text at all
- *   Co                            private use: drawn as whatever a font puts there, or as nothing
- * Not unassigned code points (Cn): that set follows the runtime's Unicode version (Bun 1.4 and Deno 2.9 differ), and
- * the gate must judge an id alike under both; every property above answers the same in both for every code point
- * (tested against the other runtime and the Unicode data files). Newline and tab, Cc too, are left out where a text may
- * hold lines (invisibleRE; showInvisible unless `oneLine`); an id refuses them as controls.
+ * Code points that hide, reorder or drive what a reader sees, by Unicode's own properties, not by hand: controls (Cc:
+ * ESC starts ANSI sequences, CR rewrites a line), format characters (Cf: zero-width, bidi embeddings, tags), what is
+ * drawn as nothing (Default_Ignorable_Code_Point, with the ranges Unicode reserves for more: a newer Unicode adds none
+ * we miss), Bidi_Control (all Cf today; named so the rule says it), U+2028 and U+2029 (Zl, Zp: line breaks most
+ * displays do not draw), lone surrogates (Cs) and private use (Co: drawn as whatever a font puts there). Not unassigned
+ * code points (Cn): that set follows the runtime's Unicode version (Bun 1.4 and Deno 2.9 differ), and the gate must
+ * judge an id alike under both; every property above answers the same in both (tested against the other runtime and
+ * the Unicode data files). Newline and tab (Cc) are left out where a text may hold lines (invisibleRE; showInvisible
+ * unless `oneLine`); an id refuses them as controls.
  */
 const INVISIBLE_CLASS =
   "[\\p{Cc}\\p{Cf}\\p{Default_Ignorable_Code_Point}\\p{Bidi_Control}\\p{Zl}\\p{Zp}\\p{Cs}\\p{Co}]";
@@ -512,8 +506,7 @@ const ID_CONTROL_RE = /[\u0000-\u001f\u007f-\u009f]|[\ud800-\udfff]/u;
 /**
  * Why a peer's msg_id, task_id or in_reply_to cannot be admitted, or null. The reference accepts any string there, and
  * a task id is often not ASCII ("t-ünï"), so any text is taken but what no honest node sends: empty, over ID_MAX_CHARS,
- * control characters (a newline could start a forged header line), invisible and bidi characters (they hide or reorder
- * what is shown), and lone surrogates (not text).
+ * control characters (a newline could start a forged header line), invisible and bidi characters, lone surrogates.
  */
 function idProblem(id: string): string | null {
   if (id === "") return "is empty";
@@ -546,9 +539,8 @@ function setLogComponent(name: string): void {
 }
 
 /** One log line; a hidden character in what it quotes (a peer's id, a relay's answer) shows as its code point. */
-function logLine(level: string, msg: string): void {
+const logLine = (level: string, msg: string): void =>
   logSink(`${new Date().toISOString()} ${logComponent} ${level}: ${showInvisible(msg)}\n`);
-}
 
 const logInfo = (msg: string): void => logLine("info", msg);
 const logWarn = (msg: string): void => logLine("warn", msg);
@@ -578,9 +570,8 @@ function writeStderr(text: string): void {
 
 /**
  * Writes all of `bytes` through `write` (one write(2) each), or throws: a 0-byte write is a full disk. A full
- * non-blocking pipe is waited out 1 ms at a time, as a blocking one waits: a wake text cut short would be lost, its
- * messages already marked shown. Not node:fs's writeSync on a pipe: under Deno it writes part, then throws EAGAIN
- * without saying how much went.
+ * non-blocking pipe is waited out 1 ms at a time, as a blocking one waits (a wake text cut short would be lost). Not
+ * node:fs's writeSync on a pipe: under Deno it writes part, then throws EAGAIN without saying how much.
  */
 function writeWaiting(write: (bytes: Uint8Array) => number, bytes: Uint8Array): void {
   for (let done = 0; done < bytes.length;) {
@@ -604,12 +595,10 @@ async function flushStderr(): Promise<void> {
 function readStdinText(onText: (text: string) => void, onEnd: () => void): void {
   const utf8 = new TextDecoder();
   if (runtimeHost.Bun) {
-    const reader = runtimeHost.Bun.stdin.stream().getReader();
+    const stdin = runtimeHost.Bun.stdin.stream();
     return void (async () => {
       try {
-        for (let r = await reader.read(); !r.done; r = await reader.read()) {
-          onText(utf8.decode(r.value, { stream: true }));
-        }
+        for await (const chunk of stdin) onText(utf8.decode(chunk, { stream: true }));
       } catch (e) {
         logWarn(`stdin failed: ${errorText(e)}; taken as its end`);
       }
@@ -870,22 +859,19 @@ function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
 }
 
 /** A legacy node's 0.4 layout, which no 0.8 announcement can match. */
-function legacyAnnouncementBytes(a: Omit<Announcement, "sig" | "age_ms" | "session">): Bytes {
-  return signedBytes(ANNOUNCE_DOMAIN, [decodeKey(a.pubkey, "pubkey"), ...lengthPrefixed(a.name), u64le(a.ts)]);
-}
+const legacyAnnouncementBytes = (a: Omit<Announcement, "sig" | "age_ms" | "session">): Bytes =>
+  signedBytes(ANNOUNCE_DOMAIN, [decodeKey(a.pubkey, "pubkey"), ...lengthPrefixed(a.name), u64le(a.ts)]);
 
 /**
  * Signed by the route's key (its part before any `#`); layouts in docs/wire.md. The route keeps a proof for one
  * session from opening another's; ts bounds how long a captured proof is worth anything.
  */
-function recvProofBytes(route: string, ts: number): Bytes {
-  return signedBytes(RECV_DOMAIN, [...lengthPrefixed(route), u64le(ts)]);
-}
+const recvProofBytes = (route: string, ts: number): Bytes =>
+  signedBytes(RECV_DOMAIN, [...lengthPrefixed(route), u64le(ts)]);
 
 /** Signs an unregister: only the key that announced a session can take it off a bus's roster. */
-function unregisterBytes(u: { pubkey: string; session_id: string; ts: number }): Bytes {
-  return signedBytes(UNREGISTER_DOMAIN, [decodeKey(u.pubkey, "pubkey"), ...lengthPrefixed(u.session_id), u64le(u.ts)]);
-}
+const unregisterBytes = (u: { pubkey: string; session_id: string; ts: number }): Bytes =>
+  signedBytes(UNREGISTER_DOMAIN, [decodeKey(u.pubkey, "pubkey"), ...lengthPrefixed(u.session_id), u64le(u.ts)]);
 
 /** An invite's one-time secret: 128 bits, beyond guessing within any invite's lifetime. */
 const INVITE_SECRET_BYTES = 16;
@@ -1406,12 +1392,11 @@ class ReplayMemory {
 
   /**
    * Why a message from `sender` cannot be remembered now, or null. Nothing fresh is forgotten to make room (its replay
-   * would get in). Past `cap` fresh entries, a peer holding its share (cap / peers held) gets "share": the gate
-   * refuses its message for good, so a peer that filled the memory holds off only itself (a relay hands a route's mail
-   * over in order: one left unacked would hold up every sender's behind it). Strangers (`isPeer` false: their knocks)
-   * cost nothing to multiply, so they never count as peers held: together they are one sender, held to the share of
-   * one more peer (cap / (peers held + 1)). Others come in up to twice the cap; past that, "all": every message waits,
-   * unacked, until entries age out. Only looks (the gate is pure).
+   * would get in). Past `cap` fresh entries, a peer holding its share (cap / peers held) gets "share": the gate refuses
+   * its message for good, so a peer that filled the memory holds off only itself (a relay hands a route's mail over in
+   * order: one left unacked would hold up every sender's behind it). Strangers (`isPeer` false) cost nothing to
+   * multiply: together they are one sender, held to the share of one more peer (cap / (peers held + 1)). Others come
+   * in up to twice the cap; past that, "all": every message waits, unacked, until entries age out. Only looks.
    */
   pressure(nowMs: number, sender?: string, isPeer: (key: string) => boolean = () => true): "share" | "all" | null {
     if (this.#seen.size < this.cap) return null;
@@ -1563,8 +1548,7 @@ function parseChain(value: unknown): Chain {
 /**
  * Judges the chain a payload carries beside `msg`, a message the gate admitted: null when it has none. It counts only
  * on a message that opens a task, holding together and signed by the sender. A bad chain counts as stripped (a relay
- * that can strip one can garble one): never a reason to refuse the message. Async only for WebCrypto's verify, so the
- * agent runs it before planInbound.
+ * that can strip one can garble one): never a reason to refuse the message.
  */
 function judgeChain(raw: unknown, msg: SignedMessage): ChainCheck | null {
   if (raw === undefined || raw === null) return null;
@@ -1856,9 +1840,8 @@ class JsonlWriter {
   }
 
   /**
-   * Replaces the file whole with `fill`'s lines (temp, see writeFileDurably, rename) and returns its size.
-   * `beforeRename` runs last before the rename, so nothing can fail after it (appends would then go to the old,
-   * unlinked file). On failure the old file stays in use, whole.
+   * Replaces the file whole with `fill`'s lines (writeFileDurably, rename); returns its size. `beforeRename` runs just
+   * before the rename: nothing may fail after it (appends would go to the unlinked file). On failure the old one stays.
    */
   rewrite(fill: Fill, beforeRename = () => {}): number {
     const tmp = `${this.file}.${process.pid}.tmp`;
@@ -2409,25 +2392,22 @@ function foldTask(
   const peerKey = counterpart(dir, msg);
   const side: Side = dir === "out" ? "me" : "peer";
   const key = taskKey(peerKey, msg.task_id);
-  let row = tasks.get(key);
-  if (!row) {
-    const c = hops.chain;
-    row = {
-      task_id: msg.task_id,
-      peer_key: peerKey,
-      requested_by: side,
-      status: null,
-      last_msg_id: "",
-      last_at: 0,
-      awaiting: [],
-      ...(c ? { parent: { task_id: c.parent, requester: c.requester }, owner: c.owner, depth: c.depth } : {}),
-      ...(c ? { chain: [...c.keys] } : {}),
-      closed: false,
-      messages: 0,
-      ...(dir === "in" && msg.status ? { unopened: true as const } : {}),
-    };
-    tasks.set(key, row);
-  }
+  const c = hops.chain;
+  const row: TaskRow = tasks.get(key) ?? {
+    task_id: msg.task_id,
+    peer_key: peerKey,
+    requested_by: side,
+    status: null,
+    last_msg_id: "",
+    last_at: 0,
+    awaiting: [],
+    ...(c ? { parent: { task_id: c.parent, requester: c.requester }, owner: c.owner, depth: c.depth } : {}),
+    ...(c ? { chain: [...c.keys] } : {}),
+    closed: false,
+    messages: 0,
+    ...(dir === "in" && msg.status ? { unopened: true as const } : {}),
+  };
+  tasks.set(key, row);
   row.messages++;
   row.last_msg_id = msg.msg_id;
   if (dir === "out") row.last_out_msg_id = msg.msg_id;
@@ -2670,11 +2650,8 @@ async function refusalOf(r: Response): Promise<string> {
   return `${r.status} ${escapePeerText(text.slice(0, RELAY_QUOTE_CHARS), true)}`.trimEnd();
 }
 
-/** A URL for display: user, password and token replaced by "***". */
-function redactUrl(url: string): string {
-  // Up to the last @ before the path (a password may hold an @ itself), with or without a scheme.
-  return url.replace(/^([a-z]+:\/*)?[^/\s]*@/i, "$1***@");
-}
+/** A URL for display: user, password and token (up to the last @ before the path: a password may hold one) as "***". */
+const redactUrl = (url: string): string => url.replace(/^([a-z]+:\/*)?[^/\s]*@/i, "$1***@");
 
 /** A bus over HTTP (SPEC "Bus HTTP API"), with our ownership proofs as extra fields a reference bus ignores. */
 class HttpRelay implements Relay {
@@ -2846,7 +2823,6 @@ class NatsRelayBeside implements Relay {
     return this.#relay;
   }
 
-  // nats.ts's relay's own calls, once it is loaded.
   send: Relay["send"] = (route, payload, timeoutMs) => this.#load().then((r) => r.send(route, payload, timeoutMs));
   recv: Relay["recv"] = (route, signal, waitMs) => this.#load().then((r) => r.recv(route, signal, waitMs));
   announce: Relay["announce"] = (a) => this.#load().then((r) => r.announce(a));
@@ -3016,10 +2992,9 @@ interface ReceiptLine {
 // Delivery receipts
 // ============================================================================
 //
-// A receiving node reports, signed, to the sending session each state a message reaches: "delivered" (admitted and
-// journaled in session S), "shown" (to the model), "refused" (the gate's reason; for a peer only, never a stranger),
-// if asked (an unsigned `"receipts": true` beside `reply_to`; a reference node asks for none). A receipt is a v2
-// message of kind "receipt", in_reply_to the first reported msg_id, one line per report:
+// A receiving node reports, signed, to the sending session each state a message reaches, if asked (docs/wire.md):
+// "delivered" (journaled in session S), "shown" (to the model), "refused" (why). A receipt is a v2 message of kind
+// "receipt", in_reply_to the first reported msg_id, one line per report:
 //   delivered|shown <msg_id> <unix ms> <session>
 //   refused <msg_id> <unix ms> <reason>[ <ms the message's ts was ahead of our clock>]
 // Receipts are never receipted; those for a session that said goodbye wait until it is back. What is owed is folded
