@@ -95,10 +95,7 @@ const SEALS_LINE = "opens sealed-v1";
 const FRESH_FUTURE_MS = 60_000;
 /** A reference node (and ours of 0.5.0) refuses a message older than this; "the last day" of the operator's views. */
 const FRESH_PAST_MS = 24 * 60 * 60_000;
-/**
- * The oldest message our gate accepts (older: refused as stale, its sender told), and so how long the replay memory
- * remembers one: a relay keeps mail while its recipient is away (a holiday, a laptop in a drawer).
- */
+/** The oldest message our gate accepts (older is stale): a relay keeps mail while its recipient is away (a holiday). */
 const HELD_MAX_MS = 30 * 24 * 60 * 60_000;
 /** Re-sign an unsent message before a reference node would call it stale (same msg_id, so it still dedupes). */
 const RESIGN_AFTER_MS = FRESH_PAST_MS - 60 * 60_000;
@@ -118,18 +115,16 @@ const localBusUrl = (): string => `http://127.0.0.1:${process.env.INTERLINK_BUS_
 /** Default long-poll wait, as in interlink-bus. */
 const RECV_TIMEOUT_MS = 25_000;
 /**
- * Messages one signer may have queued for one recipient on our bus; past it its next is refused (429, ROUTE_FULL),
- * never an older one dropped, so accepted mail is never lost. Per signer, so a flood locks out only its sender (the
- * byte budgets bound the total). A reference bus, like our earlier bus and NATS streams, drops the oldest past 1,024.
+ * Messages one signer may queue for one recipient on our bus: past it its next is refused (429, ROUTE_FULL), none
+ * dropped; per signer, so a flood locks out only its sender. A reference bus drops the oldest past it.
  */
 const QUEUE_CAP = 1024;
 /** How a relay's refusal for a full route begins (our bus's 429 error): the sender holds that route, not the others. */
 const ROUTE_FULL = "route full";
 
 /**
- * Our messages one route may hold unconfirmed (no receipt yet) before the rest wait in our outbox, so we stay below
- * the cap of a relay that drops the oldest past it (see QUEUE_CAP). Not for a key that sends no receipts (a reference
- * node: held for ever), nor when every relay refuses a full route instead: the refusal holds the route.
+ * Our messages one route may hold with no receipt yet, the rest waiting in our outbox: below the cap of a relay that
+ * drops the oldest past it. Not for a key that sends no receipts, nor when every relay refuses a full route instead.
  */
 const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
 
@@ -256,10 +251,7 @@ const SESSION_RE = /^[A-Za-z0-9._-]{1,128}$/;
 // Types
 // ============================================================================
 
-/**
- * "receipt" and "sealed" are ours, not the reference's: a signed report on messages received, sent only to nodes that
- * ask for it; a message whose text and task fields are sealed to its recipient, sent only to nodes that open them.
- */
+/** "receipt" and "sealed" are ours, not the reference's: sent only to nodes that ask for receipts, or open seals. */
 const KINDS = ["message", "pair_request", "pair_accept", "receipt", "sealed"] as const;
 type Kind = (typeof KINDS)[number];
 
@@ -476,13 +468,11 @@ function showId(id: string): string {
 
 /** An id as a model passes it to a tool: itself, or the quoted form showId printed (or an attribute's entities). */
 function readId(text: string): string {
-  if (/^".*"$/s.test(text)) {
-    try {
-      const raw = JSON.parse(text);
-      if (typeof raw === "string") return raw;
-    } catch {
-      // not a quoted form after all
-    }
+  try {
+    const raw = /^".*"$/s.test(text) ? JSON.parse(text) : null;
+    if (typeof raw === "string") return raw;
+  } catch {
+    // not a quoted form after all
   }
   return text.replace(/&quot;/g, '"').replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
 }
@@ -529,14 +519,10 @@ let logComponent = "interlink";
 let logSink = (line: string): void => writeStderr(line);
 
 /** Where log lines go (stderr unless a host, such as the test suite, takes them). */
-function setLogSink(sink: (line: string) => void): void {
-  logSink = sink;
-}
+const setLogSink = (sink: (line: string) => void): void => void (logSink = sink);
 
 /** Names the process in every log line ("interlink mcp <fingerprint>", "interlink board"). */
-function setLogComponent(name: string): void {
-  logComponent = name;
-}
+const setLogComponent = (name: string): void => void (logComponent = name);
 
 /** One log line; a hidden character in what it quotes (a peer's id, a relay's answer) shows as its code point. */
 const logLine = (level: string, msg: string): void =>
@@ -862,10 +848,7 @@ function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
 const legacyAnnouncementBytes = (a: Omit<Announcement, "sig" | "age_ms" | "session">): Bytes =>
   signedBytes(ANNOUNCE_DOMAIN, [decodeKey(a.pubkey, "pubkey"), ...lengthPrefixed(a.name), u64le(a.ts)]);
 
-/**
- * Signed by the route's key (its part before any `#`); layouts in docs/wire.md. The route keeps a proof for one
- * session from opening another's; ts bounds how long a captured proof is worth anything.
- */
+/** A recv or ack proof, by the route's key: it opens that route alone (no sibling's), and only near `ts`. */
 const recvProofBytes = (route: string, ts: number): Bytes =>
   signedBytes(RECV_DOMAIN, [...lengthPrefixed(route), u64le(ts)]);
 
@@ -1092,15 +1075,9 @@ async function identityFromSeed(seed: Uint8Array): Promise<Identity> {
 const newMsgId = (): string => Buffer.from(crypto.getRandomValues(new Uint8Array(16))).toString("hex");
 
 /** The fields a sender chooses; `from`, `ts`, `msg_id` and `sig` are filled in by signMessage. */
-interface Draft {
-  to: string;
-  text: string;
-  kind?: Kind;
-  task_id?: string;
-  status?: TaskStatus;
-  in_reply_to?: string;
-  msg_id?: string;
-}
+type Draft =
+  & Pick<SignedMessage, "to" | "text">
+  & Partial<Pick<SignedMessage, "kind" | "task_id" | "status" | "in_reply_to" | "msg_id">>;
 
 async function signMessage(id: Identity, draft: Draft, nowMs: number): Promise<SignedMessage> {
   const { to, text, msg_id = newMsgId(), kind = "message", task_id, status, in_reply_to } = draft;
@@ -1256,10 +1233,9 @@ const sealedData = (m: Omit<SignedMessage, "sig">): Bytes =>
   ]);
 
 /**
- * One message's AES-256-GCM key, nonce and data, from X25519 of `secret` and the other side's `pub`, then HKDF-SHA-256
- * (salt: the ephemeral key ‖ the recipient's; info: SEAL_DOMAIN): new for each message (a retry of one seals the same
- * bytes again: never two texts under one key and nonce). A `pub` of small order (RFC 7748 §7) gives an all-zero
- * secret, known to anyone, which WebCrypto (Bun, Deno) refuses.
+ * One message's AES-256-GCM key, nonce and data, from X25519 of `secret` and the other side's `pub`, then HKDF-SHA-256:
+ * new for each message (a retry of one seals the same bytes again: never two texts under one key and nonce). A `pub` of
+ * small order (RFC 7748 §7) gives an all-zero secret, known to anyone, which WebCrypto (Bun, Deno) refuses.
  */
 async function sealKeys(secret: CryptoKey, pub: Bytes, eph: Bytes, m: Omit<SignedMessage, "sig">) {
   if (littleEndianToBigInt(pub) >= P) throw new FormatError("its ephemeral key is not a canonical X25519 point");
@@ -1583,13 +1559,12 @@ const chainWords = (keys: readonly string[], name: (key: string) => string): str
 //
 // A complete line that is not a record (a hand edit, a disk fault) is never silent: `quarantineLine` copies it to
 // `<file>.corrupt` with its offset and blanks it in place, so offsets stay valid and `doctor` counts it. A last line
-// without its newline is a write cut short by a crash (or still in flight): it is skipped, and the next writer fences
-// it off.
+// without its newline is a write cut short by a crash (or in flight): it is skipped, and the next writer fences it.
 //
-// fsync policy: `append` returns once the bytes are in the kernel, which is enough to survive the process being killed;
-// `sync` adds an fdatasync shared by every append waiting at that moment (group commit), for what must survive a power
-// cut: the agent syncs before it answers a send or acks an inbound message. Files that are rewritten (a journal's
-// roll-over, peers.json, locks) are replaced whole: temp file, size check, fsync, rename.
+// fsync policy: `append` returns once the bytes are in the kernel (they survive a kill); `sync` adds an fdatasync
+// shared by every append waiting then (group commit), for what must survive a power cut: the agent syncs before it
+// answers a send or acks an inbound message. A file rewritten (a journal's roll-over, peers.json, locks) is replaced
+// whole: temp file, size check, fsync, rename.
 
 /** Who holds a session's agent.lock: its MCP server (a newer one of the session takes over), `send`, or a test. */
 const SERVER_ROLE = "interlink mcp";
@@ -2272,9 +2247,8 @@ async function removePeer(file: string, who: string): Promise<{ petname: string;
 }
 
 /**
- * What each peer's node last said, signed, of opening sealed messages (a receipt's SEALS_LINE, or a sealed message:
- * never a relay's word), and the ts it said it at: a later word counts, an earlier one a relay held back does not.
- * In the state folder, for all sessions; only peers' (and this node's own), so it is bounded by peers.json.
+ * What each peer's node last said, signed (a receipt's SEALS_LINE or a sealed message, never a relay's word), of
+ * opening seals, and when: an earlier word a relay held back does not count. Only peers' and ours: bounded.
  */
 type SealsSaid = Record<string, { opens: boolean; ts: number }>;
 const sealsFile = (stateDir: string): string => path.join(stateDir, "seals.json");
@@ -2522,10 +2496,7 @@ const backoffMs = (failures: number): number => Math.min(BACKOFF_MAX_MS, BACKOFF
 /** Not one relay answered (a roster, say): whatever needed them is judged on what the node remembers. */
 class NoRelayAnswered extends InterlinkError {}
 
-/**
- * A relay refused or failed a request; `permanent`: retrying cannot help (a 4xx, too large); `full`: it keeps no more
- * for that route until its reader reads some (the sender holds that route alone).
- */
+/** A relay refused or failed; `permanent`: a retry cannot help (a 4xx); `full`: that route is full (hold it alone). */
 class RelayError extends Error {
   constructor(message: string, readonly permanent = false, readonly full = false) {
     super(message);
@@ -2554,10 +2525,7 @@ interface Relay {
     timeoutMs: number,
     signal?: AbortSignal,
   ): Promise<void>;
-  /**
-   * Several messages in one request, in order (our bus): per message true (kept), a RelayError, or null (not tried:
-   * one before was refused). Absent or null: send them one by one.
-   */
+  /** Several in one request (our bus): each true (kept), a RelayError or null (not tried); absent or null: singly. */
   sendMany?(items: Routed[], timeoutMs: number, signal?: AbortSignal): Promise<SentMany>;
   /** Calls `back` whenever the relay is reachable again after an outage it noticed (NATS reconnects). */
   onBack?(back: () => void): void;
@@ -2592,8 +2560,6 @@ const RECV_ANSWER_VALUES_MAX = RECV_BATCH * (JSON_VALUES_MAX + 16) + 16;
 const RECV_ONE_MAX_BYTES = 2 * BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES + 1024;
 /** A batched POST /send answer: SEND_BATCH results, each a status and at most a sentence of why. */
 const SEND_ANSWER_MAX_BYTES = SEND_BATCH * 1024 + 1024;
-/** Of a refusal's body we quote RELAY_QUOTE_CHARS; reading more is waste. */
-const REFUSAL_READ_BYTES = 4096;
 /** How much of a relay's refusal an error quotes: enough for its sentence, too little to carry a document. */
 const RELAY_QUOTE_CHARS = 200;
 
@@ -2646,7 +2612,7 @@ async function readJsonAnswer(r: Response, capBytes: number, what: string, maxVa
 
 /** "<status> <its words>" of a refusal, as an error quotes it: RELAY_QUOTE_CHARS at most, escaped (escapePeerText). */
 async function refusalOf(r: Response): Promise<string> {
-  const text = await readAnswer(r, REFUSAL_READ_BYTES, "", true).catch(() => "");
+  const text = await readAnswer(r, 4 * RELAY_QUOTE_CHARS, "", true).catch(() => ""); // enough bytes for the quote
   return `${r.status} ${escapePeerText(text.slice(0, RELAY_QUOTE_CHARS), true)}`.trimEnd();
 }
 
@@ -2860,9 +2826,8 @@ function openRelay(url: string, proof?: (route: string) => Promise<string>, sign
 // The agent holding agent.lock is the only sender; the CLI may append "out" records for it.
 
 /**
- * How admitted messages reach the model, each by one path: "inbox" (default): check_inbox, or the Stop hook (`wait`)
- * wakes an idle session with them; "channel": pushed as channel events, which only a session launched with the
- * development-channels flag shows, so opt-in (`interlink.ts claude`). "both" (0.4.0's default) reads as channel.
+ * How admitted messages reach the model: "inbox" (default), by check_inbox or the Stop hook (`wait`); "channel", as
+ * channel events, shown only with the development-channels flag (`interlink.ts claude`); "both" (0.4.0) is channel.
  */
 const DELIVERY_MODES = ["inbox", "channel"] as const;
 type Delivery = (typeof DELIVERY_MODES)[number];
