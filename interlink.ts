@@ -776,9 +776,7 @@ function b64urlDecode(text: unknown, byteLength: number, what: string): Bytes {
     throw new FormatError(`${what} is not ${byteLength} bytes of unpadded base64url`);
   }
   const bytes = new Uint8Array(Buffer.from(text, "base64url"));
-  if (bytes.length !== byteLength || b64urlEncode(bytes) !== text) {
-    throw new FormatError(`${what} is not canonical base64url`);
-  }
+  if (b64urlEncode(bytes) !== text) throw new FormatError(`${what} is not canonical base64url`);
   return bytes;
 }
 
@@ -867,8 +865,7 @@ const INVITE_SECRET_BYTES = 16;
  *   - the inviter's key: a proof carried to another node;
  *   - the joiner's key: a relay that sees the proof re-signing the knock with its own key (the signature binds the
  *     request to its signer; the proof binds the secret holder's choice of key, which needs the secret to change);
- *   - the msg_id: a proof lifted into another request (a copy of the same request is a replay, and the invite is
- *     used by then).
+ *   - the msg_id: a proof lifted into another request (a copy of the same request is a replay, the invite used).
  */
 function inviteProofBytes(id: Uint8Array, inviter: string, joiner: string, msgId: string): Bytes {
   return signedBytes(INVITE_DOMAIN, [
@@ -1105,10 +1102,8 @@ async function readIdentity(file: string): Promise<Identity> {
     );
   }
   const seed = orWhy(() => b64urlDecode(text.trim(), 32, "seed"));
-  if (typeof seed === "string") {
-    throw new InterlinkError(`Key file ${file} does not hold a base64url Ed25519 seed: ${seed}`);
-  }
-  return await identityFromSeed(seed);
+  if (typeof seed !== "string") return await identityFromSeed(seed);
+  throw new InterlinkError(`Key file ${file} does not hold a base64url Ed25519 seed: ${seed}`);
 }
 
 /** Creates a key file with mode 0600 in the same step (no window where it is readable by others). */
@@ -1803,8 +1798,7 @@ class JsonlWriter {
     while (this.#waiters.length) {
       const batch = this.#waiters.splice(0);
       try {
-        const fd = this.#fd;
-        await new Promise<void>((res, rej) => fs.fdatasync(fd, (e) => (e ? rej(e) : res())));
+        await new Promise<void>((res, rej) => fs.fdatasync(this.#fd, (e) => (e ? rej(e) : res())));
         for (const w of batch) w.resolve();
       } catch (e) {
         for (const w of batch) w.reject(storageError(e, this.folder));
@@ -1969,10 +1963,9 @@ const startNow = (pid: number, like: string): string | null => PROC_START_RE.tes
 let ownStart: string | undefined; // this process's start, written in its locks
 
 /**
- * Whether a lock's owner still runs: its pid is alive with the start it recorded, read again the same way. A start
- * that cannot be read counts as held: a lock is never taken on a guess. A `ps` start moves if the clock was set (on
- * Linux), so there a mismatch counts only if the pid runs no interlink now. A lock without a start (an earlier
- * version) is held while its pid's command line is interlink's.
+ * Whether a lock's owner still runs: its pid is alive with the start it recorded; one that cannot be read counts as
+ * held (never taken on a guess). A `ps` start moves if the clock was set (Linux), so there a mismatch counts only if
+ * the pid runs no interlink now; a lock without a start (earlier versions) is held while its pid runs interlink.
  */
 function ownerRuns(owner: LockOwner): boolean {
   if (!pidAlive(owner.pid)) return false;
@@ -2573,21 +2566,14 @@ async function readAnswer(r: Response, capBytes: number, what: string, truncate 
     await r.body?.cancel().catch(() => {});
     throw new OversizedAnswer(over);
   }
-  if (!r.body) return "";
-  const reader = r.body.getReader();
   const chunks: Uint8Array[] = [];
   let size = 0;
-  try {
-    for (;;) {
-      const { done, value } = await reader.read();
-      if (done) break;
-      if (size + value.length > capBytes && !truncate) throw new OversizedAnswer(over);
-      chunks.push(value.subarray(0, capBytes - size));
-      size = Math.min(capBytes, size + value.length);
-      if (size === capBytes && truncate) break;
-    }
-  } finally {
-    reader.cancel().catch(() => {}); // the rest is never read: the connection closes (done: a no-op)
+  // Leaving the loop early (a throw, a break) cancels the body: the rest is never read, and the connection closes.
+  for await (const value of r.body ?? []) {
+    if (size + value.length > capBytes && !truncate) throw new OversizedAnswer(over);
+    chunks.push(value.subarray(0, capBytes - size));
+    size = Math.min(capBytes, size + value.length);
+    if (size === capBytes && truncate) break;
   }
   return new TextDecoder().decode(Buffer.concat(chunks, size));
 }
@@ -2975,17 +2961,15 @@ function receiptText(lines: ReceiptLine[]): string {
 
 /** The well-formed lines of a receipt's text; others (a newer version's) are skipped. */
 function parseReceipt(text: string): ReceiptLine[] {
-  const lines: ReceiptLine[] = [];
-  for (const line of text.split("\n").slice(0, RECEIPT_LINES_MAX)) {
+  return text.split("\n").slice(0, RECEIPT_LINES_MAX).flatMap((line): ReceiptLine[] => {
     const [state, msg_id = "", at = "", a = "", b, ...more] = line.split(" ");
-    if (more.length || !PLAIN_ID_RE.test(msg_id) || !/^\d{1,15}$/.test(at)) continue;
+    if (more.length || !PLAIN_ID_RE.test(msg_id) || !/^\d{1,15}$/.test(at)) return [];
     if ((state === "delivered" || state === "shown") && SESSION_RE.test(a) && b === undefined) {
-      lines.push({ state, msg_id, at: Number(at), session: a });
-    } else if (state === "refused" && isRefusal(a) && (b === undefined || /^-?\d{1,15}$/.test(b))) {
-      lines.push({ state, msg_id, at: Number(at), reason: a, ...(b === undefined ? {} : { skew_ms: Number(b) }) });
+      return [{ state, msg_id, at: Number(at), session: a }];
     }
-  }
-  return lines;
+    if (state !== "refused" || !isRefusal(a) || (b !== undefined && !/^-?\d{1,15}$/.test(b))) return [];
+    return [{ state, msg_id, at: Number(at), reason: a, ...(b === undefined ? {} : { skew_ms: Number(b) }) }];
+  });
 }
 
 const isInviteRefusal = (r: unknown): r is InviteRefusal => (INVITE_REFUSALS as readonly unknown[]).includes(r);
