@@ -744,12 +744,10 @@ function orWhy<T extends object>(f: () => T): T | string {
 }
 
 function errorText(e: unknown): string {
-  if (e instanceof Error) {
-    if (e.name === "TimeoutError") return "timed out";
-    const cause = (e as { cause?: { code?: string } }).cause;
-    return cause?.code ? `${e.message} (${cause.code})` : e.message;
-  }
-  return String(e);
+  if (!(e instanceof Error)) return String(e);
+  if (e.name === "TimeoutError") return "timed out";
+  const cause = (e as { cause?: { code?: string } }).cause;
+  return cause?.code ? `${e.message} (${cause.code})` : e.message;
 }
 
 const isoTime = (ms: number): string => new Date(ms).toISOString().replace(/\.\d{3}Z$/, "Z");
@@ -901,7 +899,6 @@ function parseInviteProof(inReplyTo: string | undefined): { id: string; mac: Byt
  *   - msg_id, task_id: a chain lifted onto another message or task of the same sender (a relay that saw one);
  *   - parent, requester, owner, depth, keys: a relay rewriting the lineage (a shorter chain to slip under a limit, a
  *     longer one or the recipient's own key to have a request refused in the recipient's name, another owner).
- * A relay can still strip the chain, as it can drop the message: the request is then a root task.
  */
 function chainBytes(m: { from: string; to: string; msg_id: string; task_id: string }, c: Omit<Chain, "sig">): Bytes {
   return signedBytes(CHAIN_DOMAIN, [
@@ -1248,10 +1245,9 @@ async function sealKeys(secret: CryptoKey, pub: Bytes, eph: Bytes, m: Omit<Signe
 }
 
 /**
- * Seals `msg` (signed, kind "message") and its chain to its recipient, as a signed message of kind "sealed" with the
- * same from, to, ts and msg_id (layout: docs/wire.md; `ephemeral` is fixed only for test vectors). Each part blocks an
- * attack: the outer signature, a relay altering the box; the associated data, a box moved to another message or
- * recipient; the inner signature, over a `to` it names, a peer that opened a message passing it on to a third node.
+ * Seals `msg` and its chain to its recipient: a signed "sealed" message, same from, to, ts, msg_id (docs/wire.md;
+ * `ephemeral`: test vectors only). The outer signature blocks a relay altering the box; the associated data, a box
+ * moved to another message or recipient; the inner signature (over its `to`), a peer passing an opened message on.
  */
 async function sealMessage(id: Identity, msg: SignedMessage, chain?: Chain, ephemeral?: Uint8Array) {
   const rcpt = x25519Public(msg.to);
@@ -1310,10 +1306,9 @@ async function openSealed(
 // ============================================================================
 
 /**
- * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. An entry older than
- * REPLAY_KEPT_MS is forgotten: the gate refuses its replay, and any copy of it, as stale. Rebuilt at start from the
- * replay files (SeenLog) and the journal, so a replay after a restart is still refused. Entries only a journal holds
- * (`logged` false) go to the replay files before a roll-over or an adoption leaves their records where no start reads.
+ * Message ids admitted, keyed by sender so one peer cannot burn another's ids; one older than REPLAY_KEPT_MS is
+ * forgotten (a replay or copy of it is refused as stale). Rebuilt at start from the replay files (SeenLog) and the
+ * journal; entries only a journal holds (`logged` false) go to the files before a roll-over or an adoption hides them.
  */
 class ReplayMemory {
   #seen = new Map<string, number>(); // "<sender> <msg_id>" → message ts, in admission order
@@ -1497,8 +1492,7 @@ type ChainCheck = { ok: true; chain: Chain } | { ok: false; why: string };
 /** A chain as JSON says it, or a FormatError naming the first problem (unknown members are ignored). */
 function parseChain(value: unknown): Chain {
   if (!isObject(value)) throw new FormatError("chain is not a JSON object");
-  const parent = field(value, "parent");
-  const bad = idProblem(parent);
+  const parent = field(value, "parent"), bad = idProblem(parent);
   if (bad) throw new FormatError(`"parent" ${bad}`);
   const depth = value.depth;
   if (typeof depth !== "number" || !Number.isSafeInteger(depth) || depth < 2 || depth > CHAIN_KEYS_MAX) {
@@ -2005,10 +1999,9 @@ function lockOwner(file: string): LockOwner | null {
 }
 
 /**
- * A lock file holding its owner's pid. It appears with its content in one step (a temp file hard-linked into place;
- * link() fails if the lock exists), so no reader sees an empty or half-written lock. A dead owner's lock is removed
- * only if it still holds the text judged stale, so one that changed hands meanwhile is left alone (bar the
- * microseconds between that re-read and the unlink). An unreadable lock is respected until LOCK_GRACE_MS old.
+ * A lock file holding its owner's pid, never seen empty or half-written (a temp file is hard-linked into place; link()
+ * fails if it exists). A dead owner's lock is removed only if it still holds the text judged stale: one that changed
+ * hands meanwhile stays (bar microseconds). An unreadable one holds until LOCK_GRACE_MS old.
  */
 class PidLock {
   private constructor(readonly file: string, readonly content: string) {}
