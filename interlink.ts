@@ -95,7 +95,7 @@ const SEALS_LINE = "opens sealed-v1";
 const FRESH_FUTURE_MS = 60_000;
 /** A reference node (and ours of 0.5.0) refuses a message older than this; "the last day" of the operator's views. */
 const FRESH_PAST_MS = 24 * 60 * 60_000;
-/** The oldest message our gate accepts (older is stale): a relay keeps mail while its recipient is away (a holiday). */
+/** The oldest message our gate accepts (older: stale, its sender told): a relay holds mail while its reader is away. */
 const HELD_MAX_MS = 30 * 24 * 60 * 60_000;
 /** Re-sign an unsent message before a reference node would call it stale (same msg_id, so it still dedupes). */
 const RESIGN_AFTER_MS = FRESH_PAST_MS - 60 * 60_000;
@@ -116,7 +116,7 @@ const localBusUrl = (): string => `http://127.0.0.1:${process.env.INTERLINK_BUS_
 const RECV_TIMEOUT_MS = 25_000;
 /**
  * Messages one signer may queue for one recipient on our bus: past it its next is refused (429, ROUTE_FULL), none
- * dropped; per signer, so a flood locks out only its sender. A reference bus drops the oldest past it.
+ * dropped; per signer, so a flood locks out only its sender. A reference bus, or NATS, drops the oldest past it.
  */
 const QUEUE_CAP = 1024;
 /** How a relay's refusal for a full route begins (our bus's 429 error): the sender holds that route, not the others. */
@@ -124,7 +124,7 @@ const ROUTE_FULL = "route full";
 
 /**
  * Our messages one route may hold with no receipt yet, the rest waiting in our outbox: below the cap of a relay that
- * drops the oldest past it. Not for a key that sends no receipts, nor when every relay refuses a full route instead.
+ * drops the oldest past it. Not for a key that sends no receipts (held for ever), nor if all relays refuse when full.
  */
 const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
 
@@ -394,15 +394,14 @@ interface DenoRuntime {
 // Peer text, as it is shown
 // ============================================================================
 //
-// Whatever a peer, a stranger or a relay controls (text, ids, announcements, receipts, refusals, a relay's errors)
-// reaches the model and the operator (`log`, `tasks`, `doctor`, the board). It must never pose as something we generate
-// (a task header, another sender's block, a closing tag, a system tag, a line of ours), nor hide or reorder words. So
+// What a peer, a stranger or a relay controls (text, ids, announcements, receipts, refusals, a relay's errors) reaches
+// the model and the operator (`log`, `tasks`, `doctor`, the board). It must never pose as something we generate (a task
+// header, another sender's block, a closing tag, a system tag, a line of ours), nor hide or reorder words. So
 // escapePeerText, everywhere, turns every "<" that could open or close a tag into "&lt;", puts a backslash before a "["
 // that starts a line ("[task x · result]", "[interlink] SYSTEM: ..."), and shows every hidden code point as <U+XXXX>
-// (showInvisible), newlines too in a field that is one line in what we write (a cwd, a summary, a reason). Escaping
-// twice changes nothing; a marker a peer types can never hide anything. Ids have their own form (showId), names theirs
-// (displayName). Every string the MCP server writes and every line printed or logged goes through showInvisible again
-// (McpStdioServer, print, logLine): a field missed here still cannot carry a hidden character out.
+// (showInvisible), newlines too in a field that is one line in what we write. Escaping twice changes nothing; a marker
+// a peer types can never hide anything. Every string the MCP server writes, prints or logs goes through showInvisible
+// again (McpStdioServer, print, logLine): a field missed here still cannot carry a hidden character out.
 
 /**
  * Code points that hide, reorder or drive what a reader sees, by Unicode's own properties, not by hand: controls (Cc:
@@ -411,9 +410,8 @@ interface DenoRuntime {
  * we miss), Bidi_Control (all Cf today; named so the rule says it), U+2028 and U+2029 (Zl, Zp: line breaks most
  * displays do not draw), lone surrogates (Cs) and private use (Co: drawn as whatever a font puts there). Not unassigned
  * code points (Cn): that set follows the runtime's Unicode version (Bun 1.4 and Deno 2.9 differ), and the gate must
- * judge an id alike under both; every property above answers the same in both (tested against the other runtime and
- * the Unicode data files). Newline and tab (Cc) are left out where a text may hold lines (invisibleRE; showInvisible
- * unless `oneLine`); an id refuses them as controls.
+ * judge an id alike under both; every property above answers the same in both (tested). Newline and tab (Cc) are left
+ * out where a text may hold lines (invisibleRE; showInvisible unless `oneLine`); an id refuses them as controls.
  */
 const INVISIBLE_CLASS =
   "[\\p{Cc}\\p{Cf}\\p{Default_Ignorable_Code_Point}\\p{Bidi_Control}\\p{Zl}\\p{Zp}\\p{Cs}\\p{Co}]";
@@ -856,9 +854,8 @@ const unregisterBytes = (u: { pubkey: string; session_id: string; ts: number }):
 const INVITE_SECRET_BYTES = 16;
 
 /**
- * The bytes an invite proof covers, an HMAC-SHA256 under the invite's one-time secret. The joiner's knock carries it
- * in its signed in_reply_to, `invite:<id hex>:<base64url mac>`; the secret travels only in the code, out of band.
- * Each part blocks an attack:
+ * The bytes an invite proof covers (HMAC-SHA256 under the invite's one-time secret, which travels only in the code),
+ * carried in the knock's signed in_reply_to as `invite:<id hex>:<base64url mac>`. Each part blocks an attack:
  *   - the id: a proof for one invite spent on another;
  *   - the inviter's key: a proof carried to another node;
  *   - the joiner's key: a relay that sees the proof re-signing the knock with its own key (the signature binds the
@@ -919,8 +916,7 @@ async function signChain(id: Identity, msg: SignedMessage, c: Omit<Chain, "sig">
   return { ...c, sig: await id.sign(chainBytes({ ...msg, task_id: msg.task_id }, c)) };
 }
 
-// Curve constants (RFC 8032 §5.1): the field's prime p and L, the order of the prime subgroup (a signature's S must
-// be below it).
+// Curve constants (RFC 8032 §5.1): the field's prime p; L, the prime subgroup's order (a signature's S is below it).
 const P = 2n ** 255n - 19n;
 const L = 2n ** 252n + 27742317777372353535851937790883648493n;
 
@@ -1143,10 +1139,8 @@ function optionalField(o: Record<string, unknown>, name: string): string | undef
 
 function timestamp(o: Record<string, unknown>, name: string, unit = " of unix milliseconds"): number {
   const v = o[name];
-  if (typeof v !== "number" || !Number.isSafeInteger(v) || v < 0) {
-    throw new FormatError(`"${name}" is not a non-negative integer${unit}`);
-  }
-  return v;
+  if (typeof v === "number" && Number.isSafeInteger(v) && v >= 0) return v;
+  throw new FormatError(`"${name}" is not a non-negative integer${unit}`);
 }
 
 const isTaskStatus = (v: unknown): v is TaskStatus => (STATUSES as readonly unknown[]).includes(v);
@@ -1511,9 +1505,8 @@ function parseChain(value: unknown): Chain {
 }
 
 /**
- * Judges the chain a payload carries beside `msg`, a message the gate admitted: null when it has none. It counts only
- * on a message that opens a task, holding together and signed by the sender. A bad chain counts as stripped (a relay
- * that can strip one can garble one): never a reason to refuse the message.
+ * Judges the chain a payload carries beside `msg`, admitted by the gate (null: none). It counts only on a message that
+ * opens a task, whole and signed by its sender; a bad one counts as stripped (a relay can do both), not a refusal.
  */
 function judgeChain(raw: unknown, msg: SignedMessage): ChainCheck | null {
   if (raw === undefined || raw === null) return null;
@@ -1550,10 +1543,9 @@ const chainWords = (keys: readonly string[], name: (key: string) => string): str
 // `<file>.corrupt` with its offset and blanks it in place, so offsets stay valid and `doctor` counts it. A last line
 // without its newline is a write cut short by a crash (or in flight): it is skipped, and the next writer fences it.
 //
-// fsync policy: `append` returns once the bytes are in the kernel (they survive a kill); `sync` adds an fdatasync
-// shared by every append waiting then (group commit), for what must survive a power cut: the agent syncs before it
-// answers a send or acks an inbound message. A file rewritten (a journal's roll-over, peers.json, locks) is replaced
-// whole: temp file, size check, fsync, rename.
+// fsync policy: `append` returns with the bytes in the kernel (safe from a kill); `sync` adds an fdatasync shared by
+// the appends waiting (group commit), for what must survive a power cut: the agent syncs before it answers a send or
+// acks a message. Rewritten files (a journal, peers.json, locks) are replaced whole: temp, size check, fsync, rename.
 
 /** Who holds a session's agent.lock: its MCP server (a newer one of the session takes over), `send`, or a test. */
 const SERVER_ROLE = "interlink mcp";
@@ -1597,10 +1589,7 @@ const indexOfByte = (buf: Uint8Array, byte: number, from: number): number =>
 /** One reusable scan buffer: a re-read of a journal tail allocates nothing (1 MiB, grown only for longer lines). */
 let scanChunk = Buffer.allocUnsafe(1 << 20);
 
-/**
- * Calls `onLine` for each complete line from byte `from`: `buf[start, end)`, without its newline, at `offset` in the
- * file. The buffer is reused: a caller copies what it keeps. Memory is the longest line, not the file.
- */
+/** `onLine` per complete line from byte `from`: `buf[start, end)` at `offset`; `buf` is reused (memory: one line). */
 function scanLines(
   file: string,
   from: number,
@@ -1859,10 +1848,8 @@ function writeFileDurably(file: string, text: string | Uint8Array | Fill): numbe
     }
     fs.fsyncSync(fd);
     const onDisk = fs.fstatSync(fd).size;
-    if (onDisk !== size) {
-      throw Object.assign(new Error(`${file} holds ${onDisk} of ${size} bytes after writing`), { code: "EIO" });
-    }
-    return size;
+    if (onDisk === size) return size;
+    throw Object.assign(new Error(`${file} holds ${onDisk} of ${size} bytes after writing`), { code: "EIO" });
   });
 }
 
@@ -2097,10 +2084,8 @@ function checkPeerKey(key: unknown, what: string): string {
   if (typeof raw === "string") {
     throw new InterlinkError(`${raw} (a public key is 43 base64url characters, as printed by \`interlink.ts id\`)`);
   }
-  if (hasSmallOrder(raw)) {
-    throw new InterlinkError(`${what} is a small-order point, which would accept forged signatures`);
-  }
-  return key as string;
+  if (!hasSmallOrder(raw)) return key as string;
+  throw new InterlinkError(`${what} is a small-order point, which would accept forged signatures`);
 }
 
 /** Validates peers.json text (SPEC "Identity"); errors name the file, the petname and the problem. */
@@ -2211,10 +2196,9 @@ async function addPeer(file: string, petname: string, key: string): Promise<"add
     const held = peers.byName.get(petname);
     if (held === key) return "unchanged";
     if (held !== undefined) {
+      const fp = fingerprint(held);
       throw new InterlinkError(
-        `'${petname}' already holds key ${
-          fingerprint(held)
-        }…; refusing to rekey it silently (remove it first if the peer really changed keys)`,
+        `'${petname}' already holds key ${fp}…; refusing to rekey it silently (remove it first if the peer really changed keys)`,
       );
     }
     const other = peers.byKey.get(key);
@@ -2524,8 +2508,7 @@ const isNatsUrl = (url: string): boolean => /^(nats|tls):\/\//i.test(url);
 
 // -- what is read from a relay ------------------------------------------------
 //
-// A relay's answer is read as it streams, never past the most a real one can be (from our bus's bounds): past it a
-// RelayError, and the session's other relays go on.
+// Read as it streams, never past what a real answer can be (our bus's bounds): a RelayError, and other relays go on.
 
 /** Bytes a roster entry adds to the announcement it holds: `,"age_ms":<n>` and a comma, with room. */
 const ROSTER_ENTRY_EXTRA_BYTES = 64;
@@ -2571,10 +2554,7 @@ async function readAnswer(r: Response, capBytes: number, what: string, truncate 
   return new TextDecoder().decode(Buffer.concat(chunks, size));
 }
 
-/**
- * A relay's answer as JSON, else a RelayError quoting none of it. Past `maxValues` an OversizedAnswer, unparsed (bytes
- * alone do not bound a parse: 24 MiB of empty objects took a session to 3 GB).
- */
+/** A relay's answer as JSON (a RelayError quotes none); past `maxValues` unparsed: 24 MiB of `{}` took 3 GB parsed. */
 async function readJsonAnswer(r: Response, capBytes: number, what: string, maxValues = Infinity): Promise<unknown> {
   const text = await readAnswer(r, capBytes, what);
   if (maxValues < Infinity && jsonShape(text).values > maxValues) {
@@ -2719,8 +2699,7 @@ class HttpRelay implements Relay {
   }
 
   async unregister(u: object, timeoutMs: number, signal?: AbortSignal): Promise<void> {
-    const r = await postJson(`${this.url}/unregister`, u, timeoutMs, signal);
-    await r.body?.cancel();
+    await (await postJson(`${this.url}/unregister`, u, timeoutMs, signal)).body?.cancel();
   }
 
   async close(): Promise<void> {}
@@ -2728,10 +2707,9 @@ class HttpRelay implements Relay {
 
 // -- NATS JetStream: nats.ts, loaded at its first use -------------------------
 //
-// NATS JetStream as the relay (docs/nats.md) is nats.ts beside this file, which loads the NATS client packages: a node
-// loads neither unless a nats:// or tls:// URL is configured. A copy of interlink.ts alone given such a URL runs on:
-// that relay fails every call with what to fetch and where, as a relay that does not answer, so what waits for it
-// stays in the outbox (and goes once the file is there: each retry looks again).
+// NATS JetStream as the relay (docs/nats.md) is nats.ts beside this file, loaded (with the NATS client packages) only
+// for a nats:// or tls:// URL. A lone interlink.ts given such a URL runs on: that relay fails every call with what to
+// fetch and where, like one that is down, so what waits for it stays in the outbox (each retry looks again).
 
 /** Signs bytes with the node's key (NATS names its consumers so). */
 type Sign = (data: Bytes) => Promise<string>;
