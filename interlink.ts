@@ -95,18 +95,13 @@ const SEALS_LINE = "opens sealed-v1";
 const FRESH_FUTURE_MS = 60_000;
 /** A reference node (and ours of 0.5.0) refuses a message older than this; "the last day" of the operator's views. */
 const FRESH_PAST_MS = 24 * 60 * 60_000;
-/**
- * The oldest message our gate accepts, and so how long the replay memory remembers one: a relay keeps mail while its
- * recipient is away (a weekend, a holiday, a laptop in a drawer), and a message it accepted is shown once whenever
- * the recipient comes back within this long. Past it the message is refused as stale, and its sender is told.
- */
+/** The oldest message our gate accepts (older: stale, its sender told): a relay holds mail while its reader is away. */
 const HELD_MAX_MS = 30 * 24 * 60 * 60_000;
 /** Re-sign an unsent message before a reference node would call it stale (same msg_id, so it still dedupes). */
 const RESIGN_AFTER_MS = FRESH_PAST_MS - 60 * 60_000;
 /**
- * ... and only this long after it was queued; then it goes as last signed (our nodes take it until HELD_MAX_MS after
- * that). So the copies of one msg_id are all signed within this span, which a relay holding an early copy and a late
- * one cannot stretch: the replay memory keeps an entry this much past HELD_MAX_MS (REPLAY_KEPT_MS).
+ * ... and only this long after it was queued; then it goes as last signed. So every copy of one msg_id is signed within
+ * this span, whatever copies a relay holds: the replay memory keeps an entry this much past HELD_MAX_MS.
  */
 const RESIGN_SPAN_MS = 7 * 24 * 60 * 60_000;
 /** How long the replay memory keeps an admitted message: while any copy of it, re-signed or not, is fresh. */
@@ -120,27 +115,24 @@ const localBusUrl = (): string => `http://127.0.0.1:${process.env.INTERLINK_BUS_
 /** Default long-poll wait, as in interlink-bus. */
 const RECV_TIMEOUT_MS = 25_000;
 /**
- * Messages one signer may have queued for one recipient on our bus; past it its next is refused (429, ROUTE_FULL),
- * never an older one dropped, so accepted mail is never lost. Per signer, so a flood locks out only its sender (the
- * byte budgets bound the total). A reference bus, like our earlier bus and NATS streams, drops the oldest past 1,024.
+ * Messages one signer may queue for one recipient on our bus: past it its next is refused (429, ROUTE_FULL), none
+ * dropped; per signer, so a flood locks out only its sender. A reference bus, or NATS, drops the oldest past it.
  */
 const QUEUE_CAP = 1024;
 /** How a relay's refusal for a full route begins (our bus's 429 error): the sender holds that route, not the others. */
 const ROUTE_FULL = "route full";
 
 /**
- * Our messages one route may hold unconfirmed (no receipt yet) before the rest wait in our outbox, so we stay below
- * the cap of a relay that drops the oldest past it (see QUEUE_CAP). Not for a key that sends no receipts (a reference
- * node: held for ever), nor when every relay refuses a full route instead: the refusal holds the route.
+ * Our messages one route may hold with no receipt yet, the rest waiting in our outbox: below the cap of a relay that
+ * drops the oldest past it. Not for a key that sends no receipts (held for ever), nor if all relays refuse when full.
  */
 const SEND_WINDOW = msFromEnv("INTERLINK_TEST_SEND_WINDOW", QUEUE_CAP / 4);
 
 /** A session heard from within this long is live; older ones are away (they may be asleep: a laptop lid). */
 const PRESENCE_LIVE_MS = 90_000;
 /**
- * How a session of `interlink.ts serve` begins its signed summary (see docs/wire.md): its door, which runs tasks and keeps
- * other mail for the next session, is routed to only when no other session of the node is live; a task's session
- * (SERVE_TASK) is routed to only for its task.
+ * How a session of `interlink.ts serve` begins its signed summary (docs/wire.md): its door (runs tasks, keeps other
+ * mail for the next session) is routed to only when no other session is live; a task's session only for its task.
  */
 const SERVE_DOOR = "interlink serve: runs tasks";
 const SERVE_TASK = "interlink serve: task ";
@@ -236,10 +228,7 @@ const QUESTION_KEPT_CHARS = 500;
 /** Questions of a sub-task forwarded up, unanswered: past a few, the next goes to our model, not flooding upstream. */
 const FORWARDS_OPEN_CAP = 8;
 
-/**
- * A session ended this long ago is adopted by a live sibling (see "Ended sessions"); one resumed sooner keeps its own
- * mail. A new session adopts every ended one at its start, however recent.
- */
+/** A session ended this long ago is adopted by a live sibling (see "Ended sessions"); a new session adopts all. */
 const ADOPT_AFTER_MS = msFromEnv("INTERLINK_TEST_ADOPT_AFTER_MS", 2 * 60_000);
 /** How often a running session looks for ended ones to adopt, and drains the routes of those it adopted. */
 const ENDED_EVERY_MS = msFromEnv("INTERLINK_TEST_ENDED_EVERY_MS", ANNOUNCE_EVERY_MS);
@@ -251,10 +240,7 @@ const CLOSED_TASKS_KEPT_MS = 30 * 24 * 60 * 60_000;
 const SHORT_LOCK_WAIT_MS = 5_000;
 /** Past this much journal folded or rewritten at once (a start on a backlog, its roll-over), memory is given back. */
 const SHRINK_AFTER_BYTES = 4 << 20;
-/**
- * How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). Tests
- * set it past their length, so what they see came from the watch.
- */
+/** How often a session re-reads its journal, and `wait` its folder, behind fs.watch (which can miss a change). */
 const FOLLOW_RECHECK_MS = msFromEnv("INTERLINK_TEST_FOLLOW_RECHECK_MS", 5_000);
 
 const PETNAME_RE = /^[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}$/;
@@ -265,10 +251,7 @@ const SESSION_RE = /^[A-Za-z0-9._-]{1,128}$/;
 // Types
 // ============================================================================
 
-/**
- * "receipt" and "sealed" are ours, not the reference's: a signed report on messages received, sent only to nodes that
- * ask for it; a message whose text and task fields are sealed to its recipient, sent only to nodes that open them.
- */
+/** "receipt" and "sealed" are ours, not the reference's: sent only to nodes that ask for receipts, or open seals. */
 const KINDS = ["message", "pair_request", "pair_accept", "receipt", "sealed"] as const;
 type Kind = (typeof KINDS)[number];
 
@@ -411,31 +394,24 @@ interface DenoRuntime {
 // Peer text, as it is shown
 // ============================================================================
 //
-// Whatever a peer, a stranger or a relay controls (message text and ids, an announcement's fields, a receipt's
-// session, a refusal's detail, a relay's error answer) reaches the model and the operator (`log`, `tasks`, `doctor`,
-// the board). It must never pose as something we generate (a task header, another sender's block, a closing tag, a
-// system tag, a line of ours), nor hide or reorder words. So escapePeerText, everywhere, turns every "<" that could
-// open or close a tag into "&lt;", puts a backslash before a "[" that starts a line ("[task x · result]",
-// "[interlink] SYSTEM: ..."), and shows every hidden code point as <U+XXXX> (showInvisible), newlines too in a field
-// that is one line in what we write (a cwd, a summary, a reason). Escaping twice changes nothing; a marker a peer types
-// makes text look as if something were hidden, and can never hide anything. Ids have their own form (showId), names
-// theirs (displayName). Every string the MCP server writes and every line printed or logged goes through showInvisible
+// What a peer, a stranger or a relay controls (text, ids, announcements, receipts, refusals, a relay's errors) reaches
+// the model and the operator (`log`, `tasks`, `doctor`, the board). It must never pose as something we generate (a task
+// header, another sender's block, a closing tag, a system tag, a line of ours), nor hide or reorder words. So
+// escapePeerText, everywhere, turns every "<" that could open or close a tag into "&lt;", puts a backslash before a "["
+// that starts a line ("[task x · result]", "[interlink] SYSTEM: ..."), and shows every hidden code point as <U+XXXX>
+// (showInvisible), newlines too in a field that is one line in what we write. Escaping twice changes nothing; a marker
+// a peer types can never hide anything. Every string the MCP server writes, prints or logs goes through showInvisible
 // again (McpStdioServer, print, logLine): a field missed here still cannot carry a hidden character out.
 
 /**
- * Code points that hide, reorder or drive what a reader sees, chosen by Unicode's own properties, not by hand:
- *   Cc                            controls: ESC starts ANSI sequences, CR rewrites a line, BS erases
- *   Cf                            format characters: zero-width ones, bidi embeddings, tag characters
- *   Default_Ignorable_Code_Point  drawn as nothing: variation selectors, Hangul fillers, U+034F, and the
- *                                 ranges Unicode reserves for more of them (a newer Unicode adds none we miss)
- *   Bidi_Control                  reorders what follows (all Cf today; named so the rule says it)
- *   Zl, Zp                        U+2028, U+2029: line breaks most displays do not draw as one
- *   Cs                            a lone surrogate: not text at all
- *   Co                            private use: drawn as whatever a font puts there, or as nothing
- * Not unassigned code points (Cn): that set follows the runtime's Unicode version (Bun 1.4 and Deno 2.9 differ), and
- * the gate must judge an id alike under both; every property above answers the same in both for every code point
- * (tested against the other runtime and the Unicode data files). Newline and tab, Cc too, are left out where a text may
- * hold lines (invisibleRE; showInvisible unless `oneLine`); an id refuses them as controls.
+ * Code points that hide, reorder or drive what a reader sees, by Unicode's own properties, not by hand: controls (Cc:
+ * ESC starts ANSI sequences, CR rewrites a line), format characters (Cf: zero-width, bidi embeddings, tags), what is
+ * drawn as nothing (Default_Ignorable_Code_Point, with the ranges Unicode reserves for more: a newer Unicode adds none
+ * we miss), Bidi_Control (all Cf today; named so the rule says it), U+2028 and U+2029 (Zl, Zp: line breaks most
+ * displays do not draw), lone surrogates (Cs) and private use (Co: drawn as whatever a font puts there). Not unassigned
+ * code points (Cn): that set follows the runtime's Unicode version (Bun 1.4 and Deno 2.9 differ), and the gate must
+ * judge an id alike under both; every property above answers the same in both (tested). Newline and tab (Cc) are left
+ * out where a text may hold lines (invisibleRE; showInvisible unless `oneLine`); an id refuses them as controls.
  */
 const INVISIBLE_CLASS =
   "[\\p{Cc}\\p{Cf}\\p{Default_Ignorable_Code_Point}\\p{Bidi_Control}\\p{Zl}\\p{Zp}\\p{Cs}\\p{Co}]";
@@ -455,11 +431,7 @@ const invisibleRE = (): RegExp => invisibleRe ??= new RegExp(`(?![\\n\\t])${INVI
  */
 const shownRE = (): RegExp => shownRe ??= new RegExp(`\\p{Emoji}\\uFE0F|${INVISIBLE_CLASS}`, "gu");
 
-/**
- * The one place that decides how a hidden code point is shown: as `<U+XXXX>`, never obeyed and never dropped,
- * so the operator and the model both see that something was there, and which. Newline and tab are kept unless
- * `oneLine`. A marker holds nothing hidden, so showing twice changes nothing.
- */
+/** The one place a hidden code point is shown: `<U+XXXX>`, never obeyed nor dropped; newline, tab unless `oneLine`. */
 const showInvisible = (text: string, oneLine = false): string =>
   PLAIN_TEXT_RE.test(text) && !(oneLine && /[\n\t]/.test(text)) ? text : text.replace(shownRE(), (c) => {
     if (c.length > 1 && c.endsWith("\uFE0F")) return c; // an emoji and its presentation selector (see shownRE)
@@ -483,9 +455,8 @@ const PLAIN_ID_RE = /^[A-Za-z0-9._:@+\/-]{1,128}$/;
 const SHOWN_ID_RE = /^[\p{L}\p{M}\p{N}._:@+\/-]{1,256}$/u;
 
 /**
- * An id a peer chose, as shown in headers, log lines and tool results: as itself when it is plainly an id ("t-ünï"),
- * else as a JSON string whose quotes, brackets and markup characters are escaped, so it can never close a header, open
- * a tag or pose as another field. Tools take either form back (see readId).
+ * An id a peer chose, as shown: itself when plainly an id ("t-ünï"), else a JSON string with quotes, brackets and
+ * markup escaped, so it never closes a header, opens a tag or poses as another field (readId takes either back).
  */
 function showId(id: string): string {
   if (PLAIN_ID_RE.test(id) || (SHOWN_ID_RE.test(id) && !hasInvisible(id))) return id; // marks (\p{M}) take in variation selectors and U+034F
@@ -495,21 +466,18 @@ function showId(id: string): string {
 
 /** An id as a model passes it to a tool: itself, or the quoted form showId printed (or an attribute's entities). */
 function readId(text: string): string {
-  if (/^".*"$/s.test(text)) {
-    try {
-      const raw = JSON.parse(text);
-      if (typeof raw === "string") return raw;
-    } catch {
-      // not a quoted form after all
-    }
+  try {
+    const raw = /^".*"$/s.test(text) ? JSON.parse(text) : null;
+    if (typeof raw === "string") return raw;
+  } catch {
+    // not a quoted form after all
   }
   return text.replace(/&quot;/g, '"').replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
 }
 
 /**
- * A claimed name for display: at most 64 characters of letters, digits, spaces and . _ @ + -, so it can be quoted as a
- * claim and never read as an instruction or markup. Never used for identity. A hidden character shows as its code point
- * ("Alice U+202E"), the rest as a space.
+ * A claimed name for display, never identity: at most 64 letters, digits, spaces and . _ @ + -, read as a claim, never
+ * as an instruction or markup; a hidden character shows as its code point ("Alice U+202E"), the rest as a space.
  */
 function displayName(claimed: string): string {
   const named = showInvisible(claimed); // newline and tab are blanks here, like a space
@@ -526,16 +494,14 @@ const ID_CONTROL_RE = /[\u0000-\u001f\u007f-\u009f]|[\ud800-\udfff]/u;
 /**
  * Why a peer's msg_id, task_id or in_reply_to cannot be admitted, or null. The reference accepts any string there, and
  * a task id is often not ASCII ("t-ünï"), so any text is taken but what no honest node sends: empty, over ID_MAX_CHARS,
- * control characters (a newline could start a forged header line), invisible and bidi characters (they hide or reorder
- * what is shown), and lone surrogates (not text).
+ * control characters (a newline could start a forged header line), invisible and bidi characters, lone surrogates.
  */
 function idProblem(id: string): string | null {
   if (id === "") return "is empty";
   if ([...id].length > ID_MAX_CHARS) return `is over ${ID_MAX_CHARS} characters`;
   if (ID_CONTROL_RE.test(id)) return "holds a control character";
   const hidden = PLAIN_TEXT_RE.test(id) ? null : id.match(invisibleRE());
-  if (hidden) return `holds an invisible, format or bidi character (${showInvisible(hidden[0], true)})`;
-  return null;
+  return hidden ? `holds an invisible, format or bidi character (${showInvisible(hidden[0], true)})` : null;
 }
 
 // ============================================================================
@@ -551,19 +517,14 @@ let logComponent = "interlink";
 let logSink = (line: string): void => writeStderr(line);
 
 /** Where log lines go (stderr unless a host, such as the test suite, takes them). */
-function setLogSink(sink: (line: string) => void): void {
-  logSink = sink;
-}
+const setLogSink = (sink: (line: string) => void): void => void (logSink = sink);
 
 /** Names the process in every log line ("interlink mcp <fingerprint>", "interlink board"). */
-function setLogComponent(name: string): void {
-  logComponent = name;
-}
+const setLogComponent = (name: string): void => void (logComponent = name);
 
 /** One log line; a hidden character in what it quotes (a peer's id, a relay's answer) shows as its code point. */
-function logLine(level: string, msg: string): void {
+const logLine = (level: string, msg: string): void =>
   logSink(`${new Date().toISOString()} ${logComponent} ${level}: ${showInvisible(msg)}\n`);
-}
 
 const logInfo = (msg: string): void => logLine("info", msg);
 const logWarn = (msg: string): void => logLine("warn", msg);
@@ -593,9 +554,8 @@ function writeStderr(text: string): void {
 
 /**
  * Writes all of `bytes` through `write` (one write(2) each), or throws: a 0-byte write is a full disk. A full
- * non-blocking pipe is waited out 1 ms at a time, as a blocking one waits: a wake text cut short would be lost, its
- * messages already marked shown. Not node:fs's writeSync on a pipe: under Deno it writes part, then throws EAGAIN
- * without saying how much went.
+ * non-blocking pipe is waited out 1 ms at a time, as a blocking one waits (a wake text cut short would be lost). Not
+ * node:fs's writeSync on a pipe: under Deno it writes part, then throws EAGAIN without saying how much.
  */
 function writeWaiting(write: (bytes: Uint8Array) => number, bytes: Uint8Array): void {
   for (let done = 0; done < bytes.length;) {
@@ -610,10 +570,7 @@ function writeWaiting(write: (bytes: Uint8Array) => number, bytes: Uint8Array): 
   }
 }
 
-/**
- * Waits for what stderr has not taken yet, before an exit that would drop it (a wake text whose messages are already
- * marked shown): 30 s at most, for a host that never reads it.
- */
+/** Waits (30 s at most) for what stderr has not taken yet, before an exit would drop it (a wake text marked shown). */
 async function flushStderr(): Promise<void> {
   if (stderrSink) await Promise.race([Promise.resolve(stderrSink.flush()).catch(() => {}), sleep(30_000)]);
 }
@@ -622,12 +579,10 @@ async function flushStderr(): Promise<void> {
 function readStdinText(onText: (text: string) => void, onEnd: () => void): void {
   const utf8 = new TextDecoder();
   if (runtimeHost.Bun) {
-    const reader = runtimeHost.Bun.stdin.stream().getReader();
+    const stdin = runtimeHost.Bun.stdin.stream();
     return void (async () => {
       try {
-        for (let r = await reader.read(); !r.done; r = await reader.read()) {
-          onText(utf8.decode(r.value, { stream: true }));
-        }
+        for await (const chunk of stdin) onText(utf8.decode(chunk, { stream: true }));
       } catch (e) {
         logWarn(`stdin failed: ${errorText(e)}; taken as its end`);
       }
@@ -647,25 +602,20 @@ function readStdinText(onText: (text: string) => void, onEnd: () => void): void 
   next();
 }
 
-/** Writes to stdout, resolving once it is written (a full pipe is waited out); rejects once stdout is gone. */
-async function writeStdout(text: string): Promise<void> {
-  const bytes = Buffer.from(text);
-  for (let done = 0; done < bytes.length;) done += await writeSomeStdout(bytes.subarray(done));
-}
-
 /**
- * One write(2) to stdout: the bytes it took, or 0 after a pause when a non-blocking pipe is full. Under Deno through
- * its own stdout, off the event loop: node:fs's write to a full pipe holds Deno's whole loop (no timer, no mail).
+ * Writes to stdout; resolves once written (a full pipe waited out), rejects once stdout is gone. Under Deno, off the
+ * event loop: node:fs's write to a full pipe holds Deno's whole loop (no timer, no mail).
  */
-function writeSomeStdout(bytes: Uint8Array): Promise<number> {
+async function writeStdout(text: string): Promise<void> {
+  const bytes = Buffer.from(text), deno = runtimeHost.Deno;
   const full = () => sleep(10).then(() => 0);
-  const deno = runtimeHost.Deno;
-  if (deno) {
-    return deno.stdout.write(bytes).catch((e) => ((e as Error).name === "WouldBlock" ? full() : Promise.reject(e)));
-  }
-  return new Promise((resolve, reject) =>
-    fs.write(1, bytes, (e, n) => (e?.code === "EAGAIN" ? resolve(full()) : e ? reject(e) : resolve(n)))
-  );
+  const writeSome = (b: Uint8Array): Promise<number> =>
+    deno
+      ? deno.stdout.write(b).catch((e) => ((e as Error).name === "WouldBlock" ? full() : Promise.reject(e)))
+      : new Promise((resolve, reject) =>
+        fs.write(1, b, (e, n) => (e?.code === "EAGAIN" ? resolve(full()) : e ? reject(e) : resolve(n)))
+      );
+  for (let done = 0; done < bytes.length;) done += await writeSome(bytes.subarray(done));
 }
 
 /** "bun 1.4.5" or "deno 2.9.6": the runtime running this file. */
@@ -680,10 +630,7 @@ const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms
 /** This file as a path, or as the URL Deno runs it from (`deno run -A https://…`): children it starts run the same. */
 const thisScript = (): string => (import.meta.url.startsWith("file:") ? import.meta.filename! : import.meta.url);
 
-/**
- * What a copy of interlink.ts alone says when something needs `file`, which sits beside interlink.ts in its repository:
- * `what` needs it, and what works `without` it.
- */
+/** What a lone interlink.ts says when `what` needs `file`, beside it in its repository, and what works `without` it. */
 function missingFile(what: string, file: string, where: string, without: string): string {
   return `${what}: it is ${file} in interlink's repository, beside interlink.ts. Clone the repository, or fetch ` +
     `that file to ${where}, to use it; ${without}.`;
@@ -795,12 +742,10 @@ function orWhy<T extends object>(f: () => T): T | string {
 }
 
 function errorText(e: unknown): string {
-  if (e instanceof Error) {
-    if (e.name === "TimeoutError") return "timed out";
-    const cause = (e as { cause?: { code?: string } }).cause;
-    return cause?.code ? `${e.message} (${cause.code})` : e.message;
-  }
-  return String(e);
+  if (!(e instanceof Error)) return String(e);
+  if (e.name === "TimeoutError") return "timed out";
+  const cause = (e as { cause?: { code?: string } }).cause;
+  return cause?.code ? `${e.message} (${cause.code})` : e.message;
 }
 
 const isoTime = (ms: number): string => new Date(ms).toISOString().replace(/\.\d{3}Z$/, "Z");
@@ -827,9 +772,7 @@ function b64urlDecode(text: unknown, byteLength: number, what: string): Bytes {
     throw new FormatError(`${what} is not ${byteLength} bytes of unpadded base64url`);
   }
   const bytes = new Uint8Array(Buffer.from(text, "base64url"));
-  if (bytes.length !== byteLength || b64urlEncode(bytes) !== text) {
-    throw new FormatError(`${what} is not canonical base64url`);
-  }
+  if (b64urlEncode(bytes) !== text) throw new FormatError(`${what} is not canonical base64url`);
   return bytes;
 }
 
@@ -896,36 +839,28 @@ function announcementBytes(a: Omit<Announcement, "sig" | "age_ms">): Bytes {
 }
 
 /** A legacy node's 0.4 layout, which no 0.8 announcement can match. */
-function legacyAnnouncementBytes(a: Omit<Announcement, "sig" | "age_ms" | "session">): Bytes {
-  return signedBytes(ANNOUNCE_DOMAIN, [decodeKey(a.pubkey, "pubkey"), ...lengthPrefixed(a.name), u64le(a.ts)]);
-}
+const legacyAnnouncementBytes = (a: Omit<Announcement, "sig" | "age_ms" | "session">): Bytes =>
+  signedBytes(ANNOUNCE_DOMAIN, [decodeKey(a.pubkey, "pubkey"), ...lengthPrefixed(a.name), u64le(a.ts)]);
 
-/**
- * Signed by the route's key (its part before any `#`); layouts in docs/wire.md. The route keeps a proof for one
- * session from opening another's; ts bounds how long a captured proof is worth anything.
- */
-function recvProofBytes(route: string, ts: number): Bytes {
-  return signedBytes(RECV_DOMAIN, [...lengthPrefixed(route), u64le(ts)]);
-}
+/** A recv or ack proof, by the route's key: it opens that route alone (no sibling's), and only near `ts`. */
+const recvProofBytes = (route: string, ts: number): Bytes =>
+  signedBytes(RECV_DOMAIN, [...lengthPrefixed(route), u64le(ts)]);
 
 /** Signs an unregister: only the key that announced a session can take it off a bus's roster. */
-function unregisterBytes(u: { pubkey: string; session_id: string; ts: number }): Bytes {
-  return signedBytes(UNREGISTER_DOMAIN, [decodeKey(u.pubkey, "pubkey"), ...lengthPrefixed(u.session_id), u64le(u.ts)]);
-}
+const unregisterBytes = (u: { pubkey: string; session_id: string; ts: number }): Bytes =>
+  signedBytes(UNREGISTER_DOMAIN, [decodeKey(u.pubkey, "pubkey"), ...lengthPrefixed(u.session_id), u64le(u.ts)]);
 
 /** An invite's one-time secret: 128 bits, beyond guessing within any invite's lifetime. */
 const INVITE_SECRET_BYTES = 16;
 
 /**
- * The bytes an invite proof covers, an HMAC-SHA256 under the invite's one-time secret. The joiner's knock carries it
- * in its signed in_reply_to, `invite:<id hex>:<base64url mac>`; the secret travels only in the code, out of band.
- * Each part blocks an attack:
+ * The bytes an invite proof covers (HMAC-SHA256 under the invite's one-time secret, which travels only in the code),
+ * carried in the knock's signed in_reply_to as `invite:<id hex>:<base64url mac>`. Each part blocks an attack:
  *   - the id: a proof for one invite spent on another;
  *   - the inviter's key: a proof carried to another node;
  *   - the joiner's key: a relay that sees the proof re-signing the knock with its own key (the signature binds the
  *     request to its signer; the proof binds the secret holder's choice of key, which needs the secret to change);
- *   - the msg_id: a proof lifted into another request (a copy of the same request is a replay, and the invite is
- *     used by then).
+ *   - the msg_id: a proof lifted into another request (a copy of the same request is a replay, the invite used).
  */
 function inviteProofBytes(id: Uint8Array, inviter: string, joiner: string, msgId: string): Bytes {
   return signedBytes(INVITE_DOMAIN, [
@@ -961,7 +896,6 @@ function parseInviteProof(inReplyTo: string | undefined): { id: string; mac: Byt
  *   - msg_id, task_id: a chain lifted onto another message or task of the same sender (a relay that saw one);
  *   - parent, requester, owner, depth, keys: a relay rewriting the lineage (a shorter chain to slip under a limit, a
  *     longer one or the recipient's own key to have a request refused in the recipient's name, another owner).
- * A relay can still strip the chain, as it can drop the message: the request is then a root task.
  */
 function chainBytes(m: { from: string; to: string; msg_id: string; task_id: string }, c: Omit<Chain, "sig">): Bytes {
   return signedBytes(CHAIN_DOMAIN, [
@@ -982,8 +916,7 @@ async function signChain(id: Identity, msg: SignedMessage, c: Omit<Chain, "sig">
   return { ...c, sig: await id.sign(chainBytes({ ...msg, task_id: msg.task_id }, c)) };
 }
 
-// Curve constants (RFC 8032 §5.1): the field's prime p and L, the order of the prime subgroup (a signature's S must
-// be below it).
+// Curve constants (RFC 8032 §5.1): the field's prime p; L, the prime subgroup's order (a signature's S is below it).
 const P = 2n ** 255n - 19n;
 const L = 2n ** 252n + 27742317777372353535851937790883648493n;
 
@@ -1016,19 +949,6 @@ const verifyingKeys = new BoundedMap<string, KeyObject | string>(KEY_CACHE_CAP);
 /** An Ed25519 public key's SubjectPublicKeyInfo (RFC 8410), less the 32 key bytes that follow. */
 const ED25519_SPKI = Buffer.from("302a300506032b6570032100", "hex");
 
-/** The key object for `publicKey`, or why it cannot verify anything (checked once per key, then cached). */
-function verifyingKey(publicKey: string): KeyObject | string {
-  let key = verifyingKeys.get(publicKey);
-  if (key === undefined) {
-    const raw = orWhy(() => decodeKey(publicKey, "public key"));
-    if (typeof raw === "string") return raw;
-    if (hasSmallOrder(raw)) return "public key is a small-order point";
-    key = orWhy(() => createPublicKey({ key: Buffer.concat([ED25519_SPKI, raw]), format: "der", type: "spki" }));
-    verifyingKeys.set(publicKey, key = typeof key === "string" ? "public key is not a valid Ed25519 point" : key);
-  }
-  return key;
-}
-
 /** Whether a signature's S (its last 32 bytes, little-endian) is below L; L's top byte is 0x10. */
 const isReduced = (s: Uint8Array): boolean => s[31] !== 0x10 ? s[31] < 0x10 : littleEndianToBigInt(s) < L;
 
@@ -1037,7 +957,14 @@ const isReduced = (s: Uint8Array): boolean => s[31] !== 0x10 ? s[31] < 0x10 : li
  * verify, which both runtimes ship: 40 % less CPU than WebCrypto's on this runtime's bus (docs/performance.md).
  */
 function verifyDetached(publicKey: string, signature: string, signed: Bytes): string | null {
-  const key = verifyingKey(publicKey);
+  let key = verifyingKeys.get(publicKey);
+  if (key === undefined) { // checked once per key, then cached (the key object, or why it cannot verify anything)
+    const raw = orWhy(() => decodeKey(publicKey, "public key"));
+    if (typeof raw === "string") return raw;
+    if (hasSmallOrder(raw)) return "public key is a small-order point";
+    key = orWhy(() => createPublicKey({ key: Buffer.concat([ED25519_SPKI, raw]), format: "der", type: "spki" }));
+    verifyingKeys.set(publicKey, key = typeof key === "string" ? "public key is not a valid Ed25519 point" : key);
+  }
   if (typeof key === "string") return key;
   const sig = orWhy(() => b64urlDecode(signature, 64, "signature"));
   if (typeof sig === "string") return sig;
@@ -1060,10 +987,8 @@ const verifyMessage = (m: SignedMessage): string | null => verifyDetached(m.from
 function checkAnnouncement(a: Announcement): { layout: "0.8" | "0.4" } | { error: string } {
   const v08 = verifyDetached(a.pubkey, a.sig, announcementBytes(a));
   if (v08 === null) return { layout: "0.8" };
-  if (a.session === undefined && (verifyDetached(a.pubkey, a.sig, legacyAnnouncementBytes(a))) === null) {
-    return { layout: "0.4" };
-  }
-  return { error: v08 };
+  const legacy = a.session === undefined && verifyDetached(a.pubkey, a.sig, legacyAnnouncementBytes(a)) === null;
+  return legacy ? { layout: "0.4" } : { error: v08 };
 }
 
 const verifyAnnouncement = (a: Announcement): string | null => {
@@ -1140,15 +1065,9 @@ async function identityFromSeed(seed: Uint8Array): Promise<Identity> {
 const newMsgId = (): string => Buffer.from(crypto.getRandomValues(new Uint8Array(16))).toString("hex");
 
 /** The fields a sender chooses; `from`, `ts`, `msg_id` and `sig` are filled in by signMessage. */
-interface Draft {
-  to: string;
-  text: string;
-  kind?: Kind;
-  task_id?: string;
-  status?: TaskStatus;
-  in_reply_to?: string;
-  msg_id?: string;
-}
+type Draft =
+  & Pick<SignedMessage, "to" | "text">
+  & Partial<Pick<SignedMessage, "kind" | "task_id" | "status" | "in_reply_to" | "msg_id">>;
 
 async function signMessage(id: Identity, draft: Draft, nowMs: number): Promise<SignedMessage> {
   const { to, text, msg_id = newMsgId(), kind = "message", task_id, status, in_reply_to } = draft;
@@ -1176,10 +1095,8 @@ async function readIdentity(file: string): Promise<Identity> {
     );
   }
   const seed = orWhy(() => b64urlDecode(text.trim(), 32, "seed"));
-  if (typeof seed === "string") {
-    throw new InterlinkError(`Key file ${file} does not hold a base64url Ed25519 seed: ${seed}`);
-  }
-  return await identityFromSeed(seed);
+  if (typeof seed !== "string") return await identityFromSeed(seed);
+  throw new InterlinkError(`Key file ${file} does not hold a base64url Ed25519 seed: ${seed}`);
 }
 
 /** Creates a key file with mode 0600 in the same step (no window where it is readable by others). */
@@ -1220,12 +1137,10 @@ function optionalField(o: Record<string, unknown>, name: string): string | undef
   return v;
 }
 
-function timestamp(o: Record<string, unknown>, name: string): number {
+function timestamp(o: Record<string, unknown>, name: string, unit = " of unix milliseconds"): number {
   const v = o[name];
-  if (typeof v !== "number" || !Number.isSafeInteger(v) || v < 0) {
-    throw new FormatError(`"${name}" is not a non-negative integer of unix milliseconds`);
-  }
-  return v;
+  if (typeof v === "number" && Number.isSafeInteger(v) && v >= 0) return v;
+  throw new FormatError(`"${name}" is not a non-negative integer${unit}`);
 }
 
 const isTaskStatus = (v: unknown): v is TaskStatus => (STATUSES as readonly unknown[]).includes(v);
@@ -1280,12 +1195,7 @@ function parseAnnouncement(value: unknown): Announcement {
     const [cwd, git_root, summary] = ["cwd", "git_root", "summary"].map((k) => (s[k] === undefined ? "" : field(s, k)));
     a.session = { session_id, cwd, git_root, summary };
   }
-  if (value.age_ms !== undefined && value.age_ms !== null) {
-    if (!Number.isSafeInteger(value.age_ms) || (value.age_ms as number) < 0) {
-      throw new FormatError(`"age_ms" is not a non-negative integer`);
-    }
-    a.age_ms = value.age_ms as number;
-  }
+  if (value.age_ms !== undefined && value.age_ms !== null) a.age_ms = timestamp(value, "age_ms", "");
   return a;
 }
 
@@ -1309,10 +1219,9 @@ const sealedData = (m: Omit<SignedMessage, "sig">): Bytes =>
   ]);
 
 /**
- * One message's AES-256-GCM key, nonce and data, from X25519 of `secret` and the other side's `pub`, then HKDF-SHA-256
- * (salt: the ephemeral key ‖ the recipient's; info: SEAL_DOMAIN): new for each message (a retry of one seals the same
- * bytes again: never two texts under one key and nonce). A `pub` of small order (RFC 7748 §7) gives an all-zero
- * secret, known to anyone, which WebCrypto (Bun, Deno) refuses.
+ * One message's AES-256-GCM key, nonce and data, from X25519 of `secret` and the other side's `pub`, then HKDF-SHA-256:
+ * new for each message (a retry of one seals the same bytes again: never two texts under one key and nonce). A `pub` of
+ * small order (RFC 7748 §7) gives an all-zero secret, known to anyone, which WebCrypto (Bun, Deno) refuses.
  */
 async function sealKeys(secret: CryptoKey, pub: Bytes, eph: Bytes, m: Omit<SignedMessage, "sig">) {
   if (littleEndianToBigInt(pub) >= P) throw new FormatError("its ephemeral key is not a canonical X25519 point");
@@ -1330,10 +1239,9 @@ async function sealKeys(secret: CryptoKey, pub: Bytes, eph: Bytes, m: Omit<Signe
 }
 
 /**
- * Seals `msg` (signed, kind "message") and its chain to its recipient, as a signed message of kind "sealed" with the
- * same from, to, ts and msg_id (layout: docs/wire.md; `ephemeral` is fixed only for test vectors). Each part blocks an
- * attack: the outer signature, a relay altering the box; the associated data, a box moved to another message or
- * recipient; the inner signature, over a `to` it names, a peer that opened a message passing it on to a third node.
+ * Seals `msg` and its chain to its recipient: a signed "sealed" message, same from, to, ts, msg_id (docs/wire.md;
+ * `ephemeral`: test vectors only). The outer signature blocks a relay altering the box; the associated data, a box
+ * moved to another message or recipient; the inner signature (over its `to`), a peer passing an opened message on.
  */
 async function sealMessage(id: Identity, msg: SignedMessage, chain?: Chain, ephemeral?: Uint8Array) {
   const rcpt = x25519Public(msg.to);
@@ -1392,10 +1300,9 @@ async function openSealed(
 // ============================================================================
 
 /**
- * Message ids already admitted, keyed by sender so one peer cannot burn another's ids. An entry older than
- * REPLAY_KEPT_MS is forgotten: the gate refuses its replay, and any copy of it, as stale. Rebuilt at start from the
- * replay files (SeenLog) and the journal, so a replay after a restart is still refused. Entries only a journal holds
- * (`logged` false) go to the replay files before a roll-over or an adoption leaves their records where no start reads.
+ * Message ids admitted, keyed by sender so one peer cannot burn another's ids; one older than REPLAY_KEPT_MS is
+ * forgotten (a replay or copy of it is refused as stale). Rebuilt at start from the replay files (SeenLog) and the
+ * journal; entries only a journal holds (`logged` false) go to the files before a roll-over or an adoption hides them.
  */
 class ReplayMemory {
   #seen = new Map<string, number>(); // "<sender> <msg_id>" → message ts, in admission order
@@ -1445,12 +1352,11 @@ class ReplayMemory {
 
   /**
    * Why a message from `sender` cannot be remembered now, or null. Nothing fresh is forgotten to make room (its replay
-   * would get in). Past `cap` fresh entries, a peer holding its share (cap / peers held) gets "share": the gate
-   * refuses its message for good, so a peer that filled the memory holds off only itself (a relay hands a route's mail
-   * over in order: one left unacked would hold up every sender's behind it). Strangers (`isPeer` false: their knocks)
-   * cost nothing to multiply, so they never count as peers held: together they are one sender, held to the share of
-   * one more peer (cap / (peers held + 1)). Others come in up to twice the cap; past that, "all": every message waits,
-   * unacked, until entries age out. Only looks (the gate is pure).
+   * would get in). Past `cap` fresh entries, a peer holding its share (cap / peers held) gets "share": the gate refuses
+   * its message for good, so a peer that filled the memory holds off only itself (a relay hands a route's mail over in
+   * order: one left unacked would hold up every sender's behind it). Strangers (`isPeer` false) cost nothing to
+   * multiply: together they are one sender, held to the share of one more peer (cap / (peers held + 1)). Others come
+   * in up to twice the cap; past that, "all": every message waits, unacked, until entries age out. Only looks.
    */
   pressure(nowMs: number, sender?: string, isPeer: (key: string) => boolean = () => true): "share" | "all" | null {
     if (this.#seen.size < this.cap) return null;
@@ -1580,8 +1486,7 @@ type ChainCheck = { ok: true; chain: Chain } | { ok: false; why: string };
 /** A chain as JSON says it, or a FormatError naming the first problem (unknown members are ignored). */
 function parseChain(value: unknown): Chain {
   if (!isObject(value)) throw new FormatError("chain is not a JSON object");
-  const parent = field(value, "parent");
-  const bad = idProblem(parent);
+  const parent = field(value, "parent"), bad = idProblem(parent);
   if (bad) throw new FormatError(`"parent" ${bad}`);
   const depth = value.depth;
   if (typeof depth !== "number" || !Number.isSafeInteger(depth) || depth < 2 || depth > CHAIN_KEYS_MAX) {
@@ -1600,10 +1505,8 @@ function parseChain(value: unknown): Chain {
 }
 
 /**
- * Judges the chain a payload carries beside `msg`, a message the gate admitted: null when it has none. It counts only
- * on a message that opens a task, holding together and signed by the sender. A bad chain counts as stripped (a relay
- * that can strip one can garble one): never a reason to refuse the message. Async only for WebCrypto's verify, so the
- * agent runs it before planInbound.
+ * Judges the chain a payload carries beside `msg`, admitted by the gate (null: none). It counts only on a message that
+ * opens a task, whole and signed by its sender; a bad one counts as stripped (a relay can do both), not a refusal.
  */
 function judgeChain(raw: unknown, msg: SignedMessage): ChainCheck | null {
   if (raw === undefined || raw === null) return null;
@@ -1638,13 +1541,11 @@ const chainWords = (keys: readonly string[], name: (key: string) => string): str
 //
 // A complete line that is not a record (a hand edit, a disk fault) is never silent: `quarantineLine` copies it to
 // `<file>.corrupt` with its offset and blanks it in place, so offsets stay valid and `doctor` counts it. A last line
-// without its newline is a write cut short by a crash (or still in flight): it is skipped, and the next writer fences
-// it off.
+// without its newline is a write cut short by a crash (or in flight): it is skipped, and the next writer fences it.
 //
-// fsync policy: `append` returns once the bytes are in the kernel, which is enough to survive the process being killed;
-// `sync` adds an fdatasync shared by every append waiting at that moment (group commit), for what must survive a power
-// cut: the agent syncs before it answers a send or acks an inbound message. Files that are rewritten (a journal's
-// roll-over, peers.json, locks) are replaced whole: temp file, size check, fsync, rename.
+// fsync policy: `append` returns with the bytes in the kernel (safe from a kill); `sync` adds an fdatasync shared by
+// the appends waiting (group commit), for what must survive a power cut: the agent syncs before it answers a send or
+// acks a message. Rewritten files (a journal, peers.json, locks) are replaced whole: temp, size check, fsync, rename.
 
 /** Who holds a session's agent.lock: its MCP server (a newer one of the session takes over), `send`, or a test. */
 const SERVER_ROLE = "interlink mcp";
@@ -1688,10 +1589,7 @@ const indexOfByte = (buf: Uint8Array, byte: number, from: number): number =>
 /** One reusable scan buffer: a re-read of a journal tail allocates nothing (1 MiB, grown only for longer lines). */
 let scanChunk = Buffer.allocUnsafe(1 << 20);
 
-/**
- * Calls `onLine` for each complete line from byte `from`: `buf[start, end)`, without its newline, at `offset` in the
- * file. The buffer is reused: a caller copies what it keeps. Memory is the longest line, not the file.
- */
+/** `onLine` per complete line from byte `from`: `buf[start, end)` at `offset`; `buf` is reused (memory: one line). */
 function scanLines(
   file: string,
   from: number,
@@ -1785,14 +1683,12 @@ const corruptCount = (file: string): number => corruptLines(file).length;
 
 /** Quarantined lines of a journal that look like outbox entries ("out" records): list_pending reports them. */
 function damagedOutbox(file: string): { offset: number; reason: string; msgId?: string }[] {
-  const out: { offset: number; reason: string; msgId?: string }[] = [];
-  for (const line of corruptLines(file)) {
+  return corruptLines(file).flatMap((line) => {
     const q = orElse(() => JSON.parse(line), null); // null: a torn line of the side file itself
-    if (!isObject(q) || typeof q.line !== "string" || !/"t"\s*:\s*"out"/.test(q.line)) continue;
+    if (!isObject(q) || typeof q.line !== "string" || !/"t"\s*:\s*"out"/.test(q.line)) return [];
     const msgId = q.line.match(/"msg_id"\s*:\s*"([^"\\]{1,128})"/)?.[1];
-    out.push({ offset: Number(q.offset), reason: String(q.reason), ...(msgId ? { msgId } : {}) });
-  }
-  return out;
+    return [{ offset: Number(q.offset), reason: String(q.reason), ...some("msgId", msgId) }];
+  });
 }
 
 /** Hands `write` a file's text in pieces, in order. */
@@ -1885,8 +1781,7 @@ class JsonlWriter {
     while (this.#waiters.length) {
       const batch = this.#waiters.splice(0);
       try {
-        const fd = this.#fd;
-        await new Promise<void>((res, rej) => fs.fdatasync(fd, (e) => (e ? rej(e) : res())));
+        await new Promise<void>((res, rej) => fs.fdatasync(this.#fd, (e) => (e ? rej(e) : res())));
         for (const w of batch) w.resolve();
       } catch (e) {
         for (const w of batch) w.reject(storageError(e, this.folder));
@@ -1897,9 +1792,8 @@ class JsonlWriter {
   }
 
   /**
-   * Replaces the file whole with `fill`'s lines (temp, see writeFileDurably, rename) and returns its size.
-   * `beforeRename` runs last before the rename, so nothing can fail after it (appends would then go to the old,
-   * unlinked file). On failure the old file stays in use, whole.
+   * Replaces the file whole with `fill`'s lines (writeFileDurably, rename); returns its size. `beforeRename` runs just
+   * before the rename: nothing may fail after it (appends would go to the unlinked file). On failure the old one stays.
    */
   rewrite(fill: Fill, beforeRename = () => {}): number {
     const tmp = `${this.file}.${process.pid}.tmp`;
@@ -1954,10 +1848,8 @@ function writeFileDurably(file: string, text: string | Uint8Array | Fill): numbe
     }
     fs.fsyncSync(fd);
     const onDisk = fs.fstatSync(fd).size;
-    if (onDisk !== size) {
-      throw Object.assign(new Error(`${file} holds ${onDisk} of ${size} bytes after writing`), { code: "EIO" });
-    }
-    return size;
+    if (onDisk === size) return size;
+    throw Object.assign(new Error(`${file} holds ${onDisk} of ${size} bytes after writing`), { code: "EIO" });
   });
 }
 
@@ -2052,10 +1944,9 @@ const startNow = (pid: number, like: string): string | null => PROC_START_RE.tes
 let ownStart: string | undefined; // this process's start, written in its locks
 
 /**
- * Whether a lock's owner still runs: its pid is alive with the start it recorded, read again the same way. A start
- * that cannot be read counts as held: a lock is never taken on a guess. A `ps` start moves if the clock was set (on
- * Linux), so there a mismatch counts only if the pid runs no interlink now. A lock without a start (an earlier
- * version) is held while its pid's command line is interlink's.
+ * Whether a lock's owner still runs: its pid is alive with the start it recorded; one that cannot be read counts as
+ * held (never taken on a guess). A `ps` start moves if the clock was set (Linux), so there a mismatch counts only if
+ * the pid runs no interlink now; a lock without a start (earlier versions) is held while its pid runs interlink.
  */
 function ownerRuns(owner: LockOwner): boolean {
   if (!pidAlive(owner.pid)) return false;
@@ -2095,10 +1986,9 @@ function lockOwner(file: string): LockOwner | null {
 }
 
 /**
- * A lock file holding its owner's pid. It appears with its content in one step (a temp file hard-linked into place;
- * link() fails if the lock exists), so no reader sees an empty or half-written lock. A dead owner's lock is removed
- * only if it still holds the text judged stale, so one that changed hands meanwhile is left alone (bar the
- * microseconds between that re-read and the unlink). An unreadable lock is respected until LOCK_GRACE_MS old.
+ * A lock file holding its owner's pid, never seen empty or half-written (a temp file is hard-linked into place; link()
+ * fails if it exists). A dead owner's lock is removed only if it still holds the text judged stale: one that changed
+ * hands meanwhile stays (bar microseconds). An unreadable one holds until LOCK_GRACE_MS old.
  */
 class PidLock {
   private constructor(readonly file: string, readonly content: string) {}
@@ -2194,10 +2084,8 @@ function checkPeerKey(key: unknown, what: string): string {
   if (typeof raw === "string") {
     throw new InterlinkError(`${raw} (a public key is 43 base64url characters, as printed by \`interlink.ts id\`)`);
   }
-  if (hasSmallOrder(raw)) {
-    throw new InterlinkError(`${what} is a small-order point, which would accept forged signatures`);
-  }
-  return key as string;
+  if (!hasSmallOrder(raw)) return key as string;
+  throw new InterlinkError(`${what} is a small-order point, which would accept forged signatures`);
 }
 
 /** Validates peers.json text (SPEC "Identity"); errors name the file, the petname and the problem. */
@@ -2337,9 +2225,8 @@ async function removePeer(file: string, who: string): Promise<{ petname: string;
 }
 
 /**
- * What each peer's node last said, signed, of opening sealed messages (a receipt's SEALS_LINE, or a sealed message:
- * never a relay's word), and the ts it said it at: a later word counts, an earlier one a relay held back does not.
- * In the state folder, for all sessions; only peers' (and this node's own), so it is bounded by peers.json.
+ * What each peer's node last said, signed (a receipt's SEALS_LINE or a sealed message, never a relay's word), of
+ * opening seals, and when: an earlier word a relay held back does not count. Only peers' and ours: bounded.
  */
 type SealsSaid = Record<string, { opens: boolean; ts: number }>;
 const sealsFile = (stateDir: string): string => path.join(stateDir, "seals.json");
@@ -2457,25 +2344,22 @@ function foldTask(
   const peerKey = counterpart(dir, msg);
   const side: Side = dir === "out" ? "me" : "peer";
   const key = taskKey(peerKey, msg.task_id);
-  let row = tasks.get(key);
-  if (!row) {
-    const c = hops.chain;
-    row = {
-      task_id: msg.task_id,
-      peer_key: peerKey,
-      requested_by: side,
-      status: null,
-      last_msg_id: "",
-      last_at: 0,
-      awaiting: [],
-      ...(c ? { parent: { task_id: c.parent, requester: c.requester }, owner: c.owner, depth: c.depth } : {}),
-      ...(c ? { chain: [...c.keys] } : {}),
-      closed: false,
-      messages: 0,
-      ...(dir === "in" && msg.status ? { unopened: true as const } : {}),
-    };
-    tasks.set(key, row);
-  }
+  const c = hops.chain;
+  const row: TaskRow = tasks.get(key) ?? {
+    task_id: msg.task_id,
+    peer_key: peerKey,
+    requested_by: side,
+    status: null,
+    last_msg_id: "",
+    last_at: 0,
+    awaiting: [],
+    ...(c ? { parent: { task_id: c.parent, requester: c.requester }, owner: c.owner, depth: c.depth } : {}),
+    ...(c ? { chain: [...c.keys] } : {}),
+    closed: false,
+    messages: 0,
+    ...(dir === "in" && msg.status ? { unopened: true as const } : {}),
+  };
+  tasks.set(key, row);
   row.messages++;
   row.last_msg_id = msg.msg_id;
   if (dir === "out") row.last_out_msg_id = msg.msg_id;
@@ -2545,9 +2429,8 @@ function lifecycleError(tasks: ReadonlyMap<string, TaskRow>, draft: Draft): stri
 // message until its route's reader acks it, at most QUEUE_CAP per route.
 
 /**
- * How deep a JSON text nests and about how many values it holds (objects, arrays and commas: at most twice the
- * values), counted before parsing. Both bound a parse where bytes do not: a deep text takes seconds, and empty
- * objects ("{},{},…") take 30 times their bytes once parsed.
+ * How deep a JSON text nests, and its objects, arrays and commas (at most twice its values), counted before parsing:
+ * both bound a parse where bytes do not (a deep text takes seconds; "{},{},…" takes 30 times its bytes once parsed).
  */
 function jsonShape(text: string): { depth: number; values: number } {
   let depth = 0, max = 0, values = text.length ? 1 : 0, inString = false;
@@ -2591,10 +2474,7 @@ const backoffMs = (failures: number): number => Math.min(BACKOFF_MAX_MS, BACKOFF
 /** Not one relay answered (a roster, say): whatever needed them is judged on what the node remembers. */
 class NoRelayAnswered extends InterlinkError {}
 
-/**
- * A relay refused or failed a request; `permanent`: retrying cannot help (a 4xx, too large); `full`: it keeps no more
- * for that route until its reader reads some (the sender holds that route alone).
- */
+/** A relay refused or failed; `permanent`: a retry cannot help (a 4xx); `full`: that route is full (hold it alone). */
 class RelayError extends Error {
   constructor(message: string, readonly permanent = false, readonly full = false) {
     super(message);
@@ -2623,10 +2503,7 @@ interface Relay {
     timeoutMs: number,
     signal?: AbortSignal,
   ): Promise<void>;
-  /**
-   * Several messages in one request, in order (our bus): per message true (kept), a RelayError, or null (not tried:
-   * one before was refused). Absent or null: send them one by one.
-   */
+  /** Several in one request (our bus): each true (kept), a RelayError or null (not tried); absent or null: singly. */
   sendMany?(items: Routed[], timeoutMs: number, signal?: AbortSignal): Promise<SentMany>;
   /** Calls `back` whenever the relay is reachable again after an outage it noticed (NATS reconnects). */
   onBack?(back: () => void): void;
@@ -2639,8 +2516,7 @@ const isNatsUrl = (url: string): boolean => /^(nats|tls):\/\//i.test(url);
 
 // -- what is read from a relay ------------------------------------------------
 //
-// A relay's answer is read as it streams, never past the most a real one can be (from our bus's bounds): past it a
-// RelayError, and the session's other relays go on.
+// Read as it streams, never past what a real answer can be (our bus's bounds): a RelayError, and other relays go on.
 
 /** Bytes a roster entry adds to the announcement it holds: `,"age_ms":<n>` and a comma, with room. */
 const ROSTER_ENTRY_EXTRA_BYTES = 64;
@@ -2661,8 +2537,6 @@ const RECV_ANSWER_VALUES_MAX = RECV_BATCH * (JSON_VALUES_MAX + 16) + 16;
 const RECV_ONE_MAX_BYTES = 2 * BODY_LIMIT_BYTES + RECV_ENTRY_EXTRA_BYTES + 1024;
 /** A batched POST /send answer: SEND_BATCH results, each a status and at most a sentence of why. */
 const SEND_ANSWER_MAX_BYTES = SEND_BATCH * 1024 + 1024;
-/** Of a refusal's body we quote RELAY_QUOTE_CHARS; reading more is waste. */
-const REFUSAL_READ_BYTES = 4096;
 /** How much of a relay's refusal an error quotes: enough for its sentence, too little to carry a document. */
 const RELAY_QUOTE_CHARS = 200;
 
@@ -2676,29 +2550,19 @@ async function readAnswer(r: Response, capBytes: number, what: string, truncate 
     await r.body?.cancel().catch(() => {});
     throw new OversizedAnswer(over);
   }
-  if (!r.body) return "";
-  const reader = r.body.getReader();
   const chunks: Uint8Array[] = [];
   let size = 0;
-  try {
-    for (;;) {
-      const { done, value } = await reader.read();
-      if (done) break;
-      if (size + value.length > capBytes && !truncate) throw new OversizedAnswer(over);
-      chunks.push(value.subarray(0, capBytes - size));
-      size = Math.min(capBytes, size + value.length);
-      if (size === capBytes && truncate) break;
-    }
-  } finally {
-    reader.cancel().catch(() => {}); // the rest is never read: the connection closes (done: a no-op)
+  // Leaving the loop early (a throw, a break) cancels the body: the rest is never read, and the connection closes.
+  for await (const value of r.body ?? []) {
+    if (size + value.length > capBytes && !truncate) throw new OversizedAnswer(over);
+    chunks.push(value.subarray(0, capBytes - size));
+    size = Math.min(capBytes, size + value.length);
+    if (size === capBytes && truncate) break;
   }
   return new TextDecoder().decode(Buffer.concat(chunks, size));
 }
 
-/**
- * A relay's answer as JSON, else a RelayError quoting none of it. Past `maxValues` an OversizedAnswer, unparsed (bytes
- * alone do not bound a parse: 24 MiB of empty objects took a session to 3 GB).
- */
+/** A relay's answer as JSON (a RelayError quotes none); past `maxValues` unparsed: 24 MiB of `{}` took 3 GB parsed. */
 async function readJsonAnswer(r: Response, capBytes: number, what: string, maxValues = Infinity): Promise<unknown> {
   const text = await readAnswer(r, capBytes, what);
   if (maxValues < Infinity && jsonShape(text).values > maxValues) {
@@ -2715,15 +2579,12 @@ async function readJsonAnswer(r: Response, capBytes: number, what: string, maxVa
 
 /** "<status> <its words>" of a refusal, as an error quotes it: RELAY_QUOTE_CHARS at most, escaped (escapePeerText). */
 async function refusalOf(r: Response): Promise<string> {
-  const text = await readAnswer(r, REFUSAL_READ_BYTES, "", true).catch(() => "");
+  const text = await readAnswer(r, 4 * RELAY_QUOTE_CHARS, "", true).catch(() => ""); // enough bytes for the quote
   return `${r.status} ${escapePeerText(text.slice(0, RELAY_QUOTE_CHARS), true)}`.trimEnd();
 }
 
-/** A URL for display: user, password and token replaced by "***". */
-function redactUrl(url: string): string {
-  // Up to the last @ before the path (a password may hold an @ itself), with or without a scheme.
-  return url.replace(/^([a-z]+:\/*)?[^/\s]*@/i, "$1***@");
-}
+/** A URL for display: user, password and token (up to the last @ before the path: a password may hold one) as "***". */
+const redactUrl = (url: string): string => url.replace(/^([a-z]+:\/*)?[^/\s]*@/i, "$1***@");
 
 /** A bus over HTTP (SPEC "Bus HTTP API"), with our ownership proofs as extra fields a reference bus ignores. */
 class HttpRelay implements Relay {
@@ -2846,21 +2707,17 @@ class HttpRelay implements Relay {
   }
 
   async unregister(u: object, timeoutMs: number, signal?: AbortSignal): Promise<void> {
-    const r = await postJson(`${this.url}/unregister`, u, timeoutMs, signal);
-    await r.body?.cancel();
+    await (await postJson(`${this.url}/unregister`, u, timeoutMs, signal)).body?.cancel();
   }
 
-  close(): Promise<void> {
-    return Promise.resolve();
-  }
+  async close(): Promise<void> {}
 }
 
 // -- NATS JetStream: nats.ts, loaded at its first use -------------------------
 //
-// NATS JetStream as the relay (docs/nats.md) is nats.ts beside this file, which loads the NATS client packages: a node
-// loads neither unless a nats:// or tls:// URL is configured. A copy of interlink.ts alone given such a URL runs on:
-// that relay fails every call with what to fetch and where, as a relay that does not answer, so what waits for it
-// stays in the outbox (and goes once the file is there: each retry looks again).
+// NATS JetStream as the relay (docs/nats.md) is nats.ts beside this file, loaded (with the NATS client packages) only
+// for a nats:// or tls:// URL. A lone interlink.ts given such a URL runs on: that relay fails every call with what to
+// fetch and where, like one that is down, so what waits for it stays in the outbox (each retry looks again).
 
 /** Signs bytes with the node's key (NATS names its consumers so). */
 type Sign = (data: Bytes) => Promise<string>;
@@ -2897,7 +2754,6 @@ class NatsRelayBeside implements Relay {
     return this.#relay;
   }
 
-  // nats.ts's relay's own calls, once it is loaded.
   send: Relay["send"] = (route, payload, timeoutMs) => this.#load().then((r) => r.send(route, payload, timeoutMs));
   recv: Relay["recv"] = (route, signal, waitMs) => this.#load().then((r) => r.recv(route, signal, waitMs));
   announce: Relay["announce"] = (a) => this.#load().then((r) => r.announce(a));
@@ -2935,17 +2791,13 @@ function openRelay(url: string, proof?: (route: string) => Promise<string>, sign
 // The agent holding agent.lock is the only sender; the CLI may append "out" records for it.
 
 /**
- * How admitted messages reach the model, each by one path: "inbox" (default): check_inbox, or the Stop hook (`wait`)
- * wakes an idle session with them; "channel": pushed as channel events, which only a session launched with the
- * development-channels flag shows, so opt-in (`interlink.ts claude`). "both" (0.4.0's default) reads as channel.
+ * How admitted messages reach the model: "inbox" (default), by check_inbox or the Stop hook (`wait`); "channel", as
+ * channel events, shown only with the development-channels flag (`interlink.ts claude`); "both" (0.4.0) is channel.
  */
 const DELIVERY_MODES = ["inbox", "channel"] as const;
 type Delivery = (typeof DELIVERY_MODES)[number];
 
-/**
- * The program a session runs in. Claude Code is woken by its Stop hook (`wait`) or channel events; Codex CLI by a turn
- * queued into its thread (CodexWaker), whose id it tells the server only once the session starts (bind_session).
- */
+/** The program a session runs in: Claude Code, woken by its Stop hook or channel events, or Codex CLI (CodexWaker). */
 const HOSTS = ["claude", "codex"] as const;
 type Host = (typeof HOSTS)[number];
 
@@ -3070,10 +2922,9 @@ interface ReceiptLine {
 // Delivery receipts
 // ============================================================================
 //
-// A receiving node reports, signed, to the sending session each state a message reaches: "delivered" (admitted and
-// journaled in session S), "shown" (to the model), "refused" (the gate's reason; for a peer only, never a stranger),
-// if asked (an unsigned `"receipts": true` beside `reply_to`; a reference node asks for none). A receipt is a v2
-// message of kind "receipt", in_reply_to the first reported msg_id, one line per report:
+// A receiving node reports, signed, to the sending session each state a message reaches, if asked (docs/wire.md):
+// "delivered" (journaled in session S), "shown" (to the model), "refused" (why). A receipt is a v2 message of kind
+// "receipt", in_reply_to the first reported msg_id, one line per report:
 //   delivered|shown <msg_id> <unix ms> <session>
 //   refused <msg_id> <unix ms> <reason>[ <ms the message's ts was ahead of our clock>]
 // Receipts are never receipted; those for a session that said goodbye wait until it is back. What is owed is folded
@@ -3089,17 +2940,15 @@ function receiptText(lines: ReceiptLine[]): string {
 
 /** The well-formed lines of a receipt's text; others (a newer version's) are skipped. */
 function parseReceipt(text: string): ReceiptLine[] {
-  const lines: ReceiptLine[] = [];
-  for (const line of text.split("\n").slice(0, RECEIPT_LINES_MAX)) {
+  return text.split("\n").slice(0, RECEIPT_LINES_MAX).flatMap((line): ReceiptLine[] => {
     const [state, msg_id = "", at = "", a = "", b, ...more] = line.split(" ");
-    if (more.length || !PLAIN_ID_RE.test(msg_id) || !/^\d{1,15}$/.test(at)) continue;
+    if (more.length || !PLAIN_ID_RE.test(msg_id) || !/^\d{1,15}$/.test(at)) return [];
     if ((state === "delivered" || state === "shown") && SESSION_RE.test(a) && b === undefined) {
-      lines.push({ state, msg_id, at: Number(at), session: a });
-    } else if (state === "refused" && isRefusal(a) && (b === undefined || /^-?\d{1,15}$/.test(b))) {
-      lines.push({ state, msg_id, at: Number(at), reason: a, ...(b === undefined ? {} : { skew_ms: Number(b) }) });
+      return [{ state, msg_id, at: Number(at), session: a }];
     }
-  }
-  return lines;
+    if (state !== "refused" || !isRefusal(a) || (b !== undefined && !/^-?\d{1,15}$/.test(b))) return [];
+    return [{ state, msg_id, at: Number(at), reason: a, ...(b === undefined ? {} : { skew_ms: Number(b) }) }];
+  });
 }
 
 const isInviteRefusal = (r: unknown): r is InviteRefusal => (INVITE_REFUSALS as readonly unknown[]).includes(r);
