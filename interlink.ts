@@ -7896,6 +7896,8 @@ const option = (
   help: string,
   more?: Partial<OptionSpec>,
 ): OptionSpec => ({ type: "string", arg, ...some("env", env), ...some("default", dflt), help, ...more });
+/** A string option with no env twin and no default. */
+const plain = (arg: string, help: string): OptionSpec => ({ type: "string", arg, help });
 
 const OPT = {
   key: option("PATH", "INTERLINK_KEY", () => path.join(configDir(), "id.key"), "this node's secret key file"),
@@ -8020,12 +8022,12 @@ function parseBusUrls(text: string): string[] {
 /** --session (or --inbox), else CLAUDE_CODE_SESSION_ID (the id the session's hooks get too), else 8 random hex. */
 function chooseSession(pinned: string | undefined): string {
   const given = pinned?.trim();
-  if (given && !SESSION_RE.test(given)) {
+  if (given) {
+    if (SESSION_RE.test(given)) return given;
     throw new InterlinkError(
       `session id '${given}' must be 1-128 letters, digits, . _ - (INTERLINK_SESSION / --session)`,
     );
   }
-  if (given) return given;
   const claude = process.env.CLAUDE_CODE_SESSION_ID?.trim();
   if (claude && SESSION_RE.test(claude)) return claude;
   return Buffer.from(crypto.getRandomValues(new Uint8Array(4))).toString("hex");
@@ -8033,15 +8035,10 @@ function chooseSession(pinned: string | undefined): string {
 
 function listSessions(root: string): { id: string; dir: string; info: Partial<SessionInfo>; live: LockOwner | null }[] {
   return sessionIds(root).map((id) => {
-    const dir = sessionDir(root, id);
-    let info: Partial<SessionInfo> = {};
-    try {
-      info = JSON.parse(fs.readFileSync(path.join(dir, "session.json"), "utf8"));
-    } catch {
-      // a session from before session.json, or one that never started
-    }
-    const owner = lockOwner(path.join(dir, "agent.lock"));
-    return { id, dir, info, live: owner?.role === SERVER_ROLE ? owner : null };
+    const dir = sessionDir(root, id), owner = lockOwner(path.join(dir, "agent.lock"));
+    // None: a session from before session.json, or one that never started.
+    const info = orWhy((): Partial<SessionInfo> => JSON.parse(fs.readFileSync(path.join(dir, "session.json"), "utf8")));
+    return { id, dir, info: typeof info === "string" ? {} : info, live: owner?.role === SERVER_ROLE ? owner : null };
   });
 }
 
@@ -8329,13 +8326,13 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
         waker.start();
       }
       // A task's session that `serve` lent this host: announced as such, and handed back to serve without goodbyes.
-      if (lent) a.info.summary = `${SERVE_TASK}${lent}`;
       // Its host is shown its task's mail from the requester and its own sub-tasks'; the rest waits, unread, for the
       // node's next session (which adopts it once this one ended), not for a model under another peer's profile.
-      // "<task id, its first 120 characters> for <petname>": a task id may hold " for ", a petname no space.
-      const at = lent?.lastIndexOf(" for ") ?? -1, task = lent?.slice(0, at), name = lent?.slice(at + 5) ?? "";
-      const key = a.peers().byName.get(name) ?? name;
       if (lent) {
+        a.info.summary = `${SERVE_TASK}${lent}`;
+        // "<task id, its first 120 characters> for <petname>": a task id may hold " for ", a petname no space.
+        const at = lent.lastIndexOf(" for "), task = lent.slice(0, at), name = lent.slice(at + 5);
+        const key = a.peers().byName.get(name) ?? name;
         a.shows = (i) =>
           i.kind === "message" && ((i.msg.from === key && i.msg.task_id?.slice(0, 120) === task) ||
             a.state.tasks.get(taskKey(i.msg.from, i.msg.task_id ?? ""))?.requested_by === "me");
@@ -8559,12 +8556,8 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
   if (!lines.length) print(o.open ? "no open tasks" : "no tasks yet");
   for (const l of lines.sort((x, y) => x.at - y.at)) print(l.text);
   // The executors `serve` runs and holds (executor.ts replaces executors.json whole): denials are this operator's.
-  let jobs: Record<string, string | number | string[] | undefined>[] = [];
-  try {
-    jobs = JSON.parse(fs.readFileSync(path.join(cfg.stateDir, "executors.json"), "utf8"));
-  } catch {
-    // no serve running here, or one starting
-  }
+  // None: no serve running here, or one starting.
+  const jobs = orWhy(() => JSON.parse(fs.readFileSync(path.join(cfg.stateDir, "executors.json"), "utf8")));
   for (const x of Array.isArray(jobs) ? jobs : []) {
     const at = typeof x.started === "number" ? `started ${new Date(x.started).toISOString()}` : "not started";
     const denied = Array.isArray(x.denials) ? x.denials : [];
@@ -8579,27 +8572,26 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
 async function runPeers(o: Options, pos: string[]): Promise<number> {
   const file = o.peers as string;
   const [verb = "list", ...rest] = pos;
+  // seal and exec: one field of the peer's entry set, or removed (undefined); the petname it is filed under.
+  const setField = (field: string, value: unknown) =>
+    editPeers(file, (raw, peers) => {
+      const { petname } = resolvePeer(peers, rest[0]), entry = raw[petname] as Record<string, unknown>;
+      if (value === undefined) delete entry[field];
+      else entry[field] = value;
+      return petname;
+    });
   if (verb === "list" && rest.length === 0) {
     const peers = loadPeers(file);
     if (!peers.byName.size) print(`no peers in ${file}`);
     for (const [name, key] of peers.byName) {
       const exec = peers.exec?.get(key), seal = peers.sealRequired?.has(key) ? "  seal required" : "";
-      print(
-        `${name.padEnd(16)} ${fingerprint(key)}  ${key}${seal}${
-          exec ? `\n${"".padEnd(16)} ${describeProfile(exec)}` : ""
-        }`,
-      );
+      print(`${name.padEnd(16)} ${fingerprint(key)}  ${key}${seal}`);
+      if (exec) print(`${"".padEnd(16)} ${describeProfile(exec)}`);
     }
     return 0;
   }
   if (verb === "seal" && rest.length === 1) {
-    const required = o.required === true,
-      { petname } = await editPeers(file, (raw, peers) => {
-        const found = resolvePeer(peers, rest[0]), entry = raw[found.petname] as Record<string, unknown>;
-        if (required) entry.seal = "required";
-        else delete entry.seal;
-        return found;
-      });
+    const required = o.required === true, petname = await setField("seal", required ? "required" : undefined);
     print(
       required
         ? `'${petname}' is sent nothing in the clear from now on: a message its node cannot open is refused, saying why`
@@ -8629,29 +8621,18 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
     const profile = o.off === true ? null : checkExecProfile(
       JSON.parse(JSON.stringify({ ...given, max_usd: num("max-usd"), max_minutes: num("max-minutes") })),
     );
-    const petname = await editPeers(file, (raw, peers) => {
-      const { petname } = resolvePeer(peers, rest[0]), entry = raw[petname] as Record<string, unknown>;
-      if (profile) entry.exec = profile;
-      else delete entry.exec;
-      return petname;
-    });
+    const petname = await setField("exec", profile ?? undefined);
     print(`${petname}: ${profile ? describeProfile(profile) : "no executor (its tasks wait for a session)"}`);
     return 0;
   }
-  throw new InterlinkError(
-    `usage: peers [list | add PETNAME KEY | remove PETNAME | seal PETNAME [--required] | exec PETNAME --host H --cwd DIR]`,
-  );
+  throw new InterlinkError(`usage: peers ${COMMANDS.peers.args}`);
 }
 
 /** A profile in one line, as `peers` prints it. */
 function describeProfile(p: ExecProfile): string {
-  const limits = [
-    p.max_turns && `${p.max_turns} turns`,
-    p.max_usd && `$${p.max_usd}`,
-    p.max_minutes && `${p.max_minutes} min`,
-  ];
+  const { max_turns: turns, max_usd: usd, max_minutes: min } = p;
+  const at = [turns && `${turns} turns`, usd && `$${usd}`, min && `${min} min`].filter(Boolean).join(", ");
   const allow = p.allow?.length ? `, allow ${p.allow.join(",")}` : ", allow nothing beyond interlink";
-  const at = limits.filter(Boolean).join(", ");
   return `exec ${p.host} in ${p.cwd}, mode ${p.mode ?? "(never prompts)"}${allow}${at ? `, at most ${at}` : ""}`;
 }
 
@@ -8757,8 +8738,7 @@ async function runWait(o: Options): Promise<number> {
   const read = orWhy(() => loadPeers(o.peers as string));
   const peers = typeof read === "string" ? EMPTY_PEERS : read;
   // The newest wait on a folder wins: a Stop hook starts one per turn, and the older ones step aside.
-  const pidFile = path.join(dir, "wait.pid");
-  const mine = String(process.pid);
+  const pidFile = path.join(dir, "wait.pid"), mine = String(process.pid);
   writeFileAtomic(pidFile, mine);
   const newest = () => {
     try {
@@ -9425,17 +9405,15 @@ const COMMANDS: Record<string, CommandSpec> = {
       "Uses the same key, peers and state folder as `mcp`. If an agent runs on that folder, it delivers the\nmessage (nothing is sent twice); otherwise this command delivers it, or leaves it queued in the outbox.",
     options: {
       ...NODE_OPTIONS,
-      task: { type: "string", arg: "ID", help: "task_id the message belongs to" },
-      status: { type: "string", arg: "STATUS", help: `task status: ${STATUSES.join(", ")}` },
-      "in-reply-to": { type: "string", arg: "MSG_ID", help: "the msg_id this answers" },
-      channel: { type: "string", arg: "LABEL", help: "the recipient's named inbox" },
-      parent: option(
+      task: plain("ID", "task_id the message belongs to"),
+      status: plain("STATUS", `task status: ${STATUSES.join(", ")}`),
+      "in-reply-to": plain("MSG_ID", "the msg_id this answers"),
+      channel: plain("LABEL", "the recipient's named inbox"),
+      parent: plain(
         "TASK_ID",
-        undefined,
-        undefined,
         "the task a peer asked of this node that this request serves: opens a sub-task (with --task, no --status)",
       ),
-      "parent-peer": option("PEER", undefined, undefined, "who asked for --parent, where several peers used that id"),
+      "parent-peer": plain("PEER", "who asked for --parent, where several peers used that id"),
       "max-depth": OPT["max-depth"],
     },
     run: runSend,
@@ -9444,7 +9422,7 @@ const COMMANDS: Record<string, CommandSpec> = {
     summary: "print this node's conversation log",
     options: {
       ...NODE_OPTIONS,
-      peer: { type: "string", arg: "PETNAME", help: "only messages with this peer" },
+      peer: plain("PETNAME", "only messages with this peer"),
       follow: { type: "boolean", short: "f", help: "keep printing new records" },
     },
     run: runLog,
@@ -9453,7 +9431,7 @@ const COMMANDS: Record<string, CommandSpec> = {
     summary: "print the task table folded from the log",
     options: {
       ...NODE_OPTIONS,
-      peer: { type: "string", arg: "PETNAME", help: "only tasks with this peer" },
+      peer: plain("PETNAME", "only tasks with this peer"),
       open: { type: "boolean", help: "hide closed tasks" },
     },
     run: runTasks,
@@ -9469,17 +9447,13 @@ const COMMANDS: Record<string, CommandSpec> = {
     options: {
       peers: OPT.peers,
       required: { type: "boolean", help: "with seal: never send this peer a message in the clear" },
-      host: { type: "string", arg: "HOST", help: "exec: the host that runs the peer's tasks: claude or codex" },
-      cwd: { type: "string", arg: "DIR", help: "exec: the folder its tasks run in" },
-      mode: {
-        type: "string",
-        arg: "M",
-        help: "exec: the host's permission mode (default: the one that never prompts)",
-      },
-      allow: { type: "string", arg: "TOOLS", help: "exec: tools allowed beyond interlink's, comma-separated" },
-      "max-turns": { type: "string", arg: "N", help: "exec: turns a task may take" },
-      "max-usd": { type: "string", arg: "X", help: "exec: dollars a task may spend" },
-      "max-minutes": { type: "string", arg: "M", help: "exec: minutes a task may run before it is stopped" },
+      host: plain("HOST", "exec: the host that runs the peer's tasks: claude or codex"),
+      cwd: plain("DIR", "exec: the folder its tasks run in"),
+      mode: plain("M", "exec: the host's permission mode (default: the one that never prompts)"),
+      allow: plain("TOOLS", "exec: tools allowed beyond interlink's, comma-separated"),
+      "max-turns": plain("N", "exec: turns a task may take"),
+      "max-usd": plain("X", "exec: dollars a task may spend"),
+      "max-minutes": plain("M", "exec: minutes a task may run before it is stopped"),
       off: { type: "boolean", help: "exec: remove the profile (its tasks wait for a session again)" },
     },
     run: runPeers,
@@ -9528,11 +9502,7 @@ const COMMANDS: Record<string, CommandSpec> = {
       "admits it (after Ctrl-C, a running session of this node does); one use, until it expires.",
     options: {
       ...pick("key", "peers", "url", "state", "name"),
-      for: {
-        type: "string",
-        arg: "PETNAME",
-        help: "the petname the joining node is filed under (default: its claimed name, if free)",
-      },
+      for: plain("PETNAME", "the petname the joining node is filed under (default: its claimed name, if free)"),
       ttl: option(
         "DURATION",
         "INTERLINK_INVITE_TTL",
@@ -9544,11 +9514,7 @@ const COMMANDS: Record<string, CommandSpec> = {
         help: `run this machine's bus on every address when it listens only on loopback; then ${BUS_EXPOSURE}`,
       },
       list: { type: "boolean", help: "list the pending invites (and the spent ones still remembered), and exit" },
-      revoke: {
-        type: "string",
-        arg: "ID",
-        help: "revoke a pending invite (its id, or a unique start of it), and exit",
-      },
+      revoke: plain("ID", "revoke a pending invite (its id, or a unique start of it), and exit"),
     },
     run: runInvite,
   },
@@ -9568,10 +9534,8 @@ const COMMANDS: Record<string, CommandSpec> = {
         help: "use these relays instead (another address of the same bus, say)",
       },
       ...pick("state", "name"),
-      petname: option(
+      petname: plain(
         "PETNAME",
-        undefined,
-        undefined,
         "the petname the inviter is filed under (default: the name in the code, if free, else peer-<fingerprint>)",
       ),
       wait: option("SECONDS", "INTERLINK_JOIN_WAIT", String(JOIN_WAIT_S), "how long to wait for the inviter's answer"),
@@ -9691,8 +9655,7 @@ function parseCommandLine(name: string, argv: string[], cmd: CommandSpec) {
   }
   const shared = Object.keys(cmd.options).some((flag) => (CONFIG_KEYS as readonly string[]).includes(flag));
   const config = shared ? readConfig() : { values: {} };
-  const opts: Options = {};
-  const from: OptionSources = config.problem ? { problem: config.problem } : {};
+  const opts: Options = {}, from: OptionSources = some("problem", config.problem);
   for (const [flag, o] of Object.entries(cmd.options)) {
     const given = parsed.values[flag];
     const fromEnv = o.env ? process.env[o.env] : undefined;
@@ -9747,12 +9710,8 @@ const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
 /** What a lone copy says when `interlink.ts name` needs its file (see EXTRAS), to be fetched to `where`. */
 function extraMissing(name: string, where: string): string {
   const { file, role } = EXTRAS[name];
-  const [what, why] = role
-    ? [
-      "is a role of its own, not part of the node",
-      name === "bus" ? "a session needs it only to start this machine's own bus" : "no session loads it",
-    ]
-    : ["is an extra, not part of interlink.ts", "no session loads it"];
+  const what = role ? "is a role of its own, not part of the node" : "is an extra, not part of interlink.ts";
+  const why = name === "bus" ? "a session needs it only to start this machine's own bus" : "no session loads it";
   return missingFile(`\`${name}\` ${what}`, file, where, why);
 }
 
