@@ -8036,9 +8036,9 @@ function chooseSession(pinned: string | undefined): string {
 function listSessions(root: string): { id: string; dir: string; info: Partial<SessionInfo>; live: LockOwner | null }[] {
   return sessionIds(root).map((id) => {
     const dir = sessionDir(root, id), owner = lockOwner(path.join(dir, "agent.lock"));
-    // None: a session from before session.json, or one that never started.
-    const info = orWhy((): Partial<SessionInfo> => JSON.parse(fs.readFileSync(path.join(dir, "session.json"), "utf8")));
-    return { id, dir, info: typeof info === "string" ? {} : info, live: owner?.role === SERVER_ROLE ? owner : null };
+    // {}: a session from before session.json, or one that never started
+    const info = orElse((): Partial<SessionInfo> => JSON.parse(fs.readFileSync(`${dir}/session.json`, "utf8")), {});
+    return { id, dir, info, live: owner?.role === SERVER_ROLE ? owner : null };
   });
 }
 
@@ -8258,16 +8258,12 @@ function recordStart(stateDir: string): void {
 
 /** Under Codex, the codex binary and home that wake this session: configured, else the process that started us. */
 function codexTarget(thread: string): CodexTarget {
-  let bin = process.env.INTERLINK_CODEX_BIN, home = process.env.CODEX_HOME;
-  try {
-    const exe = fs.readlinkSync(`/proc/${process.ppid}/exe`);
-    if (!bin && /codex/.test(path.basename(exe))) bin = exe;
-    const env = fs.readFileSync(`/proc/${process.ppid}/environ`, "utf8").split("\0");
-    home ??= env.find((e) => e.startsWith("CODEX_HOME="))?.slice("CODEX_HOME=".length);
-  } catch {
-    // not Linux, or not ours to read: the PATH's codex and its default home
-  }
-  return { bin: bin ?? "codex", ...(home ? { home } : {}), thread };
+  // Not Linux, or not ours to read: the PATH's codex and its default home.
+  const exe = orElse(() => fs.readlinkSync(`/proc/${process.ppid}/exe`), "");
+  const env = orElse(() => fs.readFileSync(`/proc/${process.ppid}/environ`, "utf8").split("\0"), []);
+  const bin = process.env.INTERLINK_CODEX_BIN || (/codex/.test(path.basename(exe)) ? exe : "codex");
+  const home = process.env.CODEX_HOME ?? env.find((e) => e.startsWith("CODEX_HOME="))?.slice("CODEX_HOME=".length);
+  return { bin, ...(home ? { home } : {}), thread };
 }
 
 /**
@@ -8557,7 +8553,7 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
   for (const l of lines.sort((x, y) => x.at - y.at)) print(l.text);
   // The executors `serve` runs and holds (executor.ts replaces executors.json whole): denials are this operator's.
   // None: no serve running here, or one starting.
-  const jobs = orWhy(() => JSON.parse(fs.readFileSync(path.join(cfg.stateDir, "executors.json"), "utf8")));
+  const jobs = orElse(() => JSON.parse(fs.readFileSync(path.join(cfg.stateDir, "executors.json"), "utf8")), []);
   for (const x of Array.isArray(jobs) ? jobs : []) {
     const at = typeof x.started === "number" ? `started ${new Date(x.started).toISOString()}` : "not started";
     const denied = Array.isArray(x.denials) ? x.denials : [];
@@ -8668,34 +8664,22 @@ function serverGone(dir: string, claude: { pid?: number; startedAt: number | nul
 /** The `interlink.ts mcp` processes a process started (Linux /proc; elsewhere none are seen). */
 function interlinkChildren(parent: number | undefined): number[] {
   if (!parent) return [];
-  try {
-    return fs.readdirSync("/proc").filter((d) => /^\d+$/.test(d)).filter((d) => {
-      try {
-        const stat = fs.readFileSync(`/proc/${d}/stat`, "utf8");
-        if (Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1]) !== parent) return false;
-        return SERVER_ARGV_RE.test(processArgv(Number(d)));
-      } catch {
-        return false;
-      }
-    }).map(Number);
-  } catch {
-    return [];
-  }
+  const pids = orElse(() => fs.readdirSync("/proc").filter((d) => /^\d+$/.test(d)), []);
+  return pids.filter((d) => {
+    const stat = orElse(() => fs.readFileSync(`/proc/${d}/stat`, "utf8"), ""); // "": gone meanwhile
+    const ppid = Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1]);
+    return ppid === parent && SERVER_ARGV_RE.test(processArgv(Number(d)));
+  }).map(Number);
 }
 
 /** When a process started (unix ms): from /proc to 10 ms, else from `ps` (whole seconds, the latest), else null. */
 function processStartedAt(pid: number | undefined): number | null {
   if (!pid) return null;
-  try {
-    const ticks = Number(procStart(pid)?.split(":")[1]); // clock ticks since boot
-    const uptime = Number(fs.readFileSync("/proc/uptime", "utf8").split(" ")[0]);
-    if (Number.isFinite(ticks) && Number.isFinite(uptime)) return Date.now() - (uptime - ticks / 100) * 1000;
-  } catch {
-    // no /proc: ps
-  }
-  const r = spawnSync("ps", ["-o", "etimes=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
-  const s = Number(r.stdout?.trim());
-  return r.status === 0 && r.stdout.trim() !== "" && Number.isFinite(s) ? Date.now() - s * 1000 : null;
+  const ticks = Number(procStart(pid)?.split(":")[1]); // clock ticks since boot; NaN without /proc: then ps
+  const uptime = orElse(() => Number(fs.readFileSync("/proc/uptime", "utf8").split(" ")[0]), NaN);
+  if (Number.isFinite(ticks) && Number.isFinite(uptime)) return Date.now() - (uptime - ticks / 100) * 1000;
+  const s = psColumn(pid, "etimes");
+  return s !== "" && Number.isFinite(Number(s)) ? Date.now() - Number(s) * 1000 : null;
 }
 
 /**
@@ -8740,13 +8724,7 @@ async function runWait(o: Options): Promise<number> {
   // The newest wait on a folder wins: a Stop hook starts one per turn, and the older ones step aside.
   const pidFile = path.join(dir, "wait.pid"), mine = String(process.pid);
   writeFileAtomic(pidFile, mine);
-  const newest = () => {
-    try {
-      return fs.readFileSync(pidFile, "utf8").trim();
-    } catch {
-      return mine; // removed: keep waiting
-    }
-  };
+  const newest = () => orElse(() => fs.readFileSync(pidFile, "utf8").trim(), mine); // removed: keep waiting
   const wake = new WakeLatch();
   // What it waits for: mail (log.jsonl), a newer wait (wait.pid), its server stopping (agent.lock, session.json).
   const files = ["log.jsonl", "wait.pid", "agent.lock", "session.json"];
