@@ -8424,8 +8424,7 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     const owner = lockOwner(path.join(dir, "agent.lock"));
     return owner?.role === SERVER_ROLE ? owner : null;
   };
-  let owner = server();
-  let agent: Agent | null = null;
+  let owner = server(), agent: Agent | null = null;
   if (!owner) {
     try {
       agent = await Agent.open(cfg, "interlink send", { identity: id, now: nodeClock(), host: "cli" });
@@ -8487,7 +8486,6 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
 async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   const { cfg } = await nodeConfig(o);
   const filterKey = o.peer ? peerKey(loadPeers(cfg.peersFile), o.peer as string) : undefined;
-  const only = sessionGiven(from) ? cfg.session : undefined;
   const shown = new Set<string>(); // with --peer, "sent" lines only for that peer's messages
   const receipts = new Set<string>(); // msg_ids of our receipts not yet sent: their "sent" line is skipped too
   // By inode: a journal rolled over lives on as an archive (the same file, read on), log.jsonl starts anew.
@@ -8495,7 +8493,7 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
   const batch = () => {
     const lines: { at: number; text: string }[] = [];
     const petnames = loadPeers(cfg.peersFile).byKey; // read again for each batch while following: they may change
-    for (const sess of listSessions(cfg.stateDir).filter((s) => !only || s.id === only)) {
+    for (const sess of listSessions(cfg.stateDir).filter((s) => !sessionGiven(from) || s.id === cfg.session)) {
       const label = sessionLabel(sess).padEnd(8);
       for (const file of journalFiles(sess.dir)) {
         const ino = inodeOf(file);
@@ -8538,10 +8536,9 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
 async function runTasks(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   const { cfg, id } = await nodeConfig(o);
   const peers = loadPeers(cfg.peersFile);
-  const only = sessionGiven(from) ? cfg.session : undefined;
   const view = { petnameOf: (k: string) => peers.byKey.get(k), peers: () => peers };
   const lines: { at: number; text: string }[] = [];
-  for (const sess of listSessions(cfg.stateDir).filter((s) => !only || s.id === only)) {
+  for (const sess of listSessions(cfg.stateDir).filter((s) => !sessionGiven(from) || s.id === cfg.session)) {
     const { state, journal } = readNodeState(sess.dir);
     journal.close();
     for (const t of taskTable(view, state.tasks.values(), o.peer as string | undefined, o.open === true)) {
@@ -8556,10 +8553,9 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
   const jobs = orElse(() => JSON.parse(fs.readFileSync(path.join(cfg.stateDir, "executors.json"), "utf8")), []);
   for (const x of Array.isArray(jobs) ? jobs : []) {
     const at = typeof x.started === "number" ? `started ${new Date(x.started).toISOString()}` : "not started";
-    const denied = Array.isArray(x.denials) ? x.denials : [];
     const cost = typeof x.cost === "number" ? `, $${x.cost.toFixed(4)}` : "";
     const about = `${x.state} ${x.host} task ${x.task} for ${x.peer}: pid ${x.pid ?? "-"}, ${x.cwd}, ${at}`;
-    const denials = denied.length ? `; denied: ${denied.join("; ")}` : "";
+    const denials = Array.isArray(x.denials) && x.denials.length ? `; denied: ${x.denials.join("; ")}` : "";
     print(showInvisible(`executor  ${about}, ${x.turns ?? 0} turn(s)${cost}${denials}`));
   }
   return 0;
@@ -8646,12 +8642,7 @@ const RENEW_TEXT =
  */
 function serverGone(dir: string, claude: { pid?: number; startedAt: number | null; servers: Set<number> }): boolean {
   if (fs.existsSync(path.join(dir, "handover")) || lockOwner(path.join(dir, "agent.lock"))) return false;
-  let ran: number | null = null;
-  try {
-    ran = fs.statSync(path.join(dir, "session.json")).mtimeMs;
-  } catch {
-    // not opened (yet): its process says more
-  }
+  const ran = orElse(() => fs.statSync(path.join(dir, "session.json")).mtimeMs, null); // null: not opened (yet)
   // A server that ran before this claude started (the session resumed) is not this run's: it has yet to open.
   if (ran !== null && (claude.startedAt === null || ran > claude.startedAt)) return true;
   // One that never opened its session (it stopped within moments of starting): claude's interlink child is gone.
@@ -8692,13 +8683,9 @@ async function runWait(o: Options): Promise<number> {
   const root = (o.state as string | undefined) ?? defaultNodeState((await readIdentity(o.key as string)).fingerprint);
   let session = ((o.session ?? o.inbox) as string | undefined)?.trim();
   if (!session) {
-    try {
-      if (fs.fstatSync(0).isCharacterDevice()) throw new Error("a terminal (or /dev/null): no hook JSON");
-      const hook = JSON.parse(readStdin());
-      if (isObject(hook) && typeof hook.session_id === "string") session = hook.session_id.trim();
-    } catch {
-      // no hook JSON on stdin
-    }
+    // The hook's JSON on stdin, if any (a terminal, or /dev/null, has none).
+    const hook = orElse(() => (fs.fstatSync(0).isCharacterDevice() ? null : JSON.parse(readStdin())), null);
+    if (isObject(hook) && typeof hook.session_id === "string") session = hook.session_id.trim();
   }
   if (!session) {
     const all = listSessions(root).map((x) => x.id);
@@ -8719,8 +8706,7 @@ async function runWait(o: Options): Promise<number> {
   const oneShot = /(^|\s)(-p|--print)(\s|$)/.test(argv) && !/--input-format(=|\s+)stream-json/.test(argv);
   if (oneShot || serverGone(dir, claude)) return 0;
   // Names only: a broken peers.json must not keep messages from the model.
-  const read = orWhy(() => loadPeers(o.peers as string));
-  const peers = typeof read === "string" ? EMPTY_PEERS : read;
+  const peers = orElse(() => loadPeers(o.peers as string), EMPTY_PEERS);
   // The newest wait on a folder wins: a Stop hook starts one per turn, and the older ones step aside.
   const pidFile = path.join(dir, "wait.pid"), mine = String(process.pid);
   writeFileAtomic(pidFile, mine);
