@@ -9064,12 +9064,9 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     let current = invite as Invite;
     const watch = (w: () => void) => {
       wake = w;
-      try {
-        const watcher = fs.watch(cfg.stateDir, (_e, name) => (name === null || String(name) === "invites.json") && w());
-        return () => watcher.close();
-      } catch {
-        return () => {}; // the periodic re-check still runs
-      }
+      const changed = (_e: string, name: string | null) => (name === null || String(name) === "invites.json") && w();
+      const watcher = orElse(() => fs.watch(cfg.stateDir, changed), null); // null: the periodic re-check still runs
+      return () => watcher?.close();
     };
     const decided = () => {
       current = readInvites(cfg.stateDir).find((i) => i.id === invite.id) ?? current;
@@ -9208,7 +9205,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   const agent = await Agent.open({ ...cfg, busUrls: urls, session }, "interlink join", how);
   let signalled = "", wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
-  let outcome: "paired" | "refused" | "waiting" = "waiting";
+  let paired = false;
   try {
     const msgId = newMsgId();
     const proofBytes = inviteProofBytes(Buffer.from(code.id, "hex"), code.key, id.publicKey, msgId);
@@ -9222,14 +9219,13 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     agent.startSending({ announce: false });
     agent.startReceiving({ ownRouteOnly: true });
     print(`knocked  at ${them}'s invite (request ${msgId}); waiting up to ${howLong(waitS * 1000)} for the answer`);
-    const changes = onJournalChange(agent.journal.stateDir);
     // Read again each time: a queued message's entry is read back from the journal, not kept (see NodeState.entry).
     let entry = queued;
     const settled = () => ((entry = agent.state.entry(msgId) ?? entry), !!entry.refusedBy || !!entry.refused);
     const done = () => signalled !== "" || !agent.state.knocksOut.has(code.key) || settled();
-    await waitUntil(done, waitS * 1000, (w) => ((wake = w), changes(w)), 250);
+    await waitUntil(done, waitS * 1000, (w) => ((wake = w), onJournalChange(agent.journal.stateDir)(w)), 250);
     if (!agent.state.knocksOut.has(code.key)) {
-      outcome = "paired";
+      paired = true;
       let accept: SignedMessage | undefined, at = now();
       scanJournal(agent.journal.file, 0, (r) => {
         if (r.t === "paired" && r.key === code.key && r.msg) [accept, at] = [r.msg, r.at];
@@ -9239,7 +9235,6 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
       const clocks = accept ? `; clocks agree within ${Math.max(1, Math.ceil(bound / 1000))} s` : "";
       print(`paired with ${petname} (${fingerprint(code.key)}…); round trip ${at - t0} ms${clocks}`);
     } else if (entry.refusedBy || entry.refused) {
-      outcome = "refused";
       // The operator reads it here: not a notice for this node's model later.
       if (entry.refusedBy) await agent.journal.appendDurable([{ t: "shown", item: `bounced ${msgId}`, via: "inbox" }]);
       if (pinned) await removePeer(cfg.peersFile, petname);
@@ -9251,7 +9246,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   } finally {
     await agent.stop();
   }
-  if (outcome === "waiting") {
+  if (!paired) {
     // Nothing of this join is kept: the pin goes, config.json was not written, and this join's session goes (a
     // late acceptance there would otherwise pair this node, when a session adopts it, without anyone here asking).
     if (pinned) await removePeer(cfg.peersFile, petname);
@@ -9267,9 +9262,8 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   }
   const configured = from.url === "config" ? parseBusUrls(o.url as string) : [];
   const url = [...configured, ...urls.filter((u) => !configured.includes(u))].join(",");
-  const file = writeConfig({ ...explicitSettings(o, from), url });
-  const config = tildify(file), added = pinned ? "added" : "already there";
-  const made = keyExisted ? "this node's" : "created now";
+  const config = tildify(writeConfig({ ...explicitSettings(o, from), url }));
+  const added = pinned ? "added" : "already there", made = keyExisted ? "this node's" : "created now";
   print(`config   ${config}: url ${url}`);
   print(`peers    ${tildify(cfg.peersFile)}: '${petname}' is ${fingerprint(code.key)}… (${added})`);
   print(`key      ${tildify(cfg.keyFile)} (${made}), fingerprint ${id.fingerprint}\n`);
