@@ -7982,7 +7982,6 @@ const sessionGiven = (from: OptionSources) => isGiven(from, "session") || isGive
 const explicitSettings = (o: Options, from: OptionSources): Record<string, string> =>
   Object.fromEntries(CONFIG_KEYS.flatMap((k) => (isGiven(from, k) && typeof o[k] === "string" ? [[k, o[k]]] : [])));
 
-/** The server's first start records what it was given, so the CLI on this machine sees the same bus and name. */
 function rememberConfig(o: Options, from: OptionSources): void {
   const given = explicitSettings(o, from);
   if (fs.existsSync(configFile()) || !Object.keys(given).length) return;
@@ -7993,7 +7992,6 @@ function rememberConfig(o: Options, from: OptionSources): void {
   }
 }
 
-/** The options of OPT named, in that order (as help lists them). */
 const pick = (...names: (keyof typeof OPT)[]): Record<string, OptionSpec> =>
   Object.fromEntries(names.map((n) => [n, OPT[n]]));
 /** The options every node command shares, so `send`, `log`, `wait`... find the same files as `mcp`. */
@@ -8204,9 +8202,8 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
   if (new URL(import.meta.url).protocol === "file:" && !fs.existsSync(beside)) {
     return logWarn(`nothing answers at ${url}, and this machine's bus cannot start: ${extraMissing("bus", beside)}`);
   }
-  const dataDir = busDataDir();
+  const dataDir = busDataDir(), logFile = path.join(dataDir, "bus.log");
   fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
-  const logFile = path.join(dataDir, "bus.log");
   const out = fs.openSync(logFile, "a", 0o600);
   const hostArgs = host === "127.0.0.1" ? [] : ["--host", host];
   const port = new URL(url).port || String(DEFAULT_BUS_PORT);
@@ -8267,20 +8264,18 @@ function codexTarget(thread: string): CodexTarget {
 }
 
 /**
- * The MCP server. It always connects: a problem it can outlive (a configured key that is missing, a broken
- * peers.json or config.json) makes every tool answer with it and its fix, not a bare "Failed to connect".
- * Its session opens only once it is real (OPEN_AFTER_MS after the client starts, see onstart, or at the first tool
- * call), never for a health check. Under Codex the session is the thread, learnt from bind_session (the SessionStart
- * hook) or a call's `_meta.threadId`: until then it announces nothing and claims no mail. A Codex subagent is not a
- * session.
+ * The MCP server. It always connects: a problem it can outlive (a configured key that is missing, a broken peers.json
+ * or config.json) makes every tool answer with it and its fix, not a bare "Failed to connect". Its session opens only
+ * once it is real (OPEN_AFTER_MS after the client starts, see onstart, or at the first tool call), never for a health
+ * check. Under Codex the session is the thread, learnt from bind_session (the SessionStart hook) or a call's
+ * `_meta.threadId`: until then it announces nothing and claims no mail. A Codex subagent is not a session.
  */
 async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   setLogComponent("interlink mcp");
   // Under `claude mcp list|get`: a health check whose handshake looks like a session's, its command line not.
   const healthCheck = /\bclaude\b.*\bmcp\s+(list|get)\b/.test(processArgv(process.ppid));
   let host = o.host as Host | undefined;
-  let prepared: { cfg: NodeConfig; id: Identity } | null = null;
-  let problem: string | undefined;
+  let prepared: { cfg: NodeConfig; id: Identity } | null = null, problem: string | undefined;
   try {
     if (from.problem) throw new InterlinkError(from.problem);
     if (host !== undefined && !(HOSTS as readonly string[]).includes(host)) {
@@ -8548,8 +8543,7 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
   }
   if (!lines.length) print(o.open ? "no open tasks" : "no tasks yet");
   for (const l of lines.sort((x, y) => x.at - y.at)) print(l.text);
-  // The executors `serve` runs and holds (executor.ts replaces executors.json whole): denials are this operator's.
-  // None: no serve running here, or one starting.
+  // The executors `serve` runs (executors.json, replaced whole; none if no serve runs): denials are this operator's.
   const jobs = orElse(() => JSON.parse(fs.readFileSync(path.join(cfg.stateDir, "executors.json"), "utf8")), []);
   for (const x of Array.isArray(jobs) ? jobs : []) {
     const at = typeof x.started === "number" ? `started ${new Date(x.started).toISOString()}` : "not started";
@@ -8620,7 +8614,6 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
   throw new InterlinkError(`usage: peers ${COMMANDS.peers.args}`);
 }
 
-/** A profile in one line, as `peers` prints it. */
 function describeProfile(p: ExecProfile): string {
   const { max_turns: turns, max_usd: usd, max_minutes: min } = p;
   const at = [turns && `${turns} turns`, usd && `$${usd}`, min && `${min} min`].filter(Boolean).join(", ");
@@ -8871,8 +8864,7 @@ type Reach = { ok: true; ms: number; skewMs?: number } | { ok: false; why: strin
 /** Tries a relay: NATS by its roster, a bus by TCP (to name a failure) then GET /roster, whose Date is its clock. */
 async function reachRelay(url: string, timeoutMs: number, now: () => number = Date.now): Promise<Reach> {
   if (isNatsUrl(url)) {
-    const relay = openRelay(url);
-    const t0 = Date.now();
+    const relay = openRelay(url), t0 = Date.now();
     try {
       await relay.roster(timeoutMs); // connects first, making the stream and the bucket if they are missing
       return { ok: true, ms: Date.now() - t0 };
@@ -8980,16 +8972,16 @@ async function ensureReachable(url: string, outside: string, lan: boolean): Prom
   const port = new URL(url).port || String(DEFAULT_BUS_PORT);
   const reachableCommand = `interlink.ts bus --host 0.0.0.0 --port ${port}`;
   const local = await reachRelay(url, 1500);
-  const lockFile = path.join(busDataDir(), "bus.lock");
-  const owner = lockOwner(lockFile);
+  const lockFile = path.join(busDataDir(), "bus.lock"), owner = lockOwner(lockFile);
   if (!lan) {
     const problem = local.ok
       ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.`
       : `no bus answers at ${url}, so none the other machine could reach at ${outside}.`;
     const stop = local.ok ? `stop that bus${owner ? ` (pid ${owner.pid})` : ""} and ` : "";
-    const verb = local.ok ? "restarts" : "starts";
     throw new InterlinkError(
-      `${problem}\nEither run \`interlink.ts invite --lan\`, which ${verb} this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n` +
+      `${problem}\nEither run \`interlink.ts invite --lan\`, which ${
+        local.ok ? "restarts" : "starts"
+      } this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n` +
         `Either way ${BUS_EXPOSURE}; a VPN, or a firewall rule that lets in only the other machine, keeps it private.`,
     );
   }
@@ -9172,9 +9164,10 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   if (skew !== undefined) {
     const off = Math.round(Math.abs(skew) / 1000);
     if (Math.abs(skew) > FRESH_FUTURE_MS) {
-      const side = skew < 0 ? "ahead of" : "behind";
       throw new InterlinkError(
-        `this machine's clock is ${off} s ${side} ${them}'s relay: nodes refuse what comes from over a minute in their future, so neither would take the other's messages. Sync the clock (NTP: \`timedatectl set-ntp true\`), then join again`,
+        `this machine's clock is ${off} s ${
+          skew < 0 ? "ahead of" : "behind"
+        } ${them}'s relay: nodes refuse what comes from over a minute in their future, so neither would take the other's messages. Sync the clock (NTP: \`timedatectl set-ntp true\`), then join again`,
       );
     }
     print(`clock    within ${Math.max(1, off)} s of the relay`);
@@ -9689,7 +9682,11 @@ async function main(argv: string[]): Promise<number> {
   }
   // Every argument is claude's; a lone --help is ours.
   if (name === "claude" && !(rest.length === 1 && ["--help", "-h"].includes(rest[0]))) return await runClaude(rest);
-  if (Object.hasOwn(EXTRAS, name)) return await runCommand(name, rest, loadExtra(name));
+  if (Object.hasOwn(EXTRAS, name)) {
+    // Loaded from beside this file; where it is not there, an InterlinkError that says what to fetch.
+    const extra = importBeside<{ command: CommandSpec }>(EXTRAS[name].file, (where) => extraMissing(name, where));
+    return await runCommand(name, rest, extra.then((m) => m.command));
+  }
   if (!Object.hasOwn(COMMANDS, name)) {
     writeStderr(`interlink: unknown command '${name}'\n\n${programHelp()}\n`);
     return 2;
@@ -9715,12 +9712,6 @@ async function runCommand(name: string, argv: string[], spec: CommandSpec | Prom
     }
     throw e;
   }
-}
-
-/** The CommandSpec of a role or an extra, loaded from beside this file; an InterlinkError that says what to fetch. */
-async function loadExtra(name: string): Promise<CommandSpec> {
-  return (await importBeside<{ command: CommandSpec }>(EXTRAS[name].file, (where) => extraMissing(name, where)))
-    .command;
 }
 
 /** Exits with the command's code; a crash prints its stack and exits 70 (EX_SOFTWARE). */
