@@ -8400,10 +8400,7 @@ async function ensureKey(file: string, isDefault: boolean): Promise<void> {
   logInfo(`created this node's key at ${file} (mode 0600): fingerprint ${(await identityFromSeed(seed)).fingerprint}`);
 }
 
-/**
- * `send`: queued in --session's journal, else the only running server's (it delivers), else a "cli" session's, which
- * this command delivers itself. The recipient's session is --channel, or its key.
- */
+/** `send`: queued in --session's journal, else the only running server's (it delivers), else a "cli" session's. */
 async function runSend(o: Options, pos: string[], from: OptionSources): Promise<number> {
   if (pos.length !== 2) throw new InterlinkError(`send takes <peer> <text>\n\n${commandHelp("send")}`);
   const { cfg, id } = await nodeConfig(o);
@@ -9178,15 +9175,13 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
       throw expired(relayNow, by, ", and sync this clock (NTP)");
     }
   }
-  const keyExisted = fs.existsSync(o.key as string);
-  const butKey = keyExisted ? "" : " but this node's new key";
+  const keyExisted = fs.existsSync(o.key as string), butKey = keyExisted ? "" : " but this node's new key";
   await ensureKey(o.key as string, from.key === "default");
   const { cfg, id } = await nodeConfig(o);
   if (id.publicKey === code.key) {
     throw new InterlinkError("that invite is this node's own: run join on the other machine");
   }
-  const peers = loadPeers(cfg.peersFile);
-  const existing = peers.byKey.get(code.key);
+  const peers = loadPeers(cfg.peersFile), existing = peers.byKey.get(code.key);
   const petname = existing ??
     (o.petname !== undefined ? checkPetname(o.petname) : newPeerName(peers, code.key, undefined, code.name));
   const held = peers.byName.get(petname);
@@ -9627,9 +9622,8 @@ function envFlag(name: string, value: string): boolean {
 }
 
 /**
- * Commands in files of their own beside interlink.ts, each exporting its `command` (a CommandSpec) and importing this
- * file, never the reverse: the roles other than the node (`role`: the relay) and the extras. `interlink.ts <name>`
- * runs one where it is there; a copy of interlink.ts alone says what to fetch. No session loads any of them.
+ * Commands in files of their own beside interlink.ts, each exporting its `command` and importing this file, never the
+ * reverse: the roles other than the node (`role`: the relay) and the extras. A lone interlink.ts says what to fetch.
  */
 const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
   bus: { file: "bus.ts", summary: "run the durable keep-until-ack relay that nodes talk through", role: true },
@@ -9716,13 +9710,12 @@ async function runCommand(name: string, argv: string[], spec: CommandSpec | Prom
 
 /** Exits with the command's code; a crash prints its stack and exits 70 (EX_SOFTWARE). */
 function exitWith(run: Promise<number>): void {
-  run.then(async (code) => {
+  run.catch((e) => {
+    writeStderr(`interlink: ${(e as Error).stack ?? e}\n`);
+    return 70;
+  }).then(async (code) => {
     await flushStderr();
     process.exit(code);
-  }, async (e) => {
-    writeStderr(`interlink: ${(e as Error).stack ?? e}\n`);
-    await flushStderr();
-    process.exit(70);
   });
 }
 
