@@ -7896,8 +7896,9 @@ const option = (
   help: string,
   more?: Partial<OptionSpec>,
 ): OptionSpec => ({ type: "string", arg, ...some("env", env), ...some("default", dflt), help, ...more });
-/** A string option with no env twin and no default. */
+/** Options with no env twin and no default: one that takes a value, and a boolean. */
 const plain = (arg: string, help: string): OptionSpec => ({ type: "string", arg, help });
+const toggle = (help: string): OptionSpec => ({ type: "boolean", help });
 
 const OPT = {
   key: option("PATH", "INTERLINK_KEY", () => path.join(configDir(), "id.key"), "this node's secret key file"),
@@ -8135,8 +8136,7 @@ function logRecordLines(r: JournalRecord, petnames: ReadonlyMap<string, string>)
   switch (r.t) {
     case "out":
     case "in": {
-      const { msg } = r;
-      const who = r.peer ?? name(counterpart(r.t, msg));
+      const { msg } = r, who = r.peer ?? name(counterpart(r.t, msg));
       const reply = msg.in_reply_to ? `re ${showId(msg.in_reply_to)}` : "";
       const earlier = r.t === "in" && r.for_session ? `(for earlier session ${showId(r.for_session)})` : "";
       const hop = r.chain &&
@@ -8205,8 +8205,7 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
   const dataDir = busDataDir(), logFile = path.join(dataDir, "bus.log");
   fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
   const out = fs.openSync(logFile, "a", 0o600);
-  const hostArgs = host === "127.0.0.1" ? [] : ["--host", host];
-  const port = new URL(url).port || String(DEFAULT_BUS_PORT);
+  const hostArgs = host === "127.0.0.1" ? [] : ["--host", host], port = new URL(url).port || String(DEFAULT_BUS_PORT);
   const [cmd, ...args] = selfCommand(["bus", "--port", port, "--data", dataDir, ...hostArgs]);
   const child = spawn(cmd, args, { detached: true, stdio: ["ignore", out, out] });
   child.unref();
@@ -8636,8 +8635,7 @@ function serverGone(dir: string, claude: { pid?: number; startedAt: number | nul
   // A server that ran before this claude started (the session resumed) is not this run's: it has yet to open.
   if (ran !== null && (claude.startedAt === null || ran > claude.startedAt)) return true;
   // One that never opened its session (it stopped within moments of starting): claude's interlink child is gone.
-  const now = interlinkChildren(claude.pid);
-  const gone = [...claude.servers].some((pid) => !now.includes(pid));
+  const now = interlinkChildren(claude.pid), gone = [...claude.servers].some((pid) => !now.includes(pid));
   for (const pid of now) claude.servers.add(pid);
   return gone && now.length === 0;
 }
@@ -8851,8 +8849,7 @@ const isLoopbackUrl = (url: string): boolean => {
 };
 /** `url` with its host replaced by `address` (credentials dropped: the other machine brings its own). */
 function withHost(url: string, address: string): string {
-  const u = new URL(url.replace(/^(nats|tls):/i, "http:"));
-  const scheme = url.slice(0, url.indexOf(":"));
+  const u = new URL(url.replace(/^(nats|tls):/i, "http:")), scheme = url.slice(0, url.indexOf(":"));
   return `${scheme}://${address}${u.port ? `:${u.port}` : ""}${u.pathname === "/" ? "" : u.pathname}`;
 }
 
@@ -8871,10 +8868,8 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
       await relay.close();
     }
   }
-  const u = new URL(url);
-  const host = u.hostname.replace(/^\[|\]$/g, "");
-  const port = Number(u.port || (u.protocol === "https:" ? 443 : 80));
-  const s = Math.round(timeoutMs / 1000);
+  const u = new URL(url), host = u.hostname.replace(/^\[|\]$/g, "");
+  const port = Number(u.port || (u.protocol === "https:" ? 443 : 80)), s = Math.round(timeoutMs / 1000);
   const { connect } = await import("node:net"); // not loaded by a session that never checks a relay this way
   const connected = await new Promise<string | null>((resolve) => {
     const socket = connect({ host, port });
@@ -8914,9 +8909,8 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
 
 /** How the other machine runs this file with `args`: the same runtime, by its usual name, from interlink.ts's folder. */
 function otherMachineCommand(args: string[]): string {
-  const script = thisScript();
+  const script = thisScript(), npx = process.execPath.includes(`${path.sep}_npx${path.sep}`);
   const file = /^https?:/.test(script) ? script : path.basename(script);
-  const npx = process.execPath.includes(`${path.sep}_npx${path.sep}`);
   const { Bun, Deno } = runtimeHost;
   const runner = Deno
     ? `${npx ? `npx -y deno@${Deno.version.deno}` : "deno"} run -A`
@@ -9095,8 +9089,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
 }
 
 function listInvites(stateDir: string, id: Identity, nowMs: number): number {
-  const invites = readInvites(stateDir);
-  const pending = invites.filter((i) => inviteState(i, nowMs) === "pending");
+  const invites = readInvites(stateDir), pending = invites.filter((i) => inviteState(i, nowMs) === "pending");
   print(`${pending.length} pending invite(s) of ${id.fingerprint}…${pending.length ? ":" : ""}`);
   for (const i of pending) {
     const until = `until ${isoTime(i.expires)} (in ${howLong(i.expires - nowMs)})`;
@@ -9139,8 +9132,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     throw new InterlinkError(`join takes the code \`interlink.ts invite\` printed\n\n${commandHelp("join")}`);
   }
   const now = nodeClock();
-  const code = await parseInviteCode(pos.join(""));
-  const them = code.name || fingerprint(code.key);
+  const code = await parseInviteCode(pos.join("")), them = code.name || fingerprint(code.key);
   const expired = (atMs: number, by: string, more = "") => {
     const ago = howLong(atMs - code.expiresMs), ask = "ask for a new one (`interlink.ts invite` on the other machine)";
     return new InterlinkError(`the invite expired at ${isoTime(code.expiresMs)}, ${ago} ago by ${by}: ${ask}${more}`);
@@ -9301,8 +9293,7 @@ function printClaudeSetup(lead: string): void {
 const identityLines = (id: Identity) => `public key   ${id.publicKey}\nfingerprint  ${id.fingerprint}`;
 
 async function runKeygen(o: Options): Promise<number> {
-  const file = o.out as string;
-  const seed = crypto.getRandomValues(new Uint8Array(32));
+  const file = o.out as string, seed = crypto.getRandomValues(new Uint8Array(32));
   writeKeyFile(file, seed, o.force === true);
   const id = await identityFromSeed(seed);
   const suggested = os.hostname().replace(/[^A-Za-z0-9._-]/g, "-").replace(/^[^A-Za-z0-9]+/, "") || "my-node";
@@ -9378,7 +9369,7 @@ const COMMANDS: Record<string, CommandSpec> = {
     options: {
       ...NODE_OPTIONS,
       peer: plain("PETNAME", "only tasks with this peer"),
-      open: { type: "boolean", help: "hide closed tasks" },
+      open: toggle("hide closed tasks"),
     },
     run: runTasks,
   },
@@ -9392,7 +9383,7 @@ const COMMANDS: Record<string, CommandSpec> = {
       "`exec` is this operator's alone (a peer can never set or widen it): see `interlink.ts serve`.",
     options: {
       peers: OPT.peers,
-      required: { type: "boolean", help: "with seal: never send this peer a message in the clear" },
+      required: toggle("with seal: never send this peer a message in the clear"),
       host: plain("HOST", "exec: the host that runs the peer's tasks: claude or codex"),
       cwd: plain("DIR", "exec: the folder its tasks run in"),
       mode: plain("M", "exec: the host's permission mode (default: the one that never prompts)"),
@@ -9400,7 +9391,7 @@ const COMMANDS: Record<string, CommandSpec> = {
       "max-turns": plain("N", "exec: turns a task may take"),
       "max-usd": plain("X", "exec: dollars a task may spend"),
       "max-minutes": plain("M", "exec: minutes a task may run before it is stopped"),
-      off: { type: "boolean", help: "exec: remove the profile (its tasks wait for a session again)" },
+      off: toggle("exec: remove the profile (its tasks wait for a session again)"),
     },
     run: runPeers,
   },
@@ -9455,11 +9446,8 @@ const COMMANDS: Record<string, CommandSpec> = {
         INVITE_TTL_DEFAULT,
         "how long the invite is valid (90s, 10m, 2h; at most 24h)",
       ),
-      lan: {
-        type: "boolean",
-        help: `run this machine's bus on every address when it listens only on loopback; then ${BUS_EXPOSURE}`,
-      },
-      list: { type: "boolean", help: "list the pending invites (and the spent ones still remembered), and exit" },
+      lan: toggle(`run this machine's bus on every address when it listens only on loopback; then ${BUS_EXPOSURE}`),
+      list: toggle("list the pending invites (and the spent ones still remembered), and exit"),
       revoke: plain("ID", "revoke a pending invite (its id, or a unique start of it), and exit"),
     },
     run: runInvite,
@@ -9492,7 +9480,7 @@ const COMMANDS: Record<string, CommandSpec> = {
     summary: "create this node's Ed25519 key file",
     options: {
       out: { ...OPT.key, help: "where to write the key (0600)" },
-      force: { type: "boolean", help: "replace an existing key file (the old identity is lost)" },
+      force: toggle("replace an existing key file (the old identity is lost)"),
     },
     run: runKeygen,
   },
