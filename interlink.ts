@@ -8021,12 +8021,12 @@ function parseBusUrls(text: string): string[] {
 /** --session (or --inbox), else CLAUDE_CODE_SESSION_ID (the id the session's hooks get too), else 8 random hex. */
 function chooseSession(pinned: string | undefined): string {
   const given = pinned?.trim();
-  if (given) {
-    if (SESSION_RE.test(given)) return given;
+  if (given && !SESSION_RE.test(given)) {
     throw new InterlinkError(
       `session id '${given}' must be 1-128 letters, digits, . _ - (INTERLINK_SESSION / --session)`,
     );
   }
+  if (given) return given;
   const claude = process.env.CLAUDE_CODE_SESSION_ID?.trim();
   if (claude && SESSION_RE.test(claude)) return claude;
   return Buffer.from(crypto.getRandomValues(new Uint8Array(4))).toString("hex");
@@ -8036,8 +8036,8 @@ function listSessions(root: string): { id: string; dir: string; info: Partial<Se
   return sessionIds(root).map((id) => {
     const dir = sessionDir(root, id), owner = lockOwner(path.join(dir, "agent.lock"));
     // {}: a session from before session.json, or one that never started
-    const info = orElse((): Partial<SessionInfo> => JSON.parse(fs.readFileSync(`${dir}/session.json`, "utf8")), {});
-    return { id, dir, info, live: owner?.role === SERVER_ROLE ? owner : null };
+    const readInfo = () => JSON.parse(fs.readFileSync(path.join(dir, "session.json"), "utf8"));
+    return { id, dir, info: orElse(readInfo, {}), live: owner?.role === SERVER_ROLE ? owner : null };
   });
 }
 
@@ -8969,10 +8969,9 @@ async function ensureReachable(url: string, outside: string, lan: boolean): Prom
       ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.`
       : `no bus answers at ${url}, so none the other machine could reach at ${outside}.`;
     const stop = local.ok ? `stop that bus${owner ? ` (pid ${owner.pid})` : ""} and ` : "";
+    const verb = local.ok ? "restarts" : "starts";
     throw new InterlinkError(
-      `${problem}\nEither run \`interlink.ts invite --lan\`, which ${
-        local.ok ? "restarts" : "starts"
-      } this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n` +
+      `${problem}\nEither run \`interlink.ts invite --lan\`, which ${verb} this machine's bus on every address, or ${stop}run \`${reachableCommand}\`.\n` +
         `Either way ${BUS_EXPOSURE}; a VPN, or a firewall rule that lets in only the other machine, keeps it private.`,
     );
   }
@@ -9153,10 +9152,9 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   if (skew !== undefined) {
     const off = Math.round(Math.abs(skew) / 1000);
     if (Math.abs(skew) > FRESH_FUTURE_MS) {
+      const side = skew < 0 ? "ahead of" : "behind";
       throw new InterlinkError(
-        `this machine's clock is ${off} s ${
-          skew < 0 ? "ahead of" : "behind"
-        } ${them}'s relay: nodes refuse what comes from over a minute in their future, so neither would take the other's messages. Sync the clock (NTP: \`timedatectl set-ntp true\`), then join again`,
+        `this machine's clock is ${off} s ${side} ${them}'s relay: nodes refuse what comes from over a minute in their future, so neither would take the other's messages. Sync the clock (NTP: \`timedatectl set-ntp true\`), then join again`,
       );
     }
     print(`clock    within ${Math.max(1, off)} s of the relay`);
@@ -9611,7 +9609,7 @@ function envFlag(name: string, value: string): boolean {
 
 /**
  * Commands in files of their own beside interlink.ts, each exporting its `command` and importing this file, never the
- * reverse: the roles other than the node (`role`: the relay) and the extras. A lone interlink.ts says what to fetch.
+ * reverse: the roles besides the node (`role`) and the extras. No session loads them; a lone copy says what to fetch.
  */
 const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
   bus: { file: "bus.ts", summary: "run the durable keep-until-ack relay that nodes talk through", role: true },
