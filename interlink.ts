@@ -7753,6 +7753,9 @@ const option = (
   help: string,
   more?: Partial<OptionSpec>,
 ): OptionSpec => ({ type: "string", arg, ...some("env", env), ...some("default", dflt), help, ...more });
+/** Options with no env twin and no default: one that takes a value, and a boolean. */
+const plain = (arg: string, help: string): OptionSpec => ({ type: "string", arg, help });
+const toggle = (help: string): OptionSpec => ({ type: "boolean", help });
 
 const OPT = {
   key: option("PATH", "INTERLINK_KEY", () => path.join(configDir(), "id.key"), "this node's secret key file"),
@@ -7837,7 +7840,6 @@ const sessionGiven = (from: OptionSources) => isGiven(from, "session") || isGive
 const explicitSettings = (o: Options, from: OptionSources): Record<string, string> =>
   Object.fromEntries(CONFIG_KEYS.flatMap((k) => (isGiven(from, k) && typeof o[k] === "string" ? [[k, o[k]]] : [])));
 
-/** The server's first start records what it was given, so the CLI on this machine sees the same bus and name. */
 function rememberConfig(o: Options, from: OptionSources): void {
   const given = explicitSettings(o, from);
   if (fs.existsSync(configFile()) || !Object.keys(given).length) return;
@@ -7848,7 +7850,6 @@ function rememberConfig(o: Options, from: OptionSources): void {
   }
 }
 
-/** The options of OPT named, in that order (as help lists them). */
 const pick = (...names: (keyof typeof OPT)[]): Record<string, OptionSpec> =>
   Object.fromEntries(names.map((n) => [n, OPT[n]]));
 /** The options every node command shares, so `send`, `log`, `wait`... find the same files as `mcp`. */
@@ -7890,15 +7891,10 @@ function chooseSession(pinned: string | undefined): string {
 
 function listSessions(root: string): { id: string; dir: string; info: Partial<SessionInfo>; live: LockOwner | null }[] {
   return sessionIds(root).map((id) => {
-    const dir = sessionDir(root, id);
-    let info: Partial<SessionInfo> = {};
-    try {
-      info = JSON.parse(fs.readFileSync(path.join(dir, "session.json"), "utf8"));
-    } catch {
-      // a session from before session.json, or one that never started
-    }
-    const owner = lockOwner(path.join(dir, "agent.lock"));
-    return { id, dir, info, live: owner?.role === SERVER_ROLE ? owner : null };
+    const dir = sessionDir(root, id), owner = lockOwner(path.join(dir, "agent.lock"));
+    // {}: a session from before session.json, or one that never started
+    const readInfo = () => JSON.parse(fs.readFileSync(path.join(dir, "session.json"), "utf8"));
+    return { id, dir, info: orElse(readInfo, {}), live: owner?.role === SERVER_ROLE ? owner : null };
   });
 }
 
@@ -7997,8 +7993,7 @@ function logRecordLines(r: JournalRecord, petnames: ReadonlyMap<string, string>)
   switch (r.t) {
     case "out":
     case "in": {
-      const { msg } = r;
-      const who = r.peer ?? name(counterpart(r.t, msg));
+      const { msg } = r, who = r.peer ?? name(counterpart(r.t, msg));
       const reply = msg.in_reply_to ? `re ${showId(msg.in_reply_to)}` : "";
       const earlier = r.t === "in" && r.for_session ? `(for earlier session ${showId(r.for_session)})` : "";
       const hop = r.chain &&
@@ -8064,12 +8059,10 @@ async function ensureLocalBus(url: string, host = "127.0.0.1"): Promise<void> {
   if (new URL(import.meta.url).protocol === "file:" && !fs.existsSync(beside)) {
     return logWarn(`nothing answers at ${url}, and this machine's bus cannot start: ${extraMissing("bus", beside)}`);
   }
-  const dataDir = busDataDir();
+  const dataDir = busDataDir(), logFile = path.join(dataDir, "bus.log");
   fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
-  const logFile = path.join(dataDir, "bus.log");
   const out = fs.openSync(logFile, "a", 0o600);
-  const hostArgs = host === "127.0.0.1" ? [] : ["--host", host];
-  const port = new URL(url).port || String(DEFAULT_BUS_PORT);
+  const hostArgs = host === "127.0.0.1" ? [] : ["--host", host], port = new URL(url).port || String(DEFAULT_BUS_PORT);
   const [cmd, ...args] = selfCommand(["bus", "--port", port, "--data", dataDir, ...hostArgs]);
   const child = spawn(cmd, args, { detached: true, stdio: ["ignore", out, out] });
   child.unref();
@@ -8118,33 +8111,27 @@ function recordStart(stateDir: string): void {
 
 /** Under Codex, the codex binary and home that wake this session: configured, else the process that started us. */
 function codexTarget(thread: string): CodexTarget {
-  let bin = process.env.INTERLINK_CODEX_BIN, home = process.env.CODEX_HOME;
-  try {
-    const exe = fs.readlinkSync(`/proc/${process.ppid}/exe`);
-    if (!bin && /codex/.test(path.basename(exe))) bin = exe;
-    const env = fs.readFileSync(`/proc/${process.ppid}/environ`, "utf8").split("\0");
-    home ??= env.find((e) => e.startsWith("CODEX_HOME="))?.slice("CODEX_HOME=".length);
-  } catch {
-    // not Linux, or not ours to read: the PATH's codex and its default home
-  }
-  return { bin: bin ?? "codex", ...(home ? { home } : {}), thread };
+  // Not Linux, or not ours to read: the PATH's codex and its default home.
+  const exe = orElse(() => fs.readlinkSync(`/proc/${process.ppid}/exe`), "");
+  const env = orElse(() => fs.readFileSync(`/proc/${process.ppid}/environ`, "utf8").split("\0"), []);
+  const bin = process.env.INTERLINK_CODEX_BIN || (/codex/.test(path.basename(exe)) ? exe : "codex");
+  const home = process.env.CODEX_HOME ?? env.find((e) => e.startsWith("CODEX_HOME="))?.slice("CODEX_HOME=".length);
+  return { bin, ...(home ? { home } : {}), thread };
 }
 
 /**
- * The MCP server. It always connects: a problem it can outlive (a configured key that is missing, a broken
- * peers.json or config.json) makes every tool answer with it and its fix, not a bare "Failed to connect".
- * Its session opens only once it is real (OPEN_AFTER_MS after the client starts, see onstart, or at the first tool
- * call), never for a health check. Under Codex the session is the thread, learnt from bind_session (the SessionStart
- * hook) or a call's `_meta.threadId`: until then it announces nothing and claims no mail. A Codex subagent is not a
- * session.
+ * The MCP server. It always connects: a problem it can outlive (a configured key that is missing, a broken peers.json
+ * or config.json) makes every tool answer with it and its fix, not a bare "Failed to connect". Its session opens only
+ * once it is real (OPEN_AFTER_MS after the client starts, see onstart, or at the first tool call), never for a health
+ * check. Under Codex the session is the thread, learnt from bind_session (the SessionStart hook) or a call's
+ * `_meta.threadId`: until then it announces nothing and claims no mail. A Codex subagent is not a session.
  */
 async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   setLogComponent("interlink mcp");
   // Under `claude mcp list|get`: a health check whose handshake looks like a session's, its command line not.
   const healthCheck = /\bclaude\b.*\bmcp\s+(list|get)\b/.test(processArgv(process.ppid));
   let host = o.host as Host | undefined;
-  let prepared: { cfg: NodeConfig; id: Identity } | null = null;
-  let problem: string | undefined;
+  let prepared: { cfg: NodeConfig; id: Identity } | null = null, problem: string | undefined;
   try {
     if (from.problem) throw new InterlinkError(from.problem);
     if (host !== undefined && !(HOSTS as readonly string[]).includes(host)) {
@@ -8186,13 +8173,13 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
         waker.start();
       }
       // A task's session that `serve` lent this host: announced as such, and handed back to serve without goodbyes.
-      if (lent) a.info.summary = `${SERVE_TASK}${lent}`;
       // Its host is shown its task's mail from the requester and its own sub-tasks'; the rest waits, unread, for the
       // node's next session (which adopts it once this one ended), not for a model under another peer's profile.
-      // "<task id, its first 120 characters> for <petname>": a task id may hold " for ", a petname no space.
-      const at = lent?.lastIndexOf(" for ") ?? -1, task = lent?.slice(0, at), name = lent?.slice(at + 5) ?? "";
-      const key = a.peers().byName.get(name) ?? name;
       if (lent) {
+        a.info.summary = `${SERVE_TASK}${lent}`;
+        // "<task id, its first 120 characters> for <petname>": a task id may hold " for ", a petname no space.
+        const at = lent.lastIndexOf(" for "), task = lent.slice(0, at), name = lent.slice(at + 5);
+        const key = a.peers().byName.get(name) ?? name;
         a.shows = (i) =>
           i.kind === "message" && ((i.msg.from === key && i.msg.task_id?.slice(0, 120) === task) ||
             a.state.tasks.get(taskKey(i.msg.from, i.msg.task_id ?? ""))?.requested_by === "me");
@@ -8269,10 +8256,7 @@ async function ensureKey(file: string, isDefault: boolean): Promise<void> {
   logInfo(`created this node's key at ${file} (mode 0600): fingerprint ${(await identityFromSeed(seed)).fingerprint}`);
 }
 
-/**
- * `send`: queued in --session's journal, else the only running server's (it delivers), else a "cli" session's, which
- * this command delivers itself. The recipient's session is --channel, or its key.
- */
+/** `send`: queued in --session's journal, else the only running server's (it delivers), else a "cli" session's. */
 async function runSend(o: Options, pos: string[], from: OptionSources): Promise<number> {
   if (pos.length !== 2) throw new InterlinkError(`send takes <peer> <text>\n\n${commandHelp("send")}`);
   const { cfg, id } = await nodeConfig(o);
@@ -8288,8 +8272,7 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
     const owner = lockOwner(path.join(dir, "agent.lock"));
     return owner?.role === SERVER_ROLE ? owner : null;
   };
-  let owner = server();
-  let agent: Agent | null = null;
+  let owner = server(), agent: Agent | null = null;
   if (!owner) {
     try {
       agent = await Agent.open(cfg, "interlink send", { identity: id, now: nodeClock(), host: "cli" });
@@ -8351,7 +8334,6 @@ async function runSend(o: Options, pos: string[], from: OptionSources): Promise<
 async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   const { cfg } = await nodeConfig(o);
   const filterKey = o.peer ? peerKey(loadPeers(cfg.peersFile), o.peer as string) : undefined;
-  const only = sessionGiven(from) ? cfg.session : undefined;
   const shown = new Set<string>(); // with --peer, "sent" lines only for that peer's messages
   const receipts = new Set<string>(); // msg_ids of our receipts not yet sent: their "sent" line is skipped too
   // By inode: a journal rolled over lives on as an archive (the same file, read on), log.jsonl starts anew.
@@ -8359,7 +8341,7 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
   const batch = () => {
     const lines: { at: number; text: string }[] = [];
     const petnames = loadPeers(cfg.peersFile).byKey; // read again for each batch while following: they may change
-    for (const sess of listSessions(cfg.stateDir).filter((s) => !only || s.id === only)) {
+    for (const sess of listSessions(cfg.stateDir).filter((s) => !sessionGiven(from) || s.id === cfg.session)) {
       const label = sessionLabel(sess).padEnd(8);
       for (const file of journalFiles(sess.dir)) {
         const ino = inodeOf(file);
@@ -8402,10 +8384,9 @@ async function runLog(o: Options, _pos: string[], from: OptionSources): Promise<
 async function runTasks(o: Options, _pos: string[], from: OptionSources): Promise<number> {
   const { cfg, id } = await nodeConfig(o);
   const peers = loadPeers(cfg.peersFile);
-  const only = sessionGiven(from) ? cfg.session : undefined;
   const view = { petnameOf: (k: string) => peers.byKey.get(k), peers: () => peers };
   const lines: { at: number; text: string }[] = [];
-  for (const sess of listSessions(cfg.stateDir).filter((s) => !only || s.id === only)) {
+  for (const sess of listSessions(cfg.stateDir).filter((s) => !sessionGiven(from) || s.id === cfg.session)) {
     const { state, journal } = readNodeState(sess.dir);
     journal.close();
     for (const t of taskTable(view, state.tasks.values(), o.peer as string | undefined, o.open === true)) {
@@ -8415,19 +8396,13 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
   }
   if (!lines.length) print(o.open ? "no open tasks" : "no tasks yet");
   for (const l of lines.sort((x, y) => x.at - y.at)) print(l.text);
-  // The executors `serve` runs and holds (executor.ts replaces executors.json whole): denials are this operator's.
-  let jobs: Record<string, string | number | string[] | undefined>[] = [];
-  try {
-    jobs = JSON.parse(fs.readFileSync(path.join(cfg.stateDir, "executors.json"), "utf8"));
-  } catch {
-    // no serve running here, or one starting
-  }
+  // The executors `serve` runs (executors.json, replaced whole; none if no serve runs): denials are this operator's.
+  const jobs = orElse(() => JSON.parse(fs.readFileSync(path.join(cfg.stateDir, "executors.json"), "utf8")), []);
   for (const x of Array.isArray(jobs) ? jobs : []) {
     const at = typeof x.started === "number" ? `started ${new Date(x.started).toISOString()}` : "not started";
-    const denied = Array.isArray(x.denials) ? x.denials : [];
     const cost = typeof x.cost === "number" ? `, $${x.cost.toFixed(4)}` : "";
     const about = `${x.state} ${x.host} task ${x.task} for ${x.peer}: pid ${x.pid ?? "-"}, ${x.cwd}, ${at}`;
-    const denials = denied.length ? `; denied: ${denied.join("; ")}` : "";
+    const denials = Array.isArray(x.denials) && x.denials.length ? `; denied: ${x.denials.join("; ")}` : "";
     print(showInvisible(`executor  ${about}, ${x.turns ?? 0} turn(s)${cost}${denials}`));
   }
   return 0;
@@ -8436,27 +8411,26 @@ async function runTasks(o: Options, _pos: string[], from: OptionSources): Promis
 async function runPeers(o: Options, pos: string[]): Promise<number> {
   const file = o.peers as string;
   const [verb = "list", ...rest] = pos;
+  // seal and exec: one field of the peer's entry set, or removed (undefined); the petname it is filed under.
+  const setField = (field: string, value: unknown) =>
+    editPeers(file, (raw, peers) => {
+      const { petname } = resolvePeer(peers, rest[0]), entry = raw[petname] as Record<string, unknown>;
+      if (value === undefined) delete entry[field];
+      else entry[field] = value;
+      return petname;
+    });
   if (verb === "list" && rest.length === 0) {
     const peers = loadPeers(file);
     if (!peers.byName.size) print(`no peers in ${file}`);
     for (const [name, key] of peers.byName) {
       const exec = peers.exec?.get(key), seal = peers.sealRequired?.has(key) ? "  seal required" : "";
-      print(
-        `${name.padEnd(16)} ${fingerprint(key)}  ${key}${seal}${
-          exec ? `\n${"".padEnd(16)} ${describeProfile(exec)}` : ""
-        }`,
-      );
+      print(`${name.padEnd(16)} ${fingerprint(key)}  ${key}${seal}`);
+      if (exec) print(`${"".padEnd(16)} ${describeProfile(exec)}`);
     }
     return 0;
   }
   if (verb === "seal" && rest.length === 1) {
-    const required = o.required === true,
-      { petname } = await editPeers(file, (raw, peers) => {
-        const found = resolvePeer(peers, rest[0]), entry = raw[found.petname] as Record<string, unknown>;
-        if (required) entry.seal = "required";
-        else delete entry.seal;
-        return found;
-      });
+    const required = o.required === true, petname = await setField("seal", required ? "required" : undefined);
     print(
       required
         ? `'${petname}' is sent nothing in the clear from now on: a message its node cannot open is refused, saying why`
@@ -8486,29 +8460,17 @@ async function runPeers(o: Options, pos: string[]): Promise<number> {
     const profile = o.off === true ? null : checkExecProfile(
       JSON.parse(JSON.stringify({ ...given, max_usd: num("max-usd"), max_minutes: num("max-minutes") })),
     );
-    const petname = await editPeers(file, (raw, peers) => {
-      const { petname } = resolvePeer(peers, rest[0]), entry = raw[petname] as Record<string, unknown>;
-      if (profile) entry.exec = profile;
-      else delete entry.exec;
-      return petname;
-    });
+    const petname = await setField("exec", profile ?? undefined);
     print(`${petname}: ${profile ? describeProfile(profile) : "no executor (its tasks wait for a session)"}`);
     return 0;
   }
-  throw new InterlinkError(
-    `usage: peers [list | add PETNAME KEY | remove PETNAME | seal PETNAME [--required] | exec PETNAME --host H --cwd DIR]`,
-  );
+  throw new InterlinkError(`usage: peers ${COMMANDS.peers.args}`);
 }
 
-/** A profile in one line, as `peers` prints it. */
 function describeProfile(p: ExecProfile): string {
-  const limits = [
-    p.max_turns && `${p.max_turns} turns`,
-    p.max_usd && `$${p.max_usd}`,
-    p.max_minutes && `${p.max_minutes} min`,
-  ];
+  const { max_turns: turns, max_usd: usd, max_minutes: min } = p;
+  const at = [turns && `${turns} turns`, usd && `$${usd}`, min && `${min} min`].filter(Boolean).join(", ");
   const allow = p.allow?.length ? `, allow ${p.allow.join(",")}` : ", allow nothing beyond interlink";
-  const at = limits.filter(Boolean).join(", ");
   return `exec ${p.host} in ${p.cwd}, mode ${p.mode ?? "(never prompts)"}${allow}${at ? `, at most ${at}` : ""}`;
 }
 
@@ -8526,17 +8488,11 @@ const RENEW_TEXT =
  */
 function serverGone(dir: string, claude: { pid?: number; startedAt: number | null; servers: Set<number> }): boolean {
   if (fs.existsSync(path.join(dir, "handover")) || lockOwner(path.join(dir, "agent.lock"))) return false;
-  let ran: number | null = null;
-  try {
-    ran = fs.statSync(path.join(dir, "session.json")).mtimeMs;
-  } catch {
-    // not opened (yet): its process says more
-  }
+  const ran = orElse(() => fs.statSync(path.join(dir, "session.json")).mtimeMs, null); // null: not opened (yet)
   // A server that ran before this claude started (the session resumed) is not this run's: it has yet to open.
   if (ran !== null && (claude.startedAt === null || ran > claude.startedAt)) return true;
   // One that never opened its session (it stopped within moments of starting): claude's interlink child is gone.
-  const now = interlinkChildren(claude.pid);
-  const gone = [...claude.servers].some((pid) => !now.includes(pid));
+  const now = interlinkChildren(claude.pid), gone = [...claude.servers].some((pid) => !now.includes(pid));
   for (const pid of now) claude.servers.add(pid);
   return gone && now.length === 0;
 }
@@ -8544,34 +8500,22 @@ function serverGone(dir: string, claude: { pid?: number; startedAt: number | nul
 /** The `interlink.ts mcp` processes a process started (Linux /proc; elsewhere none are seen). */
 function interlinkChildren(parent: number | undefined): number[] {
   if (!parent) return [];
-  try {
-    return fs.readdirSync("/proc").filter((d) => /^\d+$/.test(d)).filter((d) => {
-      try {
-        const stat = fs.readFileSync(`/proc/${d}/stat`, "utf8");
-        if (Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1]) !== parent) return false;
-        return SERVER_ARGV_RE.test(processArgv(Number(d)));
-      } catch {
-        return false;
-      }
-    }).map(Number);
-  } catch {
-    return [];
-  }
+  const pids = orElse(() => fs.readdirSync("/proc").filter((d) => /^\d+$/.test(d)), []);
+  return pids.filter((d) => {
+    const stat = orElse(() => fs.readFileSync(`/proc/${d}/stat`, "utf8"), ""); // "": gone meanwhile
+    const ppid = Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1]);
+    return ppid === parent && SERVER_ARGV_RE.test(processArgv(Number(d)));
+  }).map(Number);
 }
 
 /** When a process started (unix ms): from /proc to 10 ms, else from `ps` (whole seconds, the latest), else null. */
 function processStartedAt(pid: number | undefined): number | null {
   if (!pid) return null;
-  try {
-    const ticks = Number(procStart(pid)?.split(":")[1]); // clock ticks since boot
-    const uptime = Number(fs.readFileSync("/proc/uptime", "utf8").split(" ")[0]);
-    if (Number.isFinite(ticks) && Number.isFinite(uptime)) return Date.now() - (uptime - ticks / 100) * 1000;
-  } catch {
-    // no /proc: ps
-  }
-  const r = spawnSync("ps", ["-o", "etimes=", "-p", String(pid)], { encoding: "utf8", timeout: 2000 });
-  const s = Number(r.stdout?.trim());
-  return r.status === 0 && r.stdout.trim() !== "" && Number.isFinite(s) ? Date.now() - s * 1000 : null;
+  const ticks = Number(procStart(pid)?.split(":")[1]); // clock ticks since boot; NaN without /proc: then ps
+  const uptime = orElse(() => Number(fs.readFileSync("/proc/uptime", "utf8").split(" ")[0]), NaN);
+  if (Number.isFinite(ticks) && Number.isFinite(uptime)) return Date.now() - (uptime - ticks / 100) * 1000;
+  const s = psColumn(pid, "etimes");
+  return s !== "" && Number.isFinite(Number(s)) ? Date.now() - Number(s) * 1000 : null;
 }
 
 /**
@@ -8584,13 +8528,9 @@ async function runWait(o: Options): Promise<number> {
   const root = (o.state as string | undefined) ?? defaultNodeState((await readIdentity(o.key as string)).fingerprint);
   let session = ((o.session ?? o.inbox) as string | undefined)?.trim();
   if (!session) {
-    try {
-      if (fs.fstatSync(0).isCharacterDevice()) throw new Error("a terminal (or /dev/null): no hook JSON");
-      const hook = JSON.parse(readStdin());
-      if (isObject(hook) && typeof hook.session_id === "string") session = hook.session_id.trim();
-    } catch {
-      // no hook JSON on stdin
-    }
+    // The hook's JSON on stdin, if any (a terminal, or /dev/null, has none).
+    const hook = orElse(() => (fs.fstatSync(0).isCharacterDevice() ? null : JSON.parse(readStdin())), null);
+    if (isObject(hook) && typeof hook.session_id === "string") session = hook.session_id.trim();
   }
   if (!session) {
     const all = listSessions(root).map((x) => x.id);
@@ -8611,19 +8551,11 @@ async function runWait(o: Options): Promise<number> {
   const oneShot = /(^|\s)(-p|--print)(\s|$)/.test(argv) && !/--input-format(=|\s+)stream-json/.test(argv);
   if (oneShot || serverGone(dir, claude)) return 0;
   // Names only: a broken peers.json must not keep messages from the model.
-  const read = orWhy(() => loadPeers(o.peers as string));
-  const peers = typeof read === "string" ? EMPTY_PEERS : read;
+  const peers = orElse(() => loadPeers(o.peers as string), EMPTY_PEERS);
   // The newest wait on a folder wins: a Stop hook starts one per turn, and the older ones step aside.
-  const pidFile = path.join(dir, "wait.pid");
-  const mine = String(process.pid);
+  const pidFile = path.join(dir, "wait.pid"), mine = String(process.pid);
   writeFileAtomic(pidFile, mine);
-  const newest = () => {
-    try {
-      return fs.readFileSync(pidFile, "utf8").trim();
-    } catch {
-      return mine; // removed: keep waiting
-    }
-  };
+  const newest = () => orElse(() => fs.readFileSync(pidFile, "utf8").trim(), mine); // removed: keep waiting
   const wake = new WakeLatch();
   // What it waits for: mail (log.jsonl), a newer wait (wait.pid), its server stopping (agent.lock, session.json).
   const files = ["log.jsonl", "wait.pid", "agent.lock", "session.json"];
@@ -8774,8 +8706,7 @@ const isLoopbackUrl = (url: string): boolean => {
 };
 /** `url` with its host replaced by `address` (credentials dropped: the other machine brings its own). */
 function withHost(url: string, address: string): string {
-  const u = new URL(url.replace(/^(nats|tls):/i, "http:"));
-  const scheme = url.slice(0, url.indexOf(":"));
+  const u = new URL(url.replace(/^(nats|tls):/i, "http:")), scheme = url.slice(0, url.indexOf(":"));
   return `${scheme}://${address}${u.port ? `:${u.port}` : ""}${u.pathname === "/" ? "" : u.pathname}`;
 }
 
@@ -8784,8 +8715,7 @@ type Reach = { ok: true; ms: number; skewMs?: number } | { ok: false; why: strin
 /** Tries a relay: NATS by its roster, a bus by TCP (to name a failure) then GET /roster, whose Date is its clock. */
 async function reachRelay(url: string, timeoutMs: number, now: () => number = Date.now): Promise<Reach> {
   if (isNatsUrl(url)) {
-    const relay = openRelay(url);
-    const t0 = Date.now();
+    const relay = openRelay(url), t0 = Date.now();
     try {
       await relay.roster(timeoutMs); // connects first, making the stream and the bucket if they are missing
       return { ok: true, ms: Date.now() - t0 };
@@ -8795,10 +8725,8 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
       await relay.close();
     }
   }
-  const u = new URL(url);
-  const host = u.hostname.replace(/^\[|\]$/g, "");
-  const port = Number(u.port || (u.protocol === "https:" ? 443 : 80));
-  const s = Math.round(timeoutMs / 1000);
+  const u = new URL(url), host = u.hostname.replace(/^\[|\]$/g, "");
+  const port = Number(u.port || (u.protocol === "https:" ? 443 : 80)), s = Math.round(timeoutMs / 1000);
   const { connect } = await import("node:net"); // not loaded by a session that never checks a relay this way
   const connected = await new Promise<string | null>((resolve) => {
     const socket = connect({ host, port });
@@ -8838,9 +8766,8 @@ async function reachRelay(url: string, timeoutMs: number, now: () => number = Da
 
 /** How the other machine runs this file with `args`: the same runtime, by its usual name, from interlink.ts's folder. */
 function otherMachineCommand(args: string[]): string {
-  const script = thisScript();
+  const script = thisScript(), npx = process.execPath.includes(`${path.sep}_npx${path.sep}`);
   const file = /^https?:/.test(script) ? script : path.basename(script);
-  const npx = process.execPath.includes(`${path.sep}_npx${path.sep}`);
   const { Bun, Deno } = runtimeHost;
   const runner = Deno
     ? `${npx ? `npx -y deno@${Deno.version.deno}` : "deno"} run -A`
@@ -8893,8 +8820,7 @@ async function ensureReachable(url: string, outside: string, lan: boolean): Prom
   const port = new URL(url).port || String(DEFAULT_BUS_PORT);
   const reachableCommand = `interlink.ts bus --host 0.0.0.0 --port ${port}`;
   const local = await reachRelay(url, 1500);
-  const lockFile = path.join(busDataDir(), "bus.lock");
-  const owner = lockOwner(lockFile);
+  const lockFile = path.join(busDataDir(), "bus.lock"), owner = lockOwner(lockFile);
   if (!lan) {
     const problem = local.ok
       ? `the bus at ${url} listens only on loopback: the other machine cannot reach it at ${outside}.`
@@ -8977,12 +8903,9 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
     let current = invite as Invite;
     const watch = (w: () => void) => {
       wake = w;
-      try {
-        const watcher = fs.watch(cfg.stateDir, (_e, name) => (name === null || String(name) === "invites.json") && w());
-        return () => watcher.close();
-      } catch {
-        return () => {}; // the periodic re-check still runs
-      }
+      const changed = (_e: string, name: string | null) => (name === null || String(name) === "invites.json") && w();
+      const watcher = orElse(() => fs.watch(cfg.stateDir, changed), null); // null: the periodic re-check still runs
+      return () => watcher?.close();
     };
     const decided = () => {
       current = readInvites(cfg.stateDir).find((i) => i.id === invite.id) ?? current;
@@ -9022,8 +8945,7 @@ async function runInvite(o: Options, _pos: string[], from: OptionSources): Promi
 }
 
 function listInvites(stateDir: string, id: Identity, nowMs: number): number {
-  const invites = readInvites(stateDir);
-  const pending = invites.filter((i) => inviteState(i, nowMs) === "pending");
+  const invites = readInvites(stateDir), pending = invites.filter((i) => inviteState(i, nowMs) === "pending");
   print(`${pending.length} pending invite(s) of ${id.fingerprint}…${pending.length ? ":" : ""}`);
   for (const i of pending) {
     const until = `until ${isoTime(i.expires)} (in ${howLong(i.expires - nowMs)})`;
@@ -9066,8 +8988,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     throw new InterlinkError(`join takes the code \`interlink.ts invite\` printed\n\n${commandHelp("join")}`);
   }
   const now = nodeClock();
-  const code = await parseInviteCode(pos.join(""));
-  const them = code.name || fingerprint(code.key);
+  const code = await parseInviteCode(pos.join("")), them = code.name || fingerprint(code.key);
   const expired = (atMs: number, by: string, more = "") => {
     const ago = howLong(atMs - code.expiresMs), ask = "ask for a new one (`interlink.ts invite` on the other machine)";
     return new InterlinkError(`the invite expired at ${isoTime(code.expiresMs)}, ${ago} ago by ${by}: ${ask}${more}`);
@@ -9101,15 +9022,13 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
       throw expired(relayNow, by, ", and sync this clock (NTP)");
     }
   }
-  const keyExisted = fs.existsSync(o.key as string);
-  const butKey = keyExisted ? "" : " but this node's new key";
+  const keyExisted = fs.existsSync(o.key as string), butKey = keyExisted ? "" : " but this node's new key";
   await ensureKey(o.key as string, from.key === "default");
   const { cfg, id } = await nodeConfig(o);
   if (id.publicKey === code.key) {
     throw new InterlinkError("that invite is this node's own: run join on the other machine");
   }
-  const peers = loadPeers(cfg.peersFile);
-  const existing = peers.byKey.get(code.key);
+  const peers = loadPeers(cfg.peersFile), existing = peers.byKey.get(code.key);
   const petname = existing ??
     (o.petname !== undefined ? checkPetname(o.petname) : newPeerName(peers, code.key, undefined, code.name));
   const held = peers.byName.get(petname);
@@ -9121,7 +9040,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   const agent = await Agent.open({ ...cfg, busUrls: urls, session }, "interlink join", how);
   let signalled = "", wake = () => {};
   void shutdownSignal().then((sig) => ((signalled = sig), wake()));
-  let outcome: "paired" | "refused" | "waiting" = "waiting";
+  let paired = false;
   try {
     const msgId = newMsgId();
     const proofBytes = inviteProofBytes(Buffer.from(code.id, "hex"), code.key, id.publicKey, msgId);
@@ -9135,14 +9054,13 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
     agent.startSending({ announce: false });
     agent.startReceiving({ ownRouteOnly: true });
     print(`knocked  at ${them}'s invite (request ${msgId}); waiting up to ${howLong(waitS * 1000)} for the answer`);
-    const changes = onJournalChange(agent.journal.stateDir);
     // Read again each time: a queued message's entry is read back from the journal, not kept (see NodeState.entry).
     let entry = queued;
     const settled = () => ((entry = agent.state.entry(msgId) ?? entry), !!entry.refusedBy || !!entry.refused);
     const done = () => signalled !== "" || !agent.state.knocksOut.has(code.key) || settled();
-    await waitUntil(done, waitS * 1000, (w) => ((wake = w), changes(w)), 250);
+    await waitUntil(done, waitS * 1000, (w) => ((wake = w), onJournalChange(agent.journal.stateDir)(w)), 250);
     if (!agent.state.knocksOut.has(code.key)) {
-      outcome = "paired";
+      paired = true;
       let accept: SignedMessage | undefined, at = now();
       scanJournal(agent.journal.file, 0, (r) => {
         if (r.t === "paired" && r.key === code.key && r.msg) [accept, at] = [r.msg, r.at];
@@ -9152,7 +9070,6 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
       const clocks = accept ? `; clocks agree within ${Math.max(1, Math.ceil(bound / 1000))} s` : "";
       print(`paired with ${petname} (${fingerprint(code.key)}…); round trip ${at - t0} ms${clocks}`);
     } else if (entry.refusedBy || entry.refused) {
-      outcome = "refused";
       // The operator reads it here: not a notice for this node's model later.
       if (entry.refusedBy) await agent.journal.appendDurable([{ t: "shown", item: `bounced ${msgId}`, via: "inbox" }]);
       if (pinned) await removePeer(cfg.peersFile, petname);
@@ -9164,7 +9081,7 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   } finally {
     await agent.stop();
   }
-  if (outcome === "waiting") {
+  if (!paired) {
     // Nothing of this join is kept: the pin goes, config.json was not written, and this join's session goes (a
     // late acceptance there would otherwise pair this node, when a session adopts it, without anyone here asking).
     if (pinned) await removePeer(cfg.peersFile, petname);
@@ -9180,9 +9097,8 @@ async function runJoin(o: Options, pos: string[], from: OptionSources): Promise<
   }
   const configured = from.url === "config" ? parseBusUrls(o.url as string) : [];
   const url = [...configured, ...urls.filter((u) => !configured.includes(u))].join(",");
-  const file = writeConfig({ ...explicitSettings(o, from), url });
-  const config = tildify(file), added = pinned ? "added" : "already there";
-  const made = keyExisted ? "this node's" : "created now";
+  const config = tildify(writeConfig({ ...explicitSettings(o, from), url }));
+  const added = pinned ? "added" : "already there", made = keyExisted ? "this node's" : "created now";
   print(`config   ${config}: url ${url}`);
   print(`peers    ${tildify(cfg.peersFile)}: '${petname}' is ${fingerprint(code.key)}… (${added})`);
   print(`key      ${tildify(cfg.keyFile)} (${made}), fingerprint ${id.fingerprint}\n`);
@@ -9232,8 +9148,7 @@ function printClaudeSetup(lead: string): void {
 const identityLines = (id: Identity) => `public key   ${id.publicKey}\nfingerprint  ${id.fingerprint}`;
 
 async function runKeygen(o: Options): Promise<number> {
-  const file = o.out as string;
-  const seed = crypto.getRandomValues(new Uint8Array(32));
+  const file = o.out as string, seed = crypto.getRandomValues(new Uint8Array(32));
   writeKeyFile(file, seed, o.force === true);
   const id = await identityFromSeed(seed);
   const suggested = os.hostname().replace(/[^A-Za-z0-9._-]/g, "-").replace(/^[^A-Za-z0-9]+/, "") || "my-node";
@@ -9282,17 +9197,15 @@ const COMMANDS: Record<string, CommandSpec> = {
       "Uses the same key, peers and state folder as `mcp`. If an agent runs on that folder, it delivers the\nmessage (nothing is sent twice); otherwise this command delivers it, or leaves it queued in the outbox.",
     options: {
       ...NODE_OPTIONS,
-      task: { type: "string", arg: "ID", help: "task_id the message belongs to" },
-      status: { type: "string", arg: "STATUS", help: `task status: ${STATUSES.join(", ")}` },
-      "in-reply-to": { type: "string", arg: "MSG_ID", help: "the msg_id this answers" },
-      channel: { type: "string", arg: "LABEL", help: "the recipient's named inbox" },
-      parent: option(
+      task: plain("ID", "task_id the message belongs to"),
+      status: plain("STATUS", `task status: ${STATUSES.join(", ")}`),
+      "in-reply-to": plain("MSG_ID", "the msg_id this answers"),
+      channel: plain("LABEL", "the recipient's named inbox"),
+      parent: plain(
         "TASK_ID",
-        undefined,
-        undefined,
         "the task a peer asked of this node that this request serves: opens a sub-task (with --task, no --status)",
       ),
-      "parent-peer": option("PEER", undefined, undefined, "who asked for --parent, where several peers used that id"),
+      "parent-peer": plain("PEER", "who asked for --parent, where several peers used that id"),
       "max-depth": OPT["max-depth"],
     },
     run: runSend,
@@ -9301,7 +9214,7 @@ const COMMANDS: Record<string, CommandSpec> = {
     summary: "print this node's conversation log",
     options: {
       ...NODE_OPTIONS,
-      peer: { type: "string", arg: "PETNAME", help: "only messages with this peer" },
+      peer: plain("PETNAME", "only messages with this peer"),
       follow: { type: "boolean", short: "f", help: "keep printing new records" },
     },
     run: runLog,
@@ -9310,8 +9223,8 @@ const COMMANDS: Record<string, CommandSpec> = {
     summary: "print the task table folded from the log",
     options: {
       ...NODE_OPTIONS,
-      peer: { type: "string", arg: "PETNAME", help: "only tasks with this peer" },
-      open: { type: "boolean", help: "hide closed tasks" },
+      peer: plain("PETNAME", "only tasks with this peer"),
+      open: toggle("hide closed tasks"),
     },
     run: runTasks,
   },
@@ -9325,19 +9238,15 @@ const COMMANDS: Record<string, CommandSpec> = {
       "`exec` is this operator's alone (a peer can never set or widen it): see `interlink.ts serve`.",
     options: {
       peers: OPT.peers,
-      required: { type: "boolean", help: "with seal: never send this peer a message in the clear" },
-      host: { type: "string", arg: "HOST", help: "exec: the host that runs the peer's tasks: claude or codex" },
-      cwd: { type: "string", arg: "DIR", help: "exec: the folder its tasks run in" },
-      mode: {
-        type: "string",
-        arg: "M",
-        help: "exec: the host's permission mode (default: the one that never prompts)",
-      },
-      allow: { type: "string", arg: "TOOLS", help: "exec: tools allowed beyond interlink's, comma-separated" },
-      "max-turns": { type: "string", arg: "N", help: "exec: turns a task may take" },
-      "max-usd": { type: "string", arg: "X", help: "exec: dollars a task may spend" },
-      "max-minutes": { type: "string", arg: "M", help: "exec: minutes a task may run before it is stopped" },
-      off: { type: "boolean", help: "exec: remove the profile (its tasks wait for a session again)" },
+      required: toggle("with seal: never send this peer a message in the clear"),
+      host: plain("HOST", "exec: the host that runs the peer's tasks: claude or codex"),
+      cwd: plain("DIR", "exec: the folder its tasks run in"),
+      mode: plain("M", "exec: the host's permission mode (default: the one that never prompts)"),
+      allow: plain("TOOLS", "exec: tools allowed beyond interlink's, comma-separated"),
+      "max-turns": plain("N", "exec: turns a task may take"),
+      "max-usd": plain("X", "exec: dollars a task may spend"),
+      "max-minutes": plain("M", "exec: minutes a task may run before it is stopped"),
+      off: toggle("exec: remove the profile (its tasks wait for a session again)"),
     },
     run: runPeers,
   },
@@ -9385,27 +9294,16 @@ const COMMANDS: Record<string, CommandSpec> = {
       "admits it (after Ctrl-C, a running session of this node does); one use, until it expires.",
     options: {
       ...pick("key", "peers", "url", "state", "name"),
-      for: {
-        type: "string",
-        arg: "PETNAME",
-        help: "the petname the joining node is filed under (default: its claimed name, if free)",
-      },
+      for: plain("PETNAME", "the petname the joining node is filed under (default: its claimed name, if free)"),
       ttl: option(
         "DURATION",
         "INTERLINK_INVITE_TTL",
         INVITE_TTL_DEFAULT,
         "how long the invite is valid (90s, 10m, 2h; at most 24h)",
       ),
-      lan: {
-        type: "boolean",
-        help: `run this machine's bus on every address when it listens only on loopback; then ${BUS_EXPOSURE}`,
-      },
-      list: { type: "boolean", help: "list the pending invites (and the spent ones still remembered), and exit" },
-      revoke: {
-        type: "string",
-        arg: "ID",
-        help: "revoke a pending invite (its id, or a unique start of it), and exit",
-      },
+      lan: toggle(`run this machine's bus on every address when it listens only on loopback; then ${BUS_EXPOSURE}`),
+      list: toggle("list the pending invites (and the spent ones still remembered), and exit"),
+      revoke: plain("ID", "revoke a pending invite (its id, or a unique start of it), and exit"),
     },
     run: runInvite,
   },
@@ -9425,10 +9323,8 @@ const COMMANDS: Record<string, CommandSpec> = {
         help: "use these relays instead (another address of the same bus, say)",
       },
       ...pick("state", "name"),
-      petname: option(
+      petname: plain(
         "PETNAME",
-        undefined,
-        undefined,
         "the petname the inviter is filed under (default: the name in the code, if free, else peer-<fingerprint>)",
       ),
       wait: option("SECONDS", "INTERLINK_JOIN_WAIT", String(JOIN_WAIT_S), "how long to wait for the inviter's answer"),
@@ -9439,7 +9335,7 @@ const COMMANDS: Record<string, CommandSpec> = {
     summary: "create this node's Ed25519 key file",
     options: {
       out: { ...OPT.key, help: "where to write the key (0600)" },
-      force: { type: "boolean", help: "replace an existing key file (the old identity is lost)" },
+      force: toggle("replace an existing key file (the old identity is lost)"),
     },
     run: runKeygen,
   },
@@ -9548,8 +9444,7 @@ function parseCommandLine(name: string, argv: string[], cmd: CommandSpec) {
   }
   const shared = Object.keys(cmd.options).some((flag) => (CONFIG_KEYS as readonly string[]).includes(flag));
   const config = shared ? readConfig() : { values: {} };
-  const opts: Options = {};
-  const from: OptionSources = config.problem ? { problem: config.problem } : {};
+  const opts: Options = {}, from: OptionSources = some("problem", config.problem);
   for (const [flag, o] of Object.entries(cmd.options)) {
     const given = parsed.values[flag];
     const fromEnv = o.env ? process.env[o.env] : undefined;
@@ -9570,9 +9465,8 @@ function envFlag(name: string, value: string): boolean {
 }
 
 /**
- * Commands in files of their own beside interlink.ts, each exporting its `command` (a CommandSpec) and importing this
- * file, never the reverse: the roles other than the node (`role`: the relay) and the extras. `interlink.ts <name>`
- * runs one where it is there; a copy of interlink.ts alone says what to fetch. No session loads any of them.
+ * Commands in files of their own beside interlink.ts, each exporting its `command` and importing this file, never the
+ * reverse: the roles besides the node (`role`) and the extras. No session loads them; a lone copy says what to fetch.
  */
 const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
   bus: { file: "bus.ts", summary: "run the durable keep-until-ack relay that nodes talk through", role: true },
@@ -9604,12 +9498,8 @@ const EXTRAS: Record<string, { file: string; summary: string; role?: true }> = {
 /** What a lone copy says when `interlink.ts name` needs its file (see EXTRAS), to be fetched to `where`. */
 function extraMissing(name: string, where: string): string {
   const { file, role } = EXTRAS[name];
-  const [what, why] = role
-    ? [
-      "is a role of its own, not part of the node",
-      name === "bus" ? "a session needs it only to start this machine's own bus" : "no session loads it",
-    ]
-    : ["is an extra, not part of interlink.ts", "no session loads it"];
+  const what = role ? "is a role of its own, not part of the node" : "is an extra, not part of interlink.ts";
+  const why = name === "bus" ? "a session needs it only to start this machine's own bus" : "no session loads it";
   return missingFile(`\`${name}\` ${what}`, file, where, why);
 }
 
@@ -9629,7 +9519,11 @@ async function main(argv: string[]): Promise<number> {
   }
   // Every argument is claude's; a lone --help is ours.
   if (name === "claude" && !(rest.length === 1 && ["--help", "-h"].includes(rest[0]))) return await runClaude(rest);
-  if (Object.hasOwn(EXTRAS, name)) return await runCommand(name, rest, loadExtra(name));
+  if (Object.hasOwn(EXTRAS, name)) {
+    // Loaded from beside this file; where it is not there, an InterlinkError that says what to fetch.
+    const extra = importBeside<{ command: CommandSpec }>(EXTRAS[name].file, (where) => extraMissing(name, where));
+    return await runCommand(name, rest, extra.then((m) => m.command));
+  }
   if (!Object.hasOwn(COMMANDS, name)) {
     writeStderr(`interlink: unknown command '${name}'\n\n${programHelp()}\n`);
     return 2;
@@ -9657,21 +9551,14 @@ async function runCommand(name: string, argv: string[], spec: CommandSpec | Prom
   }
 }
 
-/** The CommandSpec of a role or an extra, loaded from beside this file; an InterlinkError that says what to fetch. */
-async function loadExtra(name: string): Promise<CommandSpec> {
-  return (await importBeside<{ command: CommandSpec }>(EXTRAS[name].file, (where) => extraMissing(name, where)))
-    .command;
-}
-
 /** Exits with the command's code; a crash prints its stack and exits 70 (EX_SOFTWARE). */
 function exitWith(run: Promise<number>): void {
-  run.then(async (code) => {
+  run.catch((e) => {
+    writeStderr(`interlink: ${(e as Error).stack ?? e}\n`);
+    return 70;
+  }).then(async (code) => {
     await flushStderr();
     process.exit(code);
-  }, async (e) => {
-    writeStderr(`interlink: ${(e as Error).stack ?? e}\n`);
-    await flushStderr();
-    process.exit(70);
   });
 }
 
