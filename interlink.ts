@@ -3223,9 +3223,8 @@ const obj = (v: unknown, what: string): Record<string, unknown> => {
 
 // The containers. record: an object of the fields `spec` decodes; listOf: a list, each item read as field `k`;
 // items: a list that may be absent (none); pairs: a Map's entries as JSON.stringify writes them, [key, value].
-function record<S extends Record<string, Field<unknown>>>(spec: S): Field<Decoded<S>> {
-  return (o, k) => fields(obj(o[k], `"${k}"`), spec);
-}
+const record = <S extends Record<string, Field<unknown>>>(spec: S): Field<Decoded<S>> => (o, k) =>
+  fields(obj(o[k], `"${k}"`), spec);
 const listOf = <V>(f: Field<V>): Field<V[]> => (o, k) => list(o, k).map((v) => f({ [k]: v }, k));
 const items = <V>(f: Field<V>): Field<V[]> => (o, k) => (o[k] === undefined ? [] : listOf(f)(o, k));
 const pairs = <V>(f: Field<V>): Field<[string, V][]> =>
@@ -3942,11 +3941,6 @@ class NodeState {
     this.owed.set(route, lines);
   }
 
-  /** Refusals reported since `sinceMs` that `which` counts (to one key, to strangers, about one invite). */
-  refusalsReportedSince(sinceMs: number, which: (r: { key: string; invite?: string }) => boolean): number {
-    return [...this.refusalsReported.values()].filter((r) => r.at >= sinceMs && which(r)).length;
-  }
-
   /** Forgets knocks held over a day (FRESH_PAST_MS): their sender has long moved on. */
   expireKnocks(nowMs: number): void {
     for (const [key, k] of this.knocksIn) {
@@ -3959,10 +3953,6 @@ class NodeState {
   /** Knocks made visible to the model since `sinceMs` (at most KNOCKS_SHOWN_PER_HOUR are remembered). */
   knocksShownSince(sinceMs: number): number {
     return this.#knocksShown.filter((t) => t >= sinceMs).length;
-  }
-
-  get refusalNotices(): number {
-    return [...this.inbox.values()].filter((item) => item.kind === "refusals").length;
   }
 
   /**
@@ -4040,15 +4030,9 @@ class NodeState {
   wasShown(id: string): boolean {
     return this.#shown.has(id);
   }
-
-  /** True when `msg` was journaled but not yet shown to the model. */
-  unshown(msg: SignedMessage): boolean {
-    return this.inbox.has(messageKey(msg.from, msg.msg_id)) || this.inbox.has(knockItem(msg.from, msg.msg_id));
-  }
 }
 
 /** The journal file and its fold; its owner (agent.lock) quarantines lines it cannot read, readers skip them. */
-
 class Journal {
   readonly file: string;
   #writer: JsonlWriter | null = null;
@@ -4885,9 +4869,6 @@ function wakeText(count: number, blocks: string): string {
 /** What planHops decided: fields of the "in" record, logs, and sends that go before the ack. */
 type Hops = { chain?: Chain; declined?: string; relay?: Relayed; logs: Effect[]; sends: Effect[] };
 
-/** A message passed along: what its "in" record says of it, and the send. */
-type Passed = { relay: Relayed; send: Effect };
-
 /** A message the node sends by itself on a task, to the task's session (the shell checks it still runs). */
 function sendOnTask(t: TaskRow, draft: Omit<Draft, "to" | "task_id">, peers: Peers, forward?: Forward): Effect {
   const onTask: Draft = { to: t.peer_key, task_id: t.task_id, ...draft };
@@ -4928,12 +4909,12 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
 }
 
 /** A question on a sub-task we opened goes `up` (its open parent task), else an answer to one we forwarded goes down. */
-function passAlong(msg: SignedMessage, row: TaskRow, ctx: InboundContext, up: TaskRow | null): Passed | null {
+function passAlong(msg: SignedMessage, row: TaskRow, ctx: InboundContext, up: TaskRow | null) {
   // Within what this node will sign (the peer's text may be up to a bus body).
   const via = (verb: string) =>
     `${whoIs(ctx.peers, msg.from)} ${verb}, via ${ctx.selfName ?? fingerprint(ctx.selfKey ?? msg.to)}: ` +
     truncateUtf8(msg.text, TEXT_LIMIT_BYTES);
-  const pass = (dir: Relayed["dir"], t: TaskRow, draft: Omit<Draft, "to" | "task_id">, forward?: Forward): Passed => ({
+  const pass = (dir: Relayed["dir"], t: TaskRow, draft: Omit<Draft, "to" | "task_id">, forward?: Forward) => ({
     relay: { dir, to: t.peer_key, task_id: t.task_id },
     send: sendOnTask(t, draft, ctx.peers, forward),
   });
@@ -5025,12 +5006,10 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
     case "reject": {
       // A message admitted before whose passing along was cut short (a crash before its ack): done now.
       const repair = v.reason === "replay" && v.msg ? repairHops(v.msg, ctx) : [];
-      if (v.reason === "replay" && v.msg && canPush && state.unshown(v.msg)) {
-        // Journaled but never shown (a crash between the record and the push): show it now, once.
-        const key = messageKey(v.msg.from, v.msg.msg_id);
-        const id = state.inbox.has(key) ? key : knockItem(v.msg.from, v.msg.msg_id);
-        return [{ do: "push", id }, { do: "sync" }, ...repair, { do: "ack" }];
-      }
+      // Journaled but never shown (a crash between the record and the push): show it now, once.
+      const m = v.reason === "replay" && canPush ? v.msg : undefined;
+      const id = m && [messageKey(m.from, m.msg_id), knockItem(m.from, m.msg_id)].find((i) => state.inbox.has(i));
+      if (id) return [{ do: "push", id }, { do: "sync" }, ...repair, { do: "ack" }];
       // Refused for now, not for good: unacked, so the bus keeps it and hands it over again later.
       if (v.forNow) return [refusalLog(v), { do: "defer" }];
       return refuse(v, ctx, repair);
@@ -5179,7 +5158,7 @@ function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const waiting = ctx.state.inbox.get(id);
   if (waiting?.kind === "refusals") return [{ do: "count", id }];
   if (ctx.nowMs - (ctx.state.refusalShownAt.get(id) ?? 0) < REFUSAL_REPEAT_MS) return [];
-  if (ctx.state.refusalNotices >= REFUSAL_NOTICES_CAP) return [];
+  if ([...ctx.state.inbox.values()].filter((i) => i.kind === "refusals").length >= REFUSAL_NOTICES_CAP) return [];
   // A bad signature proves no key: whoever claims a peer's (or ours) there is a stranger, on the strangers' budget.
   const stranger = (key: string, reason: string) =>
     reason === "bad_signature" || !(ctx.peers.byKey.has(key) || key === ctx.selfKey);
@@ -5210,7 +5189,7 @@ function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const hourAgo = nowMs - 60 * 60_000;
   const isPeer = (key: string) => peers.byKey.has(key) || key === ctx.selfKey, peer = isPeer(msg.from);
   const left = (which: (r: { key: string; invite?: string }) => boolean) =>
-    state.refusalsReportedSince(hourAgo, which) < RECEIPT_REFUSALS_PER_HOUR;
+    [...state.refusalsReported.values()].filter((r) => r.at >= hourAgo && which(r)).length < RECEIPT_REFUSALS_PER_HOUR;
   // From a peer: a message from our future, or held past HELD_MAX_MS (a replay of one delivered: its sender knows
   // better), or over its share (busy). From a key not in our peers (it may list us: a one-sided pairing), that we
   // refused it, so it can knock again; strangers together get RECEIPT_REFUSALS_PER_HOUR an hour. A knock through an
