@@ -3431,9 +3431,8 @@ type RecordOf<T extends RecordTag> = Extract<JournalRecord, { t: T }>;
 type NewRecord = JournalRecord extends infer R ? R extends JournalRecord ? Omit<R, "at"> : never : never;
 
 /**
- * A record in one of interlink.ts 0.4.0's shapes: an "in" without a peer or shown by push, a "shown" naming sender and
- * msg_id, a "knock" holding the whole message, an "out" without a recipient. Read as today's, it would be set aside as
- * unreadable or show a message again, so no session reads one: `interlink.ts upgrade` (extras/upgrade.ts) rewrites it.
+ * A record in one of interlink.ts 0.4.0's shapes. Read as today's, it would be set aside as unreadable or show a
+ * message again, so no session reads one: `interlink.ts upgrade` (extras/upgrade.ts) rewrites it.
  */
 function isOldShape(o: Record<string, unknown>): boolean {
   const msg = isObject(o.msg);
@@ -3462,10 +3461,7 @@ function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
 
 const encodeRecord = (r: JournalRecord): string => JSON.stringify(r);
 
-/**
- * Reads a journal's records from byte `from`, decoded; `onBad` gets a line that is not one, with why; one of 0.4.0's
- * shapes stops the read (see isOldShape). The one reader of journals (the fold, `log`, `tasks`, history, `doctor`).
- */
+/** The one reader of journals (the fold, `log`, `tasks`, history, `doctor`); a 0.4.0 shape stops it (isOldShape). */
 function scanJournal(
   file: string,
   from: number,
@@ -3491,10 +3487,7 @@ function recordedReports(r: RecordOf<"receipt">): ReceiptLine[] {
   return r.lines ? all.filter((_, i) => r.lines!.includes(i)) : all;
 }
 
-/**
- * How a message stands to its task before it is folded: `asked`, the question of ours it answers, if still awaited
- * (see InboxItem); `late`, its task closed already (the closing status); `unopened`, no task of it here.
- */
+/** How a message stands to its task before it is folded: its `asked`, `late` and `unopened` (see InboxItem). */
 function taskMarks(tasks: ReadonlyMap<string, TaskRow>, msg: SignedMessage) {
   if (msg.kind !== "message" || !msg.task_id) return {};
   const row = tasks.get(taskKey(msg.from, msg.task_id));
@@ -4281,12 +4274,8 @@ class SeenLog {
 const ADOPTED_FILE = "adopted.json";
 
 function readAdoptedFile(dir: string): { size: number; by: string | null } | null {
-  try {
-    const raw = JSON.parse(fs.readFileSync(path.join(dir, ADOPTED_FILE), "utf8"));
-    return isObject(raw) && Number.isSafeInteger(raw.size) ? raw as { size: number; by: string | null } : null;
-  } catch {
-    return null;
-  }
+  const raw = orWhy(() => JSON.parse(fs.readFileSync(path.join(dir, ADOPTED_FILE), "utf8")));
+  return isObject(raw) && Number.isSafeInteger(raw.size) ? raw as { size: number; by: string | null } : null;
 }
 
 function writeAdoptedFile(dir: string, what: { size: number; by: string | null }): void {
@@ -4595,15 +4584,14 @@ function channelMeta(msg: SignedMessage, petname: string): Record<string, string
 const attr = (v: string): string =>
   showInvisible(v, true).replace(/&/g, "&amp;").replace(/"/g, "&quot;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
+/** A message as a block shows it: its sender (or recipient), when it came (or went), the session it came for. */
+type MessageShown = { peer: string; msg: SignedMessage; at: number; forSession?: string };
+
 /** One message as an attributed block: the format of check_inbox, `wait` and conversation_history. */
 function messageBlock(
-  m: {
+  m: MessageShown & {
     dir: "in" | "out";
-    peer: string;
-    msg: SignedMessage;
-    at: number;
     state?: string;
-    forSession?: string;
     notes?: [string, string][]; // attributes in our words (see itemNotes), after the message's own
     maxChars?: number; // the most of the escaped text shown; the rest is cut, and the block says so
   },
@@ -4772,10 +4760,7 @@ function itemNotes(i: MessageItem, peers: Peers): [string, string][] {
 }
 
 /** A message item's sender, message and arrival; a "waiting" one's in the shape of the message it was. */
-function itemMessage(
-  i: MessageItem,
-  peers: Peers,
-): { peer: string; msg: SignedMessage; at: number; forSession?: string } {
+function itemMessage(i: MessageItem, peers: Peers): MessageShown {
   if (i.kind === "message") return i;
   const { key: from, text, asked_at: ts, msg_id, task_id } = i, kind = "message", status = "needs_input";
   const msg: SignedMessage = { from, to: "", text, ts, msg_id, kind, task_id, status, sig: "" };
@@ -5051,9 +5036,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       // Through an invite, our operator decided in advance (by running `interlink.ts invite`): nothing is held.
       if (ctx.invite?.ok) return admitInvited(v, ctx.invite.invite, ctx);
       if (ctx.invite) return refuse({ reason: ctx.invite.reason, detail: ctx.invite.detail, msg: v.msg }, ctx);
-      const { from: key, msg_id, ts } = v.msg;
-      const fp = fingerprint(key);
-      const rejectedAt = state.rejected.get(key);
+      const { from: key, msg_id, ts } = v.msg, fp = fingerprint(key), rejectedAt = state.rejected.get(key);
       const again = state.knocksIn.has(key)
         ? "; its earlier request still waits for the operator"
         : rejectedAt !== undefined && ctx.nowMs - rejectedAt < FRESH_PAST_MS
@@ -5122,11 +5105,8 @@ type Refused = { reason: Refusal; detail: string; msg?: SignedMessage };
 
 /** Before the signature checks out, `from` is only a claim. */
 function refusalLog(v: Refused): Effect {
-  const who = !v.msg
-    ? "?"
-    : v.reason === "malformed" || v.reason === "bad_signature"
-    ? `${fingerprint(v.msg.from)} (claimed, unverified)`
-    : fingerprint(v.msg.from);
+  const claimed = v.reason === "malformed" || v.reason === "bad_signature" ? " (claimed, unverified)" : "";
+  const who = v.msg ? fingerprint(v.msg.from) + claimed : "?";
   const id = v.msg ? ` (msg_id ${JSON.stringify(v.msg.msg_id.slice(0, 64))})` : "";
   const line = `refused a message from ${who}${id}: ${v.reason}: ${v.detail}`;
   return logEffect(v.reason === "replay" ? "info" : "warn", line); // a copy from a second bus is routine, not an alarm
@@ -5155,8 +5135,7 @@ function refusedInvite(v: Refused): string | undefined {
 function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (!v.msg || !REFUSALS_SHOWN.has(v.reason)) return [];
   const invite = refusedInvite(v), id = refusalItem(v.msg.from, v.reason, invite);
-  const waiting = ctx.state.inbox.get(id);
-  if (waiting?.kind === "refusals") return [{ do: "count", id }];
+  if (ctx.state.inbox.get(id)?.kind === "refusals") return [{ do: "count", id }];
   if (ctx.nowMs - (ctx.state.refusalShownAt.get(id) ?? 0) < REFUSAL_REPEAT_MS) return [];
   if ([...ctx.state.inbox.values()].filter((i) => i.kind === "refusals").length >= REFUSAL_NOTICES_CAP) return [];
   // A bad signature proves no key: whoever claims a peer's (or ours) there is a stranger, on the strangers' budget.
@@ -5427,8 +5406,7 @@ async function readRoster(
   relays: Relay[],
   nowMs: number,
 ): Promise<{ byRoute: Map<string, PeerSession>; problems: string[] }> {
-  const byRoute = new Map<string, PeerSession>();
-  const problems: string[] = [];
+  const byRoute = new Map<string, PeerSession>(), problems: string[] = [];
   await Promise.all(
     relays.map(async (relay) => {
       try {
