@@ -3195,7 +3195,6 @@ function fields<S extends Record<string, Field<unknown>>>(o: Record<string, unkn
   return out as Decoded<S>;
 }
 
-/** A value `ok` accepts, as it is. */
 const is = <T>(ok: (v: unknown) => boolean, says: string): Field<T> => (o, k) => {
   if (!ok(o[k])) throw new FormatError(`"${k}" is ${o[k] === undefined ? "missing" : says}`);
   return o[k] as T;
@@ -3570,8 +3569,7 @@ class NodeState {
 
   readonly #handlers: { [T in RecordTag]: (r: RecordOf<T>) => void } = {
     out: (r) => {
-      const id = r.msg.msg_id;
-      const held = this.outgoing.get(id);
+      const id = r.msg.msg_id, held = this.outgoing.get(id);
       if (held || this.pending.has(id)) {
         // A re-send of one already sent (a knock repeated): the same msg_id, signed anew, back in the outbox.
         if (held && r.again && !held.refused) {
@@ -3584,10 +3582,7 @@ class NodeState {
       }
       const refused = lifecycleError(this.tasks, r.msg);
       const entry = outEntry(r, some("refused", refused ?? undefined));
-      if (refused) {
-        this.outgoing.set(id, entry);
-        return this.#remember();
-      }
+      if (refused) return this.#remember(entry);
       this.#queue(entry);
       if (r.msg.kind === "receipt") {
         // What a receipt we signed reports is owed no longer.
@@ -3740,7 +3735,6 @@ class NodeState {
     },
   };
 
-  /** A notice for the model, unless this journal showed it already. */
   #notice(item: Notice): void {
     if (!this.#shown.has(item.id)) this.inbox.set(item.id, item);
   }
@@ -3756,22 +3750,18 @@ class NodeState {
   #settled(msgId: string, settle: (e: OutEntry) => void): void {
     const entry = this.pending.get(msgId);
     if (!entry) return;
-    this.#unqueue(entry);
+    this.pending.delete(msgId);
+    this.pendingBytes -= weight(entry.msg);
     // A receipt we sent is bookkeeping: once out, it must not take the room of our own messages' statuses.
     if (entry.msg.kind === "receipt") return;
     settle(entry);
-    this.outgoing.set(msgId, entry);
+    this.#remember(entry);
     if (entry.sentAt !== undefined && entry.msg.kind === "message") this.#unconfirmed(entry.recipient, msgId, true);
-    this.#remember();
   }
 
   #queue(e: OutEntry): void {
     this.pending.set(e.msg.msg_id, e);
     this.pendingBytes += weight(e.msg);
-  }
-
-  #unqueue(e: OutEntry): void {
-    if (this.pending.delete(e.msg.msg_id)) this.pendingBytes -= weight(e.msg);
   }
 
   #hold(item: InboxItem): void {
@@ -3801,8 +3791,9 @@ class NodeState {
     ).map((e) => e.msg.msg_id);
   }
 
-  /** Forgets the oldest sent entries past SENT_MEMORY_CAP (message_status then reads the journal). */
-  #remember(): void {
+  /** Keeps `e` among the sent entries; forgets the oldest past SENT_MEMORY_CAP (message_status then reads the journal). */
+  #remember(e?: OutEntry): void {
+    if (e) this.outgoing.set(e.msg.msg_id, e);
     for (const [oldest, e] of this.outgoing) {
       if (this.outgoing.size <= SENT_MEMORY_CAP) break;
       this.#unconfirmed(e.recipient, oldest, false);
@@ -3863,8 +3854,7 @@ class NodeState {
     if (this.entry(id)) return;
     const entry = outEntry(o, some("adoptedFrom", session ?? undefined));
     if (o.sent_at === undefined) return this.#queue(entry);
-    this.outgoing.set(id, entry);
-    this.#remember();
+    this.#remember(entry);
     if (!o.delivered && o.msg.kind === "message") this.#unconfirmed(o.recipient, id, true);
   }
 
@@ -4057,7 +4047,6 @@ class Journal {
   /** Applies every complete record appended since the last call. */
   catchUp(): void {
     this.#followRoll();
-    const first = this.#offset === 0;
     const bad: Parameters<BadLine>[] = [];
     const onBad: BadLine = (...line) => bad.push(line);
     const { next, tornBytes } = scanJournal(this.file, this.#offset, (r, at, end) => {
@@ -4076,7 +4065,7 @@ class Journal {
         logWarn(`${this.file}: skipped the line at byte ${at}: ${why}`);
       }
     }
-    if (first && tornBytes) {
+    if (this.#offset === 0 && tornBytes) {
       logWarn(`${this.file}: its last line is torn (${tornBytes} bytes, a write cut short by a crash); skipped`);
     }
     if (next - this.#offset > SHRINK_AFTER_BYTES) giveMemoryBack();
@@ -4090,8 +4079,7 @@ class Journal {
   append(records: NewRecord[]): void {
     this.catchUp();
     this.#writer ??= new JsonlWriter(this.file, `the state folder ${this.stateDir}`);
-    const at = this.now();
-    const stamped = records.map((r) => ({ ...r, at }) as JournalRecord);
+    const at = this.now(), stamped = records.map((r) => ({ ...r, at }) as JournalRecord);
     const text = stamped.map((r) => encodeRecord(r) + "\n").join("");
     if (this.#writer.appendText(text) !== this.#offset) return this.catchUp();
     this.#offset += utf8Bytes(text);
@@ -4125,9 +4113,7 @@ class Journal {
    */
   roll(durable: () => void = () => {}): boolean {
     this.catchUp();
-    const at = this.now();
-    const archived = `log-${at}.jsonl`;
-    const state = this.state;
+    const at = this.now(), archived = `log-${at}.jsonl`, state = this.state;
     const carried = state.carry(at), remembered = state.remembered(at);
     const head = encodeRecord({ t: "checkpoint", at, archived, carried, remembered });
     let bytes = utf8Bytes(head) + state.inboxBytes + 64 * state.inbox.size; // about what the new file holds
@@ -4957,8 +4943,7 @@ function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
   if (msg.kind !== "message" || !msg.task_id) return [];
   const row = state.tasks.get(taskKey(msg.from, msg.task_id));
   if (!row) return [];
-  const me = ctx.selfKey ?? msg.to;
-  const asked = row.awaiting.find((q) => q.msg_id === msg.msg_id && q.asked_by === "peer");
+  const me = ctx.selfKey ?? msg.to, asked = row.awaiting.find((q) => q.msg_id === msg.msg_id && q.asked_by === "peer");
   const up = asked && !asked.forwarded && !row.closed ? forwardTarget(state.tasks, row, msg) : null;
   const passed = passAlong(msg, row, ctx, up);
   if (passed) return [passed.send];
@@ -5373,8 +5358,7 @@ function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): ob
 
 /** Signs a checked send and appends it to the outbox durably: the one send path. */
 async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, nowMs: number): Promise<OutEntry> {
-  const msg = await signMessage(id, p.draft, nowMs);
-  const chain = p.chain ? await signChain(id, msg, p.chain) : undefined;
+  const msg = await signMessage(id, p.draft, nowMs), chain = p.chain ? await signChain(id, msg, p.chain) : undefined;
   // Sized as every bus sees its JSON body (a control character takes six bytes escaped): none too big is queued.
   const payload = messagePayload(msg, `${id.publicKey}#${"x".repeat(128)}`, chain); // the longest reply_to
   const bytes = Buffer.byteLength(JSON.stringify({ to: p.recipient, payload }));
@@ -5483,8 +5467,7 @@ function chooseRoute(p: {
   ended?: (session: string) => boolean; // that session said goodbye and has not been back since
   seen?: (session: string) => boolean; // it was on a roster before: missing now, it was unregistered or expired
 }): RouteChoice {
-  const { key } = p, known = p.rosterKnown ?? true;
-  const ended = (id: string) => p.ended?.(id) ?? false;
+  const { key } = p, known = p.rosterKnown ?? true, ended = (id: string) => p.ended?.(id) ?? false;
   const all = p.candidates.filter((c) => !ended(c.session!.session_id));
   const find = (id: string) => all.find((c) => c.session!.session_id === id);
   // A `serve` task's session takes only its task; `serve`'s door, only when no other session is live (see SERVE_DOOR).
