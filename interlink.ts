@@ -3662,9 +3662,8 @@ class NodeState {
       this.#owe(route, { state: "refused", msg_id, at, reason, ...some("skew_ms", r.skew_ms) });
     },
     receipt: (r) => {
-      const receipt = r.msg;
+      const receipt = r.msg, recorded = new Set(recordedReports(r).map((l) => `${l.state} ${l.msg_id}`));
       this.replay.remember(receipt.from, receipt.msg_id, receipt.ts, this.now());
-      const recorded = new Set(recordedReports(r).map((l) => `${l.state} ${l.msg_id}`));
       this.confirming.set(receipt.from, true);
       this.silent.delete(receipt.from);
       // Its reader reads: a route of that key a relay called full is tried again now, not at its back-off.
@@ -3871,12 +3870,11 @@ class NodeState {
    * Messages get a record each (carriedOut(), the inbox): a backlog is never one line in memory.
    */
   carry(nowMs: number, ended?: { session: string; at: number }): Carried {
-    const since = nowMs - HELD_MAX_MS;
     return {
       out: [],
       inbox: [],
       tasks: [...this.tasks.values()].filter((t) =>
-        !t.moved_to && (!t.closed || t.last_at >= (ended ? since : nowMs - CLOSED_TASKS_KEPT_MS))
+        !t.moved_to && (!t.closed || t.last_at >= nowMs - (ended ? HELD_MAX_MS : CLOSED_TASKS_KEPT_MS))
       ),
       owed: [...this.owed],
       wants_shown: [...this.wantsShown].filter(([id]) => this.inbox.has(id)),
@@ -3943,9 +3941,8 @@ class NodeState {
    * called full waits out its back-off, one held by SEND_WINDOW its receipts; later routes go meanwhile.
    */
   pendingHead(n: number, bytes: number): OutEntry[] {
-    const out: OutEntry[] = [];
+    const out: OutEntry[] = [], nowMs = this.now();
     let size = 0;
-    const nowMs = this.now();
     const room = new Map<string, number>(); // what each windowed route may still take in this batch
     for (const e of this.pending.values()) {
       const { recipient } = e;
@@ -4163,13 +4160,8 @@ function giveMemoryBack(): void {
 }
 
 /** The names in `dir` that `re` matches, sorted (none when it cannot be read: no folder yet). */
-function namesIn(dir: string, re: RegExp): string[] {
-  try {
-    return fs.readdirSync(dir).filter((f) => re.test(f)).sort();
-  } catch {
-    return [];
-  }
-}
+const namesIn = (dir: string, re: RegExp): string[] =>
+  orElse(() => fs.readdirSync(dir).filter((f) => re.test(f)).sort(), []);
 
 const SEEN_FILE_RE = /^replay-\d{4}-\d{2}-\d{2}\.jsonl$/;
 
@@ -4260,7 +4252,7 @@ class SeenLog {
 const ADOPTED_FILE = "adopted.json";
 
 function readAdoptedFile(dir: string): { size: number; by: string | null } | null {
-  const raw = orWhy(() => JSON.parse(fs.readFileSync(path.join(dir, ADOPTED_FILE), "utf8")));
+  const raw = orElse(() => JSON.parse(fs.readFileSync(path.join(dir, ADOPTED_FILE), "utf8")), null);
   return isObject(raw) && Number.isSafeInteger(raw.size) ? raw as { size: number; by: string | null } : null;
 }
 
@@ -4295,12 +4287,9 @@ function readNodeState(stateDir: string): { state: NodeState; journal: Journal }
 /** A waitUntil subscription that fires when `stateDir`'s journal changes (the 1 s re-check covers fs.watch's gaps). */
 function onJournalChange(stateDir: string): (wake: () => void) => () => void {
   return (wake) => {
-    try {
-      const watcher = fs.watch(stateDir, (_e, name) => (name === null || String(name) === "log.jsonl") && wake());
-      return () => watcher.close();
-    } catch {
-      return () => {}; // no watching here: the periodic re-check still runs
-    }
+    const changed = (_e: unknown, f: unknown) => (f === null || String(f) === "log.jsonl") && wake();
+    const watcher = orElse(() => fs.watch(stateDir, changed), null); // none: the periodic re-check still runs
+    return () => watcher?.close();
   };
 }
 
@@ -4368,13 +4357,8 @@ function doorSession(stateDir: string): string {
 
 /** The node's door; null if it has made no invite since doors exist, or if damaged. */
 function readDoor(stateDir: string): string | null {
-  try {
-    const door = fs.readFileSync(path.join(stateDir, "door"), "utf8").trim();
-    if (door.startsWith(DOOR_PREFIX) && SESSION_RE.test(door)) return door;
-  } catch {
-    // none yet
-  }
-  return null;
+  const door = orElse(() => fs.readFileSync(path.join(stateDir, "door"), "utf8").trim(), ""); // "": none yet
+  return door.startsWith(DOOR_PREFIX) && SESSION_RE.test(door) ? door : null;
 }
 
 /** A damaged file is an error that names it: nothing is guessed. */
