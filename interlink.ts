@@ -4117,10 +4117,10 @@ class Journal {
     for (const o of state.carriedOut(at)) bytes += 128 + weight(o.msg);
     if (bytes * 2 > fileSize(this.file)) return false;
     const archive = path.join(this.stateDir, archived);
-    let end = 0;
     this.#writer ??= new JsonlWriter(this.file, `the state folder ${this.stateDir}`);
     try {
-      end = this.#writer.rewrite((write) => {
+      // The checkpoint and what it carries are what the state already holds: read from their end on.
+      this.#offset = this.#writer.rewrite((write) => {
         write(head + "\n");
         for (const out of state.carriedOut(at)) write(encodeRecord({ t: "carried", at, out }) + "\n");
         for (const item of state.inbox.values()) write(encodeRecord({ t: "carried", at, item }) + "\n");
@@ -4134,8 +4134,7 @@ class Journal {
       if (inodeOf(archive) === inodeOf(this.file)) fs.rmSync(archive, { force: true }); // linked, not renamed
       throw e;
     }
-    this.#offset = end; // the checkpoint and what it carries are what the state already holds
-    if (end > SHRINK_AFTER_BYTES) giveMemoryBack();
+    if (this.#offset > SHRINK_AFTER_BYTES) giveMemoryBack();
     return true;
   }
 
@@ -4970,9 +4969,9 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
     }
     case "deliver": {
       if (state.inbox.size && state.inboxBytes + weight(v.msg) > INBOX_MAX_BYTES) {
-        const held = humanBytes(state.inboxBytes);
-        const line =
-          `the inbox holds ${held} unread, the most it keeps: ${v.msg.msg_id} from ${v.petname}, and what follows it there, wait on the relay until the model reads`;
+        const line = `the inbox holds ${
+          humanBytes(state.inboxBytes)
+        } unread, the most it keeps: ${v.msg.msg_id} from ${v.petname}, and what follows it there, wait on the relay until the model reads`;
         return [logEffect("warn", line), { do: "defer" }];
       }
       // reply_to is unsigned: it only ever names one of the sender's own sessions, and never decides trust.
@@ -4995,8 +4994,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
         return keep(v.msg, [], [logEffect("info", line)]);
       }
       // A refusal reaches the model once, as one line in our words; other reports only update the statuses.
-      const bounced = news.filter((l) => canPush && l.state === "refused");
-      const all = parseReceipt(v.msg.text);
+      const bounced = news.filter((l) => canPush && l.state === "refused"), all = parseReceipt(v.msg.text);
       const lines = news.map((l) => all.findIndex((a) => a.state === l.state && a.msg_id === l.msg_id));
       const pushes = bounced.map((l): Effect => ({ do: "push", id: `bounced ${l.msg_id}` }));
       return keep(v.msg, [{ t: "receipt", peer: v.petname, msg: v.msg, lines }], pushes);
