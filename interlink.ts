@@ -4376,8 +4376,7 @@ async function editInvites<T>(stateDir: string, nowMs: number, edit: (invites: I
   const file = invitesFile(stateDir);
   fs.mkdirSync(stateDir, { recursive: true, mode: 0o700 });
   return await withFileLock(file, "invites edit", () => {
-    const invites = readInvites(stateDir), result = edit(invites);
-    const spentAt = (i: Invite) => i.ended ?? i.expires;
+    const invites = readInvites(stateDir), result = edit(invites), spentAt = (i: Invite) => i.ended ?? i.expires;
     const spent = invites.filter((i) => inviteState(i, nowMs) !== "pending").sort((a, b) => spentAt(a) - spentAt(b));
     for (const i of spent) delete i.secret;
     const forget = new Set([
@@ -4583,10 +4582,7 @@ function messageBlock(
   return `<interlink-message ${head}>\n${text}\n</interlink-message>`;
 }
 
-/**
- * Peer text escaped (escapePeerText) and cut to at most `max` characters, never inside an escape (`<U+…>`) or a
- * surrogate pair; `cut`, when it was, says so in our words.
- */
+/** Peer text escaped and cut to at most `max` characters, never inside an escape (`<U+…>`) or a surrogate pair. */
 function shownText(peerText: string, max = Infinity): { text: string; cut?: string } {
   const escaped = escapePeerText(peerText);
   if (escaped.length <= max) return { text: escaped };
@@ -4655,9 +4651,8 @@ async function claimInbox(from: Journal | string, limit: number, claim: Claim = 
 }
 
 /**
- * How many characters of inbox one answer holds (check_inbox, `wait`'s wake text): Claude Code cuts a tool's answer
- * past 25,000 tokens (MAX_MCP_OUTPUT_TOKENS), and what it cuts would be marked read unseen. Peers choose how long
- * their messages are (a hidden character is shown as 8), so the rest waits for the next call.
+ * One answer's inbox (check_inbox, `wait`), in characters: Claude Code cuts a tool's answer past 25,000 tokens
+ * (MAX_MCP_OUTPUT_TOKENS), and what it cut would be marked read unseen. Peers choose their length: the rest waits.
  */
 const INBOX_ANSWER_MAX_CHARS = 60_000;
 /** Room a cut message's block keeps for its head (attributes, our notes) within INBOX_ANSWER_MAX_CHARS. */
@@ -4833,8 +4828,7 @@ function sendOnTask(t: TaskRow, draft: Omit<Draft, "to" | "task_id">, peers: Pee
 function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, replySession?: string): Hops {
   const { state, peers } = ctx, out: Hops = { logs: [], sends: [] };
   if (msg.kind !== "message" || !msg.task_id) return out;
-  const me = ctx.selfKey ?? msg.to, row = state.tasks.get(taskKey(msg.from, msg.task_id));
-  const c = ctx.chain, fp = fingerprint(msg.from);
+  const row = state.tasks.get(taskKey(msg.from, msg.task_id)), c = ctx.chain, fp = fingerprint(msg.from);
   if (!row && !msg.status) {
     if (c && !c.ok) {
       const line = `the chain on ${msg.msg_id} from ${fp} does not hold (${c.why}): its task is taken as a root task`;
@@ -4842,7 +4836,7 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
     }
     if (!c?.ok) return out;
     out.chain = c.chain;
-    const why = declineWhy(c.chain.keys, me, ctx);
+    const why = declineWhy(c.chain.keys, ctx.selfKey ?? msg.to, ctx);
     if (why) {
       out.declined = why;
       out.logs.push(logEffect("info", `declined task ${showId(msg.task_id)} from ${fp}: ${why}`));
@@ -5037,10 +5031,8 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       const { msg } = v, key = msg.from, fp = fingerprint(key), existing = ctx.peers.byKey.get(key);
       const knock = state.knocksOut.get(key);
       const petname = existing ?? newPeerName(ctx.peers, key, knock?.petname, displayName(msg.text));
-      const event: PushEvent = {
-        content: `Pairing complete: ${fp} accepted your request and is now the peer '${petname}'.`,
-        meta: { sender: "interlink", kind: "pair_accept", fingerprint: fp },
-      };
+      const content = `Pairing complete: ${fp} accepted your request and is now the peer '${petname}'.`;
+      const event: PushEvent = { content, meta: { sender: "interlink", kind: "pair_accept", fingerprint: fp } };
       // Our join through their invite: a notice (the operator ran `join` at a terminal).
       const invite = knock?.invite, id = invite && pairedItem(key, invite);
       const shown: Effect[] = !canPush ? [] : id ? [{ do: "push", id }] : [{ do: "notify", event }];
@@ -5095,9 +5087,8 @@ function refusedInvite(v: Refused): string | undefined {
 }
 
 /**
- * A refusal worth the operator's attention becomes one summary per sender and reason: recorded once, then counted in
- * memory, not again for REFUSAL_REPEAT_MS once shown; REFUSAL_NOTICES_CAP at most. A flood costs the journal a line per
- * sender and hour, and the model one line.
+ * A refusal worth the operator's notice is one summary per sender and reason: recorded once, then counted in memory,
+ * shown again after REFUSAL_REPEAT_MS; REFUSAL_NOTICES_CAP at most. A flood costs the journal a line per sender and hour.
  */
 function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (!v.msg || !REFUSALS_SHOWN.has(v.reason)) return [];
@@ -5227,9 +5218,8 @@ function prepareSend(
  */
 function outboxFull(state: NodeState, peers: Peers): string | null {
   if (state.pendingBytes < OUTBOX_MAX_BYTES) return null;
-  const per = new Map<string, number>();
+  const per = new Map<string, number>(), held = state.heldRoutes();
   for (const e of state.pending.values()) per.set(e.recipient, (per.get(e.recipient) ?? 0) + 1);
-  const held = state.heldRoutes();
   const most = [...per].sort((a, b) => b[1] - a[1]).slice(0, 3).map(([route, n]) => {
     const { key, session } = parseRoute(route);
     const why = held.get(route)?.why === "full" ? ", its route full" : held.has(route) ? ", awaiting receipts" : "";
@@ -5519,8 +5509,7 @@ function chooseRoute(p: {
   }
   if (live.length === 1) return choose(live[0].session!.session_id, endedNote && `${endedNote}sent to their live `);
   if (live.length > 1 || (!endedNote && candidates.length > 1)) {
-    const several = live.length > 1 ? "several live sessions" : "several sessions";
-    const list = describeSessions(candidates);
+    const several = live.length > 1 ? "several live sessions" : "several sessions", list = describeSessions(candidates);
     throw new InterlinkError(`${endedNote}${several}; pick one with session=<id or its start>:\n${list}`);
   }
   if (endedNote && !p.isSelf) {
