@@ -3241,6 +3241,7 @@ const optChain = optional((o, k) => parseChain(o[k]));
 const shownName: Field<string> = (o, k) => displayName(str(o, k));
 const where = optional(record({ at: int, session: str }));
 const relayed = optional(record({ dir: oneOf(["up", "down"] as const), to: str, task_id: str }));
+const asked = optional(record({ text: str, owner: optStr, session: optStr }));
 const side = oneOf<Side>(["me", "peer"]);
 
 const receiptLine: Field<ReceiptLine> = record({
@@ -3267,15 +3268,7 @@ const ITEM_FIELDS: {
   [K in InboxItem["kind"]]: (o: Record<string, unknown>) => Omit<Extract<InboxItem, { kind: K }>, "kind" | "id" | "at">;
 } = {
   message: (o) =>
-    fields(o, {
-      peer: str,
-      msg: message,
-      forSession: optStr,
-      relay: relayed,
-      asked: optional(record({ text: str, owner: optStr, session: optStr })),
-      late: optStr,
-      unopened: flag,
-    }),
+    fields(o, { peer: str, msg: message, forSession: optStr, relay: relayed, asked, late: optStr, unopened: flag }),
   waiting: (o) => fields(o, { key: str, task_id: str, msg_id: str, text: str, asked_at: int, session: str }),
   knock: (o) => fields(o, { key: str, name: shownName }),
   more_knocks: (o) => fields(o, { count: int }),
