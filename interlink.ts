@@ -3520,7 +3520,7 @@ class NodeState {
    * Inbox items shown from this journal: an adopted copy is never shown again. True: a checkpoint keeps it (a notice,
    * or a message carried from another session, which an adoption may bring again; a replay of our own is refused).
    */
-  readonly #shown = new BoundedMap<string, boolean>(RECEIPTS_WANTED_CAP);
+  readonly shown = new BoundedMap<string, boolean>(RECEIPTS_WANTED_CAP);
   /** The last items pushed as channel events: a Claude Code with channels off drops them, so check_inbox lists them. */
   readonly pushed = new BoundedMap<string, { at: number; item: InboxItem }>(50);
   /** Keys whose knock the operator rejected, and when: their knocks are not shown again for a day. */
@@ -3619,12 +3619,11 @@ class NodeState {
       foldTask(this.tasks, "in", msg, r.at, session, r);
       const id = messageKey(msg.from, msg.msg_id);
       // A declined request (too deep, a loop) was answered failed: no model is shown it as work.
-      if (!r.declined && !this.inbox.has(id) && !this.#shown.has(id)) {
+      if (!r.declined && !this.inbox.has(id) && !this.shown.has(id)) {
         this.#hold({ kind: "message", id, at: r.at, peer: r.peer, msg, ...notes });
       }
-      const route = session ? `${msg.from}#${session}` : msg.from;
       // A goodbye holds back the receipts owed to that session until it is back (a session can be resumed).
-      const goodbye = msg.text.startsWith(GOODBYE_PREFIX);
+      const route = session ? `${msg.from}#${session}` : msg.from, goodbye = msg.text.startsWith(GOODBYE_PREFIX);
       if (goodbye) this.closed.set(route, r.at);
       else this.closed.delete(route);
       if (!r.receipts || goodbye) return;
@@ -3638,13 +3637,11 @@ class NodeState {
       if (item?.kind === "refusals" || r.item === MORE_KNOCKS) this.refusalShownAt.set(r.item, r.at);
       if (item && r.via === "push") this.pushed.set(r.item, { at: r.at, item });
       this.#unhold(r.item);
-      this.#shown.set(r.item, item?.kind !== "message" || item.forSession !== undefined);
+      this.shown.set(r.item, item?.kind !== "message" || item.forSession !== undefined);
       const wanted = this.wantsShown.get(r.item);
-      if (wanted) {
-        this.wantsShown.delete(r.item);
-        // A superseded update was never shown: its sender is not told it was.
-        if (r.via !== "superseded") this.#owe(wanted.route, { state: "shown", msg_id: wanted.msgId, at: r.at });
-      }
+      this.wantsShown.delete(r.item);
+      // A superseded update was never shown: its sender is not told it was.
+      if (wanted && r.via !== "superseded") this.#owe(wanted.route, { state: "shown", msg_id: wanted.msgId, at: r.at });
     },
     showing: (r) => {
       for (const item of r.items.map((id) => this.inbox.get(id))) if (item) item.maybeShown = true;
@@ -3717,7 +3714,7 @@ class NodeState {
       this.#take(null, r.at, r.carried); // first: an id reused once shown ("knocks more") is in both
       const m = r.remembered;
       this.replay.restore(m.replay ?? []);
-      for (const id of m.shown) this.#shown.set(id, true);
+      for (const id of m.shown) this.shown.set(id, true);
       for (const [id, at] of m.refusal_shown) this.refusalShownAt.set(id, at);
       for (const [id, x] of m.refusals_reported) this.refusalsReported.set(id, x);
       this.#knocksShown = [...m.knocks_shown];
@@ -3728,7 +3725,7 @@ class NodeState {
   };
 
   #notice(item: Notice): void {
-    if (!this.#shown.has(item.id)) this.inbox.set(item.id, item);
+    if (!this.shown.has(item.id)) this.inbox.set(item.id, item);
   }
 
   /** One more of a counted notice (knocks past the hour's, a sender's refusals for one reason), or its first. */
@@ -3834,7 +3831,7 @@ class NodeState {
       for (const q of t.awaiting) {
         const id = `waiting ${t.peer_key} ${q.msg_id}`;
         if (q.asked_by !== "peer" || q.forwarded || this.inbox.has(messageKey(t.peer_key, q.msg_id))) continue;
-        if (this.inbox.has(id) || this.#shown.has(id)) continue;
+        if (this.inbox.has(id) || this.shown.has(id)) continue;
         const asked = { msg_id: q.msg_id, text: q.text ?? "", asked_at: q.at ?? t.last_at };
         this.#hold({ kind: "waiting", id, at, key: t.peer_key, task_id: t.task_id, ...asked, session });
       }
@@ -3852,7 +3849,7 @@ class NodeState {
 
   /** One carried inbox item, unless this journal showed it (at its own checkpoint, `own`, a reused id is in both). */
   #takeItem(session: string | null, item: InboxItem, own = session === null): void {
-    if (this.inbox.has(item.id) || (!own && this.#shown.has(item.id))) return;
+    if (this.inbox.has(item.id) || (!own && this.shown.has(item.id))) return;
     const forSession = item.kind === "message" ? item.forSession ?? session ?? undefined : undefined;
     this.#hold(item.kind === "message" && forSession ? { ...item, forSession } : item);
   }
@@ -3898,7 +3895,7 @@ class NodeState {
   remembered(nowMs: number): Remembered {
     this.replay.forget(nowMs);
     return {
-      shown: [...this.#shown].filter(([, kept]) => kept).map(([id]) => id),
+      shown: [...this.shown].filter(([, kept]) => kept).map(([id]) => id),
       refusal_shown: [...this.refusalShownAt],
       refusals_reported: [...this.refusalsReported],
       knocks_shown: [...this.#knocksShown],
@@ -3998,10 +3995,6 @@ class NodeState {
    */
   #windowed(kind: Kind, key: string): boolean {
     return kind === "message" && !this.silent.has(key) && this.mayDrop();
-  }
-
-  wasShown(id: string): boolean {
-    return this.#shown.has(id);
   }
 }
 
@@ -4813,8 +4806,7 @@ type Hops = { chain?: Chain; declined?: string; relay?: Relayed; logs: Effect[];
 
 /** A message the node sends by itself on a task, to the task's session (the shell checks it still runs). */
 function sendOnTask(t: TaskRow, draft: Omit<Draft, "to" | "task_id">, peers: Peers, forward?: Forward): Effect {
-  const onTask: Draft = { to: t.peer_key, task_id: t.task_id, ...draft };
-  const peer = peers.byKey.get(t.peer_key) ?? null;
+  const onTask: Draft = { to: t.peer_key, task_id: t.task_id, ...draft }, peer = peers.byKey.get(t.peer_key) ?? null;
   return { do: "send", draft: onTask, peer, ...some("session", t.peer_session), ...some("forward", forward) };
 }
 
@@ -5045,7 +5037,7 @@ function admitInvited(v: Extract<Verdict, { verdict: "pair_request" }>, invite: 
   const id = pairedItem(key, invite.id), as = existing ? "already" : "added as";
   const line = `${fingerprint(key)} (claims '${v.claimedName}') joined through invite ${invite.id}; ${as} '${petname}'`;
   const added: Effect[] = existing ? [] : [{ do: "add_peer", petname, key }];
-  const shown: Effect[] = ctx.canPush && !ctx.state.wasShown(id) ? [{ do: "push", id }] : [];
+  const shown: Effect[] = ctx.canPush && !ctx.state.shown.has(id) ? [{ do: "push", id }] : [];
   const consume: Effect = { do: "consume_invite", id: invite.id, key, msgId: v.msg.msg_id, petname };
   const confirm: Effect = { do: "confirm_pair", key, msgId: v.msg.msg_id, recipient: reply, petname };
   const paired: NewRecord = { t: "paired", key, how: "invited", petname, invite: invite.id };
