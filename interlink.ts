@@ -4858,9 +4858,8 @@ function passAlong(msg: SignedMessage, row: TaskRow, ctx: InboundContext, up: Ta
   // The owner's side answering (or updating on) a question we forwarded up: down to the sub-task that asked it.
   if (!msg.in_reply_to || (msg.status && msg.status !== "update") || row.requested_by !== "peer") return null;
   for (const t of ctx.state.tasks.values()) {
-    if (t.closed) continue;
     const q = t.awaiting.find(({ forwarded: f }) =>
-      f !== undefined && f.as === msg.in_reply_to && f.to === msg.from && f.task_id === msg.task_id
+      !t.closed && f !== undefined && f.as === msg.in_reply_to && f.to === msg.from && f.task_id === msg.task_id
     );
     if (q) return pass("down", t, { in_reply_to: q.msg_id, text: via("answers") });
   }
@@ -4869,9 +4868,8 @@ function passAlong(msg: SignedMessage, row: TaskRow, ctx: InboundContext, up: Ta
 
 /** Why a request whose chain is `keys` (owner first, its sender last) is refused here, or null. */
 function declineWhy(keys: readonly string[], me: string, ctx: InboundContext): string | null {
-  const limit = ctx.maxDepth ?? DEFAULT_MAX_DEPTH;
   const name = (k: string) => (k === me ? ctx.selfName ?? fingerprint(k) : ctx.peers.byKey.get(k) ?? fingerprint(k));
-  const words = chainWords([...keys, me], name);
+  const words = chainWords([...keys, me], name), limit = ctx.maxDepth ?? DEFAULT_MAX_DEPTH;
   if (keys.includes(me)) return `delegation loop: ${words}`;
   return keys.length > limit ? `delegation too deep: ${words}, limit ${limit}` : null;
 }
