@@ -4588,8 +4588,7 @@ function shownText(peerText: string, max = Infinity): { text: string; cut?: stri
 interface Claim {
   peek?: boolean; // show without marking read
   only?: (item: InboxItem) => boolean; // the items this reader may be shown (a lent session's: Agent.shows)
-  /** Its reader hears nothing from a process killed before it is done (`wait`: only an exit 2's stderr is read). */
-  heardAtExit?: boolean;
+  heardAtExit?: boolean; // nothing reaches its reader from a process killed midway (`wait`: only exit 2's stderr)
   /**
    * Picks the first unread items to show (as many as an answer holds: fitInbox); `write`, after the "showing" record,
    * shows them (`wait` prints sooner: it writes none), and they are marked read if it resolves true (not if cut off).
@@ -5185,13 +5184,7 @@ function prepareSend(
   const draft: Draft = { to: key, text: input.text, ...given, ...(in_reply_to ? { in_reply_to } : {}) };
   const broken = lifecycleError(tasks, draft) ?? forwardedAnswer(peers, tasks, draft);
   if (broken) throw new InterlinkError(broken);
-  const parentId = input.parent_task_id;
-  if (input.parent_peer !== undefined && parentId === undefined) {
-    throw new InterlinkError("parent_peer says whose task parent_task_id is: give parent_task_id too");
-  }
-  const chain = parentId === undefined
-    ? undefined
-    : subTaskChain(peers, tasks, draft, parentId, { selfKey, ...hops, parentPeer: input.parent_peer });
+  const chain = subTaskChain(peers, tasks, draft, input, { selfKey, ...hops });
   return { draft, recipient: session ? `${key}#${session.trim()}` : key, peer: petname, ...some("chain", chain) };
 }
 
@@ -5230,16 +5223,20 @@ function forwardedAnswer(peers: Peers, tasks: ReadonlyMap<string, TaskRow>, draf
 }
 
 /**
- * The chain a request opening a sub-task of `parentId` carries (undefined: a follow-up on one open). Refused: a parent
- * we do not execute for a peer, a loop, a depth past the limit, a sub-task for another session of ours (not a hop).
+ * The chain a request opening a sub-task of `parent_task_id` carries (undefined: none, or a follow-up). Refused: a
+ * parent we do not execute for a peer, a loop, a depth past the limit, a sub-task for another session of ours (not a hop).
  */
 function subTaskChain(
   peers: Peers,
   tasks: ReadonlyMap<string, TaskRow>,
   draft: Draft,
-  parentId: string,
-  hops: { selfKey?: string; maxDepth?: number; selfName?: string; parentPeer?: string },
+  { parent_task_id: parentId, parent_peer: parentPeer }: SendInput,
+  hops: { selfKey?: string; maxDepth?: number; selfName?: string },
 ): Omit<Chain, "sig"> | undefined {
+  if (parentId === undefined) {
+    if (parentPeer === undefined) return undefined;
+    throw new InterlinkError("parent_peer says whose task parent_task_id is: give parent_task_id too");
+  }
   const me = hops.selfKey;
   if (!me) throw new InterlinkError("parent_task_id needs this node's key");
   if (!draft.task_id || draft.status) {
@@ -5252,7 +5249,7 @@ function subTaskChain(
   }
   const name = (k: string) => (k === me ? hops.selfName ?? "you" : peers.byKey.get(k) ?? fingerprint(k));
   const pid = showId(parentId);
-  const asker = hops.parentPeer === undefined ? undefined : resolvePeer(peers, hops.parentPeer).key;
+  const asker = parentPeer === undefined ? undefined : resolvePeer(peers, parentPeer).key;
   const candidates = [...tasks.values()].filter((t) =>
     t.task_id === parentId && t.requested_by === "peer" && !t.moved_to && (asker === undefined || t.peer_key === asker)
   );
