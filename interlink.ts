@@ -3165,15 +3165,6 @@ type HeldKnock = { name: string; at: number; msgId: string; replyTo?: string };
 /** A knock of ours unanswered (an acceptance names its msgId); `invite`: theirs, for `interlink.ts join`. */
 type OwnKnock = { petname?: string; at: number; msgId: string; invite?: string };
 
-/** What an ended session still had to do, or to know to do it, when it was adopted (its fields: see the codec). */
-type Carried = ReturnType<typeof carried>;
-
-/** What a checkpoint keeps beside what it carries: what only this journal knew (NodeState's memories so named). */
-type Remembered = ReturnType<typeof remembered>;
-
-/** An outbox entry (no sent_at) or a sent message awaiting receipts, as carried. */
-type CarriedOut = ReturnType<typeof carriedOut>;
-
 // The codec. Records come from disk: a hand edit, a disk fault or a newer version may have put anything there, so
 // each field is checked and a bad one named; the caller (the journal's owner) sets the line aside with the reason.
 
@@ -3312,6 +3303,7 @@ const taskRow: Field<TaskRow> = record({
   unopened: flag,
 });
 
+/** An outbox entry (no sent_at) or a sent message awaiting receipts, as carried. */
 const carriedOut = record({
   msg: message,
   peer: (o, k) => (o[k] === null ? null : str(o, k)),
@@ -3324,7 +3316,9 @@ const carriedOut = record({
   shown: where,
   chain: optChain,
 });
+type CarriedOut = ReturnType<typeof carriedOut>;
 
+/** What an ended session still had to do, or to know to do it, when it was adopted. */
 const carried = record({
   out: items(carriedOut),
   inbox: items(inboxItem),
@@ -3338,7 +3332,9 @@ const carried = record({
   rejected: pairs(int),
   routes: pairs(int), // ended sessions whose relay routes its mail may still reach (itself among them), when each ended
 });
+type Carried = ReturnType<typeof carried>;
 
+/** What a checkpoint keeps beside what it carries: what only this journal knew (NodeState's memories so named). */
 const remembered = record({
   replay: optional(pairs(int)), // only in checkpoints of 0.5.0: the per-day replay files (SeenLog) hold it
   shown: items(str),
@@ -3349,6 +3345,7 @@ const remembered = record({
   confirming: items(str),
   silent: optional(listOf(str)), // absent in a checkpoint of an earlier release
 });
+type Remembered = ReturnType<typeof remembered>;
 
 /** Every record a session journals, by its tag `t`, and how it is read back; each has `at` too, the writer's clock. */
 const RECORDS = {
@@ -4898,10 +4895,8 @@ function cascade(
 
 /** What an admitted message come again (a crash before its ack) still needs passed along, by the task table. */
 function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
-  const { state, peers } = ctx;
-  if (msg.kind !== "message" || !msg.task_id) return [];
-  const row = state.tasks.get(taskKey(msg.from, msg.task_id));
-  if (!row) return [];
+  const { state, peers } = ctx, row = msg.task_id && state.tasks.get(taskKey(msg.from, msg.task_id));
+  if (msg.kind !== "message" || !row) return [];
   const me = ctx.selfKey ?? msg.to, asked = row.awaiting.find((q) => q.msg_id === msg.msg_id && q.asked_by === "peer");
   const up = asked && !asked.forwarded && !row.closed ? forwardTarget(state.tasks, row, msg) : null;
   const passed = passAlong(msg, row, ctx, up);
@@ -5120,8 +5115,7 @@ function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
     (peer || (about ? left((r) => r.invite === about) : strangersLeft));
   const busy = !joining && v.reason === "busy" && peer; // over its share (see ReplayMemory.pressure): told why
   if (!stale && !unpaired && !invite && !busy) return [];
-  if (state.refusalsReported.has(messageKey(msg.from, msg.msg_id))) return [];
-  if (!left((r) => r.key === msg.from)) return [];
+  if (state.refusalsReported.has(messageKey(msg.from, msg.msg_id)) || !left((r) => r.key === msg.from)) return [];
   const route = receiptRoute(msg, ctx.replyTo);
   const skew = stale ? { skew_ms: Math.min(Math.round(msg.ts - nowMs), 1e12) } : {};
   const owe: NewRecord = { t: "owe", route, msg_id: msg.msg_id, reason: v.reason, ...skew, ...some("invite", about) };
