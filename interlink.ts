@@ -4171,8 +4171,7 @@ class SeenLog {
     const nowMs = this.now();
     for (const f of namesIn(this.dir, SEEN_FILE_RE)) {
       const file = path.join(this.dir, f);
-      const { next } = scanJsonl(file, this.#offsets.get(file) ?? 0, (r) => {
-        const { t, k, id, ts } = r;
+      const { next } = scanJsonl(file, this.#offsets.get(file) ?? 0, ({ t, k, id, ts }) => {
         if (t === "seen" && typeof k === "string" && typeof id === "string" && Number.isSafeInteger(ts)) {
           this.replay.remember(k, id, ts as number, nowMs, true);
         }
@@ -4408,8 +4407,7 @@ async function revokeInvite(stateDir: string, nowMs: number, which: string): Pro
     if (matches.length !== 1) throw new InterlinkError(`${why}; pending: ${pending || "none"}`);
     const invite = matches[0], state = inviteState(invite, nowMs);
     if (state !== "pending") throw new InterlinkError(`invite ${invite.id} is ${state} already`);
-    Object.assign(invite, { status: "revoked", ended: nowMs });
-    return invite;
+    return Object.assign(invite, { status: "revoked" as const, ended: nowMs });
   });
 }
 
@@ -5437,9 +5435,8 @@ function chooseRoute(p: {
         ? "not on any roster: the message may never be read; check discover"
         : "not checked (no bus answered the roster)";
     }
-    const other = live.find((x) => x !== c)?.session?.session_id;
+    const other = live.find((x) => x !== c)?.session?.session_id, away = `away for ${howLong(c.ageMs)}`;
     const sibling = other ? `; a live sibling exists: session=${showId(other)} reaches it now` : "";
-    const away = `away for ${howLong(c.ageMs)}`;
     const now: Record<Presence, string> = {
       live: "live: delivering now",
       away: `${away} (asleep?): it arrives when that session wakes${sibling}`,
