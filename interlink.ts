@@ -3165,8 +3165,7 @@ type HeldKnock = { name: string; at: number; msgId: string; replyTo?: string };
 /** A knock of ours unanswered (an acceptance names its msgId); `invite`: theirs, for `interlink.ts join`. */
 type OwnKnock = { petname?: string; at: number; msgId: string; invite?: string };
 
-// The codec. Records come from disk: a hand edit, a disk fault or a newer version may have put anything there, so
-// each field is checked and a bad one named; the caller (the journal's owner) sets the line aside with the reason.
+// The codec: a hand edit, a disk fault or a newer version may have put anything on disk, so each field is checked.
 
 /** Decodes field `k` of `o` (or an item of its list), or throws a FormatError that names it. */
 type Field<T> = (o: Record<string, unknown>, k: string) => T;
@@ -3211,8 +3210,7 @@ const obj = (v: unknown, what: string): Record<string, unknown> => {
   return v;
 };
 
-// The containers. record: an object of the fields `spec` decodes; listOf: a list, each item read as field `k`;
-// items: a list that may be absent (none); pairs: a Map's entries as JSON.stringify writes them, [key, value].
+// The containers: listOf (each item read as field `k`), items (a list that may be absent), pairs (a Map's entries).
 const record = <S extends Record<string, Field<unknown>>>(spec: S): Field<Decoded<S>> => (o, k) =>
   fields(obj(o[k], `"${k}"`), spec);
 const listOf = <V>(f: Field<V>): Field<V[]> => (o, k) => list(o, k).map((v) => f({ [k]: v }, k));
@@ -3707,9 +3705,8 @@ class NodeState {
       if (r.out) this.#takeOut(r.session ?? null, r.out);
       if (r.item) this.#takeItem(r.session ?? null, r.item);
     },
-    checkpoint: (r) => {
-      this.#take(null, r.at, r.carried); // first: an id reused once shown ("knocks more") is in both
-      const m = r.remembered;
+    checkpoint: ({ at, carried, remembered: m }) => {
+      this.#take(null, at, carried); // first: an id reused once shown ("knocks more") is in both
       this.replay.restore(m.replay ?? []);
       for (const id of m.shown) this.shown.set(id, true);
       for (const [id, at] of m.refusal_shown) this.refusalShownAt.set(id, at);
@@ -3777,7 +3774,7 @@ class NodeState {
     ).map((e) => e.msg.msg_id);
   }
 
-  /** Keeps `e` among the sent entries; forgets the oldest past SENT_MEMORY_CAP (message_status then reads the journal). */
+  /** Keeps `e` among the sent entries, forgets the oldest past SENT_MEMORY_CAP (message_status reads the journal). */
   #remember(e?: OutEntry): void {
     if (e) this.outgoing.set(e.msg.msg_id, e);
     for (const [oldest, e] of this.outgoing) {
@@ -4520,8 +4517,7 @@ interface InboundContext {
 // Presenting to the model
 // ============================================================================
 //
-// As a channel event (pushEvent), an inbox block (messageBlock, formatInbox) or the wake text: every peer field
-// through the escaping rule above, and the task metadata from signed fields only.
+// pushEvent, messageBlock, wakeText: each peer field through the escaping rule above, task metadata from signed fields.
 
 /** Channel meta: keys [A-Za-z0-9_] (Claude Code drops others); values are quoted, so peer ids are escaped (attr). */
 function channelMeta(msg: SignedMessage, petname: string): Record<string, string> {
@@ -4938,9 +4934,9 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
     }
     case "deliver": {
       if (state.inbox.size && state.inboxBytes + weight(v.msg) > INBOX_MAX_BYTES) {
-        const line = `the inbox holds ${
-          humanBytes(state.inboxBytes)
-        } unread, the most it keeps: ${v.msg.msg_id} from ${v.petname}, and what follows it there, wait on the relay until the model reads`;
+        const held = humanBytes(state.inboxBytes);
+        const line =
+          `the inbox holds ${held} unread, the most it keeps: ${v.msg.msg_id} from ${v.petname}, and what follows it there, wait on the relay until the model reads`;
         return [logEffect("warn", line), { do: "defer" }];
       }
       // reply_to is unsigned: it only ever names one of the sender's own sessions, and never decides trust.
@@ -5063,7 +5059,7 @@ function refusedInvite(v: Refused): string | undefined {
 
 /**
  * A refusal worth the operator's notice is one summary per sender and reason: recorded once, then counted in memory,
- * shown again after REFUSAL_REPEAT_MS; REFUSAL_NOTICES_CAP at most. A flood costs the journal a line per sender and hour.
+ * shown again after REFUSAL_REPEAT_MS; REFUSAL_NOTICES_CAP at most. A flood costs a journal line per sender an hour.
  */
 function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (!v.msg || !REFUSALS_SHOWN.has(v.reason)) return [];
@@ -5216,7 +5212,7 @@ function forwardedAnswer(peers: Peers, tasks: ReadonlyMap<string, TaskRow>, draf
 
 /**
  * The chain a request opening a sub-task of `parent_task_id` carries (undefined: none, or a follow-up). Refused: a
- * parent we do not execute for a peer, a loop, a depth past the limit, a sub-task for another session of ours (not a hop).
+ * parent we do not execute for a peer, a loop, a depth past the limit, a sub-task for another session (not a hop).
  */
 function subTaskChain(
   peers: Peers,
