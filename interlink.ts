@@ -3568,8 +3568,7 @@ class NodeState {
         }
         return;
       }
-      const refused = lifecycleError(this.tasks, r.msg);
-      const entry = outEntry(r, some("refused", refused ?? undefined));
+      const refused = lifecycleError(this.tasks, r.msg), entry = outEntry(r, some("refused", refused ?? undefined));
       if (refused) return this.#remember(entry);
       this.#queue(entry);
       if (r.msg.kind === "receipt") {
@@ -4024,8 +4023,7 @@ class Journal {
   /** Applies every complete record appended since the last call. */
   catchUp(): void {
     this.#followRoll();
-    const bad: Parameters<BadLine>[] = [];
-    const onBad: BadLine = (...line) => bad.push(line);
+    const bad: Parameters<BadLine>[] = [], onBad: BadLine = (...line) => bad.push(line);
     const { next, tornBytes } = scanJournal(this.file, this.#offset, (r, at, end) => {
       try {
         this.state.apply(r);
@@ -4474,8 +4472,7 @@ function pendingInviteSessions(stateDir: string, nowMs: number): string[] {
 // Effects
 // ============================================================================
 //
-// What a node decides on an inbound payload is an ordered list of effects (STYLE 11) from pure functions of (state,
-// input, clock); the Agent carries them out in order, stopping at the first failure (see "Decisions").
+// Pure decisions return ordered effects (STYLE 11); the Agent carries them out in order, stopping at the first failure.
 
 type Effect =
   | { do: "append"; records: NewRecord[] } // journal records, in the kernel; made durable by the next "sync"
@@ -4529,7 +4526,6 @@ function channelMeta(msg: SignedMessage, petname: string): Record<string, string
 const attr = (v: string): string =>
   showInvisible(v, true).replace(/&/g, "&amp;").replace(/"/g, "&quot;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
-/** A message as a block shows it: its sender (or recipient), when it came (or went), the session it came for. */
 type MessageShown = { peer: string; msg: SignedMessage; at: number; forSession?: string };
 
 /** One message as an attributed block: the format of check_inbox, `wait` and conversation_history. */
@@ -5331,30 +5327,28 @@ async function readRoster(
   nowMs: number,
 ): Promise<{ byRoute: Map<string, PeerSession>; problems: string[] }> {
   const byRoute = new Map<string, PeerSession>(), problems: string[] = [];
-  await Promise.all(
-    relays.map(async (relay) => {
-      try {
-        for (const raw of await relay.roster(SEND_TIMEOUT_MS)) {
-          try {
-            // Larger than our bus keeps (a hostile relay's, say): not read, so no one entry can fill what is shown.
-            if (utf8Bytes(JSON.stringify(raw)) > ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) continue;
-            const a = parseAnnouncement(raw), check = checkAnnouncement(a);
-            if ("error" in check) continue; // the bus verifies nothing we rely on: we do
-            const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
-            const session = check.layout === "0.8" && a.session?.session_id ? a.session : null;
-            const [key, name, legacy] = [a.pubkey, displayName(a.name), check.layout === "0.4"];
-            const s: PeerSession = { key, name, session, legacy, ageMs, bus: relay.name };
-            const route = s.session ? `${s.key}#${s.session.session_id}` : s.key, prev = byRoute.get(route);
-            if (!prev || prev.ageMs > ageMs) byRoute.set(route, s);
-          } catch {
-            // malformed
-          }
+  await Promise.all(relays.map(async (relay) => {
+    try {
+      for (const raw of await relay.roster(SEND_TIMEOUT_MS)) {
+        try {
+          // Larger than our bus keeps (a hostile relay's, say): not read, so no one entry can fill what is shown.
+          if (utf8Bytes(JSON.stringify(raw)) > ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) continue;
+          const a = parseAnnouncement(raw), check = checkAnnouncement(a);
+          if ("error" in check) continue; // the bus verifies nothing we rely on: we do
+          const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
+          const session = check.layout === "0.8" && a.session?.session_id ? a.session : null;
+          const [key, name, legacy] = [a.pubkey, displayName(a.name), check.layout === "0.4"];
+          const s: PeerSession = { key, name, session, legacy, ageMs, bus: relay.name };
+          const route = s.session ? `${s.key}#${s.session.session_id}` : s.key, prev = byRoute.get(route);
+          if (!prev || prev.ageMs > ageMs) byRoute.set(route, s);
+        } catch {
+          // malformed
         }
-      } catch (e) {
-        problems.push(`${relay.name}: ${errorText(e)}`);
       }
-    }),
-  );
+    } catch (e) {
+      problems.push(`${relay.name}: ${errorText(e)}`);
+    }
+  }));
   if (problems.length === relays.length) throw new NoRelayAnswered(`no bus answered: ${problems.join("; ")}`);
   return { byRoute, problems };
 }
