@@ -4644,7 +4644,6 @@ function fitInbox(items: InboxItem[], peers: Peers): { text: string; shown: Inbo
   return { text: blocks.join("\n\n"), shown: items.slice(0, blocks.length), more: blocks.length < items.length };
 }
 
-/** What an answer that fitInbox cut says at its end. */
 const MORE_WAITING = "\n\n(more unread messages wait: call check_inbox again)";
 
 /** Inbox items as the model reads them (check_inbox, `wait`): a notice says in our words that it is not a peer's. */
@@ -5090,15 +5089,14 @@ function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const msg = v.msg, { state, peers, nowMs } = ctx;
   const joining = msg?.kind === "pair_request" && parseInviteProof(msg.in_reply_to) !== null;
   if (!msg || (msg.kind !== "message" && msg.kind !== "sealed" && !joining) || !ctx.wantsReceipts) return [];
-  const hourAgo = nowMs - 60 * 60_000;
-  const isPeer = (key: string) => peers.byKey.has(key) || key === ctx.selfKey, peer = isPeer(msg.from);
+  const hourAgo = nowMs - 60 * 60_000, isPeer = (key: string) => peers.byKey.has(key) || key === ctx.selfKey;
   const left = (which: (r: { key: string; invite?: string }) => boolean) =>
     [...state.refusalsReported.values()].filter((r) => r.at >= hourAgo && which(r)).length < RECEIPT_REFUSALS_PER_HOUR;
   // From a peer: a message from our future, or held past HELD_MAX_MS (a replay of one delivered: its sender knows
   // better), or over its share (busy). From a key not in our peers (it may list us: a one-sided pairing), that we
   // refused it, so it can knock again; strangers together get RECEIPT_REFUSALS_PER_HOUR an hour. A knock through an
   // invite: why the invite, or its time, was refused (`join` waits for that), on that invite's own budget if we have it.
-  const strangersLeft = left((r) => !r.invite && !isPeer(r.key)), about = refusedInvite(v);
+  const strangersLeft = left((r) => !r.invite && !isPeer(r.key)), about = refusedInvite(v), peer = isPeer(msg.from);
   const stale = v.reason === "stale" && (joining ? peer || strangersLeft : peer);
   const unpaired = !joining && v.reason === "not_allowlisted" && !peer && strangersLeft;
   const invite = joining && isInviteRefusal(v.reason) &&
