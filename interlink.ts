@@ -3022,17 +3022,7 @@ type HeldKnock = { name: string; at: number; msgId: string; replyTo?: string };
 /** A knock of ours unanswered (an acceptance names its msgId); `invite`: theirs, for `interlink.ts join`. */
 type OwnKnock = { petname?: string; at: number; msgId: string; invite?: string };
 
-/** What an ended session still had to do, or to know to do it, when it was adopted (its fields: see the codec). */
-type Carried = ReturnType<typeof carried>;
-
-/** What a checkpoint keeps beside what it carries: what only this journal knew (NodeState's memories so named). */
-type Remembered = ReturnType<typeof remembered>;
-
-/** An outbox entry (no sent_at) or a sent message awaiting receipts, as carried. */
-type CarriedOut = ReturnType<typeof carriedOut>;
-
-// The codec. Records come from disk: a hand edit, a disk fault or a newer version may have put anything there, so
-// each field is checked and a bad one named; the caller (the journal's owner) sets the line aside with the reason.
+// The codec: a hand edit, a disk fault or a newer version may have put anything on disk, so each field is checked.
 
 /** Decodes field `k` of `o` (or an item of its list), or throws a FormatError that names it. */
 type Field<T> = (o: Record<string, unknown>, k: string) => T;
@@ -3052,7 +3042,6 @@ function fields<S extends Record<string, Field<unknown>>>(o: Record<string, unkn
   return out as Decoded<S>;
 }
 
-/** A value `ok` accepts, as it is. */
 const is = <T>(ok: (v: unknown) => boolean, says: string): Field<T> => (o, k) => {
   if (!ok(o[k])) throw new FormatError(`"${k}" is ${o[k] === undefined ? "missing" : says}`);
   return o[k] as T;
@@ -3078,11 +3067,9 @@ const obj = (v: unknown, what: string): Record<string, unknown> => {
   return v;
 };
 
-// The containers. record: an object of the fields `spec` decodes; listOf: a list, each item read as field `k`;
-// items: a list that may be absent (none); pairs: a Map's entries as JSON.stringify writes them, [key, value].
-function record<S extends Record<string, Field<unknown>>>(spec: S): Field<Decoded<S>> {
-  return (o, k) => fields(obj(o[k], `"${k}"`), spec);
-}
+// The containers: listOf (each item read as field `k`), items (a list that may be absent), pairs (a Map's entries).
+const record = <S extends Record<string, Field<unknown>>>(spec: S): Field<Decoded<S>> => (o, k) =>
+  fields(obj(o[k], `"${k}"`), spec);
 const listOf = <V>(f: Field<V>): Field<V[]> => (o, k) => list(o, k).map((v) => f({ [k]: v }, k));
 const items = <V>(f: Field<V>): Field<V[]> => (o, k) => (o[k] === undefined ? [] : listOf(f)(o, k));
 const pairs = <V>(f: Field<V>): Field<[string, V][]> =>
@@ -3100,6 +3087,7 @@ const optChain = optional((o, k) => parseChain(o[k]));
 const shownName: Field<string> = (o, k) => displayName(str(o, k));
 const where = optional(record({ at: int, session: str }));
 const relayed = optional(record({ dir: oneOf(["up", "down"] as const), to: str, task_id: str }));
+const asked = optional(record({ text: str, owner: optStr, session: optStr }));
 const side = oneOf<Side>(["me", "peer"]);
 
 const receiptLine: Field<ReceiptLine> = record({
@@ -3126,15 +3114,7 @@ const ITEM_FIELDS: {
   [K in InboxItem["kind"]]: (o: Record<string, unknown>) => Omit<Extract<InboxItem, { kind: K }>, "kind" | "id" | "at">;
 } = {
   message: (o) =>
-    fields(o, {
-      peer: str,
-      msg: message,
-      forSession: optStr,
-      relay: relayed,
-      asked: optional(record({ text: str, owner: optStr, session: optStr })),
-      late: optStr,
-      unopened: flag,
-    }),
+    fields(o, { peer: str, msg: message, forSession: optStr, relay: relayed, asked, late: optStr, unopened: flag }),
   waiting: (o) => fields(o, { key: str, task_id: str, msg_id: str, text: str, asked_at: int, session: str }),
   knock: (o) => fields(o, { key: str, name: shownName }),
   more_knocks: (o) => fields(o, { count: int }),
@@ -3178,6 +3158,7 @@ const taskRow: Field<TaskRow> = record({
   unopened: flag,
 });
 
+/** An outbox entry (no sent_at) or a sent message awaiting receipts, as carried. */
 const carriedOut = record({
   msg: message,
   peer: (o, k) => (o[k] === null ? null : str(o, k)),
@@ -3190,7 +3171,9 @@ const carriedOut = record({
   shown: where,
   chain: optChain,
 });
+type CarriedOut = ReturnType<typeof carriedOut>;
 
+/** What an ended session still had to do, or to know to do it, when it was adopted. */
 const carried = record({
   out: items(carriedOut),
   inbox: items(inboxItem),
@@ -3204,7 +3187,9 @@ const carried = record({
   rejected: pairs(int),
   routes: pairs(int), // ended sessions whose relay routes its mail may still reach (itself among them), when each ended
 });
+type Carried = ReturnType<typeof carried>;
 
+/** What a checkpoint keeps beside what it carries: what only this journal knew (NodeState's memories so named). */
 const remembered = record({
   replay: optional(pairs(int)), // only in checkpoints of 0.5.0: the per-day replay files (SeenLog) hold it
   shown: items(str),
@@ -3215,6 +3200,7 @@ const remembered = record({
   confirming: items(str),
   silent: optional(listOf(str)), // absent in a checkpoint of an earlier release
 });
+type Remembered = ReturnType<typeof remembered>;
 
 /** Every record a session journals, by its tag `t`, and how it is read back; each has `at` too, the writer's clock. */
 const RECORDS = {
@@ -3289,9 +3275,8 @@ type RecordOf<T extends RecordTag> = Extract<JournalRecord, { t: T }>;
 type NewRecord = JournalRecord extends infer R ? R extends JournalRecord ? Omit<R, "at"> : never : never;
 
 /**
- * A record in one of interlink.ts 0.4.0's shapes: an "in" without a peer or shown by push, a "shown" naming sender and
- * msg_id, a "knock" holding the whole message, an "out" without a recipient. Read as today's, it would be set aside as
- * unreadable or show a message again, so no session reads one: `interlink.ts upgrade` (extras/upgrade.ts) rewrites it.
+ * A record in one of interlink.ts 0.4.0's shapes. Read as today's, it would be set aside as unreadable or show a
+ * message again, so no session reads one: `interlink.ts upgrade` (extras/upgrade.ts) rewrites it.
  */
 function isOldShape(o: Record<string, unknown>): boolean {
   const msg = isObject(o.msg);
@@ -3320,10 +3305,7 @@ function decodeRecord(raw: Record<string, unknown>): JournalRecord[] {
 
 const encodeRecord = (r: JournalRecord): string => JSON.stringify(r);
 
-/**
- * Reads a journal's records from byte `from`, decoded; `onBad` gets a line that is not one, with why; one of 0.4.0's
- * shapes stops the read (see isOldShape). The one reader of journals (the fold, `log`, `tasks`, history, `doctor`).
- */
+/** The one reader of journals (the fold, `log`, `tasks`, history, `doctor`); a 0.4.0 shape stops it (isOldShape). */
 function scanJournal(
   file: string,
   from: number,
@@ -3349,10 +3331,7 @@ function recordedReports(r: RecordOf<"receipt">): ReceiptLine[] {
   return r.lines ? all.filter((_, i) => r.lines!.includes(i)) : all;
 }
 
-/**
- * How a message stands to its task before it is folded: `asked`, the question of ours it answers, if still awaited
- * (see InboxItem); `late`, its task closed already (the closing status); `unopened`, no task of it here.
- */
+/** How a message stands to its task before it is folded: its `asked`, `late` and `unopened` (see InboxItem). */
 function taskMarks(tasks: ReadonlyMap<string, TaskRow>, msg: SignedMessage) {
   if (msg.kind !== "message" || !msg.task_id) return {};
   const row = tasks.get(taskKey(msg.from, msg.task_id));
@@ -3393,7 +3372,7 @@ class NodeState {
    * Inbox items shown from this journal: an adopted copy is never shown again. True: a checkpoint keeps it (a notice,
    * or a message carried from another session, which an adoption may bring again; a replay of our own is refused).
    */
-  readonly #shown = new BoundedMap<string, boolean>(RECEIPTS_WANTED_CAP);
+  readonly shown = new BoundedMap<string, boolean>(RECEIPTS_WANTED_CAP);
   /** The last items pushed as channel events: a Claude Code with channels off drops them, so check_inbox lists them. */
   readonly pushed = new BoundedMap<string, { at: number; item: InboxItem }>(50);
   /** Keys whose knock the operator rejected, and when: their knocks are not shown again for a day. */
@@ -3435,8 +3414,7 @@ class NodeState {
 
   readonly #handlers: { [T in RecordTag]: (r: RecordOf<T>) => void } = {
     out: (r) => {
-      const id = r.msg.msg_id;
-      const held = this.outgoing.get(id);
+      const id = r.msg.msg_id, held = this.outgoing.get(id);
       if (held || this.pending.has(id)) {
         // A re-send of one already sent (a knock repeated): the same msg_id, signed anew, back in the outbox.
         if (held && r.again && !held.refused) {
@@ -3447,12 +3425,8 @@ class NodeState {
         }
         return;
       }
-      const refused = lifecycleError(this.tasks, r.msg);
-      const entry = outEntry(r, some("refused", refused ?? undefined));
-      if (refused) {
-        this.outgoing.set(id, entry);
-        return this.#remember();
-      }
+      const refused = lifecycleError(this.tasks, r.msg), entry = outEntry(r, some("refused", refused ?? undefined));
+      if (refused) return this.#remember(entry);
       this.#queue(entry);
       if (r.msg.kind === "receipt") {
         // What a receipt we signed reports is owed no longer.
@@ -3496,12 +3470,11 @@ class NodeState {
       foldTask(this.tasks, "in", msg, r.at, session, r);
       const id = messageKey(msg.from, msg.msg_id);
       // A declined request (too deep, a loop) was answered failed: no model is shown it as work.
-      if (!r.declined && !this.inbox.has(id) && !this.#shown.has(id)) {
+      if (!r.declined && !this.inbox.has(id) && !this.shown.has(id)) {
         this.#hold({ kind: "message", id, at: r.at, peer: r.peer, msg, ...notes });
       }
-      const route = session ? `${msg.from}#${session}` : msg.from;
       // A goodbye holds back the receipts owed to that session until it is back (a session can be resumed).
-      const goodbye = msg.text.startsWith(GOODBYE_PREFIX);
+      const route = session ? `${msg.from}#${session}` : msg.from, goodbye = msg.text.startsWith(GOODBYE_PREFIX);
       if (goodbye) this.closed.set(route, r.at);
       else this.closed.delete(route);
       if (!r.receipts || goodbye) return;
@@ -3515,13 +3488,11 @@ class NodeState {
       if (item?.kind === "refusals" || r.item === MORE_KNOCKS) this.refusalShownAt.set(r.item, r.at);
       if (item && r.via === "push") this.pushed.set(r.item, { at: r.at, item });
       this.#unhold(r.item);
-      this.#shown.set(r.item, item?.kind !== "message" || item.forSession !== undefined);
+      this.shown.set(r.item, item?.kind !== "message" || item.forSession !== undefined);
       const wanted = this.wantsShown.get(r.item);
-      if (wanted) {
-        this.wantsShown.delete(r.item);
-        // A superseded update was never shown: its sender is not told it was.
-        if (r.via !== "superseded") this.#owe(wanted.route, { state: "shown", msg_id: wanted.msgId, at: r.at });
-      }
+      this.wantsShown.delete(r.item);
+      // A superseded update was never shown: its sender is not told it was.
+      if (wanted && r.via !== "superseded") this.#owe(wanted.route, { state: "shown", msg_id: wanted.msgId, at: r.at });
     },
     showing: (r) => {
       for (const item of r.items.map((id) => this.inbox.get(id))) if (item) item.maybeShown = true;
@@ -3532,9 +3503,8 @@ class NodeState {
       this.#owe(route, { state: "refused", msg_id, at, reason, ...some("skew_ms", r.skew_ms) });
     },
     receipt: (r) => {
-      const receipt = r.msg;
+      const receipt = r.msg, recorded = new Set(recordedReports(r).map((l) => `${l.state} ${l.msg_id}`));
       this.replay.remember(receipt.from, receipt.msg_id, receipt.ts, this.now());
-      const recorded = new Set(recordedReports(r).map((l) => `${l.state} ${l.msg_id}`));
       this.confirming.set(receipt.from, true);
       this.silent.delete(receipt.from);
       // Its reader reads: a route of that key a relay called full is tried again now, not at its back-off.
@@ -3591,11 +3561,10 @@ class NodeState {
       if (r.out) this.#takeOut(r.session ?? null, r.out);
       if (r.item) this.#takeItem(r.session ?? null, r.item);
     },
-    checkpoint: (r) => {
-      this.#take(null, r.at, r.carried); // first: an id reused once shown ("knocks more") is in both
-      const m = r.remembered;
+    checkpoint: ({ at, carried, remembered: m }) => {
+      this.#take(null, at, carried); // first: an id reused once shown ("knocks more") is in both
       this.replay.restore(m.replay ?? []);
-      for (const id of m.shown) this.#shown.set(id, true);
+      for (const id of m.shown) this.shown.set(id, true);
       for (const [id, at] of m.refusal_shown) this.refusalShownAt.set(id, at);
       for (const [id, x] of m.refusals_reported) this.refusalsReported.set(id, x);
       this.#knocksShown = [...m.knocks_shown];
@@ -3605,9 +3574,8 @@ class NodeState {
     },
   };
 
-  /** A notice for the model, unless this journal showed it already. */
   #notice(item: Notice): void {
-    if (!this.#shown.has(item.id)) this.inbox.set(item.id, item);
+    if (!this.shown.has(item.id)) this.inbox.set(item.id, item);
   }
 
   /** One more of a counted notice (knocks past the hour's, a sender's refusals for one reason), or its first. */
@@ -3621,22 +3589,18 @@ class NodeState {
   #settled(msgId: string, settle: (e: OutEntry) => void): void {
     const entry = this.pending.get(msgId);
     if (!entry) return;
-    this.#unqueue(entry);
+    this.pending.delete(msgId);
+    this.pendingBytes -= weight(entry.msg);
     // A receipt we sent is bookkeeping: once out, it must not take the room of our own messages' statuses.
     if (entry.msg.kind === "receipt") return;
     settle(entry);
-    this.outgoing.set(msgId, entry);
+    this.#remember(entry);
     if (entry.sentAt !== undefined && entry.msg.kind === "message") this.#unconfirmed(entry.recipient, msgId, true);
-    this.#remember();
   }
 
   #queue(e: OutEntry): void {
     this.pending.set(e.msg.msg_id, e);
     this.pendingBytes += weight(e.msg);
-  }
-
-  #unqueue(e: OutEntry): void {
-    if (this.pending.delete(e.msg.msg_id)) this.pendingBytes -= weight(e.msg);
   }
 
   #hold(item: InboxItem): void {
@@ -3666,8 +3630,9 @@ class NodeState {
     ).map((e) => e.msg.msg_id);
   }
 
-  /** Forgets the oldest sent entries past SENT_MEMORY_CAP (message_status then reads the journal). */
-  #remember(): void {
+  /** Keeps `e` among the sent entries, forgets the oldest past SENT_MEMORY_CAP (message_status reads the journal). */
+  #remember(e?: OutEntry): void {
+    if (e) this.outgoing.set(e.msg.msg_id, e);
     for (const [oldest, e] of this.outgoing) {
       if (this.outgoing.size <= SENT_MEMORY_CAP) break;
       this.#unconfirmed(e.recipient, oldest, false);
@@ -3716,7 +3681,7 @@ class NodeState {
       for (const q of t.awaiting) {
         const id = `waiting ${t.peer_key} ${q.msg_id}`;
         if (q.asked_by !== "peer" || q.forwarded || this.inbox.has(messageKey(t.peer_key, q.msg_id))) continue;
-        if (this.inbox.has(id) || this.#shown.has(id)) continue;
+        if (this.inbox.has(id) || this.shown.has(id)) continue;
         const asked = { msg_id: q.msg_id, text: q.text ?? "", asked_at: q.at ?? t.last_at };
         this.#hold({ kind: "waiting", id, at, key: t.peer_key, task_id: t.task_id, ...asked, session });
       }
@@ -3728,14 +3693,13 @@ class NodeState {
     if (this.entry(id)) return;
     const entry = outEntry(o, some("adoptedFrom", session ?? undefined));
     if (o.sent_at === undefined) return this.#queue(entry);
-    this.outgoing.set(id, entry);
-    this.#remember();
+    this.#remember(entry);
     if (!o.delivered && o.msg.kind === "message") this.#unconfirmed(o.recipient, id, true);
   }
 
   /** One carried inbox item, unless this journal showed it (at its own checkpoint, `own`, a reused id is in both). */
   #takeItem(session: string | null, item: InboxItem, own = session === null): void {
-    if (this.inbox.has(item.id) || (!own && this.#shown.has(item.id))) return;
+    if (this.inbox.has(item.id) || (!own && this.shown.has(item.id))) return;
     const forSession = item.kind === "message" ? item.forSession ?? session ?? undefined : undefined;
     this.#hold(item.kind === "message" && forSession ? { ...item, forSession } : item);
   }
@@ -3746,12 +3710,11 @@ class NodeState {
    * Messages get a record each (carriedOut(), the inbox): a backlog is never one line in memory.
    */
   carry(nowMs: number, ended?: { session: string; at: number }): Carried {
-    const since = nowMs - HELD_MAX_MS;
     return {
       out: [],
       inbox: [],
       tasks: [...this.tasks.values()].filter((t) =>
-        !t.moved_to && (!t.closed || t.last_at >= (ended ? since : nowMs - CLOSED_TASKS_KEPT_MS))
+        !t.moved_to && (!t.closed || t.last_at >= nowMs - (ended ? HELD_MAX_MS : CLOSED_TASKS_KEPT_MS))
       ),
       owed: [...this.owed],
       wants_shown: [...this.wantsShown].filter(([id]) => this.inbox.has(id)),
@@ -3782,7 +3745,7 @@ class NodeState {
   remembered(nowMs: number): Remembered {
     this.replay.forget(nowMs);
     return {
-      shown: [...this.#shown].filter(([, kept]) => kept).map(([id]) => id),
+      shown: [...this.shown].filter(([, kept]) => kept).map(([id]) => id),
       refusal_shown: [...this.refusalShownAt],
       refusals_reported: [...this.refusalsReported],
       knocks_shown: [...this.#knocksShown],
@@ -3799,11 +3762,6 @@ class NodeState {
     this.owed.set(route, lines);
   }
 
-  /** Refusals reported since `sinceMs` that `which` counts (to one key, to strangers, about one invite). */
-  refusalsReportedSince(sinceMs: number, which: (r: { key: string; invite?: string }) => boolean): number {
-    return [...this.refusalsReported.values()].filter((r) => r.at >= sinceMs && which(r)).length;
-  }
-
   /** Forgets knocks held over a day (FRESH_PAST_MS): their sender has long moved on. */
   expireKnocks(nowMs: number): void {
     for (const [key, k] of this.knocksIn) {
@@ -3818,18 +3776,13 @@ class NodeState {
     return this.#knocksShown.filter((t) => t >= sinceMs).length;
   }
 
-  get refusalNotices(): number {
-    return [...this.inbox.values()].filter((item) => item.kind === "refusals").length;
-  }
-
   /**
    * The oldest entries the outbox may send now, at most `n` and about `bytes` of JSON (at least one): a route a relay
    * called full waits out its back-off, one held by SEND_WINDOW its receipts; later routes go meanwhile.
    */
   pendingHead(n: number, bytes: number): OutEntry[] {
-    const out: OutEntry[] = [];
+    const out: OutEntry[] = [], nowMs = this.now();
     let size = 0;
-    const nowMs = this.now();
     const room = new Map<string, number>(); // what each windowed route may still take in this batch
     for (const e of this.pending.values()) {
       const { recipient } = e;
@@ -3893,19 +3846,9 @@ class NodeState {
   #windowed(kind: Kind, key: string): boolean {
     return kind === "message" && !this.silent.has(key) && this.mayDrop();
   }
-
-  wasShown(id: string): boolean {
-    return this.#shown.has(id);
-  }
-
-  /** True when `msg` was journaled but not yet shown to the model. */
-  unshown(msg: SignedMessage): boolean {
-    return this.inbox.has(messageKey(msg.from, msg.msg_id)) || this.inbox.has(knockItem(msg.from, msg.msg_id));
-  }
 }
 
 /** The journal file and its fold; its owner (agent.lock) quarantines lines it cannot read, readers skip them. */
-
 class Journal {
   readonly file: string;
   #writer: JsonlWriter | null = null;
@@ -3937,9 +3880,7 @@ class Journal {
   /** Applies every complete record appended since the last call. */
   catchUp(): void {
     this.#followRoll();
-    const first = this.#offset === 0;
-    const bad: Parameters<BadLine>[] = [];
-    const onBad: BadLine = (...line) => bad.push(line);
+    const bad: Parameters<BadLine>[] = [], onBad: BadLine = (...line) => bad.push(line);
     const { next, tornBytes } = scanJournal(this.file, this.#offset, (r, at, end) => {
       try {
         this.state.apply(r);
@@ -3956,7 +3897,7 @@ class Journal {
         logWarn(`${this.file}: skipped the line at byte ${at}: ${why}`);
       }
     }
-    if (first && tornBytes) {
+    if (this.#offset === 0 && tornBytes) {
       logWarn(`${this.file}: its last line is torn (${tornBytes} bytes, a write cut short by a crash); skipped`);
     }
     if (next - this.#offset > SHRINK_AFTER_BYTES) giveMemoryBack();
@@ -3970,8 +3911,7 @@ class Journal {
   append(records: NewRecord[]): void {
     this.catchUp();
     this.#writer ??= new JsonlWriter(this.file, `the state folder ${this.stateDir}`);
-    const at = this.now();
-    const stamped = records.map((r) => ({ ...r, at }) as JournalRecord);
+    const at = this.now(), stamped = records.map((r) => ({ ...r, at }) as JournalRecord);
     const text = stamped.map((r) => encodeRecord(r) + "\n").join("");
     if (this.#writer.appendText(text) !== this.#offset) return this.catchUp();
     this.#offset += utf8Bytes(text);
@@ -4005,19 +3945,17 @@ class Journal {
    */
   roll(durable: () => void = () => {}): boolean {
     this.catchUp();
-    const at = this.now();
-    const archived = `log-${at}.jsonl`;
-    const state = this.state;
+    const at = this.now(), archived = `log-${at}.jsonl`, state = this.state;
     const carried = state.carry(at), remembered = state.remembered(at);
     const head = encodeRecord({ t: "checkpoint", at, archived, carried, remembered });
     let bytes = utf8Bytes(head) + state.inboxBytes + 64 * state.inbox.size; // about what the new file holds
     for (const o of state.carriedOut(at)) bytes += 128 + weight(o.msg);
     if (bytes * 2 > fileSize(this.file)) return false;
     const archive = path.join(this.stateDir, archived);
-    let end = 0;
     this.#writer ??= new JsonlWriter(this.file, `the state folder ${this.stateDir}`);
     try {
-      end = this.#writer.rewrite((write) => {
+      // The checkpoint and what it carries are what the state already holds: read from their end on.
+      this.#offset = this.#writer.rewrite((write) => {
         write(head + "\n");
         for (const out of state.carriedOut(at)) write(encodeRecord({ t: "carried", at, out }) + "\n");
         for (const item of state.inbox.values()) write(encodeRecord({ t: "carried", at, item }) + "\n");
@@ -4031,8 +3969,7 @@ class Journal {
       if (inodeOf(archive) === inodeOf(this.file)) fs.rmSync(archive, { force: true }); // linked, not renamed
       throw e;
     }
-    this.#offset = end; // the checkpoint and what it carries are what the state already holds
-    if (end > SHRINK_AFTER_BYTES) giveMemoryBack();
+    if (this.#offset > SHRINK_AFTER_BYTES) giveMemoryBack();
     return true;
   }
 
@@ -4057,13 +3994,8 @@ function giveMemoryBack(): void {
 }
 
 /** The names in `dir` that `re` matches, sorted (none when it cannot be read: no folder yet). */
-function namesIn(dir: string, re: RegExp): string[] {
-  try {
-    return fs.readdirSync(dir).filter((f) => re.test(f)).sort();
-  } catch {
-    return [];
-  }
-}
+const namesIn = (dir: string, re: RegExp): string[] =>
+  orElse(() => fs.readdirSync(dir).filter((f) => re.test(f)).sort(), []);
 
 const SEEN_FILE_RE = /^replay-\d{4}-\d{2}-\d{2}\.jsonl$/;
 
@@ -4091,8 +4023,7 @@ class SeenLog {
     const nowMs = this.now();
     for (const f of namesIn(this.dir, SEEN_FILE_RE)) {
       const file = path.join(this.dir, f);
-      const { next } = scanJsonl(file, this.#offsets.get(file) ?? 0, (r) => {
-        const { t, k, id, ts } = r;
+      const { next } = scanJsonl(file, this.#offsets.get(file) ?? 0, ({ t, k, id, ts }) => {
         if (t === "seen" && typeof k === "string" && typeof id === "string" && Number.isSafeInteger(ts)) {
           this.replay.remember(k, id, ts as number, nowMs, true);
         }
@@ -4154,12 +4085,8 @@ class SeenLog {
 const ADOPTED_FILE = "adopted.json";
 
 function readAdoptedFile(dir: string): { size: number; by: string | null } | null {
-  try {
-    const raw = JSON.parse(fs.readFileSync(path.join(dir, ADOPTED_FILE), "utf8"));
-    return isObject(raw) && Number.isSafeInteger(raw.size) ? raw as { size: number; by: string | null } : null;
-  } catch {
-    return null;
-  }
+  const raw = orElse(() => JSON.parse(fs.readFileSync(path.join(dir, ADOPTED_FILE), "utf8")), null);
+  return isObject(raw) && Number.isSafeInteger(raw.size) ? raw as { size: number; by: string | null } : null;
 }
 
 function writeAdoptedFile(dir: string, what: { size: number; by: string | null }): void {
@@ -4193,12 +4120,9 @@ function readNodeState(stateDir: string): { state: NodeState; journal: Journal }
 /** A waitUntil subscription that fires when `stateDir`'s journal changes (the 1 s re-check covers fs.watch's gaps). */
 function onJournalChange(stateDir: string): (wake: () => void) => () => void {
   return (wake) => {
-    try {
-      const watcher = fs.watch(stateDir, (_e, name) => (name === null || String(name) === "log.jsonl") && wake());
-      return () => watcher.close();
-    } catch {
-      return () => {}; // no watching here: the periodic re-check still runs
-    }
+    const changed = (_e: unknown, f: unknown) => (f === null || String(f) === "log.jsonl") && wake();
+    const watcher = orElse(() => fs.watch(stateDir, changed), null); // none: the periodic re-check still runs
+    return () => watcher?.close();
   };
 }
 
@@ -4266,13 +4190,8 @@ function doorSession(stateDir: string): string {
 
 /** The node's door; null if it has made no invite since doors exist, or if damaged. */
 function readDoor(stateDir: string): string | null {
-  try {
-    const door = fs.readFileSync(path.join(stateDir, "door"), "utf8").trim();
-    if (door.startsWith(DOOR_PREFIX) && SESSION_RE.test(door)) return door;
-  } catch {
-    // none yet
-  }
-  return null;
+  const door = orElse(() => fs.readFileSync(path.join(stateDir, "door"), "utf8").trim(), ""); // "": none yet
+  return door.startsWith(DOOR_PREFIX) && SESSION_RE.test(door) ? door : null;
 }
 
 /** A damaged file is an error that names it: nothing is guessed. */
@@ -4291,8 +4210,7 @@ async function editInvites<T>(stateDir: string, nowMs: number, edit: (invites: I
   const file = invitesFile(stateDir);
   fs.mkdirSync(stateDir, { recursive: true, mode: 0o700 });
   return await withFileLock(file, "invites edit", () => {
-    const invites = readInvites(stateDir), result = edit(invites);
-    const spentAt = (i: Invite) => i.ended ?? i.expires;
+    const invites = readInvites(stateDir), result = edit(invites), spentAt = (i: Invite) => i.ended ?? i.expires;
     const spent = invites.filter((i) => inviteState(i, nowMs) !== "pending").sort((a, b) => spentAt(a) - spentAt(b));
     for (const i of spent) delete i.secret;
     const forget = new Set([
@@ -4341,8 +4259,7 @@ async function revokeInvite(stateDir: string, nowMs: number, which: string): Pro
     if (matches.length !== 1) throw new InterlinkError(`${why}; pending: ${pending || "none"}`);
     const invite = matches[0], state = inviteState(invite, nowMs);
     if (state !== "pending") throw new InterlinkError(`invite ${invite.id} is ${state} already`);
-    Object.assign(invite, { status: "revoked", ended: nowMs });
-    return invite;
+    return Object.assign(invite, { status: "revoked" as const, ended: nowMs });
   });
 }
 
@@ -4412,8 +4329,7 @@ function pendingInviteSessions(stateDir: string, nowMs: number): string[] {
 // Effects
 // ============================================================================
 //
-// What a node decides on an inbound payload is an ordered list of effects (STYLE 11) from pure functions of (state,
-// input, clock); the Agent carries them out in order, stopping at the first failure (see "Decisions").
+// Pure decisions return ordered effects (STYLE 11); the Agent carries them out in order, stopping at the first failure.
 
 type Effect =
   | { do: "append"; records: NewRecord[] } // journal records, in the kernel; made durable by the next "sync"
@@ -4455,8 +4371,7 @@ interface InboundContext {
 // Presenting to the model
 // ============================================================================
 //
-// As a channel event (pushEvent), an inbox block (messageBlock, formatInbox) or the wake text: every peer field
-// through the escaping rule above, and the task metadata from signed fields only.
+// pushEvent, messageBlock, wakeText: each peer field through the escaping rule above, task metadata from signed fields.
 
 /** Channel meta: keys [A-Za-z0-9_] (Claude Code drops others); values are quoted, so peer ids are escaped (attr). */
 function channelMeta(msg: SignedMessage, petname: string): Record<string, string> {
@@ -4468,15 +4383,13 @@ function channelMeta(msg: SignedMessage, petname: string): Record<string, string
 const attr = (v: string): string =>
   showInvisible(v, true).replace(/&/g, "&amp;").replace(/"/g, "&quot;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
+type MessageShown = { peer: string; msg: SignedMessage; at: number; forSession?: string };
+
 /** One message as an attributed block: the format of check_inbox, `wait` and conversation_history. */
 function messageBlock(
-  m: {
+  m: MessageShown & {
     dir: "in" | "out";
-    peer: string;
-    msg: SignedMessage;
-    at: number;
     state?: string;
-    forSession?: string;
     notes?: [string, string][]; // attributes in our words (see itemNotes), after the message's own
     maxChars?: number; // the most of the escaped text shown; the rest is cut, and the block says so
   },
@@ -4499,10 +4412,7 @@ function messageBlock(
   return `<interlink-message ${head}>\n${text}\n</interlink-message>`;
 }
 
-/**
- * Peer text escaped (escapePeerText) and cut to at most `max` characters, never inside an escape (`<U+…>`) or a
- * surrogate pair; `cut`, when it was, says so in our words.
- */
+/** Peer text escaped and cut to at most `max` characters, never inside an escape (`<U+…>`) or a surrogate pair. */
 function shownText(peerText: string, max = Infinity): { text: string; cut?: string } {
   const escaped = escapePeerText(peerText);
   if (escaped.length <= max) return { text: escaped };
@@ -4522,8 +4432,7 @@ function shownText(peerText: string, max = Infinity): { text: string; cut?: stri
 interface Claim {
   peek?: boolean; // show without marking read
   only?: (item: InboxItem) => boolean; // the items this reader may be shown (a lent session's: Agent.shows)
-  /** Its reader hears nothing from a process killed before it is done (`wait`: only an exit 2's stderr is read). */
-  heardAtExit?: boolean;
+  heardAtExit?: boolean; // nothing reaches its reader from a process killed midway (`wait`: only exit 2's stderr)
   /**
    * Picks the first unread items to show (as many as an answer holds: fitInbox); `write`, after the "showing" record,
    * shows them (`wait` prints sooner: it writes none), and they are marked read if it resolves true (not if cut off).
@@ -4571,9 +4480,8 @@ async function claimInbox(from: Journal | string, limit: number, claim: Claim = 
 }
 
 /**
- * How many characters of inbox one answer holds (check_inbox, `wait`'s wake text): Claude Code cuts a tool's answer
- * past 25,000 tokens (MAX_MCP_OUTPUT_TOKENS), and what it cuts would be marked read unseen. Peers choose how long
- * their messages are (a hidden character is shown as 8), so the rest waits for the next call.
+ * One answer's inbox (check_inbox, `wait`), in characters: Claude Code cuts a tool's answer past 25,000 tokens
+ * (MAX_MCP_OUTPUT_TOKENS), and what it cut would be marked read unseen. Peers choose their length: the rest waits.
  */
 const INBOX_ANSWER_MAX_CHARS = 60_000;
 /** Room a cut message's block keeps for its head (attributes, our notes) within INBOX_ANSWER_MAX_CHARS. */
@@ -4593,7 +4501,6 @@ function fitInbox(items: InboxItem[], peers: Peers): { text: string; shown: Inbo
   return { text: blocks.join("\n\n"), shown: items.slice(0, blocks.length), more: blocks.length < items.length };
 }
 
-/** What an answer that fitInbox cut says at its end. */
 const MORE_WAITING = "\n\n(more unread messages wait: call check_inbox again)";
 
 /** Inbox items as the model reads them (check_inbox, `wait`): a notice says in our words that it is not a peer's. */
@@ -4645,10 +4552,7 @@ function itemNotes(i: MessageItem, peers: Peers): [string, string][] {
 }
 
 /** A message item's sender, message and arrival; a "waiting" one's in the shape of the message it was. */
-function itemMessage(
-  i: MessageItem,
-  peers: Peers,
-): { peer: string; msg: SignedMessage; at: number; forSession?: string } {
+function itemMessage(i: MessageItem, peers: Peers): MessageShown {
   if (i.kind === "message") return i;
   const { key: from, text, asked_at: ts, msg_id, task_id } = i, kind = "message", status = "needs_input";
   const msg: SignedMessage = { from, to: "", text, ts, msg_id, kind, task_id, status, sig: "" };
@@ -4742,21 +4646,16 @@ function wakeText(count: number, blocks: string): string {
 /** What planHops decided: fields of the "in" record, logs, and sends that go before the ack. */
 type Hops = { chain?: Chain; declined?: string; relay?: Relayed; logs: Effect[]; sends: Effect[] };
 
-/** A message passed along: what its "in" record says of it, and the send. */
-type Passed = { relay: Relayed; send: Effect };
-
 /** A message the node sends by itself on a task, to the task's session (the shell checks it still runs). */
 function sendOnTask(t: TaskRow, draft: Omit<Draft, "to" | "task_id">, peers: Peers, forward?: Forward): Effect {
-  const onTask: Draft = { to: t.peer_key, task_id: t.task_id, ...draft };
-  const peer = peers.byKey.get(t.peer_key) ?? null;
+  const onTask: Draft = { to: t.peer_key, task_id: t.task_id, ...draft }, peer = peers.byKey.get(t.peer_key) ?? null;
   return { do: "send", draft: onTask, peer, ...some("session", t.peer_session), ...some("forward", forward) };
 }
 
 function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, replySession?: string): Hops {
   const { state, peers } = ctx, out: Hops = { logs: [], sends: [] };
   if (msg.kind !== "message" || !msg.task_id) return out;
-  const me = ctx.selfKey ?? msg.to, row = state.tasks.get(taskKey(msg.from, msg.task_id));
-  const c = ctx.chain, fp = fingerprint(msg.from);
+  const row = state.tasks.get(taskKey(msg.from, msg.task_id)), c = ctx.chain, fp = fingerprint(msg.from);
   if (!row && !msg.status) {
     if (c && !c.ok) {
       const line = `the chain on ${msg.msg_id} from ${fp} does not hold (${c.why}): its task is taken as a root task`;
@@ -4764,7 +4663,7 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
     }
     if (!c?.ok) return out;
     out.chain = c.chain;
-    const why = declineWhy(c.chain.keys, me, ctx);
+    const why = declineWhy(c.chain.keys, ctx.selfKey ?? msg.to, ctx);
     if (why) {
       out.declined = why;
       out.logs.push(logEffect("info", `declined task ${showId(msg.task_id)} from ${fp}: ${why}`));
@@ -4785,12 +4684,12 @@ function planHops(msg: SignedMessage, petname: string, ctx: InboundContext, repl
 }
 
 /** A question on a sub-task we opened goes `up` (its open parent task), else an answer to one we forwarded goes down. */
-function passAlong(msg: SignedMessage, row: TaskRow, ctx: InboundContext, up: TaskRow | null): Passed | null {
+function passAlong(msg: SignedMessage, row: TaskRow, ctx: InboundContext, up: TaskRow | null) {
   // Within what this node will sign (the peer's text may be up to a bus body).
   const via = (verb: string) =>
     `${whoIs(ctx.peers, msg.from)} ${verb}, via ${ctx.selfName ?? fingerprint(ctx.selfKey ?? msg.to)}: ` +
     truncateUtf8(msg.text, TEXT_LIMIT_BYTES);
-  const pass = (dir: Relayed["dir"], t: TaskRow, draft: Omit<Draft, "to" | "task_id">, forward?: Forward): Passed => ({
+  const pass = (dir: Relayed["dir"], t: TaskRow, draft: Omit<Draft, "to" | "task_id">, forward?: Forward) => ({
     relay: { dir, to: t.peer_key, task_id: t.task_id },
     send: sendOnTask(t, draft, ctx.peers, forward),
   });
@@ -4801,9 +4700,8 @@ function passAlong(msg: SignedMessage, row: TaskRow, ctx: InboundContext, up: Ta
   // The owner's side answering (or updating on) a question we forwarded up: down to the sub-task that asked it.
   if (!msg.in_reply_to || (msg.status && msg.status !== "update") || row.requested_by !== "peer") return null;
   for (const t of ctx.state.tasks.values()) {
-    if (t.closed) continue;
     const q = t.awaiting.find(({ forwarded: f }) =>
-      f !== undefined && f.as === msg.in_reply_to && f.to === msg.from && f.task_id === msg.task_id
+      !t.closed && f !== undefined && f.as === msg.in_reply_to && f.to === msg.from && f.task_id === msg.task_id
     );
     if (q) return pass("down", t, { in_reply_to: q.msg_id, text: via("answers") });
   }
@@ -4812,9 +4710,8 @@ function passAlong(msg: SignedMessage, row: TaskRow, ctx: InboundContext, up: Ta
 
 /** Why a request whose chain is `keys` (owner first, its sender last) is refused here, or null. */
 function declineWhy(keys: readonly string[], me: string, ctx: InboundContext): string | null {
-  const limit = ctx.maxDepth ?? DEFAULT_MAX_DEPTH;
   const name = (k: string) => (k === me ? ctx.selfName ?? fingerprint(k) : ctx.peers.byKey.get(k) ?? fingerprint(k));
-  const words = chainWords([...keys, me], name);
+  const words = chainWords([...keys, me], name), limit = ctx.maxDepth ?? DEFAULT_MAX_DEPTH;
   if (keys.includes(me)) return `delegation loop: ${words}`;
   return keys.length > limit ? `delegation too deep: ${words}, limit ${limit}` : null;
 }
@@ -4844,12 +4741,9 @@ function cascade(
 
 /** What an admitted message come again (a crash before its ack) still needs passed along, by the task table. */
 function repairHops(msg: SignedMessage, ctx: InboundContext): Effect[] {
-  const { state, peers } = ctx;
-  if (msg.kind !== "message" || !msg.task_id) return [];
-  const row = state.tasks.get(taskKey(msg.from, msg.task_id));
-  if (!row) return [];
-  const me = ctx.selfKey ?? msg.to;
-  const asked = row.awaiting.find((q) => q.msg_id === msg.msg_id && q.asked_by === "peer");
+  const { state, peers } = ctx, row = msg.task_id && state.tasks.get(taskKey(msg.from, msg.task_id));
+  if (msg.kind !== "message" || !row) return [];
+  const me = ctx.selfKey ?? msg.to, asked = row.awaiting.find((q) => q.msg_id === msg.msg_id && q.asked_by === "peer");
   const up = asked && !asked.forwarded && !row.closed ? forwardTarget(state.tasks, row, msg) : null;
   const passed = passAlong(msg, row, ctx, up);
   if (passed) return [passed.send];
@@ -4882,12 +4776,10 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
     case "reject": {
       // A message admitted before whose passing along was cut short (a crash before its ack): done now.
       const repair = v.reason === "replay" && v.msg ? repairHops(v.msg, ctx) : [];
-      if (v.reason === "replay" && v.msg && canPush && state.unshown(v.msg)) {
-        // Journaled but never shown (a crash between the record and the push): show it now, once.
-        const key = messageKey(v.msg.from, v.msg.msg_id);
-        const id = state.inbox.has(key) ? key : knockItem(v.msg.from, v.msg.msg_id);
-        return [{ do: "push", id }, { do: "sync" }, ...repair, { do: "ack" }];
-      }
+      // Journaled but never shown (a crash between the record and the push): show it now, once.
+      const m = v.reason === "replay" && canPush ? v.msg : undefined;
+      const id = m && [messageKey(m.from, m.msg_id), knockItem(m.from, m.msg_id)].find((i) => state.inbox.has(i));
+      if (id) return [{ do: "push", id }, { do: "sync" }, ...repair, { do: "ack" }];
       // Refused for now, not for good: unacked, so the bus keeps it and hands it over again later.
       if (v.forNow) return [refusalLog(v), { do: "defer" }];
       return refuse(v, ctx, repair);
@@ -4919,8 +4811,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
         return keep(v.msg, [], [logEffect("info", line)]);
       }
       // A refusal reaches the model once, as one line in our words; other reports only update the statuses.
-      const bounced = news.filter((l) => canPush && l.state === "refused");
-      const all = parseReceipt(v.msg.text);
+      const bounced = news.filter((l) => canPush && l.state === "refused"), all = parseReceipt(v.msg.text);
       const lines = news.map((l) => all.findIndex((a) => a.state === l.state && a.msg_id === l.msg_id));
       const pushes = bounced.map((l): Effect => ({ do: "push", id: `bounced ${l.msg_id}` }));
       return keep(v.msg, [{ t: "receipt", peer: v.petname, msg: v.msg, lines }], pushes);
@@ -4929,9 +4820,7 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       // Through an invite, our operator decided in advance (by running `interlink.ts invite`): nothing is held.
       if (ctx.invite?.ok) return admitInvited(v, ctx.invite.invite, ctx);
       if (ctx.invite) return refuse({ reason: ctx.invite.reason, detail: ctx.invite.detail, msg: v.msg }, ctx);
-      const { from: key, msg_id, ts } = v.msg;
-      const fp = fingerprint(key);
-      const rejectedAt = state.rejected.get(key);
+      const { from: key, msg_id, ts } = v.msg, fp = fingerprint(key), rejectedAt = state.rejected.get(key);
       const again = state.knocksIn.has(key)
         ? "; its earlier request still waits for the operator"
         : rejectedAt !== undefined && ctx.nowMs - rejectedAt < FRESH_PAST_MS
@@ -4965,10 +4854,8 @@ function planInbound(v: Verdict, ctx: InboundContext): Effect[] {
       const { msg } = v, key = msg.from, fp = fingerprint(key), existing = ctx.peers.byKey.get(key);
       const knock = state.knocksOut.get(key);
       const petname = existing ?? newPeerName(ctx.peers, key, knock?.petname, displayName(msg.text));
-      const event: PushEvent = {
-        content: `Pairing complete: ${fp} accepted your request and is now the peer '${petname}'.`,
-        meta: { sender: "interlink", kind: "pair_accept", fingerprint: fp },
-      };
+      const content = `Pairing complete: ${fp} accepted your request and is now the peer '${petname}'.`;
+      const event: PushEvent = { content, meta: { sender: "interlink", kind: "pair_accept", fingerprint: fp } };
       // Our join through their invite: a notice (the operator ran `join` at a terminal).
       const invite = knock?.invite, id = invite && pairedItem(key, invite);
       const shown: Effect[] = !canPush ? [] : id ? [{ do: "push", id }] : [{ do: "notify", event }];
@@ -4988,7 +4875,7 @@ function admitInvited(v: Extract<Verdict, { verdict: "pair_request" }>, invite: 
   const id = pairedItem(key, invite.id), as = existing ? "already" : "added as";
   const line = `${fingerprint(key)} (claims '${v.claimedName}') joined through invite ${invite.id}; ${as} '${petname}'`;
   const added: Effect[] = existing ? [] : [{ do: "add_peer", petname, key }];
-  const shown: Effect[] = ctx.canPush && !ctx.state.wasShown(id) ? [{ do: "push", id }] : [];
+  const shown: Effect[] = ctx.canPush && !ctx.state.shown.has(id) ? [{ do: "push", id }] : [];
   const consume: Effect = { do: "consume_invite", id: invite.id, key, msgId: v.msg.msg_id, petname };
   const confirm: Effect = { do: "confirm_pair", key, msgId: v.msg.msg_id, recipient: reply, petname };
   const paired: NewRecord = { t: "paired", key, how: "invited", petname, invite: invite.id };
@@ -5000,11 +4887,8 @@ type Refused = { reason: Refusal; detail: string; msg?: SignedMessage };
 
 /** Before the signature checks out, `from` is only a claim. */
 function refusalLog(v: Refused): Effect {
-  const who = !v.msg
-    ? "?"
-    : v.reason === "malformed" || v.reason === "bad_signature"
-    ? `${fingerprint(v.msg.from)} (claimed, unverified)`
-    : fingerprint(v.msg.from);
+  const claimed = v.reason === "malformed" || v.reason === "bad_signature" ? " (claimed, unverified)" : "";
+  const who = v.msg ? fingerprint(v.msg.from) + claimed : "?";
   const id = v.msg ? ` (msg_id ${JSON.stringify(v.msg.msg_id.slice(0, 64))})` : "";
   const line = `refused a message from ${who}${id}: ${v.reason}: ${v.detail}`;
   return logEffect(v.reason === "replay" ? "info" : "warn", line); // a copy from a second bus is routine, not an alarm
@@ -5026,17 +4910,15 @@ function refusedInvite(v: Refused): string | undefined {
 }
 
 /**
- * A refusal worth the operator's attention becomes one summary per sender and reason: recorded once, then counted in
- * memory, not again for REFUSAL_REPEAT_MS once shown; REFUSAL_NOTICES_CAP at most. A flood costs the journal a line per
- * sender and hour, and the model one line.
+ * A refusal worth the operator's notice is one summary per sender and reason: recorded once, then counted in memory,
+ * shown again after REFUSAL_REPEAT_MS; REFUSAL_NOTICES_CAP at most. A flood costs a journal line per sender an hour.
  */
 function noticeRefusal(v: Refused, ctx: InboundContext): Effect[] {
   if (!v.msg || !REFUSALS_SHOWN.has(v.reason)) return [];
   const invite = refusedInvite(v), id = refusalItem(v.msg.from, v.reason, invite);
-  const waiting = ctx.state.inbox.get(id);
-  if (waiting?.kind === "refusals") return [{ do: "count", id }];
+  if (ctx.state.inbox.get(id)?.kind === "refusals") return [{ do: "count", id }];
   if (ctx.nowMs - (ctx.state.refusalShownAt.get(id) ?? 0) < REFUSAL_REPEAT_MS) return [];
-  if (ctx.state.refusalNotices >= REFUSAL_NOTICES_CAP) return [];
+  if ([...ctx.state.inbox.values()].filter((i) => i.kind === "refusals").length >= REFUSAL_NOTICES_CAP) return [];
   // A bad signature proves no key: whoever claims a peer's (or ours) there is a stranger, on the strangers' budget.
   const stranger = (key: string, reason: string) =>
     reason === "bad_signature" || !(ctx.peers.byKey.has(key) || key === ctx.selfKey);
@@ -5064,23 +4946,21 @@ function reportRefusal(v: Refused, ctx: InboundContext): Effect[] {
   const msg = v.msg, { state, peers, nowMs } = ctx;
   const joining = msg?.kind === "pair_request" && parseInviteProof(msg.in_reply_to) !== null;
   if (!msg || (msg.kind !== "message" && msg.kind !== "sealed" && !joining) || !ctx.wantsReceipts) return [];
-  const hourAgo = nowMs - 60 * 60_000;
-  const isPeer = (key: string) => peers.byKey.has(key) || key === ctx.selfKey, peer = isPeer(msg.from);
+  const hourAgo = nowMs - 60 * 60_000, isPeer = (key: string) => peers.byKey.has(key) || key === ctx.selfKey;
   const left = (which: (r: { key: string; invite?: string }) => boolean) =>
-    state.refusalsReportedSince(hourAgo, which) < RECEIPT_REFUSALS_PER_HOUR;
+    [...state.refusalsReported.values()].filter((r) => r.at >= hourAgo && which(r)).length < RECEIPT_REFUSALS_PER_HOUR;
   // From a peer: a message from our future, or held past HELD_MAX_MS (a replay of one delivered: its sender knows
   // better), or over its share (busy). From a key not in our peers (it may list us: a one-sided pairing), that we
   // refused it, so it can knock again; strangers together get RECEIPT_REFUSALS_PER_HOUR an hour. A knock through an
   // invite: why the invite, or its time, was refused (`join` waits for that), on that invite's own budget if we have it.
-  const strangersLeft = left((r) => !r.invite && !isPeer(r.key)), about = refusedInvite(v);
+  const strangersLeft = left((r) => !r.invite && !isPeer(r.key)), about = refusedInvite(v), peer = isPeer(msg.from);
   const stale = v.reason === "stale" && (joining ? peer || strangersLeft : peer);
   const unpaired = !joining && v.reason === "not_allowlisted" && !peer && strangersLeft;
   const invite = joining && isInviteRefusal(v.reason) &&
     (peer || (about ? left((r) => r.invite === about) : strangersLeft));
   const busy = !joining && v.reason === "busy" && peer; // over its share (see ReplayMemory.pressure): told why
   if (!stale && !unpaired && !invite && !busy) return [];
-  if (state.refusalsReported.has(messageKey(msg.from, msg.msg_id))) return [];
-  if (!left((r) => r.key === msg.from)) return [];
+  if (state.refusalsReported.has(messageKey(msg.from, msg.msg_id)) || !left((r) => r.key === msg.from)) return [];
   const route = receiptRoute(msg, ctx.replyTo);
   const skew = stale ? { skew_ms: Math.min(Math.round(msg.ts - nowMs), 1e12) } : {};
   const owe: NewRecord = { t: "owe", route, msg_id: msg.msg_id, reason: v.reason, ...skew, ...some("invite", about) };
@@ -5143,13 +5023,7 @@ function prepareSend(
   const draft: Draft = { to: key, text: input.text, ...given, ...(in_reply_to ? { in_reply_to } : {}) };
   const broken = lifecycleError(tasks, draft) ?? forwardedAnswer(peers, tasks, draft);
   if (broken) throw new InterlinkError(broken);
-  const parentId = input.parent_task_id;
-  if (input.parent_peer !== undefined && parentId === undefined) {
-    throw new InterlinkError("parent_peer says whose task parent_task_id is: give parent_task_id too");
-  }
-  const chain = parentId === undefined
-    ? undefined
-    : subTaskChain(peers, tasks, draft, parentId, { selfKey, ...hops, parentPeer: input.parent_peer });
+  const chain = subTaskChain(peers, tasks, draft, input, { selfKey, ...hops });
   return { draft, recipient: session ? `${key}#${session.trim()}` : key, peer: petname, ...some("chain", chain) };
 }
 
@@ -5159,9 +5033,8 @@ function prepareSend(
  */
 function outboxFull(state: NodeState, peers: Peers): string | null {
   if (state.pendingBytes < OUTBOX_MAX_BYTES) return null;
-  const per = new Map<string, number>();
+  const per = new Map<string, number>(), held = state.heldRoutes();
   for (const e of state.pending.values()) per.set(e.recipient, (per.get(e.recipient) ?? 0) + 1);
-  const held = state.heldRoutes();
   const most = [...per].sort((a, b) => b[1] - a[1]).slice(0, 3).map(([route, n]) => {
     const { key, session } = parseRoute(route);
     const why = held.get(route)?.why === "full" ? ", its route full" : held.has(route) ? ", awaiting receipts" : "";
@@ -5189,16 +5062,20 @@ function forwardedAnswer(peers: Peers, tasks: ReadonlyMap<string, TaskRow>, draf
 }
 
 /**
- * The chain a request opening a sub-task of `parentId` carries (undefined: a follow-up on one open). Refused: a parent
- * we do not execute for a peer, a loop, a depth past the limit, a sub-task for another session of ours (not a hop).
+ * The chain a request opening a sub-task of `parent_task_id` carries (undefined: none, or a follow-up). Refused: a
+ * parent we do not execute for a peer, a loop, a depth past the limit, a sub-task for another session (not a hop).
  */
 function subTaskChain(
   peers: Peers,
   tasks: ReadonlyMap<string, TaskRow>,
   draft: Draft,
-  parentId: string,
-  hops: { selfKey?: string; maxDepth?: number; selfName?: string; parentPeer?: string },
+  { parent_task_id: parentId, parent_peer: parentPeer }: SendInput,
+  hops: { selfKey?: string; maxDepth?: number; selfName?: string },
 ): Omit<Chain, "sig"> | undefined {
+  if (parentId === undefined) {
+    if (parentPeer === undefined) return undefined;
+    throw new InterlinkError("parent_peer says whose task parent_task_id is: give parent_task_id too");
+  }
   const me = hops.selfKey;
   if (!me) throw new InterlinkError("parent_task_id needs this node's key");
   if (!draft.task_id || draft.status) {
@@ -5211,7 +5088,7 @@ function subTaskChain(
   }
   const name = (k: string) => (k === me ? hops.selfName ?? "you" : peers.byKey.get(k) ?? fingerprint(k));
   const pid = showId(parentId);
-  const asker = hops.parentPeer === undefined ? undefined : resolvePeer(peers, hops.parentPeer).key;
+  const asker = parentPeer === undefined ? undefined : resolvePeer(peers, parentPeer).key;
   const candidates = [...tasks.values()].filter((t) =>
     t.task_id === parentId && t.requested_by === "peer" && !t.moved_to && (asker === undefined || t.peer_key === asker)
   );
@@ -5272,8 +5149,7 @@ function messagePayload(msg: SignedMessage, replyTo?: string, chain?: Chain): ob
 
 /** Signs a checked send and appends it to the outbox durably: the one send path. */
 async function queueMessage(journal: Journal, id: Identity, p: PreparedSend, nowMs: number): Promise<OutEntry> {
-  const msg = await signMessage(id, p.draft, nowMs);
-  const chain = p.chain ? await signChain(id, msg, p.chain) : undefined;
+  const msg = await signMessage(id, p.draft, nowMs), chain = p.chain ? await signChain(id, msg, p.chain) : undefined;
   // Sized as every bus sees its JSON body (a control character takes six bytes escaped): none too big is queued.
   const payload = messagePayload(msg, `${id.publicKey}#${"x".repeat(128)}`, chain); // the longest reply_to
   const bytes = Buffer.byteLength(JSON.stringify({ to: p.recipient, payload }));
@@ -5305,32 +5181,29 @@ async function readRoster(
   relays: Relay[],
   nowMs: number,
 ): Promise<{ byRoute: Map<string, PeerSession>; problems: string[] }> {
-  const byRoute = new Map<string, PeerSession>();
-  const problems: string[] = [];
-  await Promise.all(
-    relays.map(async (relay) => {
-      try {
-        for (const raw of await relay.roster(SEND_TIMEOUT_MS)) {
-          try {
-            // Larger than our bus keeps (a hostile relay's, say): not read, so no one entry can fill what is shown.
-            if (utf8Bytes(JSON.stringify(raw)) > ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) continue;
-            const a = parseAnnouncement(raw), check = checkAnnouncement(a);
-            if ("error" in check) continue; // the bus verifies nothing we rely on: we do
-            const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
-            const session = check.layout === "0.8" && a.session?.session_id ? a.session : null;
-            const [key, name, legacy] = [a.pubkey, displayName(a.name), check.layout === "0.4"];
-            const s: PeerSession = { key, name, session, legacy, ageMs, bus: relay.name };
-            const route = s.session ? `${s.key}#${s.session.session_id}` : s.key, prev = byRoute.get(route);
-            if (!prev || prev.ageMs > ageMs) byRoute.set(route, s);
-          } catch {
-            // malformed
-          }
+  const byRoute = new Map<string, PeerSession>(), problems: string[] = [];
+  await Promise.all(relays.map(async (relay) => {
+    try {
+      for (const raw of await relay.roster(SEND_TIMEOUT_MS)) {
+        try {
+          // Larger than our bus keeps (a hostile relay's, say): not read, so no one entry can fill what is shown.
+          if (utf8Bytes(JSON.stringify(raw)) > ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) continue;
+          const a = parseAnnouncement(raw), check = checkAnnouncement(a);
+          if ("error" in check) continue; // the bus verifies nothing we rely on: we do
+          const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
+          const session = check.layout === "0.8" && a.session?.session_id ? a.session : null;
+          const [key, name, legacy] = [a.pubkey, displayName(a.name), check.layout === "0.4"];
+          const s: PeerSession = { key, name, session, legacy, ageMs, bus: relay.name };
+          const route = s.session ? `${s.key}#${s.session.session_id}` : s.key, prev = byRoute.get(route);
+          if (!prev || prev.ageMs > ageMs) byRoute.set(route, s);
+        } catch {
+          // malformed
         }
-      } catch (e) {
-        problems.push(`${relay.name}: ${errorText(e)}`);
       }
-    }),
-  );
+    } catch (e) {
+      problems.push(`${relay.name}: ${errorText(e)}`);
+    }
+  }));
   if (problems.length === relays.length) throw new NoRelayAnswered(`no bus answered: ${problems.join("; ")}`);
   return { byRoute, problems };
 }
@@ -5383,8 +5256,7 @@ function chooseRoute(p: {
   ended?: (session: string) => boolean; // that session said goodbye and has not been back since
   seen?: (session: string) => boolean; // it was on a roster before: missing now, it was unregistered or expired
 }): RouteChoice {
-  const { key } = p, known = p.rosterKnown ?? true;
-  const ended = (id: string) => p.ended?.(id) ?? false;
+  const { key } = p, known = p.rosterKnown ?? true, ended = (id: string) => p.ended?.(id) ?? false;
   const all = p.candidates.filter((c) => !ended(c.session!.session_id));
   const find = (id: string) => all.find((c) => c.session!.session_id === id);
   // A `serve` task's session takes only its task; `serve`'s door, only when no other session is live (see SERVE_DOOR).
@@ -5408,9 +5280,8 @@ function chooseRoute(p: {
         ? "not on any roster: the message may never be read; check discover"
         : "not checked (no bus answered the roster)";
     }
-    const other = live.find((x) => x !== c)?.session?.session_id;
+    const other = live.find((x) => x !== c)?.session?.session_id, away = `away for ${howLong(c.ageMs)}`;
     const sibling = other ? `; a live sibling exists: session=${showId(other)} reaches it now` : "";
-    const away = `away for ${howLong(c.ageMs)}`;
     const now: Record<Presence, string> = {
       live: "live: delivering now",
       away: `${away} (asleep?): it arrives when that session wakes${sibling}`,
@@ -5454,8 +5325,7 @@ function chooseRoute(p: {
   }
   if (live.length === 1) return choose(live[0].session!.session_id, endedNote && `${endedNote}sent to their live `);
   if (live.length > 1 || (!endedNote && candidates.length > 1)) {
-    const several = live.length > 1 ? "several live sessions" : "several sessions";
-    const list = describeSessions(candidates);
+    const several = live.length > 1 ? "several live sessions" : "several sessions", list = describeSessions(candidates);
     throw new InterlinkError(`${endedNote}${several}; pick one with session=<id or its start>:\n${list}`);
   }
   if (endedNote && !p.isSelf) {
