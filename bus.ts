@@ -17,6 +17,7 @@
 
 import { Buffer } from "node:buffer";
 import { spawnSync } from "node:child_process";
+import { createPublicKey, type KeyObject, verify } from "node:crypto";
 import * as fs from "node:fs";
 import type * as net from "node:net";
 import * as path from "node:path";
@@ -72,6 +73,7 @@ import {
   syncDirectory,
   timestamp,
   unregisterBytes,
+  useEd25519,
   utf8Bytes,
   verifyAnnouncement,
   verifyDetached,
@@ -673,6 +675,19 @@ function recipientParam(value: unknown, name: string): string {
   return value;
 }
 
+/** Ed25519 by node:crypto, which a bus plugs into the node's verification (runBus; see useEd25519 for why). */
+const NODE_ED25519 = {
+  // RFC 8410's SubjectPublicKeyInfo for an Ed25519 key, then its 32 bytes
+  key: (raw: Uint8Array) =>
+    createPublicKey({
+      key: Buffer.from(`302a300506032b6570032100${Buffer.from(raw).toString("hex")}`, "hex"),
+      format: "der",
+      type: "spki",
+    }),
+  verify: (key: unknown, sig: Uint8Array, signed: Uint8Array) =>
+    Promise.resolve(verify(null, signed, key as KeyObject, sig)),
+};
+
 /** Who signed a payload, verified, its signature (Bus.send knows a copy by it) and ts; "" for an opaque payload. */
 type Signer = { from: string; sig?: string; ts?: number };
 
@@ -681,7 +696,7 @@ type Signer = { from: string; sig?: string; ts?: number };
  * the reference contract says). A malformed or forged v2 payload is a 400: the bus never queues a known forgery, nor
  * one signed more than HELD_MAX_MS before `now`, which no node of ours takes (kept, it held its signer's budget).
  */
-function signerOf(payload: unknown, route: string, now: number): Signer {
+async function signerOf(payload: unknown, route: string, now: number): Promise<Signer> {
   if (!isV2Shaped(payload)) return { from: "" };
   let msg: SignedMessage;
   try {
@@ -691,7 +706,7 @@ function signerOf(payload: unknown, route: string, now: number): Signer {
     if (e instanceof FormatError) return { from: "" };
     throw e;
   }
-  const bad = verifyMessage(msg);
+  const bad = await verifyMessage(msg);
   if (bad) throw new HttpError(400, `the message's signature does not verify (${bad}); not queued`);
   // Else a copy of one of alice's messages, posted to other routes, would spend her budget and crowd her out.
   if (msg.to !== parseRoute(route).key) throw new HttpError(400, `addressed to ${fingerprint(msg.to)}, not this route`);
@@ -1321,7 +1336,7 @@ class Bus {
       throw new HttpError(403, `proof is outside its freshness window (${window})`);
     }
     if (this.#verified.get(route) !== proof) {
-      const bad = verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
+      const bad = await verifyDetached(parseRoute(route).key, sig, recvProofBytes(route, ts));
       if (bad) throw new HttpError(403, `proof does not verify for ${fingerprint(route)}…: ${bad}`);
     }
     this.#verified.set(route, proof);
@@ -1486,7 +1501,7 @@ async function sendMany(bus: Bus, items: unknown[], origin: string): Promise<Res
       if (!isObject(item) || item.payload === undefined) throw new HttpError(400, 'each message is {"to", "payload"}');
       const to = recipientParam(item.to, "to");
       const payload = JSON.stringify(item.payload);
-      const signer = signerOf(item.payload, to, bus.now());
+      const signer = await signerOf(item.payload, to, bus.now());
       bus.check(to, signer.from, utf8Bytes(payload), signer.sig, origin); // a refusal (a full route) stops the batch
       queued.push(bus.send(to, payload, signer.from, signer, origin)); // queued now, in order; on disk once awaited
       results.push({ status: 202 });
@@ -1518,7 +1533,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     if (!isObject(body)) throw new HttpError(400, 'expected {"to": <recipient>, "payload": <any JSON>}');
     const to = recipientParam(body.to, "to");
     if (body.payload === undefined) throw new HttpError(400, '"payload" is missing');
-    const signer = signerOf(body.payload, to, bus.now());
+    const signer = await signerOf(body.payload, to, bus.now());
     await bus.send(to, JSON.stringify(body.payload), signer.from, signer, origin);
     return jsonResponse(202, '{"status":"queued"}');
   }],
@@ -1569,7 +1584,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     // Presence must be current: no announcement from the future, none older than the roster keeps.
     if (a.ts - now > FRESH_FUTURE_MS) throw new HttpError(400, `announcement ts is ${a.ts - now} ms in the future`);
     if (now - a.ts >= ROSTER_RETENTION_MS) throw new HttpError(400, "announcement is older than the roster keeps");
-    const bad = verifyAnnouncement(a);
+    const bad = await verifyAnnouncement(a);
     if (bad) throw new HttpError(403, `announcement signature does not verify: ${bad}`);
     const filed = bus.roster.put(a, json, now, from);
     if (filed === true || filed === "older") return jsonResponse(202, '{"status":"announced"}'); // older: superseded
@@ -1599,7 +1614,11 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     const now = bus.now();
     const stale = u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS;
     if (stale) throw new HttpError(400, "unregister ts is outside the freshness window");
-    const bad = verifyDetached(u.pubkey, u.sig, parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })));
+    const bad = await verifyDetached(
+      u.pubkey,
+      u.sig,
+      parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })),
+    );
     if (bad) throw new HttpError(403, "unregister signature does not verify");
     bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
     return jsonResponse(202, '{"status":"unregistered"}');
@@ -1871,6 +1890,7 @@ async function runBus(o: Options): Promise<number> {
   const owners = int("owners", 1, 100_000_000);
   if (!["on", "off"].includes(String(o.guard))) throw new InterlinkError(`--guard must be on or off, not '${o.guard}'`);
   setLogComponent("interlink bus");
+  useEd25519(NODE_ED25519);
   const bus = await Bus.open(dataDir, { cap, limits, owners });
   const server = await serveHttp(bus.handler, host, port, o.guard === "on").catch(async (e) => {
     await bus.close();
@@ -1943,7 +1963,17 @@ export const command: CommandSpec = {
 
 // -- the public surface: what node tests, the bench and the board import
 
-export { Bus, BusQueues, CONN_BODY_MS, CONN_IDLE_MS, errorResponse, jsonResponse, MESSAGE_OVERHEAD_BYTES, OPAQUE_CAP };
+export {
+  Bus,
+  BusQueues,
+  CONN_BODY_MS,
+  CONN_IDLE_MS,
+  errorResponse,
+  jsonResponse,
+  MESSAGE_OVERHEAD_BYTES,
+  NODE_ED25519,
+};
+export { OPAQUE_CAP };
 export { RECV_BATCH_BYTES, RECV_TIMEOUT_MAX_MS, recvTimeoutMs, Roster, ROSTER_PER_ADDRESS_CAP, ROUTE_OVERHEAD_BYTES };
 export { SENDER_BYTES_MAX, serveHttp, splitUrl, TOTAL_BYTES_MAX };
 export type { Listening };

@@ -58,7 +58,6 @@
 
 import { Buffer } from "node:buffer";
 import { spawn, spawnSync } from "node:child_process";
-import { createPublicKey, type KeyObject, verify as verifyEd25519 } from "node:crypto";
 import * as fs from "node:fs";
 import * as os from "node:os";
 import * as path from "node:path";
@@ -943,56 +942,66 @@ const SMALL_ORDER_Y = [
 const hasSmallOrder = (encoded: Uint8Array): boolean =>
   SMALL_ORDER_Y.some((y) => y.compare(encoded, 0, 31, 0, 31) === 0 && (encoded[31] & 0x7f) === y[31]);
 
-/** Verifying keys, by their text: only keys that decoded and passed the small-order check get here. */
-const verifyingKeys = new BoundedMap<string, KeyObject | string>(KEY_CACHE_CAP);
+/**
+ * Ed25519's own check, after ours: WebCrypto's, which every runtime has. A relay, which checks every message it queues,
+ * plugs in node:crypto's (useEd25519: 60 % less CPU than WebCrypto's under Bun), a module every session would pay 6 MB
+ * for. `key` makes what `verify` takes of a public key's bytes; either may throw or reject for a point that is not one.
+ */
+type Ed25519 = { key(raw: Bytes): unknown; verify(key: unknown, sig: Bytes, signed: Bytes): Promise<boolean> };
+const WEBCRYPTO_ED25519: Ed25519 = {
+  key: (raw) => crypto.subtle.importKey("raw", raw, { name: "Ed25519" }, false, ["verify"]),
+  verify: async (key, sig, signed) => crypto.subtle.verify("Ed25519", await (key as Promise<CryptoKey>), sig, signed),
+};
+let ed25519 = WEBCRYPTO_ED25519;
 
-/** An Ed25519 public key's SubjectPublicKeyInfo (RFC 8410), less the 32 key bytes that follow. */
-const ED25519_SPKI = Buffer.from("302a300506032b6570032100", "hex");
+/** Verifying keys, by their text (ed25519.key's): only keys that decoded and passed the small-order check get here. */
+const verifyingKeys = new BoundedMap<string, unknown>(KEY_CACHE_CAP);
+
+const useEd25519 = (impl: Ed25519) => void (ed25519 = impl, verifyingKeys.clear());
 
 /** Whether a signature's S (its last 32 bytes, little-endian) is below L; L's top byte is 0x10. */
 const isReduced = (s: Uint8Array): boolean => s[31] !== 0x10 ? s[31] < 0x10 : littleEndianToBigInt(s) < L;
 
-/**
- * Strict Ed25519 verification, as ed25519-dalek's verify_strict: null when good, else why not. node:crypto's one-shot
- * verify, which both runtimes ship: 40 % less CPU than WebCrypto's on this runtime's bus (docs/performance.md).
- */
-function verifyDetached(publicKey: string, signature: string, signed: Bytes): string | null {
+/** Strict Ed25519 verification, as ed25519-dalek's verify_strict: null when good, else why not. */
+async function verifyDetached(publicKey: string, signature: string, signed: Bytes): Promise<string | null> {
+  const notAPoint = "public key is not a valid Ed25519 point";
   let key = verifyingKeys.get(publicKey);
-  if (key === undefined) { // checked once per key, then cached (the key object, or why it cannot verify anything)
+  if (key === undefined) { // checked once per key, then cached
     const raw = orWhy(() => decodeKey(publicKey, "public key"));
     if (typeof raw === "string") return raw;
     if (hasSmallOrder(raw)) return "public key is a small-order point";
-    key = orWhy(() => createPublicKey({ key: Buffer.concat([ED25519_SPKI, raw]), format: "der", type: "spki" }));
-    verifyingKeys.set(publicKey, key = typeof key === "string" ? "public key is not a valid Ed25519 point" : key);
+    key = orWhy(() => ({ key: ed25519.key(raw) }));
+    if (typeof key === "string") return notAPoint;
+    verifyingKeys.set(publicKey, key = (key as { key: unknown }).key);
   }
-  if (typeof key === "string") return key;
   const sig = orWhy(() => b64urlDecode(signature, 64, "signature"));
   if (typeof sig === "string") return sig;
   if (hasSmallOrder(sig.subarray(0, 32))) return "signature R is a small-order point";
   if (!isReduced(sig.subarray(32))) return "signature S is not reduced (S >= L)";
   try {
-    return verifyEd25519(null, signed, key, sig) ? null : "signature does not match";
+    return (await ed25519.verify(key, sig, signed)) ? null : "signature does not match";
   } catch {
-    verifyingKeys.set(publicKey, "public key is not a valid Ed25519 point");
-    return "public key is not a valid Ed25519 point";
+    verifyingKeys.delete(publicKey);
+    return notAPoint;
   }
 }
 
-const verifyMessage = (m: SignedMessage): string | null => verifyDetached(m.from, m.sig, canonicalBytes(m));
+const verifyMessage = (m: SignedMessage): Promise<string | null> => verifyDetached(m.from, m.sig, canonicalBytes(m));
 
 /**
  * Which layout an announcement verifies under: with a `session` only 0.8; without, 0.8 with empty fields, then 0.4,
  * which marks a legacy node (no sessions; reached at its bare key). No byte string matches both.
  */
-function checkAnnouncement(a: Announcement): { layout: "0.8" | "0.4" } | { error: string } {
-  const v08 = verifyDetached(a.pubkey, a.sig, announcementBytes(a));
+async function checkAnnouncement(a: Announcement): Promise<{ layout: "0.8" | "0.4" } | { error: string }> {
+  const v08 = await verifyDetached(a.pubkey, a.sig, announcementBytes(a));
   if (v08 === null) return { layout: "0.8" };
-  const legacy = a.session === undefined && verifyDetached(a.pubkey, a.sig, legacyAnnouncementBytes(a)) === null;
+  const legacy = a.session === undefined &&
+    (await verifyDetached(a.pubkey, a.sig, legacyAnnouncementBytes(a))) === null;
   return legacy ? { layout: "0.4" } : { error: v08 };
 }
 
-const verifyAnnouncement = (a: Announcement): string | null => {
-  const r = checkAnnouncement(a);
+const verifyAnnouncement = async (a: Announcement): Promise<string | null> => {
+  const r = await checkAnnouncement(a);
   return "error" in r ? r.error : null;
 };
 
@@ -1287,7 +1296,7 @@ async function openSealed(
     if (content.subarray(at).some((b) => b !== 0)) throw new FormatError("its padding is not zeros");
     const fields = { kind: "message", text, status: status || undefined, task_id, in_reply_to };
     const msg = parseSignedMessage({ ...m, ...fields, sig: b64urlEncode(content.subarray(0, 64)) });
-    const bad = verifyMessage(msg);
+    const bad = await verifyMessage(msg);
     if (bad) return `what it holds is not signed by its sender (${bad})`;
     return { msg, ...(chain ? { chain: orWhy(() => JSON.parse(chain)) } : {}) };
   } catch (e) {
@@ -1444,7 +1453,7 @@ async function decide(
   if (typeof parsed === "string") return { verdict: "reject", reason: "malformed", detail: parsed };
   let msg = parsed;
   const reject = (reason: RejectReason, detail: string): Verdict => ({ verdict: "reject", reason, detail, msg });
-  const bad = verifyMessage(msg);
+  const bad = await verifyMessage(msg);
   if (bad) return reject("bad_signature", bad);
   if (msg.to !== me) return reject("wrong_recipient", `addressed to ${fingerprint(msg.to)}`);
   // A message signed by this node's own key comes from another of its sessions: admitted as "self".
@@ -1508,7 +1517,7 @@ function parseChain(value: unknown): Chain {
  * Judges the chain a payload carries beside `msg`, admitted by the gate (null: none). It counts only on a message that
  * opens a task, whole and signed by its sender; a bad one counts as stripped (a relay can do both), not a refusal.
  */
-function judgeChain(raw: unknown, msg: SignedMessage): ChainCheck | null {
+async function judgeChain(raw: unknown, msg: SignedMessage): Promise<ChainCheck | null> {
   if (raw === undefined || raw === null) return null;
   if (msg.kind !== "message" || !msg.task_id || msg.status) {
     return { ok: false, why: "a chain on a message that opens no task (it needs a task_id and no status)" };
@@ -1523,7 +1532,7 @@ function judgeChain(raw: unknown, msg: SignedMessage): ChainCheck | null {
     ? "the key before the sender's is not the parent task's requester"
     : new Set(c.keys).size !== c.keys.length
     ? "it holds a key twice"
-    : verifyDetached(msg.from, c.sig, chainBytes({ ...msg, task_id: msg.task_id }, c));
+    : await verifyDetached(msg.from, c.sig, chainBytes({ ...msg, task_id: msg.task_id }, c));
   return why ? { ok: false, why: `chain: ${why}` } : { ok: true, chain: c };
 }
 
@@ -5188,7 +5197,7 @@ async function readRoster(
         try {
           // Larger than our bus keeps (a hostile relay's, say): not read, so no one entry can fill what is shown.
           if (utf8Bytes(JSON.stringify(raw)) > ANNOUNCEMENT_MAX_BYTES + ROSTER_ENTRY_EXTRA_BYTES) continue;
-          const a = parseAnnouncement(raw), check = checkAnnouncement(a);
+          const a = parseAnnouncement(raw), check = await checkAnnouncement(a);
           if ("error" in check) continue; // the bus verifies nothing we rely on: we do
           const ageMs = Math.max(a.age_ms ?? 0, nowMs - a.ts - FRESH_FUTURE_MS);
           const session = check.layout === "0.8" && a.session?.session_id ? a.session : null;
@@ -6152,7 +6161,7 @@ class Agent {
       : undefined;
     // So is a chain's signature (see "Delegation across hops").
     const rawChain = v.verdict !== "deliver" ? undefined : v.sealed ? v.sealed.chain : p.chain; // sealed: only its own
-    const chain = v.verdict === "deliver" && rawChain !== undefined ? judgeChain(rawChain, v.msg) : undefined;
+    const chain = v.verdict === "deliver" && rawChain !== undefined ? await judgeChain(rawChain, v.msg) : undefined;
     const canPush = this.push !== null && this.cfg.delivery === "channel";
     const node = { selfKey: this.id.publicKey, selfName: this.cfg.name, ...some("maxDepth", this.cfg.maxDepth) };
     const said = { ...some("replyTo", replyTo), wantsReceipts: p.receipts === true, ...some("forSession", forSession) };
@@ -9453,7 +9462,7 @@ export { jsonShape, logInfo, logWarn, msFromEnv, option, parseAnnouncement, pars
 export { PRESENCE_LIVE_MS, QUEUE_CAP, RECV_TIMEOUT_MS, recvProofBytes, redactUrl, RelayError, ROSTER_CAP };
 export { ROSTER_PER_KEY_CAP, ROSTER_RETENTION_MS, rosterKey, ROUTE_FULL, runExtra, runtimeHost, scanJsonl };
 export { SEND_TIMEOUT_MS, SESSION_RE, setAside, setLogComponent, shutdownSignal, syncDirectory, thisScript, timestamp };
-export { unregisterBytes, utf8, utf8Bytes, verifyAnnouncement, verifyDetached, verifyMessage, VERSION };
+export { unregisterBytes, useEd25519, utf8, utf8Bytes, verifyAnnouncement, verifyDetached, verifyMessage, VERSION };
 export { writeFileAtomic };
 export type { Announcement, Bytes, CommandSpec, Options, Received, Relay, SignedMessage };
 // The extras (extras/: board, codex-install, doctor, upgrade, verify) and the CLI table they extend.
@@ -9483,6 +9492,6 @@ export { MCP_LINE_MAX_CHARS, mcpJson, messageBlock, messagePayload, parseFlags, 
 export { parseReceipt, planInbound, planWake, prepareSend, pushEvent, readAnswer, readId, readInvites, readJsonl };
 export { readNodeState, RECEIPT_LINES_MAX, receiptText, RECV_ANSWER_MAX_BYTES, removePeer, RENEW_TEXT, REPLAY_KEPT_MS };
 export { RESIGN_SPAN_MS, runTool, SERVE_DOOR, SERVE_TASK, serverInstructions, setLogSink, taskTable, taskTag };
-export { toolListing, TOOLS, WAIT_TIMEOUT_S, wakeText };
+export { toolListing, TOOLS, WAIT_TIMEOUT_S, wakeText, WEBCRYPTO_ED25519 };
 export type { Carried, CarriedOut, Draft, Effect, ExecProfile, Handed, InboundContext, InboxItem, Invite, InviteCode };
 export type { NodeConfig, Remembered };

@@ -18,7 +18,7 @@ import {
 } from "../interlink.ts";
 
 /** One line of `interlink.ts verify` input: a signed message, a bus recv answer, or an announcement. */
-export function verifyLine(line: string): string {
+export async function verifyLine(line: string): Promise<string> {
   let value: unknown;
   try {
     value = JSON.parse(line);
@@ -29,27 +29,27 @@ export function verifyLine(line: string): string {
   try {
     if (isObject(value) && "pubkey" in value && !("from" in value)) {
       const a = parseAnnouncement(value);
-      const bad = verifyAnnouncement(a);
+      const bad = await verifyAnnouncement(a);
       return bad ? `invalid: ${bad}` : `ok ${a.pubkey}`;
     }
     const msg = parseSignedMessage(value);
-    const bad = verifyMessage(msg);
+    const bad = await verifyMessage(msg);
     return bad ? `invalid: ${bad}` : `ok ${msg.from}`;
   } catch (e) {
     return `invalid: ${(e as Error).message}`;
   }
 }
 
-function runVerify(): Promise<number> {
+async function runVerify(): Promise<number> {
   const lines = readStdin().split("\n");
   if (lines.at(-1) === "") lines.pop();
   let allOk = lines.length > 0;
   for (const line of lines) {
-    const verdict = line.trim() === "" ? "invalid: empty line" : verifyLine(line);
+    const verdict = line.trim() === "" ? "invalid: empty line" : await verifyLine(line);
     if (!verdict.startsWith("ok ")) allOk = false;
     print(verdict);
   }
-  return Promise.resolve(allOk ? 0 : 1);
+  return allOk ? 0 : 1;
 }
 
 export const command: CommandSpec = {
