@@ -5640,11 +5640,8 @@ const UNLISTED = "this session is not on the roster of";
 
 /** Watches `dir`, telling `on` the name that changed (null: unknown); null where nothing can be watched. */
 function watchDir(dir: string, on: (name: string | null) => unknown): fs.FSWatcher | null {
-  try {
-    return fs.watch(dir, (_event, name) => on(name === null ? null : String(name)));
-  } catch {
-    return null; // each caller re-checks behind its watch
-  }
+  // null: each caller re-checks behind its watch
+  return orElse(() => fs.watch(dir, (_event, name) => on(name === null ? null : String(name))), null);
 }
 
 class Agent {
@@ -5721,11 +5718,7 @@ class Agent {
       logInfo(`session ${cfg.session} is held by an older server (pid ${holder.pid}); asking it to hand over`);
       // A handover, not a close: the older says no goodbye and keeps the roster entry.
       writeFileAtomic(path.join(dir, "handover"), String(process.pid));
-      try {
-        process.kill(holder.pid, "SIGTERM");
-      } catch {
-        // gone already
-      }
+      orElse(() => process.kill(holder.pid, "SIGTERM"), undefined); // throws if it is gone already
     }
     // A CLI `send` holds it seconds at most; an older server asked to stop needs a moment; another is not waited for.
     const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== SERVER_ROLE || asked);
@@ -5867,11 +5860,8 @@ class Agent {
     if (goodbye === "unlist") await this.#unregister(this.info, AbortSignal.timeout(GOODBYE_MS));
     else if (goodbye && !handover) await this.#sayGoodbye();
     await Promise.allSettled(this.relays.map((r) => r.close()));
-    try {
-      if (!handover) this.#writeSessionFile(this.now()); // when it ended, for whoever adopts it
-    } catch {
-      // a full disk: an adopter then goes by the journal's last write
-    }
+    // When it ended, for whoever adopts it; on a full disk an adopter goes by the journal's last write.
+    if (!handover) orElse(() => this.#writeSessionFile(this.now()), undefined);
     this.journal.close();
     this.seen.close();
     this.#doorLock?.release();
@@ -6511,11 +6501,7 @@ class Agent {
     if (why !== undefined) logWarn(`${UNLISTED} ${relay.name}: ${why}`);
     if (why === undefined) this.unlisted.delete(relay.name);
     else this.unlisted.set(relay.name, why);
-    try {
-      this.#writeSessionFile();
-    } catch {
-      // a full disk: discover still says it
-    }
+    orElse(() => this.#writeSessionFile(), undefined); // a full disk: discover still says it
   }
 
   async setSummary(summary: string): Promise<void> {
@@ -6827,11 +6813,8 @@ class CodexWaker {
   #note(ok: boolean, why?: string): void {
     const was = this.last;
     this.last = { at: Date.now(), ok, ...(why ? { why } : {}) };
-    try {
-      writeFileAtomic(path.join(this.agent.journal.stateDir, "wake.json"), JSON.stringify(this.last) + "\n");
-    } catch {
-      // a full disk: the log line below says it
-    }
+    const file = path.join(this.agent.journal.stateDir, "wake.json");
+    orElse(() => writeFileAtomic(file, JSON.stringify(this.last) + "\n"), undefined); // a full disk: the log says it
     const session = `the Codex session ${this.target.thread}`;
     if (!ok && was?.why !== why) logWarn(`cannot wake ${session}: ${why}; what waits stays in its inbox`);
     if (ok && was && !was.ok) logInfo(`waking ${session} works again`);
@@ -7307,15 +7290,11 @@ const TOOLS: ToolSpec[] = [
       const want = opt(a, "peer");
       let sessions = await agent.roster(true);
       if (want !== undefined) {
-        let key: string | undefined;
-        try {
-          key = want.toLowerCase() === "self" ? agent.id.publicKey : resolvePeer(agent.peers(), want).key;
-        } catch {
-          const named = new Set(sessions.filter((s) => s.key.startsWith(want) || s.name === want).map((s) => s.key));
-          if (named.size !== 1) throw new InterlinkError(`'${want}' matches ${named.size} nodes on the roster`);
-          [key] = named;
-        }
-        sessions = sessions.filter((s) => s.key === key);
+        const self = want.toLowerCase() === "self" ? agent.id.publicKey : null;
+        const known = self ?? orElse(() => peerKey(agent.peers(), want), null); // else a claimed name or key prefix
+        const named = new Set(sessions.filter((s) => s.key.startsWith(want) || s.name === want).map((s) => s.key));
+        if (!known && named.size !== 1) throw new InterlinkError(`'${want}' matches ${named.size} nodes on the roster`);
+        sessions = sessions.filter((s) => s.key === (known ?? [...named][0]));
       }
       // First what keeps this session from being found: a relay refused its announcement (see Agent.unlisted).
       const again = `it tries again every ${ANNOUNCE_EVERY_MS / 1000} s`;
