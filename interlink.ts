@@ -5622,7 +5622,6 @@ type AgentRole = typeof SERVER_ROLE | "interlink send" | "interlink invite" | "i
 
 interface AgentOptions {
   identity?: Identity;
-  waitMs?: number; // how long to wait for a short-lived holder of agent.lock (a CLI `send`)
   now?: () => number; // every timestamp the node writes, signs or judges freshness by
   adopt?: boolean; // adopt this key's ended sessions (default; see "ended sessions")
   host?: Host | "cli"; // written into session.json (for `board`, `doctor`)
@@ -5638,9 +5637,8 @@ function sessionRoute(sessions: PeerSession[], key: string): { to?: PeerSession;
 /** How a relay's refusal of this session's announcement begins, in the log and in discover. */
 const UNLISTED = "this session is not on the roster of";
 
-/** Watches `dir`, telling `on` the name that changed (null: unknown); null where nothing can be watched. */
+/** Watches `dir`, telling `on` the name that changed (null: unknown); null where it cannot (callers re-check too). */
 function watchDir(dir: string, on: (name: string | null) => unknown): fs.FSWatcher | null {
-  // null: each caller re-checks behind its watch
   return orElse(() => fs.watch(dir, (_event, name) => on(name === null ? null : String(name))), null);
 }
 
@@ -5699,7 +5697,7 @@ class Agent {
     this.state.mayDrop = () => !this.relays.every((r) => r.refusesWhenFull?.() === true);
   }
 
-  /** Opens a session: identity, allowlist, agent.lock (waiting up to `waitMs`), the fold of its journal. */
+  /** Opens a session: identity, allowlist, agent.lock (waiting up to 10 s), the fold of its journal. */
   static async open(cfg: NodeConfig, role: AgentRole, opts: AgentOptions = {}): Promise<Agent> {
     const id = opts.identity ?? (await readIdentity(cfg.keyFile));
     loadPeers(cfg.peersFile); // fail at start-up on a bad allowlist, naming the file
@@ -5721,7 +5719,7 @@ class Agent {
       orElse(() => process.kill(holder.pid, "SIGTERM"), undefined); // throws if it is gone already
     }
     // A CLI `send` holds it seconds at most; an older server asked to stop needs a moment; another is not waited for.
-    const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== SERVER_ROLE || asked);
+    const lock = await PidLock.acquire(lockFile, role, 10_000, (h) => h !== SERVER_ROLE || asked);
     let agent: Agent | undefined;
     try {
       fs.rmSync(path.join(dir, "handover"), { force: true });
@@ -5792,14 +5790,11 @@ class Agent {
     this.#poll = setInterval(follow, this.#watcher ? FOLLOW_RECHECK_MS : 1000);
   }
 
-  /**
-   * Long-polls this session's route on every relay, the bare key (0.4 peers, mail for the node) while holding
-   * bare.lock, the door while holding door.lock; `ownRouteOnly` (`invite`, `join`): this route (and with `door`, it).
-   */
+  /** Long-polls this route on every relay, the bare key (0.4 peers, the node's mail), the door; `ownRouteOnly`: this */
   startReceiving(opts: { ownRouteOnly?: boolean; door?: boolean } = {}): void {
     for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.me));
     if (!opts.ownRouteOnly) this.#loops.push(this.#bareKeyLoop(), this.#endedLoop());
-    if (!opts.ownRouteOnly || opts.door) this.#loops.push(this.#doorLoop());
+    if (!opts.ownRouteOnly || opts.door) this.#loops.push(this.#doorLoop()); // `invite` reads its door
   }
 
   /** Reads the node's door (see "Invites") as soon as this process holds door.lock and a door exists. */
@@ -5842,10 +5837,7 @@ class Agent {
     }
   }
 
-  /**
-   * Stops; with `goodbye` (a clean exit) it first says so to the rosters and its open tasks (see #sayGoodbye); "unlist":
-   * to the rosters alone (a `serve` door that keeps what came for the next session).
-   */
+  /** Stops; `goodbye` (clean exit): tells rosters and open tasks first; "unlist": rosters (serve's door keeps mail). */
   async stop(goodbye: boolean | "unlist" = false): Promise<void> {
     this.#stop.abort();
     this.#outbox.wake();
@@ -5874,8 +5866,7 @@ class Agent {
   // it had to do: at its start, and (the one reading the bare key) every ENDED_EVERY_MS those ended ADOPT_AFTER_MS ago.
   // Holding adopt.lock, its agent.lock and inbox lock, it journals what that one carries (outbox, sent messages
   // awaiting receipts, inbox, tasks, owed receipts, pairings, whom it talked to) here, then "moved" there: after a
-  // crash between the two, the next adoption takes both, and what is held (or shown) wins. It drains the ended route
-  // and unregisters it.
+  // crash between the two, the next adoption takes both, and what is held (or shown) wins. It unregisters the route.
 
   /** `lockFile` taken for an adoption (waiting up to `waitMs`), or null while another process holds it. */
   async #adoptionLock(lockFile: string, waitMs = 0): Promise<PidLock | null> {
@@ -5931,8 +5922,7 @@ class Agent {
       return await withFileLock(path.join(dir, "inbox"), "adoption", async () => {
         const { state, journal } = readNodeState(dir);
         try {
-          // Only this key's own sessions (a state root set by hand may be shared): by its session.json, else by
-          // what it signed and was sent.
+          // Only this key's own (a state root set by hand may be shared): by its session.json, else by its journal.
           const owner: unknown = await fs.promises.readFile(path.join(dir, "session.json"), "utf8")
             .then((t) => JSON.parse(t).pubkey).catch(() => undefined); // none: judged by its journal
           const me = this.id.publicKey;
@@ -5985,10 +5975,7 @@ class Agent {
     this.#roster = null;
   }
 
-  /**
-   * Takes what waits on the routes of the ended sessions this one adopted (and those had), as come for that session:
-   * mail sent before peers learnt they ended; so too the routes of old-style invites whose `invite` exited.
-   */
+  /** Reads the routes of the sessions this one adopted (mail sent before peers learnt they ended), and old invites'. */
   async drainEnded(): Promise<void> {
     const nowMs = this.now();
     for (const [s, at] of this.state.drains) if (at < nowMs - ROSTER_RETENTION_MS) this.state.drains.delete(s);
@@ -6024,10 +6011,7 @@ class Agent {
     if (rolled) logInfo(`rolled ${this.journal.file} over: the records before it are kept beside it, in log-*.jsonl`);
   }
 
-  /**
-   * Tells the model of each message of ours that will never be shown now (see NodeState.expiredSent), once. Not at
-   * the start: receipts that waited on a relay while this session was away come in first.
-   */
+  /** Tells the model once of each message of ours never to be shown (NodeState.expiredSent), after waiting receipts. */
   async #expireSent(): Promise<void> {
     const ids = this.state.expiredSent(this.now());
     if (!ids.length) return;
@@ -6490,14 +6474,10 @@ class Agent {
 
   /** Presence is best effort. A refusal (a clock off, a roster full) is said once and kept for discover and doctor. */
   async #announce(relay: Relay): Promise<void> {
-    let why: string | undefined;
-    try {
-      await relay.announce(await signAnnouncement(this.id, this.cfg.name, this.now(), this.info), this.#stop.signal);
-    } catch (e) {
-      if (!(e instanceof RelayError)) return; // an unreachable relay: the recv loop reports it
-      why = errorText(e);
-    }
-    if (why === this.unlisted.get(relay.name)) return;
+    const signed = signAnnouncement(this.id, this.cfg.name, this.now(), this.info);
+    const why = await signed.then((a) => relay.announce(a, this.#stop.signal))
+      .then(() => undefined, (e) => (e instanceof RelayError ? errorText(e) : null));
+    if (why === null || why === this.unlisted.get(relay.name)) return; // null: unreachable, which the recv loop reports
     if (why !== undefined) logWarn(`${UNLISTED} ${relay.name}: ${why}`);
     if (why === undefined) this.unlisted.delete(relay.name);
     else this.unlisted.set(relay.name, why);
