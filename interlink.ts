@@ -6650,19 +6650,16 @@ class Agent {
 // Waking a Codex session
 // ============================================================================
 //
-// Codex CLI has no channel and no hook that wakes an idle model: a session is woken by queueing a user turn into its
-// thread, `codex queue --thread <id> --message <text>` (Codex 0.171), which its shared local daemon starts within
-// 0.1 s (a session run with --no-daemon or -c takes it on its own 10 s poll). The turn holds the blocks `wait` prints,
-// marked shown only once Codex stored it (exit 0), under the inbox lock. A failed queue leaves them unread, retried
-// with a back-off; `doctor` reads why from wake.json. An `update` wakes nobody, and a later status on its task
-// supersedes an unread one.
+// Codex CLI has no channel and no hook that wakes an idle model: a session is woken by a user turn queued into its
+// thread, `codex queue --thread <id> --message <text>` (Codex 0.171), which its shared local daemon starts within 0.1 s
+// (a session run with --no-daemon or -c takes it on its own 10 s poll). The turn holds the blocks `wait` prints, marked
+// shown only once Codex stored it (exit 0), under the inbox lock. A failed queue leaves them unread, retried; `doctor`
+// reads why from wake.json. An `update` wakes nobody; a later status on its task supersedes an unread one.
 
 /** A queued turn this long or more is a notice instead (Linux takes at most 128 KiB in one argument). */
 const CODEX_WAKE_MAX_BYTES = 16 * 1024;
-
 /** Attempts at one wake before it waits for something new to arrive (a failing queue costs a process each). */
 const CODEX_WAKE_TRIES = 5;
-
 /** One `codex queue` normally takes well under 0.1 s; past this it counts as failed (the inbox lock waits on it). */
 const CODEX_QUEUE_TIMEOUT_MS = 4_000;
 
@@ -7490,10 +7487,8 @@ const MCP_LEGACY_VERSIONS = ["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-
 const MCP_META = "io.modelcontextprotocol/";
 /** A 2026 list or discover result is not to be reused: it follows this node's setup (a problem names its files). */
 const MCP_NO_CACHE = { ttlMs: 0, cacheScope: "private" };
-
 /** How long a server whose stdin ended still answers what it was asked before (a tool call may outlast it). */
 const MCP_END_GRACE_MS = 5_000;
-
 /**
  * How long after an answer a cancel of its request still counts (see ToolAnswer): a client that cancelled before it
  * read the answer drops it, as the spec says. A busy client's later cancel is past it: what was answered stands.
@@ -7508,7 +7503,6 @@ type Running = { cancelled: boolean; onCancel?: () => void };
  * escaped as \uXXXX (6 each) fits with room to spare. A longer line is read to its end but not kept (see serve).
  */
 const MCP_LINE_MAX_CHARS = 4 * 2 ** 20;
-
 /** A request id's text kept from an over-long line, to answer it: ids are short; a longer one is answered with null. */
 const MCP_ID_MAX_CHARS = 1024;
 
