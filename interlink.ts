@@ -5869,11 +5869,9 @@ class Agent {
   // crash between the two, the next adoption takes both, and what is held (or shown) wins. It unregisters the route.
 
   /** `lockFile` taken for an adoption (waiting up to `waitMs`), or null while another process holds it. */
-  async #adoptionLock(lockFile: string, waitMs = 0): Promise<PidLock | null> {
-    return await PidLock.acquire(lockFile, `adoption by session ${this.cfg.session}`, waitMs).catch((e) => {
-      if (e instanceof LockedError) return null;
-      throw e;
-    });
+  #adoptionLock(lockFile: string, waitMs = 0): Promise<PidLock | null> {
+    const by = `adoption by session ${this.cfg.session}`;
+    return PidLock.acquire(lockFile, by, waitMs).catch((e) => (e instanceof LockedError ? null : Promise.reject(e)));
   }
 
   /** `atStart` also takes the just-ended. */
@@ -6451,10 +6449,8 @@ class Agent {
 
   /** To the task's session if it has not ended, else where routing sends it, else the peer's key. */
   async #sendOnItsOwn(e: Extract<Effect, { do: "send" }>): Promise<void> {
-    const recipient = await this.route(e.draft.to, undefined, e.session).then((c) => c.recipient, (err) => {
-      if (err instanceof InterlinkError) return e.draft.to; // several live sessions and none the task's: its key
-      throw err;
-    });
+    const recipient = await this.route(e.draft.to, undefined, e.session) // several live, none the task's: its key
+      .then((c) => c.recipient, (err) => (err instanceof InterlinkError ? e.draft.to : Promise.reject(err)));
     const extra = e.forward ? { extra: { forward: e.forward } } : {};
     const entry = await this.enqueue({ draft: e.draft, recipient, peer: e.peer, ...extra });
     logInfo(`sent ${entry.msg.msg_id} (${taskTag(entry.msg)}) to ${e.peer ?? fingerprint(e.draft.to)} on its own`);
@@ -6504,10 +6500,7 @@ class Agent {
    * Knocks on a node (a signed pair_request with our name) at its live session, else one away; a peer may still lack
    * us. One unanswered goes again with its msg_id, so an acceptance of either copy matches (as the reference does).
    */
-  async requestPair(
-    target: string,
-    petname?: string,
-  ): Promise<{ key: string; claimed?: string; already?: string; note: string }> {
+  async requestPair(target: string, petname?: string) {
     if (petname !== undefined && this.peers().byName.has(checkPetname(petname))) {
       throw new InterlinkError(`petname '${petname}' is taken; choose another`);
     }
