@@ -6878,13 +6878,10 @@ function toolSchema(tool: ToolSpec): { inputSchema: object; problem(args: unknow
 
 const opt = (args: Record<string, unknown>, key: string): string | undefined =>
   typeof args[key] === "string" && args[key] !== "" ? args[key] as string : undefined;
-
 /** describeOut, and why it waits if its route is held (see NodeState.waitsFor). */
 const describeSettled = (agent: Agent, e: OutEntry): string => describeOut(e, waitWords(agent, e));
-
 /** Anything that can name a key by its petname: the running agent, or peers.json read by the CLI. */
 type PeerNames = Pick<Agent, "petnameOf" | "peers">;
-
 /** A key as the model knows it: "you" (`self`), its petname, or its fingerprint. */
 const nameOf = (names: PeerNames, key: string, self?: string): string =>
   key === self ? "you" : names.petnameOf(key) ?? fingerprint(key);
@@ -7684,17 +7681,14 @@ class McpStdioServer {
   async #receive(line: string): Promise<void> {
     // The text of each "id" and "requestId" as the client wrote it (JSON.parse rounds integers past 2^53).
     const raws = new WeakMap<object, Record<string, string>>();
-    let m: unknown;
-    try {
-      m = JSON.parse(line, function (this: object, key: string, value: unknown, ctx?: { source?: string }) {
-        if ((key === "id" || key === "requestId") && ctx?.source !== undefined) {
-          raws.set(this, { ...raws.get(this), [key]: ctx.source });
-        }
-        return value;
-      });
-    } catch {
-      return void this.#fail(null, -32700, "Parse error: not JSON").catch(() => {});
-    }
+    const keepRaw = function (this: object, key: string, value: unknown, ctx?: { source?: string }) {
+      if ((key === "id" || key === "requestId") && ctx?.source !== undefined) {
+        raws.set(this, { ...raws.get(this), [key]: ctx.source });
+      }
+      return value;
+    };
+    const m: unknown = orElse(() => JSON.parse(line, keepRaw), undefined); // undefined: not JSON (no JSON value is)
+    if (m === undefined) return void this.#fail(null, -32700, "Parse error: not JSON").catch(() => {});
     if (Array.isArray(m)) return this.#invalid(null, "batches are not supported (MCP has none since 2025-06-18)");
     if (!isObject(m)) return this.#invalid(null, "a message is a JSON object");
     if (!("method" in m) && ("result" in m || "error" in m)) return; // an answer to nothing we asked
