@@ -6257,12 +6257,16 @@ class Agent {
       const owed = this.state.owed.get(route);
       if (!owed) continue;
       const { key } = parseRoute(route);
-      // Not a peer's (only refusals may go to a stranger), or owed for over a day: forgotten here, kept in the journal.
       const peer = peers.byKey.has(key) || key === this.id.publicKey;
       const toStranger = owed.every((l) =>
         l.state === "refused" && (l.reason === "not_allowlisted" || l.reason === "stale" || isInviteRefusal(l.reason))
       );
-      if ((!peer && !toStranger) || owed[owed.length - 1].at < nowMs - FRESH_PAST_MS) {
+      // A receipt line names a msg_id between spaces: only plain ones (our nodes make no other) can be reported.
+      const lines = owed.filter((l) => PLAIN_ID_RE.test(l.msg_id)).slice(0, RECEIPT_LINES_MAX).map((l) =>
+        l.state === "refused" ? l : { ...l, session: this.cfg.session }
+      );
+      // Not a peer's (only refusals go to strangers), owed over a day, none plain: forgotten here, kept in the journal.
+      if (!lines.length || (!peer && !toStranger) || owed[owed.length - 1].at < nowMs - FRESH_PAST_MS) {
         this.state.owed.delete(route);
         continue;
       }
@@ -6275,14 +6279,6 @@ class Agent {
       }
       if ((perKey.get(key) ?? 0) >= RECEIPTS_PER_PASS) continue;
       perKey.set(key, (perKey.get(key) ?? 0) + 1);
-      // A receipt line names a msg_id between spaces: only plain ones (our nodes make no other) can be reported.
-      const lines = owed.filter((l) => PLAIN_ID_RE.test(l.msg_id)).slice(0, RECEIPT_LINES_MAX).map((l) =>
-        l.state === "refused" ? l : { ...l, session: this.cfg.session }
-      );
-      if (!lines.length) {
-        this.state.owed.delete(route);
-        continue;
-      }
       const text = `${receiptText(lines)}\n${SEALS_LINE}`; // last: past RECEIPT_LINES_MAX lines, skipped as a report
       const draft: Draft = { to: key, kind: "receipt", text, in_reply_to: lines[0].msg_id };
       const petname = key === this.id.publicKey ? "self" : this.petnameOf(key) ?? null;
