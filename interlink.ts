@@ -6509,12 +6509,9 @@ class Agent {
     const several = `'${target}' matches ${found.length} roster entries; use more of the fingerprint or the full key`;
     if (found.length > 1) throw new InterlinkError(several);
     const claimed = found[0]?.name;
-    let key = found[0]?.key ?? this.peers().byName.get(target);
-    try {
-      key ??= checkPeerKey(target, "target");
-    } catch {
-      throw new InterlinkError(`'${target}' is not on any bus roster (run discover) and is not a public key`);
-    }
+    const key = found[0]?.key ?? this.peers().byName.get(target) ?? orElse(() => checkPeerKey(target, "target"), null);
+    const unknown = `'${target}' is not on any bus roster (run discover) and is not a public key`;
+    if (key === null) throw new InterlinkError(unknown);
     const already = found.length ? this.petnameOf(key) : this.peers().byName.has(target) ? target : undefined;
     if (key === this.id.publicKey) throw new InterlinkError("that is this node's own key");
     const full = outboxFull(this.state, this.peers());
