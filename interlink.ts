@@ -5992,14 +5992,11 @@ class Agent {
     }
   }
 
-  /**
-   * Rolls the journal over past JOURNAL_ROLL_BYTES, under the lock every other writer holds. The checkpoint does not
-   * keep the replay memory: every admission the journal knows is first durable in the replay files.
-   */
+  /** Rolls the journal over past JOURNAL_ROLL_BYTES under the inbox lock; its checkpoint keeps no replay memory. */
   async #rollJournal(): Promise<void> {
     if (fileSize(this.journal.file) < JOURNAL_ROLL_BYTES) return;
     const rolled = await withFileLock(path.join(this.journal.stateDir, "inbox"), "journal roll", async () => {
-      await this.seen.complete();
+      await this.seen.complete(); // every admission the journal knows, durable in the replay files first
       this.seen.catchUp(); // what was admitted meanwhile has its "seen" record written with its "in" record
       this.journal.catchUp();
       const since = this.now() - REPLAY_KEPT_MS;
@@ -6042,9 +6039,8 @@ class Agent {
   }
 
   /**
-   * Runs `fn` once every showing of this session's inbox before it is done, one at a time: a push and a check_inbox
-   * never show the same item, not even a check_inbox called as the push is read. (`wait`, in another process, takes
-   * the inbox lock as check_inbox does; it never runs in channel mode, where the pushes are.)
+   * Runs `fn` after every showing of this inbox before it: a push and a check_inbox never show the same item, even one
+   * called as the push is read (`wait`, in another process, takes the inbox lock; it never runs in channel mode).
    */
   inTurn<T>(fn: () => Promise<T>): Promise<T> {
     const run = this.#turn.then(fn);
@@ -6652,11 +6648,7 @@ const CODEX_QUEUE_TIMEOUT_MS = 4_000;
 type CodexTarget = { bin: string; home?: string; thread: string };
 
 /** The turn to queue for what is unread (null when only progress waits; a `notice` of check_inbox if too long). */
-function planWake(
-  items: InboxItem[],
-  peers: Peers,
-  maxBytes = CODEX_WAKE_MAX_BYTES,
-): { text: string; shown: string[]; superseded: string[]; notice: boolean } | null {
+function planWake(items: InboxItem[], peers: Peers, maxBytes = CODEX_WAKE_MAX_BYTES) {
   const isUpdate = (i: InboxItem) => i.kind === "message" && i.msg.status === "update";
   if (!items.some((i) => !isUpdate(i))) return null;
   const statusLater = new Set<string>(), superseded: string[] = []; // from the newest back, in one pass
@@ -7579,9 +7571,8 @@ function mcpJson(message: object): string {
 /**
  * The server side of MCP over stdio (JSON-RPC 2.0, a message a line), by hand: interlink needs five methods and one
  * notification out; the SDK's server (zod, ajv) cost every session about 60 ms and 20 MB at its start, and under Deno a
- * fetch from npm. Requests run concurrently; answers and notifications are written whole, in order. A request whose
- * `_meta` names its protocol version is served as 2026-07-28 says, one without as 2025-11-25 (a dual era, as
- * versioning.mdx allows); a notification, or a cancelled request, is never answered; an id past 2^53 comes back exact.
+ * fetch from npm. Requests run concurrently; answers and notifications are written whole, in order. A request with a
+ * version in its `_meta` is served as 2026-07-28, one without as 2025-11-25 (a dual era, as versioning.mdx allows).
  */
 class McpStdioServer {
   /** The client's name and version, from `initialize` or a 2026 request (Codex says "codex-mcp-client"). */
