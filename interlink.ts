@@ -7473,10 +7473,7 @@ const ANSWER_CANCEL_GRACE_MS = 1_000;
 /** A request being answered: cancelled by the client?, and who waits to hear of it. */
 type Running = { cancelled: boolean; onCancel?: () => void };
 
-/**
- * The longest line the server reads, in UTF-16 code units: a send_message at TEXT_LIMIT_BYTES with every character
- * escaped as \uXXXX (6 each) fits with room to spare. A longer line is read to its end but not kept (see serve).
- */
+/** The longest line read (UTF-16 units): a send_message at TEXT_LIMIT_BYTES, all \uXXXX escapes, fits with room. */
 const MCP_LINE_MAX_CHARS = 4 * 2 ** 20;
 /** A request id's text kept from an over-long line, to answer it: ids are short; a longer one is answered with null. */
 const MCP_ID_MAX_CHARS = 1024;
@@ -7488,10 +7485,7 @@ class McpError extends Error {
   }
 }
 
-/**
- * Finds the text of the top-level "id" member of a JSON object read in pieces (an over-long line, never held
- * whole): the id is then known even when it comes last, as the SDK writes it. Pure, linear, constant memory.
- */
+/** Finds the top-level "id" of JSON fed in pieces (an over-long line; the SDK writes ids last), in constant memory. */
 class JsonIdScanner {
   #depth = 0;
   #inString = false;
