@@ -5660,10 +5660,8 @@ class Agent {
   #poll: ReturnType<typeof setInterval> | null = null;
   push: ((event: PushEvent) => Promise<void>) | null = null; // set by the MCP server
   #turn: Promise<unknown> = Promise.resolve(); // whatever shows this session's inbox takes its turn here (see inTurn)
-  /** Set for a host woken from outside (Codex): the inbox may have gained. */
-  onInbox: (() => void) | null = null;
-  /** What pushes and check_inbox show; the rest stays unread (a session lent to serve's host: its task's mail). */
-  shows: (item: InboxItem) => boolean = () => true;
+  onInbox: (() => void) | null = null; // set for a host woken from outside (Codex): the inbox may have gained
+  shows: (item: InboxItem) => boolean = () => true; // what pushes and check_inbox show; the rest stays unread
   readonly info: SessionInfo;
   readonly me: string; // this session's route
   #bareLock: PidLock | null = null;
@@ -5676,8 +5674,7 @@ class Agent {
   #seenRoutes = new BoundedMap<string, number>(ROSTER_CAP); // route → when on a roster: one missing since has ended
   readonly relays: Relay[]; // one per configured URL, in order
   #sendFailures = 0; // delivery attempts failed in a row: the back-off, reset when a relay is back
-  /** Relay → why it refused our last announcement (its words): peers there cannot find this session (discover says). */
-  readonly unlisted = new Map<string, string>();
+  readonly unlisted = new Map<string, string>(); // relay → why it refused our announcement: peers there cannot find us
 
   private constructor(
     readonly cfg: NodeConfig,
@@ -7569,19 +7566,14 @@ function mcpJson(message: object): string {
  * version in its `_meta` is served as 2026-07-28, one without as 2025-11-25 (a dual era, as versioning.mdx allows).
  */
 class McpStdioServer {
-  /** The client's name and version, from `initialize` or a 2026 request (Codex says "codex-mcp-client"). */
-  client: { name?: string; version?: string } = {};
-  /** Called once the client starts its session: `initialized` (2025), or a 2026 request past server/discover. */
-  onstart = (): void => {};
+  client: { name?: string; version?: string } = {}; // from `initialize` or a 2026 request (Codex: "codex-mcp-client")
+  onstart = (): void => {}; // once the client starts: `initialized` (2025), or a 2026 request past server/discover
   #started = false;
   #out: Promise<void> = Promise.resolve();
   #closed!: (why: string) => void;
-  /** Resolves, with why, when the client is gone (stdin ended, stdout broken). */
-  readonly closed = new Promise<string>((resolve) => (this.#closed = resolve));
-  /** Requests being answered, by id text (bounded by what the client has in flight). */
-  #running = new Map<string, Running>();
-  /** Requests read and not yet answered (bounded like #running). */
-  #inFlight = new Set<Promise<void>>();
+  readonly closed = new Promise<string>((resolve) => (this.#closed = resolve)); // why the client is gone, once it is
+  #running = new Map<string, Running>(); // requests being answered, by id text (as many as the client has in flight)
+  #inFlight = new Set<Promise<void>>(); // requests read and not yet answered (bounded like #running)
 
   constructor(
     readonly info: { name: string; version: string },
