@@ -6130,9 +6130,8 @@ class Agent {
     for (const e of batch) this.#inFlight.add(e.msg.msg_id);
     for (const wake of [...this.#attempted]) wake();
     try {
-      // Per relay, per message: true, an error, or null (not tried).
       const outcomes = await Promise.all(this.relays.map(async (relay) => {
-        const out: (true | RelayError | null)[] = items.map(() => null);
+        const out: (true | RelayError | null)[] = items.map(() => null); // per message; null: not tried
         for (let i = 0; i < items.length;) {
           try {
             // The rest in one request where the relay takes that (it may learn so from the first answer).
@@ -7167,7 +7166,6 @@ const TOOLS: ToolSpec[] = [
       };
       const after = "queued after these and sent in that order (message_status tells where any one stands)";
       for (const [route, n] of more) lines.push(`and ${n} more to ${to(route)}, ${after}`);
-      // Those that will never be shown: refused by every bus or by the recipient, or expired (the last few, counted).
       const lost = [...agent.state.outgoing.values()].filter((e) => e.refused || e.refusedBy || e.expired);
       lines.push(...lost.slice(-PENDING_LISTED).map((e) => describeOut(e)));
       const earlier = lost.length - PENDING_LISTED;
@@ -7467,8 +7465,7 @@ const MCP_END_GRACE_MS = 5_000;
  */
 const ANSWER_CANCEL_GRACE_MS = 1_000;
 
-/** A request being answered: cancelled by the client?, and who waits to hear of it. */
-type Running = { cancelled: boolean; onCancel?: () => void };
+type Running = { cancelled: boolean; onCancel?: () => void }; // a request being answered, and who hears of a cancel
 
 /** The longest line read (UTF-16 units): a send_message at TEXT_LIMIT_BYTES, all \uXXXX escapes, fits with room. */
 const MCP_LINE_MAX_CHARS = 4 * 2 ** 20;
