@@ -6489,9 +6489,8 @@ class Agent {
    * us. One unanswered goes again with its msg_id, so an acceptance of either copy matches (as the reference does).
    */
   async requestPair(target: string, petname?: string) {
-    if (petname !== undefined && this.peers().byName.has(checkPetname(petname))) {
-      throw new InterlinkError(`petname '${petname}' is taken; choose another`);
-    }
+    const taken = `petname '${petname}' is taken; choose another`;
+    if (petname !== undefined && this.peers().byName.has(checkPetname(petname))) throw new InterlinkError(taken);
     const sessions = await this.roster(true), nodes = new Map<string, PeerSession>(); // by its freshest (first) entry
     for (const s of sessions) if (s.key !== this.id.publicKey && !nodes.has(s.key)) nodes.set(s.key, s);
     const entries = [...nodes.values()];
@@ -7013,9 +7012,8 @@ const TOOLS: ToolSpec[] = [
     annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: true, openWorldHint: false },
     run(agent, a) {
       // Unbound, the server opened this session for it before this runs (see runMcp); bound, only the same id.
-      if (a.session !== agent.cfg.session) {
-        throw new InterlinkError(`this server already serves session ${agent.cfg.session}, not ${a.session}`);
-      }
+      const other = `this server already serves session ${agent.cfg.session}, not ${a.session}`;
+      if (a.session !== agent.cfg.session) throw new InterlinkError(other);
       return `interlink: this session is reachable by its peers as ${agent.cfg.name}, session ${agent.cfg.session}; their messages come as turns that begin "interlink:".`;
     },
   },
@@ -7378,7 +7376,6 @@ const TOOLS: ToolSpec[] = [
 ];
 
 type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean };
-
 /** A result's ToolAnswer.written, which the server calls once it has answered (or not) with that result. */
 const afterAnswer = new WeakMap<ToolResult, (ok: boolean) => void>();
 
