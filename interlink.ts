@@ -7528,11 +7528,8 @@ class JsonIdScanner {
   }
 
   #finish(): void {
-    try {
-      this.id = requestIdText(JSON.parse(this.#capture!), this.#capture!);
-    } catch {
-      this.id = undefined; // not a value (or too long): answered with id null
-    }
+    // Not a value (or too long): undefined, answered with id null.
+    this.id = orElse(() => requestIdText(JSON.parse(this.#capture!), this.#capture!), undefined);
     this.#capture = null;
   }
 }
