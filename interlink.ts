@@ -6858,10 +6858,8 @@ function toolSchema(tool: ToolSpec): { inputSchema: object; problem(args: unknow
 
 const opt = (args: Record<string, unknown>, key: string): string | undefined =>
   typeof args[key] === "string" && args[key] !== "" ? args[key] as string : undefined;
-/** describeOut, and why it waits if its route is held (see NodeState.waitsFor). */
-const describeSettled = (agent: Agent, e: OutEntry): string => describeOut(e, waitWords(agent, e));
-/** Anything that can name a key by its petname: the running agent, or peers.json read by the CLI. */
-type PeerNames = Pick<Agent, "petnameOf" | "peers">;
+const describeSettled = (agent: Agent, e: OutEntry): string => describeOut(e, waitWords(agent, e)); // and why it waits
+type PeerNames = Pick<Agent, "petnameOf" | "peers">; // what names a key: the running agent, or the CLI's peers.json
 /** A key as the model knows it: "you" (`self`), its petname, or its fingerprint. */
 const nameOf = (names: PeerNames, key: string, self?: string): string =>
   key === self ? "you" : names.petnameOf(key) ?? fingerprint(key);
