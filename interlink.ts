@@ -5763,9 +5763,7 @@ class Agent {
     return this.#peers;
   }
 
-  petnameOf(key: string): string | undefined {
-    return this.peers().byKey.get(key);
-  }
+  petnameOf = (key: string): string | undefined => this.peers().byKey.get(key);
 
   /** Starts what needs no session: the sender, announcements (not for `invite`, `join`), following the journal. */
   startSending(opts: { announce?: boolean } = {}): void {
@@ -7376,7 +7374,6 @@ const TOOLS: ToolSpec[] = [
 type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean };
 /** A result's ToolAnswer.written, which the server calls once it has answered (or not) with that result. */
 const afterAnswer = new WeakMap<ToolResult, (ok: boolean) => void>();
-
 /** A tool call answers within this whatever a relay does: Claude Code gives up after a minute; waiting helps nobody. */
 const TOOL_DEADLINE_MS = 30_000;
 
@@ -7459,7 +7456,6 @@ const MCP_END_GRACE_MS = 5_000;
  * read the answer drops it, as the spec says. A busy client's later cancel is past it: what was answered stands.
  */
 const ANSWER_CANCEL_GRACE_MS = 1_000;
-
 type Running = { cancelled: boolean; onCancel?: () => void }; // a request being answered, and who hears of a cancel
 
 /** The longest line read (UTF-16 units): a send_message at TEXT_LIMIT_BYTES, all \uXXXX escapes, fits with room. */
@@ -7467,7 +7463,6 @@ const MCP_LINE_MAX_CHARS = 4 * 2 ** 20;
 /** A request id's text kept from an over-long line, to answer it: ids are short; a longer one is answered with null. */
 const MCP_ID_MAX_CHARS = 1024;
 
-/** A request answered with this error: -32602 (Invalid params), unless `code` says otherwise. */
 class McpError extends Error {
   constructor(why: string, readonly code = -32602, readonly data?: object) {
     super(code === -32602 ? `Invalid params: ${why}` : why);
@@ -7483,8 +7478,7 @@ class JsonIdScanner {
   #lastKey = "";
   #expectValue = false;
   #capture: string | null = null; // the id's text so far, while it is read
-  /** The top-level "id" as it is echoed (see requestIdText); undefined if none, or not a string or an integer. */
-  id: string | undefined;
+  id: string | undefined; // the top-level "id" as echoed (requestIdText); undefined if none, or not a string or integer
 
   feed(text: string): void {
     for (const ch of text) {
@@ -7580,6 +7574,8 @@ class McpStdioServer {
    */
   serve(): void {
     let line = "", skipping: JsonIdScanner | null = null; // skipping: reading past an over-long line's cap, to its end
+    const limit = `${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters`;
+    const tooLong = `a message over ${limit} is not read (a tool's text is at most ${TEXT_LIMIT_BYTES / 1024} KiB)`;
     readStdinText((chunk: string) => {
       for (let at = 0;;) {
         const nl = chunk.indexOf("\n", at), piece = chunk.slice(at, nl === -1 ? chunk.length : nl);
@@ -7590,8 +7586,10 @@ class McpStdioServer {
           line = "";
         }
         if (nl === -1) return;
-        if (skipping) this.#tooLong(skipping.id);
-        else if (line.trim()) {
+        if (skipping) {
+          logWarn(`a message from the client was over ${limit}: not read, answered -32600`);
+          this.#invalid(skipping.id ?? null, tooLong);
+        } else if (line.trim()) {
           const request = this.#receive(line.trim());
           this.#inFlight.add(request);
           void request.catch(() => {}).then(() => this.#inFlight.delete(request));
@@ -7629,12 +7627,6 @@ class McpStdioServer {
 
   #invalid(id: string | null, why: string): void {
     void this.#fail(id, -32600, `Invalid Request: ${why}`).catch(() => {});
-  }
-
-  #tooLong(id: string | undefined): void {
-    const limit = `${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters`, kib = TEXT_LIMIT_BYTES / 1024;
-    logWarn(`a message from the client was over ${limit}: not read, answered -32600`);
-    this.#invalid(id ?? null, `a message over ${limit} is not read (a tool's text is at most ${kib} KiB)`);
   }
 
   async #receive(line: string): Promise<void> {
