@@ -6700,16 +6700,14 @@ function codexQueue(t: CodexTarget, text: string): Promise<{ ok: true } | { ok: 
 class CodexWaker {
   #latch = new WakeLatch();
   #stopped = false;
-  #done: Promise<void> = Promise.resolve();
+  #done: Promise<void>;
   #noticed = new BoundedMap<string, true>(1024); // items a notice already pointed at: not noticed again
   last: { at: number; ok: boolean; why?: string } | null = null;
   #judged = ""; // the unread items the last look judged
   #signature = () => [...this.agent.state.inbox.keys()].join("\n");
 
-  constructor(readonly agent: Agent, readonly target: CodexTarget) {}
-
-  start(): void {
-    this.#done = this.#run();
+  constructor(readonly agent: Agent, readonly target: CodexTarget) {
+    this.#done = this.#run(); // it looks once kicked, or every minute
   }
 
   /** Look now, unless what is unread is what the last look judged. */
@@ -8217,7 +8215,6 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       if (codex && !lent) {
         waker = new CodexWaker(a, codexTarget(cfg.session));
         a.onInbox = () => waker!.kick();
-        waker.start();
       }
       // A task's session that `serve` lent this host: announced as such, and handed back to serve without goodbyes.
       if (lent) a.info.summary = `${SERVE_TASK}${lent}`;
