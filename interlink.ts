@@ -5785,7 +5785,7 @@ class Agent {
     this.#poll = setInterval(follow, this.#watcher ? FOLLOW_RECHECK_MS : 1000);
   }
 
-  /** Long-polls this route on every relay, the bare key (0.4 peers, the node's mail), the door; `ownRouteOnly`: this */
+  /** Long-polls this route, the bare key (0.4 peers, the node's mail) and the door; `ownRouteOnly`: this route. */
   startReceiving(opts: { ownRouteOnly?: boolean; door?: boolean } = {}): void {
     for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.me));
     if (!opts.ownRouteOnly) this.#loops.push(this.#bareKeyLoop(), this.#endedLoop());
@@ -5857,11 +5857,11 @@ class Agent {
 
   // -- ended sessions ----------------------------------------------------------
   //
-  // A session whose process is gone (agent.lock free) has ended. A live one of the same key and state root adopts what
-  // it had to do: at its start, and (the one reading the bare key) every ENDED_EVERY_MS those ended ADOPT_AFTER_MS ago.
-  // Holding adopt.lock, its agent.lock and inbox lock, it journals what that one carries (outbox, sent messages
-  // awaiting receipts, inbox, tasks, owed receipts, pairings, whom it talked to) here, then "moved" there: after a
-  // crash between the two, the next adoption takes both, and what is held (or shown) wins. It unregisters the route.
+  // A session whose process is gone (agent.lock free) has ended. A live one of its key and state root adopts what it
+  // had to do: at its start, and (the bare key's reader) every ENDED_EVERY_MS those ended ADOPT_AFTER_MS ago. Under
+  // adopt.lock, its agent.lock and inbox lock, it journals what that one carries (outbox, sent messages awaiting
+  // receipts, inbox, tasks, owed receipts, pairings, whom it talked to) here, then "moved" there: after a crash between
+  // the two, the next adoption takes both, and what is held (or shown) wins. It drains and unregisters the route.
 
   /** `lockFile` taken for an adoption (waiting up to `waitMs`), or null while another process holds it. */
   #adoptionLock(lockFile: string, waitMs = 0): Promise<PidLock | null> {
