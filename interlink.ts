@@ -5358,7 +5358,6 @@ type AgentRole = typeof SERVER_ROLE | "interlink send" | "interlink invite" | "i
 
 interface AgentOptions {
   identity?: Identity;
-  waitMs?: number; // how long to wait for a short-lived holder of agent.lock (a CLI `send`)
   now?: () => number; // every timestamp the node writes, signs or judges freshness by
   adopt?: boolean; // adopt this key's ended sessions (default; see "ended sessions")
   host?: Host | "cli"; // written into session.json (for `board`, `doctor`)
@@ -5374,13 +5373,9 @@ function sessionRoute(sessions: PeerSession[], key: string): { to?: PeerSession;
 /** How a relay's refusal of this session's announcement begins, in the log and in discover. */
 const UNLISTED = "this session is not on the roster of";
 
-/** Watches `dir`, telling `on` the name that changed (null: unknown); null where nothing can be watched. */
+/** Watches `dir`, telling `on` the name that changed (null: unknown); null where it cannot (callers re-check too). */
 function watchDir(dir: string, on: (name: string | null) => unknown): fs.FSWatcher | null {
-  try {
-    return fs.watch(dir, (_event, name) => on(name === null ? null : String(name)));
-  } catch {
-    return null; // each caller re-checks behind its watch
-  }
+  return orElse(() => fs.watch(dir, (_event, name) => on(name === null ? null : String(name))), null);
 }
 
 class Agent {
@@ -5401,10 +5396,8 @@ class Agent {
   #poll: ReturnType<typeof setInterval> | null = null;
   push: ((event: PushEvent) => Promise<void>) | null = null; // set by the MCP server
   #turn: Promise<unknown> = Promise.resolve(); // whatever shows this session's inbox takes its turn here (see inTurn)
-  /** Set for a host woken from outside (Codex): the inbox may have gained. */
-  onInbox: (() => void) | null = null;
-  /** What pushes and check_inbox show; the rest stays unread (a session lent to serve's host: its task's mail). */
-  shows: (item: InboxItem) => boolean = () => true;
+  onInbox: (() => void) | null = null; // set for a host woken from outside (Codex): the inbox may have gained
+  shows: (item: InboxItem) => boolean = () => true; // what pushes and check_inbox show; the rest stays unread
   readonly info: SessionInfo;
   readonly me: string; // this session's route
   #bareLock: PidLock | null = null;
@@ -5417,8 +5410,7 @@ class Agent {
   #seenRoutes = new BoundedMap<string, number>(ROSTER_CAP); // route → when on a roster: one missing since has ended
   readonly relays: Relay[]; // one per configured URL, in order
   #sendFailures = 0; // delivery attempts failed in a row: the back-off, reset when a relay is back
-  /** Relay → why it refused our last announcement (its words): peers there cannot find this session (discover says). */
-  readonly unlisted = new Map<string, string>();
+  readonly unlisted = new Map<string, string>(); // relay → why it refused our announcement: peers there cannot find us
 
   private constructor(
     readonly cfg: NodeConfig,
@@ -5438,7 +5430,7 @@ class Agent {
     this.state.mayDrop = () => !this.relays.every((r) => r.refusesWhenFull?.() === true);
   }
 
-  /** Opens a session: identity, allowlist, agent.lock (waiting up to `waitMs`), the fold of its journal. */
+  /** Opens a session: identity, allowlist, agent.lock (waiting up to 10 s), the fold of its journal. */
   static async open(cfg: NodeConfig, role: AgentRole, opts: AgentOptions = {}): Promise<Agent> {
     const id = opts.identity ?? (await readIdentity(cfg.keyFile));
     loadPeers(cfg.peersFile); // fail at start-up on a bad allowlist, naming the file
@@ -5457,14 +5449,10 @@ class Agent {
       logInfo(`session ${cfg.session} is held by an older server (pid ${holder.pid}); asking it to hand over`);
       // A handover, not a close: the older says no goodbye and keeps the roster entry.
       writeFileAtomic(path.join(dir, "handover"), String(process.pid));
-      try {
-        process.kill(holder.pid, "SIGTERM");
-      } catch {
-        // gone already
-      }
+      orElse(() => process.kill(holder.pid, "SIGTERM"), undefined); // throws if it is gone already
     }
     // A CLI `send` holds it seconds at most; an older server asked to stop needs a moment; another is not waited for.
-    const lock = await PidLock.acquire(lockFile, role, opts.waitMs ?? 10_000, (h) => h !== SERVER_ROLE || asked);
+    const lock = await PidLock.acquire(lockFile, role, 10_000, (h) => h !== SERVER_ROLE || asked);
     let agent: Agent | undefined;
     try {
       fs.rmSync(path.join(dir, "handover"), { force: true });
@@ -5511,9 +5499,7 @@ class Agent {
     return this.#peers;
   }
 
-  petnameOf(key: string): string | undefined {
-    return this.peers().byKey.get(key);
-  }
+  petnameOf = (key: string): string | undefined => this.peers().byKey.get(key);
 
   /** Starts what needs no session: the sender, announcements (not for `invite`, `join`), following the journal. */
   startSending(opts: { announce?: boolean } = {}): void {
@@ -5535,14 +5521,11 @@ class Agent {
     this.#poll = setInterval(follow, this.#watcher ? FOLLOW_RECHECK_MS : 1000);
   }
 
-  /**
-   * Long-polls this session's route on every relay, the bare key (0.4 peers, mail for the node) while holding
-   * bare.lock, the door while holding door.lock; `ownRouteOnly` (`invite`, `join`): this route (and with `door`, it).
-   */
+  /** Long-polls this route, the bare key (0.4 peers, the node's mail) and the door; `ownRouteOnly`: this route. */
   startReceiving(opts: { ownRouteOnly?: boolean; door?: boolean } = {}): void {
     for (const relay of this.relays) this.#loops.push(this.#recvLoop(relay, this.me));
     if (!opts.ownRouteOnly) this.#loops.push(this.#bareKeyLoop(), this.#endedLoop());
-    if (!opts.ownRouteOnly || opts.door) this.#loops.push(this.#doorLoop());
+    if (!opts.ownRouteOnly || opts.door) this.#loops.push(this.#doorLoop()); // `invite` reads its door
   }
 
   /** Reads the node's door (see "Invites") as soon as this process holds door.lock and a door exists. */
@@ -5585,10 +5568,7 @@ class Agent {
     }
   }
 
-  /**
-   * Stops; with `goodbye` (a clean exit) it first says so to the rosters and its open tasks (see #sayGoodbye); "unlist":
-   * to the rosters alone (a `serve` door that keeps what came for the next session).
-   */
+  /** Stops; `goodbye` (clean exit): tells rosters and open tasks first; "unlist": rosters (serve's door keeps mail). */
   async stop(goodbye: boolean | "unlist" = false): Promise<void> {
     this.#stop.abort();
     this.#outbox.wake();
@@ -5603,11 +5583,8 @@ class Agent {
     if (goodbye === "unlist") await this.#unregister(this.info, AbortSignal.timeout(GOODBYE_MS));
     else if (goodbye && !handover) await this.#sayGoodbye();
     await Promise.allSettled(this.relays.map((r) => r.close()));
-    try {
-      if (!handover) this.#writeSessionFile(this.now()); // when it ended, for whoever adopts it
-    } catch {
-      // a full disk: an adopter then goes by the journal's last write
-    }
+    // When it ended, for whoever adopts it; on a full disk an adopter goes by the journal's last write.
+    if (!handover) orElse(() => this.#writeSessionFile(this.now()), undefined);
     this.journal.close();
     this.seen.close();
     this.#doorLock?.release();
@@ -5616,19 +5593,16 @@ class Agent {
 
   // -- ended sessions ----------------------------------------------------------
   //
-  // A session whose process is gone (agent.lock free) has ended. A live one of the same key and state root adopts what
-  // it had to do: at its start, and (the one reading the bare key) every ENDED_EVERY_MS those ended ADOPT_AFTER_MS ago.
-  // Holding adopt.lock, its agent.lock and inbox lock, it journals what that one carries (outbox, sent messages
-  // awaiting receipts, inbox, tasks, owed receipts, pairings, whom it talked to) here, then "moved" there: after a
-  // crash between the two, the next adoption takes both, and what is held (or shown) wins. It drains the ended route
-  // and unregisters it.
+  // A session whose process is gone (agent.lock free) has ended. A live one of its key and state root adopts what it
+  // had to do: at its start, and (the bare key's reader) every ENDED_EVERY_MS those ended ADOPT_AFTER_MS ago. Under
+  // adopt.lock, its agent.lock and inbox lock, it journals what that one carries (outbox, sent messages awaiting
+  // receipts, inbox, tasks, owed receipts, pairings, whom it talked to) here, then "moved" there: after a crash between
+  // the two, the next adoption takes both, and what is held (or shown) wins. It drains and unregisters the route.
 
   /** `lockFile` taken for an adoption (waiting up to `waitMs`), or null while another process holds it. */
-  async #adoptionLock(lockFile: string, waitMs = 0): Promise<PidLock | null> {
-    return await PidLock.acquire(lockFile, `adoption by session ${this.cfg.session}`, waitMs).catch((e) => {
-      if (e instanceof LockedError) return null;
-      throw e;
-    });
+  #adoptionLock(lockFile: string, waitMs = 0): Promise<PidLock | null> {
+    const by = `adoption by session ${this.cfg.session}`;
+    return PidLock.acquire(lockFile, by, waitMs).catch((e) => (e instanceof LockedError ? null : Promise.reject(e)));
   }
 
   /** `atStart` also takes the just-ended. */
@@ -5677,8 +5651,7 @@ class Agent {
       return await withFileLock(path.join(dir, "inbox"), "adoption", async () => {
         const { state, journal } = readNodeState(dir);
         try {
-          // Only this key's own sessions (a state root set by hand may be shared): by its session.json, else by
-          // what it signed and was sent.
+          // Only this key's own (a state root set by hand may be shared): by its session.json, else by its journal.
           const owner: unknown = await fs.promises.readFile(path.join(dir, "session.json"), "utf8")
             .then((t) => JSON.parse(t).pubkey).catch(() => undefined); // none: judged by its journal
           const me = this.id.publicKey;
@@ -5731,10 +5704,7 @@ class Agent {
     this.#roster = null;
   }
 
-  /**
-   * Takes what waits on the routes of the ended sessions this one adopted (and those had), as come for that session:
-   * mail sent before peers learnt they ended; so too the routes of old-style invites whose `invite` exited.
-   */
+  /** Reads the routes of the sessions this one adopted (mail sent before peers learnt they ended), and old invites'. */
   async drainEnded(): Promise<void> {
     const nowMs = this.now();
     for (const [s, at] of this.state.drains) if (at < nowMs - ROSTER_RETENTION_MS) this.state.drains.delete(s);
@@ -5753,14 +5723,11 @@ class Agent {
     }
   }
 
-  /**
-   * Rolls the journal over past JOURNAL_ROLL_BYTES, under the lock every other writer holds. The checkpoint does not
-   * keep the replay memory: every admission the journal knows is first durable in the replay files.
-   */
+  /** Rolls the journal over past JOURNAL_ROLL_BYTES under the inbox lock; its checkpoint keeps no replay memory. */
   async #rollJournal(): Promise<void> {
     if (fileSize(this.journal.file) < JOURNAL_ROLL_BYTES) return;
     const rolled = await withFileLock(path.join(this.journal.stateDir, "inbox"), "journal roll", async () => {
-      await this.seen.complete();
+      await this.seen.complete(); // every admission the journal knows, durable in the replay files first
       this.seen.catchUp(); // what was admitted meanwhile has its "seen" record written with its "in" record
       this.journal.catchUp();
       const since = this.now() - REPLAY_KEPT_MS;
@@ -5770,10 +5737,7 @@ class Agent {
     if (rolled) logInfo(`rolled ${this.journal.file} over: the records before it are kept beside it, in log-*.jsonl`);
   }
 
-  /**
-   * Tells the model of each message of ours that will never be shown now (see NodeState.expiredSent), once. Not at
-   * the start: receipts that waited on a relay while this session was away come in first.
-   */
+  /** Tells the model once of each message of ours never to be shown (NodeState.expiredSent), after waiting receipts. */
   async #expireSent(): Promise<void> {
     const ids = this.state.expiredSent(this.now());
     if (!ids.length) return;
@@ -5806,9 +5770,8 @@ class Agent {
   }
 
   /**
-   * Runs `fn` once every showing of this session's inbox before it is done, one at a time: a push and a check_inbox
-   * never show the same item, not even a check_inbox called as the push is read. (`wait`, in another process, takes
-   * the inbox lock as check_inbox does; it never runs in channel mode, where the pushes are.)
+   * Runs `fn` after every showing of this inbox before it: a push and a check_inbox never show the same item, even one
+   * called as the push is read (`wait`, in another process, takes the inbox lock; it never runs in channel mode).
    */
   inTurn<T>(fn: () => Promise<T>): Promise<T> {
     const run = this.#turn.then(fn);
@@ -5901,9 +5864,8 @@ class Agent {
     for (const e of batch) this.#inFlight.add(e.msg.msg_id);
     for (const wake of [...this.#attempted]) wake();
     try {
-      // Per relay, per message: true, an error, or null (not tried).
       const outcomes = await Promise.all(this.relays.map(async (relay) => {
-        const out: (true | RelayError | null)[] = items.map(() => null);
+        const out: (true | RelayError | null)[] = items.map(() => null); // per message; null: not tried
         for (let i = 0; i < items.length;) {
           try {
             // The rest in one request where the relay takes that (it may learn so from the first answer).
@@ -6021,12 +5983,16 @@ class Agent {
       const owed = this.state.owed.get(route);
       if (!owed) continue;
       const { key } = parseRoute(route);
-      // Not a peer's (only refusals may go to a stranger), or owed for over a day: forgotten here, kept in the journal.
       const peer = peers.byKey.has(key) || key === this.id.publicKey;
       const toStranger = owed.every((l) =>
         l.state === "refused" && (l.reason === "not_allowlisted" || l.reason === "stale" || isInviteRefusal(l.reason))
       );
-      if ((!peer && !toStranger) || owed[owed.length - 1].at < nowMs - FRESH_PAST_MS) {
+      // A receipt line names a msg_id between spaces: only plain ones (our nodes make no other) can be reported.
+      const lines = owed.filter((l) => PLAIN_ID_RE.test(l.msg_id)).slice(0, RECEIPT_LINES_MAX).map((l) =>
+        l.state === "refused" ? l : { ...l, session: this.cfg.session }
+      );
+      // Not a peer's (only refusals go to strangers), owed over a day, none plain: forgotten here, kept in the journal.
+      if (!lines.length || (!peer && !toStranger) || owed[owed.length - 1].at < nowMs - FRESH_PAST_MS) {
         this.state.owed.delete(route);
         continue;
       }
@@ -6039,14 +6005,6 @@ class Agent {
       }
       if ((perKey.get(key) ?? 0) >= RECEIPTS_PER_PASS) continue;
       perKey.set(key, (perKey.get(key) ?? 0) + 1);
-      // A receipt line names a msg_id between spaces: only plain ones (our nodes make no other) can be reported.
-      const lines = owed.filter((l) => PLAIN_ID_RE.test(l.msg_id)).slice(0, RECEIPT_LINES_MAX).map((l) =>
-        l.state === "refused" ? l : { ...l, session: this.cfg.session }
-      );
-      if (!lines.length) {
-        this.state.owed.delete(route);
-        continue;
-      }
       const text = `${receiptText(lines)}\n${SEALS_LINE}`; // last: past RECEIPT_LINES_MAX lines, skipped as a report
       const draft: Draft = { to: key, kind: "receipt", text, in_reply_to: lines[0].msg_id };
       const petname = key === this.id.publicKey ? "self" : this.petnameOf(key) ?? null;
@@ -6213,10 +6171,8 @@ class Agent {
 
   /** To the task's session if it has not ended, else where routing sends it, else the peer's key. */
   async #sendOnItsOwn(e: Extract<Effect, { do: "send" }>): Promise<void> {
-    const recipient = await this.route(e.draft.to, undefined, e.session).then((c) => c.recipient, (err) => {
-      if (err instanceof InterlinkError) return e.draft.to; // several live sessions and none the task's: its key
-      throw err;
-    });
+    const recipient = await this.route(e.draft.to, undefined, e.session) // several live, none the task's: its key
+      .then((c) => c.recipient, (err) => (err instanceof InterlinkError ? e.draft.to : Promise.reject(err)));
     const extra = e.forward ? { extra: { forward: e.forward } } : {};
     const entry = await this.enqueue({ draft: e.draft, recipient, peer: e.peer, ...extra });
     logInfo(`sent ${entry.msg.msg_id} (${taskTag(entry.msg)}) to ${e.peer ?? fingerprint(e.draft.to)} on its own`);
@@ -6236,22 +6192,14 @@ class Agent {
 
   /** Presence is best effort. A refusal (a clock off, a roster full) is said once and kept for discover and doctor. */
   async #announce(relay: Relay): Promise<void> {
-    let why: string | undefined;
-    try {
-      await relay.announce(await signAnnouncement(this.id, this.cfg.name, this.now(), this.info), this.#stop.signal);
-    } catch (e) {
-      if (!(e instanceof RelayError)) return; // an unreachable relay: the recv loop reports it
-      why = errorText(e);
-    }
-    if (why === this.unlisted.get(relay.name)) return;
+    const signed = signAnnouncement(this.id, this.cfg.name, this.now(), this.info);
+    const why = await signed.then((a) => relay.announce(a, this.#stop.signal))
+      .then(() => undefined, (e) => (e instanceof RelayError ? errorText(e) : null));
+    if (why === null || why === this.unlisted.get(relay.name)) return; // null: unreachable, which the recv loop reports
     if (why !== undefined) logWarn(`${UNLISTED} ${relay.name}: ${why}`);
     if (why === undefined) this.unlisted.delete(relay.name);
     else this.unlisted.set(relay.name, why);
-    try {
-      this.#writeSessionFile();
-    } catch {
-      // a full disk: discover still says it
-    }
+    orElse(() => this.#writeSessionFile(), undefined); // a full disk: discover still says it
   }
 
   async setSummary(summary: string): Promise<void> {
@@ -6274,13 +6222,9 @@ class Agent {
    * Knocks on a node (a signed pair_request with our name) at its live session, else one away; a peer may still lack
    * us. One unanswered goes again with its msg_id, so an acceptance of either copy matches (as the reference does).
    */
-  async requestPair(
-    target: string,
-    petname?: string,
-  ): Promise<{ key: string; claimed?: string; already?: string; note: string }> {
-    if (petname !== undefined && this.peers().byName.has(checkPetname(petname))) {
-      throw new InterlinkError(`petname '${petname}' is taken; choose another`);
-    }
+  async requestPair(target: string, petname?: string) {
+    const taken = `petname '${petname}' is taken; choose another`;
+    if (petname !== undefined && this.peers().byName.has(checkPetname(petname))) throw new InterlinkError(taken);
     const sessions = await this.roster(true), nodes = new Map<string, PeerSession>(); // by its freshest (first) entry
     for (const s of sessions) if (s.key !== this.id.publicKey && !nodes.has(s.key)) nodes.set(s.key, s);
     const entries = [...nodes.values()];
@@ -6290,12 +6234,9 @@ class Agent {
     const several = `'${target}' matches ${found.length} roster entries; use more of the fingerprint or the full key`;
     if (found.length > 1) throw new InterlinkError(several);
     const claimed = found[0]?.name;
-    let key = found[0]?.key ?? this.peers().byName.get(target);
-    try {
-      key ??= checkPeerKey(target, "target");
-    } catch {
-      throw new InterlinkError(`'${target}' is not on any bus roster (run discover) and is not a public key`);
-    }
+    const key = found[0]?.key ?? this.peers().byName.get(target) ?? orElse(() => checkPeerKey(target, "target"), null);
+    const unknown = `'${target}' is not on any bus roster (run discover) and is not a public key`;
+    if (key === null) throw new InterlinkError(unknown);
     const already = found.length ? this.petnameOf(key) : this.peers().byName.has(target) ? target : undefined;
     if (key === this.id.publicKey) throw new InterlinkError("that is this node's own key");
     const full = outboxFull(this.state, this.peers());
@@ -6420,30 +6361,23 @@ class Agent {
 // Waking a Codex session
 // ============================================================================
 //
-// Codex CLI has no channel and no hook that wakes an idle model: a session is woken by queueing a user turn into its
-// thread, `codex queue --thread <id> --message <text>` (Codex 0.171), which its shared local daemon starts within
-// 0.1 s (a session run with --no-daemon or -c takes it on its own 10 s poll). The turn holds the blocks `wait` prints,
-// marked shown only once Codex stored it (exit 0), under the inbox lock. A failed queue leaves them unread, retried
-// with a back-off; `doctor` reads why from wake.json. An `update` wakes nobody, and a later status on its task
-// supersedes an unread one.
+// Codex CLI has no channel and no hook that wakes an idle model: a session is woken by a user turn queued into its
+// thread, `codex queue --thread <id> --message <text>` (Codex 0.171), which its shared local daemon starts within 0.1 s
+// (a session run with --no-daemon or -c takes it on its own 10 s poll). The turn holds the blocks `wait` prints, marked
+// shown only once Codex stored it (exit 0), under the inbox lock. A failed queue leaves them unread, retried; `doctor`
+// reads why from wake.json. An `update` wakes nobody; a later status on its task supersedes an unread one.
 
 /** A queued turn this long or more is a notice instead (Linux takes at most 128 KiB in one argument). */
 const CODEX_WAKE_MAX_BYTES = 16 * 1024;
-
 /** Attempts at one wake before it waits for something new to arrive (a failing queue costs a process each). */
 const CODEX_WAKE_TRIES = 5;
-
 /** One `codex queue` normally takes well under 0.1 s; past this it counts as failed (the inbox lock waits on it). */
 const CODEX_QUEUE_TIMEOUT_MS = 4_000;
 
 type CodexTarget = { bin: string; home?: string; thread: string };
 
 /** The turn to queue for what is unread (null when only progress waits; a `notice` of check_inbox if too long). */
-function planWake(
-  items: InboxItem[],
-  peers: Peers,
-  maxBytes = CODEX_WAKE_MAX_BYTES,
-): { text: string; shown: string[]; superseded: string[]; notice: boolean } | null {
+function planWake(items: InboxItem[], peers: Peers, maxBytes = CODEX_WAKE_MAX_BYTES) {
   const isUpdate = (i: InboxItem) => i.kind === "message" && i.msg.status === "update";
   if (!items.some((i) => !isUpdate(i))) return null;
   const statusLater = new Set<string>(), superseded: string[] = []; // from the newest back, in one pass
@@ -6502,16 +6436,14 @@ function codexQueue(t: CodexTarget, text: string): Promise<{ ok: true } | { ok: 
 class CodexWaker {
   #latch = new WakeLatch();
   #stopped = false;
-  #done: Promise<void> = Promise.resolve();
+  #done: Promise<void>;
   #noticed = new BoundedMap<string, true>(1024); // items a notice already pointed at: not noticed again
   last: { at: number; ok: boolean; why?: string } | null = null;
   #judged = ""; // the unread items the last look judged
   #signature = () => [...this.agent.state.inbox.keys()].join("\n");
 
-  constructor(readonly agent: Agent, readonly target: CodexTarget) {}
-
-  start(): void {
-    this.#done = this.#run();
+  constructor(readonly agent: Agent, readonly target: CodexTarget) {
+    this.#done = this.#run(); // it looks once kicked, or every minute
   }
 
   /** Look now, unless what is unread is what the last look judged. */
@@ -6563,11 +6495,8 @@ class CodexWaker {
   #note(ok: boolean, why?: string): void {
     const was = this.last;
     this.last = { at: Date.now(), ok, ...(why ? { why } : {}) };
-    try {
-      writeFileAtomic(path.join(this.agent.journal.stateDir, "wake.json"), JSON.stringify(this.last) + "\n");
-    } catch {
-      // a full disk: the log line below says it
-    }
+    const file = path.join(this.agent.journal.stateDir, "wake.json");
+    orElse(() => writeFileAtomic(file, JSON.stringify(this.last) + "\n"), undefined); // a full disk: the log says it
     const session = `the Codex session ${this.target.thread}`;
     if (!ok && was?.why !== why) logWarn(`cannot wake ${session}: ${why}; what waits stays in its inbox`);
     if (ok && was && !was.ok) logInfo(`waking ${session} works again`);
@@ -6661,13 +6590,8 @@ function toolSchema(tool: ToolSpec): { inputSchema: object; problem(args: unknow
 
 const opt = (args: Record<string, unknown>, key: string): string | undefined =>
   typeof args[key] === "string" && args[key] !== "" ? args[key] as string : undefined;
-
-/** describeOut, and why it waits if its route is held (see NodeState.waitsFor). */
-const describeSettled = (agent: Agent, e: OutEntry): string => describeOut(e, waitWords(agent, e));
-
-/** Anything that can name a key by its petname: the running agent, or peers.json read by the CLI. */
-type PeerNames = Pick<Agent, "petnameOf" | "peers">;
-
+const describeSettled = (agent: Agent, e: OutEntry): string => describeOut(e, waitWords(agent, e)); // and why it waits
+type PeerNames = Pick<Agent, "petnameOf" | "peers">; // what names a key: the running agent, or the CLI's peers.json
 /** A key as the model knows it: "you" (`self`), its petname, or its fingerprint. */
 const nameOf = (names: PeerNames, key: string, self?: string): string =>
   key === self ? "you" : names.petnameOf(key) ?? fingerprint(key);
@@ -6818,9 +6742,8 @@ const TOOLS: ToolSpec[] = [
     annotations: { readOnlyHint: false, destructiveHint: false, idempotentHint: true, openWorldHint: false },
     run(agent, a) {
       // Unbound, the server opened this session for it before this runs (see runMcp); bound, only the same id.
-      if (a.session !== agent.cfg.session) {
-        throw new InterlinkError(`this server already serves session ${agent.cfg.session}, not ${a.session}`);
-      }
+      const other = `this server already serves session ${agent.cfg.session}, not ${a.session}`;
+      if (a.session !== agent.cfg.session) throw new InterlinkError(other);
       return `interlink: this session is reachable by its peers as ${agent.cfg.name}, session ${agent.cfg.session}; their messages come as turns that begin "interlink:".`;
     },
   },
@@ -6971,7 +6894,6 @@ const TOOLS: ToolSpec[] = [
       };
       const after = "queued after these and sent in that order (message_status tells where any one stands)";
       for (const [route, n] of more) lines.push(`and ${n} more to ${to(route)}, ${after}`);
-      // Those that will never be shown: refused by every bus or by the recipient, or expired (the last few, counted).
       const lost = [...agent.state.outgoing.values()].filter((e) => e.refused || e.refusedBy || e.expired);
       lines.push(...lost.slice(-PENDING_LISTED).map((e) => describeOut(e)));
       const earlier = lost.length - PENDING_LISTED;
@@ -7043,15 +6965,11 @@ const TOOLS: ToolSpec[] = [
       const want = opt(a, "peer");
       let sessions = await agent.roster(true);
       if (want !== undefined) {
-        let key: string | undefined;
-        try {
-          key = want.toLowerCase() === "self" ? agent.id.publicKey : resolvePeer(agent.peers(), want).key;
-        } catch {
-          const named = new Set(sessions.filter((s) => s.key.startsWith(want) || s.name === want).map((s) => s.key));
-          if (named.size !== 1) throw new InterlinkError(`'${want}' matches ${named.size} nodes on the roster`);
-          [key] = named;
-        }
-        sessions = sessions.filter((s) => s.key === key);
+        const self = want.toLowerCase() === "self" ? agent.id.publicKey : null;
+        const known = self ?? orElse(() => peerKey(agent.peers(), want), null); // else a claimed name or key prefix
+        const named = new Set(sessions.filter((s) => s.key.startsWith(want) || s.name === want).map((s) => s.key));
+        if (!known && named.size !== 1) throw new InterlinkError(`'${want}' matches ${named.size} nodes on the roster`);
+        sessions = sessions.filter((s) => s.key === (known ?? [...named][0]));
       }
       // First what keeps this session from being found: a relay refused its announcement (see Agent.unlisted).
       const again = `it tries again every ${ANNOUNCE_EVERY_MS / 1000} s`;
@@ -7188,10 +7106,8 @@ const TOOLS: ToolSpec[] = [
 ];
 
 type ToolResult = { content: { type: "text"; text: string }[]; isError?: boolean };
-
 /** A result's ToolAnswer.written, which the server calls once it has answered (or not) with that result. */
 const afterAnswer = new WeakMap<ToolResult, (ok: boolean) => void>();
-
 /** A tool call answers within this whatever a relay does: Claude Code gives up after a minute; waiting helps nobody. */
 const TOOL_DEADLINE_MS = 30_000;
 
@@ -7267,39 +7183,27 @@ const MCP_LEGACY_VERSIONS = ["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-
 const MCP_META = "io.modelcontextprotocol/";
 /** A 2026 list or discover result is not to be reused: it follows this node's setup (a problem names its files). */
 const MCP_NO_CACHE = { ttlMs: 0, cacheScope: "private" };
-
 /** How long a server whose stdin ended still answers what it was asked before (a tool call may outlast it). */
 const MCP_END_GRACE_MS = 5_000;
-
 /**
  * How long after an answer a cancel of its request still counts (see ToolAnswer): a client that cancelled before it
  * read the answer drops it, as the spec says. A busy client's later cancel is past it: what was answered stands.
  */
 const ANSWER_CANCEL_GRACE_MS = 1_000;
+type Running = { cancelled: boolean; onCancel?: () => void }; // a request being answered, and who hears of a cancel
 
-/** A request being answered: cancelled by the client?, and who waits to hear of it. */
-type Running = { cancelled: boolean; onCancel?: () => void };
-
-/**
- * The longest line the server reads, in UTF-16 code units: a send_message at TEXT_LIMIT_BYTES with every character
- * escaped as \uXXXX (6 each) fits with room to spare. A longer line is read to its end but not kept (see serve).
- */
+/** The longest line read (UTF-16 units): a send_message at TEXT_LIMIT_BYTES, all \uXXXX escapes, fits with room. */
 const MCP_LINE_MAX_CHARS = 4 * 2 ** 20;
-
 /** A request id's text kept from an over-long line, to answer it: ids are short; a longer one is answered with null. */
 const MCP_ID_MAX_CHARS = 1024;
 
-/** A request answered with this error: -32602 (Invalid params), unless `code` says otherwise. */
 class McpError extends Error {
   constructor(why: string, readonly code = -32602, readonly data?: object) {
     super(code === -32602 ? `Invalid params: ${why}` : why);
   }
 }
 
-/**
- * Finds the text of the top-level "id" member of a JSON object read in pieces (an over-long line, never held
- * whole): the id is then known even when it comes last, as the SDK writes it. Pure, linear, constant memory.
- */
+/** Finds the top-level "id" of JSON fed in pieces (an over-long line; the SDK writes ids last), in constant memory. */
 class JsonIdScanner {
   #depth = 0;
   #inString = false;
@@ -7308,8 +7212,7 @@ class JsonIdScanner {
   #lastKey = "";
   #expectValue = false;
   #capture: string | null = null; // the id's text so far, while it is read
-  /** The top-level "id" as it is echoed (see requestIdText); undefined if none, or not a string or an integer. */
-  id: string | undefined;
+  id: string | undefined; // the top-level "id" as echoed (requestIdText); undefined if none, or not a string or integer
 
   feed(text: string): void {
     for (const ch of text) {
@@ -7351,11 +7254,8 @@ class JsonIdScanner {
   }
 
   #finish(): void {
-    try {
-      this.id = requestIdText(JSON.parse(this.#capture!), this.#capture!);
-    } catch {
-      this.id = undefined; // not a value (or too long): answered with id null
-    }
+    // Not a value (or too long): undefined, answered with id null.
+    this.id = orElse(() => requestIdText(JSON.parse(this.#capture!), this.#capture!), undefined);
     this.#capture = null;
   }
 }
@@ -7379,24 +7279,18 @@ function mcpJson(message: object): string {
 /**
  * The server side of MCP over stdio (JSON-RPC 2.0, a message a line), by hand: interlink needs five methods and one
  * notification out; the SDK's server (zod, ajv) cost every session about 60 ms and 20 MB at its start, and under Deno a
- * fetch from npm. Requests run concurrently; answers and notifications are written whole, in order. A request whose
- * `_meta` names its protocol version is served as 2026-07-28 says, one without as 2025-11-25 (a dual era, as
- * versioning.mdx allows); a notification, or a cancelled request, is never answered; an id past 2^53 comes back exact.
+ * fetch from npm. Requests run concurrently; answers and notifications are written whole, in order. A request with a
+ * version in its `_meta` is served as 2026-07-28, one without as 2025-11-25 (a dual era, as versioning.mdx allows).
  */
 class McpStdioServer {
-  /** The client's name and version, from `initialize` or a 2026 request (Codex says "codex-mcp-client"). */
-  client: { name?: string; version?: string } = {};
-  /** Called once the client starts its session: `initialized` (2025), or a 2026 request past server/discover. */
-  onstart = (): void => {};
+  client: { name?: string; version?: string } = {}; // from `initialize` or a 2026 request (Codex: "codex-mcp-client")
+  onstart = (): void => {}; // once the client starts: `initialized` (2025), or a 2026 request past server/discover
   #started = false;
   #out: Promise<void> = Promise.resolve();
   #closed!: (why: string) => void;
-  /** Resolves, with why, when the client is gone (stdin ended, stdout broken). */
-  readonly closed = new Promise<string>((resolve) => (this.#closed = resolve));
-  /** Requests being answered, by id text (bounded by what the client has in flight). */
-  #running = new Map<string, Running>();
-  /** Requests read and not yet answered (bounded like #running). */
-  #inFlight = new Set<Promise<void>>();
+  readonly closed = new Promise<string>((resolve) => (this.#closed = resolve)); // why the client is gone, once it is
+  #running = new Map<string, Running>(); // requests being answered, by id text (as many as the client has in flight)
+  #inFlight = new Set<Promise<void>>(); // requests read and not yet answered (bounded like #running)
 
   constructor(
     readonly info: { name: string; version: string },
@@ -7414,6 +7308,8 @@ class McpStdioServer {
    */
   serve(): void {
     let line = "", skipping: JsonIdScanner | null = null; // skipping: reading past an over-long line's cap, to its end
+    const limit = `${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters`;
+    const tooLong = `a message over ${limit} is not read (a tool's text is at most ${TEXT_LIMIT_BYTES / 1024} KiB)`;
     readStdinText((chunk: string) => {
       for (let at = 0;;) {
         const nl = chunk.indexOf("\n", at), piece = chunk.slice(at, nl === -1 ? chunk.length : nl);
@@ -7424,8 +7320,10 @@ class McpStdioServer {
           line = "";
         }
         if (nl === -1) return;
-        if (skipping) this.#tooLong(skipping.id);
-        else if (line.trim()) {
+        if (skipping) {
+          logWarn(`a message from the client was over ${limit}: not read, answered -32600`);
+          this.#invalid(skipping.id ?? null, tooLong);
+        } else if (line.trim()) {
           const request = this.#receive(line.trim());
           this.#inFlight.add(request);
           void request.catch(() => {}).then(() => this.#inFlight.delete(request));
@@ -7465,26 +7363,17 @@ class McpStdioServer {
     void this.#fail(id, -32600, `Invalid Request: ${why}`).catch(() => {});
   }
 
-  #tooLong(id: string | undefined): void {
-    const limit = `${MCP_LINE_MAX_CHARS / 2 ** 20} Mi characters`, kib = TEXT_LIMIT_BYTES / 1024;
-    logWarn(`a message from the client was over ${limit}: not read, answered -32600`);
-    this.#invalid(id ?? null, `a message over ${limit} is not read (a tool's text is at most ${kib} KiB)`);
-  }
-
   async #receive(line: string): Promise<void> {
     // The text of each "id" and "requestId" as the client wrote it (JSON.parse rounds integers past 2^53).
     const raws = new WeakMap<object, Record<string, string>>();
-    let m: unknown;
-    try {
-      m = JSON.parse(line, function (this: object, key: string, value: unknown, ctx?: { source?: string }) {
-        if ((key === "id" || key === "requestId") && ctx?.source !== undefined) {
-          raws.set(this, { ...raws.get(this), [key]: ctx.source });
-        }
-        return value;
-      });
-    } catch {
-      return void this.#fail(null, -32700, "Parse error: not JSON").catch(() => {});
-    }
+    const keepRaw = function (this: object, key: string, value: unknown, ctx?: { source?: string }) {
+      if ((key === "id" || key === "requestId") && ctx?.source !== undefined) {
+        raws.set(this, { ...raws.get(this), [key]: ctx.source });
+      }
+      return value;
+    };
+    const m: unknown = orElse(() => JSON.parse(line, keepRaw), undefined); // undefined: not JSON (no JSON value is)
+    if (m === undefined) return void this.#fail(null, -32700, "Parse error: not JSON").catch(() => {});
     if (Array.isArray(m)) return this.#invalid(null, "batches are not supported (MCP has none since 2025-06-18)");
     if (!isObject(m)) return this.#invalid(null, "a message is a JSON object");
     if (!("method" in m) && ("result" in m || "error" in m)) return; // an answer to nothing we asked
@@ -8049,7 +7938,6 @@ async function runMcp(o: Options, _pos: string[], from: OptionSources): Promise<
       if (codex && !lent) {
         waker = new CodexWaker(a, codexTarget(cfg.session));
         a.onInbox = () => waker!.kick();
-        waker.start();
       }
       // A task's session that `serve` lent this host: announced as such, and handed back to serve without goodbyes.
       // Its host is shown its task's mail from the requester and its own sub-tasks'; the rest waits, unread, for the
