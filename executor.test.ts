@@ -459,7 +459,7 @@ describe("serve: a task for a node with no open session runs in a headless Claud
   );
 
   hostTest(
-    "peers see the door in discover; what no executor takes waits for the next session of the node, shown once",
+    "peers see the door in discover and list_peers; what no executor takes waits for the next session of the node, shown once",
     async () => {
       const { b, alice } = await setUp("keep", "bun");
       const bobServe = serve("bun", b);
@@ -470,6 +470,11 @@ describe("serve: a task for a node with no open session runs in a headless Claud
           async () => (await alice.ok("discover")).includes("interlink serve: runs tasks"),
           "the door on the roster",
         );
+        // list_peers reads no relay, but marks the door the last roster read held (and only bob's)
+        const listed = (await alice.ok("list_peers")).split("\n");
+        expect(listed.filter((l) => l.includes("runs tasks headless"))).toEqual([
+          expect.stringMatching(new RegExp(`^- ${b.name} `)),
+        ]);
         // chat: no executor takes it, so the door retires with it
         await alice.ok("send_message", { to: b.name, text: "lunch at noon?" });
         await bobServe.waitFor(/door serve-\S+ retired with 1 item/, 30_000);

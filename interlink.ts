@@ -5403,7 +5403,7 @@ class Agent {
   #bareLock: PidLock | null = null;
   adopts = true; // false for `serve`'s sessions: what ended waits for the next session a person opens
   #doorLock: PidLock | null = null; // held while this process reads the node's door (see "Invites")
-  #roster: { at: number; sessions: PeerSession[] } | null = null;
+  #roster: { at: number; sessions: PeerSession[] } | null = null; // the last read (see roster)
   #rosterRead: Promise<PeerSession[]> | null = null; // the read under way, which callers meanwhile share
   #proofs = new Map<string, { ts: number; proof: string }>(); // route → the recv proof in use
   #foreign = new BoundedMap<string, true>(ROUTES_DRAINED_CAP); // ended sessions here of another key: never adopted
@@ -6309,6 +6309,12 @@ class Agent {
     return await this.#rosterRead;
   }
 
+  /** The keys whose `serve` door (SERVE_DOOR) was on the last roster read, and how long ago that was read. */
+  servingPeers(): { keys: Set<string>; ageMs: number } {
+    const last = this.#roster, doors = last?.sessions.filter((s) => s.session?.summary.startsWith(SERVE_DOOR));
+    return { keys: new Set(doors?.map((s) => s.key)), ageMs: last ? this.now() - last.at : 0 };
+  }
+
   /** Where a message for `key` goes and what to tell the sender (see chooseRoute). */
   async route(key: string, hint: string | undefined, taskSession: string | undefined): Promise<RouteChoice> {
     let sessions: PeerSession[] = [], rosterKnown = !this.#unanswered;
@@ -7068,10 +7074,16 @@ const TOOLS: ToolSpec[] = [
     name: "list_peers",
     description:
       "The allowlist: each peer's petname (your operator's name for it), fingerprint and key. Only these keys can deliver messages. " +
-      `Whether a peer's machine runs tasks for you headless (its session summary begins "${SERVE_DOOR}") is shown by discover.`,
+      `A peer whose machine says it runs tasks headless (a session summary beginning "${SERVE_DOOR}") on the last roster this session read is marked so; discover reads the rosters anew.`,
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent) {
-      const peers = [...agent.peers().byName].map(([n, k]) => `- ${n}  ${fingerprint(k)}  ${k}`);
+      const { keys, ageMs } = agent.servingPeers();
+      const door = `  (says its machine runs tasks headless: its interlink serve was on the roster ${
+        Math.round(ageMs / 1000)
+      } s ago)`;
+      const peers = [...agent.peers().byName].map(([n, k]) =>
+        `- ${n}  ${fingerprint(k)}  ${k}${keys.has(k) ? door : ""}`
+      );
       return peers.join("\n") || "no peers yet: pair with discover + request_pair, or add_peer";
     },
   },
