@@ -401,62 +401,64 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     );
   }
 
-  hostTest(
-    "two peers, three tasks, two slots: the third waits, its requester told, and at most two hosts run at once",
-    async () => {
-      const { a, b, alice } = await setUp("slots", "bun", ["--allow", "Bash"]);
-      const c = await makeNodeFiles(root, "slots-carol");
-      befriend(c, b);
-      const work = path.join(b.dir, "work");
-      runCli("bun", ["peers", "exec", c.name, "--host", "claude", "--cwd", work, "--allow", "Bash"], {
-        env: { INTERLINK_PEERS: b.peersFile },
-      });
-      const carol = await McpNode.start("bun", c, bus.url);
-      // Each host: a command that takes a moment, then its result on its own task.
-      fake.on(b.name, /(?:)/, (r: ModelRequest): ModelReply => {
-        // deno-lint-ignore no-explicit-any -- the request's messages
-        const all = r.body.messages.map((m: any) => contentText(m.content)).join("\n");
-        const task = all.match(/task_id="(s\d)"/)![1], asker = all.match(/from="([^"]+)"/)![1];
-        const turns = r.body.messages.filter((m: { role: string }) => m.role === "assistant").length;
-        if (turns === 0) return { tool: "Bash", input: { command: "python3 -c 'import time; time.sleep(2)'" } };
-        if (turns === 1) {
-          return {
-            tool: "mcp__interlink__send_message",
-            input: { to: asker, task_id: task, status: "result", text: `done ${task}` },
-          };
+  for (const runtime of ["bun", "deno"] as const) {
+    hostTest(
+      `${runtime}: two peers, three tasks, two slots: the third waits, its requester told, and at most two hosts run at once`,
+      async () => {
+        const { a, b, alice } = await setUp(`slots-${runtime}`, runtime, ["--allow", "Bash"]);
+        const c = await makeNodeFiles(root, `slots-${runtime}-carol`);
+        befriend(c, b);
+        const work = path.join(b.dir, "work");
+        runCli(runtime, ["peers", "exec", c.name, "--host", "claude", "--cwd", work, "--allow", "Bash"], {
+          env: { INTERLINK_PEERS: b.peersFile },
+        });
+        const carol = await McpNode.start(runtime, c, bus.url);
+        // Each host: a command that takes a moment, then its result on its own task.
+        fake.on(b.name, /(?:)/, (r: ModelRequest): ModelReply => {
+          // deno-lint-ignore no-explicit-any -- the request's messages
+          const all = r.body.messages.map((m: any) => contentText(m.content)).join("\n");
+          const task = all.match(/task_id="(s\d)"/)![1], asker = all.match(/from="([^"]+)"/)![1];
+          const turns = r.body.messages.filter((m: { role: string }) => m.role === "assistant").length;
+          if (turns === 0) return { tool: "Bash", input: { command: "python3 -c 'import time; time.sleep(2)'" } };
+          if (turns === 1) {
+            return {
+              tool: "mcp__interlink__send_message",
+              input: { to: asker, task_id: task, status: "result", text: `done ${task}` },
+            };
+          }
+          return { text: "finished" };
+        }, true);
+        const bobServe = serve(runtime, b);
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          const sends: [typeof alice, string][] = [[alice, "s1"], [alice, "s2"], [carol, "s3"]];
+          for (const [who, task] of sends) {
+            await who.ok("send_message", { to: b.name, text: `slot job ${task}`, task_id: task });
+            await bobServe.waitFor(new RegExp(`task ${task} of \\S+ taken`), 30_000);
+          }
+          const queued = await carol.waitEvent((e) =>
+            e.meta.task_id === "s3" && /queued behind 2 running/.test(e.content)
+          );
+          expect(queued.meta.status).toBe("update");
+          for (const [who, task] of sends) {
+            await who.waitEvent((e) => e.meta.task_id === task && e.meta.status === "result", 90_000);
+          }
+          // from serve's own log, in order: never more than two hosts at once
+          let now = 0, most = 0;
+          for (const line of bobServe.stderr) {
+            if (/task s\d: claude started/.test(line)) most = Math.max(most, ++now);
+            if (/task s\d of \S+ ended/.test(line)) now--;
+          }
+          expect(most).toBe(2);
+        } finally {
+          await Promise.all([alice.close(), carol.close()]);
+          await stop(bobServe);
         }
-        return { text: "finished" };
-      }, true);
-      const bobServe = serve("bun", b);
-      try {
-        await bobServe.waitFor(/door serve-\S+ open/);
-        const sends: [typeof alice, string][] = [[alice, "s1"], [alice, "s2"], [carol, "s3"]];
-        for (const [who, task] of sends) {
-          await who.ok("send_message", { to: b.name, text: `slot job ${task}`, task_id: task });
-          await bobServe.waitFor(new RegExp(`task ${task} of \\S+ taken`), 30_000);
-        }
-        const queued = await carol.waitEvent((e) =>
-          e.meta.task_id === "s3" && /queued behind 2 running/.test(e.content)
-        );
-        expect(queued.meta.status).toBe("update");
-        for (const [who, task] of sends) {
-          await who.waitEvent((e) => e.meta.task_id === task && e.meta.status === "result", 90_000);
-        }
-        // from serve's own log, in order: never more than two hosts at once
-        let now = 0, most = 0;
-        for (const line of bobServe.stderr) {
-          if (/task s\d: claude started/.test(line)) most = Math.max(most, ++now);
-          if (/task s\d of \S+ ended/.test(line)) now--;
-        }
-        expect(most).toBe(2);
-      } finally {
-        await Promise.all([alice.close(), carol.close()]);
-        await stop(bobServe);
-      }
-      expect(a.name).toBe("slots-alice");
-    },
-    240_000,
-  );
+        expect(a.name).toBe(`slots-${runtime}-alice`);
+      },
+      240_000,
+    );
+  }
 
   hostTest(
     "peers see the door in discover and list_peers; what no executor takes waits for the next session of the node, shown once",
@@ -875,65 +877,67 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
     180_000,
   );
 
-  codexTest(
-    "two peers, three tasks, two slots under Codex: the third waits, its requester told, and at most two hosts run at once",
-    async () => {
-      const { b, work, alice, serve } = await codexPair("cxs", "bun");
-      const c = await makeNodeFiles(root, "cxs-carol");
-      befriend(c, b);
-      runCli("bun", ["peers", "exec", c.name, "--host", "codex", "--cwd", work], {
-        env: { INTERLINK_PEERS: b.peersFile },
-      });
-      const carol = await McpNode.start("bun", c, bus.url);
-      // Each host: a command that takes a moment, then its result on its own task.
-      fake.on(b.name, /(?:)/, (r: CodexRequest): CodexReply => {
-        const all = r.users.join("\n");
-        const task = all.match(/task_id="(s\d)"/)![1], asker = all.match(/from="([^"]+)"/)![1];
-        // deno-lint-ignore no-explicit-any -- input items
-        const calls = r.body.input.filter((i: any) => i.type === "function_call").length;
-        if (calls === 0) {
-          return { tool: "exec_command", args: { cmd: "python3 -c 'import time; time.sleep(2)'" }, builtin: true };
-        }
-        if (calls === 1) {
-          return { tool: "send_message", args: { to: asker, task_id: task, status: "result", text: `done ${task}` } };
-        }
-        return { text: "finished" };
-      }, true);
-      const bobServe = serve();
-      try {
-        await bobServe.waitFor(/door serve-\S+ open/);
-        const sends: [typeof alice, string][] = [[alice, "s1"], [alice, "s2"], [carol, "s3"]];
-        for (const [who, task] of sends) {
-          await who.ok("send_message", { to: b.name, text: `slot job ${task}`, task_id: task });
-          await bobServe.waitFor(new RegExp(`task ${task} of \\S+ taken`), 30_000);
-        }
-        const queued = await carol.waitEvent((e) =>
-          e.meta.task_id === "s3" && /queued behind 2 running/.test(e.content)
-        );
-        expect(queued.meta.status).toBe("update");
-        for (const [who, task] of sends) {
-          await who.waitEvent((e) => e.meta.task_id === task && e.meta.status === "result", 90_000);
-        }
-        // from serve's own log, in order: never more than two hosts at once
-        let now = 0, most = 0;
-        for (const line of bobServe.stderr) {
-          if (/task s\d: codex started/.test(line)) most = Math.max(most, ++now);
-          if (/task s\d of \S+ ended/.test(line)) now--;
-        }
-        expect(most).toBe(2);
-        await new Promise((r) => setTimeout(r, 1_500));
-        for (const [who, task] of sends) {
-          const ends = who.events.filter((e) =>
-            e.meta.task_id === task && /^(result|failed|canceled)$/.test(e.meta.status ?? "")
+  for (const runtime of ["bun", "deno"] as const) {
+    codexTest(
+      `${runtime}: two peers, three tasks, two slots under Codex: the third waits, its requester told, and at most two hosts run at once`,
+      async () => {
+        const { b, work, alice, serve } = await codexPair(`cxs-${runtime}`, runtime);
+        const c = await makeNodeFiles(root, `cxs-${runtime}-carol`);
+        befriend(c, b);
+        runCli(runtime, ["peers", "exec", c.name, "--host", "codex", "--cwd", work], {
+          env: { INTERLINK_PEERS: b.peersFile },
+        });
+        const carol = await McpNode.start(runtime, c, bus.url);
+        // Each host: a command that takes a moment, then its result on its own task.
+        fake.on(b.name, /(?:)/, (r: CodexRequest): CodexReply => {
+          const all = r.users.join("\n");
+          const task = all.match(/task_id="(s\d)"/)![1], asker = all.match(/from="([^"]+)"/)![1];
+          // deno-lint-ignore no-explicit-any -- input items
+          const calls = r.body.input.filter((i: any) => i.type === "function_call").length;
+          if (calls === 0) {
+            return { tool: "exec_command", args: { cmd: "python3 -c 'import time; time.sleep(2)'" }, builtin: true };
+          }
+          if (calls === 1) {
+            return { tool: "send_message", args: { to: asker, task_id: task, status: "result", text: `done ${task}` } };
+          }
+          return { text: "finished" };
+        }, true);
+        const bobServe = serve();
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          const sends: [typeof alice, string][] = [[alice, "s1"], [alice, "s2"], [carol, "s3"]];
+          for (const [who, task] of sends) {
+            await who.ok("send_message", { to: b.name, text: `slot job ${task}`, task_id: task });
+            await bobServe.waitFor(new RegExp(`task ${task} of \\S+ taken`), 30_000);
+          }
+          const queued = await carol.waitEvent((e) =>
+            e.meta.task_id === "s3" && /queued behind 2 running/.test(e.content)
           );
-          expect(ends.length).toBe(1);
+          expect(queued.meta.status).toBe("update");
+          for (const [who, task] of sends) {
+            await who.waitEvent((e) => e.meta.task_id === task && e.meta.status === "result", 90_000);
+          }
+          // from serve's own log, in order: never more than two hosts at once
+          let now = 0, most = 0;
+          for (const line of bobServe.stderr) {
+            if (/task s\d: codex started/.test(line)) most = Math.max(most, ++now);
+            if (/task s\d of \S+ ended/.test(line)) now--;
+          }
+          expect(most).toBe(2);
+          await new Promise((r) => setTimeout(r, 1_500));
+          for (const [who, task] of sends) {
+            const ends = who.events.filter((e) =>
+              e.meta.task_id === task && /^(result|failed|canceled)$/.test(e.meta.status ?? "")
+            );
+            expect(ends.length).toBe(1);
+          }
+        } finally {
+          await Promise.all([alice.close(), carol.close()]);
+          await stop(bobServe);
         }
-      } finally {
-        await Promise.all([alice.close(), carol.close()]);
-        await stop(bobServe);
-      }
-      expect(executorProcs(b)).toEqual([]);
-    },
-    240_000,
-  );
+        expect(executorProcs(b)).toEqual([]);
+      },
+      240_000,
+    );
+  }
 });
