@@ -877,6 +877,34 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
     180_000,
   );
 
+  codexTest(
+    "a model's request over 1 MiB (a huge justification) is still declined at once: the task neither hangs on an approval nobody answers nor holds its slot",
+    async () => {
+      const { b, alice, serve, told } = await codexPair("cxh", "bun");
+      const bobServe = serve();
+      try {
+        await bobServe.waitFor(/door serve-\S+ open/);
+        fake.on(b.name, "ask for a lot", {
+          tool: "exec_command",
+          args: { cmd: "touch /tmp/nope", sandbox_permissions: "require_escalated", justification: "j".repeat(3 << 19) },
+          builtin: true,
+        });
+        await alice.ok("send_message", { to: b.name, text: "ask for a lot", task_id: "cx7" });
+        // declined, the model says so and stops: serve ends the task, telling alice of the denial first
+        await alice.waitEvent((e) => e.meta.task_id === "cx7" && e.meta.status === "failed", 90_000);
+        expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
+        expect(told("cx7").filter((l) => l.includes("was not allowed to run"))).toEqual([
+          expect.stringContaining("`shell: (its request was over 1 MiB: cut)`"),
+        ]);
+      } finally {
+        await alice.close();
+        await stop(bobServe);
+      }
+      expect(executorProcs(b)).toEqual([]);
+    },
+    180_000,
+  );
+
   for (const runtime of ["bun", "deno"] as const) {
     codexTest(
       `${runtime}: two peers, three tasks, two slots under Codex: the third waits, its requester told, and at most two hosts run at once`,

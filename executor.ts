@@ -234,7 +234,10 @@ function cutEvent(head: string, tail: string): Record<string, unknown> {
     if (v) e[k] = JSON.parse(v);
   }
   e.type = head.match(/^\{"type":"([\w.]+)"/)?.[1] ?? e.type; // a leading type is the event's, not a nested one's
-  e.method = head.match(/^\{"method":"([\w/]+)"/)?.[1]; // Codex's notification (its turn/completed ends its run)
+  // Codex's: a notification's method (turn/completed ends its run), a request's too and its id (one left unanswered
+  // would hold its turn, and its slot, for good), a response's id
+  const id = head.match(/^\{(?:"method":"[\w/]+",)?"id":(\d+)/)?.[1];
+  [e.method, e.id] = [head.match(/^\{(?:"id":\d+,)?"method":"([\w/]+)"/)?.[1], id && Number(id)];
   return e;
 }
 
@@ -407,7 +410,7 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
     const q = e?.params ?? {}, item = q.item ?? {};
     if (e?.method && e.id !== undefined) { // the server asks: nobody here says yes
       const [tool, call, answer] = CODEX_ASKS[e.method]?.(q, files) ?? [];
-      if (tool) report.denials.push(describeCall(tool, call));
+      if (tool) report.denials.push(describeCall(tool, e.cut ? { command: "(its request was over 1 MiB: cut)" } : call));
       send(answer ? { id: e.id, result: answer } : { id: e.id, error: { code: -32601, message: "nobody to ask" } });
     } else if (e?.error || e?.method === "turn/completed") { // a request of ours refused, or its one turn done
       const turn = e.error ? { status: "refused", error: e.error } : q.turn ?? {}; // {}: its line was cut
@@ -423,7 +426,7 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
         params: { ...thread, ...resume && { threadId } },
       });
     } else if (e?.id === 2) {
-      report.hostSession = threadId = e.result.thread.id;
+      report.hostSession = threadId = e.result?.thread?.id ?? threadId; // cut: a resumed thread's history is long
       const input = [{ type: "text", text: prompt, text_elements: [] }];
       send({ id: 3, method: "turn/start", params: { threadId, input } });
     } else if (e?.id === 3) turnId = e.result.turn.id;
