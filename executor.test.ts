@@ -877,68 +877,70 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
     180_000,
   );
 
-  codexTest(
-    "a model's request over 1 MiB (a huge justification) is still declined at once: the task neither hangs on an approval nobody answers nor holds its slot",
-    async () => {
-      const { b, alice, serve, told } = await codexPair("cxh", "bun");
-      const bobServe = serve();
-      try {
-        await bobServe.waitFor(/door serve-\S+ open/);
-        fake.on(b.name, "ask for a lot", {
-          tool: "exec_command",
-          args: {
-            cmd: "touch /tmp/nope",
-            sandbox_permissions: "require_escalated",
-            justification: "j".repeat(3 << 19),
-          },
-          builtin: true,
-        });
-        await alice.ok("send_message", { to: b.name, text: "ask for a lot", task_id: "cx7" });
-        // declined, the model says so and stops: serve ends the task, telling alice of the denial first
-        await alice.waitEvent((e) => e.meta.task_id === "cx7" && e.meta.status === "failed", 90_000);
-        expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
-        expect(told("cx7").filter((l) => l.includes("was not allowed to run"))).toEqual([
-          expect.stringContaining("`shell: (its request was over 1 MiB: cut)`"),
-        ]);
-      } finally {
-        await alice.close();
-        await stop(bobServe);
-      }
-      expect(executorProcs(b)).toEqual([]);
-    },
-    180_000,
-  );
-
-  codexTest(
-    "a model that asks in a loop gets serve to tell its requester of 20 denials and a count of the rest, not a message for each",
-    async () => {
-      const { b, alice, serve, told } = await codexPair("cxn", "bun");
-      const bobServe = serve();
-      let asked = 0;
-      fake.on(b.name, /ask again and again|rejected by user/, () =>
-        ++asked <= 30
-          ? {
+  for (const runtime of ["bun", "deno"] as const) {
+    codexTest(
+      `${runtime}: a model's request over 1 MiB (a huge justification) is still declined at once: the task neither hangs on an approval nobody answers nor holds its slot`,
+      async () => {
+        const { b, alice, serve, told } = await codexPair(`cxh-${runtime}`, runtime);
+        const bobServe = serve();
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          fake.on(b.name, "ask for a lot", {
             tool: "exec_command",
-            args: { cmd: `touch /tmp/nope-${asked}`, sandbox_permissions: "require_escalated", justification: "x" },
+            args: {
+              cmd: "touch /tmp/nope",
+              sandbox_permissions: "require_escalated",
+              justification: "j".repeat(3 << 19),
+            },
             builtin: true,
-          }
-          : { text: "gave up" }, true);
-      try {
-        await bobServe.waitFor(/door serve-\S+ open/);
-        await alice.ok("send_message", { to: b.name, text: "ask again and again", task_id: "cx8" });
-        await alice.waitEvent((e) => e.meta.task_id === "cx8" && e.meta.status === "failed", 120_000);
-        const denied = told("cx8").filter((l) => l.includes("was not allowed to run"));
-        expect(asked).toBe(31);
-        expect(denied.length).toBe(21);
-        expect(denied[0]).toContain("touch /tmp/nope-1'`");
-        expect(denied[20]).toContain("was not allowed to run 10 more calls (only counted)");
-      } finally {
-        await alice.close();
-        await stop(bobServe);
-      }
-    },
-    180_000,
-  );
+          });
+          await alice.ok("send_message", { to: b.name, text: "ask for a lot", task_id: `cx7` });
+          // declined, the model says so and stops: serve ends the task, telling alice of the denial first
+          await alice.waitEvent((e) => e.meta.task_id === "cx7" && e.meta.status === "failed", 90_000);
+          expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
+          expect(told("cx7").filter((l) => l.includes("was not allowed to run"))).toEqual([
+            expect.stringContaining("`shell: (its request was over 1 MiB: cut)`"),
+          ]);
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+        expect(executorProcs(b)).toEqual([]);
+      },
+      180_000,
+    );
+
+    codexTest(
+      `${runtime}: a model that asks in a loop gets serve to tell its requester of 20 denials and a count of the rest, not a message for each`,
+      async () => {
+        const { b, alice, serve, told } = await codexPair(`cxn-${runtime}`, runtime);
+        const bobServe = serve();
+        let asked = 0;
+        fake.on(b.name, /ask again and again|rejected by user/, () =>
+          ++asked <= 30
+            ? {
+              tool: "exec_command",
+              args: { cmd: `touch /tmp/nope-${asked}`, sandbox_permissions: "require_escalated", justification: "x" },
+              builtin: true,
+            }
+            : { text: "gave up" }, true);
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          await alice.ok("send_message", { to: b.name, text: "ask again and again", task_id: "cx8" });
+          await alice.waitEvent((e) => e.meta.task_id === "cx8" && e.meta.status === "failed", 120_000);
+          const denied = told("cx8").filter((l) => l.includes("was not allowed to run"));
+          expect(asked).toBe(31);
+          expect(denied.length).toBe(21);
+          expect(denied[0]).toContain("touch /tmp/nope-1'`");
+          expect(denied[20]).toContain("was not allowed to run 10 more calls (only counted)");
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      180_000,
+    );
+  }
 
   for (const runtime of ["bun", "deno"] as const) {
     codexTest(
