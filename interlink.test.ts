@@ -133,12 +133,12 @@ import {
   SEAL_DOMAIN,
   sealMessage,
   SEND_WINDOW,
+  SERVE_DOOR,
   SERVER_ROLE,
   serverInstructions,
   sessionIds,
   showId,
   showInvisible,
-  SERVE_DOOR,
   signAnnouncement,
   type SignedMessage,
   signMessage,
@@ -3106,12 +3106,19 @@ describe("a hostile relay", () => {
       const C = await makeNodeFiles(root, "carol");
       befriend(A, B);
       befriend(A, C);
-      const door = (id: string) => ({ session_id: id, cwd: "", git_root: "", summary: `${SERVE_DOOR} headless (codex)` });
+      const door = (id: string) => ({
+        session_id: id,
+        cwd: "",
+        git_root: "",
+        summary: `${SERVE_DOOR} headless (codex)`,
+      });
       // bob's serve announced itself two hours ago and is gone; its signed announcement is public, so anyone re-posts it
       const old = await signAnnouncement(B.id, B.name, Date.now() - 2 * 60 * 60_000, door("serve-old"));
       expect((await postJson(`${bus.url}/announce`, old)).status).toBe(202);
-      expect((await postJson(`${bus.url}/announce`, await signAnnouncement(C.id, C.name, Date.now(), door("serve-c"))))
-        .status).toBe(202);
+      expect(
+        (await postJson(`${bus.url}/announce`, await signAnnouncement(C.id, C.name, Date.now(), door("serve-c"))))
+          .status,
+      ).toBe(202);
       try {
         for (const runtime of ["bun", "deno"] as const) {
           const alice = await McpNode.start(runtime, A, bus.url);

@@ -6315,7 +6315,9 @@ class Agent {
    */
   servingPeers(): { keys: Set<string>; ageMs: number } {
     const last = this.#roster;
-    const doors = last?.sessions.filter((s) => s.session?.summary.startsWith(SERVE_DOOR) && presence(s.ageMs) === "live");
+    const doors = last?.sessions.filter((s) =>
+      s.session?.summary.startsWith(SERVE_DOOR) && presence(s.ageMs) === "live"
+    );
     return { keys: new Set(doors?.map((s) => s.key)), ageMs: last ? this.now() - last.at : 0 };
   }
 
