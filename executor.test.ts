@@ -879,6 +879,37 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
 
   for (const runtime of ["bun", "deno"] as const) {
     codexTest(
+      `${runtime}: a thread whose history passed 1 MiB (a model's long message, then a question) resumes on the answer to its result, not hanging on a resume answer cut at 1 MiB`,
+      async () => {
+        const { a, b, alice, serve } = await codexPair(`cxr-${runtime}`, runtime);
+        const bobServe = serve();
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          fake.on(b.name, "write it all out", {
+            tool: "send_message",
+            args: { to: a.name, task_id: "cx9", status: "needs_input", text: "which part?" },
+          });
+          fake.on(b.name, /msg_id/, { text: "y".repeat(3 << 20) }); // its last message: the thread's history is long
+          fake.on(b.name, "the last part", {
+            tool: "send_message",
+            args: { to: a.name, task_id: "cx9", status: "result", text: "wrote the last part" },
+          });
+          await alice.ok("send_message", { to: b.name, text: "write it all out", task_id: "cx9" });
+          await alice.waitEvent((e) => e.meta.task_id === "cx9" && e.meta.status === "needs_input", 90_000);
+          await bobServe.waitFor(/task cx9 waits on its question/, 30_000);
+          await alice.ok("send_message", { to: b.name, text: "the last part", task_id: "cx9" });
+          const done = await alice.waitEvent((e) => e.meta.task_id === "cx9" && e.meta.status === "result", 60_000);
+          expect(done.content).toContain("wrote the last part");
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+        expect(executorProcs(b)).toEqual([]);
+      },
+      180_000,
+    );
+
+    codexTest(
       `${runtime}: a model's request over 1 MiB (a huge justification) is still declined at once: the task neither hangs on an approval nobody answers nor holds its slot`,
       async () => {
         const { b, alice, serve, told } = await codexPair(`cxh-${runtime}`, runtime);

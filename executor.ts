@@ -432,7 +432,7 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
       send({
         id: 2,
         method: `thread/${resume ? "resume" : "start"}`,
-        params: { ...thread, ...resume && { threadId } },
+        params: { ...thread, ...resume && { threadId, excludeTurns: true } }, // its history: the model's, any size
       });
     } else if (e?.id === 2) {
       report.hostSession = threadId = e.result?.thread?.id ?? threadId; // cut: a resumed thread's history is long
