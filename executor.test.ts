@@ -21,6 +21,7 @@ import {
   made,
   makeNodeFiles,
   McpNode,
+  memoryOf,
   type ModelReply,
   type ModelRequest,
   type NodeFiles,
@@ -648,11 +649,11 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
       env: { INTERLINK_PEERS: b.peersFile },
     });
     const alice = await McpNode.start(runtime, a, bus.url);
-    const serve = () => {
+    const serve = (codex = CODEX_BIN!) => {
       const child = spawnChild([...runtimeArgv(runtime), "serve"], {
         CODEX_HOME: home,
         FAKE_OPENAI_KEY: "sk-test",
-        INTERLINK_CODEX: CODEX_BIN!,
+        INTERLINK_CODEX: codex,
         INTERLINK_KEY: b.keyFile,
         INTERLINK_PEERS: b.peersFile,
         INTERLINK_STATE: b.stateDir,
@@ -964,6 +965,57 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
           expect(denied.length).toBe(21);
           expect(denied[0]).toContain("touch /tmp/nope-1'`");
           expect(denied[20]).toContain("was not allowed to run 10 more calls (only counted)");
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      180_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    codexTest(
+      `${runtime}: a run of many file changes, each naming 1 MB of paths, is not held in serve's memory once each is asked and declined`,
+      async () => {
+        const { b, alice, serve } = await codexPair(`cxm-${runtime}`, runtime);
+        // An app-server as a hostile model makes it speak: 600 file changes of 1 MB of paths each, each asked of serve.
+        const codex = path.join(b.dir, "many-changes");
+        fs.writeFileSync(
+          codex,
+          `#!${process.execPath}
+  const out = (m) => process.stdout.write(JSON.stringify(m) + "\\n"), big = "p".repeat(1_000_000);
+  let buf = "", n = 0;
+  const next = () => {
+    if (n === 600) return out({ method: "turn/completed", params: { turn: { id: "u", status: "completed" } } });
+    const item = { type: "fileChange", id: "fc" + n, changes: [{ path: n + big }] };
+    out({ method: "item/started", params: { item } });
+    out({ method: "item/fileChange/requestApproval", id: 100 + n++, params: { itemId: item.id, grantRoot: null } });
+  };
+  process.stdin.on("data", (c) => {
+    for (buf += c; buf.includes("\\n"); buf = buf.slice(buf.indexOf("\\n") + 1)) {
+      const m = JSON.parse(buf.slice(0, buf.indexOf("\\n")));
+      if (m.id === 1) out({ id: 1, result: {} });
+      if (m.id === 2) out({ id: 2, result: { thread: { id: "t" } } });
+      if (m.id === 3) (out({ id: 3, result: { turn: { id: "u" } } }), next());
+      if (m.id >= 100) (out({ method: "item/completed", params: { item: { type: "fileChange", id: "fc" + (m.id - 100) } } }), next());
+    }
+  });
+  process.stdin.on("end", () => process.exit(0));
+  `,
+          { mode: 0o755 },
+        );
+        const bobServe = serve(codex);
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          const before = memoryOf(bobServe.proc.pid);
+          await alice.ok("send_message", { to: b.name, text: "change many files", task_id: "cx10" });
+          await alice.waitEvent((e) => e.meta.task_id === "cx10" && e.meta.status === "failed", 120_000);
+          const grew = memoryOf(bobServe.proc.pid).peak - before.rss;
+          process.stderr.write(
+            `  600 file changes of 1 MB each: ${runtime} serve's peak RSS grew ${(grew / 2 ** 20).toFixed(0)} MiB\n`,
+          );
+          expect(grew).toBeLessThan(300 * 2 ** 20); // 600 MB of paths, were they kept
         } finally {
           await alice.close();
           await stop(bobServe);

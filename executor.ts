@@ -413,7 +413,7 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
   const thread = { cwd: p.cwd, sandbox, approvalPolicy: "on-request", config, developerInstructions };
   const resume = job.runs > 0; // read now: the job counts this run before the server answers
   let threadId = job.hostSession, turnId = "";
-  const files = new Map<string, string>(); // a file change's paths by item: its approval request names none
+  const files = new Map<string, string>(); // a file change's paths by item, until it completes: its request names none
   const send = (m: object) => run.proc.stdin!.writable && run.proc.stdin!.write(JSON.stringify(m) + "\n");
   const run = spawnHost(job, process.env.INTERLINK_CODEX || "codex", ["app-server"], (e, { report, proc }) => {
     const q = e?.params ?? {}, item = q.item ?? {};
@@ -441,7 +441,10 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
     } else if (e?.id === 3) turnId = e.result.turn.id;
     else if (e?.method === "item/started" && item.type === "fileChange") {
       files.set(item.id, item.changes.map((c: { path: string }) => c.path).join(", "));
-    } else if (e?.method === "item/completed" && item.type === "agentMessage") report.final = item.text;
+    } else if (e?.method === "item/completed") {
+      files.delete(item.id);
+      if (item.type === "agentMessage") report.final = item.text;
+    }
   });
   const clientInfo = { name: "interlink-serve", title: null, version: "1" };
   send({ id: 1, method: "initialize", params: { clientInfo, capabilities: null } });
