@@ -21,6 +21,7 @@ import {
   made,
   makeNodeFiles,
   McpNode,
+  memoryOf,
   type ModelReply,
   type ModelRequest,
   type NodeFiles,
@@ -648,11 +649,11 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
       env: { INTERLINK_PEERS: b.peersFile },
     });
     const alice = await McpNode.start(runtime, a, bus.url);
-    const serve = () => {
+    const serve = (codex = CODEX_BIN!) => {
       const child = spawnChild([...runtimeArgv(runtime), "serve"], {
         CODEX_HOME: home,
         FAKE_OPENAI_KEY: "sk-test",
-        INTERLINK_CODEX: CODEX_BIN!,
+        INTERLINK_CODEX: codex,
         INTERLINK_KEY: b.keyFile,
         INTERLINK_PEERS: b.peersFile,
         INTERLINK_STATE: b.stateDir,
@@ -876,6 +877,153 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
     },
     180_000,
   );
+
+  for (const runtime of ["bun", "deno"] as const) {
+    codexTest(
+      `${runtime}: a thread whose history passed 1 MiB (a model's long message, then a question) resumes on the answer to its result, not hanging on a resume answer cut at 1 MiB`,
+      async () => {
+        const { a, b, alice, serve } = await codexPair(`cxr-${runtime}`, runtime);
+        const bobServe = serve();
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          fake.on(b.name, "write it all out", {
+            tool: "send_message",
+            args: { to: a.name, task_id: "cx9", status: "needs_input", text: "which part?" },
+          });
+          fake.on(b.name, /msg_id/, { text: "y".repeat(3 << 20) }); // its last message: the thread's history is long
+          fake.on(b.name, "the last part", {
+            tool: "send_message",
+            args: { to: a.name, task_id: "cx9", status: "result", text: "wrote the last part" },
+          });
+          await alice.ok("send_message", { to: b.name, text: "write it all out", task_id: "cx9" });
+          await alice.waitEvent((e) => e.meta.task_id === "cx9" && e.meta.status === "needs_input", 90_000);
+          await bobServe.waitFor(/task cx9 waits on its question/, 30_000);
+          await alice.ok("send_message", { to: b.name, text: "the last part", task_id: "cx9" });
+          const done = await alice.waitEvent((e) => e.meta.task_id === "cx9" && e.meta.status === "result", 60_000);
+          expect(done.content).toContain("wrote the last part");
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+        expect(executorProcs(b)).toEqual([]);
+      },
+      180_000,
+    );
+
+    codexTest(
+      `${runtime}: a model's request over 1 MiB (a huge justification) is still declined at once: the task neither hangs on an approval nobody answers nor holds its slot`,
+      async () => {
+        const { b, alice, serve, told } = await codexPair(`cxh-${runtime}`, runtime);
+        const bobServe = serve();
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          fake.on(b.name, "ask for a lot", {
+            tool: "exec_command",
+            args: {
+              cmd: "touch /tmp/nope",
+              sandbox_permissions: "require_escalated",
+              justification: "j".repeat(3 << 19),
+            },
+            builtin: true,
+          });
+          await alice.ok("send_message", { to: b.name, text: "ask for a lot", task_id: `cx7` });
+          // declined, the model says so and stops: serve ends the task, telling alice of the denial first
+          await alice.waitEvent((e) => e.meta.task_id === "cx7" && e.meta.status === "failed", 90_000);
+          expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
+          expect(told("cx7").filter((l) => l.includes("was not allowed to run"))).toEqual([
+            expect.stringContaining("`shell: (its request was over 1 MiB: cut)`"),
+          ]);
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+        expect(executorProcs(b)).toEqual([]);
+      },
+      180_000,
+    );
+
+    codexTest(
+      `${runtime}: a model that asks in a loop gets serve to tell its requester of 20 denials and a count of the rest, not a message for each`,
+      async () => {
+        const { b, alice, serve, told } = await codexPair(`cxn-${runtime}`, runtime);
+        const bobServe = serve();
+        let asked = 0;
+        fake.on(b.name, /ask again and again|rejected by user/, () =>
+          ++asked <= 30
+            ? {
+              tool: "exec_command",
+              args: { cmd: `touch /tmp/nope-${asked}`, sandbox_permissions: "require_escalated", justification: "x" },
+              builtin: true,
+            }
+            : { text: "gave up" }, true);
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          await alice.ok("send_message", { to: b.name, text: "ask again and again", task_id: "cx8" });
+          await alice.waitEvent((e) => e.meta.task_id === "cx8" && e.meta.status === "failed", 120_000);
+          const denied = told("cx8").filter((l) => l.includes("was not allowed to run"));
+          expect(asked).toBe(31);
+          expect(denied.length).toBe(21);
+          expect(denied[0]).toContain("touch /tmp/nope-1'`");
+          expect(denied[20]).toContain("was not allowed to run 10 more calls (only counted)");
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      180_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    codexTest(
+      `${runtime}: a run of many file changes, each naming 1 MB of paths, is not held in serve's memory once each is asked and declined`,
+      async () => {
+        const { b, alice, serve } = await codexPair(`cxm-${runtime}`, runtime);
+        // An app-server as a hostile model makes it speak: 600 file changes of 1 MB of paths each, each asked of serve.
+        const codex = path.join(b.dir, "many-changes");
+        fs.writeFileSync(
+          codex,
+          `#!${process.execPath}
+  const out = (m) => process.stdout.write(JSON.stringify(m) + "\\n"), big = "p".repeat(1_000_000);
+  let buf = "", n = 0;
+  const next = () => {
+    if (n === 600) return out({ method: "turn/completed", params: { turn: { id: "u", status: "completed" } } });
+    const item = { type: "fileChange", id: "fc" + n, changes: [{ path: n + big }] };
+    out({ method: "item/started", params: { item } });
+    out({ method: "item/fileChange/requestApproval", id: 100 + n++, params: { itemId: item.id, grantRoot: null } });
+  };
+  process.stdin.on("data", (c) => {
+    for (buf += c; buf.includes("\\n"); buf = buf.slice(buf.indexOf("\\n") + 1)) {
+      const m = JSON.parse(buf.slice(0, buf.indexOf("\\n")));
+      if (m.id === 1) out({ id: 1, result: {} });
+      if (m.id === 2) out({ id: 2, result: { thread: { id: "t" } } });
+      if (m.id === 3) (out({ id: 3, result: { turn: { id: "u" } } }), next());
+      if (m.id >= 100) (out({ method: "item/completed", params: { item: { type: "fileChange", id: "fc" + (m.id - 100) } } }), next());
+    }
+  });
+  process.stdin.on("end", () => process.exit(0));
+  `,
+          { mode: 0o755 },
+        );
+        const bobServe = serve(codex);
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          const before = memoryOf(bobServe.proc.pid);
+          await alice.ok("send_message", { to: b.name, text: "change many files", task_id: "cx10" });
+          await alice.waitEvent((e) => e.meta.task_id === "cx10" && e.meta.status === "failed", 120_000);
+          const grew = memoryOf(bobServe.proc.pid).peak - before.rss;
+          process.stderr.write(
+            `  600 file changes of 1 MB each: ${runtime} serve's peak RSS grew ${(grew / 2 ** 20).toFixed(0)} MiB\n`,
+          );
+          expect(grew).toBeLessThan(300 * 2 ** 20); // 600 MB of paths, were they kept
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      180_000,
+    );
+  }
 
   for (const runtime of ["bun", "deno"] as const) {
     codexTest(

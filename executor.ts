@@ -89,6 +89,8 @@ const FINAL_TEXT_MAX_CHARS = 2_000;
 const JOBS_ENDED_CAP = 4_096;
 /** Ended tasks whose denials `interlink.ts tasks` still shows: the operator's recent decisions to make. */
 const DENIED_SHOWN = 20;
+/** A run's denials kept and told its requester one by one; the rest only counted: a model may ask in a loop. */
+const DENIALS_KEPT = 20;
 /** How often a running task's journal is re-read behind its watch (a cancel ends the host within STOP_KILL_MS). */
 const FOLLOW_MS = 250;
 /** What the host's interlink server may run: interlink's tools that change no trust and no announcement ... */
@@ -192,6 +194,7 @@ interface HostReport {
   cost?: number;
   outcome?: string; // Claude Code's result subtype ("success", "error_max_turns", …); Codex's turn status if not done
   denials: string[];
+  moreDenials?: number; // past DENIALS_KEPT
   hostSession?: string;
 }
 
@@ -234,7 +237,10 @@ function cutEvent(head: string, tail: string): Record<string, unknown> {
     if (v) e[k] = JSON.parse(v);
   }
   e.type = head.match(/^\{"type":"([\w.]+)"/)?.[1] ?? e.type; // a leading type is the event's, not a nested one's
-  e.method = head.match(/^\{"method":"([\w/]+)"/)?.[1]; // Codex's notification (its turn/completed ends its run)
+  // Codex's: a notification's method (turn/completed ends its run), a request's too and its id (one left unanswered
+  // would hold its turn, and its slot, for good), a response's id
+  const id = head.match(/^\{(?:"method":"[\w/]+",)?"id":(\d+)/)?.[1];
+  [e.method, e.id] = [head.match(/^\{(?:"id":\d+,)?"method":"([\w/]+)"/)?.[1], id && Number(id)];
   return e;
 }
 
@@ -244,6 +250,12 @@ function describeCall(tool: string, input: unknown): string {
   const arg = o.command ?? o.file_path ?? o.path ?? o.url ?? JSON.stringify(input ?? {});
   return `${tool}: ${String(arg).slice(0, 200)}`;
 }
+
+/** A denial kept in the run's report (DENIALS_KEPT), else counted. */
+const deny = (report: HostReport, tool: string, input: unknown) =>
+  void (report.denials.length < DENIALS_KEPT
+    ? report.denials.push(describeCall(tool, input))
+    : (report.moreDenials = (report.moreDenials ?? 0) + 1));
 
 /** The environment the host's interlink server opens the task's session with. */
 function serverEnv(cfg: NodeConfig, job: Job): Record<string, string> {
@@ -339,7 +351,7 @@ function startClaude(cfg: NodeConfig, job: Job, prompt: string): HostRun {
     if (typeof e.total_cost_usd === "number") report.cost = e.total_cost_usd;
     report.outcome = String(e.subtype ?? "");
     for (const d of Array.isArray(e.permission_denials) ? e.permission_denials : []) {
-      report.denials.push(describeCall(String(d?.tool_name), d?.tool_input));
+      deny(report, String(d?.tool_name), d?.tool_input);
     }
     proc.stdin!.end(); // one turn: the host exits once it has reported it
   });
@@ -401,13 +413,13 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
   const thread = { cwd: p.cwd, sandbox, approvalPolicy: "on-request", config, developerInstructions };
   const resume = job.runs > 0; // read now: the job counts this run before the server answers
   let threadId = job.hostSession, turnId = "";
-  const files = new Map<string, string>(); // a file change's paths by item: its approval request names none
+  const files = new Map<string, string>(); // a file change's paths by item, until it completes: its request names none
   const send = (m: object) => run.proc.stdin!.writable && run.proc.stdin!.write(JSON.stringify(m) + "\n");
   const run = spawnHost(job, process.env.INTERLINK_CODEX || "codex", ["app-server"], (e, { report, proc }) => {
     const q = e?.params ?? {}, item = q.item ?? {};
     if (e?.method && e.id !== undefined) { // the server asks: nobody here says yes
       const [tool, call, answer] = CODEX_ASKS[e.method]?.(q, files) ?? [];
-      if (tool) report.denials.push(describeCall(tool, call));
+      if (tool) deny(report, tool, e.cut ? { command: "(its request was over 1 MiB: cut)" } : call);
       send(answer ? { id: e.id, result: answer } : { id: e.id, error: { code: -32601, message: "nobody to ask" } });
     } else if (e?.error || e?.method === "turn/completed") { // a request of ours refused, or its one turn done
       const turn = e.error ? { status: "refused", error: e.error } : q.turn ?? {}; // {}: its line was cut
@@ -420,16 +432,19 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
       send({
         id: 2,
         method: `thread/${resume ? "resume" : "start"}`,
-        params: { ...thread, ...resume && { threadId } },
+        params: { ...thread, ...resume && { threadId, excludeTurns: true } }, // its history: the model's, any size
       });
     } else if (e?.id === 2) {
-      report.hostSession = threadId = e.result.thread.id;
+      report.hostSession = threadId = e.result?.thread?.id ?? threadId; // cut: a resumed thread's history is long
       const input = [{ type: "text", text: prompt, text_elements: [] }];
       send({ id: 3, method: "turn/start", params: { threadId, input } });
     } else if (e?.id === 3) turnId = e.result.turn.id;
     else if (e?.method === "item/started" && item.type === "fileChange") {
       files.set(item.id, item.changes.map((c: { path: string }) => c.path).join(", "));
-    } else if (e?.method === "item/completed" && item.type === "agentMessage") report.final = item.text;
+    } else if (e?.method === "item/completed") {
+      files.delete(item.id);
+      if (item.type === "agentMessage") report.final = item.text;
+    }
   });
   const clientInfo = { name: "interlink-serve", title: null, version: "1" };
   send({ id: 1, method: "initialize", params: { clientInfo, capabilities: null } });
@@ -729,16 +744,16 @@ class Supervisor {
     Object.assign(job, some("turns", r.turns), some("cost", r.cost), some("hostSession", r.hostSession));
     delete job.pid;
     if (r.denials.length) {
-      job.denials = [...job.denials ?? [], ...r.denials].slice(-20);
+      job.denials = [...job.denials ?? [], ...r.denials].slice(-DENIALS_KEPT);
       this.#publish(); // in `tasks` before the requester is told of them
     }
     const agent = this.#held.get(job.session) ?? await this.#open(job.session, this.#summary(job));
     this.#held.set(job.session, agent);
     const widen = job.profile.host === "codex" ? "--mode, Codex's sandbox" : "--allow";
-    for (const d of r.denials) {
-      const text =
-        `${this.cfg.name}'s executor was not allowed to run \`${d}\`; ${this.cfg.name}'s operator can allow it ` +
-        `(interlink.ts peers exec ${widen}). Nothing denied ran.`;
+    const more = r.moreDenials ? [`${r.moreDenials} more calls (only counted)`] : [];
+    for (const d of [...r.denials.map((d) => `\`${d}\``), ...more]) {
+      const text = `${this.cfg.name}'s executor was not allowed to run ${d}; ` +
+        `${this.cfg.name}'s operator can allow it (interlink.ts peers exec ${widen}). Nothing denied ran.`;
       await this.#tell(job, text).catch((e) => logWarn(`cannot report a denial: ${errorText(e)}`));
     }
     const task: TaskRow | undefined = agent.state.tasks.get(taskKey(job.peer, job.task_id));

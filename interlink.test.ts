@@ -133,6 +133,7 @@ import {
   SEAL_DOMAIN,
   sealMessage,
   SEND_WINDOW,
+  SERVE_DOOR,
   SERVER_ROLE,
   serverInstructions,
   sessionIds,
@@ -3096,6 +3097,46 @@ function hostileRelay(bytes: number) {
 }
 
 describe("a hostile relay", () => {
+  test.concurrent(
+    "a stranger re-posting a peer's old serve door to a bus does not make list_peers say that peer runs tasks; a live door does",
+    async () => {
+      const root = tmpDir();
+      const bus = await startBus("bun", path.join(root, "bus"));
+      const A = await makeNodeFiles(root, "alice"), B = await makeNodeFiles(root, "bob");
+      const C = await makeNodeFiles(root, "carol");
+      befriend(A, B);
+      befriend(A, C);
+      const door = (id: string) => ({
+        session_id: id,
+        cwd: "",
+        git_root: "",
+        summary: `${SERVE_DOOR} headless (codex)`,
+      });
+      // bob's serve announced itself two hours ago and is gone; its signed announcement is public, so anyone re-posts it
+      const old = await signAnnouncement(B.id, B.name, Date.now() - 2 * 60 * 60_000, door("serve-old"));
+      expect((await postJson(`${bus.url}/announce`, old)).status).toBe(202);
+      expect(
+        (await postJson(`${bus.url}/announce`, await signAnnouncement(C.id, C.name, Date.now(), door("serve-c"))))
+          .status,
+      ).toBe(202);
+      try {
+        for (const runtime of ["bun", "deno"] as const) {
+          const alice = await McpNode.start(runtime, A, bus.url);
+          try {
+            expect(await alice.ok("discover")).toContain("serve-old");
+            const marked = (await alice.ok("list_peers")).split("\n").filter((l) => l.includes("runs tasks headless"));
+            expect(marked).toEqual([expect.stringMatching(new RegExp(`^- ${C.name} `))]);
+          } finally {
+            await alice.close();
+          }
+        }
+      } finally {
+        await stop(bus);
+      }
+    },
+    60_000,
+  );
+
   test("an answer is read as it streams and stops at its cap: declared, streamed, or kept up to it when only quoted", async () => {
     const endless = () => {
       let pulls = 0;

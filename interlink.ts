@@ -6309,9 +6309,15 @@ class Agent {
     return await this.#rosterRead;
   }
 
-  /** The keys whose `serve` door (SERVE_DOOR) was on the last roster read, and how long ago that was read. */
+  /**
+   * The keys whose `serve` door (SERVE_DOOR) was live on the last roster read, and how long ago that was read. Live
+   * only, as routing takes it: anyone can re-post a door's old signed announcement, which its signed ts ages.
+   */
   servingPeers(): { keys: Set<string>; ageMs: number } {
-    const last = this.#roster, doors = last?.sessions.filter((s) => s.session?.summary.startsWith(SERVE_DOOR));
+    const last = this.#roster;
+    const doors = last?.sessions.filter((s) =>
+      s.session?.summary.startsWith(SERVE_DOOR) && presence(s.ageMs) === "live"
+    );
     return { keys: new Set(doors?.map((s) => s.key)), ageMs: last ? this.now() - last.at : 0 };
   }
 
@@ -7074,11 +7080,11 @@ const TOOLS: ToolSpec[] = [
     name: "list_peers",
     description:
       "The allowlist: each peer's petname (your operator's name for it), fingerprint and key. Only these keys can deliver messages. " +
-      `A peer whose machine says it runs tasks headless (a session summary beginning "${SERVE_DOOR}") on the last roster this session read is marked so; discover reads the rosters anew.`,
+      `A peer whose machine says it runs tasks headless (a session summary beginning "${SERVE_DOOR}") live on the last roster this session read is marked so; discover reads the rosters anew.`,
     annotations: { readOnlyHint: true, openWorldHint: false },
     run(agent) {
       const { keys, ageMs } = agent.servingPeers();
-      const door = `  (says its machine runs tasks headless: its interlink serve was on the roster ${
+      const door = `  (says its machine runs tasks headless: its interlink serve was live on the roster ${
         Math.round(ageMs / 1000)
       } s ago)`;
       const peers = [...agent.peers().byName].map(([n, k]) =>
