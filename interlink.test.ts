@@ -1124,8 +1124,8 @@ describe("agent: two real nodes (alice on Bun, bob on Deno) through a real bus",
     expect(byName.list_tasks.annotations?.readOnlyHint).toBe(true);
     expect(byName.remove_peer.annotations?.destructiveHint).toBe(true);
     expect(byName.accept_pair.description).toContain("OPERATOR DECISION ONLY");
-    // list_peers reads peers.json alone: it points the model at discover, which shows a peer's serve door
-    expect(byName.list_peers.description).toContain("discover.");
+    // list_peers reads no relay: it marks a serve door from the last roster read, and points at discover for a new read
+    expect(byName.list_peers.description).toContain("discover reads the rosters anew");
     expect(byName.list_peers.description).toContain("interlink serve: runs tasks");
     expect(byName.discover.description).toContain("interlink serve: runs tasks");
   });
