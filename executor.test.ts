@@ -1027,6 +1027,65 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
 
   for (const runtime of ["bun", "deno"] as const) {
     codexTest(
+      `${runtime}: file changes whose completion alone passes 1 MiB (one byte of status more) do not leave their 1 MB of paths in serve's memory`,
+      async () => {
+        const { b, alice, serve } = await codexPair(`cxk-${runtime}`, runtime);
+        // As Codex writes a change made inside its sandbox (nothing asked): started "inProgress" in exactly 1 MiB, so
+        // read whole; completed "completed", one byte more, so cut, its item's id unread. 500 of them.
+        const codex = path.join(b.dir, "cut-completions");
+        fs.writeFileSync(
+          codex,
+          `#!${process.execPath}
+  const line = (m) => JSON.stringify(m), out = (m) => new Promise((r) => process.stdout.write(line(m) + "\\n", r));
+  const event = (method, id, path, status) =>
+    ({ method, params: { item: { type: "fileChange", id, changes: [{ path, kind: { type: "add" }, diff: "" }], status } } });
+  let buf = "";
+  const run = async () => {
+    for (let n = 0; n < 500; n++) {
+      const id = "fc" + n, pad = (1 << 20) - line(event("item/started", id, "", "inProgress")).length;
+      const p = String(n).padEnd(pad, "p");
+      await out(event("item/started", id, p, "inProgress"));
+      await out(event("item/completed", id, p, "completed"));
+    }
+    out({ method: "turn/completed", params: { turn: { id: "u", status: "completed" } } });
+  };
+  process.stdin.on("data", (c) => {
+    for (buf += c; buf.includes("\\n"); buf = buf.slice(buf.indexOf("\\n") + 1)) {
+      const m = JSON.parse(buf.slice(0, buf.indexOf("\\n")));
+      if (m.id === 1) out({ id: 1, result: {} });
+      if (m.id === 2) out({ id: 2, result: { thread: { id: "t" } } });
+      if (m.id === 3) (out({ id: 3, result: { turn: { id: "u" } } }), run());
+    }
+  });
+  process.stdin.on("end", () => process.exit(0));
+  `,
+          { mode: 0o755 },
+        );
+        const bobServe = serve(codex);
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          const before = memoryOf(bobServe.proc.pid);
+          await alice.ok("send_message", { to: b.name, text: "change many files", task_id: "cx11" });
+          await alice.waitEvent((e) => e.meta.task_id === "cx11" && e.meta.status === "failed", 150_000);
+          expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
+          const grew = memoryOf(bobServe.proc.pid).peak - before.rss;
+          process.stderr.write(
+            `  500 file changes, each completion cut: ${runtime} serve's peak RSS grew ${
+              (grew / 2 ** 20).toFixed(0)
+            } MiB\n`,
+          );
+          expect(grew).toBeLessThan(300 * 2 ** 20); // 500 MB of paths, were they kept
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      200_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    codexTest(
       `${runtime}: two peers, three tasks, two slots under Codex: the third waits, its requester told, and at most two hosts run at once`,
       async () => {
         const { b, work, alice, serve } = await codexPair(`cxs-${runtime}`, runtime);

@@ -89,6 +89,8 @@ const FINAL_TEXT_MAX_CHARS = 2_000;
 const JOBS_ENDED_CAP = 4_096;
 /** Ended tasks whose denials `interlink.ts tasks` still shows: the operator's recent decisions to make. */
 const DENIED_SHOWN = 20;
+/** A denied call's argument as told and kept: enough to recognise it; a model's command may be of any length. */
+const DENIED_CALL_CHARS = 200;
 /** A run's denials kept and told its requester one by one; the rest only counted: a model may ask in a loop. */
 const DENIALS_KEPT = 20;
 /** How often a running task's journal is re-read behind its watch (a cancel ends the host within STOP_KILL_MS). */
@@ -244,11 +246,14 @@ function cutEvent(head: string, tail: string): Record<string, unknown> {
   return e;
 }
 
+/** The start of a model's text, copied: a slice of it would hold all of it (a sliced string, in V8 and JSC alike). */
+const own = (text: string) => text.slice(0, DENIED_CALL_CHARS).split("").join("");
+
 /** "Bash: rm -rf build/": a denied call as the requester and the operator are told it. */
 function describeCall(tool: string, input: unknown): string {
   const o = (input ?? {}) as Record<string, unknown>;
   const arg = o.command ?? o.file_path ?? o.path ?? o.url ?? JSON.stringify(input ?? {});
-  return `${tool}: ${String(arg).slice(0, 200)}`;
+  return `${tool}: ${String(arg).slice(0, DENIED_CALL_CHARS)}`;
 }
 
 /** A denial kept in the run's report (DENIALS_KEPT), else counted. */
@@ -413,7 +418,9 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
   const thread = { cwd: p.cwd, sandbox, approvalPolicy: "on-request", config, developerInstructions };
   const resume = job.runs > 0; // read now: the job counts this run before the server answers
   let threadId = job.hostSession, turnId = "";
-  const files = new Map<string, string>(); // a file change's paths by item, until it completes: its request names none
+  // A file change's paths by item, until it completes (its request names none), as a denial shows them: a completion
+  // cut at 1 MiB names no item (one byte past its start's), so its paths stay, 200 chars a MiB of the model's output.
+  const files = new Map<string, string>();
   const send = (m: object) => run.proc.stdin!.writable && run.proc.stdin!.write(JSON.stringify(m) + "\n");
   const run = spawnHost(job, process.env.INTERLINK_CODEX || "codex", ["app-server"], (e, { report, proc }) => {
     const q = e?.params ?? {}, item = q.item ?? {};
@@ -440,7 +447,7 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
       send({ id: 3, method: "turn/start", params: { threadId, input } });
     } else if (e?.id === 3) turnId = e.result.turn.id;
     else if (e?.method === "item/started" && item.type === "fileChange") {
-      files.set(item.id, item.changes.map((c: { path: string }) => c.path).join(", "));
+      files.set(item.id, own(item.changes.map((c: { path: string }) => c.path).join(", ")));
     } else if (e?.method === "item/completed") {
       files.delete(item.id);
       if (item.type === "agentMessage") report.final = item.text;
