@@ -566,6 +566,47 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     180_000,
   );
 
+  for (const runtime of ["bun", "deno"] as const) {
+    hostTest(
+      `${runtime}: a model whose denied calls pass 1 MiB in Claude Code's report does not hide them: its requester and bob's operator are told`,
+      async () => {
+        const { b, work, alice } = await setUp(`deny-many-${runtime}`, runtime);
+        const bobServe = serve(runtime, b);
+        const target = path.join(work, "pwned.txt");
+        let asked = 0;
+        // 5 writes of 250 kB each, all denied: the result event lists each with its input, 1.25 MB on one line
+        fake.on(
+          b.name,
+          /write them all|permission|denied|not allowed/i,
+          () =>
+            ++asked <= 5
+              ? { tool: "Write", input: { file_path: target, content: String(asked).padEnd(250_000, "z") } }
+              : { text: "gave up" },
+          true,
+        );
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          await alice.ok("send_message", { to: b.name, text: "write them all", task_id: "t12" });
+          await alice.waitEvent((e) => e.meta.task_id === "t12" && e.meta.status === "failed", 120_000);
+          expect(asked).toBe(6);
+          expect(fs.existsSync(target)).toBe(false);
+          expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
+          const denied = told(alice, "t12").filter((l) => l.includes("was not allowed to run"));
+          expect(denied.length).toBe(5);
+          for (const d of denied) expect(d).toContain(`was not allowed to run \`Write: ${target}\``);
+          const tasks = runCli(runtime, ["tasks"], {
+            env: { INTERLINK_KEY: b.keyFile, INTERLINK_PEERS: b.peersFile, INTERLINK_STATE: b.stateDir },
+          });
+          expect(tasks.stdout).toContain(`denied: Write: ${target}`);
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      180_000,
+    );
+  }
+
   test("peers exec: only this operator's command sets a profile; bad input is refused with the reason and changes nothing", async () => {
     const dir = tmpDir("interlink-exec-");
     const f = await makeNodeFiles(dir, "op");

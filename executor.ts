@@ -253,13 +253,13 @@ const own = (text: string) => text.slice(0, DENIED_CALL_CHARS).split("").join(""
 function describeCall(tool: string, input: unknown): string {
   const o = (input ?? {}) as Record<string, unknown>;
   const arg = o.command ?? o.file_path ?? o.path ?? o.url ?? JSON.stringify(input ?? {});
-  return `${tool}: ${String(arg).slice(0, DENIED_CALL_CHARS)}`;
+  return `${tool}: ${own(String(arg))}`;
 }
 
-/** A denial kept in the run's report (DENIALS_KEPT), else counted. */
-const deny = (report: HostReport, tool: string, input: unknown) =>
+/** A denial (described) kept in the run's report (DENIALS_KEPT), else counted. */
+const deny = (report: Pick<HostReport, "denials" | "moreDenials">, call: string) =>
   void (report.denials.length < DENIALS_KEPT
-    ? report.denials.push(describeCall(tool, input))
+    ? report.denials.push(call)
     : (report.moreDenials = (report.moreDenials ?? 0) + 1));
 
 /** The environment the host's interlink server opens the task's session with. */
@@ -348,15 +348,33 @@ function startClaude(cfg: NodeConfig, job: Job, prompt: string): HostRun {
     ...(p.max_turns ? ["--max-turns", String(p.max_turns)] : []),
     ...(p.max_usd ? ["--max-budget-usd", String(p.max_usd)] : []),
   ];
+  // Its calls by id until answered, and those it answered with its denial: a result event over 1 MiB (a model's denied
+  // calls of huge inputs) is cut with its permission_denials, which these stand in for.
+  const calls = new Map<string, [string, string]>(),
+    streamed: Pick<HostReport, "denials" | "moreDenials"> = {
+      denials: [],
+    };
   const run = spawnHost(job, process.env.INTERLINK_CLAUDE || "claude", argv, (e, { report, proc }) => {
     if (e?.type === "assistant") report.turns = (report.turns ?? 0) + 1;
+    const blocks = Array.isArray(e?.message?.content) ? e.message.content : [];
+    for (const b of e?.type === "assistant" ? blocks : []) {
+      if (b?.type === "tool_use") calls.set(b.id, [b.name, describeCall(String(b.name), b.input)]);
+    }
+    for (const b of e?.type === "user" ? blocks : []) {
+      const [tool, call] = calls.get(b?.tool_use_id) ?? [];
+      calls.delete(b?.tool_use_id);
+      if (call && b.is_error && String(b.content).startsWith(`Permission to use ${tool} has been denied`)) {
+        deny(streamed, call);
+      }
+    }
     if (e?.type !== "result") return;
     report.final = typeof e.result === "string" ? e.result : undefined;
     if (typeof e.num_turns === "number") report.turns = e.num_turns;
     if (typeof e.total_cost_usd === "number") report.cost = e.total_cost_usd;
     report.outcome = String(e.subtype ?? "");
+    if (e.cut) Object.assign(report, streamed);
     for (const d of Array.isArray(e.permission_denials) ? e.permission_denials : []) {
-      deny(report, String(d?.tool_name), d?.tool_input);
+      deny(report, describeCall(String(d?.tool_name), d?.tool_input));
     }
     proc.stdin!.end(); // one turn: the host exits once it has reported it
   });
@@ -426,7 +444,7 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
     const q = e?.params ?? {}, item = q.item ?? {};
     if (e?.method && e.id !== undefined) { // the server asks: nobody here says yes
       const [tool, call, answer] = CODEX_ASKS[e.method]?.(q, files) ?? [];
-      if (tool) deny(report, tool, e.cut ? { command: "(its request was over 1 MiB: cut)" } : call);
+      if (tool) deny(report, describeCall(tool, e.cut ? { command: "(its request was over 1 MiB: cut)" } : call));
       send(answer ? { id: e.id, result: answer } : { id: e.id, error: { code: -32601, message: "nobody to ask" } });
     } else if (e?.error || e?.method === "turn/completed") { // a request of ours refused, or its one turn done
       const turn = e.error ? { status: "refused", error: e.error } : q.turn ?? {}; // {}: its line was cut
