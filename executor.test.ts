@@ -566,11 +566,13 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     180_000,
   );
 
-  for (const runtime of ["bun", "deno"] as const) {
+  for (const [runtime, mode] of [["bun", []], ["deno", []], ["bun", ["--mode", "manual"]]] as const) {
     hostTest(
-      `${runtime}: a model whose denied calls pass 1 MiB in Claude Code's report does not hide them: its requester and bob's operator are told`,
+      `${runtime}: a model whose denied calls pass 1 MiB in Claude Code's report does not hide them (${
+        mode[1] ?? "the default mode"
+      }): its requester and bob's operator are told`,
       async () => {
-        const { b, work, alice } = await setUp(`deny-many-${runtime}`, runtime);
+        const { b, work, alice } = await setUp(`deny-many-${runtime}-${mode[1] ?? "default"}`, runtime, [...mode]);
         const bobServe = serve(runtime, b);
         const target = path.join(work, "pwned.txt");
         let asked = 0;
@@ -586,12 +588,19 @@ describe("serve: a task for a node with no open session runs in a headless Claud
         );
         try {
           await bobServe.waitFor(/door serve-\S+ open/);
-          await alice.ok("send_message", { to: b.name, text: "write them all", task_id: "t12" });
-          await alice.waitEvent((e) => e.meta.task_id === "t12" && e.meta.status === "failed", 120_000);
+          await alice.ok("send_message", {
+            to: b.name,
+            text: "write them all",
+            task_id: `t12-${mode[1] ?? "default"}`,
+          });
+          await alice.waitEvent(
+            (e) => e.meta.task_id === `t12-${mode[1] ?? "default"}` && e.meta.status === "failed",
+            120_000,
+          );
           expect(asked).toBe(6);
           expect(fs.existsSync(target)).toBe(false);
           expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
-          const denied = told(alice, "t12").filter((l) => l.includes("was not allowed to run"));
+          const denied = told(alice, `t12-${mode[1] ?? "default"}`).filter((l) => l.includes("was not allowed to run"));
           expect(denied.length).toBe(5);
           for (const d of denied) expect(d).toContain(`was not allowed to run \`Write: ${target}\``);
           const tasks = runCli(runtime, ["tasks"], {

@@ -320,6 +320,9 @@ function spawnHost(
   return run;
 }
 
+/** How Claude Code answers a call it denied (dontAsk mode's words, then any mode's with prompts off). */
+const CLAUDE_DENIED = /^Permission (to use \S+ has been|for this tool use was) denied/;
+
 /** Claude Code on the task's session (stream-json both ways): the first run opens `hostSession`, a later one resumes it. */
 function startClaude(cfg: NodeConfig, job: Job, prompt: string): HostRun {
   const mcpFile = path.join(sessionDir(cfg.stateDir, job.session), "executor-mcp.json");
@@ -350,22 +353,17 @@ function startClaude(cfg: NodeConfig, job: Job, prompt: string): HostRun {
   ];
   // Its calls by id until answered, and those it answered with its denial: a result event over 1 MiB (a model's denied
   // calls of huge inputs) is cut with its permission_denials, which these stand in for.
-  const calls = new Map<string, [string, string]>(),
-    streamed: Pick<HostReport, "denials" | "moreDenials"> = {
-      denials: [],
-    };
+  const calls = new Map<string, string>(), streamed: Pick<HostReport, "denials" | "moreDenials"> = { denials: [] };
   const run = spawnHost(job, process.env.INTERLINK_CLAUDE || "claude", argv, (e, { report, proc }) => {
     if (e?.type === "assistant") report.turns = (report.turns ?? 0) + 1;
     const blocks = Array.isArray(e?.message?.content) ? e.message.content : [];
     for (const b of e?.type === "assistant" ? blocks : []) {
-      if (b?.type === "tool_use") calls.set(b.id, [b.name, describeCall(String(b.name), b.input)]);
+      if (b?.type === "tool_use") calls.set(b.id, describeCall(String(b.name), b.input));
     }
     for (const b of e?.type === "user" ? blocks : []) {
-      const [tool, call] = calls.get(b?.tool_use_id) ?? [];
+      const call = calls.get(b?.tool_use_id);
       calls.delete(b?.tool_use_id);
-      if (call && b.is_error && String(b.content).startsWith(`Permission to use ${tool} has been denied`)) {
-        deny(streamed, call);
-      }
+      if (call && b.is_error && CLAUDE_DENIED.test(String(b.content))) deny(streamed, call);
     }
     if (e?.type !== "result") return;
     report.final = typeof e.result === "string" ? e.result : undefined;
