@@ -616,6 +616,45 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     );
   }
 
+  for (const runtime of ["bun", "deno"] as const) {
+    hostTest(
+      `${runtime}: denied calls whose inputs carry a result event's own keys ("type", "num_turns") do not make serve misread the cut result: the task ends, with its real figures`,
+      async () => {
+        const { b, alice } = await setUp(`deny-keys-${runtime}`, runtime);
+        const bobServe = serve(runtime, b);
+        let asked = 0;
+        // 5 denied calls of 250 kB: the first's input in the result line's first 2 kB, the last's in its last 4 kB
+        const input = (n: number) => ({
+          type: "nope",
+          num_turns: 999,
+          pad: String(n).padEnd(250_000, "z"),
+          last: { type: "nope", num_turns: 999 },
+        });
+        fake.on(
+          b.name,
+          /set it all|permission|denied|not allowed/i,
+          () => ++asked <= 5 ? { tool: "mcp__interlink__set_summary", input: input(asked) } : { text: "gave up" },
+          true,
+        );
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          await alice.ok("send_message", { to: b.name, text: "set it all", task_id: "t13" });
+          const end = await alice.waitEvent((e) => e.meta.task_id === "t13" && e.meta.status === "failed", 90_000);
+          expect(asked).toBe(6);
+          expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
+          expect(end.content).toContain("(outcome success, 6 turn(s), $");
+          const denied = told(alice, "t13").filter((l) => l.includes("was not allowed to run"));
+          expect(denied.length).toBe(5);
+          expect(denied[0]).toContain('`mcp__interlink__set_summary: {"type":"nope","num_turns":999,"pad":"1zz');
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      180_000,
+    );
+  }
+
   test("peers exec: only this operator's command sets a profile; bad input is refused with the reason and changes nothing", async () => {
     const dir = tmpDir("interlink-exec-");
     const f = await makeNodeFiles(dir, "op");

@@ -231,11 +231,33 @@ function lineReader(onLine: (line: string, tail?: string) => void): (chunk: Buff
   };
 }
 
+/**
+ * A JSON object's own fields, its nested values dropped, read from its start or (`backwards`) from its end: a cut line's
+ * middle is lost, and the model's keys (a denied call's input, say) are nested, never its event's.
+ */
+function ownFields(json: string, backwards = false): string {
+  const kept: string[] = [], n = json.length;
+  let depth = 0, quoted = false;
+  for (let k = 0; k < n; k++) {
+    const i = backwards ? n - 1 - k : k, c = json[i];
+    let slashes = 0;
+    while (c === '"' && json[i - 1 - slashes] === "\\") slashes++;
+    if (c === '"' && slashes % 2 === 0) quoted = !quoted;
+    const opens = !quoted && (backwards ? "}]" : "{[").includes(c),
+      closes = !quoted && (backwards ? "{[" : "}]").includes(c);
+    if (opens) depth++;
+    if (depth === 1) kept.push(c);
+    if (closes) depth--;
+  }
+  return (backwards ? kept.reverse() : kept).join("");
+}
+
 /** A cut line's event, from the few fields its start or end holds (the key order is the host's); the rest is lost. */
 function cutEvent(head: string, tail: string): Record<string, unknown> {
-  const text = `${head.slice(0, 2_000)}\n${tail}`, e: Record<string, unknown> = { cut: true };
+  const text = `${ownFields(head.slice(0, 2_000))}\n${ownFields(tail, true)}`,
+    e: Record<string, unknown> = { cut: true };
   for (const k of ["type", "subtype", "num_turns", "total_cost_usd"]) {
-    const v = text.match(new RegExp(`"${k}":("[\\w.]+"|[\\d.e-]+)[,}]`))?.[1];
+    const v = text.match(new RegExp(`[{,]"${k}":("[\\w.]+"|[\\d.e-]+)[,}]`))?.[1];
     if (v) e[k] = JSON.parse(v);
   }
   e.type = head.match(/^\{"type":"([\w.]+)"/)?.[1] ?? e.type; // a leading type is the event's, not a nested one's
