@@ -1118,7 +1118,7 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
     codexTest(
       `${runtime}: file changes whose completion alone passes 1 MiB (one byte of status more) do not leave their 1 MB of paths in serve's memory`,
       async () => {
-        const { b, alice, serve } = await codexPair(`cxk-${runtime}`, runtime);
+        const { b, alice, serve } = await codexPair(`cxf-${runtime}`, runtime);
         // As Codex writes a change made inside its sandbox (nothing asked): started "inProgress" in exactly 1 MiB, so
         // read whole; completed "completed", one byte more, so cut, its item's id unread. 500 of them.
         const codex = path.join(b.dir, "cut-completions");
