@@ -566,6 +566,95 @@ describe("serve: a task for a node with no open session runs in a headless Claud
     180_000,
   );
 
+  for (const [runtime, mode] of [["bun", []], ["deno", []], ["bun", ["--mode", "manual"]]] as const) {
+    hostTest(
+      `${runtime}: a model whose denied calls pass 1 MiB in Claude Code's report does not hide them (${
+        mode[1] ?? "the default mode"
+      }): its requester and bob's operator are told`,
+      async () => {
+        const { b, work, alice } = await setUp(`deny-many-${runtime}-${mode[1] ?? "default"}`, runtime, [...mode]);
+        const bobServe = serve(runtime, b);
+        const target = path.join(work, "pwned.txt");
+        let asked = 0;
+        // 5 writes of 250 kB each, all denied: the result event lists each with its input, 1.25 MB on one line
+        fake.on(
+          b.name,
+          /write them all|permission|denied|not allowed/i,
+          () =>
+            ++asked <= 5
+              ? { tool: "Write", input: { file_path: target, content: String(asked).padEnd(250_000, "z") } }
+              : { text: "gave up" },
+          true,
+        );
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          await alice.ok("send_message", {
+            to: b.name,
+            text: "write them all",
+            task_id: `t12-${mode[1] ?? "default"}`,
+          });
+          await alice.waitEvent(
+            (e) => e.meta.task_id === `t12-${mode[1] ?? "default"}` && e.meta.status === "failed",
+            120_000,
+          );
+          expect(asked).toBe(6);
+          expect(fs.existsSync(target)).toBe(false);
+          expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
+          const denied = told(alice, `t12-${mode[1] ?? "default"}`).filter((l) => l.includes("was not allowed to run"));
+          expect(denied.length).toBe(5);
+          for (const d of denied) expect(d).toContain(`was not allowed to run \`Write: ${target}\``);
+          const tasks = runCli(runtime, ["tasks"], {
+            env: { INTERLINK_KEY: b.keyFile, INTERLINK_PEERS: b.peersFile, INTERLINK_STATE: b.stateDir },
+          });
+          expect(tasks.stdout).toContain(`denied: Write: ${target}`);
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      180_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    hostTest(
+      `${runtime}: denied calls whose inputs carry a result event's own keys ("type", "num_turns") do not make serve misread the cut result: the task ends, with its real figures`,
+      async () => {
+        const { b, alice } = await setUp(`deny-keys-${runtime}`, runtime);
+        const bobServe = serve(runtime, b);
+        let asked = 0;
+        // 5 denied calls of 250 kB: the first's input in the result line's first 2 kB, the last's in its last 4 kB
+        const input = (n: number) => ({
+          type: "nope",
+          num_turns: 999,
+          pad: String(n).padEnd(250_000, "z"),
+          last: { type: "nope", num_turns: 999 },
+        });
+        fake.on(
+          b.name,
+          /set it all|permission|denied|not allowed/i,
+          () => ++asked <= 5 ? { tool: "mcp__interlink__set_summary", input: input(asked) } : { text: "gave up" },
+          true,
+        );
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          await alice.ok("send_message", { to: b.name, text: "set it all", task_id: "t13" });
+          const end = await alice.waitEvent((e) => e.meta.task_id === "t13" && e.meta.status === "failed", 90_000);
+          expect(asked).toBe(6);
+          expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
+          expect(end.content).toContain("(outcome success, 6 turn(s), $");
+          const denied = told(alice, "t13").filter((l) => l.includes("was not allowed to run"));
+          expect(denied.length).toBe(5);
+          expect(denied[0]).toContain('`mcp__interlink__set_summary: {"type":"nope","num_turns":999,"pad":"1zz');
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      180_000,
+    );
+  }
+
   test("peers exec: only this operator's command sets a profile; bad input is refused with the reason and changes nothing", async () => {
     const dir = tmpDir("interlink-exec-");
     const f = await makeNodeFiles(dir, "op");
@@ -1022,6 +1111,65 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
         }
       },
       180_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    codexTest(
+      `${runtime}: file changes whose completion alone passes 1 MiB (one byte of status more) do not leave their 1 MB of paths in serve's memory`,
+      async () => {
+        const { b, alice, serve } = await codexPair(`cxf-${runtime}`, runtime);
+        // As Codex writes a change made inside its sandbox (nothing asked): started "inProgress" in exactly 1 MiB, so
+        // read whole; completed "completed", one byte more, so cut, its item's id unread. 500 of them.
+        const codex = path.join(b.dir, "cut-completions");
+        fs.writeFileSync(
+          codex,
+          `#!${process.execPath}
+  const line = (m) => JSON.stringify(m), out = (m) => new Promise((r) => process.stdout.write(line(m) + "\\n", r));
+  const event = (method, id, path, status) =>
+    ({ method, params: { item: { type: "fileChange", id, changes: [{ path, kind: { type: "add" }, diff: "" }], status } } });
+  let buf = "";
+  const run = async () => {
+    for (let n = 0; n < 500; n++) {
+      const id = "fc" + n, pad = (1 << 20) - line(event("item/started", id, "", "inProgress")).length;
+      const p = String(n).padEnd(pad, "p");
+      await out(event("item/started", id, p, "inProgress"));
+      await out(event("item/completed", id, p, "completed"));
+    }
+    out({ method: "turn/completed", params: { turn: { id: "u", status: "completed" } } });
+  };
+  process.stdin.on("data", (c) => {
+    for (buf += c; buf.includes("\\n"); buf = buf.slice(buf.indexOf("\\n") + 1)) {
+      const m = JSON.parse(buf.slice(0, buf.indexOf("\\n")));
+      if (m.id === 1) out({ id: 1, result: {} });
+      if (m.id === 2) out({ id: 2, result: { thread: { id: "t" } } });
+      if (m.id === 3) (out({ id: 3, result: { turn: { id: "u" } } }), run());
+    }
+  });
+  process.stdin.on("end", () => process.exit(0));
+  `,
+          { mode: 0o755 },
+        );
+        const bobServe = serve(codex);
+        try {
+          await bobServe.waitFor(/door serve-\S+ open/);
+          const before = memoryOf(bobServe.proc.pid);
+          await alice.ok("send_message", { to: b.name, text: "change many files", task_id: "cx11" });
+          await alice.waitEvent((e) => e.meta.task_id === "cx11" && e.meta.status === "failed", 150_000);
+          expect(bobServe.stderr.join("\n")).toContain("a host's output line passed 1048576 bytes: cut there");
+          const grew = memoryOf(bobServe.proc.pid).peak - before.rss;
+          process.stderr.write(
+            `  500 file changes, each completion cut: ${runtime} serve's peak RSS grew ${
+              (grew / 2 ** 20).toFixed(0)
+            } MiB\n`,
+          );
+          expect(grew).toBeLessThan(300 * 2 ** 20); // 500 MB of paths, were they kept
+        } finally {
+          await alice.close();
+          await stop(bobServe);
+        }
+      },
+      200_000,
     );
   }
 

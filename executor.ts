@@ -89,6 +89,8 @@ const FINAL_TEXT_MAX_CHARS = 2_000;
 const JOBS_ENDED_CAP = 4_096;
 /** Ended tasks whose denials `interlink.ts tasks` still shows: the operator's recent decisions to make. */
 const DENIED_SHOWN = 20;
+/** A denied call's argument as told and kept: enough to recognise it; a model's command may be of any length. */
+const DENIED_CALL_CHARS = 200;
 /** A run's denials kept and told its requester one by one; the rest only counted: a model may ask in a loop. */
 const DENIALS_KEPT = 20;
 /** How often a running task's journal is re-read behind its watch (a cancel ends the host within STOP_KILL_MS). */
@@ -229,11 +231,33 @@ function lineReader(onLine: (line: string, tail?: string) => void): (chunk: Buff
   };
 }
 
+/**
+ * A JSON object's own fields, its nested values dropped, read from its start or (`backwards`) from its end: a cut line's
+ * middle is lost, and the model's keys (a denied call's input, say) are nested, never its event's.
+ */
+function ownFields(json: string, backwards = false): string {
+  const kept: string[] = [], n = json.length;
+  let depth = 0, quoted = false;
+  for (let k = 0; k < n; k++) {
+    const i = backwards ? n - 1 - k : k, c = json[i];
+    let slashes = 0;
+    while (c === '"' && json[i - 1 - slashes] === "\\") slashes++;
+    if (c === '"' && slashes % 2 === 0) quoted = !quoted;
+    const opens = !quoted && (backwards ? "}]" : "{[").includes(c),
+      closes = !quoted && (backwards ? "{[" : "}]").includes(c);
+    if (opens) depth++;
+    if (depth === 1) kept.push(c);
+    if (closes) depth--;
+  }
+  return (backwards ? kept.reverse() : kept).join("");
+}
+
 /** A cut line's event, from the few fields its start or end holds (the key order is the host's); the rest is lost. */
 function cutEvent(head: string, tail: string): Record<string, unknown> {
-  const text = `${head.slice(0, 2_000)}\n${tail}`, e: Record<string, unknown> = { cut: true };
+  const text = `${ownFields(head.slice(0, 2_000))}\n${ownFields(tail, true)}`,
+    e: Record<string, unknown> = { cut: true };
   for (const k of ["type", "subtype", "num_turns", "total_cost_usd"]) {
-    const v = text.match(new RegExp(`"${k}":("[\\w.]+"|[\\d.e-]+)[,}]`))?.[1];
+    const v = text.match(new RegExp(`[{,]"${k}":("[\\w.]+"|[\\d.e-]+)[,}]`))?.[1];
     if (v) e[k] = JSON.parse(v);
   }
   e.type = head.match(/^\{"type":"([\w.]+)"/)?.[1] ?? e.type; // a leading type is the event's, not a nested one's
@@ -244,17 +268,20 @@ function cutEvent(head: string, tail: string): Record<string, unknown> {
   return e;
 }
 
+/** The start of a model's text, copied: a slice of it would hold all of it (a sliced string, in V8 and JSC alike). */
+const own = (text: string) => text.slice(0, DENIED_CALL_CHARS).split("").join("");
+
 /** "Bash: rm -rf build/": a denied call as the requester and the operator are told it. */
 function describeCall(tool: string, input: unknown): string {
   const o = (input ?? {}) as Record<string, unknown>;
   const arg = o.command ?? o.file_path ?? o.path ?? o.url ?? JSON.stringify(input ?? {});
-  return `${tool}: ${String(arg).slice(0, 200)}`;
+  return `${tool}: ${own(String(arg))}`;
 }
 
-/** A denial kept in the run's report (DENIALS_KEPT), else counted. */
-const deny = (report: HostReport, tool: string, input: unknown) =>
+/** A denial (described) kept in the run's report (DENIALS_KEPT), else counted. */
+const deny = (report: Pick<HostReport, "denials" | "moreDenials">, call: string) =>
   void (report.denials.length < DENIALS_KEPT
-    ? report.denials.push(describeCall(tool, input))
+    ? report.denials.push(call)
     : (report.moreDenials = (report.moreDenials ?? 0) + 1));
 
 /** The environment the host's interlink server opens the task's session with. */
@@ -315,6 +342,9 @@ function spawnHost(
   return run;
 }
 
+/** How Claude Code answers a call it denied (dontAsk mode's words, then any mode's with prompts off). */
+const CLAUDE_DENIED = /^Permission (to use \S+ has been|for this tool use was) denied/;
+
 /** Claude Code on the task's session (stream-json both ways): the first run opens `hostSession`, a later one resumes it. */
 function startClaude(cfg: NodeConfig, job: Job, prompt: string): HostRun {
   const mcpFile = path.join(sessionDir(cfg.stateDir, job.session), "executor-mcp.json");
@@ -343,15 +373,28 @@ function startClaude(cfg: NodeConfig, job: Job, prompt: string): HostRun {
     ...(p.max_turns ? ["--max-turns", String(p.max_turns)] : []),
     ...(p.max_usd ? ["--max-budget-usd", String(p.max_usd)] : []),
   ];
+  // Its calls by id until answered, and those it answered with its denial: a result event over 1 MiB (a model's denied
+  // calls of huge inputs) is cut with its permission_denials, which these stand in for.
+  const calls = new Map<string, string>(), streamed: Pick<HostReport, "denials" | "moreDenials"> = { denials: [] };
   const run = spawnHost(job, process.env.INTERLINK_CLAUDE || "claude", argv, (e, { report, proc }) => {
     if (e?.type === "assistant") report.turns = (report.turns ?? 0) + 1;
+    const blocks = Array.isArray(e?.message?.content) ? e.message.content : [];
+    for (const b of e?.type === "assistant" ? blocks : []) {
+      if (b?.type === "tool_use") calls.set(b.id, describeCall(String(b.name), b.input));
+    }
+    for (const b of e?.type === "user" ? blocks : []) {
+      const call = calls.get(b?.tool_use_id);
+      calls.delete(b?.tool_use_id);
+      if (call && b.is_error && CLAUDE_DENIED.test(String(b.content))) deny(streamed, call);
+    }
     if (e?.type !== "result") return;
     report.final = typeof e.result === "string" ? e.result : undefined;
     if (typeof e.num_turns === "number") report.turns = e.num_turns;
     if (typeof e.total_cost_usd === "number") report.cost = e.total_cost_usd;
     report.outcome = String(e.subtype ?? "");
+    if (e.cut) Object.assign(report, streamed);
     for (const d of Array.isArray(e.permission_denials) ? e.permission_denials : []) {
-      deny(report, String(d?.tool_name), d?.tool_input);
+      deny(report, describeCall(String(d?.tool_name), d?.tool_input));
     }
     proc.stdin!.end(); // one turn: the host exits once it has reported it
   });
@@ -413,13 +456,15 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
   const thread = { cwd: p.cwd, sandbox, approvalPolicy: "on-request", config, developerInstructions };
   const resume = job.runs > 0; // read now: the job counts this run before the server answers
   let threadId = job.hostSession, turnId = "";
-  const files = new Map<string, string>(); // a file change's paths by item, until it completes: its request names none
+  // A file change's paths by item, until it completes (its request names none), as a denial shows them: a completion
+  // cut at 1 MiB names no item (one byte past its start's), so its paths stay, 200 chars a MiB of the model's output.
+  const files = new Map<string, string>();
   const send = (m: object) => run.proc.stdin!.writable && run.proc.stdin!.write(JSON.stringify(m) + "\n");
   const run = spawnHost(job, process.env.INTERLINK_CODEX || "codex", ["app-server"], (e, { report, proc }) => {
     const q = e?.params ?? {}, item = q.item ?? {};
     if (e?.method && e.id !== undefined) { // the server asks: nobody here says yes
       const [tool, call, answer] = CODEX_ASKS[e.method]?.(q, files) ?? [];
-      if (tool) deny(report, tool, e.cut ? { command: "(its request was over 1 MiB: cut)" } : call);
+      if (tool) deny(report, describeCall(tool, e.cut ? { command: "(its request was over 1 MiB: cut)" } : call));
       send(answer ? { id: e.id, result: answer } : { id: e.id, error: { code: -32601, message: "nobody to ask" } });
     } else if (e?.error || e?.method === "turn/completed") { // a request of ours refused, or its one turn done
       const turn = e.error ? { status: "refused", error: e.error } : q.turn ?? {}; // {}: its line was cut
@@ -440,7 +485,7 @@ function startCodex(cfg: NodeConfig, job: Job, prompt: string): HostRun {
       send({ id: 3, method: "turn/start", params: { threadId, input } });
     } else if (e?.id === 3) turnId = e.result.turn.id;
     else if (e?.method === "item/started" && item.type === "fileChange") {
-      files.set(item.id, item.changes.map((c: { path: string }) => c.path).join(", "));
+      files.set(item.id, own(item.changes.map((c: { path: string }) => c.path).join(", ")));
     } else if (e?.method === "item/completed") {
       files.delete(item.id);
       if (item.type === "agentMessage") report.final = item.text;
