@@ -65,6 +65,30 @@ function procs(match: (cmdline: string, environ: string) => boolean): number[] {
   return out;
 }
 
+/**
+ * alice sends s1 and s2, carol s3, to bob's serve with two slots: carol is told s3 is queued, all three come back with
+ * a result, and serve's own log never shows more than two hosts running at once. Returns who sent which task.
+ */
+async function threeTasksTwoSlots(bobServe: Child, bob: string, alice: McpNode, carol: McpNode, host: string) {
+  const sends: [McpNode, string][] = [[alice, "s1"], [alice, "s2"], [carol, "s3"]];
+  for (const [who, task] of sends) {
+    await who.ok("send_message", { to: bob, text: `slot job ${task}`, task_id: task });
+    await bobServe.waitFor(new RegExp(`task ${task} of \\S+ taken`), 30_000);
+  }
+  const queued = await carol.waitEvent((e) => e.meta.task_id === "s3" && /queued behind 2 running/.test(e.content));
+  expect(queued.meta.status).toBe("update");
+  for (const [who, task] of sends) {
+    await who.waitEvent((e) => e.meta.task_id === task && e.meta.status === "result", 90_000);
+  }
+  let now = 0, most = 0; // from serve's own log, in order
+  for (const line of bobServe.stderr) {
+    if (new RegExp(`task s\\d: ${host} started`).test(line)) most = Math.max(most, ++now);
+    if (/task s\d of \S+ ended/.test(line)) now--;
+  }
+  expect(most).toBe(2);
+  return sends;
+}
+
 const alive = (pid: number) => {
   try {
     process.kill(pid, 0);
@@ -432,25 +456,7 @@ describe("serve: a task for a node with no open session runs in a headless Claud
         const bobServe = serve(runtime, b);
         try {
           await bobServe.waitFor(/door serve-\S+ open/);
-          const sends: [typeof alice, string][] = [[alice, "s1"], [alice, "s2"], [carol, "s3"]];
-          for (const [who, task] of sends) {
-            await who.ok("send_message", { to: b.name, text: `slot job ${task}`, task_id: task });
-            await bobServe.waitFor(new RegExp(`task ${task} of \\S+ taken`), 30_000);
-          }
-          const queued = await carol.waitEvent((e) =>
-            e.meta.task_id === "s3" && /queued behind 2 running/.test(e.content)
-          );
-          expect(queued.meta.status).toBe("update");
-          for (const [who, task] of sends) {
-            await who.waitEvent((e) => e.meta.task_id === task && e.meta.status === "result", 90_000);
-          }
-          // from serve's own log, in order: never more than two hosts at once
-          let now = 0, most = 0;
-          for (const line of bobServe.stderr) {
-            if (/task s\d: claude started/.test(line)) most = Math.max(most, ++now);
-            if (/task s\d of \S+ ended/.test(line)) now--;
-          }
-          expect(most).toBe(2);
+          await threeTasksTwoSlots(bobServe, b.name, alice, carol, "claude");
         } finally {
           await Promise.all([alice.close(), carol.close()]);
           await stop(bobServe);
@@ -1201,25 +1207,7 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
         const bobServe = serve();
         try {
           await bobServe.waitFor(/door serve-\S+ open/);
-          const sends: [typeof alice, string][] = [[alice, "s1"], [alice, "s2"], [carol, "s3"]];
-          for (const [who, task] of sends) {
-            await who.ok("send_message", { to: b.name, text: `slot job ${task}`, task_id: task });
-            await bobServe.waitFor(new RegExp(`task ${task} of \\S+ taken`), 30_000);
-          }
-          const queued = await carol.waitEvent((e) =>
-            e.meta.task_id === "s3" && /queued behind 2 running/.test(e.content)
-          );
-          expect(queued.meta.status).toBe("update");
-          for (const [who, task] of sends) {
-            await who.waitEvent((e) => e.meta.task_id === task && e.meta.status === "result", 90_000);
-          }
-          // from serve's own log, in order: never more than two hosts at once
-          let now = 0, most = 0;
-          for (const line of bobServe.stderr) {
-            if (/task s\d: codex started/.test(line)) most = Math.max(most, ++now);
-            if (/task s\d of \S+ ended/.test(line)) now--;
-          }
-          expect(most).toBe(2);
+          const sends = await threeTasksTwoSlots(bobServe, b.name, alice, carol, "codex");
           await new Promise((r) => setTimeout(r, 1_500));
           for (const [who, task] of sends) {
             const ends = who.events.filter((e) =>

@@ -457,6 +457,23 @@ describe("attacks on signed messages", () => {
     }
   });
 
+  test("the blocklist gives the verdict of [8]P = identity, computed on y alone, on random and edge encodings", () => {
+    // The definition, not a list: three doublings of y in projective form (Y:Z), x² = (y² − 1)/(d·y² + 1).
+    const P = 2n ** 255n - 19n, D = 37095705934669439343138083508754565189542113879843219016388785533085940283555n;
+    const smallOrder = (e: Uint8Array) => {
+      let Y = BigInt(`0x${Buffer.from(e).reverse().toString("hex")}`) % 2n ** 255n % P, Z = 1n;
+      for (let i = 0; i < 3; i++) {
+        const Y2 = (Y * Y) % P, Z2 = (Z * Z) % P, xNum = (Y2 - Z2 + P) % P, xDen = (D * Y2 + Z2) % P;
+        [Y, Z] = [(Y2 * xDen + xNum * Z2) % P, ((((2n * Z2 - Y2 + P) % P) * xDen) % P + xNum * Z2) % P];
+      }
+      return Z === 0n || (Y - Z) % P === 0n;
+    };
+    const le = (n: bigint) => Uint8Array.from({ length: 32 }, (_, i) => Number((n >> BigInt(8 * i)) & 0xffn));
+    const edges = Array.from({ length: 40 }, (_, k) => [le(BigInt(k)), le(2n ** 255n - 1n - BigInt(k))]).flat();
+    const random = Array.from({ length: 2000 }, () => crypto.getRandomValues(new Uint8Array(32)));
+    for (const e of [...edges, ...random]) expect([hex(e), hasSmallOrder(e)]).toEqual([hex(e), smallOrder(e)]);
+  });
+
   test("small-order sender key with R = identity and S = 0 'verifies' in WebCrypto, but not here", async () => {
     const weak = VECTORS.invalid.find((c: { name: string }) => c.name === "small-order sender key").message;
     // WebCrypto alone accepts it, which is why the strict check exists:
