@@ -9525,7 +9525,7 @@ describe("real hosts: Claude Code sessions through interlink", () => {
         tool: "mcp__interlink__send_message",
         input: { to: "alice", text: "starting", task_id: "t1", status: "update" },
       });
-      fake.on("life-bob", "[task t1 · update]: sent", {
+      fake.on("life-bob", "[task t1 · update]: ", {
         tool: "mcp__interlink__send_message",
         input: { to: "alice", text: "which suite: unit or all?", task_id: "t1", status: "needs_input" },
       });
@@ -10176,7 +10176,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
         tool: "send_message",
         args: { to: "cx-alice", text: "working", task_id: "cx1", status: "update" },
       });
-      fake.on("cx-bob", "[task cx1 · update]: sent", {
+      fake.on("cx-bob", "[task cx1 · update]: ", {
         tool: "send_message",
         args: { to: "cx-alice", text: "42", task_id: "cx1", status: "result" },
       });
@@ -10217,7 +10217,7 @@ describe("Codex CLI sessions as peers, with real Codex", () => {
           tool: "send_message",
           args: { to: "sdk-peer", text: "on it", task_id: "d1", status: "update" },
         });
-        fake.on("cx-exec", "[task d1 · update]: sent", {
+        fake.on("cx-exec", "[task d1 · update]: ", {
           tool: "send_message",
           args: { to: "sdk-peer", text: "html or pdf?", task_id: "d1", status: "needs_input" },
         });
