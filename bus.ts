@@ -176,6 +176,8 @@ const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
 const CONN_MAX = 10_000;
 /** Newcomers past that bound told to come back (503) at once, each for a second at most; more are closed unanswered. */
 const CONN_TURNED_AWAY_MAX = 32;
+/** A request's line and headers past this are refused (431): ours send under 1 KiB; it bounds what a head holds. */
+const HEAD_MAX_BYTES = 16 << 10;
 
 // ============================================================================
 // Queue and roster logic
@@ -1648,6 +1650,17 @@ interface Servers {
       fetch(req: Request, server: { requestIP(req: Request): { address: string } | null }): Promise<Response>;
       error?(e: Error): Response;
     }): { port: number; stop(force?: boolean): void };
+    listen?(options: {
+      hostname: string;
+      port: number;
+      socket: {
+        open(s: BunSocket): void;
+        data(s: BunSocket, d: Buffer): void;
+        drain(s: BunSocket): void;
+        close(s: BunSocket): void;
+        error(s: BunSocket, e: Error): void;
+      };
+    }): { port: number; stop(force?: boolean): void };
   };
   Deno?: {
     serve(
@@ -1729,148 +1742,339 @@ function connectionBound(): number {
   return Number.isSafeInteger(limit) && limit > 0 ? Math.max(16, Math.min(CONN_MAX, limit - 64)) : CONN_MAX;
 }
 
-// The guarded server (see serveHttp): node:http with keep-alive and header timeouts, a deadline on the body, a bound
-// on connections, no request timeout (a long-poll waits a minute). A client gone aborts its request's signal.
-async function serveGuarded(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
-  const [http, { connect }, { Readable }, { pipeline }] = await Promise.all(
-    [import("node:http"), import("node:net"), import("node:stream"), import("node:stream/promises")],
-  );
-  const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
-  const addressOf = new WeakMap<net.Socket, string>(); // each connection's source, read once it opens
-  const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
-  const timeouts = {
-    keepAliveTimeout: CONN_IDLE_MS,
-    headersTimeout: CONN_IDLE_MS,
-    requestTimeout: 0, // under Deno it would cut long-polls too
-    connectionsCheckingInterval: 1_000, // how often headersTimeout is checked (30 s by default)
+type RequestHead = { method: string; target: string; version: string; headers: Map<string, string> };
+const CRLF = Buffer.from("\r\n");
+const FRAMING = new Set(["connection", "content-length", "transfer-encoding"]); // the server's to write
+const TOKEN = "[!#$%&'*+\\-.^_`|~0-9A-Za-z]+";
+const REQUEST_LINE = new RegExp(`^(${TOKEN}) (/[!-~]*) HTTP/1\\.([01])$`);
+const HEADER_LINE = new RegExp(`^(${TOKEN}):[ \\t]*((?:[^\\0\\r\\n]*[^\\0\\r\\n \\t])?)[ \\t]*$`);
+
+/** A request head, or why it is refused: what a proxy in front might read otherwise (smuggling) never passes. */
+function parseHead(text: string): RequestHead | string {
+  const lines = text.split("\r\n"), line = REQUEST_LINE.exec(lines[0]);
+  if (!line) return "a malformed request line (expected: METHOD /path HTTP/1.1)";
+  const headers = new Map<string, string>();
+  for (let i = 1; i < lines.length; i++) {
+    const h = HEADER_LINE.exec(lines[i]); // no folded line, bare CR or LF, NUL, or space before the colon
+    if (!h) return `a malformed header line: ${JSON.stringify(lines[i].slice(0, 60))}`;
+    const name = h[1].toLowerCase(), was = headers.get(name);
+    headers.set(name, was === undefined ? h[2] : `${was}, ${h[2]}`);
+  }
+  const te = headers.get("transfer-encoding"), cl = headers.get("content-length");
+  if (te !== undefined && cl !== undefined) return "both Transfer-Encoding and Content-Length";
+  if (te !== undefined && te.toLowerCase() !== "chunked") return "Transfer-Encoding other than chunked";
+  if (cl !== undefined && !/^\d{1,15}$/.test(cl)) return "Content-Length is not one length in bytes";
+  const expect = headers.get("expect");
+  if (expect !== undefined && expect.toLowerCase() !== "100-continue") return "Expect other than 100-continue";
+  return { method: line[1], target: line[2], version: line[3], headers };
+}
+
+/** Reason phrases by status (node:http's, loaded with the guarded server): what clients and logs show. */
+let REASONS: Record<number, string | undefined> = {};
+
+/** An answer's head and `body` (left out when `bare`), or a streamed one's head when `body` is null. */
+function answerHead(status: number, fields: [string, string][], body: string | null, bare = false): string {
+  let head = `HTTP/1.1 ${status} ${REASONS[status] ?? ""}\r\n`;
+  for (const [k, v] of fields) head += `${k}: ${v}\r\n`;
+  if (body === null) return head + "\r\n";
+  return `${head}content-length: ${Buffer.byteLength(body)}\r\n\r\n${bare ? "" : body}`;
+}
+
+/** A connection as the guarded server sees it, over node:net or Bun.listen. */
+type Wire = {
+  address: string;
+  closed: boolean;
+  write(data: string | Uint8Array): boolean; // false: the rest waits for drained()
+  drained(): Promise<void>; // all written handed to the kernel, or the connection closed
+  end(): void; // closes once all written is sent
+  destroy(): void;
+  pause(): void;
+  resume(): void;
+};
+
+/**
+ * One connection of the guarded server: its requests parsed, handed to `handler` one at a time and answered in
+ * order. Returns what to call on its bytes and on its close. `deadlines`: when each connection is closed (see
+ * serveGuarded).
+ */
+function serveWire(wire: Wire, handler: FetchHandler, hostname: string, deadlines: Map<Wire, number>) {
+  let buf: Buffer = Buffer.alloc(0), gone: AbortController | null = null, wake: (() => void) | null = null;
+  let closing = false;
+  deadlines.set(wire, Date.now() + CONN_IDLE_MS);
+  const refuse = (status: number, why: string) => {
+    closing = true;
+    const fields: [string, string][] = [["content-type", "application/json"], ["connection", "close"]];
+    wire.write(answerHead(status, fields, JSON.stringify({ error: why })));
+    wire.end();
   };
-  const full = new WeakSet<net.Socket>(); // accepted past the bound: told to come back (weak: gone with its socket)
-  const server = http.createServer(timeouts, async (req, res) => {
-    if (full.has(req.socket)) {
-      const done = () => req.socket.destroy(); // its turn given back at once
-      return void res.writeHead(503, { connection: "close", "content-type": "application/json" }).end(busy, done);
+  const nextRequest = () => {
+    while (!gone && !closing) {
+      let start = 0;
+      while (buf[start] === 13 || buf[start] === 10) start++; // blank lines before a request (RFC 9112, 2.2)
+      const end = buf.indexOf("\r\n\r\n", start);
+      if ((end < 0 ? buf.length : end) - start > HEAD_MAX_BYTES) {
+        return refuse(431, `request line and headers over ${HEAD_MAX_BYTES} bytes`);
+      }
+      if (end < 0) return void (buf = buf.subarray(start));
+      const head = parseHead(buf.toString("latin1", start, end));
+      buf = buf.subarray(end + 4);
+      if (typeof head === "string") return refuse(head.startsWith("Expect") ? 417 : 400, head);
+      void serveRequest(head);
     }
-    const gone = new AbortController();
-    res.on("close", () => res.writableFinished || gone.abort());
-    const socket = req.socket; // detached from req once the answer is sent
-    try {
-      const declared = req.headers["content-length"];
-      const hasBody = req.method !== "GET" && req.method !== "HEAD";
-      let whole = false; // the body was read to its end
-      // Read on demand, so the handler's checks on the declared length come first and a body it refuses is never
-      // held; within CONN_BODY_MS. A chunked body is handed over as it comes, so the handler counts each chunk
-      // before the next is read; a declared one is read whole, one chunk past the limit at most (enough for a 413).
-      const body = {
-        getReader() {
-          const chunks = req[Symbol.asyncIterator]();
-          const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
-          return {
-            async read(): Promise<IteratorResult<Uint8Array>> {
-              try {
-                const r = await chunks.next();
-                if (r.done) (whole = true, clearTimeout(deadline));
-                return r;
-              } catch (e) {
-                clearTimeout(deadline);
-                throw e;
-              }
-            },
-            cancel: () => Promise.resolve(clearTimeout(deadline)),
-          };
-        },
-      };
-      const text = async () => {
-        const reader = body.getReader(), chunks: Uint8Array[] = [];
-        let n = 0;
-        for (let r = await reader.read(); !r.done; r = await reader.read()) {
-          chunks.push(r.value);
-          if ((n += r.value.length) > BODY_LIMIT_BYTES) {
-            await reader.cancel();
-            break;
-          }
+  };
+  const more = () => new Promise<void>((resolve) => (wake = resolve, wire.resume())).then(() => void (wake = null));
+  async function serveRequest({ method, target, version, headers }: RequestHead) {
+    const aborted = gone = new AbortController();
+    deadlines.set(wire, Infinity);
+    const chunked = headers.has("transfer-encoding"), length = Number(headers.get("content-length") ?? 0);
+    let left = length, whole = !chunked && !length, chunkLeft = -1, started = false; // -1: a size line next
+    const done = () => (whole = true, deadlines.set(wire, Infinity), null);
+    // The body's next bytes, within CONN_BODY_MS of the first read; null once all read. A malformed one throws.
+    const take = async (): Promise<Uint8Array | null> => {
+      if (whole) return null;
+      if (!started && headers.has("expect")) wire.write("HTTP/1.1 100 Continue\r\n\r\n");
+      if (!started) (started = true, deadlines.set(wire, Date.now() + CONN_BODY_MS));
+      for (;;) {
+        if (wire.closed) throw new Error("the connection closed before the body's end");
+        const eol = chunked && chunkLeft <= 0 ? buf.indexOf("\r\n") : 0;
+        if (!buf.length || eol < 0) {
+          if (buf.length > 1024) throw new Error("a chunk size line over 1 KiB");
+          await more();
+        } else if (!chunked || chunkLeft > 0) {
+          const piece = buf.subarray(0, chunked ? chunkLeft : left);
+          buf = buf.subarray(piece.length);
+          if (chunked) chunkLeft = chunkLeft - piece.length || -2; // -2: its CRLF next
+          else if (!(left -= piece.length)) done();
+          return piece;
+        } else if (chunkLeft < -1 || chunkLeft === 0) { // a chunk's CRLF, or a trailer line after the last chunk
+          if (chunkLeft < -1 && eol) throw new Error("a chunk longer than its size");
+          buf = buf.subarray(eol + 2);
+          if (chunkLeft < -1) chunkLeft = -1;
+          else if (!eol) return done();
+        } else {
+          const size = /^([0-9a-fA-F]{1,7})(;[^\r\n]*)?$/.exec(buf.toString("latin1", 0, eol));
+          if (!size) throw new Error("a malformed chunk size");
+          buf = buf.subarray(eol + 2);
+          chunkLeft = parseInt(size[1], 16);
         }
-        return Buffer.concat(chunks).toString("utf8");
-      };
-      // The handler reads only these parts of a Request; a real one costs more than the rest of the adapter.
-      const lite = {
-        url: `http://${hostname}${req.url ?? "/"}`,
-        method: req.method,
-        headers: {
-          get(name: string): string | null {
-            const v = req.headers[name.toLowerCase()];
-            return v === undefined ? null : Array.isArray(v) ? v.join(", ") : v;
-          },
-        },
-        body: hasBody && declared === undefined ? body : null,
-        text: async () => (hasBody ? await text() : ""),
-        signal: gone.signal,
-      };
-      // A handler that throws while the client is still there gets the generic 500; one that is gone, nothing.
-      const r = await handler(lite as unknown as Request, addressOf.get(socket) || NO_ADDRESS).catch((e) =>
-        gone.signal.aborted ? Promise.reject(e) : serverError(e)
-      );
-      // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
-      const unread = (hasBody || Number(declared) > 0) && !whole;
-      const headers = { ...Object.fromEntries(r.headers), ...(unread ? { connection: "close" } : {}) };
-      const answer = STREAMED_ANSWERS.has(r) ? null : await r.text();
-      const done = () => unread && socket.destroy();
-      res.writeHead(r.status, headers);
-      if (answer !== null) return void res.end(answer, done);
+      }
+    };
+    const text = async () => {
+      const chunks: Uint8Array[] = [];
+      for (let n = 0, c = await take(); c && n <= BODY_LIMIT_BYTES; c = await take()) (chunks.push(c), n += c.length);
+      return Buffer.concat(chunks).toString("utf8");
+    };
+    // The handler reads only these parts of a Request; a real one costs more than the rest of the server.
+    const lite = {
+      url: `http://${hostname}${target}`,
+      method,
+      headers: { get: (name: string) => headers.get(name.toLowerCase()) ?? null },
+      body: chunked
+        ? { getReader: () => ({ read: async () => ({ value: await take(), done: whole }), cancel: async () => {} }) }
+        : null,
+      text,
+      signal: aborted.signal,
+    };
+    // A handler that throws while the client is still there gets the generic 500; one that is gone, nothing.
+    const r = await handler(lite as unknown as Request, wire.address).catch((e) =>
+      aborted.signal.aborted ? null : serverError(e)
+    );
+    if (!r || wire.closed) return void r?.body?.cancel().catch(() => {});
+    // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
+    const asked = headers.get("connection")?.toLowerCase() ?? "";
+    const keep = whole && r.headers.get("connection") !== "close" &&
+      (version === "1" ? asked !== "close" : asked === "keep-alive");
+    const fields = [...r.headers].filter(([k]) => !FRAMING.has(k));
+    fields.push(["connection", keep ? "keep-alive" : "close"]);
+    if (!STREAMED_ANSWERS.has(r)) wire.write(answerHead(r.status, fields, await r.text(), method === "HEAD"));
+    else {
       // A slice at a time, each once the one before drained; a close cancels the stream (its bytes given back).
-      const slices = Readable.fromWeb(r.body as unknown as import("node:stream/web").ReadableStream);
-      await pipeline(slices, res).then(done, () => res.destroy());
-    } catch {
-      res.destroy(); // a client that went away, or a body cut off by its deadline: nothing to answer
+      wire.write(answerHead(r.status, [...fields, ["transfer-encoding", "chunked"]], null));
+      const reader = r.body!.getReader();
+      try {
+        for (let c = await reader.read(); !c.done; c = await reader.read()) {
+          const slice = Buffer.concat([Buffer.from(`${c.value.length.toString(16)}\r\n`), c.value, CRLF]);
+          if (!wire.write(slice)) await wire.drained();
+          if (wire.closed) throw new Error("gone");
+        }
+        wire.write("0\r\n\r\n");
+      } catch {
+        reader.cancel().catch(() => {});
+        return wire.destroy();
+      }
     }
-  });
-  Object.assign(server, timeouts); // as properties too: some are read from there
+    if (!whole) return void (closing = true, wire.drained().then(() => wire.destroy()));
+    if (!keep) return void (closing = true, wire.end());
+    gone = null;
+    deadlines.set(wire, Date.now() + CONN_IDLE_MS);
+    wire.resume();
+    nextRequest();
+  }
+  return {
+    data(d: Buffer) {
+      if (closing) return;
+      buf = buf.length ? Buffer.concat([buf, d]) : d;
+      if (wake) wake();
+      else if (!gone) nextRequest();
+      else if (buf.length > HEAD_MAX_BYTES) wire.pause(); // a pipelined request: resumed once this one is answered
+    },
+    close() {
+      wire.closed = true;
+      deadlines.delete(wire);
+      gone?.abort();
+      wake?.();
+    },
+  };
+}
+
+/** A node:net socket as a Wire. */
+function netWire(s: net.Socket): Wire {
+  return {
+    address: s.remoteAddress || NO_ADDRESS, // after a reset the socket has none
+    closed: false,
+    write: (d) => s.write(d),
+    drained: () =>
+      new Promise<void>((resolve) => {
+        if (!s.writableLength || s.destroyed) return resolve();
+        const done = () => (s.off("drain", done).off("close", done), resolve());
+        s.on("drain", done).on("close", done);
+      }),
+    end: () => void s.end(),
+    destroy: () => void s.destroy(),
+    pause: () => void s.pause(),
+    resume: () => void s.resume(),
+  };
+}
+
+/** Bun's own socket as a Wire: its write takes what the kernel takes; the rest is held here until its drain. */
+function bunWire(s: BunSocket): Wire & { drain(): void } {
+  let held: Buffer | null = null, ending = false;
+  const waiting: (() => void)[] = [];
+  const wire = {
+    address: s.remoteAddress || NO_ADDRESS,
+    closed: false,
+    write(d: string | Uint8Array) {
+      const bytes = typeof d === "string" ? Buffer.from(d) : d;
+      if (held) return (held = Buffer.concat([held, bytes]), false);
+      const n = s.write(bytes);
+      if (n < bytes.length) held = Buffer.from(bytes.subarray(Math.max(0, n))); // a copy: the caller may reuse its own
+      return !held;
+    },
+    drained: () => held && !wire.closed ? new Promise<void>((resolve) => waiting.push(resolve)) : Promise.resolve(),
+    end: () => held ? void (ending = true) : s.end(),
+    destroy: () => s.terminate(),
+    pause: () => s.pause(),
+    resume: () => s.resume(),
+    drain() {
+      if (held && !wire.closed) {
+        const n = s.write(held);
+        held = n < held.length ? held.subarray(Math.max(0, n)) : null;
+        if (held) return;
+      }
+      if (ending && !wire.closed) s.end();
+      waiting.splice(0).forEach((resolve) => resolve());
+    },
+  };
+  return wire;
+}
+type BunSocket = {
+  remoteAddress: string;
+  data: { wire: ReturnType<typeof bunWire>; on: ReturnType<typeof serveWire> } | undefined;
+  write(d: string | Uint8Array): number;
+  end(): void;
+  terminate(): void;
+  pause(): void;
+  resume(): void;
+};
+
+// The guarded server (see serveHttp): HTTP/1.1 written here, on Bun's own sockets under Bun and node:net under Deno,
+// strict about what strangers send. A request's line and headers within HEAD_MAX_BYTES and CONN_IDLE_MS of the
+// connection's opening or its last answer, however slowly they trickle; a body within CONN_BODY_MS of its first read,
+// read only when the handler asks (its checks on the declared length come first); no deadline while the handler works
+// (a long-poll waits a minute). A client gone aborts its request's signal. At most connectionBound() connections.
+async function serveGuarded(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
+  const { Bun } = runtimeHost as unknown as Servers;
+  REASONS = (await import("node:http")).STATUS_CODES;
+  const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
+  const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
+  const deadlines = new Map<Wire, number>(); // each open connection's: closed once past it (Infinity: none)
+  const sweep = setInterval(() => { // a second late at most, as node:http's check was
+    const now = Date.now();
+    for (const [wire, at] of deadlines) if (at < now) wire.destroy();
+  }, 1000);
+  let accepted = 0, turning = 0, saidAt = -Infinity;
   // Past the bound a newcomer is answered 503 and closed, CONN_TURNED_AWAY_MAX at once (the rest closed unanswered),
-  // so an accept never fails: under Bun that spins a core, under Deno it stops accepting (node:http's maxConnections,
-  // under Deno, stops for good). `accepted`: see the watchdog.
-  let open = 0, accepted = 0, turning = 0, saidAt = -Infinity;
-  server.on("connection", (socket: net.Socket) => {
-    if (socket.remoteAddress) addressOf.set(socket, socket.remoteAddress); // after a reset the socket has none
+  // so an accept never fails: under Bun that spins a core, under Deno it stops accepting. Returns its handlers.
+  const open = (wire: Wire): ReturnType<typeof serveWire> => {
     accepted++;
-    open++;
-    socket.once("close", () => open--);
-    if (open <= most) return;
-    if (turning >= CONN_TURNED_AWAY_MAX) return void socket.destroy();
+    if (deadlines.size < most) return serveWire(wire, handler, hostname, deadlines);
+    const late = setTimeout(() => wire.destroy(), 1000); // a request not sent within a second gets no answer
+    const away = { data: () => {}, close: () => (turning--, clearTimeout(late)) };
+    if (turning >= CONN_TURNED_AWAY_MAX) return (clearTimeout(late), wire.destroy(), away.close = () => {}, away);
     if (Date.now() - saidAt > 60_000) {
       saidAt = Date.now();
       logWarn(`holding the ${sessions} its file-descriptor limit allows: newcomers are told 503 (once a minute)`);
     }
     turning++;
-    full.add(socket);
-    const late = setTimeout(() => socket.destroy(), 1000); // a request not sent within a second gets no answer
-    socket.once("close", () => (turning--, clearTimeout(late)));
-  });
-  server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
-  await new Promise<void>((resolve, reject) => {
-    server.once("error", reject);
-    server.listen(port, hostname, () => resolve());
-  });
-  const bound = (server.address() as net.AddressInfo).port; // the port, kept when listening anew
-  // Past the file-descriptor limit, node:http under Deno stops accepting, silently and for good: every few seconds a
-  // connection to ourselves checks one is still accepted; if not, it listens anew.
-  const watchdog = setInterval(() => {
-    const before = accepted;
-    const at = hostname === "0.0.0.0" ? "127.0.0.1" : hostname === "::" ? "::1" : hostname;
-    const probe = connect(bound, at);
-    probe.on("error", () => {});
-    setTimeout(() => {
-      probe.destroy();
-      if (accepted > before) return;
-      logWarn(`the HTTP listener on port ${bound} stopped accepting (out of file descriptors?); listening again`);
-      server.close();
-      server.listen(bound, hostname);
-    }, CONN_PROBE_MS).unref?.();
-  }, CONN_PROBE_MS * 2);
-  const stop = () =>
-    new Promise<void>((resolve) => {
-      clearInterval(watchdog);
-      server.close(() => resolve());
-      server.closeAllConnections();
+    away.data = () => {
+      away.data = () => {};
+      wire.write(answerHead(503, [["content-type", "application/json"], ["connection", "close"]], busy));
+      wire.end();
+    };
+    return away;
+  };
+  let stopListener: () => void, bound: number;
+  if (Bun?.listen) {
+    const listener = Bun.listen({
+      hostname,
+      port,
+      socket: {
+        open(s) {
+          const wire = bunWire(s);
+          s.data = { wire, on: open(wire) };
+        },
+        data: (s, d) => s.data!.on.data(d),
+        drain: (s) => s.data!.wire.drain(),
+        close: (s) => (s.data!.wire.closed = true, s.data!.wire.drain(), s.data!.on.close()),
+        error: () => {},
+      },
     });
+    (stopListener = () => listener.stop(true), bound = listener.port);
+  } else {
+    const { createServer, connect } = await import("node:net");
+    const server = createServer({ noDelay: true }, (s) => {
+      const wire = netWire(s), on = open(wire);
+      s.on("error", () => {}).on("data", on.data).on("close", on.close); // a reset: its close follows
+    });
+    server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
+    await new Promise<void>((
+      resolve,
+      reject,
+    ) => (server.once("error", reject), server.listen(port, hostname, resolve)));
+    bound = (server.address() as net.AddressInfo).port; // the port, kept when listening anew
+    // Past the file-descriptor limit, node:net under Deno stops accepting, silently and for good: every few seconds a
+    // connection to ourselves checks one is still accepted; if not, it listens anew.
+    const watchdog = setInterval(() => {
+      const before = accepted;
+      const at = hostname === "0.0.0.0" ? "127.0.0.1" : hostname === "::" ? "::1" : hostname;
+      const probe = connect(bound, at);
+      probe.on("error", () => {});
+      setTimeout(() => {
+        probe.destroy();
+        if (accepted > before) return;
+        logWarn(`the HTTP listener on port ${bound} stopped accepting (out of file descriptors?); listening again`);
+        server.close();
+        server.listen(bound, hostname);
+      }, CONN_PROBE_MS).unref?.();
+    }, CONN_PROBE_MS * 2);
+    stopListener = () => (clearInterval(watchdog), server.close());
+  }
+  const stop = () => {
+    clearInterval(sweep);
+    stopListener();
+    for (const wire of deadlines.keys()) wire.destroy();
+    return Promise.resolve();
+  };
   return { port: bound, stop };
 }
 
