@@ -64,7 +64,6 @@ import {
   rosterKey,
   ROUTE_FULL,
   runExtra,
-  runtimeHost,
   scanJsonl,
   setAside,
   setLogComponent,
@@ -168,11 +167,11 @@ const UNREGISTER_FRESH_MS = 5 * 60_000;
 const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send full-refused`;
 /** A large answer's slice handed to the runtime at a time: what a slow reader keeps in the bus's memory. */
 const ANSWER_CHUNK_BYTES = 64 << 10;
-/** A guarded server closes a connection idle this long between requests, or this slow to send its headers. */
+/** The server closes a connection idle this long between requests, or this slow to send its headers. */
 const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
-/** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
+/** How long the server's self-check waits to see its own connection accepted (see serveHttp). */
 const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
-/** Connections a guarded server holds at most (see connectionBound). */
+/** Connections the server holds at most (see connectionBound). */
 const CONN_MAX = 10_000;
 /** Newcomers past that bound told to come back (503) at once, each for a second at most; more are closed unanswered. */
 const CONN_TURNED_AWAY_MAX = 32;
@@ -560,12 +559,12 @@ const jsonResponse = (status: number, body: BodyInit, headers: Record<string, st
 const errorResponse = (status: number, message: string, headers: Record<string, string> = {}): Response =>
   jsonResponse(status, JSON.stringify({ error: message }), headers);
 
-/** Answers made by streamedAnswer: the guarded server writes them with backpressure rather than whole. */
+/** Answers made by streamedAnswer: the server writes them with backpressure rather than whole. */
 const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
 
 /**
  * A JSON answer of `text`: whole when short; else a pull stream of slices, each made once the connection took the one
- * before (Bun, Deno.serve and the guarded server all wait for the socket), its bytes counted in `held` until the last
+ * before (the server waits for the socket), its bytes counted in `held` until the last
  * slice, a close (cancel), or ANSWER_WRITE_MS after it was made (the stream fails, the connection closes): a reader
  * that never reads holds its share that long, never memory for good.
  */
@@ -1636,95 +1635,51 @@ const BUS_ROUTES: Record<string, BusRoute> = {
 // Serving HTTP
 // ============================================================================
 
+// One server under Bun and Deno, HTTP/1.1 on node:net, strict about what strangers send and bounded where the runtimes'
+// own are not (Bun.serve past the descriptor limit spun a core; Deno.serve never closes an idle connection) at a third
+// less CPU than node:http. A request's head comes within HEAD_MAX_BYTES and CONN_IDLE_MS of the connection's opening or
+// its last answer, however it trickles; a body within CONN_BODY_MS of its first read, read only when the handler asks;
+// no deadline while the handler works (a long-poll waits a minute). A client gone aborts its request's signal.
+
 type Listening = { port: number; stop(): Promise<void> };
 type FetchHandler = (req: Request, from: string) => Promise<Response>;
+type RequestHead = { method: string; target: string; version: string; headers: Map<string, string> };
 
-/** The runtimes' own HTTP servers, which only the relay runs (the node's runtimeHost types what the node uses). */
-interface Servers {
-  Bun?: {
-    serve(options: {
-      hostname: string;
-      port: number;
-      idleTimeout?: number;
-      development?: boolean;
-      fetch(req: Request, server: { requestIP(req: Request): { address: string } | null }): Promise<Response>;
-      error?(e: Error): Response;
-    }): { port: number; stop(force?: boolean): void };
-    listen?(options: {
-      hostname: string;
-      port: number;
-      socket: {
-        open(s: BunSocket): void;
-        data(s: BunSocket, d: Buffer): void;
-        drain(s: BunSocket): void;
-        close(s: BunSocket): void;
-        error(s: BunSocket, e: Error): void;
-      };
-    }): { port: number; stop(force?: boolean): void };
-  };
-  Deno?: {
-    serve(
-      options: { hostname: string; port: number; onListen?: () => void; onError?: (e: unknown) => Response },
-      handler: (req: Request, info: { remoteAddr: { hostname: string } }) => Promise<Response>,
-    ): { finished: Promise<void>; shutdown(): Promise<void>; addr: { port: number } };
-  };
-}
+const TOKEN = "[!#$%&'*+\\-.^_`|~0-9A-Za-z]+";
+const REQUEST_LINE = new RegExp(`^(${TOKEN}) (/[!-~]*) HTTP/1\\.([01])$`);
+const HEADER_LINE = new RegExp(`^(${TOKEN}):[ \\t]*((?:[^\\0\\r\\n]*[^\\0\\r\\n \\t])?)[ \\t]*$`);
+const FRAMING = new Set(["connection", "content-length", "transfer-encoding"]); // the server's to write
+const CLOSING_JSON: [string, string][] = [["content-type", "application/json"], ["connection", "close"]];
+let REASONS: Record<number, string | undefined> = {}; // node:http's reason phrases, loaded with the server
 
-/**
- * Binds a fetch handler, told each request's source address, to a TCP port with the runtime's own server. `guard`:
- * node:http, whose timeouts close idle and slow connections (Deno.serve never does) and which holds no more than the
- * file-descriptor limit allows (neither runtime's server does), at a cost in throughput.
- */
-function serveHttp(handler: FetchHandler, hostname: string, port: number, guard = false): Promise<Listening> {
-  const { Bun, Deno } = runtimeHost as unknown as Servers;
-  if (guard) return serveGuarded(handler, hostname, port);
-  if (Bun) {
-    // idleTimeout counts while a long-poll waits: keep it above RECV_TIMEOUT_MAX_MS.
-    const server = Bun.serve({
-      hostname,
-      port,
-      idleTimeout: Math.ceil(RECV_TIMEOUT_MAX_MS / 1000) + 30,
-      development: false, // see serverError
-      fetch: (req, server) => handler(req, server.requestIP(req)?.address || NO_ADDRESS),
-      error: serverError,
-    });
-    return Promise.resolve({ port: server.port, stop: () => Promise.resolve(server.stop(true)) });
+/** A request head, or why it is refused: a length a proxy in front could read otherwise (smuggling) never passes. */
+function parseHead(text: string): RequestHead | string {
+  const lines = text.split("\r\n"), line = REQUEST_LINE.exec(lines[0]);
+  if (!line) return "a malformed request line (expected: METHOD /path HTTP/1.1)";
+  const headers = new Map<string, string>();
+  for (let i = 1; i < lines.length; i++) {
+    const h = HEADER_LINE.exec(lines[i]); // no folded line, bare CR or LF, NUL, or space before the colon
+    if (!h) return `a malformed header line: ${JSON.stringify(lines[i].slice(0, 60))}`;
+    const name = h[1].toLowerCase(), was = headers.get(name);
+    headers.set(name, was === undefined ? h[2] : `${was}, ${h[2]}`);
   }
-  if (!Deno) throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
-  // Out of file descriptors (20,000 idle sockets: Deno.serve has no idle timeout), its accept loop fails and would
-  // take the process down: logged instead, and it listens again on the same port a second later.
-  let stopping = false, retry: ReturnType<typeof setTimeout> | undefined;
-  const listen = (port: number): ReturnType<typeof Deno.serve> => {
-    const s = Deno.serve(
-      { hostname, port, onListen: () => {}, onError: serverError },
-      (req, info) => handler(req, info.remoteAddr?.hostname || NO_ADDRESS),
-    );
-    s.finished.catch((e: Error) => {
-      if (stopping) return;
-      logWarn(`the HTTP listener failed (${e.message}); listening again on port ${bound} in 1 s`);
-      retry = setTimeout(function relisten() {
-        if (stopping) return;
-        try {
-          server = listen(bound);
-        } catch (e) {
-          logWarn(`cannot listen on port ${bound} yet (${(e as Error).message}); trying again in 1 s`);
-          retry = setTimeout(relisten, 1000);
-        }
-      }, 1000);
-    });
-    return s;
-  };
-  let server = listen(port);
-  const bound = server.addr.port;
-  const stop = () => {
-    stopping = true;
-    clearTimeout(retry);
-    return server.shutdown();
-  };
-  return Promise.resolve({ port: bound, stop });
+  const te = headers.get("transfer-encoding"), cl = headers.get("content-length"), expect = headers.get("expect");
+  if (te !== undefined && cl !== undefined) return "both Transfer-Encoding and Content-Length";
+  if (te !== undefined && te.toLowerCase() !== "chunked") return "a Transfer-Encoding other than chunked";
+  if (cl !== undefined && !/^\d{1,15}$/.test(cl)) return "Content-Length is not one length in bytes";
+  if (expect !== undefined && expect.toLowerCase() !== "100-continue") return "Expect other than 100-continue";
+  return { method: line[1], target: line[2], version: line[3], headers };
 }
 
-/** A handler that throws: a generic 500, the error logged; never Bun's page of paths and source lines. */
+/** An answer's head and `body` (left out when `bare`), or a streamed answer's head when `body` is null. */
+function answerHead(status: number, fields: [string, string][], body: string | null, bare = false): string {
+  let head = `HTTP/1.1 ${status} ${REASONS[status] ?? ""}\r\n`;
+  for (const [k, v] of fields) head += `${k}: ${v}\r\n`;
+  if (body === null) return head + "\r\n";
+  return `${head}content-length: ${Buffer.byteLength(body)}\r\n\r\n${bare ? "" : body}`;
+}
+
+/** A handler that throws: a generic 500, the error logged; never a runtime's page of paths and source lines. */
 function serverError(e: unknown): Response {
   logWarn(`a request failed inside the server: ${(e as Error)?.stack ?? e}`);
   return new Response("internal error\n", { status: 500, headers: { "content-type": "text/plain; charset=utf-8" } });
@@ -1742,70 +1697,15 @@ function connectionBound(): number {
   return Number.isSafeInteger(limit) && limit > 0 ? Math.max(16, Math.min(CONN_MAX, limit - 64)) : CONN_MAX;
 }
 
-type RequestHead = { method: string; target: string; version: string; headers: Map<string, string> };
-const CRLF = Buffer.from("\r\n");
-const FRAMING = new Set(["connection", "content-length", "transfer-encoding"]); // the server's to write
-const TOKEN = "[!#$%&'*+\\-.^_`|~0-9A-Za-z]+";
-const REQUEST_LINE = new RegExp(`^(${TOKEN}) (/[!-~]*) HTTP/1\\.([01])$`);
-const HEADER_LINE = new RegExp(`^(${TOKEN}):[ \\t]*((?:[^\\0\\r\\n]*[^\\0\\r\\n \\t])?)[ \\t]*$`);
-
-/** A request head, or why it is refused: what a proxy in front might read otherwise (smuggling) never passes. */
-function parseHead(text: string): RequestHead | string {
-  const lines = text.split("\r\n"), line = REQUEST_LINE.exec(lines[0]);
-  if (!line) return "a malformed request line (expected: METHOD /path HTTP/1.1)";
-  const headers = new Map<string, string>();
-  for (let i = 1; i < lines.length; i++) {
-    const h = HEADER_LINE.exec(lines[i]); // no folded line, bare CR or LF, NUL, or space before the colon
-    if (!h) return `a malformed header line: ${JSON.stringify(lines[i].slice(0, 60))}`;
-    const name = h[1].toLowerCase(), was = headers.get(name);
-    headers.set(name, was === undefined ? h[2] : `${was}, ${h[2]}`);
-  }
-  const te = headers.get("transfer-encoding"), cl = headers.get("content-length");
-  if (te !== undefined && cl !== undefined) return "both Transfer-Encoding and Content-Length";
-  if (te !== undefined && te.toLowerCase() !== "chunked") return "Transfer-Encoding other than chunked";
-  if (cl !== undefined && !/^\d{1,15}$/.test(cl)) return "Content-Length is not one length in bytes";
-  const expect = headers.get("expect");
-  if (expect !== undefined && expect.toLowerCase() !== "100-continue") return "Expect other than 100-continue";
-  return { method: line[1], target: line[2], version: line[3], headers };
-}
-
-/** Reason phrases by status (node:http's, loaded with the guarded server): what clients and logs show. */
-let REASONS: Record<number, string | undefined> = {};
-
-/** An answer's head and `body` (left out when `bare`), or a streamed one's head when `body` is null. */
-function answerHead(status: number, fields: [string, string][], body: string | null, bare = false): string {
-  let head = `HTTP/1.1 ${status} ${REASONS[status] ?? ""}\r\n`;
-  for (const [k, v] of fields) head += `${k}: ${v}\r\n`;
-  if (body === null) return head + "\r\n";
-  return `${head}content-length: ${Buffer.byteLength(body)}\r\n\r\n${bare ? "" : body}`;
-}
-
-/** A connection as the guarded server sees it, over node:net or Bun.listen. */
-type Wire = {
-  address: string;
-  closed: boolean;
-  write(data: string | Uint8Array): boolean; // false: the rest waits for drained()
-  drained(): Promise<void>; // all written handed to the kernel, or the connection closed
-  end(): void; // closes once all written is sent
-  destroy(): void;
-  pause(): void;
-  resume(): void;
-};
-
-/**
- * One connection of the guarded server: its requests parsed, handed to `handler` one at a time and answered in
- * order. Returns what to call on its bytes and on its close. `deadlines`: when each connection is closed (see
- * serveGuarded).
- */
-function serveWire(wire: Wire, handler: FetchHandler, hostname: string, deadlines: Map<Wire, number>) {
-  let buf: Buffer = Buffer.alloc(0), gone: AbortController | null = null, wake: (() => void) | null = null;
+/** One connection: its requests parsed and answered in order. `deadlines`: when each connection is closed. */
+function serveConnection(socket: net.Socket, handler: FetchHandler, host: string, deadlines: Map<net.Socket, number>) {
+  const from = socket.remoteAddress || NO_ADDRESS; // after a reset the socket has none
+  let buf = Buffer.alloc(0) as Buffer, gone: AbortController | null = null, wake: (() => void) | null = null;
   let closing = false;
-  deadlines.set(wire, Date.now() + CONN_IDLE_MS);
+  deadlines.set(socket, Date.now() + CONN_IDLE_MS);
   const refuse = (status: number, why: string) => {
     closing = true;
-    const fields: [string, string][] = [["content-type", "application/json"], ["connection", "close"]];
-    wire.write(answerHead(status, fields, JSON.stringify({ error: why })));
-    wire.end();
+    socket.end(answerHead(status, CLOSING_JSON, JSON.stringify({ error: why })));
   };
   const nextRequest = () => {
     while (!gone && !closing) {
@@ -1822,40 +1722,41 @@ function serveWire(wire: Wire, handler: FetchHandler, hostname: string, deadline
       void serveRequest(head);
     }
   };
-  const more = () => new Promise<void>((resolve) => (wake = resolve, wire.resume())).then(() => void (wake = null));
+  const more = () => new Promise<void>((resolve) => (wake = resolve, socket.resume())).then(() => void (wake = null));
   async function serveRequest({ method, target, version, headers }: RequestHead) {
     const aborted = gone = new AbortController();
-    deadlines.set(wire, Infinity);
-    const chunked = headers.has("transfer-encoding"), length = Number(headers.get("content-length") ?? 0);
-    let left = length, whole = !chunked && !length, chunkLeft = -1, started = false; // -1: a size line next
-    const done = () => (whole = true, deadlines.set(wire, Infinity), null);
-    // The body's next bytes, within CONN_BODY_MS of the first read; null once all read. A malformed one throws.
+    deadlines.set(socket, Infinity);
+    const chunked = headers.has("transfer-encoding");
+    let left = Number(headers.get("content-length") ?? 0), whole = !chunked && !left, size = -1, started = false;
+    const done = () => (whole = true, deadlines.set(socket, Infinity), null);
+    // The body's next bytes, within CONN_BODY_MS of the first read; null once all read. `size`, chunked: the bytes
+    // left of this chunk; -1 its size line next, -2 its CRLF, 0 the trailer. A malformed body throws (the handler's 400).
     const take = async (): Promise<Uint8Array | null> => {
       if (whole) return null;
-      if (!started && headers.has("expect")) wire.write("HTTP/1.1 100 Continue\r\n\r\n");
-      if (!started) (started = true, deadlines.set(wire, Date.now() + CONN_BODY_MS));
+      if (!started && headers.has("expect")) socket.write("HTTP/1.1 100 Continue\r\n\r\n");
+      if (!started) (started = true, deadlines.set(socket, Date.now() + CONN_BODY_MS));
       for (;;) {
-        if (wire.closed) throw new Error("the connection closed before the body's end");
-        const eol = chunked && chunkLeft <= 0 ? buf.indexOf("\r\n") : 0;
+        if (socket.destroyed) throw new Error("the connection closed before the body's end");
+        const eol = chunked && size <= 0 ? buf.indexOf("\r\n") : 0;
         if (!buf.length || eol < 0) {
-          if (buf.length > 1024) throw new Error("a chunk size line over 1 KiB");
+          if (buf.length > 1024) throw new Error("a chunk size or trailer line over 1 KiB");
           await more();
-        } else if (!chunked || chunkLeft > 0) {
-          const piece = buf.subarray(0, chunked ? chunkLeft : left);
+        } else if (!chunked || size > 0) {
+          const piece = buf.subarray(0, chunked ? size : left);
           buf = buf.subarray(piece.length);
-          if (chunked) chunkLeft = chunkLeft - piece.length || -2; // -2: its CRLF next
+          if (chunked) size = size - piece.length || -2;
           else if (!(left -= piece.length)) done();
           return piece;
-        } else if (chunkLeft < -1 || chunkLeft === 0) { // a chunk's CRLF, or a trailer line after the last chunk
-          if (chunkLeft < -1 && eol) throw new Error("a chunk longer than its size");
+        } else if (size !== -1) {
+          if (size === -2 && eol) throw new Error("a chunk longer than its size");
           buf = buf.subarray(eol + 2);
-          if (chunkLeft < -1) chunkLeft = -1;
+          if (size === -2) size = -1;
           else if (!eol) return done();
         } else {
-          const size = /^([0-9a-fA-F]{1,7})(;[^\r\n]*)?$/.exec(buf.toString("latin1", 0, eol));
-          if (!size) throw new Error("a malformed chunk size");
+          const line = /^([0-9a-fA-F]{1,7})(;[^\r\n]*)?$/.exec(buf.toString("latin1", 0, eol));
+          if (!line) throw new Error("a malformed chunk size");
           buf = buf.subarray(eol + 2);
-          chunkLeft = parseInt(size[1], 16);
+          size = parseInt(line[1], 16);
         }
       }
     };
@@ -1866,7 +1767,7 @@ function serveWire(wire: Wire, handler: FetchHandler, hostname: string, deadline
     };
     // The handler reads only these parts of a Request; a real one costs more than the rest of the server.
     const lite = {
-      url: `http://${hostname}${target}`,
+      url: `http://${host}${target}`,
       method,
       headers: { get: (name: string) => headers.get(name.toLowerCase()) ?? null },
       body: chunked
@@ -1876,204 +1777,99 @@ function serveWire(wire: Wire, handler: FetchHandler, hostname: string, deadline
       signal: aborted.signal,
     };
     // A handler that throws while the client is still there gets the generic 500; one that is gone, nothing.
-    const r = await handler(lite as unknown as Request, wire.address).catch((e) =>
+    const r = await handler(lite as unknown as Request, from).catch((e) =>
       aborted.signal.aborted ? null : serverError(e)
     );
-    if (!r || wire.closed) return void r?.body?.cancel().catch(() => {});
-    // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
+    if (!r || socket.destroyed) return void r?.body?.cancel().catch(() => {});
     const asked = headers.get("connection")?.toLowerCase() ?? "";
     const keep = whole && r.headers.get("connection") !== "close" &&
       (version === "1" ? asked !== "close" : asked === "keep-alive");
     const fields = [...r.headers].filter(([k]) => !FRAMING.has(k));
     fields.push(["connection", keep ? "keep-alive" : "close"]);
-    if (!STREAMED_ANSWERS.has(r)) wire.write(answerHead(r.status, fields, await r.text(), method === "HEAD"));
+    // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
+    const after = whole ? undefined : () => socket.destroy();
+    if (!STREAMED_ANSWERS.has(r)) socket.write(answerHead(r.status, fields, await r.text(), method === "HEAD"), after);
     else {
-      // A slice at a time, each once the one before drained; a close cancels the stream (its bytes given back).
-      wire.write(answerHead(r.status, [...fields, ["transfer-encoding", "chunked"]], null));
+      // A slice at a time, each once the one before went to the kernel; a close cancels the stream (its bytes back).
+      socket.write(answerHead(r.status, [...fields, ["transfer-encoding", "chunked"]], null));
       const reader = r.body!.getReader();
       try {
         for (let c = await reader.read(); !c.done; c = await reader.read()) {
-          const slice = Buffer.concat([Buffer.from(`${c.value.length.toString(16)}\r\n`), c.value, CRLF]);
-          if (!wire.write(slice)) await wire.drained();
-          if (wire.closed) throw new Error("gone");
+          socket.write(`${c.value.length.toString(16)}\r\n`), socket.write(c.value);
+          await new Promise((written) => socket.write("\r\n", written));
+          if (socket.destroyed) throw new Error("gone");
         }
-        wire.write("0\r\n\r\n");
+        socket.write("0\r\n\r\n", after);
       } catch {
         reader.cancel().catch(() => {});
-        return wire.destroy();
+        return void socket.destroy();
       }
     }
-    if (!whole) return void (closing = true, wire.drained().then(() => wire.destroy()));
-    if (!keep) return void (closing = true, wire.end());
-    gone = null;
-    deadlines.set(wire, Date.now() + CONN_IDLE_MS);
-    wire.resume();
+    if (!whole) return void (closing = true);
+    if (!keep) return void (closing = true, socket.end());
+    (gone = null, deadlines.set(socket, Date.now() + CONN_IDLE_MS), socket.resume()); // then the next request
     nextRequest();
   }
-  return {
-    data(d: Buffer) {
-      if (closing) return;
-      buf = buf.length ? Buffer.concat([buf, d]) : d;
-      if (wake) wake();
-      else if (!gone) nextRequest();
-      else if (buf.length > HEAD_MAX_BYTES) wire.pause(); // a pipelined request: resumed once this one is answered
-    },
-    close() {
-      wire.closed = true;
-      deadlines.delete(wire);
-      gone?.abort();
-      wake?.();
-    },
-  };
+  socket.on("error", () => {}); // a reset: its close follows
+  socket.on("close", () => (deadlines.delete(socket), gone?.abort(), wake?.()));
+  socket.on("data", (d: Buffer) => {
+    if (closing) return;
+    buf = buf.length ? Buffer.concat([buf, d]) : d;
+    if (wake) wake();
+    else if (!gone) nextRequest();
+    else if (buf.length > HEAD_MAX_BYTES) socket.pause(); // a pipelined request: resumed once this one is answered
+  });
 }
 
-/** A node:net socket as a Wire. */
-function netWire(s: net.Socket): Wire {
-  return {
-    address: s.remoteAddress || NO_ADDRESS, // after a reset the socket has none
-    closed: false,
-    write: (d) => s.write(d),
-    drained: () =>
-      new Promise<void>((resolve) => {
-        if (!s.writableLength || s.destroyed) return resolve();
-        const done = () => (s.off("drain", done).off("close", done), resolve());
-        s.on("drain", done).on("close", done);
-      }),
-    end: () => void s.end(),
-    destroy: () => void s.destroy(),
-    pause: () => void s.pause(),
-    resume: () => void s.resume(),
-  };
-}
-
-/** Bun's own socket as a Wire: its write takes what the kernel takes; the rest is held here until its drain. */
-function bunWire(s: BunSocket): Wire & { drain(): void } {
-  let held: Buffer | null = null, ending = false;
-  const waiting: (() => void)[] = [];
-  const wire = {
-    address: s.remoteAddress || NO_ADDRESS,
-    closed: false,
-    write(d: string | Uint8Array) {
-      const bytes = typeof d === "string" ? Buffer.from(d) : d;
-      if (held) return (held = Buffer.concat([held, bytes]), false);
-      const n = s.write(bytes);
-      if (n < bytes.length) held = Buffer.from(bytes.subarray(Math.max(0, n))); // a copy: the caller may reuse its own
-      return !held;
-    },
-    drained: () => held && !wire.closed ? new Promise<void>((resolve) => waiting.push(resolve)) : Promise.resolve(),
-    end: () => held ? void (ending = true) : s.end(),
-    destroy: () => s.terminate(),
-    pause: () => s.pause(),
-    resume: () => s.resume(),
-    drain() {
-      if (held && !wire.closed) {
-        const n = s.write(held);
-        held = n < held.length ? held.subarray(Math.max(0, n)) : null;
-        if (held) return;
-      }
-      if (ending && !wire.closed) s.end();
-      waiting.splice(0).forEach((resolve) => resolve());
-    },
-  };
-  return wire;
-}
-type BunSocket = {
-  remoteAddress: string;
-  data: { wire: ReturnType<typeof bunWire>; on: ReturnType<typeof serveWire> } | undefined;
-  write(d: string | Uint8Array): number;
-  end(): void;
-  terminate(): void;
-  pause(): void;
-  resume(): void;
-};
-
-// The guarded server (see serveHttp): HTTP/1.1 written here, on Bun's own sockets under Bun and node:net under Deno,
-// strict about what strangers send. A request's line and headers within HEAD_MAX_BYTES and CONN_IDLE_MS of the
-// connection's opening or its last answer, however slowly they trickle; a body within CONN_BODY_MS of its first read,
-// read only when the handler asks (its checks on the declared length come first); no deadline while the handler works
-// (a long-poll waits a minute). A client gone aborts its request's signal. At most connectionBound() connections.
-async function serveGuarded(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
-  const { Bun } = runtimeHost as unknown as Servers;
-  REASONS = (await import("node:http")).STATUS_CODES;
+/** Binds a fetch handler, told each request's source address, to a TCP port (see the top of this section). */
+async function serveHttp(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
+  const [{ createServer, connect }, http] = await Promise.all([import("node:net"), import("node:http")]);
+  REASONS = http.STATUS_CODES;
   const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
   const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
-  const deadlines = new Map<Wire, number>(); // each open connection's: closed once past it (Infinity: none)
+  const deadlines = new Map<net.Socket, number>(); // each open connection's: closed once past it (Infinity: none)
   const sweep = setInterval(() => { // a second late at most, as node:http's check was
     const now = Date.now();
-    for (const [wire, at] of deadlines) if (at < now) wire.destroy();
+    for (const [socket, at] of deadlines) if (at < now) socket.destroy();
   }, 1000);
-  let accepted = 0, turning = 0, saidAt = -Infinity;
   // Past the bound a newcomer is answered 503 and closed, CONN_TURNED_AWAY_MAX at once (the rest closed unanswered),
-  // so an accept never fails: under Bun that spins a core, under Deno it stops accepting. Returns its handlers.
-  const open = (wire: Wire): ReturnType<typeof serveWire> => {
+  // so an accept never fails: under Bun that spins a core, under Deno it stops accepting. `accepted`: see the watchdog.
+  let accepted = 0, turning = 0, saidAt = -Infinity;
+  const server = createServer({ noDelay: true }, (socket) => {
     accepted++;
-    if (deadlines.size < most) return serveWire(wire, handler, hostname, deadlines);
-    const late = setTimeout(() => wire.destroy(), 1000); // a request not sent within a second gets no answer
-    const away = { data: () => {}, close: () => (turning--, clearTimeout(late)) };
-    if (turning >= CONN_TURNED_AWAY_MAX) return (clearTimeout(late), wire.destroy(), away.close = () => {}, away);
+    if (deadlines.size < most) return serveConnection(socket, handler, hostname, deadlines);
+    if (turning >= CONN_TURNED_AWAY_MAX) return void socket.destroy();
     if (Date.now() - saidAt > 60_000) {
       saidAt = Date.now();
       logWarn(`holding the ${sessions} its file-descriptor limit allows: newcomers are told 503 (once a minute)`);
     }
     turning++;
-    away.data = () => {
-      away.data = () => {};
-      wire.write(answerHead(503, [["content-type", "application/json"], ["connection", "close"]], busy));
-      wire.end();
-    };
-    return away;
-  };
-  let stopListener: () => void, bound: number;
-  if (Bun?.listen) {
-    const listener = Bun.listen({
-      hostname,
-      port,
-      socket: {
-        open(s) {
-          const wire = bunWire(s);
-          s.data = { wire, on: open(wire) };
-        },
-        data: (s, d) => s.data!.on.data(d),
-        drain: (s) => s.data!.wire.drain(),
-        close: (s) => (s.data!.wire.closed = true, s.data!.wire.drain(), s.data!.on.close()),
-        error: () => {},
-      },
-    });
-    (stopListener = () => listener.stop(true), bound = listener.port);
-  } else {
-    const { createServer, connect } = await import("node:net");
-    const server = createServer({ noDelay: true }, (s) => {
-      const wire = netWire(s), on = open(wire);
-      s.on("error", () => {}).on("data", on.data).on("close", on.close); // a reset: its close follows
-    });
-    server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
-    await new Promise<void>((
-      resolve,
-      reject,
-    ) => (server.once("error", reject), server.listen(port, hostname, resolve)));
-    bound = (server.address() as net.AddressInfo).port; // the port, kept when listening anew
-    // Past the file-descriptor limit, node:net under Deno stops accepting, silently and for good: every few seconds a
-    // connection to ourselves checks one is still accepted; if not, it listens anew.
-    const watchdog = setInterval(() => {
-      const before = accepted;
-      const at = hostname === "0.0.0.0" ? "127.0.0.1" : hostname === "::" ? "::1" : hostname;
-      const probe = connect(bound, at);
-      probe.on("error", () => {});
-      setTimeout(() => {
-        probe.destroy();
-        if (accepted > before) return;
-        logWarn(`the HTTP listener on port ${bound} stopped accepting (out of file descriptors?); listening again`);
-        server.close();
-        server.listen(bound, hostname);
-      }, CONN_PROBE_MS).unref?.();
-    }, CONN_PROBE_MS * 2);
-    stopListener = () => (clearInterval(watchdog), server.close());
-  }
+    const late = setTimeout(() => socket.destroy(), 1000); // a request not sent within a second gets no answer
+    socket.on("error", () => {}).once("close", () => (turning--, clearTimeout(late)));
+    socket.once("data", () => socket.end(answerHead(503, CLOSING_JSON, busy)));
+  });
+  server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
+  await new Promise<void>((resolve, reject) => (server.once("error", reject), server.listen(port, hostname, resolve)));
+  const bound = (server.address() as net.AddressInfo).port; // the port, kept when listening anew
+  // Past the file-descriptor limit, node:net under Deno stops accepting, silently and for good: every few seconds a
+  // connection to ourselves checks one is still accepted; if not, it listens anew.
+  const watchdog = setInterval(() => {
+    const before = accepted;
+    const at = hostname === "0.0.0.0" ? "127.0.0.1" : hostname === "::" ? "::1" : hostname;
+    const probe = connect(bound, at);
+    probe.on("error", () => {});
+    setTimeout(() => {
+      probe.destroy();
+      if (accepted > before) return;
+      logWarn(`the HTTP listener on port ${bound} stopped accepting (out of file descriptors?); listening again`);
+      server.close();
+      server.listen(bound, hostname);
+    }, CONN_PROBE_MS).unref?.();
+  }, CONN_PROBE_MS * 2);
   const stop = () => {
-    clearInterval(sweep);
-    stopListener();
-    for (const wire of deadlines.keys()) wire.destroy();
-    return Promise.resolve();
+    (clearInterval(watchdog), clearInterval(sweep));
+    for (const socket of deadlines.keys()) socket.destroy();
+    return new Promise<void>((resolve) => server.close(() => resolve()));
   };
   return { port: bound, stop };
 }
@@ -2096,15 +1892,15 @@ async function runBus(o: Options): Promise<number> {
   setLogComponent("interlink bus");
   useEd25519(NODE_ED25519);
   const bus = await Bus.open(dataDir, { cap, limits, owners });
-  const server = await serveHttp(bus.handler, host, port, o.guard === "on").catch(async (e) => {
+  const server = await serveHttp(bus.handler, host, port).catch(async (e) => {
     await bus.close();
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
   });
   const r = bus.recovery, at = host.includes(":") ? `[${host}]` : host;
-  const most = o.guard === "on" ? connectionBound() : 0, sessions = most >> 1; // as serveGuarded holds
-  const room = most ? `its file-descriptor limit allows ${most} connections (about ${sessions} sessions)` : "guard off";
+  const most = connectionBound(), sessions = most >> 1; // as serveHttp holds
+  const room = `its file-descriptor limit allows ${most} connections (about ${sessions} sessions)`;
   logInfo(`listening on http://${at}:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient; ${room})`);
-  if (most) bus.features += ` sessions=${sessions}`;
+  bus.features += ` sessions=${sessions}`;
   const skipped = r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "";
   logInfo(`recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms${skipped}`);
   if (!isLoopback(host)) logWarn(`bound to ${host}, not loopback: ${BUS_EXPOSURE}`);
@@ -2157,9 +1953,9 @@ export const command: CommandSpec = {
       "on|off",
       "INTERLINK_BUS_GUARD",
       "on",
-      `serve with node:http, which closes idle (${CONN_IDLE_MS / 1000} s) and slow (${
-        CONN_BODY_MS / 1000
-      } s) connections and answers 503 past what the file-descriptor limit holds; off: the runtime's own server, faster, but unbounded (Deno.serve never closes an idle connection): only where no hostile client can connect`,
+      `accepted for scripts that pass it; on and off are one server, always bounded: it closes idle (${
+        CONN_IDLE_MS / 1000
+      } s) and slow (${CONN_BODY_MS / 1000} s) connections and answers 503 past what the file-descriptor limit holds`,
     ),
   },
   run: runBus,
