@@ -549,18 +549,19 @@ class AnswerHold {
   }
 }
 
-/** Every answer carries Date (Bun's server does not add it): `doctor` measures clock skew against it. */
-const jsonResponse = (status: number, body: BodyInit, headers: Record<string, string> = {}): Response =>
-  new Response(body, {
-    status,
-    headers: { "content-type": "application/json", date: new Date().toUTCString(), ...headers },
-  });
+/** Answers made whole, with their text: the server writes that rather than read the Response (it streams the rest). */
+const WHOLE_ANSWERS = new WeakMap<Response, string>(); // weak: gone with its answer
+
+/** Every answer carries Date (the server adds none): `doctor` measures clock skew against it. */
+function jsonResponse(status: number, body: BodyInit, headers: Record<string, string> = {}): Response {
+  const headed = { "content-type": "application/json", date: new Date().toUTCString(), ...headers };
+  const r = new Response(body, { status, headers: headed });
+  if (typeof body === "string") WHOLE_ANSWERS.set(r, body);
+  return r;
+}
 
 const errorResponse = (status: number, message: string, headers: Record<string, string> = {}): Response =>
   jsonResponse(status, JSON.stringify({ error: message }), headers);
-
-/** Answers made by streamedAnswer: the server writes them with backpressure rather than whole. */
-const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
 
 /**
  * A JSON answer of `text`: whole when short; else a pull stream of slices, each made once the connection took the one
@@ -587,9 +588,7 @@ function streamedAnswer(status: number, text: string, held: AnswerHold): Respons
     },
     cancel: done,
   }, { highWaterMark: 0 });
-  const r = jsonResponse(status, body);
-  STREAMED_ANSWERS.add(r);
-  return r;
+  return jsonResponse(status, body);
 }
 
 /**
@@ -1766,14 +1765,14 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
       return Buffer.concat(chunks).toString("utf8");
     };
     // The handler reads only these parts of a Request; a real one costs more than the rest of the server.
+    const reader = { read: async () => ({ value: await take(), done: whole }), cancel: async () => {} }; // see `after`
     const lite = {
       url: `http://${host}${target}`,
       method,
       headers: { get: (name: string) => headers.get(name.toLowerCase()) ?? null },
-      body: chunked
-        ? { getReader: () => ({ read: async () => ({ value: await take(), done: whole }), cancel: async () => {} }) }
-        : null,
+      body: chunked ? { getReader: () => reader } : null,
       text,
+      json: async () => JSON.parse(await text()),
       signal: aborted.signal,
     };
     // A handler that throws while the client is still there gets the generic 500; one that is gone, nothing.
@@ -1788,27 +1787,27 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
     fields.push(["connection", keep ? "keep-alive" : "close"]);
     // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
     const after = whole ? undefined : () => socket.destroy();
-    if (!STREAMED_ANSWERS.has(r)) socket.write(answerHead(r.status, fields, await r.text(), method === "HEAD"), after);
+    const known = WHOLE_ANSWERS.get(r) ?? (r.body ? undefined : "");
+    if (known !== undefined) socket.write(answerHead(r.status, fields, known, method === "HEAD"), after);
     else {
       // A slice at a time, each once the one before went to the kernel; a close cancels the stream (its bytes back).
       socket.write(answerHead(r.status, [...fields, ["transfer-encoding", "chunked"]], null));
-      const reader = r.body!.getReader();
+      const slices = r.body!.getReader();
+      aborted.signal.addEventListener("abort", () => slices.cancel().catch(() => {})); // an event stream too
       try {
-        for (let c = await reader.read(); !c.done; c = await reader.read()) {
+        for (let c = await slices.read(); !c.done; c = await slices.read()) {
           socket.write(`${c.value.length.toString(16)}\r\n`), socket.write(c.value);
           await new Promise((written) => socket.write("\r\n", written));
           if (socket.destroyed) throw new Error("gone");
         }
         socket.write("0\r\n\r\n", after);
       } catch {
-        reader.cancel().catch(() => {});
-        return void socket.destroy();
+        return void socket.destroy(); // its close cancels the stream
       }
     }
-    if (!whole) return void (closing = true);
-    if (!keep) return void (closing = true, socket.end());
-    (gone = null, deadlines.set(socket, Date.now() + CONN_IDLE_MS), socket.resume()); // then the next request
-    nextRequest();
+    deadlines.set(socket, Date.now() + CONN_IDLE_MS); // for the next request, or for the client to take this answer
+    if (!whole || !keep) return void (closing = true, whole && socket.end());
+    (gone = null, socket.resume(), nextRequest());
   }
   socket.on("error", () => {}); // a reset: its close follows
   socket.on("close", () => (deadlines.delete(socket), gone?.abort(), wake?.()));
