@@ -2809,11 +2809,11 @@ describe("hostile clients: bodies and connections", () => {
     }
   });
 
-  for (const [runtime, guard] of [["bun", "on"], ["deno", "on"], ["deno", "off"]] as const) {
+  for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
-      `slow readers are budgeted: 1,000 connections that ask for a 1.9 MB message and 1,000 that ask for a 250 KB roster, and read nothing, cost the bus little memory; each is answered 200 or 429, and the message is whole for the next reader (${runtime}, guard ${guard})`,
+      `slow readers are budgeted: 1,000 connections that ask for a 1.9 MB message and 1,000 that ask for a 250 KB roster, and read nothing, cost the bus little memory; each is answered 200 or 429, and the message is whole for the next reader (${runtime})`,
       async () => {
-        const child = spawnChild([...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir(), "--guard", guard]);
+        const child = spawnChild([...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir()]);
         const url = (await child.waitFor(/listening on (http:\/\/\S+)/))[1];
         const port = Number(new URL(url).port);
         const pid = child.proc.pid!;
@@ -2851,7 +2851,7 @@ describe("hostile clients: bodies and connections", () => {
           await eventually(() => answers.length === 2_000, "every slow reader is answered", 40_000);
           await new Promise((r) => setTimeout(r, 1_000));
           clearInterval(sampler);
-          // Each held whole by the bus, as before, was 2 GB: +905 MB of RSS under Bun, +1.4 GB under guarded Deno.
+          // Each held whole by the bus, as before, was 2 GB: +905 MB of RSS under Bun, +1.4 GB under Deno.
           expect(peak - idle).toBeLessThan(300 * 2 ** 20);
           expect(answers.filter((a) => a !== "200" && a !== "429")).toEqual([]); // 429: the address's 8 MiB
           expect(answers).toContain("200");
@@ -3124,12 +3124,12 @@ describe("hostile clients: bodies and connections", () => {
     );
   }
 
-  for (const [runtime, guard] of [["bun", "on"], ["deno", "off"], ["deno", "on"]] as const) {
+  for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
-      `a bus out of file descriptors (idle sockets) stays up and serves again once they go (${runtime}, guard ${guard})`,
+      `a bus out of file descriptors (idle sockets) stays up and serves again once they go (${runtime})`,
       async () => {
         // A low descriptor limit stands in for the 20,000 idle sockets of the drill.
-        const argv = [...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir(), "--guard", guard];
+        const argv = [...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir()];
         const child = spawnChild(["sh", "-c", 'ulimit -n 128 && exec "$@"', "sh", ...argv], {
           INTERLINK_TEST_CONN_PROBE_MS: "500", // the guard's self-check, every 1 s instead of 6 s
         });
@@ -3145,11 +3145,7 @@ describe("hostile clients: bodies and connections", () => {
           await Promise.all(
             sockets.map((s) => new Promise((r) => s.once("connect", r).once("error", r).once("close", r))),
           );
-          // Deno's listener fails on the first accept past the limit (Bun's keeps waiting for a free descriptor;
-          // the guarded one holds fewer connections than the limit, closing the rest at once).
-          if (runtime === "deno" && guard === "off") {
-            await child.waitFor(/the HTTP listener failed .*Too many open files.*listening again/);
-          }
+          // The server holds fewer connections than the limit, closing the rest at once.
           expect(child.proc.exitCode).toBe(null); // still running
         } finally {
           for (const s of sockets) s.destroy();
@@ -3205,15 +3201,15 @@ describe("hostile clients: bodies and connections", () => {
     );
   }
 
-  for (const [runtime, guard] of [["bun", "on"], ["deno", "off"], ["deno", "on"]] as const) {
+  for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
-      `a Content-Length given twice is held to the body limit and the bodies-in-flight budget like one given once: a 3 MB body is a 413, and 12 stalled 1.9 MB bodies from one address are refused past 8 MiB (${runtime}, guard ${guard})`,
+      `a Content-Length given twice is held to the body limit and the bodies-in-flight budget like one given once: a 3 MB body is a 413, and 12 stalled 1.9 MB bodies from one address are refused past 8 MiB (${runtime})`,
       async () => {
         // Bun and Deno.serve take a request whose Content-Length appears twice with the same value, and the Request
         // then reads it as "N, N": Number() of that is NaN, which passed for "no length declared", so the body was
         // read whole with no 2 MiB limit and nothing reserved (20 such 40 MB bodies held a Bun bus at 850 MB).
         const child = spawnChild(
-          [...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir(), "--guard", guard],
+          [...runtimeArgv(runtime), "bus", "--port", "0", "--data", tmpDir()],
           {
             INTERLINK_TEST_CONN_BODY_MS: "3000",
           },
@@ -3250,7 +3246,7 @@ describe("hostile clients: bodies and connections", () => {
           // parser refuses them all); none is held past the budget.
           const size = 1_900_000;
           for (let i = 0; i < 12; i++) conns.push(raw(twice(size), body(size, `s${i}`).subarray(0, size - 100)));
-          // Each is answered (Deno.serve, guard off, answers and leaves the connection open) or closed.
+          // Each is answered or closed.
           await eventually(() => conns.every((c) => c.done()), "every body is answered or closed", 30_000);
           const answers = conns.slice(1).map((c) => c.answer());
           expect(answers.every((a) => /^(400|429|408|)$/.test(a))).toBe(true);
@@ -3269,7 +3265,7 @@ describe("hostile clients: bodies and connections", () => {
 
 describe("malformed requests and failing handlers: never a runtime's error page", () => {
   test.concurrent(
-    "a handler that throws gets a short generic 500 from serveHttp, under Bun, Deno and the guarded server",
+    "a handler that throws gets a short generic 500 from serveHttp, under Bun and Deno",
     async () => {
       const secret = `secret detail ${REPO}`;
       const check = async (label: string, port: number) => {
@@ -3291,14 +3287,14 @@ describe("malformed requests and failing handlers: never a runtime's error page"
       } finally {
         await server.stop();
       }
-      for (const guard of [false, true]) {
+      {
         const code = `import { serveHttp } from ${JSON.stringify(pathToFileURL(path.join(REPO, "bus.ts")).href)};
-        const s = await serveHttp(() => Promise.reject(new Error(${JSON.stringify(secret)})), "127.0.0.1", 0, ${guard});
+        const s = await serveHttp(() => Promise.reject(new Error(${JSON.stringify(secret)})), "127.0.0.1", 0);
         console.log("port " + s.port);`;
         const proc = spawnTracked([denoPath(), "eval", "--quiet", code], { stdout: "pipe", stderr: "pipe" });
         try {
           const port = Number(await untilLine(proc.stdout, /^port (\d+)$/, 30_000));
-          await check(guard ? "deno, guarded" : "deno", port);
+          await check("deno", port);
         } finally {
           killGroup(proc.pid, "SIGKILL");
           await proc.exited;
@@ -3307,4 +3303,198 @@ describe("malformed requests and failing handlers: never a runtime's error page"
     },
     90_000,
   );
+});
+
+/**
+ * Writes `parts` to a new connection to `port`, `gapMs` apart, and collects what comes back until the bus closes the
+ * connection or `waitMs` after the last part. `closedEarly`: the bus closed it before every part was written.
+ */
+function converse(port: number, parts: string[], { gapMs = 0, waitMs = 2_000 } = {}) {
+  return new Promise<{ got: string; closed: boolean; closedEarly: boolean }>((resolve) => {
+    const sock = net.connect(port, "127.0.0.1");
+    let got = "", sent = 0, closed = false;
+    const finish = () => resolve({ got, closed, closedEarly: closed && sent < parts.length });
+    sock.on("data", (d) => (got += d.toString("latin1")));
+    sock.on("close", () => (closed = true, finish()));
+    sock.on("error", () => {});
+    sock.on("connect", async () => {
+      for (const part of parts) {
+        if (closed) return;
+        sock.write(part);
+        sent++;
+        if (gapMs) await new Promise((r) => setTimeout(r, gapMs));
+      }
+      setTimeout(() => (sock.destroy(), finish()), waitMs);
+    });
+  });
+}
+
+/** The status lines of the answers in `got`, in order (a 100 Continue counts). */
+const statusLines = (got: string) => got.match(/HTTP\/1\.[01] \d{3} [^\r]*/g) ?? [];
+
+describe("the guarded server: HTTP/1.1 as strangers send it", () => {
+  const opaque = JSON.stringify({ to: "K#http", payload: "hi" }); // a payload that is not a signed message: queued
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a request that says its length twice over (Content-Length and Transfer-Encoding, or two Content-Lengths) is refused 400 and its connection closed: the request hidden in its body is never answered (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir());
+        try {
+          const port = Number(new URL(bus.url).port);
+          const hidden = "GET /roster HTTP/1.1\r\nHost: x\r\n\r\n";
+          for (
+            const head of [
+              `Content-Length: ${5 + hidden.length}\r\nTransfer-Encoding: chunked`,
+              `Transfer-Encoding: chunked\r\nContent-Length: ${5 + hidden.length}`,
+              `Content-Length: 5\r\nContent-Length: ${5 + hidden.length}`,
+              `Content-Length: 5, ${5 + hidden.length}`,
+              `Transfer-Encoding: gzip, chunked`,
+            ]
+          ) {
+            const r = await converse(port, [`POST /send HTTP/1.1\r\nHost: x\r\n${head}\r\n\r\n0\r\n\r\n${hidden}`]);
+            expect({ head, answers: statusLines(r.got), closed: r.closed }).toEqual({
+              head,
+              answers: ["HTTP/1.1 400 Bad Request"],
+              closed: true,
+            });
+          }
+          expect(bus.stderr.filter((l) => /error/i.test(l))).toEqual([]);
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `a request head over 16 KiB is refused 431 and closed, and one trickled a byte at a time is cut off once the idle time passes, unanswered; the bus serves the next client (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir(), [], { INTERLINK_TEST_CONN_IDLE_MS: "1000" });
+        try {
+          const port = Number(new URL(bus.url).port);
+          const big = await converse(port, [`GET /roster HTTP/1.1\r\nHost: x\r\nX-Pad: ${"a".repeat(17_000)}\r\n\r\n`]);
+          expect({ answers: statusLines(big.got), closed: big.closed }).toEqual({
+            answers: ["HTTP/1.1 431 Request Header Fields Too Large"],
+            closed: true,
+          });
+          // Headers never ending: 40 bytes 250 ms apart would take 10 s; the bus closes it after 1 to 2 s.
+          const drip = await converse(port, [
+            "GET /roster HTTP/1.1\r\n",
+            ..."X-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+          ], {
+            gapMs: 250,
+          });
+          expect({ closedEarly: drip.closedEarly, answers: statusLines(drip.got) }).toEqual({
+            closedEarly: true,
+            answers: drip.got ? ["HTTP/1.1 408 Request Timeout"] : [], // never the roster
+          });
+          expect((await fetch(`${bus.url}/roster`)).status).toBe(200);
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `pipelined requests are answered in order, each whole: a long-poll first, a 404 second, then a chunked send with a chunk extension and a trailer (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir());
+        try {
+          const port = Number(new URL(bus.url).port);
+          const half = opaque.length >> 1;
+          const chunked = [
+            "POST /send HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n",
+            `${half.toString(16)};ext=1\r\n${opaque.slice(0, half)}\r\n`,
+            `${(opaque.length - half).toString(16)}\r\n${opaque.slice(half)}\r\n0\r\nX-Trailer: t\r\n\r\n`,
+          ].join("");
+          const r = await converse(port, [
+            "GET /recv?me=K%23nobody&timeout_ms=400 HTTP/1.1\r\nHost: x\r\n\r\n" +
+            "GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n" + chunked,
+          ], { waitMs: 2_000 });
+          expect(statusLines(r.got)).toEqual(["HTTP/1.1 200 OK", "HTTP/1.1 404 Not Found", "HTTP/1.1 202 Accepted"]);
+          expect(r.got.indexOf('"status":"timeout"')).toBeLessThan(r.got.indexOf("no route /nowhere"));
+          expect(r.closed).toBe(false); // kept alive: every body was read to its end
+          const got = await (await fetch(`${bus.url}/recv?me=${encodeURIComponent("K#http")}&timeout_ms=0`)).json();
+          expect(got.envelope.payload).toBe("hi"); // the chunked body, decoded whole
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `Expect: 100-continue is answered 100 before the body is read, and curl's upload goes through; any other Expect is 417; an HTTP/1.0 request is closed after its answer (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir());
+        try {
+          const port = Number(new URL(bus.url).port);
+          const head = `POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: ${opaque.length}\r\n`;
+          const cont = await converse(port, [`${head}Expect: 100-continue\r\n\r\n`, opaque], { gapMs: 300 });
+          expect(statusLines(cont.got)).toEqual(["HTTP/1.1 100 Continue", "HTTP/1.1 202 Accepted"]);
+          const other = await converse(port, [`${head}Expect: 200-ok\r\n\r\n${opaque}`]);
+          expect({ answers: statusLines(other.got), closed: other.closed }).toEqual({
+            answers: ["HTTP/1.1 417 Expectation Failed"],
+            closed: true,
+          });
+          const old = await converse(port, ["GET /roster HTTP/1.0\r\n\r\n"], { waitMs: 5_000 });
+          expect({ answers: statusLines(old.got), closed: old.closed }).toEqual({
+            answers: ["HTTP/1.1 200 OK"],
+            closed: true,
+          });
+          const file = path.join(tmpDir(), "body.json");
+          fs.writeFileSync(file, JSON.stringify({ to: "K#curl", payload: "x".repeat(4000) }));
+          const curl = Bun.spawnSync([
+            "curl",
+            "-sS",
+            "-v",
+            "-H",
+            "Expect: 100-continue",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            `@${file}`,
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            `${bus.url}/send`,
+          ]);
+          expect({ code: curl.stdout.toString(), continued: curl.stderr.toString().includes("HTTP/1.1 100 Continue") })
+            .toEqual({ code: "202", continued: true });
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
+      `a body cut short (the client closes, or stalls past the body deadline) queues nothing, and the bus serves the next client (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir(), [], { INTERLINK_TEST_CONN_BODY_MS: "1000" });
+        try {
+          const port = Number(new URL(bus.url).port);
+          const cut = JSON.stringify({ to: "K#cut", payload: "x".repeat(500) });
+          const head = `POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: ${cut.length}\r\n\r\n`;
+          const sock = net.connect(port, "127.0.0.1");
+          sock.on("error", () => {});
+          await new Promise((r) => sock.once("connect", r));
+          sock.end(head + cut.slice(0, 100)); // then gone
+          const stalled = await converse(port, [head + cut.slice(0, 100)], { waitMs: 5_000 });
+          expect({ closed: stalled.closed, answers: statusLines(stalled.got) }).toEqual({
+            closed: true,
+            answers: stalled.got ? ["HTTP/1.1 408 Request Timeout"] : [],
+          });
+          const r = await fetch(`${bus.url}/recv?me=${encodeURIComponent("K#cut")}&timeout_ms=0`);
+          expect((await r.json()).status).toBe("timeout"); // nothing queued
+          expect(bus.stderr.filter((l) => /error/i.test(l))).toEqual([]);
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+  }
 });

@@ -64,7 +64,6 @@ import {
   rosterKey,
   ROUTE_FULL,
   runExtra,
-  runtimeHost,
   scanJsonl,
   setAside,
   setLogComponent,
@@ -168,14 +167,16 @@ const UNREGISTER_FRESH_MS = 5 * 60_000;
 const BUS_FEATURES = `${VERSION} ownership signed-unregister verified-roster batch-recv batch-send full-refused`;
 /** A large answer's slice handed to the runtime at a time: what a slow reader keeps in the bus's memory. */
 const ANSWER_CHUNK_BYTES = 64 << 10;
-/** A guarded server closes a connection idle this long between requests, or this slow to send its headers. */
+/** The server closes a connection idle this long between requests, or this slow to send its headers. */
 const CONN_IDLE_MS = msFromEnv("INTERLINK_TEST_CONN_IDLE_MS", 10_000);
-/** How long a guarded server's self-check waits to see its own connection accepted (see serveGuarded). */
+/** How long the server's self-check waits to see its own connection accepted (see serveHttp). */
 const CONN_PROBE_MS = msFromEnv("INTERLINK_TEST_CONN_PROBE_MS", 3_000);
-/** Connections a guarded server holds at most (see connectionBound). */
+/** Connections the server holds at most (see connectionBound). */
 const CONN_MAX = 10_000;
 /** Newcomers past that bound told to come back (503) at once, each for a second at most; more are closed unanswered. */
 const CONN_TURNED_AWAY_MAX = 32;
+/** A request's line and headers past this are refused (431): ours send under 1 KiB; it bounds what a head holds. */
+const HEAD_MAX_BYTES = 16 << 10;
 
 // ============================================================================
 // Queue and roster logic
@@ -548,22 +549,23 @@ class AnswerHold {
   }
 }
 
-/** Every answer carries Date (Bun's server does not add it): `doctor` measures clock skew against it. */
-const jsonResponse = (status: number, body: BodyInit, headers: Record<string, string> = {}): Response =>
-  new Response(body, {
-    status,
-    headers: { "content-type": "application/json", date: new Date().toUTCString(), ...headers },
-  });
+/** Answers made whole, with their text: the server writes that rather than read the Response (it streams the rest). */
+const WHOLE_ANSWERS = new WeakMap<Response, string>(); // weak: gone with its answer
+
+/** Every answer carries Date (the server adds none): `doctor` measures clock skew against it. */
+function jsonResponse(status: number, body: BodyInit, headers: Record<string, string> = {}): Response {
+  const headed = { "content-type": "application/json", date: new Date().toUTCString(), ...headers };
+  const r = new Response(body, { status, headers: headed });
+  if (typeof body === "string") WHOLE_ANSWERS.set(r, body);
+  return r;
+}
 
 const errorResponse = (status: number, message: string, headers: Record<string, string> = {}): Response =>
   jsonResponse(status, JSON.stringify({ error: message }), headers);
 
-/** Answers made by streamedAnswer: the guarded server writes them with backpressure rather than whole. */
-const STREAMED_ANSWERS = new WeakSet<Response>(); // weak: gone with its answer
-
 /**
  * A JSON answer of `text`: whole when short; else a pull stream of slices, each made once the connection took the one
- * before (Bun, Deno.serve and the guarded server all wait for the socket), its bytes counted in `held` until the last
+ * before (the server waits for the socket), its bytes counted in `held` until the last
  * slice, a close (cancel), or ANSWER_WRITE_MS after it was made (the stream fails, the connection closes): a reader
  * that never reads holds its share that long, never memory for good.
  */
@@ -586,9 +588,7 @@ function streamedAnswer(status: number, text: string, held: AnswerHold): Respons
     },
     cancel: done,
   }, { highWaterMark: 0 });
-  const r = jsonResponse(status, body);
-  STREAMED_ANSWERS.add(r);
-  return r;
+  return jsonResponse(status, body);
 }
 
 /**
@@ -1634,84 +1634,51 @@ const BUS_ROUTES: Record<string, BusRoute> = {
 // Serving HTTP
 // ============================================================================
 
+// One server under Bun and Deno, HTTP/1.1 on node:net, strict about what strangers send and bounded where the runtimes'
+// own are not (Bun.serve past the descriptor limit spun a core; Deno.serve never closes an idle connection) at a third
+// less CPU than node:http. A request's head comes within HEAD_MAX_BYTES and CONN_IDLE_MS of the connection's opening or
+// its last answer, however it trickles; a body within CONN_BODY_MS of its first read, read only when the handler asks;
+// no deadline while the handler works (a long-poll waits a minute). A client gone aborts its request's signal.
+
 type Listening = { port: number; stop(): Promise<void> };
 type FetchHandler = (req: Request, from: string) => Promise<Response>;
+type RequestHead = { method: string; target: string; version: string; headers: Map<string, string> };
 
-/** The runtimes' own HTTP servers, which only the relay runs (the node's runtimeHost types what the node uses). */
-interface Servers {
-  Bun?: {
-    serve(options: {
-      hostname: string;
-      port: number;
-      idleTimeout?: number;
-      development?: boolean;
-      fetch(req: Request, server: { requestIP(req: Request): { address: string } | null }): Promise<Response>;
-      error?(e: Error): Response;
-    }): { port: number; stop(force?: boolean): void };
-  };
-  Deno?: {
-    serve(
-      options: { hostname: string; port: number; onListen?: () => void; onError?: (e: unknown) => Response },
-      handler: (req: Request, info: { remoteAddr: { hostname: string } }) => Promise<Response>,
-    ): { finished: Promise<void>; shutdown(): Promise<void>; addr: { port: number } };
-  };
-}
+const TOKEN = "[!#$%&'*+\\-.^_`|~0-9A-Za-z]+";
+const REQUEST_LINE = new RegExp(`^(${TOKEN}) (/[!-~]*) HTTP/1\\.([01])$`);
+const HEADER_LINE = new RegExp(`^(${TOKEN}):[ \\t]*((?:[^\\0\\r\\n]*[^\\0\\r\\n \\t])?)[ \\t]*$`);
+const FRAMING = new Set(["connection", "content-length", "transfer-encoding"]); // the server's to write
+const CLOSING_JSON: [string, string][] = [["content-type", "application/json"], ["connection", "close"]];
+let REASONS: Record<number, string | undefined> = {}; // node:http's reason phrases, loaded with the server
 
-/**
- * Binds a fetch handler, told each request's source address, to a TCP port with the runtime's own server. `guard`:
- * node:http, whose timeouts close idle and slow connections (Deno.serve never does) and which holds no more than the
- * file-descriptor limit allows (neither runtime's server does), at a cost in throughput.
- */
-function serveHttp(handler: FetchHandler, hostname: string, port: number, guard = false): Promise<Listening> {
-  const { Bun, Deno } = runtimeHost as unknown as Servers;
-  if (guard) return serveGuarded(handler, hostname, port);
-  if (Bun) {
-    // idleTimeout counts while a long-poll waits: keep it above RECV_TIMEOUT_MAX_MS.
-    const server = Bun.serve({
-      hostname,
-      port,
-      idleTimeout: Math.ceil(RECV_TIMEOUT_MAX_MS / 1000) + 30,
-      development: false, // see serverError
-      fetch: (req, server) => handler(req, server.requestIP(req)?.address || NO_ADDRESS),
-      error: serverError,
-    });
-    return Promise.resolve({ port: server.port, stop: () => Promise.resolve(server.stop(true)) });
+/** A request head, or why it is refused: a length a proxy in front could read otherwise (smuggling) never passes. */
+function parseHead(text: string): RequestHead | string {
+  const lines = text.split("\r\n"), line = REQUEST_LINE.exec(lines[0]);
+  if (!line) return "a malformed request line (expected: METHOD /path HTTP/1.1)";
+  const headers = new Map<string, string>();
+  for (let i = 1; i < lines.length; i++) {
+    const h = HEADER_LINE.exec(lines[i]); // no folded line, bare CR or LF, NUL, or space before the colon
+    if (!h) return `a malformed header line: ${JSON.stringify(lines[i].slice(0, 60))}`;
+    const name = h[1].toLowerCase(), was = headers.get(name);
+    headers.set(name, was === undefined ? h[2] : `${was}, ${h[2]}`);
   }
-  if (!Deno) throw new InterlinkError("interlink.ts needs Bun or Deno to serve HTTP");
-  // Out of file descriptors (20,000 idle sockets: Deno.serve has no idle timeout), its accept loop fails and would
-  // take the process down: logged instead, and it listens again on the same port a second later.
-  let stopping = false, retry: ReturnType<typeof setTimeout> | undefined;
-  const listen = (port: number): ReturnType<typeof Deno.serve> => {
-    const s = Deno.serve(
-      { hostname, port, onListen: () => {}, onError: serverError },
-      (req, info) => handler(req, info.remoteAddr?.hostname || NO_ADDRESS),
-    );
-    s.finished.catch((e: Error) => {
-      if (stopping) return;
-      logWarn(`the HTTP listener failed (${e.message}); listening again on port ${bound} in 1 s`);
-      retry = setTimeout(function relisten() {
-        if (stopping) return;
-        try {
-          server = listen(bound);
-        } catch (e) {
-          logWarn(`cannot listen on port ${bound} yet (${(e as Error).message}); trying again in 1 s`);
-          retry = setTimeout(relisten, 1000);
-        }
-      }, 1000);
-    });
-    return s;
-  };
-  let server = listen(port);
-  const bound = server.addr.port;
-  const stop = () => {
-    stopping = true;
-    clearTimeout(retry);
-    return server.shutdown();
-  };
-  return Promise.resolve({ port: bound, stop });
+  const te = headers.get("transfer-encoding"), cl = headers.get("content-length"), expect = headers.get("expect");
+  if (te !== undefined && cl !== undefined) return "both Transfer-Encoding and Content-Length";
+  if (te !== undefined && te.toLowerCase() !== "chunked") return "a Transfer-Encoding other than chunked";
+  if (cl !== undefined && !/^\d{1,15}$/.test(cl)) return "Content-Length is not one length in bytes";
+  if (expect !== undefined && expect.toLowerCase() !== "100-continue") return "Expect other than 100-continue";
+  return { method: line[1], target: line[2], version: line[3], headers };
 }
 
-/** A handler that throws: a generic 500, the error logged; never Bun's page of paths and source lines. */
+/** An answer's head and `body` (left out when `bare`), or a streamed answer's head when `body` is null. */
+function answerHead(status: number, fields: [string, string][], body: string | null, bare = false): string {
+  let head = `HTTP/1.1 ${status} ${REASONS[status] ?? ""}\r\n`;
+  for (const [k, v] of fields) head += `${k}: ${v}\r\n`;
+  if (body === null) return head + "\r\n";
+  return `${head}content-length: ${Buffer.byteLength(body)}\r\n\r\n${bare ? "" : body}`;
+}
+
+/** A handler that throws: a generic 500, the error logged; never a runtime's page of paths and source lines. */
 function serverError(e: unknown): Response {
   logWarn(`a request failed inside the server: ${(e as Error)?.stack ?? e}`);
   return new Response("internal error\n", { status: 500, headers: { "content-type": "text/plain; charset=utf-8" } });
@@ -1729,128 +1696,161 @@ function connectionBound(): number {
   return Number.isSafeInteger(limit) && limit > 0 ? Math.max(16, Math.min(CONN_MAX, limit - 64)) : CONN_MAX;
 }
 
-// The guarded server (see serveHttp): node:http with keep-alive and header timeouts, a deadline on the body, a bound
-// on connections, no request timeout (a long-poll waits a minute). A client gone aborts its request's signal.
-async function serveGuarded(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
-  const [http, { connect }, { Readable }, { pipeline }] = await Promise.all(
-    [import("node:http"), import("node:net"), import("node:stream"), import("node:stream/promises")],
-  );
-  const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
-  const addressOf = new WeakMap<net.Socket, string>(); // each connection's source, read once it opens
-  const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
-  const timeouts = {
-    keepAliveTimeout: CONN_IDLE_MS,
-    headersTimeout: CONN_IDLE_MS,
-    requestTimeout: 0, // under Deno it would cut long-polls too
-    connectionsCheckingInterval: 1_000, // how often headersTimeout is checked (30 s by default)
+/** One connection: its requests parsed and answered in order. `deadlines`: when each connection is closed. */
+function serveConnection(socket: net.Socket, handler: FetchHandler, host: string, deadlines: Map<net.Socket, number>) {
+  const from = socket.remoteAddress || NO_ADDRESS; // after a reset the socket has none
+  let buf = Buffer.alloc(0) as Buffer, gone: AbortController | null = null, wake: (() => void) | null = null;
+  let closing = false;
+  deadlines.set(socket, Date.now() + CONN_IDLE_MS);
+  const refuse = (status: number, why: string) => {
+    closing = true;
+    socket.end(answerHead(status, CLOSING_JSON, JSON.stringify({ error: why })));
   };
-  const full = new WeakSet<net.Socket>(); // accepted past the bound: told to come back (weak: gone with its socket)
-  const server = http.createServer(timeouts, async (req, res) => {
-    if (full.has(req.socket)) {
-      const done = () => req.socket.destroy(); // its turn given back at once
-      return void res.writeHead(503, { connection: "close", "content-type": "application/json" }).end(busy, done);
+  const nextRequest = () => {
+    while (!gone && !closing) {
+      let start = 0;
+      while (buf[start] === 13 || buf[start] === 10) start++; // blank lines before a request (RFC 9112, 2.2)
+      const end = buf.indexOf("\r\n\r\n", start);
+      if ((end < 0 ? buf.length : end) - start > HEAD_MAX_BYTES) {
+        return refuse(431, `request line and headers over ${HEAD_MAX_BYTES} bytes`);
+      }
+      if (end < 0) return void (buf = buf.subarray(start));
+      const head = parseHead(buf.toString("latin1", start, end));
+      buf = buf.subarray(end + 4);
+      if (typeof head === "string") return refuse(head.startsWith("Expect") ? 417 : 400, head);
+      void serveRequest(head);
     }
-    const gone = new AbortController();
-    res.on("close", () => res.writableFinished || gone.abort());
-    const socket = req.socket; // detached from req once the answer is sent
-    try {
-      const declared = req.headers["content-length"];
-      const hasBody = req.method !== "GET" && req.method !== "HEAD";
-      let whole = false; // the body was read to its end
-      // Read on demand, so the handler's checks on the declared length come first and a body it refuses is never
-      // held; within CONN_BODY_MS. A chunked body is handed over as it comes, so the handler counts each chunk
-      // before the next is read; a declared one is read whole, one chunk past the limit at most (enough for a 413).
-      const body = {
-        getReader() {
-          const chunks = req[Symbol.asyncIterator]();
-          const deadline = setTimeout(() => socket.destroy(), CONN_BODY_MS);
-          return {
-            async read(): Promise<IteratorResult<Uint8Array>> {
-              try {
-                const r = await chunks.next();
-                if (r.done) (whole = true, clearTimeout(deadline));
-                return r;
-              } catch (e) {
-                clearTimeout(deadline);
-                throw e;
-              }
-            },
-            cancel: () => Promise.resolve(clearTimeout(deadline)),
-          };
-        },
-      };
-      const text = async () => {
-        const reader = body.getReader(), chunks: Uint8Array[] = [];
-        let n = 0;
-        for (let r = await reader.read(); !r.done; r = await reader.read()) {
-          chunks.push(r.value);
-          if ((n += r.value.length) > BODY_LIMIT_BYTES) {
-            await reader.cancel();
-            break;
-          }
+  };
+  const more = () => new Promise<void>((resolve) => (wake = resolve, socket.resume())).then(() => void (wake = null));
+  async function serveRequest({ method, target, version, headers }: RequestHead) {
+    const aborted = gone = new AbortController();
+    deadlines.set(socket, Infinity);
+    const chunked = headers.has("transfer-encoding");
+    let left = Number(headers.get("content-length") ?? 0), whole = !chunked && !left, size = -1, started = false;
+    const done = () => (whole = true, deadlines.set(socket, Infinity), null);
+    // The body's next bytes, within CONN_BODY_MS of the first read; null once all read. `size`, chunked: the bytes
+    // left of this chunk; -1 its size line next, -2 its CRLF, 0 the trailer. A malformed body throws (the handler's 400).
+    const take = async (): Promise<Uint8Array | null> => {
+      if (whole) return null;
+      if (!started && headers.has("expect")) socket.write("HTTP/1.1 100 Continue\r\n\r\n");
+      if (!started) (started = true, deadlines.set(socket, Date.now() + CONN_BODY_MS));
+      for (;;) {
+        if (socket.destroyed) throw new Error("the connection closed before the body's end");
+        const eol = chunked && size <= 0 ? buf.indexOf("\r\n") : 0;
+        if (!buf.length || eol < 0) {
+          if (buf.length > 1024) throw new Error("a chunk size or trailer line over 1 KiB");
+          await more();
+        } else if (!chunked || size > 0) {
+          const piece = buf.subarray(0, chunked ? size : left);
+          buf = buf.subarray(piece.length);
+          if (chunked) size = size - piece.length || -2;
+          else if (!(left -= piece.length)) done();
+          return piece;
+        } else if (size !== -1) {
+          if (size === -2 && eol) throw new Error("a chunk longer than its size");
+          buf = buf.subarray(eol + 2);
+          if (size === -2) size = -1;
+          else if (!eol) return done();
+        } else {
+          const line = /^([0-9a-fA-F]{1,7})(;[^\r\n]*)?$/.exec(buf.toString("latin1", 0, eol));
+          if (!line) throw new Error("a malformed chunk size");
+          buf = buf.subarray(eol + 2);
+          size = parseInt(line[1], 16);
         }
-        return Buffer.concat(chunks).toString("utf8");
-      };
-      // The handler reads only these parts of a Request; a real one costs more than the rest of the adapter.
-      const lite = {
-        url: `http://${hostname}${req.url ?? "/"}`,
-        method: req.method,
-        headers: {
-          get(name: string): string | null {
-            const v = req.headers[name.toLowerCase()];
-            return v === undefined ? null : Array.isArray(v) ? v.join(", ") : v;
-          },
-        },
-        body: hasBody && declared === undefined ? body : null,
-        text: async () => (hasBody ? await text() : ""),
-        signal: gone.signal,
-      };
-      // A handler that throws while the client is still there gets the generic 500; one that is gone, nothing.
-      const r = await handler(lite as unknown as Request, addressOf.get(socket) || NO_ADDRESS).catch((e) =>
-        gone.signal.aborted ? Promise.reject(e) : serverError(e)
-      );
-      // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
-      const unread = (hasBody || Number(declared) > 0) && !whole;
-      const headers = { ...Object.fromEntries(r.headers), ...(unread ? { connection: "close" } : {}) };
-      const answer = STREAMED_ANSWERS.has(r) ? null : await r.text();
-      const done = () => unread && socket.destroy();
-      res.writeHead(r.status, headers);
-      if (answer !== null) return void res.end(answer, done);
-      // A slice at a time, each once the one before drained; a close cancels the stream (its bytes given back).
-      const slices = Readable.fromWeb(r.body as unknown as import("node:stream/web").ReadableStream);
-      await pipeline(slices, res).then(done, () => res.destroy());
-    } catch {
-      res.destroy(); // a client that went away, or a body cut off by its deadline: nothing to answer
+      }
+    };
+    const text = async () => {
+      const chunks: Uint8Array[] = [];
+      for (let n = 0, c = await take(); c && n <= BODY_LIMIT_BYTES; c = await take()) (chunks.push(c), n += c.length);
+      return Buffer.concat(chunks).toString("utf8");
+    };
+    // The handler reads only these parts of a Request; a real one costs more than the rest of the server.
+    const reader = { read: async () => ({ value: await take(), done: whole }), cancel: async () => {} }; // see `after`
+    const lite = {
+      url: `http://${host}${target}`,
+      method,
+      headers: { get: (name: string) => headers.get(name.toLowerCase()) ?? null },
+      body: chunked ? { getReader: () => reader } : null,
+      text,
+      json: async () => JSON.parse(await text()),
+      signal: aborted.signal,
+    };
+    // A handler that throws while the client is still there gets the generic 500; one that is gone, nothing.
+    const r = await handler(lite as unknown as Request, from).catch((e) =>
+      aborted.signal.aborted ? null : serverError(e)
+    );
+    if (!r || socket.destroyed) return void r?.body?.cancel().catch(() => {});
+    const asked = headers.get("connection")?.toLowerCase() ?? "";
+    const keep = whole && r.headers.get("connection") !== "close" &&
+      (version === "1" ? asked !== "close" : asked === "keep-alive");
+    const fields = [...r.headers].filter(([k]) => !FRAMING.has(k));
+    fields.push(["connection", keep ? "keep-alive" : "close"]);
+    // A body left unread (refused, or past the limit) is not waited for: the connection closes after the answer.
+    const after = whole ? undefined : () => socket.destroy();
+    const known = WHOLE_ANSWERS.get(r) ?? (r.body ? undefined : "");
+    if (known !== undefined) socket.write(answerHead(r.status, fields, known, method === "HEAD"), after);
+    else {
+      // A slice at a time, each once the one before went to the kernel; a close cancels the stream (its bytes back).
+      socket.write(answerHead(r.status, [...fields, ["transfer-encoding", "chunked"]], null));
+      const slices = r.body!.getReader();
+      aborted.signal.addEventListener("abort", () => slices.cancel().catch(() => {})); // an event stream too
+      try {
+        for (let c = await slices.read(); !c.done; c = await slices.read()) {
+          socket.write(`${c.value.length.toString(16)}\r\n`), socket.write(c.value);
+          await new Promise((written) => socket.write("\r\n", written));
+          if (socket.destroyed) throw new Error("gone");
+        }
+        socket.write("0\r\n\r\n", after);
+      } catch {
+        return void socket.destroy(); // its close cancels the stream
+      }
     }
+    deadlines.set(socket, Date.now() + CONN_IDLE_MS); // for the next request, or for the client to take this answer
+    if (!whole || !keep) return void (closing = true, whole && socket.end());
+    (gone = null, socket.resume(), nextRequest());
+  }
+  socket.on("error", () => {}); // a reset: its close follows
+  socket.on("close", () => (deadlines.delete(socket), gone?.abort(), wake?.()));
+  socket.on("data", (d: Buffer) => {
+    if (closing) return;
+    buf = buf.length ? Buffer.concat([buf, d]) : d;
+    if (wake) wake();
+    else if (!gone) nextRequest();
+    else if (buf.length > HEAD_MAX_BYTES) socket.pause(); // a pipelined request: resumed once this one is answered
   });
-  Object.assign(server, timeouts); // as properties too: some are read from there
+}
+
+/** Binds a fetch handler, told each request's source address, to a TCP port (see the top of this section). */
+async function serveHttp(handler: FetchHandler, hostname: string, port: number): Promise<Listening> {
+  const [{ createServer, connect }, http] = await Promise.all([import("node:net"), import("node:http")]);
+  REASONS = http.STATUS_CODES;
+  const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
+  const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
+  const deadlines = new Map<net.Socket, number>(); // each open connection's: closed once past it (Infinity: none)
+  const sweep = setInterval(() => { // a second late at most, as node:http's check was
+    const now = Date.now();
+    for (const [socket, at] of deadlines) if (at < now) socket.destroy();
+  }, 1000);
   // Past the bound a newcomer is answered 503 and closed, CONN_TURNED_AWAY_MAX at once (the rest closed unanswered),
-  // so an accept never fails: under Bun that spins a core, under Deno it stops accepting (node:http's maxConnections,
-  // under Deno, stops for good). `accepted`: see the watchdog.
-  let open = 0, accepted = 0, turning = 0, saidAt = -Infinity;
-  server.on("connection", (socket: net.Socket) => {
-    if (socket.remoteAddress) addressOf.set(socket, socket.remoteAddress); // after a reset the socket has none
+  // so an accept never fails: under Bun that spins a core, under Deno it stops accepting. `accepted`: see the watchdog.
+  let accepted = 0, turning = 0, saidAt = -Infinity;
+  const server = createServer({ noDelay: true }, (socket) => {
     accepted++;
-    open++;
-    socket.once("close", () => open--);
-    if (open <= most) return;
+    if (deadlines.size < most) return serveConnection(socket, handler, hostname, deadlines);
     if (turning >= CONN_TURNED_AWAY_MAX) return void socket.destroy();
     if (Date.now() - saidAt > 60_000) {
       saidAt = Date.now();
       logWarn(`holding the ${sessions} its file-descriptor limit allows: newcomers are told 503 (once a minute)`);
     }
     turning++;
-    full.add(socket);
     const late = setTimeout(() => socket.destroy(), 1000); // a request not sent within a second gets no answer
-    socket.once("close", () => (turning--, clearTimeout(late)));
+    socket.on("error", () => {}).once("close", () => (turning--, clearTimeout(late)));
+    socket.once("data", () => socket.end(answerHead(503, CLOSING_JSON, busy)));
   });
   server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
-  await new Promise<void>((resolve, reject) => {
-    server.once("error", reject);
-    server.listen(port, hostname, () => resolve());
-  });
+  await new Promise<void>((resolve, reject) => (server.once("error", reject), server.listen(port, hostname, resolve)));
   const bound = (server.address() as net.AddressInfo).port; // the port, kept when listening anew
-  // Past the file-descriptor limit, node:http under Deno stops accepting, silently and for good: every few seconds a
+  // Past the file-descriptor limit, node:net under Deno stops accepting, silently and for good: every few seconds a
   // connection to ourselves checks one is still accepted; if not, it listens anew.
   const watchdog = setInterval(() => {
     const before = accepted;
@@ -1865,12 +1865,11 @@ async function serveGuarded(handler: FetchHandler, hostname: string, port: numbe
       server.listen(bound, hostname);
     }, CONN_PROBE_MS).unref?.();
   }, CONN_PROBE_MS * 2);
-  const stop = () =>
-    new Promise<void>((resolve) => {
-      clearInterval(watchdog);
-      server.close(() => resolve());
-      server.closeAllConnections();
-    });
+  const stop = () => {
+    (clearInterval(watchdog), clearInterval(sweep));
+    for (const socket of deadlines.keys()) socket.destroy();
+    return new Promise<void>((resolve) => server.close(() => resolve()));
+  };
   return { port: bound, stop };
 }
 
@@ -1892,15 +1891,15 @@ async function runBus(o: Options): Promise<number> {
   setLogComponent("interlink bus");
   useEd25519(NODE_ED25519);
   const bus = await Bus.open(dataDir, { cap, limits, owners });
-  const server = await serveHttp(bus.handler, host, port, o.guard === "on").catch(async (e) => {
+  const server = await serveHttp(bus.handler, host, port).catch(async (e) => {
     await bus.close();
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
   });
   const r = bus.recovery, at = host.includes(":") ? `[${host}]` : host;
-  const most = o.guard === "on" ? connectionBound() : 0, sessions = most >> 1; // as serveGuarded holds
-  const room = most ? `its file-descriptor limit allows ${most} connections (about ${sessions} sessions)` : "guard off";
+  const most = connectionBound(), sessions = most >> 1; // as serveHttp holds
+  const room = `its file-descriptor limit allows ${most} connections (about ${sessions} sessions)`;
   logInfo(`listening on http://${at}:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient; ${room})`);
-  if (most) bus.features += ` sessions=${sessions}`;
+  bus.features += ` sessions=${sessions}`;
   const skipped = r.skippedLines ? `; skipped ${r.skippedLines} unreadable lines` : "";
   logInfo(`recovered ${r.messages} un-acked messages for ${r.recipients} recipients in ${r.ms} ms${skipped}`);
   if (!isLoopback(host)) logWarn(`bound to ${host}, not loopback: ${BUS_EXPOSURE}`);
@@ -1953,9 +1952,9 @@ export const command: CommandSpec = {
       "on|off",
       "INTERLINK_BUS_GUARD",
       "on",
-      `serve with node:http, which closes idle (${CONN_IDLE_MS / 1000} s) and slow (${
-        CONN_BODY_MS / 1000
-      } s) connections and answers 503 past what the file-descriptor limit holds; off: the runtime's own server, faster, but unbounded (Deno.serve never closes an idle connection): only where no hostile client can connect`,
+      `accepted for scripts that pass it; on and off are one server, always bounded: it closes idle (${
+        CONN_IDLE_MS / 1000
+      } s) and slow (${CONN_BODY_MS / 1000} s) connections and answers 503 past what the file-descriptor limit holds`,
     ),
   },
   run: runBus,

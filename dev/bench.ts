@@ -373,7 +373,8 @@ function untilSays(child: ReturnType<typeof spawn>, out: NodeJS.ReadableStream, 
 /**
  * The in-memory floor: the bus's three message routes with no disk, no
  * signature checks and no budgets, so a throughput figure can be read as a
- * share of what HTTP alone allows on the same machine, in the same run.
+ * share of what HTTP alone allows on the same machine, in the same run
+ * (through the bus's own server, as the bus, since 2026-12-07).
  */
 function floorHandler(): (req: Request) => Promise<Response> {
   const queues = new Map<string, { seq: number; payload: string }[]>();
@@ -693,8 +694,8 @@ async function relayLoad(relay: Relay, id: Identity, dir: string, pid: number, p
 // ============================================================================
 
 /**
- * 8 pairs × 500 messages, then 64 pairs × 125, through our bus (guarded, and
- * with --guard off), through the in-memory floor and through
+ * 8 pairs × 500 messages, then 64 pairs × 125, through our bus (and again
+ * with --guard off, the same server since 2026-12-07), through the in-memory floor and through
  * Redis with `appendfsync always` when it is installed, in one run, each
  * figure also as a ratio to the floor and to Redis.
  */
