@@ -1077,7 +1077,7 @@ class Bus {
       r.headers.set("interlink-bus", this.features);
       return r;
     } catch (e) {
-      // A body left unread must not keep its connection (Bun then closes it; node:http does on its own).
+      // A body left unread must not keep its connection: "connection: close" and the server ends it after the answer.
       if (e instanceof HttpError) return errorResponse(e.status, e.message, e.close ? { connection: "close" } : {});
       if (req.signal.aborted) return errorResponse(499, "client closed the request"); // a hang-up: not an error here
       this.#log(`internal error on ${pathname}: ${(e as Error).stack ?? e}`);
