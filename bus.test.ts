@@ -3535,5 +3535,31 @@ describe("the bus's HTTP server under attack", () => {
       },
       60_000,
     );
+
+    test.concurrent(
+      `a client that pipelines 8 MB of requests and reads none of the answers holds little of the bus's memory: it reads the next request only once the kernel took the answer before, and closes the connection at the idle deadline (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir(), [], { INTERLINK_TEST_CONN_IDLE_MS: "2000" });
+        try {
+          const port = Number(new URL(bus.url).port), pid = bus.proc.pid!;
+          const idle = memoryOf(pid).rss;
+          const sock = net.connect(port, "127.0.0.1");
+          sock.on("error", () => {});
+          await new Promise((r) => sock.once("connect", r));
+          sock.pause(); // reads nothing
+          let closed = false;
+          sock.once("close", () => closed = true);
+          sock.write("GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n".repeat(240_000)); // 8 MB: 404s of 250 bytes each
+          // Closed by the bus, or it has taken too much: before the fix it answered every request into memory.
+          const most = 150 * 2 ** 20, grown = () => memoryOf(pid).peak - idle;
+          await eventually(() => closed || grown() > most, "the bus closes the connection", 60_000);
+          expect({ grown: grown() < most, closed }).toEqual({ grown: true, closed: true });
+          expect((await fetch(`${bus.url}/nowhere`)).status).toBe(404); // and it serves the next client
+        } finally {
+          await stop(bus);
+        }
+      },
+      120_000,
+    );
   }
 });
