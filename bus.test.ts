@@ -3506,6 +3506,20 @@ function cpuSeconds(pid: number): number {
 }
 
 describe("the bus's HTTP server under attack", () => {
+  test("a HEAD request is answered with a head alone even when the handler streams its answer (the board's 405): the body would read as the answer to the next request on the connection", async () => {
+    const server = await serveHttp((req) => Promise.resolve(new Response(`${req.method} streamed\n`)), "127.0.0.1", 0);
+    try {
+      const r = await converse(server.port, ["HEAD /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n"]);
+      const heads = r.got.split(/(?<=\r\n\r\n)/);
+      expect(statusLines(r.got)).toEqual(["HTTP/1.1 200 OK", "HTTP/1.1 200 OK"]);
+      expect(heads[1]).toStartWith("HTTP/1.1 200 OK\r\n"); // the GET's answer right after the HEAD's head
+      expect(r.got).not.toContain("HEAD streamed");
+      expect(r.got).toContain("GET streamed");
+    } finally {
+      await server.stop();
+    }
+  });
+
   for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
       `a header line of spaces ending in a NUL costs the bus no more to refuse than one of letters the same length: the parser does not backtrack over it (${runtime})`,
@@ -3517,7 +3531,9 @@ describe("the bus's HTTP server under attack", () => {
           const refuse = async (pad: string) => {
             const before = cpuSeconds(pid);
             for (let i = 0; i < 6; i++) {
-              const r = await converse(port, [`GET /roster HTTP/1.1\r\nHost: x\r\nX-Pad:${pad.repeat(12_000)}\0\r\n\r\n`]);
+              const r = await converse(port, [
+                `GET /roster HTTP/1.1\r\nHost: x\r\nX-Pad:${pad.repeat(12_000)}\0\r\n\r\n`,
+              ]);
               expect({ answers: statusLines(r.got), closed: r.closed }).toEqual({
                 answers: ["HTTP/1.1 400 Bad Request"],
                 closed: true,

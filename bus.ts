@@ -1798,7 +1798,10 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
     const after = whole ? undefined : () => socket.destroy();
     const known = WHOLE_ANSWERS.get(r) ?? (r.body ? undefined : "");
     if (known !== undefined) socket.write(answerHead(r.status, fields, known, method === "HEAD"), after);
-    else {
+    else if (method === "HEAD") { // its head only: a body after it would read as the next answer (the board's 405)
+      void r.body!.cancel().catch(() => {});
+      socket.write(answerHead(r.status, [...fields, ["transfer-encoding", "chunked"]], null), after);
+    } else {
       // A slice at a time, each once the one before went to the kernel; a close cancels the stream (its bytes back).
       socket.write(answerHead(r.status, [...fields, ["transfer-encoding", "chunked"]], null));
       const slices = r.body!.getReader();
