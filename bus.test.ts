@@ -3522,6 +3522,32 @@ describe("the bus's HTTP server under attack", () => {
 
   for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
+      `a chunked body whose trailer holds a bare LF is refused 400 and closed, nothing queued: a proxy that ends lines at LF would read the request hidden there as the next one (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir());
+        try {
+          const port = Number(new URL(bus.url).port), body = JSON.stringify({ to: "K#trailer", payload: "hi" });
+          const hidden = "GET /hidden HTTP/1.1\r\nHost: x\r\n\r\n";
+          const head = "POST /send HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
+          const chunk = `${body.length.toString(16)}\r\n${body}\r\n`;
+          for (const trailer of [`0\r\n\n${hidden}`, `0\r\nX-T: a\nb\r\n\r\n`, `0\r\nno colon\r\n\r\n`]) {
+            const r = await converse(port, [head + chunk + trailer]);
+            expect({ trailer, answers: statusLines(r.got), closed: r.closed }).toEqual({
+              trailer,
+              answers: ["HTTP/1.1 400 Bad Request"], // before: 202, the hidden request taken as trailer lines
+              closed: true,
+            });
+          }
+          const got = await (await fetch(`${bus.url}/recv?me=${encodeURIComponent("K#trailer")}&timeout_ms=0`)).json();
+          expect(got.status).toBe("timeout");
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
+
+    test.concurrent(
       `a header line of spaces ending in a NUL costs the bus no more to refuse than one of letters the same length: the parser does not backtrack over it (${runtime})`,
       async () => {
         const bus = await startBus(runtime, tmpDir());

@@ -1756,6 +1756,8 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
           else return (left -= piece.length) ? piece : (done(), piece);
         } else if (size !== -1) {
           if (size === -2 && eol) throw new Error("a chunk longer than its size");
+          // A trailer line is a header line: "0\r\n\nGET ..." ends the body for a proxy that takes a bare LF.
+          if (!size && eol && !HEADER_LINE.test(buf.toString("latin1", 0, eol))) throw new Error("a malformed trailer");
           buf = buf.subarray(eol + 2);
           if (size === -2) size = -1;
           else if (!eol) return done();
