@@ -1753,7 +1753,7 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
           const piece = buf.subarray(0, chunked ? size : left);
           buf = buf.subarray(piece.length);
           if (chunked) (size = size - piece.length || -2, got.push(piece));
-          else return (left -= piece.length) ? piece : (done(), piece);
+          else return (left -= piece.length, left || done(), piece);
         } else if (size !== -1) {
           if (size === -2 && eol) throw new Error("a chunk longer than its size");
           // A trailer line is a header line: "0\r\n\nGET ..." ends the body for a proxy that takes a bare LF.
