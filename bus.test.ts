@@ -3568,8 +3568,9 @@ describe("the bus's HTTP server under attack", () => {
             return cpuSeconds(pid) - before;
           };
           const letters = await refuse("x"), spaces = await refuse(" ");
-          // A clock tick (10 ms) of slack a head; before the fix the spaces took 50 to 200 times the letters.
-          expect(spaces).toBeLessThan(3 * letters + 0.06);
+          // Slack for clock ticks and a collection on a busy machine; before the fix the spaces took 50 to 200 times
+          // the letters (1.5 to 1.8 s against 0.01 to 0.03).
+          expect(spaces).toBeLessThan(4 * letters + 0.25);
           expect((await fetch(`${bus.url}/roster`)).status).toBe(200);
         } finally {
           await stop(bus);
