@@ -3520,6 +3520,32 @@ describe("the bus's HTTP server under attack", () => {
     }
   });
 
+  test(
+    "a streamed answer its client never reads is given up at the idle deadline (its stream cancelled, the connection closed), not waited on forever: off loopback the kernel takes a few segments, not the whole answer",
+    async () => {
+      let cancelled = false;
+      const slice = new Uint8Array(64 << 10).fill(120);
+      const endless = () =>
+        new ReadableStream<Uint8Array>({ pull: (c) => c.enqueue(slice), cancel: () => void (cancelled = true) }, {
+          highWaterMark: 0,
+        });
+      const server = await serveHttp(() => Promise.resolve(new Response(endless())), "127.0.0.1", 0);
+      const sock = net.connect(server.port, "127.0.0.1");
+      try {
+        sock.on("error", () => {});
+        await new Promise((r) => sock.once("connect", r));
+        sock.pause(); // reads nothing: once the kernel's buffers are full, a slice is never taken
+        sock.write("GET /events HTTP/1.1\r\nHost: x\r\n\r\n");
+        // Before, the server waited for that slice with no deadline: the stream and the connection held for good.
+        await eventually(() => cancelled, "the server gives the answer up", 40_000);
+      } finally {
+        sock.destroy();
+        await server.stop();
+      }
+    },
+    60_000,
+  );
+
   for (const runtime of ["bun", "deno"] as const) {
     test.concurrent(
       `a chunked body whose trailer holds a bare LF is refused 400 and closed, nothing queued: a proxy that ends lines at LF would read the request hidden there as the next one (${runtime})`,

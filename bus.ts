@@ -1811,7 +1811,9 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
       try {
         for (let c = await slices.read(); !c.done; c = await slices.read()) {
           socket.write(`${c.value.length.toString(16)}\r\n`), socket.write(c.value);
+          deadlines.set(socket, Date.now() + CONN_IDLE_MS); // a slice not taken: closed (waited for forever, before)
           await new Promise((written) => socket.write("\r\n", written));
+          deadlines.set(socket, Infinity); // the stream's next slice: an event stream may wait long for it
           if (socket.destroyed) throw new Error("gone");
         }
         socket.write("0\r\n\r\n", after);
