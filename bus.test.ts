@@ -3654,5 +3654,30 @@ describe("the bus's HTTP server under attack", () => {
       },
       120_000,
     );
+    test.concurrent(
+      `a client that ends its side after its requests (a half-close, as \`nc -N\` does) is answered each, then closed: before, its send was queued and never answered, a retry the client's only way to know (${runtime})`,
+      async () => {
+        const bus = await startBus(runtime, tmpDir());
+        try {
+          const port = Number(new URL(bus.url).port), body = JSON.stringify({ to: "K#half", payload: "hi" });
+          const got = await new Promise<string>((resolve) => {
+            const sock = net.connect(port, "127.0.0.1");
+            let got = "";
+            sock.on("data", (d) => got += d.toString("latin1")).on("close", () => resolve(got)).on("error", () => {});
+            sock.on("connect", () =>
+              sock.end(
+                `POST /send HTTP/1.1\r\nHost: x\r\nContent-Length: ${body.length}\r\n\r\n${body}` +
+                  "GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n",
+              ));
+          });
+          expect(statusLines(got)).toEqual(["HTTP/1.1 202 Accepted", "HTTP/1.1 404 Not Found"]); // before: none
+          const queued = await (await fetch(`${bus.url}/recv?me=${encodeURIComponent("K#half")}&timeout_ms=0`)).json();
+          expect(queued.envelope.payload).toBe("hi"); // queued once
+        } finally {
+          await stop(bus);
+        }
+      },
+      60_000,
+    );
   }
 });

@@ -1705,7 +1705,7 @@ function connectionBound(): number {
 function serveConnection(socket: net.Socket, handler: FetchHandler, host: string, deadlines: Map<net.Socket, number>) {
   const from = socket.remoteAddress || NO_ADDRESS; // after a reset the socket has none
   let buf = Buffer.alloc(0) as Buffer, gone: AbortController | null = null, wake: (() => void) | null = null;
-  let closing = false;
+  let closing = false, ended = false; // `ended`: the client sent all it will (a half-close), answered still
   deadlines.set(socket, Date.now() + CONN_IDLE_MS);
   const refuse = (status: number, why: string) => {
     closing = true;
@@ -1719,7 +1719,7 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
       if ((end < 0 ? buf.length : end) - start > HEAD_MAX_BYTES) {
         return refuse(431, `request line and headers over ${HEAD_MAX_BYTES} bytes`);
       }
-      if (end < 0) return void (buf = buf.subarray(start));
+      if (end < 0) return void (buf = buf.subarray(start), ended && socket.end());
       const head = parseHead(buf.toString("latin1", start, end));
       buf = buf.subarray(end + 4);
       if (typeof head === "string") return refuse(head.startsWith("Expect") ? 417 : 400, head);
@@ -1748,6 +1748,7 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
         if (!buf.length || eol < 0) {
           if (got.length) return Buffer.concat(got);
           if (buf.length > 1024) throw new Error("a chunk size or trailer line over 1 KiB");
+          if (ended) throw new Error("the client ended its side before the body's end");
           await more();
         } else if (!chunked || size > 0) {
           const piece = buf.subarray(0, chunked ? size : left);
@@ -1830,6 +1831,7 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
   }
   socket.on("error", () => {}); // a reset: its close follows
   socket.on("close", () => (deadlines.delete(socket), gone?.abort(), wake?.()));
+  socket.on("end", () => (ended = true, wake ? wake() : gone || nextRequest()));
   socket.on("data", (d: Buffer) => {
     if (closing) return;
     buf = buf.length ? Buffer.concat([buf, d]) : d;
@@ -1853,7 +1855,9 @@ async function serveHttp(handler: FetchHandler, hostname: string, port: number):
   // Past the bound a newcomer is answered 503 and closed, CONN_TURNED_AWAY_MAX at once (the rest closed unanswered),
   // so an accept never fails: under Bun that spins a core, under Deno it stops accepting. `accepted`: see the watchdog.
   let accepted = 0, turning = 0, saidAt = -Infinity;
-  const server = createServer({ noDelay: true }, (socket) => {
+  // Half-open: a client that ends its side after its requests (as `nc -N` does) is still answered; it was not, its
+  // send queued all the same.
+  const server = createServer({ noDelay: true, allowHalfOpen: true }, (socket) => {
     accepted++;
     if (deadlines.size < most) return serveConnection(socket, handler, hostname, deadlines);
     if (turning >= CONN_TURNED_AWAY_MAX) return void socket.destroy();
