@@ -3679,5 +3679,39 @@ describe("the bus's HTTP server under attack", () => {
       },
       60_000,
     );
+    onLan(
+      `one source address holds a quarter of the connections a bus allows, at most: a host that opens them all is told 503 past its share (in words), and this machine's sessions are still served (${runtime})`,
+      async () => {
+        const argv = [...runtimeArgv(runtime), "bus", "--port", "0", "--host", "0.0.0.0", "--data", tmpDir()];
+        const child = spawnChild(["sh", "-c", 'ulimit -n 256 && exec "$@"', "sh", ...argv]);
+        const port = Number((await child.waitFor(/listening on http:\/\/\S+:(\d+)/))[1]);
+        const allows = Number((await child.waitFor(/file-descriptor limit allows (\d+) connections/))[1]);
+        const sockets: net.Socket[] = [];
+        const ask = (host: string) =>
+          new Promise<string>((resolve) => {
+            const socket = net.connect(port, host).on("error", () => resolve(""));
+            sockets.push(socket);
+            socket.once("data", (d) => resolve(d.toString())).once("close", () => resolve(""));
+            socket.once("connect", () => socket.write(`GET /roster HTTP/1.1\r\nHost: x\r\n\r\n`));
+          });
+        try {
+          const answers: Record<string, number> = {};
+          let told = "";
+          for (let i = 0; i < allows + 20; i++) { // every connection the bus allows, and more, from one host
+            const got = await ask(LAN!), status = got.slice(9, 12);
+            answers[status] = (answers[status] ?? 0) + 1;
+            if (status === "503") told = got;
+          }
+          // Before: the host held them all (allows - 1 and more), and this machine's next request was told 503.
+          expect(answers).toEqual({ "200": allows >> 2, "503": allows + 20 - (allows >> 2) });
+          expect(told).toContain(`your address holds ${allows >> 2} connections, its share of this bus`);
+          expect((await ask("127.0.0.1")).slice(9, 12)).toBe("200");
+        } finally {
+          for (const s of sockets) s.destroy();
+          await stop(child);
+        }
+      },
+      60_000,
+    );
   }
 });

@@ -1847,6 +1847,12 @@ async function serveHttp(handler: FetchHandler, hostname: string, port: number):
   REASONS = http.STATUS_CODES;
   const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
   const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
+  // A source address holds a quarter of them at most (LOOPBACK: this machine's sessions, the whole): one host's 10,000
+  // held connections told every other client 503. `held`: bounded, an entry per address holding one.
+  const held = new Map<string, number>(), share = most >> 2;
+  const yours = JSON.stringify({
+    error: `your address holds ${share} connections, its share of this bus; retry later`,
+  });
   const deadlines = new Map<net.Socket, number>(); // each open connection's: closed once past it (Infinity: none)
   const sweep = setInterval(() => { // a second late at most, as node:http's check was
     const now = Date.now();
@@ -1859,16 +1865,20 @@ async function serveHttp(handler: FetchHandler, hostname: string, port: number):
   // send queued all the same.
   const server = createServer({ noDelay: true, allowHalfOpen: true }, (socket) => {
     accepted++;
-    if (deadlines.size < most) return serveConnection(socket, handler, hostname, deadlines);
+    const bucket = addressBucket(socket.remoteAddress ?? ""), mine = bucket !== LOOPBACK && held.get(bucket)! >= share;
+    if (deadlines.size < most && !mine) {
+      (addCount(held, bucket, 1), socket.once("close", () => addCount(held, bucket, -1)));
+      return serveConnection(socket, handler, hostname, deadlines);
+    }
     if (turning >= CONN_TURNED_AWAY_MAX) return void socket.destroy();
-    if (Date.now() - saidAt > 60_000) {
+    if (!mine && Date.now() - saidAt > 60_000) {
       saidAt = Date.now();
       logWarn(`holding the ${sessions} its file-descriptor limit allows: newcomers are told 503 (once a minute)`);
     }
     turning++;
     const late = setTimeout(() => socket.destroy(), 1000); // a request not sent within a second gets no answer
     socket.on("error", () => {}).once("close", () => (turning--, clearTimeout(late)));
-    socket.once("data", () => socket.end(answerHead(503, CLOSING_JSON, busy)));
+    socket.once("data", () => socket.end(answerHead(503, CLOSING_JSON, mine ? yours : busy)));
   });
   server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
   await new Promise<void>((resolve, reject) => (server.once("error", reject), server.listen(port, hostname, resolve)));
