@@ -3713,5 +3713,40 @@ describe("the bus's HTTP server under attack", () => {
       },
       60_000,
     );
+    test.concurrent(
+      `a client that closes an event stream while the server waits for its next event, or a long answer in mid-write, frees its connection: a hundred such, past the 64 a low descriptor limit allows, and the next client is still served, not told 503 (${runtime})`,
+      async () => {
+        const script = path.join(tmpDir(), "events.ts"), bus = pathToFileURL(path.join(REPO, "bus.ts"));
+        fs.writeFileSync(
+          script,
+          `import { serveHttp } from ${JSON.stringify(bus.href)};\n` +
+            "const never = () => new ReadableStream({ pull: () => new Promise(() => {}) });\n" +
+            "const long = () => new ReadableStream({ pull: (c) => c.enqueue(new Uint8Array(1 << 16)) });\n" +
+            "const answer = (r) => new Response(r.url.endsWith('/events') ? never() : long());\n" +
+            'const s = await serveHttp((r) => Promise.resolve(answer(r)), "127.0.0.1", 0);\n' +
+            "console.error(`listening on port ${s.port}`);\n",
+        );
+        const child = spawnChild(["sh", "-c", 'ulimit -n 128 && exec "$@"', "sh", ...runtimeArgv(runtime, script)]);
+        try {
+          const port = Number((await child.waitFor(/listening on port (\d+)/))[1]);
+          const open = (what = "/events") =>
+            new Promise<string>((resolve) => {
+              const socket = net.connect(port, "127.0.0.1").on("error", () => resolve(""));
+              socket.once("data", (d) => (resolve(d.toString().slice(9, 12)), socket.destroy()));
+              socket.once("close", () => resolve(""));
+              socket.once("connect", () => socket.write(`GET ${what} HTTP/1.1\r\nHost: x\r\n\r\n`));
+            });
+          const statuses = new Set<string>();
+          // Each reads its head and leaves: an event stream waiting, or an endless answer in mid-write.
+          for (let i = 0; i < 100; i++) statuses.add(await open(i % 2 ? "/events" : "/long"));
+          await Bun.sleep(1_500); // the sweep's second: a connection it found past its deadline, destroyed again
+          // Before, each such connection stayed counted for good (its deadline set again after its close).
+          expect({ statuses: [...statuses], next: await open() }).toEqual({ statuses: ["200"], next: "200" });
+        } finally {
+          await stop(child);
+        }
+      },
+      60_000,
+    );
   }
 });

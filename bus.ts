@@ -1706,7 +1706,9 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
   const from = socket.remoteAddress || NO_ADDRESS; // after a reset the socket has none
   let buf = Buffer.alloc(0) as Buffer, gone: AbortController | null = null, wake: (() => void) | null = null;
   let closing = false, ended = false; // `ended`: the client sent all it will (a half-close), answered still
-  deadlines.set(socket, Date.now() + CONN_IDLE_MS);
+  // Never set again once closed: its entry, swept and never deleted, held a connection of the bound for good.
+  const due = (at: number) => void (socket.destroyed || deadlines.set(socket, at));
+  due(Date.now() + CONN_IDLE_MS);
   const refuse = (status: number, why: string) => {
     closing = true;
     socket.end(answerHead(status, CLOSING_JSON, JSON.stringify({ error: why })));
@@ -1729,10 +1731,10 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
   const more = () => new Promise<void>((resolve) => (wake = resolve, socket.resume())).then(() => void (wake = null));
   async function serveRequest({ method, target, version, headers }: RequestHead) {
     const aborted = gone = new AbortController();
-    deadlines.set(socket, Infinity);
+    due(Infinity);
     const chunked = headers.has("transfer-encoding");
     let left = Number(headers.get("content-length") ?? 0), whole = !chunked && !left, size = -1, started = false;
-    const done = () => (whole = true, deadlines.set(socket, Infinity), null);
+    const done = () => (whole = true, due(Infinity), null);
     // The body's next bytes, within CONN_BODY_MS of the first read; null once all read. `size`, chunked: the bytes
     // left of this chunk; -1 its size line next, -2 its CRLF, 0 the trailer. A malformed body throws (the handler's 400).
     // `got`: the chunks at hand, handed on as one (a view of the socket's buffer each, 2 MB of one-byte chunks were
@@ -1740,7 +1742,7 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
     const take = async (): Promise<Uint8Array | null> => {
       if (whole) return null;
       if (!started && headers.has("expect")) socket.write("HTTP/1.1 100 Continue\r\n\r\n");
-      if (!started) (started = true, deadlines.set(socket, Date.now() + CONN_BODY_MS));
+      if (!started) (started = true, due(Date.now() + CONN_BODY_MS));
       const got: Uint8Array[] = [];
       for (;;) {
         if (socket.destroyed) throw new Error("the connection closed before the body's end");
@@ -1812,17 +1814,18 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
       try {
         for (let c = await slices.read(); !c.done; c = await slices.read()) {
           socket.write(`${c.value.length.toString(16)}\r\n`), socket.write(c.value);
-          deadlines.set(socket, Date.now() + CONN_IDLE_MS); // a slice not taken: closed (waited for forever, before)
+          due(Date.now() + CONN_IDLE_MS); // a slice not taken: closed (waited for forever, before)
           await new Promise((written) => socket.write("\r\n", written));
-          deadlines.set(socket, Infinity); // the stream's next slice: an event stream may wait long for it
+          due(Infinity); // the stream's next slice: an event stream may wait long for it
           if (socket.destroyed) throw new Error("gone");
         }
+        if (aborted.signal.aborted) throw new Error("cut short"); // never a short answer ended as if whole
         socket.write("0\r\n\r\n", after);
       } catch {
         return void socket.destroy(); // its close cancels the stream
       }
     }
-    deadlines.set(socket, Date.now() + CONN_IDLE_MS); // for the next request, or for the client to take this answer
+    due(Date.now() + CONN_IDLE_MS); // for the next request, or for the client to take this answer
     if (!whole || !keep) return void (closing = true, whole && socket.end());
     // The next pipelined request once the kernel took this answer: a client that reads none is not answered into
     // memory (8 MB of requests held a Bun bus at 600 MB), and the deadline above closes it.
@@ -1831,7 +1834,8 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
   }
   socket.on("error", () => {}); // a reset: its close follows
   socket.on("close", () => (deadlines.delete(socket), gone?.abort(), wake?.()));
-  socket.on("end", () => (ended = true, wake ? wake() : gone || nextRequest()));
+  // A request in flight at the client's end: a long-poll or a stream is given up (its client may be gone for good).
+  socket.on("end", () => (ended = true, wake ? wake() : gone ? gone.abort() : nextRequest()));
   socket.on("data", (d: Buffer) => {
     if (closing) return;
     buf = buf.length ? Buffer.concat([buf, d]) : d;
