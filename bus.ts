@@ -1985,33 +1985,16 @@ export const command: CommandSpec = {
       String(OWNERS_MAX),
       "keys whose routes the bus protects (recipient ownership), never forgotten; past it the bus closes: every recv and ack then needs a proof, and reference nodes are refused (403)",
     ),
-    guard: option(
-      "on|off",
-      "INTERLINK_BUS_GUARD",
-      "on",
-      `accepted for scripts that pass it; on and off are one server, always bounded: it closes idle (${
-        CONN_IDLE_MS / 1000
-      } s) and slow (${CONN_BODY_MS / 1000} s) connections and answers 503 past what the file-descriptor limit holds`,
-    ),
+    guard: option("on|off", "INTERLINK_BUS_GUARD", "on", "ignored: every bus's server is bounded now"),
   },
   run: runBus,
 };
 
 // -- the public surface: what node tests, the bench and the board import
 
-export {
-  Bus,
-  BusQueues,
-  CONN_BODY_MS,
-  CONN_IDLE_MS,
-  errorResponse,
-  jsonResponse,
-  MESSAGE_OVERHEAD_BYTES,
-  NODE_ED25519,
-};
-export { OPAQUE_CAP };
-export { RECV_BATCH_BYTES, RECV_TIMEOUT_MAX_MS, recvTimeoutMs, Roster, ROSTER_PER_ADDRESS_CAP, ROUTE_OVERHEAD_BYTES };
-export { SENDER_BYTES_MAX, serveHttp, splitUrl, TOTAL_BYTES_MAX };
+export { Bus, BusQueues, CONN_BODY_MS, CONN_IDLE_MS, errorResponse, jsonResponse, MESSAGE_OVERHEAD_BYTES };
+export { NODE_ED25519, OPAQUE_CAP, RECV_BATCH_BYTES, RECV_TIMEOUT_MAX_MS, recvTimeoutMs, Roster };
+export { ROSTER_PER_ADDRESS_CAP, ROUTE_OVERHEAD_BYTES, SENDER_BYTES_MAX, serveHttp, splitUrl, TOTAL_BYTES_MAX };
 export type { Listening };
 
 if (import.meta.main) runExtra("bus", command);

@@ -694,8 +694,8 @@ async function relayLoad(relay: Relay, id: Identity, dir: string, pid: number, p
 // ============================================================================
 
 /**
- * 8 pairs × 500 messages, then 64 pairs × 125, through our bus (and again
- * with --guard off, the same server since 2026-12-07), through the in-memory floor and through
+ * 8 pairs × 500 messages, then 64 pairs × 125, through our bus (its one
+ * server since 2026-12-07: --guard off is no longer measured apart), through the in-memory floor and through
  * Redis with `appendfsync always` when it is installed, in one run, each
  * figure also as a ratio to the floor and to Redis.
  */
@@ -724,7 +724,6 @@ async function benchThroughput(
     ["floor", () => startFloor(servers)],
     ["bus", () => startBus(servers, path.join(root, "throughput"))],
   ];
-  started.push(["bus_unguarded", () => startBus(servers, path.join(root, "throughput-off"), ["--guard", "off"])]);
   const out: Record<string, unknown> = {
     load: `${pairs} pairs × ${perPair}, send → recv → ack; "_64": ${widePairs} pairs × ${widePerPair}`,
     load_generator: runtimeName(),
@@ -738,10 +737,8 @@ async function benchThroughput(
     try {
       progress(`throughput: ${name} (pid ${server.child.pid}), ${pairs} pairs × ${perPair}`);
       out[name] = await throughputLoad(server.url, server.child.pid!, signed);
-      if (name !== "bus_unguarded") {
-        progress(`throughput: ${name}, ${widePairs} pairs × ${widePerPair}`);
-        out[`${name}_64`] = await throughputLoad(server.url, server.child.pid!, wide);
-      }
+      progress(`throughput: ${name}, ${widePairs} pairs × ${widePerPair}`);
+      out[`${name}_64`] = await throughputLoad(server.url, server.child.pid!, wide);
       if (name === "bus") {
         progress(`throughput: bus again, batched recv and ack (as our agents use it)`);
         out.bus_batched = await throughputLoad(server.url, server.child.pid!, signed, true);
