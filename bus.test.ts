@@ -2978,8 +2978,9 @@ describe("hostile clients: bodies and connections", () => {
           // Refused unread: a 429, or a reset that came first on a loaded machine (the answer is then never read).
           expect((answers["HTTP/1.1 429"] ?? 0) + (answers[""] ?? 0)).toBeGreaterThanOrEqual(250);
           expect(answers["HTTP/1.1 408"] ?? 0).toBeLessThanOrEqual(50);
-          // 300 × 2 MB held would be 600 MB more; the budget holds it to a few bodies.
-          expect(peak - idle).toBeLessThan(150 * 2 ** 20);
+          // 300 × 2 MB held would be 600 MB more; the budget holds it to a few bodies. Deno's node:net reads ahead more
+          // than its node:http did: 83 to 103 MB alone (40 to 50 before the bus's own server), 154 beside a second suite.
+          expect(peak - idle).toBeLessThan((runtime === "deno" ? 200 : 150) * 2 ** 20);
           clearInterval(sampler);
           await new Promise((r) => setTimeout(r, 2_000));
           expect(rss() - idle).toBeLessThan(100 * 2 ** 20); // and it is let go of
