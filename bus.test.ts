@@ -3507,7 +3507,7 @@ function cpuSeconds(pid: number): number {
 }
 
 describe("the bus's HTTP server under attack", () => {
-  test("a HEAD request is answered with a head alone even when the handler streams its answer (the board's 405): the body would read as the answer to the next request on the connection", async () => {
+  test.concurrent("a HEAD request is answered with a head alone even when the handler streams its answer (the board's 405): the body would read as the answer to the next request on the connection", async () => {
     const server = await serveHttp((req) => Promise.resolve(new Response(`${req.method} streamed\n`)), "127.0.0.1", 0);
     try {
       const r = await converse(server.port, ["HEAD /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n"]);
@@ -3521,7 +3521,7 @@ describe("the bus's HTTP server under attack", () => {
     }
   });
 
-  test(
+  test.concurrent(
     "a streamed answer its client never reads is given up at the idle deadline (its stream cancelled, the connection closed), not waited on forever: off loopback the kernel takes a few segments, not the whole answer",
     async () => {
       let cancelled = false;
