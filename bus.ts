@@ -1705,7 +1705,7 @@ function connectionBound(): number {
 function serveConnection(socket: net.Socket, handler: FetchHandler, host: string, deadlines: Map<net.Socket, number>) {
   const from = socket.remoteAddress || NO_ADDRESS; // after a reset the socket has none
   let buf = Buffer.alloc(0) as Buffer, gone: AbortController | null = null, wake: (() => void) | null = null;
-  let closing = false, ended = false; // `ended`: the client sent all it will (a half-close), answered still
+  let closing = false, ended = false, drained = () => {}; // `ended`: the client half-closed, answered still
   // Never set again once closed: its entry, swept and never deleted, held a connection of the bound for good.
   const due = (at: number) => void (socket.destroyed || deadlines.set(socket, at));
   due(Date.now() + CONN_IDLE_MS);
@@ -1829,11 +1829,11 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
     if (!whole || !keep) return void (closing = true, whole && socket.end());
     // The next pipelined request once the kernel took this answer: a client that reads none is not answered into
     // memory (8 MB of requests held a Bun bus at 600 MB), and the deadline above closes it.
-    if (socket.writableNeedDrain) await new Promise((drained) => socket.once("drain", drained).once("close", drained));
+    if (socket.writableNeedDrain) await new Promise<void>((r) => socket.once("drain", drained = () => r())); // or close
     if (!socket.destroyed) (gone = null, socket.resume(), nextRequest()); // one cut: what it sent after, unanswered
   }
   socket.on("error", () => {}); // a reset: its close follows
-  socket.on("close", () => (deadlines.delete(socket), gone?.abort(), wake?.()));
+  socket.on("close", () => (deadlines.delete(socket), gone?.abort(), wake?.(), drained())); // no listener left per wait
   // A request in flight at the client's end: a long-poll or a stream is given up (its client may be gone for good).
   socket.on("end", () => (ended = true, wake ? wake() : gone ? gone.abort() : nextRequest()));
   socket.on("data", (d: Buffer) => {

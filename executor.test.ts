@@ -42,6 +42,12 @@ if (!CLAUDE_BIN) {
 }
 const hostTest = CLAUDE_BIN ? test : test.skip;
 
+/** What `interlink.ts tasks` shows `b`'s operator (its executors, each task's denials). */
+const tasksOf = (runtime: "bun" | "deno", b: NodeFiles) =>
+  runCli(runtime, ["tasks"], {
+    env: { INTERLINK_KEY: b.keyFile, INTERLINK_PEERS: b.peersFile, INTERLINK_STATE: b.stateDir },
+  }).stdout;
+
 /** The processes whose command line holds `needle` (a host's command). */
 function running(needle: string): number[] {
   return procs((cmd) => cmd.includes(needle));
@@ -231,8 +237,7 @@ describe("serve: a task for a node with no open session runs in a headless Claud
           await eventually(() => running(marker).length > 0, "the host runs the model's command", 60_000);
           const host = Number(bobServe.stderr.join("\n").match(/task t2: claude started, pid (\d+)/)![1]);
           // bob's operator sees it run: peer, task, host, pid, folder, when it started, turns so far
-          const env = { INTERLINK_KEY: b.keyFile, INTERLINK_PEERS: b.peersFile, INTERLINK_STATE: b.stateDir };
-          expect(runCli(runtime, ["tasks"], { env }).stdout).toMatch(
+          expect(tasksOf(runtime, b)).toMatch(
             new RegExp(`executor  running claude task t2 for ${a.name}: pid ${host}, ${work}, started \\S+, \\d+ turn`),
           );
           await alice.ok("cancel_task", { to: b.name, task_id: "t2", reason: "not needed" });
@@ -278,10 +283,7 @@ describe("serve: a task for a node with no open session runs in a headless Claud
           expect(lines.some((l) => l.includes(`was not allowed to run \`Write: ${target}\``))).toBe(true);
           expect(end.content).toContain("ended the task");
           expect(lines.filter((l) => /^(result|failed|canceled): /.test(l)).length).toBe(1);
-          const tasks = runCli("bun", ["tasks"], {
-            env: { INTERLINK_KEY: b.keyFile, INTERLINK_PEERS: b.peersFile, INTERLINK_STATE: b.stateDir },
-          });
-          expect(tasks.stdout).toContain(`denied: Write: ${target}`);
+          expect(tasksOf("bun", b)).toContain(`denied: Write: ${target}`);
         } finally {
           await alice.close();
           await stop(bobServe);
@@ -609,10 +611,7 @@ describe("serve: a task for a node with no open session runs in a headless Claud
           const denied = told(alice, `t12-${mode[1] ?? "default"}`).filter((l) => l.includes("was not allowed to run"));
           expect(denied.length).toBe(5);
           for (const d of denied) expect(d).toContain(`was not allowed to run \`Write: ${target}\``);
-          const tasks = runCli(runtime, ["tasks"], {
-            env: { INTERLINK_KEY: b.keyFile, INTERLINK_PEERS: b.peersFile, INTERLINK_STATE: b.stateDir },
-          });
-          expect(tasks.stdout).toContain(`denied: Write: ${target}`);
+          expect(tasksOf(runtime, b)).toContain(`denied: Write: ${target}`);
         } finally {
           await alice.close();
           await stop(bobServe);
@@ -893,12 +892,10 @@ describe("serve: a task run by a headless Codex (codex app-server)", () => {
           expect(lines[1]).toContain("operator can allow it (interlink.ts peers exec --mode, Codex's sandbox)");
           expect(end.content).toContain("ended the task");
           expect(lines.filter((l) => /^(result|failed|canceled): /.test(l)).length).toBe(1);
-          const tasks = runCli(runtime, ["tasks"], {
-            env: { INTERLINK_KEY: b.keyFile, INTERLINK_PEERS: b.peersFile, INTERLINK_STATE: b.stateDir },
-          });
-          expect(tasks.stdout).toMatch(new RegExp(`denied: shell: [^\n]*touch ${target}`));
-          expect(tasks.stdout).toContain("mcp__interlink__add_peer");
-          expect(tasks.stdout).toContain(`apply_patch: ${patched}`);
+          const tasks = tasksOf(runtime, b);
+          expect(tasks).toMatch(new RegExp(`denied: shell: [^\n]*touch ${target}`));
+          expect(tasks).toContain("mcp__interlink__add_peer");
+          expect(tasks).toContain(`apply_patch: ${patched}`);
         } finally {
           await alice.close();
           await stop(bobServe);
