@@ -770,9 +770,9 @@ function b64urlDecode(text: unknown, byteLength: number, what: string): Bytes {
   if (typeof text !== "string" || text.length !== chars || !/^[A-Za-z0-9_-]*$/.test(text)) {
     throw new FormatError(`${what} is not ${byteLength} bytes of unpadded base64url`);
   }
-  const bytes = new Uint8Array(Buffer.from(text, "base64url"));
-  if (b64urlEncode(bytes) !== text) throw new FormatError(`${what} is not canonical base64url`);
-  return bytes;
+  const bytes = Buffer.from(text, "base64url");
+  if (bytes.toString("base64url") !== text) throw new FormatError(`${what} is not canonical base64url`);
+  return new Uint8Array(bytes);
 }
 
 const decodeKey = (text: unknown, what = "key"): Bytes => b64urlDecode(text, 32, what);
@@ -788,10 +788,10 @@ function humanBytes(bytes: number): string {
   return `${bytes} bytes`;
 }
 
-function u64le(n: number): Bytes {
-  const out = new Uint8Array(8);
-  new DataView(out.buffer).setBigUint64(0, BigInt(n), true);
-  return out;
+function u64le(n: number): Bytes { // no BigInt, no DataView: the bus checks every message's signature on one thread
+  if (!Number.isInteger(n)) throw new RangeError(`${n} is not an integer`);
+  const lo = n >>> 0, hi = Math.floor(n / 2 ** 32) >>> 0; // two's complement below zero, as BigUint64 wraps
+  return new Uint8Array([lo, lo >>> 8, lo >>> 16, lo >>> 24, hi, hi >>> 8, hi >>> 16, hi >>> 24]);
 }
 const u32le = (n: number): Bytes => u64le(n).subarray(0, 4); // little-endian: its low half
 
@@ -943,21 +943,11 @@ const hasSmallOrder = (encoded: Uint8Array): boolean =>
   SMALL_ORDER_Y.some((y) => y.compare(encoded, 0, 31, 0, 31) === 0 && (encoded[31] & 0x7f) === y[31]);
 
 /**
- * Ed25519's own check, after ours: WebCrypto's, which every runtime has. A relay, which checks every message it queues,
- * plugs in node:crypto's (useEd25519: 60 % less CPU than WebCrypto's under Bun), a module every session would pay 6 MB
- * for. `key` makes what `verify` takes of a public key's bytes; either may throw or reject for a point that is not one.
+ * Verifying keys, by their text: only keys that decoded and passed the small-order check get here. Ed25519's own check,
+ * after ours, is WebCrypto's, which every runtime has and runs off the event loop (a relay checking every message it
+ * queues keeps its one JavaScript thread for requests; docs/performance.md).
  */
-type Ed25519 = { key(raw: Bytes): unknown; verify(key: unknown, sig: Bytes, signed: Bytes): Promise<boolean> };
-const WEBCRYPTO_ED25519: Ed25519 = {
-  key: (raw) => crypto.subtle.importKey("raw", raw, { name: "Ed25519" }, false, ["verify"]),
-  verify: async (key, sig, signed) => crypto.subtle.verify("Ed25519", await (key as Promise<CryptoKey>), sig, signed),
-};
-let ed25519 = WEBCRYPTO_ED25519;
-
-/** Verifying keys, by their text (ed25519.key's): only keys that decoded and passed the small-order check get here. */
-const verifyingKeys = new BoundedMap<string, unknown>(KEY_CACHE_CAP);
-
-const useEd25519 = (impl: Ed25519) => void (ed25519 = impl, verifyingKeys.clear());
+const verifyingKeys = new BoundedMap<string, Promise<CryptoKey>>(KEY_CACHE_CAP);
 
 /** Whether a signature's S (its last 32 bytes, little-endian) is below L; L's top byte is 0x10. */
 const isReduced = (s: Uint8Array): boolean => s[31] !== 0x10 ? s[31] < 0x10 : littleEndianToBigInt(s) < L;
@@ -970,16 +960,16 @@ async function verifyDetached(publicKey: string, signature: string, signed: Byte
     const raw = orWhy(() => decodeKey(publicKey, "public key"));
     if (typeof raw === "string") return raw;
     if (hasSmallOrder(raw)) return "public key is a small-order point";
-    key = orWhy(() => ({ key: ed25519.key(raw) }));
-    if (typeof key === "string") return notAPoint;
-    verifyingKeys.set(publicKey, key = (key as { key: unknown }).key);
+    key = crypto.subtle.importKey("raw", raw, { name: "Ed25519" }, false, ["verify"]);
+    key.catch(() => {}); // one that is not a point may reject: the verify below says so, even if never reached
+    verifyingKeys.set(publicKey, key);
   }
   const sig = orWhy(() => b64urlDecode(signature, 64, "signature"));
   if (typeof sig === "string") return sig;
   if (hasSmallOrder(sig.subarray(0, 32))) return "signature R is a small-order point";
   if (!isReduced(sig.subarray(32))) return "signature S is not reduced (S >= L)";
   try {
-    return (await ed25519.verify(key, sig, signed)) ? null : "signature does not match";
+    return (await crypto.subtle.verify("Ed25519", await key, sig, signed)) ? null : "signature does not match";
   } catch {
     verifyingKeys.delete(publicKey);
     return notAPoint;
@@ -9368,7 +9358,7 @@ export { jsonShape, logInfo, logWarn, msFromEnv, option, parseAnnouncement, pars
 export { PRESENCE_LIVE_MS, QUEUE_CAP, RECV_TIMEOUT_MS, recvProofBytes, redactUrl, RelayError, ROSTER_CAP };
 export { ROSTER_PER_KEY_CAP, ROSTER_RETENTION_MS, rosterKey, ROUTE_FULL, runExtra, runtimeHost, scanJsonl };
 export { SEND_TIMEOUT_MS, SESSION_RE, setAside, setLogComponent, shutdownSignal, syncDirectory, thisScript, timestamp };
-export { unregisterBytes, useEd25519, utf8, utf8Bytes, verifyAnnouncement, verifyDetached, verifyMessage, VERSION };
+export { unregisterBytes, utf8, utf8Bytes, verifyAnnouncement, verifyDetached, verifyMessage, VERSION };
 export { writeFileAtomic };
 export type { Announcement, Bytes, CommandSpec, Options, Received, Relay, SignedMessage };
 // The extras (extras/: board, codex-install, doctor, upgrade, verify) and the CLI table they extend.
@@ -9398,6 +9388,6 @@ export { MCP_LINE_MAX_CHARS, mcpJson, messageBlock, messagePayload, parseFlags, 
 export { parseReceipt, planInbound, planWake, prepareSend, pushEvent, readAnswer, readId, readInvites, readJsonl };
 export { readNodeState, RECEIPT_LINES_MAX, receiptText, RECV_ANSWER_MAX_BYTES, removePeer, RENEW_TEXT, REPLAY_KEPT_MS };
 export { RESIGN_SPAN_MS, runTool, SERVE_DOOR, SERVE_TASK, serverInstructions, setLogSink, taskTable, taskTag };
-export { toolListing, TOOLS, WAIT_TIMEOUT_S, wakeText, WEBCRYPTO_ED25519 };
+export { toolListing, TOOLS, WAIT_TIMEOUT_S, wakeText };
 export type { Carried, CarriedOut, Draft, Effect, ExecProfile, Handed, InboundContext, InboxItem, Invite, InviteCode };
 export type { NodeConfig, Remembered };
