@@ -737,6 +737,25 @@ describe("bus: durability", () => {
     }
   });
 
+  test("a send that comes while an fdatasync runs is committed at once, with an fdatasync of its own, and answered after the sends before it", async () => {
+    const bus = await Bus.open(tmpDir(), { limits: { opaqueCap: 1000 } });
+    try {
+      const answered: number[] = [], sends: Promise<void>[] = [];
+      for (let i = 0; i < 50; i++) {
+        sends.push(bus.send("r", JSON.stringify(i)).then(() => void answered.push(i)));
+        await new Promise((turn) => setImmediate(turn)); // the next comes a turn later: a commit of its own
+      }
+      await Promise.all(sends);
+      expect(answered).toEqual(Array.from({ length: 50 }, (_, i) => i));
+      const { commits, syncs, overlapped } = bus.commitStats;
+      expect(syncs).toBe(commits); // none answered on another commit's fdatasync
+      expect(overlapped).toBeGreaterThan(0); // they waited for each other's end before: one at a time
+      expect(bus.take("r", 50).map((m) => JSON.parse(m.payload))).toEqual(Array.from({ length: 50 }, (_, i) => i));
+    } finally {
+      await bus.close();
+    }
+  });
+
   test("a seq given again after a power cut (its message was committed, handed out, but not yet on disk) is not acked by the lost one's key", async () => {
     const dir = tmpDir();
     const bus = await Bus.open(dir, { limits: { opaqueCap: 1000 } });
