@@ -515,15 +515,19 @@ function parseResp(b: Buffer, i: number): { value: unknown; end: number } | null
 
 /** Runs `load` against the server `pid`: messages per second, and the server's CPU and RSS meanwhile. */
 async function timedLoad(pid: number, messages: number, load: () => Promise<unknown>) {
-  const cpu0 = cpuSeconds(pid);
+  const [cpu0, main0] = [cpuSeconds(pid), mainThreadCpuNs(pid)];
   const t0 = performance.now();
   await load();
   const seconds = (performance.now() - t0) / 1000;
-  const cpu1 = cpuSeconds(pid);
+  const [cpu1, main1] = [cpuSeconds(pid), mainThreadCpuNs(pid)];
   return {
     msgs_per_s: Math.round(messages / seconds),
     seconds: Math.round(seconds * 1000) / 1000,
     server_cpu_percent: cpu0 === null || cpu1 === null ? null : Math.round(((cpu1 - cpu0) / seconds) * 100),
+    // Its one JavaScript thread's share: what the event loop spent on a message (the rest ran on other threads).
+    server_main_thread_us_per_msg: main0 === null || main1 === null
+      ? null
+      : Math.round((main1 - main0) / 1000 / messages),
     server_rss_mb: rssMb(pid),
   };
 }
