@@ -74,6 +74,7 @@ import {
   runtimeArgv,
   sleepUntil,
   smallDisk,
+  spawnAsync,
   spawnChild,
   spawnTracked,
   startBus,
@@ -1058,6 +1059,32 @@ describe("bus: the upgrade from an earlier bus's queue.jsonl", () => {
         } finally {
           await reopened.close();
         }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a bus.ts copied alone beside interlink.ts, without extras/ (${runtime}), refuses a folder holding an earlier bus's queue.jsonl: it exits naming extras/upgrade.ts, and changes nothing there`,
+      async () => {
+        const lone = tmpDir("interlink-lone-bus-");
+        for (const f of ["interlink.ts", "bus.ts"]) fs.copyFileSync(path.join(REPO, f), path.join(lone, f));
+        const dir = folder(), before = fs.readFileSync(path.join(dir, "queue.jsonl"));
+        // Both ways a bus starts: `interlink.ts bus`, and bus.ts itself. A bus that took the file in would listen on.
+        for (const args of [["interlink.ts", "bus"], ["bus.ts"]]) {
+          const [cmd, ...pre] = runtimeArgv(runtime, path.join(lone, args[0]));
+          const r = await spawnAsync(cmd, [...pre, ...args.slice(1), "--port", "0", "--data", dir], {
+            timeout: 20_000,
+          });
+          expect({ status: r.status, names: r.stderr.includes("it is extras/upgrade.ts in interlink's repository") })
+            .toEqual({ status: 1, names: true });
+          expect(r.stderr).toContain(`fetch that file to ${path.join(lone, "extras", "upgrade.ts")}`);
+          expect(r.stderr).toContain("nothing was changed");
+        }
+        expect(fs.readdirSync(dir)).toEqual(["queue.jsonl"]); // no queue.db, no lock: the folder as it was
+        expect(fs.readFileSync(path.join(dir, "queue.jsonl"))).toEqual(before);
+        expect(fs.readdirSync(lone).sort()).toEqual(["bus.ts", "interlink.ts"]); // nothing fetched or written beside it
       },
       60_000,
     );

@@ -32,7 +32,6 @@ import {
   busDataDir,
   type CommandSpec,
   DEFAULT_BUS_PORT,
-  failpoint,
   field,
   fingerprint,
   FormatError,
@@ -64,7 +63,6 @@ import {
   rosterKey,
   ROUTE_FULL,
   runExtra,
-  scanJsonl,
   setAside,
   setLogComponent,
   shutdownSignal,
@@ -768,7 +766,7 @@ function splitUrl(url: string): { pathname: string; query: string } {
 //     sig, origin, expires)                          QUEUE_SCHEMA_2, origin and expires QUEUE_SCHEMA_3 (NULL: none)
 //   owner(key)                                       a key that proved it reads its routes here, never deleted
 //   meta(name, value)                                "closed": since when every route needs a proof (Bus.#close);
-//                                                    "imported": which queue.jsonl was taken in (importJsonl)
+//                                                    "imported": which queue.jsonl was taken in (extras/upgrade.ts)
 // A seq is global and never reused (AUTOINCREMENT keeps the high-water mark), so an ack key names its message across
 // restarts. Payloads stay JSON text end to end. message_route holds every column but the payload: a recv reads its
 // heads there (the answer's weight is held before a payload is read), and a start counts what is held from it alone.
@@ -825,12 +823,32 @@ const walBytesOf = (diskSize: number) => 4096 * Math.max(1, Math.min(WAL_PAGES, 
 /** A commit whose fdatasync of the WAL failed (Bus.#flush): what it wrote is held, though maybe not on disk. */
 class UnsyncedError extends Error {}
 
+/** extras/upgrade.ts's import of the queue.jsonl an earlier bus left: the skipped lines it set aside. */
+type ImportJsonl = (db: DatabaseSync, file: string, log: (msg: string) => void) => number;
+
+/**
+ * The import of an earlier bus's queue.jsonl, loaded only when the data folder holds one (null when not). A bus.ts
+ * copied alone refuses such a folder before it writes a byte, naming the file it needs.
+ */
+async function jsonlImporter(dataDir: string): Promise<ImportJsonl | null> {
+  if (!fs.existsSync(path.join(dataDir, "queue.jsonl"))) return null;
+  const where = import.meta.url.startsWith("file:") ? path.join(import.meta.dirname!, "extras", "upgrade.ts") : "";
+  if (where && !fs.existsSync(where)) {
+    throw new InterlinkError(
+      `${dataDir} holds queue.jsonl, the queue of an earlier bus, and taking it in is not part of bus.ts: it is ` +
+        `extras/upgrade.ts in interlink's repository, beside bus.ts. Clone the repository, or fetch that file to ` +
+        `${where}, to start this bus there; nothing was changed.`,
+    );
+  }
+  return (await import("./extras/upgrade.ts")).importJsonl;
+}
+
 /**
  * Opens the data folder's queue.db (made 0600, which SQLite gives its -wal and -shm files too; tables on a new one)
- * and takes in a queue.jsonl an earlier bus left (importJsonl), synchronous=FULL until then. A file that is not a
+ * and takes in a queue.jsonl an earlier bus left (`importJsonl`), synchronous=FULL until then. A file that is not a
  * queue database of this version, or that SQLite finds damaged, stops the start with what is wrong and what to do.
  */
-function openQueue(dataDir: string, log: (msg: string) => void) {
+function openQueue(dataDir: string, log: (msg: string) => void, importJsonl: ImportJsonl | null) {
   const file = path.join(dataDir, "queue.db");
   fs.closeSync(fs.openSync(file, "a", 0o600));
   let db: DatabaseSync | undefined;
@@ -842,7 +860,7 @@ function openQueue(dataDir: string, log: (msg: string) => void) {
     db.exec(`PRAGMA auto_vacuum = FULL; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;
       PRAGMA wal_autocheckpoint = ${wal / 4096}; PRAGMA journal_size_limit = ${wal}`);
     db.exec(`BEGIN; ${[QUEUE_SCHEMA, QUEUE_SCHEMA_2, QUEUE_SCHEMA_3].slice(user_version).join(" ")} COMMIT;`); // from its version on
-    const skippedLines = importJsonl(db, path.join(dataDir, "queue.jsonl"), log);
+    const skippedLines = importJsonl?.(db, path.join(dataDir, "queue.jsonl"), log) ?? 0;
     syncDirectory(dataDir); // queue.db and its WAL made, queue.jsonl renamed: for good
     db.exec("PRAGMA synchronous = NORMAL"); // from here a commit's fsync is Bus.#flush's, off the event loop
     const sql = (text: string) => db!.prepare(text), one = (text: string) => sql(text).get() ?? {};
@@ -865,81 +883,6 @@ function openQueue(dataDir: string, log: (msg: string) => void) {
         `again, start the bus on another --data folder, or move queue.db, queue.db-wal and queue.db-shm aside`,
     );
   }
-}
-
-/** Why a record of the JSONL bus's queue.jsonl is not one it wrote (the line is then set aside), or "". */
-function badBusRecord(r: Record<string, unknown>): string {
-  const seq = (v: unknown) => Number.isSafeInteger(v) && (v as number) > 0;
-  const route = typeof r.q === "string" && r.q !== "" && r.q.length <= RECIPIENT_MAX_CHARS;
-  const valid = r.t === "m"
-    ? route && seq(r.n) && typeof r.p === "string" && Number.isSafeInteger(r.ts)
-    : r.t === "a" || r.t === "d"
-    ? route && seq(r.n)
-    : r.t === "o"
-    ? route
-    : r.t === "c"
-    ? Number.isSafeInteger(r.ts)
-    : r.t === "h" && seq(r.next);
-  return valid ? "" : `not a valid "${String(r.t).slice(0, 8)}" record`;
-}
-
-/**
- * Takes in the queue.jsonl of the JSONL bus before this one (its records: fixtures/bus-0.5): every un-acked message
- * with its seq, ts, sender and size (so ack keys clients hold still work), every owner and the closed state, in one
- * transaction whose last row names the file (device, inode, size). The file is renamed aside, queue.jsonl.imported,
- * only once that committed, so a bus killed at any point takes it in once. An acked message ("a", in place or
- * appended; "d") is not taken in, and its seq is never given again. A line that is not a record, and a torn last
- * line, are set aside in queue.jsonl.corrupt, as that bus did, and never stop the import. Returns how many.
- */
-function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void): number {
-  if (!fs.existsSync(file)) return 0;
-  const st = fs.statSync(file);
-  const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
-  let skipped = 0, top = 0; // top: the highest seq the file names
-  if (sql("SELECT value FROM meta WHERE name = 'imported'").get()?.value !== id) {
-    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)"); // see QUEUE_SCHEMA_3
-    const remove = sql("DELETE FROM message WHERE seq = ? AND route = ?");
-    const owner = sql("INSERT OR IGNORE INTO owner (key) VALUES (?)");
-    const closed = sql("INSERT INTO meta VALUES ('closed', ?1) ON CONFLICT DO UPDATE SET value = min(value, ?1)");
-    const bad = (at: number, why: string, line: string) => void (setAside(file, at, why, line), skipped++);
-    db.exec("BEGIN IMMEDIATE");
-    try {
-      const { next, tornBytes } = scanJsonl(file, 0, (record, at) => {
-        const r = record as Record<string, unknown>, why = badBusRecord(r);
-        if (why) return bad(at, why, JSON.stringify(r));
-        top = Math.max(top, r.t === "h" ? (r.next as number) - 1 : (r.n as number | undefined) ?? 0);
-        if (r.t === "m") {
-          const p = r.p as string, c = claimedSigner(p), sender = typeof r.s === "string" ? r.s : c.from; // < 0.5: none
-          const sig = sender === c.from ? c.sig ?? null : null; // the signature of the signer it is counted against
-          const ts = r.ts as number, expires = sender ? expiryOf(ts, c.ts) : Date.now() + MESSAGE_STAY_MS;
-          const taken = insert.run(r.n as number, r.q as string, ts, sender, utf8Bytes(p), p, sig, expires).changes;
-          if (!taken) bad(at, `seq ${r.n} is in the queue database already`, JSON.stringify(r));
-        } else if (r.t === "a" || r.t === "d") remove.run(r.n as number, r.q as string);
-        else if (r.t === "o") owner.run(parseRoute(r.q as string).key); // an older bus wrote one per route
-        else if (r.t === "c") closed.run(r.ts as number);
-      }, bad);
-      if (tornBytes) {
-        const tail = Buffer.alloc(tornBytes), fd = fs.openSync(file, "r");
-        fs.readSync(fd, tail, 0, tornBytes, next);
-        fs.closeSync(fd);
-        bad(next, "torn last line", tail.toString());
-      }
-      if (!sql("UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = 'message'").run(top).changes) {
-        sql("INSERT INTO sqlite_sequence (name, seq) VALUES ('message', ?)").run(top);
-      }
-      sql("INSERT OR REPLACE INTO meta VALUES ('imported', ?)").run(id);
-      failpoint("bus-mid-import"); // everything written, not yet committed
-      db.exec("COMMIT");
-    } catch (e) {
-      if (db.isTransaction) db.exec("ROLLBACK");
-      throw e;
-    }
-  }
-  failpoint("bus-after-import"); // committed, the file not yet renamed aside
-  fs.renameSync(file, `${file}.imported`);
-  const corrupt = `${skipped} lines set aside in .corrupt`;
-  log(`took in ${file}, the queue of an earlier bus (${corrupt}); kept as ${file}.imported`);
-  return skipped;
 }
 
 // ============================================================================
@@ -1045,12 +988,13 @@ class Bus {
 
   /** Locks the data folder and opens its queue (openQueue): a start counts what is held, reading no message body. */
   static async open(dataDir: string, opts: BusOptions = {}): Promise<Bus> {
+    const importJsonl = await jsonlImporter(dataDir);
     fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
     const lock = await PidLock.acquire(path.join(dataDir, "bus.lock"), "interlink bus");
     const started = performance.now();
     let stored: ReturnType<typeof openQueue> | undefined;
     try {
-      stored = openQueue(dataDir, opts.log ?? logInfo);
+      stored = openQueue(dataDir, opts.log ?? logInfo, importJsonl);
       return new Bus(dataDir, stored, lock, opts, started);
     } catch (e) {
       stored?.db.close();
@@ -1996,5 +1940,7 @@ export { Bus, BusQueues, CONN_BODY_MS, CONN_IDLE_MS, errorResponse, jsonResponse
 export { NODE_ED25519, OPAQUE_CAP, RECV_BATCH_BYTES, RECV_TIMEOUT_MAX_MS, recvTimeoutMs, Roster };
 export { ROSTER_PER_ADDRESS_CAP, ROUTE_OVERHEAD_BYTES, SENDER_BYTES_MAX, serveHttp, splitUrl, TOTAL_BYTES_MAX };
 export type { Listening };
+// extras/upgrade.ts: what its import of an earlier bus's queue.jsonl shares with the queue.
+export { claimedSigner, expiryOf, MESSAGE_STAY_MS, RECIPIENT_MAX_CHARS };
 
 if (import.meta.main) runExtra("bus", command);
