@@ -126,7 +126,7 @@ describe("bus: the HTTP handler", () => {
 
   beforeAll(async () => {
     dir = tmpDir();
-    bus = await Bus.open(dir, { cap: 3, limits: { opaqueCap: 3 }, log: (m) => logs.push(m) });
+    bus = await Bus.open(dir, { limits: { cap: 3, opaqueCap: 3 }, log: (m) => logs.push(m) });
   });
   afterAll(() => bus.close());
 
@@ -940,7 +940,7 @@ describe("bus: the upgrade from an earlier bus's queue.jsonl", () => {
     const dir = folder();
     const all = Object.values(routes).flat();
     // Caps of one: `full` then says how many each sender holds on each route, as that bus attributed them.
-    const bus = await Bus.open(dir, { log: () => {}, cap: 1, limits: { opaqueCap: 1 } });
+    const bus = await Bus.open(dir, { log: () => {}, limits: { cap: 1, opaqueCap: 1 } });
     try {
       expect(held(bus)).toEqual(want);
       expect([bus.ownerCount, bus.closedSince, bus.nextSeq]).toEqual([2, expected.closed_since, expected.next_seq]);
@@ -2336,7 +2336,7 @@ describe("hostile clients: tiny messages count", () => {
 
 describe("hostile clients: fair room on the bus", () => {
   test("a flood from one sender is refused at its own cap: the other senders' messages stay, and still get in", async () => {
-    const bus = await Bus.open(tmpDir(), { cap: 8, log: () => {} });
+    const bus = await Bus.open(tmpDir(), { limits: { cap: 8 }, log: () => {} });
     try {
       const post = (payload: unknown) =>
         bus.handler(
@@ -2702,7 +2702,7 @@ describe("hostile clients: fair room on the bus", () => {
     "acks from the middle of a queue do not pile up: what the bus counts, and its file, follow what is held",
     async () => {
       const dir = tmpDir();
-      const bus = await Bus.open(dir, { cap: 4, limits: { opaqueCap: 4 }, log: () => {} });
+      const bus = await Bus.open(dir, { limits: { cap: 4, opaqueCap: 4 }, log: () => {} });
       try {
         await bus.send("bob", '"real"', alice.publicKey); // unread, at the front, for ever
         for (let i = 0; i < 5000; i++) {
@@ -2737,7 +2737,7 @@ describe("hostile clients: fair room on the bus", () => {
       lines.push(JSON.stringify({ t: "m", q: "legacy", n, ts: 1, p: `{"opaque":${n}}` }));
     }
     fs.writeFileSync(path.join(dir, "queue.jsonl"), lines.join("\n") + "\n");
-    const bus = await Bus.open(dir, { log: () => {}, cap: 64 });
+    const bus = await Bus.open(dir, { log: () => {}, limits: { cap: 64 } });
     try {
       expect(bus.queues.liveCount).toBe(300);
       expect(bus.queues.full(bob.publicKey, alice.publicKey)).toBe(200); // past a cap of 64: kept, her next refused

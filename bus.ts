@@ -891,7 +891,6 @@ function openQueue(dataDir: string, log: (msg: string) => void, importJsonl: Imp
 
 /** Defaults: QUEUE_LIMITS, OWNERS_MAX, ANSWERS_IN_FLIGHT_*, ANSWER_WRITE_MS, reserveOf the disk. */
 interface BusOptions {
-  cap?: number;
   limits?: Partial<QueueLimits>;
   owners?: number;
   answers?: { max?: number; perAddress?: number; writeMs?: number };
@@ -971,8 +970,7 @@ class Bus {
       commit: sql("COMMIT"),
     };
     this.#owners = new Set(stored.owners);
-    const limits = { ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) };
-    this.queues = new BusQueues(limits, (key) => this.#owners.has(key));
+    this.queues = new BusQueues(opts.limits, (key) => this.#owners.has(key));
     for (const c of stored.counts) this.queues.add(c.route, c.sender, c.b, c.n, c.origin ?? "");
     this.nextSeq = stored.nextSeq;
     this.#closedSince = stored.closedSince;
@@ -1863,6 +1861,7 @@ async function runBus(o: Options): Promise<number> {
   const host = o.host as string, dataDir = o.data as string;
   const port = int("port", 0, 65535), cap = int("cap", 1, 10_000_000);
   const limits = {
+    cap,
     opaqueCap: int("opaque-cap", 1, 10_000_000),
     senderBytes: int("sender-mb", 1, 1_000_000) * 2 ** 20,
     totalBytes: int("max-mb", 1, 1_000_000) * 2 ** 20,
@@ -1871,7 +1870,7 @@ async function runBus(o: Options): Promise<number> {
   if (!["on", "off"].includes(String(o.guard))) throw new InterlinkError(`--guard must be on or off, not '${o.guard}'`);
   setLogComponent("interlink bus");
   useEd25519(NODE_ED25519);
-  const bus = await Bus.open(dataDir, { cap, limits, owners });
+  const bus = await Bus.open(dataDir, { limits, owners });
   const server = await serveHttp(bus.handler, host, port).catch(async (e) => {
     await bus.close();
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
