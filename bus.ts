@@ -568,9 +568,8 @@ const errorResponse = (status: number, message: string, headers: Record<string, 
  * that never reads holds its share that long, never memory for good.
  */
 function streamedAnswer(status: number, text: string, held: AnswerHold): Response {
-  if (!held.bytes && 3 * text.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text); // ≤ 3 bytes a char
+  if (!held.bytes && Buffer.byteLength(text) < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
   const bytes = Buffer.from(text);
-  if (!held.bytes && bytes.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
   let at = 0, timer: ReturnType<typeof setTimeout> | undefined;
   const done = () => (clearTimeout(timer), held.release());
   const body = new ReadableStream<Uint8Array>({
