@@ -1481,7 +1481,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
   "/recv": ["GET", async (bus, req, { query, from }) => {
     const params = new URLSearchParams(query);
     const me = recipientParam(params.get("me"), "me");
-    await bus.checkOwnership(me, params.get("proof") ?? undefined);
+    await bus.checkOwnership(me, params.get("proof"));
     // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that no
     // client which did not ask can take for one message; a reference bus ignores max and answers one.
     const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
@@ -1581,7 +1581,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
 // its last answer, however it trickles; a body within CONN_BODY_MS of its first read, read only when the handler asks;
 // no deadline while the handler works (a long-poll waits a minute). A client gone aborts its request's signal.
 
-type Listening = { port: number; stop(): Promise<void> };
+type Listening = { port: number; connections: number; stop(): Promise<void> }; // connections: see connectionBound
 type FetchHandler = (req: Request, from: string) => Promise<Response>;
 type RequestHead = { method: string; target: string; version: string; headers: Map<string, string> };
 
@@ -1848,7 +1848,7 @@ async function serveHttp(handler: FetchHandler, hostname: string, port: number):
     for (const socket of deadlines.keys()) socket.destroy();
     return new Promise<void>((resolve) => server.close(() => resolve()));
   };
-  return { port: bound, stop };
+  return { port: bound, connections: most, stop };
 }
 
 // ============================================================================
@@ -1875,7 +1875,7 @@ async function runBus(o: Options): Promise<number> {
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
   });
   const r = bus.recovery, at = host.includes(":") ? `[${host}]` : host;
-  const most = connectionBound(), sessions = most >> 1; // as serveHttp holds
+  const most = server.connections, sessions = most >> 1;
   const room = `its file-descriptor limit allows ${most} connections (about ${sessions} sessions)`;
   logInfo(`listening on http://${at}:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient; ${room})`);
   bus.features += ` sessions=${sessions}`;
