@@ -1591,7 +1591,6 @@ const REQUEST_LINE = new RegExp(`^(${TOKEN}) (/[!-~]*) HTTP/1\\.([01])$`);
 // (16 KB of them took half a second of CPU, the event loop stopped), quadratic in the line.
 const HEADER_LINE = new RegExp(`^(${TOKEN}):([^\\0\\r\\n]*)$`);
 const FRAMING = new Set(["connection", "content-length", "transfer-encoding"]); // the server's to write
-const CLOSING_JSON: [string, string][] = [["content-type", "application/json"], ["connection", "close"]];
 let REASONS: Record<number, string | undefined> = {}; // node:http's reason phrases, loaded with the server
 
 /** A request head, or why it is refused: a length a proxy in front could read otherwise (smuggling) never passes. */
@@ -1624,6 +1623,10 @@ function answerHead(status: number, fields: [string, string][], body: string | n
   return `${head}content-length: ${Buffer.byteLength(body)}\r\n\r\n${bare ? "" : body}`;
 }
 
+/** A refusal the server answers itself, as the handler's are worded ({"error"}), closing the connection after it. */
+const closingAnswer = (status: number, why: string) =>
+  answerHead(status, [["content-type", "application/json"], ["connection", "close"]], JSON.stringify({ error: why }));
+
 /** A handler that throws: a generic 500, the error logged; never a runtime's page of paths and source lines. */
 function serverError(e: unknown): Response {
   logWarn(`a request failed inside the server: ${(e as Error)?.stack ?? e}`);
@@ -1652,7 +1655,7 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
   due(Date.now() + CONN_IDLE_MS);
   const refuse = (status: number, why: string) => {
     closing = true;
-    socket.end(answerHead(status, CLOSING_JSON, JSON.stringify({ error: why })));
+    socket.end(closingAnswer(status, why));
   };
   const nextRequest = () => {
     while (!gone && !closing) {
@@ -1791,13 +1794,11 @@ async function serveHttp(handler: FetchHandler, hostname: string, port: number):
   const [{ createServer, connect }, http] = await Promise.all([import("node:net"), import("node:http")]);
   REASONS = http.STATUS_CODES;
   const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
-  const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
+  const busy = `this bus holds the ${sessions} its descriptor limit allows; retry later`;
   // A source address holds a quarter of them at most (LOOPBACK: this machine's sessions, the whole): one host's 10,000
   // held connections told every other client 503. `held`: bounded, an entry per address holding one.
   const held = new Map<string, number>(), share = most >> 2;
-  const yours = JSON.stringify({
-    error: `your address holds ${share} connections, its share of this bus; retry later`,
-  });
+  const yours = `your address holds ${share} connections, its share of this bus; retry later`;
   const deadlines = new Map<net.Socket, number>(); // each open connection's: closed once past it (Infinity: none)
   const sweep = setInterval(() => { // a second late at most, as node:http's check was
     const now = Date.now();
@@ -1823,7 +1824,7 @@ async function serveHttp(handler: FetchHandler, hostname: string, port: number):
     turning++;
     const late = setTimeout(() => socket.destroy(), 1000); // a request not sent within a second gets no answer
     socket.on("error", () => {}).once("close", () => (turning--, clearTimeout(late)));
-    socket.once("data", () => socket.end(answerHead(503, CLOSING_JSON, mine ? yours : busy)));
+    socket.once("data", () => socket.end(closingAnswer(503, mine ? yours : busy)));
   });
   server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
   await new Promise<void>((resolve, reject) => (server.once("error", reject), server.listen(port, hostname, resolve)));
