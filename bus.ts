@@ -1555,11 +1555,8 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     const now = bus.now();
     const stale = u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS;
     if (stale) throw new HttpError(400, "unregister ts is outside the freshness window");
-    const bad = await verifyDetached(
-      u.pubkey,
-      u.sig,
-      parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })),
-    );
+    const signed = parseOr400(() => unregisterBytes({ ...u, session_id: sessionId }));
+    const bad = await verifyDetached(u.pubkey, u.sig, signed);
     if (bad) throw new HttpError(403, "unregister signature does not verify");
     bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
     return jsonResponse(202, '{"status":"unregistered"}');
