@@ -74,6 +74,7 @@ import {
   runtimeArgv,
   sleepUntil,
   smallDisk,
+  spawnAsync,
   spawnChild,
   spawnTracked,
   startBus,
@@ -125,7 +126,7 @@ describe("bus: the HTTP handler", () => {
 
   beforeAll(async () => {
     dir = tmpDir();
-    bus = await Bus.open(dir, { cap: 3, limits: { opaqueCap: 3 }, log: (m) => logs.push(m) });
+    bus = await Bus.open(dir, { limits: { cap: 3, opaqueCap: 3 }, log: (m) => logs.push(m) });
   });
   afterAll(() => bus.close());
 
@@ -958,7 +959,7 @@ describe("bus: the upgrade from an earlier bus's queue.jsonl", () => {
     const dir = folder();
     const all = Object.values(routes).flat();
     // Caps of one: `full` then says how many each sender holds on each route, as that bus attributed them.
-    const bus = await Bus.open(dir, { log: () => {}, cap: 1, limits: { opaqueCap: 1 } });
+    const bus = await Bus.open(dir, { log: () => {}, limits: { cap: 1, opaqueCap: 1 } });
     try {
       expect(held(bus)).toEqual(want);
       expect([bus.ownerCount, bus.closedSince, bus.nextSeq]).toEqual([2, expected.closed_since, expected.next_seq]);
@@ -1077,6 +1078,32 @@ describe("bus: the upgrade from an earlier bus's queue.jsonl", () => {
         } finally {
           await reopened.close();
         }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.concurrent(
+      `a bus.ts copied alone beside interlink.ts, without extras/ (${runtime}), refuses a folder holding an earlier bus's queue.jsonl: it exits naming extras/upgrade.ts, and changes nothing there`,
+      async () => {
+        const lone = tmpDir("interlink-lone-bus-");
+        for (const f of ["interlink.ts", "bus.ts"]) fs.copyFileSync(path.join(REPO, f), path.join(lone, f));
+        const dir = folder(), before = fs.readFileSync(path.join(dir, "queue.jsonl"));
+        // Both ways a bus starts: `interlink.ts bus`, and bus.ts itself. A bus that took the file in would listen on.
+        for (const args of [["interlink.ts", "bus"], ["bus.ts"]]) {
+          const [cmd, ...pre] = runtimeArgv(runtime, path.join(lone, args[0]));
+          const r = await spawnAsync(cmd, [...pre, ...args.slice(1), "--port", "0", "--data", dir], {
+            timeout: 20_000,
+          });
+          expect({ status: r.status, names: r.stderr.includes("it is extras/upgrade.ts in interlink's repository") })
+            .toEqual({ status: 1, names: true });
+          expect(r.stderr).toContain(`fetch that file to ${path.join(lone, "extras", "upgrade.ts")}`);
+          expect(r.stderr).toContain("nothing was changed");
+        }
+        expect(fs.readdirSync(dir)).toEqual(["queue.jsonl"]); // no queue.db, no lock: the folder as it was
+        expect(fs.readFileSync(path.join(dir, "queue.jsonl"))).toEqual(before);
+        expect(fs.readdirSync(lone).sort()).toEqual(["bus.ts", "interlink.ts"]); // nothing fetched or written beside it
       },
       60_000,
     );
@@ -2328,7 +2355,7 @@ describe("hostile clients: tiny messages count", () => {
 
 describe("hostile clients: fair room on the bus", () => {
   test("a flood from one sender is refused at its own cap: the other senders' messages stay, and still get in", async () => {
-    const bus = await Bus.open(tmpDir(), { cap: 8, log: () => {} });
+    const bus = await Bus.open(tmpDir(), { limits: { cap: 8 }, log: () => {} });
     try {
       const post = (payload: unknown) =>
         bus.handler(
@@ -2694,7 +2721,7 @@ describe("hostile clients: fair room on the bus", () => {
     "acks from the middle of a queue do not pile up: what the bus counts, and its file, follow what is held",
     async () => {
       const dir = tmpDir();
-      const bus = await Bus.open(dir, { cap: 4, limits: { opaqueCap: 4 }, log: () => {} });
+      const bus = await Bus.open(dir, { limits: { cap: 4, opaqueCap: 4 }, log: () => {} });
       try {
         await bus.send("bob", '"real"', alice.publicKey); // unread, at the front, for ever
         for (let i = 0; i < 5000; i++) {
@@ -2729,7 +2756,7 @@ describe("hostile clients: fair room on the bus", () => {
       lines.push(JSON.stringify({ t: "m", q: "legacy", n, ts: 1, p: `{"opaque":${n}}` }));
     }
     fs.writeFileSync(path.join(dir, "queue.jsonl"), lines.join("\n") + "\n");
-    const bus = await Bus.open(dir, { log: () => {}, cap: 64 });
+    const bus = await Bus.open(dir, { log: () => {}, limits: { cap: 64 } });
     try {
       expect(bus.queues.liveCount).toBe(300);
       expect(bus.queues.full(bob.publicKey, alice.publicKey)).toBe(200); // past a cap of 64: kept, her next refused

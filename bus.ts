@@ -31,7 +31,6 @@ import {
   busDataDir,
   type CommandSpec,
   DEFAULT_BUS_PORT,
-  failpoint,
   field,
   fingerprint,
   FormatError,
@@ -63,7 +62,6 @@ import {
   rosterKey,
   ROUTE_FULL,
   runExtra,
-  scanJsonl,
   setAside,
   setLogComponent,
   shutdownSignal,
@@ -571,9 +569,8 @@ const errorResponse = (status: number, message: string, headers: Record<string, 
  * that never reads holds its share that long, never memory for good.
  */
 function streamedAnswer(status: number, text: string, held: AnswerHold): Response {
-  if (!held.bytes && 3 * text.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text); // ≤ 3 bytes a char
+  if (!held.bytes && Buffer.byteLength(text) < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
   const bytes = Buffer.from(text);
-  if (!held.bytes && bytes.length < ANSWER_STREAM_MIN_BYTES) return jsonResponse(status, text);
   let at = 0, timer: ReturnType<typeof setTimeout> | undefined;
   const done = () => (clearTimeout(timer), held.release());
   const body = new ReadableStream<Uint8Array>({
@@ -756,7 +753,7 @@ function splitUrl(url: string): { pathname: string; query: string } {
 //     sig, origin, expires)                          QUEUE_SCHEMA_2, origin and expires QUEUE_SCHEMA_3 (NULL: none)
 //   owner(key)                                       a key that proved it reads its routes here, never deleted
 //   meta(name, value)                                "closed": since when every route needs a proof (Bus.#close);
-//                                                    "imported": which queue.jsonl was taken in (importJsonl)
+//                                                    "imported": which queue.jsonl was taken in (extras/upgrade.ts)
 // A seq is global and never reused (AUTOINCREMENT keeps the high-water mark), so an ack key names its message across
 // restarts. Payloads stay JSON text end to end. message_route holds every column but the payload: a recv reads its
 // heads there (the answer's weight is held before a payload is read), and a start counts what is held from it alone.
@@ -813,12 +810,32 @@ const walBytesOf = (diskSize: number) => 4096 * Math.max(1, Math.min(WAL_PAGES, 
 /** A commit whose fdatasync of the WAL failed (Bus.#flush): what it wrote is held, though maybe not on disk. */
 class UnsyncedError extends Error {}
 
+/** extras/upgrade.ts's import of the queue.jsonl an earlier bus left: the skipped lines it set aside. */
+type ImportJsonl = (db: DatabaseSync, file: string, log: (msg: string) => void) => number;
+
+/**
+ * The import of an earlier bus's queue.jsonl, loaded only when the data folder holds one (null when not). A bus.ts
+ * copied alone refuses such a folder before it writes a byte, naming the file it needs.
+ */
+async function jsonlImporter(dataDir: string): Promise<ImportJsonl | null> {
+  if (!fs.existsSync(path.join(dataDir, "queue.jsonl"))) return null;
+  const where = import.meta.url.startsWith("file:") ? path.join(import.meta.dirname!, "extras", "upgrade.ts") : "";
+  if (where && !fs.existsSync(where)) {
+    throw new InterlinkError(
+      `${dataDir} holds queue.jsonl, the queue of an earlier bus, and taking it in is not part of bus.ts: it is ` +
+        `extras/upgrade.ts in interlink's repository, beside bus.ts. Clone the repository, or fetch that file to ` +
+        `${where}, to start this bus there; nothing was changed.`,
+    );
+  }
+  return (await import("./extras/upgrade.ts")).importJsonl;
+}
+
 /**
  * Opens the data folder's queue.db (made 0600, which SQLite gives its -wal and -shm files too; tables on a new one)
- * and takes in a queue.jsonl an earlier bus left (importJsonl), synchronous=FULL until then. A file that is not a
+ * and takes in a queue.jsonl an earlier bus left (`importJsonl`), synchronous=FULL until then. A file that is not a
  * queue database of this version, or that SQLite finds damaged, stops the start with what is wrong and what to do.
  */
-function openQueue(dataDir: string, log: (msg: string) => void) {
+function openQueue(dataDir: string, log: (msg: string) => void, importJsonl: ImportJsonl | null) {
   const file = path.join(dataDir, "queue.db");
   fs.closeSync(fs.openSync(file, "a", 0o600));
   let db: DatabaseSync | undefined;
@@ -830,7 +847,7 @@ function openQueue(dataDir: string, log: (msg: string) => void) {
     db.exec(`PRAGMA auto_vacuum = FULL; PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;
       PRAGMA wal_autocheckpoint = ${wal / 4096}; PRAGMA journal_size_limit = ${wal}`);
     db.exec(`BEGIN; ${[QUEUE_SCHEMA, QUEUE_SCHEMA_2, QUEUE_SCHEMA_3].slice(user_version).join(" ")} COMMIT;`); // from its version on
-    const skippedLines = importJsonl(db, path.join(dataDir, "queue.jsonl"), log);
+    const skippedLines = importJsonl?.(db, path.join(dataDir, "queue.jsonl"), log) ?? 0;
     syncDirectory(dataDir); // queue.db and its WAL made, queue.jsonl renamed: for good
     db.exec("PRAGMA synchronous = NORMAL"); // from here a commit's fsync is Bus.#flush's, off the event loop
     const sql = (text: string) => db!.prepare(text), one = (text: string) => sql(text).get() ?? {};
@@ -855,88 +872,12 @@ function openQueue(dataDir: string, log: (msg: string) => void) {
   }
 }
 
-/** Why a record of the JSONL bus's queue.jsonl is not one it wrote (the line is then set aside), or "". */
-function badBusRecord(r: Record<string, unknown>): string {
-  const seq = (v: unknown) => Number.isSafeInteger(v) && (v as number) > 0;
-  const route = typeof r.q === "string" && r.q !== "" && r.q.length <= RECIPIENT_MAX_CHARS;
-  const valid = r.t === "m"
-    ? route && seq(r.n) && typeof r.p === "string" && Number.isSafeInteger(r.ts)
-    : r.t === "a" || r.t === "d"
-    ? route && seq(r.n)
-    : r.t === "o"
-    ? route
-    : r.t === "c"
-    ? Number.isSafeInteger(r.ts)
-    : r.t === "h" && seq(r.next);
-  return valid ? "" : `not a valid "${String(r.t).slice(0, 8)}" record`;
-}
-
-/**
- * Takes in the queue.jsonl of the JSONL bus before this one (its records: fixtures/bus-0.5): every un-acked message
- * with its seq, ts, sender and size (so ack keys clients hold still work), every owner and the closed state, in one
- * transaction whose last row names the file (device, inode, size). The file is renamed aside, queue.jsonl.imported,
- * only once that committed, so a bus killed at any point takes it in once. An acked message ("a", in place or
- * appended; "d") is not taken in, and its seq is never given again. A line that is not a record, and a torn last
- * line, are set aside in queue.jsonl.corrupt, as that bus did, and never stop the import. Returns how many.
- */
-function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void): number {
-  if (!fs.existsSync(file)) return 0;
-  const st = fs.statSync(file);
-  const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
-  let skipped = 0, top = 0; // top: the highest seq the file names
-  if (sql("SELECT value FROM meta WHERE name = 'imported'").get()?.value !== id) {
-    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)"); // see QUEUE_SCHEMA_3
-    const remove = sql("DELETE FROM message WHERE seq = ? AND route = ?");
-    const owner = sql("INSERT OR IGNORE INTO owner (key) VALUES (?)");
-    const closed = sql("INSERT INTO meta VALUES ('closed', ?1) ON CONFLICT DO UPDATE SET value = min(value, ?1)");
-    const bad = (at: number, why: string, line: string) => void (setAside(file, at, why, line), skipped++);
-    db.exec("BEGIN IMMEDIATE");
-    try {
-      const { next, tornBytes } = scanJsonl(file, 0, (record, at) => {
-        const r = record as Record<string, unknown>, why = badBusRecord(r);
-        if (why) return bad(at, why, JSON.stringify(r));
-        top = Math.max(top, r.t === "h" ? (r.next as number) - 1 : (r.n as number | undefined) ?? 0);
-        if (r.t === "m") {
-          const p = r.p as string, c = claimedSigner(p), sender = typeof r.s === "string" ? r.s : c.from; // < 0.5: none
-          const sig = sender === c.from ? c.sig ?? null : null; // the signature of the signer it is counted against
-          const ts = r.ts as number, expires = sender ? expiryOf(ts, c.ts) : Date.now() + MESSAGE_STAY_MS;
-          const taken = insert.run(r.n as number, r.q as string, ts, sender, utf8Bytes(p), p, sig, expires).changes;
-          if (!taken) bad(at, `seq ${r.n} is in the queue database already`, JSON.stringify(r));
-        } else if (r.t === "a" || r.t === "d") remove.run(r.n as number, r.q as string);
-        else if (r.t === "o") owner.run(parseRoute(r.q as string).key); // an older bus wrote one per route
-        else if (r.t === "c") closed.run(r.ts as number);
-      }, bad);
-      if (tornBytes) {
-        const tail = Buffer.alloc(tornBytes), fd = fs.openSync(file, "r");
-        fs.readSync(fd, tail, 0, tornBytes, next);
-        fs.closeSync(fd);
-        bad(next, "torn last line", tail.toString());
-      }
-      if (!sql("UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = 'message'").run(top).changes) {
-        sql("INSERT INTO sqlite_sequence (name, seq) VALUES ('message', ?)").run(top);
-      }
-      sql("INSERT OR REPLACE INTO meta VALUES ('imported', ?)").run(id);
-      failpoint("bus-mid-import"); // everything written, not yet committed
-      db.exec("COMMIT");
-    } catch (e) {
-      if (db.isTransaction) db.exec("ROLLBACK");
-      throw e;
-    }
-  }
-  failpoint("bus-after-import"); // committed, the file not yet renamed aside
-  fs.renameSync(file, `${file}.imported`);
-  const corrupt = `${skipped} lines set aside in .corrupt`;
-  log(`took in ${file}, the queue of an earlier bus (${corrupt}); kept as ${file}.imported`);
-  return skipped;
-}
-
 // ============================================================================
 // The bus
 // ============================================================================
 
 /** Defaults: QUEUE_LIMITS, OWNERS_MAX, ANSWERS_IN_FLIGHT_*, ANSWER_WRITE_MS, reserveOf the disk. */
 interface BusOptions {
-  cap?: number;
   limits?: Partial<QueueLimits>;
   owners?: number;
   answers?: { max?: number; perAddress?: number; writeMs?: number };
@@ -1018,8 +959,7 @@ class Bus {
       commit: sql("COMMIT"),
     };
     this.#owners = new Set(stored.owners);
-    const limits = { ...opts.limits, ...(opts.cap ? { cap: opts.cap } : {}) };
-    this.queues = new BusQueues(limits, (key) => this.#owners.has(key));
+    this.queues = new BusQueues(opts.limits, (key) => this.#owners.has(key));
     for (const c of stored.counts) this.queues.add(c.route, c.sender, c.b, c.n, c.origin ?? "");
     this.nextSeq = stored.nextSeq;
     this.#closedSince = stored.closedSince;
@@ -1035,12 +975,13 @@ class Bus {
 
   /** Locks the data folder and opens its queue (openQueue): a start counts what is held, reading no message body. */
   static async open(dataDir: string, opts: BusOptions = {}): Promise<Bus> {
+    const importJsonl = await jsonlImporter(dataDir);
     fs.mkdirSync(dataDir, { recursive: true, mode: 0o700 });
     const lock = await PidLock.acquire(path.join(dataDir, "bus.lock"), "interlink bus");
     const started = performance.now();
     let stored: ReturnType<typeof openQueue> | undefined;
     try {
-      stored = openQueue(dataDir, opts.log ?? logInfo);
+      stored = openQueue(dataDir, opts.log ?? logInfo, importJsonl);
       return new Bus(dataDir, stored, lock, opts, started);
     } catch (e) {
       stored?.db.close();
@@ -1537,7 +1478,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
   "/recv": ["GET", async (bus, req, { query, from }) => {
     const params = new URLSearchParams(query);
     const me = recipientParam(params.get("me"), "me");
-    await bus.checkOwnership(me, params.get("proof") ?? undefined);
+    await bus.checkOwnership(me, params.get("proof"));
     // Our extension: max=N (2 to RECV_BATCH_MAX) answers up to N at once, in another shape ("messages") that no
     // client which did not ask can take for one message; a reference bus ignores max and answers one.
     const max = Math.max(1, Math.min(Math.floor(Number(params.get("max"))) || 1, RECV_BATCH_MAX)); // junk: 1
@@ -1611,11 +1552,8 @@ const BUS_ROUTES: Record<string, BusRoute> = {
     const now = bus.now();
     const stale = u.ts - now > FRESH_FUTURE_MS || now - u.ts > UNREGISTER_FRESH_MS;
     if (stale) throw new HttpError(400, "unregister ts is outside the freshness window");
-    const bad = await verifyDetached(
-      u.pubkey,
-      u.sig,
-      parseOr400(() => unregisterBytes({ ...u, session_id: sessionId })),
-    );
+    const signed = parseOr400(() => unregisterBytes({ ...u, session_id: sessionId }));
+    const bad = await verifyDetached(u.pubkey, u.sig, signed);
     if (bad) throw new HttpError(403, "unregister signature does not verify");
     bus.roster.end(sessionId ? `${u.pubkey}#${sessionId}` : u.pubkey, u.ts, from, now);
     return jsonResponse(202, '{"status":"unregistered"}');
@@ -1637,7 +1575,7 @@ const BUS_ROUTES: Record<string, BusRoute> = {
 // its last answer, however it trickles; a body within CONN_BODY_MS of its first read, read only when the handler asks;
 // no deadline while the handler works (a long-poll waits a minute). A client gone aborts its request's signal.
 
-type Listening = { port: number; stop(): Promise<void> };
+type Listening = { port: number; connections: number; stop(): Promise<void> }; // connections: see connectionBound
 type FetchHandler = (req: Request, from: string) => Promise<Response>;
 type RequestHead = { method: string; target: string; version: string; headers: Map<string, string> };
 
@@ -1647,7 +1585,6 @@ const REQUEST_LINE = new RegExp(`^(${TOKEN}) (/[!-~]*) HTTP/1\\.([01])$`);
 // (16 KB of them took half a second of CPU, the event loop stopped), quadratic in the line.
 const HEADER_LINE = new RegExp(`^(${TOKEN}):([^\\0\\r\\n]*)$`);
 const FRAMING = new Set(["connection", "content-length", "transfer-encoding"]); // the server's to write
-const CLOSING_JSON: [string, string][] = [["content-type", "application/json"], ["connection", "close"]];
 let REASONS: Record<number, string | undefined> = {}; // node:http's reason phrases, loaded with the server
 
 /** A request head, or why it is refused: a length a proxy in front could read otherwise (smuggling) never passes. */
@@ -1680,6 +1617,10 @@ function answerHead(status: number, fields: [string, string][], body: string | n
   return `${head}content-length: ${Buffer.byteLength(body)}\r\n\r\n${bare ? "" : body}`;
 }
 
+/** A refusal the server answers itself, as the handler's are worded ({"error"}), closing the connection after it. */
+const closingAnswer = (status: number, why: string) =>
+  answerHead(status, [["content-type", "application/json"], ["connection", "close"]], JSON.stringify({ error: why }));
+
 /** A handler that throws: a generic 500, the error logged; never a runtime's page of paths and source lines. */
 function serverError(e: unknown): Response {
   logWarn(`a request failed inside the server: ${(e as Error)?.stack ?? e}`);
@@ -1708,7 +1649,7 @@ function serveConnection(socket: net.Socket, handler: FetchHandler, host: string
   due(Date.now() + CONN_IDLE_MS);
   const refuse = (status: number, why: string) => {
     closing = true;
-    socket.end(answerHead(status, CLOSING_JSON, JSON.stringify({ error: why })));
+    socket.end(closingAnswer(status, why));
   };
   const nextRequest = () => {
     while (!gone && !closing) {
@@ -1847,13 +1788,11 @@ async function serveHttp(handler: FetchHandler, hostname: string, port: number):
   const [{ createServer, connect }, http] = await Promise.all([import("node:net"), import("node:http")]);
   REASONS = http.STATUS_CODES;
   const most = connectionBound(), sessions = `${most} connections (about ${most >> 1} sessions)`;
-  const busy = JSON.stringify({ error: `this bus holds the ${sessions} its descriptor limit allows; retry later` });
+  const busy = `this bus holds the ${sessions} its descriptor limit allows; retry later`;
   // A source address holds a quarter of them at most (LOOPBACK: this machine's sessions, the whole): one host's 10,000
   // held connections told every other client 503. `held`: bounded, an entry per address holding one.
   const held = new Map<string, number>(), share = most >> 2;
-  const yours = JSON.stringify({
-    error: `your address holds ${share} connections, its share of this bus; retry later`,
-  });
+  const yours = `your address holds ${share} connections, its share of this bus; retry later`;
   const deadlines = new Map<net.Socket, number>(); // each open connection's: closed once past it (Infinity: none)
   const sweep = setInterval(() => { // a second late at most, as node:http's check was
     const now = Date.now();
@@ -1879,7 +1818,7 @@ async function serveHttp(handler: FetchHandler, hostname: string, port: number):
     turning++;
     const late = setTimeout(() => socket.destroy(), 1000); // a request not sent within a second gets no answer
     socket.on("error", () => {}).once("close", () => (turning--, clearTimeout(late)));
-    socket.once("data", () => socket.end(answerHead(503, CLOSING_JSON, mine ? yours : busy)));
+    socket.once("data", () => socket.end(closingAnswer(503, mine ? yours : busy)));
   });
   server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
   await new Promise<void>((resolve, reject) => (server.once("error", reject), server.listen(port, hostname, resolve)));
@@ -1904,7 +1843,7 @@ async function serveHttp(handler: FetchHandler, hostname: string, port: number):
     for (const socket of deadlines.keys()) socket.destroy();
     return new Promise<void>((resolve) => server.close(() => resolve()));
   };
-  return { port: bound, stop };
+  return { port: bound, connections: most, stop };
 }
 
 // ============================================================================
@@ -1916,6 +1855,7 @@ async function runBus(o: Options): Promise<number> {
   const host = o.host as string, dataDir = o.data as string;
   const port = int("port", 0, 65535), cap = int("cap", 1, 10_000_000);
   const limits = {
+    cap,
     opaqueCap: int("opaque-cap", 1, 10_000_000),
     senderBytes: int("sender-mb", 1, 1_000_000) * 2 ** 20,
     totalBytes: int("max-mb", 1, 1_000_000) * 2 ** 20,
@@ -1923,13 +1863,13 @@ async function runBus(o: Options): Promise<number> {
   const owners = int("owners", 1, 100_000_000);
   if (!["on", "off"].includes(String(o.guard))) throw new InterlinkError(`--guard must be on or off, not '${o.guard}'`);
   setLogComponent("interlink bus");
-  const bus = await Bus.open(dataDir, { cap, limits, owners });
+  const bus = await Bus.open(dataDir, { limits, owners });
   const server = await serveHttp(bus.handler, host, port).catch(async (e) => {
     await bus.close();
     throw new InterlinkError(`cannot listen on ${host}:${port}: ${(e as Error).message}`);
   });
   const r = bus.recovery, at = host.includes(":") ? `[${host}]` : host;
-  const most = connectionBound(), sessions = most >> 1; // as serveHttp holds
+  const most = server.connections, sessions = most >> 1;
   const room = `its file-descriptor limit allows ${most} connections (about ${sessions} sessions)`;
   logInfo(`listening on http://${at}:${server.port} (data ${dataDir}, cap ${cap} per sender and recipient; ${room})`);
   bus.features += ` sessions=${sessions}`;
@@ -1992,5 +1932,7 @@ export { Bus, BusQueues, CONN_BODY_MS, CONN_IDLE_MS, errorResponse, jsonResponse
 export { OPAQUE_CAP, RECV_BATCH_BYTES, RECV_TIMEOUT_MAX_MS, recvTimeoutMs, Roster };
 export { ROSTER_PER_ADDRESS_CAP, ROUTE_OVERHEAD_BYTES, SENDER_BYTES_MAX, serveHttp, splitUrl, TOTAL_BYTES_MAX };
 export type { Listening };
+// extras/upgrade.ts: what its import of an earlier bus's queue.jsonl shares with the queue.
+export { claimedSigner, expiryOf, MESSAGE_STAY_MS, RECIPIENT_MAX_CHARS };
 
 if (import.meta.main) runExtra("bus", command);

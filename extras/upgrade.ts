@@ -6,16 +6,21 @@
  * outbox, its tasks and its unread messages fold as they did. Every step can be cut short by a crash and run again:
  * files move by rename, what the cursor says is journaled before the cursor goes, and each journal is replaced whole.
  * It holds a session's agent.lock while it changes that session, so no session of it runs meanwhile.
+ *
+ * Below it, apart, the relay's one-time upgrade: a bus started on a data folder holding the queue.jsonl of the JSONL bus
+ * before it takes that in (importJsonl); bus.ts loads this file only then.
  */
 
 import { Buffer } from "node:buffer";
 import * as fs from "node:fs";
 import * as path from "node:path";
+import type { DatabaseSync } from "node:sqlite";
 import {
   type CommandSpec,
   decodeRecord,
   defaultNodeState,
   EXTRAS,
+  failpoint,
   fileSize,
   InterlinkError,
   isObject,
@@ -28,6 +33,7 @@ import {
   OPT,
   option,
   type Options,
+  parseRoute,
   PidLock,
   print,
   readIdentity,
@@ -37,8 +43,11 @@ import {
   SESSION_RE,
   sessionDir,
   sessionIds,
+  setAside,
+  utf8Bytes,
   writeFileAtomic,
 } from "../interlink.ts";
+import { claimedSigner, expiryOf, MESSAGE_STAY_MS, RECIPIENT_MAX_CHARS } from "../bus.ts";
 
 /** The session a 0.4.0 journal becomes, unless --session names another: the node's next session adopts it. */
 const UPGRADED_SESSION = "0.4.0-journal";
@@ -241,5 +250,84 @@ export const command: CommandSpec = {
   },
   run: runUpgrade,
 };
+
+// ============================================================================
+// The relay's upgrade: an earlier bus's queue.jsonl into queue.db
+// ============================================================================
+
+/** Why a record of the JSONL bus's queue.jsonl is not one it wrote (the line is then set aside), or "". */
+function badBusRecord(r: Record<string, unknown>): string {
+  const seq = (v: unknown) => Number.isSafeInteger(v) && (v as number) > 0;
+  const route = typeof r.q === "string" && r.q !== "" && r.q.length <= RECIPIENT_MAX_CHARS;
+  const valid = r.t === "m"
+    ? route && seq(r.n) && typeof r.p === "string" && Number.isSafeInteger(r.ts)
+    : r.t === "a" || r.t === "d"
+    ? route && seq(r.n)
+    : r.t === "o"
+    ? route
+    : r.t === "c"
+    ? Number.isSafeInteger(r.ts)
+    : r.t === "h" && seq(r.next);
+  return valid ? "" : `not a valid "${String(r.t).slice(0, 8)}" record`;
+}
+
+/**
+ * Takes in the queue.jsonl of the JSONL bus before this one (its records: fixtures/bus-0.5): every un-acked message
+ * with its seq, ts, sender and size (so ack keys clients hold still work), every owner and the closed state, in one
+ * transaction whose last row names the file (device, inode, size). The file is renamed aside, queue.jsonl.imported,
+ * only once that committed, so a bus killed at any point takes it in once. An acked message ("a", in place or
+ * appended; "d") is not taken in, and its seq is never given again. A line that is not a record, and a torn last
+ * line, are set aside in queue.jsonl.corrupt, as that bus did, and never stop the import. Returns how many.
+ */
+export function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void): number {
+  if (!fs.existsSync(file)) return 0;
+  const st = fs.statSync(file);
+  const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
+  let skipped = 0, top = 0; // top: the highest seq the file names
+  if (sql("SELECT value FROM meta WHERE name = 'imported'").get()?.value !== id) {
+    const insert = sql("INSERT OR IGNORE INTO message VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)"); // see QUEUE_SCHEMA_3
+    const remove = sql("DELETE FROM message WHERE seq = ? AND route = ?");
+    const owner = sql("INSERT OR IGNORE INTO owner (key) VALUES (?)");
+    const closed = sql("INSERT INTO meta VALUES ('closed', ?1) ON CONFLICT DO UPDATE SET value = min(value, ?1)");
+    const bad = (at: number, why: string, line: string) => void (setAside(file, at, why, line), skipped++);
+    db.exec("BEGIN IMMEDIATE");
+    try {
+      const { next, tornBytes } = scanJsonl(file, 0, (record, at) => {
+        const r = record as Record<string, unknown>, why = badBusRecord(r);
+        if (why) return bad(at, why, JSON.stringify(r));
+        top = Math.max(top, r.t === "h" ? (r.next as number) - 1 : (r.n as number | undefined) ?? 0);
+        if (r.t === "m") {
+          const p = r.p as string, c = claimedSigner(p), sender = typeof r.s === "string" ? r.s : c.from; // < 0.5: none
+          const sig = sender === c.from ? c.sig ?? null : null; // the signature of the signer it is counted against
+          const ts = r.ts as number, expires = sender ? expiryOf(ts, c.ts) : Date.now() + MESSAGE_STAY_MS;
+          const taken = insert.run(r.n as number, r.q as string, ts, sender, utf8Bytes(p), p, sig, expires).changes;
+          if (!taken) bad(at, `seq ${r.n} is in the queue database already`, JSON.stringify(r));
+        } else if (r.t === "a" || r.t === "d") remove.run(r.n as number, r.q as string);
+        else if (r.t === "o") owner.run(parseRoute(r.q as string).key); // an older bus wrote one per route
+        else if (r.t === "c") closed.run(r.ts as number);
+      }, bad);
+      if (tornBytes) {
+        const tail = Buffer.alloc(tornBytes), fd = fs.openSync(file, "r");
+        fs.readSync(fd, tail, 0, tornBytes, next);
+        fs.closeSync(fd);
+        bad(next, "torn last line", tail.toString());
+      }
+      if (!sql("UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = 'message'").run(top).changes) {
+        sql("INSERT INTO sqlite_sequence (name, seq) VALUES ('message', ?)").run(top);
+      }
+      sql("INSERT OR REPLACE INTO meta VALUES ('imported', ?)").run(id);
+      failpoint("bus-mid-import"); // everything written, not yet committed
+      db.exec("COMMIT");
+    } catch (e) {
+      if (db.isTransaction) db.exec("ROLLBACK");
+      throw e;
+    }
+  }
+  failpoint("bus-after-import"); // committed, the file not yet renamed aside
+  fs.renameSync(file, `${file}.imported`);
+  const corrupt = `${skipped} lines set aside in .corrupt`;
+  log(`took in ${file}, the queue of an earlier bus (${corrupt}); kept as ${file}.imported`);
+  return skipped;
+}
 
 if (import.meta.main) runExtra("upgrade", command);
