@@ -756,6 +756,37 @@ describe("bus: durability", () => {
     }
   });
 
+  for (const runtime of ["bun", "deno"] as const) {
+    test(
+      `${runtime}: sends that come while close() waits for an fdatasync are committed and answered before the file closes`,
+      async () => {
+        const dir = tmpDir();
+        const code = `import { Bus } from ${JSON.stringify(pathToFileURL(path.join(REPO, "bus.ts")).href)};
+        const opts = { limits: { opaqueCap: 1000 }, log: () => {} }, bus = await Bus.open(${JSON.stringify(dir)}, opts);
+        const answer = (i) => bus.send("r", String(i)).then(() => "202", (e) => e.message);
+        const answers = [answer(0)];
+        let closed = false;
+        const closing = bus.close().then(() => void (closed = true));
+        for (let i = 1; i < 20 && !closed; i++) { // one a turn, while the fdatasyncs run
+          await new Promise((turn) => setImmediate(turn));
+          if (!closed) answers.push(answer(i));
+        }
+        await closing;
+        const answered = await Promise.all(answers), again = await Bus.open(${JSON.stringify(dir)}, opts);
+        console.log(JSON.stringify({ answered, held: again.take("r", 100).map((m) => m.payload) }));
+        await again.close();`;
+        const argv = runtime === "bun" ? [process.execPath, "-e", code] : [denoPath(), "eval", "--quiet", code];
+        const proc = spawnTracked(argv, { stdout: "pipe", stderr: "pipe" });
+        const [out] = await Promise.all([new Response(proc.stdout).text(), proc.exited]);
+        const { answered, held } = JSON.parse(out) as { answered: string[]; held: string[] };
+        expect(answered.length).toBeGreaterThan(1); // some came while it closed
+        expect(answered).toEqual(answered.map(() => "202")); // each committed and answered, none refused by the closing
+        expect(held).toEqual(answered.map((_, i) => String(i))); // and on disk
+      },
+      60_000,
+    );
+  }
+
   test("a seq given again after a power cut (its message was committed, handed out, but not yet on disk) is not acked by the lost one's key", async () => {
     const dir = tmpDir();
     const bus = await Bus.open(dir, { limits: { opaqueCap: 1000 } });

@@ -1472,8 +1472,9 @@ class Bus {
   async close(): Promise<void> {
     clearInterval(this.#expiry);
     for (const set of this.#waiters.values()) for (const wake of set) wake();
-    await this.#flushing; // what waits is committed, and answered, before the file closes
-    await Promise.all(this.#syncing);
+    // What waits is committed, and answered, before the file closes: what comes during an fdatasync too (a flush of
+    // its own, which the first look did not see).
+    while (this.#flushing || this.#syncing.length) await Promise.all([this.#flushing, ...this.#syncing]);
     this.db.close();
     fs.closeSync(this.#wal);
     this.lock.release();
