@@ -160,6 +160,8 @@ const RECV_PROOF_FRESH_MS = 5 * 60_000;
 const OWNERS_MAX = 100_000;
 /** Routes whose last verified proof is remembered, so a client's repeats skip the signature check (a minute each). */
 const PROOFS_REMEMBERED = 4096;
+/** Signed sends whose fdatasync failed, remembered so a retry is not told 202 on that copy; forgetting one costs that. */
+const UNSURE_REMEMBERED = 4096;
 /** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
 const JSON_DEPTH_MAX = 64;
 /** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
@@ -975,6 +977,7 @@ class Bus {
   #syncing: Promise<void>[] = []; // the commits whose fdatasync runs, oldest first: SYNCS_IN_FLIGHT at most
   #unreadable = new Set<number>(); // found damaged (#payload), skipped: bounded by the messages held
   #unsynced = new Map<string, { to: string; done: Promise<void> }>(); // signed sends not yet on disk, by sig: bounded
+  readonly #unsure = new BoundedMap<string, Promise<void>>(UNSURE_REMEMBERED); // by sig: their fdatasync failed (send)
   readonly #expire = () => void this.expire().catch((e) => this.#log(`cannot drop expired mail: ${e.message}`));
   readonly #expiry = setInterval(this.#expire, 3600e3); // see expire
   readonly #owners: Set<string>; // keys that proved they read their routes here, never forgotten: ownersMax (#close)
@@ -1141,12 +1144,14 @@ class Bus {
   /**
    * Throws the refusal a message of `size` bytes would get now: a copy of a signed message (`sender`, `sig`) queued for
    * another route (409: not new mail, and it would spend its signer's budget), a byte budget, a full route (429: nothing
-   * accepted makes room, QUEUE_CAP). One queued for `to` already (a retry) is taken as it is: the promise it is on disk.
+   * accepted makes room, QUEUE_CAP). One queued for `to` already (a retry) is taken as it is: the promise it is on disk,
+   * or its failed fdatasync's 503 (what failed to reach the disk may be lost there, and no later fdatasync writes it).
    */
   check(to: string, sender: string, size: number, sig?: string, origin = ""): Promise<void> | undefined {
     const unsynced = sig ? this.#unsynced.get(sig) : undefined;
     const route = unsynced?.to ?? (sig && (this.#sql.copy.get(sig, sender) as { route: string } | undefined)?.route);
-    if (route === to) return unsynced?.done ?? Promise.resolve();
+    if (sig && !route) this.#unsure.delete(sig); // acked since: a new copy is new mail
+    if (route === to) return unsynced?.done ?? this.#unsure.get(sig!) ?? Promise.resolve(); // a sig found it
     if (route) {
       const why =
         `this signed message is queued on this bus already, for another route of its recipient: a copy is not new mail, and would spend its signer's budget; nothing was queued`;
@@ -1181,7 +1186,8 @@ class Bus {
     try {
       await done;
     } catch (e) {
-      if (!(e instanceof UnsyncedError)) this.queues.remove(to, sender, size, origin); // else committed: it is held
+      if (!(e instanceof UnsyncedError)) this.queues.remove(to, sender, size, origin); // else committed: it is held,
+      else if (sig) this.#unsure.set(sig, done); // and its retry finds it, as far from the disk as it was (check)
       throw this.#unavailable(e);
     } finally {
       if (sig) this.#unsynced.delete(sig);
