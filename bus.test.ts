@@ -53,6 +53,7 @@ import {
   bob,
   busDrained,
   busOnLoopback,
+  CAN_MOUNT,
   denoPath,
   diskTest,
   eve,
@@ -738,6 +739,23 @@ describe("bus: durability", () => {
     }
   });
 
+  test("each fdatasync that may run at once has a descriptor of its own to the WAL: Linux tells a failed writeback once per open file, so two sharing one could answer a commit whose pages failed", async () => {
+    const dir = tmpDir(), bus = await Bus.open(dir, { log: () => {} });
+    try {
+      const wal = fs.realpathSync(path.join(dir, "queue.db-wal"));
+      const open = fs.readdirSync("/proc/self/fd").filter((fd) => {
+        try {
+          return fs.readlinkSync(`/proc/self/fd/${fd}`) === wal;
+        } catch {
+          return false; // closed meanwhile
+        }
+      });
+      expect(open.length).toBeGreaterThanOrEqual(3); // SQLite's own, and one for each of the two fdatasyncs
+    } finally {
+      await bus.close();
+    }
+  });
+
   test("a send that comes while an fdatasync runs is committed at once, with an fdatasync of its own, and answered after the sends before it", async () => {
     const bus = await Bus.open(tmpDir(), { limits: { opaqueCap: 1000 } });
     try {
@@ -756,6 +774,37 @@ describe("bus: durability", () => {
       await bus.close();
     }
   });
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test(
+      `${runtime}: sends that come while close() waits for an fdatasync are committed and answered before the file closes`,
+      async () => {
+        const dir = tmpDir();
+        const code = `import { Bus } from ${JSON.stringify(pathToFileURL(path.join(REPO, "bus.ts")).href)};
+        const opts = { limits: { opaqueCap: 1000 }, log: () => {} }, bus = await Bus.open(${JSON.stringify(dir)}, opts);
+        const answer = (i) => bus.send("r", String(i)).then(() => "202", (e) => e.message);
+        const answers = [answer(0)];
+        let closed = false;
+        const closing = bus.close().then(() => void (closed = true));
+        for (let i = 1; i < 20 && !closed; i++) { // one a turn, while the fdatasyncs run
+          await new Promise((turn) => setImmediate(turn));
+          if (!closed) answers.push(answer(i));
+        }
+        await closing;
+        const answered = await Promise.all(answers), again = await Bus.open(${JSON.stringify(dir)}, opts);
+        console.log(JSON.stringify({ answered, held: again.take("r", 100).map((m) => m.payload) }));
+        await again.close();`;
+        const argv = runtime === "bun" ? [process.execPath, "-e", code] : [denoPath(), "eval", "--quiet", code];
+        const proc = spawnTracked(argv, { stdout: "pipe", stderr: "pipe" });
+        const [out] = await Promise.all([new Response(proc.stdout).text(), proc.exited]);
+        const { answered, held } = JSON.parse(out) as { answered: string[]; held: string[] };
+        expect(answered.length).toBeGreaterThan(1); // some came while it closed
+        expect(answered).toEqual(answered.map(() => "202")); // each committed and answered, none refused by the closing
+        expect(held).toEqual(answered.map((_, i) => String(i))); // and on disk
+      },
+      60_000,
+    );
+  }
 
   test("a seq given again after a power cut (its message was committed, handed out, but not yet on disk) is not acked by the lost one's key", async () => {
     const dir = tmpDir();
@@ -1398,6 +1447,56 @@ describe("durability: a 202 is never lost", () => {
 });
 
 describe("durability: a full disk", () => {
+  // A disk whose writes fail under the data (EIO, as a dying drive): ext4 on a loop device whose backing file lives on
+  // a small tmpfs, which `exhaust` fills. Root only, as smallDisk; skipped where a loop device cannot be had.
+  const failingDisk = () => {
+    const backing = smallDisk(6144), dir = tmpDir("interlink-failing-");
+    if (!backing) return null;
+    const img = path.join(backing.dir, "img"), sh = (argv: string[]) => Bun.spawnSync(argv, { stderr: "pipe" });
+    fs.closeSync(fs.openSync(img, "w"));
+    fs.truncateSync(img, 64 << 20); // sparse: its blocks take the tmpfs's room only once written
+    const loop = sh(["mkfs.ext4", "-q", "-F", img]).success ? sh(["losetup", "-f", "--show", img]) : null;
+    const device = loop?.success ? loop.stdout.toString().trim() : "";
+    if (!device || !sh(["mount", device, dir]).success) return (device && sh(["losetup", "-d", device]), null);
+    const unmount = () => void (sh(["umount", "-l", dir]), sh(["losetup", "-d", device]), backing.unmount());
+    return { dir, filler: path.join(backing.dir, "filler"), unmount };
+  };
+  const LOOP_DISK = (() => {
+    const probe = CAN_MOUNT ? failingDisk() : null;
+    probe?.unmount();
+    return probe !== null;
+  })();
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.skipIf(!LOOP_DISK)(
+      `${runtime}: a signed send whose fdatasync failed is not answered 202 when its sender tries it again`,
+      async () => {
+        const disk = failingDisk()!;
+        try {
+          const code = `import * as fs from "node:fs";
+            import { Bus } from ${JSON.stringify(pathToFileURL(path.join(REPO, "bus.ts")).href)};
+            const bus = await Bus.open(${JSON.stringify(path.join(disk.dir, "bus"))}, { log: () => {} });
+            await bus.send("r", '"before"'); // on disk
+            const fd = fs.openSync(${JSON.stringify(disk.filler)}, "w"); // the drive's writes fail from here
+            try { for (;;) fs.writeSync(fd, new Uint8Array(1 << 16)); } catch { fs.closeSync(fd); }
+            const send = () => bus.send("r", '"signed"', "sender", { sig: "sig", ts: Date.now() }).then(() => "202", (e) => e.message);
+            const first = await send(), retry = await send();
+            console.log(JSON.stringify({ first, retry }));
+            await bus.close().catch(() => {});`;
+          const argv = runtime === "bun" ? [process.execPath, "-e", code] : [denoPath(), "eval", "--quiet", code];
+          const proc = spawnTracked(argv, { stdout: "pipe", stderr: "pipe" });
+          const [out] = await Promise.all([new Response(proc.stdout).text(), proc.exited]);
+          const { first, retry } = JSON.parse(out) as { first: string; retry: string };
+          expect(first).toContain("the fdatasync of its WAL failed"); // committed, not known to be on disk: a 503
+          expect(retry).not.toBe("202"); // the copy it finds is that same one, on disk no more than before
+        } finally {
+          disk.unmount();
+        }
+      },
+      60_000,
+    );
+  }
+
   diskTest(
     "the bus answers 507 while its disk is full, never a false 202, and loses nothing accepted before",
     async () => {

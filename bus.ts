@@ -158,6 +158,8 @@ const RECV_PROOF_FRESH_MS = 5 * 60_000;
 const OWNERS_MAX = 100_000;
 /** Routes whose last verified proof is remembered, so a client's repeats skip the signature check (a minute each). */
 const PROOFS_REMEMBERED = 4096;
+/** Signed sends whose fdatasync failed, remembered so a retry is not told 202 on that copy; forgetting one costs that. */
+const UNSURE_REMEMBERED = 4096;
 /** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
 const JSON_DEPTH_MAX = 64;
 /** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
@@ -909,13 +911,17 @@ class Bus {
   readonly #log: (msg: string) => void;
   readonly #opts: BusOptions; // a copy of open's: a caller changing its object afterwards changes no limit
   readonly #sql;
-  readonly #wal: number; // queue.db-wal, for #flush's fdatasync
+  // queue.db-wal, opened once for each fdatasync that may run at once (#flush): Linux tells a failed writeback once to
+  // each open file, so with one descriptor a later commit's fdatasync could take the error an earlier one's pages made
+  readonly #wal: number[];
+  #walFree: number[]; // those no fdatasync uses now
   #waiters = new Map<string, Set<() => void>>(); // bounded: by the open long-polls
   #writes: Write[] = []; // what the next commit carries, in order: bounded by the requests waiting on it
   #flushing: Promise<void> | null = null; // the next group commit (#flush), or null while nothing waits
   #syncing: Promise<void>[] = []; // the commits whose fdatasync runs, oldest first: SYNCS_IN_FLIGHT at most
   #unreadable = new Set<number>(); // found damaged (#payload), skipped: bounded by the messages held
   #unsynced = new Map<string, { to: string; done: Promise<void> }>(); // signed sends not yet on disk, by sig: bounded
+  readonly #unsure = new BoundedMap<string, Promise<void>>(UNSURE_REMEMBERED); // by sig: their fdatasync failed (send)
   readonly #expire = () => void this.expire().catch((e) => this.#log(`cannot drop expired mail: ${e.message}`));
   readonly #expiry = setInterval(this.#expire, 3600e3); // see expire
   readonly #owners: Set<string>; // keys that proved they read their routes here, never forgotten: ownersMax (#close)
@@ -966,7 +972,9 @@ class Bus {
     const { liveCount: messages, recipientCount: recipients } = this.queues;
     const ms = Math.round(performance.now() - started);
     this.recovery = { messages, recipients, skippedLines: stored.skippedLines, ms };
-    this.#wal = fs.openSync(path.join(dataDir, "queue.db-wal"), fs.constants.O_RDWR | fs.constants.O_CREAT, 0o600);
+    const wal = path.join(dataDir, "queue.db-wal"), { O_RDWR, O_CREAT } = fs.constants;
+    this.#wal = Array.from({ length: SYNCS_IN_FLIGHT }, () => fs.openSync(wal, O_RDWR | O_CREAT, 0o600));
+    this.#walFree = [...this.#wal];
     this.#reserved = fs.existsSync(path.join(dataDir, "queue.reserve"));
     this.#disk = { ...diskOf(dataDir), at: -Infinity };
     this.#diskFree(); // makes queue.reserve if it is not there
@@ -1082,12 +1090,14 @@ class Bus {
   /**
    * Throws the refusal a message of `size` bytes would get now: a copy of a signed message (`sender`, `sig`) queued for
    * another route (409: not new mail, and it would spend its signer's budget), a byte budget, a full route (429: nothing
-   * accepted makes room, QUEUE_CAP). One queued for `to` already (a retry) is taken as it is: the promise it is on disk.
+   * accepted makes room, QUEUE_CAP). One queued for `to` already (a retry) is taken as it is: the promise it is on disk,
+   * or its failed fdatasync's 503 (what failed to reach the disk may be lost there, and no later fdatasync writes it).
    */
   check(to: string, sender: string, size: number, sig?: string, origin = ""): Promise<void> | undefined {
     const unsynced = sig ? this.#unsynced.get(sig) : undefined;
     const route = unsynced?.to ?? (sig && (this.#sql.copy.get(sig, sender) as { route: string } | undefined)?.route);
-    if (route === to) return unsynced?.done ?? Promise.resolve();
+    if (sig && !route) this.#unsure.delete(sig); // acked since: a new copy is new mail
+    if (route === to) return unsynced?.done ?? this.#unsure.get(sig!) ?? Promise.resolve(); // a sig found it
     if (route) {
       const why =
         `this signed message is queued on this bus already, for another route of its recipient: a copy is not new mail, and would spend its signer's budget; nothing was queued`;
@@ -1122,7 +1132,8 @@ class Bus {
     try {
       await done;
     } catch (e) {
-      if (!(e instanceof UnsyncedError)) this.queues.remove(to, sender, size, origin); // else committed: it is held
+      if (!(e instanceof UnsyncedError)) this.queues.remove(to, sender, size, origin); // else committed: it is held,
+      else if (sig) this.#unsure.set(sig, done); // and its retry finds it, as far from the disk as it was (check)
       throw this.#unavailable(e);
     } finally {
       if (sig) this.#unsynced.delete(sig);
@@ -1163,7 +1174,8 @@ class Bus {
     if (!batch.length) return;
     // Committed, a message is read by every recv: a parked one is woken now, as the JSONL bus did (see send).
     for (const w of batch) for (const wake of (w.send && this.#waiters.get(w.send)) || []) wake();
-    const own = new Promise<void>((ok, fail) => fs.fdatasync(this.#wal, (e) => (e ? fail(e) : ok())));
+    const fd = this.#walFree.pop()!; // one is free: fewer than SYNCS_IN_FLIGHT run
+    const own = new Promise<void>((ok, fail) => fs.fdatasync(fd, (e) => (this.#walFree.push(fd), e ? fail(e) : ok())));
     const done = Promise.allSettled([own, ...this.#syncing]).then(([synced]) => {
       this.#syncing.splice(this.#syncing.indexOf(done), 1);
       if (synced.status === "fulfilled") return void (this.commitStats.syncs++, batch.forEach((w) => w.resolve()));
@@ -1413,10 +1425,11 @@ class Bus {
   async close(): Promise<void> {
     clearInterval(this.#expiry);
     for (const set of this.#waiters.values()) for (const wake of set) wake();
-    await this.#flushing; // what waits is committed, and answered, before the file closes
-    await Promise.all(this.#syncing);
+    // What waits is committed, and answered, before the file closes: what comes during an fdatasync too (a flush of
+    // its own, which the first look did not see).
+    while (this.#flushing || this.#syncing.length) await Promise.all([this.#flushing, ...this.#syncing]);
     this.db.close();
-    fs.closeSync(this.#wal);
+    for (const fd of this.#wal) fs.closeSync(fd);
     this.lock.release();
   }
 }
