@@ -17,6 +17,7 @@
 
 import { Buffer } from "node:buffer";
 import { spawnSync } from "node:child_process";
+import { createPublicKey, type KeyObject, verify } from "node:crypto";
 import * as fs from "node:fs";
 import type * as net from "node:net";
 import * as path from "node:path";
@@ -62,6 +63,7 @@ import {
   rosterKey,
   ROUTE_FULL,
   runExtra,
+  runtimeHost,
   setAside,
   setLogComponent,
   shutdownSignal,
@@ -69,6 +71,7 @@ import {
   syncDirectory,
   timestamp,
   unregisterBytes,
+  useEd25519,
   utf8Bytes,
   verifyAnnouncement,
   verifyDetached,
@@ -675,6 +678,19 @@ function recipientParam(value: unknown, name: string): string {
   if (value.includes("\0")) throw new HttpError(400, `"${name}" must not contain NUL`);
   return value;
 }
+
+/** Ed25519 by node:crypto, which a bus under Deno plugs into the node's verification (runBus; see useEd25519 for why). */
+const NODE_ED25519 = {
+  // RFC 8410's SubjectPublicKeyInfo for an Ed25519 key, then its 32 bytes
+  key: (raw: Uint8Array) =>
+    createPublicKey({
+      key: Buffer.from(`302a300506032b6570032100${Buffer.from(raw).toString("hex")}`, "hex"),
+      format: "der",
+      type: "spki",
+    }),
+  verify: (key: unknown, sig: Uint8Array, signed: Uint8Array) =>
+    Promise.resolve(verify(null, signed, key as KeyObject, sig)),
+};
 
 /** Who signed a payload, verified, its signature (Bus.send knows a copy by it) and ts; "" for an opaque payload. */
 type Signer = { from: string; sig?: string; ts?: number };
@@ -1877,6 +1893,7 @@ async function runBus(o: Options): Promise<number> {
   const owners = int("owners", 1, 100_000_000);
   if (!["on", "off"].includes(String(o.guard))) throw new InterlinkError(`--guard must be on or off, not '${o.guard}'`);
   setLogComponent("interlink bus");
+  if (runtimeHost.Deno) useEd25519(NODE_ED25519); // under Bun, WebCrypto's keeps the event loop free
   const bus = await Bus.open(dataDir, { limits, owners });
   const server = await serveHttp(bus.handler, host, port).catch(async (e) => {
     await bus.close();
@@ -1943,7 +1960,7 @@ export const command: CommandSpec = {
 // -- the public surface: what node tests, the bench and the board import
 
 export { Bus, BusQueues, CONN_BODY_MS, CONN_IDLE_MS, errorResponse, jsonResponse, MESSAGE_OVERHEAD_BYTES };
-export { OPAQUE_CAP, RECV_BATCH_BYTES, RECV_TIMEOUT_MAX_MS, recvTimeoutMs, Roster };
+export { NODE_ED25519, OPAQUE_CAP, RECV_BATCH_BYTES, RECV_TIMEOUT_MAX_MS, recvTimeoutMs, Roster };
 export { ROSTER_PER_ADDRESS_CAP, ROUTE_OVERHEAD_BYTES, SENDER_BYTES_MAX, serveHttp, splitUrl, TOTAL_BYTES_MAX };
 export type { Listening };
 // extras/upgrade.ts: what its import of an earlier bus's queue.jsonl shares with the queue.

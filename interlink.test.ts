@@ -148,17 +148,19 @@ import {
   toolListing,
   TOOLS,
   trustTools,
+  useEd25519,
   verifyAnnouncement,
   verifyMessage,
   VERSION,
   WAIT_TIMEOUT_S,
+  WEBCRYPTO_ED25519,
   withFileLock,
   writeKeyFile,
   x25519Public,
   x25519Scalar,
   x25519Secret,
 } from "./interlink.ts";
-import { Bus, jsonResponse, type Listening, ROSTER_PER_ADDRESS_CAP, serveHttp } from "./bus.ts";
+import { Bus, jsonResponse, type Listening, NODE_ED25519, ROSTER_PER_ADDRESS_CAP, serveHttp } from "./bus.ts";
 import { McpSession } from "./dev/harness.ts";
 import { NatsRelay } from "./nats.ts";
 import { command as boardCommand } from "./extras/board.ts";
@@ -290,6 +292,27 @@ describe("signing vectors from the independent implementation", () => {
       expect(verdict).not.toBeNull();
     });
   }
+
+  test("a relay's Ed25519 under Deno (node:crypto's, plugged in by the bus) gives every vector the verdict WebCrypto's gives", async () => {
+    const verdicts = async () => {
+      const all = [...VECTORS.valid, ...VECTORS.invalid].map(async (c) => {
+        try {
+          return await verifyMessage(parseSignedMessage(c.message));
+        } catch (e) {
+          return (e as Error).message;
+        }
+      });
+      return [...await Promise.all(all), await checkAnnouncement(parseAnnouncement(VECTORS.announce[0]))];
+    };
+    const web = await verdicts();
+    try {
+      useEd25519(NODE_ED25519);
+      expect(await verdicts()).toEqual(web);
+    } finally {
+      useEd25519(WEBCRYPTO_ED25519);
+    }
+    expect(web.filter((v) => v === null).length).toBe(VECTORS.valid.length);
+  });
 
   test("announcement (0.4 layout): verifies as a legacy node and reproduces canonical_hex", async () => {
     const a = VECTORS.announce[0];
