@@ -846,7 +846,9 @@ async function jsonlImporter(dataDir: string): Promise<ImportJsonl | null> {
         `${where}, to start this bus there; nothing was changed.`,
     );
   }
-  return (await import("./extras/upgrade.ts")).importJsonl;
+  const { importJsonl } = await import("./extras/upgrade.ts");
+  const queue = { claimedSigner, expiryOf, MESSAGE_STAY_MS, RECIPIENT_MAX_CHARS }; // what it shares with the queue
+  return (db, file, log) => importJsonl(db, file, log, queue);
 }
 
 /**
@@ -1963,7 +1965,5 @@ export { Bus, BusQueues, CONN_BODY_MS, CONN_IDLE_MS, errorResponse, jsonResponse
 export { NODE_ED25519, OPAQUE_CAP, RECV_BATCH_BYTES, RECV_TIMEOUT_MAX_MS, recvTimeoutMs, Roster };
 export { ROSTER_PER_ADDRESS_CAP, ROUTE_OVERHEAD_BYTES, SENDER_BYTES_MAX, serveHttp, splitUrl, TOTAL_BYTES_MAX };
 export type { Listening };
-// extras/upgrade.ts: what its import of an earlier bus's queue.jsonl shares with the queue.
-export { claimedSigner, expiryOf, MESSAGE_STAY_MS, RECIPIENT_MAX_CHARS };
 
 if (import.meta.main) runExtra("bus", command);

@@ -47,7 +47,6 @@ import {
   utf8Bytes,
   writeFileAtomic,
 } from "../interlink.ts";
-import { claimedSigner, expiryOf, MESSAGE_STAY_MS, RECIPIENT_MAX_CHARS } from "../bus.ts";
 
 /** The session a 0.4.0 journal becomes, unless --session names another: the node's next session adopts it. */
 const UPGRADED_SESSION = "0.4.0-journal";
@@ -255,10 +254,21 @@ export const command: CommandSpec = {
 // The relay's upgrade: an earlier bus's queue.jsonl into queue.db
 // ============================================================================
 
+/**
+ * What the import shares with the bus's queue, handed over by bus.ts when it loads this file (an import of bus.ts here
+ * would load the relay, and node:sqlite, into every `upgrade` of a node's state).
+ */
+type QueueRules = {
+  claimedSigner(payload: string): { from: string; sig?: string; ts?: number };
+  expiryOf(ts: number, signed?: number): number | null;
+  MESSAGE_STAY_MS: number;
+  RECIPIENT_MAX_CHARS: number;
+};
+
 /** Why a record of the JSONL bus's queue.jsonl is not one it wrote (the line is then set aside), or "". */
-function badBusRecord(r: Record<string, unknown>): string {
+function badBusRecord(r: Record<string, unknown>, routeMax: number): string {
   const seq = (v: unknown) => Number.isSafeInteger(v) && (v as number) > 0;
-  const route = typeof r.q === "string" && r.q !== "" && r.q.length <= RECIPIENT_MAX_CHARS;
+  const route = typeof r.q === "string" && r.q !== "" && r.q.length <= routeMax;
   const valid = r.t === "m"
     ? route && seq(r.n) && typeof r.p === "string" && Number.isSafeInteger(r.ts)
     : r.t === "a" || r.t === "d"
@@ -279,7 +289,8 @@ function badBusRecord(r: Record<string, unknown>): string {
  * appended; "d") is not taken in, and its seq is never given again. A line that is not a record, and a torn last
  * line, are set aside in queue.jsonl.corrupt, as that bus did, and never stop the import. Returns how many.
  */
-export function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void): number {
+export function importJsonl(db: DatabaseSync, file: string, log: (msg: string) => void, queue: QueueRules): number {
+  const { claimedSigner, expiryOf, MESSAGE_STAY_MS, RECIPIENT_MAX_CHARS } = queue;
   if (!fs.existsSync(file)) return 0;
   const st = fs.statSync(file);
   const id = `${st.dev}:${st.ino}:${st.size}`, sql = (text: string) => db.prepare(text);
@@ -293,7 +304,7 @@ export function importJsonl(db: DatabaseSync, file: string, log: (msg: string) =
     db.exec("BEGIN IMMEDIATE");
     try {
       const { next, tornBytes } = scanJsonl(file, 0, (record, at) => {
-        const r = record as Record<string, unknown>, why = badBusRecord(r);
+        const r = record as Record<string, unknown>, why = badBusRecord(r, RECIPIENT_MAX_CHARS);
         if (why) return bad(at, why, JSON.stringify(r));
         top = Math.max(top, r.t === "h" ? (r.next as number) - 1 : (r.n as number | undefined) ?? 0);
         if (r.t === "m") {
