@@ -1448,16 +1448,19 @@ describe("durability: a 202 is never lost", () => {
 
 describe("durability: a full disk", () => {
   // A disk whose writes fail under the data (EIO, as a dying drive): ext4 on a loop device whose backing file lives on
-  // a small tmpfs, which `exhaust` fills. Root only, as smallDisk; skipped where a loop device cannot be had.
-  const failingDisk = () => {
+  // a small tmpfs, which filling `filler` fills. Root only, as smallDisk; skipped where a loop device cannot be had.
+  // With a journal, ext4 stops at the first failed write; without, its writes work again once the tmpfs has room.
+  const failingDisk = (journal = true) => {
     const backing = smallDisk(6144), dir = tmpDir("interlink-failing-");
     if (!backing) return null;
     const img = path.join(backing.dir, "img"), sh = (argv: string[]) => Bun.spawnSync(argv, { stderr: "pipe" });
     fs.closeSync(fs.openSync(img, "w"));
     fs.truncateSync(img, 64 << 20); // sparse: its blocks take the tmpfs's room only once written
-    const loop = sh(["mkfs.ext4", "-q", "-F", img]).success ? sh(["losetup", "-f", "--show", img]) : null;
+    const mkfs = ["mkfs.ext4", "-q", "-F", ...(journal ? [] : ["-O", "^has_journal"]), img];
+    const loop = sh(mkfs).success ? sh(["losetup", "-f", "--show", img]) : null;
     const device = loop?.success ? loop.stdout.toString().trim() : "";
-    if (!device || !sh(["mount", device, dir]).success) return (device && sh(["losetup", "-d", device]), null);
+    const mount = ["mount", ...(journal ? [] : ["-o", "errors=continue"]), device, dir];
+    if (!device || !sh(mount).success) return (device && sh(["losetup", "-d", device]), null);
     const unmount = () => void (sh(["umount", "-l", dir]), sh(["losetup", "-d", device]), backing.unmount());
     return { dir, filler: path.join(backing.dir, "filler"), unmount };
   };
@@ -1489,6 +1492,48 @@ describe("durability: a full disk", () => {
           const { first, retry } = JSON.parse(out) as { first: string; retry: string };
           expect(first).toContain("the fdatasync of its WAL failed"); // committed, not known to be on disk: a 503
           expect(retry).not.toBe("202"); // the copy it finds is that same one, on disk no more than before
+        } finally {
+          disk.unmount();
+        }
+      },
+      60_000,
+    );
+  }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.skipIf(!LOOP_DISK)(
+      `${runtime}: once an fdatasync of the WAL fails, the bus refuses every write until it is restarted, even once the disk writes again`,
+      async () => {
+        const disk = failingDisk(false)!, dir = path.join(disk.dir, "bus");
+        try {
+          // Payloads of 60 KB: each commit writes new blocks, which the full tmpfs under the disk fails.
+          const code = `import * as fs from "node:fs";
+            import { Bus } from ${JSON.stringify(pathToFileURL(path.join(REPO, "bus.ts")).href)};
+            const bus = await Bus.open(${JSON.stringify(dir)}, { log: () => {} });
+            await bus.send("r", '"before"'); // on disk
+            const send = (i) => bus.send("r", JSON.stringify({ i, pad: "x".repeat(60000) })).then(() => 202, (e) => e.status);
+            const fd = fs.openSync(${JSON.stringify(disk.filler)}, "w"); // the drive's writes fail from here
+            try { for (;;) fs.writeSync(fd, new Uint8Array(1 << 16)); } catch { fs.closeSync(fd); }
+            const failing = [];
+            for (let i = 0; i < 20 && !failing.includes(503); i++) failing.push(await send(i));
+            fs.rmSync(${JSON.stringify(disk.filler)}); // the drive writes again
+            const after = [];
+            for (let i = 20; i < 40; i++) after.push(await send(i));
+            const ack = await bus.ack("r", 1).then(() => 200, (e) => e.status);
+            console.log(JSON.stringify({ failing, after, ack, recv: bus.take("r", 1).length }));
+            await bus.close().catch(() => {});`;
+          const argv = runtime === "bun" ? [process.execPath, "-e", code] : [denoPath(), "eval", "--quiet", code];
+          const proc = spawnTracked(argv, { stdout: "pipe", stderr: "pipe" });
+          const [out] = await Promise.all([new Response(proc.stdout).text(), proc.exited]);
+          const { failing, after, ack, recv } = JSON.parse(out);
+          expect(failing).toContain(503); // the failure was told
+          // Later fdatasyncs succeed (each descriptor tells a failed writeback once), and SQLite's recovery would drop
+          // what they covered, behind the frames that failed: none is answered 202, no ack 200.
+          expect(after).toEqual(Array(20).fill(503));
+          expect([ack, recv]).toEqual([503, 1]); // recv still answers
+          const bus = await Bus.open(dir, { log: () => {} }); // a restart: it takes writes again
+          expect(await bus.send("r", '"again"').then(() => 202)).toBe(202);
+          await bus.close();
         } finally {
           disk.unmount();
         }

@@ -162,8 +162,6 @@ const RECV_PROOF_FRESH_MS = 5 * 60_000;
 const OWNERS_MAX = 100_000;
 /** Routes whose last verified proof is remembered, so a client's repeats skip the signature check (a minute each). */
 const PROOFS_REMEMBERED = 4096;
-/** Signed sends whose fdatasync failed, remembered so a retry is not told 202 on that copy; forgetting one costs that. */
-const UNSURE_REMEMBERED = 4096;
 /** Deepest JSON nesting a request may have: a signed message nests 2 levels, an announcement 3. */
 const JSON_DEPTH_MAX = 64;
 /** An unregister is honoured only this long after it was signed (a captured one cannot be replayed later). */
@@ -827,7 +825,11 @@ const reserveOf = (diskSize: number) => Math.min(DISK_RESERVE_BYTES, Math.floor(
 const walBytesOf = (diskSize: number) => 4096 * Math.max(1, Math.min(WAL_PAGES, Math.floor(diskSize / 64 / 4096)));
 
 /** A commit whose fdatasync of the WAL failed (Bus.#flush): what it wrote is held, though maybe not on disk. */
-class UnsyncedError extends Error {}
+class UnsyncedError extends HttpError {
+  constructor(message: string) {
+    super(503, message);
+  }
+}
 
 /** extras/upgrade.ts's import of the queue.jsonl an earlier bus left: the skipped lines it set aside. */
 type ImportJsonl = (db: DatabaseSync, file: string, log: (msg: string) => void) => number;
@@ -940,7 +942,7 @@ class Bus {
   #syncing: Promise<void>[] = []; // the commits whose fdatasync runs, oldest first: SYNCS_IN_FLIGHT at most
   #unreadable = new Set<number>(); // found damaged (#payload), skipped: bounded by the messages held
   #unsynced = new Map<string, { to: string; done: Promise<void> }>(); // signed sends not yet on disk, by sig: bounded
-  readonly #unsure = new BoundedMap<string, Promise<void>>(UNSURE_REMEMBERED); // by sig: their fdatasync failed (send)
+  #broken: HttpError | null = null; // an fdatasync of the WAL failed: every write is refused with this (#flush)
   readonly #expire = () => void this.expire().catch((e) => this.#log(`cannot drop expired mail: ${e.message}`));
   readonly #expiry = setInterval(this.#expire, 3600e3); // see expire
   readonly #owners: Set<string>; // keys that proved they read their routes here, never forgotten: ownersMax (#close)
@@ -1109,14 +1111,14 @@ class Bus {
   /**
    * Throws the refusal a message of `size` bytes would get now: a copy of a signed message (`sender`, `sig`) queued for
    * another route (409: not new mail, and it would spend its signer's budget), a byte budget, a full route (429: nothing
-   * accepted makes room, QUEUE_CAP). One queued for `to` already (a retry) is taken as it is: the promise it is on disk,
-   * or its failed fdatasync's 503 (what failed to reach the disk may be lost there, and no later fdatasync writes it).
+   * accepted makes room, QUEUE_CAP), the 503 of a bus whose disk failed (#flush). One queued for `to` already (a retry)
+   * is taken as it is: the promise it is on disk.
    */
   check(to: string, sender: string, size: number, sig?: string, origin = ""): Promise<void> | undefined {
+    if (this.#broken) throw this.#broken; // a copy it finds may be one that failed to reach the disk
     const unsynced = sig ? this.#unsynced.get(sig) : undefined;
     const route = unsynced?.to ?? (sig && (this.#sql.copy.get(sig, sender) as { route: string } | undefined)?.route);
-    if (sig && !route) this.#unsure.delete(sig); // acked since: a new copy is new mail
-    if (route === to) return unsynced?.done ?? this.#unsure.get(sig!) ?? Promise.resolve(); // a sig found it
+    if (route === to) return unsynced?.done ?? Promise.resolve(); // a sig found it
     if (route) {
       const why =
         `this signed message is queued on this bus already, for another route of its recipient: a copy is not new mail, and would spend its signer's budget; nothing was queued`;
@@ -1151,8 +1153,7 @@ class Bus {
     try {
       await done;
     } catch (e) {
-      if (!(e instanceof UnsyncedError)) this.queues.remove(to, sender, size, origin); // else committed: it is held,
-      else if (sig) this.#unsure.set(sig, done); // and its retry finds it, as far from the disk as it was (check)
+      if (!(e instanceof UnsyncedError)) this.queues.remove(to, sender, size, origin); // else committed: it is held
       throw this.#unavailable(e);
     } finally {
       if (sig) this.#unsynced.delete(sig);
@@ -1170,6 +1171,7 @@ class Bus {
 
   /** Hands `apply` to the next commit: resolves once that is on stable storage, rejects with why not. */
   #write(apply: () => void, send?: string): Promise<void> {
+    if (this.#broken) return Promise.reject(this.#broken);
     const w = { ...Promise.withResolvers<void>(), apply, send };
     this.#writes.push(w);
     this.#flushing ??= this.#flush();
@@ -1182,7 +1184,12 @@ class Bus {
    * runtime's: synchronous=FULL's fsync after each commit, shared, and off the event loop (docs/durability.md). What
    * comes while an fdatasync runs is committed at the next turn with one of its own, SYNCS_IN_FLIGHT at most, so a write
    * waits for one fdatasync rather than for the one before to end first (on a disk slow to sync, that was most of its
-   * wait). A batch is answered once its own fdatasync ended well and every one before it ended.
+   * wait). A batch is answered once its own fdatasync and every one before it ended well.
+   *
+   * An fdatasync that fails leaves the WAL with frames that may not be on disk, and SQLite's recovery drops every frame
+   * after the first bad one: from then on a later fdatasync that succeeds (Linux tells each descriptor of a failed
+   * writeback once) would answer 202 for what a restart loses. So the bus stops writing, as PostgreSQL stops on a failed
+   * fsync: every send, ack and owner is refused 503 until a restart recovers what reached the disk; recv still answers.
    */
   async #flush(): Promise<void> {
     await new Promise((turn) => setImmediate(turn)); // what else this turn hands over joins the commit
@@ -1197,9 +1204,15 @@ class Bus {
     const own = new Promise<void>((ok, fail) => fs.fdatasync(fd, (e) => (this.#walFree.push(fd), e ? fail(e) : ok())));
     const done = Promise.allSettled([own, ...this.#syncing]).then(([synced]) => {
       this.#syncing.splice(this.#syncing.indexOf(done), 1);
-      if (synced.status === "fulfilled") return void (this.commitStats.syncs++, batch.forEach((w) => w.resolve()));
-      const e = new UnsyncedError(`the fdatasync of its WAL failed: ${(synced.reason as Error).message}`);
-      for (const w of batch) w.reject(e);
+      if (synced.status === "rejected" && !this.#broken) {
+        const at = new Date().toISOString(), why = (synced.reason as Error).message;
+        const lost = `what was written since may not be on disk; the bus takes no write until it is restarted`;
+        this.#broken = new HttpError(503, `the fdatasync of its WAL failed at ${at} (${why}): ${lost}`);
+        this.#log(`${this.#broken.message} (recv still answers): check the disk (dmesg), then restart the bus`);
+      }
+      if (this.#broken) return void batch.forEach((w) => w.reject(new UnsyncedError(this.#broken!.message)));
+      this.commitStats.syncs++;
+      batch.forEach((w) => w.resolve());
     });
     this.#syncing.push(done);
   }
@@ -1211,7 +1224,8 @@ class Bus {
    */
   #commit(): Write[] {
     let batch = this.#writes.splice(0);
-    if (!batch.length) return batch;
+    if (this.#broken) batch.forEach((w) => w.reject(this.#broken)); // handed over before it broke
+    if (!batch.length || this.#broken) return [];
     let failed = this.#transact(batch);
     if (failed !== undefined) {
       for (const w of batch) if (w.send) w.reject(failed);
@@ -1329,6 +1343,7 @@ class Bus {
         if (this.#owners.size === this.ownersMax) this.#log(full);
         return;
       } catch (e) {
+        if (this.#broken) throw this.#broken; // a failed disk: refused until a restart, not closed for good
         why = `it has no room to record one more key that proved its routes (${(e as Error).message})`;
       }
     }
