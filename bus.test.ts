@@ -3278,6 +3278,7 @@ describe("hostile clients: bodies and connections", () => {
         };
         const ask = (socket: net.Socket) =>
           new Promise<string>((resolve) => {
+            if (socket.destroyed) return resolve(""); // closed unanswered already
             socket.once("data", (d) => resolve(d.toString().slice(9, 12))).once("close", () => resolve(""));
             socket.write(`GET /roster HTTP/1.1\r\nHost: x\r\n\r\n`);
           });
@@ -3307,6 +3308,11 @@ describe("hostile clients: bodies and connections", () => {
           expect((await newcomer.json()).error).toContain(`holds the ${allows[1]} connections (about ${allows[2]}`);
           expect(await ask(session)).toBe("200"); // the sessions it holds are served on
           await child.waitFor(/newcomers are told 503/); // and it says so
+          // A newcomer whose request comes late (or a bus that stalls and reads it late) is told 503 all the same.
+          const slow = await connect();
+          sockets.push(slow);
+          await new Promise((r) => setTimeout(r, 1_500));
+          expect(await ask(slow)).toBe("503");
         } finally {
           for (const s of sockets) s.destroy();
           await stop(child);

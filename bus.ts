@@ -1863,9 +1863,13 @@ async function serveHttp(handler: FetchHandler, hostname: string, port: number):
       logWarn(`holding the ${sessions} its file-descriptor limit allows: newcomers are told 503 (once a minute)`);
     }
     turning++;
-    const late = setTimeout(() => socket.destroy(), 1000); // a request not sent within a second gets no answer
-    socket.on("error", () => {}).once("close", () => (turning--, clearTimeout(late)));
-    socket.once("data", () => socket.end(closingAnswer(503, mine ? yours : busy)));
+    // Told at its request, or a second after it came without one: a bus that stalled reads it late, and the 503 answers
+    // what it sends meanwhile (it went unanswered, a second being short on a loaded machine). Closed a second later.
+    let said = false;
+    const say = () => void (said || (said = true, socket.end(closingAnswer(503, mine ? yours : busy))));
+    const late = setTimeout(say, 1000), gone = setTimeout(() => socket.destroy(), 2000);
+    socket.on("error", () => {}).once("close", () => (turning--, clearTimeout(late), clearTimeout(gone)));
+    socket.once("data", say);
   });
   server.on("error", (e) => logWarn(`the HTTP server: ${(e as Error).message}`));
   await new Promise<void>((resolve, reject) => (server.once("error", reject), server.listen(port, hostname, resolve)));
