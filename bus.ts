@@ -872,6 +872,9 @@ function openQueue(dataDir: string, log: (msg: string) => void, importJsonl: Imp
     db.exec(`BEGIN; ${[QUEUE_SCHEMA, QUEUE_SCHEMA_2, QUEUE_SCHEMA_3].slice(user_version).join(" ")} COMMIT;`); // from its version on
     const skippedLines = importJsonl?.(db, path.join(dataDir, "queue.jsonl"), log) ?? 0;
     syncDirectory(dataDir); // queue.db and its WAL made, queue.jsonl renamed: for good
+    // The WAL as read now may hold frames that never reached the drive (a failed writeback leaves its pages clean in the
+    // cache): copied into queue.db, synced, and the WAL emptied, before a commit goes behind them (Bus.#flush).
+    db.exec("PRAGMA wal_checkpoint(TRUNCATE)");
     db.exec("PRAGMA synchronous = NORMAL"); // from here a commit's fsync is Bus.#flush's, off the event loop
     const sql = (text: string) => db!.prepare(text), one = (text: string) => sql(text).get() ?? {};
     const counts =
