@@ -1591,6 +1591,44 @@ describe("durability: a full disk", () => {
     );
   }
 
+  test.skipIf(!LOOP_DISK)(
+    "a key that first proves its routes after an fdatasync failed reads them, and nobody else does: the bus neither records it nor closes",
+    async () => {
+      const disk = failingDisk(false)!, logged: string[] = [];
+      const bus = await Bus.open(path.join(disk.dir, "bus"), { log: (m) => logged.push(m) });
+      try {
+        const route = `${bob.publicKey}#inbox`,
+          recv = async (proof = "") => {
+            const url = `http://bus/recv?me=${encodeURIComponent(route)}&timeout_ms=0${proof && `&proof=${proof}`}`;
+            const r = await bus.handler(new Request(url));
+            return [r.status, r.status === 200 ? (await r.json() as unknown[]).length : (await r.body?.cancel(), 0)];
+          };
+        const proof = async (ts = bus.now()) => `${ts}.${await bob.sign(recvProofBytes(route, ts))}`;
+        await bus.send(route, '{"for":"bob only"}'); // on disk
+        const fd = fs.openSync(disk.filler, "w"); // the drive's writes fail from here
+        try {
+          for (;;) fs.writeSync(fd, new Uint8Array(1 << 16));
+        } catch {
+          fs.closeSync(fd);
+        }
+        const failing: number[] = [];
+        for (let i = 0; i < 20 && !failing.includes(503); i++) {
+          failing.push(
+            await bus.send("r", JSON.stringify({ i, pad: "x".repeat(60000) })).then(() => 202, (e) => e.status),
+          );
+        }
+        expect(failing).toContain(503);
+        expect((await recv(await proof()))[0]).toBe(200); // recv still answers, its owner too
+        expect(await recv()).toEqual([403, 0]); // the key proved: its mail is its own from now on
+        expect(bus.closedSince).toBeNull(); // a failed drive closes no route for good
+      } finally {
+        await bus.close().catch(() => {});
+        disk.unmount();
+      }
+    },
+    60_000,
+  );
+
   diskTest(
     "the bus answers 507 while its disk is full, never a false 202, and loses nothing accepted before",
     async () => {
