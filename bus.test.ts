@@ -1462,7 +1462,9 @@ describe("durability: a full disk", () => {
     const mount = ["mount", ...(journal ? [] : ["-o", "errors=continue"]), device, dir];
     if (!device || !sh(mount).success) return (device && sh(["losetup", "-d", device]), null);
     const unmount = () => void (sh(["umount", "-l", dir]), sh(["losetup", "-d", device]), backing.unmount());
-    return { dir, filler: path.join(backing.dir, "filler"), unmount };
+    // A power cut, as the files see it: the page cache goes, and what the drive holds is read again.
+    const remount = () => expect([sh(["umount", dir]).success, sh(mount).success]).toEqual([true, true]);
+    return { dir, filler: path.join(backing.dir, "filler"), unmount, remount };
   };
   const LOOP_DISK = (() => {
     const probe = CAN_MOUNT ? failingDisk() : null;
@@ -1541,6 +1543,91 @@ describe("durability: a full disk", () => {
       60_000,
     );
   }
+
+  for (const runtime of ["bun", "deno"] as const) {
+    test.skipIf(!LOOP_DISK)(
+      `${runtime}: a bus restarted after a failed fdatasync loses no 202 it answers to a power cut, though the page cache still held the frames that never reached the drive`,
+      async () => {
+        const disk = failingDisk(false)!, dir = path.join(disk.dir, "bus");
+        const run = async (code: string) => {
+          const argv = runtime === "bun" ? [process.execPath, "-e", code] : [denoPath(), "eval", "--quiet", code];
+          const proc = spawnTracked(argv, { stdout: "pipe", stderr: "pipe" });
+          return (await Promise.all([new Response(proc.stdout).text(), proc.exited]))[0];
+        };
+        const head = `import * as fs from "node:fs";
+          import { Bus } from ${JSON.stringify(pathToFileURL(path.join(REPO, "bus.ts")).href)};
+          const bus = await Bus.open(${JSON.stringify(dir)}, { log: () => {} });
+          const send = (i) => bus.send("r", JSON.stringify({ i, pad: "x".repeat(60000) })).then(() => 202, (e) => e.status);`;
+        try {
+          // The first bus meets the failing drive and stops writing; the drive writes again before it is closed.
+          const broken = await run(`${head}
+            await bus.send("r", '"before"');
+            const fd = fs.openSync(${JSON.stringify(disk.filler)}, "w");
+            try { for (;;) fs.writeSync(fd, new Uint8Array(1 << 16)); } catch { fs.closeSync(fd); }
+            const failing = [];
+            for (let i = 0; i < 20 && !failing.includes(503); i++) failing.push(await send(i));
+            fs.rmSync(${JSON.stringify(disk.filler)});
+            console.log(JSON.stringify(failing));
+            await bus.close().catch(() => {});`);
+          expect(JSON.parse(broken)).toContain(503);
+          // Restarted, it answers 202 to five sends, and the machine loses its power before any checkpoint.
+          const restarted = await run(`${head}
+            const answers = [];
+            for (let i = 100; i < 105; i++) answers.push(await send(i));
+            console.log(JSON.stringify(answers));
+            process.kill(process.pid, "SIGKILL");`);
+          expect(JSON.parse(restarted)).toEqual(Array(5).fill(202));
+          disk.remount();
+          const bus = await Bus.open(dir, { log: () => {} });
+          const held: unknown[] = [];
+          for (const m of bus.take("r", 100)) held.push((JSON.parse(m.payload) as { i?: number }).i ?? m.payload);
+          await bus.close();
+          expect(held.filter((i) => typeof i === "number" && i >= 100)).toEqual([100, 101, 102, 103, 104]);
+        } finally {
+          disk.unmount();
+        }
+      },
+      60_000,
+    );
+  }
+
+  test.skipIf(!LOOP_DISK)(
+    "a key that first proves its routes after an fdatasync failed reads them, and nobody else does: the bus neither records it nor closes",
+    async () => {
+      const disk = failingDisk(false)!, logged: string[] = [];
+      const bus = await Bus.open(path.join(disk.dir, "bus"), { log: (m) => logged.push(m) });
+      try {
+        const route = `${bob.publicKey}#inbox`,
+          recv = async (proof = "") => {
+            const url = `http://bus/recv?me=${encodeURIComponent(route)}&timeout_ms=0${proof && `&proof=${proof}`}`;
+            const r = await bus.handler(new Request(url));
+            return [r.status, r.status === 200 ? (await r.json() as unknown[]).length : (await r.body?.cancel(), 0)];
+          };
+        const proof = async (ts = bus.now()) => `${ts}.${await bob.sign(recvProofBytes(route, ts))}`;
+        await bus.send(route, '{"for":"bob only"}'); // on disk
+        const fd = fs.openSync(disk.filler, "w"); // the drive's writes fail from here
+        try {
+          for (;;) fs.writeSync(fd, new Uint8Array(1 << 16));
+        } catch {
+          fs.closeSync(fd);
+        }
+        const failing: number[] = [];
+        for (let i = 0; i < 20 && !failing.includes(503); i++) {
+          failing.push(
+            await bus.send("r", JSON.stringify({ i, pad: "x".repeat(60000) })).then(() => 202, (e) => e.status),
+          );
+        }
+        expect(failing).toContain(503);
+        expect((await recv(await proof()))[0]).toBe(200); // recv still answers, its owner too
+        expect(await recv()).toEqual([403, 0]); // the key proved: its mail is its own from now on
+        expect(bus.closedSince).toBeNull(); // a failed drive closes no route for good
+      } finally {
+        await bus.close().catch(() => {});
+        disk.unmount();
+      }
+    },
+    60_000,
+  );
 
   diskTest(
     "the bus answers 507 while its disk is full, never a false 202, and loses nothing accepted before",

@@ -872,6 +872,9 @@ function openQueue(dataDir: string, log: (msg: string) => void, importJsonl: Imp
     db.exec(`BEGIN; ${[QUEUE_SCHEMA, QUEUE_SCHEMA_2, QUEUE_SCHEMA_3].slice(user_version).join(" ")} COMMIT;`); // from its version on
     const skippedLines = importJsonl?.(db, path.join(dataDir, "queue.jsonl"), log) ?? 0;
     syncDirectory(dataDir); // queue.db and its WAL made, queue.jsonl renamed: for good
+    // The WAL as read now may hold frames that never reached the drive (a failed writeback leaves its pages clean in the
+    // cache): copied into queue.db, synced, and the WAL emptied, before a commit goes behind them (Bus.#flush).
+    db.exec("PRAGMA wal_checkpoint(TRUNCATE)");
     db.exec("PRAGMA synchronous = NORMAL"); // from here a commit's fsync is Bus.#flush's, off the event loop
     const sql = (text: string) => db!.prepare(text), one = (text: string) => sql(text).get() ?? {};
     const counts =
@@ -1189,7 +1192,7 @@ class Bus {
    * An fdatasync that fails leaves the WAL with frames that may not be on disk, and SQLite's recovery drops every frame
    * after the first bad one: from then on a later fdatasync that succeeds (Linux tells each descriptor of a failed
    * writeback once) would answer 202 for what a restart loses. So the bus stops writing, as PostgreSQL stops on a failed
-   * fsync: every send, ack and owner is refused 503 until a restart recovers what reached the disk; recv still answers.
+   * fsync: every send and ack is refused 503 until a restart (#own keeps a new owner in memory); recv still answers.
    */
   async #flush(): Promise<void> {
     await new Promise((turn) => setImmediate(turn)); // what else this turn hands over joins the commit
@@ -1333,17 +1336,17 @@ class Bus {
     let why = `it protects the routes of ${this.ownersMax} keys, the most it keeps (--owners), and never forgets one`;
     if (this.#owners.size < this.ownersMax) {
       try {
-        this.#ensureDisk(OWNER_ROW_BYTES);
+        // A failed drive (#flush) records no owner: the key is one in memory, until a restart records it at its next proof.
+        if (!this.#broken) this.#ensureDisk(OWNER_ROW_BYTES);
         this.#owners.add(key); // at once: an unproven recv meanwhile is refused
         this.queues.ownerChanged(key);
         const undo = (e: unknown) => (this.#owners.delete(key), this.queues.ownerChanged(key), Promise.reject(e));
-        await this.#write(() => this.#sql.owner.run(key)).catch(undo);
+        if (!this.#broken) await this.#write(() => this.#sql.owner.run(key)).catch((e) => this.#broken || undo(e));
         const full =
           `this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): the next new key closes it`;
         if (this.#owners.size === this.ownersMax) this.#log(full);
         return;
       } catch (e) {
-        if (this.#broken) throw this.#broken; // a failed disk: refused until a restart, not closed for good
         why = `it has no room to record one more key that proved its routes (${(e as Error).message})`;
       }
     }
