@@ -1629,6 +1629,37 @@ describe("durability: a full disk", () => {
     60_000,
   );
 
+  for (const runtime of ["bun", "deno"] as const) {
+    test.skipIf(!LOOP_DISK)(
+      `${runtime}: a bus started on a disk that still fails says so in words and what to do, not with a stack`,
+      async () => {
+        const disk = failingDisk(false)!, dir = path.join(disk.dir, "bus");
+        try {
+          const code = `import * as fs from "node:fs";
+            import { Bus } from ${JSON.stringify(pathToFileURL(path.join(REPO, "bus.ts")).href)};
+            const bus = await Bus.open(${JSON.stringify(dir)}, { log: () => {} });
+            const fd = fs.openSync(${JSON.stringify(disk.filler)}, "w"); // the drive's writes fail from here on
+            try { for (;;) fs.writeSync(fd, new Uint8Array(1 << 16)); } catch { fs.closeSync(fd); }
+            for (let i = 0; i < 20; i++) await bus.send("r", JSON.stringify("x".repeat(60000))).catch(() => {});
+            process.kill(process.pid, "SIGKILL"); // its WAL left for the next start, on the failing drive`;
+          const argv = runtime === "bun" ? [process.execPath, "-e", code] : [denoPath(), "eval", "--quiet", code];
+          await spawnTracked(argv, { stdout: "ignore", stderr: "ignore" }).exited;
+          const child = spawnChild([...runtimeArgv(runtime), "bus", "--port", "0", "--data", dir]);
+          expect(await child.proc.exited).toBe(1);
+          const said = child.stderr.join("\n");
+          expect(said).toContain(
+            `the bus's queue database ${path.join(dir, "queue.db")} cannot be used (disk I/O error)`,
+          );
+          expect(said).toContain("took nothing out of it");
+          expect(said).not.toContain("at openQueue"); // no stack
+        } finally {
+          disk.unmount();
+        }
+      },
+      60_000,
+    );
+  }
+
   diskTest(
     "the bus answers 507 while its disk is full, never a false 202, and loses nothing accepted before",
     async () => {

@@ -889,7 +889,7 @@ function openQueue(dataDir: string, log: (msg: string) => void, importJsonl: Imp
     };
   } catch (e) {
     db?.close();
-    if (!sqliteDamaged(e) && !/later bus/.test((e as Error).message)) throw e;
+    if (!sqliteDamaged(e) && !/later bus|I\/O error/.test((e as Error).message)) throw e; // a disk that fails: said
     throw new InterlinkError(
       `the bus's queue database ${file} cannot be used (${(e as Error).message}); the bus took nothing out of it. ` +
         `Keep it and its -wal file: \`sqlite3 ${file} .recover\` prints what can still be read, as SQL. To serve ` +
