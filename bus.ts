@@ -1341,7 +1341,7 @@ class Bus {
         this.#owners.add(key); // at once: an unproven recv meanwhile is refused
         this.queues.ownerChanged(key);
         const undo = (e: unknown) => (this.#owners.delete(key), this.queues.ownerChanged(key), Promise.reject(e));
-        if (!this.#broken) await this.#write(() => this.#sql.owner.run(key)).catch((e) => this.#broken || undo(e));
+        await this.#write(() => this.#sql.owner.run(key)).catch((e) => this.#broken || undo(e)); // broken: kept
         const full =
           `this bus now protects ${this.ownersMax} keys, the most it keeps (--owners): the next new key closes it`;
         if (this.#owners.size === this.ownersMax) this.#log(full);
